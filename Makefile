@@ -1,0 +1,145 @@
+# moe.c — build, train, test, docs, bench.
+#
+#   make            build the library and programs (CPU; CUDA/MPI parts when found)
+#   make train      train the default MoE on tinyshakespeare (CPU or GPU)
+#   make test       unit + gradient-check tests, docs with warnings as errors,
+#                   and the unit tests again under AddressSanitizer/UBSan
+#   make docs       API docs with Doxygen (warnings are errors)
+#   make bench      benchmarks
+#   make clean
+#
+# Variables: MARCH (default native), OMP (1/0), TRAIN_FLAGS (extra flags for make train).
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := all
+
+CC      ?= cc
+MARCH   ?= native
+OMP     ?= 1
+BUILD   ?= build
+
+# ---------------------------------------------------------------- detection
+NVCC    := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(NVCC)),/usr/local/cuda)
+NCCL_H  := $(firstword $(wildcard /usr/include/nccl.h $(CUDA_HOME)/include/nccl.h))
+MPICC   := $(shell command -v mpicc 2>/dev/null)
+HAVE_CHECK := $(shell pkg-config --exists check 2>/dev/null && echo yes)
+DOXYGEN := $(shell command -v doxygen 2>/dev/null)
+
+found = $(if $(1),found $(1),not found)
+define REPORT
+moe.c build configuration
+  cc       : $(shell $(CC) --version 2>/dev/null | head -n1)
+  openmp   : $(if $(filter 1,$(OMP)),on,off)
+  nvcc     : $(call found,$(NVCC))  (CUDA kernels arrive with chapter 01's CUDA issue)
+  nccl     : $(call found,$(NCCL_H))
+  mpi      : $(call found,$(MPICC))  (used from chapter 02)
+  check    : $(if $(HAVE_CHECK),found,not found -- make test needs it: apt-get install check libsubunit-dev)
+  doxygen  : $(call found,$(DOXYGEN))
+endef
+export REPORT
+
+# ---------------------------------------------------------------- flags
+WARN    := -Wall -Wextra -Wshadow -Wno-unused-parameter
+CSTD    := -std=c11 -D_DEFAULT_SOURCE -D_POSIX_C_SOURCE=200809L
+OPENMP  := $(if $(filter 1,$(OMP)),-fopenmp,)
+CFLAGS  ?= -O3
+ALL_CFLAGS = $(CSTD) $(WARN) $(CFLAGS) -march=$(MARCH) $(OPENMP) -Ilib -MMD -MP
+LDLIBS  := $(OPENMP) -lm
+CHECK_LIBS := $(shell pkg-config --libs check 2>/dev/null)
+
+# ---------------------------------------------------------------- sources
+LIB_SRC  := $(wildcard lib/*.c lib/cpu/*.c)
+PROG_SRC := $(wildcard programs/*.c)
+UNIT_SRC := $(wildcard tests/test_*.c) tests/main_unit.c tests/helpers.c
+FD_SRC   := $(wildcard tests/fd_*.c) tests/fd.c tests/main_fd.c tests/helpers.c
+
+LIB      := $(BUILD)/libmoe.a
+LIB_F64  := $(BUILD)/f64/libmoe.a
+PROGRAMS := $(patsubst programs/%.c,bin/%,$(PROG_SRC))
+
+obj = $(patsubst %.c,$(BUILD)/$(2)%.o,$(1))
+
+# ---------------------------------------------------------------- targets
+.PHONY: all config train test test-unit test-fd test-asan docs bench clean
+
+all: config $(LIB) $(PROGRAMS)
+
+config:
+	@echo "$$REPORT"
+
+$(BUILD)/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) -c $< -o $@
+
+# The same library sources compiled with moe_real = double, for the
+# finite-difference gradient checks (see lib/real.h).
+$(BUILD)/f64/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) -DMOE_REAL_DOUBLE -c $< -o $@
+
+$(LIB): $(call obj,$(LIB_SRC),)
+	@mkdir -p $(dir $@)
+	ar rcs $@ $^
+
+$(LIB_F64): $(call obj,$(LIB_SRC),f64/)
+	@mkdir -p $(dir $@)
+	ar rcs $@ $^
+
+bin/%: $(BUILD)/programs/%.o $(LIB)
+	@mkdir -p bin
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
+
+# ---- main job
+TRAIN_FLAGS ?=
+train: all
+	./bin/moe-train $(TRAIN_FLAGS)
+
+# ---- tests
+check-deps:
+	@if [ -z "$(HAVE_CHECK)" ]; then \
+	  echo "make test needs the Check unit-test library. Install it with:"; \
+	  echo "  sudo apt-get install check libsubunit-dev pkg-config doxygen"; exit 1; fi
+
+$(BUILD)/tests/unit: $(call obj,$(UNIT_SRC),) $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(CHECK_LIBS) $(LDLIBS)
+
+$(BUILD)/tests/fd: $(call obj,$(FD_SRC),f64/) $(LIB_F64)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) -DMOE_REAL_DOUBLE $^ -o $@ $(CHECK_LIBS) $(LDLIBS)
+
+test-unit: check-deps $(BUILD)/tests/unit
+	@echo "== unit tests (fp32 CPU)"
+	$(BUILD)/tests/unit
+
+test-fd: check-deps $(BUILD)/tests/fd
+	@echo "== finite-difference gradient checks (fp64 CPU)"
+	$(BUILD)/tests/fd
+
+# The unit tests once more, built with AddressSanitizer + UBSan: any leak or
+# undefined behaviour fails the run.
+test-asan: check-deps
+	@echo "== unit tests under -fsanitize=address,undefined"
+	$(MAKE) --no-print-directory BUILD=$(BUILD)/asan CFLAGS="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all" \
+	  LDLIBS="$(LDLIBS) -fsanitize=address,undefined" $(BUILD)/asan/tests/unit
+	MOE_TEST_QUICK=1 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  CK_FORK=no $(BUILD)/asan/tests/unit
+
+test: config all test-unit test-fd docs test-asan
+	@echo "== all tests passed"
+
+# ---- docs
+docs:
+	@if [ -z "$(DOXYGEN)" ]; then echo "make docs needs Doxygen: sudo apt-get install doxygen"; exit 1; fi
+	@mkdir -p $(BUILD)/docs
+	doxygen docs/Doxyfile
+
+# ---- benchmarks
+bench: all
+	./bin/moe-bench
+
+clean:
+	rm -rf $(BUILD) bin
+
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

@@ -1,0 +1,335 @@
+/* moe.c's flags, defaults and validation: see config.h. */
+#include "config.h"
+
+#include <ctype.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define F(name, type, field, def, help, choices, group) \
+    { name, type, offsetof(moe_config, field), def, help, choices, group }
+
+static const char G_MODEL[] = "model";
+static const char G_MOE[] = "mixture of experts";
+static const char G_TRAIN[] = "training";
+static const char G_DATA[] = "data, logging and output";
+
+/* The single source of truth for every flag: name, type, field, default, meaning. */
+static const moe_flag g_flags[] = {
+    F("num-layers", MOE_FLAG_INT, num_layers, "4", "transformer layers", NULL, G_MODEL),
+    F("hidden-size", MOE_FLAG_INT, hidden_size, "128", "model width H", NULL, G_MODEL),
+    F("num-attention-heads", MOE_FLAG_INT, num_attention_heads, "4", "query heads", NULL, G_MODEL),
+    F("num-query-groups", MOE_FLAG_INT, num_query_groups, "2",
+      "key/value heads for grouped-query attention (0 = one per query head)", NULL, G_MODEL),
+    F("ffn-hidden-size", MOE_FLAG_INT, ffn_hidden_size, "512",
+      "SwiGLU width of dense (non-MoE) FFN layers", NULL, G_MODEL),
+    F("seq-length", MOE_FLAG_INT, seq_length, "128", "tokens per sequence", NULL, G_MODEL),
+    F("rotary-base", MOE_FLAG_DOUBLE, rotary_base, "10000", "RoPE base frequency", NULL, G_MODEL),
+    F("norm-epsilon", MOE_FLAG_DOUBLE, norm_epsilon, "1e-5", "RMSNorm epsilon", NULL, G_MODEL),
+    F("qk-layernorm", MOE_FLAG_BOOL, qk_layernorm, "0",
+      "RMSNorm on each query and key head before RoPE (Qwen3)", NULL, G_MODEL),
+    F("init-method-std", MOE_FLAG_DOUBLE, init_method_std, "0.02",
+      "std of the normal weight init (output projections use std/sqrt(2*layers))", NULL, G_MODEL),
+
+    F("num-experts", MOE_FLAG_INT, num_experts, "8", "routed experts per MoE layer (0 = dense model)",
+      NULL, G_MOE),
+    F("moe-ffn-hidden-size", MOE_FLAG_INT, moe_ffn_hidden_size, "256", "SwiGLU width of each expert",
+      NULL, G_MOE),
+    F("moe-router-topk", MOE_FLAG_INT, moe_router_topk, "2", "experts per token (k)", NULL, G_MOE),
+    F("moe-router-score-function", MOE_FLAG_CHOICE, moe_router_score_function, "softmax",
+      "router score function", "softmax|sigmoid", G_MOE),
+    F("moe-router-pre-softmax", MOE_FLAG_BOOL, moe_router_pre_softmax, "0",
+      "softmax over all experts before top-k (no renormalisation)", NULL, G_MOE),
+    F("moe-router-num-groups", MOE_FLAG_INT, moe_router_num_groups, "0",
+      "expert groups for group-limited routing (0 = off)", NULL, G_MOE),
+    F("moe-router-group-topk", MOE_FLAG_INT, moe_router_group_topk, "0",
+      "groups each token may route to (with --moe-router-num-groups)", NULL, G_MOE),
+    F("moe-router-topk-scaling-factor", MOE_FLAG_DOUBLE, moe_router_topk_scaling_factor, "0",
+      "multiply the final routing weights by this (0 = off)", NULL, G_MOE),
+    F("moe-router-load-balancing-type", MOE_FLAG_CHOICE, moe_router_load_balancing_type, "aux_loss",
+      "auxiliary load-balancing loss", "aux_loss|seq_aux_loss|none", G_MOE),
+    F("moe-aux-loss-coeff", MOE_FLAG_DOUBLE, moe_aux_loss_coeff, "0.01",
+      "coefficient of the load-balancing loss (equals the loss at perfect balance)", NULL, G_MOE),
+    F("moe-z-loss-coeff", MOE_FLAG_DOUBLE, moe_z_loss_coeff, "0.001",
+      "coefficient of the router z-loss mean(logsumexp(logits)^2) (0 = off)", NULL, G_MOE),
+    F("moe-router-enable-expert-bias", MOE_FLAG_BOOL, moe_router_enable_expert_bias, "0",
+      "aux-loss-free balancing: per-expert selection bias (sigmoid router)", NULL, G_MOE),
+    F("moe-router-bias-update-rate", MOE_FLAG_DOUBLE, moe_router_bias_update_rate, "1e-3",
+      "expert-bias step: b += rate*sign(mean_count - count), once per global batch", NULL, G_MOE),
+    F("moe-shared-expert-intermediate-size", MOE_FLAG_INT, moe_shared_expert_intermediate_size, "0",
+      "SwiGLU width of a shared expert every token uses (0 = none)", NULL, G_MOE),
+    F("moe-layer-freq", MOE_FLAG_STRING, moe_layer_freq, "1",
+      "which layers are MoE: N = every Nth layer, or a 0/1 list such as 0,1,1,1 (dense first)",
+      NULL, G_MOE),
+
+    F("micro-batch-size", MOE_FLAG_INT, micro_batch_size, "16", "sequences per forward/backward",
+      NULL, G_TRAIN),
+    F("global-batch-size", MOE_FLAG_INT, global_batch_size, "16",
+      "sequences per optimizer step (gradient accumulation = global/micro)", NULL, G_TRAIN),
+    F("train-iters", MOE_FLAG_INT, train_iters, "1500", "optimizer steps", NULL, G_TRAIN),
+    F("lr", MOE_FLAG_DOUBLE, lr, "2e-3", "peak learning rate", NULL, G_TRAIN),
+    F("min-lr", MOE_FLAG_DOUBLE, min_lr, "1e-4", "learning rate at the end of the decay", NULL,
+      G_TRAIN),
+    F("lr-warmup-iters", MOE_FLAG_INT, lr_warmup_iters, "100", "linear warmup steps", NULL, G_TRAIN),
+    F("lr-decay-iters", MOE_FLAG_INT, lr_decay_iters, "0",
+      "steps over which the rate decays to --min-lr (0 = --train-iters)", NULL, G_TRAIN),
+    F("lr-decay-style", MOE_FLAG_CHOICE, lr_decay_style, "cosine", "decay after warmup",
+      "cosine|linear|constant", G_TRAIN),
+    F("weight-decay", MOE_FLAG_DOUBLE, weight_decay, "0.1",
+      "AdamW decoupled weight decay (matrices only; norms are not decayed)", NULL, G_TRAIN),
+    F("adam-beta1", MOE_FLAG_DOUBLE, adam_beta1, "0.9", "AdamW beta1", NULL, G_TRAIN),
+    F("adam-beta2", MOE_FLAG_DOUBLE, adam_beta2, "0.99", "AdamW beta2", NULL, G_TRAIN),
+    F("adam-eps", MOE_FLAG_DOUBLE, adam_eps, "1e-8", "AdamW epsilon", NULL, G_TRAIN),
+    F("clip-grad", MOE_FLAG_DOUBLE, clip_grad, "1.0", "clip the global gradient norm (0 = off)",
+      NULL, G_TRAIN),
+    F("seed", MOE_FLAG_INT64, seed, "1337", "seed of weights, batches and sampling", NULL, G_TRAIN),
+
+    F("data-path", MOE_FLAG_STRING, data_path, "",
+      "training text (default: $MOE_DATA_PATH, data/, ../shared/data/, then download)", NULL,
+      G_DATA),
+    F("tokenizer-type", MOE_FLAG_CHOICE, tokenizer_type, "char",
+      "char = distinct characters of the text, byte = all 256 bytes", "char|byte", G_DATA),
+    F("log-interval", MOE_FLAG_INT, log_interval, "25", "print a training line every N steps", NULL,
+      G_DATA),
+    F("eval-interval", MOE_FLAG_INT, eval_interval, "250",
+      "evaluate validation loss every N steps (and at the end; 0 = only at the end)", NULL, G_DATA),
+    F("eval-iters", MOE_FLAG_INT, eval_iters, "20", "validation batches per evaluation", NULL,
+      G_DATA),
+    F("metrics-file", MOE_FLAG_STRING, metrics_file, "",
+      "write JSON-lines metrics here (one object per line)", NULL, G_DATA),
+    F("sample-length", MOE_FLAG_INT, sample_length, "300",
+      "characters of text generated at the end (0 = none)", NULL, G_DATA),
+    F("sample-temperature", MOE_FLAG_DOUBLE, sample_temperature, "0.8",
+      "sampling temperature for the text sample", NULL, G_DATA),
+    F("device", MOE_FLAG_CHOICE, device, "auto",
+      "backend: auto = cuda when built with CUDA and a GPU is present, else cpu", "auto|cpu|cuda",
+      G_DATA),
+};
+
+const moe_flag *moe_config_flags(int *n) {
+    *n = (int)(sizeof g_flags / sizeof g_flags[0]);
+    return g_flags;
+}
+
+void moe_config_defaults(moe_config *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    int n;
+    const moe_flag *f = moe_config_flags(&n);
+    moe_flags_set_defaults(f, n, cfg);
+}
+
+moe_status moe_config_parse(moe_config *cfg, int argc, char **argv, moe_error *err) {
+    int n;
+    const moe_flag *f = moe_config_flags(&n);
+    return moe_flags_parse(f, n, cfg, argc, argv, err);
+}
+
+void moe_config_print_help(FILE *f, const char *prog) {
+    int n;
+    const moe_flag *flags = moe_config_flags(&n);
+    moe_flags_print_help(
+        f, prog,
+        "Train a decoder-only Mixture-of-Experts transformer (Qwen3-MoE / DeepSeek-V3 family)\n"
+        "on a text file. Flag names follow Megatron-LM.",
+        flags, n);
+}
+
+/* Parse --moe-layer-freq: "N" = layers 0, N, 2N… are MoE (Megatron's integer form),
+ * or a comma list of 0/1 (brackets allowed), one entry per layer. */
+static moe_status parse_layer_freq(moe_config *cfg, moe_error *err) {
+    const char *s = cfg->moe_layer_freq;
+    const char *p = s;
+    while (*p && isspace((unsigned char)*p))
+        p++;
+    if (*p && !strchr(p, ',') && *p != '[') {
+        char *end;
+        long n = strtol(p, &end, 10);
+        if (*end || n < 1)
+            return moe_error_set(err, MOE_ERR_CONFIG,
+                                 "--moe-layer-freq '%s': give a positive integer N (every Nth "
+                                 "layer is MoE) or a 0/1 list such as 0,1,1,1",
+                                 s);
+        for (int l = 0; l < cfg->num_layers; l++)
+            cfg->is_moe_layer[l] = (l % n) == 0;
+        return MOE_OK;
+    }
+    int count = 0;
+    for (; *p; p++) {
+        if (*p == '0' || *p == '1') {
+            if (count >= cfg->num_layers)
+                return moe_error_set(err, MOE_ERR_CONFIG,
+                                     "--moe-layer-freq '%s' has more entries than --num-layers %d",
+                                     s, cfg->num_layers);
+            cfg->is_moe_layer[count++] = *p == '1';
+        } else if (!(*p == ',' || *p == '[' || *p == ']' || isspace((unsigned char)*p))) {
+            return moe_error_set(err, MOE_ERR_CONFIG,
+                                 "--moe-layer-freq '%s': unexpected character '%c' (use a 0/1 "
+                                 "list such as 0,1,1,1, or an integer)",
+                                 s, *p);
+        }
+    }
+    if (count != cfg->num_layers)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "--moe-layer-freq '%s' has %d entries but --num-layers is %d "
+                             "(give one 0/1 per layer)",
+                             s, count, cfg->num_layers);
+    return MOE_OK;
+}
+
+#define REQUIRE(cond, ...)                                        \
+    do {                                                          \
+        if (!(cond))                                              \
+            return moe_error_set(err, MOE_ERR_CONFIG, __VA_ARGS__); \
+    } while (0)
+
+moe_status moe_config_validate(moe_config *c, moe_error *err) {
+    /* sizes */
+    REQUIRE(c->num_layers >= 1 && c->num_layers <= MOE_MAX_LAYERS,
+            "--num-layers must be between 1 and %d (got %d)", MOE_MAX_LAYERS, c->num_layers);
+    REQUIRE(c->hidden_size >= 1, "--hidden-size must be positive (got %d)", c->hidden_size);
+    REQUIRE(c->num_attention_heads >= 1, "--num-attention-heads must be positive (got %d)",
+            c->num_attention_heads);
+    REQUIRE(c->num_query_groups >= 0, "--num-query-groups must be >= 0 (got %d; 0 means one "
+            "key/value head per query head)", c->num_query_groups);
+    if (c->num_query_groups == 0)
+        c->num_query_groups = c->num_attention_heads;
+    REQUIRE(c->hidden_size % c->num_attention_heads == 0,
+            "--hidden-size %d is not divisible by --num-attention-heads %d (pick sizes with "
+            "hidden = heads * head_dim)", c->hidden_size, c->num_attention_heads);
+    REQUIRE(c->num_attention_heads % c->num_query_groups == 0,
+            "--num-attention-heads %d is not divisible by --num-query-groups %d (every key/value "
+            "head must serve the same number of query heads)",
+            c->num_attention_heads, c->num_query_groups);
+    c->head_dim = c->hidden_size / c->num_attention_heads;
+    REQUIRE(c->head_dim % 2 == 0,
+            "head dimension %d (--hidden-size / --num-attention-heads) must be even for RoPE",
+            c->head_dim);
+    REQUIRE(c->seq_length >= 1, "--seq-length must be positive (got %d)", c->seq_length);
+    REQUIRE(c->rotary_base > 1.0, "--rotary-base must be > 1 (got %g)", c->rotary_base);
+    REQUIRE(c->norm_epsilon > 0.0, "--norm-epsilon must be > 0 (got %g)", c->norm_epsilon);
+    REQUIRE(c->init_method_std > 0.0, "--init-method-std must be > 0 (got %g)",
+            c->init_method_std);
+    REQUIRE(c->vocab_size >= 2, "vocabulary size %d is too small (the data file needs at least "
+            "two distinct symbols)", c->vocab_size);
+
+    /* which layers are MoE */
+    REQUIRE(c->num_experts >= 0 && c->num_experts <= MOE_MAX_EXPERTS,
+            "--num-experts must be between 0 and %d (got %d; 0 = dense model)", MOE_MAX_EXPERTS,
+            c->num_experts);
+    memset(c->is_moe_layer, 0, sizeof c->is_moe_layer);
+    int any_moe = 0, any_dense = 0;
+    if (c->num_experts > 0) {
+        MOE_TRY(parse_layer_freq(c, err));
+    }
+    for (int l = 0; l < c->num_layers; l++) {
+        any_moe |= c->is_moe_layer[l];
+        any_dense |= !c->is_moe_layer[l];
+    }
+    if (any_dense)
+        REQUIRE(c->ffn_hidden_size >= 1, "--ffn-hidden-size must be positive for dense layers "
+                "(got %d)", c->ffn_hidden_size);
+
+    /* router */
+    if (!strcmp(c->moe_router_score_function, "softmax"))
+        c->score_fn = MOE_SCORE_SOFTMAX;
+    else if (!strcmp(c->moe_router_score_function, "sigmoid"))
+        c->score_fn = MOE_SCORE_SIGMOID;
+    else
+        REQUIRE(0, "--moe-router-score-function must be softmax or sigmoid (got '%s')",
+                c->moe_router_score_function);
+    if (!strcmp(c->moe_router_load_balancing_type, "aux_loss"))
+        c->lb_type = MOE_LB_AUX;
+    else if (!strcmp(c->moe_router_load_balancing_type, "seq_aux_loss"))
+        c->lb_type = MOE_LB_SEQ_AUX;
+    else if (!strcmp(c->moe_router_load_balancing_type, "none"))
+        c->lb_type = MOE_LB_NONE;
+    else
+        REQUIRE(0, "--moe-router-load-balancing-type must be aux_loss, seq_aux_loss or none "
+                "(got '%s')", c->moe_router_load_balancing_type);
+    if (any_moe) {
+        const int E = c->num_experts, k = c->moe_router_topk;
+        REQUIRE(c->moe_ffn_hidden_size >= 1, "--moe-ffn-hidden-size must be positive (got %d)",
+                c->moe_ffn_hidden_size);
+        REQUIRE(k >= 1 && k <= MOE_MAX_TOPK, "--moe-router-topk must be between 1 and %d (got %d)",
+                MOE_MAX_TOPK, k);
+        REQUIRE(k <= E, "--moe-router-topk %d is larger than --num-experts %d (a token cannot "
+                "pick more experts than exist)", k, E);
+        REQUIRE(!(c->moe_router_pre_softmax && c->score_fn == MOE_SCORE_SIGMOID),
+                "--moe-router-pre-softmax only applies to --moe-router-score-function softmax");
+        REQUIRE(!(c->moe_router_enable_expert_bias && c->score_fn != MOE_SCORE_SIGMOID),
+                "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
+                "(aux-loss-free balancing biases the sigmoid scores)");
+        REQUIRE(c->moe_router_bias_update_rate >= 0.0,
+                "--moe-router-bias-update-rate must be >= 0 (got %g)",
+                c->moe_router_bias_update_rate);
+        const int G = c->moe_router_num_groups, GK = c->moe_router_group_topk;
+        REQUIRE(G >= 0 && GK >= 0, "--moe-router-num-groups and --moe-router-group-topk must be "
+                ">= 0 (got %d and %d)", G, GK);
+        REQUIRE((G == 0) == (GK == 0), "--moe-router-num-groups and --moe-router-group-topk go "
+                "together: set both (group-limited routing) or neither (got %d and %d)", G, GK);
+        if (G > 0) {
+            REQUIRE(E % G == 0, "--num-experts %d is not divisible by --moe-router-num-groups %d",
+                    E, G);
+            REQUIRE(GK <= G, "--moe-router-group-topk %d is larger than --moe-router-num-groups "
+                    "%d", GK, G);
+            REQUIRE(k % GK == 0, "--moe-router-topk %d is not divisible by "
+                    "--moe-router-group-topk %d (each selected group contributes topk/group_topk "
+                    "experts to its group score)", k, GK);
+            REQUIRE(k / GK <= E / G, "--moe-router-topk/--moe-router-group-topk = %d is more "
+                    "than the %d experts in a group", k / GK, E / G);
+        }
+        REQUIRE(c->moe_router_topk_scaling_factor >= 0.0,
+                "--moe-router-topk-scaling-factor must be >= 0 (got %g; 0 = off)",
+                c->moe_router_topk_scaling_factor);
+        REQUIRE(c->moe_aux_loss_coeff >= 0.0, "--moe-aux-loss-coeff must be >= 0 (got %g)",
+                c->moe_aux_loss_coeff);
+        REQUIRE(c->moe_z_loss_coeff >= 0.0, "--moe-z-loss-coeff must be >= 0 (got %g)",
+                c->moe_z_loss_coeff);
+        REQUIRE(c->moe_shared_expert_intermediate_size >= 0,
+                "--moe-shared-expert-intermediate-size must be >= 0 (got %d; 0 = none)",
+                c->moe_shared_expert_intermediate_size);
+    }
+
+    /* training */
+    REQUIRE(c->micro_batch_size >= 1, "--micro-batch-size must be positive (got %d)",
+            c->micro_batch_size);
+    REQUIRE(c->global_batch_size >= 1, "--global-batch-size must be positive (got %d)",
+            c->global_batch_size);
+    REQUIRE(c->global_batch_size % c->micro_batch_size == 0,
+            "--global-batch-size %d is not a multiple of --micro-batch-size %d",
+            c->global_batch_size, c->micro_batch_size);
+    REQUIRE(c->train_iters >= 0, "--train-iters must be >= 0 (got %d)", c->train_iters);
+    REQUIRE(c->lr >= 0.0, "--lr must be >= 0 (got %g)", c->lr);
+    REQUIRE(c->min_lr >= 0.0 && c->min_lr <= c->lr,
+            "--min-lr %g must be between 0 and --lr %g", c->min_lr, c->lr);
+    REQUIRE(c->lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0 (got %d)",
+            c->lr_warmup_iters);
+    REQUIRE(c->lr_decay_iters >= 0, "--lr-decay-iters must be >= 0 (got %d; 0 = --train-iters)",
+            c->lr_decay_iters);
+    if (!strcmp(c->lr_decay_style, "cosine"))
+        c->lr_style = MOE_LR_COSINE;
+    else if (!strcmp(c->lr_decay_style, "linear"))
+        c->lr_style = MOE_LR_LINEAR;
+    else if (!strcmp(c->lr_decay_style, "constant"))
+        c->lr_style = MOE_LR_CONSTANT;
+    else
+        REQUIRE(0, "--lr-decay-style must be cosine, linear or constant (got '%s')",
+                c->lr_decay_style);
+    REQUIRE(c->weight_decay >= 0.0, "--weight-decay must be >= 0 (got %g)", c->weight_decay);
+    REQUIRE(c->adam_beta1 >= 0.0 && c->adam_beta1 < 1.0, "--adam-beta1 must be in [0, 1) (got %g)",
+            c->adam_beta1);
+    REQUIRE(c->adam_beta2 >= 0.0 && c->adam_beta2 < 1.0, "--adam-beta2 must be in [0, 1) (got %g)",
+            c->adam_beta2);
+    REQUIRE(c->adam_eps > 0.0, "--adam-eps must be > 0 (got %g)", c->adam_eps);
+    REQUIRE(c->clip_grad >= 0.0, "--clip-grad must be >= 0 (got %g; 0 = off)", c->clip_grad);
+
+    /* logging */
+    REQUIRE(c->log_interval >= 1, "--log-interval must be >= 1 (got %d)", c->log_interval);
+    REQUIRE(c->eval_interval >= 0, "--eval-interval must be >= 0 (got %d)", c->eval_interval);
+    REQUIRE(c->eval_iters >= 1, "--eval-iters must be >= 1 (got %d)", c->eval_iters);
+    REQUIRE(c->sample_length >= 0, "--sample-length must be >= 0 (got %d)", c->sample_length);
+    REQUIRE(c->sample_temperature > 0.0, "--sample-temperature must be > 0 (got %g)",
+            c->sample_temperature);
+    return MOE_OK;
+}

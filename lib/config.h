@@ -1,0 +1,133 @@
+/**
+ * @file config.h
+ * @brief Every setting of a moe.c run, the flag table that fills it, and validation.
+ *
+ * Flag names follow Megatron-LM (`--num-layers`, `--moe-router-topk`, …) so a
+ * practitioner's command line carries over. Values arrive as text in
+ * ::moe_config and are resolved into enums and per-layer masks by
+ * moe_config_validate(), which is also where every inconsistency becomes a
+ * named error ("--num-experts 6 is not divisible by --moe-router-num-groups 4 …").
+ */
+#ifndef MOE_CONFIG_H
+#define MOE_CONFIG_H
+
+#include "error.h"
+#include "flags.h"
+
+/** Most layers a model may have (the size of the per-layer MoE mask). */
+#define MOE_MAX_LAYERS 256
+
+/** Largest --moe-router-topk (the router keeps per-token arrays of this size on the stack). */
+#define MOE_MAX_TOPK 64
+
+/** Most experts per MoE layer. */
+#define MOE_MAX_EXPERTS 1024
+
+/** Router score function (BRIEF §6). */
+typedef enum moe_score_fn {
+    MOE_SCORE_SOFTMAX = 0, /**< softmax: top-k then softmax over the k, or pre-softmax */
+    MOE_SCORE_SIGMOID = 1  /**< sigmoid: select on sigmoid+bias, weights renormalised */
+} moe_score_fn;
+
+/** Load-balancing loss type. */
+typedef enum moe_lb_type {
+    MOE_LB_NONE = 0,    /**< no auxiliary loss */
+    MOE_LB_AUX = 1,     /**< global (micro-batch) auxiliary loss */
+    MOE_LB_SEQ_AUX = 2  /**< per-sequence auxiliary loss, averaged over sequences */
+} moe_lb_type;
+
+/** Learning-rate decay style. */
+typedef enum moe_lr_style { MOE_LR_COSINE = 0, MOE_LR_CONSTANT = 1, MOE_LR_LINEAR = 2 } moe_lr_style;
+
+/** Every setting of a run. Text-valued fields are resolved by moe_config_validate(). */
+typedef struct moe_config {
+    /* ---- model */
+    int num_layers;             /**< --num-layers */
+    int hidden_size;            /**< --hidden-size */
+    int num_attention_heads;    /**< --num-attention-heads */
+    int num_query_groups;       /**< --num-query-groups (KV heads; 0 = same as heads) */
+    int ffn_hidden_size;        /**< --ffn-hidden-size (dense FFN layers) */
+    int seq_length;             /**< --seq-length */
+    double rotary_base;         /**< --rotary-base */
+    double norm_epsilon;        /**< --norm-epsilon */
+    int qk_layernorm;           /**< --qk-layernorm */
+    double init_method_std;     /**< --init-method-std */
+    /* ---- MoE */
+    int num_experts;            /**< --num-experts (0 = dense model) */
+    int moe_ffn_hidden_size;    /**< --moe-ffn-hidden-size */
+    int moe_router_topk;        /**< --moe-router-topk */
+    char moe_router_score_function[MOE_FLAG_STR_LEN]; /**< --moe-router-score-function */
+    int moe_router_pre_softmax; /**< --moe-router-pre-softmax */
+    int moe_router_num_groups;  /**< --moe-router-num-groups (0 = no group limit) */
+    int moe_router_group_topk;  /**< --moe-router-group-topk */
+    double moe_router_topk_scaling_factor; /**< --moe-router-topk-scaling-factor (0 = none) */
+    char moe_router_load_balancing_type[MOE_FLAG_STR_LEN]; /**< --moe-router-load-balancing-type */
+    double moe_aux_loss_coeff;  /**< --moe-aux-loss-coeff */
+    double moe_z_loss_coeff;    /**< --moe-z-loss-coeff */
+    int moe_router_enable_expert_bias; /**< --moe-router-enable-expert-bias */
+    double moe_router_bias_update_rate; /**< --moe-router-bias-update-rate */
+    int moe_shared_expert_intermediate_size; /**< --moe-shared-expert-intermediate-size (0 = none) */
+    char moe_layer_freq[MOE_FLAG_STR_LEN]; /**< --moe-layer-freq: N (every Nth layer) or a 0/1 list */
+    /* ---- training */
+    int micro_batch_size;       /**< --micro-batch-size */
+    int global_batch_size;      /**< --global-batch-size (a multiple of the micro batch) */
+    int train_iters;            /**< --train-iters */
+    double lr;                  /**< --lr */
+    double min_lr;              /**< --min-lr */
+    int lr_warmup_iters;        /**< --lr-warmup-iters */
+    int lr_decay_iters;         /**< --lr-decay-iters (0 = train-iters) */
+    char lr_decay_style[MOE_FLAG_STR_LEN]; /**< --lr-decay-style */
+    double weight_decay;        /**< --weight-decay */
+    double adam_beta1;          /**< --adam-beta1 */
+    double adam_beta2;          /**< --adam-beta2 */
+    double adam_eps;            /**< --adam-eps */
+    double clip_grad;           /**< --clip-grad (0 = off) */
+    long long seed;             /**< --seed */
+    /* ---- data, logging, output */
+    char data_path[MOE_FLAG_STR_LEN];      /**< --data-path */
+    char tokenizer_type[MOE_FLAG_STR_LEN]; /**< --tokenizer-type */
+    int log_interval;           /**< --log-interval */
+    int eval_interval;          /**< --eval-interval */
+    int eval_iters;             /**< --eval-iters */
+    char metrics_file[MOE_FLAG_STR_LEN];   /**< --metrics-file ("" = none) */
+    int sample_length;          /**< --sample-length */
+    double sample_temperature;  /**< --sample-temperature */
+    char device[MOE_FLAG_STR_LEN];         /**< --device */
+
+    /* ---- resolved by moe_config_validate() */
+    int vocab_size;             /**< set from the tokenizer, not a flag */
+    int head_dim;               /**< hidden / heads */
+    moe_score_fn score_fn;      /**< parsed score function */
+    moe_lb_type lb_type;        /**< parsed load-balancing type */
+    moe_lr_style lr_style;      /**< parsed decay style */
+    int is_moe_layer[MOE_MAX_LAYERS]; /**< 1 where layer l has an MoE FFN */
+} moe_config;
+
+/** @brief The flag table of moe.c. @param n receives its length @return the table */
+const moe_flag *moe_config_flags(int *n);
+
+/** @brief Fill @p cfg with every default (does not validate). @param cfg config */
+void moe_config_defaults(moe_config *cfg);
+
+/**
+ * @brief Parse command-line flags over the defaults (does not validate).
+ * @param cfg config (defaults must already be set)  @param argc count  @param argv arguments
+ * @param err receives the reason on failure
+ * @return ::MOE_OK, ::MOE_ERR_HELP or ::MOE_ERR_FLAG
+ */
+moe_status moe_config_parse(moe_config *cfg, int argc, char **argv, moe_error *err);
+
+/**
+ * @brief Check every value and every relation between values; resolve enums and the MoE mask.
+ *
+ * @p cfg->vocab_size must be set (by the tokenizer) before the call.
+ * @param cfg  config
+ * @param err  receives a message naming the offending flag(s) and the fix
+ * @return ::MOE_OK or ::MOE_ERR_CONFIG
+ */
+moe_status moe_config_validate(moe_config *cfg, moe_error *err);
+
+/** @brief Print --help for the trainer. @param f stream @param prog program name */
+void moe_config_print_help(FILE *f, const char *prog);
+
+#endif /* MOE_CONFIG_H */

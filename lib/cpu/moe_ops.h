@@ -1,0 +1,50 @@
+/**
+ * @file moe_ops.h
+ * @brief CPU ops specific to the MoE layer: token permutation (see permute.c).
+ */
+#ifndef MOE_CPU_MOE_OPS_H
+#define MOE_CPU_MOE_OPS_H
+
+#include "error.h"
+#include "real.h"
+
+/**
+ * @brief Sort the N·k assignments by expert (stable) and build both maps.
+ * @param perm_src      [N·k] assignment index n·k+j at each permuted row
+ * @param row_of        [N·k] permuted row of each assignment
+ * @param expert_offset [E+1] expert e owns rows [offset[e], offset[e+1])
+ * @param counts        [E] incremented by each expert's token count (NULL to skip)
+ * @param topk_idx      [N·k] router selection
+ * @param N tokens  @param k experts per token  @param E experts (at most ::MOE_MAX_EXPERTS)
+ */
+void moe_cpu_permute_index(int *perm_src, int *row_of, int *expert_offset, long long *counts,
+                           const int *topk_idx, int N, int k, int E);
+
+/**
+ * @brief xp[r] = x[perm_src[r] / k]: copy each token to its k permuted rows.
+ * @param xp [rows, C]  @param x [N, C]  @param perm_src map  @param rows N·k  @param k top-k  @param C width
+ */
+void moe_cpu_permute_tokens(moe_real *xp, const moe_real *x, const int *perm_src, int rows, int k,
+                            int C);
+
+/**
+ * @brief wp[r] = topk_w[perm_src[r]]: the routing weight of each permuted row.
+ * @param wp [rows]  @param topk_w [N·k]  @param perm_src map  @param rows N·k
+ */
+void moe_cpu_permute_weights(moe_real *wp, const moe_real *topk_w, const int *perm_src, int rows);
+
+/**
+ * @brief out[n] += Σ_j yp[row_of[n·k+j]]: combine the k expert outputs of each token.
+ * @param out [N, C]  @param yp [N·k, C]  @param row_of map  @param N tokens  @param k top-k  @param C width
+ */
+void moe_cpu_unpermute_sum(moe_real *out, const moe_real *yp, const int *row_of, int N, int k,
+                           int C);
+
+/**
+ * @brief dtopk_w[a] += dwp[row_of[a]]: routing-weight gradients back to token order.
+ * @param dtopk_w [N·k]  @param dwp [N·k] permuted  @param row_of map  @param N tokens  @param k top-k
+ */
+void moe_cpu_unpermute_weights(moe_real *dtopk_w, const moe_real *dwp, const int *row_of, int N,
+                               int k);
+
+#endif /* MOE_CPU_MOE_OPS_H */

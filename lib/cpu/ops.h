@@ -1,0 +1,153 @@
+/**
+ * @file ops.h
+ * @brief The CPU backend: every op of the model, forward and backward.
+ *
+ * Conventions, shared by every op here (and by their CUDA twins later):
+ *  - Row-major. A "row" is one token; N = batch·seq tokens.
+ *  - Linear weights are stored `[out, in]` as in PyTorch, so `y = x · Wᵀ`.
+ *  - Forward functions overwrite their outputs.
+ *  - Backward functions ACCUMULATE (`+=`) into every gradient they produce,
+ *    both weight gradients and input gradients. Callers zero gradient buffers
+ *    once per step; residual branches then simply add up.
+ *  - Every output element is written by exactly one thread in a fixed order,
+ *    so results are bitwise reproducible for any OpenMP thread count.
+ *
+ * The scalar type is ::moe_real (float; double in the gradient-check build).
+ */
+#ifndef MOE_CPU_OPS_H
+#define MOE_CPU_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "real.h"
+
+/* ------------------------------------------------------------------ matmul.c */
+
+/**
+ * @brief out[N,O] = in[N,I] · w[O,I]ᵀ (a Linear layer without bias).
+ * @param out output  @param in input  @param w weight  @param N rows  @param I in features  @param O out features
+ */
+void moe_cpu_matmul_forward(moe_real *out, const moe_real *in, const moe_real *w, int N, int I,
+                            int O);
+
+/**
+ * @brief Backward of moe_cpu_matmul_forward: din += dout·w, dw += doutᵀ·in.
+ * @param din input gradient [N,I] (NULL to skip)  @param dw weight gradient [O,I] (NULL to skip)
+ * @param dout output gradient [N,O]  @param in forward input  @param w weight
+ * @param N rows  @param I in features  @param O out features
+ */
+void moe_cpu_matmul_backward(moe_real *din, moe_real *dw, const moe_real *dout, const moe_real *in,
+                             const moe_real *w, int N, int I, int O);
+
+/** @brief Free the scratch memory the matmuls keep between calls (call before exit). */
+void moe_cpu_matmul_release(void);
+
+/* --------------------------------------------------------------- embedding.c */
+
+/**
+ * @brief out[n,:] = table[tokens[n],:].
+ * @param out [N,C]  @param tokens [N]  @param table [V,C]  @param N rows  @param C width
+ */
+void moe_cpu_embedding_forward(moe_real *out, const int *tokens, const moe_real *table, int N,
+                               int C);
+
+/**
+ * @brief dtable[tokens[n],:] += dout[n,:] (deterministic: rows of the table are owned by one thread).
+ * @param dtable [V,C]  @param dout [N,C]  @param tokens [N]  @param N rows  @param V vocabulary  @param C width
+ */
+void moe_cpu_embedding_backward(moe_real *dtable, const moe_real *dout, const int *tokens, int N,
+                                int V, int C);
+
+/* ----------------------------------------------------------------- rmsnorm.c */
+
+/**
+ * @brief RMSNorm: out = x / sqrt(mean(x²) + eps) · w, per row of C.
+ * @param out [N,C]  @param rstd saved 1/rms per row [N]  @param x [N,C]  @param w [C]
+ * @param N rows  @param C width  @param eps epsilon
+ */
+void moe_cpu_rmsnorm_forward(moe_real *out, moe_real *rstd, const moe_real *x, const moe_real *w,
+                             int N, int C, double eps);
+
+/**
+ * @brief Backward of RMSNorm. With x̂ = x·r: dx = r·(dy⊙w − x̂·mean(dy⊙w⊙x̂)), dw = Σ dy⊙x̂.
+ * @param dx [N,C]  @param dw [C]  @param dout [N,C]  @param x forward input  @param w weight
+ * @param rstd saved by the forward  @param N rows  @param C width
+ */
+void moe_cpu_rmsnorm_backward(moe_real *dx, moe_real *dw, const moe_real *dout, const moe_real *x,
+                              const moe_real *w, const moe_real *rstd, int N, int C);
+
+/* -------------------------------------------------------------------- rope.c */
+
+/**
+ * @brief Rotary position embedding, "rotate-half" form (Megatron, Hugging Face):
+ *        for i < D/2, θ = t·base^(−2i/D): (x_i, x_{i+D/2}) ↦ (x_i cosθ − x_{i+D/2} sinθ,
+ *        x_{i+D/2} cosθ + x_i sinθ). Row n is position t = n mod T.
+ * @param out [B·T, heads·D] (may equal @p in)  @param in same shape
+ * @param B batch  @param T sequence  @param heads heads in the row  @param D head dim  @param base RoPE base
+ */
+void moe_cpu_rope_forward(moe_real *out, const moe_real *in, int B, int T, int heads, int D,
+                          double base);
+
+/**
+ * @brief Backward of RoPE (the inverse rotation): din += Rᵀ·dout.
+ * @param din [B·T, heads·D]  @param dout same  @param B batch  @param T sequence
+ * @param heads heads  @param D head dim  @param base RoPE base
+ */
+void moe_cpu_rope_backward(moe_real *din, const moe_real *dout, int B, int T, int heads, int D,
+                           double base);
+
+/* --------------------------------------------------------------- attention.c */
+
+/**
+ * @brief Causal grouped-query attention: y = softmax(q·kᵀ/√D + causal mask)·v, where query
+ *        head h reads key/value head h / (Hq/Hkv).
+ * @param y [B·T, Hq·D]  @param att saved probabilities [B, Hq, T, T] (upper triangle written as 0)
+ * @param q [B·T, Hq·D]  @param k [B·T, Hkv·D]  @param v [B·T, Hkv·D]
+ * @param B batch  @param T sequence  @param Hq query heads  @param Hkv key/value heads  @param D head dim
+ */
+void moe_cpu_attention_forward(moe_real *y, moe_real *att, const moe_real *q, const moe_real *k,
+                               const moe_real *v, int B, int T, int Hq, int Hkv, int D);
+
+/**
+ * @brief Backward of causal GQA attention (dq, dk, dv accumulate).
+ * @param dq [B·T, Hq·D]  @param dk [B·T, Hkv·D]  @param dv [B·T, Hkv·D]  @param dy [B·T, Hq·D]
+ * @param att saved probabilities  @param q queries  @param k keys  @param v values
+ * @param B batch  @param T sequence  @param Hq query heads  @param Hkv key/value heads  @param D head dim
+ */
+void moe_cpu_attention_backward(moe_real *dq, moe_real *dk, moe_real *dv, const moe_real *dy,
+                                const moe_real *att, const moe_real *q, const moe_real *k,
+                                const moe_real *v, int B, int T, int Hq, int Hkv, int D);
+
+/* ------------------------------------------------------------------ swiglu.c */
+
+/**
+ * @brief SwiGLU activation: out = silu(g) ⊙ u, with gu = [g | u] (gate first, as Megatron's fused fc1).
+ * @param out [N,F]  @param gu [N,2F]  @param N rows  @param F width
+ */
+void moe_cpu_swiglu_forward(moe_real *out, const moe_real *gu, int N, int F);
+
+/**
+ * @brief Backward of SwiGLU: dg += dout⊙u⊙σ(g)(1+g(1−σ(g))), du += dout⊙silu(g).
+ * @param dgu [N,2F]  @param dout [N,F]  @param gu forward input  @param N rows  @param F width
+ */
+void moe_cpu_swiglu_backward(moe_real *dgu, const moe_real *dout, const moe_real *gu, int N, int F);
+
+/* ----------------------------------------------------------- cross_entropy.c */
+
+/**
+ * @brief Per-row cross-entropy: loss[n] = logsumexp(logits[n]) − logits[n, target[n]].
+ * @param losses [N]  @param logits [N,V]  @param targets [N]  @param N rows  @param V vocabulary
+ */
+void moe_cpu_cross_entropy_forward(moe_real *losses, const moe_real *logits, const int *targets,
+                                   int N, int V);
+
+/**
+ * @brief dlogits[n] += dloss[n]·(softmax(logits[n]) − onehot(target[n])).
+ * @param dlogits [N,V]  @param dloss per-row loss gradient [N] (NULL: every row 1/N, the mean)
+ * @param logits [N,V]  @param targets [N]  @param N rows  @param V vocabulary
+ */
+void moe_cpu_cross_entropy_backward(moe_real *dlogits, const moe_real *dloss,
+                                    const moe_real *logits, const int *targets, int N, int V);
+
+#endif /* MOE_CPU_OPS_H */

@@ -1,0 +1,73 @@
+/*
+ * Token permutation for the MoE layer (CPU reference).
+ *
+ * Each of the N tokens picks k experts, giving N·k assignments a = n·k + j.
+ * The experts want their tokens contiguous, so we sort the assignments by
+ * expert with a counting sort that is stable (inside an expert, assignments
+ * keep the order n·k + j), and remember both directions of the map:
+ *   perm_src[r] = the assignment at permuted row r
+ *   row_of[a]   = the permuted row of assignment a
+ * Then:
+ *   permute:    xp[r]   = x[perm_src[r] / k]         (a token appears k times)
+ *   unpermute:  out[n] += Σ_j yp[row_of[n·k + j]]    (a plain sum, in j order)
+ * The sum over j is done per token by one thread in a fixed order, so the
+ * combine is deterministic without atomics.
+ */
+#include <string.h>
+
+#include "config.h"
+#include "moe_ops.h"
+
+void moe_cpu_permute_index(int *perm_src, int *row_of, int *expert_offset, long long *counts,
+                           const int *topk_idx, int N, int k, int E) {
+    for (int e = 0; e <= E; e++)
+        expert_offset[e] = 0;
+    for (int a = 0; a < N * k; a++)
+        expert_offset[topk_idx[a] + 1]++;
+    for (int e = 0; e < E; e++) {
+        if (counts)
+            counts[e] += expert_offset[e + 1];
+        expert_offset[e + 1] += expert_offset[e];
+    }
+    /* stable scatter: walk assignments in order, fill each expert's next slot */
+    int cur[MOE_MAX_EXPERTS];
+    MOE_ASSERT(E <= MOE_MAX_EXPERTS);
+    for (int e = 0; e < E; e++)
+        cur[e] = expert_offset[e];
+    for (int a = 0; a < N * k; a++) {
+        int r = cur[topk_idx[a]]++;
+        perm_src[r] = a;
+        row_of[a] = r;
+    }
+}
+
+void moe_cpu_permute_tokens(moe_real *xp, const moe_real *x, const int *perm_src, int rows, int k,
+                            int C) {
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < rows; r++)
+        memcpy(xp + (size_t)r * C, x + (size_t)(perm_src[r] / k) * C, sizeof(moe_real) * C);
+}
+
+void moe_cpu_permute_weights(moe_real *wp, const moe_real *topk_w, const int *perm_src, int rows) {
+    for (int r = 0; r < rows; r++)
+        wp[r] = topk_w[perm_src[r]];
+}
+
+void moe_cpu_unpermute_sum(moe_real *out, const moe_real *yp, const int *row_of, int N, int k,
+                           int C) {
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        moe_real *o = out + (size_t)n * C;
+        for (int j = 0; j < k; j++) {
+            const moe_real *y = yp + (size_t)row_of[n * k + j] * C;
+            for (int c = 0; c < C; c++)
+                o[c] += y[c];
+        }
+    }
+}
+
+void moe_cpu_unpermute_weights(moe_real *dtopk_w, const moe_real *dwp, const int *row_of, int N,
+                               int k) {
+    for (int a = 0; a < N * k; a++)
+        dtopk_w[a] += dwp[row_of[a]];
+}

@@ -1,0 +1,48 @@
+/**
+ * @file metrics.h
+ * @brief A JSON-lines metrics writer: one JSON object per line, one line per event.
+ *
+ * JSON lines are trivial to append to, survive a crash (every complete line is
+ * valid), and load with one line of pandas: `pd.read_json(path, lines=True)`.
+ *
+ * Usage:
+ * @code
+ *   moe_metrics_begin(m, "train");           // {"event":"train"
+ *   moe_metrics_int(m, "step", 10);          // ,"step":10
+ *   moe_metrics_num(m, "loss", 2.31);        // ,"loss":2.31
+ *   moe_metrics_end(m);                      // }\n  (flushed)
+ * @endcode
+ */
+#ifndef MOE_METRICS_H
+#define MOE_METRICS_H
+
+#include "error.h"
+
+/** An open metrics file (opaque). */
+typedef struct moe_metrics moe_metrics;
+
+/**
+ * @brief Open @p path for writing (truncating it).
+ * @param out   receives the writer
+ * @param path  file to write; its directory must exist
+ * @param err   receives the reason on failure
+ * @return ::MOE_OK, or ::MOE_ERR_IO naming the path
+ */
+moe_status moe_metrics_open(moe_metrics **out, const char *path, moe_error *err);
+
+/** @brief Start a record with field "event": @p event. @param m writer (NULL: no-op) @param event record kind */
+void moe_metrics_begin(moe_metrics *m, const char *event);
+/** @brief Add a numeric field (non-finite values are written as null). @param m writer @param key name @param value number */
+void moe_metrics_num(moe_metrics *m, const char *key, double value);
+/** @brief Add an integer field. @param m writer @param key name @param value integer */
+void moe_metrics_int(moe_metrics *m, const char *key, long long value);
+/** @brief Add a string field (escaped). @param m writer @param key name @param value text */
+void moe_metrics_str(moe_metrics *m, const char *key, const char *value);
+/** @brief Add an array of integers. @param m writer @param key name @param v values @param n count */
+void moe_metrics_int_array(moe_metrics *m, const char *key, const long long *v, int n);
+/** @brief Finish the record: write the newline and flush. @param m writer */
+void moe_metrics_end(moe_metrics *m);
+/** @brief Close the file and free the writer. @param m writer (NULL: no-op) */
+void moe_metrics_close(moe_metrics *m);
+
+#endif /* MOE_METRICS_H */

@@ -1,0 +1,44 @@
+/**
+ * @file mlp.h
+ * @brief The SwiGLU MLP: fc1 → SwiGLU → (optional per-row scale) → fc2.
+ *
+ * One function serves the dense FFN, the shared expert and every routed expert
+ * (the naive MoE loop calls it once per expert on that expert's rows). For a
+ * routed expert the per-row scale is the routing weight, applied after the
+ * activation and before fc2 (BRIEF §6): then combining expert outputs is a
+ * plain sum, and the routing weight's gradient is Σ_f dh ⊙ act.
+ *
+ * Weights: fc1 [2F, H] (gate rows first, then up rows), fc2 [H, F].
+ */
+#ifndef MOE_MLP_H
+#define MOE_MLP_H
+
+#include "backend.h"
+
+/**
+ * @brief Forward.
+ * @param be backend  @param out [N,H] output (overwritten)  @param gu [N,2F] saved fc1 output
+ * @param act [N,F] saved SwiGLU output  @param h [N,F] scratch for the scaled activation
+ *        (unused when @p row_scale is NULL)
+ * @param x [N,H] input  @param row_scale [N] or NULL  @param w1 fc1  @param w2 fc2
+ * @param N rows  @param H hidden  @param F intermediate
+ */
+void moe_mlp_forward(const moe_backend *be, moe_real *out, moe_real *gu, moe_real *act, moe_real *h,
+                     const moe_real *x, const moe_real *row_scale, const moe_real *w1,
+                     const moe_real *w2, int N, int H, int F);
+
+/**
+ * @brief Backward (all gradients accumulate).
+ * @param be backend  @param dx [N,H]  @param dw1 [2F,H]  @param dw2 [H,F]
+ * @param drow_scale [N] (NULL when there is no row scale)  @param dout [N,H]
+ * @param x forward input  @param gu saved  @param act saved  @param row_scale as in forward
+ * @param w1 fc1  @param w2 fc2  @param ws_h [N,F] scratch  @param ws_dh [N,F] scratch
+ * @param ws_dgu [N,2F] scratch  @param N rows  @param H hidden  @param F intermediate
+ */
+void moe_mlp_backward(const moe_backend *be, moe_real *dx, moe_real *dw1, moe_real *dw2,
+                      moe_real *drow_scale, const moe_real *dout, const moe_real *x,
+                      const moe_real *gu, const moe_real *act, const moe_real *row_scale,
+                      const moe_real *w1, const moe_real *w2, moe_real *ws_h, moe_real *ws_dh,
+                      moe_real *ws_dgu, int N, int H, int F);
+
+#endif /* MOE_MLP_H */

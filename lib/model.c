@@ -1,0 +1,463 @@
+/* The MoE transformer: see model.h. */
+#include "model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mlp.h"
+
+#define R sizeof(moe_real)
+
+/* ------------------------------------------------------------------ layout */
+
+static void layout(moe_model *m) {
+    const moe_config *c = &m->cfg;
+    const int H = c->hidden_size, D = c->head_dim, Hq = c->num_attention_heads,
+              Hkv = c->num_query_groups, V = c->vocab_size, E = c->num_experts;
+    const double std = c->init_method_std;
+    /* Megatron's output_layer_init_method: projections that write into the residual
+     * stream are scaled down so the stream's variance does not grow with depth. */
+    const double out_std = std / sqrt(2.0 * c->num_layers);
+    moe_param_table *pt = &m->table;
+    char name[64];
+    m->off_embed = moe_params_add(pt, "embedding", 2, V, H, 0, MOE_INIT_NORMAL, std, 1);
+    for (int l = 0; l < c->num_layers; l++) {
+        size_t *o = m->off[l];
+        for (int s = 0; s < MOE_W_COUNT; s++)
+            o[s] = MOE_NO_WEIGHT;
+#define ADD(slot, suffix, nd, a, b, cc, init, sd, decay)                                \
+    do {                                                                              \
+        snprintf(name, sizeof name, "layers.%d.%s", l, suffix);                       \
+        o[slot] = moe_params_add(pt, name, nd, a, b, cc, init, sd, decay);            \
+    } while (0)
+        ADD(MOE_W_LN1, "attn.norm", 1, H, 0, 0, MOE_INIT_ONES, 0, 0);
+        ADD(MOE_W_Q, "attn.wq", 2, Hq * D, H, 0, MOE_INIT_NORMAL, std, 1);
+        ADD(MOE_W_K, "attn.wk", 2, Hkv * D, H, 0, MOE_INIT_NORMAL, std, 1);
+        ADD(MOE_W_V, "attn.wv", 2, Hkv * D, H, 0, MOE_INIT_NORMAL, std, 1);
+        ADD(MOE_W_O, "attn.wo", 2, H, Hq * D, 0, MOE_INIT_NORMAL, out_std, 1);
+        if (c->qk_layernorm) {
+            ADD(MOE_W_QNORM, "attn.q_norm", 1, D, 0, 0, MOE_INIT_ONES, 0, 0);
+            ADD(MOE_W_KNORM, "attn.k_norm", 1, D, 0, 0, MOE_INIT_ONES, 0, 0);
+        }
+        ADD(MOE_W_LN2, "ffn.norm", 1, H, 0, 0, MOE_INIT_ONES, 0, 0);
+        if (c->is_moe_layer[l]) {
+            const int F = c->moe_ffn_hidden_size, Fs = c->moe_shared_expert_intermediate_size;
+            ADD(MOE_W_ROUTER, "moe.router", 2, E, H, 0, MOE_INIT_NORMAL, std, 1);
+            ADD(MOE_W_FC1, "moe.experts.fc1", 3, E, 2 * F, H, MOE_INIT_NORMAL, std, 1);
+            ADD(MOE_W_FC2, "moe.experts.fc2", 3, E, H, F, MOE_INIT_NORMAL, out_std, 1);
+            if (Fs > 0) {
+                ADD(MOE_W_SHARED_FC1, "moe.shared.fc1", 2, 2 * Fs, H, 0, MOE_INIT_NORMAL, std, 1);
+                ADD(MOE_W_SHARED_FC2, "moe.shared.fc2", 2, H, Fs, 0, MOE_INIT_NORMAL, out_std, 1);
+            }
+        } else {
+            const int F = c->ffn_hidden_size;
+            ADD(MOE_W_FC1, "mlp.fc1", 2, 2 * F, H, 0, MOE_INIT_NORMAL, std, 1);
+            ADD(MOE_W_FC2, "mlp.fc2", 2, H, F, 0, MOE_INIT_NORMAL, out_std, 1);
+        }
+#undef ADD
+    }
+    m->off_final_norm = moe_params_add(pt, "final_norm", 1, H, 0, 0, MOE_INIT_ONES, 0, 0);
+    m->off_lm_head = moe_params_add(pt, "lm_head", 2, V, H, 0, MOE_INIT_NORMAL, std, 1);
+}
+
+static moe_real *P(const moe_model *m, int l, moe_layer_weight s) {
+    return m->off[l][s] == MOE_NO_WEIGHT ? NULL : m->params + m->off[l][s];
+}
+static moe_real *G(const moe_model *m, int l, moe_layer_weight s) {
+    return m->off[l][s] == MOE_NO_WEIGHT ? NULL : m->grads + m->off[l][s];
+}
+
+static moe_moe_dims moe_dims(const moe_model *m, int N, int T) {
+    const moe_config *c = &m->cfg;
+    moe_moe_dims d;
+    d.N = N;
+    d.T = T;
+    d.H = c->hidden_size;
+    d.E = c->num_experts;
+    d.k = c->moe_router_topk;
+    d.F = c->moe_ffn_hidden_size;
+    d.Fs = c->moe_shared_expert_intermediate_size;
+    d.router = moe_router_params_from_config(c);
+    d.lb_type = c->lb_type;
+    d.aux_coeff = c->moe_aux_loss_coeff;
+    d.z_coeff = c->moe_z_loss_coeff;
+    return d;
+}
+
+static moe_moe_weights moe_weights(const moe_model *m, int l, int grads) {
+    moe_real *(*get)(const moe_model *, int, moe_layer_weight) = grads ? G : P;
+    moe_moe_weights w = {get(m, l, MOE_W_ROUTER), get(m, l, MOE_W_FC1), get(m, l, MOE_W_FC2),
+                         get(m, l, MOE_W_SHARED_FC1), get(m, l, MOE_W_SHARED_FC2)};
+    return w;
+}
+
+/* ------------------------------------------------------------------ create */
+
+static void *must(const moe_backend *be, size_t bytes, int *ok) {
+    void *p = be->alloc(bytes);
+    if (!p)
+        *ok = 0;
+    return p;
+}
+
+moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_backend *be, int B,
+                            moe_error *err) {
+    *out = NULL;
+    moe_model *m = calloc(1, sizeof *m);
+    if (!m)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory creating the model");
+    m->cfg = *cfg;
+    m->be = be;
+    layout(m);
+    const moe_config *c = &m->cfg;
+    const int L = c->num_layers, H = c->hidden_size, D = c->head_dim,
+              Hq = c->num_attention_heads, Hkv = c->num_query_groups, V = c->vocab_size,
+              T = c->seq_length, E = c->num_experts;
+    const size_t N = (size_t)B * T;
+    m->max_B = B;
+    m->max_T = T;
+    int ok = 1;
+    m->params = must(be, R * m->table.total, &ok);
+    m->grads = must(be, R * m->table.total, &ok);
+    m->tokens = must(be, sizeof(int) * N, &ok);
+    m->targets = must(be, sizeof(int) * N, &ok);
+    m->res = calloc((size_t)L + 1, sizeof *m->res);
+    m->acts = calloc((size_t)L, sizeof *m->acts);
+    m->layer_aux = calloc((size_t)L, sizeof(double));
+    m->layer_z = calloc((size_t)L, sizeof(double));
+    if (!m->res || !m->acts || !m->layer_aux || !m->layer_z) {
+        moe_model_free(m);
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory creating the model");
+    }
+    for (int l = 0; l <= L; l++)
+        m->res[l] = must(be, R * N * H, &ok);
+    int max_ffn = 0; /* widest FFN intermediate, for the shared scratch */
+    for (int l = 0; l < L; l++) {
+        moe_layer_acts *a = &m->acts[l];
+        a->ln1 = must(be, R * N * H, &ok);
+        a->rstd1 = must(be, R * N, &ok);
+        a->q = must(be, R * N * Hq * D, &ok);
+        a->k = must(be, R * N * Hkv * D, &ok);
+        a->v = must(be, R * N * Hkv * D, &ok);
+        if (c->qk_layernorm) {
+            a->qn = must(be, R * N * Hq * D, &ok);
+            a->kn = must(be, R * N * Hkv * D, &ok);
+            a->q_rstd = must(be, R * N * Hq, &ok);
+            a->k_rstd = must(be, R * N * Hkv, &ok);
+        }
+        a->qr = must(be, R * N * Hq * D, &ok);
+        a->kr = must(be, R * N * Hkv * D, &ok);
+        a->att = must(be, R * (size_t)B * Hq * T * T, &ok);
+        a->y = must(be, R * N * Hq * D, &ok);
+        a->xmid = must(be, R * N * H, &ok);
+        a->ln2 = must(be, R * N * H, &ok);
+        a->rstd2 = must(be, R * N, &ok);
+        if (c->is_moe_layer[l]) {
+            moe_moe_dims d = moe_dims(m, (int)N, T);
+            moe_moe_acts_alloc(be, &a->moe, &d);
+        } else {
+            const int F = c->ffn_hidden_size;
+            a->dense_gu = must(be, R * N * 2 * F, &ok);
+            a->dense_act = must(be, R * N * F, &ok);
+            if (F > max_ffn)
+                max_ffn = F;
+        }
+    }
+    /* One workspace serves every FFN: size it for the MoE layers and the dense ones. */
+    {
+        moe_moe_dims d = moe_dims(m, (int)N, T);
+        if (E == 0) {
+            d.E = 1;
+            d.k = 1;
+            d.F = 0;
+        }
+        if (d.Fs < max_ffn)
+            d.Fs = max_ffn;
+        moe_moe_workspace_alloc(be, &m->ws, &d);
+    }
+    m->lnf = must(be, R * N * H, &ok);
+    m->rstdf = must(be, R * N, &ok);
+    m->logits = must(be, R * N * V, &ok);
+    m->losses = must(be, R * N, &ok);
+    const size_t QD = N * Hq * D, KD = N * Hkv * D;
+    m->d_res = must(be, R * N * H, &ok);
+    m->d_ln = must(be, R * N * H, &ok);
+    m->d_y = must(be, R * QD, &ok);
+    m->d_q = must(be, R * QD, &ok);
+    m->d_k = must(be, R * KD, &ok);
+    m->d_v = must(be, R * KD, &ok);
+    m->d_q2 = must(be, R * QD, &ok);
+    m->d_k2 = must(be, R * KD, &ok);
+    m->d_logits = must(be, R * N * V, &ok);
+    if (E > 0) {
+        m->expert_bias = must(be, sizeof(float) * (size_t)L * E, &ok);
+        m->expert_bias_host = calloc((size_t)L * E, sizeof(float));
+        m->load_counts = calloc((size_t)L * E, sizeof(long long));
+        if (!m->expert_bias_host || !m->load_counts)
+            ok = 0;
+    }
+    if (!ok) {
+        size_t np = m->table.total;
+        moe_model_free(m);
+        return moe_error_set(err, MOE_ERR_NOMEM,
+                             "out of memory allocating the model (%zu parameters, batch %d x %d); "
+                             "reduce --micro-batch-size, --seq-length or the model size",
+                             np, B, T);
+    }
+    *out = m;
+    return MOE_OK;
+}
+
+void moe_model_free(moe_model *m) {
+    if (!m)
+        return;
+    const moe_backend *be = m->be;
+    const int L = m->cfg.num_layers;
+    be->free(m->params);
+    be->free(m->grads);
+    be->free(m->tokens);
+    be->free(m->targets);
+    if (m->res)
+        for (int l = 0; l <= L; l++)
+            be->free(m->res[l]);
+    if (m->acts)
+        for (int l = 0; l < L; l++) {
+            moe_layer_acts *a = &m->acts[l];
+            be->free(a->ln1); be->free(a->rstd1); be->free(a->q); be->free(a->k); be->free(a->v);
+            be->free(a->qn); be->free(a->kn); be->free(a->q_rstd); be->free(a->k_rstd);
+            be->free(a->qr); be->free(a->kr); be->free(a->att); be->free(a->y);
+            be->free(a->xmid); be->free(a->ln2); be->free(a->rstd2);
+            be->free(a->dense_gu); be->free(a->dense_act);
+            if (a->moe.counts)
+                moe_moe_acts_free(be, &a->moe);
+        }
+    if (m->ws.yp)
+        moe_moe_workspace_free(be, &m->ws);
+    be->free(m->lnf); be->free(m->rstdf); be->free(m->logits); be->free(m->losses);
+    be->free(m->d_res); be->free(m->d_ln); be->free(m->d_y); be->free(m->d_q); be->free(m->d_k);
+    be->free(m->d_v); be->free(m->d_q2); be->free(m->d_k2); be->free(m->d_logits);
+    be->free(m->expert_bias);
+    free(m->expert_bias_host);
+    free(m->load_counts);
+    free(m->res);
+    free(m->acts);
+    free(m->layer_aux);
+    free(m->layer_z);
+    moe_params_free(&m->table);
+    free(m);
+}
+
+void moe_model_init(moe_model *m, uint64_t seed) {
+    moe_real *host = malloc(R * m->table.total);
+    MOE_ASSERT(host != NULL);
+    moe_params_init(&m->table, host, seed);
+    m->be->from_host(m->params, host, R * m->table.total);
+    free(host);
+    m->be->zero(m->grads, R * m->table.total);
+    if (m->expert_bias) {
+        size_t n = (size_t)m->cfg.num_layers * m->cfg.num_experts;
+        memset(m->expert_bias_host, 0, sizeof(float) * n);
+        m->be->zero(m->expert_bias, sizeof(float) * n);
+        memset(m->load_counts, 0, sizeof(long long) * n);
+    }
+}
+
+size_t moe_model_num_params(const moe_model *m) { return m->table.total; }
+
+size_t moe_model_num_active_params(const moe_model *m) {
+    const moe_config *c = &m->cfg;
+    size_t active = m->table.total;
+    for (int l = 0; l < c->num_layers; l++)
+        if (c->is_moe_layer[l]) {
+            /* of the E experts' weights, a token uses k */
+            size_t per_expert = (size_t)3 * c->moe_ffn_hidden_size * c->hidden_size;
+            active -= (size_t)(c->num_experts - c->moe_router_topk) * per_expert;
+        }
+    return active;
+}
+
+/* ----------------------------------------------------------------- forward */
+
+double moe_model_forward(moe_model *m, const int *tokens, const int *targets, int B, int T) {
+    const moe_backend *be = m->be;
+    const moe_config *c = &m->cfg;
+    MOE_ASSERT(B >= 1 && B <= m->max_B && T >= 1 && T <= m->max_T);
+    const int L = c->num_layers, H = c->hidden_size, D = c->head_dim,
+              Hq = c->num_attention_heads, Hkv = c->num_query_groups, V = c->vocab_size;
+    const int N = B * T;
+    m->B = B;
+    m->T = T;
+    be->from_host(m->tokens, tokens, sizeof(int) * N);
+    if (targets)
+        be->from_host(m->targets, targets, sizeof(int) * N);
+
+    be->embedding_forward(m->res[0], m->tokens, m->params + m->off_embed, N, H);
+    double aux = 0.0, z = 0.0;
+    for (int l = 0; l < L; l++) {
+        moe_layer_acts *a = &m->acts[l];
+        const moe_real *x = m->res[l];
+        /* attention block */
+        be->rmsnorm_forward(a->ln1, a->rstd1, x, P(m, l, MOE_W_LN1), N, H, c->norm_epsilon);
+        be->matmul_forward(a->q, a->ln1, P(m, l, MOE_W_Q), N, H, Hq * D);
+        be->matmul_forward(a->k, a->ln1, P(m, l, MOE_W_K), N, H, Hkv * D);
+        be->matmul_forward(a->v, a->ln1, P(m, l, MOE_W_V), N, H, Hkv * D);
+        const moe_real *qin = a->q, *kin = a->k;
+        if (c->qk_layernorm) { /* RMSNorm over each head vector (Qwen3) */
+            be->rmsnorm_forward(a->qn, a->q_rstd, a->q, P(m, l, MOE_W_QNORM), N * Hq, D,
+                                c->norm_epsilon);
+            be->rmsnorm_forward(a->kn, a->k_rstd, a->k, P(m, l, MOE_W_KNORM), N * Hkv, D,
+                                c->norm_epsilon);
+            qin = a->qn;
+            kin = a->kn;
+        }
+        be->rope_forward(a->qr, qin, B, T, Hq, D, c->rotary_base);
+        be->rope_forward(a->kr, kin, B, T, Hkv, D, c->rotary_base);
+        be->attention_forward(a->y, a->att, a->qr, a->kr, a->v, B, T, Hq, Hkv, D);
+        be->matmul_forward(a->xmid, a->y, P(m, l, MOE_W_O), N, Hq * D, H);
+        be->add(a->xmid, x, (size_t)N * H);
+        /* FFN block */
+        be->rmsnorm_forward(a->ln2, a->rstd2, a->xmid, P(m, l, MOE_W_LN2), N, H, c->norm_epsilon);
+        moe_real *ffn_out = m->res[l + 1];
+        if (c->is_moe_layer[l]) {
+            moe_moe_dims d = moe_dims(m, N, T);
+            moe_moe_weights w = moe_weights(m, l, 0);
+            moe_moe_forward(be, ffn_out, a->ln2, &w,
+                            c->moe_router_enable_expert_bias
+                                ? m->expert_bias + (size_t)l * c->num_experts
+                                : NULL,
+                            &d, &a->moe, &m->ws);
+            m->layer_aux[l] = a->moe.aux_loss;
+            m->layer_z[l] = a->moe.z_loss;
+            aux += a->moe.aux_loss;
+            z += a->moe.z_loss;
+            for (int e = 0; e < c->num_experts; e++)
+                m->load_counts[(size_t)l * c->num_experts + e] += a->moe.counts[e];
+        } else {
+            moe_mlp_forward(be, ffn_out, a->dense_gu, a->dense_act, NULL, a->ln2, NULL,
+                            P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2), N, H, c->ffn_hidden_size);
+            m->layer_aux[l] = m->layer_z[l] = 0.0;
+        }
+        be->add(ffn_out, a->xmid, (size_t)N * H);
+    }
+    be->rmsnorm_forward(m->lnf, m->rstdf, m->res[L], m->params + m->off_final_norm, N, H,
+                        c->norm_epsilon);
+    be->matmul_forward(m->logits, m->lnf, m->params + m->off_lm_head, N, H, V);
+    if (!targets) {
+        memset(&m->last, 0, sizeof m->last);
+        return 0.0;
+    }
+    be->cross_entropy_forward(m->losses, m->logits, m->targets, N, V);
+    moe_real *host = malloc(R * N);
+    MOE_ASSERT(host != NULL);
+    be->to_host(host, m->losses, R * N);
+    double ce = 0.0;
+    for (int n = 0; n < N; n++)
+        ce += host[n];
+    free(host);
+    m->last.ce = ce / N;
+    m->last.aux = aux;
+    m->last.z = z;
+    m->last.total = m->last.ce + aux + z;
+    return m->last.total;
+}
+
+/* ---------------------------------------------------------------- backward */
+
+void moe_model_backward(moe_model *m, double loss_scale) {
+    const moe_backend *be = m->be;
+    const moe_config *c = &m->cfg;
+    const int L = c->num_layers, H = c->hidden_size, D = c->head_dim,
+              Hq = c->num_attention_heads, Hkv = c->num_query_groups, V = c->vocab_size;
+    const int B = m->B, T = m->T, N = B * T;
+    const size_t QD = (size_t)N * Hq * D, KD = (size_t)N * Hkv * D;
+
+    /* loss → logits → final norm */
+    be->zero(m->d_logits, R * (size_t)N * V);
+    be->cross_entropy_backward(m->d_logits, NULL, m->logits, m->targets, N, V);
+    if (loss_scale != 1.0)
+        be->scale(m->d_logits, loss_scale, (size_t)N * V);
+    be->zero(m->d_ln, R * (size_t)N * H);
+    be->matmul_backward(m->d_ln, m->grads + m->off_lm_head, m->d_logits, m->lnf,
+                        m->params + m->off_lm_head, N, H, V);
+    be->zero(m->d_res, R * (size_t)N * H);
+    be->rmsnorm_backward(m->d_res, m->grads + m->off_final_norm, m->d_ln, m->res[L],
+                         m->params + m->off_final_norm, m->rstdf, N, H);
+
+    /* d_res holds ∂L/∂res[l+1]; each block adds its branch's gradient into it in place,
+     * leaving ∂L/∂res[l] (the residual connection passes the gradient through unchanged). */
+    for (int l = L - 1; l >= 0; l--) {
+        moe_layer_acts *a = &m->acts[l];
+        const moe_real *x = m->res[l];
+        /* FFN block: res[l+1] = xmid + ffn(ln2(xmid)) */
+        be->zero(m->d_ln, R * (size_t)N * H);
+        if (c->is_moe_layer[l]) {
+            moe_moe_dims d = moe_dims(m, N, T);
+            moe_moe_weights w = moe_weights(m, l, 0), g = moe_weights(m, l, 1);
+            moe_moe_backward(be, m->d_ln, &g, m->d_res, a->ln2, &w, &d, &a->moe, &m->ws,
+                             loss_scale);
+        } else {
+            moe_mlp_backward(be, m->d_ln, G(m, l, MOE_W_FC1), G(m, l, MOE_W_FC2), NULL, m->d_res,
+                             a->ln2, a->dense_gu, a->dense_act, NULL, P(m, l, MOE_W_FC1),
+                             P(m, l, MOE_W_FC2), m->ws.h, m->ws.dh, m->ws.dgu, N, H,
+                             c->ffn_hidden_size);
+        }
+        be->rmsnorm_backward(m->d_res, G(m, l, MOE_W_LN2), m->d_ln, a->xmid, P(m, l, MOE_W_LN2),
+                             a->rstd2, N, H);
+        /* attention block: xmid = x + attn(ln1(x)) */
+        be->zero(m->d_y, R * QD);
+        be->matmul_backward(m->d_y, G(m, l, MOE_W_O), m->d_res, a->y, P(m, l, MOE_W_O), N,
+                            Hq * D, H);
+        be->zero(m->d_q, R * QD);
+        be->zero(m->d_k, R * KD);
+        be->zero(m->d_v, R * KD);
+        be->attention_backward(m->d_q, m->d_k, m->d_v, m->d_y, a->att, a->qr, a->kr, a->v, B, T,
+                               Hq, Hkv, D);
+        be->zero(m->d_q2, R * QD);
+        be->zero(m->d_k2, R * KD);
+        be->rope_backward(m->d_q2, m->d_q, B, T, Hq, D, c->rotary_base);
+        be->rope_backward(m->d_k2, m->d_k, B, T, Hkv, D, c->rotary_base);
+        moe_real *dq = m->d_q2, *dk = m->d_k2;
+        if (c->qk_layernorm) {
+            be->zero(m->d_q, R * QD);
+            be->zero(m->d_k, R * KD);
+            be->rmsnorm_backward(m->d_q, G(m, l, MOE_W_QNORM), m->d_q2, a->q,
+                                 P(m, l, MOE_W_QNORM), a->q_rstd, N * Hq, D);
+            be->rmsnorm_backward(m->d_k, G(m, l, MOE_W_KNORM), m->d_k2, a->k,
+                                 P(m, l, MOE_W_KNORM), a->k_rstd, N * Hkv, D);
+            dq = m->d_q;
+            dk = m->d_k;
+        }
+        be->zero(m->d_ln, R * (size_t)N * H);
+        be->matmul_backward(m->d_ln, G(m, l, MOE_W_Q), dq, a->ln1, P(m, l, MOE_W_Q), N, H, Hq * D);
+        be->matmul_backward(m->d_ln, G(m, l, MOE_W_K), dk, a->ln1, P(m, l, MOE_W_K), N, H,
+                            Hkv * D);
+        be->matmul_backward(m->d_ln, G(m, l, MOE_W_V), m->d_v, a->ln1, P(m, l, MOE_W_V), N, H,
+                            Hkv * D);
+        be->rmsnorm_backward(m->d_res, G(m, l, MOE_W_LN1), m->d_ln, x, P(m, l, MOE_W_LN1),
+                             a->rstd1, N, H);
+    }
+    be->embedding_backward(m->grads + m->off_embed, m->d_res, m->tokens, N, V, H);
+}
+
+void moe_model_zero_grad(moe_model *m) { m->be->zero(m->grads, R * m->table.total); }
+
+void moe_model_update_expert_bias(moe_model *m) {
+    const moe_config *c = &m->cfg;
+    if (!c->moe_router_enable_expert_bias || c->num_experts == 0)
+        return;
+    const int E = c->num_experts;
+    for (int l = 0; l < c->num_layers; l++)
+        if (c->is_moe_layer[l])
+            moe_expert_bias_update(m->expert_bias_host + (size_t)l * E,
+                                   m->load_counts + (size_t)l * E, E,
+                                   c->moe_router_bias_update_rate);
+    m->be->from_host(m->expert_bias, m->expert_bias_host, sizeof(float) * (size_t)c->num_layers * E);
+}
+
+void moe_model_reset_load_counts(moe_model *m) {
+    if (m->load_counts)
+        memset(m->load_counts, 0,
+               sizeof(long long) * (size_t)m->cfg.num_layers * m->cfg.num_experts);
+}

@@ -1,0 +1,170 @@
+/**
+ * @file model.h
+ * @brief The decoder-only MoE transformer (BRIEF §4): parameters, forward, backward.
+ *
+ * token embedding → L × [ RMSNorm → causal GQA attention with RoPE (optional
+ * QK-norm) → residual → RMSNorm → MoE FFN (or dense SwiGLU FFN) → residual ]
+ * → final RMSNorm → LM head → cross-entropy.
+ *
+ * The model is written against the op table of backend.h and so runs on any
+ * backend; its parameters, gradients and activations live in that backend's
+ * memory. The training loss is
+ *     L = CE + Σ_layers (aux_loss + z_loss),
+ * and moe_model_backward() accumulates the gradient of `loss_scale · L`.
+ */
+#ifndef MOE_MODEL_H
+#define MOE_MODEL_H
+
+#include <stdint.h>
+
+#include "backend.h"
+#include "config.h"
+#include "moe_layer.h"
+#include "params.h"
+
+/** Per-layer weight slots (offsets into the parameter buffer). */
+typedef enum moe_layer_weight {
+    MOE_W_LN1,        /**< attention RMSNorm [H] */
+    MOE_W_Q,          /**< query projection [Hq·D, H] */
+    MOE_W_K,          /**< key projection [Hkv·D, H] */
+    MOE_W_V,          /**< value projection [Hkv·D, H] */
+    MOE_W_O,          /**< output projection [H, Hq·D] */
+    MOE_W_QNORM,      /**< QK-norm of queries [D] */
+    MOE_W_KNORM,      /**< QK-norm of keys [D] */
+    MOE_W_LN2,        /**< FFN RMSNorm [H] */
+    MOE_W_ROUTER,     /**< router [E, H] */
+    MOE_W_FC1,        /**< expert fc1 [E, 2F, H], or dense fc1 [2F, H] */
+    MOE_W_FC2,        /**< expert fc2 [E, H, F], or dense fc2 [H, F] */
+    MOE_W_SHARED_FC1, /**< shared expert fc1 [2Fs, H] */
+    MOE_W_SHARED_FC2, /**< shared expert fc2 [H, Fs] */
+    MOE_W_COUNT       /**< number of slots */
+} moe_layer_weight;
+
+/** Marks a slot the layer does not have. */
+#define MOE_NO_WEIGHT ((size_t)-1)
+
+/** Activations one layer saves for its backward. */
+typedef struct moe_layer_acts {
+    moe_real *ln1;                /**< attention norm output [N,H] */
+    moe_real *rstd1;              /**< its 1/rms per row [N] */
+    moe_real *q;                  /**< query projection [N,Hq·D] */
+    moe_real *k;                  /**< key projection [N,Hkv·D] */
+    moe_real *v;                  /**< value projection [N,Hkv·D] */
+    moe_real *qn;                 /**< queries after QK-norm (when enabled) */
+    moe_real *kn;                 /**< keys after QK-norm (when enabled) */
+    moe_real *q_rstd;             /**< QK-norm 1/rms of queries [N·Hq] */
+    moe_real *k_rstd;             /**< QK-norm 1/rms of keys [N·Hkv] */
+    moe_real *qr;                 /**< queries after RoPE */
+    moe_real *kr;                 /**< keys after RoPE */
+    moe_real *att;                /**< attention probabilities [B,Hq,T,T] */
+    moe_real *y;                  /**< attention output [N,Hq·D] */
+    moe_real *xmid;               /**< residual after attention [N,H] */
+    moe_real *ln2;                /**< FFN norm output [N,H] */
+    moe_real *rstd2;              /**< its 1/rms per row [N] */
+    moe_moe_acts moe;             /**< MoE FFN saved state (MoE layers) */
+    moe_real *dense_gu;           /**< dense FFN fc1 output [N,2F] (dense layers) */
+    moe_real *dense_act;          /**< dense FFN SwiGLU output [N,F] (dense layers) */
+} moe_layer_acts;
+
+/** Losses of the last forward. */
+typedef struct moe_losses {
+    double ce;      /**< mean cross-entropy */
+    double aux;     /**< Σ over layers of the load-balancing loss */
+    double z;       /**< Σ over layers of the z-loss */
+    double total;   /**< ce + aux + z */
+} moe_losses;
+
+/** The model. */
+typedef struct moe_model {
+    moe_config cfg;               /**< validated configuration (a copy) */
+    const moe_backend *be;        /**< where everything lives and runs */
+    moe_param_table table;        /**< names, shapes, offsets */
+    moe_real *params;             /**< [table.total] */
+    moe_real *grads;              /**< [table.total] */
+    size_t off_embed;             /**< offset of the embedding [V,H] */
+    size_t off_final_norm;        /**< offset of the final norm [H] */
+    size_t off_lm_head;           /**< offset of the LM head [V,H] */
+    size_t off[MOE_MAX_LAYERS][MOE_W_COUNT];       /**< per-layer tensors */
+    float *expert_bias;           /**< [L·E] aux-loss-free selection bias (backend memory) */
+    float *expert_bias_host;      /**< host mirror of expert_bias */
+    long long *load_counts;       /**< host [L·E] tokens per expert since the last reset */
+    int max_B;                    /**< allocated batch */
+    int max_T;                    /**< allocated sequence length */
+    int B;                        /**< batch of the last forward */
+    int T;                        /**< sequence length of the last forward */
+    int *tokens;                  /**< input ids, backend [B·T] */
+    int *targets;                 /**< target ids, backend [B·T] */
+    moe_real **res;               /**< residual stream: res[l] is layer l's input, [L+1][N,H] */
+    moe_layer_acts *acts;         /**< [L] */
+    moe_real *lnf;                /**< final norm output [N,H] */
+    moe_real *rstdf;              /**< its 1/rms [N] */
+    moe_real *logits;             /**< [N,V] */
+    moe_real *losses;             /**< [N] per-token cross-entropy */
+    moe_moe_workspace ws;         /**< MoE/FFN scratch */
+    moe_real *d_res;              /**< ∂L/∂residual stream [N,H] */
+    moe_real *d_ln;               /**< ∂L/∂norm output [N,H] */
+    moe_real *d_y;                /**< ∂L/∂attention output [N,Hq·D] */
+    moe_real *d_q;                /**< ∂L/∂queries [N,Hq·D] */
+    moe_real *d_k;                /**< ∂L/∂keys [N,Hkv·D] */
+    moe_real *d_v;                /**< ∂L/∂values [N,Hkv·D] */
+    moe_real *d_q2;               /**< second query-gradient buffer (RoPE/QK-norm) */
+    moe_real *d_k2;               /**< second key-gradient buffer */
+    moe_real *d_logits;           /**< ∂L/∂logits [N,V] */
+    moe_losses last;              /**< losses of the last forward */
+    double *layer_aux;            /**< [L] per-layer aux loss of the last forward */
+    double *layer_z;              /**< [L] per-layer z-loss of the last forward */
+} moe_model;
+
+/**
+ * @brief Build the model for a validated config: lay out the parameters and allocate
+ *        parameters, gradients and activations for batches of up to @p B × cfg->seq_length.
+ * @param out receives the model  @param cfg validated config (vocab_size set)
+ * @param be backend  @param B largest micro-batch  @param err receives the reason on failure
+ * @return ::MOE_OK or ::MOE_ERR_NOMEM
+ */
+moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_backend *be, int B,
+                            moe_error *err);
+
+/** @brief Free the model. @param m model (NULL: no-op) */
+void moe_model_free(moe_model *m);
+
+/**
+ * @brief Initialise every parameter from the counter-based RNG (same values on every backend).
+ * @param m model  @param seed seed
+ */
+void moe_model_init(moe_model *m, uint64_t seed);
+
+/** @brief Number of parameters (all experts). @param m model @return count */
+size_t moe_model_num_params(const moe_model *m);
+
+/** @brief Parameters a token uses: experts counted k of E. @param m model @return count */
+size_t moe_model_num_active_params(const moe_model *m);
+
+/**
+ * @brief Forward pass over B sequences of T tokens (host token ids).
+ * @param m model  @param tokens host [B·T]  @param targets host [B·T] or NULL (no loss)
+ * @param B sequences (≤ allocated)  @param T tokens per sequence (≤ seq_length)
+ * @return the total loss (CE + aux + z), or 0 when @p targets is NULL; details in m->last
+ */
+double moe_model_forward(moe_model *m, const int *tokens, const int *targets, int B, int T);
+
+/**
+ * @brief Backward of the last forward (which must have had targets): grads += loss_scale·∇L.
+ * @param m model  @param loss_scale 1/(gradient-accumulation steps)
+ */
+void moe_model_backward(moe_model *m, double loss_scale);
+
+/** @brief Set every gradient to zero. @param m model */
+void moe_model_zero_grad(moe_model *m);
+
+/**
+ * @brief Aux-loss-free balancing: update every MoE layer's expert bias from m->load_counts
+ *        (call once per global batch, then reset the counts). No-op unless the bias is enabled.
+ * @param m model
+ */
+void moe_model_update_expert_bias(moe_model *m);
+
+/** @brief Zero m->load_counts. @param m model */
+void moe_model_reset_load_counts(moe_model *m);
+
+#endif /* MOE_MODEL_H */

@@ -1,0 +1,109 @@
+/**
+ * @file moe_layer.h
+ * @brief The MoE FFN layer, chapter 01's naive version: route, permute, loop over experts, combine.
+ *
+ * Forward, for N tokens x [N,H]:
+ *  1. router logits z = x·W_rᵀ [N,E] (fp32), routing → top-k experts and weights;
+ *  2. load-balancing aux loss and z-loss from z (they join the training loss);
+ *  3. permute: the N·k assignments sorted by expert, each token copied to its k rows;
+ *  4. **the naive loop**: for each expert e, run its SwiGLU MLP on its rows, with the
+ *     routing weight applied after the activation;
+ *  5. unpermute: each token's output is the plain sum of its k expert rows;
+ *  6. plus the shared expert (if any) applied to every token.
+ * Backward runs the exact reverse. Step 4 launches 2·E small GEMMs forward and
+ * 4·E backward, each sized by a host-side count — the thing chapter 03 fixes.
+ */
+#ifndef MOE_MOE_LAYER_H
+#define MOE_MOE_LAYER_H
+
+#include "backend.h"
+#include "config.h"
+
+/** Sizes and settings of one MoE layer. */
+typedef struct moe_moe_dims {
+    int N;                      /**< tokens (B·T) */
+    int T;                      /**< sequence length (groups of the per-sequence aux loss) */
+    int H;                      /**< hidden size */
+    int E;                      /**< experts */
+    int k;                      /**< top-k */
+    int F;                      /**< expert intermediate size */
+    int Fs;                     /**< shared expert intermediate size (0 = none) */
+    moe_router_params router;   /**< router settings */
+    moe_lb_type lb_type;        /**< aux loss type */
+    double aux_coeff;           /**< aux loss coefficient */
+    double z_coeff;             /**< z-loss coefficient */
+} moe_moe_dims;
+
+/** The layer's weights (views into the parameter buffer) or their gradients. */
+typedef struct moe_moe_weights {
+    moe_real *router;      /**< [E,H] */
+    moe_real *fc1;         /**< [E,2F,H] */
+    moe_real *fc2;         /**< [E,H,F] */
+    moe_real *shared_fc1;  /**< [2Fs,H] or NULL */
+    moe_real *shared_fc2;  /**< [H,Fs] or NULL */
+} moe_moe_weights;
+
+/** What the forward saves for the backward (sized for N tokens). */
+typedef struct moe_moe_acts {
+    moe_real *logits;     /**< [N,E] router logits */
+    int *topk_idx;        /**< [N,k] selected experts */
+    moe_real *topk_w;     /**< [N,k] routing weights */
+    int *perm_src;        /**< [N·k] assignment at each permuted row */
+    int *row_of;          /**< [N·k] permuted row of each assignment */
+    moe_real *wp;         /**< [N·k] routing weight of each permuted row */
+    moe_real *xp;         /**< [N·k,H] permuted inputs */
+    moe_real *gu;         /**< [N·k,2F] expert fc1 outputs */
+    moe_real *act;        /**< [N·k,F] expert SwiGLU outputs */
+    moe_real *shared_gu;  /**< [N,2Fs] */
+    moe_real *shared_act; /**< [N,Fs] */
+    int *expert_offset;   /**< host [E+1]: expert e owns permuted rows [off[e], off[e+1]) */
+    long long *counts;    /**< host [E]: tokens per expert, this forward */
+    double aux_loss;      /**< load-balancing loss of this forward */
+    double z_loss;        /**< z-loss of this forward */
+} moe_moe_acts;
+
+/** Scratch shared by all MoE layers (only one runs at a time). */
+typedef struct moe_moe_workspace {
+    moe_real *yp;       /**< [N·k,H] expert outputs, permuted */
+    moe_real *dyp;      /**< [N·k,H] */
+    moe_real *dxp;      /**< [N·k,H] */
+    moe_real *dwp;      /**< [N·k] */
+    moe_real *dtopk_w;  /**< [N·k] */
+    moe_real *dlogits;  /**< [N,E] */
+    moe_real *h;        /**< [max(N·k,N), max(F,Fs)] */
+    moe_real *dh;       /**< [max(N·k,N), max(F,Fs)] */
+    moe_real *dgu;      /**< [max(N·k,N), 2·max(F,Fs)] */
+} moe_moe_workspace;
+
+/** @brief Allocate the saved activations for @p d. @param be backend @param a acts @param d dims */
+void moe_moe_acts_alloc(const moe_backend *be, moe_moe_acts *a, const moe_moe_dims *d);
+/** @brief Free them. @param be backend @param a acts */
+void moe_moe_acts_free(const moe_backend *be, moe_moe_acts *a);
+/** @brief Allocate the workspace for @p d. @param be backend @param w workspace @param d dims */
+void moe_moe_workspace_alloc(const moe_backend *be, moe_moe_workspace *w, const moe_moe_dims *d);
+/** @brief Free it. @param be backend @param w workspace */
+void moe_moe_workspace_free(const moe_backend *be, moe_moe_workspace *w);
+
+/**
+ * @brief Forward of the MoE FFN for @p N tokens (N ≤ the allocated size; N a multiple of T).
+ * @param be backend  @param out [N,H] (overwritten)  @param x [N,H] input  @param w weights
+ * @param expert_bias [E] fp32 selection bias or NULL  @param d dims (d->N is used)
+ * @param a saved activations  @param ws workspace
+ */
+void moe_moe_forward(const moe_backend *be, moe_real *out, const moe_real *x,
+                     const moe_moe_weights *w, const float *expert_bias, const moe_moe_dims *d,
+                     moe_moe_acts *a, moe_moe_workspace *ws);
+
+/**
+ * @brief Backward of the MoE FFN (gradients accumulate). The aux and z losses enter with
+ *        weight @p loss_scale (1/gradient-accumulation steps).
+ * @param be backend  @param dx [N,H]  @param g weight gradients  @param dout [N,H]
+ * @param x forward input  @param w weights  @param d dims  @param a saved activations
+ * @param ws workspace  @param loss_scale weight of the aux/z losses in the total loss
+ */
+void moe_moe_backward(const moe_backend *be, moe_real *dx, const moe_moe_weights *g,
+                      const moe_real *dout, const moe_real *x, const moe_moe_weights *w,
+                      const moe_moe_dims *d, const moe_moe_acts *a, moe_moe_workspace *ws,
+                      double loss_scale);
+
+#endif /* MOE_MOE_LAYER_H */

@@ -1,0 +1,78 @@
+/* The parameter table: see params.h. */
+#include "params.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rng.h"
+
+size_t moe_params_add(moe_param_table *pt, const char *name, int ndim, int s0, int s1, int s2,
+                      moe_init init, double std, int decay) {
+    if (pt->n == pt->cap) {
+        pt->cap = pt->cap ? 2 * pt->cap : 64;
+        pt->t = realloc(pt->t, sizeof *pt->t * (size_t)pt->cap);
+        MOE_ASSERT(pt->t != NULL);
+    }
+    MOE_ASSERT(ndim >= 1 && ndim <= 3 && strlen(name) < sizeof pt->t[0].name);
+    MOE_ASSERT(moe_params_find(pt, name) == NULL);
+    moe_tensor *t = &pt->t[pt->n++];
+    memset(t, 0, sizeof *t);
+    snprintf(t->name, sizeof t->name, "%s", name);
+    t->ndim = ndim;
+    int s[3] = {s0, s1, s2};
+    t->numel = 1;
+    for (int i = 0; i < ndim; i++) {
+        t->shape[i] = s[i];
+        t->numel *= (size_t)s[i];
+    }
+    t->offset = pt->total;
+    t->init = init;
+    t->std = std;
+    t->decay = decay;
+    pt->total += t->numel;
+    return t->offset;
+}
+
+const moe_tensor *moe_params_find(const moe_param_table *pt, const char *name) {
+    for (int i = 0; i < pt->n; i++)
+        if (!strcmp(pt->t[i].name, name))
+            return &pt->t[i];
+    return NULL;
+}
+
+uint64_t moe_hash_name(const char *s) {
+    uint64_t h = 14695981039346656037ull; /* FNV-1a 64-bit offset basis */
+    for (; *s; s++) {
+        h ^= (unsigned char)*s;
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+void moe_params_init(const moe_param_table *pt, moe_real *params, uint64_t seed) {
+    for (int i = 0; i < pt->n; i++) {
+        const moe_tensor *t = &pt->t[i];
+        moe_real *p = params + t->offset;
+        uint64_t stream = moe_hash_name(t->name);
+        switch (t->init) {
+        case MOE_INIT_ONES:
+            for (size_t j = 0; j < t->numel; j++)
+                p[j] = 1;
+            break;
+        case MOE_INIT_ZEROS:
+            memset(p, 0, sizeof *p * t->numel);
+            break;
+        case MOE_INIT_NORMAL:
+#pragma omp parallel for schedule(static)
+            for (size_t j = 0; j < t->numel; j++)
+                p[j] = (moe_real)(t->std * moe_rng_normal(seed, stream, j));
+            break;
+        }
+    }
+}
+
+void moe_params_free(moe_param_table *pt) {
+    free(pt->t);
+    memset(pt, 0, sizeof *pt);
+}

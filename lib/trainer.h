@@ -1,0 +1,77 @@
+/**
+ * @file trainer.h
+ * @brief The training loop as a library: data + model + optimizer, one step at a time.
+ *
+ * Programs (bin/moe-train, chapter programs) and tests share this, so "the
+ * loss falls" and "same seed, same losses" are tested on the exact code users run.
+ */
+#ifndef MOE_TRAINER_H
+#define MOE_TRAINER_H
+
+#include "backend.h"
+#include "config.h"
+#include "data.h"
+#include "model.h"
+#include "optimizer.h"
+
+/** Everything a run holds. */
+typedef struct moe_trainer {
+    moe_config cfg;        /**< validated configuration */
+    moe_dataset data;      /**< tokenized text */
+    moe_model *model;      /**< the model */
+    moe_adamw opt;         /**< optimizer state */
+    int step;              /**< optimizer steps taken */
+    int *inputs;           /**< host [micro·T] */
+    int *targets;          /**< host [micro·T] */
+} moe_trainer;
+
+/** What one optimizer step did. */
+typedef struct moe_step_stats {
+    int step;              /**< the step's index (0-based) */
+    double loss;           /**< mean total loss over the micro-batches */
+    double ce;             /**< mean cross-entropy */
+    double aux;            /**< mean Σ-over-layers load-balancing loss */
+    double z;              /**< mean Σ-over-layers z-loss */
+    double lr;             /**< learning rate used */
+    double grad_norm;      /**< global gradient norm before clipping */
+    double seconds;        /**< wall time of the step */
+    double tokens;         /**< tokens processed */
+    long long load_min;    /**< fewest tokens any expert of any MoE layer received */
+    long long load_max;    /**< most tokens any expert received */
+    double load_mean;      /**< mean tokens per expert (= tokens·k/E) */
+} moe_step_stats;
+
+/**
+ * @brief Load the data, validate the config against it, choose the backend, build and
+ *        initialise the model and optimizer.
+ * @param out receives the trainer  @param cfg parsed (not yet validated) config
+ * @param err receives the reason on failure (bad flag values, missing data, no backend, …)
+ * @return ::MOE_OK or the error's code
+ */
+moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, moe_error *err);
+
+/** @brief Free everything. @param t trainer (NULL: no-op) */
+void moe_trainer_free(moe_trainer *t);
+
+/**
+ * @brief One optimizer step: global/micro micro-batches forward+backward, clip, AdamW,
+ *        expert-bias update.
+ * @param t trainer  @param st receives the step's statistics
+ */
+void moe_trainer_step(moe_trainer *t, moe_step_stats *st);
+
+/**
+ * @brief Mean cross-entropy over @p iters fixed batches of @p split (the same batches every call).
+ * @param t trainer  @param split train or val  @param iters batches
+ * @return mean cross-entropy
+ */
+double moe_trainer_evaluate(moe_trainer *t, moe_split split, int iters);
+
+/**
+ * @brief Generate @p n characters after a newline, sampling with temperature.
+ * @param t trainer  @param n characters  @param temperature > 0  @param seed sampling seed
+ * @param out receives n bytes and a terminating zero (size n+1)
+ */
+void moe_trainer_sample(moe_trainer *t, int n, double temperature, uint64_t seed, char *out);
+
+#endif /* MOE_TRAINER_H */

@@ -1,0 +1,173 @@
+/*
+ * moe-train: train a Mixture-of-Experts transformer on a text file.
+ *
+ *   bin/moe-train                      # the default small MoE on tinyshakespeare
+ *   bin/moe-train --help               # every flag, its default and meaning
+ *
+ * Prints one line per --log-interval steps (loss, step time, tokens/s, expert
+ * load), the validation loss every --eval-interval steps, a text sample at the
+ * end, and (with --metrics-file) one JSON object per event.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "config.h"
+#include "log.h"
+#include "metrics.h"
+#include "timer.h"
+#include "trainer.h"
+
+static void print_config(const moe_trainer *t) {
+    const moe_config *c = &t->cfg;
+    const moe_model *m = t->model;
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    int moe_layers = 0;
+    for (int l = 0; l < c->num_layers; l++)
+        moe_layers += c->is_moe_layer[l];
+    moe_log_info("moe.c | data %s (%zu tokens: %zu train, %zu val, vocab %d, %s tokenizer)",
+                 t->data.path, t->data.n_tokens, t->data.n_train,
+                 t->data.n_tokens - t->data.n_train, c->vocab_size, c->tokenizer_type);
+    moe_log_info("model | %d layers (%d MoE), hidden %d, %d heads / %d kv groups, head dim %d%s",
+                 c->num_layers, moe_layers, c->hidden_size, c->num_attention_heads,
+                 c->num_query_groups, c->head_dim, c->qk_layernorm ? ", qk-norm" : "");
+    if (moe_layers > 0)
+        moe_log_info("moe   | %d experts x SwiGLU %d, top-%d, router %s%s%s, aux %s %.3g, z-loss "
+                     "%.3g%s%s",
+                     c->num_experts, c->moe_ffn_hidden_size, c->moe_router_topk,
+                     c->moe_router_score_function, c->moe_router_pre_softmax ? " (pre-softmax)" : "",
+                     c->moe_router_num_groups ? " (group-limited)" : "",
+                     c->moe_router_load_balancing_type, c->moe_aux_loss_coeff, c->moe_z_loss_coeff,
+                     c->moe_router_enable_expert_bias ? ", expert bias" : "",
+                     c->moe_shared_expert_intermediate_size ? ", shared expert" : "");
+    moe_log_info("params| %.3fM total, %.3fM active per token", moe_model_num_params(m) / 1e6,
+                 moe_model_num_active_params(m) / 1e6);
+    moe_log_info("train | %d steps x %d sequences x %d tokens, lr %g -> %g (%s, %d warmup), "
+                 "device %s, %d threads",
+                 c->train_iters, c->global_batch_size, c->seq_length, c->lr, c->min_lr,
+                 c->lr_decay_style, c->lr_warmup_iters, m->be->name, threads);
+}
+
+static void write_config_metrics(moe_metrics *mx, const moe_trainer *t) {
+    int n;
+    const moe_flag *flags = moe_config_flags(&n);
+    moe_metrics_begin(mx, "config");
+    for (int i = 0; i < n; i++) {
+        char v[MOE_FLAG_STR_LEN + 32];
+        moe_flags_format_value(&flags[i], &t->cfg, v, sizeof v);
+        moe_metrics_str(mx, flags[i].name, v);
+    }
+    moe_metrics_int(mx, "vocab_size", t->cfg.vocab_size);
+    moe_metrics_int(mx, "num_params", (long long)moe_model_num_params(t->model));
+    moe_metrics_int(mx, "num_active_params", (long long)moe_model_num_active_params(t->model));
+    moe_metrics_str(mx, "device", t->model->be->name);
+    moe_metrics_end(mx);
+}
+
+static void evaluate(moe_trainer *t, moe_metrics *mx, int step, double elapsed) {
+    double val = moe_trainer_evaluate(t, MOE_SPLIT_VAL, t->cfg.eval_iters);
+    double train = moe_trainer_evaluate(t, MOE_SPLIT_TRAIN, t->cfg.eval_iters);
+    moe_log_info("eval  | step %5d | train loss %.4f | val loss %.4f | %.1f s elapsed", step, train,
+                 val, elapsed);
+    moe_metrics_begin(mx, "eval");
+    moe_metrics_int(mx, "step", step);
+    moe_metrics_num(mx, "train_loss", train);
+    moe_metrics_num(mx, "val_loss", val);
+    moe_metrics_num(mx, "elapsed_s", elapsed);
+    moe_metrics_end(mx);
+}
+
+int main(int argc, char **argv) {
+    moe_config cfg;
+    moe_error err;
+    moe_error_clear(&err);
+    moe_config_defaults(&cfg);
+    moe_status s = moe_config_parse(&cfg, argc, argv, &err);
+    if (s == MOE_ERR_HELP) {
+        moe_config_print_help(stdout, "moe-train");
+        return 0;
+    }
+    if (s != MOE_OK) {
+        moe_log_error("%s", err.msg);
+        return 2;
+    }
+    moe_trainer *t = NULL;
+    s = moe_trainer_create(&t, &cfg, &err);
+    if (s != MOE_OK) {
+        moe_log_error("%s", err.msg);
+        return s == MOE_ERR_CONFIG || s == MOE_ERR_FLAG ? 2 : 1;
+    }
+    moe_metrics *mx = NULL;
+    if (t->cfg.metrics_file[0] && moe_metrics_open(&mx, t->cfg.metrics_file, &err) != MOE_OK) {
+        moe_log_error("%s", err.msg);
+        moe_trainer_free(t);
+        return 1;
+    }
+    print_config(t);
+    write_config_metrics(mx, t);
+
+    const moe_config *c = &t->cfg;
+    moe_timer total;
+    moe_timer_start(&total);
+    double train_s = 0.0, tokens = 0.0, window_s = 0.0, window_tok = 0.0;
+    for (int step = 0; step < c->train_iters; step++) {
+        moe_step_stats st;
+        moe_trainer_step(t, &st);
+        train_s += st.seconds;
+        tokens += st.tokens;
+        window_s += st.seconds;
+        window_tok += st.tokens;
+        moe_metrics_begin(mx, "train");
+        moe_metrics_int(mx, "step", step + 1);
+        moe_metrics_num(mx, "loss", st.loss);
+        moe_metrics_num(mx, "ce", st.ce);
+        moe_metrics_num(mx, "aux_loss", st.aux);
+        moe_metrics_num(mx, "z_loss", st.z);
+        moe_metrics_num(mx, "lr", st.lr);
+        moe_metrics_num(mx, "grad_norm", st.grad_norm);
+        moe_metrics_num(mx, "step_s", st.seconds);
+        moe_metrics_num(mx, "tokens_per_s", st.tokens / st.seconds);
+        moe_metrics_int(mx, "expert_load_min", st.load_min);
+        moe_metrics_int(mx, "expert_load_max", st.load_max);
+        moe_metrics_num(mx, "expert_load_mean", st.load_mean);
+        moe_metrics_end(mx);
+        if ((step + 1) % c->log_interval == 0 || step == 0 || step + 1 == c->train_iters) {
+            double eta = (c->train_iters - step - 1) * (train_s / (step + 1));
+            char load[96] = "";
+            if (st.load_mean > 0)
+                snprintf(load, sizeof load, " | experts min/mean/max %lld/%.0f/%lld",
+                         st.load_min, st.load_mean, st.load_max);
+            moe_log_info("step %5d/%d | loss %.4f (ce %.4f aux %.4f z %.4f) | lr %.2e | norm "
+                         "%.2f | %.0f ms | %.0f tok/s%s | eta %.0f s",
+                         step + 1, c->train_iters, st.loss, st.ce, st.aux, st.z, st.lr,
+                         st.grad_norm, 1000 * st.seconds, window_tok / window_s, load, eta);
+            window_s = window_tok = 0.0;
+        }
+        if (c->eval_interval > 0 && (step + 1) % c->eval_interval == 0 &&
+            step + 1 != c->train_iters)
+            evaluate(t, mx, step + 1, moe_timer_elapsed(&total));
+    }
+    evaluate(t, mx, c->train_iters, moe_timer_elapsed(&total));
+    moe_log_info("done  | %d steps in %.1f s of training (%.0f tok/s)", c->train_iters, train_s,
+                 train_s > 0 ? tokens / train_s : 0.0);
+    if (c->sample_length > 0) {
+        char *text = malloc((size_t)c->sample_length + 1);
+        if (text) {
+            moe_trainer_sample(t, c->sample_length, c->sample_temperature, (uint64_t)c->seed,
+                               text);
+            moe_log_info("sample (temperature %.2f):\n----\n%s\n----", c->sample_temperature,
+                         text);
+            free(text);
+        }
+    }
+    moe_metrics_close(mx);
+    moe_trainer_free(t);
+    return 0;
+}

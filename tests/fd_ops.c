@@ -1,0 +1,335 @@
+/*
+ * Finite-difference gradient checks for every CPU op, in double precision
+ * (this file is compiled only into the fp64 test binary, see lib/real.h).
+ *
+ * Pattern: L = Σ r ⊙ op(inputs) with a fixed random r; the analytic gradient
+ * is op_backward(dout = r); fd_check compares it with central differences.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "fd.h"
+#include "helpers.h"
+#include "mlp.h"
+#include "suites.h"
+
+#define TOL 1e-5
+#define ALLOC(n) ((moe_real *)calloc((size_t)(n), sizeof(moe_real)))
+
+/* ------------------------------------------------------------------ matmul */
+typedef struct { int N, I, O; moe_real *in, *w, *out, *r; } mm_ctx;
+static double mm_loss(void *p) {
+    mm_ctx *c = p;
+    moe_cpu_matmul_forward(c->out, c->in, c->w, c->N, c->I, c->O);
+    return fd_dot(c->r, c->out, (size_t)c->N * c->O);
+}
+START_TEST(test_fd_matmul) {
+    /* sizes that are not multiples of the 8x32 register tile, to cover edges */
+    mm_ctx c = {37, 19, 45, 0, 0, 0, 0};
+    c.in = ALLOC(c.N * c.I); c.w = ALLOC(c.O * c.I); c.out = ALLOC(c.N * c.O); c.r = ALLOC(c.N * c.O);
+    moe_test_randn(c.in, c.N * c.I, 1, 1.0);
+    moe_test_randn(c.w, c.O * c.I, 2, 1.0);
+    moe_test_randn(c.r, c.N * c.O, 3, 1.0);
+    moe_real *din = ALLOC(c.N * c.I), *dw = ALLOC(c.O * c.I);
+    moe_cpu_matmul_backward(din, dw, c.r, c.in, c.w, c.N, c.I, c.O);
+    ck_assert_double_le(fd_check("matmul din", mm_loss, &c, c.in, din, c.N * c.I, 400, TOL), TOL);
+    ck_assert_double_le(fd_check("matmul dw", mm_loss, &c, c.w, dw, c.O * c.I, 400, TOL), TOL);
+    /* backward accumulates: a second call doubles the gradient */
+    moe_real *din2 = ALLOC(c.N * c.I);
+    memcpy(din2, din, sizeof(moe_real) * c.N * c.I);
+    moe_cpu_matmul_backward(din2, NULL, c.r, c.in, c.w, c.N, c.I, c.O);
+    for (int i = 0; i < c.N * c.I; i++)
+        ck_assert_double_eq_tol(din2[i], 2 * din[i], 1e-12);
+    free(c.in); free(c.w); free(c.out); free(c.r); free(din); free(dw); free(din2);
+    moe_cpu_matmul_release();
+}
+END_TEST
+
+/* --------------------------------------------------------------- embedding */
+typedef struct { int N, V, C; int *tok; moe_real *table, *out, *r; } emb_ctx;
+static double emb_loss(void *p) {
+    emb_ctx *c = p;
+    moe_cpu_embedding_forward(c->out, c->tok, c->table, c->N, c->C);
+    return fd_dot(c->r, c->out, (size_t)c->N * c->C);
+}
+START_TEST(test_fd_embedding) {
+    emb_ctx c = {23, 7, 20, 0, 0, 0, 0};
+    c.tok = malloc(sizeof(int) * c.N);
+    for (int n = 0; n < c.N; n++)
+        c.tok[n] = (n * 5) % 6; /* repeated tokens, and token 6 never used */
+    c.table = ALLOC(c.V * c.C); c.out = ALLOC(c.N * c.C); c.r = ALLOC(c.N * c.C);
+    moe_test_randn(c.table, c.V * c.C, 4, 1.0);
+    moe_test_randn(c.r, c.N * c.C, 5, 1.0);
+    moe_real *dt = ALLOC(c.V * c.C);
+    moe_cpu_embedding_backward(dt, c.r, c.tok, c.N, c.V, c.C);
+    ck_assert_double_le(fd_check("embedding", emb_loss, &c, c.table, dt, c.V * c.C, 1000, TOL), TOL);
+    free(c.tok); free(c.table); free(c.out); free(c.r); free(dt);
+}
+END_TEST
+
+/* ----------------------------------------------------------------- rmsnorm */
+typedef struct { int N, C; moe_real *x, *w, *out, *rstd, *r; } rms_ctx;
+static double rms_loss(void *p) {
+    rms_ctx *c = p;
+    moe_cpu_rmsnorm_forward(c->out, c->rstd, c->x, c->w, c->N, c->C, 1e-5);
+    return fd_dot(c->r, c->out, (size_t)c->N * c->C);
+}
+START_TEST(test_fd_rmsnorm) {
+    rms_ctx c = {11, 24, 0, 0, 0, 0, 0};
+    c.x = ALLOC(c.N * c.C); c.w = ALLOC(c.C); c.out = ALLOC(c.N * c.C); c.rstd = ALLOC(c.N);
+    c.r = ALLOC(c.N * c.C);
+    moe_test_randn(c.x, c.N * c.C, 6, 1.0);
+    moe_test_randn(c.w, c.C, 7, 1.0);
+    moe_test_randn(c.r, c.N * c.C, 8, 1.0);
+    rms_loss(&c);
+    moe_real *dx = ALLOC(c.N * c.C), *dw = ALLOC(c.C);
+    moe_cpu_rmsnorm_backward(dx, dw, c.r, c.x, c.w, c.rstd, c.N, c.C);
+    ck_assert_double_le(fd_check("rmsnorm dx", rms_loss, &c, c.x, dx, c.N * c.C, 400, TOL), TOL);
+    ck_assert_double_le(fd_check("rmsnorm dw", rms_loss, &c, c.w, dw, c.C, 400, TOL), TOL);
+    free(c.x); free(c.w); free(c.out); free(c.rstd); free(c.r); free(dx); free(dw);
+}
+END_TEST
+
+/* -------------------------------------------------------------------- rope */
+typedef struct { int B, T, Hh, D; moe_real *in, *out, *r; } rope_ctx;
+static double rope_loss(void *p) {
+    rope_ctx *c = p;
+    moe_cpu_rope_forward(c->out, c->in, c->B, c->T, c->Hh, c->D, 10000.0);
+    return fd_dot(c->r, c->out, (size_t)c->B * c->T * c->Hh * c->D);
+}
+START_TEST(test_fd_rope) {
+    rope_ctx c = {2, 9, 3, 8, 0, 0, 0};
+    size_t n = (size_t)c.B * c.T * c.Hh * c.D;
+    c.in = ALLOC(n); c.out = ALLOC(n); c.r = ALLOC(n);
+    moe_test_randn(c.in, n, 9, 1.0);
+    moe_test_randn(c.r, n, 10, 1.0);
+    moe_real *din = ALLOC(n);
+    moe_cpu_rope_backward(din, c.r, c.B, c.T, c.Hh, c.D, 10000.0);
+    ck_assert_double_le(fd_check("rope", rope_loss, &c, c.in, din, n, 500, TOL), TOL);
+    /* position 0 is the identity; a rotation keeps the norm of every pair */
+    rope_loss(&c);
+    for (int d = 0; d < c.D; d++)
+        ck_assert_double_eq_tol(c.out[d], c.in[d], 1e-15);
+    size_t row = (size_t)5 * c.Hh * c.D; /* t = 5 of sequence 0, head 0 */
+    for (int i = 0; i < c.D / 2; i++) {
+        double a = c.in[row + i], b = c.in[row + i + c.D / 2];
+        double a2 = c.out[row + i], b2 = c.out[row + i + c.D / 2];
+        ck_assert_double_eq_tol(a * a + b * b, a2 * a2 + b2 * b2, 1e-12);
+    }
+    free(c.in); free(c.out); free(c.r); free(din);
+}
+END_TEST
+
+/* --------------------------------------------------------------- attention */
+typedef struct { int B, T, Hq, Hkv, D; moe_real *q, *k, *v, *y, *att, *r; } att_ctx;
+static double att_loss(void *p) {
+    att_ctx *c = p;
+    moe_cpu_attention_forward(c->y, c->att, c->q, c->k, c->v, c->B, c->T, c->Hq, c->Hkv, c->D);
+    return fd_dot(c->r, c->y, (size_t)c->B * c->T * c->Hq * c->D);
+}
+START_TEST(test_fd_attention) {
+    att_ctx c = {2, 7, 4, 2, 6, 0, 0, 0, 0, 0, 0}; /* GQA: 2 query heads per kv head */
+    size_t nq = (size_t)c.B * c.T * c.Hq * c.D, nk = (size_t)c.B * c.T * c.Hkv * c.D;
+    c.q = ALLOC(nq); c.k = ALLOC(nk); c.v = ALLOC(nk); c.y = ALLOC(nq); c.r = ALLOC(nq);
+    c.att = ALLOC((size_t)c.B * c.Hq * c.T * c.T);
+    moe_test_randn(c.q, nq, 11, 1.0);
+    moe_test_randn(c.k, nk, 12, 1.0);
+    moe_test_randn(c.v, nk, 13, 1.0);
+    moe_test_randn(c.r, nq, 14, 1.0);
+    att_loss(&c);
+    /* causality: rows of P sum to 1 and nothing attends to the future */
+    for (int bh = 0; bh < c.B * c.Hq; bh++)
+        for (int t = 0; t < c.T; t++) {
+            double s = 0;
+            for (int u = 0; u < c.T; u++) {
+                double pv = c.att[((size_t)bh * c.T + t) * c.T + u];
+                if (u > t)
+                    ck_assert_double_eq(pv, 0.0);
+                s += pv;
+            }
+            ck_assert_double_eq_tol(s, 1.0, 1e-12);
+        }
+    moe_real *dq = ALLOC(nq), *dk = ALLOC(nk), *dv = ALLOC(nk);
+    moe_cpu_attention_backward(dq, dk, dv, c.r, c.att, c.q, c.k, c.v, c.B, c.T, c.Hq, c.Hkv, c.D);
+    ck_assert_double_le(fd_check("attention dq", att_loss, &c, c.q, dq, nq, 300, TOL), TOL);
+    ck_assert_double_le(fd_check("attention dk", att_loss, &c, c.k, dk, nk, 300, TOL), TOL);
+    ck_assert_double_le(fd_check("attention dv", att_loss, &c, c.v, dv, nk, 300, TOL), TOL);
+    free(c.q); free(c.k); free(c.v); free(c.y); free(c.r); free(c.att); free(dq); free(dk); free(dv);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ swiglu */
+typedef struct { int N, F; moe_real *gu, *out, *r; } sw_ctx;
+static double sw_loss(void *p) {
+    sw_ctx *c = p;
+    moe_cpu_swiglu_forward(c->out, c->gu, c->N, c->F);
+    return fd_dot(c->r, c->out, (size_t)c->N * c->F);
+}
+START_TEST(test_fd_swiglu) {
+    sw_ctx c = {9, 13, 0, 0, 0};
+    c.gu = ALLOC(c.N * 2 * c.F); c.out = ALLOC(c.N * c.F); c.r = ALLOC(c.N * c.F);
+    moe_test_randn(c.gu, c.N * 2 * c.F, 15, 2.0);
+    moe_test_randn(c.r, c.N * c.F, 16, 1.0);
+    moe_real *dgu = ALLOC(c.N * 2 * c.F);
+    moe_cpu_swiglu_backward(dgu, c.r, c.gu, c.N, c.F);
+    ck_assert_double_le(fd_check("swiglu", sw_loss, &c, c.gu, dgu, c.N * 2 * c.F, 400, TOL), TOL);
+    free(c.gu); free(c.out); free(c.r); free(dgu);
+}
+END_TEST
+
+/* ----------------------------------------------------------- cross entropy */
+typedef struct { int N, V; int *tgt; moe_real *logits, *losses, *r; } ce_ctx;
+static double ce_loss(void *p) {
+    ce_ctx *c = p;
+    moe_cpu_cross_entropy_forward(c->losses, c->logits, c->tgt, c->N, c->V);
+    return fd_dot(c->r, c->losses, (size_t)c->N);
+}
+START_TEST(test_fd_cross_entropy) {
+    ce_ctx c = {8, 11, 0, 0, 0, 0};
+    c.tgt = malloc(sizeof(int) * c.N);
+    for (int n = 0; n < c.N; n++)
+        c.tgt[n] = (n * 3) % c.V;
+    c.logits = ALLOC(c.N * c.V); c.losses = ALLOC(c.N); c.r = ALLOC(c.N);
+    moe_test_randn(c.logits, c.N * c.V, 17, 3.0);
+    moe_test_randn(c.r, c.N, 18, 1.0);
+    moe_real *dl = ALLOC(c.N * c.V);
+    moe_cpu_cross_entropy_backward(dl, c.r, c.logits, c.tgt, c.N, c.V);
+    ck_assert_double_le(fd_check("cross entropy", ce_loss, &c, c.logits, dl, c.N * c.V, 400, TOL), TOL);
+    /* NULL dloss means the mean: 1/N per row */
+    moe_real *dm = ALLOC(c.N * c.V);
+    moe_cpu_cross_entropy_backward(dm, NULL, c.logits, c.tgt, c.N, c.V);
+    double row = 0;
+    for (int v = 0; v < c.V; v++)
+        row += dm[v];
+    ck_assert_double_eq_tol(row, 0.0, 1e-14); /* softmax − onehot sums to zero */
+    free(c.tgt); free(c.logits); free(c.losses); free(c.r); free(dl); free(dm);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ router */
+typedef struct { int N; moe_router_params p; moe_real *logits, *w, *r; int *idx; float *bias; } rt_ctx;
+static double rt_loss(void *p) {
+    rt_ctx *c = p;
+    moe_cpu_router_forward(c->idx, c->w, c->logits, c->bias, &c->p, c->N);
+    return fd_dot(c->r, c->w, (size_t)c->N * c->p.topk);
+}
+static void check_router(const char *what, moe_router_params p, int with_bias) {
+    rt_ctx c = {16, p, 0, 0, 0, 0, 0};
+    const int E = p.num_experts, k = p.topk;
+    c.logits = ALLOC(c.N * E); c.w = ALLOC(c.N * k); c.r = ALLOC(c.N * k);
+    c.idx = malloc(sizeof(int) * c.N * k);
+    if (with_bias) {
+        c.bias = malloc(sizeof(float) * E);
+        for (int e = 0; e < E; e++)
+            c.bias[e] = 0.05f * (float)(e % 3);
+    }
+    moe_test_randn(c.logits, c.N * E, 19, 1.5);
+    moe_test_randn(c.r, c.N * k, 20, 1.0);
+    rt_loss(&c);
+    moe_real *dl = ALLOC(c.N * E);
+    moe_cpu_router_backward(dl, c.r, c.logits, c.idx, &c.p, c.N);
+    ck_assert_double_le(fd_check(what, rt_loss, &c, c.logits, dl, c.N * E, 2000, TOL), TOL);
+    free(c.logits); free(c.w); free(c.r); free(c.idx); free(c.bias); free(dl);
+}
+static moe_router_params rp(int E, int k, moe_score_fn fn, int pre, int G, int GK, double s) {
+    moe_router_params p = {E, k, fn, pre, G, GK, s};
+    return p;
+}
+START_TEST(test_fd_router_variants) {
+    check_router("softmax top-k", rp(8, 2, MOE_SCORE_SOFTMAX, 0, 0, 0, 0), 0);
+    check_router("softmax top-1", rp(8, 1, MOE_SCORE_SOFTMAX, 0, 0, 0, 0), 0);
+    check_router("pre-softmax", rp(8, 3, MOE_SCORE_SOFTMAX, 1, 0, 0, 0), 0);
+    check_router("sigmoid", rp(8, 2, MOE_SCORE_SIGMOID, 0, 0, 0, 0), 0);
+    check_router("sigmoid top-1", rp(8, 1, MOE_SCORE_SIGMOID, 0, 0, 0, 0), 0);
+    check_router("sigmoid + bias", rp(8, 2, MOE_SCORE_SIGMOID, 0, 0, 0, 0), 1);
+    check_router("group-limited softmax", rp(8, 4, MOE_SCORE_SOFTMAX, 0, 4, 2, 0), 0);
+    check_router("group-limited sigmoid", rp(16, 4, MOE_SCORE_SIGMOID, 0, 4, 2, 2.5), 1);
+    check_router("scaling factor", rp(8, 2, MOE_SCORE_SOFTMAX, 1, 0, 0, 2.5), 0);
+}
+END_TEST
+
+/* ------------------------------------------------------ aux loss and z-loss */
+typedef struct { int N, group, E, k; moe_score_fn fn; double coeff; int z; moe_real *logits; } aux_ctx;
+static double aux_loss(void *p) {
+    aux_ctx *c = p;
+    if (c->z)
+        return moe_cpu_z_loss_forward(c->logits, c->N, c->E, c->coeff);
+    return moe_cpu_aux_loss_forward(c->logits, c->N, c->group, c->E, c->k, c->fn, c->coeff);
+}
+static void check_aux(const char *what, int group, moe_score_fn fn, int z) {
+    aux_ctx c = {24, group, 6, 2, fn, 0.37, z, 0};
+    c.logits = ALLOC(c.N * c.E);
+    moe_test_randn(c.logits, c.N * c.E, 21, 1.0);
+    moe_real *dl = ALLOC(c.N * c.E);
+    if (z)
+        moe_cpu_z_loss_backward(dl, c.logits, c.N, c.E, c.coeff, 1.0);
+    else
+        moe_cpu_aux_loss_backward(dl, c.logits, c.N, c.group, c.E, c.k, c.fn, c.coeff, 1.0);
+    ck_assert_double_le(fd_check(what, aux_loss, &c, c.logits, dl, c.N * c.E, 1000, TOL), TOL);
+    free(c.logits); free(dl);
+}
+START_TEST(test_fd_aux_losses) {
+    check_aux("aux loss (global, softmax)", 24, MOE_SCORE_SOFTMAX, 0);
+    check_aux("aux loss (global, sigmoid)", 24, MOE_SCORE_SIGMOID, 0);
+    check_aux("seq aux loss (softmax)", 8, MOE_SCORE_SOFTMAX, 0);
+    check_aux("seq aux loss (sigmoid)", 6, MOE_SCORE_SIGMOID, 0);
+    check_aux("z-loss", 24, MOE_SCORE_SOFTMAX, 1);
+}
+END_TEST
+
+/* ------------------------------------------------- SwiGLU MLP with row scale */
+typedef struct { int N, H, F; moe_real *x, *w1, *w2, *s, *out, *gu, *act, *h, *r; int scaled; } mlp_ctx;
+static double mlp_loss(void *p) {
+    mlp_ctx *c = p;
+    moe_mlp_forward(moe_backend_cpu(), c->out, c->gu, c->act, c->h, c->x, c->scaled ? c->s : NULL,
+                    c->w1, c->w2, c->N, c->H, c->F);
+    return fd_dot(c->r, c->out, (size_t)c->N * c->H);
+}
+START_TEST(test_fd_mlp) {
+    for (int scaled = 0; scaled <= 1; scaled++) {
+        mlp_ctx c = {7, 10, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, scaled};
+        c.x = ALLOC(c.N * c.H); c.w1 = ALLOC(2 * c.F * c.H); c.w2 = ALLOC(c.H * c.F);
+        c.s = ALLOC(c.N); c.out = ALLOC(c.N * c.H); c.gu = ALLOC(c.N * 2 * c.F);
+        c.act = ALLOC(c.N * c.F); c.h = ALLOC(c.N * c.F); c.r = ALLOC(c.N * c.H);
+        moe_test_randn(c.x, c.N * c.H, 22, 1.0);
+        moe_test_randn(c.w1, 2 * c.F * c.H, 23, 0.5);
+        moe_test_randn(c.w2, c.H * c.F, 24, 0.5);
+        moe_test_randn(c.s, c.N, 25, 1.0);
+        moe_test_randn(c.r, c.N * c.H, 26, 1.0);
+        mlp_loss(&c);
+        moe_real *dx = ALLOC(c.N * c.H), *dw1 = ALLOC(2 * c.F * c.H), *dw2 = ALLOC(c.H * c.F);
+        moe_real *ds = ALLOC(c.N), *w1 = ALLOC(c.N * c.F), *w2 = ALLOC(c.N * c.F),
+                 *w3 = ALLOC(c.N * 2 * c.F);
+        moe_mlp_backward(moe_backend_cpu(), dx, dw1, dw2, scaled ? ds : NULL, c.r, c.x, c.gu, c.act,
+                         scaled ? c.s : NULL, c.w1, c.w2, w1, w2, w3, c.N, c.H, c.F);
+        ck_assert_double_le(fd_check("mlp dx", mlp_loss, &c, c.x, dx, c.N * c.H, 500, TOL), TOL);
+        ck_assert_double_le(fd_check("mlp dw1", mlp_loss, &c, c.w1, dw1, 2 * c.F * c.H, 500, TOL), TOL);
+        ck_assert_double_le(fd_check("mlp dw2", mlp_loss, &c, c.w2, dw2, c.H * c.F, 500, TOL), TOL);
+        if (scaled)
+            ck_assert_double_le(fd_check("mlp d(row scale)", mlp_loss, &c, c.s, ds, c.N, 500, TOL), TOL);
+        free(c.x); free(c.w1); free(c.w2); free(c.s); free(c.out); free(c.gu); free(c.act);
+        free(c.h); free(c.r); free(dx); free(dw1); free(dw2); free(ds); free(w1); free(w2); free(w3);
+    }
+    moe_cpu_matmul_release();
+}
+END_TEST
+
+Suite *suite_fd_ops(void) {
+    Suite *s = suite_create("gradcheck-ops (fp64)");
+    TCase *tc = tcase_create("ops");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, test_fd_matmul);
+    tcase_add_test(tc, test_fd_embedding);
+    tcase_add_test(tc, test_fd_rmsnorm);
+    tcase_add_test(tc, test_fd_rope);
+    tcase_add_test(tc, test_fd_attention);
+    tcase_add_test(tc, test_fd_swiglu);
+    tcase_add_test(tc, test_fd_cross_entropy);
+    tcase_add_test(tc, test_fd_router_variants);
+    tcase_add_test(tc, test_fd_aux_losses);
+    tcase_add_test(tc, test_fd_mlp);
+    suite_add_tcase(s, tc);
+    return s;
+}

@@ -1,0 +1,43 @@
+/* Helpers shared by the test suites: see helpers.h. */
+#include "helpers.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "rng.h"
+
+int moe_test_quick(void) {
+    const char *q = getenv("MOE_TEST_QUICK");
+    return q && *q && *q != '0';
+}
+
+void moe_test_randn(moe_real *x, size_t n, uint64_t stream, double scale) {
+    for (size_t i = 0; i < n; i++)
+        x[i] = (moe_real)(scale * moe_rng_normal(12345, 1000 + stream, i));
+}
+
+void moe_test_poison(moe_real *x, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        x[i] = (moe_real)NAN;
+}
+
+double moe_test_max_rel_err(const moe_real *a, const moe_real *b, size_t n, double floor) {
+    double worst = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - (double)b[i]);
+        double s = fabs((double)b[i]);
+        double r = d / (s > floor ? s : floor);
+        if (isnan(r))
+            return INFINITY;
+        if (r > worst)
+            worst = r;
+    }
+    return worst;
+}
+
+void moe_test_tmp_path(char *out, size_t cap, const char *name) {
+    const char *dir = getenv("TMPDIR");
+    snprintf(out, cap, "%s/moe_test_%d_%s", dir && *dir ? dir : "/tmp", (int)getpid(), name);
+}

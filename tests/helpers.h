@@ -1,0 +1,29 @@
+/**
+ * @file helpers.h
+ * @brief Small helpers shared by the Check test suites.
+ */
+#ifndef MOE_TEST_HELPERS_H
+#define MOE_TEST_HELPERS_H
+
+#include <check.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "real.h"
+
+/** 1 when MOE_TEST_QUICK is set (the sanitizer run uses smaller problems). */
+int moe_test_quick(void);
+
+/** Fill @p x with n normals * scale from the counter-based RNG (stream picks the tensor). */
+void moe_test_randn(moe_real *x, size_t n, uint64_t stream, double scale);
+
+/** Fill @p x with n copies of NaN, so outputs that a function forgot to write fail the check. */
+void moe_test_poison(moe_real *x, size_t n);
+
+/** Largest |a-b| / max(|b|, floor) over n elements (NaN counts as infinite). */
+double moe_test_max_rel_err(const moe_real *a, const moe_real *b, size_t n, double floor);
+
+/** A temporary file path unique to this process (caller frees nothing; static buffer per call site is not kept). */
+void moe_test_tmp_path(char *out, size_t cap, const char *name);
+
+#endif

@@ -1,0 +1,18 @@
+/* Unit-test runner (fp32 CPU build): runs every suite and prints Check's summary. */
+#include <stdlib.h>
+
+#include "log.h"
+#include "suites.h"
+
+int main(void) {
+    moe_log_set_quiet(1);
+    SRunner *sr = srunner_create(suite_core());
+    srunner_add_suite(sr, suite_config());
+    srunner_add_suite(sr, suite_data());
+    srunner_add_suite(sr, suite_router());
+    srunner_add_suite(sr, suite_train());
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}

@@ -1,0 +1,21 @@
+/**
+ * @file suites.h
+ * @brief The Check suites of the unit-test binary and of the fp64 gradient-check binary.
+ */
+#ifndef MOE_TEST_SUITES_H
+#define MOE_TEST_SUITES_H
+
+#include <check.h>
+
+/* unit tests (fp32 build) */
+Suite *suite_core(void);      /* tests/test_core.c: rng, errors, metrics */
+Suite *suite_data(void);      /* tests/test_data.c: tokenizer, data search, batches */
+Suite *suite_config(void);    /* tests/test_config.c: flags, validation, named errors */
+Suite *suite_router(void);    /* tests/test_router.c: router semantics, aux losses, expert bias */
+Suite *suite_train(void);     /* tests/test_train.c: determinism, loss falls, trainer errors */
+
+/* finite-difference gradient checks (fp64 build) */
+Suite *suite_fd_ops(void);    /* tests/fd_ops.c: every op */
+Suite *suite_fd_model(void);  /* tests/fd_model.c: MoE layer and whole model, every router variant */
+
+#endif

@@ -1,0 +1,178 @@
+/*
+ * The trainer end to end on tinyshakespeare: determinism (bitwise, and for any
+ * thread count), a short run whose loss falls, errors at the trainer boundary,
+ * and the moe-train program's exit codes and messages.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "helpers.h"
+#include "suites.h"
+#include "trainer.h"
+
+#define SMALL "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 " \
+              "--seq-length 32 --micro-batch-size 4 --global-batch-size 8 --num-experts 4 "   \
+              "--moe-ffn-hidden-size 32 --ffn-hidden-size 64 --lr 3e-3 --lr-warmup-iters 2 "   \
+              "--train-iters 40 "
+
+static moe_status make_trainer(moe_trainer **t, const char *flags, moe_error *err) {
+    setenv("MOE_NO_DOWNLOAD", "1", 1);
+    moe_config c;
+    moe_config_defaults(&c);
+    char buf[2048];
+    snprintf(buf, sizeof buf, "%s", flags);
+    char *argv[96] = {"test"};
+    int argc = 1;
+    for (char *tok = strtok(buf, " "); tok && argc < 96; tok = strtok(NULL, " "))
+        argv[argc++] = tok;
+    moe_status s = moe_config_parse(&c, argc, argv, err);
+    if (s != MOE_OK)
+        return s;
+    return moe_trainer_create(t, &c, err);
+}
+
+static void run_losses(const char *flags, int steps, double *losses) {
+    moe_trainer *t = NULL;
+    moe_error err;
+    ck_assert_msg(make_trainer(&t, flags, &err) == MOE_OK, "%s", err.msg);
+    for (int i = 0; i < steps; i++) {
+        moe_step_stats st;
+        moe_trainer_step(t, &st);
+        losses[i] = st.loss;
+    }
+    moe_trainer_free(t);
+}
+
+START_TEST(test_determinism_same_seed) {
+    const int steps = moe_test_quick() ? 5 : 20;
+    double a[20], b[20], c[20];
+    const char *flags = SMALL "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+                              "--moe-shared-expert-intermediate-size 16 --qk-layernorm";
+    run_losses(flags, steps, a);
+    run_losses(flags, steps, b);
+    for (int i = 0; i < steps; i++)
+        ck_assert_msg(memcmp(&a[i], &b[i], sizeof(double)) == 0,
+                      "step %d: %.17g vs %.17g (same seed must give identical bits)", i, a[i], b[i]);
+    /* every output element is owned by one thread, so the thread count cannot matter */
+#ifdef _OPENMP
+    int saved = omp_get_max_threads();
+    omp_set_num_threads(saved > 1 ? 1 : 2);
+    run_losses(flags, steps, c);
+    omp_set_num_threads(saved);
+    for (int i = 0; i < steps; i++)
+        ck_assert_msg(memcmp(&a[i], &c[i], sizeof(double)) == 0,
+                      "step %d: %.17g vs %.17g with a different thread count", i, a[i], c[i]);
+#endif
+    /* and a different seed gives different numbers */
+    char other[1024];
+    snprintf(other, sizeof other, "%s --seed 7", flags);
+    run_losses(other, 1, c);
+    ck_assert(c[0] != a[0]);
+}
+END_TEST
+
+START_TEST(test_loss_falls) {
+    const int steps = moe_test_quick() ? 15 : 40;
+    double l[40];
+    run_losses(SMALL, steps, l);
+    /* char-level Shakespeare starts at ln(65) ≈ 4.17 */
+    ck_assert_double_gt(l[0], 3.9);
+    ck_assert_double_lt(l[0], 4.5);
+    double tail = (l[steps - 1] + l[steps - 2] + l[steps - 3]) / 3;
+    const double drop = moe_test_quick() ? 0.5 : 0.8;
+    ck_assert_msg(tail < l[0] - drop, "loss went from %.3f to %.3f", l[0], tail);
+}
+END_TEST
+
+START_TEST(test_trainer_eval_and_sample) {
+    moe_trainer *t = NULL;
+    moe_error err;
+    ck_assert_msg(make_trainer(&t, SMALL "--num-experts 0", &err) == MOE_OK, "%s", err.msg);
+    double v1 = moe_trainer_evaluate(t, MOE_SPLIT_VAL, 2);
+    double v2 = moe_trainer_evaluate(t, MOE_SPLIT_VAL, 2);
+    ck_assert_double_eq(v1, v2); /* evaluation uses the same batches every time */
+    char text[41];
+    memset(text, 0x7f, sizeof text);
+    moe_trainer_sample(t, 40, 1.0, 3, text);
+    ck_assert_int_eq((int)strlen(text), 40);
+    for (int i = 0; i < 40; i++)
+        ck_assert(t->data.tok.byte_to_id[(unsigned char)text[i]] >= 0);
+    moe_trainer_free(t);
+}
+END_TEST
+
+static void expect_error(const char *flags, moe_status code, const char *needle) {
+    moe_trainer *t = NULL;
+    moe_error err;
+    moe_error_clear(&err);
+    moe_status s = make_trainer(&t, flags, &err);
+    ck_assert_msg(s == code, "flags '%s': expected status %d, got %d (%s)", flags, code, s, err.msg);
+    ck_assert_msg(strstr(err.msg, needle) != NULL, "flags '%s': message '%s' lacks '%s'", flags,
+                  err.msg, needle);
+    ck_assert(t == NULL);
+}
+
+START_TEST(test_trainer_errors) {
+    expect_error(SMALL "--data-path /nonexistent/file.txt", MOE_ERR_IO, "--data-path");
+    expect_error(SMALL "--seq-length 200000", MOE_ERR_CONFIG, "--seq-length");
+    expect_error(SMALL "--moe-router-topk 9", MOE_ERR_CONFIG, "--moe-router-topk");
+    expect_error(SMALL "--num-attention-heads 3", MOE_ERR_CONFIG, "--num-attention-heads");
+    expect_error(SMALL "--device cuda", MOE_ERR_BACKEND, "--device");
+    expect_error(SMALL "--no-such-flag 1", MOE_ERR_FLAG, "--no-such-flag");
+}
+END_TEST
+
+/* Run bin/moe-train (built by `make all` before the tests) and capture its output. */
+static int run_program(const char *args, char *out, size_t cap) {
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "MOE_NO_DOWNLOAD=1 ./bin/moe-train %s 2>&1", args);
+    FILE *p = popen(cmd, "r");
+    ck_assert(p != NULL);
+    size_t n = fread(out, 1, cap - 1, p);
+    out[n] = '\0';
+    int status = pclose(p);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+START_TEST(test_program_cli) {
+    FILE *f = fopen("bin/moe-train", "r");
+    if (!f) {
+        fprintf(stderr, "skipped: bin/moe-train not built (run make all first)\n");
+        return;
+    }
+    fclose(f);
+    static char out[1 << 16];
+    ck_assert_int_eq(run_program("--help", out, sizeof out), 0);
+    ck_assert(strstr(out, "--moe-router-topk") && strstr(out, "(default: "));
+    ck_assert_int_eq(run_program("--hiden-size 3", out, sizeof out), 2);
+    ck_assert_msg(strstr(out, "did you mean --hidden-size"), "%s", out);
+    ck_assert_int_eq(run_program("--num-experts 6 --moe-router-num-groups 4 "
+                                 "--moe-router-group-topk 1", out, sizeof out), 2);
+    ck_assert_msg(strstr(out, "--moe-router-num-groups"), "%s", out);
+    ck_assert_int_eq(run_program("--data-path /nonexistent", out, sizeof out), 1);
+    ck_assert_msg(strstr(out, "--data-path"), "%s", out);
+    /* a tiny real run prints steps, an eval line and a sample */
+    ck_assert_int_eq(run_program(SMALL "--train-iters 3 --log-interval 1 --eval-iters 1 "
+                                       "--sample-length 20", out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "step     3/3") && strstr(out, "val loss") && strstr(out, "sample"),
+                  "%s", out);
+}
+END_TEST
+
+Suite *suite_train(void) {
+    Suite *s = suite_create("train");
+    TCase *tc = tcase_create("train");
+    tcase_set_timeout(tc, 600);
+    tcase_add_test(tc, test_determinism_same_seed);
+    tcase_add_test(tc, test_loss_falls);
+    tcase_add_test(tc, test_trainer_eval_and_sample);
+    tcase_add_test(tc, test_trainer_errors);
+    tcase_add_test(tc, test_program_cli);
+    suite_add_tcase(s, tc);
+    return s;
+}
