@@ -17,15 +17,8 @@
 /* A validated config from a flag string (on top of the defaults). */
 static moe_config make_config(const char *flags, int vocab) {
     moe_config c;
-    moe_config_defaults(&c);
-    char buf[1024];
-    snprintf(buf, sizeof buf, "%s", flags);
-    char *argv[64] = {"test"};
-    int argc = 1;
-    for (char *tok = strtok(buf, " "); tok && argc < 64; tok = strtok(NULL, " "))
-        argv[argc++] = tok;
     moe_error err;
-    ck_assert_msg(moe_config_parse(&c, argc, argv, &err) == MOE_OK, "%s", err.msg);
+    ck_assert_msg(moe_test_config(&c, flags, &err) == MOE_OK, "%s", err.msg);
     c.vocab_size = vocab;
     ck_assert_msg(moe_config_validate(&c, &err) == MOE_OK, "%s", err.msg);
     return c;

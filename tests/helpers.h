@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "config.h"
 #include "real.h"
 
 /** 1 when MOE_TEST_QUICK is set (the sanitizer run uses smaller problems). */
@@ -22,6 +23,10 @@ void moe_test_poison(moe_real *x, size_t n);
 
 /** Largest |a-b| / max(|b|, floor) over n elements (NaN counts as infinite). */
 double moe_test_max_rel_err(const moe_real *a, const moe_real *b, size_t n, double floor);
+
+/** Parse a space-separated flag string over the defaults into @p cfg (not validated).
+ *  Returns moe_config_parse's status. */
+moe_status moe_test_config(moe_config *cfg, const char *flags, moe_error *err);
 
 /** A temporary file path unique to this process (caller frees nothing; static buffer per call site is not kept). */
 void moe_test_tmp_path(char *out, size_t cap, const char *name);

@@ -23,14 +23,7 @@
 static moe_status make_trainer(moe_trainer **t, const char *flags, moe_error *err) {
     setenv("MOE_NO_DOWNLOAD", "1", 1);
     moe_config c;
-    moe_config_defaults(&c);
-    char buf[2048];
-    snprintf(buf, sizeof buf, "%s", flags);
-    char *argv[96] = {"test"};
-    int argc = 1;
-    for (char *tok = strtok(buf, " "); tok && argc < 96; tok = strtok(NULL, " "))
-        argv[argc++] = tok;
-    moe_status s = moe_config_parse(&c, argc, argv, err);
+    moe_status s = moe_test_config(&c, flags, err);
     if (s != MOE_OK)
         return s;
     return moe_trainer_create(t, &c, err);
