@@ -6,9 +6,12 @@
 #                   and the unit tests again under AddressSanitizer/UBSan
 #   make docs       API docs with Doxygen (warnings are errors)
 #   make bench      benchmarks
+#   make test-gpu   the CUDA tests only (they print "skipped: no GPU" without one)
 #   make clean
 #
-# Variables: MARCH (default native), OMP (1/0), TRAIN_FLAGS (extra flags for make train).
+# Variables: MARCH (default native; x86-64-v3 for binaries that run on another machine),
+# OMP (1/0), CUDA (auto/1/0: build the CUDA backend when nvcc is found),
+# TRAIN_FLAGS (extra flags for make train).
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := all
@@ -26,12 +29,19 @@ MPICC   := $(shell command -v mpicc 2>/dev/null)
 HAVE_CHECK := $(shell pkg-config --exists check 2>/dev/null && echo yes)
 DOXYGEN := $(shell command -v doxygen 2>/dev/null)
 
+CUDA    ?= auto
+ifeq ($(CUDA),auto)
+  WITH_CUDA := $(if $(NVCC),1,0)
+else
+  WITH_CUDA := $(CUDA)
+endif
+
 found = $(if $(1),found $(1),not found)
 define REPORT
 moe.c build configuration
   cc       : $(shell $(CC) --version 2>/dev/null | head -n1)
   openmp   : $(if $(filter 1,$(OMP)),on,off)
-  nvcc     : $(call found,$(NVCC))  (CUDA kernels arrive with chapter 01's CUDA issue)
+  nvcc     : $(call found,$(NVCC))  (CUDA backend: $(if $(filter 1,$(WITH_CUDA)),on -- sm_90a + sm_100a,off))
   nccl     : $(call found,$(NCCL_H))
   mpi      : $(call found,$(MPICC))  (used from chapter 02)
   check    : $(if $(HAVE_CHECK),found,not found -- make test needs it: apt-get install check libsubunit-dev)
@@ -44,12 +54,21 @@ WARN    := -Wall -Wextra -Wshadow -Wno-unused-parameter
 CSTD    := -std=c11 -D_DEFAULT_SOURCE -D_POSIX_C_SOURCE=200809L
 OPENMP  := $(if $(filter 1,$(OMP)),-fopenmp,)
 CFLAGS  ?= -O3
-ALL_CFLAGS = $(CSTD) $(WARN) $(CFLAGS) -march=$(MARCH) $(OPENMP) -Ilib -MMD -MP
+ALL_CFLAGS = $(CSTD) $(WARN) $(CFLAGS) -march=$(MARCH) $(OPENMP) -Ilib -Ikernels -MMD -MP
 LDLIBS  := $(OPENMP) -lm
-CHECK_LIBS := $(shell pkg-config --libs check 2>/dev/null)
+# Check is linked statically so test binaries also run on machines without it (the GPU box).
+CHECK_LIBS := -Wl,-Bstatic -lcheck -lsubunit -Wl,-Bdynamic -lrt -lpthread
+
+# ---------------------------------------------------------------- CUDA
+NVCC_ARCH  := -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_100a,code=sm_100a
+NVCC_FLAGS ?= -O3
+ALL_NVCC_FLAGS = -std=c++17 $(NVCC_FLAGS) $(NVCC_ARCH) -Ilib -Ikernels -Xcompiler -Wall,-Wextra,-Wno-unused-parameter -MMD -MP
+CUDA_LIBS  := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcublas -lcudart -lstdc++
 
 # ---------------------------------------------------------------- sources
 LIB_SRC  := $(wildcard lib/*.c lib/cpu/*.c)
+CU_SRC   := $(if $(filter 1,$(WITH_CUDA)),$(wildcard kernels/*.cu),)
+GPU_SRC  := $(wildcard tests/gpu_*.c) tests/helpers.c
 PROG_SRC := $(wildcard programs/*.c)
 UNIT_SRC := $(wildcard tests/test_*.c) tests/main_unit.c tests/helpers.c
 FD_SRC   := $(wildcard tests/fd_*.c) tests/fd.c tests/main_fd.c tests/helpers.c
@@ -57,13 +76,21 @@ FD_SRC   := $(wildcard tests/fd_*.c) tests/fd.c tests/main_fd.c tests/helpers.c
 LIB      := $(BUILD)/libmoe.a
 LIB_F64  := $(BUILD)/f64/libmoe.a
 PROGRAMS := $(patsubst programs/%.c,bin/%,$(PROG_SRC))
+# chapter programs: chapters/NN-name/chNN_what.c -> bin/chNN_what
+CHAPTER_SRC := $(wildcard chapters/*/ch*.c)
+CHAPTER_BIN := $(foreach f,$(CHAPTER_SRC),bin/$(basename $(notdir $(f))))
 
 obj = $(patsubst %.c,$(BUILD)/$(2)%.o,$(1))
+CU_OBJ := $(patsubst %.cu,$(BUILD)/%.o,$(CU_SRC))
+ifeq ($(WITH_CUDA),1)
+  ALL_CFLAGS += -DMOE_HAVE_CUDA -I$(CUDA_HOME)/include
+  LDLIBS += $(CUDA_LIBS)
+endif
 
 # ---------------------------------------------------------------- targets
-.PHONY: all config train test test-unit test-fd test-asan docs bench clean
+.PHONY: all config train test test-unit test-fd test-asan test-gpu docs bench clean print-build-flags
 
-all: config $(LIB) $(PROGRAMS)
+all: config $(LIB) $(PROGRAMS) $(CHAPTER_BIN)
 
 config:
 	@echo "$$REPORT"
@@ -76,9 +103,13 @@ $(BUILD)/%.o: %.c
 # finite-difference gradient checks (see lib/real.h).
 $(BUILD)/f64/%.o: %.c
 	@mkdir -p $(dir $@)
-	$(CC) $(ALL_CFLAGS) -DMOE_REAL_DOUBLE -c $< -o $@
+	$(CC) $(filter-out -DMOE_HAVE_CUDA,$(ALL_CFLAGS)) -DMOE_REAL_DOUBLE -c $< -o $@
 
-$(LIB): $(call obj,$(LIB_SRC),)
+$(BUILD)/%.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(ALL_NVCC_FLAGS) -c $< -o $@
+
+$(LIB): $(call obj,$(LIB_SRC),) $(CU_OBJ)
 	@mkdir -p $(dir $@)
 	ar rcs $@ $^
 
@@ -89,6 +120,13 @@ $(LIB_F64): $(call obj,$(LIB_SRC),f64/)
 bin/%: $(BUILD)/programs/%.o $(LIB)
 	@mkdir -p bin
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
+
+define CHAPTER_RULE
+bin/$(basename $(notdir $(1))): $(BUILD)/$(1:.c=.o) $(LIB)
+	@mkdir -p bin
+	$$(CC) $$(ALL_CFLAGS) $$^ -o $$@ $$(LDLIBS)
+endef
+$(foreach f,$(CHAPTER_SRC),$(eval $(call CHAPTER_RULE,$(f))))
 
 # ---- main job
 TRAIN_FLAGS ?=
@@ -105,9 +143,14 @@ $(BUILD)/tests/unit: $(call obj,$(UNIT_SRC),) $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(CHECK_LIBS) $(LDLIBS)
 
+# The fp64 build is CPU-only: no -DMOE_HAVE_CUDA, no kernels.
 $(BUILD)/tests/fd: $(call obj,$(FD_SRC),f64/) $(LIB_F64)
 	@mkdir -p $(dir $@)
-	$(CC) $(ALL_CFLAGS) -DMOE_REAL_DOUBLE $^ -o $@ $(CHECK_LIBS) $(LDLIBS)
+	$(CC) $(filter-out -DMOE_HAVE_CUDA,$(ALL_CFLAGS)) -DMOE_REAL_DOUBLE $^ -o $@ $(CHECK_LIBS) $(OPENMP) -lm
+
+$(BUILD)/tests/gpu: $(call obj,$(GPU_SRC),) $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(CHECK_LIBS) $(LDLIBS)
 
 test-unit: check-deps $(BUILD)/tests/unit
 	@echo "== unit tests (fp32 CPU)"
@@ -121,12 +164,18 @@ test-fd: check-deps $(BUILD)/tests/fd
 # undefined behaviour fails the run.
 test-asan: check-deps
 	@echo "== unit tests under -fsanitize=address,undefined"
-	$(MAKE) --no-print-directory BUILD=$(BUILD)/asan CFLAGS="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all" \
-	  LDLIBS="$(LDLIBS) -fsanitize=address,undefined" $(BUILD)/asan/tests/unit
+	$(MAKE) --no-print-directory BUILD=$(BUILD)/asan CUDA=0 CFLAGS="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all" \
+	  LDLIBS="$(OPENMP) -lm -fsanitize=address,undefined" $(BUILD)/asan/tests/unit
 	MOE_TEST_QUICK=1 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  CK_FORK=no $(BUILD)/asan/tests/unit
 
-test: config all test-unit test-fd docs test-asan
+# CUDA tests: each CUDA op against its CPU twin, the whole model CUDA vs CPU.
+# Without a GPU (CI) the binary prints "skipped: no GPU" and succeeds.
+test-gpu: check-deps
+	@if [ "$(WITH_CUDA)" != 1 ]; then echo "== GPU tests: skipped (built without CUDA: nvcc not found)"; \
+	else $(MAKE) --no-print-directory $(BUILD)/tests/gpu && echo "== GPU tests (CUDA vs CPU)" && $(BUILD)/tests/gpu; fi
+
+test: config all test-unit test-fd test-gpu docs test-asan
 	@echo "== all tests passed"
 
 # ---- docs
@@ -138,6 +187,13 @@ docs:
 # ---- benchmarks
 bench: all
 	./bin/moe-bench
+
+# For tools that compile C against the library (the notebooks' %%c cells).
+print-build-flags:
+	@echo "CC=$(CC)"
+	@echo "CFLAGS=$(ALL_CFLAGS)"
+	@echo "LIB=$(abspath $(LIB))"
+	@echo "LDLIBS=$(LDLIBS)"
 
 clean:
 	rm -rf $(BUILD) bin

@@ -28,95 +28,152 @@
 /** Which backend. */
 typedef enum moe_device { MOE_DEVICE_CPU = 0, MOE_DEVICE_CUDA = 1 } moe_device;
 
-/** The op table. See lib/cpu/ops.h for the meaning of each op. */
+/**
+ * Address of element @p i of an activation buffer @p p. Activations are `void *`
+ * because their element type belongs to the backend (fp32 on the CPU, bf16 on CUDA);
+ * `be->act_size` is its size in bytes.
+ */
+#define MOE_ACT(be, p, i) ((void *)((char *)(p) + (size_t)(i) * (be)->act_size))
+
+/**
+ * The op table. Types tell what precision a buffer has on every backend:
+ *  - `void *` — an **activation** (or a compute copy of a weight): the backend's
+ *    activation type, `act_size` bytes per element (fp32 on the CPU, bf16 on CUDA);
+ *  - `moe_real *` — always full precision: master weights, weight gradients,
+ *    normalisation statistics, per-token losses, routing weights, optimizer state;
+ *  - `int *` — token ids and routing indices.
+ * The meaning of each op is documented with its CPU twin in lib/cpu/ops.h,
+ * lib/cpu/router.h and lib/cpu/moe_ops.h; backward ops accumulate.
+ */
 typedef struct moe_backend {
     const char *name;      /**< "cpu" or "cuda" */
     moe_device device;     /**< which device its pointers live on */
+    size_t act_size;       /**< bytes per activation element */
 
-    /** @name memory */
+    /** @name memory and precision */
     /**@{*/
     void *(*alloc)(size_t bytes);                         /**< zeroed allocation (NULL on failure) */
-    void (*free)(void *p);                                /**< release */
+    void (*free)(void *p);                                /**< release (NULL: no-op) */
     void (*zero)(void *p, size_t bytes);                  /**< memset 0 */
     void (*copy)(void *dst, const void *src, size_t bytes);      /**< device → device */
     void (*to_host)(void *dst, const void *src, size_t bytes);   /**< device → host */
     void (*from_host)(void *dst, const void *src, size_t bytes); /**< host → device */
+    /** n activations → host moe_real (for logits, tests) */
+    void (*read_act)(moe_real *host, const void *src, size_t n);
+    /** n host moe_real → activations (for tests) */
+    void (*write_act)(void *dst, const moe_real *host, size_t n);
+    /** dst (activation type) = src (master weights), n elements: the compute copy */
+    void (*cast_to_act)(void *dst, const moe_real *src, size_t n);
+    /** wait until all queued work is done (timing) */
+    void (*synchronize)(void);
+    /** a human-readable name of the device ("NVIDIA H200", "CPU: AMD EPYC, 2 threads") */
+    void (*device_name)(char *buf, size_t cap);
+    /** dense bf16 tensor-core peak in TFLOP/s for MFU (0 when unknown, e.g. CPUs) */
+    double (*peak_tflops)(void);
+    /** start the backend's timer (CUDA: an event recorded on the stream; CPU: the clock) */
+    void (*timer_begin)(void);
+    /** milliseconds since timer_begin, once all work queued before this call has finished */
+    double (*timer_end_ms)(void);
+    /** x[i] = std · normal(seed, stream, i): the counter-based RNG of rng.h, on the device */
+    void (*fill_normal)(moe_real *x, size_t n, unsigned long long seed, unsigned long long stream,
+                        double std);
     /**@}*/
 
     /** @name dense ops */
     /**@{*/
     /** as moe_cpu_matmul_forward() */
-    void (*matmul_forward)(moe_real *, const moe_real *, const moe_real *, int, int, int);
-    /** as moe_cpu_matmul_backward() */
-    void (*matmul_backward)(moe_real *, moe_real *, const moe_real *, const moe_real *,
-                            const moe_real *, int, int, int);
+    void (*matmul_forward)(void *out, const void *in, const void *w, int N, int I, int O);
+    /** as moe_cpu_matmul_backward() (dw in full precision) */
+    void (*matmul_backward)(void *din, moe_real *dw, const void *dout, const void *in,
+                            const void *w, int N, int I, int O);
     /** as moe_cpu_embedding_forward() */
-    void (*embedding_forward)(moe_real *, const int *, const moe_real *, int, int);
+    void (*embedding_forward)(void *out, const int *tokens, const void *table, int N, int C);
     /** as moe_cpu_embedding_backward() */
-    void (*embedding_backward)(moe_real *, const moe_real *, const int *, int, int, int);
+    void (*embedding_backward)(moe_real *dtable, const void *dout, const int *tokens, int N, int V,
+                               int C);
     /** as moe_cpu_rmsnorm_forward() */
-    void (*rmsnorm_forward)(moe_real *, moe_real *, const moe_real *, const moe_real *, int, int,
-                            double);
+    void (*rmsnorm_forward)(void *out, moe_real *rstd, const void *x, const void *w, int N, int C,
+                            double eps);
     /** as moe_cpu_rmsnorm_backward() */
-    void (*rmsnorm_backward)(moe_real *, moe_real *, const moe_real *, const moe_real *,
-                             const moe_real *, const moe_real *, int, int);
+    void (*rmsnorm_backward)(void *dx, moe_real *dw, const void *dout, const void *x,
+                             const void *w, const moe_real *rstd, int N, int C);
     /** as moe_cpu_rope_forward() */
-    void (*rope_forward)(moe_real *, const moe_real *, int, int, int, int, double);
+    void (*rope_forward)(void *out, const void *in, int B, int T, int heads, int D, double base);
     /** as moe_cpu_rope_backward() */
-    void (*rope_backward)(moe_real *, const moe_real *, int, int, int, int, double);
+    void (*rope_backward)(void *din, const void *dout, int B, int T, int heads, int D,
+                          double base);
     /** as moe_cpu_attention_forward() */
-    void (*attention_forward)(moe_real *, moe_real *, const moe_real *, const moe_real *,
-                              const moe_real *, int, int, int, int, int);
+    void (*attention_forward)(void *y, void *att, const void *q, const void *k, const void *v,
+                              int B, int T, int Hq, int Hkv, int D);
     /** as moe_cpu_attention_backward() */
-    void (*attention_backward)(moe_real *, moe_real *, moe_real *, const moe_real *,
-                               const moe_real *, const moe_real *, const moe_real *,
-                               const moe_real *, int, int, int, int, int);
+    void (*attention_backward)(void *dq, void *dk, void *dv, const void *dy, const void *att,
+                               const void *q, const void *k, const void *v, int B, int T, int Hq,
+                               int Hkv, int D);
     /** as moe_cpu_swiglu_forward() */
-    void (*swiglu_forward)(moe_real *, const moe_real *, int, int);
+    void (*swiglu_forward)(void *out, const void *gu, int N, int F);
     /** as moe_cpu_swiglu_backward() */
-    void (*swiglu_backward)(moe_real *, const moe_real *, const moe_real *, int, int);
+    void (*swiglu_backward)(void *dgu, const void *dout, const void *gu, int N, int F);
     /** as moe_cpu_cross_entropy_forward() */
-    void (*cross_entropy_forward)(moe_real *, const moe_real *, const int *, int, int);
+    void (*cross_entropy_forward)(moe_real *losses, const void *logits, const int *targets, int N,
+                                  int V);
     /** as moe_cpu_cross_entropy_backward() */
-    void (*cross_entropy_backward)(moe_real *, const moe_real *, const moe_real *, const int *,
-                                   int, int);
-    /** y += x over n elements (residual connections) */
-    void (*add)(moe_real *y, const moe_real *x, size_t n);
-    /** x *= s over n elements */
-    void (*scale)(moe_real *x, double s, size_t n);
+    void (*cross_entropy_backward)(void *dlogits, const moe_real *dloss, const void *logits,
+                                   const int *targets, int N, int V);
+    /** y += x over n activations (residual connections) */
+    void (*add)(void *y, const void *x, size_t n);
+    /** x *= s over n activations */
+    void (*scale)(void *x, double s, size_t n);
     /**@}*/
 
     /** @name MoE ops */
     /**@{*/
-    /** as moe_cpu_router_forward() */
-    void (*router_forward)(int *, moe_real *, const moe_real *, const float *,
-                           const moe_router_params *, int);
+    /** as moe_cpu_router_forward() (router math in fp32) */
+    void (*router_forward)(int *topk_idx, moe_real *topk_w, const void *logits, const float *bias,
+                           const moe_router_params *p, int N);
     /** as moe_cpu_router_backward() */
-    void (*router_backward)(moe_real *, const moe_real *, const moe_real *, const int *,
-                            const moe_router_params *, int);
+    void (*router_backward)(void *dlogits, const moe_real *dtopk_w, const void *logits,
+                            const int *topk_idx, const moe_router_params *p, int N);
     /** as moe_cpu_aux_loss_forward() */
-    double (*aux_loss_forward)(const moe_real *, int, int, int, int, moe_score_fn, double);
+    double (*aux_loss_forward)(const void *logits, int N, int group_len, int E, int k,
+                               moe_score_fn fn, double coeff);
     /** as moe_cpu_aux_loss_backward() */
-    void (*aux_loss_backward)(moe_real *, const moe_real *, int, int, int, int, moe_score_fn,
-                              double, double);
+    void (*aux_loss_backward)(void *dlogits, const void *logits, int N, int group_len, int E,
+                              int k, moe_score_fn fn, double coeff, double scale);
     /** as moe_cpu_z_loss_forward() */
-    double (*z_loss_forward)(const moe_real *, int, int, double);
+    double (*z_loss_forward)(const void *logits, int N, int E, double coeff);
     /** as moe_cpu_z_loss_backward() */
-    void (*z_loss_backward)(moe_real *, const moe_real *, int, int, double, double);
-    /** builds perm_src/row_of on the device; expert_offset and counts are HOST arrays */
-    void (*permute_index)(int *, int *, int *, long long *, const int *, int, int, int);
+    void (*z_loss_backward)(void *dlogits, const void *logits, int N, int E, double coeff,
+                            double scale);
+    /** as moe_cpu_permute_index(): perm_src/row_of in device memory; expert_offset and
+     *  counts are HOST arrays (the host sync of the naive loop) */
+    void (*permute_index)(int *perm_src, int *row_of, int *expert_offset, long long *counts,
+                          const int *topk_idx, int N, int k, int E);
     /** as moe_cpu_permute_tokens() */
-    void (*permute_tokens)(moe_real *, const moe_real *, const int *, int, int, int);
+    void (*permute_tokens)(void *xp, const void *x, const int *perm_src, int rows, int k, int C);
     /** as moe_cpu_permute_weights() */
-    void (*permute_weights)(moe_real *, const moe_real *, const int *, int);
-    /** as moe_cpu_unpermute_sum() */
-    void (*unpermute_sum)(moe_real *, const moe_real *, const int *, int, int, int);
+    void (*permute_weights)(moe_real *wp, const moe_real *topk_w, const int *perm_src, int rows);
+    /** as moe_cpu_unpermute_sum() (the k rows are summed in fp32) */
+    void (*unpermute_sum)(void *out, const void *yp, const int *row_of, int N, int k, int C);
     /** as moe_cpu_unpermute_weights() */
-    void (*unpermute_weights)(moe_real *, const moe_real *, const int *, int, int);
+    void (*unpermute_weights)(moe_real *dtopk_w, const moe_real *dwp, const int *row_of, int N,
+                              int k);
     /** row-wise scale: x[r,:] *= s[r] (the routing weight applied after the activation) */
-    void (*scale_rows)(moe_real *x, const moe_real *s, int rows, int C);
-    /** ds[r] += Σ_c a[r,c]·b[r,c] (gradient of a row scale) */
-    void (*row_dot)(moe_real *ds, const moe_real *a, const moe_real *b, int rows, int C);
+    void (*scale_rows)(void *x, const moe_real *s, int rows, int C);
+    /** ds[r] += Σ_c a[r,c]·b[r,c] (gradient of a row scale), summed in fp32 */
+    void (*row_dot)(moe_real *ds, const void *a, const void *b, int rows, int C);
+    /**@}*/
+
+    /** @name optimizer (full precision) */
+    /**@{*/
+    /** Σ x² over n elements, in double where the backend can */
+    double (*sum_squares)(const moe_real *x, size_t n);
+    /** Σ x over n elements */
+    double (*sum)(const moe_real *x, size_t n);
+    /** x *= s over n full-precision elements */
+    void (*scale_real)(moe_real *x, double s, size_t n);
+    /** one AdamW update of n elements; bc1/bc2 are the bias corrections 1−βᵗ */
+    void (*adamw)(moe_real *p, const moe_real *g, float *m, float *v, size_t n, double lr,
+                  double beta1, double beta2, double eps, double wd, double bc1, double bc2);
     /**@}*/
 } moe_backend;
 

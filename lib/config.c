@@ -105,6 +105,10 @@ static const moe_flag g_flags[] = {
     F("device", MOE_FLAG_CHOICE, device, "auto",
       "backend: auto = cuda when built with CUDA and a GPU is present, else cpu", "auto|cpu|cuda",
       G_DATA),
+    F("preset", MOE_FLAG_CHOICE, preset, "auto",
+      "default sizes: cpu = this table's defaults, gpu = a larger model for one H100/H200, "
+      "auto = gpu when running on CUDA; explicit flags always win",
+      "auto|cpu|gpu", G_DATA),
 };
 
 const moe_flag *moe_config_flags(int *n) {
@@ -123,6 +127,52 @@ moe_status moe_config_parse(moe_config *cfg, int argc, char **argv, moe_error *e
     int n;
     const moe_flag *f = moe_config_flags(&n);
     return moe_flags_parse(f, n, cfg, argc, argv, err);
+}
+
+/* The GPU preset: 45M parameters (13M active), 8192 tokens per step. tinyshakespeare has
+ * only 1M characters, so a model this size starts to overfit after ~6 epochs: measured on
+ * an H200, validation loss is best around step 750 and rises after 1000, hence 750 steps
+ * (about 15 s on an H200). */
+static const char g_gpu_preset[] =
+    "--num-layers 6 --hidden-size 384 --num-attention-heads 6 --num-query-groups 2 "
+    "--ffn-hidden-size 1536 --num-experts 8 --moe-ffn-hidden-size 768 --moe-router-topk 2 "
+    "--seq-length 256 --micro-batch-size 32 --global-batch-size 32 --train-iters 750 "
+    "--lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 50 --eval-interval 125";
+
+const char *moe_config_preset_flags(const char *name) {
+    if (!strcmp(name, "cpu"))
+        return "";
+    if (!strcmp(name, "gpu"))
+        return g_gpu_preset;
+    return NULL;
+}
+
+moe_status moe_config_from_args(moe_config *cfg, int argc, char **argv, int have_gpu,
+                                moe_error *err) {
+    moe_config_defaults(cfg);
+    MOE_TRY(moe_config_parse(cfg, argc, argv, err)); /* first pass: --preset and --device */
+    const char *preset = cfg->preset;
+    if (!strcmp(preset, "auto"))
+        preset = !strcmp(cfg->device, "cuda") || (!strcmp(cfg->device, "auto") && have_gpu)
+                     ? "gpu"
+                     : "cpu";
+    const char *flags = moe_config_preset_flags(preset);
+    MOE_ASSERT(flags != NULL); /* the choice list only admits known presets */
+    if (!*flags)
+        return MOE_OK;
+    char saved[MOE_FLAG_STR_LEN];
+    snprintf(saved, sizeof saved, "%s", preset);
+    moe_config_defaults(cfg);
+    char buf[1024];
+    snprintf(buf, sizeof buf, "%s", flags);
+    char *pv[64] = {"preset"};
+    int pc = 1;
+    for (char *tok = strtok(buf, " "); tok && pc < 64; tok = strtok(NULL, " "))
+        pv[pc++] = tok;
+    MOE_TRY(moe_config_parse(cfg, pc, pv, err));
+    MOE_TRY(moe_config_parse(cfg, argc, argv, err)); /* the command line wins */
+    snprintf(cfg->preset, sizeof cfg->preset, "%s", saved);
+    return MOE_OK;
 }
 
 void moe_config_print_help(FILE *f, const char *prog) {

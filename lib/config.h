@@ -93,6 +93,7 @@ typedef struct moe_config {
     int sample_length;          /**< --sample-length */
     double sample_temperature;  /**< --sample-temperature */
     char device[MOE_FLAG_STR_LEN];         /**< --device */
+    char preset[MOE_FLAG_STR_LEN];         /**< --preset */
 
     /* ---- resolved by moe_config_validate() */
     int vocab_size;             /**< set from the tokenizer, not a flag */
@@ -126,6 +127,25 @@ moe_status moe_config_parse(moe_config *cfg, int argc, char **argv, moe_error *e
  * @return ::MOE_OK or ::MOE_ERR_CONFIG
  */
 moe_status moe_config_validate(moe_config *cfg, moe_error *err);
+
+/**
+ * @brief The flags a preset stands for: "cpu" is the defaults (a model that trains in
+ *        minutes on a laptop), "gpu" a larger model sized for one H100/H200.
+ * @param name "cpu" or "gpu"  @return a flag string ("" for cpu), or NULL for an unknown name
+ */
+const char *moe_config_preset_flags(const char *name);
+
+/**
+ * @brief Defaults, then the preset's flags, then the command line (which always wins).
+ *        `--preset auto` picks "gpu" when the run will use CUDA (`--device cuda`, or
+ *        `--device auto` with @p have_gpu) and "cpu" otherwise.
+ * @param cfg receives the parsed (not yet validated) config  @param argc count
+ * @param argv arguments  @param have_gpu 1 when a CUDA backend and a GPU are available
+ * @param err receives the reason on failure
+ * @return ::MOE_OK, ::MOE_ERR_HELP or ::MOE_ERR_FLAG
+ */
+moe_status moe_config_from_args(moe_config *cfg, int argc, char **argv, int have_gpu,
+                                moe_error *err);
 
 /** @brief Print --help for the trainer. @param f stream @param prog program name */
 void moe_config_print_help(FILE *f, const char *prog);

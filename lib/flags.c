@@ -172,7 +172,16 @@ void moe_flags_format_value(const moe_flag *f, const void *base, char *out, size
     switch (f->type) {
     case MOE_FLAG_INT: snprintf(out, cap, "%d", *(const int *)p); break;
     case MOE_FLAG_INT64: snprintf(out, cap, "%lld", *(const long long *)p); break;
-    case MOE_FLAG_DOUBLE: snprintf(out, cap, "%g", *(const double *)p); break;
+    case MOE_FLAG_DOUBLE: {
+        /* the shortest text that reads back as the same double */
+        double v = *(const double *)p;
+        for (int prec = 6; prec <= 17; prec++) {
+            snprintf(out, cap, "%.*g", prec, v);
+            if (strtod(out, NULL) == v)
+                break;
+        }
+        break;
+    }
     case MOE_FLAG_BOOL: snprintf(out, cap, "%s", *(const int *)p ? "true" : "false"); break;
     case MOE_FLAG_STRING:
     case MOE_FLAG_CHOICE: snprintf(out, cap, "%s", (const char *)p); break;

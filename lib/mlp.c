@@ -1,45 +1,44 @@
 /* The SwiGLU MLP: see mlp.h. */
 #include "mlp.h"
 
-void moe_mlp_forward(const moe_backend *be, moe_real *out, moe_real *gu, moe_real *act, moe_real *h,
-                     const moe_real *x, const moe_real *row_scale, const moe_real *w1,
-                     const moe_real *w2, int N, int H, int F) {
+void moe_mlp_forward(const moe_backend *be, void *out, void *gu, void *act, void *h, const void *x,
+                     const moe_real *row_scale, const void *w1, const void *w2, int N, int H,
+                     int F) {
     if (N == 0)
         return;
     be->matmul_forward(gu, x, w1, N, H, 2 * F);
     be->swiglu_forward(act, gu, N, F);
-    const moe_real *fc2_in = act;
+    const void *fc2_in = act;
     if (row_scale) {
-        be->copy(h, act, sizeof(moe_real) * (size_t)N * F);
+        be->copy(h, act, be->act_size * (size_t)N * F);
         be->scale_rows(h, row_scale, N, F);
         fc2_in = h;
     }
     be->matmul_forward(out, fc2_in, w2, N, F, H);
 }
 
-void moe_mlp_backward(const moe_backend *be, moe_real *dx, moe_real *dw1, moe_real *dw2,
-                      moe_real *drow_scale, const moe_real *dout, const moe_real *x,
-                      const moe_real *gu, const moe_real *act, const moe_real *row_scale,
-                      const moe_real *w1, const moe_real *w2, moe_real *ws_h, moe_real *ws_dh,
-                      moe_real *ws_dgu, int N, int H, int F) {
+void moe_mlp_backward(const moe_backend *be, void *dx, moe_real *dw1, moe_real *dw2,
+                      moe_real *drow_scale, const void *dout, const void *x, const void *gu,
+                      const void *act, const moe_real *row_scale, const void *w1, const void *w2,
+                      void *ws_h, void *ws_dh, void *ws_dgu, int N, int H, int F) {
     if (N == 0)
         return;
     const size_t nf = (size_t)N * F;
     /* fc2: its input was act (dense) or act ⊙ row_scale (routed expert) */
-    const moe_real *fc2_in = act;
+    const void *fc2_in = act;
     if (row_scale) {
-        be->copy(ws_h, act, sizeof(moe_real) * nf);
+        be->copy(ws_h, act, be->act_size * nf);
         be->scale_rows(ws_h, row_scale, N, F);
         fc2_in = ws_h;
     }
-    be->zero(ws_dh, sizeof(moe_real) * nf);
+    be->zero(ws_dh, be->act_size * nf);
     be->matmul_backward(ws_dh, dw2, dout, fc2_in, w2, N, F, H);
     /* through the row scale: d(scale) = Σ dh ⊙ act, d(act) = dh ⊙ scale */
     if (row_scale) {
         be->row_dot(drow_scale, ws_dh, act, N, F);
         be->scale_rows(ws_dh, row_scale, N, F);
     }
-    be->zero(ws_dgu, sizeof(moe_real) * 2 * nf);
+    be->zero(ws_dgu, be->act_size * 2 * nf);
     be->swiglu_backward(ws_dgu, ws_dh, gu, N, F);
     be->matmul_backward(dx, dw1, ws_dgu, x, w1, N, H, 2 * F);
 }

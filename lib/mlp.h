@@ -8,7 +8,9 @@
  * activation and before fc2 (BRIEF §6): then combining expert outputs is a
  * plain sum, and the routing weight's gradient is Σ_f dh ⊙ act.
  *
- * Weights: fc1 [2F, H] (gate rows first, then up rows), fc2 [H, F].
+ * Weights: fc1 [2F, H] (gate rows first, then up rows), fc2 [H, F], given as the
+ * backend's compute copy (activation type); their gradients are full precision.
+ * Activations (`void *`) are in the backend's activation type.
  */
 #ifndef MOE_MLP_H
 #define MOE_MLP_H
@@ -23,9 +25,9 @@
  * @param x [N,H] input  @param row_scale [N] or NULL  @param w1 fc1  @param w2 fc2
  * @param N rows  @param H hidden  @param F intermediate
  */
-void moe_mlp_forward(const moe_backend *be, moe_real *out, moe_real *gu, moe_real *act, moe_real *h,
-                     const moe_real *x, const moe_real *row_scale, const moe_real *w1,
-                     const moe_real *w2, int N, int H, int F);
+void moe_mlp_forward(const moe_backend *be, void *out, void *gu, void *act, void *h, const void *x,
+                     const moe_real *row_scale, const void *w1, const void *w2, int N, int H,
+                     int F);
 
 /**
  * @brief Backward (all gradients accumulate).
@@ -35,10 +37,9 @@ void moe_mlp_forward(const moe_backend *be, moe_real *out, moe_real *gu, moe_rea
  * @param w1 fc1  @param w2 fc2  @param ws_h [N,F] scratch  @param ws_dh [N,F] scratch
  * @param ws_dgu [N,2F] scratch  @param N rows  @param H hidden  @param F intermediate
  */
-void moe_mlp_backward(const moe_backend *be, moe_real *dx, moe_real *dw1, moe_real *dw2,
-                      moe_real *drow_scale, const moe_real *dout, const moe_real *x,
-                      const moe_real *gu, const moe_real *act, const moe_real *row_scale,
-                      const moe_real *w1, const moe_real *w2, moe_real *ws_h, moe_real *ws_dh,
-                      moe_real *ws_dgu, int N, int H, int F);
+void moe_mlp_backward(const moe_backend *be, void *dx, moe_real *dw1, moe_real *dw2,
+                      moe_real *drow_scale, const void *dout, const void *x, const void *gu,
+                      const void *act, const moe_real *row_scale, const void *w1, const void *w2,
+                      void *ws_h, void *ws_dh, void *ws_dgu, int N, int H, int F);
 
 #endif /* MOE_MLP_H */

@@ -62,9 +62,12 @@ static void layout(moe_model *m) {
     m->off_lm_head = moe_params_add(pt, "lm_head", 2, V, H, 0, MOE_INIT_NORMAL, std, 1);
 }
 
-static moe_real *P(const moe_model *m, int l, moe_layer_weight s) {
-    return m->off[l][s] == MOE_NO_WEIGHT ? NULL : m->params + m->off[l][s];
+/* layer l's weight in slot s: the compute copy the ops read */
+static const void *P(const moe_model *m, int l, moe_layer_weight s) {
+    return m->off[l][s] == MOE_NO_WEIGHT ? NULL : MOE_ACT(m->be, m->wact, m->off[l][s]);
 }
+/* a global weight's compute copy */
+static const void *PG(const moe_model *m, size_t off) { return MOE_ACT(m->be, m->wact, off); }
 static moe_real *G(const moe_model *m, int l, moe_layer_weight s) {
     return m->off[l][s] == MOE_NO_WEIGHT ? NULL : m->grads + m->off[l][s];
 }
@@ -86,11 +89,16 @@ static moe_moe_dims moe_dims(const moe_model *m, int N, int T) {
     return d;
 }
 
-static moe_moe_weights moe_weights(const moe_model *m, int l, int grads) {
-    moe_real *(*get)(const moe_model *, int, moe_layer_weight) = grads ? G : P;
-    moe_moe_weights w = {get(m, l, MOE_W_ROUTER), get(m, l, MOE_W_FC1), get(m, l, MOE_W_FC2),
-                         get(m, l, MOE_W_SHARED_FC1), get(m, l, MOE_W_SHARED_FC2)};
+static moe_moe_weights moe_weights(const moe_model *m, int l) {
+    moe_moe_weights w = {P(m, l, MOE_W_ROUTER), P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2),
+                         P(m, l, MOE_W_SHARED_FC1), P(m, l, MOE_W_SHARED_FC2)};
     return w;
+}
+
+static moe_moe_grads moe_grads(const moe_model *m, int l) {
+    moe_moe_grads g = {G(m, l, MOE_W_ROUTER), G(m, l, MOE_W_FC1), G(m, l, MOE_W_FC2),
+                       G(m, l, MOE_W_SHARED_FC1), G(m, l, MOE_W_SHARED_FC2)};
+    return g;
 }
 
 /* ------------------------------------------------------------------ create */
@@ -115,12 +123,14 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
     const int L = c->num_layers, H = c->hidden_size, D = c->head_dim,
               Hq = c->num_attention_heads, Hkv = c->num_query_groups, V = c->vocab_size,
               T = c->seq_length, E = c->num_experts;
-    const size_t N = (size_t)B * T;
+    const size_t N = (size_t)B * T, S = be->act_size;
     m->max_B = B;
     m->max_T = T;
     int ok = 1;
     m->params = must(be, R * m->table.total, &ok);
     m->grads = must(be, R * m->table.total, &ok);
+    /* the compute copy of the weights: the master itself when the types agree */
+    m->wact = S == R ? (void *)m->params : must(be, S * m->table.total, &ok);
     m->tokens = must(be, sizeof(int) * N, &ok);
     m->targets = must(be, sizeof(int) * N, &ok);
     m->res = calloc((size_t)L + 1, sizeof *m->res);
@@ -132,35 +142,35 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory creating the model");
     }
     for (int l = 0; l <= L; l++)
-        m->res[l] = must(be, R * N * H, &ok);
+        m->res[l] = must(be, S * N * H, &ok);
     int max_ffn = 0; /* widest FFN intermediate, for the shared scratch */
     for (int l = 0; l < L; l++) {
         moe_layer_acts *a = &m->acts[l];
-        a->ln1 = must(be, R * N * H, &ok);
+        a->ln1 = must(be, S * N * H, &ok);
         a->rstd1 = must(be, R * N, &ok);
-        a->q = must(be, R * N * Hq * D, &ok);
-        a->k = must(be, R * N * Hkv * D, &ok);
-        a->v = must(be, R * N * Hkv * D, &ok);
+        a->q = must(be, S * N * Hq * D, &ok);
+        a->k = must(be, S * N * Hkv * D, &ok);
+        a->v = must(be, S * N * Hkv * D, &ok);
         if (c->qk_layernorm) {
-            a->qn = must(be, R * N * Hq * D, &ok);
-            a->kn = must(be, R * N * Hkv * D, &ok);
+            a->qn = must(be, S * N * Hq * D, &ok);
+            a->kn = must(be, S * N * Hkv * D, &ok);
             a->q_rstd = must(be, R * N * Hq, &ok);
             a->k_rstd = must(be, R * N * Hkv, &ok);
         }
-        a->qr = must(be, R * N * Hq * D, &ok);
-        a->kr = must(be, R * N * Hkv * D, &ok);
-        a->att = must(be, R * (size_t)B * Hq * T * T, &ok);
-        a->y = must(be, R * N * Hq * D, &ok);
-        a->xmid = must(be, R * N * H, &ok);
-        a->ln2 = must(be, R * N * H, &ok);
+        a->qr = must(be, S * N * Hq * D, &ok);
+        a->kr = must(be, S * N * Hkv * D, &ok);
+        a->att = must(be, S * (size_t)B * Hq * T * T, &ok);
+        a->y = must(be, S * N * Hq * D, &ok);
+        a->xmid = must(be, S * N * H, &ok);
+        a->ln2 = must(be, S * N * H, &ok);
         a->rstd2 = must(be, R * N, &ok);
         if (c->is_moe_layer[l]) {
             moe_moe_dims d = moe_dims(m, (int)N, T);
             moe_moe_acts_alloc(be, &a->moe, &d);
         } else {
             const int F = c->ffn_hidden_size;
-            a->dense_gu = must(be, R * N * 2 * F, &ok);
-            a->dense_act = must(be, R * N * F, &ok);
+            a->dense_gu = must(be, S * N * 2 * F, &ok);
+            a->dense_act = must(be, S * N * F, &ok);
             if (F > max_ffn)
                 max_ffn = F;
         }
@@ -177,20 +187,20 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
             d.Fs = max_ffn;
         moe_moe_workspace_alloc(be, &m->ws, &d);
     }
-    m->lnf = must(be, R * N * H, &ok);
+    m->lnf = must(be, S * N * H, &ok);
     m->rstdf = must(be, R * N, &ok);
-    m->logits = must(be, R * N * V, &ok);
+    m->logits = must(be, S * N * V, &ok);
     m->losses = must(be, R * N, &ok);
     const size_t QD = N * Hq * D, KD = N * Hkv * D;
-    m->d_res = must(be, R * N * H, &ok);
-    m->d_ln = must(be, R * N * H, &ok);
-    m->d_y = must(be, R * QD, &ok);
-    m->d_q = must(be, R * QD, &ok);
-    m->d_k = must(be, R * KD, &ok);
-    m->d_v = must(be, R * KD, &ok);
-    m->d_q2 = must(be, R * QD, &ok);
-    m->d_k2 = must(be, R * KD, &ok);
-    m->d_logits = must(be, R * N * V, &ok);
+    m->d_res = must(be, S * N * H, &ok);
+    m->d_ln = must(be, S * N * H, &ok);
+    m->d_y = must(be, S * QD, &ok);
+    m->d_q = must(be, S * QD, &ok);
+    m->d_k = must(be, S * KD, &ok);
+    m->d_v = must(be, S * KD, &ok);
+    m->d_q2 = must(be, S * QD, &ok);
+    m->d_k2 = must(be, S * KD, &ok);
+    m->d_logits = must(be, S * N * V, &ok);
     if (E > 0) {
         m->expert_bias = must(be, sizeof(float) * (size_t)L * E, &ok);
         m->expert_bias_host = calloc((size_t)L * E, sizeof(float));
@@ -215,6 +225,8 @@ void moe_model_free(moe_model *m) {
         return;
     const moe_backend *be = m->be;
     const int L = m->cfg.num_layers;
+    if (m->wact != (void *)m->params)
+        be->free(m->wact);
     be->free(m->params);
     be->free(m->grads);
     be->free(m->tokens);
@@ -255,6 +267,7 @@ void moe_model_init(moe_model *m, uint64_t seed) {
     moe_params_init(&m->table, host, seed);
     m->be->from_host(m->params, host, R * m->table.total);
     free(host);
+    moe_model_sync_weights(m);
     m->be->zero(m->grads, R * m->table.total);
     if (m->expert_bias) {
         size_t n = (size_t)m->cfg.num_layers * m->cfg.num_experts;
@@ -262,6 +275,10 @@ void moe_model_init(moe_model *m, uint64_t seed) {
         m->be->zero(m->expert_bias, sizeof(float) * n);
         memset(m->load_counts, 0, sizeof(long long) * n);
     }
+}
+
+void moe_model_sync_weights(moe_model *m) {
+    m->be->cast_to_act(m->wact, m->params, m->table.total);
 }
 
 size_t moe_model_num_params(const moe_model *m) { return m->table.total; }
@@ -276,6 +293,23 @@ size_t moe_model_num_active_params(const moe_model *m) {
             active -= (size_t)(c->num_experts - c->moe_router_topk) * per_expert;
         }
     return active;
+}
+
+double moe_model_flops_per_token(const moe_model *m, int T) {
+    const moe_config *c = &m->cfg;
+    const double H = c->hidden_size, QD = (double)c->num_attention_heads * c->head_dim,
+                 KD = (double)c->num_query_groups * c->head_dim;
+    double weights = (double)c->vocab_size * H; /* LM head */
+    for (int l = 0; l < c->num_layers; l++) {
+        weights += H * QD + 2 * H * KD + QD * H;
+        if (c->is_moe_layer[l])
+            weights += (double)c->num_experts * H +
+                       (double)c->moe_router_topk * 3 * c->moe_ffn_hidden_size * H +
+                       3.0 * c->moe_shared_expert_intermediate_size * H;
+        else
+            weights += 3.0 * c->ffn_hidden_size * H;
+    }
+    return 6 * weights + 6.0 * c->num_layers * T * QD;
 }
 
 /* ----------------------------------------------------------------- forward */
@@ -293,17 +327,17 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
     if (targets)
         be->from_host(m->targets, targets, sizeof(int) * N);
 
-    be->embedding_forward(m->res[0], m->tokens, m->params + m->off_embed, N, H);
+    be->embedding_forward(m->res[0], m->tokens, PG(m, m->off_embed), N, H);
     double aux = 0.0, z = 0.0;
     for (int l = 0; l < L; l++) {
         moe_layer_acts *a = &m->acts[l];
-        const moe_real *x = m->res[l];
+        const void *x = m->res[l];
         /* attention block */
         be->rmsnorm_forward(a->ln1, a->rstd1, x, P(m, l, MOE_W_LN1), N, H, c->norm_epsilon);
         be->matmul_forward(a->q, a->ln1, P(m, l, MOE_W_Q), N, H, Hq * D);
         be->matmul_forward(a->k, a->ln1, P(m, l, MOE_W_K), N, H, Hkv * D);
         be->matmul_forward(a->v, a->ln1, P(m, l, MOE_W_V), N, H, Hkv * D);
-        const moe_real *qin = a->q, *kin = a->k;
+        const void *qin = a->q, *kin = a->k;
         if (c->qk_layernorm) { /* RMSNorm over each head vector (Qwen3) */
             be->rmsnorm_forward(a->qn, a->q_rstd, a->q, P(m, l, MOE_W_QNORM), N * Hq, D,
                                 c->norm_epsilon);
@@ -319,10 +353,10 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
         be->add(a->xmid, x, (size_t)N * H);
         /* FFN block */
         be->rmsnorm_forward(a->ln2, a->rstd2, a->xmid, P(m, l, MOE_W_LN2), N, H, c->norm_epsilon);
-        moe_real *ffn_out = m->res[l + 1];
+        void *ffn_out = m->res[l + 1];
         if (c->is_moe_layer[l]) {
             moe_moe_dims d = moe_dims(m, N, T);
-            moe_moe_weights w = moe_weights(m, l, 0);
+            moe_moe_weights w = moe_weights(m, l);
             moe_moe_forward(be, ffn_out, a->ln2, &w,
                             c->moe_router_enable_expert_bias
                                 ? m->expert_bias + (size_t)l * c->num_experts
@@ -341,22 +375,15 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
         }
         be->add(ffn_out, a->xmid, (size_t)N * H);
     }
-    be->rmsnorm_forward(m->lnf, m->rstdf, m->res[L], m->params + m->off_final_norm, N, H,
+    be->rmsnorm_forward(m->lnf, m->rstdf, m->res[L], PG(m, m->off_final_norm), N, H,
                         c->norm_epsilon);
-    be->matmul_forward(m->logits, m->lnf, m->params + m->off_lm_head, N, H, V);
+    be->matmul_forward(m->logits, m->lnf, PG(m, m->off_lm_head), N, H, V);
     if (!targets) {
         memset(&m->last, 0, sizeof m->last);
         return 0.0;
     }
     be->cross_entropy_forward(m->losses, m->logits, m->targets, N, V);
-    moe_real *host = malloc(R * N);
-    MOE_ASSERT(host != NULL);
-    be->to_host(host, m->losses, R * N);
-    double ce = 0.0;
-    for (int n = 0; n < N; n++)
-        ce += host[n];
-    free(host);
-    m->last.ce = ce / N;
+    m->last.ce = be->sum(m->losses, (size_t)N) / N;
     m->last.aux = aux;
     m->last.z = z;
     m->last.total = m->last.ce + aux + z;
@@ -374,27 +401,29 @@ void moe_model_backward(moe_model *m, double loss_scale) {
     const size_t QD = (size_t)N * Hq * D, KD = (size_t)N * Hkv * D;
 
     /* loss → logits → final norm */
-    be->zero(m->d_logits, R * (size_t)N * V);
+    const size_t S = be->act_size;
+    be->zero(m->d_logits, S * (size_t)N * V);
     be->cross_entropy_backward(m->d_logits, NULL, m->logits, m->targets, N, V);
     if (loss_scale != 1.0)
         be->scale(m->d_logits, loss_scale, (size_t)N * V);
-    be->zero(m->d_ln, R * (size_t)N * H);
+    be->zero(m->d_ln, S * (size_t)N * H);
     be->matmul_backward(m->d_ln, m->grads + m->off_lm_head, m->d_logits, m->lnf,
-                        m->params + m->off_lm_head, N, H, V);
-    be->zero(m->d_res, R * (size_t)N * H);
+                        PG(m, m->off_lm_head), N, H, V);
+    be->zero(m->d_res, S * (size_t)N * H);
     be->rmsnorm_backward(m->d_res, m->grads + m->off_final_norm, m->d_ln, m->res[L],
-                         m->params + m->off_final_norm, m->rstdf, N, H);
+                         PG(m, m->off_final_norm), m->rstdf, N, H);
 
     /* d_res holds ∂L/∂res[l+1]; each block adds its branch's gradient into it in place,
      * leaving ∂L/∂res[l] (the residual connection passes the gradient through unchanged). */
     for (int l = L - 1; l >= 0; l--) {
         moe_layer_acts *a = &m->acts[l];
-        const moe_real *x = m->res[l];
+        const void *x = m->res[l];
         /* FFN block: res[l+1] = xmid + ffn(ln2(xmid)) */
-        be->zero(m->d_ln, R * (size_t)N * H);
+        be->zero(m->d_ln, S * (size_t)N * H);
         if (c->is_moe_layer[l]) {
             moe_moe_dims d = moe_dims(m, N, T);
-            moe_moe_weights w = moe_weights(m, l, 0), g = moe_weights(m, l, 1);
+            moe_moe_weights w = moe_weights(m, l);
+            moe_moe_grads g = moe_grads(m, l);
             moe_moe_backward(be, m->d_ln, &g, m->d_res, a->ln2, &w, &d, &a->moe, &m->ws,
                              loss_scale);
         } else {
@@ -406,22 +435,22 @@ void moe_model_backward(moe_model *m, double loss_scale) {
         be->rmsnorm_backward(m->d_res, G(m, l, MOE_W_LN2), m->d_ln, a->xmid, P(m, l, MOE_W_LN2),
                              a->rstd2, N, H);
         /* attention block: xmid = x + attn(ln1(x)) */
-        be->zero(m->d_y, R * QD);
+        be->zero(m->d_y, S * QD);
         be->matmul_backward(m->d_y, G(m, l, MOE_W_O), m->d_res, a->y, P(m, l, MOE_W_O), N,
                             Hq * D, H);
-        be->zero(m->d_q, R * QD);
-        be->zero(m->d_k, R * KD);
-        be->zero(m->d_v, R * KD);
+        be->zero(m->d_q, S * QD);
+        be->zero(m->d_k, S * KD);
+        be->zero(m->d_v, S * KD);
         be->attention_backward(m->d_q, m->d_k, m->d_v, m->d_y, a->att, a->qr, a->kr, a->v, B, T,
                                Hq, Hkv, D);
-        be->zero(m->d_q2, R * QD);
-        be->zero(m->d_k2, R * KD);
+        be->zero(m->d_q2, S * QD);
+        be->zero(m->d_k2, S * KD);
         be->rope_backward(m->d_q2, m->d_q, B, T, Hq, D, c->rotary_base);
         be->rope_backward(m->d_k2, m->d_k, B, T, Hkv, D, c->rotary_base);
-        moe_real *dq = m->d_q2, *dk = m->d_k2;
+        void *dq = m->d_q2, *dk = m->d_k2;
         if (c->qk_layernorm) {
-            be->zero(m->d_q, R * QD);
-            be->zero(m->d_k, R * KD);
+            be->zero(m->d_q, S * QD);
+            be->zero(m->d_k, S * KD);
             be->rmsnorm_backward(m->d_q, G(m, l, MOE_W_QNORM), m->d_q2, a->q,
                                  P(m, l, MOE_W_QNORM), a->q_rstd, N * Hq, D);
             be->rmsnorm_backward(m->d_k, G(m, l, MOE_W_KNORM), m->d_k2, a->k,
@@ -429,7 +458,7 @@ void moe_model_backward(moe_model *m, double loss_scale) {
             dq = m->d_q;
             dk = m->d_k;
         }
-        be->zero(m->d_ln, R * (size_t)N * H);
+        be->zero(m->d_ln, S * (size_t)N * H);
         be->matmul_backward(m->d_ln, G(m, l, MOE_W_Q), dq, a->ln1, P(m, l, MOE_W_Q), N, H, Hq * D);
         be->matmul_backward(m->d_ln, G(m, l, MOE_W_K), dk, a->ln1, P(m, l, MOE_W_K), N, H,
                             Hkv * D);

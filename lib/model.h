@@ -43,27 +43,28 @@ typedef enum moe_layer_weight {
 /** Marks a slot the layer does not have. */
 #define MOE_NO_WEIGHT ((size_t)-1)
 
-/** Activations one layer saves for its backward. */
+/** Activations one layer saves for its backward: `void *` in the backend's activation
+ *  type, `moe_real *` (norm statistics) in full precision. */
 typedef struct moe_layer_acts {
-    moe_real *ln1;                /**< attention norm output [N,H] */
+    void *ln1;                /**< attention norm output [N,H] */
     moe_real *rstd1;              /**< its 1/rms per row [N] */
-    moe_real *q;                  /**< query projection [N,Hq·D] */
-    moe_real *k;                  /**< key projection [N,Hkv·D] */
-    moe_real *v;                  /**< value projection [N,Hkv·D] */
-    moe_real *qn;                 /**< queries after QK-norm (when enabled) */
-    moe_real *kn;                 /**< keys after QK-norm (when enabled) */
+    void *q;                  /**< query projection [N,Hq·D] */
+    void *k;                  /**< key projection [N,Hkv·D] */
+    void *v;                  /**< value projection [N,Hkv·D] */
+    void *qn;                 /**< queries after QK-norm (when enabled) */
+    void *kn;                 /**< keys after QK-norm (when enabled) */
     moe_real *q_rstd;             /**< QK-norm 1/rms of queries [N·Hq] */
     moe_real *k_rstd;             /**< QK-norm 1/rms of keys [N·Hkv] */
-    moe_real *qr;                 /**< queries after RoPE */
-    moe_real *kr;                 /**< keys after RoPE */
-    moe_real *att;                /**< attention probabilities [B,Hq,T,T] */
-    moe_real *y;                  /**< attention output [N,Hq·D] */
-    moe_real *xmid;               /**< residual after attention [N,H] */
-    moe_real *ln2;                /**< FFN norm output [N,H] */
+    void *qr;                 /**< queries after RoPE */
+    void *kr;                 /**< keys after RoPE */
+    void *att;                /**< attention probabilities [B,Hq,T,T] */
+    void *y;                  /**< attention output [N,Hq·D] */
+    void *xmid;               /**< residual after attention [N,H] */
+    void *ln2;                /**< FFN norm output [N,H] */
     moe_real *rstd2;              /**< its 1/rms per row [N] */
     moe_moe_acts moe;             /**< MoE FFN saved state (MoE layers) */
-    moe_real *dense_gu;           /**< dense FFN fc1 output [N,2F] (dense layers) */
-    moe_real *dense_act;          /**< dense FFN SwiGLU output [N,F] (dense layers) */
+    void *dense_gu;           /**< dense FFN fc1 output [N,2F] (dense layers) */
+    void *dense_act;          /**< dense FFN SwiGLU output [N,F] (dense layers) */
 } moe_layer_acts;
 
 /** Losses of the last forward. */
@@ -79,8 +80,10 @@ typedef struct moe_model {
     moe_config cfg;               /**< validated configuration (a copy) */
     const moe_backend *be;        /**< where everything lives and runs */
     moe_param_table table;        /**< names, shapes, offsets */
-    moe_real *params;             /**< [table.total] */
-    moe_real *grads;              /**< [table.total] */
+    moe_real *params;             /**< [table.total] master weights, full precision */
+    moe_real *grads;              /**< [table.total] gradients, full precision */
+    void *wact;                   /**< [table.total] compute copy of the weights in the activation
+                                       type (aliases params when that type is moe_real) */
     size_t off_embed;             /**< offset of the embedding [V,H] */
     size_t off_final_norm;        /**< offset of the final norm [H] */
     size_t off_lm_head;           /**< offset of the LM head [V,H] */
@@ -94,22 +97,22 @@ typedef struct moe_model {
     int T;                        /**< sequence length of the last forward */
     int *tokens;                  /**< input ids, backend [B·T] */
     int *targets;                 /**< target ids, backend [B·T] */
-    moe_real **res;               /**< residual stream: res[l] is layer l's input, [L+1][N,H] */
+    void **res;                   /**< residual stream: res[l] is layer l's input, [L+1][N,H] */
     moe_layer_acts *acts;         /**< [L] */
-    moe_real *lnf;                /**< final norm output [N,H] */
+    void *lnf;                /**< final norm output [N,H] */
     moe_real *rstdf;              /**< its 1/rms [N] */
-    moe_real *logits;             /**< [N,V] */
+    void *logits;             /**< [N,V] */
     moe_real *losses;             /**< [N] per-token cross-entropy */
     moe_moe_workspace ws;         /**< MoE/FFN scratch */
-    moe_real *d_res;              /**< ∂L/∂residual stream [N,H] */
-    moe_real *d_ln;               /**< ∂L/∂norm output [N,H] */
-    moe_real *d_y;                /**< ∂L/∂attention output [N,Hq·D] */
-    moe_real *d_q;                /**< ∂L/∂queries [N,Hq·D] */
-    moe_real *d_k;                /**< ∂L/∂keys [N,Hkv·D] */
-    moe_real *d_v;                /**< ∂L/∂values [N,Hkv·D] */
-    moe_real *d_q2;               /**< second query-gradient buffer (RoPE/QK-norm) */
-    moe_real *d_k2;               /**< second key-gradient buffer */
-    moe_real *d_logits;           /**< ∂L/∂logits [N,V] */
+    void *d_res;              /**< ∂L/∂residual stream [N,H] */
+    void *d_ln;               /**< ∂L/∂norm output [N,H] */
+    void *d_y;                /**< ∂L/∂attention output [N,Hq·D] */
+    void *d_q;                /**< ∂L/∂queries [N,Hq·D] */
+    void *d_k;                /**< ∂L/∂keys [N,Hkv·D] */
+    void *d_v;                /**< ∂L/∂values [N,Hkv·D] */
+    void *d_q2;               /**< second query-gradient buffer (RoPE/QK-norm) */
+    void *d_k2;               /**< second key-gradient buffer */
+    void *d_logits;           /**< ∂L/∂logits [N,V] */
     moe_losses last;              /**< losses of the last forward */
     double *layer_aux;            /**< [L] per-layer aux loss of the last forward */
     double *layer_z;              /**< [L] per-layer z-loss of the last forward */
@@ -141,6 +144,16 @@ size_t moe_model_num_params(const moe_model *m);
 size_t moe_model_num_active_params(const moe_model *m);
 
 /**
+ * @brief Training FLOPs per token (forward + backward), the numerator of MFU:
+ *        6 · (matmul weights a token uses: attention projections, router, k of E experts,
+ *        shared expert or dense FFN, LM head) + 6 · L · T · Hq · D for causal attention
+ *        (QKᵀ and PV, 2·T·Hq·D multiply-adds each per token, halved by the causal mask,
+ *        times 3 for forward + backward). Embedding lookups and norms are not counted.
+ * @param m model  @param T sequence length  @return FLOPs per token
+ */
+double moe_model_flops_per_token(const moe_model *m, int T);
+
+/**
  * @brief Forward pass over B sequences of T tokens (host token ids).
  * @param m model  @param tokens host [B·T]  @param targets host [B·T] or NULL (no loss)
  * @param B sequences (≤ allocated)  @param T tokens per sequence (≤ seq_length)
@@ -153,6 +166,10 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
  * @param m model  @param loss_scale 1/(gradient-accumulation steps)
  */
 void moe_model_backward(moe_model *m, double loss_scale);
+
+/** @brief Refresh the compute copy of the weights from the master weights (after every
+ *  optimizer step; a no-op when they are the same buffer). @param m model */
+void moe_model_sync_weights(moe_model *m);
 
 /** @brief Set every gradient to zero. @param m model */
 void moe_model_zero_grad(moe_model *m);

@@ -7,6 +7,7 @@
 #include "mlp.h"
 
 #define R sizeof(moe_real)
+#define A(p, i) MOE_ACT(be, p, i)
 
 static size_t max_rows_f(const moe_moe_dims *d) {
     size_t a = (size_t)d->N * d->k * d->F, b = (size_t)d->N * d->Fs;
@@ -14,20 +15,20 @@ static size_t max_rows_f(const moe_moe_dims *d) {
 }
 
 void moe_moe_acts_alloc(const moe_backend *be, moe_moe_acts *a, const moe_moe_dims *d) {
-    const size_t N = d->N, NK = (size_t)d->N * d->k;
+    const size_t N = d->N, NK = (size_t)d->N * d->k, S = be->act_size;
     memset(a, 0, sizeof *a);
-    a->logits = be->alloc(R * N * d->E);
+    a->logits = be->alloc(S * N * d->E);
     a->topk_idx = be->alloc(sizeof(int) * NK);
     a->topk_w = be->alloc(R * NK);
     a->perm_src = be->alloc(sizeof(int) * NK);
     a->row_of = be->alloc(sizeof(int) * NK);
     a->wp = be->alloc(R * NK);
-    a->xp = be->alloc(R * NK * d->H);
-    a->gu = be->alloc(R * NK * 2 * d->F);
-    a->act = be->alloc(R * NK * d->F);
+    a->xp = be->alloc(S * NK * d->H);
+    a->gu = be->alloc(S * NK * 2 * d->F);
+    a->act = be->alloc(S * NK * d->F);
     if (d->Fs > 0) {
-        a->shared_gu = be->alloc(R * N * 2 * d->Fs);
-        a->shared_act = be->alloc(R * N * d->Fs);
+        a->shared_gu = be->alloc(S * N * 2 * d->Fs);
+        a->shared_act = be->alloc(S * N * d->Fs);
     }
     a->expert_offset = calloc((size_t)d->E + 1, sizeof(int));
     a->counts = calloc((size_t)d->E, sizeof(long long));
@@ -45,17 +46,17 @@ void moe_moe_acts_free(const moe_backend *be, moe_moe_acts *a) {
 }
 
 void moe_moe_workspace_alloc(const moe_backend *be, moe_moe_workspace *w, const moe_moe_dims *d) {
-    const size_t N = d->N, NK = (size_t)d->N * d->k, HF = max_rows_f(d);
+    const size_t N = d->N, NK = (size_t)d->N * d->k, HF = max_rows_f(d), S = be->act_size;
     memset(w, 0, sizeof *w);
-    w->yp = be->alloc(R * (NK > N ? NK : N) * d->H);
-    w->dyp = be->alloc(R * NK * d->H);
-    w->dxp = be->alloc(R * NK * d->H);
+    w->yp = be->alloc(S * (NK > N ? NK : N) * d->H);
+    w->dyp = be->alloc(S * NK * d->H);
+    w->dxp = be->alloc(S * NK * d->H);
     w->dwp = be->alloc(R * NK);
     w->dtopk_w = be->alloc(R * NK);
-    w->dlogits = be->alloc(R * N * d->E);
-    w->h = be->alloc(R * HF);
-    w->dh = be->alloc(R * HF);
-    w->dgu = be->alloc(R * 2 * HF);
+    w->dlogits = be->alloc(S * N * d->E);
+    w->h = be->alloc(S * HF);
+    w->dh = be->alloc(S * HF);
+    w->dgu = be->alloc(S * 2 * HF);
     MOE_ASSERT(w->yp && w->dyp && w->dxp && w->dwp && w->dtopk_w && w->dlogits && w->h && w->dh &&
                w->dgu);
 }
@@ -71,9 +72,9 @@ static int aux_group_len(const moe_moe_dims *d) {
     return d->lb_type == MOE_LB_SEQ_AUX ? d->T : d->N;
 }
 
-void moe_moe_forward(const moe_backend *be, moe_real *out, const moe_real *x,
-                     const moe_moe_weights *w, const float *expert_bias, const moe_moe_dims *d,
-                     moe_moe_acts *a, moe_moe_workspace *ws) {
+void moe_moe_forward(const moe_backend *be, void *out, const void *x, const moe_moe_weights *w,
+                     const float *expert_bias, const moe_moe_dims *d, moe_moe_acts *a,
+                     moe_moe_workspace *ws) {
     const int N = d->N, H = d->H, E = d->E, k = d->k, F = d->F;
 
     /* 1. route (router math in fp32 / the backend's real type) */
@@ -97,13 +98,14 @@ void moe_moe_forward(const moe_backend *be, moe_real *out, const moe_real *x,
     for (int e = 0; e < E; e++) {
         const size_t off = (size_t)a->expert_offset[e];
         const int rows = a->expert_offset[e + 1] - a->expert_offset[e];
-        moe_mlp_forward(be, ws->yp + off * H, a->gu + off * 2 * F, a->act + off * F,
-                        ws->h + off * F, a->xp + off * H, a->wp + off,
-                        w->fc1 + (size_t)e * 2 * F * H, w->fc2 + (size_t)e * H * F, rows, H, F);
+        moe_mlp_forward(be, A(ws->yp, off * H), A(a->gu, off * 2 * F), A(a->act, off * F),
+                        A(ws->h, off * F), A(a->xp, off * H), a->wp + off,
+                        A(w->fc1, (size_t)e * 2 * F * H), A(w->fc2, (size_t)e * H * F), rows, H,
+                        F);
     }
 
     /* 5. combine: out[n] = Σ_j expert output of (n, j) */
-    be->zero(out, R * (size_t)N * H);
+    be->zero(out, be->act_size * (size_t)N * H);
     be->unpermute_sum(out, ws->yp, a->row_of, N, k, H);
 
     /* 6. shared expert on every token */
@@ -114,27 +116,27 @@ void moe_moe_forward(const moe_backend *be, moe_real *out, const moe_real *x,
     }
 }
 
-void moe_moe_backward(const moe_backend *be, moe_real *dx, const moe_moe_weights *g,
-                      const moe_real *dout, const moe_real *x, const moe_moe_weights *w,
-                      const moe_moe_dims *d, const moe_moe_acts *a, moe_moe_workspace *ws,
-                      double loss_scale) {
+void moe_moe_backward(const moe_backend *be, void *dx, const moe_moe_grads *g, const void *dout,
+                      const void *x, const moe_moe_weights *w, const moe_moe_dims *d,
+                      const moe_moe_acts *a, moe_moe_workspace *ws, double loss_scale) {
     const int N = d->N, H = d->H, E = d->E, k = d->k, F = d->F;
     const size_t NK = (size_t)N * k;
 
     /* 5⁻¹. the combine was a sum, so each permuted row receives its token's gradient */
     be->permute_tokens(ws->dyp, dout, a->perm_src, N * k, k, H);
-    be->zero(ws->dxp, R * NK * H);
+    be->zero(ws->dxp, be->act_size * NK * H);
     be->zero(ws->dwp, R * NK);
 
     /* 4⁻¹. the expert loop in reverse */
     for (int e = 0; e < E; e++) {
         const size_t off = (size_t)a->expert_offset[e];
         const int rows = a->expert_offset[e + 1] - a->expert_offset[e];
-        moe_mlp_backward(be, ws->dxp + off * H, g->fc1 + (size_t)e * 2 * F * H,
-                         g->fc2 + (size_t)e * H * F, ws->dwp + off, ws->dyp + off * H,
-                         a->xp + off * H, a->gu + off * 2 * F, a->act + off * F, a->wp + off,
-                         w->fc1 + (size_t)e * 2 * F * H, w->fc2 + (size_t)e * H * F,
-                         ws->h + off * F, ws->dh + off * F, ws->dgu + off * 2 * F, rows, H, F);
+        moe_mlp_backward(be, A(ws->dxp, off * H), g->fc1 + (size_t)e * 2 * F * H,
+                         g->fc2 + (size_t)e * H * F, ws->dwp + off, A(ws->dyp, off * H),
+                         A(a->xp, off * H), A(a->gu, off * 2 * F), A(a->act, off * F),
+                         a->wp + off, A(w->fc1, (size_t)e * 2 * F * H),
+                         A(w->fc2, (size_t)e * H * F), A(ws->h, off * F), A(ws->dh, off * F),
+                         A(ws->dgu, off * 2 * F), rows, H, F);
     }
 
     /* 3⁻¹. back to token order: inputs and routing weights */
@@ -143,7 +145,7 @@ void moe_moe_backward(const moe_backend *be, moe_real *dx, const moe_moe_weights
     be->unpermute_weights(ws->dtopk_w, ws->dwp, a->row_of, N, k);
 
     /* 2⁻¹ and 1⁻¹. router: routing weights, aux loss and z-loss all end in the logits */
-    be->zero(ws->dlogits, R * (size_t)N * E);
+    be->zero(ws->dlogits, be->act_size * (size_t)N * E);
     be->router_backward(ws->dlogits, ws->dtopk_w, a->logits, a->topk_idx, &d->router, N);
     if (d->lb_type != MOE_LB_NONE && d->aux_coeff > 0)
         be->aux_loss_backward(ws->dlogits, a->logits, N, aux_group_len(d), E, k,

@@ -34,28 +34,38 @@ typedef struct moe_moe_dims {
     double z_coeff;             /**< z-loss coefficient */
 } moe_moe_dims;
 
-/** The layer's weights (views into the parameter buffer) or their gradients. */
+/** The layer's weights: the backend's compute copy (activation type), views into it. */
 typedef struct moe_moe_weights {
+    const void *router;      /**< [E,H] */
+    const void *fc1;         /**< [E,2F,H] */
+    const void *fc2;         /**< [E,H,F] */
+    const void *shared_fc1;  /**< [2Fs,H] or NULL */
+    const void *shared_fc2;  /**< [H,Fs] or NULL */
+} moe_moe_weights;
+
+/** The layer's weight gradients (full precision), views into the gradient buffer. */
+typedef struct moe_moe_grads {
     moe_real *router;      /**< [E,H] */
     moe_real *fc1;         /**< [E,2F,H] */
     moe_real *fc2;         /**< [E,H,F] */
     moe_real *shared_fc1;  /**< [2Fs,H] or NULL */
     moe_real *shared_fc2;  /**< [H,Fs] or NULL */
-} moe_moe_weights;
+} moe_moe_grads;
 
-/** What the forward saves for the backward (sized for N tokens). */
+/** What the forward saves for the backward (sized for N tokens). `void *` buffers are
+ *  activations (the backend's type); `moe_real *` ones are full precision. */
 typedef struct moe_moe_acts {
-    moe_real *logits;     /**< [N,E] router logits */
+    void *logits;         /**< [N,E] router logits */
     int *topk_idx;        /**< [N,k] selected experts */
     moe_real *topk_w;     /**< [N,k] routing weights */
     int *perm_src;        /**< [N·k] assignment at each permuted row */
     int *row_of;          /**< [N·k] permuted row of each assignment */
     moe_real *wp;         /**< [N·k] routing weight of each permuted row */
-    moe_real *xp;         /**< [N·k,H] permuted inputs */
-    moe_real *gu;         /**< [N·k,2F] expert fc1 outputs */
-    moe_real *act;        /**< [N·k,F] expert SwiGLU outputs */
-    moe_real *shared_gu;  /**< [N,2Fs] */
-    moe_real *shared_act; /**< [N,Fs] */
+    void *xp;             /**< [N·k,H] permuted inputs */
+    void *gu;             /**< [N·k,2F] expert fc1 outputs */
+    void *act;            /**< [N·k,F] expert SwiGLU outputs */
+    void *shared_gu;      /**< [N,2Fs] */
+    void *shared_act;     /**< [N,Fs] */
     int *expert_offset;   /**< host [E+1]: expert e owns permuted rows [off[e], off[e+1]) */
     long long *counts;    /**< host [E]: tokens per expert, this forward */
     double aux_loss;      /**< load-balancing loss of this forward */
@@ -64,15 +74,15 @@ typedef struct moe_moe_acts {
 
 /** Scratch shared by all MoE layers (only one runs at a time). */
 typedef struct moe_moe_workspace {
-    moe_real *yp;       /**< [N·k,H] expert outputs, permuted */
-    moe_real *dyp;      /**< [N·k,H] */
-    moe_real *dxp;      /**< [N·k,H] */
+    void *yp;           /**< [max(N·k,N),H] expert outputs, permuted */
+    void *dyp;          /**< [N·k,H] */
+    void *dxp;          /**< [N·k,H] */
     moe_real *dwp;      /**< [N·k] */
     moe_real *dtopk_w;  /**< [N·k] */
-    moe_real *dlogits;  /**< [N,E] */
-    moe_real *h;        /**< [max(N·k,N), max(F,Fs)] */
-    moe_real *dh;       /**< [max(N·k,N), max(F,Fs)] */
-    moe_real *dgu;      /**< [max(N·k,N), 2·max(F,Fs)] */
+    void *dlogits;      /**< [N,E] */
+    void *h;            /**< [max(N·k·F, N·Fs)] */
+    void *dh;           /**< [max(N·k·F, N·Fs)] */
+    void *dgu;          /**< [2·max(N·k·F, N·Fs)] */
 } moe_moe_workspace;
 
 /** @brief Allocate the saved activations for @p d. @param be backend @param a acts @param d dims */
@@ -90,9 +100,9 @@ void moe_moe_workspace_free(const moe_backend *be, moe_moe_workspace *w);
  * @param expert_bias [E] fp32 selection bias or NULL  @param d dims (d->N is used)
  * @param a saved activations  @param ws workspace
  */
-void moe_moe_forward(const moe_backend *be, moe_real *out, const moe_real *x,
-                     const moe_moe_weights *w, const float *expert_bias, const moe_moe_dims *d,
-                     moe_moe_acts *a, moe_moe_workspace *ws);
+void moe_moe_forward(const moe_backend *be, void *out, const void *x, const moe_moe_weights *w,
+                     const float *expert_bias, const moe_moe_dims *d, moe_moe_acts *a,
+                     moe_moe_workspace *ws);
 
 /**
  * @brief Backward of the MoE FFN (gradients accumulate). The aux and z losses enter with
@@ -101,9 +111,8 @@ void moe_moe_forward(const moe_backend *be, moe_real *out, const moe_real *x,
  * @param x forward input  @param w weights  @param d dims  @param a saved activations
  * @param ws workspace  @param loss_scale weight of the aux/z losses in the total loss
  */
-void moe_moe_backward(const moe_backend *be, moe_real *dx, const moe_moe_weights *g,
-                      const moe_real *dout, const moe_real *x, const moe_moe_weights *w,
-                      const moe_moe_dims *d, const moe_moe_acts *a, moe_moe_workspace *ws,
-                      double loss_scale);
+void moe_moe_backward(const moe_backend *be, void *dx, const moe_moe_grads *g, const void *dout,
+                      const void *x, const moe_moe_weights *w, const moe_moe_dims *d,
+                      const moe_moe_acts *a, moe_moe_workspace *ws, double loss_scale);
 
 #endif /* MOE_MOE_LAYER_H */

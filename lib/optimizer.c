@@ -2,11 +2,11 @@
 #include "optimizer.h"
 
 #include <math.h>
-#include <stdlib.h>
 
-moe_status moe_adamw_init(moe_adamw *opt, size_t n, moe_error *err) {
-    opt->m = calloc(n ? n : 1, sizeof(float));
-    opt->v = calloc(n ? n : 1, sizeof(float));
+moe_status moe_adamw_init(moe_adamw *opt, const moe_backend *be, size_t n, moe_error *err) {
+    opt->be = be;
+    opt->m = be->alloc(sizeof(float) * (n ? n : 1));
+    opt->v = be->alloc(sizeof(float) * (n ? n : 1));
     opt->n = n;
     opt->step = 0;
     if (!opt->m || !opt->v) {
@@ -18,8 +18,10 @@ moe_status moe_adamw_init(moe_adamw *opt, size_t n, moe_error *err) {
 }
 
 void moe_adamw_free(moe_adamw *opt) {
-    free(opt->m);
-    free(opt->v);
+    if (opt->be) {
+        opt->be->free(opt->m);
+        opt->be->free(opt->v);
+    }
     opt->m = opt->v = NULL;
 }
 
@@ -31,46 +33,16 @@ void moe_adamw_step(moe_adamw *opt, const moe_param_table *pt, moe_real *params,
     const double bc2 = 1.0 - pow(beta2, (double)opt->step);
     for (int t = 0; t < pt->n; t++) {
         const moe_tensor *ten = &pt->t[t];
-        const double decay = ten->decay ? wd : 0.0;
         const size_t o = ten->offset;
-#pragma omp parallel for schedule(static)
-        for (size_t i = o; i < o + ten->numel; i++) {
-            double g = grads[i];
-            double m = beta1 * opt->m[i] + (1.0 - beta1) * g;
-            double v = beta2 * opt->v[i] + (1.0 - beta2) * g * g;
-            opt->m[i] = (float)m;
-            opt->v[i] = (float)v;
-            double upd = (m / bc1) / (sqrt(v / bc2) + eps) + decay * params[i];
-            params[i] = (moe_real)(params[i] - lr * upd);
-        }
+        opt->be->adamw(params + o, grads + o, opt->m + o, opt->v + o, ten->numel, lr, beta1, beta2,
+                       eps, ten->decay ? wd : 0.0, bc1, bc2);
     }
 }
 
-double moe_clip_grad_norm(moe_real *grads, size_t n, double max_norm) {
-    /* Fixed-size blocks summed in order: the same norm for any thread count. */
-    enum { BLK = 4096 };
-    size_t nb = (n + BLK - 1) / BLK;
-    double *part = calloc(nb ? nb : 1, sizeof(double));
-    MOE_ASSERT(part != NULL);
-#pragma omp parallel for schedule(static)
-    for (size_t b = 0; b < nb; b++) {
-        double s = 0.0;
-        size_t end = (b + 1) * BLK < n ? (b + 1) * BLK : n;
-        for (size_t i = b * BLK; i < end; i++)
-            s += (double)grads[i] * grads[i];
-        part[b] = s;
-    }
-    double ss = 0.0;
-    for (size_t b = 0; b < nb; b++)
-        ss += part[b];
-    free(part);
-    double norm = sqrt(ss);
-    if (max_norm > 0 && norm > max_norm) {
-        double s = max_norm / (norm + 1e-6);
-#pragma omp parallel for schedule(static)
-        for (size_t i = 0; i < n; i++)
-            grads[i] = (moe_real)(grads[i] * s);
-    }
+double moe_clip_grad_norm(const moe_backend *be, moe_real *grads, size_t n, double max_norm) {
+    double norm = sqrt(be->sum_squares(grads, n));
+    if (max_norm > 0 && norm > max_norm)
+        be->scale_real(grads, max_norm / (norm + 1e-6), n);
     return norm;
 }
 

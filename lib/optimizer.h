@@ -1,39 +1,69 @@
 /**
  * @file optimizer.h
  * @brief AdamW with fp32 state, global-norm gradient clipping, and the learning-rate schedule.
+ *
+ * Mixed precision the way Megatron does it: the optimizer owns the fp32 *master*
+ * weights and updates them with fp32 gradients; the model computes with a copy in
+ * the backend's activation type (bf16 on CUDA), refreshed after every step.
+ * Everything runs through the backend's op table, so the state lives where the
+ * parameters live.
  */
 #ifndef MOE_OPTIMIZER_H
 #define MOE_OPTIMIZER_H
 
+#include <math.h>
 #include <stddef.h>
 
+#include "backend.h"
 #include "config.h"
 #include "params.h"
 #include "real.h"
 
-/** AdamW state: the two moments, laid out like the parameters. */
+/** AdamW state: the two moments, laid out like the parameters, in backend memory. */
 typedef struct moe_adamw {
-    float *m;          /**< first moment, fp32 */
-    float *v;          /**< second moment, fp32 */
-    size_t n;          /**< elements */
-    long long step;    /**< steps taken (for bias correction) */
+    const moe_backend *be; /**< where the state lives */
+    float *m;              /**< first moment, fp32 */
+    float *v;              /**< second moment, fp32 */
+    size_t n;              /**< elements */
+    long long step;        /**< steps taken (for bias correction) */
 } moe_adamw;
 
-/** @brief Allocate zeroed state for @p n parameters. @param opt state @param n count
- *  @param err receives the reason on failure @return ::MOE_OK or ::MOE_ERR_NOMEM */
-moe_status moe_adamw_init(moe_adamw *opt, size_t n, moe_error *err);
+/**
+ * @brief One element of AdamW (Loshchilov & Hutter), shared by every backend:
+ *        m ← β1·m + (1−β1)·g,  v ← β2·v + (1−β2)·g²,
+ *        p ← p − lr·( (m/bc1) / (√(v/bc2) + eps) + wd·p ).
+ * @param p parameter (updated)  @param g gradient  @param m first moment (updated)
+ * @param v second moment (updated)  @param lr learning rate  @param beta1 β1  @param beta2 β2
+ * @param eps epsilon  @param wd weight decay  @param bc1 1−β1ᵗ  @param bc2 1−β2ᵗ
+ */
+static inline MOE_HOSTDEV void moe_adamw_update(moe_real *p, moe_real g, float *m, float *v,
+                                                double lr, double beta1, double beta2, double eps,
+                                                double wd, double bc1, double bc2) {
+    double mm = beta1 * *m + (1.0 - beta1) * g;
+    double vv = beta2 * *v + (1.0 - beta2) * (double)g * g;
+    *m = (float)mm;
+    *v = (float)vv;
+    double upd = (mm / bc1) / (sqrt(vv / bc2) + eps) + wd * *p;
+    *p = (moe_real)(*p - lr * upd);
+}
+
+/**
+ * @brief Allocate zeroed state for @p n parameters on backend @p be.
+ * @param opt state  @param be backend  @param n count  @param err receives the reason on failure
+ * @return ::MOE_OK or ::MOE_ERR_NOMEM
+ */
+moe_status moe_adamw_init(moe_adamw *opt, const moe_backend *be, size_t n, moe_error *err);
 
 /** @brief Free the state. @param opt state */
 void moe_adamw_free(moe_adamw *opt);
 
 /**
- * @brief One AdamW step (Loshchilov & Hutter): decoupled weight decay on tensors with
+ * @brief One AdamW step over every tensor of @p pt: decoupled weight decay on tensors with
  *        `decay` set, bias-corrected moments.
- *        p ← p − lr·(m̂/(√v̂ + eps) + wd·p)
  * @param opt    state
  * @param pt     parameter table (which tensors decay)
- * @param params [n] parameters, updated in place
- * @param grads  [n] gradients
+ * @param params [n] master parameters, updated in place (backend memory)
+ * @param grads  [n] gradients (backend memory)
  * @param lr     learning rate
  * @param beta1  first-moment decay
  * @param beta2  second-moment decay
@@ -46,10 +76,11 @@ void moe_adamw_step(moe_adamw *opt, const moe_param_table *pt, moe_real *params,
 
 /**
  * @brief Global L2 norm of @p grads, and scale them by max_norm/norm when it exceeds @p max_norm.
- * @param grads [n]  @param n count  @param max_norm threshold (0 = measure only)
+ * @param be backend holding the gradients  @param grads [n]  @param n count
+ * @param max_norm threshold (0 = measure only)
  * @return the norm before clipping
  */
-double moe_clip_grad_norm(moe_real *grads, size_t n, double max_norm);
+double moe_clip_grad_norm(const moe_backend *be, moe_real *grads, size_t n, double max_norm);
 
 /**
  * @brief Learning rate at optimizer step @p step (0-based): linear warmup from 0 to --lr over

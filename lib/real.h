@@ -12,6 +12,13 @@
 
 #include <math.h>
 
+/** Marks small functions that host C code and CUDA kernels share. */
+#ifdef __CUDACC__
+#define MOE_HOSTDEV __host__ __device__
+#else
+#define MOE_HOSTDEV
+#endif
+
 #ifdef MOE_REAL_DOUBLE
 typedef double moe_real;      /**< scalar type of the CPU backend (double in the gradcheck build) */
 #define MOE_REAL_NAME "fp64"

@@ -19,11 +19,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#ifdef __CUDACC__
-#define MOE_HOSTDEV __host__ __device__
-#else
-#define MOE_HOSTDEV
-#endif
+#include "real.h"
 
 /** Four 32-bit words: a Philox counter or output block. */
 typedef struct moe_u32x4 {

@@ -34,7 +34,7 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, moe_erro
     if (s == MOE_OK)
         s = moe_model_create(&t->model, c, be, c->micro_batch_size, err);
     if (s == MOE_OK)
-        s = moe_adamw_init(&t->opt, moe_model_num_params(t->model), err);
+        s = moe_adamw_init(&t->opt, be, moe_model_num_params(t->model), err);
     if (s == MOE_OK) {
         size_t n = (size_t)c->micro_batch_size * c->seq_length;
         t->inputs = malloc(sizeof(int) * n);
@@ -85,13 +85,14 @@ void moe_trainer_step(moe_trainer *t, moe_step_stats *st) {
         st->z += m->last.z / accum;
         moe_model_backward(m, 1.0 / accum);
     }
-    /* The CPU backend keeps parameters in host memory, so the optimizer runs on them
-     * directly; a device backend brings its own optimizer kernel. */
-    st->grad_norm = moe_clip_grad_norm(m->grads, moe_model_num_params(m), c->clip_grad);
+    /* fp32 master weights: clip and step them, then refresh the compute copy */
+    st->grad_norm = moe_clip_grad_norm(m->be, m->grads, moe_model_num_params(m), c->clip_grad);
     st->lr = moe_lr_at(c, t->step);
     moe_adamw_step(&t->opt, &m->table, m->params, m->grads, st->lr, c->adam_beta1, c->adam_beta2,
                    c->adam_eps, c->weight_decay);
+    moe_model_sync_weights(m);
     moe_model_update_expert_bias(m);
+    m->be->synchronize();
 
     /* expert load over the whole global batch */
     st->load_min = -1;
@@ -113,6 +114,7 @@ void moe_trainer_step(moe_trainer *t, moe_step_stats *st) {
     else
         st->load_min = 0;
     st->tokens = (double)accum * B * T;
+    st->flops = st->tokens * moe_model_flops_per_token(m, T);
     st->seconds = moe_timer_elapsed(&timer);
     t->step++;
 }
@@ -144,8 +146,8 @@ void moe_trainer_sample(moe_trainer *t, int n, double temperature, uint64_t seed
     for (int i = 0; i < n; i++) {
         int start = len > T ? len - T : 0, w = len - start;
         moe_model_forward(t->model, ctx + start, NULL, 1, w);
-        t->model->be->to_host(logits, t->model->logits + (size_t)(w - 1) * V,
-                              sizeof(moe_real) * V);
+        const moe_backend *be = t->model->be;
+        be->read_act(logits, MOE_ACT(be, t->model->logits, (size_t)(w - 1) * V), (size_t)V);
         double mx = logits[0];
         for (int v = 1; v < V; v++)
             mx = logits[v] > mx ? logits[v] : mx;

@@ -36,6 +36,7 @@ typedef struct moe_step_stats {
     double grad_norm;      /**< global gradient norm before clipping */
     double seconds;        /**< wall time of the step */
     double tokens;         /**< tokens processed */
+    double flops;          /**< training FLOPs of the step (moe_model_flops_per_token · tokens) */
     long long load_min;    /**< fewest tokens any expert of any MoE layer received */
     long long load_max;    /**< most tokens any expert received */
     double load_mean;      /**< mean tokens per expert (= tokens·k/E) */

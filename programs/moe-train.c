@@ -47,8 +47,13 @@ static void print_config(const moe_trainer *t) {
                      c->moe_router_load_balancing_type, c->moe_aux_loss_coeff, c->moe_z_loss_coeff,
                      c->moe_router_enable_expert_bias ? ", expert bias" : "",
                      c->moe_shared_expert_intermediate_size ? ", shared expert" : "");
-    moe_log_info("params| %.3fM total, %.3fM active per token", moe_model_num_params(m) / 1e6,
-                 moe_model_num_active_params(m) / 1e6);
+    char dev[256];
+    m->be->device_name(dev, sizeof dev);
+    moe_log_info("params| %.3fM total, %.3fM active per token, %.1f MFLOP per token (fwd+bwd)",
+                 moe_model_num_params(m) / 1e6, moe_model_num_active_params(m) / 1e6,
+                 moe_model_flops_per_token(m, c->seq_length) / 1e6);
+    moe_log_info("device| %s (preset %s)%s", dev, c->preset,
+                 m->be->peak_tflops() > 0 ? "" : " -- no known bf16 peak, so no MFU");
     moe_log_info("train | %d steps x %d sequences x %d tokens, lr %g -> %g (%s, %d warmup), "
                  "device %s, %d threads",
                  c->train_iters, c->global_batch_size, c->seq_length, c->lr, c->min_lr,
@@ -88,8 +93,9 @@ int main(int argc, char **argv) {
     moe_config cfg;
     moe_error err;
     moe_error_clear(&err);
-    moe_config_defaults(&cfg);
-    moe_status s = moe_config_parse(&cfg, argc, argv, &err);
+    const moe_backend *gpu = NULL;
+    int have_gpu = moe_backend_select("cuda", &gpu, NULL) == MOE_OK;
+    moe_status s = moe_config_from_args(&cfg, argc, argv, have_gpu, &err);
     if (s == MOE_ERR_HELP) {
         moe_config_print_help(stdout, "moe-train");
         return 0;
@@ -116,7 +122,7 @@ int main(int argc, char **argv) {
     const moe_config *c = &t->cfg;
     moe_timer total;
     moe_timer_start(&total);
-    double train_s = 0.0, tokens = 0.0, window_s = 0.0, window_tok = 0.0;
+    double train_s = 0.0, tokens = 0.0, window_s = 0.0, window_tok = 0.0, window_flops = 0.0;
     for (int step = 0; step < c->train_iters; step++) {
         moe_step_stats st;
         moe_trainer_step(t, &st);
@@ -124,6 +130,7 @@ int main(int argc, char **argv) {
         tokens += st.tokens;
         window_s += st.seconds;
         window_tok += st.tokens;
+        window_flops += st.flops;
         moe_metrics_begin(mx, "train");
         moe_metrics_int(mx, "step", step + 1);
         moe_metrics_num(mx, "loss", st.loss);
@@ -134,6 +141,9 @@ int main(int argc, char **argv) {
         moe_metrics_num(mx, "grad_norm", st.grad_norm);
         moe_metrics_num(mx, "step_s", st.seconds);
         moe_metrics_num(mx, "tokens_per_s", st.tokens / st.seconds);
+        moe_metrics_num(mx, "tflops", st.flops / st.seconds / 1e12);
+        if (t->model->be->peak_tflops() > 0)
+            moe_metrics_num(mx, "mfu", st.flops / st.seconds / 1e12 / t->model->be->peak_tflops());
         moe_metrics_int(mx, "expert_load_min", st.load_min);
         moe_metrics_int(mx, "expert_load_max", st.load_max);
         moe_metrics_num(mx, "expert_load_mean", st.load_mean);
@@ -144,11 +154,18 @@ int main(int argc, char **argv) {
             if (st.load_mean > 0)
                 snprintf(load, sizeof load, " | experts min/mean/max %lld/%.0f/%lld",
                          st.load_min, st.load_mean, st.load_max);
+            char perf[96] = "";
+            double tflops = window_flops / window_s / 1e12, peak = t->model->be->peak_tflops();
+            if (peak > 0)
+                snprintf(perf, sizeof perf, " | %.1f TFLOP/s, MFU %.1f%%", tflops,
+                         100 * tflops / peak);
+            else
+                snprintf(perf, sizeof perf, " | %.1f GFLOP/s", 1e3 * tflops);
             moe_log_info("step %5d/%d | loss %.4f (ce %.4f aux %.4f z %.4f) | lr %.2e | norm "
-                         "%.2f | %.0f ms | %.0f tok/s%s | eta %.0f s",
+                         "%.2f | %.0f ms | %.0f tok/s%s%s | eta %.0f s",
                          step + 1, c->train_iters, st.loss, st.ce, st.aux, st.z, st.lr,
-                         st.grad_norm, 1000 * st.seconds, window_tok / window_s, load, eta);
-            window_s = window_tok = 0.0;
+                         st.grad_norm, 1000 * st.seconds, window_tok / window_s, perf, load, eta);
+            window_s = window_tok = window_flops = 0.0;
         }
         if (c->eval_interval > 0 && (step + 1) % c->eval_interval == 0 &&
             step + 1 != c->train_iters)

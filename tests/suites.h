@@ -18,4 +18,11 @@ Suite *suite_train(void);     /* tests/test_train.c: determinism, loss falls, tr
 Suite *suite_fd_ops(void);    /* tests/fd_ops.c: every op */
 Suite *suite_fd_model(void);  /* tests/fd_model.c: MoE layer and whole model, every router variant */
 
+/* CUDA tests (built when nvcc is found; run on a GPU machine): each CUDA op against its
+ * CPU twin on fresh random inputs, then the whole model CUDA vs CPU */
+Suite *suite_gpu_dense(void);     /* tests/gpu_dense.c: memory, matmul, norms, rope, swiglu, CE, optimizer */
+Suite *suite_gpu_attention(void); /* tests/gpu_attention.c */
+Suite *suite_gpu_moe(void);       /* tests/gpu_moe.c: router, aux/z losses, permutation */
+Suite *suite_gpu_model(void);     /* tests/gpu_model.c: whole model CUDA vs CPU, 50 steps */
+
 #endif

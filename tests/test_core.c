@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "backend.h"
 #include "config.h"
 #include "error.h"
 #include "helpers.h"
@@ -557,27 +558,27 @@ END_TEST
 START_TEST(test_clip_grad_norm) {
     moe_real g[2] = {3.0f, 4.0f};
     /* below the threshold: measured, untouched */
-    ck_assert(moe_clip_grad_norm(g, 2, 10.0) == 5.0);
+    ck_assert(moe_clip_grad_norm(moe_backend_cpu(), g, 2, 10.0) == 5.0);
     ck_assert(g[0] == 3.0f && g[1] == 4.0f);
     /* max_norm 0: measure only */
-    ck_assert(moe_clip_grad_norm(g, 2, 0.0) == 5.0);
+    ck_assert(moe_clip_grad_norm(moe_backend_cpu(), g, 2, 0.0) == 5.0);
     ck_assert(g[0] == 3.0f && g[1] == 4.0f);
     /* exactly at the threshold: untouched */
-    ck_assert(moe_clip_grad_norm(g, 2, 5.0) == 5.0);
+    ck_assert(moe_clip_grad_norm(moe_backend_cpu(), g, 2, 5.0) == 5.0);
     ck_assert(g[0] == 3.0f && g[1] == 4.0f);
     /* above: scaled to max_norm, direction kept; the norm returned is the one before */
-    ck_assert(moe_clip_grad_norm(g, 2, 1.0) == 5.0);
+    ck_assert(moe_clip_grad_norm(moe_backend_cpu(), g, 2, 1.0) == 5.0);
     ASSERT_NEAR(g[0], 0.6, 1e-6);
     ASSERT_NEAR(g[1], 0.8, 1e-6);
-    double after = moe_clip_grad_norm(g, 2, 0.0);
+    double after = moe_clip_grad_norm(moe_backend_cpu(), g, 2, 0.0);
     ASSERT_NEAR(after, 1.0, 1e-6);
     ck_assert(after <= 1.0 + 1e-7);
 
     /* zero gradients: norm 0, nothing divides by zero */
     moe_real zero[3] = {0, 0, 0};
-    ck_assert(moe_clip_grad_norm(zero, 3, 1.0) == 0.0);
+    ck_assert(moe_clip_grad_norm(moe_backend_cpu(), zero, 3, 1.0) == 0.0);
     ck_assert(zero[0] == 0 && zero[1] == 0 && zero[2] == 0);
-    ck_assert(moe_clip_grad_norm(zero, 0, 1.0) == 0.0);
+    ck_assert(moe_clip_grad_norm(moe_backend_cpu(), zero, 0, 1.0) == 0.0);
 }
 END_TEST
 
@@ -592,17 +593,17 @@ START_TEST(test_clip_grad_norm_large) {
     for (size_t i = 0; i < n; i++)
         ss += (double)g[i] * (double)g[i];
     double ref = sqrt(ss);
-    double norm = moe_clip_grad_norm(g, n, 0.0);
+    double norm = moe_clip_grad_norm(moe_backend_cpu(), g, n, 0.0);
     ck_assert_msg(fabs(norm - ref) <= 1e-12 * ref, "norm %.15g, expected %.15g", norm, ref);
     ck_assert(memcmp(g, orig, sizeof *g * n) == 0);
-    ck_assert(moe_clip_grad_norm(g, n, 2.0 * ref) == norm);
+    ck_assert(moe_clip_grad_norm(moe_backend_cpu(), g, n, 2.0 * ref) == norm);
     ck_assert(memcmp(g, orig, sizeof *g * n) == 0);
 
     double max_norm = ref / 4.0;
-    ck_assert(moe_clip_grad_norm(g, n, max_norm) == norm);
+    ck_assert(moe_clip_grad_norm(moe_backend_cpu(), g, n, max_norm) == norm);
     for (size_t i = 0; i < n; i += 101)
         ASSERT_NEAR(g[i], orig[i] * 0.25, 1e-6 * fabs(orig[i]) + 1e-9);
-    ASSERT_NEAR(moe_clip_grad_norm(g, n, 0.0), max_norm, 1e-5 * max_norm);
+    ASSERT_NEAR(moe_clip_grad_norm(moe_backend_cpu(), g, n, 0.0), max_norm, 1e-5 * max_norm);
     free(g);
     free(orig);
 }
@@ -623,7 +624,7 @@ START_TEST(test_adamw_first_steps) {
 
     moe_adamw opt;
     moe_error err;
-    ck_assert_int_eq(moe_adamw_init(&opt, n, &err), MOE_OK);
+    ck_assert_int_eq(moe_adamw_init(&opt, moe_backend_cpu(), n, &err), MOE_OK);
     ck_assert_uint_eq(opt.n, n);
     ck_assert_int_eq(opt.step, 0);
     for (size_t i = 0; i < n; i++)
@@ -684,7 +685,7 @@ START_TEST(test_adamw_decay_only_where_enabled) {
     moe_real p[9] = {1, -2, 3, 1, -2, 3, 4, 5, -6};
     moe_real g[9] = {0};
     moe_adamw opt;
-    ck_assert_int_eq(moe_adamw_init(&opt, pt.total, NULL), MOE_OK);
+    ck_assert_int_eq(moe_adamw_init(&opt, moe_backend_cpu(), pt.total, NULL), MOE_OK);
     const double lr = 0.1, wd = 0.5;
     moe_adamw_step(&opt, &pt, p, g, lr, 0.9, 0.999, 1e-8, wd);
     const moe_real before[9] = {1, -2, 3, 1, -2, 3, 4, 5, -6};

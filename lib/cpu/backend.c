@@ -1,34 +1,187 @@
-/* The CPU backend: the op table of backend.h filled with the reference ops. */
+/*
+ * The CPU backend: the op table of backend.h filled with the reference ops.
+ *
+ * The table speaks in `void *` for activations because their element type belongs
+ * to the backend; on the CPU it is moe_real, so each entry below is a one-line
+ * adapter that hands the buffers to the typed reference op in lib/cpu/.
+ */
+#include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "backend.h"
+#include "optimizer.h"
+#include "rng.h"
+#include "timer.h"
+
+#ifdef MOE_HAVE_CUDA
+#include "cuda_ops.h"
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* ------------------------------------------------------- memory and precision */
 
 static void *cpu_alloc(size_t bytes) { return calloc(1, bytes ? bytes : 1); }
 static void cpu_free(void *p) { free(p); }
 static void cpu_zero(void *p, size_t bytes) { memset(p, 0, bytes); }
 static void cpu_copy(void *dst, const void *src, size_t bytes) { memcpy(dst, src, bytes); }
+static void cpu_read_act(moe_real *host, const void *src, size_t n) {
+    memcpy(host, src, n * sizeof(moe_real));
+}
+static void cpu_write_act(void *dst, const moe_real *host, size_t n) {
+    memcpy(dst, host, n * sizeof(moe_real));
+}
+static void cpu_cast_to_act(void *dst, const moe_real *src, size_t n) {
+    if (dst != src)
+        memcpy(dst, src, n * sizeof(moe_real));
+}
+static void cpu_synchronize(void) {}
 
-static void cpu_add(moe_real *y, const moe_real *x, size_t n) {
+static void cpu_device_name(char *buf, size_t cap) {
+    char model[200] = "unknown CPU";
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (f) {
+        char line[512];
+        while (fgets(line, sizeof line, f))
+            if (!strncmp(line, "model name", 10)) {
+                const char *colon = strchr(line, ':');
+                if (colon) {
+                    snprintf(model, sizeof model, "%s", colon + 2);
+                    model[strcspn(model, "\n")] = '\0';
+                }
+                break;
+            }
+        fclose(f);
+    }
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    snprintf(buf, cap, "CPU: %s, %d threads", model, threads);
+}
+
+static double cpu_peak_tflops(void) { return 0.0; }
+
+static double g_timer_t0;
+static void cpu_timer_begin(void) { g_timer_t0 = moe_time_now(); }
+static double cpu_timer_end_ms(void) { return 1e3 * (moe_time_now() - g_timer_t0); }
+
+static void cpu_fill_normal(moe_real *x, size_t n, unsigned long long seed,
+                            unsigned long long stream, double std) {
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++)
+        x[i] = (moe_real)(std * moe_rng_normal(seed, stream, i));
+}
+
+/* ------------------------------------------------------------- adapters */
+
+static void a_matmul_forward(void *out, const void *in, const void *w, int N, int I, int O) {
+    moe_cpu_matmul_forward(out, in, w, N, I, O);
+}
+static void a_matmul_backward(void *din, moe_real *dw, const void *dout, const void *in,
+                              const void *w, int N, int I, int O) {
+    moe_cpu_matmul_backward(din, dw, dout, in, w, N, I, O);
+}
+static void a_embedding_forward(void *out, const int *tokens, const void *table, int N, int C) {
+    moe_cpu_embedding_forward(out, tokens, table, N, C);
+}
+static void a_embedding_backward(moe_real *dtable, const void *dout, const int *tokens, int N,
+                                 int V, int C) {
+    moe_cpu_embedding_backward(dtable, dout, tokens, N, V, C);
+}
+static void a_rmsnorm_forward(void *out, moe_real *rstd, const void *x, const void *w, int N,
+                              int C, double eps) {
+    moe_cpu_rmsnorm_forward(out, rstd, x, w, N, C, eps);
+}
+static void a_rmsnorm_backward(void *dx, moe_real *dw, const void *dout, const void *x,
+                               const void *w, const moe_real *rstd, int N, int C) {
+    moe_cpu_rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C);
+}
+static void a_rope_forward(void *out, const void *in, int B, int T, int h, int D, double base) {
+    moe_cpu_rope_forward(out, in, B, T, h, D, base);
+}
+static void a_rope_backward(void *din, const void *dout, int B, int T, int h, int D, double base) {
+    moe_cpu_rope_backward(din, dout, B, T, h, D, base);
+}
+static void a_attention_forward(void *y, void *att, const void *q, const void *k, const void *v,
+                                int B, int T, int Hq, int Hkv, int D) {
+    moe_cpu_attention_forward(y, att, q, k, v, B, T, Hq, Hkv, D);
+}
+static void a_attention_backward(void *dq, void *dk, void *dv, const void *dy, const void *att,
+                                 const void *q, const void *k, const void *v, int B, int T,
+                                 int Hq, int Hkv, int D) {
+    moe_cpu_attention_backward(dq, dk, dv, dy, att, q, k, v, B, T, Hq, Hkv, D);
+}
+static void a_swiglu_forward(void *out, const void *gu, int N, int F) {
+    moe_cpu_swiglu_forward(out, gu, N, F);
+}
+static void a_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int F) {
+    moe_cpu_swiglu_backward(dgu, dout, gu, N, F);
+}
+static void a_ce_forward(moe_real *losses, const void *logits, const int *t, int N, int V) {
+    moe_cpu_cross_entropy_forward(losses, logits, t, N, V);
+}
+static void a_ce_backward(void *dlogits, const moe_real *dloss, const void *logits, const int *t,
+                          int N, int V) {
+    moe_cpu_cross_entropy_backward(dlogits, dloss, logits, t, N, V);
+}
+static void cpu_add(void *yv, const void *xv, size_t n) {
+    moe_real *y = yv;
+    const moe_real *x = xv;
 #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++)
         y[i] += x[i];
 }
-
-static void cpu_scale(moe_real *x, double s, size_t n) {
+static void cpu_scale(void *xv, double s, size_t n) {
+    moe_real *x = xv;
 #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++)
         x[i] = (moe_real)(x[i] * s);
 }
 
-static void cpu_scale_rows(moe_real *x, const moe_real *s, int rows, int C) {
+/* ------------------------------------------------------------------- MoE ops */
+
+static void a_router_forward(int *idx, moe_real *w, const void *logits, const float *bias,
+                             const moe_router_params *p, int N) {
+    moe_cpu_router_forward(idx, w, logits, bias, p, N);
+}
+static void a_router_backward(void *dlogits, const moe_real *dw, const void *logits,
+                              const int *idx, const moe_router_params *p, int N) {
+    moe_cpu_router_backward(dlogits, dw, logits, idx, p, N);
+}
+static double a_aux_forward(const void *logits, int N, int g, int E, int k, moe_score_fn fn,
+                            double coeff) {
+    return moe_cpu_aux_loss_forward(logits, N, g, E, k, fn, coeff);
+}
+static void a_aux_backward(void *dlogits, const void *logits, int N, int g, int E, int k,
+                           moe_score_fn fn, double coeff, double scale) {
+    moe_cpu_aux_loss_backward(dlogits, logits, N, g, E, k, fn, coeff, scale);
+}
+static double a_z_forward(const void *logits, int N, int E, double coeff) {
+    return moe_cpu_z_loss_forward(logits, N, E, coeff);
+}
+static void a_z_backward(void *dlogits, const void *logits, int N, int E, double coeff,
+                         double scale) {
+    moe_cpu_z_loss_backward(dlogits, logits, N, E, coeff, scale);
+}
+static void a_permute_tokens(void *xp, const void *x, const int *src, int rows, int k, int C) {
+    moe_cpu_permute_tokens(xp, x, src, rows, k, C);
+}
+static void a_unpermute_sum(void *out, const void *yp, const int *row_of, int N, int k, int C) {
+    moe_cpu_unpermute_sum(out, yp, row_of, N, k, C);
+}
+static void cpu_scale_rows(void *xv, const moe_real *s, int rows, int C) {
+    moe_real *x = xv;
 #pragma omp parallel for schedule(static)
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < C; c++)
             x[(size_t)r * C + c] *= s[r];
 }
-
-static void cpu_row_dot(moe_real *ds, const moe_real *a, const moe_real *b, int rows, int C) {
+static void cpu_row_dot(moe_real *ds, const void *av, const void *bv, int rows, int C) {
+    const moe_real *a = av, *b = bv;
 #pragma omp parallel for schedule(static)
     for (int r = 0; r < rows; r++) {
         double acc = 0.0;
@@ -38,57 +191,128 @@ static void cpu_row_dot(moe_real *ds, const moe_real *a, const moe_real *b, int 
     }
 }
 
+/* ----------------------------------------------------------------- optimizer */
+
+/* Fixed-size blocks summed in order: the same result for any thread count. */
+#define BLK 4096
+static double block_sum(const moe_real *x, size_t n, int square) {
+    size_t nb = (n + BLK - 1) / BLK;
+    double *part = calloc(nb ? nb : 1, sizeof(double));
+    MOE_ASSERT(part != NULL);
+#pragma omp parallel for schedule(static)
+    for (size_t b = 0; b < nb; b++) {
+        double s = 0.0;
+        size_t end = (b + 1) * BLK < n ? (b + 1) * BLK : n;
+        for (size_t i = b * BLK; i < end; i++)
+            s += square ? (double)x[i] * x[i] : (double)x[i];
+        part[b] = s;
+    }
+    double total = 0.0;
+    for (size_t b = 0; b < nb; b++)
+        total += part[b];
+    free(part);
+    return total;
+}
+static double cpu_sum_squares(const moe_real *x, size_t n) { return block_sum(x, n, 1); }
+static double cpu_sum(const moe_real *x, size_t n) { return block_sum(x, n, 0); }
+static void cpu_scale_real(moe_real *x, double s, size_t n) {
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++)
+        x[i] = (moe_real)(x[i] * s);
+}
+static void cpu_adamw(moe_real *p, const moe_real *g, float *m, float *v, size_t n, double lr,
+                      double beta1, double beta2, double eps, double wd, double bc1, double bc2) {
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++)
+        moe_adamw_update(&p[i], g[i], &m[i], &v[i], lr, beta1, beta2, eps, wd, bc1, bc2);
+}
+
 static const moe_backend g_cpu = {
     .name = "cpu",
     .device = MOE_DEVICE_CPU,
+    .act_size = sizeof(moe_real),
     .alloc = cpu_alloc,
     .free = cpu_free,
     .zero = cpu_zero,
     .copy = cpu_copy,
     .to_host = cpu_copy,
     .from_host = cpu_copy,
-    .matmul_forward = moe_cpu_matmul_forward,
-    .matmul_backward = moe_cpu_matmul_backward,
-    .embedding_forward = moe_cpu_embedding_forward,
-    .embedding_backward = moe_cpu_embedding_backward,
-    .rmsnorm_forward = moe_cpu_rmsnorm_forward,
-    .rmsnorm_backward = moe_cpu_rmsnorm_backward,
-    .rope_forward = moe_cpu_rope_forward,
-    .rope_backward = moe_cpu_rope_backward,
-    .attention_forward = moe_cpu_attention_forward,
-    .attention_backward = moe_cpu_attention_backward,
-    .swiglu_forward = moe_cpu_swiglu_forward,
-    .swiglu_backward = moe_cpu_swiglu_backward,
-    .cross_entropy_forward = moe_cpu_cross_entropy_forward,
-    .cross_entropy_backward = moe_cpu_cross_entropy_backward,
+    .read_act = cpu_read_act,
+    .write_act = cpu_write_act,
+    .cast_to_act = cpu_cast_to_act,
+    .synchronize = cpu_synchronize,
+    .device_name = cpu_device_name,
+    .peak_tflops = cpu_peak_tflops,
+    .timer_begin = cpu_timer_begin,
+    .timer_end_ms = cpu_timer_end_ms,
+    .fill_normal = cpu_fill_normal,
+    .matmul_forward = a_matmul_forward,
+    .matmul_backward = a_matmul_backward,
+    .embedding_forward = a_embedding_forward,
+    .embedding_backward = a_embedding_backward,
+    .rmsnorm_forward = a_rmsnorm_forward,
+    .rmsnorm_backward = a_rmsnorm_backward,
+    .rope_forward = a_rope_forward,
+    .rope_backward = a_rope_backward,
+    .attention_forward = a_attention_forward,
+    .attention_backward = a_attention_backward,
+    .swiglu_forward = a_swiglu_forward,
+    .swiglu_backward = a_swiglu_backward,
+    .cross_entropy_forward = a_ce_forward,
+    .cross_entropy_backward = a_ce_backward,
     .add = cpu_add,
     .scale = cpu_scale,
-    .router_forward = moe_cpu_router_forward,
-    .router_backward = moe_cpu_router_backward,
-    .aux_loss_forward = moe_cpu_aux_loss_forward,
-    .aux_loss_backward = moe_cpu_aux_loss_backward,
-    .z_loss_forward = moe_cpu_z_loss_forward,
-    .z_loss_backward = moe_cpu_z_loss_backward,
+    .router_forward = a_router_forward,
+    .router_backward = a_router_backward,
+    .aux_loss_forward = a_aux_forward,
+    .aux_loss_backward = a_aux_backward,
+    .z_loss_forward = a_z_forward,
+    .z_loss_backward = a_z_backward,
     .permute_index = moe_cpu_permute_index,
-    .permute_tokens = moe_cpu_permute_tokens,
+    .permute_tokens = a_permute_tokens,
     .permute_weights = moe_cpu_permute_weights,
-    .unpermute_sum = moe_cpu_unpermute_sum,
+    .unpermute_sum = a_unpermute_sum,
     .unpermute_weights = moe_cpu_unpermute_weights,
     .scale_rows = cpu_scale_rows,
     .row_dot = cpu_row_dot,
+    .sum_squares = cpu_sum_squares,
+    .sum = cpu_sum,
+    .scale_real = cpu_scale_real,
+    .adamw = cpu_adamw,
 };
 
 const moe_backend *moe_backend_cpu(void) { return &g_cpu; }
 
 moe_status moe_backend_select(const char *name, const moe_backend **out, moe_error *err) {
-    if (!strcmp(name, "cpu") || !strcmp(name, "auto")) {
-        /* "auto" picks CUDA once a CUDA backend is compiled in and a GPU is present. */
+    if (!strcmp(name, "cpu")) {
         *out = &g_cpu;
         return MOE_OK;
     }
-    if (!strcmp(name, "cuda"))
+    if (!strcmp(name, "auto")) {
+#ifdef MOE_HAVE_CUDA
+        if (moe_cuda_available()) {
+            *out = moe_backend_cuda();
+            return MOE_OK;
+        }
+#endif
+        *out = &g_cpu;
+        return MOE_OK;
+    }
+    if (!strcmp(name, "cuda")) {
+#ifdef MOE_HAVE_CUDA
+        if (moe_cuda_available()) {
+            *out = moe_backend_cuda();
+            return MOE_OK;
+        }
         return moe_error_set(err, MOE_ERR_BACKEND,
-                             "--device cuda: this build has no CUDA backend yet (it arrives with "
-                             "the CUDA issue); use --device cpu");
+                             "--device cuda: no usable GPU was found (no device or no driver); "
+                             "use --device cpu, or run on a machine with an NVIDIA GPU");
+#else
+        return moe_error_set(err, MOE_ERR_BACKEND,
+                             "--device cuda: this build has no CUDA backend (nvcc was not found "
+                             "when it was built); install the CUDA toolkit and rebuild, or use "
+                             "--device cpu");
+#endif
+    }
     return moe_error_set(err, MOE_ERR_FLAG, "--device must be auto, cpu or cuda (got '%s')", name);
 }

@@ -1,0 +1,267 @@
+/*
+ * Chapter 01 benchmark: the naive MoE layer (router → permute → loop over experts →
+ * unpermute), forward + backward, on the layer shapes of two real models:
+ *
+ *   qwen3    Qwen3-30B-A3B:  T=16384 tokens, H=2048, F=768,   E=128 experts, top-8
+ *   mixtral  Mixtral-8x7B:   T=8192  tokens, H=4096, F=14336, E=8 experts,   top-2
+ *   small    a CPU-sized shape (T=2048, H=256, F=256, E=16, top-4), the default on CPU
+ *
+ * TFLOP/s counts the expert GEMMs only, 6·T·k·3·H·F per forward+backward (BRIEF §7), so
+ * the number is comparable with PyTorch's loop and torch._grouped_mm on the same shapes
+ * (chapters/01-naive-moe/torch_moe_layer.py, run in the same device call by bench.sh).
+ *
+ * Before timing a shape, the backend's layer is checked against the CPU reference on the
+ * same weights (the counter-based RNG fills both) with the full H, F, E, k and 256 tokens.
+ * Timing: the backend's timer (CUDA events on the GPU), warm-up, median of repeats.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend.h"
+#include "flags.h"
+#include "log.h"
+#include "moe_layer.h"
+
+typedef struct opts {
+    char device[MOE_FLAG_STR_LEN];
+    char shape[MOE_FLAG_STR_LEN];
+    int warmup, repeats, check;
+} opts;
+
+#define OF(name, type, field, def, help, choices) \
+    { name, type, offsetof(opts, field), def, help, choices, "benchmark" }
+static const moe_flag g_flags[] = {
+    OF("device", MOE_FLAG_CHOICE, device, "auto", "backend (auto = cuda when a GPU is present)",
+       "auto|cpu|cuda"),
+    OF("shape", MOE_FLAG_CHOICE, shape, "auto",
+       "layer shape (auto = qwen3 and mixtral on a GPU, small on the CPU)",
+       "auto|all|qwen3|mixtral|small"),
+    OF("warmup", MOE_FLAG_INT, warmup, "2", "untimed iterations first", NULL),
+    OF("repeats", MOE_FLAG_INT, repeats, "7", "timed iterations (the median is reported)", NULL),
+    OF("check", MOE_FLAG_BOOL, check, "1", "check against the CPU reference before timing", NULL),
+};
+
+typedef struct shape {
+    const char *name;
+    int T, H, F, E, k;
+} shape;
+
+static const shape g_shapes[] = {
+    {"qwen3", 16384, 2048, 768, 128, 8},
+    {"mixtral", 8192, 4096, 14336, 8, 2},
+    {"small", 2048, 256, 256, 16, 4},
+};
+
+/* Everything one layer needs on one backend. */
+typedef struct layer {
+    const moe_backend *be;
+    moe_moe_dims d;
+    moe_moe_weights w;
+    moe_moe_grads g;
+    moe_moe_acts a;
+    moe_moe_workspace ws;
+    void *x, *out, *dout, *dx, *wbuf;
+    moe_real *gbuf;
+} layer;
+
+/* Weights drawn from the counter-based RNG: the same values on every backend. */
+static void layer_init(layer *L, const moe_backend *be, const shape *s, int T) {
+    memset(L, 0, sizeof *L);
+    L->be = be;
+    moe_moe_dims d = {.N = T, .T = T, .H = s->H, .E = s->E, .k = s->k, .F = s->F, .Fs = 0,
+                      .router = {s->E, s->k, MOE_SCORE_SOFTMAX, 0, 0, 0, 0},
+                      .lb_type = MOE_LB_AUX, .aux_coeff = 0.01, .z_coeff = 0.001};
+    L->d = d;
+    const size_t H = s->H, F = s->F, E = s->E, S = be->act_size;
+    const size_t nr = E * H, n1 = E * 2 * F * H, n2 = E * H * F, n = nr + n1 + n2;
+    L->wbuf = be->alloc(S * n);
+    L->gbuf = be->alloc(sizeof(moe_real) * n);
+    moe_real *tmp = be->alloc(sizeof(moe_real) * n);
+    MOE_ASSERT(L->wbuf && L->gbuf && tmp);
+    be->fill_normal(tmp, nr, 1, 1, 0.02);
+    be->fill_normal(tmp + nr, n1, 1, 2, 0.02);
+    be->fill_normal(tmp + nr + n1, n2, 1, 3, 0.02);
+    be->cast_to_act(L->wbuf, tmp, n);
+    be->free(tmp);
+    L->w.router = L->wbuf;
+    L->w.fc1 = MOE_ACT(be, L->wbuf, nr);
+    L->w.fc2 = MOE_ACT(be, L->wbuf, nr + n1);
+    L->g.router = L->gbuf;
+    L->g.fc1 = L->gbuf + nr;
+    L->g.fc2 = L->gbuf + nr + n1;
+    moe_moe_acts_alloc(be, &L->a, &L->d);
+    moe_moe_workspace_alloc(be, &L->ws, &L->d);
+    L->x = be->alloc(S * T * H);
+    L->out = be->alloc(S * T * H);
+    L->dout = be->alloc(S * T * H);
+    L->dx = be->alloc(S * T * H);
+    moe_real *t2 = be->alloc(sizeof(moe_real) * T * H);
+    be->fill_normal(t2, (size_t)T * H, 1, 4, 1.0);
+    be->cast_to_act(L->x, t2, (size_t)T * H);
+    be->fill_normal(t2, (size_t)T * H, 1, 5, 1.0);
+    be->cast_to_act(L->dout, t2, (size_t)T * H);
+    be->free(t2);
+}
+
+static void layer_free(layer *L) {
+    const moe_backend *be = L->be;
+    moe_moe_acts_free(be, &L->a);
+    moe_moe_workspace_free(be, &L->ws);
+    be->free(L->wbuf); be->free(L->gbuf); be->free(L->x); be->free(L->out);
+    be->free(L->dout); be->free(L->dx);
+}
+
+static void layer_step(layer *L) {
+    const moe_backend *be = L->be;
+    moe_moe_forward(be, L->out, L->x, &L->w, NULL, &L->d, &L->a, &L->ws);
+    be->zero(L->dx, be->act_size * (size_t)L->d.N * L->d.H);
+    moe_moe_backward(be, L->dx, &L->g, L->dout, L->x, &L->w, &L->d, &L->a, &L->ws, 1.0);
+}
+
+/* ‖a − b‖ / ‖b‖ over the rows (tokens) where same[row] is set, for two activation
+ * buffers of rows × C elements read to the host. */
+static double rel_err(const layer *a, const void *pa, const layer *b, const void *pb, int rows,
+                      int C, const char *same) {
+    size_t n = (size_t)rows * C;
+    moe_real *ha = malloc(sizeof(moe_real) * n), *hb = malloc(sizeof(moe_real) * n);
+    a->be->read_act(ha, pa, n);
+    b->be->read_act(hb, pb, n);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!same[i / C])
+            continue;
+        num += ((double)ha[i] - hb[i]) * ((double)ha[i] - hb[i]);
+        den += (double)hb[i] * hb[i];
+    }
+    free(ha);
+    free(hb);
+    return isfinite(num) ? sqrt(num / (den > 0 ? den : 1e-30)) : INFINITY;
+}
+
+/* Tokens whose k experts are the same on both backends. bf16 inputs and weights move the
+ * logits by ~0.5%, which flips near-tied choices (with 128 experts and top-8 the 8th and 9th
+ * logits are often close): a flipped token legitimately gets a different output, so the
+ * comparison is over the tokens routed identically, and the flips are counted. */
+static int same_routing(const layer *a, const layer *b, int N, int k, char *same) {
+    int *ia = malloc(sizeof(int) * N * k), *ib = malloc(sizeof(int) * N * k), n_same = 0;
+    a->be->to_host(ia, a->a.topk_idx, sizeof(int) * N * k);
+    b->be->to_host(ib, b->a.topk_idx, sizeof(int) * N * k);
+    for (int t = 0; t < N; t++) {
+        same[t] = 1;
+        for (int j = 0; j < k; j++)
+            same[t] &= ia[t * k + j] == ib[t * k + j];
+        n_same += same[t];
+    }
+    free(ia);
+    free(ib);
+    return n_same;
+}
+
+static int cmp_double(const void *p, const void *q) {
+    double x = *(const double *)p, y = *(const double *)q;
+    return (x > y) - (x < y);
+}
+
+static int run_shape(const moe_backend *be, const shape *s, const opts *o) {
+    if (o->check && be->device != MOE_DEVICE_CPU) {
+        /* the same layer, 256 tokens, on this backend and on the CPU reference */
+        layer A, C;
+        layer_init(&A, be, s, 256);
+        layer_init(&C, moe_backend_cpu(), s, 256);
+        layer_step(&A);
+        layer_step(&C);
+        char same[256];
+        int n_same = same_routing(&A, &C, 256, s->k, same);
+        double eo = rel_err(&A, A.out, &C, C.out, 256, s->H, same);
+        double ex = rel_err(&A, A.dx, &C, C.dx, 256, s->H, same);
+        layer_free(&A);
+        layer_free(&C);
+        printf("check %-8s %s vs cpu at 256 tokens: %d routed identically; on those, output "
+               "rel err %.2e, dgrad rel err %.2e\n",
+               s->name, be->name, n_same, eo, ex);
+        if (!(n_same >= 200 && eo < 2e-2 && ex < 3e-2)) {
+            moe_log_error("%s layer disagrees with the CPU reference: not timing it", be->name);
+            return 1;
+        }
+    }
+    layer L;
+    layer_init(&L, be, s, s->T);
+    for (int i = 0; i < o->warmup; i++)
+        layer_step(&L);
+    double *ms = malloc(sizeof(double) * o->repeats);
+    for (int r = 0; r < o->repeats; r++) {
+        be->timer_begin();
+        layer_step(&L);
+        ms[r] = be->timer_end_ms();
+    }
+    qsort(ms, (size_t)o->repeats, sizeof *ms, cmp_double);
+    double med = ms[o->repeats / 2];
+    double flop = 6.0 * s->T * s->k * 3.0 * s->H * s->F;
+    long long cmin = -1, cmax = 0;
+    for (int e = 0; e < s->E; e++) {
+        cmin = cmin < 0 || L.a.counts[e] < cmin ? L.a.counts[e] : cmin;
+        cmax = L.a.counts[e] > cmax ? L.a.counts[e] : cmax;
+    }
+    printf("| %-8s | %5d | %4d | %5d | %3d | %d | %-4s | %9.2f | %8.1f | %lld/%lld |\n", s->name,
+           s->T, s->H, s->F, s->E, s->k, be->name, med, flop / (med * 1e-3) / 1e12, cmin, cmax);
+    free(ms);
+    layer_free(&L);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    opts o;
+    moe_error err;
+    const int nflags = (int)(sizeof g_flags / sizeof g_flags[0]);
+    moe_flags_set_defaults(g_flags, nflags, &o);
+    moe_status st = moe_flags_parse(g_flags, nflags, &o, argc, argv, &err);
+    if (st == MOE_ERR_HELP) {
+        moe_flags_print_help(stdout, "ch01_moe_layer_bench",
+                             "Chapter 01: the naive MoE layer, forward + backward, timed.", g_flags,
+                             nflags);
+        return 0;
+    }
+    if (st != MOE_OK) {
+        moe_log_error("%s", err.msg);
+        return 2;
+    }
+    if (o.repeats < 1 || o.warmup < 0) {
+        moe_log_error("--repeats must be >= 1 and --warmup >= 0");
+        return 2;
+    }
+    const moe_backend *be = NULL;
+    if (moe_backend_select(o.device, &be, &err) != MOE_OK) {
+        moe_log_error("%s", err.msg);
+        return 2;
+    }
+    char dev[256], date[64], commit[64] = "unknown";
+    be->device_name(dev, sizeof dev);
+    time_t now = time(NULL);
+    strftime(date, sizeof date, "%Y-%m-%d %H:%M UTC", gmtime(&now));
+    FILE *p = popen("git rev-parse --short HEAD 2>/dev/null", "r");
+    if (p) {
+        if (fgets(commit, sizeof commit, p))
+            commit[strcspn(commit, "\n")] = '\0';
+        pclose(p);
+    }
+    printf("ch01 naive MoE layer, forward+backward | %s | %s | commit %s\n", dev, date, commit);
+    printf("TFLOP/s counts the expert GEMMs only: 6*T*k*3*H*F. Median of %d after %d warm-up.\n\n",
+           o.repeats, o.warmup);
+    printf("| shape    |     T |    H |     F |   E | k | dev  |   ms/iter |  TFLOP/s | tokens/expert min/max |\n"
+           "|---|---|---|---|---|---|---|---|---|---|\n");
+    const char *want = o.shape;
+    int fails = 0;
+    for (size_t i = 0; i < sizeof g_shapes / sizeof g_shapes[0]; i++) {
+        const shape *s = &g_shapes[i];
+        int on_gpu = be->device != MOE_DEVICE_CPU;
+        int pick = !strcmp(want, "all") || !strcmp(want, s->name) ||
+                   (!strcmp(want, "auto") && (on_gpu ? strcmp(s->name, "small") != 0
+                                                     : !strcmp(s->name, "small")));
+        if (pick)
+            fails += run_shape(be, s, &o);
+    }
+    return fails ? 1 : 0;
+}

@@ -1,0 +1,91 @@
+/*
+ * The CUDA backend: the op table of lib/backend.h filled with the launchers of
+ * the kernels/ files (declared in cuda_ops.h). The model code calls through this table
+ * and never knows that its buffers live on a GPU.
+ *
+ * Every pointer the table's ops receive is a device pointer; activations are bf16
+ * (act_size = 2), full-precision buffers (moe_real) are fp32.
+ */
+#include "cuda_common.cuh"
+#include "cuda_ops.h"
+
+static_assert(sizeof(moe_real) == sizeof(float),
+              "the CUDA backend needs moe_real == float (it is double only in the CPU-only "
+              "gradient-check build)");
+static_assert(sizeof(moe_bf16) == 2, "bf16 activations are 2 bytes");
+
+extern "C" int moe_cuda_available(void) {
+    int n = 0;
+    /* With no driver or no GPU (CI) this returns an error instead of aborting. */
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError(); /* clear it: the caller falls back to the CPU */
+        return 0;
+    }
+    return n > 0;
+}
+
+/* Filled field by field (C++17 has no designated initializers); every slot is set. */
+static moe_backend make_cuda_backend(void) {
+    moe_backend b = {};
+    b.name = "cuda";
+    b.device = MOE_DEVICE_CUDA;
+    b.act_size = sizeof(moe_bf16);
+
+    b.alloc = moe_cuda_alloc;
+    b.free = moe_cuda_free;
+    b.zero = moe_cuda_zero;
+    b.copy = moe_cuda_copy;
+    b.to_host = moe_cuda_to_host;
+    b.from_host = moe_cuda_from_host;
+    b.read_act = moe_cuda_read_act;
+    b.write_act = moe_cuda_write_act;
+    b.cast_to_act = moe_cuda_cast_to_act;
+    b.synchronize = moe_cuda_synchronize;
+    b.device_name = moe_cuda_device_name;
+    b.peak_tflops = moe_cuda_peak_tflops;
+    b.timer_begin = moe_cuda_timer_begin;
+    b.timer_end_ms = moe_cuda_timer_end_ms;
+    b.fill_normal = moe_cuda_fill_normal;
+
+    b.matmul_forward = moe_cuda_matmul_forward;
+    b.matmul_backward = moe_cuda_matmul_backward;
+    b.embedding_forward = moe_cuda_embedding_forward;
+    b.embedding_backward = moe_cuda_embedding_backward;
+    b.rmsnorm_forward = moe_cuda_rmsnorm_forward;
+    b.rmsnorm_backward = moe_cuda_rmsnorm_backward;
+    b.rope_forward = moe_cuda_rope_forward;
+    b.rope_backward = moe_cuda_rope_backward;
+    b.attention_forward = moe_cuda_attention_forward;
+    b.attention_backward = moe_cuda_attention_backward;
+    b.swiglu_forward = moe_cuda_swiglu_forward;
+    b.swiglu_backward = moe_cuda_swiglu_backward;
+    b.cross_entropy_forward = moe_cuda_cross_entropy_forward;
+    b.cross_entropy_backward = moe_cuda_cross_entropy_backward;
+    b.add = moe_cuda_add;
+    b.scale = moe_cuda_scale;
+
+    b.router_forward = moe_cuda_router_forward;
+    b.router_backward = moe_cuda_router_backward;
+    b.aux_loss_forward = moe_cuda_aux_loss_forward;
+    b.aux_loss_backward = moe_cuda_aux_loss_backward;
+    b.z_loss_forward = moe_cuda_z_loss_forward;
+    b.z_loss_backward = moe_cuda_z_loss_backward;
+    b.permute_index = moe_cuda_permute_index;
+    b.permute_tokens = moe_cuda_permute_tokens;
+    b.permute_weights = moe_cuda_permute_weights;
+    b.unpermute_sum = moe_cuda_unpermute_sum;
+    b.unpermute_weights = moe_cuda_unpermute_weights;
+    b.scale_rows = moe_cuda_scale_rows;
+    b.row_dot = moe_cuda_row_dot;
+
+    b.sum_squares = moe_cuda_sum_squares;
+    b.sum = moe_cuda_sum;
+    b.scale_real = moe_cuda_scale_real;
+    b.adamw = moe_cuda_adamw;
+    return b;
+}
+
+static const moe_backend g_cuda = make_cuda_backend();
+
+extern "C" const moe_backend *moe_backend_cuda(void) { return &g_cuda; }

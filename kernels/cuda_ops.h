@@ -1,0 +1,108 @@
+/**
+ * @file cuda_ops.h
+ * @brief The CUDA backend's launchers: plain C functions (`extern "C"`) with exactly the
+ *        signatures of the op table in lib/backend.h, on device pointers.
+ *
+ * Activations (`void *`) are bf16; `moe_real *` buffers are fp32 (master weights,
+ * gradients, statistics, losses, routing weights). Every launcher enqueues work on
+ * moe_cuda_stream() and returns without waiting, except where it returns a value to
+ * the host (the loss values, permute_index's host offsets), which synchronises.
+ * No launcher uses floating-point atomics: results are identical run to run.
+ */
+#ifndef MOE_CUDA_OPS_H
+#define MOE_CUDA_OPS_H
+
+#include <stddef.h>
+
+#include "backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** @brief 1 when a CUDA device is usable (driver present, at least one GPU). @return 0 or 1 */
+int moe_cuda_available(void);
+
+/** @brief The CUDA op table (device pointers, bf16 activations). @return a static table */
+const moe_backend *moe_backend_cuda(void);
+
+/* memory and precision (kernels/memory.cu) */
+void *moe_cuda_alloc(size_t bytes);
+void moe_cuda_free(void *p);
+void moe_cuda_zero(void *p, size_t bytes);
+void moe_cuda_copy(void *dst, const void *src, size_t bytes);
+void moe_cuda_to_host(void *dst, const void *src, size_t bytes);
+void moe_cuda_from_host(void *dst, const void *src, size_t bytes);
+void moe_cuda_read_act(moe_real *host, const void *src, size_t n);
+void moe_cuda_write_act(void *dst, const moe_real *host, size_t n);
+void moe_cuda_cast_to_act(void *dst, const moe_real *src, size_t n);
+void moe_cuda_synchronize(void);
+void moe_cuda_device_name(char *buf, size_t cap);
+double moe_cuda_peak_tflops(void);
+void moe_cuda_timer_begin(void);
+double moe_cuda_timer_end_ms(void);
+void moe_cuda_fill_normal(moe_real *x, size_t n, unsigned long long seed,
+                          unsigned long long stream, double std);
+
+/* dense ops */
+void moe_cuda_matmul_forward(void *out, const void *in, const void *w, int N, int I, int O);
+void moe_cuda_matmul_backward(void *din, moe_real *dw, const void *dout, const void *in,
+                              const void *w, int N, int I, int O);
+void moe_cuda_embedding_forward(void *out, const int *tokens, const void *table, int N, int C);
+void moe_cuda_embedding_backward(moe_real *dtable, const void *dout, const int *tokens, int N,
+                                 int V, int C);
+void moe_cuda_rmsnorm_forward(void *out, moe_real *rstd, const void *x, const void *w, int N,
+                              int C, double eps);
+void moe_cuda_rmsnorm_backward(void *dx, moe_real *dw, const void *dout, const void *x,
+                               const void *w, const moe_real *rstd, int N, int C);
+void moe_cuda_rope_forward(void *out, const void *in, int B, int T, int heads, int D, double base);
+void moe_cuda_rope_backward(void *din, const void *dout, int B, int T, int heads, int D,
+                            double base);
+void moe_cuda_attention_forward(void *y, void *att, const void *q, const void *k, const void *v,
+                                int B, int T, int Hq, int Hkv, int D);
+void moe_cuda_attention_backward(void *dq, void *dk, void *dv, const void *dy, const void *att,
+                                 const void *q, const void *k, const void *v, int B, int T,
+                                 int Hq, int Hkv, int D);
+void moe_cuda_swiglu_forward(void *out, const void *gu, int N, int F);
+void moe_cuda_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int F);
+void moe_cuda_cross_entropy_forward(moe_real *losses, const void *logits, const int *targets,
+                                    int N, int V);
+void moe_cuda_cross_entropy_backward(void *dlogits, const moe_real *dloss, const void *logits,
+                                     const int *targets, int N, int V);
+void moe_cuda_add(void *y, const void *x, size_t n);
+void moe_cuda_scale(void *x, double s, size_t n);
+
+/* MoE ops */
+void moe_cuda_router_forward(int *topk_idx, moe_real *topk_w, const void *logits,
+                             const float *bias, const moe_router_params *p, int N);
+void moe_cuda_router_backward(void *dlogits, const moe_real *dtopk_w, const void *logits,
+                              const int *topk_idx, const moe_router_params *p, int N);
+double moe_cuda_aux_loss_forward(const void *logits, int N, int group_len, int E, int k,
+                                 moe_score_fn fn, double coeff);
+void moe_cuda_aux_loss_backward(void *dlogits, const void *logits, int N, int group_len, int E,
+                                int k, moe_score_fn fn, double coeff, double scale);
+double moe_cuda_z_loss_forward(const void *logits, int N, int E, double coeff);
+void moe_cuda_z_loss_backward(void *dlogits, const void *logits, int N, int E, double coeff,
+                              double scale);
+void moe_cuda_permute_index(int *perm_src, int *row_of, int *expert_offset, long long *counts,
+                            const int *topk_idx, int N, int k, int E);
+void moe_cuda_permute_tokens(void *xp, const void *x, const int *perm_src, int rows, int k, int C);
+void moe_cuda_permute_weights(moe_real *wp, const moe_real *topk_w, const int *perm_src, int rows);
+void moe_cuda_unpermute_sum(void *out, const void *yp, const int *row_of, int N, int k, int C);
+void moe_cuda_unpermute_weights(moe_real *dtopk_w, const moe_real *dwp, const int *row_of, int N,
+                                int k);
+void moe_cuda_scale_rows(void *x, const moe_real *s, int rows, int C);
+void moe_cuda_row_dot(moe_real *ds, const void *a, const void *b, int rows, int C);
+
+/* optimizer */
+double moe_cuda_sum_squares(const moe_real *x, size_t n);
+double moe_cuda_sum(const moe_real *x, size_t n);
+void moe_cuda_scale_real(moe_real *x, double s, size_t n);
+void moe_cuda_adamw(moe_real *p, const moe_real *g, float *m, float *v, size_t n, double lr,
+                    double beta1, double beta2, double eps, double wd, double bc1, double bc2);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_CUDA_OPS_H */

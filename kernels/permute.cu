@@ -1,0 +1,365 @@
+/*
+ * Token permutation on the GPU: group the N·k (token, expert) assignments by expert,
+ * copy tokens to and from that layout, and the small row-wise ops of the expert path.
+ * CPU twin: lib/cpu/permute.c (and scale_rows / row_dot of lib/cpu/backend.c).
+ *
+ * The index: a STABLE counting sort of the assignments a = n·k + j by expert
+ * topk_idx[a], giving perm_src[r] (the assignment at permuted row r) and row_of[a] (its
+ * inverse). Stable means: inside an expert, assignments keep increasing a — exactly the
+ * CPU's order, so both backends produce identical maps. Three small kernels, no sorting
+ * library, integer arithmetic only (deterministic by construction):
+ *
+ *   1. histogram   the assignments are cut into chunks of CHUNK; block c counts its
+ *                  chunk per expert (shared-memory integer atomics) into hist[c][e].
+ *   2. scan        one thread per expert turns its column hist[·][e] into an exclusive
+ *                  prefix over chunks (where chunk c's first e-row goes, relative to e);
+ *                  thread 0 scans the expert totals into expert_offset[0..E].
+ *   3. scatter     one warp per chunk walks its chunk in order, 32 assignments at a
+ *                  time. __match_any_sync groups the lanes that hold the same expert;
+ *                  a lane's rank among its peers is the number of lower lanes with the
+ *                  same expert; row = cursor[e] + rank; then the lowest peer advances
+ *                  cursor[e] by the peer count. Lanes, tiles and chunks are visited in
+ *                  assignment order, so the result is the stable order.
+ *
+ * expert_offset and the per-expert counts are needed on the HOST by the naive MoE loop
+ * (one GEMM per expert, with its row count): the launcher copies the E+1 offsets back and
+ * synchronises. That sync is what chapter 06 removes.
+ *
+ * The data movers (bf16 rows, fp32 accumulation, no atomics):
+ *   permute_tokens     xp[r, :] = x[perm_src[r] / k, :]
+ *   permute_weights    wp[r] = topk_w[perm_src[r]]
+ *   unpermute_sum      out[n, :] += Σ_j yp[row_of[n·k + j], :]: one thread per column
+ *                      starts from out in fp32, adds the k rows in j order (the CPU's
+ *                      order), rounds to bf16 once
+ *   unpermute_weights  dtopk_w[a] += dwp[row_of[a]]
+ *   scale_rows         x[r, :] *= s[r]  (the routing weight, after the activation)
+ *   row_dot            ds[r] += Σ_c a[r,c]·b[r,c], one warp per row, fp32, fixed order
+ * Row kernels move 8 bf16 (16 bytes) per access when the width is a multiple of 8 and
+ * the pointers are 16-byte aligned, and one element at a time otherwise.
+ */
+#include <stdint.h>
+
+#include "cuda_common.cuh"
+#include "cuda_ops.h"
+
+#define FULL_MASK 0xffffffffu
+#define CHUNK 1024 /* assignments per chunk of the counting sort */
+
+/* ------------------------------------------------------------------ scratch */
+
+static void *g_scratch = NULL;
+static size_t g_scratch_bytes = 0;
+
+/* A device buffer of at least @p bytes (grow-only; cudaFree waits for queued work). */
+static void *scratch(size_t bytes) {
+    if (bytes > g_scratch_bytes) {
+        if (g_scratch)
+            MOE_CUDA_CHECK(cudaFree(g_scratch));
+        MOE_CUDA_CHECK(cudaMalloc(&g_scratch, bytes));
+        g_scratch_bytes = bytes;
+    }
+    return g_scratch;
+}
+
+/* ------------------------------------------------------------------ the index */
+
+static __global__ void chunk_histogram_kernel(int *hist, const int *topk_idx, int A, int E) {
+    extern __shared__ int h[];
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        h[e] = 0;
+    __syncthreads();
+    const int begin = blockIdx.x * CHUNK, end = min(A, begin + CHUNK);
+    for (int a = begin + threadIdx.x; a < end; a += blockDim.x)
+        atomicAdd(&h[topk_idx[a]], 1);
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        hist[(size_t)blockIdx.x * E + e] = h[e];
+}
+
+/* One block, one thread per expert (E <= 1024). */
+static __global__ void chunk_scan_kernel(int *hist, int *offset, int chunks, int E) {
+    extern __shared__ int tot[];
+    const int e = threadIdx.x;
+    if (e < E) {
+        int run = 0;
+        for (int c = 0; c < chunks; c++) {
+            int h = hist[(size_t)c * E + e];
+            hist[(size_t)c * E + e] = run;
+            run += h;
+        }
+        tot[e] = run;
+    }
+    __syncthreads();
+    if (e == 0) {
+        int run = 0;
+        for (int i = 0; i < E; i++) {
+            offset[i] = run;
+            run += tot[i];
+        }
+        offset[E] = run;
+    }
+}
+
+/* One warp per chunk. */
+static __global__ void chunk_scatter_kernel(int *perm_src, int *row_of, const int *topk_idx,
+                                            const int *hist, const int *offset, int A, int E) {
+    extern __shared__ int cursor[];
+    const int lane = threadIdx.x;
+    for (int e = lane; e < E; e += 32)
+        cursor[e] = offset[e] + hist[(size_t)blockIdx.x * E + e];
+    __syncwarp();
+    const int begin = blockIdx.x * CHUNK, end = min(A, begin + CHUNK);
+    for (int t = begin; t < end; t += 32) {
+        const int a = t + lane;
+        const bool valid = a < end;
+        const int e = valid ? topk_idx[a] : -1 - lane; /* invalid lanes match nobody */
+        const unsigned peers = __match_any_sync(FULL_MASK, e);
+        const int rank = __popc(peers & ((1u << lane) - 1));
+        const int r = valid ? cursor[e] + rank : 0;
+        __syncwarp(); /* every lane has read its cursor before the leader moves it */
+        if (valid) {
+            perm_src[r] = a;
+            row_of[a] = r;
+            if (__ffs(peers) - 1 == lane)
+                cursor[e] += __popc(peers);
+        }
+        __syncwarp();
+    }
+}
+
+extern "C" void moe_cuda_permute_index(int *perm_src, int *row_of, int *expert_offset,
+                                       long long *counts, const int *topk_idx, int N, int k,
+                                       int E) {
+    if (E > 1024) {
+        fprintf(stderr, "moe_cuda_permute_index: E = %d > 1024 experts\n", E);
+        exit(1);
+    }
+    const int A = N * k;
+    if (A <= 0) {
+        for (int e = 0; e <= E; e++)
+            expert_offset[e] = 0;
+        return;
+    }
+    cudaStream_t st = moe_cuda_stream();
+    const int chunks = (int)moe_cdiv(A, CHUNK);
+    int *d_off = (int *)scratch(sizeof(int) * ((size_t)chunks * E + E + 1));
+    int *hist = d_off + E + 1;
+    const size_t sh = sizeof(int) * E;
+    chunk_histogram_kernel<<<chunks, 256, sh, st>>>(hist, topk_idx, A, E);
+    MOE_CUDA_LAUNCH_CHECK();
+    chunk_scan_kernel<<<1, 32 * moe_cdiv(E, 32), sh, st>>>(hist, d_off, chunks, E);
+    MOE_CUDA_LAUNCH_CHECK();
+    chunk_scatter_kernel<<<chunks, 32, sh, st>>>(perm_src, row_of, topk_idx, hist, d_off, A, E);
+    MOE_CUDA_LAUNCH_CHECK();
+    /* the host sync of the naive MoE loop */
+    MOE_CUDA_CHECK(
+        cudaMemcpyAsync(expert_offset, d_off, sizeof(int) * (E + 1), cudaMemcpyDeviceToHost, st));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(st));
+    if (counts)
+        for (int e = 0; e < E; e++)
+            counts[e] += expert_offset[e + 1] - expert_offset[e];
+}
+
+/* ------------------------------------------------------------------ row movers */
+
+/* 8 bf16 in one 16-byte word. */
+union bf16x8 {
+    uint4 u;
+    moe_bf16 h[8];
+};
+
+static bool vec_ok(int C, const void *a, const void *b) {
+    return C % 8 == 0 && ((uintptr_t)a % 16) == 0 && ((uintptr_t)b % 16) == 0;
+}
+
+/* One block per permuted row. */
+template <bool VEC>
+static __global__ void permute_tokens_kernel(moe_bf16 *xp, const moe_bf16 *x, const int *perm_src,
+                                             int k, int C) {
+    const size_t r = blockIdx.x;
+    const moe_bf16 *src = x + (size_t)(perm_src[r] / k) * C;
+    moe_bf16 *dst = xp + r * C;
+    if (VEC) {
+        for (int c = threadIdx.x; c < C / 8; c += blockDim.x)
+            ((uint4 *)dst)[c] = ((const uint4 *)src)[c];
+    } else {
+        for (int c = threadIdx.x; c < C; c += blockDim.x)
+            dst[c] = src[c];
+    }
+}
+
+extern "C" void moe_cuda_permute_tokens(void *xp, const void *x, const int *perm_src, int rows,
+                                        int k, int C) {
+    if (rows <= 0 || C <= 0)
+        return;
+    cudaStream_t st = moe_cuda_stream();
+    if (vec_ok(C, xp, x))
+        permute_tokens_kernel<true>
+            <<<rows, 128, 0, st>>>((moe_bf16 *)xp, (const moe_bf16 *)x, perm_src, k, C);
+    else
+        permute_tokens_kernel<false>
+            <<<rows, 128, 0, st>>>((moe_bf16 *)xp, (const moe_bf16 *)x, perm_src, k, C);
+    MOE_CUDA_LAUNCH_CHECK();
+}
+
+static __global__ void permute_weights_kernel(float *wp, const float *topk_w, const int *perm_src,
+                                              int rows) {
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r < rows)
+        wp[r] = topk_w[perm_src[r]];
+}
+
+extern "C" void moe_cuda_permute_weights(moe_real *wp, const moe_real *topk_w, const int *perm_src,
+                                         int rows) {
+    if (rows <= 0)
+        return;
+    permute_weights_kernel<<<moe_cdiv(rows, 256), 256, 0, moe_cuda_stream()>>>(wp, topk_w, perm_src,
+                                                                               rows);
+    MOE_CUDA_LAUNCH_CHECK();
+}
+
+/* One block per token; its k source rows are read once into shared memory. */
+template <bool VEC>
+static __global__ void unpermute_sum_kernel(moe_bf16 *out, const moe_bf16 *yp, const int *row_of,
+                                            int k, int C) {
+    __shared__ int rows[64]; /* k <= MOE_MAX_TOPK = 64 */
+    const size_t n = blockIdx.x;
+    for (int j = threadIdx.x; j < k; j += blockDim.x)
+        rows[j] = row_of[n * k + j];
+    __syncthreads();
+    moe_bf16 *o = out + n * C;
+    if (VEC) {
+        for (int c = threadIdx.x; c < C / 8; c += blockDim.x) {
+            bf16x8 v;
+            v.u = ((const uint4 *)o)[c];
+            float acc[8];
+            for (int i = 0; i < 8; i++)
+                acc[i] = moe_ld(v.h[i]);
+            for (int j = 0; j < k; j++) {
+                bf16x8 y;
+                y.u = ((const uint4 *)(yp + (size_t)rows[j] * C))[c];
+                for (int i = 0; i < 8; i++)
+                    acc[i] += moe_ld(y.h[i]);
+            }
+            for (int i = 0; i < 8; i++)
+                v.h[i] = moe_st(acc[i]);
+            ((uint4 *)o)[c] = v.u;
+        }
+    } else {
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {
+            float acc = moe_ld(o[c]);
+            for (int j = 0; j < k; j++)
+                acc += moe_ld(yp[(size_t)rows[j] * C + c]);
+            o[c] = moe_st(acc);
+        }
+    }
+}
+
+extern "C" void moe_cuda_unpermute_sum(void *out, const void *yp, const int *row_of, int N, int k,
+                                       int C) {
+    if (N <= 0 || C <= 0)
+        return;
+    if (k > 64) {
+        fprintf(stderr, "moe_cuda_unpermute_sum: k = %d > 64\n", k);
+        exit(1);
+    }
+    cudaStream_t st = moe_cuda_stream();
+    if (vec_ok(C, out, yp))
+        unpermute_sum_kernel<true>
+            <<<N, 128, 0, st>>>((moe_bf16 *)out, (const moe_bf16 *)yp, row_of, k, C);
+    else
+        unpermute_sum_kernel<false>
+            <<<N, 128, 0, st>>>((moe_bf16 *)out, (const moe_bf16 *)yp, row_of, k, C);
+    MOE_CUDA_LAUNCH_CHECK();
+}
+
+static __global__ void unpermute_weights_kernel(float *dtopk_w, const float *dwp, const int *row_of,
+                                                int A) {
+    int a = blockIdx.x * blockDim.x + threadIdx.x;
+    if (a < A)
+        dtopk_w[a] += dwp[row_of[a]];
+}
+
+extern "C" void moe_cuda_unpermute_weights(moe_real *dtopk_w, const moe_real *dwp,
+                                           const int *row_of, int N, int k) {
+    const int A = N * k;
+    if (A <= 0)
+        return;
+    unpermute_weights_kernel<<<moe_cdiv(A, 256), 256, 0, moe_cuda_stream()>>>(dtopk_w, dwp, row_of,
+                                                                              A);
+    MOE_CUDA_LAUNCH_CHECK();
+}
+
+/* ------------------------------------------------------------------ row scale and dot */
+
+/* One block per row. */
+template <bool VEC> static __global__ void scale_rows_kernel(moe_bf16 *x, const float *s, int C) {
+    const size_t r = blockIdx.x;
+    const float sr = s[r];
+    moe_bf16 *row = x + r * C;
+    if (VEC) {
+        for (int c = threadIdx.x; c < C / 8; c += blockDim.x) {
+            bf16x8 v;
+            v.u = ((uint4 *)row)[c];
+            for (int i = 0; i < 8; i++)
+                v.h[i] = moe_st(moe_ld(v.h[i]) * sr);
+            ((uint4 *)row)[c] = v.u;
+        }
+    } else {
+        for (int c = threadIdx.x; c < C; c += blockDim.x)
+            row[c] = moe_st(moe_ld(row[c]) * sr);
+    }
+}
+
+extern "C" void moe_cuda_scale_rows(void *x, const moe_real *s, int rows, int C) {
+    if (rows <= 0 || C <= 0)
+        return;
+    cudaStream_t st = moe_cuda_stream();
+    if (vec_ok(C, x, x))
+        scale_rows_kernel<true><<<rows, 128, 0, st>>>((moe_bf16 *)x, s, C);
+    else
+        scale_rows_kernel<false><<<rows, 128, 0, st>>>((moe_bf16 *)x, s, C);
+    MOE_CUDA_LAUNCH_CHECK();
+}
+
+/* One warp per row; lanes stride the row, then a fixed butterfly sums the 32 partials. */
+template <bool VEC>
+static __global__ void row_dot_kernel(float *ds, const moe_bf16 *a, const moe_bf16 *b, int rows,
+                                      int C) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows)
+        return;
+    const moe_bf16 *ra = a + (size_t)r * C, *rb = b + (size_t)r * C;
+    float acc = 0.0f;
+    if (VEC) {
+        for (int c = lane; c < C / 8; c += 32) {
+            bf16x8 va, vb;
+            va.u = ((const uint4 *)ra)[c];
+            vb.u = ((const uint4 *)rb)[c];
+            for (int i = 0; i < 8; i++)
+                acc += moe_ld(va.h[i]) * moe_ld(vb.h[i]);
+        }
+    } else {
+        for (int c = lane; c < C; c += 32)
+            acc += moe_ld(ra[c]) * moe_ld(rb[c]);
+    }
+    for (int off = 16; off; off >>= 1)
+        acc += __shfl_xor_sync(FULL_MASK, acc, off);
+    if (lane == 0)
+        ds[r] += acc;
+}
+
+extern "C" void moe_cuda_row_dot(moe_real *ds, const void *a, const void *b, int rows, int C) {
+    if (rows <= 0)
+        return;
+    cudaStream_t st = moe_cuda_stream();
+    const int warps = 8;
+    if (vec_ok(C, a, b))
+        row_dot_kernel<true><<<moe_cdiv(rows, warps), 32 * warps, 0, st>>>(
+            ds, (const moe_bf16 *)a, (const moe_bf16 *)b, rows, C);
+    else
+        row_dot_kernel<false><<<moe_cdiv(rows, warps), 32 * warps, 0, st>>>(
+            ds, (const moe_bf16 *)a, (const moe_bf16 *)b, rows, C);
+    MOE_CUDA_LAUNCH_CHECK();
+}

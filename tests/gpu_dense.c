@@ -1,0 +1,666 @@
+/*
+ * CUDA dense ops against their CPU twins (kernels/{memory,matmul,embedding,rmsnorm,rope,
+ * swiglu,cross_entropy,elementwise,optimizer}.cu vs lib/cpu/ and lib/cpu/backend.c).
+ *
+ * The pattern of every test:
+ *  1. fresh random inputs (moe_test_randn), uploaded as bf16 with moe_cuda_write_act and
+ *     READ BACK, so the CPU twin gets exactly the bf16-rounded values the GPU sees — the
+ *     comparison then measures the op, not the rounding of its inputs;
+ *  2. outputs poisoned first (0xFF bytes: NaN in both bf16 and fp32), so an element the
+ *     kernel forgets to write fails; gradients that ACCUMULATE are pre-filled with random
+ *     values of the size of the gradient itself, so "overwrote instead of adding" fails;
+ *  3. compare: global error max|a−b| / max|b| over the tensor, and elementwise
+ *     |a−b| / max(|b|, floor) with floor = 10% of max|b|. bf16 outputs carry one
+ *     rounding (≤ 2⁻⁹ relative), so bf16 bounds are 1e-2 / 2e-2; fp32 outputs are
+ *     tighter (1e-3 and below), the optimizer's ~1e-6.
+ * Every comparison prints its errors, so the run is also a report. With MOE_TEST_QUICK set
+ * (runs under compute-sanitizer) the realistic sizes are skipped.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "cuda_ops.h"
+#include "helpers.h"
+#include "suites.h"
+
+/* ------------------------------------------------------------------ helpers */
+
+static moe_real *hmalloc(size_t n) {
+    moe_real *p = malloc((n ? n : 1) * sizeof(moe_real));
+    ck_assert_ptr_nonnull(p);
+    return p;
+}
+
+static void *dmalloc(size_t bytes) {
+    void *p = moe_cuda_alloc(bytes);
+    ck_assert_ptr_nonnull(p);
+    return p;
+}
+
+/* Fill a device buffer with 0xFF bytes: NaN as bf16 and as fp32. */
+static void poison_dev(void *p, size_t bytes) {
+    unsigned char *h = malloc(bytes ? bytes : 1);
+    ck_assert_ptr_nonnull(h);
+    memset(h, 0xFF, bytes);
+    moe_cuda_from_host(p, h, bytes);
+    free(h);
+}
+
+/* Random bf16 activation tensor: returns the device buffer; *host gets the rounded values. */
+static void *rand_act(size_t n, uint64_t stream, double scale, moe_real **host) {
+    moe_real *h = hmalloc(n);
+    moe_test_randn(h, n, stream, scale);
+    void *d = dmalloc(n * 2);
+    moe_cuda_write_act(d, h, n);
+    moe_cuda_read_act(h, d, n); /* now exactly what the GPU holds */
+    *host = h;
+    return d;
+}
+
+/* Random fp32 tensor on the device; *host gets the same values. */
+static moe_real *rand_real(size_t n, uint64_t stream, double scale, moe_real **host) {
+    moe_real *h = hmalloc(n);
+    moe_test_randn(h, n, stream, scale);
+    moe_real *d = dmalloc(n * sizeof(moe_real));
+    moe_cuda_from_host(d, h, n * sizeof(moe_real));
+    *host = h;
+    return d;
+}
+
+static moe_real *read_act(const void *d, size_t n) {
+    moe_real *h = hmalloc(n);
+    moe_cuda_read_act(h, d, n);
+    return h;
+}
+
+static moe_real *read_real(const moe_real *d, size_t n) {
+    moe_real *h = hmalloc(n);
+    moe_cuda_to_host(h, d, n * sizeof(moe_real));
+    return h;
+}
+
+static double max_abs(const moe_real *x, size_t n) {
+    double m = 0.0;
+    for (size_t i = 0; i < n; i++)
+        m = fabs((double)x[i]) > m ? fabs((double)x[i]) : m;
+    return m;
+}
+
+/* Compare got (GPU) with want (CPU): global ≤ tol and elementwise ≤ 2·tol (floor 10%). */
+static void expect_close(const char *what, const moe_real *got, const moe_real *want, size_t n,
+                         double tol) {
+    double scale = max_abs(want, n), diff = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)got[i] - (double)want[i]);
+        if (isnan(d)) {
+            diff = INFINITY;
+            break;
+        }
+        diff = d > diff ? d : diff;
+    }
+    double global = scale > 0 ? diff / scale : diff;
+    double elem = moe_test_max_rel_err(got, want, n, scale > 0 ? 0.1 * scale : 1e-30);
+    printf("  %-34s n=%-9zu global %.2e  elem %.2e  (tol %.0e)\n", what, n, global, elem, tol);
+    ck_assert_msg(global <= tol, "%s: global error %.3e > %.1e", what, global, tol);
+    ck_assert_msg(elem <= 2 * tol, "%s: elementwise error %.3e > %.1e", what, elem, 2 * tol);
+}
+
+/* Host round-to-nearest-even fp32 → bf16 → fp32 (what write_act must do). */
+static float bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7F800000u) == 0x7F800000u) /* inf / NaN */
+        return f;
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    u &= 0xFFFF0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Deterministic token ids in [0, V): a fraction `skew` of them are token 1 (long segments). */
+static int *make_tokens(int N, int V, double skew, uint64_t seed) {
+    int *t = malloc((size_t)N * sizeof(int));
+    ck_assert_ptr_nonnull(t);
+    uint64_t s = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    for (int n = 0; n < N; n++) {
+        s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+        uint32_t r = (uint32_t)(s >> 33);
+        t[n] = (r % 1000) < skew * 1000 ? 1 % V : (int)((r >> 10) % (uint32_t)V);
+    }
+    return t;
+}
+
+static int *upload_ints(const int *h, size_t n) {
+    int *d = dmalloc(n * sizeof(int));
+    moe_cuda_from_host(d, h, n * sizeof(int));
+    return d;
+}
+
+/* ------------------------------------------------------------------ memory */
+
+START_TEST(test_gpu_memory) {
+    const size_t n = 100003;
+    /* alloc returns zeroed memory */
+    unsigned char *bytes = malloc(n * 2);
+    void *d = dmalloc(n * 2);
+    moe_cuda_to_host(bytes, d, n * 2);
+    for (size_t i = 0; i < n * 2; i++)
+        ck_assert_msg(bytes[i] == 0, "alloc: byte %zu not zero", i);
+
+    /* write_act / read_act: round to nearest even, and bf16 values survive exactly */
+    moe_real *h = hmalloc(n), *back = hmalloc(n);
+    moe_test_randn(h, n, 1, 3.0);
+    h[0] = 1.0f + 1.0f / 256;     /* tie: rounds to even (1.0) */
+    h[1] = 1.0f + 3.0f / 256;     /* tie: rounds to even (1 + 4/256) */
+    h[2] = 0.0f;
+    h[3] = -65504.0f;
+    moe_cuda_write_act(d, h, n);
+    moe_cuda_read_act(back, d, n);
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad += back[i] != bf16_round(h[i]);
+    ck_assert_msg(bad == 0, "write_act/read_act: %zu values not rounded to nearest even", bad);
+    ck_assert(back[0] == 1.0f && back[1] == 1.0f + 4.0f / 256);
+    expect_close("write_act/read_act (vs fp32)", back, h, n, 4e-3);
+    moe_cuda_write_act(d, back, n); /* bf16 → fp32 → bf16 is the identity */
+    moe_real *again = read_act(d, n);
+    ck_assert_int_eq(memcmp(again, back, n * sizeof(moe_real)), 0);
+
+    /* copy (device → device) and zero */
+    void *d2 = dmalloc(n * 2);
+    poison_dev(d2, n * 2);
+    moe_cuda_copy(d2, d, n * 2);
+    moe_real *copied = read_act(d2, n);
+    ck_assert_int_eq(memcmp(copied, back, n * sizeof(moe_real)), 0);
+    moe_cuda_zero(d2, n * 2);
+    moe_cuda_to_host(bytes, d2, n * 2);
+    for (size_t i = 0; i < n * 2; i++)
+        ck_assert_msg(bytes[i] == 0, "zero: byte %zu not zero", i);
+
+    /* from_host / to_host of fp32: exact */
+    moe_real *hr = NULL;
+    moe_real *dr = rand_real(n, 2, 1.0, &hr);
+    moe_real *hr2 = read_real(dr, n);
+    ck_assert_int_eq(memcmp(hr, hr2, n * sizeof(moe_real)), 0);
+
+    /* cast_to_act: fp32 master → bf16 compute copy, rounded like the host */
+    poison_dev(d, n * 2);
+    moe_cuda_cast_to_act(d, dr, n);
+    moe_real *cast = read_act(d, n);
+    bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad += cast[i] != bf16_round(hr[i]);
+    ck_assert_msg(bad == 0, "cast_to_act: %zu values differ from round-to-nearest-even", bad);
+
+    /* a failed allocation returns NULL and leaves the device usable (skipped in quick mode:
+     * compute-sanitizer would report the deliberate cudaMalloc failure as an error) */
+    if (!moe_test_quick()) {
+        void *huge = moe_cuda_alloc((size_t)1 << 52);
+        ck_assert_ptr_null(huge);
+    }
+    moe_cuda_zero(d2, 16);
+    moe_cuda_synchronize();
+    moe_cuda_free(NULL);
+
+    moe_cuda_free(d);
+    moe_cuda_free(d2);
+    moe_cuda_free(dr);
+    free(bytes);
+    free(h);
+    free(back);
+    free(again);
+    free(copied);
+    free(hr);
+    free(hr2);
+    free(cast);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ matmul */
+
+static void check_matmul(int N, int I, int O) {
+    char name[96];
+    moe_real *in, *w, *dout, *din0, *dw0;
+    void *d_in = rand_act((size_t)N * I, 10, 1.0, &in);
+    void *d_w = rand_act((size_t)O * I, 11, 1.0 / sqrt(I), &w);
+    void *d_dout = rand_act((size_t)N * O, 12, 1.0, &dout);
+
+    /* forward */
+    void *d_out = dmalloc((size_t)N * O * 2);
+    poison_dev(d_out, (size_t)N * O * 2);
+    moe_cuda_matmul_forward(d_out, d_in, d_w, N, I, O);
+    moe_real *out = read_act(d_out, (size_t)N * O), *ref = hmalloc((size_t)N * O);
+    moe_cpu_matmul_forward(ref, in, w, N, I, O);
+    snprintf(name, sizeof name, "matmul fwd N=%d I=%d O=%d", N, I, O);
+    expect_close(name, out, ref, (size_t)N * O, 1e-2);
+
+    /* backward, both gradients, accumulating onto random contents */
+    void *d_din = rand_act((size_t)N * I, 13, sqrt((double)O / I), &din0);
+    moe_real *d_dw = rand_real((size_t)O * I, 14, sqrt((double)N), &dw0);
+    moe_cuda_matmul_backward(d_din, d_dw, d_dout, d_in, d_w, N, I, O);
+    moe_real *din = read_act(d_din, (size_t)N * I), *dw = read_real(d_dw, (size_t)O * I);
+    moe_cpu_matmul_backward(din0, dw0, dout, in, w, N, I, O);
+    snprintf(name, sizeof name, "matmul dgrad N=%d I=%d O=%d", N, I, O);
+    expect_close(name, din, din0, (size_t)N * I, 1e-2);
+    snprintf(name, sizeof name, "matmul wgrad (fp32) N=%d I=%d O=%d", N, I, O);
+    expect_close(name, dw, dw0, (size_t)O * I, 1e-3);
+
+    /* NULL din, then NULL dw: only the other one changes */
+    moe_cuda_matmul_backward(NULL, d_dw, d_dout, d_in, d_w, N, I, O);
+    moe_cuda_matmul_backward(d_din, NULL, d_dout, d_in, d_w, N, I, O);
+    moe_real *din2 = read_act(d_din, (size_t)N * I), *dw2 = read_real(d_dw, (size_t)O * I);
+    moe_cpu_matmul_backward(din0, dw0, dout, in, w, N, I, O);
+    snprintf(name, sizeof name, "matmul dgrad x2 (NULL dw) N=%d", N);
+    expect_close(name, din2, din0, (size_t)N * I, 1e-2);
+    snprintf(name, sizeof name, "matmul wgrad x2 (NULL din) N=%d", N);
+    expect_close(name, dw2, dw0, (size_t)O * I, 1e-3);
+
+    /* N = 0 touches nothing */
+    moe_cuda_matmul_forward(d_out, d_in, d_w, 0, I, O);
+    moe_cuda_matmul_backward(d_din, d_dw, d_dout, d_in, d_w, 0, I, O);
+    moe_real *out3 = read_act(d_out, (size_t)N * O), *dw3 = read_real(d_dw, (size_t)O * I);
+    ck_assert_int_eq(memcmp(out3, out, (size_t)N * O * sizeof(moe_real)), 0);
+    ck_assert_int_eq(memcmp(dw3, dw2, (size_t)O * I * sizeof(moe_real)), 0);
+
+    moe_cuda_free(d_in);
+    moe_cuda_free(d_w);
+    moe_cuda_free(d_dout);
+    moe_cuda_free(d_out);
+    moe_cuda_free(d_din);
+    moe_cuda_free(d_dw);
+    free(in), free(w), free(dout), free(din0), free(dw0), free(out), free(ref);
+    free(din), free(dw), free(din2), free(dw2), free(out3), free(dw3);
+}
+
+START_TEST(test_gpu_matmul) {
+    check_matmul(37, 70, 130);
+    check_matmul(300, 64, 65);
+    check_matmul(1, 33, 7);
+    if (!moe_test_quick()) /* the realistic size (skipped under the sanitizer) */
+        check_matmul(4096, 512, 1536);
+}
+END_TEST
+
+/* --------------------------------------------------------------- embedding */
+
+static void check_embedding(int N, int V, int C, double skew) {
+    char name[96];
+    moe_real *table, *dout, *dt0;
+    int *tok = make_tokens(N, V, skew, (uint64_t)N * 7 + V);
+    int *d_tok = upload_ints(tok, (size_t)N);
+    void *d_table = rand_act((size_t)V * C, 20, 1.0, &table);
+    void *d_dout = rand_act((size_t)N * C, 21, 1.0, &dout);
+
+    void *d_out = dmalloc((size_t)N * C * 2);
+    poison_dev(d_out, (size_t)N * C * 2);
+    moe_cuda_embedding_forward(d_out, d_tok, d_table, N, C);
+    moe_real *out = read_act(d_out, (size_t)N * C), *ref = hmalloc((size_t)N * C);
+    moe_cpu_embedding_forward(ref, tok, table, N, C);
+    snprintf(name, sizeof name, "embedding fwd N=%d V=%d C=%d", N, V, C);
+    expect_close(name, out, ref, (size_t)N * C, 0.0); /* a copy: exact */
+
+    /* backward: same summation order as the CPU, so bit-identical */
+    moe_real *d_dt = rand_real((size_t)V * C, 22, 3.0, &dt0);
+    moe_cuda_embedding_backward(d_dt, d_dout, d_tok, N, V, C);
+    moe_real *dt = read_real(d_dt, (size_t)V * C);
+    moe_cpu_embedding_backward(dt0, dout, tok, N, V, C);
+    snprintf(name, sizeof name, "embedding bwd N=%d V=%d C=%d", N, V, C);
+    expect_close(name, dt, dt0, (size_t)V * C, 1e-6);
+    ck_assert_msg(!memcmp(dt, dt0, (size_t)V * C * sizeof(moe_real)),
+                  "embedding backward is not bit-identical to the CPU");
+
+    moe_cuda_free(d_tok);
+    moe_cuda_free(d_table);
+    moe_cuda_free(d_dout);
+    moe_cuda_free(d_out);
+    moe_cuda_free(d_dt);
+    free(tok), free(table), free(dout), free(dt0), free(out), free(ref), free(dt);
+}
+
+START_TEST(test_gpu_embedding) {
+    check_embedding(300, 65, 130, 0.0);
+    check_embedding(37, 1000, 33, 0.0);  /* most tokens unused */
+    if (!moe_test_quick()) /* realistic, with one very frequent token */
+        check_embedding(4096, 65, 512, 0.3);
+    check_embedding(1, 3, 7, 0.0);
+}
+END_TEST
+
+/* ----------------------------------------------------------------- rmsnorm */
+
+static void check_rmsnorm(int N, int C) {
+    char name[96];
+    const double eps = 1e-6;
+    moe_real *x, *w, *dout, *dx0, *dw0;
+    void *d_x = rand_act((size_t)N * C, 30, 2.0, &x);
+    void *d_w = rand_act((size_t)C, 31, 0.5, &w);
+    void *d_dout = rand_act((size_t)N * C, 32, 1.0, &dout);
+
+    void *d_out = dmalloc((size_t)N * C * 2);
+    moe_real *d_rstd = dmalloc((size_t)N * sizeof(moe_real));
+    poison_dev(d_out, (size_t)N * C * 2);
+    poison_dev(d_rstd, (size_t)N * sizeof(moe_real));
+    moe_cuda_rmsnorm_forward(d_out, d_rstd, d_x, d_w, N, C, eps);
+    moe_real *out = read_act(d_out, (size_t)N * C), *rstd = read_real(d_rstd, (size_t)N);
+    moe_real *ref = hmalloc((size_t)N * C), *rstd_ref = hmalloc((size_t)N);
+    moe_cpu_rmsnorm_forward(ref, rstd_ref, x, w, N, C, eps);
+    snprintf(name, sizeof name, "rmsnorm fwd N=%d C=%d", N, C);
+    expect_close(name, out, ref, (size_t)N * C, 1e-2);
+    snprintf(name, sizeof name, "rmsnorm rstd (fp32) N=%d C=%d", N, C);
+    expect_close(name, rstd, rstd_ref, (size_t)N, 1e-5);
+
+    /* backward from the same saved rstd on both sides (the CPU's) */
+    moe_cuda_from_host(d_rstd, rstd_ref, (size_t)N * sizeof(moe_real));
+    void *d_dx = rand_act((size_t)N * C, 33, 0.3, &dx0);
+    moe_real *d_dw = rand_real((size_t)C, 34, sqrt((double)N), &dw0);
+    moe_cuda_rmsnorm_backward(d_dx, d_dw, d_dout, d_x, d_w, d_rstd, N, C);
+    moe_real *dx = read_act(d_dx, (size_t)N * C), *dw = read_real(d_dw, (size_t)C);
+    moe_cpu_rmsnorm_backward(dx0, dw0, dout, x, w, rstd_ref, N, C);
+    snprintf(name, sizeof name, "rmsnorm dx N=%d C=%d", N, C);
+    expect_close(name, dx, dx0, (size_t)N * C, 1e-2);
+    snprintf(name, sizeof name, "rmsnorm dw (fp32) N=%d C=%d", N, C);
+    expect_close(name, dw, dw0, (size_t)C, 1e-4);
+
+    /* determinism: the same call from the same state gives the same bits */
+    moe_cuda_from_host(d_dw, dw, (size_t)C * sizeof(moe_real));
+    moe_cuda_rmsnorm_backward(NULL, d_dw, d_dout, d_x, d_w, d_rstd, N, C);
+    moe_real *dw_a = read_real(d_dw, (size_t)C);
+    moe_cuda_from_host(d_dw, dw, (size_t)C * sizeof(moe_real));
+    moe_cuda_rmsnorm_backward(NULL, d_dw, d_dout, d_x, d_w, d_rstd, N, C);
+    moe_real *dw_b = read_real(d_dw, (size_t)C);
+    ck_assert_int_eq(memcmp(dw_a, dw_b, (size_t)C * sizeof(moe_real)), 0);
+
+    moe_cuda_free(d_x), moe_cuda_free(d_w), moe_cuda_free(d_dout), moe_cuda_free(d_out);
+    moe_cuda_free(d_rstd), moe_cuda_free(d_dx), moe_cuda_free(d_dw);
+    free(x), free(w), free(dout), free(dx0), free(dw0), free(out), free(rstd), free(ref);
+    free(rstd_ref), free(dx), free(dw), free(dw_a), free(dw_b);
+}
+
+START_TEST(test_gpu_rmsnorm) {
+    check_rmsnorm(37, 130);
+    check_rmsnorm(300, 65);
+    check_rmsnorm(1, 1000);
+    if (!moe_test_quick())
+        check_rmsnorm(4096, 512);
+}
+END_TEST
+
+/* -------------------------------------------------------------------- rope */
+
+static void check_rope(int B, int T, int heads, int D, double base) {
+    char name[96];
+    const size_t n = (size_t)B * T * heads * D;
+    moe_real *in, *dout, *din0;
+    void *d_in = rand_act(n, 40, 1.0, &in);
+    void *d_dout = rand_act(n, 41, 1.0, &dout);
+
+    void *d_out = dmalloc(n * 2);
+    poison_dev(d_out, n * 2);
+    moe_cuda_rope_forward(d_out, d_in, B, T, heads, D, base);
+    moe_real *out = read_act(d_out, n), *ref = hmalloc(n);
+    moe_cpu_rope_forward(ref, in, B, T, heads, D, base);
+    snprintf(name, sizeof name, "rope fwd B=%d T=%d H=%d D=%d", B, T, heads, D);
+    expect_close(name, out, ref, n, 1e-2);
+
+    /* in place (out == in) gives the same result */
+    moe_cuda_copy(d_out, d_in, n * 2);
+    moe_cuda_rope_forward(d_out, d_out, B, T, heads, D, base);
+    moe_real *inplace = read_act(d_out, n);
+    ck_assert_int_eq(memcmp(inplace, out, n * sizeof(moe_real)), 0);
+
+    void *d_din = rand_act(n, 42, 1.0, &din0);
+    moe_cuda_rope_backward(d_din, d_dout, B, T, heads, D, base);
+    moe_real *din = read_act(d_din, n);
+    moe_cpu_rope_backward(din0, dout, B, T, heads, D, base);
+    snprintf(name, sizeof name, "rope bwd B=%d T=%d H=%d D=%d", B, T, heads, D);
+    expect_close(name, din, din0, n, 1e-2);
+
+    moe_cuda_free(d_in), moe_cuda_free(d_dout), moe_cuda_free(d_out), moe_cuda_free(d_din);
+    free(in), free(dout), free(din0), free(out), free(ref), free(inplace), free(din);
+}
+
+START_TEST(test_gpu_rope) {
+    check_rope(3, 37, 4, 64, 10000.0);
+    if (!moe_test_quick())
+        check_rope(2, 1024, 8, 128, 10000.0);
+    check_rope(1, 5000, 2, 6, 1e6); /* long positions, tiny head */
+}
+END_TEST
+
+/* ------------------------------------------------------------------ swiglu */
+
+static void check_swiglu(int N, int F) {
+    char name[96];
+    moe_real *gu, *dout, *dgu0;
+    void *d_gu = rand_act((size_t)N * 2 * F, 50, 2.0, &gu);
+    void *d_dout = rand_act((size_t)N * F, 51, 1.0, &dout);
+
+    void *d_out = dmalloc((size_t)N * F * 2);
+    poison_dev(d_out, (size_t)N * F * 2);
+    moe_cuda_swiglu_forward(d_out, d_gu, N, F);
+    moe_real *out = read_act(d_out, (size_t)N * F), *ref = hmalloc((size_t)N * F);
+    moe_cpu_swiglu_forward(ref, gu, N, F);
+    snprintf(name, sizeof name, "swiglu fwd N=%d F=%d", N, F);
+    expect_close(name, out, ref, (size_t)N * F, 1e-2);
+
+    void *d_dgu = rand_act((size_t)N * 2 * F, 52, 1.0, &dgu0);
+    moe_cuda_swiglu_backward(d_dgu, d_dout, d_gu, N, F);
+    moe_real *dgu = read_act(d_dgu, (size_t)N * 2 * F);
+    moe_cpu_swiglu_backward(dgu0, dout, gu, N, F);
+    snprintf(name, sizeof name, "swiglu bwd N=%d F=%d", N, F);
+    expect_close(name, dgu, dgu0, (size_t)N * 2 * F, 1e-2);
+
+    moe_cuda_free(d_gu), moe_cuda_free(d_dout), moe_cuda_free(d_out), moe_cuda_free(d_dgu);
+    free(gu), free(dout), free(dgu0), free(out), free(ref), free(dgu);
+}
+
+START_TEST(test_gpu_swiglu) {
+    check_swiglu(37, 130);
+    check_swiglu(300, 65);
+    if (!moe_test_quick())
+        check_swiglu(4096, 1024);
+}
+END_TEST
+
+/* ----------------------------------------------------------- cross-entropy */
+
+static void check_cross_entropy(int N, int V) {
+    char name[96];
+    moe_real *z, *dloss, *dz0, *dzn0;
+    int *tgt = make_tokens(N, V, 0.0, (uint64_t)V * 3 + N);
+    int *d_tgt = upload_ints(tgt, (size_t)N);
+    void *d_z = rand_act((size_t)N * V, 60, 3.0, &z);
+
+    moe_real *d_loss = dmalloc((size_t)N * sizeof(moe_real));
+    poison_dev(d_loss, (size_t)N * sizeof(moe_real));
+    moe_cuda_cross_entropy_forward(d_loss, d_z, d_tgt, N, V);
+    moe_real *loss = read_real(d_loss, (size_t)N), *ref = hmalloc((size_t)N);
+    moe_cpu_cross_entropy_forward(ref, z, tgt, N, V);
+    snprintf(name, sizeof name, "cross-entropy loss (fp32) N=%d V=%d", N, V);
+    expect_close(name, loss, ref, (size_t)N, 1e-5);
+
+    /* backward with per-row dloss (prefill ~ the gradient's size) */
+    moe_real *d_dloss = rand_real((size_t)N, 61, 1.0, &dloss);
+    void *d_dz = rand_act((size_t)N * V, 62, 0.1, &dz0);
+    moe_cuda_cross_entropy_backward(d_dz, d_dloss, d_z, d_tgt, N, V);
+    moe_real *dz = read_act(d_dz, (size_t)N * V);
+    moe_cpu_cross_entropy_backward(dz0, dloss, z, tgt, N, V);
+    snprintf(name, sizeof name, "cross-entropy bwd N=%d V=%d", N, V);
+    expect_close(name, dz, dz0, (size_t)N * V, 1e-2);
+
+    /* dloss = NULL: every row 1/N */
+    void *d_dzn = rand_act((size_t)N * V, 63, 0.1 / N, &dzn0);
+    moe_cuda_cross_entropy_backward(d_dzn, NULL, d_z, d_tgt, N, V);
+    moe_real *dzn = read_act(d_dzn, (size_t)N * V);
+    moe_cpu_cross_entropy_backward(dzn0, NULL, z, tgt, N, V);
+    snprintf(name, sizeof name, "cross-entropy bwd mean N=%d V=%d", N, V);
+    expect_close(name, dzn, dzn0, (size_t)N * V, 1e-2);
+
+    moe_cuda_free(d_tgt), moe_cuda_free(d_z), moe_cuda_free(d_loss), moe_cuda_free(d_dloss);
+    moe_cuda_free(d_dz), moe_cuda_free(d_dzn);
+    free(tgt), free(z), free(dloss), free(dz0), free(dzn0), free(loss), free(ref), free(dz);
+    free(dzn);
+}
+
+START_TEST(test_gpu_cross_entropy) {
+    check_cross_entropy(37, 65);
+    check_cross_entropy(300, 1000);
+    if (!moe_test_quick()) {
+        check_cross_entropy(4096, 65);
+        check_cross_entropy(64, 50304);
+    }
+}
+END_TEST
+
+/* ------------------------------------------------------------- elementwise */
+
+START_TEST(test_gpu_elementwise) {
+    const moe_backend *cpu = moe_backend_cpu();
+    const size_t n = 1000003;
+    moe_real *x, *y;
+    void *d_x = rand_act(n, 70, 1.0, &x);
+    void *d_y = rand_act(n, 71, 1.0, &y);
+
+    moe_cuda_add(d_y, d_x, n);
+    moe_real *got = read_act(d_y, n);
+    cpu->add(y, x, n);
+    expect_close("add", got, y, n, 1e-2);
+    /* y = bf16(fp32 sum): exactly the CPU's sum, rounded once */
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad += got[i] != bf16_round(y[i]);
+    ck_assert_msg(bad == 0, "add: %zu elements are not the rounded fp32 sum", bad);
+
+    moe_cuda_write_act(d_y, got, n);
+    moe_cuda_scale(d_y, 0.37, n);
+    moe_real *got2 = read_act(d_y, n);
+    cpu->scale(got, 0.37, n);
+    expect_close("scale", got2, got, n, 1e-2);
+
+    moe_cuda_free(d_x), moe_cuda_free(d_y);
+    free(x), free(y), free(got), free(got2);
+}
+END_TEST
+
+/* --------------------------------------------------------------- optimizer */
+
+START_TEST(test_gpu_optimizer) {
+    const moe_backend *cpu = moe_backend_cpu();
+    const size_t sizes[] = {1, 37, 4097, 1000003, 5000011};
+    for (size_t s = 0; s < sizeof sizes / sizeof *sizes; s++) {
+        size_t n = sizes[s];
+        moe_real *x;
+        moe_real *d_x = rand_real(n, 80 + s, 1.0, &x);
+        double ss = moe_cuda_sum_squares(d_x, n), ss_ref = cpu->sum_squares(x, n);
+        double su = moe_cuda_sum(d_x, n), su_ref = cpu->sum(x, n);
+        double ss2 = moe_cuda_sum_squares(d_x, n), su2 = moe_cuda_sum(d_x, n);
+        printf("  sum_squares n=%-9zu rel err %.2e   sum abs err %.2e (|x| sum %.1f)\n", n,
+               fabs(ss - ss_ref) / ss_ref, fabs(su - su_ref), ss_ref);
+        ck_assert_msg(fabs(ss - ss_ref) <= 1e-12 * ss_ref, "sum_squares %.17g vs %.17g", ss,
+                      ss_ref);
+        /* Σx can cancel to ~0: bound the error by the sum of magnitudes (≤ √(n·Σx²)) */
+        ck_assert_msg(fabs(su - su_ref) <= 1e-12 * sqrt((double)n * ss_ref), "sum %.17g vs %.17g",
+                      su, su_ref);
+        ck_assert_msg(ss == ss2 && su == su2, "reductions are not deterministic");
+        moe_cuda_free(d_x);
+        free(x);
+    }
+    ck_assert(moe_cuda_sum_squares(NULL, 0) == 0.0 && moe_cuda_sum(NULL, 0) == 0.0);
+
+    /* scale_real: double math like the CPU */
+    const size_t n = 100003;
+    moe_real *x, *p, *g, *m, *v;
+    moe_real *d_x = rand_real(n, 90, 1.0, &x);
+    moe_cuda_scale_real(d_x, 0.123, n);
+    moe_real *xs = read_real(d_x, n);
+    cpu->scale_real(x, 0.123, n);
+    expect_close("scale_real (fp32)", xs, x, n, 1e-6);
+
+    /* AdamW at step 3 with weight decay, from non-trivial moments */
+    moe_real *d_p = rand_real(n, 91, 1.0, &p);
+    moe_real *d_g = rand_real(n, 92, 1e-2, &g);
+    moe_real *d_m = rand_real(n, 93, 1e-3, &m);
+    v = hmalloc(n);
+    moe_test_randn(v, n, 94, 1e-3);
+    for (size_t i = 0; i < n; i++)
+        v[i] = v[i] * v[i];
+    moe_real *d_v = dmalloc(n * sizeof(moe_real));
+    moe_cuda_from_host(d_v, v, n * sizeof(moe_real));
+    const double lr = 3e-4, b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1;
+    const double bc1 = 1 - pow(b1, 3), bc2 = 1 - pow(b2, 3);
+    moe_cuda_adamw(d_p, d_g, (float *)d_m, (float *)d_v, n, lr, b1, b2, eps, wd, bc1, bc2);
+    moe_real *gp = read_real(d_p, n), *gm = read_real(d_m, n), *gv = read_real(d_v, n);
+    cpu->adamw(p, g, (float *)m, (float *)v, n, lr, b1, b2, eps, wd, bc1, bc2);
+    expect_close("adamw p (fp32)", gp, p, n, 1e-6);
+    expect_close("adamw m (fp32)", gm, m, n, 1e-6);
+    expect_close("adamw v (fp32)", gv, v, n, 1e-6);
+    /* the update itself (p moved by ~lr), not just p, must match */
+    moe_real *p0 = NULL;
+    moe_real *d_p0 = rand_real(n, 91, 1.0, &p0);
+    for (size_t i = 0; i < n; i++) {
+        gp[i] -= p0[i];
+        p[i] -= p0[i];
+    }
+    expect_close("adamw update p - p0", gp, p, n, 1e-3);
+
+    moe_cuda_free(d_x), moe_cuda_free(d_p), moe_cuda_free(d_g), moe_cuda_free(d_m);
+    moe_cuda_free(d_v), moe_cuda_free(d_p0);
+    free(x), free(xs), free(p), free(g), free(m), free(v), free(gp), free(gm), free(gv);
+    free(p0);
+}
+END_TEST
+
+/* ------------------------------------------------------------ the op table */
+
+START_TEST(test_gpu_backend_table) {
+    const moe_backend *b = moe_backend_cuda();
+    ck_assert_str_eq(b->name, "cuda");
+    ck_assert_int_eq(b->device, MOE_DEVICE_CUDA);
+    ck_assert_int_eq((int)b->act_size, 2);
+    /* every slot is filled */
+    const void *slots[] = {
+        (void *)b->alloc, (void *)b->free, (void *)b->zero, (void *)b->copy,
+        (void *)b->to_host, (void *)b->from_host, (void *)b->read_act, (void *)b->write_act,
+        (void *)b->cast_to_act, (void *)b->synchronize, (void *)b->device_name,
+        (void *)b->peak_tflops, (void *)b->timer_begin, (void *)b->timer_end_ms,
+        (void *)b->fill_normal, (void *)b->matmul_forward,
+        (void *)b->matmul_backward, (void *)b->embedding_forward, (void *)b->embedding_backward,
+        (void *)b->rmsnorm_forward, (void *)b->rmsnorm_backward, (void *)b->rope_forward,
+        (void *)b->rope_backward, (void *)b->attention_forward, (void *)b->attention_backward,
+        (void *)b->swiglu_forward, (void *)b->swiglu_backward, (void *)b->cross_entropy_forward,
+        (void *)b->cross_entropy_backward, (void *)b->add, (void *)b->scale,
+        (void *)b->router_forward, (void *)b->router_backward, (void *)b->aux_loss_forward,
+        (void *)b->aux_loss_backward, (void *)b->z_loss_forward, (void *)b->z_loss_backward,
+        (void *)b->permute_index, (void *)b->permute_tokens, (void *)b->permute_weights,
+        (void *)b->unpermute_sum, (void *)b->unpermute_weights, (void *)b->scale_rows,
+        (void *)b->row_dot, (void *)b->sum_squares, (void *)b->sum, (void *)b->scale_real,
+        (void *)b->adamw,
+    };
+    for (size_t i = 0; i < sizeof slots / sizeof *slots; i++)
+        ck_assert_msg(slots[i] != NULL, "slot %zu of the CUDA op table is NULL", i);
+    ck_assert(b->matmul_forward == moe_cuda_matmul_forward);
+    ck_assert(b->adamw == moe_cuda_adamw);
+}
+END_TEST
+
+Suite *suite_gpu_dense(void) {
+    Suite *s = suite_create("gpu_dense");
+    TCase *tc = tcase_create("dense");
+    tcase_set_timeout(tc, 600);
+    tcase_add_test(tc, test_gpu_backend_table);
+    tcase_add_test(tc, test_gpu_memory);
+    tcase_add_test(tc, test_gpu_matmul);
+    tcase_add_test(tc, test_gpu_embedding);
+    tcase_add_test(tc, test_gpu_rmsnorm);
+    tcase_add_test(tc, test_gpu_rope);
+    tcase_add_test(tc, test_gpu_swiglu);
+    tcase_add_test(tc, test_gpu_cross_entropy);
+    tcase_add_test(tc, test_gpu_elementwise);
+    tcase_add_test(tc, test_gpu_optimizer);
+    suite_add_tcase(s, tc);
+    return s;
+}
