@@ -16,17 +16,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "config.h"
 #include "cpu/ops.h"
 #include "log.h"
 #include "rng.h"
 #include "timer.h"
+#include "provenance.h"
 #include "trainer.h"
 
 static int cmp_double(const void *a, const void *b) {
@@ -37,19 +34,6 @@ static int cmp_double(const void *a, const void *b) {
 static double median(double *v, int n) {
     qsort(v, (size_t)n, sizeof *v, cmp_double);
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-static void read_line(const char *cmd, char *out, size_t cap) {
-    snprintf(out, cap, "unknown");
-    FILE *p = popen(cmd, "r");
-    if (!p)
-        return;
-    if (fgets(out, (int)cap, p)) {
-        out[strcspn(out, "\n")] = '\0';
-        if (!out[0])
-            snprintf(out, cap, "unknown");
-    }
-    pclose(p);
 }
 
 /* The baseline everyone writes first: out[n,o] = Σ_i in[n,i]·w[o,i]. */
@@ -112,16 +96,10 @@ int main(int argc, char **argv) {
         return 2;
     }
     char cpu[256], commit[64], date[64];
-    read_line("grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'", cpu, sizeof cpu);
-    read_line("git rev-parse --short HEAD 2>/dev/null", commit, sizeof commit);
-    time_t now = time(NULL);
-    strftime(date, sizeof date, "%Y-%m-%d %H:%M UTC", gmtime(&now));
-    int threads = 1;
-#ifdef _OPENMP
-    threads = omp_get_max_threads();
-#endif
-    printf("moe-bench | device: CPU %s, %d threads | %s | commit %s\n\n", cpu, threads, date,
-           commit);
+    moe_backend_cpu()->device_name(cpu, sizeof cpu);
+    moe_git_commit(commit, sizeof commit);
+    moe_utc_date(date, sizeof date);
+    printf("moe-bench | device: %s | %s | commit %s\n\n", cpu, date, commit);
 
     const int N = cfg.micro_batch_size * cfg.seq_length, H = cfg.hidden_size;
     printf("| matmul (forward, fp32)      | triple loop  |                 | tiled 8x32   |          "

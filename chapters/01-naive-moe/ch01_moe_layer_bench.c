@@ -18,12 +18,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "backend.h"
 #include "flags.h"
 #include "log.h"
 #include "moe_layer.h"
+#include "provenance.h"
 
 typedef struct opts {
     char device[MOE_FLAG_STR_LEN];
@@ -237,16 +237,10 @@ int main(int argc, char **argv) {
         moe_log_error("%s", err.msg);
         return 2;
     }
-    char dev[256], date[64], commit[64] = "unknown";
+    char dev[256], date[64], commit[64];
     be->device_name(dev, sizeof dev);
-    time_t now = time(NULL);
-    strftime(date, sizeof date, "%Y-%m-%d %H:%M UTC", gmtime(&now));
-    FILE *p = popen("git rev-parse --short HEAD 2>/dev/null", "r");
-    if (p) {
-        if (fgets(commit, sizeof commit, p))
-            commit[strcspn(commit, "\n")] = '\0';
-        pclose(p);
-    }
+    moe_utc_date(date, sizeof date);
+    moe_git_commit(commit, sizeof commit);
     printf("ch01 naive MoE layer, forward+backward | %s | %s | commit %s\n", dev, date, commit);
     printf("TFLOP/s counts the expert GEMMs only: 6*T*k*3*H*F. Median of %d after %d warm-up.\n\n",
            o.repeats, o.warmup);
