@@ -7,6 +7,7 @@
 #   make docs       API docs with Doxygen (warnings are errors)
 #   make bench      benchmarks
 #   make test-gpu   the CUDA tests only (they print "skipped: no GPU" without one)
+#   make notebooks  re-execute notebooks-c/*.ipynb and save their outputs
 #   make clean
 #
 # Variables: MARCH (default native; x86-64-v3 for binaries that run on another machine),
@@ -88,7 +89,8 @@ ifeq ($(WITH_CUDA),1)
 endif
 
 # ---------------------------------------------------------------- targets
-.PHONY: all config train test test-unit test-fd test-asan test-gpu docs bench clean print-build-flags
+.PHONY: all config train test test-unit test-fd test-asan test-gpu test-notebooks notebooks docs bench \
+	clean print-build-flags
 
 all: config $(LIB) $(PROGRAMS) $(CHAPTER_BIN)
 
@@ -175,8 +177,21 @@ test-gpu: check-deps
 	@if [ "$(WITH_CUDA)" != 1 ]; then echo "== GPU tests: skipped (built without CUDA: nvcc not found)"; \
 	else $(MAKE) --no-print-directory $(BUILD)/tests/gpu && echo "== GPU tests (CUDA vs CPU)" && $(BUILD)/tests/gpu; fi
 
-test: config all test-unit test-fd test-gpu docs test-asan
+test: config all test-unit test-fd test-gpu test-notebooks docs test-asan
 	@echo "== all tests passed"
+
+# ---- notebooks (notebooks-c/): every notebook executed headlessly with Debian's nbclient.
+# --check runs them in memory and never writes the files; `make notebooks` refreshes the
+# committed outputs. Their %%c cells compile and link against this build.
+NB_RUN = MOE_NB_MAKEFLAGS="CUDA=$(CUDA) BUILD=$(BUILD) OMP=$(OMP) MARCH=$(MARCH)" \
+	/usr/bin/python3 notebooks-c/run_notebooks.py
+
+test-notebooks: all
+	@echo "== notebooks (notebooks-c/*.ipynb)"
+	$(NB_RUN) --check
+
+notebooks: all
+	$(NB_RUN) --update
 
 # ---- docs
 docs:

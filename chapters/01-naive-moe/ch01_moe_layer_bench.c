@@ -205,7 +205,7 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o) {
         cmin = cmin < 0 || L.a.counts[e] < cmin ? L.a.counts[e] : cmin;
         cmax = L.a.counts[e] > cmax ? L.a.counts[e] : cmax;
     }
-    printf("| %-8s | %5d | %4d | %5d | %3d | %d | %-4s | %9.2f | %8.1f | %lld/%lld |\n", s->name,
+    printf("| %-8s | %5d | %4d | %5d | %3d | %d | %-4s | %9.2f | %8.2f | %lld/%lld |\n", s->name,
            s->T, s->H, s->F, s->E, s->k, be->name, med, flop / (med * 1e-3) / 1e12, cmin, cmax);
     free(ms);
     layer_free(&L);

@@ -1,0 +1,187 @@
+"""moenb: run C in a stock Jupyter notebook, compiled against moe.c.
+
+Load it in a notebook's first cell (with the notebook's folder or the repository root as
+the working directory):
+
+    import os, sys
+    sys.path.insert(0, "notebooks-c" if os.path.isdir("notebooks-c") else ".")
+    %load_ext moenb
+
+Then:
+
+    %%c [program arguments]
+    #include <stdio.h>
+    #include "cpu/router.h"      /* any header of lib/ or kernels/ */
+    int main(int argc, char **argv) { ... }
+
+    %moe ch01_moe_layer_bench --device cpu --shape small     # a built program from bin/
+
+    %moe_build                                                # show the compile command
+
+A `%%c` cell is one complete C11 program. It is compiled with the project's own compiler
+and flags, linked against the project's library (both asked from the Makefile once per
+session with `make print-build-flags`, under the make variables in $MOE_NB_MAKEFLAGS, e.g.
+"CUDA=0 BUILD=build/cpu"), and run from the repository root, so relative paths such as
+data/tinyshakespeare.txt work. Its output (stdout and stderr, in order) appears in the
+cell. A compile error or a non-zero exit raises an exception: the cell fails, and so does
+a headless run (notebooks-c/run_notebooks.py). With MOE_NB_WERROR=1 (the runner sets it)
+compiler warnings are errors too.
+"""
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+
+#: The repository root: the parent of the folder that holds this file.
+REPO = Path(__file__).resolve().parent.parent
+
+
+class MoeNotebookError(Exception):
+    """A cell failed. IPython shows only the message (no Python traceback)."""
+
+    def _render_traceback_(self):
+        return [f"{type(self).__name__}: {self}"]
+
+
+class CompileError(MoeNotebookError):
+    """The C cell did not compile (or link)."""
+
+
+class RunError(MoeNotebookError):
+    """The program exited with a non-zero status or was killed by a signal."""
+
+
+_flags = {}  # `make print-build-flags`, per value of $MOE_NB_MAKEFLAGS
+
+
+def build_flags():
+    """CC, CFLAGS, LIB and LDLIBS from `make print-build-flags` (asked once per session)."""
+    key = os.environ.get("MOE_NB_MAKEFLAGS", "")
+    if key in _flags:
+        return _flags[key]
+    extra = shlex.split(key)
+    cmd = ["make", "-s", "--no-print-directory", "-C", str(REPO), *extra, "print-build-flags"]
+    r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        raise MoeNotebookError(f"`{shlex.join(cmd)}` failed:\n{r.stdout}{r.stderr}")
+    flags = {}
+    for line in r.stdout.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key in ("CC", "CFLAGS", "LIB", "LDLIBS"):
+            flags[key] = value.strip()
+    missing = {"CC", "CFLAGS", "LIB", "LDLIBS"} - flags.keys()
+    if missing:
+        raise MoeNotebookError(f"`make print-build-flags` did not print {sorted(missing)}:\n{r.stdout}")
+    # -MMD -MP would leave dependency files behind; they are for the Makefile only.
+    flags["CFLAGS"] = [f for f in shlex.split(flags["CFLAGS"]) if f not in ("-MMD", "-MP")]
+    flags["LDLIBS"] = shlex.split(flags["LDLIBS"])
+    flags["CC"] = shlex.split(flags["CC"])
+    flags["MAKEFLAGS"] = extra
+    _flags[key] = flags
+    return flags
+
+
+def _make_hint():
+    extra = " ".join(build_flags()["MAKEFLAGS"])
+    return f"build it first, from {REPO}: make {extra}".rstrip()
+
+
+def _run(argv, what):
+    """Run argv from the repository root, streaming stdout+stderr into the cell; raise on failure."""
+    # Line-buffer the program's stdio (it writes to a pipe) so output appears as it comes,
+    # and stdout and stderr interleave in the order they were written.
+    if shutil.which("stdbuf"):
+        argv = ["stdbuf", "-oL", "-eL", *argv]
+    proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        # (ipykernel sends what was written every 0.2 s, so output still appears live)
+        for line in iter(proc.stdout.readline, b""):
+            sys.stdout.write(line.decode("utf-8", "replace"))
+        sys.stdout.flush()
+        rc = proc.wait()
+    except KeyboardInterrupt:  # Jupyter's "interrupt kernel" stops the program too
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        proc.stdout.close()
+    if rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        raise RunError(f"{what} was killed by {name}")
+    if rc != 0:
+        raise RunError(f"{what} exited with status {rc}")
+
+
+def compile_c(source, workdir):
+    """Compile one C program against the library; return the executable's path."""
+    f = build_flags()
+    lib = Path(f["LIB"])
+    if not lib.is_file():
+        raise CompileError(f"the library {lib} is not built: {_make_hint()}")
+    src = Path(workdir) / "cell.c"
+    exe = Path(workdir) / "cell"
+    # #line makes the compiler's messages point at the cell's own lines, as Jupyter numbers
+    # them (line 1 is the %%c line).
+    src.write_text('#line 2 "cell.c"\n' + source)
+    werror = ["-Werror"] if os.environ.get("MOE_NB_WERROR") == "1" else []
+    cmd = [*f["CC"], *f["CFLAGS"], *werror, str(src), str(lib), *f["LDLIBS"], "-o", str(exe)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    msg = (r.stdout + r.stderr).replace(str(src), "cell.c")
+    if r.returncode != 0:
+        raise CompileError("the C cell did not compile:\n" + msg.rstrip())
+    if msg.strip():  # warnings: show them, the program still runs
+        sys.stderr.write(msg)
+        sys.stderr.flush()
+    return exe
+
+
+@magics_class
+class MoeMagics(Magics):
+    """%%c, %moe and %moe_build."""
+
+    @cell_magic
+    def c(self, line, cell):
+        """%%c [args]: compile the cell as a C11 program against moe.c and run it with args."""
+        args = shlex.split(line)
+        with tempfile.TemporaryDirectory(prefix="moenb-") as tmp:
+            exe = compile_c(cell, tmp)
+            _run([str(exe), *args], "the C cell")
+
+    @line_magic
+    def moe(self, line):
+        """%moe PROGRAM [args]: run bin/PROGRAM from the repository root."""
+        argv = shlex.split(line)
+        if not argv:
+            raise MoeNotebookError("usage: %moe PROGRAM [args]   (a program in bin/)")
+        exe = REPO / "bin" / argv[0]
+        if not exe.is_file():
+            have = sorted(p.name for p in (REPO / "bin").glob("*")) if (REPO / "bin").is_dir() else []
+            raise RunError(f"bin/{argv[0]} not found (built: {', '.join(have) or 'nothing'}): "
+                           f"{_make_hint()}")
+        _run([str(exe), *argv[1:]], f"bin/{argv[0]}")
+
+    @line_magic
+    def moe_build(self, line):
+        """%moe_build: print how %%c cells are compiled and linked."""
+        f = build_flags()
+        lib = Path(f["LIB"])
+        if lib.is_relative_to(REPO):
+            lib = lib.relative_to(REPO)
+        print("make flags:", " ".join(f["MAKEFLAGS"]) or "(none)")
+        print("%%c cells :", shlex.join([*f["CC"], *f["CFLAGS"], "cell.c", str(lib), *f["LDLIBS"]]))
+        print("run from  : the repository root")
+
+
+def load_ipython_extension(ipython):
+    """Called by %load_ext moenb."""
+    ipython.register_magics(MoeMagics)
