@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "backend.h"
 #include "rng.h"
 
 int moe_test_quick(void) {
@@ -47,6 +48,11 @@ moe_status moe_test_config(moe_config *cfg, const char *flags, moe_error *err) {
     for (char *tok = strtok(buf, " "); tok && argc < 128; tok = strtok(NULL, " "))
         argv[argc++] = tok;
     return moe_config_parse(cfg, argc, argv, err);
+}
+
+int moe_test_have_gpu(void) {
+    const moe_backend *b = NULL;
+    return moe_backend_select("cuda", &b, NULL) == MOE_OK;
 }
 
 void moe_test_tmp_path(char *out, size_t cap, const char *name) {

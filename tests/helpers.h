@@ -28,6 +28,10 @@ double moe_test_max_rel_err(const moe_real *a, const moe_real *b, size_t n, doub
  *  Returns moe_config_parse's status. */
 moe_status moe_test_config(moe_config *cfg, const char *flags, moe_error *err);
 
+/** 1 when this build has the CUDA backend and a GPU is usable (tests that expect
+ *  "no GPU" errors check the other branch then). */
+int moe_test_have_gpu(void);
+
 /** A temporary file path unique to this process (caller frees nothing; static buffer per call site is not kept). */
 void moe_test_tmp_path(char *out, size_t cap, const char *name);
 
