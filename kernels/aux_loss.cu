@@ -39,33 +39,11 @@
 #define FULL_MASK 0xffffffffu
 #define WARPS 4 /* warps (tokens) per block in the per-token kernels */
 
-static __device__ __forceinline__ float warp_max(float v) {
-    for (int off = 16; off; off >>= 1)
-        v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, off));
-    return v;
-}
-static __device__ __forceinline__ float warp_sum(float v) {
-    for (int off = 16; off; off >>= 1)
-        v += __shfl_xor_sync(FULL_MASK, v, off);
-    return v;
-}
 static __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 /* ------------------------------------------------------------------ scratch */
 
-static void *g_scratch = NULL;
-static size_t g_scratch_bytes = 0;
-
-/* A device buffer of at least @p bytes (grow-only; cudaFree waits for queued work). */
-static void *scratch(size_t bytes) {
-    if (bytes > g_scratch_bytes) {
-        if (g_scratch)
-            MOE_CUDA_CHECK(cudaFree(g_scratch));
-        MOE_CUDA_CHECK(cudaMalloc(&g_scratch, bytes));
-        g_scratch_bytes = bytes;
-    }
-    return g_scratch;
-}
+static void *scratch(size_t bytes) { return moe_cuda_scratch(MOE_SCRATCH_AUX_LOSS, bytes); }
 
 static size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
 
@@ -88,16 +66,16 @@ static __device__ void token_stats(const moe_bf16 *z, int E, bool sig, int lane,
         for (int e = lane; e < E; e += 32)
             s += sigmoidf_(moe_ld(z[e]));
         m = 0.0f;
-        sum = warp_sum(s) + 1e-20f;
+        sum = moe_warp_sum(s) + 1e-20f;
     } else {
         float mx = -INFINITY;
         for (int e = lane; e < E; e += 32)
             mx = fmaxf(mx, moe_ld(z[e]));
-        m = warp_max(mx);
+        m = moe_warp_max(mx);
         float s = 0.0f;
         for (int e = lane; e < E; e += 32)
             s += expf(moe_ld(z[e]) - m);
-        sum = warp_sum(s);
+        sum = moe_warp_sum(s);
     }
 }
 
@@ -172,7 +150,7 @@ static __global__ void aux_backward_kernel(moe_bf16 *dlogits, const moe_bf16 *lo
     float dot = 0.0f;
     for (int e = lane; e < E; e += 32)
         dot += token_score(moe_ld(z[e]), sig, m, sum) * (f * (float)c[e]);
-    dot = warp_sum(dot);
+    dot = moe_warp_sum(dot);
     for (int e = lane; e < E; e += 32) {
         float ze = moe_ld(z[e]), ds = f * (float)c[e], g;
         if (sig) {

@@ -21,36 +21,17 @@
 
 #define THREADS 256
 
-static __device__ float block_reduce(float v, bool is_max) {
-    __shared__ float warp_vals[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) {
-        float other = __shfl_xor_sync(0xffffffffu, v, o);
-        v = is_max ? fmaxf(v, other) : v + other;
-    }
-    __syncthreads(); /* warp_vals may still be read by a previous call */
-    if (lane == 0)
-        warp_vals[warp] = v;
-    __syncthreads();
-    const int nwarps = (blockDim.x + 31) >> 5;
-    v = lane < nwarps ? warp_vals[lane] : (is_max ? -INFINITY : 0.0f);
-    for (int o = 16; o > 0; o >>= 1) {
-        float other = __shfl_xor_sync(0xffffffffu, v, o);
-        v = is_max ? fmaxf(v, other) : v + other;
-    }
-    return v;
-}
 
 /* log Σ_v exp(z_v) of one row, for the whole block */
 static __device__ float row_logsumexp(const moe_bf16 *z, int V) {
     float m = -INFINITY;
     for (int v = threadIdx.x; v < V; v += blockDim.x)
         m = fmaxf(m, moe_ld(z[v]));
-    m = block_reduce(m, true);
+    m = moe_block_max(m);
     float s = 0.0f;
     for (int v = threadIdx.x; v < V; v += blockDim.x)
         s += expf(moe_ld(z[v]) - m);
-    s = block_reduce(s, false);
+    s = moe_block_sum<float>(s);
     return m + logf(s);
 }
 

@@ -10,6 +10,21 @@ cudaStream_t moe_cuda_stream(void) {
     return g_stream;
 }
 
+static void *g_scratch[MOE_SCRATCH_SLOTS];
+static size_t g_scratch_bytes[MOE_SCRATCH_SLOTS];
+
+void *moe_cuda_scratch(moe_scratch_slot slot, size_t bytes) {
+    if (bytes > g_scratch_bytes[slot]) {
+        if (g_scratch[slot]) {
+            MOE_CUDA_CHECK(cudaStreamSynchronize(moe_cuda_stream()));
+            MOE_CUDA_CHECK(cudaFree(g_scratch[slot]));
+        }
+        MOE_CUDA_CHECK(cudaMalloc(&g_scratch[slot], bytes));
+        g_scratch_bytes[slot] = bytes;
+    }
+    return g_scratch[slot];
+}
+
 cublasHandle_t moe_cuda_cublas(void) {
     if (!g_cublas) {
         MOE_CUBLAS_CHECK(cublasCreate(&g_cublas));

@@ -59,4 +59,67 @@ static __device__ __forceinline__ float moe_ld(const moe_bf16 x) { return __bflo
 /** float → bf16, round to nearest even */
 static __device__ __forceinline__ moe_bf16 moe_st(float x) { return __float2bfloat16_rn(x); }
 
+/* ------------------------------------------------------------ reductions
+ * Butterfly reductions: every lane (thread) ends with the same value, and the tree has
+ * a fixed shape for a fixed block size, so results are identical run to run. */
+
+/** Sum over the 32 lanes of a warp. */
+template <typename T> static __device__ __forceinline__ T moe_warp_sum(T v) {
+    for (int off = 16; off; off >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+/** Maximum over the 32 lanes of a warp. */
+static __device__ __forceinline__ float moe_warp_max(float v) {
+    for (int off = 16; off; off >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    return v;
+}
+
+/** Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread
+ *  gets the result. Contains __syncthreads(): call it from every thread of the block. */
+template <typename T> static __device__ T moe_block_sum(T v) {
+    __shared__ T warp_vals[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = moe_warp_sum(v);
+    __syncthreads(); /* warp_vals may still be read by a previous call */
+    if (lane == 0)
+        warp_vals[warp] = v;
+    __syncthreads();
+    v = lane < (int)((blockDim.x + 31) >> 5) ? warp_vals[lane] : (T)0;
+    return moe_warp_sum(v);
+}
+
+/** Maximum over the whole block, as moe_block_sum. */
+static __device__ float moe_block_max(float v) {
+    __shared__ float warp_vals[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = moe_warp_max(v);
+    __syncthreads();
+    if (lane == 0)
+        warp_vals[warp] = v;
+    __syncthreads();
+    v = lane < (int)((blockDim.x + 31) >> 5) ? warp_vals[lane] : -INFINITY;
+    return moe_warp_max(v);
+}
+
+/* ------------------------------------------------------------ scratch memory */
+
+/** Who owns a scratch buffer: one slot per user, so two ops never share one. */
+typedef enum moe_scratch_slot {
+    MOE_SCRATCH_AUX_LOSS = 0,
+    MOE_SCRATCH_EMBEDDING,
+    MOE_SCRATCH_PERMUTE,
+    MOE_SCRATCH_SLOTS
+} moe_scratch_slot;
+
+/**
+ * A device buffer of at least @p bytes for @p slot, kept between calls (the sizes repeat
+ * every step) and grown when needed. Growing waits for queued work before freeing the
+ * old buffer; it allocates, so it must not happen inside a CUDA graph capture (chapter 06:
+ * warm up first).
+ */
+void *moe_cuda_scratch(moe_scratch_slot slot, size_t bytes);
+
 #endif /* MOE_CUDA_COMMON_CUH */

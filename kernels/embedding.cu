@@ -57,20 +57,7 @@ extern "C" void moe_cuda_embedding_forward(void *out, const int *tokens, const v
 /* ------------------------------------------------------------- backward */
 
 /* Scratch for the sort, kept between calls (the sizes repeat every step). */
-static void *g_scratch = NULL;
-static size_t g_scratch_cap = 0;
-
-static void *scratch(size_t bytes) {
-    if (bytes > g_scratch_cap) {
-        if (g_scratch) {
-            MOE_CUDA_CHECK(cudaStreamSynchronize(moe_cuda_stream()));
-            MOE_CUDA_CHECK(cudaFree(g_scratch));
-        }
-        MOE_CUDA_CHECK(cudaMalloc(&g_scratch, bytes));
-        g_scratch_cap = bytes;
-    }
-    return g_scratch;
-}
+static void *scratch(size_t bytes) { return moe_cuda_scratch(MOE_SCRATCH_EMBEDDING, bytes); }
 
 static __global__ void iota_kernel(int *x, int N) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;

@@ -27,21 +27,6 @@
 #define THREADS 256
 #define MAX_BLOCKS 1024 /* pass-1 blocks: enough to saturate the memory system */
 
-static __device__ double block_sum_double(double v) {
-    __shared__ double warp_sums[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int o = 16; o > 0; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    __syncthreads();
-    if (lane == 0)
-        warp_sums[warp] = v;
-    __syncthreads();
-    const int nwarps = (blockDim.x + 31) >> 5;
-    v = lane < nwarps ? warp_sums[lane] : 0.0;
-    for (int o = 16; o > 0; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 /* pass 1: partial[b] = Σ over this block's grid-stride elements of x (or x²) */
 static __global__ void sum_partial_kernel(double *partial, const float *x, size_t n, int square) {
@@ -51,7 +36,7 @@ static __global__ void sum_partial_kernel(double *partial, const float *x, size_
         const double v = x[i];
         acc += square ? v * v : v;
     }
-    acc = block_sum_double(acc);
+    acc = moe_block_sum<double>(acc);
     if (threadIdx.x == 0)
         partial[blockIdx.x] = acc;
 }
@@ -61,7 +46,7 @@ static __global__ void sum_final_kernel(double *out, const double *partial, int 
     double acc = 0.0;
     for (int b = threadIdx.x; b < blocks; b += blockDim.x)
         acc += partial[b];
-    acc = block_sum_double(acc);
+    acc = moe_block_sum<double>(acc);
     if (threadIdx.x == 0)
         *out = acc;
 }

@@ -47,19 +47,7 @@
 
 /* ------------------------------------------------------------------ scratch */
 
-static void *g_scratch = NULL;
-static size_t g_scratch_bytes = 0;
-
-/* A device buffer of at least @p bytes (grow-only; cudaFree waits for queued work). */
-static void *scratch(size_t bytes) {
-    if (bytes > g_scratch_bytes) {
-        if (g_scratch)
-            MOE_CUDA_CHECK(cudaFree(g_scratch));
-        MOE_CUDA_CHECK(cudaMalloc(&g_scratch, bytes));
-        g_scratch_bytes = bytes;
-    }
-    return g_scratch;
-}
+static void *scratch(size_t bytes) { return moe_cuda_scratch(MOE_SCRATCH_PERMUTE, bytes); }
 
 /* ------------------------------------------------------------------ the index */
 

@@ -4,7 +4,7 @@
  * Forward: ONE BLOCK PER ROW. Each thread sums x² over a strided slice of the row
  * (consecutive threads read consecutive elements: coalesced), the partial sums are
  * combined by a warp shuffle reduction and then across warps through shared memory
- * (block_sum below). The tree has a fixed shape for a fixed block size, so the sum —
+ * (moe_block_sum of cuda_common.cuh). The tree has a fixed shape for a fixed block size, so the sum —
  * and everything downstream — is the same on every run. r is saved in fp32 for the
  * backward pass; y is rounded to bf16 once, at the end.
  *
@@ -31,22 +31,6 @@
 #define THREADS 256       /* threads per row block */
 #define ROWS_PER_CHUNK 64 /* rows summed by one thread in pass 1 of dw (at least) */
 
-/* Sum of v over the block (every thread gets the result). Fixed tree: deterministic. */
-static __device__ float block_sum(float v) {
-    __shared__ float warp_sums[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int o = 16; o > 0; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    __syncthreads(); /* warp_sums may still be read by a previous call */
-    if (lane == 0)
-        warp_sums[warp] = v;
-    __syncthreads();
-    const int nwarps = (blockDim.x + 31) >> 5;
-    v = lane < nwarps ? warp_sums[lane] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 static __global__ void rmsnorm_forward_kernel(moe_bf16 *out, float *rstd, const moe_bf16 *x,
                                               const moe_bf16 *w, int C, float eps) {
@@ -56,7 +40,7 @@ static __global__ void rmsnorm_forward_kernel(moe_bf16 *out, float *rstd, const 
         float xv = moe_ld(x[row + c]);
         ss += xv * xv;
     }
-    ss = block_sum(ss);
+    ss = moe_block_sum<float>(ss);
     const float r = 1.0f / sqrtf(ss / C + eps);
     if (threadIdx.x == 0)
         rstd[blockIdx.x] = r;
@@ -72,7 +56,7 @@ static __global__ void rmsnorm_backward_dx_kernel(moe_bf16 *dx, const moe_bf16 *
     float dot = 0.0f; /* Σ (dy⊙w) · x̂ */
     for (int c = threadIdx.x; c < C; c += blockDim.x)
         dot += moe_ld(dout[row + c]) * moe_ld(w[c]) * moe_ld(x[row + c]) * r;
-    const float mean = block_sum(dot) / C;
+    const float mean = moe_block_sum<float>(dot) / C;
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         float g = moe_ld(dout[row + c]) * moe_ld(w[c]);
         float d = r * (g - moe_ld(x[row + c]) * r * mean);

@@ -45,17 +45,6 @@
 
 /* Warp reductions by butterfly: every lane ends with the same value (fp addition is
  * commutative, so partners compute identical sums), deterministic run to run. */
-static __device__ __forceinline__ float warp_max(float v) {
-    for (int off = 16; off; off >>= 1)
-        v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, off));
-    return v;
-}
-static __device__ __forceinline__ float warp_sum(float v) {
-    for (int off = 16; off; off >>= 1)
-        v += __shfl_xor_sync(FULL_MASK, v, off);
-    return v;
-}
-
 static __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 /* Is candidate (ov, oi) before (bv, bi) in the order "larger value, then lower index"?
@@ -149,11 +138,11 @@ static __global__ void router_forward_kernel(int *topk_idx, float *topk_w, const
         float m = -INFINITY;
         for (int e = lane; e < E; e += 32)
             m = fmaxf(m, moe_ld(z[e]));
-        m = warp_max(m);
+        m = moe_warp_max(m);
         float s = 0.0f;
         for (int e = lane; e < E; e += 32)
             s += (prob[e] = expf(moe_ld(z[e]) - m));
-        s = warp_sum(s);
+        s = moe_warp_sum(s);
         for (int e = lane; e < E; e += 32)
             sel[e] = (prob[e] /= s);
     } else if (sig) {
@@ -207,7 +196,7 @@ static __global__ void router_forward_kernel(int *topk_idx, float *topk_w, const
         float S = 0.0f;
         for (int j = lane; j < k; j += 32)
             S += prob[idx[j]];
-        S = warp_sum(S);
+        S = moe_warp_sum(S);
         for (int j = lane; j < k; j += 32) {
             out_i[j] = idx[j];
             out_w[j] = (k > 1 ? prob[idx[j]] / (S + 1e-20f) : prob[idx[j]]) * scale;
@@ -216,11 +205,11 @@ static __global__ void router_forward_kernel(int *topk_idx, float *topk_w, const
         float m = -INFINITY;
         for (int j = lane; j < k; j += 32)
             m = fmaxf(m, moe_ld(z[idx[j]]));
-        m = warp_max(m);
+        m = moe_warp_max(m);
         float s = 0.0f;
         for (int j = lane; j < k; j += 32)
             s += expf(moe_ld(z[idx[j]]) - m);
-        s = warp_sum(s);
+        s = moe_warp_sum(s);
         for (int j = lane; j < k; j += 32) {
             out_i[j] = idx[j];
             out_w[j] = expf(moe_ld(z[idx[j]]) - m) / s * scale;
@@ -256,15 +245,15 @@ static __global__ void router_backward_kernel(moe_bf16 *dlogits, const float *dt
         float m = -INFINITY;
         for (int e = lane; e < E; e += 32)
             m = fmaxf(m, moe_ld(z[e]));
-        m = warp_max(m);
+        m = moe_warp_max(m);
         float s = 0.0f;
         for (int e = lane; e < E; e += 32)
             s += expf(moe_ld(z[e]) - m);
-        s = warp_sum(s);
+        s = moe_warp_sum(s);
         float dot = 0.0f;
         for (int e = lane; e < E; e += 32)
             dot += expf(moe_ld(z[e]) - m) / s * dp[e];
-        dot = warp_sum(dot);
+        dot = moe_warp_sum(dot);
         for (int e = lane; e < E; e += 32) {
             float pe = expf(moe_ld(z[e]) - m) / s;
             dz[e] = moe_st(moe_ld(dz[e]) + pe * (dp[e] - dot));
@@ -273,15 +262,15 @@ static __global__ void router_backward_kernel(moe_bf16 *dlogits, const float *dt
         float m = -INFINITY;
         for (int j = lane; j < k; j += 32)
             m = fmaxf(m, moe_ld(z[idx[j]]));
-        m = warp_max(m);
+        m = moe_warp_max(m);
         float s = 0.0f;
         for (int j = lane; j < k; j += 32)
             s += expf(moe_ld(z[idx[j]]) - m);
-        s = warp_sum(s);
+        s = moe_warp_sum(s);
         float dot = 0.0f;
         for (int j = lane; j < k; j += 32)
             dot += expf(moe_ld(z[idx[j]]) - m) / s * (scale * dw[j]);
-        dot = warp_sum(dot);
+        dot = moe_warp_sum(dot);
         for (int j = lane; j < k; j += 32) {
             float w = expf(moe_ld(z[idx[j]]) - m) / s;
             int e = idx[j];
@@ -291,11 +280,11 @@ static __global__ void router_backward_kernel(moe_bf16 *dlogits, const float *dt
         float S = 0.0f;
         for (int j = lane; j < k; j += 32)
             S += sigmoidf_(moe_ld(z[idx[j]]));
-        S = warp_sum(S) + 1e-20f;
+        S = moe_warp_sum(S) + 1e-20f;
         float dot = 0.0f;
         for (int j = lane; j < k; j += 32)
             dot += scale * dw[j] * sigmoidf_(moe_ld(z[idx[j]])) / S;
-        dot = warp_sum(dot);
+        dot = moe_warp_sum(dot);
         for (int j = lane; j < k; j += 32) {
             int e = idx[j];
             float sg = sigmoidf_(moe_ld(z[e]));

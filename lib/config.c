@@ -147,6 +147,22 @@ const char *moe_config_preset_flags(const char *name) {
     return NULL;
 }
 
+moe_status moe_config_parse_string(moe_config *cfg, const char *flags, moe_error *err) {
+    char buf[4096];
+    if (strlen(flags) >= sizeof buf)
+        return moe_error_set(err, MOE_ERR_FLAG, "flag string longer than %zu characters",
+                             sizeof buf - 1);
+    snprintf(buf, sizeof buf, "%s", flags);
+    char *argv[128] = {"flags"};
+    int argc = 1;
+    for (char *tok = strtok(buf, " "); tok; tok = strtok(NULL, " ")) {
+        if (argc == 128)
+            return moe_error_set(err, MOE_ERR_FLAG, "flag string has more than 127 words");
+        argv[argc++] = tok;
+    }
+    return moe_config_parse(cfg, argc, argv, err);
+}
+
 moe_status moe_config_from_args(moe_config *cfg, int argc, char **argv, int have_gpu,
                                 moe_error *err) {
     moe_config_defaults(cfg);
@@ -163,13 +179,7 @@ moe_status moe_config_from_args(moe_config *cfg, int argc, char **argv, int have
     char saved[MOE_FLAG_STR_LEN];
     snprintf(saved, sizeof saved, "%s", preset);
     moe_config_defaults(cfg);
-    char buf[1024];
-    snprintf(buf, sizeof buf, "%s", flags);
-    char *pv[64] = {"preset"};
-    int pc = 1;
-    for (char *tok = strtok(buf, " "); tok && pc < 64; tok = strtok(NULL, " "))
-        pv[pc++] = tok;
-    MOE_TRY(moe_config_parse(cfg, pc, pv, err));
+    MOE_TRY(moe_config_parse_string(cfg, flags, err));
     MOE_TRY(moe_config_parse(cfg, argc, argv, err)); /* the command line wins */
     snprintf(cfg->preset, sizeof cfg->preset, "%s", saved);
     return MOE_OK;

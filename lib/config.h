@@ -129,6 +129,15 @@ moe_status moe_config_parse(moe_config *cfg, int argc, char **argv, moe_error *e
 moe_status moe_config_validate(moe_config *cfg, moe_error *err);
 
 /**
+ * @brief Parse a space-separated flag string ("--hidden-size 64 --qk-layernorm") over
+ *        @p cfg, as if it were a command line (does not validate).
+ * @param cfg config  @param flags the string (at most 4095 characters, 127 words)
+ * @param err receives the reason on failure
+ * @return ::MOE_OK, ::MOE_ERR_HELP or ::MOE_ERR_FLAG
+ */
+moe_status moe_config_parse_string(moe_config *cfg, const char *flags, moe_error *err);
+
+/**
  * @brief The flags a preset stands for: "cpu" is the defaults (a model that trains in
  *        minutes on a laptop), "gpu" a larger model sized for one H100/H200.
  * @param name "cpu" or "gpu"  @return a flag string ("" for cpu), or NULL for an unknown name

@@ -29,7 +29,7 @@ moe_status moe_metrics_open(moe_metrics **out, const char *path, moe_error *err)
     return MOE_OK;
 }
 
-static void write_string(FILE *f, const char *s) {
+void moe_json_write_string(FILE *f, const char *s) {
     fputc('"', f);
     for (; *s; s++) {
         unsigned char c = (unsigned char)*s;
@@ -51,14 +51,14 @@ void moe_metrics_begin(moe_metrics *m, const char *event) {
     if (!m)
         return;
     fputs("{\"event\":", m->f);
-    write_string(m->f, event);
+    moe_json_write_string(m->f, event);
 }
 
 void moe_metrics_num(moe_metrics *m, const char *key, double value) {
     if (!m)
         return;
     fputc(',', m->f);
-    write_string(m->f, key);
+    moe_json_write_string(m->f, key);
     if (isfinite(value))
         fprintf(m->f, ":%.9g", value);
     else
@@ -69,7 +69,7 @@ void moe_metrics_int(moe_metrics *m, const char *key, long long value) {
     if (!m)
         return;
     fputc(',', m->f);
-    write_string(m->f, key);
+    moe_json_write_string(m->f, key);
     fprintf(m->f, ":%lld", value);
 }
 
@@ -77,16 +77,16 @@ void moe_metrics_str(moe_metrics *m, const char *key, const char *value) {
     if (!m)
         return;
     fputc(',', m->f);
-    write_string(m->f, key);
+    moe_json_write_string(m->f, key);
     fputc(':', m->f);
-    write_string(m->f, value);
+    moe_json_write_string(m->f, value);
 }
 
 void moe_metrics_int_array(moe_metrics *m, const char *key, const long long *v, int n) {
     if (!m)
         return;
     fputc(',', m->f);
-    write_string(m->f, key);
+    moe_json_write_string(m->f, key);
     fputs(":[", m->f);
     for (int i = 0; i < n; i++)
         fprintf(m->f, i ? ",%lld" : "%lld", v[i]);

@@ -16,6 +16,8 @@
 #ifndef MOE_METRICS_H
 #define MOE_METRICS_H
 
+#include <stdio.h>
+
 #include "error.h"
 
 /** An open metrics file (opaque). */
@@ -29,6 +31,10 @@ typedef struct moe_metrics moe_metrics;
  * @return ::MOE_OK, or ::MOE_ERR_IO naming the path
  */
 moe_status moe_metrics_open(moe_metrics **out, const char *path, moe_error *err);
+
+/** @brief Write @p s to @p f as a JSON string literal (quotes and escapes).
+ *  @param f stream  @param s text */
+void moe_json_write_string(FILE *f, const char *s);
 
 /** @brief Start a record with field "event": @p event. @param m writer (NULL: no-op) @param event record kind */
 void moe_metrics_begin(moe_metrics *m, const char *event);

@@ -38,6 +38,7 @@
 
 #include "config.h"
 #include "log.h"
+#include "metrics.h"
 #include "trainer.h"
 
 #define PROG "moe-reference"
@@ -95,24 +96,6 @@ static void write_bin(const char *name, const void *data, size_t bytes) {
     close_out(f, name);
 }
 
-/* A JSON string (with escapes). */
-static void json_str(FILE *f, const char *s) {
-    fputc('"', f);
-    for (; *s; s++) {
-        unsigned char c = (unsigned char)*s;
-        if (c == '"' || c == '\\')
-            fprintf(f, "\\%c", c);
-        else if (c == '\n')
-            fputs("\\n", f);
-        else if (c == '\t')
-            fputs("\\t", f);
-        else if (c < 0x20)
-            fprintf(f, "\\u%04x", c);
-        else
-            fputc(c, f);
-    }
-    fputc('"', f);
-}
 
 /* A JSON number that round-trips a double (Python's json also reads NaN/Infinity). */
 static void json_num(FILE *f, double x) {
@@ -135,7 +118,7 @@ static void json_flag_value(FILE *f, const moe_flag *fl, const moe_config *c) {
     case MOE_FLAG_DOUBLE: json_num(f, *(const double *)p); break;
     case MOE_FLAG_BOOL: fputs(*(const int *)p ? "true" : "false", f); break;
     case MOE_FLAG_STRING:
-    case MOE_FLAG_CHOICE: json_str(f, (const char *)p); break;
+    case MOE_FLAG_CHOICE: moe_json_write_string(f, (const char *)p); break;
     }
 }
 
@@ -146,7 +129,7 @@ static void write_config(const moe_trainer *t, int steps, int accum) {
     const moe_flag *flags = moe_config_flags(&n);
     FILE *f = open_out("config.json", "w");
     fprintf(f, "{\n  \"program\": \"" PROG "\",\n  \"device\": ");
-    json_str(f, m->be->name);
+    moe_json_write_string(f, m->be->name);
     fprintf(f, ",\n  \"act_size\": %zu,\n  \"real\": \"" MOE_REAL_NAME "\",\n", m->be->act_size);
     fprintf(f, "  \"steps\": %d,\n  \"accum\": %d,\n", steps, accum);
     fprintf(f, "  \"micro_batch_size\": %d,\n  \"seq_length\": %d,\n", c->micro_batch_size,
@@ -154,7 +137,7 @@ static void write_config(const moe_trainer *t, int steps, int accum) {
     fprintf(f, "  \"vocab_size\": %d,\n  \"head_dim\": %d,\n  \"num_query_groups\": %d,\n",
             c->vocab_size, c->head_dim, c->num_query_groups);
     fprintf(f, "  \"data_path\": ");
-    json_str(f, t->data.path);
+    moe_json_write_string(f, t->data.path);
     fprintf(f, ",\n  \"is_moe_layer\": [");
     for (int l = 0; l < c->num_layers; l++)
         fprintf(f, "%s%d", l ? ", " : "", c->is_moe_layer[l]);
@@ -163,14 +146,14 @@ static void write_config(const moe_trainer *t, int steps, int accum) {
         char v[MOE_FLAG_STR_LEN + 32];
         moe_flags_format_value(&flags[i], c, v, sizeof v);
         fprintf(f, "%s\n    ", i ? "," : "");
-        json_str(f, flags[i].name);
+        moe_json_write_string(f, flags[i].name);
         fputs(": ", f);
-        json_str(f, v);
+        moe_json_write_string(f, v);
     }
     fprintf(f, "\n  },\n  \"values\": {");
     for (int i = 0; i < n; i++) {
         fprintf(f, "%s\n    ", i ? "," : "");
-        json_str(f, flags[i].name);
+        moe_json_write_string(f, flags[i].name);
         fputs(": ", f);
         json_flag_value(f, &flags[i], c);
     }
@@ -178,7 +161,7 @@ static void write_config(const moe_trainer *t, int steps, int accum) {
     for (int i = 0; i < m->table.n; i++) {
         const moe_tensor *ten = &m->table.t[i];
         fprintf(f, "%s\n    {\"name\": ", i ? "," : "");
-        json_str(f, ten->name);
+        moe_json_write_string(f, ten->name);
         fprintf(f, ", \"shape\": [");
         for (int d = 0; d < ten->ndim; d++)
             fprintf(f, "%s%d", d ? ", " : "", ten->shape[d]);

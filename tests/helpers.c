@@ -41,13 +41,7 @@ double moe_test_max_rel_err(const moe_real *a, const moe_real *b, size_t n, doub
 
 moe_status moe_test_config(moe_config *cfg, const char *flags, moe_error *err) {
     moe_config_defaults(cfg);
-    char buf[4096];
-    snprintf(buf, sizeof buf, "%s", flags);
-    char *argv[128] = {"test"};
-    int argc = 1;
-    for (char *tok = strtok(buf, " "); tok && argc < 128; tok = strtok(NULL, " "))
-        argv[argc++] = tok;
-    return moe_config_parse(cfg, argc, argv, err);
+    return moe_config_parse_string(cfg, flags, err);
 }
 
 int moe_test_have_gpu(void) {
