@@ -30,6 +30,12 @@ MPICC   := $(shell command -v mpicc 2>/dev/null)
 HAVE_CHECK := $(shell pkg-config --exists check 2>/dev/null && echo yes)
 DOXYGEN := $(shell command -v doxygen 2>/dev/null)
 
+MPI     ?= auto
+ifeq ($(MPI),auto)
+  WITH_MPI := $(if $(MPICC),1,0)
+else
+  WITH_MPI := $(MPI)
+endif
 CUDA    ?= auto
 ifeq ($(CUDA),auto)
   WITH_CUDA := $(if $(NVCC),1,0)
@@ -37,14 +43,16 @@ else
   WITH_CUDA := $(CUDA)
 endif
 
+WITH_NCCL := $(if $(and $(filter 1,$(WITH_CUDA)),$(filter 1,$(WITH_MPI)),$(NCCL_H)),1,0)
+
 found = $(if $(1),found $(1),not found)
 define REPORT
 moe.c build configuration
   cc       : $(shell $(CC) --version 2>/dev/null | head -n1)
   openmp   : $(if $(filter 1,$(OMP)),on,off)
   nvcc     : $(call found,$(NVCC))  (CUDA backend: $(if $(filter 1,$(WITH_CUDA)),on -- sm_90a + sm_100a,off))
-  nccl     : $(call found,$(NCCL_H))
-  mpi      : $(call found,$(MPICC))  (used from chapter 02)
+  nccl     : $(call found,$(NCCL_H))  ($(if $(filter 1,$(WITH_NCCL)),GPU ranks through NCCL,not used))
+  mpi      : $(call found,$(MPICC))  (communication layer: $(if $(filter 1,$(WITH_MPI)),MPI ranks,single process))
   check    : $(if $(HAVE_CHECK),found,not found -- make test needs it: apt-get install check libsubunit-dev)
   doxygen  : $(call found,$(DOXYGEN))
 endef
@@ -70,6 +78,7 @@ CUDA_LIBS  := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcu
 LIB_SRC  := $(wildcard lib/*.c lib/cpu/*.c)
 CU_SRC   := $(if $(filter 1,$(WITH_CUDA)),$(wildcard kernels/*.cu),)
 GPU_SRC  := $(wildcard tests/gpu_*.c) tests/helpers.c
+MPI_SRC  := $(wildcard tests/mpi_*.c) tests/helpers.c
 PROG_SRC := $(wildcard programs/*.c)
 UNIT_SRC := $(wildcard tests/test_*.c) tests/main_unit.c tests/helpers.c
 FD_SRC   := $(wildcard tests/fd_*.c) tests/fd.c tests/main_fd.c tests/helpers.c
@@ -87,9 +96,21 @@ ifeq ($(WITH_CUDA),1)
   ALL_CFLAGS += -DMOE_HAVE_CUDA -I$(CUDA_HOME)/include
   LDLIBS += $(CUDA_LIBS)
 endif
+ifeq ($(WITH_MPI),1)
+  MPI_CFLAGS := $(shell $(MPICC) --showme:compile 2>/dev/null)
+  MPI_LIBS   := $(shell $(MPICC) --showme:link 2>/dev/null)
+  ALL_CFLAGS += -DMOE_HAVE_MPI $(MPI_CFLAGS)
+  ALL_NVCC_FLAGS += -DMOE_HAVE_MPI $(MPI_CFLAGS)
+  LDLIBS := $(MPI_LIBS) $(LDLIBS)
+endif
+ifeq ($(WITH_NCCL),1)
+  ALL_CFLAGS += -DMOE_HAVE_NCCL
+  ALL_NVCC_FLAGS += -DMOE_HAVE_NCCL
+  LDLIBS := $(LDLIBS) -lnccl
+endif
 
 # ---------------------------------------------------------------- targets
-.PHONY: all config train test test-unit test-fd test-asan test-gpu test-notebooks notebooks docs bench \
+.PHONY: all config train test test-unit test-fd test-asan test-gpu test-mpi test-notebooks notebooks docs bench \
 	clean print-build-flags
 
 all: config $(LIB) $(PROGRAMS) $(CHAPTER_BIN)
@@ -105,7 +126,7 @@ $(BUILD)/%.o: %.c
 # finite-difference gradient checks (see lib/real.h).
 $(BUILD)/f64/%.o: %.c
 	@mkdir -p $(dir $@)
-	$(CC) $(filter-out -DMOE_HAVE_CUDA,$(ALL_CFLAGS)) -DMOE_REAL_DOUBLE -c $< -o $@
+	$(CC) $(filter-out -DMOE_HAVE_CUDA -DMOE_HAVE_NCCL,$(ALL_CFLAGS)) -DMOE_REAL_DOUBLE -c $< -o $@
 
 $(BUILD)/%.o: %.cu
 	@mkdir -p $(dir $@)
@@ -148,7 +169,7 @@ $(BUILD)/tests/unit: $(call obj,$(UNIT_SRC),) $(LIB)
 # The fp64 build is CPU-only: no -DMOE_HAVE_CUDA, no kernels.
 $(BUILD)/tests/fd: $(call obj,$(FD_SRC),f64/) $(LIB_F64)
 	@mkdir -p $(dir $@)
-	$(CC) $(filter-out -DMOE_HAVE_CUDA,$(ALL_CFLAGS)) -DMOE_REAL_DOUBLE $^ -o $@ $(CHECK_LIBS) $(OPENMP) -lm
+	$(CC) $(filter-out -DMOE_HAVE_CUDA -DMOE_HAVE_NCCL,$(ALL_CFLAGS)) -DMOE_REAL_DOUBLE $^ -o $@ $(CHECK_LIBS) $(MPI_LIBS) $(OPENMP) -lm
 
 $(BUILD)/tests/gpu: $(call obj,$(GPU_SRC),) $(LIB)
 	@mkdir -p $(dir $@)
@@ -166,10 +187,23 @@ test-fd: check-deps $(BUILD)/tests/fd
 # undefined behaviour fails the run.
 test-asan: check-deps
 	@echo "== unit tests under -fsanitize=address,undefined"
-	$(MAKE) --no-print-directory BUILD=$(BUILD)/asan CUDA=0 CFLAGS="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all" \
+	$(MAKE) --no-print-directory BUILD=$(BUILD)/asan CUDA=0 MPI=0 CFLAGS="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all" \
 	  LDLIBS="$(OPENMP) -lm -fsanitize=address,undefined" $(BUILD)/asan/tests/unit
 	MOE_TEST_QUICK=1 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  CK_FORK=no $(BUILD)/asan/tests/unit
+
+$(BUILD)/tests/mpi: $(call obj,$(MPI_SRC),) $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(CHECK_LIBS) $(LDLIBS)
+
+# Distributed tests on CPU ranks: the same binary under mpirun with 1, 2 and 4 ranks
+# (oversubscribed: CI has 2 cores). Every rank checks; any failure fails the run.
+MPIRUN ?= mpirun --oversubscribe --allow-run-as-root
+test-mpi: check-deps
+	@if [ "$(WITH_MPI)" != 1 ]; then echo "== MPI tests: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
+	else $(MAKE) --no-print-directory $(BUILD)/tests/mpi && \
+	  for np in 1 2 4; do echo "== MPI tests, $$np rank(s) (CPU)"; \
+	    OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(BUILD)/tests/mpi || exit 1; done; fi
 
 # CUDA tests: each CUDA op against its CPU twin, the whole model CUDA vs CPU.
 # Without a GPU (CI) the binary prints "skipped: no GPU" and succeeds.
@@ -177,7 +211,7 @@ test-gpu: check-deps
 	@if [ "$(WITH_CUDA)" != 1 ]; then echo "== GPU tests: skipped (built without CUDA: nvcc not found)"; \
 	else $(MAKE) --no-print-directory $(BUILD)/tests/gpu && echo "== GPU tests (CUDA vs CPU)" && $(BUILD)/tests/gpu; fi
 
-test: config all test-unit test-fd test-gpu test-notebooks docs test-asan
+test: config all test-unit test-fd test-mpi test-gpu test-notebooks docs test-asan
 	@echo "== all tests passed"
 
 # ---- notebooks (notebooks-c/): every notebook executed headlessly with Debian's nbclient.

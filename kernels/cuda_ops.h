@@ -92,6 +92,8 @@ void moe_cuda_unpermute_sum(void *out, const void *yp, const int *row_of, int N,
 void moe_cuda_unpermute_weights(moe_real *dtopk_w, const moe_real *dwp, const int *row_of, int N,
                                 int k);
 void moe_cuda_scale_rows(void *x, const moe_real *s, int rows, int C);
+void moe_cuda_gather_rows(void *dst, const void *src, const int *map, int rows, int C);
+void moe_cuda_gather_reals(moe_real *dst, const moe_real *src, const int *map, int rows);
 void moe_cuda_row_dot(moe_real *ds, const void *a, const void *b, int rows, int C);
 
 /* optimizer */

@@ -26,7 +26,10 @@
 #include "error.h"
 
 /** Which backend. */
-typedef enum moe_device { MOE_DEVICE_CPU = 0, MOE_DEVICE_CUDA = 1 } moe_device;
+typedef enum moe_device {
+    MOE_DEVICE_CPU = 0, /**< host memory, the CPU reference ops */
+    MOE_DEVICE_CUDA = 1 /**< device memory, the CUDA kernels */
+} moe_device;
 
 /**
  * Address of element @p i of an activation buffer @p p. Activations are `void *`
@@ -157,6 +160,10 @@ typedef struct moe_backend {
     /** as moe_cpu_unpermute_weights() */
     void (*unpermute_weights)(moe_real *dtopk_w, const moe_real *dwp, const int *row_of, int N,
                               int k);
+    /** dst[r,:] = src[map[r],:], or zeros where map[r] < 0 (dispatcher layouts, padding) */
+    void (*gather_rows)(void *dst, const void *src, const int *map, int rows, int C);
+    /** dst[r] = src[map[r]], or 0 where map[r] < 0 (full precision) */
+    void (*gather_reals)(moe_real *dst, const moe_real *src, const int *map, int rows);
     /** row-wise scale: x[r,:] *= s[r] (the routing weight applied after the activation) */
     void (*scale_rows)(void *x, const moe_real *s, int rows, int C);
     /** ds[r] += Σ_c a[r,c]·b[r,c] (gradient of a row scale), summed in fp32 */

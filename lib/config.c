@@ -63,6 +63,21 @@ static const moe_flag g_flags[] = {
       "which layers are MoE: N = every Nth layer, or a 0/1 list such as 0,1,1,1 (dense first)",
       NULL, G_MOE),
 
+    F("expert-model-parallel-size", MOE_FLAG_INT, expert_model_parallel_size, "1",
+      "ranks the experts of each MoE layer are split over (EP); must divide --num-experts and "
+      "the number of ranks", NULL, G_MOE),
+    F("moe-token-dispatcher-type", MOE_FLAG_CHOICE, moe_token_dispatcher_type, "alltoall",
+      "how tokens reach experts on other ranks", "alltoall|allgather", G_MOE),
+    F("moe-expert-capacity-factor", MOE_FLAG_DOUBLE, moe_expert_capacity_factor, "0",
+      "capacity = ceil(tokens*k/E * factor) per expert; extra tokens are dropped (0 = dropless)",
+      NULL, G_MOE),
+    F("moe-token-drop-policy", MOE_FLAG_CHOICE, moe_token_drop_policy, "probs",
+      "which tokens an expert over capacity keeps: highest routing weight, or earliest",
+      "probs|position", G_MOE),
+    F("moe-pad-expert-input-to-capacity", MOE_FLAG_BOOL, moe_pad_expert_input_to_capacity, "0",
+      "pad every expert's input to exactly capacity rows (static shapes; needs a capacity "
+      "factor)", NULL, G_MOE),
+
     F("micro-batch-size", MOE_FLAG_INT, micro_batch_size, "16", "sequences per forward/backward",
       NULL, G_TRAIN),
     F("global-batch-size", MOE_FLAG_INT, global_batch_size, "16",
@@ -346,6 +361,19 @@ moe_status moe_config_validate(moe_config *c, moe_error *err) {
                 c->moe_aux_loss_coeff);
         REQUIRE(c->moe_z_loss_coeff >= 0.0, "--moe-z-loss-coeff must be >= 0 (got %g)",
                 c->moe_z_loss_coeff);
+        const int EP = c->expert_model_parallel_size;
+        REQUIRE(EP >= 1, "--expert-model-parallel-size must be >= 1 (got %d)", EP);
+        REQUIRE(E % EP == 0, "--num-experts %d is not divisible by --expert-model-parallel-size "
+                "%d (every rank must hold the same number of experts)", E, EP);
+        REQUIRE(c->moe_expert_capacity_factor >= 0.0,
+                "--moe-expert-capacity-factor must be > 0, or 0 for dropless (got %g)",
+                c->moe_expert_capacity_factor);
+        REQUIRE(!(c->moe_pad_expert_input_to_capacity && c->moe_expert_capacity_factor == 0.0),
+                "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor "
+                "(there is no capacity to pad to in a dropless run)");
+        REQUIRE(strcmp(c->moe_token_dispatcher_type, "allgather") != 0,
+                "--moe-token-dispatcher-type allgather is not implemented yet; use alltoall");
+        c->drop_by_position = !strcmp(c->moe_token_drop_policy, "position");
         REQUIRE(c->moe_shared_expert_intermediate_size >= 0,
                 "--moe-shared-expert-intermediate-size must be >= 0 (got %d; 0 = none)",
                 c->moe_shared_expert_intermediate_size);

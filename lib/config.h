@@ -68,6 +68,12 @@ typedef struct moe_config {
     double moe_router_bias_update_rate; /**< --moe-router-bias-update-rate */
     int moe_shared_expert_intermediate_size; /**< --moe-shared-expert-intermediate-size (0 = none) */
     char moe_layer_freq[MOE_FLAG_STR_LEN]; /**< --moe-layer-freq: N (every Nth layer) or a 0/1 list */
+    /* ---- expert parallelism (chapter 02) */
+    int expert_model_parallel_size;        /**< --expert-model-parallel-size */
+    char moe_token_dispatcher_type[MOE_FLAG_STR_LEN]; /**< --moe-token-dispatcher-type */
+    double moe_expert_capacity_factor;     /**< --moe-expert-capacity-factor (0 = dropless) */
+    char moe_token_drop_policy[MOE_FLAG_STR_LEN]; /**< --moe-token-drop-policy */
+    int moe_pad_expert_input_to_capacity;  /**< --moe-pad-expert-input-to-capacity */
     /* ---- training */
     int micro_batch_size;       /**< --micro-batch-size */
     int global_batch_size;      /**< --global-batch-size (a multiple of the micro batch) */
@@ -102,6 +108,7 @@ typedef struct moe_config {
     moe_lb_type lb_type;        /**< parsed load-balancing type */
     moe_lr_style lr_style;      /**< parsed decay style */
     int is_moe_layer[MOE_MAX_LAYERS]; /**< 1 where layer l has an MoE FFN */
+    int drop_by_position;       /**< parsed --moe-token-drop-policy: 1 = position, 0 = probs */
 } moe_config;
 
 /** @brief The flag table of moe.c. @param n receives its length @return the table */

@@ -45,8 +45,14 @@ static void layout(moe_model *m) {
         if (c->is_moe_layer[l]) {
             const int F = c->moe_ffn_hidden_size, Fs = c->moe_shared_expert_intermediate_size;
             ADD(MOE_W_ROUTER, "moe.router", 2, E, H, 0, MOE_INIT_NORMAL, std, 1);
-            ADD(MOE_W_FC1, "moe.experts.fc1", 3, E, 2 * F, H, MOE_INIT_NORMAL, std, 1);
-            ADD(MOE_W_FC2, "moe.experts.fc2", 3, E, H, F, MOE_INIT_NORMAL, out_std, 1);
+            /* this rank's slice of the experts: the same values as in the full tensor */
+            const int EL = m->experts_local, first = m->ep && m->ep->comm ? m->ep->rank * EL : 0;
+            ADD(MOE_W_FC1, "moe.experts.fc1", 3, EL, 2 * F, H, MOE_INIT_NORMAL, std, 1);
+            pt->t[pt->n - 1].expert = 1;
+            pt->t[pt->n - 1].rng_offset = (size_t)first * 2 * F * H;
+            ADD(MOE_W_FC2, "moe.experts.fc2", 3, EL, H, F, MOE_INIT_NORMAL, out_std, 1);
+            pt->t[pt->n - 1].expert = 1;
+            pt->t[pt->n - 1].rng_offset = (size_t)first * H * F;
             if (Fs > 0) {
                 ADD(MOE_W_SHARED_FC1, "moe.shared.fc1", 2, 2 * Fs, H, 0, MOE_INIT_NORMAL, std, 1);
                 ADD(MOE_W_SHARED_FC2, "moe.shared.fc2", 2, H, Fs, 0, MOE_INIT_NORMAL, out_std, 1);
@@ -86,6 +92,10 @@ static moe_moe_dims moe_dims(const moe_model *m, int N, int T) {
     d.lb_type = c->lb_type;
     d.aux_coeff = c->moe_aux_loss_coeff;
     d.z_coeff = c->moe_z_loss_coeff;
+    d.ep = m->ep && m->ep->comm ? m->ep : NULL;
+    d.capacity_factor = c->moe_expert_capacity_factor;
+    d.drop_by_position = c->drop_by_position;
+    d.pad_to_capacity = c->moe_pad_expert_input_to_capacity;
     return d;
 }
 
@@ -111,13 +121,15 @@ static void *must(const moe_backend *be, size_t bytes, int *ok) {
 }
 
 moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_backend *be, int B,
-                            moe_error *err) {
+                            moe_ep *ep, moe_error *err) {
     *out = NULL;
     moe_model *m = calloc(1, sizeof *m);
     if (!m)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory creating the model");
     m->cfg = *cfg;
     m->be = be;
+    m->ep = ep;
+    m->experts_local = cfg->num_experts / (ep && ep->comm ? ep->size : 1);
     layout(m);
     const moe_config *c = &m->cfg;
     const int L = c->num_layers, H = c->hidden_size, D = c->head_dim,
@@ -288,9 +300,10 @@ size_t moe_model_num_active_params(const moe_model *m) {
     size_t active = m->table.total;
     for (int l = 0; l < c->num_layers; l++)
         if (c->is_moe_layer[l]) {
-            /* of the E experts' weights, a token uses k */
+            /* of the experts' weights (this rank's E/EP of them), a token uses k */
             size_t per_expert = (size_t)3 * c->moe_ffn_hidden_size * c->hidden_size;
-            active -= (size_t)(c->num_experts - c->moe_router_topk) * per_expert;
+            active = active + (size_t)(c->num_experts - m->experts_local) * per_expert -
+                     (size_t)(c->num_experts - c->moe_router_topk) * per_expert;
         }
     return active;
 }
@@ -329,6 +342,7 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
 
     be->embedding_forward(m->res[0], m->tokens, PG(m, m->off_embed), N, H);
     double aux = 0.0, z = 0.0;
+    m->last.dropped = 0;
     for (int l = 0; l < L; l++) {
         moe_layer_acts *a = &m->acts[l];
         const void *x = m->res[l];
@@ -362,6 +376,7 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
                                 ? m->expert_bias + (size_t)l * c->num_experts
                                 : NULL,
                             &d, &a->moe, &m->ws);
+            m->last.dropped += a->moe.dropped;
             m->layer_aux[l] = a->moe.aux_loss;
             m->layer_z[l] = a->moe.z_loss;
             aux += a->moe.aux_loss;
@@ -379,7 +394,9 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
                         c->norm_epsilon);
     be->matmul_forward(m->logits, m->lnf, PG(m, m->off_lm_head), N, H, V);
     if (!targets) {
+        long long dropped = m->last.dropped;
         memset(&m->last, 0, sizeof m->last);
+        m->last.dropped = dropped;
         return 0.0;
     }
     be->cross_entropy_forward(m->losses, m->logits, m->targets, N, V);

@@ -73,12 +73,15 @@ typedef struct moe_losses {
     double aux;     /**< Σ over layers of the load-balancing loss */
     double z;       /**< Σ over layers of the z-loss */
     double total;   /**< ce + aux + z */
+    long long dropped; /**< expert assignments dropped by the capacity, all layers */
 } moe_losses;
 
 /** The model. */
 typedef struct moe_model {
     moe_config cfg;               /**< validated configuration (a copy) */
     const moe_backend *be;        /**< where everything lives and runs */
+    moe_ep *ep;                   /**< expert parallelism, or NULL */
+    int experts_local;            /**< experts of each MoE layer held by this rank */
     moe_param_table table;        /**< names, shapes, offsets */
     moe_real *params;             /**< [table.total] master weights, full precision */
     moe_real *grads;              /**< [table.total] gradients, full precision */
@@ -122,11 +125,14 @@ typedef struct moe_model {
  * @brief Build the model for a validated config: lay out the parameters and allocate
  *        parameters, gradients and activations for batches of up to @p B × cfg->seq_length.
  * @param out receives the model  @param cfg validated config (vocab_size set)
- * @param be backend  @param B largest micro-batch  @param err receives the reason on failure
+ * @param be backend  @param B largest micro-batch
+ * @param ep expert parallelism: this rank holds experts [rank·E/EP, (rank+1)·E/EP) of every
+ *        MoE layer and tokens travel through the dispatcher; NULL for a single rank
+ * @param err receives the reason on failure
  * @return ::MOE_OK or ::MOE_ERR_NOMEM
  */
 moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_backend *be, int B,
-                            moe_error *err);
+                            moe_ep *ep, moe_error *err);
 
 /** @brief Free the model. @param m model (NULL: no-op) */
 void moe_model_free(moe_model *m);

@@ -32,6 +32,12 @@ void moe_moe_acts_alloc(const moe_backend *be, moe_moe_acts *a, const moe_moe_di
     }
     a->expert_offset = calloc((size_t)d->E + 1, sizeof(int));
     a->counts = calloc((size_t)d->E, sizeof(long long));
+    if (d->ep || d->capacity_factor > 0) {
+        a->dispatch_idx = be->alloc(sizeof(int) * NK);
+        a->host_idx = malloc(sizeof(int) * NK);
+        a->host_w = malloc(R * NK);
+        MOE_ASSERT(a->dispatch_idx && a->host_idx && a->host_w);
+    }
     MOE_ASSERT(a->logits && a->topk_idx && a->topk_w && a->perm_src && a->row_of && a->wp &&
                a->xp && a->gu && a->act && a->expert_offset && a->counts);
 }
@@ -42,6 +48,13 @@ void moe_moe_acts_free(const moe_backend *be, moe_moe_acts *a) {
     be->free(a->shared_gu); be->free(a->shared_act);
     free(a->expert_offset);
     free(a->counts);
+    be->free(a->dispatch_idx);
+    free(a->host_idx);
+    free(a->host_w);
+    be->free(a->plan.send_map); be->free(a->plan.unpad_map);
+    be->free(a->plan.sort_map); be->free(a->plan.unsort_map);
+    free(a->plan.send_rows); free(a->plan.recv_rows); free(a->plan.expert_offset);
+    be->free(a->xe); be->free(a->we); be->free(a->gue); be->free(a->acte);
     memset(a, 0, sizeof *a);
 }
 
@@ -64,12 +77,153 @@ void moe_moe_workspace_alloc(const moe_backend *be, moe_moe_workspace *w, const 
 void moe_moe_workspace_free(const moe_backend *be, moe_moe_workspace *w) {
     be->free(w->yp); be->free(w->dyp); be->free(w->dxp); be->free(w->dwp); be->free(w->dtopk_w);
     be->free(w->dlogits); be->free(w->h); be->free(w->dh); be->free(w->dgu);
+    be->free(w->ye); be->free(w->dye); be->free(w->dwe); be->free(w->eh); be->free(w->edh);
+    be->free(w->edgu);
     memset(w, 0, sizeof *w);
 }
 
 /* tokens per aux-loss group: the whole micro-batch, or one sequence */
 static int aux_group_len(const moe_moe_dims *d) {
     return d->lb_type == MOE_LB_SEQ_AUX ? d->T : d->N;
+}
+
+/* The loop over experts on an expert-contiguous layout: expert e (weights e of fc1/fc2)
+ * owns rows [off[e], off[e+1]). Chapter 01's whole idea, used by both paths. */
+static void experts_forward(const moe_backend *be, void *y, void *gu, void *act, void *h,
+                            const void *x, const moe_real *w_row, const void *fc1, const void *fc2,
+                            const int *off, int n_experts, int H, int F) {
+    for (int e = 0; e < n_experts; e++) {
+        const size_t o = (size_t)off[e];
+        const int rows = off[e + 1] - off[e];
+        moe_mlp_forward(be, A(y, o * H), A(gu, o * 2 * F), A(act, o * F), A(h, o * F),
+                        A(x, o * H), w_row + o, A(fc1, (size_t)e * 2 * F * H),
+                        A(fc2, (size_t)e * H * F), rows, H, F);
+    }
+}
+
+static void experts_backward(const moe_backend *be, void *dx, moe_real *g_fc1, moe_real *g_fc2,
+                             moe_real *dw_row, const void *dy, const void *x, const void *gu,
+                             const void *act, const moe_real *w_row, const void *fc1,
+                             const void *fc2, void *h, void *dh, void *dgu, const int *off,
+                             int n_experts, int H, int F) {
+    for (int e = 0; e < n_experts; e++) {
+        const size_t o = (size_t)off[e];
+        const int rows = off[e + 1] - off[e];
+        moe_mlp_backward(be, A(dx, o * H), g_fc1 + (size_t)e * 2 * F * H, g_fc2 + (size_t)e * H * F,
+                         dw_row + o, A(dy, o * H), A(x, o * H), A(gu, o * 2 * F), A(act, o * F),
+                         w_row + o, A(fc1, (size_t)e * 2 * F * H), A(fc2, (size_t)e * H * F),
+                         A(h, o * F), A(dh, o * F), A(dgu, o * 2 * F), rows, H, F);
+    }
+}
+
+/* grow-only buffers on the expert side (their row count changes every step) */
+static void *regrow(const moe_backend *be, void *p, size_t bytes) {
+    be->free(p);
+    p = be->alloc(bytes ? bytes : 1);
+    MOE_ASSERT(p != NULL);
+    return p;
+}
+
+static void ensure_expert_rows(const moe_backend *be, moe_moe_acts *a, moe_moe_workspace *ws,
+                               const moe_moe_dims *d, size_t rows) {
+    const size_t S = be->act_size, H = d->H, F = d->F;
+    if (rows > a->e_rows) {
+        a->xe = regrow(be, a->xe, S * rows * H);
+        a->we = regrow(be, a->we, R * rows);
+        a->gue = regrow(be, a->gue, S * rows * 2 * F);
+        a->acte = regrow(be, a->acte, S * rows * F);
+        a->e_rows = rows;
+    }
+    if (rows > ws->e_rows) {
+        ws->ye = regrow(be, ws->ye, S * rows * H);
+        ws->dye = regrow(be, ws->dye, S * rows * H);
+        ws->dwe = regrow(be, ws->dwe, R * rows);
+        ws->eh = regrow(be, ws->eh, S * rows * F);
+        ws->edh = regrow(be, ws->edh, S * rows * F);
+        ws->edgu = regrow(be, ws->edgu, S * rows * 2 * F);
+        ws->e_rows = rows;
+    }
+}
+
+/* Steps 3–5 with the dispatcher: capacity, local permutation, all-to-all to the experts'
+ * ranks, the local experts, and back (see dispatcher.h). */
+static void forward_dispatch(const moe_backend *be, void *out, const void *x,
+                             const moe_moe_weights *w, const moe_moe_dims *d, moe_moe_acts *a,
+                             moe_moe_workspace *ws) {
+    const int N = d->N, H = d->H, E = d->E, k = d->k, F = d->F, NK = N * k;
+    moe_ep local = {NULL, 1, 0, be, NULL, 0, NULL, 0};
+    moe_ep *ep = d->ep ? d->ep : &local;
+    const int EL = E / (ep->comm ? ep->size : 1);
+
+    /* routing to the host: counts for the statistics, and the capacity decision */
+    be->to_host(a->host_idx, a->topk_idx, sizeof(int) * NK);
+    be->to_host(a->host_w, a->topk_w, R * NK);
+    memset(a->counts, 0, sizeof(long long) * E);
+    for (int i = 0; i < NK; i++)
+        a->counts[a->host_idx[i]]++;
+    int *didx = malloc(sizeof(int) * NK), *off = malloc(sizeof(int) * (E + 2));
+    long long *kept = malloc(sizeof(long long) * E);
+    MOE_ASSERT(didx && off && kept);
+    int cap = 0;
+    a->dropped = 0;
+    if (d->capacity_factor > 0) {
+        cap = moe_expert_capacity(N, k, E, d->capacity_factor);
+        a->dropped = moe_apply_capacity(didx, a->host_idx, a->host_w, N, k, E, cap,
+                                        d->drop_by_position);
+    } else {
+        memcpy(didx, a->host_idx, sizeof(int) * NK);
+    }
+    be->from_host(a->dispatch_idx, didx, sizeof(int) * NK);
+
+    /* local permutation into E + 1 buckets: the last one holds the dropped assignments */
+    be->permute_index(a->perm_src, a->row_of, off, NULL, a->dispatch_idx, N, k, E + 1);
+    for (int e = 0; e < E; e++)
+        kept[e] = off[e + 1] - off[e];
+    be->permute_tokens(a->xp, x, a->perm_src, NK, k, H);
+    be->permute_weights(a->wp, a->topk_w, a->perm_src, NK);
+
+    /* to the experts, through them, and back */
+    moe_dispatch_plan_build(ep, &a->plan, kept, E, d->pad_to_capacity ? cap : 0);
+    ensure_expert_rows(be, a, ws, d, (size_t)a->plan.R_recv + 1);
+    moe_dispatch_rows(ep, &a->plan, a->xe, a->xp, H);
+    moe_dispatch_reals(ep, &a->plan, a->we, a->wp);
+    experts_forward(be, ws->ye, a->gue, a->acte, ws->eh, a->xe, a->we, w->fc1, w->fc2,
+                    a->plan.expert_offset, EL, H, F);
+    moe_combine_rows(ep, &a->plan, ws->yp, ws->ye, H);
+    const int R_kept = a->plan.R_kept;
+    be->zero(A(ws->yp, (size_t)R_kept * H), be->act_size * (size_t)(NK - R_kept) * H);
+    be->zero(out, be->act_size * (size_t)N * H);
+    be->unpermute_sum(out, ws->yp, a->row_of, N, k, H);
+    if (ep == &local)
+        moe_ep_free(&local);
+    free(didx);
+    free(off);
+    free(kept);
+}
+
+static void backward_dispatch(const moe_backend *be, void *dx, const moe_moe_grads *g,
+                              const void *dout, const moe_moe_weights *w, const moe_moe_dims *d,
+                              const moe_moe_acts *a, moe_moe_workspace *ws) {
+    const int N = d->N, H = d->H, E = d->E, k = d->k, F = d->F, NK = N * k;
+    moe_ep local = {NULL, 1, 0, be, NULL, 0, NULL, 0};
+    moe_ep *ep = d->ep ? d->ep : &local;
+    const int EL = E / (ep->comm ? ep->size : 1), R_recv = a->plan.R_recv, R_kept = a->plan.R_kept;
+    moe_moe_acts *am = (moe_moe_acts *)a; /* ensure_expert_rows never shrinks: a's data stays */
+    ensure_expert_rows(be, am, ws, d, (size_t)R_recv + 1);
+    /* output gradients travel like tokens */
+    be->permute_tokens(ws->dyp, dout, a->perm_src, NK, k, H);
+    moe_dispatch_rows(ep, &a->plan, ws->dye, ws->dyp, H);
+    be->zero(ws->ye, be->act_size * (size_t)R_recv * H);
+    be->zero(ws->dwe, R * (size_t)R_recv);
+    experts_backward(be, ws->ye, g->fc1, g->fc2, ws->dwe, ws->dye, a->xe, a->gue, a->acte, a->we,
+                     w->fc1, w->fc2, ws->eh, ws->edh, ws->edgu, a->plan.expert_offset, EL, H, F);
+    /* input and routing-weight gradients come back like outputs */
+    moe_combine_rows(ep, &a->plan, ws->dxp, ws->ye, H);
+    be->zero(A(ws->dxp, (size_t)R_kept * H), be->act_size * (size_t)(NK - R_kept) * H);
+    moe_combine_reals(ep, &a->plan, ws->dwp, ws->dwe);
+    be->zero(ws->dwp + R_kept, R * (size_t)(NK - R_kept));
+    if (ep == &local)
+        moe_ep_free(&local);
 }
 
 void moe_moe_forward(const moe_backend *be, void *out, const void *x, const moe_moe_weights *w,
@@ -88,25 +242,26 @@ void moe_moe_forward(const moe_backend *be, void *out, const void *x, const moe_
                       : 0.0;
     a->z_loss = d->z_coeff > 0 ? be->z_loss_forward(a->logits, N, E, d->z_coeff) : 0.0;
 
-    /* 3. permute: rows grouped by expert (expert_offset comes back to the host) */
-    memset(a->counts, 0, sizeof(long long) * E);
-    be->permute_index(a->perm_src, a->row_of, a->expert_offset, a->counts, a->topk_idx, N, k, E);
-    be->permute_tokens(a->xp, x, a->perm_src, N * k, k, H);
-    be->permute_weights(a->wp, a->topk_w, a->perm_src, N * k);
+    if (d->ep || d->capacity_factor > 0) {
+        /* expert parallelism and/or capacity: steps 3–5 through the dispatcher */
+        forward_dispatch(be, out, x, w, d, a, ws);
+    } else {
+        /* 3. permute: rows grouped by expert (expert_offset comes back to the host) */
+        memset(a->counts, 0, sizeof(long long) * E);
+        a->dropped = 0;
+        be->permute_index(a->perm_src, a->row_of, a->expert_offset, a->counts, a->topk_idx, N, k,
+                          E);
+        be->permute_tokens(a->xp, x, a->perm_src, N * k, k, H);
+        be->permute_weights(a->wp, a->topk_w, a->perm_src, N * k);
 
-    /* 4. the naive loop: one SwiGLU MLP per expert, on that expert's rows */
-    for (int e = 0; e < E; e++) {
-        const size_t off = (size_t)a->expert_offset[e];
-        const int rows = a->expert_offset[e + 1] - a->expert_offset[e];
-        moe_mlp_forward(be, A(ws->yp, off * H), A(a->gu, off * 2 * F), A(a->act, off * F),
-                        A(ws->h, off * F), A(a->xp, off * H), a->wp + off,
-                        A(w->fc1, (size_t)e * 2 * F * H), A(w->fc2, (size_t)e * H * F), rows, H,
-                        F);
+        /* 4. the naive loop: one SwiGLU MLP per expert, on that expert's rows */
+        experts_forward(be, ws->yp, a->gu, a->act, ws->h, a->xp, a->wp, w->fc1, w->fc2,
+                        a->expert_offset, E, H, F);
+
+        /* 5. combine: out[n] = Σ_j expert output of (n, j) */
+        be->zero(out, be->act_size * (size_t)N * H);
+        be->unpermute_sum(out, ws->yp, a->row_of, N, k, H);
     }
-
-    /* 5. combine: out[n] = Σ_j expert output of (n, j) */
-    be->zero(out, be->act_size * (size_t)N * H);
-    be->unpermute_sum(out, ws->yp, a->row_of, N, k, H);
 
     /* 6. shared expert on every token */
     if (d->Fs > 0) {
@@ -122,21 +277,17 @@ void moe_moe_backward(const moe_backend *be, void *dx, const moe_moe_grads *g, c
     const int N = d->N, H = d->H, E = d->E, k = d->k, F = d->F;
     const size_t NK = (size_t)N * k;
 
-    /* 5⁻¹. the combine was a sum, so each permuted row receives its token's gradient */
-    be->permute_tokens(ws->dyp, dout, a->perm_src, N * k, k, H);
-    be->zero(ws->dxp, be->act_size * NK * H);
-    be->zero(ws->dwp, R * NK);
+    if (d->ep || d->capacity_factor > 0) {
+        backward_dispatch(be, dx, g, dout, w, d, a, ws);
+    } else {
+        /* 5⁻¹. the combine was a sum, so each permuted row receives its token's gradient */
+        be->permute_tokens(ws->dyp, dout, a->perm_src, N * k, k, H);
+        be->zero(ws->dxp, be->act_size * NK * H);
+        be->zero(ws->dwp, R * NK);
 
-    /* 4⁻¹. the expert loop in reverse */
-    for (int e = 0; e < E; e++) {
-        const size_t off = (size_t)a->expert_offset[e];
-        const int rows = a->expert_offset[e + 1] - a->expert_offset[e];
-        moe_mlp_backward(be, A(ws->dxp, off * H), g->fc1 + (size_t)e * 2 * F * H,
-                         g->fc2 + (size_t)e * H * F, ws->dwp + off, A(ws->dyp, off * H),
-                         A(a->xp, off * H), A(a->gu, off * 2 * F), A(a->act, off * F),
-                         a->wp + off, A(w->fc1, (size_t)e * 2 * F * H),
-                         A(w->fc2, (size_t)e * H * F), A(ws->h, off * F), A(ws->dh, off * F),
-                         A(ws->dgu, off * 2 * F), rows, H, F);
+        /* 4⁻¹. the expert loop in reverse */
+        experts_backward(be, ws->dxp, g->fc1, g->fc2, ws->dwp, ws->dyp, a->xp, a->gu, a->act,
+                         a->wp, w->fc1, w->fc2, ws->h, ws->dh, ws->dgu, a->expert_offset, E, H, F);
     }
 
     /* 3⁻¹. back to token order: inputs and routing weights */

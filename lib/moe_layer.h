@@ -18,6 +18,7 @@
 
 #include "backend.h"
 #include "config.h"
+#include "dispatcher.h"
 
 /** Sizes and settings of one MoE layer. */
 typedef struct moe_moe_dims {
@@ -32,6 +33,10 @@ typedef struct moe_moe_dims {
     moe_lb_type lb_type;        /**< aux loss type */
     double aux_coeff;           /**< aux loss coefficient */
     double z_coeff;             /**< z-loss coefficient */
+    moe_ep *ep;                 /**< expert parallelism (NULL: chapter 01's local loop) */
+    double capacity_factor;     /**< 0 = dropless */
+    int drop_by_position;       /**< drop policy: 1 = position, 0 = probs */
+    int pad_to_capacity;        /**< pad every expert's input to capacity rows */
 } moe_moe_dims;
 
 /** The layer's weights: the backend's compute copy (activation type), views into it. */
@@ -70,6 +75,17 @@ typedef struct moe_moe_acts {
     long long *counts;    /**< host [E]: tokens per expert, this forward */
     double aux_loss;      /**< load-balancing loss of this forward */
     double z_loss;        /**< z-loss of this forward */
+    /* expert parallelism / capacity (the dispatcher path) */
+    long long dropped;    /**< assignments dropped by the capacity, this forward */
+    int *dispatch_idx;    /**< [N·k] routing with dropped assignments set to E */
+    int *host_idx;        /**< host [N·k] copy of the routing */
+    moe_real *host_w;     /**< host [N·k] copy of the routing weights */
+    moe_dispatch_plan plan; /**< how the tokens travelled */
+    size_t e_rows;        /**< rows allocated on the expert side */
+    void *xe;             /**< [e_rows,H] tokens at the local experts */
+    moe_real *we;         /**< [e_rows] their routing weights */
+    void *gue;            /**< [e_rows,2F] expert fc1 outputs */
+    void *acte;           /**< [e_rows,F] expert SwiGLU outputs */
 } moe_moe_acts;
 
 /** Scratch shared by all MoE layers (only one runs at a time). */
@@ -83,6 +99,13 @@ typedef struct moe_moe_workspace {
     void *h;            /**< [max(N·k·F, N·Fs)] */
     void *dh;           /**< [max(N·k·F, N·Fs)] */
     void *dgu;          /**< [2·max(N·k·F, N·Fs)] */
+    size_t e_rows;      /**< rows allocated for the expert-side scratch below */
+    void *ye;           /**< [e_rows,H] expert outputs / input gradients at the experts */
+    void *dye;          /**< [e_rows,H] output gradients at the experts */
+    moe_real *dwe;      /**< [e_rows] routing-weight gradients at the experts */
+    void *eh;           /**< [e_rows,F] */
+    void *edh;          /**< [e_rows,F] */
+    void *edgu;         /**< [e_rows,2F] */
 } moe_moe_workspace;
 
 /** @brief Allocate the saved activations for @p d. @param be backend @param a acts @param d dims */

@@ -66,7 +66,7 @@ void moe_params_init(const moe_param_table *pt, moe_real *params, uint64_t seed)
         case MOE_INIT_NORMAL:
 #pragma omp parallel for schedule(static)
             for (size_t j = 0; j < t->numel; j++)
-                p[j] = (moe_real)(t->std * moe_rng_normal(seed, stream, j));
+                p[j] = (moe_real)(t->std * moe_rng_normal(seed, stream, t->rng_offset + j));
             break;
         }
     }

@@ -33,6 +33,10 @@ typedef struct moe_tensor {
     moe_init init;     /**< how to initialise */
     double std;        /**< normal init std */
     int decay;         /**< 1 when AdamW weight decay applies (matrices, not norms) */
+    int expert;        /**< 1 for routed-expert weights: sharded over expert-parallel ranks,
+                            their gradients are not summed over the EP group */
+    size_t rng_offset; /**< index of this rank's first element in the full (unsharded)
+                            tensor: element j is initialised as element rng_offset + j */
 } moe_tensor;
 
 /** A growable list of tensors laid out back to back. */

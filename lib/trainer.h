@@ -9,6 +9,8 @@
 #define MOE_TRAINER_H
 
 #include "backend.h"
+#include "comm.h"
+#include "dispatcher.h"
 #include "config.h"
 #include "data.h"
 #include "model.h"
@@ -23,6 +25,12 @@ typedef struct moe_trainer {
     int step;              /**< optimizer steps taken */
     int *inputs;           /**< host [micro·T] */
     int *targets;          /**< host [micro·T] */
+    moe_comm *world;       /**< all ranks (NULL: a single process) */
+    moe_comm *ep_group;    /**< ranks that share the experts of a layer (NULL when EP = 1) */
+    moe_comm *edp_group;   /**< ranks holding the same experts (NULL when world = EP) */
+    moe_ep ep;             /**< the dispatcher's context */
+    int rank;              /**< this rank in the world */
+    int world_size;        /**< ranks in the world */
 } moe_trainer;
 
 /** What one optimizer step did. */
@@ -40,6 +48,7 @@ typedef struct moe_step_stats {
     long long load_min;    /**< fewest tokens any expert of any MoE layer received */
     long long load_max;    /**< most tokens any expert received */
     double load_mean;      /**< mean tokens per expert (= tokens·k/E) */
+    long long dropped;     /**< expert assignments dropped by the capacity (all ranks, layers) */
 } moe_step_stats;
 
 /**
@@ -51,6 +60,21 @@ typedef struct moe_step_stats {
  */
 moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, moe_error *err);
 
+/**
+ * @brief moe_trainer_create for a distributed run. Every rank is data-parallel for the
+ *        dense part (attention, router, norms: replicated, gradients summed over all ranks);
+ *        the experts are split over EP groups of --expert-model-parallel-size consecutive
+ *        ranks, and replicated over the world/EP expert-data-parallel groups (their
+ *        gradients summed there). The global batch is split evenly: rank r runs
+ *        micro-batches [r·A, (r+1)·A) of each step, A = global/(micro·ranks). A distributed
+ *        step computes the same loss and gradients as one process running every micro-batch.
+ * @param out receives the trainer  @param cfg parsed config  @param world all ranks (NULL = one)
+ * @param err receives the reason (e.g. EP that does not divide the ranks)
+ * @return ::MOE_OK or the error's code
+ */
+moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe_comm *world,
+                                   moe_error *err);
+
 /** @brief Free everything. @param t trainer (NULL: no-op) */
 void moe_trainer_free(moe_trainer *t);
 
@@ -60,6 +84,21 @@ void moe_trainer_free(moe_trainer *t);
  * @param t trainer  @param st receives the step's statistics
  */
 void moe_trainer_step(moe_trainer *t, moe_step_stats *st);
+
+/**
+ * @brief The first half of a step: every micro-batch of this rank forward and backward,
+ *        gradients summed over the ranks that replicate them, losses and expert loads
+ *        summed over all ranks. Fills loss, ce, aux, z, tokens, flops, seconds.
+ * @param t trainer  @param st receives the statistics so far
+ */
+void moe_trainer_gradients(moe_trainer *t, moe_step_stats *st);
+
+/**
+ * @brief The second half: global-norm clipping, AdamW, the compute-copy refresh and the
+ *        expert-bias update; fills grad_norm, lr and the expert-load statistics.
+ * @param t trainer  @param st statistics from moe_trainer_gradients, completed
+ */
+void moe_trainer_update(moe_trainer *t, moe_step_stats *st);
 
 /**
  * @brief Mean cross-entropy over @p iters fixed batches of @p split (the same batches every call).

@@ -16,6 +16,7 @@
 #include <omp.h>
 #endif
 
+#include "comm.h"
 #include "config.h"
 #include "log.h"
 #include "metrics.h"
@@ -58,6 +59,12 @@ static void print_config(const moe_trainer *t) {
                  "device %s, %d threads",
                  c->train_iters, c->global_batch_size, c->seq_length, c->lr, c->min_lr,
                  c->lr_decay_style, c->lr_warmup_iters, m->be->name, threads);
+    if (t->world_size > 1)
+        moe_log_info("ranks | %d ranks, expert parallel %d (%s dispatcher, %d experts per rank), "
+                     "%d micro-batches per rank per step%s",
+                     t->world_size, c->expert_model_parallel_size, c->moe_token_dispatcher_type,
+                     m->experts_local, c->global_batch_size / c->micro_batch_size / t->world_size,
+                     c->moe_expert_capacity_factor > 0 ? ", capacity on" : "");
 }
 
 static void write_config_metrics(moe_metrics *mx, const moe_trainer *t) {
@@ -104,17 +111,33 @@ int main(int argc, char **argv) {
         moe_log_error("%s", err.msg);
         return 2;
     }
-    moe_trainer *t = NULL;
-    s = moe_trainer_create(&t, &cfg, &err);
-    if (s != MOE_OK) {
+    /* the world: one rank, or every rank of mpirun; GPU ranks talk through NCCL */
+    const moe_backend *be = NULL;
+    if (moe_backend_select(cfg.device, &be, &err) != MOE_OK) {
         moe_log_error("%s", err.msg);
+        return 2;
+    }
+    moe_comm *world = NULL;
+    if (moe_comm_init(&argc, &argv, be->device, &world, &err) != MOE_OK) {
+        moe_log_error("%s", err.msg);
+        return 1;
+    }
+    const int ranks = moe_comm_size(world);
+    moe_trainer *t = NULL;
+    s = moe_trainer_create_dist(&t, &cfg, ranks > 1 ? world : NULL, &err);
+    if (s != MOE_OK) {
+        /* every rank validates the same config, but a rank-local failure (memory, data)
+         * must not leave the others waiting in a collective: end the whole job */
+        if (ranks > 1)
+            moe_comm_abort(world, s == MOE_ERR_CONFIG || s == MOE_ERR_FLAG ? 2 : 1, err.msg);
+        moe_log_error("%s", err.msg);
+        moe_comm_finalize(world);
         return s == MOE_ERR_CONFIG || s == MOE_ERR_FLAG ? 2 : 1;
     }
     moe_metrics *mx = NULL;
-    if (t->cfg.metrics_file[0] && moe_metrics_open(&mx, t->cfg.metrics_file, &err) != MOE_OK) {
-        moe_log_error("%s", err.msg);
-        moe_trainer_free(t);
-        return 1;
+    if (moe_comm_rank(world) == 0 && t->cfg.metrics_file[0] &&
+        moe_metrics_open(&mx, t->cfg.metrics_file, &err) != MOE_OK) {
+        moe_comm_abort(world, 1, err.msg);
     }
     print_config(t);
     write_config_metrics(mx, t);
@@ -147,13 +170,17 @@ int main(int argc, char **argv) {
         moe_metrics_int(mx, "expert_load_min", st.load_min);
         moe_metrics_int(mx, "expert_load_max", st.load_max);
         moe_metrics_num(mx, "expert_load_mean", st.load_mean);
+        moe_metrics_int(mx, "dropped_tokens", st.dropped);
         moe_metrics_end(mx);
         if ((step + 1) % c->log_interval == 0 || step == 0 || step + 1 == c->train_iters) {
             double eta = (c->train_iters - step - 1) * (train_s / (step + 1));
-            char load[96] = "";
+            char load[128] = "";
             if (st.load_mean > 0)
-                snprintf(load, sizeof load, " | experts min/mean/max %lld/%.0f/%lld",
-                         st.load_min, st.load_mean, st.load_max);
+                snprintf(load, sizeof load, " | experts min/mean/max %lld/%.0f/%lld%s",
+                         st.load_min, st.load_mean, st.load_max,
+                         c->moe_expert_capacity_factor > 0 ? ", dropped " : "");
+            if (st.load_mean > 0 && c->moe_expert_capacity_factor > 0)
+                snprintf(load + strlen(load), sizeof load - strlen(load), "%lld", st.dropped);
             char perf[96] = "";
             double tflops = window_flops / window_s / 1e12, peak = t->model->be->peak_tflops();
             if (peak > 0)
@@ -186,5 +213,6 @@ int main(int argc, char **argv) {
     }
     moe_metrics_close(mx);
     moe_trainer_free(t);
+    moe_comm_finalize(world);
     return 0;
 }

@@ -46,7 +46,7 @@ static void check_model(const char *what, const char *flags) {
     moe_config cfg = make_config(flags, V);
     moe_model *m = NULL;
     moe_error err;
-    ck_assert_msg(moe_model_create(&m, &cfg, moe_backend_cpu(), B, &err) == MOE_OK, "%s", err.msg);
+    ck_assert_msg(moe_model_create(&m, &cfg, moe_backend_cpu(), B, NULL, &err) == MOE_OK, "%s", err.msg);
     moe_model_init(m, 7);
     /* norm weights start at 1; move them off 1 so their gradients are generic */
     for (int t = 0; t < m->table.n; t++)

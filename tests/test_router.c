@@ -10,6 +10,7 @@
 #include "backend.h"
 #include "helpers.h"
 #include "mlp.h"
+#include "dispatcher.h"
 #include "moe_layer.h"
 #include "suites.h"
 
@@ -184,6 +185,32 @@ START_TEST(test_permutation) {
 }
 END_TEST
 
+/* Capacity and drop policies against a hand count. */
+START_TEST(test_capacity_drops) {
+    /* capacity = ceil(N·k/E · factor): 8 tokens, top-2 of 4 experts, factor 1.25 → 5 */
+    ck_assert_int_eq(moe_expert_capacity(8, 2, 4, 1.25), 5);
+    ck_assert_int_eq(moe_expert_capacity(8, 2, 4, 1.0), 4);
+    /* 5 tokens, top-1, 2 experts; expert 0 gets 4 tokens but holds 2 */
+    const int idx[5] = {0, 0, 0, 1, 0};
+    const moe_real w[5] = {0.1f, 0.9f, 0.5f, 0.3f, 0.7f};
+    int out[5];
+    /* probs: keep the two highest weights (0.9 at a1, 0.7 at a4), drop a0 and a2 */
+    ck_assert_int_eq((int)moe_apply_capacity(out, idx, w, 5, 1, 2, 2, 0), 2);
+    const int want_probs[5] = {2, 0, 2, 1, 0};
+    for (int a = 0; a < 5; a++)
+        ck_assert_int_eq(out[a], want_probs[a]);
+    /* position: keep the earliest two (a0, a1), drop a2 and a4 */
+    ck_assert_int_eq((int)moe_apply_capacity(out, idx, w, 5, 1, 2, 2, 1), 2);
+    const int want_pos[5] = {0, 0, 2, 1, 2};
+    for (int a = 0; a < 5; a++)
+        ck_assert_int_eq(out[a], want_pos[a]);
+    /* under capacity nothing is dropped */
+    ck_assert_int_eq((int)moe_apply_capacity(out, idx, w, 5, 1, 2, 4, 0), 0);
+    for (int a = 0; a < 5; a++)
+        ck_assert_int_eq(out[a], idx[a]);
+}
+END_TEST
+
 /* The naive layer must equal Σ_j w_j · expert_{i_j}(x) + shared(x), computed token by token. */
 START_TEST(test_moe_layer_matches_direct_sum) {
     const moe_backend *be = moe_backend_cpu();
@@ -250,6 +277,7 @@ Suite *suite_router(void) {
     tcase_add_test(tc, test_z_loss_value);
     tcase_add_test(tc, test_expert_bias_update);
     tcase_add_test(tc, test_permutation);
+    tcase_add_test(tc, test_capacity_drops);
     tcase_add_test(tc, test_moe_layer_matches_direct_sum);
     suite_add_tcase(s, tc);
     return s;

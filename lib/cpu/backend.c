@@ -173,6 +173,21 @@ static void a_permute_tokens(void *xp, const void *x, const int *src, int rows, 
 static void a_unpermute_sum(void *out, const void *yp, const int *row_of, int N, int k, int C) {
     moe_cpu_unpermute_sum(out, yp, row_of, N, k, C);
 }
+static void cpu_gather_rows(void *dstv, const void *srcv, const int *map, int rows, int C) {
+    moe_real *dst = dstv;
+    const moe_real *src = srcv;
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        if (map[r] < 0)
+            memset(dst + (size_t)r * C, 0, sizeof(moe_real) * C);
+        else
+            memcpy(dst + (size_t)r * C, src + (size_t)map[r] * C, sizeof(moe_real) * C);
+    }
+}
+static void cpu_gather_reals(moe_real *dst, const moe_real *src, const int *map, int rows) {
+    for (int r = 0; r < rows; r++)
+        dst[r] = map[r] < 0 ? 0 : src[map[r]];
+}
 static void cpu_scale_rows(void *xv, const moe_real *s, int rows, int C) {
     moe_real *x = xv;
 #pragma omp parallel for schedule(static)
@@ -273,6 +288,8 @@ static const moe_backend g_cpu = {
     .permute_weights = moe_cpu_permute_weights,
     .unpermute_sum = a_unpermute_sum,
     .unpermute_weights = moe_cpu_unpermute_weights,
+    .gather_rows = cpu_gather_rows,
+    .gather_reals = cpu_gather_reals,
     .scale_rows = cpu_scale_rows,
     .row_dot = cpu_row_dot,
     .sum_squares = cpu_sum_squares,

@@ -1,0 +1,157 @@
+/**
+ * @file comm.h
+ * @brief The communication layer: one interface, two transports.
+ *
+ * Every collective moe.c needs goes through this header. A ::moe_comm is a group of
+ * ranks. Its *transport* is fixed when the world is created:
+ *  - **MPI** for CPU ranks: buffers are host memory;
+ *  - **NCCL** for GPU ranks (one GPU per rank): buffers are device memory. NCCL is
+ *    bootstrapped over MPI: rank 0 creates the ncclUniqueId and MPI_Bcast's it; the
+ *    local rank (which GPU to use) comes from an MPI_COMM_TYPE_SHARED split.
+ * The parallel logic above it (dispatchers, later folding groups and the CP ring) is
+ * written once against this interface and runs on a laptop and on a cluster.
+ *
+ * Small control data (token counts, losses, norms) always lives on the host and uses
+ * the `moe_comm_host_*` functions, which go through MPI on every transport.
+ *
+ * Without MPI (a build on a machine with no mpicc) the world is one rank and every
+ * collective is a local copy, so single-process programs need no special case.
+ *
+ * Failure: a rank that hits an error it cannot return (a failed MPI or NCCL call, an
+ * NCCL asynchronous error, a collective that does not complete within
+ * MOE_COMM_TIMEOUT seconds, default 600) prints a message with its rank, file and line,
+ * and aborts the whole job (MPI_Abort, after ncclCommAbort) instead of leaving the
+ * other ranks waiting forever. Programs that fail on one rank for a user error call
+ * moe_comm_abort() for the same reason.
+ */
+#ifndef MOE_COMM_H
+#define MOE_COMM_H
+
+#include <stddef.h>
+
+#include "backend.h"
+#include "error.h"
+
+#ifdef __cplusplus
+extern "C" { /* kernels/comm_nccl.cu is C++ */
+#endif
+
+/** Element types the collectives move. */
+typedef enum moe_dtype {
+    MOE_DTYPE_F32 = 0,  /**< float */
+    MOE_DTYPE_F64 = 1,  /**< double */
+    MOE_DTYPE_BF16 = 2, /**< bfloat16 (2 bytes; reductions not supported on MPI) */
+    MOE_DTYPE_I32 = 3,  /**< int */
+    MOE_DTYPE_I64 = 4,  /**< long long */
+    MOE_DTYPE_BYTE = 5  /**< raw bytes (no reductions) */
+} moe_dtype;
+
+/** @brief Size in bytes of one element of @p t. @param t type @return bytes */
+size_t moe_dtype_size(moe_dtype t);
+
+/** A group of ranks (opaque). */
+typedef struct moe_comm moe_comm;
+
+/**
+ * @brief Start the world: MPI_Init (when built with MPI), and for @p device CUDA one GPU
+ *        per rank (the local rank's) and an NCCL communicator over all ranks.
+ * @param argc the program's argument count (MPI may consume some)
+ * @param argv the program's arguments
+ * @param device ::MOE_DEVICE_CPU (MPI transport) or ::MOE_DEVICE_CUDA (NCCL transport)
+ * @param world receives the world group
+ * @param err receives the reason on failure
+ * @return ::MOE_OK, or ::MOE_ERR_BACKEND (e.g. CUDA asked for but the build has no NCCL)
+ */
+moe_status moe_comm_init(int *argc, char ***argv, moe_device device, moe_comm **world,
+                         moe_error *err);
+
+/** @brief Free the world and every group split from it, then MPI_Finalize. @param world the world */
+void moe_comm_finalize(moe_comm *world);
+
+/** @brief This rank's index in @p c. @param c group @return rank */
+int moe_comm_rank(const moe_comm *c);
+/** @brief Number of ranks in @p c. @param c group @return size */
+int moe_comm_size(const moe_comm *c);
+/** @brief This process's rank in the world (for log prefixes). @param c any group @return world rank */
+int moe_comm_world_rank(const moe_comm *c);
+/** @brief The transport's device. @param c group @return CPU (MPI) or CUDA (NCCL) */
+moe_device moe_comm_device(const moe_comm *c);
+
+/**
+ * @brief Split @p parent into groups: ranks with the same @p color form a group, ordered
+ *        by @p key (MPI_Comm_split; ncclCommSplit on the NCCL transport). Collective over
+ *        the parent. Later chapters build the parallel-folding groups with this.
+ * @param parent group to split  @param color group id  @param key order inside the group
+ * @param out receives the new group (free with moe_comm_free)  @param err receives the reason
+ * @return ::MOE_OK or ::MOE_ERR_BACKEND
+ */
+moe_status moe_comm_split(moe_comm *parent, int color, int key, moe_comm **out, moe_error *err);
+
+/** @brief Free a group made by moe_comm_split. @param c group (NULL: no-op) */
+void moe_comm_free(moe_comm *c);
+
+/* ---------------------------------------------------- transport buffers */
+
+/** @brief In-place sum over the group. @param c group @param buf count elements @param count n @param t type */
+void moe_comm_all_reduce_sum(moe_comm *c, void *buf, size_t count, moe_dtype t);
+
+/** @brief recv = concatenation of every rank's @p count elements, in rank order.
+ *  @param c group @param send count elements @param recv size·count elements @param count n @param t type */
+void moe_comm_all_gather(moe_comm *c, const void *send, void *recv, size_t count, moe_dtype t);
+
+/** @brief All-gather with a different count per rank (counts[r] elements from rank r, known
+ *  to every rank). @param c group @param send counts[rank] elements @param recv Σ counts
+ *  @param counts per-rank counts @param t type */
+void moe_comm_all_gather_v(moe_comm *c, const void *send, void *recv, const size_t *counts,
+                           moe_dtype t);
+
+/** @brief recv (count elements) = Σ over ranks of block [rank·count, (rank+1)·count) of send.
+ *  @param c group @param send size·count elements @param recv count elements @param count n
+ *  @param t type (F32 or F64) */
+void moe_comm_reduce_scatter_sum(moe_comm *c, const void *send, void *recv, size_t count,
+                                 moe_dtype t);
+
+/**
+ * @brief All-to-all with per-peer counts: send_counts[p] elements go to rank p (taken from
+ *        @p send in rank order), recv_counts[p] elements arrive from rank p (stored in rank
+ *        order). Counts are host arrays; zero counts are fine.
+ * @param c group @param send buffer @param send_counts [size] @param recv buffer
+ * @param recv_counts [size] @param t type
+ */
+void moe_comm_all_to_all_v(moe_comm *c, const void *send, const size_t *send_counts, void *recv,
+                           const size_t *recv_counts, moe_dtype t);
+
+/** @brief Send @p count elements to @p peer (pairs with moe_comm_recv on the peer).
+ *  @param c group @param buf data @param count n @param t type @param peer destination rank */
+void moe_comm_send(moe_comm *c, const void *buf, size_t count, moe_dtype t, int peer);
+/** @brief Receive @p count elements from @p peer. @param c group @param buf data @param count n
+ *  @param t type @param peer source rank */
+void moe_comm_recv(moe_comm *c, void *buf, size_t count, moe_dtype t, int peer);
+
+/** @brief Wait for every rank of the group. @param c group */
+void moe_comm_barrier(moe_comm *c);
+
+/* ------------------------------------------------ host control data (always MPI) */
+
+/** @brief Host in-place sum (F64, I64, I32, F32). @param c group @param buf data @param count n @param t type */
+void moe_comm_host_all_reduce_sum(moe_comm *c, void *buf, size_t count, moe_dtype t);
+/** @brief Host all-gather. @param c group @param send count elements @param recv size·count
+ *  @param count n @param t type */
+void moe_comm_host_all_gather(moe_comm *c, const void *send, void *recv, size_t count,
+                              moe_dtype t);
+/** @brief Host maximum over the group of one double (e.g. "did any rank fail?").
+ *  @param c group @param v this rank's value @return the maximum */
+double moe_comm_host_max(moe_comm *c, double v);
+
+/**
+ * @brief End the whole job from one rank with a message (never returns). Use it when a
+ *        rank cannot go on, so the others do not wait for it forever.
+ * @param c group (may be NULL before init)  @param code exit code  @param msg what happened
+ */
+void moe_comm_abort(moe_comm *c, int code, const char *msg);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_COMM_H */

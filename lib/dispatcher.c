@@ -1,0 +1,282 @@
+/* The all-to-all token dispatcher and capacity: see dispatcher.h. */
+#include "dispatcher.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+int moe_expert_capacity(int N, int k, int E, double factor) {
+    return (int)ceil((double)N * k / E * factor);
+}
+
+/* ------------------------------------------------------------------ capacity */
+
+typedef struct cand {
+    int a;      /* assignment index n·k + j */
+    moe_real w; /* its routing weight */
+} cand;
+
+static int by_weight_then_position(const void *x, const void *y) {
+    const cand *p = x, *q = y;
+    if (p->w != q->w)
+        return p->w > q->w ? -1 : 1;
+    return (p->a > q->a) - (p->a < q->a);
+}
+
+long long moe_apply_capacity(int *dispatch_idx, const int *topk_idx, const moe_real *topk_w, int N,
+                             int k, int E, int capacity, int by_position) {
+    const int NK = N * k;
+    memcpy(dispatch_idx, topk_idx, sizeof(int) * NK);
+    int *count = calloc((size_t)E, sizeof(int));
+    cand *c = malloc(sizeof(cand) * (size_t)(NK ? NK : 1));
+    MOE_ASSERT(count && c);
+    for (int a = 0; a < NK; a++)
+        count[topk_idx[a]]++;
+    long long dropped = 0;
+    for (int e = 0; e < E; e++) {
+        if (count[e] <= capacity)
+            continue;
+        /* expert e is over capacity: rank its assignments and drop the tail */
+        int n = 0;
+        for (int a = 0; a < NK; a++)
+            if (topk_idx[a] == e)
+                c[n++] = (cand){a, topk_w[a]};
+        if (!by_position) /* assignments are already in position order */
+            qsort(c, (size_t)n, sizeof *c, by_weight_then_position);
+        for (int i = capacity; i < n; i++) {
+            dispatch_idx[c[i].a] = E;
+            dropped++;
+        }
+    }
+    free(count);
+    free(c);
+    return dropped;
+}
+
+/* ---------------------------------------------------------------------- plan */
+
+static moe_dtype act_dtype(const moe_backend *be) {
+    return be->act_size == 2 ? MOE_DTYPE_BF16 : be->act_size == 4 ? MOE_DTYPE_F32 : MOE_DTYPE_F64;
+}
+static moe_dtype real_dtype(void) { return sizeof(moe_real) == 4 ? MOE_DTYPE_F32 : MOE_DTYPE_F64; }
+
+static void *grow(const moe_backend *be, void *p, size_t *cap, size_t bytes) {
+    if (bytes <= *cap)
+        return p;
+    be->free(p);
+    p = be->alloc(bytes);
+    MOE_ASSERT(p != NULL);
+    *cap = bytes;
+    return p;
+}
+
+void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long long *counts, int E,
+                             int pad_capacity) {
+    const moe_backend *be = ep->be;
+    const int P = ep->comm ? ep->size : 1, rank = ep->comm ? ep->rank : 0, EL = E / P;
+    if (!plan->send_rows) {
+        plan->send_rows = calloc((size_t)P, sizeof(size_t));
+        plan->recv_rows = calloc((size_t)P, sizeof(size_t));
+        plan->expert_offset = calloc((size_t)EL + 1, sizeof(int));
+        MOE_ASSERT(plan->send_rows && plan->recv_rows && plan->expert_offset);
+    }
+    plan->E = E;
+    plan->E_local = EL;
+
+    /* what this rank sends to each global expert, and the count exchange */
+    long long *mine = malloc(sizeof(long long) * E), *all = malloc(sizeof(long long) * E * P);
+    MOE_ASSERT(mine && all);
+    plan->R_kept = 0;
+    plan->R_send = 0;
+    for (int e = 0; e < E; e++) {
+        plan->R_kept += (int)counts[e];
+        mine[e] = pad_capacity ? pad_capacity : counts[e];
+        plan->R_send += (int)mine[e];
+    }
+    if (ep->comm)
+        moe_comm_host_all_gather(ep->comm, mine, all, (size_t)E, MOE_DTYPE_I64);
+    else
+        memcpy(all, mine, sizeof(long long) * E);
+
+    /* splits: to rank p go my rows for p's experts; from rank p come p's rows for mine */
+    plan->R_recv = 0;
+    for (int p = 0; p < P; p++) {
+        plan->send_rows[p] = plan->recv_rows[p] = 0;
+        for (int el = 0; el < EL; el++) {
+            plan->send_rows[p] += (size_t)mine[p * EL + el];
+            plan->recv_rows[p] += (size_t)all[(size_t)p * E + rank * EL + el];
+        }
+        plan->R_recv += (int)plan->recv_rows[p];
+    }
+
+    /* host maps */
+    int rows = plan->R_send > plan->R_recv ? plan->R_send : plan->R_recv;
+    if (plan->R_kept > rows)
+        rows = plan->R_kept;
+    int *h_send = malloc(sizeof(int) * (rows + 1)), *h_unpad = malloc(sizeof(int) * (rows + 1));
+    int *h_sort = malloc(sizeof(int) * (rows + 1)), *h_unsort = malloc(sizeof(int) * (rows + 1));
+    MOE_ASSERT(h_send && h_unpad && h_sort && h_unsort);
+    if (pad_capacity) {
+        /* expert e's slots are [e·cap, (e+1)·cap): its kept rows first, then zero rows */
+        int kept_off = 0;
+        for (int e = 0; e < E; e++) {
+            for (int i = 0; i < pad_capacity; i++) {
+                int srow = e * pad_capacity + i;
+                h_send[srow] = i < counts[e] ? kept_off + i : -1;
+                if (i < counts[e])
+                    h_unpad[kept_off + i] = srow;
+            }
+            kept_off += (int)counts[e];
+        }
+    }
+    /* received layout [src p][local expert el] → expert layout [el][p] */
+    int *recv_off = malloc(sizeof(int) * (size_t)P * EL), *exp_off = malloc(sizeof(int) * (size_t)P * EL);
+    MOE_ASSERT(recv_off && exp_off);
+    int off = 0;
+    for (int p = 0; p < P; p++)
+        for (int el = 0; el < EL; el++) {
+            recv_off[p * EL + el] = off;
+            off += (int)all[(size_t)p * E + rank * EL + el];
+        }
+    off = 0;
+    for (int el = 0; el < EL; el++) {
+        plan->expert_offset[el] = off;
+        for (int p = 0; p < P; p++) {
+            exp_off[p * EL + el] = off;
+            off += (int)all[(size_t)p * E + rank * EL + el];
+        }
+    }
+    plan->expert_offset[EL] = off;
+    for (int p = 0; p < P; p++)
+        for (int el = 0; el < EL; el++) {
+            int n = (int)all[(size_t)p * E + rank * EL + el];
+            for (int i = 0; i < n; i++) {
+                h_sort[exp_off[p * EL + el] + i] = recv_off[p * EL + el] + i;
+                h_unsort[recv_off[p * EL + el] + i] = exp_off[p * EL + el] + i;
+            }
+        }
+
+    /* upload */
+    if (rows > plan->cap_rows) {
+        be->free(plan->send_map);
+        be->free(plan->unpad_map);
+        be->free(plan->sort_map);
+        be->free(plan->unsort_map);
+        size_t bytes = sizeof(int) * (size_t)(rows + 1);
+        plan->send_map = be->alloc(bytes);
+        plan->unpad_map = be->alloc(bytes);
+        plan->sort_map = be->alloc(bytes);
+        plan->unsort_map = be->alloc(bytes);
+        MOE_ASSERT(plan->send_map && plan->unpad_map && plan->sort_map && plan->unsort_map);
+        plan->cap_rows = rows;
+    }
+    /* without padding the send layout is the permuted layout itself: no send/unpad maps */
+    plan->padded = pad_capacity > 0;
+    if (plan->padded) {
+        be->from_host(plan->send_map, h_send, sizeof(int) * plan->R_send);
+        be->from_host(plan->unpad_map, h_unpad, sizeof(int) * plan->R_kept);
+    }
+    be->from_host(plan->sort_map, h_sort, sizeof(int) * plan->R_recv);
+    be->from_host(plan->unsort_map, h_unsort, sizeof(int) * plan->R_recv);
+    free(h_send); free(h_unpad); free(h_sort); free(h_unsort); free(recv_off); free(exp_off);
+    free(mine); free(all);
+}
+
+void moe_dispatch_plan_free(moe_ep *ep, moe_dispatch_plan *plan) {
+    const moe_backend *be = ep->be;
+    be->free(plan->send_map);
+    be->free(plan->unpad_map);
+    be->free(plan->sort_map);
+    be->free(plan->unsort_map);
+    free(plan->send_rows);
+    free(plan->recv_rows);
+    free(plan->expert_offset);
+    memset(plan, 0, sizeof *plan);
+}
+
+void moe_ep_free(moe_ep *ep) {
+    if (!ep->be)
+        return;
+    ep->be->free(ep->send_buf);
+    ep->be->free(ep->recv_buf);
+    ep->send_buf = ep->recv_buf = NULL;
+    ep->send_cap = ep->recv_cap = 0;
+}
+
+/* ------------------------------------------------------------ moving rows */
+
+/* counts per rank in elements: rows · C */
+static void scale_counts(size_t *out, const size_t *rows, int P, int C) {
+    for (int p = 0; p < P; p++)
+        out[p] = rows[p] * (size_t)C;
+}
+
+/* The one routine behind all four directions. elem: element size; is_act: activation
+ * (gather_rows) or full precision (gather_reals, C = 1). */
+static void move(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, const void *src, int C,
+                 int is_act, int to_experts) {
+    const moe_backend *be = ep->be;
+    const size_t elem = is_act ? be->act_size : sizeof(moe_real);
+    const moe_dtype t = is_act ? act_dtype(be) : real_dtype();
+    const int P = ep->comm ? ep->size : 1;
+    ep->send_buf = grow(be, ep->send_buf, &ep->send_cap, elem * C * (size_t)(plan->R_send + 1));
+    ep->recv_buf = grow(be, ep->recv_buf, &ep->recv_cap, elem * C * (size_t)(plan->R_recv + 1));
+    size_t *sc = malloc(sizeof(size_t) * P), *rc = malloc(sizeof(size_t) * P);
+    MOE_ASSERT(sc && rc);
+    scale_counts(sc, plan->send_rows, P, C);
+    scale_counts(rc, plan->recv_rows, P, C);
+#define GATHER(d, s, map, rows)                                            \
+    do {                                                                   \
+        if (is_act)                                                        \
+            be->gather_rows((d), (s), (map), (rows), C);                   \
+        else                                                               \
+            be->gather_reals((moe_real *)(d), (const moe_real *)(s), (map), (rows)); \
+    } while (0)
+    if (to_experts) {
+        /* permuted → (padded) send layout → all-to-all → [src][el] → sort → [el][src] */
+        const void *send = src;
+        if (plan->padded) {
+            GATHER(ep->send_buf, src, plan->send_map, plan->R_send);
+            send = ep->send_buf;
+        }
+        const void *recv = send;
+        if (ep->comm) {
+            moe_comm_all_to_all_v(ep->comm, send, sc, ep->recv_buf, rc, t);
+            recv = ep->recv_buf;
+        }
+        GATHER(dst, recv, plan->sort_map, plan->R_recv);
+    } else {
+        /* [el][src] → unsort → [src][el] → all-to-all back → (unpad) → permuted */
+        GATHER(ep->recv_buf, src, plan->unsort_map, plan->R_recv);
+        void *back = plan->padded ? ep->send_buf : dst;
+        if (ep->comm)
+            moe_comm_all_to_all_v(ep->comm, ep->recv_buf, rc, back, sc, t);
+        else
+            be->copy(back, ep->recv_buf, elem * C * (size_t)plan->R_recv);
+        if (plan->padded)
+            GATHER(dst, back, plan->unpad_map, plan->R_kept);
+    }
+#undef GATHER
+    free(sc);
+    free(rc);
+}
+
+void moe_dispatch_rows(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, const void *src,
+                       int C) {
+    move(ep, plan, dst, src, C, 1, 1);
+}
+
+void moe_dispatch_reals(moe_ep *ep, const moe_dispatch_plan *plan, moe_real *dst,
+                        const moe_real *src) {
+    move(ep, plan, dst, src, 1, 0, 1);
+}
+
+void moe_combine_rows(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, const void *src,
+                      int C) {
+    move(ep, plan, dst, src, C, 1, 0);
+}
+
+void moe_combine_reals(moe_ep *ep, const moe_dispatch_plan *plan, moe_real *dst,
+                       const moe_real *src) {
+    move(ep, plan, dst, src, 1, 0, 0);
+}

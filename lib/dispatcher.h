@@ -1,0 +1,128 @@
+/**
+ * @file dispatcher.h
+ * @brief Expert parallelism: the all-to-all token dispatcher, and capacity / dropping.
+ *
+ * With expert parallelism (EP) the E experts of a layer are split over the EP ranks:
+ * rank r holds experts [r·E/EP, (r+1)·E/EP). Each rank routes its own tokens, then
+ * tokens travel to the ranks that hold their experts and back (BRIEF §6):
+ *
+ *   1. permute locally: the rank's N·k assignments sorted by (global) expert — so they
+ *      are also grouped by destination rank;
+ *   2. exchange counts: an all-gather of the per-expert count vector over the EP group,
+ *      so every rank knows counts[src][e] and with it the input splits (rows it sends to
+ *      each rank) and output splits (rows it receives from each rank);
+ *   3. all-to-all-v of the token rows and of their routing weights; what arrives is laid
+ *      out [source rank][local expert];
+ *   4. sort chunks to [local expert][source rank], so each local expert's rows are
+ *      contiguous — the experts run exactly as in chapter 01, on local weights;
+ *   5. the exact reverse: unsort chunks, all-to-all-v back, unpermute.
+ * The backward moves gradients along the same plan: output gradients travel like
+ * tokens (steps 1–4), input and routing-weight gradients come back like outputs (step 5).
+ *
+ * Capacity (--moe-expert-capacity-factor): each expert accepts at most
+ * capacity = ceil(N·k/E · factor) of a rank's N tokens; the rest are dropped (their
+ * expert output is zero, their routing weight gets no gradient). Policy "probs" keeps an
+ * expert's highest-weight assignments, "position" the earliest. With
+ * --moe-pad-expert-input-to-capacity every expert receives exactly capacity rows from
+ * every rank (zero rows fill the gap), so every split is static.
+ */
+#ifndef MOE_DISPATCHER_H
+#define MOE_DISPATCHER_H
+
+#include <stddef.h>
+
+#include "backend.h"
+#include "comm.h"
+
+/** The expert-parallel context shared by the MoE layers of a model. */
+typedef struct moe_ep {
+    moe_comm *comm;        /**< the EP group, or NULL when EP = 1 */
+    int size;              /**< EP ranks */
+    int rank;              /**< this rank in the EP group */
+    const moe_backend *be; /**< where token buffers live */
+    void *send_buf;        /**< staging for the padded send layout (grow-only) */
+    size_t send_cap;       /**< its size in bytes */
+    void *recv_buf;        /**< staging for the received layout (grow-only) */
+    size_t recv_cap;       /**< its size in bytes */
+} moe_ep;
+
+/** How one layer's tokens travel in this forward (saved for its backward). */
+typedef struct moe_dispatch_plan {
+    int E;                /**< experts in the layer (global) */
+    int E_local;          /**< experts on this rank */
+    int R_kept;           /**< local permuted rows that are sent (not dropped) */
+    int R_send;           /**< rows of the send layout (R_kept, or E·capacity padded) */
+    int R_recv;           /**< rows that arrive = rows the local experts process */
+    size_t *send_rows;    /**< host [EP]: rows sent to each rank */
+    size_t *recv_rows;    /**< host [EP]: rows received from each rank */
+    int *expert_offset;   /**< host [E_local+1]: local expert e owns rows [off[e], off[e+1]) */
+    int padded;           /**< 1 when the send layout is padded to capacity */
+    int *send_map;        /**< backend [R_send]: send row → permuted row (−1: padding) when padded */
+    int *unpad_map;       /**< backend [R_kept]: permuted row → send row when padded */
+    int *sort_map;        /**< backend [R_recv]: expert-layout row → received row */
+    int *unsort_map;      /**< backend [R_recv]: received row → expert-layout row */
+    int cap_rows;         /**< allocated rows of the backend maps */
+} moe_dispatch_plan;
+
+/**
+ * @brief Capacity of one expert for @p N tokens: ceil(N·k/E · factor).
+ * @param N tokens @param k top-k @param E experts @param factor capacity factor (> 0)
+ * @return rows
+ */
+int moe_expert_capacity(int N, int k, int E, double factor);
+
+/**
+ * @brief Apply a capacity to a routing (host arrays). Dropped assignments get the expert id
+ *        @p E (one past the last), which the permutation sorts to the end.
+ * @param dispatch_idx [N·k] receives the routing with drops  @param topk_idx [N·k] routing
+ * @param topk_w [N·k] routing weights (for policy "probs")  @param N tokens  @param k top-k
+ * @param E experts  @param capacity rows per expert  @param by_position 1 = keep earliest,
+ *        0 = keep highest weight (ties: earliest)
+ * @return the number of dropped assignments
+ */
+long long moe_apply_capacity(int *dispatch_idx, const int *topk_idx, const moe_real *topk_w, int N,
+                             int k, int E, int capacity, int by_position);
+
+/**
+ * @brief Build the plan from this rank's kept counts per global expert: exchange counts
+ *        over the EP group, compute splits, and the padding and chunk-sorting maps.
+ * @param ep context  @param plan plan (reused across steps; grows as needed)
+ * @param counts host [E] rows this rank sends to each global expert
+ * @param E experts  @param pad_capacity 0, or the capacity every expert is padded to
+ */
+void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long long *counts, int E,
+                             int pad_capacity);
+
+/** @brief Free a plan's buffers. @param ep context @param plan plan */
+void moe_dispatch_plan_free(moe_ep *ep, moe_dispatch_plan *plan);
+
+/**
+ * @brief Tokens to experts: rows [0, R_kept) of @p src (local permuted layout, width C)
+ *        arrive as @p dst [R_recv, C] in [local expert][source rank] order.
+ * @param ep context @param plan plan @param dst expert-side rows @param src permuted rows @param C width
+ */
+void moe_dispatch_rows(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, const void *src,
+                       int C);
+
+/** @brief moe_dispatch_rows for one full-precision value per row (routing weights).
+ *  @param ep context @param plan plan @param dst [R_recv] @param src [R_kept] */
+void moe_dispatch_reals(moe_ep *ep, const moe_dispatch_plan *plan, moe_real *dst,
+                        const moe_real *src);
+
+/**
+ * @brief Experts back to tokens, the exact reverse of moe_dispatch_rows: @p src [R_recv, C]
+ *        in expert order lands in rows [0, R_kept) of @p dst (local permuted layout).
+ * @param ep context @param plan plan @param dst permuted rows @param src expert-side rows @param C width
+ */
+void moe_combine_rows(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, const void *src,
+                      int C);
+
+/** @brief moe_combine_rows for one full-precision value per row (routing-weight gradients).
+ *  @param ep context @param plan plan @param dst [R_kept] @param src [R_recv] */
+void moe_combine_reals(moe_ep *ep, const moe_dispatch_plan *plan, moe_real *dst,
+                       const moe_real *src);
+
+/** @brief Free the context's staging buffers. @param ep context */
+void moe_ep_free(moe_ep *ep);
+
+#endif /* MOE_DISPATCHER_H */
