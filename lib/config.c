@@ -371,8 +371,10 @@ moe_status moe_config_validate(moe_config *c, moe_error *err) {
         REQUIRE(!(c->moe_pad_expert_input_to_capacity && c->moe_expert_capacity_factor == 0.0),
                 "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor "
                 "(there is no capacity to pad to in a dropless run)");
-        REQUIRE(strcmp(c->moe_token_dispatcher_type, "allgather") != 0,
-                "--moe-token-dispatcher-type allgather is not implemented yet; use alltoall");
+        REQUIRE(!(c->moe_pad_expert_input_to_capacity &&
+                  !strcmp(c->moe_token_dispatcher_type, "allgather")),
+                "--moe-pad-expert-input-to-capacity applies to the alltoall dispatcher only "
+                "(the allgather dispatcher has no per-expert sends to pad)");
         c->drop_by_position = !strcmp(c->moe_token_drop_policy, "position");
         REQUIRE(c->moe_shared_expert_intermediate_size >= 0,
                 "--moe-shared-expert-intermediate-size must be >= 0 (got %d; 0 = none)",

@@ -60,7 +60,7 @@ static moe_dtype act_dtype(const moe_backend *be) {
 }
 static moe_dtype real_dtype(void) { return sizeof(moe_real) == 4 ? MOE_DTYPE_F32 : MOE_DTYPE_F64; }
 
-static void *grow(const moe_backend *be, void *p, size_t *cap, size_t bytes) {
+void *moe_grow(const moe_backend *be, void *p, size_t *cap, size_t bytes) {
     if (bytes <= *cap)
         return p;
     be->free(p);
@@ -184,6 +184,9 @@ void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long lon
 
 void moe_dispatch_plan_free(moe_ep *ep, moe_dispatch_plan *plan) {
     const moe_backend *be = ep->be;
+    be->free(plan->ag_tok);
+    be->free(plan->ag_inv);
+    be->free(plan->ag_identity);
     be->free(plan->send_map);
     be->free(plan->unpad_map);
     be->free(plan->sort_map);
@@ -199,8 +202,9 @@ void moe_ep_free(moe_ep *ep) {
         return;
     ep->be->free(ep->send_buf);
     ep->be->free(ep->recv_buf);
-    ep->send_buf = ep->recv_buf = NULL;
-    ep->send_cap = ep->recv_cap = 0;
+    ep->be->free(ep->ag_buf);
+    ep->send_buf = ep->recv_buf = ep->ag_buf = NULL;
+    ep->send_cap = ep->recv_cap = ep->ag_cap = 0;
 }
 
 /* ------------------------------------------------------------ moving rows */
@@ -219,8 +223,8 @@ static void move(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, const voi
     const size_t elem = is_act ? be->act_size : sizeof(moe_real);
     const moe_dtype t = is_act ? act_dtype(be) : real_dtype();
     const int P = ep->comm ? ep->size : 1;
-    ep->send_buf = grow(be, ep->send_buf, &ep->send_cap, elem * C * (size_t)(plan->R_send + 1));
-    ep->recv_buf = grow(be, ep->recv_buf, &ep->recv_cap, elem * C * (size_t)(plan->R_recv + 1));
+    ep->send_buf = moe_grow(be, ep->send_buf, &ep->send_cap, elem * C * (size_t)(plan->R_send + 1));
+    ep->recv_buf = moe_grow(be, ep->recv_buf, &ep->recv_cap, elem * C * (size_t)(plan->R_recv + 1));
     size_t *sc = malloc(sizeof(size_t) * P), *rc = malloc(sizeof(size_t) * P);
     MOE_ASSERT(sc && rc);
     scale_counts(sc, plan->send_rows, P, C);

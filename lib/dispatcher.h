@@ -25,6 +25,12 @@
  * expert's highest-weight assignments, "position" the earliest. With
  * --moe-pad-expert-input-to-capacity every expert receives exactly capacity rows from
  * every rank (zero rows fill the gap), so every split is static.
+ *
+ * The allgather dispatcher (--moe-token-dispatcher-type allgather, lib/moe_layer.c) is the
+ * simpler alternative: all-gather every rank's tokens and routing, let each rank's
+ * experts pick their rows out of the whole gathered batch, and reduce-scatter the partial
+ * outputs back. It moves EP× more data but needs no count exchange and no chunk sorting;
+ * Megatron uses it when tensor parallelism already all-gathers the tokens.
  */
 #ifndef MOE_DISPATCHER_H
 #define MOE_DISPATCHER_H
@@ -44,6 +50,9 @@ typedef struct moe_ep {
     size_t send_cap;       /**< its size in bytes */
     void *recv_buf;        /**< staging for the received layout (grow-only) */
     size_t recv_cap;       /**< its size in bytes */
+    void *ag_buf;          /**< allgather dispatcher: the partial outputs of every rank's tokens */
+    size_t ag_cap;         /**< its size in bytes */
+    int allgather;         /**< 1: the allgather dispatcher instead of all-to-all */
 } moe_ep;
 
 /** How one layer's tokens travel in this forward (saved for its backward). */
@@ -62,6 +71,11 @@ typedef struct moe_dispatch_plan {
     int *sort_map;        /**< backend [R_recv]: expert-layout row → received row */
     int *unsort_map;      /**< backend [R_recv]: received row → expert-layout row */
     int cap_rows;         /**< allocated rows of the backend maps */
+    /* the allgather dispatcher: every rank sees every rank's tokens */
+    int *ag_tok;          /**< backend [R_recv]: expert-side row → token in the gathered batch */
+    int *ag_inv;          /**< backend [EP·N·k]: gathered assignment → expert-side row, or −1 */
+    int *ag_identity;     /**< backend [EP·N·k]: a → a (combine k rows per gathered token) */
+    int ag_cap;           /**< allocated entries of the three */
 } moe_dispatch_plan;
 
 /**
@@ -121,6 +135,14 @@ void moe_combine_rows(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, cons
  *  @param ep context @param plan plan @param dst [R_kept] @param src [R_recv] */
 void moe_combine_reals(moe_ep *ep, const moe_dispatch_plan *plan, moe_real *dst,
                        const moe_real *src);
+
+/**
+ * @brief A grow-only backend buffer: returns @p p when *cap ≥ bytes, else frees it and
+ *        allocates @p bytes (updating *cap).
+ * @param be backend @param p current buffer @param cap its size in bytes @param bytes needed
+ * @return the buffer
+ */
+void *moe_grow(const moe_backend *be, void *p, size_t *cap, size_t bytes);
 
 /** @brief Free the context's staging buffers. @param ep context */
 void moe_ep_free(moe_ep *ep);

@@ -54,6 +54,7 @@ void moe_moe_acts_free(const moe_backend *be, moe_moe_acts *a) {
     be->free(a->plan.send_map); be->free(a->plan.unpad_map);
     be->free(a->plan.sort_map); be->free(a->plan.unsort_map);
     free(a->plan.send_rows); free(a->plan.recv_rows); free(a->plan.expert_offset);
+    be->free(a->plan.ag_tok); be->free(a->plan.ag_inv); be->free(a->plan.ag_identity);
     be->free(a->xe); be->free(a->we); be->free(a->gue); be->free(a->acte);
     memset(a, 0, sizeof *a);
 }
@@ -145,34 +146,153 @@ static void ensure_expert_rows(const moe_backend *be, moe_moe_acts *a, moe_moe_w
     }
 }
 
+/* The routing on the host: per-expert counts for the statistics, and the capacity
+ * decision (didx = the routing with dropped assignments sent to expert E). Returns the
+ * capacity (0 when dropless). */
+static int route_to_host(const moe_backend *be, const moe_moe_dims *d, moe_moe_acts *a, int *didx) {
+    const int E = d->E, NK = d->N * d->k;
+    be->to_host(a->host_idx, a->topk_idx, sizeof(int) * NK);
+    be->to_host(a->host_w, a->topk_w, R * NK);
+    memset(a->counts, 0, sizeof(long long) * E);
+    for (int i = 0; i < NK; i++)
+        a->counts[a->host_idx[i]]++;
+    a->dropped = 0;
+    if (d->capacity_factor <= 0) {
+        memcpy(didx, a->host_idx, sizeof(int) * NK);
+        return 0;
+    }
+    int cap = moe_expert_capacity(d->N, d->k, E, d->capacity_factor);
+    a->dropped =
+        moe_apply_capacity(didx, a->host_idx, a->host_w, d->N, d->k, E, cap, d->drop_by_position);
+    return cap;
+}
+
+/* The allgather dispatcher (see dispatcher.h): all-gather the tokens and the routing,
+ * take this rank's experts' rows out of the whole gathered batch, run them, and
+ * reduce-scatter the partial outputs. The expert sees its rows in the same order as with
+ * all-to-all (by source rank, then position). */
+static void forward_allgather(const moe_backend *be, void *out, const void *x,
+                              const moe_moe_weights *w, const moe_moe_dims *d, moe_moe_acts *a,
+                              moe_moe_workspace *ws) {
+    moe_ep *ep = d->ep;
+    const int N = d->N, H = d->H, E = d->E, k = d->k, F = d->F, NK = N * k;
+    const int P = ep->size, EL = E / P, first = ep->rank * EL, GNK = P * NK;
+    const moe_dtype t = be->act_size == 2 ? MOE_DTYPE_BF16 : be->act_size == 4 ? MOE_DTYPE_F32
+                                                                             : MOE_DTYPE_F64;
+    int *didx = malloc(sizeof(int) * NK), *gidx = malloc(sizeof(int) * GNK);
+    moe_real *gw = malloc(R * GNK);
+    MOE_ASSERT(didx && gidx && gw);
+    route_to_host(be, d, a, didx);
+    moe_comm_host_all_gather(ep->comm, didx, gidx, (size_t)NK, MOE_DTYPE_I32);
+    moe_comm_host_all_gather(ep->comm, a->host_w, gw, (size_t)NK,
+                             sizeof(moe_real) == 4 ? MOE_DTYPE_F32 : MOE_DTYPE_F64);
+    /* this rank's rows: local expert by local expert, gathered assignments in order */
+    int *tok = malloc(sizeof(int) * (GNK + 1)), *inv = malloc(sizeof(int) * GNK);
+    int *ident = malloc(sizeof(int) * GNK);
+    moe_real *we = malloc(R * (GNK + 1));
+    MOE_ASSERT(tok && inv && ident && we);
+    moe_dispatch_plan *pl = &a->plan;
+    if (!pl->expert_offset)
+        pl->expert_offset = calloc((size_t)EL + 1, sizeof(int));
+    int rows = 0;
+    for (int i = 0; i < GNK; i++) {
+        inv[i] = -1;
+        ident[i] = i;
+    }
+    for (int el = 0; el < EL; el++) {
+        pl->expert_offset[el] = rows;
+        for (int i = 0; i < GNK; i++)
+            if (gidx[i] == first + el) {
+                tok[rows] = i / k;
+                we[rows] = gw[i];
+                inv[i] = rows++;
+            }
+    }
+    pl->expert_offset[EL] = rows;
+    pl->R_recv = rows;
+    pl->E = E;
+    pl->E_local = EL;
+    if (GNK > pl->ag_cap) {
+        be->free(pl->ag_tok);
+        be->free(pl->ag_inv);
+        be->free(pl->ag_identity);
+        pl->ag_tok = be->alloc(sizeof(int) * (GNK + 1));
+        pl->ag_inv = be->alloc(sizeof(int) * GNK);
+        pl->ag_identity = be->alloc(sizeof(int) * GNK);
+        MOE_ASSERT(pl->ag_tok && pl->ag_inv && pl->ag_identity);
+        pl->ag_cap = GNK;
+    }
+    be->from_host(pl->ag_tok, tok, sizeof(int) * rows);
+    be->from_host(pl->ag_inv, inv, sizeof(int) * GNK);
+    be->from_host(pl->ag_identity, ident, sizeof(int) * GNK);
+    ensure_expert_rows(be, a, ws, d, (size_t)rows + 1);
+    be->from_host(a->we, we, R * rows);
+
+    /* every rank's tokens; this rank's experts take their rows */
+    ep->send_buf = moe_grow(be, ep->send_buf, &ep->send_cap, be->act_size * (size_t)P * N * H);
+    moe_comm_all_gather(ep->comm, x, ep->send_buf, (size_t)N * H, t);
+    be->gather_rows(a->xe, ep->send_buf, pl->ag_tok, rows, H);
+    experts_forward(be, ws->ye, a->gue, a->acte, ws->eh, a->xe, a->we, w->fc1, w->fc2,
+                    pl->expert_offset, EL, H, F);
+    /* partial outputs for every gathered token, then summed over the ranks */
+    ep->recv_buf = moe_grow(be, ep->recv_buf, &ep->recv_cap, be->act_size * (size_t)GNK * H);
+    ep->ag_buf = moe_grow(be, ep->ag_buf, &ep->ag_cap, be->act_size * (size_t)P * N * H);
+    be->gather_rows(ep->recv_buf, ws->ye, pl->ag_inv, GNK, H);
+    be->zero(ep->ag_buf, be->act_size * (size_t)P * N * H);
+    be->unpermute_sum(ep->ag_buf, ep->recv_buf, pl->ag_identity, P * N, k, H);
+    moe_comm_reduce_scatter_sum(ep->comm, ep->ag_buf, out, (size_t)N * H, t);
+    free(didx); free(gidx); free(gw); free(tok); free(inv); free(ident); free(we);
+}
+
+static void backward_allgather(const moe_backend *be, void *dx, const moe_moe_grads *g,
+                               const void *dout, const moe_moe_weights *w, const moe_moe_dims *d,
+                               const moe_moe_acts *a, moe_moe_workspace *ws) {
+    moe_ep *ep = d->ep;
+    const int N = d->N, H = d->H, E = d->E, k = d->k, F = d->F, NK = N * k;
+    const int P = ep->size, EL = E / P, GNK = P * NK;
+    const moe_dispatch_plan *pl = &a->plan;
+    const int rows = pl->R_recv;
+    const moe_dtype t = be->act_size == 2 ? MOE_DTYPE_BF16 : be->act_size == 4 ? MOE_DTYPE_F32
+                                                                             : MOE_DTYPE_F64;
+    ensure_expert_rows(be, (moe_moe_acts *)a, ws, d, (size_t)rows + 1);
+    /* the combine was a sum: each expert row gets its token's output gradient */
+    ep->send_buf = moe_grow(be, ep->send_buf, &ep->send_cap, be->act_size * (size_t)P * N * H);
+    moe_comm_all_gather(ep->comm, dout, ep->send_buf, (size_t)N * H, t);
+    be->gather_rows(ws->dye, ep->send_buf, pl->ag_tok, rows, H);
+    be->zero(ws->ye, be->act_size * (size_t)rows * H);
+    be->zero(ws->dwe, R * (size_t)rows);
+    experts_backward(be, ws->ye, g->fc1, g->fc2, ws->dwe, ws->dye, a->xe, a->gue, a->acte, a->we,
+                     w->fc1, w->fc2, ws->eh, ws->edh, ws->edgu, pl->expert_offset, EL, H, F);
+    /* input gradients: per gathered token, summed over the ranks, this rank's share */
+    ep->recv_buf = moe_grow(be, ep->recv_buf, &ep->recv_cap, be->act_size * (size_t)GNK * H);
+    ep->ag_buf = moe_grow(be, ep->ag_buf, &ep->ag_cap, be->act_size * (size_t)P * N * H);
+    be->gather_rows(ep->recv_buf, ws->ye, pl->ag_inv, GNK, H);
+    be->zero(ep->ag_buf, be->act_size * (size_t)P * N * H);
+    be->unpermute_sum(ep->ag_buf, ep->recv_buf, pl->ag_identity, P * N, k, H);
+    moe_comm_reduce_scatter_sum(ep->comm, ep->ag_buf, ws->dxp, (size_t)N * H, t);
+    be->add(dx, ws->dxp, (size_t)N * H);
+    /* routing-weight gradients: each assignment was computed on exactly one rank */
+    moe_real *dw_all = (moe_real *)ep->recv_buf; /* reuse: rows·H ≥ GNK values */
+    be->gather_reals(dw_all, ws->dwe, pl->ag_inv, GNK);
+    moe_comm_reduce_scatter_sum(ep->comm, dw_all, ws->dtopk_w, (size_t)NK,
+                                sizeof(moe_real) == 4 ? MOE_DTYPE_F32 : MOE_DTYPE_F64);
+}
+
 /* Steps 3–5 with the dispatcher: capacity, local permutation, all-to-all to the experts'
  * ranks, the local experts, and back (see dispatcher.h). */
 static void forward_dispatch(const moe_backend *be, void *out, const void *x,
                              const moe_moe_weights *w, const moe_moe_dims *d, moe_moe_acts *a,
                              moe_moe_workspace *ws) {
     const int N = d->N, H = d->H, E = d->E, k = d->k, F = d->F, NK = N * k;
-    moe_ep local = {NULL, 1, 0, be, NULL, 0, NULL, 0};
+    moe_ep local = {.comm = NULL, .size = 1, .rank = 0, .be = be};
     moe_ep *ep = d->ep ? d->ep : &local;
     const int EL = E / (ep->comm ? ep->size : 1);
 
     /* routing to the host: counts for the statistics, and the capacity decision */
-    be->to_host(a->host_idx, a->topk_idx, sizeof(int) * NK);
-    be->to_host(a->host_w, a->topk_w, R * NK);
-    memset(a->counts, 0, sizeof(long long) * E);
-    for (int i = 0; i < NK; i++)
-        a->counts[a->host_idx[i]]++;
     int *didx = malloc(sizeof(int) * NK), *off = malloc(sizeof(int) * (E + 2));
     long long *kept = malloc(sizeof(long long) * E);
     MOE_ASSERT(didx && off && kept);
-    int cap = 0;
-    a->dropped = 0;
-    if (d->capacity_factor > 0) {
-        cap = moe_expert_capacity(N, k, E, d->capacity_factor);
-        a->dropped = moe_apply_capacity(didx, a->host_idx, a->host_w, N, k, E, cap,
-                                        d->drop_by_position);
-    } else {
-        memcpy(didx, a->host_idx, sizeof(int) * NK);
-    }
+    const int cap = route_to_host(be, d, a, didx);
     be->from_host(a->dispatch_idx, didx, sizeof(int) * NK);
 
     /* local permutation into E + 1 buckets: the last one holds the dropped assignments */
@@ -205,7 +325,7 @@ static void backward_dispatch(const moe_backend *be, void *dx, const moe_moe_gra
                               const void *dout, const moe_moe_weights *w, const moe_moe_dims *d,
                               const moe_moe_acts *a, moe_moe_workspace *ws) {
     const int N = d->N, H = d->H, E = d->E, k = d->k, F = d->F, NK = N * k;
-    moe_ep local = {NULL, 1, 0, be, NULL, 0, NULL, 0};
+    moe_ep local = {.comm = NULL, .size = 1, .rank = 0, .be = be};
     moe_ep *ep = d->ep ? d->ep : &local;
     const int EL = E / (ep->comm ? ep->size : 1), R_recv = a->plan.R_recv, R_kept = a->plan.R_kept;
     moe_moe_acts *am = (moe_moe_acts *)a; /* ensure_expert_rows never shrinks: a's data stays */
@@ -242,7 +362,9 @@ void moe_moe_forward(const moe_backend *be, void *out, const void *x, const moe_
                       : 0.0;
     a->z_loss = d->z_coeff > 0 ? be->z_loss_forward(a->logits, N, E, d->z_coeff) : 0.0;
 
-    if (d->ep || d->capacity_factor > 0) {
+    if (d->ep && d->ep->allgather) {
+        forward_allgather(be, out, x, w, d, a, ws);
+    } else if (d->ep || d->capacity_factor > 0) {
         /* expert parallelism and/or capacity: steps 3–5 through the dispatcher */
         forward_dispatch(be, out, x, w, d, a, ws);
     } else {
@@ -277,7 +399,11 @@ void moe_moe_backward(const moe_backend *be, void *dx, const moe_moe_grads *g, c
     const int N = d->N, H = d->H, E = d->E, k = d->k, F = d->F;
     const size_t NK = (size_t)N * k;
 
-    if (d->ep || d->capacity_factor > 0) {
+    if (d->ep && d->ep->allgather) {
+        /* produces dx's expert part and the routing-weight gradients directly */
+        be->zero(ws->dtopk_w, R * NK);
+        backward_allgather(be, dx, g, dout, w, d, a, ws);
+    } else if (d->ep || d->capacity_factor > 0) {
         backward_dispatch(be, dx, g, dout, w, d, a, ws);
     } else {
         /* 5⁻¹. the combine was a sum, so each permuted row receives its token's gradient */
@@ -291,9 +417,11 @@ void moe_moe_backward(const moe_backend *be, void *dx, const moe_moe_grads *g, c
     }
 
     /* 3⁻¹. back to token order: inputs and routing weights */
-    be->unpermute_sum(dx, ws->dxp, a->row_of, N, k, H);
-    be->zero(ws->dtopk_w, R * NK);
-    be->unpermute_weights(ws->dtopk_w, ws->dwp, a->row_of, N, k);
+    if (!(d->ep && d->ep->allgather)) {
+        be->unpermute_sum(dx, ws->dxp, a->row_of, N, k, H);
+        be->zero(ws->dtopk_w, R * NK);
+        be->unpermute_weights(ws->dtopk_w, ws->dwp, a->row_of, N, k);
+    }
 
     /* 2⁻¹ and 1⁻¹. router: routing weights, aux loss and z-loss all end in the logits */
     be->zero(ws->dlogits, be->act_size * (size_t)N * E);

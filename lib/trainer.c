@@ -35,6 +35,7 @@ static moe_status make_groups(moe_trainer *t, moe_error *err) {
                              c->micro_batch_size * W);
     t->ep.size = EP;
     t->ep.rank = t->rank % EP;
+    t->ep.allgather = !strcmp(c->moe_token_dispatcher_type, "allgather");
     if (EP > 1)
         MOE_TRY(moe_comm_split(t->world, t->rank / EP, t->rank, &t->ep_group, err));
     if (W / EP > 1)

@@ -277,8 +277,11 @@ END_TEST
  * last rank sends everything it has (`big` elements) to rank 0: the skewed routing an MoE
  * dispatcher sees when every token of a rank picks experts on one peer. Every other rank
  * keeps a share for itself ((3s + 5s + 1) mod 4 = 1), so the local copy is checked too.
+ * big = 0 asks for the balanced case instead: 7 elements between every pair.
  */
 static size_t a2a_count(int s, int d, size_t big) {
+    if (big == 0)
+        return 7; /* the balanced case: equal counts, so only the order tells peers apart */
     if (s == P - 1)
         return d == 0 ? big : 0;
     return (size_t)((3 * s + 5 * d + 1) % 4) * 11;
@@ -341,6 +344,7 @@ static long long run_a2a(moe_dtype t, size_t big) {
 START_TEST(test_all_to_all_v) {
     long long bad = run_a2a(MOE_DTYPE_I64, (size_t)1 << 17); /* 1 MiB from the last rank */
     bad += run_a2a(MOE_DTYPE_BF16, 40);
+    bad += run_a2a(MOE_DTYPE_I64, 0);
     AGREE(bad, "all_to_all_v");
 }
 END_TEST

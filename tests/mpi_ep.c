@@ -2,9 +2,10 @@
  * Expert parallelism is invisible to the math: under mpirun with W ranks, a run with
  * --expert-model-parallel-size EP (every EP dividing W) computes the same loss and the
  * same gradients as ONE process running every micro-batch of the step (the reference,
- * built inside each rank with no communicator). Checked for the all-to-all dispatcher,
- * dropless and with a capacity (both drop policies, with padding), and with every token
- * routed to the same two experts (one rank receives everything, the others nothing).
+ * built inside each rank with no communicator). Checked for the all-to-all and the
+ * allgather dispatchers, dropless and with a capacity (both drop policies, with padding),
+ * and with every token routed to the same two experts (one rank receives everything,
+ * the others nothing).
  *
  * Bounds, fp32 on CPU ranks: the same operations in a different order (the all-reduce
  * sums per-rank partial gradients), so loss |Δ| ≤ 1e-5·|loss| and every gradient tensor
@@ -116,8 +117,10 @@ static void check_ep(const char *extra, int ep, int force) {
 }
 
 START_TEST(test_ep_dropless) {
-    for (int ep = 1; ep <= 4; ep *= 2)
+    for (int ep = 1; ep <= 4; ep *= 2) {
         check_ep("", ep, 0);
+        check_ep("--moe-token-dispatcher-type allgather", ep, 0);
+    }
 }
 END_TEST
 
@@ -126,6 +129,7 @@ START_TEST(test_ep_capacity) {
         check_ep("--moe-expert-capacity-factor 1.0", ep, 0);
         check_ep("--moe-expert-capacity-factor 1.0 --moe-token-drop-policy position", ep, 0);
         check_ep("--moe-expert-capacity-factor 1.25 --moe-pad-expert-input-to-capacity", ep, 0);
+        check_ep("--moe-expert-capacity-factor 1.0 --moe-token-dispatcher-type allgather", ep, 0);
     }
 }
 END_TEST
@@ -135,6 +139,9 @@ START_TEST(test_ep_all_tokens_to_two_experts) {
     for (int ep = 1; ep <= 4; ep *= 2)
         check_ep(sig, ep, 1);
     char buf[256];
+    snprintf(buf, sizeof buf, "%s --moe-token-dispatcher-type allgather", sig);
+    for (int ep = 1; ep <= 4; ep *= 2)
+        check_ep(buf, ep, 1);
     snprintf(buf, sizeof buf, "%s --moe-expert-capacity-factor 1.0", sig);
     for (int ep = 1; ep <= 4; ep *= 2)
         check_ep(buf, ep, 1);

@@ -96,7 +96,7 @@ int main(int argc, char **argv) {
         printf("| tokens/rank | MB out/rank | raw a2a ms | raw GB/s | dispatch+combine ms | GB/s "
                "| of raw |\n|---|---|---|---|---|---|---|\n");
     }
-    moe_ep ep = {P > 1 ? world : NULL, P, rank, be, NULL, 0, NULL, 0};
+    moe_ep ep = {.comm = P > 1 ? world : NULL, .size = P, .rank = rank, .be = be};
     const int sizes[] = {1024, 4096, 16384, 32768};
     for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
         const int T = sizes[si], NK = T * k;
