@@ -82,8 +82,10 @@ struct moe_comm {
 #endif
 };
 
-static int g_world_rank = 0;     /* for messages from code that has no group at hand */
+static int g_world_rank = 0; /* for messages from code that has no group at hand */
+#ifdef MOE_HAVE_MPI
 static int g_mpi_started_here = 0; /* moe_comm_init called MPI_Init, so finalize ends it */
+#endif
 
 size_t moe_dtype_size(moe_dtype t) {
     switch (t) {
@@ -214,6 +216,7 @@ static void alloc_counts(moe_comm *c) {
 
 /* One rank and no transport (no MPI, or a CUDA group without NCCL): collectives copy. */
 static void local_copy(const moe_comm *c, void *dst, const void *src, size_t bytes) {
+    (void)c; /* only the CUDA build looks at the device */
     if (bytes == 0 || dst == src)
         return;
 #ifdef MOE_HAVE_CUDA
@@ -227,6 +230,7 @@ static void local_copy(const moe_comm *c, void *dst, const void *src, size_t byt
 
 /* 1 when the transport buffers of @p c are moved by local copies (a world of one rank). */
 static int is_local(const moe_comm *c) {
+    (void)c; /* a build without MPI and NCCL has nothing else */
 #ifdef MOE_HAVE_NCCL
     if (c->nccl)
         return 0;
@@ -401,6 +405,7 @@ moe_status moe_comm_split(moe_comm *parent, int color, int key, moe_comm **out, 
     MOE_MPI_CHECK(MPI_Comm_size(c->mpi, &c->size));
     alloc_counts(c);
 #else
+    (void)key;
     c->rank = 0;
     c->size = 1;
 #endif

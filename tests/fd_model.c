@@ -129,6 +129,46 @@ START_TEST(test_fd_model_group_limited) {
 }
 END_TEST
 
+/* The dispatcher path (local permutation into E+1 buckets, plan, chunk sort, combine),
+ * single process: with a capacity that drops, with padding, and with a capacity so large
+ * nothing is dropped — which must also equal chapter 01's naive loop exactly. */
+START_TEST(test_fd_model_capacity) {
+    check_model("capacity 1.0, probs policy (drops)",
+                TINY "--num-experts 4 --moe-router-topk 2 --moe-expert-capacity-factor 1.0 "
+                     "--moe-aux-loss-coeff 0.1 --moe-shared-expert-intermediate-size 4");
+    check_model("capacity 1.0, position policy, padded",
+                TINY "--num-experts 4 --moe-router-topk 2 --moe-expert-capacity-factor 1.0 "
+                     "--moe-token-drop-policy position --moe-pad-expert-input-to-capacity");
+    /* dispatcher path with no drops vs the naive loop: same loss, same gradients */
+    const int V = 13, B = 2;
+    moe_config c1 = make_config(TINY "--num-experts 4 --moe-router-topk 2", V);
+    moe_config c2 = make_config(TINY "--num-experts 4 --moe-router-topk 2 "
+                                     "--moe-expert-capacity-factor 100", V);
+    moe_model *m1 = NULL, *m2 = NULL;
+    moe_error err;
+    ck_assert(moe_model_create(&m1, &c1, moe_backend_cpu(), B, NULL, &err) == MOE_OK);
+    ck_assert(moe_model_create(&m2, &c2, moe_backend_cpu(), B, NULL, &err) == MOE_OK);
+    moe_model_init(m1, 7);
+    moe_model_init(m2, 7);
+    int tok[12], tgt[12];
+    for (int i = 0; i < 12; i++) {
+        tok[i] = (i * 5 + 3) % V;
+        tgt[i] = (i * 7 + 1) % V;
+    }
+    double l1 = moe_model_forward(m1, tok, tgt, B, 6), l2 = moe_model_forward(m2, tok, tgt, B, 6);
+    ck_assert_double_eq_tol(l1, l2, 1e-12);
+    moe_model_zero_grad(m1);
+    moe_model_zero_grad(m2);
+    moe_model_backward(m1, 1.0);
+    moe_model_backward(m2, 1.0);
+    for (size_t i = 0; i < m1->table.total; i++)
+        ck_assert_double_eq_tol(m1->grads[i], m2->grads[i], 1e-12);
+    moe_model_free(m1);
+    moe_model_free(m2);
+    moe_cpu_matmul_release();
+}
+END_TEST
+
 START_TEST(test_fd_model_top1_and_dense) {
     check_model("softmax top-1", TINY "--num-experts 4 --moe-router-topk 1 --moe-z-loss-coeff 0.01");
     check_model("dense model (no experts)", TINY "--num-experts 0");
@@ -145,6 +185,7 @@ Suite *suite_fd_model(void) {
     tcase_add_test(tc, test_fd_model_sigmoid_bias_scaling);
     tcase_add_test(tc, test_fd_model_group_limited);
     tcase_add_test(tc, test_fd_model_top1_and_dense);
+    tcase_add_test(tc, test_fd_model_capacity);
     suite_add_tcase(s, tc);
     return s;
 }
