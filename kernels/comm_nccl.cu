@@ -70,19 +70,37 @@ static void nccl_fatal(moe_nccl_comm *c) {
     exit(1); /* not reached */
 }
 
-/** Abort the job with rank, file and line when an NCCL call fails. */
-#define MOE_NCCL_CHECK(c, call)                                                               \
-    do {                                                                                      \
-        ncclResult_t moe_r_ = (call);                                                         \
-        if (moe_r_ != ncclSuccess) {                                                          \
-            fprintf(stderr, "[rank %d] NCCL error at %s:%d: %s (%s)\n  last NCCL message: %s\n", \
-                    (c) ? (c)->world_rank : -1, __FILE__, __LINE__, ncclGetErrorString(moe_r_), \
-                    #call, ncclGetLastError((c) ? (c)->comm : NULL));                         \
-            nccl_fatal(c);                                                                    \
-        }                                                                                     \
+/* A failed NCCL call: say which, where and why, then take the job down. */
+static void nccl_fail(moe_nccl_comm *c, ncclResult_t r, const char *call, const char *file,
+                      int line) {
+    fprintf(stderr, "[rank %d] NCCL error at %s:%d: %s (in %s)\n  last NCCL message: %s\n",
+            c ? c->world_rank : -1, file, line, ncclGetErrorString(r), call,
+            ncclGetLastError(c ? c->comm : NULL));
+    nccl_fatal(c);
+}
+
+/** Abort the job with rank, file and line when an NCCL call fails (c: the communicator
+ *  to abort, or NULL). */
+#define MOE_NCCL_CHECK(c, call)                                 \
+    do {                                                        \
+        ncclResult_t moe_r_ = (call);                           \
+        if (moe_r_ != ncclSuccess)                              \
+            nccl_fail((c), moe_r_, #call, __FILE__, __LINE__);  \
     } while (0)
 
 /* ------------------------------------------------------------ helpers */
+
+/* Bytes per element (comm.h's moe_dtype_size has C linkage that this C++ file would not
+ * see: comm.h has no extern "C" block). */
+static size_t dtype_bytes(moe_dtype t) {
+    switch (t) {
+    case MOE_DTYPE_F32: case MOE_DTYPE_I32: return 4;
+    case MOE_DTYPE_F64: case MOE_DTYPE_I64: return 8;
+    case MOE_DTYPE_BF16: return 2;
+    case MOE_DTYPE_BYTE: return 1;
+    }
+    return 1;
+}
 
 static ncclDataType_t nccl_type(moe_dtype t) {
     switch (t) {
@@ -244,7 +262,7 @@ extern "C" void moe_nccl_all_gather(moe_nccl_comm *c, const void *send, void *re
 
 extern "C" void moe_nccl_all_gather_v(moe_nccl_comm *c, const void *send, void *recv,
                                       const size_t *counts, moe_dtype t) {
-    const size_t es = moe_dtype_size(t);
+    const size_t es = dtype_bytes(t);
     size_t displ = 0;
     MOE_NCCL_CHECK(c, ncclGroupStart());
     for (int r = 0; r < c->size; r++) {
@@ -270,9 +288,42 @@ extern "C" void moe_nccl_reduce_scatter_sum(moe_nccl_comm *c, const void *send, 
     nccl_wait(c, "reduce_scatter_sum");
 }
 
+extern "C" void moe_nccl_exchange(moe_nccl_comm *c, const void *send, const moe_comm_chunk *sends,
+                                  int n_sends, void *recv, const moe_comm_chunk *recvs,
+                                  int n_recvs, moe_dtype t) {
+    const size_t es = dtype_bytes(t);
+    const ncclDataType_t nt = nccl_type(t);
+    /* chunks to this rank itself are device copies, matched in order */
+    int si = 0, ri = 0;
+    for (;;) {
+        while (si < n_sends && (sends[si].peer != c->rank || sends[si].count == 0))
+            si++;
+        while (ri < n_recvs && (recvs[ri].peer != c->rank || recvs[ri].count == 0))
+            ri++;
+        if (si >= n_sends || ri >= n_recvs)
+            break;
+        MOE_CUDA_CHECK(cudaMemcpyAsync((void *)at(recv, recvs[ri].offset, es),
+                                       at(send, sends[si].offset, es), sends[si].count * es,
+                                       cudaMemcpyDeviceToDevice, moe_cuda_stream()));
+        si++;
+        ri++;
+    }
+    MOE_NCCL_CHECK(c, ncclGroupStart());
+    for (int i = 0; i < n_sends; i++)
+        if (sends[i].count > 0 && sends[i].peer != c->rank)
+            MOE_NCCL_CHECK(c, ncclSend(at(send, sends[i].offset, es), sends[i].count, nt,
+                                       sends[i].peer, c->comm, moe_cuda_stream()));
+    for (int i = 0; i < n_recvs; i++)
+        if (recvs[i].count > 0 && recvs[i].peer != c->rank)
+            MOE_NCCL_CHECK(c, ncclRecv((void *)at(recv, recvs[i].offset, es), recvs[i].count, nt,
+                                       recvs[i].peer, c->comm, moe_cuda_stream()));
+    MOE_NCCL_CHECK(c, ncclGroupEnd());
+    nccl_wait(c, "exchange");
+}
+
 extern "C" void moe_nccl_all_to_all_v(moe_nccl_comm *c, const void *send, const size_t *send_counts,
                                       void *recv, const size_t *recv_counts, moe_dtype t) {
-    const size_t es = moe_dtype_size(t);
+    const size_t es = dtype_bytes(t);
     const ncclDataType_t nt = nccl_type(t);
     size_t sdispl = 0, rdispl = 0;
     MOE_NCCL_CHECK(c, ncclGroupStart());

@@ -73,6 +73,9 @@ void moe_nccl_reduce_scatter_sum(moe_nccl_comm *c, const void *send, void *recv,
                                  moe_dtype t);
 /** @brief All-to-all-v (grouped send/recv per peer). @param c comm @param send buffer
  *  @param send_counts [size] @param recv buffer @param recv_counts [size] @param t type */
+void moe_nccl_exchange(moe_nccl_comm *c, const void *send, const moe_comm_chunk *sends,
+                       int n_sends, void *recv, const moe_comm_chunk *recvs, int n_recvs,
+                       moe_dtype t);
 void moe_nccl_all_to_all_v(moe_nccl_comm *c, const void *send, const size_t *send_counts,
                            void *recv, const size_t *recv_counts, moe_dtype t);
 /** @brief Point-to-point send. @param c comm @param buf data @param count n @param t type

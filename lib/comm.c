@@ -510,6 +510,56 @@ void moe_comm_reduce_scatter_sum(moe_comm *c, const void *send, void *recv, size
 #endif
 }
 
+void moe_comm_exchange(moe_comm *c, const void *send, const moe_comm_chunk *sends, int n_sends,
+                       void *recv, const moe_comm_chunk *recvs, int n_recvs, moe_dtype t) {
+#ifdef MOE_HAVE_NCCL
+    if (c->nccl) {
+        moe_nccl_exchange(c->nccl, send, sends, n_sends, recv, recvs, n_recvs, t);
+        return;
+    }
+#endif
+    const size_t es = moe_dtype_size(t);
+    /* chunks to this rank itself: local copies, matched in order */
+    int si = 0, ri = 0;
+    for (;;) {
+        while (si < n_sends && (sends[si].peer != c->rank || sends[si].count == 0))
+            si++;
+        while (ri < n_recvs && (recvs[ri].peer != c->rank || recvs[ri].count == 0))
+            ri++;
+        if (si >= n_sends || ri >= n_recvs)
+            break;
+        if (sends[si].count != recvs[ri].count)
+            comm_fatal(c, "exchange: a chunk to itself of %zu elements meets a receive of %zu",
+                       sends[si].count, recvs[ri].count);
+        local_copy(c, (char *)recv + recvs[ri].offset * es,
+                   (const char *)send + sends[si].offset * es, sends[si].count * es);
+        si++;
+        ri++;
+    }
+#ifdef MOE_HAVE_MPI
+    if (is_local(c))
+        return;
+    /* post every receive, then every send; same-pair messages keep their order (MPI's
+     * non-overtaking rule for one tag), which is what matches chunk k to chunk k */
+    MPI_Request *req = malloc(sizeof(MPI_Request) * (size_t)(n_sends + n_recvs + 1));
+    if (!req)
+        comm_fatal(c, "exchange: out of host memory");
+    int nr = 0;
+    for (int i = 0; i < n_recvs; i++)
+        if (recvs[i].count > 0 && recvs[i].peer != c->rank)
+            MOE_MPI_CHECK(MPI_Irecv((char *)recv + recvs[i].offset * es,
+                                    mpi_count(c, recvs[i].count, "exchange"), mpi_type(t),
+                                    recvs[i].peer, 7, c->mpi, &req[nr++]));
+    for (int i = 0; i < n_sends; i++)
+        if (sends[i].count > 0 && sends[i].peer != c->rank)
+            MOE_MPI_CHECK(MPI_Isend((const char *)send + sends[i].offset * es,
+                                    mpi_count(c, sends[i].count, "exchange"), mpi_type(t),
+                                    sends[i].peer, 7, c->mpi, &req[nr++]));
+    MOE_MPI_CHECK(MPI_Waitall(nr, req, MPI_STATUSES_IGNORE));
+    free(req);
+#endif
+}
+
 void moe_comm_all_to_all_v(moe_comm *c, const void *send, const size_t *send_counts, void *recv,
                            const size_t *recv_counts, moe_dtype t) {
 #ifdef MOE_HAVE_NCCL

@@ -121,6 +121,28 @@ void moe_comm_reduce_scatter_sum(moe_comm *c, const void *send, void *recv, size
 void moe_comm_all_to_all_v(moe_comm *c, const void *send, const size_t *send_counts, void *recv,
                            const size_t *recv_counts, moe_dtype t);
 
+/** One piece of a moe_comm_exchange(): @p count elements at element @p offset of the
+ *  buffer, going to (or coming from) rank @p peer. */
+typedef struct moe_comm_chunk {
+    size_t offset; /**< first element in the buffer */
+    size_t count;  /**< elements (0: skipped) */
+    int peer;      /**< the other rank (may be this rank: a local copy) */
+} moe_comm_chunk;
+
+/**
+ * @brief An all-to-all made of pieces: every send chunk goes to its peer, every receive
+ *        chunk comes from its peer, chunks between the same two ranks matched in list
+ *        order (the k-th chunk rank p sends to q is the k-th chunk q receives from p, and
+ *        both must have the same count). Unlike all-to-all-v, pieces land anywhere in the
+ *        receive buffer: the dispatcher receives each (source rank, local expert) chunk
+ *        straight into its place in the expert layout, with no sorting pass afterwards.
+ *        NCCL: one group of send/recv; MPI: nonblocking sends and receives.
+ * @param c group @param send buffer @param sends chunks to send @param n_sends their number
+ * @param recv buffer @param recvs chunks to receive @param n_recvs their number @param t type
+ */
+void moe_comm_exchange(moe_comm *c, const void *send, const moe_comm_chunk *sends, int n_sends,
+                       void *recv, const moe_comm_chunk *recvs, int n_recvs, moe_dtype t);
+
 /** @brief Send @p count elements to @p peer (pairs with moe_comm_recv on the peer).
  *  @param c group @param buf data @param count n @param t type @param peer destination rank */
 void moe_comm_send(moe_comm *c, const void *buf, size_t count, moe_dtype t, int peer);

@@ -20,8 +20,9 @@
 /** Largest --moe-router-topk (the router keeps per-token arrays of this size on the stack). */
 #define MOE_MAX_TOPK 64
 
-/** Most experts per MoE layer. */
-#define MOE_MAX_EXPERTS 1024
+/** Most experts per MoE layer (the dispatcher sorts dropped assignments into one extra
+ *  bucket, and the permutation handles 1024 buckets). */
+#define MOE_MAX_EXPERTS 1023
 
 /** Router score function (BRIEF §6). */
 typedef enum moe_score_fn {

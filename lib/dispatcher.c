@@ -78,7 +78,10 @@ void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long lon
         plan->send_rows = calloc((size_t)P, sizeof(size_t));
         plan->recv_rows = calloc((size_t)P, sizeof(size_t));
         plan->expert_offset = calloc((size_t)EL + 1, sizeof(int));
-        MOE_ASSERT(plan->send_rows && plan->recv_rows && plan->expert_offset);
+        plan->send_chunks = calloc((size_t)P * EL, sizeof(moe_comm_chunk));
+        plan->recv_chunks = calloc((size_t)P * EL, sizeof(moe_comm_chunk));
+        MOE_ASSERT(plan->send_rows && plan->recv_rows && plan->expert_offset &&
+                   plan->send_chunks && plan->recv_chunks);
     }
     plan->E = E;
     plan->E_local = EL;
@@ -147,6 +150,17 @@ void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long lon
         }
     }
     plan->expert_offset[EL] = off;
+    /* the same layouts as chunk lists, for the exchange across ranks */
+    size_t send_off = 0;
+    for (int e = 0; e < E; e++) {
+        plan->send_chunks[e] = (moe_comm_chunk){send_off, (size_t)mine[e], e / EL};
+        send_off += (size_t)mine[e];
+    }
+    for (int p = 0; p < P; p++)
+        for (int el = 0; el < EL; el++)
+            plan->recv_chunks[p * EL + el] =
+                (moe_comm_chunk){(size_t)exp_off[p * EL + el],
+                                 (size_t)all[(size_t)p * E + rank * EL + el], p};
     for (int p = 0; p < P; p++)
         for (int el = 0; el < EL; el++) {
             int n = (int)all[(size_t)p * E + rank * EL + el];
@@ -194,6 +208,8 @@ void moe_dispatch_plan_free(moe_ep *ep, moe_dispatch_plan *plan) {
     free(plan->send_rows);
     free(plan->recv_rows);
     free(plan->expert_offset);
+    free(plan->send_chunks);
+    free(plan->recv_chunks);
     memset(plan, 0, sizeof *plan);
 }
 
@@ -236,30 +252,41 @@ static void move(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, const voi
         else                                                               \
             be->gather_reals((moe_real *)(d), (const moe_real *)(s), (map), (rows)); \
     } while (0)
+    /* chunk lists in elements */
+    const int nch = P * plan->E_local;
+    moe_comm_chunk *cs = malloc(sizeof *cs * nch), *cr = malloc(sizeof *cr * nch);
+    MOE_ASSERT(cs && cr);
+    for (int i = 0; i < nch; i++) {
+        cs[i] = plan->send_chunks[i];
+        cs[i].offset *= (size_t)C;
+        cs[i].count *= (size_t)C;
+        cr[i] = plan->recv_chunks[i];
+        cr[i].offset *= (size_t)C;
+        cr[i].count *= (size_t)C;
+    }
     if (to_experts) {
-        /* permuted → (padded) send layout → all-to-all → [src][el] → sort → [el][src] */
+        /* permuted → (padded) send layout → exchange straight into [el][src] */
         const void *send = src;
         if (plan->padded) {
             GATHER(ep->send_buf, src, plan->send_map, plan->R_send);
             send = ep->send_buf;
         }
-        const void *recv = send;
-        if (ep->comm) {
-            moe_comm_all_to_all_v(ep->comm, send, sc, ep->recv_buf, rc, t);
-            recv = ep->recv_buf;
-        }
-        GATHER(dst, recv, plan->sort_map, plan->R_recv);
+        if (ep->comm)
+            moe_comm_exchange(ep->comm, send, cs, nch, dst, cr, nch, t);
+        else /* one rank: [src][el] is [el] already, the sort is a gather */
+            GATHER(dst, send, plan->sort_map, plan->R_recv);
     } else {
-        /* [el][src] → unsort → [src][el] → all-to-all back → (unpad) → permuted */
-        GATHER(ep->recv_buf, src, plan->unsort_map, plan->R_recv);
+        /* [el][src] → exchange back into the (padded) send layout → (unpad) → permuted */
         void *back = plan->padded ? ep->send_buf : dst;
         if (ep->comm)
-            moe_comm_all_to_all_v(ep->comm, ep->recv_buf, rc, back, sc, t);
+            moe_comm_exchange(ep->comm, src, cr, nch, back, cs, nch, t);
         else
-            be->copy(back, ep->recv_buf, elem * C * (size_t)plan->R_recv);
+            GATHER(back, src, plan->unsort_map, plan->R_recv);
         if (plan->padded)
             GATHER(dst, back, plan->unpad_map, plan->R_kept);
     }
+    free(cs);
+    free(cr);
 #undef GATHER
     free(sc);
     free(rc);

@@ -14,7 +14,9 @@
  *   3. all-to-all-v of the token rows and of their routing weights; what arrives is laid
  *      out [source rank][local expert];
  *   4. sort chunks to [local expert][source rank], so each local expert's rows are
- *      contiguous — the experts run exactly as in chapter 01, on local weights;
+ *      contiguous — the experts run exactly as in chapter 01, on local weights. Across
+ *      ranks the sort is free: each (source rank, local expert) chunk is received
+ *      straight into its place (moe_comm_exchange); only a single rank sorts in memory;
  *   5. the exact reverse: unsort chunks, all-to-all-v back, unpermute.
  * The backward moves gradients along the same plan: output gradients travel like
  * tokens (steps 1–4), input and routing-weight gradients come back like outputs (step 5).
@@ -29,7 +31,8 @@
  * The allgather dispatcher (--moe-token-dispatcher-type allgather, lib/moe_layer.c) is the
  * simpler alternative: all-gather every rank's tokens and routing, let each rank's
  * experts pick their rows out of the whole gathered batch, and reduce-scatter the partial
- * outputs back. It moves EP× more data but needs no count exchange and no chunk sorting;
+ * outputs back. Per rank it moves EP·N token rows each way where all-to-all moves about
+ * N·k, so EP/k times as much, but it needs no count exchange and no chunk sorting;
  * Megatron uses it when tensor parallelism already all-gathers the tokens.
  */
 #ifndef MOE_DISPATCHER_H
@@ -71,6 +74,10 @@ typedef struct moe_dispatch_plan {
     int *sort_map;        /**< backend [R_recv]: expert-layout row → received row */
     int *unsort_map;      /**< backend [R_recv]: received row → expert-layout row */
     int cap_rows;         /**< allocated rows of the backend maps */
+    moe_comm_chunk *send_chunks; /**< host [EP·E_local]: (rank p, its local expert el) pieces of
+                                      the send layout, in rows */
+    moe_comm_chunk *recv_chunks; /**< host [EP·E_local]: (source p, my local expert el) pieces,
+                                      at their place in the expert layout, in rows */
     /* the allgather dispatcher: every rank sees every rank's tokens */
     int *ag_tok;          /**< backend [R_recv]: expert-side row → token in the gathered batch */
     int *ag_inv;          /**< backend [EP·N·k]: gathered assignment → expert-side row, or −1 */

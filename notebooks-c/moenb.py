@@ -16,6 +16,8 @@ Then:
 
     %moe ch01_moe_layer_bench --device cpu --shape small     # a built program from bin/
 
+    %mpirun -np 2 ch02_dispatch_bench --device cpu           # the same, on 2 MPI ranks
+
     %moe_build                                                # show the compile command
 
 A `%%c` cell is one complete C11 program. It is compiled with the project's own compiler
@@ -26,6 +28,11 @@ data/tinyshakespeare.txt work. Its output (stdout and stderr, in order) appears 
 cell. A compile error or a non-zero exit raises an exception: the cell fails, and so does
 a headless run (notebooks-c/run_notebooks.py). With MOE_NB_WERROR=1 (the runner sets it)
 compiler warnings are errors too.
+
+`%mpirun -np N PROGRAM args` runs `mpirun --oversubscribe --allow-run-as-root -np N
+bin/PROGRAM args` from the repository root, with OMP_NUM_THREADS=1 (N ranks share the
+cores) and Open MPI's permission to run as root (containers, CI); output and failures
+are handled as for %moe.
 """
 import os
 import shlex
@@ -92,14 +99,16 @@ def _make_hint():
     return f"build it first, from {REPO}: make {extra}".rstrip()
 
 
-def _run(argv, what):
-    """Run argv from the repository root, streaming stdout+stderr into the cell; raise on failure."""
+def _run(argv, what, env=None):
+    """Run argv from the repository root, streaming stdout+stderr into the cell; raise on failure.
+
+    env: the program's environment (default: the kernel's)."""
     # Line-buffer the program's stdio (it writes to a pipe) so output appears as it comes,
     # and stdout and stderr interleave in the order they were written.
     if shutil.which("stdbuf"):
         argv = ["stdbuf", "-oL", "-eL", *argv]
     proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT, env=env)
     try:
         # (ipykernel sends what was written every 0.2 s, so output still appears live)
         for line in iter(proc.stdout.readline, b""):
@@ -145,9 +154,19 @@ def compile_c(source, workdir):
     return exe
 
 
+def _program(name):
+    """The path of bin/NAME, or a RunError that says how to build it."""
+    exe = REPO / "bin" / name
+    if not exe.is_file():
+        have = sorted(p.name for p in (REPO / "bin").glob("*")) if (REPO / "bin").is_dir() else []
+        raise RunError(f"bin/{name} not found (built: {', '.join(have) or 'nothing'}): "
+                       f"{_make_hint()}")
+    return exe
+
+
 @magics_class
 class MoeMagics(Magics):
-    """%%c, %moe and %moe_build."""
+    """%%c, %moe, %mpirun and %moe_build."""
 
     @cell_magic
     def c(self, line, cell):
@@ -163,12 +182,27 @@ class MoeMagics(Magics):
         argv = shlex.split(line)
         if not argv:
             raise MoeNotebookError("usage: %moe PROGRAM [args]   (a program in bin/)")
-        exe = REPO / "bin" / argv[0]
-        if not exe.is_file():
-            have = sorted(p.name for p in (REPO / "bin").glob("*")) if (REPO / "bin").is_dir() else []
-            raise RunError(f"bin/{argv[0]} not found (built: {', '.join(have) or 'nothing'}): "
-                           f"{_make_hint()}")
+        exe = _program(argv[0])
         _run([str(exe), *argv[1:]], f"bin/{argv[0]}")
+
+    @line_magic
+    def mpirun(self, line):
+        """%mpirun -np N PROGRAM [args]: run bin/PROGRAM on N MPI ranks from the repository root."""
+        argv = shlex.split(line)
+        if len(argv) < 3 or argv[0] != "-np" or not argv[1].isdigit() or int(argv[1]) < 1:
+            raise MoeNotebookError("usage: %mpirun -np N PROGRAM [args]   (a program in bin/)")
+        launcher = shutil.which("mpirun")
+        if launcher is None:
+            raise RunError("mpirun not found: install Open MPI (sudo apt-get install openmpi-bin "
+                           "libopenmpi-dev), then rebuild with make")
+        _program(argv[2])  # a clear message when it is not built
+        # N ranks share the machine's cores: one OpenMP thread each. Open MPI refuses to
+        # start as root (containers, CI) unless both variables say it may.
+        env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+                   OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        cmd = [launcher, "--oversubscribe", "--allow-run-as-root", "-np", argv[1],
+               f"bin/{argv[2]}", *argv[3:]]
+        _run(cmd, f"mpirun -np {argv[1]} bin/{argv[2]}", env=env)
 
     @line_magic
     def moe_build(self, line):

@@ -27,7 +27,6 @@ Suite *suite_gpu_model(void);     /* tests/gpu_model.c: whole model CUDA vs CPU,
 
 /* MPI tests (CPU ranks under mpirun) */
 Suite *suite_mpi_comm(void);      /* tests/mpi_comm.c: every collective of comm.h, any rank count */
-Suite *suite_mpi_dispatch(void);  /* tests/mpi_dispatch.c: the token dispatcher across ranks */
 Suite *suite_mpi_ep(void);        /* tests/mpi_ep.c: EP = any divisor of the ranks gives the
                                      single-process loss and gradients */
 struct moe_comm;

@@ -30,8 +30,8 @@ void moe_cpu_permute_index(int *perm_src, int *row_of, int *expert_offset, long 
         expert_offset[e + 1] += expert_offset[e];
     }
     /* stable scatter: walk assignments in order, fill each expert's next slot */
-    int cur[MOE_MAX_EXPERTS];
-    MOE_ASSERT(E <= MOE_MAX_EXPERTS);
+    int cur[MOE_MAX_EXPERTS + 1];
+    MOE_ASSERT(E <= MOE_MAX_EXPERTS + 1); /* + the dispatcher's bucket of dropped tokens */
     for (int e = 0; e < E; e++)
         cur[e] = expert_offset[e];
     for (int a = 0; a < N * k; a++) {
