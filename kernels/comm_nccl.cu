@@ -291,23 +291,9 @@ extern "C" void moe_nccl_reduce_scatter_sum(moe_nccl_comm *c, const void *send, 
 extern "C" void moe_nccl_exchange(moe_nccl_comm *c, const void *send, const moe_comm_chunk *sends,
                                   int n_sends, void *recv, const moe_comm_chunk *recvs,
                                   int n_recvs, moe_dtype t) {
+    /* chunks to this rank itself were copied by moe_comm_exchange (lib/comm.c) */
     const size_t es = dtype_bytes(t);
     const ncclDataType_t nt = nccl_type(t);
-    /* chunks to this rank itself are device copies, matched in order */
-    int si = 0, ri = 0;
-    for (;;) {
-        while (si < n_sends && (sends[si].peer != c->rank || sends[si].count == 0))
-            si++;
-        while (ri < n_recvs && (recvs[ri].peer != c->rank || recvs[ri].count == 0))
-            ri++;
-        if (si >= n_sends || ri >= n_recvs)
-            break;
-        MOE_CUDA_CHECK(cudaMemcpyAsync((void *)at(recv, recvs[ri].offset, es),
-                                       at(send, sends[si].offset, es), sends[si].count * es,
-                                       cudaMemcpyDeviceToDevice, moe_cuda_stream()));
-        si++;
-        ri++;
-    }
     MOE_NCCL_CHECK(c, ncclGroupStart());
     for (int i = 0; i < n_sends; i++)
         if (sends[i].count > 0 && sends[i].peer != c->rank)

@@ -512,14 +512,9 @@ void moe_comm_reduce_scatter_sum(moe_comm *c, const void *send, void *recv, size
 
 void moe_comm_exchange(moe_comm *c, const void *send, const moe_comm_chunk *sends, int n_sends,
                        void *recv, const moe_comm_chunk *recvs, int n_recvs, moe_dtype t) {
-#ifdef MOE_HAVE_NCCL
-    if (c->nccl) {
-        moe_nccl_exchange(c->nccl, send, sends, n_sends, recv, recvs, n_recvs, t);
-        return;
-    }
-#endif
     const size_t es = moe_dtype_size(t);
-    /* chunks to this rank itself: local copies, matched in order */
+    /* chunks to this rank itself: local copies (host or device), matched in order; the
+     * transports below only move chunks between different ranks */
     int si = 0, ri = 0;
     for (;;) {
         while (si < n_sends && (sends[si].peer != c->rank || sends[si].count == 0))
@@ -536,6 +531,12 @@ void moe_comm_exchange(moe_comm *c, const void *send, const moe_comm_chunk *send
         si++;
         ri++;
     }
+#ifdef MOE_HAVE_NCCL
+    if (c->nccl) {
+        moe_nccl_exchange(c->nccl, send, sends, n_sends, recv, recvs, n_recvs, t);
+        return;
+    }
+#endif
 #ifdef MOE_HAVE_MPI
     if (is_local(c))
         return;
