@@ -190,6 +190,37 @@ int main(int argc, char **argv) {
             if (it >= o.warmup)
                 raw[it - o.warmup] = t_ms;
         }
+        /* where the time goes: each stage timed on its own (stages end with a sync) */
+        double stage[7] = {0};
+        for (int it = 0; it < o.repeats; it++) {
+            moe_comm_barrier(world);
+            be->timer_begin();
+            be->permute_index(perm_src, row_of, off, counts, d_idx, T, k, E);
+            stage[0] += be->timer_end_ms();
+            be->timer_begin();
+            be->permute_tokens(xp, x, perm_src, NK, k, H);
+            stage[1] += be->timer_end_ms();
+            for (int e = 0; e < E; e++)
+                kept[e] = off[e + 1] - off[e];
+            be->timer_begin();
+            moe_dispatch_plan_build(&ep, &plan, kept, E, 0);
+            stage[2] += be->timer_end_ms();
+            be->timer_begin();
+            moe_dispatch_rows(&ep, &plan, xe, xp, H);
+            stage[3] += be->timer_end_ms();
+            be->timer_begin();
+            moe_combine_rows(&ep, &plan, xp, xe, H);
+            stage[4] += be->timer_end_ms();
+            be->timer_begin();
+            be->zero(out, be->act_size * (size_t)T * H);
+            be->unpermute_sum(out, xp, row_of, T, k, H);
+            stage[5] += be->timer_end_ms();
+        }
+        if (rank == 0 && si + 1 == sizeof sizes / sizeof sizes[0])
+            printf("stages at %d tokens (rank 0, mean ms): permute_index %.3f, permute_tokens %.3f, "
+                   "plan %.3f, dispatch exchange %.3f, combine exchange %.3f, unpermute %.3f\n",
+                   T, stage[0] / o.repeats, stage[1] / o.repeats, stage[2] / o.repeats,
+                   stage[3] / o.repeats, stage[4] / o.repeats, stage[5] / o.repeats);
         double raw_bytes = (double)per * (P - 1) * be->act_size;
         double m_disp = timed_ms(be, world, ms, o.repeats), m_raw = timed_ms(be, world, raw, o.repeats);
         double gbs = 2 * bytes / (m_disp * 1e-3) / 1e9, raw_gbs = 2 * raw_bytes / (m_raw * 1e-3) / 1e9;
