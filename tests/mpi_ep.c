@@ -158,6 +158,10 @@ START_TEST(test_ep_all_tokens_to_two_experts) {
     for (int ep = 1; ep <= 4; ep *= 2)
         check_ep(sig, ep, 1);
     char buf[256];
+    /* top-1: every token on expert 0 — one expert (and one rank) receives everything */
+    snprintf(buf, sizeof buf, "%s --moe-router-topk 1", sig);
+    for (int ep = 1; ep <= 4; ep *= 2)
+        check_ep(buf, ep, 1);
     snprintf(buf, sizeof buf, "%s --moe-token-dispatcher-type allgather", sig);
     for (int ep = 1; ep <= 4; ep *= 2)
         check_ep(buf, ep, 1);
