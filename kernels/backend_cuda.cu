@@ -76,6 +76,8 @@ static moe_backend make_cuda_backend(void) {
     b.permute_weights = moe_cuda_permute_weights;
     b.unpermute_sum = moe_cuda_unpermute_sum;
     b.unpermute_weights = moe_cuda_unpermute_weights;
+    b.grouped_matmul_forward = moe_cuda_grouped_matmul_forward;
+    b.grouped_matmul_backward = moe_cuda_grouped_matmul_backward;
     b.gather_rows = moe_cuda_gather_rows;
     b.gather_reals = moe_cuda_gather_reals;
     b.scale_rows = moe_cuda_scale_rows;

@@ -111,6 +111,7 @@ typedef enum moe_scratch_slot {
     MOE_SCRATCH_AUX_LOSS = 0,
     MOE_SCRATCH_EMBEDDING,
     MOE_SCRATCH_PERMUTE,
+    MOE_SCRATCH_GROUPED_GEMM,
     MOE_SCRATCH_SLOTS
 } moe_scratch_slot;
 

@@ -48,6 +48,10 @@ void moe_cuda_fill_normal(moe_real *x, size_t n, unsigned long long seed,
 void moe_cuda_matmul_forward(void *out, const void *in, const void *w, int N, int I, int O);
 void moe_cuda_matmul_backward(void *din, moe_real *dw, const void *dout, const void *in,
                               const void *w, int N, int I, int O);
+void moe_cuda_grouped_matmul_forward(void *out, const void *in, const void *w, const int *off,
+                                     int G, int I, int O);
+void moe_cuda_grouped_matmul_backward(void *din, moe_real *dw, const void *dout, const void *in,
+                                      const void *w, const int *off, int G, int I, int O);
 void moe_cuda_embedding_forward(void *out, const int *tokens, const void *table, int N, int C);
 void moe_cuda_embedding_backward(moe_real *dtable, const void *dout, const int *tokens, int N,
                                  int V, int C);

@@ -89,6 +89,13 @@ typedef struct moe_backend {
     /** as moe_cpu_matmul_backward() (dw in full precision) */
     void (*matmul_backward)(void *din, moe_real *dw, const void *dout, const void *in,
                             const void *w, int N, int I, int O);
+    /** G matmuls in one op: rows [off[g], off[g+1]) of @p in times w_g[O,I]ᵀ, weights stacked
+     *  [G,O,I]; @p off is a HOST array [G+1] (chapter 03: grouped GEMM) */
+    void (*grouped_matmul_forward)(void *out, const void *in, const void *w, const int *off,
+                                   int G, int I, int O);
+    /** backward of grouped_matmul_forward (accumulates, dw in full precision) */
+    void (*grouped_matmul_backward)(void *din, moe_real *dw, const void *dout, const void *in,
+                                    const void *w, const int *off, int G, int I, int O);
     /** as moe_cpu_embedding_forward() */
     void (*embedding_forward)(void *out, const int *tokens, const void *table, int N, int C);
     /** as moe_cpu_embedding_backward() */

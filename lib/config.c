@@ -78,6 +78,10 @@ static const moe_flag g_flags[] = {
       "pad every expert's input to exactly capacity rows (static shapes; needs a capacity "
       "factor)", NULL, G_MOE),
 
+    F("moe-grouped-gemm", MOE_FLAG_BOOL, moe_grouped_gemm, "0",
+      "run all local experts' GEMMs as one grouped GEMM (cuBLAS grouped batched on CUDA) "
+      "instead of chapter 01's loop", NULL, G_MOE),
+
     F("micro-batch-size", MOE_FLAG_INT, micro_batch_size, "16", "sequences per forward/backward",
       NULL, G_TRAIN),
     F("global-batch-size", MOE_FLAG_INT, global_batch_size, "16",

@@ -75,6 +75,7 @@ typedef struct moe_config {
     double moe_expert_capacity_factor;     /**< --moe-expert-capacity-factor (0 = dropless) */
     char moe_token_drop_policy[MOE_FLAG_STR_LEN]; /**< --moe-token-drop-policy */
     int moe_pad_expert_input_to_capacity;  /**< --moe-pad-expert-input-to-capacity */
+    int moe_grouped_gemm;                  /**< --moe-grouped-gemm (chapter 03) */
     /* ---- training */
     int micro_batch_size;       /**< --micro-batch-size */
     int global_batch_size;      /**< --global-batch-size (a multiple of the micro batch) */

@@ -96,6 +96,7 @@ static moe_moe_dims moe_dims(const moe_model *m, int N, int T) {
     d.capacity_factor = c->moe_expert_capacity_factor;
     d.drop_by_position = c->drop_by_position;
     d.pad_to_capacity = c->moe_pad_expert_input_to_capacity;
+    d.grouped_gemm = c->moe_grouped_gemm;
     return d;
 }
 

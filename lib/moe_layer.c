@@ -88,11 +88,16 @@ static int aux_group_len(const moe_moe_dims *d) {
     return d->lb_type == MOE_LB_SEQ_AUX ? d->T : d->N;
 }
 
-/* The loop over experts on an expert-contiguous layout: expert e (weights e of fc1/fc2)
- * owns rows [off[e], off[e+1]). Chapter 01's whole idea, used by both paths. */
+/* The experts on an expert-contiguous layout: expert e (weights e of fc1/fc2) owns rows
+ * [off[e], off[e+1]). Chapter 01's loop — or, with --moe-grouped-gemm, chapter 03's one
+ * grouped GEMM per Linear for all of them. */
 static void experts_forward(const moe_backend *be, void *y, void *gu, void *act, void *h,
                             const void *x, const moe_real *w_row, const void *fc1, const void *fc2,
-                            const int *off, int n_experts, int H, int F) {
+                            const int *off, int n_experts, int H, int F, int grouped) {
+    if (grouped) {
+        moe_mlp_forward_grouped(be, y, gu, act, h, x, w_row, fc1, fc2, off, n_experts, H, F);
+        return;
+    }
     for (int e = 0; e < n_experts; e++) {
         const size_t o = (size_t)off[e];
         const int rows = off[e + 1] - off[e];
@@ -106,7 +111,12 @@ static void experts_backward(const moe_backend *be, void *dx, moe_real *g_fc1, m
                              moe_real *dw_row, const void *dy, const void *x, const void *gu,
                              const void *act, const moe_real *w_row, const void *fc1,
                              const void *fc2, void *h, void *dh, void *dgu, const int *off,
-                             int n_experts, int H, int F) {
+                             int n_experts, int H, int F, int grouped) {
+    if (grouped) {
+        moe_mlp_backward_grouped(be, dx, g_fc1, g_fc2, dw_row, dy, x, gu, act, w_row, fc1, fc2, h,
+                                 dh, dgu, off, n_experts, H, F);
+        return;
+    }
     for (int e = 0; e < n_experts; e++) {
         const size_t o = (size_t)off[e];
         const int rows = off[e + 1] - off[e];
@@ -233,7 +243,7 @@ static void forward_allgather(const moe_backend *be, void *out, const void *x,
     moe_comm_all_gather(ep->comm, x, ep->send_buf, (size_t)N * H, t);
     be->gather_rows(a->xe, ep->send_buf, pl->ag_tok, rows, H);
     experts_forward(be, ws->ye, a->gue, a->acte, ws->eh, a->xe, a->we, w->fc1, w->fc2,
-                    pl->expert_offset, EL, H, F);
+                    pl->expert_offset, EL, H, F, d->grouped_gemm);
     /* partial outputs for every gathered token, then summed over the ranks */
     ep->recv_buf = moe_grow(be, ep->recv_buf, &ep->recv_cap, be->act_size * (size_t)GNK * H);
     ep->ag_buf = moe_grow(be, ep->ag_buf, &ep->ag_cap, be->act_size * (size_t)P * N * H);
@@ -262,7 +272,8 @@ static void backward_allgather(const moe_backend *be, void *dx, const moe_moe_gr
     be->zero(ws->ye, be->act_size * (size_t)rows * H);
     be->zero(ws->dwe, R * (size_t)rows);
     experts_backward(be, ws->ye, g->fc1, g->fc2, ws->dwe, ws->dye, a->xe, a->gue, a->acte, a->we,
-                     w->fc1, w->fc2, ws->eh, ws->edh, ws->edgu, pl->expert_offset, EL, H, F);
+                     w->fc1, w->fc2, ws->eh, ws->edh, ws->edgu, pl->expert_offset, EL, H, F,
+                     d->grouped_gemm);
     /* input gradients: per gathered token, summed over the ranks, this rank's share */
     ep->recv_buf = moe_grow(be, ep->recv_buf, &ep->recv_cap, be->act_size * (size_t)GNK * H);
     ep->ag_buf = moe_grow(be, ep->ag_buf, &ep->ag_cap, be->act_size * (size_t)P * N * H);
@@ -308,7 +319,7 @@ static void forward_dispatch(const moe_backend *be, void *out, const void *x,
     moe_dispatch_rows(ep, &a->plan, a->xe, a->xp, H);
     moe_dispatch_reals(ep, &a->plan, a->we, a->wp);
     experts_forward(be, ws->ye, a->gue, a->acte, ws->eh, a->xe, a->we, w->fc1, w->fc2,
-                    a->plan.expert_offset, EL, H, F);
+                    a->plan.expert_offset, EL, H, F, d->grouped_gemm);
     moe_combine_rows(ep, &a->plan, ws->yp, ws->ye, H);
     const int R_kept = a->plan.R_kept;
     be->zero(A(ws->yp, (size_t)R_kept * H), be->act_size * (size_t)(NK - R_kept) * H);
@@ -336,7 +347,8 @@ static void backward_dispatch(const moe_backend *be, void *dx, const moe_moe_gra
     be->zero(ws->ye, be->act_size * (size_t)R_recv * H);
     be->zero(ws->dwe, R * (size_t)R_recv);
     experts_backward(be, ws->ye, g->fc1, g->fc2, ws->dwe, ws->dye, a->xe, a->gue, a->acte, a->we,
-                     w->fc1, w->fc2, ws->eh, ws->edh, ws->edgu, a->plan.expert_offset, EL, H, F);
+                     w->fc1, w->fc2, ws->eh, ws->edh, ws->edgu, a->plan.expert_offset, EL, H, F,
+                     d->grouped_gemm);
     /* input and routing-weight gradients come back like outputs */
     moe_combine_rows(ep, &a->plan, ws->dxp, ws->ye, H);
     be->zero(A(ws->dxp, (size_t)R_kept * H), be->act_size * (size_t)(NK - R_kept) * H);
@@ -378,7 +390,7 @@ void moe_moe_forward(const moe_backend *be, void *out, const void *x, const moe_
 
         /* 4. the naive loop: one SwiGLU MLP per expert, on that expert's rows */
         experts_forward(be, ws->yp, a->gu, a->act, ws->h, a->xp, a->wp, w->fc1, w->fc2,
-                        a->expert_offset, E, H, F);
+                        a->expert_offset, E, H, F, d->grouped_gemm);
 
         /* 5. combine: out[n] = Σ_j expert output of (n, j) */
         be->zero(out, be->act_size * (size_t)N * H);
@@ -413,7 +425,8 @@ void moe_moe_backward(const moe_backend *be, void *dx, const moe_moe_grads *g, c
 
         /* 4⁻¹. the expert loop in reverse */
         experts_backward(be, ws->dxp, g->fc1, g->fc2, ws->dwp, ws->dyp, a->xp, a->gu, a->act,
-                         a->wp, w->fc1, w->fc2, ws->h, ws->dh, ws->dgu, a->expert_offset, E, H, F);
+                         a->wp, w->fc1, w->fc2, ws->h, ws->dh, ws->dgu, a->expert_offset, E, H, F,
+                         d->grouped_gemm);
     }
 
     /* 3⁻¹. back to token order: inputs and routing weights */

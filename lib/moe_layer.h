@@ -37,6 +37,7 @@ typedef struct moe_moe_dims {
     double capacity_factor;     /**< 0 = dropless */
     int drop_by_position;       /**< drop policy: 1 = position, 0 = probs */
     int pad_to_capacity;        /**< pad every expert's input to capacity rows */
+    int grouped_gemm;           /**< experts as one grouped GEMM instead of a loop */
 } moe_moe_dims;
 
 /** The layer's weights: the backend's compute copy (activation type), views into it. */

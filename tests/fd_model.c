@@ -129,6 +129,8 @@ START_TEST(test_fd_model_group_limited) {
 }
 END_TEST
 
+static void same_as_loop(const char *flags);
+
 /* The dispatcher path (local permutation into E+1 buckets, plan, chunk sort, combine),
  * single process: with a capacity that drops, with padding, and with a capacity so large
  * nothing is dropped — which must also equal chapter 01's naive loop exactly. */
@@ -139,11 +141,25 @@ START_TEST(test_fd_model_capacity) {
     check_model("capacity 1.0, position policy, padded",
                 TINY "--num-experts 4 --moe-router-topk 2 --moe-expert-capacity-factor 1.0 "
                      "--moe-token-drop-policy position --moe-pad-expert-input-to-capacity");
+    check_model("grouped GEMM, capacity 1.0",
+                TINY "--num-experts 4 --moe-router-topk 2 --moe-expert-capacity-factor 1.0 "
+                     "--moe-grouped-gemm");
     /* dispatcher path with no drops vs the naive loop: same loss, same gradients */
+    same_as_loop(TINY "--num-experts 4 --moe-router-topk 2 --moe-expert-capacity-factor 100");
+    /* the grouped experts vs the loop */
+    same_as_loop(TINY "--num-experts 4 --moe-router-topk 2 --moe-grouped-gemm "
+                      "--moe-shared-expert-intermediate-size 4");
+}
+END_TEST
+
+/* A variant that must compute exactly what chapter 01's loop computes (fp64, 1e-12). */
+static void same_as_loop(const char *flags) {
     const int V = 13, B = 2;
     moe_config c1 = make_config(TINY "--num-experts 4 --moe-router-topk 2", V);
-    moe_config c2 = make_config(TINY "--num-experts 4 --moe-router-topk 2 "
-                                     "--moe-expert-capacity-factor 100", V);
+    if (strstr(flags, "shared"))
+        c1 = make_config(TINY "--num-experts 4 --moe-router-topk 2 "
+                              "--moe-shared-expert-intermediate-size 4", V);
+    moe_config c2 = make_config(flags, V);
     moe_model *m1 = NULL, *m2 = NULL;
     moe_error err;
     ck_assert(moe_model_create(&m1, &c1, moe_backend_cpu(), B, NULL, &err) == MOE_OK);
@@ -167,7 +183,6 @@ START_TEST(test_fd_model_capacity) {
     moe_model_free(m2);
     moe_cpu_matmul_release();
 }
-END_TEST
 
 START_TEST(test_fd_model_top1_and_dense) {
     check_model("softmax top-1", TINY "--num-experts 4 --moe-router-topk 1 --moe-z-loss-coeff 0.01");

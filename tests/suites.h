@@ -24,6 +24,7 @@ Suite *suite_gpu_dense(void);     /* tests/gpu_dense.c: memory, matmul, norms, r
 Suite *suite_gpu_attention(void); /* tests/gpu_attention.c */
 Suite *suite_gpu_moe(void);       /* tests/gpu_moe.c: router, aux/z losses, permutation */
 Suite *suite_gpu_model(void);     /* tests/gpu_model.c: whole model CUDA vs CPU, 50 steps */
+Suite *suite_gpu_grouped(void);   /* tests/gpu_grouped.c: cuBLAS grouped GEMM vs the loop */
 
 /* MPI tests (CPU ranks under mpirun) */
 Suite *suite_mpi_comm(void);      /* tests/mpi_comm.c: every collective of comm.h, any rank count */

@@ -29,6 +29,7 @@ typedef struct opts {
     char device[MOE_FLAG_STR_LEN];
     char shape[MOE_FLAG_STR_LEN];
     int warmup, repeats, check;
+    char impl[MOE_FLAG_STR_LEN];
 } opts;
 
 #define OF(name, type, field, def, help, choices) \
@@ -42,6 +43,9 @@ static const moe_flag g_flags[] = {
     OF("warmup", MOE_FLAG_INT, warmup, "2", "untimed iterations first", NULL),
     OF("repeats", MOE_FLAG_INT, repeats, "7", "timed iterations (the median is reported)", NULL),
     OF("check", MOE_FLAG_BOOL, check, "1", "check against the CPU reference before timing", NULL),
+    OF("impl", MOE_FLAG_CHOICE, impl, "both",
+       "experts as chapter 01's loop, as one cuBLAS grouped GEMM (chapter 03), or both",
+       "loop|grouped|both"),
 };
 
 typedef struct shape {
@@ -68,12 +72,13 @@ typedef struct layer {
 } layer;
 
 /* Weights drawn from the counter-based RNG: the same values on every backend. */
-static void layer_init(layer *L, const moe_backend *be, const shape *s, int T) {
+static void layer_init(layer *L, const moe_backend *be, const shape *s, int T, int grouped) {
     memset(L, 0, sizeof *L);
     L->be = be;
     moe_moe_dims d = {.N = T, .T = T, .H = s->H, .E = s->E, .k = s->k, .F = s->F, .Fs = 0,
                       .router = {s->E, s->k, MOE_SCORE_SOFTMAX, 0, 0, 0, 0},
-                      .lb_type = MOE_LB_AUX, .aux_coeff = 0.01, .z_coeff = 0.001};
+                      .lb_type = MOE_LB_AUX, .aux_coeff = 0.01, .z_coeff = 0.001,
+                      .grouped_gemm = grouped};
     L->d = d;
     const size_t H = s->H, F = s->F, E = s->E, S = be->act_size;
     const size_t nr = E * H, n1 = E * 2 * F * H, n2 = E * H * F, n = nr + n1 + n2;
@@ -165,12 +170,12 @@ static int cmp_double(const void *p, const void *q) {
     return (x > y) - (x < y);
 }
 
-static int run_shape(const moe_backend *be, const shape *s, const opts *o) {
+static int run_shape(const moe_backend *be, const shape *s, const opts *o, int grouped) {
     if (o->check && be->device != MOE_DEVICE_CPU) {
         /* the same layer, 256 tokens, on this backend and on the CPU reference */
         layer A, C;
-        layer_init(&A, be, s, 256);
-        layer_init(&C, moe_backend_cpu(), s, 256);
+        layer_init(&A, be, s, 256, grouped);
+        layer_init(&C, moe_backend_cpu(), s, 256, 0);
         layer_step(&A);
         layer_step(&C);
         char same[256];
@@ -179,16 +184,16 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o) {
         double ex = rel_err(&A, A.dx, &C, C.dx, 256, s->H, same);
         layer_free(&A);
         layer_free(&C);
-        printf("check %-8s %s vs cpu at 256 tokens: %d routed identically; on those, output "
+        printf("check %-8s %s %s vs cpu at 256 tokens: %d routed identically; on those, output "
                "rel err %.2e, dgrad rel err %.2e\n",
-               s->name, be->name, n_same, eo, ex);
+               s->name, be->name, grouped ? "grouped" : "loop", n_same, eo, ex);
         if (!(n_same >= 200 && eo < 2e-2 && ex < 3e-2)) {
             moe_log_error("%s layer disagrees with the CPU reference: not timing it", be->name);
             return 1;
         }
     }
     layer L;
-    layer_init(&L, be, s, s->T);
+    layer_init(&L, be, s, s->T, grouped);
     for (int i = 0; i < o->warmup; i++)
         layer_step(&L);
     double *ms = malloc(sizeof(double) * o->repeats);
@@ -205,8 +210,9 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o) {
         cmin = cmin < 0 || L.a.counts[e] < cmin ? L.a.counts[e] : cmin;
         cmax = L.a.counts[e] > cmax ? L.a.counts[e] : cmax;
     }
-    printf("| %-8s | %5d | %4d | %5d | %3d | %d | %-4s | %9.2f | %8.2f | %lld/%lld |\n", s->name,
-           s->T, s->H, s->F, s->E, s->k, be->name, med, flop / (med * 1e-3) / 1e12, cmin, cmax);
+    printf("| %-8s | %5d | %4d | %5d | %3d | %d | %-4s %-7s | %9.2f | %8.2f | %lld/%lld |\n",
+           s->name, s->T, s->H, s->F, s->E, s->k, be->name, grouped ? "grouped" : "loop", med,
+           flop / (med * 1e-3) / 1e12, cmin, cmax);
     free(ms);
     layer_free(&L);
     return 0;
@@ -244,7 +250,7 @@ int main(int argc, char **argv) {
     printf("ch01 naive MoE layer, forward+backward | %s | %s | commit %s\n", dev, date, commit);
     printf("TFLOP/s counts the expert GEMMs only: 6*T*k*3*H*F. Median of %d after %d warm-up.\n\n",
            o.repeats, o.warmup);
-    printf("| shape    |     T |    H |     F |   E | k | dev  |   ms/iter |  TFLOP/s | tokens/expert min/max |\n"
+    printf("| shape    |     T |    H |     F |   E | k | dev  experts |   ms/iter |  TFLOP/s | tokens/expert min/max |\n"
            "|---|---|---|---|---|---|---|---|---|---|\n");
     const char *want = o.shape;
     int fails = 0;
@@ -254,8 +260,12 @@ int main(int argc, char **argv) {
         int pick = !strcmp(want, "all") || !strcmp(want, s->name) ||
                    (!strcmp(want, "auto") && (on_gpu ? strcmp(s->name, "small") != 0
                                                      : !strcmp(s->name, "small")));
-        if (pick)
-            fails += run_shape(be, s, &o);
+        if (!pick)
+            continue;
+        if (strcmp(o.impl, "grouped") != 0)
+            fails += run_shape(be, s, &o, 0);
+        if (strcmp(o.impl, "loop") != 0)
+            fails += run_shape(be, s, &o, 1);
     }
     return fails ? 1 : 0;
 }

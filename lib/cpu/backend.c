@@ -85,6 +85,24 @@ static void a_matmul_backward(void *din, moe_real *dw, const void *dout, const v
                               const void *w, int N, int I, int O) {
     moe_cpu_matmul_backward(din, dw, dout, in, w, N, I, O);
 }
+/* grouped matmul on the CPU: the loop over groups (there is no launch overhead to save) */
+static void cpu_grouped_forward(void *out, const void *in, const void *w, const int *off, int G,
+                                int I, int O) {
+    for (int g = 0; g < G; g++)
+        moe_cpu_matmul_forward((moe_real *)out + (size_t)off[g] * O,
+                               (const moe_real *)in + (size_t)off[g] * I,
+                               (const moe_real *)w + (size_t)g * O * I, off[g + 1] - off[g], I, O);
+}
+static void cpu_grouped_backward(void *din, moe_real *dw, const void *dout, const void *in,
+                                 const void *w, const int *off, int G, int I, int O) {
+    for (int g = 0; g < G; g++)
+        moe_cpu_matmul_backward(din ? (moe_real *)din + (size_t)off[g] * I : NULL,
+                                dw ? dw + (size_t)g * O * I : NULL,
+                                (const moe_real *)dout + (size_t)off[g] * O,
+                                (const moe_real *)in + (size_t)off[g] * I,
+                                (const moe_real *)w + (size_t)g * O * I, off[g + 1] - off[g], I, O);
+}
+
 static void a_embedding_forward(void *out, const int *tokens, const void *table, int N, int C) {
     moe_cpu_embedding_forward(out, tokens, table, N, C);
 }
@@ -263,6 +281,8 @@ static const moe_backend g_cpu = {
     .fill_normal = cpu_fill_normal,
     .matmul_forward = a_matmul_forward,
     .matmul_backward = a_matmul_backward,
+    .grouped_matmul_forward = cpu_grouped_forward,
+    .grouped_matmul_backward = cpu_grouped_backward,
     .embedding_forward = a_embedding_forward,
     .embedding_backward = a_embedding_backward,
     .rmsnorm_forward = a_rmsnorm_forward,
