@@ -234,8 +234,13 @@ docs:
 	doxygen docs/Doxyfile
 
 # ---- benchmarks
+# Every benchmark program, each printing its device, date, commit and the ratio to its
+# chapter's baseline measured in the same run (GPU shapes when a GPU is present).
 bench: all
 	./bin/moe-bench
+	./bin/ch01_moe_layer_bench
+	@if [ "$(WITH_MPI)" = 1 ]; then OMP_NUM_THREADS=1 $(MPIRUN) -np 2 ./bin/ch02_dispatch_bench; \
+	else echo "ch02 dispatch benchmark: skipped (needs MPI)"; fi
 
 # For tools that compile C against the library (the notebooks' %%c cells).
 print-build-flags:

@@ -37,7 +37,8 @@ typedef struct opts {
 static const moe_flag g_flags[] = {
     OF("device", MOE_FLAG_CHOICE, device, "auto", "backend (auto = cuda when a GPU is present)",
        "auto|cpu|cuda"),
-    OF("hidden", MOE_FLAG_INT, hidden, "4096", "token width H", NULL),
+    OF("hidden", MOE_FLAG_INT, hidden, "0", "token width H (0 = 4096 on a GPU, 1024 on CPU ranks)",
+       NULL),
     OF("experts-per-rank", MOE_FLAG_INT, experts_per_rank, "4", "local experts", NULL),
     OF("topk", MOE_FLAG_INT, topk, "2", "experts per token", NULL),
     OF("repeats", MOE_FLAG_INT, repeats, "9", "timed iterations (median)", NULL),
@@ -72,6 +73,8 @@ int main(int argc, char **argv) {
         moe_log_error("%s", err.msg);
         return 2;
     }
+    if (o.hidden == 0)
+        o.hidden = be->device == MOE_DEVICE_CUDA ? 4096 : 1024;
     if (o.hidden < 1 || o.experts_per_rank < 1 || o.topk < 1 || o.repeats < 1 || o.warmup < 0) {
         moe_log_error("--hidden, --experts-per-rank, --topk and --repeats must be >= 1");
         return 2;
