@@ -1,6 +1,7 @@
 /**
  * @file moe_layer.h
- * @brief The MoE FFN layer, chapter 01's naive version: route, permute, loop over experts, combine.
+ * @brief The MoE FFN layer: route, permute, the experts, combine — with expert parallelism,
+ *        capacity and grouped GEMM as switches.
  *
  * Forward, for N tokens x [N,H]:
  *  1. router logits z = x·W_rᵀ [N,E] (fp32), routing → top-k experts and weights;
@@ -12,6 +13,14 @@
  *  6. plus the shared expert (if any) applied to every token.
  * Backward runs the exact reverse. Step 4 launches 2·E small GEMMs forward and
  * 4·E backward, each sized by a host-side count — the thing chapter 03 fixes.
+ *
+ * The switches, in moe_moe_dims:
+ *  - `ep` (chapter 02): steps 3–5 go through the dispatcher (dispatcher.h): tokens travel
+ *    to the ranks that hold their experts and back, and step 4 runs this rank's E/EP
+ *    experts; `ep->allgather` picks the allgather dispatcher instead of all-to-all;
+ *  - `capacity_factor` (chapter 02): dropped assignments skip the experts; the dispatcher
+ *    path also runs single-rank for this;
+ *  - `grouped_gemm` (chapter 03): step 4 as one grouped GEMM per Linear (mlp.h).
  */
 #ifndef MOE_MOE_LAYER_H
 #define MOE_MOE_LAYER_H
