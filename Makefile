@@ -198,7 +198,9 @@ $(BUILD)/tests/mpi: $(call obj,$(MPI_SRC),) $(LIB)
 
 # Distributed tests on CPU ranks: the same binary under mpirun with 1, 2 and 4 ranks
 # (oversubscribed: CI has 2 cores). Every rank checks; any failure fails the run.
-MPIRUN ?= mpirun --oversubscribe --allow-run-as-root
+# Single-copy shared memory (CMA) is often forbidden inside containers, where it makes
+# Open MPI fail large messages: plain shared memory works everywhere.
+MPIRUN ?= OMPI_MCA_btl_vader_single_copy_mechanism=none mpirun --oversubscribe --allow-run-as-root
 test-mpi: check-deps
 	@if [ "$(WITH_MPI)" != 1 ]; then echo "== MPI tests: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
 	else $(MAKE) --no-print-directory $(BUILD)/tests/mpi && \

@@ -199,7 +199,9 @@ class MoeMagics(Magics):
         # N ranks share the machine's cores: one OpenMP thread each. Open MPI refuses to
         # start as root (containers, CI) unless both variables say it may.
         env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
-                   OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+                   OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                   # containers often forbid Open MPI's single-copy (CMA) shared memory
+                   OMPI_MCA_btl_vader_single_copy_mechanism="none")
         cmd = [launcher, "--oversubscribe", "--allow-run-as-root", "-np", argv[1],
                f"bin/{argv[2]}", *argv[3:]]
         _run(cmd, f"mpirun -np {argv[1]} bin/{argv[2]}", env=env)
