@@ -12,7 +12,8 @@
  *
  * Weight gradients are accumulated into fp32 (C in CUDA_R_32F), as in matmul.cu. Where a
  * cuBLAS build does not support a type combination in the grouped call, the op falls back
- * to one cublasGemmEx per group and says so once.
+ * to one cublasGemmEx per group and says so once. cuBLAS 13.1 on an H200 takes the bf16-C
+ * calls (forward, dgrad) but rejects bf16 A/B with fp32 C, so wgrad runs per expert.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -58,7 +59,7 @@ static void gp_add(gproblem *p, cublasOperation_t ta, cublasOperation_t tb, int 
     p->alpha[i] = 1.0f; p->beta[i] = beta; p->size[i] = 1;
 }
 
-static int g_fallback_noted = 0;
+static int g_fallback_noted[2]; /* [C is bf16, C is fp32] */
 
 /* Run the problems: one grouped call, or one cublasGemmEx each if the grouped call is not
  * supported for these types. */
@@ -85,11 +86,12 @@ static void gp_run(gproblem *p, cudaDataType_t ctype) {
         return;
     if (s != CUBLAS_STATUS_NOT_SUPPORTED && s != CUBLAS_STATUS_INVALID_VALUE)
         MOE_CUBLAS_CHECK(s);
-    if (!g_fallback_noted) {
-        g_fallback_noted = 1;
-        fprintf(stderr, "moe.c: cublasGemmGroupedBatchedEx does not take this type combination "
-                        "(%s); using one cublasGemmEx per expert for it\n",
-                cublasGetStatusString(s));
+    const int which = ctype == CUDA_R_32F;
+    if (!g_fallback_noted[which]) {
+        g_fallback_noted[which] = 1;
+        fprintf(stderr, "moe.c: cublasGemmGroupedBatchedEx rejects bf16 A/B with %s C (%s); "
+                        "using one cublasGemmEx per expert for those GEMMs\n",
+                which ? "fp32" : "bf16", cublasGetStatusString(s));
     }
     for (int i = 0; i < p->n; i++)
         MOE_CUBLAS_CHECK(cublasGemmEx(moe_cuda_cublas(), p->ta[i], p->tb[i], p->m[i], p->nn[i],
