@@ -78,7 +78,7 @@ CUDA_LIBS  := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcu
 LIB_SRC  := $(wildcard lib/*.c lib/cpu/*.c)
 CU_SRC   := $(if $(filter 1,$(WITH_CUDA)),$(wildcard kernels/*.cu),)
 GPU_SRC  := $(wildcard tests/gpu_*.c) tests/helpers.c
-MPI_SRC  := $(wildcard tests/mpi_*.c) tests/helpers.c
+MPI_SRC  := $(filter-out tests/mpi_abort_main.c,$(wildcard tests/mpi_*.c)) tests/helpers.c
 PROG_SRC := $(wildcard programs/*.c)
 UNIT_SRC := $(wildcard tests/test_*.c) tests/main_unit.c tests/helpers.c
 FD_SRC   := $(wildcard tests/fd_*.c) tests/fd.c tests/main_fd.c tests/helpers.c
@@ -196,16 +196,28 @@ $(BUILD)/tests/mpi: $(call obj,$(MPI_SRC),) $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(CHECK_LIBS) $(LDLIBS)
 
+$(BUILD)/tests/mpi_abort: $(BUILD)/tests/mpi_abort_main.o $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
+
 # Distributed tests on CPU ranks: the same binary under mpirun with 1, 2 and 4 ranks
 # (oversubscribed: CI has 2 cores). Every rank checks; any failure fails the run.
 # Single-copy shared memory (CMA) is often forbidden inside containers, where it makes
 # Open MPI fail large messages: plain shared memory works everywhere.
-MPIRUN ?= OMPI_MCA_btl_vader_single_copy_mechanism=none mpirun --oversubscribe --allow-run-as-root
+MPIRUN ?= env OMPI_MCA_btl_vader_single_copy_mechanism=none mpirun --oversubscribe --allow-run-as-root
 test-mpi: check-deps
 	@if [ "$(WITH_MPI)" != 1 ]; then echo "== MPI tests: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
 	else $(MAKE) --no-print-directory $(BUILD)/tests/mpi && \
 	  for np in 1 2 4; do echo "== MPI tests, $$np rank(s) (CPU)"; \
-	    OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(BUILD)/tests/mpi || exit 1; done; fi
+	    OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(BUILD)/tests/mpi || exit 1; done; \
+	  $(MAKE) --no-print-directory $(BUILD)/tests/mpi_abort && \
+	  echo "== MPI test: a failing rank ends the job (rank 1 aborts, rank 0 waits in a collective)" && \
+	  if timeout 120 $(MPIRUN) -np 2 $(BUILD)/tests/mpi_abort > $(BUILD)/tests/mpi_abort.log 2>&1; \
+	  then echo "FAIL: the job did not fail"; cat $(BUILD)/tests/mpi_abort.log; exit 1; \
+	  elif [ $$? = 124 ]; then echo "FAIL: the job hung"; exit 1; \
+	  elif ! grep -q "rank 1 gives up" $(BUILD)/tests/mpi_abort.log; then \
+	    echo "FAIL: no message from the failing rank"; cat $(BUILD)/tests/mpi_abort.log; exit 1; \
+	  else echo "ok: the job ended with the failing rank's message"; fi; fi
 
 # CUDA tests: each CUDA op against its CPU twin, the whole model CUDA vs CPU.
 # Without a GPU (CI) the binary prints "skipped: no GPU" and succeeds.
