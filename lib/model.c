@@ -43,16 +43,8 @@ static void layout(moe_model *m) {
         }
         ADD(MOE_W_LN2, "ffn.norm", 1, H, 0, 0, MOE_INIT_ONES, 0, 0);
         if (c->is_moe_layer[l]) {
-            const int F = c->moe_ffn_hidden_size, Fs = c->moe_shared_expert_intermediate_size;
+            const int Fs = c->moe_shared_expert_intermediate_size;
             ADD(MOE_W_ROUTER, "moe.router", 2, E, H, 0, MOE_INIT_NORMAL, std, 1);
-            /* this rank's slice of the experts: the same values as in the full tensor */
-            const int EL = m->experts_local, first = m->ep && m->ep->comm ? m->ep->rank * EL : 0;
-            ADD(MOE_W_FC1, "moe.experts.fc1", 3, EL, 2 * F, H, MOE_INIT_NORMAL, std, 1);
-            pt->t[pt->n - 1].expert = 1;
-            pt->t[pt->n - 1].rng_offset = (size_t)first * 2 * F * H;
-            ADD(MOE_W_FC2, "moe.experts.fc2", 3, EL, H, F, MOE_INIT_NORMAL, out_std, 1);
-            pt->t[pt->n - 1].expert = 1;
-            pt->t[pt->n - 1].rng_offset = (size_t)first * H * F;
             if (Fs > 0) {
                 ADD(MOE_W_SHARED_FC1, "moe.shared.fc1", 2, 2 * Fs, H, 0, MOE_INIT_NORMAL, std, 1);
                 ADD(MOE_W_SHARED_FC2, "moe.shared.fc2", 2, H, Fs, 0, MOE_INIT_NORMAL, out_std, 1);
@@ -62,10 +54,27 @@ static void layout(moe_model *m) {
             ADD(MOE_W_FC1, "mlp.fc1", 2, 2 * F, H, 0, MOE_INIT_NORMAL, std, 1);
             ADD(MOE_W_FC2, "mlp.fc2", 2, H, F, 0, MOE_INIT_NORMAL, out_std, 1);
         }
-#undef ADD
     }
     m->off_final_norm = moe_params_add(pt, "final_norm", 1, H, 0, 0, MOE_INIT_ONES, 0, 0);
     m->off_lm_head = moe_params_add(pt, "lm_head", 2, V, H, 0, MOE_INIT_NORMAL, std, 1);
+    /* The routed experts last: every replicated (dense) tensor is then one contiguous block
+     * and every expert slice another, so each gradient sync and norm is one call per block
+     * instead of one per tensor. Each rank holds its slice of the experts, initialised with
+     * the values of the full tensor (rng_offset). */
+    for (int l = 0; l < c->num_layers; l++) {
+        if (!c->is_moe_layer[l])
+            continue;
+        size_t *o = m->off[l];
+        const int F = c->moe_ffn_hidden_size, EL = m->experts_local;
+        const int first = m->ep && m->ep->comm ? m->ep->rank * EL : 0;
+        ADD(MOE_W_FC1, "moe.experts.fc1", 3, EL, 2 * F, H, MOE_INIT_NORMAL, std, 1);
+        pt->t[pt->n - 1].expert = 1;
+        pt->t[pt->n - 1].rng_offset = (size_t)first * 2 * F * H;
+        ADD(MOE_W_FC2, "moe.experts.fc2", 3, EL, H, F, MOE_INIT_NORMAL, out_std, 1);
+        pt->t[pt->n - 1].expert = 1;
+        pt->t[pt->n - 1].rng_offset = (size_t)first * H * F;
+    }
+#undef ADD
 }
 
 /* layer l's weight in slot s: the compute copy the ops read */

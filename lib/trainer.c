@@ -123,13 +123,28 @@ static moe_dtype real_dtype(void) { return sizeof(moe_real) == 4 ? MOE_DTYPE_F32
  * every rank has accumulated its micro-batches, sum the replicated tensors' gradients over
  * the ranks that replicate them. Dense tensors are replicated on every rank; an expert
  * slice only on the ranks of its expert-data-parallel group. */
+/* Consecutive tensors of the same kind (dense or expert) form one run of the flat buffer:
+ * [*start, *end) in elements. Returns 0 when there are no more runs. The layout puts all
+ * dense tensors first and all expert slices last (model.c), so there are two runs. */
+static int next_run(const moe_param_table *pt, int *i, size_t *start, size_t *end, int *expert) {
+    if (*i >= pt->n)
+        return 0;
+    *expert = pt->t[*i].expert;
+    *start = pt->t[*i].offset;
+    while (*i < pt->n && pt->t[*i].expert == *expert)
+        (*i)++;
+    *end = pt->t[*i - 1].offset + pt->t[*i - 1].numel;
+    return 1;
+}
+
 static void sync_gradients(moe_trainer *t) {
     moe_model *m = t->model;
-    for (int i = 0; i < m->table.n; i++) {
-        const moe_tensor *ten = &m->table.t[i];
-        moe_comm *g = ten->expert ? t->edp_group : t->world;
+    size_t start, end;
+    int expert, i = 0;
+    while (next_run(&m->table, &i, &start, &end, &expert)) {
+        moe_comm *g = expert ? t->edp_group : t->world;
         if (g && moe_comm_size(g) > 1)
-            moe_comm_all_reduce_sum(g, m->grads + ten->offset, ten->numel, real_dtype());
+            moe_comm_all_reduce_sum(g, m->grads + start, end - start, real_dtype());
     }
 }
 
@@ -138,10 +153,11 @@ static void sync_gradients(moe_trainer *t) {
 static double global_grad_norm(moe_trainer *t) {
     moe_model *m = t->model;
     double dense = 0.0, expert = 0.0;
-    for (int i = 0; i < m->table.n; i++) {
-        const moe_tensor *ten = &m->table.t[i];
-        double s = m->be->sum_squares(m->grads + ten->offset, ten->numel);
-        if (ten->expert)
+    size_t start, end;
+    int is_expert, i = 0;
+    while (next_run(&m->table, &i, &start, &end, &is_expert)) {
+        double s = m->be->sum_squares(m->grads + start, end - start);
+        if (is_expert)
             expert += s;
         else
             dense += s;
