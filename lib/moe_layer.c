@@ -388,7 +388,8 @@ void moe_moe_forward(const moe_backend *be, void *out, const void *x, const moe_
         be->permute_tokens(a->xp, x, a->perm_src, N * k, k, H);
         be->permute_weights(a->wp, a->topk_w, a->perm_src, N * k);
 
-        /* 4. the naive loop: one SwiGLU MLP per expert, on that expert's rows */
+        /* 4. the experts: chapter 01's loop of one SwiGLU MLP per expert on its rows, or
+         *    (--moe-grouped-gemm) one grouped GEMM per Linear for all of them */
         experts_forward(be, ws->yp, a->gu, a->act, ws->h, a->xp, a->wp, w->fc1, w->fc2,
                         a->expert_offset, E, H, F, d->grouped_gemm);
 
