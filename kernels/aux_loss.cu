@@ -68,14 +68,7 @@ static __device__ void token_stats(const moe_bf16 *z, int E, bool sig, int lane,
         m = 0.0f;
         sum = moe_warp_sum(s) + 1e-20f;
     } else {
-        float mx = -INFINITY;
-        for (int e = lane; e < E; e += 32)
-            mx = fmaxf(mx, moe_ld(z[e]));
-        m = moe_warp_max(mx);
-        float s = 0.0f;
-        for (int e = lane; e < E; e += 32)
-            s += expf(moe_ld(z[e]) - m);
-        sum = moe_warp_sum(s);
+        moe_warp_softmax_stats(z, NULL, E, &m, &sum);
     }
 }
 
@@ -116,7 +109,6 @@ static __global__ void aux_colsum_kernel(double *ssum, const float *s, int T, in
 /* out = (1/groups) Σ_g f · Σ_e c[g,e]·ssum[g,e]; one block of 256 threads, fixed order. */
 static __global__ void aux_final_kernel(double *out, const int *cnt, const double *ssum, int groups,
                                         int E, double f) {
-    __shared__ double part[256];
     double acc = 0.0;
     for (int g = threadIdx.x; g < groups; g += blockDim.x) {
         double dot = 0.0;
@@ -124,15 +116,9 @@ static __global__ void aux_final_kernel(double *out, const int *cnt, const doubl
             dot += (double)cnt[(size_t)g * E + e] * ssum[(size_t)g * E + e];
         acc += f * dot;
     }
-    part[threadIdx.x] = acc;
-    __syncthreads();
-    for (int w = blockDim.x / 2; w > 0; w >>= 1) {
-        if (threadIdx.x < w)
-            part[threadIdx.x] += part[threadIdx.x + w];
-        __syncthreads();
-    }
+    acc = moe_block_sum<double>(acc);
     if (threadIdx.x == 0)
-        *out = part[0] / groups;
+        *out = acc / groups;
 }
 
 /* dz += d(aux)/dz for token t; f = scale·coeff·E/(k·T²)/groups. Warp per token. */
@@ -177,19 +163,12 @@ static __global__ void lse_kernel(float *lse, const moe_bf16 *logits, int N, int
 
 /* out = Σ_t lse[t]² in double; one block of 256 threads, fixed order. */
 static __global__ void sum_sq_kernel(double *out, const float *lse, int N) {
-    __shared__ double part[256];
     double acc = 0.0;
     for (int t = threadIdx.x; t < N; t += blockDim.x)
         acc += (double)lse[t] * lse[t];
-    part[threadIdx.x] = acc;
-    __syncthreads();
-    for (int w = blockDim.x / 2; w > 0; w >>= 1) {
-        if (threadIdx.x < w)
-            part[threadIdx.x] += part[threadIdx.x + w];
-        __syncthreads();
-    }
+    acc = moe_block_sum<double>(acc);
     if (threadIdx.x == 0)
-        *out = part[0];
+        *out = acc;
 }
 
 /* dz_t += scale·coeff·2·lse_t/N · softmax(z_t). Warp per token. */

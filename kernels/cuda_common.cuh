@@ -77,6 +77,23 @@ static __device__ __forceinline__ float moe_warp_max(float v) {
     return v;
 }
 
+/** Softmax statistics over one warp: *max = max_j z[j] and *sum = Σ_j exp(z[j] − max) for
+ *  j in [0, n), or over z[idx[j]] when @p idx is given (the k picked experts). Every lane
+ *  gets both. */
+static __device__ __forceinline__ void moe_warp_softmax_stats(const moe_bf16 *z, const int *idx,
+                                                              int n, float *max, float *sum) {
+    const int lane = threadIdx.x & 31;
+    float m = -INFINITY;
+    for (int j = lane; j < n; j += 32)
+        m = fmaxf(m, moe_ld(z[idx ? idx[j] : j]));
+    m = moe_warp_max(m);
+    float s = 0.0f;
+    for (int j = lane; j < n; j += 32)
+        s += expf(moe_ld(z[idx ? idx[j] : j]) - m);
+    *max = m;
+    *sum = moe_warp_sum(s);
+}
+
 /** Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread
  *  gets the result. Contains __syncthreads(): call it from every thread of the block. */
 template <typename T> static __device__ T moe_block_sum(T v) {

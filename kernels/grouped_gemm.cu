@@ -66,28 +66,29 @@ static int g_fallback_noted[2]; /* [C is bf16, C is fp32] */
 static void gp_run(gproblem *p, cudaDataType_t ctype) {
     if (p->n == 0)
         return;
-    void **dptr = (void **)moe_cuda_scratch(MOE_SCRATCH_GROUPED_GEMM, sizeof(void *) * 3 * p->n);
-    /* p->A, p->B, p->C are blocks of G pointers each; with n < G the used parts are not
-     * contiguous, so copy them block by block */
-    {
+    const int which = ctype == CUDA_R_32F;
+    cublasStatus_t s = CUBLAS_STATUS_NOT_SUPPORTED;
+    if (!g_fallback_noted[which]) { /* once rejected, go straight to the loop */
+        void **dptr =
+            (void **)moe_cuda_scratch(MOE_SCRATCH_GROUPED_GEMM, sizeof(void *) * 3 * p->n);
+        /* p->A, p->B, p->C are blocks of G pointers each; with n < G the used parts are not
+         * contiguous, so copy them block by block. No stream sync is needed before the host
+         * arrays are freed: a copy from pageable memory returns once the data is staged. */
         MOE_CUDA_CHECK(cudaMemcpyAsync(dptr, p->A, sizeof(void *) * p->n, cudaMemcpyHostToDevice,
                                        moe_cuda_stream()));
         MOE_CUDA_CHECK(cudaMemcpyAsync(dptr + p->n, p->B, sizeof(void *) * p->n,
                                        cudaMemcpyHostToDevice, moe_cuda_stream()));
         MOE_CUDA_CHECK(cudaMemcpyAsync(dptr + 2 * p->n, p->C, sizeof(void *) * p->n,
                                        cudaMemcpyHostToDevice, moe_cuda_stream()));
-        MOE_CUDA_CHECK(cudaStreamSynchronize(moe_cuda_stream())); /* host arrays are freed next */
-    }
-    cublasStatus_t s = cublasGemmGroupedBatchedEx(
-        moe_cuda_cublas(), p->ta, p->tb, p->m, p->nn, p->k, p->alpha, (const void *const *)dptr,
-        CUDA_R_16BF, p->lda, (const void *const *)(dptr + p->n), CUDA_R_16BF, p->ldb, p->beta,
-        dptr + 2 * p->n, ctype, p->ldc, p->n, p->size, CUBLAS_COMPUTE_32F);
-    if (s == CUBLAS_STATUS_SUCCESS)
-        return;
-    if (s != CUBLAS_STATUS_NOT_SUPPORTED && s != CUBLAS_STATUS_INVALID_VALUE)
-        MOE_CUBLAS_CHECK(s);
-    const int which = ctype == CUDA_R_32F;
-    if (!g_fallback_noted[which]) {
+        s = cublasGemmGroupedBatchedEx(moe_cuda_cublas(), p->ta, p->tb, p->m, p->nn, p->k,
+                                       p->alpha, (const void *const *)dptr, CUDA_R_16BF, p->lda,
+                                       (const void *const *)(dptr + p->n), CUDA_R_16BF, p->ldb,
+                                       p->beta, dptr + 2 * p->n, ctype, p->ldc, p->n, p->size,
+                                       CUBLAS_COMPUTE_32F);
+        if (s == CUBLAS_STATUS_SUCCESS)
+            return;
+        if (s != CUBLAS_STATUS_NOT_SUPPORTED && s != CUBLAS_STATUS_INVALID_VALUE)
+            MOE_CUBLAS_CHECK(s);
         g_fallback_noted[which] = 1;
         fprintf(stderr, "moe.c: cublasGemmGroupedBatchedEx rejects bf16 A/B with %s C (%s); "
                         "using one cublasGemmEx per expert for those GEMMs\n",

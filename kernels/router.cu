@@ -202,14 +202,8 @@ static __global__ void router_forward_kernel(int *topk_idx, float *topk_w, const
             out_w[j] = (k > 1 ? prob[idx[j]] / (S + 1e-20f) : prob[idx[j]]) * scale;
         }
     } else { /* softmax over the k picked logits */
-        float m = -INFINITY;
-        for (int j = lane; j < k; j += 32)
-            m = fmaxf(m, moe_ld(z[idx[j]]));
-        m = moe_warp_max(m);
-        float s = 0.0f;
-        for (int j = lane; j < k; j += 32)
-            s += expf(moe_ld(z[idx[j]]) - m);
-        s = moe_warp_sum(s);
+        float m, s;
+        moe_warp_softmax_stats(z, idx, k, &m, &s);
         for (int j = lane; j < k; j += 32) {
             out_i[j] = idx[j];
             out_w[j] = expf(moe_ld(z[idx[j]]) - m) / s * scale;
@@ -242,14 +236,8 @@ static __global__ void router_backward_kernel(moe_bf16 *dlogits, const float *dt
             for (int j = 0; j < k; j++)
                 dp[idx[j]] += scale * dw[j];
         __syncwarp();
-        float m = -INFINITY;
-        for (int e = lane; e < E; e += 32)
-            m = fmaxf(m, moe_ld(z[e]));
-        m = moe_warp_max(m);
-        float s = 0.0f;
-        for (int e = lane; e < E; e += 32)
-            s += expf(moe_ld(z[e]) - m);
-        s = moe_warp_sum(s);
+        float m, s;
+        moe_warp_softmax_stats(z, NULL, E, &m, &s);
         float dot = 0.0f;
         for (int e = lane; e < E; e += 32)
             dot += expf(moe_ld(z[e]) - m) / s * dp[e];
@@ -259,14 +247,8 @@ static __global__ void router_backward_kernel(moe_bf16 *dlogits, const float *dt
             dz[e] = moe_st(moe_ld(dz[e]) + pe * (dp[e] - dot));
         }
     } else if (p.score_fn == MOE_SCORE_SOFTMAX) {
-        float m = -INFINITY;
-        for (int j = lane; j < k; j += 32)
-            m = fmaxf(m, moe_ld(z[idx[j]]));
-        m = moe_warp_max(m);
-        float s = 0.0f;
-        for (int j = lane; j < k; j += 32)
-            s += expf(moe_ld(z[idx[j]]) - m);
-        s = moe_warp_sum(s);
+        float m, s;
+        moe_warp_softmax_stats(z, idx, k, &m, &s);
         float dot = 0.0f;
         for (int j = lane; j < k; j += 32)
             dot += expf(moe_ld(z[idx[j]]) - m) / s * (scale * dw[j]);
