@@ -39,10 +39,15 @@ void moe_adamw_step(moe_adamw *opt, const moe_param_table *pt, moe_real *params,
     }
 }
 
-double moe_clip_grad_norm(const moe_backend *be, moe_real *grads, size_t n, double max_norm) {
-    double norm = sqrt(be->sum_squares(grads, n));
+void moe_clip_grads(const moe_backend *be, moe_real *grads, size_t n, double norm,
+                    double max_norm) {
     if (max_norm > 0 && norm > max_norm)
         be->scale_real(grads, max_norm / (norm + 1e-6), n);
+}
+
+double moe_clip_grad_norm(const moe_backend *be, moe_real *grads, size_t n, double max_norm) {
+    double norm = sqrt(be->sum_squares(grads, n));
+    moe_clip_grads(be, grads, n, norm, max_norm);
     return norm;
 }
 

@@ -75,6 +75,15 @@ void moe_adamw_step(moe_adamw *opt, const moe_param_table *pt, moe_real *params,
                     double wd);
 
 /**
+ * @brief Scale @p grads by max_norm/(norm + 1e-6) when @p norm exceeds @p max_norm (the norm
+ *        may come from several ranks: see moe_trainer_update).
+ * @param be backend holding the gradients  @param grads [n]  @param n count
+ * @param norm their global L2 norm  @param max_norm threshold (0 = off)
+ */
+void moe_clip_grads(const moe_backend *be, moe_real *grads, size_t n, double norm,
+                    double max_norm);
+
+/**
  * @brief Global L2 norm of @p grads, and scale them by max_norm/norm when it exceeds @p max_norm.
  * @param be backend holding the gradients  @param grads [n]  @param n count
  * @param max_norm threshold (0 = measure only)

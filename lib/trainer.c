@@ -222,9 +222,7 @@ void moe_trainer_update(moe_trainer *t, moe_step_stats *st) {
     moe_timer_start(&timer);
     /* fp32 master weights: clip and step them, then refresh the compute copy */
     st->grad_norm = global_grad_norm(t);
-    if (c->clip_grad > 0 && st->grad_norm > c->clip_grad)
-        m->be->scale_real(m->grads, c->clip_grad / (st->grad_norm + 1e-6),
-                          moe_model_num_params(m));
+    moe_clip_grads(m->be, m->grads, moe_model_num_params(m), st->grad_norm, c->clip_grad);
     st->lr = moe_lr_at(c, t->step);
     moe_adamw_step(&t->opt, &m->table, m->params, m->grads, st->lr, c->adam_beta1, c->adam_beta2,
                    c->adam_eps, c->weight_decay);
