@@ -255,6 +255,7 @@ bench: all
 	./bin/ch01_moe_layer_bench
 	@if [ "$(WITH_MPI)" = 1 ]; then OMP_NUM_THREADS=1 $(MPIRUN) -np 2 ./bin/ch02_dispatch_bench; \
 	else echo "ch02 dispatch benchmark: skipped (needs MPI)"; fi
+	./bin/ch03_grouped_gemm_bench
 
 # For tools that compile C against the library (the notebooks' %%c cells).
 print-build-flags:

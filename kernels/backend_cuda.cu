@@ -78,10 +78,10 @@ static moe_backend make_cuda_backend(void) {
     b.unpermute_weights = moe_cuda_unpermute_weights;
     b.grouped_matmul_forward = moe_cuda_grouped_matmul_forward;
     b.grouped_matmul_backward = moe_cuda_grouped_matmul_backward;
+    b.grouped_matmul_forward_dev = moe_cuda_grouped_sm90_forward;
+    b.grouped_matmul_backward_dev = moe_cuda_grouped_sm90_backward;
     b.gather_rows = moe_cuda_gather_rows;
     b.gather_reals = moe_cuda_gather_reals;
-    b.scale_rows = moe_cuda_scale_rows;
-    b.row_dot = moe_cuda_row_dot;
 
     b.sum_squares = moe_cuda_sum_squares;
     b.sum = moe_cuda_sum;

@@ -14,6 +14,7 @@
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -53,6 +54,22 @@ cublasHandle_t moe_cuda_cublas(void);
 
 /** ceil(a / b) for launch grids. */
 static inline unsigned moe_cdiv(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
+
+/** 8 bf16 in one 16-byte word: row kernels move activations in these units (one 128-bit
+ *  load or store per thread) when moe_vec8_ok() allows. */
+union moe_bf16x8 {
+    uint4 u;       /**< the 16 bytes, for the load / store */
+    moe_bf16 h[8]; /**< the 8 elements */
+};
+
+/** True when rows of width @p C can move as ::moe_bf16x8: C is a multiple of 8 (so every
+ *  row start stays 16-byte aligned) and each given pointer is 16-byte aligned (NULL ones
+ *  are ignored). Otherwise kernels fall back to one element per access. */
+static inline bool moe_vec8_ok(int C, const void *a, const void *b = nullptr,
+                               const void *c = nullptr) {
+    return C % 8 == 0 && (uintptr_t)a % 16 == 0 && (uintptr_t)b % 16 == 0 &&
+           (uintptr_t)c % 16 == 0;
+}
 
 /** bf16 → float */
 static __device__ __forceinline__ float moe_ld(const moe_bf16 x) { return __bfloat162float(x); }

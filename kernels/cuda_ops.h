@@ -52,6 +52,13 @@ void moe_cuda_grouped_matmul_forward(void *out, const void *in, const void *w, c
                                      int G, int I, int O);
 void moe_cuda_grouped_matmul_backward(void *din, moe_real *dw, const void *dout, const void *in,
                                       const void *w, const int *off, int G, int I, int O);
+/* chapter 03's own sm_90a grouped GEMM (kernels/grouped_gemm_sm90.cu): offsets in device memory */
+int moe_cuda_grouped_sm90_available(void);
+void moe_cuda_grouped_sm90_forward(void *out, const void *in, const void *w, const int *dev_off,
+                                   int G, int rows, int I, int O);
+void moe_cuda_grouped_sm90_backward(void *din, moe_real *dw, const void *dout, const void *in,
+                                    const void *w, const int *dev_off, int G, int rows, int I,
+                                    int O);
 void moe_cuda_embedding_forward(void *out, const int *tokens, const void *table, int N, int C);
 void moe_cuda_embedding_backward(moe_real *dtable, const void *dout, const int *tokens, int N,
                                  int V, int C);
@@ -67,8 +74,9 @@ void moe_cuda_attention_forward(void *y, void *att, const void *q, const void *k
 void moe_cuda_attention_backward(void *dq, void *dk, void *dv, const void *dy, const void *att,
                                  const void *q, const void *k, const void *v, int B, int T,
                                  int Hq, int Hkv, int D);
-void moe_cuda_swiglu_forward(void *out, const void *gu, int N, int F);
-void moe_cuda_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int F);
+void moe_cuda_swiglu_forward(void *out, const void *gu, const moe_real *row_scale, int N, int F);
+void moe_cuda_swiglu_backward(void *dgu, moe_real *drow_scale, const void *dout, const void *gu,
+                              const moe_real *row_scale, int N, int F);
 void moe_cuda_cross_entropy_forward(moe_real *losses, const void *logits, const int *targets,
                                     int N, int V);
 void moe_cuda_cross_entropy_backward(void *dlogits, const moe_real *dloss, const void *logits,
@@ -88,17 +96,16 @@ void moe_cuda_aux_loss_backward(void *dlogits, const void *logits, int N, int gr
 double moe_cuda_z_loss_forward(const void *logits, int N, int E, double coeff);
 void moe_cuda_z_loss_backward(void *dlogits, const void *logits, int N, int E, double coeff,
                               double scale);
-void moe_cuda_permute_index(int *perm_src, int *row_of, int *expert_offset, long long *counts,
+void moe_cuda_permute_index(int *perm_src, int *row_of, int *expert_offset, int *dev_offset,
+                            long long *counts,
                             const int *topk_idx, int N, int k, int E);
 void moe_cuda_permute_tokens(void *xp, const void *x, const int *perm_src, int rows, int k, int C);
 void moe_cuda_permute_weights(moe_real *wp, const moe_real *topk_w, const int *perm_src, int rows);
 void moe_cuda_unpermute_sum(void *out, const void *yp, const int *row_of, int N, int k, int C);
 void moe_cuda_unpermute_weights(moe_real *dtopk_w, const moe_real *dwp, const int *row_of, int N,
                                 int k);
-void moe_cuda_scale_rows(void *x, const moe_real *s, int rows, int C);
 void moe_cuda_gather_rows(void *dst, const void *src, const int *map, int rows, int C);
 void moe_cuda_gather_reals(moe_real *dst, const moe_real *src, const int *map, int rows);
-void moe_cuda_row_dot(moe_real *ds, const void *a, const void *b, int rows, int C);
 
 /* optimizer */
 double moe_cuda_sum_squares(const moe_real *x, size_t n);

@@ -1,7 +1,8 @@
 /*
  * Token permutation on the GPU: group the N·k (token, expert) assignments by expert,
- * copy tokens to and from that layout, and the small row-wise ops of the expert path.
- * CPU twin: lib/cpu/permute.c (and scale_rows / row_dot of lib/cpu/backend.c).
+ * and copy tokens (and their routing weights) to and from that layout.
+ * CPU twin: lib/cpu/permute.c. (The routing weight's product with the activation, and its
+ * gradient, are fused into the SwiGLU kernels: kernels/swiglu.cu.)
  *
  * The index: a STABLE counting sort of the assignments a = n·k + j by expert
  * topk_idx[a], giving perm_src[r] (the assignment at permuted row r) and row_of[a] (its
@@ -32,10 +33,9 @@
  *                      starts from out in fp32, adds the k rows in j order (the CPU's
  *                      order), rounds to bf16 once
  *   unpermute_weights  dtopk_w[a] += dwp[row_of[a]]
- *   scale_rows         x[r, :] *= s[r]  (the routing weight, after the activation)
- *   row_dot            ds[r] += Σ_c a[r,c]·b[r,c], one warp per row, fp32, fixed order
- * Row kernels move 8 bf16 (16 bytes) per access when the width is a multiple of 8 and
- * the pointers are 16-byte aligned, and one element at a time otherwise.
+ * Row kernels move 8 bf16 (16 bytes, moe_bf16x8) per access when the width is a multiple
+ * of 8 and the pointers are 16-byte aligned (moe_vec8_ok), and one element at a time
+ * otherwise.
  */
 #include <stdint.h>
 
@@ -116,8 +116,8 @@ static __global__ void chunk_scatter_kernel(int *perm_src, int *row_of, const in
 }
 
 extern "C" void moe_cuda_permute_index(int *perm_src, int *row_of, int *expert_offset,
-                                       long long *counts, const int *topk_idx, int N, int k,
-                                       int E) {
+                                       int *dev_offset, long long *counts, const int *topk_idx,
+                                       int N, int k, int E) {
     if (E > 1024) {
         fprintf(stderr, "moe_cuda_permute_index: E = %d > 1024 experts\n", E);
         exit(1);
@@ -126,6 +126,8 @@ extern "C" void moe_cuda_permute_index(int *perm_src, int *row_of, int *expert_o
     if (A <= 0) {
         for (int e = 0; e <= E; e++)
             expert_offset[e] = 0;
+        if (dev_offset)
+            MOE_CUDA_CHECK(cudaMemsetAsync(dev_offset, 0, sizeof(int) * (E + 1), moe_cuda_stream()));
         return;
     }
     cudaStream_t st = moe_cuda_stream();
@@ -139,6 +141,9 @@ extern "C" void moe_cuda_permute_index(int *perm_src, int *row_of, int *expert_o
     MOE_CUDA_LAUNCH_CHECK();
     chunk_scatter_kernel<<<chunks, 32, sh, st>>>(perm_src, row_of, topk_idx, hist, d_off, A, E);
     MOE_CUDA_LAUNCH_CHECK();
+    if (dev_offset) /* the grouped kernel reads them from device memory */
+        MOE_CUDA_CHECK(cudaMemcpyAsync(dev_offset, d_off, sizeof(int) * (E + 1),
+                                       cudaMemcpyDeviceToDevice, st));
     /* the host sync of the naive MoE loop */
     MOE_CUDA_CHECK(
         cudaMemcpyAsync(expert_offset, d_off, sizeof(int) * (E + 1), cudaMemcpyDeviceToHost, st));
@@ -149,16 +154,6 @@ extern "C" void moe_cuda_permute_index(int *perm_src, int *row_of, int *expert_o
 }
 
 /* ------------------------------------------------------------------ row movers */
-
-/* 8 bf16 in one 16-byte word. */
-union bf16x8 {
-    uint4 u;
-    moe_bf16 h[8];
-};
-
-static bool vec_ok(int C, const void *a, const void *b) {
-    return C % 8 == 0 && ((uintptr_t)a % 16) == 0 && ((uintptr_t)b % 16) == 0;
-}
 
 /* One block per permuted row. */
 template <bool VEC>
@@ -181,7 +176,7 @@ extern "C" void moe_cuda_permute_tokens(void *xp, const void *x, const int *perm
     if (rows <= 0 || C <= 0)
         return;
     cudaStream_t st = moe_cuda_stream();
-    if (vec_ok(C, xp, x))
+    if (moe_vec8_ok(C, xp, x))
         permute_tokens_kernel<true>
             <<<rows, 128, 0, st>>>((moe_bf16 *)xp, (const moe_bf16 *)x, perm_src, k, C);
     else
@@ -218,13 +213,13 @@ static __global__ void unpermute_sum_kernel(moe_bf16 *out, const moe_bf16 *yp, c
     moe_bf16 *o = out + n * C;
     if (VEC) {
         for (int c = threadIdx.x; c < C / 8; c += blockDim.x) {
-            bf16x8 v;
+            moe_bf16x8 v;
             v.u = ((const uint4 *)o)[c];
             float acc[8];
             for (int i = 0; i < 8; i++)
                 acc[i] = moe_ld(v.h[i]);
             for (int j = 0; j < k; j++) {
-                bf16x8 y;
+                moe_bf16x8 y;
                 y.u = ((const uint4 *)(yp + (size_t)rows[j] * C))[c];
                 for (int i = 0; i < 8; i++)
                     acc[i] += moe_ld(y.h[i]);
@@ -252,7 +247,7 @@ extern "C" void moe_cuda_unpermute_sum(void *out, const void *yp, const int *row
         exit(1);
     }
     cudaStream_t st = moe_cuda_stream();
-    if (vec_ok(C, out, yp))
+    if (moe_vec8_ok(C, out, yp))
         unpermute_sum_kernel<true>
             <<<N, 128, 0, st>>>((moe_bf16 *)out, (const moe_bf16 *)yp, row_of, k, C);
     else
@@ -275,79 +270,5 @@ extern "C" void moe_cuda_unpermute_weights(moe_real *dtopk_w, const moe_real *dw
         return;
     unpermute_weights_kernel<<<moe_cdiv(A, 256), 256, 0, moe_cuda_stream()>>>(dtopk_w, dwp, row_of,
                                                                               A);
-    MOE_CUDA_LAUNCH_CHECK();
-}
-
-/* ------------------------------------------------------------------ row scale and dot */
-
-/* One block per row. */
-template <bool VEC> static __global__ void scale_rows_kernel(moe_bf16 *x, const float *s, int C) {
-    const size_t r = blockIdx.x;
-    const float sr = s[r];
-    moe_bf16 *row = x + r * C;
-    if (VEC) {
-        for (int c = threadIdx.x; c < C / 8; c += blockDim.x) {
-            bf16x8 v;
-            v.u = ((uint4 *)row)[c];
-            for (int i = 0; i < 8; i++)
-                v.h[i] = moe_st(moe_ld(v.h[i]) * sr);
-            ((uint4 *)row)[c] = v.u;
-        }
-    } else {
-        for (int c = threadIdx.x; c < C; c += blockDim.x)
-            row[c] = moe_st(moe_ld(row[c]) * sr);
-    }
-}
-
-extern "C" void moe_cuda_scale_rows(void *x, const moe_real *s, int rows, int C) {
-    if (rows <= 0 || C <= 0)
-        return;
-    cudaStream_t st = moe_cuda_stream();
-    if (vec_ok(C, x, x))
-        scale_rows_kernel<true><<<rows, 128, 0, st>>>((moe_bf16 *)x, s, C);
-    else
-        scale_rows_kernel<false><<<rows, 128, 0, st>>>((moe_bf16 *)x, s, C);
-    MOE_CUDA_LAUNCH_CHECK();
-}
-
-/* One warp per row; lanes stride the row, then a fixed butterfly sums the 32 partials. */
-template <bool VEC>
-static __global__ void row_dot_kernel(float *ds, const moe_bf16 *a, const moe_bf16 *b, int rows,
-                                      int C) {
-    const int lane = threadIdx.x & 31;
-    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= rows)
-        return;
-    const moe_bf16 *ra = a + (size_t)r * C, *rb = b + (size_t)r * C;
-    float acc = 0.0f;
-    if (VEC) {
-        for (int c = lane; c < C / 8; c += 32) {
-            bf16x8 va, vb;
-            va.u = ((const uint4 *)ra)[c];
-            vb.u = ((const uint4 *)rb)[c];
-            for (int i = 0; i < 8; i++)
-                acc += moe_ld(va.h[i]) * moe_ld(vb.h[i]);
-        }
-    } else {
-        for (int c = lane; c < C; c += 32)
-            acc += moe_ld(ra[c]) * moe_ld(rb[c]);
-    }
-    for (int off = 16; off; off >>= 1)
-        acc += __shfl_xor_sync(FULL_MASK, acc, off);
-    if (lane == 0)
-        ds[r] += acc;
-}
-
-extern "C" void moe_cuda_row_dot(moe_real *ds, const void *a, const void *b, int rows, int C) {
-    if (rows <= 0)
-        return;
-    cudaStream_t st = moe_cuda_stream();
-    const int warps = 8;
-    if (vec_ok(C, a, b))
-        row_dot_kernel<true><<<moe_cdiv(rows, warps), 32 * warps, 0, st>>>(
-            ds, (const moe_bf16 *)a, (const moe_bf16 *)b, rows, C);
-    else
-        row_dot_kernel<false><<<moe_cdiv(rows, warps), 32 * warps, 0, st>>>(
-            ds, (const moe_bf16 *)a, (const moe_bf16 *)b, rows, C);
     MOE_CUDA_LAUNCH_CHECK();
 }

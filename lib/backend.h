@@ -96,6 +96,15 @@ typedef struct moe_backend {
     /** backward of grouped_matmul_forward (accumulates, dw in full precision) */
     void (*grouped_matmul_backward)(void *din, moe_real *dw, const void *dout, const void *in,
                                     const void *w, const int *off, int G, int I, int O);
+    /** grouped_matmul_forward with the offsets @p dev_off [G+1] in BACKEND memory, so the
+     *  host never needs the group sizes (chapter 03's own kernel); @p rows = dev_off[G], the
+     *  rows of @p in and @p out */
+    void (*grouped_matmul_forward_dev)(void *out, const void *in, const void *w,
+                                       const int *dev_off, int G, int rows, int I, int O);
+    /** backward of grouped_matmul_forward_dev (accumulates, as grouped_matmul_backward) */
+    void (*grouped_matmul_backward_dev)(void *din, moe_real *dw, const void *dout,
+                                        const void *in, const void *w, const int *dev_off,
+                                        int G, int rows, int I, int O);
     /** as moe_cpu_embedding_forward() */
     void (*embedding_forward)(void *out, const int *tokens, const void *table, int N, int C);
     /** as moe_cpu_embedding_backward() */
@@ -119,10 +128,13 @@ typedef struct moe_backend {
     void (*attention_backward)(void *dq, void *dk, void *dv, const void *dy, const void *att,
                                const void *q, const void *k, const void *v, int B, int T, int Hq,
                                int Hkv, int D);
-    /** as moe_cpu_swiglu_forward() */
-    void (*swiglu_forward)(void *out, const void *gu, int N, int F);
-    /** as moe_cpu_swiglu_backward() */
-    void (*swiglu_backward)(void *dgu, const void *dout, const void *gu, int N, int F);
+    /** as moe_cpu_swiglu_forward(): out = silu(g)·u, times the routing weight
+     *  row_scale[n] when not NULL (fused: the scaled activation is fc2's input) */
+    void (*swiglu_forward)(void *out, const void *gu, const moe_real *row_scale, int N, int F);
+    /** as moe_cpu_swiglu_backward(): dgu += …, and drow_scale[n] += Σ_f dout·silu(g)·u
+     *  (summed in full precision) when drow_scale is not NULL */
+    void (*swiglu_backward)(void *dgu, moe_real *drow_scale, const void *dout, const void *gu,
+                            const moe_real *row_scale, int N, int F);
     /** as moe_cpu_cross_entropy_forward() */
     void (*cross_entropy_forward)(moe_real *losses, const void *logits, const int *targets, int N,
                                   int V);
@@ -155,9 +167,10 @@ typedef struct moe_backend {
     void (*z_loss_backward)(void *dlogits, const void *logits, int N, int E, double coeff,
                             double scale);
     /** as moe_cpu_permute_index(): perm_src/row_of in device memory; expert_offset and
-     *  counts are HOST arrays (the host sync of the naive loop) */
-    void (*permute_index)(int *perm_src, int *row_of, int *expert_offset, long long *counts,
-                          const int *topk_idx, int N, int k, int E);
+     *  counts are HOST arrays (the host sync of the naive loop); @p dev_offset, when not
+     *  NULL, gets the same E+1 offsets in device memory (for the grouped kernel) */
+    void (*permute_index)(int *perm_src, int *row_of, int *expert_offset, int *dev_offset,
+                          long long *counts, const int *topk_idx, int N, int k, int E);
     /** as moe_cpu_permute_tokens() */
     void (*permute_tokens)(void *xp, const void *x, const int *perm_src, int rows, int k, int C);
     /** as moe_cpu_permute_weights() */
@@ -171,10 +184,6 @@ typedef struct moe_backend {
     void (*gather_rows)(void *dst, const void *src, const int *map, int rows, int C);
     /** dst[r] = src[map[r]], or 0 where map[r] < 0 (full precision) */
     void (*gather_reals)(moe_real *dst, const moe_real *src, const int *map, int rows);
-    /** row-wise scale: x[r,:] *= s[r] (the routing weight applied after the activation) */
-    void (*scale_rows)(void *x, const moe_real *s, int rows, int C);
-    /** ds[r] += Σ_c a[r,c]·b[r,c] (gradient of a row scale), summed in fp32 */
-    void (*row_dot)(moe_real *ds, const void *a, const void *b, int rows, int C);
     /**@}*/
 
     /** @name optimizer (full precision) */

@@ -79,8 +79,13 @@ static const moe_flag g_flags[] = {
       "factor)", NULL, G_MOE),
 
     F("moe-grouped-gemm", MOE_FLAG_BOOL, moe_grouped_gemm, "0",
-      "run all local experts' GEMMs as one grouped GEMM (cuBLAS grouped batched on CUDA) "
-      "instead of chapter 01's loop", NULL, G_MOE),
+      "run all local experts' GEMMs as grouped GEMMs instead of chapter 01's loop (Megatron's "
+      "switch: with --moe-expert-backend auto it picks 'grouped')", NULL, G_MOE),
+    F("moe-expert-backend", MOE_FLAG_CHOICE, moe_expert_backend, "auto",
+      "how the experts' GEMMs run: loop (one cublasGemmEx per expert, chapter 01), "
+      "cublas-grouped (cublasGemmGroupedBatchedEx), grouped (our sm_90a kernel, sizes read on "
+      "the GPU; cuBLAS grouped on other GPUs); auto = grouped on a GPU, loop on the CPU",
+      "auto|loop|cublas-grouped|grouped", G_MOE),
 
     F("micro-batch-size", MOE_FLAG_INT, micro_batch_size, "16", "sequences per forward/backward",
       NULL, G_TRAIN),

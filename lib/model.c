@@ -105,7 +105,7 @@ static moe_moe_dims moe_dims(const moe_model *m, int N, int T) {
     d.capacity_factor = c->moe_expert_capacity_factor;
     d.drop_by_position = c->drop_by_position;
     d.pad_to_capacity = c->moe_pad_expert_input_to_capacity;
-    d.grouped_gemm = c->moe_grouped_gemm;
+    d.experts = moe_expert_impl_from_config(c, m->be);
     return d;
 }
 
@@ -394,7 +394,7 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
             for (int e = 0; e < c->num_experts; e++)
                 m->load_counts[(size_t)l * c->num_experts + e] += a->moe.counts[e];
         } else {
-            moe_mlp_forward(be, ffn_out, a->dense_gu, a->dense_act, NULL, a->ln2, NULL,
+            moe_mlp_forward(be, ffn_out, a->dense_gu, a->dense_act, a->ln2, NULL,
                             P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2), N, H, c->ffn_hidden_size);
             m->layer_aux[l] = m->layer_z[l] = 0.0;
         }
@@ -456,8 +456,7 @@ void moe_model_backward(moe_model *m, double loss_scale) {
         } else {
             moe_mlp_backward(be, m->d_ln, G(m, l, MOE_W_FC1), G(m, l, MOE_W_FC2), NULL, m->d_res,
                              a->ln2, a->dense_gu, a->dense_act, NULL, P(m, l, MOE_W_FC1),
-                             P(m, l, MOE_W_FC2), m->ws.h, m->ws.dh, m->ws.dgu, N, H,
-                             c->ffn_hidden_size);
+                             P(m, l, MOE_W_FC2), m->ws.dh, m->ws.dgu, N, H, c->ffn_hidden_size);
         }
         be->rmsnorm_backward(m->d_res, G(m, l, MOE_W_LN2), m->d_ln, a->xmid, P(m, l, MOE_W_LN2),
                              a->rstd2, N, H);

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "mlp.h"
+#include "profile.h"
 
 #define R sizeof(moe_real)
 #define A(p, i) MOE_ACT(be, p, i)
@@ -31,6 +32,7 @@ void moe_moe_acts_alloc(const moe_backend *be, moe_moe_acts *a, const moe_moe_di
         a->shared_act = be->alloc(S * N * d->Fs);
     }
     a->expert_offset = calloc((size_t)d->E + 1, sizeof(int));
+    a->dev_offset = be->alloc(sizeof(int) * ((size_t)d->E + 2));
     a->counts = calloc((size_t)d->E, sizeof(long long));
     if (d->ep || d->capacity_factor > 0) {
         a->dispatch_idx = be->alloc(sizeof(int) * NK);
@@ -39,7 +41,7 @@ void moe_moe_acts_alloc(const moe_backend *be, moe_moe_acts *a, const moe_moe_di
         MOE_ASSERT(a->dispatch_idx && a->host_idx && a->host_w);
     }
     MOE_ASSERT(a->logits && a->topk_idx && a->topk_w && a->perm_src && a->row_of && a->wp &&
-               a->xp && a->gu && a->act && a->expert_offset && a->counts);
+               a->xp && a->gu && a->act && a->expert_offset && a->dev_offset && a->counts);
 }
 
 void moe_moe_acts_free(const moe_backend *be, moe_moe_acts *a) {
@@ -47,6 +49,7 @@ void moe_moe_acts_free(const moe_backend *be, moe_moe_acts *a) {
     be->free(a->row_of); be->free(a->wp); be->free(a->xp); be->free(a->gu); be->free(a->act);
     be->free(a->shared_gu); be->free(a->shared_act);
     free(a->expert_offset);
+    be->free(a->dev_offset);
     free(a->counts);
     be->free(a->dispatch_idx);
     free(a->host_idx);
@@ -68,18 +71,15 @@ void moe_moe_workspace_alloc(const moe_backend *be, moe_moe_workspace *w, const 
     w->dwp = be->alloc(R * NK);
     w->dtopk_w = be->alloc(R * NK);
     w->dlogits = be->alloc(S * N * d->E);
-    w->h = be->alloc(S * HF);
     w->dh = be->alloc(S * HF);
     w->dgu = be->alloc(S * 2 * HF);
-    MOE_ASSERT(w->yp && w->dyp && w->dxp && w->dwp && w->dtopk_w && w->dlogits && w->h && w->dh &&
-               w->dgu);
+    MOE_ASSERT(w->yp && w->dyp && w->dxp && w->dwp && w->dtopk_w && w->dlogits && w->dh && w->dgu);
 }
 
 void moe_moe_workspace_free(const moe_backend *be, moe_moe_workspace *w) {
     be->free(w->yp); be->free(w->dyp); be->free(w->dxp); be->free(w->dwp); be->free(w->dtopk_w);
-    be->free(w->dlogits); be->free(w->h); be->free(w->dh); be->free(w->dgu);
-    be->free(w->ye); be->free(w->dye); be->free(w->dwe); be->free(w->eh); be->free(w->edh);
-    be->free(w->edgu);
+    be->free(w->dlogits); be->free(w->dh); be->free(w->dgu);
+    be->free(w->ye); be->free(w->dye); be->free(w->dwe); be->free(w->edh); be->free(w->edgu);
     memset(w, 0, sizeof *w);
 }
 
@@ -88,33 +88,46 @@ static int aux_group_len(const moe_moe_dims *d) {
     return d->lb_type == MOE_LB_SEQ_AUX ? d->T : d->N;
 }
 
+/* The groups of step 4: expert e owns rows [off[e], off[e+1]) (host). Our grouped kernel
+ * reads the offsets from device memory: the plain path has them there already
+ * (permute_index wrote a->dev_offset), the dispatcher paths upload the plan's. */
+static moe_groups expert_groups(const moe_backend *be, const moe_moe_dims *d, moe_moe_acts *a,
+                                const int *off, int G, int upload) {
+    if (d->experts == MOE_EXPERTS_KERNEL && upload)
+        be->from_host(a->dev_offset, off, sizeof(int) * (G + 1));
+    moe_groups g = {off, a->dev_offset, G, d->experts};
+    return g;
+}
+
 /* The experts on an expert-contiguous layout: expert e (weights e of fc1/fc2) owns rows
- * [off[e], off[e+1]). Chapter 01's loop — or, with --moe-grouped-gemm, chapter 03's one
- * grouped GEMM per Linear for all of them. */
-static void experts_forward(const moe_backend *be, void *y, void *gu, void *act, void *h,
-                            const void *x, const moe_real *w_row, const void *fc1, const void *fc2,
-                            const int *off, int n_experts, int H, int F, int grouped) {
-    if (grouped) {
-        moe_mlp_forward_grouped(be, y, gu, act, h, x, w_row, fc1, fc2, off, n_experts, H, F);
+ * [off[e], off[e+1]). Chapter 01's loop — or chapter 03's grouped GEMMs: one per Linear
+ * for all of them (--moe-expert-backend). */
+static void experts_forward(const moe_backend *be, void *y, void *gu, void *act, const void *x,
+                            const moe_real *w_row, const void *fc1, const void *fc2,
+                            const moe_groups *grp, int H, int F) {
+    const int *off = grp->off, n_experts = grp->G;
+    if (grp->impl != MOE_EXPERTS_LOOP) {
+        moe_mlp_forward_grouped(be, y, gu, act, x, w_row, fc1, fc2, grp, H, F);
         return;
     }
     for (int e = 0; e < n_experts; e++) {
         const size_t o = (size_t)off[e];
         const int rows = off[e + 1] - off[e];
-        moe_mlp_forward(be, A(y, o * H), A(gu, o * 2 * F), A(act, o * F), A(h, o * F),
-                        A(x, o * H), w_row + o, A(fc1, (size_t)e * 2 * F * H),
-                        A(fc2, (size_t)e * H * F), rows, H, F);
+        moe_mlp_forward(be, A(y, o * H), A(gu, o * 2 * F), A(act, o * F), A(x, o * H),
+                        w_row + o, A(fc1, (size_t)e * 2 * F * H), A(fc2, (size_t)e * H * F), rows,
+                        H, F);
     }
 }
 
 static void experts_backward(const moe_backend *be, void *dx, moe_real *g_fc1, moe_real *g_fc2,
                              moe_real *dw_row, const void *dy, const void *x, const void *gu,
                              const void *act, const moe_real *w_row, const void *fc1,
-                             const void *fc2, void *h, void *dh, void *dgu, const int *off,
-                             int n_experts, int H, int F, int grouped) {
-    if (grouped) {
-        moe_mlp_backward_grouped(be, dx, g_fc1, g_fc2, dw_row, dy, x, gu, act, w_row, fc1, fc2, h,
-                                 dh, dgu, off, n_experts, H, F);
+                             const void *fc2, void *dh, void *dgu, const moe_groups *grp, int H,
+                             int F) {
+    const int *off = grp->off, n_experts = grp->G;
+    if (grp->impl != MOE_EXPERTS_LOOP) {
+        moe_mlp_backward_grouped(be, dx, g_fc1, g_fc2, dw_row, dy, x, gu, act, w_row, fc1, fc2, dh,
+                                 dgu, grp, H, F);
         return;
     }
     for (int e = 0; e < n_experts; e++) {
@@ -123,7 +136,7 @@ static void experts_backward(const moe_backend *be, void *dx, moe_real *g_fc1, m
         moe_mlp_backward(be, A(dx, o * H), g_fc1 + (size_t)e * 2 * F * H, g_fc2 + (size_t)e * H * F,
                          dw_row + o, A(dy, o * H), A(x, o * H), A(gu, o * 2 * F), A(act, o * F),
                          w_row + o, A(fc1, (size_t)e * 2 * F * H), A(fc2, (size_t)e * H * F),
-                         A(h, o * F), A(dh, o * F), A(dgu, o * 2 * F), rows, H, F);
+                         A(dh, o * F), A(dgu, o * 2 * F), rows, H, F);
     }
 }
 
@@ -149,7 +162,6 @@ static void ensure_expert_rows(const moe_backend *be, moe_moe_acts *a, moe_moe_w
         ws->ye = regrow(be, ws->ye, S * rows * H);
         ws->dye = regrow(be, ws->dye, S * rows * H);
         ws->dwe = regrow(be, ws->dwe, R * rows);
-        ws->eh = regrow(be, ws->eh, S * rows * F);
         ws->edh = regrow(be, ws->edh, S * rows * F);
         ws->edgu = regrow(be, ws->edgu, S * rows * 2 * F);
         ws->e_rows = rows;
@@ -242,8 +254,9 @@ static void forward_allgather(const moe_backend *be, void *out, const void *x,
     ep->send_buf = moe_grow(be, ep->send_buf, &ep->send_cap, be->act_size * (size_t)P * N * H);
     moe_comm_all_gather(ep->comm, x, ep->send_buf, (size_t)N * H, t);
     be->gather_rows(a->xe, ep->send_buf, pl->ag_tok, rows, H);
-    experts_forward(be, ws->ye, a->gue, a->acte, ws->eh, a->xe, a->we, w->fc1, w->fc2,
-                    pl->expert_offset, EL, H, F, d->grouped_gemm);
+    moe_prof_mark(MOE_PROF_OTHER);
+    const moe_groups grp = expert_groups(be, d, a, pl->expert_offset, EL, 1);
+    experts_forward(be, ws->ye, a->gue, a->acte, a->xe, a->we, w->fc1, w->fc2, &grp, H, F);
     /* partial outputs for every gathered token, then summed over the ranks */
     ep->recv_buf = moe_grow(be, ep->recv_buf, &ep->recv_cap, be->act_size * (size_t)GNK * H);
     ep->ag_buf = moe_grow(be, ep->ag_buf, &ep->ag_cap, be->act_size * (size_t)P * N * H);
@@ -271,9 +284,10 @@ static void backward_allgather(const moe_backend *be, void *dx, const moe_moe_gr
     be->gather_rows(ws->dye, ep->send_buf, pl->ag_tok, rows, H);
     be->zero(ws->ye, be->act_size * (size_t)rows * H);
     be->zero(ws->dwe, R * (size_t)rows);
+    moe_prof_mark(MOE_PROF_OTHER);
+    const moe_groups grp = expert_groups(be, d, (moe_moe_acts *)a, pl->expert_offset, EL, 0);
     experts_backward(be, ws->ye, g->fc1, g->fc2, ws->dwe, ws->dye, a->xe, a->gue, a->acte, a->we,
-                     w->fc1, w->fc2, ws->eh, ws->edh, ws->edgu, pl->expert_offset, EL, H, F,
-                     d->grouped_gemm);
+                     w->fc1, w->fc2, ws->edh, ws->edgu, &grp, H, F);
     /* input gradients: per gathered token, summed over the ranks, this rank's share */
     ep->recv_buf = moe_grow(be, ep->recv_buf, &ep->recv_cap, be->act_size * (size_t)GNK * H);
     ep->ag_buf = moe_grow(be, ep->ag_buf, &ep->ag_cap, be->act_size * (size_t)P * N * H);
@@ -307,7 +321,7 @@ static void forward_dispatch(const moe_backend *be, void *out, const void *x,
     be->from_host(a->dispatch_idx, didx, sizeof(int) * NK);
 
     /* local permutation into E + 1 buckets: the last one holds the dropped assignments */
-    be->permute_index(a->perm_src, a->row_of, off, NULL, a->dispatch_idx, N, k, E + 1);
+    be->permute_index(a->perm_src, a->row_of, off, NULL, NULL, a->dispatch_idx, N, k, E + 1);
     for (int e = 0; e < E; e++)
         kept[e] = off[e + 1] - off[e];
     be->permute_tokens(a->xp, x, a->perm_src, NK, k, H);
@@ -318,8 +332,9 @@ static void forward_dispatch(const moe_backend *be, void *out, const void *x,
     ensure_expert_rows(be, a, ws, d, (size_t)a->plan.R_recv + 1);
     moe_dispatch_rows(ep, &a->plan, a->xe, a->xp, H);
     moe_dispatch_reals(ep, &a->plan, a->we, a->wp);
-    experts_forward(be, ws->ye, a->gue, a->acte, ws->eh, a->xe, a->we, w->fc1, w->fc2,
-                    a->plan.expert_offset, EL, H, F, d->grouped_gemm);
+    moe_prof_mark(MOE_PROF_OTHER);
+    const moe_groups grp = expert_groups(be, d, a, a->plan.expert_offset, EL, 1);
+    experts_forward(be, ws->ye, a->gue, a->acte, a->xe, a->we, w->fc1, w->fc2, &grp, H, F);
     moe_combine_rows(ep, &a->plan, ws->yp, ws->ye, H);
     const int R_kept = a->plan.R_kept;
     be->zero(A(ws->yp, (size_t)R_kept * H), be->act_size * (size_t)(NK - R_kept) * H);
@@ -346,9 +361,10 @@ static void backward_dispatch(const moe_backend *be, void *dx, const moe_moe_gra
     moe_dispatch_rows(ep, &a->plan, ws->dye, ws->dyp, H);
     be->zero(ws->ye, be->act_size * (size_t)R_recv * H);
     be->zero(ws->dwe, R * (size_t)R_recv);
+    moe_prof_mark(MOE_PROF_OTHER);
+    const moe_groups grp = expert_groups(be, d, am, a->plan.expert_offset, EL, 0);
     experts_backward(be, ws->ye, g->fc1, g->fc2, ws->dwe, ws->dye, a->xe, a->gue, a->acte, a->we,
-                     w->fc1, w->fc2, ws->eh, ws->edh, ws->edgu, a->plan.expert_offset, EL, H, F,
-                     d->grouped_gemm);
+                     w->fc1, w->fc2, ws->edh, ws->edgu, &grp, H, F);
     /* input and routing-weight gradients come back like outputs */
     moe_combine_rows(ep, &a->plan, ws->dxp, ws->ye, H);
     be->zero(A(ws->dxp, (size_t)R_kept * H), be->act_size * (size_t)(NK - R_kept) * H);
@@ -373,34 +389,40 @@ void moe_moe_forward(const moe_backend *be, void *out, const void *x, const moe_
                                              d->router.score_fn, d->aux_coeff)
                       : 0.0;
     a->z_loss = d->z_coeff > 0 ? be->z_loss_forward(a->logits, N, E, d->z_coeff) : 0.0;
+    moe_prof_mark(MOE_PROF_ROUTER);
 
     if (d->ep && d->ep->allgather) {
         forward_allgather(be, out, x, w, d, a, ws);
+        moe_prof_mark(MOE_PROF_OTHER);
     } else if (d->ep || d->capacity_factor > 0) {
         /* expert parallelism and/or capacity: steps 3–5 through the dispatcher */
         forward_dispatch(be, out, x, w, d, a, ws);
+        moe_prof_mark(MOE_PROF_OTHER);
     } else {
         /* 3. permute: rows grouped by expert (expert_offset comes back to the host) */
         memset(a->counts, 0, sizeof(long long) * E);
         a->dropped = 0;
-        be->permute_index(a->perm_src, a->row_of, a->expert_offset, a->counts, a->topk_idx, N, k,
-                          E);
+        be->permute_index(a->perm_src, a->row_of, a->expert_offset,
+                          d->experts == MOE_EXPERTS_KERNEL ? a->dev_offset : NULL, a->counts,
+                          a->topk_idx, N, k, E);
         be->permute_tokens(a->xp, x, a->perm_src, N * k, k, H);
         be->permute_weights(a->wp, a->topk_w, a->perm_src, N * k);
+        moe_prof_mark(MOE_PROF_PERMUTE);
 
         /* 4. the experts: chapter 01's loop of one SwiGLU MLP per expert on its rows, or
-         *    (--moe-grouped-gemm) one grouped GEMM per Linear for all of them */
-        experts_forward(be, ws->yp, a->gu, a->act, ws->h, a->xp, a->wp, w->fc1, w->fc2,
-                        a->expert_offset, E, H, F, d->grouped_gemm);
+         *    (chapter 03) one grouped GEMM per Linear for all of them */
+        const moe_groups grp = expert_groups(be, d, a, a->expert_offset, E, 0);
+        experts_forward(be, ws->yp, a->gu, a->act, a->xp, a->wp, w->fc1, w->fc2, &grp, H, F);
 
         /* 5. combine: out[n] = Σ_j expert output of (n, j) */
         be->zero(out, be->act_size * (size_t)N * H);
         be->unpermute_sum(out, ws->yp, a->row_of, N, k, H);
+        moe_prof_mark(MOE_PROF_UNPERMUTE);
     }
 
     /* 6. shared expert on every token */
     if (d->Fs > 0) {
-        moe_mlp_forward(be, ws->yp, a->shared_gu, a->shared_act, NULL, x, NULL, w->shared_fc1,
+        moe_mlp_forward(be, ws->yp, a->shared_gu, a->shared_act, x, NULL, w->shared_fc1,
                         w->shared_fc2, N, H, d->Fs);
         be->add(out, ws->yp, (size_t)N * H);
     }
@@ -416,18 +438,21 @@ void moe_moe_backward(const moe_backend *be, void *dx, const moe_moe_grads *g, c
         /* produces dx's expert part and the routing-weight gradients directly */
         be->zero(ws->dtopk_w, R * NK);
         backward_allgather(be, dx, g, dout, w, d, a, ws);
+        moe_prof_mark(MOE_PROF_OTHER);
     } else if (d->ep || d->capacity_factor > 0) {
         backward_dispatch(be, dx, g, dout, w, d, a, ws);
+        moe_prof_mark(MOE_PROF_OTHER);
     } else {
         /* 5⁻¹. the combine was a sum, so each permuted row receives its token's gradient */
         be->permute_tokens(ws->dyp, dout, a->perm_src, N * k, k, H);
         be->zero(ws->dxp, be->act_size * NK * H);
         be->zero(ws->dwp, R * NK);
+        moe_prof_mark(MOE_PROF_PERMUTE);
 
         /* 4⁻¹. the expert loop in reverse */
+        const moe_groups grp = expert_groups(be, d, (moe_moe_acts *)a, a->expert_offset, E, 0);
         experts_backward(be, ws->dxp, g->fc1, g->fc2, ws->dwp, ws->dyp, a->xp, a->gu, a->act,
-                         a->wp, w->fc1, w->fc2, ws->h, ws->dh, ws->dgu, a->expert_offset, E, H, F,
-                         d->grouped_gemm);
+                         a->wp, w->fc1, w->fc2, ws->dh, ws->dgu, &grp, H, F);
     }
 
     /* 3⁻¹. back to token order: inputs and routing weights */
@@ -435,6 +460,7 @@ void moe_moe_backward(const moe_backend *be, void *dx, const moe_moe_grads *g, c
         be->unpermute_sum(dx, ws->dxp, a->row_of, N, k, H);
         be->zero(ws->dtopk_w, R * NK);
         be->unpermute_weights(ws->dtopk_w, ws->dwp, a->row_of, N, k);
+        moe_prof_mark(MOE_PROF_UNPERMUTE);
     }
 
     /* 2⁻¹ and 1⁻¹. router: routing weights, aux loss and z-loss all end in the logits */
@@ -446,10 +472,24 @@ void moe_moe_backward(const moe_backend *be, void *dx, const moe_moe_grads *g, c
     if (d->z_coeff > 0)
         be->z_loss_backward(ws->dlogits, a->logits, N, E, d->z_coeff, loss_scale);
     be->matmul_backward(dx, g->router, ws->dlogits, x, w->router, N, H, E);
+    moe_prof_mark(MOE_PROF_ROUTER);
 
     /* 6⁻¹. shared expert */
     if (d->Fs > 0)
         moe_mlp_backward(be, dx, g->shared_fc1, g->shared_fc2, NULL, dout, x, a->shared_gu,
-                         a->shared_act, NULL, w->shared_fc1, w->shared_fc2, ws->h, ws->dh,
-                         ws->dgu, N, H, d->Fs);
+                         a->shared_act, NULL, w->shared_fc1, w->shared_fc2, ws->dh, ws->dgu, N,
+                         H, d->Fs);
+}
+
+moe_expert_impl moe_expert_impl_from_config(const moe_config *c, const moe_backend *be) {
+    const char *s = c->moe_expert_backend;
+    if (!strcmp(s, "loop"))
+        return MOE_EXPERTS_LOOP;
+    if (!strcmp(s, "cublas-grouped"))
+        return MOE_EXPERTS_CUBLAS;
+    if (!strcmp(s, "grouped"))
+        return MOE_EXPERTS_KERNEL;
+    /* auto: the fastest on a GPU; on the CPU the loop, unless Megatron's switch asks */
+    return be->device != MOE_DEVICE_CPU || c->moe_grouped_gemm ? MOE_EXPERTS_KERNEL
+                                                               : MOE_EXPERTS_LOOP;
 }

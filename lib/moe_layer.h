@@ -8,7 +8,7 @@
  *  2. load-balancing aux loss and z-loss from z (they join the training loss);
  *  3. permute: the N·k assignments sorted by expert, each token copied to its k rows;
  *  4. **the naive loop**: for each expert e, run its SwiGLU MLP on its rows, with the
- *     routing weight applied after the activation;
+ *     routing weight applied after the activation (fused into the SwiGLU op, mlp.h);
  *  5. unpermute: each token's output is the plain sum of its k expert rows;
  *  6. plus the shared expert (if any) applied to every token.
  * Backward runs the exact reverse. Step 4 launches 2·E small GEMMs forward and
@@ -20,7 +20,8 @@
  *    experts; `ep->allgather` picks the allgather dispatcher instead of all-to-all;
  *  - `capacity_factor` (chapter 02): dropped assignments skip the experts; the dispatcher
  *    path also runs single-rank for this;
- *  - `grouped_gemm` (chapter 03): step 4 as one grouped GEMM per Linear (mlp.h).
+ *  - `experts` (chapter 03): step 4 as chapter 01's loop or as one grouped GEMM per
+ *    Linear (cuBLAS's, or our kernel that reads the group offsets on the device; mlp.h).
  */
 #ifndef MOE_MOE_LAYER_H
 #define MOE_MOE_LAYER_H
@@ -28,6 +29,7 @@
 #include "backend.h"
 #include "config.h"
 #include "dispatcher.h"
+#include "mlp.h"
 
 /** Sizes and settings of one MoE layer. */
 typedef struct moe_moe_dims {
@@ -46,7 +48,7 @@ typedef struct moe_moe_dims {
     double capacity_factor;     /**< 0 = dropless */
     int drop_by_position;       /**< drop policy: 1 = position, 0 = probs */
     int pad_to_capacity;        /**< pad every expert's input to capacity rows */
-    int grouped_gemm;           /**< experts as one grouped GEMM instead of a loop */
+    moe_expert_impl experts;    /**< how step 4 runs: loop, cuBLAS grouped, our kernel */
 } moe_moe_dims;
 
 /** The layer's weights: the backend's compute copy (activation type), views into it. */
@@ -78,10 +80,11 @@ typedef struct moe_moe_acts {
     moe_real *wp;         /**< [N·k] routing weight of each permuted row */
     void *xp;             /**< [N·k,H] permuted inputs */
     void *gu;             /**< [N·k,2F] expert fc1 outputs */
-    void *act;            /**< [N·k,F] expert SwiGLU outputs */
+    void *act;            /**< [N·k,F] expert SwiGLU outputs × routing weight (fc2's input) */
     void *shared_gu;      /**< [N,2Fs] */
     void *shared_act;     /**< [N,Fs] */
     int *expert_offset;   /**< host [E+1]: expert e owns permuted rows [off[e], off[e+1]) */
+    int *dev_offset;      /**< the same offsets in backend memory ([E+2]; chapter 03 kernel) */
     long long *counts;    /**< host [E]: tokens per expert, this forward */
     double aux_loss;      /**< load-balancing loss of this forward */
     double z_loss;        /**< z-loss of this forward */
@@ -95,7 +98,7 @@ typedef struct moe_moe_acts {
     void *xe;             /**< [e_rows,H] tokens at the local experts */
     moe_real *we;         /**< [e_rows] their routing weights */
     void *gue;            /**< [e_rows,2F] expert fc1 outputs */
-    void *acte;           /**< [e_rows,F] expert SwiGLU outputs */
+    void *acte;           /**< [e_rows,F] expert SwiGLU outputs × routing weight */
 } moe_moe_acts;
 
 /** Scratch shared by all MoE layers (only one runs at a time). */
@@ -106,14 +109,12 @@ typedef struct moe_moe_workspace {
     moe_real *dwp;      /**< [N·k] */
     moe_real *dtopk_w;  /**< [N·k] */
     void *dlogits;      /**< [N,E] */
-    void *h;            /**< [max(N·k·F, N·Fs)] */
     void *dh;           /**< [max(N·k·F, N·Fs)] */
     void *dgu;          /**< [2·max(N·k·F, N·Fs)] */
     size_t e_rows;      /**< rows allocated for the expert-side scratch below */
     void *ye;           /**< [e_rows,H] expert outputs / input gradients at the experts */
     void *dye;          /**< [e_rows,H] output gradients at the experts */
     moe_real *dwe;      /**< [e_rows] routing-weight gradients at the experts */
-    void *eh;           /**< [e_rows,F] */
     void *edh;          /**< [e_rows,F] */
     void *edgu;         /**< [e_rows,2F] */
 } moe_moe_workspace;
@@ -147,5 +148,15 @@ void moe_moe_forward(const moe_backend *be, void *out, const void *x, const moe_
 void moe_moe_backward(const moe_backend *be, void *dx, const moe_moe_grads *g, const void *dout,
                       const void *x, const moe_moe_weights *w, const moe_moe_dims *d,
                       const moe_moe_acts *a, moe_moe_workspace *ws, double loss_scale);
+
+/**
+ * @brief The expert backend the configuration asks for (--moe-expert-backend): `auto` is
+ *        our grouped kernel on a GPU and chapter 01's loop on the CPU, where
+ *        --moe-grouped-gemm turns it into the grouped path (on the CPU, the same loop
+ *        over groups behind the grouped op).
+ * @param c configuration  @param be the backend the model runs on
+ * @return the implementation step 4 of the layer uses
+ */
+moe_expert_impl moe_expert_impl_from_config(const moe_config *c, const moe_backend *be);
 
 #endif /* MOE_MOE_LAYER_H */

@@ -146,9 +146,14 @@ START_TEST(test_fd_model_capacity) {
                      "--moe-grouped-gemm");
     /* dispatcher path with no drops vs the naive loop: same loss, same gradients */
     same_as_loop(TINY "--num-experts 4 --moe-router-topk 2 --moe-expert-capacity-factor 100");
-    /* the grouped experts vs the loop */
+    /* the grouped experts vs the loop: offsets from the host (cuBLAS's path) and from
+     * "device" memory (our kernel's path; on the CPU both run the loop over groups) */
     same_as_loop(TINY "--num-experts 4 --moe-router-topk 2 --moe-grouped-gemm "
                       "--moe-shared-expert-intermediate-size 4");
+    same_as_loop(TINY "--num-experts 4 --moe-router-topk 2 --moe-expert-backend cublas-grouped "
+                      "--moe-shared-expert-intermediate-size 4");
+    same_as_loop(TINY "--num-experts 4 --moe-router-topk 2 --moe-expert-backend grouped "
+                      "--moe-expert-capacity-factor 100");
 }
 END_TEST
 

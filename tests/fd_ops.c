@@ -161,21 +161,43 @@ START_TEST(test_fd_attention) {
 END_TEST
 
 /* ------------------------------------------------------------------ swiglu */
-typedef struct { int N, F; moe_real *gu, *out, *r; } sw_ctx;
+/* With and without the fused row scale: d gu always, d row_scale when scaled. The backward
+ * accumulates, so it runs on pre-filled gradients and the test subtracts the fill. */
+typedef struct { int N, F; moe_real *gu, *s, *out, *r; int scaled; } sw_ctx;
 static double sw_loss(void *p) {
     sw_ctx *c = p;
-    moe_cpu_swiglu_forward(c->out, c->gu, c->N, c->F);
+    moe_cpu_swiglu_forward(c->out, c->gu, c->scaled ? c->s : NULL, c->N, c->F);
     return fd_dot(c->r, c->out, (size_t)c->N * c->F);
 }
 START_TEST(test_fd_swiglu) {
-    sw_ctx c = {9, 13, 0, 0, 0};
-    c.gu = ALLOC(c.N * 2 * c.F); c.out = ALLOC(c.N * c.F); c.r = ALLOC(c.N * c.F);
-    moe_test_randn(c.gu, c.N * 2 * c.F, 15, 2.0);
-    moe_test_randn(c.r, c.N * c.F, 16, 1.0);
-    moe_real *dgu = ALLOC(c.N * 2 * c.F);
-    moe_cpu_swiglu_backward(dgu, c.r, c.gu, c.N, c.F);
-    ck_assert_double_le(fd_check("swiglu", sw_loss, &c, c.gu, dgu, c.N * 2 * c.F, 400, TOL), TOL);
-    free(c.gu); free(c.out); free(c.r); free(dgu);
+    for (int scaled = 0; scaled <= 1; scaled++) {
+        sw_ctx c = {9, 13, 0, 0, 0, 0, scaled};
+        const int ngu = c.N * 2 * c.F;
+        c.gu = ALLOC(ngu); c.s = ALLOC(c.N); c.out = ALLOC(c.N * c.F); c.r = ALLOC(c.N * c.F);
+        moe_test_randn(c.gu, ngu, 15, 2.0);
+        moe_test_randn(c.s, c.N, 27, 1.0);
+        moe_test_randn(c.r, c.N * c.F, 16, 1.0);
+        moe_real *dgu = ALLOC(ngu), *ds = ALLOC(c.N), *fill_gu = ALLOC(ngu), *fill_s = ALLOC(c.N);
+        moe_test_randn(fill_gu, ngu, 28, 1.0);
+        moe_test_randn(fill_s, c.N, 29, 1.0);
+        memcpy(dgu, fill_gu, sizeof(moe_real) * ngu);
+        memcpy(ds, fill_s, sizeof(moe_real) * c.N);
+        moe_cpu_swiglu_backward(dgu, scaled ? ds : NULL, c.r, c.gu, scaled ? c.s : NULL, c.N, c.F);
+        for (int i = 0; i < ngu; i++)
+            dgu[i] -= fill_gu[i];
+        for (int n = 0; n < c.N; n++)
+            ds[n] -= fill_s[n];
+        ck_assert_double_le(fd_check(scaled ? "swiglu d gu (scaled)" : "swiglu d gu", sw_loss, &c,
+                                     c.gu, dgu, ngu, 400, TOL), TOL);
+        if (scaled)
+            ck_assert_double_le(fd_check("swiglu d row_scale", sw_loss, &c, c.s, ds, c.N, 400, TOL),
+                                TOL);
+        else /* no row scale: drow_scale is NULL and nothing else may be touched */
+            for (int n = 0; n < c.N; n++)
+                ck_assert_double_eq(ds[n], 0.0);
+        free(c.gu); free(c.s); free(c.out); free(c.r); free(dgu); free(ds); free(fill_gu);
+        free(fill_s);
+    }
 }
 END_TEST
 
@@ -280,19 +302,19 @@ START_TEST(test_fd_aux_losses) {
 END_TEST
 
 /* ------------------------------------------------- SwiGLU MLP with row scale */
-typedef struct { int N, H, F; moe_real *x, *w1, *w2, *s, *out, *gu, *act, *h, *r; int scaled; } mlp_ctx;
+typedef struct { int N, H, F; moe_real *x, *w1, *w2, *s, *out, *gu, *act, *r; int scaled; } mlp_ctx;
 static double mlp_loss(void *p) {
     mlp_ctx *c = p;
-    moe_mlp_forward(moe_backend_cpu(), c->out, c->gu, c->act, c->h, c->x, c->scaled ? c->s : NULL,
-                    c->w1, c->w2, c->N, c->H, c->F);
+    moe_mlp_forward(moe_backend_cpu(), c->out, c->gu, c->act, c->x, c->scaled ? c->s : NULL, c->w1,
+                    c->w2, c->N, c->H, c->F);
     return fd_dot(c->r, c->out, (size_t)c->N * c->H);
 }
 START_TEST(test_fd_mlp) {
     for (int scaled = 0; scaled <= 1; scaled++) {
-        mlp_ctx c = {7, 10, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, scaled};
+        mlp_ctx c = {7, 10, 6, 0, 0, 0, 0, 0, 0, 0, 0, scaled};
         c.x = ALLOC(c.N * c.H); c.w1 = ALLOC(2 * c.F * c.H); c.w2 = ALLOC(c.H * c.F);
         c.s = ALLOC(c.N); c.out = ALLOC(c.N * c.H); c.gu = ALLOC(c.N * 2 * c.F);
-        c.act = ALLOC(c.N * c.F); c.h = ALLOC(c.N * c.F); c.r = ALLOC(c.N * c.H);
+        c.act = ALLOC(c.N * c.F); c.r = ALLOC(c.N * c.H);
         moe_test_randn(c.x, c.N * c.H, 22, 1.0);
         moe_test_randn(c.w1, 2 * c.F * c.H, 23, 0.5);
         moe_test_randn(c.w2, c.H * c.F, 24, 0.5);
@@ -300,17 +322,16 @@ START_TEST(test_fd_mlp) {
         moe_test_randn(c.r, c.N * c.H, 26, 1.0);
         mlp_loss(&c);
         moe_real *dx = ALLOC(c.N * c.H), *dw1 = ALLOC(2 * c.F * c.H), *dw2 = ALLOC(c.H * c.F);
-        moe_real *ds = ALLOC(c.N), *w1 = ALLOC(c.N * c.F), *w2 = ALLOC(c.N * c.F),
-                 *w3 = ALLOC(c.N * 2 * c.F);
+        moe_real *ds = ALLOC(c.N), *ws_dh = ALLOC(c.N * c.F), *ws_dgu = ALLOC(c.N * 2 * c.F);
         moe_mlp_backward(moe_backend_cpu(), dx, dw1, dw2, scaled ? ds : NULL, c.r, c.x, c.gu, c.act,
-                         scaled ? c.s : NULL, c.w1, c.w2, w1, w2, w3, c.N, c.H, c.F);
+                         scaled ? c.s : NULL, c.w1, c.w2, ws_dh, ws_dgu, c.N, c.H, c.F);
         ck_assert_double_le(fd_check("mlp dx", mlp_loss, &c, c.x, dx, c.N * c.H, 500, TOL), TOL);
         ck_assert_double_le(fd_check("mlp dw1", mlp_loss, &c, c.w1, dw1, 2 * c.F * c.H, 500, TOL), TOL);
         ck_assert_double_le(fd_check("mlp dw2", mlp_loss, &c, c.w2, dw2, c.H * c.F, 500, TOL), TOL);
         if (scaled)
             ck_assert_double_le(fd_check("mlp d(row scale)", mlp_loss, &c, c.s, ds, c.N, 500, TOL), TOL);
         free(c.x); free(c.w1); free(c.w2); free(c.s); free(c.out); free(c.gu); free(c.act);
-        free(c.h); free(c.r); free(dx); free(dw1); free(dw2); free(ds); free(w1); free(w2); free(w3);
+        free(c.r); free(dx); free(dw1); free(dw2); free(ds); free(ws_dh); free(ws_dgu);
     }
     moe_cpu_matmul_release();
 }

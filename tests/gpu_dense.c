@@ -433,36 +433,62 @@ END_TEST
 
 /* ------------------------------------------------------------------ swiglu */
 
-static void check_swiglu(int N, int F) {
+/* SwiGLU with the fused row scale (scaled = 1) or without (row_scale = drow_scale = NULL).
+ * @p off shifts gu by that many bf16 elements, so F % 8 == 0 can still take the unaligned
+ * (scalar) path; F % 8 != 0 takes it anyway. The backward's block is as wide as the row
+ * needs (up to 256 threads): the shapes cover one pass, several passes and both paths. */
+static void check_swiglu(int N, int F, int scaled, int off) {
     char name[96];
-    moe_real *gu, *dout, *dgu0;
-    void *d_gu = rand_act((size_t)N * 2 * F, 50, 2.0, &gu);
-    void *d_dout = rand_act((size_t)N * F, 51, 1.0, &dout);
+    const char *tag = scaled ? "scaled" : "plain";
+    const size_t nf = (size_t)N * F, ngu = 2 * nf;
+    moe_real *gu_all, *dout, *dgu0, *s = NULL, *ds0 = NULL;
+    void *d_gu_all = rand_act(ngu + off, 50, 2.0, &gu_all);
+    const void *d_gu = (const char *)d_gu_all + 2 * (size_t)off;
+    const moe_real *gu = gu_all + off;
+    void *d_dout = rand_act(nf, 51, 1.0, &dout);
+    moe_real *d_s = scaled ? rand_real((size_t)N, 53, 1.0, &s) : NULL;
 
-    void *d_out = dmalloc((size_t)N * F * 2);
-    poison_dev(d_out, (size_t)N * F * 2);
-    moe_cuda_swiglu_forward(d_out, d_gu, N, F);
-    moe_real *out = read_act(d_out, (size_t)N * F), *ref = hmalloc((size_t)N * F);
-    moe_cpu_swiglu_forward(ref, gu, N, F);
-    snprintf(name, sizeof name, "swiglu fwd N=%d F=%d", N, F);
-    expect_close(name, out, ref, (size_t)N * F, 1e-2);
+    void *d_out = dmalloc(nf * 2);
+    poison_dev(d_out, nf * 2);
+    moe_cuda_swiglu_forward(d_out, d_gu, d_s, N, F);
+    moe_real *out = read_act(d_out, nf), *ref = hmalloc(nf);
+    moe_cpu_swiglu_forward(ref, gu, s, N, F);
+    snprintf(name, sizeof name, "swiglu fwd %s N=%d F=%d off=%d", tag, N, F, off);
+    expect_close(name, out, ref, nf, 1e-2);
 
-    void *d_dgu = rand_act((size_t)N * 2 * F, 52, 1.0, &dgu0);
-    moe_cuda_swiglu_backward(d_dgu, d_dout, d_gu, N, F);
-    moe_real *dgu = read_act(d_dgu, (size_t)N * 2 * F);
-    moe_cpu_swiglu_backward(dgu0, dout, gu, N, F);
-    snprintf(name, sizeof name, "swiglu bwd N=%d F=%d", N, F);
-    expect_close(name, dgu, dgu0, (size_t)N * 2 * F, 1e-2);
+    /* accumulating outputs start from random values of their own size: ds sums F terms */
+    void *d_dgu = rand_act(ngu, 52, 1.0, &dgu0);
+    moe_real *d_ds = scaled ? rand_real((size_t)N, 54, sqrt((double)F), &ds0) : NULL;
+    moe_cuda_swiglu_backward(d_dgu, d_ds, d_dout, d_gu, d_s, N, F);
+    moe_real *dgu = read_act(d_dgu, ngu);
+    moe_cpu_swiglu_backward(dgu0, ds0, dout, gu, s, N, F);
+    snprintf(name, sizeof name, "swiglu bwd dgu %s N=%d F=%d off=%d", tag, N, F, off);
+    expect_close(name, dgu, dgu0, ngu, 1e-2);
+    if (scaled) {
+        /* fp32 output, the row sum in fp32 on both sides */
+        moe_real *ds = read_real(d_ds, (size_t)N);
+        snprintf(name, sizeof name, "swiglu bwd ds N=%d F=%d off=%d", N, F, off);
+        expect_close(name, ds, ds0, (size_t)N, 1e-3);
+        free(ds);
+        moe_cuda_free(d_s), moe_cuda_free(d_ds);
+        free(s), free(ds0);
+    }
 
-    moe_cuda_free(d_gu), moe_cuda_free(d_dout), moe_cuda_free(d_out), moe_cuda_free(d_dgu);
-    free(gu), free(dout), free(dgu0), free(out), free(ref), free(dgu);
+    moe_cuda_free(d_gu_all), moe_cuda_free(d_dout), moe_cuda_free(d_out), moe_cuda_free(d_dgu);
+    free(gu_all), free(dout), free(dgu0), free(out), free(ref), free(dgu);
 }
 
 START_TEST(test_gpu_swiglu) {
-    check_swiglu(37, 130);
-    check_swiglu(300, 65);
-    if (!moe_test_quick())
-        check_swiglu(4096, 1024);
+    for (int scaled = 0; scaled <= 1; scaled++) {
+        check_swiglu(37, 130, scaled, 0); /* F % 8 != 0: scalar */
+        check_swiglu(300, 65, scaled, 0);
+        check_swiglu(37, 64, scaled, 0);  /* vectorised, one pass */
+        check_swiglu(37, 64, scaled, 1);  /* F % 8 == 0 but unaligned: scalar */
+        check_swiglu(5, 3001, scaled, 0); /* scalar, several passes of 256 threads */
+        check_swiglu(9, 4096, scaled, 0); /* vectorised, several passes */
+        if (!moe_test_quick())
+            check_swiglu(4096, 1024, scaled, 0);
+    }
 }
 END_TEST
 
@@ -636,9 +662,8 @@ START_TEST(test_gpu_backend_table) {
         (void *)b->router_forward, (void *)b->router_backward, (void *)b->aux_loss_forward,
         (void *)b->aux_loss_backward, (void *)b->z_loss_forward, (void *)b->z_loss_backward,
         (void *)b->permute_index, (void *)b->permute_tokens, (void *)b->permute_weights,
-        (void *)b->unpermute_sum, (void *)b->unpermute_weights, (void *)b->scale_rows,
-        (void *)b->row_dot, (void *)b->sum_squares, (void *)b->sum, (void *)b->scale_real,
-        (void *)b->adamw,
+        (void *)b->unpermute_sum, (void *)b->unpermute_weights, (void *)b->sum_squares,
+        (void *)b->sum, (void *)b->scale_real, (void *)b->adamw,
     };
     for (size_t i = 0; i < sizeof slots / sizeof *slots; i++)
         ck_assert_msg(slots[i] != NULL, "slot %zu of the CUDA op table is NULL", i);

@@ -1,8 +1,11 @@
 /*
- * Chapter 03's first expert backend on the GPU: cuBLAS grouped GEMM against its CPU twin
- * (the per-group loop), on ragged groups with empty experts, forward, dgrad and wgrad;
- * then the whole model with --moe-grouped-gemm against chapter 01's loop.
- * Inputs are rounded to bf16 for both sides (write_act, then read_act back for the CPU).
+ * Chapter 03's expert backends on the GPU against their CPU twin (the per-group loop):
+ * cuBLAS grouped GEMM (host offsets) and our sm_90a grouped kernel (offsets in device
+ * memory), on ragged groups with empty experts, sizes that are not multiples of the tile
+ * (128 rows, 128 columns, 64 k) and features that are only multiples of 8 — forward,
+ * dgrad and wgrad; then the whole model with each backend against chapter 01's loop.
+ * Inputs are rounded to bf16 for both sides (write_act, then read_act back for the CPU);
+ * outputs are poisoned first and the accumulating outputs start from random values.
  */
 #include <math.h>
 #include <stdio.h>
@@ -34,13 +37,16 @@ static void *upload(const moe_backend *g, moe_real *host, size_t n, uint64_t str
     return d;
 }
 
-static void check_grouped(const int *sizes, int G, int I, int O) {
+/* impl: 0 = cuBLAS grouped (host offsets), 1 = our kernel (device offsets) */
+static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
     const moe_backend *g = moe_backend_cuda(), *c = moe_backend_cpu();
     int *off = malloc(sizeof(int) * (G + 1));
     off[0] = 0;
     for (int i = 0; i < G; i++)
         off[i + 1] = off[i] + sizes[i];
     const int N = off[G];
+    int *doff = g->alloc(sizeof(int) * (G + 1));
+    g->from_host(doff, off, sizeof(int) * (G + 1));
     const size_t nin = (size_t)N * I, nout = (size_t)N * O, nw = (size_t)G * O * I;
     moe_real *hin = malloc(sizeof(moe_real) * nin), *hw = malloc(sizeof(moe_real) * nw);
     moe_real *hdo = malloc(sizeof(moe_real) * nout);
@@ -51,7 +57,10 @@ static void check_grouped(const int *sizes, int G, int I, int O) {
     void *dout = g->alloc(g->act_size * nout);
     moe_test_poison(go, nout);
     g->write_act(dout, go, nout);
-    g->grouped_matmul_forward(dout, din_, dw_, off, G, I, O);
+    if (impl)
+        g->grouped_matmul_forward_dev(dout, din_, dw_, doff, G, N, I, O);
+    else
+        g->grouped_matmul_forward(dout, din_, dw_, off, G, I, O);
     c->grouped_matmul_forward(co, hin, hw, off, G, I, O);
     g->read_act(go, dout, nout);
     double ef = rel(go, co, nout);
@@ -62,31 +71,49 @@ static void check_grouped(const int *sizes, int G, int I, int O) {
     moe_test_randn(cdw, nw, 45, 0.1);
     moe_real *ddw = g->alloc(sizeof(moe_real) * nw);
     g->from_host(ddw, cdw, sizeof(moe_real) * nw);
-    g->grouped_matmul_backward(ddi, ddw, ddo, din_, dw_, off, G, I, O);
+    if (impl)
+        g->grouped_matmul_backward_dev(ddi, ddw, ddo, din_, dw_, doff, G, N, I, O);
+    else
+        g->grouped_matmul_backward(ddi, ddw, ddo, din_, dw_, off, G, I, O);
     c->grouped_matmul_backward(cdi, cdw, hdo, hin, hw, off, G, I, O);
     g->read_act(gdi, ddi, nin);
     g->to_host(gdw, ddw, sizeof(moe_real) * nw);
     double ed = rel(gdi, cdi, nin), ew = rel(gdw, cdw, nw);
-    printf("  grouped G=%d N=%d I=%d O=%d: forward %.2e, dgrad %.2e, wgrad %.2e\n", G, N, I, O, ef,
-           ed, ew);
+    printf("  %s G=%d N=%d I=%d O=%d: forward %.2e, dgrad %.2e, wgrad %.2e\n",
+           impl ? "kernel" : "cublas", G, N, I, O, ef, ed, ew);
     ck_assert_msg(ef <= 1e-2 && ed <= 1e-2 && ew <= 1e-3, "grouped GEMM differs from the loop");
-    g->free(din_); g->free(dw_); g->free(ddo); g->free(dout); g->free(ddi); g->free(ddw);
+    g->free(doff); g->free(din_); g->free(dw_); g->free(ddo); g->free(dout); g->free(ddi); g->free(ddw);
     free(off); free(hin); free(hw); free(hdo); free(co); free(go); free(cdi); free(gdi);
     free(cdw); free(gdw);
 }
 
+static void check_both(const int *sizes, int G, int I, int O) {
+    check_grouped(sizes, G, I, O, 0);
+    check_grouped(sizes, G, I, O, 1);
+}
+
 START_TEST(test_gpu_grouped_matmul) {
     const int ragged[8] = {0, 37, 1, 128, 0, 300, 5, 64};
-    check_grouped(ragged, 8, 96, 160);
-    check_grouped(ragged, 8, 130, 40);
+    check_both(ragged, 8, 96, 160);
+    check_both(ragged, 8, 136, 40); /* features: multiples of 8, not of 64 */
     int big[16];
     for (int i = 0; i < 16; i++)
         big[i] = i % 5 == 0 ? 0 : 200 + 37 * i;
-    check_grouped(big, 16, 512, 768);
+    check_both(big, 16, 512, 768);
+    const int one[1] = {1000}; /* one group; rows not a multiple of the tile */
+    check_both(one, 1, 256, 264);
+    /* many small experts, ragged around the 64-row k-step and the 128-row tile */
+    int many[128];
+    for (int i = 0; i < 128; i++)
+        many[i] = (i * 53) % 200;
+    check_both(many, 128, 256, 192);
+    const int lead_empty[4] = {0, 0, 0, 129}; /* everything on the last group */
+    check_both(lead_empty, 4, 64, 128);
 }
 END_TEST
 
-START_TEST(test_gpu_grouped_model_equals_loop) {
+/* one gradient step of a small model with expert backend @p impl vs chapter 01's loop */
+static void model_vs_loop(const char *impl) {
     const char *base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 "
                        "--num-query-groups 2 --seq-length 64 --micro-batch-size 8 "
                        "--global-batch-size 8 --num-experts 8 --moe-ffn-hidden-size 64 "
@@ -95,7 +122,7 @@ START_TEST(test_gpu_grouped_model_equals_loop) {
     moe_trainer *t[2];
     moe_step_stats st[2];
     for (int i = 0; i < 2; i++) {
-        snprintf(flags, sizeof flags, "%s%s", base, i ? " --moe-grouped-gemm" : "");
+        snprintf(flags, sizeof flags, "%s --moe-expert-backend %s", base, i ? impl : "loop");
         moe_config cfg;
         moe_error err;
         setenv("MOE_NO_DOWNLOAD", "1", 1);
@@ -108,14 +135,19 @@ START_TEST(test_gpu_grouped_model_equals_loop) {
     t[0]->model->be->to_host(a, t[0]->model->grads, sizeof(moe_real) * P);
     t[1]->model->be->to_host(b, t[1]->model->grads, sizeof(moe_real) * P);
     double e = rel(b, a, P);
-    printf("  whole model, grouped vs loop: loss %.6f vs %.6f, gradients rel %.2e\n", st[1].loss,
-           st[0].loss, e);
+    printf("  whole model, %s vs loop: loss %.6f vs %.6f, gradients rel %.2e\n", impl,
+           st[1].loss, st[0].loss, e);
     ck_assert(fabs(st[0].loss - st[1].loss) <= 1e-3);
     ck_assert(e <= 2e-2);
     free(a);
     free(b);
     moe_trainer_free(t[0]);
     moe_trainer_free(t[1]);
+}
+
+START_TEST(test_gpu_grouped_model_equals_loop) {
+    model_vs_loop("cublas-grouped");
+    model_vs_loop("grouped");
 }
 END_TEST
 

@@ -1,6 +1,7 @@
 /*
- * CUDA MoE ops against their CPU twins (lib/cpu/router.c, aux_loss.c, permute.c and the
- * row scale / row dot of the op table), on fresh random inputs.
+ * CUDA MoE ops against their CPU twins (lib/cpu/router.c, aux_loss.c, permute.c), on fresh
+ * random inputs. (The routing weight's product with the activation and its gradient are
+ * fused into SwiGLU: tests/gpu_dense.c checks them.)
  *
  * Inputs are rounded to bf16 on the host and the SAME rounded values are given to both
  * sides (the CPU gets them as fp32, the GPU as bf16), so differences come only from the
@@ -17,8 +18,8 @@
  *  - loss values: 1e-5 relative;
  *  - bf16 gradients accumulated into a random pre-fill: |error| ≤ 1e-2·(|reference| +
  *    max |increment|) elementwise (the bf16 rounding of the sum alone is 2^-8 relative);
- *  - pure copies, fp32 sums in the CPU's order (unpermute_sum) and row scales: bit-exact
- *    after the one bf16 rounding.
+ *  - pure copies and fp32 sums in the CPU's order (unpermute_sum): bit-exact after the one
+ *    bf16 rounding.
  * The file converts fp32 ↔ bf16 itself (round to nearest even) and moves data with plain
  * cudaMemcpy plus cudaDeviceSynchronize, so it needs nothing from kernels/memory.cu.
  */
@@ -527,7 +528,7 @@ static void check_permute(int kind, int N, int k, int E, int C, uint64_t stream)
     moe_cpu_permute_index(src_c, row_c, off_c, cnt_c, idx, N, k, E);
     int *d_idx = dput_new(idx, sizeof(int) * A);
     int *d_src = dnew(sizeof(int) * A), *d_row = dnew(sizeof(int) * A);
-    moe_cuda_permute_index(d_src, d_row, off_g, cnt_g, d_idx, N, k, E);
+    moe_cuda_permute_index(d_src, d_row, off_g, NULL, cnt_g, d_idx, N, k, E);
     dget(src_g, d_src, sizeof(int) * A);
     dget(row_g, d_row, sizeof(int) * A);
     int empty = 0;
@@ -605,57 +606,6 @@ START_TEST(test_gpu_permute) {
 }
 END_TEST
 
-/* ------------------------------------------------------------------ row scale and dot */
-
-static void check_rows(int rows, int C, uint64_t stream) {
-    const size_t n = (size_t)rows * C;
-    /* scale_rows: one fp32 product, one bf16 rounding: bit-exact */
-    moe_real *x = hrandn(n, stream, 1.0, 1), *s = hrandn(rows, stream + 1, 1.0, 0);
-    moe_real *got = malloc(sizeof(moe_real) * n);
-    void *d_x = dput_bf16_new(x, n);
-    moe_real *d_s = dput_new(s, sizeof(moe_real) * rows);
-    moe_cuda_scale_rows(d_x, d_s, rows, C);
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < C; c++)
-            x[(size_t)r * C + c] *= s[r];
-    round_bf16(x, n);
-    dget_bf16(got, d_x, n);
-    size_t bad = 0;
-    for (size_t i = 0; i < n; i++)
-        bad += !(got[i] == x[i]);
-    /* row_dot: ds += Σ a·b; reference in double; error relative to Σ|a·b| of the row */
-    moe_real *a = hrandn(n, stream + 2, 1.0, 1), *b = hrandn(n, stream + 3, 1.0, 1);
-    moe_real *ds = hrandn(rows, stream + 4, 10.0, 0), *ds_g = malloc(sizeof(moe_real) * rows);
-    void *d_a = dput_bf16_new(a, n), *d_b = dput_bf16_new(b, n);
-    moe_real *d_ds = dput_new(ds, sizeof(moe_real) * rows);
-    moe_cuda_row_dot(d_ds, d_a, d_b, rows, C);
-    dget(ds_g, d_ds, sizeof(moe_real) * rows);
-    double worst = 0.0;
-    for (int r = 0; r < rows; r++) {
-        double acc = 0.0, mag = fabs(ds[r]);
-        for (int c = 0; c < C; c++) {
-            acc += (double)a[(size_t)r * C + c] * b[(size_t)r * C + c];
-            mag += fabs((double)a[(size_t)r * C + c] * b[(size_t)r * C + c]);
-        }
-        double e = fabs(ds_g[r] - (ds[r] + acc)) / mag;
-        worst = isnan(e) ? INFINITY : (e > worst ? e : worst);
-    }
-    printf("  rows=%d C=%d: scale_rows %zu differ; row_dot err %.2e\n", rows, C, bad, worst);
-    ck_assert_msg(bad == 0, "scale_rows: %zu of %zu differ", bad, n);
-    ck_assert_msg(worst <= 1e-5, "row_dot: err %g", worst);
-    CK_CUDA(cudaFree(d_x)); CK_CUDA(cudaFree(d_s)); CK_CUDA(cudaFree(d_a));
-    CK_CUDA(cudaFree(d_b)); CK_CUDA(cudaFree(d_ds));
-    free(x); free(s); free(got); free(a); free(b); free(ds); free(ds_g);
-}
-
-START_TEST(test_gpu_scale_rows_row_dot) {
-    check_rows(37, 37, 400);
-    check_rows(1000, 1000, 410);
-    check_rows(big_n() / 2, 512, 420);
-    check_rows(5, 1, 430);
-}
-END_TEST
-
 Suite *suite_gpu_moe(void) {
     Suite *s = suite_create("gpu_moe");
     TCase *tc = tcase_create("router");
@@ -674,7 +624,6 @@ Suite *suite_gpu_moe(void) {
     TCase *pm = tcase_create("permutation");
     tcase_set_timeout(pm, 600);
     tcase_add_test(pm, test_gpu_permute);
-    tcase_add_test(pm, test_gpu_scale_rows_row_dot);
     suite_add_tcase(s, pm);
     return s;
 }

@@ -139,6 +139,9 @@ START_TEST(test_ep_dropless) {
     for (int ep = 1; ep <= 4; ep *= 2) {
         check_ep("", ep, 0);
         check_ep("--moe-token-dispatcher-type allgather", ep, 0);
+        /* chapter 03's grouped expert path: offsets uploaded from the dispatch plan */
+        check_ep("--moe-expert-backend grouped", ep, 0);
+        check_ep("--moe-expert-backend grouped --moe-token-dispatcher-type allgather", ep, 0);
     }
 }
 END_TEST
@@ -149,6 +152,7 @@ START_TEST(test_ep_capacity) {
         check_ep("--moe-expert-capacity-factor 1.0 --moe-token-drop-policy position", ep, 0);
         check_ep("--moe-expert-capacity-factor 1.25 --moe-pad-expert-input-to-capacity", ep, 0);
         check_ep("--moe-expert-capacity-factor 1.0 --moe-token-dispatcher-type allgather", ep, 0);
+        check_ep("--moe-expert-capacity-factor 1.0 --moe-expert-backend grouped", ep, 0);
     }
 }
 END_TEST

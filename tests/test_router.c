@@ -241,19 +241,19 @@ START_TEST(test_moe_layer_matches_direct_sum) {
         total += a.counts[e];
     ck_assert_int_eq((int)total, N * d.k);
 
-    moe_real row[8], tmp[8], gu[10], act[5], h[5], gus[6], acts[3];
+    moe_real row[8], tmp[8], gu[10], act[5], gus[6], acts[3];
     for (int n = 0; n < N; n++) {
         for (int c = 0; c < H; c++)
             row[c] = 0;
         for (int j = 0; j < d.k; j++) {
             int e = a.topk_idx[n * d.k + j];
             moe_real wt = a.topk_w[n * d.k + j];
-            moe_mlp_forward(be, tmp, gu, act, h, x + (size_t)n * H, &wt,
-                            w1 + (size_t)e * 2 * F * H, w2 + (size_t)e * H * F, 1, H, F);
+            moe_mlp_forward(be, tmp, gu, act, x + (size_t)n * H, &wt, w1 + (size_t)e * 2 * F * H,
+                            w2 + (size_t)e * H * F, 1, H, F);
             for (int c = 0; c < H; c++)
                 row[c] += tmp[c];
         }
-        moe_mlp_forward(be, tmp, gus, acts, NULL, x + (size_t)n * H, NULL, s1, s2, 1, H, Fs);
+        moe_mlp_forward(be, tmp, gus, acts, x + (size_t)n * H, NULL, s1, s2, 1, H, Fs);
         for (int c = 0; c < H; c++)
             ck_assert_double_eq_tol(out[(size_t)n * H + c], row[c] + tmp[c], 1e-5);
     }

@@ -23,12 +23,13 @@
 #include "flags.h"
 #include "log.h"
 #include "moe_layer.h"
+#include "profile.h"
 #include "provenance.h"
 
 typedef struct opts {
     char device[MOE_FLAG_STR_LEN];
     char shape[MOE_FLAG_STR_LEN];
-    int warmup, repeats, check;
+    int warmup, repeats, check, breakdown;
     char impl[MOE_FLAG_STR_LEN];
 } opts;
 
@@ -43,9 +44,11 @@ static const moe_flag g_flags[] = {
     OF("warmup", MOE_FLAG_INT, warmup, "2", "untimed iterations first", NULL),
     OF("repeats", MOE_FLAG_INT, repeats, "7", "timed iterations (the median is reported)", NULL),
     OF("check", MOE_FLAG_BOOL, check, "1", "check against the CPU reference before timing", NULL),
-    OF("impl", MOE_FLAG_CHOICE, impl, "both",
-       "experts as chapter 01's loop, as one cuBLAS grouped GEMM (chapter 03), or both",
-       "loop|grouped|both"),
+    OF("breakdown", MOE_FLAG_BOOL, breakdown, "0",
+       "after timing, one profiled run: the time share of each stage of the layer", NULL),
+    OF("impl", MOE_FLAG_STRING, impl, "loop,cublas-grouped,grouped",
+       "comma-separated expert backends to time: loop (chapter 01), cublas-grouped and "
+       "grouped (chapter 03's own kernel)", NULL),
 };
 
 typedef struct shape {
@@ -72,13 +75,14 @@ typedef struct layer {
 } layer;
 
 /* Weights drawn from the counter-based RNG: the same values on every backend. */
-static void layer_init(layer *L, const moe_backend *be, const shape *s, int T, int grouped) {
+static void layer_init(layer *L, const moe_backend *be, const shape *s, int T,
+                       moe_expert_impl impl) {
     memset(L, 0, sizeof *L);
     L->be = be;
     moe_moe_dims d = {.N = T, .T = T, .H = s->H, .E = s->E, .k = s->k, .F = s->F, .Fs = 0,
                       .router = {s->E, s->k, MOE_SCORE_SOFTMAX, 0, 0, 0, 0},
                       .lb_type = MOE_LB_AUX, .aux_coeff = 0.01, .z_coeff = 0.001,
-                      .grouped_gemm = grouped};
+                      .experts = impl};
     L->d = d;
     const size_t H = s->H, F = s->F, E = s->E, S = be->act_size;
     const size_t nr = E * H, n1 = E * 2 * F * H, n2 = E * H * F, n = nr + n1 + n2;
@@ -170,12 +174,14 @@ static int cmp_double(const void *p, const void *q) {
     return (x > y) - (x < y);
 }
 
-static int run_shape(const moe_backend *be, const shape *s, const opts *o, int grouped) {
+static const char *const g_impl_names[] = {"loop", "cublas-grouped", "grouped"};
+
+static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_expert_impl impl) {
     if (o->check && be->device != MOE_DEVICE_CPU) {
         /* the same layer, 256 tokens, on this backend and on the CPU reference */
         layer A, C;
-        layer_init(&A, be, s, 256, grouped);
-        layer_init(&C, moe_backend_cpu(), s, 256, 0);
+        layer_init(&A, be, s, 256, impl);
+        layer_init(&C, moe_backend_cpu(), s, 256, MOE_EXPERTS_LOOP);
         layer_step(&A);
         layer_step(&C);
         char same[256];
@@ -186,14 +192,14 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, int g
         layer_free(&C);
         printf("check %-8s %s %s vs cpu at 256 tokens: %d routed identically; on those, output "
                "rel err %.2e, dgrad rel err %.2e\n",
-               s->name, be->name, grouped ? "grouped" : "loop", n_same, eo, ex);
+               s->name, be->name, g_impl_names[impl], n_same, eo, ex);
         if (!(n_same >= 200 && eo < 2e-2 && ex < 3e-2)) {
             moe_log_error("%s layer disagrees with the CPU reference: not timing it", be->name);
             return 1;
         }
     }
     layer L;
-    layer_init(&L, be, s, s->T, grouped);
+    layer_init(&L, be, s, s->T, impl);
     for (int i = 0; i < o->warmup; i++)
         layer_step(&L);
     double *ms = malloc(sizeof(double) * o->repeats);
@@ -210,11 +216,40 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, int g
         cmin = cmin < 0 || L.a.counts[e] < cmin ? L.a.counts[e] : cmin;
         cmax = L.a.counts[e] > cmax ? L.a.counts[e] : cmax;
     }
-    printf("| %-8s | %5d | %4d | %5d | %3d | %d | %-4s %-7s | %9.2f | %8.2f | %lld/%lld |\n",
-           s->name, s->T, s->H, s->F, s->E, s->k, be->name, grouped ? "grouped" : "loop", med,
+    printf("| %-8s | %5d | %4d | %5d | %3d | %d | %-4s %-14s | %9.2f | %8.2f | %lld/%lld |\n",
+           s->name, s->T, s->H, s->F, s->E, s->k, be->name, g_impl_names[impl], med,
            flop / (med * 1e-3) / 1e12, cmin, cmax);
     free(ms);
+    if (o->breakdown) { /* one more step with a device sync at every stage boundary */
+        moe_prof_start(be);
+        layer_step(&L);
+        moe_prof_start(NULL);
+        const double *st = moe_prof_ms();
+        double tot = 0;
+        for (int i = 0; i < MOE_PROF_STAGES; i++)
+            tot += st[i];
+        printf("  %s %s stages (one profiled step, %.2f ms with a sync per stage):", s->name,
+               g_impl_names[impl], tot);
+        for (int i = 0; i < MOE_PROF_STAGES; i++)
+            if (st[i] > 0)
+                printf(" %s %.2f ms (%.0f%%);", moe_prof_stage_names[i], st[i],
+                       100.0 * st[i] / tot);
+        printf(" expert GEMMs at %.1f TFLOP/s\n", flop / (st[MOE_PROF_GEMM] * 1e-3) / 1e12);
+    }
     layer_free(&L);
+    return 0;
+}
+
+/* is @p name one of the comma-separated entries of @p list? */
+static int impl_wanted(const char *list, const char *name) {
+    const size_t n = strlen(name);
+    for (const char *p = list; *p;) {
+        const char *end = strchr(p, ',');
+        const size_t len = end ? (size_t)(end - p) : strlen(p);
+        if (len == n && !strncmp(p, name, n))
+            return 1;
+        p += len + (end ? 1 : 0);
+    }
     return 0;
 }
 
@@ -236,6 +271,14 @@ int main(int argc, char **argv) {
     }
     if (o.repeats < 1 || o.warmup < 0) {
         moe_log_error("--repeats must be >= 1 and --warmup >= 0");
+        return 2;
+    }
+    int n_impl = 0;
+    for (int i = 0; i < 3; i++)
+        n_impl += impl_wanted(o.impl, g_impl_names[i]);
+    if (n_impl == 0 || strspn(o.impl, "abcdefghijklmnopqrstuvwxyz-,") != strlen(o.impl)) {
+        moe_log_error("--impl '%s': give a comma-separated list of loop, cublas-grouped, grouped",
+                      o.impl);
         return 2;
     }
     const moe_backend *be = NULL;
@@ -262,10 +305,9 @@ int main(int argc, char **argv) {
                                                      : !strcmp(s->name, "small")));
         if (!pick)
             continue;
-        if (strcmp(o.impl, "grouped") != 0)
-            fails += run_shape(be, s, &o, 0);
-        if (strcmp(o.impl, "loop") != 0)
-            fails += run_shape(be, s, &o, 1);
+        for (int impl = 0; impl < 3; impl++)
+            if (impl_wanted(o.impl, g_impl_names[impl]))
+                fails += run_shape(be, s, &o, (moe_expert_impl)impl);
     }
     return fails ? 1 : 0;
 }

@@ -139,7 +139,7 @@ int main(int argc, char **argv) {
         for (int it = 0; it < o.warmup + o.repeats; it++) {
             moe_comm_barrier(world);
             be->timer_begin();
-            be->permute_index(perm_src, row_of, off, counts, d_idx, T, k, E);
+            be->permute_index(perm_src, row_of, off, NULL, counts, d_idx, T, k, E);
             be->permute_tokens(xp, x, perm_src, NK, k, H);
             for (int e = 0; e < E; e++)
                 kept[e] = off[e + 1] - off[e];
@@ -198,7 +198,7 @@ int main(int argc, char **argv) {
         for (int it = 0; it < o.repeats; it++) {
             moe_comm_barrier(world);
             be->timer_begin();
-            be->permute_index(perm_src, row_of, off, counts, d_idx, T, k, E);
+            be->permute_index(perm_src, row_of, off, NULL, counts, d_idx, T, k, E);
             stage[0] += be->timer_end_ms();
             be->timer_begin();
             be->permute_tokens(xp, x, perm_src, NK, k, H);

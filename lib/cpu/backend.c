@@ -85,6 +85,14 @@ static void a_matmul_backward(void *din, moe_real *dw, const void *dout, const v
                               const void *w, int N, int I, int O) {
     moe_cpu_matmul_backward(din, dw, dout, in, w, N, I, O);
 }
+/* the CPU's "device memory" is host memory: the device copy of the offsets is a memcpy */
+static void a_permute_index(int *perm_src, int *row_of, int *expert_offset, int *dev_offset,
+                            long long *counts, const int *topk_idx, int N, int k, int E) {
+    moe_cpu_permute_index(perm_src, row_of, expert_offset, counts, topk_idx, N, k, E);
+    if (dev_offset)
+        memcpy(dev_offset, expert_offset, sizeof(int) * (E + 1));
+}
+
 /* grouped matmul on the CPU: the loop over groups (there is no launch overhead to save) */
 static void cpu_grouped_forward(void *out, const void *in, const void *w, const int *off, int G,
                                 int I, int O) {
@@ -101,6 +109,19 @@ static void cpu_grouped_backward(void *din, moe_real *dw, const void *dout, cons
                                 (const moe_real *)dout + (size_t)off[g] * O,
                                 (const moe_real *)in + (size_t)off[g] * I,
                                 (const moe_real *)w + (size_t)g * O * I, off[g + 1] - off[g], I, O);
+}
+
+/* ... and with the offsets in "device" memory, which on the CPU is the same loop */
+static void cpu_grouped_forward_dev(void *out, const void *in, const void *w, const int *dev_off,
+                                    int G, int rows, int I, int O) {
+    MOE_ASSERT(dev_off[G] == rows);
+    cpu_grouped_forward(out, in, w, dev_off, G, I, O);
+}
+static void cpu_grouped_backward_dev(void *din, moe_real *dw, const void *dout, const void *in,
+                                     const void *w, const int *dev_off, int G, int rows, int I,
+                                     int O) {
+    MOE_ASSERT(dev_off[G] == rows);
+    cpu_grouped_backward(din, dw, dout, in, w, dev_off, G, I, O);
 }
 
 static void a_embedding_forward(void *out, const int *tokens, const void *table, int N, int C) {
@@ -133,11 +154,12 @@ static void a_attention_backward(void *dq, void *dk, void *dv, const void *dy, c
                                  int Hq, int Hkv, int D) {
     moe_cpu_attention_backward(dq, dk, dv, dy, att, q, k, v, B, T, Hq, Hkv, D);
 }
-static void a_swiglu_forward(void *out, const void *gu, int N, int F) {
-    moe_cpu_swiglu_forward(out, gu, N, F);
+static void a_swiglu_forward(void *out, const void *gu, const moe_real *row_scale, int N, int F) {
+    moe_cpu_swiglu_forward(out, gu, row_scale, N, F);
 }
-static void a_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int F) {
-    moe_cpu_swiglu_backward(dgu, dout, gu, N, F);
+static void a_swiglu_backward(void *dgu, moe_real *drow_scale, const void *dout, const void *gu,
+                              const moe_real *row_scale, int N, int F) {
+    moe_cpu_swiglu_backward(dgu, drow_scale, dout, gu, row_scale, N, F);
 }
 static void a_ce_forward(moe_real *losses, const void *logits, const int *t, int N, int V) {
     moe_cpu_cross_entropy_forward(losses, logits, t, N, V);
@@ -206,23 +228,6 @@ static void cpu_gather_reals(moe_real *dst, const moe_real *src, const int *map,
     for (int r = 0; r < rows; r++)
         dst[r] = map[r] < 0 ? 0 : src[map[r]];
 }
-static void cpu_scale_rows(void *xv, const moe_real *s, int rows, int C) {
-    moe_real *x = xv;
-#pragma omp parallel for schedule(static)
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < C; c++)
-            x[(size_t)r * C + c] *= s[r];
-}
-static void cpu_row_dot(moe_real *ds, const void *av, const void *bv, int rows, int C) {
-    const moe_real *a = av, *b = bv;
-#pragma omp parallel for schedule(static)
-    for (int r = 0; r < rows; r++) {
-        double acc = 0.0;
-        for (int c = 0; c < C; c++)
-            acc += (double)a[(size_t)r * C + c] * b[(size_t)r * C + c];
-        ds[r] += (moe_real)acc;
-    }
-}
 
 /* ----------------------------------------------------------------- optimizer */
 
@@ -283,6 +288,8 @@ static const moe_backend g_cpu = {
     .matmul_backward = a_matmul_backward,
     .grouped_matmul_forward = cpu_grouped_forward,
     .grouped_matmul_backward = cpu_grouped_backward,
+    .grouped_matmul_forward_dev = cpu_grouped_forward_dev,
+    .grouped_matmul_backward_dev = cpu_grouped_backward_dev,
     .embedding_forward = a_embedding_forward,
     .embedding_backward = a_embedding_backward,
     .rmsnorm_forward = a_rmsnorm_forward,
@@ -303,15 +310,13 @@ static const moe_backend g_cpu = {
     .aux_loss_backward = a_aux_backward,
     .z_loss_forward = a_z_forward,
     .z_loss_backward = a_z_backward,
-    .permute_index = moe_cpu_permute_index,
+    .permute_index = a_permute_index,
     .permute_tokens = a_permute_tokens,
     .permute_weights = moe_cpu_permute_weights,
     .unpermute_sum = a_unpermute_sum,
     .unpermute_weights = moe_cpu_unpermute_weights,
     .gather_rows = cpu_gather_rows,
     .gather_reals = cpu_gather_reals,
-    .scale_rows = cpu_scale_rows,
-    .row_dot = cpu_row_dot,
     .sum_squares = cpu_sum_squares,
     .sum = cpu_sum,
     .scale_real = cpu_scale_real,

@@ -122,16 +122,30 @@ void moe_cpu_attention_backward(moe_real *dq, moe_real *dk, moe_real *dv, const 
 /* ------------------------------------------------------------------ swiglu.c */
 
 /**
- * @brief SwiGLU activation: out = silu(g) ⊙ u, with gu = [g | u] (gate first, as Megatron's fused fc1).
- * @param out [N,F]  @param gu [N,2F]  @param N rows  @param F width
+ * @brief SwiGLU activation with an optional per-row scale:
+ *        out[n,f] = silu(g)·u·s[n], silu(g) = g·σ(g), with gu = [g | u] (gate half first, as
+ *        Megatron's fused fc1) and s = @p row_scale (1 when NULL).
+ *
+ * A routed expert scales its activation by the token's routing weight before fc2; fusing
+ * the scale here writes the scaled activation once, and that output is exactly fc2's input
+ * (the MLP saves it for fc2's weight gradient).
+ * @param out [N,F] (overwritten)  @param gu [N,2F] fc1 output  @param row_scale [N] or NULL
+ * @param N rows  @param F width
  */
-void moe_cpu_swiglu_forward(moe_real *out, const moe_real *gu, int N, int F);
+void moe_cpu_swiglu_forward(moe_real *out, const moe_real *gu, const moe_real *row_scale, int N,
+                            int F);
 
 /**
- * @brief Backward of SwiGLU: dg += dout⊙u⊙σ(g)(1+g(1−σ(g))), du += dout⊙silu(g).
- * @param dgu [N,2F]  @param dout [N,F]  @param gu forward input  @param N rows  @param F width
+ * @brief Backward of moe_cpu_swiglu_forward() (every gradient accumulates). With
+ *        a = silu(g)·u recomputed from @p gu, s the row scale (1 when NULL) and d = dout·s:
+ *        drow_scale[n] += Σ_f dout·a (summed in double), dg += d·u·σ(g)(1 + g(1 − σ(g))),
+ *        du += d·silu(g).
+ * @param dgu [N,2F] gradient of gu  @param drow_scale [N] gradient of the row scale, or NULL
+ *        (not wanted)  @param dout [N,F]  @param gu [N,2F] forward input
+ * @param row_scale [N] or NULL, as in the forward  @param N rows  @param F width
  */
-void moe_cpu_swiglu_backward(moe_real *dgu, const moe_real *dout, const moe_real *gu, int N, int F);
+void moe_cpu_swiglu_backward(moe_real *dgu, moe_real *drow_scale, const moe_real *dout,
+                             const moe_real *gu, const moe_real *row_scale, int N, int F);
 
 /* ----------------------------------------------------------- cross_entropy.c */
 

@@ -1,0 +1,282 @@
+/*
+ * Chapter 03 benchmark: the expert GEMMs alone, backend by backend. For one MoE layer
+ * shape, the T·k routed rows are split over E experts as a uniform top-k router splits
+ * them (each token picks k distinct experts at random: ragged, a few percent apart), and
+ * each of the six GEMMs of the experts' forward + backward is timed on its own:
+ *
+ *   fc1 forward  gu[n,2F] = x[n,H] · w1_eᵀ        fc2 forward  y[n,H] = h[n,F] · w2_eᵀ
+ *   fc1 dgrad    dx[n,H] += dgu · w1_e            fc2 dgrad    dh[n,F] += dy · w2_e
+ *   fc1 wgrad    dw1_e += dguᵀ · x  (fp32)        fc2 wgrad    dw2_e += dyᵀ · h  (fp32)
+ *
+ * for each expert backend (loop = one cublasGemmEx per expert, chapter 01; cublas-grouped
+ * = cublasGemmGroupedBatchedEx; grouped = our sm_90a kernel), with the dense bf16 cuBLAS
+ * GEMM of 8192³ measured in the same run as the ceiling. The whole layer (router,
+ * permutation, SwiGLU, combine) is timed by chapter 01's layer benchmark, with
+ * --breakdown for its time shares (chapters/03-grouped-gemm/bench.sh runs both).
+ * Timing: the backend's timer (CUDA events), warm-up, median of repeats.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "flags.h"
+#include "log.h"
+#include "provenance.h"
+#include "rng.h"
+
+typedef struct opts {
+    char device[MOE_FLAG_STR_LEN];
+    char shape[MOE_FLAG_STR_LEN];
+    int warmup, repeats;
+} opts;
+
+#define OF(name, type, field, def, help, choices) \
+    { name, type, offsetof(opts, field), def, help, choices, "benchmark" }
+static const moe_flag g_flags[] = {
+    OF("device", MOE_FLAG_CHOICE, device, "auto", "backend (auto = cuda when a GPU is present)",
+       "auto|cpu|cuda"),
+    OF("shape", MOE_FLAG_CHOICE, shape, "auto",
+       "layer shape (auto = qwen3 and mixtral on a GPU, small on the CPU)",
+       "auto|all|qwen3|mixtral|small"),
+    OF("warmup", MOE_FLAG_INT, warmup, "2", "untimed runs of each GEMM first", NULL),
+    OF("repeats", MOE_FLAG_INT, repeats, "7", "timed runs (the median is reported)", NULL),
+};
+
+typedef struct shape {
+    const char *name;
+    int T, H, F, E, k;
+} shape;
+
+static const shape g_shapes[] = {
+    {"qwen3", 16384, 2048, 768, 128, 8},
+    {"mixtral", 8192, 4096, 14336, 8, 2},
+    {"small", 2048, 256, 256, 16, 4},
+};
+
+enum { LOOP, CUBLAS, KERNEL, N_IMPL };
+
+/* One GEMM of the six: C (+)= A·Bᵀ-shaped problem on the stacked expert weights. */
+typedef struct problem {
+    const char *name;
+    int I, O;     /* the Linear: in features, out features */
+    int backward; /* 0 = forward, 1 = dgrad, 2 = wgrad */
+} problem;
+
+typedef struct bufs {
+    void *in, *out, *w, *dout, *din;
+    moe_real *dw;
+    int *dev_off;
+} bufs;
+
+static void run_once(const moe_backend *be, int impl, const problem *p, const bufs *b,
+                     const int *off, int G) {
+    const int N = off[G];
+    if (p->backward == 0) {
+        if (impl == KERNEL)
+            be->grouped_matmul_forward_dev(b->out, b->in, b->w, b->dev_off, G, N, p->I, p->O);
+        else if (impl == CUBLAS)
+            be->grouped_matmul_forward(b->out, b->in, b->w, off, G, p->I, p->O);
+        else
+            for (int g = 0; g < G; g++)
+                be->matmul_forward(MOE_ACT(be, b->out, (size_t)off[g] * p->O),
+                                   MOE_ACT(be, b->in, (size_t)off[g] * p->I),
+                                   MOE_ACT(be, b->w, (size_t)g * p->O * p->I),
+                                   off[g + 1] - off[g], p->I, p->O);
+        return;
+    }
+    void *din = p->backward == 1 ? b->din : NULL;
+    moe_real *dw = p->backward == 2 ? b->dw : NULL;
+    if (impl == KERNEL)
+        be->grouped_matmul_backward_dev(din, dw, b->dout, b->in, b->w, b->dev_off, G, N, p->I,
+                                        p->O);
+    else if (impl == CUBLAS)
+        be->grouped_matmul_backward(din, dw, b->dout, b->in, b->w, off, G, p->I, p->O);
+    else
+        for (int g = 0; g < G; g++) {
+            const size_t o = (size_t)off[g];
+            be->matmul_backward(din ? MOE_ACT(be, din, o * p->I) : NULL,
+                                dw ? dw + (size_t)g * p->O * p->I : NULL,
+                                MOE_ACT(be, b->dout, o * p->O), MOE_ACT(be, b->in, o * p->I),
+                                MOE_ACT(be, b->w, (size_t)g * p->O * p->I), off[g + 1] - off[g],
+                                p->I, p->O);
+        }
+}
+
+static int cmp_double(const void *p, const void *q) {
+    double x = *(const double *)p, y = *(const double *)q;
+    return (x > y) - (x < y);
+}
+
+static double time_ms(const moe_backend *be, const opts *o, int impl, const problem *p,
+                      const bufs *b, const int *off, int G) {
+    for (int i = 0; i < o->warmup; i++)
+        run_once(be, impl, p, b, off, G);
+    double *ms = malloc(sizeof(double) * o->repeats);
+    MOE_ASSERT(ms != NULL);
+    for (int r = 0; r < o->repeats; r++) {
+        be->timer_begin();
+        run_once(be, impl, p, b, off, G);
+        ms[r] = be->timer_end_ms();
+    }
+    qsort(ms, (size_t)o->repeats, sizeof *ms, cmp_double);
+    const double med = ms[o->repeats / 2];
+    free(ms);
+    return med;
+}
+
+/* expert sizes of a uniform top-k router: every token picks k distinct experts */
+static void uniform_topk_offsets(int *off, const shape *s) {
+    int *cnt = calloc((size_t)s->E, sizeof(int)), pick[64];
+    MOE_ASSERT(cnt != NULL && s->k <= 64);
+    uint64_t draw = 0;
+    for (int t = 0; t < s->T; t++)
+        for (int j = 0; j < s->k; j++) {
+            int e, dup;
+            do {
+                e = (int)(moe_rng_uniform(3, 7, draw++) * s->E) % s->E;
+                dup = 0;
+                for (int q = 0; q < j; q++)
+                    dup |= pick[q] == e;
+            } while (dup);
+            pick[j] = e;
+            cnt[e]++;
+        }
+    off[0] = 0;
+    for (int e = 0; e < s->E; e++)
+        off[e + 1] = off[e] + cnt[e];
+    free(cnt);
+}
+
+static void fill(const moe_backend *be, void *act, size_t n, uint64_t stream, double sd) {
+    moe_real *tmp = be->alloc(sizeof(moe_real) * n);
+    MOE_ASSERT(tmp != NULL);
+    be->fill_normal(tmp, n, 5, stream, sd);
+    be->cast_to_act(act, tmp, n);
+    be->free(tmp);
+}
+
+static void run_shape(const moe_backend *be, const shape *s, const opts *o) {
+    const int G = s->E, H = s->H, F = s->F;
+    int *off = malloc(sizeof(int) * (G + 1));
+    MOE_ASSERT(off != NULL);
+    uniform_topk_offsets(off, s);
+    const size_t N = (size_t)off[G], S = be->act_size;
+    int lo = off[1], hi = off[1];
+    for (int g = 0; g < G; g++) {
+        const int c = off[g + 1] - off[g];
+        lo = c < lo ? c : lo;
+        hi = c > hi ? c : hi;
+    }
+    const problem probs[6] = {{"fc1 forward", H, 2 * F, 0}, {"fc2 forward", F, H, 0},
+                              {"fc1 dgrad", H, 2 * F, 1},   {"fc2 dgrad", F, H, 1},
+                              {"fc1 wgrad", H, 2 * F, 2},   {"fc2 wgrad", F, H, 2}};
+    const size_t wide = (size_t)(2 * F > H ? 2 * F : H);
+    bufs b;
+    b.in = be->alloc(S * N * wide);
+    b.out = be->alloc(S * N * wide);
+    b.dout = be->alloc(S * N * wide);
+    b.din = be->alloc(S * N * wide);
+    b.w = be->alloc(S * (size_t)G * 2 * F * H);
+    b.dw = be->alloc(sizeof(moe_real) * (size_t)G * 2 * F * H);
+    b.dev_off = be->alloc(sizeof(int) * (G + 1));
+    MOE_ASSERT(b.in && b.out && b.dout && b.din && b.w && b.dw && b.dev_off);
+    fill(be, b.in, N * wide, 1, 1.0);
+    fill(be, b.dout, N * wide, 2, 1.0);
+    fill(be, b.w, (size_t)G * 2 * F * H, 3, 0.02);
+    be->from_host(b.dev_off, off, sizeof(int) * (G + 1));
+
+    printf("\n%s: T=%d H=%d F=%d E=%d k=%d -> %zu rows, %d..%d per expert\n", s->name, s->T, H, F,
+           G, s->k, N, lo, hi);
+    printf("| GEMM        |  GFLOP | loop ms | TFLOP/s | cublas-grouped ms | TFLOP/s | grouped ms "
+           "| TFLOP/s | grouped vs loop |\n|---|---|---|---|---|---|---|---|---|\n");
+    double tot[N_IMPL] = {0};
+    const int have_kernel = be->device != MOE_DEVICE_CPU;
+    for (int i = 0; i < 6; i++) {
+        const problem *p = &probs[i];
+        const double flop = 2.0 * N * p->I * p->O;
+        double ms[N_IMPL];
+        for (int impl = 0; impl < N_IMPL; impl++) {
+            ms[impl] = impl == KERNEL && !have_kernel ? ms[LOOP]
+                                                      : time_ms(be, o, impl, p, &b, off, G);
+            tot[impl] += ms[impl];
+        }
+        printf("| %-11s | %6.1f |", p->name, flop / 1e9);
+        for (int impl = 0; impl < N_IMPL; impl++)
+            printf(" %7.3f | %7.1f |", ms[impl], flop / (ms[impl] * 1e-3) / 1e12);
+        printf(" %.2fx |\n", ms[LOOP] / ms[KERNEL]);
+    }
+    const double flop = 6.0 * 3.0 * N * H * F;
+    printf("| all six     | %6.1f |", flop / 1e9);
+    for (int impl = 0; impl < N_IMPL; impl++)
+        printf(" %7.3f | %7.1f |", tot[impl], flop / (tot[impl] * 1e-3) / 1e12);
+    printf(" %.2fx |\n", tot[LOOP] / tot[KERNEL]);
+    be->free(b.in); be->free(b.out); be->free(b.dout); be->free(b.din); be->free(b.w);
+    be->free(b.dw); be->free(b.dev_off);
+    free(off);
+}
+
+/* the dense bf16 ceiling: one 8192³ (GPU) or 1024³ (CPU) cuBLAS/CPU GEMM */
+static void dense_peak(const moe_backend *be, const opts *o) {
+    const int n = be->device == MOE_DEVICE_CPU ? 1024 : 8192;
+    const size_t S = be->act_size, nn = (size_t)n * n;
+    bufs b = {0};
+    b.in = be->alloc(S * nn);
+    b.w = be->alloc(S * nn);
+    b.out = be->alloc(S * nn);
+    MOE_ASSERT(b.in && b.w && b.out);
+    fill(be, b.in, nn, 4, 1.0);
+    fill(be, b.w, nn, 5, 0.02);
+    const int off[2] = {0, n};
+    const problem p = {"dense", n, n, 0};
+    const double ms = time_ms(be, o, LOOP, &p, &b, off, 1);
+    printf("dense GEMM %d^3 (the bf16 ceiling of this device): %.3f ms, %.1f TFLOP/s\n", n, ms,
+           2.0 * n * nn / (ms * 1e-3) / 1e12);
+    be->free(b.in); be->free(b.w); be->free(b.out);
+}
+
+int main(int argc, char **argv) {
+    opts o;
+    moe_error err;
+    const int nflags = (int)(sizeof g_flags / sizeof g_flags[0]);
+    moe_flags_set_defaults(g_flags, nflags, &o);
+    moe_status st = moe_flags_parse(g_flags, nflags, &o, argc, argv, &err);
+    if (st == MOE_ERR_HELP) {
+        moe_flags_print_help(stdout, "ch03_grouped_gemm_bench",
+                             "Chapter 03: the expert GEMMs per backend, timed.", g_flags, nflags);
+        return 0;
+    }
+    if (st != MOE_OK) {
+        moe_log_error("%s", err.msg);
+        return 2;
+    }
+    if (o.repeats < 1 || o.warmup < 0) {
+        moe_log_error("--repeats must be >= 1 and --warmup >= 0");
+        return 2;
+    }
+    const moe_backend *be = NULL;
+    if (moe_backend_select(o.device, &be, &err) != MOE_OK) {
+        moe_log_error("%s", err.msg);
+        return 2;
+    }
+    char dev[256], date[64], commit[64];
+    be->device_name(dev, sizeof dev);
+    moe_utc_date(date, sizeof date);
+    moe_git_commit(commit, sizeof commit);
+    printf("ch03 expert GEMMs, per backend | %s | %s | commit %s\n", dev, date, commit);
+    printf("bf16 inputs, fp32 accumulation (wgrad into fp32). Median of %d after %d warm-up.\n",
+           o.repeats, o.warmup);
+    if (be->device == MOE_DEVICE_CPU)
+        printf("(on the CPU every backend is the same loop; 'grouped' repeats the loop's time)\n");
+    dense_peak(be, &o);
+    for (size_t i = 0; i < sizeof g_shapes / sizeof g_shapes[0]; i++) {
+        const shape *s = &g_shapes[i];
+        const int on_gpu = be->device != MOE_DEVICE_CPU;
+        const int pick = !strcmp(o.shape, "all") || !strcmp(o.shape, s->name) ||
+                         (!strcmp(o.shape, "auto") && (on_gpu ? strcmp(s->name, "small") != 0
+                                                              : !strcmp(s->name, "small")));
+        if (pick)
+            run_shape(be, s, &o);
+    }
+    return 0;
+}

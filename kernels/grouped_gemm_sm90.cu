@@ -1,0 +1,664 @@
+/*
+ * Our own grouped GEMM for Hopper (chapter 03, backend "c"): every expert's Linear in one
+ * persistent kernel built on the sm_90a tensor-core path — TMA loads into swizzled shared
+ * memory, wgmma (warpgroup MMA) from there, an mbarrier pipeline between them — that
+ * reads the group offsets from DEVICE memory. Nothing about the ragged sizes passes
+ * through the host, so the expert computation needs no host sync (chapter 06 captures
+ * the MoE layer in a CUDA graph because of that).
+ *
+ * One kernel, three problems. Every one is C[M,N] (+)= A[M,R] · B[N,R]ᵀ per group g:
+ *
+ *   forward  out_g[n,O]  = in_g[n,I] · w_gᵀ     A = in_g   (R = I contiguous: "K-major")
+ *                                               B = w_g[O,I] (K-major)
+ *   dgrad    din_g[n,I] += dout_g[n,O] · w_g    A = dout_g (K-major)
+ *                                               B = w_gᵀ: w_g is [O,I], N = I contiguous
+ *                                               ("MN-major", the transposed wgmma operand)
+ *   wgrad    dw_g[O,I]  += dout_gᵀ · in_g        A = dout_gᵀ, B = in_gᵀ: both MN-major, and
+ *                                               the reduction runs over the group's rows
+ *
+ * bf16 wgmma reads either major from shared memory (the descriptor describes the layout,
+ * one instruction bit says which), so no operand is ever transposed in memory.
+ *
+ * The CTA (288 threads, one CTA per SM, as many CTAs as SMs), tiles of 128 × 256:
+ *
+ *   warps 0-3,   two consumer warpgroups, each owning 64 of the tile's BM = 128 rows and
+ *   warps 4-7    all BN = 256 columns (128 fp32 accumulators per thread). Per k-step:
+ *                wait for the stage's "full" barrier, issue 4 wgmma m64n256k16, commit,
+ *                and once the PREVIOUS k-step's wgmma are done, release that stage
+ *                ("empty") to the producer — one group of MMAs always in flight.
+ *   warp 8       producer: one thread walks the same tiles and issues the TMA loads of
+ *                each k-step into the next free stage of a STAGES-deep ring, arming the
+ *                stage's "full" barrier with the byte count to expect.
+ *
+ * Epilogue: each consumer warpgroup writes its 64 × 256 block from registers into its
+ * own shared-memory staging buffer (in the swizzled layout of a TMA box), and one thread
+ * hands it to TMA: a store for forward, a reduce-add (the accumulate done in L2) for dgrad
+ * and for wgrad's fp32 weight gradients. The warpgroup goes straight on to its next
+ * tile's main loop while the copy-out runs, and waits for it only before reusing the
+ * buffer a tile later. (Measured on an H200: writing the tile straight from registers
+ * with masked stores cost 15-35% of the GEMM time; see docs/results/03-grouped-gemm.md.)
+ *
+ * The tile scheduler is static and persistent: CTA b takes tiles b, b + gridDim, ...
+ * Within a group the tiles go in bands of BAND m-tiles, m fastest inside a band, so the
+ * CTAs running at the same time touch a few row blocks and a few weight blocks, which
+ * stay in L2. For forward and dgrad a group has ceil(rows_g / BM) m-tiles; each CTA reads
+ * the G + 1 offsets into shared memory and prefix-sums the m-tiles (G is small), which
+ * maps a tile index to its group by binary search — the host never learns the sizes. For
+ * wgrad the tiles are the fixed G × (O/BM) × (I/BN) blocks of dw and the k-loop length is
+ * the group's row count.
+ *
+ * Ragged edges without padding:
+ *   - rows of a forward/dgrad tile past the group's end are loaded (they belong to the
+ *     next group, or lie past the tensor, where TMA fills zeros) and not stored: a
+ *     warpgroup whose 64 rows cross the group's end writes directly with a row mask
+ *     instead of through TMA (a box cannot skip rows);
+ *   - in wgrad the last k-step of a group reads rows of the next group: the consumers
+ *     zero those rows of their A tile in shared memory before the wgmma (a row of an
+ *     MN-major swizzled tile is one whole 128-byte line, so this ignores the swizzle);
+ *   - weights are read through a 3-D tensor map [G, O, I], so a tile running past O or I
+ *     gets TMA's zero fill instead of the next expert's weights.
+ *
+ * Shared-memory layouts (128-byte swizzle, BK = 64 bf16 = 128 bytes):
+ *   K-major tile  [rows][64 k]: a TMA box of {64, rows}; 8-row groups of 1024 bytes
+ *                 (descriptor SBO = 1024); the k16 steps advance the start by 32 bytes.
+ *   MN-major tile [64 k][64 mn] boxes of 8 KB, side by side along MN (LBO = 8192, the
+ *                 next 64 MN-elements; SBO = 1024, the next 8 k-rows); the k16 steps
+ *                 advance the start by 16 rows = 2048 bytes.
+ *
+ * The accumulator of m64nNk16 (fp32): thread t of the warpgroup (warp w = t/32, lane l)
+ * holds, for each 8-column block j, d[4j+0..1] at row 16w + l/4, columns 8j + 2(l%4) + 0..1,
+ * and d[4j+2..3] at the row 8 below.
+ *
+ * sm_100a has no wgmma: this file builds there (the kernel body compiles to a trap) and
+ * moe_cuda_grouped_sm90_available() says no, so the layer uses the cuBLAS grouped backend.
+ */
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cuda_common.cuh"
+#include "cuda_ops.h"
+#include "wgmma.cuh"
+
+namespace {
+
+constexpr int BM = 128;      /* rows of a tile: 2 consumer warpgroups × 64 */
+constexpr int BN = 256;      /* columns of a tile: one m64n256k16 wgmma per warpgroup */
+constexpr int BK = 64;       /* k per pipeline stage: one 128-byte swizzle row of bf16 */
+constexpr int STAGES = 3;    /* pipeline depth */
+constexpr int MAX_G = 512;   /* groups a launch may have (shared-memory prefix arrays) */
+constexpr int THREADS = 288; /* 2 consumer warpgroups (warps 0-7) + 1 producer warp */
+constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int C_BYTES = 64 * BN * 2; /* one warpgroup's bf16 output block (or half of fp32) */
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * C_BYTES + 1024; /* + alignment slack */
+
+
+enum Mode { FWD = 0, DGRAD = 1, WGRAD = 2 };
+
+struct Params {
+    const int *off; /* [G+1] group row offsets, DEVICE memory */
+    int G;
+    int M;          /* wgrad: rows of dw_g (O); unused otherwise (ragged) */
+    int N;          /* output columns */
+    int K;          /* forward/dgrad: reduction length; unused for wgrad (ragged) */
+    void *C;        /* output: bf16 [rows, N] (forward/dgrad) or fp32 [G, M, N] (wgrad) */
+    int accumulate; /* C += instead of C = (dgrad) */
+};
+
+struct Tile {
+    int g, m0, n0; /* group; first row (absolute row for forward/dgrad, row of dw_g for
+                      wgrad); first column */
+    int r0, r1;    /* the group's rows [r0, r1) */
+    int nk;        /* k-steps */
+};
+
+/* ---------------------------------------------------------------- PTX helpers */
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL) /* nothing for sm_100a */
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+
+/* arrive, and tell the barrier how many bytes the TMA loads of this phase will deliver */
+__device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+/* wait until the phase with this parity has completed */
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, int parity) {
+    asm volatile("{\n"
+                 ".reg .pred done;\n"
+                 "WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n"
+                 "}\n" ::"r"(smem_u32(bar)),
+                 "r"(parity)
+                 : "memory");
+}
+
+__device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap *map, uint64_t *bar,
+                                            int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];" ::"r"(smem_u32(dst)),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+                 : "memory");
+}
+
+/* TMA copy-out of one box from shared memory: store, or add into what is there */
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, const void *src, int c0,
+                                             int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%1, %2}], [%3];"
+                 ::"l"((uint64_t)map), "r"(c0), "r"(c1), "r"(smem_u32(src))
+                 : "memory");
+}
+__device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap *map, const void *src, int c0,
+                                                  int c1) {
+    asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group"
+                 " [%0, {%1, %2}], [%3];" ::"l"((uint64_t)map), "r"(c0), "r"(c1),
+                 "r"(smem_u32(src))
+                 : "memory");
+}
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap *map, const void *src, int c0,
+                                                  int c1, int c2) {
+    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group"
+                 " [%0, {%1, %2, %3}], [%4];" ::"l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2),
+                 "r"(smem_u32(src))
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+/* the issuing thread: wait until earlier copy-outs have READ their shared memory */
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+/* ... until they have completed (written global memory) */
+__device__ __forceinline__ void bulk_wait_all() {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+/* barrier of the 128 threads of consumer warpgroup c (named barrier 1 + c) */
+__device__ __forceinline__ void wg_barrier(int c) {
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + c) : "memory");
+}
+
+/* before writing the staging buffer: the previous tile's copy-out has read it */
+__device__ __forceinline__ void epilogue_reserve(int c, int tid) {
+    if (tid == 0)
+        bulk_wait_read();
+    wg_barrier(c);
+}
+
+/* after writing it: make the writes visible to TMA (the async proxy), then hand over */
+__device__ __forceinline__ void epilogue_publish(int c) {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    wg_barrier(c);
+}
+
+__device__ __forceinline__ void tma_load_3d(void *dst, const CUtensorMap *map, uint64_t *bar,
+                                            int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(smem_u32(dst)),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
+                 : "memory");
+}
+
+/* The 64-bit shared-memory matrix descriptor of wgmma: start address, leading and stride
+ * byte offsets (all in 16-byte units) and the swizzle mode (1 = 128-byte). */
+__device__ __forceinline__ uint64_t desc(const void *p, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((smem_u32(p) & 0x3FFFF) >> 4) | (uint64_t)((lbo >> 4) & 0x3FFF) << 16 |
+           (uint64_t)((sbo >> 4) & 0x3FFF) << 32 | 1ull << 62;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+/* keep the compiler from moving accumulator reads across a wgmma wait */
+__device__ __forceinline__ void reg_fence(float &r) { asm volatile("" : "+f"(r)::"memory"); }
+#endif
+
+/* ---------------------------------------------------------------- the scheduler */
+
+template <int MODE> struct Scheduler {
+    static constexpr int BAND = 8; /* m-tiles per raster band (L2 reuse, see get) */
+    const int *off, *mt; /* shared: offsets [G+1], m-tile prefix [G+1] */
+    int G, ntn, mtn, total, K;
+
+    __device__ bool get(int t, Tile &ti) const {
+        if (t >= total)
+            return false;
+        if (MODE == WGRAD) { /* the same banded raster over dw_g's (m, n) tiles */
+            const int per = mtn * ntn, rem = t % per;
+            const int band = rem / (BAND * ntn), in_band = rem % (BAND * ntn);
+            const int rows_in_band = min(BAND, mtn - band * BAND);
+            ti.g = t / per;
+            ti.m0 = (band * BAND + in_band % rows_in_band) * BM;
+            ti.n0 = (in_band / rows_in_band) * BN;
+            ti.r0 = off[ti.g];
+            ti.r1 = off[ti.g + 1];
+            ti.nk = (ti.r1 - ti.r0 + BK - 1) / BK;
+            return true;
+        }
+        const int m = t / ntn;
+        int lo = 0, hi = G - 1; /* the g with mt[g] <= m < mt[g+1] (empty groups skipped) */
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (mt[mid] <= m)
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+        /* inside the group, bands of BAND m-tiles, m fastest within a band: the CTAs that
+         * run together touch BAND row blocks and ~#CTAs/BAND weight blocks, which stay in
+         * L2, instead of one row block and #CTAs weight blocks streamed from HBM */
+        const int mtiles = mt[lo + 1] - mt[lo], l = t - mt[lo] * ntn;
+        const int band = l / (BAND * ntn), in_band = l % (BAND * ntn);
+        const int rows_in_band = min(BAND, mtiles - band * BAND);
+        ti.g = lo;
+        ti.r0 = off[lo];
+        ti.r1 = off[lo + 1];
+        ti.m0 = ti.r0 + (band * BAND + in_band % rows_in_band) * BM;
+        ti.n0 = (in_band / rows_in_band) * BN;
+        ti.nk = (K + BK - 1) / BK;
+        return true;
+    }
+};
+
+/* ---------------------------------------------------------------- the kernel */
+
+template <int MODE>
+__global__ void __launch_bounds__(THREADS, 1)
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
+                        const __grid_constant__ CUtensorMap map_b,
+                        const __grid_constant__ CUtensorMap map_c, const Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int TA = MODE == WGRAD, TB = MODE != FWD; /* MN-major operands */
+
+    extern __shared__ uint8_t smem_raw[];
+    /* 128-byte swizzled tiles must start on a 1024-byte boundary */
+    uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    __shared__ uint64_t full[STAGES], empty[STAGES];
+    __shared__ int s_off[MAX_G + 1], s_mt[MAX_G + 1];
+
+    const int wg = threadIdx.x / 128, tid = threadIdx.x % 128; /* wg 2 = the producer warp */
+    for (int g = threadIdx.x; g <= p.G; g += THREADS)
+        s_off[g] = p.off[g];
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(&full[s], 1);  /* the producer's expect_tx arrival (+ the bytes) */
+            mbar_init(&empty[s], 8); /* one arrival per consumer warp */
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) { /* m-tile prefix over the groups (forward/dgrad) */
+        int acc = 0;
+        for (int g = 0; g < p.G; g++) {
+            s_mt[g] = acc;
+            acc += (s_off[g + 1] - s_off[g] + BM - 1) / BM;
+        }
+        s_mt[p.G] = acc;
+    }
+    __syncthreads();
+
+    Scheduler<MODE> sch;
+    sch.off = s_off;
+    sch.mt = s_mt;
+    sch.G = p.G;
+    sch.K = p.K;
+    sch.ntn = (p.N + BN - 1) / BN;
+    sch.mtn = (p.M + BM - 1) / BM;
+    sch.total = MODE == WGRAD ? p.G * sch.mtn * sch.ntn : s_mt[p.G] * sch.ntn;
+
+    if (wg == 2) {
+        /* ------------------------------------------------ producer */
+        if (tid == 0) {
+            int it = 0;
+            Tile ti;
+            for (int t = blockIdx.x; sch.get(t, ti); t += gridDim.x) {
+                for (int kt = 0; kt < ti.nk; kt++, it++) {
+                    const int s = it % STAGES, phase = (it / STAGES) & 1;
+                    mbar_wait(&empty[s], phase ^ 1);
+                    mbar_expect_tx(&full[s], STAGE_BYTES);
+                    uint8_t *a = smem + s * STAGE_BYTES, *b = a + A_BYTES;
+                    const int k0 = kt * BK;
+                    if (MODE == WGRAD) { /* both MN-major: 64×64 boxes along M and N */
+                        for (int i = 0; i < BM / 64; i++)
+                            tma_load_2d(a + i * 8192, &map_a, &full[s], ti.m0 + 64 * i,
+                                        ti.r0 + k0);
+                        for (int i = 0; i < BN / 64; i++)
+                            tma_load_2d(b + i * 8192, &map_b, &full[s], ti.n0 + 64 * i,
+                                        ti.r0 + k0);
+                    } else {
+                        tma_load_2d(a, &map_a, &full[s], k0, ti.m0);
+                        if (MODE == FWD)
+                            tma_load_3d(b, &map_b, &full[s], k0, ti.n0, ti.g);
+                        else
+                            for (int i = 0; i < BN / 64; i++)
+                                tma_load_3d(b + i * 8192, &map_b, &full[s], ti.n0 + 64 * i, k0,
+                                            ti.g);
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    /* ---------------------------------------------------- consumers */
+    const int c = wg, warp = tid / 32, lane = tid % 32;
+    uint8_t *cs = smem + STAGES * STAGE_BYTES + c * C_BYTES; /* this warpgroup's C staging */
+    int it = 0;
+    Tile ti;
+    float d[BN / 2];
+    for (int t = blockIdx.x; sch.get(t, ti); t += gridDim.x) {
+        if (ti.nk == 0)
+            continue; /* wgrad of an empty group: nothing to add */
+#pragma unroll
+        for (int i = 0; i < BN / 2; i++)
+            d[i] = 0.0f;
+        for (int kt = 0; kt < ti.nk; kt++, it++) {
+            const int s = it % STAGES, phase = (it / STAGES) & 1;
+            mbar_wait(&full[s], phase);
+            uint8_t *a = smem + s * STAGE_BYTES + c * 8192, *b = smem + s * STAGE_BYTES + A_BYTES;
+            if (MODE == WGRAD) {
+                const int valid = ti.r1 - (ti.r0 + kt * BK);
+                if (valid < BK) { /* rows of the next group: zero them in our A block */
+                    uint4 *line = (uint4 *)(a + valid * 128);
+                    for (int i = tid; i < (BK - valid) * 8; i += 128)
+                        line[i] = make_uint4(0, 0, 0, 0);
+                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                    wg_barrier(c);
+                }
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; kk++) {
+                const uint64_t da = TA ? desc(a + kk * 2048, 8192, 1024) : desc(a + kk * 32, 16, 1024);
+                const uint64_t db = TB ? desc(b + kk * 2048, 8192, 1024) : desc(b + kk * 32, 16, 1024);
+                moe_wgmma<BN, TA, TB>::mma(d, da, db, 1);
+            }
+            wgmma_commit();
+            /* the previous k-step's MMAs are done once at most this one is pending */
+            wgmma_wait<1>();
+            if (kt > 0 && lane == 0)
+                mbar_arrive(&empty[(it - 1) % STAGES]);
+        }
+        wgmma_wait<0>();
+        if (lane == 0)
+            mbar_arrive(&empty[(it - 1) % STAGES]);
+#pragma unroll
+        for (int i = 0; i < BN / 2; i++)
+            reg_fence(d[i]);
+
+        /* ------------------------------------------------ epilogue
+         * Accumulators → this warpgroup's staging buffer (in the 128-byte swizzled layout
+         * of a TMA box, which also keeps the shared-memory writes free of bank
+         * conflicts) → one thread hands the boxes to TMA and the warpgroup goes straight
+         * on to its next tile's main loop while the copy-out runs. Forward stores; dgrad
+         * and wgrad ADD into global memory (TMA's reduce-add: the accumulate happens in
+         * L2, no read-modify-write by the SM). */
+        const int r_lo = warp * 16 + lane / 4; /* rows r_lo and r_lo + 8 of our 64 */
+        const int m_wg = ti.m0 + c * 64;
+        if (MODE == WGRAD) {
+            /* fp32: a 64×256 block is 64 KB, staged as two halves of 4 boxes [64][32] */
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                epilogue_reserve(c, tid);
+#pragma unroll
+                for (int j = 16 * half; j < 16 * half + 16; j++) {
+                    const int col = 8 * j + 2 * (lane % 4) - 128 * half;
+                    const int box = col / 32, cc = col % 32;
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int row = r_lo + 8 * h;
+                        float2 *dst = (float2 *)(cs + box * 8192 + row * 128 +
+                                                 (((cc / 4) ^ (row & 7)) * 16) + (cc % 4) * 4);
+                        *dst = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                    }
+                }
+                epilogue_publish(c);
+                if (tid == 0) {
+                    for (int box = 0; box < 4; box++) {
+                        const int n = ti.n0 + 128 * half + 32 * box;
+                        if (n < p.N)
+                            tma_reduce_add_3d(&map_c, cs + box * 8192, n, m_wg, ti.g);
+                    }
+                    bulk_commit();
+                }
+            }
+        } else if (m_wg + 64 <= ti.r1) {
+            /* bf16, all 64 rows inside the group: 4 boxes [64][64] through TMA */
+            epilogue_reserve(c, tid);
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++) {
+                const int col = 8 * j + 2 * (lane % 4), box = col / 64, cc = col % 64;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int row = r_lo + 8 * h;
+                    __nv_bfloat162 *dst =
+                        (__nv_bfloat162 *)(cs + box * 8192 + row * 128 +
+                                           (((cc / 8) ^ (row & 7)) * 16) + (cc % 8) * 2);
+                    *dst = __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                }
+            }
+            epilogue_publish(c);
+            if (tid == 0) {
+                for (int box = 0; box < BN / 64; box++) {
+                    const int n = ti.n0 + 64 * box;
+                    if (n >= p.N)
+                        break;
+                    if (p.accumulate)
+                        tma_reduce_add_2d(&map_c, cs + box * 8192, n, m_wg);
+                    else
+                        tma_store_2d(&map_c, cs + box * 8192, n, m_wg);
+                }
+                bulk_commit();
+            }
+        } else {
+            /* the group ends inside our 64 rows: the rows after it belong to the next
+             * group, which a TMA box cannot skip — write directly, masked */
+            moe_bf16 *C = (moe_bf16 *)p.C;
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++) {
+                const int col = ti.n0 + 8 * j + 2 * (lane % 4);
+                if (col >= p.N)
+                    continue;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int row = m_wg + r_lo + 8 * h;
+                    if (row < ti.r1) {
+                        __nv_bfloat162 *o = (__nv_bfloat162 *)(C + (size_t)row * p.N + col);
+                        float x = d[4 * j + 2 * h], y = d[4 * j + 2 * h + 1];
+                        if (p.accumulate) {
+                            const float2 old = __bfloat1622float2(*o);
+                            x += old.x;
+                            y += old.y;
+                        }
+                        *o = __floats2bfloat162_rn(x, y);
+                    }
+                }
+            }
+        }
+    }
+    if (tid == 0)
+        bulk_wait_all(); /* the last copy-outs have landed before the kernel ends */
+#else
+    __trap(); /* sm_90a only: the host never launches it elsewhere */
+#endif
+}
+
+/* ---------------------------------------------------------------- host side */
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn(void) {
+    static PFN_cuTensorMapEncodeTiled_v12000 fn = NULL;
+    if (!fn) {
+        cudaDriverEntryPointQueryResult q;
+        void *p = NULL;
+        MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                                        cudaEnableDefault, &q));
+        if (q != cudaDriverEntryPointSuccess || !p) {
+            fprintf(stderr, "moe.c: the CUDA driver has no cuTensorMapEncodeTiled\n");
+            exit(1);
+        }
+        fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
+    }
+    return fn;
+}
+
+/* A tensor map over a row-major bf16 or fp32 tensor of dims (innermost first) with a box
+ * of box[] elements, 128-byte swizzle, zero fill outside the tensor. */
+CUtensorMap tensor_map(const void *base, int rank, const uint64_t *dims, const uint32_t *box,
+                       int fp32 = 0) {
+    CUtensorMap m;
+    const uint64_t esize = fp32 ? 4 : 2;
+    uint64_t strides[2];
+    strides[0] = dims[0] * esize;
+    if (rank == 3)
+        strides[1] = dims[1] * strides[0];
+    const uint32_t estride[3] = {1, 1, 1};
+    CUresult r = encode_fn()(&m, fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                      : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                             rank, (void *)base, dims, strides, box, estride,
+                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        fprintf(stderr, "moe.c: cuTensorMapEncodeTiled failed (%d) for a %dx%llux%llu tensor\n",
+                (int)r, rank, (unsigned long long)dims[0], (unsigned long long)dims[1]);
+        exit(1);
+    }
+    return m;
+}
+
+int num_sms(void) {
+    static int n = 0;
+    if (!n) {
+        int dev;
+        MOE_CUDA_CHECK(cudaGetDevice(&dev));
+        MOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    }
+    return n;
+}
+
+template <int MODE>
+void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc, const Params &p,
+            int max_tiles) {
+    static bool configured = false;
+    if (!configured) {
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<MODE>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            SMEM_BYTES));
+        configured = true;
+    }
+    const int grid = max_tiles < num_sms() ? max_tiles : num_sms();
+    if (grid <= 0)
+        return;
+    grouped_gemm_kernel<MODE><<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mc, p);
+    MOE_CUDA_LAUNCH_CHECK();
+}
+
+void check_shapes(int G, int I, int O) {
+    if (G > MAX_G || I % 8 || O % 8) {
+        fprintf(stderr, "moe.c: the sm_90a grouped GEMM needs at most %d groups and feature sizes "
+                        "that are multiples of 8 (got G=%d, I=%d, O=%d)\n", MAX_G, G, I, O);
+        exit(1);
+    }
+}
+
+} /* namespace */
+
+extern "C" int moe_cuda_grouped_sm90_available(void) {
+    static int avail = -1;
+    if (avail < 0) {
+        int dev, major = 0;
+        MOE_CUDA_CHECK(cudaGetDevice(&dev));
+        MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+        avail = major == 9;
+    }
+    return avail;
+}
+
+/* The portable path (sm_100a and anything that is not Hopper): bring the offsets to the
+ * host — the sync this kernel exists to avoid — and run cuBLAS's grouped GEMM. */
+static const int *offsets_on_host(const int *dev_off, int G) {
+    static int *h = NULL;
+    static int cap = 0;
+    if (G + 1 > cap) {
+        free(h);
+        h = (int *)malloc(sizeof(int) * (G + 1));
+        MOE_ASSERT(h != NULL);
+        cap = G + 1;
+    }
+    MOE_CUDA_CHECK(cudaMemcpyAsync(h, dev_off, sizeof(int) * (G + 1), cudaMemcpyDeviceToHost,
+                                   moe_cuda_stream()));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(moe_cuda_stream()));
+    return h;
+}
+
+
+extern "C" void moe_cuda_grouped_sm90_forward(void *out, const void *in, const void *w,
+                                              const int *dev_off, int G, int rows, int I, int O) {
+    if (rows == 0)
+        return;
+    if (!moe_cuda_grouped_sm90_available()) {
+        moe_cuda_grouped_matmul_forward(out, in, w, offsets_on_host(dev_off, G), G, I, O);
+        return;
+    }
+    check_shapes(G, I, O);
+    /* out[n,O] = in[n,I] · w_gᵀ: A = in (K-major), B = w [G,O,I] (K-major), C = out */
+    const uint64_t da[2] = {(uint64_t)I, (uint64_t)rows};
+    const uint64_t db[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
+    const uint64_t dc[2] = {(uint64_t)O, (uint64_t)rows};
+    const uint32_t ba[2] = {BK, BM}, bb[3] = {BK, BN, 1}, bc[2] = {64, 64};
+    const Params p = {dev_off, G, 0, O, I, out, 0};
+    launch<FWD>(tensor_map(in, 2, da, ba), tensor_map(w, 3, db, bb), tensor_map(out, 2, dc, bc), p,
+                ((rows + BM - 1) / BM + G) * ((O + BN - 1) / BN));
+}
+
+extern "C" void moe_cuda_grouped_sm90_backward(void *din, moe_real *dw, const void *dout,
+                                               const void *in, const void *w, const int *dev_off,
+                                               int G, int rows, int I, int O) {
+    if (rows == 0)
+        return;
+    if (!moe_cuda_grouped_sm90_available()) {
+        moe_cuda_grouped_matmul_backward(din, dw, dout, in, w, offsets_on_host(dev_off, G), G, I,
+                                         O);
+        return;
+    }
+    check_shapes(G, I, O);
+    if (din) { /* din[n,I] += dout[n,O] · w_g[O,I]: A = dout (K-major), B = w (MN-major) */
+        const uint64_t da[2] = {(uint64_t)O, (uint64_t)rows};
+        const uint64_t db[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
+        const uint64_t dc[2] = {(uint64_t)I, (uint64_t)rows};
+        const uint32_t ba[2] = {BK, BM}, bb[3] = {64, BK, 1}, bc[2] = {64, 64};
+        const Params p = {dev_off, G, 0, I, O, din, 1};
+        launch<DGRAD>(tensor_map(dout, 2, da, ba), tensor_map(w, 3, db, bb),
+                      tensor_map(din, 2, dc, bc), p,
+                      ((rows + BM - 1) / BM + G) * ((I + BN - 1) / BN));
+    }
+    if (dw) { /* dw_g[O,I] += dout_gᵀ · in_g: A = dout, B = in (both MN-major), C fp32 */
+        const uint64_t da[2] = {(uint64_t)O, (uint64_t)rows};
+        const uint64_t db[2] = {(uint64_t)I, (uint64_t)rows};
+        const uint64_t dc[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
+        const uint32_t box[2] = {64, BK}, bc[3] = {32, 64, 1};
+        const Params p = {dev_off, G, O, I, 0, dw, 1};
+        launch<WGRAD>(tensor_map(dout, 2, da, box), tensor_map(in, 2, db, box),
+                      tensor_map(dw, 3, dc, bc, 1), p,
+                      G * ((O + BM - 1) / BM) * ((I + BN - 1) / BN));
+    }
+}
