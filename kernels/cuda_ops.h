@@ -58,7 +58,7 @@ void moe_cuda_grouped_sm90_forward(void *out, const void *in, const void *w, con
                                    int G, int rows, int I, int O);
 void moe_cuda_grouped_sm90_backward(void *din, moe_real *dw, const void *dout, const void *in,
                                     const void *w, const int *dev_off, int G, int rows, int I,
-                                    int O);
+                                    int O, int din_accumulate);
 void moe_cuda_embedding_forward(void *out, const int *tokens, const void *table, int N, int C);
 void moe_cuda_embedding_backward(moe_real *dtable, const void *dout, const int *tokens, int N,
                                  int V, int C);

@@ -32,8 +32,9 @@
  *
  * Epilogue: each consumer warpgroup writes its 64 × 256 block from registers into its
  * own shared-memory staging buffer (in the swizzled layout of a TMA box), and one thread
- * hands it to TMA: a store for forward, a reduce-add (the accumulate done in L2) for dgrad
- * and for wgrad's fp32 weight gradients. The warpgroup goes straight on to its next
+ * hands it to TMA: a store for forward (and for dgrad into a fresh buffer), a reduce-add
+ * (the accumulate done in L2) for an accumulating dgrad and for wgrad's fp32 weight
+ * gradients. The warpgroup goes straight on to its next
  * tile's main loop while the copy-out runs, and waits for it only before reusing the
  * buffer a tile later. (Measured on an H200: writing the tile straight from registers
  * with masked stores cost 15-35% of the GEMM time; see docs/results/03-grouped-gemm.md.)
@@ -632,21 +633,24 @@ extern "C" void moe_cuda_grouped_sm90_forward(void *out, const void *in, const v
 
 extern "C" void moe_cuda_grouped_sm90_backward(void *din, moe_real *dw, const void *dout,
                                                const void *in, const void *w, const int *dev_off,
-                                               int G, int rows, int I, int O) {
+                                               int G, int rows, int I, int O, int din_accumulate) {
     if (rows == 0)
         return;
     if (!moe_cuda_grouped_sm90_available()) {
+        if (din && !din_accumulate)
+            MOE_CUDA_CHECK(cudaMemsetAsync(din, 0, sizeof(moe_bf16) * (size_t)rows * I,
+                                           moe_cuda_stream()));
         moe_cuda_grouped_matmul_backward(din, dw, dout, in, w, offsets_on_host(dev_off, G), G, I,
                                          O);
         return;
     }
     check_shapes(G, I, O);
-    if (din) { /* din[n,I] += dout[n,O] · w_g[O,I]: A = dout (K-major), B = w (MN-major) */
+    if (din) { /* din[n,I] (+)= dout[n,O] · w_g[O,I]: A = dout (K-major), B = w (MN-major) */
         const uint64_t da[2] = {(uint64_t)O, (uint64_t)rows};
         const uint64_t db[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
         const uint64_t dc[2] = {(uint64_t)I, (uint64_t)rows};
         const uint32_t ba[2] = {BK, BM}, bb[3] = {64, BK, 1}, bc[2] = {64, 64};
-        const Params p = {dev_off, G, 0, I, O, din, 1};
+        const Params p = {dev_off, G, 0, I, O, din, din_accumulate};
         launch<DGRAD>(tensor_map(dout, 2, da, ba), tensor_map(w, 3, db, bb),
                       tensor_map(din, 2, dc, bc), p,
                       ((rows + BM - 1) / BM + G) * ((I + BN - 1) / BN));

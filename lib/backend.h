@@ -101,10 +101,12 @@ typedef struct moe_backend {
      *  rows of @p in and @p out */
     void (*grouped_matmul_forward_dev)(void *out, const void *in, const void *w,
                                        const int *dev_off, int G, int rows, int I, int O);
-    /** backward of grouped_matmul_forward_dev (accumulates, as grouped_matmul_backward) */
+    /** backward of grouped_matmul_forward_dev: dw accumulates; din accumulates when
+     *  @p din_accumulate is 1 and is overwritten (all @p rows rows) when it is 0, which
+     *  saves zeroing a fresh buffer first */
     void (*grouped_matmul_backward_dev)(void *din, moe_real *dw, const void *dout,
                                         const void *in, const void *w, const int *dev_off,
-                                        int G, int rows, int I, int O);
+                                        int G, int rows, int I, int O, int din_accumulate);
     /** as moe_cpu_embedding_forward() */
     void (*embedding_forward)(void *out, const int *tokens, const void *table, int N, int C);
     /** as moe_cpu_embedding_backward() */

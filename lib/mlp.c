@@ -12,13 +12,21 @@ static void gmm_forward(const moe_backend *be, void *out, const void *in, const 
         be->grouped_matmul_forward(out, in, w, grp->off, grp->G, I, O);
 }
 
+/* ... and its backward: din accumulates, or (din_accumulate = 0) is overwritten — our
+ * kernel simply stores instead of adding; the host-offset ops always add, so they get a
+ * zeroed buffer */
 static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const void *dout,
-                         const void *in, const void *w, const moe_groups *grp, int I, int O) {
-    if (grp->impl == MOE_EXPERTS_KERNEL)
-        be->grouped_matmul_backward_dev(din, dw, dout, in, w, grp->dev_off, grp->G,
-                                        grp->off[grp->G], I, O);
-    else
-        be->grouped_matmul_backward(din, dw, dout, in, w, grp->off, grp->G, I, O);
+                         const void *in, const void *w, const moe_groups *grp, int I, int O,
+                         int din_accumulate) {
+    const int N = grp->off[grp->G];
+    if (grp->impl == MOE_EXPERTS_KERNEL) {
+        be->grouped_matmul_backward_dev(din, dw, dout, in, w, grp->dev_off, grp->G, N, I, O,
+                                        din_accumulate);
+        return;
+    }
+    if (din && !din_accumulate)
+        be->zero(din, be->act_size * (size_t)N * I);
+    be->grouped_matmul_backward(din, dw, dout, in, w, grp->off, grp->G, I, O);
 }
 
 /* Forward: fc1 → SwiGLU (with the routing weight fused in) → fc2. The SwiGLU output is
@@ -44,19 +52,17 @@ void moe_mlp_backward_grouped(const moe_backend *be, void *dx, moe_real *dw1, mo
                               moe_real *drow_scale, const void *dout, const void *x,
                               const void *gu, const void *act, const moe_real *row_scale,
                               const void *w1, const void *w2, void *ws_dh, void *ws_dgu,
-                              const moe_groups *grp, int H, int F) {
+                              const moe_groups *grp, int H, int F, int dx_accumulate) {
     const int N = grp->off[grp->G];
     if (N == 0)
         return;
     const size_t nf = (size_t)N * F;
-    be->zero(ws_dh, be->act_size * nf);
-    moe_prof_mark(MOE_PROF_EXPERT_OPS);
-    gmm_backward(be, ws_dh, dw2, dout, act, w2, grp, F, H);
+    gmm_backward(be, ws_dh, dw2, dout, act, w2, grp, F, H, 0); /* dh: a fresh buffer */
     moe_prof_mark(MOE_PROF_GEMM);
     be->zero(ws_dgu, be->act_size * 2 * nf);
     be->swiglu_backward(ws_dgu, row_scale ? drow_scale : NULL, ws_dh, gu, row_scale, N, F);
     moe_prof_mark(MOE_PROF_EXPERT_OPS);
-    gmm_backward(be, dx, dw1, ws_dgu, x, w1, grp, H, 2 * F);
+    gmm_backward(be, dx, dw1, ws_dgu, x, w1, grp, H, 2 * F, dx_accumulate);
     moe_prof_mark(MOE_PROF_GEMM);
 }
 
@@ -81,5 +87,5 @@ void moe_mlp_backward(const moe_backend *be, void *dx, moe_real *dw1, moe_real *
     const int off[2] = {0, N};
     const moe_groups g = one_group(off);
     moe_mlp_backward_grouped(be, dx, dw1, dw2, drow_scale, dout, x, gu, act, row_scale, w1, w2,
-                             ws_dh, ws_dgu, &g, H, F);
+                             ws_dh, ws_dgu, &g, H, F, 1);
 }

@@ -77,17 +77,20 @@ void moe_mlp_forward_grouped(const moe_backend *be, void *out, void *gu, void *a
                              const void *w2, const moe_groups *grp, int H, int F);
 
 /**
- * @brief Backward of moe_mlp_forward_grouped (gradients accumulate; dw1/dw2 stacked).
+ * @brief Backward of moe_mlp_forward_grouped (weight and row-scale gradients accumulate;
+ *        dw1/dw2 stacked).
  * @param be backend  @param dx [N,H]  @param dw1 [G,2F,H]  @param dw2 [G,H,F]
  * @param drow_scale [N] or NULL  @param dout [N,H]  @param x input  @param gu saved
  * @param act saved  @param row_scale as in forward  @param w1 fc1  @param w2 fc2
  * @param ws_dh [N,F] scratch  @param ws_dgu [N,2F] scratch  @param grp as in forward
  * @param H hidden  @param F intermediate
+ * @param dx_accumulate 1: dx += the input gradient; 0: dx = it (a fresh buffer: saves
+ *        zeroing it first)
  */
 void moe_mlp_backward_grouped(const moe_backend *be, void *dx, moe_real *dw1, moe_real *dw2,
                               moe_real *drow_scale, const void *dout, const void *x,
                               const void *gu, const void *act, const moe_real *row_scale,
                               const void *w1, const void *w2, void *ws_dh, void *ws_dgu,
-                              const moe_groups *grp, int H, int F);
+                              const moe_groups *grp, int H, int F, int dx_accumulate);
 
 #endif /* MOE_MLP_H */

@@ -126,8 +126,9 @@ static void experts_backward(const moe_backend *be, void *dx, moe_real *g_fc1, m
                              int F) {
     const int *off = grp->off, n_experts = grp->G;
     if (grp->impl != MOE_EXPERTS_LOOP) {
+        /* dx is a fresh buffer of the layer: overwrite it */
         moe_mlp_backward_grouped(be, dx, g_fc1, g_fc2, dw_row, dy, x, gu, act, w_row, fc1, fc2, dh,
-                                 dgu, grp, H, F);
+                                 dgu, grp, H, F, 0);
         return;
     }
     for (int e = 0; e < n_experts; e++) {
@@ -445,7 +446,8 @@ void moe_moe_backward(const moe_backend *be, void *dx, const moe_moe_grads *g, c
     } else {
         /* 5⁻¹. the combine was a sum, so each permuted row receives its token's gradient */
         be->permute_tokens(ws->dyp, dout, a->perm_src, N * k, k, H);
-        be->zero(ws->dxp, be->act_size * NK * H);
+        if (d->experts == MOE_EXPERTS_LOOP) /* the loop adds expert by expert */
+            be->zero(ws->dxp, be->act_size * NK * H);
         be->zero(ws->dwp, R * NK);
         moe_prof_mark(MOE_PROF_PERMUTE);
 

@@ -72,16 +72,26 @@ static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
     moe_real *ddw = g->alloc(sizeof(moe_real) * nw);
     g->from_host(ddw, cdw, sizeof(moe_real) * nw);
     if (impl)
-        g->grouped_matmul_backward_dev(ddi, ddw, ddo, din_, dw_, doff, G, N, I, O);
+        g->grouped_matmul_backward_dev(ddi, ddw, ddo, din_, dw_, doff, G, N, I, O, 1);
     else
         g->grouped_matmul_backward(ddi, ddw, ddo, din_, dw_, off, G, I, O);
     c->grouped_matmul_backward(cdi, cdw, hdo, hin, hw, off, G, I, O);
     g->read_act(gdi, ddi, nin);
     g->to_host(gdw, ddw, sizeof(moe_real) * nw);
-    double ed = rel(gdi, cdi, nin), ew = rel(gdw, cdw, nw);
-    printf("  %s G=%d N=%d I=%d O=%d: forward %.2e, dgrad %.2e, wgrad %.2e\n",
-           impl ? "kernel" : "cublas", G, N, I, O, ef, ed, ew);
-    ck_assert_msg(ef <= 1e-2 && ed <= 1e-2 && ew <= 1e-3, "grouped GEMM differs from the loop");
+    double ed = rel(gdi, cdi, nin), ew = rel(gdw, cdw, nw), eo = 0;
+    if (impl) { /* dgrad into a fresh (poisoned) buffer: overwritten, not added to */
+        moe_test_poison(gdi, nin);
+        g->write_act(ddi, gdi, nin);
+        g->grouped_matmul_backward_dev(ddi, NULL, ddo, din_, dw_, doff, G, N, I, O, 0);
+        memset(cdi, 0, sizeof(moe_real) * nin);
+        c->grouped_matmul_backward(cdi, NULL, hdo, hin, hw, off, G, I, O);
+        g->read_act(gdi, ddi, nin);
+        eo = rel(gdi, cdi, nin);
+    }
+    printf("  %s G=%d N=%d I=%d O=%d: forward %.2e, dgrad %.2e (overwriting %.2e), wgrad %.2e\n",
+           impl ? "kernel" : "cublas", G, N, I, O, ef, ed, eo, ew);
+    ck_assert_msg(ef <= 1e-2 && ed <= 1e-2 && eo <= 1e-2 && ew <= 1e-3,
+                  "grouped GEMM differs from the loop");
     g->free(doff); g->free(din_); g->free(dw_); g->free(ddo); g->free(dout); g->free(ddi); g->free(ddw);
     free(off); free(hin); free(hw); free(hdo); free(co); free(go); free(cdi); free(gdi);
     free(cdw); free(gdw);

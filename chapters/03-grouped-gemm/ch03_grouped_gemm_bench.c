@@ -10,7 +10,9 @@
  *
  * for each expert backend (loop = one cublasGemmEx per expert, chapter 01; cublas-grouped
  * = cublasGemmGroupedBatchedEx; grouped = our sm_90a kernel), with the dense bf16 cuBLAS
- * GEMM of 8192³ measured in the same run as the ceiling. The whole layer (router,
+ * GEMM of 8192³ measured in the same run as the ceiling. Each backend runs as the MoE
+ * layer uses it: dgrad into a fresh buffer is an accumulate (beta = 1) for cuBLAS, whose
+ * caller zeroes the buffer first (not timed here), and a plain store for our kernel. The whole layer (router,
  * permutation, SwiGLU, combine) is timed by chapter 01's layer benchmark, with
  * --breakdown for its time shares (chapters/03-grouped-gemm/bench.sh runs both).
  * Timing: the backend's timer (CUDA events), warm-up, median of repeats.
@@ -89,7 +91,7 @@ static void run_once(const moe_backend *be, int impl, const problem *p, const bu
     moe_real *dw = p->backward == 2 ? b->dw : NULL;
     if (impl == KERNEL)
         be->grouped_matmul_backward_dev(din, dw, b->dout, b->in, b->w, b->dev_off, G, N, p->I,
-                                        p->O);
+                                        p->O, 0);
     else if (impl == CUBLAS)
         be->grouped_matmul_backward(din, dw, b->dout, b->in, b->w, off, G, p->I, p->O);
     else

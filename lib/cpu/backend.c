@@ -119,8 +119,10 @@ static void cpu_grouped_forward_dev(void *out, const void *in, const void *w, co
 }
 static void cpu_grouped_backward_dev(void *din, moe_real *dw, const void *dout, const void *in,
                                      const void *w, const int *dev_off, int G, int rows, int I,
-                                     int O) {
+                                     int O, int din_accumulate) {
     MOE_ASSERT(dev_off[G] == rows);
+    if (din && !din_accumulate)
+        memset(din, 0, sizeof(moe_real) * (size_t)rows * I);
     cpu_grouped_backward(din, dw, dout, in, w, dev_off, G, I, O);
 }
 
