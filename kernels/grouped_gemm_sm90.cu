@@ -88,7 +88,7 @@ constexpr int BM = 128;      /* rows of a tile: 2 consumer warpgroups × 64 */
 constexpr int BN = 256;      /* columns of a tile: one m64n256k16 wgmma per warpgroup */
 constexpr int BK = 64;       /* k per pipeline stage: one 128-byte swizzle row of bf16 */
 constexpr int STAGES = 3;    /* pipeline depth */
-constexpr int MAX_G = 512;   /* groups a launch may have (shared-memory prefix arrays) */
+constexpr int MAX_G = MOE_GROUPED_DEV_MAX_GROUPS; /* shared-memory offset table */
 constexpr int THREADS = 288; /* 2 consumer warpgroups (warps 0-7) + 1 producer warp */
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int C_BYTES = 64 * BN * 2; /* one warpgroup's bf16 output block (or half of fp32) */
@@ -574,7 +574,7 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
 }
 
 void check_shapes(int G, int I, int O) {
-    if (G > MAX_G || I % 8 || O % 8) {
+    if (G > MAX_G || I % MOE_GROUPED_DEV_ALIGN || O % MOE_GROUPED_DEV_ALIGN) {
         fprintf(stderr, "moe.c: the sm_90a grouped GEMM needs at most %d groups and feature sizes "
                         "that are multiples of 8 (got G=%d, I=%d, O=%d)\n", MAX_G, G, I, O);
         exit(1);

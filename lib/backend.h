@@ -23,6 +23,7 @@
 #include "cpu/moe_ops.h"
 #include "cpu/ops.h"
 #include "cpu/router.h"
+#include "config.h"
 #include "error.h"
 
 /** Which backend. */
@@ -98,7 +99,8 @@ typedef struct moe_backend {
                                     const void *w, const int *off, int G, int I, int O);
     /** grouped_matmul_forward with the offsets @p dev_off [G+1] in BACKEND memory, so the
      *  host never needs the group sizes (chapter 03's own kernel); @p rows = dev_off[G], the
-     *  rows of @p in and @p out */
+     *  rows of @p in and @p out; G <= ::MOE_GROUPED_DEV_MAX_GROUPS, I and O multiples of
+     *  ::MOE_GROUPED_DEV_ALIGN */
     void (*grouped_matmul_forward_dev)(void *out, const void *in, const void *w,
                                        const int *dev_off, int G, int rows, int I, int O);
     /** backward of grouped_matmul_forward_dev: dw accumulates; din accumulates when

@@ -385,6 +385,15 @@ moe_status moe_config_validate(moe_config *c, moe_error *err) {
                 "--moe-pad-expert-input-to-capacity applies to the alltoall dispatcher only "
                 "(the allgather dispatcher has no per-expert sends to pad)");
         c->drop_by_position = !strcmp(c->moe_token_drop_policy, "position");
+        REQUIRE(strcmp(c->moe_expert_backend, "grouped") ||
+                    (c->hidden_size % MOE_GROUPED_DEV_ALIGN == 0 &&
+                     c->moe_ffn_hidden_size % MOE_GROUPED_DEV_ALIGN == 0 &&
+                     E / EP <= MOE_GROUPED_DEV_MAX_GROUPS),
+                "--moe-expert-backend grouped needs --hidden-size and --moe-ffn-hidden-size "
+                "that are multiples of %d and at most %d experts per rank (got %d, %d, %d); "
+                "use --moe-expert-backend cublas-grouped for other shapes",
+                MOE_GROUPED_DEV_ALIGN, MOE_GROUPED_DEV_MAX_GROUPS, c->hidden_size,
+                c->moe_ffn_hidden_size, E / EP);
         REQUIRE(c->moe_shared_expert_intermediate_size >= 0,
                 "--moe-shared-expert-intermediate-size must be >= 0 (got %d; 0 = none)",
                 c->moe_shared_expert_intermediate_size);

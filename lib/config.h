@@ -24,6 +24,13 @@
  *  bucket, and the permutation handles 1024 buckets). */
 #define MOE_MAX_EXPERTS 1023
 
+/** Most groups (experts per rank) chapter 03's grouped kernel takes: its shared-memory
+ *  offset table (--moe-expert-backend grouped). */
+#define MOE_GROUPED_DEV_MAX_GROUPS 512
+/** Feature sizes the grouped kernel takes are multiples of this (TMA rows are 16-byte
+ *  aligned bf16). */
+#define MOE_GROUPED_DEV_ALIGN 8
+
 /** Router score function (BRIEF §6). */
 typedef enum moe_score_fn {
     MOE_SCORE_SOFTMAX = 0, /**< softmax: top-k then softmax over the k, or pre-softmax */

@@ -491,7 +491,12 @@ moe_expert_impl moe_expert_impl_from_config(const moe_config *c, const moe_backe
         return MOE_EXPERTS_CUBLAS;
     if (!strcmp(s, "grouped"))
         return MOE_EXPERTS_KERNEL;
-    /* auto: the fastest on a GPU; on the CPU the loop, unless Megatron's switch asks */
-    return be->device != MOE_DEVICE_CPU || c->moe_grouped_gemm ? MOE_EXPERTS_KERNEL
-                                                               : MOE_EXPERTS_LOOP;
+    /* auto: the fastest on a GPU — our kernel where its shapes fit, else cuBLAS's grouped
+     * GEMM; on the CPU the loop, unless Megatron's switch asks for grouped */
+    if (be->device == MOE_DEVICE_CPU && !c->moe_grouped_gemm)
+        return MOE_EXPERTS_LOOP;
+    const int fits = c->hidden_size % MOE_GROUPED_DEV_ALIGN == 0 &&
+                     c->moe_ffn_hidden_size % MOE_GROUPED_DEV_ALIGN == 0 &&
+                     c->num_experts / c->expert_model_parallel_size <= MOE_GROUPED_DEV_MAX_GROUPS;
+    return fits ? MOE_EXPERTS_KERNEL : MOE_EXPERTS_CUBLAS;
 }

@@ -341,6 +341,10 @@ START_TEST(test_val_sizes) {
     EXPECT_CONFIG_ERROR("--moe-ffn-hidden-size", "got 0", "--moe-ffn-hidden-size", "0");
     EXPECT_CONFIG_ERROR("--num-experts", "got -1", "--num-experts", "-1");
     EXPECT_CONFIG_ERROR("--num-experts", "got 1025", "--num-experts", "1025");
+    EXPECT_CONFIG_ERROR("--moe-expert-backend grouped", "multiples of 8", "--hidden-size", "132",
+                        "--num-attention-heads", "6", "--moe-expert-backend", "grouped");
+    EXPECT_CONFIG_ERROR("--moe-expert-backend grouped", "cublas-grouped", "--num-experts", "1000",
+                        "--moe-expert-backend", "grouped");
     EXPECT_CONFIG_ERROR("--train-iters", "got -1", "--train-iters", "-1");
     EXPECT_CONFIG_ERROR("--lr-warmup-iters", "got -1", "--lr-warmup-iters", "-1");
     EXPECT_CONFIG_ERROR("--lr-decay-iters", "got -5", "--lr-decay-iters", "-5");
