@@ -7,6 +7,12 @@
 #include <time.h>
 
 void moe_git_commit(char *buf, size_t cap) {
+    /* an explicit MOE_GIT_COMMIT wins: a copied tree may carry a stale .git */
+    const char *env = getenv("MOE_GIT_COMMIT");
+    if (env && *env) {
+        snprintf(buf, cap, "%s", env);
+        return;
+    }
     buf[0] = '\0';
     FILE *p = popen("git rev-parse --short HEAD 2>/dev/null", "r");
     if (p) {
@@ -14,10 +20,8 @@ void moe_git_commit(char *buf, size_t cap) {
             buf[strcspn(buf, "\n")] = '\0';
         pclose(p);
     }
-    if (!buf[0]) {
-        const char *env = getenv("MOE_GIT_COMMIT");
-        snprintf(buf, cap, "%s", env && *env ? env : "unknown");
-    }
+    if (!buf[0])
+        snprintf(buf, cap, "unknown");
 }
 
 void moe_utc_date(char *buf, size_t cap) {

@@ -8,9 +8,9 @@
 #include <stddef.h>
 
 /**
- * @brief The short commit hash of the working tree: `git rev-parse --short HEAD`, else the
- *        environment variable MOE_GIT_COMMIT (set it where the tree has no .git, e.g. on a
- *        machine the sources were copied to), else "unknown".
+ * @brief The short commit hash of the working tree: the environment variable
+ *        MOE_GIT_COMMIT when set (on a machine the sources were copied to, whose .git may be
+ *        missing or stale), else `git rev-parse --short HEAD`, else "unknown".
  * @param buf receives the hash  @param cap its capacity
  */
 void moe_git_commit(char *buf, size_t cap);
