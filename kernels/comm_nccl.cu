@@ -291,16 +291,18 @@ extern "C" void moe_nccl_reduce_scatter_sum(moe_nccl_comm *c, const void *send, 
 extern "C" void moe_nccl_exchange(moe_nccl_comm *c, const void *send, const moe_comm_chunk *sends,
                                   int n_sends, void *recv, const moe_comm_chunk *recvs,
                                   int n_recvs, moe_dtype t) {
-    /* chunks to this rank itself were copied by moe_comm_exchange (lib/comm.c) */
+    /* every chunk, those to this rank itself included: NCCL matches a rank's sends to
+     * itself with its receives from itself in order, like any peer's, and copies them
+     * while the transfers to the other ranks run */
     const size_t es = dtype_bytes(t);
     const ncclDataType_t nt = nccl_type(t);
     MOE_NCCL_CHECK(c, ncclGroupStart());
     for (int i = 0; i < n_sends; i++)
-        if (sends[i].count > 0 && sends[i].peer != c->rank)
+        if (sends[i].count > 0)
             MOE_NCCL_CHECK(c, ncclSend(at(send, sends[i].offset, es), sends[i].count, nt,
                                        sends[i].peer, c->comm, moe_cuda_stream()));
     for (int i = 0; i < n_recvs; i++)
-        if (recvs[i].count > 0 && recvs[i].peer != c->rank)
+        if (recvs[i].count > 0)
             MOE_NCCL_CHECK(c, ncclRecv((void *)at(recv, recvs[i].offset, es), recvs[i].count, nt,
                                        recvs[i].peer, c->comm, moe_cuda_stream()));
     MOE_NCCL_CHECK(c, ncclGroupEnd());

@@ -9,6 +9,7 @@
 #include "error.h"
 #include "flags.h"
 #include "helpers.h"
+#include "moe_layer.h"
 #include "suites.h"
 
 /* argv built from string literals: ARGS("--hidden-size", "64") → argc, argv with "moe" first. */
@@ -502,6 +503,30 @@ END_TEST
 
 /* ------------------------------------------------------------------ backend */
 
+/* --moe-expert-backend: explicit choices, and what auto means on each backend */
+START_TEST(test_expert_backend_choice) {
+    const moe_backend *cpu = moe_backend_cpu();
+    moe_backend gpu = *cpu; /* a stand-in with a GPU's device tag: only the tag is read */
+    gpu.device = MOE_DEVICE_CUDA;
+    moe_config c;
+    EXPECT_OK(&c, "--moe-expert-backend", "loop");
+    ck_assert_int_eq(moe_expert_impl_from_config(&c, &gpu), MOE_EXPERTS_LOOP);
+    EXPECT_OK(&c, "--moe-expert-backend", "cublas-grouped");
+    ck_assert_int_eq(moe_expert_impl_from_config(&c, cpu), MOE_EXPERTS_CUBLAS);
+    EXPECT_OK(&c, "--moe-expert-backend", "grouped");
+    ck_assert_int_eq(moe_expert_impl_from_config(&c, cpu), MOE_EXPERTS_KERNEL);
+    EXPECT_OK(&c); /* auto: the loop on the CPU, our kernel on a GPU */
+    ck_assert_int_eq(moe_expert_impl_from_config(&c, cpu), MOE_EXPERTS_LOOP);
+    ck_assert_int_eq(moe_expert_impl_from_config(&c, &gpu), MOE_EXPERTS_KERNEL);
+    EXPECT_OK(&c, "--moe-grouped-gemm"); /* Megatron's switch makes auto grouped on the CPU */
+    ck_assert_int_eq(moe_expert_impl_from_config(&c, cpu), MOE_EXPERTS_KERNEL);
+    /* auto on a GPU with a shape the kernel does not take: cuBLAS's grouped GEMM */
+    EXPECT_OK(&c, "--hidden-size", "132", "--num-attention-heads", "6");
+    ck_assert_int_eq(moe_expert_impl_from_config(&c, &gpu), MOE_EXPERTS_CUBLAS);
+    EXPECT_FLAG_ERROR("--moe-expert-backend", "fast", "--moe-expert-backend", "fast");
+}
+END_TEST
+
 START_TEST(test_backend_select) {
     const moe_backend *b = NULL;
     moe_error err;
@@ -687,6 +712,7 @@ Suite *suite_config(void) {
 
     TCase *be = tcase_create("backend");
     tcase_add_test(be, test_backend_select);
+    tcase_add_test(be, test_expert_backend_choice);
     suite_add_tcase(s, be);
     return s;
 }
