@@ -31,13 +31,15 @@
  *                stage's "full" barrier with the byte count to expect.
  *
  * Epilogue: each consumer warpgroup writes its 64 × 256 block from registers into its
- * own shared-memory staging buffer (in the swizzled layout of a TMA box), and one thread
- * hands it to TMA: a store for forward (and for dgrad into a fresh buffer), a reduce-add
- * (the accumulate done in L2) for an accumulating dgrad and for wgrad's fp32 weight
- * gradients. The warpgroup goes straight on to its next
- * tile's main loop while the copy-out runs, and waits for it only before reusing the
- * buffer a tile later. (Measured on an H200: writing the tile straight from registers
- * with masked stores cost 15-35% of the GEMM time; see docs/results/03-grouped-gemm.md.)
+ * own 16 KB shared-memory staging buffer, a piece at a time (in the swizzled layout of a
+ * TMA box), and one thread hands each piece to TMA: a store for forward (and for dgrad
+ * into a fresh buffer), a reduce-add (the accumulate done in L2) for an accumulating dgrad
+ * and for wgrad's fp32 weight gradients. The warpgroup goes straight on to its next
+ * tile's main loop while the last copy-out runs; a piece waits only until TMA has read
+ * the previous one out of the buffer. Small staging buffers buy a 4th pipeline stage
+ * (4 × 48 KB + 2 × 16 KB = 224 KB of the SM's 227 KB). Measured on an H200 (see
+ * docs/results/03-grouped-gemm.md): storing straight from registers cost 15-35% of the
+ * GEMM time; the 4th stage is worth another 6-10%.
  *
  * The tile scheduler is static and persistent: CTA b takes tiles b, b + gridDim, ...
  * Within a group the tiles go in bands of BAND m-tiles, m fastest inside a band, so the
@@ -87,12 +89,12 @@ namespace {
 constexpr int BM = 128;      /* rows of a tile: 2 consumer warpgroups × 64 */
 constexpr int BN = 256;      /* columns of a tile: one m64n256k16 wgmma per warpgroup */
 constexpr int BK = 64;       /* k per pipeline stage: one 128-byte swizzle row of bf16 */
-constexpr int STAGES = 3;    /* pipeline depth */
+constexpr int STAGES = 4;    /* pipeline depth */
 constexpr int MAX_G = MOE_GROUPED_DEV_MAX_GROUPS; /* shared-memory offset table */
 constexpr int THREADS = 288; /* 2 consumer warpgroups (warps 0-7) + 1 producer warp */
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int C_BYTES = 64 * BN * 2; /* one warpgroup's bf16 output block (or half of fp32) */
-constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * C_BYTES + 1024; /* + alignment slack */
+constexpr int C_BYTES = 16384; /* one warpgroup's output staging: a piece of its block */
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * C_BYTES; /* 224 KB of the SM's 227 */
 
 
 enum Mode { FWD = 0, DGRAD = 1, WGRAD = 2 };
@@ -291,9 +293,10 @@ __global__ void __launch_bounds__(THREADS, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int TA = MODE == WGRAD, TB = MODE != FWD; /* MN-major operands */
 
-    extern __shared__ uint8_t smem_raw[];
     /* 128-byte swizzled tiles must start on a 1024-byte boundary */
-    uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    extern __shared__ __align__(1024) uint8_t smem[];
+    if (threadIdx.x == 0 && (smem_u32(smem) & 1023))
+        __trap(); /* the layout below would overflow the allocation */
     __shared__ uint64_t full[STAGES], empty[STAGES];
     __shared__ int s_off[MAX_G + 1], s_mt[MAX_G + 1];
 
@@ -416,60 +419,52 @@ __global__ void __launch_bounds__(THREADS, 1)
          * L2, no read-modify-write by the SM). */
         const int r_lo = warp * 16 + lane / 4; /* rows r_lo and r_lo + 8 of our 64 */
         const int m_wg = ti.m0 + c * 64;
-        if (MODE == WGRAD) {
-            /* fp32: a 64×256 block is 64 KB, staged as two halves of 4 boxes [64][32] */
+        if (MODE == WGRAD || m_wg + 64 <= ti.r1) {
+            /* Our 64 × 256 block leaves in PIECES of C_BYTES (bf16: 2 × 128 columns; fp32:
+             * 4 × 64), each two TMA boxes of [64 rows][128 bytes]: write a piece, hand it
+             * to TMA, and before writing the next one into the same buffer wait until TMA
+             * has read the last (short: shared memory is read at once, the global writes
+             * complete later). */
+            constexpr int ES = MODE == WGRAD ? 4 : 2;       /* bytes per output element */
+            constexpr int PIECE_COLS = C_BYTES / (64 * ES);  /* 128 or 64 */
+            constexpr int BOX_COLS = 128 / ES;               /* 64 or 32 */
+            constexpr int PIECES = BN / PIECE_COLS;
 #pragma unroll
-            for (int half = 0; half < 2; half++) {
+            for (int q = 0; q < PIECES; q++) {
                 epilogue_reserve(c, tid);
 #pragma unroll
-                for (int j = 16 * half; j < 16 * half + 16; j++) {
-                    const int col = 8 * j + 2 * (lane % 4) - 128 * half;
-                    const int box = col / 32, cc = col % 32;
+                for (int jj = 0; jj < PIECE_COLS / 8; jj++) {
+                    const int j = q * (PIECE_COLS / 8) + jj; /* the accumulators' 8-column block */
+                    const int col = 8 * jj + 2 * (lane % 4);
+                    const int box = col / BOX_COLS, cc = col % BOX_COLS;
+                    const int chunk = cc * ES / 16, within = (cc * ES) % 16;
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
                         const int row = r_lo + 8 * h;
-                        float2 *dst = (float2 *)(cs + box * 8192 + row * 128 +
-                                                 (((cc / 4) ^ (row & 7)) * 16) + (cc % 4) * 4);
-                        *dst = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                        uint8_t *dst = cs + box * 8192 + row * 128 + ((chunk ^ (row & 7)) * 16) +
+                                       within;
+                        if (MODE == WGRAD)
+                            *(float2 *)dst = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                        else
+                            *(__nv_bfloat162 *)dst =
+                                __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
                     }
                 }
                 epilogue_publish(c);
                 if (tid == 0) {
-                    for (int box = 0; box < 4; box++) {
-                        const int n = ti.n0 + 128 * half + 32 * box;
-                        if (n < p.N)
+                    for (int box = 0; box < PIECE_COLS / BOX_COLS; box++) {
+                        const int n = ti.n0 + q * PIECE_COLS + box * BOX_COLS;
+                        if (n >= p.N)
+                            break;
+                        if (MODE == WGRAD)
                             tma_reduce_add_3d(&map_c, cs + box * 8192, n, m_wg, ti.g);
+                        else if (p.accumulate)
+                            tma_reduce_add_2d(&map_c, cs + box * 8192, n, m_wg);
+                        else
+                            tma_store_2d(&map_c, cs + box * 8192, n, m_wg);
                     }
                     bulk_commit();
                 }
-            }
-        } else if (m_wg + 64 <= ti.r1) {
-            /* bf16, all 64 rows inside the group: 4 boxes [64][64] through TMA */
-            epilogue_reserve(c, tid);
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                const int col = 8 * j + 2 * (lane % 4), box = col / 64, cc = col % 64;
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int row = r_lo + 8 * h;
-                    __nv_bfloat162 *dst =
-                        (__nv_bfloat162 *)(cs + box * 8192 + row * 128 +
-                                           (((cc / 8) ^ (row & 7)) * 16) + (cc % 8) * 2);
-                    *dst = __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-                }
-            }
-            epilogue_publish(c);
-            if (tid == 0) {
-                for (int box = 0; box < BN / 64; box++) {
-                    const int n = ti.n0 + 64 * box;
-                    if (n >= p.N)
-                        break;
-                    if (p.accumulate)
-                        tma_reduce_add_2d(&map_c, cs + box * 8192, n, m_wg);
-                    else
-                        tma_store_2d(&map_c, cs + box * 8192, n, m_wg);
-                }
-                bulk_commit();
             }
         } else {
             /* the group ends inside our 64 rows: the rows after it belong to the next

@@ -26,7 +26,7 @@
 
 /** Most groups (experts per rank) chapter 03's grouped kernel takes: its shared-memory
  *  offset table (--moe-expert-backend grouped). */
-#define MOE_GROUPED_DEV_MAX_GROUPS 512
+#define MOE_GROUPED_DEV_MAX_GROUPS 256
 /** Feature sizes the grouped kernel takes are multiples of this (TMA rows are 16-byte
  *  aligned bf16). */
 #define MOE_GROUPED_DEV_ALIGN 8
