@@ -96,7 +96,6 @@ constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTE
 constexpr int C_BYTES = 16384; /* one warpgroup's output staging: a piece of its block */
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * C_BYTES; /* 224 KB of the SM's 227 */
 
-
 enum Mode { FWD = 0, DGRAD = 1, WGRAD = 2 };
 
 struct Params {
