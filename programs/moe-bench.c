@@ -18,23 +18,13 @@
 #include <string.h>
 
 
+#include "bench.h"
 #include "config.h"
 #include "cpu/ops.h"
 #include "log.h"
 #include "rng.h"
 #include "timer.h"
-#include "provenance.h"
 #include "trainer.h"
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 /* The baseline everyone writes first: out[n,o] = Σ_i in[n,i]·w[o,i]. */
 static void naive_matmul(float *out, const float *in, const float *w, int N, int I, int O) {
@@ -75,7 +65,7 @@ static void bench_matmul(int N, int I, int O) {
         moe_cpu_matmul_forward(b, in, w, N, I, O);
         tt[r] = moe_time_now() - t0;
     }
-    double flop = 2.0 * N * I * O, mn = median(tn, REPEATS), mt = median(tt, REPEATS);
+    double flop = 2.0 * N * I * O, mn = moe_median(tn, REPEATS), mt = moe_median(tt, REPEATS);
     printf("| matmul %5d x %4d -> %4d | %9.2f ms | %7.1f GFLOP/s | %9.2f ms | %7.1f GFLOP/s | %6.1fx |\n",
            N, I, O, 1e3 * mn, flop / mn / 1e9, 1e3 * mt, flop / mt / 1e9, mn / mt);
     free(in); free(w); free(a); free(b);
@@ -95,11 +85,10 @@ int main(int argc, char **argv) {
         moe_log_error("%s", err.msg);
         return 2;
     }
-    char cpu[256], commit[64], date[64];
+    char cpu[256];
     moe_backend_cpu()->device_name(cpu, sizeof cpu);
-    moe_git_commit(commit, sizeof commit);
-    moe_utc_date(date, sizeof date);
-    printf("moe-bench | device: %s | %s | commit %s\n\n", cpu, date, commit);
+    moe_bench_header("moe-bench", cpu);
+    printf("\n");
 
     const int N = cfg.micro_batch_size * cfg.seq_length, H = cfg.hidden_size;
     printf("| matmul (forward, fp32)      | triple loop  |                 | tiled 8x32   |          "
@@ -126,7 +115,7 @@ int main(int argc, char **argv) {
         moe_model_forward(t->model, t->inputs, t->targets, cfg.micro_batch_size, cfg.seq_length);
         tf[r] = moe_time_now() - t0;
     }
-    double step = median(ts, REPEATS), fwd = median(tf, REPEATS);
+    double step = moe_median(ts, REPEATS), fwd = moe_median(tf, REPEATS);
     int accum = cfg.global_batch_size / cfg.micro_batch_size;
     printf("\n| training step (default model) | ms/step | tokens/s | forward share |\n"
            "|---|---|---|---|\n| %.3fM params, %.3fM active, %d tokens | %.1f | %.0f | %.0f%% |\n",

@@ -20,11 +20,11 @@
 #include <string.h>
 
 #include "backend.h"
+#include "bench.h"
 #include "flags.h"
 #include "log.h"
 #include "moe_layer.h"
 #include "profile.h"
-#include "provenance.h"
 
 typedef struct opts {
     char device[MOE_FLAG_STR_LEN];
@@ -51,16 +51,7 @@ static const moe_flag g_flags[] = {
        "grouped (chapter 03's own kernel)", NULL),
 };
 
-typedef struct shape {
-    const char *name;
-    int T, H, F, E, k;
-} shape;
-
-static const shape g_shapes[] = {
-    {"qwen3", 16384, 2048, 768, 128, 8},
-    {"mixtral", 8192, 4096, 14336, 8, 2},
-    {"small", 2048, 256, 256, 16, 4},
-};
+typedef moe_bench_shape shape;
 
 /* Everything one layer needs on one backend. */
 typedef struct layer {
@@ -169,11 +160,6 @@ static int same_routing(const layer *a, const layer *b, int N, int k, char *same
     return n_same;
 }
 
-static int cmp_double(const void *p, const void *q) {
-    double x = *(const double *)p, y = *(const double *)q;
-    return (x > y) - (x < y);
-}
-
 static const char *const g_impl_names[] = {"loop", "cublas-grouped", "grouped"};
 
 static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_expert_impl impl) {
@@ -208,8 +194,7 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
         layer_step(&L);
         ms[r] = be->timer_end_ms();
     }
-    qsort(ms, (size_t)o->repeats, sizeof *ms, cmp_double);
-    double med = ms[o->repeats / 2];
+    const double med = moe_median(ms, o->repeats);
     double flop = 6.0 * s->T * s->k * 3.0 * s->H * s->F;
     long long cmin = -1, cmax = 0;
     for (int e = 0; e < s->E; e++) {
@@ -286,24 +271,18 @@ int main(int argc, char **argv) {
         moe_log_error("%s", err.msg);
         return 2;
     }
-    char dev[256], date[64], commit[64];
+    char dev[256];
     be->device_name(dev, sizeof dev);
-    moe_utc_date(date, sizeof date);
-    moe_git_commit(commit, sizeof commit);
-    printf("ch01 naive MoE layer, forward+backward | %s | %s | commit %s\n", dev, date, commit);
+    moe_bench_header("ch01 naive MoE layer, forward+backward", dev);
     printf("TFLOP/s counts the expert GEMMs only: 6*T*k*3*H*F. Median of %d after %d warm-up.\n\n",
            o.repeats, o.warmup);
     printf("| shape    |     T |    H |     F |   E | k | dev  experts |   ms/iter |  TFLOP/s | tokens/expert min/max |\n"
            "|---|---|---|---|---|---|---|---|---|---|\n");
-    const char *want = o.shape;
-    int fails = 0;
-    for (size_t i = 0; i < sizeof g_shapes / sizeof g_shapes[0]; i++) {
-        const shape *s = &g_shapes[i];
-        int on_gpu = be->device != MOE_DEVICE_CPU;
-        int pick = !strcmp(want, "all") || !strcmp(want, s->name) ||
-                   (!strcmp(want, "auto") && (on_gpu ? strcmp(s->name, "small") != 0
-                                                     : !strcmp(s->name, "small")));
-        if (!pick)
+    int fails = 0, n_shapes;
+    const moe_bench_shape *shapes = moe_bench_shapes(&n_shapes);
+    for (int i = 0; i < n_shapes; i++) {
+        const shape *s = &shapes[i];
+        if (!moe_bench_shape_wanted(o.shape, s->name, be->device != MOE_DEVICE_CPU))
             continue;
         for (int impl = 0; impl < 3; impl++)
             if (impl_wanted(o.impl, g_impl_names[impl]))

@@ -24,7 +24,7 @@
 #include "dispatcher.h"
 #include "flags.h"
 #include "log.h"
-#include "provenance.h"
+#include "bench.h"
 #include "rng.h"
 
 typedef struct opts {
@@ -45,15 +45,9 @@ static const moe_flag g_flags[] = {
     OF("warmup", MOE_FLAG_INT, warmup, "2", "untimed iterations", NULL),
 };
 
-static int cmp_double(const void *p, const void *q) {
-    double x = *(const double *)p, y = *(const double *)q;
-    return (x > y) - (x < y);
-}
-
 /* median over ranks of the per-rank medians would hide stragglers: take the slowest rank */
 static double timed_ms(const moe_backend *be, moe_comm *world, double *ms, int n) {
-    qsort(ms, (size_t)n, sizeof *ms, cmp_double);
-    return moe_comm_host_max(world, ms[n / 2]);
+    return moe_comm_host_max(world, moe_median(ms, n));
 }
 
 int main(int argc, char **argv) {
@@ -86,13 +80,11 @@ int main(int argc, char **argv) {
     }
     const int P = moe_comm_size(world), rank = moe_comm_rank(world), H = o.hidden;
     const int E = P * o.experts_per_rank, k = o.topk < E ? o.topk : E;
-    char dev[256], date[64], commit[64];
+    char dev[256], where[300];
     be->device_name(dev, sizeof dev);
-    moe_utc_date(date, sizeof date);
-    moe_git_commit(commit, sizeof commit);
+    snprintf(where, sizeof where, "%d ranks x %s", P, dev);
     if (rank == 0) {
-        printf("ch02 dispatcher vs raw all-to-all | %d ranks x %s | %s | commit %s\n", P, dev,
-               date, commit);
+        moe_bench_header("ch02 dispatcher vs raw all-to-all", where);
         printf("H=%d, E=%d (%d per rank), top-%d, uniform routing; bytes = rows leaving each rank "
                "x H x %zu B; median of %d, slowest rank\n\n",
                H, E, o.experts_per_rank, k, be->act_size, o.repeats);

@@ -22,9 +22,9 @@
 #include <string.h>
 
 #include "backend.h"
+#include "bench.h"
 #include "flags.h"
 #include "log.h"
-#include "provenance.h"
 #include "rng.h"
 
 typedef struct opts {
@@ -45,16 +45,7 @@ static const moe_flag g_flags[] = {
     OF("repeats", MOE_FLAG_INT, repeats, "7", "timed runs (the median is reported)", NULL),
 };
 
-typedef struct shape {
-    const char *name;
-    int T, H, F, E, k;
-} shape;
-
-static const shape g_shapes[] = {
-    {"qwen3", 16384, 2048, 768, 128, 8},
-    {"mixtral", 8192, 4096, 14336, 8, 2},
-    {"small", 2048, 256, 256, 16, 4},
-};
+typedef moe_bench_shape shape;
 
 enum { LOOP, CUBLAS, KERNEL, N_IMPL };
 
@@ -105,11 +96,6 @@ static void run_once(const moe_backend *be, int impl, const problem *p, const bu
         }
 }
 
-static int cmp_double(const void *p, const void *q) {
-    double x = *(const double *)p, y = *(const double *)q;
-    return (x > y) - (x < y);
-}
-
 static double time_ms(const moe_backend *be, const opts *o, int impl, const problem *p,
                       const bufs *b, const int *off, int G) {
     for (int i = 0; i < o->warmup; i++)
@@ -121,8 +107,7 @@ static double time_ms(const moe_backend *be, const opts *o, int impl, const prob
         run_once(be, impl, p, b, off, G);
         ms[r] = be->timer_end_ms();
     }
-    qsort(ms, (size_t)o->repeats, sizeof *ms, cmp_double);
-    const double med = ms[o->repeats / 2];
+    const double med = moe_median(ms, o->repeats);
     free(ms);
     return med;
 }
@@ -193,14 +178,12 @@ static void run_shape(const moe_backend *be, const shape *s, const opts *o) {
     printf("| GEMM        |  GFLOP | loop ms | TFLOP/s | cublas-grouped ms | TFLOP/s | grouped ms "
            "| TFLOP/s | grouped vs loop |\n|---|---|---|---|---|---|---|---|---|\n");
     double tot[N_IMPL] = {0};
-    const int have_kernel = be->device != MOE_DEVICE_CPU;
     for (int i = 0; i < 6; i++) {
         const problem *p = &probs[i];
         const double flop = 2.0 * N * p->I * p->O;
         double ms[N_IMPL];
         for (int impl = 0; impl < N_IMPL; impl++) {
-            ms[impl] = impl == KERNEL && !have_kernel ? ms[LOOP]
-                                                      : time_ms(be, o, impl, p, &b, off, G);
+            ms[impl] = time_ms(be, o, impl, p, &b, off, G);
             tot[impl] += ms[impl];
         }
         printf("| %-11s | %6.1f |", p->name, flop / 1e9);
@@ -232,7 +215,7 @@ static void dense_peak(const moe_backend *be, const opts *o) {
     const int off[2] = {0, n};
     const problem p = {"dense", n, n, 0};
     const double ms = time_ms(be, o, LOOP, &p, &b, off, 1);
-    printf("dense GEMM %d^3 (the bf16 ceiling of this device): %.3f ms, %.1f TFLOP/s\n", n, ms,
+    printf("dense GEMM %d^3 (the ceiling of this device): %.3f ms, %.1f TFLOP/s\n", n, ms,
            2.0 * n * nn / (ms * 1e-3) / 1e12);
     be->free(b.in); be->free(b.w); be->free(b.out);
 }
@@ -261,24 +244,18 @@ int main(int argc, char **argv) {
         moe_log_error("%s", err.msg);
         return 2;
     }
-    char dev[256], date[64], commit[64];
+    char dev[256];
     be->device_name(dev, sizeof dev);
-    moe_utc_date(date, sizeof date);
-    moe_git_commit(commit, sizeof commit);
-    printf("ch03 expert GEMMs, per backend | %s | %s | commit %s\n", dev, date, commit);
-    printf("bf16 inputs, fp32 accumulation (wgrad into fp32). Median of %d after %d warm-up.\n",
-           o.repeats, o.warmup);
+    moe_bench_header("ch03 expert GEMMs, per backend", dev);
+    printf("%s inputs, fp32 accumulation (wgrad into fp32). Median of %d after %d warm-up.\n",
+           be->act_size == 2 ? "bf16" : "fp32", o.repeats, o.warmup);
     if (be->device == MOE_DEVICE_CPU)
-        printf("(on the CPU every backend is the same loop; 'grouped' repeats the loop's time)\n");
+        printf("(on the CPU every backend is the same loop over experts)\n");
     dense_peak(be, &o);
-    for (size_t i = 0; i < sizeof g_shapes / sizeof g_shapes[0]; i++) {
-        const shape *s = &g_shapes[i];
-        const int on_gpu = be->device != MOE_DEVICE_CPU;
-        const int pick = !strcmp(o.shape, "all") || !strcmp(o.shape, s->name) ||
-                         (!strcmp(o.shape, "auto") && (on_gpu ? strcmp(s->name, "small") != 0
-                                                              : !strcmp(s->name, "small")));
-        if (pick)
-            run_shape(be, s, &o);
-    }
+    int n_shapes;
+    const moe_bench_shape *shapes = moe_bench_shapes(&n_shapes);
+    for (int i = 0; i < n_shapes; i++)
+        if (moe_bench_shape_wanted(o.shape, shapes[i].name, be->device != MOE_DEVICE_CPU))
+            run_shape(be, &shapes[i], &o);
     return 0;
 }

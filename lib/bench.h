@@ -1,0 +1,51 @@
+/**
+ * @file bench.h
+ * @brief What the benchmark programs share: the median of repeated timings, the header
+ *        line every result table starts with, and the MoE layer shapes they measure.
+ */
+#ifndef MOE_BENCH_H
+#define MOE_BENCH_H
+
+/**
+ * @brief The median of @p n timings (sorts @p v in place; the mean of the two middle
+ *        values when @p n is even).
+ * @param v timings  @param n how many (>= 1)
+ * @return the median
+ */
+double moe_median(double *v, int n);
+
+/**
+ * @brief Print the first line of a benchmark table:
+ *        "<title> | <device> | <UTC date> | commit <hash>" (see provenance.h).
+ * @param title what is measured  @param device where (a device name, or "2 ranks x …")
+ */
+void moe_bench_header(const char *title, const char *device);
+
+/** One MoE layer shape: tokens, hidden size, expert width, experts, top-k. */
+typedef struct moe_bench_shape {
+    const char *name; /**< qwen3, mixtral or small */
+    int T;            /**< tokens */
+    int H;            /**< hidden size */
+    int F;            /**< expert intermediate size */
+    int E;            /**< experts */
+    int k;            /**< top-k */
+} moe_bench_shape;
+
+/**
+ * @brief The layer shapes of BRIEF §7 — Qwen3-30B-A3B (T=16384, H=2048, F=768, E=128,
+ *        k=8) and Mixtral-8x7B (T=8192, H=4096, F=14336, E=8, k=2) — and "small", a
+ *        CPU-sized one (T=2048, H=256, F=256, E=16, k=4).
+ * @param n receives how many
+ * @return the table
+ */
+const moe_bench_shape *moe_bench_shapes(int *n);
+
+/**
+ * @brief Whether a `--shape` choice selects @p name: "all", the name itself, or "auto"
+ *        (qwen3 and mixtral on a GPU, small on the CPU).
+ * @param want the flag's value  @param name a shape's name  @param on_gpu 1 on a GPU
+ * @return 1 when selected
+ */
+int moe_bench_shape_wanted(const char *want, const char *name, int on_gpu);
+
+#endif /* MOE_BENCH_H */
