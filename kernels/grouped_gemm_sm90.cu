@@ -104,7 +104,8 @@ struct Params {
     int M;          /* wgrad: rows of dw_g (O); unused otherwise (ragged) */
     int N;          /* output columns */
     int K;          /* forward/dgrad: reduction length; unused for wgrad (ragged) */
-    void *C;        /* output: bf16 [rows, N] (forward/dgrad) or fp32 [G, M, N] (wgrad) */
+    void *C;        /* bf16 output [rows, N], for the masked direct stores where a group
+                       ends inside a warpgroup's rows (everything else leaves through map_c) */
     int accumulate; /* C += instead of C = (dgrad) */
 };
 
@@ -654,7 +655,7 @@ extern "C" void moe_cuda_grouped_sm90_backward(void *din, moe_real *dw, const vo
         const uint64_t db[2] = {(uint64_t)I, (uint64_t)rows};
         const uint64_t dc[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
         const uint32_t box[2] = {64, BK}, bc[3] = {32, 64, 1};
-        const Params p = {dev_off, G, O, I, 0, dw, 1};
+        const Params p = {dev_off, G, O, I, 0, NULL, 1}; /* dw leaves through map_c only */
         launch<WGRAD>(tensor_map(dout, 2, da, box), tensor_map(in, 2, db, box),
                       tensor_map(dw, 3, dc, bc, 1), p,
                       G * ((O + BM - 1) / BM) * ((I + BN - 1) / BN));

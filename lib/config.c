@@ -267,6 +267,13 @@ static moe_status parse_layer_freq(moe_config *cfg, moe_error *err) {
             return moe_error_set(err, MOE_ERR_CONFIG, __VA_ARGS__); \
     } while (0)
 
+int moe_config_grouped_kernel_fits(const moe_config *c) {
+    return c->hidden_size % MOE_GROUPED_DEV_ALIGN == 0 &&
+           c->moe_ffn_hidden_size % MOE_GROUPED_DEV_ALIGN == 0 &&
+           c->expert_model_parallel_size >= 1 &&
+           c->num_experts / c->expert_model_parallel_size <= MOE_GROUPED_DEV_MAX_GROUPS;
+}
+
 moe_status moe_config_validate(moe_config *c, moe_error *err) {
     /* sizes */
     REQUIRE(c->num_layers >= 1 && c->num_layers <= MOE_MAX_LAYERS,
@@ -385,10 +392,7 @@ moe_status moe_config_validate(moe_config *c, moe_error *err) {
                 "--moe-pad-expert-input-to-capacity applies to the alltoall dispatcher only "
                 "(the allgather dispatcher has no per-expert sends to pad)");
         c->drop_by_position = !strcmp(c->moe_token_drop_policy, "position");
-        REQUIRE(strcmp(c->moe_expert_backend, "grouped") ||
-                    (c->hidden_size % MOE_GROUPED_DEV_ALIGN == 0 &&
-                     c->moe_ffn_hidden_size % MOE_GROUPED_DEV_ALIGN == 0 &&
-                     E / EP <= MOE_GROUPED_DEV_MAX_GROUPS),
+        REQUIRE(strcmp(c->moe_expert_backend, "grouped") || moe_config_grouped_kernel_fits(c),
                 "--moe-expert-backend grouped needs --hidden-size and --moe-ffn-hidden-size "
                 "that are multiples of %d and at most %d experts per rank (got %d, %d, %d); "
                 "use --moe-expert-backend cublas-grouped for other shapes",

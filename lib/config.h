@@ -146,6 +146,15 @@ moe_status moe_config_parse(moe_config *cfg, int argc, char **argv, moe_error *e
 moe_status moe_config_validate(moe_config *cfg, moe_error *err);
 
 /**
+ * @brief Whether chapter 03's grouped kernel takes this model's expert GEMMs: hidden and
+ *        expert sizes multiples of ::MOE_GROUPED_DEV_ALIGN, at most
+ *        ::MOE_GROUPED_DEV_MAX_GROUPS experts per rank.
+ * @param c configuration
+ * @return 1 when it does
+ */
+int moe_config_grouped_kernel_fits(const moe_config *c);
+
+/**
  * @brief Parse a space-separated flag string ("--hidden-size 64 --qk-layernorm") over
  *        @p cfg, as if it were a command line (does not validate).
  * @param cfg config  @param flags the string (at most 4095 characters, 127 words)

@@ -283,7 +283,8 @@ static void backward_allgather(const moe_backend *be, void *dx, const moe_moe_gr
     ep->send_buf = moe_grow(be, ep->send_buf, &ep->send_cap, be->act_size * (size_t)P * N * H);
     moe_comm_all_gather(ep->comm, dout, ep->send_buf, (size_t)N * H, t);
     be->gather_rows(ws->dye, ep->send_buf, pl->ag_tok, rows, H);
-    be->zero(ws->ye, be->act_size * (size_t)rows * H);
+    if (d->experts == MOE_EXPERTS_LOOP) /* the grouped paths overwrite it */
+        be->zero(ws->ye, be->act_size * (size_t)rows * H);
     be->zero(ws->dwe, R * (size_t)rows);
     moe_prof_mark(MOE_PROF_OTHER);
     const moe_groups grp = expert_groups(be, d, (moe_moe_acts *)a, pl->expert_offset, EL, 0);
@@ -360,7 +361,8 @@ static void backward_dispatch(const moe_backend *be, void *dx, const moe_moe_gra
     /* output gradients travel like tokens */
     be->permute_tokens(ws->dyp, dout, a->perm_src, NK, k, H);
     moe_dispatch_rows(ep, &a->plan, ws->dye, ws->dyp, H);
-    be->zero(ws->ye, be->act_size * (size_t)R_recv * H);
+    if (d->experts == MOE_EXPERTS_LOOP) /* the grouped paths overwrite it */
+        be->zero(ws->ye, be->act_size * (size_t)R_recv * H);
     be->zero(ws->dwe, R * (size_t)R_recv);
     moe_prof_mark(MOE_PROF_OTHER);
     const moe_groups grp = expert_groups(be, d, am, a->plan.expert_offset, EL, 0);
@@ -446,7 +448,8 @@ void moe_moe_backward(const moe_backend *be, void *dx, const moe_moe_grads *g, c
     } else {
         /* 5⁻¹. the combine was a sum, so each permuted row receives its token's gradient */
         be->permute_tokens(ws->dyp, dout, a->perm_src, N * k, k, H);
-        if (d->experts == MOE_EXPERTS_LOOP) /* the loop adds expert by expert */
+        /* the loop adds into dxp expert by expert; the grouped paths overwrite it */
+        if (d->experts == MOE_EXPERTS_LOOP)
             be->zero(ws->dxp, be->act_size * NK * H);
         be->zero(ws->dwp, R * NK);
         moe_prof_mark(MOE_PROF_PERMUTE);
@@ -495,8 +498,5 @@ moe_expert_impl moe_expert_impl_from_config(const moe_config *c, const moe_backe
      * GEMM; on the CPU the loop, unless Megatron's switch asks for grouped */
     if (be->device == MOE_DEVICE_CPU && !c->moe_grouped_gemm)
         return MOE_EXPERTS_LOOP;
-    const int fits = c->hidden_size % MOE_GROUPED_DEV_ALIGN == 0 &&
-                     c->moe_ffn_hidden_size % MOE_GROUPED_DEV_ALIGN == 0 &&
-                     c->num_experts / c->expert_model_parallel_size <= MOE_GROUPED_DEV_MAX_GROUPS;
-    return fits ? MOE_EXPERTS_KERNEL : MOE_EXPERTS_CUBLAS;
+    return moe_config_grouped_kernel_fits(c) ? MOE_EXPERTS_KERNEL : MOE_EXPERTS_CUBLAS;
 }
