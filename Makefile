@@ -25,7 +25,10 @@ BUILD   ?= build
 # ---------------------------------------------------------------- detection
 NVCC    := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(NVCC)),/usr/local/cuda)
-NCCL_H  := $(firstword $(wildcard /usr/include/nccl.h $(CUDA_HOME)/include/nccl.h))
+# NCCL_INC=dir: build against the NCCL headers in dir. The fused dispatcher compiles NCCL's
+# device API into our kernels, so the headers must be those of the libnccl that runs.
+NCCL_INC ?=
+NCCL_H  := $(firstword $(wildcard $(if $(NCCL_INC),$(NCCL_INC)/nccl.h) /usr/include/nccl.h $(CUDA_HOME)/include/nccl.h))
 MPICC   := $(shell command -v mpicc 2>/dev/null)
 HAVE_CHECK := $(shell pkg-config --exists check 2>/dev/null && echo yes)
 DOXYGEN := $(shell command -v doxygen 2>/dev/null)
@@ -105,7 +108,7 @@ ifeq ($(WITH_MPI),1)
 endif
 ifeq ($(WITH_NCCL),1)
   ALL_CFLAGS += -DMOE_HAVE_NCCL
-  ALL_NVCC_FLAGS += -DMOE_HAVE_NCCL
+  ALL_NVCC_FLAGS += -DMOE_HAVE_NCCL $(if $(NCCL_INC),-I$(NCCL_INC))
   LDLIBS := $(LDLIBS) -lnccl
 endif
 

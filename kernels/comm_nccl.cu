@@ -54,10 +54,23 @@
 #include "comm_nccl.h"
 #include "cuda_common.cuh"
 
+/* The device API (NCCL >= 2.28): symmetric memory windows that kernels of every rank can
+ * load from and store to, and barriers between those kernels (chapter 02's fused
+ * dispatcher, kernels/dispatch_nvlink.cu). Its structures are inlined into our kernels,
+ * so the headers must be those of the library that runs: checked in moe_nccl_peer_access. */
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+#define MOE_NCCL_DEVICE_API 1
+#include <nccl_device.h>
+#endif
+
 struct moe_nccl_comm {
     ncclComm_t comm;
     int rank, size, world_rank;
     int *barrier_buf; /* one int on the device for moe_nccl_barrier */
+#ifdef MOE_NCCL_DEVICE_API
+    ncclDevComm dev;  /* the device communicator, once moe_nccl_peer_access created it */
+    int has_dev;
+#endif
 };
 
 /* The failure path: what happened has been printed; take the job down. */
@@ -208,7 +221,11 @@ extern "C" moe_nccl_comm *moe_nccl_init(const void *id, int nranks, int rank, in
     ncclUniqueId u;
     memcpy(&u, id, sizeof u);
     ncclComm_t comm = NULL;
-    moe_nccl_comm tmp = {NULL, rank, nranks, world_rank, NULL}; /* for error messages */
+    moe_nccl_comm tmp;  /* for error messages */
+    memset(&tmp, 0, sizeof tmp);
+    tmp.rank = rank;
+    tmp.size = nranks;
+    tmp.world_rank = world_rank;
     MOE_NCCL_CHECK(&tmp, ncclCommInitRank(&comm, nranks, u, rank));
     return wrap(comm, world_rank);
 }
@@ -227,6 +244,10 @@ extern "C" void moe_nccl_destroy(moe_nccl_comm *c) {
         return;
     MOE_CUDA_CHECK(cudaStreamSynchronize(moe_cuda_stream()));
     MOE_CUDA_CHECK(cudaFree(c->barrier_buf));
+#ifdef MOE_NCCL_DEVICE_API
+    if (c->has_dev)
+        MOE_NCCL_CHECK(c, ncclDevCommDestroy(c->comm, &c->dev));
+#endif
     MOE_NCCL_CHECK(c, ncclCommFinalize(c->comm)); /* flush outstanding work (collective) */
     MOE_NCCL_CHECK(c, ncclCommDestroy(c->comm));
     free(c);
@@ -350,6 +371,88 @@ extern "C" void moe_nccl_barrier(moe_nccl_comm *c) {
     MOE_NCCL_CHECK(c, ncclAllReduce(c->barrier_buf, c->barrier_buf, 1, ncclInt32, ncclSum,
                                     c->comm, moe_cuda_stream()));
     nccl_wait(c, "barrier");
+}
+
+/* ------------------------------------------------------------ device API */
+
+extern "C" void moe_nccl_wait(moe_nccl_comm *c, const char *what) { nccl_wait(c, what); }
+
+extern "C" int moe_nccl_device_api_local(char *why, size_t why_len) {
+#ifdef MOE_NCCL_DEVICE_API
+    int v = 0;
+    if (ncclGetVersion(&v) != ncclSuccess)
+        v = 0;
+    if (v != NCCL_VERSION_CODE) {
+        /* the device API's structures are compiled into our kernels from the headers */
+        snprintf(why, why_len,
+                 "this build has the NCCL %d.%d.%d headers but runs NCCL %d.%d.%d, and the device "
+                 "API needs them equal (rebuild against the headers of the library that runs)",
+                 NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH, v / 10000, (v / 100) % 100, v % 100);
+        return 0;
+    }
+    return 1;
+#else
+    snprintf(why, why_len, "NCCL %d.%d.%d has no device API (it needs NCCL >= 2.28)", NCCL_MAJOR,
+             NCCL_MINOR, NCCL_PATCH);
+    return 0;
+#endif
+}
+
+extern "C" int moe_nccl_peer_access(moe_nccl_comm *c, int ctas, char *why, size_t why_len) {
+#ifdef MOE_NCCL_DEVICE_API
+    if (!c->has_dev) {
+        ncclDevCommRequirements req;
+        memset(&req, 0, sizeof req); /* 2.28 has no initializer macro; zero is "nothing" */
+        req.lsaBarrierCount = ctas;  /* one barrier per CTA of our kernels */
+        ncclResult_t r = ncclDevCommCreate(c->comm, &req, &c->dev);
+        if (r != ncclSuccess) {
+            snprintf(why, why_len, "ncclDevCommCreate failed: %s (%s)", ncclGetErrorString(r),
+                     ncclGetLastError(c->comm));
+            return 0;
+        }
+        c->has_dev = 1;
+    }
+    if (c->dev.lsaSize != c->size) {
+        snprintf(why, why_len,
+                 "only %d of the group's %d GPUs reach each other by load/store (NVLink or PCIe "
+                 "P2P); the fused dispatcher needs all of them",
+                 c->dev.lsaSize, c->size);
+        return 0;
+    }
+    return 1;
+#else
+    snprintf(why, why_len, "NCCL has no device API");
+    return 0;
+#endif
+}
+
+extern "C" const void *moe_nccl_dev_comm(const moe_nccl_comm *c) {
+#ifdef MOE_NCCL_DEVICE_API
+    return c->has_dev ? &c->dev : NULL;
+#else
+    return NULL;
+#endif
+}
+
+extern "C" void moe_nccl_sym_alloc(moe_nccl_comm *c, size_t bytes, void **ptr, void **window) {
+#ifdef MOE_NCCL_DEVICE_API
+    ncclWindow_t w = NULL;
+    MOE_NCCL_CHECK(c, ncclMemAlloc(ptr, bytes));
+    MOE_NCCL_CHECK(c, ncclCommWindowRegister(c->comm, *ptr, bytes, &w, NCCL_WIN_COLL_SYMMETRIC));
+    *window = (void *)w;
+#else
+    fprintf(stderr, "[rank %d] fatal: symmetric memory needs NCCL >= 2.28\n", c->world_rank);
+    nccl_fatal(c);
+#endif
+}
+
+extern "C" void moe_nccl_sym_free(moe_nccl_comm *c, void *ptr, void *window) {
+#ifdef MOE_NCCL_DEVICE_API
+    /* peers may still be reading it: deregistration is collective, after the stream */
+    MOE_CUDA_CHECK(cudaStreamSynchronize(moe_cuda_stream()));
+    MOE_NCCL_CHECK(c, ncclCommWindowDeregister(c->comm, (ncclWindow_t)window));
+    MOE_NCCL_CHECK(c, ncclMemFree(ptr));
+#endif
 }
 
 #endif /* MOE_HAVE_NCCL */

@@ -87,6 +87,24 @@ void moe_nccl_recv(moe_nccl_comm *c, void *buf, size_t count, moe_dtype t, int p
 /** @brief Barrier: a one-element all-reduce, waited for. @param c comm */
 void moe_nccl_barrier(moe_nccl_comm *c);
 
+/* The device API, for chapter 02's fused dispatcher (kernels/dispatch_nvlink.cu). */
+
+/** Wait for the stream like every collective does (NCCL errors, MOE_COMM_TIMEOUT). */
+void moe_nccl_wait(moe_nccl_comm *c, const char *what);
+/** 1 when this build's NCCL headers have the device API and match the library that runs;
+ *  else 0 and the reason in @p why. Local: no communication. */
+int moe_nccl_device_api_local(char *why, size_t why_len);
+/** Create the device communicator with @p ctas LSA barriers (collective) and say whether
+ *  every rank of the group reaches every other by load/store; else 0 and why. */
+int moe_nccl_peer_access(moe_nccl_comm *c, int ctas, char *why, size_t why_len);
+/** The ncclDevComm (as const void *: this header is C), or NULL before peer_access. */
+const void *moe_nccl_dev_comm(const moe_nccl_comm *c);
+/** ncclMemAlloc + a symmetric window registration of @p bytes (collective: every rank of
+ *  the group, the same bytes). */
+void moe_nccl_sym_alloc(moe_nccl_comm *c, size_t bytes, void **ptr, void **window);
+/** Deregister and free a symmetric buffer (collective). */
+void moe_nccl_sym_free(moe_nccl_comm *c, void *ptr, void *window);
+
 #ifdef __cplusplus
 }
 #endif

@@ -645,6 +645,69 @@ void moe_comm_barrier(moe_comm *c) {
 #endif
 }
 
+/* ============================================================ shared GPU memory */
+
+int moe_comm_peer_access(moe_comm *c, char *why, size_t why_len) {
+    snprintf(why, why_len, "CPU ranks share no GPU memory");
+#ifdef MOE_HAVE_NCCL
+    if (!c->nccl)
+        return 0;
+    /* every rank must take the same branch into the collective device-communicator
+     * creation, so agree on the local checks first, then on the outcome */
+    char mine[256] = "";
+    int ok = moe_nccl_device_api_local(mine, sizeof mine);
+    if (moe_comm_host_max(c, ok ? 0.0 : 1.0) > 0) {
+        snprintf(why, why_len, "%s", ok ? "another rank cannot use NCCL's device API" : mine);
+        return 0;
+    }
+    ok = moe_nccl_peer_access(c->nccl, MOE_COMM_PEER_CTAS, mine, sizeof mine);
+    if (moe_comm_host_max(c, ok ? 0.0 : 1.0) > 0) {
+        snprintf(why, why_len, "%s", ok ? "another rank cannot reach its peers' memory" : mine);
+        return 0;
+    }
+    return 1;
+#else
+    (void)c;
+    return 0;
+#endif
+}
+
+void moe_comm_sym_reserve(moe_comm *c, moe_sym_buf *b, size_t bytes) {
+    if (b->ptr && b->bytes >= bytes)
+        return;
+    /* whole 2 MiB pages of the GPU's virtual memory: ncclMemAlloc maps whole pages
+     * anyway, and the rest of the last one is free headroom */
+    const size_t page = (size_t)2 << 20;
+    bytes = (bytes + page - 1) / page * page;
+#ifdef MOE_HAVE_NCCL
+    MOE_ASSERT(c->nccl && moe_nccl_dev_comm(c->nccl));
+    moe_comm_sym_free(b);
+    moe_nccl_sym_alloc(c->nccl, bytes, &b->ptr, &b->window);
+    b->bytes = bytes;
+    b->comm = c;
+#else
+    (void)c;
+    moe_comm_abort(NULL, 1, "moe_comm_sym_reserve: built without NCCL");
+#endif
+}
+
+void moe_comm_sym_free(moe_sym_buf *b) {
+#ifdef MOE_HAVE_NCCL
+    if (b->ptr)
+        moe_nccl_sym_free(b->comm->nccl, b->ptr, b->window);
+#endif
+    memset(b, 0, sizeof *b);
+}
+
+void *moe_comm_nccl(moe_comm *c) {
+#ifdef MOE_HAVE_NCCL
+    return c ? c->nccl : NULL;
+#else
+    (void)c;
+    return NULL;
+#endif
+}
+
 /* ============================================================ host control data */
 
 void moe_comm_host_all_reduce_sum(moe_comm *c, void *buf, size_t count, moe_dtype t) {

@@ -153,6 +153,52 @@ void moe_comm_recv(moe_comm *c, void *buf, size_t count, moe_dtype t, int peer);
 /** @brief Wait for every rank of the group. @param c group */
 void moe_comm_barrier(moe_comm *c);
 
+/* ------------------------------------- memory the GPUs of a group share (NCCL >= 2.28) */
+
+/**
+ * @brief A buffer of the same size on every rank of a group that GPU kernels of any rank
+ *        can load from and store to (NCCL symmetric memory: ncclMemAlloc and a window
+ *        registered with NCCL_WIN_COLL_SYMMETRIC). Kernels find a peer's copy through the
+ *        window (ncclGetLsaPointer). Chapter 02's fused dispatcher writes tokens straight
+ *        into the expert-side buffers of other GPUs and reads their outputs back.
+ */
+typedef struct moe_sym_buf {
+    void *ptr;      /**< this rank's copy (device memory), or NULL */
+    void *window;   /**< the NCCL window (ncclWindow_t) */
+    size_t bytes;   /**< its size, the same on every rank */
+    moe_comm *comm; /**< the group it was registered with */
+} moe_sym_buf;
+
+/** CTAs of every kernel that synchronises through the device communicator (one LSA barrier
+ *  each). */
+#define MOE_COMM_PEER_CTAS 264
+
+/**
+ * @brief Whether every rank of the group can reach every other rank's GPU memory by
+ *        load/store (one NVLink domain, or PCIe peer-to-peer), with NCCL's device API
+ *        usable: NCCL >= 2.28 with headers matching the library that runs. Collective
+ *        (creates the device communicator); every rank gets the same answer.
+ * @param c group  @param why receives the reason when the answer is 0  @param why_len its size
+ * @return 1 or 0 (always 0 for CPU ranks and builds without NCCL)
+ */
+int moe_comm_peer_access(moe_comm *c, char *why, size_t why_len);
+
+/**
+ * @brief Make @p b at least @p bytes (grow-only; the contents are lost when it grows).
+ *        Collective: every rank of the group calls it with the same @p bytes, in the same
+ *        order as its other symmetric-buffer calls. Needs moe_comm_peer_access() == 1.
+ * @param c group  @param b buffer (zero-initialised before the first call)  @param bytes size
+ */
+void moe_comm_sym_reserve(moe_comm *c, moe_sym_buf *b, size_t bytes);
+
+/** @brief Free a symmetric buffer (collective; no-op when it was never allocated).
+ *  @param b buffer */
+void moe_comm_sym_free(moe_sym_buf *b);
+
+/** @brief The NCCL side of a group (moe_nccl_comm *, for kernels/dispatch_nvlink.cu), or NULL
+ *  on CPU ranks. @param c group @return the handle */
+void *moe_comm_nccl(moe_comm *c);
+
 /* ------------------------------------------------ host control data (always MPI) */
 
 /** @brief Host in-place sum (F64, I64, I32, F32). @param c group @param buf data @param count n @param t type */

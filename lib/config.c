@@ -68,6 +68,11 @@ static const moe_flag g_flags[] = {
       "the number of ranks", NULL, G_MOE),
     F("moe-token-dispatcher-type", MOE_FLAG_CHOICE, moe_token_dispatcher_type, "alltoall",
       "how tokens reach experts on other ranks", "alltoall|allgather", G_MOE),
+    F("moe-alltoall-path", MOE_FLAG_CHOICE, moe_alltoall_path, "auto",
+      "how the alltoall dispatcher moves rows: collective = permute, all-to-all-v (NCCL/MPI), "
+      "unpermute; fused = one kernel stores each token into its experts' GPUs and one loads "
+      "them back (GPUs in one NVLink domain, NCCL >= 2.28 device API); auto = fused where "
+      "possible", "auto|collective|fused", G_MOE),
     F("moe-expert-capacity-factor", MOE_FLAG_DOUBLE, moe_expert_capacity_factor, "0",
       "capacity = ceil(tokens*k/E * factor) per expert; extra tokens are dropped (0 = dropless)",
       NULL, G_MOE),
@@ -391,6 +396,10 @@ moe_status moe_config_validate(moe_config *c, moe_error *err) {
                   !strcmp(c->moe_token_dispatcher_type, "allgather")),
                 "--moe-pad-expert-input-to-capacity applies to the alltoall dispatcher only "
                 "(the allgather dispatcher has no per-expert sends to pad)");
+        REQUIRE(strcmp(c->moe_alltoall_path, "fused") || c->hidden_size % 8 == 0,
+                "--moe-alltoall-path fused moves rows of 16 bytes: --hidden-size must be a "
+                "multiple of 8 (got %d); use --moe-alltoall-path collective",
+                c->hidden_size);
         c->drop_by_position = !strcmp(c->moe_token_drop_policy, "position");
         REQUIRE(strcmp(c->moe_expert_backend, "grouped") || moe_config_grouped_kernel_fits(c),
                 "--moe-expert-backend grouped needs --hidden-size and --moe-ffn-hidden-size "

@@ -79,6 +79,7 @@ typedef struct moe_config {
     /* ---- expert parallelism (chapter 02) */
     int expert_model_parallel_size;        /**< --expert-model-parallel-size */
     char moe_token_dispatcher_type[MOE_FLAG_STR_LEN]; /**< --moe-token-dispatcher-type */
+    char moe_alltoall_path[MOE_FLAG_STR_LEN];         /**< --moe-alltoall-path */
     double moe_expert_capacity_factor;     /**< --moe-expert-capacity-factor (0 = dropless) */
     char moe_token_drop_policy[MOE_FLAG_STR_LEN]; /**< --moe-token-drop-policy */
     int moe_pad_expert_input_to_capacity;  /**< --moe-pad-expert-input-to-capacity */

@@ -1,6 +1,7 @@
 /* The all-to-all token dispatcher and capacity: see dispatcher.h. */
 #include "dispatcher.h"
 
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -112,6 +113,43 @@ void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long lon
         plan->R_recv += (int)plan->recv_rows[p];
     }
 
+    /* the fused path: each expert's shift from my permuted rows to its rows on its rank,
+     * and the largest rank's row count (the symmetric buffers are the same size on all) */
+    plan->fused = ep->fused && ep->comm && !pad_capacity;
+    if (plan->fused) {
+        plan->max_recv = 0;
+        for (int q = 0; q < P; q++) {
+            long long r = 0;
+            for (int p = 0; p < P; p++)
+                for (int el = 0; el < EL; el++)
+                    r += all[(size_t)p * E + q * EL + el];
+            if (r > plan->max_recv)
+                plan->max_recv = (int)r;
+        }
+        int *h_shift = malloc(sizeof(int) * E);
+        MOE_ASSERT(h_shift);
+        long long perm_off = 0;
+        for (int e = 0; e < E; e++) {
+            const int q = e / EL, el = e % EL;
+            long long base = 0; /* q's earlier local experts, then earlier ranks' rows for e */
+            for (int l = 0; l < el; l++)
+                for (int p = 0; p < P; p++)
+                    base += all[(size_t)p * E + q * EL + l];
+            for (int p = 0; p < rank; p++)
+                base += all[(size_t)p * E + e];
+            h_shift[e] = (int)(base - perm_off);
+            perm_off += counts[e];
+        }
+        if (E > plan->shift_cap) {
+            be->free(plan->shift);
+            plan->shift = be->alloc(sizeof(int) * E);
+            MOE_ASSERT(plan->shift);
+            plan->shift_cap = E;
+        }
+        be->from_host(plan->shift, h_shift, sizeof(int) * E);
+        free(h_shift);
+    }
+
     /* host maps */
     int rows = plan->R_send > plan->R_recv ? plan->R_send : plan->R_recv;
     if (plan->R_kept > rows)
@@ -161,7 +199,7 @@ void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long lon
             plan->recv_chunks[p * EL + el] =
                 (moe_comm_chunk){(size_t)exp_off[p * EL + el],
                                  (size_t)all[(size_t)p * E + rank * EL + el], p};
-    for (int p = 0; p < P; p++)
+    for (int p = 0; p < P && !plan->fused; p++) /* the fused path needs no maps */
         for (int el = 0; el < EL; el++) {
             int n = (int)all[(size_t)p * E + rank * EL + el];
             for (int i = 0; i < n; i++) {
@@ -190,8 +228,10 @@ void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long lon
         be->from_host(plan->send_map, h_send, sizeof(int) * plan->R_send);
         be->from_host(plan->unpad_map, h_unpad, sizeof(int) * plan->R_kept);
     }
-    be->from_host(plan->sort_map, h_sort, sizeof(int) * plan->R_recv);
-    be->from_host(plan->unsort_map, h_unsort, sizeof(int) * plan->R_recv);
+    if (!plan->fused) {
+        be->from_host(plan->sort_map, h_sort, sizeof(int) * plan->R_recv);
+        be->from_host(plan->unsort_map, h_unsort, sizeof(int) * plan->R_recv);
+    }
     free(h_send); free(h_unpad); free(h_sort); free(h_unsort); free(recv_off); free(exp_off);
     free(mine); free(all);
 }
@@ -205,12 +245,53 @@ void moe_dispatch_plan_free(moe_ep *ep, moe_dispatch_plan *plan) {
     be->free(plan->unpad_map);
     be->free(plan->sort_map);
     be->free(plan->unsort_map);
+    be->free(plan->shift);
     free(plan->send_rows);
     free(plan->recv_rows);
     free(plan->expert_offset);
     free(plan->send_chunks);
     free(plan->recv_chunks);
     memset(plan, 0, sizeof *plan);
+}
+
+/* ------------------------------------------------------------ the fused path */
+
+void *moe_dispatch_sym_rows(moe_ep *ep, const moe_dispatch_plan *plan, moe_sym_buf *b,
+                            size_t row_bytes) {
+    const size_t need = row_bytes * ((size_t)plan->max_recv + 1);
+    /* a quarter of headroom: the largest rank's rows move a little every step, and each
+     * growth is a collective registration */
+    if (!b->ptr || b->bytes < need)
+        moe_comm_sym_reserve(ep->comm, b, need + need / 4);
+    return b->ptr;
+}
+
+void moe_dispatch_fused(moe_ep *ep, const moe_dispatch_plan *plan, moe_sym_buf *rows,
+                        moe_sym_buf *reals, const void *x, const moe_real *w, const int *idx,
+                        const int *row_of, int N, int k, int C) {
+    MOE_ASSERT(plan->fused);
+#if defined(MOE_HAVE_NCCL) && !defined(MOE_REAL_DOUBLE)
+    moe_nvlink_dispatch(ep->comm, rows, reals, x, w, idx, row_of, plan->shift, N, k, plan->E,
+                        plan->E_local, C);
+#else
+    (void)ep; (void)rows; (void)reals; (void)x; (void)w; (void)idx; (void)row_of; (void)N;
+    (void)k; (void)C;
+    moe_comm_abort(NULL, 1, "the fused dispatcher needs a CUDA + NCCL build");
+#endif
+}
+
+void moe_combine_fused(moe_ep *ep, const moe_dispatch_plan *plan, void *out, int accumulate,
+                       moe_real *dwp, moe_sym_buf *rows, moe_sym_buf *reals, const int *idx,
+                       const int *row_of, int N, int k, int C) {
+    MOE_ASSERT(plan->fused);
+#if defined(MOE_HAVE_NCCL) && !defined(MOE_REAL_DOUBLE)
+    moe_nvlink_combine(ep->comm, out, accumulate, dwp, rows, reals, idx, row_of, plan->shift, N,
+                       k, plan->E, plan->E_local, C);
+#else
+    (void)ep; (void)out; (void)accumulate; (void)dwp; (void)rows; (void)reals; (void)idx;
+    (void)row_of; (void)N; (void)k; (void)C;
+    moe_comm_abort(NULL, 1, "the fused dispatcher needs a CUDA + NCCL build");
+#endif
 }
 
 void moe_ep_free(moe_ep *ep) {

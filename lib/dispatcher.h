@@ -28,6 +28,16 @@
  * --moe-pad-expert-input-to-capacity every expert receives exactly capacity rows from
  * every rank (zero rows fill the gap), so every split is static.
  *
+ * The fused path (--moe-alltoall-path fused; auto picks it where it can): when the GPUs of
+ * the group can load from and store to each other's memory (NVLink; NCCL's device API),
+ * steps 1 and 3–4 become ONE kernel and step 5 another (kernels/dispatch_nvlink.cu): each
+ * token row is read once and stored straight into its experts' rows on their GPUs, and
+ * each token's output is the sum of its k expert rows loaded from wherever they are. The
+ * permuted copies of the collective path (permute_tokens, the send and receive buffers,
+ * unpermute's input) never exist. The expert-side buffers are then symmetric memory,
+ * sized for the largest rank's R_recv; the plan gives each expert the shift from this
+ * rank's permuted rows to their rows on the expert's rank.
+ *
  * The allgather dispatcher (--moe-token-dispatcher-type allgather, lib/moe_layer.c) is the
  * simpler alternative: all-gather every rank's tokens and routing, let each rank's
  * experts pick their rows out of the whole gathered batch, and reduce-scatter the partial
@@ -42,6 +52,7 @@
 
 #include "backend.h"
 #include "comm.h"
+#include "dispatch_nvlink.h"
 
 /** The expert-parallel context shared by the MoE layers of a model. */
 typedef struct moe_ep {
@@ -56,6 +67,8 @@ typedef struct moe_ep {
     void *ag_buf;          /**< allgather dispatcher: the partial outputs of every rank's tokens */
     size_t ag_cap;         /**< its size in bytes */
     int allgather;         /**< 1: the allgather dispatcher instead of all-to-all */
+    int fused;             /**< 1: the all-to-all goes through the fused kernels (needs
+                                moe_comm_peer_access() on comm) */
 } moe_ep;
 
 /** How one layer's tokens travel in this forward (saved for its backward). */
@@ -83,6 +96,11 @@ typedef struct moe_dispatch_plan {
     int *ag_inv;          /**< backend [EP·N·k]: gathered assignment → expert-side row, or −1 */
     int *ag_identity;     /**< backend [EP·N·k]: a → a (combine k rows per gathered token) */
     int ag_cap;           /**< allocated entries of the three */
+    /* the fused path */
+    int fused;            /**< 1: this layer moves rows with the fused kernels */
+    int max_recv;         /**< the largest R_recv of any rank (sizes the symmetric buffers) */
+    int *shift;           /**< backend [E]: row on the expert's rank − permuted row, per expert */
+    int shift_cap;        /**< allocated entries of shift */
 } moe_dispatch_plan;
 
 /**
@@ -142,6 +160,41 @@ void moe_combine_rows(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, cons
  *  @param ep context @param plan plan @param dst [R_kept] @param src [R_recv] */
 void moe_combine_reals(moe_ep *ep, const moe_dispatch_plan *plan, moe_real *dst,
                        const moe_real *src);
+
+/**
+ * @brief The fused path's expert-side buffer for rows of @p row_bytes: grown (collectively)
+ *        to hold the largest rank's rows of this plan.
+ * @param ep context (ep->fused) @param plan plan (fused) @param b symmetric buffer
+ * @param row_bytes bytes per row @return b->ptr
+ */
+void *moe_dispatch_sym_rows(moe_ep *ep, const moe_dispatch_plan *plan, moe_sym_buf *b,
+                            size_t row_bytes);
+
+/**
+ * @brief Fused tokens to experts: token rows @p x [N, C] (and weights @p w) land in the
+ *        expert-side buffers of their experts' ranks, in the layout of moe_dispatch_rows.
+ *        Replaces permute_tokens + moe_dispatch_rows (+ the weights).
+ * @param ep context @param plan plan (fused) @param rows destination rows (symmetric)
+ * @param reals destination weights (symmetric) or NULL @param x [N, C] @param w [N·k] or NULL
+ * @param idx [N·k] backend: expert per assignment (E: dropped) @param row_of [N·k] backend:
+ *        permuted row per assignment @param N tokens @param k top-k @param C width
+ */
+void moe_dispatch_fused(moe_ep *ep, const moe_dispatch_plan *plan, moe_sym_buf *rows,
+                        moe_sym_buf *reals, const void *x, const moe_real *w, const int *idx,
+                        const int *row_of, int N, int k, int C);
+
+/**
+ * @brief Fused experts to tokens: out[n] (+)= Σ_j of token n's expert rows, and
+ *        dwp[row_of[a]] = the expert-side value of assignment a (0 if dropped). Replaces
+ *        moe_combine_rows + unpermute_sum (+ moe_combine_reals).
+ * @param ep context @param plan plan (fused) @param out [N, C] @param accumulate 1: add to
+ *        out @param dwp [N·k] or NULL @param rows expert-side rows (symmetric)
+ * @param reals expert-side values (symmetric) or NULL @param idx @param row_of as for
+ *        moe_dispatch_fused @param N tokens @param k top-k @param C width
+ */
+void moe_combine_fused(moe_ep *ep, const moe_dispatch_plan *plan, void *out, int accumulate,
+                       moe_real *dwp, moe_sym_buf *rows, moe_sym_buf *reals, const int *idx,
+                       const int *row_of, int N, int k, int C);
 
 /**
  * @brief A grow-only backend buffer: returns @p p when *cap ≥ bytes, else frees it and

@@ -55,9 +55,16 @@ void moe_moe_acts_free(const moe_backend *be, moe_moe_acts *a) {
     free(a->host_idx);
     free(a->host_w);
     be->free(a->plan.send_map); be->free(a->plan.unpad_map);
-    be->free(a->plan.sort_map); be->free(a->plan.unsort_map);
+    be->free(a->plan.sort_map); be->free(a->plan.unsort_map); be->free(a->plan.shift);
     free(a->plan.send_rows); free(a->plan.recv_rows); free(a->plan.expert_offset);
+    free(a->plan.send_chunks); free(a->plan.recv_chunks);
     be->free(a->plan.ag_tok); be->free(a->plan.ag_inv); be->free(a->plan.ag_identity);
+    if (a->xe_sym.ptr) { /* the fused dispatcher's buffers are not the backend's */
+        moe_comm_sym_free(&a->xe_sym);
+        moe_comm_sym_free(&a->we_sym);
+        a->xe = NULL;
+        a->we = NULL;
+    }
     be->free(a->xe); be->free(a->we); be->free(a->gue); be->free(a->acte);
     memset(a, 0, sizeof *a);
 }
@@ -79,6 +86,13 @@ void moe_moe_workspace_alloc(const moe_backend *be, moe_moe_workspace *w, const 
 void moe_moe_workspace_free(const moe_backend *be, moe_moe_workspace *w) {
     be->free(w->yp); be->free(w->dyp); be->free(w->dxp); be->free(w->dwp); be->free(w->dtopk_w);
     be->free(w->dlogits); be->free(w->dh); be->free(w->dgu);
+    if (w->ye_sym.ptr) { /* the fused dispatcher's buffers are not the backend's */
+        moe_comm_sym_free(&w->ye_sym);
+        moe_comm_sym_free(&w->dye_sym);
+        moe_comm_sym_free(&w->dwe_sym);
+        w->ye = w->dye = NULL;
+        w->dwe = NULL;
+    }
     be->free(w->ye); be->free(w->dye); be->free(w->dwe); be->free(w->edh); be->free(w->edgu);
     memset(w, 0, sizeof *w);
 }
@@ -149,20 +163,35 @@ static void *regrow(const moe_backend *be, void *p, size_t bytes) {
     return p;
 }
 
+/* rows: this rank's expert-side rows + 1. With the fused dispatcher (pl->fused) the
+ * buffers that peers store into or load from are symmetric memory sized for the largest
+ * rank (collective: every rank grows them at the same call); the rest stay local. */
 static void ensure_expert_rows(const moe_backend *be, moe_moe_acts *a, moe_moe_workspace *ws,
-                               const moe_moe_dims *d, size_t rows) {
+                               const moe_moe_dims *d, const moe_dispatch_plan *pl, size_t rows) {
     const size_t S = be->act_size, H = d->H, F = d->F;
+    const int fused = pl && pl->fused;
+    if (fused) {
+        a->xe = moe_dispatch_sym_rows(d->ep, pl, &a->xe_sym, S * H);
+        a->we = moe_dispatch_sym_rows(d->ep, pl, &a->we_sym, R);
+        ws->ye = moe_dispatch_sym_rows(d->ep, pl, &ws->ye_sym, S * H);
+        ws->dye = moe_dispatch_sym_rows(d->ep, pl, &ws->dye_sym, S * H);
+        ws->dwe = moe_dispatch_sym_rows(d->ep, pl, &ws->dwe_sym, R);
+    }
     if (rows > a->e_rows) {
-        a->xe = regrow(be, a->xe, S * rows * H);
-        a->we = regrow(be, a->we, R * rows);
+        if (!fused) {
+            a->xe = regrow(be, a->xe, S * rows * H);
+            a->we = regrow(be, a->we, R * rows);
+        }
         a->gue = regrow(be, a->gue, S * rows * 2 * F);
         a->acte = regrow(be, a->acte, S * rows * F);
         a->e_rows = rows;
     }
     if (rows > ws->e_rows) {
-        ws->ye = regrow(be, ws->ye, S * rows * H);
-        ws->dye = regrow(be, ws->dye, S * rows * H);
-        ws->dwe = regrow(be, ws->dwe, R * rows);
+        if (!fused) {
+            ws->ye = regrow(be, ws->ye, S * rows * H);
+            ws->dye = regrow(be, ws->dye, S * rows * H);
+            ws->dwe = regrow(be, ws->dwe, R * rows);
+        }
         ws->edh = regrow(be, ws->edh, S * rows * F);
         ws->edgu = regrow(be, ws->edgu, S * rows * 2 * F);
         ws->e_rows = rows;
@@ -248,7 +277,7 @@ static void forward_allgather(const moe_backend *be, void *out, const void *x,
     be->from_host(pl->ag_tok, tok, sizeof(int) * rows);
     be->from_host(pl->ag_inv, inv, sizeof(int) * GNK);
     be->from_host(pl->ag_identity, ident, sizeof(int) * GNK);
-    ensure_expert_rows(be, a, ws, d, (size_t)rows + 1);
+    ensure_expert_rows(be, a, ws, d, NULL, (size_t)rows + 1);
     be->from_host(a->we, we, R * rows);
 
     /* every rank's tokens; this rank's experts take their rows */
@@ -278,7 +307,7 @@ static void backward_allgather(const moe_backend *be, void *dx, const moe_moe_gr
     const int rows = pl->R_recv;
     const moe_dtype t = be->act_size == 2 ? MOE_DTYPE_BF16 : be->act_size == 4 ? MOE_DTYPE_F32
                                                                              : MOE_DTYPE_F64;
-    ensure_expert_rows(be, (moe_moe_acts *)a, ws, d, (size_t)rows + 1);
+    ensure_expert_rows(be, (moe_moe_acts *)a, ws, d, NULL, (size_t)rows + 1);
     /* the combine was a sum: each expert row gets its token's output gradient */
     ep->send_buf = moe_grow(be, ep->send_buf, &ep->send_cap, be->act_size * (size_t)P * N * H);
     moe_comm_all_gather(ep->comm, dout, ep->send_buf, (size_t)N * H, t);
@@ -326,22 +355,36 @@ static void forward_dispatch(const moe_backend *be, void *out, const void *x,
     be->permute_index(a->perm_src, a->row_of, off, NULL, NULL, a->dispatch_idx, N, k, E + 1);
     for (int e = 0; e < E; e++)
         kept[e] = off[e + 1] - off[e];
-    be->permute_tokens(a->xp, x, a->perm_src, NK, k, H);
-    be->permute_weights(a->wp, a->topk_w, a->perm_src, NK);
+    moe_dispatch_plan *pl = &a->plan;
+    moe_dispatch_plan_build(ep, pl, kept, E, d->pad_to_capacity ? cap : 0);
+    ensure_expert_rows(be, a, ws, d, pl, (size_t)pl->R_recv + 1);
 
-    /* to the experts, through them, and back */
-    moe_dispatch_plan_build(ep, &a->plan, kept, E, d->pad_to_capacity ? cap : 0);
-    ensure_expert_rows(be, a, ws, d, (size_t)a->plan.R_recv + 1);
-    moe_dispatch_rows(ep, &a->plan, a->xe, a->xp, H);
-    moe_dispatch_reals(ep, &a->plan, a->we, a->wp);
+    /* to the experts: permuted copies through the collective, or the fused kernel that
+     * stores each token straight into its experts' rows */
+    if (pl->fused) {
+        moe_dispatch_fused(ep, pl, &a->xe_sym, &a->we_sym, x, a->topk_w, a->dispatch_idx,
+                           a->row_of, N, k, H);
+    } else {
+        be->permute_tokens(a->xp, x, a->perm_src, NK, k, H);
+        be->permute_weights(a->wp, a->topk_w, a->perm_src, NK);
+        moe_dispatch_rows(ep, pl, a->xe, a->xp, H);
+        moe_dispatch_reals(ep, pl, a->we, a->wp);
+    }
     moe_prof_mark(MOE_PROF_OTHER);
-    const moe_groups grp = expert_groups(be, d, a, a->plan.expert_offset, EL, 1);
+    const moe_groups grp = expert_groups(be, d, a, pl->expert_offset, EL, 1);
     experts_forward(be, ws->ye, a->gue, a->acte, a->xe, a->we, w->fc1, w->fc2, &grp, H, F);
-    moe_combine_rows(ep, &a->plan, ws->yp, ws->ye, H);
-    const int R_kept = a->plan.R_kept;
-    be->zero(A(ws->yp, (size_t)R_kept * H), be->act_size * (size_t)(NK - R_kept) * H);
-    be->zero(out, be->act_size * (size_t)N * H);
-    be->unpermute_sum(out, ws->yp, a->row_of, N, k, H);
+
+    /* and back: out[n] = Σ_j expert output of (n, j) */
+    if (pl->fused) {
+        moe_combine_fused(ep, pl, out, 0, NULL, &ws->ye_sym, NULL, a->dispatch_idx, a->row_of,
+                          N, k, H);
+    } else {
+        moe_combine_rows(ep, pl, ws->yp, ws->ye, H);
+        const int R_kept = pl->R_kept;
+        be->zero(A(ws->yp, (size_t)R_kept * H), be->act_size * (size_t)(NK - R_kept) * H);
+        be->zero(out, be->act_size * (size_t)N * H);
+        be->unpermute_sum(out, ws->yp, a->row_of, N, k, H);
+    }
     if (ep == &local)
         moe_ep_free(&local);
     free(didx);
@@ -357,10 +400,16 @@ static void backward_dispatch(const moe_backend *be, void *dx, const moe_moe_gra
     moe_ep *ep = d->ep ? d->ep : &local;
     const int EL = E / (ep->comm ? ep->size : 1), R_recv = a->plan.R_recv, R_kept = a->plan.R_kept;
     moe_moe_acts *am = (moe_moe_acts *)a; /* ensure_expert_rows never shrinks: a's data stays */
-    ensure_expert_rows(be, am, ws, d, (size_t)R_recv + 1);
+    const moe_dispatch_plan *pl = &a->plan;
+    ensure_expert_rows(be, am, ws, d, pl, (size_t)R_recv + 1);
     /* output gradients travel like tokens */
-    be->permute_tokens(ws->dyp, dout, a->perm_src, NK, k, H);
-    moe_dispatch_rows(ep, &a->plan, ws->dye, ws->dyp, H);
+    if (pl->fused) {
+        moe_dispatch_fused(ep, pl, &ws->dye_sym, NULL, dout, NULL, a->dispatch_idx, a->row_of, N,
+                           k, H);
+    } else {
+        be->permute_tokens(ws->dyp, dout, a->perm_src, NK, k, H);
+        moe_dispatch_rows(ep, pl, ws->dye, ws->dyp, H);
+    }
     if (d->experts == MOE_EXPERTS_LOOP) /* the grouped paths overwrite it */
         be->zero(ws->ye, be->act_size * (size_t)R_recv * H);
     be->zero(ws->dwe, R * (size_t)R_recv);
@@ -368,10 +417,17 @@ static void backward_dispatch(const moe_backend *be, void *dx, const moe_moe_gra
     const moe_groups grp = expert_groups(be, d, am, a->plan.expert_offset, EL, 0);
     experts_backward(be, ws->ye, g->fc1, g->fc2, ws->dwe, ws->dye, a->xe, a->gue, a->acte, a->we,
                      w->fc1, w->fc2, ws->edh, ws->edgu, &grp, H, F);
-    /* input and routing-weight gradients come back like outputs */
-    moe_combine_rows(ep, &a->plan, ws->dxp, ws->ye, H);
+    /* input and routing-weight gradients come back like outputs: the fused kernel sums
+     * each token's rows into dx itself; the collective path leaves them permuted in dxp
+     * for moe_moe_backward's unpermute */
+    if (pl->fused) {
+        moe_combine_fused(ep, pl, dx, 1, ws->dwp, &ws->ye_sym, &ws->dwe_sym, a->dispatch_idx,
+                          a->row_of, N, k, H);
+        return;
+    }
+    moe_combine_rows(ep, pl, ws->dxp, ws->ye, H);
     be->zero(A(ws->dxp, (size_t)R_kept * H), be->act_size * (size_t)(NK - R_kept) * H);
-    moe_combine_reals(ep, &a->plan, ws->dwp, ws->dwe);
+    moe_combine_reals(ep, pl, ws->dwp, ws->dwe);
     be->zero(ws->dwp + R_kept, R * (size_t)(NK - R_kept));
     if (ep == &local)
         moe_ep_free(&local);
@@ -460,9 +516,11 @@ void moe_moe_backward(const moe_backend *be, void *dx, const moe_moe_grads *g, c
                          a->wp, w->fc1, w->fc2, ws->dh, ws->dgu, &grp, H, F);
     }
 
-    /* 3⁻¹. back to token order: inputs and routing weights */
+    /* 3⁻¹. back to token order: inputs (the fused dispatcher summed them into dx already)
+     * and routing weights */
     if (!(d->ep && d->ep->allgather)) {
-        be->unpermute_sum(dx, ws->dxp, a->row_of, N, k, H);
+        if (!a->plan.fused)
+            be->unpermute_sum(dx, ws->dxp, a->row_of, N, k, H);
         be->zero(ws->dtopk_w, R * NK);
         be->unpermute_weights(ws->dtopk_w, ws->dwp, a->row_of, N, k);
         moe_prof_mark(MOE_PROF_UNPERMUTE);

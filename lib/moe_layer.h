@@ -99,6 +99,8 @@ typedef struct moe_moe_acts {
     moe_real *we;         /**< [e_rows] their routing weights */
     void *gue;            /**< [e_rows,2F] expert fc1 outputs */
     void *acte;           /**< [e_rows,F] expert SwiGLU outputs × routing weight */
+    moe_sym_buf xe_sym;   /**< the fused dispatcher: xe in memory the EP group shares */
+    moe_sym_buf we_sym;   /**< the fused dispatcher: we, likewise */
 } moe_moe_acts;
 
 /** Scratch shared by all MoE layers (only one runs at a time). */
@@ -117,6 +119,9 @@ typedef struct moe_moe_workspace {
     moe_real *dwe;      /**< [e_rows] routing-weight gradients at the experts */
     void *edh;          /**< [e_rows,F] */
     void *edgu;         /**< [e_rows,2F] */
+    moe_sym_buf ye_sym;  /**< the fused dispatcher: ye in memory the EP group shares */
+    moe_sym_buf dye_sym; /**< the fused dispatcher: dye, likewise */
+    moe_sym_buf dwe_sym; /**< the fused dispatcher: dwe, likewise */
 } moe_moe_workspace;
 
 /** @brief Allocate the saved activations for @p d. @param be backend @param a acts @param d dims */

@@ -5,7 +5,8 @@
  * built inside each rank with no communicator). Checked for the all-to-all and the
  * allgather dispatchers, dropless and with a capacity (both drop policies, with padding),
  * and with every token routed to the same two experts (one rank receives everything,
- * the others nothing).
+ * the others nothing). On GPU ranks that share memory, both paths of the alltoall
+ * dispatcher: the collective one and the fused kernels (--moe-alltoall-path).
  *
  * Bounds, fp32 on CPU ranks: the same operations in a different order (the all-reduce
  * sums per-rank partial gradients), so loss |Δ| ≤ 1e-5·|loss| and every gradient tensor
@@ -135,9 +136,27 @@ static void check_ep(const char *extra, int ep, int force) {
     moe_trainer_free(ref);
 }
 
+/* Whether these GPU ranks can take the fused path (said once; CPU ranks: never). */
+static int fused_possible(void) {
+    static int known = -1;
+    if (known < 0) {
+        char why[320];
+        known = moe_comm_peer_access(moe_test_world(), why, sizeof why);
+        if (on_gpu() && moe_comm_rank(moe_test_world()) == 0)
+            printf("  fused alltoall path: %s%s\n", known ? "tested" : "skipped: ",
+                   known ? "" : why);
+    }
+    return known;
+}
+
 START_TEST(test_ep_dropless) {
     for (int ep = 1; ep <= 4; ep *= 2) {
         check_ep("", ep, 0);
+        if (fused_possible()) { /* "" took the fused path: the collective one explicitly */
+            check_ep("--moe-alltoall-path fused", ep, 0);
+            check_ep("--moe-alltoall-path collective", ep, 0);
+            check_ep("--moe-alltoall-path collective --moe-expert-backend grouped", ep, 0);
+        }
         check_ep("--moe-token-dispatcher-type allgather", ep, 0);
         /* chapter 03's grouped expert path: offsets uploaded from the dispatch plan */
         check_ep("--moe-expert-backend grouped", ep, 0);
@@ -153,6 +172,10 @@ START_TEST(test_ep_capacity) {
         check_ep("--moe-expert-capacity-factor 1.25 --moe-pad-expert-input-to-capacity", ep, 0);
         check_ep("--moe-expert-capacity-factor 1.0 --moe-token-dispatcher-type allgather", ep, 0);
         check_ep("--moe-expert-capacity-factor 1.0 --moe-expert-backend grouped", ep, 0);
+        if (fused_possible()) {
+            check_ep("--moe-expert-capacity-factor 1.0 --moe-alltoall-path fused", ep, 0);
+            check_ep("--moe-expert-capacity-factor 1.0 --moe-alltoall-path collective", ep, 0);
+        }
     }
 }
 END_TEST
@@ -172,6 +195,11 @@ START_TEST(test_ep_all_tokens_to_two_experts) {
     snprintf(buf, sizeof buf, "%s --moe-expert-capacity-factor 1.0", sig);
     for (int ep = 1; ep <= 4; ep *= 2)
         check_ep(buf, ep, 1);
+    if (fused_possible()) {
+        snprintf(buf, sizeof buf, "%s --moe-router-topk 1 --moe-alltoall-path collective", sig);
+        for (int ep = 1; ep <= 4; ep *= 2)
+            check_ep(buf, ep, 1);
+    }
 }
 END_TEST
 
@@ -236,6 +264,18 @@ START_TEST(test_ep_errors) {
         s = moe_trainer_create_dist(&t, &c, world, &err);
         ck_assert_msg(s == MOE_ERR_CONFIG && strstr(err.msg, "--global-batch-size"), "%s",
                       err.msg);
+    }
+    /* the fused path where the ranks share no memory */
+    if (W > 1 && !fused_possible()) {
+        snprintf(flags, sizeof flags,
+                 EP_SMALL "--global-batch-size %d --expert-model-parallel-size %d "
+                          "--moe-alltoall-path fused",
+                 2 * W, W);
+        ck_assert_int_eq(moe_test_config(&c, flags, &err), MOE_OK);
+        s = moe_trainer_create_dist(&t, &c, world, &err);
+        ck_assert_msg(s == MOE_ERR_CONFIG && strstr(err.msg, "--moe-alltoall-path fused") &&
+                          strstr(err.msg, "collective"),
+                      "%s", err.msg);
     }
     ck_assert(t == NULL);
 }

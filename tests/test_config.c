@@ -346,6 +346,8 @@ START_TEST(test_val_sizes) {
                         "--num-attention-heads", "6", "--moe-expert-backend", "grouped");
     EXPECT_CONFIG_ERROR("--moe-expert-backend grouped", "cublas-grouped", "--num-experts", "1000",
                         "--moe-expert-backend", "grouped");
+    EXPECT_CONFIG_ERROR("--moe-alltoall-path fused", "multiple of 8", "--hidden-size", "132",
+                        "--num-attention-heads", "6", "--moe-alltoall-path", "fused");
     EXPECT_CONFIG_ERROR("--train-iters", "got -1", "--train-iters", "-1");
     EXPECT_CONFIG_ERROR("--lr-warmup-iters", "got -1", "--lr-warmup-iters", "-1");
     EXPECT_CONFIG_ERROR("--lr-decay-iters", "got -5", "--lr-decay-iters", "-5");

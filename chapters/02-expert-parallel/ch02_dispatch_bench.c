@@ -10,6 +10,11 @@
  * baseline, measured in the same run, is one all-to-all of the same number of bytes with
  * equal splits (what NCCL/MPI can do with no bookkeeping at all), forward and back.
  *
+ * Two paths of the same dispatcher are timed: the collective one (permute_tokens, the
+ * NCCL/MPI exchange, unpermute) and, where the GPUs share memory (NVLink), the fused one
+ * (one kernel stores each token into its experts' GPUs, one loads and sums them back:
+ * --moe-alltoall-path fused in the trainer).
+ *
  * Bandwidth is bytes leaving this rank for other ranks / time, per direction, averaged
  * over dispatch and combine. CUDA events (GPU) or the clock (CPU), warm-up, median of
  * repeats, after a barrier.
@@ -50,6 +55,24 @@ static double timed_ms(const moe_backend *be, moe_comm *world, double *ms, int n
     return moe_comm_host_max(world, moe_median(ms, n));
 }
 
+/* Every token must come back exactly k times (x·k, to bf16 rounding); else end the job. */
+static void check_round_trip(const moe_backend *be, moe_comm *world, moe_real *oh,
+                             const moe_real *xr, const void *out, size_t n, int k,
+                             const char *path) {
+    be->read_act(oh, out, n);
+    double worst = 0;
+    for (size_t i = 0; i < n; i++)
+        worst = fmax(worst, fabs(oh[i] - k * xr[i]) / fmax(fabs(k * xr[i]), 1.0));
+    if (worst > 2e-2) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "round trip through the %s dispatcher is wrong (err %.3g)", path,
+                 worst);
+        moe_comm_abort(world, 1, msg);
+    }
+}
+
+static char last_stages[512];
+
 int main(int argc, char **argv) {
     opts o;
     moe_error err;
@@ -88,10 +111,16 @@ int main(int argc, char **argv) {
         printf("H=%d, E=%d (%d per rank), top-%d, uniform routing; bytes = rows leaving each rank "
                "x H x %zu B; median of %d, slowest rank\n\n",
                H, E, o.experts_per_rank, k, be->act_size, o.repeats);
-        printf("| tokens/rank | MB out/rank | raw a2a ms | raw GB/s | dispatch+combine ms | GB/s "
-               "| of raw |\n|---|---|---|---|---|---|---|\n");
     }
     moe_ep ep = {.comm = P > 1 ? world : NULL, .size = P, .rank = rank, .be = be};
+    char why[320] = "one rank";
+    const int fused = P > 1 && k <= MOE_FUSED_MAX_TOPK && moe_comm_peer_access(world, why, sizeof why);
+    if (rank == 0) {
+        if (!fused)
+            printf("fused path: not timed (%s)\n\n", why);
+        printf("| tokens/rank | MB out/rank | raw a2a ms | raw GB/s | collective ms | GB/s | of raw "
+               "| fused ms | GB/s | of raw |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    }
     const int sizes[] = {1024, 4096, 16384, 32768};
     for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
         const int T = sizes[si], NK = T * k;
@@ -122,8 +151,11 @@ int main(int argc, char **argv) {
         void *xp = be->alloc(be->act_size * (size_t)NK * H);
         void *out = be->alloc(be->act_size * (size_t)T * H);
         be->write_act(x, xh, (size_t)T * H);
-        moe_dispatch_plan plan;
+        moe_dispatch_plan plan, fplan;
         memset(&plan, 0, sizeof plan);
+        memset(&fplan, 0, sizeof fplan);
+        moe_sym_buf xs;
+        memset(&xs, 0, sizeof xs);
 
         /* one round trip through the dispatcher (no expert): must return x·k exactly */
         void *xe = NULL;
@@ -148,16 +180,42 @@ int main(int argc, char **argv) {
         }
         /* check: every token came back k times */
         moe_real *oh = malloc(sizeof(moe_real) * (size_t)T * H);
-        be->read_act(oh, out, (size_t)T * H);
         moe_real *xr = malloc(sizeof(moe_real) * (size_t)T * H);
         be->read_act(xr, x, (size_t)T * H);
-        double worst = 0;
-        for (size_t i = 0; i < (size_t)T * H; i++)
-            worst = fmax(worst, fabs(oh[i] - k * xr[i]) / fmax(fabs(k * xr[i]), 1.0));
-        if (worst > 2e-2) {
-            char msg[128];
-            snprintf(msg, sizeof msg, "round trip through the dispatcher is wrong (err %.3g)", worst);
-            moe_comm_abort(world, 1, msg);
+        check_round_trip(be, world, oh, xr, out, (size_t)T * H, k, "collective");
+
+        /* the fused path: no permuted copies, the rows go straight to the experts' GPUs */
+        double *fms = malloc(sizeof(double) * o.repeats), fstage[2] = {0};
+        for (int it = 0; fused && it < o.warmup + o.repeats; it++) {
+            moe_comm_barrier(world);
+            be->timer_begin();
+            be->permute_index(perm_src, row_of, off, NULL, counts, d_idx, T, k, E);
+            for (int e = 0; e < E; e++)
+                kept[e] = off[e + 1] - off[e];
+            ep.fused = 1;
+            moe_dispatch_plan_build(&ep, &fplan, kept, E, 0);
+            ep.fused = 0;
+            moe_dispatch_sym_rows(&ep, &fplan, &xs, be->act_size * (size_t)H);
+            moe_dispatch_fused(&ep, &fplan, &xs, NULL, x, NULL, d_idx, row_of, T, k, H);
+            moe_combine_fused(&ep, &fplan, out, 0, NULL, &xs, NULL, d_idx, row_of, T, k, H);
+            double t_ms = be->timer_end_ms();
+            if (it >= o.warmup)
+                fms[it - o.warmup] = t_ms;
+        }
+        if (fused) {
+            be->zero(out, be->act_size * (size_t)T * H);
+            moe_dispatch_fused(&ep, &fplan, &xs, NULL, x, NULL, d_idx, row_of, T, k, H);
+            moe_combine_fused(&ep, &fplan, out, 0, NULL, &xs, NULL, d_idx, row_of, T, k, H);
+            check_round_trip(be, world, oh, xr, out, (size_t)T * H, k, "fused");
+            for (int it = 0; it < o.repeats; it++) {
+                moe_comm_barrier(world);
+                be->timer_begin();
+                moe_dispatch_fused(&ep, &fplan, &xs, NULL, x, NULL, d_idx, row_of, T, k, H);
+                fstage[0] += be->timer_end_ms();
+                be->timer_begin();
+                moe_combine_fused(&ep, &fplan, out, 0, NULL, &xs, NULL, d_idx, row_of, T, k, H);
+                fstage[1] += be->timer_end_ms();
+            }
         }
         /* bytes leaving this rank: rows for experts on other ranks */
         size_t rows_out = 0;
@@ -211,23 +269,42 @@ int main(int argc, char **argv) {
             be->unpermute_sum(out, xp, row_of, T, k, H);
             stage[5] += be->timer_end_ms();
         }
-        if (rank == 0 && si + 1 == sizeof sizes / sizeof sizes[0])
-            printf("stages at %d tokens (rank 0, mean ms): permute_index %.3f, permute_tokens %.3f, "
-                   "plan %.3f, dispatch exchange %.3f, combine exchange %.3f, unpermute %.3f\n",
-                   T, stage[0] / o.repeats, stage[1] / o.repeats, stage[2] / o.repeats,
-                   stage[3] / o.repeats, stage[4] / o.repeats, stage[5] / o.repeats);
+        if (rank == 0 && si + 1 == sizeof sizes / sizeof sizes[0]) {
+            snprintf(last_stages, sizeof last_stages,
+                     "stages at %d tokens (rank 0, mean ms): permute_index %.3f, permute_tokens "
+                     "%.3f, plan %.3f, dispatch exchange %.3f, combine exchange %.3f, unpermute "
+                     "%.3f",
+                     T, stage[0] / o.repeats, stage[1] / o.repeats, stage[2] / o.repeats,
+                     stage[3] / o.repeats, stage[4] / o.repeats, stage[5] / o.repeats);
+            if (fused)
+                snprintf(last_stages + strlen(last_stages), sizeof last_stages - strlen(last_stages),
+                         "; fused dispatch %.3f, fused combine %.3f", fstage[0] / o.repeats,
+                         fstage[1] / o.repeats);
+        }
         double raw_bytes = (double)per * (P - 1) * be->act_size;
         double m_disp = timed_ms(be, world, ms, o.repeats), m_raw = timed_ms(be, world, raw, o.repeats);
         double gbs = 2 * bytes / (m_disp * 1e-3) / 1e9, raw_gbs = 2 * raw_bytes / (m_raw * 1e-3) / 1e9;
-        if (rank == 0)
-            printf("| %11d | %11.1f | %10.3f | %8.1f | %19.3f | %6.1f | %5.0f%% |\n", T,
-                   bytes / 1e6, m_raw, raw_gbs, m_disp, gbs, P > 1 ? 100 * gbs / raw_gbs : 0.0);
+        double m_f = fused ? timed_ms(be, world, fms, o.repeats) : 0;
+        double fgbs = fused ? 2 * bytes / (m_f * 1e-3) / 1e9 : 0;
+        if (rank == 0) {
+            printf("| %11d | %11.1f | %10.3f | %8.1f | %13.3f | %6.1f | %5.0f%% |", T, bytes / 1e6,
+                   m_raw, raw_gbs, m_disp, gbs, P > 1 ? 100 * gbs / raw_gbs : 0.0);
+            if (fused)
+                printf(" %8.3f | %6.1f | %5.0f%% |\n", m_f, fgbs, 100 * fgbs / raw_gbs);
+            else
+                printf("      n/a |    n/a |    n/a |\n");
+        }
+        free(fms);
+        moe_comm_sym_free(&xs);
+        moe_dispatch_plan_free(&ep, &fplan);
         moe_dispatch_plan_free(&ep, &plan);
         be->free(d_idx); be->free(perm_src); be->free(row_of); be->free(x); be->free(xp);
         be->free(out); be->free(xe);
         free(idx); free(off); free(counts); free(kept); free(xh); free(oh); free(xr); free(ms); free(raw);
         free(cnt);
     }
+    if (rank == 0)
+        printf("\n%s\n", last_stages);
     moe_ep_free(&ep);
     moe_comm_finalize(world);
     return 0;
