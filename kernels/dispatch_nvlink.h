@@ -39,8 +39,9 @@ void moe_nvlink_dispatch(moe_comm *c, const moe_sym_buf *rows, const moe_sym_buf
  *        dwp[row_of[a]] = reals[row of a] (0 when dropped) when @p reals is not NULL.
  * @param c EP group @param out [N, C] @param accumulate 1: add to out, 0: overwrite
  * @param dwp [N·k] permuted-layout values, or NULL @param rows expert-side rows (symmetric)
- * @param reals expert-side values (symmetric) or NULL @param idx @param row_of @param shift
- *        as for moe_nvlink_dispatch @param N tokens @param k top-k @param E experts
+ * @param reals expert-side values (symmetric) or NULL @param idx as for moe_nvlink_dispatch
+ * @param row_of as for moe_nvlink_dispatch @param shift as for moe_nvlink_dispatch
+ * @param N tokens @param k top-k @param E experts
  * @param EL experts per rank @param C width
  */
 void moe_nvlink_combine(moe_comm *c, void *out, int accumulate, float *dwp,

@@ -189,8 +189,8 @@ void moe_dispatch_fused(moe_ep *ep, const moe_dispatch_plan *plan, moe_sym_buf *
  *        moe_combine_rows + unpermute_sum (+ moe_combine_reals).
  * @param ep context @param plan plan (fused) @param out [N, C] @param accumulate 1: add to
  *        out @param dwp [N·k] or NULL @param rows expert-side rows (symmetric)
- * @param reals expert-side values (symmetric) or NULL @param idx @param row_of as for
- *        moe_dispatch_fused @param N tokens @param k top-k @param C width
+ * @param reals expert-side values (symmetric) or NULL @param idx as for moe_dispatch_fused
+ * @param row_of as for moe_dispatch_fused @param N tokens @param k top-k @param C width
  */
 void moe_combine_fused(moe_ep *ep, const moe_dispatch_plan *plan, void *out, int accumulate,
                        moe_real *dwp, moe_sym_buf *rows, moe_sym_buf *reals, const int *idx,
