@@ -54,15 +54,6 @@
 #include "comm_nccl.h"
 #include "cuda_common.cuh"
 
-/* The device API (NCCL >= 2.28): symmetric memory windows that kernels of every rank can
- * load from and store to, and barriers between those kernels (chapter 02's fused
- * dispatcher, kernels/dispatch_nvlink.cu). Its structures are inlined into our kernels,
- * so the headers must be those of the library that runs: checked in moe_nccl_peer_access. */
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
-#define MOE_NCCL_DEVICE_API 1
-#include <nccl_device.h>
-#endif
-
 struct moe_nccl_comm {
     ncclComm_t comm;
     int rank, size, world_rank;

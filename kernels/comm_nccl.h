@@ -20,6 +20,18 @@
 
 #include "comm.h"
 
+/* NCCL's device API (>= 2.28) for the .cu files that use it: symmetric memory windows that
+ * kernels of every rank load from and store to, and barriers between those kernels. Its
+ * structures are inlined into our kernels, so the headers must be those of the library
+ * that runs (moe_nccl_device_api_local checks). */
+#ifdef __CUDACC__
+#include <nccl.h>
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+#define MOE_NCCL_DEVICE_API 1
+#include <nccl_device.h>
+#endif
+#endif
+
 #ifdef __cplusplus
 extern "C" {
 #endif

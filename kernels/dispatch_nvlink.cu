@@ -37,13 +37,7 @@
  */
 #ifdef MOE_HAVE_NCCL
 
-#include <nccl.h>
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
-#define MOE_NCCL_DEVICE_API 1
-#include <nccl_device.h>
-#endif
-
-#include "comm_nccl.h"
+#include "comm_nccl.h" /* NCCL and, from 2.28, its device API (MOE_NCCL_DEVICE_API) */
 #include "cuda_common.cuh"
 #include "dispatch_nvlink.h"
 
@@ -53,8 +47,8 @@
 #define WARPS (THREADS / 32)
 #define UNROLL 4 /* 16-byte loads in flight per lane */
 
-/* Lane j < k: where row (n, j) goes (or comes from) on its expert's rank, or NULL when
- * the assignment was dropped. */
+/* Lane j < k: where assignment a's row (of row_bytes) goes, or comes from, in window win
+ * on its expert's rank; NULL when the assignment was dropped. */
 static __device__ __forceinline__ char *peer_row(ncclWindow_t win, const int *idx,
                                                  const int *row_of, const int *shift, size_t a,
                                                  int E, int EL, size_t row_bytes) {
@@ -77,11 +71,8 @@ static __global__ void __launch_bounds__(THREADS)
         char *mine = NULL;
         if (lane < k) {
             mine = peer_row(rows, idx, row_of, shift, a, E, EL, row_bytes);
-            if (w && mine) {
-                const int e = idx[a];
-                *(float *)ncclGetPeerPointer(reals, (size_t)(row_of[a] + shift[e]) * sizeof(float),
-                                             e / EL) = w[a];
-            }
+            if (w && mine)
+                *(float *)peer_row(reals, idx, row_of, shift, a, E, EL, sizeof(float)) = w[a];
         }
         const uint4 *src = x + (size_t)n * n16;
         /* every lane runs every iteration (the shuffles need the whole warp) */
@@ -118,13 +109,11 @@ static __global__ void __launch_bounds__(THREADS)
         const char *mine = NULL;
         if (lane < k) {
             mine = peer_row(rows, idx, row_of, shift, a, E, EL, row_bytes);
-            if (dwp) {
-                const int e = idx[a];
+            if (dwp)
                 dwp[row_of[a]] =
-                    mine ? *(const float *)ncclGetPeerPointer(
-                               reals, (size_t)(row_of[a] + shift[e]) * sizeof(float), e / EL)
+                    mine ? *(const float *)peer_row(reals, idx, row_of, shift, a, E, EL,
+                                                    sizeof(float))
                          : 0.0f;
-            }
         }
         uint4 *o = out + (size_t)n * n16;
         for (int c0 = lane; c0 - lane < n16; c0 += 32 * UNROLL) {

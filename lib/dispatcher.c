@@ -1,7 +1,6 @@
 /* The all-to-all token dispatcher and capacity: see dispatcher.h. */
 #include "dispatcher.h"
 
-
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -236,8 +235,7 @@ void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long lon
     free(mine); free(all);
 }
 
-void moe_dispatch_plan_free(moe_ep *ep, moe_dispatch_plan *plan) {
-    const moe_backend *be = ep->be;
+void moe_dispatch_plan_free(const moe_backend *be, moe_dispatch_plan *plan) {
     be->free(plan->ag_tok);
     be->free(plan->ag_inv);
     be->free(plan->ag_identity);

@@ -132,8 +132,8 @@ long long moe_apply_capacity(int *dispatch_idx, const int *topk_idx, const moe_r
 void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long long *counts, int E,
                              int pad_capacity);
 
-/** @brief Free a plan's buffers. @param ep context @param plan plan */
-void moe_dispatch_plan_free(moe_ep *ep, moe_dispatch_plan *plan);
+/** @brief Free a plan's buffers. @param be backend the plan lives on @param plan plan */
+void moe_dispatch_plan_free(const moe_backend *be, moe_dispatch_plan *plan);
 
 /**
  * @brief Tokens to experts: rows [0, R_kept) of @p src (local permuted layout, width C)

@@ -54,11 +54,7 @@ void moe_moe_acts_free(const moe_backend *be, moe_moe_acts *a) {
     be->free(a->dispatch_idx);
     free(a->host_idx);
     free(a->host_w);
-    be->free(a->plan.send_map); be->free(a->plan.unpad_map);
-    be->free(a->plan.sort_map); be->free(a->plan.unsort_map); be->free(a->plan.shift);
-    free(a->plan.send_rows); free(a->plan.recv_rows); free(a->plan.expert_offset);
-    free(a->plan.send_chunks); free(a->plan.recv_chunks);
-    be->free(a->plan.ag_tok); be->free(a->plan.ag_inv); be->free(a->plan.ag_identity);
+    moe_dispatch_plan_free(be, &a->plan);
     if (a->xe_sym.ptr) { /* the fused dispatcher's buffers are not the backend's */
         moe_comm_sym_free(&a->xe_sym);
         moe_comm_sym_free(&a->we_sym);
