@@ -11,11 +11,22 @@
 #   make clean
 #
 # Variables: MARCH (default native; x86-64-v3 for binaries that run on another machine),
-# OMP (1/0), CUDA (auto/1/0: build the CUDA backend when nvcc is found),
+# OMP (1/0), CUDA (auto/1/0: build the CUDA backend when nvcc is found), MPI (auto/1/0),
+# JOBS (parallel build jobs, default: the number of cores),
 # TRAIN_FLAGS (extra flags for make train).
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := all
+
+# Build in parallel by default, one job per core, so a first `make train` does not compile
+# serially: JOBS=N sets the number of jobs (GNU make 4.3 does not let a makefile see a -jN
+# given on the command line, so JOBS is the knob). Tests still run one after another.
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+ifeq ($(SERIAL),)
+  MAKEFLAGS += -j$(JOBS)
+else
+  .NOTPARALLEL:
+endif
 
 CC      ?= cc
 MARCH   ?= native
@@ -112,8 +123,25 @@ ifeq ($(WITH_NCCL),1)
   LDLIBS := $(LDLIBS) -lnccl
 endif
 
+# ---------------------------------------------------------------- configuration stamp
+# Every object depends on $(CONFIG_STAMP), a file holding the whole build configuration
+# (compilers, flags, what detection found). It is rewritten only when that text changes, so
+# a build made before Open MPI (or CUDA, or NCCL) was installed is rebuilt once they are,
+# instead of being linked, stale, into binaries compiled with them. The pattern is git's
+# GIT-CFLAGS file.
+CONFIG_STAMP := $(BUILD)/CONFIG
+CONFIG_TEXT = CC=$(CC) CFLAGS=$(ALL_CFLAGS) NVCC=$(NVCC) NVCCFLAGS=$(ALL_NVCC_FLAGS) \
+  LDLIBS=$(LDLIBS) CUDA=$(WITH_CUDA) MPI=$(WITH_MPI) NCCL=$(WITH_NCCL) OMP=$(OMP) MARCH=$(MARCH)
+.PHONY: FORCE
+FORCE:
+$(CONFIG_STAMP): FORCE
+	@mkdir -p $(dir $@)
+	@if [ '$(subst ','\'',$(CONFIG_TEXT))' != "$$(cat $@ 2>/dev/null)" ]; then \
+	  if [ -f $@ ]; then echo "build configuration changed: rebuilding $(BUILD)"; fi; \
+	  echo '$(subst ','\'',$(CONFIG_TEXT))' > $@; fi
+
 # ---------------------------------------------------------------- targets
-.PHONY: all config train test test-unit test-fd test-asan test-gpu test-mpi test-notebooks notebooks docs bench \
+.PHONY: all config check-deps train test test-unit test-fd test-asan test-gpu test-mpi test-notebooks notebooks docs bench \
 	clean print-build-flags
 
 all: config $(LIB) $(PROGRAMS) $(CHAPTER_BIN)
@@ -121,17 +149,17 @@ all: config $(LIB) $(PROGRAMS) $(CHAPTER_BIN)
 config:
 	@echo "$$REPORT"
 
-$(BUILD)/%.o: %.c
+$(BUILD)/%.o: %.c $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) -c $< -o $@
 
 # The same library sources compiled with moe_real = double, for the
 # finite-difference gradient checks (see lib/real.h).
-$(BUILD)/f64/%.o: %.c
+$(BUILD)/f64/%.o: %.c $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(filter-out -DMOE_HAVE_CUDA -DMOE_HAVE_NCCL,$(ALL_CFLAGS)) -DMOE_REAL_DOUBLE -c $< -o $@
 
-$(BUILD)/%.o: %.cu
+$(BUILD)/%.o: %.cu $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(ALL_NVCC_FLAGS) -c $< -o $@
 
@@ -190,7 +218,7 @@ test-fd: check-deps $(BUILD)/tests/fd
 # undefined behaviour fails the run.
 test-asan: check-deps
 	@echo "== unit tests under -fsanitize=address,undefined"
-	$(MAKE) --no-print-directory BUILD=$(BUILD)/asan CUDA=0 MPI=0 CFLAGS="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all" \
+	$(MAKE) --no-print-directory SERIAL= BUILD=$(BUILD)/asan CUDA=0 MPI=0 CFLAGS="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all" \
 	  LDLIBS="$(OPENMP) -lm -fsanitize=address,undefined" $(BUILD)/asan/tests/unit
 	MOE_TEST_QUICK=1 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  CK_FORK=no $(BUILD)/asan/tests/unit
@@ -228,7 +256,13 @@ test-gpu: check-deps
 	@if [ "$(WITH_CUDA)" != 1 ]; then echo "== GPU tests: skipped (built without CUDA: nvcc not found)"; \
 	else $(MAKE) --no-print-directory $(BUILD)/tests/gpu && echo "== GPU tests (CUDA vs CPU)" && $(BUILD)/tests/gpu; fi
 
-test: config all test-unit test-fd test-mpi test-gpu test-notebooks docs test-asan
+# Everything the test steps run is built first, in parallel; then the steps run one after
+# another (SERIAL=1), so their output does not interleave and the MPI ranks get the cores.
+TEST_BINS := $(BUILD)/tests/unit $(BUILD)/tests/fd $(if $(filter 1,$(WITH_MPI)),$(BUILD)/tests/mpi \
+	$(BUILD)/tests/mpi_abort) $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu)
+test: config check-deps
+	@$(MAKE) --no-print-directory all $(TEST_BINS)
+	@$(MAKE) --no-print-directory SERIAL=1 test-unit test-fd test-mpi test-gpu test-notebooks docs test-asan
 	@echo "== all tests passed"
 
 # ---- notebooks (notebooks-c/): every notebook executed headlessly with Debian's nbclient.
