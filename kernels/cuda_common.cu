@@ -10,6 +10,30 @@ cudaStream_t moe_cuda_stream(void) {
     return g_stream;
 }
 
+/* MOE_CUDA_SYNC_CHECK=1 in the environment: read once. */
+static int sync_check(void) {
+    static int on = -1;
+    if (on < 0) {
+        const char *s = getenv("MOE_CUDA_SYNC_CHECK");
+        on = s && s[0] == '1' && s[1] == '\0';
+    }
+    return on;
+}
+
+void moe_cuda_launch_check(const char *file, int line) {
+    cudaError_t e = cudaGetLastError();
+    const char *when = "at launch";
+    if (e == cudaSuccess && sync_check()) {
+        e = cudaStreamSynchronize(moe_cuda_stream());
+        when = "while running (MOE_CUDA_SYNC_CHECK=1)";
+    }
+    if (e != cudaSuccess) {
+        fprintf(stderr, "CUDA error at %s:%d: %s (kernel %s)\n", file, line, cudaGetErrorString(e),
+                when);
+        exit(1);
+    }
+}
+
 static void *g_scratch[MOE_SCRATCH_SLOTS];
 static size_t g_scratch_bytes[MOE_SCRATCH_SLOTS];
 

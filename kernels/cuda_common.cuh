@@ -43,8 +43,18 @@ typedef __nv_bfloat16 moe_bf16;
         }                                                                                     \
     } while (0)
 
-/** Check the last kernel launch (and, with MOE_CUDA_SYNC_CHECK=1, wait for it). */
-#define MOE_CUDA_LAUNCH_CHECK() MOE_CUDA_CHECK(cudaGetLastError())
+/**
+ * Check the last kernel launch. A launch error (bad grid, too much shared memory) shows
+ * here; an error *inside* the kernel (an illegal address) only shows at the next
+ * synchronising call, far from its cause. With the environment variable
+ * MOE_CUDA_SYNC_CHECK=1 every launch check also waits for the stream, so such an error is
+ * reported at the launch that caused it (slow: for debugging only, and not inside a CUDA
+ * graph capture).
+ */
+#define MOE_CUDA_LAUNCH_CHECK() moe_cuda_launch_check(__FILE__, __LINE__)
+
+/** What MOE_CUDA_LAUNCH_CHECK() calls. @param file caller's file @param line caller's line */
+void moe_cuda_launch_check(const char *file, int line);
 
 /** The stream every moe.c kernel and cuBLAS call runs on. */
 cudaStream_t moe_cuda_stream(void);
