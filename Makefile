@@ -236,6 +236,14 @@ $(BUILD)/tests/mpi_abort: $(BUILD)/tests/mpi_abort_main.o $(LIB)
 # Single-copy shared memory (CMA) is often forbidden inside containers, where it makes
 # Open MPI fail large messages: plain shared memory works everywhere.
 MPIRUN ?= env OMPI_MCA_btl_vader_single_copy_mechanism=none mpirun --oversubscribe --allow-run-as-root
+# $(call EXPECT_JOB_END,mpirun arguments,text the output must carry): the job must fail
+# within 120 s (not succeed, not hang) and print the text.
+EXPECT_JOB_END = if timeout 120 $(MPIRUN) $(1) > $(BUILD)/tests/mpi_abort.log 2>&1; \
+	  then echo "FAIL: the job did not fail"; cat $(BUILD)/tests/mpi_abort.log; exit 1; \
+	  elif [ $$? = 124 ]; then echo "FAIL: the job hung"; exit 1; \
+	  elif ! grep -qF "$(2)" $(BUILD)/tests/mpi_abort.log; then \
+	    echo "FAIL: no message from the failing rank"; cat $(BUILD)/tests/mpi_abort.log; exit 1; \
+	  else echo "ok: the job ended with the failing rank's message"; fi
 test-mpi: check-deps
 	@if [ "$(WITH_MPI)" != 1 ]; then echo "== MPI tests: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
 	else $(MAKE) --no-print-directory $(BUILD)/tests/mpi && \
@@ -243,12 +251,9 @@ test-mpi: check-deps
 	    OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(BUILD)/tests/mpi || exit 1; done; \
 	  $(MAKE) --no-print-directory $(BUILD)/tests/mpi_abort && \
 	  echo "== MPI test: a failing rank ends the job (rank 1 aborts, rank 0 waits in a collective)" && \
-	  if timeout 120 $(MPIRUN) -np 2 $(BUILD)/tests/mpi_abort > $(BUILD)/tests/mpi_abort.log 2>&1; \
-	  then echo "FAIL: the job did not fail"; cat $(BUILD)/tests/mpi_abort.log; exit 1; \
-	  elif [ $$? = 124 ]; then echo "FAIL: the job hung"; exit 1; \
-	  elif ! grep -q "rank 1 gives up" $(BUILD)/tests/mpi_abort.log; then \
-	    echo "FAIL: no message from the failing rank"; cat $(BUILD)/tests/mpi_abort.log; exit 1; \
-	  else echo "ok: the job ended with the failing rank's message"; fi; fi
+	  $(call EXPECT_JOB_END,-np 2 $(BUILD)/tests/mpi_abort,rank 1 gives up); \
+	  echo "== MPI test: a stopped rank ends the job (rank 1 stops, rank 0's deadline of 2 s passes)" && \
+	  $(call EXPECT_JOB_END,-x MOE_COMM_TIMEOUT=2 -np 2 $(BUILD)/tests/mpi_abort stop,[rank 0] fatal: all_reduce_sum did not complete within 2 s (MOE_COMM_TIMEOUT)); fi
 
 # CUDA tests: each CUDA op against its CPU twin, the whole model CUDA vs CPU.
 # Without a GPU (CI) the binary prints "skipped: no GPU" and succeeds.

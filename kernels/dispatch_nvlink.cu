@@ -34,10 +34,14 @@
  * Acquire/release ordering makes the stores of one GPU visible to the loads of another.
  * Every rank launches the same grid, and all its CTAs are resident at once (the grid is
  * capped by occupancy), so no CTA can wait on a peer CTA that never gets an SM.
+ * The host waits for neither kernel: the barriers order the GPUs, a symmetric buffer is
+ * freed only once its stream has drained (moe_comm_sym_free), and the communication
+ * watchdog (moe_comm_track) ends the job if a peer never reaches a barrier.
  */
 #ifdef MOE_HAVE_NCCL
 
-#include "comm_nccl.h" /* NCCL and, from 2.28, its device API (MOE_NCCL_DEVICE_API) */
+#include "comm_nccl.h"      /* NCCL and, from 2.28, its device API (MOE_NCCL_DEVICE_API) */
+#include "comm_transport.h" /* the group's device communicator; the watchdog */
 #include "cuda_common.cuh"
 #include "dispatch_nvlink.h"
 
@@ -171,7 +175,7 @@ template <typename K> static int grid_for(K kernel) {
 static const ncclDevComm &dev_comm(moe_comm *c, int k) {
     if (k > MOE_FUSED_MAX_TOPK)
         moe_comm_abort(c, 1, "fused dispatcher: top-k above MOE_FUSED_MAX_TOPK");
-    const void *d = moe_nccl_dev_comm((moe_nccl_comm *)moe_comm_nccl(c));
+    const void *d = moe_comm_device_comm(c);
     if (!d)
         moe_comm_abort(c, 1, "fused dispatcher used before moe_comm_peer_access() succeeded");
     return *(const ncclDevComm *)d;
@@ -185,7 +189,7 @@ extern "C" void moe_nvlink_dispatch(moe_comm *c, const moe_sym_buf *rows, const 
         dev_comm(c, k), (ncclWindow_t)rows->window, reals ? (ncclWindow_t)reals->window : NULL,
         (const uint4 *)x, reals ? w : NULL, idx, row_of, shift, N, k, E, EL, C / 8);
     MOE_CUDA_LAUNCH_CHECK();
-    moe_nccl_wait((moe_nccl_comm *)moe_comm_nccl(c), "fused dispatch");
+    moe_comm_track(c, "fused dispatch"); /* a peer that never arrives: the watchdog ends the job */
 }
 
 extern "C" void moe_nvlink_combine(moe_comm *c, void *out, int accumulate, float *dwp,
@@ -196,7 +200,7 @@ extern "C" void moe_nvlink_combine(moe_comm *c, void *out, int accumulate, float
         dev_comm(c, k), (ncclWindow_t)rows->window, reals ? (ncclWindow_t)reals->window : NULL,
         (uint4 *)out, accumulate, reals ? dwp : NULL, idx, row_of, shift, N, k, E, EL, C / 8);
     MOE_CUDA_LAUNCH_CHECK();
-    moe_nccl_wait((moe_nccl_comm *)moe_comm_nccl(c), "fused combine");
+    moe_comm_track(c, "fused combine"); /* a peer that never arrives: the watchdog ends the job */
 }
 
 #else /* NCCL without the device API: moe_comm_peer_access() is 0, these are never called */

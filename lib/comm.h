@@ -1,13 +1,15 @@
 /**
  * @file comm.h
- * @brief The communication layer: one interface, two transports.
+ * @brief The communication layer: one interface, a transport per kind of rank.
  *
  * Every collective moe.c needs goes through this header. A ::moe_comm is a group of
- * ranks. Its *transport* is fixed when the world is created:
- *  - **MPI** for CPU ranks: buffers are host memory;
- *  - **NCCL** for GPU ranks (one GPU per rank): buffers are device memory. NCCL is
- *    bootstrapped over MPI: rank 0 creates the ncclUniqueId and MPI_Bcast's it; the
- *    local rank (which GPU to use) comes from an MPI_COMM_TYPE_SHARED split.
+ * ranks. Its *transport* is fixed when the world is created (lib/comm_transport.h has
+ * the table beneath the groups, one file per transport):
+ *  - **MPI** for CPU ranks (lib/comm_mpi.c): buffers are host memory;
+ *  - **NCCL** for GPU ranks, one GPU per rank (kernels/comm_nccl.cu): buffers are device
+ *    memory. NCCL is bootstrapped over MPI: rank 0 creates the ncclUniqueId and
+ *    MPI_Bcast's it; the local rank (which GPU to use) comes from an
+ *    MPI_COMM_TYPE_SHARED split.
  * The parallel logic above it (dispatchers, later folding groups and the CP ring) is
  * written once against this interface and runs on a laptop and on a cluster.
  *
@@ -15,14 +17,25 @@
  * the `moe_comm_host_*` functions, which go through MPI on every transport.
  *
  * Without MPI (a build on a machine with no mpicc) the world is one rank and every
- * collective is a local copy, so single-process programs need no special case.
+ * collective is a local copy (lib/comm_local.c), so single-process programs need no
+ * special case.
+ *
+ * **When the data is there.** On the MPI and local transports a call returns when its
+ * data is there. On NCCL, collectives on transport buffers are *enqueued* on the CUDA
+ * backend's stream and return at once: work queued later on that stream (every kernel,
+ * and the backend's to_host, which waits for the stream) sees the result, but the host
+ * must not read a transport buffer any other way before moe_comm_wait(). Count arrays
+ * and chunk lists are read during the call and may be reused when it returns.
+ * moe_comm_barrier() waits on every transport.
  *
  * Failure: a rank that hits an error it cannot return (a failed MPI or NCCL call, an
- * NCCL asynchronous error, a collective that does not complete within
- * MOE_COMM_TIMEOUT seconds, default 600) prints a message with its rank, file and line,
- * and aborts the whole job (MPI_Abort, after ncclCommAbort) instead of leaving the
- * other ranks waiting forever. Programs that fail on one rank for a user error call
- * moe_comm_abort() for the same reason.
+ * NCCL asynchronous error, an operation that does not complete within
+ * MOE_COMM_TIMEOUT seconds, default 600) prints a message with its rank and the
+ * operation (file and line for a failed call), and ends the whole job instead of leaving
+ * the other ranks waiting forever. A watchdog thread (lib/comm_watchdog.c) keeps the
+ * deadline of every NCCL operation in flight and of every blocking MPI call between
+ * ranks. Programs that fail on one rank for a user error call moe_comm_abort() for the
+ * same reason.
  */
 #ifndef MOE_COMM_H
 #define MOE_COMM_H
@@ -150,8 +163,14 @@ void moe_comm_send(moe_comm *c, const void *buf, size_t count, moe_dtype t, int 
  *  @param t type @param peer source rank */
 void moe_comm_recv(moe_comm *c, void *buf, size_t count, moe_dtype t, int peer);
 
-/** @brief Wait for every rank of the group. @param c group */
+/** @brief Wait for every rank of the group: returns once every rank has called it (and,
+ *  on NCCL, once everything this rank enqueued before it has completed). @param c group */
 void moe_comm_barrier(moe_comm *c);
+
+/** @brief Wait until every operation this rank enqueued on @p c has completed, so the host
+ *  may read its buffers (NCCL; MPI and local calls complete before they return). Bounded
+ *  by MOE_COMM_TIMEOUT like the operations themselves. @param c group */
+void moe_comm_wait(moe_comm *c);
 
 /* ------------------------------------- memory the GPUs of a group share (NCCL >= 2.28) */
 
@@ -194,10 +213,6 @@ void moe_comm_sym_reserve(moe_comm *c, moe_sym_buf *b, size_t bytes);
 /** @brief Free a symmetric buffer (collective; no-op when it was never allocated).
  *  @param b buffer */
 void moe_comm_sym_free(moe_sym_buf *b);
-
-/** @brief The NCCL side of a group (moe_nccl_comm *, for kernels/dispatch_nvlink.cu), or NULL
- *  on CPU ranks. @param c group @return the handle */
-void *moe_comm_nccl(moe_comm *c);
 
 /* ------------------------------------------------ host control data (always MPI) */
 

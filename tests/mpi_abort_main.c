@@ -1,13 +1,20 @@
 /*
  * A failing rank must end the job, not leave the others waiting (BRIEF §3.6).
  *
- * Run by `make test-mpi` under mpirun with 2 ranks: rank 1 gives up with moe_comm_abort
- * while rank 0 waits in an all-reduce that can never complete. The test passes when
- * mpirun returns non-zero within the make target's time limit and the message names the
- * rank; a hang is caught by `timeout`. (Without the abort, rank 0 would wait forever.)
+ * Run by `make test-mpi` under mpirun with 2 ranks, rank 0 waiting in an all-reduce that
+ * can never complete while rank 1
+ *  - (no argument) gives up with moe_comm_abort: the job must end with rank 1's message;
+ *  - `stop`: stops itself (SIGSTOP, as a hung process or a debugger would) and never
+ *    arrives: with MOE_COMM_TIMEOUT=2, rank 0's watchdog must end the job with
+ *    "[rank 0] fatal: all_reduce_sum did not complete within 2 s (MOE_COMM_TIMEOUT)".
+ * The test passes when mpirun returns non-zero within the make target's time limit and
+ * the output carries the message; a hang is caught by `timeout`.
  */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 #include "comm.h"
 
@@ -23,8 +30,15 @@ int main(int argc, char **argv) {
         moe_comm_finalize(world);
         return 1;
     }
-    if (moe_comm_rank(world) == 1)
-        moe_comm_abort(world, 3, "rank 1 gives up on purpose (tests/mpi_abort_main.c)");
+    const int stop = argc > 1 && !strcmp(argv[1], "stop");
+    if (moe_comm_rank(world) == 1) {
+        if (stop) {
+            raise(SIGSTOP); /* ending the job, mpirun continues this rank and kills it: */
+            for (;;)        /* it must not join the collective in between */
+                pause();
+        } else
+            moe_comm_abort(world, 3, "rank 1 gives up on purpose (tests/mpi_abort_main.c)");
+    }
     double x = 1.0;
     moe_comm_host_all_reduce_sum(world, &x, 1, MOE_DTYPE_F64); /* never completes */
     printf("abort test: rank 0 got past a collective its peer never joined\n");

@@ -148,6 +148,7 @@ START_TEST(test_all_reduce_sum) {
     moe_comm_all_reduce_sum(W, ti32, n, MOE_DTYPE_I32);
     moe_comm_all_reduce_sum(W, ti64, n, MOE_DTYPE_I64);
     moe_comm_all_reduce_sum(W, td, 0, MOE_DTYPE_F64); /* zero elements: nothing happens */
+    moe_comm_wait(W); /* NCCL enqueued them all; the backend's to_host would wait too */
     tread(f, tf, n * sizeof *f);
     tread(d, td, n * sizeof *d);
     tread(i32, ti32, n * sizeof *i32);
