@@ -10,12 +10,12 @@
 #define R sizeof(moe_real)
 #define A(p, i) MOE_ACT(be, p, i)
 
-static size_t max_rows_f(const moe_moe_dims *d) {
+static size_t max_rows_f(const moe_layer_dims *d) {
     size_t a = (size_t)d->N * d->k * d->F, b = (size_t)d->N * d->Fs;
     return a > b ? a : b;
 }
 
-void moe_moe_acts_alloc(const moe_backend *be, moe_moe_acts *a, const moe_moe_dims *d) {
+void moe_layer_acts_alloc(const moe_backend *be, moe_layer_acts *a, const moe_layer_dims *d) {
     const size_t N = d->N, NK = (size_t)d->N * d->k, S = be->act_size;
     memset(a, 0, sizeof *a);
     a->logits = be->alloc(S * N * d->E);
@@ -44,7 +44,7 @@ void moe_moe_acts_alloc(const moe_backend *be, moe_moe_acts *a, const moe_moe_di
                a->xp && a->gu && a->act && a->expert_offset && a->dev_offset && a->counts);
 }
 
-void moe_moe_acts_free(const moe_backend *be, moe_moe_acts *a) {
+void moe_layer_acts_free(const moe_backend *be, moe_layer_acts *a) {
     be->free(a->logits); be->free(a->topk_idx); be->free(a->topk_w); be->free(a->perm_src);
     be->free(a->row_of); be->free(a->wp); be->free(a->xp); be->free(a->gu); be->free(a->act);
     be->free(a->shared_gu); be->free(a->shared_act);
@@ -65,7 +65,7 @@ void moe_moe_acts_free(const moe_backend *be, moe_moe_acts *a) {
     memset(a, 0, sizeof *a);
 }
 
-void moe_moe_workspace_alloc(const moe_backend *be, moe_moe_workspace *w, const moe_moe_dims *d) {
+void moe_layer_workspace_alloc(const moe_backend *be, moe_layer_workspace *w, const moe_layer_dims *d) {
     const size_t N = d->N, NK = (size_t)d->N * d->k, HF = max_rows_f(d), S = be->act_size;
     memset(w, 0, sizeof *w);
     w->yp = be->alloc(S * (NK > N ? NK : N) * d->H);
@@ -79,7 +79,7 @@ void moe_moe_workspace_alloc(const moe_backend *be, moe_moe_workspace *w, const 
     MOE_ASSERT(w->yp && w->dyp && w->dxp && w->dwp && w->dtopk_w && w->dlogits && w->dh && w->dgu);
 }
 
-void moe_moe_workspace_free(const moe_backend *be, moe_moe_workspace *w) {
+void moe_layer_workspace_free(const moe_backend *be, moe_layer_workspace *w) {
     be->free(w->yp); be->free(w->dyp); be->free(w->dxp); be->free(w->dwp); be->free(w->dtopk_w);
     be->free(w->dlogits); be->free(w->dh); be->free(w->dgu);
     if (w->ye_sym.ptr) { /* the fused dispatcher's buffers are not the backend's */
@@ -94,14 +94,14 @@ void moe_moe_workspace_free(const moe_backend *be, moe_moe_workspace *w) {
 }
 
 /* tokens per aux-loss group: the whole micro-batch, or one sequence */
-static int aux_group_len(const moe_moe_dims *d) {
+static int aux_group_len(const moe_layer_dims *d) {
     return d->lb_type == MOE_LB_SEQ_AUX ? d->T : d->N;
 }
 
 /* The groups of step 4: expert e owns rows [off[e], off[e+1]) (host). Our grouped kernel
  * reads the offsets from device memory: the plain path has them there already
  * (permute_index wrote a->dev_offset), the dispatcher paths upload the plan's. */
-static moe_groups expert_groups(const moe_backend *be, const moe_moe_dims *d, moe_moe_acts *a,
+static moe_groups expert_groups(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
                                 const int *off, int G, int upload) {
     if (d->experts == MOE_EXPERTS_KERNEL && upload)
         be->from_host(a->dev_offset, off, sizeof(int) * (G + 1));
@@ -162,8 +162,8 @@ static void *regrow(const moe_backend *be, void *p, size_t bytes) {
 /* rows: this rank's expert-side rows + 1. With the fused dispatcher (pl->fused) the
  * buffers that peers store into or load from are symmetric memory sized for the largest
  * rank (collective: every rank grows them at the same call); the rest stay local. */
-static void ensure_expert_rows(const moe_backend *be, moe_moe_acts *a, moe_moe_workspace *ws,
-                               const moe_moe_dims *d, const moe_dispatch_plan *pl, size_t rows) {
+static void ensure_expert_rows(const moe_backend *be, moe_layer_acts *a, moe_layer_workspace *ws,
+                               const moe_layer_dims *d, const moe_dispatch_plan *pl, size_t rows) {
     const size_t S = be->act_size, H = d->H, F = d->F;
     const int fused = pl && pl->fused;
     if (fused) {
@@ -197,7 +197,7 @@ static void ensure_expert_rows(const moe_backend *be, moe_moe_acts *a, moe_moe_w
 /* The routing on the host: per-expert counts for the statistics, and the capacity
  * decision (didx = the routing with dropped assignments sent to expert E). Returns the
  * capacity (0 when dropless). */
-static int route_to_host(const moe_backend *be, const moe_moe_dims *d, moe_moe_acts *a, int *didx) {
+static int route_to_host(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a, int *didx) {
     const int E = d->E, NK = d->N * d->k;
     be->to_host(a->host_idx, a->topk_idx, sizeof(int) * NK);
     be->to_host(a->host_w, a->topk_w, R * NK);
@@ -220,8 +220,8 @@ static int route_to_host(const moe_backend *be, const moe_moe_dims *d, moe_moe_a
  * reduce-scatter the partial outputs. The expert sees its rows in the same order as with
  * all-to-all (by source rank, then position). */
 static void forward_allgather(const moe_backend *be, void *out, const void *x,
-                              const moe_moe_weights *w, const moe_moe_dims *d, moe_moe_acts *a,
-                              moe_moe_workspace *ws) {
+                              const moe_layer_weights *w, const moe_layer_dims *d, moe_layer_acts *a,
+                              moe_layer_workspace *ws) {
     moe_ep *ep = d->ep;
     const int N = d->N, H = d->H, E = d->E, k = d->k, F = d->F, NK = N * k;
     const int P = ep->size, EL = E / P, first = ep->rank * EL, GNK = P * NK;
@@ -293,9 +293,9 @@ static void forward_allgather(const moe_backend *be, void *out, const void *x,
     free(didx); free(gidx); free(gw); free(tok); free(inv); free(ident); free(we);
 }
 
-static void backward_allgather(const moe_backend *be, void *dx, const moe_moe_grads *g,
-                               const void *dout, const moe_moe_weights *w, const moe_moe_dims *d,
-                               const moe_moe_acts *a, moe_moe_workspace *ws) {
+static void backward_allgather(const moe_backend *be, void *dx, const moe_layer_grads *g,
+                               const void *dout, const moe_layer_weights *w, const moe_layer_dims *d,
+                               const moe_layer_acts *a, moe_layer_workspace *ws) {
     moe_ep *ep = d->ep;
     const int N = d->N, H = d->H, E = d->E, k = d->k, F = d->F, NK = N * k;
     const int P = ep->size, EL = E / P, GNK = P * NK;
@@ -303,7 +303,7 @@ static void backward_allgather(const moe_backend *be, void *dx, const moe_moe_gr
     const int rows = pl->R_recv;
     const moe_dtype t = be->act_size == 2 ? MOE_DTYPE_BF16 : be->act_size == 4 ? MOE_DTYPE_F32
                                                                              : MOE_DTYPE_F64;
-    ensure_expert_rows(be, (moe_moe_acts *)a, ws, d, NULL, (size_t)rows + 1);
+    ensure_expert_rows(be, (moe_layer_acts *)a, ws, d, NULL, (size_t)rows + 1);
     /* the combine was a sum: each expert row gets its token's output gradient */
     ep->send_buf = moe_grow(be, ep->send_buf, &ep->send_cap, be->act_size * (size_t)P * N * H);
     moe_comm_all_gather(ep->comm, dout, ep->send_buf, (size_t)N * H, t);
@@ -312,7 +312,7 @@ static void backward_allgather(const moe_backend *be, void *dx, const moe_moe_gr
         be->zero(ws->ye, be->act_size * (size_t)rows * H);
     be->zero(ws->dwe, R * (size_t)rows);
     moe_prof_mark(MOE_PROF_OTHER);
-    const moe_groups grp = expert_groups(be, d, (moe_moe_acts *)a, pl->expert_offset, EL, 0);
+    const moe_groups grp = expert_groups(be, d, (moe_layer_acts *)a, pl->expert_offset, EL, 0);
     experts_backward(be, ws->ye, g->fc1, g->fc2, ws->dwe, ws->dye, a->xe, a->gue, a->acte, a->we,
                      w->fc1, w->fc2, ws->edh, ws->edgu, &grp, H, F);
     /* input gradients: per gathered token, summed over the ranks, this rank's share */
@@ -333,8 +333,8 @@ static void backward_allgather(const moe_backend *be, void *dx, const moe_moe_gr
 /* Steps 3–5 with the dispatcher: capacity, local permutation, all-to-all to the experts'
  * ranks, the local experts, and back (see dispatcher.h). */
 static void forward_dispatch(const moe_backend *be, void *out, const void *x,
-                             const moe_moe_weights *w, const moe_moe_dims *d, moe_moe_acts *a,
-                             moe_moe_workspace *ws) {
+                             const moe_layer_weights *w, const moe_layer_dims *d, moe_layer_acts *a,
+                             moe_layer_workspace *ws) {
     const int N = d->N, H = d->H, E = d->E, k = d->k, F = d->F, NK = N * k;
     moe_ep local = {.comm = NULL, .size = 1, .rank = 0, .be = be};
     moe_ep *ep = d->ep ? d->ep : &local;
@@ -388,14 +388,14 @@ static void forward_dispatch(const moe_backend *be, void *out, const void *x,
     free(kept);
 }
 
-static void backward_dispatch(const moe_backend *be, void *dx, const moe_moe_grads *g,
-                              const void *dout, const moe_moe_weights *w, const moe_moe_dims *d,
-                              const moe_moe_acts *a, moe_moe_workspace *ws) {
+static void backward_dispatch(const moe_backend *be, void *dx, const moe_layer_grads *g,
+                              const void *dout, const moe_layer_weights *w, const moe_layer_dims *d,
+                              const moe_layer_acts *a, moe_layer_workspace *ws) {
     const int N = d->N, H = d->H, E = d->E, k = d->k, F = d->F, NK = N * k;
     moe_ep local = {.comm = NULL, .size = 1, .rank = 0, .be = be};
     moe_ep *ep = d->ep ? d->ep : &local;
     const int EL = E / (ep->comm ? ep->size : 1), R_recv = a->plan.R_recv, R_kept = a->plan.R_kept;
-    moe_moe_acts *am = (moe_moe_acts *)a; /* ensure_expert_rows never shrinks: a's data stays */
+    moe_layer_acts *am = (moe_layer_acts *)a; /* ensure_expert_rows never shrinks: a's data stays */
     const moe_dispatch_plan *pl = &a->plan;
     ensure_expert_rows(be, am, ws, d, pl, (size_t)R_recv + 1);
     /* output gradients travel like tokens */
@@ -415,7 +415,7 @@ static void backward_dispatch(const moe_backend *be, void *dx, const moe_moe_gra
                      w->fc1, w->fc2, ws->edh, ws->edgu, &grp, H, F);
     /* input and routing-weight gradients come back like outputs: the fused kernel sums
      * each token's rows into dx itself; the collective path leaves them permuted in dxp
-     * for moe_moe_backward's unpermute */
+     * for moe_layer_backward's unpermute */
     if (pl->fused) {
         moe_combine_fused(ep, pl, dx, 1, ws->dwp, &ws->ye_sym, &ws->dwe_sym, a->dispatch_idx,
                           a->row_of, N, k, H);
@@ -429,9 +429,9 @@ static void backward_dispatch(const moe_backend *be, void *dx, const moe_moe_gra
         moe_ep_free(&local);
 }
 
-void moe_moe_forward(const moe_backend *be, void *out, const void *x, const moe_moe_weights *w,
-                     const float *expert_bias, const moe_moe_dims *d, moe_moe_acts *a,
-                     moe_moe_workspace *ws) {
+void moe_layer_forward(const moe_backend *be, void *out, const void *x, const moe_layer_weights *w,
+                     const float *expert_bias, const moe_layer_dims *d, moe_layer_acts *a,
+                     moe_layer_workspace *ws) {
     const int N = d->N, H = d->H, E = d->E, k = d->k, F = d->F;
 
     /* 1. route (router math in fp32 / the backend's real type) */
@@ -483,9 +483,9 @@ void moe_moe_forward(const moe_backend *be, void *out, const void *x, const moe_
     }
 }
 
-void moe_moe_backward(const moe_backend *be, void *dx, const moe_moe_grads *g, const void *dout,
-                      const void *x, const moe_moe_weights *w, const moe_moe_dims *d,
-                      const moe_moe_acts *a, moe_moe_workspace *ws, double loss_scale) {
+void moe_layer_backward(const moe_backend *be, void *dx, const moe_layer_grads *g, const void *dout,
+                      const void *x, const moe_layer_weights *w, const moe_layer_dims *d,
+                      const moe_layer_acts *a, moe_layer_workspace *ws, double loss_scale) {
     const int N = d->N, H = d->H, E = d->E, k = d->k, F = d->F;
     const size_t NK = (size_t)N * k;
 
@@ -507,7 +507,7 @@ void moe_moe_backward(const moe_backend *be, void *dx, const moe_moe_grads *g, c
         moe_prof_mark(MOE_PROF_PERMUTE);
 
         /* 4⁻¹. the expert loop in reverse */
-        const moe_groups grp = expert_groups(be, d, (moe_moe_acts *)a, a->expert_offset, E, 0);
+        const moe_groups grp = expert_groups(be, d, (moe_layer_acts *)a, a->expert_offset, E, 0);
         experts_backward(be, ws->dxp, g->fc1, g->fc2, ws->dwp, ws->dyp, a->xp, a->gu, a->act,
                          a->wp, w->fc1, w->fc2, ws->dh, ws->dgu, &grp, H, F);
     }

@@ -14,7 +14,7 @@
  * Backward runs the exact reverse. Step 4 launches 2·E small GEMMs forward and
  * 4·E backward, each sized by a host-side count — the thing chapter 03 fixes.
  *
- * The switches, in moe_moe_dims:
+ * The switches, in moe_layer_dims:
  *  - `ep` (chapter 02): steps 3–5 go through the dispatcher (dispatcher.h): tokens travel
  *    to the ranks that hold their experts and back, and step 4 runs this rank's E/EP
  *    experts; `ep->allgather` picks the allgather dispatcher instead of all-to-all;
@@ -32,7 +32,7 @@
 #include "mlp.h"
 
 /** Sizes and settings of one MoE layer. */
-typedef struct moe_moe_dims {
+typedef struct moe_layer_dims {
     int N;                      /**< tokens (B·T) */
     int T;                      /**< sequence length (groups of the per-sequence aux loss) */
     int H;                      /**< hidden size */
@@ -49,29 +49,29 @@ typedef struct moe_moe_dims {
     int drop_by_position;       /**< drop policy: 1 = position, 0 = probs */
     int pad_to_capacity;        /**< pad every expert's input to capacity rows */
     moe_expert_impl experts;    /**< how step 4 runs: loop, cuBLAS grouped, our kernel */
-} moe_moe_dims;
+} moe_layer_dims;
 
 /** The layer's weights: the backend's compute copy (activation type), views into it. */
-typedef struct moe_moe_weights {
+typedef struct moe_layer_weights {
     const void *router;      /**< [E,H] */
     const void *fc1;         /**< [E,2F,H] */
     const void *fc2;         /**< [E,H,F] */
     const void *shared_fc1;  /**< [2Fs,H] or NULL */
     const void *shared_fc2;  /**< [H,Fs] or NULL */
-} moe_moe_weights;
+} moe_layer_weights;
 
 /** The layer's weight gradients (full precision), views into the gradient buffer. */
-typedef struct moe_moe_grads {
+typedef struct moe_layer_grads {
     moe_real *router;      /**< [E,H] */
     moe_real *fc1;         /**< [E,2F,H] */
     moe_real *fc2;         /**< [E,H,F] */
     moe_real *shared_fc1;  /**< [2Fs,H] or NULL */
     moe_real *shared_fc2;  /**< [H,Fs] or NULL */
-} moe_moe_grads;
+} moe_layer_grads;
 
 /** What the forward saves for the backward (sized for N tokens). `void *` buffers are
  *  activations (the backend's type); `moe_real *` ones are full precision. */
-typedef struct moe_moe_acts {
+typedef struct moe_layer_acts {
     void *logits;         /**< [N,E] router logits */
     int *topk_idx;        /**< [N,k] selected experts */
     moe_real *topk_w;     /**< [N,k] routing weights */
@@ -101,10 +101,10 @@ typedef struct moe_moe_acts {
     void *acte;           /**< [e_rows,F] expert SwiGLU outputs × routing weight */
     moe_sym_buf xe_sym;   /**< the fused dispatcher: xe in memory the EP group shares */
     moe_sym_buf we_sym;   /**< the fused dispatcher: we, likewise */
-} moe_moe_acts;
+} moe_layer_acts;
 
 /** Scratch shared by all MoE layers (only one runs at a time). */
-typedef struct moe_moe_workspace {
+typedef struct moe_layer_workspace {
     void *yp;           /**< [max(N·k,N),H] expert outputs, permuted */
     void *dyp;          /**< [N·k,H] */
     void *dxp;          /**< [N·k,H] */
@@ -122,16 +122,16 @@ typedef struct moe_moe_workspace {
     moe_sym_buf ye_sym;  /**< the fused dispatcher: ye in memory the EP group shares */
     moe_sym_buf dye_sym; /**< the fused dispatcher: dye, likewise */
     moe_sym_buf dwe_sym; /**< the fused dispatcher: dwe, likewise */
-} moe_moe_workspace;
+} moe_layer_workspace;
 
 /** @brief Allocate the saved activations for @p d. @param be backend @param a acts @param d dims */
-void moe_moe_acts_alloc(const moe_backend *be, moe_moe_acts *a, const moe_moe_dims *d);
+void moe_layer_acts_alloc(const moe_backend *be, moe_layer_acts *a, const moe_layer_dims *d);
 /** @brief Free them. @param be backend @param a acts */
-void moe_moe_acts_free(const moe_backend *be, moe_moe_acts *a);
+void moe_layer_acts_free(const moe_backend *be, moe_layer_acts *a);
 /** @brief Allocate the workspace for @p d. @param be backend @param w workspace @param d dims */
-void moe_moe_workspace_alloc(const moe_backend *be, moe_moe_workspace *w, const moe_moe_dims *d);
+void moe_layer_workspace_alloc(const moe_backend *be, moe_layer_workspace *w, const moe_layer_dims *d);
 /** @brief Free it. @param be backend @param w workspace */
-void moe_moe_workspace_free(const moe_backend *be, moe_moe_workspace *w);
+void moe_layer_workspace_free(const moe_backend *be, moe_layer_workspace *w);
 
 /**
  * @brief Forward of the MoE FFN for @p N tokens (N ≤ the allocated size; N a multiple of T).
@@ -139,9 +139,9 @@ void moe_moe_workspace_free(const moe_backend *be, moe_moe_workspace *w);
  * @param expert_bias [E] fp32 selection bias or NULL  @param d dims (d->N is used)
  * @param a saved activations  @param ws workspace
  */
-void moe_moe_forward(const moe_backend *be, void *out, const void *x, const moe_moe_weights *w,
-                     const float *expert_bias, const moe_moe_dims *d, moe_moe_acts *a,
-                     moe_moe_workspace *ws);
+void moe_layer_forward(const moe_backend *be, void *out, const void *x, const moe_layer_weights *w,
+                     const float *expert_bias, const moe_layer_dims *d, moe_layer_acts *a,
+                     moe_layer_workspace *ws);
 
 /**
  * @brief Backward of the MoE FFN (gradients accumulate). The aux and z losses enter with
@@ -150,9 +150,9 @@ void moe_moe_forward(const moe_backend *be, void *out, const void *x, const moe_
  * @param x forward input  @param w weights  @param d dims  @param a saved activations
  * @param ws workspace  @param loss_scale weight of the aux/z losses in the total loss
  */
-void moe_moe_backward(const moe_backend *be, void *dx, const moe_moe_grads *g, const void *dout,
-                      const void *x, const moe_moe_weights *w, const moe_moe_dims *d,
-                      const moe_moe_acts *a, moe_moe_workspace *ws, double loss_scale);
+void moe_layer_backward(const moe_backend *be, void *dx, const moe_layer_grads *g, const void *dout,
+                      const void *x, const moe_layer_weights *w, const moe_layer_dims *d,
+                      const moe_layer_acts *a, moe_layer_workspace *ws, double loss_scale);
 
 /**
  * @brief The expert backend the configuration asks for (--moe-expert-backend): `auto` is
