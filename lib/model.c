@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "mlp.h"
+#include "moe/experts.h"
 
 #define R sizeof(moe_real)
 
@@ -103,7 +104,7 @@ static moe_layer_dims moe_dims(const moe_model *m, int N, int T) {
     d.z_coeff = c->moe_z_loss_coeff;
     d.ep = m->ep && m->ep->comm ? m->ep : NULL;
     d.capacity_factor = c->moe_expert_capacity_factor;
-    d.drop_by_position = c->drop_by_position;
+    d.drop_policy = c->drop_policy;
     d.pad_to_capacity = c->moe_pad_expert_input_to_capacity;
     d.experts = moe_expert_impl_from_config(c, m->be);
     return d;

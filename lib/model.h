@@ -19,7 +19,7 @@
 
 #include "backend.h"
 #include "config.h"
-#include "moe_layer.h"
+#include "moe/layer.h"
 #include "params.h"
 
 /** Per-layer weight slots (offsets into the parameter buffer). */

@@ -10,8 +10,8 @@
 #include "backend.h"
 #include "helpers.h"
 #include "mlp.h"
-#include "dispatcher.h"
-#include "moe_layer.h"
+#include "moe/capacity.h"
+#include "moe/layer.h"
 #include "suites.h"
 
 static moe_router_params rp(int E, int k, moe_score_fn fn, int pre, int G, int GK, double s) {

@@ -23,7 +23,7 @@
 #include "bench.h"
 #include "flags.h"
 #include "log.h"
-#include "moe_layer.h"
+#include "moe/layer.h"
 #include "profile.h"
 
 typedef struct opts {
