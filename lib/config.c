@@ -433,7 +433,7 @@ moe_status moe_config_validate(moe_config *c, moe_error *err) {
                 "--moe-pad-expert-input-to-capacity applies to the alltoall dispatcher only "
                 "(the allgather dispatcher has no per-expert sends to pad)");
         char why[160];
-        REQUIRE(c->alltoall_path != MOE_ALLTOALL_FUSED || moe_config_fused_fits(c, why, sizeof why),
+        REQUIRE(c->alltoall_path != MOE_A2A_FUSED || moe_config_fused_fits(c, why, sizeof why),
                 "--moe-alltoall-path fused is not possible: %s; use --moe-alltoall-path "
                 "collective", why);
         REQUIRE(c->expert_backend != MOE_EXPERT_BACKEND_GROUPED || moe_config_grouped_kernel_fits(c),

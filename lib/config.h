@@ -59,11 +59,11 @@ typedef enum moe_dispatcher_type {
 } moe_dispatcher_type;
 
 /** How the alltoall dispatcher moves rows (--moe-alltoall-path). */
-typedef enum moe_alltoall_path {
-    MOE_ALLTOALL_AUTO = 0,       /**< fused where the EP group can take it, else collective */
-    MOE_ALLTOALL_COLLECTIVE = 1, /**< permute, all-to-all-v (NCCL/MPI), unpermute */
-    MOE_ALLTOALL_FUSED = 2       /**< one kernel stores / loads rows in the peers' memory */
-} moe_alltoall_path;
+typedef enum moe_a2a_path {
+    MOE_A2A_AUTO = 0,       /**< fused where the EP group can take it, else collective */
+    MOE_A2A_COLLECTIVE = 1, /**< permute, all-to-all-v (NCCL/MPI), unpermute */
+    MOE_A2A_FUSED = 2       /**< one kernel stores / loads rows in the peers' memory */
+} moe_a2a_path;
 
 /** Which assignments an expert over capacity keeps (--moe-token-drop-policy). */
 typedef enum moe_drop_policy {
@@ -73,12 +73,12 @@ typedef enum moe_drop_policy {
 
 /** The expert backend asked for (--moe-expert-backend); moe_expert_impl_from_config()
  *  turns `auto` into one of the others for the backend the model runs on. */
-typedef enum moe_expert_backend {
+typedef enum moe_expert_choice {
     MOE_EXPERT_BACKEND_AUTO = 0,    /**< the fastest the backend has */
     MOE_EXPERT_BACKEND_LOOP = 1,    /**< chapter 01's loop over experts */
     MOE_EXPERT_BACKEND_CUBLAS = 2,  /**< cuBLAS's grouped GEMM */
     MOE_EXPERT_BACKEND_GROUPED = 3  /**< our grouped kernel (chapter 03) */
-} moe_expert_backend;
+} moe_expert_choice;
 
 /** Learning-rate decay style. */
 typedef enum moe_lr_style { MOE_LR_COSINE = 0, MOE_LR_CONSTANT = 1, MOE_LR_LINEAR = 2 } moe_lr_style;
@@ -156,9 +156,9 @@ typedef struct moe_config {
     moe_lr_style lr_style;      /**< parsed decay style */
     int is_moe_layer[MOE_MAX_LAYERS]; /**< 1 where layer l has an MoE FFN */
     moe_dispatcher_type dispatcher_type; /**< parsed --moe-token-dispatcher-type */
-    moe_alltoall_path alltoall_path;     /**< parsed --moe-alltoall-path */
+    moe_a2a_path alltoall_path;          /**< parsed --moe-alltoall-path */
     moe_drop_policy drop_policy;         /**< parsed --moe-token-drop-policy */
-    moe_expert_backend expert_backend;   /**< parsed --moe-expert-backend */
+    moe_expert_choice expert_backend;    /**< parsed --moe-expert-backend */
 } moe_config;
 
 /** @brief The flag table of moe.c. @param n receives its length @return the table */

@@ -15,14 +15,14 @@ moe_status moe_ep_choose_dispatcher(moe_ep *ep, const moe_config *c, int verbose
         return MOE_OK;
     }
     ep->dispatcher = &moe_dispatcher_alltoall;
-    if (!ep->comm || c->alltoall_path == MOE_ALLTOALL_COLLECTIVE)
+    if (!ep->comm || c->alltoall_path == MOE_A2A_COLLECTIVE)
         return MOE_OK;
     /* the fused kernels where the GPUs of the EP group share memory, else the collective;
      * peer access is collective: every rank agrees */
     char why[320];
     const int ok = moe_config_fused_fits(c, why, sizeof why) &&
                    moe_comm_peer_access(ep->comm, why, sizeof why);
-    if (!ok && c->alltoall_path == MOE_ALLTOALL_FUSED)
+    if (!ok && c->alltoall_path == MOE_A2A_FUSED)
         return moe_error_set(err, MOE_ERR_CONFIG,
                              "--moe-alltoall-path fused is not possible here: %s (use "
                              "--moe-alltoall-path auto or collective)",
@@ -68,6 +68,19 @@ void moe_ep_free(moe_ep *ep) {
     ep->be->free(ep->ag_buf);
     ep->send_buf = ep->recv_buf = ep->ag_buf = NULL;
     ep->send_cap = ep->recv_cap = ep->ag_cap = 0;
+}
+
+void moe_dispatch_permute(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
+                          const void *x) {
+    const int NK = d->N * d->k;
+    be->permute_tokens(a->xp, x, a->perm_src, NK, d->k, d->H);
+    be->permute_weights(a->wp, a->topk_w, a->perm_src, NK);
+}
+
+void moe_dispatch_unpermute(const moe_backend *be, const moe_layer_dims *d,
+                            const moe_layer_acts *a, void *out, const void *rows) {
+    be->zero(out, be->act_size * (size_t)d->N * d->H);
+    be->unpermute_sum(out, rows, a->row_of, d->N, d->k, d->H);
 }
 
 void moe_dispatch_unpermute_grads(const moe_backend *be, const moe_layer_dims *d,

@@ -280,6 +280,24 @@ void moe_combine_fused(moe_ep *ep, const moe_dispatch_plan *plan, void *out, int
 /* ------------------------------------------------------------- shared pieces (dispatch.c) */
 
 /**
+ * @brief The forward's token side of the permutation, shared by the local and alltoall
+ *        dispatchers: each token copied to its k permuted rows (a->xp [N·k,H]) and each
+ *        row's routing weight (a->wp [N·k]), in the order a->perm_src gives.
+ * @param be backend @param d dims @param a saved state @param x [N,H] tokens
+ */
+void moe_dispatch_permute(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
+                          const void *x);
+
+/**
+ * @brief The forward's way back to token order, shared by the local and alltoall
+ *        dispatchers: out[n] = Σ_j rows[row_of[n·k + j]] (overwritten).
+ * @param be backend @param d dims @param a saved state @param out [N,H]
+ * @param rows [N·k,H] the experts' outputs in the permuted layout
+ */
+void moe_dispatch_unpermute(const moe_backend *be, const moe_layer_dims *d,
+                            const moe_layer_acts *a, void *out, const void *rows);
+
+/**
  * @brief The backward's way back to token order from the permuted layout, shared by the
  *        local and alltoall dispatchers (and, for the weights, the fused one):
  *        dx[n] += Σ_j ws->dxp[row_of[n·k + j]], and ws->dtopk_w = ws->dwp by assignment.

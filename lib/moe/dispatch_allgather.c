@@ -138,12 +138,7 @@ static void ag_free(const moe_backend *be, moe_dispatch_plan *plan) {
 }
 
 const moe_dispatcher moe_dispatcher_allgather = {
-    .name = "allgather",
-    .expert_side = 1,
-    .plan = ag_plan,
-    .dispatch = ag_dispatch,
-    .combine = ag_combine,
-    .dispatch_grad = ag_dispatch_grad,
-    .combine_grad = ag_combine_grad,
+    .name = "allgather", .expert_side = 1, .plan = ag_plan, .dispatch = ag_dispatch,
+    .combine = ag_combine, .dispatch_grad = ag_dispatch_grad, .combine_grad = ag_combine_grad,
     .free = ag_free,
 };

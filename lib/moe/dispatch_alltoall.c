@@ -261,9 +261,7 @@ void moe_dispatch_alltoall_plan(const moe_backend *be, const moe_layer_dims *d, 
 static void a2a_dispatch(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
                          moe_layer_workspace *ws, const void *x) {
     moe_ep *ep = ep_of(d, ws);
-    const int NK = d->N * d->k;
-    be->permute_tokens(a->xp, x, a->perm_src, NK, d->k, d->H);
-    be->permute_weights(a->wp, a->topk_w, a->perm_src, NK);
+    moe_dispatch_permute(be, d, a, x);
     moe_dispatch_rows(ep, &a->plan, a->xe, a->xp, d->H);
     moe_dispatch_reals(ep, &a->plan, a->we, a->wp);
     moe_prof_mark(MOE_PROF_OTHER);
@@ -281,8 +279,7 @@ static void rows_home(const moe_backend *be, const moe_layer_dims *d, const moe_
 static void a2a_combine(const moe_backend *be, const moe_layer_dims *d, const moe_layer_acts *a,
                         moe_layer_workspace *ws, void *out) {
     rows_home(be, d, a, ws, ws->yp, ws->ye);
-    be->zero(out, be->act_size * (size_t)d->N * d->H);
-    be->unpermute_sum(out, ws->yp, a->row_of, d->N, d->k, d->H);
+    moe_dispatch_unpermute(be, d, a, out, ws->yp);
     moe_prof_mark(MOE_PROF_OTHER);
 }
 
@@ -319,12 +316,7 @@ void moe_dispatch_alltoall_free(const moe_backend *be, moe_dispatch_plan *plan) 
 }
 
 const moe_dispatcher moe_dispatcher_alltoall = {
-    .name = "alltoall",
-    .expert_side = 1,
-    .plan = moe_dispatch_alltoall_plan,
-    .dispatch = a2a_dispatch,
-    .combine = a2a_combine,
-    .dispatch_grad = a2a_dispatch_grad,
-    .combine_grad = a2a_combine_grad,
-    .free = moe_dispatch_alltoall_free,
+    .name = "alltoall", .expert_side = 1, .plan = moe_dispatch_alltoall_plan,
+    .dispatch = a2a_dispatch, .combine = a2a_combine, .dispatch_grad = a2a_dispatch_grad,
+    .combine_grad = a2a_combine_grad, .free = moe_dispatch_alltoall_free,
 };

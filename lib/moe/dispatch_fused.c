@@ -129,12 +129,7 @@ static void fused_free(const moe_backend *be, moe_dispatch_plan *plan) {
 }
 
 const moe_dispatcher moe_dispatcher_fused = {
-    .name = "fused",
-    .expert_side = 1,
-    .plan = moe_dispatch_alltoall_plan,
-    .dispatch = fused_dispatch,
-    .combine = fused_combine,
-    .dispatch_grad = fused_dispatch_grad,
-    .combine_grad = fused_combine_grad,
-    .free = fused_free,
+    .name = "fused", .expert_side = 1, .plan = moe_dispatch_alltoall_plan,
+    .dispatch = fused_dispatch, .combine = fused_combine, .dispatch_grad = fused_dispatch_grad,
+    .combine_grad = fused_combine_grad, .free = fused_free,
 };

@@ -22,17 +22,14 @@ static void local_plan(const moe_backend *be, const moe_layer_dims *d, moe_layer
 /* each token copied to its k rows, each row with its routing weight */
 static void local_dispatch(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
                            moe_layer_workspace *ws, const void *x) {
-    const int NK = d->N * d->k;
-    be->permute_tokens(a->xp, x, a->perm_src, NK, d->k, d->H);
-    be->permute_weights(a->wp, a->topk_w, a->perm_src, NK);
+    moe_dispatch_permute(be, d, a, x);
     moe_prof_mark(MOE_PROF_PERMUTE);
 }
 
 /* out[n] = Σ_j expert output of (n, j) */
 static void local_combine(const moe_backend *be, const moe_layer_dims *d,
                           const moe_layer_acts *a, moe_layer_workspace *ws, void *out) {
-    be->zero(out, be->act_size * (size_t)d->N * d->H);
-    be->unpermute_sum(out, ws->yp, a->row_of, d->N, d->k, d->H);
+    moe_dispatch_unpermute(be, d, a, out, ws->yp);
     moe_prof_mark(MOE_PROF_UNPERMUTE);
 }
 
@@ -53,12 +50,7 @@ static void local_combine_grad(const moe_backend *be, const moe_layer_dims *d,
 static void local_free(const moe_backend *be, moe_dispatch_plan *plan) {}
 
 const moe_dispatcher moe_dispatcher_local = {
-    .name = "local",
-    .expert_side = 0,
-    .plan = local_plan,
-    .dispatch = local_dispatch,
-    .combine = local_combine,
-    .dispatch_grad = local_dispatch_grad,
-    .combine_grad = local_combine_grad,
-    .free = local_free,
+    .name = "local", .expert_side = 0, .plan = local_plan, .dispatch = local_dispatch,
+    .combine = local_combine, .dispatch_grad = local_dispatch_grad,
+    .combine_grad = local_combine_grad, .free = local_free,
 };
