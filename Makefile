@@ -89,7 +89,7 @@ ALL_NVCC_FLAGS = -std=c++17 $(NVCC_FLAGS) $(NVCC_ARCH) -Ilib -Ikernels -Xcompile
 CUDA_LIBS  := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcublas -lcudart -lstdc++
 
 # ---------------------------------------------------------------- sources
-LIB_SRC  := $(wildcard lib/*.c lib/cpu/*.c)
+LIB_SRC  := $(wildcard lib/*.c lib/cpu/*.c lib/moe/*.c)
 CU_SRC   := $(if $(filter 1,$(WITH_CUDA)),$(wildcard kernels/*.cu),)
 GPU_SRC  := $(wildcard tests/gpu_*.c) tests/helpers.c
 MPI_SRC  := $(filter-out tests/mpi_abort_main.c,$(wildcard tests/mpi_*.c)) tests/helpers.c

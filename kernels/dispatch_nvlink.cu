@@ -1,6 +1,6 @@
 /*
  * Chapter 02's fused all-to-all dispatcher: the permutation and the transfer in one kernel
- * (see kernels/dispatch_nvlink.h for the contract, lib/dispatcher.h for the algorithm).
+ * (see lib/moe/dispatch_nvlink.h for the contract, lib/moe/dispatch.h for the algorithm).
  *
  * The collective path moves every token row three times: permute_tokens copies it to its
  * k rows, NCCL copies those rows to the experts' GPUs, and on the way back NCCL copies
@@ -43,7 +43,7 @@
 #include "comm_nccl.h"      /* NCCL and, from 2.28, its device API (MOE_NCCL_DEVICE_API) */
 #include "comm_transport.h" /* the group's device communicator; the watchdog */
 #include "cuda_common.cuh"
-#include "dispatch_nvlink.h"
+#include "moe/dispatch_nvlink.h"
 
 #ifdef MOE_NCCL_DEVICE_API
 

@@ -1,6 +1,6 @@
 /*
  * Row gathers with an index map, the one data-movement primitive of the token
- * dispatcher (lib/dispatcher.c): dst[r,:] = src[map[r],:], and a zero row where
+ * dispatcher (lib/moe/dispatch_alltoall.c): dst[r,:] = src[map[r],:], and a zero row where
  * map[r] < 0 (the padding rows of --moe-pad-expert-input-to-capacity). Chunk sorting
  * ([source rank][local expert] → [local expert][source rank]) and its reverse are both
  * such gathers with maps the host builds from the exchanged counts.

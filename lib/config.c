@@ -279,6 +279,38 @@ int moe_config_grouped_kernel_fits(const moe_config *c) {
            c->num_experts / c->expert_model_parallel_size <= MOE_GROUPED_DEV_MAX_GROUPS;
 }
 
+int moe_config_fused_fits(const moe_config *c, char *why, size_t cap) {
+    char buf[160];
+    if (c->hidden_size % MOE_FUSED_ROW_ALIGN)
+        snprintf(buf, sizeof buf, "--hidden-size %d is not a multiple of %d (the fused kernels "
+                 "move rows of 16 bytes)", c->hidden_size, MOE_FUSED_ROW_ALIGN);
+    else if (c->moe_router_topk > MOE_FUSED_MAX_TOPK)
+        snprintf(buf, sizeof buf, "--moe-router-topk %d is above %d", c->moe_router_topk,
+                 MOE_FUSED_MAX_TOPK);
+    else
+        return 1;
+    if (why)
+        snprintf(why, cap, "%s", buf);
+    return 0;
+}
+
+/* A choice flag's value as its position in the flag's own choice list, the order the
+ * config.h enums are declared in; -1 when it is none of them. Resolving here, once, is
+ * what keeps strcmp out of the training step. */
+static int choice_index(const char *flag, const char *value) {
+    for (size_t i = 0; i < sizeof g_flags / sizeof g_flags[0]; i++)
+        if (!strcmp(g_flags[i].name, flag))
+            return moe_flags_choice_index(g_flags[i].choices, value);
+    return -1;
+}
+
+#define RESOLVE(field, flag, text)                                                      \
+    do {                                                                                \
+        int i_ = choice_index(flag, text);                                              \
+        REQUIRE(i_ >= 0, "--%s: '%s' is not one of its choices (see --help)", flag, text); \
+        field = i_;                                                                     \
+    } while (0)
+
 moe_status moe_config_validate(moe_config *c, moe_error *err) {
     /* sizes */
     REQUIRE(c->num_layers >= 1 && c->num_layers <= MOE_MAX_LAYERS,
@@ -343,6 +375,10 @@ moe_status moe_config_validate(moe_config *c, moe_error *err) {
     else
         REQUIRE(0, "--moe-router-load-balancing-type must be aux_loss, seq_aux_loss or none "
                 "(got '%s')", c->moe_router_load_balancing_type);
+    RESOLVE(c->dispatcher_type, "moe-token-dispatcher-type", c->moe_token_dispatcher_type);
+    RESOLVE(c->alltoall_path, "moe-alltoall-path", c->moe_alltoall_path);
+    RESOLVE(c->drop_policy, "moe-token-drop-policy", c->moe_token_drop_policy);
+    RESOLVE(c->expert_backend, "moe-expert-backend", c->moe_expert_backend);
     if (any_moe) {
         const int E = c->num_experts, k = c->moe_router_topk;
         REQUIRE(c->moe_ffn_hidden_size >= 1, "--moe-ffn-hidden-size must be positive (got %d)",
@@ -393,15 +429,14 @@ moe_status moe_config_validate(moe_config *c, moe_error *err) {
                 "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor "
                 "(there is no capacity to pad to in a dropless run)");
         REQUIRE(!(c->moe_pad_expert_input_to_capacity &&
-                  !strcmp(c->moe_token_dispatcher_type, "allgather")),
+                  c->dispatcher_type == MOE_DISPATCHER_ALLGATHER),
                 "--moe-pad-expert-input-to-capacity applies to the alltoall dispatcher only "
                 "(the allgather dispatcher has no per-expert sends to pad)");
-        REQUIRE(strcmp(c->moe_alltoall_path, "fused") || c->hidden_size % 8 == 0,
-                "--moe-alltoall-path fused moves rows of 16 bytes: --hidden-size must be a "
-                "multiple of 8 (got %d); use --moe-alltoall-path collective",
-                c->hidden_size);
-        c->drop_by_position = !strcmp(c->moe_token_drop_policy, "position");
-        REQUIRE(strcmp(c->moe_expert_backend, "grouped") || moe_config_grouped_kernel_fits(c),
+        char why[160];
+        REQUIRE(c->alltoall_path != MOE_A2A_FUSED || moe_config_fused_fits(c, why, sizeof why),
+                "--moe-alltoall-path fused is not possible: %s; use --moe-alltoall-path "
+                "collective", why);
+        REQUIRE(c->expert_backend != MOE_EXPERT_BACKEND_GROUPED || moe_config_grouped_kernel_fits(c),
                 "--moe-expert-backend grouped needs --hidden-size and --moe-ffn-hidden-size "
                 "that are multiples of %d and at most %d experts per rank (got %d, %d, %d); "
                 "use --moe-expert-backend cublas-grouped for other shapes",

@@ -31,6 +31,13 @@
  *  aligned bf16). */
 #define MOE_GROUPED_DEV_ALIGN 8
 
+/** Most experts per token chapter 02's fused dispatcher takes (one lane of a warp per
+ *  assignment; --moe-alltoall-path fused). */
+#define MOE_FUSED_MAX_TOPK 32
+/** The fused dispatcher moves rows in 16-byte pieces: --hidden-size is a multiple of this
+ *  (bf16 elements). */
+#define MOE_FUSED_ROW_ALIGN 8
+
 /** Router score function (BRIEF §6). */
 typedef enum moe_score_fn {
     MOE_SCORE_SOFTMAX = 0, /**< softmax: top-k then softmax over the k, or pre-softmax */
@@ -43,6 +50,35 @@ typedef enum moe_lb_type {
     MOE_LB_AUX = 1,     /**< global (micro-batch) auxiliary loss */
     MOE_LB_SEQ_AUX = 2  /**< per-sequence auxiliary loss, averaged over sequences */
 } moe_lb_type;
+
+/** How tokens reach experts on other ranks (--moe-token-dispatcher-type; the enums below
+ *  list a choice flag's values in the order of its choice list). */
+typedef enum moe_dispatcher_type {
+    MOE_DISPATCHER_ALLTOALL = 0, /**< all-to-all: each token row goes to its experts' ranks */
+    MOE_DISPATCHER_ALLGATHER = 1 /**< allgather: every rank sees every rank's tokens */
+} moe_dispatcher_type;
+
+/** How the alltoall dispatcher moves rows (--moe-alltoall-path). */
+typedef enum moe_a2a_path {
+    MOE_A2A_AUTO = 0,       /**< fused where the EP group can take it, else collective */
+    MOE_A2A_COLLECTIVE = 1, /**< permute, all-to-all-v (NCCL/MPI), unpermute */
+    MOE_A2A_FUSED = 2       /**< one kernel stores / loads rows in the peers' memory */
+} moe_a2a_path;
+
+/** Which assignments an expert over capacity keeps (--moe-token-drop-policy). */
+typedef enum moe_drop_policy {
+    MOE_DROP_PROBS = 0,   /**< the highest routing weights (ties: the earliest) */
+    MOE_DROP_POSITION = 1 /**< the earliest tokens */
+} moe_drop_policy;
+
+/** The expert backend asked for (--moe-expert-backend); moe_expert_impl_from_config()
+ *  turns `auto` into one of the others for the backend the model runs on. */
+typedef enum moe_expert_choice {
+    MOE_EXPERT_BACKEND_AUTO = 0,    /**< the fastest the backend has */
+    MOE_EXPERT_BACKEND_LOOP = 1,    /**< chapter 01's loop over experts */
+    MOE_EXPERT_BACKEND_CUBLAS = 2,  /**< cuBLAS's grouped GEMM */
+    MOE_EXPERT_BACKEND_GROUPED = 3  /**< our grouped kernel (chapter 03) */
+} moe_expert_choice;
 
 /** Learning-rate decay style. */
 typedef enum moe_lr_style { MOE_LR_COSINE = 0, MOE_LR_CONSTANT = 1, MOE_LR_LINEAR = 2 } moe_lr_style;
@@ -119,7 +155,10 @@ typedef struct moe_config {
     moe_lb_type lb_type;        /**< parsed load-balancing type */
     moe_lr_style lr_style;      /**< parsed decay style */
     int is_moe_layer[MOE_MAX_LAYERS]; /**< 1 where layer l has an MoE FFN */
-    int drop_by_position;       /**< parsed --moe-token-drop-policy: 1 = position, 0 = probs */
+    moe_dispatcher_type dispatcher_type; /**< parsed --moe-token-dispatcher-type */
+    moe_a2a_path alltoall_path;          /**< parsed --moe-alltoall-path */
+    moe_drop_policy drop_policy;         /**< parsed --moe-token-drop-policy */
+    moe_expert_choice expert_backend;    /**< parsed --moe-expert-backend */
 } moe_config;
 
 /** @brief The flag table of moe.c. @param n receives its length @return the table */
@@ -154,6 +193,17 @@ moe_status moe_config_validate(moe_config *cfg, moe_error *err);
  * @return 1 when it does
  */
 int moe_config_grouped_kernel_fits(const moe_config *c);
+
+/**
+ * @brief Whether chapter 02's fused dispatcher takes this model's rows: --hidden-size a
+ *        multiple of ::MOE_FUSED_ROW_ALIGN and --moe-router-topk at most
+ *        ::MOE_FUSED_MAX_TOPK. (Whether the ranks share memory is the communicator's
+ *        question: moe_comm_peer_access().)
+ * @param c configuration
+ * @param why receives the reason when it does not (may be NULL)  @param cap size of @p why
+ * @return 1 when it does
+ */
+int moe_config_fused_fits(const moe_config *c, char *why, size_t cap);
 
 /**
  * @brief Parse a space-separated flag string ("--hidden-size 64 --qk-layernorm") over

@@ -11,19 +11,19 @@ static const void *cfield(const void *base, const moe_flag *f) {
     return (const char *)base + f->offset;
 }
 
-static int in_choices(const char *choices, const char *v) {
+int moe_flags_choice_index(const char *choices, const char *v) {
     size_t len = strlen(v);
     const char *p = choices;
-    while (*p) {
+    for (int index = 0; *p; index++) {
         const char *bar = strchr(p, '|');
         size_t n = bar ? (size_t)(bar - p) : strlen(p);
         if (n == len && strncmp(p, v, n) == 0)
-            return 1;
+            return index;
         if (!bar)
             break;
         p = bar + 1;
     }
-    return 0;
+    return -1;
 }
 
 /* Parse @p text into the field of @p f; on failure say which flag and why. */
@@ -69,7 +69,7 @@ static moe_status set_value(const moe_flag *f, void *base, const char *text, moe
         return MOE_OK;
     }
     case MOE_FLAG_CHOICE:
-        if (!in_choices(f->choices, text))
+        if (moe_flags_choice_index(f->choices, text) < 0)
             return moe_error_set(err, MOE_ERR_FLAG, "--%s must be one of %s, got '%s'", f->name,
                                  f->choices, text);
         /* fall through */

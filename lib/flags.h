@@ -46,6 +46,15 @@ typedef struct moe_flag {
 void moe_flags_set_defaults(const moe_flag *flags, int n, void *base);
 
 /**
+ * @brief Where @p value stands in a ::MOE_FLAG_CHOICE list: 0 for the first choice of
+ *        "auto|collective|fused", 2 for "fused". Declaring an enum in the same order turns
+ *        a parsed choice into that enum with no string compares afterwards.
+ * @param choices '|'-separated values  @param value the value
+ * @return its index, or -1 when it is not one of the choices
+ */
+int moe_flags_choice_index(const char *choices, const char *value);
+
+/**
  * @brief Parse argv[1..argc-1] into @p base. Accepts `--name value` and `--name=value`.
  * @param flags table  @param n its length  @param base struct to fill
  * @param argc argument count  @param argv arguments

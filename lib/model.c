@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "mlp.h"
+#include "moe/experts.h"
 
 #define R sizeof(moe_real)
 
@@ -87,9 +88,9 @@ static moe_real *G(const moe_model *m, int l, moe_layer_weight s) {
     return m->off[l][s] == MOE_NO_WEIGHT ? NULL : m->grads + m->off[l][s];
 }
 
-static moe_moe_dims moe_dims(const moe_model *m, int N, int T) {
+static moe_layer_dims moe_dims(const moe_model *m, int N, int T) {
     const moe_config *c = &m->cfg;
-    moe_moe_dims d;
+    moe_layer_dims d;
     d.N = N;
     d.T = T;
     d.H = c->hidden_size;
@@ -103,20 +104,20 @@ static moe_moe_dims moe_dims(const moe_model *m, int N, int T) {
     d.z_coeff = c->moe_z_loss_coeff;
     d.ep = m->ep && m->ep->comm ? m->ep : NULL;
     d.capacity_factor = c->moe_expert_capacity_factor;
-    d.drop_by_position = c->drop_by_position;
+    d.drop_policy = c->drop_policy;
     d.pad_to_capacity = c->moe_pad_expert_input_to_capacity;
     d.experts = moe_expert_impl_from_config(c, m->be);
     return d;
 }
 
-static moe_moe_weights moe_weights(const moe_model *m, int l) {
-    moe_moe_weights w = {P(m, l, MOE_W_ROUTER), P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2),
+static moe_layer_weights moe_weights(const moe_model *m, int l) {
+    moe_layer_weights w = {P(m, l, MOE_W_ROUTER), P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2),
                          P(m, l, MOE_W_SHARED_FC1), P(m, l, MOE_W_SHARED_FC2)};
     return w;
 }
 
-static moe_moe_grads moe_grads(const moe_model *m, int l) {
-    moe_moe_grads g = {G(m, l, MOE_W_ROUTER), G(m, l, MOE_W_FC1), G(m, l, MOE_W_FC2),
+static moe_layer_grads moe_grads(const moe_model *m, int l) {
+    moe_layer_grads g = {G(m, l, MOE_W_ROUTER), G(m, l, MOE_W_FC1), G(m, l, MOE_W_FC2),
                        G(m, l, MOE_W_SHARED_FC1), G(m, l, MOE_W_SHARED_FC2)};
     return g;
 }
@@ -167,7 +168,7 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
         m->res[l] = must(be, S * N * H, &ok);
     int max_ffn = 0; /* widest FFN intermediate, for the shared scratch */
     for (int l = 0; l < L; l++) {
-        moe_layer_acts *a = &m->acts[l];
+        moe_block_acts *a = &m->acts[l];
         a->ln1 = must(be, S * N * H, &ok);
         a->rstd1 = must(be, R * N, &ok);
         a->q = must(be, S * N * Hq * D, &ok);
@@ -187,8 +188,8 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
         a->ln2 = must(be, S * N * H, &ok);
         a->rstd2 = must(be, R * N, &ok);
         if (c->is_moe_layer[l]) {
-            moe_moe_dims d = moe_dims(m, (int)N, T);
-            moe_moe_acts_alloc(be, &a->moe, &d);
+            moe_layer_dims d = moe_dims(m, (int)N, T);
+            moe_layer_acts_alloc(be, &a->moe, &d);
         } else {
             const int F = c->ffn_hidden_size;
             a->dense_gu = must(be, S * N * 2 * F, &ok);
@@ -199,7 +200,7 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
     }
     /* One workspace serves every FFN: size it for the MoE layers and the dense ones. */
     {
-        moe_moe_dims d = moe_dims(m, (int)N, T);
+        moe_layer_dims d = moe_dims(m, (int)N, T);
         if (E == 0) {
             d.E = 1;
             d.k = 1;
@@ -207,7 +208,7 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
         }
         if (d.Fs < max_ffn)
             d.Fs = max_ffn;
-        moe_moe_workspace_alloc(be, &m->ws, &d);
+        moe_layer_workspace_alloc(be, &m->ws, &d);
     }
     m->lnf = must(be, S * N * H, &ok);
     m->rstdf = must(be, R * N, &ok);
@@ -258,17 +259,17 @@ void moe_model_free(moe_model *m) {
             be->free(m->res[l]);
     if (m->acts)
         for (int l = 0; l < L; l++) {
-            moe_layer_acts *a = &m->acts[l];
+            moe_block_acts *a = &m->acts[l];
             be->free(a->ln1); be->free(a->rstd1); be->free(a->q); be->free(a->k); be->free(a->v);
             be->free(a->qn); be->free(a->kn); be->free(a->q_rstd); be->free(a->k_rstd);
             be->free(a->qr); be->free(a->kr); be->free(a->att); be->free(a->y);
             be->free(a->xmid); be->free(a->ln2); be->free(a->rstd2);
             be->free(a->dense_gu); be->free(a->dense_act);
             if (a->moe.counts)
-                moe_moe_acts_free(be, &a->moe);
+                moe_layer_acts_free(be, &a->moe);
         }
     if (m->ws.yp)
-        moe_moe_workspace_free(be, &m->ws);
+        moe_layer_workspace_free(be, &m->ws);
     be->free(m->lnf); be->free(m->rstdf); be->free(m->logits); be->free(m->losses);
     be->free(m->d_res); be->free(m->d_ln); be->free(m->d_y); be->free(m->d_q); be->free(m->d_k);
     be->free(m->d_v); be->free(m->d_q2); be->free(m->d_k2); be->free(m->d_logits);
@@ -354,7 +355,7 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
     double aux = 0.0, z = 0.0;
     m->last.dropped = 0;
     for (int l = 0; l < L; l++) {
-        moe_layer_acts *a = &m->acts[l];
+        moe_block_acts *a = &m->acts[l];
         const void *x = m->res[l];
         /* attention block */
         be->rmsnorm_forward(a->ln1, a->rstd1, x, P(m, l, MOE_W_LN1), N, H, c->norm_epsilon);
@@ -379,13 +380,13 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
         be->rmsnorm_forward(a->ln2, a->rstd2, a->xmid, P(m, l, MOE_W_LN2), N, H, c->norm_epsilon);
         void *ffn_out = m->res[l + 1];
         if (c->is_moe_layer[l]) {
-            moe_moe_dims d = moe_dims(m, N, T);
-            moe_moe_weights w = moe_weights(m, l);
-            moe_moe_forward(be, ffn_out, a->ln2, &w,
-                            c->moe_router_enable_expert_bias
-                                ? m->expert_bias + (size_t)l * c->num_experts
-                                : NULL,
-                            &d, &a->moe, &m->ws);
+            moe_layer_dims d = moe_dims(m, N, T);
+            moe_layer_weights w = moe_weights(m, l);
+            moe_layer_forward(be, ffn_out, a->ln2, &w,
+                              c->moe_router_enable_expert_bias
+                                  ? m->expert_bias + (size_t)l * c->num_experts
+                                  : NULL,
+                              &d, &a->moe, &m->ws);
             m->last.dropped += a->moe.dropped;
             m->layer_aux[l] = a->moe.aux_loss;
             m->layer_z[l] = a->moe.z_loss;
@@ -443,16 +444,16 @@ void moe_model_backward(moe_model *m, double loss_scale) {
     /* d_res holds ∂L/∂res[l+1]; each block adds its branch's gradient into it in place,
      * leaving ∂L/∂res[l] (the residual connection passes the gradient through unchanged). */
     for (int l = L - 1; l >= 0; l--) {
-        moe_layer_acts *a = &m->acts[l];
+        moe_block_acts *a = &m->acts[l];
         const void *x = m->res[l];
         /* FFN block: res[l+1] = xmid + ffn(ln2(xmid)) */
         be->zero(m->d_ln, S * (size_t)N * H);
         if (c->is_moe_layer[l]) {
-            moe_moe_dims d = moe_dims(m, N, T);
-            moe_moe_weights w = moe_weights(m, l);
-            moe_moe_grads g = moe_grads(m, l);
-            moe_moe_backward(be, m->d_ln, &g, m->d_res, a->ln2, &w, &d, &a->moe, &m->ws,
-                             loss_scale);
+            moe_layer_dims d = moe_dims(m, N, T);
+            moe_layer_weights w = moe_weights(m, l);
+            moe_layer_grads g = moe_grads(m, l);
+            moe_layer_backward(be, m->d_ln, &g, m->d_res, a->ln2, &w, &d, &a->moe, &m->ws,
+                               loss_scale);
         } else {
             moe_mlp_backward(be, m->d_ln, G(m, l, MOE_W_FC1), G(m, l, MOE_W_FC2), NULL, m->d_res,
                              a->ln2, a->dense_gu, a->dense_act, NULL, P(m, l, MOE_W_FC1),

@@ -19,7 +19,7 @@
 
 #include "backend.h"
 #include "config.h"
-#include "moe_layer.h"
+#include "moe/layer.h"
 #include "params.h"
 
 /** Per-layer weight slots (offsets into the parameter buffer). */
@@ -43,9 +43,9 @@ typedef enum moe_layer_weight {
 /** Marks a slot the layer does not have. */
 #define MOE_NO_WEIGHT ((size_t)-1)
 
-/** Activations one layer saves for its backward: `void *` in the backend's activation
+/** Activations one transformer layer (block) saves for its backward: `void *` in the backend's activation
  *  type, `moe_real *` (norm statistics) in full precision. */
-typedef struct moe_layer_acts {
+typedef struct moe_block_acts {
     void *ln1;                /**< attention norm output [N,H] */
     moe_real *rstd1;              /**< its 1/rms per row [N] */
     void *q;                  /**< query projection [N,Hq·D] */
@@ -62,10 +62,10 @@ typedef struct moe_layer_acts {
     void *xmid;               /**< residual after attention [N,H] */
     void *ln2;                /**< FFN norm output [N,H] */
     moe_real *rstd2;              /**< its 1/rms per row [N] */
-    moe_moe_acts moe;             /**< MoE FFN saved state (MoE layers) */
+    moe_layer_acts moe;             /**< MoE FFN saved state (MoE layers) */
     void *dense_gu;           /**< dense FFN fc1 output [N,2F] (dense layers) */
     void *dense_act;          /**< dense FFN SwiGLU output [N,F] (dense layers) */
-} moe_layer_acts;
+} moe_block_acts;
 
 /** Losses of the last forward. */
 typedef struct moe_losses {
@@ -101,12 +101,12 @@ typedef struct moe_model {
     int *tokens;                  /**< input ids, backend [B·T] */
     int *targets;                 /**< target ids, backend [B·T] */
     void **res;                   /**< residual stream: res[l] is layer l's input, [L+1][N,H] */
-    moe_layer_acts *acts;         /**< [L] */
+    moe_block_acts *acts;         /**< [L] */
     void *lnf;                /**< final norm output [N,H] */
     moe_real *rstdf;              /**< its 1/rms [N] */
     void *logits;             /**< [N,V] */
     moe_real *losses;             /**< [N] per-token cross-entropy */
-    moe_moe_workspace ws;         /**< MoE/FFN scratch */
+    moe_layer_workspace ws;         /**< MoE/FFN scratch */
     void *d_res;              /**< ∂L/∂residual stream [N,H] */
     void *d_ln;               /**< ∂L/∂norm output [N,H] */
     void *d_y;                /**< ∂L/∂attention output [N,Hq·D] */

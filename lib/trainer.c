@@ -36,41 +36,14 @@ static moe_status make_groups(moe_trainer *t, moe_error *err) {
                              c->micro_batch_size * W);
     t->ep.size = EP;
     t->ep.rank = t->rank % EP;
-    t->ep.allgather = !strcmp(c->moe_token_dispatcher_type, "allgather");
     if (EP > 1)
         MOE_TRY(moe_comm_split(t->world, t->rank / EP, t->rank, &t->ep_group, err));
     if (W / EP > 1)
         MOE_TRY(moe_comm_split(t->world, t->rank % EP, t->rank, &t->edp_group, err));
     t->ep.comm = t->ep_group;
 
-    /* the alltoall dispatcher's path (dispatcher.h): the fused kernels where the GPUs of
-     * the EP group share memory, else the collective. Collective: every rank agrees. */
-    if (t->ep.comm && !t->ep.allgather && strcmp(c->moe_alltoall_path, "collective")) {
-        char why[320];
-        int ok = 0;
-        if (c->hidden_size % 8)
-            snprintf(why, sizeof why, "--hidden-size %d is not a multiple of 8", c->hidden_size);
-        else if (c->moe_router_topk > MOE_FUSED_MAX_TOPK)
-            snprintf(why, sizeof why, "--moe-router-topk %d is above %d", c->moe_router_topk,
-                     MOE_FUSED_MAX_TOPK);
-        else
-            ok = moe_comm_peer_access(t->ep.comm, why, sizeof why);
-        if (!ok && !strcmp(c->moe_alltoall_path, "fused"))
-            return moe_error_set(err, MOE_ERR_CONFIG,
-                                 "--moe-alltoall-path fused is not possible here: %s (use "
-                                 "--moe-alltoall-path auto or collective)",
-                                 why);
-        t->ep.fused = ok;
-        if (t->rank == 0) {
-            if (ok)
-                moe_log_info("alltoall dispatcher: fused kernels through the GPUs' shared "
-                             "memory (NVLink)");
-            else
-                moe_log_info("alltoall dispatcher: collective (the fused path is not possible: "
-                             "%s)",
-                             why);
-        }
-    }
+    /* which dispatcher the MoE layers use (moe/dispatch.h) */
+    MOE_TRY(moe_ep_choose_dispatcher(&t->ep, c, t->rank == 0, err));
     return MOE_OK;
 }
 

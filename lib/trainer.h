@@ -10,10 +10,10 @@
 
 #include "backend.h"
 #include "comm.h"
-#include "dispatcher.h"
 #include "config.h"
 #include "data.h"
 #include "model.h"
+#include "moe/dispatch.h"
 #include "optimizer.h"
 
 /** Everything a run holds. */

@@ -9,7 +9,7 @@
 #include "error.h"
 #include "flags.h"
 #include "helpers.h"
-#include "moe_layer.h"
+#include "moe/experts.h"
 #include "suites.h"
 
 /* argv built from string literals: ARGS("--hidden-size", "64") → argc, argv with "moe" first. */

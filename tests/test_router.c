@@ -10,8 +10,8 @@
 #include "backend.h"
 #include "helpers.h"
 #include "mlp.h"
-#include "dispatcher.h"
-#include "moe_layer.h"
+#include "moe/capacity.h"
+#include "moe/layer.h"
 #include "suites.h"
 
 static moe_router_params rp(int E, int k, moe_score_fn fn, int pre, int G, int GK, double s) {
@@ -214,9 +214,9 @@ END_TEST
 /* The naive layer must equal Σ_j w_j · expert_{i_j}(x) + shared(x), computed token by token. */
 START_TEST(test_moe_layer_matches_direct_sum) {
     const moe_backend *be = moe_backend_cpu();
-    moe_moe_dims d = {.N = 12, .T = 6, .H = 8, .E = 4, .k = 2, .F = 5, .Fs = 3,
-                      .router = rp(4, 2, MOE_SCORE_SOFTMAX, 0, 0, 0, 0),
-                      .lb_type = MOE_LB_AUX, .aux_coeff = 0.01, .z_coeff = 0.001};
+    moe_layer_dims d = {.N = 12, .T = 6, .H = 8, .E = 4, .k = 2, .F = 5, .Fs = 3,
+                        .router = rp(4, 2, MOE_SCORE_SOFTMAX, 0, 0, 0, 0),
+                        .lb_type = MOE_LB_AUX, .aux_coeff = 0.01, .z_coeff = 0.001};
     const int N = d.N, H = d.H, E = d.E, F = d.F, Fs = d.Fs;
     moe_real *x = calloc((size_t)N * H, sizeof *x), *out = calloc((size_t)N * H, sizeof *out);
     moe_real *wr = calloc((size_t)E * H, sizeof *wr), *w1 = calloc((size_t)E * 2 * F * H, sizeof *w1);
@@ -229,12 +229,12 @@ START_TEST(test_moe_layer_matches_direct_sum) {
     moe_test_randn(s1, (size_t)2 * Fs * H, 34, 0.5);
     moe_test_randn(s2, (size_t)H * Fs, 35, 0.5);
     moe_test_poison(out, (size_t)N * H);
-    moe_moe_weights w = {wr, w1, w2, s1, s2};
-    moe_moe_acts a;
-    moe_moe_workspace ws;
-    moe_moe_acts_alloc(be, &a, &d);
-    moe_moe_workspace_alloc(be, &ws, &d);
-    moe_moe_forward(be, out, x, &w, NULL, &d, &a, &ws);
+    moe_layer_weights w = {wr, w1, w2, s1, s2};
+    moe_layer_acts a;
+    moe_layer_workspace ws;
+    moe_layer_acts_alloc(be, &a, &d);
+    moe_layer_workspace_alloc(be, &ws, &d);
+    moe_layer_forward(be, out, x, &w, NULL, &d, &a, &ws);
 
     long long total = 0;
     for (int e = 0; e < E; e++)
@@ -257,8 +257,8 @@ START_TEST(test_moe_layer_matches_direct_sum) {
         for (int c = 0; c < H; c++)
             ck_assert_double_eq_tol(out[(size_t)n * H + c], row[c] + tmp[c], 1e-5);
     }
-    moe_moe_acts_free(be, &a);
-    moe_moe_workspace_free(be, &ws);
+    moe_layer_acts_free(be, &a);
+    moe_layer_workspace_free(be, &ws);
     free(x); free(out); free(wr); free(w1); free(w2); free(s1); free(s2);
     moe_cpu_matmul_release();
 }

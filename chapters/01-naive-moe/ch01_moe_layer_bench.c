@@ -23,7 +23,7 @@
 #include "bench.h"
 #include "flags.h"
 #include "log.h"
-#include "moe_layer.h"
+#include "moe/layer.h"
 #include "profile.h"
 
 typedef struct opts {
@@ -56,11 +56,11 @@ typedef moe_bench_shape shape;
 /* Everything one layer needs on one backend. */
 typedef struct layer {
     const moe_backend *be;
-    moe_moe_dims d;
-    moe_moe_weights w;
-    moe_moe_grads g;
-    moe_moe_acts a;
-    moe_moe_workspace ws;
+    moe_layer_dims d;
+    moe_layer_weights w;
+    moe_layer_grads g;
+    moe_layer_acts a;
+    moe_layer_workspace ws;
     void *x, *out, *dout, *dx, *wbuf;
     moe_real *gbuf;
 } layer;
@@ -70,10 +70,10 @@ static void layer_init(layer *L, const moe_backend *be, const shape *s, int T,
                        moe_expert_impl impl) {
     memset(L, 0, sizeof *L);
     L->be = be;
-    moe_moe_dims d = {.N = T, .T = T, .H = s->H, .E = s->E, .k = s->k, .F = s->F, .Fs = 0,
-                      .router = {s->E, s->k, MOE_SCORE_SOFTMAX, 0, 0, 0, 0},
-                      .lb_type = MOE_LB_AUX, .aux_coeff = 0.01, .z_coeff = 0.001,
-                      .experts = impl};
+    moe_layer_dims d = {.N = T, .T = T, .H = s->H, .E = s->E, .k = s->k, .F = s->F, .Fs = 0,
+                        .router = {s->E, s->k, MOE_SCORE_SOFTMAX, 0, 0, 0, 0},
+                        .lb_type = MOE_LB_AUX, .aux_coeff = 0.01, .z_coeff = 0.001,
+                        .experts = impl};
     L->d = d;
     const size_t H = s->H, F = s->F, E = s->E, S = be->act_size;
     const size_t nr = E * H, n1 = E * 2 * F * H, n2 = E * H * F, n = nr + n1 + n2;
@@ -92,8 +92,8 @@ static void layer_init(layer *L, const moe_backend *be, const shape *s, int T,
     L->g.router = L->gbuf;
     L->g.fc1 = L->gbuf + nr;
     L->g.fc2 = L->gbuf + nr + n1;
-    moe_moe_acts_alloc(be, &L->a, &L->d);
-    moe_moe_workspace_alloc(be, &L->ws, &L->d);
+    moe_layer_acts_alloc(be, &L->a, &L->d);
+    moe_layer_workspace_alloc(be, &L->ws, &L->d);
     L->x = be->alloc(S * T * H);
     L->out = be->alloc(S * T * H);
     L->dout = be->alloc(S * T * H);
@@ -108,17 +108,17 @@ static void layer_init(layer *L, const moe_backend *be, const shape *s, int T,
 
 static void layer_free(layer *L) {
     const moe_backend *be = L->be;
-    moe_moe_acts_free(be, &L->a);
-    moe_moe_workspace_free(be, &L->ws);
+    moe_layer_acts_free(be, &L->a);
+    moe_layer_workspace_free(be, &L->ws);
     be->free(L->wbuf); be->free(L->gbuf); be->free(L->x); be->free(L->out);
     be->free(L->dout); be->free(L->dx);
 }
 
 static void layer_step(layer *L) {
     const moe_backend *be = L->be;
-    moe_moe_forward(be, L->out, L->x, &L->w, NULL, &L->d, &L->a, &L->ws);
+    moe_layer_forward(be, L->out, L->x, &L->w, NULL, &L->d, &L->a, &L->ws);
     be->zero(L->dx, be->act_size * (size_t)L->d.N * L->d.H);
-    moe_moe_backward(be, L->dx, &L->g, L->dout, L->x, &L->w, &L->d, &L->a, &L->ws, 1.0);
+    moe_layer_backward(be, L->dx, &L->g, L->dout, L->x, &L->w, &L->d, &L->a, &L->ws, 1.0);
 }
 
 /* ‖a − b‖ / ‖b‖ over the rows (tokens) where same[row] is set, for two activation

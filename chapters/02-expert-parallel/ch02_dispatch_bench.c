@@ -26,7 +26,7 @@
 
 #include "backend.h"
 #include "comm.h"
-#include "dispatcher.h"
+#include "moe/dispatch.h"
 #include "flags.h"
 #include "log.h"
 #include "bench.h"
@@ -193,9 +193,10 @@ int main(int argc, char **argv) {
             be->permute_index(perm_src, row_of, off, NULL, counts, d_idx, T, k, E);
             for (int e = 0; e < E; e++)
                 kept[e] = off[e + 1] - off[e];
-            ep.fused = 1; /* this plan only: the collective one above was built without */
+            /* this plan only is the fused path's: the collective one above was built without */
+            ep.dispatcher = &moe_dispatcher_fused;
             moe_dispatch_plan_build(&ep, &fplan, kept, E, 0);
-            ep.fused = 0;
+            ep.dispatcher = NULL;
             moe_dispatch_sym_rows(&ep, &fplan, &xs, be->act_size * (size_t)H);
             moe_dispatch_fused(&ep, &fplan, &xs, NULL, x, NULL, d_idx, row_of, T, k, H);
             moe_combine_fused(&ep, &fplan, out, 0, NULL, &xs, NULL, d_idx, row_of, T, k, H);

@@ -1,20 +1,19 @@
 /**
  * @file dispatch_nvlink.h
  * @brief Chapter 02's fused dispatcher: permutation and transfer in one kernel, through
- *        memory the GPUs of the EP group share (kernels/dispatch_nvlink.cu).
+ *        memory the GPUs of the EP group share — the launchers of
+ *        kernels/dispatch_nvlink.cu, called by lib/moe/dispatch_fused.c only.
  *
  * Both calls are collective over the group (every rank calls them in the same order) and
  * need moe_comm_peer_access() == 1. Rows are bf16 of width C (a multiple of 8); routing
  * weights are fp32. Assignment a = n·k + j of token n goes to expert e = idx[a] (e = E:
- * dropped) on rank e / EL, at row row_of[a] + shift[e] of that rank's buffers.
+ * dropped) on rank e / EL, at row row_of[a] + shift[e] of that rank's buffers. The largest
+ * k the kernels take is ::MOE_FUSED_MAX_TOPK (config.h, where validation checks it).
  */
 #ifndef MOE_DISPATCH_NVLINK_H
 #define MOE_DISPATCH_NVLINK_H
 
 #include "comm.h"
-
-/** Most experts per token the fused kernels take (one lane of a warp per assignment). */
-#define MOE_FUSED_MAX_TOPK 32
 
 #ifdef __cplusplus
 extern "C" {

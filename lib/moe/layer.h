@@ -1,38 +1,40 @@
 /**
- * @file moe_layer.h
- * @brief The MoE FFN layer: route, permute, the experts, combine — with expert parallelism,
- *        capacity and grouped GEMM as switches.
+ * @file layer.h
+ * @brief The MoE FFN layer: route → losses → dispatch → experts → combine → shared
+ *        expert, with the dispatcher, capacity and the expert backend as switches.
  *
  * Forward, for N tokens x [N,H]:
- *  1. router logits z = x·W_rᵀ [N,E] (fp32), routing → top-k experts and weights;
- *  2. load-balancing aux loss and z-loss from z (they join the training loss);
- *  3. permute: the N·k assignments sorted by expert, each token copied to its k rows;
- *  4. **the naive loop**: for each expert e, run its SwiGLU MLP on its rows, with the
- *     routing weight applied after the activation (fused into the SwiGLU op, mlp.h);
- *  5. unpermute: each token's output is the plain sum of its k expert rows;
+ *  1. route: router logits z = x·W_rᵀ [N,E] (fp32), routing → top-k experts and weights;
+ *  2. losses: load-balancing aux loss and z-loss from z (they join the training loss);
+ *  3. dispatch: the N·k assignments sorted by expert, each token copied to its k rows —
+ *     in place on one rank (chapter 01), or to the ranks that hold the experts
+ *     (chapter 02). The dispatcher is a strategy (dispatch.h): plan, dispatch, combine;
+ *  4. experts: each local expert runs its SwiGLU MLP on its rows, with the routing
+ *     weight applied after the activation (fused into the SwiGLU op, mlp.h) — chapter
+ *     01's loop or chapter 03's grouped GEMMs (experts.h);
+ *  5. combine: each token's output is the plain sum of its k expert rows;
  *  6. plus the shared expert (if any) applied to every token.
- * Backward runs the exact reverse. Step 4 launches 2·E small GEMMs forward and
- * 4·E backward, each sized by a host-side count — the thing chapter 03 fixes.
+ * Backward runs the exact reverse on the same dispatcher and plan.
  *
- * The switches, in moe_moe_dims:
- *  - `ep` (chapter 02): steps 3–5 go through the dispatcher (dispatcher.h): tokens travel
- *    to the ranks that hold their experts and back, and step 4 runs this rank's E/EP
- *    experts; `ep->allgather` picks the allgather dispatcher instead of all-to-all;
- *  - `capacity_factor` (chapter 02): dropped assignments skip the experts; the dispatcher
- *    path also runs single-rank for this;
+ * The switches, in moe_layer_dims:
+ *  - `ep` (chapter 02): the expert-parallel context; ep->dispatcher is the strategy of
+ *    steps 3 and 5 (alltoall, fused or allgather, chosen once at setup), and step 4 runs
+ *    this rank's E/EP experts;
+ *  - `capacity_factor` (chapter 02): dropped assignments skip the experts (capacity.h);
+ *    a single rank then uses the alltoall dispatcher too, with no peers;
  *  - `experts` (chapter 03): step 4 as chapter 01's loop or as one grouped GEMM per
- *    Linear (cuBLAS's, or our kernel that reads the group offsets on the device; mlp.h).
+ *    Linear (cuBLAS's, or our kernel that reads the group offsets on the device).
  */
-#ifndef MOE_MOE_LAYER_H
-#define MOE_MOE_LAYER_H
+#ifndef MOE_LAYER_H
+#define MOE_LAYER_H
 
 #include "backend.h"
 #include "config.h"
-#include "dispatcher.h"
 #include "mlp.h"
+#include "moe/dispatch.h"
 
 /** Sizes and settings of one MoE layer. */
-typedef struct moe_moe_dims {
+typedef struct moe_layer_dims {
     int N;                      /**< tokens (B·T) */
     int T;                      /**< sequence length (groups of the per-sequence aux loss) */
     int H;                      /**< hidden size */
@@ -44,34 +46,34 @@ typedef struct moe_moe_dims {
     moe_lb_type lb_type;        /**< aux loss type */
     double aux_coeff;           /**< aux loss coefficient */
     double z_coeff;             /**< z-loss coefficient */
-    moe_ep *ep;                 /**< expert parallelism (NULL: chapter 01's local loop) */
+    moe_ep *ep;                 /**< expert parallelism with its dispatcher (NULL: one rank) */
     double capacity_factor;     /**< 0 = dropless */
-    int drop_by_position;       /**< drop policy: 1 = position, 0 = probs */
+    moe_drop_policy drop_policy; /**< which assignments an expert over capacity keeps */
     int pad_to_capacity;        /**< pad every expert's input to capacity rows */
     moe_expert_impl experts;    /**< how step 4 runs: loop, cuBLAS grouped, our kernel */
-} moe_moe_dims;
+} moe_layer_dims;
 
 /** The layer's weights: the backend's compute copy (activation type), views into it. */
-typedef struct moe_moe_weights {
+typedef struct moe_layer_weights {
     const void *router;      /**< [E,H] */
     const void *fc1;         /**< [E,2F,H] */
     const void *fc2;         /**< [E,H,F] */
     const void *shared_fc1;  /**< [2Fs,H] or NULL */
     const void *shared_fc2;  /**< [H,Fs] or NULL */
-} moe_moe_weights;
+} moe_layer_weights;
 
 /** The layer's weight gradients (full precision), views into the gradient buffer. */
-typedef struct moe_moe_grads {
+typedef struct moe_layer_grads {
     moe_real *router;      /**< [E,H] */
     moe_real *fc1;         /**< [E,2F,H] */
     moe_real *fc2;         /**< [E,H,F] */
     moe_real *shared_fc1;  /**< [2Fs,H] or NULL */
     moe_real *shared_fc2;  /**< [H,Fs] or NULL */
-} moe_moe_grads;
+} moe_layer_grads;
 
 /** What the forward saves for the backward (sized for N tokens). `void *` buffers are
  *  activations (the backend's type); `moe_real *` ones are full precision. */
-typedef struct moe_moe_acts {
+typedef struct moe_layer_acts {
     void *logits;         /**< [N,E] router logits */
     int *topk_idx;        /**< [N,k] selected experts */
     moe_real *topk_w;     /**< [N,k] routing weights */
@@ -88,7 +90,7 @@ typedef struct moe_moe_acts {
     long long *counts;    /**< host [E]: tokens per expert, this forward */
     double aux_loss;      /**< load-balancing loss of this forward */
     double z_loss;        /**< z-loss of this forward */
-    /* expert parallelism / capacity (the dispatcher path) */
+    /* the dispatchers that send rows (dispatch.h) and capacity */
     long long dropped;    /**< assignments dropped by the capacity, this forward */
     int *dispatch_idx;    /**< [N·k] routing with dropped assignments set to E */
     int *host_idx;        /**< host [N·k] copy of the routing */
@@ -101,10 +103,10 @@ typedef struct moe_moe_acts {
     void *acte;           /**< [e_rows,F] expert SwiGLU outputs × routing weight */
     moe_sym_buf xe_sym;   /**< the fused dispatcher: xe in memory the EP group shares */
     moe_sym_buf we_sym;   /**< the fused dispatcher: we, likewise */
-} moe_moe_acts;
+} moe_layer_acts;
 
 /** Scratch shared by all MoE layers (only one runs at a time). */
-typedef struct moe_moe_workspace {
+typedef struct moe_layer_workspace {
     void *yp;           /**< [max(N·k,N),H] expert outputs, permuted */
     void *dyp;          /**< [N·k,H] */
     void *dxp;          /**< [N·k,H] */
@@ -122,16 +124,19 @@ typedef struct moe_moe_workspace {
     moe_sym_buf ye_sym;  /**< the fused dispatcher: ye in memory the EP group shares */
     moe_sym_buf dye_sym; /**< the fused dispatcher: dye, likewise */
     moe_sym_buf dwe_sym; /**< the fused dispatcher: dwe, likewise */
-} moe_moe_workspace;
+    moe_ep single;       /**< the alltoall dispatcher's context on one rank (a capacity
+                              without EP): no group, its staging buffers kept across steps */
+} moe_layer_workspace;
 
 /** @brief Allocate the saved activations for @p d. @param be backend @param a acts @param d dims */
-void moe_moe_acts_alloc(const moe_backend *be, moe_moe_acts *a, const moe_moe_dims *d);
+void moe_layer_acts_alloc(const moe_backend *be, moe_layer_acts *a, const moe_layer_dims *d);
 /** @brief Free them. @param be backend @param a acts */
-void moe_moe_acts_free(const moe_backend *be, moe_moe_acts *a);
+void moe_layer_acts_free(const moe_backend *be, moe_layer_acts *a);
 /** @brief Allocate the workspace for @p d. @param be backend @param w workspace @param d dims */
-void moe_moe_workspace_alloc(const moe_backend *be, moe_moe_workspace *w, const moe_moe_dims *d);
+void moe_layer_workspace_alloc(const moe_backend *be, moe_layer_workspace *w,
+                               const moe_layer_dims *d);
 /** @brief Free it. @param be backend @param w workspace */
-void moe_moe_workspace_free(const moe_backend *be, moe_moe_workspace *w);
+void moe_layer_workspace_free(const moe_backend *be, moe_layer_workspace *w);
 
 /**
  * @brief Forward of the MoE FFN for @p N tokens (N ≤ the allocated size; N a multiple of T).
@@ -139,9 +144,9 @@ void moe_moe_workspace_free(const moe_backend *be, moe_moe_workspace *w);
  * @param expert_bias [E] fp32 selection bias or NULL  @param d dims (d->N is used)
  * @param a saved activations  @param ws workspace
  */
-void moe_moe_forward(const moe_backend *be, void *out, const void *x, const moe_moe_weights *w,
-                     const float *expert_bias, const moe_moe_dims *d, moe_moe_acts *a,
-                     moe_moe_workspace *ws);
+void moe_layer_forward(const moe_backend *be, void *out, const void *x, const moe_layer_weights *w,
+                       const float *expert_bias, const moe_layer_dims *d, moe_layer_acts *a,
+                       moe_layer_workspace *ws);
 
 /**
  * @brief Backward of the MoE FFN (gradients accumulate). The aux and z losses enter with
@@ -150,18 +155,8 @@ void moe_moe_forward(const moe_backend *be, void *out, const void *x, const moe_
  * @param x forward input  @param w weights  @param d dims  @param a saved activations
  * @param ws workspace  @param loss_scale weight of the aux/z losses in the total loss
  */
-void moe_moe_backward(const moe_backend *be, void *dx, const moe_moe_grads *g, const void *dout,
-                      const void *x, const moe_moe_weights *w, const moe_moe_dims *d,
-                      const moe_moe_acts *a, moe_moe_workspace *ws, double loss_scale);
+void moe_layer_backward(const moe_backend *be, void *dx, const moe_layer_grads *g, const void *dout,
+                        const void *x, const moe_layer_weights *w, const moe_layer_dims *d,
+                        const moe_layer_acts *a, moe_layer_workspace *ws, double loss_scale);
 
-/**
- * @brief The expert backend the configuration asks for (--moe-expert-backend): `auto` is
- *        our grouped kernel on a GPU and chapter 01's loop on the CPU, where
- *        --moe-grouped-gemm turns it into the grouped path (on the CPU, the same loop
- *        over groups behind the grouped op).
- * @param c configuration  @param be the backend the model runs on
- * @return the implementation step 4 of the layer uses
- */
-moe_expert_impl moe_expert_impl_from_config(const moe_config *c, const moe_backend *be);
-
-#endif /* MOE_MOE_LAYER_H */
+#endif /* MOE_LAYER_H */

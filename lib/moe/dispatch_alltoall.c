@@ -1,74 +1,18 @@
-/* The all-to-all token dispatcher and capacity: see dispatcher.h. */
-#include "dispatcher.h"
+/* The alltoall dispatcher (chapter 02): count exchange, all-to-all-v of the rows, chunk
+ * sort — see dispatch.h. Its plan also serves the fused dispatcher (dispatch_fused.c). */
+#include "moe/dispatch.h"
 
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-int moe_expert_capacity(int N, int k, int E, double factor) {
-    return (int)ceil((double)N * k / E * factor);
-}
+#include "moe/capacity.h"
+#include "moe/experts.h"
+#include "moe/layer.h"
+#include "profile.h"
 
-/* ------------------------------------------------------------------ capacity */
-
-typedef struct cand {
-    int a;      /* assignment index n·k + j */
-    moe_real w; /* its routing weight */
-} cand;
-
-static int by_weight_then_position(const void *x, const void *y) {
-    const cand *p = x, *q = y;
-    if (p->w != q->w)
-        return p->w > q->w ? -1 : 1;
-    return (p->a > q->a) - (p->a < q->a);
-}
-
-long long moe_apply_capacity(int *dispatch_idx, const int *topk_idx, const moe_real *topk_w, int N,
-                             int k, int E, int capacity, int by_position) {
-    const int NK = N * k;
-    memcpy(dispatch_idx, topk_idx, sizeof(int) * NK);
-    int *count = calloc((size_t)E, sizeof(int));
-    cand *c = malloc(sizeof(cand) * (size_t)(NK ? NK : 1));
-    MOE_ASSERT(count && c);
-    for (int a = 0; a < NK; a++)
-        count[topk_idx[a]]++;
-    long long dropped = 0;
-    for (int e = 0; e < E; e++) {
-        if (count[e] <= capacity)
-            continue;
-        /* expert e is over capacity: rank its assignments and drop the tail */
-        int n = 0;
-        for (int a = 0; a < NK; a++)
-            if (topk_idx[a] == e)
-                c[n++] = (cand){a, topk_w[a]};
-        if (!by_position) /* assignments are already in position order */
-            qsort(c, (size_t)n, sizeof *c, by_weight_then_position);
-        for (int i = capacity; i < n; i++) {
-            dispatch_idx[c[i].a] = E;
-            dropped++;
-        }
-    }
-    free(count);
-    free(c);
-    return dropped;
-}
+#define A(p, i) MOE_ACT(be, p, i)
 
 /* ---------------------------------------------------------------------- plan */
-
-static moe_dtype act_dtype(const moe_backend *be) {
-    return be->act_size == 2 ? MOE_DTYPE_BF16 : be->act_size == 4 ? MOE_DTYPE_F32 : MOE_DTYPE_F64;
-}
-static moe_dtype real_dtype(void) { return sizeof(moe_real) == 4 ? MOE_DTYPE_F32 : MOE_DTYPE_F64; }
-
-void *moe_grow(const moe_backend *be, void *p, size_t *cap, size_t bytes) {
-    if (bytes <= *cap)
-        return p;
-    be->free(p);
-    p = be->alloc(bytes);
-    MOE_ASSERT(p != NULL);
-    *cap = bytes;
-    return p;
-}
 
 void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long long *counts, int E,
                              int pad_capacity) {
@@ -112,42 +56,13 @@ void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long lon
         plan->R_recv += (int)plan->recv_rows[p];
     }
 
-    /* the fused path: each expert's shift from my permuted rows to its rows on its rank,
-     * and the largest rank's row count (the symmetric buffers are the same size on all) */
-    plan->fused = ep->fused && ep->comm && !pad_capacity;
-    if (plan->fused) {
-        plan->max_recv = 0;
-        for (int q = 0; q < P; q++) {
-            long long r = 0;
-            for (int p = 0; p < P; p++)
-                for (int el = 0; el < EL; el++)
-                    r += all[(size_t)p * E + q * EL + el];
-            if (r > plan->max_recv)
-                plan->max_recv = (int)r;
-        }
-        int *h_shift = malloc(sizeof(int) * E);
-        MOE_ASSERT(h_shift);
-        long long perm_off = 0;
-        for (int e = 0; e < E; e++) {
-            const int q = e / EL, el = e % EL;
-            long long base = 0; /* q's earlier local experts, then earlier ranks' rows for e */
-            for (int l = 0; l < el; l++)
-                for (int p = 0; p < P; p++)
-                    base += all[(size_t)p * E + q * EL + l];
-            for (int p = 0; p < rank; p++)
-                base += all[(size_t)p * E + e];
-            h_shift[e] = (int)(base - perm_off);
-            perm_off += counts[e];
-        }
-        if (E > plan->shift_cap) {
-            be->free(plan->shift);
-            plan->shift = be->alloc(sizeof(int) * E);
-            MOE_ASSERT(plan->shift);
-            plan->shift_cap = E;
-        }
-        be->from_host(plan->shift, h_shift, sizeof(int) * E);
-        free(h_shift);
-    }
+    /* the fused path: shifts instead of maps (dispatch_fused.c) */
+    plan->dispatcher = ep->dispatcher == &moe_dispatcher_fused && ep->comm && !pad_capacity
+                           ? &moe_dispatcher_fused
+                           : &moe_dispatcher_alltoall;
+    plan->fused = plan->dispatcher == &moe_dispatcher_fused;
+    if (plan->fused)
+        moe_dispatch_fused_plan(plan, rank, P, counts, all, be);
 
     /* host maps */
     int rows = plan->R_send > plan->R_recv ? plan->R_send : plan->R_recv;
@@ -156,19 +71,8 @@ void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long lon
     int *h_send = malloc(sizeof(int) * (rows + 1)), *h_unpad = malloc(sizeof(int) * (rows + 1));
     int *h_sort = malloc(sizeof(int) * (rows + 1)), *h_unsort = malloc(sizeof(int) * (rows + 1));
     MOE_ASSERT(h_send && h_unpad && h_sort && h_unsort);
-    if (pad_capacity) {
-        /* expert e's slots are [e·cap, (e+1)·cap): its kept rows first, then zero rows */
-        int kept_off = 0;
-        for (int e = 0; e < E; e++) {
-            for (int i = 0; i < pad_capacity; i++) {
-                int srow = e * pad_capacity + i;
-                h_send[srow] = i < counts[e] ? kept_off + i : -1;
-                if (i < counts[e])
-                    h_unpad[kept_off + i] = srow;
-            }
-            kept_off += (int)counts[e];
-        }
-    }
+    if (pad_capacity)
+        moe_capacity_pad_maps(h_send, h_unpad, counts, E, pad_capacity);
     /* received layout [src p][local expert el] → expert layout [el][p] */
     int *recv_off = malloc(sizeof(int) * (size_t)P * EL), *exp_off = malloc(sizeof(int) * (size_t)P * EL);
     MOE_ASSERT(recv_off && exp_off);
@@ -235,73 +139,6 @@ void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long lon
     free(mine); free(all);
 }
 
-void moe_dispatch_plan_free(const moe_backend *be, moe_dispatch_plan *plan) {
-    be->free(plan->ag_tok);
-    be->free(plan->ag_inv);
-    be->free(plan->ag_identity);
-    be->free(plan->send_map);
-    be->free(plan->unpad_map);
-    be->free(plan->sort_map);
-    be->free(plan->unsort_map);
-    be->free(plan->shift);
-    free(plan->send_rows);
-    free(plan->recv_rows);
-    free(plan->expert_offset);
-    free(plan->send_chunks);
-    free(plan->recv_chunks);
-    memset(plan, 0, sizeof *plan);
-}
-
-/* ------------------------------------------------------------ the fused path */
-
-void *moe_dispatch_sym_rows(moe_ep *ep, const moe_dispatch_plan *plan, moe_sym_buf *b,
-                            size_t row_bytes) {
-    const size_t need = row_bytes * ((size_t)plan->max_recv + 1);
-    /* a quarter of headroom: the largest rank's rows move a little every step, and each
-     * growth is a collective registration */
-    if (!b->ptr || b->bytes < need)
-        moe_comm_sym_reserve(ep->comm, b, need + need / 4);
-    return b->ptr;
-}
-
-void moe_dispatch_fused(moe_ep *ep, const moe_dispatch_plan *plan, moe_sym_buf *rows,
-                        moe_sym_buf *reals, const void *x, const moe_real *w, const int *idx,
-                        const int *row_of, int N, int k, int C) {
-    MOE_ASSERT(plan->fused);
-#if defined(MOE_HAVE_NCCL) && !defined(MOE_REAL_DOUBLE)
-    moe_nvlink_dispatch(ep->comm, rows, reals, x, w, idx, row_of, plan->shift, N, k, plan->E,
-                        plan->E_local, C);
-#else
-    (void)ep; (void)rows; (void)reals; (void)x; (void)w; (void)idx; (void)row_of; (void)N;
-    (void)k; (void)C;
-    moe_comm_abort(NULL, 1, "the fused dispatcher needs a CUDA + NCCL build");
-#endif
-}
-
-void moe_combine_fused(moe_ep *ep, const moe_dispatch_plan *plan, void *out, int accumulate,
-                       moe_real *dwp, moe_sym_buf *rows, moe_sym_buf *reals, const int *idx,
-                       const int *row_of, int N, int k, int C) {
-    MOE_ASSERT(plan->fused);
-#if defined(MOE_HAVE_NCCL) && !defined(MOE_REAL_DOUBLE)
-    moe_nvlink_combine(ep->comm, out, accumulate, dwp, rows, reals, idx, row_of, plan->shift, N,
-                       k, plan->E, plan->E_local, C);
-#else
-    (void)ep; (void)out; (void)accumulate; (void)dwp; (void)rows; (void)reals; (void)idx;
-    (void)row_of; (void)N; (void)k; (void)C;
-    moe_comm_abort(NULL, 1, "the fused dispatcher needs a CUDA + NCCL build");
-#endif
-}
-
-void moe_ep_free(moe_ep *ep) {
-    if (!ep->be)
-        return;
-    ep->be->free(ep->send_buf);
-    ep->be->free(ep->recv_buf);
-    ep->be->free(ep->ag_buf);
-    ep->send_buf = ep->recv_buf = ep->ag_buf = NULL;
-    ep->send_cap = ep->recv_cap = ep->ag_cap = 0;
-}
-
 /* ------------------------------------------------------------ moving rows */
 
 /* counts per rank in elements: rows · C */
@@ -310,13 +147,13 @@ static void scale_counts(size_t *out, const size_t *rows, int P, int C) {
         out[p] = rows[p] * (size_t)C;
 }
 
-/* The one routine behind all four directions. elem: element size; is_act: activation
- * (gather_rows) or full precision (gather_reals, C = 1). */
+/* The one routine behind all four directions: is_act picks activations (gather_rows, the
+ * backend's type) or full precision (gather_reals, C = 1); to_experts the direction. */
 static void move(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, const void *src, int C,
                  int is_act, int to_experts) {
     const moe_backend *be = ep->be;
     const size_t elem = is_act ? be->act_size : sizeof(moe_real);
-    const moe_dtype t = is_act ? act_dtype(be) : real_dtype();
+    const moe_dtype t = is_act ? moe_dispatch_act_dtype(be) : moe_dispatch_real_dtype();
     const int P = ep->comm ? ep->size : 1;
     ep->send_buf = moe_grow(be, ep->send_buf, &ep->send_cap, elem * C * (size_t)(plan->R_send + 1));
     ep->recv_buf = moe_grow(be, ep->recv_buf, &ep->recv_cap, elem * C * (size_t)(plan->R_recv + 1));
@@ -390,3 +227,96 @@ void moe_combine_reals(moe_ep *ep, const moe_dispatch_plan *plan, moe_real *dst,
                        const moe_real *src) {
     move(ep, plan, dst, src, 1, 0, 0);
 }
+
+/* ------------------------------------------------------- the dispatcher strategy */
+
+/* The EP group's context, or (a capacity without EP) the workspace's single-rank one */
+static moe_ep *ep_of(const moe_layer_dims *d, moe_layer_workspace *ws) {
+    return d->ep ? d->ep : &ws->single;
+}
+
+void moe_dispatch_alltoall_plan(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
+                                moe_layer_workspace *ws) {
+    const int N = d->N, E = d->E, k = d->k, NK = N * k;
+    /* routing to the host: counts for the statistics, and the capacity decision */
+    int *didx = malloc(sizeof(int) * NK), *off = malloc(sizeof(int) * (E + 2));
+    long long *kept = malloc(sizeof(long long) * E);
+    MOE_ASSERT(didx && off && kept);
+    const int cap = moe_capacity_route(be, d, a, didx);
+    be->from_host(a->dispatch_idx, didx, sizeof(int) * NK);
+
+    /* local permutation into E + 1 buckets: the last one holds the dropped assignments */
+    be->permute_index(a->perm_src, a->row_of, off, NULL, NULL, a->dispatch_idx, N, k, E + 1);
+    for (int e = 0; e < E; e++)
+        kept[e] = off[e + 1] - off[e];
+    moe_dispatch_plan *pl = &a->plan;
+    moe_dispatch_plan_build(ep_of(d, ws), pl, kept, E, d->pad_to_capacity ? cap : 0);
+    moe_expert_rows_reserve(be, d, a, ws, pl, (size_t)pl->R_recv + 1);
+    free(didx);
+    free(off);
+    free(kept);
+}
+
+/* permuted copies (token rows, routing weights) through the exchange */
+static void a2a_dispatch(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
+                         moe_layer_workspace *ws, const void *x) {
+    moe_ep *ep = ep_of(d, ws);
+    moe_dispatch_permute(be, d, a, x);
+    moe_dispatch_rows(ep, &a->plan, a->xe, a->xp, d->H);
+    moe_dispatch_reals(ep, &a->plan, a->we, a->wp);
+    moe_prof_mark(MOE_PROF_OTHER);
+}
+
+/* Expert-side rows @p src back to the permuted layout @p dst; the rows of dropped
+ * assignments (after R_kept) are zero */
+static void rows_home(const moe_backend *be, const moe_layer_dims *d, const moe_layer_acts *a,
+                      moe_layer_workspace *ws, void *dst, const void *src) {
+    const int R_kept = a->plan.R_kept, H = d->H;
+    moe_combine_rows(ep_of(d, ws), &a->plan, dst, src, H);
+    be->zero(A(dst, (size_t)R_kept * H), be->act_size * (size_t)(d->N * d->k - R_kept) * H);
+}
+
+static void a2a_combine(const moe_backend *be, const moe_layer_dims *d, const moe_layer_acts *a,
+                        moe_layer_workspace *ws, void *out) {
+    rows_home(be, d, a, ws, ws->yp, ws->ye);
+    moe_dispatch_unpermute(be, d, a, out, ws->yp);
+    moe_prof_mark(MOE_PROF_OTHER);
+}
+
+/* output gradients travel like tokens */
+static void a2a_dispatch_grad(const moe_backend *be, const moe_layer_dims *d,
+                              const moe_layer_acts *a, moe_layer_workspace *ws,
+                              const void *dout) {
+    be->permute_tokens(ws->dyp, dout, a->perm_src, d->N * d->k, d->k, d->H);
+    moe_dispatch_rows(ep_of(d, ws), &a->plan, ws->dye, ws->dyp, d->H);
+    moe_prof_mark(MOE_PROF_OTHER);
+}
+
+/* input and routing-weight gradients come back like outputs, then to token order */
+static void a2a_combine_grad(const moe_backend *be, const moe_layer_dims *d,
+                             const moe_layer_acts *a, moe_layer_workspace *ws, void *dx) {
+    const int R_kept = a->plan.R_kept, NK = d->N * d->k;
+    rows_home(be, d, a, ws, ws->dxp, ws->ye);
+    moe_combine_reals(ep_of(d, ws), &a->plan, ws->dwp, ws->dwe);
+    be->zero(ws->dwp + R_kept, sizeof(moe_real) * (size_t)(NK - R_kept));
+    moe_prof_mark(MOE_PROF_OTHER);
+    moe_dispatch_unpermute_grads(be, d, a, ws, dx);
+}
+
+void moe_dispatch_alltoall_free(const moe_backend *be, moe_dispatch_plan *plan) {
+    be->free(plan->send_map);
+    be->free(plan->unpad_map);
+    be->free(plan->sort_map);
+    be->free(plan->unsort_map);
+    free(plan->send_rows);
+    free(plan->recv_rows);
+    free(plan->expert_offset);
+    free(plan->send_chunks);
+    free(plan->recv_chunks);
+}
+
+const moe_dispatcher moe_dispatcher_alltoall = {
+    .name = "alltoall", .expert_side = 1, .plan = moe_dispatch_alltoall_plan,
+    .dispatch = a2a_dispatch, .combine = a2a_combine, .dispatch_grad = a2a_dispatch_grad,
+    .combine_grad = a2a_combine_grad, .free = moe_dispatch_alltoall_free,
+};

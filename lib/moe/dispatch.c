@@ -1,0 +1,94 @@
+/* Choosing a dispatcher, and what the dispatchers share: see dispatch.h. */
+#include "moe/dispatch.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "log.h"
+#include "moe/layer.h"
+#include "profile.h"
+
+moe_status moe_ep_choose_dispatcher(moe_ep *ep, const moe_config *c, int verbose,
+                                    moe_error *err) {
+    if (c->dispatcher_type == MOE_DISPATCHER_ALLGATHER) {
+        ep->dispatcher = &moe_dispatcher_allgather;
+        return MOE_OK;
+    }
+    ep->dispatcher = &moe_dispatcher_alltoall;
+    if (!ep->comm || c->alltoall_path == MOE_A2A_COLLECTIVE)
+        return MOE_OK;
+    /* the fused kernels where the GPUs of the EP group share memory, else the collective;
+     * peer access is collective: every rank agrees */
+    char why[320];
+    const int ok = moe_config_fused_fits(c, why, sizeof why) &&
+                   moe_comm_peer_access(ep->comm, why, sizeof why);
+    if (!ok && c->alltoall_path == MOE_A2A_FUSED)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "--moe-alltoall-path fused is not possible here: %s (use "
+                             "--moe-alltoall-path auto or collective)",
+                             why);
+    /* padding to capacity sends the collective path's static layout */
+    if (ok && !c->moe_pad_expert_input_to_capacity)
+        ep->dispatcher = &moe_dispatcher_fused;
+    if (verbose) {
+        if (ep->dispatcher == &moe_dispatcher_fused)
+            moe_log_info("alltoall dispatcher: fused kernels through the GPUs' shared "
+                         "memory (NVLink)");
+        else if (ok)
+            moe_log_info("alltoall dispatcher: collective (padding to capacity needs its "
+                         "send layout)");
+        else
+            moe_log_info("alltoall dispatcher: collective (the fused path is not possible: %s)",
+                         why);
+    }
+    return MOE_OK;
+}
+
+void moe_dispatch_plan_free(const moe_backend *be, moe_dispatch_plan *plan) {
+    if (plan->dispatcher)
+        plan->dispatcher->free(be, plan);
+    memset(plan, 0, sizeof *plan);
+}
+
+void *moe_grow(const moe_backend *be, void *p, size_t *cap, size_t bytes) {
+    if (bytes <= *cap)
+        return p;
+    be->free(p);
+    p = be->alloc(bytes);
+    MOE_ASSERT(p != NULL);
+    *cap = bytes;
+    return p;
+}
+
+void moe_ep_free(moe_ep *ep) {
+    if (!ep->be)
+        return;
+    ep->be->free(ep->send_buf);
+    ep->be->free(ep->recv_buf);
+    ep->be->free(ep->ag_buf);
+    ep->send_buf = ep->recv_buf = ep->ag_buf = NULL;
+    ep->send_cap = ep->recv_cap = ep->ag_cap = 0;
+}
+
+void moe_dispatch_permute(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
+                          const void *x) {
+    const int NK = d->N * d->k;
+    be->permute_tokens(a->xp, x, a->perm_src, NK, d->k, d->H);
+    be->permute_weights(a->wp, a->topk_w, a->perm_src, NK);
+}
+
+void moe_dispatch_unpermute(const moe_backend *be, const moe_layer_dims *d,
+                            const moe_layer_acts *a, void *out, const void *rows) {
+    be->zero(out, be->act_size * (size_t)d->N * d->H);
+    be->unpermute_sum(out, rows, a->row_of, d->N, d->k, d->H);
+}
+
+void moe_dispatch_unpermute_grads(const moe_backend *be, const moe_layer_dims *d,
+                                  const moe_layer_acts *a, moe_layer_workspace *ws, void *dx) {
+    const int N = d->N, k = d->k;
+    if (dx)
+        be->unpermute_sum(dx, ws->dxp, a->row_of, N, k, d->H);
+    be->zero(ws->dtopk_w, sizeof(moe_real) * (size_t)N * k);
+    be->unpermute_weights(ws->dtopk_w, ws->dwp, a->row_of, N, k);
+    moe_prof_mark(MOE_PROF_UNPERMUTE);
+}

@@ -1,0 +1,56 @@
+/* The local dispatcher (chapter 01): one rank, dropless — see dispatch.h. The experts run
+ * on the permuted rows in place, so dispatching is a permutation and combining the sum
+ * of each token's k rows. */
+#include "moe/dispatch.h"
+
+#include <string.h>
+
+#include "moe/layer.h"
+#include "profile.h"
+
+/* The N·k assignments sorted by expert: expert_offset comes back to the host (and to the
+ * device for our grouped kernel), with the counts for the statistics. */
+static void local_plan(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
+                       moe_layer_workspace *ws) {
+    memset(a->counts, 0, sizeof(long long) * d->E);
+    a->dropped = 0;
+    be->permute_index(a->perm_src, a->row_of, a->expert_offset,
+                      d->experts == MOE_EXPERTS_KERNEL ? a->dev_offset : NULL, a->counts,
+                      a->topk_idx, d->N, d->k, d->E);
+}
+
+/* each token copied to its k rows, each row with its routing weight */
+static void local_dispatch(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
+                           moe_layer_workspace *ws, const void *x) {
+    moe_dispatch_permute(be, d, a, x);
+    moe_prof_mark(MOE_PROF_PERMUTE);
+}
+
+/* out[n] = Σ_j expert output of (n, j) */
+static void local_combine(const moe_backend *be, const moe_layer_dims *d,
+                          const moe_layer_acts *a, moe_layer_workspace *ws, void *out) {
+    moe_dispatch_unpermute(be, d, a, out, ws->yp);
+    moe_prof_mark(MOE_PROF_UNPERMUTE);
+}
+
+/* the combine was a sum, so each permuted row receives its token's gradient */
+static void local_dispatch_grad(const moe_backend *be, const moe_layer_dims *d,
+                                const moe_layer_acts *a, moe_layer_workspace *ws,
+                                const void *dout) {
+    be->permute_tokens(ws->dyp, dout, a->perm_src, d->N * d->k, d->k, d->H);
+    moe_prof_mark(MOE_PROF_PERMUTE);
+}
+
+static void local_combine_grad(const moe_backend *be, const moe_layer_dims *d,
+                               const moe_layer_acts *a, moe_layer_workspace *ws, void *dx) {
+    moe_dispatch_unpermute_grads(be, d, a, ws, dx);
+}
+
+/* the plan of the local dispatcher lives in the layer's own buffers */
+static void local_free(const moe_backend *be, moe_dispatch_plan *plan) {}
+
+const moe_dispatcher moe_dispatcher_local = {
+    .name = "local", .expert_side = 0, .plan = local_plan, .dispatch = local_dispatch,
+    .combine = local_combine, .dispatch_grad = local_dispatch_grad,
+    .combine_grad = local_combine_grad, .free = local_free,
+};

@@ -1,0 +1,151 @@
+/* Step 4 of the MoE layer, the local experts: see experts.h. */
+#include "moe/experts.h"
+
+#include "profile.h"
+
+#define R sizeof(moe_real)
+#define A(p, i) MOE_ACT(be, p, i)
+
+moe_expert_impl moe_expert_impl_from_config(const moe_config *c, const moe_backend *be) {
+    switch (c->expert_backend) {
+    case MOE_EXPERT_BACKEND_LOOP:
+        return MOE_EXPERTS_LOOP;
+    case MOE_EXPERT_BACKEND_CUBLAS:
+        return MOE_EXPERTS_CUBLAS;
+    case MOE_EXPERT_BACKEND_GROUPED:
+        return MOE_EXPERTS_KERNEL;
+    case MOE_EXPERT_BACKEND_AUTO:
+        break;
+    }
+    /* auto: the fastest on a GPU — our kernel where its shapes fit, else cuBLAS's grouped
+     * GEMM; on the CPU the loop, unless Megatron's switch asks for grouped */
+    if (be->device == MOE_DEVICE_CPU && !c->moe_grouped_gemm)
+        return MOE_EXPERTS_LOOP;
+    return moe_config_grouped_kernel_fits(c) ? MOE_EXPERTS_KERNEL : MOE_EXPERTS_CUBLAS;
+}
+
+/* grow-only buffers on the expert side (their row count changes every step) */
+static void *regrow(const moe_backend *be, void *p, size_t bytes) {
+    be->free(p);
+    p = be->alloc(bytes ? bytes : 1);
+    MOE_ASSERT(p != NULL);
+    return p;
+}
+
+void moe_expert_rows_reserve(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
+                             moe_layer_workspace *ws, const moe_dispatch_plan *pl, size_t rows) {
+    const size_t S = be->act_size, H = d->H, F = d->F;
+    const int fused = pl && pl->fused;
+    if (fused) {
+        a->xe = moe_dispatch_sym_rows(d->ep, pl, &a->xe_sym, S * H);
+        a->we = moe_dispatch_sym_rows(d->ep, pl, &a->we_sym, R);
+        ws->ye = moe_dispatch_sym_rows(d->ep, pl, &ws->ye_sym, S * H);
+        ws->dye = moe_dispatch_sym_rows(d->ep, pl, &ws->dye_sym, S * H);
+        ws->dwe = moe_dispatch_sym_rows(d->ep, pl, &ws->dwe_sym, R);
+    }
+    if (rows > a->e_rows) {
+        if (!fused) {
+            a->xe = regrow(be, a->xe, S * rows * H);
+            a->we = regrow(be, a->we, R * rows);
+        }
+        a->gue = regrow(be, a->gue, S * rows * 2 * F);
+        a->acte = regrow(be, a->acte, S * rows * F);
+        a->e_rows = rows;
+    }
+    if (rows > ws->e_rows) {
+        if (!fused) {
+            ws->ye = regrow(be, ws->ye, S * rows * H);
+            ws->dye = regrow(be, ws->dye, S * rows * H);
+            ws->dwe = regrow(be, ws->dwe, R * rows);
+        }
+        ws->edh = regrow(be, ws->edh, S * rows * F);
+        ws->edgu = regrow(be, ws->edgu, S * rows * 2 * F);
+        ws->e_rows = rows;
+    }
+}
+
+/* The rows step 4 runs on, and its scratch: the permuted rows in place (the local
+ * dispatcher), or the expert-side rows a dispatcher filled. */
+typedef struct expert_rows {
+    const void *x;       /* inputs */
+    const moe_real *w;   /* their routing weights */
+    void *gu, *act;      /* saved fc1 outputs, scaled SwiGLU outputs */
+    void *y;             /* outputs */
+    const void *dy;      /* output gradients */
+    void *dx;            /* input gradients */
+    moe_real *dw;        /* routing-weight gradients */
+    void *dh, *dgu;      /* backward scratch */
+    const int *off;      /* host [G+1] group offsets */
+    int G;               /* groups (local experts) */
+    size_t rows;         /* rows in use */
+} expert_rows;
+
+static expert_rows rows_of(const moe_layer_dims *d, const moe_layer_acts *a,
+                           moe_layer_workspace *ws, int expert_side) {
+    if (!expert_side)
+        return (expert_rows){a->xp, a->wp, a->gu, a->act, ws->yp, ws->dyp, ws->dxp, ws->dwp,
+                             ws->dh, ws->dgu, a->expert_offset, d->E, (size_t)d->N * d->k};
+    const moe_dispatch_plan *pl = &a->plan;
+    /* the outputs' buffer takes the input gradients in the backward */
+    return (expert_rows){a->xe, a->we, a->gue, a->acte, ws->ye, ws->dye, ws->ye, ws->dwe,
+                         ws->edh, ws->edgu, pl->expert_offset, pl->E_local, (size_t)pl->R_recv};
+}
+
+/* The groups of step 4. Our grouped kernel reads the offsets from device memory: the
+ * local dispatcher's permutation wrote them there already, the others' plans are
+ * uploaded here (forward; the backward reuses them). */
+static moe_groups groups_of(const moe_backend *be, const moe_layer_dims *d, int *dev_offset,
+                            const expert_rows *r, int upload) {
+    if (d->experts == MOE_EXPERTS_KERNEL && upload)
+        be->from_host(dev_offset, r->off, sizeof(int) * (r->G + 1));
+    moe_groups g = {r->off, dev_offset, r->G, d->experts};
+    return g;
+}
+
+void moe_experts_forward(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
+                         moe_layer_workspace *ws, const moe_layer_weights *w, int expert_side) {
+    const int H = d->H, F = d->F;
+    const expert_rows r = rows_of(d, a, ws, expert_side);
+    const moe_groups grp = groups_of(be, d, a->dev_offset, &r, expert_side);
+    if (grp.impl != MOE_EXPERTS_LOOP) { /* chapter 03: one grouped GEMM per Linear */
+        moe_mlp_forward_grouped(be, r.y, r.gu, r.act, r.x, r.w, w->fc1, w->fc2, &grp, H, F);
+        return;
+    }
+    /* chapter 01: one SwiGLU MLP per expert on its rows */
+    for (int e = 0; e < r.G; e++) {
+        const size_t o = (size_t)r.off[e];
+        const int rows = r.off[e + 1] - r.off[e];
+        moe_mlp_forward(be, A(r.y, o * H), A(r.gu, o * 2 * F), A(r.act, o * F), A(r.x, o * H),
+                        r.w + o, A(w->fc1, (size_t)e * 2 * F * H), A(w->fc2, (size_t)e * H * F),
+                        rows, H, F);
+    }
+}
+
+void moe_experts_backward(const moe_backend *be, const moe_layer_dims *d, const moe_layer_acts *a,
+                          moe_layer_workspace *ws, const moe_layer_weights *w,
+                          const moe_layer_grads *g, int expert_side) {
+    const int H = d->H, F = d->F;
+    const expert_rows r = rows_of(d, a, ws, expert_side);
+    /* the loop adds into the input gradients expert by expert; the grouped paths
+     * overwrite them. Routing-weight gradients: rows of dropped or absent assignments
+     * stay 0. */
+    if (d->experts == MOE_EXPERTS_LOOP)
+        be->zero(r.dx, be->act_size * r.rows * H);
+    be->zero(r.dw, R * r.rows);
+    moe_prof_mark(MOE_PROF_EXPERT_OPS);
+    const moe_groups grp = groups_of(be, d, a->dev_offset, &r, 0);
+    if (grp.impl != MOE_EXPERTS_LOOP) {
+        moe_mlp_backward_grouped(be, r.dx, g->fc1, g->fc2, r.dw, r.dy, r.x, r.gu, r.act, r.w,
+                                 w->fc1, w->fc2, r.dh, r.dgu, &grp, H, F, 0);
+        return;
+    }
+    for (int e = 0; e < r.G; e++) {
+        const size_t o = (size_t)r.off[e];
+        const int rows = r.off[e + 1] - r.off[e];
+        moe_mlp_backward(be, A(r.dx, o * H), g->fc1 + (size_t)e * 2 * F * H,
+                         g->fc2 + (size_t)e * H * F, r.dw + o, A(r.dy, o * H), A(r.x, o * H),
+                         A(r.gu, o * 2 * F), A(r.act, o * F), r.w + o,
+                         A(w->fc1, (size_t)e * 2 * F * H), A(w->fc2, (size_t)e * H * F),
+                         A(r.dh, o * F), A(r.dgu, o * 2 * F), rows, H, F);
+    }
+}

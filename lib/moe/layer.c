@@ -1,0 +1,183 @@
+/* The MoE FFN layer: route → losses → dispatch → experts → combine → shared expert.
+ * See layer.h; the dispatchers are in dispatch_*.c, the experts in experts.c. */
+#include "moe/layer.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "mlp.h"
+#include "moe/experts.h"
+#include "profile.h"
+
+#define R sizeof(moe_real)
+
+static size_t max_rows_f(const moe_layer_dims *d) {
+    size_t a = (size_t)d->N * d->k * d->F, b = (size_t)d->N * d->Fs;
+    return a > b ? a : b;
+}
+
+void moe_layer_acts_alloc(const moe_backend *be, moe_layer_acts *a, const moe_layer_dims *d) {
+    const size_t N = d->N, NK = (size_t)d->N * d->k, S = be->act_size;
+    memset(a, 0, sizeof *a);
+    a->logits = be->alloc(S * N * d->E);
+    a->topk_idx = be->alloc(sizeof(int) * NK);
+    a->topk_w = be->alloc(R * NK);
+    a->perm_src = be->alloc(sizeof(int) * NK);
+    a->row_of = be->alloc(sizeof(int) * NK);
+    a->wp = be->alloc(R * NK);
+    a->xp = be->alloc(S * NK * d->H);
+    a->gu = be->alloc(S * NK * 2 * d->F);
+    a->act = be->alloc(S * NK * d->F);
+    if (d->Fs > 0) {
+        a->shared_gu = be->alloc(S * N * 2 * d->Fs);
+        a->shared_act = be->alloc(S * N * d->Fs);
+    }
+    a->expert_offset = calloc((size_t)d->E + 1, sizeof(int));
+    a->dev_offset = be->alloc(sizeof(int) * ((size_t)d->E + 2));
+    a->counts = calloc((size_t)d->E, sizeof(long long));
+    if (d->ep || d->capacity_factor > 0) {
+        a->dispatch_idx = be->alloc(sizeof(int) * NK);
+        a->host_idx = malloc(sizeof(int) * NK);
+        a->host_w = malloc(R * NK);
+        MOE_ASSERT(a->dispatch_idx && a->host_idx && a->host_w);
+    }
+    MOE_ASSERT(a->logits && a->topk_idx && a->topk_w && a->perm_src && a->row_of && a->wp &&
+               a->xp && a->gu && a->act && a->expert_offset && a->dev_offset && a->counts);
+}
+
+void moe_layer_acts_free(const moe_backend *be, moe_layer_acts *a) {
+    be->free(a->logits); be->free(a->topk_idx); be->free(a->topk_w); be->free(a->perm_src);
+    be->free(a->row_of); be->free(a->wp); be->free(a->xp); be->free(a->gu); be->free(a->act);
+    be->free(a->shared_gu); be->free(a->shared_act);
+    free(a->expert_offset);
+    be->free(a->dev_offset);
+    free(a->counts);
+    be->free(a->dispatch_idx);
+    free(a->host_idx);
+    free(a->host_w);
+    moe_dispatch_plan_free(be, &a->plan);
+    if (a->xe_sym.ptr) { /* the fused dispatcher's buffers are not the backend's */
+        moe_comm_sym_free(&a->xe_sym);
+        moe_comm_sym_free(&a->we_sym);
+        a->xe = NULL;
+        a->we = NULL;
+    }
+    be->free(a->xe); be->free(a->we); be->free(a->gue); be->free(a->acte);
+    memset(a, 0, sizeof *a);
+}
+
+void moe_layer_workspace_alloc(const moe_backend *be, moe_layer_workspace *w,
+                               const moe_layer_dims *d) {
+    const size_t N = d->N, NK = (size_t)d->N * d->k, HF = max_rows_f(d), S = be->act_size;
+    memset(w, 0, sizeof *w);
+    w->yp = be->alloc(S * (NK > N ? NK : N) * d->H);
+    w->dyp = be->alloc(S * NK * d->H);
+    w->dxp = be->alloc(S * NK * d->H);
+    w->dwp = be->alloc(R * NK);
+    w->dtopk_w = be->alloc(R * NK);
+    w->dlogits = be->alloc(S * N * d->E);
+    w->dh = be->alloc(S * HF);
+    w->dgu = be->alloc(S * 2 * HF);
+    MOE_ASSERT(w->yp && w->dyp && w->dxp && w->dwp && w->dtopk_w && w->dlogits && w->dh && w->dgu);
+    w->single = (moe_ep){.comm = NULL, .size = 1, .rank = 0, .be = be};
+}
+
+void moe_layer_workspace_free(const moe_backend *be, moe_layer_workspace *w) {
+    be->free(w->yp); be->free(w->dyp); be->free(w->dxp); be->free(w->dwp); be->free(w->dtopk_w);
+    be->free(w->dlogits); be->free(w->dh); be->free(w->dgu);
+    if (w->ye_sym.ptr) { /* the fused dispatcher's buffers are not the backend's */
+        moe_comm_sym_free(&w->ye_sym);
+        moe_comm_sym_free(&w->dye_sym);
+        moe_comm_sym_free(&w->dwe_sym);
+        w->ye = w->dye = NULL;
+        w->dwe = NULL;
+    }
+    be->free(w->ye); be->free(w->dye); be->free(w->dwe); be->free(w->edh); be->free(w->edgu);
+    moe_ep_free(&w->single);
+    memset(w, 0, sizeof *w);
+}
+
+/* tokens per aux-loss group: the whole micro-batch, or one sequence */
+static int aux_group_len(const moe_layer_dims *d) {
+    return d->lb_type == MOE_LB_SEQ_AUX ? d->T : d->N;
+}
+
+/* How steps 3 and 5 run: the EP group's dispatcher (chosen once, at setup); on one rank
+ * the alltoall one with no peers when a capacity drops tokens, else chapter 01's. */
+static const moe_dispatcher *dispatcher_of(const moe_layer_dims *d) {
+    if (d->ep)
+        return d->ep->dispatcher ? d->ep->dispatcher : &moe_dispatcher_alltoall;
+    return d->capacity_factor > 0 ? &moe_dispatcher_alltoall : &moe_dispatcher_local;
+}
+
+void moe_layer_forward(const moe_backend *be, void *out, const void *x, const moe_layer_weights *w,
+                       const float *expert_bias, const moe_layer_dims *d, moe_layer_acts *a,
+                       moe_layer_workspace *ws) {
+    const int N = d->N, H = d->H, E = d->E, k = d->k;
+    const moe_dispatcher *dp = dispatcher_of(d);
+
+    /* 1. route (router math in fp32 / the backend's real type) */
+    be->matmul_forward(a->logits, x, w->router, N, H, E);
+    be->router_forward(a->topk_idx, a->topk_w, a->logits, expert_bias, &d->router, N);
+
+    /* 2. the router's own losses */
+    a->aux_loss = (d->lb_type != MOE_LB_NONE && d->aux_coeff > 0)
+                      ? be->aux_loss_forward(a->logits, N, aux_group_len(d), E, k,
+                                             d->router.score_fn, d->aux_coeff)
+                      : 0.0;
+    a->z_loss = d->z_coeff > 0 ? be->z_loss_forward(a->logits, N, E, d->z_coeff) : 0.0;
+    moe_prof_mark(MOE_PROF_ROUTER);
+
+    /* 3. dispatch: where each assignment goes (counts, capacity, plan), then the tokens
+     *    and their routing weights to their experts' rows */
+    dp->plan(be, d, a, ws);
+    dp->dispatch(be, d, a, ws, x);
+
+    /* 4. the experts: chapter 01's loop of one SwiGLU MLP per expert on its rows, or
+     *    (chapter 03) one grouped GEMM per Linear for all of them */
+    moe_experts_forward(be, d, a, ws, w, dp->expert_side);
+
+    /* 5. combine: out[n] = Σ_j expert output of (n, j) */
+    dp->combine(be, d, a, ws, out);
+
+    /* 6. shared expert on every token */
+    if (d->Fs > 0) {
+        moe_mlp_forward(be, ws->yp, a->shared_gu, a->shared_act, x, NULL, w->shared_fc1,
+                        w->shared_fc2, N, H, d->Fs);
+        be->add(out, ws->yp, (size_t)N * H);
+    }
+}
+
+void moe_layer_backward(const moe_backend *be, void *dx, const moe_layer_grads *g, const void *dout,
+                        const void *x, const moe_layer_weights *w, const moe_layer_dims *d,
+                        const moe_layer_acts *a, moe_layer_workspace *ws, double loss_scale) {
+    const int N = d->N, H = d->H, E = d->E, k = d->k;
+    const moe_dispatcher *dp = dispatcher_of(d);
+
+    /* 5⁻¹. the combine was a sum, so each expert row receives its token's gradient */
+    dp->dispatch_grad(be, d, a, ws, dout);
+
+    /* 4⁻¹. the experts in reverse */
+    moe_experts_backward(be, d, a, ws, w, g, dp->expert_side);
+
+    /* 3⁻¹. back to token order: input gradients into dx, routing-weight gradients into
+     *      ws->dtopk_w */
+    dp->combine_grad(be, d, a, ws, dx);
+
+    /* 2⁻¹ and 1⁻¹. router: routing weights, aux loss and z-loss all end in the logits */
+    be->zero(ws->dlogits, be->act_size * (size_t)N * E);
+    be->router_backward(ws->dlogits, ws->dtopk_w, a->logits, a->topk_idx, &d->router, N);
+    if (d->lb_type != MOE_LB_NONE && d->aux_coeff > 0)
+        be->aux_loss_backward(ws->dlogits, a->logits, N, aux_group_len(d), E, k,
+                              d->router.score_fn, d->aux_coeff, loss_scale);
+    if (d->z_coeff > 0)
+        be->z_loss_backward(ws->dlogits, a->logits, N, E, d->z_coeff, loss_scale);
+    be->matmul_backward(dx, g->router, ws->dlogits, x, w->router, N, H, E);
+    moe_prof_mark(MOE_PROF_ROUTER);
+
+    /* 6⁻¹. shared expert */
+    if (d->Fs > 0)
+        moe_mlp_backward(be, dx, g->shared_fc1, g->shared_fc2, NULL, dout, x, a->shared_gu,
+                         a->shared_act, NULL, w->shared_fc1, w->shared_fc2, ws->dh, ws->dgu, N,
+                         H, d->Fs);
+}
