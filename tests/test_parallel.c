@@ -1,12 +1,17 @@
 /* The parallel grid (lib/parallel.h) against Megatron Core's documented layouts, property
- * checks on random layouts, its named errors and bin/moe-grid's command line. */
+ * checks on random layouts, its named errors and bin/moe-grid's command line; and the
+ * sharding metadata of the parameter table (a shard initialises as its slice of the whole
+ * tensor, the model's tensors know their groups). */
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend.h"
 #include "helpers.h"
+#include "model.h"
 #include "parallel.h"
+#include "params.h"
 #include "rng.h"
 #include "suites.h"
 
@@ -299,11 +304,115 @@ START_TEST(test_grid_program) {
 }
 END_TEST
 
+/* ------------------------------------------------------------------ sharded parameters */
+
+/* A [4, 6, 10] tensor split along each dimension: shard s of n holds exactly the slice of the
+ * whole tensor's initial values (rows, columns, or innermost elements), and the table lays
+ * the smaller shard out for the tensors after it. */
+START_TEST(test_params_shard_init) {
+    const int shape[3] = {4, 6, 10}, counts[3] = {2, 3, 5};
+    moe_param_table whole = {0};
+    moe_params_add(&whole, "w", 3, shape[0], shape[1], shape[2], MOE_INIT_NORMAL, 0.5, 1);
+    moe_real *full = malloc(sizeof(moe_real) * whole.total);
+    moe_params_init(&whole, full, 42);
+    for (int dim = 0; dim < 3; dim++) {
+        const int n = counts[dim];
+        int *hit = calloc(whole.total, sizeof(int));
+        for (int s = 0; s < n; s++) {
+            moe_param_table pt = {0};
+            moe_params_add(&pt, "w", 3, shape[0], shape[1], shape[2], MOE_INIT_NORMAL, 0.5, 1);
+            const moe_group_kind group = dim == 1 ? MOE_GROUP_EP : MOE_GROUP_TP;
+            moe_params_shard(&pt, group, dim, s, n);
+            moe_params_add(&pt, "after", 1, 3, 0, 0, MOE_INIT_ONES, 0, 0);
+            const moe_tensor *t = &pt.t[0];
+            ck_assert_int_eq(t->shape[dim], shape[dim] / n);
+            ck_assert_int_eq(t->global_shape[dim], shape[dim]);
+            ck_assert_uint_eq(t->numel, whole.total / n);
+            ck_assert_uint_eq(pt.t[1].offset, t->numel);
+            ck_assert_uint_eq(pt.total, t->numel + 3);
+            ck_assert(t->shard.group == group && t->shard.dim == dim && t->shard.index == s &&
+                      t->shard.count == n);
+            /* split over an expert-grid group: replicas are EDP; else DP x CP */
+            ck_assert_int_eq(t->grad_group, dim == 1 ? MOE_GROUP_EDP : MOE_GROUP_DP_CP);
+            ck_assert_int_eq(pt.t[1].grad_group, MOE_GROUP_DP_CP);
+            moe_real *p = malloc(sizeof(moe_real) * pt.total);
+            moe_params_init(&pt, p, 42);
+            for (size_t j = 0; j < t->numel; j++) {
+                /* the element's coordinates, by hand: local + origin along the split dim */
+                size_t c[3] = {j / ((size_t)t->shape[1] * t->shape[2]),
+                               j / (size_t)t->shape[2] % t->shape[1], j % (size_t)t->shape[2]};
+                c[dim] += (size_t)s * t->shape[dim];
+                size_t gi = (c[0] * shape[1] + c[1]) * shape[2] + c[2];
+                ck_assert_uint_eq(moe_tensor_global_index(t, j), gi);
+                ck_assert_msg(p[j] == full[gi], "dim %d shard %d element %zu: %g, whole %g", dim,
+                              s, j, (double)p[j], (double)full[gi]);
+                hit[gi]++;
+            }
+            ck_assert(p[t->numel] == 1 && p[t->numel + 2] == 1);
+            free(p);
+            moe_params_free(&pt);
+        }
+        for (size_t i = 0; i < whole.total; i++)
+            ck_assert_msg(hit[i] == 1, "dim %d: element %zu in %d shards", dim, i, hit[i]);
+        free(hit);
+    }
+    /* a shard count of 1 is the whole tensor, recorded as in the group */
+    moe_param_table pt = {0};
+    moe_params_add(&pt, "w", 3, shape[0], shape[1], shape[2], MOE_INIT_NORMAL, 0.5, 1);
+    moe_params_shard(&pt, MOE_GROUP_EP, 0, 0, 1);
+    ck_assert_uint_eq(pt.total, whole.total);
+    ck_assert_int_eq(pt.t[0].grad_group, MOE_GROUP_EDP);
+    ck_assert_uint_eq(moe_tensor_global_index(&pt.t[0], 17), 17);
+    ck_assert(pt.t[0].low.offset == MOE_NO_COPY);
+    moe_params_free(&pt);
+    moe_params_free(&whole);
+    free(full);
+}
+END_TEST
+
+/* The model's table: stable names, dense tensors replicated over DP x CP and laid out first,
+ * the routed experts split over EP (dim 0) with EDP replicas last, so each gradient group
+ * is one contiguous block (one collective per group). */
+START_TEST(test_model_param_groups) {
+    moe_config c;
+    moe_error err;
+    ck_assert(moe_test_config(&c, "--num-layers 2 --hidden-size 16 --num-attention-heads 2 "
+                                  "--seq-length 8 --num-experts 4 --moe-ffn-hidden-size 8 "
+                                  "--ffn-hidden-size 16 --moe-layer-freq 0,1 "
+                                  "--moe-shared-expert-intermediate-size 8",
+                              &err) == MOE_OK);
+    c.vocab_size = 11;
+    ck_assert_msg(moe_config_validate(&c, &err) == MOE_OK, "%s", err.msg);
+    moe_model *m = NULL;
+    ck_assert_msg(moe_model_create(&m, &c, moe_backend_cpu(), 1, NULL, &err) == MOE_OK, "%s",
+                  err.msg);
+    const moe_tensor *fc1 = moe_params_find(&m->table, "layers.1.moe.experts.fc1");
+    ck_assert_ptr_nonnull(fc1);
+    ck_assert(fc1->shard.group == MOE_GROUP_EP && fc1->shard.dim == 0 && fc1->shard.count == 1);
+    ck_assert_int_eq(fc1->global_shape[0], 4);
+    ck_assert_int_eq(fc1->grad_group, MOE_GROUP_EDP);
+    ck_assert_ptr_nonnull(moe_params_find(&m->table, "layers.0.mlp.fc1"));
+    ck_assert_int_eq(moe_params_find(&m->table, "layers.1.moe.router")->grad_group,
+                     MOE_GROUP_DP_CP);
+    ck_assert_int_eq(moe_params_find(&m->table, "layers.1.moe.shared.fc2")->shard.group,
+                     MOE_GROUP_NONE);
+    int changes = 0;
+    for (int i = 1; i < m->table.n; i++)
+        changes += m->table.t[i].grad_group != m->table.t[i - 1].grad_group;
+    ck_assert_int_eq(m->table.t[0].grad_group, MOE_GROUP_DP_CP);
+    ck_assert_int_eq(m->table.t[m->table.n - 1].grad_group, MOE_GROUP_EDP);
+    ck_assert_int_eq(changes, 1);
+    moe_model_free(m);
+}
+END_TEST
+
 Suite *suite_parallel(void) {
     Suite *s = suite_create("parallel");
     const TTest *grid[] = {test_grid_folding_example, test_grid_megatron_docstrings,
                            test_grid_expert_layouts,  test_grid_properties,
                            test_grid_errors,          test_grid_program};
     moe_test_tcase(s, "grid", 120, grid, 6);
+    const TTest *params[] = {test_params_shard_init, test_model_param_groups};
+    moe_test_tcase(s, "params", 60, params, 2);
     return s;
 }
