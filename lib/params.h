@@ -107,9 +107,11 @@ size_t moe_params_add(moe_param_table *pt, const char *name, int ndim, int s0, i
  *        expert grid: its gradient is summed over EDP instead of DP x CP. Element j of the
  *        shard is initialised as the element of the whole tensor it is a slice of, so a
  *        row- or column-parallel shard starts as its slice of the single-rank weights.
- * @param pt table (its last tensor is split)  @param group the ranks holding the shards
- * @param dim 0 .. ndim-1, its size a multiple of @p count  @param index 0 .. count-1
- * @param count shards (1: no-op apart from recording the group)
+ * @param pt    table (its last tensor is split)
+ * @param group the ranks holding the shards
+ * @param dim   0 .. ndim-1; its size must be a multiple of the count
+ * @param index this rank's shard, 0 .. count-1
+ * @param count shards (1: the whole tensor, only the group is recorded)
  */
 void moe_params_shard(moe_param_table *pt, moe_group_kind group, int dim, int index, int count);
 
