@@ -29,9 +29,13 @@ static const struct {
     [MOE_GROUP_ETP_EP] = {"etp-ep", 1, AX(AX_TP) | AX(AX_EP)},
 };
 
-const char *moe_group_name(moe_group_kind kind) { return KINDS[kind].name; }
+const char *moe_group_name(moe_group_kind kind) {
+    return kind < MOE_GROUP_COUNT ? KINDS[kind].name : "none";
+}
 
-int moe_group_in_expert_grid(moe_group_kind kind) { return KINDS[kind].expert; }
+int moe_group_in_expert_grid(moe_group_kind kind) {
+    return kind < MOE_GROUP_COUNT && KINDS[kind].expert;
+}
 
 /* The axis sizes of one grid and their strides (product of the faster axes' sizes). */
 static void axes(const moe_grid *g, int expert, int size[AX_COUNT], int stride[AX_COUNT]) {

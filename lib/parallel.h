@@ -108,8 +108,8 @@ moe_status moe_grid_resolve(moe_grid *g, moe_error *err);
 void moe_grid_group(const moe_grid *g, moe_group_kind kind, int rank, moe_group *out,
                     int *members);
 
-/** @brief Short name of a kind as Megatron writes it ("tp", "dp-cp", "etp-ep", ...).
- *  @param kind the kind @return a static string */
+/** @brief Short name of a kind as Megatron writes it ("tp", "dp-cp", "etp-ep", ...; "none"
+ *  for ::MOE_GROUP_NONE). @param kind the kind @return a static string */
 const char *moe_group_name(moe_group_kind kind);
 
 /** @brief 1 when @p kind belongs to the expert grid (its replicas are EDP groups), else 0.
