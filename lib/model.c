@@ -60,20 +60,19 @@ static void layout(moe_model *m) {
     m->off_lm_head = moe_params_add(pt, "lm_head", 2, V, H, 0, MOE_INIT_NORMAL, std, 1);
     /* The routed experts last: every replicated (dense) tensor is then one contiguous block
      * and every expert slice another, so each gradient sync and norm is one call per block
-     * instead of one per tensor. Each rank holds its slice of the experts, initialised with
-     * the values of the full tensor (rng_offset). */
+     * instead of one per tensor. Each rank holds its EP shard of the experts (dim 0), which
+     * moe_params_init fills with that slice of the full tensor's values. */
+    const int ep_rank = m->ep && m->ep->comm ? m->ep->rank : 0;
+    const int ep_size = m->ep && m->ep->comm ? m->ep->size : 1;
     for (int l = 0; l < c->num_layers; l++) {
         if (!c->is_moe_layer[l])
             continue;
         size_t *o = m->off[l];
-        const int F = c->moe_ffn_hidden_size, EL = m->experts_local;
-        const int first = m->ep && m->ep->comm ? m->ep->rank * EL : 0;
-        ADD(MOE_W_FC1, "moe.experts.fc1", 3, EL, 2 * F, H, MOE_INIT_NORMAL, std, 1);
-        pt->t[pt->n - 1].expert = 1;
-        pt->t[pt->n - 1].rng_offset = (size_t)first * 2 * F * H;
-        ADD(MOE_W_FC2, "moe.experts.fc2", 3, EL, H, F, MOE_INIT_NORMAL, out_std, 1);
-        pt->t[pt->n - 1].expert = 1;
-        pt->t[pt->n - 1].rng_offset = (size_t)first * H * F;
+        const int F = c->moe_ffn_hidden_size;
+        ADD(MOE_W_FC1, "moe.experts.fc1", 3, E, 2 * F, H, MOE_INIT_NORMAL, std, 1);
+        moe_params_shard(pt, MOE_GROUP_EP, 0, ep_rank, ep_size);
+        ADD(MOE_W_FC2, "moe.experts.fc2", 3, E, H, F, MOE_INIT_NORMAL, out_std, 1);
+        moe_params_shard(pt, MOE_GROUP_EP, 0, ep_rank, ep_size);
     }
 #undef ADD
 }

@@ -23,15 +23,48 @@ size_t moe_params_add(moe_param_table *pt, const char *name, int ndim, int s0, i
     int s[3] = {s0, s1, s2};
     t->numel = 1;
     for (int i = 0; i < ndim; i++) {
-        t->shape[i] = s[i];
+        t->shape[i] = t->global_shape[i] = s[i];
         t->numel *= (size_t)s[i];
     }
+    t->shard = (moe_shard){MOE_GROUP_NONE, 0, 0, 1};
+    t->grad_group = MOE_GROUP_DP_CP;
     t->offset = pt->total;
     t->init = init;
     t->std = std;
     t->decay = decay;
+    t->low = (moe_tensor_copy){MOE_NO_COPY, MOE_NO_COPY};
     pt->total += t->numel;
     return t->offset;
+}
+
+void moe_params_shard(moe_param_table *pt, moe_group_kind group, int dim, int index, int count) {
+    MOE_ASSERT(pt->n > 0);
+    moe_tensor *t = &pt->t[pt->n - 1];
+    /* one split per tensor for now; chapter 04's ETP splits expert tensors a second time */
+    MOE_ASSERT(t->shard.group == MOE_GROUP_NONE && dim >= 0 && dim < t->ndim && count >= 1 &&
+               index >= 0 && index < count && t->global_shape[dim] % count == 0);
+    pt->total -= t->numel;
+    t->shape[dim] = t->global_shape[dim] / count;
+    t->origin[dim] = index * t->shape[dim];
+    t->numel = t->numel / (size_t)t->global_shape[dim] * (size_t)t->shape[dim];
+    t->shard = (moe_shard){group, dim, index, count};
+    t->grad_group = moe_group_in_expert_grid(group) ? MOE_GROUP_EDP : MOE_GROUP_DP_CP;
+    pt->total += t->numel;
+}
+
+size_t moe_tensor_global_index(const moe_tensor *t, size_t j) {
+    if (t->shard.count == 1)
+        return j; /* the whole tensor */
+    /* peel the local coordinates off j (innermost first) and place them, shifted by the
+     * shard's origin, in the global shape */
+    size_t g = 0, place = 1;
+    for (int d = t->ndim - 1; d >= 0; d--) {
+        size_t i = j % (size_t)t->shape[d];
+        j /= (size_t)t->shape[d];
+        g += (i + (size_t)t->origin[d]) * place;
+        place *= (size_t)t->global_shape[d];
+    }
+    return g;
 }
 
 const moe_tensor *moe_params_find(const moe_param_table *pt, const char *name) {
@@ -66,7 +99,8 @@ void moe_params_init(const moe_param_table *pt, moe_real *params, uint64_t seed)
         case MOE_INIT_NORMAL:
 #pragma omp parallel for schedule(static)
             for (size_t j = 0; j < t->numel; j++)
-                p[j] = (moe_real)(t->std * moe_rng_normal(seed, stream, t->rng_offset + j));
+                p[j] = (moe_real)(t->std *
+                                  moe_rng_normal(seed, stream, moe_tensor_global_index(t, j)));
             break;
         }
     }

@@ -10,6 +10,11 @@
  * Initial values come from the counter-based RNG with the tensor's *name* as
  * the stream (an FNV-1a hash): element i of "layers.2.moe.experts.fc1" has the same
  * value on every backend and in every parallel layout, whichever rank holds it.
+ *
+ * A tensor knows how it is sharded (::moe_shard: over which group, along which dimension,
+ * which shard of how many, its global shape) and which group holds its replicas. The
+ * initialisation reads the first to give each shard its slice of the single-rank tensor;
+ * the trainer reads the second to sum each gradient over the right ranks.
  */
 #ifndef MOE_PARAMS_H
 #define MOE_PARAMS_H
@@ -18,25 +23,56 @@
 #include <stdint.h>
 
 #include "error.h"
+#include "parallel.h"
 #include "real.h"
 
 /** How a tensor is initialised. */
 typedef enum moe_init { MOE_INIT_NORMAL = 0, MOE_INIT_ONES = 1, MOE_INIT_ZEROS = 2 } moe_init;
 
-/** One tensor of the table. */
+/** How a tensor is split over the ranks of a group: this rank holds shard @p index of
+ *  @p count equal pieces along dimension @p dim (a count of 1: the whole tensor). */
+typedef struct moe_shard {
+    moe_group_kind group; /**< the group whose ranks hold the shards (e.g. ::MOE_GROUP_EP);
+                               ::MOE_GROUP_NONE for a tensor every rank holds whole */
+    int dim;              /**< the split dimension, 0 = outermost */
+    int index;            /**< this rank's shard, 0 .. count-1 (its position in the group) */
+    int count;            /**< shards (the group's size) */
+} moe_shard;
+
+/** No second compute copy (moe_tensor_copy::offset). */
+#define MOE_NO_COPY ((size_t)-1)
+
+/**
+ * A second compute copy of a weight in a narrower type, with its scaling factors. Unused
+ * for now (every offset is ::MOE_NO_COPY): chapter 05 (FP8) keeps the FP8 copy of each
+ * matrix and its scales in buffers of the model, located by these offsets, next to the
+ * master weights and the activation-type copy.
+ */
+typedef struct moe_tensor_copy {
+    size_t offset;       /**< first element in the model's low-precision weight buffer */
+    size_t scale_offset; /**< first scale in its scale buffer */
+} moe_tensor_copy;
+
+/**
+ * One tensor of the table: a name that is stable across runs and layouts (checkpoints key
+ * tensors by name and shard), this rank's shard of it, and where the shard lives.
+ */
 typedef struct moe_tensor {
-    char name[64];     /**< e.g. "layers.0.attn.wq" */
-    int ndim;          /**< 1..3 */
-    int shape[3];      /**< sizes, outermost first */
-    size_t offset;     /**< first element in the flat buffer */
-    size_t numel;      /**< element count */
-    moe_init init;     /**< how to initialise */
-    double std;        /**< normal init std */
-    int decay;         /**< 1 when AdamW weight decay applies (matrices, not norms) */
-    int expert;        /**< 1 for routed-expert weights: sharded over expert-parallel ranks,
-                            their gradients are not summed over the EP group */
-    size_t rng_offset; /**< index of this rank's first element in the full (unsharded)
-                            tensor: element j is initialised as element rng_offset + j */
+    char name[64];       /**< e.g. "layers.3.moe.experts.fc1" */
+    int ndim;            /**< 1..3 */
+    int shape[3];        /**< this rank's sizes, outermost first */
+    int global_shape[3]; /**< the sizes of the whole (single-rank) tensor */
+    int origin[3];       /**< index in the whole tensor of this shard's first element, per dim */
+    moe_shard shard;     /**< how the tensor is split (count 1: this rank holds all of it) */
+    moe_group_kind grad_group; /**< the ranks holding the same shard (replicas): its gradient
+                                    is summed over them. ::MOE_GROUP_DP_CP for the dense
+                                    grid, ::MOE_GROUP_EDP for the expert grid */
+    size_t offset;       /**< first element in the flat buffer */
+    size_t numel;        /**< element count of this shard */
+    moe_init init;       /**< how to initialise */
+    double std;          /**< normal init std */
+    int decay;           /**< 1 when AdamW weight decay applies (matrices, not norms) */
+    moe_tensor_copy low; /**< the low-precision compute copy (chapter 05; unused) */
 } moe_tensor;
 
 /** A growable list of tensors laid out back to back. */
@@ -48,7 +84,8 @@ typedef struct moe_param_table {
 } moe_param_table;
 
 /**
- * @brief Append a tensor; returns its offset in the flat buffer.
+ * @brief Append a whole tensor of the dense grid (replicated over DP x CP); returns its offset
+ *        in the flat buffer. Split it with moe_params_shard() before adding the next one.
  * @param pt    table
  * @param name  unique name
  * @param ndim  1..3
@@ -62,6 +99,28 @@ typedef struct moe_param_table {
  */
 size_t moe_params_add(moe_param_table *pt, const char *name, int ndim, int s0, int s1, int s2,
                       moe_init init, double std, int decay);
+
+/**
+ * @brief Keep only this rank's shard of the tensor added last: shard @p index of @p count
+ *        along @p dim, over the ranks of @p group. Its shape becomes the shard's (the global
+ *        shape stays), and a tensor split over an expert-grid group (EP, ETP) belongs to the
+ *        expert grid: its gradient is summed over EDP instead of DP x CP. Element j of the
+ *        shard is initialised as the element of the whole tensor it is a slice of, so a
+ *        row- or column-parallel shard starts as its slice of the single-rank weights.
+ * @param pt    table (its last tensor is split)
+ * @param group the ranks holding the shards
+ * @param dim   0 .. ndim-1; its size must be a multiple of the count
+ * @param index this rank's shard, 0 .. count-1
+ * @param count shards (1: the whole tensor, only the group is recorded)
+ */
+void moe_params_shard(moe_param_table *pt, moe_group_kind group, int dim, int index, int count);
+
+/**
+ * @brief Index in the whole (unsharded) tensor of element @p j of this rank's shard: the
+ *        element whose value it holds at initialisation.
+ * @param t tensor  @param j 0 .. numel-1  @return the row-major index in global_shape
+ */
+size_t moe_tensor_global_index(const moe_tensor *t, size_t j);
 
 /** @brief Find a tensor by name. @param pt table @param name name @return it, or NULL */
 const moe_tensor *moe_params_find(const moe_param_table *pt, const char *name);

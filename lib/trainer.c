@@ -16,17 +16,15 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, moe_erro
     return moe_trainer_create_dist(out, cfg, NULL, err);
 }
 
-/* The process groups of a run: EP groups are consecutive ranks, the expert-data-parallel
- * groups stride by EP (Megatron's order ... ep, dp: EP varies faster than DP). */
+/* The process groups of a run, from the parallel grid (parallel.h). moe-train has no
+ * TP, CP or PP yet (chapter 04), so the attention/dense grid is all DP and the expert grid
+ * EP x EDP: EP groups are consecutive ranks, EDP groups stride by EP. */
 static moe_status make_groups(moe_trainer *t, moe_error *err) {
     const moe_config *c = &t->cfg;
     const int W = t->world_size, EP = c->expert_model_parallel_size;
     const int A = c->global_batch_size / c->micro_batch_size;
-    if (W % EP != 0)
-        return moe_error_set(err, MOE_ERR_CONFIG,
-                             "--expert-model-parallel-size %d does not divide the %d rank(s) of "
-                             "this run (run with a multiple of %d ranks: mpirun -np %d ...)",
-                             EP, W, EP, EP);
+    const moe_grid grid = {.world = W, .tp = 1, .cp = 1, .ep = EP, .etp = 1, .pp = 1};
+    MOE_TRY(moe_parallel_create(&t->par, t->world, &grid, err));
     if (A % W != 0)
         return moe_error_set(err, MOE_ERR_CONFIG,
                              "--global-batch-size %d is %d micro-batches of %d, which do not split "
@@ -34,13 +32,11 @@ static moe_status make_groups(moe_trainer *t, moe_error *err) {
                              "micro-batch-size x ranks = %d)",
                              c->global_batch_size, A, c->micro_batch_size, W,
                              c->micro_batch_size * W);
-    t->ep.size = EP;
-    t->ep.rank = t->rank % EP;
-    if (EP > 1)
-        MOE_TRY(moe_comm_split(t->world, t->rank / EP, t->rank, &t->ep_group, err));
-    if (W / EP > 1)
-        MOE_TRY(moe_comm_split(t->world, t->rank % EP, t->rank, &t->edp_group, err));
-    t->ep.comm = t->ep_group;
+    moe_group ep;
+    moe_grid_group(&t->par.grid, MOE_GROUP_EP, t->rank, &ep, NULL);
+    t->ep.size = ep.size;
+    t->ep.rank = ep.rank;
+    t->ep.comm = moe_parallel_group(&t->par, MOE_GROUP_EP);
 
     /* which dispatcher the MoE layers use (moe/dispatch.h) */
     MOE_TRY(moe_ep_choose_dispatcher(&t->ep, c, t->rank == 0, err));
@@ -111,8 +107,7 @@ void moe_trainer_free(moe_trainer *t) {
     moe_model_free(t->model);
     moe_adamw_free(&t->opt);
     moe_ep_free(&t->ep);
-    moe_comm_free(t->ep_group);
-    moe_comm_free(t->edp_group);
+    moe_parallel_free(&t->par);
     moe_dataset_free(&t->data);
     free(t->inputs);
     free(t->targets);
@@ -122,52 +117,66 @@ void moe_trainer_free(moe_trainer *t) {
 
 static moe_dtype real_dtype(void) { return sizeof(moe_real) == 4 ? MOE_DTYPE_F32 : MOE_DTYPE_F64; }
 
-/* Data parallelism for the dense part, expert-data parallelism for the experts: after
- * every rank has accumulated its micro-batches, sum the replicated tensors' gradients over
- * the ranks that replicate them. Dense tensors are replicated on every rank; an expert
- * slice only on the ranks of its expert-data-parallel group. */
-/* Consecutive tensors of the same kind (dense or expert) form one run of the flat buffer:
- * [*start, *end) in elements. Returns 0 when there are no more runs. The layout puts all
- * dense tensors first and all expert slices last (model.c), so there are two runs. */
-static int next_run(const moe_param_table *pt, int *i, size_t *start, size_t *end, int *expert) {
+/* Consecutive tensors that share a key (the group their gradient is summed over, or the
+ * group their shards are spread over) form one run of the flat buffer: [*start, *end) in
+ * elements. Returns 0 when there are no more runs. The layout puts every dense tensor first
+ * and every expert shard last (model.c), so there are two runs, and each collective below
+ * moves one whole run: one call per group, not one per tensor. */
+typedef moe_group_kind (*run_key)(const moe_tensor *t);
+
+static int next_run(const moe_param_table *pt, run_key key, int *i, size_t *start, size_t *end,
+                    moe_group_kind *k) {
     if (*i >= pt->n)
         return 0;
-    *expert = pt->t[*i].expert;
+    *k = key(&pt->t[*i]);
     *start = pt->t[*i].offset;
-    while (*i < pt->n && pt->t[*i].expert == *expert)
+    while (*i < pt->n && key(&pt->t[*i]) == *k)
         (*i)++;
     *end = pt->t[*i - 1].offset + pt->t[*i - 1].numel;
     return 1;
 }
 
+static moe_group_kind replicas(const moe_tensor *t) { return t->grad_group; }
+static moe_group_kind shard_group(const moe_tensor *t) { return t->shard.group; }
+
+/* After every rank has accumulated its micro-batches, sum each gradient over the ranks that
+ * hold the same tensor (its replicas): dense tensors over DP x CP, expert shards over EDP. */
 static void sync_gradients(moe_trainer *t) {
     moe_model *m = t->model;
     size_t start, end;
-    int expert, i = 0;
-    while (next_run(&m->table, &i, &start, &end, &expert)) {
-        moe_comm *g = expert ? t->edp_group : t->world;
-        if (g && moe_comm_size(g) > 1)
+    moe_group_kind k;
+    int i = 0;
+    while (next_run(&m->table, replicas, &i, &start, &end, &k)) {
+        moe_comm *g = moe_parallel_group(&t->par, k);
+        if (g)
             moe_comm_all_reduce_sum(g, m->grads + start, end - start, real_dtype());
     }
 }
 
-/* The global gradient norm: dense gradients are identical on every rank after the sync,
- * expert slices differ across an EP group, so their squares are summed over it. */
+/* The global gradient norm: after the sync every replica holds the same gradient, so the
+ * squares of a tensor every rank holds whole count once, and those of a split tensor are
+ * summed over the ranks holding its shards (the expert shards over EP). Whole tensors
+ * first, then each group's sum in kind order. Every rank has the same layout, so every
+ * rank takes part in the same host all-reduces. */
 static double global_grad_norm(moe_trainer *t) {
     moe_model *m = t->model;
-    double dense = 0.0, expert = 0.0;
+    double sum[MOE_GROUP_COUNT + 1] = {0};
+    int used[MOE_GROUP_COUNT + 1] = {0};
     size_t start, end;
-    int is_expert, i = 0;
-    while (next_run(&m->table, &i, &start, &end, &is_expert)) {
-        double s = m->be->sum_squares(m->grads + start, end - start);
-        if (is_expert)
-            expert += s;
-        else
-            dense += s;
+    moe_group_kind k;
+    int i = 0;
+    while (next_run(&m->table, shard_group, &i, &start, &end, &k)) {
+        sum[k] += m->be->sum_squares(m->grads + start, end - start);
+        used[k] = 1;
     }
-    if (t->ep_group)
-        moe_comm_host_all_reduce_sum(t->ep_group, &expert, 1, MOE_DTYPE_F64);
-    return sqrt(dense + expert);
+    double total = sum[MOE_GROUP_NONE];
+    for (int g = 0; g < MOE_GROUP_COUNT; g++) {
+        moe_comm *c = moe_parallel_group(&t->par, (moe_group_kind)g);
+        if (used[g] && c)
+            moe_comm_host_all_reduce_sum(c, &sum[g], 1, MOE_DTYPE_F64);
+        total += sum[g];
+    }
+    return sqrt(total);
 }
 
 void moe_trainer_step(moe_trainer *t, moe_step_stats *st) {

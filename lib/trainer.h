@@ -15,6 +15,7 @@
 #include "model.h"
 #include "moe/dispatch.h"
 #include "optimizer.h"
+#include "parallel.h"
 
 /** Everything a run holds. */
 typedef struct moe_trainer {
@@ -26,8 +27,7 @@ typedef struct moe_trainer {
     int *inputs;           /**< host [micro·T] */
     int *targets;          /**< host [micro·T] */
     moe_comm *world;       /**< all ranks (NULL: a single process) */
-    moe_comm *ep_group;    /**< ranks that share the experts of a layer (NULL when EP = 1) */
-    moe_comm *edp_group;   /**< ranks holding the same experts (NULL when world = EP) */
+    moe_parallel par;      /**< the process groups of the parallel grid (parallel.h) */
     moe_ep ep;             /**< the dispatcher's context */
     int rank;              /**< this rank in the world */
     int world_size;        /**< ranks in the world */
@@ -65,7 +65,8 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, moe_erro
  *        dense part (attention, router, norms: replicated, gradients summed over all ranks);
  *        the experts are split over EP groups of --expert-model-parallel-size consecutive
  *        ranks, and replicated over the world/EP expert-data-parallel groups (their
- *        gradients summed there). The global batch is split evenly: rank r runs
+ *        gradients summed there). The groups come from the parallel grid (parallel.h) with
+ *        TP = CP = PP = ETP = 1. The global batch is split evenly: rank r runs
  *        micro-batches [r·A, (r+1)·A) of each step, A = global/(micro·ranks). A distributed
  *        step computes the same loss and gradients as one process running every micro-batch.
  * @param out receives the trainer  @param cfg parsed config  @param world all ranks (NULL = one)

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "backend.h"
@@ -52,4 +53,36 @@ int moe_test_have_gpu(void) {
 void moe_test_tmp_path(char *out, size_t cap, const char *name) {
     const char *dir = getenv("TMPDIR");
     snprintf(out, cap, "%s/moe_test_%d_%s", dir && *dir ? dir : "/tmp", (int)getpid(), name);
+}
+
+int moe_test_run(const char *cmd, char *out, size_t cap) {
+    char full[2048];
+    snprintf(full, sizeof full, "%s 2>&1", cmd);
+    FILE *p = popen(full, "r");
+    if (!p)
+        return -1;
+    size_t n = fread(out, 1, cap - 1, p);
+    out[n] = '\0';
+    int status = pclose(p);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+int moe_test_have_program(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        fprintf(stderr, "skipped: %s not built (run make all first)\n", path);
+        return 0;
+    }
+    fclose(f);
+    return 1;
+}
+
+TCase *moe_test_tcase(Suite *s, const char *name, double timeout, const TTest *const *tests,
+                      int n) {
+    TCase *tc = tcase_create(name);
+    tcase_set_timeout(tc, timeout);
+    for (int i = 0; i < n; i++)
+        tcase_add_test(tc, tests[i]);
+    suite_add_tcase(s, tc);
+    return tc;
 }

@@ -35,4 +35,17 @@ int moe_test_have_gpu(void);
 /** A temporary file path unique to this process (caller frees nothing; static buffer per call site is not kept). */
 void moe_test_tmp_path(char *out, size_t cap, const char *name);
 
+/** Run a shell command (from the repository root), capture its stdout and stderr into @p out
+ *  (@p cap bytes, zero-terminated) and return its exit status (-1 when it did not exit). */
+int moe_test_run(const char *cmd, char *out, size_t cap);
+
+/** 1 when the program @p path (e.g. "bin/moe-train") has been built; else 0, after printing
+ *  that the test that needs it is skipped. */
+int moe_test_have_program(const char *path);
+
+/** Add to @p s a test case @p name of the @p n tests @p tests, each with @p timeout seconds.
+ *  @return the test case */
+TCase *moe_test_tcase(Suite *s, const char *name, double timeout, const TTest *const *tests,
+                      int n);
+
 #endif

@@ -71,6 +71,16 @@ static double rel_l2(const moe_real *a, const moe_real *b, size_t n) {
     return isfinite(num) ? sqrt(num / (den > 0 ? den : 1e-30)) : INFINITY;
 }
 
+/* The part of the reference's whole tensor @p tr (in @p buf: its params or grads) that the
+ * distributed tensor @p td holds: element j is element moe_tensor_global_index(td, j).
+ * @p full is scratch of tr->numel elements, @p out receives td->numel. */
+static void reference_shard(const moe_model *mr, const moe_real *buf, const moe_tensor *tr,
+                            const moe_tensor *td, moe_real *full, moe_real *out) {
+    mr->be->to_host(full, buf + tr->offset, sizeof(moe_real) * tr->numel);
+    for (size_t j = 0; j < td->numel; j++)
+        out[j] = full[moe_tensor_global_index(td, j)];
+}
+
 /* One step's loss and gradients, distributed vs the single-process reference. */
 static void check_ep(const char *extra, int ep, int force) {
     moe_comm *world = moe_test_world();
@@ -101,16 +111,16 @@ static void check_ep(const char *extra, int ep, int force) {
     long long bad = 0;
     double worst = 0;
     const char *worst_name = "";
-    /* every tensor, by name; an expert tensor is this rank's slice of the reference's */
+    /* every tensor, by name; an expert tensor is this rank's shard of the reference's */
     const moe_model *md = dist->model, *mr = ref->model;
     for (int i = 0; i < md->table.n; i++) {
         const moe_tensor *td = &md->table.t[i];
         const moe_tensor *tr = moe_params_find(&mr->table, td->name);
         ck_assert_ptr_nonnull(tr);
-        size_t off = tr->offset + td->rng_offset; /* the slice's start in the full tensor */
         moe_real *gd = malloc(sizeof(moe_real) * td->numel), *gr = malloc(sizeof(moe_real) * td->numel);
+        moe_real *full = malloc(sizeof(moe_real) * tr->numel);
         md->be->to_host(gd, md->grads + td->offset, sizeof(moe_real) * td->numel);
-        mr->be->to_host(gr, mr->grads + off, sizeof(moe_real) * td->numel);
+        reference_shard(mr, mr->grads, tr, td, full, gr);
         double e = rel_l2(gd, gr, td->numel);
         if (!(e <= tol_grad)) {
             bad++;
@@ -121,10 +131,11 @@ static void check_ep(const char *extra, int ep, int force) {
         }
         /* and the initial weights are the same slice */
         md->be->to_host(gd, md->params + td->offset, sizeof(moe_real) * td->numel);
-        mr->be->to_host(gr, mr->params + off, sizeof(moe_real) * td->numel);
+        reference_shard(mr, mr->params, tr, td, full, gr);
         bad += memcmp(gd, gr, sizeof(moe_real) * td->numel) != 0;
         free(gd);
         free(gr);
+        free(full);
     }
     AGREE(bad, "EP %d (%s): %lld tensors differ (rank %d: worst %s, rel %.2e)", ep, extra, bad,
           rank, worst_name, worst);

@@ -13,6 +13,8 @@ Suite *suite_data(void);      /* tests/test_data.c: tokenizer, data search, batc
 Suite *suite_config(void);    /* tests/test_config.c: flags, validation, named errors */
 Suite *suite_router(void);    /* tests/test_router.c: router semantics, aux losses, expert bias */
 Suite *suite_train(void);     /* tests/test_train.c: determinism, loss falls, trainer errors */
+Suite *suite_parallel(void);  /* tests/test_parallel.c: the parallel grid, bin/moe-grid, sharded
+                                 parameters */
 
 /* finite-difference gradient checks (fp64 build) */
 Suite *suite_fd_ops(void);    /* tests/fd_ops.c: every op */
@@ -28,6 +30,7 @@ Suite *suite_gpu_grouped(void);   /* tests/gpu_grouped.c: cuBLAS grouped GEMM vs
 
 /* MPI tests (CPU ranks under mpirun) */
 Suite *suite_mpi_comm(void);      /* tests/mpi_comm.c: every collective of comm.h, any rank count */
+Suite *suite_mpi_grid(void);      /* tests/mpi_grid.c: the grid's communicators match its groups */
 Suite *suite_mpi_ep(void);        /* tests/mpi_ep.c: EP = any divisor of the ranks gives the
                                      single-process loss and gradients */
 struct moe_comm;

@@ -124,22 +124,13 @@ END_TEST
 /* Run bin/moe-train (built by `make all` before the tests) and capture its output. */
 static int run_program(const char *args, char *out, size_t cap) {
     char cmd[1024];
-    snprintf(cmd, sizeof cmd, "MOE_NO_DOWNLOAD=1 ./bin/moe-train %s 2>&1", args);
-    FILE *p = popen(cmd, "r");
-    ck_assert(p != NULL);
-    size_t n = fread(out, 1, cap - 1, p);
-    out[n] = '\0';
-    int status = pclose(p);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    snprintf(cmd, sizeof cmd, "MOE_NO_DOWNLOAD=1 ./bin/moe-train %s", args);
+    return moe_test_run(cmd, out, cap);
 }
 
 START_TEST(test_program_cli) {
-    FILE *f = fopen("bin/moe-train", "r");
-    if (!f) {
-        fprintf(stderr, "skipped: bin/moe-train not built (run make all first)\n");
+    if (!moe_test_have_program("bin/moe-train"))
         return;
-    }
-    fclose(f);
     static char out[1 << 16];
     ck_assert_int_eq(run_program("--help", out, sizeof out), 0);
     ck_assert(strstr(out, "--moe-router-topk") && strstr(out, "(default: "));
