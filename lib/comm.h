@@ -62,6 +62,18 @@ typedef enum moe_dtype {
 /** @brief Size in bytes of one element of @p t. @param t type @return bytes */
 size_t moe_dtype_size(moe_dtype t);
 
+/** @brief The type of a backend's activations on the wire (bf16 on CUDA, moe_real on the
+ *  CPU). @param be backend @return ::MOE_DTYPE_BF16, ::MOE_DTYPE_F32 or ::MOE_DTYPE_F64 */
+static inline moe_dtype moe_dtype_act(const moe_backend *be) {
+    return be->act_size == 2 ? MOE_DTYPE_BF16 : be->act_size == 4 ? MOE_DTYPE_F32 : MOE_DTYPE_F64;
+}
+
+/** @brief The type of ::moe_real on the wire (master weights, gradients, routing weights).
+ *  @return ::MOE_DTYPE_F32, or ::MOE_DTYPE_F64 in the gradient-check build */
+static inline moe_dtype moe_dtype_real(void) {
+    return sizeof(moe_real) == 4 ? MOE_DTYPE_F32 : MOE_DTYPE_F64;
+}
+
 /** A group of ranks (opaque). */
 typedef struct moe_comm moe_comm;
 

@@ -115,8 +115,6 @@ void moe_trainer_free(moe_trainer *t) {
     moe_cpu_matmul_release();
 }
 
-static moe_dtype real_dtype(void) { return sizeof(moe_real) == 4 ? MOE_DTYPE_F32 : MOE_DTYPE_F64; }
-
 /* Consecutive tensors that share a key (the group their gradient is summed over, or the
  * group their shards are spread over) form one run of the flat buffer: [*start, *end) in
  * elements. Returns 0 when there are no more runs. The layout puts every dense tensor first
@@ -149,7 +147,7 @@ static void sync_gradients(moe_trainer *t) {
     while (next_run(&m->table, replicas, &i, &start, &end, &k)) {
         moe_comm *g = moe_parallel_group(&t->par, k);
         if (g)
-            moe_comm_all_reduce_sum(g, m->grads + start, end - start, real_dtype());
+            moe_comm_all_reduce_sum(g, m->grads + start, end - start, moe_dtype_real());
     }
 }
 

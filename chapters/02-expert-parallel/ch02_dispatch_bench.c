@@ -228,7 +228,7 @@ int main(int argc, char **argv) {
         size_t *cnt = malloc(sizeof(size_t) * P);
         for (int p = 0; p < P; p++)
             cnt[p] = per;
-        moe_dtype t = be->act_size == 2 ? MOE_DTYPE_BF16 : MOE_DTYPE_F32;
+        moe_dtype t = moe_dtype_act(be);
         for (int it = 0; it < o.warmup + o.repeats; it++) {
             moe_comm_barrier(world);
             be->timer_begin();

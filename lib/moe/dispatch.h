@@ -318,16 +318,4 @@ void *moe_grow(const moe_backend *be, void *p, size_t *cap, size_t bytes);
 /** @brief Free the context's staging buffers. @param ep context */
 void moe_ep_free(moe_ep *ep);
 
-/** @brief The communication type of the backend's activations (bf16, fp32 or fp64).
- *  @param be backend @return its ::moe_dtype */
-static inline moe_dtype moe_dispatch_act_dtype(const moe_backend *be) {
-    return be->act_size == 2 ? MOE_DTYPE_BF16 : be->act_size == 4 ? MOE_DTYPE_F32 : MOE_DTYPE_F64;
-}
-
-/** @brief The communication type of ::moe_real (routing weights and their gradients).
- *  @return ::MOE_DTYPE_F32 or ::MOE_DTYPE_F64 */
-static inline moe_dtype moe_dispatch_real_dtype(void) {
-    return sizeof(moe_real) == 4 ? MOE_DTYPE_F32 : MOE_DTYPE_F64;
-}
-
 #endif /* MOE_DISPATCH_H */

@@ -26,7 +26,7 @@ static void ag_plan(const moe_backend *be, const moe_layer_dims *d, moe_layer_ac
     MOE_ASSERT(didx && gidx && gw);
     moe_capacity_route(be, d, a, didx);
     moe_comm_host_all_gather(ep->comm, didx, gidx, (size_t)NK, MOE_DTYPE_I32);
-    moe_comm_host_all_gather(ep->comm, a->host_w, gw, (size_t)NK, moe_dispatch_real_dtype());
+    moe_comm_host_all_gather(ep->comm, a->host_w, gw, (size_t)NK, moe_dtype_real());
     int *tok = malloc(sizeof(int) * (GNK + 1)), *inv = malloc(sizeof(int) * GNK);
     int *ident = malloc(sizeof(int) * GNK);
     moe_real *we = malloc(R * (GNK + 1));
@@ -78,7 +78,7 @@ static void gather_to_experts(const moe_backend *be, const moe_layer_dims *d,
     moe_ep *ep = d->ep;
     const size_t NH = (size_t)d->N * d->H;
     ep->send_buf = moe_grow(be, ep->send_buf, &ep->send_cap, be->act_size * ep->size * NH);
-    moe_comm_all_gather(ep->comm, src, ep->send_buf, NH, moe_dispatch_act_dtype(be));
+    moe_comm_all_gather(ep->comm, src, ep->send_buf, NH, moe_dtype_act(be));
     be->gather_rows(dst, ep->send_buf, a->plan.ag_tok, a->plan.R_recv, d->H);
     moe_prof_mark(MOE_PROF_OTHER);
 }
@@ -95,7 +95,7 @@ static void reduce_to_tokens(const moe_backend *be, const moe_layer_dims *d,
     be->gather_rows(ep->recv_buf, src, a->plan.ag_inv, GNK, d->H);
     be->zero(ep->ag_buf, be->act_size * P * NH);
     be->unpermute_sum(ep->ag_buf, ep->recv_buf, a->plan.ag_identity, P * d->N, d->k, d->H);
-    moe_comm_reduce_scatter_sum(ep->comm, ep->ag_buf, dst, NH, moe_dispatch_act_dtype(be));
+    moe_comm_reduce_scatter_sum(ep->comm, ep->ag_buf, dst, NH, moe_dtype_act(be));
 }
 
 static void ag_dispatch(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
@@ -126,7 +126,7 @@ static void ag_combine_grad(const moe_backend *be, const moe_layer_dims *d,
     be->add(dx, ws->dxp, (size_t)d->N * d->H);
     moe_real *dw_all = (moe_real *)ep->recv_buf; /* reuse: rows·H ≥ GNK values */
     be->gather_reals(dw_all, ws->dwe, a->plan.ag_inv, ep->size * (int)NK);
-    moe_comm_reduce_scatter_sum(ep->comm, dw_all, ws->dtopk_w, NK, moe_dispatch_real_dtype());
+    moe_comm_reduce_scatter_sum(ep->comm, dw_all, ws->dtopk_w, NK, moe_dtype_real());
     moe_prof_mark(MOE_PROF_OTHER);
 }
 

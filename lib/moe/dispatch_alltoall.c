@@ -153,7 +153,7 @@ static void move(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, const voi
                  int is_act, int to_experts) {
     const moe_backend *be = ep->be;
     const size_t elem = is_act ? be->act_size : sizeof(moe_real);
-    const moe_dtype t = is_act ? moe_dispatch_act_dtype(be) : moe_dispatch_real_dtype();
+    const moe_dtype t = is_act ? moe_dtype_act(be) : moe_dtype_real();
     const int P = ep->comm ? ep->size : 1;
     ep->send_buf = moe_grow(be, ep->send_buf, &ep->send_cap, elem * C * (size_t)(plan->R_send + 1));
     ep->recv_buf = moe_grow(be, ep->recv_buf, &ep->recv_cap, elem * C * (size_t)(plan->R_recv + 1));
