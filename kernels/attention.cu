@@ -6,6 +6,7 @@
  *   S[t,s] = q_t · k_s / √D                  (s ≤ t; −∞ above the diagonal)
  *   P[t,:] = softmax(S[t,:])                 saved in att [B, Hq, T, T] as bf16
  *   y_t    = Σ_s P[t,s] v_s
+ *   lse_t  = log Σ_s exp(S[t,s]) = m_t + log l_t   (row max m, sum l = Σ exp(S − m); fp32)
  *
  *   backward, with dP[t,s] = dy_t · v_s and the row dot δ_t = Σ_s P[t,s] dP[t,s]:
  *   dv_s  += Σ_t P[t,s] dy_t
@@ -17,7 +18,8 @@
  * accumulation run in fp32; results are rounded to bf16 once, when they are stored.
  *
  * Design. This is the "materialised" attention of the chapters before flash attention
- * (chapter 07): the model saves P, so the T×T matrix is written once per head anyway.
+ * (chapter 07): it saves P in its op workspace (backend.h's attention contract: the
+ * workspace is att, B·Hq·T·T bf16), so the T×T matrix is written once per head anyway.
  * Everything is cut into 64×64 tiles of that matrix. A thread block of 256 threads
  * (16×16, thread (ty, tx)) owns one tile at a time and computes a 4×4 micro-tile of it:
  * rows ty, ty+16, ty+32, ty+48 and columns tx, tx+16, tx+32, tx+48. The 64-row slices
@@ -31,7 +33,8 @@
  * banks. D may be anything up to 128; T anything (partial tiles are zero-padded).
  *
  *   forward   one block per (b, h, 64 query rows), two sweeps over the key tiles:
- *             1. S tile by tile → running row max m and sum l (online softmax);
+ *             1. S tile by tile → running row max m and sum l (online softmax),
+ *                then lse = m + log l per row (fp32);
  *             2. S again → P = exp(S − m)/l → att (bf16) and y += P·V (P in fp32).
  *             Tiles above the diagonal are written as zeros. Recomputing S costs one
  *             extra Q·Kᵀ but keeps shared memory independent of T.
@@ -47,6 +50,9 @@
  *             accumulate dv += Pᵀ·dY and dk += dSᵀ·Q/√D in registers. The block owns
  *             its dk, dv rows, so the several query heads that share a key/value head
  *             add up without atomics, in the same order every run: bitwise reproducible.
+ *
+ *             The contract also hands the backward y and lse; this backward reads P
+ *             instead and does not touch them.
  *
  * Blocks are issued heaviest first (the causal triangle gives the last query tiles the
  * most work), and every launcher enqueues on moe_cuda_stream() without waiting.
@@ -66,16 +72,8 @@ template <int NJ> struct AttDims {
     static constexpr int LD = DP + 1;
 };
 
-/* Fail loudly on shapes this kernel does not handle (a bug in the caller). */
-static void att_check_shape(int T, int Hq, int Hkv, int D) {
-    if (T < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || D < 1 || D > 128) {
-        fprintf(stderr,
-                "moe_cuda_attention: unsupported shape T=%d Hq=%d Hkv=%d D=%d "
-                "(need Hq a multiple of Hkv and 1 <= D <= 128)\n",
-                T, Hq, Hkv, D);
-        exit(1);
-    }
-}
+/* The largest head dimension the kernels handle (NJ = 8: 16·8 columns). */
+#define ATT_MAX_D 128
 
 /*
  * Stage rows row0..row0+63 of one head (D values from src + row·stride) into a
@@ -193,8 +191,9 @@ static __device__ __forceinline__ int att_tile_of_block(int ntiles) {
 
 template <int NJ>
 __global__ void __launch_bounds__(ATT_THREADS)
-    att_forward_kernel(moe_bf16 *y, moe_bf16 *att, const moe_bf16 *q, const moe_bf16 *k,
-                       const moe_bf16 *v, int T, int Hq, int Hkv, int D, float scale) {
+    att_forward_kernel(moe_bf16 *y, float *lse, moe_bf16 *att, const moe_bf16 *q,
+                       const moe_bf16 *k, const moe_bf16 *v, int T, int Hq, int Hkv, int D,
+                       float scale) {
     constexpr int LD = AttDims<NJ>::LD;
     extern __shared__ float smem[];
     float *Qs = smem;                      /* [64][LD]  q_t · scale */
@@ -257,6 +256,9 @@ __global__ void __launch_bounds__(ATT_THREADS)
         const float lrow = att_row_sum(part);
         m[i] = mrow;
         inv_l[i] = lrow > 0.0f ? 1.0f / lrow : 0.0f; /* 0 only for padding rows t ≥ T */
+        const int t = t0 + ty + 16 * i;
+        if (tx == 0 && t < T)
+            lse[((size_t)b * Hq + h) * T + t] = mrow + logf(lrow);
     }
 
     /* Sweep 2: P = exp(S − m) / l → att and y. */
@@ -499,14 +501,15 @@ template <int NJ> static size_t att_smem_backward(void) {
 }
 
 template <int NJ>
-static void att_forward_launch(moe_bf16 *y, moe_bf16 *att, const moe_bf16 *q, const moe_bf16 *k,
-                               const moe_bf16 *v, int B, int T, int Hq, int Hkv, int D) {
+static void att_forward_launch(moe_bf16 *y, float *lse, moe_bf16 *att, const moe_bf16 *q,
+                               const moe_bf16 *k, const moe_bf16 *v, int B, int T, int Hq,
+                               int Hkv, int D) {
     const size_t smem = att_smem_forward<NJ>();
     MOE_CUDA_CHECK(cudaFuncSetAttribute(att_forward_kernel<NJ>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     dim3 grid(moe_cdiv(T, ATT_TILE), Hq, B);
     att_forward_kernel<NJ><<<grid, ATT_THREADS, smem, moe_cuda_stream()>>>(
-        y, att, q, k, v, T, Hq, Hkv, D, (float)(1.0 / sqrt((double)D)));
+        y, lse, att, q, k, v, T, Hq, Hkv, D, (float)(1.0 / sqrt((double)D)));
     MOE_CUDA_LAUNCH_CHECK();
 }
 
@@ -537,29 +540,39 @@ static void att_backward_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const 
     MOE_CUDA_CHECK(cudaFreeAsync(delta, st));
 }
 
-extern "C" void moe_cuda_attention_forward(void *y, void *att, const void *q, const void *k,
-                                           const void *v, int B, int T, int Hq, int Hkv, int D) {
-    att_check_shape(T, Hq, Hkv, D);
+/* The naive kernels' workspace: P [B, Hq, T, T] in bf16. */
+extern "C" size_t moe_cuda_attention_workspace_bytes(moe_attention_shape s) {
+    return sizeof(moe_bf16) * (size_t)s.B * s.Hq * s.Tq * s.Tk;
+}
+
+/* Only a chunk attending to itself (Tq = Tk, q_pos = k_pos): the mask is then s ≤ t, which
+ * is what the kernels apply; the offsets enter only through RoPE. */
+extern "C" void moe_cuda_attention_forward(void *y, moe_real *lse, void *ws, const void *q,
+                                           const void *k, const void *v, moe_attention_shape s) {
+    moe_attention_shape_require(s, "moe_cuda_attention", ATT_MAX_D);
+    const int B = s.B, T = s.Tq, Hq = s.Hq, Hkv = s.Hkv, D = s.D;
     if (B < 1)
         return;
-    moe_bf16 *Y = (moe_bf16 *)y, *A = (moe_bf16 *)att;
+    moe_bf16 *Y = (moe_bf16 *)y, *A = (moe_bf16 *)ws;
     const moe_bf16 *Q = (const moe_bf16 *)q, *K = (const moe_bf16 *)k, *V = (const moe_bf16 *)v;
     if (D <= 32)
-        att_forward_launch<2>(Y, A, Q, K, V, B, T, Hq, Hkv, D);
+        att_forward_launch<2>(Y, lse, A, Q, K, V, B, T, Hq, Hkv, D);
     else if (D <= 64)
-        att_forward_launch<4>(Y, A, Q, K, V, B, T, Hq, Hkv, D);
+        att_forward_launch<4>(Y, lse, A, Q, K, V, B, T, Hq, Hkv, D);
     else
-        att_forward_launch<8>(Y, A, Q, K, V, B, T, Hq, Hkv, D);
+        att_forward_launch<8>(Y, lse, A, Q, K, V, B, T, Hq, Hkv, D);
 }
 
 extern "C" void moe_cuda_attention_backward(void *dq, void *dk, void *dv, const void *dy,
-                                            const void *att, const void *q, const void *k,
-                                            const void *v, int B, int T, int Hq, int Hkv, int D) {
-    att_check_shape(T, Hq, Hkv, D);
+                                            const void *y, const moe_real *lse, void *ws,
+                                            const void *q, const void *k, const void *v,
+                                            moe_attention_shape s) {
+    moe_attention_shape_require(s, "moe_cuda_attention", ATT_MAX_D);
+    const int B = s.B, T = s.Tq, Hq = s.Hq, Hkv = s.Hkv, D = s.D;
     if (B < 1)
         return;
     moe_bf16 *dQ = (moe_bf16 *)dq, *dK = (moe_bf16 *)dk, *dV = (moe_bf16 *)dv;
-    const moe_bf16 *dY = (const moe_bf16 *)dy, *A = (const moe_bf16 *)att;
+    const moe_bf16 *dY = (const moe_bf16 *)dy, *A = (const moe_bf16 *)ws;
     const moe_bf16 *Q = (const moe_bf16 *)q, *K = (const moe_bf16 *)k, *V = (const moe_bf16 *)v;
     if (D <= 32)
         att_backward_launch<2>(dQ, dK, dV, dY, A, Q, K, V, B, T, Hq, Hkv, D);

@@ -56,6 +56,7 @@ static moe_backend make_cuda_backend(void) {
     b.rmsnorm_backward = moe_cuda_rmsnorm_backward;
     b.rope_forward = moe_cuda_rope_forward;
     b.rope_backward = moe_cuda_rope_backward;
+    b.attention_workspace_bytes = moe_cuda_attention_workspace_bytes;
     b.attention_forward = moe_cuda_attention_forward;
     b.attention_backward = moe_cuda_attention_backward;
     b.swiglu_forward = moe_cuda_swiglu_forward;

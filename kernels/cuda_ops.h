@@ -66,14 +66,16 @@ void moe_cuda_rmsnorm_forward(void *out, moe_real *rstd, const void *x, const vo
                               int C, double eps);
 void moe_cuda_rmsnorm_backward(void *dx, moe_real *dw, const void *dout, const void *x,
                                const void *w, const moe_real *rstd, int N, int C);
-void moe_cuda_rope_forward(void *out, const void *in, int B, int T, int heads, int D, double base);
-void moe_cuda_rope_backward(void *din, const void *dout, int B, int T, int heads, int D,
+void moe_cuda_rope_forward(void *out, const void *in, int B, int T, int heads, int D, int pos0,
+                           double base);
+void moe_cuda_rope_backward(void *din, const void *dout, int B, int T, int heads, int D, int pos0,
                             double base);
-void moe_cuda_attention_forward(void *y, void *att, const void *q, const void *k, const void *v,
-                                int B, int T, int Hq, int Hkv, int D);
-void moe_cuda_attention_backward(void *dq, void *dk, void *dv, const void *dy, const void *att,
-                                 const void *q, const void *k, const void *v, int B, int T,
-                                 int Hq, int Hkv, int D);
+size_t moe_cuda_attention_workspace_bytes(moe_attention_shape s);
+void moe_cuda_attention_forward(void *y, moe_real *lse, void *ws, const void *q, const void *k,
+                                const void *v, moe_attention_shape s);
+void moe_cuda_attention_backward(void *dq, void *dk, void *dv, const void *dy, const void *y,
+                                 const moe_real *lse, void *ws, const void *q, const void *k,
+                                 const void *v, moe_attention_shape s);
 void moe_cuda_swiglu_forward(void *out, const void *gu, const moe_real *row_scale, int N, int F);
 void moe_cuda_swiglu_backward(void *dgu, moe_real *drow_scale, const void *dout, const void *gu,
                               const moe_real *row_scale, int N, int F);

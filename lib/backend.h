@@ -120,18 +120,31 @@ typedef struct moe_backend {
     /** as moe_cpu_rmsnorm_backward() */
     void (*rmsnorm_backward)(void *dx, moe_real *dw, const void *dout, const void *x,
                              const void *w, const moe_real *rstd, int N, int C);
-    /** as moe_cpu_rope_forward() */
-    void (*rope_forward)(void *out, const void *in, int B, int T, int heads, int D, double base);
+    /** as moe_cpu_rope_forward(): rows are positions pos0 .. pos0+T−1 of each sequence */
+    void (*rope_forward)(void *out, const void *in, int B, int T, int heads, int D, int pos0,
+                         double base);
     /** as moe_cpu_rope_backward() */
-    void (*rope_backward)(void *din, const void *dout, int B, int T, int heads, int D,
+    void (*rope_backward)(void *din, const void *dout, int B, int T, int heads, int D, int pos0,
                           double base);
-    /** as moe_cpu_attention_forward() */
-    void (*attention_forward)(void *y, void *att, const void *q, const void *k, const void *v,
-                              int B, int T, int Hq, int Hkv, int D);
-    /** as moe_cpu_attention_backward() */
-    void (*attention_backward)(void *dq, void *dk, void *dv, const void *dy, const void *att,
-                               const void *q, const void *k, const void *v, int B, int T, int Hq,
-                               int Hkv, int D);
+    /**
+     * The attention op contract (chapter 07's flash attention and context parallelism fill
+     * the same three slots). The caller owns q, k, v, y, lse [B,Hq,Tq] (full precision) and
+     * one opaque workspace per attention call it will differentiate, of
+     * attention_workspace_bytes() bytes (a workspace sized for a shape serves every smaller
+     * one): what the forward leaves there is for the backward of the same call. The contract
+     * has no [B,H,T,T] buffer; a naive backend keeps its probabilities in the workspace, a
+     * flash one asks for 0 bytes. The ops abort on a shape that
+     * moe_attention_shape_unsupported() rejects.
+     */
+    size_t (*attention_workspace_bytes)(moe_attention_shape s);
+    /** as moe_cpu_attention_forward(): y and the row log-sum-exp lse */
+    void (*attention_forward)(void *y, moe_real *lse, void *ws, const void *q, const void *k,
+                              const void *v, moe_attention_shape s);
+    /** as moe_cpu_attention_backward(): dq, dk, dv accumulate; receives the forward's y,
+     *  lse and workspace */
+    void (*attention_backward)(void *dq, void *dk, void *dv, const void *dy, const void *y,
+                               const moe_real *lse, void *ws, const void *q, const void *k,
+                               const void *v, moe_attention_shape s);
     /** as moe_cpu_swiglu_forward(): out = silu(g)·u, times the routing weight
      *  row_scale[n] when not NULL (fused: the scaled activation is fc2's input) */
     void (*swiglu_forward)(void *out, const void *gu, const moe_real *row_scale, int N, int F);

@@ -109,6 +109,18 @@ static moe_layer_dims moe_dims(const moe_model *m, int N, int T) {
     return d;
 }
 
+static moe_attention_weights attn_weights(const moe_model *m, int l) {
+    moe_attention_weights w = {P(m, l, MOE_W_Q), P(m, l, MOE_W_K),     P(m, l, MOE_W_V),
+                               P(m, l, MOE_W_O), P(m, l, MOE_W_QNORM), P(m, l, MOE_W_KNORM)};
+    return w;
+}
+
+static moe_attention_grads attn_grads(const moe_model *m, int l) {
+    moe_attention_grads g = {G(m, l, MOE_W_Q), G(m, l, MOE_W_K),     G(m, l, MOE_W_V),
+                             G(m, l, MOE_W_O), G(m, l, MOE_W_QNORM), G(m, l, MOE_W_KNORM)};
+    return g;
+}
+
 static moe_layer_weights moe_weights(const moe_model *m, int l) {
     moe_layer_weights w = {P(m, l, MOE_W_ROUTER), P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2),
                          P(m, l, MOE_W_SHARED_FC1), P(m, l, MOE_W_SHARED_FC2)};
@@ -142,9 +154,8 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
     m->experts_local = cfg->num_experts / (ep && ep->comm ? ep->size : 1);
     layout(m);
     const moe_config *c = &m->cfg;
-    const int L = c->num_layers, H = c->hidden_size, D = c->head_dim,
-              Hq = c->num_attention_heads, Hkv = c->num_query_groups, V = c->vocab_size,
-              T = c->seq_length, E = c->num_experts;
+    const int L = c->num_layers, H = c->hidden_size, V = c->vocab_size, T = c->seq_length,
+              E = c->num_experts;
     const size_t N = (size_t)B * T, S = be->act_size;
     m->max_B = B;
     m->max_T = T;
@@ -166,23 +177,13 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
     for (int l = 0; l <= L; l++)
         m->res[l] = must(be, S * N * H, &ok);
     int max_ffn = 0; /* widest FFN intermediate, for the shared scratch */
+    const moe_attention_dims ad = moe_attention_dims_from_config(c, B, T);
     for (int l = 0; l < L; l++) {
         moe_block_acts *a = &m->acts[l];
         a->ln1 = must(be, S * N * H, &ok);
         a->rstd1 = must(be, R * N, &ok);
-        a->q = must(be, S * N * Hq * D, &ok);
-        a->k = must(be, S * N * Hkv * D, &ok);
-        a->v = must(be, S * N * Hkv * D, &ok);
-        if (c->qk_layernorm) {
-            a->qn = must(be, S * N * Hq * D, &ok);
-            a->kn = must(be, S * N * Hkv * D, &ok);
-            a->q_rstd = must(be, R * N * Hq, &ok);
-            a->k_rstd = must(be, R * N * Hkv, &ok);
-        }
-        a->qr = must(be, S * N * Hq * D, &ok);
-        a->kr = must(be, S * N * Hkv * D, &ok);
-        a->att = must(be, S * (size_t)B * Hq * T * T, &ok);
-        a->y = must(be, S * N * Hq * D, &ok);
+        if (!moe_attention_acts_alloc(be, &a->attn, &ad))
+            ok = 0;
         a->xmid = must(be, S * N * H, &ok);
         a->ln2 = must(be, S * N * H, &ok);
         a->rstd2 = must(be, R * N, &ok);
@@ -213,15 +214,10 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
     m->rstdf = must(be, R * N, &ok);
     m->logits = must(be, S * N * V, &ok);
     m->losses = must(be, R * N, &ok);
-    const size_t QD = N * Hq * D, KD = N * Hkv * D;
     m->d_res = must(be, S * N * H, &ok);
     m->d_ln = must(be, S * N * H, &ok);
-    m->d_y = must(be, S * QD, &ok);
-    m->d_q = must(be, S * QD, &ok);
-    m->d_k = must(be, S * KD, &ok);
-    m->d_v = must(be, S * KD, &ok);
-    m->d_q2 = must(be, S * QD, &ok);
-    m->d_k2 = must(be, S * KD, &ok);
+    if (!moe_attention_scratch_alloc(be, &m->attn_scratch, &ad))
+        ok = 0;
     m->d_logits = must(be, S * N * V, &ok);
     if (E > 0) {
         m->expert_bias = must(be, sizeof(float) * (size_t)L * E, &ok);
@@ -259,9 +255,8 @@ void moe_model_free(moe_model *m) {
     if (m->acts)
         for (int l = 0; l < L; l++) {
             moe_block_acts *a = &m->acts[l];
-            be->free(a->ln1); be->free(a->rstd1); be->free(a->q); be->free(a->k); be->free(a->v);
-            be->free(a->qn); be->free(a->kn); be->free(a->q_rstd); be->free(a->k_rstd);
-            be->free(a->qr); be->free(a->kr); be->free(a->att); be->free(a->y);
+            be->free(a->ln1); be->free(a->rstd1);
+            moe_attention_acts_free(be, &a->attn);
             be->free(a->xmid); be->free(a->ln2); be->free(a->rstd2);
             be->free(a->dense_gu); be->free(a->dense_act);
             if (a->moe.counts)
@@ -270,8 +265,8 @@ void moe_model_free(moe_model *m) {
     if (m->ws.yp)
         moe_layer_workspace_free(be, &m->ws);
     be->free(m->lnf); be->free(m->rstdf); be->free(m->logits); be->free(m->losses);
-    be->free(m->d_res); be->free(m->d_ln); be->free(m->d_y); be->free(m->d_q); be->free(m->d_k);
-    be->free(m->d_v); be->free(m->d_q2); be->free(m->d_k2); be->free(m->d_logits);
+    be->free(m->d_res); be->free(m->d_ln); be->free(m->d_logits);
+    moe_attention_scratch_free(be, &m->attn_scratch);
     be->free(m->expert_bias);
     free(m->expert_bias_host);
     free(m->load_counts);
@@ -341,9 +336,9 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
     const moe_backend *be = m->be;
     const moe_config *c = &m->cfg;
     MOE_ASSERT(B >= 1 && B <= m->max_B && T >= 1 && T <= m->max_T);
-    const int L = c->num_layers, H = c->hidden_size, D = c->head_dim,
-              Hq = c->num_attention_heads, Hkv = c->num_query_groups, V = c->vocab_size;
+    const int L = c->num_layers, H = c->hidden_size, V = c->vocab_size;
     const int N = B * T;
+    const moe_attention_dims ad = moe_attention_dims_from_config(c, B, T);
     m->B = B;
     m->T = T;
     be->from_host(m->tokens, tokens, sizeof(int) * N);
@@ -356,24 +351,10 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
     for (int l = 0; l < L; l++) {
         moe_block_acts *a = &m->acts[l];
         const void *x = m->res[l];
-        /* attention block */
+        /* attention block: xmid = x + attn(ln1(x)) */
         be->rmsnorm_forward(a->ln1, a->rstd1, x, P(m, l, MOE_W_LN1), N, H, c->norm_epsilon);
-        be->matmul_forward(a->q, a->ln1, P(m, l, MOE_W_Q), N, H, Hq * D);
-        be->matmul_forward(a->k, a->ln1, P(m, l, MOE_W_K), N, H, Hkv * D);
-        be->matmul_forward(a->v, a->ln1, P(m, l, MOE_W_V), N, H, Hkv * D);
-        const void *qin = a->q, *kin = a->k;
-        if (c->qk_layernorm) { /* RMSNorm over each head vector (Qwen3) */
-            be->rmsnorm_forward(a->qn, a->q_rstd, a->q, P(m, l, MOE_W_QNORM), N * Hq, D,
-                                c->norm_epsilon);
-            be->rmsnorm_forward(a->kn, a->k_rstd, a->k, P(m, l, MOE_W_KNORM), N * Hkv, D,
-                                c->norm_epsilon);
-            qin = a->qn;
-            kin = a->kn;
-        }
-        be->rope_forward(a->qr, qin, B, T, Hq, D, c->rotary_base);
-        be->rope_forward(a->kr, kin, B, T, Hkv, D, c->rotary_base);
-        be->attention_forward(a->y, a->att, a->qr, a->kr, a->v, B, T, Hq, Hkv, D);
-        be->matmul_forward(a->xmid, a->y, P(m, l, MOE_W_O), N, Hq * D, H);
+        moe_attention_weights aw = attn_weights(m, l);
+        moe_attention_forward(be, a->xmid, a->ln1, &aw, &ad, &a->attn);
         be->add(a->xmid, x, (size_t)N * H);
         /* FFN block */
         be->rmsnorm_forward(a->ln2, a->rstd2, a->xmid, P(m, l, MOE_W_LN2), N, H, c->norm_epsilon);
@@ -422,10 +403,9 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
 void moe_model_backward(moe_model *m, double loss_scale) {
     const moe_backend *be = m->be;
     const moe_config *c = &m->cfg;
-    const int L = c->num_layers, H = c->hidden_size, D = c->head_dim,
-              Hq = c->num_attention_heads, Hkv = c->num_query_groups, V = c->vocab_size;
+    const int L = c->num_layers, H = c->hidden_size, V = c->vocab_size;
     const int B = m->B, T = m->T, N = B * T;
-    const size_t QD = (size_t)N * Hq * D, KD = (size_t)N * Hkv * D;
+    const moe_attention_dims ad = moe_attention_dims_from_config(c, B, T);
 
     /* loss → logits → final norm */
     const size_t S = be->act_size;
@@ -461,35 +441,11 @@ void moe_model_backward(moe_model *m, double loss_scale) {
         be->rmsnorm_backward(m->d_res, G(m, l, MOE_W_LN2), m->d_ln, a->xmid, P(m, l, MOE_W_LN2),
                              a->rstd2, N, H);
         /* attention block: xmid = x + attn(ln1(x)) */
-        be->zero(m->d_y, S * QD);
-        be->matmul_backward(m->d_y, G(m, l, MOE_W_O), m->d_res, a->y, P(m, l, MOE_W_O), N,
-                            Hq * D, H);
-        be->zero(m->d_q, S * QD);
-        be->zero(m->d_k, S * KD);
-        be->zero(m->d_v, S * KD);
-        be->attention_backward(m->d_q, m->d_k, m->d_v, m->d_y, a->att, a->qr, a->kr, a->v, B, T,
-                               Hq, Hkv, D);
-        be->zero(m->d_q2, S * QD);
-        be->zero(m->d_k2, S * KD);
-        be->rope_backward(m->d_q2, m->d_q, B, T, Hq, D, c->rotary_base);
-        be->rope_backward(m->d_k2, m->d_k, B, T, Hkv, D, c->rotary_base);
-        void *dq = m->d_q2, *dk = m->d_k2;
-        if (c->qk_layernorm) {
-            be->zero(m->d_q, S * QD);
-            be->zero(m->d_k, S * KD);
-            be->rmsnorm_backward(m->d_q, G(m, l, MOE_W_QNORM), m->d_q2, a->q,
-                                 P(m, l, MOE_W_QNORM), a->q_rstd, N * Hq, D);
-            be->rmsnorm_backward(m->d_k, G(m, l, MOE_W_KNORM), m->d_k2, a->k,
-                                 P(m, l, MOE_W_KNORM), a->k_rstd, N * Hkv, D);
-            dq = m->d_q;
-            dk = m->d_k;
-        }
+        moe_attention_weights aw = attn_weights(m, l);
+        moe_attention_grads ag = attn_grads(m, l);
         be->zero(m->d_ln, S * (size_t)N * H);
-        be->matmul_backward(m->d_ln, G(m, l, MOE_W_Q), dq, a->ln1, P(m, l, MOE_W_Q), N, H, Hq * D);
-        be->matmul_backward(m->d_ln, G(m, l, MOE_W_K), dk, a->ln1, P(m, l, MOE_W_K), N, H,
-                            Hkv * D);
-        be->matmul_backward(m->d_ln, G(m, l, MOE_W_V), m->d_v, a->ln1, P(m, l, MOE_W_V), N, H,
-                            Hkv * D);
+        moe_attention_backward(be, m->d_ln, &ag, m->d_res, a->ln1, &aw, &ad, &a->attn,
+                               &m->attn_scratch);
         be->rmsnorm_backward(m->d_res, G(m, l, MOE_W_LN1), m->d_ln, x, P(m, l, MOE_W_LN1),
                              a->rstd1, N, H);
     }

@@ -17,6 +17,7 @@
 
 #include <stdint.h>
 
+#include "attention.h"
 #include "backend.h"
 #include "config.h"
 #include "moe/layer.h"
@@ -43,28 +44,18 @@ typedef enum moe_layer_weight {
 /** Marks a slot the layer does not have. */
 #define MOE_NO_WEIGHT ((size_t)-1)
 
-/** Activations one transformer layer (block) saves for its backward: `void *` in the backend's activation
- *  type, `moe_real *` (norm statistics) in full precision. */
+/** Activations one transformer layer (block) saves for its backward: `void *` in the
+ *  backend's activation type, `moe_real *` (norm statistics) in full precision. */
 typedef struct moe_block_acts {
-    void *ln1;                /**< attention norm output [N,H] */
+    void *ln1;                    /**< attention norm output [N,H] */
     moe_real *rstd1;              /**< its 1/rms per row [N] */
-    void *q;                  /**< query projection [N,Hq·D] */
-    void *k;                  /**< key projection [N,Hkv·D] */
-    void *v;                  /**< value projection [N,Hkv·D] */
-    void *qn;                 /**< queries after QK-norm (when enabled) */
-    void *kn;                 /**< keys after QK-norm (when enabled) */
-    moe_real *q_rstd;             /**< QK-norm 1/rms of queries [N·Hq] */
-    moe_real *k_rstd;             /**< QK-norm 1/rms of keys [N·Hkv] */
-    void *qr;                 /**< queries after RoPE */
-    void *kr;                 /**< keys after RoPE */
-    void *att;                /**< attention probabilities [B,Hq,T,T] */
-    void *y;                  /**< attention output [N,Hq·D] */
-    void *xmid;               /**< residual after attention [N,H] */
-    void *ln2;                /**< FFN norm output [N,H] */
+    moe_attention_acts attn;      /**< attention block saved state */
+    void *xmid;                   /**< residual after attention [N,H] */
+    void *ln2;                    /**< FFN norm output [N,H] */
     moe_real *rstd2;              /**< its 1/rms per row [N] */
-    moe_layer_acts moe;             /**< MoE FFN saved state (MoE layers) */
-    void *dense_gu;           /**< dense FFN fc1 output [N,2F] (dense layers) */
-    void *dense_act;          /**< dense FFN SwiGLU output [N,F] (dense layers) */
+    moe_layer_acts moe;           /**< MoE FFN saved state (MoE layers) */
+    void *dense_gu;               /**< dense FFN fc1 output [N,2F] (dense layers) */
+    void *dense_act;              /**< dense FFN SwiGLU output [N,F] (dense layers) */
 } moe_block_acts;
 
 /** Losses of the last forward. */
@@ -109,12 +100,7 @@ typedef struct moe_model {
     moe_layer_workspace ws;         /**< MoE/FFN scratch */
     void *d_res;              /**< ∂L/∂residual stream [N,H] */
     void *d_ln;               /**< ∂L/∂norm output [N,H] */
-    void *d_y;                /**< ∂L/∂attention output [N,Hq·D] */
-    void *d_q;                /**< ∂L/∂queries [N,Hq·D] */
-    void *d_k;                /**< ∂L/∂keys [N,Hkv·D] */
-    void *d_v;                /**< ∂L/∂values [N,Hkv·D] */
-    void *d_q2;               /**< second query-gradient buffer (RoPE/QK-norm) */
-    void *d_k2;               /**< second key-gradient buffer */
+    moe_attention_scratch attn_scratch; /**< attention backward scratch */
     void *d_logits;           /**< ∂L/∂logits [N,V] */
     moe_losses last;              /**< losses of the last forward */
     double *layer_aux;            /**< [L] per-layer aux loss of the last forward */

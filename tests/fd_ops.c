@@ -96,7 +96,7 @@ END_TEST
 typedef struct { int B, T, Hh, D; moe_real *in, *out, *r; } rope_ctx;
 static double rope_loss(void *p) {
     rope_ctx *c = p;
-    moe_cpu_rope_forward(c->out, c->in, c->B, c->T, c->Hh, c->D, 10000.0);
+    moe_cpu_rope_forward(c->out, c->in, c->B, c->T, c->Hh, c->D, 0, 10000.0);
     return fd_dot(c->r, c->out, (size_t)c->B * c->T * c->Hh * c->D);
 }
 START_TEST(test_fd_rope) {
@@ -106,7 +106,7 @@ START_TEST(test_fd_rope) {
     moe_test_randn(c.in, n, 9, 1.0);
     moe_test_randn(c.r, n, 10, 1.0);
     moe_real *din = ALLOC(n);
-    moe_cpu_rope_backward(din, c.r, c.B, c.T, c.Hh, c.D, 10000.0);
+    moe_cpu_rope_backward(din, c.r, c.B, c.T, c.Hh, c.D, 0, 10000.0);
     ck_assert_double_le(fd_check("rope", rope_loss, &c, c.in, din, n, 500, TOL), TOL);
     /* position 0 is the identity; a rotation keeps the norm of every pair */
     rope_loss(&c);
@@ -122,41 +122,131 @@ START_TEST(test_fd_rope) {
 }
 END_TEST
 
+/* A chunk of a sequence that starts at position pos0 (what a context-parallel rank holds)
+ * is rotated exactly as those rows of the whole sequence, forward and backward: the same
+ * angles, so the same bits. */
+START_TEST(test_rope_offset) {
+    const int B = 2, T = 40, Hh = 3, D = 8, pos0 = 29, Tc = 11; /* chunk: rows 29..39 */
+    const size_t row = (size_t)Hh * D, n = (size_t)B * T * row, nc = (size_t)B * Tc * row;
+    moe_real *in = ALLOC(n), *out = ALLOC(n), *din = ALLOC(n);
+    moe_real *cin = ALLOC(nc), *cout = ALLOC(nc), *cdin = ALLOC(nc);
+    moe_test_randn(in, n, 15, 1.0);
+    for (int b = 0; b < B; b++)
+        memcpy(cin + (size_t)b * Tc * row, in + ((size_t)b * T + pos0) * row,
+               sizeof(moe_real) * Tc * row);
+    moe_cpu_rope_forward(out, in, B, T, Hh, D, 0, 10000.0);
+    moe_cpu_rope_forward(cout, cin, B, Tc, Hh, D, pos0, 10000.0);
+    moe_cpu_rope_backward(din, in, B, T, Hh, D, 0, 10000.0); /* in as the output gradient */
+    moe_cpu_rope_backward(cdin, cin, B, Tc, Hh, D, pos0, 10000.0);
+    for (int b = 0; b < B; b++) {
+        const size_t full = ((size_t)b * T + pos0) * row, chunk = (size_t)b * Tc * row;
+        ck_assert_mem_eq(cout + chunk, out + full, sizeof(moe_real) * Tc * row);
+        ck_assert_mem_eq(cdin + chunk, din + full, sizeof(moe_real) * Tc * row);
+    }
+    free(in); free(out); free(din); free(cin); free(cout); free(cdin);
+}
+END_TEST
+
 /* --------------------------------------------------------------- attention */
-typedef struct { int B, T, Hq, Hkv, D; moe_real *q, *k, *v, *y, *att, *r; } att_ctx;
+typedef struct { moe_attention_shape s; moe_real *q, *k, *v, *y, *lse, *att, *r; } att_ctx;
 static double att_loss(void *p) {
     att_ctx *c = p;
-    moe_cpu_attention_forward(c->y, c->att, c->q, c->k, c->v, c->B, c->T, c->Hq, c->Hkv, c->D);
-    return fd_dot(c->r, c->y, (size_t)c->B * c->T * c->Hq * c->D);
+    moe_cpu_attention_forward(c->y, c->lse, c->att, c->q, c->k, c->v, c->s);
+    return fd_dot(c->r, c->y, (size_t)c->s.B * c->s.Tq * c->s.Hq * c->s.D);
+}
+
+/* The op contract's lse against a reference computed here in double, straight from the
+ * definition: lse_t = log Σ_{s≤t} exp(q_t·k_s/√D). Then the naive path's saved P must be
+ * exp(S − lse), the identity a flash backward recomputes P from. */
+static void check_lse(const att_ctx *c) {
+    const moe_attention_shape sh = c->s;
+    const int T = sh.Tq, D = sh.D, qs = sh.Hq * D, kvs = sh.Hkv * D;
+    double *S = malloc(sizeof(double) * T);
+    ck_assert_ptr_nonnull(S);
+    for (int b = 0; b < sh.B; b++)
+        for (int h = 0; h < sh.Hq; h++) {
+            const int g = h / (sh.Hq / sh.Hkv);
+            for (int t = 0; t < T; t++) {
+                const moe_real *qt = c->q + ((size_t)b * T + t) * qs + (size_t)h * D;
+                double m = -INFINITY, sum = 0.0;
+                for (int u = 0; u <= t; u++) {
+                    const moe_real *ku = c->k + ((size_t)b * T + u) * kvs + (size_t)g * D;
+                    double dot = 0.0;
+                    for (int d = 0; d < D; d++)
+                        dot += (double)qt[d] * ku[d];
+                    S[u] = dot / sqrt((double)D);
+                    m = S[u] > m ? S[u] : m;
+                }
+                for (int u = 0; u <= t; u++)
+                    sum += exp(S[u] - m);
+                const double ref = m + log(sum);
+                const size_t row = ((size_t)b * sh.Hq + h) * T + t;
+                ck_assert_msg(fabs(c->lse[row] - ref) <= 1e-12 * (1.0 + fabs(ref)),
+                              "lse[b=%d h=%d t=%d] = %.17g, reference %.17g", b, h, t,
+                              (double)c->lse[row], ref);
+                for (int u = 0; u <= t; u++)
+                    ck_assert_double_eq_tol(c->att[row * T + u], exp(S[u] - c->lse[row]), 1e-12);
+            }
+        }
+    free(S);
 }
 START_TEST(test_fd_attention) {
-    att_ctx c = {2, 7, 4, 2, 6, 0, 0, 0, 0, 0, 0}; /* GQA: 2 query heads per kv head */
-    size_t nq = (size_t)c.B * c.T * c.Hq * c.D, nk = (size_t)c.B * c.T * c.Hkv * c.D;
+    /* GQA: 2 query heads per kv head; at an offset (q_pos = k_pos: the same chunk) */
+    att_ctx c = {{2, 7, 7, 4, 2, 6, 3, 3}, 0, 0, 0, 0, 0, 0, 0};
+    const int B = c.s.B, T = c.s.Tq, Hq = c.s.Hq, Hkv = c.s.Hkv, D = c.s.D;
+    size_t nq = (size_t)B * T * Hq * D, nk = (size_t)B * T * Hkv * D;
     c.q = ALLOC(nq); c.k = ALLOC(nk); c.v = ALLOC(nk); c.y = ALLOC(nq); c.r = ALLOC(nq);
-    c.att = ALLOC((size_t)c.B * c.Hq * c.T * c.T);
+    c.lse = ALLOC((size_t)B * Hq * T);
+    ck_assert_uint_eq(moe_cpu_attention_workspace_bytes(c.s),
+                      sizeof(moe_real) * (size_t)B * Hq * T * T);
+    c.att = malloc(moe_cpu_attention_workspace_bytes(c.s));
     moe_test_randn(c.q, nq, 11, 1.0);
     moe_test_randn(c.k, nk, 12, 1.0);
     moe_test_randn(c.v, nk, 13, 1.0);
     moe_test_randn(c.r, nq, 14, 1.0);
     att_loss(&c);
     /* causality: rows of P sum to 1 and nothing attends to the future */
-    for (int bh = 0; bh < c.B * c.Hq; bh++)
-        for (int t = 0; t < c.T; t++) {
+    for (int bh = 0; bh < B * Hq; bh++)
+        for (int t = 0; t < T; t++) {
             double s = 0;
-            for (int u = 0; u < c.T; u++) {
-                double pv = c.att[((size_t)bh * c.T + t) * c.T + u];
+            for (int u = 0; u < T; u++) {
+                double pv = c.att[((size_t)bh * T + t) * T + u];
                 if (u > t)
                     ck_assert_double_eq(pv, 0.0);
                 s += pv;
             }
             ck_assert_double_eq_tol(s, 1.0, 1e-12);
         }
+    check_lse(&c);
     moe_real *dq = ALLOC(nq), *dk = ALLOC(nk), *dv = ALLOC(nk);
-    moe_cpu_attention_backward(dq, dk, dv, c.r, c.att, c.q, c.k, c.v, c.B, c.T, c.Hq, c.Hkv, c.D);
+    moe_cpu_attention_backward(dq, dk, dv, c.r, c.y, c.lse, c.att, c.q, c.k, c.v, c.s);
     ck_assert_double_le(fd_check("attention dq", att_loss, &c, c.q, dq, nq, 300, TOL), TOL);
     ck_assert_double_le(fd_check("attention dk", att_loss, &c, c.k, dk, nk, 300, TOL), TOL);
     ck_assert_double_le(fd_check("attention dv", att_loss, &c, c.v, dv, nk, 300, TOL), TOL);
-    free(c.q); free(c.k); free(c.v); free(c.y); free(c.r); free(c.att); free(dq); free(dk); free(dv);
+    free(c.q); free(c.k); free(c.v); free(c.y); free(c.r); free(c.lse); free(c.att);
+    free(dq); free(dk); free(dv);
+}
+END_TEST
+
+/* What the attention ops run today, and what they name as not yet supported. */
+START_TEST(test_attention_shapes_supported) {
+    const moe_attention_shape self = {2, 16, 16, 4, 2, 8, 0, 0};
+    moe_attention_shape s = self;
+    ck_assert_ptr_null(moe_attention_shape_unsupported(s, 0));
+    s.q_pos = s.k_pos = 48; /* a later chunk attending to itself: the same mask */
+    ck_assert_ptr_null(moe_attention_shape_unsupported(s, 0));
+    s.k_pos = 32; /* queries 48..63 against keys 32..47: another chunk (chapter 07) */
+    ck_assert_ptr_nonnull(strstr(moe_attention_shape_unsupported(s, 0), "chapter 07"));
+    s = self;
+    s.Tk = 32; /* keys of two chunks */
+    ck_assert_ptr_nonnull(strstr(moe_attention_shape_unsupported(s, 0), "same chunk"));
+    s = self;
+    s.Hkv = 3; /* 4 query heads cannot share 3 key/value heads */
+    ck_assert_ptr_nonnull(strstr(moe_attention_shape_unsupported(s, 0), "multiple of Hkv"));
+    s = self;
+    s.D = 160;
+    ck_assert_ptr_null(moe_attention_shape_unsupported(s, 0));
+    ck_assert_ptr_nonnull(strstr(moe_attention_shape_unsupported(s, 128), "head dimension"));
 }
 END_TEST
 
@@ -345,7 +435,9 @@ Suite *suite_fd_ops(void) {
     tcase_add_test(tc, test_fd_embedding);
     tcase_add_test(tc, test_fd_rmsnorm);
     tcase_add_test(tc, test_fd_rope);
+    tcase_add_test(tc, test_rope_offset);
     tcase_add_test(tc, test_fd_attention);
+    tcase_add_test(tc, test_attention_shapes_supported);
     tcase_add_test(tc, test_fd_swiglu);
     tcase_add_test(tc, test_fd_cross_entropy);
     tcase_add_test(tc, test_fd_router_variants);

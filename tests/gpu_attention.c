@@ -8,6 +8,10 @@
  * (forward) or as random values (backward, which must accumulate), so an element that
  * a kernel forgets to write, or overwrites instead of adding to, fails the check.
  *
+ * The op contract (backend.h) makes the probabilities an opaque workspace; both naive
+ * implementations keep P [B, Hq, T, T] there (bf16 on the GPU), and these tests compare it
+ * as such. The row log-sum-exp lse is an fp32 output of both.
+ *
  * This file talks to the GPU through the CUDA runtime only (cudaMalloc, cudaMemcpy and
  * a host-side fp32 ↔ bf16 conversion), so it depends on nothing but the attention kernels.
  */
@@ -76,6 +80,33 @@ static void *upload_zero(size_t n) {
     return d;
 }
 
+/* A device buffer of n fp32 values (lse). */
+static float *upload_f32(const moe_real *x, size_t n) {
+    float *h = malloc(n * sizeof *h);
+    ck_assert_ptr_nonnull(h);
+    for (size_t i = 0; i < n; i++)
+        h[i] = (float)x[i];
+    float *d = NULL;
+    CU_OK(cudaMalloc((void **)&d, n * sizeof *h));
+    CU_OK(cudaMemcpy(d, h, n * sizeof *h, cudaMemcpyHostToDevice));
+    free(h);
+    return d;
+}
+
+/* A device buffer of n fp32 NaNs (all bits set is a NaN). */
+static float *upload_nan_f32(size_t n) {
+    float *d = NULL;
+    CU_OK(cudaMalloc((void **)&d, n * sizeof *d));
+    CU_OK(cudaMemset(d, 0xff, n * sizeof *d));
+    return d;
+}
+
+/* n fp32 device values → host, after all queued work (moe_real is float in this build). */
+static void download_f32(moe_real *x, const float *d, size_t n) {
+    CU_OK(cudaDeviceSynchronize());
+    CU_OK(cudaMemcpy(x, d, n * sizeof *d, cudaMemcpyDeviceToHost));
+}
+
 /* A device buffer of n bf16 NaNs. */
 static void *upload_nan(size_t n) {
     moe_real *h = malloc(n * sizeof *h);
@@ -132,19 +163,28 @@ static moe_real *randn_bf16(size_t n, uint64_t stream, double scale) {
 
 typedef struct {
     int B, T, Hq, Hkv, D;
+    int pos; /* q_pos = k_pos: a chunk attending to itself, at that offset */
     const char *what;
 } shape;
 
 static const shape SHAPES[] = {
-    {2, 37, 4, 2, 32, "GQA, T shorter than a tile"},
-    {3, 100, 3, 3, 64, "MHA, T not a multiple of the tile"},
-    {2, 100, 4, 1, 128, "MQA, D = 128"},
-    {2, 130, 6, 2, 40, "GQA, D not a multiple of 16, three tiles"},
-    {3, 64, 2, 1, 16, "MQA, small D, exactly one tile"},
-    {4, 512, 8, 4, 64, "realistic"}, /* skipped under MOE_TEST_QUICK (the sanitizer run) */
+    {2, 37, 4, 2, 32, 0, "GQA, T shorter than a tile"},
+    {3, 100, 3, 3, 64, 0, "MHA, T not a multiple of the tile"},
+    {2, 100, 4, 1, 128, 0, "MQA, D = 128"},
+    {2, 130, 6, 2, 40, 0, "GQA, D not a multiple of 16, three tiles"},
+    {3, 64, 2, 1, 16, 0, "MQA, small D, exactly one tile"},
+    {4, 512, 8, 4, 64, 0, "realistic"}, /* skipped under MOE_TEST_QUICK (the sanitizer run) */
+    {2, 100, 4, 2, 64, 300, "a chunk at positions 300..399 attending to itself"},
 };
+
 #define SHAPE_SKIPPED(i) (moe_test_quick() && SHAPES[i].T >= 512)
 #define NSHAPES ((int)(sizeof SHAPES / sizeof SHAPES[0]))
+
+/* The op's shape of a test case. */
+static moe_attention_shape op_shape(const shape *s) {
+    moe_attention_shape o = {s->B, s->T, s->T, s->Hq, s->Hkv, s->D, s->pos, s->pos};
+    return o;
+}
 
 /* ------------------------------------------------------------------------- forward */
 
@@ -154,23 +194,32 @@ START_TEST(test_attention_forward) {
     const shape s = SHAPES[_i];
     const int B = s.B, T = s.T, Hq = s.Hq, Hkv = s.Hkv, D = s.D;
     const size_t nq = (size_t)B * T * Hq * D, nkv = (size_t)B * T * Hkv * D;
-    const size_t natt = (size_t)B * Hq * T * T;
+    const size_t natt = (size_t)B * Hq * T * T, nl = (size_t)B * Hq * T;
+    const moe_attention_shape sh = op_shape(&s);
+    /* the naive workspace is P in bf16 */
+    ck_assert_uint_eq(moe_cuda_attention_workspace_bytes(sh), natt * sizeof(uint16_t));
     moe_real *q = randn_bf16(nq, 10 + (uint64_t)_i, 1.0);
     moe_real *k = randn_bf16(nkv, 20 + (uint64_t)_i, 1.0);
     moe_real *v = randn_bf16(nkv, 30 + (uint64_t)_i, 1.0);
     moe_real *y_ref = malloc(nq * sizeof *y_ref), *y = malloc(nq * sizeof *y);
     moe_real *a_ref = malloc(natt * sizeof *a_ref), *a = malloc(natt * sizeof *a);
-    ck_assert(y_ref && y && a_ref && a);
-    moe_cpu_attention_forward(y_ref, a_ref, q, k, v, B, T, Hq, Hkv, D);
+    moe_real *l_ref = malloc(nl * sizeof *l_ref), *l = malloc(nl * sizeof *l);
+    ck_assert(y_ref && y && a_ref && a && l_ref && l);
+    moe_cpu_attention_forward(y_ref, l_ref, a_ref, q, k, v, sh);
 
     void *dq = upload(q, nq), *dk = upload(k, nkv), *dv = upload(v, nkv);
     void *dy = upload_nan(nq), *da = upload_nan(natt);
-    moe_cuda_attention_forward(dy, da, dq, dk, dv, B, T, Hq, Hkv, D);
+    float *dl = upload_nan_f32(nl);
+    moe_cuda_attention_forward(dy, dl, da, dq, dk, dv, sh);
     CU_OK(cudaGetLastError());
     download(y, dy, nq);
     download(a, da, natt);
+    download_f32(l, dl, nl);
 
     const double ey = norm_err(y, y_ref, nq), ea = norm_err(a, a_ref, natt);
+    /* lse is fp32 on both sides, from the same bf16 inputs: only the summation order and
+     * expf/logf differ, far inside what a bf16 output would allow */
+    const double el = norm_err(l, l_ref, nl);
     /* every row of P sums to 1 and is exactly 0 above the diagonal */
     double worst_sum = 0.0;
     size_t nonzero_above = 0;
@@ -188,10 +237,11 @@ START_TEST(test_attention_forward) {
             worst_sum = isnan(dev) ? INFINITY : (dev > worst_sum ? dev : worst_sum);
         }
     printf("attention forward  B=%d T=%4d Hq=%d Hkv=%d D=%3d (%s): y %.2e  att %.2e  "
-           "|rowsum-1| %.2e\n",
-           B, T, Hq, Hkv, D, s.what, ey, ea, worst_sum);
+           "lse %.2e  |rowsum-1| %.2e\n",
+           B, T, Hq, Hkv, D, s.what, ey, ea, el, worst_sum);
     ck_assert_msg(ey <= 1e-2, "%s: y error %g", s.what, ey);
     ck_assert_msg(ea <= 1e-2, "%s: att error %g", s.what, ea);
+    ck_assert_msg(el <= 1e-3, "%s: lse error %g", s.what, el);
     ck_assert_msg(worst_sum <= 5e-3, "%s: an att row sums to 1 ± %g", s.what, worst_sum);
     ck_assert_msg(nonzero_above == 0, "%s: %zu att entries above the diagonal are not 0",
                   s.what, nonzero_above);
@@ -201,6 +251,7 @@ START_TEST(test_attention_forward) {
     cudaFree(dv);
     cudaFree(dy);
     cudaFree(da);
+    cudaFree(dl);
     free(q);
     free(k);
     free(v);
@@ -208,6 +259,8 @@ START_TEST(test_attention_forward) {
     free(y);
     free(a_ref);
     free(a);
+    free(l_ref);
+    free(l);
 }
 END_TEST
 
@@ -219,7 +272,8 @@ START_TEST(test_attention_backward) {
     const shape s = SHAPES[_i];
     const int B = s.B, T = s.T, Hq = s.Hq, Hkv = s.Hkv, D = s.D;
     const size_t nq = (size_t)B * T * Hq * D, nkv = (size_t)B * T * Hkv * D;
-    const size_t natt = (size_t)B * Hq * T * T;
+    const size_t natt = (size_t)B * Hq * T * T, nl = (size_t)B * Hq * T;
+    const moe_attention_shape sh = op_shape(&s);
     moe_real *q = randn_bf16(nq, 40 + (uint64_t)_i, 1.0);
     moe_real *k = randn_bf16(nkv, 50 + (uint64_t)_i, 1.0);
     moe_real *v = randn_bf16(nkv, 60 + (uint64_t)_i, 1.0);
@@ -228,10 +282,12 @@ START_TEST(test_attention_backward) {
     moe_real *gq0 = randn_bf16(nq, 80 + (uint64_t)_i, 1.0);
     moe_real *gk0 = randn_bf16(nkv, 90 + (uint64_t)_i, 1.0);
     moe_real *gv0 = randn_bf16(nkv, 100 + (uint64_t)_i, 1.0);
-    /* P from the CPU forward, rounded to bf16 as the GPU stores it; both sides use it */
+    /* y, lse and P from the CPU forward, P rounded to bf16 as the GPU stores it; both sides
+     * use them (the contract hands y and lse to the backward too) */
     moe_real *y = malloc(nq * sizeof *y), *att = malloc(natt * sizeof *att);
-    ck_assert(y && att);
-    moe_cpu_attention_forward(y, att, q, k, v, B, T, Hq, Hkv, D);
+    moe_real *lse = malloc(nl * sizeof *lse);
+    ck_assert(y && att && lse);
+    moe_cpu_attention_forward(y, lse, att, q, k, v, sh);
     round_bf16(att, natt);
 
     moe_real *gq_ref = malloc(nq * sizeof *gq_ref), *gq = malloc(nq * sizeof *gq);
@@ -241,12 +297,13 @@ START_TEST(test_attention_backward) {
     memcpy(gq_ref, gq0, nq * sizeof *gq_ref);
     memcpy(gk_ref, gk0, nkv * sizeof *gk_ref);
     memcpy(gv_ref, gv0, nkv * sizeof *gv_ref);
-    moe_cpu_attention_backward(gq_ref, gk_ref, gv_ref, gy, att, q, k, v, B, T, Hq, Hkv, D);
+    moe_cpu_attention_backward(gq_ref, gk_ref, gv_ref, gy, y, lse, att, q, k, v, sh);
 
     void *dq = upload(q, nq), *dk = upload(k, nkv), *dv = upload(v, nkv);
-    void *dgy = upload(gy, nq), *datt = upload(att, natt);
+    void *dgy = upload(gy, nq), *datt = upload(att, natt), *dy = upload(y, nq);
+    float *dlse = upload_f32(lse, nl);
     void *dgq = upload(gq0, nq), *dgk = upload(gk0, nkv), *dgv = upload(gv0, nkv);
-    moe_cuda_attention_backward(dgq, dgk, dgv, dgy, datt, dq, dk, dv, B, T, Hq, Hkv, D);
+    moe_cuda_attention_backward(dgq, dgk, dgv, dgy, dy, dlse, datt, dq, dk, dv, sh);
     CU_OK(cudaGetLastError());
     download(gq, dgq, nq);
     download(gk, dgk, nkv);
@@ -271,11 +328,11 @@ START_TEST(test_attention_backward) {
     ck_assert_msg(jk <= 3e-2, "%s: dk increment error %g", s.what, jk);
     ck_assert_msg(jv <= 3e-2, "%s: dv increment error %g", s.what, jv);
 
-    void *bufs[] = {dq, dk, dv, dgy, datt, dgq, dgk, dgv};
+    void *bufs[] = {dq, dk, dv, dgy, datt, dy, dlse, dgq, dgk, dgv};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         cudaFree(bufs[i]);
     moe_real *hbufs[] = {q,  k,  v,      gy, gq0,    gk0, gv0,    gq_ref, gq, gk_ref, gk,
-                         gv_ref, gv, y,      att, iq, iq_ref, ik, ik_ref, iv, iv_ref};
+                         gv_ref, gv, y,      att, lse, iq, iq_ref, ik, ik_ref, iv, iv_ref};
     for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++)
         free(hbufs[i]);
 }
@@ -295,31 +352,35 @@ static uint16_t *bits(const void *d, size_t n) {
 /* Two runs from the same inputs give the same bits (no atomics, fixed orders). */
 START_TEST(test_attention_deterministic) {
     const int B = 2, T = 200, Hq = 8, Hkv = 2, D = 64;
+    const moe_attention_shape sh = {B, T, T, Hq, Hkv, D, 0, 0};
     const size_t nq = (size_t)B * T * Hq * D, nkv = (size_t)B * T * Hkv * D;
-    const size_t natt = (size_t)B * Hq * T * T;
+    const size_t natt = (size_t)B * Hq * T * T, nl = (size_t)B * Hq * T;
     moe_real *q = randn_bf16(nq, 110, 1.0), *k = randn_bf16(nkv, 111, 1.0);
     moe_real *v = randn_bf16(nkv, 112, 1.0), *gy = randn_bf16(nq, 113, 1.0);
     void *dq = upload(q, nq), *dk = upload(k, nkv), *dv = upload(v, nkv), *dgy = upload(gy, nq);
-    uint16_t *out[2][5];
+    uint16_t *out[2][6];
     for (int run = 0; run < 2; run++) {
         void *dy = upload_nan(nq), *da = upload_nan(natt);
+        float *dl = upload_nan_f32(nl);
         void *dgq = upload_zero(nq), *dgk = upload_zero(nkv), *dgv = upload_zero(nkv);
-        moe_cuda_attention_forward(dy, da, dq, dk, dv, B, T, Hq, Hkv, D);
-        moe_cuda_attention_backward(dgq, dgk, dgv, dgy, da, dq, dk, dv, B, T, Hq, Hkv, D);
+        moe_cuda_attention_forward(dy, dl, da, dq, dk, dv, sh);
+        moe_cuda_attention_backward(dgq, dgk, dgv, dgy, dy, dl, da, dq, dk, dv, sh);
         out[run][0] = bits(dy, nq);
         out[run][1] = bits(da, natt);
         out[run][2] = bits(dgq, nq);
         out[run][3] = bits(dgk, nkv);
         out[run][4] = bits(dgv, nkv);
+        out[run][5] = bits(dl, 2 * nl); /* fp32: two 16-bit halves each */
         cudaFree(dy);
         cudaFree(da);
+        cudaFree(dl);
         cudaFree(dgq);
         cudaFree(dgk);
         cudaFree(dgv);
     }
-    const size_t n[5] = {nq, natt, nq, nkv, nkv};
-    const char *name[5] = {"y", "att", "dq", "dk", "dv"};
-    for (int i = 0; i < 5; i++) {
+    const size_t n[6] = {nq, natt, nq, nkv, nkv, 2 * nl};
+    const char *name[6] = {"y", "att", "dq", "dk", "dv", "lse"};
+    for (int i = 0; i < 6; i++) {
         ck_assert_msg(memcmp(out[0][i], out[1][i], n[i] * 2) == 0, "%s differs between runs",
                       name[i]);
         free(out[0][i]);

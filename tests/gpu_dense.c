@@ -391,7 +391,8 @@ END_TEST
 
 /* -------------------------------------------------------------------- rope */
 
-static void check_rope(int B, int T, int heads, int D, double base) {
+/* @p pos0: the rows are positions pos0.. of each sequence (a context-parallel chunk) */
+static void check_rope(int B, int T, int heads, int D, int pos0, double base) {
     char name[96];
     const size_t n = (size_t)B * T * heads * D;
     moe_real *in, *dout, *din0;
@@ -400,23 +401,23 @@ static void check_rope(int B, int T, int heads, int D, double base) {
 
     void *d_out = dmalloc(n * 2);
     poison_dev(d_out, n * 2);
-    moe_cuda_rope_forward(d_out, d_in, B, T, heads, D, base);
+    moe_cuda_rope_forward(d_out, d_in, B, T, heads, D, pos0, base);
     moe_real *out = read_act(d_out, n), *ref = hmalloc(n);
-    moe_cpu_rope_forward(ref, in, B, T, heads, D, base);
-    snprintf(name, sizeof name, "rope fwd B=%d T=%d H=%d D=%d", B, T, heads, D);
+    moe_cpu_rope_forward(ref, in, B, T, heads, D, pos0, base);
+    snprintf(name, sizeof name, "rope fwd B=%d T=%d H=%d D=%d pos0=%d", B, T, heads, D, pos0);
     expect_close(name, out, ref, n, 1e-2);
 
     /* in place (out == in) gives the same result */
     moe_cuda_copy(d_out, d_in, n * 2);
-    moe_cuda_rope_forward(d_out, d_out, B, T, heads, D, base);
+    moe_cuda_rope_forward(d_out, d_out, B, T, heads, D, pos0, base);
     moe_real *inplace = read_act(d_out, n);
     ck_assert_int_eq(memcmp(inplace, out, n * sizeof(moe_real)), 0);
 
     void *d_din = rand_act(n, 42, 1.0, &din0);
-    moe_cuda_rope_backward(d_din, d_dout, B, T, heads, D, base);
+    moe_cuda_rope_backward(d_din, d_dout, B, T, heads, D, pos0, base);
     moe_real *din = read_act(d_din, n);
-    moe_cpu_rope_backward(din0, dout, B, T, heads, D, base);
-    snprintf(name, sizeof name, "rope bwd B=%d T=%d H=%d D=%d", B, T, heads, D);
+    moe_cpu_rope_backward(din0, dout, B, T, heads, D, pos0, base);
+    snprintf(name, sizeof name, "rope bwd B=%d T=%d H=%d D=%d pos0=%d", B, T, heads, D, pos0);
     expect_close(name, din, din0, n, 1e-2);
 
     moe_cuda_free(d_in), moe_cuda_free(d_dout), moe_cuda_free(d_out), moe_cuda_free(d_din);
@@ -424,10 +425,11 @@ static void check_rope(int B, int T, int heads, int D, double base) {
 }
 
 START_TEST(test_gpu_rope) {
-    check_rope(3, 37, 4, 64, 10000.0);
+    check_rope(3, 37, 4, 64, 0, 10000.0);
     if (!moe_test_quick())
-        check_rope(2, 1024, 8, 128, 10000.0);
-    check_rope(1, 5000, 2, 6, 1e6); /* long positions, tiny head */
+        check_rope(2, 1024, 8, 128, 0, 10000.0);
+    check_rope(1, 5000, 2, 6, 0, 1e6); /* long positions, tiny head */
+    check_rope(2, 300, 4, 64, 4700, 10000.0); /* a chunk at positions 4700..4999 */
 }
 END_TEST
 
@@ -656,7 +658,8 @@ START_TEST(test_gpu_backend_table) {
         (void *)b->fill_normal, (void *)b->matmul_forward,
         (void *)b->matmul_backward, (void *)b->embedding_forward, (void *)b->embedding_backward,
         (void *)b->rmsnorm_forward, (void *)b->rmsnorm_backward, (void *)b->rope_forward,
-        (void *)b->rope_backward, (void *)b->attention_forward, (void *)b->attention_backward,
+        (void *)b->rope_backward, (void *)b->attention_workspace_bytes,
+        (void *)b->attention_forward, (void *)b->attention_backward,
         (void *)b->swiglu_forward, (void *)b->swiglu_backward, (void *)b->cross_entropy_forward,
         (void *)b->cross_entropy_backward, (void *)b->add, (void *)b->scale,
         (void *)b->router_forward, (void *)b->router_backward, (void *)b->aux_loss_forward,

@@ -141,20 +141,22 @@ static void a_rmsnorm_backward(void *dx, moe_real *dw, const void *dout, const v
                                const void *w, const moe_real *rstd, int N, int C) {
     moe_cpu_rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C);
 }
-static void a_rope_forward(void *out, const void *in, int B, int T, int h, int D, double base) {
-    moe_cpu_rope_forward(out, in, B, T, h, D, base);
+static void a_rope_forward(void *out, const void *in, int B, int T, int h, int D, int pos0,
+                           double base) {
+    moe_cpu_rope_forward(out, in, B, T, h, D, pos0, base);
 }
-static void a_rope_backward(void *din, const void *dout, int B, int T, int h, int D, double base) {
-    moe_cpu_rope_backward(din, dout, B, T, h, D, base);
+static void a_rope_backward(void *din, const void *dout, int B, int T, int h, int D, int pos0,
+                            double base) {
+    moe_cpu_rope_backward(din, dout, B, T, h, D, pos0, base);
 }
-static void a_attention_forward(void *y, void *att, const void *q, const void *k, const void *v,
-                                int B, int T, int Hq, int Hkv, int D) {
-    moe_cpu_attention_forward(y, att, q, k, v, B, T, Hq, Hkv, D);
+static void a_attention_forward(void *y, moe_real *lse, void *ws, const void *q, const void *k,
+                                const void *v, moe_attention_shape s) {
+    moe_cpu_attention_forward(y, lse, ws, q, k, v, s);
 }
-static void a_attention_backward(void *dq, void *dk, void *dv, const void *dy, const void *att,
-                                 const void *q, const void *k, const void *v, int B, int T,
-                                 int Hq, int Hkv, int D) {
-    moe_cpu_attention_backward(dq, dk, dv, dy, att, q, k, v, B, T, Hq, Hkv, D);
+static void a_attention_backward(void *dq, void *dk, void *dv, const void *dy, const void *y,
+                                 const moe_real *lse, void *ws, const void *q, const void *k,
+                                 const void *v, moe_attention_shape s) {
+    moe_cpu_attention_backward(dq, dk, dv, dy, y, lse, ws, q, k, v, s);
 }
 static void a_swiglu_forward(void *out, const void *gu, const moe_real *row_scale, int N, int F) {
     moe_cpu_swiglu_forward(out, gu, row_scale, N, F);
@@ -298,6 +300,7 @@ static const moe_backend g_cpu = {
     .rmsnorm_backward = a_rmsnorm_backward,
     .rope_forward = a_rope_forward,
     .rope_backward = a_rope_backward,
+    .attention_workspace_bytes = moe_cpu_attention_workspace_bytes,
     .attention_forward = a_attention_forward,
     .attention_backward = a_attention_backward,
     .swiglu_forward = a_swiglu_forward,

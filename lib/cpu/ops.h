@@ -19,6 +19,8 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 
 #include "real.h"
 
@@ -81,43 +83,124 @@ void moe_cpu_rmsnorm_backward(moe_real *dx, moe_real *dw, const moe_real *dout, 
 
 /**
  * @brief Rotary position embedding, "rotate-half" form (Megatron, Hugging Face):
- *        for i < D/2, θ = t·base^(−2i/D): (x_i, x_{i+D/2}) ↦ (x_i cosθ − x_{i+D/2} sinθ,
- *        x_{i+D/2} cosθ + x_i sinθ). Row n is position t = n mod T.
+ *        for i < D/2, θ = p·base^(−2i/D): (x_i, x_{i+D/2}) ↦ (x_i cosθ − x_{i+D/2} sinθ,
+ *        x_{i+D/2} cosθ + x_i sinθ). Row n is the token at absolute position
+ *        p = @p pos0 + (n mod T).
+ *
+ * The position offset is what context parallelism needs (chapter 07): a rank holding the
+ * chunk of a sequence that starts at token pos0 rotates it exactly as the single-rank model
+ * rotates those rows of the whole sequence (the gradient-check suite tests that equality).
  * @param out [B·T, heads·D] (may equal @p in)  @param in same shape
- * @param B batch  @param T sequence  @param heads heads in the row  @param D head dim  @param base RoPE base
+ * @param B batch  @param T tokens per sequence in this chunk  @param heads heads in the row
+ * @param D head dim  @param pos0 absolute position of each sequence's first row (≥ 0)
+ * @param base RoPE base
  */
 void moe_cpu_rope_forward(moe_real *out, const moe_real *in, int B, int T, int heads, int D,
-                          double base);
+                          int pos0, double base);
 
 /**
  * @brief Backward of RoPE (the inverse rotation): din += Rᵀ·dout.
- * @param din [B·T, heads·D]  @param dout same  @param B batch  @param T sequence
- * @param heads heads  @param D head dim  @param base RoPE base
+ * @param din [B·T, heads·D]  @param dout same  @param B batch  @param T tokens per sequence
+ * @param heads heads  @param D head dim  @param pos0 as in the forward  @param base RoPE base
  */
 void moe_cpu_rope_backward(moe_real *din, const moe_real *dout, int B, int T, int heads, int D,
-                           double base);
+                           int pos0, double base);
 
 /* --------------------------------------------------------------- attention.c */
 
 /**
- * @brief Causal grouped-query attention: y = softmax(q·kᵀ/√D + causal mask)·v, where query
- *        head h reads key/value head h / (Hq/Hkv).
- * @param y [B·T, Hq·D]  @param att saved probabilities [B, Hq, T, T] (upper triangle written as 0)
- * @param q [B·T, Hq·D]  @param k [B·T, Hkv·D]  @param v [B·T, Hkv·D]
- * @param B batch  @param T sequence  @param Hq query heads  @param Hkv key/value heads  @param D head dim
+ * The shape of one attention call: a chunk of queries attending to a chunk of keys.
+ *
+ * Query row t of a sequence is the token at absolute position q_pos + t, key row s the
+ * token at k_pos + s, and the causal mask lets query t see key s iff k_pos + s ≤ q_pos + t.
+ * Without context parallelism both chunks are the whole sequence (positions 0..T−1). With
+ * it (chapter 07) a rank holds chunks of the sequence and attends to key chunks of other
+ * ranks: then Tq ≠ Tk or the offsets differ, and the log-sum-exp output is what merges the
+ * partial results of those calls exactly.
+ *
+ * Supported now (moe_attention_shape_unsupported() names what is not): a chunk attending
+ * to itself, Tq = Tk and q_pos = k_pos, at any offset (the mask is then the plain lower
+ * triangle; positions enter only through RoPE). Attention between different chunks comes
+ * with chapter 07.
  */
-void moe_cpu_attention_forward(moe_real *y, moe_real *att, const moe_real *q, const moe_real *k,
-                               const moe_real *v, int B, int T, int Hq, int Hkv, int D);
+typedef struct moe_attention_shape {
+    int B;     /**< sequences */
+    int Tq;    /**< query rows per sequence (rows of q, y, lse) */
+    int Tk;    /**< key/value rows per sequence (rows of k, v) */
+    int Hq;    /**< query heads */
+    int Hkv;   /**< key/value heads; query head h reads head h / (Hq/Hkv) (GQA) */
+    int D;     /**< head dimension */
+    int q_pos; /**< absolute position of query row 0 */
+    int k_pos; /**< absolute position of key row 0 */
+} moe_attention_shape;
 
 /**
- * @brief Backward of causal GQA attention (dq, dk, dv accumulate).
- * @param dq [B·T, Hq·D]  @param dk [B·T, Hkv·D]  @param dv [B·T, Hkv·D]  @param dy [B·T, Hq·D]
- * @param att saved probabilities  @param q queries  @param k keys  @param v values
- * @param B batch  @param T sequence  @param Hq query heads  @param Hkv key/value heads  @param D head dim
+ * @brief Why the attention ops cannot run a shape yet, or NULL when they can.
+ * @param s the shape  @param max_D the backend's largest head dimension (0: no limit)
+ * @return a static message naming the unsupported part, or NULL
+ */
+static inline const char *moe_attention_shape_unsupported(moe_attention_shape s, int max_D) {
+    if (s.B < 0 || s.Tq < 1 || s.Hq < 1 || s.Hkv < 1 || s.Hq % s.Hkv != 0 || s.D < 1)
+        return "invalid shape (need Tq >= 1, D >= 1 and Hq a multiple of Hkv)";
+    if (max_D > 0 && s.D > max_D)
+        return "head dimension too large for this backend";
+    if (s.Tq != s.Tk || s.q_pos != s.k_pos)
+        return "queries and keys must be the same chunk (Tq == Tk and q_pos == k_pos); "
+               "attention between different chunks comes with context parallelism (chapter 07)";
+    return NULL;
+}
+
+/**
+ * @brief Abort, naming the shape and the reason, unless the attention ops of a backend can
+ *        run it. The model only asks for supported shapes: anything else is a caller's bug.
+ * @param s the shape  @param who the backend's attention, for the message
+ * @param max_D its largest head dimension (0: no limit)
+ */
+static inline void moe_attention_shape_require(moe_attention_shape s, const char *who,
+                                               int max_D) {
+    const char *why = moe_attention_shape_unsupported(s, max_D);
+    if (why) {
+        fprintf(stderr, "%s: unsupported shape B=%d Tq=%d Tk=%d Hq=%d Hkv=%d D=%d q_pos=%d "
+                        "k_pos=%d: %s\n",
+                who, s.B, s.Tq, s.Tk, s.Hq, s.Hkv, s.D, s.q_pos, s.k_pos, why);
+        abort();
+    }
+}
+
+/**
+ * @brief Bytes of workspace the CPU attention needs for a shape: the probabilities
+ *        P [B, Hq, Tq, Tk] that its forward saves for its backward.
+ * @param s shape  @return bytes
+ */
+size_t moe_cpu_attention_workspace_bytes(moe_attention_shape s);
+
+/**
+ * @brief Causal grouped-query attention: y = softmax(q·kᵀ/√D + causal mask)·v, where query
+ *        head h reads key/value head h / (Hq/Hkv), and the log-sum-exp of every row of
+ *        scores, lse_t = log Σ_s exp(q_t·k_s/√D) over the unmasked s (natural log).
+ *
+ * This naive version saves the probabilities P [B, Hq, Tq, Tk] (upper triangle written as 0)
+ * in @p ws for its backward. lse comes from the same pass as the softmax, from its row max
+ * m and sum l: lse = m + log l.
+ * @param y [B·Tq, Hq·D]  @param lse [B, Hq, Tq]
+ * @param ws moe_cpu_attention_workspace_bytes() bytes; receives P
+ * @param q [B·Tq, Hq·D]  @param k [B·Tk, Hkv·D]  @param v [B·Tk, Hkv·D]  @param s shape
+ */
+void moe_cpu_attention_forward(moe_real *y, moe_real *lse, void *ws, const moe_real *q,
+                               const moe_real *k, const moe_real *v, moe_attention_shape s);
+
+/**
+ * @brief Backward of causal GQA attention (dq, dk, dv accumulate), from the P that the
+ *        forward saved in @p ws. @p y and @p lse belong to the op contract (a flash backward
+ *        recomputes P = exp(S − lse) and forms δ_t = dy_t · y_t); this version does not read them.
+ * @param dq [B·Tq, Hq·D]  @param dk [B·Tk, Hkv·D]  @param dv [B·Tk, Hkv·D]  @param dy [B·Tq, Hq·D]
+ * @param y forward output  @param lse forward log-sum-exp  @param ws the forward's workspace
+ * @param q queries  @param k keys  @param v values  @param s shape
  */
 void moe_cpu_attention_backward(moe_real *dq, moe_real *dk, moe_real *dv, const moe_real *dy,
-                                const moe_real *att, const moe_real *q, const moe_real *k,
-                                const moe_real *v, int B, int T, int Hq, int Hkv, int D);
+                                const moe_real *y, const moe_real *lse, void *ws,
+                                const moe_real *q, const moe_real *k, const moe_real *v,
+                                moe_attention_shape s);
 
 /* ------------------------------------------------------------------ swiglu.c */
 
