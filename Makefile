@@ -74,10 +74,14 @@ export REPORT
 
 # ---------------------------------------------------------------- flags
 WARN    := -Wall -Wextra -Wshadow -Wno-unused-parameter
+KERNELS_INC := -Ikernels
 CSTD    := -std=c11 -D_DEFAULT_SOURCE -D_POSIX_C_SOURCE=200809L
 OPENMP  := $(if $(filter 1,$(OMP)),-fopenmp,)
 CFLAGS  ?= -O3
-ALL_CFLAGS = $(CSTD) $(WARN) $(CFLAGS) -march=$(MARCH) $(OPENMP) -Ilib -Ikernels -MMD -MP
+# lib/ is compiled without -Ikernels: the library defines interfaces (the op table, the
+# transport table, the fused dispatcher's launchers) that kernels/ implements, and never
+# includes a CUDA header. Programs, chapters and tests may include both.
+ALL_CFLAGS = $(CSTD) $(WARN) $(CFLAGS) -march=$(MARCH) $(OPENMP) -Ilib $(KERNELS_INC) -MMD -MP
 LDLIBS  := $(OPENMP) -lm
 # Check is linked statically so test binaries also run on machines without it (the GPU box).
 CHECK_LIBS := -Wl,-Bstatic -lcheck -lsubunit -Wl,-Bdynamic -lrt -lpthread
@@ -134,11 +138,22 @@ CONFIG_TEXT = CC=$(CC) CFLAGS=$(ALL_CFLAGS) NVCC=$(NVCC) NVCCFLAGS=$(ALL_NVCC_FL
   LDLIBS=$(LDLIBS) CUDA=$(WITH_CUDA) MPI=$(WITH_MPI) NCCL=$(WITH_NCCL) OMP=$(OMP) MARCH=$(MARCH)
 .PHONY: FORCE
 FORCE:
+# write-stamp FILE,TEXT: rewrite FILE only when its content is not TEXT
+define write-stamp
+	@mkdir -p $(dir $(1))
+	@if [ '$(subst ','\'',$(2))' != "$$(cat $(1) 2>/dev/null)" ]; then \
+	  if [ -f $(1) ]; then echo "$(notdir $(1)) changed: rebuilding what depends on it"; fi; \
+	  echo '$(subst ','\'',$(2))' > $(1); fi
+endef
 $(CONFIG_STAMP): FORCE
-	@mkdir -p $(dir $@)
-	@if [ '$(subst ','\'',$(CONFIG_TEXT))' != "$$(cat $@ 2>/dev/null)" ]; then \
-	  if [ -f $@ ]; then echo "build configuration changed: rebuilding $(BUILD)"; fi; \
-	  echo '$(subst ','\'',$(CONFIG_TEXT))' > $@; fi
+	$(call write-stamp,$@,$(CONFIG_TEXT))
+
+# The members of each library: a source that is removed or moved must leave the archive,
+# so the archive is rebuilt from scratch whenever its member list changes.
+$(BUILD)/LIB-MEMBERS: FORCE
+	$(call write-stamp,$@,$(call obj,$(LIB_SRC),) $(CU_OBJ))
+$(BUILD)/f64/LIB-MEMBERS: FORCE
+	$(call write-stamp,$@,$(call obj,$(LIB_SRC),f64/))
 
 # ---------------------------------------------------------------- targets
 .PHONY: all config check-deps train test test-unit test-fd test-asan test-gpu test-mpi test-notebooks notebooks docs bench \
@@ -153,6 +168,10 @@ $(BUILD)/%.o: %.c $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) -c $< -o $@
 
+$(BUILD)/lib/%.o $(BUILD)/f64/lib/%.o: KERNELS_INC :=
+# (the stamp records the flags of everything else; prerequisites inherit target variables)
+$(CONFIG_STAMP): KERNELS_INC := -Ikernels
+
 # The same library sources compiled with moe_real = double, for the
 # finite-difference gradient checks (see lib/real.h).
 $(BUILD)/f64/%.o: %.c $(CONFIG_STAMP)
@@ -163,13 +182,13 @@ $(BUILD)/%.o: %.cu $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(ALL_NVCC_FLAGS) -c $< -o $@
 
-$(LIB): $(call obj,$(LIB_SRC),) $(CU_OBJ)
+$(LIB): $(call obj,$(LIB_SRC),) $(CU_OBJ) $(BUILD)/LIB-MEMBERS
 	@mkdir -p $(dir $@)
-	ar rcs $@ $^
+	rm -f $@ && ar rcs $@ $(filter %.o,$^)
 
-$(LIB_F64): $(call obj,$(LIB_SRC),f64/)
+$(LIB_F64): $(call obj,$(LIB_SRC),f64/) $(BUILD)/f64/LIB-MEMBERS
 	@mkdir -p $(dir $@)
-	ar rcs $@ $^
+	rm -f $@ && ar rcs $@ $(filter %.o,$^)
 
 bin/%: $(BUILD)/programs/%.o $(LIB)
 	@mkdir -p bin

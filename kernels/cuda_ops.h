@@ -20,11 +20,8 @@
 extern "C" {
 #endif
 
-/** @brief 1 when a CUDA device is usable (driver present, at least one GPU). @return 0 or 1 */
-int moe_cuda_available(void);
-
-/** @brief The CUDA op table (device pointers, bf16 activations). @return a static table */
-const moe_backend *moe_backend_cuda(void);
+/* moe_cuda_available() and moe_backend_cuda() are declared in lib/backend.h: the library
+ * defines the interface, this backend implements it. */
 
 /* memory and precision (kernels/memory.cu) */
 void *moe_cuda_alloc(size_t bytes);

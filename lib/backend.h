@@ -20,11 +20,14 @@
 
 #include <stddef.h>
 
-#include "cpu/moe_ops.h"
-#include "cpu/ops.h"
-#include "cpu/router.h"
 #include "config.h"
 #include "error.h"
+#include "op_types.h"
+#include "real.h"
+
+#ifdef __cplusplus
+extern "C" { /* kernels/backend_cuda.cu implements the CUDA entries */
+#endif
 
 /** Which backend. */
 typedef enum moe_device {
@@ -217,8 +220,20 @@ typedef struct moe_backend {
     /**@}*/
 } moe_backend;
 
-/** @brief The CPU reference backend. @return a static table */
+/** @brief The CPU reference backend (lib/cpu/backend.c). @return a static table */
 const moe_backend *moe_backend_cpu(void);
+
+/* The CUDA backend (kernels/backend_cuda.cu) implements these two in builds with
+ * MOE_HAVE_CUDA. lib/ declares them and never includes a kernels/ header: the CUDA side
+ * fills an interface the library defines, not the other way round. */
+
+/** @brief 1 when a CUDA device is usable (driver present, at least one GPU); CUDA builds
+ *  only. @return 0 or 1 */
+int moe_cuda_available(void);
+
+/** @brief The CUDA op table (device pointers, bf16 activations); CUDA builds only.
+ *  @return a static table */
+const moe_backend *moe_backend_cuda(void);
 
 /**
  * @brief Resolve `--device` to a backend.
@@ -228,5 +243,9 @@ const moe_backend *moe_backend_cpu(void);
  * @return ::MOE_OK, or ::MOE_ERR_BACKEND when cuda is asked for but not available (with the fix)
  */
 moe_status moe_backend_select(const char *name, const moe_backend **out, moe_error *err);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* MOE_BACKEND_H */

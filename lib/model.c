@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/router.h"
 #include "mlp.h"
 #include "moe/experts.h"
 

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/ops.h"
 #include "log.h"
 #include "rng.h"
 #include "timer.h"

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/ops.h"
 #include "fd.h"
 #include "helpers.h"
 #include "model.h"

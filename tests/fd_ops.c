@@ -10,6 +10,8 @@
 #include <string.h>
 
 #include "backend.h"
+#include "cpu/ops.h"
+#include "cpu/router.h"
 #include "fd.h"
 #include "helpers.h"
 #include "mlp.h"

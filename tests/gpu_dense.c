@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "cpu/ops.h"
 #include "cuda_ops.h"
 #include "helpers.h"
 #include "suites.h"

@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/moe_ops.h"
+#include "cpu/router.h"
 #include "cuda_ops.h"
 #include "helpers.h"
 #include "suites.h"

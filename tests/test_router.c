@@ -8,6 +8,9 @@
 #include <string.h>
 
 #include "backend.h"
+#include "cpu/moe_ops.h"
+#include "cpu/ops.h"
+#include "cpu/router.h"
 #include "helpers.h"
 #include "mlp.h"
 #include "moe/capacity.h"

@@ -11,13 +11,13 @@
 #include <string.h>
 
 #include "backend.h"
+#include "cpu/moe_ops.h"
+#include "cpu/ops.h"
+#include "cpu/router.h"
 #include "optimizer.h"
 #include "rng.h"
 #include "timer.h"
 
-#ifdef MOE_HAVE_CUDA
-#include "cuda_ops.h"
-#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -329,37 +329,3 @@ static const moe_backend g_cpu = {
 };
 
 const moe_backend *moe_backend_cpu(void) { return &g_cpu; }
-
-moe_status moe_backend_select(const char *name, const moe_backend **out, moe_error *err) {
-    if (!strcmp(name, "cpu")) {
-        *out = &g_cpu;
-        return MOE_OK;
-    }
-    if (!strcmp(name, "auto")) {
-#ifdef MOE_HAVE_CUDA
-        if (moe_cuda_available()) {
-            *out = moe_backend_cuda();
-            return MOE_OK;
-        }
-#endif
-        *out = &g_cpu;
-        return MOE_OK;
-    }
-    if (!strcmp(name, "cuda")) {
-#ifdef MOE_HAVE_CUDA
-        if (moe_cuda_available()) {
-            *out = moe_backend_cuda();
-            return MOE_OK;
-        }
-        return moe_error_set(err, MOE_ERR_BACKEND,
-                             "--device cuda: no usable GPU was found (no device or no driver); "
-                             "use --device cpu, or run on a machine with an NVIDIA GPU");
-#else
-        return moe_error_set(err, MOE_ERR_BACKEND,
-                             "--device cuda: this build has no CUDA backend (nvcc was not found "
-                             "when it was built); install the CUDA toolkit and rebuild, or use "
-                             "--device cpu");
-#endif
-    }
-    return moe_error_set(err, MOE_ERR_FLAG, "--device must be auto, cpu or cuda (got '%s')", name);
-}

@@ -21,18 +21,8 @@
 #define MOE_CPU_ROUTER_H
 
 #include "config.h"
+#include "op_types.h"
 #include "real.h"
-
-/** What a router needs to know (from the config). */
-typedef struct moe_router_params {
-    int num_experts;        /**< E */
-    int topk;               /**< k */
-    moe_score_fn score_fn;  /**< softmax or sigmoid */
-    int pre_softmax;        /**< softmax over all E before the top-k */
-    int num_groups;         /**< G (0 = no group limit) */
-    int group_topk;         /**< GK */
-    double scaling_factor;  /**< multiply the weights by this (0 = off) */
-} moe_router_params;
 
 /** @brief Router parameters from a validated config. @param cfg config @return the parameters */
 moe_router_params moe_router_params_from_config(const moe_config *cfg);
