@@ -20,12 +20,13 @@ SHELL := /bin/bash
 
 # Build in parallel by default, one job per core, so a first `make train` does not compile
 # serially: JOBS=N sets the number of jobs (GNU make 4.3 does not let a makefile see a -jN
-# given on the command line, so JOBS is the knob). Tests still run one after another.
+# given on the command line, so JOBS is the knob). Sub-makes share the top-level make's job
+# slots. Tests still run one after another.
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
-ifeq ($(SERIAL),)
-  MAKEFLAGS += -j$(JOBS)
-else
+ifneq ($(SERIAL),)
   .NOTPARALLEL:
+else ifeq ($(MAKELEVEL),0)
+  MAKEFLAGS += -j$(JOBS)
 endif
 
 CC      ?= cc
@@ -285,7 +286,7 @@ test-gpu: check-deps
 TEST_BINS := $(BUILD)/tests/unit $(BUILD)/tests/fd $(if $(filter 1,$(WITH_MPI)),$(BUILD)/tests/mpi \
 	$(BUILD)/tests/mpi_abort) $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu)
 test: config check-deps
-	@$(MAKE) --no-print-directory all $(TEST_BINS)
+	@$(MAKE) --no-print-directory $(LIB) $(PROGRAMS) $(CHAPTER_BIN) $(TEST_BINS)
 	@$(MAKE) --no-print-directory SERIAL=1 test-unit test-fd test-mpi test-gpu test-notebooks docs test-asan
 	@echo "== all tests passed"
 
