@@ -279,11 +279,9 @@ void moe_model_free(moe_model *m) {
             moe_attention_acts_free(be, &a->attn);
             be->free(a->xmid); be->free(a->ln2); be->free(a->rstd2);
             be->free(a->dense_gu); be->free(a->dense_act);
-            if (a->moe.counts)
-                moe_layer_acts_free(be, &a->moe);
+            moe_layer_acts_free(be, &a->moe); /* zeroed (dense layer) or partial: fine */
         }
-    if (m->ws.yp)
-        moe_layer_workspace_free(be, &m->ws);
+    moe_layer_workspace_free(be, &m->ws); /* also when its allocation failed half-way */
     be->free(m->lnf); be->free(m->rstdf); be->free(m->logits); be->free(m->losses);
     be->free(m->d_res); be->free(m->d_ln); be->free(m->d_logits);
     moe_attention_scratch_free(be, &m->attn_scratch);
