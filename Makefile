@@ -273,7 +273,9 @@ test-mpi: check-deps
 	  echo "== MPI test: a failing rank ends the job (rank 1 aborts, rank 0 waits in a collective)" && \
 	  $(call EXPECT_JOB_END,-np 2 $(BUILD)/tests/mpi_abort,rank 1 gives up); \
 	  echo "== MPI test: a stopped rank ends the job (rank 1 stops, rank 0's deadline of 2 s passes)" && \
-	  $(call EXPECT_JOB_END,-x MOE_COMM_TIMEOUT=2 -np 2 $(BUILD)/tests/mpi_abort stop,[rank 0] fatal: all_reduce_sum did not complete within 2 s (MOE_COMM_TIMEOUT)); fi
+	  $(call EXPECT_JOB_END,-x MOE_COMM_TIMEOUT=2 -np 2 $(BUILD)/tests/mpi_abort stop,[rank 0] fatal: all_reduce_sum did not complete within 2 s (MOE_COMM_TIMEOUT)); \
+	  echo "== MPI test: the deadline from --distributed-timeout-minutes 0.05 (3 s) ends the job" && \
+	  $(call EXPECT_JOB_END,-np 2 $(BUILD)/tests/mpi_abort stop --distributed-timeout-minutes 0.05,[rank 0] fatal: all_reduce_sum did not complete within 3 s (--distributed-timeout-minutes)); fi
 
 # CUDA tests: each CUDA op against its CPU twin, the whole model CUDA vs CPU.
 # Without a GPU (CI) the binary prints "skipped: no GPU" and succeeds.

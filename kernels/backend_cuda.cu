@@ -44,6 +44,7 @@ static moe_backend make_cuda_backend(void) {
     b.synchronize = moe_cuda_synchronize;
     b.device_name = moe_cuda_device_name;
     b.peak_tflops = moe_cuda_peak_tflops;
+    b.memory_bytes = moe_cuda_memory_bytes;
     b.timer_begin = moe_cuda_timer_begin;
     b.timer_end_ms = moe_cuda_timer_end_ms;
     b.fill_normal = moe_cuda_fill_normal;

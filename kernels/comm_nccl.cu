@@ -20,8 +20,8 @@
  *     operation we record a CUDA event and put "operation X in flight since t" on the
  *     communicator's watch (lib/comm_watchdog.h). The watchdog thread polls the events,
  *     ncclCommGetAsyncError (a peer died, a network link failed) and a clock
- *     (MOE_COMM_TIMEOUT seconds, default 600). Only moe_comm_barrier and moe_comm_wait
- *     block, on cudaStreamSynchronize, under the same watch.
+ *     (--distributed-timeout-minutes, default 5; MOE_COMM_TIMEOUT seconds wins). Only
+ *     moe_comm_barrier and moe_comm_wait block, on cudaStreamSynchronize, under the same watch.
  *
  *  3. Every failure is fatal for the whole job: print rank, file, line and reason, then
  *     ncclCommAbort (which frees NCCL's resources without waiting for peers) and end

@@ -36,6 +36,7 @@ void moe_cuda_cast_to_act(void *dst, const moe_real *src, size_t n);
 void moe_cuda_synchronize(void);
 void moe_cuda_device_name(char *buf, size_t cap);
 double moe_cuda_peak_tflops(void);
+size_t moe_cuda_memory_bytes(void);
 void moe_cuda_timer_begin(void);
 double moe_cuda_timer_end_ms(void);
 void moe_cuda_fill_normal(moe_real *x, size_t n, unsigned long long seed,

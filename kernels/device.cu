@@ -22,6 +22,17 @@ extern "C" void moe_cuda_device_name(char *buf, size_t cap) {
              prop.totalGlobalMem / 1073741824.0);
 }
 
+/* Free device memory now (cudaMemGetInfo), the budget of the model about to be allocated;
+ * 0 when the runtime cannot say, which moe_memory_check() reads as "unknown". */
+extern "C" size_t moe_cuda_memory_bytes(void) {
+    size_t free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return free_b;
+}
+
 extern "C" double moe_cuda_peak_tflops(void) {
     int dev = 0;
     cudaDeviceProp prop;

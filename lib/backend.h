@@ -77,6 +77,9 @@ typedef struct moe_backend {
     void (*device_name)(char *buf, size_t cap);
     /** dense bf16 tensor-core peak in TFLOP/s for MFU (0 when unknown, e.g. CPUs) */
     double (*peak_tflops)(void);
+    /** bytes of device memory free for allocations (0 = unknown): moe_model_create() checks
+     *  its estimate (memory.h) against it before allocating */
+    size_t (*memory_bytes)(void);
     /** start the backend's timer (CUDA: an event recorded on the stream; CPU: the clock) */
     void (*timer_begin)(void);
     /** milliseconds since timer_begin, once all work queued before this call has finished */

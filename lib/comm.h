@@ -30,7 +30,8 @@
  *
  * Failure: a rank that hits an error it cannot return (a failed MPI or NCCL call, an
  * NCCL asynchronous error, an operation that does not complete within
- * MOE_COMM_TIMEOUT seconds, default 600) prints a message with its rank and the
+ * the deadline of --distributed-timeout-minutes, default 5 minutes, or MOE_COMM_TIMEOUT
+ * seconds) prints a message with its rank and the
  * operation (file and line for a failed call), and ends the whole job instead of leaving
  * the other ranks waiting forever. A watchdog thread (lib/comm_watchdog.c) keeps the
  * deadline of every NCCL operation in flight and of every blocking MPI call between
@@ -237,6 +238,15 @@ void moe_comm_host_all_gather(moe_comm *c, const void *send, void *recv, size_t 
 /** @brief Host maximum over the group of one double (e.g. "did any rank fail?").
  *  @param c group @param v this rank's value @return the maximum */
 double moe_comm_host_max(moe_comm *c, double v);
+
+/**
+ * @brief Set the deadline of every communication operation, in seconds
+ *        (--distributed-timeout-minutes; 300 when never set). Call it before
+ *        moe_comm_init(). MOE_COMM_TIMEOUT (seconds), when set, still wins: tests use it
+ *        to shorten the deadline of any program.
+ * @param seconds positive and finite (other values are ignored)
+ */
+void moe_comm_set_timeout_s(double seconds);
 
 /**
  * @brief End the whole job from one rank with a message (never returns). Use it when a

@@ -32,7 +32,9 @@
  * main thread is still running.
  */
 #include "comm_watchdog.h"
+#include "comm.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
@@ -65,15 +67,31 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* The program's deadline (--distributed-timeout-minutes); MOE_COMM_TIMEOUT, read once, wins
+ * over it so that tests can shorten the deadline of any program. */
+static double g_timeout_s = 300.0;
+
+void moe_comm_set_timeout_s(double seconds) {
+    if (seconds > 0 && isfinite(seconds))
+        g_timeout_s = seconds;
+}
+
+static double g_env_s = -1; /* MOE_COMM_TIMEOUT: -1 not read yet, 0 not set */
+
 double moe_comm_timeout_s(void) {
-    static double t = -1;
-    if (t < 0) {
+    double env = g_env_s;
+    if (env < 0) {
         const char *s = getenv("MOE_COMM_TIMEOUT");
         char *end = NULL;
         double v = s ? strtod(s, &end) : 0;
-        t = (s && end != s && *end == '\0' && v > 0) ? v : 600.0;
+        env = g_env_s = (s && end != s && *end == '\0' && v > 0 && isfinite(v)) ? v : 0;
     }
-    return t;
+    return env > 0 ? env : g_timeout_s;
+}
+
+/* Which setting the deadline came from, for the message. */
+static const char *moe_comm_timeout_source(void) {
+    return g_env_s > 0 ? "MOE_COMM_TIMEOUT" : "--distributed-timeout-minutes";
 }
 
 /* The end: the message, the channel released, the process gone (see the top). */
@@ -117,9 +135,9 @@ static void check(moe_comm_watch *w, double now) {
     const double limit = moe_comm_timeout_s();
     if (now - w->since[slot] > limit)
         fail(w,
-             "fatal: %s did not complete within %.0f s (MOE_COMM_TIMEOUT): a peer rank is "
+             "fatal: %s did not complete within %.0f s (%s): a peer rank is "
              "missing or passed different counts",
-             w->op[slot], limit);
+             w->op[slot], limit, moe_comm_timeout_source());
 }
 
 static void *watchdog_main(void *arg) {

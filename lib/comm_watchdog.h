@@ -7,10 +7,13 @@
  * the time it entered the queue: the collectives an NCCL communicator enqueued on the CUDA
  * stream, or the blocking MPI call the main thread is in. One background thread polls
  * every watch a few times a second. When the oldest operation of a watch has been in
- * flight longer than MOE_COMM_TIMEOUT seconds (default 600), or the channel reports an
+ * flight longer than its deadline (moe_comm_timeout_s(): 5 minutes unless
+ * --distributed-timeout-minutes or MOE_COMM_TIMEOUT says otherwise), or the channel reports an
  * error, it prints
  *
  *     [rank r] fatal: <op> did not complete within N s (MOE_COMM_TIMEOUT): ...
+ *
+ * (naming --distributed-timeout-minutes instead when the deadline came from there)
  *
  * releases what the peers may be blocked on (ncclCommAbort), and ends the process with
  * exit status 1 (see comm_watchdog.c for why that ends the whole job).
@@ -75,7 +78,8 @@ void moe_comm_watch_end(moe_comm_watch *w);
  *  @param w watch */
 void moe_comm_watch_clear(moe_comm_watch *w);
 
-/** @brief MOE_COMM_TIMEOUT in seconds (a positive number), default 600.
+/** @brief The deadline of one operation in seconds: MOE_COMM_TIMEOUT when it is set to a
+ *  positive number, else what moe_comm_set_timeout_s() (comm.h) set, else 300 (5 minutes).
  *  @return the deadline of one operation */
 double moe_comm_timeout_s(void);
 

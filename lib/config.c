@@ -2,10 +2,14 @@
 #include "config.h"
 
 #include <ctype.h>
+#include <math.h>
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "memory.h"
 
 #define F(name, type, field, def, help, choices, group) \
     { name, type, offsetof(moe_config, field), def, help, choices, group }
@@ -113,6 +117,13 @@ static const moe_flag g_flags[] = {
     F("clip-grad", MOE_FLAG_DOUBLE, clip_grad, "1.0", "clip the global gradient norm (0 = off)",
       NULL, G_TRAIN),
     F("seed", MOE_FLAG_INT64, seed, "1337", "seed of weights, batches and sampling", NULL, G_TRAIN),
+    F("check-for-nan-in-loss-and-grad", MOE_FLAG_BOOL, check_for_nan_in_loss_and_grad, "1",
+      "stop the run (exit 1) when a step's loss or gradient norm is NaN or infinite, before "
+      "the optimizer touches the weights", NULL, G_TRAIN),
+    F("distributed-timeout-minutes", MOE_FLAG_DOUBLE, distributed_timeout_minutes, "5",
+      "end the job when a communication operation has not completed after this long (a rank "
+      "stopped or hung); the environment variable MOE_COMM_TIMEOUT (seconds) overrides it",
+      NULL, G_TRAIN),
 
     F("data-path", MOE_FLAG_STRING, data_path, "",
       "training text (default: $MOE_DATA_PATH, data/, ../shared/data/, then download)", NULL,
@@ -127,6 +138,9 @@ static const moe_flag g_flags[] = {
       G_DATA),
     F("metrics-file", MOE_FLAG_STRING, metrics_file, "",
       "write JSON-lines metrics here (one object per line)", NULL, G_DATA),
+    F("overwrite", MOE_FLAG_BOOL, overwrite, "0",
+      "replace an existing --metrics-file (without it an existing file is never overwritten)",
+      NULL, G_DATA),
     F("sample-length", MOE_FLAG_INT, sample_length, "300",
       "characters of text generated at the end (0 = none)", NULL, G_DATA),
     F("sample-temperature", MOE_FLAG_DOUBLE, sample_temperature, "0.8",
@@ -311,7 +325,34 @@ static int choice_index(const char *flag, const char *value) {
         field = i_;                                                                     \
     } while (0)
 
+moe_status moe_config_comm_timeout_s(const moe_config *c, double *seconds, moe_error *err) {
+    const double m = c->distributed_timeout_minutes;
+    REQUIRE(m > 0 && m <= MOE_MAX_TIMEOUT_MINUTES,
+            "--distributed-timeout-minutes must be above 0 and at most %.0f (a week; got %g)",
+            MOE_MAX_TIMEOUT_MINUTES, m);
+    *seconds = 60.0 * m;
+    return MOE_OK;
+}
+
+/* Every number of the table is finite. The parser already refuses nan and inf, but a
+ * config is also filled by code (tests, chapter programs), and a check written as
+ * `x >= 0` lets +inf through: one loop over the table covers every flag, also the next
+ * one added. */
+static moe_status require_finite(const moe_config *c, moe_error *err) {
+    for (size_t i = 0; i < sizeof g_flags / sizeof g_flags[0]; i++) {
+        const moe_flag *f = &g_flags[i];
+        if (f->type != MOE_FLAG_DOUBLE)
+            continue;
+        const double v = *(const double *)((const char *)c + f->offset);
+        REQUIRE(isfinite(v), "--%s must be a finite number (got %g)", f->name, v);
+    }
+    return MOE_OK;
+}
+
 moe_status moe_config_validate(moe_config *c, moe_error *err) {
+    MOE_TRY(require_finite(c, err));
+    double timeout_s;
+    MOE_TRY(moe_config_comm_timeout_s(c, &timeout_s, err));
     /* sizes */
     REQUIRE(c->num_layers >= 1 && c->num_layers <= MOE_MAX_LAYERS,
             "--num-layers must be between 1 and %d (got %d)", MOE_MAX_LAYERS, c->num_layers);
@@ -335,9 +376,11 @@ moe_status moe_config_validate(moe_config *c, moe_error *err) {
             c->head_dim);
     REQUIRE(c->seq_length >= 1, "--seq-length must be positive (got %d)", c->seq_length);
     REQUIRE(c->rotary_base > 1.0, "--rotary-base must be > 1 (got %g)", c->rotary_base);
-    REQUIRE(c->norm_epsilon > 0.0, "--norm-epsilon must be > 0 (got %g)", c->norm_epsilon);
-    REQUIRE(c->init_method_std > 0.0, "--init-method-std must be > 0 (got %g)",
-            c->init_method_std);
+    REQUIRE(c->norm_epsilon > 0.0 && c->norm_epsilon <= 1.0,
+            "--norm-epsilon must be in (0, 1] (got %g)", c->norm_epsilon);
+    REQUIRE(c->init_method_std > 0.0 && c->init_method_std <= 1.0,
+            "--init-method-std must be in (0, 1] (got %g; Megatron's default is 0.02, and weights "
+            "drawn wider overflow the activations)", c->init_method_std);
     REQUIRE(c->vocab_size >= 2, "vocabulary size %d is too small (the data file needs at least "
             "two distinct symbols)", c->vocab_size);
 
@@ -456,7 +499,8 @@ moe_status moe_config_validate(moe_config *c, moe_error *err) {
             "--global-batch-size %d is not a multiple of --micro-batch-size %d",
             c->global_batch_size, c->micro_batch_size);
     REQUIRE(c->train_iters >= 0, "--train-iters must be >= 0 (got %d)", c->train_iters);
-    REQUIRE(c->lr >= 0.0, "--lr must be >= 0 (got %g)", c->lr);
+    REQUIRE(c->lr >= 0.0 && c->lr <= 1.0, "--lr must be in [0, 1] (got %g; AdamW moves each "
+            "weight by about lr per step, and typical values are 1e-4 to 1e-2)", c->lr);
     REQUIRE(c->min_lr >= 0.0 && c->min_lr <= c->lr,
             "--min-lr %g must be between 0 and --lr %g", c->min_lr, c->lr);
     REQUIRE(c->lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0 (got %d)",
@@ -477,15 +521,69 @@ moe_status moe_config_validate(moe_config *c, moe_error *err) {
             c->adam_beta1);
     REQUIRE(c->adam_beta2 >= 0.0 && c->adam_beta2 < 1.0, "--adam-beta2 must be in [0, 1) (got %g)",
             c->adam_beta2);
-    REQUIRE(c->adam_eps > 0.0, "--adam-eps must be > 0 (got %g)", c->adam_eps);
+    REQUIRE(c->adam_eps > 0.0 && c->adam_eps <= 1.0, "--adam-eps must be in (0, 1] (got %g)",
+            c->adam_eps);
     REQUIRE(c->clip_grad >= 0.0, "--clip-grad must be >= 0 (got %g; 0 = off)", c->clip_grad);
 
     /* logging */
     REQUIRE(c->log_interval >= 1, "--log-interval must be >= 1 (got %d)", c->log_interval);
     REQUIRE(c->eval_interval >= 0, "--eval-interval must be >= 0 (got %d)", c->eval_interval);
     REQUIRE(c->eval_iters >= 1, "--eval-iters must be >= 1 (got %d)", c->eval_iters);
-    REQUIRE(c->sample_length >= 0, "--sample-length must be >= 0 (got %d)", c->sample_length);
+    REQUIRE(c->sample_length >= 0 && c->sample_length <= MOE_MAX_SAMPLE_LENGTH,
+            "--sample-length must be between 0 and %d (got %d)", MOE_MAX_SAMPLE_LENGTH,
+            c->sample_length);
     REQUIRE(c->sample_temperature > 0.0, "--sample-temperature must be > 0 (got %g)",
             c->sample_temperature);
-    return MOE_OK;
+
+    /* derived sizes: every buffer the model will allocate, in 64-bit with overflow checks
+     * (memory.h); whether the memory is there is moe_model_create()'s question */
+    moe_memory_estimate est;
+    return moe_memory_estimate_model(c, c->micro_batch_size,
+                                     any_moe ? c->expert_model_parallel_size : 1,
+                                     sizeof(float), &est, err);
+}
+
+/* One warning: formatted into the next free message. */
+static void warn(moe_config_warnings_t *w, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+static void warn(moe_config_warnings_t *w, const char *fmt, ...) {
+    if (w->n >= MOE_MAX_WARNINGS)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(w->msg[w->n++], sizeof w->msg[0], fmt, ap);
+    va_end(ap);
+}
+
+void moe_config_warnings(const moe_config *c, moe_config_warnings_t *w) {
+    w->n = 0;
+    if (c->train_iters > 0 && c->lr_warmup_iters >= c->train_iters)
+        warn(w, "--lr-warmup-iters %d is not shorter than --train-iters %d: the learning rate "
+             "never reaches --lr %g", c->lr_warmup_iters, c->train_iters, c->lr);
+    if (c->lr_decay_iters > 0 && c->lr_decay_iters <= c->lr_warmup_iters)
+        warn(w, "--lr-decay-iters %d ends before the warmup (--lr-warmup-iters %d): the rate "
+             "drops to --min-lr right after the warmup", c->lr_decay_iters, c->lr_warmup_iters);
+    if (c->lr > 0.1)
+        warn(w, "--lr %g is far above what AdamW usually trains with (1e-4 to 1e-2): expect a "
+             "diverging loss", c->lr);
+    if (c->init_method_std > 0.2)
+        warn(w, "--init-method-std %g is wide (Megatron's default is 0.02)", c->init_method_std);
+    int moe_layers = 0;
+    for (int l = 0; l < c->num_layers; l++)
+        moe_layers += c->is_moe_layer[l];
+    if (moe_layers > 0 && c->moe_expert_capacity_factor > 0 &&
+        c->moe_expert_capacity_factor >= (double)c->num_experts / c->moe_router_topk)
+        warn(w, "--moe-expert-capacity-factor %g is at least --num-experts / --moe-router-topk "
+             "= %g: no token is ever dropped, so the factor only costs padding",
+             c->moe_expert_capacity_factor, (double)c->num_experts / c->moe_router_topk);
+    if (moe_layers > 0 && (c->moe_aux_loss_coeff > 1 || c->moe_z_loss_coeff > 1))
+        warn(w, "--moe-aux-loss-coeff %g / --moe-z-loss-coeff %g: coefficients above 1 let the "
+             "router's losses outweigh the language-model loss (typical: 1e-2 and 1e-3)",
+             c->moe_aux_loss_coeff, c->moe_z_loss_coeff);
+    if (!c->check_for_nan_in_loss_and_grad)
+        warn(w, "--no-check-for-nan-in-loss-and-grad: a NaN or infinite loss will not stop "
+             "the run");
 }

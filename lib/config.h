@@ -20,6 +20,13 @@
 /** Largest --moe-router-topk (the router keeps per-token arrays of this size on the stack). */
 #define MOE_MAX_TOPK 64
 
+/** Longest --sample-length (the sampler holds the text and its context on the host). */
+#define MOE_MAX_SAMPLE_LENGTH 1000000
+
+/** Longest --distributed-timeout-minutes: one week (keeps the deadline's arithmetic in
+ *  range; a longer wait is a hang by any measure). */
+#define MOE_MAX_TIMEOUT_MINUTES 10080.0
+
 /** Most experts per MoE layer (the dispatcher sorts dropped assignments into one extra
  *  bucket, and the permutation handles 1024 buckets). */
 #define MOE_MAX_EXPERTS 1023
@@ -136,6 +143,8 @@ typedef struct moe_config {
     double adam_eps;            /**< --adam-eps */
     double clip_grad;           /**< --clip-grad (0 = off) */
     long long seed;             /**< --seed */
+    int check_for_nan_in_loss_and_grad; /**< --check-for-nan-in-loss-and-grad (on by default) */
+    double distributed_timeout_minutes;  /**< --distributed-timeout-minutes */
     /* ---- data, logging, output */
     char data_path[MOE_FLAG_STR_LEN];      /**< --data-path */
     char tokenizer_type[MOE_FLAG_STR_LEN]; /**< --tokenizer-type */
@@ -143,6 +152,7 @@ typedef struct moe_config {
     int eval_interval;          /**< --eval-interval */
     int eval_iters;             /**< --eval-iters */
     char metrics_file[MOE_FLAG_STR_LEN];   /**< --metrics-file ("" = none) */
+    int overwrite;              /**< --overwrite: replace existing output files */
     int sample_length;          /**< --sample-length */
     double sample_temperature;  /**< --sample-temperature */
     char device[MOE_FLAG_STR_LEN];         /**< --device */
@@ -184,6 +194,35 @@ moe_status moe_config_parse(moe_config *cfg, int argc, char **argv, moe_error *e
  * @return ::MOE_OK or ::MOE_ERR_CONFIG
  */
 moe_status moe_config_validate(moe_config *cfg, moe_error *err);
+
+/** At most this many warnings from moe_config_warnings(). */
+#define MOE_MAX_WARNINGS 8
+
+/** Legal but suspicious settings of a validated configuration, one message each. */
+typedef struct moe_config_warnings_t {
+    int n;                          /**< how many */
+    char msg[MOE_MAX_WARNINGS][256]; /**< each names the flag(s) and what it means */
+} moe_config_warnings_t;
+
+/**
+ * @brief Settings that are legal but probably not what was meant: a warmup longer than the
+ *        run, a capacity factor that never drops a token, a learning rate far above what
+ *        AdamW trains with, ... The trainer prints them (rank 0) and runs on.
+ * @param c a configuration moe_config_validate() accepted
+ * @param out receives the warnings
+ */
+void moe_config_warnings(const moe_config *c, moe_config_warnings_t *out);
+
+/**
+ * @brief The communication deadline a configuration asks for
+ *        (--distributed-timeout-minutes), checked: positive, finite, at most
+ *        ::MOE_MAX_TIMEOUT_MINUTES. Programs call it before moe_comm_init(), which needs the
+ *        deadline before the rest of the configuration can be validated.
+ * @param c configuration (parsed)  @param seconds receives the deadline in seconds
+ * @param err receives the reason on failure
+ * @return ::MOE_OK or ::MOE_ERR_CONFIG
+ */
+moe_status moe_config_comm_timeout_s(const moe_config *c, double *seconds, moe_error *err);
 
 /**
  * @brief Whether chapter 03's grouped kernel takes this model's expert GEMMs: hidden and

@@ -32,6 +32,7 @@ const char *moe_status_name(moe_status code) {
     case MOE_ERR_NOMEM: return "out of memory";
     case MOE_ERR_BACKEND: return "backend error";
     case MOE_ERR_HELP: return "help";
+    case MOE_ERR_NONFINITE: return "non-finite value";
     }
     return "unknown error";
 }

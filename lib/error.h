@@ -28,7 +28,8 @@ typedef enum moe_status {
     MOE_ERR_DATA = 4,     /**< a file was read but its content is wrong */
     MOE_ERR_NOMEM = 5,    /**< an allocation failed */
     MOE_ERR_BACKEND = 6,  /**< the requested backend is not available */
-    MOE_ERR_HELP = 7      /**< not an error: --help was given, help was printed */
+    MOE_ERR_HELP = 7,     /**< not an error: --help was given, help was printed */
+    MOE_ERR_NONFINITE = 8 /**< a loss or gradient norm became NaN or infinite */
 } moe_status;
 
 /** Maximum length of an error message, including the terminating zero. */

@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -52,6 +53,11 @@ static moe_status set_value(const moe_flag *f, void *base, const char *text, moe
         if (errno || end == text || *end)
             return moe_error_set(err, MOE_ERR_FLAG, "--%s expects a number, got '%s'", f->name,
                                  text);
+        /* strtod reads "nan", "inf" and "infinity" as numbers, but no setting of moe.c means
+         * any of them: a non-finite value would only come back later as a NaN loss */
+        if (!isfinite(v))
+            return moe_error_set(err, MOE_ERR_FLAG, "--%s expects a finite number, got '%s'",
+                                 f->name, text);
         *(double *)field(base, f) = v;
         return MOE_OK;
     }
@@ -88,6 +94,13 @@ void moe_flags_set_defaults(const moe_flag *flags, int n, void *base) {
         moe_status s = set_value(&flags[i], base, flags[i].def, NULL);
         MOE_ASSERT(s == MOE_OK); /* a default that does not parse is a bug in the table */
     }
+}
+
+static const moe_flag *find(const moe_flag *flags, int n, const char *name) {
+    for (int i = 0; i < n; i++)
+        if (!strcmp(flags[i].name, name))
+            return &flags[i];
+    return NULL;
 }
 
 /* Levenshtein distance, for "did you mean --hidden-size?" */
@@ -134,10 +147,17 @@ moe_status moe_flags_parse(const moe_flag *flags, int n, void *base, int argc, c
         for (char *c = name; *c; c++)
             if (*c == '_')
                 *c = '-';
-        const moe_flag *f = NULL;
-        for (int i = 0; i < n && !f; i++)
-            if (!strcmp(flags[i].name, name))
-                f = &flags[i];
+        const moe_flag *f = find(flags, n, name);
+        const char *value = NULL;
+        /* Megatron turns a switch that is on by default off with --no-NAME */
+        if (!f && !strncmp(name, "no-", 3) && (f = find(flags, n, name + 3)) != NULL) {
+            if (f->type != MOE_FLAG_BOOL || eq)
+                return moe_error_set(err, MOE_ERR_FLAG,
+                                     "--%s: only a switch can be turned off with --no-, and then "
+                                     "without a value (see --help)",
+                                     name);
+            value = "0";
+        }
         if (!f) {
             int best = -1, bestd = 4;
             for (int i = 0; i < n; i++) {
@@ -153,15 +173,17 @@ moe_status moe_flags_parse(const moe_flag *flags, int n, void *base, int argc, c
                                      flags[best].name);
             return moe_error_set(err, MOE_ERR_FLAG, "unknown flag --%s (see --help)", name);
         }
-        const char *value;
-        if (eq)
-            value = eq + 1;
-        else if (f->type == MOE_FLAG_BOOL)
-            value = "1";
-        else if (a + 1 < argc)
-            value = argv[++a];
-        else
-            return moe_error_set(err, MOE_ERR_FLAG, "--%s needs a value (see --help)", f->name);
+        if (!value) {
+            if (eq)
+                value = eq + 1;
+            else if (f->type == MOE_FLAG_BOOL)
+                value = "1";
+            else if (a + 1 < argc)
+                value = argv[++a];
+            else
+                return moe_error_set(err, MOE_ERR_FLAG, "--%s needs a value (see --help)",
+                                     f->name);
+        }
         MOE_TRY(set_value(f, base, value, err));
     }
     return MOE_OK;
@@ -206,8 +228,10 @@ void moe_flags_print_help(FILE *out, const char *prog, const char *summary, cons
                                                         : "N";
         snprintf(lhs, sizeof lhs, "--%s%s%s", f->name, *meta ? " " : "", meta);
         fprintf(out, "  %-44s %s", lhs, f->help);
-        if (f->type == MOE_FLAG_BOOL)
-            fprintf(out, " (default: %s)\n", !strcmp(f->def, "1") ? "on" : "off");
+        if (f->type == MOE_FLAG_BOOL && !strcmp(f->def, "1"))
+            fprintf(out, " (default: on; --no-%s turns it off)\n", f->name);
+        else if (f->type == MOE_FLAG_BOOL)
+            fprintf(out, " (default: off)\n");
         else
             fprintf(out, " (default: %s)\n", *f->def ? f->def : "none");
     }

@@ -55,7 +55,9 @@ void moe_flags_set_defaults(const moe_flag *flags, int n, void *base);
 int moe_flags_choice_index(const char *choices, const char *value);
 
 /**
- * @brief Parse argv[1..argc-1] into @p base. Accepts `--name value` and `--name=value`.
+ * @brief Parse argv[1..argc-1] into @p base. Accepts `--name value` and `--name=value`;
+ *        a switch (::MOE_FLAG_BOOL) is set by `--name` and cleared by `--no-name`. A
+ *        ::MOE_FLAG_DOUBLE value must be finite: nan and inf are refused.
  * @param flags table  @param n its length  @param base struct to fill
  * @param argc argument count  @param argv arguments
  * @param err receives the reason on failure

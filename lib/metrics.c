@@ -1,108 +1,171 @@
 /* JSON-lines metrics writer: see metrics.h. */
 #include "metrics.h"
 
-#include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 struct moe_metrics {
-    FILE *f;
+    int fd;
+    char *path;    /* for messages */
+    char *line;    /* the record being built */
+    size_t len, cap;
+    int oom;       /* the record could not grow: moe_metrics_end reports it */
 };
 
-moe_status moe_metrics_open(moe_metrics **out, const char *path, moe_error *err) {
+moe_status moe_metrics_open(moe_metrics **out, const char *path, moe_outfile_mode mode,
+                            moe_error *err) {
     *out = NULL;
-    FILE *f = fopen(path, "w");
-    if (!f)
-        return moe_error_set(err, MOE_ERR_IO,
-                             "cannot open metrics file '%s' for writing: %s "
-                             "(fix the path given to --metrics-file, or create its directory)",
-                             path, strerror(errno));
     moe_metrics *m = calloc(1, sizeof *m);
-    if (!m) {
-        fclose(f);
+    char *p = strdup(path);
+    if (!m || !p) {
+        free(m);
+        free(p);
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory opening metrics file");
     }
-    m->f = f;
+    moe_status s = moe_outfile_open(&m->fd, path, "metrics-file", mode, err);
+    if (s != MOE_OK) {
+        free(m);
+        free(p);
+        return s;
+    }
+    m->path = p;
     *out = m;
     return MOE_OK;
 }
 
-void moe_json_write_string(FILE *f, const char *s) {
-    fputc('"', f);
-    for (; *s; s++) {
-        unsigned char c = (unsigned char)*s;
-        if (c == '"' || c == '\\')
-            fprintf(f, "\\%c", c);
-        else if (c == '\n')
-            fputs("\\n", f);
-        else if (c == '\t')
-            fputs("\\t", f);
-        else if (c < 0x20)
-            fprintf(f, "\\u%04x", c);
-        else
-            fputc(c, f);
+/* The JSON escape of one byte: itself, or a backslash sequence. */
+static const char *json_escape(unsigned char c, char buf[8]) {
+    if (c == '"' || c == '\\')
+        snprintf(buf, 8, "\\%c", c);
+    else if (c == '\n')
+        return "\\n";
+    else if (c == '\t')
+        return "\\t";
+    else if (c < 0x20)
+        snprintf(buf, 8, "\\u%04x", c);
+    else {
+        buf[0] = (char)c;
+        buf[1] = '\0';
     }
+    return buf;
+}
+
+void moe_json_write_string(FILE *f, const char *s) {
+    char buf[8];
     fputc('"', f);
+    for (; *s; s++)
+        fputs(json_escape((unsigned char)*s, buf), f);
+    fputc('"', f);
+}
+
+/* Append printf-style text to the record. */
+static void put(moe_metrics *m, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+static void put(moe_metrics *m, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0 || m->oom)
+        return;
+    if (m->len + (size_t)n + 1 > m->cap) {
+        size_t cap = 2 * (m->len + (size_t)n + 1) + 256;
+        char *line = realloc(m->line, cap);
+        if (!line) {
+            m->oom = 1;
+            return;
+        }
+        m->line = line;
+        m->cap = cap;
+    }
+    va_start(ap, fmt);
+    vsnprintf(m->line + m->len, m->cap - m->len, fmt, ap);
+    va_end(ap);
+    m->len += (size_t)n;
+}
+
+static void put_string(moe_metrics *m, const char *s) {
+    char buf[8];
+    put(m, "\"");
+    for (; *s; s++)
+        put(m, "%s", json_escape((unsigned char)*s, buf));
+    put(m, "\"");
+}
+
+static void put_key(moe_metrics *m, const char *key) {
+    put(m, ",");
+    put_string(m, key);
+    put(m, ":");
 }
 
 void moe_metrics_begin(moe_metrics *m, const char *event) {
     if (!m)
         return;
-    fputs("{\"event\":", m->f);
-    moe_json_write_string(m->f, event);
+    m->len = 0;
+    m->oom = 0;
+    put(m, "{\"event\":");
+    put_string(m, event);
 }
 
 void moe_metrics_num(moe_metrics *m, const char *key, double value) {
     if (!m)
         return;
-    fputc(',', m->f);
-    moe_json_write_string(m->f, key);
+    put_key(m, key);
     if (isfinite(value))
-        fprintf(m->f, ":%.9g", value);
+        put(m, "%.9g", value);
     else
-        fputs(":null", m->f);
+        put(m, "null");
 }
 
 void moe_metrics_int(moe_metrics *m, const char *key, long long value) {
     if (!m)
         return;
-    fputc(',', m->f);
-    moe_json_write_string(m->f, key);
-    fprintf(m->f, ":%lld", value);
+    put_key(m, key);
+    put(m, "%lld", value);
 }
 
 void moe_metrics_str(moe_metrics *m, const char *key, const char *value) {
     if (!m)
         return;
-    fputc(',', m->f);
-    moe_json_write_string(m->f, key);
-    fputc(':', m->f);
-    moe_json_write_string(m->f, value);
+    put_key(m, key);
+    put_string(m, value);
 }
 
 void moe_metrics_int_array(moe_metrics *m, const char *key, const long long *v, int n) {
     if (!m)
         return;
-    fputc(',', m->f);
-    moe_json_write_string(m->f, key);
-    fputs(":[", m->f);
+    put_key(m, key);
+    put(m, "[");
     for (int i = 0; i < n; i++)
-        fprintf(m->f, i ? ",%lld" : "%lld", v[i]);
-    fputc(']', m->f);
+        put(m, i ? ",%lld" : "%lld", v[i]);
+    put(m, "]");
 }
 
-void moe_metrics_end(moe_metrics *m) {
+moe_status moe_metrics_end(moe_metrics *m, moe_error *err) {
     if (!m)
-        return;
-    fputs("}\n", m->f);
-    fflush(m->f);
+        return MOE_OK;
+    put(m, "}\n");
+    if (m->oom)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory building a metrics record for "
+                             "'%s' (--metrics-file)", m->path);
+    /* the whole line in one write: see the top of metrics.h */
+    moe_status s = moe_outfile_write(m->fd, m->line, m->len, m->path, "metrics-file", err);
+    m->len = 0;
+    return s;
 }
 
 void moe_metrics_close(moe_metrics *m) {
     if (!m)
         return;
-    fclose(m->f);
+    close(m->fd);
+    free(m->line);
+    free(m->path);
     free(m);
 }

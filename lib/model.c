@@ -8,6 +8,7 @@
 
 #include "cpu/router.h"
 #include "mlp.h"
+#include "memory.h"
 #include "moe/experts.h"
 
 #define R sizeof(moe_real)
@@ -143,9 +144,22 @@ static void *must(const moe_backend *be, size_t bytes, int *ok) {
     return p;
 }
 
+/* Whether this model fits, before any allocation: the estimate of memory.h against what the
+ * backend has, so a huge but consistent configuration gets a named error, not a crash. */
+static moe_status check_memory(const moe_config *c, const moe_backend *be, int B,
+                               const moe_ep *ep, moe_memory_estimate *est, moe_error *err) {
+    MOE_TRY(moe_memory_estimate_model(c, B, ep && ep->comm ? ep->size : 1, be->act_size, est,
+                                      err));
+    return moe_memory_check(est, be->memory_bytes ? be->memory_bytes() : 0,
+                            be->device == MOE_DEVICE_CUDA ? "free GPU memory" : "host memory",
+                            err);
+}
+
 moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_backend *be, int B,
                             moe_ep *ep, moe_error *err) {
     *out = NULL;
+    moe_memory_estimate est;
+    MOE_TRY(check_memory(cfg, be, B, ep, &est, err));
     moe_model *m = calloc(1, sizeof *m);
     if (!m)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory creating the model");
@@ -190,7 +204,8 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
         a->rstd2 = must(be, R * N, &ok);
         if (c->is_moe_layer[l]) {
             moe_layer_dims d = moe_dims(m, (int)N, T);
-            moe_layer_acts_alloc(be, &a->moe, &d);
+            if (!moe_layer_acts_alloc(be, &a->moe, &d))
+                ok = 0;
         } else {
             const int F = c->ffn_hidden_size;
             a->dense_gu = must(be, S * N * 2 * F, &ok);
@@ -209,7 +224,8 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
         }
         if (d.Fs < max_ffn)
             d.Fs = max_ffn;
-        moe_layer_workspace_alloc(be, &m->ws, &d);
+        if (!moe_layer_workspace_alloc(be, &m->ws, &d))
+            ok = 0;
     }
     m->lnf = must(be, S * N * H, &ok);
     m->rstdf = must(be, R * N, &ok);
@@ -231,9 +247,12 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
         size_t np = m->table.total;
         moe_model_free(m);
         return moe_error_set(err, MOE_ERR_NOMEM,
-                             "out of memory allocating the model (%zu parameters, batch %d x %d); "
-                             "reduce --micro-batch-size, --seq-length or the model size",
-                             np, B, T);
+                             "out of %s memory allocating the model (%zu parameters, batch %d x "
+                             "%d: about %.3g GB, of which %.3g GB activations); reduce "
+                             "--micro-batch-size, --seq-length, or the model (--hidden-size, "
+                             "--num-experts, --moe-ffn-hidden-size, --num-layers)",
+                             be->device == MOE_DEVICE_CUDA ? "GPU" : "host", np, B, T,
+                             est.total_bytes / 1e9, est.act_bytes / 1e9);
     }
     *out = m;
     return MOE_OK;
@@ -260,11 +279,9 @@ void moe_model_free(moe_model *m) {
             moe_attention_acts_free(be, &a->attn);
             be->free(a->xmid); be->free(a->ln2); be->free(a->rstd2);
             be->free(a->dense_gu); be->free(a->dense_act);
-            if (a->moe.counts)
-                moe_layer_acts_free(be, &a->moe);
+            moe_layer_acts_free(be, &a->moe); /* zeroed (dense layer) or partial: fine */
         }
-    if (m->ws.yp)
-        moe_layer_workspace_free(be, &m->ws);
+    moe_layer_workspace_free(be, &m->ws); /* also when its allocation failed half-way */
     be->free(m->lnf); be->free(m->rstdf); be->free(m->logits); be->free(m->losses);
     be->free(m->d_res); be->free(m->d_ln); be->free(m->d_logits);
     moe_attention_scratch_free(be, &m->attn_scratch);

@@ -63,6 +63,12 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
         c->vocab_size = t->data.tok.vocab_size;
         s = moe_config_validate(c, err);
     }
+    if (s == MOE_OK && t->rank == 0) { /* legal but suspicious settings: say so, once */
+        moe_config_warnings_t w;
+        moe_config_warnings(c, &w);
+        for (int i = 0; i < w.n; i++)
+            moe_log_warn("%s", w.msg[i]);
+    }
     if (s == MOE_OK)
         s = moe_dataset_check_seq_len(&t->data, c->seq_length, err);
     const moe_backend *be = NULL;
@@ -91,7 +97,9 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
         t->inputs = malloc(sizeof(int) * n);
         t->targets = malloc(sizeof(int) * n);
         if (!t->inputs || !t->targets)
-            s = moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+            s = moe_error_set(err, MOE_ERR_NOMEM,
+                              "out of host memory for the batch (2 x %zu tokens): reduce "
+                              "--micro-batch-size or --seq-length", n);
     }
     if (s != MOE_OK) {
         moe_trainer_free(t);
@@ -178,9 +186,36 @@ static double global_grad_norm(moe_trainer *t) {
     return sqrt(total);
 }
 
-void moe_trainer_step(moe_trainer *t, moe_step_stats *st) {
+/* --check-for-nan-in-loss-and-grad: a non-finite value stops the step before the optimizer
+ * touches the weights, so they (and any checkpoint written from them) stay those of the
+ * last good step. The loss and the norm are sums over all ranks, so every rank sees the same
+ * value and stops at the same step: none is left waiting in a collective. local_loss says
+ * which ranks' own micro-batches went bad. */
+static moe_status check_finite(const moe_trainer *t, const moe_step_stats *st,
+                               const char *what, double v, moe_error *err) {
+    if (!t->cfg.check_for_nan_in_loss_and_grad || isfinite(v))
+        return MOE_OK;
+    return moe_error_set(err, MOE_ERR_NONFINITE,
+                         "step %d, rank %d: the %s is %g (loss %g: cross-entropy %g, aux %g, "
+                         "z-loss %g; this rank's own micro-batches: loss %g); the weights were "
+                         "not updated. Lower --lr, --init-method-std or the router coefficients, "
+                         "or run with --no-check-for-nan-in-loss-and-grad to continue anyway",
+                         st->step + 1, t->rank, what, v, st->loss, st->ce, st->aux, st->z,
+                         st->local_loss);
+}
+
+static void apply_update(moe_trainer *t, moe_step_stats *st);
+
+moe_status moe_trainer_step(moe_trainer *t, moe_step_stats *st, moe_error *err) {
     moe_trainer_gradients(t, st);
-    moe_trainer_update(t, st);
+    MOE_TRY(check_finite(t, st, "loss", st->loss, err));
+    moe_timer timer;
+    moe_timer_start(&timer);
+    st->grad_norm = global_grad_norm(t);
+    st->seconds += moe_timer_elapsed(&timer);
+    MOE_TRY(check_finite(t, st, "gradient norm", st->grad_norm, err));
+    apply_update(t, st);
+    return MOE_OK;
 }
 
 void moe_trainer_gradients(moe_trainer *t, moe_step_stats *st) {
@@ -208,6 +243,7 @@ void moe_trainer_gradients(moe_trainer *t, moe_step_stats *st) {
         st->dropped += m->last.dropped;
         moe_model_backward(m, 1.0 / accum);
     }
+    st->local_loss = st->loss;
     if (t->world) {
         sync_gradients(t);
         double sums[4] = {st->loss, st->ce, st->aux, st->z};
@@ -227,12 +263,20 @@ void moe_trainer_gradients(moe_trainer *t, moe_step_stats *st) {
 }
 
 void moe_trainer_update(moe_trainer *t, moe_step_stats *st) {
+    moe_timer timer;
+    moe_timer_start(&timer);
+    st->grad_norm = global_grad_norm(t);
+    st->seconds += moe_timer_elapsed(&timer);
+    apply_update(t, st);
+}
+
+/* The update with st->grad_norm already computed. */
+static void apply_update(moe_trainer *t, moe_step_stats *st) {
     const moe_config *c = &t->cfg;
     moe_model *m = t->model;
     moe_timer timer;
     moe_timer_start(&timer);
     /* fp32 master weights: clip and step them, then refresh the compute copy */
-    st->grad_norm = global_grad_norm(t);
     moe_clip_grads(m->be, m->grads, moe_model_num_params(m), st->grad_norm, c->clip_grad);
     st->lr = moe_lr_at(c, t->step);
     moe_adamw_step(&t->opt, &m->table, m->params, m->grads, st->lr, c->adam_beta1, c->adam_beta2,

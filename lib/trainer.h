@@ -37,6 +37,7 @@ typedef struct moe_trainer {
 typedef struct moe_step_stats {
     int step;              /**< the step's index (0-based) */
     double loss;           /**< mean total loss over the micro-batches */
+    double local_loss;     /**< this rank's share of it, before the sum over ranks */
     double ce;             /**< mean cross-entropy */
     double aux;            /**< mean Σ-over-layers load-balancing loss */
     double z;              /**< mean Σ-over-layers z-loss */
@@ -82,9 +83,16 @@ void moe_trainer_free(moe_trainer *t);
 /**
  * @brief One optimizer step: global/micro micro-batches forward+backward, clip, AdamW,
  *        expert-bias update.
+ *
+ * With --check-for-nan-in-loss-and-grad (the default) a loss or global gradient norm that
+ * is NaN or infinite stops the step before the optimizer runs: the weights, the optimizer
+ * state and the step counter stay those of the previous step. Every rank sees the same
+ * (summed) values, so every rank returns the error at the same step.
  * @param t trainer  @param st receives the step's statistics
+ * @param err receives the reason on failure (may be NULL)
+ * @return ::MOE_OK, or ::MOE_ERR_NONFINITE naming the step, the rank and the value
  */
-void moe_trainer_step(moe_trainer *t, moe_step_stats *st);
+moe_status moe_trainer_step(moe_trainer *t, moe_step_stats *st, moe_error *err);
 
 /**
  * @brief The first half of a step: every micro-batch of this rank forward and backward,

@@ -106,10 +106,10 @@ int main(int argc, char **argv) {
     }
     moe_step_stats st;
     for (int w = 0; w < 3; w++)
-        moe_trainer_step(t, &st);
+        moe_trainer_step(t, &st, NULL);
     double ts[REPEATS], tf[REPEATS];
     for (int r = 0; r < REPEATS; r++) {
-        moe_trainer_step(t, &st);
+        moe_trainer_step(t, &st, NULL);
         ts[r] = st.seconds;
         double t0 = moe_time_now();
         moe_model_forward(t->model, t->inputs, t->targets, cfg.micro_batch_size, cfg.seq_length);

@@ -443,7 +443,7 @@ int main(int argc, char **argv) {
     fprintf(f, "{\n  \"steps\": [");
     for (int i = 0; i < steps; i++) {
         moe_step_stats st;
-        moe_trainer_step(t, &st);
+        moe_trainer_step(t, &st, NULL);
         write_step_json(f, &st, m, i == 0);
         moe_log_info("step %3d | loss %.6f (ce %.6f aux %.6f z %.6f) | lr %.3e | norm %.4f", i,
                      st.loss, st.ce, st.aux, st.z, st.lr, st.grad_norm);

@@ -20,6 +20,7 @@
 #include "config.h"
 #include "log.h"
 #include "metrics.h"
+#include "outfile.h"
 #include "timer.h"
 #include "trainer.h"
 
@@ -67,7 +68,25 @@ static void print_config(const moe_trainer *t) {
                      c->moe_expert_capacity_factor > 0 ? ", capacity on" : "");
 }
 
-static void write_config_metrics(moe_metrics *mx, const moe_trainer *t) {
+/* A failure on one rank that the others cannot know of ends the whole job with its
+ * message (under mpirun), or just this process, with exit status @p code. */
+static void fail(moe_comm *world, int code, const char *msg) {
+    if (moe_comm_size(world) > 1)
+        moe_comm_abort(world, code, msg);
+    moe_log_error("%s", msg);
+    moe_comm_finalize(world);
+    exit(code);
+}
+
+/* A metrics line that could not be written stops the run: results must not be lost
+ * silently (a full disk, /dev/full). Only rank 0 writes, so it ends the whole job. */
+static void end_record(moe_metrics *mx, moe_comm *world) {
+    moe_error err;
+    if (moe_metrics_end(mx, &err) != MOE_OK)
+        fail(world, 1, err.msg);
+}
+
+static void write_config_metrics(moe_metrics *mx, const moe_trainer *t, moe_comm *world) {
     int n;
     const moe_flag *flags = moe_config_flags(&n);
     moe_metrics_begin(mx, "config");
@@ -80,10 +99,10 @@ static void write_config_metrics(moe_metrics *mx, const moe_trainer *t) {
     moe_metrics_int(mx, "num_params", (long long)moe_model_num_params(t->model));
     moe_metrics_int(mx, "num_active_params", (long long)moe_model_num_active_params(t->model));
     moe_metrics_str(mx, "device", t->model->be->name);
-    moe_metrics_end(mx);
+    end_record(mx, world);
 }
 
-static void evaluate(moe_trainer *t, moe_metrics *mx, int step, double elapsed) {
+static void evaluate(moe_trainer *t, moe_metrics *mx, moe_comm *world, int step, double elapsed) {
     double val = moe_trainer_evaluate(t, MOE_SPLIT_VAL, t->cfg.eval_iters);
     double train = moe_trainer_evaluate(t, MOE_SPLIT_TRAIN, t->cfg.eval_iters);
     moe_log_info("eval  | step %5d | train loss %.4f | val loss %.4f | %.1f s elapsed", step, train,
@@ -93,7 +112,7 @@ static void evaluate(moe_trainer *t, moe_metrics *mx, int step, double elapsed) 
     moe_metrics_num(mx, "train_loss", train);
     moe_metrics_num(mx, "val_loss", val);
     moe_metrics_num(mx, "elapsed_s", elapsed);
-    moe_metrics_end(mx);
+    end_record(mx, world);
 }
 
 int main(int argc, char **argv) {
@@ -111,6 +130,13 @@ int main(int argc, char **argv) {
         moe_log_error("%s", err.msg);
         return 2;
     }
+    /* the communication deadline must be known before the world exists */
+    double timeout_s;
+    if (moe_config_comm_timeout_s(&cfg, &timeout_s, &err) != MOE_OK) {
+        moe_log_error("%s", err.msg);
+        return 2;
+    }
+    moe_comm_set_timeout_s(timeout_s);
     /* the world: one rank, or every rank of mpirun; GPU ranks talk through NCCL */
     const moe_backend *be = NULL;
     if (moe_backend_select(cfg.device, &be, &err) != MOE_OK) {
@@ -134,13 +160,20 @@ int main(int argc, char **argv) {
         moe_comm_finalize(world);
         return s == MOE_ERR_CONFIG || s == MOE_ERR_FLAG ? 2 : 1;
     }
+    /* the metrics file: never an input of the run, never an existing file without
+     * --overwrite (outfile.h) */
     moe_metrics *mx = NULL;
-    if (moe_comm_rank(world) == 0 && t->cfg.metrics_file[0] &&
-        moe_metrics_open(&mx, t->cfg.metrics_file, &err) != MOE_OK) {
-        moe_comm_abort(world, 1, err.msg);
+    if (moe_comm_rank(world) == 0 && t->cfg.metrics_file[0]) {
+        const char *inputs[] = {t->data.path};
+        const moe_outfile_mode mode = t->cfg.overwrite ? MOE_OUTFILE_OVERWRITE : MOE_OUTFILE_NEW;
+        s = moe_outfile_check(t->cfg.metrics_file, "metrics-file", inputs, 1, mode, &err);
+        if (s == MOE_OK)
+            s = moe_metrics_open(&mx, t->cfg.metrics_file, mode, &err);
+        if (s != MOE_OK)
+            fail(world, s == MOE_ERR_CONFIG ? 2 : 1, err.msg);
     }
     print_config(t);
-    write_config_metrics(mx, t);
+    write_config_metrics(mx, t, world);
 
     const moe_config *c = &t->cfg;
     moe_timer total;
@@ -148,7 +181,20 @@ int main(int argc, char **argv) {
     double train_s = 0.0, tokens = 0.0, window_s = 0.0, window_tok = 0.0, window_flops = 0.0;
     for (int step = 0; step < c->train_iters; step++) {
         moe_step_stats st;
-        moe_trainer_step(t, &st);
+        s = moe_trainer_step(t, &st, &err);
+        if (s != MOE_OK) {
+            /* a NaN or infinite loss or gradient norm: every rank stops at this step, the
+             * weights untouched (--check-for-nan-in-loss-and-grad) */
+            moe_log_error("%s", err.msg);
+            moe_metrics_begin(mx, "error");
+            moe_metrics_int(mx, "step", step + 1);
+            moe_metrics_str(mx, "message", err.msg);
+            end_record(mx, world);
+            moe_metrics_close(mx);
+            moe_trainer_free(t);
+            moe_comm_finalize(world);
+            return 1;
+        }
         train_s += st.seconds;
         tokens += st.tokens;
         window_s += st.seconds;
@@ -171,7 +217,7 @@ int main(int argc, char **argv) {
         moe_metrics_int(mx, "expert_load_max", st.load_max);
         moe_metrics_num(mx, "expert_load_mean", st.load_mean);
         moe_metrics_int(mx, "dropped_tokens", st.dropped);
-        moe_metrics_end(mx);
+        end_record(mx, world);
         if ((step + 1) % c->log_interval == 0 || step == 0 || step + 1 == c->train_iters) {
             double eta = (c->train_iters - step - 1) * (train_s / (step + 1));
             char load[128] = "";
@@ -196,9 +242,9 @@ int main(int argc, char **argv) {
         }
         if (c->eval_interval > 0 && (step + 1) % c->eval_interval == 0 &&
             step + 1 != c->train_iters)
-            evaluate(t, mx, step + 1, moe_timer_elapsed(&total));
+            evaluate(t, mx, world, step + 1, moe_timer_elapsed(&total));
     }
-    evaluate(t, mx, c->train_iters, moe_timer_elapsed(&total));
+    evaluate(t, mx, world, c->train_iters, moe_timer_elapsed(&total));
     moe_log_info("done  | %d steps in %.1f s of training (%.0f tok/s)", c->train_iters, train_s,
                  train_s > 0 ? tokens / train_s : 0.0);
     if (c->sample_length > 0) {

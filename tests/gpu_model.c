@@ -120,8 +120,8 @@ START_TEST(test_gpu_model_50_steps_track_cpu) {
     double lc[50], lg[50], worst = 0, tail = 0;
     for (int s = 0; s < 50; s++) {
         moe_step_stats a, b;
-        moe_trainer_step(tc, &a);
-        moe_trainer_step(tg, &b);
+        moe_trainer_step(tc, &a, NULL);
+        moe_trainer_step(tg, &b, NULL);
         lc[s] = a.loss;
         lg[s] = b.loss;
         worst = fmax(worst, fabs(lc[s] - lg[s]));

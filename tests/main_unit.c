@@ -12,6 +12,8 @@ int main(void) {
     srunner_add_suite(sr, suite_router());
     srunner_add_suite(sr, suite_train());
     srunner_add_suite(sr, suite_parallel());
+    srunner_add_suite(sr, suite_fuzz());
+    srunner_add_suite(sr, suite_reliability());
     srunner_run_all(sr, CK_NORMAL);
     int failed = srunner_ntests_failed(sr);
     srunner_free(sr);

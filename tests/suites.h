@@ -15,6 +15,10 @@ Suite *suite_router(void);    /* tests/test_router.c: router semantics, aux loss
 Suite *suite_train(void);     /* tests/test_train.c: determinism, loss falls, trainer errors */
 Suite *suite_parallel(void);  /* tests/test_parallel.c: the parallel grid, bin/moe-grid, sharded
                                  parameters */
+Suite *suite_fuzz(void);      /* tests/test_fuzz.c: thousands of random command lines: no crash,
+                                 named errors, accepted sizes fit */
+Suite *suite_reliability(void); /* tests/test_reliability.c: the issue-11 examples, NaN stops the
+                                   step, safe output files, memory estimate, out of memory */
 
 /* finite-difference gradient checks (fp64 build) */
 Suite *suite_fd_ops(void);    /* tests/fd_ops.c: every op */

@@ -591,8 +591,10 @@ START_TEST(test_help_lists_every_flag) {
         memcpy(text, line, ll);
         text[ll] = '\0';
         char want[600];
-        if (flags[i].type == MOE_FLAG_BOOL)
-            snprintf(want, sizeof want, "(default: %s)", strcmp(flags[i].def, "1") ? "off" : "on");
+        if (flags[i].type == MOE_FLAG_BOOL && !strcmp(flags[i].def, "1"))
+            snprintf(want, sizeof want, "(default: on; --no-%s turns it off)", flags[i].name);
+        else if (flags[i].type == MOE_FLAG_BOOL)
+            snprintf(want, sizeof want, "(default: off)");
         else
             snprintf(want, sizeof want, "(default: %s)", *flags[i].def ? flags[i].def : "none");
         ck_assert_msg(strstr(text, want) != NULL, "help line for --%s lacks '%s': %s",

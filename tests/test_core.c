@@ -150,7 +150,8 @@ END_TEST
 
 START_TEST(test_status_names) {
     const moe_status all[] = {MOE_OK,        MOE_ERR_CONFIG,  MOE_ERR_FLAG, MOE_ERR_IO,
-                              MOE_ERR_DATA,  MOE_ERR_NOMEM,   MOE_ERR_BACKEND, MOE_ERR_HELP};
+                              MOE_ERR_DATA,  MOE_ERR_NOMEM,   MOE_ERR_BACKEND, MOE_ERR_HELP,
+                              MOE_ERR_NONFINITE};
     const int n = (int)(sizeof all / sizeof all[0]);
     ck_assert_str_eq(moe_status_name(MOE_OK), "ok");
     ck_assert_str_eq(moe_status_name(MOE_ERR_IO), "I/O error");
@@ -229,7 +230,7 @@ START_TEST(test_metrics_records) {
     moe_metrics *m = NULL;
     moe_error err;
     moe_error_clear(&err);
-    ck_assert_int_eq(moe_metrics_open(&m, path, &err), MOE_OK);
+    ck_assert_int_eq(moe_metrics_open(&m, path, MOE_OUTFILE_OVERWRITE, &err), MOE_OK);
     ck_assert_ptr_nonnull(m);
 
     const long long counts[] = {1, 2, 30, -4};
@@ -240,7 +241,7 @@ START_TEST(test_metrics_records) {
     moe_metrics_num(m, "nan", NAN);
     moe_metrics_num(m, "inf", -INFINITY);
     moe_metrics_int_array(m, "counts", counts, 4);
-    moe_metrics_end(m);
+    ck_assert_int_eq(moe_metrics_end(m, NULL), MOE_OK);
 
     moe_metrics_begin(m, "sample");
     moe_metrics_str(m, "text", "say \"hi\"\nback\\slash\ttab\x01");
@@ -248,10 +249,10 @@ START_TEST(test_metrics_records) {
     moe_metrics_int(m, "big", 123456789012345LL);
     moe_metrics_int_array(m, "empty", counts, 0);
     moe_metrics_num(m, "third", 1.0 / 3.0);
-    moe_metrics_end(m);
+    ck_assert_int_eq(moe_metrics_end(m, NULL), MOE_OK);
 
     moe_metrics_begin(m, "qu\"ote");
-    moe_metrics_end(m);
+    ck_assert_int_eq(moe_metrics_end(m, NULL), MOE_OK);
     moe_metrics_close(m);
 
     const char *expected =
@@ -271,7 +272,7 @@ START_TEST(test_metrics_records) {
     moe_metrics_int(NULL, "b", 1);
     moe_metrics_str(NULL, "c", "d");
     moe_metrics_int_array(NULL, "e", counts, 2);
-    moe_metrics_end(NULL);
+    ck_assert_int_eq(moe_metrics_end(NULL, NULL), MOE_OK);
     moe_metrics_close(NULL);
 }
 END_TEST
@@ -284,9 +285,17 @@ START_TEST(test_metrics_truncates) {
     fputs("old content that must disappear\n", f);
     fclose(f);
     moe_metrics *m = NULL;
-    ck_assert_int_eq(moe_metrics_open(&m, path, NULL), MOE_OK);
+    /* without --overwrite an existing file is refused, and left as it was */
+    moe_error err;
+    ck_assert_int_eq(moe_metrics_open(&m, path, MOE_OUTFILE_NEW, &err), MOE_ERR_CONFIG);
+    ck_assert_ptr_null(m);
+    ck_assert_msg(strstr(err.msg, "--overwrite") != NULL, "%s", err.msg);
+    char *kept = slurp(path);
+    ck_assert_str_eq(kept, "old content that must disappear\n");
+    free(kept);
+    ck_assert_int_eq(moe_metrics_open(&m, path, MOE_OUTFILE_OVERWRITE, NULL), MOE_OK);
     moe_metrics_begin(m, "e");
-    moe_metrics_end(m);
+    ck_assert_int_eq(moe_metrics_end(m, NULL), MOE_OK);
     moe_metrics_close(m);
     char *got = slurp(path);
     unlink(path);
@@ -300,7 +309,7 @@ START_TEST(test_metrics_bad_dir) {
     moe_metrics *m = (moe_metrics *)&m; /* must be reset to NULL on failure */
     moe_error err;
     moe_error_clear(&err);
-    ck_assert_int_eq(moe_metrics_open(&m, path, &err), MOE_ERR_IO);
+    ck_assert_int_eq(moe_metrics_open(&m, path, MOE_OUTFILE_NEW, &err), MOE_ERR_IO);
     ck_assert_ptr_null(m);
     ck_assert_int_eq(err.code, MOE_ERR_IO);
     ck_assert_msg(strstr(err.msg, path) != NULL, "message does not name the path: %s", err.msg);

@@ -35,7 +35,7 @@ static void run_losses(const char *flags, int steps, double *losses) {
     ck_assert_msg(make_trainer(&t, flags, &err) == MOE_OK, "%s", err.msg);
     for (int i = 0; i < steps; i++) {
         moe_step_stats st;
-        moe_trainer_step(t, &st);
+        moe_trainer_step(t, &st, NULL);
         losses[i] = st.loss;
     }
     moe_trainer_free(t);

@@ -14,6 +14,7 @@
 #include "cpu/moe_ops.h"
 #include "cpu/ops.h"
 #include "cpu/router.h"
+#include "memory.h"
 #include "optimizer.h"
 #include "rng.h"
 #include "timer.h"
@@ -64,6 +65,7 @@ static void cpu_device_name(char *buf, size_t cap) {
 }
 
 static double cpu_peak_tflops(void) { return 0.0; }
+static size_t cpu_memory_bytes(void) { return (size_t)moe_memory_host_bytes(); }
 
 static double g_timer_t0;
 static void cpu_timer_begin(void) { g_timer_t0 = moe_time_now(); }
@@ -285,6 +287,7 @@ static const moe_backend g_cpu = {
     .synchronize = cpu_synchronize,
     .device_name = cpu_device_name,
     .peak_tflops = cpu_peak_tflops,
+    .memory_bytes = cpu_memory_bytes,
     .timer_begin = cpu_timer_begin,
     .timer_end_ms = cpu_timer_end_ms,
     .fill_normal = cpu_fill_normal,

@@ -8,7 +8,14 @@
 #include "moe/layer.h"
 
 int moe_expert_capacity(int N, int k, int E, double factor) {
-    return (int)ceil((double)N * k / E * factor);
+    /* In double, then clamped: a token picks an expert at most once, so no expert ever
+     * receives more than N rows, and a larger capacity drops nothing. Without the clamp a
+     * large factor (or one that is not finite) overflows int and the capacity goes
+     * negative. */
+    double cap = ceil((double)N * k / E * factor);
+    if (!(cap < (double)N)) /* also catches NaN */
+        return N;
+    return cap < 0 ? 0 : (int)cap;
 }
 
 typedef struct cand {

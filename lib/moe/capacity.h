@@ -22,9 +22,11 @@ typedef struct moe_layer_dims moe_layer_dims;
 typedef struct moe_layer_acts moe_layer_acts;
 
 /**
- * @brief Capacity of one expert for @p N tokens: ceil(N·k/E · factor).
+ * @brief Capacity of one expert for @p N tokens: ceil(N·k/E · factor), at most @p N (an
+ *        expert never receives more than N rows, so a larger capacity drops nothing; the
+ *        bound also keeps the padded layout E·capacity rows from overflowing).
  * @param N tokens @param k top-k @param E experts @param factor capacity factor (> 0)
- * @return rows
+ * @return rows, in [0, N]
  */
 int moe_expert_capacity(int N, int k, int E, double factor);
 

@@ -16,7 +16,7 @@ static size_t max_rows_f(const moe_layer_dims *d) {
     return a > b ? a : b;
 }
 
-void moe_layer_acts_alloc(const moe_backend *be, moe_layer_acts *a, const moe_layer_dims *d) {
+int moe_layer_acts_alloc(const moe_backend *be, moe_layer_acts *a, const moe_layer_dims *d) {
     const size_t N = d->N, NK = (size_t)d->N * d->k, S = be->act_size;
     memset(a, 0, sizeof *a);
     a->logits = be->alloc(S * N * d->E);
@@ -35,14 +35,18 @@ void moe_layer_acts_alloc(const moe_backend *be, moe_layer_acts *a, const moe_la
     a->expert_offset = calloc((size_t)d->E + 1, sizeof(int));
     a->dev_offset = be->alloc(sizeof(int) * ((size_t)d->E + 2));
     a->counts = calloc((size_t)d->E, sizeof(long long));
+    int ok = 1;
     if (d->ep || d->capacity_factor > 0) {
         a->dispatch_idx = be->alloc(sizeof(int) * NK);
         a->host_idx = malloc(sizeof(int) * NK);
         a->host_w = malloc(R * NK);
-        MOE_ASSERT(a->dispatch_idx && a->host_idx && a->host_w);
+        ok = a->dispatch_idx && a->host_idx && a->host_w;
     }
-    MOE_ASSERT(a->logits && a->topk_idx && a->topk_w && a->perm_src && a->row_of && a->wp &&
-               a->xp && a->gu && a->act && a->expert_offset && a->dev_offset && a->counts);
+    /* out of memory is the caller's error to report (with the sizes and the flags), not
+     * an assertion: a large batch reaches here */
+    return ok && a->logits && a->topk_idx && a->topk_w && a->perm_src && a->row_of && a->wp &&
+           a->xp && a->gu && a->act && (d->Fs == 0 || (a->shared_gu && a->shared_act)) &&
+           a->expert_offset && a->dev_offset && a->counts;
 }
 
 void moe_layer_acts_free(const moe_backend *be, moe_layer_acts *a) {
@@ -66,8 +70,8 @@ void moe_layer_acts_free(const moe_backend *be, moe_layer_acts *a) {
     memset(a, 0, sizeof *a);
 }
 
-void moe_layer_workspace_alloc(const moe_backend *be, moe_layer_workspace *w,
-                               const moe_layer_dims *d) {
+int moe_layer_workspace_alloc(const moe_backend *be, moe_layer_workspace *w,
+                              const moe_layer_dims *d) {
     const size_t N = d->N, NK = (size_t)d->N * d->k, HF = max_rows_f(d), S = be->act_size;
     memset(w, 0, sizeof *w);
     w->yp = be->alloc(S * (NK > N ? NK : N) * d->H);
@@ -78,8 +82,8 @@ void moe_layer_workspace_alloc(const moe_backend *be, moe_layer_workspace *w,
     w->dlogits = be->alloc(S * N * d->E);
     w->dh = be->alloc(S * HF);
     w->dgu = be->alloc(S * 2 * HF);
-    MOE_ASSERT(w->yp && w->dyp && w->dxp && w->dwp && w->dtopk_w && w->dlogits && w->dh && w->dgu);
     w->single = (moe_ep){.comm = NULL, .size = 1, .rank = 0, .be = be};
+    return w->yp && w->dyp && w->dxp && w->dwp && w->dtopk_w && w->dlogits && w->dh && w->dgu;
 }
 
 void moe_layer_workspace_free(const moe_backend *be, moe_layer_workspace *w) {

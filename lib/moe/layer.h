@@ -128,13 +128,15 @@ typedef struct moe_layer_workspace {
                               without EP): no group, its staging buffers kept across steps */
 } moe_layer_workspace;
 
-/** @brief Allocate the saved activations for @p d. @param be backend @param a acts @param d dims */
-void moe_layer_acts_alloc(const moe_backend *be, moe_layer_acts *a, const moe_layer_dims *d);
+/** @brief Allocate the saved activations for @p d. @param be backend @param a acts @param d dims
+ *  @return 1, or 0 when an allocation failed (free with moe_layer_acts_free()) */
+int moe_layer_acts_alloc(const moe_backend *be, moe_layer_acts *a, const moe_layer_dims *d);
 /** @brief Free them. @param be backend @param a acts */
 void moe_layer_acts_free(const moe_backend *be, moe_layer_acts *a);
-/** @brief Allocate the workspace for @p d. @param be backend @param w workspace @param d dims */
-void moe_layer_workspace_alloc(const moe_backend *be, moe_layer_workspace *w,
-                               const moe_layer_dims *d);
+/** @brief Allocate the workspace for @p d. @param be backend @param w workspace @param d dims
+ *  @return 1, or 0 when an allocation failed (free with moe_layer_workspace_free()) */
+int moe_layer_workspace_alloc(const moe_backend *be, moe_layer_workspace *w,
+                              const moe_layer_dims *d);
 /** @brief Free it. @param be backend @param w workspace */
 void moe_layer_workspace_free(const moe_backend *be, moe_layer_workspace *w);
 

@@ -1,0 +1,209 @@
+/* The memory a model will allocate, before it does: see memory.h. */
+#include "memory.h"
+
+#include <limits.h>
+#include <unistd.h>
+
+#include "moe/capacity.h"
+#include "real.h"
+
+/* The running estimate. Products saturate at LLONG_MAX instead of wrapping, so one
+ * overflow anywhere stays visible to the end; the first buffer that is too large (for int
+ * indexing, or at all) is kept for the message. */
+typedef struct tally {
+    moe_memory_estimate *e;
+    long long *bytes;        /* the sum the next buffers add to: params or activations */
+    const char *bad;         /* the first buffer that does not fit */
+    long long bad_elems;
+    const char *bad_flags;   /* the flags that set its size */
+} tally;
+
+static long long mul(long long a, long long b) {
+    if (a == LLONG_MAX || b == LLONG_MAX || (a > 0 && b > LLONG_MAX / a))
+        return LLONG_MAX;
+    return a * b;
+}
+
+static long long add(long long a, long long b) { return a > LLONG_MAX - b ? LLONG_MAX : a + b; }
+
+/* @p count buffers named @p name of @p elems elements of @p size bytes each. */
+static void buffers(tally *t, const char *name, long long count, long long elems, long long size,
+                    const char *flags) {
+    if (elems > INT_MAX && !t->bad) {
+        t->bad = name;
+        t->bad_elems = elems;
+        t->bad_flags = flags;
+    }
+    if (elems > t->e->largest) {
+        t->e->largest = elems;
+        t->e->largest_name = name;
+    }
+    *t->bytes = add(*t->bytes, mul(count, mul(elems, size)));
+}
+
+static void buffer(tally *t, const char *name, long long elems, long long size, const char *flags) {
+    buffers(t, name, 1, elems, size, flags);
+}
+
+static const char BATCH[] = "--micro-batch-size or --seq-length";
+static const char WIDTH[] = "--micro-batch-size, --seq-length or --hidden-size";
+static const char HEADS[] = "--micro-batch-size, --seq-length or --num-attention-heads";
+static const char EXPERT[] = "--micro-batch-size, --seq-length, --moe-router-topk or "
+                             "--moe-ffn-hidden-size";
+static const char MODEL[] = "--hidden-size, --num-experts, --moe-ffn-hidden-size, "
+                            "--ffn-hidden-size or --num-layers";
+
+/* Parameters: one tensor of @p elems elements, counted in *params. */
+static void tensor(tally *t, const char *name, long long elems) {
+    buffer(t, name, elems, 1, MODEL); /* counted in elements here, bytes below */
+}
+
+moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int ep_size,
+                                     size_t act_size, moe_memory_estimate *out, moe_error *err) {
+    *out = (moe_memory_estimate){0};
+    const long long L = c->num_layers, H = c->hidden_size, Hq = c->num_attention_heads,
+                    Hkv = c->num_query_groups ? c->num_query_groups : c->num_attention_heads,
+                    D = c->hidden_size / c->num_attention_heads, V = c->vocab_size,
+                    E = c->num_experts, k = c->moe_router_topk, F = c->moe_ffn_hidden_size,
+                    Fs = c->moe_shared_expert_intermediate_size, Fd = c->ffn_hidden_size,
+                    B = micro_batch, T = c->seq_length, EP = ep_size >= 1 ? ep_size : 1;
+    const long long S = (long long)act_size, Rb = (long long)sizeof(moe_real);
+    const long long N = mul(B, T), NK = mul(N, k);
+    tally t = {.e = out};
+
+    /* ---- parameters (elements first, then the bytes of their four or five copies) */
+    long long P = 0;
+    t.bytes = &P;
+    int any_moe = 0;
+    tensor(&t, "embedding", mul(V, H));
+    tensor(&t, "lm_head", mul(V, H));
+    P = add(P, H); /* final norm */
+    for (int l = 0; l < L; l++) {
+        tensor(&t, "attn.wq", mul(mul(Hq, D), H));
+        tensor(&t, "attn.wk", mul(mul(Hkv, D), H));
+        tensor(&t, "attn.wv", mul(mul(Hkv, D), H));
+        tensor(&t, "attn.wo", mul(H, mul(Hq, D)));
+        P = add(P, add(mul(2, H), c->qk_layernorm ? 2 * D : 0));
+        if (c->is_moe_layer[l]) {
+            any_moe = 1;
+            tensor(&t, "moe.router", mul(E, H));
+            tensor(&t, "moe.shared.fc1", mul(mul(2, Fs), H));
+            tensor(&t, "moe.shared.fc2", mul(H, Fs));
+            tensor(&t, "moe.experts.fc1", mul(mul(E / EP, mul(2, F)), H));
+            tensor(&t, "moe.experts.fc2", mul(mul(E / EP, H), F));
+        } else {
+            tensor(&t, "mlp.fc1", mul(mul(2, Fd), H));
+            tensor(&t, "mlp.fc2", mul(H, Fd));
+        }
+    }
+    out->params = P;
+    /* fp32 master weights and gradients, two fp32 AdamW moments, the compute copy */
+    out->param_bytes = mul(P, add(2 * Rb + 8, S != Rb ? S : 0));
+
+    /* ---- activations of one micro-batch (model.c, attention.c, moe/layer.c) */
+    long long A = 0;
+    t.bytes = &A;
+    buffers(&t, "tokens and targets", 4, N, (long long)sizeof(int), BATCH);
+    buffers(&t, "residual stream", L + 1, mul(N, H), S, WIDTH);
+    buffers(&t, "layer norms and residual", mul(3, L), mul(N, H), S, WIDTH);
+    buffers(&t, "norm statistics", mul(2, L), N, Rb, BATCH);
+    const long long QD = mul(N, mul(Hq, D)), KD = mul(N, mul(Hkv, D));
+    const int qk = c->qk_layernorm;
+    buffers(&t, "attention q", mul(L, qk ? 4 : 3), QD, S, WIDTH);
+    buffers(&t, "attention k/v", mul(L, qk ? 4 : 3), KD, S, WIDTH);
+    buffers(&t, "attention statistics", mul(L, qk ? 3 : 1), mul(N, Hq), Rb, HEADS);
+    /* the naive ops keep the probabilities [B, heads, T, T] for the backward */
+    buffers(&t, "attention probabilities", L, mul(mul(B, Hq), mul(T, T)), S,
+            "--seq-length, --micro-batch-size or --num-attention-heads");
+    buffers(&t, "attention gradients", 3, QD, S, WIDTH);
+    buffers(&t, "attention gradients k/v", 3, KD, S, WIDTH);
+    long long widest_dense = 0;
+    for (int l = 0; l < L; l++) {
+        if (c->is_moe_layer[l]) {
+            buffer(&t, "router logits", mul(N, E), S, "--micro-batch-size, --seq-length or "
+                   "--num-experts");
+            buffers(&t, "routing indices", 4, NK, (long long)sizeof(int),
+                    "--micro-batch-size, --seq-length or --moe-router-topk");
+            buffers(&t, "routing weights", 4, NK, Rb,
+                    "--micro-batch-size, --seq-length or --moe-router-topk");
+            buffer(&t, "moe.xp", mul(NK, H), S, EXPERT);
+            buffer(&t, "moe.gu", mul(NK, mul(2, F)), S, EXPERT);
+            buffer(&t, "moe.act", mul(NK, F), S, EXPERT);
+            buffer(&t, "moe.shared", mul(N, mul(3, Fs)), S,
+                   "--micro-batch-size, --seq-length or --moe-shared-expert-intermediate-size");
+            if (EP > 1 || c->moe_expert_capacity_factor > 0) {
+                /* the expert side: at most every assignment of the EP group */
+                const long long rows = mul(NK, EP);
+                buffer(&t, "expert-side rows", mul(rows, add(H, mul(3, F))), S,
+                       "--micro-batch-size, --seq-length, --moe-router-topk or "
+                       "--expert-model-parallel-size");
+            }
+            if (c->moe_pad_expert_input_to_capacity && N <= INT_MAX) {
+                const long long cap = moe_expert_capacity((int)N, (int)k, (int)E,
+                                                          c->moe_expert_capacity_factor);
+                buffer(&t, "padded expert input", mul(mul(E, cap), H), S,
+                       "--moe-expert-capacity-factor, --micro-batch-size or --seq-length");
+            }
+        } else {
+            buffer(&t, "mlp.gu", mul(N, mul(2, Fd)), S, "--micro-batch-size, --seq-length or "
+                   "--ffn-hidden-size");
+            buffer(&t, "mlp.act", mul(N, Fd), S, "--micro-batch-size, --seq-length or "
+                   "--ffn-hidden-size");
+            widest_dense = Fd;
+        }
+    }
+    /* the one FFN workspace (moe/layer.c) */
+    const long long rows = any_moe ? (NK > N ? NK : N) : N;
+    const long long hf_moe = any_moe ? mul(NK, F) : 0;
+    const long long hf_dense = mul(N, Fs > widest_dense ? Fs : widest_dense);
+    const long long HF = hf_moe > hf_dense ? hf_moe : hf_dense;
+    buffers(&t, "ffn workspace rows", 3, mul(rows, H), S, EXPERT);
+    buffers(&t, "ffn workspace", 3, HF, S, EXPERT);
+    if (any_moe)
+        buffer(&t, "router logit gradients", mul(N, E), S, "--micro-batch-size, --seq-length "
+               "or --num-experts");
+    buffers(&t, "final norm and gradients", 3, mul(N, H), S, WIDTH);
+    buffers(&t, "logits and their gradient", 2, mul(N, V), S,
+            "--micro-batch-size or --seq-length (the vocabulary comes from the data)");
+    buffers(&t, "losses", 2, N, Rb, BATCH);
+    if (E > 0)
+        buffers(&t, "expert bias and loads", 3, mul(L, E), 8, "--num-experts or --num-layers");
+    out->act_bytes = A;
+    out->total_bytes = add(out->param_bytes, out->act_bytes);
+
+    if (t.bad) {
+        if (t.bad_elems == LLONG_MAX)
+            return moe_error_set(err, MOE_ERR_CONFIG,
+                                 "the %s buffer's size overflows 64 bits: reduce %s", t.bad,
+                                 t.bad_flags);
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "the %s buffer would hold %lld elements, more than %d (the ops "
+                             "count elements with int): reduce %s",
+                             t.bad, t.bad_elems, INT_MAX, t.bad_flags);
+    }
+    if (out->total_bytes == LLONG_MAX)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "the model's memory overflows 64 bits: reduce %s or %s", MODEL,
+                             BATCH);
+    return MOE_OK;
+}
+
+moe_status moe_memory_check(const moe_memory_estimate *e, unsigned long long available,
+                            const char *device, moe_error *err) {
+    if (available == 0 || (unsigned long long)e->total_bytes <= available)
+        return MOE_OK;
+    const double gb = 1e9;
+    return moe_error_set(err, MOE_ERR_NOMEM,
+                         "out of memory: this model needs about %.3g GB on each rank (%.3g GB for "
+                         "%lld parameters with their gradients and AdamW moments, %.3g GB of "
+                         "activations per micro-batch; largest buffer: %s) but the %s is "
+                         "%.3g GB: reduce %s, or %s",
+                         e->total_bytes / gb, e->param_bytes / gb, e->params, e->act_bytes / gb,
+                         e->largest_name ? e->largest_name : "-", device, available / gb, BATCH,
+                         MODEL);
+}
+
+unsigned long long moe_memory_host_bytes(void) {
+    long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && size > 0 ? (unsigned long long)pages * (unsigned long long)size : 0;
+}

@@ -1,0 +1,435 @@
+/* Reliability (issue #11 §1-§4, §7's flag): every example of the issue as a test, the NaN
+ * check, safe output files, the memory estimate and out-of-memory as named errors. */
+#include <check.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "backend.h"
+#include "comm.h"
+#include "comm_watchdog.h"
+#include "config.h"
+#include "helpers.h"
+#include "memory.h"
+#include "metrics.h"
+#include "model.h"
+#include "moe/capacity.h"
+#include "outfile.h"
+#include "suites.h"
+#include "trainer.h"
+
+#define TINY "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 " \
+             "--seq-length 16 --micro-batch-size 2 --global-batch-size 2 --num-experts 4 "   \
+             "--moe-ffn-hidden-size 16 --ffn-hidden-size 32 --lr-warmup-iters 1 "             \
+             "--eval-iters 1 --sample-length 0 --train-iters 2 "
+
+static char g_out[1 << 16];
+
+/* Run bin/moe-train with @p args; its exit status, its output in g_out. */
+static int train(const char *args) {
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd, "MOE_NO_DOWNLOAD=1 OMP_NUM_THREADS=1 ./bin/moe-train %s", args);
+    return moe_test_run(cmd, g_out, sizeof g_out);
+}
+
+static void expect_run(const char *args, int status, const char *text) {
+    int got = train(args);
+    ck_assert_msg(got == status && strstr(g_out, text),
+                  "bin/moe-train %s: exit %d (want %d), output lacks '%s':\n%s", args, got, status,
+                  text, g_out);
+}
+
+static void write_file(const char *path, const char *text) {
+    FILE *f = fopen(path, "w");
+    ck_assert_ptr_nonnull(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+static char *slurp(const char *path) {
+    FILE *f = fopen(path, "rb");
+    ck_assert_ptr_nonnull(f);
+    static char buf[1 << 16];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    buf[n] = '\0';
+    fclose(f);
+    return buf;
+}
+
+/* ---------------------------------------------------------------- the issue's examples */
+
+START_TEST(test_issue_examples) {
+    if (!moe_test_have_program("bin/moe-train"))
+        return;
+    /* crash (SIGSEGV): a capacity factor that is not finite, or large enough to overflow */
+    expect_run("--moe-expert-capacity-factor inf --train-iters 1 --sample-length 0", 2,
+               "--moe-expert-capacity-factor expects a finite number");
+    expect_run(TINY "--moe-expert-capacity-factor 1e7", 0, "done");
+    ck_assert_int_eq(moe_expert_capacity(2048, 2, 8, 5e6), 2048);
+    ck_assert_int_eq(moe_expert_capacity(2048, 2, 8, 1e300), 2048);
+    ck_assert_int_eq(moe_expert_capacity(2048, 2, 8, 1.0), 512);
+    /* silent NaN: every non-finite number is refused by name, and so is a learning rate
+     * that can only diverge */
+    const char *nan_flags[] = {"--init-method-std inf", "--lr inf", "--moe-z-loss-coeff inf",
+                               "--moe-router-topk-scaling-factor inf", "--lr nan",
+                               "--moe-aux-loss-coeff -inf"};
+    for (size_t i = 0; i < sizeof nan_flags / sizeof *nan_flags; i++) {
+        char args[1024], flag[64];
+        snprintf(args, sizeof args, TINY "%s", nan_flags[i]);
+        sscanf(nan_flags[i], "%63s", flag);
+        expect_run(args, 2, flag);
+    }
+    expect_run(TINY "--lr 1e30", 2, "--lr must be in [0, 1]");
+    /* micro-batch x seq-length beyond int: a named error, not an abort */
+    expect_run(TINY "--micro-batch-size 100000000 --global-batch-size 100000000", 2,
+               "reduce --micro-batch-size");
+    /* a NaN that only training produces stops the run with the step, rank and value */
+    expect_run(TINY "--moe-aux-loss-coeff 1e308", 1, "step 1, rank 0: the loss is inf");
+    /* lost results: a metrics file that cannot be written stops the run */
+    expect_run(TINY "--metrics-file /dev/full", 1, "No space left on device");
+    /* the deadline flag is checked */
+    expect_run(TINY "--distributed-timeout-minutes 0", 2, "--distributed-timeout-minutes");
+    expect_run(TINY "--distributed-timeout-minutes 1e9", 2, "--distributed-timeout-minutes");
+}
+END_TEST
+
+/* Data destroyed: --metrics-file naming the training data, under any spelling. */
+START_TEST(test_metrics_file_not_an_input) {
+    if (!moe_test_have_program("bin/moe-train"))
+        return;
+    char data[512], link[512], args[2048];
+    moe_test_tmp_path(data, sizeof data, "data.txt");
+    moe_test_tmp_path(link, sizeof link, "data_link.txt");
+    char text[4096] = "";
+    for (int i = 0; i < 60; i++) /* enough text for 16-token sequences in both splits */
+        strcat(text, "the quick brown fox jumps over the lazy dog. ");
+    write_file(data, text);
+    unlink(link);
+    ck_assert_int_eq(symlink(data, link), 0);
+    snprintf(args, sizeof args, TINY "--data-path %s --metrics-file %s", data, link);
+    expect_run(args, 2, "is an input of this run");
+    ck_assert_str_eq(slurp(data), text); /* untouched */
+    snprintf(args, sizeof args, TINY "--data-path %s --metrics-file %s --overwrite", data, data);
+    expect_run(args, 2, "is an input of this run"); /* --overwrite does not make it an output */
+    ck_assert_str_eq(slurp(data), text);
+    unlink(link);
+    unlink(data);
+}
+END_TEST
+
+/* No existing file is overwritten without --overwrite. */
+START_TEST(test_metrics_no_overwrite) {
+    if (!moe_test_have_program("bin/moe-train"))
+        return;
+    char path[512], args[1024];
+    moe_test_tmp_path(path, sizeof path, "old_metrics.jsonl");
+    write_file(path, "{\"event\":\"precious\"}\n");
+    snprintf(args, sizeof args, TINY "--metrics-file %s", path);
+    expect_run(args, 2, "--overwrite");
+    ck_assert_str_eq(slurp(path), "{\"event\":\"precious\"}\n");
+    snprintf(args, sizeof args, TINY "--metrics-file %s --overwrite", path);
+    expect_run(args, 0, "done");
+    ck_assert(strstr(slurp(path), "\"event\":\"train\"") && !strstr(slurp(path), "precious"));
+    unlink(path);
+}
+END_TEST
+
+/* ---------------------------------------------------------------- NaN detection */
+
+static moe_trainer *tiny_trainer(const char *extra) {
+    setenv("MOE_NO_DOWNLOAD", "1", 1);
+    char flags[1024];
+    snprintf(flags, sizeof flags, TINY "%s", extra);
+    moe_config c;
+    moe_error err;
+    ck_assert_int_eq(moe_test_config(&c, flags, &err), MOE_OK);
+    moe_trainer *t = NULL;
+    ck_assert_msg(moe_trainer_create(&t, &c, &err) == MOE_OK, "%s", err.msg);
+    return t;
+}
+
+START_TEST(test_nan_stops_before_update) {
+    moe_trainer *t = tiny_trainer("");
+    moe_step_stats st;
+    moe_error err;
+    ck_assert_int_eq(moe_trainer_step(t, &st, &err), MOE_OK);
+    /* the router's loss turns infinite from now on */
+    t->model->cfg.moe_aux_loss_coeff = 1e308;
+    const size_t n = t->model->table.total;
+    moe_real *before = malloc(sizeof(moe_real) * n), *after = malloc(sizeof(moe_real) * n);
+    ck_assert(before && after);
+    memcpy(before, t->model->params, sizeof(moe_real) * n);
+    ck_assert_int_eq(moe_trainer_step(t, &st, &err), MOE_ERR_NONFINITE);
+    ck_assert_msg(strstr(err.msg, "step 2") && strstr(err.msg, "rank 0") &&
+                      strstr(err.msg, "loss is inf") &&
+                      strstr(err.msg, "--no-check-for-nan-in-loss-and-grad"),
+                  "%s", err.msg);
+    /* nothing was updated: the weights and the step are those of the last good step */
+    memcpy(after, t->model->params, sizeof(moe_real) * n);
+    ck_assert(memcmp(before, after, sizeof(moe_real) * n) == 0);
+    ck_assert_int_eq(t->step, 1);
+    /* switched off, the step goes on (Megatron's --no-check-for-nan-in-loss-and-grad) */
+    t->cfg.check_for_nan_in_loss_and_grad = 0;
+    ck_assert_int_eq(moe_trainer_step(t, &st, NULL), MOE_OK);
+    ck_assert(!isfinite(st.loss));
+    free(before);
+    free(after);
+    moe_trainer_free(t);
+}
+END_TEST
+
+/* ---------------------------------------------------------------- safe output files */
+
+START_TEST(test_outfile_rules) {
+    char in[512], out[512], hard[512];
+    moe_test_tmp_path(in, sizeof in, "in.txt");
+    moe_test_tmp_path(out, sizeof out, "out.txt");
+    moe_test_tmp_path(hard, sizeof hard, "hard.txt");
+    write_file(in, "input\n");
+    unlink(out);
+    unlink(hard);
+    ck_assert_int_eq(link(in, hard), 0);
+    const char *inputs[] = {NULL, "/nonexistent/x", in};
+    moe_error err;
+    /* a hard link is the same file */
+    ck_assert_int_eq(moe_outfile_check(hard, "save", inputs, 3, MOE_OUTFILE_APPEND, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_msg(strstr(err.msg, "--save") && strstr(err.msg, "input"), "%s", err.msg);
+    /* a new path is fine; an existing one only with a mode that says so */
+    ck_assert_int_eq(moe_outfile_check(out, "save", inputs, 3, MOE_OUTFILE_NEW, &err), MOE_OK);
+    write_file(out, "old\n");
+    ck_assert_int_eq(moe_outfile_check(out, "save", inputs, 3, MOE_OUTFILE_NEW, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_int_eq(moe_outfile_check(out, "save", inputs, 3, MOE_OUTFILE_APPEND, &err), MOE_OK);
+    ck_assert_int_eq(moe_outfile_check("/dev/null", "save", inputs, 3, MOE_OUTFILE_NEW, &err),
+                     MOE_OK);
+    /* append keeps what was there */
+    int fd;
+    ck_assert_int_eq(moe_outfile_open(&fd, out, "save", MOE_OUTFILE_NEW, &err), MOE_ERR_CONFIG);
+    ck_assert_int_eq(moe_outfile_open(&fd, out, "save", MOE_OUTFILE_APPEND, &err), MOE_OK);
+    ck_assert_int_eq(moe_outfile_write(fd, "new\n", 4, out, "save", &err), MOE_OK);
+    close(fd);
+    ck_assert_str_eq(slurp(out), "old\nnew\n");
+    /* a write error is an error value naming the file, the flag and the reason */
+    ck_assert_int_eq(moe_outfile_open(&fd, "/dev/full", "save", MOE_OUTFILE_NEW, &err), MOE_OK);
+    ck_assert_int_eq(moe_outfile_write(fd, "x\n", 2, "/dev/full", "save", &err), MOE_ERR_IO);
+    ck_assert_msg(strstr(err.msg, "/dev/full") && strstr(err.msg, "--save") &&
+                      strstr(err.msg, "No space left"),
+                  "%s", err.msg);
+    close(fd);
+    unlink(in);
+    unlink(out);
+    unlink(hard);
+}
+END_TEST
+
+/* A record that does not fit is cut off again: the file holds whole lines only. The file
+ * size limit (RLIMIT_FSIZE) makes a regular file fill up half-way through a line. */
+START_TEST(test_metrics_whole_lines) {
+    char path[512];
+    moe_test_tmp_path(path, sizeof path, "whole.jsonl");
+    unlink(path);
+    moe_metrics *m = NULL;
+    moe_error err;
+    ck_assert_int_eq(moe_metrics_open(&m, path, MOE_OUTFILE_NEW, &err), MOE_OK);
+    struct rlimit old, small;
+    ck_assert_int_eq(getrlimit(RLIMIT_FSIZE, &old), 0);
+    void (*was)(int) = signal(SIGXFSZ, SIG_IGN); /* EFBIG instead of the signal */
+    small = old;
+    small.rlim_cur = 100;
+    ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &small), 0);
+    int written = 0;
+    moe_status s = MOE_OK;
+    for (int i = 0; i < 10 && s == MOE_OK; i++) {
+        moe_metrics_begin(m, "train");
+        moe_metrics_int(m, "step", 1000 + i); /* 32-byte lines: the 4th crosses 100 bytes */
+        s = moe_metrics_end(m, &err);
+        written += s == MOE_OK;
+    }
+    ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &old), 0);
+    signal(SIGXFSZ, was);
+    moe_metrics_close(m);
+    ck_assert_int_eq(s, MOE_ERR_IO);
+    ck_assert_msg(strstr(err.msg, "--metrics-file"), "%s", err.msg);
+    const char *text = slurp(path);
+    size_t len = strlen(text);
+    ck_assert_int_eq(written, 3);
+    ck_assert_msg(len > 0 && text[len - 1] == '\n', "the file ends in half a line: %s", text);
+    int lines = 0;
+    for (const char *p = text; *p; p++)
+        lines += *p == '\n';
+    ck_assert_int_eq(lines, written);
+    unlink(path);
+}
+END_TEST
+
+/* ---------------------------------------------------------------- memory */
+
+/* A CPU backend that counts its allocations, and fails the one numbered g_fail_at. */
+static size_t g_bytes;
+static int g_calls, g_fail_at;
+static void *counting_alloc(size_t bytes) {
+    if (++g_calls == g_fail_at)
+        return NULL;
+    g_bytes += bytes;
+    return moe_backend_cpu()->alloc(bytes);
+}
+static size_t no_memory(void) { return 1; }
+
+static moe_config small_config(const char *extra) {
+    char flags[1024];
+    snprintf(flags, sizeof flags, TINY "%s", extra);
+    moe_config c;
+    moe_error err;
+    ck_assert_int_eq(moe_test_config(&c, flags, &err), MOE_OK);
+    c.vocab_size = 65;
+    ck_assert_msg(moe_config_validate(&c, &err) == MOE_OK, "%s", err.msg);
+    return c;
+}
+
+START_TEST(test_memory_estimate_bounds_allocations) {
+    const char *configs[] = {"", "--num-experts 0", "--qk-layernorm --moe-shared-expert-intermediate-size 32",
+                             "--moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity",
+                             "--num-layers 3 --moe-layer-freq 0,1,1 --seq-length 64 --micro-batch-size 4 "
+                             "--global-batch-size 4"};
+    moe_backend be = *moe_backend_cpu();
+    be.alloc = counting_alloc;
+    for (size_t i = 0; i < sizeof configs / sizeof *configs; i++) {
+        moe_config c = small_config(configs[i]);
+        moe_memory_estimate est;
+        moe_error err;
+        ck_assert_int_eq(moe_memory_estimate_model(&c, c.micro_batch_size, 1, be.act_size, &est,
+                                                   &err), MOE_OK);
+        g_bytes = 0;
+        g_calls = 0;
+        g_fail_at = -1;
+        moe_model *m = NULL;
+        ck_assert_int_eq(moe_model_create(&m, &c, &be, c.micro_batch_size, NULL, &err), MOE_OK);
+        moe_model_free(m);
+        ck_assert_msg((double)est.total_bytes >= 0.9 * (double)g_bytes &&
+                          (double)est.total_bytes <= 2.5 * (double)g_bytes,
+                      "'%s': estimate %lld bytes, allocated %zu", configs[i], est.total_bytes,
+                      g_bytes);
+    }
+}
+END_TEST
+
+/* Out of memory at any allocation of the model is a named error, never an abort, and
+ * leaks nothing (the ASan run checks that). */
+START_TEST(test_out_of_memory_is_an_error) {
+    moe_backend be = *moe_backend_cpu();
+    be.alloc = counting_alloc;
+    moe_config c = small_config("--moe-expert-capacity-factor 1.0 --moe-shared-expert-intermediate-size 16");
+    g_calls = 0;
+    g_fail_at = -1;
+    moe_model *m = NULL;
+    moe_error err;
+    ck_assert_int_eq(moe_model_create(&m, &c, &be, c.micro_batch_size, NULL, &err), MOE_OK);
+    moe_model_free(m);
+    const int calls = g_calls;
+    ck_assert_int_gt(calls, 20);
+    for (g_fail_at = 1; g_fail_at <= calls; g_fail_at++) {
+        g_calls = 0;
+        ck_assert_int_eq(moe_model_create(&m, &c, &be, c.micro_batch_size, NULL, &err),
+                         MOE_ERR_NOMEM);
+        ck_assert_ptr_null(m);
+        ck_assert_msg(strstr(err.msg, "--micro-batch-size") && strstr(err.msg, "GB"),
+                      "allocation %d: %s", g_fail_at, err.msg);
+    }
+    /* more than the device has: refused before the first allocation */
+    be.memory_bytes = no_memory;
+    g_calls = 0;
+    g_fail_at = -1;
+    ck_assert_int_eq(moe_model_create(&m, &c, &be, c.micro_batch_size, NULL, &err), MOE_ERR_NOMEM);
+    ck_assert_int_eq(g_calls, 0);
+    ck_assert_msg(strstr(err.msg, "needs about") && strstr(err.msg, "--micro-batch-size"), "%s",
+                  err.msg);
+}
+END_TEST
+
+/* A consistent configuration too big for any machine: the sizes overflow int (validation)
+ * or the estimate exceeds the memory (model creation), never an allocation of terabytes. */
+START_TEST(test_huge_configs_are_refused) {
+    const char *huge[] = {"--hidden-size 65536 --num-attention-heads 64 --moe-ffn-hidden-size 65536",
+                          "--seq-length 1000000"};
+    for (size_t i = 0; i < 2; i++) {
+        char flags[512];
+        snprintf(flags, sizeof flags, TINY "%s", huge[i]);
+        moe_config c;
+        moe_error err;
+        ck_assert_int_eq(moe_test_config(&c, flags, &err), MOE_OK);
+        c.vocab_size = 65;
+        ck_assert_int_eq(moe_config_validate(&c, &err), MOE_ERR_CONFIG);
+        ck_assert_msg(strstr(err.msg, "buffer") && strstr(err.msg, "reduce --"), "%s", err.msg);
+    }
+    /* sizes that fit int but not memory: the estimate, against a 1 TB machine */
+    moe_config c = small_config("--hidden-size 4096 --num-attention-heads 32 --num-layers 64 "
+                                "--num-experts 64 --moe-ffn-hidden-size 2048");
+    moe_memory_estimate est;
+    moe_error err;
+    ck_assert_int_eq(moe_memory_estimate_model(&c, 2, 1, 2, &est, &err), MOE_OK);
+    ck_assert_int_eq(moe_memory_check(&est, 1000ull << 30, "GPU memory", &err), MOE_ERR_NOMEM);
+    ck_assert_msg(strstr(err.msg, "GB") && strstr(err.msg, "--num-experts"), "%s", err.msg);
+}
+END_TEST
+
+/* ---------------------------------------------------------------- flags */
+
+START_TEST(test_new_flags) {
+    moe_config c;
+    moe_error err;
+    ck_assert_int_eq(moe_test_config(&c, "", &err), MOE_OK);
+    ck_assert_int_eq(c.check_for_nan_in_loss_and_grad, 1);
+    ck_assert_int_eq(c.overwrite, 0);
+    double s = 0;
+    ck_assert_int_eq(moe_config_comm_timeout_s(&c, &s, &err), MOE_OK);
+    ck_assert(s == 300.0); /* 5 minutes */
+    ck_assert_int_eq(moe_test_config(&c, "--no-check-for-nan-in-loss-and-grad", &err), MOE_OK);
+    ck_assert_int_eq(c.check_for_nan_in_loss_and_grad, 0);
+    ck_assert_int_eq(moe_test_config(&c, "--no-hidden-size", &err), MOE_ERR_FLAG);
+    ck_assert_int_eq(moe_test_config(&c, "--no-qk-layernorm=1", &err), MOE_ERR_FLAG);
+    ck_assert_int_eq(moe_test_config(&c, "--distributed-timeout-minutes nan", &err), MOE_ERR_FLAG);
+    const char *bad[] = {"0", "-1", "10081"};
+    for (int i = 0; i < 3; i++) {
+        char f[128];
+        snprintf(f, sizeof f, "--distributed-timeout-minutes %s", bad[i]);
+        ck_assert_int_eq(moe_test_config(&c, f, &err), MOE_OK);
+        ck_assert_int_eq(moe_config_comm_timeout_s(&c, &s, &err), MOE_ERR_CONFIG);
+        ck_assert(strstr(err.msg, "--distributed-timeout-minutes") != NULL);
+    }
+    /* the flag sets the watchdog's deadline unless MOE_COMM_TIMEOUT overrides it */
+    moe_comm_set_timeout_s(42.0);
+    if (!getenv("MOE_COMM_TIMEOUT"))
+        ck_assert(moe_comm_timeout_s() == 42.0);
+    moe_comm_set_timeout_s(300.0);
+    /* a warning for a legal but suspicious setting */
+    moe_config w = small_config("--train-iters 10 --lr-warmup-iters 20");
+    moe_config_warnings_t out;
+    moe_config_warnings(&w, &out);
+    ck_assert_int_ge(out.n, 1);
+    ck_assert(strstr(out.msg[0], "--lr-warmup-iters 20") != NULL);
+    /* a config filled by code is checked too */
+    moe_config inf = small_config("");
+    inf.moe_router_bias_update_rate = INFINITY;
+    ck_assert_int_eq(moe_config_validate(&inf, &err), MOE_ERR_CONFIG);
+    ck_assert(strstr(err.msg, "--moe-router-bias-update-rate must be a finite number") != NULL);
+}
+END_TEST
+
+Suite *suite_reliability(void) {
+    Suite *s = suite_create("reliability");
+    const TTest *programs[] = {test_issue_examples, test_metrics_file_not_an_input,
+                               test_metrics_no_overwrite};
+    moe_test_tcase(s, "programs", 300, programs, 3);
+    const TTest *lib[] = {test_nan_stops_before_update, test_outfile_rules,
+                          test_metrics_whole_lines, test_memory_estimate_bounds_allocations,
+                          test_out_of_memory_is_an_error, test_huge_configs_are_refused,
+                          test_new_flags};
+    moe_test_tcase(s, "library", 300, lib, 7);
+    return s;
+}
