@@ -226,7 +226,8 @@ $(BUILD)/tests/gpu: $(call obj,$(GPU_SRC),) $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(CHECK_LIBS) $(LDLIBS)
 
-test-unit: check-deps $(BUILD)/tests/unit
+# (the unit suite also runs bin/moe-train and bin/moe-grid as a user would)
+test-unit: check-deps $(BUILD)/tests/unit $(PROGRAMS)
 	@echo "== unit tests (fp32 CPU)"
 	$(BUILD)/tests/unit
 
