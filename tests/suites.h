@@ -15,6 +15,9 @@ Suite *suite_router(void);    /* tests/test_router.c: router semantics, aux loss
 Suite *suite_train(void);     /* tests/test_train.c: determinism, loss falls, trainer errors */
 Suite *suite_parallel(void);  /* tests/test_parallel.c: the parallel grid, bin/moe-grid, sharded
                                  parameters */
+Suite *suite_dispatch_plan(void); /* tests/test_dispatch_plan.c: the dispatch plan's arithmetic
+                                     (chapter 02) */
+Suite *suite_grouped(void);   /* tests/test_grouped.c: the CPU grouped GEMM (chapter 03) */
 
 /* finite-difference gradient checks (fp64 build) */
 Suite *suite_fd_ops(void);    /* tests/fd_ops.c: every op */
