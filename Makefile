@@ -7,13 +7,15 @@
 #   make docs       API docs with Doxygen (warnings are errors)
 #   make bench      benchmarks
 #   make test-gpu   the CUDA tests only (they print "skipped: no GPU" without one)
+#   make check-ch01 (ch02, ch03)   one chapter's tests only, in under a minute on 2 cores;
+#                   STUDENT=1 grades the stubs in chapters/NN-*/student/ instead
 #   make notebooks  re-execute notebooks-c/*.ipynb and save their outputs
 #   make clean
 #
 # Variables: MARCH (default native; x86-64-v3 for binaries that run on another machine),
 # OMP (1/0), CUDA (auto/1/0: build the CUDA backend when nvcc is found), MPI (auto/1/0),
 # JOBS (parallel build jobs, default: the number of cores),
-# TRAIN_FLAGS (extra flags for make train).
+# TRAIN_FLAGS (extra flags for make train), STUDENT (1: check-chNN grades the student stubs).
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := all
@@ -158,7 +160,7 @@ $(BUILD)/f64/LIB-MEMBERS: FORCE
 
 # ---------------------------------------------------------------- targets
 .PHONY: all config check-deps train test test-unit test-fd test-asan test-gpu test-mpi test-notebooks notebooks docs bench \
-	clean print-build-flags
+	clean print-build-flags check-ch01 check-ch02 check-ch03 test-chapters test-student-stubs
 
 all: config $(LIB) $(PROGRAMS) $(CHAPTER_BIN)
 
@@ -284,13 +286,103 @@ test-gpu: check-deps
 	@if [ "$(WITH_CUDA)" != 1 ]; then echo "== GPU tests: skipped (built without CUDA: nvcc not found)"; \
 	else $(MAKE) --no-print-directory $(BUILD)/tests/gpu && echo "== GPU tests (CUDA vs CPU)" && $(BUILD)/tests/gpu; fi
 
+# ---- chapter self-checks (make check-chNN) and student mode (STUDENT=1)
+# check-chNN runs only the test cases tagged "chNN" (Check's CK_INCLUDE_TAGS; the tags are
+# set where the suites are built, e.g. tests/test_router.c), in the unit binary, the fp64
+# gradient checks and, for chapter 02, the MPI tests on 2 and 4 CPU ranks.
+#
+# STUDENT=1 grades the student's versions of the chapter's key functions instead of the
+# library's. The stubs in chapters/NN-*/student/*.c define the same symbols as lib/ (the
+# CHNN_SYMBOLS below). How they replace the library's: link-time substitution. The test
+# binaries are linked with the stub objects and a copy of libmoe.a in which objcopy has made
+# exactly those symbols weak, so the stub's (strong) definition wins wherever the library,
+# the tests or the op table call the function. We chose this over weak attributes or an
+# adapter layer in lib/ because the library's source stays exactly as it is: its code is
+# the reference solution, nothing is copied, and a student reads the same file a user
+# does. (Plain "link the stub before libmoe.a" is not enough: the library's object is still
+# pulled in for its other functions, and the two strong definitions would clash.) The
+# functions are called from other files than their own, so no inlined copy of the
+# reference survives; test-student-stubs proves it by expecting an untouched stub to fail.
+CH01_SYMBOLS := moe_cpu_router_forward moe_cpu_aux_loss_forward moe_cpu_aux_loss_backward \
+	moe_cpu_permute_index
+CH02_SYMBOLS := moe_dispatch_layout moe_dispatch_sort_maps
+CH03_SYMBOLS := moe_cpu_grouped_matmul_forward
+OBJCOPY ?= objcopy
+student_src = $(wildcard chapters/$(1)-*/student/*.c)
+# $(call chapter_bin,NN,unit|fd|mpi): the test binary check-chNN runs
+chapter_bin = $(if $(filter 1,$(STUDENT)),$(BUILD)/student/ch$(1)/$(2),$(BUILD)/tests/$(2))
+
+define STUDENT_RULES
+$(BUILD)/student/ch$(1)/libmoe.a: $(LIB)
+	@mkdir -p $$(dir $$@)
+	$(OBJCOPY) $(foreach f,$(CH$(1)_SYMBOLS),--weaken-symbol=$(f)) $$< $$@
+$(BUILD)/student/ch$(1)/f64/libmoe.a: $(LIB_F64)
+	@mkdir -p $$(dir $$@)
+	$(OBJCOPY) $(foreach f,$(CH$(1)_SYMBOLS),--weaken-symbol=$(f)) $$< $$@
+$(BUILD)/student/ch$(1)/unit: $(call obj,$(UNIT_SRC),) $(call obj,$(call student_src,$(1)),) $(BUILD)/student/ch$(1)/libmoe.a
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(ALL_CFLAGS) $$^ -o $$@ $$(CHECK_LIBS) $$(LDLIBS)
+$(BUILD)/student/ch$(1)/fd: $(call obj,$(FD_SRC),f64/) $(call obj,$(call student_src,$(1)),f64/) $(BUILD)/student/ch$(1)/f64/libmoe.a
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(filter-out -DMOE_HAVE_CUDA -DMOE_HAVE_NCCL,$$(ALL_CFLAGS)) -DMOE_REAL_DOUBLE $$^ -o $$@ $$(CHECK_LIBS) $$(MPI_LIBS) $$(OPENMP) -lm
+$(BUILD)/student/ch$(1)/mpi: $(call obj,$(MPI_SRC),) $(call obj,$(call student_src,$(1)),) $(BUILD)/student/ch$(1)/libmoe.a
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(ALL_CFLAGS) $$^ -o $$@ $$(CHECK_LIBS) $$(LDLIBS)
+endef
+$(foreach n,01 02 03,$(eval $(call STUDENT_RULES,$(n))))
+
+CHECK_MODE = $(if $(filter 1,$(STUDENT)),student stubs in chapters/$(1)-*/student/,reference: the library's code)
+# $(call RUN_TAGGED,NN,unit|fd): one binary, only the chapter's test cases
+RUN_TAGGED = CK_INCLUDE_TAGS=ch$(1) $(call chapter_bin,$(1),$(2))
+
+check-ch01: check-deps
+	@$(MAKE) --no-print-directory $(call chapter_bin,01,unit) $(call chapter_bin,01,fd)
+	@echo "== chapter 01 self-check ($(call CHECK_MODE,01))"
+	$(call RUN_TAGGED,01,unit)
+	$(call RUN_TAGGED,01,fd)
+
+check-ch02: check-deps
+	@$(MAKE) --no-print-directory $(call chapter_bin,02,unit) \
+	  $(if $(filter 1,$(WITH_MPI)),$(call chapter_bin,02,mpi))
+	@echo "== chapter 02 self-check ($(call CHECK_MODE,02))"
+	$(call RUN_TAGGED,02,unit)
+	@if [ "$(WITH_MPI)" != 1 ]; then echo "== chapter 02 MPI ranks: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
+	else for np in 2 4; do echo "== chapter 02 on $$np MPI ranks (CPU)"; \
+	  CK_INCLUDE_TAGS=ch02 OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(call chapter_bin,02,mpi) || exit 1; done; fi
+
+check-ch03: check-deps
+	@$(MAKE) --no-print-directory $(call chapter_bin,03,unit) $(call chapter_bin,03,fd)
+	@echo "== chapter 03 self-check, CPU parts ($(call CHECK_MODE,03))"
+	$(call RUN_TAGGED,03,unit)
+	$(call RUN_TAGGED,03,fd)
+
+# make test runs the chapter checks on the reference, and proves the other direction: an
+# untouched stub fails, with the message that names its file and function.
+test-chapters: check-ch01 check-ch02 check-ch03
+
+# $(call EXPECT_STUB,NN,file,function): the chapter's student unit binary must fail with
+# the stub's TODO message
+EXPECT_STUB = if CK_INCLUDE_TAGS=ch$(1) CK_FORK=no $(BUILD)/student/ch$(1)/unit > $(BUILD)/student/ch$(1)/stub.log 2>&1; \
+	  then echo "FAIL: chapter $(1)'s untouched stubs passed"; exit 1; \
+	  elif ! grep -qF "TODO(student): $(2): $(3) is not implemented yet" $(BUILD)/student/ch$(1)/stub.log; then \
+	    echo "FAIL: no TODO message from $(2)"; cat $(BUILD)/student/ch$(1)/stub.log; exit 1; \
+	  else echo "ok: chapter $(1)'s untouched stub fails: $$(grep -F 'TODO(student)' $(BUILD)/student/ch$(1)/stub.log)"; fi
+test-student-stubs: check-deps
+	@$(MAKE) --no-print-directory $(foreach n,01 02 03,$(BUILD)/student/ch$(n)/unit)
+	@echo "== student stubs, untouched, fail with their TODO message"
+	@$(call EXPECT_STUB,01,chapters/01-naive-moe/student/router.c,moe_cpu_router_forward)
+	@$(call EXPECT_STUB,02,chapters/02-expert-parallel/student/dispatch_plan.c,moe_dispatch_layout)
+	@$(call EXPECT_STUB,03,chapters/03-grouped-gemm/student/grouped_matmul.c,moe_cpu_grouped_matmul_forward)
+
 # Everything the test steps run is built first, in parallel; then the steps run one after
 # another (SERIAL=1), so their output does not interleave and the MPI ranks get the cores.
 TEST_BINS := $(BUILD)/tests/unit $(BUILD)/tests/fd $(if $(filter 1,$(WITH_MPI)),$(BUILD)/tests/mpi \
-	$(BUILD)/tests/mpi_abort) $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu)
+	$(BUILD)/tests/mpi_abort) $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu) \
+	$(foreach n,01 02 03,$(BUILD)/student/ch$(n)/unit)
 test: config check-deps
 	@$(MAKE) --no-print-directory $(LIB) $(PROGRAMS) $(CHAPTER_BIN) $(TEST_BINS)
-	@$(MAKE) --no-print-directory SERIAL=1 test-unit test-fd test-mpi test-gpu test-notebooks docs test-asan
+	@$(MAKE) --no-print-directory SERIAL=1 test-unit test-fd test-mpi test-gpu test-chapters \
+	  test-student-stubs test-notebooks docs test-asan
 	@echo "== all tests passed"
 
 # ---- notebooks (notebooks-c/): every notebook executed headlessly with Debian's nbclient.

@@ -142,11 +142,17 @@ START_TEST(test_fd_model_capacity) {
     check_model("capacity 1.0, position policy, padded",
                 TINY "--num-experts 4 --moe-router-topk 2 --moe-expert-capacity-factor 1.0 "
                      "--moe-token-drop-policy position --moe-pad-expert-input-to-capacity");
+    /* dispatcher path with no drops vs the naive loop: same loss, same gradients */
+    same_as_loop(TINY "--num-experts 4 --moe-router-topk 2 --moe-expert-capacity-factor 100");
+}
+END_TEST
+
+/* Chapter 03's grouped GEMM in the model (make check-ch03): gradients through it, and the
+ * same numbers as chapter 01's loop. */
+START_TEST(test_fd_model_grouped) {
     check_model("grouped GEMM, capacity 1.0",
                 TINY "--num-experts 4 --moe-router-topk 2 --moe-expert-capacity-factor 1.0 "
                      "--moe-grouped-gemm");
-    /* dispatcher path with no drops vs the naive loop: same loss, same gradients */
-    same_as_loop(TINY "--num-experts 4 --moe-router-topk 2 --moe-expert-capacity-factor 100");
     /* the grouped experts vs the loop: offsets from the host (cuBLAS's path) and from
      * "device" memory (our kernel's path; on the CPU both run the loop over groups) */
     same_as_loop(TINY "--num-experts 4 --moe-router-topk 2 --moe-grouped-gemm "
@@ -201,12 +207,23 @@ Suite *suite_fd_model(void) {
     TCase *tc = tcase_create("model");
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, test_fd_model_softmax_shared_qknorm);
-    tcase_add_test(tc, test_fd_model_softmax_no_shared);
     tcase_add_test(tc, test_fd_model_pre_softmax_seq_aux);
     tcase_add_test(tc, test_fd_model_sigmoid_bias_scaling);
     tcase_add_test(tc, test_fd_model_group_limited);
     tcase_add_test(tc, test_fd_model_top1_and_dense);
     tcase_add_test(tc, test_fd_model_capacity);
     suite_add_tcase(s, tc);
+    /* chapter 01: the whole model's gradients through the default router and its aux loss */
+    TCase *ch01 = tcase_create("ch01");
+    tcase_set_tags(ch01, "ch01");
+    tcase_set_timeout(ch01, 300);
+    tcase_add_test(ch01, test_fd_model_softmax_no_shared);
+    suite_add_tcase(s, ch01);
+    /* chapter 03: the grouped GEMM in the model */
+    TCase *ch03 = tcase_create("ch03");
+    tcase_set_tags(ch03, "ch03");
+    tcase_set_timeout(ch03, 300);
+    tcase_add_test(ch03, test_fd_model_grouped);
+    suite_add_tcase(s, ch03);
     return s;
 }

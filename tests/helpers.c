@@ -86,3 +86,10 @@ TCase *moe_test_tcase(Suite *s, const char *name, double timeout, const TTest *c
     suite_add_tcase(s, tc);
     return tc;
 }
+
+Suite *moe_test_chapter_suite(const char *name, const char *chapter, const TTest *const *tests,
+                              int n) {
+    Suite *s = suite_create(name);
+    tcase_set_tags(moe_test_tcase(s, chapter, 60, tests, n), chapter);
+    return s;
+}

@@ -48,4 +48,9 @@ int moe_test_have_program(const char *path);
 TCase *moe_test_tcase(Suite *s, const char *name, double timeout, const TTest *const *tests,
                       int n);
 
+/** A suite @p name of one test case tagged @p chapter (e.g. "ch02": make check-ch02 runs
+ *  it) holding the @p n tests @p tests, 60 s each. @return the suite */
+Suite *moe_test_chapter_suite(const char *name, const char *chapter, const TTest *const *tests,
+                              int n);
+
 #endif

@@ -1,4 +1,5 @@
-/* Unit-test runner (fp32 CPU build): runs every suite and prints Check's summary. */
+/* Unit-test runner (fp32 CPU build): runs every suite and prints Check's summary.
+ * CK_INCLUDE_TAGS=chNN runs only the test cases tagged with a chapter (make check-chNN). */
 #include <stdlib.h>
 
 #include "log.h"
@@ -14,6 +15,8 @@ int main(void) {
     srunner_add_suite(sr, suite_parallel());
     srunner_add_suite(sr, suite_fuzz());
     srunner_add_suite(sr, suite_reliability());
+    srunner_add_suite(sr, suite_dispatch_plan());
+    srunner_add_suite(sr, suite_grouped());
     srunner_run_all(sr, CK_NORMAL);
     int failed = srunner_ntests_failed(sr);
     srunner_free(sr);

@@ -295,6 +295,7 @@ END_TEST
 Suite *suite_mpi_ep(void) {
     Suite *s = suite_create("mpi-ep");
     TCase *tc = tcase_create("ep");
+    tcase_set_tags(tc, "ch02"); /* make check-ch02 runs these on 2 and 4 CPU ranks */
     tcase_set_timeout(tc, 600);
     tcase_add_test(tc, test_ep_dropless);
     tcase_add_test(tc, test_ep_capacity);

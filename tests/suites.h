@@ -17,8 +17,11 @@ Suite *suite_parallel(void);  /* tests/test_parallel.c: the parallel grid, bin/m
                                  parameters */
 Suite *suite_fuzz(void);      /* tests/test_fuzz.c: thousands of random command lines: no crash,
                                  named errors, accepted sizes fit */
-Suite *suite_reliability(void); /* tests/test_reliability.c: the issue-11 examples, NaN stops the
+Suite *suite_reliability(void); /* tests/test_reliability.c: the examples of bad input from the reliability work, NaN stops the
                                    step, safe output files, memory estimate, out of memory */
+Suite *suite_dispatch_plan(void); /* tests/test_dispatch_plan.c: the dispatch plan's arithmetic
+                                     (chapter 02) */
+Suite *suite_grouped(void);   /* tests/test_grouped.c: the CPU grouped GEMM (chapter 03) */
 
 /* finite-difference gradient checks (fp64 build) */
 Suite *suite_fd_ops(void);    /* tests/fd_ops.c: every op */

@@ -95,22 +95,14 @@ static void a_permute_index(int *perm_src, int *row_of, int *expert_offset, int 
         memcpy(dev_offset, expert_offset, sizeof(int) * (E + 1));
 }
 
-/* grouped matmul on the CPU: the loop over groups (there is no launch overhead to save) */
+/* grouped matmul on the CPU (grouped_matmul.c): the loop over groups */
 static void cpu_grouped_forward(void *out, const void *in, const void *w, const int *off, int G,
                                 int I, int O) {
-    for (int g = 0; g < G; g++)
-        moe_cpu_matmul_forward((moe_real *)out + (size_t)off[g] * O,
-                               (const moe_real *)in + (size_t)off[g] * I,
-                               (const moe_real *)w + (size_t)g * O * I, off[g + 1] - off[g], I, O);
+    moe_cpu_grouped_matmul_forward(out, in, w, off, G, I, O);
 }
 static void cpu_grouped_backward(void *din, moe_real *dw, const void *dout, const void *in,
                                  const void *w, const int *off, int G, int I, int O) {
-    for (int g = 0; g < G; g++)
-        moe_cpu_matmul_backward(din ? (moe_real *)din + (size_t)off[g] * I : NULL,
-                                dw ? dw + (size_t)g * O * I : NULL,
-                                (const moe_real *)dout + (size_t)off[g] * O,
-                                (const moe_real *)in + (size_t)off[g] * I,
-                                (const moe_real *)w + (size_t)g * O * I, off[g + 1] - off[g], I, O);
+    moe_cpu_grouped_matmul_backward(din, dw, dout, in, w, off, G, I, O);
 }
 
 /* ... and with the offsets in "device" memory, which on the CPU is the same loop */

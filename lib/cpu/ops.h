@@ -46,6 +46,30 @@ void moe_cpu_matmul_backward(moe_real *din, moe_real *dw, const moe_real *dout, 
 /** @brief Free the scratch memory the matmuls keep between calls (call before exit). */
 void moe_cpu_matmul_release(void);
 
+/* ----------------------------------------------------------- grouped_matmul.c */
+
+/**
+ * @brief The grouped GEMM (chapter 03): for every group g, rows [off[g], off[g+1]) of
+ *        @p out are those rows of @p in times w[g]ᵀ. One call for all the experts, with the
+ *        ragged row counts read from @p off (on the CPU, "device" memory is host memory).
+ * @param out [off[G], O]  @param in [off[G], I]  @param w [G, O, I]
+ * @param off [G+1] non-decreasing row offsets, off[0] = 0 (a group may be empty)
+ * @param G groups  @param I in features  @param O out features
+ */
+void moe_cpu_grouped_matmul_forward(moe_real *out, const moe_real *in, const moe_real *w,
+                                    const int *off, int G, int I, int O);
+
+/**
+ * @brief Backward of moe_cpu_grouped_matmul_forward(), group by group as
+ *        moe_cpu_matmul_backward(): din += dout·w[g], dw[g] += doutᵀ·in.
+ * @param din [off[G], I] (NULL to skip)  @param dw [G, O, I] (NULL to skip)
+ * @param dout [off[G], O]  @param in forward input  @param w [G, O, I]
+ * @param off [G+1] row offsets  @param G groups  @param I in features  @param O out features
+ */
+void moe_cpu_grouped_matmul_backward(moe_real *din, moe_real *dw, const moe_real *dout,
+                                     const moe_real *in, const moe_real *w, const int *off, int G,
+                                     int I, int O);
+
 /* --------------------------------------------------------------- embedding.c */
 
 /**

@@ -184,6 +184,37 @@ moe_status moe_ep_choose_dispatcher(moe_ep *ep, const moe_config *c, int verbose
 void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long long *counts, int E,
                              int pad_capacity);
 
+/**
+ * @brief The arithmetic of a plan (dispatch_layout.c; chapter 02's exercise): from the rows
+ *        every rank sends to every global expert, this rank's splits, its local experts'
+ *        offsets and the chunk lists of the exchange. Rank q owns global experts
+ *        [q·EL, (q+1)·EL) with EL = E / P. Pure host code: no communication, no allocation.
+ * @param all           [P, E] rows rank p sends to global expert e (the all-gathered counts)
+ * @param P             ranks in the EP group  @param rank this rank  @param E global experts
+ * @param send_rows     [P] out: rows this rank sends to each rank
+ * @param recv_rows     [P] out: rows this rank receives from each rank
+ * @param expert_offset [EL+1] out: local expert el owns expert-layout rows
+ *                      [offset[el], offset[el+1]); the layout is [el][source rank]
+ * @param send_chunks   [E] out: expert e's rows in this rank's send (permuted) layout,
+ *                      peer e / EL
+ * @param recv_chunks   [P·EL] out: at index q·EL + el, the rows rank q sends to local expert
+ *                      el, placed at their expert-layout offset, peer q
+ */
+void moe_dispatch_layout(const long long *all, int P, int rank, int E, size_t *send_rows,
+                         size_t *recv_rows, int *expert_offset, moe_comm_chunk *send_chunks,
+                         moe_comm_chunk *recv_chunks);
+
+/**
+ * @brief The sort maps between the received layout [source rank][local expert] (what an
+ *        all-to-all-v, or one rank's copy, delivers) and the expert layout [local expert]
+ *        [source rank] of @p recv_chunks (dispatch_layout.c; chapter 02's exercise).
+ * @param sort_map   [R_recv] out: expert-layout row → received row
+ * @param unsort_map [R_recv] out: received row → expert-layout row (the inverse)
+ * @param recv_chunks [P·EL] from moe_dispatch_layout()  @param P ranks  @param EL local experts
+ */
+void moe_dispatch_sort_maps(int *sort_map, int *unsort_map, const moe_comm_chunk *recv_chunks,
+                            int P, int EL);
+
 /** @brief Free a plan's buffers (through the dispatcher that built it) and clear it.
  *  @param be backend the plan lives on @param plan plan */
 void moe_dispatch_plan_free(const moe_backend *be, moe_dispatch_plan *plan);

@@ -45,16 +45,12 @@ void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long lon
     else
         memcpy(all, mine, sizeof(long long) * E);
 
-    /* splits: to rank p go my rows for p's experts; from rank p come p's rows for mine */
+    /* splits, local expert offsets and the chunk lists of the exchange (dispatch_layout.c) */
+    moe_dispatch_layout(all, P, rank, E, plan->send_rows, plan->recv_rows, plan->expert_offset,
+                        plan->send_chunks, plan->recv_chunks);
     plan->R_recv = 0;
-    for (int p = 0; p < P; p++) {
-        plan->send_rows[p] = plan->recv_rows[p] = 0;
-        for (int el = 0; el < EL; el++) {
-            plan->send_rows[p] += (size_t)mine[p * EL + el];
-            plan->recv_rows[p] += (size_t)all[(size_t)p * E + rank * EL + el];
-        }
+    for (int p = 0; p < P; p++)
         plan->R_recv += (int)plan->recv_rows[p];
-    }
 
     /* the fused path: shifts instead of maps (dispatch_fused.c) */
     plan->dispatcher = ep->dispatcher == &moe_dispatcher_fused && ep->comm && !pad_capacity
@@ -73,43 +69,8 @@ void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long lon
     MOE_ASSERT(h_send && h_unpad && h_sort && h_unsort);
     if (pad_capacity)
         moe_capacity_pad_maps(h_send, h_unpad, counts, E, pad_capacity);
-    /* received layout [src p][local expert el] → expert layout [el][p] */
-    int *recv_off = malloc(sizeof(int) * (size_t)P * EL), *exp_off = malloc(sizeof(int) * (size_t)P * EL);
-    MOE_ASSERT(recv_off && exp_off);
-    int off = 0;
-    for (int p = 0; p < P; p++)
-        for (int el = 0; el < EL; el++) {
-            recv_off[p * EL + el] = off;
-            off += (int)all[(size_t)p * E + rank * EL + el];
-        }
-    off = 0;
-    for (int el = 0; el < EL; el++) {
-        plan->expert_offset[el] = off;
-        for (int p = 0; p < P; p++) {
-            exp_off[p * EL + el] = off;
-            off += (int)all[(size_t)p * E + rank * EL + el];
-        }
-    }
-    plan->expert_offset[EL] = off;
-    /* the same layouts as chunk lists, for the exchange across ranks */
-    size_t send_off = 0;
-    for (int e = 0; e < E; e++) {
-        plan->send_chunks[e] = (moe_comm_chunk){send_off, (size_t)mine[e], e / EL};
-        send_off += (size_t)mine[e];
-    }
-    for (int p = 0; p < P; p++)
-        for (int el = 0; el < EL; el++)
-            plan->recv_chunks[p * EL + el] =
-                (moe_comm_chunk){(size_t)exp_off[p * EL + el],
-                                 (size_t)all[(size_t)p * E + rank * EL + el], p};
-    for (int p = 0; p < P && !plan->fused; p++) /* the fused path needs no maps */
-        for (int el = 0; el < EL; el++) {
-            int n = (int)all[(size_t)p * E + rank * EL + el];
-            for (int i = 0; i < n; i++) {
-                h_sort[exp_off[p * EL + el] + i] = recv_off[p * EL + el] + i;
-                h_unsort[recv_off[p * EL + el] + i] = exp_off[p * EL + el] + i;
-            }
-        }
+    if (!plan->fused) /* the fused path needs no maps */
+        moe_dispatch_sort_maps(h_sort, h_unsort, plan->recv_chunks, P, EL);
 
     /* upload */
     if (rows > plan->cap_rows) {
@@ -135,7 +96,7 @@ void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long lon
         be->from_host(plan->sort_map, h_sort, sizeof(int) * plan->R_recv);
         be->from_host(plan->unsort_map, h_unsort, sizeof(int) * plan->R_recv);
     }
-    free(h_send); free(h_unpad); free(h_sort); free(h_unsort); free(recv_off); free(exp_off);
+    free(h_send); free(h_unpad); free(h_sort); free(h_unsort);
     free(mine); free(all);
 }
 

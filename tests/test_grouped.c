@@ -1,0 +1,61 @@
+/*
+ * The CPU grouped GEMM (chapter 03; make check-ch03 grades it, and with STUDENT=1 the
+ * student's version in chapters/03-grouped-gemm/student/) against a plain triple loop,
+ * with ragged groups, an empty group, and one group holding every row. The output is
+ * poisoned with NaN first, so a row the GEMM forgets to write fails.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "cpu/ops.h"
+#include "helpers.h"
+#include "suites.h"
+
+/* out[r] = in[r] · w[g]ᵀ for the g with off[g] <= r < off[g+1], in double */
+static void reference(double *out, const moe_real *in, const moe_real *w, const int *off, int G,
+                      int I, int O) {
+    for (int g = 0; g < G; g++)
+        for (int r = off[g]; r < off[g + 1]; r++)
+            for (int o = 0; o < O; o++) {
+                double acc = 0.0;
+                for (int i = 0; i < I; i++)
+                    acc += (double)in[(size_t)r * I + i] * w[((size_t)g * O + o) * I + i];
+                out[(size_t)r * O + o] = acc;
+            }
+}
+
+static void check_grouped(const int *off, int G, int I, int O) {
+    const int rows = off[G];
+    moe_real *in = malloc(sizeof(moe_real) * (size_t)(rows ? rows : 1) * I);
+    moe_real *w = malloc(sizeof(moe_real) * (size_t)G * O * I);
+    moe_real *out = malloc(sizeof(moe_real) * (size_t)(rows ? rows : 1) * O);
+    double *want = malloc(sizeof(double) * (size_t)(rows ? rows : 1) * O);
+    ck_assert(in && w && out && want);
+    moe_test_randn(in, (size_t)rows * I, 40, 1.0);
+    moe_test_randn(w, (size_t)G * O * I, 41, 0.5);
+    moe_test_poison(out, (size_t)rows * O);
+    moe_cpu_grouped_matmul_forward(out, in, w, off, G, I, O);
+    reference(want, in, w, off, G, I, O);
+    for (size_t j = 0; j < (size_t)rows * O; j++)
+        ck_assert_msg(fabs(out[j] - want[j]) <= 1e-4 * (1.0 + fabs(want[j])),
+                      "row %zu, column %zu: %g, want %g", j / O, j % O, (double)out[j], want[j]);
+    free(in); free(w); free(out); free(want);
+    moe_cpu_matmul_release();
+}
+
+START_TEST(test_grouped_forward_ragged) {
+    const int off[5] = {0, 3, 3, 10, 11}; /* 3 rows, none, 7 rows, 1 row */
+    check_grouped(off, 4, 5, 6);
+}
+END_TEST
+
+START_TEST(test_grouped_forward_one_group_has_all) {
+    const int off[4] = {0, 0, 9, 9}; /* every row in group 1: only w[1] may be used */
+    check_grouped(off, 3, 8, 4);
+}
+END_TEST
+
+Suite *suite_grouped(void) {
+    const TTest *tests[] = {test_grouped_forward_ragged, test_grouped_forward_one_group_has_all};
+    return moe_test_chapter_suite("grouped", "ch03", tests, 2);
+}
