@@ -1,6 +1,6 @@
 /*
- * Router semantics against hand-computed values, one test per variant of
- * BRIEF §6; the load-balancing losses at balance and imbalance; the expert-bias
+ * Router semantics against hand-computed values, one test per variant that moe.c
+ * implements (docs/megatron.md); the load-balancing losses at balance and imbalance; the expert-bias
  * rule; the permutation; and the MoE layer against a direct per-token sum.
  */
 #include <math.h>
