@@ -19,7 +19,7 @@
  * one but are still picked, lowest index first, if nothing else is left), and because it is
  * a total order every lane ends with the same winner. Picks come out best first.
  *
- * Variants (BRIEF §6), all in fp32 (the CPU uses double; results agree to fp32 rounding):
+ * Variants (Megatron Core's semantics; docs/megatron.md lists which exist), all in fp32 (the CPU uses double; results agree to fp32 rounding):
  *   softmax      sel = z;           w_j = softmax over the k picked z
  *   pre-softmax  sel = p = softmax(z) over E;   w_j = p_{i_j} (no renormalisation)
  *   sigmoid      sel = σ(z) + bias; w_j = σ_j / (Σ_m σ_m + 1e-20) when k > 1, else σ_j

@@ -32,7 +32,7 @@ typedef struct moe_bench_shape {
 } moe_bench_shape;
 
 /**
- * @brief The layer shapes of BRIEF §7 — Qwen3-30B-A3B (T=16384, H=2048, F=768, E=128,
+ * @brief The benchmark layer shapes — Qwen3-30B-A3B (T=16384, H=2048, F=768, E=128,
  *        k=8) and Mixtral-8x7B (T=8192, H=4096, F=14336, E=8, k=2) — and "small", a
  *        CPU-sized one (T=2048, H=256, F=256, E=16, k=4).
  * @param n receives how many

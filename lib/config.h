@@ -45,7 +45,7 @@
  *  (bf16 elements). */
 #define MOE_FUSED_ROW_ALIGN 8
 
-/** Router score function (BRIEF §6). */
+/** Router score function (Megatron Core's --moe-router-score-function). */
 typedef enum moe_score_fn {
     MOE_SCORE_SOFTMAX = 0, /**< softmax: top-k then softmax over the k, or pre-softmax */
     MOE_SCORE_SIGMOID = 1  /**< sigmoid: select on sigmoid+bias, weights renormalised */

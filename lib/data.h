@@ -28,7 +28,7 @@
 
 /** File name of the default dataset. */
 #define MOE_DATA_DEFAULT_NAME "tinyshakespeare.txt"
-/** sha256 of the default dataset (BRIEF §4). */
+/** sha256 of the default dataset: a download is checked against it. */
 #define MOE_DATA_DEFAULT_SHA256 "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 /** Public source of the default dataset. */
 #define MOE_DATA_DEFAULT_URL \

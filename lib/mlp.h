@@ -5,7 +5,7 @@
  * One function serves the dense FFN, the shared expert and every routed expert
  * (the naive MoE loop calls it once per expert on that expert's rows). For a
  * routed expert the per-row scale is the routing weight, applied after the
- * activation and before fc2 (BRIEF §6): then combining expert outputs is a
+ * activation and before fc2 (as Megatron Core does): then combining expert outputs is a
  * plain sum, and the routing weight's gradient is Σ_f dh ⊙ silu(g)·u.
  *
  * The scale is fused into the SwiGLU ops (backend swiglu_forward / swiglu_backward):

@@ -1,6 +1,6 @@
 /**
  * @file model.h
- * @brief The decoder-only MoE transformer (BRIEF §4): parameters, forward, backward.
+ * @brief The decoder-only MoE transformer: parameters, forward, backward.
  *
  * token embedding → L × [ RMSNorm → causal GQA attention with RoPE (optional
  * QK-norm) → residual → RMSNorm → MoE FFN (or dense SwiGLU FFN) → residual ]

@@ -1,5 +1,5 @@
 /*
- * A failing rank must end the job, not leave the others waiting (BRIEF §3.6).
+ * A failing rank must end the job, not leave the others waiting.
  *
  * Run by `make test-mpi` under mpirun with 2 ranks, rank 0 waiting in an all-reduce that
  * can never complete while rank 1

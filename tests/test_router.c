@@ -1,7 +1,7 @@
 /*
- * Router semantics against hand-computed values, one test per router variant; the
- * load-balancing losses at balance and imbalance; the expert-bias rule; the permutation;
- * and the MoE layer against a direct per-token sum.
+ * Router semantics against hand-computed values, one test per router variant that moe.c
+ * implements (docs/megatron.md); the load-balancing losses at balance and imbalance; the
+ * expert-bias rule; the permutation; and the MoE layer against a direct per-token sum.
  *
  * The test case tagged "ch01" grades chapter 01's exercises (make check-ch01, and with
  * STUDENT=1 the student versions of the router's default path, the aux loss and the

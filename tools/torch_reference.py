@@ -22,9 +22,9 @@ near-tied top-k choices, a discrete difference that says nothing about the
 arithmetic. The routing weights are still computed here, and the number of tokens
 whose choice differs is printed.
 
-Everything is written from the math of BRIEF §4/§6 (Megatron Core semantics), not
+Everything is written from the math of Megatron Core's semantics (docs/megatron.md), not
 translated from the C code: RMSNorm, rotate-half RoPE, causal GQA attention with
-optional QK-norm, SwiGLU with fc1 rows [gate; up], every router variant (softmax
+optional QK-norm, SwiGLU with fc1 rows [gate; up], every router variant moe.c has (softmax
 top-k, pre-softmax, sigmoid + expert bias, group-limited, top-k scaling; ties go to
 the lower index), the aux loss (global and per sequence), the z-loss, shared
 experts, dense layers, and the expert MLP written as a plain loop over experts with

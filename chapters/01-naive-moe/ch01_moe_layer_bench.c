@@ -6,7 +6,7 @@
  *   mixtral  Mixtral-8x7B:   T=8192  tokens, H=4096, F=14336, E=8 experts,   top-2
  *   small    a CPU-sized shape (T=2048, H=256, F=256, E=16, top-4), the default on CPU
  *
- * TFLOP/s counts the expert GEMMs only, 6·T·k·3·H·F per forward+backward (BRIEF §7), so
+ * TFLOP/s counts the expert GEMMs only, 6·T·k·3·H·F per forward+backward, so
  * the number is comparable with PyTorch's loop and torch._grouped_mm on the same shapes
  * (chapters/01-naive-moe/torch_moe_layer.py, run in the same device call by bench.sh).
  *

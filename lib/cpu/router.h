@@ -3,7 +3,8 @@
  * @brief The MoE router and its load-balancing losses (CPU reference).
  *
  * The router maps each token's logits z ∈ R^E (E experts) to k expert indices
- * and k routing weights. All variants of Megatron Core (BRIEF §6):
+ * and k routing weights. The variants of Megatron Core that moe.c implements
+ * (docs/megatron.md lists those it does not):
  *
  * | variant | selection | weights |
  * |---|---|---|

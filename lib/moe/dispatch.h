@@ -11,7 +11,7 @@
  *    assignments by expert, run the experts on the permuted rows in place, unpermute.
  *  - **alltoall** (dispatch_alltoall.c, chapter 02): with expert parallelism (EP) the E
  *    experts are split over the EP ranks, rank r holding experts [r·E/EP, (r+1)·E/EP).
- *    Each rank routes its own tokens, then (BRIEF §6):
+ *    Each rank routes its own tokens, then (as Megatron Core's alltoall dispatcher):
  *      1. permute locally: the rank's N·k assignments sorted by (global) expert — so they
  *         are also grouped by destination rank;
  *      2. exchange counts: an all-gather of the per-expert count vector over the EP group,
