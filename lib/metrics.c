@@ -59,9 +59,16 @@ void moe_metrics_num(moe_metrics *m, const char *key, double value) {
         return;
     fputc(',', m->f);
     moe_json_write_string(m->f, key);
-    if (isfinite(value))
-        fprintf(m->f, ":%.9g", value);
-    else
+    if (isfinite(value)) {
+        /* the shorter of 15 and 17 significant digits that reads back as the same double:
+         * typed values stay short (0.001), and a value that needs all its bits gets them, so
+         * two runs compare bit for bit (the resume tests compare losses this way) */
+        char text[32];
+        snprintf(text, sizeof text, "%.15g", value);
+        if (strtod(text, NULL) != value)
+            snprintf(text, sizeof text, "%.17g", value);
+        fprintf(m->f, ":%s", text);
+    } else
         fputs(":null", m->f);
 }
 

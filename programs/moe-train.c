@@ -7,7 +7,12 @@
  * Prints one line per --log-interval steps (loss, step time, tokens/s, expert
  * load), the validation loss every --eval-interval steps, a text sample at the
  * end, and (with --metrics-file) one JSON object per event.
+ *
+ * With --save DIR it checkpoints every --save-interval steps and at the end; --load DIR
+ * resumes; with --exit-signal-handler, SIGINT/SIGTERM save at the next step boundary and
+ * exit 0 (checkpoint.h).
  */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,8 +21,10 @@
 #include <omp.h>
 #endif
 
+#include "checkpoint.h"
 #include "comm.h"
 #include "config.h"
+#include "exit_signal.h"
 #include "log.h"
 #include "metrics.h"
 #include "timer.h"
@@ -96,6 +103,29 @@ static void evaluate(moe_trainer *t, moe_metrics *mx, int step, double elapsed) 
     moe_metrics_end(mx);
 }
 
+/* Test hook (make test-mpi): MOE_TEST_KILL_AT_STEP=k makes the last rank die by SIGKILL
+ * before step k, as a crashed node would; the job must then resume from its checkpoint. */
+static void test_kill_hook(const moe_trainer *t, int step) {
+    const char *k = getenv("MOE_TEST_KILL_AT_STEP");
+    if (k && atoi(k) == step && t->rank == t->world_size - 1)
+        raise(SIGKILL);
+}
+
+/* Free everything and return the exit code. */
+static int finish(moe_trainer *t, moe_metrics *mx, moe_comm *world, int code) {
+    moe_metrics_close(mx);
+    moe_trainer_free(t);
+    moe_comm_finalize(world);
+    return code;
+}
+
+/* End the run after a failure every rank agreed on (a load or a save). */
+static int fail(moe_trainer *t, moe_metrics *mx, moe_comm *world, const moe_error *err,
+                int code) {
+    moe_log_error("%s", err->msg);
+    return finish(t, mx, world, code);
+}
+
 int main(int argc, char **argv) {
     moe_config cfg;
     moe_error err;
@@ -143,10 +173,22 @@ int main(int argc, char **argv) {
     write_config_metrics(mx, t);
 
     const moe_config *c = &t->cfg;
+    if (c->load[0]) {
+        int loaded = 0;
+        s = moe_checkpoint_load(t, c->load, !strcmp(c->load, c->save), &loaded, &err);
+        if (s != MOE_OK)
+            return fail(t, mx, world, &err, s == MOE_ERR_CONFIG ? 2 : 1);
+        if (loaded)
+            moe_log_info("ckpt  | resumed from '%s' at step %d", c->load, t->step);
+    }
+    if (c->exit_signal_handler && moe_exit_signal_install(&err) != MOE_OK)
+        return fail(t, mx, world, &err, 1);
     moe_timer total;
     moe_timer_start(&total);
     double train_s = 0.0, tokens = 0.0, window_s = 0.0, window_tok = 0.0, window_flops = 0.0;
-    for (int step = 0; step < c->train_iters; step++) {
+    const int first_step = t->step;
+    for (int step = first_step; step < c->train_iters; step++) {
+        test_kill_hook(t, step);
         moe_step_stats st;
         moe_trainer_step(t, &st);
         train_s += st.seconds;
@@ -172,8 +214,9 @@ int main(int argc, char **argv) {
         moe_metrics_num(mx, "expert_load_mean", st.load_mean);
         moe_metrics_int(mx, "dropped_tokens", st.dropped);
         moe_metrics_end(mx);
-        if ((step + 1) % c->log_interval == 0 || step == 0 || step + 1 == c->train_iters) {
-            double eta = (c->train_iters - step - 1) * (train_s / (step + 1));
+        if ((step + 1) % c->log_interval == 0 || step == first_step ||
+            step + 1 == c->train_iters) {
+            double eta = (c->train_iters - step - 1) * (train_s / (step + 1 - first_step));
             char load[128] = "";
             if (st.load_mean > 0)
                 snprintf(load, sizeof load, " | experts min/mean/max %lld/%.0f/%lld%s",
@@ -197,6 +240,19 @@ int main(int argc, char **argv) {
         if (c->eval_interval > 0 && (step + 1) % c->eval_interval == 0 &&
             step + 1 != c->train_iters)
             evaluate(t, mx, step + 1, moe_timer_elapsed(&total));
+        /* a step boundary: every rank decides the same way whether to save and stop */
+        const int stop = c->exit_signal_handler && moe_exit_signal_agreed(t->world);
+        if (c->save[0] && (stop || step + 1 == c->train_iters ||
+                           (c->save_interval > 0 && (step + 1) % c->save_interval == 0))) {
+            if (moe_checkpoint_save(t, c->save, c->keep_last, &err) != MOE_OK)
+                return fail(t, mx, world, &err, 1);
+            moe_log_info("ckpt  | saved step %d in '%s'", t->step, c->save);
+        }
+        if (stop) {
+            moe_log_info("signal| stopping after step %d on a signal; resume with --load %s",
+                         t->step, c->save);
+            return finish(t, mx, world, 0);
+        }
     }
     evaluate(t, mx, c->train_iters, moe_timer_elapsed(&total));
     moe_log_info("done  | %d steps in %.1f s of training (%.0f tok/s)", c->train_iters, train_s,
@@ -211,8 +267,5 @@ int main(int argc, char **argv) {
             free(text);
         }
     }
-    moe_metrics_close(mx);
-    moe_trainer_free(t);
-    moe_comm_finalize(world);
-    return 0;
+    return finish(t, mx, world, 0);
 }

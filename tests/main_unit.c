@@ -12,6 +12,7 @@ int main(void) {
     srunner_add_suite(sr, suite_router());
     srunner_add_suite(sr, suite_train());
     srunner_add_suite(sr, suite_parallel());
+    srunner_add_suite(sr, suite_checkpoint());
     srunner_run_all(sr, CK_NORMAL);
     int failed = srunner_ntests_failed(sr);
     srunner_free(sr);

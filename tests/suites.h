@@ -13,6 +13,8 @@ Suite *suite_data(void);      /* tests/test_data.c: tokenizer, data search, batc
 Suite *suite_config(void);    /* tests/test_config.c: flags, validation, named errors */
 Suite *suite_router(void);    /* tests/test_router.c: router semantics, aux losses, expert bias */
 Suite *suite_train(void);     /* tests/test_train.c: determinism, loss falls, trainer errors */
+Suite *suite_checkpoint(void); /* tests/test_checkpoint.c: resume bit for bit (kill -9, SIGTERM),
+                                  kill -9 during a save, corruption and mismatch errors */
 Suite *suite_parallel(void);  /* tests/test_parallel.c: the parallel grid, bin/moe-grid, sharded
                                  parameters */
 
