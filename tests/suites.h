@@ -29,12 +29,16 @@ Suite *suite_gpu_attention(void); /* tests/gpu_attention.c */
 Suite *suite_gpu_moe(void);       /* tests/gpu_moe.c: router, aux/z losses, permutation */
 Suite *suite_gpu_model(void);     /* tests/gpu_model.c: whole model CUDA vs CPU, 50 steps */
 Suite *suite_gpu_grouped(void);   /* tests/gpu_grouped.c: cuBLAS grouped GEMM vs the loop */
+Suite *suite_gpu_checkpoint(void); /* tests/gpu_checkpoint.c: kill -9, resume, the same losses
+                                      bit for bit, through bin/moe-train --device cuda */
 
 /* MPI tests (CPU ranks under mpirun) */
 Suite *suite_mpi_comm(void);      /* tests/mpi_comm.c: every collective of comm.h, any rank count */
 Suite *suite_mpi_grid(void);      /* tests/mpi_grid.c: the grid's communicators match its groups */
 Suite *suite_mpi_ep(void);        /* tests/mpi_ep.c: EP = any divisor of the ranks gives the
                                      single-process loss and gradients */
+Suite *suite_mpi_checkpoint(void); /* tests/mpi_checkpoint.c: exact resume at EP = ranks, a
+                                      checkpoint loaded into another folding, a missing file */
 struct moe_comm;
 /** The world the MPI runner (tests/mpi_main.c) started. */
 struct moe_comm *moe_test_world(void);

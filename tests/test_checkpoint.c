@@ -54,22 +54,19 @@ static void sh(const char *fmt, const char *a, const char *b) {
 
 /* ------------------------------------------------------------------ through moe-train */
 
-START_TEST(test_resume_after_kill9) {
+/* Interrupt a run with @p sig past half way, resume it: the same losses (helpers.h). */
+static void resume_after(int sig) {
     if (!moe_test_have_program("bin/moe-train"))
         return;
     char why[4096];
-    ck_assert_msg(moe_test_resume_after_signal(CK_SMALL "--device cpu", 16, SIGKILL, why,
+    ck_assert_msg(moe_test_resume_after_signal(CK_SMALL "--device cpu", 16, sig, why,
                                                sizeof why), "%s", why);
 }
+
+START_TEST(test_resume_after_kill9) { resume_after(SIGKILL); }
 END_TEST
 
-START_TEST(test_resume_after_sigterm) {
-    if (!moe_test_have_program("bin/moe-train"))
-        return;
-    char why[4096];
-    ck_assert_msg(moe_test_resume_after_signal(CK_SMALL "--device cpu", 16, SIGTERM, why,
-                                               sizeof why), "%s", why);
-}
+START_TEST(test_resume_after_sigterm) { resume_after(SIGTERM); }
 END_TEST
 
 START_TEST(test_kill9_during_save) {
