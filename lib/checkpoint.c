@@ -252,7 +252,8 @@ static void prune(const char *dir, long long step, int keep) {
         older[n++] = s;
     }
     closedir(d);
-    qsort(older, (size_t)n, sizeof *older, cmp_desc);
+    if (n > 0) /* qsort of a NULL array is undefined even for 0 elements */
+        qsort(older, (size_t)n, sizeof *older, cmp_desc);
     for (int i = keep - 1; i < n; i++) {
         char p[PATH_CAP];
         iter_dir(p, sizeof p, dir, older[i]);
