@@ -281,13 +281,17 @@ test-mpi: check-deps
 	  echo "== MPI test: a stopped rank ends the job (rank 1 stops, rank 0's deadline of 2 s passes)" && \
 	  $(call EXPECT_JOB_END,-x MOE_COMM_TIMEOUT=2 -np 2 $(BUILD)/tests/mpi_abort stop,[rank 0] fatal: all_reduce_sum did not complete within 2 s (MOE_COMM_TIMEOUT)); \
 	  echo "== MPI test: the deadline from --distributed-timeout-minutes 0.05 (3 s) ends the job" && \
-	  $(call EXPECT_JOB_END,-np 2 $(BUILD)/tests/mpi_abort stop --distributed-timeout-minutes 0.05,[rank 0] fatal: all_reduce_sum did not complete within 3 s (--distributed-timeout-minutes)); fi
+	  $(call EXPECT_JOB_END,-np 2 $(BUILD)/tests/mpi_abort stop --distributed-timeout-minutes 0.05,[rank 0] fatal: all_reduce_sum did not complete within 3 s (--distributed-timeout-minutes)); \
+	  $(MAKE) --no-print-directory bin/moe-train && \
+	  echo "== MPI test: kill -9 of a rank, resume from the checkpoint, the same losses bit for bit (2 ranks, EP 2)" && \
+	  MPIRUN="$(MPIRUN)" tests/ckpt_resume_mpi.sh || exit 1; fi
 
-# CUDA tests: each CUDA op against its CPU twin, the whole model CUDA vs CPU.
+# CUDA tests: each CUDA op against its CPU twin, the whole model CUDA vs CPU, and resume
+# through bin/moe-train --device cuda (kill -9, resume, the same losses bit for bit).
 # Without a GPU (CI) the binary prints "skipped: no GPU" and succeeds.
 test-gpu: check-deps
 	@if [ "$(WITH_CUDA)" != 1 ]; then echo "== GPU tests: skipped (built without CUDA: nvcc not found)"; \
-	else $(MAKE) --no-print-directory $(BUILD)/tests/gpu && echo "== GPU tests (CUDA vs CPU)" && $(BUILD)/tests/gpu; fi
+	else $(MAKE) --no-print-directory $(BUILD)/tests/gpu bin/moe-train && echo "== GPU tests (CUDA vs CPU)" && $(BUILD)/tests/gpu; fi
 
 # ---- chapter self-checks (make check-chNN) and student mode (STUDENT=1)
 # check-chNN runs only the test cases tagged "chNN" (Check's CK_INCLUDE_TAGS; the tags are

@@ -18,6 +18,7 @@ static const char G_MODEL[] = "model";
 static const char G_MOE[] = "mixture of experts";
 static const char G_TRAIN[] = "training";
 static const char G_DATA[] = "data, logging and output";
+static const char G_CKPT[] = "checkpointing";
 
 /* The single source of truth for every flag: name, type, field, default, meaning. */
 static const moe_flag g_flags[] = {
@@ -152,6 +153,21 @@ static const moe_flag g_flags[] = {
       "default sizes: cpu = this table's defaults, gpu = a larger model for one H100/H200, "
       "auto = gpu when running on CUDA; explicit flags always win",
       "auto|cpu|gpu", G_DATA),
+
+    F("save", MOE_FLAG_STRING, save, "",
+      "save checkpoints into this directory (every --save-interval steps, at the end, and on "
+      "SIGINT/SIGTERM with --exit-signal-handler)", NULL, G_CKPT),
+    F("load", MOE_FLAG_STRING, load, "",
+      "resume from the latest checkpoint in this directory (the same as --save: start fresh "
+      "when it has none yet)", NULL, G_CKPT),
+    F("save-interval", MOE_FLAG_INT, save_interval, "0",
+      "save a checkpoint every N steps (0 = only at the end and on a signal)", NULL, G_CKPT),
+    F("keep-last", MOE_FLAG_INT, keep_last, "2",
+      "checkpoints kept in --save; older ones are deleted after a newer one is complete "
+      "(0 = keep all)", NULL, G_CKPT),
+    F("exit-signal-handler", MOE_FLAG_BOOL, exit_signal_handler, "0",
+      "on SIGINT or SIGTERM, save a checkpoint at the next step boundary and exit 0 (a second "
+      "signal kills at once)", NULL, G_CKPT),
 };
 
 const moe_flag *moe_config_flags(int *n) {
@@ -534,6 +550,14 @@ moe_status moe_config_validate(moe_config *c, moe_error *err) {
             c->sample_length);
     REQUIRE(c->sample_temperature > 0.0, "--sample-temperature must be > 0 (got %g)",
             c->sample_temperature);
+
+    /* checkpointing */
+    REQUIRE(c->save_interval >= 0, "--save-interval must be >= 0 (got %d; 0 = only at the end)",
+            c->save_interval);
+    REQUIRE(c->keep_last >= 0, "--keep-last must be >= 0 (got %d; 0 = keep every checkpoint)",
+            c->keep_last);
+    REQUIRE(c->save[0] || (c->save_interval == 0 && !c->exit_signal_handler),
+            "--save-interval and --exit-signal-handler save checkpoints: give --save DIR too");
 
     /* derived sizes: every buffer the model will allocate, in 64-bit with overflow checks
      * (memory.h); whether the memory is there is moe_model_create()'s question */

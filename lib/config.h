@@ -157,6 +157,12 @@ typedef struct moe_config {
     double sample_temperature;  /**< --sample-temperature */
     char device[MOE_FLAG_STR_LEN];         /**< --device */
     char preset[MOE_FLAG_STR_LEN];         /**< --preset */
+    /* ---- checkpointing (checkpoint.h) */
+    char save[MOE_FLAG_STR_LEN];           /**< --save: checkpoint directory ("" = no saving) */
+    char load[MOE_FLAG_STR_LEN];           /**< --load: resume from this directory ("" = none) */
+    int save_interval;          /**< --save-interval (0 = only at the end and on a signal) */
+    int keep_last;              /**< --keep-last: checkpoints kept in --save (0 = all) */
+    int exit_signal_handler;    /**< --exit-signal-handler */
 
     /* ---- resolved by moe_config_validate() */
     int vocab_size;             /**< set from the tokenizer, not a flag */

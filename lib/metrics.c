@@ -118,9 +118,16 @@ void moe_metrics_num(moe_metrics *m, const char *key, double value) {
     if (!m)
         return;
     put_key(m, key);
-    if (isfinite(value))
-        put(m, "%.9g", value);
-    else
+    if (isfinite(value)) {
+        /* the shorter of 15 and 17 significant digits that reads back as the same double:
+         * typed values stay short (0.001), and a value that needs all its bits gets them, so
+         * two runs compare bit for bit (the resume tests compare losses this way) */
+        char text[32];
+        snprintf(text, sizeof text, "%.15g", value);
+        if (strtod(text, NULL) != value)
+            snprintf(text, sizeof text, "%.17g", value);
+        put(m, "%s", text);
+    } else
         put(m, "null");
 }
 

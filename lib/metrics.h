@@ -50,7 +50,7 @@ void moe_json_write_string(FILE *f, const char *s);
 
 /** @brief Start a record with field "event": @p event. @param m writer (NULL: no-op) @param event record kind */
 void moe_metrics_begin(moe_metrics *m, const char *event);
-/** @brief Add a numeric field (non-finite values are written as null). @param m writer @param key name @param value number */
+/** @brief Add a numeric field, with the digits that read back as the same double (non-finite values are written as null). @param m writer @param key name @param value number */
 void moe_metrics_num(moe_metrics *m, const char *key, double value);
 /** @brief Add an integer field. @param m writer @param key name @param value integer */
 void moe_metrics_int(moe_metrics *m, const char *key, long long value);

@@ -7,7 +7,12 @@
  * Prints one line per --log-interval steps (loss, step time, tokens/s, expert
  * load), the validation loss every --eval-interval steps, a text sample at the
  * end, and (with --metrics-file) one JSON object per event.
+ *
+ * With --save DIR it checkpoints every --save-interval steps and at the end; --load DIR
+ * resumes; with --exit-signal-handler, SIGINT/SIGTERM save at the next step boundary and
+ * exit 0 (checkpoint.h).
  */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,8 +21,10 @@
 #include <omp.h>
 #endif
 
+#include "checkpoint.h"
 #include "comm.h"
 #include "config.h"
+#include "exit_signal.h"
 #include "log.h"
 #include "metrics.h"
 #include "outfile.h"
@@ -115,6 +122,29 @@ static void evaluate(moe_trainer *t, moe_metrics *mx, moe_comm *world, int step,
     end_record(mx, world);
 }
 
+/* Test hook (make test-mpi): MOE_TEST_KILL_AT_STEP=k makes the last rank die by SIGKILL
+ * before step k, as a crashed node would; the job must then resume from its checkpoint. */
+static void test_kill_hook(const moe_trainer *t, int step) {
+    const char *k = getenv("MOE_TEST_KILL_AT_STEP");
+    if (k && atoi(k) == step && t->rank == t->world_size - 1)
+        raise(SIGKILL);
+}
+
+/* Free everything and return the exit code. */
+static int finish(moe_trainer *t, moe_metrics *mx, moe_comm *world, int code) {
+    moe_metrics_close(mx);
+    moe_trainer_free(t);
+    moe_comm_finalize(world);
+    return code;
+}
+
+/* End the run after a failure every rank agreed on (a load or a save). */
+static int fail_agreed(moe_trainer *t, moe_metrics *mx, moe_comm *world, const moe_error *err,
+                       int code) {
+    moe_log_error("%s", err->msg);
+    return finish(t, mx, world, code);
+}
+
 int main(int argc, char **argv) {
     moe_config cfg;
     moe_error err;
@@ -160,12 +190,26 @@ int main(int argc, char **argv) {
         moe_comm_finalize(world);
         return s == MOE_ERR_CONFIG || s == MOE_ERR_FLAG ? 2 : 1;
     }
-    /* the metrics file: never an input of the run, never an existing file without
-     * --overwrite (outfile.h) */
+    /* resume first: a resumed run appends to its metrics file instead of refusing it */
+    int loaded = 0;
+    if (cfg.load[0]) {
+        s = moe_checkpoint_load(t, cfg.load, !strcmp(cfg.load, cfg.save), &loaded, &err);
+        if (s != MOE_OK)
+            return fail_agreed(t, NULL, world, &err, s == MOE_ERR_CONFIG ? 2 : 1);
+        if (loaded)
+            moe_log_info("ckpt  | resumed from '%s' at step %d", cfg.load, t->step);
+    }
+    /* the output paths: never an input of the run (outfile.h); the metrics file is never an
+     * existing file without --overwrite, unless this run resumes (then it appends) */
+    const char *inputs[] = {t->data.path};
+    if (cfg.save[0] &&
+        (s = moe_outfile_check(cfg.save, "save", inputs, 1, MOE_OUTFILE_APPEND, &err)) != MOE_OK)
+        return fail_agreed(t, NULL, world, &err, 2);
     moe_metrics *mx = NULL;
     if (moe_comm_rank(world) == 0 && t->cfg.metrics_file[0]) {
-        const char *inputs[] = {t->data.path};
-        const moe_outfile_mode mode = t->cfg.overwrite ? MOE_OUTFILE_OVERWRITE : MOE_OUTFILE_NEW;
+        const moe_outfile_mode mode = loaded            ? MOE_OUTFILE_APPEND
+                                      : t->cfg.overwrite ? MOE_OUTFILE_OVERWRITE
+                                                         : MOE_OUTFILE_NEW;
         s = moe_outfile_check(t->cfg.metrics_file, "metrics-file", inputs, 1, mode, &err);
         if (s == MOE_OK)
             s = moe_metrics_open(&mx, t->cfg.metrics_file, mode, &err);
@@ -176,10 +220,14 @@ int main(int argc, char **argv) {
     write_config_metrics(mx, t, world);
 
     const moe_config *c = &t->cfg;
+    if (c->exit_signal_handler && moe_exit_signal_install(&err) != MOE_OK)
+        return fail_agreed(t, mx, world, &err, 1);
     moe_timer total;
     moe_timer_start(&total);
     double train_s = 0.0, tokens = 0.0, window_s = 0.0, window_tok = 0.0, window_flops = 0.0;
-    for (int step = 0; step < c->train_iters; step++) {
+    const int first_step = t->step;
+    for (int step = first_step; step < c->train_iters; step++) {
+        test_kill_hook(t, step);
         moe_step_stats st;
         s = moe_trainer_step(t, &st, &err);
         if (s != MOE_OK) {
@@ -218,8 +266,9 @@ int main(int argc, char **argv) {
         moe_metrics_num(mx, "expert_load_mean", st.load_mean);
         moe_metrics_int(mx, "dropped_tokens", st.dropped);
         end_record(mx, world);
-        if ((step + 1) % c->log_interval == 0 || step == 0 || step + 1 == c->train_iters) {
-            double eta = (c->train_iters - step - 1) * (train_s / (step + 1));
+        if ((step + 1) % c->log_interval == 0 || step == first_step ||
+            step + 1 == c->train_iters) {
+            double eta = (c->train_iters - step - 1) * (train_s / (step + 1 - first_step));
             char load[128] = "";
             if (st.load_mean > 0)
                 snprintf(load, sizeof load, " | experts min/mean/max %lld/%.0f/%lld%s",
@@ -243,6 +292,19 @@ int main(int argc, char **argv) {
         if (c->eval_interval > 0 && (step + 1) % c->eval_interval == 0 &&
             step + 1 != c->train_iters)
             evaluate(t, mx, world, step + 1, moe_timer_elapsed(&total));
+        /* a step boundary: every rank decides the same way whether to save and stop */
+        const int stop = c->exit_signal_handler && moe_exit_signal_agreed(t->world);
+        if (c->save[0] && (stop || step + 1 == c->train_iters ||
+                           (c->save_interval > 0 && (step + 1) % c->save_interval == 0))) {
+            if (moe_checkpoint_save(t, c->save, c->keep_last, &err) != MOE_OK)
+                return fail_agreed(t, mx, world, &err, 1);
+            moe_log_info("ckpt  | saved step %d in '%s'", t->step, c->save);
+        }
+        if (stop) {
+            moe_log_info("signal| stopping after step %d on a signal; resume with --load %s",
+                         t->step, c->save);
+            return finish(t, mx, world, 0);
+        }
     }
     evaluate(t, mx, world, c->train_iters, moe_timer_elapsed(&total));
     moe_log_info("done  | %d steps in %.1f s of training (%.0f tok/s)", c->train_iters, train_s,
@@ -257,8 +319,5 @@ int main(int argc, char **argv) {
             free(text);
         }
     }
-    moe_metrics_close(mx);
-    moe_trainer_free(t);
-    moe_comm_finalize(world);
-    return 0;
+    return finish(t, mx, world, 0);
 }

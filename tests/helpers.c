@@ -2,6 +2,7 @@
 #include "helpers.h"
 
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -93,3 +94,146 @@ Suite *moe_test_chapter_suite(const char *name, const char *chapter, const TTest
     tcase_set_tags(moe_test_tcase(s, chapter, 60, tests, n), chapter);
     return s;
 }
+
+/* ------------------------------------------------------------------ resume via moe-train */
+
+#define RESUME_MAX_STEPS 64
+
+/* The "loss" text of every train record of a metrics file, by step; returns the last step
+ * (0 when there is none, -1 when the file cannot be read). */
+static int read_losses(const char *path, char loss[][40]) {
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -1;
+    char line[4096];
+    int last = 0;
+    while (fgets(line, sizeof line, f)) {
+        const char *st = strstr(line, "\"step\":"), *lo = strstr(line, "\"loss\":");
+        if (!strstr(line, "\"event\":\"train\"") || !st || !lo)
+            continue;
+        int step = atoi(st + 7);
+        if (step < 1 || step >= RESUME_MAX_STEPS)
+            continue;
+        snprintf(loss[step], 40, "%.*s", (int)strcspn(lo + 7, ",}"), lo + 7);
+        last = step;
+    }
+    fclose(f);
+    return last;
+}
+
+static long long read_latest_step(const char *dir) {
+    char path[700];
+    snprintf(path, sizeof path, "%s/latest_checkpointed_iteration.txt", dir);
+    FILE *f = fopen(path, "r");
+    long long step = -1;
+    if (f) {
+        if (fscanf(f, "%lld", &step) != 1)
+            step = -1;
+        fclose(f);
+    }
+    return step;
+}
+
+#define FAIL(...)                              \
+    do {                                       \
+        snprintf(why, cap, __VA_ARGS__);       \
+        return 0;                              \
+    } while (0)
+
+/* Start the run to be interrupted; returns its pid (the shell execs moe-train itself). */
+static pid_t start_run(const char *cmd) {
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (!freopen("/dev/null", "w", stdout) || !freopen("/dev/null", "w", stderr))
+            _exit(126);
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    return pid;
+}
+
+int moe_test_resume_after_signal(const char *flags, int steps, int sig, char *why, size_t cap) {
+    static char out[1 << 16];
+    static char ref[RESUME_MAX_STEPS][40], got[RESUME_MAX_STEPS][40];
+    char dir[512], ckpt[600], cmd[2000];
+    if (steps >= RESUME_MAX_STEPS)
+        FAIL("at most %d steps", RESUME_MAX_STEPS - 1);
+    moe_test_tmp_path(dir, sizeof dir, sig == SIGKILL ? "resume_kill" : "resume_term");
+    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", dir, dir);
+    if (system(cmd) != 0)
+        FAIL("cannot create %s", dir);
+    snprintf(ckpt, sizeof ckpt, "%s/ckpt", dir);
+    const char *run = "MOE_NO_DOWNLOAD=1 exec ./bin/moe-train";
+
+    /* 1. the uninterrupted reference */
+    char metrics[700];
+    snprintf(metrics, sizeof metrics, "%s/ref.jsonl", dir);
+    snprintf(cmd, sizeof cmd, "%s %s --train-iters %d --metrics-file %s", run, flags, steps,
+             metrics);
+    if (moe_test_run(cmd, out, sizeof out) != 0)
+        FAIL("the reference run failed:\n%s", out);
+    memset(ref, 0, sizeof ref);
+    if (read_losses(metrics, ref) != steps)
+        FAIL("the reference run did not log %d steps", steps);
+
+    /* 2. the run that is interrupted once it is past half way */
+    snprintf(metrics, sizeof metrics, "%s/cut.jsonl", dir);
+    snprintf(cmd, sizeof cmd, "%s %s --train-iters 1000000 --save %s --save-interval 2 "
+             "--metrics-file %s %s", run, flags, ckpt, metrics,
+             sig == SIGTERM ? "--exit-signal-handler" : "");
+    pid_t pid = start_run(cmd);
+    if (pid < 0)
+        FAIL("fork failed");
+    int status = 0, waited = 0;
+    for (int ms = 0;; ms += 2) {
+        memset(got, 0, sizeof got);
+        int past = sig == SIGKILL ? read_latest_step(ckpt) >= steps / 2
+                                  : read_losses(metrics, got) >= steps / 2;
+        if (past)
+            break;
+        if (waitpid(pid, &status, WNOHANG) == pid) {
+            waited = 1;
+            break;
+        }
+        if (ms > 120000) {
+            kill(pid, SIGKILL);
+            waitpid(pid, &status, 0);
+            FAIL("the run to interrupt did not reach step %d within 120 s", steps / 2);
+        }
+        usleep(2000);
+    }
+    if (waited)
+        FAIL("the run to interrupt ended by itself (status %d)", status);
+    kill(pid, sig);
+    waitpid(pid, &status, 0);
+    if (sig == SIGKILL && !(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL))
+        FAIL("the run did not die of SIGKILL (status %d)", status);
+    if (sig == SIGTERM && !(WIFEXITED(status) && WEXITSTATUS(status) == 0))
+        FAIL("with --exit-signal-handler, SIGTERM must save and exit 0 (status %d)", status);
+    const long long saved = read_latest_step(ckpt);
+    if (saved < steps / 2 || saved >= steps)
+        FAIL("the checkpoint left is of step %lld; the test needs one in [%d, %d) (a machine "
+             "too slow to interrupt the run in time?)", saved, steps / 2, steps);
+
+    /* 3. resume up to the reference's length, and compare */
+    snprintf(cmd, sizeof cmd, "%s %s --train-iters %d --load %s --save %s --metrics-file "
+             "%s/resumed.jsonl", run, flags, steps, ckpt, ckpt, dir);
+    if (moe_test_run(cmd, out, sizeof out) != 0 || !strstr(out, "resumed from"))
+        FAIL("the resumed run failed:\n%s", out);
+    memset(got, 0, sizeof got);
+    snprintf(metrics, sizeof metrics, "%s/resumed.jsonl", dir);
+    if (read_losses(metrics, got) != steps)
+        FAIL("the resumed run did not reach step %d", steps);
+    for (int s = 1; s <= steps; s++) {
+        if (s <= saved && got[s][0])
+            FAIL("the resumed run repeated step %d (the checkpoint was of step %lld)", s, saved);
+        if (s > saved && strcmp(got[s], ref[s]) != 0)
+            FAIL("step %d after resuming from step %lld: loss %s, uninterrupted %s", s, saved,
+                 got[s], ref[s]);
+    }
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    if (system(cmd) != 0)
+        FAIL("cannot remove %s", dir);
+    return 1;
+}
+#undef FAIL

@@ -43,6 +43,17 @@ int moe_test_run(const char *cmd, char *out, size_t cap);
  *  that the test that needs it is skipped. */
 int moe_test_have_program(const char *path);
 
+/** Resume reproduces the loss curve bit for bit, through bin/moe-train: train @p flags for
+ *  @p steps steps (the reference); start the same run towards a far step count with
+ *  `--save DIR --save-interval 2` and interrupt it with @p sig once it is past half of
+ *  @p steps (SIGKILL: a real kill -9 once a checkpoint at or after half exists; SIGTERM:
+ *  with --exit-signal-handler, which must save and exit 0); resume it with --load DIR up to
+ *  @p steps; every resumed step's loss in the metrics file must equal the reference's
+ *  character for character (17 significant digits: the same double). @p flags must fix
+ *  --lr-decay-iters, so that --train-iters does not move the LR schedule.
+ *  @return 1 on success, else 0 with the reason in @p why */
+int moe_test_resume_after_signal(const char *flags, int steps, int sig, char *why, size_t cap);
+
 /** Add to @p s a test case @p name of the @p n tests @p tests, each with @p timeout seconds.
  *  @return the test case */
 TCase *moe_test_tcase(Suite *s, const char *name, double timeout, const TTest *const *tests,

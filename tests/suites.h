@@ -13,6 +13,8 @@ Suite *suite_data(void);      /* tests/test_data.c: tokenizer, data search, batc
 Suite *suite_config(void);    /* tests/test_config.c: flags, validation, named errors */
 Suite *suite_router(void);    /* tests/test_router.c: router semantics, aux losses, expert bias */
 Suite *suite_train(void);     /* tests/test_train.c: determinism, loss falls, trainer errors */
+Suite *suite_checkpoint(void); /* tests/test_checkpoint.c: resume bit for bit (kill -9, SIGTERM),
+                                  kill -9 during a save, corruption and mismatch errors */
 Suite *suite_parallel(void);  /* tests/test_parallel.c: the parallel grid, bin/moe-grid, sharded
                                  parameters */
 Suite *suite_fuzz(void);      /* tests/test_fuzz.c: thousands of random command lines: no crash,
@@ -34,12 +36,16 @@ Suite *suite_gpu_attention(void); /* tests/gpu_attention.c */
 Suite *suite_gpu_moe(void);       /* tests/gpu_moe.c: router, aux/z losses, permutation */
 Suite *suite_gpu_model(void);     /* tests/gpu_model.c: whole model CUDA vs CPU, 50 steps */
 Suite *suite_gpu_grouped(void);   /* tests/gpu_grouped.c: cuBLAS grouped GEMM vs the loop */
+Suite *suite_gpu_checkpoint(void); /* tests/gpu_checkpoint.c: kill -9, resume, the same losses
+                                      bit for bit, through bin/moe-train --device cuda */
 
 /* MPI tests (CPU ranks under mpirun) */
 Suite *suite_mpi_comm(void);      /* tests/mpi_comm.c: every collective of comm.h, any rank count */
 Suite *suite_mpi_grid(void);      /* tests/mpi_grid.c: the grid's communicators match its groups */
 Suite *suite_mpi_ep(void);        /* tests/mpi_ep.c: EP = any divisor of the ranks gives the
                                      single-process loss and gradients */
+Suite *suite_mpi_checkpoint(void); /* tests/mpi_checkpoint.c: exact resume at EP = ranks, a
+                                      checkpoint loaded into another folding, a missing file */
 struct moe_comm;
 /** The world the MPI runner (tests/mpi_main.c) started. */
 struct moe_comm *moe_test_world(void);

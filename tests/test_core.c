@@ -259,7 +259,7 @@ START_TEST(test_metrics_records) {
         "{\"event\":\"train\",\"step\":10,\"loss\":2.5,\"lr\":0.001,\"nan\":null,\"inf\":null,"
         "\"counts\":[1,2,30,-4]}\n"
         "{\"event\":\"sample\",\"text\":\"say \\\"hi\\\"\\nback\\\\slash\\ttab\\u0001\","
-        "\"neg\":-5,\"big\":123456789012345,\"empty\":[],\"third\":0.333333333}\n"
+        "\"neg\":-5,\"big\":123456789012345,\"empty\":[],\"third\":0.33333333333333331}\n"
         "{\"event\":\"qu\\\"ote\"}\n";
     char *got = slurp(path);
     unlink(path);

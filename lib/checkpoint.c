@@ -1,0 +1,611 @@
+/* Checkpoint and resume: see checkpoint.h; the file format is checkpoint_file.h's. */
+#include "checkpoint.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "atomic_file.h"
+#include "checkpoint_file.h"
+#include "log.h"
+
+#define PATH_CAP 1100
+#define REAL_DTYPE (sizeof(moe_real) == 4 ? MOE_CKPT_F32 : MOE_CKPT_F64)
+
+/* What is saved for each parameter tensor, by name prefix: the master weights and the two
+ * AdamW moments (Megatron/PyTorch call them exp_avg and exp_avg_sq). */
+enum { BUF_PARAM, BUF_EXP_AVG, BUF_EXP_AVG_SQ, BUF_COUNT };
+static const char *const g_prefix[BUF_COUNT] = {"model.", "optim.exp_avg.", "optim.exp_avg_sq."};
+/* trainer.state: the step and what depends on it */
+enum { ST_STEP, ST_ADAM_STEP, ST_SEED, ST_CONSUMED_SAMPLES, ST_COUNT };
+
+/* The host copies of the state a checkpoint holds, laid out like the parameters. */
+typedef struct host_state {
+    moe_real *param;
+    float *moment[2];    /* exp_avg, exp_avg_sq */
+    float *expert_bias;  /* [L·E], or NULL for a dense model */
+    int64_t state[ST_COUNT];
+} host_state;
+
+static void *buf_of(host_state *h, int b) {
+    return b == BUF_PARAM ? (void *)h->param : (void *)h->moment[b - 1];
+}
+static moe_ckpt_dtype dtype_of(int b) { return b == BUF_PARAM ? REAL_DTYPE : MOE_CKPT_F32; }
+
+static void host_state_free(host_state *h) {
+    free(h->param);
+    free(h->moment[0]);
+    free(h->moment[1]);
+    free(h->expert_bias);
+}
+
+static moe_status host_state_alloc(host_state *h, const moe_model *m, moe_error *err) {
+    memset(h, 0, sizeof *h);
+    const size_t n = m->table.total;
+    const size_t nb = m->expert_bias ? (size_t)m->cfg.num_layers * m->cfg.num_experts : 0;
+    h->param = malloc(sizeof(moe_real) * n + 1);
+    h->moment[0] = malloc(sizeof(float) * n + 1);
+    h->moment[1] = malloc(sizeof(float) * n + 1);
+    h->expert_bias = nb ? malloc(sizeof(float) * nb) : NULL;
+    if (!h->param || !h->moment[0] || !h->moment[1] || (nb && !h->expert_bias)) {
+        host_state_free(h);
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory for the checkpoint's host copy "
+                             "of %zu parameters (%.1f MB)", n,
+                             (sizeof(moe_real) + 8.0) * n / 1e6);
+    }
+    return MOE_OK;
+}
+
+/* ------------------------------------------------------------------ paths */
+
+static void iter_dir(char *out, size_t cap, const char *dir, long long step) {
+    snprintf(out, cap, "%s/iter_%07lld", dir, step);
+}
+static void shard_path(char *out, size_t cap, const char *dir, long long step, int rank) {
+    snprintf(out, cap, "%s/iter_%07lld/rank_%05d.moeckpt", dir, step, rank);
+}
+
+/* mkdir -p */
+static moe_status make_dirs(const char *dir, moe_error *err) {
+    char p[PATH_CAP];
+    snprintf(p, sizeof p, "%s", dir);
+    for (char *s = p + 1;; s++) {
+        if (*s != '/' && *s != '\0')
+            continue;
+        char c = *s;
+        *s = '\0';
+        if (mkdir(p, 0777) != 0 && errno != EEXIST)
+            return moe_error_set(err, MOE_ERR_IO, "cannot create checkpoint directory '%s': %s "
+                                 "(fix the path given to --save)", p, strerror(errno));
+        *s = c;
+        if (!c)
+            return MOE_OK;
+    }
+}
+
+/* ------------------------------------------------------------------ collective verdicts */
+
+/* Every rank ends a collective operation with the same verdict: a failure on one rank (its
+ * disk, its file) fails the operation everywhere, so no rank goes on with a checkpoint the
+ * others did not write or load. */
+static moe_status agree(const moe_trainer *t, moe_status s, const char *what, moe_error *err) {
+    if (!t->world)
+        return s;
+    int bad = s != MOE_OK;
+    moe_comm_host_all_reduce_sum(t->world, &bad, 1, MOE_DTYPE_I32);
+    if (bad && s == MOE_OK)
+        return moe_error_set(err, MOE_ERR_IO, "%s failed on another rank (see its message)",
+                             what);
+    return s;
+}
+
+/* ------------------------------------------------------------------ save */
+
+/* Of the ranks holding the same shard of a tensor (its replicas, the ranks its gradient is
+ * summed over), the first one saves it. */
+static int saves_tensor(const moe_trainer *t, const moe_tensor *ti) {
+    if (!t->world)
+        return 1;
+    moe_group g;
+    moe_grid_group(&t->par.grid, ti->grad_group, t->rank, &g, NULL);
+    return g.rank == 0;
+}
+
+/* Every flag as "name=value\n": what the loader compares with its own flags. */
+static char *config_text(const moe_config *c, size_t *len) {
+    int n;
+    const moe_flag *flags = moe_config_flags(&n);
+    size_t cap = (size_t)n * (MOE_FLAG_STR_LEN + 128), used = 0;
+    char *text = malloc(cap);
+    if (!text)
+        return NULL;
+    for (int i = 0; i < n; i++) {
+        char v[MOE_FLAG_STR_LEN + 32];
+        moe_flags_format_value(&flags[i], c, v, sizeof v);
+        used += (size_t)snprintf(text + used, cap - used, "%s=%s\n", flags[i].name, v);
+    }
+    *len = used;
+    return text;
+}
+
+/* A tensor entry of the file: @p ti's shard with @p name, or a whole 1-/2-d tensor. */
+static moe_ckpt_tensor entry(const char *name, moe_ckpt_dtype dtype, const moe_tensor *ti,
+                             int ndim, int64_t s0, int64_t s1, const void *data) {
+    moe_ckpt_tensor e;
+    memset(&e, 0, sizeof e);
+    snprintf(e.name, sizeof e.name, "%s", name);
+    e.dtype = dtype;
+    e.shard_count = 1;
+    size_t numel = 1;
+    if (ti) {
+        e.ndim = ti->ndim;
+        for (int d = 0; d < ti->ndim; d++)
+            e.global_shape[d] = ti->global_shape[d];
+        if (ti->shard.count > 1) {
+            e.shard_dim = ti->shard.dim;
+            e.shard_index = ti->shard.index;
+            e.shard_count = ti->shard.count;
+        }
+        numel = ti->numel;
+    } else {
+        e.ndim = ndim;
+        e.global_shape[0] = s0;
+        e.global_shape[1] = s1;
+        numel = (size_t)s0 * (size_t)(ndim > 1 ? s1 : 1);
+    }
+    e.bytes = numel * moe_ckpt_dtype_size(dtype);
+    e.data = data;
+    return e;
+}
+
+/* This rank's file: its first-replica tensors; rank 0 adds the run's state and flags. */
+static moe_status write_shard(const moe_trainer *t, const char *path, host_state *h,
+                              const char *config, size_t config_len, moe_error *err) {
+    const moe_model *m = t->model;
+    const moe_param_table *pt = &m->table;
+    moe_ckpt_tensor *list = calloc((size_t)pt->n * BUF_COUNT + 3, sizeof *list);
+    if (!list)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory saving a checkpoint");
+    int n = 0;
+    for (int i = 0; i < pt->n; i++) {
+        const moe_tensor *ti = &pt->t[i];
+        if (!saves_tensor(t, ti))
+            continue;
+        for (int b = 0; b < BUF_COUNT; b++) {
+            char name[MOE_CKPT_NAME_LEN];
+            snprintf(name, sizeof name, "%s%s", g_prefix[b], ti->name);
+            const size_t es = moe_ckpt_dtype_size(dtype_of(b));
+            list[n++] = entry(name, dtype_of(b), ti, 0, 0, 0,
+                              (const char *)buf_of(h, b) + es * ti->offset);
+        }
+    }
+    if (t->rank == 0) {
+        list[n++] = entry("trainer.state", MOE_CKPT_I64, NULL, 1, ST_COUNT, 0, h->state);
+        list[n++] = entry("config", MOE_CKPT_U8, NULL, 1, (int64_t)config_len, 0, config);
+        if (h->expert_bias)
+            list[n++] = entry("router.expert_bias", MOE_CKPT_F32, NULL, 2, m->cfg.num_layers,
+                              m->cfg.num_experts, h->expert_bias);
+    }
+    moe_ckpt_file_info info = {.step = t->step, .file_index = t->rank,
+                               .file_count = t->world_size};
+    moe_status s = moe_ckpt_file_write(path, &info, list, n, err);
+    free(list);
+    return s;
+}
+
+static moe_status write_latest(const char *dir, long long step, moe_error *err) {
+    char path[PATH_CAP];
+    snprintf(path, sizeof path, "%s/%s", dir, MOE_CKPT_LATEST);
+    moe_atomic_file af;
+    MOE_TRY(moe_atomic_open(&af, path, err));
+    fprintf(af.f, "%lld\n", step);
+    return moe_atomic_commit(&af, err);
+}
+
+static int cmp_desc(const void *a, const void *b) {
+    long long x = *(const long long *)a, y = *(const long long *)b;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+static void remove_dir(const char *path) {
+    DIR *d = opendir(path);
+    if (!d)
+        return;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+            continue;
+        char p[PATH_CAP + 300];
+        snprintf(p, sizeof p, "%s/%s", path, e->d_name);
+        unlink(p);
+    }
+    closedir(d);
+    if (rmdir(path) != 0)
+        moe_log_warn("could not delete old checkpoint '%s': %s", path, strerror(errno));
+}
+
+/* Keep the checkpoint of @p step and the keep-1 newest older ones. Newer ones (left by a run
+ * that was rolled back to an older checkpoint) are not ours to delete. */
+static void prune(const char *dir, long long step, int keep) {
+    DIR *d = opendir(dir);
+    if (!d)
+        return;
+    long long *older = NULL;
+    int n = 0, cap = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        long long s;
+        int end = 0;
+        if (sscanf(e->d_name, "iter_%lld%n", &s, &end) != 1 || e->d_name[end] != '\0' ||
+            s >= step)
+            continue;
+        if (n == cap) {
+            long long *grown = realloc(older, sizeof *older * (size_t)(cap = 2 * cap + 8));
+            if (!grown)
+                break;
+            older = grown;
+        }
+        older[n++] = s;
+    }
+    closedir(d);
+    if (n > 0) /* qsort of a NULL array is undefined even for 0 elements */
+        qsort(older, (size_t)n, sizeof *older, cmp_desc);
+    for (int i = keep - 1; i < n; i++) {
+        char p[PATH_CAP];
+        iter_dir(p, sizeof p, dir, older[i]);
+        remove_dir(p);
+    }
+    free(older);
+}
+
+moe_status moe_checkpoint_save(moe_trainer *t, const char *dir, int keep_last, moe_error *err) {
+    moe_model *m = t->model;
+    const moe_backend *be = m->be;
+    const size_t n = m->table.total;
+    char path[PATH_CAP];
+    iter_dir(path, sizeof path, dir, t->step);
+    moe_status s = make_dirs(path, err);
+    host_state h;
+    memset(&h, 0, sizeof h);
+    if (s == MOE_OK)
+        s = host_state_alloc(&h, m, err);
+    size_t config_len = 0;
+    char *config = s == MOE_OK ? config_text(&t->cfg, &config_len) : NULL;
+    if (s == MOE_OK && !config)
+        s = moe_error_set(err, MOE_ERR_NOMEM, "out of memory saving a checkpoint");
+    if (s == MOE_OK) {
+        be->synchronize();
+        be->to_host(h.param, m->params, sizeof(moe_real) * n);
+        be->to_host(h.moment[0], t->opt.m, sizeof(float) * n);
+        be->to_host(h.moment[1], t->opt.v, sizeof(float) * n);
+        if (h.expert_bias)
+            memcpy(h.expert_bias, m->expert_bias_host,
+                   sizeof(float) * (size_t)m->cfg.num_layers * m->cfg.num_experts);
+        h.state[ST_STEP] = t->step;
+        h.state[ST_ADAM_STEP] = t->opt.step;
+        h.state[ST_SEED] = t->cfg.seed;
+        h.state[ST_CONSUMED_SAMPLES] = (int64_t)t->step * t->cfg.global_batch_size;
+        shard_path(path, sizeof path, dir, t->step, t->rank);
+        s = write_shard(t, path, &h, config, config_len, err);
+    }
+    free(config);
+    host_state_free(&h);
+    /* the pointer moves only when every rank's file is complete */
+    s = agree(t, s, "saving the checkpoint", err);
+    if (s == MOE_OK && t->rank == 0) {
+        s = write_latest(dir, t->step, err);
+        if (s == MOE_OK && keep_last > 0)
+            prune(dir, t->step, keep_last);
+    }
+    return agree(t, s, "saving the checkpoint", err);
+}
+
+/* ------------------------------------------------------------------ load */
+
+/* The step `latest` names; *found = 0 when there is no pointer file. */
+static moe_status read_latest(const char *dir, long long *step, int *found, moe_error *err) {
+    char path[PATH_CAP];
+    snprintf(path, sizeof path, "%s/%s", dir, MOE_CKPT_LATEST);
+    *found = 0;
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        if (errno == ENOENT)
+            return MOE_OK;
+        return moe_error_set(err, MOE_ERR_IO, "cannot read '%s': %s", path, strerror(errno));
+    }
+    char line[64] = "";
+    char *got = fgets(line, sizeof line, f);
+    fclose(f);
+    char *end = NULL;
+    *step = got ? strtoll(line, &end, 10) : -1;
+    if (!got || end == line || (*end != '\n' && *end != '\0') || *step < 0)
+        return moe_error_set(err, MOE_ERR_DATA, "'%s' does not hold a step number (it should "
+                             "contain one line such as 200)", path);
+    *found = 1;
+    return MOE_OK;
+}
+
+/* Read and verify every file of the checkpoint of @p step: each intact, each of this step,
+ * each saying it is file i of the same count, none missing. */
+static moe_status read_files(const char *dir, long long step, moe_ckpt_file **out, int *nf,
+                             moe_error *err) {
+    char path[PATH_CAP];
+    moe_ckpt_file first;
+    shard_path(path, sizeof path, dir, step, 0);
+    MOE_TRY(moe_ckpt_file_read(&first, path, err));
+    const int count = first.info.file_count;
+    moe_ckpt_file *f = calloc(count > 0 ? (size_t)count : 1, sizeof *f);
+    if (!f) {
+        moe_ckpt_file_free(&first);
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory loading a checkpoint");
+    }
+    f[0] = first;
+    moe_status s = MOE_OK;
+    for (int i = 1; i < count && s == MOE_OK; i++) {
+        shard_path(path, sizeof path, dir, step, i);
+        if (access(path, F_OK) != 0)
+            s = moe_error_set(err, MOE_ERR_IO, "checkpoint '%s/iter_%07lld' is missing shard "
+                              "file '%s' (it was saved by %d ranks; every file is needed)", dir,
+                              step, path, count);
+        else
+            s = moe_ckpt_file_read(&f[i], path, err);
+    }
+    for (int i = 0; i < count && s == MOE_OK; i++)
+        if (f[i].info.step != step || f[i].info.file_index != i || f[i].info.file_count != count)
+            s = moe_error_set(err, MOE_ERR_DATA, "checkpoint file '%s' does not belong to the "
+                              "checkpoint of step %lld (it says step %lld, file %d of %d): files "
+                              "of different checkpoints were mixed", f[i].path, step,
+                              (long long)f[i].info.step, f[i].info.file_index,
+                              f[i].info.file_count);
+    if (s != MOE_OK) {
+        for (int i = 0; i < count; i++)
+            moe_ckpt_file_free(&f[i]);
+        free(f);
+        return s;
+    }
+    *out = f;
+    *nf = count;
+    return MOE_OK;
+}
+
+static const moe_ckpt_tensor *find(const moe_ckpt_file *f, int nf, const char *name) {
+    for (int i = 0; i < nf; i++)
+        for (int j = 0; j < f[i].n; j++)
+            if (!strcmp(f[i].t[j].name, name))
+                return &f[i].t[j];
+    return NULL;
+}
+
+/* Reassemble the whole tensor @p name from its shards in every file (each element is put at
+ * its place in the global shape by the shard's metadata), then cut out @p ti's shard of it:
+ * this is what loads a checkpoint into another folding. @p out receives ti->numel elements. */
+static moe_status gather(const moe_ckpt_file *f, int nf, const char *name, const moe_tensor *ti,
+                         moe_ckpt_dtype dtype, void *out, moe_error *err) {
+    const size_t es = moe_ckpt_dtype_size(dtype);
+    size_t gnumel = 1;
+    for (int d = 0; d < ti->ndim; d++)
+        gnumel *= (size_t)ti->global_shape[d];
+    unsigned char *full = malloc(gnumel * es);
+    unsigned char *have = NULL;
+    int count = 0, dim = 0;
+    moe_status s = full ? MOE_OK : moe_error_set(err, MOE_ERR_NOMEM, "out of memory loading "
+                                                 "tensor '%s' (%zu elements)", name, gnumel);
+    for (int i = 0; i < nf && s == MOE_OK; i++)
+        for (int j = 0; j < f[i].n && s == MOE_OK; j++) {
+            const moe_ckpt_tensor *c = &f[i].t[j];
+            if (strcmp(c->name, name) != 0)
+                continue;
+            int same = c->dtype == dtype && c->ndim == ti->ndim;
+            for (int d = 0; same && d < ti->ndim; d++)
+                same = c->global_shape[d] == ti->global_shape[d];
+            if (!same) {
+                s = moe_error_set(err, MOE_ERR_CONFIG, "tensor '%s' in '%s' has another shape or "
+                                  "type than in this model (the checkpoint is of another model "
+                                  "or build)", name, f[i].path);
+                break;
+            }
+            if (!have) {
+                count = c->shard_count;
+                dim = c->shard_dim;
+                have = calloc((size_t)count, 1);
+                if (!have) {
+                    s = moe_error_set(err, MOE_ERR_NOMEM, "out of memory loading a checkpoint");
+                    break;
+                }
+            } else if (c->shard_count != count || c->shard_dim != dim) {
+                s = moe_error_set(err, MOE_ERR_DATA, "the shards of tensor '%s' are split in "
+                                  "different ways ('%s'): files of different checkpoints were "
+                                  "mixed", name, f[i].path);
+                break;
+            }
+            /* the piece as a moe_tensor, so moe_tensor_global_index places its elements */
+            moe_tensor piece;
+            memset(&piece, 0, sizeof piece);
+            piece.ndim = c->ndim;
+            for (int d = 0; d < c->ndim; d++)
+                piece.shape[d] = piece.global_shape[d] = (int)c->global_shape[d];
+            piece.shape[dim] /= count;
+            piece.origin[dim] = c->shard_index * piece.shape[dim];
+            piece.numel = gnumel / (size_t)count;
+            const unsigned char *src = c->data;
+            for (size_t e = 0; e < piece.numel; e++)
+                memcpy(full + moe_tensor_global_index(&piece, e) * es, src + e * es, es);
+            have[c->shard_index] = 1;
+        }
+    if (s == MOE_OK && !have)
+        s = moe_error_set(err, MOE_ERR_DATA, "the checkpoint in '%s' has no tensor '%s'",
+                          f[0].path, name);
+    for (int k = 0; s == MOE_OK && k < count; k++)
+        if (!have[k])
+            s = moe_error_set(err, MOE_ERR_DATA, "the checkpoint in '%s' lacks shard %d of %d of "
+                              "tensor '%s'", f[0].path, k, count, name);
+    if (s == MOE_OK)
+        for (size_t e = 0; e < ti->numel; e++)
+            memcpy((unsigned char *)out + e * es, full + moe_tensor_global_index(ti, e) * es, es);
+    free(full);
+    free(have);
+    return s;
+}
+
+/* A whole (unsharded) tensor of the given shape, to gather by. */
+static moe_tensor whole(int ndim, int s0, int s1) {
+    moe_tensor w;
+    memset(&w, 0, sizeof w);
+    w.ndim = ndim;
+    w.shape[0] = w.global_shape[0] = s0;
+    w.shape[1] = w.global_shape[1] = s1;
+    w.numel = (size_t)s0 * (size_t)(ndim > 1 ? s1 : 1);
+    return w;
+}
+
+/* Flags that shape the model: a difference makes the checkpoint unloadable. */
+static const char *const g_shape_flags[] = {
+    "num-layers", "hidden-size", "num-attention-heads", "num-query-groups", "ffn-hidden-size",
+    "qk-layernorm", "num-experts", "moe-ffn-hidden-size", "moe-layer-freq",
+    "moe-shared-expert-intermediate-size", "tokenizer-type", "moe-router-enable-expert-bias"};
+/* Settings of the model, MoE and training groups that only say how the run executes. */
+static const char *const g_free_flags[] = {
+    "train-iters", "expert-model-parallel-size", "moe-token-dispatcher-type",
+    "moe-alltoall-path", "moe-expert-backend", "moe-grouped-gemm"};
+
+static int listed(const char *const *list, size_t n, const char *name) {
+    for (size_t i = 0; i < n; i++)
+        if (!strcmp(list[i], name))
+            return 1;
+    return 0;
+}
+#define LISTED(list, name) listed(list, sizeof list / sizeof list[0], name)
+
+/* Compare the saved flags with this run's: model-shape differences are errors, training
+ * differences warnings (rank 0 prints them), the rest is free. */
+static moe_status check_config(const moe_trainer *t, const moe_ckpt_file *f, int nf,
+                               moe_error *err) {
+    const moe_ckpt_tensor *c = find(f, nf, "config");
+    if (!c)
+        return moe_error_set(err, MOE_ERR_DATA, "the checkpoint in '%s' has no 'config' record",
+                             f[0].path);
+    char *text = malloc((size_t)c->bytes + 1);
+    if (!text)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory loading a checkpoint");
+    memcpy(text, c->data, (size_t)c->bytes);
+    text[c->bytes] = '\0';
+    int n;
+    const moe_flag *flags = moe_config_flags(&n);
+    moe_status s = MOE_OK;
+    for (char *line = strtok(text, "\n"); line && s == MOE_OK; line = strtok(NULL, "\n")) {
+        char *eq = strchr(line, '=');
+        if (!eq)
+            continue;
+        *eq = '\0';
+        const char *name = line, *saved = eq + 1;
+        const moe_flag *fl = NULL;
+        for (int i = 0; i < n && !fl; i++)
+            fl = !strcmp(flags[i].name, name) ? &flags[i] : NULL;
+        if (!fl) /* a flag this build no longer has */
+            continue;
+        char now[MOE_FLAG_STR_LEN + 32];
+        moe_flags_format_value(fl, &t->cfg, now, sizeof now);
+        if (!strcmp(now, saved))
+            continue;
+        if (LISTED(g_shape_flags, name))
+            s = moe_error_set(err, MOE_ERR_CONFIG, "the checkpoint in '%s' was saved with --%s "
+                              "%s, this run has --%s %s: flags that shape the model must match "
+                              "the checkpoint (give --%s %s, or load another checkpoint)",
+                              f[0].path, name, saved, name, now, name, saved);
+        else if (t->rank == 0 && !LISTED(g_free_flags, name) &&
+                 (!strcmp(fl->group, "model") || !strcmp(fl->group, "mixture of experts") ||
+                  !strcmp(fl->group, "training")))
+            moe_log_warn("resuming with --%s %s, the checkpoint was saved with %s: the run "
+                         "will not reproduce an uninterrupted one", name, now, saved);
+    }
+    free(text);
+    return s;
+}
+
+/* Everything a checkpoint holds for this trainer, into host buffers, verified. */
+static moe_status stage(const moe_trainer *t, const moe_ckpt_file *f, int nf, long long step,
+                        host_state *h, moe_error *err) {
+    const moe_model *m = t->model;
+    MOE_TRY(check_config(t, f, nf, err));
+    const moe_tensor st = whole(1, ST_COUNT, 1);
+    MOE_TRY(gather(f, nf, "trainer.state", &st, MOE_CKPT_I64, h->state, err));
+    if (h->state[ST_STEP] != step)
+        return moe_error_set(err, MOE_ERR_DATA, "the checkpoint in '%s' says step %lld inside "
+                             "and step %lld outside", f[0].path, (long long)h->state[ST_STEP],
+                             step);
+    for (int i = 0; i < m->table.n; i++) {
+        const moe_tensor *ti = &m->table.t[i];
+        for (int b = 0; b < BUF_COUNT; b++) {
+            char name[MOE_CKPT_NAME_LEN];
+            snprintf(name, sizeof name, "%s%s", g_prefix[b], ti->name);
+            const size_t es = moe_ckpt_dtype_size(dtype_of(b));
+            MOE_TRY(gather(f, nf, name, ti, dtype_of(b), (char *)buf_of(h, b) + es * ti->offset,
+                           err));
+        }
+    }
+    if (h->expert_bias) {
+        const moe_tensor eb = whole(2, m->cfg.num_layers, m->cfg.num_experts);
+        MOE_TRY(gather(f, nf, "router.expert_bias", &eb, MOE_CKPT_F32, h->expert_bias, err));
+    }
+    return MOE_OK;
+}
+
+/* Copy the verified state into the trainer: the only step that changes it. */
+static void apply(moe_trainer *t, const host_state *h) {
+    moe_model *m = t->model;
+    const moe_backend *be = m->be;
+    const size_t n = m->table.total;
+    be->from_host(m->params, h->param, sizeof(moe_real) * n);
+    be->from_host(t->opt.m, h->moment[0], sizeof(float) * n);
+    be->from_host(t->opt.v, h->moment[1], sizeof(float) * n);
+    moe_model_sync_weights(m);
+    if (h->expert_bias) {
+        const size_t nb = (size_t)m->cfg.num_layers * m->cfg.num_experts;
+        memcpy(m->expert_bias_host, h->expert_bias, sizeof(float) * nb);
+        be->from_host(m->expert_bias, h->expert_bias, sizeof(float) * nb);
+    }
+    t->step = (int)h->state[ST_STEP];
+    t->opt.step = h->state[ST_ADAM_STEP];
+    be->synchronize();
+}
+
+moe_status moe_checkpoint_load(moe_trainer *t, const char *dir, int fresh_ok, int *loaded,
+                               moe_error *err) {
+    *loaded = 0;
+    long long step = 0;
+    int found = 0;
+    moe_status s = read_latest(dir, &step, &found, err);
+    if (s == MOE_OK && !found) {
+        if (fresh_ok) {
+            moe_log_info("ckpt  | no checkpoint in '%s' yet: starting from step 0", dir);
+            return agree(t, MOE_OK, "loading the checkpoint", err);
+        }
+        s = moe_error_set(err, MOE_ERR_IO, "--load '%s': no checkpoint there ('%s' is missing; "
+                          "give the directory a run saved into with --save)", dir,
+                          MOE_CKPT_LATEST);
+    }
+    moe_ckpt_file *f = NULL;
+    int nf = 0;
+    if (s == MOE_OK)
+        s = read_files(dir, step, &f, &nf, err);
+    host_state h;
+    memset(&h, 0, sizeof h);
+    if (s == MOE_OK)
+        s = host_state_alloc(&h, t->model, err);
+    if (s == MOE_OK)
+        s = stage(t, f, nf, step, &h, err);
+    for (int i = 0; i < nf; i++)
+        moe_ckpt_file_free(&f[i]);
+    free(f);
+    s = agree(t, s, "loading the checkpoint", err);
+    if (s == MOE_OK) {
+        apply(t, &h);
+        *loaded = 1;
+    }
+    host_state_free(&h);
+    return s;
+}

@@ -1,0 +1,181 @@
+/*
+ * Checkpoints under MPI (CPU ranks; GPU ranks with MOE_TEST_DEVICE=cuda):
+ *  - resume is exact: W ranks at EP W train N steps; the same run saved at N/2, freed and
+ *    loaded by a new trainer gives the same losses bit for bit;
+ *  - another folding: a checkpoint saved by W ranks at EP W loads into one process (EP1)
+ *    and into W ranks at EP1 (data-parallel experts), and one saved by one process loads
+ *    into W ranks at EP W; the next step's loss is the one of the run continued without
+ *    resharding (same operations in another order: 1e-5 relative on CPU ranks, as in
+ *    tests/mpi_ep.c; 1e-3 on GPU ranks);
+ *  - a missing rank file is a named error on every rank.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "checkpoint.h"
+#include "helpers.h"
+#include "suites.h"
+
+#define CK_MPI "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 " \
+               "--seq-length 16 --micro-batch-size 2 --num-experts 8 --moe-router-topk 2 "    \
+               "--moe-ffn-hidden-size 16 --ffn-hidden-size 32 --moe-layer-freq 0,1 "         \
+               "--moe-shared-expert-intermediate-size 8 --moe-router-score-function sigmoid " \
+               "--moe-router-enable-expert-bias --lr 3e-3 --lr-warmup-iters 2 "              \
+               "--lr-decay-iters 16 "
+
+static int on_gpu(void) { return moe_comm_device(moe_test_world()) == MOE_DEVICE_CUDA; }
+
+/* A trainer at EP @p ep over @p world (NULL: one process), two micro-batches per rank of W. */
+static moe_trainer *make(int ep, moe_comm *world) {
+    const int W = moe_comm_size(moe_test_world());
+    char flags[1200];
+    snprintf(flags, sizeof flags, CK_MPI "--global-batch-size %d --expert-model-parallel-size "
+             "%d --device %s", 2 * 2 * W, ep, on_gpu() ? "cuda" : "cpu");
+    setenv("MOE_NO_DOWNLOAD", "1", 1);
+    moe_config c;
+    moe_error err;
+    ck_assert_msg(moe_test_config(&c, flags, &err) == MOE_OK, "%s", err.msg);
+    moe_trainer *t = NULL;
+    ck_assert_msg(moe_trainer_create_dist(&t, &c, world, &err) == MOE_OK, "%s", err.msg);
+    return t;
+}
+
+static double step(moe_trainer *t) {
+    moe_step_stats st;
+    moe_trainer_step(t, &st);
+    return st.loss;
+}
+
+/* One directory for every rank: named after rank 0's pid. */
+static void shared_dir(char *out, size_t cap, const char *name) {
+    moe_comm *w = moe_test_world();
+    long long pid = moe_comm_rank(w) == 0 ? (long long)getpid() : 0;
+    moe_comm_host_all_reduce_sum(w, &pid, 1, MOE_DTYPE_I64);
+    const char *tmp = getenv("TMPDIR");
+    snprintf(out, cap, "%s/moe_mpi_%lld_%s", tmp && *tmp ? tmp : "/tmp", pid, name);
+}
+
+static void remove_shared(const char *dir) {
+    moe_comm_barrier(moe_test_world());
+    if (moe_comm_rank(moe_test_world()) == 0) {
+        char cmd[700];
+        snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+        ck_assert(system(cmd) == 0);
+    }
+}
+
+static void save(moe_trainer *t, const char *dir) {
+    moe_error err;
+    ck_assert_msg(moe_checkpoint_save(t, dir, 0, &err) == MOE_OK, "%s", err.msg);
+}
+
+static void load(moe_trainer *t, const char *dir) {
+    moe_error err;
+    int loaded = 0;
+    ck_assert_msg(moe_checkpoint_load(t, dir, 0, &loaded, &err) == MOE_OK, "%s", err.msg);
+    ck_assert_int_eq(loaded, 1);
+}
+
+START_TEST(test_ckpt_resume_exact) {
+    moe_comm *w = moe_test_world();
+    const int W = moe_comm_size(w);
+    char dir[600];
+    shared_dir(dir, sizeof dir, "exact");
+    double ref[6], got[6];
+    moe_trainer *a = make(W, w);
+    for (int i = 0; i < 6; i++)
+        ref[i] = step(a);
+    moe_trainer_free(a);
+    moe_trainer *b = make(W, w);
+    for (int i = 0; i < 3; i++)
+        step(b);
+    save(b, dir);
+    moe_trainer_free(b);
+    moe_trainer *c = make(W, w);
+    load(c, dir);
+    for (int i = 3; i < 6; i++)
+        got[i] = step(c);
+    moe_trainer_free(c);
+    for (int i = 3; i < 6; i++)
+        ck_assert_msg(memcmp(&got[i], &ref[i], sizeof(double)) == 0,
+                      "step %d at EP %d: %.17g resumed vs %.17g uninterrupted", i + 1, W, got[i],
+                      ref[i]);
+    remove_shared(dir);
+}
+END_TEST
+
+static void check_close(double got, double want, const char *what) {
+    const double tol = on_gpu() ? 1e-3 : 1e-5;
+    ck_assert_msg(fabs(got - want) <= tol * fabs(want), "%s: next-step loss %.9g, continued "
+                  "without resharding %.9g", what, got, want);
+}
+
+START_TEST(test_ckpt_reshard) {
+    moe_comm *w = moe_test_world();
+    const int W = moe_comm_size(w);
+    char dir[600], dir1[600];
+    shared_dir(dir, sizeof dir, "reshard");
+    shared_dir(dir1, sizeof dir1, "reshard1");
+
+    /* EP W -> one process (EP1), and -> W ranks at EP1 */
+    moe_trainer *src = make(W, w);
+    step(src);
+    step(src);
+    save(src, dir);
+    const double next = step(src);
+    moe_trainer_free(src);
+    moe_trainer *one = make(1, NULL);
+    load(one, dir);
+    check_close(step(one), next, "EP W -> one process");
+    moe_trainer_free(one);
+    moe_trainer *dp = make(1, w);
+    load(dp, dir);
+    check_close(step(dp), next, "EP W -> W ranks at EP 1");
+    moe_trainer_free(dp);
+
+    /* one process (EP1) -> EP W: every rank runs the same single-process trainer, rank 0
+     * saves it */
+    moe_trainer *single = make(1, NULL);
+    step(single);
+    step(single);
+    if (moe_comm_rank(w) == 0)
+        save(single, dir1);
+    moe_comm_barrier(w);
+    const double next1 = step(single);
+    moe_trainer_free(single);
+    moe_trainer *ep = make(W, w);
+    load(ep, dir1);
+    check_close(step(ep), next1, "one process -> EP W");
+    moe_trainer_free(ep);
+
+    /* a missing rank file: every rank reports it */
+    if (W > 1) {
+        moe_comm_barrier(w);
+        if (moe_comm_rank(w) == 0) {
+            char path[700];
+            snprintf(path, sizeof path, "%s/iter_0000002/rank_%05d.moeckpt", dir, W - 1);
+            ck_assert_int_eq(unlink(path), 0);
+        }
+        moe_comm_barrier(w);
+        moe_trainer *t = make(W, w);
+        moe_error err;
+        int loaded = 0;
+        moe_status s = moe_checkpoint_load(t, dir, 0, &loaded, &err);
+        ck_assert_msg(s == MOE_ERR_IO && strstr(err.msg, "missing shard"), "%d: %s", s, err.msg);
+        ck_assert_int_eq(t->step, 0);
+        moe_trainer_free(t);
+    }
+    remove_shared(dir);
+    remove_shared(dir1);
+}
+END_TEST
+
+Suite *suite_mpi_checkpoint(void) {
+    Suite *s = suite_create("mpi-checkpoint");
+    const TTest *const tests[] = {test_ckpt_resume_exact, test_ckpt_reshard};
+    moe_test_tcase(s, "checkpoint", 300, tests, 2);
+    return s;
+}
