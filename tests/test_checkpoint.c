@@ -42,7 +42,7 @@ static moe_trainer *make(const char *flags) {
 
 static double step(moe_trainer *t) {
     moe_step_stats st;
-    moe_trainer_step(t, &st);
+    ck_assert_int_eq(moe_trainer_step(t, &st, NULL), MOE_OK);
     return st.loss;
 }
 
