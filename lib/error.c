@@ -2,6 +2,8 @@
 #include "error.h"
 
 #include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 moe_status moe_error_set(moe_error *err, moe_status code, const char *fmt, ...) {
@@ -35,4 +37,14 @@ const char *moe_status_name(moe_status code) {
     case MOE_ERR_NONFINITE: return "non-finite value";
     }
     return "unknown error";
+}
+
+void moe_fatal_oom(const char *what, size_t bytes, const char *file, int line) {
+    fprintf(stderr,
+            "error: out of memory: %s needs %.3g GB while a step runs (%s:%d); free memory on "
+            "this machine, or reduce --micro-batch-size or --seq-length (or the model: "
+            "--hidden-size, --num-experts, --moe-ffn-hidden-size)\n",
+            what, (double)bytes / 1e9, file, line);
+    fflush(stderr);
+    exit(1);
 }

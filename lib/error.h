@@ -72,6 +72,31 @@ const char *moe_status_name(moe_status code);
         }                                                                            \
     } while (0)
 
+/**
+ * @brief End the process with a named out-of-memory message (never returns).
+ *
+ * For the few buffers allocated while a training step runs (scratch that grows with the
+ * routing: the dispatchers' rows and maps, the CPU router's and matmul's scratch). Their
+ * sizes are part of the memory estimate checked before the model is built (memory.h), so
+ * this only happens when the machine's free memory shrinks during the run; no error value
+ * can travel back through the op table from there, so the message names the buffer, the
+ * size and the flags to reduce, and the process exits 1 (under mpirun, the job ends).
+ * @param what the buffer  @param bytes the size that failed  @param file caller's file
+ * @param line caller's line
+ */
+void moe_fatal_oom(const char *what, size_t bytes, const char *file, int line)
+#if defined(__GNUC__)
+    __attribute__((noreturn))
+#endif
+    ;
+
+/** moe_fatal_oom() when @p p is NULL: `MOE_CHECK_ALLOC(buf, bytes, "the router's scratch");` */
+#define MOE_CHECK_ALLOC(p, bytes, what)                            \
+    do {                                                           \
+        if (!(p))                                                  \
+            moe_fatal_oom((what), (size_t)(bytes), __FILE__, __LINE__); \
+    } while (0)
+
 /** Propagate a failing status to the caller: `MOE_TRY(moe_foo(..., err));` */
 #define MOE_TRY(expr)                     \
     do {                                  \

@@ -298,7 +298,7 @@ void moe_model_free(moe_model *m) {
 
 void moe_model_init(moe_model *m, uint64_t seed) {
     moe_real *host = malloc(R * m->table.total);
-    MOE_ASSERT(host != NULL);
+    MOE_CHECK_ALLOC(host, R * m->table.total, "the host copy of the weights for their initialisation");
     moe_params_init(&m->table, host, seed);
     m->be->from_host(m->params, host, R * m->table.total);
     free(host);

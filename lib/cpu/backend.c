@@ -234,7 +234,7 @@ static void cpu_gather_reals(moe_real *dst, const moe_real *src, const int *map,
 static double block_sum(const moe_real *x, size_t n, int square) {
     size_t nb = (n + BLK - 1) / BLK;
     double *part = calloc(nb ? nb : 1, sizeof(double));
-    MOE_ASSERT(part != NULL);
+    MOE_CHECK_ALLOC(part, nb * sizeof(double), "the gradient-norm partial sums");
 #pragma omp parallel for schedule(static)
     for (size_t b = 0; b < nb; b++) {
         double s = 0.0;

@@ -34,7 +34,7 @@ static moe_real *scratch(size_t n) {
     if (n > g_scratch_cap) {
         free(g_scratch);
         g_scratch = malloc(n * sizeof *g_scratch);
-        MOE_ASSERT(g_scratch != NULL);
+        MOE_CHECK_ALLOC(g_scratch, n * sizeof *g_scratch, "the matmul's scratch");
         g_scratch_cap = n;
     }
     return g_scratch;

@@ -97,7 +97,8 @@ void moe_cpu_router_forward(int *topk_idx, moe_real *topk_w, const moe_real *log
         double *z = malloc(sizeof(double) * E), *sel = malloc(sizeof(double) * E);
         double *prob = malloc(sizeof(double) * E), *gs = malloc(sizeof(double) * (E + 1));
         int *gi = malloc(sizeof(int) * (E + 1)), *tmp = malloc(sizeof(int) * (E + 1));
-        MOE_ASSERT(z && sel && prob && gs && gi && tmp);
+        MOE_CHECK_ALLOC(z && sel && prob && gs && gi && tmp, 6 * sizeof(double) * (E + 1),
+                        "the router's scratch");
 #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
             int *idx = topk_idx + (size_t)n * k;
@@ -145,7 +146,7 @@ void moe_cpu_router_backward(moe_real *dlogits, const moe_real *dtopk_w, const m
     {
         double *z = malloc(sizeof(double) * E), *prob = malloc(sizeof(double) * E);
         double *dp = malloc(sizeof(double) * E);
-        MOE_ASSERT(z && prob && dp);
+        MOE_CHECK_ALLOC(z && prob && dp, 3 * sizeof(double) * E, "the router's scratch");
 #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
             const int *idx = topk_idx + (size_t)n * k;

@@ -55,7 +55,7 @@ void *moe_grow(const moe_backend *be, void *p, size_t *cap, size_t bytes) {
         return p;
     be->free(p);
     p = be->alloc(bytes);
-    MOE_ASSERT(p != NULL);
+    MOE_CHECK_ALLOC(p, bytes, "a dispatcher buffer");
     *cap = bytes;
     return p;
 }

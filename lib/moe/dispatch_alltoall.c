@@ -83,7 +83,8 @@ void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long lon
         plan->unpad_map = be->alloc(bytes);
         plan->sort_map = be->alloc(bytes);
         plan->unsort_map = be->alloc(bytes);
-        MOE_ASSERT(plan->send_map && plan->unpad_map && plan->sort_map && plan->unsort_map);
+        MOE_CHECK_ALLOC(plan->send_map && plan->unpad_map && plan->sort_map && plan->unsort_map,
+                        4 * bytes, "the all-to-all dispatcher's maps");
         plan->cap_rows = rows;
     }
     /* without padding the send layout is the permuted layout itself: no send/unpad maps */

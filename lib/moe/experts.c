@@ -28,7 +28,7 @@ moe_expert_impl moe_expert_impl_from_config(const moe_config *c, const moe_backe
 static void *regrow(const moe_backend *be, void *p, size_t bytes) {
     be->free(p);
     p = be->alloc(bytes ? bytes : 1);
-    MOE_ASSERT(p != NULL);
+    MOE_CHECK_ALLOC(p, bytes, "an expert-side buffer");
     return p;
 }
 
