@@ -6,8 +6,8 @@
 One line per input file in each figure, labelled with --label (in file order) or, by
 default, the file's name without its extension. Figures written:
 
-  PREFIXloss.png         train loss per step (thin) and validation loss at each evaluation
-                         (markers), one colour per file
+  PREFIXloss.png         train cross-entropy per step (thin) and validation loss (also
+                         cross-entropy) at each evaluation (markers), one colour per file
   PREFIXexpert_load.png  tokens per expert over steps: the band runs from the least to the
                          most loaded expert of any MoE layer (lib/trainer.c takes the extremes
                          over every layer's experts), the line is the mean (what a perfectly
@@ -91,7 +91,11 @@ def plot_loss(plt, runs, labels, title, smooth, path):
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for i, (run, label) in enumerate(zip(runs, labels)):
         colour = f"C{i}"
-        steps, loss = series(run["train"], "loss")
+        # cross-entropy, not the total: a dense run has no aux or z loss to add, so only ce
+        # compares runs (and matches the validation loss); files without "ce" give "loss"
+        steps, loss = series(run["train"], "ce")
+        if not steps:
+            steps, loss = series(run["train"], "loss")
         if steps:
             name = f"{label} train" + (f" (mean of {smooth} steps)" if smooth > 1 else "")
             ax.plot(steps, moving_average(loss, smooth), color=colour, lw=1, alpha=0.6, label=name)
@@ -101,7 +105,7 @@ def plot_loss(plt, runs, labels, title, smooth, path):
         for err in run["errors"]:
             ax.axvline(err.get("step", 0), color=colour, ls=":", lw=1)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (train: ce + aux + z; validation: ce)")
+    ax.set_ylabel("cross-entropy loss")
     ax.set_title(title or "loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -119,22 +123,25 @@ def plot_expert_load(plt, runs, labels, title, path):
             moe.append((i, run, label))
     if not moe:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for i, run, label in moe:
+    # one panel per run, side by side on one y scale: overlapping bands would hide each other
+    fig, axes = plt.subplots(1, len(moe), figsize=(3.2 * len(moe) + 1.5, 4.2), sharey=True,
+                             squeeze=False)
+    for ax, (i, run, label) in zip(axes[0], moe):
         colour = f"C{i}"
         steps, lo = series(run["train"], "expert_load_min")
         _, hi = series(run["train"], "expert_load_max")
         _, mean = series(run["train"], "expert_load_mean")
         if len(lo) == len(hi) == len(steps):
-            ax.fill_between(steps, lo, hi, color=colour, alpha=0.25, lw=0,
-                            label=f"{label}: least to most loaded expert")
-        ax.plot(steps, mean, color=colour, lw=1, ls="--", label=f"{label}: mean (balanced)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("tokens routed to an expert per step")
-    ax.set_title(title or "expert load")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+            ax.fill_between(steps, lo, hi, color=colour, alpha=0.3, lw=0,
+                            label="least to most loaded expert")
+        ax.plot(steps, mean, color="black", lw=1, ls="--", label="mean (perfect balance)")
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    axes[0][0].set_ylabel("tokens routed to an expert per step")
+    fig.suptitle(title or "expert load")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -150,6 +157,8 @@ def main(argv=None):
                    help="legend label, once per file in order (default: the file name)")
     p.add_argument("--title", default="", help="title prefix of every figure")
     p.add_argument("--prefix", default="", help="prefix of the PNG names, e.g. 'ch01_'")
+    p.add_argument("--figure", action="append", choices=("loss", "expert_load"), default=[],
+                   help="draw only this figure (repeatable; default: both)")
     p.add_argument("--smooth", type=int, default=1, metavar="N",
                    help="draw the train loss as a trailing mean of N steps (default 1: raw)")
     a = p.parse_args(argv)
@@ -177,11 +186,18 @@ def main(argv=None):
 
     os.makedirs(a.out, exist_ok=True)
     title = (a.title + ": ") if a.title else ""
-    written = [os.path.join(a.out, a.prefix + "loss.png")]
-    plot_loss(plt, runs, labels, title + "loss", a.smooth, written[0])
+    figures = a.figure or ["loss", "expert_load"]
+    written = []
+    if "loss" in figures:
+        written.append(os.path.join(a.out, a.prefix + "loss.png"))
+        plot_loss(plt, runs, labels, title + "loss", a.smooth, written[-1])
     load = os.path.join(a.out, a.prefix + "expert_load.png")
-    if plot_expert_load(plt, runs, labels, title + "expert load", load):
-        written.append(load)
+    if "expert_load" in figures:
+        if plot_expert_load(plt, runs, labels, title + "expert load", load):
+            written.append(load)
+        else:
+            print("plot_metrics: no MoE run among the files (no expert load): expert_load.png "
+                  "not written", file=sys.stderr)
     for run, f in zip(runs, a.files):
         for err in run["errors"]:
             print(f"plot_metrics: note: {f} ends with an error at step {err.get('step')}: "
