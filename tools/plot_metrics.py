@@ -20,8 +20,8 @@ message). A resumed run appends to its file, so a step can appear twice; the lat
 wins, as it is the one the run continued from.
 
 Only Python's standard library and matplotlib (Debian: python3-matplotlib); no network.
-Exit status: 0 written, 1 bad input (the message says which file and line), 2 no
-matplotlib.
+Exit status: 0 written, 1 bad input (the message says which file and line), 2 a usage
+error (argparse's message) or no matplotlib.
 """
 
 import argparse
