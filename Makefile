@@ -10,6 +10,7 @@
 #   make check-ch01 (ch02, ch03)   one chapter's tests only, in under a minute on 2 cores;
 #                   STUDENT=1 grades the stubs in chapters/NN-*/student/ instead
 #   make notebooks  re-execute notebooks-c/*.ipynb and save their outputs
+#   make test-plots tools/plot_metrics.py on a synthetic metrics file (needs python3-matplotlib)
 #   make clean
 #
 # Variables: MARCH (default native; x86-64-v3 for binaries that run on another machine),
@@ -160,7 +161,7 @@ $(BUILD)/f64/LIB-MEMBERS: FORCE
 
 # ---------------------------------------------------------------- targets
 .PHONY: all config check-deps train test test-unit test-fd test-asan test-gpu test-mpi test-notebooks notebooks docs bench \
-	clean print-build-flags check-ch01 check-ch02 check-ch03 test-chapters test-student-stubs
+	clean print-build-flags check-ch01 check-ch02 check-ch03 test-chapters test-student-stubs test-plots
 
 all: config $(LIB) $(PROGRAMS) $(CHAPTER_BIN)
 
@@ -389,7 +390,7 @@ TEST_BINS := $(BUILD)/tests/unit $(BUILD)/tests/fd $(if $(filter 1,$(WITH_MPI)),
 test: config check-deps
 	@$(MAKE) --no-print-directory $(LIB) $(PROGRAMS) $(CHAPTER_BIN) $(TEST_BINS)
 	@$(MAKE) --no-print-directory SERIAL=1 test-unit test-fd test-mpi test-gpu test-chapters \
-	  test-student-stubs test-notebooks docs test-asan
+	  test-student-stubs test-notebooks test-plots docs test-asan
 	@echo "== all tests passed"
 
 # ---- notebooks (notebooks-c/): every notebook executed headlessly with Debian's nbclient.
@@ -404,6 +405,30 @@ test-notebooks: all
 
 notebooks: all
 	$(NB_RUN) --update
+
+# ---- plots (tools/plot_metrics.py): a tiny synthetic --metrics-file (two MoE steps with an
+# evaluation, then a dense run) must give two non-empty PNGs, and a missing file a named
+# error. matplotlib is optional, as in .ci/run: without it the step says so and passes.
+PLOT_TEST = $(BUILD)/plots-test
+test-plots:
+	@echo "== plots (tools/plot_metrics.py)"
+	@if ! /usr/bin/python3 -c 'import matplotlib' 2>/dev/null; then \
+	  echo "skipped: python3-matplotlib not installed (sudo apt-get install python3-matplotlib)"; \
+	else \
+	  rm -rf $(PLOT_TEST) && mkdir -p $(PLOT_TEST) && \
+	  printf '%s\n' '{"event":"config","num-experts":"8"}' \
+	    '{"event":"train","step":1,"loss":4.3,"expert_load_min":100,"expert_load_max":900,"expert_load_mean":512}' \
+	    '{"event":"train","step":2,"loss":3.9,"expert_load_min":300,"expert_load_max":700,"expert_load_mean":512}' \
+	    '{"event":"eval","step":2,"train_loss":3.8,"val_loss":3.85}' > $(PLOT_TEST)/moe.jsonl && \
+	  printf '%s\n' '{"event":"train","step":1,"loss":4.2}' '{"event":"train","step":2,"loss":4.0}' \
+	    > $(PLOT_TEST)/dense.jsonl && \
+	  /usr/bin/python3 tools/plot_metrics.py --out $(PLOT_TEST) --title test \
+	    $(PLOT_TEST)/moe.jsonl $(PLOT_TEST)/dense.jsonl && \
+	  test -s $(PLOT_TEST)/loss.png && test -s $(PLOT_TEST)/expert_load.png && \
+	  ! /usr/bin/python3 tools/plot_metrics.py --out $(PLOT_TEST) $(PLOT_TEST)/missing.jsonl \
+	    2> $(PLOT_TEST)/missing.err && grep -q 'no such file' $(PLOT_TEST)/missing.err && \
+	  echo "plots: loss.png and expert_load.png written, missing file refused"; \
+	fi
 
 # ---- docs
 docs:
