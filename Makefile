@@ -396,11 +396,14 @@ test: config check-deps
 # ---- notebooks (notebooks-c/): every notebook executed headlessly with Debian's nbclient.
 # --check runs them in memory and never writes the files; `make notebooks` refreshes the
 # committed outputs. Their %%c cells compile and link against this build.
+# --check first compares each notebook's source stamp (notebooks-c/nbstamp.py) with the
+# sources now, so outputs saved from older code fail; test_nbstamp.py tests that check.
 NB_RUN = MOE_NB_MAKEFLAGS="CUDA=$(CUDA) BUILD=$(BUILD) OMP=$(OMP) MARCH=$(MARCH)" \
 	/usr/bin/python3 notebooks-c/run_notebooks.py
 
 test-notebooks: all
 	@echo "== notebooks (notebooks-c/*.ipynb)"
+	/usr/bin/python3 notebooks-c/test_nbstamp.py
 	$(NB_RUN) --check
 
 notebooks: all

@@ -4,11 +4,15 @@
     /usr/bin/python3 notebooks-c/run_notebooks.py --check     # make test-notebooks
     /usr/bin/python3 notebooks-c/run_notebooks.py --update    # make notebooks
 
---check   executes each notebook in memory and never writes it; exit 1 on the first
-          failing cell (a compile error, a non-zero exit, a Python error, a timeout),
-          after printing that cell's source and output.
---update  executes each notebook and writes the outputs back into the .ipynb, for
-          committing; a notebook with a failing cell is left untouched (exit 1).
+--check   first compares each notebook's source stamp (nbstamp.py) with the sources now
+          and fails, naming the changed files, when the saved outputs come from older
+          code; then executes each notebook in memory and never writes it; exit 1 on the
+          first failing cell (a compile error, a non-zero exit, a Python error, a
+          timeout), after printing that cell's source and output.
+--stamps  only the stamp comparison of --check (fast; needs no Jupyter).
+--update  executes each notebook and writes the outputs back into the .ipynb with a new
+          source stamp, for committing; a notebook with a failing cell is left untouched
+          (exit 1).
 
 Notebooks run with the repository root as the working directory. Give notebook paths to
 run only those (default: every notebooks-c/*.ipynb). The make variables of the build the
@@ -25,17 +29,18 @@ from pathlib import Path
 SKIP = ("notebooks: skipped: python3-nbclient / python3-ipykernel not installed "
         "(sudo apt-get install python3-nbclient python3-ipykernel)")
 
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import nbstamp  # noqa: E402  (plain Python: the stamp check runs without Jupyter too)
+
 try:
     import ipykernel  # noqa: F401  (the kernel the notebooks run in)
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellControlSignal, CellExecutionError, DeadKernelError
 except ImportError:
-    print(SKIP)
-    sys.exit(0)
-
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+    nbformat = None  # main() checks the stamps, then prints SKIP
 
 
 def rel(path):
@@ -78,6 +83,7 @@ def coalesce_streams(nb):
 def run_one(path, timeout, update):
     """Execute one notebook; return True when every cell ran without error."""
     nb = nbformat.read(path, as_version=4)
+    stamp = nbstamp.compute(nb, REPO)  # of the sources this run executes
     started = {}
     client = NotebookClient(
         nb,
@@ -111,6 +117,7 @@ def run_one(path, timeout, update):
     ncode = sum(c.cell_type == "code" for c in nb.cells)
     if update:
         coalesce_streams(nb)
+        nb.metadata[nbstamp.KEY] = stamp
         tmp = path.with_suffix(".ipynb.tmp")
         nbformat.write(nb, str(tmp))
         os.replace(tmp, path)
@@ -123,6 +130,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true", help="execute, never write; exit 1 on error")
+    mode.add_argument("--stamps", action="store_true",
+                      help="only compare the source stamps (no execution); exit 1 when stale")
     mode.add_argument("--update", action="store_true", help="execute and write the outputs back")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per cell (default 300)")
     ap.add_argument("notebooks", nargs="*", type=Path, help="default: notebooks-c/*.ipynb")
@@ -131,6 +140,20 @@ def main():
     paths = [p.resolve() for p in args.notebooks] or sorted(HERE.glob("*.ipynb"))
     if not paths:
         print("notebooks: none found in notebooks-c/")
+        return 0
+    if not args.update:
+        # Stale outputs fail before anything runs: the check is cheap, the run is not.
+        stale = [(p, nbstamp.changed(nbstamp.load(p), REPO)) for p in paths]
+        stale = [(p, d) for p, d in stale if d]
+        for p, d in stale:
+            print("notebooks: FAILED " + nbstamp.stale_message(rel(p), d))
+        if stale:
+            return 1
+        print(f"notebooks: source stamps match ({len(paths)} notebook(s))")
+        if args.stamps:
+            return 0
+    if nbformat is None:
+        print(SKIP)
         return 0
     os.environ["MOE_NB_WERROR"] = "1"  # inherited by the kernel: warnings fail %%c cells
     # ipykernel's debugger otherwise warns about frozen modules on every kernel start
