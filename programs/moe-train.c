@@ -238,10 +238,7 @@ int main(int argc, char **argv) {
             moe_metrics_int(mx, "step", step + 1);
             moe_metrics_str(mx, "message", err.msg);
             end_record(mx, world);
-            moe_metrics_close(mx);
-            moe_trainer_free(t);
-            moe_comm_finalize(world);
-            return 1;
+            return finish(t, mx, world, 1);
         }
         train_s += st.seconds;
         tokens += st.tokens;

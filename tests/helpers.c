@@ -11,6 +11,7 @@
 
 #include "backend.h"
 #include "rng.h"
+#include "trainer.h"
 
 int moe_test_quick(void) {
     const char *q = getenv("MOE_TEST_QUICK");
@@ -237,3 +238,9 @@ int moe_test_resume_after_signal(const char *flags, int steps, int sig, char *wh
     return 1;
 }
 #undef FAIL
+
+double moe_test_step(moe_trainer *t) {
+    moe_step_stats st;
+    ck_assert_int_eq(moe_trainer_step(t, &st, NULL), MOE_OK);
+    return st.loss;
+}

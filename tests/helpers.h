@@ -52,6 +52,10 @@ int moe_test_have_program(const char *path);
  *  character for character (17 significant digits: the same double). @p flags must fix
  *  --lr-decay-iters, so that --train-iters does not move the LR schedule.
  *  @return 1 on success, else 0 with the reason in @p why */
+struct moe_trainer;
+/** One training step that must succeed (ck_assert); returns its loss. */
+double moe_test_step(struct moe_trainer *t);
+
 int moe_test_resume_after_signal(const char *flags, int steps, int sig, char *why, size_t cap);
 
 /** Add to @p s a test case @p name of the @p n tests @p tests, each with @p timeout seconds.

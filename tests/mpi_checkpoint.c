@@ -43,12 +43,6 @@ static moe_trainer *make(int ep, moe_comm *world) {
     return t;
 }
 
-static double step(moe_trainer *t) {
-    moe_step_stats st;
-    ck_assert_int_eq(moe_trainer_step(t, &st, NULL), MOE_OK);
-    return st.loss;
-}
-
 /* One directory for every rank: named after rank 0's pid. */
 static void shared_dir(char *out, size_t cap, const char *name) {
     moe_comm *w = moe_test_world();
@@ -87,17 +81,17 @@ START_TEST(test_ckpt_resume_exact) {
     double ref[6], got[6];
     moe_trainer *a = make(W, w);
     for (int i = 0; i < 6; i++)
-        ref[i] = step(a);
+        ref[i] = moe_test_step(a);
     moe_trainer_free(a);
     moe_trainer *b = make(W, w);
     for (int i = 0; i < 3; i++)
-        step(b);
+        moe_test_step(b);
     save(b, dir);
     moe_trainer_free(b);
     moe_trainer *c = make(W, w);
     load(c, dir);
     for (int i = 3; i < 6; i++)
-        got[i] = step(c);
+        got[i] = moe_test_step(c);
     moe_trainer_free(c);
     for (int i = 3; i < 6; i++)
         ck_assert_msg(memcmp(&got[i], &ref[i], sizeof(double)) == 0,
@@ -122,33 +116,33 @@ START_TEST(test_ckpt_reshard) {
 
     /* EP W -> one process (EP1), and -> W ranks at EP1 */
     moe_trainer *src = make(W, w);
-    step(src);
-    step(src);
+    moe_test_step(src);
+    moe_test_step(src);
     save(src, dir);
-    const double next = step(src);
+    const double next = moe_test_step(src);
     moe_trainer_free(src);
     moe_trainer *one = make(1, NULL);
     load(one, dir);
-    check_close(step(one), next, "EP W -> one process");
+    check_close(moe_test_step(one), next, "EP W -> one process");
     moe_trainer_free(one);
     moe_trainer *dp = make(1, w);
     load(dp, dir);
-    check_close(step(dp), next, "EP W -> W ranks at EP 1");
+    check_close(moe_test_step(dp), next, "EP W -> W ranks at EP 1");
     moe_trainer_free(dp);
 
     /* one process (EP1) -> EP W: every rank runs the same single-process trainer, rank 0
      * saves it */
     moe_trainer *single = make(1, NULL);
-    step(single);
-    step(single);
+    moe_test_step(single);
+    moe_test_step(single);
     if (moe_comm_rank(w) == 0)
         save(single, dir1);
     moe_comm_barrier(w);
-    const double next1 = step(single);
+    const double next1 = moe_test_step(single);
     moe_trainer_free(single);
     moe_trainer *ep = make(W, w);
     load(ep, dir1);
-    check_close(step(ep), next1, "one process -> EP W");
+    check_close(moe_test_step(ep), next1, "one process -> EP W");
     moe_trainer_free(ep);
 
     /* a missing rank file: every rank reports it */

@@ -40,12 +40,6 @@ static moe_trainer *make(const char *flags) {
     return t;
 }
 
-static double step(moe_trainer *t) {
-    moe_step_stats st;
-    ck_assert_int_eq(moe_trainer_step(t, &st, NULL), MOE_OK);
-    return st.loss;
-}
-
 static void sh(const char *fmt, const char *a, const char *b) {
     char cmd[2048];
     snprintf(cmd, sizeof cmd, fmt, a, b);
@@ -121,12 +115,12 @@ START_TEST(test_resume_in_process) {
     double ref[6], got[6];
     moe_trainer *a = make(CK_SMALL);
     for (int i = 0; i < 6; i++)
-        ref[i] = step(a);
+        ref[i] = moe_test_step(a);
     moe_trainer_free(a);
     moe_error err;
     moe_trainer *b = make(CK_SMALL);
     for (int i = 0; i < 3; i++)
-        step(b);
+        moe_test_step(b);
     ck_assert_msg(moe_checkpoint_save(b, dir, 2, &err) == MOE_OK, "%s", err.msg);
     moe_trainer_free(b);
     moe_trainer *c = make(CK_SMALL "--train-iters 99"); /* may differ on resume */
@@ -135,7 +129,7 @@ START_TEST(test_resume_in_process) {
     ck_assert_int_eq(loaded, 1);
     ck_assert_int_eq(c->step, 3);
     for (int i = 3; i < 6; i++)
-        got[i] = step(c);
+        got[i] = moe_test_step(c);
     moe_trainer_free(c);
     for (int i = 3; i < 6; i++)
         ck_assert_msg(memcmp(&got[i], &ref[i], sizeof(double)) == 0,
@@ -223,8 +217,8 @@ START_TEST(test_corrupt_checkpoints) {
     moe_test_tmp_path(g_base, sizeof g_base, "ckpt_base");
     sh("rm -rf %s%s", g_base, "");
     moe_trainer *t = make(CK_SMALL);
-    step(t);
-    step(t);
+    moe_test_step(t);
+    moe_test_step(t);
     ck_assert_msg(moe_checkpoint_save(t, g_base, 0, &err) == MOE_OK, "%s", err.msg);
     moe_trainer_free(t);
     char dir[512], path[700];
@@ -313,7 +307,7 @@ START_TEST(test_keep_last) {
     moe_error err;
     moe_trainer *t = make(CK_SMALL);
     for (int i = 0; i < 4; i++) {
-        step(t);
+        moe_test_step(t);
         ck_assert_msg(moe_checkpoint_save(t, dir, 2, &err) == MOE_OK, "%s", err.msg);
     }
     moe_trainer_free(t);
