@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# Every multi-GPU measurement of the course, in one call on one multi-GPU host.
+#
+#   tools/multigpu.sh [--gpus N] [--steps S] [SECTION ...]
+#
+# Sections (default: all of them):
+#   ch02       expert parallelism at EP = 2, 4, 8 (up to --gpus): the MPI suite over NCCL,
+#              dispatcher + combine against a raw all-to-all (ch02_dispatch_bench), and weak
+#              scaling of training (the GPU preset and a larger model; 8 experts per GPU,
+#              32 sequences per GPU), fused and collective paths
+#   multinode  the same with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1: NCCL moves everything
+#              through its network transport, as between nodes; the fused NVLink path must
+#              see that and fall back to the collective one, and say so
+#
+# Run from the repository root after `make` (bin/ and build/tests/mpi built with CUDA and
+# MPI). Each section writes ${OUT:-/tmp}/multigpu_<section>.txt (the full logs) and prints
+# a summary. NVLink multicast stays off (NCCL_NVLS_ENABLE=0). Exit status: non-zero if any
+# correctness check failed; the measurements of the other sections still run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+steps=120
+sections=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --gpus) gpus="$2"; shift 2 ;;
+    --steps) steps="$2"; shift 2 ;;
+    -h | --help) usage 0 ;;
+    ch02 | multinode) sections+=("$1"); shift ;;
+    *) echo "tools/multigpu.sh: unknown argument '$1' (sections: ch02 multinode; --help)" >&2; exit 2 ;;
+    esac
+done
+[ ${#sections[@]} -gt 0 ] || sections=(ch02 multinode)
+if ! [[ "$gpus" =~ ^[0-9]+$ ]] || [ "$gpus" -lt 2 ]; then
+    echo "tools/multigpu.sh: needs a host with at least 2 GPUs (found ${gpus:-0}; --gpus N to say)" >&2
+    exit 2
+fi
+if ! [[ "$steps" =~ ^[0-9]+$ ]] || [ "$steps" -lt 40 ]; then
+    echo "tools/multigpu.sh: --steps must be an integer >= 40 (the first 40 steps are warm-up)" >&2
+    exit 2
+fi
+for f in bin/moe-train bin/ch02_dispatch_bench build/tests/mpi; do
+    [ -x "$f" ] || { echo "tools/multigpu.sh: $f is missing: run make first (with CUDA and MPI)" >&2; exit 2; }
+done
+
+out=${OUT:-/tmp}
+export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+MPIRUN="mpirun --bind-to none -x NCCL_NVLS_ENABLE"
+status=0
+eps=()
+for ep in 2 4 8; do [ "$ep" -le "$gpus" ] && eps+=("$ep"); done
+
+topo() {
+    echo "host: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $gpus," \
+        "driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)," \
+        "$(date -u '+%Y-%m-%d %H:%M UTC'), commit ${MOE_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+    nvidia-smi topo -m 2>/dev/null | sed -n '1,/^$/p'
+}
+
+# median step time (ms) and tokens/s of the steps after the first 40 of a metrics file,
+# and the last logged loss: "ms tok/s loss"
+steady() {
+    python3 - "$1" <<'EOF'
+import json, statistics, sys
+recs = [json.loads(l) for l in open(sys.argv[1])]
+tr = [r for r in recs if r.get("event") == "train" and r["step"] > 40]
+ms = statistics.median(r["step_s"] for r in tr) * 1e3
+tps = statistics.median(r["tokens_per_s"] for r in tr)
+print(f"{ms:.1f} {tps:,.0f} {tr[-1]['loss']:.4f}")
+EOF
+}
+
+# one training run: label, ranks, extra flags; appends a table row
+train_row() {
+    local label="$1" np="$2"; shift 2
+    local m="$out/mg_$$_${np}_$RANDOM.jsonl" log
+    if [ "$np" = 1 ]; then
+        log=$(bin/moe-train --device cuda "$@" --train-iters "$steps" --log-interval 40 \
+              --eval-interval 0 --sample-length 0 --metrics-file "$m" --overwrite 2>&1)
+    else
+        log=$($MPIRUN -np "$np" bin/moe-train --device cuda "$@" --train-iters "$steps" \
+              --log-interval 40 --eval-interval 0 --sample-length 0 --metrics-file "$m" --overwrite 2>&1)
+    fi
+    local rc=$?
+    echo "$log" >>"$LOG"
+    if [ $rc != 0 ] || [ ! -s "$m" ]; then
+        echo "| $label | $np | FAILED (rc $rc, see the log) | | | |"
+        status=1
+        return
+    fi
+    read -r ms tps loss < <(steady "$m")
+    local per=$(( ${tps//,/} / np ))
+    echo "| $label | $np | $ms | $tps | $(printf "%'d" "$per") | $loss |"
+    echo "$log" | grep -m1 "alltoall dispatcher" | sed 's/^/    /' >&2
+    rm -f "$m"
+}
+
+mpi_suite() { # ranks, label
+    echo "== MPI suite over NCCL, $1 GPUs$2" >>"$LOG"
+    if MOE_TEST_DEVICE=cuda $MPIRUN -x MOE_TEST_DEVICE -np "$1" build/tests/mpi >>"$LOG" 2>&1; then
+        echo "MPI suite over NCCL, $1 ranks$2: $(grep -E '^[0-9]+%: Checks' "$LOG" | tail -1)"
+    else
+        echo "MPI suite over NCCL, $1 ranks$2: FAILED (see $LOG)"
+        status=1
+    fi
+}
+
+# the models of the weak-scaling runs: 8 experts and 32 sequences per GPU
+PRESET="--preset gpu"
+LARGE="--preset gpu --num-layers 8 --hidden-size 1024 --num-attention-heads 8 --num-query-groups 4 \
+--ffn-hidden-size 4096 --moe-ffn-hidden-size 1024 --seq-length 512 --micro-batch-size 16"
+
+weak_scaling() { # extra env label
+    echo "| run | GPUs | ms/step | tokens/s | tokens/s per GPU | loss at the last step |"
+    echo "|---|---:|---:|---:|---:|---:|"
+    for model in PRESET LARGE; do
+        local flags=${!model}
+        local gb=$([ $model = PRESET ] && echo 32 || echo 16)
+        train_row "$model EP 1, 8 experts" 1 $flags --num-experts 8 --global-batch-size $gb
+        for ep in "${eps[@]}"; do
+            for path in fused collective; do
+                train_row "$model EP $ep $path, $((8 * ep)) experts" "$ep" $flags \
+                    --num-experts $((8 * ep)) --global-batch-size $((gb * ep)) \
+                    --expert-model-parallel-size "$ep" --moe-alltoall-path "$path"
+            done
+        done
+    done
+}
+
+for s in "${sections[@]}"; do
+    LOG="$out/multigpu_$s.txt"
+    : >"$LOG"
+    echo
+    echo "######## $s"
+    topo | tee -a "$LOG"
+    case "$s" in
+    ch02)
+        for ep in "${eps[@]}"; do mpi_suite "$ep" ""; done
+        for ep in "${eps[@]}"; do
+            $MPIRUN -np "$ep" bin/ch02_dispatch_bench --device cuda 2>&1 | tee -a "$LOG" | grep -v '^$'
+        done
+        for h in 1024 512; do # chapter 02's exercise 8: where the fused path's margin narrows
+            $MPIRUN -np 2 bin/ch02_dispatch_bench --device cuda --hidden "$h" 2>&1 | tee -a "$LOG" |
+                grep -E '^\||^H='
+        done
+        echo "weak scaling ($steps steps; median of the steps after the 40th):"
+        weak_scaling
+        ;;
+    multinode)
+        export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
+        MPIRUN="$MPIRUN -x NCCL_P2P_DISABLE -x NCCL_SHM_DISABLE"
+        echo "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (NCCL's network transport, as between nodes)"
+        # --moe-alltoall-path auto must fall back to the collective path and say why
+        line=$($MPIRUN -np 2 bin/moe-train --device cuda --preset gpu --num-experts 16 \
+               --global-batch-size 64 --expert-model-parallel-size 2 --train-iters 2 \
+               --eval-interval 0 --sample-length 0 2>&1 | tee -a "$LOG" | grep -m1 "alltoall dispatcher")
+        echo "fallback: ${line:-NO LOG LINE}"
+        case "$line" in *collective*) ;; *) echo "FAIL: the fused path did not fall back"; status=1 ;; esac
+        for ep in "${eps[@]}"; do mpi_suite "$ep" " (network transport)"; done
+        for ep in "${eps[@]}"; do
+            $MPIRUN -np "$ep" bin/ch02_dispatch_bench --device cuda 2>&1 | tee -a "$LOG" | grep -v '^$'
+        done
+        unset NCCL_P2P_DISABLE NCCL_SHM_DISABLE
+        MPIRUN="mpirun --bind-to none -x NCCL_NVLS_ENABLE"
+        ;;
+    esac
+done
+exit $status
