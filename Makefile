@@ -314,7 +314,7 @@ test-gpu: check-deps
 CH01_SYMBOLS := moe_cpu_router_forward moe_cpu_aux_loss_forward moe_cpu_aux_loss_backward \
 	moe_cpu_permute_index
 CH02_SYMBOLS := moe_dispatch_layout moe_dispatch_sort_maps
-CH03_SYMBOLS := moe_cpu_grouped_matmul_forward
+CH03_SYMBOLS := moe_cpu_grouped_matmul_forward moe_tile_schedule_prefix moe_tile_schedule_at
 OBJCOPY ?= objcopy
 student_src = $(wildcard chapters/$(1)-*/student/*.c)
 # $(call chapter_bin,NN,unit|fd|mpi): the test binary check-chNN runs
@@ -368,9 +368,10 @@ check-ch03: check-deps
 # untouched stub fails, with the message that names its file and function.
 test-chapters: check-ch01 check-ch02 check-ch03
 
-# $(call EXPECT_STUB,NN,file,function): the chapter's student unit binary must fail with
-# the stub's TODO message
-EXPECT_STUB = if CK_INCLUDE_TAGS=ch$(1) CK_FORK=no $(BUILD)/student/ch$(1)/unit > $(BUILD)/student/ch$(1)/stub.log 2>&1; \
+# $(call EXPECT_STUB,NN,file,function[,suite]): the chapter's student unit binary (only
+# the Check suite named, when a chapter has stubs in several) must fail with the stub's
+# TODO message
+EXPECT_STUB = if CK_INCLUDE_TAGS=ch$(1) $(if $(4),CK_RUN_SUITE=$(4)) CK_FORK=no $(BUILD)/student/ch$(1)/unit > $(BUILD)/student/ch$(1)/stub.log 2>&1; \
 	  then echo "FAIL: chapter $(1)'s untouched stubs passed"; exit 1; \
 	  elif ! grep -qF "TODO(student): $(2): $(3) is not implemented yet" $(BUILD)/student/ch$(1)/stub.log; then \
 	    echo "FAIL: no TODO message from $(2)"; cat $(BUILD)/student/ch$(1)/stub.log; exit 1; \
@@ -380,7 +381,8 @@ test-student-stubs: check-deps
 	@echo "== student stubs, untouched, fail with their TODO message"
 	@$(call EXPECT_STUB,01,chapters/01-naive-moe/student/router.c,moe_cpu_router_forward)
 	@$(call EXPECT_STUB,02,chapters/02-expert-parallel/student/dispatch_plan.c,moe_dispatch_layout)
-	@$(call EXPECT_STUB,03,chapters/03-grouped-gemm/student/grouped_matmul.c,moe_cpu_grouped_matmul_forward)
+	@$(call EXPECT_STUB,03,chapters/03-grouped-gemm/student/grouped_matmul.c,moe_cpu_grouped_matmul_forward,grouped)
+	@$(call EXPECT_STUB,03,chapters/03-grouped-gemm/student/tile_schedule.c,moe_tile_schedule_prefix,tile_schedule)
 
 # Everything the test steps run is built first, in parallel; then the steps run one after
 # another (SERIAL=1), so their output does not interleave and the MPI ranks get the cores.

@@ -46,7 +46,8 @@
  * CTAs running at the same time touch a few row blocks and a few weight blocks, which
  * stay in L2. For forward and dgrad a group has ceil(rows_g / BM) m-tiles; each CTA reads
  * the G + 1 offsets into shared memory and prefix-sums the m-tiles (G is small), which
- * maps a tile index to its group by binary search — the host never learns the sizes. For
+ * maps a tile index to its group by binary search — the host never learns the sizes (the
+ * rule is lib/moe/tile_schedule.h, one definition for this kernel and the C library). For
  * wgrad the tiles are the fixed G × (O/BM) × (I/BN) blocks of dw and the k-loop length is
  * the group's row count.
  *
@@ -75,13 +76,13 @@
  * sm_100a has no wgmma: this file builds there (the kernel body compiles to a trap) and
  * moe_cuda_grouped_sm90_available() says no, so the layer uses the cuBLAS grouped backend.
  */
-#include <cuda.h>
-#include <cudaTypedefs.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
+#include "moe/tile_schedule.h"
+#include "sm90_ptx.cuh"
 #include "wgmma.cuh"
 
 namespace {
@@ -116,80 +117,9 @@ struct Tile {
     int nk;        /* k-steps */
 };
 
-/* ---------------------------------------------------------------- PTX helpers */
+/* ---------------------------------------------------------------- PTX helpers
+ * (the shared ones — mbarriers, TMA, wgmma fences and descriptors — are sm90_ptx.cuh) */
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL) /* nothing for sm_100a */
-
-__device__ __forceinline__ uint32_t smem_u32(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
-}
-
-/* arrive, and tell the barrier how many bytes the TMA loads of this phase will deliver */
-__device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-                 "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
-/* wait until the phase with this parity has completed */
-__device__ __forceinline__ void mbar_wait(uint64_t *bar, int parity) {
-    asm volatile("{\n"
-                 ".reg .pred done;\n"
-                 "WAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra WAIT;\n"
-                 "}\n" ::"r"(smem_u32(bar)),
-                 "r"(parity)
-                 : "memory");
-}
-
-__device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap *map, uint64_t *bar,
-                                            int c0, int c1) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%2, %3}], [%4];" ::"r"(smem_u32(dst)),
-                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(smem_u32(bar))
-                 : "memory");
-}
-
-/* TMA copy-out of one box from shared memory: store, or add into what is there */
-__device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, const void *src, int c0,
-                                             int c1) {
-    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%1, %2}], [%3];"
-                 ::"l"((uint64_t)map), "r"(c0), "r"(c1), "r"(smem_u32(src))
-                 : "memory");
-}
-__device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap *map, const void *src, int c0,
-                                                  int c1) {
-    asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group"
-                 " [%0, {%1, %2}], [%3];" ::"l"((uint64_t)map), "r"(c0), "r"(c1),
-                 "r"(smem_u32(src))
-                 : "memory");
-}
-__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap *map, const void *src, int c0,
-                                                  int c1, int c2) {
-    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group"
-                 " [%0, {%1, %2, %3}], [%4];" ::"l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2),
-                 "r"(smem_u32(src))
-                 : "memory");
-}
-__device__ __forceinline__ void bulk_commit() {
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-/* the issuing thread: wait until earlier copy-outs have READ their shared memory */
-__device__ __forceinline__ void bulk_wait_read() {
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-}
-/* ... until they have completed (written global memory) */
-__device__ __forceinline__ void bulk_wait_all() {
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
 
 /* barrier of the 128 threads of consumer warpgroup c (named barrier 1 + c) */
 __device__ __forceinline__ void wg_barrier(int c) {
@@ -205,41 +135,18 @@ __device__ __forceinline__ void epilogue_reserve(int c, int tid) {
 
 /* after writing it: make the writes visible to TMA (the async proxy), then hand over */
 __device__ __forceinline__ void epilogue_publish(int c) {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    fence_proxy_async();
     wg_barrier(c);
 }
-
-__device__ __forceinline__ void tma_load_3d(void *dst, const CUtensorMap *map, uint64_t *bar,
-                                            int c0, int c1, int c2) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(smem_u32(dst)),
-                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
-                 : "memory");
-}
-
-/* The 64-bit shared-memory matrix descriptor of wgmma: start address, leading and stride
- * byte offsets (all in 16-byte units) and the swizzle mode (1 = 128-byte). */
-__device__ __forceinline__ uint64_t desc(const void *p, uint32_t lbo, uint32_t sbo) {
-    return (uint64_t)((smem_u32(p) & 0x3FFFF) >> 4) | (uint64_t)((lbo >> 4) & 0x3FFF) << 16 |
-           (uint64_t)((sbo >> 4) & 0x3FFF) << 32 | 1ull << 62;
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-template <int N> __device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-
-/* keep the compiler from moving accumulator reads across a wgmma wait */
-__device__ __forceinline__ void reg_fence(float &r) { asm volatile("" : "+f"(r)::"memory"); }
 #endif
 
 /* ---------------------------------------------------------------- the scheduler */
 
+/* The tile index -> tile rule is lib/moe/tile_schedule.h, shared with the C library
+ * (moe_tile_schedule_at, tested against a brute-force enumeration) and the chapter's
+ * kernel ladder; this adds the wgrad raster and each tile's k-loop length. */
 template <int MODE> struct Scheduler {
-    static constexpr int BAND = 8; /* m-tiles per raster band (L2 reuse, see get) */
+    static constexpr int BAND = 8; /* m-tiles per raster band (L2 reuse, see tile_schedule.h) */
     const int *off, *mt; /* shared: offsets [G+1], m-tile prefix [G+1] */
     int G, ntn, mtn, total, K;
 
@@ -247,37 +154,24 @@ template <int MODE> struct Scheduler {
         if (t >= total)
             return false;
         if (MODE == WGRAD) { /* the same banded raster over dw_g's (m, n) tiles */
-            const int per = mtn * ntn, rem = t % per;
-            const int band = rem / (BAND * ntn), in_band = rem % (BAND * ntn);
-            const int rows_in_band = min(BAND, mtn - band * BAND);
+            const int per = mtn * ntn;
+            int mi, ni;
+            moe_tile_band_place(t % per, mtn, ntn, BAND, &mi, &ni);
             ti.g = t / per;
-            ti.m0 = (band * BAND + in_band % rows_in_band) * BM;
-            ti.n0 = (in_band / rows_in_band) * BN;
+            ti.m0 = mi * BM;
+            ti.n0 = ni * BN;
             ti.r0 = off[ti.g];
             ti.r1 = off[ti.g + 1];
             ti.nk = (ti.r1 - ti.r0 + BK - 1) / BK;
             return true;
         }
-        const int m = t / ntn;
-        int lo = 0, hi = G - 1; /* the g with mt[g] <= m < mt[g+1] (empty groups skipped) */
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (mt[mid] <= m)
-                lo = mid;
-            else
-                hi = mid - 1;
-        }
-        /* inside the group, bands of BAND m-tiles, m fastest within a band: the CTAs that
-         * run together touch BAND row blocks and ~#CTAs/BAND weight blocks, which stay in
-         * L2, instead of one row block and #CTAs weight blocks streamed from HBM */
-        const int mtiles = mt[lo + 1] - mt[lo], l = t - mt[lo] * ntn;
-        const int band = l / (BAND * ntn), in_band = l % (BAND * ntn);
-        const int rows_in_band = min(BAND, mtiles - band * BAND);
-        ti.g = lo;
-        ti.r0 = off[lo];
-        ti.r1 = off[lo + 1];
-        ti.m0 = ti.r0 + (band * BAND + in_band % rows_in_band) * BM;
-        ti.n0 = (in_band / rows_in_band) * BN;
+        moe_tile x;
+        moe_tile_at_rule(&x, t, off, mt, G, ntn, BM, BN, BAND);
+        ti.g = x.g;
+        ti.m0 = x.m0;
+        ti.n0 = x.n0;
+        ti.r0 = x.r0;
+        ti.r1 = x.r1;
         ti.nk = (K + BK - 1) / BK;
         return true;
     }
@@ -308,17 +202,11 @@ __global__ void __launch_bounds__(THREADS, 1)
             mbar_init(&full[s], 1);  /* the producer's expect_tx arrival (+ the bytes) */
             mbar_init(&empty[s], 8); /* one arrival per consumer warp */
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbar_init_fence();
     }
     __syncthreads();
-    if (threadIdx.x == 0) { /* m-tile prefix over the groups (forward/dgrad) */
-        int acc = 0;
-        for (int g = 0; g < p.G; g++) {
-            s_mt[g] = acc;
-            acc += (s_off[g + 1] - s_off[g] + BM - 1) / BM;
-        }
-        s_mt[p.G] = acc;
-    }
+    if (threadIdx.x == 0) /* m-tile prefix over the groups (forward/dgrad) */
+        moe_tile_prefix_rule(s_mt, s_off, p.G, BM);
     __syncthreads();
 
     Scheduler<MODE> sch;
@@ -386,7 +274,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                     uint4 *line = (uint4 *)(a + valid * 128);
                     for (int i = tid; i < (BK - valid) * 8; i += 128)
                         line[i] = make_uint4(0, 0, 0, 0);
-                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                    fence_proxy_async();
                     wg_barrier(c);
                 }
             }
@@ -441,8 +329,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
                         const int row = r_lo + 8 * h;
-                        uint8_t *dst = cs + box * 8192 + row * 128 + ((chunk ^ (row & 7)) * 16) +
-                                       within;
+                        uint8_t *dst = cs + box * 8192 + moe_swizzle128(row, chunk) + within;
                         if (MODE == WGRAD)
                             *(float2 *)dst = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
                         else
@@ -500,46 +387,6 @@ __global__ void __launch_bounds__(THREADS, 1)
 }
 
 /* ---------------------------------------------------------------- host side */
-
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn(void) {
-    static PFN_cuTensorMapEncodeTiled_v12000 fn = NULL;
-    if (!fn) {
-        cudaDriverEntryPointQueryResult q;
-        void *p = NULL;
-        MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
-                                                        cudaEnableDefault, &q));
-        if (q != cudaDriverEntryPointSuccess || !p) {
-            fprintf(stderr, "moe.c: the CUDA driver has no cuTensorMapEncodeTiled\n");
-            exit(1);
-        }
-        fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
-    }
-    return fn;
-}
-
-/* A tensor map over a row-major bf16 or fp32 tensor of dims (innermost first) with a box
- * of box[] elements, 128-byte swizzle, zero fill outside the tensor. */
-CUtensorMap tensor_map(const void *base, int rank, const uint64_t *dims, const uint32_t *box,
-                       int fp32 = 0) {
-    CUtensorMap m;
-    const uint64_t esize = fp32 ? 4 : 2;
-    uint64_t strides[2];
-    strides[0] = dims[0] * esize;
-    if (rank == 3)
-        strides[1] = dims[1] * strides[0];
-    const uint32_t estride[3] = {1, 1, 1};
-    CUresult r = encode_fn()(&m, fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
-                                      : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                             rank, (void *)base, dims, strides, box, estride,
-                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) {
-        fprintf(stderr, "moe.c: cuTensorMapEncodeTiled failed (%d) for a %dx%llux%llu tensor\n",
-                (int)r, rank, (unsigned long long)dims[0], (unsigned long long)dims[1]);
-        exit(1);
-    }
-    return m;
-}
 
 int num_sms(void) {
     static int n = 0;
@@ -622,7 +469,7 @@ extern "C" void moe_cuda_grouped_sm90_forward(void *out, const void *in, const v
     const uint64_t dc[2] = {(uint64_t)O, (uint64_t)rows};
     const uint32_t ba[2] = {BK, BM}, bb[3] = {BK, BN, 1}, bc[2] = {64, 64};
     const Params p = {dev_off, G, 0, O, I, out, 0};
-    launch<FWD>(tensor_map(in, 2, da, ba), tensor_map(w, 3, db, bb), tensor_map(out, 2, dc, bc), p,
+    launch<FWD>(moe_tma_map(in, 2, da, ba), moe_tma_map(w, 3, db, bb), moe_tma_map(out, 2, dc, bc), p,
                 ((rows + BM - 1) / BM + G) * ((O + BN - 1) / BN));
 }
 
@@ -646,8 +493,8 @@ extern "C" void moe_cuda_grouped_sm90_backward(void *din, moe_real *dw, const vo
         const uint64_t dc[2] = {(uint64_t)I, (uint64_t)rows};
         const uint32_t ba[2] = {BK, BM}, bb[3] = {64, BK, 1}, bc[2] = {64, 64};
         const Params p = {dev_off, G, 0, I, O, din, din_accumulate};
-        launch<DGRAD>(tensor_map(dout, 2, da, ba), tensor_map(w, 3, db, bb),
-                      tensor_map(din, 2, dc, bc), p,
+        launch<DGRAD>(moe_tma_map(dout, 2, da, ba), moe_tma_map(w, 3, db, bb),
+                      moe_tma_map(din, 2, dc, bc), p,
                       ((rows + BM - 1) / BM + G) * ((I + BN - 1) / BN));
     }
     if (dw) { /* dw_g[O,I] += dout_gᵀ · in_g: A = dout, B = in (both MN-major), C fp32 */
@@ -656,8 +503,8 @@ extern "C" void moe_cuda_grouped_sm90_backward(void *din, moe_real *dw, const vo
         const uint64_t dc[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
         const uint32_t box[2] = {64, BK}, bc[3] = {32, 64, 1};
         const Params p = {dev_off, G, O, I, 0, NULL, 1}; /* dw leaves through map_c only */
-        launch<WGRAD>(tensor_map(dout, 2, da, box), tensor_map(in, 2, db, box),
-                      tensor_map(dw, 3, dc, bc, 1), p,
+        launch<WGRAD>(moe_tma_map(dout, 2, da, box), moe_tma_map(in, 2, db, box),
+                      moe_tma_map(dw, 3, dc, bc, 1), p,
                       G * ((O + BM - 1) / BM) * ((I + BN - 1) / BN));
     }
 }

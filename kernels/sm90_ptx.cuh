@@ -1,0 +1,215 @@
+/**
+ * @file sm90_ptx.cuh
+ * @brief The Hopper (sm_90a) building blocks of chapter 03's grouped GEMM, as small inline
+ *        PTX wrappers: mbarriers, TMA (the tensor memory accelerator) loads and stores,
+ *        the wgmma fences and shared-memory matrix descriptors, and the host's tensor-map
+ *        encoder. Shared by the library's kernel (grouped_gemm_sm90.cu) and the kernel
+ *        ladder of chapters/03-grouped-gemm/versions/; the MMA instruction itself is
+ *        wgmma.cuh.
+ *
+ * The device helpers compile for sm_90a only (sm_100a has no wgmma, and the kernels that
+ * use them compile there to a trap): code that calls them is guarded by
+ * `#if defined(__CUDA_ARCH_FEAT_SM90_ALL)` as in grouped_gemm_sm90.cu.
+ *
+ * The 128-byte swizzle, which every tile here uses: a tile stored "K-major" with BK = 64
+ * bf16 per row is rows of 128 bytes; inside each group of 8 rows (1024 bytes), the
+ * 16-byte chunk c of row r is stored at chunk position c XOR (r mod 8). The 8 rows a
+ * wgmma (or a store of 8 consecutive rows) touches at one column then fall in 8 different
+ * bank groups: no bank conflicts, and TMA writes the same layout (CU_TENSOR_MAP_SWIZZLE_128B).
+ */
+#ifndef MOE_SM90_PTX_CUH
+#define MOE_SM90_PTX_CUH
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <stdint.h>
+
+#include "cuda_common.cuh"
+
+/** Byte offset of 16-byte chunk @p chunk of row @p row in a 128-byte swizzled tile. */
+static __host__ __device__ __forceinline__ int moe_swizzle128(int row, int chunk) {
+    return row * 128 + ((chunk ^ (row & 7)) * 16);
+}
+
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL) /* nothing for sm_100a */
+
+/** The 32-bit shared-memory address PTX wants for a generic pointer into shared memory. */
+static __device__ __forceinline__ uint32_t smem_u32(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* ---------------------------------------------------------------- mbarriers
+ * An mbarrier is a 64-bit counter in shared memory: a phase completes when `count`
+ * threads have arrived AND every byte announced with expect_tx has landed (TMA counts its
+ * bytes down as they arrive). Waiters poll for the phase's parity (0, 1, 0, ...). */
+
+/** Initialise a barrier that expects @p count arrivals per phase. */
+static __device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+
+/** Make barrier initialisation visible to the async proxy (TMA) before first use. */
+static __device__ __forceinline__ void mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+/** Arrive, and tell the barrier how many bytes the TMA loads of this phase will deliver. */
+static __device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+/** Arrive (one of the barrier's `count`). */
+static __device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+/** Wait until the phase with this parity has completed. */
+static __device__ __forceinline__ void mbar_wait(uint64_t *bar, int parity) {
+    asm volatile("{\n"
+                 ".reg .pred done;\n"
+                 "WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n"
+                 "}\n" ::"r"(smem_u32(bar)),
+                 "r"(parity)
+                 : "memory");
+}
+
+/* ---------------------------------------------------------------- TMA */
+
+/** TMA load of one box at coordinates (c0 innermost, c1) into shared memory; its bytes
+ *  count down @p bar's expected transaction. */
+static __device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap *map,
+                                                   uint64_t *bar, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];" ::"r"(smem_u32(dst)),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+                 : "memory");
+}
+
+/** The same for a 3-D tensor (e.g. stacked expert weights [G, O, I]). */
+static __device__ __forceinline__ void tma_load_3d(void *dst, const CUtensorMap *map,
+                                                   uint64_t *bar, int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(smem_u32(dst)),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
+                 : "memory");
+}
+
+/** TMA copy-out of one box from shared memory: store... */
+static __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, const void *src,
+                                                    int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%1, %2}], [%3];"
+                 ::"l"((uint64_t)map), "r"(c0), "r"(c1), "r"(smem_u32(src))
+                 : "memory");
+}
+/** ... or add into what is there (the add happens in L2). */
+static __device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap *map, const void *src,
+                                                         int c0, int c1) {
+    asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group"
+                 " [%0, {%1, %2}], [%3];" ::"l"((uint64_t)map), "r"(c0), "r"(c1),
+                 "r"(smem_u32(src))
+                 : "memory");
+}
+/** ... the same into a 3-D tensor. */
+static __device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap *map, const void *src,
+                                                         int c0, int c1, int c2) {
+    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group"
+                 " [%0, {%1, %2, %3}], [%4];" ::"l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2),
+                 "r"(smem_u32(src))
+                 : "memory");
+}
+/** Close the group of copy-outs issued since the last commit. */
+static __device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+/** The issuing thread: wait until earlier copy-outs have READ their shared memory. */
+static __device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+/** ... until they have completed (written global memory). */
+static __device__ __forceinline__ void bulk_wait_all() {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+/** Make this thread's ordinary shared-memory writes visible to the async proxy (TMA
+ *  stores, and wgmma's operand reads) — needed after threads write a tile that wgmma or
+ *  TMA reads next. */
+static __device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+/* ---------------------------------------------------------------- wgmma */
+
+/** The 64-bit shared-memory matrix descriptor of wgmma: start address, leading and
+ *  stride byte offsets (all in 16-byte units) and the swizzle mode (1 = 128-byte). For a
+ *  K-major 128-byte-swizzled tile: lbo = 16 (unused), sbo = 1024 (the next 8 rows). */
+static __device__ __forceinline__ uint64_t desc(const void *p, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((smem_u32(p) & 0x3FFFF) >> 4) | (uint64_t)((lbo >> 4) & 0x3FFF) << 16 |
+           (uint64_t)((sbo >> 4) & 0x3FFF) << 32 | 1ull << 62;
+}
+
+/** Order register (accumulator) accesses before the wgmma that follow. */
+static __device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+/** Close the group of wgmma issued since the last commit. */
+static __device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+/** Wait until at most N committed wgmma groups are still running. */
+template <int N> static __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+/** Keep the compiler from moving accumulator reads across a wgmma wait. */
+static __device__ __forceinline__ void reg_fence(float &r) { asm volatile("" : "+f"(r)::"memory"); }
+#endif
+
+/* ---------------------------------------------------------------- host: tensor maps */
+
+/** The driver's cuTensorMapEncodeTiled, found once through the runtime (no -lcuda). */
+static inline PFN_cuTensorMapEncodeTiled_v12000 moe_tma_encode_fn(void) {
+    static PFN_cuTensorMapEncodeTiled_v12000 fn = NULL;
+    if (!fn) {
+        cudaDriverEntryPointQueryResult q;
+        void *p = NULL;
+        MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                                        cudaEnableDefault, &q));
+        if (q != cudaDriverEntryPointSuccess || !p) {
+            fprintf(stderr, "moe.c: the CUDA driver has no cuTensorMapEncodeTiled\n");
+            exit(1);
+        }
+        fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
+    }
+    return fn;
+}
+
+/** A tensor map over a row-major bf16 (or fp32) tensor of @p rank dims (innermost first)
+ *  with a box of @p box elements, 128-byte swizzle, zero fill outside the tensor. */
+static inline CUtensorMap moe_tma_map(const void *base, int rank, const uint64_t *dims,
+                                      const uint32_t *box, int fp32 = 0) {
+    CUtensorMap m;
+    const uint64_t esize = fp32 ? 4 : 2;
+    uint64_t strides[2];
+    strides[0] = dims[0] * esize;
+    if (rank == 3)
+        strides[1] = dims[1] * strides[0];
+    const uint32_t estride[3] = {1, 1, 1};
+    CUresult r = moe_tma_encode_fn()(&m, fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                              : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                                     rank, (void *)base, dims, strides, box, estride,
+                                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        fprintf(stderr, "moe.c: cuTensorMapEncodeTiled failed (%d) for a %dx%llux%llu tensor\n",
+                (int)r, rank, (unsigned long long)dims[0], (unsigned long long)dims[1]);
+        exit(1);
+    }
+    return m;
+}
+
+#endif /* MOE_SM90_PTX_CUH */

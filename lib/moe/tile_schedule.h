@@ -1,0 +1,151 @@
+/**
+ * @file tile_schedule.h
+ * @brief The tile scheduler of chapter 03's grouped GEMM: which output tile a tile index
+ *        names, for ragged groups whose row offsets the GPU reads from its own memory.
+ *
+ * The grouped GEMM computes out_g[n, N] = in_g[n, K] · w_gᵀ for groups g = 0..G−1; group g
+ * owns rows [off[g], off[g+1]) of in and out. The output is cut into tiles of BM rows ×
+ * BN columns that never cross a group: group g has ceil(rows_g / BM) m-tiles (its last one
+ * may be short) times ntn = ceil(N / BN) n-tiles. Tile indices 0 .. total−1 run group by
+ * group; inside a group the tiles go in BANDS of `band` m-tiles, m fastest inside a band:
+ *
+ *     group g, band b, n-tile n, m-tile (b·band + i), i = 0 .. rows_in_band − 1
+ *
+ * so CTAs that run at the same time share a few row blocks of in and a few weight blocks
+ * of w_g, which stay in L2. To map an index to its group without asking the host, the
+ * m-tile counts are prefix-summed (mt[g] = m-tiles before group g, mt[G] = all of them)
+ * and the index's m-tile position is found by binary search in mt.
+ *
+ * The rule is written ONCE, here, as `static inline MOE_HOSTDEV` functions: the CUDA
+ * kernels (kernels/grouped_gemm_sm90.cu, chapter 03's kernel ladder) call them on the
+ * device, and lib/moe/tile_schedule.c wraps them as the library's C functions, which the
+ * tests check against a brute-force enumeration (tests/test_tile_schedule.c).
+ */
+#ifndef MOE_TILE_SCHEDULE_H
+#define MOE_TILE_SCHEDULE_H
+
+#include "real.h" /* MOE_HOSTDEV */
+
+/** One output tile of the grouped GEMM. */
+typedef struct moe_tile {
+    int g;  /**< its group */
+    int m0; /**< first row (absolute row of in/out) */
+    int n0; /**< first column */
+    int r0; /**< the group's first row, off[g] */
+    int r1; /**< one past the group's last row, off[g+1]: rows m0 .. min(m0+BM, r1)−1 are the
+                 tile's */
+} moe_tile;
+
+/**
+ * @brief Place (m-tile @p mi, n-tile @p ni) of local tile index @p l in a raster of
+ *        @p mtiles × @p ntn tiles walked in bands of @p band m-tiles, m fastest inside a
+ *        band. The one definition of the band order (the wgrad raster of dw_g uses it too).
+ * @param l index inside the raster, in [0, mtiles·ntn)  @param mtiles m-tiles of the raster
+ * @param ntn n-tiles  @param band m-tiles per band (>= 1)
+ * @param mi receives the m-tile  @param ni receives the n-tile
+ */
+static inline MOE_HOSTDEV void moe_tile_band_place(int l, int mtiles, int ntn, int band, int *mi,
+                                                   int *ni) {
+    const int b = l / (band * ntn), in_band = l % (band * ntn);
+    const int left = mtiles - b * band; /* the last band may be narrower */
+    const int rows_in_band = left < band ? left : band;
+    *mi = b * band + in_band % rows_in_band;
+    *ni = in_band / rows_in_band;
+}
+
+/**
+ * @brief The m-tile prefix: mt[g] = Σ_{h<g} ceil((off[h+1] − off[h]) / bm), for g = 0..G.
+ * @param mt [G+1] receives the prefix  @param off [G+1] group row offsets
+ * @param G groups  @param bm rows per tile
+ * @return mt[G], the number of m-tiles of all groups
+ */
+static inline MOE_HOSTDEV int moe_tile_prefix_rule(int *mt, const int *off, int G, int bm) {
+    int acc = 0;
+    for (int g = 0; g < G; g++) {
+        mt[g] = acc;
+        acc += (off[g + 1] - off[g] + bm - 1) / bm;
+    }
+    mt[G] = acc;
+    return acc;
+}
+
+/**
+ * @brief The tile of index @p t: its group by binary search in the m-tile prefix, then its
+ *        place inside the group by moe_tile_band_place().
+ * @param ti receives the tile  @param t tile index  @param off [G+1] row offsets
+ * @param mt [G+1] the m-tile prefix of moe_tile_prefix_rule()  @param G groups
+ * @param ntn n-tiles, ceil(N / bn)  @param bm rows per tile  @param bn columns per tile
+ * @param band m-tiles per band
+ * @return 1, or 0 when @p t >= mt[G]·ntn (no such tile; @p ti is untouched)
+ */
+static inline MOE_HOSTDEV int moe_tile_at_rule(moe_tile *ti, int t, const int *off,
+                                               const int *mt, int G, int ntn, int bm, int bn,
+                                               int band) {
+    if (t < 0 || t >= mt[G] * ntn)
+        return 0;
+    const int m = t / ntn; /* t's m-tile position, counting every group's m-tiles */
+    int lo = 0, hi = G - 1; /* the g with mt[g] <= m < mt[g+1] (empty groups are skipped) */
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (mt[mid] <= m)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    int mi, ni;
+    moe_tile_band_place(t - mt[lo] * ntn, mt[lo + 1] - mt[lo], ntn, band, &mi, &ni);
+    ti->g = lo;
+    ti->r0 = off[lo];
+    ti->r1 = off[lo + 1];
+    ti->m0 = ti->r0 + mi * bm;
+    ti->n0 = ni * bn;
+    return 1;
+}
+
+/** The shape of a tile grid: how the output is cut and walked. */
+typedef struct moe_tile_shape {
+    int bm;   /**< rows per tile (the sm_90a kernel: 128) */
+    int bn;   /**< columns per tile (256) */
+    int band; /**< m-tiles per band (8) */
+} moe_tile_shape;
+
+/**
+ * @brief The m-tile prefix of @p G groups (the library's C function; the rule is
+ *        moe_tile_prefix_rule()).
+ * @param mt [G+1] receives mt[g] = m-tiles of the groups before g
+ * @param off [G+1] non-decreasing row offsets, off[0] = 0  @param G groups (>= 1)
+ * @param bm rows per tile (>= 1)
+ * @return the number of m-tiles, mt[G]
+ */
+int moe_tile_schedule_prefix(int *mt, const int *off, int G, int bm);
+
+/**
+ * @brief The tile of index @p t (the library's C function; the rule is
+ *        moe_tile_at_rule()): tiles run group by group, in bands of `band` m-tiles, m
+ *        fastest inside a band.
+ * @param ti receives the tile  @param t tile index  @param off [G+1] row offsets
+ * @param mt [G+1] the prefix of moe_tile_schedule_prefix()  @param G groups
+ * @param N output columns  @param shape tile shape
+ * @return 1, or 0 when t is past the last tile
+ */
+int moe_tile_schedule_at(moe_tile *ti, int t, const int *off, const int *mt, int G, int N,
+                         moe_tile_shape shape);
+
+/**
+ * @brief The tiles one persistent CTA runs: CTA @p cta of @p ctas takes tiles cta,
+ *        cta + ctas, cta + 2·ctas, ... (the static schedule of the sm_90a kernel).
+ * @param tiles receives at most cap tiles, in the order the CTA runs them
+ * @param cap capacity of the tiles array
+ * @param cta this CTA, in [0, ctas)
+ * @param ctas the number of CTAs
+ * @param off [G+1] row offsets
+ * @param G groups
+ * @param N output columns
+ * @param shape tile shape
+ * @return the number of tiles of this CTA (may exceed @p cap: only @p cap are written), or
+ *         -1 when memory for the prefix cannot be had
+ */
+int moe_tile_schedule_cta(moe_tile *tiles, int cap, int cta, int ctas, const int *off, int G,
+                          int N, moe_tile_shape shape);
+
+#endif /* MOE_TILE_SCHEDULE_H */

@@ -1,0 +1,147 @@
+/*
+ * The tile scheduler of the grouped GEMM (chapter 03; lib/moe/tile_schedule.h, and with
+ * STUDENT=1 the student's version in chapters/03-grouped-gemm/student/) against a
+ * brute-force enumeration written independently of it: nested loops over groups, bands,
+ * n-tiles and m-tiles list every tile in the order the schedule must produce. Checked:
+ * the m-tile prefix; tile t is the t-th tile of that list (so the band order is right);
+ * no index past the last tile; every row of every group is covered exactly once per
+ * column tile and no tile crosses into another group; and the per-CTA lists of a
+ * persistent launch partition the tiles. Ragged groups, empty groups, one group holding
+ * every row, bands wider than a group, and many random shapes.
+ */
+#include <stdlib.h>
+
+#include "helpers.h"
+#include "moe/tile_schedule.h"
+#include "rng.h"
+#include "suites.h"
+
+/* every tile, in schedule order, by nested loops; returns how many */
+static int enumerate(moe_tile *list, const int *off, int G, int N, moe_tile_shape s) {
+    const int ntn = (N + s.bn - 1) / s.bn;
+    int n = 0;
+    for (int g = 0; g < G; g++) {
+        const int mtiles = (off[g + 1] - off[g] + s.bm - 1) / s.bm;
+        for (int b0 = 0; b0 < mtiles; b0 += s.band) {
+            const int width = mtiles - b0 < s.band ? mtiles - b0 : s.band;
+            for (int nt = 0; nt < ntn; nt++)
+                for (int i = 0; i < width; i++) {
+                    const moe_tile t = {g, off[g] + (b0 + i) * s.bm, nt * s.bn, off[g], off[g + 1]};
+                    list[n++] = t;
+                }
+        }
+    }
+    return n;
+}
+
+static void check_schedule(const int *off, int G, int N, moe_tile_shape s) {
+    const int rows = off[G], ntn = (N + s.bn - 1) / s.bn;
+    const int cap = (rows / s.bm + G + 1) * ntn;
+    moe_tile *want = malloc(sizeof(moe_tile) * (size_t)cap);
+    moe_tile *cta_tiles = malloc(sizeof(moe_tile) * (size_t)cap);
+    int *mt = malloc(sizeof(int) * (size_t)(G + 1));
+    int *cover = calloc((size_t)(rows ? rows : 1) * ntn, sizeof(int));
+    ck_assert(want && cta_tiles && mt && cover);
+    const int total = enumerate(want, off, G, N, s);
+
+    /* the m-tile prefix */
+    const int mtiles = moe_tile_schedule_prefix(mt, off, G, s.bm);
+    ck_assert_int_eq(mtiles * ntn, total);
+    for (int g = 0, acc = 0; g <= G; g++) {
+        ck_assert_msg(mt[g] == acc, "prefix mt[%d] = %d, want %d (m-tiles of the groups before %d)",
+                      g, mt[g], acc, g);
+        if (g < G)
+            acc += (off[g + 1] - off[g] + s.bm - 1) / s.bm;
+    }
+
+    /* tile t is the t-th of the enumeration, and covers its rows once */
+    for (int t = 0; t < total; t++) {
+        moe_tile ti = {-1, -1, -1, -1, -1};
+        ck_assert_msg(moe_tile_schedule_at(&ti, t, off, mt, G, N, s),
+                      "tile %d of %d: reported as past the end", t, total);
+        const moe_tile *w = &want[t];
+        ck_assert_msg(ti.g == w->g && ti.m0 == w->m0 && ti.n0 == w->n0,
+                      "tile %d (BM=%d BN=%d band=%d): (group %d, m0 %d, n0 %d), want (group %d, "
+                      "m0 %d, n0 %d)", t, s.bm, s.bn, s.band, ti.g, ti.m0, ti.n0, w->g, w->m0,
+                      w->n0);
+        ck_assert_msg(ti.r0 == off[ti.g] && ti.r1 == off[ti.g + 1],
+                      "tile %d: group rows [%d, %d), want [%d, %d)", t, ti.r0, ti.r1, off[ti.g],
+                      off[ti.g + 1]);
+        ck_assert_msg(ti.m0 >= ti.r0 && ti.m0 < ti.r1, "tile %d starts outside its group", t);
+        const int end = ti.m0 + s.bm < ti.r1 ? ti.m0 + s.bm : ti.r1;
+        for (int r = ti.m0; r < end; r++)
+            cover[(size_t)r * ntn + ti.n0 / s.bn]++;
+    }
+    for (int r = 0; r < rows; r++)
+        for (int nt = 0; nt < ntn; nt++)
+            ck_assert_msg(cover[(size_t)r * ntn + nt] == 1,
+                          "row %d, column tile %d: covered %d times, want once", r, nt,
+                          cover[(size_t)r * ntn + nt]);
+    moe_tile past;
+    ck_assert_msg(!moe_tile_schedule_at(&past, total, off, mt, G, N, s),
+                  "index %d (one past the last tile) must return 0", total);
+
+    /* the per-CTA lists of a persistent launch: CTA b runs tiles b, b + ctas, ... */
+    const int ctas_list[3] = {1, 3, 132};
+    for (int c = 0; c < 3; c++) {
+        const int ctas = ctas_list[c];
+        int seen = 0;
+        for (int b = 0; b < ctas; b++) {
+            const int n = moe_tile_schedule_cta(cta_tiles, cap, b, ctas, off, G, N, s);
+            ck_assert_int_eq(n, b < total ? (total - b + ctas - 1) / ctas : 0);
+            for (int j = 0; j < n; j++) {
+                const moe_tile *w = &want[b + j * ctas];
+                ck_assert(cta_tiles[j].g == w->g && cta_tiles[j].m0 == w->m0 &&
+                          cta_tiles[j].n0 == w->n0);
+            }
+            seen += n;
+        }
+        ck_assert_int_eq(seen, total);
+    }
+    free(want); free(cta_tiles); free(mt); free(cover);
+}
+
+START_TEST(test_tile_schedule_ragged) {
+    /* a group of one row, an empty one, exactly one tile, one row past a tile, a large one */
+    const int off[7] = {0, 1, 1, 129, 258, 258, 2000};
+    const moe_tile_shape s = {128, 256, 8};
+    check_schedule(off, 6, 1000, s); /* 4 column tiles, the last one short */
+    check_schedule(off, 6, 256, s);
+    const moe_tile_shape narrow = {16, 8, 3}; /* bands of 3: the last band of a group short */
+    check_schedule(off, 6, 20, narrow);
+}
+END_TEST
+
+START_TEST(test_tile_schedule_edge_groups) {
+    const int all_in_one[4] = {0, 0, 700, 700}; /* only group 1 has rows */
+    const moe_tile_shape s = {128, 256, 8};
+    check_schedule(all_in_one, 3, 512, s);
+    const int single[2] = {0, 5}; /* one group, smaller than a tile, band wider than it */
+    check_schedule(single, 1, 300, s);
+    const int empty[3] = {0, 0, 0}; /* no rows at all: no tiles */
+    check_schedule(empty, 2, 64, s);
+}
+END_TEST
+
+START_TEST(test_tile_schedule_random) {
+    const int bms[4] = {1, 2, 16, 128}, bns[3] = {1, 8, 256}, bands[4] = {1, 2, 3, 8};
+    uint64_t draw = 0;
+#define U(n) ((int)(moe_rng_uniform(11, 12, draw++) * (n)))
+    for (int trial = 0; trial < 60; trial++) {
+        const moe_tile_shape s = {bms[U(4)], bns[U(3)], bands[U(4)]};
+        const int G = 1 + U(20), N = 1 + U(700);
+        int off[21];
+        off[0] = 0;
+        for (int g = 0; g < G; g++) /* a quarter of the groups empty, others up to 3 tiles */
+            off[g + 1] = off[g] + (U(4) == 0 ? 0 : U(3 * s.bm + 1));
+        check_schedule(off, G, N, s);
+    }
+#undef U
+}
+END_TEST
+
+Suite *suite_tile_schedule(void) {
+    const TTest *tests[] = {test_tile_schedule_ragged, test_tile_schedule_edge_groups,
+                            test_tile_schedule_random};
+    return moe_test_chapter_suite("tile_schedule", "ch03", tests, 3);
+}
