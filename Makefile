@@ -7,6 +7,7 @@
 #   make docs       API docs with Doxygen (warnings are errors)
 #   make bench      benchmarks
 #   make test-gpu   the CUDA tests only (they print "skipped: no GPU" without one)
+#   make ch03-versions  chapter 03's kernel ladder, bin/ch03_versions (needs nvcc)
 #   make check-ch01 (ch02, ch03)   one chapter's tests only, in under a minute on 2 cores;
 #                   STUDENT=1 grades the stubs in chapters/NN-*/student/ instead
 #   make notebooks  re-execute notebooks-c/*.ipynb and save their outputs
@@ -161,9 +162,13 @@ $(BUILD)/f64/LIB-MEMBERS: FORCE
 
 # ---------------------------------------------------------------- targets
 .PHONY: all config check-deps train test test-unit test-fd test-asan test-gpu test-mpi test-notebooks notebooks docs bench \
-	clean print-build-flags check-ch01 check-ch02 check-ch03 test-chapters test-student-stubs test-plots
+	clean print-build-flags check-ch01 check-ch02 check-ch03 test-chapters test-student-stubs test-plots \
+	ch03-versions
 
-all: config $(LIB) $(PROGRAMS) $(CHAPTER_BIN)
+# chapter 03's kernel ladder (chapters/03-grouped-gemm/versions/): CUDA only
+VERSIONS_BIN := $(if $(filter 1,$(WITH_CUDA)),bin/ch03_versions)
+
+all: config $(LIB) $(PROGRAMS) $(CHAPTER_BIN) $(VERSIONS_BIN)
 
 config:
 	@echo "$$REPORT"
@@ -204,6 +209,16 @@ bin/$(basename $(notdir $(1))): $(BUILD)/$(1:.c=.o) $(LIB)
 	$$(CC) $$(ALL_CFLAGS) $$^ -o $$@ $$(LDLIBS)
 endef
 $(foreach f,$(CHAPTER_SRC),$(eval $(call CHAPTER_RULE,$(f))))
+
+# ---- chapter 03's kernel ladder: v1 SIMT .. v4 the library's kernel, each checked against
+# the cuBLAS loop and timed by one program (chapters/03-grouped-gemm/versions/ch03_versions.cu)
+ch03-versions:
+	@if [ "$(WITH_CUDA)" != 1 ]; then echo "ch03-versions: skipped (needs nvcc: the ladder is CUDA code)"; \
+	else $(MAKE) --no-print-directory bin/ch03_versions; fi
+
+bin/ch03_versions: $(BUILD)/chapters/03-grouped-gemm/versions/ch03_versions.o $(LIB)
+	@mkdir -p bin
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
 
 # ---- main job
 TRAIN_FLAGS ?=
