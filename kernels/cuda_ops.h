@@ -54,9 +54,12 @@ void moe_cuda_grouped_matmul_backward(void *din, moe_real *dw, const void *dout,
 int moe_cuda_grouped_sm90_available(void);
 void moe_cuda_grouped_sm90_forward(void *out, const void *in, const void *w, const int *dev_off,
                                    int G, int rows, int I, int O);
-void moe_cuda_grouped_sm90_backward(void *din, moe_real *dw, const void *dout, const void *in,
+void moe_cuda_grouped_sm90_backward(void *din, void *dw, const void *dout, const void *in,
                                     const void *w, const int *dev_off, int G, int rows, int I,
-                                    int O, int din_accumulate);
+                                    int O, int din_accumulate, moe_dw_mode dw_mode);
+/* how many chunks the sm_90a wgrad splits each group's rows into for this shape (1 = no
+ * split), from host-known sizes only: for tests and benchmarks to report */
+int moe_cuda_grouped_sm90_wgrad_split(int G, int rows, int I, int O);
 void moe_cuda_embedding_forward(void *out, const int *tokens, const void *table, int N, int C);
 void moe_cuda_embedding_backward(moe_real *dtable, const void *dout, const int *tokens, int N,
                                  int V, int C);

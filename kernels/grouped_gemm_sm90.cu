@@ -34,7 +34,7 @@
  * own 16 KB shared-memory staging buffer, a piece at a time (in the swizzled layout of a
  * TMA box), and one thread hands each piece to TMA: a store for forward (and for dgrad
  * into a fresh buffer), a reduce-add (the accumulate done in L2) for an accumulating dgrad
- * and for wgrad's fp32 weight gradients. The warpgroup goes straight on to its next
+ * and for wgrad's accumulated fp32 weight gradients. The warpgroup goes straight on to its next
  * tile's main loop while the last copy-out runs; a piece waits only until TMA has read
  * the previous one out of the buffer. Small staging buffers buy a 4th pipeline stage
  * (4 × 48 KB + 2 × 16 KB = 224 KB of the SM's 227 KB). Measured on an H200 (see
@@ -50,6 +50,23 @@
  * rule is lib/moe/tile_schedule.h, one definition for this kernel and the C library). For
  * wgrad the tiles are the fixed G × (O/BM) × (I/BN) blocks of dw and the k-loop length is
  * the group's row count.
+ *
+ * The wgrad wall. wgrad's FLOPs per byte of C are only 2·rows_g / 4 (fp32): with a few
+ * hundred rows per group it is bound by moving dw, not by the tensor cores, and a
+ * reduce-add moves it twice (L2 reads the old value from HBM, then writes the sum). So the
+ * weight gradient leaves in one of three modes (moe_dw_mode, chosen by the caller):
+ *   ACCUMULATE  fp32 reduce-add, dw += (later micro-batches of a step);
+ *   STORE       fp32 store, dw = (the first micro-batch: the buffer holds zeros, so there
+ *               is nothing to read); an empty group's tiles still run and store zeros;
+ *   ACT         bf16 store (half the bytes again), what torch._grouped_mm writes.
+ * Split-K: when the G · (O/BM) · (I/BN) tiles of dw cannot fill the SMs and the groups
+ * are long (rows/G ≥ MIN_CHUNK_KSTEPS·BK per chunk), each group's k-loop is cut into S
+ * chunks (S from host-known sizes only: the tile count, the SM count and the total rows;
+ * each chunk's k-range is computed on the device from the offsets). The chunks do not
+ * reduce-add into dw — a STORE or bf16 chunk would race with the others, and the order
+ * of the adds would change the bits from run to run — but each STOREs its partial into an
+ * fp32 workspace [S][G][O][I], and one small kernel sums the S partials in order into dw
+ * in the caller's mode. The workspace is small exactly when splitting pays (few tiles).
  *
  * Ragged edges without padding:
  *   - rows of a forward/dgrad tile past the group's end are loaded (they belong to the
@@ -96,6 +113,8 @@ constexpr int THREADS = 288; /* 2 consumer warpgroups (warps 0-7) + 1 producer w
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int C_BYTES = 16384; /* one warpgroup's output staging: a piece of its block */
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * C_BYTES; /* 224 KB of the SM's 227 */
+constexpr int MAX_SPLIT = 8;        /* wgrad split-K: most chunks per group */
+constexpr int MIN_CHUNK_KSTEPS = 4; /* ... and the fewest k-steps a chunk gets on average */
 
 enum Mode { FWD = 0, DGRAD = 1, WGRAD = 2 };
 
@@ -107,7 +126,8 @@ struct Params {
     int K;          /* forward/dgrad: reduction length; unused for wgrad (ragged) */
     void *C;        /* bf16 output [rows, N], for the masked direct stores where a group
                        ends inside a warpgroup's rows (everything else leaves through map_c) */
-    int accumulate; /* C += instead of C = (dgrad) */
+    int accumulate; /* C += instead of C = (dgrad; wgrad: reduce-add, else store) */
+    int split;      /* wgrad: chunks each group's rows are cut into (1 = none, 0 = unset) */
 };
 
 struct Tile {
@@ -115,6 +135,7 @@ struct Tile {
                       wgrad); first column */
     int r0, r1;    /* the group's rows [r0, r1) */
     int nk;        /* k-steps */
+    int gc;        /* wgrad: the [O, I] block of C it writes (group, or chunk · G + group) */
 };
 
 /* ---------------------------------------------------------------- PTX helpers
@@ -149,20 +170,25 @@ template <int MODE> struct Scheduler {
     static constexpr int BAND = 8; /* m-tiles per raster band (L2 reuse, see tile_schedule.h) */
     const int *off, *mt; /* shared: offsets [G+1], m-tile prefix [G+1] */
     int G, ntn, mtn, total, K;
+    int S; /* wgrad: chunks per group (split-K) */
 
     __device__ bool get(int t, Tile &ti) const {
         if (t >= total)
             return false;
         if (MODE == WGRAD) { /* the same banded raster over dw_g's (m, n) tiles */
-            const int per = mtn * ntn;
+            const int per = mtn * ntn, s = t / (G * per);
             int mi, ni;
             moe_tile_band_place(t % per, mtn, ntn, BAND, &mi, &ni);
-            ti.g = t / per;
+            ti.g = (t / per) % G;
             ti.m0 = mi * BM;
             ti.n0 = ni * BN;
-            ti.r0 = off[ti.g];
+            /* split-K: chunk s of S takes k-steps [s·ck, (s+1)·ck) of the group's nkg, a
+             * length read here from the device offsets (a chunk may get none) */
+            const int nkg = (off[ti.g + 1] - off[ti.g] + BK - 1) / BK, ck = (nkg + S - 1) / S;
+            ti.r0 = off[ti.g] + s * ck * BK;
             ti.r1 = off[ti.g + 1];
-            ti.nk = (ti.r1 - ti.r0 + BK - 1) / BK;
+            ti.nk = max(0, min(ck, nkg - s * ck));
+            ti.gc = s * G + ti.g;
             return true;
         }
         moe_tile x;
@@ -179,7 +205,8 @@ template <int MODE> struct Scheduler {
 
 /* ---------------------------------------------------------------- the kernel */
 
-template <int MODE>
+/* C32: the output C is fp32 (wgrad's main gradients or split-K partials); else bf16 */
+template <int MODE, int C32>
 __global__ void __launch_bounds__(THREADS, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
@@ -216,7 +243,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     sch.K = p.K;
     sch.ntn = (p.N + BN - 1) / BN;
     sch.mtn = (p.M + BM - 1) / BM;
-    sch.total = MODE == WGRAD ? p.G * sch.mtn * sch.ntn : s_mt[p.G] * sch.ntn;
+    sch.S = p.split > 1 ? p.split : 1;
+    sch.total = MODE == WGRAD ? sch.S * p.G * sch.mtn * sch.ntn : s_mt[p.G] * sch.ntn;
 
     if (wg == 2) {
         /* ------------------------------------------------ producer */
@@ -259,8 +287,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     Tile ti;
     float d[BN / 2];
     for (int t = blockIdx.x; sch.get(t, ti); t += gridDim.x) {
-        if (ti.nk == 0)
-            continue; /* wgrad of an empty group: nothing to add */
+        if (ti.nk == 0 && (MODE != WGRAD || p.accumulate))
+            continue; /* wgrad of an empty group (or chunk) adds nothing; a STORE writes 0 */
 #pragma unroll
         for (int i = 0; i < BN / 2; i++)
             d[i] = 0.0f;
@@ -292,7 +320,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 mbar_arrive(&empty[(it - 1) % STAGES]);
         }
         wgmma_wait<0>();
-        if (lane == 0)
+        if (ti.nk > 0 && lane == 0)
             mbar_arrive(&empty[(it - 1) % STAGES]);
 #pragma unroll
         for (int i = 0; i < BN / 2; i++)
@@ -302,9 +330,10 @@ __global__ void __launch_bounds__(THREADS, 1)
          * Accumulators → this warpgroup's staging buffer (in the 128-byte swizzled layout
          * of a TMA box, which also keeps the shared-memory writes free of bank
          * conflicts) → one thread hands the boxes to TMA and the warpgroup goes straight
-         * on to its next tile's main loop while the copy-out runs. Forward stores; dgrad
-         * and wgrad ADD into global memory (TMA's reduce-add: the accumulate happens in
-         * L2, no read-modify-write by the SM). */
+         * on to its next tile's main loop while the copy-out runs. Forward stores; an
+         * accumulating dgrad or wgrad ADDs into global memory (TMA's reduce-add: the
+         * accumulate happens in L2, no read-modify-write by the SM); a wgrad into a
+         * buffer known to hold zeros, a bf16 wgrad and the split-K partials store. */
         const int r_lo = warp * 16 + lane / 4; /* rows r_lo and r_lo + 8 of our 64 */
         const int m_wg = ti.m0 + c * 64;
         if (MODE == WGRAD || m_wg + 64 <= ti.r1) {
@@ -313,7 +342,7 @@ __global__ void __launch_bounds__(THREADS, 1)
              * to TMA, and before writing the next one into the same buffer wait until TMA
              * has read the last (short: shared memory is read at once, the global writes
              * complete later). */
-            constexpr int ES = MODE == WGRAD ? 4 : 2;       /* bytes per output element */
+            constexpr int ES = C32 ? 4 : 2;                 /* bytes per output element */
             constexpr int PIECE_COLS = C_BYTES / (64 * ES);  /* 128 or 64 */
             constexpr int BOX_COLS = 128 / ES;               /* 64 or 32 */
             constexpr int PIECES = BN / PIECE_COLS;
@@ -330,7 +359,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                     for (int h = 0; h < 2; h++) {
                         const int row = r_lo + 8 * h;
                         uint8_t *dst = cs + box * 8192 + moe_swizzle128(row, chunk) + within;
-                        if (MODE == WGRAD)
+                        if (C32)
                             *(float2 *)dst = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
                         else
                             *(__nv_bfloat162 *)dst =
@@ -343,8 +372,10 @@ __global__ void __launch_bounds__(THREADS, 1)
                         const int n = ti.n0 + q * PIECE_COLS + box * BOX_COLS;
                         if (n >= p.N)
                             break;
-                        if (MODE == WGRAD)
-                            tma_reduce_add_3d(&map_c, cs + box * 8192, n, m_wg, ti.g);
+                        if (MODE == WGRAD && p.accumulate)
+                            tma_reduce_add_3d(&map_c, cs + box * 8192, n, m_wg, ti.gc);
+                        else if (MODE == WGRAD)
+                            tma_store_3d(&map_c, cs + box * 8192, n, m_wg, ti.gc);
                         else if (p.accumulate)
                             tma_reduce_add_2d(&map_c, cs + box * 8192, n, m_wg);
                         else
@@ -398,12 +429,12 @@ int num_sms(void) {
     return n;
 }
 
-template <int MODE>
+template <int MODE, int C32 = MODE == WGRAD>
 void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc, const Params &p,
             int max_tiles) {
     static bool configured = false;
     if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<MODE>,
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<MODE, C32>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             SMEM_BYTES));
         configured = true;
@@ -411,7 +442,7 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
     const int grid = max_tiles < num_sms() ? max_tiles : num_sms();
     if (grid <= 0)
         return;
-    grouped_gemm_kernel<MODE><<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mc, p);
+    grouped_gemm_kernel<MODE, C32><<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mc, p);
     MOE_CUDA_LAUNCH_CHECK();
 }
 
@@ -421,6 +452,37 @@ void check_shapes(int G, int I, int O) {
                         "that are multiples of 8 (got G=%d, I=%d, O=%d)\n", MAX_G, G, I, O);
         exit(1);
     }
+}
+
+/* dw (+)= Σ_s part[s] for s = 0 .. S-1 in that order, four elements a thread per step.
+ * Summing the split-K partials here, in a fixed order, instead of reduce-adding them from
+ * the GEMM keeps the result identical run to run (no floating-point atomics), makes the
+ * STORE and bf16 modes safe (no chunk may store over another's sum) and rounds a bf16 dw
+ * once, from the full fp32 sum. n is a multiple of 4 (O and I are multiples of 8). */
+__global__ void wgrad_reduce_kernel(void *dw, const float4 *part, size_t n4, int S, int mode) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n4;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float4 v = mode == MOE_DW_ACCUMULATE ? ((float4 *)dw)[i] : make_float4(0, 0, 0, 0);
+        for (int s = 0; s < S; s++) {
+            const float4 q = part[s * n4 + i];
+            v.x += q.x; v.y += q.y; v.z += q.z; v.w += q.w;
+        }
+        if (mode == MOE_DW_ACT) {
+            __nv_bfloat162 *o = (__nv_bfloat162 *)dw + 2 * i;
+            o[0] = __floats2bfloat162_rn(v.x, v.y);
+            o[1] = __floats2bfloat162_rn(v.z, v.w);
+        } else {
+            ((float4 *)dw)[i] = v;
+        }
+    }
+}
+
+void wgrad_reduce(void *dw, const float *part, size_t n, int S, moe_dw_mode mode) {
+    const size_t n4 = n / 4;
+    const int grid = (int)((n4 + 255) / 256 < 4096 ? (n4 + 255) / 256 : 4096);
+    wgrad_reduce_kernel<<<grid, 256, 0, moe_cuda_stream()>>>(dw, (const float4 *)part, n4, S,
+                                                            (int)mode);
+    MOE_CUDA_LAUNCH_CHECK();
 }
 
 } /* namespace */
@@ -468,22 +530,52 @@ extern "C" void moe_cuda_grouped_sm90_forward(void *out, const void *in, const v
     const uint64_t db[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
     const uint64_t dc[2] = {(uint64_t)O, (uint64_t)rows};
     const uint32_t ba[2] = {BK, BM}, bb[3] = {BK, BN, 1}, bc[2] = {64, 64};
-    const Params p = {dev_off, G, 0, O, I, out, 0};
+    const Params p = {dev_off, G, 0, O, I, out, 0, 1};
     launch<FWD>(moe_tma_map(in, 2, da, ba), moe_tma_map(w, 3, db, bb), moe_tma_map(out, 2, dc, bc), p,
                 ((rows + BM - 1) / BM + G) * ((O + BN - 1) / BN));
 }
 
-extern "C" void moe_cuda_grouped_sm90_backward(void *din, moe_real *dw, const void *dout,
+extern "C" int moe_cuda_grouped_sm90_wgrad_split(int G, int rows, int I, int O) {
+    if (G <= 0 || rows <= 0 || !moe_cuda_grouped_sm90_available())
+        return 1;
+    const int tiles = G * ((O + BM - 1) / BM) * ((I + BN - 1) / BN);
+    int S = num_sms() / tiles;                   /* whole waves of chunks, no tail wave */
+    const int k_avg = rows / (G * BK);           /* a group's k-steps, on average */
+    S = S < k_avg / MIN_CHUNK_KSTEPS ? S : k_avg / MIN_CHUNK_KSTEPS;
+    S = S < MAX_SPLIT ? S : MAX_SPLIT;
+    return S > 1 ? S : 1;
+}
+
+extern "C" void moe_cuda_grouped_sm90_backward(void *din, void *dw, const void *dout,
                                                const void *in, const void *w, const int *dev_off,
-                                               int G, int rows, int I, int O, int din_accumulate) {
-    if (rows == 0)
+                                               int G, int rows, int I, int O, int din_accumulate,
+                                               moe_dw_mode dw_mode) {
+    const size_t nw = (size_t)G * O * I;
+    const size_t dw_bytes = nw * (dw_mode == MOE_DW_ACT ? sizeof(moe_bf16) : sizeof(float));
+    if (rows == 0) { /* no rows: an overwritten dw is all zeros */
+        if (dw && dw_mode != MOE_DW_ACCUMULATE)
+            MOE_CUDA_CHECK(cudaMemsetAsync(dw, 0, dw_bytes, moe_cuda_stream()));
         return;
+    }
     if (!moe_cuda_grouped_sm90_available()) {
+        const int *off = offsets_on_host(dev_off, G);
         if (din && !din_accumulate)
             MOE_CUDA_CHECK(cudaMemsetAsync(din, 0, sizeof(moe_bf16) * (size_t)rows * I,
                                            moe_cuda_stream()));
-        moe_cuda_grouped_matmul_backward(din, dw, dout, in, w, offsets_on_host(dev_off, G), G, I,
-                                         O);
+        if (din)
+            moe_cuda_grouped_matmul_backward(din, NULL, dout, in, w, off, G, I, O);
+        if (!dw)
+            return;
+        /* cuBLAS adds into fp32: into dw itself, or into zeros that are then written out
+         * as bf16 */
+        float *acc = dw_mode == MOE_DW_ACT
+                         ? (float *)moe_cuda_scratch(MOE_SCRATCH_WGRAD_SPLIT, nw * sizeof(float))
+                         : (float *)dw;
+        if (dw_mode != MOE_DW_ACCUMULATE)
+            MOE_CUDA_CHECK(cudaMemsetAsync(acc, 0, nw * sizeof(float), moe_cuda_stream()));
+        moe_cuda_grouped_matmul_backward(NULL, acc, dout, in, w, off, G, I, O);
+        if (dw_mode == MOE_DW_ACT)
+            wgrad_reduce(dw, acc, nw, 1, dw_mode);
         return;
     }
     check_shapes(G, I, O);
@@ -492,19 +584,30 @@ extern "C" void moe_cuda_grouped_sm90_backward(void *din, moe_real *dw, const vo
         const uint64_t db[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
         const uint64_t dc[2] = {(uint64_t)I, (uint64_t)rows};
         const uint32_t ba[2] = {BK, BM}, bb[3] = {64, BK, 1}, bc[2] = {64, 64};
-        const Params p = {dev_off, G, 0, I, O, din, din_accumulate};
+        const Params p = {dev_off, G, 0, I, O, din, din_accumulate, 1};
         launch<DGRAD>(moe_tma_map(dout, 2, da, ba), moe_tma_map(w, 3, db, bb),
                       moe_tma_map(din, 2, dc, bc), p,
                       ((rows + BM - 1) / BM + G) * ((I + BN - 1) / BN));
     }
-    if (dw) { /* dw_g[O,I] += dout_gᵀ · in_g: A = dout, B = in (both MN-major), C fp32 */
+    if (dw) { /* dw_g[O,I] (+)= dout_gᵀ · in_g: A = dout, B = in (both MN-major) */
+        const int S = moe_cuda_grouped_sm90_wgrad_split(G, rows, I, O);
         const uint64_t da[2] = {(uint64_t)O, (uint64_t)rows};
         const uint64_t db[2] = {(uint64_t)I, (uint64_t)rows};
-        const uint64_t dc[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
-        const uint32_t box[2] = {64, BK}, bc[3] = {32, 64, 1};
-        const Params p = {dev_off, G, O, I, 0, NULL, 1}; /* dw leaves through map_c only */
-        launch<WGRAD>(moe_tma_map(dout, 2, da, box), moe_tma_map(in, 2, db, box),
-                      moe_tma_map(dw, 3, dc, bc, 1), p,
-                      G * ((O + BM - 1) / BM) * ((I + BN - 1) / BN));
+        const uint64_t dc[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G * S};
+        const uint32_t box[2] = {64, BK}, bc32[3] = {32, 64, 1}, bc16[3] = {64, 64, 1};
+        const int tiles = S * G * ((O + BM - 1) / BM) * ((I + BN - 1) / BN);
+        const CUtensorMap ma = moe_tma_map(dout, 2, da, box), mb = moe_tma_map(in, 2, db, box);
+        if (S > 1) { /* every chunk STORES its partial [S][G][O][I]; one ordered sum after */
+            float *part = (float *)moe_cuda_scratch(MOE_SCRATCH_WGRAD_SPLIT, S * nw * sizeof(float));
+            const Params p = {dev_off, G, O, I, 0, NULL, 0, S};
+            launch<WGRAD>(ma, mb, moe_tma_map(part, 3, dc, bc32, 1), p, tiles);
+            wgrad_reduce(dw, part, nw, S, dw_mode);
+        } else if (dw_mode == MOE_DW_ACT) { /* bf16, stored */
+            const Params p = {dev_off, G, O, I, 0, NULL, 0, 1};
+            launch<WGRAD, 0>(ma, mb, moe_tma_map(dw, 3, dc, bc16), p, tiles);
+        } else { /* fp32: reduce-added, or stored into a buffer whose contents do not count */
+            const Params p = {dev_off, G, O, I, 0, NULL, dw_mode == MOE_DW_ACCUMULATE, 1};
+            launch<WGRAD>(ma, mb, moe_tma_map(dw, 3, dc, bc32, 1), p, tiles);
+        }
     }
 }

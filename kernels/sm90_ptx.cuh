@@ -121,6 +121,14 @@ static __device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap *map,
                  "r"(smem_u32(src))
                  : "memory");
 }
+/** ... or store one box into a 3-D tensor. */
+static __device__ __forceinline__ void tma_store_3d(const CUtensorMap *map, const void *src,
+                                                    int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group"
+                 " [%0, {%1, %2, %3}], [%4];" ::"l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2),
+                 "r"(smem_u32(src))
+                 : "memory");
+}
 /** Close the group of copy-outs issued since the last commit. */
 static __device__ __forceinline__ void bulk_commit() {
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");

@@ -36,6 +36,20 @@ typedef enum moe_device {
 } moe_device;
 
 /**
+ * How the grouped kernel's weight gradient leaves (grouped_matmul_backward_dev, chapter 03).
+ * A training step's first micro-batch meets a gradient buffer that holds zeros, so adding
+ * into it reads 4 bytes per element for nothing: STORE writes instead. ACT writes the
+ * gradient in the activation type, as torch._grouped_mm does (bf16 on CUDA: half the
+ * bytes again), for comparing like with like; a trainer that keeps fp32 main gradients
+ * would then add it into them itself.
+ */
+typedef enum moe_dw_mode {
+    MOE_DW_ACCUMULATE = 0, /**< dw (moe_real) += the gradient: the usual contract */
+    MOE_DW_STORE = 1,      /**< dw (moe_real) = the gradient; what it held is not read */
+    MOE_DW_ACT = 2         /**< dw (activation type, `act_size` bytes) = the gradient */
+} moe_dw_mode;
+
+/**
  * Address of element @p i of an activation buffer @p p. Activations are `void *`
  * because their element type belongs to the backend (fp32 on the CPU, bf16 on CUDA);
  * `be->act_size` is its size in bytes.
@@ -109,12 +123,15 @@ typedef struct moe_backend {
      *  ::MOE_GROUPED_DEV_ALIGN */
     void (*grouped_matmul_forward_dev)(void *out, const void *in, const void *w,
                                        const int *dev_off, int G, int rows, int I, int O);
-    /** backward of grouped_matmul_forward_dev: dw accumulates; din accumulates when
-     *  @p din_accumulate is 1 and is overwritten (all @p rows rows) when it is 0, which
-     *  saves zeroing a fresh buffer first */
-    void (*grouped_matmul_backward_dev)(void *din, moe_real *dw, const void *dout,
+    /** backward of grouped_matmul_forward_dev: din accumulates when @p din_accumulate is
+     *  1 and is overwritten (all @p rows rows) when it is 0, which saves zeroing a fresh
+     *  buffer first; dw [G,O,I] is written as @p dw_mode says (::moe_dw_mode: a moe_real
+     *  buffer added to or overwritten, or an activation-type buffer overwritten), every
+     *  group's block included, an empty group's too */
+    void (*grouped_matmul_backward_dev)(void *din, void *dw, const void *dout,
                                         const void *in, const void *w, const int *dev_off,
-                                        int G, int rows, int I, int O, int din_accumulate);
+                                        int G, int rows, int I, int O, int din_accumulate,
+                                        moe_dw_mode dw_mode);
     /** as moe_cpu_embedding_forward() */
     void (*embedding_forward)(void *out, const int *tokens, const void *table, int N, int C);
     /** as moe_cpu_embedding_backward() */

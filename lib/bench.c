@@ -27,6 +27,18 @@ void moe_bench_header(const char *title, const char *device) {
 static const moe_bench_shape g_shapes[] = {
     {"qwen3", 16384, 2048, 768, 128, 8},
     {"mixtral", 8192, 4096, 14336, 8, 2},
+    {"qwen3-235b", 8192, 4096, 1536, 128, 8}, /* Qwen3-235B-A22B */
+    {"dsv2-lite", 16384, 2048, 1408, 64, 6},  /* DeepSeek-V2-Lite */
+    /* rows per expert 64 .. 8192 at H=4096, F=1536, k=8: T=8192 and E = T·k/rows, except
+     * that E stays within the grouped kernel's 256 groups (T shrinks instead) */
+    {"sweep64", 2048, 4096, 1536, 256, 8},
+    {"sweep128", 4096, 4096, 1536, 256, 8},
+    {"sweep256", 8192, 4096, 1536, 256, 8},
+    {"sweep512", 8192, 4096, 1536, 128, 8},
+    {"sweep1024", 8192, 4096, 1536, 64, 8},
+    {"sweep2048", 8192, 4096, 1536, 32, 8},
+    {"sweep4096", 8192, 4096, 1536, 16, 8},
+    {"sweep8192", 8192, 4096, 1536, 8, 8},
     {"small", 2048, 256, 256, 16, 4},
 };
 
@@ -36,9 +48,18 @@ const moe_bench_shape *moe_bench_shapes(int *n) {
 }
 
 int moe_bench_shape_wanted(const char *want, const char *name, int on_gpu) {
+    const int sweep = !strncmp(name, "sweep", 5), small = !strcmp(name, "small");
     if (!strcmp(want, "all") || !strcmp(want, name))
         return 1;
+    if (!strcmp(want, "sweep"))
+        return sweep;
+    if (!strcmp(want, "models")) /* the four model shapes */
+        return !sweep && !small;
+    if (!strcmp(want, "big")) /* both */
+        return !small;
     if (strcmp(want, "auto"))
         return 0;
+    if (on_gpu) /* the two shapes of the first grouped-GEMM chapter */
+        return !strcmp(name, "qwen3") || !strcmp(name, "mixtral");
     return on_gpu ? strcmp(name, "small") != 0 : !strcmp(name, "small");
 }

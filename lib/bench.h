@@ -23,7 +23,7 @@ void moe_bench_header(const char *title, const char *device);
 
 /** One MoE layer shape: tokens, hidden size, expert width, experts, top-k. */
 typedef struct moe_bench_shape {
-    const char *name; /**< qwen3, mixtral or small */
+    const char *name; /**< qwen3, mixtral, qwen3-235b, dsv2-lite, sweepR or small */
     int T;            /**< tokens */
     int H;            /**< hidden size */
     int F;            /**< expert intermediate size */
@@ -33,16 +33,20 @@ typedef struct moe_bench_shape {
 
 /**
  * @brief The benchmark layer shapes — Qwen3-30B-A3B (T=16384, H=2048, F=768, E=128,
- *        k=8) and Mixtral-8x7B (T=8192, H=4096, F=14336, E=8, k=2) — and "small", a
- *        CPU-sized one (T=2048, H=256, F=256, E=16, k=4).
+ *        k=8), Mixtral-8x7B (T=8192, H=4096, F=14336, E=8, k=2), Qwen3-235B-A22B
+ *        (T=8192, H=4096, F=1536, E=128, k=8), DeepSeek-V2-Lite (T=16384, H=2048,
+ *        F=1408, E=64, k=6), the sweep "sweepR" of R = 64 .. 8192 rows per expert at
+ *        H=4096, F=1536, k=8 (T=8192, E=T·k/R, at most 256 experts: T shrinks below
+ *        R = 256) — and "small", a CPU-sized one (T=2048, H=256, F=256, E=16, k=4).
  * @param n receives how many
  * @return the table
  */
 const moe_bench_shape *moe_bench_shapes(int *n);
 
 /**
- * @brief Whether a `--shape` choice selects @p name: "all", the name itself, or "auto"
- *        (qwen3 and mixtral on a GPU, small on the CPU).
+ * @brief Whether a `--shape` choice selects @p name: "all", the name itself, "models"
+ *        (the four model shapes), "sweep" (the sweep), "big" (both), or "auto" (qwen3
+ *        and mixtral on a GPU, small on the CPU).
  * @param want the flag's value  @param name a shape's name  @param on_gpu 1 on a GPU
  * @return 1 when selected
  */

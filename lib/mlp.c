@@ -21,11 +21,14 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
     const int N = grp->off[grp->G];
     if (grp->impl == MOE_EXPERTS_KERNEL) {
         be->grouped_matmul_backward_dev(din, dw, dout, in, w, grp->dev_off, grp->G, N, I, O,
-                                        din_accumulate);
+                                        din_accumulate, grp->dw_mode);
         return;
     }
+    MOE_ASSERT(grp->dw_mode != MOE_DW_ACT); /* only our kernel writes activation-type dw */
     if (din && !din_accumulate)
         be->zero(din, be->act_size * (size_t)N * I);
+    if (dw && grp->dw_mode == MOE_DW_STORE)
+        be->zero(dw, sizeof(moe_real) * (size_t)grp->G * O * I);
     be->grouped_matmul_backward(din, dw, dout, in, w, grp->off, grp->G, I, O);
 }
 
@@ -68,7 +71,7 @@ void moe_mlp_backward_grouped(const moe_backend *be, void *dx, moe_real *dw1, mo
 
 /* a single MLP is one group, run by the backend's plain matmul (G = 1) */
 static moe_groups one_group(const int *off) {
-    moe_groups g = {off, NULL, 1, MOE_EXPERTS_CUBLAS};
+    moe_groups g = {off, NULL, 1, MOE_EXPERTS_CUBLAS, MOE_DW_ACCUMULATE};
     return g;
 }
 

@@ -36,6 +36,7 @@ typedef struct moe_groups {
     const int *dev_off;   /**< the same in backend memory (read by ::MOE_EXPERTS_KERNEL) */
     int G;                /**< groups */
     moe_expert_impl impl; /**< ::MOE_EXPERTS_CUBLAS or ::MOE_EXPERTS_KERNEL */
+    moe_dw_mode dw_mode;  /**< how the backward writes dw1, dw2 (::MOE_DW_ACT: our kernel only) */
 } moe_groups;
 
 /**

@@ -131,7 +131,7 @@ static moe_layer_weights moe_weights(const moe_model *m, int l) {
 
 static moe_layer_grads moe_grads(const moe_model *m, int l) {
     moe_layer_grads g = {G(m, l, MOE_W_ROUTER), G(m, l, MOE_W_FC1), G(m, l, MOE_W_FC2),
-                       G(m, l, MOE_W_SHARED_FC1), G(m, l, MOE_W_SHARED_FC2)};
+                       G(m, l, MOE_W_SHARED_FC1), G(m, l, MOE_W_SHARED_FC2), MOE_DW_ACCUMULATE};
     return g;
 }
 
@@ -449,6 +449,11 @@ void moe_model_backward(moe_model *m, double loss_scale) {
             moe_layer_dims d = moe_dims(m, N, T);
             moe_layer_weights w = moe_weights(m, l);
             moe_layer_grads g = moe_grads(m, l);
+            /* the first micro-batch after zero_grad: our kernel stores the expert weight
+             * gradients instead of reduce-adding them into zeros (half the dw traffic);
+             * the other backends add anyway, so they keep accumulating */
+            if (m->grads_zero && d.experts == MOE_EXPERTS_KERNEL)
+                g.expert_dw = MOE_DW_STORE;
             moe_layer_backward(be, m->d_ln, &g, m->d_res, a->ln2, &w, &d, &a->moe, &m->ws,
                                loss_scale);
         } else {
@@ -468,9 +473,13 @@ void moe_model_backward(moe_model *m, double loss_scale) {
                              a->rstd1, N, H);
     }
     be->embedding_backward(m->grads + m->off_embed, m->d_res, m->tokens, N, V, H);
+    m->grads_zero = 0;
 }
 
-void moe_model_zero_grad(moe_model *m) { m->be->zero(m->grads, R * m->table.total); }
+void moe_model_zero_grad(moe_model *m) {
+    m->be->zero(m->grads, R * m->table.total);
+    m->grads_zero = 1;
+}
 
 void moe_model_update_expert_bias(moe_model *m) {
     const moe_config *c = &m->cfg;

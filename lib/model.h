@@ -76,6 +76,9 @@ typedef struct moe_model {
     moe_param_table table;        /**< names, shapes, offsets */
     moe_real *params;             /**< [table.total] master weights, full precision */
     moe_real *grads;              /**< [table.total] gradients, full precision */
+    int grads_zero;               /**< grads hold zeros: set by moe_model_zero_grad(), cleared
+                                       by the next backward, which then lets our grouped
+                                       kernel STORE the expert weight gradients */
     void *wact;                   /**< [table.total] compute copy of the weights in the activation
                                        type (aliases params when that type is moe_real) */
     size_t off_embed;             /**< offset of the embedding [V,H] */
@@ -163,7 +166,8 @@ void moe_model_backward(moe_model *m, double loss_scale);
  *  optimizer step; a no-op when they are the same buffer). @param m model */
 void moe_model_sync_weights(moe_model *m);
 
-/** @brief Set every gradient to zero. @param m model */
+/** @brief Set every gradient to zero (the next backward knows it: the first micro-batch's
+ *  expert weight gradients are stored, not added). @param m model */
 void moe_model_zero_grad(moe_model *m);
 
 /**

@@ -37,6 +37,8 @@ static void *upload(const moe_backend *g, moe_real *host, size_t n, uint64_t str
     return d;
 }
 
+static int g_split_seen; /* some wgrad below ran split-K */
+
 /* impl: 0 = cuBLAS grouped (host offsets), 1 = our kernel (device offsets) */
 static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
     const moe_backend *g = moe_backend_cuda(), *c = moe_backend_cpu();
@@ -72,26 +74,53 @@ static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
     moe_real *ddw = g->alloc(sizeof(moe_real) * nw);
     g->from_host(ddw, cdw, sizeof(moe_real) * nw);
     if (impl)
-        g->grouped_matmul_backward_dev(ddi, ddw, ddo, din_, dw_, doff, G, N, I, O, 1);
+        g->grouped_matmul_backward_dev(ddi, ddw, ddo, din_, dw_, doff, G, N, I, O, 1,
+                                       MOE_DW_ACCUMULATE);
     else
         g->grouped_matmul_backward(ddi, ddw, ddo, din_, dw_, off, G, I, O);
     c->grouped_matmul_backward(cdi, cdw, hdo, hin, hw, off, G, I, O);
     g->read_act(gdi, ddi, nin);
     g->to_host(gdw, ddw, sizeof(moe_real) * nw);
-    double ed = rel(gdi, cdi, nin), ew = rel(gdw, cdw, nw), eo = 0;
+    double ed = rel(gdi, cdi, nin), ew = rel(gdw, cdw, nw), eo = 0, es = 0, ea = 0;
+    int split = 1;
     if (impl) { /* dgrad into a fresh (poisoned) buffer: overwritten, not added to */
         moe_test_poison(gdi, nin);
         g->write_act(ddi, gdi, nin);
-        g->grouped_matmul_backward_dev(ddi, NULL, ddo, din_, dw_, doff, G, N, I, O, 0);
+        g->grouped_matmul_backward_dev(ddi, NULL, ddo, din_, dw_, doff, G, N, I, O, 0,
+                                       MOE_DW_ACCUMULATE);
         memset(cdi, 0, sizeof(moe_real) * nin);
         c->grouped_matmul_backward(cdi, NULL, hdo, hin, hw, off, G, I, O);
         g->read_act(gdi, ddi, nin);
         eo = rel(gdi, cdi, nin);
+        /* wgrad into a poisoned buffer: MOE_DW_STORE (fp32) and MOE_DW_ACT (bf16) must
+         * overwrite every group's block, an empty group's (zeros) included; the CPU twin
+         * of both is the sum from zero */
+        split = moe_cuda_grouped_sm90_wgrad_split(G, N, I, O);
+        c->grouped_matmul_backward_dev(NULL, cdw, hdo, hin, hw, off, G, N, I, O, 0,
+                                       MOE_DW_STORE);
+        moe_test_poison(gdw, nw);
+        g->from_host(ddw, gdw, sizeof(moe_real) * nw);
+        g->grouped_matmul_backward_dev(NULL, ddw, ddo, din_, dw_, doff, G, N, I, O, 0,
+                                       MOE_DW_STORE);
+        g->to_host(gdw, ddw, sizeof(moe_real) * nw);
+        es = rel(gdw, cdw, nw);
+        void *dwa = g->alloc(g->act_size * nw);
+        moe_test_poison(gdw, nw);
+        g->write_act(dwa, gdw, nw);
+        g->grouped_matmul_backward_dev(NULL, dwa, ddo, din_, dw_, doff, G, N, I, O, 0,
+                                       MOE_DW_ACT);
+        g->read_act(gdw, dwa, nw);
+        ea = rel(gdw, cdw, nw);
+        g->free(dwa);
     }
-    printf("  %s G=%d N=%d I=%d O=%d: forward %.2e, dgrad %.2e (overwriting %.2e), wgrad %.2e\n",
-           impl ? "kernel" : "cublas", G, N, I, O, ef, ed, eo, ew);
-    ck_assert_msg(ef <= 1e-2 && ed <= 1e-2 && eo <= 1e-2 && ew <= 1e-3,
+    printf("  %s G=%d N=%d I=%d O=%d: forward %.2e, dgrad %.2e (overwriting %.2e), wgrad %.2e "
+           "(store %.2e, bf16 %.2e; split %d)\n",
+           impl ? "kernel" : "cublas", G, N, I, O, ef, ed, eo, ew, es, ea, split);
+    ck_assert_msg(ef <= 1e-2 && ed <= 1e-2 && eo <= 1e-2 && ew <= 1e-4 && es <= 1e-4 &&
+                      ea <= 1e-2,
                   "grouped GEMM differs from the loop");
+    if (split > 1)
+        g_split_seen = 1;
     g->free(doff); g->free(din_); g->free(dw_); g->free(ddo); g->free(dout); g->free(ddi); g->free(ddw);
     free(off); free(hin); free(hw); free(hdo); free(co); free(go); free(cdi); free(gdi);
     free(cdw); free(gdw);
@@ -119,6 +148,30 @@ START_TEST(test_gpu_grouped_matmul) {
     check_both(many, 128, 256, 192);
     const int lead_empty[4] = {0, 0, 0, 129}; /* everything on the last group */
     check_both(lead_empty, 4, 64, 128);
+}
+END_TEST
+
+/* The wgrad modes and split-K on the shapes the fine-grained regime produces: 256 groups
+ * of 0, 1, 1-8 rows and sizes around every tile boundary (the 64-row k-step, the 128-row
+ * tile); and few, long groups on a small dw, where wgrad splits its k-loop (an empty
+ * group, a 1-row group and a group shorter than a chunk among them, so chunks without
+ * rows store zeros). Each runs accumulate, store (fp32) and bf16, dw poisoned first. */
+START_TEST(test_gpu_grouped_wgrad_modes) {
+    static const int edge[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 63, 64, 65, 127, 128, 129,
+                               191, 192, 193, 255, 256, 257, 511, 512, 513};
+    const int ne = (int)(sizeof edge / sizeof edge[0]);
+    int fine[256];
+    for (int i = 0; i < 256; i++)
+        fine[i] = edge[(i * 7) % ne];
+    check_both(fine, 256, 136, 264);
+    const int few[6] = {0, 700, 1, 2000, 63, 900};
+    check_both(few, 6, 256, 128);
+    const int two[2] = {3000, 5000};
+    check_both(two, 2, 128, 136);
+    const int one[1] = {4097};
+    check_both(one, 1, 64, 64);
+    if (moe_cuda_grouped_sm90_available())
+        ck_assert_msg(g_split_seen, "no shape of this test ran the split-K wgrad");
 }
 END_TEST
 
@@ -166,6 +219,7 @@ Suite *suite_gpu_grouped(void) {
     TCase *tc = tcase_create("grouped");
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, test_gpu_grouped_matmul);
+    tcase_add_test(tc, test_gpu_grouped_wgrad_modes);
     tcase_add_test(tc, test_gpu_grouped_model_equals_loop);
     suite_add_tcase(s, tc);
     return s;

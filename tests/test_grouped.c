@@ -6,6 +6,9 @@
  */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
 
 #include "cpu/ops.h"
 #include "helpers.h"
@@ -55,7 +58,43 @@ START_TEST(test_grouped_forward_one_group_has_all) {
 }
 END_TEST
 
+/* The weight-gradient modes of the device-offset backward (moe_dw_mode) on the CPU twin:
+ * ACCUMULATE adds dw_g = Σ_rows dout ⊗ in to what dw held; STORE and ACT (the activation
+ * type is moe_real on the CPU) overwrite it, an empty group's block with zeros, whatever
+ * the buffer held (poisoned with NaN here). */
+START_TEST(test_grouped_wgrad_modes) {
+    const int off[5] = {0, 3, 3, 10, 11}, G = 4, I = 5, O = 6, rows = 11;
+    const size_t nw = (size_t)G * O * I;
+    moe_real in[11 * 5], dout[11 * 6], w[4 * 6 * 5], dw[4 * 6 * 5], base[4 * 6 * 5];
+    moe_test_randn(in, sizeof in / sizeof in[0], 1, 1.0);
+    moe_test_randn(dout, sizeof dout / sizeof dout[0], 2, 1.0);
+    moe_test_randn(w, nw, 3, 1.0);
+    moe_test_randn(base, nw, 4, 1.0);
+    const moe_backend *be = moe_backend_cpu();
+    for (int mode = MOE_DW_ACCUMULATE; mode <= MOE_DW_ACT; mode++) {
+        if (mode == MOE_DW_ACCUMULATE)
+            memcpy(dw, base, sizeof dw);
+        else
+            moe_test_poison(dw, nw);
+        be->grouped_matmul_backward_dev(NULL, dw, dout, in, w, off, G, rows, I, O, 0,
+                                        (moe_dw_mode)mode);
+        for (int g = 0; g < G; g++)
+            for (int o = 0; o < O; o++)
+                for (int i = 0; i < I; i++) {
+                    const size_t at = ((size_t)g * O + o) * I + i;
+                    double want = mode == MOE_DW_ACCUMULATE ? base[at] : 0.0;
+                    for (int r = off[g]; r < off[g + 1]; r++)
+                        want += (double)dout[r * O + o] * in[r * I + i];
+                    ck_assert_msg(fabs(dw[at] - want) <= 1e-5 * (1 + fabs(want)),
+                                  "mode %d: dw[%d,%d,%d] = %g, want %g", mode, g, o, i,
+                                  (double)dw[at], want);
+                }
+    }
+}
+END_TEST
+
 Suite *suite_grouped(void) {
-    const TTest *tests[] = {test_grouped_forward_ragged, test_grouped_forward_one_group_has_all};
-    return moe_test_chapter_suite("grouped", "ch03", tests, 2);
+    const TTest *tests[] = {test_grouped_forward_ragged, test_grouped_forward_one_group_has_all,
+                            test_grouped_wgrad_modes};
+    return moe_test_chapter_suite("grouped", "ch03", tests, 3);
 }

@@ -31,6 +31,7 @@ typedef struct opts {
     char shape[MOE_FLAG_STR_LEN];
     int warmup, repeats, check, breakdown;
     char impl[MOE_FLAG_STR_LEN];
+    char expert_dw[MOE_FLAG_STR_LEN];
 } opts;
 
 #define OF(name, type, field, def, help, choices) \
@@ -40,7 +41,8 @@ static const moe_flag g_flags[] = {
        "auto|cpu|cuda"),
     OF("shape", MOE_FLAG_CHOICE, shape, "auto",
        "layer shape (auto = qwen3 and mixtral on a GPU, small on the CPU)",
-       "auto|all|qwen3|mixtral|small"),
+       "auto|all|models|sweep|big|qwen3|mixtral|qwen3-235b|dsv2-lite|sweep64|sweep128|"
+       "sweep256|sweep512|sweep1024|sweep2048|sweep4096|sweep8192|small"),
     OF("warmup", MOE_FLAG_INT, warmup, "2", "untimed iterations first", NULL),
     OF("repeats", MOE_FLAG_INT, repeats, "7", "timed iterations (the median is reported)", NULL),
     OF("check", MOE_FLAG_BOOL, check, "1", "check against the CPU reference before timing", NULL),
@@ -49,6 +51,10 @@ static const moe_flag g_flags[] = {
     OF("impl", MOE_FLAG_STRING, impl, "loop,cublas-grouped,grouped",
        "comma-separated expert backends to time: loop (chapter 01), cublas-grouped and "
        "grouped (chapter 03's own kernel)", NULL),
+    OF("expert-dw", MOE_FLAG_STRING, expert_dw, "add",
+       "comma-separated ways the grouped kernel writes the expert weight gradients: add (fp32 "
+       "+=, every micro-batch but a step's first), store (fp32 =, the first) and bf16 (=, as "
+       "torch._grouped_mm; our kernel only)", NULL),
 };
 
 typedef moe_bench_shape shape;
@@ -161,8 +167,10 @@ static int same_routing(const layer *a, const layer *b, int N, int k, char *same
 }
 
 static const char *const g_impl_names[] = {"loop", "cublas-grouped", "grouped"};
+static const char *const g_dw_names[] = {"add", "store", "bf16"};
 
-static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_expert_impl impl) {
+static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_expert_impl impl,
+                     moe_dw_mode dw) {
     if (o->check && be->device != MOE_DEVICE_CPU) {
         /* the same layer, 256 tokens, on this backend and on the CPU reference */
         layer A, C;
@@ -186,6 +194,7 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
     }
     layer L;
     layer_init(&L, be, s, s->T, impl);
+    L.g.expert_dw = dw; /* the fp32 gradient views have room for a bf16 dw */
     for (int i = 0; i < o->warmup; i++)
         layer_step(&L);
     double *ms = malloc(sizeof(double) * o->repeats);
@@ -201,9 +210,12 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
         cmin = cmin < 0 || L.a.counts[e] < cmin ? L.a.counts[e] : cmin;
         cmax = L.a.counts[e] > cmax ? L.a.counts[e] : cmax;
     }
-    printf("| %-8s | %5d | %4d | %5d | %3d | %d | %-4s %-14s | %9.2f | %8.2f | %lld/%lld |\n",
-           s->name, s->T, s->H, s->F, s->E, s->k, be->name, g_impl_names[impl], med,
-           flop / (med * 1e-3) / 1e12, cmin, cmax);
+    printf("| %-10s | %5d | %4d | %5d | %3d | %d | %-4s %-14s | %-5s | %9.2f | %8.2f | %lld/%lld "
+           "|\n", s->name, s->T, s->H, s->F, s->E, s->k, be->name, g_impl_names[impl],
+           g_dw_names[dw], med, flop / (med * 1e-3) / 1e12, cmin, cmax);
+    /* one line for torch_moe_layer.py --ours, which prints the comparison with ratios */
+    printf("RESULT layer shape=%s impl=%s dw=%s ms=%.4f\n", s->name, g_impl_names[impl],
+           g_dw_names[dw], med);
     free(ms);
     if (o->breakdown) { /* one more step with a device sync at every stage boundary */
         moe_prof_start(be);
@@ -258,9 +270,16 @@ int main(int argc, char **argv) {
         moe_log_error("--repeats must be >= 1 and --warmup >= 0");
         return 2;
     }
-    int n_impl = 0;
-    for (int i = 0; i < 3; i++)
+    int n_impl = 0, n_dw = 0;
+    for (int i = 0; i < 3; i++) {
         n_impl += impl_wanted(o.impl, g_impl_names[i]);
+        n_dw += impl_wanted(o.expert_dw, g_dw_names[i]);
+    }
+    if (n_dw == 0) {
+        moe_log_error("--expert-dw '%s': give a comma-separated list of add, store, bf16",
+                      o.expert_dw);
+        return 2;
+    }
     if (n_impl == 0 || strspn(o.impl, "abcdefghijklmnopqrstuvwxyz-,") != strlen(o.impl)) {
         moe_log_error("--impl '%s': give a comma-separated list of loop, cublas-grouped, grouped",
                       o.impl);
@@ -276,8 +295,8 @@ int main(int argc, char **argv) {
     moe_bench_header("ch01 naive MoE layer, forward+backward", dev);
     printf("TFLOP/s counts the expert GEMMs only: 6*T*k*3*H*F. Median of %d after %d warm-up.\n\n",
            o.repeats, o.warmup);
-    printf("| shape    |     T |    H |     F |   E | k | dev  experts |   ms/iter |  TFLOP/s | tokens/expert min/max |\n"
-           "|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("| shape      |     T |    H |     F |   E | k | dev  experts | dw    |   ms/iter |  "
+           "TFLOP/s | tokens/expert min/max |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
     int fails = 0, n_shapes;
     const moe_bench_shape *shapes = moe_bench_shapes(&n_shapes);
     for (int i = 0; i < n_shapes; i++) {
@@ -285,8 +304,11 @@ int main(int argc, char **argv) {
         if (!moe_bench_shape_wanted(o.shape, s->name, be->device != MOE_DEVICE_CPU))
             continue;
         for (int impl = 0; impl < 3; impl++)
-            if (impl_wanted(o.impl, g_impl_names[impl]))
-                fails += run_shape(be, s, &o, (moe_expert_impl)impl);
+            for (int dw = 0; dw < 3; dw++) /* bf16 dw: our kernel only */
+                if (impl_wanted(o.impl, g_impl_names[impl]) &&
+                    impl_wanted(o.expert_dw, g_dw_names[dw]) &&
+                    (dw != MOE_DW_ACT || impl == MOE_EXPERTS_KERNEL))
+                    fails += run_shape(be, s, &o, (moe_expert_impl)impl, (moe_dw_mode)dw);
     }
     return fails ? 1 : 0;
 }

@@ -1,30 +1,54 @@
 #!/usr/bin/env python3
-"""PyTorch baselines for chapter 01: the MoE layer, forward + backward, in bf16.
+"""PyTorch baselines for chapters 01 and 03: the MoE layer, forward + backward, in bf16.
 
-Two implementations of the same layer as moe.c's (softmax top-k router, tokens permuted by
+Implementations of the same layer as moe.c's (softmax top-k router, tokens permuted by
 expert, SwiGLU experts with the routing weight applied after the activation, combine by
 summing):
 
-  loop         a Python loop over experts, one pair of GEMMs each (what chapter 01 does)
-  grouped_mm   torch._grouped_mm over all experts at once (what chapter 03 must beat)
+  loop                  a Python loop over experts, one pair of GEMMs each (chapter 01)
+  grouped_mm            torch._grouped_mm over all experts at once (what chapter 03 must beat)
+  grouped_mm_compiled   the same function through torch.compile (what a user comparing
+                        honestly runs); its compilation is part of the warm-up, not timed
+
+Each grouped_mm variant is timed twice: alone (its weight gradients are bf16, as
+torch._grouped_mm writes them) and "+main_grad", adding them into fp32 main gradients
+(main_grad += grad.float()) inside the timed step, which is what a mixed-precision trainer
+needs and what our layer produces directly.
 
 TFLOP/s counts the expert GEMMs only, 6*T*k*3*H*F, exactly as ch01_moe_layer_bench does.
-Timing: CUDA events, warm-up, median of repeats. Both are checked against each other on the
-first iteration before being timed.
+Timing: CUDA events, warm-up, median of repeats. loop and grouped_mm are checked against
+each other on the first iteration before being timed.
 
-    python3 chapters/01-naive-moe/torch_moe_layer.py [--shape qwen3|mixtral|all] [--repeats 7]
+With --ours FILE (the output of ch01_moe_layer_bench, RESULT lines), the script ends with
+the comparison table of chapter 03: ours vs PyTorch eager and compiled, in both modes.
+
+    python3 chapters/01-naive-moe/torch_moe_layer.py [--shape qwen3|mixtral|models|sweep|all]
+                                                     [--impl loop,grouped_mm,...] [--ours FILE]
 """
 import argparse
 import datetime
+import re
 import statistics
 
 import torch
 import torch.nn.functional as F
 
+# the shapes of lib/bench.c (keep the two tables the same)
 SHAPES = {
     "qwen3": dict(T=16384, H=2048, F=768, E=128, k=8),
     "mixtral": dict(T=8192, H=4096, F=14336, E=8, k=2),
+    "qwen3-235b": dict(T=8192, H=4096, F=1536, E=128, k=8),
+    "dsv2-lite": dict(T=16384, H=2048, F=1408, E=64, k=6),
 }
+for _r in (64, 128, 256, 512, 1024, 2048, 4096, 8192):  # rows per expert, at most 256 experts
+    _T = 8192 if _r >= 256 else 256 * _r // 8
+    SHAPES[f"sweep{_r}"] = dict(T=_T, H=4096, F=1536, E=_T * 8 // _r, k=8)
+GROUPS = {"models": ["qwen3", "mixtral", "qwen3-235b", "dsv2-lite"],
+          "sweep": [n for n in SHAPES if n.startswith("sweep")]}
+GROUPS["big"] = GROUPS["models"] + GROUPS["sweep"]
+GROUPS["auto"] = ["qwen3", "mixtral"]
+GROUPS["all"] = GROUPS["big"]
+IMPLS = ["loop", "grouped_mm", "grouped_mm_compiled"]
 
 
 def route(x, wr, k):
@@ -68,40 +92,101 @@ def layer_grouped(x, wr, w1, w2, k):
     return out.index_add(0, tok, y)
 
 
-def bench(fn, tensors, dout, warmup, repeats):
+def bench(fn, tensors, dout, warmup, repeats, main_grad):
+    """Median ms of forward + backward; with main_grad, plus main_grad += grad.float() for
+    every weight (the fp32 gradient accumulation of a mixed-precision trainer)."""
     x, wr, w1, w2, k = tensors
-    for _ in range(warmup):
-        fn(x, wr, w1, w2, k).backward(dout)
-    times = []
-    for _ in range(repeats):
+    mains = [torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in (wr, w1, w2)]
+
+    def step():
         for t in (x, wr, w1, w2):
             t.grad = None
+        fn(x, wr, w1, w2, k).backward(dout)
+        if main_grad:
+            for m, t in zip(mains, (wr, w1, w2)):
+                m.add_(t.grad.float())
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn(x, wr, w1, w2, k).backward(dout)
+        step()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
 
 
+def read_ours(path):
+    """{(shape, dw): ms} of our grouped kernel from ch01_moe_layer_bench's RESULT lines"""
+    ours = {}
+    pat = re.compile(r"RESULT layer shape=(\S+) impl=grouped dw=(\S+) ms=([0-9.]+)")
+    with open(path) as f:
+        for line in f:
+            m = pat.search(line)
+            if m:
+                ours[(m.group(1), m.group(2))] = float(m.group(3))
+    return ours
+
+
+def comparison(ours, theirs, names):
+    """The chapter 03 table: (a) ours with fp32 main gradients vs PyTorch + main_grad,
+    (b) ours writing bf16 weight gradients vs PyTorch alone; ratio = PyTorch ms / ours."""
+    print("\nLayer forward+backward, ms (ratio = PyTorch / ours: > 1 means ours is faster)")
+    print("(a) fp32 main gradients: ours adding (+=) and storing (=, a step's first "
+          "micro-batch) vs PyTorch + main_grad += grad.float()")
+    print("| shape | ours += | ours = | eager+mg | compiled+mg | += vs eager | += vs compiled "
+          "| = vs compiled |\n|---|---|---|---|---|---|---|---|")
+    fmt = lambda v: f"{v:.2f}" if v else "-"
+    rat = lambda a, b: f"{a / b:.2f}x" if a and b else "-"
+    for n in names:
+        oa, os_ = ours.get((n, "add")), ours.get((n, "store"))
+        e, c = theirs.get((n, "grouped_mm", 1)), theirs.get((n, "grouped_mm_compiled", 1))
+        print(f"| {n} | {fmt(oa)} | {fmt(os_)} | {fmt(e)} | {fmt(c)} | {rat(e, oa)} | "
+              f"{rat(c, oa)} | {rat(c, os_)} |")
+    print("\n(b) bf16 weight gradients: ours (bf16 dw) vs PyTorch alone")
+    print("| shape | ours bf16 | eager | compiled | vs eager | vs compiled |\n"
+          "|---|---|---|---|---|---|")
+    for n in names:
+        ob = ours.get((n, "bf16"))
+        e, c = theirs.get((n, "grouped_mm", 0)), theirs.get((n, "grouped_mm_compiled", 0))
+        print(f"| {n} | {fmt(ob)} | {fmt(e)} | {fmt(c)} | {rat(e, ob)} | {rat(c, ob)} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="all", choices=["all", *SHAPES])
+    ap.add_argument("--shape", default="auto", choices=[*GROUPS, *SHAPES])
+    ap.add_argument("--impl", default=",".join(IMPLS),
+                    help="comma-separated: " + ", ".join(IMPLS))
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--ours", help="ch01_moe_layer_bench output: end with the comparison table")
     args = ap.parse_args()
+    impls = args.impl.split(",")
+    bad = [i for i in impls if i not in IMPLS]
+    if bad:
+        ap.error(f"--impl: unknown {bad}; choose from {IMPLS}")
     if not torch.cuda.is_available():
         print("skipped: no GPU (the PyTorch baselines run on CUDA)")
         return
     dev = torch.device("cuda")
     print(f"PyTorch {torch.__version__} baselines | {torch.cuda.get_device_name()} | "
           f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC")
-    print("| shape    | impl       |   ms/iter |  TFLOP/s |\n|---|---|---|---|")
+    # one compiled function for every shape: dynamic shapes after the first recompile, and
+    # room in the cache for the distinct k values and sizes of the shape list
+    for knob in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
+    compiled = torch.compile(layer_grouped)
+    fns = {"loop": layer_loop, "grouped_mm": layer_grouped, "grouped_mm_compiled": compiled}
+    names = GROUPS.get(args.shape, [args.shape])
+    theirs = {}
+    print("| shape      | impl                        |   ms/iter |  TFLOP/s |\n|---|---|---|---|")
     torch.manual_seed(0)
-    for name, s in SHAPES.items():
-        if args.shape not in ("all", name):
-            continue
+    for name in names:
+        s = SHAPES[name]
         T, H, Fh, E, k = s["T"], s["H"], s["F"], s["E"], s["k"]
         bf = torch.bfloat16
         x = torch.randn(T, H, device=dev, dtype=bf, requires_grad=True)
@@ -116,11 +201,17 @@ def main():
             err = ((a - b).norm() / a.norm()).item()
         assert err < 2e-2, f"{name}: loop and grouped_mm disagree (rel err {err:.3e})"
         flop = 6.0 * T * k * 3 * H * Fh
-        for impl, fn in (("loop", layer_loop), ("grouped_mm", layer_grouped)):
-            ms = bench(fn, tensors, dout, args.warmup, args.repeats)
-            print(f"| {name:<8} | {impl:<10} | {ms:9.2f} | {flop / ms / 1e9:8.1f} |", flush=True)
+        for impl in impls:
+            for mg in ((0,) if impl == "loop" else (0, 1)):
+                ms = bench(fns[impl], tensors, dout, args.warmup, args.repeats, mg)
+                theirs[(name, impl, mg)] = ms
+                label = impl + (" +main_grad" if mg else "")
+                print(f"| {name:<10} | {label:<27} | {ms:9.2f} | {flop / ms / 1e9:8.1f} |",
+                      flush=True)
         del x, wr, w1, w2, dout, tensors
         torch.cuda.empty_cache()
+    if args.ours:
+        comparison(read_ours(args.ours), theirs, names)
 
 
 if __name__ == "__main__":

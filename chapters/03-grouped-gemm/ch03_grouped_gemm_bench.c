@@ -10,9 +10,17 @@
  *
  * for each expert backend (loop = one cublasGemmEx per expert, chapter 01; cublas-grouped
  * = cublasGemmGroupedBatchedEx; grouped = our sm_90a kernel), with the dense bf16 cuBLAS
- * GEMM of 8192³ measured in the same run as the ceiling. Each backend runs as the MoE
- * layer uses it: dgrad into a fresh buffer is an accumulate (beta = 1) for cuBLAS, whose
- * caller zeroes the buffer first (not timed here), and a plain store for our kernel. The whole layer (router,
+ * GEMM of 8192³ measured in the same run as the ceiling (every TFLOP/s of our kernel is
+ * also given as a % of it). Each backend runs as the MoE layer uses it: dgrad into a
+ * fresh buffer is an accumulate (beta = 1) for cuBLAS, whose caller zeroes the buffer
+ * first (not timed here), and a plain store for our kernel.
+ *
+ * wgrad is bound by moving the weight gradient, so its rows also give the achieved
+ * bandwidth: the bytes the GEMM must move (the two bf16 activations it reads, 2·n·(I+O),
+ * plus dw: read and written when added, 8·E·O·I; written once when stored, 4·E·O·I, or
+ * in bf16, 2·E·O·I) over its time. Our kernel's wgrad runs in its three modes
+ * (moe_dw_mode): reduce-add into fp32 (later micro-batches), store fp32 (the first
+ * micro-batch, when the buffer holds zeros) and store bf16 (as torch._grouped_mm). The whole layer (router,
  * permutation, SwiGLU, combine) is timed by chapter 01's layer benchmark, with
  * --breakdown for its time shares (chapters/03-grouped-gemm/bench.sh runs both).
  * Timing: the backend's timer (CUDA events), warm-up, median of repeats.
@@ -26,6 +34,9 @@
 #include "flags.h"
 #include "log.h"
 #include "rng.h"
+#ifdef MOE_HAVE_CUDA
+#include "cuda_ops.h" /* moe_cuda_grouped_sm90_wgrad_split, to report the split */
+#endif
 
 typedef struct opts {
     char device[MOE_FLAG_STR_LEN];
@@ -40,7 +51,8 @@ static const moe_flag g_flags[] = {
        "auto|cpu|cuda"),
     OF("shape", MOE_FLAG_CHOICE, shape, "auto",
        "layer shape (auto = qwen3 and mixtral on a GPU, small on the CPU)",
-       "auto|all|qwen3|mixtral|small"),
+       "auto|all|models|sweep|big|qwen3|mixtral|qwen3-235b|dsv2-lite|sweep64|sweep128|"
+       "sweep256|sweep512|sweep1024|sweep2048|sweep4096|sweep8192|small"),
     OF("warmup", MOE_FLAG_INT, warmup, "2", "untimed runs of each GEMM first", NULL),
     OF("repeats", MOE_FLAG_INT, repeats, "7", "timed runs (the median is reported)", NULL),
 };
@@ -54,6 +66,7 @@ typedef struct problem {
     const char *name;
     int I, O;     /* the Linear: in features, out features */
     int backward; /* 0 = forward, 1 = dgrad, 2 = wgrad */
+    moe_dw_mode dw_mode; /* wgrad: how dw leaves (anything but ACCUMULATE: our kernel only) */
 } problem;
 
 typedef struct bufs {
@@ -82,7 +95,7 @@ static void run_once(const moe_backend *be, int impl, const problem *p, const bu
     moe_real *dw = p->backward == 2 ? b->dw : NULL;
     if (impl == KERNEL)
         be->grouped_matmul_backward_dev(din, dw, b->dout, b->in, b->w, b->dev_off, G, N, p->I,
-                                        p->O, 0);
+                                        p->O, 0, p->dw_mode);
     else if (impl == CUBLAS)
         be->grouped_matmul_backward(din, dw, b->dout, b->in, b->w, off, G, p->I, p->O);
     else
@@ -143,7 +156,15 @@ static void fill(const moe_backend *be, void *act, size_t n, uint64_t stream, do
     be->free(tmp);
 }
 
-static void run_shape(const moe_backend *be, const shape *s, const opts *o) {
+/* the bytes a wgrad must move (see the top of the file) */
+static double wgrad_bytes(const problem *p, size_t N, int G, size_t act) {
+    const double w = (double)G * p->O * p->I;
+    const double dw = p->dw_mode == MOE_DW_ACCUMULATE ? 8 * w : p->dw_mode == MOE_DW_STORE ? 4 * w
+                                                                                          : act * w;
+    return (double)act * N * (p->I + p->O) + dw;
+}
+
+static void run_shape(const moe_backend *be, const shape *s, const opts *o, double dense) {
     const int G = s->E, H = s->H, F = s->F;
     int *off = malloc(sizeof(int) * (G + 1));
     MOE_ASSERT(off != NULL);
@@ -155,9 +176,15 @@ static void run_shape(const moe_backend *be, const shape *s, const opts *o) {
         lo = c < lo ? c : lo;
         hi = c > hi ? c : hi;
     }
-    const problem probs[6] = {{"fc1 forward", H, 2 * F, 0}, {"fc2 forward", F, H, 0},
-                              {"fc1 dgrad", H, 2 * F, 1},   {"fc2 dgrad", F, H, 1},
-                              {"fc1 wgrad", H, 2 * F, 2},   {"fc2 wgrad", F, H, 2}};
+    const problem probs[10] = {
+        {"fc1 forward", H, 2 * F, 0, 0},  {"fc2 forward", F, H, 0, 0},
+        {"fc1 dgrad", H, 2 * F, 1, 0},    {"fc2 dgrad", F, H, 1, 0},
+        {"fc1 wgrad +=", H, 2 * F, 2, MOE_DW_ACCUMULATE},
+        {"fc2 wgrad +=", F, H, 2, MOE_DW_ACCUMULATE},
+        {"fc1 wgrad =", H, 2 * F, 2, MOE_DW_STORE},
+        {"fc2 wgrad =", F, H, 2, MOE_DW_STORE},
+        {"fc1 wgrad bf16", H, 2 * F, 2, MOE_DW_ACT},
+        {"fc2 wgrad bf16", F, H, 2, MOE_DW_ACT}};
     const size_t wide = (size_t)(2 * F > H ? 2 * F : H);
     bufs b;
     b.in = be->alloc(S * N * wide);
@@ -175,34 +202,57 @@ static void run_shape(const moe_backend *be, const shape *s, const opts *o) {
 
     printf("\n%s: T=%d H=%d F=%d E=%d k=%d -> %zu rows, %d..%d per expert\n", s->name, s->T, H, F,
            G, s->k, N, lo, hi);
-    printf("| GEMM        |  GFLOP | loop ms | TFLOP/s | cublas-grouped ms | TFLOP/s | grouped ms "
-           "| TFLOP/s | grouped vs loop |\n|---|---|---|---|---|---|---|---|---|\n");
+#ifdef MOE_HAVE_CUDA
+    if (be->device == MOE_DEVICE_CUDA)
+        printf("our wgrad splits each group's rows into %d (fc1) and %d (fc2) chunks\n",
+               moe_cuda_grouped_sm90_wgrad_split(G, (int)N, H, 2 * F),
+               moe_cuda_grouped_sm90_wgrad_split(G, (int)N, F, H));
+#endif
+    printf("| GEMM           |  GFLOP | loop ms | TFLOP/s | cublas-grouped ms | TFLOP/s | grouped "
+           "ms | TFLOP/s | grouped %% of dense | grouped vs loop |\n"
+           "|---|---|---|---|---|---|---|---|---|---|\n");
     double tot[N_IMPL] = {0};
-    for (int i = 0; i < 6; i++) {
+    for (int i = 0; i < 10; i++) {
         const problem *p = &probs[i];
         const double flop = 2.0 * N * p->I * p->O;
-        double ms[N_IMPL];
+        double ms[N_IMPL] = {0};
         for (int impl = 0; impl < N_IMPL; impl++) {
+            if (impl != KERNEL && p->dw_mode != MOE_DW_ACCUMULATE)
+                continue; /* the cuBLAS backends only add into fp32 */
             ms[impl] = time_ms(be, o, impl, p, &b, off, G);
-            tot[impl] += ms[impl];
+            if (i < 6)
+                tot[impl] += ms[impl];
         }
-        printf("| %-11s | %6.1f |", p->name, flop / 1e9);
-        for (int impl = 0; impl < N_IMPL; impl++)
-            printf(" %7.3f | %7.1f |", ms[impl], flop / (ms[impl] * 1e-3) / 1e12);
-        printf(" %.2fx |\n", ms[LOOP] / ms[KERNEL]);
+        printf("| %-14s | %6.1f |", p->name, flop / 1e9);
+        for (int impl = 0; impl < N_IMPL; impl++) {
+            if (ms[impl] == 0) {
+                printf("       - |       - |");
+                continue;
+            }
+            printf(" %7.3f | %7.1f", ms[impl], flop / (ms[impl] * 1e-3) / 1e12);
+            if (p->backward == 2) /* wgrad: also the bandwidth it reached */
+                printf(" (%.0f GB/s)", wgrad_bytes(p, N, G, S) / (ms[impl] * 1e-3) / 1e9);
+            printf(" |");
+        }
+        printf(" %5.1f%% |", 100.0 * flop / (ms[KERNEL] * 1e-3) / 1e12 / dense);
+        if (ms[LOOP] > 0)
+            printf(" %.2fx |\n", ms[LOOP] / ms[KERNEL]);
+        else
+            printf(" - |\n");
     }
     const double flop = 6.0 * 3.0 * N * H * F;
-    printf("| all six     | %6.1f |", flop / 1e9);
+    printf("| all six (+=)   | %6.1f |", flop / 1e9);
     for (int impl = 0; impl < N_IMPL; impl++)
         printf(" %7.3f | %7.1f |", tot[impl], flop / (tot[impl] * 1e-3) / 1e12);
-    printf(" %.2fx |\n", tot[LOOP] / tot[KERNEL]);
+    printf(" %5.1f%% | %.2fx |\n", 100.0 * flop / (tot[KERNEL] * 1e-3) / 1e12 / dense,
+           tot[LOOP] / tot[KERNEL]);
     be->free(b.in); be->free(b.out); be->free(b.dout); be->free(b.din); be->free(b.w);
     be->free(b.dw); be->free(b.dev_off);
     free(off);
 }
 
-/* the dense bf16 ceiling: one 8192³ (GPU) or 1024³ (CPU) cuBLAS/CPU GEMM */
-static void dense_peak(const moe_backend *be, const opts *o) {
+/* the dense bf16 ceiling: one 8192³ (GPU) or 1024³ (CPU) cuBLAS/CPU GEMM, in TFLOP/s */
+static double dense_peak(const moe_backend *be, const opts *o) {
     const int n = be->device == MOE_DEVICE_CPU ? 1024 : 8192;
     const size_t S = be->act_size, nn = (size_t)n * n;
     bufs b = {0};
@@ -213,11 +263,12 @@ static void dense_peak(const moe_backend *be, const opts *o) {
     fill(be, b.in, nn, 4, 1.0);
     fill(be, b.w, nn, 5, 0.02);
     const int off[2] = {0, n};
-    const problem p = {"dense", n, n, 0};
+    const problem p = {"dense", n, n, 0, MOE_DW_ACCUMULATE};
     const double ms = time_ms(be, o, LOOP, &p, &b, off, 1);
-    printf("dense GEMM %d^3 (the ceiling of this device): %.3f ms, %.1f TFLOP/s\n", n, ms,
-           2.0 * n * nn / (ms * 1e-3) / 1e12);
+    const double tf = 2.0 * n * nn / (ms * 1e-3) / 1e12;
+    printf("dense GEMM %d^3 (the ceiling of this device): %.3f ms, %.1f TFLOP/s\n", n, ms, tf);
     be->free(b.in); be->free(b.w); be->free(b.out);
+    return tf;
 }
 
 int main(int argc, char **argv) {
@@ -251,11 +302,11 @@ int main(int argc, char **argv) {
            be->act_size == 2 ? "bf16" : "fp32", o.repeats, o.warmup);
     if (be->device == MOE_DEVICE_CPU)
         printf("(on the CPU every backend is the same loop over experts)\n");
-    dense_peak(be, &o);
+    const double dense = dense_peak(be, &o);
     int n_shapes;
     const moe_bench_shape *shapes = moe_bench_shapes(&n_shapes);
     for (int i = 0; i < n_shapes; i++)
         if (moe_bench_shape_wanted(o.shape, shapes[i].name, be->device != MOE_DEVICE_CPU))
-            run_shape(be, &shapes[i], &o);
+            run_shape(be, &shapes[i], &o, dense);
     return 0;
 }

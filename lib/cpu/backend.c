@@ -111,12 +111,16 @@ static void cpu_grouped_forward_dev(void *out, const void *in, const void *w, co
     MOE_ASSERT(dev_off[G] == rows);
     cpu_grouped_forward(out, in, w, dev_off, G, I, O);
 }
-static void cpu_grouped_backward_dev(void *din, moe_real *dw, const void *dout, const void *in,
+static void cpu_grouped_backward_dev(void *din, void *dw, const void *dout, const void *in,
                                      const void *w, const int *dev_off, int G, int rows, int I,
-                                     int O, int din_accumulate) {
+                                     int O, int din_accumulate, moe_dw_mode dw_mode) {
     MOE_ASSERT(dev_off[G] == rows);
     if (din && !din_accumulate)
         memset(din, 0, sizeof(moe_real) * (size_t)rows * I);
+    /* an overwritten dw is a sum that starts from zero; the CPU's activation type is
+     * moe_real, so MOE_DW_ACT is the same as MOE_DW_STORE here */
+    if (dw && dw_mode != MOE_DW_ACCUMULATE)
+        memset(dw, 0, sizeof(moe_real) * (size_t)G * O * I);
     cpu_grouped_backward(din, dw, dout, in, w, dev_off, G, I, O);
 }
 

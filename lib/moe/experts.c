@@ -98,7 +98,7 @@ static moe_groups groups_of(const moe_backend *be, const moe_layer_dims *d, int 
                             const expert_rows *r, int upload) {
     if (d->experts == MOE_EXPERTS_KERNEL && upload)
         be->from_host(dev_offset, r->off, sizeof(int) * (r->G + 1));
-    moe_groups g = {r->off, dev_offset, r->G, d->experts};
+    moe_groups g = {r->off, dev_offset, r->G, d->experts, MOE_DW_ACCUMULATE};
     return g;
 }
 
@@ -133,11 +133,17 @@ void moe_experts_backward(const moe_backend *be, const moe_layer_dims *d, const 
         be->zero(r.dx, be->act_size * r.rows * H);
     be->zero(r.dw, R * r.rows);
     moe_prof_mark(MOE_PROF_EXPERT_OPS);
-    const moe_groups grp = groups_of(be, d, a->dev_offset, &r, 0);
+    moe_groups grp = groups_of(be, d, a->dev_offset, &r, 0);
+    grp.dw_mode = g->expert_dw;
     if (grp.impl != MOE_EXPERTS_LOOP) {
         moe_mlp_backward_grouped(be, r.dx, g->fc1, g->fc2, r.dw, r.dy, r.x, r.gu, r.act, r.w,
                                  w->fc1, w->fc2, r.dh, r.dgu, &grp, H, F, 0);
         return;
+    }
+    MOE_ASSERT(grp.dw_mode != MOE_DW_ACT); /* only our kernel writes activation-type dw */
+    if (grp.dw_mode == MOE_DW_STORE) { /* the loop adds: start the sums from zero */
+        be->zero(g->fc1, R * r.G * 2 * F * H);
+        be->zero(g->fc2, R * r.G * H * F);
     }
     for (int e = 0; e < r.G; e++) {
         const size_t o = (size_t)r.off[e];

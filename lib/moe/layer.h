@@ -69,6 +69,10 @@ typedef struct moe_layer_grads {
     moe_real *fc2;         /**< [E,H,F] */
     moe_real *shared_fc1;  /**< [2Fs,H] or NULL */
     moe_real *shared_fc2;  /**< [H,Fs] or NULL */
+    /** how the experts' backward writes fc1 and fc2 (::moe_dw_mode): ACCUMULATE (0, the
+     *  default), STORE when the caller knows they hold zeros (the first micro-batch of a
+     *  step), ACT when they point at activation-type storage (our grouped kernel only) */
+    moe_dw_mode expert_dw;
 } moe_layer_grads;
 
 /** What the forward saves for the backward (sized for N tokens). `void *` buffers are
