@@ -162,7 +162,7 @@ $(BUILD)/f64/LIB-MEMBERS: FORCE
 
 # ---------------------------------------------------------------- targets
 .PHONY: all config check-deps train test test-unit test-fd test-asan test-gpu test-mpi test-notebooks notebooks docs bench \
-	clean print-build-flags check-ch01 check-ch02 check-ch03 test-chapters test-student-stubs test-plots \
+	clean print-build-flags check-ch01 check-ch02 check-ch03 check-ch04 test-chapters test-student-stubs test-plots \
 	ch03-versions
 
 # chapter 03's kernel ladder (chapters/03-grouped-gemm/versions/): CUDA only
@@ -379,9 +379,18 @@ check-ch03: check-deps
 	$(call RUN_TAGGED,03,unit)
 	$(call RUN_TAGGED,03,fd)
 
+# chapter 04 (parallel folding, first part): no student stubs yet, so the library's own code
+check-ch04: check-deps
+	@$(MAKE) --no-print-directory $(BUILD)/tests/unit $(if $(filter 1,$(WITH_MPI)),$(BUILD)/tests/mpi)
+	@echo "== chapter 04 self-check (reference: the library's code; no student stubs yet)"
+	CK_INCLUDE_TAGS=ch04 $(BUILD)/tests/unit
+	@if [ "$(WITH_MPI)" != 1 ]; then echo "== chapter 04 MPI ranks: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
+	else for np in 2 4; do echo "== chapter 04 on $$np MPI ranks (CPU)"; \
+	  CK_INCLUDE_TAGS=ch04 OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(BUILD)/tests/mpi || exit 1; done; fi
+
 # make test runs the chapter checks on the reference, and proves the other direction: an
 # untouched stub fails, with the message that names its file and function.
-test-chapters: check-ch01 check-ch02 check-ch03
+test-chapters: check-ch01 check-ch02 check-ch03 check-ch04
 
 # $(call EXPECT_STUB,NN,file,function[,suite]): the chapter's student unit binary (only
 # the Check suite named, when a chapter has stubs in several) must fail with the stub's

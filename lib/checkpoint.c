@@ -469,7 +469,9 @@ static const char *const g_shape_flags[] = {
     "moe-shared-expert-intermediate-size", "tokenizer-type", "moe-router-enable-expert-bias"};
 /* Settings of the model, MoE and training groups that only say how the run executes. */
 static const char *const g_free_flags[] = {
-    "train-iters", "expert-model-parallel-size", "moe-token-dispatcher-type",
+    "train-iters", "expert-model-parallel-size", "tensor-model-parallel-size",
+    "sequence-parallel", "expert-tensor-parallel-size", "context-parallel-size",
+    "pipeline-model-parallel-size", "moe-token-dispatcher-type",
     "moe-alltoall-path", "moe-expert-backend", "moe-grouped-gemm"};
 
 static int listed(const char *const *list, size_t n, const char *name) {

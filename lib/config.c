@@ -19,6 +19,7 @@ static const char G_MOE[] = "mixture of experts";
 static const char G_TRAIN[] = "training";
 static const char G_DATA[] = "data, logging and output";
 static const char G_CKPT[] = "checkpointing";
+static const char G_PAR[] = "parallel folding";
 
 /* The single source of truth for every flag: name, type, field, default, meaning. */
 static const moe_flag g_flags[] = {
@@ -96,6 +97,22 @@ static const moe_flag g_flags[] = {
       "cublas-grouped (cublasGemmGroupedBatchedEx), grouped (our sm_90a kernel, sizes read on "
       "the GPU; cuBLAS grouped on other GPUs); auto = grouped on a GPU, loop on the CPU",
       "auto|loop|cublas-grouped|grouped", G_MOE),
+
+    F("tensor-model-parallel-size", MOE_FLAG_INT, tensor_model_parallel_size, "1",
+      "ranks each attention and dense-FFN matrix is split over (TP, Megatron style: column-"
+      "parallel QKV and fc1, row-parallel output projection and fc2); must divide the heads, "
+      "the key/value groups, --hidden-size, --ffn-hidden-size and the number of ranks",
+      NULL, G_PAR),
+    F("sequence-parallel", MOE_FLAG_BOOL, sequence_parallel, "0",
+      "with TP: norms and residuals on 1/TP of the tokens each (all-gather before the column-"
+      "parallel GEMMs, reduce-scatter after the row-parallel ones)", NULL, G_PAR),
+    F("expert-tensor-parallel-size", MOE_FLAG_INT, expert_tensor_parallel_size, "1",
+      "ranks each expert's matrices are split over (ETP; expert grid ETP x EP x EDP)", NULL,
+      G_PAR),
+    F("context-parallel-size", MOE_FLAG_INT, context_parallel_size, "1",
+      "ranks each sequence is split over in attention (CP; chapter 07)", NULL, G_PAR),
+    F("pipeline-model-parallel-size", MOE_FLAG_INT, pipeline_model_parallel_size, "1",
+      "pipeline stages (PP; not planned in moe.c: only 1)", NULL, G_PAR),
 
     F("micro-batch-size", MOE_FLAG_INT, micro_batch_size, "16", "sequences per forward/backward",
       NULL, G_TRAIN),
@@ -365,6 +382,62 @@ static moe_status require_finite(const moe_config *c, moe_error *err) {
     return MOE_OK;
 }
 
+/* The parallel sizes that do not depend on the number of ranks (moe_grid_resolve() checks
+ * those that do: every product dividing the world). Tensor parallelism splits the attention
+ * heads, so TP must divide the query heads and the key/value groups: moe.c does not
+ * replicate key/value heads over TP ranks (Megatron can, when TP > groups), which keeps
+ * every rank's attention an ordinary GQA over its own heads. */
+static moe_status validate_folding(moe_config *c, int any_moe, int any_dense, moe_error *err) {
+    const int TP = c->tensor_model_parallel_size;
+    REQUIRE(TP >= 1, "--tensor-model-parallel-size must be >= 1 (got %d; 1 = not split)", TP);
+    REQUIRE(c->expert_tensor_parallel_size >= 1,
+            "--expert-tensor-parallel-size must be >= 1 (got %d; 1 = not split)",
+            c->expert_tensor_parallel_size);
+    REQUIRE(c->context_parallel_size >= 1,
+            "--context-parallel-size must be >= 1 (got %d; 1 = not split)",
+            c->context_parallel_size);
+    REQUIRE(c->pipeline_model_parallel_size >= 1,
+            "--pipeline-model-parallel-size must be >= 1 (got %d; 1 = not split)",
+            c->pipeline_model_parallel_size);
+    REQUIRE(c->context_parallel_size == 1,
+            "--context-parallel-size %d: context parallelism comes with chapter 07 (ring "
+            "attention); use --context-parallel-size 1", c->context_parallel_size);
+    REQUIRE(c->pipeline_model_parallel_size == 1,
+            "--pipeline-model-parallel-size %d: pipeline parallelism is not planned in moe.c "
+            "(every rank holds every layer); use --pipeline-model-parallel-size 1",
+            c->pipeline_model_parallel_size);
+    REQUIRE(c->expert_tensor_parallel_size == 1,
+            "--expert-tensor-parallel-size %d: expert tensor parallelism is not implemented yet "
+            "(a later part of chapter 04); use --expert-tensor-parallel-size 1 and split the "
+            "experts with --expert-model-parallel-size", c->expert_tensor_parallel_size);
+    REQUIRE(!c->sequence_parallel || TP > 1,
+            "--sequence-parallel splits the tokens over the tensor-parallel ranks: it needs "
+            "--tensor-model-parallel-size > 1 (got %d)", TP);
+    if (TP == 1)
+        return MOE_OK;
+    REQUIRE(c->num_attention_heads % TP == 0,
+            "--num-attention-heads %d is not divisible by --tensor-model-parallel-size %d (each "
+            "tensor-parallel rank computes the same number of heads)", c->num_attention_heads,
+            TP);
+    REQUIRE(c->num_query_groups % TP == 0,
+            "--num-query-groups %d is not divisible by --tensor-model-parallel-size %d (each "
+            "rank holds whole key/value groups; moe.c does not replicate key/value heads): use "
+            "a TP that divides the groups, or more groups", c->num_query_groups, TP);
+    /* (TP then divides --hidden-size too: hidden = heads x head_dim) */
+    if (any_dense)
+        REQUIRE(c->ffn_hidden_size % TP == 0,
+                "--ffn-hidden-size %d is not divisible by --tensor-model-parallel-size %d (fc1 "
+                "is split by columns, fc2 by rows)", c->ffn_hidden_size, TP);
+    REQUIRE(!c->sequence_parallel || c->seq_length % TP == 0,
+            "--seq-length %d is not divisible by --tensor-model-parallel-size %d: with "
+            "--sequence-parallel each rank holds 1/TP of every sequence", c->seq_length, TP);
+    REQUIRE(!any_moe,
+            "--tensor-model-parallel-size %d with MoE layers is not implemented yet (a later "
+            "part of chapter 04 folds attention TP with expert EP); use a dense model "
+            "(--num-experts 0) with TP, or TP 1 with --expert-model-parallel-size", TP);
+    return MOE_OK;
+}
+
 moe_status moe_config_validate(moe_config *c, moe_error *err) {
     MOE_TRY(require_finite(c, err));
     double timeout_s;
@@ -505,6 +578,8 @@ moe_status moe_config_validate(moe_config *c, moe_error *err) {
                 "--moe-shared-expert-intermediate-size must be >= 0 (got %d; 0 = none)",
                 c->moe_shared_expert_intermediate_size);
     }
+
+    MOE_TRY(validate_folding(c, any_moe, any_dense, err));
 
     /* training */
     REQUIRE(c->micro_batch_size >= 1, "--micro-batch-size must be positive (got %d)",

@@ -121,6 +121,12 @@ typedef struct moe_config {
     char moe_layer_freq[MOE_FLAG_STR_LEN]; /**< --moe-layer-freq: N (every Nth layer) or a 0/1 list */
     /* ---- expert parallelism (chapter 02) */
     int expert_model_parallel_size;        /**< --expert-model-parallel-size */
+    /* ---- parallel folding (chapter 04) */
+    int tensor_model_parallel_size;        /**< --tensor-model-parallel-size (TP) */
+    int sequence_parallel;                 /**< --sequence-parallel (SP, needs TP > 1) */
+    int expert_tensor_parallel_size;       /**< --expert-tensor-parallel-size (ETP) */
+    int context_parallel_size;             /**< --context-parallel-size (CP: chapter 07) */
+    int pipeline_model_parallel_size;      /**< --pipeline-model-parallel-size (PP: not planned) */
     char moe_token_dispatcher_type[MOE_FLAG_STR_LEN]; /**< --moe-token-dispatcher-type */
     char moe_alltoall_path[MOE_FLAG_STR_LEN];         /**< --moe-alltoall-path */
     double moe_expert_capacity_factor;     /**< --moe-expert-capacity-factor (0 = dropless) */

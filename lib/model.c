@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "comm.h"
 #include "cpu/router.h"
 #include "mlp.h"
 #include "memory.h"
@@ -25,7 +26,25 @@ static void layout(moe_model *m) {
     const double out_std = std / sqrt(2.0 * c->num_layers);
     moe_param_table *pt = &m->table;
     char name[64];
+    /* Tensor parallelism (tensor_parallel.h): QKV and fc1 are split by output rows
+     * (column-parallel), the output projection and fc2 by input columns (row-parallel), each
+     * rank's shard initialised as its slice of the single-rank tensor. Tensors every TP rank
+     * holds whole get a partial gradient where each rank saw part of the work: the QK-norm
+     * (each rank's heads), and under sequence parallelism everything outside the GEMMs
+     * (each rank's tokens). */
+    const int tps = m->tp.size, tpr = m->tp.rank, sp = tps > 1 && m->tp.sp;
+#define SHARD_TP(dim)                                                                   \
+    do {                                                                                \
+        if (tps > 1)                                                                    \
+            moe_params_shard(pt, MOE_GROUP_TP, dim, tpr, tps);                          \
+    } while (0)
+#define PARTIAL_TP(cond)                                                                \
+    do {                                                                                \
+        if (cond)                                                                       \
+            moe_params_partial(pt, MOE_GROUP_TP);                                       \
+    } while (0)
     m->off_embed = moe_params_add(pt, "embedding", 2, V, H, 0, MOE_INIT_NORMAL, std, 1);
+    PARTIAL_TP(sp);
     for (int l = 0; l < c->num_layers; l++) {
         size_t *o = m->off[l];
         for (int s = 0; s < MOE_W_COUNT; s++)
@@ -36,15 +55,24 @@ static void layout(moe_model *m) {
         o[slot] = moe_params_add(pt, name, nd, a, b, cc, init, sd, decay);            \
     } while (0)
         ADD(MOE_W_LN1, "attn.norm", 1, H, 0, 0, MOE_INIT_ONES, 0, 0);
+        PARTIAL_TP(sp);
+        /* rows are head-major (row h·D + d), so a split of dim 0 gives whole heads */
         ADD(MOE_W_Q, "attn.wq", 2, Hq * D, H, 0, MOE_INIT_NORMAL, std, 1);
+        SHARD_TP(0);
         ADD(MOE_W_K, "attn.wk", 2, Hkv * D, H, 0, MOE_INIT_NORMAL, std, 1);
+        SHARD_TP(0);
         ADD(MOE_W_V, "attn.wv", 2, Hkv * D, H, 0, MOE_INIT_NORMAL, std, 1);
+        SHARD_TP(0);
         ADD(MOE_W_O, "attn.wo", 2, H, Hq * D, 0, MOE_INIT_NORMAL, out_std, 1);
+        SHARD_TP(1);
         if (c->qk_layernorm) {
             ADD(MOE_W_QNORM, "attn.q_norm", 1, D, 0, 0, MOE_INIT_ONES, 0, 0);
+            PARTIAL_TP(tps > 1);
             ADD(MOE_W_KNORM, "attn.k_norm", 1, D, 0, 0, MOE_INIT_ONES, 0, 0);
+            PARTIAL_TP(tps > 1);
         }
         ADD(MOE_W_LN2, "ffn.norm", 1, H, 0, 0, MOE_INIT_ONES, 0, 0);
+        PARTIAL_TP(sp);
         if (c->is_moe_layer[l]) {
             const int Fs = c->moe_shared_expert_intermediate_size;
             ADD(MOE_W_ROUTER, "moe.router", 2, E, H, 0, MOE_INIT_NORMAL, std, 1);
@@ -54,12 +82,19 @@ static void layout(moe_model *m) {
             }
         } else {
             const int F = c->ffn_hidden_size;
-            ADD(MOE_W_FC1, "mlp.fc1", 2, 2 * F, H, 0, MOE_INIT_NORMAL, std, 1);
+            /* fc1 is [2F, H], gate rows then up rows, seen as [2, F, H]: split along F, each
+             * rank holds its gate rows and its up rows, again gate first ([2, F/TP, H]), which
+             * is what the SwiGLU op expects of an intermediate width F/TP */
+            ADD(MOE_W_FC1, "mlp.fc1", 3, 2, F, H, MOE_INIT_NORMAL, std, 1);
+            SHARD_TP(1);
             ADD(MOE_W_FC2, "mlp.fc2", 2, H, F, 0, MOE_INIT_NORMAL, out_std, 1);
+            SHARD_TP(1);
         }
     }
     m->off_final_norm = moe_params_add(pt, "final_norm", 1, H, 0, 0, MOE_INIT_ONES, 0, 0);
+    PARTIAL_TP(sp);
     m->off_lm_head = moe_params_add(pt, "lm_head", 2, V, H, 0, MOE_INIT_NORMAL, std, 1);
+    PARTIAL_TP(sp);
     /* The routed experts last: every replicated (dense) tensor is then one contiguous block
      * and every expert slice another, so each gradient sync and norm is one call per block
      * instead of one per tensor. Each rank holds its EP shard of the experts (dim 0), which
@@ -77,6 +112,8 @@ static void layout(moe_model *m) {
         moe_params_shard(pt, MOE_GROUP_EP, 0, ep_rank, ep_size);
     }
 #undef ADD
+#undef SHARD_TP
+#undef PARTIAL_TP
 }
 
 /* layer l's weight in slot s: the compute copy the ops read */
@@ -110,6 +147,17 @@ static moe_layer_dims moe_dims(const moe_model *m, int N, int T) {
     d.experts = moe_expert_impl_from_config(c, m->be);
     return d;
 }
+
+/* this rank's attention: its Hq/TP query heads and Hkv/TP key/value heads, on every token */
+static moe_attention_dims attn_dims(const moe_model *m, int B, int T) {
+    moe_attention_dims d = moe_attention_dims_from_config(&m->cfg, B, T);
+    d.Hq /= m->tp.size;
+    d.Hkv /= m->tp.size;
+    return d;
+}
+
+/* the intermediate width of this rank's dense FFNs */
+static int dense_ffn(const moe_model *m) { return m->cfg.ffn_hidden_size / m->tp.size; }
 
 static moe_attention_weights attn_weights(const moe_model *m, int l) {
     moe_attention_weights w = {P(m, l, MOE_W_Q), P(m, l, MOE_W_K),     P(m, l, MOE_W_V),
@@ -157,6 +205,12 @@ static moe_status check_memory(const moe_config *c, const moe_backend *be, int B
 
 moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_backend *be, int B,
                             moe_ep *ep, moe_error *err) {
+    return moe_model_create_parallel(out, cfg, be, B, ep, NULL, err);
+}
+
+moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
+                                     const moe_backend *be, int B, moe_ep *ep, const moe_tp *tp,
+                                     moe_error *err) {
     *out = NULL;
     moe_memory_estimate est;
     MOE_TRY(check_memory(cfg, be, B, ep, &est, err));
@@ -166,12 +220,15 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
     m->cfg = *cfg;
     m->be = be;
     m->ep = ep;
+    m->tp = tp && tp->comm ? *tp : moe_tp_none();
     m->experts_local = cfg->num_experts / (ep && ep->comm ? ep->size : 1);
     layout(m);
     const moe_config *c = &m->cfg;
     const int L = c->num_layers, H = c->hidden_size, V = c->vocab_size, T = c->seq_length,
               E = c->num_experts;
     const size_t N = (size_t)B * T, S = be->act_size;
+    /* the residual stream and everything outside the TP GEMMs: this rank's rows */
+    const size_t Nl = (size_t)moe_tp_local_rows(&m->tp, (int)N);
     m->max_B = B;
     m->max_T = T;
     int ok = 1;
@@ -190,24 +247,24 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory creating the model");
     }
     for (int l = 0; l <= L; l++)
-        m->res[l] = must(be, S * N * H, &ok);
+        m->res[l] = must(be, S * Nl * H, &ok);
     int max_ffn = 0; /* widest FFN intermediate, for the shared scratch */
-    const moe_attention_dims ad = moe_attention_dims_from_config(c, B, T);
+    const moe_attention_dims ad = attn_dims(m, B, T);
     for (int l = 0; l < L; l++) {
         moe_block_acts *a = &m->acts[l];
-        a->ln1 = must(be, S * N * H, &ok);
-        a->rstd1 = must(be, R * N, &ok);
+        a->ln1 = must(be, S * Nl * H, &ok);
+        a->rstd1 = must(be, R * Nl, &ok);
         if (!moe_attention_acts_alloc(be, &a->attn, &ad))
             ok = 0;
-        a->xmid = must(be, S * N * H, &ok);
-        a->ln2 = must(be, S * N * H, &ok);
-        a->rstd2 = must(be, R * N, &ok);
+        a->xmid = must(be, S * Nl * H, &ok);
+        a->ln2 = must(be, S * Nl * H, &ok);
+        a->rstd2 = must(be, R * Nl, &ok);
         if (c->is_moe_layer[l]) {
             moe_layer_dims d = moe_dims(m, (int)N, T);
             if (!moe_layer_acts_alloc(be, &a->moe, &d))
                 ok = 0;
         } else {
-            const int F = c->ffn_hidden_size;
+            const int F = dense_ffn(m);
             a->dense_gu = must(be, S * N * 2 * F, &ok);
             a->dense_act = must(be, S * N * F, &ok);
             if (F > max_ffn)
@@ -227,15 +284,20 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
         if (!moe_layer_workspace_alloc(be, &m->ws, &d))
             ok = 0;
     }
-    m->lnf = must(be, S * N * H, &ok);
-    m->rstdf = must(be, R * N, &ok);
-    m->logits = must(be, S * N * V, &ok);
-    m->losses = must(be, R * N, &ok);
-    m->d_res = must(be, S * N * H, &ok);
-    m->d_ln = must(be, S * N * H, &ok);
+    m->lnf = must(be, S * Nl * H, &ok);
+    m->rstdf = must(be, R * Nl, &ok);
+    m->logits = must(be, S * Nl * V, &ok);
+    m->losses = must(be, R * Nl, &ok);
+    m->d_res = must(be, S * Nl * H, &ok);
+    m->d_ln = must(be, S * Nl * H, &ok);
     if (!moe_attention_scratch_alloc(be, &m->attn_scratch, &ad))
         ok = 0;
-    m->d_logits = must(be, S * N * V, &ok);
+    m->d_logits = must(be, S * Nl * V, &ok);
+    if (Nl != N) { /* sequence parallel: the whole-sequence buffers around the TP GEMMs */
+        m->tp_x = must(be, S * N * H, &ok);
+        m->tp_y = must(be, S * N * H, &ok);
+        m->tp_dx = must(be, S * N * H, &ok);
+    }
     if (E > 0) {
         m->expert_bias = must(be, sizeof(float) * (size_t)L * E, &ok);
         m->expert_bias_host = calloc((size_t)L * E, sizeof(float));
@@ -284,6 +346,7 @@ void moe_model_free(moe_model *m) {
     moe_layer_workspace_free(be, &m->ws); /* also when its allocation failed half-way */
     be->free(m->lnf); be->free(m->rstdf); be->free(m->logits); be->free(m->losses);
     be->free(m->d_res); be->free(m->d_ln); be->free(m->d_logits);
+    be->free(m->tp_x); be->free(m->tp_y); be->free(m->tp_dx);
     moe_attention_scratch_free(be, &m->attn_scratch);
     be->free(m->expert_bias);
     free(m->expert_bias_host);
@@ -350,34 +413,47 @@ double moe_model_flops_per_token(const moe_model *m, int T) {
 
 /* ----------------------------------------------------------------- forward */
 
+/* One block's tensor-parallel sandwich (tensor_parallel.h): the block reads the whole
+ * input (gathered under SP, as is otherwise: f) and leaves partial sums of the whole output,
+ * which g all-reduces, or SP reduce-scatters into this rank's rows. `part` is where the
+ * block writes: the output itself, or under SP the whole-sequence scratch. */
+static void *block_out(const moe_model *m, void *y) { return m->tp_x ? m->tp_y : y; }
+
 double moe_model_forward(moe_model *m, const int *tokens, const int *targets, int B, int T) {
     const moe_backend *be = m->be;
     const moe_config *c = &m->cfg;
     MOE_ASSERT(B >= 1 && B <= m->max_B && T >= 1 && T <= m->max_T);
     const int L = c->num_layers, H = c->hidden_size, V = c->vocab_size;
     const int N = B * T;
-    const moe_attention_dims ad = moe_attention_dims_from_config(c, B, T);
+    /* under sequence parallelism this rank holds rows [r0, r0 + Nl) of the residual stream */
+    const int Nl = moe_tp_local_rows(&m->tp, N), r0 = moe_tp_first_row(&m->tp, N);
+    const moe_tp *tp = &m->tp;
+    const moe_attention_dims ad = attn_dims(m, B, T);
     m->B = B;
     m->T = T;
     be->from_host(m->tokens, tokens, sizeof(int) * N);
     if (targets)
         be->from_host(m->targets, targets, sizeof(int) * N);
 
-    be->embedding_forward(m->res[0], m->tokens, PG(m, m->off_embed), N, H);
+    be->embedding_forward(m->res[0], m->tokens + r0, PG(m, m->off_embed), Nl, H);
     double aux = 0.0, z = 0.0;
     m->last.dropped = 0;
     for (int l = 0; l < L; l++) {
         moe_block_acts *a = &m->acts[l];
         const void *x = m->res[l];
         /* attention block: xmid = x + attn(ln1(x)) */
-        be->rmsnorm_forward(a->ln1, a->rstd1, x, P(m, l, MOE_W_LN1), N, H, c->norm_epsilon);
+        be->rmsnorm_forward(a->ln1, a->rstd1, x, P(m, l, MOE_W_LN1), Nl, H, c->norm_epsilon);
         moe_attention_weights aw = attn_weights(m, l);
-        moe_attention_forward(be, a->xmid, a->ln1, &aw, &ad, &a->attn);
-        be->add(a->xmid, x, (size_t)N * H);
+        void *part = block_out(m, a->xmid);
+        moe_attention_forward(be, part, moe_tp_enter_forward(be, tp, m->tp_x, a->ln1, N, H), &aw,
+                              &ad, &a->attn);
+        moe_tp_exit_forward(be, tp, a->xmid, part, N, H);
+        be->add(a->xmid, x, (size_t)Nl * H);
         /* FFN block */
-        be->rmsnorm_forward(a->ln2, a->rstd2, a->xmid, P(m, l, MOE_W_LN2), N, H, c->norm_epsilon);
+        be->rmsnorm_forward(a->ln2, a->rstd2, a->xmid, P(m, l, MOE_W_LN2), Nl, H,
+                            c->norm_epsilon);
         void *ffn_out = m->res[l + 1];
-        if (c->is_moe_layer[l]) {
+        if (c->is_moe_layer[l]) { /* (no TP in MoE layers yet: Nl = N) */
             moe_layer_dims d = moe_dims(m, N, T);
             moe_layer_weights w = moe_weights(m, l);
             moe_layer_forward(be, ffn_out, a->ln2, &w,
@@ -393,23 +469,29 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
             for (int e = 0; e < c->num_experts; e++)
                 m->load_counts[(size_t)l * c->num_experts + e] += a->moe.counts[e];
         } else {
-            moe_mlp_forward(be, ffn_out, a->dense_gu, a->dense_act, a->ln2, NULL,
-                            P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2), N, H, c->ffn_hidden_size);
+            part = block_out(m, ffn_out);
+            moe_mlp_forward(be, part, a->dense_gu, a->dense_act,
+                            moe_tp_enter_forward(be, tp, m->tp_x, a->ln2, N, H), NULL,
+                            P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2), N, H, dense_ffn(m));
+            moe_tp_exit_forward(be, tp, ffn_out, part, N, H);
             m->layer_aux[l] = m->layer_z[l] = 0.0;
         }
-        be->add(ffn_out, a->xmid, (size_t)N * H);
+        be->add(ffn_out, a->xmid, (size_t)Nl * H);
     }
-    be->rmsnorm_forward(m->lnf, m->rstdf, m->res[L], PG(m, m->off_final_norm), N, H,
+    be->rmsnorm_forward(m->lnf, m->rstdf, m->res[L], PG(m, m->off_final_norm), Nl, H,
                         c->norm_epsilon);
-    be->matmul_forward(m->logits, m->lnf, PG(m, m->off_lm_head), N, H, V);
+    be->matmul_forward(m->logits, m->lnf, PG(m, m->off_lm_head), Nl, H, V);
     if (!targets) {
         long long dropped = m->last.dropped;
         memset(&m->last, 0, sizeof m->last);
         m->last.dropped = dropped;
         return 0.0;
     }
-    be->cross_entropy_forward(m->losses, m->logits, m->targets, N, V);
-    m->last.ce = be->sum(m->losses, (size_t)N) / N;
+    be->cross_entropy_forward(m->losses, m->logits, m->targets + r0, Nl, V);
+    double ce_sum = be->sum(m->losses, (size_t)Nl);
+    if (Nl != N) /* each rank has the losses of its tokens */
+        moe_comm_host_all_reduce_sum(tp->comm, &ce_sum, 1, MOE_DTYPE_F64);
+    m->last.ce = ce_sum / N;
     m->last.aux = aux;
     m->last.z = z;
     m->last.total = m->last.ce + aux + z;
@@ -423,28 +505,35 @@ void moe_model_backward(moe_model *m, double loss_scale) {
     const moe_config *c = &m->cfg;
     const int L = c->num_layers, H = c->hidden_size, V = c->vocab_size;
     const int B = m->B, T = m->T, N = B * T;
-    const moe_attention_dims ad = moe_attention_dims_from_config(c, B, T);
+    const int Nl = moe_tp_local_rows(&m->tp, N), r0 = moe_tp_first_row(&m->tp, N);
+    const moe_tp *tp = &m->tp;
+    const moe_attention_dims ad = attn_dims(m, B, T);
 
-    /* loss → logits → final norm */
+    /* loss → logits → final norm. The op's mean is over the Nl rows it is given; the loss
+     * is the mean over all N tokens, hence Nl/N. */
     const size_t S = be->act_size;
-    be->zero(m->d_logits, S * (size_t)N * V);
-    be->cross_entropy_backward(m->d_logits, NULL, m->logits, m->targets, N, V);
-    if (loss_scale != 1.0)
-        be->scale(m->d_logits, loss_scale, (size_t)N * V);
-    be->zero(m->d_ln, S * (size_t)N * H);
+    be->zero(m->d_logits, S * (size_t)Nl * V);
+    be->cross_entropy_backward(m->d_logits, NULL, m->logits, m->targets + r0, Nl, V);
+    const double ce_scale = loss_scale * Nl / N;
+    if (ce_scale != 1.0)
+        be->scale(m->d_logits, ce_scale, (size_t)Nl * V);
+    be->zero(m->d_ln, S * (size_t)Nl * H);
     be->matmul_backward(m->d_ln, m->grads + m->off_lm_head, m->d_logits, m->lnf,
-                        PG(m, m->off_lm_head), N, H, V);
-    be->zero(m->d_res, S * (size_t)N * H);
+                        PG(m, m->off_lm_head), Nl, H, V);
+    be->zero(m->d_res, S * (size_t)Nl * H);
     be->rmsnorm_backward(m->d_res, m->grads + m->off_final_norm, m->d_ln, m->res[L],
-                         PG(m, m->off_final_norm), m->rstdf, N, H);
+                         PG(m, m->off_final_norm), m->rstdf, Nl, H);
 
     /* d_res holds ∂L/∂res[l+1]; each block adds its branch's gradient into it in place,
-     * leaving ∂L/∂res[l] (the residual connection passes the gradient through unchanged). */
+     * leaving ∂L/∂res[l] (the residual connection passes the gradient through unchanged).
+     * Under SP a block's backward gathers its input again (Megatron does the same instead of
+     * keeping the whole-sequence copy from the forward) and the output gradient. */
+    void *dx = m->tp_x ? m->tp_dx : m->d_ln; /* where a block's input gradient accumulates */
     for (int l = L - 1; l >= 0; l--) {
         moe_block_acts *a = &m->acts[l];
         const void *x = m->res[l];
         /* FFN block: res[l+1] = xmid + ffn(ln2(xmid)) */
-        be->zero(m->d_ln, S * (size_t)N * H);
+        be->zero(m->d_ln, S * (size_t)Nl * H);
         if (c->is_moe_layer[l]) {
             moe_layer_dims d = moe_dims(m, N, T);
             moe_layer_weights w = moe_weights(m, l);
@@ -457,22 +546,31 @@ void moe_model_backward(moe_model *m, double loss_scale) {
             moe_layer_backward(be, m->d_ln, &g, m->d_res, a->ln2, &w, &d, &a->moe, &m->ws,
                                loss_scale);
         } else {
-            moe_mlp_backward(be, m->d_ln, G(m, l, MOE_W_FC1), G(m, l, MOE_W_FC2), NULL, m->d_res,
-                             a->ln2, a->dense_gu, a->dense_act, NULL, P(m, l, MOE_W_FC1),
-                             P(m, l, MOE_W_FC2), m->ws.dh, m->ws.dgu, N, H, c->ffn_hidden_size);
+            const void *dy = moe_tp_exit_backward(be, tp, m->tp_y, m->d_res, N, H);
+            const void *xin = moe_tp_enter_forward(be, tp, m->tp_x, a->ln2, N, H);
+            if (dx != m->d_ln)
+                be->zero(dx, S * (size_t)N * H);
+            moe_mlp_backward(be, dx, G(m, l, MOE_W_FC1), G(m, l, MOE_W_FC2), NULL, dy, xin,
+                             a->dense_gu, a->dense_act, NULL, P(m, l, MOE_W_FC1),
+                             P(m, l, MOE_W_FC2), m->ws.dh, m->ws.dgu, N, H, dense_ffn(m));
+            moe_tp_enter_backward(be, tp, m->d_ln, dx, N, H);
         }
         be->rmsnorm_backward(m->d_res, G(m, l, MOE_W_LN2), m->d_ln, a->xmid, P(m, l, MOE_W_LN2),
-                             a->rstd2, N, H);
+                             a->rstd2, Nl, H);
         /* attention block: xmid = x + attn(ln1(x)) */
         moe_attention_weights aw = attn_weights(m, l);
         moe_attention_grads ag = attn_grads(m, l);
-        be->zero(m->d_ln, S * (size_t)N * H);
-        moe_attention_backward(be, m->d_ln, &ag, m->d_res, a->ln1, &aw, &ad, &a->attn,
-                               &m->attn_scratch);
+        be->zero(m->d_ln, S * (size_t)Nl * H);
+        const void *dy = moe_tp_exit_backward(be, tp, m->tp_y, m->d_res, N, H);
+        const void *xin = moe_tp_enter_forward(be, tp, m->tp_x, a->ln1, N, H);
+        if (dx != m->d_ln)
+            be->zero(dx, S * (size_t)N * H);
+        moe_attention_backward(be, dx, &ag, dy, xin, &aw, &ad, &a->attn, &m->attn_scratch);
+        moe_tp_enter_backward(be, tp, m->d_ln, dx, N, H);
         be->rmsnorm_backward(m->d_res, G(m, l, MOE_W_LN1), m->d_ln, x, P(m, l, MOE_W_LN1),
-                             a->rstd1, N, H);
+                             a->rstd1, Nl, H);
     }
-    be->embedding_backward(m->grads + m->off_embed, m->d_res, m->tokens, N, V, H);
+    be->embedding_backward(m->grads + m->off_embed, m->d_res, m->tokens + r0, Nl, V, H);
     m->grads_zero = 0;
 }
 

@@ -22,6 +22,7 @@
 #include "config.h"
 #include "moe/layer.h"
 #include "params.h"
+#include "tensor_parallel.h"
 
 /** Per-layer weight slots (offsets into the parameter buffer). */
 typedef enum moe_layer_weight {
@@ -72,6 +73,7 @@ typedef struct moe_model {
     moe_config cfg;               /**< validated configuration (a copy) */
     const moe_backend *be;        /**< where everything lives and runs */
     moe_ep *ep;                   /**< expert parallelism, or NULL */
+    moe_tp tp;                    /**< tensor (and sequence) parallelism: size 1 without */
     int experts_local;            /**< experts of each MoE layer held by this rank */
     moe_param_table table;        /**< names, shapes, offsets */
     moe_real *params;             /**< [table.total] master weights, full precision */
@@ -104,6 +106,10 @@ typedef struct moe_model {
     void *d_res;              /**< ∂L/∂residual stream [N,H] */
     void *d_ln;               /**< ∂L/∂norm output [N,H] */
     moe_attention_scratch attn_scratch; /**< attention backward scratch */
+    void *tp_x;                   /**< SP: the gathered input of a block [N,H] (else NULL) */
+    void *tp_y;                   /**< SP: a row-parallel GEMM's partial output, and in the
+                                       backward the gathered output gradient [N,H] */
+    void *tp_dx;                  /**< SP: a block's partial input gradient [N,H] */
     void *d_logits;           /**< ∂L/∂logits [N,V] */
     moe_losses last;              /**< losses of the last forward */
     double *layer_aux;            /**< [L] per-layer aux loss of the last forward */
@@ -122,6 +128,21 @@ typedef struct moe_model {
  */
 moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_backend *be, int B,
                             moe_ep *ep, moe_error *err);
+
+/**
+ * @brief moe_model_create() with tensor parallelism: this rank holds its TP shard of the
+ *        attention projections and of the dense FFNs (column-parallel QKV and fc1,
+ *        row-parallel output projection and fc2), and under sequence parallelism 1/TP of
+ *        the tokens of the residual stream (tensor_parallel.h).
+ * @param out receives the model  @param cfg validated config  @param be backend
+ * @param B largest micro-batch  @param ep expert parallelism or NULL
+ * @param tp this rank's TP group (copied), or NULL for TP 1
+ * @param err receives the reason on failure
+ * @return ::MOE_OK or ::MOE_ERR_NOMEM
+ */
+moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
+                                     const moe_backend *be, int B, moe_ep *ep, const moe_tp *tp,
+                                     moe_error *err);
 
 /** @brief Free the model. @param m model (NULL: no-op) */
 void moe_model_free(moe_model *m);

@@ -28,6 +28,7 @@ size_t moe_params_add(moe_param_table *pt, const char *name, int ndim, int s0, i
     }
     t->shard = (moe_shard){MOE_GROUP_NONE, 0, 0, 1};
     t->grad_group = MOE_GROUP_DP_CP;
+    t->partial_group = MOE_GROUP_NONE;
     t->offset = pt->total;
     t->init = init;
     t->std = std;
@@ -50,6 +51,11 @@ void moe_params_shard(moe_param_table *pt, moe_group_kind group, int dim, int in
     t->shard = (moe_shard){group, dim, index, count};
     t->grad_group = moe_group_in_expert_grid(group) ? MOE_GROUP_EDP : MOE_GROUP_DP_CP;
     pt->total += t->numel;
+}
+
+void moe_params_partial(moe_param_table *pt, moe_group_kind group) {
+    MOE_ASSERT(pt->n > 0 && (group == MOE_GROUP_TP || group == MOE_GROUP_NONE));
+    pt->t[pt->n - 1].partial_group = group;
 }
 
 size_t moe_tensor_global_index(const moe_tensor *t, size_t j) {

@@ -67,6 +67,12 @@ typedef struct moe_tensor {
     moe_group_kind grad_group; /**< the ranks holding the same shard (replicas): its gradient
                                     is summed over them. ::MOE_GROUP_DP_CP for the dense
                                     grid, ::MOE_GROUP_EDP for the expert grid */
+    moe_group_kind partial_group; /**< ::MOE_GROUP_TP for a tensor every tensor-parallel
+                                       rank holds whole but whose gradient each rank computes
+                                       from part of the work only (norm weights and the
+                                       embedding under sequence parallelism, the QK-norm with
+                                       TP): summed over that group first; else
+                                       ::MOE_GROUP_NONE */
     size_t offset;       /**< first element in the flat buffer */
     size_t numel;        /**< element count of this shard */
     moe_init init;       /**< how to initialise */
@@ -114,6 +120,13 @@ size_t moe_params_add(moe_param_table *pt, const char *name, int ndim, int s0, i
  * @param count shards (1: the whole tensor, only the group is recorded)
  */
 void moe_params_shard(moe_param_table *pt, moe_group_kind group, int dim, int index, int count);
+
+/**
+ * @brief Mark the tensor added last as one whose gradient is a partial sum over @p group on
+ *        each rank (moe_tensor::partial_group); ::MOE_GROUP_NONE leaves it whole.
+ * @param pt table (its last tensor is marked)  @param group ::MOE_GROUP_TP or ::MOE_GROUP_NONE
+ */
+void moe_params_partial(moe_param_table *pt, moe_group_kind group);
 
 /**
  * @brief Index in the whole (unsharded) tensor of element @p j of this rank's shard: the

@@ -17,22 +17,35 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, moe_erro
     return moe_trainer_create_dist(out, cfg, NULL, err);
 }
 
-/* The process groups of a run, from the parallel grid (parallel.h). moe-train has no
- * TP, CP or PP yet (chapter 04), so the attention/dense grid is all DP and the expert grid
- * EP x EDP: EP groups are consecutive ranks, EDP groups stride by EP. */
+/* The process groups of a run, from the parallel grid (parallel.h): the attention/dense
+ * grid TP x DP (CP and PP are 1: chapter 07, not planned) and the expert grid EP x EDP.
+ * The ranks of a TP group run the same micro-batches; the DP groups split them. */
 static moe_status make_groups(moe_trainer *t, moe_error *err) {
     const moe_config *c = &t->cfg;
     const int W = t->world_size, EP = c->expert_model_parallel_size;
     const int A = c->global_batch_size / c->micro_batch_size;
-    const moe_grid grid = {.world = W, .tp = 1, .cp = 1, .ep = EP, .etp = 1, .pp = 1};
+    const moe_grid grid = {.world = W,
+                           .tp = c->tensor_model_parallel_size,
+                           .cp = c->context_parallel_size,
+                           .ep = EP,
+                           .etp = c->expert_tensor_parallel_size,
+                           .pp = c->pipeline_model_parallel_size};
     MOE_TRY(moe_parallel_create(&t->par, t->world, &grid, err));
-    if (A % W != 0)
+    const int DP = t->par.grid.dp;
+    if (A % DP != 0)
         return moe_error_set(err, MOE_ERR_CONFIG,
                              "--global-batch-size %d is %d micro-batches of %d, which do not split "
-                             "evenly over %d ranks (use a global batch that is a multiple of "
-                             "micro-batch-size x ranks = %d)",
-                             c->global_batch_size, A, c->micro_batch_size, W,
-                             c->micro_batch_size * W);
+                             "evenly over %d data-parallel ranks (use a global batch that is a "
+                             "multiple of micro-batch-size x data-parallel ranks = %d)",
+                             c->global_batch_size, A, c->micro_batch_size, DP,
+                             c->micro_batch_size * DP);
+    moe_group g;
+    moe_grid_group(&t->par.grid, MOE_GROUP_DP, t->rank, &g, NULL);
+    t->dp_size = g.size;
+    t->dp_rank = g.rank;
+    moe_grid_group(&t->par.grid, MOE_GROUP_TP, t->rank, &g, NULL);
+    t->tp = (moe_tp){moe_parallel_group(&t->par, MOE_GROUP_TP), g.size, g.rank,
+                     c->sequence_parallel};
     moe_group ep;
     moe_grid_group(&t->par.grid, MOE_GROUP_EP, t->rank, &ep, NULL);
     t->ep.size = ep.size;
@@ -54,6 +67,8 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
     t->world = world;
     t->rank = world ? moe_comm_rank(world) : 0;
     t->world_size = world ? moe_comm_size(world) : 1;
+    t->dp_size = t->world_size;
+    t->tp = moe_tp_none();
     moe_config *c = &t->cfg;
     moe_tokenizer_type tt;
     moe_status s = moe_tokenizer_parse_type(c->tokenizer_type, &tt, err);
@@ -80,6 +95,12 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
                           "-np %d (a build with MPI)",
                           c->expert_model_parallel_size, c->expert_model_parallel_size,
                           c->expert_model_parallel_size);
+    if (s == MOE_OK && !world && c->tensor_model_parallel_size > 1)
+        s = moe_error_set(err, MOE_ERR_CONFIG,
+                          "--tensor-model-parallel-size %d needs %d ranks: run under mpirun "
+                          "-np %d (a build with MPI)",
+                          c->tensor_model_parallel_size, c->tensor_model_parallel_size,
+                          c->tensor_model_parallel_size);
     if (s == MOE_OK && world && moe_comm_device(world) != be->device)
         s = moe_error_set(err, MOE_ERR_BACKEND,
                           "--device %s does not match the communication transport (%s ranks)",
@@ -88,8 +109,8 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
     if (s == MOE_OK && world)
         s = make_groups(t, err);
     if (s == MOE_OK)
-        s = moe_model_create(&t->model, c, be, c->micro_batch_size, t->ep.comm ? &t->ep : NULL,
-                             err);
+        s = moe_model_create_parallel(&t->model, c, be, c->micro_batch_size,
+                                      t->ep.comm ? &t->ep : NULL, &t->tp, err);
     if (s == MOE_OK)
         s = moe_adamw_init(&t->opt, be, moe_model_num_params(t->model), err);
     if (s == MOE_OK) {
@@ -144,15 +165,25 @@ static int next_run(const moe_param_table *pt, run_key key, int *i, size_t *star
 }
 
 static moe_group_kind replicas(const moe_tensor *t) { return t->grad_group; }
+static moe_group_kind partial(const moe_tensor *t) { return t->partial_group; }
 static moe_group_kind shard_group(const moe_tensor *t) { return t->shard.group; }
 
 /* After every rank has accumulated its micro-batches, sum each gradient over the ranks that
- * hold the same tensor (its replicas): dense tensors over DP x CP, expert shards over EDP. */
+ * hold the same tensor (its replicas): dense tensors over DP x CP, expert shards over EDP.
+ * First, the tensors whose gradient a rank computed from part of the work of its TP group
+ * (tensor_parallel.h: norms under sequence parallelism, the QK-norm) are summed over TP,
+ * so that every replica holds its group's whole gradient. */
 static void sync_gradients(moe_trainer *t) {
     moe_model *m = t->model;
     size_t start, end;
     moe_group_kind k;
     int i = 0;
+    while (next_run(&m->table, partial, &i, &start, &end, &k)) {
+        moe_comm *g = k == MOE_GROUP_NONE ? NULL : moe_parallel_group(&t->par, k);
+        if (g)
+            moe_comm_all_reduce_sum(g, m->grads + start, end - start, moe_dtype_real());
+    }
+    i = 0;
     while (next_run(&m->table, replicas, &i, &start, &end, &k)) {
         moe_comm *g = moe_parallel_group(&t->par, k);
         if (g)
@@ -222,7 +253,7 @@ void moe_trainer_gradients(moe_trainer *t, moe_step_stats *st) {
     const moe_config *c = &t->cfg;
     moe_model *m = t->model;
     const int accum = c->global_batch_size / c->micro_batch_size; /* over all ranks */
-    const int local = accum / t->world_size;                         /* on this rank */
+    const int local = accum / t->dp_size; /* on this rank (and the rest of its TP group) */
     const int B = c->micro_batch_size, T = c->seq_length;
     moe_timer timer;
     moe_timer_start(&timer);
@@ -232,8 +263,8 @@ void moe_trainer_gradients(moe_trainer *t, moe_step_stats *st) {
     moe_model_zero_grad(m);
     moe_model_reset_load_counts(m);
     for (int i = 0; i < local; i++) {
-        /* rank r runs micro-batches [r·local, (r+1)·local) of the step */
-        uint64_t batch_index = (uint64_t)t->step * accum + (uint64_t)t->rank * local + i;
+        /* data-parallel rank r runs micro-batches [r·local, (r+1)·local) of the step */
+        uint64_t batch_index = (uint64_t)t->step * accum + (uint64_t)t->dp_rank * local + i;
         moe_dataset_batch(&t->data, MOE_SPLIT_TRAIN, B, T, (uint64_t)c->seed, batch_index,
                           t->inputs, t->targets);
         st->loss += moe_model_forward(m, t->inputs, t->targets, B, T) / accum;
@@ -244,17 +275,20 @@ void moe_trainer_gradients(moe_trainer *t, moe_step_stats *st) {
         moe_model_backward(m, 1.0 / accum);
     }
     st->local_loss = st->loss;
-    if (t->world) {
+    /* every rank of a TP group has the same losses and counts: sum over the DP ranks */
+    moe_comm *dp = t->world ? moe_parallel_group(&t->par, MOE_GROUP_DP_CP) : NULL;
+    if (t->world)
         sync_gradients(t);
+    if (dp) {
         double sums[4] = {st->loss, st->ce, st->aux, st->z};
-        moe_comm_host_all_reduce_sum(t->world, sums, 4, MOE_DTYPE_F64);
+        moe_comm_host_all_reduce_sum(dp, sums, 4, MOE_DTYPE_F64);
         st->loss = sums[0];
         st->ce = sums[1];
         st->aux = sums[2];
         st->z = sums[3];
-        moe_comm_host_all_reduce_sum(t->world, &st->dropped, 1, MOE_DTYPE_I64);
+        moe_comm_host_all_reduce_sum(dp, &st->dropped, 1, MOE_DTYPE_I64);
         if (m->load_counts) /* the expert-bias rule and the statistics see the global batch */
-            moe_comm_host_all_reduce_sum(t->world, m->load_counts,
+            moe_comm_host_all_reduce_sum(dp, m->load_counts,
                                          (size_t)c->num_layers * c->num_experts, MOE_DTYPE_I64);
     }
     st->tokens = (double)accum * B * T;
@@ -326,17 +360,34 @@ void moe_trainer_sample(moe_trainer *t, int n, double temperature, uint64_t seed
     const moe_tokenizer *tok = &t->data.tok;
     const int T = c->seq_length, V = c->vocab_size;
     int *ctx = malloc(sizeof(int) * (size_t)(n + 1));
+    int *window = malloc(sizeof(int) * (size_t)T);
     moe_real *logits = malloc(sizeof(moe_real) * (size_t)V);
     double *p = malloc(sizeof(double) * (size_t)V);
-    MOE_ASSERT(ctx && logits && p);
+    MOE_ASSERT(ctx && window && logits && p);
+    /* Under sequence parallelism a forward needs a multiple of TP tokens (T is one): the
+     * window is padded at its end, which the causal mask keeps from changing the rows
+     * before it, and the last real row's logits come from the rank holding that row. */
+    const moe_tp *tp = &t->model->tp;
+    const int sp = tp->size > 1 && tp->sp;
     int len = 0;
     int nl = tok->byte_to_id['\n'];
     ctx[len++] = nl >= 0 ? nl : 0;
     for (int i = 0; i < n; i++) {
         int start = len > T ? len - T : 0, w = len - start;
-        moe_model_forward(t->model, ctx + start, NULL, 1, w);
+        const int tw = sp ? (w + tp->size - 1) / tp->size * tp->size : w;
+        memcpy(window, ctx + start, sizeof(int) * (size_t)w);
+        for (int j = w; j < tw; j++)
+            window[j] = 0;
+        moe_model_forward(t->model, window, NULL, 1, tw);
         const moe_backend *be = t->model->be;
-        be->read_act(logits, MOE_ACT(be, t->model->logits, (size_t)(w - 1) * V), (size_t)V);
+        const int rows = moe_tp_local_rows(tp, tw), owner = sp ? (w - 1) / rows : tp->rank;
+        if (owner == tp->rank)
+            be->read_act(logits, MOE_ACT(be, t->model->logits, (size_t)(w - 1 - owner * (sp ? rows : 0)) * V),
+                         (size_t)V);
+        else
+            memset(logits, 0, sizeof(moe_real) * (size_t)V);
+        if (sp)
+            moe_comm_host_all_reduce_sum(tp->comm, logits, (size_t)V, moe_dtype_real());
         double mx = logits[0];
         for (int v = 1; v < V; v++)
             mx = logits[v] > mx ? logits[v] : mx;
@@ -358,6 +409,7 @@ void moe_trainer_sample(moe_trainer *t, int n, double temperature, uint64_t seed
     moe_tokenizer_decode(tok, ctx + 1, (size_t)n, bytes);
     out[n] = '\0';
     free(ctx);
+    free(window);
     free(logits);
     free(p);
 }

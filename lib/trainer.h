@@ -29,6 +29,9 @@ typedef struct moe_trainer {
     moe_comm *world;       /**< all ranks (NULL: a single process) */
     moe_parallel par;      /**< the process groups of the parallel grid (parallel.h) */
     moe_ep ep;             /**< the dispatcher's context */
+    moe_tp tp;             /**< this rank's tensor-parallel group (size 1 without TP) */
+    int dp_size;           /**< data-parallel ranks: each runs its own micro-batches */
+    int dp_rank;           /**< this rank's place among them */
     int rank;              /**< this rank in the world */
     int world_size;        /**< ranks in the world */
 } moe_trainer;

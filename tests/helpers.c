@@ -244,3 +244,68 @@ double moe_test_step(moe_trainer *t) {
     ck_assert_int_eq(moe_trainer_step(t, &st, NULL), MOE_OK);
     return st.loss;
 }
+
+static double rel_l2(const moe_real *a, const moe_real *b, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        den += (double)b[i] * b[i];
+    }
+    return isfinite(num) ? sqrt(num / (den > 0 ? den : 1e-30)) : INFINITY;
+}
+
+/* The part of the reference's whole tensor @p tr (in @p buf: its params or grads) that the
+ * distributed tensor @p td holds: element j is element moe_tensor_global_index(td, j).
+ * @p full is scratch of tr->numel elements, @p out receives td->numel. */
+static void reference_shard(const moe_model *mr, const moe_real *buf, const moe_tensor *tr,
+                            const moe_tensor *td, moe_real *full, moe_real *out) {
+    mr->be->to_host(full, buf + tr->offset, sizeof(moe_real) * tr->numel);
+    for (size_t j = 0; j < td->numel; j++)
+        out[j] = full[moe_tensor_global_index(td, j)];
+}
+
+long long moe_test_compare_shards(const moe_model *md, const moe_model *mr, double tol,
+                                  double *worst, const char **worst_name) {
+    long long bad = 0;
+    *worst = 0;
+    *worst_name = "";
+    for (int i = 0; i < md->table.n; i++) {
+        const moe_tensor *td = &md->table.t[i];
+        const moe_tensor *tr = moe_params_find(&mr->table, td->name);
+        ck_assert_ptr_nonnull(tr);
+        moe_real *gd = malloc(sizeof(moe_real) * td->numel);
+        moe_real *gr = malloc(sizeof(moe_real) * td->numel);
+        moe_real *full = malloc(sizeof(moe_real) * tr->numel);
+        ck_assert(gd && gr && full);
+        md->be->to_host(gd, md->grads + td->offset, sizeof(moe_real) * td->numel);
+        reference_shard(mr, mr->grads, tr, td, full, gr);
+        double e = rel_l2(gd, gr, td->numel);
+        if (!(e <= tol)) {
+            bad++;
+            if (!(e <= *worst)) {
+                *worst = e;
+                *worst_name = td->name;
+            }
+        }
+        /* and the weights are the same slice */
+        md->be->to_host(gd, md->params + td->offset, sizeof(moe_real) * td->numel);
+        reference_shard(mr, mr->params, tr, td, full, gr);
+        bad += memcmp(gd, gr, sizeof(moe_real) * td->numel) != 0;
+        free(gd);
+        free(gr);
+        free(full);
+    }
+    return bad;
+}
+
+moe_trainer *moe_test_trainer(const char *flags, moe_comm *world, int gpu) {
+    moe_config c;
+    moe_error err;
+    char buf[1200];
+    snprintf(buf, sizeof buf, "%s --device %s", flags, gpu ? "cuda" : "cpu");
+    setenv("MOE_NO_DOWNLOAD", "1", 1);
+    ck_assert_msg(moe_test_config(&c, buf, &err) == MOE_OK, "%s", err.msg);
+    moe_trainer *t = NULL;
+    ck_assert_msg(moe_trainer_create_dist(&t, &c, world, &err) == MOE_OK, "%s", err.msg);
+    return t;
+}

@@ -58,6 +58,20 @@ double moe_test_step(struct moe_trainer *t);
 
 int moe_test_resume_after_signal(const char *flags, int steps, int sig, char *why, size_t cap);
 
+struct moe_comm;
+/** A trainer from @p flags (plus `--device cuda` when @p gpu, else cpu) over @p world (NULL:
+ *  one process), with no data download; any failure fails the test. */
+struct moe_trainer *moe_test_trainer(const char *flags, struct moe_comm *world, int gpu);
+
+struct moe_model;
+/** A distributed model against the single-process reference, tensor by tensor (by name):
+ *  each tensor's gradient is this rank's shard of the reference's (element j against
+ *  element moe_tensor_global_index(j) of the whole tensor) within a relative L2 error of
+ *  @p tol, and its weights are that slice exactly. @return the number of tensors that
+ *  differ; @p worst and @p worst_name receive the largest gradient error and its tensor */
+long long moe_test_compare_shards(const struct moe_model *dist, const struct moe_model *ref,
+                                  double tol, double *worst, const char **worst_name);
+
 /** Add to @p s a test case @p name of the @p n tests @p tests, each with @p timeout seconds.
  *  @return the test case */
 TCase *moe_test_tcase(Suite *s, const char *name, double timeout, const TTest *const *tests,

@@ -30,15 +30,7 @@
 static int on_gpu(void) { return moe_comm_device(moe_test_world()) == MOE_DEVICE_CUDA; }
 
 static moe_trainer *make(const char *flags, moe_comm *world) {
-    moe_config c;
-    moe_error err;
-    char buf[1200];
-    snprintf(buf, sizeof buf, "%s --device %s", flags, on_gpu() ? "cuda" : "cpu");
-    setenv("MOE_NO_DOWNLOAD", "1", 1);
-    ck_assert_msg(moe_test_config(&c, buf, &err) == MOE_OK, "%s", err.msg);
-    moe_trainer *t = NULL;
-    ck_assert_msg(moe_trainer_create_dist(&t, &c, world, &err) == MOE_OK, "%s", err.msg);
-    return t;
+    return moe_test_trainer(flags, world, on_gpu());
 }
 
 /* Route every token to experts 0 and 1 (sigmoid router, a large expert bias). */
@@ -52,34 +44,7 @@ static void force_two_experts(moe_trainer *t) {
     m->be->from_host(m->expert_bias, m->expert_bias_host, sizeof(float) * m->cfg.num_layers * E);
 }
 
-/* A verdict every rank agrees on: count this rank's failures, sum over the world, then
- * assert. A check that failed on one rank only would otherwise let that rank stop while
- * the others wait in the next collective. */
-#define AGREE(bad, ...)                                                                     \
-    do {                                                                                    \
-        long long all_ = (bad);                                                             \
-        moe_comm_host_all_reduce_sum(moe_test_world(), &all_, 1, MOE_DTYPE_I64);            \
-        ck_assert_msg(all_ == 0, __VA_ARGS__);                                              \
-    } while (0)
-
-static double rel_l2(const moe_real *a, const moe_real *b, size_t n) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
-        den += (double)b[i] * b[i];
-    }
-    return isfinite(num) ? sqrt(num / (den > 0 ? den : 1e-30)) : INFINITY;
-}
-
-/* The part of the reference's whole tensor @p tr (in @p buf: its params or grads) that the
- * distributed tensor @p td holds: element j is element moe_tensor_global_index(td, j).
- * @p full is scratch of tr->numel elements, @p out receives td->numel. */
-static void reference_shard(const moe_model *mr, const moe_real *buf, const moe_tensor *tr,
-                            const moe_tensor *td, moe_real *full, moe_real *out) {
-    mr->be->to_host(full, buf + tr->offset, sizeof(moe_real) * tr->numel);
-    for (size_t j = 0; j < td->numel; j++)
-        out[j] = full[moe_tensor_global_index(td, j)];
-}
+#define AGREE MOE_TEST_AGREE
 
 /* One step's loss and gradients, distributed vs the single-process reference. */
 static void check_ep(const char *extra, int ep, int force) {
@@ -108,35 +73,10 @@ static void check_ep(const char *extra, int ep, int force) {
           sr.dropped);
     if (strstr(extra, "capacity"))
         ck_assert_msg(sr.dropped > 0, "the capacity test should drop something");
-    long long bad = 0;
-    double worst = 0;
-    const char *worst_name = "";
-    /* every tensor, by name; an expert tensor is this rank's shard of the reference's */
-    const moe_model *md = dist->model, *mr = ref->model;
-    for (int i = 0; i < md->table.n; i++) {
-        const moe_tensor *td = &md->table.t[i];
-        const moe_tensor *tr = moe_params_find(&mr->table, td->name);
-        ck_assert_ptr_nonnull(tr);
-        moe_real *gd = malloc(sizeof(moe_real) * td->numel), *gr = malloc(sizeof(moe_real) * td->numel);
-        moe_real *full = malloc(sizeof(moe_real) * tr->numel);
-        md->be->to_host(gd, md->grads + td->offset, sizeof(moe_real) * td->numel);
-        reference_shard(mr, mr->grads, tr, td, full, gr);
-        double e = rel_l2(gd, gr, td->numel);
-        if (!(e <= tol_grad)) {
-            bad++;
-            if (!(e <= worst)) {
-                worst = e;
-                worst_name = td->name;
-            }
-        }
-        /* and the initial weights are the same slice */
-        md->be->to_host(gd, md->params + td->offset, sizeof(moe_real) * td->numel);
-        reference_shard(mr, mr->params, tr, td, full, gr);
-        bad += memcmp(gd, gr, sizeof(moe_real) * td->numel) != 0;
-        free(gd);
-        free(gr);
-        free(full);
-    }
+    double worst;
+    const char *worst_name;
+    const long long bad = moe_test_compare_shards(dist->model, ref->model, tol_grad, &worst,
+                                                  &worst_name);
     AGREE(bad, "EP %d (%s): %lld tensors differ (rank %d: worst %s, rel %.2e)", ep, extra, bad,
           rank, worst_name, worst);
     if (rank == 0)

@@ -69,6 +69,7 @@ int main(int argc, char **argv) {
     SRunner *sr = srunner_create(suite_mpi_comm());
     srunner_add_suite(sr, suite_mpi_grid());
     srunner_add_suite(sr, suite_mpi_ep());
+    srunner_add_suite(sr, suite_mpi_tp());
     srunner_add_suite(sr, suite_mpi_checkpoint());
     srunner_set_fork_status(sr, CK_NOFORK);
     srunner_run_all(sr, rank == 0 ? CK_VERBOSE : CK_SILENT);

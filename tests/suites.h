@@ -48,8 +48,20 @@ Suite *suite_mpi_ep(void);        /* tests/mpi_ep.c: EP = any divisor of the ran
                                      single-process loss and gradients */
 Suite *suite_mpi_checkpoint(void); /* tests/mpi_checkpoint.c: exact resume at EP = ranks, a
                                       checkpoint loaded into another folding, a missing file */
+Suite *suite_mpi_tp(void);        /* tests/mpi_tp.c: TP and TP+SP give the single-process loss,
+                                     gradients and weights; the f/g operators (chapter 04) */
 struct moe_comm;
 /** The world the MPI runner (tests/mpi_main.c) started. */
 struct moe_comm *moe_test_world(void);
+
+/** A verdict every rank agrees on: count this rank's failures, sum over the world, then
+ *  assert. A check that failed on one rank only would otherwise let that rank stop while
+ *  the others wait in the next collective. */
+#define MOE_TEST_AGREE(bad, ...)                                                            \
+    do {                                                                                    \
+        long long all_ = (bad);                                                             \
+        moe_comm_host_all_reduce_sum(moe_test_world(), &all_, 1, MOE_DTYPE_I64);            \
+        ck_assert_msg(all_ == 0, __VA_ARGS__);                                              \
+    } while (0)
 
 #endif

@@ -672,6 +672,44 @@ START_TEST(test_every_default_round_trips) {
 }
 END_TEST
 
+/* ------------------------------------------------- parallel folding (chapter 04) */
+
+/* Every inconsistent combination of the parallel sizes that does not depend on the number
+ * of ranks is a named error (moe_grid_resolve() and its tests in test_parallel.c cover the
+ * products that must divide the world). */
+START_TEST(test_val_folding) {
+    moe_config c;
+#define DENSE "--num-experts", "0"
+    EXPECT_OK(&c, DENSE, "--tensor-model-parallel-size", "2", "--sequence-parallel");
+    ck_assert_int_eq(c.tensor_model_parallel_size, 2);
+    ck_assert_int_eq(c.sequence_parallel, 1);
+    EXPECT_CONFIG_ERROR("--tensor-model-parallel-size", ">= 1", DENSE,
+                        "--tensor-model-parallel-size", "0");
+    EXPECT_CONFIG_ERROR("--sequence-parallel", "--tensor-model-parallel-size > 1",
+                        "--sequence-parallel");
+    EXPECT_CONFIG_ERROR("--num-attention-heads 4", "--tensor-model-parallel-size 8", DENSE,
+                        "--tensor-model-parallel-size", "8", "--hidden-size", "256");
+    EXPECT_CONFIG_ERROR("--num-query-groups 2", "does not replicate key/value heads", DENSE,
+                        "--tensor-model-parallel-size", "4");
+    EXPECT_CONFIG_ERROR("--ffn-hidden-size 30", "fc1", DENSE, "--ffn-hidden-size", "30",
+                        "--tensor-model-parallel-size", "4", "--num-query-groups", "4");
+    EXPECT_CONFIG_ERROR("--seq-length 10", "--sequence-parallel", DENSE, "--seq-length", "10",
+                        "--tensor-model-parallel-size", "4", "--num-query-groups", "4",
+                        "--sequence-parallel");
+    EXPECT_CONFIG_ERROR("--context-parallel-size 2", "chapter 07", "--context-parallel-size",
+                        "2");
+    EXPECT_CONFIG_ERROR("--pipeline-model-parallel-size 2", "not planned",
+                        "--pipeline-model-parallel-size", "2");
+    EXPECT_CONFIG_ERROR("--expert-tensor-parallel-size 2", "not implemented yet",
+                        "--expert-tensor-parallel-size", "2");
+    EXPECT_CONFIG_ERROR("--tensor-model-parallel-size 2 with MoE layers", "not implemented yet",
+                        "--tensor-model-parallel-size", "2", "--sequence-parallel");
+    EXPECT_CONFIG_ERROR("--num-experts 8", "--expert-model-parallel-size 3",
+                        "--expert-model-parallel-size", "3");
+#undef DENSE
+}
+END_TEST
+
 Suite *suite_config(void) {
     Suite *s = suite_create("config");
 
@@ -713,6 +751,11 @@ Suite *suite_config(void) {
     tcase_add_test(val, test_val_layer_freq_mask);
     tcase_add_test(val, test_val_dense_model);
     suite_add_tcase(s, val);
+
+    TCase *fold = tcase_create("folding");
+    tcase_set_tags(fold, "ch04");
+    tcase_add_test(fold, test_val_folding);
+    suite_add_tcase(s, fold);
 
     TCase *be = tcase_create("backend");
     tcase_add_test(be, test_backend_select);

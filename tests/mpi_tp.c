@@ -1,0 +1,205 @@
+/*
+ * Tensor parallelism is invisible to the math (chapter 04). Under mpirun with W ranks:
+ *
+ *  - the operators of tensor_parallel.h on the world as one TP group, against their
+ *    serial math: f's backward and g's forward are sums of every rank's buffer, the SP
+ *    gather concatenates the row shards, its backward (reduce-scatter) sums each rank's
+ *    block, and the SP scatter pair is the mirror image;
+ *  - a dense model with --tensor-model-parallel-size TP (every TP dividing W; the rest of
+ *    the ranks data-parallel), with and without --sequence-parallel, with GQA and with
+ *    QK-norm, computes the loss and gradients of ONE process running every micro-batch:
+ *    each rank's gradient shard against that slice of the single-process gradient, its
+ *    initial weights exactly that slice; then the same losses over several AdamW steps.
+ *
+ * Bounds, fp32 on CPU ranks: the same sums in another order (partial GEMM outputs added by
+ * the all-reduce), so operators 1e-6, loss |Δ| ≤ 1e-5·|loss| and every gradient tensor
+ * ‖Δ‖/‖ref‖ ≤ 1e-5 on the first step; later steps' losses 1e-4 (AdamW divides by √v, which
+ * amplifies rounding in near-zero gradients). On GPU ranks (bf16 activations): 1e-3 / 2e-2.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm.h"
+#include "helpers.h"
+#include "suites.h"
+#include "tensor_parallel.h"
+#include "trainer.h"
+
+const moe_backend *moe_test_mpi_backend(void);
+
+#define TP_SMALL "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 " \
+                 "--micro-batch-size 2 --num-experts 0 --ffn-hidden-size 32 "
+
+static int on_gpu(void) { return moe_comm_device(moe_test_world()) == MOE_DEVICE_CUDA; }
+
+/* ------------------------------------------------------------ the operators */
+
+/* rank q's buffer of n values (every rank can compute every rank's) */
+static void data_of(int q, moe_real *x, size_t n) { moe_test_randn(x, n, 0x7E00u + q, 1.0); }
+
+/* n values from the host into a fresh transport buffer of the backend */
+static void *upload(const moe_real *h, size_t n) {
+    const moe_backend *be = moe_test_mpi_backend();
+    void *d = be->alloc(be->act_size * n);
+    be->write_act(d, h, n);
+    return d;
+}
+
+static void download(moe_real *h, const void *d, size_t n) {
+    moe_test_mpi_backend()->read_act(h, d, n);
+    moe_comm_wait(moe_test_world());
+}
+
+START_TEST(test_tp_operators) {
+    moe_comm *world = moe_test_world();
+    const moe_backend *be = moe_test_mpi_backend();
+    const int W = moe_comm_size(world), rank = moe_comm_rank(world);
+    const int rows = 3, C = 5, N = rows * W;
+    const size_t n = (size_t)N * C, ns = (size_t)rows * C;
+    const double tol = on_gpu() ? 2e-2 : 1e-6;
+    moe_tp tp = {W > 1 ? world : NULL, W, rank, 1};
+    moe_real *mine = malloc(sizeof(moe_real) * n), *other = malloc(sizeof(moe_real) * n);
+    moe_real *want = calloc(n, sizeof(moe_real)), *got = malloc(sizeof(moe_real) * n);
+    ck_assert(mine && other && want && got);
+    data_of(rank, mine, n);
+    for (int q = 0; q < W; q++) { /* Σ over ranks, the serial math of every sum below */
+        data_of(q, other, n);
+        for (size_t i = 0; i < n; i++)
+            want[i] += other[i];
+    }
+    long long bad = 0;
+    /* f backward and g forward: all-reduce; their other halves are the identity */
+    void *d = upload(mine, n);
+    ck_assert_ptr_eq(moe_tp_f_forward(&tp, d), d);
+    ck_assert_ptr_eq(moe_tp_g_backward(&tp, d), d);
+    moe_tp_f_backward(be, &tp, d, n);
+    moe_test_poison(got, n);
+    download(got, d, n);
+    bad += moe_test_max_rel_err(got, want, n, 1.0) > tol;
+    be->free(d);
+    d = upload(mine, n);
+    moe_tp_g_forward(be, &tp, d, n);
+    download(got, d, n);
+    bad += moe_test_max_rel_err(got, want, n, 1.0) > tol;
+    be->free(d);
+    /* SP: the reduce-scatters give this rank's block of the sum */
+    void *full = upload(mine, n), *shard = upload(mine, ns);
+    if (W > 1) {
+        moe_tp_sp_gather_backward(be, &tp, shard, full, rows, C);
+        moe_test_poison(got, ns);
+        download(got, shard, ns);
+        bad += moe_test_max_rel_err(got, want + (size_t)rank * ns, ns, 1.0) > tol;
+        moe_tp_sp_scatter_forward(be, &tp, shard, full, rows, C);
+        download(got, shard, ns);
+        bad += moe_test_max_rel_err(got, want + (size_t)rank * ns, ns, 1.0) > tol;
+        /* ... and the all-gathers the concatenation of every rank's first rows */
+        for (int q = 0; q < W; q++) {
+            data_of(q, other, n);
+            memcpy(want + (size_t)q * ns, other, sizeof(moe_real) * ns);
+        }
+        moe_real *z = calloc(n, sizeof(moe_real));
+        be->write_act(full, z, n);
+        be->write_act(shard, mine, ns);
+        moe_tp_sp_gather_forward(be, &tp, full, shard, rows, C);
+        moe_test_poison(got, n);
+        download(got, full, n);
+        bad += moe_test_max_rel_err(got, want, n, 1.0) > tol;
+        be->write_act(full, z, n);
+        moe_tp_sp_scatter_backward(be, &tp, full, shard, rows, C);
+        download(got, full, n);
+        bad += moe_test_max_rel_err(got, want, n, 1.0) > tol;
+        free(z);
+    }
+    be->free(full);
+    be->free(shard);
+    MOE_TEST_AGREE(bad, "%lld tensor-parallel operators differ from their serial math (rank %d)",
+                   bad, rank);
+    free(mine);
+    free(other);
+    free(want);
+    free(got);
+}
+END_TEST
+
+/* ------------------------------------------------------ the model, folded */
+
+static moe_trainer *make(const char *flags, moe_comm *world) {
+    return moe_test_trainer(flags, world, on_gpu());
+}
+
+/* TP ranks (the rest data-parallel) against one process, for the first step's loss and
+ * gradients and for the losses of `steps` AdamW steps. */
+static void check_tp(int tp, int sp, const char *extra, int steps) {
+    moe_comm *world = moe_test_world();
+    const int W = moe_comm_size(world), rank = moe_comm_rank(world);
+    if (tp > W || W % tp != 0)
+        return;
+    const int dp = W / tp;
+    char flags[1024];
+    snprintf(flags, sizeof flags,
+             TP_SMALL "--global-batch-size %d --tensor-model-parallel-size %d --lr 1e-2 %s %s",
+             2 * 2 * dp, tp, sp ? "--sequence-parallel" : "", extra);
+    moe_trainer *dist = make(flags, world);
+    snprintf(flags, sizeof flags, TP_SMALL "--global-batch-size %d --lr 1e-2 %s", 2 * 2 * dp,
+             extra);
+    moe_trainer *ref = make(flags, NULL);
+    moe_step_stats sd, sr;
+    moe_trainer_gradients(dist, &sd);
+    moe_trainer_gradients(ref, &sr);
+    const double tol_loss = on_gpu() ? 1e-3 : 1e-5, tol_grad = on_gpu() ? 2e-2 : 1e-5;
+    MOE_TEST_AGREE(!(fabs(sd.loss - sr.loss) <= tol_loss * fabs(sr.loss)),
+                   "TP %d SP %d (%s): loss %.8f vs reference %.8f on rank %d", tp, sp, extra, sd.loss,
+                   sr.loss, rank);
+    double worst;
+    const char *worst_name;
+    const long long bad = moe_test_compare_shards(dist->model, ref->model, tol_grad, &worst,
+                                                  &worst_name);
+    MOE_TEST_AGREE(bad, "TP %d SP %d (%s): %lld tensors differ (rank %d: worst %s, rel %.2e)", tp,
+                   sp, extra, bad, rank, worst_name, worst);
+    moe_trainer_update(dist, &sd);
+    moe_trainer_update(ref, &sr);
+    MOE_TEST_AGREE(!(fabs(sd.grad_norm - sr.grad_norm) <= 10 * tol_loss * sr.grad_norm),
+                   "TP %d SP %d (%s): gradient norm %.8f vs %.8f", tp, sp, extra, sd.grad_norm,
+                   sr.grad_norm);
+    const double tol_steps = on_gpu() ? 2e-3 : 1e-4;
+    double last = sd.loss;
+    for (int s = 1; s < steps; s++) {
+        moe_step_stats a, b;
+        moe_trainer_step(dist, &a, NULL);
+        moe_trainer_step(ref, &b, NULL);
+        MOE_TEST_AGREE(!(fabs(a.loss - b.loss) <= tol_steps * fabs(b.loss)),
+                       "TP %d SP %d (%s): step %d loss %.8f vs %.8f", tp, sp, extra, s, a.loss, b.loss);
+        last = a.loss;
+    }
+    if (rank == 0)
+        printf("  TP %d x DP %d%s, %s: loss %.6f = reference %.6f, gradients match; after %d "
+               "steps %.6f\n",
+               tp, dp, sp ? " + SP" : "", extra, sd.loss, sr.loss, steps, last);
+    moe_trainer_free(dist);
+    moe_trainer_free(ref);
+}
+
+START_TEST(test_tp_dense) {
+    for (int tp = 2; tp <= 4; tp *= 2) {
+        check_tp(tp, 0, "--num-query-groups 4", 3);
+        check_tp(tp, 1, "--num-query-groups 4", 3);
+    }
+    /* GQA (two query heads per key/value head) and QK-norm (a replicated weight each TP
+     * rank's heads add to) */
+    check_tp(2, 0, "--num-query-groups 2 --qk-layernorm", 3);
+    check_tp(2, 1, "--num-query-groups 2 --qk-layernorm", 3);
+}
+END_TEST
+
+Suite *suite_mpi_tp(void) {
+    Suite *s = suite_create("mpi_tp");
+    TCase *tc = tcase_create("tensor_parallel");
+    tcase_set_tags(tc, "ch04");
+    tcase_set_timeout(tc, 600);
+    tcase_add_test(tc, test_tp_operators);
+    tcase_add_test(tc, test_tp_dense);
+    suite_add_tcase(s, tc);
+    return s;
+}
