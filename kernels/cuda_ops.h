@@ -57,6 +57,10 @@ void moe_cuda_grouped_sm90_forward(void *out, const void *in, const void *w, con
 void moe_cuda_grouped_sm90_backward(void *din, moe_real *dw, const void *dout, const void *in,
                                     const void *w, const int *dev_off, int G, int rows, int I,
                                     int O, int din_accumulate);
+/* the forward/dgrad tile schedule of the kernel above: 1 (the default) gives a group's last
+ * <= 64 rows a 64 x 256 tile, 0 restores the old 128-row-only tiles; for the tests and
+ * the chapter 03 benchmark, which compare the two (process-wide, not thread-safe) */
+void moe_cuda_grouped_sm90_set_fine_tiles(int on);
 void moe_cuda_embedding_forward(void *out, const int *tokens, const void *table, int N, int C);
 void moe_cuda_embedding_backward(moe_real *dtable, const void *dout, const int *tokens, int N,
                                  int V, int C);
