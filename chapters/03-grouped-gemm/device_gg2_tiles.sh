@@ -13,9 +13,10 @@
 #    whole model. MUST pass;
 # 3. ch03_grouped_gemm_bench --shape fine: forward and dgrad at H=4096, F=1536 (uniform
 #    top-k at T=8192, k=8, E=64/128/256; then exactly r rows per expert at E=128, r = 64,
-#    65, 128, 130, 192, 193, 256, 260, 384, 390), the cuBLAS per-expert loop vs our kernel
-#    (new schedule) vs our kernel (old schedule), each output checked against the loop;
-# 4. the rest of the GPU test binary (every suite), as a regression check.
+#    65, 128, 130, 192, 193, 256, 260), the cuBLAS per-expert loop vs our kernel (new
+#    schedule) vs our kernel (old schedule), each output checked against the loop;
+# 4. if time is left (the whole script stays under 6 minutes), every GPU suite, as a
+#    regression check (the layer and the model use the kernel).
 # Logs: $OUT/gg2_build.txt, gg2_test_grouped.txt, gg2_bench_fine.txt, gg2_test_gpu_all.txt.
 # The summary is printed last.
 set -uo pipefail
@@ -25,6 +26,8 @@ mkdir -p "$out"
 export MOE_GIT_COMMIT=${MOE_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 status=0
 summary=()
+start=$(date +%s)
+left() { echo $((345 - ($(date +%s) - start))); } # seconds left of the 6-minute budget
 
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)," \
     "$(date -u '+%Y-%m-%d %H:%M UTC'), commit $MOE_GIT_COMMIT"
@@ -48,7 +51,7 @@ fi
 
 # 2. the grouped suite (the correctness gate for everything below)
 t0=$(date +%s)
-if CK_RUN_SUITE=gpu-grouped timeout 240 build/tests/gpu >"$out/gg2_test_grouped.txt" 2>&1; then
+if CK_RUN_SUITE=gpu-grouped timeout 150 build/tests/gpu >"$out/gg2_test_grouped.txt" 2>&1; then
     summary+=("gpu-grouped suite: PASSED ($(($(date +%s) - t0)) s)")
 else
     status=1
@@ -58,7 +61,7 @@ grep -E "kernel|cublas|whole model|%:|Checks|FAIL|Error" "$out/gg2_test_grouped.
 
 # 3. the microbenchmark
 t0=$(date +%s)
-if timeout 200 ./bin/ch03_grouped_gemm_bench --shape fine --warmup 3 --repeats 9 \
+if timeout $(( $(left) > 20 ? $(left) - 10 : 10 )) ./bin/ch03_grouped_gemm_bench --shape fine --warmup 3 --repeats 9 \
     >"$out/gg2_bench_fine.txt" 2>&1; then
     summary+=("bench --shape fine: ok, every output matched the loop ($(($(date +%s) - t0)) s)")
 else
@@ -66,16 +69,18 @@ else
     summary+=("bench --shape fine: FAILED or WRONG output (see gg2_bench_fine.txt)")
 fi
 
-# 4. every GPU suite (regression; the layer and model use the kernel)
+# 4. every GPU suite (regression; the layer and model use the kernel), if time is left
 t0=$(date +%s)
-if timeout 150 build/tests/gpu >"$out/gg2_test_gpu_all.txt" 2>&1; then
+if [ "$(left)" -lt 60 ]; then
+    summary+=("all GPU suites: NOT RUN (less than 60 s of the 6-minute budget left)")
+elif timeout $(($(left) - 5)) build/tests/gpu >"$out/gg2_test_gpu_all.txt" 2>&1; then
     summary+=("all GPU suites: PASSED ($(($(date +%s) - t0)) s)")
+    grep -E "^[0-9]+%:" "$out/gg2_test_gpu_all.txt" | tail -3
 else
     rc=$?
-    status=1
-    summary+=("all GPU suites: FAILED or timed out, rc $rc (see gg2_test_gpu_all.txt)")
+    [ $rc = 124 ] && summary+=("all GPU suites: cut off by the time budget (rc 124; not a failure of the kernel by itself, see gg2_test_gpu_all.txt)") \
+        || { status=1; summary+=("all GPU suites: FAILED, rc $rc (see gg2_test_gpu_all.txt)"); }
 fi
-grep -E "^[0-9]+%:" "$out/gg2_test_gpu_all.txt" | tail -3
 
 echo
 echo "== ch03_grouped_gemm_bench --shape fine (gg2_bench_fine.txt)"
