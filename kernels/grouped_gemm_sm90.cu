@@ -30,6 +30,17 @@
  *                each k-step into the next free stage of a STAGES-deep ring, arming the
  *                stage's "full" barrier with the byte count to expect.
  *
+ * Forward and dgrad also have a 64 × 256 tile, for the last <= 64 rows of a group: the two
+ * warpgroups then sit side by side instead of one above the other — both read the same
+ * 64-row A box, warpgroup c multiplies it by B's columns 128c .. 128c + 127 with 4 wgmma
+ * m64n128k16 per k-step (64 accumulators) — so neither idles, and the producer loads one
+ * 64-row A box instead of two (40 KB per stage instead of 48). Why: a group of 130 rows
+ * would otherwise cost two full 128-row tiles, 256 rows of MMA for 130 rows of output
+ * (the tile-quantisation cliff just past every multiple of 128, which hurts where many
+ * experts see a few hundred rows each); now it costs 128 + 64. Rows are computed in
+ * multiples of 64, the smallest M of a wgmma. The main loop is instantiated once per
+ * width (256 or 128 columns per warpgroup) so that no wgmma pipeline spans a branch.
+ *
  * Epilogue: each consumer warpgroup writes its 64 × 256 block from registers into its
  * own 16 KB shared-memory staging buffer, a piece at a time (in the swizzled layout of a
  * TMA box), and one thread hands each piece to TMA: a store for forward (and for dgrad
@@ -47,9 +58,15 @@
  * stay in L2. For forward and dgrad a group has ceil(rows_g / BM) m-tiles; each CTA reads
  * the G + 1 offsets into shared memory and prefix-sums the m-tiles (G is small), which
  * maps a tile index to its group by binary search — the host never learns the sizes (the
- * rule is lib/moe/tile_schedule.h, one definition for this kernel and the C library). For
- * wgrad the tiles are the fixed G × (O/BM) × (I/BN) blocks of dw and the k-loop length is
- * the group's row count.
+ * rule is lib/moe/tile_schedule.h, one definition for this kernel and the C library). The
+ * tile's shape comes from the same offsets: the group's last m-tile is a 64 × 256 tile
+ * when it holds <= 64 rows (moe_cuda_grouped_sm90_set_fine_tiles(0) restores the old
+ * 128-row-only schedule, for tests and the benchmark). The 64-row tile stays in its
+ * group's band, next to the tiles that read the same weight block: ordering tiles
+ * longest-first instead would balance the last wave a little better but read a weight
+ * block again after it has left L2, and a tile costs at most twice another here. For wgrad the tiles
+ * are the fixed G × (O/BM) × (I/BN) blocks of dw and the k-loop length is the group's row
+ * count.
  *
  * The wgrad wall. wgrad's FLOPs per byte of C are only 2·rows_g / 4 (fp32): with a few
  * hundred rows per group it is bound by moving dw, not by the tensor cores, and a
@@ -72,7 +89,8 @@
  *   - rows of a forward/dgrad tile past the group's end are loaded (they belong to the
  *     next group, or lie past the tensor, where TMA fills zeros) and not stored: a
  *     warpgroup whose 64 rows cross the group's end writes directly with a row mask
- *     instead of through TMA (a box cannot skip rows);
+ *     instead of through TMA (a box cannot skip rows); A is loaded in 64-row boxes, and
+ *     a box in which the group has no rows is not loaded at all;
  *   - in wgrad the last k-step of a group reads rows of the next group: the consumers
  *     zero those rows of their A tile in shared memory before the wgmma (a row of an
  *     MN-major swizzled tile is one whole 128-byte line, so this ignores the swizzle);
@@ -80,8 +98,10 @@
  *     gets TMA's zero fill instead of the next expert's weights.
  *
  * Shared-memory layouts (128-byte swizzle, BK = 64 bf16 = 128 bytes):
- *   K-major tile  [rows][64 k]: a TMA box of {64, rows}; 8-row groups of 1024 bytes
- *                 (descriptor SBO = 1024); the k16 steps advance the start by 32 bytes.
+ *   K-major tile  [rows][64 k]: TMA boxes of {64, rows} (A: 64 rows each, stacked, 8 KB
+ *                 apart; B: one box of 256 rows, its rows 128.. 16 KB on); 8-row groups
+ *                 of 1024 bytes (descriptor SBO = 1024); the k16 steps advance the start
+ *                 by 32 bytes.
  *   MN-major tile [64 k][64 mn] boxes of 8 KB, side by side along MN (LBO = 8192, the
  *                 next 64 MN-elements; SBO = 1024, the next 8 k-rows); the k16 steps
  *                 advance the start by 16 rows = 2048 bytes.
@@ -95,6 +115,8 @@
  */
 #include <stdint.h>
 #include <string.h>
+
+#include <type_traits>
 
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
@@ -128,6 +150,8 @@ struct Params {
                        ends inside a warpgroup's rows (everything else leaves through map_c) */
     int accumulate; /* C += instead of C = (dgrad; wgrad: reduce-add, else store) */
     int split;      /* wgrad: chunks each group's rows are cut into (1 = none, 0 = unset) */
+    int fine;       /* forward/dgrad: a group's last <= 64 rows get a 64 × 256 tile (see
+                       Scheduler); 0 = the old schedule of 128-row tiles only */
 };
 
 struct Tile {
@@ -136,6 +160,8 @@ struct Tile {
     int r0, r1;    /* the group's rows [r0, r1) */
     int nk;        /* k-steps */
     int gc;        /* wgrad: the [O, I] block of C it writes (group, or chunk · G + group) */
+    int half;      /* forward/dgrad: a 64 × 256 tile, the two warpgroups side by side
+                      (each 64 rows × 128 columns) instead of one above the other */
 };
 
 /* ---------------------------------------------------------------- PTX helpers
@@ -159,6 +185,19 @@ __device__ __forceinline__ void epilogue_publish(int c) {
     fence_proxy_async();
     wg_barrier(c);
 }
+
+/* One k-step (BK = 64) of one warpgroup: 4 wgmma m64nNWk16 on the A block at a (64 rows)
+ * and the NW columns of B at b. K-major: the k16 steps advance 32 bytes within the
+ * 128-byte swizzled row; MN-major: 16 k-rows = 2048 bytes, the next 64 MN-elements 8 KB on. */
+template <int NW, int TA, int TB>
+__device__ __forceinline__ void mma_kstep(float *d, const uint8_t *a, const uint8_t *b) {
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; kk++) {
+        const uint64_t da = TA ? desc(a + kk * 2048, 8192, 1024) : desc(a + kk * 32, 16, 1024);
+        const uint64_t db = TB ? desc(b + kk * 2048, 8192, 1024) : desc(b + kk * 32, 16, 1024);
+        moe_wgmma<NW, TA, TB>::mma(d, da, db, 1);
+    }
+}
 #endif
 
 /* ---------------------------------------------------------------- the scheduler */
@@ -169,7 +208,7 @@ __device__ __forceinline__ void epilogue_publish(int c) {
 template <int MODE> struct Scheduler {
     static constexpr int BAND = 8; /* m-tiles per raster band (L2 reuse, see tile_schedule.h) */
     const int *off, *mt; /* shared: offsets [G+1], m-tile prefix [G+1] */
-    int G, ntn, mtn, total, K;
+    int G, ntn, mtn, total, K, fine;
     int S; /* wgrad: chunks per group (split-K) */
 
     __device__ bool get(int t, Tile &ti) const {
@@ -189,6 +228,7 @@ template <int MODE> struct Scheduler {
             ti.r1 = off[ti.g + 1];
             ti.nk = max(0, min(ck, nkg - s * ck));
             ti.gc = s * G + ti.g;
+            ti.half = 0;
             return true;
         }
         moe_tile x;
@@ -199,6 +239,10 @@ template <int MODE> struct Scheduler {
         ti.r0 = x.r0;
         ti.r1 = x.r1;
         ti.nk = (K + BK - 1) / BK;
+        /* the tile shape, from the offsets alone: a group's last m-tile that holds at most
+         * 64 of its rows is a 64 × 256 tile (half the MMA work and 40 of the 48 KB per
+         * k-step), so rows are computed in multiples of 64, not of 128 */
+        ti.half = fine && ti.r1 - ti.m0 <= BM / 2;
         return true;
     }
 };
@@ -241,6 +285,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     sch.mt = s_mt;
     sch.G = p.G;
     sch.K = p.K;
+    sch.fine = p.fine;
     sch.ntn = (p.N + BN - 1) / BN;
     sch.mtn = (p.M + BM - 1) / BM;
     sch.S = p.split > 1 ? p.split : 1;
@@ -255,7 +300,10 @@ __global__ void __launch_bounds__(THREADS, 1)
                 for (int kt = 0; kt < ti.nk; kt++, it++) {
                     const int s = it % STAGES, phase = (it / STAGES) & 1;
                     mbar_wait(&empty[s], phase ^ 1);
-                    mbar_expect_tx(&full[s], STAGE_BYTES);
+                    /* forward/dgrad: the second 64-row A box only where the group has rows
+                     * in it (never in a 64-row tile; never a box wholly past the tensor) */
+                    const int a2 = MODE == WGRAD || ti.r1 - ti.m0 > BM / 2;
+                    mbar_expect_tx(&full[s], a2 ? STAGE_BYTES : STAGE_BYTES - A_BYTES / 2);
                     uint8_t *a = smem + s * STAGE_BYTES, *b = a + A_BYTES;
                     const int k0 = kt * BK;
                     if (MODE == WGRAD) { /* both MN-major: 64×64 boxes along M and N */
@@ -265,8 +313,10 @@ __global__ void __launch_bounds__(THREADS, 1)
                         for (int i = 0; i < BN / 64; i++)
                             tma_load_2d(b + i * 8192, &map_b, &full[s], ti.n0 + 64 * i,
                                         ti.r0 + k0);
-                    } else {
+                    } else { /* A: K-major boxes of 64 rows × 64 k, the second one 8 KB on */
                         tma_load_2d(a, &map_a, &full[s], k0, ti.m0);
+                        if (a2)
+                            tma_load_2d(a + A_BYTES / 2, &map_a, &full[s], k0, ti.m0 + BM / 2);
                         if (MODE == FWD)
                             tma_load_3d(b, &map_b, &full[s], k0, ti.n0, ti.g);
                         else
@@ -289,39 +339,47 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int t = blockIdx.x; sch.get(t, ti); t += gridDim.x) {
         if (ti.nk == 0 && (MODE != WGRAD || p.accumulate))
             continue; /* wgrad of an empty group (or chunk) adds nothing; a STORE writes 0 */
+        const int half = MODE != WGRAD && ti.half; /* a 64 × 256 tile (see Scheduler) */
 #pragma unroll
         for (int i = 0; i < BN / 2; i++)
             d[i] = 0.0f;
-        for (int kt = 0; kt < ti.nk; kt++, it++) {
-            const int s = it % STAGES, phase = (it / STAGES) & 1;
-            mbar_wait(&full[s], phase);
-            uint8_t *a = smem + s * STAGE_BYTES + c * 8192, *b = smem + s * STAGE_BYTES + A_BYTES;
-            if (MODE == WGRAD) {
-                const int valid = ti.r1 - (ti.r0 + kt * BK);
-                if (valid < BK) { /* rows of the next group: zero them in our A block */
-                    uint4 *line = (uint4 *)(a + valid * 128);
-                    for (int i = tid; i < (BK - valid) * 8; i += 128)
-                        line[i] = make_uint4(0, 0, 0, 0);
-                    fence_proxy_async();
-                    wg_barrier(c);
+        /* the main loop, one instantiation per warpgroup width (256 or 128 columns), so
+         * that no wgmma pipeline spans a branch (ptxas would serialise the MMAs) */
+        auto mainloop = [&](auto nw) {
+            for (int kt = 0; kt < ti.nk; kt++, it++) {
+                const int s = it % STAGES, phase = (it / STAGES) & 1;
+                mbar_wait(&full[s], phase);
+                /* a 128-row tile: warpgroup c takes A rows 64c.. and all of B; a 64-row tile:
+                 * both take A rows 0-63, and warpgroup c the B columns 128c.. (K-major: B rows
+                 * 128c.., 16 KB on; MN-major: the boxes 2c and 2c + 1, 16 KB on) */
+                uint8_t *a = smem + s * STAGE_BYTES + (half ? 0 : c * (A_BYTES / 2));
+                uint8_t *b = smem + s * STAGE_BYTES + A_BYTES + (half ? c * (B_BYTES / 2) : 0);
+                if (MODE == WGRAD) {
+                    const int valid = ti.r1 - (ti.r0 + kt * BK);
+                    if (valid < BK) { /* rows of the next group: zero them in our A block */
+                        uint4 *line = (uint4 *)(a + valid * 128);
+                        for (int i = tid; i < (BK - valid) * 8; i += 128)
+                            line[i] = make_uint4(0, 0, 0, 0);
+                        fence_proxy_async();
+                        wg_barrier(c);
+                    }
                 }
+                wgmma_fence();
+                mma_kstep<decltype(nw)::value, TA, TB>(d, a, b);
+                wgmma_commit();
+                /* the previous k-step's MMAs are done once at most this one is pending */
+                wgmma_wait<1>();
+                if (kt > 0 && lane == 0)
+                    mbar_arrive(&empty[(it - 1) % STAGES]);
             }
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < BK / 16; kk++) {
-                const uint64_t da = TA ? desc(a + kk * 2048, 8192, 1024) : desc(a + kk * 32, 16, 1024);
-                const uint64_t db = TB ? desc(b + kk * 2048, 8192, 1024) : desc(b + kk * 32, 16, 1024);
-                moe_wgmma<BN, TA, TB>::mma(d, da, db, 1);
-            }
-            wgmma_commit();
-            /* the previous k-step's MMAs are done once at most this one is pending */
-            wgmma_wait<1>();
-            if (kt > 0 && lane == 0)
+            wgmma_wait<0>();
+            if (ti.nk > 0 && lane == 0) /* a stored wgrad chunk may have no k-steps */
                 mbar_arrive(&empty[(it - 1) % STAGES]);
-        }
-        wgmma_wait<0>();
-        if (ti.nk > 0 && lane == 0)
-            mbar_arrive(&empty[(it - 1) % STAGES]);
+        };
+        if (half) /* accumulators d[0..63]: 64 rows × 128 columns */
+            mainloop(std::integral_constant<int, BN / 2>());
+        else
+            mainloop(std::integral_constant<int, BN>());
 #pragma unroll
         for (int i = 0; i < BN / 2; i++)
             reg_fence(d[i]);
@@ -335,7 +393,9 @@ __global__ void __launch_bounds__(THREADS, 1)
          * accumulate happens in L2, no read-modify-write by the SM); a wgrad into a
          * buffer known to hold zeros, a bf16 wgrad and the split-K partials store. */
         const int r_lo = warp * 16 + lane / 4; /* rows r_lo and r_lo + 8 of our 64 */
-        const int m_wg = ti.m0 + c * 64;
+        const int m_wg = ti.m0 + (half ? 0 : c * 64);        /* our block's first row, */
+        const int n_wg = ti.n0 + (half ? c * (BN / 2) : 0);  /* first column */
+        const int ncols = half ? BN / 2 : BN;                /* and width */
         if (MODE == WGRAD || m_wg + 64 <= ti.r1) {
             /* Our 64 × 256 block leaves in PIECES of C_BYTES (bf16: 2 × 128 columns; fp32:
              * 4 × 64), each two TMA boxes of [64 rows][128 bytes]: write a piece, hand it
@@ -348,6 +408,8 @@ __global__ void __launch_bounds__(THREADS, 1)
             constexpr int PIECES = BN / PIECE_COLS;
 #pragma unroll
             for (int q = 0; q < PIECES; q++) {
+                if (q * PIECE_COLS >= ncols)
+                    break;
                 epilogue_reserve(c, tid);
 #pragma unroll
                 for (int jj = 0; jj < PIECE_COLS / 8; jj++) {
@@ -369,7 +431,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 epilogue_publish(c);
                 if (tid == 0) {
                     for (int box = 0; box < PIECE_COLS / BOX_COLS; box++) {
-                        const int n = ti.n0 + q * PIECE_COLS + box * BOX_COLS;
+                        const int n = n_wg + q * PIECE_COLS + box * BOX_COLS;
                         if (n >= p.N)
                             break;
                         if (MODE == WGRAD && p.accumulate)
@@ -390,7 +452,9 @@ __global__ void __launch_bounds__(THREADS, 1)
             moe_bf16 *C = (moe_bf16 *)p.C;
 #pragma unroll
             for (int j = 0; j < BN / 8; j++) {
-                const int col = ti.n0 + 8 * j + 2 * (lane % 4);
+                if (8 * j >= ncols)
+                    break;
+                const int col = n_wg + 8 * j + 2 * (lane % 4);
                 if (col >= p.N)
                     continue;
 #pragma unroll
@@ -446,6 +510,10 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
     MOE_CUDA_LAUNCH_CHECK();
 }
 
+/* forward/dgrad schedule: 1 = 64-row tiles for a group's last <= 64 rows (the default),
+ * 0 = 128-row tiles only (kept so that tests and the benchmark can compare the two) */
+int g_fine_tiles = 1;
+
 void check_shapes(int G, int I, int O) {
     if (G > MAX_G || I % MOE_GROUPED_DEV_ALIGN || O % MOE_GROUPED_DEV_ALIGN) {
         fprintf(stderr, "moe.c: the sm_90a grouped GEMM needs at most %d groups and feature sizes "
@@ -486,6 +554,8 @@ void wgrad_reduce(void *dw, const float *part, size_t n, int S, moe_dw_mode mode
 }
 
 } /* namespace */
+
+extern "C" void moe_cuda_grouped_sm90_set_fine_tiles(int on) { g_fine_tiles = on != 0; }
 
 extern "C" int moe_cuda_grouped_sm90_available(void) {
     static int avail = -1;
@@ -529,8 +599,8 @@ extern "C" void moe_cuda_grouped_sm90_forward(void *out, const void *in, const v
     const uint64_t da[2] = {(uint64_t)I, (uint64_t)rows};
     const uint64_t db[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
     const uint64_t dc[2] = {(uint64_t)O, (uint64_t)rows};
-    const uint32_t ba[2] = {BK, BM}, bb[3] = {BK, BN, 1}, bc[2] = {64, 64};
-    const Params p = {dev_off, G, 0, O, I, out, 0, 1};
+    const uint32_t ba[2] = {BK, BM / 2}, bb[3] = {BK, BN, 1}, bc[2] = {64, 64};
+    const Params p = {dev_off, G, 0, O, I, out, 0, 1, g_fine_tiles};
     launch<FWD>(moe_tma_map(in, 2, da, ba), moe_tma_map(w, 3, db, bb), moe_tma_map(out, 2, dc, bc), p,
                 ((rows + BM - 1) / BM + G) * ((O + BN - 1) / BN));
 }
@@ -583,8 +653,8 @@ extern "C" void moe_cuda_grouped_sm90_backward(void *din, void *dw, const void *
         const uint64_t da[2] = {(uint64_t)O, (uint64_t)rows};
         const uint64_t db[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
         const uint64_t dc[2] = {(uint64_t)I, (uint64_t)rows};
-        const uint32_t ba[2] = {BK, BM}, bb[3] = {64, BK, 1}, bc[2] = {64, 64};
-        const Params p = {dev_off, G, 0, I, O, din, din_accumulate, 1};
+        const uint32_t ba[2] = {BK, BM / 2}, bb[3] = {64, BK, 1}, bc[2] = {64, 64};
+        const Params p = {dev_off, G, 0, I, O, din, din_accumulate, 1, g_fine_tiles};
         launch<DGRAD>(moe_tma_map(dout, 2, da, ba), moe_tma_map(w, 3, db, bb),
                       moe_tma_map(din, 2, dc, bc), p,
                       ((rows + BM - 1) / BM + G) * ((I + BN - 1) / BN));
@@ -599,14 +669,14 @@ extern "C" void moe_cuda_grouped_sm90_backward(void *din, void *dw, const void *
         const CUtensorMap ma = moe_tma_map(dout, 2, da, box), mb = moe_tma_map(in, 2, db, box);
         if (S > 1) { /* every chunk STORES its partial [S][G][O][I]; one ordered sum after */
             float *part = (float *)moe_cuda_scratch(MOE_SCRATCH_WGRAD_SPLIT, S * nw * sizeof(float));
-            const Params p = {dev_off, G, O, I, 0, NULL, 0, S};
+            const Params p = {dev_off, G, O, I, 0, NULL, 0, S, 0};
             launch<WGRAD>(ma, mb, moe_tma_map(part, 3, dc, bc32, 1), p, tiles);
             wgrad_reduce(dw, part, nw, S, dw_mode);
         } else if (dw_mode == MOE_DW_ACT) { /* bf16, stored */
-            const Params p = {dev_off, G, O, I, 0, NULL, 0, 1};
+            const Params p = {dev_off, G, O, I, 0, NULL, 0, 1, 0};
             launch<WGRAD, 0>(ma, mb, moe_tma_map(dw, 3, dc, bc16), p, tiles);
         } else { /* fp32: reduce-added, or stored into a buffer whose contents do not count */
-            const Params p = {dev_off, G, O, I, 0, NULL, dw_mode == MOE_DW_ACCUMULATE, 1};
+            const Params p = {dev_off, G, O, I, 0, NULL, dw_mode == MOE_DW_ACCUMULATE, 1, 0};
             launch<WGRAD>(ma, mb, moe_tma_map(dw, 3, dc, bc32, 1), p, tiles);
         }
     }

@@ -4,8 +4,12 @@
  * memory), on ragged groups with empty experts, sizes that are not multiples of the tile
  * (128 rows, 128 columns, 64 k) and features that are only multiples of 8 — forward,
  * dgrad and wgrad; then the whole model with each backend against chapter 01's loop.
- * Inputs are rounded to bf16 for both sides (write_act, then read_act back for the CPU);
- * outputs are poisoned first and the accumulating outputs start from random values.
+ * Our kernel runs under both of its forward/dgrad tile schedules (64-row tiles for a
+ * group's last <= 64 rows, and the old 128-row-only one), on group sizes around every
+ * tile boundary. Inputs are rounded to bf16 for both sides (write_act, then read_act back
+ * for the CPU); outputs are poisoned first and the accumulating outputs start from random
+ * values. Errors are taken group by group (the worst group counts), so that one wrong
+ * small group cannot hide in a large tensor's norm.
  */
 #include <math.h>
 #include <stdio.h>
@@ -28,6 +32,20 @@ static double rel(const moe_real *a, const moe_real *b, size_t n) {
     return sqrt(num / (den > 0 ? den : 1e-30));
 }
 
+/* the worst relative error over the groups' row blocks (group g: rows off[g] .. off[g+1]
+ * of a row-major tensor @p cols wide): a wrong one-row group must not hide in the norm of
+ * the whole tensor */
+static double rel_groups(const moe_real *a, const moe_real *b, const int *off, int G,
+                         size_t cols) {
+    double worst = 0;
+    for (int g = 0; g < G; g++) {
+        const size_t n = (size_t)(off[g + 1] - off[g]) * cols;
+        const double e = rel(a + (size_t)off[g] * cols, b + (size_t)off[g] * cols, n);
+        worst = e > worst ? e : worst;
+    }
+    return worst;
+}
+
 /* a bf16 device copy of fresh normals, and the same (rounded) values on the host */
 static void *upload(const moe_backend *g, moe_real *host, size_t n, uint64_t stream, double sd) {
     moe_test_randn(host, n, stream, sd);
@@ -39,8 +57,11 @@ static void *upload(const moe_backend *g, moe_real *host, size_t n, uint64_t str
 
 static int g_split_seen; /* some wgrad below ran split-K */
 
-/* impl: 0 = cuBLAS grouped (host offsets), 1 = our kernel (device offsets) */
+enum { CUBLAS, KERNEL, KERNEL_128 }; /* KERNEL_128: our kernel, 128-row tiles only */
+
+/* impl: cuBLAS grouped (host offsets), or our kernel (device offsets) under either schedule */
 static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
+    moe_cuda_grouped_sm90_set_fine_tiles(impl != KERNEL_128);
     const moe_backend *g = moe_backend_cuda(), *c = moe_backend_cpu();
     int *off = malloc(sizeof(int) * (G + 1));
     off[0] = 0;
@@ -65,7 +86,7 @@ static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
         g->grouped_matmul_forward(dout, din_, dw_, off, G, I, O);
     c->grouped_matmul_forward(co, hin, hw, off, G, I, O);
     g->read_act(go, dout, nout);
-    double ef = rel(go, co, nout);
+    double ef = rel_groups(go, co, off, G, O);
     /* backward into pre-filled accumulators */
     moe_real *cdi = malloc(sizeof(moe_real) * nin), *gdi = malloc(sizeof(moe_real) * nin);
     moe_real *cdw = malloc(sizeof(moe_real) * nw), *gdw = malloc(sizeof(moe_real) * nw);
@@ -81,7 +102,7 @@ static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
     c->grouped_matmul_backward(cdi, cdw, hdo, hin, hw, off, G, I, O);
     g->read_act(gdi, ddi, nin);
     g->to_host(gdw, ddw, sizeof(moe_real) * nw);
-    double ed = rel(gdi, cdi, nin), ew = rel(gdw, cdw, nw), eo = 0, es = 0, ea = 0;
+    double ed = rel_groups(gdi, cdi, off, G, I), ew = rel(gdw, cdw, nw), eo = 0, es = 0, ea = 0;
     int split = 1;
     if (impl) { /* dgrad into a fresh (poisoned) buffer: overwritten, not added to */
         moe_test_poison(gdi, nin);
@@ -91,7 +112,7 @@ static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
         memset(cdi, 0, sizeof(moe_real) * nin);
         c->grouped_matmul_backward(cdi, NULL, hdo, hin, hw, off, G, I, O);
         g->read_act(gdi, ddi, nin);
-        eo = rel(gdi, cdi, nin);
+        eo = rel_groups(gdi, cdi, off, G, I);
         /* wgrad into a poisoned buffer: MOE_DW_STORE (fp32) and MOE_DW_ACT (bf16) must
          * overwrite every group's block, an empty group's (zeros) included; the CPU twin
          * of both is the sum from zero */
@@ -113,9 +134,11 @@ static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
         ea = rel(gdw, cdw, nw);
         g->free(dwa);
     }
-    printf("  %s G=%d N=%d I=%d O=%d: forward %.2e, dgrad %.2e (overwriting %.2e), wgrad %.2e "
-           "(store %.2e, bf16 %.2e; split %d)\n",
-           impl ? "kernel" : "cublas", G, N, I, O, ef, ed, eo, ew, es, ea, split);
+    moe_cuda_grouped_sm90_set_fine_tiles(1);
+    static const char *names[] = {"cublas", "kernel", "kernel/128-row tiles"};
+    printf("  %s G=%d N=%d I=%d O=%d: forward %.2e, dgrad %.2e (overwriting %.2e; worst group), "
+           "wgrad %.2e (store %.2e, bf16 %.2e; split %d)\n",
+           names[impl], G, N, I, O, ef, ed, eo, ew, es, ea, split);
     ck_assert_msg(ef <= 1e-2 && ed <= 1e-2 && eo <= 1e-2 && ew <= 1e-4 && es <= 1e-4 &&
                       ea <= 1e-2,
                   "grouped GEMM differs from the loop");
@@ -127,8 +150,8 @@ static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
 }
 
 static void check_both(const int *sizes, int G, int I, int O) {
-    check_grouped(sizes, G, I, O, 0);
-    check_grouped(sizes, G, I, O, 1);
+    check_grouped(sizes, G, I, O, CUBLAS);
+    check_grouped(sizes, G, I, O, KERNEL);
 }
 
 START_TEST(test_gpu_grouped_matmul) {
@@ -172,6 +195,33 @@ START_TEST(test_gpu_grouped_wgrad_modes) {
     check_both(one, 1, 64, 64);
     if (moe_cuda_grouped_sm90_available())
         ck_assert_msg(g_split_seen, "no shape of this test ran the split-K wgrad");
+}
+END_TEST
+
+/* every group size where the tile shape changes: 0, 1-8 rows, and one below, at and above
+ * each multiple of 64 up to 257 (a group's last m-tile is 64 rows when it holds <= 64) */
+static const int g_edges[] = {0,   1,   2,   3,   4,   5,   6,   7,   8,   63,  64,  65,  127, 128,
+                              129, 130, 191, 192, 193, 255, 256, 257, 260, 0,   1};
+#define N_EDGES ((int)(sizeof g_edges / sizeof g_edges[0]))
+
+static void check_schedules(const int *sizes, int G, int I, int O) {
+    check_grouped(sizes, G, I, O, KERNEL);
+    check_grouped(sizes, G, I, O, KERNEL_128);
+}
+
+START_TEST(test_gpu_grouped_fine_tiles) {
+    /* N = 320: the second n-tile of a 64-row tile has valid columns only in warpgroup 0's
+     * half; K = 200 ends inside a k-step; dgrad's N = 200 < 256 */
+    check_schedules(g_edges, N_EDGES, 200, 320);
+    /* N a multiple of 256, so both warpgroups of a 64-row tile store full TMA pieces */
+    check_schedules(g_edges, N_EDGES, 256, 512);
+    /* 256 groups (the most the kernel takes): the edge sizes, shifted so that the groups
+     * start at every residue, with runs of empty and one-row groups */
+    int many[256];
+    for (int i = 0; i < 256; i++)
+        many[i] = i % 32 >= 28 ? i % 2 : g_edges[i % N_EDGES] + (i / N_EDGES) % 3;
+    check_schedules(many, 256, 136, 264);
+    check_grouped(many, 256, 136, 264, CUBLAS);
 }
 END_TEST
 
@@ -220,6 +270,7 @@ Suite *suite_gpu_grouped(void) {
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, test_gpu_grouped_matmul);
     tcase_add_test(tc, test_gpu_grouped_wgrad_modes);
+    tcase_add_test(tc, test_gpu_grouped_fine_tiles);
     tcase_add_test(tc, test_gpu_grouped_model_equals_loop);
     suite_add_tcase(s, tc);
     return s;

@@ -24,7 +24,16 @@
  * permutation, SwiGLU, combine) is timed by chapter 01's layer benchmark, with
  * --breakdown for its time shares (chapters/03-grouped-gemm/bench.sh runs both).
  * Timing: the backend's timer (CUDA events), warm-up, median of repeats.
+ *
+ * --shape fine: the fine-grained regime (many experts of a few hundred rows, H = 4096,
+ * F = 1536), forward and dgrad only, our kernel under both of its tile schedules (a
+ * group's last <= 64 rows in a 64 × 256 tile, the default; and 128-row tiles only, the
+ * old one) against the per-expert cuBLAS loop: a uniform top-k router at T = 8192, k = 8
+ * with E = 64, 128, 256 experts, then every expert given exactly r rows, r on both sides
+ * of multiples of 64 and 128 (where the old schedule's cost jumps by a whole tile). Each
+ * GEMM's output is checked against the loop's before its times are printed.
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,7 +44,7 @@
 #include "log.h"
 #include "rng.h"
 #ifdef MOE_HAVE_CUDA
-#include "cuda_ops.h" /* moe_cuda_grouped_sm90_wgrad_split, to report the split */
+#include "cuda_ops.h" /* the wgrad split to report; the old tile schedule, for comparison */
 #endif
 
 typedef struct opts {
@@ -52,14 +61,16 @@ static const moe_flag g_flags[] = {
     OF("shape", MOE_FLAG_CHOICE, shape, "auto",
        "layer shape (auto = qwen3 and mixtral on a GPU, small on the CPU)",
        "auto|all|models|sweep|big|qwen3|mixtral|qwen3-235b|dsv2-lite|sweep64|sweep128|"
-       "sweep256|sweep512|sweep1024|sweep2048|sweep4096|sweep8192|small"),
+       "sweep256|sweep512|sweep1024|sweep2048|sweep4096|sweep8192|small|fine"),
     OF("warmup", MOE_FLAG_INT, warmup, "2", "untimed runs of each GEMM first", NULL),
     OF("repeats", MOE_FLAG_INT, repeats, "7", "timed runs (the median is reported)", NULL),
 };
 
 typedef moe_bench_shape shape;
 
-enum { LOOP, CUBLAS, KERNEL, N_IMPL };
+/* KERNEL_128: our kernel with the old forward/dgrad schedule (128-row tiles only), timed
+ * by --shape fine only */
+enum { LOOP, CUBLAS, KERNEL, N_IMPL, KERNEL_128 = N_IMPL };
 
 /* One GEMM of the six: C (+)= A·Bᵀ-shaped problem on the stacked expert weights. */
 typedef struct problem {
@@ -78,6 +89,12 @@ typedef struct bufs {
 static void run_once(const moe_backend *be, int impl, const problem *p, const bufs *b,
                      const int *off, int G) {
     const int N = off[G];
+#ifdef MOE_HAVE_CUDA
+    if (be->device == MOE_DEVICE_CUDA)
+        moe_cuda_grouped_sm90_set_fine_tiles(impl != KERNEL_128);
+#endif
+    if (impl == KERNEL_128)
+        impl = KERNEL;
     if (p->backward == 0) {
         if (impl == KERNEL)
             be->grouped_matmul_forward_dev(b->out, b->in, b->w, b->dev_off, G, N, p->I, p->O);
@@ -164,18 +181,51 @@ static double wgrad_bytes(const problem *p, size_t N, int G, size_t act) {
     return (double)act * N * (p->I + p->O) + dw;
 }
 
+/* buffers for the six GEMMs of a layer with G experts over off[G] rows, filled with
+ * normals (no dw when wgrad is not timed) */
+static void bufs_init(const moe_backend *be, bufs *b, const int *off, int G, int H, int F,
+                      int with_dw) {
+    const size_t N = (size_t)off[G], S = be->act_size;
+    const size_t wide = (size_t)(2 * F > H ? 2 * F : H);
+    memset(b, 0, sizeof *b);
+    b->in = be->alloc(S * N * wide);
+    b->out = be->alloc(S * N * wide);
+    b->dout = be->alloc(S * N * wide);
+    b->din = be->alloc(S * N * wide);
+    b->w = be->alloc(S * (size_t)G * 2 * F * H);
+    if (with_dw)
+        b->dw = be->alloc(sizeof(moe_real) * (size_t)G * 2 * F * H);
+    b->dev_off = be->alloc(sizeof(int) * (G + 1));
+    MOE_ASSERT(b->in && b->out && b->dout && b->din && b->w && (b->dw || !with_dw) && b->dev_off);
+    fill(be, b->in, N * wide, 1, 1.0);
+    fill(be, b->dout, N * wide, 2, 1.0);
+    fill(be, b->w, (size_t)G * 2 * F * H, 3, 0.02);
+    be->from_host(b->dev_off, off, sizeof(int) * (G + 1));
+}
+
+static void bufs_free(const moe_backend *be, bufs *b) {
+    be->free(b->in); be->free(b->out); be->free(b->dout); be->free(b->din); be->free(b->w);
+    be->free(b->dw); be->free(b->dev_off);
+}
+
+/* the smallest and largest group of off[0..G] */
+static void group_range(const int *off, int G, int *lo, int *hi) {
+    *lo = *hi = off[1] - off[0];
+    for (int g = 0; g < G; g++) {
+        const int c = off[g + 1] - off[g];
+        *lo = c < *lo ? c : *lo;
+        *hi = c > *hi ? c : *hi;
+    }
+}
+
 static void run_shape(const moe_backend *be, const shape *s, const opts *o, double dense) {
     const int G = s->E, H = s->H, F = s->F;
     int *off = malloc(sizeof(int) * (G + 1));
     MOE_ASSERT(off != NULL);
     uniform_topk_offsets(off, s);
     const size_t N = (size_t)off[G], S = be->act_size;
-    int lo = off[1], hi = off[1];
-    for (int g = 0; g < G; g++) {
-        const int c = off[g + 1] - off[g];
-        lo = c < lo ? c : lo;
-        hi = c > hi ? c : hi;
-    }
+    int lo, hi;
+    group_range(off, G, &lo, &hi);
     const problem probs[10] = {
         {"fc1 forward", H, 2 * F, 0, 0},  {"fc2 forward", F, H, 0, 0},
         {"fc1 dgrad", H, 2 * F, 1, 0},    {"fc2 dgrad", F, H, 1, 0},
@@ -185,20 +235,8 @@ static void run_shape(const moe_backend *be, const shape *s, const opts *o, doub
         {"fc2 wgrad =", F, H, 2, MOE_DW_STORE},
         {"fc1 wgrad bf16", H, 2 * F, 2, MOE_DW_ACT},
         {"fc2 wgrad bf16", F, H, 2, MOE_DW_ACT}};
-    const size_t wide = (size_t)(2 * F > H ? 2 * F : H);
     bufs b;
-    b.in = be->alloc(S * N * wide);
-    b.out = be->alloc(S * N * wide);
-    b.dout = be->alloc(S * N * wide);
-    b.din = be->alloc(S * N * wide);
-    b.w = be->alloc(S * (size_t)G * 2 * F * H);
-    b.dw = be->alloc(sizeof(moe_real) * (size_t)G * 2 * F * H);
-    b.dev_off = be->alloc(sizeof(int) * (G + 1));
-    MOE_ASSERT(b.in && b.out && b.dout && b.din && b.w && b.dw && b.dev_off);
-    fill(be, b.in, N * wide, 1, 1.0);
-    fill(be, b.dout, N * wide, 2, 1.0);
-    fill(be, b.w, (size_t)G * 2 * F * H, 3, 0.02);
-    be->from_host(b.dev_off, off, sizeof(int) * (G + 1));
+    bufs_init(be, &b, off, G, H, F, 1);
 
     printf("\n%s: T=%d H=%d F=%d E=%d k=%d -> %zu rows, %d..%d per expert\n", s->name, s->T, H, F,
            G, s->k, N, lo, hi);
@@ -246,8 +284,7 @@ static void run_shape(const moe_backend *be, const shape *s, const opts *o, doub
         printf(" %7.3f | %7.1f |", tot[impl], flop / (tot[impl] * 1e-3) / 1e12);
     printf(" %5.1f%% | %.2fx |\n", 100.0 * flop / (tot[KERNEL] * 1e-3) / 1e12 / dense,
            tot[LOOP] / tot[KERNEL]);
-    be->free(b.in); be->free(b.out); be->free(b.dout); be->free(b.din); be->free(b.w);
-    be->free(b.dw); be->free(b.dev_off);
+    bufs_free(be, &b);
     free(off);
 }
 
@@ -269,6 +306,113 @@ static double dense_peak(const moe_backend *be, const opts *o) {
     printf("dense GEMM %d^3 (the ceiling of this device): %.3f ms, %.1f TFLOP/s\n", n, ms, tf);
     be->free(b.in); be->free(b.w); be->free(b.out);
     return tf;
+}
+
+/* relative L2 error of a against ref (infinite where a has a NaN: an unwritten element of
+ * a poisoned output) */
+static double rel_err(const moe_real *a, const moe_real *ref, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(a[i]))
+            return INFINITY;
+        num += ((double)a[i] - ref[i]) * ((double)a[i] - ref[i]);
+        den += (double)ref[i] * ref[i];
+    }
+    return sqrt(num / (den > 0 ? den : 1e-30));
+}
+
+/* One fine-grained case: the forward and dgrad GEMMs of both Linears, the per-expert loop
+ * vs our kernel under each tile schedule. Before timing, each kernel output (poisoned with
+ * NaN first) is compared with the loop's. Returns the worst relative error. */
+static double run_fine_case(const moe_backend *be, const opts *o, const char *title,
+                            const int *off, int G, int H, int F) {
+    bufs b;
+    bufs_init(be, &b, off, G, H, F, 0);
+    const size_t N = (size_t)off[G], S = be->act_size;
+    int lo, hi;
+    group_range(off, G, &lo, &hi);
+    printf("\n%s -> %zu rows, %d..%d per expert\n", title, N, lo, hi);
+    printf("| GEMM        |  GFLOP | loop ms | TFLOP/s | grouped ms | TFLOP/s | grouped 128-row "
+           "tiles ms | TFLOP/s | grouped vs loop | vs 128-row tiles | rel err vs loop |\n"
+           "|---|---|---|---|---|---|---|---|---|---|---|\n");
+    const problem probs[4] = {{"fc1 forward", H, 2 * F, 0, 0}, {"fc2 forward", F, H, 0, 0},
+                              {"fc1 dgrad", H, 2 * F, 1, 0},   {"fc2 dgrad", F, H, 1, 0}};
+    const int impls[3] = {LOOP, KERNEL, KERNEL_128};
+    double tot[3] = {0}, worst = 0;
+    for (int i = 0; i < 4; i++) {
+        const problem *p = &probs[i];
+        const size_t n = N * (size_t)(p->backward ? p->I : p->O);
+        void *dst = p->backward ? b.din : b.out;
+        moe_real *ref = malloc(sizeof(moe_real) * n), *got = malloc(sizeof(moe_real) * n);
+        MOE_ASSERT(ref && got);
+        double err = 0, ms[3];
+        for (int j = 0; j < 3; j++) {
+            if (j == 0) { /* the loop's dgrad adds into its output (beta = 1): start at 0 */
+                be->zero(dst, S * n);
+            } else {
+                for (size_t e = 0; e < n; e++)
+                    got[e] = (moe_real)NAN;
+                be->write_act(dst, got, n);
+            }
+            run_once(be, impls[j], p, &b, off, G);
+            be->read_act(j ? got : ref, dst, n);
+            if (j) {
+                const double e = rel_err(got, ref, n);
+                err = e > err ? e : err;
+            }
+        }
+        for (int j = 0; j < 3; j++) {
+            ms[j] = time_ms(be, o, impls[j], p, &b, off, G);
+            tot[j] += ms[j];
+        }
+        const double flop = 2.0 * N * p->I * p->O;
+        printf("| %-11s | %6.1f |", p->name, flop / 1e9);
+        for (int j = 0; j < 3; j++)
+            printf(" %7.3f | %7.1f |", ms[j], flop / (ms[j] * 1e-3) / 1e12);
+        printf(" %.2fx | %.2fx | %.1e%s |\n", ms[0] / ms[1], ms[2] / ms[1], err,
+               err <= 1e-2 ? "" : " WRONG");
+        worst = err > worst ? err : worst;
+        free(ref);
+        free(got);
+    }
+    const double flop = 2.0 * 3.0 * 2.0 * N * H * F; /* both Linears, forward + dgrad */
+    printf("| all four    | %6.1f |", flop / 1e9);
+    for (int j = 0; j < 3; j++)
+        printf(" %7.3f | %7.1f |", tot[j], flop / (tot[j] * 1e-3) / 1e12);
+    printf(" %.2fx | %.2fx | |\n", tot[0] / tot[1], tot[2] / tot[1]);
+    bufs_free(be, &b);
+    return worst;
+}
+
+/* --shape fine: many experts of a few hundred rows each; returns the worst error seen */
+static double run_fine(const moe_backend *be, const opts *o) {
+    const int cpu = be->device == MOE_DEVICE_CPU; /* the CPU runs a small copy of the sweep */
+    const int H = cpu ? 256 : 4096, F = cpu ? 128 : 1536, T = cpu ? 1024 : 8192, k = 8;
+    const int Es[3] = {64, 128, 256};
+    const int rs[8] = {64, 65, 128, 130, 192, 193, 256, 260};
+    const int E_exact = cpu ? 16 : 128;
+    int *off = malloc(sizeof(int) * (256 + 1));
+    MOE_ASSERT(off != NULL);
+    char title[160];
+    double worst = 0, e;
+    for (int i = 0; i < 3; i++) {
+        const shape s = {"fine", T, H, F, Es[i], k};
+        uniform_topk_offsets(off, &s);
+        snprintf(title, sizeof title, "fine, uniform top-k router: T=%d H=%d F=%d E=%d k=%d", T,
+                 H, F, Es[i], k);
+        e = run_fine_case(be, o, title, off, Es[i], H, F);
+        worst = e > worst ? e : worst;
+    }
+    for (int i = 0; i < 8; i++) {
+        for (int g = 0; g <= E_exact; g++)
+            off[g] = g * rs[i];
+        snprintf(title, sizeof title, "fine, exactly %d rows per expert: H=%d F=%d E=%d", rs[i], H,
+                 F, E_exact);
+        e = run_fine_case(be, o, title, off, E_exact, H, F);
+        worst = e > worst ? e : worst;
+    }
+    free(off);
+    return worst;
 }
 
 int main(int argc, char **argv) {
@@ -303,6 +447,15 @@ int main(int argc, char **argv) {
     if (be->device == MOE_DEVICE_CPU)
         printf("(on the CPU every backend is the same loop over experts)\n");
     const double dense = dense_peak(be, &o);
+    if (!strcmp(o.shape, "fine")) {
+        const double worst = run_fine(be, &o);
+        if (worst > 1e-2) {
+            moe_log_error("a grouped GEMM output differs from the per-expert loop (relative "
+                          "error %.1e > 1e-2): the times above are not to be trusted", worst);
+            return 1;
+        }
+        return 0;
+    }
     int n_shapes;
     const moe_bench_shape *shapes = moe_bench_shapes(&n_shapes);
     for (int i = 0; i < n_shapes; i++)
