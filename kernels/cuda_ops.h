@@ -60,8 +60,8 @@ void moe_cuda_grouped_sm90_backward(void *din, void *dw, const void *dout, const
 /* how many chunks the sm_90a wgrad splits each group's rows into for this shape (1 = no
  * split), from host-known sizes only: for tests and benchmarks to report */
 int moe_cuda_grouped_sm90_wgrad_split(int G, int rows, int I, int O);
-/* the forward/dgrad tile schedule of the kernel above: 1 (the default) gives a group's last
- * <= 64 rows a 64 x 256 tile, 0 restores the old 128-row-only tiles; for the tests and
+/* the forward/dgrad tile schedule of the kernel above: 0 (the default) uses 128-row tiles
+ * only, 1 gives a group's last <= 64 rows a 64 x 256 tile (measured slower: off by default); for the tests and
  * the chapter 03 benchmark, which compare the two (process-wide, not thread-safe) */
 void moe_cuda_grouped_sm90_set_fine_tiles(int on);
 void moe_cuda_embedding_forward(void *out, const int *tokens, const void *table, int N, int C);

@@ -59,9 +59,9 @@
  * the G + 1 offsets into shared memory and prefix-sums the m-tiles (G is small), which
  * maps a tile index to its group by binary search — the host never learns the sizes (the
  * rule is lib/moe/tile_schedule.h, one definition for this kernel and the C library). The
- * tile's shape comes from the same offsets: the group's last m-tile is a 64 × 256 tile
- * when it holds <= 64 rows (moe_cuda_grouped_sm90_set_fine_tiles(0) restores the old
- * 128-row-only schedule, for tests and the benchmark). The 64-row tile stays in its
+ * tile's shape can come from the same offsets: with moe_cuda_grouped_sm90_set_fine_tiles(1)
+ * the group's last m-tile is a 64 × 256 tile when it holds <= 64 rows (an experiment, off
+ * by default: measured slower, see g_fine_tiles). The 64-row tile stays in its
  * group's band, next to the tiles that read the same weight block: ordering tiles
  * longest-first instead would balance the last wave a little better but read a weight
  * block again after it has left L2, and a tile costs at most twice another here. For wgrad the tiles
@@ -510,9 +510,12 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
     MOE_CUDA_LAUNCH_CHECK();
 }
 
-/* forward/dgrad schedule: 1 = 64-row tiles for a group's last <= 64 rows (the default),
- * 0 = 128-row tiles only (kept so that tests and the benchmark can compare the two) */
-int g_fine_tiles = 1;
+/* forward/dgrad schedule: 0 = 128-row tiles only (the default), 1 = 64-row tiles for a
+ * group's last <= 64 rows. Measured on an H200 (docs/results/03-grouped-gemm-ii.md), the
+ * 64-row tile costs about as much as a 128-row one and the schedule with it is SLOWER
+ * (0.73x at 130 and 192 rows per expert, 0.85x on E = 128 uniform), so it is off until
+ * that is understood; tests run both, the benchmark compares them (--shape fine). */
+int g_fine_tiles = 0;
 
 void check_shapes(int G, int I, int O) {
     if (G > MAX_G || I % MOE_GROUPED_DEV_ALIGN || O % MOE_GROUPED_DEV_ALIGN) {

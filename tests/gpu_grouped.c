@@ -4,8 +4,8 @@
  * memory), on ragged groups with empty experts, sizes that are not multiples of the tile
  * (128 rows, 128 columns, 64 k) and features that are only multiples of 8 — forward,
  * dgrad and wgrad; then the whole model with each backend against chapter 01's loop.
- * Our kernel runs under both of its forward/dgrad tile schedules (64-row tiles for a
- * group's last <= 64 rows, and the old 128-row-only one), on group sizes around every
+ * Our kernel runs under both of its forward/dgrad tile schedules (128-row tiles, the
+ * default, and the experimental 64-row tiles for a group's last <= 64 rows), on group sizes around every
  * tile boundary. Inputs are rounded to bf16 for both sides (write_act, then read_act back
  * for the CPU); outputs are poisoned first and the accumulating outputs start from random
  * values. Errors are taken group by group (the worst group counts), so that one wrong
@@ -57,11 +57,11 @@ static void *upload(const moe_backend *g, moe_real *host, size_t n, uint64_t str
 
 static int g_split_seen; /* some wgrad below ran split-K */
 
-enum { CUBLAS, KERNEL, KERNEL_128 }; /* KERNEL_128: our kernel, 128-row tiles only */
+enum { CUBLAS, KERNEL, KERNEL_64 }; /* KERNEL_64: our kernel with its 64-row tiles (off by default) */
 
 /* impl: cuBLAS grouped (host offsets), or our kernel (device offsets) under either schedule */
 static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
-    moe_cuda_grouped_sm90_set_fine_tiles(impl != KERNEL_128);
+    moe_cuda_grouped_sm90_set_fine_tiles(impl == KERNEL_64);
     const moe_backend *g = moe_backend_cuda(), *c = moe_backend_cpu();
     int *off = malloc(sizeof(int) * (G + 1));
     off[0] = 0;
@@ -134,8 +134,8 @@ static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
         ea = rel(gdw, cdw, nw);
         g->free(dwa);
     }
-    moe_cuda_grouped_sm90_set_fine_tiles(1);
-    static const char *names[] = {"cublas", "kernel", "kernel/128-row tiles"};
+    moe_cuda_grouped_sm90_set_fine_tiles(0); /* the default */
+    static const char *names[] = {"cublas", "kernel", "kernel/64-row tiles"};
     printf("  %s G=%d N=%d I=%d O=%d: forward %.2e, dgrad %.2e (overwriting %.2e; worst group), "
            "wgrad %.2e (store %.2e, bf16 %.2e; split %d)\n",
            names[impl], G, N, I, O, ef, ed, eo, ew, es, ea, split);
@@ -206,7 +206,7 @@ static const int g_edges[] = {0,   1,   2,   3,   4,   5,   6,   7,   8,   63,  
 
 static void check_schedules(const int *sizes, int G, int I, int O) {
     check_grouped(sizes, G, I, O, KERNEL);
-    check_grouped(sizes, G, I, O, KERNEL_128);
+    check_grouped(sizes, G, I, O, KERNEL_64);
 }
 
 START_TEST(test_gpu_grouped_fine_tiles) {
