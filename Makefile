@@ -498,6 +498,8 @@ figures:
 	$(PY) tools/plot_metrics.py --out $(FIG) --prefix ch01_balancing_ \
 	  --title "default CPU model, 100 steps" --label "aux loss 0.01" --label "no aux loss" \
 	  --label "sigmoid + expert bias, no aux loss" $(FIG_RUNS)/moe.jsonl $(FIG_RUNS)/moe_noaux.jsonl $(FIG_RUNS)/moe_bias.jsonl
+	$(PY) tools/plot_metrics.py --out $(FIG) --prefix ch02_capacity_ --figure dropped \
+	  --title "default CPU model, EP = 2 on 2 CPU ranks, 100 steps" $(FIG_RUNS)/ch02_capacity/*.jsonl
 	$(PY) tools/plot_bench.py dispatch $(FIG_CH02) --out $(FIG)/ch02_dispatch_gbps.png \
 	  --title "dispatch + combine vs raw all-to-all, 2 × H200 (NVLink), commit e3716dc"
 	$(PY) tools/plot_bench.py bars $(FIG_CH03) --table GEMM --out $(FIG)/ch03_gemm_tflops.png \

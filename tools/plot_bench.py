@@ -36,6 +36,8 @@ import os
 import re
 import sys
 
+from plot_metrics import pyplot  # the same matplotlib set-up (tools/ is the script's folder)
+
 
 class InputError(Exception):
     """A file that does not hold the table a figure needs; the message says which."""
@@ -282,14 +284,8 @@ def main(argv=None):
     except (InputError, OSError, UnicodeDecodeError) as e:
         print(f"plot_bench: {e}", file=sys.stderr)
         return 1
-    try:
-        import matplotlib
-        matplotlib.use("Agg")  # files only: no display needed, none opened
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot_bench: matplotlib is missing; install it with "
-              "`sudo apt-get install python3-matplotlib` (and run /usr/bin/python3)",
-              file=sys.stderr)
+    plt = pyplot("plot_bench")
+    if plt is None:
         return 2
 
     if a.figure == "dispatch":

@@ -175,7 +175,8 @@ def plot_dropped(plt, runs, paths, title, path):
     fig, (ax_t, ax_cf, ax_loss) = plt.subplots(1, 3, figsize=(15, 4.4))
     factors = sorted({cf for cf, _ in caps if cf > 0})
     colour = {cf: f"C{i % 10}" for i, cf in enumerate(factors)}
-    policies = sorted({pol for cf, pol in caps if cf > 0})
+    # the default policy first: it gets the solid line
+    policies = sorted({pol for cf, pol in caps if cf > 0}, key=lambda p: (p != "probs", p))
     dash = {pol: ("-", "o") if i == 0 else (":", "^") for i, pol in enumerate(policies)}
     for run, (cf, pol) in zip(runs, caps):
         if cf > 0:
@@ -221,11 +222,28 @@ def plot_dropped(plt, runs, paths, title, path):
         ax.grid(alpha=0.3)
     for ax in (ax_cf, ax_loss):
         ax.set_xticks(factors)
-        ax.legend(fontsize=7)
+        ax.margins(x=0.3, y=0.15)
+        ax.legend(fontsize=7, loc="best")
+    ax_cf.set_ylim(0, ax_cf.get_ylim()[1] * 1.3)  # room for the legend above the points
     fig.suptitle(title or "dropped tokens")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def pyplot(tool):
+    """matplotlib.pyplot drawing to files only, or None (with the install command printed
+    under the tool's name) when matplotlib is missing. tools/plot_bench.py uses it too."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # files only: no display needed, none opened
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"{tool}: matplotlib is missing; install it with "
+              "`sudo apt-get install python3-matplotlib` (and run /usr/bin/python3)",
+              file=sys.stderr)
+        return None
+    return plt
 
 
 def main(argv=None):
@@ -258,14 +276,8 @@ def main(argv=None):
     except (InputError, OSError, UnicodeDecodeError) as e:
         print(f"plot_metrics: {e}", file=sys.stderr)
         return 1
-    try:
-        import matplotlib
-        matplotlib.use("Agg")  # files only: no display needed, none opened
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot_metrics: matplotlib is missing; install it with "
-              "`sudo apt-get install python3-matplotlib` (and run /usr/bin/python3)",
-              file=sys.stderr)
+    plt = pyplot("plot_metrics")
+    if plt is None:
         return 2
 
     os.makedirs(a.out, exist_ok=True)
