@@ -11,7 +11,9 @@
 #   make check-ch01 (ch02, ch03)   one chapter's tests only, in under a minute on 2 cores;
 #                   STUDENT=1 grades the stubs in chapters/NN-*/student/ instead
 #   make notebooks  re-execute notebooks-c/*.ipynb and save their outputs
-#   make test-plots tools/plot_metrics.py on a synthetic metrics file (needs python3-matplotlib)
+#   make test-plots tools/plot_metrics.py and tools/plot_bench.py on synthetic inputs
+#                   (needs python3-matplotlib; skipped without it)
+#   make figures    redraw every figure of docs/results/figures/ from the files in the tree
 #   make clean
 #
 # Variables: MARCH (default native; x86-64-v3 for binaries that run on another machine),
@@ -163,7 +165,7 @@ $(BUILD)/f64/LIB-MEMBERS: FORCE
 # ---------------------------------------------------------------- targets
 .PHONY: all config check-deps train test test-unit test-fd test-asan test-gpu test-mpi test-notebooks notebooks docs bench \
 	clean print-build-flags check-ch01 check-ch02 check-ch03 check-ch04 test-chapters test-student-stubs test-plots \
-	ch03-versions
+	ch03-versions figures
 
 # chapter 03's kernel ladder (chapters/03-grouped-gemm/versions/): CUDA only
 VERSIONS_BIN := $(if $(filter 1,$(WITH_CUDA)),bin/ch03_versions)
@@ -435,13 +437,24 @@ test-notebooks: all
 notebooks: all
 	$(NB_RUN) --update
 
-# ---- plots (tools/plot_metrics.py): a tiny synthetic --metrics-file (two MoE steps with an
-# evaluation, then a dense run) must give two non-empty PNGs, and a missing file a named
-# error. matplotlib is optional, as in .ci/run: without it the step says so and passes.
+# ---- plots (tools/plot_metrics.py, tools/plot_bench.py), on tiny synthetic inputs:
+# - plot_metrics: two MoE steps with an evaluation, then a dense run, must give two
+#   non-empty PNGs; two runs with a capacity factor (two policies) and a dropless one the
+#   dropped-tokens figure; a missing file a named error;
+# - plot_bench: a dispatch-benchmark table, a two-panel bars table and a stages table
+#   must give three PNGs; a table that is not there a named error.
+# matplotlib is optional, as in .ci/run: without it the step says so and passes.
 PLOT_TEST = $(BUILD)/plots-test
+PY = /usr/bin/python3
+define PLOT_CAP_RUN   # file, factor, policy, dropped at steps 1 and 2, last val loss
+printf '%s\n' '{"event":"config","moe-expert-capacity-factor":"$(2)","moe-token-drop-policy":"$(3)"}' \
+  '{"event":"train","step":1,"loss":4.3,"dropped_tokens":$(4)}' \
+  '{"event":"train","step":2,"loss":4.1,"dropped_tokens":$(5)}' \
+  '{"event":"eval","step":2,"train_loss":4.0,"val_loss":$(6)}' > $(PLOT_TEST)/$(1).jsonl
+endef
 test-plots:
-	@echo "== plots (tools/plot_metrics.py)"
-	@if ! /usr/bin/python3 -c 'import matplotlib' 2>/dev/null; then \
+	@echo "== plots (tools/plot_metrics.py, tools/plot_bench.py)"
+	@if ! $(PY) -c 'import matplotlib' 2>/dev/null; then \
 	  echo "skipped: python3-matplotlib not installed (sudo apt-get install python3-matplotlib)"; \
 	else \
 	  rm -rf $(PLOT_TEST) && mkdir -p $(PLOT_TEST) && \
@@ -451,13 +464,74 @@ test-plots:
 	    '{"event":"eval","step":2,"train_loss":3.8,"val_loss":3.85}' > $(PLOT_TEST)/moe.jsonl && \
 	  printf '%s\n' '{"event":"train","step":1,"loss":4.2}' '{"event":"train","step":2,"loss":4.0}' \
 	    > $(PLOT_TEST)/dense.jsonl && \
-	  /usr/bin/python3 tools/plot_metrics.py --out $(PLOT_TEST) --title test \
+	  $(PY) tools/plot_metrics.py --out $(PLOT_TEST) --title test \
 	    $(PLOT_TEST)/moe.jsonl $(PLOT_TEST)/dense.jsonl && \
 	  test -s $(PLOT_TEST)/loss.png && test -s $(PLOT_TEST)/expert_load.png && \
-	  ! /usr/bin/python3 tools/plot_metrics.py --out $(PLOT_TEST) $(PLOT_TEST)/missing.jsonl \
+	  ! $(PY) tools/plot_metrics.py --out $(PLOT_TEST) $(PLOT_TEST)/missing.jsonl \
 	    2> $(PLOT_TEST)/missing.err && grep -q 'no such file' $(PLOT_TEST)/missing.err && \
-	  echo "plots: loss.png and expert_load.png written, missing file refused"; \
+	  $(call PLOT_CAP_RUN,none,0,probs,0,0,3.9) && \
+	  $(call PLOT_CAP_RUN,cf1p,1,probs,900,700,4.0) && \
+	  $(call PLOT_CAP_RUN,cf1q,1,position,900,750,4.1) && \
+	  $(call PLOT_CAP_RUN,cf2p,2,probs,10,0,3.95) && \
+	  $(PY) tools/plot_metrics.py --figure dropped --out $(PLOT_TEST) $(PLOT_TEST)/none.jsonl \
+	    $(PLOT_TEST)/cf1p.jsonl $(PLOT_TEST)/cf1q.jsonl $(PLOT_TEST)/cf2p.jsonl && \
+	  test -s $(PLOT_TEST)/dropped.png && \
+	  ! $(PY) tools/plot_metrics.py --figure dropped --out $(PLOT_TEST) $(PLOT_TEST)/dense.jsonl \
+	    2> $(PLOT_TEST)/nocap.err && grep -q 'moe-expert-capacity-factor' $(PLOT_TEST)/nocap.err && \
+	  echo "plots: loss.png, expert_load.png and dropped.png written, missing file and run without capacity refused" && \
+	  printf '%s\n' 'H=64, E=8, top-2; bytes' '' \
+	    '| tokens/rank | raw a2a ms | raw GB/s | collective ms | GB/s | of raw | fused ms | GB/s | of raw |' \
+	    '|---|---|---|---|---|---|---|---|---|' \
+	    '| 1024 | 0.1 | 100.0 | 0.2 | 50.0 | 50% | 0.1 | 90.0 | 90% |' \
+	    '| 4096 | 0.2 | 200.0 | 0.3 | 120.0 | 60% | 0.2 | 210.0 | 105% |' > $(PLOT_TEST)/dispatch.txt && \
+	  printf '%s\n' '| GEMM | A: loop | **ours** | ours, % of dense | B: loop | **ours** |' '|---|---:|---:|---:|---:|---:|' \
+	    '| fc1 | 300 | **600** | 75% | 400 | 650 (1.0 ms) |' '| fc2 | 250 | 550 | 69% | 380 | 640 |' '' \
+	    '| shape, backend | router | permute | GEMMs at |' '|---|---:|---:|---:|' \
+	    '| A, loop | 0.40 ms (20%) | 1.60 ms (80%) | 300 TFLOP/s |' '| B, ours | 0.20 ms (10%) | 1.80 ms (90%) | 600 TFLOP/s |' \
+	    > $(PLOT_TEST)/page.md && \
+	  $(PY) tools/plot_bench.py dispatch $(PLOT_TEST)/dispatch.txt --out $(PLOT_TEST)/dispatch.png \
+	    > $(PLOT_TEST)/dispatch.out && \
+	  grep -qx '  H=64, E=8, top-2: tokens 1024 4096 | raw 100 200 | collective 50 120 | fused 90 210' $(PLOT_TEST)/dispatch.out && \
+	  $(PY) tools/plot_bench.py bars $(PLOT_TEST)/page.md --table GEMM --ceiling 800 --out $(PLOT_TEST)/bars.png \
+	    > $(PLOT_TEST)/bars.out && \
+	  grep -qx '  A: rows fc1 / fc2: loop 300 250 | ours 600 550' $(PLOT_TEST)/bars.out && \
+	  grep -qx '  B: rows fc1 / fc2: loop 400 380 | ours 650 640' $(PLOT_TEST)/bars.out && \
+	  $(PY) tools/plot_bench.py stages $(PLOT_TEST)/page.md --table 'shape, backend' --out $(PLOT_TEST)/stages.png \
+	    > $(PLOT_TEST)/stages.out && \
+	  grep -qx '  A: loop router=0.4 permute=1.6' $(PLOT_TEST)/stages.out && \
+	  test -s $(PLOT_TEST)/dispatch.png && test -s $(PLOT_TEST)/bars.png && test -s $(PLOT_TEST)/stages.png && \
+	  ! $(PY) tools/plot_bench.py bars $(PLOT_TEST)/page.md --table nothere --out $(PLOT_TEST)/x.png \
+	    2> $(PLOT_TEST)/notable.err && grep -q "no table whose header starts with 'nothere'" $(PLOT_TEST)/notable.err && \
+	  ! $(PY) tools/plot_bench.py dispatch $(PLOT_TEST)/page.md --out $(PLOT_TEST)/x.png \
+	    2> $(PLOT_TEST)/nodispatch.err && grep -q "no table with a 'raw GB/s' column" $(PLOT_TEST)/nodispatch.err && \
+	  echo "plots: dispatch.png, bars.png and stages.png written with the numbers of their tables, missing tables refused"; \
 	fi
+
+# ---- figures: every PNG of docs/results/figures/ redrawn from the files in the tree (the
+# runs behind them and the commands: docs/results/figures.md). The PNGs are byte-stable
+# for a given matplotlib (Debian's 3.6.3 drew the committed ones): `git status` after
+# `make figures` shows what a change to the tools or the data did to them.
+FIG = docs/results/figures
+FIG_RUNS = $(FIG)/runs
+FIG_CH02 = docs/results/runs/multigpu_ch02_e3716dc.txt
+FIG_CH03 = docs/results/03-grouped-gemm.md
+figures:
+	@$(PY) -c 'import matplotlib' 2>/dev/null || \
+	  { echo "make figures needs python3-matplotlib: sudo apt-get install python3-matplotlib"; exit 1; }
+	$(PY) tools/plot_metrics.py --out $(FIG) --prefix ch01_moe_vs_dense_ --figure loss \
+	  --title "default CPU model, 100 steps" --label MoE --label dense $(FIG_RUNS)/moe.jsonl $(FIG_RUNS)/dense.jsonl
+	$(PY) tools/plot_metrics.py --out $(FIG) --prefix ch01_balancing_ \
+	  --title "default CPU model, 100 steps" --label "aux loss 0.01" --label "no aux loss" \
+	  --label "sigmoid + expert bias, no aux loss" $(FIG_RUNS)/moe.jsonl $(FIG_RUNS)/moe_noaux.jsonl $(FIG_RUNS)/moe_bias.jsonl
+	$(PY) tools/plot_metrics.py --out $(FIG) --prefix ch02_capacity_ --figure dropped \
+	  --title "default CPU model, EP = 2 on 2 CPU ranks, 100 steps" $(FIG_RUNS)/ch02_capacity/*.jsonl
+	$(PY) tools/plot_bench.py dispatch $(FIG_CH02) --out $(FIG)/ch02_dispatch_gbps.png \
+	  --title "dispatch + combine vs raw all-to-all, 2 × H200 (NVLink), commit e3716dc"
+	$(PY) tools/plot_bench.py bars $(FIG_CH03) --table GEMM --out $(FIG)/ch03_gemm_tflops.png \
+	  --ceiling 793.7 --ceiling-label "dense bf16 cuBLAS 8192³, same run: 793.7" \
+	  --title "the six expert GEMMs per backend, H200, commit d0de9c5 (03-grouped-gemm.md)"
+	$(PY) tools/plot_bench.py stages $(FIG_CH03) --table "shape, backend" --out $(FIG)/ch03_layer_stages.png \
+	  --title "where the MoE layer's time goes, H200, commit d0de9c5 (03-grouped-gemm.md)"
 
 # ---- docs
 docs:

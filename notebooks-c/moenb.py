@@ -20,6 +20,8 @@ Then:
 
     %moe_build                                                # show the compile command
 
+    %moe_plot tools/plot_bench.py bars docs/results/03-grouped-gemm.md --table GEMM --out @out/g.png
+
 A `%%c` cell is one complete C11 program. It is compiled with the project's own compiler
 and flags, linked against the project's library (both asked from the Makefile once per
 session with `make print-build-flags`, under the make variables in $MOE_NB_MAKEFLAGS, e.g.
@@ -33,6 +35,12 @@ compiler warnings are errors too.
 bin/PROGRAM args` from the repository root, with OMP_NUM_THREADS=1 (N ranks share the
 cores) and Open MPI's permission to run as root (containers, CI); output and failures
 are handled as for %moe. Where Open MPI is not installed it prints "skipped: ..." with the
+install command and the notebook goes on.
+
+`%moe_plot TOOL args` runs one of the plotting tools (tools/plot_metrics.py,
+tools/plot_bench.py) with Debian's /usr/bin/python3, `@out` in args replaced by a fresh
+temporary folder and an argument with `*` by the files it matches (from the repository root), and shows every PNG it wrote there inline, in file-name order (they are
+saved in the notebook's output). Without matplotlib it prints "skipped: ..." with the
 install command and the notebook goes on.
 """
 import os
@@ -167,7 +175,7 @@ def _program(name):
 
 @magics_class
 class MoeMagics(Magics):
-    """%%c, %moe, %mpirun and %moe_build."""
+    """%%c, %moe, %mpirun, %moe_plot and %moe_build."""
 
     @cell_magic
     def c(self, line, cell):
@@ -209,6 +217,30 @@ class MoeMagics(Magics):
         cmd = [launcher, "--oversubscribe", "--allow-run-as-root", "-np", argv[1],
                f"bin/{argv[2]}", *argv[3:]]
         _run(cmd, f"mpirun -np {argv[1]} bin/{argv[2]}", env=env)
+
+    @line_magic
+    def moe_plot(self, line):
+        """%moe_plot TOOL [args]: run a plotting tool with @out a temporary folder; show its PNGs."""
+        from IPython.display import Image, display
+        argv = shlex.split(line)
+        if not argv or not argv[0].startswith("tools/plot_") or "@out" not in line:
+            raise MoeNotebookError("usage: %moe_plot tools/plot_NAME.py ARGS   "
+                                   "(ARGS name the output as @out/...)")
+        python = "/usr/bin/python3"
+        has_mpl = subprocess.run([python, "-c", "import matplotlib"], capture_output=True,
+                                 stdin=subprocess.DEVNULL).returncode == 0
+        if not has_mpl:
+            print(f"skipped: {argv[0]} needs matplotlib, which {python} does not have "
+                  "(sudo apt-get install python3-matplotlib)")
+            return
+        args = []
+        for a in argv[1:]:  # a shell's globbing, from the repository root: runs/*.jsonl
+            found = sorted(p.relative_to(REPO).as_posix() for p in REPO.glob(a)) if "*" in a else []
+            args.extend(found or [a])
+        with tempfile.TemporaryDirectory(prefix="moenb-plot-") as tmp:
+            _run([python, argv[0], *(a.replace("@out", tmp) for a in args)], argv[0])
+            for png in sorted(Path(tmp).rglob("*.png")):
+                display(Image(filename=str(png)))
 
     @line_magic
     def moe_build(self, line):

@@ -16,12 +16,14 @@ every notebook; too narrow and a real change slips through):
     of lib/, so a per-function closure would exclude little and could miss a change;
   - the headers a %%c cell #includes from kernels/ (lib/ is already in);
   - the source of each program a %moe or %mpirun cell runs (programs/NAME.c or
-    chapters/*/NAME.c).
+    chapters/*/NAME.c);
+  - every file under tools/ or docs/results/ that a code cell names (a folder named there:
+    every file in it): the plotting tools a figure cell runs and the results it draws.
 
 Not stamped: the Makefile (it changes with every new target, and the notebooks' outputs
 almost never do), kernels/*.cu (the notebooks run on the CPU: no GPU code produces their
-outputs), tests/, docs/ and data/. Timings in the outputs vary from run to run anyway; the
-stamp says which code produced them, not that the numbers repeat.
+outputs), tests/, the rest of docs/, and data/. Timings in the outputs vary from run to
+run anyway; the stamp says which code produced them, not that the numbers repeat.
 """
 import hashlib
 import json
@@ -35,6 +37,7 @@ CELLS = "(the notebook's code cells)"
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
 _PROGRAM = re.compile(r"^\s*%(?:moe|mpirun\s+-np\s+\d+)\s+(\S+)", re.M)
+_NAMED = re.compile(r"(?<![\w/.])((?:tools|docs/results)/[\w./-]*)")
 
 
 def _digest(data):
@@ -65,6 +68,11 @@ def sources(nb, repo):
         for prog in _PROGRAM.findall(src):
             cands = [repo / "programs" / f"{prog}.c", *repo.glob(f"chapters/*/{prog}.c")]
             paths.update(c.relative_to(repo).as_posix() for c in cands if c.is_file())
+        for named in _NAMED.findall(src):
+            target = repo / named.rstrip("/.")
+            files = [target] if target.is_file() else (
+                sorted(f for f in target.rglob("*") if f.is_file()) if target.is_dir() else [])
+            paths.update(f.relative_to(repo).as_posix() for f in files)
     return sorted(paths)
 
 

@@ -19,7 +19,9 @@ import nbstamp  # noqa: E402
 # A notebook with every kind of cell the stamp looks into.
 CELLS = ['%%c\n#include "cpu/router.h"\n#include "cuda_ops.h"\nint main(void) { return 0; }\n',
          "%moe ch01_demo --device cpu\n",
-         "%mpirun -np 2 moe-train --device cpu\n"]
+         "%mpirun -np 2 moe-train --device cpu\n",
+         'run(["tools/plot_bench.py", "bars", "docs/results/03-x.md"])\n'
+         'R = "docs/results/runs/"  # a folder: every file in it\n']
 
 
 def notebook(cells):
@@ -37,7 +39,9 @@ class FakeRepo(unittest.TestCase):
         for rel in ("lib/cpu/router.h", "lib/cpu/router.c", "lib/moe/dispatch_alltoall.c",
                     "kernels/cuda_ops.h", "kernels/router.cu", "programs/moe-train.c",
                     "chapters/01-x/ch01_demo.c", "notebooks-c/moenb.py", "Makefile",
-                    "tests/test_router.c"):
+                    "tests/test_router.c", "tools/plot_bench.py", "tools/other.py",
+                    "docs/results/03-x.md", "docs/results/04-y.md", "docs/results/runs/a.jsonl",
+                    "docs/results/runs/b/c.jsonl"):
             self.write(rel, "v1\n")
         self.nb = notebook(CELLS)
         self.nb["metadata"][nbstamp.KEY] = nbstamp.compute(self.nb, self.repo)
@@ -52,9 +56,10 @@ class FakeRepo(unittest.TestCase):
 
     def test_stamped_sources(self):
         self.assertEqual(nbstamp.sources(self.nb, self.repo), [
-            "chapters/01-x/ch01_demo.c", "kernels/cuda_ops.h", "lib/cpu/router.c",
+            "chapters/01-x/ch01_demo.c", "docs/results/03-x.md", "docs/results/runs/a.jsonl",
+            "docs/results/runs/b/c.jsonl", "kernels/cuda_ops.h", "lib/cpu/router.c",
             "lib/cpu/router.h", "lib/moe/dispatch_alltoall.c", "notebooks-c/moenb.py",
-            "programs/moe-train.c"])
+            "programs/moe-train.c", "tools/plot_bench.py"])
 
     def test_each_stamped_source_is_noticed(self):
         for rel in nbstamp.sources(self.nb, self.repo):
@@ -75,7 +80,8 @@ class FakeRepo(unittest.TestCase):
         self.assertEqual(nbstamp.changed(self.nb, self.repo), [nbstamp.CELLS])
 
     def test_unstamped_files_and_markdown_do_not_invalidate(self):
-        for rel in ("Makefile", "kernels/router.cu", "tests/test_router.c"):
+        for rel in ("Makefile", "kernels/router.cu", "tests/test_router.c", "tools/other.py",
+                    "docs/results/04-y.md"):
             self.write(rel, "v2\n")
         self.nb["cells"][-1]["source"] = "other text"
         self.nb["cells"][0]["outputs"] = [{"output_type": "stream", "name": "stdout",
