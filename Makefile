@@ -383,9 +383,11 @@ check-ch03: check-deps
 
 # chapter 04 (parallel folding, first part): no student stubs yet, so the library's own code
 check-ch04: check-deps
-	@$(MAKE) --no-print-directory $(BUILD)/tests/unit $(if $(filter 1,$(WITH_MPI)),$(BUILD)/tests/mpi)
+	@$(MAKE) --no-print-directory $(BUILD)/tests/unit $(BUILD)/tests/fd \
+	  $(if $(filter 1,$(WITH_MPI)),$(BUILD)/tests/mpi)
 	@echo "== chapter 04 self-check (reference: the library's code; no student stubs yet)"
 	CK_INCLUDE_TAGS=ch04 $(BUILD)/tests/unit
+	CK_INCLUDE_TAGS=ch04 $(BUILD)/tests/fd
 	@if [ "$(WITH_MPI)" != 1 ]; then echo "== chapter 04 MPI ranks: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
 	else for np in 2 4; do echo "== chapter 04 on $$np MPI ranks (CPU)"; \
 	  CK_INCLUDE_TAGS=ch04 OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(BUILD)/tests/mpi || exit 1; done; fi

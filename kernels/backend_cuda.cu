@@ -64,6 +64,9 @@ static moe_backend make_cuda_backend(void) {
     b.swiglu_backward = moe_cuda_swiglu_backward;
     b.cross_entropy_forward = moe_cuda_cross_entropy_forward;
     b.cross_entropy_backward = moe_cuda_cross_entropy_backward;
+    b.cross_entropy_shard_forward = moe_cuda_cross_entropy_shard_forward;
+    b.cross_entropy_shard_merge = moe_cuda_cross_entropy_shard_merge;
+    b.cross_entropy_shard_backward = moe_cuda_cross_entropy_shard_backward;
     b.add = moe_cuda_add;
     b.scale = moe_cuda_scale;
 

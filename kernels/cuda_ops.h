@@ -88,6 +88,13 @@ void moe_cuda_cross_entropy_forward(moe_real *losses, const void *logits, const 
                                     int N, int V);
 void moe_cuda_cross_entropy_backward(void *dlogits, const moe_real *dloss, const void *logits,
                                      const int *targets, int N, int V);
+void moe_cuda_cross_entropy_shard_forward(moe_real *part, const void *logits, const int *targets,
+                                          int N, int V);
+void moe_cuda_cross_entropy_shard_merge(moe_real *losses, moe_real *lse, const moe_real *parts,
+                                        int R, int N);
+void moe_cuda_cross_entropy_shard_backward(void *dlogits, const moe_real *dloss,
+                                           const void *logits, const moe_real *lse,
+                                           const int *targets, int N, int V);
 void moe_cuda_add(void *y, const void *x, size_t n);
 void moe_cuda_scale(void *x, double s, size_t n);
 

@@ -181,6 +181,16 @@ typedef struct moe_backend {
     /** as moe_cpu_cross_entropy_backward() */
     void (*cross_entropy_backward)(void *dlogits, const moe_real *dloss, const void *logits,
                                    const int *targets, int N, int V);
+    /** as moe_cpu_cross_entropy_shard_forward(): a vocabulary shard's (log-sum-exp, target
+     *  logit) per row, targets local to the shard or −1 (chapter 04) */
+    void (*cross_entropy_shard_forward)(moe_real *part, const void *logits, const int *targets,
+                                        int N, int V);
+    /** as moe_cpu_cross_entropy_shard_merge(): R shards' parts [R,N,2] → losses and lse */
+    void (*cross_entropy_shard_merge)(moe_real *losses, moe_real *lse, const moe_real *parts,
+                                      int R, int N);
+    /** as moe_cpu_cross_entropy_shard_backward(): a shard's columns of the gradient */
+    void (*cross_entropy_shard_backward)(void *dlogits, const moe_real *dloss, const void *logits,
+                                         const moe_real *lse, const int *targets, int N, int V);
     /** y += x over n activations (residual connections) */
     void (*add)(void *y, const void *x, size_t n);
     /** x *= s over n activations */

@@ -466,7 +466,8 @@ static moe_tensor whole(int ndim, int s0, int s1) {
 static const char *const g_shape_flags[] = {
     "num-layers", "hidden-size", "num-attention-heads", "num-query-groups", "ffn-hidden-size",
     "qk-layernorm", "num-experts", "moe-ffn-hidden-size", "moe-layer-freq",
-    "moe-shared-expert-intermediate-size", "tokenizer-type", "moe-router-enable-expert-bias"};
+    "moe-shared-expert-intermediate-size", "tokenizer-type", "moe-router-enable-expert-bias",
+    "make-vocab-size-divisible-by"};
 /* Settings of the model, MoE and training groups that only say how the run executes. */
 static const char *const g_free_flags[] = {
     "train-iters", "expert-model-parallel-size", "tensor-model-parallel-size",

@@ -103,6 +103,11 @@ static const moe_flag g_flags[] = {
       "parallel QKV and fc1, row-parallel output projection and fc2); must divide the heads, "
       "the key/value groups, --hidden-size, --ffn-hidden-size and the number of ranks",
       NULL, G_PAR),
+    F("make-vocab-size-divisible-by", MOE_FLAG_INT, make_vocab_size_divisible_by, "1",
+      "pad the tokenizer's vocabulary with unused ids up to a multiple of this, so that "
+      "--tensor-model-parallel-size can split the embedding and LM head by vocabulary rows "
+      "(Megatron pads to a multiple of this times TP; moe.c pads to exactly this multiple, "
+      "so the model stays the same for every TP)", NULL, G_PAR),
     F("sequence-parallel", MOE_FLAG_BOOL, sequence_parallel, "0",
       "with TP: norms and residuals on 1/TP of the tokens each (all-gather before the column-"
       "parallel GEMMs, reduce-scatter after the row-parallel ones)", NULL, G_PAR),
@@ -435,6 +440,12 @@ static moe_status validate_folding(moe_config *c, int any_moe, int any_dense, mo
             "--tensor-model-parallel-size %d with MoE layers is not implemented yet (a later "
             "part of chapter 04 folds attention TP with expert EP); use a dense model "
             "(--num-experts 0) with TP, or TP 1 with --expert-model-parallel-size", TP);
+    REQUIRE(c->vocab_size % TP == 0,
+            "the vocabulary (%d ids, after --make-vocab-size-divisible-by %d) is not divisible by "
+            "--tensor-model-parallel-size %d (the embedding and the LM head are split by "
+            "vocabulary rows): pad it with --make-vocab-size-divisible-by %d (a multiple of the "
+            "TP size), or pick a TP that divides %d", c->vocab_size,
+            c->make_vocab_size_divisible_by, TP, TP, c->vocab_size);
     return MOE_OK;
 }
 
@@ -472,6 +483,13 @@ moe_status moe_config_validate(moe_config *c, moe_error *err) {
             "drawn wider overflow the activations)", c->init_method_std);
     REQUIRE(c->vocab_size >= 2, "vocabulary size %d is too small (the data file needs at least "
             "two distinct symbols)", c->vocab_size);
+    REQUIRE(c->make_vocab_size_divisible_by >= 1 && c->make_vocab_size_divisible_by <= 65536,
+            "--make-vocab-size-divisible-by must be between 1 and 65536 (got %d; 1 = no "
+            "padding)", c->make_vocab_size_divisible_by);
+    { /* padding (idempotent: a padded size stays as it is) */
+        const int d = c->make_vocab_size_divisible_by;
+        c->vocab_size = (c->vocab_size + d - 1) / d * d;
+    }
 
     /* which layers are MoE */
     REQUIRE(c->num_experts >= 0 && c->num_experts <= MOE_MAX_EXPERTS,

@@ -124,6 +124,8 @@ typedef struct moe_config {
     /* ---- parallel folding (chapter 04) */
     int tensor_model_parallel_size;        /**< --tensor-model-parallel-size (TP) */
     int sequence_parallel;                 /**< --sequence-parallel (SP, needs TP > 1) */
+    int make_vocab_size_divisible_by;      /**< --make-vocab-size-divisible-by (vocabulary
+                                                padding; 1 = none) */
     int expert_tensor_parallel_size;       /**< --expert-tensor-parallel-size (ETP) */
     int context_parallel_size;             /**< --context-parallel-size (CP: chapter 07) */
     int pipeline_model_parallel_size;      /**< --pipeline-model-parallel-size (PP: not planned) */

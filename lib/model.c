@@ -30,8 +30,7 @@ static void layout(moe_model *m) {
      * (column-parallel), the output projection and fc2 by input columns (row-parallel), each
      * rank's shard initialised as its slice of the single-rank tensor. Tensors every TP rank
      * holds whole get a partial gradient where each rank saw part of the work: the QK-norm
-     * (each rank's heads), and under sequence parallelism everything outside the GEMMs
-     * (each rank's tokens). */
+     * (each rank's heads), and under sequence parallelism the norms (each rank's tokens). */
     const int tps = m->tp.size, tpr = m->tp.rank, sp = tps > 1 && m->tp.sp;
 #define SHARD_TP(dim)                                                                   \
     do {                                                                                \
@@ -43,8 +42,10 @@ static void layout(moe_model *m) {
         if (cond)                                                                       \
             moe_params_partial(pt, MOE_GROUP_TP);                                       \
     } while (0)
+    /* the embedding and the LM head are split by vocabulary rows (vocab_parallel.h); every
+     * rank computes its rows' gradient from all N tokens, so neither is partial */
     m->off_embed = moe_params_add(pt, "embedding", 2, V, H, 0, MOE_INIT_NORMAL, std, 1);
-    PARTIAL_TP(sp);
+    SHARD_TP(0);
     for (int l = 0; l < c->num_layers; l++) {
         size_t *o = m->off[l];
         for (int s = 0; s < MOE_W_COUNT; s++)
@@ -94,7 +95,7 @@ static void layout(moe_model *m) {
     m->off_final_norm = moe_params_add(pt, "final_norm", 1, H, 0, 0, MOE_INIT_ONES, 0, 0);
     PARTIAL_TP(sp);
     m->off_lm_head = moe_params_add(pt, "lm_head", 2, V, H, 0, MOE_INIT_NORMAL, std, 1);
-    PARTIAL_TP(sp);
+    SHARD_TP(0);
     /* The routed experts last: every replicated (dense) tensor is then one contiguous block
      * and every expert slice another, so each gradient sync and norm is one call per block
      * instead of one per tensor. Each rank holds its EP shard of the experts (dim 0), which
@@ -286,13 +287,17 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
     }
     m->lnf = must(be, S * Nl * H, &ok);
     m->rstdf = must(be, R * Nl, &ok);
-    m->logits = must(be, S * Nl * V, &ok);
-    m->losses = must(be, R * Nl, &ok);
+    /* with TP the LM head and the cross-entropy run on all N tokens and V/TP ids */
+    const size_t Vl = (size_t)V / m->tp.size;
+    if (m->tp.size > 1 && !moe_vp_alloc(be, &m->vp, &m->tp, V, (int)N))
+        ok = 0;
+    m->logits = must(be, S * N * Vl, &ok);
+    m->losses = must(be, R * N, &ok);
     m->d_res = must(be, S * Nl * H, &ok);
     m->d_ln = must(be, S * Nl * H, &ok);
     if (!moe_attention_scratch_alloc(be, &m->attn_scratch, &ad))
         ok = 0;
-    m->d_logits = must(be, S * Nl * V, &ok);
+    m->d_logits = must(be, S * N * Vl, &ok);
     if (Nl != N) { /* sequence parallel: the whole-sequence buffers around the TP GEMMs */
         m->tp_x = must(be, S * N * H, &ok);
         m->tp_y = must(be, S * N * H, &ok);
@@ -347,6 +352,7 @@ void moe_model_free(moe_model *m) {
     be->free(m->lnf); be->free(m->rstdf); be->free(m->logits); be->free(m->losses);
     be->free(m->d_res); be->free(m->d_ln); be->free(m->d_logits);
     be->free(m->tp_x); be->free(m->tp_y); be->free(m->tp_dx);
+    moe_vp_free(m->vp.V ? be : NULL, &m->vp);
     moe_attention_scratch_free(be, &m->attn_scratch);
     be->free(m->expert_bias);
     free(m->expert_bias_host);
@@ -425,8 +431,8 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
     MOE_ASSERT(B >= 1 && B <= m->max_B && T >= 1 && T <= m->max_T);
     const int L = c->num_layers, H = c->hidden_size, V = c->vocab_size;
     const int N = B * T;
-    /* under sequence parallelism this rank holds rows [r0, r0 + Nl) of the residual stream */
-    const int Nl = moe_tp_local_rows(&m->tp, N), r0 = moe_tp_first_row(&m->tp, N);
+    /* under sequence parallelism this rank holds Nl = N/TP rows of the residual stream */
+    const int Nl = moe_tp_local_rows(&m->tp, N);
     const moe_tp *tp = &m->tp;
     const moe_attention_dims ad = attn_dims(m, B, T);
     m->B = B;
@@ -435,7 +441,14 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
     if (targets)
         be->from_host(m->targets, targets, sizeof(int) * N);
 
-    be->embedding_forward(m->res[0], m->tokens + r0, PG(m, m->off_embed), Nl, H);
+    if (m->tp.size > 1) { /* vocabulary-parallel lookup, summed over TP (g, or SP's scatter) */
+        moe_vp_set_batch(be, &m->vp, tokens, targets, N);
+        void *part = block_out(m, m->res[0]);
+        moe_vp_embedding_forward(be, &m->vp, part, PG(m, m->off_embed), N, H);
+        moe_tp_exit_forward(be, tp, m->res[0], part, N, H);
+    } else {
+        be->embedding_forward(m->res[0], m->tokens, PG(m, m->off_embed), N, H);
+    }
     double aux = 0.0, z = 0.0;
     m->last.dropped = 0;
     for (int l = 0; l < L; l++) {
@@ -480,18 +493,21 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
     }
     be->rmsnorm_forward(m->lnf, m->rstdf, m->res[L], PG(m, m->off_final_norm), Nl, H,
                         c->norm_epsilon);
-    be->matmul_forward(m->logits, m->lnf, PG(m, m->off_lm_head), Nl, H, V);
+    /* LM head: with TP column-parallel over the vocabulary, on every token (vocab_parallel.h) */
+    const int vp = m->tp.size > 1;
+    be->matmul_forward(m->logits, moe_tp_enter_forward(be, tp, m->tp_x, m->lnf, N, H),
+                       PG(m, m->off_lm_head), N, H, vp ? m->vp.Vl : V);
     if (!targets) {
         long long dropped = m->last.dropped;
         memset(&m->last, 0, sizeof m->last);
         m->last.dropped = dropped;
         return 0.0;
     }
-    be->cross_entropy_forward(m->losses, m->logits, m->targets + r0, Nl, V);
-    double ce_sum = be->sum(m->losses, (size_t)Nl);
-    if (Nl != N) /* each rank has the losses of its tokens */
-        moe_comm_host_all_reduce_sum(tp->comm, &ce_sum, 1, MOE_DTYPE_F64);
-    m->last.ce = ce_sum / N;
+    if (vp) /* every rank gets the losses of all N tokens */
+        moe_vp_cross_entropy_forward(be, tp, &m->vp, m->losses, m->logits, N);
+    else
+        be->cross_entropy_forward(m->losses, m->logits, m->targets, N, V);
+    m->last.ce = be->sum(m->losses, (size_t)N) / N;
     m->last.aux = aux;
     m->last.z = z;
     m->last.total = m->last.ce + aux + z;
@@ -505,21 +521,28 @@ void moe_model_backward(moe_model *m, double loss_scale) {
     const moe_config *c = &m->cfg;
     const int L = c->num_layers, H = c->hidden_size, V = c->vocab_size;
     const int B = m->B, T = m->T, N = B * T;
-    const int Nl = moe_tp_local_rows(&m->tp, N), r0 = moe_tp_first_row(&m->tp, N);
+    const int Nl = moe_tp_local_rows(&m->tp, N);
     const moe_tp *tp = &m->tp;
     const moe_attention_dims ad = attn_dims(m, B, T);
 
-    /* loss → logits → final norm. The op's mean is over the Nl rows it is given; the loss
-     * is the mean over all N tokens, hence Nl/N. */
+    /* loss → logits → final norm: the mean over the N tokens. With TP this rank's V/TP
+     * columns of every token (vocab_parallel.h); the LM head is column-parallel, so its
+     * input gradient is a partial sum over TP (f's backward, or SP's reduce-scatter). */
     const size_t S = be->act_size;
-    be->zero(m->d_logits, S * (size_t)Nl * V);
-    be->cross_entropy_backward(m->d_logits, NULL, m->logits, m->targets + r0, Nl, V);
-    const double ce_scale = loss_scale * Nl / N;
-    if (ce_scale != 1.0)
-        be->scale(m->d_logits, ce_scale, (size_t)Nl * V);
-    be->zero(m->d_ln, S * (size_t)Nl * H);
-    be->matmul_backward(m->d_ln, m->grads + m->off_lm_head, m->d_logits, m->lnf,
-                        PG(m, m->off_lm_head), Nl, H, V);
+    const int vp = m->tp.size > 1, Vl = vp ? m->vp.Vl : V;
+    be->zero(m->d_logits, S * (size_t)N * Vl);
+    if (vp)
+        moe_vp_cross_entropy_backward(be, &m->vp, m->d_logits, m->logits, N);
+    else
+        be->cross_entropy_backward(m->d_logits, NULL, m->logits, m->targets, N, V);
+    if (loss_scale != 1.0)
+        be->scale(m->d_logits, loss_scale, (size_t)N * Vl);
+    void *dfull = m->tp_x ? m->tp_dx : m->d_ln; /* [N,H]: the whole input's gradient */
+    be->zero(dfull, S * (size_t)N * H);
+    be->matmul_backward(dfull, m->grads + m->off_lm_head, m->d_logits,
+                        moe_tp_enter_forward(be, tp, m->tp_x, m->lnf, N, H),
+                        PG(m, m->off_lm_head), N, H, Vl);
+    moe_tp_enter_backward(be, tp, m->d_ln, dfull, N, H);
     be->zero(m->d_res, S * (size_t)Nl * H);
     be->rmsnorm_backward(m->d_res, m->grads + m->off_final_norm, m->d_ln, m->res[L],
                          PG(m, m->off_final_norm), m->rstdf, Nl, H);
@@ -570,7 +593,13 @@ void moe_model_backward(moe_model *m, double loss_scale) {
         be->rmsnorm_backward(m->d_res, G(m, l, MOE_W_LN1), m->d_ln, x, P(m, l, MOE_W_LN1),
                              a->rstd1, Nl, H);
     }
-    be->embedding_backward(m->grads + m->off_embed, m->d_res, m->tokens + r0, Nl, V, H);
+    if (vp) { /* this rank's vocabulary rows, from every token's gradient */
+        const void *dy = moe_tp_exit_backward(be, tp, m->tp_y, m->d_res, N, H);
+        moe_vp_embedding_backward(be, &m->vp, m->grads + m->off_embed, dy,
+                                  m->tp_x ? m->tp_dx : m->d_ln, H);
+    } else {
+        be->embedding_backward(m->grads + m->off_embed, m->d_res, m->tokens, N, V, H);
+    }
     m->grads_zero = 0;
 }
 

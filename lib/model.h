@@ -23,6 +23,7 @@
 #include "moe/layer.h"
 #include "params.h"
 #include "tensor_parallel.h"
+#include "vocab_parallel.h"
 
 /** Per-layer weight slots (offsets into the parameter buffer). */
 typedef enum moe_layer_weight {
@@ -74,6 +75,7 @@ typedef struct moe_model {
     const moe_backend *be;        /**< where everything lives and runs */
     moe_ep *ep;                   /**< expert parallelism, or NULL */
     moe_tp tp;                    /**< tensor (and sequence) parallelism: size 1 without */
+    moe_vocab_parallel vp;        /**< with TP: this rank's vocabulary shard (else zeroed) */
     int experts_local;            /**< experts of each MoE layer held by this rank */
     moe_param_table table;        /**< names, shapes, offsets */
     moe_real *params;             /**< [table.total] master weights, full precision */
@@ -100,7 +102,7 @@ typedef struct moe_model {
     moe_block_acts *acts;         /**< [L] */
     void *lnf;                /**< final norm output [N,H] */
     moe_real *rstdf;              /**< its 1/rms [N] */
-    void *logits;             /**< [N,V] */
+    void *logits;             /**< [N,V], or with TP [N,V/TP] (this rank's ids) */
     moe_real *losses;             /**< [N] per-token cross-entropy */
     moe_layer_workspace ws;         /**< MoE/FFN scratch */
     void *d_res;              /**< ∂L/∂residual stream [N,H] */
@@ -110,7 +112,7 @@ typedef struct moe_model {
     void *tp_y;                   /**< SP: a row-parallel GEMM's partial output, and in the
                                        backward the gathered output gradient [N,H] */
     void *tp_dx;                  /**< SP: a block's partial input gradient [N,H] */
-    void *d_logits;           /**< ∂L/∂logits [N,V] */
+    void *d_logits;           /**< ∂L/∂logits, as logits */
     moe_losses last;              /**< losses of the last forward */
     double *layer_aux;            /**< [L] per-layer aux loss of the last forward */
     double *layer_z;              /**< [L] per-layer z-loss of the last forward */

@@ -358,7 +358,9 @@ double moe_trainer_evaluate(moe_trainer *t, moe_split split, int iters) {
 void moe_trainer_sample(moe_trainer *t, int n, double temperature, uint64_t seed, char *out) {
     const moe_config *c = &t->cfg;
     const moe_tokenizer *tok = &t->data.tok;
-    const int T = c->seq_length, V = c->vocab_size;
+    /* the model's vocabulary may be padded (--make-vocab-size-divisible-by): sample among the
+     * tokenizer's ids only */
+    const int T = c->seq_length, V = c->vocab_size, Vt = tok->vocab_size;
     int *ctx = malloc(sizeof(int) * (size_t)(n + 1));
     int *window = malloc(sizeof(int) * (size_t)T);
     moe_real *logits = malloc(sizeof(moe_real) * (size_t)V);
@@ -366,8 +368,10 @@ void moe_trainer_sample(moe_trainer *t, int n, double temperature, uint64_t seed
     MOE_ASSERT(ctx && window && logits && p);
     /* Under sequence parallelism a forward needs a multiple of TP tokens (T is one): the
      * window is padded at its end, which the causal mask keeps from changing the rows
-     * before it, and the last real row's logits come from the rank holding that row. */
+     * before it. With TP every rank has its V/TP logits of every row (vocab_parallel.h):
+     * each puts its own in place and a sum over TP assembles the row. */
     const moe_tp *tp = &t->model->tp;
+    const int Vl = tp->size > 1 ? t->model->vp.Vl : V, v0 = tp->size > 1 ? t->model->vp.v0 : 0;
     const int sp = tp->size > 1 && tp->sp;
     int len = 0;
     int nl = tok->byte_to_id['\n'];
@@ -380,23 +384,19 @@ void moe_trainer_sample(moe_trainer *t, int n, double temperature, uint64_t seed
             window[j] = 0;
         moe_model_forward(t->model, window, NULL, 1, tw);
         const moe_backend *be = t->model->be;
-        const int rows = moe_tp_local_rows(tp, tw), owner = sp ? (w - 1) / rows : tp->rank;
-        if (owner == tp->rank)
-            be->read_act(logits, MOE_ACT(be, t->model->logits, (size_t)(w - 1 - owner * (sp ? rows : 0)) * V),
-                         (size_t)V);
-        else
-            memset(logits, 0, sizeof(moe_real) * (size_t)V);
-        if (sp)
+        memset(logits, 0, sizeof(moe_real) * (size_t)V);
+        be->read_act(logits + v0, MOE_ACT(be, t->model->logits, (size_t)(w - 1) * Vl), (size_t)Vl);
+        if (tp->size > 1)
             moe_comm_host_all_reduce_sum(tp->comm, logits, (size_t)V, moe_dtype_real());
         double mx = logits[0];
-        for (int v = 1; v < V; v++)
+        for (int v = 1; v < Vt; v++)
             mx = logits[v] > mx ? logits[v] : mx;
         double s = 0.0;
-        for (int v = 0; v < V; v++)
+        for (int v = 0; v < Vt; v++)
             s += (p[v] = exp((logits[v] - mx) / temperature));
         double u = moe_rng_uniform(seed, STREAM_SAMPLE, (uint64_t)i) * s;
-        int pick = V - 1;
-        for (int v = 0; v < V; v++) {
+        int pick = Vt - 1;
+        for (int v = 0; v < Vt; v++) {
             u -= p[v];
             if (u <= 0) {
                 pick = v;

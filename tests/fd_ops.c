@@ -322,6 +322,67 @@ START_TEST(test_fd_cross_entropy) {
 }
 END_TEST
 
+/* Vocabulary-parallel cross-entropy: the V columns split into R shards, stored shard-major
+ * ([R][N][V/R], each shard as its rank would hold it). Each shard's part, the merge, and the
+ * shard backward from the merged lse must be the gradient of the merged loss; and the merged
+ * loss must be the plain cross-entropy of the whole rows. */
+typedef struct { int N, V, R; int *tgt, *local; moe_real *shards, *parts, *losses, *lse, *r; } vce_ctx;
+static void vce_local_targets(vce_ctx *c, int r) {
+    const int Vs = c->V / c->R;
+    for (int n = 0; n < c->N; n++)
+        c->local[(size_t)r * c->N + n] =
+            c->tgt[n] >= r * Vs && c->tgt[n] < (r + 1) * Vs ? c->tgt[n] - r * Vs : -1;
+}
+static double vce_loss(void *p) {
+    vce_ctx *c = p;
+    const size_t Vs = (size_t)(c->V / c->R);
+    for (int r = 0; r < c->R; r++)
+        moe_cpu_cross_entropy_shard_forward(c->parts + (size_t)r * c->N * 2,
+                                            c->shards + (size_t)r * c->N * Vs,
+                                            c->local + (size_t)r * c->N, c->N, (int)Vs);
+    moe_cpu_cross_entropy_shard_merge(c->losses, c->lse, c->parts, c->R, c->N);
+    return fd_dot(c->r, c->losses, (size_t)c->N);
+}
+static void check_vocab_parallel_ce(int R) {
+    vce_ctx c = {8, 12, R, 0, 0, 0, 0, 0, 0, 0};
+    const int N = c.N, V = c.V, Vs = V / R;
+    c.tgt = malloc(sizeof(int) * N);
+    c.local = malloc(sizeof(int) * N * R);
+    for (int n = 0; n < N; n++)
+        c.tgt[n] = (n * 5 + 1) % V;
+    for (int r = 0; r < R; r++)
+        vce_local_targets(&c, r);
+    c.shards = ALLOC(N * V); c.parts = ALLOC(2 * N * R); c.losses = ALLOC(N); c.lse = ALLOC(N);
+    c.r = ALLOC(N);
+    moe_test_randn(c.shards, (size_t)N * V, 21, 3.0);
+    moe_test_randn(c.r, N, 22, 1.0);
+    /* the whole rows, reassembled from the shards, through the plain op */
+    moe_real *whole = ALLOC(N * V), *plain = ALLOC(N);
+    for (int r = 0; r < R; r++)
+        for (int n = 0; n < N; n++)
+            memcpy(whole + (size_t)n * V + r * Vs, c.shards + ((size_t)r * N + n) * Vs,
+                   sizeof(moe_real) * Vs);
+    moe_cpu_cross_entropy_forward(plain, whole, c.tgt, N, V);
+    vce_loss(&c);
+    ck_assert_double_le(moe_test_max_rel_err(c.losses, plain, N, 1e-12), 1e-12);
+    moe_real *dl = ALLOC(N * V);
+    for (int r = 0; r < R; r++)
+        moe_cpu_cross_entropy_shard_backward(dl + (size_t)r * N * Vs, c.r,
+                                             c.shards + (size_t)r * N * Vs, c.lse,
+                                             c.local + (size_t)r * N, N, Vs);
+    char what[64];
+    snprintf(what, sizeof what, "vocabulary-parallel cross entropy, %d shards", R);
+    ck_assert_double_le(fd_check(what, vce_loss, &c, c.shards, dl, (size_t)N * V, 400, TOL), TOL);
+    free(c.tgt); free(c.local); free(c.shards); free(c.parts); free(c.losses); free(c.lse);
+    free(c.r); free(whole); free(plain); free(dl);
+}
+START_TEST(test_fd_vocab_parallel_cross_entropy) {
+    check_vocab_parallel_ce(1);
+    check_vocab_parallel_ce(3);
+    check_vocab_parallel_ce(4);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ router */
 typedef struct { int N; moe_router_params p; moe_real *logits, *w, *r; int *idx; float *bias; } rt_ctx;
 static double rt_loss(void *p) {
@@ -451,5 +512,11 @@ Suite *suite_fd_ops(void) {
     tcase_set_timeout(ch01, 120);
     tcase_add_test(ch01, test_fd_aux_losses);
     suite_add_tcase(s, ch01);
+    /* chapter 04: the vocabulary-parallel cross-entropy's gradient (make check-ch04) */
+    TCase *ch04 = tcase_create("ch04");
+    tcase_set_tags(ch04, "ch04");
+    tcase_set_timeout(ch04, 120);
+    tcase_add_test(ch04, test_fd_vocab_parallel_cross_entropy);
+    suite_add_tcase(s, ch04);
     return s;
 }

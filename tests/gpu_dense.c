@@ -545,6 +545,76 @@ START_TEST(test_gpu_cross_entropy) {
 }
 END_TEST
 
+/* The vocabulary-parallel cross-entropy (chapter 04): one shard of Vs columns, whose local
+ * targets are −1 wherever the global target lies in the other R−1 shards; the merge on fresh
+ * random parts of R shards; the shard backward from a fresh random lse near the rows' own. */
+static void check_cross_entropy_shard(int N, int Vs, int R) {
+    char name[96];
+    moe_real *z, *parts, *dloss, *dz0, *dzn0, *lse_in;
+    int *tgt = make_tokens(N, Vs * R, 0.0, (uint64_t)Vs * 5 + N);
+    for (int n = 0; n < N; n++) /* this is shard 1 of R: columns [Vs, 2·Vs) */
+        tgt[n] = tgt[n] >= Vs && tgt[n] < 2 * Vs ? tgt[n] - Vs : -1;
+    int *d_tgt = upload_ints(tgt, (size_t)N);
+    void *d_z = rand_act((size_t)N * Vs, 64, 3.0, &z);
+
+    const size_t np = 2 * (size_t)N;
+    moe_real *d_part = dmalloc(np * sizeof(moe_real));
+    poison_dev(d_part, np * sizeof(moe_real));
+    moe_cuda_cross_entropy_shard_forward(d_part, d_z, d_tgt, N, Vs);
+    moe_real *part = read_real(d_part, np), *part0 = hmalloc(np);
+    moe_cpu_cross_entropy_shard_forward(part0, z, tgt, N, Vs);
+    snprintf(name, sizeof name, "ce shard fwd (fp32) N=%d Vs=%d", N, Vs);
+    expect_close(name, part, part0, np, 1e-5);
+
+    moe_real *d_parts = rand_real(np * R, 65, 3.0, &parts);
+    moe_real *d_loss = dmalloc((size_t)N * sizeof(moe_real)),
+             *d_lse = dmalloc((size_t)N * sizeof(moe_real));
+    poison_dev(d_loss, (size_t)N * sizeof(moe_real));
+    poison_dev(d_lse, (size_t)N * sizeof(moe_real));
+    moe_cuda_cross_entropy_shard_merge(d_loss, d_lse, d_parts, R, N);
+    moe_real *loss = read_real(d_loss, (size_t)N), *lse = read_real(d_lse, (size_t)N);
+    moe_real *loss0 = hmalloc((size_t)N), *lse0 = hmalloc((size_t)N);
+    moe_cpu_cross_entropy_shard_merge(loss0, lse0, parts, R, N);
+    snprintf(name, sizeof name, "ce shard merge loss R=%d N=%d", R, N);
+    expect_close(name, loss, loss0, (size_t)N, 1e-5);
+    snprintf(name, sizeof name, "ce shard merge lse R=%d N=%d", R, N);
+    expect_close(name, lse, lse0, (size_t)N, 1e-5);
+
+    /* the backward's lse: the shard's own plus log R and noise (a whole row has more mass) */
+    moe_real *d_lse_in = rand_real((size_t)N, 66, 0.3, &lse_in);
+    for (int n = 0; n < N; n++)
+        lse_in[n] += part0[2 * (size_t)n] + (moe_real)log((double)R);
+    moe_cuda_from_host(d_lse_in, lse_in, (size_t)N * sizeof(moe_real));
+    moe_real *d_dloss = rand_real((size_t)N, 67, 1.0, &dloss);
+    void *d_dz = rand_act((size_t)N * Vs, 68, 0.1, &dz0);
+    moe_cuda_cross_entropy_shard_backward(d_dz, d_dloss, d_z, d_lse_in, d_tgt, N, Vs);
+    moe_real *dz = read_act(d_dz, (size_t)N * Vs);
+    moe_cpu_cross_entropy_shard_backward(dz0, dloss, z, lse_in, tgt, N, Vs);
+    snprintf(name, sizeof name, "ce shard bwd N=%d Vs=%d", N, Vs);
+    expect_close(name, dz, dz0, (size_t)N * Vs, 1e-2);
+    void *d_dzn = rand_act((size_t)N * Vs, 69, 0.1 / N, &dzn0);
+    moe_cuda_cross_entropy_shard_backward(d_dzn, NULL, d_z, d_lse_in, d_tgt, N, Vs);
+    moe_real *dzn = read_act(d_dzn, (size_t)N * Vs);
+    moe_cpu_cross_entropy_shard_backward(dzn0, NULL, z, lse_in, tgt, N, Vs);
+    snprintf(name, sizeof name, "ce shard bwd mean N=%d Vs=%d", N, Vs);
+    expect_close(name, dzn, dzn0, (size_t)N * Vs, 1e-2);
+
+    moe_cuda_free(d_tgt), moe_cuda_free(d_z), moe_cuda_free(d_part), moe_cuda_free(d_parts);
+    moe_cuda_free(d_loss), moe_cuda_free(d_lse), moe_cuda_free(d_lse_in);
+    moe_cuda_free(d_dloss), moe_cuda_free(d_dz), moe_cuda_free(d_dzn);
+    free(tgt), free(z), free(part), free(part0), free(parts), free(loss), free(lse);
+    free(loss0), free(lse0), free(lse_in), free(dloss), free(dz0), free(dz), free(dzn0);
+    free(dzn);
+}
+
+START_TEST(test_gpu_cross_entropy_shard) {
+    check_cross_entropy_shard(37, 33, 2);
+    check_cross_entropy_shard(300, 250, 4);
+    if (!moe_test_quick())
+        check_cross_entropy_shard(4096, 12576, 4); /* a 50304 vocabulary over TP 4 */
+}
+END_TEST
+
 /* ------------------------------------------------------------- elementwise */
 
 START_TEST(test_gpu_elementwise) {
@@ -662,7 +732,9 @@ START_TEST(test_gpu_backend_table) {
         (void *)b->rope_backward, (void *)b->attention_workspace_bytes,
         (void *)b->attention_forward, (void *)b->attention_backward,
         (void *)b->swiglu_forward, (void *)b->swiglu_backward, (void *)b->cross_entropy_forward,
-        (void *)b->cross_entropy_backward, (void *)b->add, (void *)b->scale,
+        (void *)b->cross_entropy_backward, (void *)b->cross_entropy_shard_forward,
+        (void *)b->cross_entropy_shard_merge, (void *)b->cross_entropy_shard_backward,
+        (void *)b->add, (void *)b->scale,
         (void *)b->router_forward, (void *)b->router_backward, (void *)b->aux_loss_forward,
         (void *)b->aux_loss_backward, (void *)b->z_loss_forward, (void *)b->z_loss_backward,
         (void *)b->permute_index, (void *)b->permute_tokens, (void *)b->permute_weights,
@@ -688,6 +760,7 @@ Suite *suite_gpu_dense(void) {
     tcase_add_test(tc, test_gpu_rope);
     tcase_add_test(tc, test_gpu_swiglu);
     tcase_add_test(tc, test_gpu_cross_entropy);
+    tcase_add_test(tc, test_gpu_cross_entropy_shard);
     tcase_add_test(tc, test_gpu_elementwise);
     tcase_add_test(tc, test_gpu_optimizer);
     suite_add_tcase(s, tc);

@@ -7,7 +7,11 @@
  *    into W ranks at EP W; the next step's loss is the one of the run continued without
  *    resharding (same operations in another order: 1e-5 relative on CPU ranks, as in
  *    tests/mpi_ep.c; 1e-3 on GPU ranks);
- *  - a missing rank file is a named error on every rank.
+ *  - a missing rank file is a named error on every rank;
+ *  - tensor parallelism (chapter 04): a dense model saved by W ranks at TP W with sequence
+ *    parallelism (attention, FFN, embedding and LM head split) loads into one process, and
+ *    one saved by one process loads into TP W + SP, each giving the next-step loss of the
+ *    run continued without resharding (same bounds).
  */
 #include <math.h>
 #include <stdio.h>
@@ -167,9 +171,63 @@ START_TEST(test_ckpt_reshard) {
 }
 END_TEST
 
+#define CK_TP "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --num-query-groups 4 " \
+              "--seq-length 16 --micro-batch-size 2 --num-experts 0 --ffn-hidden-size 32 "   \
+              "--make-vocab-size-divisible-by 4 --lr 3e-3 --lr-warmup-iters 2 "             \
+              "--lr-decay-iters 16 "
+
+/* A dense trainer at TP @p tp (+ SP when tp > 1) over @p world (NULL: one process), with
+ * the same global batch for every folding. */
+static moe_trainer *make_tp(int tp, moe_comm *world) {
+    const int W = moe_comm_size(moe_test_world());
+    char flags[1200];
+    snprintf(flags, sizeof flags, CK_TP "--global-batch-size %d --tensor-model-parallel-size %d %s",
+             2 * 2 * W, tp, tp > 1 ? "--sequence-parallel" : "");
+    return moe_test_trainer(flags, world, on_gpu());
+}
+
+START_TEST(test_ckpt_tensor_parallel) {
+    moe_comm *w = moe_test_world();
+    const int W = moe_comm_size(w);
+    if (W == 1)
+        return; /* TP needs two ranks at least */
+    char dir[600], dir1[600];
+    shared_dir(dir, sizeof dir, "tp");
+    shared_dir(dir1, sizeof dir1, "tp1");
+
+    moe_trainer *src = make_tp(W, w);
+    moe_test_step(src);
+    moe_test_step(src);
+    save(src, dir);
+    const double next = moe_test_step(src);
+    moe_trainer_free(src);
+    moe_trainer *one = make_tp(1, NULL);
+    load(one, dir);
+    check_close(moe_test_step(one), next, "TP W + SP -> one process");
+    moe_trainer_free(one);
+
+    moe_trainer *single = make_tp(1, NULL);
+    moe_test_step(single);
+    moe_test_step(single);
+    if (moe_comm_rank(w) == 0)
+        save(single, dir1);
+    moe_comm_barrier(w);
+    const double next1 = moe_test_step(single);
+    moe_trainer_free(single);
+    moe_trainer *tp = make_tp(W, w);
+    load(tp, dir1);
+    check_close(moe_test_step(tp), next1, "one process -> TP W + SP");
+    moe_trainer_free(tp);
+    remove_shared(dir);
+    remove_shared(dir1);
+}
+END_TEST
+
 Suite *suite_mpi_checkpoint(void) {
     Suite *s = suite_create("mpi-checkpoint");
     const TTest *const tests[] = {test_ckpt_resume_exact, test_ckpt_reshard};
     moe_test_tcase(s, "checkpoint", 300, tests, 2);
+    const TTest *const tp_tests[] = {test_ckpt_tensor_parallel};
+    tcase_set_tags(moe_test_tcase(s, "checkpoint-tp", 300, tp_tests, 1), "ch04");
     return s;
 }

@@ -7,7 +7,9 @@
  *    block, and the SP scatter pair is the mirror image;
  *  - a dense model with --tensor-model-parallel-size TP (every TP dividing W; the rest of
  *    the ranks data-parallel), with and without --sequence-parallel, with GQA and with
- *    QK-norm, computes the loss and gradients of ONE process running every micro-batch:
+ *    QK-norm, computes the loss and gradients of ONE process running every micro-batch
+ *    (the embedding and LM head split by vocabulary rows, the cross-entropy vocabulary-
+ *    parallel, vocab_parallel.h: the tokenizer's 65 ids padded to 68):
  *    each rank's gradient shard against that slice of the single-process gradient, its
  *    initial weights exactly that slice; then the same losses over several AdamW steps.
  *
@@ -30,7 +32,7 @@
 const moe_backend *moe_test_mpi_backend(void);
 
 #define TP_SMALL "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 " \
-                 "--micro-batch-size 2 --num-experts 0 --ffn-hidden-size 32 "
+                 "--micro-batch-size 2 --num-experts 0 --ffn-hidden-size 32 --make-vocab-size-divisible-by 4 "
 
 static int on_gpu(void) { return moe_comm_device(moe_test_world()) == MOE_DEVICE_CUDA; }
 
@@ -145,6 +147,8 @@ static void check_tp(int tp, int sp, const char *extra, int steps) {
     snprintf(flags, sizeof flags, TP_SMALL "--global-batch-size %d --lr 1e-2 %s", 2 * 2 * dp,
              extra);
     moe_trainer *ref = make(flags, NULL);
+    /* the vocabulary is split too: this rank's logits are V/TP wide */
+    ck_assert_int_eq(dist->model->vp.Vl * tp, dist->model->cfg.vocab_size);
     moe_step_stats sd, sr;
     moe_trainer_gradients(dist, &sd);
     moe_trainer_gradients(ref, &sr);

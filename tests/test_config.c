@@ -680,9 +680,18 @@ END_TEST
 START_TEST(test_val_folding) {
     moe_config c;
 #define DENSE "--num-experts", "0"
-    EXPECT_OK(&c, DENSE, "--tensor-model-parallel-size", "2", "--sequence-parallel");
+    EXPECT_OK(&c, DENSE, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+              "--make-vocab-size-divisible-by", "8");
     ck_assert_int_eq(c.tensor_model_parallel_size, 2);
     ck_assert_int_eq(c.sequence_parallel, 1);
+    ck_assert_int_eq(c.vocab_size, 72); /* the tokenizer's 65 ids, padded to a multiple of 8 */
+    EXPECT_OK(&c, "--make-vocab-size-divisible-by", "5");
+    ck_assert_int_eq(c.vocab_size, 65); /* already a multiple: unchanged */
+    /* the vocabulary is split by rows over TP: 65 ids cannot be, and the message says how */
+    EXPECT_CONFIG_ERROR("vocabulary (65 ids", "--make-vocab-size-divisible-by 2", DENSE,
+                        "--tensor-model-parallel-size", "2");
+    EXPECT_CONFIG_ERROR("--make-vocab-size-divisible-by", "between 1 and 65536",
+                        "--make-vocab-size-divisible-by", "0");
     EXPECT_CONFIG_ERROR("--tensor-model-parallel-size", ">= 1", DENSE,
                         "--tensor-model-parallel-size", "0");
     EXPECT_CONFIG_ERROR("--sequence-parallel", "--tensor-model-parallel-size > 1",

@@ -170,6 +170,13 @@ static void a_ce_backward(void *dlogits, const moe_real *dloss, const void *logi
                           int N, int V) {
     moe_cpu_cross_entropy_backward(dlogits, dloss, logits, t, N, V);
 }
+static void a_ce_shard_forward(moe_real *part, const void *logits, const int *t, int N, int V) {
+    moe_cpu_cross_entropy_shard_forward(part, logits, t, N, V);
+}
+static void a_ce_shard_backward(void *dlogits, const moe_real *dloss, const void *logits,
+                                const moe_real *lse, const int *t, int N, int V) {
+    moe_cpu_cross_entropy_shard_backward(dlogits, dloss, logits, lse, t, N, V);
+}
 static void cpu_add(void *yv, const void *xv, size_t n) {
     moe_real *y = yv;
     const moe_real *x = xv;
@@ -306,6 +313,9 @@ static const moe_backend g_cpu = {
     .swiglu_backward = a_swiglu_backward,
     .cross_entropy_forward = a_ce_forward,
     .cross_entropy_backward = a_ce_backward,
+    .cross_entropy_shard_forward = a_ce_shard_forward,
+    .cross_entropy_shard_merge = moe_cpu_cross_entropy_shard_merge,
+    .cross_entropy_shard_backward = a_ce_shard_backward,
     .add = cpu_add,
     .scale = cpu_scale,
     .router_forward = a_router_forward,

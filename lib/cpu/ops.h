@@ -213,4 +213,36 @@ void moe_cpu_cross_entropy_forward(moe_real *losses, const moe_real *logits, con
 void moe_cpu_cross_entropy_backward(moe_real *dlogits, const moe_real *dloss,
                                     const moe_real *logits, const int *targets, int N, int V);
 
+/**
+ * @brief One vocabulary shard's part of a cross-entropy (vocabulary parallelism): per row,
+ *        part[n] = { log Σ_v exp(logits[n,v]),  logits[n, targets[n]] or 0 } over this shard's
+ *        V columns. @p targets holds ids local to the shard, −1 where the target lies in
+ *        another shard. moe_cpu_cross_entropy_shard_merge() combines the shards' parts.
+ * @param part [N,2] (log-sum-exp, target logit)  @param logits [N,V] this shard's columns
+ * @param targets [N] local target ids or −1  @param N rows  @param V columns of the shard
+ */
+void moe_cpu_cross_entropy_shard_forward(moe_real *part, const moe_real *logits,
+                                         const int *targets, int N, int V);
+
+/**
+ * @brief Merge R shards' parts into the whole rows' losses: lse[n] = log Σ_r exp(lse_r[n])
+ *        (computed with the largest lse_r as shift) and losses[n] = lse[n] − Σ_r target_r[n].
+ * @param losses [N]  @param lse [N] the whole rows' log-sum-exp (for the backward)
+ * @param parts [R,N,2] every shard's part, shard-major (an all-gather's layout)
+ * @param R shards  @param N rows
+ */
+void moe_cpu_cross_entropy_shard_merge(moe_real *losses, moe_real *lse, const moe_real *parts,
+                                       int R, int N);
+
+/**
+ * @brief One shard's columns of the cross-entropy gradient, from the whole rows' log-sum-exp:
+ *        dlogits[n,v] += dloss[n]·(exp(logits[n,v] − lse[n]) − [v == targets[n]]).
+ * @param dlogits [N,V]  @param dloss [N] (NULL: every row 1/N, the mean)
+ * @param logits [N,V] this shard's columns  @param lse [N] from the merge
+ * @param targets [N] local target ids or −1  @param N rows  @param V columns of the shard
+ */
+void moe_cpu_cross_entropy_shard_backward(moe_real *dlogits, const moe_real *dloss,
+                                          const moe_real *logits, const moe_real *lse,
+                                          const int *targets, int N, int V);
+
 #endif /* MOE_CPU_OPS_H */
