@@ -48,7 +48,11 @@ CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(NVCC)),/usr/local/cuda)
 NCCL_INC ?=
 NCCL_H  := $(firstword $(wildcard $(if $(NCCL_INC),$(NCCL_INC)/nccl.h) /usr/include/nccl.h $(CUDA_HOME)/include/nccl.h))
 MPICC   := $(shell command -v mpicc 2>/dev/null)
-HAVE_CHECK := $(shell pkg-config --exists check 2>/dev/null && echo yes)
+# CHECK_DIR=dir: Check as static libraries in dir/lib (libcheck.a, libsubunit.a) with its
+# headers in dir/include, for a machine without the Check package (the GPU box: see
+# tools/README.md, "Building on a GPU machine")
+CHECK_DIR ?=
+HAVE_CHECK := $(if $(CHECK_DIR),$(if $(wildcard $(CHECK_DIR)/lib/libcheck.a),yes),$(shell pkg-config --exists check 2>/dev/null && echo yes))
 DOXYGEN := $(shell command -v doxygen 2>/dev/null)
 
 MPI     ?= auto
@@ -74,7 +78,7 @@ moe.c build configuration
   nvcc     : $(call found,$(NVCC))  (CUDA backend: $(if $(filter 1,$(WITH_CUDA)),on -- sm_90a + sm_100a,off))
   nccl     : $(call found,$(NCCL_H))  ($(if $(filter 1,$(WITH_NCCL)),GPU ranks through NCCL,not used))
   mpi      : $(call found,$(MPICC))  (communication layer: $(if $(filter 1,$(WITH_MPI)),MPI ranks,single process))
-  check    : $(if $(HAVE_CHECK),found,not found -- make test needs it: apt-get install check libsubunit-dev)
+  check    : $(if $(HAVE_CHECK),found$(if $(CHECK_DIR), in $(CHECK_DIR)),not found$(if $(CHECK_DIR), in CHECK_DIR=$(CHECK_DIR) (no lib/libcheck.a there)) -- make test needs it: apt-get install check libsubunit-dev)
   doxygen  : $(call found,$(DOXYGEN))
 endef
 export REPORT
@@ -88,10 +92,10 @@ CFLAGS  ?= -O3
 # lib/ is compiled without -Ikernels: the library defines interfaces (the op table, the
 # transport table, the fused dispatcher's launchers) that kernels/ implements, and never
 # includes a CUDA header. Programs, chapters and tests may include both.
-ALL_CFLAGS = $(CSTD) $(WARN) $(CFLAGS) -march=$(MARCH) $(OPENMP) -Ilib $(KERNELS_INC) -MMD -MP
+ALL_CFLAGS = $(CSTD) $(WARN) $(CFLAGS) -march=$(MARCH) $(OPENMP) -Ilib $(KERNELS_INC) $(if $(CHECK_DIR),-I$(CHECK_DIR)/include) -MMD -MP
 LDLIBS  := $(OPENMP) -lm
 # Check is linked statically so test binaries also run on machines without it (the GPU box).
-CHECK_LIBS := -Wl,-Bstatic -lcheck -lsubunit -Wl,-Bdynamic -lrt -lpthread
+CHECK_LIBS := $(if $(CHECK_DIR),-L$(CHECK_DIR)/lib) -Wl,-Bstatic -lcheck -lsubunit -Wl,-Bdynamic -lrt -lpthread
 
 # ---------------------------------------------------------------- CUDA
 NVCC_ARCH  := -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_100a,code=sm_100a

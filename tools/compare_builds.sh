@@ -8,12 +8,11 @@
 # benchmarks, moe-bench and 60 steps of the GPU preset on both, alternating.
 set -uo pipefail
 root=$PWD; BASE=${1:?usage: tools/compare_builds.sh BASE_TREE (a copy of the older tree)}; BASE=$(cd "$BASE" && pwd)
-chk=${MOE_CHECK_DIR:-$root/gpu_tmp/chk}   # Check headers and static libs (see the device notes)
+chk=${MOE_CHECK_DIR:-$root/gpu_tmp/chk}   # Check headers and static libs (tools/README.md, "Building on a GPU machine")
 OUT=${OUT:-/tmp/compare}; mkdir -p "$OUT"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
 build() { # dir label
-  (cd $1 && MOE_GIT_COMMIT=$2 make -j16 JOBS=16 HAVE_CHECK=yes CFLAGS="-O3 -I$chk/include" \
-    CHECK_LIBS="-L$chk/lib -Wl,-Bstatic -lcheck -lsubunit -Wl,-Bdynamic -lrt -lpthread" \
+  (cd $1 && MOE_GIT_COMMIT=$2 make -j16 JOBS=16 CHECK_DIR="$chk" \
     all build/tests/gpu build/tests/mpi > $OUT/$2-build.log 2>&1) || { echo "BUILD FAILED $2"; tail -30 $OUT/$2-build.log; exit 1; }
 }
 ln -sf $root/data/tinyshakespeare.txt $BASE/data/tinyshakespeare.txt

@@ -20,8 +20,7 @@ export OUT
 status=0
 chk=$PWD/gpu_tmp/chk
 echo "== build" | tee "$OUT/build.txt"
-if ! make -j16 HAVE_CHECK=yes CFLAGS="-O3 -I$chk/include" \
-    CHECK_LIBS="-L$chk/lib -Wl,-Bstatic -lcheck -lsubunit -Wl,-Bdynamic -lrt -lpthread" \
+if ! make -j16 CHECK_DIR="$chk" \
     all build/tests/gpu build/tests/mpi >>"$OUT/build.txt" 2>&1; then
     tail -30 "$OUT/build.txt"
     echo "SUMMARY: build FAILED (see build.txt)"

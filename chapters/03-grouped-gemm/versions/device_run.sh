@@ -21,8 +21,7 @@ t0=$(date +%s)
 
 echo "== build (make -j16, static Check from gpu_tmp/chk)"
 if [ ! -f "$CHK/lib/libcheck.a" ]; then echo "FAIL: no $CHK/lib/libcheck.a: carry gpu_tmp"; exit 1; fi
-if ! make -j16 HAVE_CHECK=yes MARCH=native CFLAGS="-O3 -I$CHK/include" \
-    CHECK_LIBS="-L$CHK/lib -Wl,-Bstatic -lcheck -lsubunit -Wl,-Bdynamic -lrt -lpthread" \
+if ! make -j16 MARCH=native CHECK_DIR="$CHK" \
     bin/ch03_versions build/tests/gpu > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"; echo "FAIL: build (see build.log)"; exit 1
 fi
