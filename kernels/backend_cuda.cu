@@ -85,6 +85,8 @@ static moe_backend make_cuda_backend(void) {
     b.grouped_matmul_backward = moe_cuda_grouped_matmul_backward;
     b.grouped_matmul_forward_dev = moe_cuda_grouped_sm90_forward;
     b.grouped_matmul_backward_dev = moe_cuda_grouped_sm90_backward;
+    b.grouped_matmul_forward_dev_gather = moe_cuda_grouped_sm90_forward_gather;
+    b.grouped_matmul_backward_dev_gather = moe_cuda_grouped_sm90_backward_gather;
     b.gather_rows = moe_cuda_gather_rows;
     b.gather_reals = moe_cuda_gather_reals;
 

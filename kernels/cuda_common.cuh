@@ -157,6 +157,7 @@ typedef enum moe_scratch_slot {
     MOE_SCRATCH_PERMUTE,
     MOE_SCRATCH_GROUPED_GEMM,
     MOE_SCRATCH_WGRAD_SPLIT, /* fp32 partial weight gradients of a split-K wgrad */
+    MOE_SCRATCH_GATHER,      /* rows a gathered grouped GEMM copies where it cannot gather */
     MOE_SCRATCH_SLOTS
 } moe_scratch_slot;
 

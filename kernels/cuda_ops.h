@@ -57,6 +57,14 @@ void moe_cuda_grouped_sm90_forward(void *out, const void *in, const void *w, con
 void moe_cuda_grouped_sm90_backward(void *din, void *dw, const void *dout, const void *in,
                                     const void *w, const int *dev_off, int G, int rows, int I,
                                     int O, int din_accumulate, moe_dw_mode dw_mode);
+/* the same with the fused permutation: the input's row r is row map[r] / div of x */
+void moe_cuda_grouped_sm90_forward_gather(void *out, const void *x, const int *map, int div,
+                                          const void *w, const int *dev_off, int G, int rows,
+                                          int I, int O);
+void moe_cuda_grouped_sm90_backward_gather(void *din, void *dw, const void *dout, const void *x,
+                                           const int *map, int div, const void *w,
+                                           const int *dev_off, int G, int rows, int I, int O,
+                                           int din_accumulate, moe_dw_mode dw_mode);
 /* how many chunks the sm_90a wgrad splits each group's rows into for this shape (1 = no
  * split), from host-known sizes only: for tests and benchmarks to report */
 int moe_cuda_grouped_sm90_wgrad_split(int G, int rows, int I, int O);

@@ -152,6 +152,11 @@ struct Params {
     int split;      /* wgrad: chunks each group's rows are cut into (1 = none, 0 = unset) */
     int fine;       /* forward/dgrad: a group's last <= 64 rows get a 64 × 256 tile (see
                        Scheduler); 0 = the old schedule of 128-row tiles only */
+    /* the fused permutation (GATHER kernels only): the GEMM's input row r is token row
+       gmap[r] / gdiv of gx [*, gld] (forward: A; wgrad: B), copied by index with cp.async */
+    const moe_bf16 *gx;
+    const int *gmap;
+    int gdiv, gld;
 };
 
 struct Tile {
@@ -249,8 +254,64 @@ template <int MODE> struct Scheduler {
 
 /* ---------------------------------------------------------------- the kernel */
 
-/* C32: the output C is fp32 (wgrad's main gradients or split-K partials); else bf16 */
-template <int MODE, int C32>
+/* ---------------------------------------------------------------- the fused gather
+ * GATHER: the forward's A (wgrad's B) is the token rows picked by the permutation's index,
+ * not a contiguous permuted copy. The producer warp's 32 lanes copy them with cp.async
+ * into exactly the swizzled layout TMA would have written, then each lane arrives on the
+ * stage's full barrier with cp.async.mbarrier.arrive.noinc (the barrier expects 1 + 32
+ * arrivals: lane 0's expect_tx for the TMA operand, and the 32 lanes'), so the consumers'
+ * wait is the one they already do. cp.async writes shared memory through the generic
+ * proxy and wgmma reads it through the async proxy: after the wait each consumer thread
+ * issues fence.proxy.async (the producer cannot: it does not wait for its copies). */
+
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL) /* nothing for sm_100a */
+/* forward, A [128 rows][64 k] K-major: lane l holds the source token of rows l + 32j
+ * (tok[j], -1 past the group's end: those rows are zero-filled and never stored) */
+__device__ __forceinline__ void gather_tokens(int tok[4], const Params &p, int first, int end,
+                                              int lane, int n) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int r = first + lane + 32 * j;
+        tok[j] = j < n && r < end ? p.gmap[r] / p.gdiv : -1;
+    }
+}
+
+/* ... and k-step k0 of it: pass i copies rows 4i .. 4i + 3, lane l the 16-byte chunk l % 8
+ * of row 4i + l / 8 (a row is 64 bf16 = 8 chunks; 4 rows = 512 bytes per pass) */
+__device__ __forceinline__ void gather_a_kmajor(uint8_t *a, const int tok[4], const Params &p,
+                                                int k0, int lane) {
+    const int chunk = lane % 8, kk = k0 + 8 * chunk;
+    const bool kin = kk < p.K; /* K is a multiple of 8: a chunk is wholly in or out */
+#pragma unroll
+    for (int i = 0; i < BM / 4; i++) {
+        const int t = __shfl_sync(0xffffffffu, tok[i / 8], 4 * (i % 8) + lane / 8);
+        const bool ok = kin && t >= 0;
+        cp_async16(a + moe_swizzle128(4 * i + lane / 8, chunk),
+                   ok ? p.gx + (size_t)t * p.gld + kk : p.gx, ok ? 16 : 0);
+    }
+}
+
+/* wgrad, B [64 k][256 n] MN-major (4 boxes of [64 k][64 n], 8 KB apart): a k-row is one
+ * token row, so lane l copies chunk l % 8 of box l / 8 of every k-row (512 contiguous
+ * bytes of the token per row), its token broadcast from the lane that read it */
+__device__ __forceinline__ void gather_b_mnmajor(uint8_t *b, const int tok[4], const Params &p,
+                                                 int n0, int lane) {
+    const int box = lane / 8, chunk = lane % 8, n = n0 + 64 * box + 8 * chunk;
+    const bool nin = n < p.N; /* N is a multiple of 8 */
+#pragma unroll 16
+    for (int kr = 0; kr < BK; kr++) { /* (a select, not tok[kr / 32]: no local memory) */
+        const int t = __shfl_sync(0xffffffffu, kr < 32 ? tok[0] : tok[1], kr % 32);
+        const bool ok = nin && t >= 0;
+        cp_async16(b + box * 8192 + moe_swizzle128(kr, chunk),
+                   ok ? p.gx + (size_t)t * p.gld + n : p.gx, ok ? 16 : 0);
+    }
+}
+
+#endif
+
+/* C32: the output C is fp32 (wgrad's main gradients or split-K partials); else bf16.
+ * GATHER: the fused permutation (above); forward and wgrad only. */
+template <int MODE, int C32, int GATHER>
 __global__ void __launch_bounds__(THREADS, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
@@ -270,7 +331,9 @@ __global__ void __launch_bounds__(THREADS, 1)
         s_off[g] = p.off[g];
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
-            mbar_init(&full[s], 1);  /* the producer's expect_tx arrival (+ the bytes) */
+            /* the producer's expect_tx arrival (+ the bytes), and with GATHER the 32
+             * lanes' cp.async arrivals (noinc: they count against this number) */
+            mbar_init(&full[s], GATHER ? 1 + 32 : 1);
             mbar_init(&empty[s], 8); /* one arrival per consumer warp */
         }
         mbar_init_fence();
@@ -292,40 +355,65 @@ __global__ void __launch_bounds__(THREADS, 1)
     sch.total = MODE == WGRAD ? sch.S * p.G * sch.mtn * sch.ntn : s_mt[p.G] * sch.ntn;
 
     if (wg == 2) {
-        /* ------------------------------------------------ producer */
-        if (tid == 0) {
+        /* ------------------------------------------------ producer
+         * Lane 0 issues the TMA loads; with GATHER all 32 lanes also copy the gathered
+         * operand (forward: A, wgrad: B) by index, and every lane waits for the free stage. */
+        const int lane = tid;
+        if (GATHER || lane == 0) {
             int it = 0;
             Tile ti;
+            int tok[4];
             for (int t = blockIdx.x; sch.get(t, ti); t += gridDim.x) {
+                if (GATHER && MODE == FWD) /* the tile's 128 source rows, once per tile */
+                    gather_tokens(tok, p, ti.m0, ti.r1, lane, 4);
                 for (int kt = 0; kt < ti.nk; kt++, it++) {
                     const int s = it % STAGES, phase = (it / STAGES) & 1;
+                    const int k0 = kt * BK;
+                    if (GATHER && MODE == WGRAD) /* this k-step's 64 source rows */
+                        gather_tokens(tok, p, ti.r0 + k0, ti.r1, lane, 2);
                     mbar_wait(&empty[s], phase ^ 1);
+                    uint8_t *a = smem + s * STAGE_BYTES, *b = a + A_BYTES;
                     /* forward/dgrad: the second 64-row A box only where the group has rows
                      * in it (never in a 64-row tile; never a box wholly past the tensor) */
                     const int a2 = MODE == WGRAD || ti.r1 - ti.m0 > BM / 2;
-                    mbar_expect_tx(&full[s], a2 ? STAGE_BYTES : STAGE_BYTES - A_BYTES / 2);
-                    uint8_t *a = smem + s * STAGE_BYTES, *b = a + A_BYTES;
-                    const int k0 = kt * BK;
-                    if (MODE == WGRAD) { /* both MN-major: 64×64 boxes along M and N */
-                        for (int i = 0; i < BM / 64; i++)
-                            tma_load_2d(a + i * 8192, &map_a, &full[s], ti.m0 + 64 * i,
-                                        ti.r0 + k0);
-                        for (int i = 0; i < BN / 64; i++)
-                            tma_load_2d(b + i * 8192, &map_b, &full[s], ti.n0 + 64 * i,
-                                        ti.r0 + k0);
-                    } else { /* A: K-major boxes of 64 rows × 64 k, the second one 8 KB on */
-                        tma_load_2d(a, &map_a, &full[s], k0, ti.m0);
-                        if (a2)
-                            tma_load_2d(a + A_BYTES / 2, &map_a, &full[s], k0, ti.m0 + BM / 2);
-                        if (MODE == FWD)
-                            tma_load_3d(b, &map_b, &full[s], k0, ti.n0, ti.g);
+                    if (lane == 0) {
+                        /* the bytes TMA brings: with GATHER only the other operand's */
+                        mbar_expect_tx(&full[s], GATHER ? (MODE == WGRAD ? A_BYTES : B_BYTES)
+                                                 : a2   ? STAGE_BYTES
+                                                        : STAGE_BYTES - A_BYTES / 2);
+                        if (MODE == WGRAD) { /* both MN-major: 64×64 boxes along M and N */
+                            for (int i = 0; i < BM / 64; i++)
+                                tma_load_2d(a + i * 8192, &map_a, &full[s], ti.m0 + 64 * i,
+                                            ti.r0 + k0);
+                            for (int i = 0; !GATHER && i < BN / 64; i++)
+                                tma_load_2d(b + i * 8192, &map_b, &full[s], ti.n0 + 64 * i,
+                                            ti.r0 + k0);
+                        } else { /* A: K-major boxes of 64 rows × 64 k, the second 8 KB on */
+                            if (!GATHER) {
+                                tma_load_2d(a, &map_a, &full[s], k0, ti.m0);
+                                if (a2)
+                                    tma_load_2d(a + A_BYTES / 2, &map_a, &full[s], k0,
+                                                ti.m0 + BM / 2);
+                            }
+                            if (MODE == FWD)
+                                tma_load_3d(b, &map_b, &full[s], k0, ti.n0, ti.g);
+                            else
+                                for (int i = 0; i < BN / 64; i++)
+                                    tma_load_3d(b + i * 8192, &map_b, &full[s], ti.n0 + 64 * i,
+                                                k0, ti.g);
+                        }
+                    }
+                    if (GATHER) {
+                        if (MODE == FWD) /* all 128 rows: those past the group are zeros */
+                            gather_a_kmajor(a, tok, p, k0, lane);
                         else
-                            for (int i = 0; i < BN / 64; i++)
-                                tma_load_3d(b + i * 8192, &map_b, &full[s], ti.n0 + 64 * i, k0,
-                                            ti.g);
+                            gather_b_mnmajor(b, tok, p, ti.n0, lane);
+                        cp_async_mbar_arrive_noinc(&full[s]);
                     }
                 }
             }
+            if (GATHER)
+                cp_async_wait_all(); /* no copy outlives its thread */
         }
         return;
     }
@@ -349,6 +437,8 @@ __global__ void __launch_bounds__(THREADS, 1)
             for (int kt = 0; kt < ti.nk; kt++, it++) {
                 const int s = it % STAGES, phase = (it / STAGES) & 1;
                 mbar_wait(&full[s], phase);
+                if (GATHER) /* the producer's cp.async wrote through the generic proxy */
+                    fence_proxy_async();
                 /* a 128-row tile: warpgroup c takes A rows 64c.. and all of B; a 64-row tile:
                  * both take A rows 0-63, and warpgroup c the B columns 128c.. (K-major: B rows
                  * 128c.., 16 KB on; MN-major: the boxes 2c and 2c + 1, 16 KB on) */
@@ -493,12 +583,12 @@ int num_sms(void) {
     return n;
 }
 
-template <int MODE, int C32 = MODE == WGRAD>
-void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc, const Params &p,
-            int max_tiles) {
+template <int MODE, int C32, int GATHER>
+void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
+                   const Params &p, int max_tiles) {
     static bool configured = false;
     if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<MODE, C32>,
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<MODE, C32, GATHER>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             SMEM_BYTES));
         configured = true;
@@ -506,8 +596,45 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
     const int grid = max_tiles < num_sms() ? max_tiles : num_sms();
     if (grid <= 0)
         return;
-    grouped_gemm_kernel<MODE, C32><<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mc, p);
+    grouped_gemm_kernel<MODE, C32, GATHER>
+        <<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mc, p);
     MOE_CUDA_LAUNCH_CHECK();
+}
+
+/* the gathering kernel where p asks for it (forward and wgrad; dgrad never reads the input) */
+template <int MODE, int C32 = MODE == WGRAD>
+void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc, const Params &p,
+            int max_tiles) {
+    if (MODE != DGRAD && p.gmap)
+        launch_kernel<MODE, C32, MODE != DGRAD>(ma, mb, mc, p, max_tiles);
+    else
+        launch_kernel<MODE, C32, 0>(ma, mb, mc, p, max_tiles);
+}
+
+/* The input of a grouped GEMM: a contiguous [rows, I] buffer (map == NULL), or the fused
+ * permutation's rows: input row r is token row map[r] / div of x [*, I]. */
+struct Input {
+    const void *x;
+    const int *map;
+    int div;
+};
+
+/* the gathered input as fields of Params (none for a contiguous one) */
+void set_gather(Params &p, const Input &in, int I) {
+    p.gx = (const moe_bf16 *)in.x;
+    p.gmap = in.map;
+    p.gdiv = in.div;
+    p.gld = I;
+}
+
+/* where the kernel cannot run (not Hopper): a contiguous copy of a gathered input, for
+ * cuBLAS — the permutation pass the kernel fuses away */
+const void *contiguous(const Input &in, int rows, int I) {
+    if (!in.map)
+        return in.x;
+    void *xp = moe_cuda_scratch(MOE_SCRATCH_GATHER, sizeof(moe_bf16) * (size_t)rows * I);
+    moe_cuda_permute_tokens(xp, in.x, in.map, rows, in.div, I);
+    return xp;
 }
 
 /* forward/dgrad schedule: 0 = 128-row tiles only (the default), 1 = 64-row tiles for a
@@ -589,12 +716,13 @@ static const int *offsets_on_host(const int *dev_off, int G) {
 }
 
 
-extern "C" void moe_cuda_grouped_sm90_forward(void *out, const void *in, const void *w,
-                                              const int *dev_off, int G, int rows, int I, int O) {
+static void sm90_forward(void *out, const Input &in, const void *w, const int *dev_off, int G,
+                         int rows, int I, int O) {
     if (rows == 0)
         return;
     if (!moe_cuda_grouped_sm90_available()) {
-        moe_cuda_grouped_matmul_forward(out, in, w, offsets_on_host(dev_off, G), G, I, O);
+        moe_cuda_grouped_matmul_forward(out, contiguous(in, rows, I), w,
+                                        offsets_on_host(dev_off, G), G, I, O);
         return;
     }
     check_shapes(G, I, O);
@@ -603,9 +731,24 @@ extern "C" void moe_cuda_grouped_sm90_forward(void *out, const void *in, const v
     const uint64_t db[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
     const uint64_t dc[2] = {(uint64_t)O, (uint64_t)rows};
     const uint32_t ba[2] = {BK, BM / 2}, bb[3] = {BK, BN, 1}, bc[2] = {64, 64};
-    const Params p = {dev_off, G, 0, O, I, out, 0, 1, g_fine_tiles};
-    launch<FWD>(moe_tma_map(in, 2, da, ba), moe_tma_map(w, 3, db, bb), moe_tma_map(out, 2, dc, bc), p,
+    Params p = {dev_off, G, 0, O, I, out, 0, 1, g_fine_tiles,
+                      NULL, NULL, 0, 0};
+    set_gather(p, in, I);
+    const CUtensorMap mb = moe_tma_map(w, 3, db, bb);
+    /* a gathered A has no tensor map (the kernel does not read map_a then) */
+    launch<FWD>(in.map ? mb : moe_tma_map(in.x, 2, da, ba), mb, moe_tma_map(out, 2, dc, bc), p,
                 ((rows + BM - 1) / BM + G) * ((O + BN - 1) / BN));
+}
+
+extern "C" void moe_cuda_grouped_sm90_forward(void *out, const void *in, const void *w,
+                                              const int *dev_off, int G, int rows, int I, int O) {
+    sm90_forward(out, Input{in, NULL, 1}, w, dev_off, G, rows, I, O);
+}
+
+extern "C" void moe_cuda_grouped_sm90_forward_gather(void *out, const void *x, const int *map,
+                                                     int div, const void *w, const int *dev_off,
+                                                     int G, int rows, int I, int O) {
+    sm90_forward(out, Input{x, map, div}, w, dev_off, G, rows, I, O);
 }
 
 extern "C" int moe_cuda_grouped_sm90_wgrad_split(int G, int rows, int I, int O) {
@@ -619,10 +762,9 @@ extern "C" int moe_cuda_grouped_sm90_wgrad_split(int G, int rows, int I, int O) 
     return S > 1 ? S : 1;
 }
 
-extern "C" void moe_cuda_grouped_sm90_backward(void *din, void *dw, const void *dout,
-                                               const void *in, const void *w, const int *dev_off,
-                                               int G, int rows, int I, int O, int din_accumulate,
-                                               moe_dw_mode dw_mode) {
+static void sm90_backward(void *din, void *dw, const void *dout, const Input &in, const void *w,
+                          const int *dev_off, int G, int rows, int I, int O, int din_accumulate,
+                          moe_dw_mode dw_mode) {
     const size_t nw = (size_t)G * O * I;
     const size_t dw_bytes = nw * (dw_mode == MOE_DW_ACT ? sizeof(moe_bf16) : sizeof(float));
     if (rows == 0) { /* no rows: an overwritten dw is all zeros */
@@ -636,7 +778,7 @@ extern "C" void moe_cuda_grouped_sm90_backward(void *din, void *dw, const void *
             MOE_CUDA_CHECK(cudaMemsetAsync(din, 0, sizeof(moe_bf16) * (size_t)rows * I,
                                            moe_cuda_stream()));
         if (din)
-            moe_cuda_grouped_matmul_backward(din, NULL, dout, in, w, off, G, I, O);
+            moe_cuda_grouped_matmul_backward(din, NULL, dout, NULL, w, off, G, I, O);
         if (!dw)
             return;
         /* cuBLAS adds into fp32: into dw itself, or into zeros that are then written out
@@ -646,7 +788,8 @@ extern "C" void moe_cuda_grouped_sm90_backward(void *din, void *dw, const void *
                          : (float *)dw;
         if (dw_mode != MOE_DW_ACCUMULATE)
             MOE_CUDA_CHECK(cudaMemsetAsync(acc, 0, nw * sizeof(float), moe_cuda_stream()));
-        moe_cuda_grouped_matmul_backward(NULL, acc, dout, in, w, off, G, I, O);
+        moe_cuda_grouped_matmul_backward(NULL, acc, dout, contiguous(in, rows, I), w, off, G, I,
+                                         O);
         if (dw_mode == MOE_DW_ACT)
             wgrad_reduce(dw, acc, nw, 1, dw_mode);
         return;
@@ -657,30 +800,56 @@ extern "C" void moe_cuda_grouped_sm90_backward(void *din, void *dw, const void *
         const uint64_t db[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
         const uint64_t dc[2] = {(uint64_t)I, (uint64_t)rows};
         const uint32_t ba[2] = {BK, BM / 2}, bb[3] = {64, BK, 1}, bc[2] = {64, 64};
-        const Params p = {dev_off, G, 0, I, O, din, din_accumulate, 1, g_fine_tiles};
+        const Params p = {dev_off, G, 0, I, O, din, din_accumulate, 1, g_fine_tiles,
+                      NULL, NULL, 0, 0};
         launch<DGRAD>(moe_tma_map(dout, 2, da, ba), moe_tma_map(w, 3, db, bb),
                       moe_tma_map(din, 2, dc, bc), p,
                       ((rows + BM - 1) / BM + G) * ((I + BN - 1) / BN));
     }
-    if (dw) { /* dw_g[O,I] (+)= dout_gᵀ · in_g: A = dout, B = in (both MN-major) */
+    if (dw) { /* dw_g[O,I] (+)= dout_gᵀ · in_g: A = dout, B = in (both MN-major; a gathered
+               * B is copied by index, each of its k-rows one token row) */
         const int S = moe_cuda_grouped_sm90_wgrad_split(G, rows, I, O);
         const uint64_t da[2] = {(uint64_t)O, (uint64_t)rows};
         const uint64_t db[2] = {(uint64_t)I, (uint64_t)rows};
         const uint64_t dc[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G * S};
         const uint32_t box[2] = {64, BK}, bc32[3] = {32, 64, 1}, bc16[3] = {64, 64, 1};
         const int tiles = S * G * ((O + BM - 1) / BM) * ((I + BN - 1) / BN);
-        const CUtensorMap ma = moe_tma_map(dout, 2, da, box), mb = moe_tma_map(in, 2, db, box);
+        const CUtensorMap ma = moe_tma_map(dout, 2, da, box);
+        const CUtensorMap mb = in.map ? ma : moe_tma_map(in.x, 2, db, box);
         if (S > 1) { /* every chunk STORES its partial [S][G][O][I]; one ordered sum after */
             float *part = (float *)moe_cuda_scratch(MOE_SCRATCH_WGRAD_SPLIT, S * nw * sizeof(float));
-            const Params p = {dev_off, G, O, I, 0, NULL, 0, S, 0};
+            Params p = {dev_off, G, O, I, 0, NULL, 0, S, 0,
+                      NULL, NULL, 0, 0};
+            set_gather(p, in, I);
             launch<WGRAD>(ma, mb, moe_tma_map(part, 3, dc, bc32, 1), p, tiles);
             wgrad_reduce(dw, part, nw, S, dw_mode);
         } else if (dw_mode == MOE_DW_ACT) { /* bf16, stored */
-            const Params p = {dev_off, G, O, I, 0, NULL, 0, 1, 0};
+            Params p = {dev_off, G, O, I, 0, NULL, 0, 1, 0,
+                      NULL, NULL, 0, 0};
+            set_gather(p, in, I);
             launch<WGRAD, 0>(ma, mb, moe_tma_map(dw, 3, dc, bc16), p, tiles);
         } else { /* fp32: reduce-added, or stored into a buffer whose contents do not count */
-            const Params p = {dev_off, G, O, I, 0, NULL, dw_mode == MOE_DW_ACCUMULATE, 1, 0};
+            Params p = {dev_off, G, O, I, 0, NULL, dw_mode == MOE_DW_ACCUMULATE, 1, 0,
+                      NULL, NULL, 0, 0};
+            set_gather(p, in, I);
             launch<WGRAD>(ma, mb, moe_tma_map(dw, 3, dc, bc32, 1), p, tiles);
         }
     }
+}
+
+extern "C" void moe_cuda_grouped_sm90_backward(void *din, void *dw, const void *dout,
+                                               const void *in, const void *w, const int *dev_off,
+                                               int G, int rows, int I, int O, int din_accumulate,
+                                               moe_dw_mode dw_mode) {
+    sm90_backward(din, dw, dout, Input{in, NULL, 1}, w, dev_off, G, rows, I, O, din_accumulate,
+                  dw_mode);
+}
+
+extern "C" void moe_cuda_grouped_sm90_backward_gather(void *din, void *dw, const void *dout,
+                                                      const void *x, const int *map, int div,
+                                                      const void *w, const int *dev_off, int G,
+                                                      int rows, int I, int O, int din_accumulate,
+                                                      moe_dw_mode dw_mode) {
+    sm90_backward(din, dw, dout, Input{x, map, div}, w, dev_off, G, rows, I, O, din_accumulate,
+                  dw_mode);
 }

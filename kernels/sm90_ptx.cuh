@@ -149,6 +149,34 @@ static __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+/* ---------------------------------------------------------------- cp.async
+ * The fused permutation (grouped_gemm_sm90.cu, GATHER) copies rows picked by an index,
+ * which a TMA box cannot do on Hopper (sm_100's gather4 can): the producer warp's 32
+ * lanes copy 16 bytes each with cp.async, writing the same 128-byte-swizzled layout TMA
+ * would (moe_swizzle128), and tell the stage's mbarrier when their copies have landed. */
+
+/** Copy 16 bytes global → shared without waiting (L2 only, `.cg`). @p src_bytes < 16 fills
+ *  the rest of the 16 with zeros; 0 writes a zero chunk and reads nothing (a row past a
+ *  group's end, a column past the tensor). Both addresses must be 16-byte aligned. */
+static __device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+
+/** Once every cp.async this thread issued before it has landed, arrive on @p bar. `noinc`:
+ *  the arrival is one of the `count` the barrier was initialised with (the other form adds
+ *  one to the pending count first, so it would need a count that ignores it). */
+static __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint64_t *bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar))
+                 : "memory");
+}
+
+/** Wait until every cp.async of this thread has landed (before the thread exits). */
+static __device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
 /* ---------------------------------------------------------------- wgmma */
 
 /** The 64-bit shared-memory matrix descriptor of wgmma: start address, leading and

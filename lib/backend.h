@@ -132,6 +132,20 @@ typedef struct moe_backend {
                                         const void *in, const void *w, const int *dev_off,
                                         int G, int rows, int I, int O, int din_accumulate,
                                         moe_dw_mode dw_mode);
+    /** grouped_matmul_forward_dev on GATHERED input rows (chapter 03, the fused
+     *  permutation): row r of the input is row map[r] / div of @p x [*, I], with @p map
+     *  [rows] in backend memory — the permutation's perm_src and its top-k, so the permuted
+     *  copy of the tokens is never written. CPU: a gathered copy, then the plain op */
+    void (*grouped_matmul_forward_dev_gather)(void *out, const void *x, const int *map, int div,
+                                              const void *w, const int *dev_off, int G,
+                                              int rows, int I, int O);
+    /** grouped_matmul_backward_dev whose forward input was gathered as above (only dw
+     *  reads it) */
+    void (*grouped_matmul_backward_dev_gather)(void *din, void *dw, const void *dout,
+                                               const void *x, const int *map, int div,
+                                               const void *w, const int *dev_off, int G,
+                                               int rows, int I, int O, int din_accumulate,
+                                               moe_dw_mode dw_mode);
     /** as moe_cpu_embedding_forward() */
     void (*embedding_forward)(void *out, const int *tokens, const void *table, int N, int C);
     /** as moe_cpu_embedding_backward() */

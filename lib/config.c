@@ -92,6 +92,10 @@ static const moe_flag g_flags[] = {
     F("moe-grouped-gemm", MOE_FLAG_BOOL, moe_grouped_gemm, "0",
       "run all local experts' GEMMs as grouped GEMMs instead of chapter 01's loop (Megatron's "
       "switch: with --moe-expert-backend auto it picks 'grouped')", NULL, G_MOE),
+    F("moe-permute-fusion", MOE_FLAG_BOOL, moe_permute_fusion, "0",
+      "fuse the token permutation into the experts' first GEMM: fc1 gathers its rows from the "
+      "tokens by index and the permuted copy is never written (chapter 03; one rank, dropless, "
+      "our grouped kernel)", NULL, G_MOE),
     F("moe-expert-backend", MOE_FLAG_CHOICE, moe_expert_backend, "auto",
       "how the experts' GEMMs run: loop (one cublasGemmEx per expert, chapter 01), "
       "cublas-grouped (cublasGemmGroupedBatchedEx), grouped (our sm_90a kernel, sizes read on "
@@ -592,6 +596,15 @@ moe_status moe_config_validate(moe_config *c, moe_error *err) {
                 "use --moe-expert-backend cublas-grouped for other shapes",
                 MOE_GROUPED_DEV_ALIGN, MOE_GROUPED_DEV_MAX_GROUPS, c->hidden_size,
                 c->moe_ffn_hidden_size, E / EP);
+        REQUIRE(!c->moe_permute_fusion ||
+                    (EP == 1 && c->moe_expert_capacity_factor == 0.0 &&
+                     (c->expert_backend == MOE_EXPERT_BACKEND_GROUPED ||
+                      c->expert_backend == MOE_EXPERT_BACKEND_AUTO) &&
+                     moe_config_grouped_kernel_fits(c)),
+                "--moe-permute-fusion needs one expert-parallel rank, no capacity factor and our "
+                "grouped kernel (--moe-expert-backend grouped or auto, sizes multiples of %d, at "
+                "most %d experts); drop --moe-permute-fusion otherwise", MOE_GROUPED_DEV_ALIGN,
+                MOE_GROUPED_DEV_MAX_GROUPS);
         REQUIRE(c->moe_shared_expert_intermediate_size >= 0,
                 "--moe-shared-expert-intermediate-size must be >= 0 (got %d; 0 = none)",
                 c->moe_shared_expert_intermediate_size);

@@ -135,6 +135,7 @@ typedef struct moe_config {
     char moe_token_drop_policy[MOE_FLAG_STR_LEN]; /**< --moe-token-drop-policy */
     int moe_pad_expert_input_to_capacity;  /**< --moe-pad-expert-input-to-capacity */
     int moe_grouped_gemm;                  /**< --moe-grouped-gemm (chapter 03) */
+    int moe_permute_fusion;                /**< --moe-permute-fusion (chapter 03) */
     char moe_expert_backend[MOE_FLAG_STR_LEN]; /**< --moe-expert-backend (chapter 03) */
     /* ---- training */
     int micro_batch_size;       /**< --micro-batch-size */

@@ -3,10 +3,14 @@
 
 #include "profile.h"
 
-/* one grouped Linear, through the grouped GEMM the groups ask for */
+/* one grouped Linear, through the grouped GEMM the groups ask for; @p gather: its input
+ * rows are gathered by grp->gather (fc1 under the fused permutation) */
 static void gmm_forward(const moe_backend *be, void *out, const void *in, const void *w,
-                        const moe_groups *grp, int I, int O) {
-    if (grp->impl == MOE_EXPERTS_KERNEL)
+                        const moe_groups *grp, int I, int O, int gather) {
+    if (gather)
+        be->grouped_matmul_forward_dev_gather(out, in, grp->gather, grp->gather_div, w,
+                                              grp->dev_off, grp->G, grp->off[grp->G], I, O);
+    else if (grp->impl == MOE_EXPERTS_KERNEL)
         be->grouped_matmul_forward_dev(out, in, w, grp->dev_off, grp->G, grp->off[grp->G], I, O);
     else
         be->grouped_matmul_forward(out, in, w, grp->off, grp->G, I, O);
@@ -17,8 +21,14 @@ static void gmm_forward(const moe_backend *be, void *out, const void *in, const 
  * zeroed buffer */
 static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const void *dout,
                          const void *in, const void *w, const moe_groups *grp, int I, int O,
-                         int din_accumulate) {
+                         int din_accumulate, int gather) {
     const int N = grp->off[grp->G];
+    if (gather) {
+        be->grouped_matmul_backward_dev_gather(din, dw, dout, in, grp->gather, grp->gather_div,
+                                               w, grp->dev_off, grp->G, N, I, O, din_accumulate,
+                                               grp->dw_mode);
+        return;
+    }
     if (grp->impl == MOE_EXPERTS_KERNEL) {
         be->grouped_matmul_backward_dev(din, dw, dout, in, w, grp->dev_off, grp->G, N, I, O,
                                         din_accumulate, grp->dw_mode);
@@ -40,11 +50,12 @@ void moe_mlp_forward_grouped(const moe_backend *be, void *out, void *gu, void *a
     const int N = grp->off[grp->G];
     if (N == 0)
         return;
-    gmm_forward(be, gu, x, w1, grp, H, 2 * F);
+    MOE_ASSERT(!grp->gather || grp->impl == MOE_EXPERTS_KERNEL); /* only our kernel gathers */
+    gmm_forward(be, gu, x, w1, grp, H, 2 * F, grp->gather != NULL);
     moe_prof_mark(MOE_PROF_GEMM);
     be->swiglu_forward(act, gu, row_scale, N, F);
     moe_prof_mark(MOE_PROF_EXPERT_OPS);
-    gmm_forward(be, out, act, w2, grp, F, H);
+    gmm_forward(be, out, act, w2, grp, F, H, 0);
     moe_prof_mark(MOE_PROF_GEMM);
 }
 
@@ -60,18 +71,18 @@ void moe_mlp_backward_grouped(const moe_backend *be, void *dx, moe_real *dw1, mo
     if (N == 0)
         return;
     const size_t nf = (size_t)N * F;
-    gmm_backward(be, ws_dh, dw2, dout, act, w2, grp, F, H, 0); /* dh: a fresh buffer */
+    gmm_backward(be, ws_dh, dw2, dout, act, w2, grp, F, H, 0, 0); /* dh: a fresh buffer */
     moe_prof_mark(MOE_PROF_GEMM);
     be->zero(ws_dgu, be->act_size * 2 * nf);
     be->swiglu_backward(ws_dgu, row_scale ? drow_scale : NULL, ws_dh, gu, row_scale, N, F);
     moe_prof_mark(MOE_PROF_EXPERT_OPS);
-    gmm_backward(be, dx, dw1, ws_dgu, x, w1, grp, H, 2 * F, dx_accumulate);
+    gmm_backward(be, dx, dw1, ws_dgu, x, w1, grp, H, 2 * F, dx_accumulate, grp->gather != NULL);
     moe_prof_mark(MOE_PROF_GEMM);
 }
 
 /* a single MLP is one group, run by the backend's plain matmul (G = 1) */
 static moe_groups one_group(const int *off) {
-    moe_groups g = {off, NULL, 1, MOE_EXPERTS_CUBLAS, MOE_DW_ACCUMULATE};
+    moe_groups g = {off, NULL, 1, MOE_EXPERTS_CUBLAS, MOE_DW_ACCUMULATE, NULL, 1};
     return g;
 }
 

@@ -37,6 +37,11 @@ typedef struct moe_groups {
     int G;                /**< groups */
     moe_expert_impl impl; /**< ::MOE_EXPERTS_CUBLAS or ::MOE_EXPERTS_KERNEL */
     moe_dw_mode dw_mode;  /**< how the backward writes dw1, dw2 (::MOE_DW_ACT: our kernel only) */
+    /** the fused permutation (::MOE_EXPERTS_KERNEL only; NULL: none): fc1's input row r is
+     *  row gather[r] / gather_div of the x passed in (backend memory [off[G]]), so x is the
+     *  token buffer itself and no permuted copy of it exists */
+    const int *gather;
+    int gather_div;       /**< see @ref gather (the top-k) */
 } moe_groups;
 
 /**
@@ -69,7 +74,8 @@ void moe_mlp_backward(const moe_backend *be, void *dx, moe_real *dw1, moe_real *
  *        the backend's grouped matmul — one GEMM call for all experts instead of one each.
  * @param be backend  @param out [N,H]  @param gu [N,2F]  @param act [N,F] (scaled, as in
  *        moe_mlp_forward)
- * @param x [N,H]  @param row_scale [N] or NULL  @param w1 stacked fc1  @param w2 stacked fc2
+ * @param x [N,H], or the token rows grp->gather picks from  @param row_scale [N] or NULL
+ * @param w1 stacked fc1  @param w2 stacked fc2
  * @param grp the groups (N = off[G]) and which grouped GEMM runs them
  * @param H hidden  @param F intermediate
  */

@@ -146,6 +146,9 @@ static moe_layer_dims moe_dims(const moe_model *m, int N, int T) {
     d.drop_policy = c->drop_policy;
     d.pad_to_capacity = c->moe_pad_expert_input_to_capacity;
     d.experts = moe_expert_impl_from_config(c, m->be);
+    /* (validated: one rank, dropless, our kernel; an EP group, even of one rank, sends
+     * through its dispatcher, which has no fused path) */
+    d.permute_fusion = c->moe_permute_fusion && !d.ep;
     return d;
 }
 

@@ -225,8 +225,107 @@ START_TEST(test_gpu_grouped_fine_tiles) {
 }
 END_TEST
 
+/* The fused permutation: the grouped GEMM whose input row r is token map[r] / k (the
+ * permutation's perm_src, here a random one over T·k assignments, some unused) equals
+ * permute + GEMM on the GPU (the same kernel on the permuted copy: equal up to the sign of
+ * a zero) and the CPU's gather variant: forward into a poisoned output, and wgrad (where
+ * the gathered rows are the MN-major B) stored fp32 and bf16 into poisoned buffers. */
+static void check_gather(const int *sizes, int G, int I, int O) {
+    const moe_backend *g = moe_backend_cuda(), *c = moe_backend_cpu();
+    const int k = 4;
+    int *off = malloc(sizeof(int) * (G + 1));
+    off[0] = 0;
+    for (int i = 0; i < G; i++)
+        off[i + 1] = off[i] + sizes[i];
+    const int R = off[G], T = R / k + 3, A = T * k;
+    int *map = malloc(sizeof(int) * A);
+    for (int a = 0; a < A; a++)
+        map[a] = a;
+    uint64_t st = 0x9e3779b97f4a7c15ull;
+    for (int a = A - 1; a > 0; a--) { /* Fisher-Yates: a random permutation */
+        st = st * 6364136223846793005ull + 1442695040888963407ull;
+        const int j = (int)((st >> 33) % (uint64_t)(a + 1)), t = map[a];
+        map[a] = map[j];
+        map[j] = t;
+    }
+    int *doff = g->alloc(sizeof(int) * (G + 1)), *dmap = g->alloc(sizeof(int) * A);
+    g->from_host(doff, off, sizeof(int) * (G + 1));
+    g->from_host(dmap, map, sizeof(int) * A);
+    const size_t nx = (size_t)T * I, nout = (size_t)R * O, nw = (size_t)G * O * I;
+    moe_real *hx = malloc(sizeof(moe_real) * nx), *hw = malloc(sizeof(moe_real) * nw);
+    moe_real *hdo = malloc(sizeof(moe_real) * (nout + 1));
+    void *dx = upload(g, hx, nx, 51, 1.0), *dw_ = upload(g, hw, nw, 52, 0.05);
+    void *ddo = upload(g, hdo, nout, 53, 1.0);
+    void *dxp = g->alloc(g->act_size * ((size_t)R * I + 1)); /* the permuted copy */
+    g->permute_tokens(dxp, dx, dmap, R, k, I);
+    /* forward: fused, permute + GEMM, CPU gather */
+    moe_real *a = malloc(sizeof(moe_real) * (nout + nw)), *b = malloc(sizeof(moe_real) * (nout + nw));
+    moe_real *cr = malloc(sizeof(moe_real) * (nout + nw));
+    void *dy = g->alloc(g->act_size * (nout + 1));
+    moe_test_poison(a, nout);
+    g->write_act(dy, a, nout);
+    g->grouped_matmul_forward_dev_gather(dy, dx, dmap, k, dw_, doff, G, R, I, O);
+    g->read_act(a, dy, nout);
+    g->grouped_matmul_forward_dev(dy, dxp, dw_, doff, G, R, I, O);
+    g->read_act(b, dy, nout);
+    c->grouped_matmul_forward_dev_gather(cr, hx, map, k, hw, off, G, R, I, O);
+    const double ff = rel_groups(a, b, off, G, O), fc = rel_groups(a, cr, off, G, O);
+    /* wgrad, overwriting: fp32 and bf16 */
+    double wf[2], wc[2];
+    for (int m = 0; m < 2; m++) {
+        const moe_dw_mode mode = m ? MOE_DW_ACT : MOE_DW_STORE;
+        void *ddw = g->alloc(sizeof(moe_real) * nw);
+        moe_real *outs[2] = {a, b};
+        for (int v = 0; v < 2; v++) {
+            moe_test_poison(outs[v], nw);
+            if (m)
+                g->write_act(ddw, outs[v], nw);
+            else
+                g->from_host(ddw, outs[v], sizeof(moe_real) * nw);
+            if (v)
+                g->grouped_matmul_backward_dev(NULL, ddw, ddo, dxp, dw_, doff, G, R, I, O, 0, mode);
+            else
+                g->grouped_matmul_backward_dev_gather(NULL, ddw, ddo, dx, dmap, k, dw_, doff, G,
+                                                      R, I, O, 0, mode);
+            if (m)
+                g->read_act(outs[v], ddw, nw);
+            else
+                g->to_host(outs[v], ddw, sizeof(moe_real) * nw);
+        }
+        c->grouped_matmul_backward_dev_gather(NULL, cr, hdo, hx, map, k, hw, off, G, R, I, O, 0,
+                                              MOE_DW_STORE);
+        wf[m] = rel(a, b, nw);
+        wc[m] = rel(a, cr, nw);
+        g->free(ddw);
+    }
+    printf("  gather G=%d rows=%d I=%d O=%d: forward vs permute+GEMM %.2e, vs CPU %.2e; wgrad "
+           "fp32 %.2e / %.2e, bf16 %.2e / %.2e (split %d)\n",
+           G, R, I, O, ff, fc, wf[0], wc[0], wf[1], wc[1],
+           moe_cuda_grouped_sm90_wgrad_split(G, R, I, O));
+    ck_assert_msg(ff <= 1e-6 && wf[0] <= 1e-6 && wf[1] <= 1e-6,
+                  "the fused gather differs from permute + GEMM");
+    ck_assert_msg(fc <= 1e-2 && wc[0] <= 1e-4 && wc[1] <= 1e-2,
+                  "the fused gather differs from the CPU reference");
+    g->free(doff); g->free(dmap); g->free(dx); g->free(dw_); g->free(ddo); g->free(dxp);
+    g->free(dy);
+    free(off); free(map); free(hx); free(hw); free(hdo); free(a); free(b); free(cr);
+}
+
+START_TEST(test_gpu_grouped_gather) {
+    /* ragged: empty groups, one row, sizes around the 64-row k-step and the 128-row tile;
+     * K = 200 and N = 136 end inside a k-step and a column box */
+    check_gather(g_edges, N_EDGES, 200, 320);
+    const int few[3] = {0, 2000, 900}; /* long groups on a small dw: wgrad splits its k-loop */
+    check_gather(few, 3, 128, 136);
+    int many[256]; /* 256 groups */
+    for (int i = 0; i < 256; i++)
+        many[i] = i % 32 >= 28 ? i % 2 : g_edges[i % N_EDGES] + (i / N_EDGES) % 3;
+    check_gather(many, 256, 136, 264);
+}
+END_TEST
+
 /* one gradient step of a small model with expert backend @p impl vs chapter 01's loop */
-static void model_vs_loop(const char *impl) {
+static void model_vs_loop(const char *impl, const char *extra) {
     const char *base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 "
                        "--num-query-groups 2 --seq-length 64 --micro-batch-size 8 "
                        "--global-batch-size 8 --num-experts 8 --moe-ffn-hidden-size 64 "
@@ -235,7 +334,8 @@ static void model_vs_loop(const char *impl) {
     moe_trainer *t[2];
     moe_step_stats st[2];
     for (int i = 0; i < 2; i++) {
-        snprintf(flags, sizeof flags, "%s --moe-expert-backend %s", base, i ? impl : "loop");
+        snprintf(flags, sizeof flags, "%s --moe-expert-backend %s %s", base, i ? impl : "loop",
+                 i ? extra : "");
         moe_config cfg;
         moe_error err;
         setenv("MOE_NO_DOWNLOAD", "1", 1);
@@ -248,7 +348,7 @@ static void model_vs_loop(const char *impl) {
     t[0]->model->be->to_host(a, t[0]->model->grads, sizeof(moe_real) * P);
     t[1]->model->be->to_host(b, t[1]->model->grads, sizeof(moe_real) * P);
     double e = rel(b, a, P);
-    printf("  whole model, %s vs loop: loss %.6f vs %.6f, gradients rel %.2e\n", impl,
+    printf("  whole model, %s %s vs loop: loss %.6f vs %.6f, gradients rel %.2e\n", impl, extra,
            st[1].loss, st[0].loss, e);
     ck_assert(fabs(st[0].loss - st[1].loss) <= 1e-3);
     ck_assert(e <= 2e-2);
@@ -259,8 +359,9 @@ static void model_vs_loop(const char *impl) {
 }
 
 START_TEST(test_gpu_grouped_model_equals_loop) {
-    model_vs_loop("cublas-grouped");
-    model_vs_loop("grouped");
+    model_vs_loop("cublas-grouped", "");
+    model_vs_loop("grouped", "");
+    model_vs_loop("grouped", "--moe-permute-fusion"); /* the fused permutation */
 }
 END_TEST
 
@@ -271,6 +372,7 @@ Suite *suite_gpu_grouped(void) {
     tcase_add_test(tc, test_gpu_grouped_matmul);
     tcase_add_test(tc, test_gpu_grouped_wgrad_modes);
     tcase_add_test(tc, test_gpu_grouped_fine_tiles);
+    tcase_add_test(tc, test_gpu_grouped_gather);
     tcase_add_test(tc, test_gpu_grouped_model_equals_loop);
     suite_add_tcase(s, tc);
     return s;

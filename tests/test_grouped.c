@@ -93,8 +93,48 @@ START_TEST(test_grouped_wgrad_modes) {
 }
 END_TEST
 
+/* The fused permutation's CPU twin (the reference of the GPU kernel's gather): input row r
+ * is token map[r] / k, checked against the definition written out — forward into a
+ * poisoned output, and dw_g = Σ_{r in g} dout[r] ⊗ x[map[r] / k] stored over a poisoned
+ * buffer — on groups with an empty one, and a map that skips some assignments. */
+START_TEST(test_grouped_gather) {
+    const int off[5] = {0, 3, 3, 10, 11}, G = 4, I = 5, O = 6, rows = 11, k = 2, T = 7;
+    const int map[11] = {13, 0, 5, 2, 9, 11, 1, 6, 12, 3, 8}; /* assignments of 7 tokens × 2 */
+    const size_t nw = (size_t)G * O * I;
+    moe_real x[7 * 5], dout[11 * 6], w[4 * 6 * 5], dw[4 * 6 * 5], out[11 * 6];
+    moe_test_randn(x, (size_t)T * I, 5, 1.0);
+    moe_test_randn(dout, sizeof dout / sizeof dout[0], 6, 1.0);
+    moe_test_randn(w, nw, 7, 1.0);
+    const moe_backend *be = moe_backend_cpu();
+    moe_test_poison(out, sizeof out / sizeof out[0]);
+    be->grouped_matmul_forward_dev_gather(out, x, map, k, w, off, G, rows, I, O);
+    moe_test_poison(dw, nw);
+    be->grouped_matmul_backward_dev_gather(NULL, dw, dout, x, map, k, w, off, G, rows, I, O, 0,
+                                           MOE_DW_STORE);
+    for (int g = 0; g < G; g++)
+        for (int o = 0; o < O; o++) {
+            for (int r = off[g]; r < off[g + 1]; r++) {
+                double want = 0;
+                for (int i = 0; i < I; i++)
+                    want += (double)x[map[r] / k * I + i] * w[((size_t)g * O + o) * I + i];
+                ck_assert_msg(fabs(out[r * O + o] - want) <= 1e-5 * (1 + fabs(want)),
+                              "forward row %d col %d: %g, want %g", r, o, (double)out[r * O + o],
+                              want);
+            }
+            for (int i = 0; i < I; i++) {
+                double want = 0;
+                for (int r = off[g]; r < off[g + 1]; r++)
+                    want += (double)dout[r * O + o] * x[map[r] / k * I + i];
+                const size_t at = ((size_t)g * O + o) * I + i;
+                ck_assert_msg(fabs(dw[at] - want) <= 1e-5 * (1 + fabs(want)),
+                              "dw[%d,%d,%d] = %g, want %g", g, o, i, (double)dw[at], want);
+            }
+        }
+}
+END_TEST
+
 Suite *suite_grouped(void) {
     const TTest *tests[] = {test_grouped_forward_ragged, test_grouped_forward_one_group_has_all,
-                            test_grouped_wgrad_modes};
-    return moe_test_chapter_suite("grouped", "ch03", tests, 3);
+                            test_grouped_wgrad_modes, test_grouped_gather};
+    return moe_test_chapter_suite("grouped", "ch03", tests, 4);
 }

@@ -32,6 +32,7 @@ typedef struct opts {
     int warmup, repeats, check, breakdown;
     char impl[MOE_FLAG_STR_LEN];
     char expert_dw[MOE_FLAG_STR_LEN];
+    char permute_fusion[MOE_FLAG_STR_LEN];
 } opts;
 
 #define OF(name, type, field, def, help, choices) \
@@ -55,6 +56,9 @@ static const moe_flag g_flags[] = {
        "comma-separated ways the grouped kernel writes the expert weight gradients: add (fp32 "
        "+=, every micro-batch but a step's first), store (fp32 =, the first) and bf16 (=, as "
        "torch._grouped_mm; our kernel only)", NULL),
+    OF("permute-fusion", MOE_FLAG_STRING, permute_fusion, "off",
+       "comma-separated: off (permute, then the grouped GEMMs) and on (--moe-permute-fusion: "
+       "fc1 gathers its rows from the tokens, no permuted copy; our kernel only)", NULL),
 };
 
 typedef moe_bench_shape shape;
@@ -73,13 +77,13 @@ typedef struct layer {
 
 /* Weights drawn from the counter-based RNG: the same values on every backend. */
 static void layer_init(layer *L, const moe_backend *be, const shape *s, int T,
-                       moe_expert_impl impl) {
+                       moe_expert_impl impl, int fused) {
     memset(L, 0, sizeof *L);
     L->be = be;
     moe_layer_dims d = {.N = T, .T = T, .H = s->H, .E = s->E, .k = s->k, .F = s->F, .Fs = 0,
                         .router = {s->E, s->k, MOE_SCORE_SOFTMAX, 0, 0, 0, 0},
                         .lb_type = MOE_LB_AUX, .aux_coeff = 0.01, .z_coeff = 0.001,
-                        .experts = impl};
+                        .experts = impl, .permute_fusion = fused};
     L->d = d;
     const size_t H = s->H, F = s->F, E = s->E, S = be->act_size;
     const size_t nr = E * H, n1 = E * 2 * F * H, n2 = E * H * F, n = nr + n1 + n2;
@@ -170,12 +174,14 @@ static const char *const g_impl_names[] = {"loop", "cublas-grouped", "grouped"};
 static const char *const g_dw_names[] = {"add", "store", "bf16"};
 
 static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_expert_impl impl,
-                     moe_dw_mode dw) {
+                     moe_dw_mode dw, int fused) {
+    char name[32]; /* the expert backend, "+fused" under the fused permutation */
+    snprintf(name, sizeof name, "%s%s", g_impl_names[impl], fused ? "-fused" : "");
     if (o->check && be->device != MOE_DEVICE_CPU) {
         /* the same layer, 256 tokens, on this backend and on the CPU reference */
         layer A, C;
-        layer_init(&A, be, s, 256, impl);
-        layer_init(&C, moe_backend_cpu(), s, 256, MOE_EXPERTS_LOOP);
+        layer_init(&A, be, s, 256, impl, fused);
+        layer_init(&C, moe_backend_cpu(), s, 256, MOE_EXPERTS_LOOP, 0);
         layer_step(&A);
         layer_step(&C);
         char same[256];
@@ -186,14 +192,14 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
         layer_free(&C);
         printf("check %-8s %s %s vs cpu at 256 tokens: %d routed identically; on those, output "
                "rel err %.2e, dgrad rel err %.2e\n",
-               s->name, be->name, g_impl_names[impl], n_same, eo, ex);
+               s->name, be->name, name, n_same, eo, ex);
         if (!(n_same >= 200 && eo < 2e-2 && ex < 3e-2)) {
             moe_log_error("%s layer disagrees with the CPU reference: not timing it", be->name);
             return 1;
         }
     }
     layer L;
-    layer_init(&L, be, s, s->T, impl);
+    layer_init(&L, be, s, s->T, impl, fused);
     L.g.expert_dw = dw; /* the fp32 gradient views have room for a bf16 dw */
     for (int i = 0; i < o->warmup; i++)
         layer_step(&L);
@@ -211,11 +217,10 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
         cmax = L.a.counts[e] > cmax ? L.a.counts[e] : cmax;
     }
     printf("| %-10s | %5d | %4d | %5d | %3d | %d | %-4s %-14s | %-5s | %9.2f | %8.2f | %lld/%lld "
-           "|\n", s->name, s->T, s->H, s->F, s->E, s->k, be->name, g_impl_names[impl],
+           "|\n", s->name, s->T, s->H, s->F, s->E, s->k, be->name, name,
            g_dw_names[dw], med, flop / (med * 1e-3) / 1e12, cmin, cmax);
     /* one line for torch_moe_layer.py --ours, which prints the comparison with ratios */
-    printf("RESULT layer shape=%s impl=%s dw=%s ms=%.4f\n", s->name, g_impl_names[impl],
-           g_dw_names[dw], med);
+    printf("RESULT layer shape=%s impl=%s dw=%s ms=%.4f\n", s->name, name, g_dw_names[dw], med);
     free(ms);
     if (o->breakdown) { /* one more step with a device sync at every stage boundary */
         moe_prof_start(be);
@@ -226,7 +231,7 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
         for (int i = 0; i < MOE_PROF_STAGES; i++)
             tot += st[i];
         printf("  %s %s stages (one profiled step, %.2f ms with a sync per stage):", s->name,
-               g_impl_names[impl], tot);
+               name, tot);
         for (int i = 0; i < MOE_PROF_STAGES; i++)
             if (st[i] > 0)
                 printf(" %s %.2f ms (%.0f%%);", moe_prof_stage_names[i], st[i],
@@ -275,6 +280,13 @@ int main(int argc, char **argv) {
         n_impl += impl_wanted(o.impl, g_impl_names[i]);
         n_dw += impl_wanted(o.expert_dw, g_dw_names[i]);
     }
+    const int fuse_off = impl_wanted(o.permute_fusion, "off"),
+              fuse_on = impl_wanted(o.permute_fusion, "on");
+    if (!fuse_off && !fuse_on) {
+        moe_log_error("--permute-fusion '%s': give a comma-separated list of off, on",
+                      o.permute_fusion);
+        return 2;
+    }
     if (n_dw == 0) {
         moe_log_error("--expert-dw '%s': give a comma-separated list of add, store, bf16",
                       o.expert_dw);
@@ -308,7 +320,10 @@ int main(int argc, char **argv) {
                 if (impl_wanted(o.impl, g_impl_names[impl]) &&
                     impl_wanted(o.expert_dw, g_dw_names[dw]) &&
                     (dw != MOE_DW_ACT || impl == MOE_EXPERTS_KERNEL))
-                    fails += run_shape(be, s, &o, (moe_expert_impl)impl, (moe_dw_mode)dw);
+                    for (int f = 0; f < 2; f++) /* the fused permutation: our kernel only */
+                        if ((f ? fuse_on : fuse_off) && (!f || impl == MOE_EXPERTS_KERNEL))
+                            fails += run_shape(be, s, &o, (moe_expert_impl)impl,
+                                               (moe_dw_mode)dw, f);
     }
     return fails ? 1 : 0;
 }

@@ -124,6 +124,31 @@ static void cpu_grouped_backward_dev(void *din, void *dw, const void *dout, cons
     cpu_grouped_backward(din, dw, dout, in, w, dev_off, G, I, O);
 }
 
+/* ... and on gathered rows: the reference copies them (the permutation the GPU kernel
+ * fuses away), then runs the plain op */
+static moe_real *gathered(const void *x, const int *map, int div, int rows, int I) {
+    moe_real *xp = malloc(sizeof(moe_real) * ((size_t)rows * I + 1));
+    MOE_CHECK_ALLOC(xp, sizeof(moe_real) * (size_t)rows * I, "a gathered grouped-GEMM input");
+    moe_cpu_permute_tokens(xp, x, map, rows, div, I);
+    return xp;
+}
+static void cpu_grouped_forward_dev_gather(void *out, const void *x, const int *map, int div,
+                                           const void *w, const int *dev_off, int G, int rows,
+                                           int I, int O) {
+    moe_real *xp = gathered(x, map, div, rows, I);
+    cpu_grouped_forward_dev(out, xp, w, dev_off, G, rows, I, O);
+    free(xp);
+}
+static void cpu_grouped_backward_dev_gather(void *din, void *dw, const void *dout, const void *x,
+                                            const int *map, int div, const void *w,
+                                            const int *dev_off, int G, int rows, int I, int O,
+                                            int din_accumulate, moe_dw_mode dw_mode) {
+    moe_real *xp = gathered(x, map, div, rows, I);
+    cpu_grouped_backward_dev(din, dw, dout, xp, w, dev_off, G, rows, I, O, din_accumulate,
+                             dw_mode);
+    free(xp);
+}
+
 static void a_embedding_forward(void *out, const int *tokens, const void *table, int N, int C) {
     moe_cpu_embedding_forward(out, tokens, table, N, C);
 }
@@ -300,6 +325,8 @@ static const moe_backend g_cpu = {
     .grouped_matmul_backward = cpu_grouped_backward,
     .grouped_matmul_forward_dev = cpu_grouped_forward_dev,
     .grouped_matmul_backward_dev = cpu_grouped_backward_dev,
+    .grouped_matmul_forward_dev_gather = cpu_grouped_forward_dev_gather,
+    .grouped_matmul_backward_dev_gather = cpu_grouped_backward_dev_gather,
     .embedding_forward = a_embedding_forward,
     .embedding_backward = a_embedding_backward,
     .rmsnorm_forward = a_rmsnorm_forward,

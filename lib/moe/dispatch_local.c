@@ -22,7 +22,10 @@ static void local_plan(const moe_backend *be, const moe_layer_dims *d, moe_layer
 /* each token copied to its k rows, each row with its routing weight */
 static void local_dispatch(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
                            moe_layer_workspace *ws, const void *x) {
-    moe_dispatch_permute(be, d, a, x);
+    if (d->permute_fusion) /* fc1 gathers the tokens itself (experts.c): only weights move */
+        be->permute_weights(a->wp, a->topk_w, a->perm_src, d->N * d->k);
+    else
+        moe_dispatch_permute(be, d, a, x);
     moe_prof_mark(MOE_PROF_PERMUTE);
 }
 

@@ -19,8 +19,8 @@ moe_expert_impl moe_expert_impl_from_config(const moe_config *c, const moe_backe
     }
     /* auto: the fastest on a GPU — our kernel where its shapes fit, else cuBLAS's grouped
      * GEMM; on the CPU the loop, unless Megatron's switch asks for grouped */
-    if (be->device == MOE_DEVICE_CPU && !c->moe_grouped_gemm)
-        return MOE_EXPERTS_LOOP;
+    if (be->device == MOE_DEVICE_CPU && !c->moe_grouped_gemm && !c->moe_permute_fusion)
+        return MOE_EXPERTS_LOOP; /* (the fused permutation is a grouped-kernel path) */
     return moe_config_grouped_kernel_fits(c) ? MOE_EXPERTS_KERNEL : MOE_EXPERTS_CUBLAS;
 }
 
@@ -81,9 +81,9 @@ typedef struct expert_rows {
 } expert_rows;
 
 static expert_rows rows_of(const moe_layer_dims *d, const moe_layer_acts *a,
-                           moe_layer_workspace *ws, int expert_side) {
-    if (!expert_side)
-        return (expert_rows){a->xp, a->wp, a->gu, a->act, ws->yp, ws->dyp, ws->dxp, ws->dwp,
+                           moe_layer_workspace *ws, const void *x, int expert_side) {
+    if (!expert_side) /* the fused permutation: fc1 reads the tokens x itself (see groups_of) */
+        return (expert_rows){d->permute_fusion ? x : a->xp, a->wp, a->gu, a->act, ws->yp, ws->dyp, ws->dxp, ws->dwp,
                              ws->dh, ws->dgu, a->expert_offset, d->E, (size_t)d->N * d->k};
     const moe_dispatch_plan *pl = &a->plan;
     /* the outputs' buffer takes the input gradients in the backward */
@@ -93,20 +93,27 @@ static expert_rows rows_of(const moe_layer_dims *d, const moe_layer_acts *a,
 
 /* The groups of step 4. Our grouped kernel reads the offsets from device memory: the
  * local dispatcher's permutation wrote them there already, the others' plans are
- * uploaded here (forward; the backward reuses them). */
-static moe_groups groups_of(const moe_backend *be, const moe_layer_dims *d, int *dev_offset,
-                            const expert_rows *r, int upload) {
+ * uploaded here (forward; the backward reuses them). Under the fused permutation fc1
+ * gathers its row r from token perm_src[r] / k (forward and weight gradient). */
+static moe_groups groups_of(const moe_backend *be, const moe_layer_dims *d,
+                            const moe_layer_acts *a, const expert_rows *r, int upload) {
     if (d->experts == MOE_EXPERTS_KERNEL && upload)
-        be->from_host(dev_offset, r->off, sizeof(int) * (r->G + 1));
-    moe_groups g = {r->off, dev_offset, r->G, d->experts, MOE_DW_ACCUMULATE};
+        be->from_host(a->dev_offset, r->off, sizeof(int) * (r->G + 1));
+    moe_groups g = {r->off, a->dev_offset, r->G, d->experts, MOE_DW_ACCUMULATE, NULL, 1};
+    if (d->permute_fusion) {
+        MOE_ASSERT(d->experts == MOE_EXPERTS_KERNEL && !d->ep && d->capacity_factor == 0);
+        g.gather = a->perm_src;
+        g.gather_div = d->k;
+    }
     return g;
 }
 
 void moe_experts_forward(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
-                         moe_layer_workspace *ws, const moe_layer_weights *w, int expert_side) {
+                         moe_layer_workspace *ws, const moe_layer_weights *w, const void *x,
+                         int expert_side) {
     const int H = d->H, F = d->F;
-    const expert_rows r = rows_of(d, a, ws, expert_side);
-    const moe_groups grp = groups_of(be, d, a->dev_offset, &r, expert_side);
+    const expert_rows r = rows_of(d, a, ws, x, expert_side);
+    const moe_groups grp = groups_of(be, d, a, &r, expert_side);
     if (grp.impl != MOE_EXPERTS_LOOP) { /* chapter 03: one grouped GEMM per Linear */
         moe_mlp_forward_grouped(be, r.y, r.gu, r.act, r.x, r.w, w->fc1, w->fc2, &grp, H, F);
         return;
@@ -123,9 +130,9 @@ void moe_experts_forward(const moe_backend *be, const moe_layer_dims *d, moe_lay
 
 void moe_experts_backward(const moe_backend *be, const moe_layer_dims *d, const moe_layer_acts *a,
                           moe_layer_workspace *ws, const moe_layer_weights *w,
-                          const moe_layer_grads *g, int expert_side) {
+                          const moe_layer_grads *g, const void *x, int expert_side) {
     const int H = d->H, F = d->F;
-    const expert_rows r = rows_of(d, a, ws, expert_side);
+    const expert_rows r = rows_of(d, a, ws, x, expert_side);
     /* the loop adds into the input gradients expert by expert; the grouped paths
      * overwrite them. Routing-weight gradients: rows of dropped or absent assignments
      * stay 0. */
@@ -133,7 +140,7 @@ void moe_experts_backward(const moe_backend *be, const moe_layer_dims *d, const 
         be->zero(r.dx, be->act_size * r.rows * H);
     be->zero(r.dw, R * r.rows);
     moe_prof_mark(MOE_PROF_EXPERT_OPS);
-    moe_groups grp = groups_of(be, d, a->dev_offset, &r, 0);
+    moe_groups grp = groups_of(be, d, a, &r, 0);
     grp.dw_mode = g->expert_dw;
     if (grp.impl != MOE_EXPERTS_LOOP) {
         moe_mlp_backward_grouped(be, r.dx, g->fc1, g->fc2, r.dw, r.dy, r.x, r.gu, r.act, r.w,

@@ -46,10 +46,13 @@ void moe_expert_rows_reserve(const moe_backend *be, const moe_layer_dims *d, moe
  *        (permuted rows) or ws->ye (expert-side rows); a->gu/act or a->gue/acte are saved.
  * @param be backend @param d dims @param a saved state (a->plan's offsets; a->dev_offset
  *        receives them for our grouped kernel) @param ws workspace @param w weights
+ * @param x the layer's input tokens [N,H]: fc1 gathers its rows from them by
+ *        a->perm_src under d->permute_fusion (then a->xp is never written); else unused
  * @param expert_side the dispatcher's moe_dispatcher::expert_side
  */
 void moe_experts_forward(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
-                         moe_layer_workspace *ws, const moe_layer_weights *w, int expert_side);
+                         moe_layer_workspace *ws, const moe_layer_weights *w, const void *x,
+                         int expert_side);
 
 /**
  * @brief Backward of the local experts: weight gradients accumulate into @p g; input
@@ -57,10 +60,11 @@ void moe_experts_forward(const moe_backend *be, const moe_layer_dims *d, moe_lay
  *        routing-weight gradients in ws->dwp or ws->dwe (both overwritten).
  * @param be backend @param d dims @param a the forward's saved state @param ws workspace
  *        (output gradients in ws->dyp or ws->dye) @param w weights @param g gradients
+ * @param x the forward's input tokens (read under d->permute_fusion, as in the forward)
  * @param expert_side the dispatcher's moe_dispatcher::expert_side
  */
 void moe_experts_backward(const moe_backend *be, const moe_layer_dims *d, const moe_layer_acts *a,
                           moe_layer_workspace *ws, const moe_layer_weights *w,
-                          const moe_layer_grads *g, int expert_side);
+                          const moe_layer_grads *g, const void *x, int expert_side);
 
 #endif /* MOE_EXPERTS_H */

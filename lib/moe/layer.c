@@ -139,7 +139,7 @@ void moe_layer_forward(const moe_backend *be, void *out, const void *x, const mo
 
     /* 4. the experts: chapter 01's loop of one SwiGLU MLP per expert on its rows, or
      *    (chapter 03) one grouped GEMM per Linear for all of them */
-    moe_experts_forward(be, d, a, ws, w, dp->expert_side);
+    moe_experts_forward(be, d, a, ws, w, x, dp->expert_side);
 
     /* 5. combine: out[n] = Σ_j expert output of (n, j) */
     dp->combine(be, d, a, ws, out);
@@ -162,7 +162,7 @@ void moe_layer_backward(const moe_backend *be, void *dx, const moe_layer_grads *
     dp->dispatch_grad(be, d, a, ws, dout);
 
     /* 4⁻¹. the experts in reverse */
-    moe_experts_backward(be, d, a, ws, w, g, dp->expert_side);
+    moe_experts_backward(be, d, a, ws, w, g, x, dp->expert_side);
 
     /* 3⁻¹. back to token order: input gradients into dx, routing-weight gradients into
      *      ws->dtopk_w */

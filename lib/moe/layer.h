@@ -23,7 +23,9 @@
  *  - `capacity_factor` (chapter 02): dropped assignments skip the experts (capacity.h);
  *    a single rank then uses the alltoall dispatcher too, with no peers;
  *  - `experts` (chapter 03): step 4 as chapter 01's loop or as one grouped GEMM per
- *    Linear (cuBLAS's, or our kernel that reads the group offsets on the device).
+ *    Linear (cuBLAS's, or our kernel that reads the group offsets on the device);
+ *  - `permute_fusion` (chapter 03): step 3 moves only the routing weights, and fc1
+ *    gathers its rows straight from the tokens by the permutation's index.
  */
 #ifndef MOE_LAYER_H
 #define MOE_LAYER_H
@@ -51,6 +53,10 @@ typedef struct moe_layer_dims {
     moe_drop_policy drop_policy; /**< which assignments an expert over capacity keeps */
     int pad_to_capacity;        /**< pad every expert's input to capacity rows */
     moe_expert_impl experts;    /**< how step 4 runs: loop, cuBLAS grouped, our kernel */
+    /** the fused permutation (chapter 03, --moe-permute-fusion): fc1 gathers its rows from
+     *  the tokens by index, so the permuted copy xp is never written; one rank, dropless,
+     *  ::MOE_EXPERTS_KERNEL only */
+    int permute_fusion;
 } moe_layer_dims;
 
 /** The layer's weights: the backend's compute copy (activation type), views into it. */
