@@ -35,8 +35,7 @@ if [ ! -f "$chk/lib/libcheck.a" ]; then
     exit 2
 fi
 t0=$(date +%s)
-if make -j16 HAVE_CHECK=yes CFLAGS="-O3 -I$chk/include" \
-    CHECK_LIBS="-L$chk/lib -Wl,-Bstatic -lcheck -lsubunit -Wl,-Bdynamic -lrt -lpthread" \
+if make -j16 CHECK_DIR="$chk" \
     bin/ch01_moe_layer_bench build/tests/gpu >"$out/fp_build.txt" 2>&1; then
     summary+=("build: ok ($(($(date +%s) - t0)) s)")
 else
