@@ -385,7 +385,7 @@ check-ch03: check-deps
 	$(call RUN_TAGGED,03,unit)
 	$(call RUN_TAGGED,03,fd)
 
-# chapter 04 (parallel folding, first part): no student stubs yet, so the library's own code
+# chapter 04 (parallel folding): no student stubs yet, so the library's own code
 check-ch04: check-deps
 	@$(MAKE) --no-print-directory $(BUILD)/tests/unit $(BUILD)/tests/fd \
 	  $(if $(filter 1,$(WITH_MPI)),$(BUILD)/tests/mpi)

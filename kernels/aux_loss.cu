@@ -8,15 +8,22 @@
  * s: softmax over the E logits (sigmoid router: σ(z)/(Σσ(z) + 1e-20));
  * c_i: how many tokens of the group have expert i in the plain top-k of s.
  *
+ * A rank may hold only some rows of the groups (moe_aux_shape: global rows [row0, row0+N)
+ * of groups·T tokens; tensor parallelism runs the MoE layer on sequence shards). The counts
+ * are then computed per rank and summed over the ranks by the caller (they are host arrays),
+ * and the forward and backward take them: this rank's part of L uses only its rows' scores.
+ *
  * The GPU pipeline, every step deterministic (integer atomics only, fixed-order sums):
- *   1. counts: the plain top-k of s is the router's own top-k — the pre-softmax router
- *      ranks softmax(z), the sigmoid router without bias ranks σ(z), which orders experts
- *      exactly like σ/Σσ — so we call moe_cuda_router_forward() and then count the picks
- *      per (group, expert) with integer atomicAdd (an integer sum is order independent).
+ *   1. counts (moe_cuda_aux_loss_counts): the plain top-k of s is the router's own top-k —
+ *      the pre-softmax router ranks softmax(z), the sigmoid router without bias ranks σ(z),
+ *      which orders experts exactly like σ/Σσ — so we call moe_cuda_router_forward() and
+ *      count the picks per (group, expert) with integer atomicAdd (an integer sum is order
+ *      independent); the counts go to the host (a sync).
  *   2. scores: one warp per token writes s[t, :] in fp32.
- *   3. column sums Σ_t s_{t,i} per group: a block per (group, 32 experts), 32 threads down
- *      the tokens in a fixed stride, partial sums in double, combined in a fixed order.
- *   4. L = mean over groups of coeff·E/(k·T²)·Σ_i c_i·ssum_i: one block, fixed-order tree.
+ *   3. column sums Σ_t s_{t,i} over this rank's rows of each group it holds: a block per
+ *      (group, 32 experts), 32 threads down the rows in a fixed stride, partial sums in
+ *      double, combined in a fixed order.
+ *   4. L = (1/groups)·Σ_g coeff·E/(k·T²)·Σ_i c_{g,i}·ssum_{g,i}: one block, fixed-order tree.
  *      The double comes back to the host (a sync: the forward returns a value).
  * Backward: only s carries gradient (counts are constants). With
  *     ds_i = scale · coeff · E / (k · T²) / groups · c_i,   dot = Σ_i s_i ds_i,
@@ -49,12 +56,13 @@ static size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
 
 /* ------------------------------------------------------------------ kernels */
 
-/* cnt[g, e] += 1 for every pick e of every token of group g (integer atomics). */
-static __global__ void count_picks_kernel(int *cnt, const int *topk_idx, int N, int k, int T,
-                                          int E) {
+/* cnt[g, e] += 1 for every pick e of every row of group g (integer atomics); local row t
+ * is global row row0 + t. */
+static __global__ void count_picks_kernel(int *cnt, const int *topk_idx, int N, int k, int row0,
+                                          int T, int E) {
     int a = blockIdx.x * blockDim.x + threadIdx.x;
     if (a < N * k)
-        atomicAdd(&cnt[(size_t)(a / k / T) * E + topk_idx[a]], 1);
+        atomicAdd(&cnt[(size_t)((row0 + a / k) / T) * E + topk_idx[a]], 1);
 }
 
 /* The aux-loss scores of token t: s = softmax(z), or σ(z)/(Σσ + 1e-20). Warp per token.
@@ -88,14 +96,18 @@ static __global__ void aux_scores_kernel(float *s, const moe_bf16 *logits, int N
         s[(size_t)t * E + e] = token_score(moe_ld(z[e]), sig, m, sum);
 }
 
-/* ssum[g, e] = Σ_{t in group g} s[t, e]. Block (32 experts) × (32 token strides). */
-static __global__ void aux_colsum_kernel(double *ssum, const float *s, int T, int E) {
+/* ssum[j, e] = Σ s[t, e] over this rank's rows t of group g0 + j (local rows [lo, hi)).
+ * Block (32 experts) × (32 row strides). */
+static __global__ void aux_colsum_kernel(double *ssum, const float *s, int N, int row0, int g0,
+                                         int T, int E) {
     __shared__ double part[32][33];
     const int g = blockIdx.x, e = blockIdx.y * 32 + threadIdx.x, ty = threadIdx.y;
+    const long long a = (long long)(g0 + g) * T - row0, b = a + T;
+    const int lo = a > 0 ? (int)a : 0, hi = b < N ? (int)b : N;
     double acc = 0.0;
     if (e < E)
-        for (int t = ty; t < T; t += 32)
-            acc += s[((size_t)g * T + t) * E + e];
+        for (int t = lo + ty; t < hi; t += 32)
+            acc += s[(size_t)t * E + e];
     part[ty][threadIdx.x] = acc;
     __syncthreads();
     if (ty == 0 && e < E) {
@@ -106,11 +118,12 @@ static __global__ void aux_colsum_kernel(double *ssum, const float *s, int T, in
     }
 }
 
-/* out = (1/groups) Σ_g f · Σ_e c[g,e]·ssum[g,e]; one block of 256 threads, fixed order. */
-static __global__ void aux_final_kernel(double *out, const int *cnt, const double *ssum, int groups,
-                                        int E, double f) {
+/* out = (1/groups) Σ_j f · Σ_e c[j,e]·ssum[j,e] over the ng groups this rank holds rows of
+ * (cnt points at the first); one block of 256 threads, fixed order. */
+static __global__ void aux_final_kernel(double *out, const long long *cnt, const double *ssum,
+                                        int ng, int groups, int E, double f) {
     double acc = 0.0;
-    for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+    for (int g = threadIdx.x; g < ng; g += blockDim.x) {
         double dot = 0.0;
         for (int e = 0; e < E; e++)
             dot += (double)cnt[(size_t)g * E + e] * ssum[(size_t)g * E + e];
@@ -121,16 +134,18 @@ static __global__ void aux_final_kernel(double *out, const int *cnt, const doubl
         *out = acc / groups;
 }
 
-/* dz += d(aux)/dz for token t; f = scale·coeff·E/(k·T²)/groups. Warp per token. */
+/* dz += d(aux)/dz for local row t (global row0 + t); f = scale·coeff·E/(k·T²)/groups.
+ * cnt: the counts from the first group this rank holds rows of. Warp per token. */
 static __global__ void aux_backward_kernel(moe_bf16 *dlogits, const moe_bf16 *logits,
-                                           const int *cnt, int N, int T, int E, bool sig, float f) {
+                                           const long long *cnt, int N, int row0, int T, int E,
+                                           bool sig, float f) {
     const int lane = threadIdx.x & 31;
     const int t = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (t >= N)
         return;
     const moe_bf16 *z = logits + (size_t)t * E;
     moe_bf16 *dz = dlogits + (size_t)t * E;
-    const int *c = cnt + (size_t)(t / T) * E;
+    const long long *c = cnt + (size_t)((row0 + t) / T - row0 / T) * E;
     float m, sum;
     token_stats(z, E, sig, lane, m, sum);
     float dot = 0.0f;
@@ -189,56 +204,84 @@ static __global__ void z_loss_backward_kernel(moe_bf16 *dlogits, const moe_bf16 
 
 /* ------------------------------------------------------------------ launchers */
 
-/* Counts per (group, expert) into cnt (device, groups·E ints): the router's top-k, counted. */
-static void group_counts(int *cnt, int *idx, float *w, const void *logits, int N, int T, int E,
-                         int k, moe_score_fn fn) {
-    cudaStream_t st = moe_cuda_stream();
-    moe_router_params p = {E, k, fn, fn == MOE_SCORE_SOFTMAX, 0, 0, 0.0};
-    moe_cuda_router_forward(idx, w, logits, NULL, &p, N);
-    MOE_CUDA_CHECK(cudaMemsetAsync(cnt, 0, sizeof(int) * (size_t)(N / T) * E, st));
-    count_picks_kernel<<<moe_cdiv((size_t)N * k, 256), 256, 0, st>>>(cnt, idx, N, k, T, E);
-    MOE_CUDA_LAUNCH_CHECK();
-}
-
-/* Carve the scratch buffer: counts, router picks and weights, then what the caller asks. */
-struct aux_bufs {
-    int *cnt, *idx;
-    float *w;
-    unsigned char *rest;
-};
-
-static aux_bufs aux_scratch(int N, int groups, int E, int k, size_t rest_bytes) {
-    size_t b_cnt = align256(sizeof(int) * (size_t)groups * E);
-    size_t b_idx = align256(sizeof(int) * (size_t)N * k);
-    size_t b_w = align256(sizeof(float) * (size_t)N * k);
-    unsigned char *p = (unsigned char *)scratch(b_cnt + b_idx + b_w + rest_bytes);
-    aux_bufs b = {(int *)p, (int *)(p + b_cnt), (float *)(p + b_cnt + b_idx),
-                  p + b_cnt + b_idx + b_w};
-    return b;
-}
-
-extern "C" double moe_cuda_aux_loss_forward(const void *logits, int N, int group_len, int E, int k,
-                                            moe_score_fn fn, double coeff) {
-    if (N <= 0 || group_len <= 0 || N % group_len) {
-        fprintf(stderr, "moe_cuda_aux_loss_forward: group_len %d must divide N %d\n", group_len, N);
+static void check_shape(const moe_aux_shape *s, const char *who) {
+    if (s->N < 0 || s->row0 < 0 || s->group_len <= 0 || s->groups <= 0 ||
+        (long long)s->row0 + s->N > (long long)s->groups * s->group_len || s->k < 1 ||
+        s->k > s->E) {
+        fprintf(stderr, "%s: rows [%d, %d) do not fit %d groups of %d (E %d, k %d)\n", who,
+                s->row0, s->row0 + s->N, s->groups, s->group_len, s->E, s->k);
         exit(1);
     }
-    const int T = group_len, groups = N / T;
-    cudaStream_t st = moe_cuda_stream();
-    size_t b_s = align256(sizeof(float) * (size_t)N * E);
-    size_t b_ssum = align256(sizeof(double) * (size_t)groups * E);
-    aux_bufs b = aux_scratch(N, groups, E, k, b_s + b_ssum + sizeof(double));
-    float *s = (float *)b.rest;
-    double *ssum = (double *)(b.rest + b_s), *d_out = (double *)(b.rest + b_s + b_ssum);
+}
 
-    group_counts(b.cnt, b.idx, b.w, logits, N, T, E, k, fn);
-    aux_scores_kernel<<<moe_cdiv(N, WARPS), 32 * WARPS, 0, st>>>(s, (const moe_bf16 *)logits, N, E,
-                                                                 fn == MOE_SCORE_SIGMOID);
+/* The groups this rank holds rows of: g0 .. g0 + ng − 1. */
+static int first_group(const moe_aux_shape *s) { return s->row0 / s->group_len; }
+static int held_groups(const moe_aux_shape *s) {
+    return s->N > 0 ? (s->row0 + s->N - 1) / s->group_len - first_group(s) + 1 : 0;
+}
+
+/* The counts of the groups this rank holds rows of, from the host array into the scratch. */
+static long long *upload_counts(const long long *counts, const moe_aux_shape *s, void *dst) {
+    long long *d = (long long *)dst;
+    MOE_CUDA_CHECK(cudaMemcpyAsync(d, counts + (size_t)first_group(s) * s->E,
+                                   sizeof(long long) * (size_t)held_groups(s) * s->E,
+                                   cudaMemcpyHostToDevice, moe_cuda_stream()));
+    return d;
+}
+
+extern "C" void moe_cuda_aux_loss_counts(long long *counts, const void *logits,
+                                         const moe_aux_shape *s) {
+    check_shape(s, "moe_cuda_aux_loss_counts");
+    const int N = s->N, E = s->E, k = s->k, G = s->groups;
+    cudaStream_t st = moe_cuda_stream();
+    const size_t b_cnt = align256(sizeof(int) * (size_t)G * E);
+    const size_t b_idx = align256(sizeof(int) * (size_t)N * k);
+    unsigned char *p = (unsigned char *)scratch(b_cnt + b_idx + sizeof(float) * (size_t)N * k);
+    int *cnt = (int *)p, *idx = (int *)(p + b_cnt);
+    float *w = (float *)(p + b_cnt + b_idx);
+    MOE_CUDA_CHECK(cudaMemsetAsync(cnt, 0, sizeof(int) * (size_t)G * E, st));
+    if (N > 0) {
+        moe_router_params rp = {E, k, s->fn, s->fn == MOE_SCORE_SOFTMAX, 0, 0, 0.0};
+        moe_cuda_router_forward(idx, w, logits, NULL, &rp, N);
+        count_picks_kernel<<<moe_cdiv((size_t)N * k, 256), 256, 0, st>>>(cnt, idx, N, k, s->row0,
+                                                                         s->group_len, E);
+        MOE_CUDA_LAUNCH_CHECK();
+    }
+    int *host = (int *)malloc(sizeof(int) * (size_t)G * E);
+    if (!host) {
+        fprintf(stderr, "moe_cuda_aux_loss_counts: out of host memory\n");
+        exit(1);
+    }
+    MOE_CUDA_CHECK(cudaMemcpyAsync(host, cnt, sizeof(int) * (size_t)G * E, cudaMemcpyDeviceToHost,
+                                   st));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(st));
+    for (size_t i = 0; i < (size_t)G * E; i++)
+        counts[i] = host[i];
+    free(host);
+}
+
+extern "C" double moe_cuda_aux_loss_forward(const void *logits, const long long *counts,
+                                            const moe_aux_shape *s, double coeff) {
+    check_shape(s, "moe_cuda_aux_loss_forward");
+    const int N = s->N, E = s->E, T = s->group_len, ng = held_groups(s);
+    if (ng == 0)
+        return 0.0;
+    cudaStream_t st = moe_cuda_stream();
+    const size_t b_cnt = align256(sizeof(long long) * (size_t)ng * E);
+    const size_t b_s = align256(sizeof(float) * (size_t)N * E);
+    const size_t b_ssum = align256(sizeof(double) * (size_t)ng * E);
+    unsigned char *p = (unsigned char *)scratch(b_cnt + b_s + b_ssum + sizeof(double));
+    const long long *cnt = upload_counts(counts, s, p);
+    float *sc = (float *)(p + b_cnt);
+    double *ssum = (double *)(p + b_cnt + b_s), *d_out = (double *)(p + b_cnt + b_s + b_ssum);
+    aux_scores_kernel<<<moe_cdiv(N, WARPS), 32 * WARPS, 0, st>>>(sc, (const moe_bf16 *)logits, N, E,
+                                                                 s->fn == MOE_SCORE_SIGMOID);
     MOE_CUDA_LAUNCH_CHECK();
-    aux_colsum_kernel<<<dim3(groups, moe_cdiv(E, 32)), dim3(32, 32), 0, st>>>(ssum, s, T, E);
+    aux_colsum_kernel<<<dim3(ng, moe_cdiv(E, 32)), dim3(32, 32), 0, st>>>(
+        ssum, sc, N, s->row0, first_group(s), T, E);
     MOE_CUDA_LAUNCH_CHECK();
-    const double f = coeff * E / ((double)k * T * T);
-    aux_final_kernel<<<1, 256, 0, st>>>(d_out, b.cnt, ssum, groups, E, f);
+    const double f = coeff * E / ((double)s->k * T * T);
+    aux_final_kernel<<<1, 256, 0, st>>>(d_out, cnt, ssum, ng, s->groups, E, f);
     MOE_CUDA_LAUNCH_CHECK();
     double loss = 0.0;
     MOE_CUDA_CHECK(cudaMemcpyAsync(&loss, d_out, sizeof(double), cudaMemcpyDeviceToHost, st));
@@ -246,21 +289,18 @@ extern "C" double moe_cuda_aux_loss_forward(const void *logits, int N, int group
     return loss;
 }
 
-extern "C" void moe_cuda_aux_loss_backward(void *dlogits, const void *logits, int N, int group_len,
-                                           int E, int k, moe_score_fn fn, double coeff,
-                                           double scale) {
-    if (N <= 0 || group_len <= 0 || N % group_len) {
-        fprintf(stderr, "moe_cuda_aux_loss_backward: group_len %d must divide N %d\n", group_len,
-                N);
-        exit(1);
-    }
-    const int T = group_len, groups = N / T;
-    aux_bufs b = aux_scratch(N, groups, E, k, 0);
-    group_counts(b.cnt, b.idx, b.w, logits, N, T, E, k, fn);
-    const double f = scale * coeff * E / ((double)k * T * T) / groups;
+extern "C" void moe_cuda_aux_loss_backward(void *dlogits, const void *logits,
+                                           const long long *counts, const moe_aux_shape *s,
+                                           double coeff, double scale) {
+    check_shape(s, "moe_cuda_aux_loss_backward");
+    const int N = s->N, E = s->E, T = s->group_len, ng = held_groups(s);
+    if (ng == 0)
+        return;
+    const long long *cnt = upload_counts(counts, s, scratch(sizeof(long long) * (size_t)ng * E));
+    const double f = scale * coeff * E / ((double)s->k * T * T) / s->groups;
     aux_backward_kernel<<<moe_cdiv(N, WARPS), 32 * WARPS, 0, moe_cuda_stream()>>>(
-        (moe_bf16 *)dlogits, (const moe_bf16 *)logits, b.cnt, N, T, E, fn == MOE_SCORE_SIGMOID,
-        (float)f);
+        (moe_bf16 *)dlogits, (const moe_bf16 *)logits, cnt, N, s->row0, T, E,
+        s->fn == MOE_SCORE_SIGMOID, (float)f);
     MOE_CUDA_LAUNCH_CHECK();
 }
 

@@ -72,6 +72,7 @@ static moe_backend make_cuda_backend(void) {
 
     b.router_forward = moe_cuda_router_forward;
     b.router_backward = moe_cuda_router_backward;
+    b.aux_loss_counts = moe_cuda_aux_loss_counts;
     b.aux_loss_forward = moe_cuda_aux_loss_forward;
     b.aux_loss_backward = moe_cuda_aux_loss_backward;
     b.z_loss_forward = moe_cuda_z_loss_forward;

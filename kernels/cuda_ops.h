@@ -111,10 +111,11 @@ void moe_cuda_router_forward(int *topk_idx, moe_real *topk_w, const void *logits
                              const float *bias, const moe_router_params *p, int N);
 void moe_cuda_router_backward(void *dlogits, const moe_real *dtopk_w, const void *logits,
                               const int *topk_idx, const moe_router_params *p, int N);
-double moe_cuda_aux_loss_forward(const void *logits, int N, int group_len, int E, int k,
-                                 moe_score_fn fn, double coeff);
-void moe_cuda_aux_loss_backward(void *dlogits, const void *logits, int N, int group_len, int E,
-                                int k, moe_score_fn fn, double coeff, double scale);
+void moe_cuda_aux_loss_counts(long long *counts, const void *logits, const moe_aux_shape *s);
+double moe_cuda_aux_loss_forward(const void *logits, const long long *counts,
+                                 const moe_aux_shape *s, double coeff);
+void moe_cuda_aux_loss_backward(void *dlogits, const void *logits, const long long *counts,
+                                const moe_aux_shape *s, double coeff, double scale);
 double moe_cuda_z_loss_forward(const void *logits, int N, int E, double coeff);
 void moe_cuda_z_loss_backward(void *dlogits, const void *logits, int N, int E, double coeff,
                               double scale);

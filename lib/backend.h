@@ -219,12 +219,15 @@ typedef struct moe_backend {
     /** as moe_cpu_router_backward() */
     void (*router_backward)(void *dlogits, const moe_real *dtopk_w, const void *logits,
                             const int *topk_idx, const moe_router_params *p, int N);
-    /** as moe_cpu_aux_loss_forward() */
-    double (*aux_loss_forward)(const void *logits, int N, int group_len, int E, int k,
-                               moe_score_fn fn, double coeff);
-    /** as moe_cpu_aux_loss_backward() */
-    void (*aux_loss_backward)(void *dlogits, const void *logits, int N, int group_len, int E,
-                              int k, moe_score_fn fn, double coeff, double scale);
+    /** as moe_cpu_aux_loss_counts(); @p counts [groups,E] is a HOST array (so that the
+     *  ranks sharing the groups can sum it), the logits are this rank's rows */
+    void (*aux_loss_counts)(long long *counts, const void *logits, const moe_aux_shape *s);
+    /** as moe_cpu_aux_loss_forward_shard(); @p counts is a HOST array */
+    double (*aux_loss_forward)(const void *logits, const long long *counts,
+                               const moe_aux_shape *s, double coeff);
+    /** as moe_cpu_aux_loss_backward_shard(); @p counts is a HOST array */
+    void (*aux_loss_backward)(void *dlogits, const void *logits, const long long *counts,
+                              const moe_aux_shape *s, double coeff, double scale);
     /** as moe_cpu_z_loss_forward() */
     double (*z_loss_forward)(const void *logits, int N, int E, double coeff);
     /** as moe_cpu_z_loss_backward() */

@@ -440,10 +440,17 @@ static moe_status validate_folding(moe_config *c, int any_moe, int any_dense, mo
     REQUIRE(!c->sequence_parallel || c->seq_length % TP == 0,
             "--seq-length %d is not divisible by --tensor-model-parallel-size %d: with "
             "--sequence-parallel each rank holds 1/TP of every sequence", c->seq_length, TP);
-    REQUIRE(!any_moe,
-            "--tensor-model-parallel-size %d with MoE layers is not implemented yet (a later "
-            "part of chapter 04 folds attention TP with expert EP); use a dense model "
-            "(--num-experts 0) with TP, or TP 1 with --expert-model-parallel-size", TP);
+    /* MoE layers run on each rank's sequence shard (the experts are split by EP, not TP):
+     * without SP every TP rank would route the same tokens. Megatron requires the same. */
+    REQUIRE(!any_moe || c->sequence_parallel,
+            "--tensor-model-parallel-size %d with MoE layers needs --sequence-parallel (the MoE "
+            "layers run on each tensor-parallel rank's share of the tokens; the experts are "
+            "split with --expert-model-parallel-size)", TP);
+    if (any_moe)
+        REQUIRE(c->moe_shared_expert_intermediate_size % TP == 0,
+                "--moe-shared-expert-intermediate-size %d is not divisible by "
+                "--tensor-model-parallel-size %d (the shared expert is tensor-parallel like a "
+                "dense FFN)", c->moe_shared_expert_intermediate_size, TP);
     REQUIRE(c->vocab_size % TP == 0,
             "the vocabulary (%d ids, after --make-vocab-size-divisible-by %d) is not divisible by "
             "--tensor-model-parallel-size %d (the embedding and the LM head are split by "

@@ -69,90 +69,105 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
                     B = micro_batch, T = c->seq_length, EP = ep_size >= 1 ? ep_size : 1;
     const long long S = (long long)act_size, Rb = (long long)sizeof(moe_real);
     const long long N = mul(B, T), NK = mul(N, k);
+    /* tensor parallelism (tensor_parallel.h): the split tensors hold 1/TP of their rows or
+     * columns; under sequence parallelism the residual stream, the norms and the MoE layers
+     * hold Nl = N/TP rows, the attention and dense FFNs work on all N rows with 1/TP of the
+     * heads / width, the logits on all N rows with 1/TP of the vocabulary */
+    const long long TP = c->tensor_model_parallel_size > 1 ? c->tensor_model_parallel_size : 1;
+    const int sp = TP > 1 && c->sequence_parallel;
+    const long long Nl = sp ? N / TP : N, NKl = mul(Nl, k);
+    const long long Hql = Hq / TP, Hkvl = Hkv / TP, Vl = V / TP, Fsl = Fs / TP, Fdl = Fd / TP;
     tally t = {.e = out};
 
     /* ---- parameters (elements first, then the bytes of their four or five copies) */
     long long P = 0;
     t.bytes = &P;
     int any_moe = 0;
-    tensor(&t, "embedding", mul(V, H));
-    tensor(&t, "lm_head", mul(V, H));
+    tensor(&t, "embedding", mul(Vl, H));
+    tensor(&t, "lm_head", mul(Vl, H));
     P = add(P, H); /* final norm */
     for (int l = 0; l < L; l++) {
-        tensor(&t, "attn.wq", mul(mul(Hq, D), H));
-        tensor(&t, "attn.wk", mul(mul(Hkv, D), H));
-        tensor(&t, "attn.wv", mul(mul(Hkv, D), H));
-        tensor(&t, "attn.wo", mul(H, mul(Hq, D)));
+        tensor(&t, "attn.wq", mul(mul(Hql, D), H));
+        tensor(&t, "attn.wk", mul(mul(Hkvl, D), H));
+        tensor(&t, "attn.wv", mul(mul(Hkvl, D), H));
+        tensor(&t, "attn.wo", mul(H, mul(Hql, D)));
         P = add(P, add(mul(2, H), c->qk_layernorm ? 2 * D : 0));
         if (c->is_moe_layer[l]) {
             any_moe = 1;
             tensor(&t, "moe.router", mul(E, H));
-            tensor(&t, "moe.shared.fc1", mul(mul(2, Fs), H));
-            tensor(&t, "moe.shared.fc2", mul(H, Fs));
+            tensor(&t, "moe.shared.fc1", mul(mul(2, Fsl), H));
+            tensor(&t, "moe.shared.fc2", mul(H, Fsl));
             tensor(&t, "moe.experts.fc1", mul(mul(E / EP, mul(2, F)), H));
             tensor(&t, "moe.experts.fc2", mul(mul(E / EP, H), F));
         } else {
-            tensor(&t, "mlp.fc1", mul(mul(2, Fd), H));
-            tensor(&t, "mlp.fc2", mul(H, Fd));
+            tensor(&t, "mlp.fc1", mul(mul(2, Fdl), H));
+            tensor(&t, "mlp.fc2", mul(H, Fdl));
         }
     }
     out->params = P;
-    /* fp32 master weights and gradients, two fp32 AdamW moments, the compute copy */
-    out->param_bytes = mul(P, add(2 * Rb + 8, S != Rb ? S : 0));
+    /* fp32 master weights (and the compute copy when its type differs), fp32 gradients,
+     * two fp32 AdamW moments */
+    out->weight_bytes = mul(P, add(Rb, S != Rb ? S : 0));
+    out->grad_bytes = mul(P, Rb);
+    out->optim_bytes = mul(P, 8);
+    out->param_bytes = add(add(out->weight_bytes, out->grad_bytes), out->optim_bytes);
 
     /* ---- activations of one micro-batch (model.c, attention.c, moe/layer.c) */
     long long A = 0;
     t.bytes = &A;
     buffers(&t, "tokens and targets", 4, N, (long long)sizeof(int), BATCH);
-    buffers(&t, "residual stream", L + 1, mul(N, H), S, WIDTH);
-    buffers(&t, "layer norms and residual", mul(3, L), mul(N, H), S, WIDTH);
-    buffers(&t, "norm statistics", mul(2, L), N, Rb, BATCH);
-    const long long QD = mul(N, mul(Hq, D)), KD = mul(N, mul(Hkv, D));
+    buffers(&t, "residual stream", L + 1, mul(Nl, H), S, WIDTH);
+    buffers(&t, "layer norms and residual", mul(3, L), mul(Nl, H), S, WIDTH);
+    buffers(&t, "norm statistics", mul(2, L), Nl, Rb, BATCH);
+    const long long QD = mul(N, mul(Hql, D)), KD = mul(N, mul(Hkvl, D));
     const int qk = c->qk_layernorm;
     buffers(&t, "attention q", mul(L, qk ? 4 : 3), QD, S, WIDTH);
     buffers(&t, "attention k/v", mul(L, qk ? 4 : 3), KD, S, WIDTH);
-    buffers(&t, "attention statistics", mul(L, qk ? 3 : 1), mul(N, Hq), Rb, HEADS);
+    buffers(&t, "attention statistics", mul(L, qk ? 3 : 1), mul(N, Hql), Rb, HEADS);
     /* the naive ops keep the probabilities [B, heads, T, T] for the backward */
-    buffers(&t, "attention probabilities", L, mul(mul(B, Hq), mul(T, T)), S,
+    buffers(&t, "attention probabilities", L, mul(mul(B, Hql), mul(T, T)), S,
             "--seq-length, --micro-batch-size or --num-attention-heads");
     buffers(&t, "attention gradients", 3, QD, S, WIDTH);
     buffers(&t, "attention gradients k/v", 3, KD, S, WIDTH);
     long long widest_dense = 0;
     for (int l = 0; l < L; l++) {
         if (c->is_moe_layer[l]) {
-            buffer(&t, "router logits", mul(N, E), S, "--micro-batch-size, --seq-length or "
+            /* an MoE layer runs on this rank's Nl rows; its shared expert on all N rows
+             * with 1/TP of the width (moe/layer.h) */
+            buffer(&t, "router logits", mul(Nl, E), S, "--micro-batch-size, --seq-length or "
                    "--num-experts");
-            buffers(&t, "routing indices", 4, NK, (long long)sizeof(int),
+            buffers(&t, "routing indices", 4, NKl, (long long)sizeof(int),
                     "--micro-batch-size, --seq-length or --moe-router-topk");
-            buffers(&t, "routing weights", 4, NK, Rb,
+            buffers(&t, "routing weights", 4, NKl, Rb,
                     "--micro-batch-size, --seq-length or --moe-router-topk");
-            buffer(&t, "moe.xp", mul(NK, H), S, EXPERT);
-            buffer(&t, "moe.gu", mul(NK, mul(2, F)), S, EXPERT);
-            buffer(&t, "moe.act", mul(NK, F), S, EXPERT);
-            buffer(&t, "moe.shared", mul(N, mul(3, Fs)), S,
+            buffer(&t, "moe.xp", mul(NKl, H), S, EXPERT);
+            buffer(&t, "moe.gu", mul(NKl, mul(2, F)), S, EXPERT);
+            buffer(&t, "moe.act", mul(NKl, F), S, EXPERT);
+            buffer(&t, "moe.shared", mul(N, mul(3, Fsl)), S,
                    "--micro-batch-size, --seq-length or --moe-shared-expert-intermediate-size");
             if (EP > 1 || c->moe_expert_capacity_factor > 0) {
                 /* the expert side: at most every assignment of the EP group */
-                const long long rows = mul(NK, EP);
+                const long long rows = mul(NKl, EP);
                 buffer(&t, "expert-side rows", mul(rows, add(H, mul(3, F))), S,
                        "--micro-batch-size, --seq-length, --moe-router-topk or "
                        "--expert-model-parallel-size");
             }
-            if (c->moe_pad_expert_input_to_capacity && N <= INT_MAX) {
-                const long long cap = moe_expert_capacity((int)N, (int)k, (int)E,
+            if (c->moe_pad_expert_input_to_capacity && Nl <= INT_MAX) {
+                const long long cap = moe_expert_capacity((int)Nl, (int)k, (int)E,
                                                           c->moe_expert_capacity_factor);
                 buffer(&t, "padded expert input", mul(mul(E, cap), H), S,
                        "--moe-expert-capacity-factor, --micro-batch-size or --seq-length");
             }
         } else {
-            buffer(&t, "mlp.gu", mul(N, mul(2, Fd)), S, "--micro-batch-size, --seq-length or "
+            buffer(&t, "mlp.gu", mul(N, mul(2, Fdl)), S, "--micro-batch-size, --seq-length or "
                    "--ffn-hidden-size");
-            buffer(&t, "mlp.act", mul(N, Fd), S, "--micro-batch-size, --seq-length or "
+            buffer(&t, "mlp.act", mul(N, Fdl), S, "--micro-batch-size, --seq-length or "
                    "--ffn-hidden-size");
-            widest_dense = Fd;
+            widest_dense = Fdl;
         }
     }
-    /* the one FFN workspace (moe/layer.c) */
+    /* the one FFN workspace (moe/layer.c), sized for all N rows (the dense FFNs' and the
+     * shared expert's; more than an MoE layer on Nl rows needs) */
     const long long rows = any_moe ? (NK > N ? NK : N) : N;
     const long long hf_moe = any_moe ? mul(NK, F) : 0;
     const long long hf_dense = mul(N, Fs > widest_dense ? Fs : widest_dense);
@@ -162,8 +177,10 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
     if (any_moe)
         buffer(&t, "router logit gradients", mul(N, E), S, "--micro-batch-size, --seq-length "
                "or --num-experts");
-    buffers(&t, "final norm and gradients", 3, mul(N, H), S, WIDTH);
-    buffers(&t, "logits and their gradient", 2, mul(N, V), S,
+    buffers(&t, "final norm and gradients", 3, mul(Nl, H), S, WIDTH);
+    if (sp) /* the whole-sequence buffers around the TP blocks (model.c) */
+        buffers(&t, "sequence-parallel gather/scatter", 3, mul(N, H), S, WIDTH);
+    buffers(&t, "logits and their gradient", 2, mul(N, Vl), S,
             "--micro-batch-size or --seq-length (the vocabulary comes from the data)");
     buffers(&t, "losses", 2, N, Rb, BATCH);
     if (E > 0)

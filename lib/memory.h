@@ -13,8 +13,12 @@
  * The estimate follows the allocations of model.c, moe/layer.c and attention.c buffer
  * by buffer (parameters, gradients, AdamW moments, the compute copy; the activations of
  * one micro-batch; the expert-side rows of one MoE layer, counted as if every token of
- * the EP group came to this rank). It is an estimate, not an accountant: a unit test
- * keeps it within a factor of two of what the CPU backend really allocates.
+ * the EP group came to this rank). With tensor parallelism (the config's
+ * `--tensor-model-parallel-size`, `--sequence-parallel`) it counts this rank's shards of
+ * the split tensors and the rows it holds (tensor_parallel.h, moe/layer.h). It is an
+ * estimate, not an accountant: a unit test keeps it within a factor of two of what the
+ * CPU backend really allocates, and the MPI tests check its parameter count on every
+ * rank of a folded layout exactly.
  */
 #ifndef MOE_MEMORY_H
 #define MOE_MEMORY_H
@@ -27,7 +31,10 @@
 /** The memory a model will take on one rank, in bytes (and the largest buffer). */
 typedef struct moe_memory_estimate {
     long long params;          /**< parameters held by this rank (its expert shard) */
-    long long param_bytes;     /**< parameters, gradients, AdamW moments, compute copy */
+    long long weight_bytes;    /**< fp32 master weights and the compute copy (if another type) */
+    long long grad_bytes;      /**< fp32 gradients */
+    long long optim_bytes;     /**< the two fp32 AdamW moments */
+    long long param_bytes;     /**< weight_bytes + grad_bytes + optim_bytes */
     long long act_bytes;       /**< activations and workspaces of one micro-batch */
     long long total_bytes;     /**< param_bytes + act_bytes */
     long long largest;         /**< elements of the largest single buffer */

@@ -76,10 +76,16 @@ static void layout(moe_model *m) {
         PARTIAL_TP(sp);
         if (c->is_moe_layer[l]) {
             const int Fs = c->moe_shared_expert_intermediate_size;
+            /* MoE layers run on each rank's sequence shard (moe/layer.h): the router is
+             * replicated and each rank's gradient is that of its tokens; the shared expert
+             * is tensor-parallel as a dense FFN is (fc1 seen as [2, Fs, H]) */
             ADD(MOE_W_ROUTER, "moe.router", 2, E, H, 0, MOE_INIT_NORMAL, std, 1);
+            PARTIAL_TP(tps > 1);
             if (Fs > 0) {
-                ADD(MOE_W_SHARED_FC1, "moe.shared.fc1", 2, 2 * Fs, H, 0, MOE_INIT_NORMAL, std, 1);
+                ADD(MOE_W_SHARED_FC1, "moe.shared.fc1", 3, 2, Fs, H, MOE_INIT_NORMAL, std, 1);
+                SHARD_TP(1);
                 ADD(MOE_W_SHARED_FC2, "moe.shared.fc2", 2, H, Fs, 0, MOE_INIT_NORMAL, out_std, 1);
+                SHARD_TP(1);
             }
         } else {
             const int F = c->ffn_hidden_size;
@@ -149,6 +155,7 @@ static moe_layer_dims moe_dims(const moe_model *m, int N, int T) {
     /* (validated: one rank, dropless, our kernel; an EP group, even of one rank, sends
      * through its dispatcher, which has no fused path) */
     d.permute_fusion = c->moe_permute_fusion && !d.ep;
+    d.tp = m->tp.size > 1 ? &m->tp : NULL;
     return d;
 }
 
@@ -263,8 +270,8 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
         a->xmid = must(be, S * Nl * H, &ok);
         a->ln2 = must(be, S * Nl * H, &ok);
         a->rstd2 = must(be, R * Nl, &ok);
-        if (c->is_moe_layer[l]) {
-            moe_layer_dims d = moe_dims(m, (int)N, T);
+        if (c->is_moe_layer[l]) { /* on this rank's rows (its sequence shard under TP) */
+            moe_layer_dims d = moe_dims(m, (int)Nl, T);
             if (!moe_layer_acts_alloc(be, &a->moe, &d))
                 ok = 0;
         } else {
@@ -305,6 +312,10 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
         m->tp_x = must(be, S * N * H, &ok);
         m->tp_y = must(be, S * N * H, &ok);
         m->tp_dx = must(be, S * N * H, &ok);
+        /* lent to the MoE layers' tensor-parallel shared expert */
+        m->ws.tp_x = m->tp_x;
+        m->ws.tp_y = m->tp_y;
+        m->ws.tp_dx = m->tp_dx;
     }
     if (E > 0) {
         m->expert_bias = must(be, sizeof(float) * (size_t)L * E, &ok);
@@ -469,8 +480,8 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
         be->rmsnorm_forward(a->ln2, a->rstd2, a->xmid, P(m, l, MOE_W_LN2), Nl, H,
                             c->norm_epsilon);
         void *ffn_out = m->res[l + 1];
-        if (c->is_moe_layer[l]) { /* (no TP in MoE layers yet: Nl = N) */
-            moe_layer_dims d = moe_dims(m, N, T);
+        if (c->is_moe_layer[l]) { /* on this rank's Nl rows (moe/layer.h) */
+            moe_layer_dims d = moe_dims(m, Nl, T);
             moe_layer_weights w = moe_weights(m, l);
             moe_layer_forward(be, ffn_out, a->ln2, &w,
                               c->moe_router_enable_expert_bias
@@ -493,6 +504,17 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
             m->layer_aux[l] = m->layer_z[l] = 0.0;
         }
         be->add(ffn_out, a->xmid, (size_t)Nl * H);
+    }
+    if (m->tp.size > 1 && c->num_experts > 0) {
+        /* each TP rank added its rows' part of the aux and z losses: the sums are the
+         * losses of the whole micro-batch, the same on every rank */
+        double *v = m->layer_aux; /* layer_aux and layer_z, then the totals */
+        double buf[2] = {aux, z};
+        moe_comm_host_all_reduce_sum(tp->comm, buf, 2, MOE_DTYPE_F64);
+        moe_comm_host_all_reduce_sum(tp->comm, v, (size_t)L, MOE_DTYPE_F64);
+        moe_comm_host_all_reduce_sum(tp->comm, m->layer_z, (size_t)L, MOE_DTYPE_F64);
+        aux = buf[0];
+        z = buf[1];
     }
     be->rmsnorm_forward(m->lnf, m->rstdf, m->res[L], PG(m, m->off_final_norm), Nl, H,
                         c->norm_epsilon);
@@ -561,7 +583,7 @@ void moe_model_backward(moe_model *m, double loss_scale) {
         /* FFN block: res[l+1] = xmid + ffn(ln2(xmid)) */
         be->zero(m->d_ln, S * (size_t)Nl * H);
         if (c->is_moe_layer[l]) {
-            moe_layer_dims d = moe_dims(m, N, T);
+            moe_layer_dims d = moe_dims(m, Nl, T);
             moe_layer_weights w = moe_weights(m, l);
             moe_layer_grads g = moe_grads(m, l);
             /* the first micro-batch after zero_grad: our kernel stores the expert weight

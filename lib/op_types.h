@@ -27,6 +27,27 @@ typedef struct moe_router_params {
 } moe_router_params;
 
 /**
+ * Where one rank's rows sit among the token groups of the load-balancing (aux) loss.
+ *
+ * The aux loss is a sum over groups of tokens (all tokens: Megatron's `aux_loss`; one
+ * sequence: its `seq_aux_loss`). With tensor parallelism the MoE layer runs on each rank's
+ * sequence shard, so a group's tokens may lie on several ranks: each rank holds the global
+ * rows [row0, row0 + N) of the groups·group_len tokens. The counts of a group are then the
+ * sum of every rank's counts (an all-reduce of `aux_loss_counts`), and each rank's loss is
+ * the part of the sum over its own rows: the ranks' losses add up to the whole loss, and
+ * each rank's gradient is that of its own rows. One rank: {N, 0, group_len, N/group_len}.
+ */
+typedef struct moe_aux_shape {
+    int N;              /**< this rank's rows */
+    int row0;           /**< global index of its first row */
+    int group_len;      /**< tokens per group, over all ranks (T of the loss's formula) */
+    int groups;         /**< groups over all ranks (group_len·groups ≥ row0 + N) */
+    int E;              /**< experts */
+    int k;              /**< top-k of the counts */
+    moe_score_fn fn;    /**< score function (softmax, or normalised sigmoid) */
+} moe_aux_shape;
+
+/**
  * The shape of one attention call: a chunk of queries attending to a chunk of keys.
  *
  * Query row t of a sequence is the token at absolute position q_pos + t, key row s the

@@ -279,6 +279,13 @@ void moe_trainer_gradients(moe_trainer *t, moe_step_stats *st) {
     moe_comm *dp = t->world ? moe_parallel_group(&t->par, MOE_GROUP_DP_CP) : NULL;
     if (t->world)
         sync_gradients(t);
+    /* under TP each rank's MoE layers ran on its own rows (its sequence shard): their
+     * expert loads and drops add up over the TP group (the losses were summed in the model) */
+    if (t->tp.comm && m->load_counts) {
+        moe_comm_host_all_reduce_sum(t->tp.comm, m->load_counts,
+                                     (size_t)c->num_layers * c->num_experts, MOE_DTYPE_I64);
+        moe_comm_host_all_reduce_sum(t->tp.comm, &st->dropped, 1, MOE_DTYPE_I64);
+    }
     if (dp) {
         double sums[4] = {st->loss, st->ce, st->aux, st->z};
         moe_comm_host_all_reduce_sum(dp, sums, 4, MOE_DTYPE_F64);

@@ -454,6 +454,51 @@ START_TEST(test_fd_aux_losses) {
 }
 END_TEST
 
+/* The aux loss split over ranks (chapter 04): rows [row0, row0 + n) of groups of `group`,
+ * counts summed over every shard. Each shard's backward against finite differences of its
+ * own part of the loss (the counts held fixed, as they are piecewise constant), and the
+ * parts add up to the one-rank loss. */
+typedef struct { moe_aux_shape sh; const long long *counts; double coeff; moe_real *logits; } aux_shard_ctx;
+static double aux_shard_loss(void *p) {
+    aux_shard_ctx *c = p;
+    return moe_cpu_aux_loss_forward_shard(c->logits, c->counts, &c->sh, c->coeff);
+}
+static void check_aux_shards(const char *what, int group, int shards, moe_score_fn fn) {
+    const int N = 24, E = 6, k = 2, G = N / group, n = N / shards;
+    const double coeff = 0.37;
+    moe_real *z = ALLOC(N * E);
+    moe_test_randn(z, N * E, 27, 1.0);
+    long long *sum = calloc((size_t)G * E, sizeof(long long)), *c = malloc(sizeof(long long) * G * E);
+    ck_assert(sum && c);
+    for (int r = 0; r < shards; r++) {
+        moe_aux_shape sh = {n, r * n, group, G, E, k, fn};
+        moe_cpu_aux_loss_counts(c, z + (size_t)r * n * E, &sh);
+        for (int i = 0; i < G * E; i++)
+            sum[i] += c[i];
+    }
+    double parts = 0.0;
+    for (int r = 0; r < shards; r++) {
+        aux_shard_ctx x = {{n, r * n, group, G, E, k, fn}, sum, coeff, z + (size_t)r * n * E};
+        parts += aux_shard_loss(&x);
+        moe_real *dl = ALLOC(n * E);
+        moe_cpu_aux_loss_backward_shard(dl, x.logits, sum, &x.sh, coeff, 1.0);
+        ck_assert_double_le(fd_check(what, aux_shard_loss, &x, x.logits, dl, n * E, 1000, TOL),
+                            TOL);
+        free(dl);
+    }
+    const double whole = moe_cpu_aux_loss_forward(z, N, group, E, k, fn, coeff);
+    ck_assert_msg(fabs(parts - whole) <= 1e-12 * fabs(whole),
+                  "%s: the shards' parts add up to %.15g, the loss is %.15g", what, parts, whole);
+    free(z); free(sum); free(c);
+}
+START_TEST(test_fd_aux_loss_shards) {
+    check_aux_shards("aux loss over 2 shards (softmax)", 24, 2, MOE_SCORE_SOFTMAX);
+    check_aux_shards("aux loss over 4 shards (sigmoid)", 24, 4, MOE_SCORE_SIGMOID);
+    check_aux_shards("seq aux loss, shards inside sequences", 12, 4, MOE_SCORE_SOFTMAX);
+    check_aux_shards("seq aux loss, shards across sequences", 8, 3, MOE_SCORE_SIGMOID);
+}
+END_TEST
+
 /* ------------------------------------------------- SwiGLU MLP with row scale */
 typedef struct { int N, H, F; moe_real *x, *w1, *w2, *s, *out, *gu, *act, *r; int scaled; } mlp_ctx;
 static double mlp_loss(void *p) {
@@ -517,6 +562,7 @@ Suite *suite_fd_ops(void) {
     tcase_set_tags(ch04, "ch04");
     tcase_set_timeout(ch04, 120);
     tcase_add_test(ch04, test_fd_vocab_parallel_cross_entropy);
+    tcase_add_test(ch04, test_fd_aux_loss_shards);
     suite_add_tcase(s, ch04);
     return s;
 }

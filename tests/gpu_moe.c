@@ -250,6 +250,8 @@ typedef struct acc_op {
     int N, E, k, group_len;
     moe_score_fn fn;
     double coeff, scale;
+    const long long *counts; /* the aux loss: counts of every shard's rows (host) */
+    moe_aux_shape sh;        /* the aux loss: this shard's rows */
 } acc_op;
 
 /* Runs the CPU twin on zeros to learn the increment δ, then both sides on a pre-fill of
@@ -280,12 +282,10 @@ static void router_bwd_gpu(const acc_op *o, void *d) {
     moe_cuda_router_backward(d, o->d_dw, o->d_z, o->d_idx, &o->p, o->N);
 }
 static void aux_bwd_cpu(const acc_op *o, moe_real *d) {
-    moe_cpu_aux_loss_backward(d, o->z, o->N, o->group_len, o->E, o->k, o->fn, o->coeff,
-                              o->scale);
+    moe_cpu_aux_loss_backward_shard(d, o->z, o->counts, &o->sh, o->coeff, o->scale);
 }
 static void aux_bwd_gpu(const acc_op *o, void *d) {
-    moe_cuda_aux_loss_backward(d, o->d_z, o->N, o->group_len, o->E, o->k, o->fn, o->coeff,
-                               o->scale);
+    moe_cuda_aux_loss_backward(d, o->d_z, o->counts, &o->sh, o->coeff, o->scale);
 }
 static void z_bwd_cpu(const acc_op *o, moe_real *d) {
     moe_cpu_z_loss_backward(d, o->z, o->N, o->E, o->coeff, o->scale);
@@ -354,7 +354,7 @@ static void check_router(moe_router_params p, int N, int with_bias, uint64_t str
     /* backward, from the CPU's selection */
     moe_real *dw = hrandn(NK, stream + 2, 1.0, 0);
     acc_op o = {router_bwd_cpu, router_bwd_gpu, z, d_z, dw, NULL, idx_c, NULL, p, N, E, k, 0,
-                p.score_fn, 0, 0};
+                p.score_fn, 0, 0, NULL, {0}};
     moe_real *d_dw = dput_new(dw, sizeof(moe_real) * NK);
     int *d_idx_c = dput_new(idx_c, sizeof(int) * NK);
     o.d_dw = d_dw;
@@ -419,7 +419,13 @@ END_TEST
 
 /* ------------------------------------------------------------------ aux and z losses */
 
-static void check_aux(int N, int group_len, int E, int k, moe_score_fn fn, uint64_t stream) {
+/* The aux loss of N rows in groups of group_len, split into `shards` consecutive row ranges
+ * as tensor-parallel ranks hold them (moe_aux_shape; 1: one rank). Each shard's counts,
+ * CUDA against CPU, exactly (integers from the same bf16 logits); their sum the counts of
+ * one rank; each shard's part of the loss and its backward, CUDA against the CPU twin with
+ * the summed counts; and the parts add up to the one-rank CPU loss. */
+static void check_aux_sharded(int N, int group_len, int E, int k, moe_score_fn fn, int shards,
+                              uint64_t stream) {
     const size_t NE = (size_t)N * E;
     moe_real *z = hrandn(NE, stream, 1.5, 0);
     for (int n = 0; n < N; n++) /* imbalance: the first eighth of the experts is favoured */
@@ -427,22 +433,58 @@ static void check_aux(int N, int group_len, int E, int k, moe_score_fn fn, uint6
             z[(size_t)n * E + e] += 1.0f;
     round_bf16(z, NE);
     const double coeff = 1e-2, scale = 3.0;
-    void *d_z = dput_bf16_new(z, NE);
-    double lc = moe_cpu_aux_loss_forward(z, N, group_len, E, k, fn, coeff);
-    double lg = moe_cuda_aux_loss_forward(d_z, N, group_len, E, k, fn, coeff);
-    ck_assert_msg(moe_cuda_aux_loss_forward(d_z, N, group_len, E, k, fn, coeff) == lg,
-                  "aux loss forward is not deterministic");
-    double rel = fabs(lg - lc) / fabs(lc);
-    acc_op o = {aux_bwd_cpu, aux_bwd_gpu, z, d_z, NULL, NULL, NULL, NULL, rp(E, k, fn, 0, 0, 0, 0),
-                N, E, k, group_len, fn, coeff, scale};
-    double gerr = check_accumulate(&o, NE, stream + 1);
-    printf("  aux fn=%d N=%d group_len=%d E=%d k=%d: loss cpu %.9g gpu %.9g rel %.2e; "
-           "backward err %.2e\n",
-           fn, N, group_len, E, k, lc, lg, rel, gerr);
-    ck_assert_msg(rel <= 1e-5, "aux loss: cpu %.10g gpu %.10g", lc, lg);
+    const int G = N / group_len, rows = N / shards;
+    const size_t GE = (size_t)G * E;
+    long long *sum = calloc(GE, sizeof(long long)), *cc = malloc(sizeof(long long) * GE);
+    long long *cg = malloc(sizeof(long long) * GE);
+    for (size_t i = 0; i < GE; i++) /* poisoned: every count must be written */
+        cg[i] = -7;
+    long long bad_counts = 0;
+    for (int r = 0; r < shards; r++) {
+        moe_aux_shape sh = {rows, r * rows, group_len, G, E, k, fn};
+        void *d_z = dput_bf16_new(z + (size_t)r * rows * E, (size_t)rows * E);
+        moe_cpu_aux_loss_counts(cc, z + (size_t)r * rows * E, &sh);
+        moe_cuda_aux_loss_counts(cg, d_z, &sh);
+        for (size_t i = 0; i < GE; i++) {
+            bad_counts += cc[i] != cg[i];
+            sum[i] += cc[i];
+        }
+        CK_CUDA(cudaFree(d_z));
+    }
+    ck_assert_msg(bad_counts == 0, "aux counts: %lld of %zu differ (CUDA vs CPU)", bad_counts, GE);
+    const double whole = moe_cpu_aux_loss_forward(z, N, group_len, E, k, fn, coeff);
+    double parts = 0.0, worst = 0.0, gerr = 0.0;
+    for (int r = 0; r < shards; r++) {
+        moe_aux_shape sh = {rows, r * rows, group_len, G, E, k, fn};
+        const moe_real *zr = z + (size_t)r * rows * E;
+        void *d_z = dput_bf16_new(zr, (size_t)rows * E);
+        const double lc = moe_cpu_aux_loss_forward_shard(zr, sum, &sh, coeff);
+        const double lg = moe_cuda_aux_loss_forward(d_z, sum, &sh, coeff);
+        ck_assert_msg(moe_cuda_aux_loss_forward(d_z, sum, &sh, coeff) == lg,
+                      "aux loss forward is not deterministic");
+        parts += lc;
+        const double rel = fabs(lg - lc) / fabs(lc);
+        worst = rel > worst ? rel : worst;
+        acc_op o = {aux_bwd_cpu, aux_bwd_gpu, zr, d_z, NULL, NULL, NULL, NULL,
+                    rp(E, k, fn, 0, 0, 0, 0), rows, E, k, group_len, fn, coeff, scale, sum, sh};
+        const double e = check_accumulate(&o, (size_t)rows * E, stream + 1 + r);
+        gerr = e > gerr ? e : gerr;
+        CK_CUDA(cudaFree(d_z));
+    }
+    const double rel_parts = fabs(parts - whole) / fabs(whole);
+    printf("  aux fn=%d N=%d group_len=%d E=%d k=%d over %d shard(s): loss %.9g, parts sum to "
+           "%.9g (rel %.1e); CUDA vs CPU: loss rel %.2e, backward err %.2e\n",
+           fn, N, group_len, E, k, shards, whole, parts, rel_parts, worst, gerr);
+    ck_assert_msg(rel_parts <= 1e-9, "aux loss: the shards' parts %.12g != the loss %.12g",
+                  parts, whole);
+    ck_assert_msg(worst <= 1e-5, "aux loss: CUDA vs CPU rel %g", worst);
     ck_assert_msg(gerr <= 1e-2, "aux loss backward: err %g", gerr);
-    CK_CUDA(cudaFree(d_z));
+    free(sum); free(cc); free(cg);
     free(z);
+}
+
+static void check_aux(int N, int group_len, int E, int k, moe_score_fn fn, uint64_t stream) {
+    check_aux_sharded(N, group_len, E, k, fn, 1, stream);
 }
 
 START_TEST(test_gpu_aux_loss) {
@@ -454,6 +496,12 @@ START_TEST(test_gpu_aux_loss) {
         check_aux(1000, 1, 64, 4, fn, 130 + f);      /* one token per group */
         check_aux(big_n(), big_n(), 128, 8, fn, 140 + f);
         check_aux(big_n(), big_n() / 4, 128, 8, fn, 150 + f);
+        /* tensor-parallel shards (chapter 04): a group over several ranks, ranks holding
+         * several groups, and a shard that starts inside a group */
+        check_aux_sharded(1024, 1024, 64, 4, fn, 4, 160 + f);
+        check_aux_sharded(1024, 128, 64, 4, fn, 2, 170 + f);
+        check_aux_sharded(1200, 400, 64, 4, fn, 3, 180 + f);
+        check_aux_sharded(1200, 300, 64, 4, fn, 8, 190 + f);
     }
 }
 END_TEST
@@ -469,7 +517,7 @@ static void check_z(int N, int E, uint64_t stream) {
                   "z-loss forward is not deterministic");
     double rel = fabs(lg - lc) / fabs(lc);
     acc_op o = {z_bwd_cpu, z_bwd_gpu, z, d_z, NULL, NULL, NULL, NULL, rp(E, 1, 0, 0, 0, 0, 0),
-                N, E, 1, N, MOE_SCORE_SOFTMAX, coeff, scale};
+                N, E, 1, N, MOE_SCORE_SOFTMAX, coeff, scale, NULL, {0}};
     double gerr = check_accumulate(&o, NE, stream + 1);
     printf("  z-loss N=%d E=%d: loss cpu %.9g gpu %.9g rel %.2e; backward err %.2e\n", N, E, lc,
            lg, rel, gerr);

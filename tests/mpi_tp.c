@@ -25,6 +25,7 @@
 
 #include "comm.h"
 #include "helpers.h"
+#include "memory.h"
 #include "suites.h"
 #include "tensor_parallel.h"
 #include "trainer.h"
@@ -131,24 +132,42 @@ static moe_trainer *make(const char *flags, moe_comm *world) {
     return moe_test_trainer(flags, world, on_gpu());
 }
 
-/* TP ranks (the rest data-parallel) against one process, for the first step's loss and
- * gradients and for the losses of `steps` AdamW steps. */
-static void check_tp(int tp, int sp, const char *extra, int steps) {
+/* TP ranks (the rest data-parallel; the experts over EP ranks, the rest of the expert grid
+ * expert-data-parallel) against one process, for the first step's loss and gradients and
+ * for the losses of `steps` AdamW steps. `base` is the model's flags. */
+static void check_fold(const char *base, int tp, int sp, int ep, const char *extra, int steps) {
     moe_comm *world = moe_test_world();
     const int W = moe_comm_size(world), rank = moe_comm_rank(world);
-    if (tp > W || W % tp != 0)
+    if (tp > W || W % tp != 0 || ep > W || W % ep != 0)
         return;
     const int dp = W / tp;
     char flags[1024];
     snprintf(flags, sizeof flags,
-             TP_SMALL "--global-batch-size %d --tensor-model-parallel-size %d --lr 1e-2 %s %s",
-             2 * 2 * dp, tp, sp ? "--sequence-parallel" : "", extra);
+             "%s --global-batch-size %d --tensor-model-parallel-size %d "
+             "--expert-model-parallel-size %d --lr 1e-2 %s %s",
+             base, 2 * 2 * dp, tp, ep, sp ? "--sequence-parallel" : "", extra);
     moe_trainer *dist = make(flags, world);
-    snprintf(flags, sizeof flags, TP_SMALL "--global-batch-size %d --lr 1e-2 %s", 2 * 2 * dp,
+    snprintf(flags, sizeof flags, "%s --global-batch-size %d --lr 1e-2 %s", base, 2 * 2 * dp,
              extra);
     moe_trainer *ref = make(flags, NULL);
     /* the vocabulary is split too: this rank's logits are V/TP wide */
     ck_assert_int_eq(dist->model->vp.Vl * tp, dist->model->cfg.vocab_size);
+    /* the memory estimate (memory.h) counts exactly this rank's shards, and less activation
+     * memory than one process holding everything */
+    {
+        moe_memory_estimate e, e1;
+        moe_error err;
+        const moe_model *md = dist->model;
+        ck_assert_int_eq(moe_memory_estimate_model(&md->cfg, md->max_B, ep, md->be->act_size, &e,
+                                                   &err), MOE_OK);
+        ck_assert_int_eq(moe_memory_estimate_model(&ref->model->cfg, md->max_B, 1,
+                                                   md->be->act_size, &e1, &err), MOE_OK);
+        MOE_TEST_AGREE(e.params != (long long)moe_model_num_params(md) ||
+                           !(e.act_bytes < e1.act_bytes),
+                       "TP %d EP %d (%s): the estimate counts %lld parameters, the rank holds "
+                       "%zu; activations %lld vs one process %lld bytes", tp, ep, extra,
+                       e.params, moe_model_num_params(md), e.act_bytes, e1.act_bytes);
+    }
     moe_step_stats sd, sr;
     moe_trainer_gradients(dist, &sd);
     moe_trainer_gradients(ref, &sr);
@@ -178,11 +197,15 @@ static void check_tp(int tp, int sp, const char *extra, int steps) {
         last = a.loss;
     }
     if (rank == 0)
-        printf("  TP %d x DP %d%s, %s: loss %.6f = reference %.6f, gradients match; after %d "
-               "steps %.6f\n",
-               tp, dp, sp ? " + SP" : "", extra, sd.loss, sr.loss, steps, last);
+        printf("  TP %d x DP %d%s, EP %d x EDP %d, %s: loss %.6f = reference %.6f, gradients "
+               "match; after %d steps %.6f\n",
+               tp, dp, sp ? " + SP" : "", ep, W / ep, extra, sd.loss, sr.loss, steps, last);
     moe_trainer_free(dist);
     moe_trainer_free(ref);
+}
+
+static void check_tp(int tp, int sp, const char *extra, int steps) {
+    check_fold(TP_SMALL, tp, sp, 1, extra, steps);
 }
 
 START_TEST(test_tp_dense) {
@@ -197,12 +220,42 @@ START_TEST(test_tp_dense) {
 }
 END_TEST
 
+/* An MoE model (every layer MoE, a shared expert, the aux loss and the z-loss on) whose
+ * MoE layers run on each TP rank's sequence shard while the experts are split by EP over
+ * the same ranks: parallel folding. Dropless (no capacity): a capacity is computed from
+ * each rank's own tokens, as Megatron does, so a run that drops tokens is not one process's. */
+#define MOE_SMALL "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --num-query-groups 4 " \
+                  "--seq-length 16 --micro-batch-size 2 --num-experts 4 --moe-router-topk 2 "  \
+                  "--moe-ffn-hidden-size 16 --moe-shared-expert-intermediate-size 16 "           \
+                  "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 "                           \
+                  "--make-vocab-size-divisible-by 4"
+
+START_TEST(test_tp_folded_moe) {
+    const int W = moe_comm_size(moe_test_world());
+    /* 2 ranks: attention TP 2 with experts EP 2 (both groups are the world), and EP 1 (the
+     * experts replicated: their gradient summed over EDP 2, each rank's tokens). 4 ranks:
+     * attention TP 2 x DP 2 with experts EP 4 */
+    check_fold(MOE_SMALL, 2, 1, W >= 4 ? 4 : 2, "", 3);
+    check_fold(MOE_SMALL, 2, 1, 1, "", 2);
+    /* the per-sequence aux loss (each sequence's tokens on both TP ranks: its counts summed
+     * over TP) and the sigmoid router with the aux-loss-free expert bias (its counts summed
+     * over TP x DP, the bias the same on every rank) */
+    check_fold(MOE_SMALL, 2, 1, 2,
+               "--moe-router-load-balancing-type seq_aux_loss --moe-router-score-function sigmoid "
+               "--moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-2",
+               3);
+    /* the first layer dense: a dense FFN and an MoE layer under the same TP + SP */
+    check_fold(MOE_SMALL, W >= 4 ? 4 : 2, 1, 2, "--moe-layer-freq [0,1] --ffn-hidden-size 32", 2);
+}
+END_TEST
+
 Suite *suite_mpi_tp(void) {
     Suite *s = suite_create("mpi_tp");
     TCase *tc = tcase_create("tensor_parallel");
     tcase_set_tags(tc, "ch04");
     tcase_set_timeout(tc, 600);
     tcase_add_test(tc, test_tp_operators);
+    tcase_add_test(tc, test_tp_folded_moe);
     tcase_add_test(tc, test_tp_dense);
     suite_add_tcase(s, tc);
     return s;

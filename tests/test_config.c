@@ -711,8 +711,17 @@ START_TEST(test_val_folding) {
                         "--pipeline-model-parallel-size", "2");
     EXPECT_CONFIG_ERROR("--expert-tensor-parallel-size 2", "not implemented yet",
                         "--expert-tensor-parallel-size", "2");
-    EXPECT_CONFIG_ERROR("--tensor-model-parallel-size 2 with MoE layers", "not implemented yet",
-                        "--tensor-model-parallel-size", "2", "--sequence-parallel");
+    /* MoE layers with TP run on sequence shards: SP is required, and the shared expert is
+     * split like a dense FFN */
+    EXPECT_CONFIG_ERROR("--tensor-model-parallel-size 2 with MoE layers",
+                        "needs --sequence-parallel", "--tensor-model-parallel-size", "2",
+                        "--make-vocab-size-divisible-by", "2");
+    EXPECT_OK(&c, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+              "--make-vocab-size-divisible-by", "2", "--expert-model-parallel-size", "2");
+    EXPECT_CONFIG_ERROR("--moe-shared-expert-intermediate-size 7", "shared expert",
+                        "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                        "--make-vocab-size-divisible-by", "2",
+                        "--moe-shared-expert-intermediate-size", "7");
     EXPECT_CONFIG_ERROR("--num-experts 8", "--expert-model-parallel-size 3",
                         "--expert-model-parallel-size", "3");
 #undef DENSE

@@ -11,6 +11,13 @@
  * coefficient *is* the loss at balance, whatever E, k and T are.
  * Only s carries gradient: ∂L/∂s_{t,i} = coeff·E/(k·T²)·c_i; then through the
  * softmax (or the normalised sigmoid) to the logits.
+ *
+ * Split over ranks (moe_aux_shape: tensor parallelism runs the MoE layer on each rank's
+ * sequence shard): the counts are a sum over tokens, so each rank counts its own rows and
+ * an all-reduce gives every rank the c_i of the whole group; the loss is linear in the
+ * score sums, so each rank's part uses only its own rows' scores, the parts add up to L,
+ * and each rank's gradient is exactly that of its rows. (Megatron does the same: counts
+ * summed over TP x CP, the token count of the whole group, each rank's own scores.)
  */
 #include <math.h>
 #include <stdlib.h>
@@ -58,77 +65,126 @@ static void count_topk(long long *counts, const double *s, int E, int k) {
     }
 }
 
-/* Counts and per-expert score sums of one group of T tokens. */
-static void group_stats(long long *counts, double *ssum, const moe_real *logits, int T, int E,
-                        int k, moe_score_fn fn, double *s) {
-    memset(counts, 0, sizeof(long long) * E);
-    memset(ssum, 0, sizeof(double) * E);
-    for (int t = 0; t < T; t++) {
-        aux_scores(s, logits + (size_t)t * E, E, fn);
-        count_topk(counts, s, E, k);
-        for (int e = 0; e < E; e++)
-            ssum[e] += s[e];
+/* The rows of group g this rank holds: [*lo, *hi) in its local indices (empty: lo >= hi). */
+static void group_rows(const moe_aux_shape *sh, int g, int *lo, int *hi) {
+    const long long a = (long long)g * sh->group_len, b = a + sh->group_len;
+    *lo = (int)((a > sh->row0 ? a : sh->row0) - sh->row0);
+    *hi = (int)((b < (long long)sh->row0 + sh->N ? b : (long long)sh->row0 + sh->N) - sh->row0);
+}
+
+static void check_shape(const moe_aux_shape *sh) {
+    MOE_ASSERT(sh->N >= 0 && sh->row0 >= 0 && sh->group_len > 0 && sh->groups > 0 &&
+               (long long)sh->row0 + sh->N <= (long long)sh->groups * sh->group_len &&
+               sh->k >= 1 && sh->k <= MOE_MAX_TOPK && sh->k <= sh->E);
+}
+
+void moe_cpu_aux_loss_counts(long long *counts, const moe_real *logits, const moe_aux_shape *sh) {
+    check_shape(sh);
+    const int E = sh->E;
+    double *s = malloc(sizeof(double) * E);
+    MOE_ASSERT(s);
+    memset(counts, 0, sizeof(long long) * (size_t)sh->groups * E);
+    for (int t = 0; t < sh->N; t++) {
+        aux_scores(s, logits + (size_t)t * E, E, sh->fn);
+        count_topk(counts + (size_t)((sh->row0 + t) / sh->group_len) * E, s, E, sh->k);
     }
+    free(s);
+}
+
+/* The groups this rank holds rows of: [first, last]. */
+static int first_group(const moe_aux_shape *sh) { return sh->row0 / sh->group_len; }
+static int last_group(const moe_aux_shape *sh) {
+    return sh->N > 0 ? (sh->row0 + sh->N - 1) / sh->group_len : first_group(sh) - 1;
+}
+
+double moe_cpu_aux_loss_forward_shard(const moe_real *logits, const long long *counts,
+                                      const moe_aux_shape *sh, double coeff) {
+    check_shape(sh);
+    const int E = sh->E, T = sh->group_len;
+    double *ssum = malloc(sizeof(double) * E), *s = malloc(sizeof(double) * E);
+    MOE_ASSERT(ssum && s);
+    double total = 0.0;
+    for (int g = first_group(sh); g <= last_group(sh); g++) {
+        int lo, hi;
+        group_rows(sh, g, &lo, &hi);
+        memset(ssum, 0, sizeof(double) * E);
+        for (int t = lo; t < hi; t++) {
+            aux_scores(s, logits + (size_t)t * E, E, sh->fn);
+            for (int e = 0; e < E; e++)
+                ssum[e] += s[e];
+        }
+        const long long *c = counts + (size_t)g * E;
+        double dot = 0.0;
+        for (int e = 0; e < E; e++)
+            dot += (double)c[e] * ssum[e];
+        total += coeff * E / ((double)sh->k * T * T) * dot;
+    }
+    free(ssum); free(s);
+    return total / sh->groups;
+}
+
+/* One rank holding every row: groups of group_len, counted from its own logits. */
+static moe_aux_shape one_rank(int N, int group_len, int E, int k, moe_score_fn fn) {
+    MOE_ASSERT(group_len > 0 && N % group_len == 0 && k <= MOE_MAX_TOPK);
+    return (moe_aux_shape){N, 0, group_len, N / group_len, E, k, fn};
 }
 
 double moe_cpu_aux_loss_forward(const moe_real *logits, int N, int group_len, int E, int k,
                                 moe_score_fn fn, double coeff) {
-    MOE_ASSERT(group_len > 0 && N % group_len == 0 && k <= MOE_MAX_TOPK);
-    const int groups = N / group_len, T = group_len;
-    long long *c = malloc(sizeof(long long) * E);
-    double *ssum = malloc(sizeof(double) * E), *s = malloc(sizeof(double) * E);
-    MOE_ASSERT(c && ssum && s);
-    double total = 0.0;
-    for (int g = 0; g < groups; g++) {
-        group_stats(c, ssum, logits + (size_t)g * T * E, T, E, k, fn, s);
+    const moe_aux_shape sh = one_rank(N, group_len, E, k, fn);
+    long long *c = malloc(sizeof(long long) * (size_t)sh.groups * E);
+    MOE_ASSERT(c);
+    moe_cpu_aux_loss_counts(c, logits, &sh);
+    const double loss = moe_cpu_aux_loss_forward_shard(logits, c, &sh, coeff);
+    free(c);
+    return loss;
+}
+
+void moe_cpu_aux_loss_backward_shard(moe_real *dlogits, const moe_real *logits,
+                                     const long long *counts, const moe_aux_shape *sh,
+                                     double coeff, double scale) {
+    check_shape(sh);
+    const int E = sh->E, T = sh->group_len;
+    double *s = malloc(sizeof(double) * E), *ds = malloc(sizeof(double) * E);
+    MOE_ASSERT(s && ds);
+    /* the loss is averaged over groups, hence the 1/groups */
+    const double f = scale * coeff * E / ((double)sh->k * T * T) / sh->groups;
+    for (int t = 0; t < sh->N; t++) {
+        const long long *c = counts + (size_t)((sh->row0 + t) / T) * E;
+        for (int e = 0; e < E; e++)
+            ds[e] = f * (double)c[e];
+        const moe_real *z = logits + (size_t)t * E;
+        moe_real *dz = dlogits + (size_t)t * E;
+        aux_scores(s, z, E, sh->fn);
         double dot = 0.0;
         for (int e = 0; e < E; e++)
-            dot += (double)c[e] * ssum[e];
-        total += coeff * E / ((double)k * T * T) * dot;
+            dot += s[e] * ds[e];
+        if (sh->fn == MOE_SCORE_SOFTMAX) {
+            for (int e = 0; e < E; e++)
+                dz[e] += (moe_real)(s[e] * (ds[e] - dot));
+        } else {
+            /* s_e = σ_e / S: dσ_e = (ds_e − Σ s·ds)/S, dz = dσ σ(1−σ) */
+            double S = 0.0;
+            for (int e = 0; e < E; e++)
+                S += sigmoid(z[e]);
+            S += 1e-20;
+            for (int e = 0; e < E; e++) {
+                double sg = sigmoid(z[e]);
+                dz[e] += (moe_real)((ds[e] - dot) / S * sg * (1.0 - sg));
+            }
+        }
     }
-    free(c); free(ssum); free(s);
-    return total / groups;
+    free(s); free(ds);
 }
 
 void moe_cpu_aux_loss_backward(moe_real *dlogits, const moe_real *logits, int N, int group_len,
                                int E, int k, moe_score_fn fn, double coeff, double scale) {
-    MOE_ASSERT(group_len > 0 && N % group_len == 0 && k <= MOE_MAX_TOPK);
-    const int groups = N / group_len, T = group_len;
-    long long *c = malloc(sizeof(long long) * E);
-    double *ssum = malloc(sizeof(double) * E), *s = malloc(sizeof(double) * E);
-    double *ds = malloc(sizeof(double) * E);
-    MOE_ASSERT(c && ssum && s && ds);
-    for (int g = 0; g < groups; g++) {
-        const moe_real *lg = logits + (size_t)g * T * E;
-        group_stats(c, ssum, lg, T, E, k, fn, s);
-        /* the loss is averaged over groups, hence the 1/groups */
-        double f = scale * coeff * E / ((double)k * T * T) / groups;
-        for (int e = 0; e < E; e++)
-            ds[e] = f * (double)c[e];
-        for (int t = 0; t < T; t++) {
-            const moe_real *z = lg + (size_t)t * E;
-            moe_real *dz = dlogits + ((size_t)g * T + t) * E;
-            aux_scores(s, z, E, fn);
-            double dot = 0.0;
-            for (int e = 0; e < E; e++)
-                dot += s[e] * ds[e];
-            if (fn == MOE_SCORE_SOFTMAX) {
-                for (int e = 0; e < E; e++)
-                    dz[e] += (moe_real)(s[e] * (ds[e] - dot));
-            } else {
-                /* s_e = σ_e / S: dσ_e = (ds_e − Σ s·ds)/S, dz = dσ σ(1−σ) */
-                double S = 0.0;
-                for (int e = 0; e < E; e++)
-                    S += sigmoid(z[e]);
-                S += 1e-20;
-                for (int e = 0; e < E; e++) {
-                    double sg = sigmoid(z[e]);
-                    dz[e] += (moe_real)((ds[e] - dot) / S * sg * (1.0 - sg));
-                }
-            }
-        }
-    }
-    free(c); free(ssum); free(s); free(ds);
+    const moe_aux_shape sh = one_rank(N, group_len, E, k, fn);
+    long long *c = malloc(sizeof(long long) * (size_t)sh.groups * E);
+    MOE_ASSERT(c);
+    moe_cpu_aux_loss_counts(c, logits, &sh);
+    moe_cpu_aux_loss_backward_shard(dlogits, logits, c, &sh, coeff, scale);
+    free(c);
 }
 
 /* logsumexp of one row, in double. */

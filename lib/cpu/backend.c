@@ -226,13 +226,16 @@ static void a_router_backward(void *dlogits, const moe_real *dw, const void *log
                               const int *idx, const moe_router_params *p, int N) {
     moe_cpu_router_backward(dlogits, dw, logits, idx, p, N);
 }
-static double a_aux_forward(const void *logits, int N, int g, int E, int k, moe_score_fn fn,
-                            double coeff) {
-    return moe_cpu_aux_loss_forward(logits, N, g, E, k, fn, coeff);
+static void a_aux_counts(long long *counts, const void *logits, const moe_aux_shape *s) {
+    moe_cpu_aux_loss_counts(counts, logits, s);
 }
-static void a_aux_backward(void *dlogits, const void *logits, int N, int g, int E, int k,
-                           moe_score_fn fn, double coeff, double scale) {
-    moe_cpu_aux_loss_backward(dlogits, logits, N, g, E, k, fn, coeff, scale);
+static double a_aux_forward(const void *logits, const long long *counts, const moe_aux_shape *s,
+                            double coeff) {
+    return moe_cpu_aux_loss_forward_shard(logits, counts, s, coeff);
+}
+static void a_aux_backward(void *dlogits, const void *logits, const long long *counts,
+                           const moe_aux_shape *s, double coeff, double scale) {
+    moe_cpu_aux_loss_backward_shard(dlogits, logits, counts, s, coeff, scale);
 }
 static double a_z_forward(const void *logits, int N, int E, double coeff) {
     return moe_cpu_z_loss_forward(logits, N, E, coeff);
@@ -347,6 +350,7 @@ static const moe_backend g_cpu = {
     .scale = cpu_scale,
     .router_forward = a_router_forward,
     .router_backward = a_router_backward,
+    .aux_loss_counts = a_aux_counts,
     .aux_loss_forward = a_aux_forward,
     .aux_loss_backward = a_aux_backward,
     .z_loss_forward = a_z_forward,

@@ -75,6 +75,35 @@ void moe_cpu_aux_loss_backward(moe_real *dlogits, const moe_real *logits, int N,
                                int E, int k, moe_score_fn fn, double coeff, double scale);
 
 /**
+ * @brief The counts of the aux loss from this rank's rows: counts[g·E + i] = how many of its
+ *        rows in group g have expert i in the plain top-k of their scores (zero for groups it
+ *        holds no row of). Summed over the ranks that share the groups, they are the c_i of
+ *        moe_cpu_aux_loss_forward().
+ * @param counts [groups,E] overwritten  @param logits [N,E] this rank's rows  @param s shape
+ */
+void moe_cpu_aux_loss_counts(long long *counts, const moe_real *logits, const moe_aux_shape *s);
+
+/**
+ * @brief This rank's part of the aux loss, with counts summed over every rank's rows:
+ *        (1/groups)·Σ_g coeff·E/(k·group_len²)·Σ_i c_{g,i}·Σ_{t of its rows in g} s_{t,i}.
+ *        The parts of the ranks add up to moe_cpu_aux_loss_forward() of all the rows.
+ * @param logits [N,E] this rank's rows  @param counts [groups,E] counts of every rank's rows
+ * @param s shape  @param coeff coefficient  @return this rank's part of the loss
+ */
+double moe_cpu_aux_loss_forward_shard(const moe_real *logits, const long long *counts,
+                                      const moe_aux_shape *s, double coeff);
+
+/**
+ * @brief Backward of moe_cpu_aux_loss_forward_shard(): the gradient of this rank's rows
+ *        (counts are constants). @param dlogits [N,E] accumulated  @param logits [N,E]
+ * @param counts [groups,E] every rank's counts  @param s shape  @param coeff coefficient
+ * @param scale upstream gradient of the loss
+ */
+void moe_cpu_aux_loss_backward_shard(moe_real *dlogits, const moe_real *logits,
+                                     const long long *counts, const moe_aux_shape *s,
+                                     double coeff, double scale);
+
+/**
  * @brief Router z-loss: coeff · mean_t(logsumexp(z_t)²) — keeps logits small (ST-MoE).
  * @param logits [N,E]  @param N tokens  @param E experts  @param coeff coefficient  @return the loss
  */

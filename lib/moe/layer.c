@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "comm.h"
 #include "mlp.h"
 #include "moe/experts.h"
 #include "profile.h"
@@ -35,6 +36,10 @@ int moe_layer_acts_alloc(const moe_backend *be, moe_layer_acts *a, const moe_lay
     a->expert_offset = calloc((size_t)d->E + 1, sizeof(int));
     a->dev_offset = be->alloc(sizeof(int) * ((size_t)d->E + 2));
     a->counts = calloc((size_t)d->E, sizeof(long long));
+    {   /* at most one aux-loss group per sequence of all TP ranks' tokens */
+        const size_t groups = (size_t)d->N * (d->tp ? d->tp->size : 1) / (d->T > 0 ? d->T : 1);
+        a->aux_counts = calloc((groups > 1 ? groups : 1) * (size_t)d->E, sizeof(long long));
+    }
     int ok = 1;
     if (d->ep || d->capacity_factor > 0) {
         a->dispatch_idx = be->alloc(sizeof(int) * NK);
@@ -46,7 +51,7 @@ int moe_layer_acts_alloc(const moe_backend *be, moe_layer_acts *a, const moe_lay
      * an assertion: a large batch reaches here */
     return ok && a->logits && a->topk_idx && a->topk_w && a->perm_src && a->row_of && a->wp &&
            a->xp && a->gu && a->act && (d->Fs == 0 || (a->shared_gu && a->shared_act)) &&
-           a->expert_offset && a->dev_offset && a->counts;
+           a->expert_offset && a->dev_offset && a->counts && a->aux_counts;
 }
 
 void moe_layer_acts_free(const moe_backend *be, moe_layer_acts *a) {
@@ -56,6 +61,7 @@ void moe_layer_acts_free(const moe_backend *be, moe_layer_acts *a) {
     free(a->expert_offset);
     be->free(a->dev_offset);
     free(a->counts);
+    free(a->aux_counts);
     be->free(a->dispatch_idx);
     free(a->host_idx);
     free(a->host_w);
@@ -101,9 +107,29 @@ void moe_layer_workspace_free(const moe_backend *be, moe_layer_workspace *w) {
     memset(w, 0, sizeof *w);
 }
 
-/* tokens per aux-loss group: the whole micro-batch, or one sequence */
-static int aux_group_len(const moe_layer_dims *d) {
-    return d->lb_type == MOE_LB_SEQ_AUX ? d->T : d->N;
+/* the TP group this layer's tokens are split over, or NULL */
+static const moe_tp *tp_of(const moe_layer_dims *d) {
+    if (!d->tp || d->tp->size == 1)
+        return NULL;
+    MOE_ASSERT(d->tp->comm && d->tp->sp); /* config.c: MoE layers with TP need SP */
+    return d->tp;
+}
+
+/* This rank's rows among the aux loss's groups: the whole micro-batch (all TP ranks'
+ * tokens), or one sequence. Under SP rank r holds rows [r·N, (r+1)·N) of the N·TP. */
+static moe_aux_shape aux_shape(const moe_layer_dims *d) {
+    const moe_tp *tp = tp_of(d);
+    const int all = d->N * (tp ? tp->size : 1);
+    const int len = d->lb_type == MOE_LB_SEQ_AUX ? d->T : all;
+    return (moe_aux_shape){d->N, tp ? tp->rank * d->N : 0, len, all / len, d->E, d->k,
+                           d->router.score_fn};
+}
+
+/* The z-loss is a mean over all N·TP tokens: each rank's mean over its N rows, with the
+ * coefficient divided by TP, is its part of it (Megatron divides by TP x CP likewise). */
+static double z_coeff(const moe_layer_dims *d) {
+    const moe_tp *tp = tp_of(d);
+    return d->z_coeff / (tp ? tp->size : 1);
 }
 
 /* How steps 3 and 5 run: the EP group's dispatcher (chosen once, at setup); on one rank
@@ -117,7 +143,7 @@ static const moe_dispatcher *dispatcher_of(const moe_layer_dims *d) {
 void moe_layer_forward(const moe_backend *be, void *out, const void *x, const moe_layer_weights *w,
                        const float *expert_bias, const moe_layer_dims *d, moe_layer_acts *a,
                        moe_layer_workspace *ws) {
-    const int N = d->N, H = d->H, E = d->E, k = d->k;
+    const int N = d->N, H = d->H, E = d->E;
     const moe_dispatcher *dp = dispatcher_of(d);
 
     /* 1. route (router math in fp32 / the backend's real type) */
@@ -125,11 +151,18 @@ void moe_layer_forward(const moe_backend *be, void *out, const void *x, const mo
     be->router_forward(a->topk_idx, a->topk_w, a->logits, expert_bias, &d->router, N);
 
     /* 2. the router's own losses */
-    a->aux_loss = (d->lb_type != MOE_LB_NONE && d->aux_coeff > 0)
-                      ? be->aux_loss_forward(a->logits, N, aux_group_len(d), E, k,
-                                             d->router.score_fn, d->aux_coeff)
-                      : 0.0;
-    a->z_loss = d->z_coeff > 0 ? be->z_loss_forward(a->logits, N, E, d->z_coeff) : 0.0;
+    const moe_tp *tp = tp_of(d);
+    a->aux_loss = 0.0;
+    if (d->lb_type != MOE_LB_NONE && d->aux_coeff > 0) {
+        /* the counts of every TP rank's rows, then this rank's part of the loss */
+        const moe_aux_shape sh = aux_shape(d);
+        be->aux_loss_counts(a->aux_counts, a->logits, &sh);
+        if (tp)
+            moe_comm_host_all_reduce_sum(tp->comm, a->aux_counts, (size_t)sh.groups * E,
+                                         MOE_DTYPE_I64);
+        a->aux_loss = be->aux_loss_forward(a->logits, a->aux_counts, &sh, d->aux_coeff);
+    }
+    a->z_loss = d->z_coeff > 0 ? be->z_loss_forward(a->logits, N, E, z_coeff(d)) : 0.0;
     moe_prof_mark(MOE_PROF_ROUTER);
 
     /* 3. dispatch: where each assignment goes (counts, capacity, plan), then the tokens
@@ -144,10 +177,16 @@ void moe_layer_forward(const moe_backend *be, void *out, const void *x, const mo
     /* 5. combine: out[n] = Σ_j expert output of (n, j) */
     dp->combine(be, d, a, ws, out);
 
-    /* 6. shared expert on every token */
+    /* 6. shared expert on every token; with TP a dense FFN's sandwich around it: the
+     *    rows gathered, fc1 column- and fc2 row-parallel (Fs/TP wide here), the partial
+     *    outputs reduce-scattered back to this rank's rows (tensor_parallel.h) */
     if (d->Fs > 0) {
-        moe_mlp_forward(be, ws->yp, a->shared_gu, a->shared_act, x, NULL, w->shared_fc1,
-                        w->shared_fc2, N, H, d->Fs);
+        const int Ns = N * (tp ? tp->size : 1), Fs = d->Fs / (tp ? tp->size : 1);
+        void *part = tp ? ws->tp_y : ws->yp;
+        moe_mlp_forward(be, part, a->shared_gu, a->shared_act,
+                        moe_tp_enter_forward(be, tp, ws->tp_x, x, Ns, H), NULL, w->shared_fc1,
+                        w->shared_fc2, Ns, H, Fs);
+        moe_tp_exit_forward(be, tp, ws->yp, part, Ns, H);
         be->add(out, ws->yp, (size_t)N * H);
     }
 }
@@ -155,7 +194,7 @@ void moe_layer_forward(const moe_backend *be, void *out, const void *x, const mo
 void moe_layer_backward(const moe_backend *be, void *dx, const moe_layer_grads *g, const void *dout,
                         const void *x, const moe_layer_weights *w, const moe_layer_dims *d,
                         const moe_layer_acts *a, moe_layer_workspace *ws, double loss_scale) {
-    const int N = d->N, H = d->H, E = d->E, k = d->k;
+    const int N = d->N, H = d->H, E = d->E;
     const moe_dispatcher *dp = dispatcher_of(d);
 
     /* 5⁻¹. the combine was a sum, so each expert row receives its token's gradient */
@@ -171,17 +210,32 @@ void moe_layer_backward(const moe_backend *be, void *dx, const moe_layer_grads *
     /* 2⁻¹ and 1⁻¹. router: routing weights, aux loss and z-loss all end in the logits */
     be->zero(ws->dlogits, be->act_size * (size_t)N * E);
     be->router_backward(ws->dlogits, ws->dtopk_w, a->logits, a->topk_idx, &d->router, N);
-    if (d->lb_type != MOE_LB_NONE && d->aux_coeff > 0)
-        be->aux_loss_backward(ws->dlogits, a->logits, N, aux_group_len(d), E, k,
-                              d->router.score_fn, d->aux_coeff, loss_scale);
+    if (d->lb_type != MOE_LB_NONE && d->aux_coeff > 0) {
+        const moe_aux_shape sh = aux_shape(d);
+        be->aux_loss_backward(ws->dlogits, a->logits, a->aux_counts, &sh, d->aux_coeff,
+                              loss_scale);
+    }
     if (d->z_coeff > 0)
-        be->z_loss_backward(ws->dlogits, a->logits, N, E, d->z_coeff, loss_scale);
+        be->z_loss_backward(ws->dlogits, a->logits, N, E, z_coeff(d), loss_scale);
     be->matmul_backward(dx, g->router, ws->dlogits, x, w->router, N, H, E);
     moe_prof_mark(MOE_PROF_ROUTER);
 
-    /* 6⁻¹. shared expert */
-    if (d->Fs > 0)
-        moe_mlp_backward(be, dx, g->shared_fc1, g->shared_fc2, NULL, dout, x, a->shared_gu,
-                         a->shared_act, NULL, w->shared_fc1, w->shared_fc2, ws->dh, ws->dgu, N,
-                         H, d->Fs);
+    /* 6⁻¹. shared expert; with TP the output gradient's rows and the input are gathered
+     *      again, and the whole input's partial gradient is reduce-scattered to this rank */
+    if (d->Fs > 0) {
+        const moe_tp *tp = tp_of(d);
+        const int Ns = N * (tp ? tp->size : 1), Fs = d->Fs / (tp ? tp->size : 1);
+        const void *dy = moe_tp_exit_backward(be, tp, ws->tp_y, dout, Ns, H);
+        const void *xin = moe_tp_enter_forward(be, tp, ws->tp_x, x, Ns, H);
+        void *dfull = tp ? ws->tp_dx : dx;
+        if (tp)
+            be->zero(dfull, be->act_size * (size_t)Ns * H);
+        moe_mlp_backward(be, dfull, g->shared_fc1, g->shared_fc2, NULL, dy, xin, a->shared_gu,
+                         a->shared_act, NULL, w->shared_fc1, w->shared_fc2, ws->dh, ws->dgu, Ns,
+                         H, Fs);
+        if (tp) { /* yp is free in the backward */
+            moe_tp_enter_backward(be, tp, ws->yp, dfull, Ns, H);
+            be->add(dx, ws->yp, (size_t)N * H);
+        }
+    }
 }

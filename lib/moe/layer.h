@@ -26,6 +26,14 @@
  *    Linear (cuBLAS's, or our kernel that reads the group offsets on the device);
  *  - `permute_fusion` (chapter 03): step 3 moves only the routing weights, and fc1
  *    gathers its rows straight from the tokens by the permutation's index.
+ *  - `tp` (chapter 04): attention's tensor-parallel group, with sequence parallelism. The
+ *    layer then runs on this rank's N rows of the N·TP tokens (its sequence shard): the
+ *    router is replicated (its gradient is this rank's part, summed over TP by the
+ *    trainer), the aux-loss counts are summed over TP and each rank adds its rows' part of
+ *    the loss (moe_aux_shape), the z-loss coefficient is divided by TP, and the shared
+ *    expert is tensor-parallel like a dense FFN (all-gather, column-parallel fc1,
+ *    row-parallel fc2, reduce-scatter). The experts see tokens, not ranks: the dispatcher
+ *    sends each rank's rows to the EP group as before.
  */
 #ifndef MOE_LAYER_H
 #define MOE_LAYER_H
@@ -34,6 +42,7 @@
 #include "config.h"
 #include "mlp.h"
 #include "moe/dispatch.h"
+#include "tensor_parallel.h"
 
 /** Sizes and settings of one MoE layer. */
 typedef struct moe_layer_dims {
@@ -57,6 +66,7 @@ typedef struct moe_layer_dims {
      *  the tokens by index, so the permuted copy xp is never written; one rank, dropless,
      *  ::MOE_EXPERTS_KERNEL only */
     int permute_fusion;
+    const moe_tp *tp;           /**< the TP group with SP (NULL or size 1: all N·1 tokens here) */
 } moe_layer_dims;
 
 /** The layer's weights: the backend's compute copy (activation type), views into it. */
@@ -98,7 +108,8 @@ typedef struct moe_layer_acts {
     int *expert_offset;   /**< host [E+1]: expert e owns permuted rows [off[e], off[e+1]) */
     int *dev_offset;      /**< the same offsets in backend memory ([E+2]; chapter 03 kernel) */
     long long *counts;    /**< host [E]: tokens per expert, this forward */
-    double aux_loss;      /**< load-balancing loss of this forward */
+    long long *aux_counts; /**< host [groups,E]: the aux loss's counts, summed over TP */
+    double aux_loss;      /**< load-balancing loss of this forward (this rank's part under TP) */
     double z_loss;        /**< z-loss of this forward */
     /* the dispatchers that send rows (dispatch.h) and capacity */
     long long dropped;    /**< assignments dropped by the capacity, this forward */
@@ -136,6 +147,11 @@ typedef struct moe_layer_workspace {
     moe_sym_buf dwe_sym; /**< the fused dispatcher: dwe, likewise */
     moe_ep single;       /**< the alltoall dispatcher's context on one rank (a capacity
                               without EP): no group, its staging buffers kept across steps */
+    /* with TP: [N·TP,H] whole-sequence buffers for the shared expert's gather/scatter,
+     * lent by the caller (not freed here; the model's SP scratch) */
+    void *tp_x;  /**< with TP: the gathered input [N·TP,H] (lent by the caller) */
+    void *tp_y;  /**< with TP: the partial output / gathered output gradient (lent) */
+    void *tp_dx; /**< with TP: the whole input's partial gradient (lent) */
 } moe_layer_workspace;
 
 /** @brief Allocate the saved activations for @p d. @param be backend @param a acts @param d dims
