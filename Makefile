@@ -458,6 +458,15 @@ printf '%s\n' '{"event":"config","moe-expert-capacity-factor":"$(2)","moe-token-
   '{"event":"train","step":2,"loss":4.1,"dropped_tokens":$(5)}' \
   '{"event":"eval","step":2,"train_loss":4.0,"val_loss":$(6)}' > $(PLOT_TEST)/$(1).jsonl
 endef
+define PLOT_CH03_SHAPE   # name, rows over E = 2 experts, forward/dgrad ms: loop and ours (10 GFLOP each), wgrad += GB/s of ours
+printf '%s\n' '$(1): T=1 H=8 F=8 E=2 k=1 -> $(2) rows, 1..2 per expert' 'our wgrad splits each group' \
+  '| GEMM | GFLOP | loop ms | TFLOP/s | grouped ms | TFLOP/s | grouped % of dense |' '|---|---|---|---|---|---|---|' \
+  '| fc1 forward | 10 | $(4) | 1 | $(3) | 1 | 1% |' '| fc2 forward | 10 | $(4) | 1 | $(3) | 1 | 1% |' \
+  '| fc1 dgrad | 10 | $(4) | 1 | $(3) | 1 | 1% |' '| fc2 dgrad | 10 | $(4) | 1 | $(3) | 1 | 1% |' \
+  '| fc1 wgrad += | 10 | 2 | 5 (50 GB/s) | 1 | 10 ($(5) GB/s) | 1% |' '| fc2 wgrad += | 10 | 2 | 5 (50 GB/s) | 1 | 10 ($(5) GB/s) | 1% |' \
+  '| fc1 wgrad bf16 | 10 | - | - | 0.5 | 20 (40 GB/s) | 2% |' '| fc2 wgrad bf16 | 10 | - | - | 0.5 | 20 (40 GB/s) | 2% |' '' \
+  > $(PLOT_TEST)/$(1).txt
+endef
 test-plots:
 	@echo "== plots (tools/plot_metrics.py, tools/plot_bench.py)"
 	@if ! $(PY) -c 'import matplotlib' 2>/dev/null; then \
@@ -510,7 +519,27 @@ test-plots:
 	    2> $(PLOT_TEST)/notable.err && grep -q "no table whose header starts with 'nothere'" $(PLOT_TEST)/notable.err && \
 	  ! $(PY) tools/plot_bench.py dispatch $(PLOT_TEST)/page.md --out $(PLOT_TEST)/x.png \
 	    2> $(PLOT_TEST)/nodispatch.err && grep -q "no table with a 'raw GB/s' column" $(PLOT_TEST)/nodispatch.err && \
-	  echo "plots: dispatch.png, bars.png and stages.png written with the numbers of their tables, missing tables refused"; \
+	  echo "plots: dispatch.png, bars.png and stages.png written with the numbers of their tables, missing tables refused" && \
+	  $(call PLOT_CH03_SHAPE,qwen3,1024,0.25,0.5,20) && \
+	  $(call PLOT_CH03_SHAPE,sweep64,128,1,2,100) && \
+	  printf '%s\n' 'dense GEMM 8192^3 (the ceiling of this device): 1.000 ms, 800.0 TFLOP/s' '' \
+	    '| shape | ours += | ours = | += vs compiled | = vs compiled |' '|---|---|---|---|---|' \
+	    '| qwen3 | 1.0 | 0.9 | 1.1x | 1.2x |' '| sweep64 | 2.0 | 1.0 | 1.5x | 3.0x |' '' \
+	    '| shape | ours bf16 | vs compiled |' '|---|---|---|' '| sweep64 | 1.0 | 1.2x |' \
+	    | cat $(PLOT_TEST)/qwen3.txt $(PLOT_TEST)/sweep64.txt - > $(PLOT_TEST)/ch03.txt && \
+	  $(PY) tools/plot_bench.py sweep $(PLOT_TEST)/ch03.txt --out $(PLOT_TEST)/sweep.png > $(PLOT_TEST)/sweep.out && \
+	  grep -qx '  rows per expert: 64' $(PLOT_TEST)/sweep.out && \
+	  grep -qx '  forward + dgrad: loop 5 | grouped 10' $(PLOT_TEST)/sweep.out && \
+	  grep -qx '  wgrad: loop += 5 | grouped += 10 | grouped bf16 20' $(PLOT_TEST)/sweep.out && \
+	  grep -qx '  layer vs PyTorch: (a) += vs compiled 1.5 | (a) = vs compiled 3 | (b) bf16 vs compiled 1.2' $(PLOT_TEST)/sweep.out && \
+	  $(PY) tools/plot_bench.py roofline $(PLOT_TEST)/ch03.txt --out $(PLOT_TEST)/roofline.png > $(PLOT_TEST)/roofline.out && \
+	  grep -qx '  ours +=: qwen3/fc1=500:10 qwen3/fc2=500:10 sweep64/fc1=100:10 sweep64/fc2=100:10' $(PLOT_TEST)/roofline.out && \
+	  grep -qx '  ours bf16: qwen3/fc1=500:20 qwen3/fc2=500:20 sweep64/fc1=500:20 sweep64/fc2=500:20' $(PLOT_TEST)/roofline.out && \
+	  grep -qx '  dense ceiling 800, roof bandwidth 100 GB/s' $(PLOT_TEST)/roofline.out && \
+	  test -s $(PLOT_TEST)/sweep.png && test -s $(PLOT_TEST)/roofline.png && \
+	  ! $(PY) tools/plot_bench.py sweep $(PLOT_TEST)/page.md --out $(PLOT_TEST)/x.png \
+	    2> $(PLOT_TEST)/nosweep.err && grep -q "no GEMM table under a 'NAME: T=.. E=.. -> N rows' line" $(PLOT_TEST)/nosweep.err && \
+	  echo "plots: sweep.png and roofline.png written with the numbers of chapter 03's tables, other shapes left out, a file without them refused"; \
 	fi
 
 # ---- figures: every PNG of docs/results/figures/ redrawn from the files in the tree (the
@@ -521,6 +550,7 @@ FIG = docs/results/figures
 FIG_RUNS = $(FIG)/runs
 FIG_CH02 = docs/results/runs/multigpu_ch02_e3716dc.txt
 FIG_CH03 = docs/results/03-grouped-gemm.md
+FIG_CH03_II = docs/results/runs/ch03_bench_dc547fa.txt
 figures:
 	@$(PY) -c 'import matplotlib' 2>/dev/null || \
 	  { echo "make figures needs python3-matplotlib: sudo apt-get install python3-matplotlib"; exit 1; }
@@ -538,6 +568,10 @@ figures:
 	  --title "the six expert GEMMs per backend, H200, commit d0de9c5 (03-grouped-gemm.md)"
 	$(PY) tools/plot_bench.py stages $(FIG_CH03) --table "shape, backend" --out $(FIG)/ch03_layer_stages.png \
 	  --title "where the MoE layer's time goes, H200, commit d0de9c5 (03-grouped-gemm.md)"
+	$(PY) tools/plot_bench.py sweep $(FIG_CH03_II) --out $(FIG)/ch03_sweep_rows_per_expert.png \
+	  --title "the sweep (H=4096, F=1536, k=8, E = T·k / R): expert GEMMs per backend and the layer vs PyTorch, H200, commit dc547fa"
+	$(PY) tools/plot_bench.py roofline $(FIG_CH03_II) --out $(FIG)/ch03_wgrad_roofline.png \
+	  --title "wgrad: achieved TFLOP/s against FLOP per byte, every shape of the run, H200, commit dc547fa"
 
 # ---- docs
 docs:

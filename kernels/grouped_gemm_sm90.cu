@@ -30,15 +30,17 @@
  *                each k-step into the next free stage of a STAGES-deep ring, arming the
  *                stage's "full" barrier with the byte count to expect.
  *
- * Forward and dgrad also have a 64 × 256 tile, for the last <= 64 rows of a group: the two
+ * Forward and dgrad can also use a 64 × 256 tile (an experiment, off by default: it measured
+ * slower, see g_fine_tiles), for the last <= 64 rows of a group: the two
  * warpgroups then sit side by side instead of one above the other — both read the same
  * 64-row A box, warpgroup c multiplies it by B's columns 128c .. 128c + 127 with 4 wgmma
  * m64n128k16 per k-step (64 accumulators) — so neither idles, and the producer loads one
  * 64-row A box instead of two (40 KB per stage instead of 48). Why: a group of 130 rows
  * would otherwise cost two full 128-row tiles, 256 rows of MMA for 130 rows of output
  * (the tile-quantisation cliff just past every multiple of 128, which hurts where many
- * experts see a few hundred rows each); now it costs 128 + 64. Rows are computed in
- * multiples of 64, the smallest M of a wgmma. The main loop is instantiated once per
+ * experts see a few hundred rows each); with it, 128 + 64 rows of MMA (rows are computed
+ * in multiples of 64, the smallest M of a wgmma) — but each tile still loads the whole
+ * 256-column weight block per k-step, and the time did not fall. The main loop is instantiated once per
  * width (256 or 128 columns per warpgroup) so that no wgmma pipeline spans a branch.
  *
  * Epilogue: each consumer warpgroup writes its 64 × 256 block from registers into its
@@ -638,10 +640,11 @@ const void *contiguous(const Input &in, int rows, int I) {
 }
 
 /* forward/dgrad schedule: 0 = 128-row tiles only (the default), 1 = 64-row tiles for a
- * group's last <= 64 rows. Measured on an H200 (docs/results/03-grouped-gemm-ii.md), the
- * 64-row tile costs about as much as a 128-row one and the schedule with it is SLOWER
- * (0.73x at 130 and 192 rows per expert, 0.85x on E = 128 uniform), so it is off until
- * that is understood; tests run both, the benchmark compares them (--shape fine). */
+ * group's last <= 64 rows. Measured on an H200 (docs/results/03-grouped-gemm-ii.md, raw
+ * output docs/results/runs/ch03_bench_fine_dc547fa.txt), the 64-row tile costs about as
+ * much as a 128-row one and the schedule with it is SLOWER (forward + dgrad 0.72x at 130
+ * and 192 rows per expert, 0.76x on E = 128 uniform), so it is off until that is
+ * understood; tests run both, the benchmark compares them (--shape fine). */
 int g_fine_tiles = 0;
 
 void check_shapes(int G, int I, int O) {

@@ -4,6 +4,8 @@
     tools/plot_bench.py dispatch --out FILE.png [--title T] BENCH_OUTPUT.txt
     tools/plot_bench.py bars     --out FILE.png --table CELL [--ceiling X] [...] FILE.md
     tools/plot_bench.py stages   --out FILE.png --table CELL [--title T] FILE.md
+    tools/plot_bench.py sweep    --out FILE.png [--shapes RE] [--title T] CH03_BENCH.txt
+    tools/plot_bench.py roofline --out FILE.png [--shapes RE] [--bandwidth GBS] CH03_BENCH.txt
 
 The input format is the one every benchmark of moe.c prints and every results page
 quotes: Markdown pipe tables (`| a | b |`, a `|---|` rule under the header). Cells may
@@ -23,6 +25,20 @@ Figures:
   stages    stacked horizontal bars from one table: a bar per row, a segment per column
             whose cells are times ("0.42 ms ..."); other columns are left out. A row
             named "Panel, bar" goes into panel Panel, so each shape gets its own time axis.
+  sweep     chapter 03's bench.sh output (bin/ch03_grouped_gemm_bench, then the layer
+            against PyTorch): against rows per expert (the "NAME: T=.. E=.. -> N rows"
+            line above each GEMM table: N / E), for the shapes whose NAME matches --shapes
+            (default "sweep[0-9]+"), three panels: forward + dgrad TFLOP/s per backend
+            (sum of the four GEMMs' GFLOP over the sum of their ms), wgrad TFLOP/s per
+            backend and mode (+=, =, bf16), each with the dense ceiling of the run's
+            "dense GEMM 8192^3" line; and the layer's ratio to PyTorch from the two tables
+            at the end ("ours +=" / "ours bf16"), with a line at 1.
+  roofline  the same output: every wgrad row of every GEMM table whose shape matches
+            --shapes (default: all), as achieved TFLOP/s against arithmetic intensity
+            (FLOP per byte moved = TFLOP/s / the GB/s of the same cell), one colour per
+            mode of our kernel and grey for the cuBLAS loop; the roof is
+            min(bandwidth x intensity, the dense ceiling), the bandwidth being the
+            highest wgrad GB/s of the run unless --bandwidth says otherwise.
 
 The PNG's path is printed, then the numbers read from the table (one line per panel).
 --table CELL picks the first table whose header's first cell is CELL (bold and spaces
@@ -59,12 +75,13 @@ def number(cell):
 
 def read_tables(path):
     """Every pipe table of a file: a list of {"before": the nearest non-blank line above the
-    table that is not a table line, "header": [cells], "rows": [[cells]]}."""
+    table that is not a table line, "above": every such line since the previous table,
+    "header": [cells], "rows": [[cells]]}."""
     if not os.path.exists(path):
         raise InputError(f"{path}: no such file")
     with open(path, encoding="utf-8") as f:
         lines = [l.rstrip("\n") for l in f]
-    tables, before, i = [], "", 0
+    tables, before, above, i = [], "", [], 0
     while i < len(lines):
         line = lines[i].strip()
         nxt = lines[i + 1].strip() if i + 1 < len(lines) else ""
@@ -74,10 +91,13 @@ def read_tables(path):
             while i < len(lines) and lines[i].strip().startswith("|"):
                 rows.append([c.strip() for c in lines[i].strip().strip("|").split("|")])
                 i += 1
-            tables.append({"before": before, "header": header, "rows": rows})
+            tables.append({"before": before, "above": above,
+                           "header": header, "rows": rows})
+            above = []
             continue
         if line:
             before = line
+            above.append(line)
         i += 1
     return tables
 
@@ -154,6 +174,113 @@ def stage_panels(table, path):
     return [(panel, bars, names, ms) for panel, (bars, ms) in panels.items()]
 
 
+_SHAPE = re.compile(r"^(\S+): T=\d+ H=\d+ F=\d+ E=(\d+) k=\d+ -> (\d+) rows")
+_DENSE = re.compile(r"dense GEMM 8192\^3[^:]*: [\d.]+ ms, ([\d.]+) TFLOP/s")
+_GBS = re.compile(r"\(([\d.]+) GB/s\)")
+#: the GEMMs of the expert MLP that each aggregate of the sweep figure sums
+FWD_DGRAD = ("fc1 forward", "fc2 forward", "fc1 dgrad", "fc2 dgrad")
+WGRAD_MODES = ("+=", "=", "bf16")
+
+
+def gemm_tables(tables, path, shapes):
+    """[(shape name, rows per expert, table)] for chapter 03's per-shape GEMM tables whose
+    shape name fully matches the regular expression `shapes`, in file order."""
+    out = []
+    for t in tables:
+        if clean(t["header"][0]) != "GEMM":
+            continue
+        m = next((m for m in map(_SHAPE.match, t["above"]) if m), None)
+        if m and re.fullmatch(shapes, m.group(1)):
+            out.append((m.group(1), int(m.group(3)) / int(m.group(2)), t))
+    if not out:
+        raise InputError(f"{path}: no GEMM table under a 'NAME: T=.. E=.. -> N rows' line with a "
+                         f"NAME matching {shapes!r}; is this the output of chapter 03's bench.sh?")
+    return out
+
+
+def dense_ceiling(path):
+    """The TFLOP/s of the first "dense GEMM 8192^3 ...: X ms, Y TFLOP/s" line of a file."""
+    with open(path, encoding="utf-8") as f:
+        m = _DENSE.search(f.read())
+    if not m:
+        raise InputError(f"{path}: no 'dense GEMM 8192^3 ...: X ms, Y TFLOP/s' line (the ceiling)")
+    return float(m.group(1))
+
+
+def backends(table):
+    """{backend: column of its ms} of a GEMM table ("loop ms", "grouped ms", ...)."""
+    return {clean(h)[:-3]: j for j, h in enumerate(table["header"]) if clean(h).endswith(" ms")}
+
+
+def aggregate(table, names, col):
+    """TFLOP/s of the rows named `names` together: their GFLOP summed over their ms summed
+    (column col); None where a row is missing or has no time ('-')."""
+    rows = {clean(r[0]): r for r in table["rows"]}
+    gj = [clean(h) for h in table["header"]].index("GFLOP")
+    try:
+        gflop = sum(number(rows[n][gj]) for n in names)
+        ms = sum(number(rows[n][col]) for n in names)
+    except (KeyError, TypeError):
+        return None
+    return gflop / ms if ms else None
+
+
+def sweep_series(tables, path, shapes):
+    """(rows per expert, {panel: {series: [values]}}) for the sweep figure."""
+    found = gemm_tables(tables, path, shapes)
+    xs = [x for _, x, _ in found]
+    fwd, wgrad = {}, {}
+    for name, _, t in found:
+        for b, col in backends(t).items():
+            fwd.setdefault(b, []).append(aggregate(t, FWD_DGRAD, col))
+            for mode in WGRAD_MODES:
+                wgrad.setdefault(f"{b} {mode}", []).append(
+                    aggregate(t, (f"fc1 wgrad {mode}", f"fc2 wgrad {mode}"), col))
+    wgrad = {k: v for k, v in wgrad.items() if any(x is not None for x in v)}
+    layer = {}
+    names = [n for n, _, _ in found]
+    for t in tables:
+        head = [clean(h) for h in t["header"]]
+        if head[0] != "shape" or not ({"ours +=", "ours bf16"} & set(head)):
+            continue
+        rows = {clean(r[0]): r for r in t["rows"]}
+        for j, h in enumerate(head[1:], 1):
+            if not re.search(r"\bvs\b", h):
+                continue
+            key = f"(a) {h}" if "ours +=" in head else f"(b) bf16 {h}"
+            layer[key] = [number(rows[n][j]) if n in rows else None for n in names]
+    panels = {"forward + dgrad": fwd, "wgrad": wgrad}
+    if layer:
+        panels["layer vs PyTorch"] = layer
+    return xs, panels
+
+
+def roofline_points(tables, path, shapes):
+    """{series: [(shape, GEMM, intensity FLOP/B, TFLOP/s, GB/s)]}: our kernel's wgrad per
+    mode, and the cuBLAS loop's (+=), from the cells "TFLOP/s (GB/s)"."""
+    series = {}
+    for name, _, t in gemm_tables(tables, path, shapes):
+        cols = backends(t)
+        for r in t["rows"]:
+            gemm = clean(r[0])
+            if " wgrad " not in gemm:
+                continue
+            mode = gemm.split(" wgrad ")[1]
+            for b, key in (("grouped", f"ours {mode}"), ("loop", f"loop {mode}")):
+                if b not in cols or cols[b] + 1 >= len(r):
+                    continue
+                cell = r[cols[b] + 1]
+                tflops, gbs = number(cell), _GBS.search(cell)
+                if tflops is None or not gbs:
+                    continue
+                gbs = float(gbs.group(1))
+                series.setdefault(key, []).append((name, gemm.split()[0], tflops * 1e3 / gbs,
+                                                   tflops, gbs))
+    if not series:
+        raise InputError(f"{path}: no wgrad cell of the form 'TFLOP/s (GB/s)' to plot")
+    return series
+
+
 def fmt(values):
     return " ".join("-" if v is None else f"{v:g}" for v in values)
 
@@ -166,6 +293,14 @@ def describe(figure, panels):
         if figure == "dispatch":
             title, data = panel
             out.append(f"  {title}: " + " | ".join(f"{k} {fmt(v)}" for k, v in data.items()))
+        elif figure == "sweep":
+            xs, data = panel
+            out.append("  rows per expert: " + fmt(xs))
+            for name, series in data.items():
+                out.append(f"  {name}: " + " | ".join(f"{k} {fmt(v)}" for k, v in series.items()))
+        elif figure == "roofline":
+            for key, pts in panel.items():
+                out.append(f"  {key}: " + " ".join(f"{s}/{g}={i:.0f}:{t:g}" for s, g, i, t, _ in pts))
         elif figure == "bars":
             name, series, labels, values = panel
             out.append(f"  {name or 'bars'}: rows {' / '.join(labels)}: "
@@ -254,9 +389,74 @@ def plot_stages(plt, panels, title):
     return fig
 
 
+_LABEL = {"loop": "cuBLAS loop (ch. 01)", "cublas-grouped": "cuBLAS grouped", "grouped": "ours"}
+_COLOUR = {"loop": "C0", "cublas-grouped": "C1", "grouped": "C2"}
+_MODE_STYLE = {"+=": ("-", "o"), "=": ("--", "s"), "bf16": (":", "^")}
+
+
+def plot_sweep(plt, xs, panels, title, ceiling):
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels) + 1, 4.4), squeeze=False)
+    for ax, (name, series) in zip(axes[0], panels.items()):
+        for key, ys in series.items():
+            if name == "layer vs PyTorch":
+                comp = "eager" not in key
+                colour = "C2" if key.startswith("(a) +=") else "C4" if key.startswith("(a) =") else "C3"
+                ax.plot(xs, ys, color=colour, ls="-" if comp else ":", marker="o" if comp else ".",
+                        ms=4, label=key)
+                continue
+            backend, _, mode = key.partition(" ")
+            ls, marker = _MODE_STYLE.get(mode, ("-", "o"))
+            ax.plot(xs, ys, color=_COLOUR.get(backend, "C5"), ls=ls, marker=marker, ms=4,
+                    label=f"{_LABEL.get(backend, backend)} {mode}".strip())
+        if name == "layer vs PyTorch":
+            ax.axhline(1.0, color="black", lw=1)
+            ax.set_ylabel("PyTorch ms / ours ms (> 1: ours faster)")
+        else:
+            ax.axhline(ceiling, color="black", ls="--", lw=1, label=f"dense bf16 8192³: {ceiling:g}")
+            ax.set_ylim(0, ceiling * 1.12)
+            ax.set_ylabel("TFLOP/s")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{x:g}" for x in xs], fontsize=8)
+        ax.minorticks_off()
+        ax.set_xlabel("rows per expert (average)")
+        ax.set_title(name, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right" if name == "layer vs PyTorch" else "lower right")
+    fig.suptitle(title or "chapter 03: rows per expert against TFLOP/s")
+    return fig
+
+
+def plot_roofline(plt, series, title, ceiling, bandwidth):
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    style = {"ours +=": ("C2", "o"), "ours =": ("C4", "s"), "ours bf16": ("C3", "^"),
+             "loop +=": ("0.6", "x")}
+    xs = [p[2] for pts in series.values() for p in pts]
+    lo, hi = min(xs) / 2, max(xs) * 2
+    ridge = ceiling * 1e3 / bandwidth
+    grid = sorted({lo, hi, max(lo, min(hi, ridge))})
+    ax.plot(grid, [min(ceiling, bandwidth * x / 1e3) for x in grid], color="black", lw=1.5,
+            label=f"roof: {bandwidth:g} GB/s x intensity, capped at the dense {ceiling:g} TFLOP/s")
+    for key, pts in series.items():
+        colour, marker = style.get(key, ("C5", "o"))
+        ax.scatter([p[2] for p in pts], [p[3] for p in pts], color=colour, marker=marker, s=22,
+                   label=f"{key} (fc1 and fc2 wgrad of every shape)", zorder=3)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ys = [p[3] for pts in series.values() for p in pts]
+    ticks = [t for t in (12.5, 25, 50, 100, 200, 400, 800) if min(ys) / 2 <= t <= ceiling * 1.5]
+    ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("arithmetic intensity: FLOP per byte moved (activations + dw)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title(title or "the wgrad roofline", fontsize=10)
+    return fig
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Plot the Markdown tables of moe.c's benchmarks as PNGs.")
-    p.add_argument("figure", choices=("dispatch", "bars", "stages"))
+    p.add_argument("figure", choices=("dispatch", "bars", "stages", "sweep", "roofline"))
     p.add_argument("file", help="benchmark output or results page holding the table(s)")
     p.add_argument("--out", required=True, metavar="FILE.png", help="the PNG to write")
     p.add_argument("--table", metavar="CELL", help="the table whose header starts with CELL "
@@ -265,11 +465,24 @@ def main(argv=None):
     p.add_argument("--ylabel", default="TFLOP/s", help="bars: the y axis (default TFLOP/s)")
     p.add_argument("--ceiling", type=float, metavar="X", help="bars: a dashed line at X")
     p.add_argument("--ceiling-label", default="", metavar="L", help="bars: the line's legend")
+    p.add_argument("--shapes", metavar="RE", help="sweep, roofline: the shape names to read "
+                   "(a regular expression; default 'sweep[0-9]+' for sweep, every shape for roofline)")
+    p.add_argument("--bandwidth", type=float, metavar="GBS", help="roofline: the roof's GB/s "
+                   "(default: the highest wgrad GB/s of the run)")
     a = p.parse_args(argv)
     if a.figure in ("bars", "stages") and not a.table:
         p.error(f"{a.figure} needs --table CELL (the first header cell of the table to plot)")
     if a.ceiling is not None and a.figure != "bars":
-        p.error("--ceiling applies to the bars figure only")
+        p.error("--ceiling applies to the bars figure only (sweep and roofline read it from the run)")
+    if a.shapes is not None and a.figure not in ("sweep", "roofline"):
+        p.error("--shapes applies to the sweep and roofline figures only")
+    if a.bandwidth is not None and (a.figure != "roofline" or a.bandwidth <= 0):
+        p.error("--bandwidth applies to the roofline figure only, and must be > 0 (GB/s)")
+    if a.shapes is not None:
+        try:
+            re.compile(a.shapes)
+        except re.error as e:
+            p.error(f"--shapes {a.shapes!r} is not a regular expression: {e}")
 
     try:
         tables = read_tables(a.file)
@@ -279,8 +492,15 @@ def main(argv=None):
             panels = bar_panels(find_table(tables, a.file, a.table))
             if not any(v is not None for _, s, _, vals in panels for k in s for v in vals[k]):
                 raise InputError(f"{a.file}: the table {a.table!r} has no numbers to plot")
-        else:
+        elif a.figure == "stages":
             panels = stage_panels(find_table(tables, a.file, a.table), a.file)
+        elif a.figure == "sweep":
+            panels = [sweep_series(tables, a.file, a.shapes or r"sweep[0-9]+")]
+            ceiling = dense_ceiling(a.file)
+        else:
+            panels = [roofline_points(tables, a.file, a.shapes or r".*")]
+            ceiling = dense_ceiling(a.file)
+            bandwidth = a.bandwidth or max(p[4] for pts in panels[0].values() for p in pts)
     except (InputError, OSError, UnicodeDecodeError) as e:
         print(f"plot_bench: {e}", file=sys.stderr)
         return 1
@@ -292,14 +512,21 @@ def main(argv=None):
         fig = plot_dispatch(plt, panels, a.title)
     elif a.figure == "bars":
         fig = plot_bars(plt, panels, a.title, a.ylabel, a.ceiling, a.ceiling_label)
-    else:
+    elif a.figure == "stages":
         fig = plot_stages(plt, panels, a.title)
+    elif a.figure == "sweep":
+        fig = plot_sweep(plt, *panels[0], a.title, ceiling)
+    else:
+        fig = plot_roofline(plt, panels[0], a.title, ceiling, bandwidth)
     if os.path.dirname(a.out):
         os.makedirs(os.path.dirname(a.out), exist_ok=True)
     save(fig, a.out)
     plt.close(fig)
     print(a.out)
     print(describe(a.figure, panels))
+    if a.figure in ("sweep", "roofline"):
+        print(f"  dense ceiling {ceiling:g}" + (f", roof bandwidth {bandwidth:g} GB/s"
+                                                 if a.figure == "roofline" else ""))
     return 0
 
 
