@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# Every single-GPU check and measurement of the course, in one call on one GPU machine.
+#
+#   tools/gpu_checks.sh [--check-dir DIR] [SECTION ...]
+#
+# Sections (default: tests ladder bench03 fine fused):
+#   tests    build/tests/gpu (every CUDA op against its CPU twin, every backend of the
+#            model against chapter 01's loop), the MPI suites on one GPU rank over NCCL,
+#            and 60 steps of the GPU preset (its loss at step 60 is a regression check)
+#   ladder   chapter 03's kernel ladder: bin/ch03_versions, v1 SIMT .. v4 our kernel, each
+#            checked on every element, then timed
+#   bench03  chapter 03's benchmark (chapters/03-grouped-gemm/bench.sh, SHAPE=big unless
+#            SHAPE is set): the six expert GEMMs per backend and the layer against PyTorch
+#            eager and torch.compile
+#   fine     the fine-grained regime: forward and dgrad under both tile schedules
+#            (bin/ch03_grouped_gemm_bench --shape fine)
+#   fused    the fused gather permutation against the separate passes (layer fwd+bwd)
+#
+# Run from the repository root. It builds first (make -j$(nproc); --check-dir DIR or
+# CHECK_DIR=DIR for Check as static libraries, see tools/README.md). Each section writes
+# ${OUT:-/tmp}/gpu_checks/<section>.txt and adds a line to the summary printed last. Exit
+# status: non-zero if the build or any correctness check failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+check_dir=${CHECK_DIR:-}
+sections=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --check-dir) check_dir="$2"; shift 2 ;;
+    -h | --help) usage 0 ;;
+    tests | ladder | bench03 | fine | fused) sections+=("$1"); shift ;;
+    *) echo "tools/gpu_checks.sh: unknown argument '$1' (sections: tests ladder bench03 fine fused; --help)" >&2
+       exit 2 ;;
+    esac
+done
+[ ${#sections[@]} -gt 0 ] || sections=(tests ladder bench03 fine fused)
+if ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "tools/gpu_checks.sh: no GPU here (nvidia-smi finds none): run it on a GPU machine" >&2
+    exit 2
+fi
+
+out=${OUT:-/tmp}/gpu_checks
+mkdir -p "$out"
+export MOE_GIT_COMMIT=${MOE_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
+status=0
+summary=()
+note() { summary+=("$1"); }
+fail() { status=1; summary+=("$1"); }
+
+echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)," \
+    "$(date -u '+%Y-%m-%d %H:%M UTC'), commit $MOE_GIT_COMMIT"
+t0=$(date +%s)
+if make -j"$(nproc)" ${check_dir:+CHECK_DIR="$check_dir"} all build/tests/gpu build/tests/mpi \
+    >"$out/build.txt" 2>&1; then
+    note "build: ok ($(($(date +%s) - t0)) s)"
+else
+    tail -30 "$out/build.txt"
+    echo "tools/gpu_checks.sh: the build failed (log: $out/build.txt)"
+    exit 1
+fi
+
+# run SECTION SECONDS COMMAND...: the command's output to <section>.txt, its verdict to the summary
+run() {
+    local name=$1 limit=$2
+    shift 2
+    local t=$(date +%s) rc=0
+    timeout "$limit" "$@" >>"$out/$name.txt" 2>&1 || rc=$?
+    if [ $rc = 0 ]; then
+        note "$name: $* -- ok ($(($(date +%s) - t)) s)"
+    else
+        fail "$name: $* -- FAILED, exit $rc$([ $rc = 124 ] && echo ' (time limit)') (see $name.txt)"
+    fi
+}
+
+for s in "${sections[@]}"; do
+    rm -f "$out/$s.txt"
+    echo "== $s"
+    case "$s" in
+    tests)
+        run tests 300 build/tests/gpu
+        run tests 200 env MOE_TEST_DEVICE=cuda CK_FORK=no mpirun -np 1 build/tests/mpi
+        run tests 120 bin/moe-train --preset gpu --train-iters 60 --eval-interval 1000 \
+            --sample-length 0 --seed 1
+        grep -E "^[0-9]+%:|^step +60/|^done" "$out/tests.txt"
+        ;;
+    ladder)
+        run ladder 200 bin/ch03_versions
+        grep -E "^dense|^\| v[0-9]|^\| cuBLAS|fc1 forward:|^ch03_versions" "$out/ladder.txt"
+        ;;
+    bench03)
+        run bench03 400 env SHAPE="${SHAPE:-big}" REPEATS="${REPEATS:-5}" OUT="$out" \
+            chapters/03-grouped-gemm/bench.sh
+        grep -E "^[a-z0-9-]+: T=|all six" "$out/ch03_bench.txt" 2>/dev/null
+        sed -n '/^Layer forward+backward/,$p' "$out/ch03_bench.txt" 2>/dev/null
+        ;;
+    fine)
+        run fine 200 bin/ch03_grouped_gemm_bench --shape fine --warmup 3 --repeats 9
+        grep -E "^fine, |all four" "$out/fine.txt"
+        ;;
+    fused)
+        for shape in qwen3 qwen3-235b; do
+            run fused 150 bin/ch01_moe_layer_bench --shape "$shape" --impl grouped \
+                --permute-fusion off,on
+        done
+        awk '/^RESULT layer/ { split($3, s, "="); split($4, i, "="); split($6, m, "=");
+               ms[s[2] " " i[2]] = m[2]; shapes[s[2]] = 1 }
+             END { for (sh in shapes) if ((sh " grouped") in ms && (sh " grouped-fused") in ms)
+                   printf "   %-11s separate passes %8.3f ms   fused gather %8.3f ms   %.2fx\n", sh,
+                          ms[sh " grouped"], ms[sh " grouped-fused"],
+                          ms[sh " grouped"] / ms[sh " grouped-fused"] }' "$out/fused.txt"
+        ;;
+    esac
+done
+
+echo
+echo "== summary (logs in $out)"
+for l in "${summary[@]}"; do echo "   $l"; done
+exit $status
