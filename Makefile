@@ -395,6 +395,11 @@ check-ch04: check-deps
 	@if [ "$(WITH_MPI)" != 1 ]; then echo "== chapter 04 MPI ranks: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
 	else for np in 2 4; do echo "== chapter 04 on $$np MPI ranks (CPU)"; \
 	  CK_INCLUDE_TAGS=ch04 OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(BUILD)/tests/mpi || exit 1; done; fi
+	@if [ "$(WITH_MPI)" = 1 ]; then $(MAKE) --no-print-directory bin/ch04_folding_bench && \
+	  for np in 2 4; do echo "== chapter 04 folding benchmark on $$np MPI ranks: the bytes model must equal the counts"; \
+	  OMP_NUM_THREADS=1 $(MPIRUN) -np $$np ./bin/ch04_folding_bench --repeats 1 --warmup 0 \
+	    --model "--moe-layer-freq [1,0]" > $(BUILD)/ch04_folding_bench_$$np.txt 2>&1 \
+	    || { cat $(BUILD)/ch04_folding_bench_$$np.txt; exit 1; }; tail -1 $(BUILD)/ch04_folding_bench_$$np.txt; done; fi
 
 # make test runs the chapter checks on the reference, and proves the other direction: an
 # untouched stub fails, with the message that names its file and function.
@@ -587,6 +592,8 @@ bench: all
 	./bin/ch01_moe_layer_bench
 	@if [ "$(WITH_MPI)" = 1 ]; then OMP_NUM_THREADS=1 $(MPIRUN) -np 2 ./bin/ch02_dispatch_bench; \
 	else echo "ch02 dispatch benchmark: skipped (needs MPI)"; fi
+	@if [ "$(WITH_MPI)" = 1 ]; then OMP_NUM_THREADS=1 $(MPIRUN) -np 4 ./bin/ch04_folding_bench; \
+	else echo "ch04 folding benchmark: skipped (needs MPI)"; fi
 	./bin/ch03_grouped_gemm_bench
 
 # For tools that compile C against the library (the notebooks' %%c cells).

@@ -60,6 +60,7 @@ struct moe_comm {
     void *host;      /* the host transport's state */
     const moe_comm_transport *data; /* moves the transport buffers */
     void *data_state;               /* its state (the host one on CPU groups) */
+    moe_comm_bytes sent;            /* what this rank sent through it (comm.h) */
 };
 
 static int g_world_rank = 0; /* for messages from code that has no group at hand */
@@ -242,40 +243,83 @@ int moe_comm_size(const moe_comm *c) { return c->size; }
 int moe_comm_world_rank(const moe_comm *c) { return c->world_rank; }
 moe_device moe_comm_device(const moe_comm *c) { return c->device; }
 
+/* ============================================================ bytes sent */
+
+/* One operation's payload, in comm.h's convention. */
+static void tally(moe_comm *c, moe_comm_op op, size_t elements, moe_dtype t) {
+    c->sent.bytes[op] += (unsigned long long)elements * moe_dtype_size(t);
+    c->sent.calls[op]++;
+}
+
+/* Elements of an all-to-all addressed to other ranks. */
+static size_t to_others(const moe_comm *c, const size_t *counts) {
+    size_t n = 0;
+    for (int p = 0; p < c->size; p++)
+        n += p == c->rank ? 0 : counts[p];
+    return n;
+}
+
+moe_comm_bytes moe_comm_bytes_sent(const moe_comm *c) { return c->sent; }
+
+void moe_comm_bytes_reset(moe_comm *c) { memset(&c->sent, 0, sizeof c->sent); }
+
+unsigned long long moe_comm_bytes_data(const moe_comm_bytes *b) {
+    unsigned long long n = 0;
+    for (int op = 0; op < MOE_COMM_OP_COUNT; op++)
+        n += op == MOE_COMM_OP_HOST ? 0 : b->bytes[op];
+    return n;
+}
+
+const char *moe_comm_op_name(moe_comm_op op) {
+    static const char *const names[MOE_COMM_OP_COUNT] = {
+        "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send", "host"};
+    return op >= 0 && op < MOE_COMM_OP_COUNT ? names[op] : "?";
+}
+
 /* ============================================================ transport buffers */
 
 void moe_comm_all_reduce_sum(moe_comm *c, void *buf, size_t count, moe_dtype t) {
     check_sum(c, t, "all_reduce_sum");
+    tally(c, MOE_COMM_OP_ALL_REDUCE, count, t);
     c->data->all_reduce_sum(c->data_state, buf, count, t);
 }
 
 void moe_comm_all_gather(moe_comm *c, const void *send, void *recv, size_t count, moe_dtype t) {
+    tally(c, MOE_COMM_OP_ALL_GATHER, count, t);
     c->data->all_gather(c->data_state, send, recv, count, t);
 }
 
 void moe_comm_all_gather_v(moe_comm *c, const void *send, void *recv, const size_t *counts,
                            moe_dtype t) {
+    tally(c, MOE_COMM_OP_ALL_GATHER, counts[c->rank], t);
     c->data->all_gather_v(c->data_state, send, recv, counts, t);
 }
 
 void moe_comm_reduce_scatter_sum(moe_comm *c, const void *send, void *recv, size_t count,
                                  moe_dtype t) {
     check_sum(c, t, "reduce_scatter_sum");
+    tally(c, MOE_COMM_OP_REDUCE_SCATTER, (size_t)c->size * count, t);
     c->data->reduce_scatter_sum(c->data_state, send, recv, count, t);
 }
 
 void moe_comm_all_to_all_v(moe_comm *c, const void *send, const size_t *send_counts, void *recv,
                            const size_t *recv_counts, moe_dtype t) {
+    tally(c, MOE_COMM_OP_ALL_TO_ALL, to_others(c, send_counts), t);
     c->data->all_to_all_v(c->data_state, send, send_counts, recv, recv_counts, t);
 }
 
 void moe_comm_exchange(moe_comm *c, const void *send, const moe_comm_chunk *sends, int n_sends,
                        void *recv, const moe_comm_chunk *recvs, int n_recvs, moe_dtype t) {
+    size_t n = 0;
+    for (int i = 0; i < n_sends; i++)
+        n += sends[i].peer == c->rank ? 0 : sends[i].count;
+    tally(c, MOE_COMM_OP_ALL_TO_ALL, n, t);
     c->data->exchange(c->data_state, send, sends, n_sends, recv, recvs, n_recvs, t);
 }
 
 void moe_comm_send(moe_comm *c, const void *buf, size_t count, moe_dtype t, int peer) {
     check_peer(c, peer, "moe_comm_send");
+    tally(c, MOE_COMM_OP_SEND, count, t);
     c->data->send(c->data_state, buf, count, t, peer);
 }
 
@@ -349,15 +393,20 @@ void moe_comm_sym_free(moe_sym_buf *b) {
 
 void moe_comm_host_all_reduce_sum(moe_comm *c, void *buf, size_t count, moe_dtype t) {
     check_sum(c, t, "all_reduce_sum");
+    tally(c, MOE_COMM_OP_HOST, count, t);
     host_transport()->all_reduce_sum(c->host, buf, count, t);
 }
 
 void moe_comm_host_all_gather(moe_comm *c, const void *send, void *recv, size_t count,
                               moe_dtype t) {
+    tally(c, MOE_COMM_OP_HOST, count, t);
     host_transport()->all_gather(c->host, send, recv, count, t);
 }
 
-double moe_comm_host_max(moe_comm *c, double v) { return host_transport()->max(c->host, v); }
+double moe_comm_host_max(moe_comm *c, double v) {
+    tally(c, MOE_COMM_OP_HOST, 1, MOE_DTYPE_F64);
+    return host_transport()->max(c->host, v);
+}
 
 void moe_comm_host_broadcast(moe_comm *c, void *buf, size_t bytes, int root) {
     host_transport()->broadcast(c->host, buf, bytes, root);

@@ -185,6 +185,55 @@ void moe_comm_barrier(moe_comm *c);
  *  by MOE_COMM_TIMEOUT like the operations themselves. @param c group */
 void moe_comm_wait(moe_comm *c);
 
+/* ------------------------------------------------------ bytes sent, per group */
+
+/** The kinds of operation whose bytes a group counts (moe_comm_bytes()). */
+typedef enum moe_comm_op {
+    MOE_COMM_OP_ALL_REDUCE = 0, /**< moe_comm_all_reduce_sum */
+    MOE_COMM_OP_ALL_GATHER,     /**< moe_comm_all_gather and moe_comm_all_gather_v */
+    MOE_COMM_OP_REDUCE_SCATTER, /**< moe_comm_reduce_scatter_sum */
+    MOE_COMM_OP_ALL_TO_ALL,     /**< moe_comm_all_to_all_v and moe_comm_exchange */
+    MOE_COMM_OP_SEND,           /**< moe_comm_send (a receive sends nothing) */
+    MOE_COMM_OP_HOST,           /**< the host control data: every moe_comm_host_* call */
+    MOE_COMM_OP_COUNT           /**< number of kinds */
+} moe_comm_op;
+
+/**
+ * What one rank has sent through one group since it was created or last reset.
+ *
+ * **The convention: the logical payload this rank puts into each operation**, not the
+ * bytes an algorithm moves on the wire (a ring all-reduce of n bytes sends 2(P-1)/P·n per
+ * rank; a tree, something else; NCCL chooses). So a model of the traffic depends only on
+ * the program, never on the library underneath:
+ *  - all-reduce of n elements: n (the buffer it contributes);
+ *  - all-gather: its own block (counts[rank] for all-gather-v);
+ *  - reduce-scatter into n elements: size·n (its whole input: every block is summed);
+ *  - all-to-all-v and exchange: the elements addressed to *other* ranks (what it keeps for
+ *    itself never leaves it);
+ *  - send: n; recv: nothing;
+ *  - host control data: the same rules, in MOE_COMM_OP_HOST.
+ * Counted where comm.c forwards to a transport: a few additions per call.
+ */
+typedef struct moe_comm_bytes {
+    unsigned long long bytes[MOE_COMM_OP_COUNT]; /**< bytes per kind */
+    unsigned long long calls[MOE_COMM_OP_COUNT]; /**< calls per kind */
+} moe_comm_bytes;
+
+/** @brief What this rank has sent through @p c (see ::moe_comm_bytes for the convention).
+ *  @param c group @return the counts since creation or the last moe_comm_bytes_reset() */
+moe_comm_bytes moe_comm_bytes_sent(const moe_comm *c);
+
+/** @brief Zero this rank's counts of @p c (local: no communication). @param c group */
+void moe_comm_bytes_reset(moe_comm *c);
+
+/** @brief Sum of the bytes over the kinds of transport-buffer operations (every kind but
+ *  ::MOE_COMM_OP_HOST). @param b counts @return bytes */
+unsigned long long moe_comm_bytes_data(const moe_comm_bytes *b);
+
+/** @brief Short name of a kind ("all-reduce", "all-gather", "reduce-scatter",
+ *  "all-to-all", "send", "host"). @param op kind @return a static string */
+const char *moe_comm_op_name(moe_comm_op op);
+
 /* ------------------------------------- memory the GPUs of a group share (NCCL >= 2.28) */
 
 /**

@@ -529,6 +529,100 @@ START_TEST(test_init_cuda_without_cuda) {
 END_TEST
 #endif
 
+
+/* The bytes each group counts (comm.h: the logical payload this rank puts in, per kind):
+ * one call of every collective on a group of its own, with a size that differs per rank,
+ * and the counts must be exact. The group is the world split once more, so the checks'
+ * own host all-reduces on the world are not counted in it. */
+START_TEST(test_bytes_counted) {
+    moe_comm *g = NULL;
+    moe_error err;
+    ck_assert_int_eq(moe_comm_split(W, 0, R, &g, &err), MOE_OK);
+    const size_t n = 5 + (size_t)R; /* a send per rank: a count mixed up between ranks shows */
+    size_t *counts = xmalloc(sizeof(size_t) * P), total = 0;
+    for (int p = 0; p < P; p++)
+        counts[p] = 3 + (size_t)p, total += counts[p];
+    const size_t big = (size_t)P * (n + 8) + total + 64;
+    void *a = tbuf(NULL, big * 8), *b = tbuf(NULL, big * 8);
+    BE->zero(a, big * 8);
+    BE->zero(b, big * 8);
+    unsigned long long want[MOE_COMM_OP_COUNT] = {0}, calls[MOE_COMM_OP_COUNT] = {0};
+    moe_comm_bytes_reset(g);
+
+    moe_comm_all_reduce_sum(g, a, 5, MOE_DTYPE_F32); /* its whole buffer */
+    want[MOE_COMM_OP_ALL_REDUCE] += 5 * 4, calls[MOE_COMM_OP_ALL_REDUCE]++;
+    moe_comm_all_gather(g, a, b, 7, MOE_DTYPE_F64);
+    want[MOE_COMM_OP_ALL_GATHER] += 7 * 8, calls[MOE_COMM_OP_ALL_GATHER]++;
+    moe_comm_all_gather_v(g, a, b, counts, MOE_DTYPE_I32); /* its own block only */
+    want[MOE_COMM_OP_ALL_GATHER] += counts[R] * 4, calls[MOE_COMM_OP_ALL_GATHER]++;
+    moe_comm_reduce_scatter_sum(g, a, b, 6, MOE_DTYPE_F64); /* its whole input, P blocks */
+    want[MOE_COMM_OP_REDUCE_SCATTER] += (unsigned long long)P * 6 * 8,
+        calls[MOE_COMM_OP_REDUCE_SCATTER]++;
+    /* all-to-all-v: rank r sends r+p+1 elements to rank p; what it keeps is not sent */
+    size_t *sc = xmalloc(sizeof(size_t) * P), *rc = xmalloc(sizeof(size_t) * P);
+    for (int p = 0; p < P; p++) {
+        sc[p] = (size_t)(R + p + 1), rc[p] = (size_t)(p + R + 1);
+        if (p != R)
+            want[MOE_COMM_OP_ALL_TO_ALL] += sc[p] * 2;
+    }
+    calls[MOE_COMM_OP_ALL_TO_ALL]++;
+    moe_comm_all_to_all_v(g, a, sc, b, rc, MOE_DTYPE_BF16);
+    /* exchange: one chunk of r+p+1 elements to every rank, itself included */
+    moe_comm_chunk *cs = xmalloc(sizeof *cs * P), *cr = xmalloc(sizeof *cr * P);
+    size_t so = 0, ro = 0;
+    for (int p = 0; p < P; p++) {
+        cs[p] = (moe_comm_chunk){so, sc[p], p};
+        cr[p] = (moe_comm_chunk){ro, rc[p], p};
+        so += sc[p], ro += rc[p];
+        if (p != R)
+            want[MOE_COMM_OP_ALL_TO_ALL] += sc[p] * 8;
+    }
+    calls[MOE_COMM_OP_ALL_TO_ALL]++;
+    moe_comm_exchange(g, a, cs, P, b, cr, P, MOE_DTYPE_I64);
+    /* send/recv around the ring: the sender counts, the receiver does not */
+    if (P > 1) {
+        const int next = (R + 1) % P, prev = (R + P - 1) % P;
+        if (R % 2 == 0) {
+            moe_comm_send(g, a, n, MOE_DTYPE_F64, next);
+            moe_comm_recv(g, b, 5 + (size_t)prev, MOE_DTYPE_F64, prev);
+        } else {
+            moe_comm_recv(g, b, 5 + (size_t)prev, MOE_DTYPE_F64, prev);
+            moe_comm_send(g, a, n, MOE_DTYPE_F64, next);
+        }
+        want[MOE_COMM_OP_SEND] += n * 8, calls[MOE_COMM_OP_SEND]++;
+    }
+    /* host control data */
+    double h[3] = {1, 2, 3}, hg[3 * 64];
+    moe_comm_host_all_reduce_sum(g, h, 3, MOE_DTYPE_F64);
+    moe_comm_host_all_gather(g, h, hg, 1, MOE_DTYPE_F64);
+    (void)moe_comm_host_max(g, 1.0);
+    want[MOE_COMM_OP_HOST] += 3 * 8 + 8 + 8, calls[MOE_COMM_OP_HOST] += 3;
+    moe_comm_wait(g);
+
+    moe_comm_bytes got = moe_comm_bytes_sent(g);
+    long long bad = 0;
+    unsigned long long data = 0;
+    for (int op = 0; op < MOE_COMM_OP_COUNT; op++) {
+        if (got.bytes[op] != want[op] || got.calls[op] != calls[op]) {
+            fprintf(stderr, "[rank %d] %s: counted %llu bytes in %llu calls, expected %llu in %llu\n",
+                    R, moe_comm_op_name((moe_comm_op)op), got.bytes[op], got.calls[op], want[op],
+                    calls[op]);
+            bad++;
+        }
+        data += op == MOE_COMM_OP_HOST ? 0 : want[op];
+    }
+    bad += moe_comm_bytes_data(&got) != data;
+    moe_comm_bytes_reset(g);
+    got = moe_comm_bytes_sent(g);
+    for (int op = 0; op < MOE_COMM_OP_COUNT; op++)
+        bad += got.bytes[op] != 0 || got.calls[op] != 0;
+    AGREE(bad, "bytes counted per collective");
+    BE->free(a), BE->free(b);
+    free(counts), free(sc), free(rc), free(cs), free(cr);
+    moe_comm_free(g);
+}
+END_TEST
+
 Suite *suite_mpi_comm(void) {
     Suite *s = suite_create("mpi_comm");
     TCase *tc = tcase_create("collectives");
@@ -550,5 +644,12 @@ Suite *suite_mpi_comm(void) {
     tcase_add_test(tc, test_init_cuda_without_cuda);
 #endif
     suite_add_tcase(s, tc);
+    /* chapter 04: the bytes the benchmark's model is checked against (make check-ch04) */
+    TCase *ch04 = tcase_create("bytes");
+    tcase_add_checked_fixture(ch04, setup, NULL);
+    tcase_set_tags(ch04, "ch04");
+    tcase_set_timeout(ch04, 60);
+    tcase_add_test(ch04, test_bytes_counted);
+    suite_add_tcase(s, ch04);
     return s;
 }

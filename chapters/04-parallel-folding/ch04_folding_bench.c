@@ -1,0 +1,406 @@
+/*
+ * Chapter 04 benchmark: what each parallel folding of one world costs, and why.
+ *
+ *   mpirun -np 4 bin/ch04_folding_bench [--foldings "tp=2,ep=4;tp=1,ep=2"] [--repeats 5]
+ *
+ * For every folding (attention/dense TP with sequence parallelism, experts EP; the rest of
+ * each grid data-parallel: DP = world/TP, EDP = world/EP) it trains a small MoE model for a
+ * few real steps and prints, per step:
+ *  - the step time (median of the repeats, slowest rank);
+ *  - the bytes this rank sent in each of its groups, counted by the communication layer
+ *    (comm.h: the logical payload a rank puts into each collective, not wire bytes);
+ *  - the same bytes from an analytic model of the step, which must agree exactly, on every
+ *    rank and every step, or the program exits 1;
+ *  - the memory per rank (memory.h's estimate: weights, gradients, AdamW state,
+ *    activations).
+ *
+ * The model of one step (one micro-batch per rank, N = B·T tokens of width H, s bytes per
+ * activation on the wire, r bytes per moe_real, TP size t):
+ *  - TP with SP: every "sandwich" (attention, a dense FFN, an MoE layer's shared expert)
+ *    all-gathers this rank's N/t rows before its column-parallel GEMM and reduce-scatters
+ *    the N rows after its row-parallel one; the backward gathers the output gradient and
+ *    the input again and reduce-scatters the input gradient. The embedding is a
+ *    reduce-scatter (its backward an all-gather), the LM head an all-gather (its backward
+ *    an all-gather and a reduce-scatter), the vocabulary-parallel cross-entropy one
+ *    all-gather of 2N reals (each token's partial max and sum). Then the gradients each
+ *    TP rank computed from its rows only (moe_tensor::partial_group) are all-reduced.
+ *    Without SP (dense models only) each sandwich is one all-reduce of N·H each way.
+ *  - EP: per MoE layer, from the step's real routing (the dispatch plan's rows to and
+ *    from each rank): the tokens go out (H activations and one routing weight each), the
+ *    expert outputs come back, the output gradients go out and the input and routing
+ *    weight gradients come back: 2(out+back)·H·s + (out+back)·r bytes, rows kept on this
+ *    rank not counted.
+ *  - DP (dense) and EDP (experts): one all-reduce of every gradient over its replicas
+ *    (moe_tensor::grad_group), r bytes per element.
+ * Host control data (token counts per expert, losses, the gradient norm's partial sums)
+ * is counted and printed, not modelled ("counted only").
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench.h"
+#include "comm.h"
+#include "flags.h"
+#include "log.h"
+#include "memory.h"
+#include "parallel.h"
+#include "timer.h"
+#include "trainer.h"
+
+#define PROG "ch04_folding_bench"
+
+typedef struct opts {
+    char device[MOE_FLAG_STR_LEN];
+    char foldings[MOE_FLAG_STR_LEN];
+    char model[MOE_FLAG_STR_LEN];
+    int repeats, warmup;
+} opts;
+
+#define OF(name, type, field, def, help, choices) \
+    { name, type, offsetof(opts, field), def, help, choices, "benchmark" }
+static const moe_flag g_flags[] = {
+    OF("device", MOE_FLAG_CHOICE, device, "cpu", "backend of every rank", "cpu|cuda"),
+    OF("foldings", MOE_FLAG_STRING, foldings, "",
+       "';'-separated foldings, each 'tp=T,ep=E[,sp=0|1]' (sp defaults to 1 when tp > 1); "
+       "empty = every power-of-two tp and ep the world allows", NULL),
+    OF("model", MOE_FLAG_STRING, model, "",
+       "extra model flags appended to the built-in small MoE model (e.g. '--hidden-size 128')",
+       NULL),
+    OF("repeats", MOE_FLAG_INT, repeats, "5", "timed training steps (median)", NULL),
+    OF("warmup", MOE_FLAG_INT, warmup, "1", "untimed training steps first", NULL),
+};
+#define NFLAGS ((int)(sizeof g_flags / sizeof g_flags[0]))
+
+/* Every layer MoE with a shared expert (so each layer has two TP sandwiches), the alltoall
+ * dispatcher, dropless; the heads, KV groups, experts and vocabulary divide by 4. */
+#define BASE_MODEL                                                                           \
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 4 "          \
+    "--seq-length 32 --micro-batch-size 2 --num-experts 8 --moe-router-topk 2 "              \
+    "--moe-ffn-hidden-size 64 --moe-shared-expert-intermediate-size 64 "                     \
+    "--moe-aux-loss-coeff 1e-2 --make-vocab-size-divisible-by 8 "                            \
+    "--moe-token-dispatcher-type alltoall --lr 1e-3"
+
+typedef struct folding {
+    int tp, ep, sp;
+} folding;
+
+/* "tp=2,ep=4,sp=1" -> f; 0 on a malformed item */
+static int parse_folding(const char *s, folding *f) {
+    f->tp = 1, f->ep = 1, f->sp = -1;
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", s);
+    for (char *save = NULL, *kv = strtok_r(buf, ",", &save); kv; kv = strtok_r(NULL, ",", &save)) {
+        while (*kv == ' ')
+            kv++;
+        int v;
+        char key[8];
+        if (sscanf(kv, "%7[a-z]=%d", key, &v) != 2)
+            return 0;
+        if (!strcmp(key, "tp"))
+            f->tp = v;
+        else if (!strcmp(key, "ep"))
+            f->ep = v;
+        else if (!strcmp(key, "sp"))
+            f->sp = v;
+        else
+            return 0;
+    }
+    if (f->sp < 0)
+        f->sp = f->tp > 1;
+    return 1;
+}
+
+/* ---------------------------------------------------------------- the analytic model */
+
+/* bytes[kind][op]: what this rank sends in the group of each kind during one step */
+typedef unsigned long long model_bytes[MOE_GROUP_COUNT][MOE_COMM_OP_COUNT];
+
+static void model_step(const moe_trainer *t, model_bytes out) {
+    memset(out, 0, sizeof(model_bytes));
+    const moe_model *m = t->model;
+    const moe_config *c = &m->cfg;
+    const moe_backend *be = m->be;
+    const unsigned long long s = be->act_size, r = sizeof(moe_real);
+    const unsigned long long N = (unsigned long long)c->micro_batch_size * c->seq_length;
+    const unsigned long long H = (unsigned long long)c->hidden_size;
+    const int L = c->num_layers;
+
+    /* TP: the sandwiches and the vocabulary-parallel ends */
+    if (t->tp.size > 1) {
+        const unsigned long long tp = (unsigned long long)t->tp.size, X = N * H * s;
+        unsigned long long S = 0; /* sandwiches per step */
+        for (int l = 0; l < L; l++)
+            S += 1 + (!c->is_moe_layer[l] || c->moe_shared_expert_intermediate_size > 0);
+        unsigned long long *b = out[MOE_GROUP_TP];
+        if (t->tp.sp) {
+            /* all-gathers: S (forward) + 2S (backward: dy and x again) + the LM head's input
+             * (forward, and again in its backward) + the embedding's backward */
+            b[MOE_COMM_OP_ALL_GATHER] += (3 * S + 3) * (X / tp);
+            /* reduce-scatters of the N rows: S + the embedding (forward), S + the LM head
+             * (backward) */
+            b[MOE_COMM_OP_REDUCE_SCATTER] += (2 * S + 2) * X;
+        } else {
+            b[MOE_COMM_OP_ALL_REDUCE] += (2 * S + 2) * X; /* g forward, f backward */
+        }
+        b[MOE_COMM_OP_ALL_GATHER] += 2 * N * r; /* the cross-entropy's partial max and sum */
+    }
+    /* gradients: partial sums over TP first, then every replica group */
+    for (int i = 0; i < m->table.n; i++) {
+        const moe_tensor *x = &m->table.t[i];
+        if (x->partial_group != MOE_GROUP_NONE)
+            out[x->partial_group][MOE_COMM_OP_ALL_REDUCE] += x->numel * r;
+        if (x->grad_group != MOE_GROUP_NONE)
+            out[x->grad_group][MOE_COMM_OP_ALL_REDUCE] += x->numel * r;
+    }
+    /* EP: the tokens of this step's routing */
+    if (t->ep.comm) {
+        for (int l = 0; l < L; l++) {
+            if (!c->is_moe_layer[l])
+                continue;
+            const moe_dispatch_plan *p = &m->acts[l].moe.plan;
+            if (!p->send_rows) /* no step yet (the group list before any warm-up) */
+                continue;
+            unsigned long long rows = 0; /* out + back */
+            for (int q = 0; q < t->ep.size; q++)
+                if (q != t->ep.rank)
+                    rows += p->send_rows[q] + p->recv_rows[q];
+            out[MOE_GROUP_EP][MOE_COMM_OP_ALL_TO_ALL] += 2 * rows * H * s + rows * r;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- the groups */
+
+/* The distinct communicators of a run: kinds whose groups coincide (e.g. TP and EP both
+ * the world) share one, and so one set of counts. */
+typedef struct group_row {
+    moe_comm *comm;
+    char name[64];     /* "tp=ep", ... */
+    int size;
+    unsigned long long model[MOE_COMM_OP_COUNT];
+} group_row;
+
+static int collect_groups(const moe_trainer *t, group_row *rows, const model_bytes mb) {
+    int n = 0;
+    for (int k = 0; k < MOE_GROUP_COUNT; k++) {
+        moe_comm *g = moe_parallel_group(&t->par, (moe_group_kind)k);
+        int j = 0;
+        if (!g)
+            continue;
+        while (j < n && rows[j].comm != g)
+            j++;
+        if (j == n) {
+            memset(&rows[n], 0, sizeof rows[n]);
+            rows[n].comm = g;
+            rows[n].size = moe_comm_size(g);
+            n++;
+        }
+        size_t len = strlen(rows[j].name);
+        snprintf(rows[j].name + len, sizeof rows[j].name - len, "%s%s", len ? "=" : "",
+                 moe_group_name((moe_group_kind)k));
+        for (int op = 0; op < MOE_COMM_OP_COUNT; op++)
+            rows[j].model[op] += mb[k][op];
+    }
+    return n;
+}
+
+static void mb_str(char *out, size_t cap, double bytes) {
+    if (bytes >= 1e6)
+        snprintf(out, cap, "%.3f MB", bytes / 1e6);
+    else
+        snprintf(out, cap, "%.1f kB", bytes / 1e3);
+}
+
+/* One folding: build, warm up, time the steps with the counts checked on each. Returns the
+ * number of (rank, step, group, kind) disagreements on this rank, or -1 when the folding
+ * could not be built (the reason printed by rank 0). */
+static long long run_folding(const opts *o, moe_comm *world, const folding *f) {
+    const int W = moe_comm_size(world), rank = moe_comm_rank(world);
+    const int dp = W / (f->tp > 0 && W % f->tp == 0 ? f->tp : 1);
+    char flags[2048];
+    snprintf(flags, sizeof flags,
+             "%s %s --device %s --tensor-model-parallel-size %d --expert-model-parallel-size %d "
+             "%s --global-batch-size %d",
+             BASE_MODEL, o->model, o->device, f->tp, f->ep, f->sp ? "--sequence-parallel" : "",
+             2 * dp);
+    moe_config cfg;
+    moe_error err;
+    moe_error_clear(&err);
+    moe_config_defaults(&cfg);
+    moe_trainer *t = NULL;
+    moe_status st = moe_config_parse_string(&cfg, flags, &err);
+    if (st == MOE_OK)
+        st = moe_trainer_create_dist(&t, &cfg, world, &err);
+    if (moe_comm_host_max(world, st != MOE_OK) > 0) { /* every rank skips it together */
+        if (rank == 0)
+            printf("\nfolding tp=%d,ep=%d,sp=%d: not run (%s)\n", f->tp, f->ep, f->sp,
+                   st != MOE_OK ? err.msg : "another rank could not build it");
+        moe_trainer_free(t);
+        return -1;
+    }
+    for (int i = 0; i < o->warmup; i++) {
+        moe_step_stats s;
+        if (moe_trainer_step(t, &s, &err) != MOE_OK)
+            moe_comm_abort(world, 1, err.msg);
+    }
+    group_row rows[MOE_GROUP_COUNT];
+    model_bytes mb;
+    model_step(t, mb); /* only for the group list; recomputed after every step */
+    const int ng = collect_groups(t, rows, mb);
+    double *ms = malloc(sizeof(double) * (size_t)o->repeats);
+    moe_comm_bytes counted[MOE_GROUP_COUNT];
+    long long bad = 0;
+    double loss = 0;
+    for (int i = 0; i < o->repeats; i++) {
+        for (int g = 0; g < ng; g++)
+            moe_comm_bytes_reset(rows[g].comm);
+        moe_comm_barrier(world);
+        moe_timer tm;
+        moe_timer_start(&tm);
+        moe_step_stats s;
+        if (moe_trainer_step(t, &s, &err) != MOE_OK)
+            moe_comm_abort(world, 1, err.msg);
+        t->model->be->synchronize();
+        ms[i] = 1e3 * moe_timer_elapsed(&tm);
+        loss = s.loss;
+        for (int g = 0; g < ng; g++)
+            counted[g] = moe_comm_bytes_sent(rows[g].comm);
+        model_step(t, mb);
+        ng == collect_groups(t, rows, mb) ? (void)0 : moe_comm_abort(world, 1, "groups changed");
+        for (int g = 0; g < ng; g++)
+            for (int op = 0; op < MOE_COMM_OP_HOST; op++)
+                if (counted[g].bytes[op] != rows[g].model[op]) {
+                    if (bad++ < 8)
+                        fprintf(stderr,
+                                "[rank %d] tp=%d,ep=%d,sp=%d step %d: group %s %s counted %llu "
+                                "bytes, the model says %llu\n",
+                                rank, f->tp, f->ep, f->sp, i, rows[g].name,
+                                moe_comm_op_name((moe_comm_op)op), counted[g].bytes[op],
+                                rows[g].model[op]);
+                }
+    }
+    const double med = moe_comm_host_max(world, moe_median(ms, o->repeats));
+    const long long all_bad = (long long)moe_comm_host_max(world, (double)bad);
+    moe_memory_estimate e;
+    const moe_model *md = t->model;
+    const int mem_ok = moe_memory_estimate_model(&md->cfg, md->max_B, f->ep, md->be->act_size, &e,
+                                                 &err) == MOE_OK;
+    if (rank == 0) {
+        const moe_grid *gr = &t->par.grid;
+        printf("\nfolding tp=%d,ep=%d%s: attention TP %d x DP %d, experts EP %d x EDP %d | "
+               "step %.2f ms (median of %d, slowest rank), loss %.4f\n",
+               f->tp, f->ep, f->sp ? " + SP" : "", gr->tp, gr->dp, gr->ep, gr->edp, med,
+               o->repeats, loss);
+        if (mem_ok) {
+            char w[32], g[32], op[32], a[32], tot[32];
+            mb_str(w, sizeof w, (double)e.weight_bytes);
+            mb_str(g, sizeof g, (double)e.grad_bytes);
+            mb_str(op, sizeof op, (double)e.optim_bytes);
+            mb_str(a, sizeof a, (double)e.act_bytes);
+            mb_str(tot, sizeof tot, (double)e.total_bytes);
+            printf("  memory/rank (estimate): %lld params | weights %s, grads %s, AdamW %s, "
+                   "activations %s, total %s\n", e.params, w, g, op, a, tot);
+        }
+        printf("  %-20s %5s  %-14s %14s %14s  %s\n", "group", "ranks", "collective",
+               "counted B", "model B", "(rank 0, last step)");
+        for (int g = 0; g < ng; g++)
+            for (int opi = 0; opi < MOE_COMM_OP_COUNT; opi++) {
+                if (!counted[g].calls[opi] && !rows[g].model[opi])
+                    continue;
+                char mod[32];
+                if (opi == MOE_COMM_OP_HOST)
+                    snprintf(mod, sizeof mod, "counted only");
+                else
+                    snprintf(mod, sizeof mod, "%llu", rows[g].model[opi]);
+                printf("  %-20s %5d  %-14s %14llu %14s  %llu calls\n", rows[g].name,
+                       rows[g].size, moe_comm_op_name((moe_comm_op)opi), counted[g].bytes[opi],
+                       mod, counted[g].calls[opi]);
+            }
+        if (!ng)
+            printf("  (one rank per group: nothing to communicate)\n");
+        printf("  model %s the counts on every rank for all %d steps\n",
+               all_bad ? "DISAGREES WITH" : "= exactly", o->repeats);
+    }
+    free(ms);
+    moe_trainer_free(t);
+    return bad;
+}
+
+int main(int argc, char **argv) {
+    opts o;
+    moe_error err;
+    moe_error_clear(&err);
+    moe_flags_set_defaults(g_flags, NFLAGS, &o);
+    moe_status s = moe_flags_parse(g_flags, NFLAGS, &o, argc, argv, &err);
+    if (s == MOE_ERR_HELP) {
+        moe_flags_print_help(stdout, PROG,
+                             "Chapter 04: step time, bytes per group (counted and modelled, "
+                             "which must agree) and memory per rank of each parallel folding "
+                             "(run under mpirun).", g_flags, NFLAGS);
+        return 0;
+    }
+    if (s == MOE_OK && (o.repeats < 1 || o.warmup < 0))
+        s = moe_error_set(&err, MOE_ERR_FLAG, "--repeats must be >= 1 and --warmup >= 0");
+    if (s != MOE_OK) {
+        moe_log_error("%s", err.msg);
+        return 2;
+    }
+    moe_comm *world = NULL;
+    const moe_device dev = strcmp(o.device, "cuda") ? MOE_DEVICE_CPU : MOE_DEVICE_CUDA;
+    if (moe_comm_init(&argc, &argv, dev, &world, &err) != MOE_OK) {
+        moe_log_error("%s", err.msg);
+        return 1;
+    }
+    const int W = moe_comm_size(world), rank = moe_comm_rank(world);
+    moe_log_set_rank(rank, W);
+    setenv("MOE_NO_DOWNLOAD", "1", 1);
+
+    folding list[64];
+    int n = 0;
+    if (o.foldings[0]) {
+        char buf[MOE_FLAG_STR_LEN];
+        snprintf(buf, sizeof buf, "%s", o.foldings);
+        for (char *save = NULL, *item = strtok_r(buf, ";", &save); item && n < 64;
+             item = strtok_r(NULL, ";", &save)) {
+            if (!parse_folding(item, &list[n])) {
+                if (rank == 0)
+                    moe_log_error("--foldings: '%s' is not 'tp=T,ep=E[,sp=0|1]' (e.g. --foldings "
+                                  "\"tp=2,ep=2;tp=1,ep=4\")", item);
+                moe_comm_finalize(world);
+                return 2;
+            }
+            n++;
+        }
+    } else { /* every power-of-two tp (up to 4: the heads) and ep (up to 8: the experts) */
+        for (int tp = 1; tp <= W && tp <= 4; tp *= 2)
+            for (int ep = 1; ep <= W && ep <= 8; ep *= 2)
+                if (W % tp == 0 && W % ep == 0)
+                    list[n++] = (folding){tp, ep, tp > 1};
+    }
+    if (rank == 0) {
+        char name[600], where[640];
+        moe_error e2;
+        const moe_backend *be = NULL;
+        if (moe_backend_select(o.device, &be, &e2) == MOE_OK)
+            be->device_name(name, sizeof name);
+        else
+            snprintf(name, sizeof name, "%s", o.device);
+        snprintf(where, sizeof where, "%d ranks x %s", W, name);
+        moe_bench_header("ch04 parallel foldings: step time, bytes per group, memory", where);
+        printf("model: %s %s\nbytes: the logical payload each rank puts into each collective "
+               "(comm.h), per training step of one micro-batch per rank\n",
+               BASE_MODEL, o.model);
+    }
+    long long bad = 0;
+    for (int i = 0; i < n; i++) {
+        long long b = run_folding(&o, world, &list[i]);
+        bad += b > 0 ? b : 0;
+    }
+    const int fail = moe_comm_host_max(world, (double)bad) > 0;
+    if (rank == 0)
+        printf("\n%s\n", fail ? "FAIL: the bytes model disagrees with the counts (see above)"
+                              : "OK: the bytes model agrees exactly with the counts");
+    moe_comm_finalize(world);
+    return fail ? 1 : 0;
+}
