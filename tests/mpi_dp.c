@@ -139,12 +139,45 @@ START_TEST(test_grad_norm_folded) {
 }
 END_TEST
 
+/* ZeRO-1 is invisible to the math: the same foldings with --use-distributed-optimizer give
+ * one process's clipped norms, losses and weights (each rank updates only its piece of
+ * every gradient group, and gathers the others'), and each rank's moments are its share. */
+START_TEST(test_distributed_optimizer) {
+    const int W = moe_comm_size(moe_test_world());
+    const char *z = "--use-distributed-optimizer";
+    check_clip(MOE, 1, 0, 2, z, 3);          /* DP 2 (EDP 1 on 2 ranks, EDP 2 on 4) */
+    check_clip(MOE, 1, 0, 1, z, 3);          /* DP = EDP = W */
+    check_clip(DENSE, 2, 0, 1, z, 3);        /* TP 2 (x DP 2 on 4 ranks) */
+    if (W >= 4)
+        check_clip(MOE, 2, 1, 4, z, 3);      /* attention TP 2 x DP 2, experts EP 4 */
+    /* the moments: this rank's pieces, Σ over a gradient group = the whole run */
+    char flags[1024];
+    snprintf(flags, sizeof flags, "%s --global-batch-size %d %s", MOE, 4 * W, z);
+    moe_trainer *t = moe_test_trainer(flags, moe_test_world(), on_gpu());
+    size_t whole = 0;
+    for (int r = 0; r < t->zero.n_runs; r++) {
+        const moe_zero_run *run = &t->zero.run[r];
+        long long mine = (long long)(run->piece.hi - run->piece.lo);
+        if (run->comm)
+            moe_comm_host_all_reduce_sum(run->comm, &mine, 1, MOE_DTYPE_I64);
+        MOE_TEST_AGREE(mine != (long long)run->len, "run %d: the pieces cover %lld of %zu "
+                       "elements", r, mine, run->len);
+        whole += run->len;
+        ck_assert(run->piece.hi - run->piece.lo <= run->chunk);
+    }
+    ck_assert_uint_eq(whole, moe_model_num_params(t->model));
+    ck_assert(W == 1 || t->opt.n < moe_model_num_params(t->model));
+    moe_trainer_free(t);
+}
+END_TEST
+
 Suite *suite_mpi_dp(void) {
     Suite *s = suite_create("mpi_dp");
     TCase *tc = tcase_create("data_parallel");
     tcase_set_tags(tc, "ch04");
     tcase_set_timeout(tc, 600);
     tcase_add_test(tc, test_grad_norm_folded);
+    tcase_add_test(tc, test_distributed_optimizer);
     suite_add_tcase(s, tc);
     return s;
 }
