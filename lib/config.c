@@ -115,6 +115,9 @@ static const moe_flag g_flags[] = {
     F("sequence-parallel", MOE_FLAG_BOOL, sequence_parallel, "0",
       "with TP: norms and residuals on 1/TP of the tokens each (all-gather before the column-"
       "parallel GEMMs, reduce-scatter after the row-parallel ones)", NULL, G_PAR),
+    F("use-distributed-optimizer", MOE_FLAG_BOOL, use_distributed_optimizer, "0",
+      "ZeRO-1: reduce-scatter the gradients over the data-parallel ranks, AdamW on this rank's "
+      "1/DP of the parameters (and only its moments), all-gather the parameters", NULL, G_PAR),
     F("expert-tensor-parallel-size", MOE_FLAG_INT, expert_tensor_parallel_size, "1",
       "ranks each expert's matrices are split over (ETP; expert grid ETP x EP x EDP)", NULL,
       G_PAR),

@@ -124,6 +124,7 @@ typedef struct moe_config {
     /* ---- parallel folding (chapter 04) */
     int tensor_model_parallel_size;        /**< --tensor-model-parallel-size (TP) */
     int sequence_parallel;                 /**< --sequence-parallel (SP, needs TP > 1) */
+    int use_distributed_optimizer;         /**< --use-distributed-optimizer (ZeRO-1) */
     int make_vocab_size_divisible_by;      /**< --make-vocab-size-divisible-by (vocabulary
                                                 padding; 1 = none) */
     int expert_tensor_parallel_size;       /**< --expert-tensor-parallel-size (ETP) */

@@ -4,6 +4,21 @@
 #include <math.h>
 
 moe_status moe_adamw_init(moe_adamw *opt, const moe_backend *be, size_t n, moe_error *err) {
+    const moe_adamw_piece all = {0, n, 0};
+    return moe_adamw_init_pieces(opt, be, &all, 1, err);
+}
+
+moe_status moe_adamw_init_pieces(moe_adamw *opt, const moe_backend *be,
+                                 const moe_adamw_piece *pieces, int n_pieces, moe_error *err) {
+    MOE_ASSERT(n_pieces >= 1 && n_pieces <= MOE_ADAMW_MAX_PIECES);
+    size_t n = 0;
+    for (int i = 0; i < n_pieces; i++) {
+        MOE_ASSERT(pieces[i].lo <= pieces[i].hi);
+        opt->piece[i] = pieces[i];
+        opt->piece[i].state = n;
+        n += pieces[i].hi - pieces[i].lo;
+    }
+    opt->n_pieces = n_pieces;
     opt->be = be;
     opt->m = be->alloc(sizeof(float) * (n ? n : 1));
     opt->v = be->alloc(sizeof(float) * (n ? n : 1));
@@ -31,11 +46,19 @@ void moe_adamw_step(moe_adamw *opt, const moe_param_table *pt, moe_real *params,
     opt->step++;
     const double bc1 = 1.0 - pow(beta1, (double)opt->step);
     const double bc2 = 1.0 - pow(beta2, (double)opt->step);
-    for (int t = 0; t < pt->n; t++) {
-        const moe_tensor *ten = &pt->t[t];
-        const size_t o = ten->offset;
-        opt->be->adamw(params + o, grads + o, opt->m + o, opt->v + o, ten->numel, lr, beta1, beta2,
-                       eps, ten->decay ? wd : 0.0, bc1, bc2);
+    /* each tensor's part of each piece: weight decay is per tensor */
+    for (int k = 0; k < opt->n_pieces; k++) {
+        const moe_adamw_piece *pc = &opt->piece[k];
+        for (int t = 0; t < pt->n; t++) {
+            const moe_tensor *ten = &pt->t[t];
+            const size_t a = ten->offset > pc->lo ? ten->offset : pc->lo;
+            const size_t b = ten->offset + ten->numel < pc->hi ? ten->offset + ten->numel : pc->hi;
+            if (a >= b)
+                continue;
+            const size_t st = pc->state + (a - pc->lo);
+            opt->be->adamw(params + a, grads + a, opt->m + st, opt->v + st, b - a, lr, beta1,
+                           beta2, eps, ten->decay ? wd : 0.0, bc1, bc2);
+        }
     }
 }
 

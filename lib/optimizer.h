@@ -19,12 +19,27 @@
 #include "params.h"
 #include "real.h"
 
-/** AdamW state: the two moments, laid out like the parameters, in backend memory. */
+/** Most pieces of the flat buffer one optimizer updates (one per gradient group). */
+#define MOE_ADAMW_MAX_PIECES 8
+
+/** A piece of the flat parameter buffer that this rank's optimizer updates: elements
+ *  [lo, hi), whose moments start at element @p state of moe_adamw::m and moe_adamw::v. */
+typedef struct moe_adamw_piece {
+    size_t lo;    /**< first element of the piece in the flat buffer */
+    size_t hi;    /**< one past its last */
+    size_t state; /**< its first moment element */
+} moe_adamw_piece;
+
+/** AdamW state: the two moments of the pieces this rank updates, in backend memory. Without
+ *  the distributed optimizer there is one piece, the whole buffer, and the moments are laid
+ *  out like the parameters; with it (dist_optimizer.h) each rank holds 1/DP of them. */
 typedef struct moe_adamw {
     const moe_backend *be; /**< where the state lives */
     float *m;              /**< first moment, fp32 */
     float *v;              /**< second moment, fp32 */
-    size_t n;              /**< elements */
+    size_t n;              /**< elements of each moment (Σ of the pieces' sizes) */
+    moe_adamw_piece piece[MOE_ADAMW_MAX_PIECES]; /**< what this rank updates */
+    int n_pieces;          /**< how many */
     long long step;        /**< steps taken (for bias correction) */
 } moe_adamw;
 
@@ -54,12 +69,24 @@ static inline MOE_HOSTDEV void moe_adamw_update(moe_real *p, moe_real g, float *
  */
 moe_status moe_adamw_init(moe_adamw *opt, const moe_backend *be, size_t n, moe_error *err);
 
+/**
+ * @brief Allocate zeroed state for the pieces @p pieces of the flat buffer only (the
+ *        distributed optimizer: each rank updates its share of every gradient group).
+ * @param opt state  @param be backend  @param pieces what this rank updates (their `state`
+ *        fields are filled in: the pieces' moments back to back)  @param n_pieces 1 ..
+ *        ::MOE_ADAMW_MAX_PIECES  @param err receives the reason on failure
+ * @return ::MOE_OK or ::MOE_ERR_NOMEM
+ */
+moe_status moe_adamw_init_pieces(moe_adamw *opt, const moe_backend *be,
+                                 const moe_adamw_piece *pieces, int n_pieces, moe_error *err);
+
 /** @brief Free the state. @param opt state */
 void moe_adamw_free(moe_adamw *opt);
 
 /**
- * @brief One AdamW step over every tensor of @p pt: decoupled weight decay on tensors with
- *        `decay` set, bias-corrected moments.
+ * @brief One AdamW step over every element of this rank's pieces (the whole buffer unless
+ *        moe_adamw_init_pieces() chose less): decoupled weight decay on the elements of
+ *        tensors with `decay` set, bias-corrected moments.
  * @param opt    state
  * @param pt     parameter table (which tensors decay)
  * @param params [n] master parameters, updated in place (backend memory)

@@ -73,6 +73,18 @@ size_t moe_tensor_global_index(const moe_tensor *t, size_t j) {
     return g;
 }
 
+int moe_params_next_run(const moe_param_table *pt, moe_params_key key, int *i, size_t *start,
+                        size_t *end, moe_group_kind *k) {
+    if (*i >= pt->n)
+        return 0;
+    *k = key(&pt->t[*i]);
+    *start = pt->t[*i].offset;
+    while (*i < pt->n && key(&pt->t[*i]) == *k)
+        (*i)++;
+    *end = pt->t[*i - 1].offset + pt->t[*i - 1].numel;
+    return 1;
+}
+
 const moe_tensor *moe_params_find(const moe_param_table *pt, const char *name) {
     for (int i = 0; i < pt->n; i++)
         if (!strcmp(pt->t[i].name, name))

@@ -135,6 +135,19 @@ void moe_params_partial(moe_param_table *pt, moe_group_kind group);
  */
 size_t moe_tensor_global_index(const moe_tensor *t, size_t j);
 
+/** What groups tensors into runs (e.g. their moe_tensor::grad_group). */
+typedef moe_group_kind (*moe_params_key)(const moe_tensor *t);
+
+/**
+ * @brief The next run of consecutive tensors that share a key: [*start, *end) in elements of
+ *        the flat buffer, and the key. Start with *i = 0; each call moves *i past the run.
+ * @param pt table  @param key the key of a tensor  @param i the next tensor (updated)
+ * @param start receives the run's first element  @param end one past its last
+ * @param k receives the run's key  @return 0 when there are no more runs, else 1
+ */
+int moe_params_next_run(const moe_param_table *pt, moe_params_key key, int *i, size_t *start,
+                        size_t *end, moe_group_kind *k);
+
 /** @brief Find a tensor by name. @param pt table @param name name @return it, or NULL */
 const moe_tensor *moe_params_find(const moe_param_table *pt, const char *name);
 

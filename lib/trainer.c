@@ -111,7 +111,14 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
     if (s == MOE_OK)
         s = moe_model_create_parallel(&t->model, c, be, c->micro_batch_size,
                                       t->ep.comm ? &t->ep : NULL, &t->tp, err);
-    if (s == MOE_OK)
+    if (s == MOE_OK && world && c->use_distributed_optimizer) {
+        /* ZeRO-1: this rank's moments cover its piece of each gradient group only */
+        moe_adamw_piece pieces[MOE_ADAMW_MAX_PIECES];
+        int n_pieces = 0;
+        s = moe_zero_init(&t->zero, be, &t->model->table, &t->par, pieces, &n_pieces, err);
+        if (s == MOE_OK)
+            s = moe_adamw_init_pieces(&t->opt, be, pieces, n_pieces, err);
+    } else if (s == MOE_OK)
         s = moe_adamw_init(&t->opt, be, moe_model_num_params(t->model), err);
     if (s == MOE_OK) {
         size_t n = (size_t)c->micro_batch_size * c->seq_length;
@@ -136,6 +143,7 @@ void moe_trainer_free(moe_trainer *t) {
         return;
     moe_model_free(t->model);
     moe_adamw_free(&t->opt);
+    moe_zero_free(&t->zero);
     moe_ep_free(&t->ep);
     moe_parallel_free(&t->par);
     moe_dataset_free(&t->data);
@@ -146,24 +154,10 @@ void moe_trainer_free(moe_trainer *t) {
 }
 
 /* Consecutive tensors that share a key (the group their gradient is summed over, or the
- * group their shards are spread over) form one run of the flat buffer: [*start, *end) in
- * elements. Returns 0 when there are no more runs. The layout puts every dense tensor first
- * and every expert shard last (model.c), so there are two runs, and each collective below
- * moves one whole run: one call per group, not one per tensor. */
-typedef moe_group_kind (*run_key)(const moe_tensor *t);
-
-static int next_run(const moe_param_table *pt, run_key key, int *i, size_t *start, size_t *end,
-                    moe_group_kind *k) {
-    if (*i >= pt->n)
-        return 0;
-    *k = key(&pt->t[*i]);
-    *start = pt->t[*i].offset;
-    while (*i < pt->n && key(&pt->t[*i]) == *k)
-        (*i)++;
-    *end = pt->t[*i - 1].offset + pt->t[*i - 1].numel;
-    return 1;
-}
-
+ * group their shards are spread over) form one run of the flat buffer (moe_params_next_run).
+ * The layout puts every dense tensor first and every expert shard last (model.c), so there
+ * are two runs, and each collective below moves one whole run: one call per group, not one
+ * per tensor. */
 static moe_group_kind replicas(const moe_tensor *t) { return t->grad_group; }
 static moe_group_kind partial(const moe_tensor *t) { return t->partial_group; }
 static moe_group_kind shard_group(const moe_tensor *t) { return t->shard.group; }
@@ -178,13 +172,17 @@ static void sync_gradients(moe_trainer *t) {
     size_t start, end;
     moe_group_kind k;
     int i = 0;
-    while (next_run(&m->table, partial, &i, &start, &end, &k)) {
+    while (moe_params_next_run(&m->table, partial, &i, &start, &end, &k)) {
         moe_comm *g = k == MOE_GROUP_NONE ? NULL : moe_parallel_group(&t->par, k);
         if (g)
             moe_comm_all_reduce_sum(g, m->grads + start, end - start, moe_dtype_real());
     }
+    if (t->zero.n_runs) { /* the distributed optimizer: each rank sums its piece only */
+        moe_zero_reduce_scatter(&t->zero, m->grads);
+        return;
+    }
     i = 0;
-    while (next_run(&m->table, replicas, &i, &start, &end, &k)) {
+    while (moe_params_next_run(&m->table, replicas, &i, &start, &end, &k)) {
         moe_comm *g = moe_parallel_group(&t->par, k);
         if (g)
             moe_comm_all_reduce_sum(g, m->grads + start, end - start, moe_dtype_real());
@@ -193,19 +191,42 @@ static void sync_gradients(moe_trainer *t) {
 
 /* The global gradient norm: after the sync every replica holds the same gradient, so the
  * squares of a tensor every rank holds whole count once, and those of a split tensor are
- * summed over the ranks holding its shards (the expert shards over EP). Whole tensors
- * first, then each group's sum in kind order. Every rank has the same layout, so every
- * rank takes part in the same host all-reduces. */
+ * summed over the ranks holding its shards (the expert shards over EP, the TP-split ones over
+ * TP). Under the distributed optimizer a rank holds the summed gradient of its piece of each
+ * run only: the squares of the pieces, sorted by the tensors' shard groups, are first summed
+ * over the run's group (DP x CP or EDP), which gives every rank its replicas' whole squares,
+ * and then go on as above. Whole tensors first, then each group's sum in kind order. Every
+ * rank has the same layout, so every rank takes part in the same host all-reduces. */
 static double global_grad_norm(moe_trainer *t) {
     moe_model *m = t->model;
+    const moe_param_table *pt = &m->table;
     double sum[MOE_GROUP_COUNT + 1] = {0};
     int used[MOE_GROUP_COUNT + 1] = {0};
-    size_t start, end;
-    moe_group_kind k;
-    int i = 0;
-    while (next_run(&m->table, shard_group, &i, &start, &end, &k)) {
-        sum[k] += m->be->sum_squares(m->grads + start, end - start);
-        used[k] = 1;
+    for (int i = 0; i < pt->n; i++)
+        used[pt->t[i].shard.group] = 1;
+    if (t->zero.n_runs) {
+        for (int r = 0; r < t->zero.n_runs; r++) {
+            const moe_zero_run *run = &t->zero.run[r];
+            double part[MOE_GROUP_COUNT + 1] = {0};
+            for (int i = 0; i < pt->n; i++) { /* each tensor's part of the piece */
+                const moe_tensor *ten = &pt->t[i];
+                const size_t a = ten->offset > run->piece.lo ? ten->offset : run->piece.lo;
+                const size_t b = ten->offset + ten->numel < run->piece.hi
+                                     ? ten->offset + ten->numel : run->piece.hi;
+                if (a < b)
+                    part[ten->shard.group] += m->be->sum_squares(m->grads + a, b - a);
+            }
+            if (run->comm)
+                moe_comm_host_all_reduce_sum(run->comm, part, MOE_GROUP_COUNT + 1, MOE_DTYPE_F64);
+            for (int g = 0; g <= MOE_GROUP_COUNT; g++)
+                sum[g] += part[g];
+        }
+    } else {
+        size_t start, end;
+        moe_group_kind k;
+        int i = 0;
+        while (moe_params_next_run(pt, shard_group, &i, &start, &end, &k))
+            sum[k] += m->be->sum_squares(m->grads + start, end - start);
     }
     double total = sum[MOE_GROUP_NONE];
     for (int g = 0; g < MOE_GROUP_COUNT; g++) {
@@ -322,6 +343,8 @@ static void apply_update(moe_trainer *t, moe_step_stats *st) {
     st->lr = moe_lr_at(c, t->step);
     moe_adamw_step(&t->opt, &m->table, m->params, m->grads, st->lr, c->adam_beta1, c->adam_beta2,
                    c->adam_eps, c->weight_decay);
+    if (t->zero.n_runs) /* ZeRO-1: every rank updated its piece; gather the others' */
+        moe_zero_all_gather(&t->zero, &t->opt, m->params, m->params, moe_dtype_real());
     moe_model_sync_weights(m);
     moe_model_update_expert_bias(m);
     m->be->synchronize();

@@ -14,6 +14,7 @@
 #include "data.h"
 #include "model.h"
 #include "moe/dispatch.h"
+#include "dist_optimizer.h"
 #include "optimizer.h"
 #include "parallel.h"
 
@@ -22,7 +23,8 @@ typedef struct moe_trainer {
     moe_config cfg;        /**< validated configuration */
     moe_dataset data;      /**< tokenized text */
     moe_model *model;      /**< the model */
-    moe_adamw opt;         /**< optimizer state */
+    moe_adamw opt;         /**< optimizer state (this rank's pieces under ZeRO-1) */
+    moe_zero zero;         /**< the distributed optimizer's layout (n_runs 0: not used) */
     int step;              /**< optimizer steps taken */
     int *inputs;           /**< host [micro·T] */
     int *targets;          /**< host [micro·T] */

@@ -264,8 +264,8 @@ static void reference_shard(const moe_model *mr, const moe_real *buf, const moe_
         out[j] = full[moe_tensor_global_index(td, j)];
 }
 
-long long moe_test_compare_shards(const moe_model *md, const moe_model *mr, double tol,
-                                  double *worst, const char **worst_name) {
+long long moe_test_compare_state(const moe_model *md, const moe_model *mr, double grad_tol,
+                                 double param_tol, double *worst, const char **worst_name) {
     long long bad = 0;
     *worst = 0;
     *worst_name = "";
@@ -277,25 +277,32 @@ long long moe_test_compare_shards(const moe_model *md, const moe_model *mr, doub
         moe_real *gr = malloc(sizeof(moe_real) * td->numel);
         moe_real *full = malloc(sizeof(moe_real) * tr->numel);
         ck_assert(gd && gr && full);
-        md->be->to_host(gd, md->grads + td->offset, sizeof(moe_real) * td->numel);
-        reference_shard(mr, mr->grads, tr, td, full, gr);
-        double e = rel_l2(gd, gr, td->numel);
-        if (!(e <= tol)) {
-            bad++;
-            if (!(e <= *worst)) {
-                *worst = e;
-                *worst_name = td->name;
+        /* the gradients (unless asked not to), then the weights: the same slice */
+        for (int w = grad_tol < 0 ? 1 : 0; w < 2; w++) {
+            const moe_real *bd = w ? md->params : md->grads, *br = w ? mr->params : mr->grads;
+            const double tol = w ? param_tol : grad_tol;
+            md->be->to_host(gd, bd + td->offset, sizeof(moe_real) * td->numel);
+            reference_shard(mr, br, tr, td, full, gr);
+            const double e = tol == 0 ? (memcmp(gd, gr, sizeof(moe_real) * td->numel) ? INFINITY : 0)
+                                      : rel_l2(gd, gr, td->numel);
+            if (!(e <= tol)) {
+                bad++;
+                if (!(e <= *worst)) {
+                    *worst = e;
+                    *worst_name = td->name;
+                }
             }
         }
-        /* and the weights are the same slice */
-        md->be->to_host(gd, md->params + td->offset, sizeof(moe_real) * td->numel);
-        reference_shard(mr, mr->params, tr, td, full, gr);
-        bad += memcmp(gd, gr, sizeof(moe_real) * td->numel) != 0;
         free(gd);
         free(gr);
         free(full);
     }
     return bad;
+}
+
+long long moe_test_compare_shards(const moe_model *md, const moe_model *mr, double tol,
+                                  double *worst, const char **worst_name) {
+    return moe_test_compare_state(md, mr, tol, 0, worst, worst_name);
 }
 
 moe_trainer *moe_test_trainer(const char *flags, moe_comm *world, int gpu) {

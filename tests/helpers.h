@@ -72,6 +72,14 @@ struct moe_model;
 long long moe_test_compare_shards(const struct moe_model *dist, const struct moe_model *ref,
                                   double tol, double *worst, const char **worst_name);
 
+/** Like moe_test_compare_shards(), with a bound for each buffer: the gradients within a
+ *  relative L2 error of @p grad_tol (a negative bound skips them: e.g. under the distributed
+ *  optimizer, where a rank holds only its shard of the reduced gradient), the weights within
+ *  @p param_tol (0: exactly). @return the number of (tensor, buffer) pairs that differ */
+long long moe_test_compare_state(const struct moe_model *dist, const struct moe_model *ref,
+                                 double grad_tol, double param_tol, double *worst,
+                                 const char **worst_name);
+
 /** Add to @p s a test case @p name of the @p n tests @p tests, each with @p timeout seconds.
  *  @return the test case */
 TCase *moe_test_tcase(Suite *s, const char *name, double timeout, const TTest *const *tests,

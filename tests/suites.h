@@ -48,6 +48,8 @@ Suite *suite_mpi_ep(void);        /* tests/mpi_ep.c: EP = any divisor of the ran
                                      single-process loss and gradients */
 Suite *suite_mpi_checkpoint(void); /* tests/mpi_checkpoint.c: exact resume at EP = ranks, a
                                       checkpoint loaded into another folding, a missing file */
+Suite *suite_mpi_dp(void);        /* tests/mpi_dp.c: the clipped global gradient norm of every
+                                     folding is one process's; the distributed optimizer */
 Suite *suite_mpi_tp(void);        /* tests/mpi_tp.c: TP and TP+SP give the single-process loss,
                                      gradients and weights; the f/g operators (chapter 04) */
 struct moe_comm;

@@ -1,0 +1,183 @@
+/*
+ * Data parallelism and the global gradient norm (chapter 04). Under mpirun with W ranks:
+ *
+ *  - Gradient clipping sees the norm of the WHOLE model, every element counted once: a
+ *    tensor split over TP or EP adds each shard once, a tensor every TP rank holds whole
+ *    (norms, the router) and every replica over DP / EDP adds once, not once per copy. The
+ *    classic bug counts a replicated tensor once per rank of its TP group (or of the world),
+ *    which inflates the norm and over-clips. The check: with a clip far below the norm
+ *    (--clip-grad 1e-3, so every step is clipped), each folding reports one process's norm
+ *    and holds one process's clipped gradient (each rank's shard against that slice), and
+ *    the weights after several steps are one process's.
+ *  - Foldings: TP 2 (dense), TP 2 + SP, EP 2, attention TP 2 with experts EP 2, and on 4
+ *    ranks attention TP 2 x DP 2 with experts EP 4, TP 4 + SP, EP 2 x EDP 2.
+ *
+ * Bounds, fp32 on CPU ranks (sums in another order): norm and first-step gradients 1e-5
+ * relative, losses and weights after the later steps 1e-4 (AdamW divides by √v). On GPU
+ * ranks (bf16 activations) 2e-2.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm.h"
+#include "helpers.h"
+#include "suites.h"
+#include "trainer.h"
+
+static int on_gpu(void) { return moe_comm_device(moe_test_world()) == MOE_DEVICE_CUDA; }
+
+#define CLIP 1e-3
+
+/* A dense model (TP without SP) and an MoE model whose first layer is dense (so a run holds
+ * TP-split, TP-replicated and EP-split tensors at once), dropless. */
+#define DENSE "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 " \
+              "--seq-length 16 --micro-batch-size 2 --num-experts 0 --ffn-hidden-size 32 "   \
+              "--make-vocab-size-divisible-by 4 --qk-layernorm "
+#define MOE "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --num-query-groups 4 "   \
+            "--seq-length 16 --micro-batch-size 2 --num-experts 4 --moe-router-topk 2 "       \
+            "--moe-ffn-hidden-size 16 --moe-shared-expert-intermediate-size 16 "               \
+            "--moe-aux-loss-coeff 1e-2 --moe-layer-freq [0,1] --ffn-hidden-size 32 "           \
+            "--make-vocab-size-divisible-by 4 "
+
+/* One folding against one process: `steps` clipped AdamW steps; `extra` is appended to both
+ * runs' flags, `dist_only` to the distributed one's (e.g. --use-distributed-optimizer). */
+static void check_clip(const char *base, int tp, int sp, int ep, const char *dist_only,
+                       int steps) {
+    moe_comm *world = moe_test_world();
+    const int W = moe_comm_size(world), rank = moe_comm_rank(world);
+    if (tp > W || W % tp != 0 || ep > W || W % ep != 0)
+        return;
+    const int dp = W / tp;
+    char flags[1024];
+    snprintf(flags, sizeof flags,
+             "%s --global-batch-size %d --lr 1e-2 --clip-grad %g --tensor-model-parallel-size %d "
+             "--expert-model-parallel-size %d %s %s",
+             base, 2 * 2 * dp, CLIP, tp, ep, sp ? "--sequence-parallel" : "", dist_only);
+    moe_trainer *dist = moe_test_trainer(flags, world, on_gpu());
+    snprintf(flags, sizeof flags, "%s --global-batch-size %d --lr 1e-2 --clip-grad %g", base,
+             2 * 2 * dp, CLIP);
+    moe_trainer *ref = moe_test_trainer(flags, NULL, on_gpu());
+    const int zero = strstr(dist_only, "distributed-optimizer") != NULL;
+    double norm = 0;
+    const double tol = on_gpu() ? 2e-2 : 1e-5, tol_steps = on_gpu() ? 2e-2 : 1e-4;
+    double worst;
+    const char *worst_name;
+    for (int s = 0; s < steps; s++) {
+        moe_step_stats sd, sr;
+        ck_assert_int_eq(moe_trainer_step(dist, &sd, NULL), MOE_OK);
+        ck_assert_int_eq(moe_trainer_step(ref, &sr, NULL), MOE_OK);
+        /* the clip is engaged: otherwise the norm's use is never tested */
+        norm = sd.grad_norm;
+        ck_assert_msg(sr.grad_norm > 10 * CLIP, "the reference's norm %g is not above the clip",
+                      sr.grad_norm);
+        MOE_TEST_AGREE(!(fabs(sd.grad_norm - sr.grad_norm) <= tol * sr.grad_norm),
+                       "TP %d%s EP %d %s, step %d: gradient norm %.8f vs one process %.8f "
+                       "(ratio %.4f)", tp, sp ? "+SP" : "", ep, dist_only, s + 1, sd.grad_norm,
+                       sr.grad_norm, sd.grad_norm / sr.grad_norm);
+        MOE_TEST_AGREE(!(fabs(sd.loss - sr.loss) <= (s ? tol_steps : tol) * fabs(sr.loss)),
+                       "TP %d%s EP %d %s, step %d: loss %.8f vs %.8f", tp, sp ? "+SP" : "", ep,
+                       dist_only, s + 1, sd.loss, sr.loss);
+        /* after the first step: the clipped gradient (each rank's shard; under the
+         * distributed optimizer a rank holds only its part of the reduced gradient, so the
+         * weights carry the check) and the weights it gave */
+        if (s == 0) {
+            const long long bad = moe_test_compare_state(dist->model, ref->model, zero ? -1 : tol,
+                                                         tol, &worst, &worst_name);
+            MOE_TEST_AGREE(bad, "TP %d%s EP %d %s, after the first clipped step: %lld tensors "
+                           "differ (rank %d: worst %s, rel %.2e)", tp, sp ? "+SP" : "", ep,
+                           dist_only, bad, rank, worst_name, worst);
+        }
+    }
+    const long long bad = moe_test_compare_state(dist->model, ref->model, -1, tol_steps, &worst,
+                                                 &worst_name);
+    MOE_TEST_AGREE(bad, "TP %d%s EP %d %s, weights after %d clipped steps: %lld tensors differ "
+                   "(rank %d: worst %s, rel %.2e)", tp, sp ? "+SP" : "", ep, dist_only, steps,
+                   bad, rank, worst_name, worst);
+    /* The count itself: with every gradient element 1 the norm is √(parameters of the whole
+     * model), whatever the folding. Real gradients of norms and routers are small next to the
+     * matrices', so counting them twice moves the norm by 1e-4 only; here a tensor counted
+     * once per replica shows at once. */
+    {
+        moe_model *m = dist->model;
+        const size_t n = moe_model_num_params(m);
+        moe_real *ones = malloc(sizeof(moe_real) * n);
+        ck_assert(ones != NULL);
+        for (size_t i = 0; i < n; i++)
+            ones[i] = 1;
+        m->be->from_host(m->grads, ones, sizeof(moe_real) * n);
+        free(ones);
+        moe_step_stats st = {0};
+        moe_trainer_update(dist, &st);
+        const double want = sqrt((double)moe_model_num_params(ref->model));
+        MOE_TEST_AGREE(!(fabs(st.grad_norm - want) <= 1e-9 * want),
+                       "TP %d%s EP %d %s: with every gradient 1 the norm is %.6f, not "
+                       "sqrt(%zu parameters) = %.6f: some tensor is counted %s", tp,
+                       sp ? "+SP" : "", ep, dist_only, st.grad_norm,
+                       moe_model_num_params(ref->model), want,
+                       st.grad_norm > want ? "more than once" : "not at all");
+    }
+    if (rank == 0)
+        printf("  TP %d x DP %d%s, EP %d x EDP %d %s: clipped norm %.6f = one process's, "
+               "weights equal after %d steps\n", tp, dp, sp ? " + SP" : "", ep, W / ep,
+               dist_only, norm, steps);
+    moe_trainer_free(dist);
+    moe_trainer_free(ref);
+}
+
+START_TEST(test_grad_norm_folded) {
+    const int W = moe_comm_size(moe_test_world());
+    check_clip(DENSE, 2, 0, 1, "", 3);       /* TP 2: norms and QK-norm replicated over TP */
+    check_clip(MOE, 2, 1, 1, "", 3);         /* TP 2 + SP; experts replicated (EDP = W) */
+    check_clip(MOE, 1, 0, 2, "", 3);         /* EP 2: experts split, the rest over DP */
+    check_clip(MOE, 2, 1, 2, "", 3);         /* attention TP 2, experts EP 2 */
+    if (W >= 4) {
+        check_clip(MOE, 2, 1, 4, "", 3);     /* attention TP 2 x DP 2, experts EP 4 */
+        check_clip(MOE, 4, 1, 2, "", 3);     /* TP 4 + SP, experts EP 2 x EDP 2 */
+    }
+}
+END_TEST
+
+/* ZeRO-1 is invisible to the math: the same foldings with --use-distributed-optimizer give
+ * one process's clipped norms, losses and weights (each rank updates only its piece of
+ * every gradient group, and gathers the others'), and each rank's moments are its share. */
+START_TEST(test_distributed_optimizer) {
+    const int W = moe_comm_size(moe_test_world());
+    const char *z = "--use-distributed-optimizer";
+    check_clip(MOE, 1, 0, 2, z, 3);          /* DP 2 (EDP 1 on 2 ranks, EDP 2 on 4) */
+    check_clip(MOE, 1, 0, 1, z, 3);          /* DP = EDP = W */
+    check_clip(DENSE, 2, 0, 1, z, 3);        /* TP 2 (x DP 2 on 4 ranks) */
+    if (W >= 4)
+        check_clip(MOE, 2, 1, 4, z, 3);      /* attention TP 2 x DP 2, experts EP 4 */
+    /* the moments: this rank's pieces, Σ over a gradient group = the whole run */
+    char flags[1024];
+    snprintf(flags, sizeof flags, "%s --global-batch-size %d %s", MOE, 4 * W, z);
+    moe_trainer *t = moe_test_trainer(flags, moe_test_world(), on_gpu());
+    size_t whole = 0;
+    for (int r = 0; r < t->zero.n_runs; r++) {
+        const moe_zero_run *run = &t->zero.run[r];
+        long long mine = (long long)(run->piece.hi - run->piece.lo);
+        if (run->comm)
+            moe_comm_host_all_reduce_sum(run->comm, &mine, 1, MOE_DTYPE_I64);
+        MOE_TEST_AGREE(mine != (long long)run->len, "run %d: the pieces cover %lld of %zu "
+                       "elements", r, mine, run->len);
+        whole += run->len;
+        ck_assert(run->piece.hi - run->piece.lo <= run->chunk);
+    }
+    ck_assert_uint_eq(whole, moe_model_num_params(t->model));
+    ck_assert(W == 1 || t->opt.n < moe_model_num_params(t->model));
+    moe_trainer_free(t);
+}
+END_TEST
+
+Suite *suite_mpi_dp(void) {
+    Suite *s = suite_create("mpi_dp");
+    TCase *tc = tcase_create("data_parallel");
+    tcase_set_tags(tc, "ch04");
+    tcase_set_timeout(tc, 600);
+    tcase_add_test(tc, test_grad_norm_folded);
+    tcase_add_test(tc, test_distributed_optimizer);
+    suite_add_tcase(s, tc);
+    return s;
+}
