@@ -23,8 +23,10 @@
  *     gather   before the column-parallel GEMM: forward all-gather,     backward reduce-scatter
  *     scatter  after the row-parallel GEMM:     forward reduce-scatter, backward all-gather
  *
- * An all-reduce is a reduce-scatter followed by an all-gather, so SP moves the same bytes
- * as plain TP and keeps 1/TP of the activations between blocks.
+ * An all-reduce is a reduce-scatter followed by an all-gather, so each gather/scatter pair
+ * moves what plain TP's all-reduce does; but the backward gathers each block's input a
+ * second time (it was not kept whole), so SP moves somewhat more bytes than plain TP (the
+ * bytes model of chapter 04 counts them) and keeps 1/TP of the activations between blocks.
  *
  * moe_tp_enter_*() and moe_tp_exit_*() pick f/g or their SP versions from the group, so
  * the model writes one block for TP 1, TP and TP+SP. Every collective goes through comm.h:
