@@ -23,6 +23,7 @@
 
 #include "comm.h"
 #include "helpers.h"
+#include "memory.h"
 #include "suites.h"
 #include "trainer.h"
 
@@ -167,6 +168,27 @@ START_TEST(test_distributed_optimizer) {
     }
     ck_assert_uint_eq(whole, moe_model_num_params(t->model));
     ck_assert(W == 1 || t->opt.n < moe_model_num_params(t->model));
+    /* the memory estimate (memory.h) counts exactly these pieces: Σ ⌈run / size⌉ moments
+     * (a rank's piece is that long, the last of a group's may be shorter) and the staging
+     * buffer the layout allocated */
+    {
+        moe_memory_estimate e;
+        moe_error err;
+        const moe_model *md = t->model;
+        ck_assert_int_eq(moe_memory_estimate_rank(&md->cfg, md->max_B, &t->par.grid,
+                                                  md->be->act_size, &e, &err), MOE_OK);
+        long long chunks = 0;
+        for (int r = 0; r < t->zero.n_runs; r++)
+            chunks += (long long)t->zero.run[r].chunk;
+        MOE_TEST_AGREE(e.optim_elems != chunks || e.params != (long long)moe_model_num_params(md) ||
+                           (long long)t->opt.n > e.optim_elems ||
+                           e.zero_staging_bytes != (long long)t->zero.scratch_bytes ||
+                           e.optim_bytes != 8 * chunks + (long long)t->zero.scratch_bytes,
+                       "distributed optimizer on %d ranks: the estimate keeps moments of %lld "
+                       "parameters and %lld staging bytes, the layout's pieces are %lld long "
+                       "(this rank's: %zu) with %zu staging bytes", W, e.optim_elems,
+                       e.zero_staging_bytes, chunks, t->opt.n, t->zero.scratch_bytes);
+    }
     moe_trainer_free(t);
 }
 END_TEST
