@@ -80,7 +80,7 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
     tally t = {.e = out};
 
     /* ---- parameters (elements first, then the bytes of their four or five copies) */
-    long long P = 0;
+    long long P = 0, Pe = 0;
     t.bytes = &P;
     int any_moe = 0;
     tensor(&t, "embedding", mul(Vl, H));
@@ -97,14 +97,19 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
             tensor(&t, "moe.router", mul(E, H));
             tensor(&t, "moe.shared.fc1", mul(mul(2, Fsl), H));
             tensor(&t, "moe.shared.fc2", mul(H, Fsl));
+            t.bytes = &Pe; /* the routed experts: the expert grid's tensors */
             tensor(&t, "moe.experts.fc1", mul(mul(E / EP, mul(2, F)), H));
             tensor(&t, "moe.experts.fc2", mul(mul(E / EP, H), F));
+            t.bytes = &P;
         } else {
             tensor(&t, "mlp.fc1", mul(mul(2, Fdl), H));
             tensor(&t, "mlp.fc2", mul(H, Fdl));
         }
     }
-    out->params = P;
+    out->expert_params = Pe;
+    out->dense_params = P;
+    out->params = P = add(P, Pe);
+    out->optim_elems = P;
     /* fp32 master weights (and the compute copy when its type differs), fp32 gradients,
      * two fp32 AdamW moments */
     out->weight_bytes = mul(P, add(Rb, S != Rb ? S : 0));
@@ -202,6 +207,38 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
         return moe_error_set(err, MOE_ERR_CONFIG,
                              "the model's memory overflows 64 bits: reduce %s or %s", MODEL,
                              BATCH);
+    return MOE_OK;
+}
+
+moe_status moe_memory_estimate_rank(const moe_config *c, int micro_batch, const moe_grid *g,
+                                    size_t act_size, moe_memory_estimate *out, moe_error *err) {
+    int any_moe = 0;
+    for (int l = 0; l < c->num_layers; l++)
+        any_moe |= c->is_moe_layer[l];
+    MOE_TRY(moe_memory_estimate_model(c, micro_batch, any_moe ? g->ep : 1, act_size, out, err));
+    if (!c->use_distributed_optimizer)
+        return MOE_OK;
+    /* ZeRO-1 (dist_optimizer.h): the dense run is cut into DP·CP pieces, the expert run into
+     * EDP pieces, each ⌈run / size⌉ long (the last one shorter); this rank keeps the moments
+     * of its piece of each, at most ⌈run / size⌉: what a rank at position 0 holds exactly.
+     * The reduce-scatter and all-gather stage through one buffer of (size + 1)·⌈run / size⌉
+     * elements of the widest run that has more than one rank. */
+    const long long groups[2] = {(long long)g->dp * g->cp, g->edp};
+    const long long runs[2] = {out->dense_params, out->expert_params};
+    const long long es = sizeof(moe_real) > sizeof(float) ? sizeof(moe_real) : sizeof(float);
+    long long pieces = 0, widest = 0;
+    for (int i = 0; i < 2; i++) {
+        const long long size = groups[i] >= 1 ? groups[i] : 1;
+        const long long chunk = (runs[i] + size - 1) / size;
+        pieces = add(pieces, chunk);
+        if (size > 1 && runs[i] > 0 && mul(size + 1, chunk) > widest)
+            widest = mul(size + 1, chunk);
+    }
+    out->optim_elems = pieces;
+    out->zero_staging_bytes = mul(widest, es);
+    out->optim_bytes = add(mul(pieces, 8), out->zero_staging_bytes);
+    out->param_bytes = add(add(out->weight_bytes, out->grad_bytes), out->optim_bytes);
+    out->total_bytes = add(out->param_bytes, out->act_bytes);
     return MOE_OK;
 }
 

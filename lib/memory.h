@@ -18,7 +18,8 @@
  * the split tensors and the rows it holds (tensor_parallel.h, moe/layer.h). It is an
  * estimate, not an accountant: a unit test keeps it within a factor of two of what the
  * CPU backend really allocates, and the MPI tests check its parameter count on every
- * rank of a folded layout exactly.
+ * rank of a folded layout exactly, and its optimizer state under the distributed optimizer
+ * (moe_memory_estimate_rank()) against the pieces the ranks really keep.
  */
 #ifndef MOE_MEMORY_H
 #define MOE_MEMORY_H
@@ -27,13 +28,21 @@
 
 #include "config.h"
 #include "error.h"
+#include "parallel.h"
 
 /** The memory a model will take on one rank, in bytes (and the largest buffer). */
 typedef struct moe_memory_estimate {
     long long params;          /**< parameters held by this rank (its expert shard) */
+    long long dense_params;    /**< of which on the attention/dense grid (replicated over
+                                    DP x CP: their gradients are summed there) */
+    long long expert_params;   /**< of which the routed experts' shard (replicated over EDP) */
+    long long optim_elems;     /**< parameters whose AdamW moments this rank keeps: all of
+                                    them, or under the distributed optimizer its pieces */
+    long long zero_staging_bytes; /**< the distributed optimizer's staging buffer (0 without) */
     long long weight_bytes;    /**< fp32 master weights and the compute copy (if another type) */
     long long grad_bytes;      /**< fp32 gradients */
-    long long optim_bytes;     /**< the two fp32 AdamW moments */
+    long long optim_bytes;     /**< the two fp32 AdamW moments (8 bytes x optim_elems) and the
+                                    staging buffer */
     long long param_bytes;     /**< weight_bytes + grad_bytes + optim_bytes */
     long long act_bytes;       /**< activations and workspaces of one micro-batch */
     long long total_bytes;     /**< param_bytes + act_bytes */
@@ -55,6 +64,21 @@ typedef struct moe_memory_estimate {
  */
 moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int ep_size,
                                      size_t act_size, moe_memory_estimate *out, moe_error *err);
+
+/**
+ * @brief The estimate of one rank of a parallel grid: moe_memory_estimate_model() with the
+ *        grid's EP, and under `--use-distributed-optimizer` (dist_optimizer.h) the moments of
+ *        this rank's pieces only: ⌈dense / (DP·CP)⌉ + ⌈experts / EDP⌉ parameters' worth (the
+ *        pieces of a rank at position 0 of both groups, the largest), plus the staging buffer
+ *        of the reduce-scatter and all-gather.
+ * @param c configuration (its TP, SP and distributed-optimizer flags are read)
+ * @param micro_batch sequences per forward  @param g the resolved grid (moe_grid_resolve())
+ * @param act_size bytes per activation element  @param out receives the estimate
+ * @param err receives the reason on failure
+ * @return ::MOE_OK or ::MOE_ERR_CONFIG, as moe_memory_estimate_model()
+ */
+moe_status moe_memory_estimate_rank(const moe_config *c, int micro_batch, const moe_grid *g,
+                                    size_t act_size, moe_memory_estimate *out, moe_error *err);
 
 /**
  * @brief Refuse an estimate larger than the memory there is.

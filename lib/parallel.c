@@ -2,6 +2,7 @@
 #include "parallel.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "comm.h"
@@ -16,17 +17,20 @@ static const struct {
     const char *name;
     int expert;
     unsigned axes;
+    const char *about; /* what the kind is for (moe_grid_print_all) */
 } KINDS[MOE_GROUP_COUNT] = {
-    [MOE_GROUP_TP] = {"tp", 0, AX(AX_TP)},
-    [MOE_GROUP_CP] = {"cp", 0, AX(AX_CP)},
-    [MOE_GROUP_DP] = {"dp", 0, AX(AX_DP)},
-    [MOE_GROUP_PP] = {"pp", 0, AX(AX_PP)},
-    [MOE_GROUP_DP_CP] = {"dp-cp", 0, AX(AX_DP) | AX(AX_CP)},
-    [MOE_GROUP_TP_CP] = {"tp-cp", 0, AX(AX_TP) | AX(AX_CP)},
-    [MOE_GROUP_ETP] = {"etp", 1, AX(AX_TP)},
-    [MOE_GROUP_EP] = {"ep", 1, AX(AX_EP)},
-    [MOE_GROUP_EDP] = {"edp", 1, AX(AX_DP)},
-    [MOE_GROUP_ETP_EP] = {"etp-ep", 1, AX(AX_TP) | AX(AX_EP)},
+    [MOE_GROUP_TP] = {"tp", 0, AX(AX_TP), "split each attention/dense matrix"},
+    [MOE_GROUP_CP] = {"cp", 0, AX(AX_CP), "split each sequence (attention exchanges keys/values)"},
+    [MOE_GROUP_DP] = {"dp", 0, AX(AX_DP), "same dense weights, different batches"},
+    [MOE_GROUP_PP] = {"pp", 0, AX(AX_PP), "the stages of one model copy"},
+    [MOE_GROUP_DP_CP] = {"dp-cp", 0, AX(AX_DP) | AX(AX_CP), "dense gradients are summed here"},
+    [MOE_GROUP_TP_CP] = {"tp-cp", 0, AX(AX_TP) | AX(AX_CP),
+                         "together compute one layer's attention on one sequence"},
+    [MOE_GROUP_ETP] = {"etp", 1, AX(AX_TP), "split each expert's matrices"},
+    [MOE_GROUP_EP] = {"ep", 1, AX(AX_EP), "split the experts; tokens travel between them"},
+    [MOE_GROUP_EDP] = {"edp", 1, AX(AX_DP), "same expert shard; expert gradients are summed here"},
+    [MOE_GROUP_ETP_EP] = {"etp-ep", 1, AX(AX_TP) | AX(AX_EP),
+                          "together hold one copy of a layer's experts"},
 };
 
 const char *moe_group_name(moe_group_kind kind) {
@@ -232,4 +236,118 @@ void moe_parallel_free(moe_parallel *p) {
         if (p->owned[k])
             moe_comm_free(p->comm[k]);
     memset(p, 0, sizeof *p);
+}
+
+/* ------------------------------------------------------------------ printing */
+
+/* The kinds of a rank's coordinates: one axis each, attention grid then expert grid. */
+static const moe_group_kind AXES[] = {MOE_GROUP_TP, MOE_GROUP_CP, MOE_GROUP_DP, MOE_GROUP_PP,
+                                      MOE_GROUP_ETP, MOE_GROUP_EP, MOE_GROUP_EDP};
+#define N_AXES ((int)(sizeof AXES / sizeof AXES[0]))
+
+/* " [a b c]" into buf (snprintf's contract); returns the length it needs. */
+static int format_members(char *buf, size_t size, const int *members, int n) {
+    int len = snprintf(buf, size, " [");
+    for (int i = 0; i < n; i++)
+        len += snprintf(buf + ((size_t)len < size ? (size_t)len : size),
+                        (size_t)len < size ? size - (size_t)len : 0, i ? " %d" : "%d",
+                        members[i]);
+    len += snprintf(buf + ((size_t)len < size ? (size_t)len : size),
+                    (size_t)len < size ? size - (size_t)len : 0, "]");
+    return len;
+}
+
+int moe_grid_print_group(FILE *f, const int *members, int n, int column) {
+    char buf[32];
+    const int width = format_members(buf, sizeof buf, members, n);
+    if (column > 26 && column + width > 100) {
+        fprintf(f, "\n%26s", "");
+        column = 26;
+    }
+    fprintf(f, " [");
+    for (int i = 0; i < n; i++)
+        fprintf(f, i ? " %d" : "%d", members[i]);
+    fprintf(f, "]");
+    return column + width;
+}
+
+void moe_grid_print_all(FILE *f, const moe_grid *g) {
+    int *members = malloc(sizeof(int) * (size_t)g->world);
+    int *printed = malloc(sizeof(int) * (size_t)g->world);
+    if (!members || !printed) {
+        free(members);
+        free(printed);
+        return;
+    }
+    fprintf(f, "  %-6s %5s %6s  (what it is for), then each group's ranks in group order\n",
+            "group", "size", "groups");
+    for (int k = 0; k < MOE_GROUP_COUNT; k++) {
+        if (k == MOE_GROUP_ETP)
+            fprintf(f, "expert grid:\n");
+        else if (k == 0)
+            fprintf(f, "attention/dense grid:\n");
+        moe_group grp;
+        moe_grid_group(g, (moe_group_kind)k, 0, &grp, NULL);
+        fprintf(f, "  %-6s %5d %6d  (%s)\n%26s", KINDS[k].name, grp.size, grp.count,
+                KINDS[k].about, "");
+        for (int i = 0; i < grp.count; i++)
+            printed[i] = 0;
+        int column = 26;
+        /* each group once, printed by the first rank that is in it */
+        for (int r = 0; r < g->world; r++) {
+            moe_grid_group(g, (moe_group_kind)k, r, &grp, members);
+            if (!printed[grp.index]) {
+                printed[grp.index] = 1;
+                column = moe_grid_print_group(f, members, grp.size, column);
+            }
+        }
+        fprintf(f, "\n");
+    }
+    /* each rank's coordinates: its position in the group of each axis */
+    fprintf(f, "\nrank    tp   cp   dp   pp |  etp   ep  edp   (its position in each group)\n");
+    for (int r = 0; r < g->world; r++) {
+        fprintf(f, "%4d ", r);
+        for (int a = 0; a < N_AXES; a++) {
+            moe_group grp;
+            moe_grid_group(g, AXES[a], r, &grp, NULL);
+            fprintf(f, "%s%4d", AXES[a] == MOE_GROUP_ETP ? " | " : " ", grp.rank);
+        }
+        fprintf(f, "\n");
+    }
+    free(members);
+    free(printed);
+}
+
+void moe_grid_print_rank(FILE *f, const moe_grid *g, int rank) {
+    int *members = malloc(sizeof(int) * (size_t)g->world);
+    if (!members)
+        return;
+    fprintf(f, "rank %d:\n", rank);
+    for (int k = 0; k < MOE_GROUP_COUNT; k++) {
+        moe_group grp;
+        moe_grid_group(g, (moe_group_kind)k, rank, &grp, members);
+        fprintf(f, "  %-6s group %3d of %3d, position %3d:", KINDS[k].name, grp.index, grp.count,
+                grp.rank);
+        moe_grid_print_group(f, members, grp.size, 40);
+        fprintf(f, "\n");
+    }
+    free(members);
+}
+
+int moe_grid_print_rank_line(const moe_grid *g, int rank, char *buf, size_t size) {
+    int *members = malloc(sizeof(int) * (size_t)g->world);
+    if (!members)
+        return snprintf(buf, size, "rank %d: (out of memory)", rank);
+    size_t len = (size_t)snprintf(buf, size, "rank %d:", rank);
+    for (int a = 0; a < N_AXES; a++) {
+        moe_group grp;
+        moe_grid_group(g, AXES[a], rank, &grp, members);
+        const size_t at = len < size ? len : size;
+        len += (size_t)snprintf(buf + at, size - at, "%s %s", AXES[a] == MOE_GROUP_ETP ? " |" : "",
+                                KINDS[AXES[a]].name);
+        const size_t at2 = len < size ? len : size;
+        len += (size_t)format_members(buf + at2, size - at2, members, grp.size);
+    }
+    free(members);
+    return (int)len;
 }

@@ -37,6 +37,9 @@
 #ifndef MOE_PARALLEL_H
 #define MOE_PARALLEL_H
 
+#include <stddef.h>
+#include <stdio.h>
+
 #include "error.h"
 
 struct moe_comm;
@@ -115,6 +118,38 @@ const char *moe_group_name(moe_group_kind kind);
 /** @brief 1 when @p kind belongs to the expert grid (its replicas are EDP groups), else 0.
  *  @param kind the kind @return 1 or 0 */
 int moe_group_in_expert_grid(moe_group_kind kind);
+
+/**
+ * @brief Print one group's ranks as " [a b c]", first breaking the line (indented to column
+ *        26) when a line already past column 26 would pass column 100.
+ * @param f stream  @param members the group's world ranks  @param n how many
+ * @param column the column the output starts at @return the column after it
+ */
+int moe_grid_print_group(FILE *f, const int *members, int n, int column);
+
+/**
+ * @brief Print every group of every kind of @p g, each once and with what it is for, then
+ *        each rank's position on every axis (what `bin/moe-grid` shows).
+ * @param f stream  @param g resolved grid
+ */
+void moe_grid_print_all(FILE *f, const moe_grid *g);
+
+/**
+ * @brief Print the groups of one rank, one kind a line: the group's number, the rank's
+ *        position in it and its members.
+ * @param f stream  @param g resolved grid  @param rank a world rank
+ */
+void moe_grid_print_rank(FILE *f, const moe_grid *g, int rank);
+
+/**
+ * @brief One rank's groups on one line, as snprintf() into @p buf: "rank 3: tp [2 3] cp [3]
+ *        dp [1 3] pp [3] | etp [3] ep [2 3] edp [1 3]" (one axis each: the attention grid,
+ *        then the expert grid). `bin/moe-train` prints it for every rank at start-up.
+ * @param g resolved grid  @param rank a world rank
+ * @param buf receives the line, cut to @p size with a terminating zero  @param size its size
+ * @return the length the whole line needs (as snprintf)
+ */
+int moe_grid_print_rank_line(const moe_grid *g, int rank, char *buf, size_t size);
 
 /**
  * The communicators of a run: one per kind, built from the grid. A group of one rank has

@@ -10,11 +10,11 @@
  * dp = world / (tp·cp·pp) on the attention grid, edp = world / (etp·ep·pp) on the expert
  * grid) it prints every group of every kind, then each rank's position in its groups; with
  * --rank R, rank R's groups one per line. The groups are exactly those moe-train's ranks
- * build (lib/parallel.h). Exit codes follow moe-train: 2 for flag and layout errors.
+ * build, printed by lib/parallel.c (moe_grid_print_all, moe_grid_print_rank; moe-train prints
+ * each rank's line at start-up). Exit codes follow moe-train: 2 for flag and layout errors.
  */
 #include <stddef.h>
 #include <stdio.h>
-#include <stdlib.h>
 
 #include "flags.h"
 #include "log.h"
@@ -46,96 +46,6 @@ static const moe_flag FLAGS[] = {
     F("rank", rank, "-1", "print only this rank's groups (-1 = every group)"),
 };
 #define NFLAGS ((int)(sizeof FLAGS / sizeof FLAGS[0]))
-
-/* What each kind is for, in the order of moe_group_kind. */
-static const char *const ABOUT[MOE_GROUP_COUNT] = {
-    "split each attention/dense matrix",
-    "split each sequence (attention exchanges keys/values)",
-    "same dense weights, different batches",
-    "the stages of one model copy",
-    "dense gradients are summed here",
-    "together compute one layer's attention on one sequence",
-    "split each expert's matrices",
-    "split the experts; tokens travel between them",
-    "same expert shard; expert gradients are summed here",
-    "together hold one copy of a layer's experts",
-};
-
-/* "[a b c]" for one group, starting a new indented line before passing ~100 columns. */
-static int print_group(const int *members, int n, int column) {
-    char buf[32];
-    int width = 2;
-    for (int i = 0; i < n; i++)
-        width += snprintf(buf, sizeof buf, "%d ", members[i]);
-    if (column > 26 && column + width > 100) {
-        printf("\n%26s", "");
-        column = 26;
-    }
-    printf(" [");
-    for (int i = 0; i < n; i++)
-        printf(i ? " %d" : "%d", members[i]);
-    printf("]");
-    return column + width;
-}
-
-/* Every group of every kind, each printed once (by the first rank that is in it). */
-static void print_all(const moe_grid *g) {
-    int *members = malloc(sizeof(int) * (size_t)g->world);
-    int *printed = malloc(sizeof(int) * (size_t)g->world);
-    printf("  %-6s %5s %6s  (what it is for), then each group's ranks in group order\n", "group",
-           "size", "groups");
-    for (int k = 0; k < MOE_GROUP_COUNT; k++) {
-        if (k == MOE_GROUP_ETP)
-            printf("expert grid:\n");
-        else if (k == 0)
-            printf("attention/dense grid:\n");
-        moe_group grp;
-        moe_grid_group(g, (moe_group_kind)k, 0, &grp, NULL);
-        printf("  %-6s %5d %6d  (%s)\n%26s", moe_group_name((moe_group_kind)k), grp.size,
-               grp.count, ABOUT[k], "");
-        for (int i = 0; i < grp.count; i++)
-            printed[i] = 0;
-        int column = 26;
-        for (int r = 0; r < g->world; r++) {
-            moe_grid_group(g, (moe_group_kind)k, r, &grp, members);
-            if (!printed[grp.index]) {
-                printed[grp.index] = 1;
-                column = print_group(members, grp.size, column);
-            }
-        }
-        printf("\n");
-    }
-    /* each rank's coordinates: its position in the group of each axis */
-    static const moe_group_kind axes[] = {MOE_GROUP_TP, MOE_GROUP_CP, MOE_GROUP_DP, MOE_GROUP_PP,
-                                          MOE_GROUP_ETP, MOE_GROUP_EP, MOE_GROUP_EDP};
-    printf("\nrank    tp   cp   dp   pp |  etp   ep  edp   (its position in each group)\n");
-    for (int r = 0; r < g->world; r++) {
-        printf("%4d ", r);
-        for (int a = 0; a < 7; a++) {
-            moe_group grp;
-            moe_grid_group(g, axes[a], r, &grp, NULL);
-            printf("%s%4d", a == 4 ? " | " : " ", grp.rank);
-        }
-        printf("\n");
-    }
-    free(members);
-    free(printed);
-}
-
-/* One rank's groups. */
-static void print_rank(const moe_grid *g, int rank) {
-    int *members = malloc(sizeof(int) * (size_t)g->world);
-    printf("rank %d:\n", rank);
-    for (int k = 0; k < MOE_GROUP_COUNT; k++) {
-        moe_group grp;
-        moe_grid_group(g, (moe_group_kind)k, rank, &grp, members);
-        printf("  %-6s group %3d of %3d, position %3d:", moe_group_name((moe_group_kind)k),
-               grp.index, grp.count, grp.rank);
-        print_group(members, grp.size, 40);
-        printf("\n");
-    }
-    free(members);
-}
 
 int main(int argc, char **argv) {
     grid_args a;
@@ -170,8 +80,8 @@ int main(int argc, char **argv) {
     printf("  expert grid:          ETP %d x EP %d x EDP %d x PP %d\n\n", g.etp, g.ep, g.edp,
            g.pp);
     if (a.rank >= 0)
-        print_rank(&g, a.rank);
+        moe_grid_print_rank(stdout, &g, a.rank);
     else
-        print_all(&g);
+        moe_grid_print_all(stdout, &g);
     return 0;
 }

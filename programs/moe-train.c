@@ -26,10 +26,43 @@
 #include "config.h"
 #include "exit_signal.h"
 #include "log.h"
+#include "memory.h"
 #include "metrics.h"
 #include "outfile.h"
 #include "timer.h"
 #include "trainer.h"
+
+/* On more than one rank: each rank's groups (parallel.h), one line a rank, and what each
+ * rank will hold (memory.h), dense and expert parameters apart since they are replicated
+ * over different groups. */
+static void print_grid(const moe_trainer *t) {
+    const moe_grid *g = &t->par.grid;
+    char line[1024];
+    for (int r = 0; r < g->world; r++) {
+        moe_grid_print_rank_line(g, r, line, sizeof line);
+        moe_log_info("grid  | %s", line);
+    }
+    const moe_model *m = t->model;
+    moe_memory_estimate e;
+    moe_error err;
+    if (moe_memory_estimate_rank(&t->cfg, m->max_B, g, m->be->act_size, &e, &err) != MOE_OK) {
+        moe_log_info("memory| no estimate: %s", err.msg);
+        return;
+    }
+    const double mb = 1e6;
+    moe_log_info("memory| per rank (estimate): weights %.2f MB, gradients %.2f MB, AdamW moments "
+                 "%.2f MB, activations %.2f MB per micro-batch; total %.2f MB",
+                 e.weight_bytes / mb, e.grad_bytes / mb, e.optim_bytes / mb, e.act_bytes / mb,
+                 e.total_bytes / mb);
+    char zero[160] = "";
+    if (t->cfg.use_distributed_optimizer)
+        snprintf(zero, sizeof zero, "; distributed optimizer: moments of %.3fM (1/%d of the "
+                 "dense, 1/%d of the experts)", e.optim_elems / 1e6, g->dp * g->cp, g->edp);
+    moe_log_info("memory| %.3fM parameters: dense %.3fM (TP %d shard, replicated over DP x CP "
+                 "%d), experts %.3fM (EP %d shard, replicated over EDP %d)%s",
+                 e.params / 1e6, e.dense_params / 1e6, g->tp, g->dp * g->cp,
+                 e.expert_params / 1e6, g->ep, g->edp, zero);
+}
 
 static void print_config(const moe_trainer *t) {
     const moe_config *c = &t->cfg;
@@ -73,6 +106,8 @@ static void print_config(const moe_trainer *t) {
                      t->world_size, c->expert_model_parallel_size, c->moe_token_dispatcher_type,
                      m->experts_local, c->global_batch_size / c->micro_batch_size / t->world_size,
                      c->moe_expert_capacity_factor > 0 ? ", capacity on" : "");
+    if (t->world_size > 1)
+        print_grid(t);
 }
 
 /* A failure on one rank that the others cannot know of ends the whole job with its

@@ -23,6 +23,7 @@
 
 #include "comm.h"
 #include "helpers.h"
+#include "memory.h"
 #include "suites.h"
 #include "trainer.h"
 
@@ -150,24 +151,55 @@ START_TEST(test_distributed_optimizer) {
     check_clip(DENSE, 2, 0, 1, z, 3);        /* TP 2 (x DP 2 on 4 ranks) */
     if (W >= 4)
         check_clip(MOE, 2, 1, 4, z, 3);      /* attention TP 2 x DP 2, experts EP 4 */
-    /* the moments: this rank's pieces, Σ over a gradient group = the whole run */
-    char flags[1024];
-    snprintf(flags, sizeof flags, "%s --global-batch-size %d %s", MOE, 4 * W, z);
-    moe_trainer *t = moe_test_trainer(flags, moe_test_world(), on_gpu());
-    size_t whole = 0;
-    for (int r = 0; r < t->zero.n_runs; r++) {
-        const moe_zero_run *run = &t->zero.run[r];
-        long long mine = (long long)(run->piece.hi - run->piece.lo);
-        if (run->comm)
-            moe_comm_host_all_reduce_sum(run->comm, &mine, 1, MOE_DTYPE_I64);
-        MOE_TEST_AGREE(mine != (long long)run->len, "run %d: the pieces cover %lld of %zu "
-                       "elements", r, mine, run->len);
-        whole += run->len;
-        ck_assert(run->piece.hi - run->piece.lo <= run->chunk);
+    /* the moments: this rank's pieces, Σ over a gradient group = the whole run. Twice: the
+     * MoE model, and one of hidden size 34 with one head, whose dense run (170 norm elements
+     * beside matrices of multiples of 4) does not divide by 4, so the pieces are uneven */
+    static const char *const models[] = {MOE, MOE " --hidden-size 34 --num-attention-heads 1 "
+                                              "--num-query-groups 1"};
+    for (int v = 0; v < 2; v++) {
+        char flags[1024];
+        snprintf(flags, sizeof flags, "%s --global-batch-size %d %s", models[v], 4 * W, z);
+        moe_trainer *t = moe_test_trainer(flags, moe_test_world(), on_gpu());
+        size_t whole = 0;
+        int uneven = 0;
+        for (int r = 0; r < t->zero.n_runs; r++) {
+            const moe_zero_run *run = &t->zero.run[r];
+            long long mine = (long long)(run->piece.hi - run->piece.lo);
+            if (run->comm)
+                moe_comm_host_all_reduce_sum(run->comm, &mine, 1, MOE_DTYPE_I64);
+            MOE_TEST_AGREE(mine != (long long)run->len, "run %d: the pieces cover %lld of %zu "
+                           "elements", r, mine, run->len);
+            whole += run->len;
+            uneven |= run->len % (size_t)run->size != 0;
+            ck_assert(run->piece.hi - run->piece.lo <= run->chunk);
+        }
+        ck_assert_uint_eq(whole, moe_model_num_params(t->model));
+        ck_assert(W == 1 || t->opt.n < moe_model_num_params(t->model));
+        ck_assert_msg(!(v == 1 && W == 4) || uneven, "the second model's runs divide by 4: "
+                      "the rounding of the pieces goes untested");
+        /* the memory estimate (memory.h) counts exactly these pieces: Σ ⌈run / size⌉
+         * moments (a rank's piece is that long, the last of a group's may be shorter) and
+         * the staging buffer the layout allocated */
+        moe_memory_estimate e;
+        moe_error err;
+        const moe_model *md = t->model;
+        ck_assert_int_eq(moe_memory_estimate_rank(&md->cfg, md->max_B, &t->par.grid,
+                                                  md->be->act_size, &e, &err), MOE_OK);
+        long long chunks = 0;
+        for (int r = 0; r < t->zero.n_runs; r++)
+            chunks += (long long)t->zero.run[r].chunk;
+        MOE_TEST_AGREE(e.optim_elems != chunks ||
+                           e.params != (long long)moe_model_num_params(md) ||
+                           (long long)t->opt.n > e.optim_elems ||
+                           e.zero_staging_bytes != (long long)t->zero.scratch_bytes ||
+                           e.optim_bytes != 8 * chunks + (long long)t->zero.scratch_bytes,
+                       "distributed optimizer on %d ranks (model %d): the estimate keeps "
+                       "moments of %lld parameters and %lld staging bytes, the layout's pieces "
+                       "are %lld long (this rank's: %zu) with %zu staging bytes", W, v,
+                       e.optim_elems, e.zero_staging_bytes, chunks, t->opt.n,
+                       t->zero.scratch_bytes);
+        moe_trainer_free(t);
     }
-    ck_assert_uint_eq(whole, moe_model_num_params(t->model));
-    ck_assert(W == 1 || t->opt.n < moe_model_num_params(t->model));
-    moe_trainer_free(t);
 }
 END_TEST
 

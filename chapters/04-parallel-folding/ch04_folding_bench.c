@@ -284,8 +284,8 @@ static long long run_folding(const opts *o, moe_comm *world, const folding *f) {
     const long long all_bad = (long long)moe_comm_host_max(world, (double)bad);
     moe_memory_estimate e;
     const moe_model *md = t->model;
-    const int mem_ok = moe_memory_estimate_model(&md->cfg, md->max_B, f->ep, md->be->act_size, &e,
-                                                 &err) == MOE_OK;
+    const int mem_ok = moe_memory_estimate_rank(&md->cfg, md->max_B, &t->par.grid,
+                                                md->be->act_size, &e, &err) == MOE_OK;
     if (rank == 0) {
         const moe_grid *gr = &t->par.grid;
         printf("\nfolding tp=%d,ep=%d%s: attention TP %d x DP %d, experts EP %d x EDP %d | "
