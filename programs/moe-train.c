@@ -101,10 +101,13 @@ static void print_config(const moe_trainer *t) {
                  c->train_iters, c->global_batch_size, c->seq_length, c->lr, c->min_lr,
                  c->lr_decay_style, c->lr_warmup_iters, m->be->name, threads);
     if (t->world_size > 1)
-        moe_log_info("ranks | %d ranks, expert parallel %d (%s dispatcher, %d experts per rank), "
-                     "%d micro-batches per rank per step%s",
-                     t->world_size, c->expert_model_parallel_size, c->moe_token_dispatcher_type,
-                     m->experts_local, c->global_batch_size / c->micro_batch_size / t->world_size,
+        moe_log_info("ranks | %d ranks, tensor parallel %d%s, expert parallel %d (%s dispatcher, "
+                     "%d experts per rank), data parallel %d: %d micro-batches per rank per "
+                     "step%s",
+                     t->world_size, c->tensor_model_parallel_size,
+                     c->sequence_parallel ? " + SP" : "", c->expert_model_parallel_size,
+                     c->moe_token_dispatcher_type, m->experts_local, t->dp_size,
+                     c->global_batch_size / c->micro_batch_size / t->dp_size,
                      c->moe_expert_capacity_factor > 0 ? ", capacity on" : "");
     if (t->world_size > 1)
         print_grid(t);
