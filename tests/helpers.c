@@ -305,6 +305,24 @@ long long moe_test_compare_shards(const moe_model *md, const moe_model *mr, doub
     return moe_test_compare_state(md, mr, tol, 0, worst, worst_name);
 }
 
+int moe_test_folding(moe_comm *world, const char *base, int tp, int sp, int ep,
+                     const char *common, const char *dist_flags, int gpu, moe_trainer **dist,
+                     moe_trainer **ref) {
+    const int W = moe_comm_size(world);
+    if (tp > W || W % tp != 0 || ep > W || W % ep != 0)
+        return 0;
+    const int batch = 2 * 2 * (W / tp);
+    char flags[1024];
+    snprintf(flags, sizeof flags,
+             "%s --global-batch-size %d --tensor-model-parallel-size %d "
+             "--expert-model-parallel-size %d %s %s %s",
+             base, batch, tp, ep, sp ? "--sequence-parallel" : "", common, dist_flags);
+    *dist = moe_test_trainer(flags, world, gpu);
+    snprintf(flags, sizeof flags, "%s --global-batch-size %d %s", base, batch, common);
+    *ref = moe_test_trainer(flags, NULL, gpu);
+    return 1;
+}
+
 moe_trainer *moe_test_trainer(const char *flags, moe_comm *world, int gpu) {
     moe_config c;
     moe_error err;

@@ -63,6 +63,16 @@ struct moe_comm;
  *  one process), with no data download; any failure fails the test. */
 struct moe_trainer *moe_test_trainer(const char *flags, struct moe_comm *world, int gpu);
 
+/** A folding and its one-process reference on the same global batch (2 micro-batches of
+ *  2 sequences per data-parallel rank): @p dist over @p world at TP @p tp (with
+ *  `--sequence-parallel` when @p sp) and EP @p ep, with @p dist_flags; @p ref in one
+ *  process. Both get @p base and @p common. @return 0, making nothing, when the world's
+ *  size is not a multiple of @p tp and @p ep (the folding does not fit), else 1. */
+int moe_test_folding(struct moe_comm *world, const char *base, int tp, int sp, int ep,
+                     const char *common,
+                     const char *dist_flags, int gpu, struct moe_trainer **dist,
+                     struct moe_trainer **ref);
+
 struct moe_model;
 /** A distributed model against the single-process reference, tensor by tensor (by name):
  *  each tensor's gradient is this rank's shard of the reference's (element j against

@@ -46,20 +46,12 @@ static int on_gpu(void) { return moe_comm_device(moe_test_world()) == MOE_DEVICE
  * runs' flags, `dist_only` to the distributed one's (e.g. --use-distributed-optimizer). */
 static void check_clip(const char *base, int tp, int sp, int ep, const char *dist_only,
                        int steps) {
-    moe_comm *world = moe_test_world();
-    const int W = moe_comm_size(world), rank = moe_comm_rank(world);
-    if (tp > W || W % tp != 0 || ep > W || W % ep != 0)
+    const int W = moe_comm_size(moe_test_world()), rank = moe_comm_rank(moe_test_world());
+    char common[64];
+    snprintf(common, sizeof common, "--lr 1e-2 --clip-grad %g", CLIP);
+    moe_trainer *dist, *ref;
+    if (!moe_test_folding(moe_test_world(), base, tp, sp, ep, common, dist_only, on_gpu(), &dist, &ref))
         return;
-    const int dp = W / tp;
-    char flags[1024];
-    snprintf(flags, sizeof flags,
-             "%s --global-batch-size %d --lr 1e-2 --clip-grad %g --tensor-model-parallel-size %d "
-             "--expert-model-parallel-size %d %s %s",
-             base, 2 * 2 * dp, CLIP, tp, ep, sp ? "--sequence-parallel" : "", dist_only);
-    moe_trainer *dist = moe_test_trainer(flags, world, on_gpu());
-    snprintf(flags, sizeof flags, "%s --global-batch-size %d --lr 1e-2 --clip-grad %g", base,
-             2 * 2 * dp, CLIP);
-    moe_trainer *ref = moe_test_trainer(flags, NULL, on_gpu());
     const int zero = strstr(dist_only, "distributed-optimizer") != NULL;
     double norm = 0;
     const double tol = on_gpu() ? 2e-2 : 1e-5, tol_steps = on_gpu() ? 2e-2 : 1e-4;
@@ -121,7 +113,7 @@ static void check_clip(const char *base, int tp, int sp, int ep, const char *dis
     }
     if (rank == 0)
         printf("  TP %d x DP %d%s, EP %d x EDP %d %s: clipped norm %.6f = one process's, "
-               "weights equal after %d steps\n", tp, dp, sp ? " + SP" : "", ep, W / ep,
+               "weights equal after %d steps\n", tp, W / tp, sp ? " + SP" : "", ep, W / ep,
                dist_only, norm, steps);
     moe_trainer_free(dist);
     moe_trainer_free(ref);

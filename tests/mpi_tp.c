@@ -128,28 +128,16 @@ END_TEST
 
 /* ------------------------------------------------------ the model, folded */
 
-static moe_trainer *make(const char *flags, moe_comm *world) {
-    return moe_test_trainer(flags, world, on_gpu());
-}
-
 /* TP ranks (the rest data-parallel; the experts over EP ranks, the rest of the expert grid
  * expert-data-parallel) against one process, for the first step's loss and gradients and
  * for the losses of `steps` AdamW steps. `base` is the model's flags. */
 static void check_fold(const char *base, int tp, int sp, int ep, const char *extra, int steps) {
-    moe_comm *world = moe_test_world();
-    const int W = moe_comm_size(world), rank = moe_comm_rank(world);
-    if (tp > W || W % tp != 0 || ep > W || W % ep != 0)
+    const int W = moe_comm_size(moe_test_world()), rank = moe_comm_rank(moe_test_world());
+    char common[512];
+    snprintf(common, sizeof common, "--lr 1e-2 %s", extra);
+    moe_trainer *dist, *ref;
+    if (!moe_test_folding(moe_test_world(), base, tp, sp, ep, common, "", on_gpu(), &dist, &ref))
         return;
-    const int dp = W / tp;
-    char flags[1024];
-    snprintf(flags, sizeof flags,
-             "%s --global-batch-size %d --tensor-model-parallel-size %d "
-             "--expert-model-parallel-size %d --lr 1e-2 %s %s",
-             base, 2 * 2 * dp, tp, ep, sp ? "--sequence-parallel" : "", extra);
-    moe_trainer *dist = make(flags, world);
-    snprintf(flags, sizeof flags, "%s --global-batch-size %d --lr 1e-2 %s", base, 2 * 2 * dp,
-             extra);
-    moe_trainer *ref = make(flags, NULL);
     /* the vocabulary is split too: this rank's logits are V/TP wide */
     ck_assert_int_eq(dist->model->vp.Vl * tp, dist->model->cfg.vocab_size);
     /* the memory estimate (memory.h) counts exactly this rank's shards, and less activation
@@ -199,7 +187,7 @@ static void check_fold(const char *base, int tp, int sp, int ep, const char *ext
     if (rank == 0)
         printf("  TP %d x DP %d%s, EP %d x EDP %d, %s: loss %.6f = reference %.6f, gradients "
                "match; after %d steps %.6f\n",
-               tp, dp, sp ? " + SP" : "", ep, W / ep, extra, sd.loss, sr.loss, steps, last);
+               tp, W / tp, sp ? " + SP" : "", ep, W / ep, extra, sd.loss, sr.loss, steps, last);
     moe_trainer_free(dist);
     moe_trainer_free(ref);
 }
