@@ -303,6 +303,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
         ok = 0;
     m->logits = must(be, S * N * Vl, &ok);
     m->losses = must(be, R * N, &ok);
+    m->step_flags = must(be, sizeof(int), &ok);
     m->d_res = must(be, S * Nl * H, &ok);
     m->d_ln = must(be, S * Nl * H, &ok);
     if (!moe_attention_scratch_alloc(be, &m->attn_scratch, &ad))
@@ -349,6 +350,7 @@ void moe_model_free(moe_model *m) {
     be->free(m->params);
     be->free(m->grads);
     be->free(m->tokens);
+    be->free(m->step_flags);
     be->free(m->targets);
     if (m->res)
         for (int l = 0; l <= L; l++)

@@ -22,6 +22,7 @@
 #include "config.h"
 #include "moe/layer.h"
 #include "params.h"
+#include "step_flags.h"
 #include "tensor_parallel.h"
 #include "vocab_parallel.h"
 
@@ -116,6 +117,8 @@ typedef struct moe_model {
     moe_losses last;              /**< losses of the last forward */
     double *layer_aux;            /**< [L] per-layer aux loss of the last forward */
     double *layer_z;              /**< [L] per-layer z-loss of the last forward */
+    int *step_flags;              /**< [1] backend memory: MOE_STEP_* bits raised on the device
+                                       during a step (step_flags.h); zeroed at each step start */
 } moe_model;
 
 /**
