@@ -653,3 +653,10 @@ void moe_model_reset_load_counts(moe_model *m) {
         memset(m->load_counts, 0,
                sizeof(long long) * (size_t)m->cfg.num_layers * m->cfg.num_experts);
 }
+
+moe_status moe_model_grow_moe_budget(moe_model *m, moe_error *err) {
+    (void)m; /* no static budget yet: buffers are sized for the dropless worst case */
+    return moe_error_set(err, MOE_ERR_CONFIG,
+                         "a step raised a MoE buffer overflow, but this model has no static "
+                         "budget to grow (internal error: please report it)");
+}

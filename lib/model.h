@@ -197,6 +197,18 @@ void moe_model_sync_weights(moe_model *m);
 void moe_model_zero_grad(moe_model *m);
 
 /**
+ * @brief Grow the static MoE buffers after a step raised ::MOE_STEP_OVERFLOW.
+ *
+ * The trainer calls this at the step boundary when the step-flags word says a static MoE
+ * buffer was too small; it then re-runs the step eagerly. (Chapter 06: the sync-free layer
+ * sizes its buffers from a budget; until a budget exists nothing raises the bit.)
+ * @param m   the model
+ * @param err set on failure
+ * @return MOE_OK, or MOE_ERR_NOMEM when the grown buffers do not fit
+ */
+moe_status moe_model_grow_moe_budget(moe_model *m, moe_error *err);
+
+/**
  * @brief Aux-loss-free balancing: update every MoE layer's expert bias from m->load_counts
  *        (call once per global batch, then reset the counts). No-op unless the bias is enabled.
  * @param m model
