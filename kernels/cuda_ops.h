@@ -122,6 +122,9 @@ void moe_cuda_z_loss_backward(void *dlogits, const void *logits, int N, int E, d
 void moe_cuda_permute_index(int *perm_src, int *row_of, int *expert_offset, int *dev_offset,
                             long long *counts,
                             const int *topk_idx, int N, int k, int E);
+void moe_cuda_permute_index_budget(int *perm_src, int *row_of, int *expert_offset, int *flags,
+                                   const int *topk_idx, int N, int k, int E, int budget);
+void moe_cuda_expert_counts_add(long long *counts, const int *expert_offset, int E);
 void moe_cuda_permute_tokens(void *xp, const void *x, const int *perm_src, int rows, int k, int C);
 void moe_cuda_permute_weights(moe_real *wp, const moe_real *topk_w, const int *perm_src, int rows);
 void moe_cuda_unpermute_sum(void *out, const void *yp, const int *row_of, int N, int k, int C);

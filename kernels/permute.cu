@@ -23,8 +23,14 @@
  *                  assignment order, so the result is the stable order.
  *
  * expert_offset and the per-expert counts are needed on the HOST by the naive MoE loop
- * (one GEMM per expert, with its row count): the launcher copies the E+1 offsets back and
- * synchronises. That sync is what chapter 06 removes.
+ * (one GEMM per expert, with its row count): moe_cuda_permute_index copies the E+1 offsets
+ * back and synchronises. moe_cuda_permute_index_budget (chapter 06) does not: the offsets
+ * stay in device memory for the grouped kernel, which reads them there, and the permuted
+ * buffers have a static number of rows, the budget. The scan clamps the offsets to the
+ * budget and, when the assignments need more rows, ORs MOE_STEP_OVERFLOW into the
+ * step-flags word; the scatter writes no row at or past the budget (row_of = -1 there, and
+ * the combine skips it). The host learns of it at the step boundary and re-runs the step
+ * with grown buffers (lib/model.h, moe_model_grow_moe_budget).
  *
  * The data movers (bf16 rows, fp32 accumulation, no atomics):
  *   permute_tokens     xp[r, :] = x[perm_src[r] / k, :]
@@ -37,10 +43,12 @@
  * of 8 and the pointers are 16-byte aligned (moe_vec8_ok), and one element at a time
  * otherwise.
  */
+#include <limits.h>
 #include <stdint.h>
 
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
+#include "step_flags.h"
 
 #define FULL_MASK 0xffffffffu
 #define CHUNK 1024 /* assignments per chunk of the counting sort */
@@ -64,8 +72,10 @@ static __global__ void chunk_histogram_kernel(int *hist, const int *topk_idx, in
         hist[(size_t)blockIdx.x * E + e] = h[e];
 }
 
-/* One block, one thread per expert (E <= 1024). */
-static __global__ void chunk_scan_kernel(int *hist, int *offset, int chunks, int E) {
+/* One block, one thread per expert (E <= 1024). With a budget, @p clamped receives the
+ * offsets clamped to it and @p flags the overflow bit (both NULL: no budget). */
+static __global__ void chunk_scan_kernel(int *hist, int *offset, int chunks, int E, int budget,
+                                         int *clamped, int *flags) {
     extern __shared__ int tot[];
     const int e = threadIdx.x;
     if (e < E) {
@@ -85,12 +95,19 @@ static __global__ void chunk_scan_kernel(int *hist, int *offset, int chunks, int
             run += tot[i];
         }
         offset[E] = run;
+        if (clamped) {
+            for (int i = 0; i <= E; i++)
+                clamped[i] = min(offset[i], budget);
+            if (run > budget)
+                atomicOr(flags, MOE_STEP_OVERFLOW);
+        }
     }
 }
 
 /* One warp per chunk. */
 static __global__ void chunk_scatter_kernel(int *perm_src, int *row_of, const int *topk_idx,
-                                            const int *hist, const int *offset, int A, int E) {
+                                            const int *hist, const int *offset, int A, int E,
+                                            int budget) {
     extern __shared__ int cursor[];
     const int lane = threadIdx.x;
     for (int e = lane; e < E; e += 32)
@@ -106,8 +123,9 @@ static __global__ void chunk_scatter_kernel(int *perm_src, int *row_of, const in
         const int r = valid ? cursor[e] + rank : 0;
         __syncwarp(); /* every lane has read its cursor before the leader moves it */
         if (valid) {
-            perm_src[r] = a;
-            row_of[a] = r;
+            if (r < budget) /* no row at or past the budget: the step is re-run */
+                perm_src[r] = a;
+            row_of[a] = r < budget ? r : -1;
             if (__ffs(peers) - 1 == lane)
                 cursor[e] += __popc(peers);
         }
@@ -115,13 +133,33 @@ static __global__ void chunk_scatter_kernel(int *perm_src, int *row_of, const in
     }
 }
 
-extern "C" void moe_cuda_permute_index(int *perm_src, int *row_of, int *expert_offset,
-                                       int *dev_offset, long long *counts, const int *topk_idx,
-                                       int N, int k, int E) {
+/* The three kernels of the index; returns the E+1 unclamped offsets (scratch). With a
+ * budget (clamped != NULL) rows at or past it are not written. */
+static const int *index_launch(int *perm_src, int *row_of, const int *topk_idx, int A, int E,
+                               int budget, int *clamped, int *flags) {
     if (E > 1024) {
         fprintf(stderr, "moe_cuda_permute_index: E = %d > 1024 experts\n", E);
         exit(1);
     }
+    cudaStream_t st = moe_cuda_stream();
+    const int chunks = (int)moe_cdiv(A, CHUNK);
+    int *d_off = (int *)scratch(sizeof(int) * ((size_t)chunks * E + E + 1));
+    int *hist = d_off + E + 1;
+    const size_t sh = sizeof(int) * E;
+    chunk_histogram_kernel<<<chunks, 256, sh, st>>>(hist, topk_idx, A, E);
+    MOE_CUDA_LAUNCH_CHECK();
+    chunk_scan_kernel<<<1, 32 * moe_cdiv(E, 32), sh, st>>>(hist, d_off, chunks, E, budget,
+                                                          clamped, flags);
+    MOE_CUDA_LAUNCH_CHECK();
+    chunk_scatter_kernel<<<chunks, 32, sh, st>>>(perm_src, row_of, topk_idx, hist, d_off, A, E,
+                                                 budget);
+    MOE_CUDA_LAUNCH_CHECK();
+    return d_off;
+}
+
+extern "C" void moe_cuda_permute_index(int *perm_src, int *row_of, int *expert_offset,
+                                       int *dev_offset, long long *counts, const int *topk_idx,
+                                       int N, int k, int E) {
     const int A = N * k;
     if (A <= 0) {
         for (int e = 0; e <= E; e++)
@@ -131,16 +169,7 @@ extern "C" void moe_cuda_permute_index(int *perm_src, int *row_of, int *expert_o
         return;
     }
     cudaStream_t st = moe_cuda_stream();
-    const int chunks = (int)moe_cdiv(A, CHUNK);
-    int *d_off = (int *)scratch(sizeof(int) * ((size_t)chunks * E + E + 1));
-    int *hist = d_off + E + 1;
-    const size_t sh = sizeof(int) * E;
-    chunk_histogram_kernel<<<chunks, 256, sh, st>>>(hist, topk_idx, A, E);
-    MOE_CUDA_LAUNCH_CHECK();
-    chunk_scan_kernel<<<1, 32 * moe_cdiv(E, 32), sh, st>>>(hist, d_off, chunks, E);
-    MOE_CUDA_LAUNCH_CHECK();
-    chunk_scatter_kernel<<<chunks, 32, sh, st>>>(perm_src, row_of, topk_idx, hist, d_off, A, E);
-    MOE_CUDA_LAUNCH_CHECK();
+    const int *d_off = index_launch(perm_src, row_of, topk_idx, A, E, INT_MAX, NULL, NULL);
     if (dev_offset) /* the grouped kernel reads them from device memory */
         MOE_CUDA_CHECK(cudaMemcpyAsync(dev_offset, d_off, sizeof(int) * (E + 1),
                                        cudaMemcpyDeviceToDevice, st));
@@ -151,6 +180,32 @@ extern "C" void moe_cuda_permute_index(int *perm_src, int *row_of, int *expert_o
     if (counts)
         for (int e = 0; e < E; e++)
             counts[e] += expert_offset[e + 1] - expert_offset[e];
+}
+
+/* Chapter 06: the same index with a static budget of rows, nothing back to the host. */
+extern "C" void moe_cuda_permute_index_budget(int *perm_src, int *row_of, int *expert_offset,
+                                              int *flags, const int *topk_idx, int N, int k,
+                                              int E, int budget) {
+    const int A = N * k;
+    if (A <= 0) {
+        MOE_CUDA_CHECK(cudaMemsetAsync(expert_offset, 0, sizeof(int) * (E + 1), moe_cuda_stream()));
+        return;
+    }
+    index_launch(perm_src, row_of, topk_idx, A, E, budget, expert_offset, flags);
+}
+
+/* counts[e] += off[e+1] - off[e]: one thread per expert (load statistics on the device) */
+static __global__ void counts_add_kernel(long long *counts, const int *off, int E) {
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e < E)
+        counts[e] += off[e + 1] - off[e];
+}
+
+extern "C" void moe_cuda_expert_counts_add(long long *counts, const int *expert_offset, int E) {
+    if (E <= 0)
+        return;
+    counts_add_kernel<<<moe_cdiv(E, 256), 256, 0, moe_cuda_stream()>>>(counts, expert_offset, E);
+    MOE_CUDA_LAUNCH_CHECK();
 }
 
 /* ------------------------------------------------------------------ row movers */
@@ -219,6 +274,8 @@ static __global__ void unpermute_sum_kernel(moe_bf16 *out, const moe_bf16 *yp, c
             for (int i = 0; i < 8; i++)
                 acc[i] = moe_ld(v.h[i]);
             for (int j = 0; j < k; j++) {
+                if (rows[j] < 0) /* over the budget: no row (the step is re-run) */
+                    continue;
                 moe_bf16x8 y;
                 y.u = ((const uint4 *)(yp + (size_t)rows[j] * C))[c];
                 for (int i = 0; i < 8; i++)
@@ -232,7 +289,8 @@ static __global__ void unpermute_sum_kernel(moe_bf16 *out, const moe_bf16 *yp, c
         for (int c = threadIdx.x; c < C; c += blockDim.x) {
             float acc = moe_ld(o[c]);
             for (int j = 0; j < k; j++)
-                acc += moe_ld(yp[(size_t)rows[j] * C + c]);
+                if (rows[j] >= 0)
+                    acc += moe_ld(yp[(size_t)rows[j] * C + c]);
             o[c] = moe_st(acc);
         }
     }
@@ -259,7 +317,7 @@ extern "C" void moe_cuda_unpermute_sum(void *out, const void *yp, const int *row
 static __global__ void unpermute_weights_kernel(float *dtopk_w, const float *dwp, const int *row_of,
                                                 int A) {
     int a = blockIdx.x * blockDim.x + threadIdx.x;
-    if (a < A)
+    if (a < A && row_of[a] >= 0)
         dtopk_w[a] += dwp[row_of[a]];
 }
 

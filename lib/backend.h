@@ -12,8 +12,8 @@
  * Memory that the model touches is allocated through the table as well, so the
  * model does not know where it lives. Host-side decisions the naive MoE loop
  * needs (how many tokens each expert got) come back through `permute_index`,
- * which returns the expert offsets on the host — the host sync that chapter 06
- * removes.
+ * which returns the expert offsets on the host — a host sync. Chapter 06's
+ * `permute_index_budget` keeps them in backend memory instead (lib/moe/layer.h).
  */
 #ifndef MOE_BACKEND_H
 #define MOE_BACKEND_H
@@ -238,6 +238,13 @@ typedef struct moe_backend {
      *  NULL, gets the same E+1 offsets in device memory (for the grouped kernel) */
     void (*permute_index)(int *perm_src, int *row_of, int *expert_offset, int *dev_offset,
                           long long *counts, const int *topk_idx, int N, int k, int E);
+    /** as moe_cpu_permute_index_budget(): every output in backend memory, @p flags the
+     *  step-flags word (moe_model::step_flags) — no host round trip, nothing waits (chapter
+     *  06's sync-free layer); the permuted buffers hold @p budget rows */
+    void (*permute_index_budget)(int *perm_src, int *row_of, int *expert_offset, int *flags,
+                                 const int *topk_idx, int N, int k, int E, int budget);
+    /** as moe_cpu_expert_counts_add(): @p counts [E] and the offsets in backend memory */
+    void (*expert_counts_add)(long long *counts, const int *expert_offset, int E);
     /** as moe_cpu_permute_tokens() */
     void (*permute_tokens)(void *xp, const void *x, const int *perm_src, int rows, int k, int C);
     /** as moe_cpu_permute_weights() */

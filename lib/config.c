@@ -2,6 +2,7 @@
 #include "config.h"
 
 #include <ctype.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -81,6 +82,12 @@ static const moe_flag g_flags[] = {
       "possible", "auto|collective|fused", G_MOE),
     F("moe-expert-capacity-factor", MOE_FLAG_DOUBLE, moe_expert_capacity_factor, "0",
       "capacity = ceil(tokens*k/E * factor) per expert; extra tokens are dropped (0 = dropless)",
+      NULL, G_MOE),
+    F("moe-expert-rank-capacity-factor", MOE_FLAG_DOUBLE, moe_expert_rank_capacity_factor,
+      "2.0",
+      "static budget of permuted rows per rank, as a multiple of the balanced micro-batch "
+      "tokens*k (sync-free dropless layer, chapter 06): an overflow is detected on the GPU, "
+      "the buffers grow and the step is re-run; one rank never needs more than 1.0",
       NULL, G_MOE),
     F("moe-token-drop-policy", MOE_FLAG_CHOICE, moe_token_drop_policy, "probs",
       "which tokens an expert over capacity keeps: highest routing weight, or earliest",
@@ -589,6 +596,10 @@ moe_status moe_config_validate(moe_config *c, moe_error *err) {
         REQUIRE(c->moe_expert_capacity_factor >= 0.0,
                 "--moe-expert-capacity-factor must be > 0, or 0 for dropless (got %g)",
                 c->moe_expert_capacity_factor);
+        REQUIRE(c->moe_expert_rank_capacity_factor > 0.0,
+                "--moe-expert-rank-capacity-factor must be > 0 (got %g; 2.0 is the default, "
+                "1.0 is all one rank ever needs)",
+                c->moe_expert_rank_capacity_factor);
         REQUIRE(!(c->moe_pad_expert_input_to_capacity && c->moe_expert_capacity_factor == 0.0),
                 "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor "
                 "(there is no capacity to pad to in a dropless run)");

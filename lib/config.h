@@ -133,6 +133,9 @@ typedef struct moe_config {
     char moe_token_dispatcher_type[MOE_FLAG_STR_LEN]; /**< --moe-token-dispatcher-type */
     char moe_alltoall_path[MOE_FLAG_STR_LEN];         /**< --moe-alltoall-path */
     double moe_expert_capacity_factor;     /**< --moe-expert-capacity-factor (0 = dropless) */
+    /** --moe-expert-rank-capacity-factor: the static budget of permuted rows of a rank, as a
+     *  multiple of its micro-batch's tokens·k (chapter 06) */
+    double moe_expert_rank_capacity_factor;
     char moe_token_drop_policy[MOE_FLAG_STR_LEN]; /**< --moe-token-drop-policy */
     int moe_pad_expert_input_to_capacity;  /**< --moe-pad-expert-input-to-capacity */
     int moe_grouped_gemm;                  /**< --moe-grouped-gemm (chapter 03) */

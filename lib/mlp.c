@@ -9,9 +9,9 @@ static void gmm_forward(const moe_backend *be, void *out, const void *in, const 
                         const moe_groups *grp, int I, int O, int gather) {
     if (gather)
         be->grouped_matmul_forward_dev_gather(out, in, grp->gather, grp->gather_div, w,
-                                              grp->dev_off, grp->G, grp->off[grp->G], I, O);
+                                              grp->dev_off, grp->G, grp->rows, I, O);
     else if (grp->impl == MOE_EXPERTS_KERNEL)
-        be->grouped_matmul_forward_dev(out, in, w, grp->dev_off, grp->G, grp->off[grp->G], I, O);
+        be->grouped_matmul_forward_dev(out, in, w, grp->dev_off, grp->G, grp->rows, I, O);
     else
         be->grouped_matmul_forward(out, in, w, grp->off, grp->G, I, O);
 }
@@ -22,7 +22,7 @@ static void gmm_forward(const moe_backend *be, void *out, const void *in, const 
 static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const void *dout,
                          const void *in, const void *w, const moe_groups *grp, int I, int O,
                          int din_accumulate, int gather) {
-    const int N = grp->off[grp->G];
+    const int N = grp->rows;
     if (gather) {
         be->grouped_matmul_backward_dev_gather(din, dw, dout, in, grp->gather, grp->gather_div,
                                                w, grp->dev_off, grp->G, N, I, O, din_accumulate,
@@ -47,7 +47,7 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
 void moe_mlp_forward_grouped(const moe_backend *be, void *out, void *gu, void *act,
                              const void *x, const moe_real *row_scale, const void *w1,
                              const void *w2, const moe_groups *grp, int H, int F) {
-    const int N = grp->off[grp->G];
+    const int N = grp->rows;
     if (N == 0)
         return;
     MOE_ASSERT(!grp->gather || grp->impl == MOE_EXPERTS_KERNEL); /* only our kernel gathers */
@@ -67,7 +67,7 @@ void moe_mlp_backward_grouped(const moe_backend *be, void *dx, moe_real *dw1, mo
                               const void *gu, const void *act, const moe_real *row_scale,
                               const void *w1, const void *w2, void *ws_dh, void *ws_dgu,
                               const moe_groups *grp, int H, int F, int dx_accumulate) {
-    const int N = grp->off[grp->G];
+    const int N = grp->rows;
     if (N == 0)
         return;
     const size_t nf = (size_t)N * F;
@@ -82,7 +82,7 @@ void moe_mlp_backward_grouped(const moe_backend *be, void *dx, moe_real *dw1, mo
 
 /* a single MLP is one group, run by the backend's plain matmul (G = 1) */
 static moe_groups one_group(const int *off) {
-    moe_groups g = {off, NULL, 1, MOE_EXPERTS_CUBLAS, MOE_DW_ACCUMULATE, NULL, 1};
+    moe_groups g = {off, NULL, 1, MOE_EXPERTS_CUBLAS, MOE_DW_ACCUMULATE, NULL, 1, off[1]};
     return g;
 }
 

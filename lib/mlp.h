@@ -32,7 +32,9 @@ typedef enum moe_expert_impl {
 
 /** The groups of a grouped MLP: group g owns rows [off[g], off[g+1]). */
 typedef struct moe_groups {
-    const int *off;       /**< HOST [G+1] offsets, off[0] = 0 */
+    const int *off;       /**< HOST [G+1] offsets, off[0] = 0; NULL for ::MOE_EXPERTS_KERNEL
+                               when the host does not know them (chapter 06's sync-free
+                               layer: only dev_off and @ref rows exist) */
     const int *dev_off;   /**< the same in backend memory (read by ::MOE_EXPERTS_KERNEL) */
     int G;                /**< groups */
     moe_expert_impl impl; /**< ::MOE_EXPERTS_CUBLAS or ::MOE_EXPERTS_KERNEL */
@@ -42,6 +44,9 @@ typedef struct moe_groups {
      *  token buffer itself and no permuted copy of it exists */
     const int *gather;
     int gather_div;       /**< see @ref gather (the top-k) */
+    int rows;             /**< rows of the buffers = off[G] where @ref off is known; with only
+                               dev_off, the static row count the kernels are sized for (the
+                               groups end at dev_off[G] <= rows) */
 } moe_groups;
 
 /**

@@ -1,6 +1,7 @@
 /* The MoE transformer: see model.h. */
 #include "model.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,6 +10,7 @@
 #include "comm.h"
 #include "cpu/router.h"
 #include "mlp.h"
+#include "log.h"
 #include "memory.h"
 #include "moe/experts.h"
 
@@ -156,6 +158,22 @@ static moe_layer_dims moe_dims(const moe_model *m, int N, int T) {
      * through its dispatcher, which has no fused path) */
     d.permute_fusion = c->moe_permute_fusion && !d.ep;
     d.tp = m->tp.size > 1 ? &m->tp : NULL;
+    d.step_flags = m->step_flags;
+    d.budget_rows = m->moe_budget_rows;
+    d.load_counts = NULL; /* per layer: moe_model_forward() points it at the layer's counts */
+    return d;
+}
+
+/* The dims the shared FFN workspace is sized for: the MoE layers' and the dense ones'. */
+static moe_layer_dims ws_dims(const moe_model *m, int N, int T, int max_ffn) {
+    moe_layer_dims d = moe_dims(m, N, T);
+    if (m->cfg.num_experts == 0) {
+        d.E = 1;
+        d.k = 1;
+        d.F = 0;
+    }
+    if (d.Fs < max_ffn)
+        d.Fs = max_ffn;
     return d;
 }
 
@@ -259,6 +277,15 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
     }
     for (int l = 0; l <= L; l++)
         m->res[l] = must(be, S * Nl * H, &ok);
+    /* before the MoE layers' buffers: the sync-free layers size theirs from the budget */
+    m->step_flags = must(be, sizeof(int), &ok);
+    {
+        const double nk = (double)Nl * (E > 0 ? c->moe_router_topk : 0);
+        const int ep_size = ep && ep->comm ? ep->size : 1;
+        m->moe_budget_max = (int)(nk * ep_size < INT_MAX ? nk * ep_size : INT_MAX);
+        const double b = ceil(c->moe_expert_rank_capacity_factor * nk);
+        m->moe_budget_rows = b < 1 ? 1 : (b < m->moe_budget_max ? (int)b : m->moe_budget_max);
+    }
     int max_ffn = 0; /* widest FFN intermediate, for the shared scratch */
     const moe_attention_dims ad = attn_dims(m, B, T);
     for (int l = 0; l < L; l++) {
@@ -283,15 +310,9 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
         }
     }
     /* One workspace serves every FFN: size it for the MoE layers and the dense ones. */
+    m->max_ffn = max_ffn;
     {
-        moe_layer_dims d = moe_dims(m, (int)N, T);
-        if (E == 0) {
-            d.E = 1;
-            d.k = 1;
-            d.F = 0;
-        }
-        if (d.Fs < max_ffn)
-            d.Fs = max_ffn;
+        moe_layer_dims d = ws_dims(m, (int)N, T, max_ffn);
         if (!moe_layer_workspace_alloc(be, &m->ws, &d))
             ok = 0;
     }
@@ -303,7 +324,6 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
         ok = 0;
     m->logits = must(be, S * N * Vl, &ok);
     m->losses = must(be, R * N, &ok);
-    m->step_flags = must(be, sizeof(int), &ok);
     m->d_res = must(be, S * Nl * H, &ok);
     m->d_ln = must(be, S * Nl * H, &ok);
     if (!moe_attention_scratch_alloc(be, &m->attn_scratch, &ad))
@@ -322,6 +342,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
         m->expert_bias = must(be, sizeof(float) * (size_t)L * E, &ok);
         m->expert_bias_host = calloc((size_t)L * E, sizeof(float));
         m->load_counts = calloc((size_t)L * E, sizeof(long long));
+        m->load_counts_dev = must(be, sizeof(long long) * (size_t)L * E, &ok);
         if (!m->expert_bias_host || !m->load_counts)
             ok = 0;
     }
@@ -373,6 +394,7 @@ void moe_model_free(moe_model *m) {
     be->free(m->expert_bias);
     free(m->expert_bias_host);
     free(m->load_counts);
+    be->free(m->load_counts_dev);
     free(m->res);
     free(m->acts);
     free(m->layer_aux);
@@ -394,6 +416,7 @@ void moe_model_init(moe_model *m, uint64_t seed) {
         memset(m->expert_bias_host, 0, sizeof(float) * n);
         m->be->zero(m->expert_bias, sizeof(float) * n);
         memset(m->load_counts, 0, sizeof(long long) * n);
+        m->be->zero(m->load_counts_dev, sizeof(long long) * n);
     }
 }
 
@@ -484,6 +507,7 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
         void *ffn_out = m->res[l + 1];
         if (c->is_moe_layer[l]) { /* on this rank's Nl rows (moe/layer.h) */
             moe_layer_dims d = moe_dims(m, Nl, T);
+            d.load_counts = m->load_counts_dev + (size_t)l * c->num_experts;
             moe_layer_weights w = moe_weights(m, l);
             moe_layer_forward(be, ffn_out, a->ln2, &w,
                               c->moe_router_enable_expert_bias
@@ -649,14 +673,56 @@ void moe_model_update_expert_bias(moe_model *m) {
 }
 
 void moe_model_reset_load_counts(moe_model *m) {
+    const size_t n = (size_t)m->cfg.num_layers * m->cfg.num_experts;
     if (m->load_counts)
-        memset(m->load_counts, 0,
-               sizeof(long long) * (size_t)m->cfg.num_layers * m->cfg.num_experts);
+        memset(m->load_counts, 0, sizeof(long long) * n);
+    if (m->load_counts_dev)
+        m->be->zero(m->load_counts_dev, sizeof(long long) * n);
+}
+
+void moe_model_collect_load_counts(moe_model *m) {
+    const size_t n = (size_t)m->cfg.num_layers * m->cfg.num_experts;
+    if (!m->load_counts_dev || n == 0)
+        return;
+    long long *host = malloc(sizeof(long long) * n);
+    MOE_CHECK_ALLOC(host, sizeof(long long) * n, "the expert load counts");
+    m->be->to_host(host, m->load_counts_dev, sizeof(long long) * n);
+    for (size_t i = 0; i < n; i++)
+        m->load_counts[i] += host[i];
+    free(host);
+    m->be->zero(m->load_counts_dev, sizeof(long long) * n);
 }
 
 moe_status moe_model_grow_moe_budget(moe_model *m, moe_error *err) {
-    (void)m; /* no static budget yet: buffers are sized for the dropless worst case */
-    return moe_error_set(err, MOE_ERR_CONFIG,
-                         "a step raised a MoE buffer overflow, but this model has no static "
-                         "budget to grow (internal error: please report it)");
+    const int from = m->moe_budget_rows, most = m->moe_budget_max;
+    if (from >= most)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "a step raised a MoE buffer overflow, but the budget of %d permuted "
+                             "rows is already all that can be needed (internal error: please "
+                             "report it)",
+                             from);
+    /* doubling: a run that keeps overflowing re-runs at most log2(most / from) steps */
+    const int to = from > most / 2 ? most : 2 * from;
+    m->moe_budget_rows = to;
+    m->moe_budget_overflows++;
+    const moe_config *c = &m->cfg;
+    const int N = m->max_B * m->max_T, Nl = moe_tp_local_rows(&m->tp, N);
+    int ok = 1;
+    for (int l = 0; l < c->num_layers; l++)
+        if (c->is_moe_layer[l]) {
+            const moe_layer_dims d = moe_dims(m, Nl, m->max_T);
+            ok = moe_layer_acts_regrow(m->be, &m->acts[l].moe, &d) && ok;
+        }
+    const moe_layer_dims wd = ws_dims(m, N, m->max_T, m->max_ffn);
+    ok = moe_layer_workspace_regrow(m->be, &m->ws, &wd) && ok;
+    if (!ok)
+        return moe_error_set(err, MOE_ERR_NOMEM,
+                             "out of %s memory growing the MoE budget from %d to %d permuted "
+                             "rows per layer after an overflow; raise the budget at start-up "
+                             "(--moe-expert-rank-capacity-factor) or reduce --micro-batch-size",
+                             m->be->device == MOE_DEVICE_CUDA ? "GPU" : "host", from, to);
+    moe_log_info("moe: static budget overflow (%lld so far), grew %d -> %d permuted rows per "
+                 "MoE layer; the step is re-run eagerly",
+                 m->moe_budget_overflows, from, to);
+    return MOE_OK;
 }

@@ -95,6 +95,7 @@ typedef struct moe_model {
     long long *load_counts;       /**< host [L·E] tokens per expert since the last reset */
     int max_B;                    /**< allocated batch */
     int max_T;                    /**< allocated sequence length */
+    int max_ffn;                  /**< widest dense FFN intermediate (sizes the FFN workspace) */
     int B;                        /**< batch of the last forward */
     int T;                        /**< sequence length of the last forward */
     int *tokens;                  /**< input ids, backend [B·T] */
@@ -119,6 +120,15 @@ typedef struct moe_model {
     double *layer_z;              /**< [L] per-layer z-loss of the last forward */
     int *step_flags;              /**< [1] backend memory: MOE_STEP_* bits raised on the device
                                        during a step (step_flags.h); zeroed at each step start */
+    int moe_budget_rows;          /**< chapter 06: the static budget of permuted rows of every
+                                       MoE layer (--moe-expert-rank-capacity-factor · this
+                                       rank's micro-batch tokens · k), grown on an overflow */
+    int moe_budget_max;           /**< the most rows that can ever need a place (tokens·k·EP):
+                                       the budget never grows past it */
+    long long moe_budget_overflows; /**< overflows of the budget so far (each re-ran a step) */
+    long long *load_counts_dev;   /**< [L·E] backend memory: tokens per expert counted on the
+                                       device by the sync-free layers since the last
+                                       moe_model_collect_load_counts() (NULL without experts) */
 } moe_model;
 
 /**
@@ -200,11 +210,16 @@ void moe_model_zero_grad(moe_model *m);
  * @brief Grow the static MoE buffers after a step raised ::MOE_STEP_OVERFLOW.
  *
  * The trainer calls this at the step boundary when the step-flags word says a static MoE
- * buffer was too small; it then re-runs the step eagerly. (Chapter 06: the sync-free layer
- * sizes its buffers from a budget; until a budget exists nothing raises the bit.)
+ * buffer was too small; it then re-runs the step eagerly from the same state (the optimizer
+ * skipped the update while the bit was set; the re-run zeroes the gradients, the load counts
+ * and the flags again). The budget of permuted rows doubles, up to the most that can ever be
+ * needed (moe_model::moe_budget_max), and every MoE layer's budget-sized buffers are
+ * re-allocated; the event is counted in moe_model::moe_budget_overflows and logged
+ * ("moe: static budget overflow, grew X -> Y permuted rows ...").
  * @param m   the model
  * @param err set on failure
- * @return MOE_OK, or MOE_ERR_NOMEM when the grown buffers do not fit
+ * @return MOE_OK; MOE_ERR_NOMEM when the grown buffers do not fit; MOE_ERR_CONFIG when the
+ *         budget is already the most that can be needed (an overflow there is a bug)
  */
 moe_status moe_model_grow_moe_budget(moe_model *m, moe_error *err);
 
@@ -215,7 +230,15 @@ moe_status moe_model_grow_moe_budget(moe_model *m, moe_error *err);
  */
 void moe_model_update_expert_bias(moe_model *m);
 
-/** @brief Zero m->load_counts. @param m model */
+/** @brief Zero m->load_counts (and the device's counts not collected yet). @param m model */
 void moe_model_reset_load_counts(moe_model *m);
+
+/**
+ * @brief Add the expert loads the sync-free layers counted on the device into m->load_counts
+ *        and zero the device's counts. A device-to-host copy: call it at the step boundary
+ *        (or once per logging interval), never inside a step.
+ * @param m model
+ */
+void moe_model_collect_load_counts(moe_model *m);
 
 #endif /* MOE_MODEL_H */

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "comm.h"
 #include "cpu/ops.h"
 #include "log.h"
 #include "rng.h"
@@ -258,8 +259,33 @@ static moe_status check_finite(const moe_trainer *t, const moe_step_stats *st,
 
 static void apply_update(moe_trainer *t, moe_step_stats *st);
 
+/* Chapter 06, the overflow protocol: the sync-free MoE layers raise MOE_STEP_OVERFLOW when
+ * their static budget of permuted rows was too small. Read the flags once, at the step
+ * boundary (every rank agrees: a sum over the world), and while the bit is set grow the
+ * budget and re-run the step eagerly from the same state; nothing has been applied yet. */
+static moe_status rerun_on_overflow(moe_trainer *t, moe_step_stats *st, moe_error *err) {
+    moe_model *m = t->model;
+    for (;;) {
+        int flags = 0;
+        m->be->to_host(&flags, m->step_flags, sizeof flags);
+        int overflow = (flags & MOE_STEP_OVERFLOW) != 0;
+        if (t->world)
+            moe_comm_host_all_reduce_sum(t->world, &overflow, 1, MOE_DTYPE_I32);
+        if (!overflow)
+            return MOE_OK;
+        if (t->rank == 0)
+            moe_log_info("moe: static budget overflow at step %d: growing the budget and "
+                         "re-running the step", st->step + 1);
+        MOE_TRY(moe_model_grow_moe_budget(m, err));
+        m->be->zero(m->step_flags, sizeof(int));
+        moe_trainer_gradients(t, st);
+    }
+}
+
 moe_status moe_trainer_step(moe_trainer *t, moe_step_stats *st, moe_error *err) {
+    t->model->be->zero(t->model->step_flags, sizeof(int));
     moe_trainer_gradients(t, st);
+    MOE_TRY(rerun_on_overflow(t, st, err));
     MOE_TRY(check_finite(t, st, "loss", st->loss, err));
     moe_timer timer;
     moe_timer_start(&timer);
@@ -296,6 +322,9 @@ void moe_trainer_gradients(moe_trainer *t, moe_step_stats *st) {
         moe_model_backward(m, 1.0 / accum);
     }
     st->local_loss = st->loss;
+    /* the sync-free MoE layers counted their expert loads on the device: one read, at the
+     * step boundary */
+    moe_model_collect_load_counts(m);
     /* every rank of a TP group has the same losses and counts: sum over the DP ranks */
     moe_comm *dp = t->world ? moe_parallel_group(&t->par, MOE_GROUP_DP_CP) : NULL;
     if (t->world)

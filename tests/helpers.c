@@ -11,6 +11,7 @@
 
 #include "backend.h"
 #include "rng.h"
+#include "step_flags.h"
 #include "trainer.h"
 
 int moe_test_quick(void) {
@@ -333,4 +334,100 @@ moe_trainer *moe_test_trainer(const char *flags, moe_comm *world, int gpu) {
     moe_trainer *t = NULL;
     ck_assert_msg(moe_trainer_create_dist(&t, &c, world, &err) == MOE_OK, "%s", err.msg);
     return t;
+}
+
+/* the step-flags word (one int in backend memory), read and cleared */
+static int take_step_flags(moe_model *m) {
+    int f = 0;
+    m->be->to_host(&f, m->step_flags, sizeof f);
+    m->be->zero(m->step_flags, sizeof f);
+    return f;
+}
+
+/* Force the routing through the expert bias: +50 on the hot expert of each MoE layer
+ * outweighs any sigmoid score (< 1), so every token picks it first. */
+static int force_routing(moe_model *m, int route, int step) {
+    const moe_config *c = &m->cfg;
+    const int E = c->num_experts, L = c->num_layers;
+    float *bias = calloc((size_t)L * E, sizeof *bias);
+    int hot0 = -1;
+    for (int l = 0; l < L; l++) {
+        const int hot = route == MOE_TEST_ROUTE_ONE_EXPERT ? 0 : (l + step) % E;
+        bias[(size_t)l * E + hot] = 50.0f;
+        if (hot0 < 0 && c->is_moe_layer[l])
+            hot0 = hot;
+    }
+    m->be->from_host(m->expert_bias, bias, sizeof(float) * (size_t)L * E);
+    free(bias);
+    return hot0; /* the first MoE layer's hot expert */
+}
+
+static moe_real *host_grads(const moe_model *m) {
+    const size_t n = moe_model_num_params(m);
+    moe_real *g = malloc(sizeof(moe_real) * n);
+    m->be->to_host(g, m->grads, sizeof(moe_real) * n);
+    return g;
+}
+
+void moe_test_budget_protocol(const char *flags, int gpu, int route) {
+    char buf[1500];
+    snprintf(buf, sizeof buf, "%s --moe-expert-rank-capacity-factor 0.5", flags);
+    moe_trainer *small = moe_test_trainer(buf, NULL, gpu);
+    snprintf(buf, sizeof buf, "%s --moe-expert-rank-capacity-factor 1.0", flags);
+    moe_trainer *ample = moe_test_trainer(buf, NULL, gpu);
+    moe_model *ms = small->model, *ma = ample->model;
+    const moe_config *c = &ma->cfg;
+    const int E = c->num_experts, L = c->num_layers;
+    const int tokens = c->global_batch_size * c->seq_length;
+    ck_assert_int_lt(ms->moe_budget_rows, ma->moe_budget_rows);
+    ck_assert_int_eq(ma->moe_budget_rows, ma->moe_budget_max);
+    const size_t P = moe_model_num_params(ma);
+    for (int step = 0; step < 3; step++) {
+        const int hot = force_routing(ma, route, step);
+        force_routing(ms, route, step);
+        take_step_flags(ma);
+        take_step_flags(ms);
+        moe_step_stats sa, ss;
+        moe_trainer_gradients(ample, &sa);
+        ck_assert_msg(take_step_flags(ma) == 0, "step %d: a budget of tokens*k overflowed",
+                      step);
+        /* the routing really was forced: every token picked the hot expert */
+        for (int l = 0; l < L; l++)
+            if (c->is_moe_layer[l]) {
+                ck_assert_int_eq((int)ma->load_counts[(size_t)l * E + hot], tokens);
+                break;
+            }
+        moe_trainer_gradients(small, &ss);
+        const int f = take_step_flags(ms);
+        if (step == 0) { /* without the re-run the flag is set: the budget is half of N·k */
+            ck_assert_msg(f & MOE_STEP_OVERFLOW, "step 0: the small budget did not raise "
+                                                 "MOE_STEP_OVERFLOW (flags %d)", f);
+            moe_error err;
+            ck_assert_msg(moe_model_grow_moe_budget(ms, &err) == MOE_OK, "%s", err.msg);
+            moe_trainer_gradients(small, &ss); /* the eager re-run, from the same state */
+            ck_assert_int_eq(take_step_flags(ms), 0);
+        } else {
+            ck_assert_msg(f == 0, "step %d: the grown budget overflowed (flags %d)", step, f);
+        }
+        printf("  route %d step %d: loss %.9g (ample) %.9g (re-run)\n", route, step, sa.loss,
+               ss.loss);
+        ck_assert_msg(ss.loss == sa.loss, "step %d: loss %.17g after the re-run, %.17g with an "
+                      "ample budget", step, ss.loss, sa.loss);
+        moe_real *gs = host_grads(ms), *ga = host_grads(ma);
+        size_t bad = 0;
+        for (size_t i = 0; i < P; i++)
+            bad += memcmp(&gs[i], &ga[i], sizeof(moe_real)) != 0;
+        ck_assert_msg(bad == 0, "step %d: %zu of %zu gradients differ from the ample run",
+                      step, bad, P);
+        free(gs);
+        free(ga);
+        ck_assert_msg(!memcmp(ms->load_counts, ma->load_counts, sizeof(long long) * L * E),
+                      "step %d: expert loads differ", step);
+        moe_trainer_update(ample, &sa);
+        moe_trainer_update(small, &ss);
+    }
+    ck_assert_int_eq((int)ms->moe_budget_overflows, 1);
+    ck_assert_int_eq(ms->moe_budget_rows, ms->moe_budget_max);
+    moe_trainer_free(small);
+    moe_trainer_free(ample);
 }

@@ -90,6 +90,19 @@ long long moe_test_compare_state(const struct moe_model *dist, const struct moe_
                                  double grad_tol, double param_tol, double *worst,
                                  const char **worst_name);
 
+/** Adversarial routings for moe_test_budget_protocol(): every token's first choice is
+ *  expert 0 in every layer, or a hot expert that changes with the layer and the step. */
+enum { MOE_TEST_ROUTE_ONE_EXPERT = 0, MOE_TEST_ROUTE_ALTERNATING = 1 };
+
+/** The static-budget overflow protocol (chapter 06) on one backend (@p gpu): trainers from
+ *  @p flags (which must make the MoE layers sync-free: our grouped kernel, the sigmoid
+ *  router with its expert bias, dropless, one rank) with a small budget (factor 0.5) and an
+ *  ample one (1.0), the routing forced through the expert bias (@p route). Each of 3 steps:
+ *  the ample run never overflows; the small one raises MOE_STEP_OVERFLOW on its first step
+ *  (the test fails if not), grows, re-runs, and then gives exactly the ample run's loss,
+ *  gradients and expert loads (bit for bit); both then take the optimizer step. */
+void moe_test_budget_protocol(const char *flags, int gpu, int route);
+
 /** Add to @p s a test case @p name of the @p n tests @p tests, each with @p timeout seconds.
  *  @return the test case */
 TCase *moe_test_tcase(Suite *s, const char *name, double timeout, const TTest *const *tests,

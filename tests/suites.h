@@ -24,6 +24,8 @@ Suite *suite_reliability(void); /* tests/test_reliability.c: the examples of bad
 Suite *suite_dispatch_plan(void); /* tests/test_dispatch_plan.c: the dispatch plan's arithmetic
                                      (chapter 02) */
 Suite *suite_grouped(void);   /* tests/test_grouped.c: the CPU grouped GEMM (chapter 03) */
+Suite *suite_sync_free(void); /* tests/test_sync_free.c: the budgeted permutation, the
+                                 overflow protocol, capacity runs (chapter 06) */
 Suite *suite_tile_schedule(void); /* tests/test_tile_schedule.c: the grouped GEMM's tile
                                      scheduler vs a brute-force enumeration (chapter 03) */
 
@@ -38,6 +40,8 @@ Suite *suite_gpu_attention(void); /* tests/gpu_attention.c */
 Suite *suite_gpu_moe(void);       /* tests/gpu_moe.c: router, aux/z losses, permutation */
 Suite *suite_gpu_model(void);     /* tests/gpu_model.c: whole model CUDA vs CPU, 50 steps */
 Suite *suite_gpu_grouped(void);   /* tests/gpu_grouped.c: cuBLAS grouped GEMM vs the loop */
+Suite *suite_gpu_sync_free(void); /* tests/gpu_sync_free.c: the budgeted permutation vs its
+                                     CPU twin, the overflow protocol on the GPU, capture */
 Suite *suite_gpu_checkpoint(void); /* tests/gpu_checkpoint.c: kill -9, resume, the same losses
                                       bit for bit, through bin/moe-train --device cuda */
 

@@ -21,6 +21,31 @@ void moe_cpu_permute_index(int *perm_src, int *row_of, int *expert_offset, long 
                            const int *topk_idx, int N, int k, int E);
 
 /**
+ * @brief moe_cpu_permute_index() with a static number of permuted rows, @p budget, and
+ *        every output in backend memory (the sync-free layer of chapter 06): the same
+ *        stable sort, but a row at or past the budget is not written.
+ * @param perm_src      [min(N·k, budget)] assignment at each permuted row
+ * @param row_of        [N·k] permuted row of each assignment, or -1 when that row would be
+ *                      at or past the budget (the combine then skips the assignment)
+ * @param expert_offset [E+1] expert e owns rows [offset[e], offset[e+1]), each offset
+ *                      clamped to the budget
+ * @param flags         the step-flags word: ::MOE_STEP_OVERFLOW is ORed in when the
+ *                      assignments need more rows than the budget
+ * @param topk_idx      [N·k] router selection
+ * @param N tokens  @param k experts per token  @param E experts (at most ::MOE_MAX_EXPERTS)
+ * @param budget rows the permuted buffers hold (>= 0)
+ */
+void moe_cpu_permute_index_budget(int *perm_src, int *row_of, int *expert_offset, int *flags,
+                                  const int *topk_idx, int N, int k, int E, int budget);
+
+/**
+ * @brief counts[e] += offset[e+1] − offset[e]: an expert's rows of one permutation added to
+ *        its load statistics, where the offsets live (no host round trip).
+ * @param counts [E] load counts  @param expert_offset [E+1] offsets  @param E experts
+ */
+void moe_cpu_expert_counts_add(long long *counts, const int *expert_offset, int E);
+
+/**
  * @brief xp[r] = x[perm_src[r] / k]: copy each token to its k permuted rows.
  * @param xp [rows, C]  @param x [N, C]  @param perm_src map  @param rows N·k  @param k top-k  @param C width
  */
@@ -34,14 +59,16 @@ void moe_cpu_permute_tokens(moe_real *xp, const moe_real *x, const int *perm_src
 void moe_cpu_permute_weights(moe_real *wp, const moe_real *topk_w, const int *perm_src, int rows);
 
 /**
- * @brief out[n] += Σ_j yp[row_of[n·k+j]]: combine the k expert outputs of each token.
+ * @brief out[n] += Σ_j yp[row_of[n·k+j]]: combine the k expert outputs of each token
+ *        (an assignment with row_of = -1, over a budget, adds nothing).
  * @param out [N, C]  @param yp [N·k, C]  @param row_of map  @param N tokens  @param k top-k  @param C width
  */
 void moe_cpu_unpermute_sum(moe_real *out, const moe_real *yp, const int *row_of, int N, int k,
                            int C);
 
 /**
- * @brief dtopk_w[a] += dwp[row_of[a]]: routing-weight gradients back to token order.
+ * @brief dtopk_w[a] += dwp[row_of[a]]: routing-weight gradients back to token order
+ *        (nothing where row_of[a] = -1).
  * @param dtopk_w [N·k]  @param dwp [N·k] permuted  @param row_of map  @param N tokens  @param k top-k
  */
 void moe_cpu_unpermute_weights(moe_real *dtopk_w, const moe_real *dwp, const int *row_of, int N,

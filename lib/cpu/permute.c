@@ -12,11 +12,18 @@
  *   unpermute:  out[n] += Σ_j yp[row_of[n·k + j]]    (a plain sum, in j order)
  * The sum over j is done per token by one thread in a fixed order, so the
  * combine is deterministic without atomics.
+ *
+ * The sync-free index (chapter 06) is the same sort with a static number of permuted rows,
+ * the budget: its offsets stay in backend memory, clamped to the budget; an assignment whose
+ * row would fall at or past the budget gets row_of = -1 and no row (the combine skips it),
+ * and the step-flags word gets MOE_STEP_OVERFLOW so that the step is re-run with grown
+ * buffers. Nothing is written past the budget.
  */
 #include <string.h>
 
 #include "config.h"
 #include "moe_ops.h"
+#include "step_flags.h"
 
 void moe_cpu_permute_index(int *perm_src, int *row_of, int *expert_offset, long long *counts,
                            const int *topk_idx, int N, int k, int E) {
@@ -41,6 +48,26 @@ void moe_cpu_permute_index(int *perm_src, int *row_of, int *expert_offset, long 
     }
 }
 
+void moe_cpu_permute_index_budget(int *perm_src, int *row_of, int *expert_offset, int *flags,
+                                  const int *topk_idx, int N, int k, int E, int budget) {
+    MOE_ASSERT(budget >= 0 && E <= MOE_MAX_EXPERTS);
+    int cur[MOE_MAX_EXPERTS + 1] = {0};
+    for (int a = 0; a < N * k; a++)
+        cur[topk_idx[a] + 1]++;
+    for (int e = 0; e < E; e++)
+        cur[e + 1] += cur[e];
+    if (cur[E] > budget)
+        *flags |= MOE_STEP_OVERFLOW;
+    for (int e = 0; e <= E; e++)
+        expert_offset[e] = cur[e] < budget ? cur[e] : budget;
+    for (int a = 0; a < N * k; a++) {
+        const int r = cur[topk_idx[a]]++;
+        row_of[a] = r < budget ? r : -1;
+        if (r < budget)
+            perm_src[r] = a;
+    }
+}
+
 void moe_cpu_permute_tokens(moe_real *xp, const moe_real *x, const int *perm_src, int rows, int k,
                             int C) {
 #pragma omp parallel for schedule(static)
@@ -59,6 +86,8 @@ void moe_cpu_unpermute_sum(moe_real *out, const moe_real *yp, const int *row_of,
     for (int n = 0; n < N; n++) {
         moe_real *o = out + (size_t)n * C;
         for (int j = 0; j < k; j++) {
+            if (row_of[n * k + j] < 0) /* over the budget: no row (the step is re-run) */
+                continue;
             const moe_real *y = yp + (size_t)row_of[n * k + j] * C;
             for (int c = 0; c < C; c++)
                 o[c] += y[c];
@@ -69,5 +98,11 @@ void moe_cpu_unpermute_sum(moe_real *out, const moe_real *yp, const int *row_of,
 void moe_cpu_unpermute_weights(moe_real *dtopk_w, const moe_real *dwp, const int *row_of, int N,
                                int k) {
     for (int a = 0; a < N * k; a++)
-        dtopk_w[a] += dwp[row_of[a]];
+        if (row_of[a] >= 0)
+            dtopk_w[a] += dwp[row_of[a]];
+}
+
+void moe_cpu_expert_counts_add(long long *counts, const int *expert_offset, int E) {
+    for (int e = 0; e < E; e++)
+        counts[e] += expert_offset[e + 1] - expert_offset[e];
 }

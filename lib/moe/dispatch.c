@@ -72,9 +72,9 @@ void moe_ep_free(moe_ep *ep) {
 
 void moe_dispatch_permute(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
                           const void *x) {
-    const int NK = d->N * d->k;
-    be->permute_tokens(a->xp, x, a->perm_src, NK, d->k, d->H);
-    be->permute_weights(a->wp, a->topk_w, a->perm_src, NK);
+    const int rows = moe_layer_permuted_rows(d); /* N·k, or a smaller budget (layer.h) */
+    be->permute_tokens(a->xp, x, a->perm_src, rows, d->k, d->H);
+    be->permute_weights(a->wp, a->topk_w, a->perm_src, rows);
 }
 
 void moe_dispatch_unpermute(const moe_backend *be, const moe_layer_dims *d,

@@ -8,12 +8,22 @@
 #include "moe/layer.h"
 #include "profile.h"
 
-/* The N·k assignments sorted by expert: expert_offset comes back to the host (and to the
- * device for our grouped kernel), with the counts for the statistics. */
+/* The N·k assignments sorted by expert. Sync-free (chapter 06, our grouped kernel): the
+ * offsets stay in device memory, the rows in the static budget, an overflow raises the
+ * step flag, and the expert loads are counted on the device. Otherwise expert_offset comes
+ * back to the host (and to the device for our grouped kernel), with the counts for the
+ * statistics. */
 static void local_plan(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
                        moe_layer_workspace *ws) {
     memset(a->counts, 0, sizeof(long long) * d->E);
     a->dropped = 0;
+    if (moe_layer_sync_free(d)) {
+        be->permute_index_budget(a->perm_src, a->row_of, a->dev_offset, d->step_flags,
+                                 a->topk_idx, d->N, d->k, d->E, moe_layer_permuted_rows(d));
+        if (d->load_counts)
+            be->expert_counts_add(d->load_counts, a->dev_offset, d->E);
+        return;
+    }
     be->permute_index(a->perm_src, a->row_of, a->expert_offset,
                       d->experts == MOE_EXPERTS_KERNEL ? a->dev_offset : NULL, a->counts,
                       a->topk_idx, d->N, d->k, d->E);
@@ -23,7 +33,7 @@ static void local_plan(const moe_backend *be, const moe_layer_dims *d, moe_layer
 static void local_dispatch(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
                            moe_layer_workspace *ws, const void *x) {
     if (d->permute_fusion) /* fc1 gathers the tokens itself (experts.c): only weights move */
-        be->permute_weights(a->wp, a->topk_w, a->perm_src, d->N * d->k);
+        be->permute_weights(a->wp, a->topk_w, a->perm_src, moe_layer_permuted_rows(d));
     else
         moe_dispatch_permute(be, d, a, x);
     moe_prof_mark(MOE_PROF_PERMUTE);
@@ -40,7 +50,7 @@ static void local_combine(const moe_backend *be, const moe_layer_dims *d,
 static void local_dispatch_grad(const moe_backend *be, const moe_layer_dims *d,
                                 const moe_layer_acts *a, moe_layer_workspace *ws,
                                 const void *dout) {
-    be->permute_tokens(ws->dyp, dout, a->perm_src, d->N * d->k, d->k, d->H);
+    be->permute_tokens(ws->dyp, dout, a->perm_src, moe_layer_permuted_rows(d), d->k, d->H);
     moe_prof_mark(MOE_PROF_PERMUTE);
 }
 

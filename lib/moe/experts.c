@@ -75,7 +75,7 @@ typedef struct expert_rows {
     void *dx;            /* input gradients */
     moe_real *dw;        /* routing-weight gradients */
     void *dh, *dgu;      /* backward scratch */
-    const int *off;      /* host [G+1] group offsets */
+    const int *off;      /* host [G+1] group offsets (NULL on the sync-free path) */
     int G;               /* groups (local experts) */
     size_t rows;         /* rows in use */
 } expert_rows;
@@ -83,8 +83,11 @@ typedef struct expert_rows {
 static expert_rows rows_of(const moe_layer_dims *d, const moe_layer_acts *a,
                            moe_layer_workspace *ws, const void *x, int expert_side) {
     if (!expert_side) /* the fused permutation: fc1 reads the tokens x itself (see groups_of) */
-        return (expert_rows){d->permute_fusion ? x : a->xp, a->wp, a->gu, a->act, ws->yp, ws->dyp, ws->dxp, ws->dwp,
-                             ws->dh, ws->dgu, a->expert_offset, d->E, (size_t)d->N * d->k};
+        return (expert_rows){d->permute_fusion ? x : a->xp, a->wp, a->gu, a->act, ws->yp,
+                             ws->dyp, ws->dxp, ws->dwp, ws->dh, ws->dgu,
+                             /* sync-free: the offsets exist in device memory only */
+                             moe_layer_sync_free(d) ? NULL : a->expert_offset, d->E,
+                             (size_t)moe_layer_permuted_rows(d)};
     const moe_dispatch_plan *pl = &a->plan;
     /* the outputs' buffer takes the input gradients in the backward */
     return (expert_rows){a->xe, a->we, a->gue, a->acte, ws->ye, ws->dye, ws->ye, ws->dwe,
@@ -99,7 +102,8 @@ static moe_groups groups_of(const moe_backend *be, const moe_layer_dims *d,
                             const moe_layer_acts *a, const expert_rows *r, int upload) {
     if (d->experts == MOE_EXPERTS_KERNEL && upload)
         be->from_host(a->dev_offset, r->off, sizeof(int) * (r->G + 1));
-    moe_groups g = {r->off, a->dev_offset, r->G, d->experts, MOE_DW_ACCUMULATE, NULL, 1};
+    moe_groups g = {r->off, a->dev_offset, r->G, d->experts, MOE_DW_ACCUMULATE, NULL, 1,
+                    (int)r->rows};
     if (d->permute_fusion) {
         MOE_ASSERT(d->experts == MOE_EXPERTS_KERNEL && !d->ep && d->capacity_factor == 0);
         g.gather = a->perm_src;

@@ -12,9 +12,37 @@
 
 #define R sizeof(moe_real)
 
+int moe_layer_sync_free(const moe_layer_dims *d) {
+    return d->step_flags && !d->ep && d->capacity_factor == 0 &&
+           d->experts == MOE_EXPERTS_KERNEL;
+}
+
+int moe_layer_permuted_rows(const moe_layer_dims *d) {
+    const int nk = d->N * d->k;
+    return moe_layer_sync_free(d) && d->budget_rows > 0 && d->budget_rows < nk ? d->budget_rows
+                                                                               : nk;
+}
+
 static size_t max_rows_f(const moe_layer_dims *d) {
-    size_t a = (size_t)d->N * d->k * d->F, b = (size_t)d->N * d->Fs;
+    size_t a = (size_t)moe_layer_permuted_rows(d) * d->F, b = (size_t)d->N * d->Fs;
     return a > b ? a : b;
+}
+
+/* The buffers with one row per permuted row: the budget's (one definition for the
+ * allocation and the regrowth). */
+static int alloc_permuted(const moe_backend *be, moe_layer_acts *a, const moe_layer_dims *d) {
+    const size_t P = moe_layer_permuted_rows(d), S = be->act_size;
+    be->free(a->perm_src); be->free(a->wp); be->free(a->xp); be->free(a->gu); be->free(a->act);
+    a->perm_src = be->alloc(sizeof(int) * P);
+    a->wp = be->alloc(R * P);
+    a->xp = be->alloc(S * P * d->H);
+    a->gu = be->alloc(S * P * 2 * d->F);
+    a->act = be->alloc(S * P * d->F);
+    return a->perm_src && a->wp && a->xp && a->gu && a->act;
+}
+
+int moe_layer_acts_regrow(const moe_backend *be, moe_layer_acts *a, const moe_layer_dims *d) {
+    return alloc_permuted(be, a, d);
 }
 
 int moe_layer_acts_alloc(const moe_backend *be, moe_layer_acts *a, const moe_layer_dims *d) {
@@ -23,12 +51,8 @@ int moe_layer_acts_alloc(const moe_backend *be, moe_layer_acts *a, const moe_lay
     a->logits = be->alloc(S * N * d->E);
     a->topk_idx = be->alloc(sizeof(int) * NK);
     a->topk_w = be->alloc(R * NK);
-    a->perm_src = be->alloc(sizeof(int) * NK);
     a->row_of = be->alloc(sizeof(int) * NK);
-    a->wp = be->alloc(R * NK);
-    a->xp = be->alloc(S * NK * d->H);
-    a->gu = be->alloc(S * NK * 2 * d->F);
-    a->act = be->alloc(S * NK * d->F);
+    int ok = alloc_permuted(be, a, d);
     if (d->Fs > 0) {
         a->shared_gu = be->alloc(S * N * 2 * d->Fs);
         a->shared_act = be->alloc(S * N * d->Fs);
@@ -40,17 +64,16 @@ int moe_layer_acts_alloc(const moe_backend *be, moe_layer_acts *a, const moe_lay
         const size_t groups = (size_t)d->N * (d->tp ? d->tp->size : 1) / (d->T > 0 ? d->T : 1);
         a->aux_counts = calloc((groups > 1 ? groups : 1) * (size_t)d->E, sizeof(long long));
     }
-    int ok = 1;
     if (d->ep || d->capacity_factor > 0) {
         a->dispatch_idx = be->alloc(sizeof(int) * NK);
         a->host_idx = malloc(sizeof(int) * NK);
         a->host_w = malloc(R * NK);
-        ok = a->dispatch_idx && a->host_idx && a->host_w;
+        ok = ok && a->dispatch_idx && a->host_idx && a->host_w;
     }
     /* out of memory is the caller's error to report (with the sizes and the flags), not
      * an assertion: a large batch reaches here */
-    return ok && a->logits && a->topk_idx && a->topk_w && a->perm_src && a->row_of && a->wp &&
-           a->xp && a->gu && a->act && (d->Fs == 0 || (a->shared_gu && a->shared_act)) &&
+    return ok && a->logits && a->topk_idx && a->topk_w && a->row_of &&
+           (d->Fs == 0 || (a->shared_gu && a->shared_act)) &&
            a->expert_offset && a->dev_offset && a->counts && a->aux_counts;
 }
 
@@ -76,20 +99,36 @@ void moe_layer_acts_free(const moe_backend *be, moe_layer_acts *a) {
     memset(a, 0, sizeof *a);
 }
 
-int moe_layer_workspace_alloc(const moe_backend *be, moe_layer_workspace *w,
-                              const moe_layer_dims *d) {
-    const size_t N = d->N, NK = (size_t)d->N * d->k, HF = max_rows_f(d), S = be->act_size;
-    memset(w, 0, sizeof *w);
-    w->yp = be->alloc(S * (NK > N ? NK : N) * d->H);
-    w->dyp = be->alloc(S * NK * d->H);
-    w->dxp = be->alloc(S * NK * d->H);
-    w->dwp = be->alloc(R * NK);
-    w->dtopk_w = be->alloc(R * NK);
-    w->dlogits = be->alloc(S * N * d->E);
+/* the workspace's buffers with one row per permuted row (yp also serves the shared expert's
+ * N rows, dh and dgu its N·Fs) */
+static int alloc_permuted_ws(const moe_backend *be, moe_layer_workspace *w,
+                             const moe_layer_dims *d) {
+    const size_t N = d->N, P = moe_layer_permuted_rows(d), HF = max_rows_f(d), S = be->act_size;
+    be->free(w->yp); be->free(w->dyp); be->free(w->dxp); be->free(w->dwp);
+    be->free(w->dh); be->free(w->dgu);
+    w->yp = be->alloc(S * (P > N ? P : N) * d->H);
+    w->dyp = be->alloc(S * P * d->H);
+    w->dxp = be->alloc(S * P * d->H);
+    w->dwp = be->alloc(R * P);
     w->dh = be->alloc(S * HF);
     w->dgu = be->alloc(S * 2 * HF);
+    return w->yp && w->dyp && w->dxp && w->dwp && w->dh && w->dgu;
+}
+
+int moe_layer_workspace_regrow(const moe_backend *be, moe_layer_workspace *w,
+                               const moe_layer_dims *d) {
+    return alloc_permuted_ws(be, w, d);
+}
+
+int moe_layer_workspace_alloc(const moe_backend *be, moe_layer_workspace *w,
+                              const moe_layer_dims *d) {
+    const size_t N = d->N, NK = (size_t)d->N * d->k, S = be->act_size;
+    memset(w, 0, sizeof *w);
+    const int ok = alloc_permuted_ws(be, w, d);
+    w->dtopk_w = be->alloc(R * NK);
+    w->dlogits = be->alloc(S * N * d->E);
     w->single = (moe_ep){.comm = NULL, .size = 1, .rank = 0, .be = be};
-    return w->yp && w->dyp && w->dxp && w->dwp && w->dtopk_w && w->dlogits && w->dh && w->dgu;
+    return ok && w->dtopk_w && w->dlogits;
 }
 
 void moe_layer_workspace_free(const moe_backend *be, moe_layer_workspace *w) {

@@ -67,6 +67,16 @@ typedef struct moe_layer_dims {
      *  ::MOE_EXPERTS_KERNEL only */
     int permute_fusion;
     const moe_tp *tp;           /**< the TP group with SP (NULL or size 1: all N·1 tokens here) */
+    /** chapter 06, the sync-free layer: the step-flags word (moe_model::step_flags, backend
+     *  memory), or NULL. When set, a layer whose path allows it (moe_layer_sync_free())
+     *  keeps the counts and offsets in backend memory from the router to the unpermute, and
+     *  an overflow of @ref budget_rows raises ::MOE_STEP_OVERFLOW here */
+    int *step_flags;
+    /** the static budget of permuted rows (0: none, N·k); see moe_layer_permuted_rows() */
+    int budget_rows;
+    /** the sync-free layer's expert loads: [E] backend memory its counts are added to (NULL:
+     *  not counted) */
+    long long *load_counts;
 } moe_layer_dims;
 
 /** The layer's weights: the backend's compute copy (activation type), views into it. */
@@ -153,6 +163,45 @@ typedef struct moe_layer_workspace {
     void *tp_y;  /**< with TP: the partial output / gathered output gradient (lent) */
     void *tp_dx; /**< with TP: the whole input's partial gradient (lent) */
 } moe_layer_workspace;
+
+/**
+ * @brief Whether the layer runs sync-free (chapter 06): counts and offsets stay in backend
+ *        memory from the router to the unpermute, forward and backward, and nothing waits
+ *        for the device. That is one rank (no EP group), dropless, our grouped kernel (it
+ *        reads the offsets on the device), with a step-flags word to raise an overflow in.
+ *        The other paths need the counts on the host: the per-expert loop and cuBLAS's
+ *        grouped GEMM size each GEMM from them, a capacity drops on the host, and the EP
+ *        dispatchers exchange counts and splits through the host.
+ * @param d dims @return 1 or 0
+ */
+int moe_layer_sync_free(const moe_layer_dims *d);
+
+/**
+ * @brief Rows of the permuted buffers (xp, gu, act, yp, ...) for @p d->N tokens: the N·k
+ *        assignments, or on the sync-free path the static budget d->budget_rows when that
+ *        is smaller. On one rank, dropless, exactly N·k rows are filled whatever the
+ *        routing, so any budget of at least N·k never overflows; a smaller one always does
+ *        (the assignments past it get no row, ::MOE_STEP_OVERFLOW is raised and the step is
+ *        re-run with grown buffers).
+ * @param d dims @return rows
+ */
+int moe_layer_permuted_rows(const moe_layer_dims *d);
+
+/**
+ * @brief Re-allocate the buffers whose size is the budget of permuted rows, for the budget in
+ *        @p d (after it grew: moe_model_grow_moe_budget()). What they held is lost: the step
+ *        is re-run.
+ * @param be backend @param a acts @param d dims @return 1, or 0 when an allocation failed
+ */
+int moe_layer_acts_regrow(const moe_backend *be, moe_layer_acts *a, const moe_layer_dims *d);
+
+/**
+ * @brief moe_layer_acts_regrow() for the workspace.
+ * @param be backend @param w workspace @param d dims (those it was allocated with, new budget)
+ * @return 1, or 0 when an allocation failed
+ */
+int moe_layer_workspace_regrow(const moe_backend *be, moe_layer_workspace *w,
+                               const moe_layer_dims *d);
 
 /** @brief Allocate the saved activations for @p d. @param be backend @param a acts @param d dims
  *  @return 1, or 0 when an allocation failed (free with moe_layer_acts_free()) */
