@@ -260,6 +260,8 @@ static void apply_update(moe_trainer *t, moe_step_stats *st);
 
 moe_status moe_trainer_step(moe_trainer *t, moe_step_stats *st, moe_error *err) {
     moe_trainer_gradients(t, st);
+    /* a region that could not be captured (graph.h) lost this step's work: stop with its name */
+    MOE_TRY(moe_graphs_status(t->model->graphs, err));
     MOE_TRY(check_finite(t, st, "loss", st->loss, err));
     moe_timer timer;
     moe_timer_start(&timer);

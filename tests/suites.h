@@ -26,6 +26,8 @@ Suite *suite_dispatch_plan(void); /* tests/test_dispatch_plan.c: the dispatch pl
 Suite *suite_grouped(void);   /* tests/test_grouped.c: the CPU grouped GEMM (chapter 03) */
 Suite *suite_tile_schedule(void); /* tests/test_tile_schedule.c: the grouped GEMM's tile
                                      scheduler vs a brute-force enumeration (chapter 03) */
+Suite *suite_graph(void);     /* tests/test_graph.c: --cuda-graph-scope and the capture helper
+                                 on a mock backend (chapter 06) */
 
 /* finite-difference gradient checks (fp64 build) */
 Suite *suite_fd_ops(void);    /* tests/fd_ops.c: every op */
@@ -40,6 +42,8 @@ Suite *suite_gpu_model(void);     /* tests/gpu_model.c: whole model CUDA vs CPU,
 Suite *suite_gpu_grouped(void);   /* tests/gpu_grouped.c: cuBLAS grouped GEMM vs the loop */
 Suite *suite_gpu_checkpoint(void); /* tests/gpu_checkpoint.c: kill -9, resume, the same losses
                                       bit for bit, through bin/moe-train --device cuda */
+Suite *suite_gpu_graphs(void);    /* tests/gpu_graphs.c: no allocation after step 1; attn graphs
+                                     replay == eager bit for bit; capture errors named */
 
 /* MPI tests (CPU ranks under mpirun) */
 Suite *suite_mpi_comm(void);      /* tests/mpi_comm.c: every collective of comm.h, any rank count */
