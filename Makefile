@@ -8,7 +8,7 @@
 #   make bench      benchmarks
 #   make test-gpu   the CUDA tests only (they print "skipped: no GPU" without one)
 #   make ch03-versions  chapter 03's kernel ladder, bin/ch03_versions (needs nvcc)
-#   make check-ch01 (ch02, ch03)   one chapter's tests only, in under a minute on 2 cores;
+#   make check-ch01 (ch02, ch03, ch04, ch06)   one chapter's tests only, in under a minute on 2 cores;
 #                   STUDENT=1 grades the stubs in chapters/NN-*/student/ instead
 #   make notebooks  re-execute notebooks-c/*.ipynb and save their outputs
 #   make test-plots tools/plot_metrics.py and tools/plot_bench.py on synthetic inputs
@@ -116,7 +116,7 @@ LIB      := $(BUILD)/libmoe.a
 LIB_F64  := $(BUILD)/f64/libmoe.a
 PROGRAMS := $(patsubst programs/%.c,bin/%,$(PROG_SRC))
 # chapter programs: chapters/NN-name/chNN_what.c -> bin/chNN_what
-CHAPTER_SRC := $(wildcard chapters/*/ch*.c)
+CHAPTER_SRC := $(filter-out $(if $(filter 1,$(WITH_CUDA)),,chapters/06-cuda-graphs/%),$(wildcard chapters/*/ch*.c))
 CHAPTER_BIN := $(foreach f,$(CHAPTER_SRC),bin/$(basename $(notdir $(f))))
 
 obj = $(patsubst %.c,$(BUILD)/$(2)%.o,$(1))
@@ -168,7 +168,7 @@ $(BUILD)/f64/LIB-MEMBERS: FORCE
 
 # ---------------------------------------------------------------- targets
 .PHONY: all config check-deps train test test-unit test-fd test-asan test-gpu test-mpi test-notebooks notebooks docs bench \
-	clean print-build-flags check-ch01 check-ch02 check-ch03 check-ch04 test-chapters test-student-stubs test-plots \
+	clean print-build-flags check-ch01 check-ch02 check-ch03 check-ch04 check-ch06 test-chapters test-student-stubs test-plots \
 	ch03-versions figures
 
 # chapter 03's kernel ladder (chapters/03-grouped-gemm/versions/): CUDA only
@@ -215,6 +215,9 @@ bin/$(basename $(notdir $(1))): $(BUILD)/$(1:.c=.o) $(LIB)
 	$$(CC) $$(ALL_CFLAGS) $$^ -o $$@ $$(LDLIBS)
 endef
 $(foreach f,$(CHAPTER_SRC),$(eval $(call CHAPTER_RULE,$(f))))
+# chapter 06's benchmark counts kernels with CUPTI (CUDA toolkit): only it links -lcupti
+CUPTI_LIBDIR := $(firstword $(wildcard $(CUDA_HOME)/extras/CUPTI/lib64 $(CUDA_HOME)/lib64))
+bin/ch06_graphs_bench: LDLIBS += -L$(CUPTI_LIBDIR) -Wl,-rpath,$(CUPTI_LIBDIR) -lcupti
 
 # ---- chapter 03's kernel ladder: v1 SIMT .. v4 the library's kernel, each checked against
 # the cuBLAS loop and timed by one program (chapters/03-grouped-gemm/versions/ch03_versions.cu)
@@ -401,9 +404,17 @@ check-ch04: check-deps
 	    --model "--moe-layer-freq [1,0]" > $(BUILD)/ch04_folding_bench_$$np.txt 2>&1 \
 	    || { cat $(BUILD)/ch04_folding_bench_$$np.txt; exit 1; }; tail -1 $(BUILD)/ch04_folding_bench_$$np.txt; done; fi
 
+# chapter 06 (CUDA graphs): the CPU parts (--cuda-graph-scope, the capture helper on a mock
+# backend); the GPU parts (the arena, replay == eager) are tagged ch06 in the GPU binary
+check-ch06: check-deps
+	@$(MAKE) --no-print-directory $(BUILD)/tests/unit $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu)
+	@echo "== chapter 06 self-check (reference: the library's code; no student stubs yet)"
+	CK_INCLUDE_TAGS=ch06 $(BUILD)/tests/unit
+	@if [ "$(WITH_CUDA)" = 1 ]; then CK_INCLUDE_TAGS=ch06 $(BUILD)/tests/gpu; fi
+
 # make test runs the chapter checks on the reference, and proves the other direction: an
 # untouched stub fails, with the message that names its file and function.
-test-chapters: check-ch01 check-ch02 check-ch03 check-ch04
+test-chapters: check-ch01 check-ch02 check-ch03 check-ch04 check-ch06
 
 # $(call EXPECT_STUB,NN,file,function[,suite]): the chapter's student unit binary (only
 # the Check suite named, when a chapter has stubs in several) must fail with the stub's
@@ -595,6 +606,8 @@ bench: all
 	@if [ "$(WITH_MPI)" = 1 ]; then OMP_NUM_THREADS=1 $(MPIRUN) -np 4 ./bin/ch04_folding_bench; \
 	else echo "ch04 folding benchmark: skipped (needs MPI)"; fi
 	./bin/ch03_grouped_gemm_bench
+	@if [ "$(WITH_CUDA)" = 1 ]; then ./bin/ch06_graphs_bench; \
+	else echo "ch06 graphs benchmark: skipped (built without CUDA)"; fi
 
 # For tools that compile C against the library (the notebooks' %%c cells).
 print-build-flags:

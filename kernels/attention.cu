@@ -520,9 +520,10 @@ static void att_backward_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const 
     const size_t smem = att_smem_backward<NJ>();
     const float scale = (float)(1.0 / sqrt((double)D));
     cudaStream_t st = moe_cuda_stream();
-    /* δ [B, Hq, T]: stream-ordered scratch, handed back to the pool after the kernels */
-    float *delta = NULL;
-    MOE_CUDA_CHECK(cudaMallocAsync((void **)&delta, (size_t)B * Hq * T * sizeof(float), st));
+    /* δ [B, Hq, T]: a scratch slot, sized by the first backward and kept (no allocation per
+     * step, and an address a CUDA graph can keep: chapter 06) */
+    float *delta = (float *)moe_cuda_scratch(MOE_SCRATCH_ATTENTION,
+                                             (size_t)B * Hq * T * sizeof(float));
 
     MOE_CUDA_CHECK(cudaFuncSetAttribute(att_backward_dq_kernel<NJ>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
@@ -537,7 +538,6 @@ static void att_backward_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const 
     att_backward_dkdv_kernel<NJ><<<grid_kv, ATT_THREADS, smem, st>>>(dk, dv, delta, dy, att, q,
                                                                      v, T, Hq, Hkv, D, scale);
     MOE_CUDA_LAUNCH_CHECK();
-    MOE_CUDA_CHECK(cudaFreeAsync(delta, st));
 }
 
 /* The naive kernels' workspace: P [B, Hq, T, T] in bf16. */

@@ -48,6 +48,11 @@ static moe_backend make_cuda_backend(void) {
     b.timer_begin = moe_cuda_timer_begin;
     b.timer_end_ms = moe_cuda_timer_end_ms;
     b.fill_normal = moe_cuda_fill_normal;
+    b.graph_begin = moe_cuda_graph_begin;
+    b.graph_end = moe_cuda_graph_end;
+    b.graph_launch = moe_cuda_graph_launch;
+    b.graph_free = moe_cuda_graph_free;
+    b.graph_nodes = moe_cuda_graph_nodes;
 
     b.matmul_forward = moe_cuda_matmul_forward;
     b.matmul_backward = moe_cuda_matmul_backward;

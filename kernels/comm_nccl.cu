@@ -176,7 +176,11 @@ static nccl_state *wrap(ncclComm_t comm, int world_rank) {
     MOE_NCCL_CHECK(c, ncclCommUserRank(comm, &c->rank));
     MOE_NCCL_CHECK(c, ncclCommCount(comm, &c->size));
     MOE_CUDA_CHECK(cudaGetDevice(&c->device));
-    MOE_CUDA_CHECK(cudaMalloc(&c->barrier_buf, sizeof(int)));
+    c->barrier_buf = (int *)moe_cuda_malloc_counted(sizeof(int));
+    if (!c->barrier_buf) {
+        fprintf(stderr, "NCCL transport: out of device memory for the barrier word\n");
+        exit(1);
+    }
     MOE_CUDA_CHECK(cudaMemset(c->barrier_buf, 0, sizeof(int))); /* 0 + 0 stays 0 */
     for (int i = 0; i < DEPTH; i++)
         MOE_CUDA_CHECK(cudaEventCreateWithFlags(&c->done[i], cudaEventDisableTiming));
@@ -245,7 +249,7 @@ static void nccl_free(void *s) {
     moe_comm_watch_close(c->watch); /* nothing is in flight any more */
     for (int i = 0; i < DEPTH; i++)
         MOE_CUDA_CHECK(cudaEventDestroy(c->done[i]));
-    MOE_CUDA_CHECK(cudaFree(c->barrier_buf));
+    moe_cuda_free_counted(c->barrier_buf);
 #ifdef MOE_NCCL_DEVICE_API
     if (c->has_dev)
         MOE_NCCL_CHECK(c, ncclDevCommDestroy(c->comm, &c->dev));

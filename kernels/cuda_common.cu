@@ -1,4 +1,5 @@
-/* The CUDA backend's shared state: one stream, one cuBLAS handle. See cuda_common.cuh. */
+/* The CUDA backend's shared state: one stream, one cuBLAS handle, the scratch buffers.
+ * See cuda_common.cuh. */
 #include "cuda_common.cuh"
 
 static cudaStream_t g_stream = NULL;
@@ -23,7 +24,10 @@ static int sync_check(void) {
 void moe_cuda_launch_check(const char *file, int line) {
     cudaError_t e = cudaGetLastError();
     const char *when = "at launch";
-    if (e == cudaSuccess && sync_check()) {
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    if (e == cudaSuccess && sync_check() &&
+        cudaStreamIsCapturing(moe_cuda_stream(), &cap) == cudaSuccess &&
+        cap == cudaStreamCaptureStatusNone) { /* a capture cannot wait: checked at replay */
         e = cudaStreamSynchronize(moe_cuda_stream());
         when = "while running (MOE_CUDA_SYNC_CHECK=1)";
     }
@@ -36,15 +40,33 @@ void moe_cuda_launch_check(const char *file, int line) {
 
 static void *g_scratch[MOE_SCRATCH_SLOTS];
 static size_t g_scratch_bytes[MOE_SCRATCH_SLOTS];
+static unsigned long long g_epoch = 0;
+
+static const char *const g_slot_names[MOE_SCRATCH_SLOTS] = {
+    "aux_loss", "embedding", "permute", "grouped_gemm", "wgrad_split",
+    "gather", "rmsnorm", "reduce", "attention", "cublas"};
+
+unsigned long long moe_cuda_memory_epoch(void) { return g_epoch; }
 
 void *moe_cuda_scratch(moe_scratch_slot slot, size_t bytes) {
     if (bytes > g_scratch_bytes[slot]) {
-        if (g_scratch[slot]) {
-            MOE_CUDA_CHECK(cudaStreamSynchronize(moe_cuda_stream()));
-            MOE_CUDA_CHECK(cudaFree(g_scratch[slot]));
+        char what[96];
+        snprintf(what, sizeof what, "scratch buffer '%s' grows (cudaMalloc)", g_slot_names[slot]);
+        (void)moe_cuda_capture_forbid(what); /* then grow eagerly: the capture is gone */
+        /* round up to a power of two (at least 64 KiB): a slot whose size wobbles with the
+         * shape settles after one growth instead of growing every time */
+        size_t cap = 65536;
+        while (cap < bytes)
+            cap *= 2;
+        moe_cuda_free_counted(g_scratch[slot]);
+        g_scratch[slot] = moe_cuda_malloc_counted(cap);
+        if (!g_scratch[slot]) {
+            fprintf(stderr, "CUDA scratch '%s': out of device memory (%zu bytes)\n",
+                    g_slot_names[slot], cap);
+            exit(1);
         }
-        MOE_CUDA_CHECK(cudaMalloc(&g_scratch[slot], bytes));
-        g_scratch_bytes[slot] = bytes;
+        g_scratch_bytes[slot] = cap;
+        g_epoch++;
     }
     return g_scratch[slot];
 }
@@ -53,6 +75,12 @@ cublasHandle_t moe_cuda_cublas(void) {
     if (!g_cublas) {
         MOE_CUBLAS_CHECK(cublasCreate(&g_cublas));
         MOE_CUBLAS_CHECK(cublasSetStream(g_cublas, moe_cuda_stream()));
+        /* Our own workspace, set once: cuBLAS then never allocates one itself (it may not
+         * inside a graph capture), and eager and captured GEMMs see the same workspace
+         * size, so its heuristics pick the same kernels: replay equals eager bit for bit.
+         * 32 MiB is what NVIDIA recommends for Hopper. */
+        const size_t ws = (size_t)32 << 20;
+        MOE_CUBLAS_CHECK(cublasSetWorkspace(g_cublas, moe_cuda_scratch(MOE_SCRATCH_CUBLAS, ws), ws));
     }
     return g_cublas;
 }

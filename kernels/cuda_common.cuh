@@ -158,15 +158,49 @@ typedef enum moe_scratch_slot {
     MOE_SCRATCH_GROUPED_GEMM,
     MOE_SCRATCH_WGRAD_SPLIT, /* fp32 partial weight gradients of a split-K wgrad */
     MOE_SCRATCH_GATHER,      /* rows a gathered grouped GEMM copies where it cannot gather */
+    MOE_SCRATCH_RMSNORM,     /* fp32 partial sums of the RMSNorm weight gradient */
+    MOE_SCRATCH_REDUCE,      /* the optimizer's fixed-shape reduction: partials and result */
+    MOE_SCRATCH_ATTENTION,   /* the attention backward's row sums delta [B, Hq, T] */
+    MOE_SCRATCH_CUBLAS,      /* cuBLAS's workspace, set once on the handle */
     MOE_SCRATCH_SLOTS
 } moe_scratch_slot;
 
 /**
  * A device buffer of at least @p bytes for @p slot, kept between calls (the sizes repeat
  * every step) and grown when needed. Growing waits for queued work before freeing the
- * old buffer; it allocates, so it must not happen inside a CUDA graph capture (chapter 06:
- * warm up first).
+ * old buffer, so it happens in the first step (the warm-up) and never after: the sizes are
+ * functions of the shapes, which repeat. Growing moves the buffer, so it also advances the
+ * memory epoch (moe_cuda_memory_epoch()): a CUDA graph captured before holds the old
+ * address and is captured again instead of replayed (graph.cu). Inside a capture growing is
+ * refused: the capture is abandoned with the slot's name (moe_cuda_capture_forbid()).
  */
 void *moe_cuda_scratch(moe_scratch_slot slot, size_t bytes);
+
+/**
+ * The one place the CUDA backend calls cudaMalloc: counted (moe_cuda_alloc_counts()), so a
+ * test can assert that a training step allocates nothing after the first.
+ * @param bytes size (0 is allocated as 1 byte)  @return the pointer, or NULL when out of memory
+ */
+void *moe_cuda_malloc_counted(size_t bytes);
+
+/** The one place the CUDA backend calls cudaFree (counted), after the stream's queued work
+ *  has finished. @param p pointer (NULL: no-op) */
+void moe_cuda_free_counted(void *p);
+
+/** How many times buffers moved (scratch growth); graphs captured at an older epoch are
+ *  stale. @return the epoch */
+unsigned long long moe_cuda_memory_epoch(void);
+
+/**
+ * Where the backend would wait for the device, read device memory on the host, or allocate,
+ * it first calls this with what it is about to do. Outside a capture it returns 0 and the
+ * caller goes on. Inside a capture on moe_cuda_stream() the work cannot be recorded: the
+ * capture is ended and thrown away, @p what is kept as the reason (moe_cuda_graph_end()
+ * reports it as a named error), and it returns 1; the caller then goes on eagerly, because
+ * the stream is no longer capturing.
+ * @param what what could not be captured, e.g. "to_host (a device-to-host copy that waits)"
+ * @return 1 when a capture was abandoned, else 0
+ */
+int moe_cuda_capture_forbid(const char *what);
 
 #endif /* MOE_CUDA_COMMON_CUH */

@@ -41,6 +41,31 @@ void moe_cuda_timer_begin(void);
 double moe_cuda_timer_end_ms(void);
 void moe_cuda_fill_normal(moe_real *x, size_t n, unsigned long long seed,
                           unsigned long long stream, double std);
+/** cudaMalloc and cudaFree calls since the start (memory.cu makes every one of them), for
+ *  the arena test and the benchmark. @param mallocs receives  @param frees receives */
+void moe_cuda_alloc_counts(long long *mallocs, long long *frees);
+
+/* CUDA graph capture (kernels/graph.cu): the op table's graph slots */
+void moe_cuda_graph_begin(void);
+void *moe_cuda_graph_end(char *why, size_t cap);
+int moe_cuda_graph_launch(void *g);
+void moe_cuda_graph_free(void *g);
+size_t moe_cuda_graph_nodes(const void *g);
+
+/** What the GPU ran between moe_cuda_trace_begin() and moe_cuda_trace_end() (CUPTI's
+ *  activity records, kernels/trace.cu; chapter 06's benchmark). */
+typedef struct moe_cuda_trace {
+    long long kernels;       /**< kernels run */
+    long long graph_kernels; /**< of which launched as nodes of a CUDA graph */
+    long long copies;        /**< memsets and copies run */
+    long long graph_copies;  /**< of which graph nodes */
+    double busy_ms;          /**< the union of their [start, end) intervals: time the GPU
+                                  was doing something */
+} moe_cuda_trace;
+/** Start recording (0 and a reason in @p why when CUPTI cannot). */
+int moe_cuda_trace_begin(char *why, size_t cap);
+/** Stop recording, after the work has finished, and summarise it into @p out. */
+void moe_cuda_trace_end(moe_cuda_trace *out);
 
 /* dense ops */
 void moe_cuda_matmul_forward(void *out, const void *in, const void *w, int N, int I, int O);

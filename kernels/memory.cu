@@ -14,6 +14,14 @@
  *     caller may read (or overwrite) its host buffer as soon as the call returns.
  *     That is what the CPU backend's memcpy promises, and the model relies on it.
  *
+ *  3. (chapter 06) cudaMalloc and cudaFree are called in ONE place each,
+ *     moe_cuda_malloc_counted() and moe_cuda_free_counted(), which count them: the model
+ *     allocates everything when it is created and the scratch buffers grow in the first
+ *     step, so from the second step on a training step allocates nothing — the arena
+ *     test (tests/gpu_graphs.c) reads the counters to prove it. Every call here that waits,
+ *     reads the device on the host or allocates first asks moe_cuda_capture_forbid(): inside
+ *     a CUDA graph capture it is not capturable, and the capture fails with its name.
+ *
  * Precision. Activations are bf16 (1 sign, 8 exponent, 7 mantissa bits: the range
  * of fp32 with 3 significant decimal digits). Converting fp32 → bf16 rounds to the
  * nearest value, ties to even (relative error ≤ 2⁻⁹); bf16 → fp32 is exact (the
@@ -34,25 +42,44 @@ static __global__ void cast_to_bf16_kernel(moe_bf16 *dst, const float *src, size
         dst[i] = moe_st(src[i]);
 }
 
-extern "C" void *moe_cuda_alloc(size_t bytes) {
+static long long g_mallocs = 0, g_frees = 0;
+
+void *moe_cuda_malloc_counted(size_t bytes) {
     void *p = NULL;
+    (void)moe_cuda_capture_forbid("cudaMalloc (an allocation)");
     /* a zero-byte request still returns a distinct non-NULL pointer, like calloc */
     cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
     if (e != cudaSuccess) {
         (void)cudaGetLastError(); /* out of memory is not sticky: clear it and report NULL */
         return NULL;
     }
-    MOE_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes ? bytes : 1, moe_cuda_stream()));
+    g_mallocs++;
     return p;
 }
 
-extern "C" void moe_cuda_free(void *p) {
+void moe_cuda_free_counted(void *p) {
     if (!p)
         return;
+    (void)moe_cuda_capture_forbid("cudaFree (a release, which waits for the stream)");
     /* queued kernels may still read p: let them finish first */
     MOE_CUDA_CHECK(cudaStreamSynchronize(moe_cuda_stream()));
     MOE_CUDA_CHECK(cudaFree(p));
+    g_frees++;
 }
+
+extern "C" void moe_cuda_alloc_counts(long long *mallocs, long long *frees) {
+    *mallocs = g_mallocs;
+    *frees = g_frees;
+}
+
+extern "C" void *moe_cuda_alloc(size_t bytes) {
+    void *p = moe_cuda_malloc_counted(bytes);
+    if (p)
+        MOE_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes ? bytes : 1, moe_cuda_stream()));
+    return p;
+}
+
+extern "C" void moe_cuda_free(void *p) { moe_cuda_free_counted(p); }
 
 extern "C" void moe_cuda_zero(void *p, size_t bytes) {
     if (bytes)
@@ -68,6 +95,7 @@ extern "C" void moe_cuda_copy(void *dst, const void *src, size_t bytes) {
 extern "C" void moe_cuda_to_host(void *dst, const void *src, size_t bytes) {
     if (!bytes)
         return;
+    (void)moe_cuda_capture_forbid("to_host (a device-to-host copy the host waits for)");
     MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, moe_cuda_stream()));
     MOE_CUDA_CHECK(cudaStreamSynchronize(moe_cuda_stream()));
 }
@@ -75,6 +103,8 @@ extern "C" void moe_cuda_to_host(void *dst, const void *src, size_t bytes) {
 extern "C" void moe_cuda_from_host(void *dst, const void *src, size_t bytes) {
     if (!bytes)
         return;
+    (void)moe_cuda_capture_forbid("from_host (a copy from pageable host memory the host waits "
+                                  "for)");
     MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, moe_cuda_stream()));
     MOE_CUDA_CHECK(cudaStreamSynchronize(moe_cuda_stream()));
 }
@@ -120,5 +150,6 @@ extern "C" void moe_cuda_cast_to_act(void *dst, const moe_real *src, size_t n) {
 }
 
 extern "C" void moe_cuda_synchronize(void) {
+    (void)moe_cuda_capture_forbid("synchronize (the host waits for the stream)");
     MOE_CUDA_CHECK(cudaStreamSynchronize(moe_cuda_stream()));
 }

@@ -51,14 +51,12 @@ static __global__ void sum_final_kernel(double *out, const double *partial, int 
         *out = acc;
 }
 
-/* MAX_BLOCKS partials and the result, allocated once */
-static double *g_partial = NULL;
-
 static double reduce(const float *x, size_t n, int square) {
     if (n == 0)
         return 0.0;
-    if (!g_partial)
-        MOE_CUDA_CHECK(cudaMalloc((void **)&g_partial, (MAX_BLOCKS + 1) * sizeof(double)));
+    /* MAX_BLOCKS partials and the result: a scratch slot, allocated by the first call */
+    double *g_partial =
+        (double *)moe_cuda_scratch(MOE_SCRATCH_REDUCE, (MAX_BLOCKS + 1) * sizeof(double));
     cudaStream_t st = moe_cuda_stream();
     size_t b = moe_cdiv(n, THREADS * 4); /* at least ~4 elements per thread */
     const int blocks = (int)(b < MAX_BLOCKS ? b : MAX_BLOCKS);

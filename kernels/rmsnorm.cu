@@ -94,20 +94,10 @@ static __global__ void rmsnorm_dw_final_kernel(float *dw, const float *partial, 
     dw[c] += acc;
 }
 
-/* Scratch for the dw partials, kept between calls. */
-static float *g_partial = NULL;
-static size_t g_partial_cap = 0;
-
+/* Scratch for the dw partials: a slot of the backend's scratch (cuda_common.cuh), sized in
+ * the first step and never moved after (chapter 06's arena). */
 static float *partial_buffer(size_t n) {
-    if (n > g_partial_cap) {
-        if (g_partial) {
-            MOE_CUDA_CHECK(cudaStreamSynchronize(moe_cuda_stream()));
-            MOE_CUDA_CHECK(cudaFree(g_partial));
-        }
-        MOE_CUDA_CHECK(cudaMalloc((void **)&g_partial, n * sizeof(float)));
-        g_partial_cap = n;
-    }
-    return g_partial;
+    return (float *)moe_cuda_scratch(MOE_SCRATCH_RMSNORM, n * sizeof(float));
 }
 
 extern "C" void moe_cuda_rmsnorm_forward(void *out, moe_real *rstd, const void *x, const void *w,

@@ -103,6 +103,22 @@ typedef struct moe_backend {
                         double std);
     /**@}*/
 
+    /** @name graph capture (chapter 06; NULL on a backend without graphs: the CPU)
+     *  lib/graph.h uses these four to record a region of ops once and replay it. */
+    /**@{*/
+    /** start recording: ops enqueued from now on are captured, not run */
+    void (*graph_begin)(void);
+    /** stop recording and make the recording replayable; NULL when it could not be captured,
+     *  with the reason (what was not capturable) in @p why */
+    void *(*graph_end)(char *why, size_t cap);
+    /** replay a graph: 1, or 0 when a buffer it used has moved since (capture it again) */
+    int (*graph_launch)(void *g);
+    /** release a graph (NULL: no-op) */
+    void (*graph_free)(void *g);
+    /** the kernels, memsets and copies a graph holds */
+    size_t (*graph_nodes)(const void *g);
+    /**@}*/
+
     /** @name dense ops */
     /**@{*/
     /** as moe_cpu_matmul_forward() */

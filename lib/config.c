@@ -1,5 +1,6 @@
 /* moe.c's flags, defaults and validation: see config.h. */
 #include "config.h"
+#include "graph.h"
 
 #include <ctype.h>
 #include <limits.h>
@@ -108,6 +109,13 @@ static const moe_flag g_flags[] = {
       "cublas-grouped (cublasGemmGroupedBatchedEx), grouped (our sm_90a kernel, sizes read on "
       "the GPU; cuBLAS grouped on other GPUs); auto = grouped on a GPU, loop on the CPU",
       "auto|loop|cublas-grouped|grouped", G_MOE),
+    F("cuda-graph-scope", MOE_FLAG_CHOICE, cuda_graph_scope, "none",
+      "what is captured once as CUDA graphs and replayed every step (chapter 06; levels nest, "
+      "each shape is captured once): none; attn = each layer's attention block, forward and "
+      "backward; moe_router = + the router; moe_preprocess = + the dispatch preprocessing; "
+      "layer = whole layers; full_iteration = forward, backward and optimizer. A level whose "
+      "work still waits for the host is refused with what it waits for",
+      "none|attn|moe_router|moe_preprocess|layer|full_iteration", G_TRAIN),
 
     F("tensor-model-parallel-size", MOE_FLAG_INT, tensor_model_parallel_size, "1",
       "ranks each attention and dense-FFN matrix is split over (TP, Megatron style: column-"
@@ -550,6 +558,8 @@ moe_status moe_config_validate(moe_config *c, moe_error *err) {
     RESOLVE(c->alltoall_path, "moe-alltoall-path", c->moe_alltoall_path);
     RESOLVE(c->drop_policy, "moe-token-drop-policy", c->moe_token_drop_policy);
     RESOLVE(c->expert_backend, "moe-expert-backend", c->moe_expert_backend);
+    RESOLVE(c->graph_scope, "cuda-graph-scope", c->cuda_graph_scope);
+    MOE_TRY(moe_graph_scope_check(c, NULL, err)); /* levels that still wait for the host */
     if (any_moe) {
         const int E = c->num_experts, k = c->moe_router_topk;
         REQUIRE(c->moe_ffn_hidden_size >= 1, "--moe-ffn-hidden-size must be positive (got %d)",

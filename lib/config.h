@@ -87,6 +87,17 @@ typedef enum moe_expert_choice {
     MOE_EXPERT_BACKEND_GROUPED = 3  /**< our grouped kernel (chapter 03) */
 } moe_expert_choice;
 
+/** How much of a training step is captured as CUDA graphs (--cuda-graph-scope, chapter 06).
+ *  The levels nest: each captures what the one before does, and more (lib/graph.h). */
+typedef enum moe_graph_scope {
+    MOE_GRAPH_NONE = 0,           /**< every op launched from the host (eager) */
+    MOE_GRAPH_ATTN = 1,           /**< each layer's attention block, forward and backward */
+    MOE_GRAPH_MOE_ROUTER = 2,     /**< + the router and its losses */
+    MOE_GRAPH_MOE_PREPROCESS = 3, /**< + the dispatch preprocessing (counts, offsets, permute) */
+    MOE_GRAPH_LAYER = 4,          /**< each whole transformer layer */
+    MOE_GRAPH_FULL_ITERATION = 5  /**< forward, backward and the optimizer: one graph */
+} moe_graph_scope;
+
 /** Learning-rate decay style. */
 typedef enum moe_lr_style { MOE_LR_COSINE = 0, MOE_LR_CONSTANT = 1, MOE_LR_LINEAR = 2 } moe_lr_style;
 
@@ -141,6 +152,7 @@ typedef struct moe_config {
     int moe_grouped_gemm;                  /**< --moe-grouped-gemm (chapter 03) */
     int moe_permute_fusion;                /**< --moe-permute-fusion (chapter 03) */
     char moe_expert_backend[MOE_FLAG_STR_LEN]; /**< --moe-expert-backend (chapter 03) */
+    char cuda_graph_scope[MOE_FLAG_STR_LEN];   /**< --cuda-graph-scope (chapter 06) */
     /* ---- training */
     int micro_batch_size;       /**< --micro-batch-size */
     int global_batch_size;      /**< --global-batch-size (a multiple of the micro batch) */
@@ -188,6 +200,7 @@ typedef struct moe_config {
     moe_a2a_path alltoall_path;          /**< parsed --moe-alltoall-path */
     moe_drop_policy drop_policy;         /**< parsed --moe-token-drop-policy */
     moe_expert_choice expert_backend;    /**< parsed --moe-expert-backend */
+    moe_graph_scope graph_scope;         /**< parsed --cuda-graph-scope */
 } moe_config;
 
 /** @brief The flag table of moe.c. @param n receives its length @return the table */

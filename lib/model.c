@@ -242,6 +242,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
                                      moe_error *err) {
     *out = NULL;
     moe_memory_estimate est;
+    MOE_TRY(moe_graph_scope_check(cfg, be, err));
     MOE_TRY(check_memory(cfg, be, B, ep, &est, err));
     moe_model *m = calloc(1, sizeof *m);
     if (!m)
@@ -324,6 +325,9 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
         ok = 0;
     m->logits = must(be, S * N * Vl, &ok);
     m->losses = must(be, R * N, &ok);
+    m->graphs = moe_graphs_create(be, cfg->graph_scope);
+    if (!m->graphs)
+        ok = 0;
     m->d_res = must(be, S * Nl * H, &ok);
     m->d_ln = must(be, S * Nl * H, &ok);
     if (!moe_attention_scratch_alloc(be, &m->attn_scratch, &ad))
@@ -372,6 +376,7 @@ void moe_model_free(moe_model *m) {
     be->free(m->grads);
     be->free(m->tokens);
     be->free(m->step_flags);
+    moe_graphs_free(m->graphs);
     be->free(m->targets);
     if (m->res)
         for (int l = 0; l <= L; l++)
@@ -456,6 +461,48 @@ double moe_model_flops_per_token(const moe_model *m, int T) {
     return 6 * weights + 6.0 * c->num_layers * T * QD;
 }
 
+/* ------------------------------------------------------- the attention blocks, graphed */
+
+/* One layer's attention block, forward or backward, as a region for moe_graph_run() (graph.h:
+ * eager under --cuda-graph-scope none, else captured once per (layer, B, T) and replayed).
+ * Every pointer it passes is fixed for the layer and the shape, so a replay is the same
+ * work on the same buffers. */
+typedef struct attn_region {
+    moe_model *m;
+    int l;
+    void *out;                       /* forward: out; backward: dx */
+    const void *x, *dout;            /* the block's input; backward: the output gradient */
+    const moe_attention_weights *w;
+    const moe_attention_grads *g;
+    const moe_attention_dims *d;
+} attn_region;
+
+static void attn_forward_region(void *p) {
+    attn_region *r = p;
+    moe_attention_forward(r->m->be, r->out, r->x, r->w, r->d, &r->m->acts[r->l].attn);
+}
+
+static void attn_backward_region(void *p) {
+    attn_region *r = p;
+    moe_attention_backward(r->m->be, r->out, r->g, r->dout, r->x, r->w, r->d,
+                           &r->m->acts[r->l].attn, &r->m->attn_scratch);
+}
+
+static void attention_forward(moe_model *m, int l, void *out, const void *x,
+                              const moe_attention_weights *w, const moe_attention_dims *d) {
+    attn_region r = {m, l, out, x, NULL, w, NULL, d};
+    moe_graph_key k = {MOE_GRAPH_SITE_ATTN_FWD, l, d->B, d->T};
+    moe_graph_run(m->graphs, k, attn_forward_region, &r);
+}
+
+static void attention_backward(moe_model *m, int l, void *dx, const moe_attention_grads *g,
+                               const void *dout, const void *x, const moe_attention_weights *w,
+                               const moe_attention_dims *d) {
+    attn_region r = {m, l, dx, x, dout, w, g, d};
+    moe_graph_key k = {MOE_GRAPH_SITE_ATTN_BWD, l, d->B, d->T};
+    moe_graph_run(m->graphs, k, attn_backward_region, &r);
+}
+
 /* ----------------------------------------------------------------- forward */
 
 /* One block's tensor-parallel sandwich (tensor_parallel.h): the block reads the whole
@@ -497,8 +544,8 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
         be->rmsnorm_forward(a->ln1, a->rstd1, x, P(m, l, MOE_W_LN1), Nl, H, c->norm_epsilon);
         moe_attention_weights aw = attn_weights(m, l);
         void *part = block_out(m, a->xmid);
-        moe_attention_forward(be, part, moe_tp_enter_forward(be, tp, m->tp_x, a->ln1, N, H), &aw,
-                              &ad, &a->attn);
+        attention_forward(m, l, part, moe_tp_enter_forward(be, tp, m->tp_x, a->ln1, N, H), &aw,
+                          &ad);
         moe_tp_exit_forward(be, tp, a->xmid, part, N, H);
         be->add(a->xmid, x, (size_t)Nl * H);
         /* FFN block */
@@ -639,7 +686,7 @@ void moe_model_backward(moe_model *m, double loss_scale) {
         const void *xin = moe_tp_enter_forward(be, tp, m->tp_x, a->ln1, N, H);
         if (dx != m->d_ln)
             be->zero(dx, S * (size_t)N * H);
-        moe_attention_backward(be, dx, &ag, dy, xin, &aw, &ad, &a->attn, &m->attn_scratch);
+        attention_backward(m, l, dx, &ag, dy, xin, &aw, &ad);
         moe_tp_enter_backward(be, tp, m->d_ln, dx, N, H);
         be->rmsnorm_backward(m->d_res, G(m, l, MOE_W_LN1), m->d_ln, x, P(m, l, MOE_W_LN1),
                              a->rstd1, Nl, H);

@@ -20,6 +20,7 @@
 #include "attention.h"
 #include "backend.h"
 #include "config.h"
+#include "graph.h"
 #include "moe/layer.h"
 #include "params.h"
 #include "step_flags.h"
@@ -129,6 +130,8 @@ typedef struct moe_model {
     long long *load_counts_dev;   /**< [L·E] backend memory: tokens per expert counted on the
                                        device by the sync-free layers since the last
                                        moe_model_collect_load_counts() (NULL without experts) */
+    moe_graphs *graphs;           /**< the CUDA graphs of --cuda-graph-scope (graph.h); the
+                                       attention blocks run through it */
 } moe_model;
 
 /**
@@ -139,7 +142,8 @@ typedef struct moe_model {
  * @param ep expert parallelism: this rank holds experts [rank·E/EP, (rank+1)·E/EP) of every
  *        MoE layer and tokens travel through the dispatcher; NULL for a single rank
  * @param err receives the reason on failure
- * @return ::MOE_OK or ::MOE_ERR_NOMEM
+ * @return ::MOE_OK, ::MOE_ERR_NOMEM, or ::MOE_ERR_CONFIG for a --cuda-graph-scope that
+ *         cannot be captured (moe_graph_scope_check())
  */
 moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_backend *be, int B,
                             moe_ep *ep, moe_error *err);

@@ -285,6 +285,8 @@ static moe_status rerun_on_overflow(moe_trainer *t, moe_step_stats *st, moe_erro
 moe_status moe_trainer_step(moe_trainer *t, moe_step_stats *st, moe_error *err) {
     t->model->be->zero(t->model->step_flags, sizeof(int));
     moe_trainer_gradients(t, st);
+    /* a region that could not be captured (graph.h) lost this step's work: stop with its name */
+    MOE_TRY(moe_graphs_status(t->model->graphs, err));
     MOE_TRY(rerun_on_overflow(t, st, err));
     MOE_TRY(check_finite(t, st, "loss", st->loss, err));
     moe_timer timer;

@@ -28,6 +28,8 @@ Suite *suite_sync_free(void); /* tests/test_sync_free.c: the budgeted permutatio
                                  overflow protocol, capacity runs (chapter 06) */
 Suite *suite_tile_schedule(void); /* tests/test_tile_schedule.c: the grouped GEMM's tile
                                      scheduler vs a brute-force enumeration (chapter 03) */
+Suite *suite_graph(void);     /* tests/test_graph.c: --cuda-graph-scope and the capture helper
+                                 on a mock backend (chapter 06) */
 
 /* finite-difference gradient checks (fp64 build) */
 Suite *suite_fd_ops(void);    /* tests/fd_ops.c: every op */
@@ -44,6 +46,8 @@ Suite *suite_gpu_sync_free(void); /* tests/gpu_sync_free.c: the budgeted permuta
                                      CPU twin, the overflow protocol on the GPU, capture */
 Suite *suite_gpu_checkpoint(void); /* tests/gpu_checkpoint.c: kill -9, resume, the same losses
                                       bit for bit, through bin/moe-train --device cuda */
+Suite *suite_gpu_graphs(void);    /* tests/gpu_graphs.c: no allocation after step 1; attn graphs
+                                     replay == eager bit for bit; capture errors named */
 
 /* MPI tests (CPU ranks under mpirun) */
 Suite *suite_mpi_comm(void);      /* tests/mpi_comm.c: every collective of comm.h, any rank count */

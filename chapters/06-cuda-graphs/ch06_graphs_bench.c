@@ -1,0 +1,165 @@
+/*
+ * Chapter 06's measurement: what CUDA graphs change in a training step, for each
+ * --cuda-graph-scope level that can be captured today, on the GPU preset and on a larger
+ * model, in one run.
+ *
+ * For each (model, scope):
+ *   ms/step, tokens/s  host wall clock around moe_trainer_step() and a final wait, median of
+ *                      --steps steps after --warmup steps (the warm-up also captures the
+ *                      graphs); the ratio is to scope none of the same model in this run;
+ *   host submissions   kernels, memsets and copies the host launched one by one (CUPTI
+ *                      activity records outside any graph) plus one per graph launch
+ *                      (counted by lib/graph.c), per step;
+ *   GPU kernels        every kernel the GPU ran per step, and how many of them inside graphs;
+ *   GPU busy / idle    busy = the union of the kernels', memsets' and copies' intervals on the
+ *                      GPU's clock (CUPTI) per step; idle = ms/step (untraced) - busy.
+ * Counting runs after timing, in separate steps: CUPTI's tracing costs host time itself.
+ *
+ *   bin/ch06_graphs_bench [--steps 20] [--warmup 3] [--trace-steps 5] [--only preset|large]
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench.h"
+#include "config.h"
+#include "cuda_ops.h"
+#include "timer.h"
+#include "trainer.h"
+
+/* the two models: the GPU preset (config.c) and a larger one on the same data and shape */
+static const char *const g_large =
+    "--hidden-size 1024 --num-attention-heads 16 --num-query-groups 4 --ffn-hidden-size 4096 "
+    "--num-experts 16 --moe-ffn-hidden-size 1024 --moe-router-topk 4";
+
+static const moe_graph_scope g_scopes[] = {MOE_GRAPH_NONE, MOE_GRAPH_ATTN};
+
+typedef struct result {
+    double ms, tok_s, submissions, kernels, graph_kernels, busy_ms;
+    long long captures;
+} result;
+
+static moe_trainer *make(const char *model, moe_graph_scope scope) {
+    char flags[2048];
+    snprintf(flags, sizeof flags, "%s %s --device cuda --cuda-graph-scope %s",
+             moe_config_preset_flags("gpu"), model, moe_graph_scope_name(scope));
+    moe_config c;
+    moe_error err;
+    moe_config_defaults(&c);
+    moe_trainer *t = NULL;
+    if (moe_config_parse_string(&c, flags, &err) != MOE_OK ||
+        moe_trainer_create(&t, &c, &err) != MOE_OK) {
+        fprintf(stderr, "ch06_graphs_bench: %s\n  flags: %s\n", err.msg, flags);
+        exit(1);
+    }
+    return t;
+}
+
+static void step(moe_trainer *t) {
+    moe_step_stats st;
+    moe_error err;
+    if (moe_trainer_step(t, &st, &err) != MOE_OK) {
+        fprintf(stderr, "ch06_graphs_bench: %s\n", err.msg);
+        exit(1);
+    }
+}
+
+static result measure(const char *model, moe_graph_scope scope, int warmup, int steps,
+                      int trace_steps) {
+    moe_trainer *t = make(model, scope);
+    const moe_backend *be = t->model->be;
+    for (int i = 0; i < warmup; i++)
+        step(t);
+    be->synchronize();
+    double *ms = malloc(sizeof(double) * (size_t)steps);
+    for (int i = 0; i < steps; i++) {
+        moe_timer tm;
+        moe_timer_start(&tm);
+        step(t);
+        be->synchronize();
+        ms[i] = 1e3 * moe_timer_elapsed(&tm);
+    }
+    result r = {0};
+    r.ms = moe_median(ms, steps);
+    free(ms);
+    const moe_config *c = &t->cfg;
+    r.tok_s = (double)c->global_batch_size * c->seq_length / (r.ms / 1e3);
+    /* counting: CUPTI records of trace_steps more steps */
+    char why[256];
+    const moe_graph_stats g0 = moe_graphs_stats(t->model->graphs);
+    if (!moe_cuda_trace_begin(why, sizeof why)) {
+        fprintf(stderr, "ch06_graphs_bench: cannot trace: %s\n", why);
+        exit(1);
+    }
+    for (int i = 0; i < trace_steps; i++)
+        step(t);
+    moe_cuda_trace tr;
+    moe_cuda_trace_end(&tr);
+    const moe_graph_stats g1 = moe_graphs_stats(t->model->graphs);
+    const double n = trace_steps;
+    r.submissions = ((double)(tr.kernels - tr.graph_kernels) + (double)(tr.copies - tr.graph_copies) +
+                     (double)(g1.replays - g0.replays)) / n;
+    r.kernels = tr.kernels / n;
+    r.graph_kernels = tr.graph_kernels / n;
+    r.busy_ms = tr.busy_ms / n;
+    r.captures = g1.captures;
+    moe_trainer_free(t);
+    return r;
+}
+
+int main(int argc, char **argv) {
+    int steps = 20, warmup = 3, trace_steps = 5;
+    const char *only = "";
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--steps") && i + 1 < argc)
+            steps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--warmup") && i + 1 < argc)
+            warmup = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--trace-steps") && i + 1 < argc)
+            trace_steps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--only") && i + 1 < argc)
+            only = argv[++i];
+        else {
+            fprintf(stderr, "usage: %s [--steps N] [--warmup N] [--trace-steps N] "
+                    "[--only preset|large]\n", argv[0]);
+            return 2;
+        }
+    }
+    if (steps < 1 || warmup < 2 || trace_steps < 1) {
+        fprintf(stderr, "ch06_graphs_bench: --steps and --trace-steps must be >= 1, --warmup >= 2 "
+                "(a region is warmed up on its first call and captured on its second)\n");
+        return 2;
+    }
+    if (!moe_cuda_available()) {
+        printf("ch06_graphs_bench: skipped: no GPU (CUDA graphs replay GPU work)\n");
+        return 0;
+    }
+    char dev[256];
+    moe_backend_cuda()->device_name(dev, sizeof dev);
+    moe_bench_header("chapter 06: CUDA graphs, one training step per --cuda-graph-scope", dev);
+    printf("median of %d steps after %d warm-up steps; counts from CUPTI over %d more steps\n\n",
+           steps, warmup, trace_steps);
+    printf("| model | scope | ms/step | tokens/s | vs none | host submissions/step | GPU kernels/step "
+           "(in graphs) | GPU busy ms/step | GPU idle ms/step | graphs |\n"
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    const struct { const char *name, *flags; } models[] = {{"preset", ""}, {"large", g_large}};
+    for (int m = 0; m < 2; m++) {
+        if (*only && strcmp(only, models[m].name))
+            continue;
+        double base = 0;
+        for (size_t s = 0; s < sizeof g_scopes / sizeof g_scopes[0]; s++) {
+            result r = measure(models[m].flags, g_scopes[s], warmup, steps, trace_steps);
+            if (s == 0)
+                base = r.tok_s;
+            const double idle = r.ms - r.busy_ms;
+            printf("| %s | %s | %.2f | %.0f | %.2fx | %.0f | %.0f (%.0f) | %.2f | %.2f (%.0f%%) | %lld |\n",
+                   models[m].name, moe_graph_scope_name(g_scopes[s]), r.ms, r.tok_s,
+                   r.tok_s / base, r.submissions, r.kernels, r.graph_kernels, r.busy_ms,
+                   idle > 0 ? idle : 0.0, idle > 0 ? 100.0 * idle / r.ms : 0.0, r.captures);
+            fflush(stdout);
+        }
+    }
+    printf("\nmodels: preset = --preset gpu; large = --preset gpu %s\n", g_large);
+    printf("scopes beyond attn are refused today (moe_graph_scope_check): they wait for the host\n");
+    return 0;
+}

@@ -1,0 +1,198 @@
+/* CUDA graphs, the parts a CPU can check (chapter 06): --cuda-graph-scope's values and named
+ * errors, and the capture helper's bookkeeping (warm-up, capture once per key, replay,
+ * recapture after a buffer moved, a capture error that is sticky and named) against a mock
+ * backend whose graph slots count what they are asked to do. The GPU side — the arena, and
+ * replay equal to eager bit for bit — is tests/gpu_graphs.c. */
+#include <string.h>
+
+#include "backend.h"
+#include "config.h"
+#include "graph.h"
+#include "helpers.h"
+#include "suites.h"
+
+/* ---- a mock graph backend: the CPU table with graph slots that record */
+static int g_begins, g_launches, g_stale_next, g_fail_next;
+static int g_token = 42; /* what mock_end hands out as "the graph" */
+
+static void mock_begin(void) { g_begins++; }
+static void *mock_end(char *why, size_t cap) {
+    if (g_fail_next) {
+        g_fail_next = 0;
+        snprintf(why, cap, "to_host (a device-to-host copy the host waits for)");
+        return NULL;
+    }
+    return &g_token;
+}
+static int mock_launch(void *g) {
+    ck_assert_ptr_eq(g, &g_token);
+    if (g_stale_next) {
+        g_stale_next = 0;
+        return 0;
+    }
+    g_launches++;
+    return 1;
+}
+static void mock_free(void *g) { (void)g; }
+static size_t mock_nodes(const void *g) { (void)g; return 7; }
+
+static moe_backend mock_backend(void) {
+    moe_backend b = *moe_backend_cpu();
+    b.name = "mock";
+    b.graph_begin = mock_begin;
+    b.graph_end = mock_end;
+    b.graph_launch = mock_launch;
+    b.graph_free = mock_free;
+    b.graph_nodes = mock_nodes;
+    g_begins = g_launches = g_stale_next = g_fail_next = 0;
+    return b;
+}
+
+static int g_runs; /* calls of the region itself */
+static void region(void *ctx) { (void)ctx; g_runs++; }
+
+/* validated config from a flag string */
+static moe_status config(moe_config *c, const char *flags, moe_error *err) {
+    moe_status s = moe_test_config(c, flags, err);
+    if (s != MOE_OK)
+        return s;
+    c->vocab_size = 65;
+    return moe_config_validate(c, err);
+}
+
+START_TEST(test_graph_scope_flag) {
+    moe_config c;
+    moe_error err;
+    ck_assert_int_eq(config(&c, "", &err), MOE_OK);
+    ck_assert_int_eq(c.graph_scope, MOE_GRAPH_NONE);
+    const char *names[] = {"none", "attn", "moe_router", "moe_preprocess", "layer",
+                           "full_iteration"};
+    for (int i = 0; i < 6; i++) { /* every name parses (a dense model: see below) */
+        char f[96];
+        snprintf(f, sizeof f, "--num-experts 0 --cuda-graph-scope %s", names[i]);
+        ck_assert_int_eq(moe_test_config(&c, f, &err), MOE_OK);
+        c.vocab_size = 65;
+        (void)moe_config_validate(&c, &err);
+        ck_assert_int_eq((int)c.graph_scope, i);
+        ck_assert_str_eq(moe_graph_scope_name(c.graph_scope), names[i]);
+    }
+    ck_assert_int_ne(config(&c, "--cuda-graph-scope full", &err), MOE_OK);
+    ck_assert_msg(strstr(err.msg, "cuda-graph-scope"), "%s", err.msg);
+}
+END_TEST
+
+START_TEST(test_graph_scope_check_named_errors) {
+    moe_config c;
+    moe_error err;
+    /* the CPU has no graphs: attn is accepted and runs eagerly */
+    ck_assert_int_eq(config(&c, "--cuda-graph-scope attn", &err), MOE_OK);
+    ck_assert_int_eq(moe_graph_scope_check(&c, moe_backend_cpu(), &err), MOE_OK);
+    moe_graphs *cpu = moe_graphs_create(moe_backend_cpu(), c.graph_scope);
+    ck_assert_int_eq(moe_graphs_scope(cpu), MOE_GRAPH_NONE);
+    moe_graphs_free(cpu);
+    moe_backend mb = mock_backend();
+    ck_assert_int_eq(moe_graph_scope_check(&c, &mb, &err), MOE_OK); /* attn: capturable */
+    /* each level beyond attn names what still waits for the host */
+    struct { const char *scope, *must, *must_not; } cases[] = {
+        {"moe_router", "aux_loss_counts", "permute_index"},
+        {"moe_preprocess", "permute_index", "expert loads"},
+        {"layer", "expert loads", "sum_squares"},
+        {"full_iteration", "sum_squares", NULL},
+    };
+    for (int i = 0; i < 4; i++) {
+        char f[64];
+        snprintf(f, sizeof f, "--cuda-graph-scope %s", cases[i].scope);
+        /* refused when the configuration is validated, whatever the device */
+        ck_assert_int_eq(config(&c, f, &err), MOE_ERR_CONFIG);
+        char want[64];
+        snprintf(want, sizeof want, "cuda graph scope '%s'", cases[i].scope);
+        ck_assert_msg(strstr(err.msg, want) && strstr(err.msg, cases[i].must), "%s", err.msg);
+        ck_assert_msg(!cases[i].must_not || !strstr(err.msg, cases[i].must_not), "%s", err.msg);
+    }
+    /* a dense model has no router: moe_router captures what attn does */
+    ck_assert_int_eq(config(&c, "--num-experts 0 --cuda-graph-scope moe_router", &err), MOE_OK);
+    ck_assert_int_eq(moe_graph_scope_check(&c, &mb, &err), MOE_OK);
+}
+END_TEST
+
+START_TEST(test_graph_capture_once_per_key) {
+    moe_backend mb = mock_backend();
+    moe_graphs *g = moe_graphs_create(&mb, MOE_GRAPH_ATTN);
+    ck_assert_ptr_nonnull(g);
+    g_runs = 0;
+    moe_graph_key k0 = {MOE_GRAPH_SITE_ATTN_FWD, 0, 8, 64}, k1 = {MOE_GRAPH_SITE_ATTN_FWD, 1, 8, 64},
+                  k0b = {MOE_GRAPH_SITE_ATTN_BWD, 0, 8, 64}, k0s = {MOE_GRAPH_SITE_ATTN_FWD, 0, 4, 64};
+    moe_graph_run(g, k0, region, NULL); /* warm-up: eager */
+    ck_assert_int_eq(g_runs, 1);
+    ck_assert_int_eq(g_begins, 0);
+    moe_graph_run(g, k0, region, NULL); /* capture (the region enqueues once), then launch */
+    ck_assert_int_eq(g_runs, 2);
+    ck_assert_int_eq(g_begins, 1);
+    ck_assert_int_eq(g_launches, 1);
+    for (int i = 0; i < 5; i++) /* replays: the host never calls the region again */
+        moe_graph_run(g, k0, region, NULL);
+    ck_assert_int_eq(g_runs, 2);
+    ck_assert_int_eq(g_launches, 6);
+    /* another layer, direction or shape is another graph */
+    moe_graph_run(g, k1, region, NULL);
+    moe_graph_run(g, k0b, region, NULL);
+    moe_graph_run(g, k0s, region, NULL);
+    ck_assert_int_eq(g_runs, 5);
+    ck_assert_int_eq(g_begins, 1);
+    moe_graph_stats st = moe_graphs_stats(g);
+    ck_assert_int_eq(st.eager, 4);
+    ck_assert_int_eq(st.captures, 1);
+    ck_assert_int_eq(st.replays, 6);
+    ck_assert_int_eq(st.nodes, 6 * 7);
+    /* a buffer moved (the launch says stale): warm up again, then capture again */
+    g_stale_next = 1;
+    moe_graph_run(g, k0, region, NULL);
+    ck_assert_int_eq(g_runs, 6);
+    moe_graph_run(g, k0, region, NULL);
+    ck_assert_int_eq(g_begins, 2);
+    ck_assert_int_eq(g_runs, 7);
+    moe_error err;
+    ck_assert_int_eq(moe_graphs_status(g, &err), MOE_OK);
+    moe_graphs_free(g);
+
+    /* scope none (and no cache): the region runs every time, nothing is captured */
+    g = moe_graphs_create(&mb, MOE_GRAPH_NONE);
+    g_runs = 0;
+    for (int i = 0; i < 3; i++) {
+        moe_graph_run(g, k0, region, NULL);
+        moe_graph_run(NULL, k0, region, NULL);
+    }
+    ck_assert_int_eq(g_runs, 6);
+    ck_assert_int_eq(g_begins, 2);
+    moe_graphs_free(g);
+}
+END_TEST
+
+START_TEST(test_graph_capture_error_is_named_and_sticky) {
+    moe_backend mb = mock_backend();
+    moe_graphs *g = moe_graphs_create(&mb, MOE_GRAPH_ATTN);
+    moe_graph_key k = {MOE_GRAPH_SITE_ATTN_BWD, 3, 8, 64};
+    g_runs = 0;
+    moe_graph_run(g, k, region, NULL);
+    g_fail_next = 1; /* the backend found something it could not capture */
+    moe_graph_run(g, k, region, NULL);
+    moe_error err;
+    ck_assert_int_eq(moe_graphs_status(g, &err), MOE_ERR_CONFIG);
+    ck_assert_msg(strstr(err.msg, "cuda graph scope 'attn'") && strstr(err.msg, "to_host") &&
+                      strstr(err.msg, "attention backward of layer 3"),
+                  "%s", err.msg);
+    /* after the error everything runs eagerly, and the error stays */
+    moe_graph_run(g, k, region, NULL);
+    ck_assert_int_eq(g_runs, 3);
+    ck_assert_int_eq(g_begins, 1);
+    ck_assert_int_eq(moe_graphs_status(g, &err), MOE_ERR_CONFIG);
+    moe_graphs_free(g);
+}
+END_TEST
+
+Suite *suite_graph(void) {
+    const TTest *tests[] = {test_graph_scope_flag, test_graph_scope_check_named_errors,
+                                         test_graph_capture_once_per_key,
+                                         test_graph_capture_error_is_named_and_sticky};
+    return moe_test_chapter_suite("graph", "ch06", tests, 4);
+}
