@@ -310,10 +310,7 @@ static long long run_folding(const opts *o, moe_comm *world, const folding *f) {
     }
     const double med = moe_comm_host_max(world, moe_median(ms, o->repeats));
     const long long all_bad = (long long)moe_comm_host_max(world, (double)bad);
-    moe_memory_estimate e;
-    const moe_model *md = t->model;
-    const int mem_ok = moe_memory_estimate_rank(&md->cfg, md->max_B, &t->par.grid,
-                                                md->be->act_size, &e, &err) == MOE_OK;
+    const moe_memory_estimate e = t->model->mem; /* checked before the model's allocation */
     if (rank == 0) {
         const moe_grid *gr = &t->par.grid;
         printf("\nfolding tp=%d,ep=%d%s%s: attention TP %d x DP %d, experts EP %d x EDP %d%s | "
@@ -321,16 +318,14 @@ static long long run_folding(const opts *o, moe_comm *world, const folding *f) {
                f->tp, f->ep, f->sp ? " + SP" : "", f->zero ? ",zero=1" : "", gr->tp, gr->dp,
                gr->ep, gr->edp, f->zero ? ", distributed optimizer" : "", med,
                o->repeats, loss);
-        if (mem_ok) {
-            char w[32], g[32], op[32], a[32], tot[32];
-            mb_str(w, sizeof w, (double)e.weight_bytes);
-            mb_str(g, sizeof g, (double)e.grad_bytes);
-            mb_str(op, sizeof op, (double)e.optim_bytes);
-            mb_str(a, sizeof a, (double)e.act_bytes);
-            mb_str(tot, sizeof tot, (double)e.total_bytes);
-            printf("  memory/rank (estimate): %lld params | weights %s, grads %s, AdamW %s, "
-                   "activations %s, total %s\n", e.params, w, g, op, a, tot);
-        }
+        char sw[32], sg[32], so[32], sa[32], stot[32];
+        mb_str(sw, sizeof sw, (double)e.weight_bytes);
+        mb_str(sg, sizeof sg, (double)e.grad_bytes);
+        mb_str(so, sizeof so, (double)e.optim_bytes);
+        mb_str(sa, sizeof sa, (double)e.act_bytes);
+        mb_str(stot, sizeof stot, (double)e.total_bytes);
+        printf("  memory/rank (estimate): %lld params | weights %s, grads %s, AdamW %s, "
+               "activations %s, total %s\n", e.params, sw, sg, so, sa, stot);
         printf("  %-20s %5s  %-14s %14s %14s  %s\n", "group", "ranks", "collective",
                "counted B", "model B", "(rank 0, last step)");
         for (int g = 0; g < ng; g++)
