@@ -386,6 +386,11 @@ check-ch03: check-deps
 	$(call RUN_TAGGED,03,fd)
 
 # chapter 04 (parallel folding): no student stubs yet, so the library's own code
+# a one-step TP 2 + SP run of a tiny MoE model with a capacity that drops tokens
+CH04_DROPS_RUN := --num-layers 1 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 \
+	--seq-length 16 --micro-batch-size 2 --global-batch-size 4 --moe-ffn-hidden-size 16 \
+	--tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 8 \
+	--moe-expert-capacity-factor 1.0 --lr-warmup-iters 0 --train-iters 1 --eval-iters 1 --sample-length 0
 check-ch04: check-deps
 	@$(MAKE) --no-print-directory $(BUILD)/tests/unit $(BUILD)/tests/fd \
 	  $(if $(filter 1,$(WITH_MPI)),$(BUILD)/tests/mpi)
@@ -400,6 +405,13 @@ check-ch04: check-deps
 	  OMP_NUM_THREADS=1 $(MPIRUN) -np $$np ./bin/ch04_folding_bench --repeats 1 --warmup 0 \
 	    --model "--moe-layer-freq [1,0]" > $(BUILD)/ch04_folding_bench_$$np.txt 2>&1 \
 	    || { cat $(BUILD)/ch04_folding_bench_$$np.txt; exit 1; }; tail -1 $(BUILD)/ch04_folding_bench_$$np.txt; done; fi
+	@if [ "$(WITH_MPI)" = 1 ]; then $(MAKE) --no-print-directory bin/moe-train && \
+	  echo "== chapter 04: a TP run whose capacity drops tokens warns once (rank 0) that its loss differs from one process" && \
+	  OMP_NUM_THREADS=1 $(MPIRUN) -np 2 ./bin/moe-train --device cpu $(CH04_DROPS_RUN) > $(BUILD)/ch04_drops.txt 2>&1 \
+	    || { cat $(BUILD)/ch04_drops.txt; exit 1; }; \
+	  n=$$(grep -c "token drops depend on the local batch" $(BUILD)/ch04_drops.txt); \
+	  if [ "$$n" != 1 ]; then echo "FAIL: the warning appears $$n times, want once"; cat $(BUILD)/ch04_drops.txt; exit 1; fi; \
+	  echo "ok: $$(grep 'token drops depend' $(BUILD)/ch04_drops.txt)"; fi
 
 # make test runs the chapter checks on the reference, and proves the other direction: an
 # untouched stub fails, with the message that names its file and function.
