@@ -26,6 +26,8 @@ Suite *suite_dispatch_plan(void); /* tests/test_dispatch_plan.c: the dispatch pl
 Suite *suite_grouped(void);   /* tests/test_grouped.c: the CPU grouped GEMM (chapter 03) */
 Suite *suite_tile_schedule(void); /* tests/test_tile_schedule.c: the grouped GEMM's tile
                                      scheduler vs a brute-force enumeration (chapter 03) */
+Suite *suite_vocab_merge(void); /* tests/test_vocab_merge.c: the vocabulary-parallel
+                                   cross-entropy's merge of the shards (chapter 04) */
 
 /* finite-difference gradient checks (fp64 build) */
 Suite *suite_fd_ops(void);    /* tests/fd_ops.c: every op */
