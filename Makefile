@@ -339,6 +339,7 @@ CH01_SYMBOLS := moe_cpu_router_forward moe_cpu_aux_loss_forward moe_cpu_aux_loss
 	moe_cpu_permute_index
 CH02_SYMBOLS := moe_dispatch_layout moe_dispatch_sort_maps
 CH03_SYMBOLS := moe_cpu_grouped_matmul_forward moe_tile_schedule_prefix moe_tile_schedule_at
+CH04_SYMBOLS := moe_cpu_cross_entropy_shard_merge
 OBJCOPY ?= objcopy
 student_src = $(wildcard chapters/$(1)-*/student/*.c)
 # $(call chapter_bin,NN,unit|fd|mpi): the test binary check-chNN runs
@@ -361,7 +362,7 @@ $(BUILD)/student/ch$(1)/mpi: $(call obj,$(MPI_SRC),) $(call obj,$(call student_s
 	@mkdir -p $$(dir $$@)
 	$$(CC) $$(ALL_CFLAGS) $$^ -o $$@ $$(CHECK_LIBS) $$(LDLIBS)
 endef
-$(foreach n,01 02 03,$(eval $(call STUDENT_RULES,$(n))))
+$(foreach n,01 02 03 04,$(eval $(call STUDENT_RULES,$(n))))
 
 CHECK_MODE = $(if $(filter 1,$(STUDENT)),student stubs in chapters/$(1)-*/student/,reference: the library's code)
 # $(call RUN_TAGGED,NN,unit|fd): one binary, only the chapter's test cases
@@ -388,21 +389,36 @@ check-ch03: check-deps
 	$(call RUN_TAGGED,03,unit)
 	$(call RUN_TAGGED,03,fd)
 
-# chapter 04 (parallel folding): no student stubs yet, so the library's own code
+# chapter 04 (parallel folding): the student's merge of the vocabulary-parallel
+# cross-entropy is graded by its unit test, the finite-difference check and every TP folding
+# on 2 and 4 ranks (all through the student's function). The bench and the warning check run
+# the library's programs.
+# a one-step TP 2 + SP run of a tiny MoE model with a capacity that drops tokens
+CH04_DROPS_RUN := --num-layers 1 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 \
+	--seq-length 16 --micro-batch-size 2 --global-batch-size 4 --moe-ffn-hidden-size 16 \
+	--tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 8 \
+	--moe-expert-capacity-factor 1.0 --lr-warmup-iters 0 --train-iters 1 --eval-iters 1 --sample-length 0
 check-ch04: check-deps
-	@$(MAKE) --no-print-directory $(BUILD)/tests/unit $(BUILD)/tests/fd \
-	  $(if $(filter 1,$(WITH_MPI)),$(BUILD)/tests/mpi)
-	@echo "== chapter 04 self-check (reference: the library's code; no student stubs yet)"
-	CK_INCLUDE_TAGS=ch04 $(BUILD)/tests/unit
-	CK_INCLUDE_TAGS=ch04 $(BUILD)/tests/fd
+	@$(MAKE) --no-print-directory $(call chapter_bin,04,unit) $(call chapter_bin,04,fd) \
+	  $(if $(filter 1,$(WITH_MPI)),$(call chapter_bin,04,mpi))
+	@echo "== chapter 04 self-check ($(call CHECK_MODE,04))"
+	$(call RUN_TAGGED,04,unit)
+	$(call RUN_TAGGED,04,fd)
 	@if [ "$(WITH_MPI)" != 1 ]; then echo "== chapter 04 MPI ranks: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
 	else for np in 2 4; do echo "== chapter 04 on $$np MPI ranks (CPU)"; \
-	  CK_INCLUDE_TAGS=ch04 OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(BUILD)/tests/mpi || exit 1; done; fi
+	  CK_INCLUDE_TAGS=ch04 OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(call chapter_bin,04,mpi) || exit 1; done; fi
 	@if [ "$(WITH_MPI)" = 1 ]; then $(MAKE) --no-print-directory bin/ch04_folding_bench && \
 	  for np in 2 4; do echo "== chapter 04 folding benchmark on $$np MPI ranks: the bytes model must equal the counts"; \
 	  OMP_NUM_THREADS=1 $(MPIRUN) -np $$np ./bin/ch04_folding_bench --repeats 1 --warmup 0 \
 	    --model "--moe-layer-freq [1,0]" > $(BUILD)/ch04_folding_bench_$$np.txt 2>&1 \
 	    || { cat $(BUILD)/ch04_folding_bench_$$np.txt; exit 1; }; tail -1 $(BUILD)/ch04_folding_bench_$$np.txt; done; fi
+	@if [ "$(WITH_MPI)" = 1 ]; then $(MAKE) --no-print-directory bin/moe-train && \
+	  echo "== chapter 04: a TP run whose capacity drops tokens warns once (rank 0) that its loss differs from one process" && \
+	  OMP_NUM_THREADS=1 $(MPIRUN) -np 2 ./bin/moe-train --device cpu $(CH04_DROPS_RUN) > $(BUILD)/ch04_drops.txt 2>&1 \
+	    || { cat $(BUILD)/ch04_drops.txt; exit 1; }; \
+	  n=$$(grep -c "token drops depend on the local batch" $(BUILD)/ch04_drops.txt); \
+	  if [ "$$n" != 1 ]; then echo "FAIL: the warning appears $$n times, want once"; cat $(BUILD)/ch04_drops.txt; exit 1; fi; \
+	  echo "ok: $$(grep 'token drops depend' $(BUILD)/ch04_drops.txt)"; fi
 
 # chapter 06 (CUDA graphs): the CPU parts (--cuda-graph-scope, the capture helper on a mock
 # backend); the GPU parts (the arena, replay == eager) are tagged ch06 in the GPU binary
@@ -425,18 +441,19 @@ EXPECT_STUB = if CK_INCLUDE_TAGS=ch$(1) $(if $(4),CK_RUN_SUITE=$(4)) CK_FORK=no 
 	    echo "FAIL: no TODO message from $(2)"; cat $(BUILD)/student/ch$(1)/stub.log; exit 1; \
 	  else echo "ok: chapter $(1)'s untouched stub fails: $$(grep -F 'TODO(student)' $(BUILD)/student/ch$(1)/stub.log)"; fi
 test-student-stubs: check-deps
-	@$(MAKE) --no-print-directory $(foreach n,01 02 03,$(BUILD)/student/ch$(n)/unit)
+	@$(MAKE) --no-print-directory $(foreach n,01 02 03 04,$(BUILD)/student/ch$(n)/unit)
 	@echo "== student stubs, untouched, fail with their TODO message"
 	@$(call EXPECT_STUB,01,chapters/01-naive-moe/student/router.c,moe_cpu_router_forward)
 	@$(call EXPECT_STUB,02,chapters/02-expert-parallel/student/dispatch_plan.c,moe_dispatch_layout)
 	@$(call EXPECT_STUB,03,chapters/03-grouped-gemm/student/grouped_matmul.c,moe_cpu_grouped_matmul_forward,grouped)
 	@$(call EXPECT_STUB,03,chapters/03-grouped-gemm/student/tile_schedule.c,moe_tile_schedule_prefix,tile_schedule)
+	@$(call EXPECT_STUB,04,chapters/04-parallel-folding/student/cross_entropy_merge.c,moe_cpu_cross_entropy_shard_merge,vocab-merge)
 
 # Everything the test steps run is built first, in parallel; then the steps run one after
 # another (SERIAL=1), so their output does not interleave and the MPI ranks get the cores.
 TEST_BINS := $(BUILD)/tests/unit $(BUILD)/tests/fd $(if $(filter 1,$(WITH_MPI)),$(BUILD)/tests/mpi \
 	$(BUILD)/tests/mpi_abort) $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu) \
-	$(foreach n,01 02 03,$(BUILD)/student/ch$(n)/unit)
+	$(foreach n,01 02 03 04,$(BUILD)/student/ch$(n)/unit)
 test: config check-deps
 	@$(MAKE) --no-print-directory $(LIB) $(PROGRAMS) $(CHAPTER_BIN) $(TEST_BINS)
 	@$(MAKE) --no-print-directory SERIAL=1 test-unit test-fd test-mpi test-gpu test-chapters \

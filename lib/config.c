@@ -740,6 +740,18 @@ void moe_config_warnings(const moe_config *c, moe_config_warnings_t *w) {
         warn(w, "--moe-expert-capacity-factor %g is at least --num-experts / --moe-router-topk "
              "= %g: no token is ever dropped, so the factor only costs padding",
              c->moe_expert_capacity_factor, (double)c->num_experts / c->moe_router_topk);
+    /* Under TP (+ SP) each rank routes only its sequence shard, and the capacity counts the
+     * tokens a rank routes: which tokens are dropped depends on that local batch, so the run
+     * cannot equal one process. EP alone keeps each rank's micro-batch whole, like one
+     * process (tests/mpi_ep.c checks the equality with drops). */
+    if (moe_layers > 0 && c->moe_expert_capacity_factor > 0 &&
+        c->moe_expert_capacity_factor < (double)c->num_experts / c->moe_router_topk &&
+        c->tensor_model_parallel_size > 1)
+        warn(w, "--moe-expert-capacity-factor %g with --tensor-model-parallel-size %d: token "
+             "drops depend on the local batch (each TP rank applies the capacity to its 1/%d of "
+             "the tokens), so the loss differs from one process by design; dropless runs match",
+             c->moe_expert_capacity_factor, c->tensor_model_parallel_size,
+             c->tensor_model_parallel_size);
     if (moe_layers > 0 && (c->moe_aux_loss_coeff > 1 || c->moe_z_loss_coeff > 1))
         warn(w, "--moe-aux-loss-coeff %g / --moe-z-loss-coeff %g: coefficients above 1 let the "
              "router's losses outweigh the language-model loss (typical: 1e-2 and 1e-3)",

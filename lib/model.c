@@ -222,11 +222,18 @@ static void *must(const moe_backend *be, size_t bytes, int *ok) {
 }
 
 /* Whether this model fits, before any allocation: the estimate of memory.h against what the
- * backend has, so a huge but consistent configuration gets a named error, not a crash. */
+ * backend has, so a huge but consistent configuration gets a named error, not a crash. It is
+ * the per-rank estimate of the grid (moe_memory_estimate_rank(): under the distributed
+ * optimizer, the moments of this rank's pieces only), the very one moe-train prints at
+ * start-up (moe_model::mem), so a layout that fits only thanks to ZeRO is not refused. Without
+ * a grid: one rank of the data-parallel grid, EP from @p ep. */
 static moe_status check_memory(const moe_config *c, const moe_backend *be, int B,
-                               const moe_ep *ep, moe_memory_estimate *est, moe_error *err) {
-    MOE_TRY(moe_memory_estimate_model(c, B, ep && ep->comm ? ep->size : 1, be->act_size, est,
-                                      err));
+                               const moe_ep *ep, const moe_grid *grid, moe_memory_estimate *est,
+                               moe_error *err) {
+    const int E = ep && ep->comm ? ep->size : 1;
+    const moe_grid one = {.world = E, .tp = 1, .cp = 1, .ep = E, .etp = 1, .pp = 1, .dp = 1,
+                          .edp = 1};
+    MOE_TRY(moe_memory_estimate_rank(c, B, grid ? grid : &one, be->act_size, est, err));
     return moe_memory_check(est, be->memory_bytes ? be->memory_bytes() : 0,
                             be->device == MOE_DEVICE_CUDA ? "free GPU memory" : "host memory",
                             err);
@@ -234,19 +241,20 @@ static moe_status check_memory(const moe_config *c, const moe_backend *be, int B
 
 moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_backend *be, int B,
                             moe_ep *ep, moe_error *err) {
-    return moe_model_create_parallel(out, cfg, be, B, ep, NULL, err);
+    return moe_model_create_parallel(out, cfg, be, B, ep, NULL, NULL, err);
 }
 
 moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
                                      const moe_backend *be, int B, moe_ep *ep, const moe_tp *tp,
-                                     moe_error *err) {
+                                     const moe_grid *grid, moe_error *err) {
     *out = NULL;
     moe_memory_estimate est;
     MOE_TRY(moe_graph_scope_check(cfg, be, err));
-    MOE_TRY(check_memory(cfg, be, B, ep, &est, err));
+    MOE_TRY(check_memory(cfg, be, B, ep, grid, &est, err));
     moe_model *m = calloc(1, sizeof *m);
     if (!m)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory creating the model");
+    m->mem = est;
     m->cfg = *cfg;
     m->be = be;
     m->ep = ep;

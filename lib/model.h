@@ -21,6 +21,7 @@
 #include "backend.h"
 #include "config.h"
 #include "graph.h"
+#include "memory.h"
 #include "moe/layer.h"
 #include "params.h"
 #include "step_flags.h"
@@ -77,6 +78,8 @@ typedef struct moe_model {
     const moe_backend *be;        /**< where everything lives and runs */
     moe_ep *ep;                   /**< expert parallelism, or NULL */
     moe_tp tp;                    /**< tensor (and sequence) parallelism: size 1 without */
+    moe_memory_estimate mem;      /**< this rank's memory estimate (memory.h), checked before
+                                       any allocation and printed by moe-train */
     moe_vocab_parallel vp;        /**< with TP: this rank's vocabulary shard (else zeroed) */
     int experts_local;            /**< experts of each MoE layer held by this rank */
     moe_param_table table;        /**< names, shapes, offsets */
@@ -156,12 +159,16 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
  * @param out receives the model  @param cfg validated config  @param be backend
  * @param B largest micro-batch  @param ep expert parallelism or NULL
  * @param tp this rank's TP group (copied), or NULL for TP 1
+ * @param grid the resolved grid of the run (moe_grid_resolve()), or NULL for one rank: the
+ *        memory check before any allocation uses its per-rank estimate
+ *        (moe_memory_estimate_rank(), kept in moe_model::mem), which counts the distributed
+ *        optimizer's moments of this rank's pieces only
  * @param err receives the reason on failure
- * @return ::MOE_OK or ::MOE_ERR_NOMEM
+ * @return ::MOE_OK or ::MOE_ERR_NOMEM (the estimate exceeds the backend's memory)
  */
 moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
                                      const moe_backend *be, int B, moe_ep *ep, const moe_tp *tp,
-                                     moe_error *err);
+                                     const moe_grid *grid, moe_error *err);
 
 /** @brief Free the model. @param m model (NULL: no-op) */
 void moe_model_free(moe_model *m);

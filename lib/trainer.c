@@ -111,7 +111,8 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
         s = make_groups(t, err);
     if (s == MOE_OK)
         s = moe_model_create_parallel(&t->model, c, be, c->micro_batch_size,
-                                      t->ep.comm ? &t->ep : NULL, &t->tp, err);
+                                      t->ep.comm ? &t->ep : NULL, &t->tp,
+                                      world ? &t->par.grid : NULL, err);
     if (s == MOE_OK && world && c->use_distributed_optimizer) {
         /* ZeRO-1: this rank's moments cover its piece of each gradient group only */
         moe_adamw_piece pieces[MOE_ADAMW_MAX_PIECES];

@@ -42,13 +42,7 @@ static void print_grid(const moe_trainer *t) {
         moe_grid_print_rank_line(g, r, line, sizeof line);
         moe_log_info("grid  | %s", line);
     }
-    const moe_model *m = t->model;
-    moe_memory_estimate e;
-    moe_error err;
-    if (moe_memory_estimate_rank(&t->cfg, m->max_B, g, m->be->act_size, &e, &err) != MOE_OK) {
-        moe_log_info("memory| no estimate: %s", err.msg);
-        return;
-    }
+    const moe_memory_estimate e = t->model->mem; /* the one the model was checked against */
     const double mb = 1e6;
     moe_log_info("memory| per rank (estimate): weights %.2f MB, gradients %.2f MB, AdamW moments "
                  "%.2f MB, activations %.2f MB per micro-batch; total %.2f MB",

@@ -11,7 +11,11 @@
  *  - tensor parallelism (chapter 04): a dense model saved by W ranks at TP W with sequence
  *    parallelism (attention, FFN, embedding and LM head split) loads into one process, and
  *    one saved by one process loads into TP W + SP, each giving the next-step loss of the
- *    run continued without resharding (same bounds).
+ *    run continued without resharding (same bounds);
+ *  - the distributed optimizer (chapter 04): saved by W ranks with
+ *    --use-distributed-optimizer, resumed the same way (next-step loss and AdamW moments bit
+ *    for bit), by one process and by W ranks without it (loss 1e-5, moments 1e-6 of their
+ *    largest value).
  */
 #include <math.h>
 #include <stdio.h>
@@ -20,6 +24,7 @@
 #include <unistd.h>
 
 #include "checkpoint.h"
+#include "dist_optimizer.h"
 #include "helpers.h"
 #include "suites.h"
 
@@ -223,11 +228,111 @@ START_TEST(test_ckpt_tensor_parallel) {
 }
 END_TEST
 
+/* The distributed optimizer (chapter 04): a trainer at EP 1 over @p world (NULL: one
+ * process), so DP = EDP = W, with or without --use-distributed-optimizer. */
+static moe_trainer *make_zero(moe_comm *world, int zero) {
+    const int W = moe_comm_size(moe_test_world());
+    char flags[1200];
+    snprintf(flags, sizeof flags, CK_MPI "--global-batch-size %d %s", 2 * 2 * W,
+             zero ? "--use-distributed-optimizer" : "");
+    return moe_test_trainer(flags, world, on_gpu());
+}
+
+/* Both AdamW moments, whole, on the host: under the distributed optimizer every rank holds
+ * its pieces only, so they are all-gathered (collective over the trainer's groups). */
+static float *whole_moments(moe_trainer *t) {
+    const moe_backend *be = t->model->be;
+    const size_t n = t->model->table.total;
+    float *host = malloc(sizeof(float) * 2 * n), *full = be->alloc(sizeof(float) * n);
+    ck_assert(host && full);
+    for (int b = 0; b < 2; b++) {
+        float *mine = b ? t->opt.v : t->opt.m;
+        if (t->zero.n_runs)
+            moe_zero_all_gather(&t->zero, &t->opt, mine, full, MOE_DTYPE_F32);
+        be->to_host(host + b * n, t->zero.n_runs ? full : mine, sizeof(float) * n);
+    }
+    be->free(full);
+    return host;
+}
+
+/* The moments after the next step against those of the run continued without resharding:
+ * bit for bit where the arithmetic is the same (@p exact), else to @p tol of the largest
+ * |value| of each moment (the gradients were summed in another order). */
+static void check_moments(moe_trainer *t, const float *want, int exact, double tol,
+                          const char *what) {
+    const size_t n = t->model->table.total;
+    float *got = whole_moments(t);
+    for (int b = 0; b < 2; b++) {
+        const float *g = got + b * n, *w = want + b * n;
+        double top = 0, worst = 0;
+        size_t at = 0;
+        for (size_t i = 0; i < n; i++)
+            top = fabs(w[i]) > top ? fabs(w[i]) : top;
+        for (size_t i = 0; i < n; i++)
+            if (fabs((double)g[i] - w[i]) > worst)
+                worst = fabs((double)g[i] - w[i]), at = i;
+        if (exact)
+            ck_assert_msg(memcmp(g, w, sizeof(float) * n) == 0, "%s: AdamW %s differs at "
+                          "element %zu: %.9g vs %.9g continued", what, b ? "v" : "m", at,
+                          (double)g[at], (double)w[at]);
+        else
+            ck_assert_msg(worst <= tol * top, "%s: AdamW %s at element %zu: %.9g vs %.9g "
+                          "continued (error %.3g of the largest %.3g, bound %g)", what,
+                          b ? "v" : "m", at, (double)g[at], (double)w[at], worst, top, tol);
+    }
+    free(got);
+}
+
+/* Saved by W ranks with --use-distributed-optimizer (each rank holding the moments of its
+ * pieces, the file the whole moments): resumed (a) the same way, (b) by one process without
+ * it, (c) by W ranks without it. The next step's loss and both moments must be those of the
+ * run continued without a checkpoint: bit for bit in (a), within the reduction-order bounds
+ * in (b) and (c). */
+START_TEST(test_ckpt_distributed_optimizer) {
+    moe_comm *w = moe_test_world();
+    const int W = moe_comm_size(w);
+    if (W == 1)
+        return; /* the moments are sharded over two ranks at least */
+    char dir[600];
+    shared_dir(dir, sizeof dir, "zero");
+    moe_trainer *src = make_zero(w, 1);
+    moe_test_step(src);
+    moe_test_step(src);
+    save(src, dir);
+    const double next = moe_test_step(src);
+    float *want = whole_moments(src);
+    moe_trainer_free(src);
+    const double tol = on_gpu() ? 1e-3 : 1e-6;
+
+    moe_trainer *same = make_zero(w, 1);
+    load(same, dir);
+    const double got = moe_test_step(same);
+    ck_assert_msg(memcmp(&got, &next, sizeof got) == 0, "ZeRO DP %d -> ZeRO DP %d: next-step "
+                  "loss %.17g vs %.17g continued", W, W, got, next);
+    check_moments(same, want, !on_gpu(), tol, "ZeRO DP W -> the same");
+    moe_trainer_free(same);
+
+    moe_trainer *one = make_zero(NULL, 0);
+    load(one, dir);
+    check_close(moe_test_step(one), next, "ZeRO DP W -> one process");
+    check_moments(one, want, 0, tol, "ZeRO DP W -> one process");
+    moe_trainer_free(one);
+
+    moe_trainer *dp = make_zero(w, 0);
+    load(dp, dir);
+    check_close(moe_test_step(dp), next, "ZeRO DP W -> DP W without it");
+    check_moments(dp, want, 0, tol, "ZeRO DP W -> DP W without it");
+    moe_trainer_free(dp);
+    free(want);
+    remove_shared(dir);
+}
+END_TEST
+
 Suite *suite_mpi_checkpoint(void) {
     Suite *s = suite_create("mpi-checkpoint");
     const TTest *const tests[] = {test_ckpt_resume_exact, test_ckpt_reshard};
     moe_test_tcase(s, "checkpoint", 300, tests, 2);
-    const TTest *const tp_tests[] = {test_ckpt_tensor_parallel};
-    tcase_set_tags(moe_test_tcase(s, "checkpoint-tp", 300, tp_tests, 1), "ch04");
+    const TTest *const tp_tests[] = {test_ckpt_tensor_parallel, test_ckpt_distributed_optimizer};
+    tcase_set_tags(moe_test_tcase(s, "checkpoint-tp", 300, tp_tests, 2), "ch04");
     return s;
 }

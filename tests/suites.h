@@ -30,6 +30,8 @@ Suite *suite_tile_schedule(void); /* tests/test_tile_schedule.c: the grouped GEM
                                      scheduler vs a brute-force enumeration (chapter 03) */
 Suite *suite_graph(void);     /* tests/test_graph.c: --cuda-graph-scope and the capture helper
                                  on a mock backend (chapter 06) */
+Suite *suite_vocab_merge(void); /* tests/test_vocab_merge.c: the vocabulary-parallel
+                                   cross-entropy's merge of the shards (chapter 04) */
 
 /* finite-difference gradient checks (fp64 build) */
 Suite *suite_fd_ops(void);    /* tests/fd_ops.c: every op */

@@ -728,6 +728,42 @@ START_TEST(test_val_folding) {
 }
 END_TEST
 
+/* A folded run whose capacity drops tokens cannot equal one process: the start-up warning
+ * says so under TP (each rank routes its sequence shard), and stays quiet where the run does
+ * equal one process (EP alone, or dropless). */
+static int drop_warning(int argc, char **argv) {
+    moe_config c;
+    moe_error err;
+    ck_assert_msg(parse_validate(&c, &err, argc, argv) == MOE_OK, "%s", err.msg);
+    moe_config_warnings_t w;
+    moe_config_warnings(&c, &w);
+    int n = 0;
+    for (int i = 0; i < w.n; i++)
+        if (strstr(w.msg[i], "token drops depend on the local batch")) {
+            ck_assert_msg(strstr(w.msg[i], "--moe-expert-capacity-factor 1 with "
+                                           "--tensor-model-parallel-size 2") &&
+                              strstr(w.msg[i], "differs from one process by design") &&
+                              strstr(w.msg[i], "dropless runs match"),
+                          "%s", w.msg[i]);
+            n++;
+        }
+    return n;
+}
+
+START_TEST(test_warn_folded_drops) {
+#define TP2 "--tensor-model-parallel-size", "2", "--sequence-parallel", \
+            "--make-vocab-size-divisible-by", "8"
+    ck_assert_int_eq(drop_warning(ARGS(TP2, "--moe-expert-capacity-factor", "1.0")), 1);
+    ck_assert_int_eq(drop_warning(ARGS(TP2)), 0); /* dropless */
+    /* a factor of at least E/k = 8/2 never drops */
+    ck_assert_int_eq(drop_warning(ARGS(TP2, "--moe-expert-capacity-factor", "4")), 0);
+    /* EP alone: each rank's micro-batch is whole, as on one process (tests/mpi_ep.c) */
+    ck_assert_int_eq(drop_warning(ARGS("--expert-model-parallel-size", "2",
+                                       "--moe-expert-capacity-factor", "1.0")), 0);
+#undef TP2
+}
+END_TEST
+
 Suite *suite_config(void) {
     Suite *s = suite_create("config");
 
@@ -773,6 +809,7 @@ Suite *suite_config(void) {
     TCase *fold = tcase_create("folding");
     tcase_set_tags(fold, "ch04");
     tcase_add_test(fold, test_val_folding);
+    tcase_add_test(fold, test_warn_folded_drops);
     suite_add_tcase(s, fold);
 
     TCase *be = tcase_create("backend");

@@ -352,6 +352,46 @@ START_TEST(test_out_of_memory_is_an_error) {
 }
 END_TEST
 
+/* The check before any allocation uses the per-rank estimate of the grid, the one moe-train
+ * prints (chapter 04): under the distributed optimizer rank 0 of DP 8 keeps the AdamW moments
+ * of 1/8 of the parameters, so with memory between the two estimates the layout with ZeRO
+ * must be created and the same layout without it refused. One process stands for rank 0 of
+ * the grid: the check is arithmetic on the grid, no communication. */
+static size_t g_memory;
+static size_t some_memory(void) { return g_memory; }
+
+START_TEST(test_memory_check_counts_distributed_optimizer) {
+    moe_backend be = *moe_backend_cpu();
+    const moe_config zc = small_config("--use-distributed-optimizer"), pc = small_config("");
+    moe_grid g = {.world = 8, .tp = 1, .cp = 1, .ep = 1, .etp = 1, .pp = 1};
+    moe_error err;
+    ck_assert_int_eq(moe_grid_resolve(&g, &err), MOE_OK);
+    moe_memory_estimate ez, ep;
+    ck_assert_int_eq(moe_memory_estimate_rank(&zc, zc.micro_batch_size, &g, be.act_size, &ez,
+                                              &err), MOE_OK);
+    ck_assert_int_eq(moe_memory_estimate_rank(&pc, pc.micro_batch_size, &g, be.act_size, &ep,
+                                              &err), MOE_OK);
+    ck_assert_msg(ez.total_bytes < ep.total_bytes && ez.optim_elems * 8 <= ep.params + 16,
+                  "DP 8 with ZeRO: %lld bytes (moments of %lld parameters), without %lld bytes "
+                  "(%lld parameters)", ez.total_bytes, ez.optim_elems, ep.total_bytes, ep.params);
+    g_memory = (size_t)(ez.total_bytes + ep.total_bytes) / 2;
+    be.memory_bytes = some_memory;
+    moe_model *m = NULL;
+    ck_assert_msg(moe_model_create_parallel(&m, &zc, &be, zc.micro_batch_size, NULL, NULL, &g,
+                                            &err) == MOE_OK,
+                  "fits only with the distributed optimizer (%lld < %zu < %lld bytes), refused: "
+                  "%s", ez.total_bytes, g_memory, ep.total_bytes, err.msg);
+    /* the model keeps the estimate it was checked against, the one moe-train prints */
+    ck_assert_int_eq(m->mem.total_bytes, ez.total_bytes);
+    ck_assert_int_eq(m->mem.optim_elems, ez.optim_elems);
+    moe_model_free(m);
+    ck_assert_int_eq(moe_model_create_parallel(&m, &pc, &be, pc.micro_batch_size, NULL, NULL, &g,
+                                               &err), MOE_ERR_NOMEM);
+    ck_assert_ptr_null(m);
+    ck_assert_msg(strstr(err.msg, "needs about"), "%s", err.msg);
+}
+END_TEST
+
 /* A consistent configuration too big for any machine: the sizes overflow int (validation)
  * or the estimate exceeds the memory (model creation), never an allocation of terabytes. */
 START_TEST(test_huge_configs_are_refused) {
@@ -431,5 +471,7 @@ Suite *suite_reliability(void) {
                           test_out_of_memory_is_an_error, test_huge_configs_are_refused,
                           test_new_flags};
     moe_test_tcase(s, "library", 300, lib, 7);
+    const TTest *ch04[] = {test_memory_check_counts_distributed_optimizer};
+    tcase_set_tags(moe_test_tcase(s, "memory-zero", 60, ch04, 1), "ch04");
     return s;
 }

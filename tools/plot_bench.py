@@ -6,6 +6,7 @@
     tools/plot_bench.py stages   --out FILE.png --table CELL [--title T] FILE.md
     tools/plot_bench.py sweep    --out FILE.png [--shapes RE] [--title T] CH03_BENCH.txt
     tools/plot_bench.py roofline --out FILE.png [--shapes RE] [--bandwidth GBS] CH03_BENCH.txt
+    tools/plot_bench.py folding  --out FILE.png [--title T] CH04_FOLDING_BENCH.txt
 
 The input format is the one every benchmark of moe.c prints and every results page
 quotes: Markdown pipe tables (`| a | b |`, a `|---|` rule under the header). Cells may
@@ -39,6 +40,10 @@ Figures:
             mode of our kernel and grey for the cuBLAS loop; the roof is
             min(bandwidth x intensity, the dense ceiling), the bandwidth being the
             highest wgrad GB/s of the run unless --bandwidth says otherwise.
+  folding   chapter 04's bin/ch04_folding_bench output (its own tables, not Markdown): one
+            stacked bar per folding (the "folding tp=..." lines), a segment per group kind
+            and collective of rank 0 (the "counted B" column, host control data left out;
+            a communicator serving several kinds is named by them all, "tp=edp").
 
 The PNG's path is printed, then the numbers read from the table (one line per panel).
 --table CELL picks the first table whose header's first cell is CELL (bold and spaces
@@ -281,6 +286,34 @@ def roofline_points(tables, path, shapes):
     return series
 
 
+def folding_bars(path):
+    """ch04_folding_bench's output: [(folding, [(group collective, bytes), ...]), ...]."""
+    bars, cur = [], None
+    row = re.compile(r"^\s+(\S+)\s+(\d+)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|send)"
+                     r"\s+(\d+)\s+(\d+)\s+\d+ calls")
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            m = re.match(r"^folding (\S+(?: \+ SP)?(?:,zero=1)?):", line)
+            if m:
+                cur = (m.group(1), [])
+                bars.append(cur)
+                continue
+            m = row.match(line)
+            if m and cur is not None:
+                # a communicator may serve several kinds ("tp=tp-cp=edp"): keep its main
+                # kinds ("tp=edp": one collective may be either's); the tokens' all-to-all
+                # is EP's. Segments landing on one name add up.
+                kind = "ep" if m.group(3) == "all-to-all" else "=".join(
+                    k for k in m.group(1).split("=") if k in ("tp", "dp", "ep", "edp"))
+                key = f"{kind} {m.group(3)}"
+                segs = dict(cur[1])
+                segs[key] = segs.get(key, 0) + int(m.group(4))
+                cur[1][:] = list(segs.items())
+    if not bars:
+        raise InputError(f"{path}: no 'folding tp=...' table (is it ch04_folding_bench's output?)")
+    return bars
+
+
 def fmt(values):
     return " ".join("-" if v is None else f"{v:g}" for v in values)
 
@@ -301,6 +334,9 @@ def describe(figure, panels):
         elif figure == "roofline":
             for key, pts in panel.items():
                 out.append(f"  {key}: " + " ".join(f"{s}/{g}={i:.0f}:{t:g}" for s, g, i, t, _ in pts))
+        elif figure == "folding":
+            name, segs = panel
+            out.append(f"  {name}: " + " | ".join(f"{k} {v}" for k, v in segs))
         elif figure == "bars":
             name, series, labels, values = panel
             out.append(f"  {name or 'bars'}: rows {' / '.join(labels)}: "
@@ -363,6 +399,22 @@ def plot_bars(plt, panels, title, ylabel, ceiling, ceiling_label):
     axes[0][0].set_ylabel(ylabel)
     axes[0][0].legend(fontsize=8, loc="upper left", ncol=2)
     fig.suptitle(title)
+    return fig
+
+
+def plot_folding(plt, bars, title):
+    keys = sorted({k for _, segs in bars for k, _ in segs})
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(bars) + 3), 4.6))
+    bottom = [0.0] * len(bars)
+    for c, key in enumerate(keys):
+        ys = [dict(segs).get(key, 0) / 1e3 for _, segs in bars]
+        ax.bar(range(len(bars)), ys, 0.6, bottom=bottom, color=f"C{c % 10}", label=key)
+        bottom = [b + y for b, y in zip(bottom, ys)]
+    ax.set_xticks(range(len(bars)), [n for n, _ in bars], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("kB sent by rank 0 per step")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.suptitle(title or "bytes per group and collective, per folding")
     return fig
 
 
@@ -456,7 +508,8 @@ def plot_roofline(plt, series, title, ceiling, bandwidth):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Plot the Markdown tables of moe.c's benchmarks as PNGs.")
-    p.add_argument("figure", choices=("dispatch", "bars", "stages", "sweep", "roofline"))
+    p.add_argument("figure", choices=("dispatch", "bars", "stages", "sweep", "roofline",
+                                      "folding"))
     p.add_argument("file", help="benchmark output or results page holding the table(s)")
     p.add_argument("--out", required=True, metavar="FILE.png", help="the PNG to write")
     p.add_argument("--table", metavar="CELL", help="the table whose header starts with CELL "
@@ -485,8 +538,10 @@ def main(argv=None):
             p.error(f"--shapes {a.shapes!r} is not a regular expression: {e}")
 
     try:
-        tables = read_tables(a.file)
-        if a.figure == "dispatch":
+        tables = [] if a.figure == "folding" else read_tables(a.file)
+        if a.figure == "folding":
+            panels = folding_bars(a.file)
+        elif a.figure == "dispatch":
             panels = dispatch_series(tables, a.file)
         elif a.figure == "bars":
             panels = bar_panels(find_table(tables, a.file, a.table))
@@ -508,7 +563,9 @@ def main(argv=None):
     if plt is None:
         return 2
 
-    if a.figure == "dispatch":
+    if a.figure == "folding":
+        fig = plot_folding(plt, panels, a.title)
+    elif a.figure == "dispatch":
         fig = plot_dispatch(plt, panels, a.title)
     elif a.figure == "bars":
         fig = plot_bars(plt, panels, a.title, a.ylabel, a.ceiling, a.ceiling_label)

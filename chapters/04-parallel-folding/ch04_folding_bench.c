@@ -1,7 +1,7 @@
 /*
  * Chapter 04 benchmark: what each parallel folding of one world costs, and why.
  *
- *   mpirun -np 4 bin/ch04_folding_bench [--foldings "tp=2,ep=4;tp=1,ep=2"] [--repeats 5]
+ *   mpirun -np 4 bin/ch04_folding_bench [--foldings "tp=2,ep=4;tp=1,ep=2,zero=1"] [--repeats 5]
  *
  * For every folding (attention/dense TP with sequence parallelism, experts EP; the rest of
  * each grid data-parallel: DP = world/TP, EDP = world/EP) it trains a small MoE model for a
@@ -32,6 +32,11 @@
  *    rank not counted.
  *  - DP (dense) and EDP (experts): one all-reduce of every gradient over its replicas
  *    (moe_tensor::grad_group), r bytes per element.
+ *  - With the distributed optimizer (`zero=1`, --use-distributed-optimizer) that all-reduce
+ *    becomes, per run of consecutive tensors with one grad_group of size P > 1 and L
+ *    elements, cut into P pieces of c = ⌈L/P⌉ (the last padded): a reduce-scatter of the
+ *    padded run, P·c·r bytes, before AdamW, and an all-gather of this rank's updated piece,
+ *    c·r bytes, after it.
  * Host control data (token counts per expert, losses, the gradient norm's partial sums)
  * is counted and printed, not modelled ("counted only").
  */
@@ -62,8 +67,9 @@ typedef struct opts {
 static const moe_flag g_flags[] = {
     OF("device", MOE_FLAG_CHOICE, device, "cpu", "backend of every rank", "cpu|cuda"),
     OF("foldings", MOE_FLAG_STRING, foldings, "",
-       "';'-separated foldings, each 'tp=T,ep=E[,sp=0|1]' (sp defaults to 1 when tp > 1); "
-       "empty = every power-of-two tp and ep the world allows", NULL),
+       "';'-separated foldings, each 'tp=T,ep=E[,sp=0|1][,zero=0|1]' (sp defaults to 1 when "
+       "tp > 1; zero=1: --use-distributed-optimizer); empty = every power-of-two tp and ep "
+       "the world allows, and plain DP with the distributed optimizer", NULL),
     OF("model", MOE_FLAG_STRING, model, "",
        "extra model flags appended to the built-in small MoE model (e.g. '--hidden-size 128')",
        NULL),
@@ -83,11 +89,12 @@ static const moe_flag g_flags[] = {
 
 typedef struct folding {
     int tp, ep, sp;
+    int zero; /* --use-distributed-optimizer */
 } folding;
 
-/* "tp=2,ep=4,sp=1" -> f; 0 on a malformed item */
+/* "tp=2,ep=4,sp=1,zero=1" -> f; 0 on a malformed item */
 static int parse_folding(const char *s, folding *f) {
-    f->tp = 1, f->ep = 1, f->sp = -1;
+    f->tp = 1, f->ep = 1, f->sp = -1, f->zero = 0;
     char buf[128];
     snprintf(buf, sizeof buf, "%s", s);
     for (char *save = NULL, *kv = strtok_r(buf, ",", &save); kv; kv = strtok_r(NULL, ",", &save)) {
@@ -103,6 +110,8 @@ static int parse_folding(const char *s, folding *f) {
             f->ep = v;
         else if (!strcmp(key, "sp"))
             f->sp = v;
+        else if (!strcmp(key, "zero") && (v == 0 || v == 1))
+            f->zero = v;
         else
             return 0;
     }
@@ -115,6 +124,8 @@ static int parse_folding(const char *s, folding *f) {
 
 /* bytes[kind][op]: what this rank sends in the group of each kind during one step */
 typedef unsigned long long model_bytes[MOE_GROUP_COUNT][MOE_COMM_OP_COUNT];
+
+static moe_group_kind grad_group_of(const moe_tensor *x) { return x->grad_group; }
 
 static void model_step(const moe_trainer *t, model_bytes out) {
     memset(out, 0, sizeof(model_bytes));
@@ -150,8 +161,24 @@ static void model_step(const moe_trainer *t, model_bytes out) {
         const moe_tensor *x = &m->table.t[i];
         if (x->partial_group != MOE_GROUP_NONE)
             out[x->partial_group][MOE_COMM_OP_ALL_REDUCE] += x->numel * r;
-        if (x->grad_group != MOE_GROUP_NONE)
+        if (x->grad_group != MOE_GROUP_NONE && !c->use_distributed_optimizer)
             out[x->grad_group][MOE_COMM_OP_ALL_REDUCE] += x->numel * r;
+    }
+    /* the distributed optimizer: per run of one grad_group, a reduce-scatter of the run
+     * padded to P pieces of c elements, and an all-gather of this rank's piece */
+    if (c->use_distributed_optimizer) {
+        size_t start, end;
+        moe_group_kind k;
+        int i = 0;
+        while (moe_params_next_run(&m->table, grad_group_of, &i, &start, &end, &k)) {
+            const moe_comm *g = k == MOE_GROUP_NONE ? NULL : moe_parallel_group(&t->par, k);
+            if (!g)
+                continue;
+            const unsigned long long P = (unsigned long long)moe_comm_size(g);
+            const unsigned long long chunk = (end - start + P - 1) / P;
+            out[k][MOE_COMM_OP_REDUCE_SCATTER] += P * chunk * r;
+            out[k][MOE_COMM_OP_ALL_GATHER] += chunk * r;
+        }
     }
     /* EP: the tokens of this step's routing */
     if (t->ep.comm) {
@@ -221,9 +248,9 @@ static long long run_folding(const opts *o, moe_comm *world, const folding *f) {
     char flags[2048];
     snprintf(flags, sizeof flags,
              "%s %s --device %s --tensor-model-parallel-size %d --expert-model-parallel-size %d "
-             "%s --global-batch-size %d",
+             "%s %s --global-batch-size %d",
              BASE_MODEL, o->model, o->device, f->tp, f->ep, f->sp ? "--sequence-parallel" : "",
-             2 * dp);
+             f->zero ? "--use-distributed-optimizer" : "", 2 * dp);
     moe_config cfg;
     moe_error err;
     moe_error_clear(&err);
@@ -234,7 +261,8 @@ static long long run_folding(const opts *o, moe_comm *world, const folding *f) {
         st = moe_trainer_create_dist(&t, &cfg, world, &err);
     if (moe_comm_host_max(world, st != MOE_OK) > 0) { /* every rank skips it together */
         if (rank == 0)
-            printf("\nfolding tp=%d,ep=%d,sp=%d: not run (%s)\n", f->tp, f->ep, f->sp,
+            printf("\nfolding tp=%d,ep=%d,sp=%d,zero=%d: not run (%s)\n", f->tp, f->ep, f->sp,
+                   f->zero,
                    st != MOE_OK ? err.msg : "another rank could not build it");
         moe_trainer_free(t);
         return -1;
@@ -273,35 +301,31 @@ static long long run_folding(const opts *o, moe_comm *world, const folding *f) {
                 if (counted[g].bytes[op] != rows[g].model[op]) {
                     if (bad++ < 8)
                         fprintf(stderr,
-                                "[rank %d] tp=%d,ep=%d,sp=%d step %d: group %s %s counted %llu "
-                                "bytes, the model says %llu\n",
-                                rank, f->tp, f->ep, f->sp, i, rows[g].name,
+                                "[rank %d] tp=%d,ep=%d,sp=%d,zero=%d step %d: group %s %s "
+                                "counted %llu bytes, the model says %llu\n",
+                                rank, f->tp, f->ep, f->sp, f->zero, i, rows[g].name,
                                 moe_comm_op_name((moe_comm_op)op), counted[g].bytes[op],
                                 rows[g].model[op]);
                 }
     }
     const double med = moe_comm_host_max(world, moe_median(ms, o->repeats));
     const long long all_bad = (long long)moe_comm_host_max(world, (double)bad);
-    moe_memory_estimate e;
-    const moe_model *md = t->model;
-    const int mem_ok = moe_memory_estimate_rank(&md->cfg, md->max_B, &t->par.grid,
-                                                md->be->act_size, &e, &err) == MOE_OK;
+    const moe_memory_estimate e = t->model->mem; /* checked before the model's allocation */
     if (rank == 0) {
         const moe_grid *gr = &t->par.grid;
-        printf("\nfolding tp=%d,ep=%d%s: attention TP %d x DP %d, experts EP %d x EDP %d | "
+        printf("\nfolding tp=%d,ep=%d%s%s: attention TP %d x DP %d, experts EP %d x EDP %d%s | "
                "step %.2f ms (median of %d, slowest rank), loss %.4f\n",
-               f->tp, f->ep, f->sp ? " + SP" : "", gr->tp, gr->dp, gr->ep, gr->edp, med,
+               f->tp, f->ep, f->sp ? " + SP" : "", f->zero ? ",zero=1" : "", gr->tp, gr->dp,
+               gr->ep, gr->edp, f->zero ? ", distributed optimizer" : "", med,
                o->repeats, loss);
-        if (mem_ok) {
-            char w[32], g[32], op[32], a[32], tot[32];
-            mb_str(w, sizeof w, (double)e.weight_bytes);
-            mb_str(g, sizeof g, (double)e.grad_bytes);
-            mb_str(op, sizeof op, (double)e.optim_bytes);
-            mb_str(a, sizeof a, (double)e.act_bytes);
-            mb_str(tot, sizeof tot, (double)e.total_bytes);
-            printf("  memory/rank (estimate): %lld params | weights %s, grads %s, AdamW %s, "
-                   "activations %s, total %s\n", e.params, w, g, op, a, tot);
-        }
+        char sw[32], sg[32], so[32], sa[32], stot[32];
+        mb_str(sw, sizeof sw, (double)e.weight_bytes);
+        mb_str(sg, sizeof sg, (double)e.grad_bytes);
+        mb_str(so, sizeof so, (double)e.optim_bytes);
+        mb_str(sa, sizeof sa, (double)e.act_bytes);
+        mb_str(stot, sizeof stot, (double)e.total_bytes);
+        printf("  memory/rank (estimate): %lld params | weights %s, grads %s, AdamW %s, "
+               "activations %s, total %s\n", e.params, sw, sg, so, sa, stot);
         printf("  %-20s %5s  %-14s %14s %14s  %s\n", "group", "ranks", "collective",
                "counted B", "model B", "(rank 0, last step)");
         for (int g = 0; g < ng; g++)
@@ -365,8 +389,8 @@ int main(int argc, char **argv) {
              item = strtok_r(NULL, ";", &save)) {
             if (!parse_folding(item, &list[n])) {
                 if (rank == 0)
-                    moe_log_error("--foldings: '%s' is not 'tp=T,ep=E[,sp=0|1]' (e.g. --foldings "
-                                  "\"tp=2,ep=2;tp=1,ep=4\")", item);
+                    moe_log_error("--foldings: '%s' is not 'tp=T,ep=E[,sp=0|1][,zero=0|1]' (e.g. "
+                                  "--foldings \"tp=2,ep=2;tp=1,ep=4,zero=1\")", item);
                 moe_comm_finalize(world);
                 return 2;
             }
@@ -376,7 +400,9 @@ int main(int argc, char **argv) {
         for (int tp = 1; tp <= W && tp <= 4; tp *= 2)
             for (int ep = 1; ep <= W && ep <= 8; ep *= 2)
                 if (W % tp == 0 && W % ep == 0)
-                    list[n++] = (folding){tp, ep, tp > 1};
+                    list[n++] = (folding){tp, ep, tp > 1, 0};
+        if (W > 1) /* plain DP (and EDP) with the distributed optimizer */
+            list[n++] = (folding){1, 1, 0, 1};
     }
     if (rank == 0) {
         char name[600], where[640];
