@@ -66,6 +66,9 @@ typedef struct moe_cuda_trace {
 int moe_cuda_trace_begin(char *why, size_t cap);
 /** Stop recording, after the work has finished, and summarise it into @p out. */
 void moe_cuda_trace_end(moe_cuda_trace *out);
+/** After moe_cuda_trace_end(): print the @p top kernels by GPU time, per step of @p steps
+ *  traced steps, as a markdown table (kernel times summed, so overlap counts twice). */
+void moe_cuda_trace_print_top(FILE *f, int top, int steps);
 
 /* dense ops */
 void moe_cuda_matmul_forward(void *out, const void *in, const void *w, int N, int I, int O);

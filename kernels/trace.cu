@@ -11,6 +11,7 @@
  * plain KERNEL kind serialises kernels. Only the benchmark links this file (and -lcupti).
  */
 #include <cupti.h>
+#include <cxxabi.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,6 +21,58 @@
 typedef struct span {
     uint64_t start, end;
 } span;
+
+/* time per kernel name, for the breakdown (a few dozen names: a linear search is enough) */
+typedef struct by_name {
+    char name[96];
+    uint64_t ns;
+    long long count;
+} by_name;
+static by_name *g_names = NULL;
+static size_t g_nn = 0, g_ncap = 0;
+
+/* "void foo<int>(float*, ...)" -> "foo<int>": demangled, arguments dropped */
+static void short_name(const char *mangled, char *out, size_t cap) {
+    int st = 0;
+    char *d = abi::__cxa_demangle(mangled, NULL, NULL, &st);
+    const char *s = st == 0 && d ? d : mangled;
+    if (!strncmp(s, "void ", 5))
+        s += 5;
+    size_t n = 0;
+    int depth = 0;
+    for (; s[n] && n + 1 < cap; n++) {
+        depth += s[n] == '<';
+        depth -= s[n] == '>';
+        if (s[n] == '(' && depth == 0)
+            break;
+    }
+    memcpy(out, s, n);
+    out[n] = 0;
+    free(d);
+}
+
+static void add_name(const char *mangled, uint64_t ns) {
+    char nm[96];
+    short_name(mangled ? mangled : "?", nm, sizeof nm);
+    for (size_t i = 0; i < g_nn; i++)
+        if (!strcmp(g_names[i].name, nm)) {
+            g_names[i].ns += ns;
+            g_names[i].count++;
+            return;
+        }
+    if (g_nn == g_ncap) {
+        g_ncap = g_ncap ? 2 * g_ncap : 256;
+        g_names = (by_name *)realloc(g_names, g_ncap * sizeof *g_names);
+        if (!g_names) {
+            fprintf(stderr, "trace: out of host memory\n");
+            exit(1);
+        }
+    }
+    snprintf(g_names[g_nn].name, sizeof g_names[g_nn].name, "%s", nm);
+    g_names[g_nn].ns = ns;
+    g_names[g_nn].count = 1;
+    g_nn++;
+}
 
 static span *g_spans = NULL;
 static size_t g_n = 0, g_cap = 0;
@@ -55,6 +108,7 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
             g_t.kernels++;
             g_t.graph_kernels += k->graphId != 0;
             add_span(k->start, k->end);
+            add_name(k->name, k->end - k->start);
         } else if (r->kind == CUPTI_ACTIVITY_KIND_MEMSET) {
             const CUpti_ActivityMemset4 *m = (const CUpti_ActivityMemset4 *)r;
             g_t.copies++;
@@ -77,6 +131,7 @@ static const CUpti_ActivityKind g_kinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERN
 extern "C" int moe_cuda_trace_begin(char *why, size_t cap) {
     memset(&g_t, 0, sizeof g_t);
     g_n = 0;
+    g_nn = 0;
     CUptiResult r = cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed);
     for (size_t i = 0; r == CUPTI_SUCCESS && i < sizeof g_kinds / sizeof g_kinds[0]; i++)
         r = cuptiActivityEnable(g_kinds[i]);
@@ -114,4 +169,22 @@ extern "C" void moe_cuda_trace_end(moe_cuda_trace *out) {
     busy += cur_e - cur_s;
     g_t.busy_ms = (double)busy / 1e6;
     *out = g_t;
+}
+
+static int by_time(const void *a, const void *b) {
+    const by_name *x = (const by_name *)a, *y = (const by_name *)b;
+    return x->ns > y->ns ? -1 : x->ns < y->ns;
+}
+
+extern "C" void moe_cuda_trace_print_top(FILE *f, int top, int steps) {
+    qsort(g_names, g_nn, sizeof *g_names, by_time);
+    uint64_t total = 0;
+    for (size_t i = 0; i < g_nn; i++)
+        total += g_names[i].ns;
+    fprintf(f, "| kernel | launches/step | ms/step | share of kernel time |\n|---|---:|---:|---:|\n");
+    for (size_t i = 0; i < g_nn && (int)i < top; i++)
+        fprintf(f, "| `%s` | %.1f | %.3f | %.1f%% |\n", g_names[i].name,
+                (double)g_names[i].count / steps, (double)g_names[i].ns / 1e6 / steps,
+                total ? 100.0 * (double)g_names[i].ns / (double)total : 0.0);
+    fprintf(f, "| (all %zu kernel names) | | %.3f | 100%% |\n", g_nn, (double)total / 1e6 / steps);
 }

@@ -16,6 +16,8 @@
  * Counting runs after timing, in separate steps: CUPTI's tracing costs host time itself.
  *
  *   bin/ch06_graphs_bench [--steps 20] [--warmup 3] [--trace-steps 5] [--only preset|large]
+ *                          [--top N]   (N>0: after each eager row, the N kernels with the most
+ *                                       GPU time per step, from the same CUPTI records)
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -64,6 +66,9 @@ static void step(moe_trainer *t) {
     }
 }
 
+/* --top N: after each model's eager row, the N kernels that took the most GPU time */
+static int g_top = 0;
+
 static result measure(const char *model, moe_graph_scope scope, int warmup, int steps,
                       int trace_steps) {
     moe_trainer *t = make(model, scope);
@@ -95,6 +100,11 @@ static result measure(const char *model, moe_graph_scope scope, int warmup, int 
         step(t);
     moe_cuda_trace tr;
     moe_cuda_trace_end(&tr);
+    if (g_top > 0 && scope == MOE_GRAPH_NONE) {
+        printf("\nwhere the GPU time goes (scope none, %d traced steps):\n\n", trace_steps);
+        moe_cuda_trace_print_top(stdout, g_top, trace_steps);
+        printf("\n");
+    }
     const moe_graph_stats g1 = moe_graphs_stats(t->model->graphs);
     const double n = trace_steps;
     r.submissions = ((double)(tr.kernels - tr.graph_kernels) + (double)(tr.copies - tr.graph_copies) +
@@ -119,9 +129,11 @@ int main(int argc, char **argv) {
             trace_steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--only") && i + 1 < argc)
             only = argv[++i];
+        else if (!strcmp(argv[i], "--top") && i + 1 < argc)
+            g_top = atoi(argv[++i]);
         else {
             fprintf(stderr, "usage: %s [--steps N] [--warmup N] [--trace-steps N] "
-                    "[--only preset|large]\n", argv[0]);
+                    "[--only preset|large] [--top N]\n", argv[0]);
             return 2;
         }
     }
