@@ -76,6 +76,8 @@ typedef struct moe_model {
     const moe_backend *be;        /**< where everything lives and runs */
     moe_ep *ep;                   /**< expert parallelism, or NULL */
     moe_tp tp;                    /**< tensor (and sequence) parallelism: size 1 without */
+    moe_tp etp;                   /**< expert tensor parallelism (moe/expert_tp.h): the ETP
+                                       group, from moe_ep::etp; size 1 without */
     moe_vocab_parallel vp;        /**< with TP: this rank's vocabulary shard (else zeroed) */
     int experts_local;            /**< experts of each MoE layer held by this rank */
     moe_param_table table;        /**< names, shapes, offsets */

@@ -42,6 +42,7 @@
 #include "config.h"
 #include "mlp.h"
 #include "moe/dispatch.h"
+#include "moe/expert_tp.h"
 #include "tensor_parallel.h"
 
 /** Sizes and settings of one MoE layer. */
@@ -67,6 +68,9 @@ typedef struct moe_layer_dims {
      *  ::MOE_EXPERTS_KERNEL only */
     int permute_fusion;
     const moe_tp *tp;           /**< the TP group with SP (NULL or size 1: all N·1 tokens here) */
+    /** expert tensor parallelism (moe/expert_tp.h): the ETP group, each of its ranks holding
+     *  F of every local expert's columns (F above is already this rank's part); NULL: none */
+    const moe_tp *etp;
 } moe_layer_dims;
 
 /** The layer's weights: the backend's compute copy (activation type), views into it. */
@@ -124,6 +128,7 @@ typedef struct moe_layer_acts {
     void *acte;           /**< [e_rows,F] expert SwiGLU outputs × routing weight */
     moe_sym_buf xe_sym;   /**< the fused dispatcher: xe in memory the EP group shares */
     moe_sym_buf we_sym;   /**< the fused dispatcher: we, likewise */
+    moe_etp_rows etp;     /**< with ETP: the rows of the whole ETP group (moe/expert_tp.h) */
 } moe_layer_acts;
 
 /** Scratch shared by all MoE layers (only one runs at a time). */
@@ -145,6 +150,7 @@ typedef struct moe_layer_workspace {
     moe_sym_buf ye_sym;  /**< the fused dispatcher: ye in memory the EP group shares */
     moe_sym_buf dye_sym; /**< the fused dispatcher: dye, likewise */
     moe_sym_buf dwe_sym; /**< the fused dispatcher: dwe, likewise */
+    moe_etp_work etp;    /**< with ETP: the gathered rows' scratch (moe/expert_tp.h) */
     moe_ep single;       /**< the alltoall dispatcher's context on one rank (a capacity
                               without EP): no group, its staging buffers kept across steps */
     /* with TP: [N·TP,H] whole-sequence buffers for the shared expert's gather/scatter,
