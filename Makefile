@@ -168,7 +168,7 @@ $(BUILD)/f64/LIB-MEMBERS: FORCE
 
 # ---------------------------------------------------------------- targets
 .PHONY: all config check-deps train test test-unit test-fd test-asan test-gpu test-mpi test-notebooks notebooks docs bench \
-	clean print-build-flags check-ch01 check-ch02 check-ch03 check-ch04 check-ch06 test-chapters test-student-stubs test-plots \
+	clean print-build-flags test-mpi8 check-ch01 check-ch02 check-ch03 check-ch04 check-ch06 test-chapters test-student-stubs test-plots \
 	ch03-versions figures
 
 # chapter 03's kernel ladder (chapters/03-grouped-gemm/versions/): CUDA only
@@ -295,6 +295,15 @@ EXPECT_JOB_END = if timeout 120 $(MPIRUN) $(1) > $(BUILD)/tests/mpi_abort.log 2>
 	  elif ! grep -qF "$(2)" $(BUILD)/tests/mpi_abort.log; then \
 	    echo "FAIL: no message from the failing rank"; cat $(BUILD)/tests/mpi_abort.log; exit 1; \
 	  else echo "ok: the job ended with the failing rank's message"; fi
+# The 8-rank foldings of chapter 04 (tests/mpi_etp.c, suite mpi_fold8): attention TP 2 + SP
+# x DP 4 with experts EP 4 x EDP 2, and with ETP 2 x EP 2 x EDP 2, each against one
+# process. 8 ranks oversubscribed on 2 cores: about 2 s (check-ch04 runs it too).
+test-mpi8: check-deps
+	@if [ "$(WITH_MPI)" != 1 ]; then echo "== MPI tests on 8 ranks: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
+	else $(MAKE) --no-print-directory $(BUILD)/tests/mpi && \
+	  echo "== chapter 04 foldings on 8 MPI ranks (CPU, oversubscribed)" && \
+	  CK_RUN_SUITE=mpi_fold8 OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np 8 $(BUILD)/tests/mpi; fi
+
 test-mpi: check-deps
 	@if [ "$(WITH_MPI)" != 1 ]; then echo "== MPI tests: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
 	else $(MAKE) --no-print-directory $(BUILD)/tests/mpi && \
@@ -406,7 +415,8 @@ check-ch04: check-deps
 	$(call RUN_TAGGED,04,fd)
 	@if [ "$(WITH_MPI)" != 1 ]; then echo "== chapter 04 MPI ranks: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
 	else for np in 2 4; do echo "== chapter 04 on $$np MPI ranks (CPU)"; \
-	  CK_INCLUDE_TAGS=ch04 OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(call chapter_bin,04,mpi) || exit 1; done; fi
+	  CK_INCLUDE_TAGS=ch04 OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(call chapter_bin,04,mpi) || exit 1; done; \
+	  $(MAKE) --no-print-directory test-mpi8; fi
 	@if [ "$(WITH_MPI)" = 1 ]; then $(MAKE) --no-print-directory bin/ch04_folding_bench && \
 	  for np in 2 4; do echo "== chapter 04 folding benchmark on $$np MPI ranks: the bytes model must equal the counts"; \
 	  OMP_NUM_THREADS=1 $(MPIRUN) -np $$np ./bin/ch04_folding_bench --repeats 1 --warmup 0 \

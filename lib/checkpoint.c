@@ -163,28 +163,91 @@ static moe_ckpt_tensor entry(const char *name, moe_ckpt_dtype dtype, const moe_t
     return e;
 }
 
+/* A tensor split twice (the routed experts: EP, then ETP inside each expert) is saved as its
+ * EP shard, whole experts with every column: the file format records one split per tensor.
+ * The ranks of the ETP group all-gather their slices of @p mine (collective over the group:
+ * every member saves the tensor or none does, since they share their EDP position), and the
+ * first of them places each element at its index in the EP shard, written to *out; the others
+ * get NULL. @p outer receives the EP shard as a tensor (what the file entry describes). */
+static moe_status etp_assemble(const moe_trainer *t, const moe_tensor *ti, const void *mine,
+                               size_t es, moe_dtype dt, void **out, moe_tensor *outer,
+                               moe_error *err) {
+    const int P = ti->inner.count, dim = ti->inner.dim;
+    *outer = *ti;
+    outer->shape[dim] = ti->global_shape[dim];
+    outer->origin[dim] = 0;
+    outer->inner = (moe_shard){MOE_GROUP_NONE, 0, 0, 1};
+    outer->shard.group = MOE_GROUP_EP;
+    outer->numel = ti->numel * (size_t)P;
+    unsigned char *all = malloc(outer->numel * es);
+    *out = NULL;
+    if (!all)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory gathering tensor '%s' over its "
+                             "expert-tensor-parallel ranks (%zu values)", ti->name, outer->numel);
+    moe_comm_host_all_gather(moe_parallel_group(&t->par, MOE_GROUP_ETP), mine, all, ti->numel,
+                             dt);
+    if (ti->inner.index != 0) {
+        free(all);
+        return MOE_OK;
+    }
+    unsigned char *ep_shard = malloc(outer->numel * es);
+    if (!ep_shard) {
+        free(all);
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory saving tensor '%s'", ti->name);
+    }
+    for (int j = 0; j < P; j++) { /* rank j's slice, element by element */
+        moe_tensor piece = *ti;
+        piece.inner.index = j;
+        piece.origin[dim] = j * ti->shape[dim];
+        const unsigned char *src = all + (size_t)j * ti->numel * es;
+        for (size_t i = 0; i < ti->numel; i++)
+            memcpy(ep_shard + moe_tensor_local_index(outer, moe_tensor_global_index(&piece, i)) * es,
+                   src + i * es, es);
+    }
+    free(all);
+    *out = ep_shard;
+    return MOE_OK;
+}
+
 /* This rank's file: its first-replica tensors; rank 0 adds the run's state and flags. */
 static moe_status write_shard(const moe_trainer *t, const char *path, host_state *h,
                               const char *config, size_t config_len, moe_error *err) {
     const moe_model *m = t->model;
     const moe_param_table *pt = &m->table;
     moe_ckpt_tensor *list = calloc((size_t)pt->n * BUF_COUNT + 3, sizeof *list);
-    if (!list)
+    void **owned = calloc((size_t)pt->n * BUF_COUNT + 1, sizeof *owned); /* assembled copies */
+    if (!list || !owned) {
+        free(list);
+        free(owned);
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory saving a checkpoint");
-    int n = 0;
-    for (int i = 0; i < pt->n; i++) {
+    }
+    int n = 0, n_owned = 0;
+    moe_status s = MOE_OK;
+    for (int i = 0; i < pt->n && s == MOE_OK; i++) {
         const moe_tensor *ti = &pt->t[i];
         if (!saves_tensor(t, ti))
             continue;
-        for (int b = 0; b < BUF_COUNT; b++) {
+        for (int b = 0; b < BUF_COUNT && s == MOE_OK; b++) {
             char name[MOE_CKPT_NAME_LEN];
             snprintf(name, sizeof name, "%s%s", g_prefix[b], ti->name);
             const size_t es = moe_ckpt_dtype_size(dtype_of(b));
-            list[n++] = entry(name, dtype_of(b), ti, 0, 0, 0,
-                              (const char *)buf_of(h, b) + es * ti->offset);
+            const void *data = (const char *)buf_of(h, b) + es * ti->offset;
+            if (ti->inner.count == 1) {
+                list[n++] = entry(name, dtype_of(b), ti, 0, 0, 0, data);
+                continue;
+            }
+            moe_tensor outer;
+            void *ep_shard;
+            s = etp_assemble(t, ti, data, es,
+                             b == BUF_PARAM ? moe_dtype_real() : MOE_DTYPE_F32, &ep_shard,
+                             &outer, err);
+            if (s == MOE_OK && ep_shard) {
+                owned[n_owned++] = ep_shard;
+                list[n++] = entry(name, dtype_of(b), &outer, 0, 0, 0, ep_shard);
+            }
         }
     }
-    if (t->rank == 0) {
+    if (s == MOE_OK && t->rank == 0) {
         list[n++] = entry("trainer.state", MOE_CKPT_I64, NULL, 1, ST_COUNT, 0, h->state);
         list[n++] = entry("config", MOE_CKPT_U8, NULL, 1, (int64_t)config_len, 0, config);
         if (h->expert_bias)
@@ -193,7 +256,11 @@ static moe_status write_shard(const moe_trainer *t, const char *path, host_state
     }
     moe_ckpt_file_info info = {.step = t->step, .file_index = t->rank,
                                .file_count = t->world_size};
-    moe_status s = moe_ckpt_file_write(path, &info, list, n, err);
+    if (s == MOE_OK)
+        s = moe_ckpt_file_write(path, &info, list, n, err);
+    for (int i = 0; i < n_owned; i++)
+        free(owned[i]);
+    free(owned);
     free(list);
     return s;
 }

@@ -433,10 +433,17 @@ static moe_status validate_folding(moe_config *c, int any_moe, int any_dense, mo
             "--pipeline-model-parallel-size %d: pipeline parallelism is not planned in moe.c "
             "(every rank holds every layer); use --pipeline-model-parallel-size 1",
             c->pipeline_model_parallel_size);
-    REQUIRE(c->expert_tensor_parallel_size == 1,
-            "--expert-tensor-parallel-size %d: expert tensor parallelism is not implemented yet "
-            "(a later part of chapter 04); use --expert-tensor-parallel-size 1 and split the "
-            "experts with --expert-model-parallel-size", c->expert_tensor_parallel_size);
+    /* ETP splits each routed expert's intermediate width (moe/expert_tp.h) */
+    const int ETP = c->expert_tensor_parallel_size;
+    REQUIRE(!any_moe || c->moe_ffn_hidden_size % ETP == 0,
+            "--moe-ffn-hidden-size %d is not divisible by --expert-tensor-parallel-size %d (each "
+            "expert's fc1 is split by columns and its fc2 by rows over the ETP ranks): use an "
+            "--expert-tensor-parallel-size that divides %d, or a multiple of %d as "
+            "--moe-ffn-hidden-size", c->moe_ffn_hidden_size, ETP, c->moe_ffn_hidden_size, ETP);
+    REQUIRE(!any_moe || ETP == 1 || !c->moe_permute_fusion,
+            "--moe-permute-fusion with --expert-tensor-parallel-size %d: the fused permutation "
+            "reads the tokens in place on one rank, but ETP gathers the expert rows of its "
+            "group first; drop --moe-permute-fusion or use --expert-tensor-parallel-size 1", ETP);
     REQUIRE(!c->sequence_parallel || TP > 1,
             "--sequence-parallel splits the tokens over the tensor-parallel ranks: it needs "
             "--tensor-model-parallel-size > 1 (got %d)", TP);

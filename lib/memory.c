@@ -77,6 +77,11 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
     const int sp = TP > 1 && c->sequence_parallel;
     const long long Nl = sp ? N / TP : N, NKl = mul(Nl, k);
     const long long Hql = Hq / TP, Hkvl = Hkv / TP, Vl = V / TP, Fsl = Fs / TP, Fdl = Fd / TP;
+    /* expert tensor parallelism (moe/expert_tp.h): each local expert holds F/ETP of its
+     * width, and runs on the rows of its whole ETP group, gathered */
+    const long long ETP =
+        c->expert_tensor_parallel_size > 1 ? c->expert_tensor_parallel_size : 1;
+    const long long Fl = F / ETP;
     tally t = {.e = out};
 
     /* ---- parameters (elements first, then the bytes of their four or five copies) */
@@ -98,8 +103,8 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
             tensor(&t, "moe.shared.fc1", mul(mul(2, Fsl), H));
             tensor(&t, "moe.shared.fc2", mul(H, Fsl));
             t.bytes = &Pe; /* the routed experts: the expert grid's tensors */
-            tensor(&t, "moe.experts.fc1", mul(mul(E / EP, mul(2, F)), H));
-            tensor(&t, "moe.experts.fc2", mul(mul(E / EP, H), F));
+            tensor(&t, "moe.experts.fc1", mul(mul(E / EP, mul(2, Fl)), H));
+            tensor(&t, "moe.experts.fc2", mul(mul(E / EP, H), Fl));
             t.bytes = &P;
         } else {
             tensor(&t, "mlp.fc1", mul(mul(2, Fdl), H));
@@ -146,16 +151,23 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
             buffers(&t, "routing weights", 4, NKl, Rb,
                     "--micro-batch-size, --seq-length or --moe-router-topk");
             buffer(&t, "moe.xp", mul(NKl, H), S, EXPERT);
-            buffer(&t, "moe.gu", mul(NKl, mul(2, F)), S, EXPERT);
-            buffer(&t, "moe.act", mul(NKl, F), S, EXPERT);
+            buffer(&t, "moe.gu", mul(NKl, mul(2, Fl)), S, EXPERT);
+            buffer(&t, "moe.act", mul(NKl, Fl), S, EXPERT);
             buffer(&t, "moe.shared", mul(N, mul(3, Fsl)), S,
                    "--micro-batch-size, --seq-length or --moe-shared-expert-intermediate-size");
-            if (EP > 1 || c->moe_expert_capacity_factor > 0) {
+            if (EP > 1 || ETP > 1 || c->moe_expert_capacity_factor > 0) {
                 /* the expert side: at most every assignment of the EP group */
                 const long long rows = mul(NKl, EP);
-                buffer(&t, "expert-side rows", mul(rows, add(H, mul(3, F))), S,
+                buffer(&t, "expert-side rows", mul(rows, add(H, mul(3, Fl))), S,
                        "--micro-batch-size, --seq-length, --moe-router-topk or "
                        "--expert-model-parallel-size");
+            }
+            if (ETP > 1) {
+                /* the ETP group's rows, gathered (saved: inputs, fc1 and SwiGLU outputs) */
+                const long long rows = mul(mul(NKl, EP), ETP);
+                buffer(&t, "expert-tensor-parallel rows", mul(rows, add(H, mul(3, Fl))), S,
+                       "--micro-batch-size, --seq-length, --moe-router-topk or "
+                       "--expert-tensor-parallel-size");
             }
             if (c->moe_pad_expert_input_to_capacity && Nl <= INT_MAX) {
                 const long long cap = moe_expert_capacity((int)Nl, (int)k, (int)E,
@@ -174,11 +186,18 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
     /* the one FFN workspace (moe/layer.c), sized for all N rows (the dense FFNs' and the
      * shared expert's; more than an MoE layer on Nl rows needs) */
     const long long rows = any_moe ? (NK > N ? NK : N) : N;
-    const long long hf_moe = any_moe ? mul(NK, F) : 0;
+    const long long hf_moe = any_moe ? mul(NK, Fl) : 0;
     const long long hf_dense = mul(N, Fs > widest_dense ? Fs : widest_dense);
     const long long HF = hf_moe > hf_dense ? hf_moe : hf_dense;
     buffers(&t, "ffn workspace rows", 3, mul(rows, H), S, EXPERT);
     buffers(&t, "ffn workspace", 3, HF, S, EXPERT);
+    if (any_moe && ETP > 1) { /* the gathered rows' scratch (one for every layer) and the
+                               * padded exchange blocks, at most every row of the group */
+        const long long grows = mul(mul(NKl, EP), ETP);
+        buffer(&t, "expert-tensor-parallel scratch", mul(grows, add(mul(2, H), mul(3, Fl))), S,
+               EXPERT);
+        buffers(&t, "expert-tensor-parallel exchange", 2, mul(grows, H), S, EXPERT);
+    }
     if (any_moe)
         buffer(&t, "router logit gradients", mul(N, E), S, "--micro-batch-size, --seq-length "
                "or --num-experts");

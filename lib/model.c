@@ -106,19 +106,29 @@ static void layout(moe_model *m) {
     SHARD_TP(0);
     /* The routed experts last: every replicated (dense) tensor is then one contiguous block
      * and every expert slice another, so each gradient sync and norm is one call per block
-     * instead of one per tensor. Each rank holds its EP shard of the experts (dim 0), which
-     * moe_params_init fills with that slice of the full tensor's values. */
+     * instead of one per tensor. Each rank holds its EP shard of the experts (whole experts,
+     * dim 0), which moe_params_init fills with that slice of the full tensor's values.
+     * Expert tensor parallelism (moe/expert_tp.h) splits each of those experts again, as TP
+     * splits a dense FFN: fc1 is [E, 2F, H] (per expert gate rows, then up rows) seen as
+     * [2E, F, H] (the same elements in the same order), so that ETP splits F and each rank
+     * holds F/ETP gate rows and the matching F/ETP up rows (column-parallel); fc2 [E, H, F] is
+     * split along F (row-parallel). */
     const int ep_rank = m->ep && m->ep->comm ? m->ep->rank : 0;
     const int ep_size = m->ep && m->ep->comm ? m->ep->size : 1;
+    const int etps = m->etp.size, etpr = m->etp.rank;
     for (int l = 0; l < c->num_layers; l++) {
         if (!c->is_moe_layer[l])
             continue;
         size_t *o = m->off[l];
         const int F = c->moe_ffn_hidden_size;
-        ADD(MOE_W_FC1, "moe.experts.fc1", 3, E, 2 * F, H, MOE_INIT_NORMAL, std, 1);
+        ADD(MOE_W_FC1, "moe.experts.fc1", 3, 2 * E, F, H, MOE_INIT_NORMAL, std, 1);
         moe_params_shard(pt, MOE_GROUP_EP, 0, ep_rank, ep_size);
+        if (etps > 1)
+            moe_params_shard(pt, MOE_GROUP_ETP, 1, etpr, etps);
         ADD(MOE_W_FC2, "moe.experts.fc2", 3, E, H, F, MOE_INIT_NORMAL, out_std, 1);
         moe_params_shard(pt, MOE_GROUP_EP, 0, ep_rank, ep_size);
+        if (etps > 1)
+            moe_params_shard(pt, MOE_GROUP_ETP, 2, etpr, etps);
     }
 #undef ADD
 #undef SHARD_TP
@@ -143,7 +153,7 @@ static moe_layer_dims moe_dims(const moe_model *m, int N, int T) {
     d.H = c->hidden_size;
     d.E = c->num_experts;
     d.k = c->moe_router_topk;
-    d.F = c->moe_ffn_hidden_size;
+    d.F = c->moe_ffn_hidden_size / m->etp.size; /* this rank's part of each expert */
     d.Fs = c->moe_shared_expert_intermediate_size;
     d.router = moe_router_params_from_config(c);
     d.lb_type = c->lb_type;
@@ -156,11 +166,12 @@ static moe_layer_dims moe_dims(const moe_model *m, int N, int T) {
     d.experts = moe_expert_impl_from_config(c, m->be);
     /* (validated: one rank, dropless, our kernel; an EP group, even of one rank, sends
      * through its dispatcher, which has no fused path) */
-    d.permute_fusion = c->moe_permute_fusion && !d.ep;
+    d.permute_fusion = c->moe_permute_fusion && !d.ep && m->etp.size == 1;
     d.tp = m->tp.size > 1 ? &m->tp : NULL;
     d.step_flags = m->step_flags;
     d.budget_rows = m->moe_budget_rows;
     d.load_counts = NULL; /* per layer: moe_model_forward() points it at the layer's counts */
+    d.etp = m->etp.size > 1 ? &m->etp : NULL;
     return d;
 }
 
@@ -259,6 +270,8 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
     m->be = be;
     m->ep = ep;
     m->tp = tp && tp->comm ? *tp : moe_tp_none();
+    /* the ETP group travels with the EP context (dispatch.h) */
+    m->etp = ep && ep->etp.comm && ep->etp.size > 1 ? ep->etp : moe_tp_none();
     m->experts_local = cfg->num_experts / (ep && ep->comm ? ep->size : 1);
     layout(m);
     const moe_config *c = &m->cfg;

@@ -80,6 +80,8 @@ typedef struct moe_model {
     moe_tp tp;                    /**< tensor (and sequence) parallelism: size 1 without */
     moe_memory_estimate mem;      /**< this rank's memory estimate (memory.h), checked before
                                        any allocation and printed by moe-train */
+    moe_tp etp;                   /**< expert tensor parallelism (moe/expert_tp.h): the ETP
+                                       group, from moe_ep::etp; size 1 without */
     moe_vocab_parallel vp;        /**< with TP: this rank's vocabulary shard (else zeroed) */
     int experts_local;            /**< experts of each MoE layer held by this rank */
     moe_param_table table;        /**< names, shapes, offsets */

@@ -27,6 +27,7 @@ size_t moe_params_add(moe_param_table *pt, const char *name, int ndim, int s0, i
         t->numel *= (size_t)s[i];
     }
     t->shard = (moe_shard){MOE_GROUP_NONE, 0, 0, 1};
+    t->inner = (moe_shard){MOE_GROUP_NONE, 0, 0, 1};
     t->grad_group = MOE_GROUP_DP_CP;
     t->partial_group = MOE_GROUP_NONE;
     t->offset = pt->total;
@@ -41,14 +42,26 @@ size_t moe_params_add(moe_param_table *pt, const char *name, int ndim, int s0, i
 void moe_params_shard(moe_param_table *pt, moe_group_kind group, int dim, int index, int count) {
     MOE_ASSERT(pt->n > 0);
     moe_tensor *t = &pt->t[pt->n - 1];
-    /* one split per tensor for now; chapter 04's ETP splits expert tensors a second time */
-    MOE_ASSERT(t->shard.group == MOE_GROUP_NONE && dim >= 0 && dim < t->ndim && count >= 1 &&
-               index >= 0 && index < count && t->global_shape[dim] % count == 0);
+    /* at most two splits: any one, or EP (whole experts) and then ETP inside each expert
+     * along another dimension */
+    const int second = t->shard.group != MOE_GROUP_NONE;
+    MOE_ASSERT(!second || (t->shard.group == MOE_GROUP_EP && group == MOE_GROUP_ETP &&
+                           t->inner.group == MOE_GROUP_NONE && dim != t->shard.dim));
+    MOE_ASSERT(dim >= 0 && dim < t->ndim && count >= 1 && index >= 0 && index < count &&
+               t->global_shape[dim] % count == 0);
     pt->total -= t->numel;
     t->shape[dim] = t->global_shape[dim] / count;
     t->origin[dim] = index * t->shape[dim];
-    t->numel = t->numel / (size_t)t->global_shape[dim] * (size_t)t->shape[dim];
-    t->shard = (moe_shard){group, dim, index, count};
+    t->numel = 1;
+    for (int d = 0; d < t->ndim; d++)
+        t->numel *= (size_t)t->shape[d];
+    if (second) { /* the shards of both splits together make the tensor: the norm sums its
+                   * squares over ETP x EP */
+        t->inner = (moe_shard){group, dim, index, count};
+        t->shard.group = MOE_GROUP_ETP_EP;
+    } else {
+        t->shard = (moe_shard){group, dim, index, count};
+    }
     t->grad_group = moe_group_in_expert_grid(group) ? MOE_GROUP_EDP : MOE_GROUP_DP_CP;
     pt->total += t->numel;
 }
@@ -59,7 +72,7 @@ void moe_params_partial(moe_param_table *pt, moe_group_kind group) {
 }
 
 size_t moe_tensor_global_index(const moe_tensor *t, size_t j) {
-    if (t->shard.count == 1)
+    if (t->shard.count == 1 && t->inner.count == 1)
         return j; /* the whole tensor */
     /* peel the local coordinates off j (innermost first) and place them, shifted by the
      * shard's origin, in the global shape */
@@ -71,6 +84,21 @@ size_t moe_tensor_global_index(const moe_tensor *t, size_t j) {
         place *= (size_t)t->global_shape[d];
     }
     return g;
+}
+
+size_t moe_tensor_local_index(const moe_tensor *t, size_t g) {
+    /* peel the global coordinates off g (innermost first); each must fall inside this
+     * shard's [origin, origin + shape) */
+    size_t j = 0, place = 1;
+    for (int d = t->ndim - 1; d >= 0; d--) {
+        const size_t i = g % (size_t)t->global_shape[d];
+        g /= (size_t)t->global_shape[d];
+        if (i < (size_t)t->origin[d] || i >= (size_t)t->origin[d] + (size_t)t->shape[d])
+            return (size_t)-1;
+        j += (i - (size_t)t->origin[d]) * place;
+        place *= (size_t)t->shape[d];
+    }
+    return j;
 }
 
 int moe_params_next_run(const moe_param_table *pt, moe_params_key key, int *i, size_t *start,

@@ -63,7 +63,12 @@ typedef struct moe_tensor {
     int shape[3];        /**< this rank's sizes, outermost first */
     int global_shape[3]; /**< the sizes of the whole (single-rank) tensor */
     int origin[3];       /**< index in the whole tensor of this shard's first element, per dim */
-    moe_shard shard;     /**< how the tensor is split (count 1: this rank holds all of it) */
+    moe_shard shard;     /**< how the tensor is split (count 1: this rank holds all of it).
+                              After a second split (moe_params_shard() called twice: the
+                              routed experts, by EP and then by ETP) shard.group is the union
+                              of both groups (::MOE_GROUP_ETP_EP), the ranks that together hold
+                              the whole tensor, and dim/index/count stay the first split's */
+    moe_shard inner;     /**< the second split (ETP inside each expert), or count 1 */
     moe_group_kind grad_group; /**< the ranks holding the same shard (replicas): its gradient
                                     is summed over them. ::MOE_GROUP_DP_CP for the dense
                                     grid, ::MOE_GROUP_EDP for the expert grid */
@@ -113,6 +118,9 @@ size_t moe_params_add(moe_param_table *pt, const char *name, int ndim, int s0, i
  *        expert grid: its gradient is summed over EDP instead of DP x CP. Element j of the
  *        shard is initialised as the element of the whole tensor it is a slice of, so a
  *        row- or column-parallel shard starts as its slice of the single-rank weights.
+ *        A routed expert's tensor is split twice: by ::MOE_GROUP_EP (whole experts), then by
+ *        ::MOE_GROUP_ETP along another dimension (moe_tensor::inner); shard.group becomes
+ *        ::MOE_GROUP_ETP_EP, the ranks whose shards make up the whole tensor.
  * @param pt    table (its last tensor is split)
  * @param group the ranks holding the shards
  * @param dim   0 .. ndim-1; its size must be a multiple of the count
@@ -134,6 +142,13 @@ void moe_params_partial(moe_param_table *pt, moe_group_kind group);
  * @param t tensor  @param j 0 .. numel-1  @return the row-major index in global_shape
  */
 size_t moe_tensor_global_index(const moe_tensor *t, size_t j);
+
+/**
+ * @brief Index in this rank's shard of element @p g of the whole tensor (the inverse of
+ *        moe_tensor_global_index()), or (size_t)-1 when another rank's shard holds it.
+ * @param t tensor  @param g a row-major index in global_shape  @return the index or -1
+ */
+size_t moe_tensor_local_index(const moe_tensor *t, size_t g);
 
 /** What groups tensors into runs (e.g. their moe_tensor::grad_group). */
 typedef moe_group_kind (*moe_params_key)(const moe_tensor *t);

@@ -52,6 +52,10 @@ static moe_status make_groups(moe_trainer *t, moe_error *err) {
     t->ep.size = ep.size;
     t->ep.rank = ep.rank;
     t->ep.comm = moe_parallel_group(&t->par, MOE_GROUP_EP);
+    /* the ETP group splits each local expert (moe/expert_tp.h); it travels with the EP
+     * context, the two together holding one copy of the experts */
+    moe_grid_group(&t->par.grid, MOE_GROUP_ETP, t->rank, &g, NULL);
+    t->ep.etp = (moe_tp){moe_parallel_group(&t->par, MOE_GROUP_ETP), g.size, g.rank, 0};
 
     /* which dispatcher the MoE layers use (moe/dispatch.h) */
     MOE_TRY(moe_ep_choose_dispatcher(&t->ep, c, t->rank == 0, err));
@@ -90,18 +94,19 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
     const moe_backend *be = NULL;
     if (s == MOE_OK)
         s = moe_backend_select(c->device, &be, err);
-    if (s == MOE_OK && !world && c->expert_model_parallel_size > 1)
-        s = moe_error_set(err, MOE_ERR_CONFIG,
-                          "--expert-model-parallel-size %d needs %d ranks: run under mpirun "
-                          "-np %d (a build with MPI)",
-                          c->expert_model_parallel_size, c->expert_model_parallel_size,
-                          c->expert_model_parallel_size);
-    if (s == MOE_OK && !world && c->tensor_model_parallel_size > 1)
-        s = moe_error_set(err, MOE_ERR_CONFIG,
-                          "--tensor-model-parallel-size %d needs %d ranks: run under mpirun "
-                          "-np %d (a build with MPI)",
-                          c->tensor_model_parallel_size, c->tensor_model_parallel_size,
-                          c->tensor_model_parallel_size);
+    /* a split over ranks needs the ranks: one process cannot run it */
+    const struct {
+        const char *flag;
+        int size;
+    } splits[] = {{"expert-model-parallel-size", c->expert_model_parallel_size},
+                  {"expert-tensor-parallel-size", c->expert_tensor_parallel_size},
+                  {"tensor-model-parallel-size", c->tensor_model_parallel_size}};
+    for (int i = 0; i < 3 && s == MOE_OK && !world; i++)
+        if (splits[i].size > 1)
+            s = moe_error_set(err, MOE_ERR_CONFIG,
+                              "--%s %d needs %d ranks: run under mpirun -np %d (a build with "
+                              "MPI)", splits[i].flag, splits[i].size, splits[i].size,
+                              splits[i].size);
     if (s == MOE_OK && world && moe_comm_device(world) != be->device)
         s = moe_error_set(err, MOE_ERR_BACKEND,
                           "--device %s does not match the communication transport (%s ranks)",
@@ -111,7 +116,7 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
         s = make_groups(t, err);
     if (s == MOE_OK)
         s = moe_model_create_parallel(&t->model, c, be, c->micro_batch_size,
-                                      t->ep.comm ? &t->ep : NULL, &t->tp,
+                                      t->ep.comm || t->ep.etp.comm ? &t->ep : NULL, &t->tp,
                                       world ? &t->par.grid : NULL, err);
     if (s == MOE_OK && world && c->use_distributed_optimizer) {
         /* ZeRO-1: this rank's moments cover its piece of each gradient group only */

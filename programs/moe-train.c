@@ -53,9 +53,9 @@ static void print_grid(const moe_trainer *t) {
         snprintf(zero, sizeof zero, "; distributed optimizer: moments of %.3fM (1/%d of the "
                  "dense, 1/%d of the experts)", e.optim_elems / 1e6, g->dp * g->cp, g->edp);
     moe_log_info("memory| %.3fM parameters: dense %.3fM (TP %d shard, replicated over DP x CP "
-                 "%d), experts %.3fM (EP %d shard, replicated over EDP %d)%s",
+                 "%d), experts %.3fM (ETP %d x EP %d shard, replicated over EDP %d)%s",
                  e.params / 1e6, e.dense_params / 1e6, g->tp, g->dp * g->cp,
-                 e.expert_params / 1e6, g->ep, g->edp, zero);
+                 e.expert_params / 1e6, g->etp, g->ep, g->edp, zero);
 }
 
 static void print_config(const moe_trainer *t) {
@@ -96,11 +96,12 @@ static void print_config(const moe_trainer *t) {
                  c->lr_decay_style, c->lr_warmup_iters, m->be->name, threads);
     if (t->world_size > 1)
         moe_log_info("ranks | %d ranks, tensor parallel %d%s, expert parallel %d (%s dispatcher, "
-                     "%d experts per rank), data parallel %d: %d micro-batches per rank per "
-                     "step%s",
+                     "%d experts per rank, each split over %d ETP rank(s)), data parallel %d: "
+                     "%d micro-batches per rank per step%s",
                      t->world_size, c->tensor_model_parallel_size,
                      c->sequence_parallel ? " + SP" : "", c->expert_model_parallel_size,
-                     c->moe_token_dispatcher_type, m->experts_local, t->dp_size,
+                     c->moe_token_dispatcher_type, m->experts_local,
+                     c->expert_tensor_parallel_size, t->dp_size,
                      c->global_batch_size / c->micro_batch_size / t->dp_size,
                      c->moe_expert_capacity_factor > 0 ? ", capacity on" : "");
     if (t->world_size > 1)

@@ -15,7 +15,9 @@
  *  - the distributed optimizer (chapter 04): saved by W ranks with
  *    --use-distributed-optimizer, resumed the same way (next-step loss and AdamW moments bit
  *    for bit), by one process and by W ranks without it (loss 1e-5, moments 1e-6 of their
- *    largest value).
+ *    largest value);
+ *  - expert tensor parallelism (chapter 04): a checkpoint saved at ETP 2 x EP W/2 loads
+ *    into one process (ETP 1 x EP 1), and the reverse, with the same next-step loss.
  */
 #include <math.h>
 #include <stdio.h>
@@ -37,12 +39,14 @@
 
 static int on_gpu(void) { return moe_comm_device(moe_test_world()) == MOE_DEVICE_CUDA; }
 
-/* A trainer at EP @p ep over @p world (NULL: one process), two micro-batches per rank of W. */
-static moe_trainer *make(int ep, moe_comm *world) {
+/* A trainer at ETP @p etp x EP @p ep over @p world (NULL: one process), two micro-batches
+ * per rank of W. */
+static moe_trainer *make_experts(int etp, int ep, moe_comm *world) {
     const int W = moe_comm_size(moe_test_world());
     char flags[1200];
     snprintf(flags, sizeof flags, CK_MPI "--global-batch-size %d --expert-model-parallel-size "
-             "%d --device %s", 2 * 2 * W, ep, on_gpu() ? "cuda" : "cpu");
+             "%d --expert-tensor-parallel-size %d --device %s", 2 * 2 * W, ep, etp,
+             on_gpu() ? "cuda" : "cpu");
     setenv("MOE_NO_DOWNLOAD", "1", 1);
     moe_config c;
     moe_error err;
@@ -51,6 +55,9 @@ static moe_trainer *make(int ep, moe_comm *world) {
     ck_assert_msg(moe_trainer_create_dist(&t, &c, world, &err) == MOE_OK, "%s", err.msg);
     return t;
 }
+
+/* A trainer at EP @p ep (ETP 1). */
+static moe_trainer *make(int ep, moe_comm *world) { return make_experts(1, ep, world); }
 
 /* One directory for every rank: named after rank 0's pid. */
 static void shared_dir(char *out, size_t cap, const char *name) {
@@ -328,11 +335,53 @@ START_TEST(test_ckpt_distributed_optimizer) {
 }
 END_TEST
 
+/* Expert tensor parallelism (chapter 04): a checkpoint saved at ETP 2 x EP W/2 (each expert
+ * tensor split twice; the file holds each EP shard, assembled over its ETP ranks) loads into
+ * one process (ETP 1 x EP 1), and one saved by one process loads into ETP 2 x EP W/2, each
+ * giving the next-step loss of the run continued without resharding. */
+START_TEST(test_ckpt_expert_tensor_parallel) {
+    moe_comm *w = moe_test_world();
+    const int W = moe_comm_size(w);
+    if (W == 1 || W % 2)
+        return; /* ETP 2 needs two ranks at least */
+    char dir[600], dir1[600];
+    shared_dir(dir, sizeof dir, "etp");
+    shared_dir(dir1, sizeof dir1, "etp1");
+
+    moe_trainer *src = make_experts(2, W / 2, w);
+    moe_test_step(src);
+    moe_test_step(src);
+    save(src, dir);
+    const double next = moe_test_step(src);
+    moe_trainer_free(src);
+    moe_trainer *one = make_experts(1, 1, NULL);
+    load(one, dir);
+    check_close(moe_test_step(one), next, "ETP 2 x EP W/2 -> one process");
+    moe_trainer_free(one);
+
+    moe_trainer *single = make_experts(1, 1, NULL);
+    moe_test_step(single);
+    moe_test_step(single);
+    if (moe_comm_rank(w) == 0)
+        save(single, dir1);
+    moe_comm_barrier(w);
+    const double next1 = moe_test_step(single);
+    moe_trainer_free(single);
+    moe_trainer *etp = make_experts(2, W / 2, w);
+    load(etp, dir1);
+    check_close(moe_test_step(etp), next1, "one process -> ETP 2 x EP W/2");
+    moe_trainer_free(etp);
+    remove_shared(dir);
+    remove_shared(dir1);
+}
+END_TEST
+
 Suite *suite_mpi_checkpoint(void) {
     Suite *s = suite_create("mpi-checkpoint");
     const TTest *const tests[] = {test_ckpt_resume_exact, test_ckpt_reshard};
     moe_test_tcase(s, "checkpoint", 300, tests, 2);
-    const TTest *const tp_tests[] = {test_ckpt_tensor_parallel, test_ckpt_distributed_optimizer};
-    tcase_set_tags(moe_test_tcase(s, "checkpoint-tp", 300, tp_tests, 2), "ch04");
+    const TTest *const tp_tests[] = {test_ckpt_tensor_parallel, test_ckpt_distributed_optimizer,
+                                     test_ckpt_expert_tensor_parallel};
+    tcase_set_tags(moe_test_tcase(s, "checkpoint-tp", 300, tp_tests, 3), "ch04");
     return s;
 }

@@ -71,6 +71,8 @@ int main(int argc, char **argv) {
     srunner_add_suite(sr, suite_mpi_ep());
     srunner_add_suite(sr, suite_mpi_tp());
     srunner_add_suite(sr, suite_mpi_dp());
+    srunner_add_suite(sr, suite_mpi_etp());
+    srunner_add_suite(sr, suite_mpi_fold8());
     srunner_add_suite(sr, suite_mpi_checkpoint());
     srunner_set_fork_status(sr, CK_NOFORK);
     srunner_run_all(sr, rank == 0 ? CK_VERBOSE : CK_SILENT);

@@ -60,6 +60,10 @@ Suite *suite_mpi_checkpoint(void); /* tests/mpi_checkpoint.c: exact resume at EP
                                       checkpoint loaded into another folding, a missing file */
 Suite *suite_mpi_dp(void);        /* tests/mpi_dp.c: the clipped global gradient norm of every
                                      folding is one process's; the distributed optimizer */
+Suite *suite_mpi_etp(void);       /* tests/mpi_etp.c: ETP 2 (x EP 2, x TP 2 + SP) gives the
+                                     single-process loss, gradients and weights; a mutant
+                                     without the ETP reduction fails */
+Suite *suite_mpi_fold8(void);     /* tests/mpi_etp.c: the 8-rank foldings (make test-mpi8) */
 Suite *suite_mpi_tp(void);        /* tests/mpi_tp.c: TP and TP+SP give the single-process loss,
                                      gradients and weights; the f/g operators (chapter 04) */
 struct moe_comm;

@@ -709,7 +709,14 @@ START_TEST(test_val_folding) {
                         "2");
     EXPECT_CONFIG_ERROR("--pipeline-model-parallel-size 2", "not planned",
                         "--pipeline-model-parallel-size", "2");
-    EXPECT_CONFIG_ERROR("--expert-tensor-parallel-size 2", "not implemented yet",
+    /* ETP splits each expert's width (moe/expert_tp.h): it must divide it, and the fused
+     * permutation (one rank, tokens read in place) cannot gather the ETP group's rows */
+    EXPECT_OK(&c, "--expert-tensor-parallel-size", "2");
+    EXPECT_CONFIG_ERROR("--moe-ffn-hidden-size 30 is not divisible by "
+                        "--expert-tensor-parallel-size 4", "a multiple of 4",
+                        "--moe-ffn-hidden-size", "30", "--expert-tensor-parallel-size", "4");
+    EXPECT_CONFIG_ERROR("--moe-permute-fusion with --expert-tensor-parallel-size 2",
+                        "drop --moe-permute-fusion", "--moe-permute-fusion",
                         "--expert-tensor-parallel-size", "2");
     /* MoE layers with TP run on sequence shards: SP is required, and the shared expert is
      * split like a dense FFN */

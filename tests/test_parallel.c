@@ -389,7 +389,10 @@ START_TEST(test_model_param_groups) {
     const moe_tensor *fc1 = moe_params_find(&m->table, "layers.1.moe.experts.fc1");
     ck_assert_ptr_nonnull(fc1);
     ck_assert(fc1->shard.group == MOE_GROUP_EP && fc1->shard.dim == 0 && fc1->shard.count == 1);
-    ck_assert_int_eq(fc1->global_shape[0], 4);
+    ck_assert_int_eq(fc1->inner.count, 1);
+    /* [E, 2F, H] seen as [2E, F, H]: gate and up rows of each expert, so ETP can split F */
+    ck_assert_int_eq(fc1->global_shape[0], 8);
+    ck_assert_int_eq(fc1->global_shape[1], 8);
     ck_assert_int_eq(fc1->grad_group, MOE_GROUP_EDP);
     ck_assert_ptr_nonnull(moe_params_find(&m->table, "layers.0.mlp.fc1"));
     ck_assert_int_eq(moe_params_find(&m->table, "layers.1.moe.router")->grad_group,

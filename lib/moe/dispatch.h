@@ -54,6 +54,7 @@
 #include "backend.h"
 #include "comm.h"
 #include "config.h"
+#include "tensor_parallel.h"
 
 /* The layer's types (layer.h), which the strategies read and fill. */
 typedef struct moe_layer_dims moe_layer_dims;
@@ -75,6 +76,9 @@ typedef struct moe_ep {
     size_t recv_cap;       /**< its size in bytes */
     void *ag_buf;          /**< allgather dispatcher: the partial outputs of every rank's tokens */
     size_t ag_cap;         /**< its size in bytes */
+    moe_tp etp;            /**< the ETP group that splits each local expert (moe/expert_tp.h;
+                                comm NULL and size 0 or 1: none). It travels with the EP
+                                context because the two groups together hold the experts */
 } moe_ep;
 
 /** How one layer's tokens travel in this forward (saved for its backward). */

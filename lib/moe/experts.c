@@ -94,6 +94,15 @@ static expert_rows rows_of(const moe_layer_dims *d, const moe_layer_acts *a,
                          ws->edh, ws->edgu, pl->expert_offset, pl->E_local, (size_t)pl->R_recv};
 }
 
+/* With ETP (expert_tp.h): the same rows of the whole ETP group, gathered expert-major, and
+ * their scratch. The outputs' buffer takes the input gradients in the backward, as above. */
+static expert_rows etp_rows_of(const moe_layer_acts *a, moe_layer_workspace *ws) {
+    const moe_etp_rows *g = &a->etp;
+    const moe_etp_work *w = &ws->etp;
+    return (expert_rows){g->x, g->w, g->gu, g->act, w->y, w->dy, w->y, w->dw,
+                         w->dh, w->dgu, g->off, g->G, g->rows};
+}
+
 /* The groups of step 4. Our grouped kernel reads the offsets from device memory: the
  * local dispatcher's permutation wrote them there already, the others' plans are
  * uploaded here (forward; the backward reuses them). Under the fused permutation fc1
@@ -116,27 +125,42 @@ void moe_experts_forward(const moe_backend *be, const moe_layer_dims *d, moe_lay
                          moe_layer_workspace *ws, const moe_layer_weights *w, const void *x,
                          int expert_side) {
     const int H = d->H, F = d->F;
-    const expert_rows r = rows_of(d, a, ws, x, expert_side);
+    const expert_rows here = rows_of(d, a, ws, x, expert_side);
+    expert_rows r = here;
+    if (d->etp) { /* every rank of the ETP group on the rows of all of them (expert_tp.h) */
+        MOE_ASSERT(expert_side);
+        moe_etp_plan(be, d->etp, &a->etp, &ws->etp, here.off, here.G, H, F);
+        r = etp_rows_of(a, ws);
+        moe_etp_gather(be, d->etp, &a->etp, &ws->etp, (void *)r.x, here.x, H, 0);
+        moe_etp_gather(be, d->etp, &a->etp, &ws->etp, (void *)r.w, here.w, 1, 1);
+    }
     const moe_groups grp = groups_of(be, d, a, &r, expert_side);
     if (grp.impl != MOE_EXPERTS_LOOP) { /* chapter 03: one grouped GEMM per Linear */
         moe_mlp_forward_grouped(be, r.y, r.gu, r.act, r.x, r.w, w->fc1, w->fc2, &grp, H, F);
-        return;
+    } else { /* chapter 01: one SwiGLU MLP per expert on its rows */
+        for (int e = 0; e < r.G; e++) {
+            const size_t o = (size_t)r.off[e];
+            const int rows = r.off[e + 1] - r.off[e];
+            moe_mlp_forward(be, A(r.y, o * H), A(r.gu, o * 2 * F), A(r.act, o * F),
+                            A(r.x, o * H), r.w + o, A(w->fc1, (size_t)e * 2 * F * H),
+                            A(w->fc2, (size_t)e * H * F), rows, H, F);
+        }
     }
-    /* chapter 01: one SwiGLU MLP per expert on its rows */
-    for (int e = 0; e < r.G; e++) {
-        const size_t o = (size_t)r.off[e];
-        const int rows = r.off[e + 1] - r.off[e];
-        moe_mlp_forward(be, A(r.y, o * H), A(r.gu, o * 2 * F), A(r.act, o * F), A(r.x, o * H),
-                        r.w + o, A(w->fc1, (size_t)e * 2 * F * H), A(w->fc2, (size_t)e * H * F),
-                        rows, H, F);
-    }
+    /* fc2 was row-parallel: sum the partial outputs, each rank keeping its own rows */
+    if (d->etp)
+        moe_etp_scatter(be, d->etp, &a->etp, &ws->etp, here.y, r.y, H, 0);
 }
 
 void moe_experts_backward(const moe_backend *be, const moe_layer_dims *d, const moe_layer_acts *a,
                           moe_layer_workspace *ws, const moe_layer_weights *w,
                           const moe_layer_grads *g, const void *x, int expert_side) {
     const int H = d->H, F = d->F;
-    const expert_rows r = rows_of(d, a, ws, x, expert_side);
+    const expert_rows here = rows_of(d, a, ws, x, expert_side);
+    expert_rows r = here;
+    if (d->etp) { /* the output gradients of the whole ETP group's rows (the forward's plan) */
+        r = etp_rows_of(a, ws);
+        moe_etp_gather(be, d->etp, &a->etp, &ws->etp, (void *)r.dy, here.dy, H, 0);
+    }
     /* the loop adds into the input gradients expert by expert; the grouped paths
      * overwrite them. Routing-weight gradients: rows of dropped or absent assignments
      * stay 0. */
@@ -149,20 +173,27 @@ void moe_experts_backward(const moe_backend *be, const moe_layer_dims *d, const 
     if (grp.impl != MOE_EXPERTS_LOOP) {
         moe_mlp_backward_grouped(be, r.dx, g->fc1, g->fc2, r.dw, r.dy, r.x, r.gu, r.act, r.w,
                                  w->fc1, w->fc2, r.dh, r.dgu, &grp, H, F, 0);
-        return;
+    } else {
+        MOE_ASSERT(grp.dw_mode != MOE_DW_ACT); /* only our kernel writes activation-type dw */
+        if (grp.dw_mode == MOE_DW_STORE) { /* the loop adds: start the sums from zero */
+            be->zero(g->fc1, R * r.G * 2 * F * H);
+            be->zero(g->fc2, R * r.G * H * F);
+        }
+        for (int e = 0; e < r.G; e++) {
+            const size_t o = (size_t)r.off[e];
+            const int rows = r.off[e + 1] - r.off[e];
+            moe_mlp_backward(be, A(r.dx, o * H), g->fc1 + (size_t)e * 2 * F * H,
+                             g->fc2 + (size_t)e * H * F, r.dw + o, A(r.dy, o * H),
+                             A(r.x, o * H), A(r.gu, o * 2 * F), A(r.act, o * F), r.w + o,
+                             A(w->fc1, (size_t)e * 2 * F * H), A(w->fc2, (size_t)e * H * F),
+                             A(r.dh, o * F), A(r.dgu, o * 2 * F), rows, H, F);
+        }
     }
-    MOE_ASSERT(grp.dw_mode != MOE_DW_ACT); /* only our kernel writes activation-type dw */
-    if (grp.dw_mode == MOE_DW_STORE) { /* the loop adds: start the sums from zero */
-        be->zero(g->fc1, R * r.G * 2 * F * H);
-        be->zero(g->fc2, R * r.G * H * F);
-    }
-    for (int e = 0; e < r.G; e++) {
-        const size_t o = (size_t)r.off[e];
-        const int rows = r.off[e + 1] - r.off[e];
-        moe_mlp_backward(be, A(r.dx, o * H), g->fc1 + (size_t)e * 2 * F * H,
-                         g->fc2 + (size_t)e * H * F, r.dw + o, A(r.dy, o * H), A(r.x, o * H),
-                         A(r.gu, o * 2 * F), A(r.act, o * F), r.w + o,
-                         A(w->fc1, (size_t)e * 2 * F * H), A(w->fc2, (size_t)e * H * F),
-                         A(r.dh, o * F), A(r.dgu, o * 2 * F), rows, H, F);
+    /* fc1 was column-parallel and the routing weight multiplies each rank's slice of h: the
+     * input and routing-weight gradients are partial sums over the group (the all-gather's
+     * gradient is this reduce-scatter) */
+    if (d->etp) {
+        moe_etp_scatter(be, d->etp, &a->etp, &ws->etp, here.dx, r.dx, H, 0);
+        moe_etp_scatter(be, d->etp, &a->etp, &ws->etp, here.dw, r.dw, 1, 1);
     }
 }

@@ -64,7 +64,7 @@ int moe_layer_acts_alloc(const moe_backend *be, moe_layer_acts *a, const moe_lay
         const size_t groups = (size_t)d->N * (d->tp ? d->tp->size : 1) / (d->T > 0 ? d->T : 1);
         a->aux_counts = calloc((groups > 1 ? groups : 1) * (size_t)d->E, sizeof(long long));
     }
-    if (d->ep || d->capacity_factor > 0) {
+    if (d->ep || d->etp || d->capacity_factor > 0) {
         a->dispatch_idx = be->alloc(sizeof(int) * NK);
         a->host_idx = malloc(sizeof(int) * NK);
         a->host_w = malloc(R * NK);
@@ -96,6 +96,7 @@ void moe_layer_acts_free(const moe_backend *be, moe_layer_acts *a) {
         a->we = NULL;
     }
     be->free(a->xe); be->free(a->we); be->free(a->gue); be->free(a->acte);
+    moe_etp_rows_free(be, &a->etp);
     memset(a, 0, sizeof *a);
 }
 
@@ -143,6 +144,7 @@ void moe_layer_workspace_free(const moe_backend *be, moe_layer_workspace *w) {
     }
     be->free(w->ye); be->free(w->dye); be->free(w->dwe); be->free(w->edh); be->free(w->edgu);
     moe_ep_free(&w->single);
+    moe_etp_work_free(be, &w->etp);
     memset(w, 0, sizeof *w);
 }
 
@@ -171,12 +173,13 @@ static double z_coeff(const moe_layer_dims *d) {
     return d->z_coeff / (tp ? tp->size : 1);
 }
 
-/* How steps 3 and 5 run: the EP group's dispatcher (chosen once, at setup); on one rank
- * the alltoall one with no peers when a capacity drops tokens, else chapter 01's. */
+/* How steps 3 and 5 run: the EP group's dispatcher (chosen once, at setup); on one EP rank
+ * the alltoall one with no peers when a capacity drops tokens or ETP gathers the
+ * expert-side rows (expert_tp.h), else chapter 01's. */
 static const moe_dispatcher *dispatcher_of(const moe_layer_dims *d) {
     if (d->ep)
         return d->ep->dispatcher ? d->ep->dispatcher : &moe_dispatcher_alltoall;
-    return d->capacity_factor > 0 ? &moe_dispatcher_alltoall : &moe_dispatcher_local;
+    return d->capacity_factor > 0 || d->etp ? &moe_dispatcher_alltoall : &moe_dispatcher_local;
 }
 
 void moe_layer_forward(const moe_backend *be, void *out, const void *x, const moe_layer_weights *w,

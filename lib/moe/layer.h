@@ -42,6 +42,7 @@
 #include "config.h"
 #include "mlp.h"
 #include "moe/dispatch.h"
+#include "moe/expert_tp.h"
 #include "tensor_parallel.h"
 
 /** Sizes and settings of one MoE layer. */
@@ -77,6 +78,9 @@ typedef struct moe_layer_dims {
     /** the sync-free layer's expert loads: [E] backend memory its counts are added to (NULL:
      *  not counted) */
     long long *load_counts;
+    /** expert tensor parallelism (moe/expert_tp.h): the ETP group, each of its ranks holding
+     *  F of every local expert's columns (F above is already this rank's part); NULL: none */
+    const moe_tp *etp;
 } moe_layer_dims;
 
 /** The layer's weights: the backend's compute copy (activation type), views into it. */
@@ -134,6 +138,7 @@ typedef struct moe_layer_acts {
     void *acte;           /**< [e_rows,F] expert SwiGLU outputs × routing weight */
     moe_sym_buf xe_sym;   /**< the fused dispatcher: xe in memory the EP group shares */
     moe_sym_buf we_sym;   /**< the fused dispatcher: we, likewise */
+    moe_etp_rows etp;     /**< with ETP: the rows of the whole ETP group (moe/expert_tp.h) */
 } moe_layer_acts;
 
 /** Scratch shared by all MoE layers (only one runs at a time). */
@@ -155,6 +160,7 @@ typedef struct moe_layer_workspace {
     moe_sym_buf ye_sym;  /**< the fused dispatcher: ye in memory the EP group shares */
     moe_sym_buf dye_sym; /**< the fused dispatcher: dye, likewise */
     moe_sym_buf dwe_sym; /**< the fused dispatcher: dwe, likewise */
+    moe_etp_work etp;    /**< with ETP: the gathered rows' scratch (moe/expert_tp.h) */
     moe_ep single;       /**< the alltoall dispatcher's context on one rank (a capacity
                               without EP): no group, its staging buffers kept across steps */
     /* with TP: [N·TP,H] whole-sequence buffers for the shared expert's gather/scatter,
