@@ -10,21 +10,23 @@
  *
  * A rank may hold only some rows of the groups (moe_aux_shape: global rows [row0, row0+N)
  * of groups·T tokens; tensor parallelism runs the MoE layer on sequence shards). The counts
- * are then computed per rank and summed over the ranks by the caller (they are host arrays),
- * and the forward and backward take them: this rank's part of L uses only its rows' scores.
+ * are then computed per rank and summed over the ranks by the caller (a device collective:
+ * they stay in device memory), and the forward and backward take them: this rank's part of
+ * L uses only its rows' scores.
  *
  * The GPU pipeline, every step deterministic (integer atomics only, fixed-order sums):
  *   1. counts (moe_cuda_aux_loss_counts): the plain top-k of s is the router's own top-k —
  *      the pre-softmax router ranks softmax(z), the sigmoid router without bias ranks σ(z),
  *      which orders experts exactly like σ/Σσ — so we call moe_cuda_router_forward() and
  *      count the picks per (group, expert) with integer atomicAdd (an integer sum is order
- *      independent); the counts go to the host (a sync).
+ *      independent), into the caller's device array.
  *   2. scores: one warp per token writes s[t, :] in fp32.
  *   3. column sums Σ_t s_{t,i} over this rank's rows of each group it holds: a block per
  *      (group, 32 experts), 32 threads down the rows in a fixed stride, partial sums in
  *      double, combined in a fixed order.
- *   4. L = (1/groups)·Σ_g coeff·E/(k·T²)·Σ_i c_{g,i}·ssum_{g,i}: one block, fixed-order tree.
- *      The double comes back to the host (a sync: the forward returns a value).
+ *   4. L = (1/groups)·Σ_g coeff·E/(k·T²)·Σ_i c_{g,i}·ssum_{g,i}: one block, fixed-order tree,
+ *      added into the caller's device double (until chapter 06 it came back to the host: a
+ *      sync per layer and micro-batch).
  * Backward: only s carries gradient (counts are constants). With
  *     ds_i = scale · coeff · E / (k · T²) / groups · c_i,   dot = Σ_i s_i ds_i,
  * softmax:  dz_i += s_i (ds_i − dot);
@@ -32,7 +34,12 @@
  *
  * Z-loss (ST-MoE): L = coeff · mean_t lse(z_t)²; dz_{t,i} += scale·coeff·2·lse_t/N · softmax_i.
  * One warp per token computes its logsumexp in fp32; the mean is one block's fixed-order sum
- * in double.
+ * in double, added into the caller's device double.
+ *
+ * Aux-loss-free balancing (chapter 06 moved it here from the host): the load of each expert
+ * is a histogram of the router's picks (integer atomics), and the bias update is one block per
+ * layer running moe_expert_bias_update()'s arithmetic in its order, skipped when the step
+ * flags hold a bit.
  *
  * Gradients are ACCUMULATED into the bf16 dlogits (read, add in fp32, round once).
  * Scratch buffers come from a grow-only device buffer owned by this file (all work is on
@@ -58,11 +65,12 @@ static size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
 
 /* cnt[g, e] += 1 for every pick e of every row of group g (integer atomics); local row t
  * is global row row0 + t. */
-static __global__ void count_picks_kernel(int *cnt, const int *topk_idx, int N, int k, int row0,
-                                          int T, int E) {
+static __global__ void count_picks_kernel(long long *cnt, const int *topk_idx, int N, int k,
+                                          int row0, int T, int E) {
     int a = blockIdx.x * blockDim.x + threadIdx.x;
     if (a < N * k)
-        atomicAdd(&cnt[(size_t)((row0 + a / k) / T) * E + topk_idx[a]], 1);
+        atomicAdd((unsigned long long *)&cnt[(size_t)((row0 + a / k) / T) * E + topk_idx[a]],
+                  1ull);
 }
 
 /* The aux-loss scores of token t: s = softmax(z), or σ(z)/(Σσ + 1e-20). Warp per token.
@@ -131,7 +139,7 @@ static __global__ void aux_final_kernel(double *out, const long long *cnt, const
     }
     acc = moe_block_sum<double>(acc);
     if (threadIdx.x == 0)
-        *out = acc / groups;
+        *out += acc / groups;
 }
 
 /* dz += d(aux)/dz for local row t (global row0 + t); f = scale·coeff·E/(k·T²)/groups.
@@ -176,14 +184,14 @@ static __global__ void lse_kernel(float *lse, const moe_bf16 *logits, int N, int
         lse[t] = m + logf(sum);
 }
 
-/* out = Σ_t lse[t]² in double; one block of 256 threads, fixed order. */
-static __global__ void sum_sq_kernel(double *out, const float *lse, int N) {
+/* out += coeff · Σ_t lse[t]² / N, the sum in double; one block of 256 threads, fixed order. */
+static __global__ void z_final_kernel(double *out, const float *lse, int N, double coeff) {
     double acc = 0.0;
     for (int t = threadIdx.x; t < N; t += blockDim.x)
         acc += (double)lse[t] * lse[t];
     acc = moe_block_sum<double>(acc);
     if (threadIdx.x == 0)
-        *out = acc;
+        *out += coeff * acc / N;
 }
 
 /* dz_t += scale·coeff·2·lse_t/N · softmax(z_t). Warp per token. */
@@ -220,60 +228,37 @@ static int held_groups(const moe_aux_shape *s) {
     return s->N > 0 ? (s->row0 + s->N - 1) / s->group_len - first_group(s) + 1 : 0;
 }
 
-/* The counts of the groups this rank holds rows of, from the host array into the scratch. */
-static long long *upload_counts(const long long *counts, const moe_aux_shape *s, void *dst) {
-    long long *d = (long long *)dst;
-    MOE_CUDA_CHECK(cudaMemcpyAsync(d, counts + (size_t)first_group(s) * s->E,
-                                   sizeof(long long) * (size_t)held_groups(s) * s->E,
-                                   cudaMemcpyHostToDevice, moe_cuda_stream()));
-    return d;
-}
-
 extern "C" void moe_cuda_aux_loss_counts(long long *counts, const void *logits,
                                          const moe_aux_shape *s) {
     check_shape(s, "moe_cuda_aux_loss_counts");
     const int N = s->N, E = s->E, k = s->k, G = s->groups;
     cudaStream_t st = moe_cuda_stream();
-    const size_t b_cnt = align256(sizeof(int) * (size_t)G * E);
     const size_t b_idx = align256(sizeof(int) * (size_t)N * k);
-    unsigned char *p = (unsigned char *)scratch(b_cnt + b_idx + sizeof(float) * (size_t)N * k);
-    int *cnt = (int *)p, *idx = (int *)(p + b_cnt);
-    float *w = (float *)(p + b_cnt + b_idx);
-    MOE_CUDA_CHECK(cudaMemsetAsync(cnt, 0, sizeof(int) * (size_t)G * E, st));
+    unsigned char *p = (unsigned char *)scratch(b_idx + sizeof(float) * (size_t)N * k);
+    int *idx = (int *)p;
+    float *w = (float *)(p + b_idx);
+    MOE_CUDA_CHECK(cudaMemsetAsync(counts, 0, sizeof(long long) * (size_t)G * E, st));
     if (N > 0) {
         moe_router_params rp = {E, k, s->fn, s->fn == MOE_SCORE_SOFTMAX, 0, 0, 0.0};
         moe_cuda_router_forward(idx, w, logits, NULL, &rp, N);
-        count_picks_kernel<<<moe_cdiv((size_t)N * k, 256), 256, 0, st>>>(cnt, idx, N, k, s->row0,
-                                                                         s->group_len, E);
+        count_picks_kernel<<<moe_cdiv((size_t)N * k, 256), 256, 0, st>>>(
+            counts, idx, N, k, s->row0, s->group_len, E);
         MOE_CUDA_LAUNCH_CHECK();
     }
-    int *host = (int *)malloc(sizeof(int) * (size_t)G * E);
-    if (!host) {
-        fprintf(stderr, "moe_cuda_aux_loss_counts: out of host memory\n");
-        exit(1);
-    }
-    MOE_CUDA_CHECK(cudaMemcpyAsync(host, cnt, sizeof(int) * (size_t)G * E, cudaMemcpyDeviceToHost,
-                                   st));
-    MOE_CUDA_CHECK(cudaStreamSynchronize(st));
-    for (size_t i = 0; i < (size_t)G * E; i++)
-        counts[i] = host[i];
-    free(host);
 }
 
-extern "C" double moe_cuda_aux_loss_forward(const void *logits, const long long *counts,
-                                            const moe_aux_shape *s, double coeff) {
+extern "C" void moe_cuda_aux_loss_forward(double *acc, const void *logits,
+                                          const long long *counts, const moe_aux_shape *s,
+                                          double coeff) {
     check_shape(s, "moe_cuda_aux_loss_forward");
     const int N = s->N, E = s->E, T = s->group_len, ng = held_groups(s);
     if (ng == 0)
-        return 0.0;
+        return; /* *acc += 0 */
     cudaStream_t st = moe_cuda_stream();
-    const size_t b_cnt = align256(sizeof(long long) * (size_t)ng * E);
     const size_t b_s = align256(sizeof(float) * (size_t)N * E);
-    const size_t b_ssum = align256(sizeof(double) * (size_t)ng * E);
-    unsigned char *p = (unsigned char *)scratch(b_cnt + b_s + b_ssum + sizeof(double));
-    const long long *cnt = upload_counts(counts, s, p);
-    float *sc = (float *)(p + b_cnt);
-    double *ssum = (double *)(p + b_cnt + b_s), *d_out = (double *)(p + b_cnt + b_s + b_ssum);
+    unsigned char *p = (unsigned char *)scratch(b_s + sizeof(double) * (size_t)ng * E);
+    float *sc = (float *)p;
+    double *ssum = (double *)(p + b_s);
     aux_scores_kernel<<<moe_cdiv(N, WARPS), 32 * WARPS, 0, st>>>(sc, (const moe_bf16 *)logits, N, E,
                                                                  s->fn == MOE_SCORE_SIGMOID);
     MOE_CUDA_LAUNCH_CHECK();
@@ -281,12 +266,9 @@ extern "C" double moe_cuda_aux_loss_forward(const void *logits, const long long 
         ssum, sc, N, s->row0, first_group(s), T, E);
     MOE_CUDA_LAUNCH_CHECK();
     const double f = coeff * E / ((double)s->k * T * T);
-    aux_final_kernel<<<1, 256, 0, st>>>(d_out, cnt, ssum, ng, s->groups, E, f);
+    aux_final_kernel<<<1, 256, 0, st>>>(acc, counts + (size_t)first_group(s) * E, ssum, ng,
+                                        s->groups, E, f);
     MOE_CUDA_LAUNCH_CHECK();
-    double loss = 0.0;
-    MOE_CUDA_CHECK(cudaMemcpyAsync(&loss, d_out, sizeof(double), cudaMemcpyDeviceToHost, st));
-    MOE_CUDA_CHECK(cudaStreamSynchronize(st));
-    return loss;
 }
 
 extern "C" void moe_cuda_aux_loss_backward(void *dlogits, const void *logits,
@@ -296,30 +278,23 @@ extern "C" void moe_cuda_aux_loss_backward(void *dlogits, const void *logits,
     const int N = s->N, E = s->E, T = s->group_len, ng = held_groups(s);
     if (ng == 0)
         return;
-    const long long *cnt = upload_counts(counts, s, scratch(sizeof(long long) * (size_t)ng * E));
     const double f = scale * coeff * E / ((double)s->k * T * T) / s->groups;
     aux_backward_kernel<<<moe_cdiv(N, WARPS), 32 * WARPS, 0, moe_cuda_stream()>>>(
-        (moe_bf16 *)dlogits, (const moe_bf16 *)logits, cnt, N, s->row0, T, E,
-        s->fn == MOE_SCORE_SIGMOID, (float)f);
+        (moe_bf16 *)dlogits, (const moe_bf16 *)logits, counts + (size_t)first_group(s) * E, N,
+        s->row0, T, E, s->fn == MOE_SCORE_SIGMOID, (float)f);
     MOE_CUDA_LAUNCH_CHECK();
 }
 
-extern "C" double moe_cuda_z_loss_forward(const void *logits, int N, int E, double coeff) {
+extern "C" void moe_cuda_z_loss_forward(double *acc, const void *logits, int N, int E,
+                                        double coeff) {
     if (N <= 0)
-        return 0.0;
+        return;
     cudaStream_t st = moe_cuda_stream();
-    size_t b_lse = align256(sizeof(float) * (size_t)N);
-    unsigned char *p = (unsigned char *)scratch(b_lse + sizeof(double));
-    float *lse = (float *)p;
-    double *d_out = (double *)(p + b_lse);
+    float *lse = (float *)scratch(sizeof(float) * (size_t)N);
     lse_kernel<<<moe_cdiv(N, WARPS), 32 * WARPS, 0, st>>>(lse, (const moe_bf16 *)logits, N, E);
     MOE_CUDA_LAUNCH_CHECK();
-    sum_sq_kernel<<<1, 256, 0, st>>>(d_out, lse, N);
+    z_final_kernel<<<1, 256, 0, st>>>(acc, lse, N, coeff);
     MOE_CUDA_LAUNCH_CHECK();
-    double total = 0.0;
-    MOE_CUDA_CHECK(cudaMemcpyAsync(&total, d_out, sizeof(double), cudaMemcpyDeviceToHost, st));
-    MOE_CUDA_CHECK(cudaStreamSynchronize(st));
-    return coeff * total / N;
 }
 
 extern "C" void moe_cuda_z_loss_backward(void *dlogits, const void *logits, int N, int E,
@@ -328,5 +303,45 @@ extern "C" void moe_cuda_z_loss_backward(void *dlogits, const void *logits, int 
         return;
     z_loss_backward_kernel<<<moe_cdiv(N, WARPS), 32 * WARPS, 0, moe_cuda_stream()>>>(
         (moe_bf16 *)dlogits, (const moe_bf16 *)logits, N, E, (float)(scale * coeff * 2.0 / N));
+    MOE_CUDA_LAUNCH_CHECK();
+}
+
+/* ------------------------------------------------- expert load and bias (aux-loss-free) */
+
+/* load[e] += 1 for every pick e (integer atomics: order independent). */
+static __global__ void load_add_kernel(long long *load, const int *topk_idx, size_t n) {
+    const size_t a = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (a < n)
+        atomicAdd((unsigned long long *)&load[topk_idx[a]], 1ull);
+}
+
+extern "C" void moe_cuda_expert_load_add(long long *load, const int *topk_idx, int N, int k,
+                                         int E) {
+    const size_t n = (size_t)N * k;
+    if (n == 0)
+        return;
+    load_add_kernel<<<moe_cdiv(n, 256), 256, 0, moe_cuda_stream()>>>(load, topk_idx, n);
+    MOE_CUDA_LAUNCH_CHECK();
+}
+
+/* moe_expert_bias_update() (lib/cpu/aux_loss.c) on the device: every thread sums the E counts
+ * in the CPU's order for the mean (E is small), then moves its experts' biases by ±rate. */
+static __global__ void bias_update_kernel(float *bias, const long long *load, int E, double rate,
+                                          const int *flags) {
+    if (flags && *flags)
+        return; /* the step is skipped: its counts are not applied */
+    double mean = 0.0;
+    for (int e = 0; e < E; e++)
+        mean += (double)load[e];
+    mean /= E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const double off = mean - (double)load[e];
+        bias[e] += (float)(rate * ((off > 0) - (off < 0)));
+    }
+}
+
+extern "C" void moe_cuda_expert_bias_update(float *bias, const long long *load, int E,
+                                            double rate, const int *flags) {
+    bias_update_kernel<<<1, 256, 0, moe_cuda_stream()>>>(bias, load, E, rate, flags);
     MOE_CUDA_LAUNCH_CHECK();
 }

@@ -84,7 +84,6 @@ static moe_backend make_cuda_backend(void) {
     b.z_loss_backward = moe_cuda_z_loss_backward;
     b.permute_index = moe_cuda_permute_index;
     b.permute_index_budget = moe_cuda_permute_index_budget;
-    b.expert_counts_add = moe_cuda_expert_counts_add;
     b.permute_tokens = moe_cuda_permute_tokens;
     b.permute_weights = moe_cuda_permute_weights;
     b.unpermute_sum = moe_cuda_unpermute_sum;
@@ -100,8 +99,18 @@ static moe_backend make_cuda_backend(void) {
 
     b.sum_squares = moe_cuda_sum_squares;
     b.sum = moe_cuda_sum;
+    b.add_f64 = moe_cuda_add_f64;
     b.scale_real = moe_cuda_scale_real;
     b.adamw = moe_cuda_adamw;
+
+    b.loss_accumulate = moe_cuda_loss_accumulate;
+    b.grad_norm_finalize = moe_cuda_grad_norm_finalize;
+    b.expert_load_add = moe_cuda_expert_load_add;
+    b.expert_bias_update = moe_cuda_expert_bias_update;
+    b.host_alloc = moe_cuda_host_alloc;
+    b.host_free = moe_cuda_host_free;
+    b.to_host_async = moe_cuda_to_host_async;
+    b.wait_to_host = moe_cuda_wait_to_host;
     return b;
 }
 

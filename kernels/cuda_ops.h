@@ -140,11 +140,11 @@ void moe_cuda_router_forward(int *topk_idx, moe_real *topk_w, const void *logits
 void moe_cuda_router_backward(void *dlogits, const moe_real *dtopk_w, const void *logits,
                               const int *topk_idx, const moe_router_params *p, int N);
 void moe_cuda_aux_loss_counts(long long *counts, const void *logits, const moe_aux_shape *s);
-double moe_cuda_aux_loss_forward(const void *logits, const long long *counts,
-                                 const moe_aux_shape *s, double coeff);
+void moe_cuda_aux_loss_forward(double *acc, const void *logits, const long long *counts,
+                               const moe_aux_shape *s, double coeff);
 void moe_cuda_aux_loss_backward(void *dlogits, const void *logits, const long long *counts,
                                 const moe_aux_shape *s, double coeff, double scale);
-double moe_cuda_z_loss_forward(const void *logits, int N, int E, double coeff);
+void moe_cuda_z_loss_forward(double *acc, const void *logits, int N, int E, double coeff);
 void moe_cuda_z_loss_backward(void *dlogits, const void *logits, int N, int E, double coeff,
                               double scale);
 void moe_cuda_permute_index(int *perm_src, int *row_of, int *expert_offset, int *dev_offset,
@@ -152,7 +152,6 @@ void moe_cuda_permute_index(int *perm_src, int *row_of, int *expert_offset, int 
                             const int *topk_idx, int N, int k, int E);
 void moe_cuda_permute_index_budget(int *perm_src, int *row_of, int *expert_offset, int *flags,
                                    const int *topk_idx, int N, int k, int E, int budget);
-void moe_cuda_expert_counts_add(long long *counts, const int *expert_offset, int E);
 void moe_cuda_permute_tokens(void *xp, const void *x, const int *perm_src, int rows, int k, int C);
 void moe_cuda_permute_weights(moe_real *wp, const moe_real *topk_w, const int *perm_src, int rows);
 void moe_cuda_unpermute_sum(void *out, const void *yp, const int *row_of, int N, int k, int C);
@@ -162,11 +161,25 @@ void moe_cuda_gather_rows(void *dst, const void *src, const int *map, int rows, 
 void moe_cuda_gather_reals(moe_real *dst, const moe_real *src, const int *map, int rows);
 
 /* optimizer */
-double moe_cuda_sum_squares(const moe_real *x, size_t n);
-double moe_cuda_sum(const moe_real *x, size_t n);
+void moe_cuda_sum_squares(double *acc, const moe_real *x, size_t n);
+void moe_cuda_sum(double *acc, const moe_real *x, size_t n);
+void moe_cuda_add_f64(double *dst, const double *src, int n);
 void moe_cuda_scale_real(moe_real *x, double s, size_t n);
 void moe_cuda_adamw(moe_real *p, const moe_real *g, float *m, float *v, size_t n, double lr,
-                    double beta1, double beta2, double eps, double wd, double bc1, double bc2);
+                    double beta1, double beta2, double eps, double wd, double bc1, double bc2,
+                    const double *clip, const int *flags);
+
+/* the step's scalars on the device (chapter 06, step_scalars.h) */
+void moe_cuda_loss_accumulate(double *step, const double *mb, int N, double accum);
+void moe_cuda_grad_norm_finalize(moe_step_scalars *s, double max_norm, int check);
+void moe_cuda_expert_load_add(long long *load, const int *topk_idx, int N, int k, int E);
+void moe_cuda_expert_bias_update(float *bias, const long long *load, int E, double rate,
+                                 const int *flags);
+/* the step boundary's readback (kernels/readback.cu) */
+void *moe_cuda_host_alloc(size_t bytes);
+void moe_cuda_host_free(void *p);
+void moe_cuda_to_host_async(void *dst, const void *src, size_t bytes);
+void moe_cuda_wait_to_host(void);
 
 #ifdef __cplusplus
 }

@@ -1,9 +1,12 @@
 /*
  * Optimizer ops on the GPU, all in full precision (fp32 buffers, double math):
- *   sum_squares  Σ x²  (the global gradient norm for clipping)
- *   sum          Σ x
- *   scale_real   x *= s (the clipping itself)
- *   adamw        one AdamW update per element
+ *   sum_squares  *acc += Σ x²  (the global gradient norm for clipping)
+ *   sum          *acc += Σ x
+ *   add_f64      dst += src (the step's partial sums)
+ *   scale_real   x *= s
+ *   adamw        one AdamW update per element, the gradient times the clip factor, skipped
+ *                while the step flags hold a bit
+ *   loss_accumulate, grad_norm_finalize   the step's scalars (step_scalars.h)
  *
  * Deterministic reductions. A floating-point sum depends on its order; summing with
  * atomics would make the gradient norm — and so the clipped update — wobble from run
@@ -12,13 +15,18 @@
  *           elements i ≡ b·THREADS + t (mod blocks·THREADS), in increasing i, in
  *           double; the block combines its threads with a fixed tree → partial[b];
  *   pass 2: one block sums partial[0..blocks) with the same fixed tree.
- * The double result is copied to the host (the op returns it), which synchronises.
- * The CPU reference sums fixed 4096-element blocks in order, also in double; the two
+ * Pass 2 adds the double into *acc, which stays in device memory (chapter 06: until
+ * chapter 05 the op returned it, a copy to the host and a sync per call). The CPU reference sums fixed 4096-element blocks in order, also in double; the two
  * agree to ~1e-15 relative, not bit for bit.
  *
  * AdamW is elementwise and calls moe_adamw_update() from lib/optimizer.h — the very
  * function the CPU backend calls (it is MOE_HOSTDEV: compiled for host and device), so
- * the update rule exists once. Math in double, state (m, v) stored in fp32.
+ * the update rule exists once. Math in double, state (m, v) stored in fp32. It reads two
+ * words of device memory written earlier in the same step: the clip factor (every thread
+ * multiplies its gradient by it, (float)(g·c) exactly as the in-place clip did, so clipping
+ * costs no pass of its own) and the step flags (a bit set: every thread returns, the update
+ * is skipped without the host deciding anything). The step's scalars are finished by
+ * one-thread kernels that call the MOE_HOSTDEV functions of step_scalars.h, as the CPU does.
  */
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
@@ -41,39 +49,70 @@ static __global__ void sum_partial_kernel(double *partial, const float *x, size_
         partial[blockIdx.x] = acc;
 }
 
-/* pass 2 (one block): *out = Σ_b partial[b] */
-static __global__ void sum_final_kernel(double *out, const double *partial, int blocks) {
+/* pass 2 (one block): *acc += Σ_b partial[b] */
+static __global__ void sum_final_kernel(double *acc_out, const double *partial, int blocks) {
     double acc = 0.0;
     for (int b = threadIdx.x; b < blocks; b += blockDim.x)
         acc += partial[b];
     acc = moe_block_sum<double>(acc);
     if (threadIdx.x == 0)
-        *out = acc;
+        *acc_out += acc;
 }
 
-static double reduce(const float *x, size_t n, int square) {
+static void reduce(double *acc, const float *x, size_t n, int square) {
     if (n == 0)
-        return 0.0;
-    /* MAX_BLOCKS partials and the result: a scratch slot, allocated by the first call */
+        return; /* *acc += 0 */
+    /* MAX_BLOCKS partials: a scratch slot, sized by the first call (the stream orders every
+     * use, and the result goes to *acc, in the caller's memory) */
     double *g_partial =
-        (double *)moe_cuda_scratch(MOE_SCRATCH_REDUCE, (MAX_BLOCKS + 1) * sizeof(double));
+        (double *)moe_cuda_scratch(MOE_SCRATCH_REDUCE, MAX_BLOCKS * sizeof(double));
     cudaStream_t st = moe_cuda_stream();
     size_t b = moe_cdiv(n, THREADS * 4); /* at least ~4 elements per thread */
     const int blocks = (int)(b < MAX_BLOCKS ? b : MAX_BLOCKS);
     sum_partial_kernel<<<blocks, THREADS, 0, st>>>(g_partial, x, n, square);
     MOE_CUDA_LAUNCH_CHECK();
-    sum_final_kernel<<<1, THREADS, 0, st>>>(g_partial + MAX_BLOCKS, g_partial, blocks);
+    sum_final_kernel<<<1, THREADS, 0, st>>>(acc, g_partial, blocks);
     MOE_CUDA_LAUNCH_CHECK();
-    double result = 0.0;
-    MOE_CUDA_CHECK(cudaMemcpyAsync(&result, g_partial + MAX_BLOCKS, sizeof(double),
-                                   cudaMemcpyDeviceToHost, st));
-    MOE_CUDA_CHECK(cudaStreamSynchronize(st));
-    return result;
 }
 
-extern "C" double moe_cuda_sum_squares(const moe_real *x, size_t n) { return reduce(x, n, 1); }
+extern "C" void moe_cuda_sum_squares(double *acc, const moe_real *x, size_t n) {
+    reduce(acc, x, n, 1);
+}
 
-extern "C" double moe_cuda_sum(const moe_real *x, size_t n) { return reduce(x, n, 0); }
+extern "C" void moe_cuda_sum(double *acc, const moe_real *x, size_t n) { reduce(acc, x, n, 0); }
+
+static __global__ void add_f64_kernel(double *dst, const double *src, int n) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        dst[i] += src[i];
+}
+
+extern "C" void moe_cuda_add_f64(double *dst, const double *src, int n) {
+    if (n <= 0)
+        return;
+    add_f64_kernel<<<1, 32, 0, moe_cuda_stream()>>>(dst, src, n);
+    MOE_CUDA_LAUNCH_CHECK();
+}
+
+/* The step's scalars: a handful of doubles, one thread, the host's formulas. */
+static __global__ void loss_accumulate_kernel(double *step, const double *mb, int N,
+                                              double accum) {
+    moe_step_loss_accumulate(step, mb, N, accum);
+}
+
+static __global__ void grad_norm_finalize_kernel(moe_step_scalars *s, double max_norm,
+                                                 int check) {
+    moe_step_grad_norm_finalize(s, max_norm, check);
+}
+
+extern "C" void moe_cuda_loss_accumulate(double *step, const double *mb, int N, double accum) {
+    loss_accumulate_kernel<<<1, 1, 0, moe_cuda_stream()>>>(step, mb, N, accum);
+    MOE_CUDA_LAUNCH_CHECK();
+}
+
+extern "C" void moe_cuda_grad_norm_finalize(moe_step_scalars *s, double max_norm, int check) {
+    grad_norm_finalize_kernel<<<1, 1, 0, moe_cuda_stream()>>>(s, max_norm, check);
+    MOE_CUDA_LAUNCH_CHECK();
+}
 
 static __global__ void scale_real_kernel(float *x, double s, size_t n) {
     const size_t stride = (size_t)gridDim.x * blockDim.x;
@@ -83,10 +122,15 @@ static __global__ void scale_real_kernel(float *x, double s, size_t n) {
 
 static __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, size_t n,
                                     double lr, double beta1, double beta2, double eps, double wd,
-                                    double bc1, double bc2) {
+                                    double bc1, double bc2, const double *clip,
+                                    const int *flags) {
+    if (flags && *flags) /* the step is skipped (step_flags.h) */
+        return;
+    const double c = clip ? *clip : 1.0;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        moe_adamw_update(&p[i], g[i], &m[i], &v[i], lr, beta1, beta2, eps, wd, bc1, bc2);
+        moe_adamw_update(&p[i], (float)(g[i] * c), &m[i], &v[i], lr, beta1, beta2, eps, wd, bc1,
+                         bc2);
 }
 
 static unsigned grid_for(size_t n) {
@@ -103,10 +147,10 @@ extern "C" void moe_cuda_scale_real(moe_real *x, double s, size_t n) {
 
 extern "C" void moe_cuda_adamw(moe_real *p, const moe_real *g, float *m, float *v, size_t n,
                                double lr, double beta1, double beta2, double eps, double wd,
-                               double bc1, double bc2) {
+                               double bc1, double bc2, const double *clip, const int *flags) {
     if (n == 0)
         return;
     adamw_kernel<<<grid_for(n), THREADS, 0, moe_cuda_stream()>>>(p, g, m, v, n, lr, beta1, beta2,
-                                                                 eps, wd, bc1, bc2);
+                                                                 eps, wd, bc1, bc2, clip, flags);
     MOE_CUDA_LAUNCH_CHECK();
 }

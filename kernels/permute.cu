@@ -194,20 +194,6 @@ extern "C" void moe_cuda_permute_index_budget(int *perm_src, int *row_of, int *e
     index_launch(perm_src, row_of, topk_idx, A, E, budget, expert_offset, flags);
 }
 
-/* counts[e] += off[e+1] - off[e]: one thread per expert (load statistics on the device) */
-static __global__ void counts_add_kernel(long long *counts, const int *off, int E) {
-    const int e = blockIdx.x * blockDim.x + threadIdx.x;
-    if (e < E)
-        counts[e] += off[e + 1] - off[e];
-}
-
-extern "C" void moe_cuda_expert_counts_add(long long *counts, const int *expert_offset, int E) {
-    if (E <= 0)
-        return;
-    counts_add_kernel<<<moe_cdiv(E, 256), 256, 0, moe_cuda_stream()>>>(counts, expert_offset, E);
-    MOE_CUDA_LAUNCH_CHECK();
-}
-
 /* ------------------------------------------------------------------ row movers */
 
 /* One block per permuted row. */

@@ -13,7 +13,10 @@
  * model does not know where it lives. Host-side decisions the naive MoE loop
  * needs (how many tokens each expert got) come back through `permute_index`,
  * which returns the expert offsets on the host — a host sync. Chapter 06's
- * `permute_index_budget` keeps them in backend memory instead (lib/moe/layer.h).
+ * `permute_index_budget` keeps them in backend memory instead (lib/moe/layer.h). The
+ * scalars of a step (losses, gradient norm, clip factor, step flags) are written into
+ * backend memory by the ops and read by the host once per step, through to_host_async /
+ * wait_to_host (chapter 06, step_scalars.h).
  */
 #ifndef MOE_BACKEND_H
 #define MOE_BACKEND_H
@@ -24,6 +27,7 @@
 #include "error.h"
 #include "op_types.h"
 #include "real.h"
+#include "step_scalars.h"
 
 #ifdef __cplusplus
 extern "C" { /* kernels/backend_cuda.cu implements the CUDA entries */
@@ -235,17 +239,18 @@ typedef struct moe_backend {
     /** as moe_cpu_router_backward() */
     void (*router_backward)(void *dlogits, const moe_real *dtopk_w, const void *logits,
                             const int *topk_idx, const moe_router_params *p, int N);
-    /** as moe_cpu_aux_loss_counts(); @p counts [groups,E] is a HOST array (so that the
-     *  ranks sharing the groups can sum it), the logits are this rank's rows */
+    /** as moe_cpu_aux_loss_counts(); @p counts [groups,E] in BACKEND memory (the ranks
+     *  sharing the groups sum it with a device collective), the logits are this rank's rows */
     void (*aux_loss_counts)(long long *counts, const void *logits, const moe_aux_shape *s);
-    /** as moe_cpu_aux_loss_forward_shard(); @p counts is a HOST array */
-    double (*aux_loss_forward)(const void *logits, const long long *counts,
-                               const moe_aux_shape *s, double coeff);
-    /** as moe_cpu_aux_loss_backward_shard(); @p counts is a HOST array */
+    /** *acc += moe_cpu_aux_loss_forward_shard(); @p acc [1] and @p counts in BACKEND memory,
+     *  so the loss stays on the device (chapter 06: no host sync in the step) */
+    void (*aux_loss_forward)(double *acc, const void *logits, const long long *counts,
+                             const moe_aux_shape *s, double coeff);
+    /** as moe_cpu_aux_loss_backward_shard(); @p counts in BACKEND memory */
     void (*aux_loss_backward)(void *dlogits, const void *logits, const long long *counts,
                               const moe_aux_shape *s, double coeff, double scale);
-    /** as moe_cpu_z_loss_forward() */
-    double (*z_loss_forward)(const void *logits, int N, int E, double coeff);
+    /** *acc += moe_cpu_z_loss_forward(); @p acc [1] in BACKEND memory */
+    void (*z_loss_forward)(double *acc, const void *logits, int N, int E, double coeff);
     /** as moe_cpu_z_loss_backward() */
     void (*z_loss_backward)(void *dlogits, const void *logits, int N, int E, double coeff,
                             double scale);
@@ -259,8 +264,6 @@ typedef struct moe_backend {
      *  06's sync-free layer); the permuted buffers hold @p budget rows */
     void (*permute_index_budget)(int *perm_src, int *row_of, int *expert_offset, int *flags,
                                  const int *topk_idx, int N, int k, int E, int budget);
-    /** as moe_cpu_expert_counts_add(): @p counts [E] and the offsets in backend memory */
-    void (*expert_counts_add)(long long *counts, const int *expert_offset, int E);
     /** as moe_cpu_permute_tokens() */
     void (*permute_tokens)(void *xp, const void *x, const int *perm_src, int rows, int k, int C);
     /** as moe_cpu_permute_weights() */
@@ -278,15 +281,47 @@ typedef struct moe_backend {
 
     /** @name optimizer (full precision) */
     /**@{*/
-    /** Σ x² over n elements, in double where the backend can */
-    double (*sum_squares)(const moe_real *x, size_t n);
-    /** Σ x over n elements */
-    double (*sum)(const moe_real *x, size_t n);
+    /** *acc += Σ x² over n elements, in double; @p acc [1] in BACKEND memory */
+    void (*sum_squares)(double *acc, const moe_real *x, size_t n);
+    /** *acc += Σ x over n elements, in double; @p acc [1] in BACKEND memory */
+    void (*sum)(double *acc, const moe_real *x, size_t n);
+    /** dst[i] += src[i], i < n: doubles in BACKEND memory (partial sums of the step) */
+    void (*add_f64)(double *dst, const double *src, int n);
     /** x *= s over n full-precision elements */
     void (*scale_real)(moe_real *x, double s, size_t n);
-    /** one AdamW update of n elements; bc1/bc2 are the bias corrections 1−βᵗ */
+    /** one AdamW update of n elements; bc1/bc2 are the bias corrections 1−βᵗ. @p clip (or
+     *  NULL: 1) is the clip factor each gradient is multiplied by first, and while @p flags
+     *  (or NULL) holds any ::MOE_STEP_OVERFLOW / ::MOE_STEP_NONFINITE bit nothing is
+     *  written: both [1] in BACKEND memory, read by the device, so the host never decides */
     void (*adamw)(moe_real *p, const moe_real *g, float *m, float *v, size_t n, double lr,
-                  double beta1, double beta2, double eps, double wd, double bc1, double bc2);
+                  double beta1, double beta2, double eps, double wd, double bc1, double bc2,
+                  const double *clip, const int *flags);
+    /**@}*/
+
+    /** @name the step's scalars on the device (chapter 06; step_scalars.h) */
+    /**@{*/
+    /** as moe_step_loss_accumulate(): a micro-batch's {Σ CE, aux, z} into the step's
+     *  {loss, ce, aux, z}; both in BACKEND memory */
+    void (*loss_accumulate)(double *step, const double *mb, int N, double accum);
+    /** as moe_step_grad_norm_finalize(): the norm, the clip factor and the non-finite bit
+     *  from the squares of each group; all pointers in BACKEND memory */
+    void (*grad_norm_finalize)(moe_step_scalars *s, double max_norm, int check);
+    /** load[e] += how many of the N·k picks @p topk_idx [N,k] are expert e (BACKEND memory) */
+    void (*expert_load_add)(long long *load, const int *topk_idx, int N, int k, int E);
+    /** as moe_expert_bias_update() on one layer's @p bias [E] from its @p load [E], unless
+     *  @p flags holds a bit (the step is skipped); all in BACKEND memory */
+    void (*expert_bias_update)(float *bias, const long long *load, int E, double rate,
+                               const int *flags);
+    /** page-locked host memory for the step boundary's readback (plain malloc on the CPU),
+     *  zeroed; NULL on failure */
+    void *(*host_alloc)(size_t bytes);
+    /** release host_alloc's memory (NULL: no-op) */
+    void (*host_free)(void *p);
+    /** queue a device → host copy into host_alloc'd @p dst and record an event after it;
+     *  returns at once (the CPU copies at once) */
+    void (*to_host_async)(void *dst, const void *src, size_t bytes);
+    /** wait for the event of the last to_host_async: the step boundary's one wait */
+    void (*wait_to_host)(void);
     /**@}*/
 } moe_backend;
 

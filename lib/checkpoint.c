@@ -376,8 +376,7 @@ moe_status moe_checkpoint_save(moe_trainer *t, const char *dir, int keep_last, m
     }
     if (s == MOE_OK) {
         if (h.expert_bias)
-            memcpy(h.expert_bias, m->expert_bias_host,
-                   sizeof(float) * (size_t)m->cfg.num_layers * m->cfg.num_experts);
+            moe_model_read_expert_bias(m, h.expert_bias);
         h.state[ST_STEP] = t->step;
         h.state[ST_ADAM_STEP] = t->opt.step;
         h.state[ST_SEED] = t->cfg.seed;
@@ -666,7 +665,6 @@ static void apply(moe_trainer *t, const host_state *h) {
     moe_model_sync_weights(m);
     if (h->expert_bias) {
         const size_t nb = (size_t)m->cfg.num_layers * m->cfg.num_experts;
-        memcpy(m->expert_bias_host, h->expert_bias, sizeof(float) * nb);
         be->from_host(m->expert_bias, h->expert_bias, sizeof(float) * nb);
     }
     t->step = (int)h->state[ST_STEP];

@@ -170,7 +170,6 @@ static moe_layer_dims moe_dims(const moe_model *m, int N, int T) {
     d.tp = m->tp.size > 1 ? &m->tp : NULL;
     d.step_flags = m->step_flags;
     d.budget_rows = m->moe_budget_rows;
-    d.load_counts = NULL; /* per layer: moe_model_forward() points it at the layer's counts */
     d.etp = m->etp.size > 1 ? &m->etp : NULL;
     return d;
 }
@@ -300,7 +299,9 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
     for (int l = 0; l <= L; l++)
         m->res[l] = must(be, S * Nl * H, &ok);
     /* before the MoE layers' buffers: the sync-free layers size theirs from the budget */
-    m->step_flags = must(be, sizeof(int), &ok);
+    m->scalars = must(be, sizeof(moe_step_scalars), &ok);
+    /* the flags are a field of the scalars, so one copy brings both back (step_scalars.h) */
+    m->step_flags = m->scalars ? &m->scalars->flags : NULL;
     {
         const double nk = (double)Nl * (E > 0 ? c->moe_router_topk : 0);
         const int ep_size = ep && ep->comm ? ep->size : 1;
@@ -365,11 +366,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
     }
     if (E > 0) {
         m->expert_bias = must(be, sizeof(float) * (size_t)L * E, &ok);
-        m->expert_bias_host = calloc((size_t)L * E, sizeof(float));
-        m->load_counts = calloc((size_t)L * E, sizeof(long long));
-        m->load_counts_dev = must(be, sizeof(long long) * (size_t)L * E, &ok);
-        if (!m->expert_bias_host || !m->load_counts)
-            ok = 0;
+        m->load_counts = must(be, sizeof(long long) * (size_t)L * E, &ok);
     }
     if (!ok) {
         size_t np = m->table.total;
@@ -396,8 +393,8 @@ void moe_model_free(moe_model *m) {
     be->free(m->params);
     be->free(m->grads);
     be->free(m->tokens);
-    be->free(m->step_flags);
     moe_graphs_free(m->graphs);
+    be->free(m->scalars);
     be->free(m->targets);
     if (m->res)
         for (int l = 0; l <= L; l++)
@@ -418,9 +415,7 @@ void moe_model_free(moe_model *m) {
     moe_vp_free(m->vp.V ? be : NULL, &m->vp);
     moe_attention_scratch_free(be, &m->attn_scratch);
     be->free(m->expert_bias);
-    free(m->expert_bias_host);
-    free(m->load_counts);
-    be->free(m->load_counts_dev);
+    be->free(m->load_counts);
     free(m->res);
     free(m->acts);
     free(m->layer_aux);
@@ -439,10 +434,8 @@ void moe_model_init(moe_model *m, uint64_t seed) {
     m->be->zero(m->grads, R * m->table.total);
     if (m->expert_bias) {
         size_t n = (size_t)m->cfg.num_layers * m->cfg.num_experts;
-        memset(m->expert_bias_host, 0, sizeof(float) * n);
         m->be->zero(m->expert_bias, sizeof(float) * n);
-        memset(m->load_counts, 0, sizeof(long long) * n);
-        m->be->zero(m->load_counts_dev, sizeof(long long) * n);
+        m->be->zero(m->load_counts, sizeof(long long) * n);
     }
 }
 
@@ -532,7 +525,7 @@ static void attention_backward(moe_model *m, int l, void *dx, const moe_attentio
  * block writes: the output itself, or under SP the whole-sequence scratch. */
 static void *block_out(const moe_model *m, void *y) { return m->tp_x ? m->tp_y : y; }
 
-double moe_model_forward(moe_model *m, const int *tokens, const int *targets, int B, int T) {
+void moe_model_forward_dev(moe_model *m, const int *tokens, const int *targets, int B, int T) {
     const moe_backend *be = m->be;
     const moe_config *c = &m->cfg;
     MOE_ASSERT(B >= 1 && B <= m->max_B && T >= 1 && T <= m->max_T);
@@ -556,7 +549,9 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
     } else {
         be->embedding_forward(m->res[0], m->tokens, PG(m, m->off_embed), N, H);
     }
-    double aux = 0.0, z = 0.0;
+    /* the micro-batch's losses accumulate on the device: mb = {Σ CE, Σ aux, Σ z} */
+    double *mb = m->scalars->mb;
+    be->zero(mb, 3 * sizeof(double));
     m->last.dropped = 0;
     for (int l = 0; l < L; l++) {
         moe_block_acts *a = &m->acts[l];
@@ -575,7 +570,6 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
         void *ffn_out = m->res[l + 1];
         if (c->is_moe_layer[l]) { /* on this rank's Nl rows (moe/layer.h) */
             moe_layer_dims d = moe_dims(m, Nl, T);
-            d.load_counts = m->load_counts_dev + (size_t)l * c->num_experts;
             moe_layer_weights w = moe_weights(m, l);
             moe_layer_forward(be, ffn_out, a->ln2, &w,
                               c->moe_router_enable_expert_bias
@@ -583,53 +577,65 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
                                   : NULL,
                               &d, &a->moe, &m->ws);
             m->last.dropped += a->moe.dropped;
-            m->layer_aux[l] = a->moe.aux_loss;
-            m->layer_z[l] = a->moe.z_loss;
-            aux += a->moe.aux_loss;
-            z += a->moe.z_loss;
-            for (int e = 0; e < c->num_experts; e++)
-                m->load_counts[(size_t)l * c->num_experts + e] += a->moe.counts[e];
+            be->add_f64(mb + 1, a->moe.loss, 2); /* aux += layer aux, z += layer z */
+            be->expert_load_add(m->load_counts + (size_t)l * c->num_experts, a->moe.topk_idx,
+                                Nl, c->moe_router_topk, c->num_experts);
         } else {
             part = block_out(m, ffn_out);
             moe_mlp_forward(be, part, a->dense_gu, a->dense_act,
                             moe_tp_enter_forward(be, tp, m->tp_x, a->ln2, N, H), NULL,
                             P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2), N, H, dense_ffn(m));
             moe_tp_exit_forward(be, tp, ffn_out, part, N, H);
-            m->layer_aux[l] = m->layer_z[l] = 0.0;
         }
         be->add(ffn_out, a->xmid, (size_t)Nl * H);
     }
-    if (m->tp.size > 1 && c->num_experts > 0) {
+    if (m->tp.size > 1 && c->num_experts > 0)
         /* each TP rank added its rows' part of the aux and z losses: the sums are the
-         * losses of the whole micro-batch, the same on every rank */
-        double *v = m->layer_aux; /* layer_aux and layer_z, then the totals */
-        double buf[2] = {aux, z};
-        moe_comm_host_all_reduce_sum(tp->comm, buf, 2, MOE_DTYPE_F64);
-        moe_comm_host_all_reduce_sum(tp->comm, v, (size_t)L, MOE_DTYPE_F64);
-        moe_comm_host_all_reduce_sum(tp->comm, m->layer_z, (size_t)L, MOE_DTYPE_F64);
-        aux = buf[0];
-        z = buf[1];
-    }
+         * losses of the whole micro-batch, the same on every rank (a device collective) */
+        moe_comm_all_reduce_sum(tp->comm, mb + 1, 2, MOE_DTYPE_F64);
     be->rmsnorm_forward(m->lnf, m->rstdf, m->res[L], PG(m, m->off_final_norm), Nl, H,
                         c->norm_epsilon);
     /* LM head: with TP column-parallel over the vocabulary, on every token (vocab_parallel.h) */
     const int vp = m->tp.size > 1;
     be->matmul_forward(m->logits, moe_tp_enter_forward(be, tp, m->tp_x, m->lnf, N, H),
                        PG(m, m->off_lm_head), N, H, vp ? m->vp.Vl : V);
-    if (!targets) {
-        long long dropped = m->last.dropped;
-        memset(&m->last, 0, sizeof m->last);
-        m->last.dropped = dropped;
-        return 0.0;
-    }
+    if (!targets)
+        return;
     if (vp) /* every rank gets the losses of all N tokens */
         moe_vp_cross_entropy_forward(be, tp, &m->vp, m->losses, m->logits, N);
     else
         be->cross_entropy_forward(m->losses, m->logits, m->targets, N, V);
-    m->last.ce = be->sum(m->losses, (size_t)N) / N;
-    m->last.aux = aux;
-    m->last.z = z;
-    m->last.total = m->last.ce + aux + z;
+    be->sum(mb, m->losses, (size_t)N); /* mb[0] = 0 + Σ: the mean is taken with the step's */
+}
+
+double moe_model_forward(moe_model *m, const int *tokens, const int *targets, int B, int T) {
+    moe_model_forward_dev(m, tokens, targets, B, T);
+    const long long dropped = m->last.dropped;
+    memset(&m->last, 0, sizeof m->last);
+    m->last.dropped = dropped;
+    if (!targets)
+        return 0.0;
+    const moe_backend *be = m->be;
+    const moe_config *c = &m->cfg;
+    const int L = c->num_layers;
+    double mb[3];
+    be->to_host(mb, m->scalars->mb, sizeof mb);
+    for (int l = 0; l < L; l++) { /* each layer's own losses (for reference dumps) */
+        double v[2] = {0.0, 0.0};
+        if (c->is_moe_layer[l])
+            be->to_host(v, m->acts[l].moe.loss, sizeof v);
+        m->layer_aux[l] = v[0];
+        m->layer_z[l] = v[1];
+    }
+    if (m->tp.size > 1 && c->num_experts > 0) {
+        moe_comm_host_all_reduce_sum(m->tp.comm, m->layer_aux, (size_t)L, MOE_DTYPE_F64);
+        moe_comm_host_all_reduce_sum(m->tp.comm, m->layer_z, (size_t)L, MOE_DTYPE_F64);
+    }
+    /* the arithmetic of moe_step_loss_accumulate() with one micro-batch */
+    m->last.ce = mb[0] / (B * T);
+    m->last.aux = mb[1];
+    m->last.z = mb[2];
+    m->last.total = m->last.ce + mb[1] + mb[2];
     return m->last.total;
 }
 
@@ -734,31 +740,21 @@ void moe_model_update_expert_bias(moe_model *m) {
     const int E = c->num_experts;
     for (int l = 0; l < c->num_layers; l++)
         if (c->is_moe_layer[l])
-            moe_expert_bias_update(m->expert_bias_host + (size_t)l * E,
-                                   m->load_counts + (size_t)l * E, E,
-                                   c->moe_router_bias_update_rate);
-    m->be->from_host(m->expert_bias, m->expert_bias_host, sizeof(float) * (size_t)c->num_layers * E);
+            m->be->expert_bias_update(m->expert_bias + (size_t)l * E,
+                                      m->load_counts + (size_t)l * E, E,
+                                      c->moe_router_bias_update_rate, m->step_flags);
+}
+
+void moe_model_read_expert_bias(const moe_model *m, float *host) {
+    if (m->expert_bias)
+        m->be->to_host(host, m->expert_bias,
+                       sizeof(float) * (size_t)m->cfg.num_layers * m->cfg.num_experts);
 }
 
 void moe_model_reset_load_counts(moe_model *m) {
-    const size_t n = (size_t)m->cfg.num_layers * m->cfg.num_experts;
     if (m->load_counts)
-        memset(m->load_counts, 0, sizeof(long long) * n);
-    if (m->load_counts_dev)
-        m->be->zero(m->load_counts_dev, sizeof(long long) * n);
-}
-
-void moe_model_collect_load_counts(moe_model *m) {
-    const size_t n = (size_t)m->cfg.num_layers * m->cfg.num_experts;
-    if (!m->load_counts_dev || n == 0)
-        return;
-    long long *host = malloc(sizeof(long long) * n);
-    MOE_CHECK_ALLOC(host, sizeof(long long) * n, "the expert load counts");
-    m->be->to_host(host, m->load_counts_dev, sizeof(long long) * n);
-    for (size_t i = 0; i < n; i++)
-        m->load_counts[i] += host[i];
-    free(host);
-    m->be->zero(m->load_counts_dev, sizeof(long long) * n);
+        m->be->zero(m->load_counts,
+                    sizeof(long long) * (size_t)m->cfg.num_layers * m->cfg.num_experts);
 }
 
 moe_status moe_model_grow_moe_budget(moe_model *m, moe_error *err) {

@@ -96,9 +96,9 @@ typedef struct moe_model {
     size_t off_final_norm;        /**< offset of the final norm [H] */
     size_t off_lm_head;           /**< offset of the LM head [V,H] */
     size_t off[MOE_MAX_LAYERS][MOE_W_COUNT];       /**< per-layer tensors */
-    float *expert_bias;           /**< [L·E] aux-loss-free selection bias (backend memory) */
-    float *expert_bias_host;      /**< host mirror of expert_bias */
-    long long *load_counts;       /**< host [L·E] tokens per expert since the last reset */
+    float *expert_bias;           /**< [L·E] aux-loss-free selection bias (backend memory;
+                                       moe_model_read_expert_bias() copies it out) */
+    long long *load_counts;       /**< backend [L·E] tokens per expert since the last reset */
     int max_B;                    /**< allocated batch */
     int max_T;                    /**< allocated sequence length */
     int max_ffn;                  /**< widest dense FFN intermediate (sizes the FFN workspace) */
@@ -124,17 +124,17 @@ typedef struct moe_model {
     moe_losses last;              /**< losses of the last forward */
     double *layer_aux;            /**< [L] per-layer aux loss of the last forward */
     double *layer_z;              /**< [L] per-layer z-loss of the last forward */
-    int *step_flags;              /**< [1] backend memory: MOE_STEP_* bits raised on the device
-                                       during a step (step_flags.h); zeroed at each step start */
+    moe_step_scalars *scalars;    /**< [1] backend memory: the step's losses, norm, clip factor
+                                       and flags, read once per step (step_scalars.h) */
+    int *step_flags;              /**< &scalars->flags, backend memory: MOE_STEP_* bits raised on
+                                       the device during a step (step_flags.h); zeroed at each
+                                       step start */
     int moe_budget_rows;          /**< chapter 06: the static budget of permuted rows of every
                                        MoE layer (--moe-expert-rank-capacity-factor · this
                                        rank's micro-batch tokens · k), grown on an overflow */
     int moe_budget_max;           /**< the most rows that can ever need a place (tokens·k·EP):
                                        the budget never grows past it */
     long long moe_budget_overflows; /**< overflows of the budget so far (each re-ran a step) */
-    long long *load_counts_dev;   /**< [L·E] backend memory: tokens per expert counted on the
-                                       device by the sync-free layers since the last
-                                       moe_model_collect_load_counts() (NULL without experts) */
     moe_graphs *graphs;           /**< the CUDA graphs of --cuda-graph-scope (graph.h); the
                                        attention blocks run through it */
 } moe_model;
@@ -198,10 +198,22 @@ size_t moe_model_num_active_params(const moe_model *m);
 double moe_model_flops_per_token(const moe_model *m, int T);
 
 /**
- * @brief Forward pass over B sequences of T tokens (host token ids).
+ * @brief Forward pass over B sequences of T tokens (host token ids), leaving the losses on
+ *        the device: m->scalars->mb = {Σ per-token CE, Σ_layers aux, Σ_layers z} (summed
+ *        over TP), and each MoE layer's expert load added into m->load_counts. Nothing is
+ *        read back (chapter 06: the trainer reads once per step).
  * @param m model  @param tokens host [B·T]  @param targets host [B·T] or NULL (no loss)
  * @param B sequences (≤ allocated)  @param T tokens per sequence (≤ seq_length)
- * @return the total loss (CE + aux + z), or 0 when @p targets is NULL; details in m->last
+ */
+void moe_model_forward_dev(moe_model *m, const int *tokens, const int *targets, int B, int T);
+
+/**
+ * @brief moe_model_forward_dev(), then the losses read back (a host sync): for evaluation,
+ *        sampling, tests and programs that want the number now.
+ * @param m model  @param tokens host [B·T]  @param targets host [B·T] or NULL (no loss)
+ * @param B sequences (≤ allocated)  @param T tokens per sequence (≤ seq_length)
+ * @return the total loss (CE + aux + z), or 0 when @p targets is NULL; details in m->last,
+ *         m->layer_aux and m->layer_z
  */
 double moe_model_forward(moe_model *m, const int *tokens, const int *targets, int B, int T);
 
@@ -239,19 +251,17 @@ moe_status moe_model_grow_moe_budget(moe_model *m, moe_error *err);
 /**
  * @brief Aux-loss-free balancing: update every MoE layer's expert bias from m->load_counts
  *        (call once per global batch, then reset the counts). No-op unless the bias is enabled.
+ *        Runs on the device, and does nothing there while m->step_flags holds a bit (a
+ *        skipped step moves no bias).
  * @param m model
  */
 void moe_model_update_expert_bias(moe_model *m);
 
-/** @brief Zero m->load_counts (and the device's counts not collected yet). @param m model */
-void moe_model_reset_load_counts(moe_model *m);
+/** @brief Copy the expert bias to the host (a sync: checkpoints, reference dumps).
+ *  @param m model  @param host [L·E] receives it (nothing when the model has no experts) */
+void moe_model_read_expert_bias(const moe_model *m, float *host);
 
-/**
- * @brief Add the expert loads the sync-free layers counted on the device into m->load_counts
- *        and zero the device's counts. A device-to-host copy: call it at the step boundary
- *        (or once per logging interval), never inside a step.
- * @param m model
- */
-void moe_model_collect_load_counts(moe_model *m);
+/** @brief Zero m->load_counts (on the device). @param m model */
+void moe_model_reset_load_counts(moe_model *m);
 
 #endif /* MOE_MODEL_H */

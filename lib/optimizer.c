@@ -42,7 +42,7 @@ void moe_adamw_free(moe_adamw *opt) {
 
 void moe_adamw_step(moe_adamw *opt, const moe_param_table *pt, moe_real *params,
                     const moe_real *grads, double lr, double beta1, double beta2, double eps,
-                    double wd) {
+                    double wd, const double *clip, const int *flags) {
     opt->step++;
     const double bc1 = 1.0 - pow(beta1, (double)opt->step);
     const double bc2 = 1.0 - pow(beta2, (double)opt->step);
@@ -57,19 +57,27 @@ void moe_adamw_step(moe_adamw *opt, const moe_param_table *pt, moe_real *params,
                 continue;
             const size_t st = pc->state + (a - pc->lo);
             opt->be->adamw(params + a, grads + a, opt->m + st, opt->v + st, b - a, lr, beta1,
-                           beta2, eps, ten->decay ? wd : 0.0, bc1, bc2);
+                           beta2, eps, ten->decay ? wd : 0.0, bc1, bc2, clip, flags);
         }
     }
 }
 
 void moe_clip_grads(const moe_backend *be, moe_real *grads, size_t n, double norm,
                     double max_norm) {
-    if (max_norm > 0 && norm > max_norm)
-        be->scale_real(grads, max_norm / (norm + 1e-6), n);
+    const double f = moe_clip_factor(norm, max_norm);
+    if (f != 1.0)
+        be->scale_real(grads, f, n);
 }
 
 double moe_clip_grad_norm(const moe_backend *be, moe_real *grads, size_t n, double max_norm) {
-    double norm = sqrt(be->sum_squares(grads, n));
+    /* the squares accumulate into a double in backend memory, read back here: this helper
+     * is for programs and tests; the trainer keeps the norm on the device (trainer.c) */
+    double *acc = be->alloc(sizeof(double)), sq = 0.0;
+    MOE_CHECK_ALLOC(acc, sizeof(double), "the gradient norm's sum");
+    be->sum_squares(acc, grads, n);
+    be->to_host(&sq, acc, sizeof sq);
+    be->free(acc);
+    const double norm = sqrt(sq);
     moe_clip_grads(be, grads, n, norm, max_norm);
     return norm;
 }

@@ -96,13 +96,19 @@ void moe_adamw_free(moe_adamw *opt);
  * @param beta2  second-moment decay
  * @param eps    denominator epsilon
  * @param wd     decoupled weight decay
+ * @param clip   [1] backend memory: the clip factor the gradients are multiplied by (the
+ *               trainer's, computed on the device), or NULL for none
+ * @param flags  [1] backend memory: the step flags (step_flags.h); while a bit is set the
+ *               update is skipped on the device, or NULL. opt->step still counts the call:
+ *               the caller takes it back when it learns (at the step boundary) that the
+ *               step was skipped.
  */
 void moe_adamw_step(moe_adamw *opt, const moe_param_table *pt, moe_real *params,
                     const moe_real *grads, double lr, double beta1, double beta2, double eps,
-                    double wd);
+                    double wd, const double *clip, const int *flags);
 
 /**
- * @brief Scale @p grads by max_norm/(norm + 1e-6) when @p norm exceeds @p max_norm (the norm
+ * @brief Scale @p grads by moe_clip_factor() = max_norm/(norm + 1e-6) when @p norm exceeds @p max_norm (the norm
  *        may come from several ranks: see moe_trainer_update).
  * @param be backend holding the gradients  @param grads [n]  @param n count
  * @param norm their global L2 norm  @param max_norm threshold (0 = off)

@@ -127,6 +127,16 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
             s = moe_adamw_init_pieces(&t->opt, be, pieces, n_pieces, err);
     } else if (s == MOE_OK)
         s = moe_adamw_init(&t->opt, be, moe_model_num_params(t->model), err);
+    if (s == MOE_OK) { /* page-locked landing places of the step boundary's readback */
+        const size_t nl = (size_t)c->num_layers * c->num_experts;
+        t->readback = be->host_alloc(sizeof(moe_step_scalars));
+        t->load_host = nl ? be->host_alloc(sizeof(long long) * nl) : NULL;
+        t->load_interval = c->log_interval;
+        t->grow_budget = moe_model_grow_moe_budget;
+        if (!t->readback || (nl && !t->load_host))
+            s = moe_error_set(err, MOE_ERR_NOMEM,
+                              "out of page-locked host memory for the step's readback");
+    }
     if (s == MOE_OK) {
         size_t n = (size_t)c->micro_batch_size * c->seq_length;
         t->inputs = malloc(sizeof(int) * n);
@@ -148,6 +158,10 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
 void moe_trainer_free(moe_trainer *t) {
     if (!t)
         return;
+    if (t->model) {
+        t->model->be->host_free(t->readback);
+        t->model->be->host_free(t->load_host);
+    }
     moe_model_free(t->model);
     moe_adamw_free(&t->opt);
     moe_zero_free(&t->zero);
@@ -203,118 +217,135 @@ static void sync_gradients(moe_trainer *t) {
  * run only: the squares of the pieces, sorted by the tensors' shard groups, are first summed
  * over the run's group (DP x CP or EDP), which gives every rank its replicas' whole squares,
  * and then go on as above. Whole tensors first, then each group's sum in kind order. Every
- * rank has the same layout, so every rank takes part in the same host all-reduces. */
-static double global_grad_norm(moe_trainer *t) {
+ * rank has the same layout, so every rank takes part in the same all-reduces.
+ *
+ * Chapter 06: nothing here leaves the device. Each sum of squares is added into its group's
+ * double in the step's scalars (step_scalars.h), the group sums are all-reduced where they
+ * lie (on the stream under NCCL; on the host buffers of the CPU backend under MPI), and one
+ * kernel takes the root, the clip factor and the non-finite check, which AdamW then reads. */
+_Static_assert(MOE_STEP_NORM_SLOTS == MOE_GROUP_COUNT + 1,
+               "one slot of the step's squares per group kind, and one for whole tensors");
+
+static void enqueue_grad_norm(moe_trainer *t) {
     moe_model *m = t->model;
+    const moe_backend *be = m->be;
     const moe_param_table *pt = &m->table;
-    double sum[MOE_GROUP_COUNT + 1] = {0};
+    moe_step_scalars *S = m->scalars;
     int used[MOE_GROUP_COUNT + 1] = {0};
     for (int i = 0; i < pt->n; i++)
         used[pt->t[i].shard.group] = 1;
+    be->zero(S->sumsq, sizeof S->sumsq); /* the squares of this update only */
     if (t->zero.n_runs) {
         for (int r = 0; r < t->zero.n_runs; r++) {
             const moe_zero_run *run = &t->zero.run[r];
-            double part[MOE_GROUP_COUNT + 1] = {0};
+            be->zero(S->part, sizeof S->part);
             for (int i = 0; i < pt->n; i++) { /* each tensor's part of the piece */
                 const moe_tensor *ten = &pt->t[i];
                 const size_t a = ten->offset > run->piece.lo ? ten->offset : run->piece.lo;
                 const size_t b = ten->offset + ten->numel < run->piece.hi
                                      ? ten->offset + ten->numel : run->piece.hi;
                 if (a < b)
-                    part[ten->shard.group] += m->be->sum_squares(m->grads + a, b - a);
+                    be->sum_squares(&S->part[ten->shard.group], m->grads + a, b - a);
             }
             if (run->comm)
-                moe_comm_host_all_reduce_sum(run->comm, part, MOE_GROUP_COUNT + 1, MOE_DTYPE_F64);
-            for (int g = 0; g <= MOE_GROUP_COUNT; g++)
-                sum[g] += part[g];
+                moe_comm_all_reduce_sum(run->comm, S->part, MOE_STEP_NORM_SLOTS, MOE_DTYPE_F64);
+            be->add_f64(S->sumsq, S->part, MOE_STEP_NORM_SLOTS);
         }
     } else {
         size_t start, end;
         moe_group_kind k;
         int i = 0;
         while (moe_params_next_run(pt, shard_group, &i, &start, &end, &k))
-            sum[k] += m->be->sum_squares(m->grads + start, end - start);
+            be->sum_squares(&S->sumsq[k], m->grads + start, end - start);
     }
-    double total = sum[MOE_GROUP_NONE];
     for (int g = 0; g < MOE_GROUP_COUNT; g++) {
         moe_comm *c = moe_parallel_group(&t->par, (moe_group_kind)g);
         if (used[g] && c)
-            moe_comm_host_all_reduce_sum(c, &sum[g], 1, MOE_DTYPE_F64);
-        total += sum[g];
+            moe_comm_all_reduce_sum(c, &S->sumsq[g], 1, MOE_DTYPE_F64);
     }
-    return sqrt(total);
+    /* an overflow on any rank re-runs the step on every rank (a rank that went on alone would
+     * wait in the next collective): the flags are summed over the world, on the device, and
+     * the finalize turns a non-zero sum back into the bit */
+    if (t->world)
+        moe_comm_all_reduce_sum(t->world, &S->flags, 1, MOE_DTYPE_I32);
+    be->grad_norm_finalize(S, t->cfg.clip_grad, t->cfg.check_for_nan_in_loss_and_grad);
 }
 
-/* --check-for-nan-in-loss-and-grad: a non-finite value stops the step before the optimizer
- * touches the weights, so they (and any checkpoint written from them) stay those of the
- * last good step. The loss and the norm are sums over all ranks, so every rank sees the same
- * value and stops at the same step: none is left waiting in a collective. local_loss says
- * which ranks' own micro-batches went bad. */
-static moe_status check_finite(const moe_trainer *t, const moe_step_stats *st,
-                               const char *what, double v, moe_error *err) {
-    if (!t->cfg.check_for_nan_in_loss_and_grad || isfinite(v))
-        return MOE_OK;
+/* --check-for-nan-in-loss-and-grad: the device raised MOE_STEP_NONFINITE and skipped the
+ * update, so the weights (and any checkpoint written from them) stay those of the last good
+ * step. The loss and the norm are sums over all ranks, so every rank sees the same value and
+ * stops at the same step: none is left waiting in a collective. local_loss says which ranks'
+ * own micro-batches went bad. */
+static moe_status nonfinite_error(const moe_trainer *t, const moe_step_stats *st,
+                                  moe_error *err) {
+    const int loss_bad = !isfinite(st->loss);
     return moe_error_set(err, MOE_ERR_NONFINITE,
                          "step %d, rank %d: the %s is %g (loss %g: cross-entropy %g, aux %g, "
                          "z-loss %g; this rank's own micro-batches: loss %g); the weights were "
                          "not updated. Lower --lr, --init-method-std or the router coefficients, "
                          "or run with --no-check-for-nan-in-loss-and-grad to continue anyway",
-                         st->step + 1, t->rank, what, v, st->loss, st->ce, st->aux, st->z,
+                         st->step + 1, t->rank, loss_bad ? "loss" : "gradient norm",
+                         loss_bad ? st->loss : st->grad_norm, st->loss, st->ce, st->aux, st->z,
                          st->local_loss);
 }
 
-static void apply_update(moe_trainer *t, moe_step_stats *st);
+static void enqueue_gradients(moe_trainer *t, moe_step_stats *st);
+static void enqueue_update(moe_trainer *t, moe_step_stats *st);
+static void read_boundary(moe_trainer *t, moe_step_stats *st, int loads);
 
-/* Chapter 06, the overflow protocol: the sync-free MoE layers raise MOE_STEP_OVERFLOW when
- * their static budget of permuted rows was too small. Read the flags once, at the step
- * boundary (every rank agrees: a sum over the world), and while the bit is set grow the
- * budget and re-run the step eagerly from the same state; nothing has been applied yet. */
-static moe_status rerun_on_overflow(moe_trainer *t, moe_step_stats *st, moe_error *err) {
-    moe_model *m = t->model;
-    for (;;) {
-        int flags = 0;
-        m->be->to_host(&flags, m->step_flags, sizeof flags);
-        int overflow = (flags & MOE_STEP_OVERFLOW) != 0;
-        if (t->world)
-            moe_comm_host_all_reduce_sum(t->world, &overflow, 1, MOE_DTYPE_I32);
-        if (!overflow)
-            return MOE_OK;
-        if (t->rank == 0)
-            moe_log_info("moe: static budget overflow at step %d: growing the budget and "
-                         "re-running the step", st->step + 1);
-        MOE_TRY(moe_model_grow_moe_budget(m, err));
-        m->be->zero(m->step_flags, sizeof(int));
-        moe_trainer_gradients(t, st);
-    }
+/* Whether this step reads the expert loads back: once per --log-interval (and the first
+ * step this trainer runs, and the last of the run), when the program prints them. */
+static int reads_loads(const moe_trainer *t) {
+    return t->load_host &&
+           (!t->loads_read || (t->step + 1) % t->load_interval == 0 ||
+            t->step + 1 == t->cfg.train_iters);
 }
 
 moe_status moe_trainer_step(moe_trainer *t, moe_step_stats *st, moe_error *err) {
-    t->model->be->zero(t->model->step_flags, sizeof(int));
-    moe_trainer_gradients(t, st);
-    /* a region that could not be captured (graph.h) lost this step's work: stop with its name */
-    MOE_TRY(moe_graphs_status(t->model->graphs, err));
-    MOE_TRY(rerun_on_overflow(t, st, err));
-    MOE_TRY(check_finite(t, st, "loss", st->loss, err));
     moe_timer timer;
     moe_timer_start(&timer);
-    st->grad_norm = global_grad_norm(t);
-    st->seconds += moe_timer_elapsed(&timer);
-    MOE_TRY(check_finite(t, st, "gradient norm", st->grad_norm, err));
-    apply_update(t, st);
+    for (;;) {
+        /* the whole step is enqueued without one wait; then the boundary: one copy, one wait */
+        enqueue_gradients(t, st);
+        if (t->step_hook)
+            t->step_hook(t, t->step_hook_ctx);
+        /* a region that could not be captured (graph.h) lost this step's work: stop with its
+         * name before the update (a host-side status, known at capture time: no wait) */
+        MOE_TRY(moe_graphs_status(t->model->graphs, err));
+        enqueue_update(t, st);
+        read_boundary(t, st, reads_loads(t));
+        const int flags = t->readback->flags;
+        if (flags) /* the device skipped AdamW: its step count goes back */
+            t->opt.step--;
+        if (flags & MOE_STEP_OVERFLOW) {
+            /* a static MoE buffer was too small: nothing was updated, so grow the buffers
+             * and run the same step (same batch, same weights) again */
+            MOE_TRY(t->grow_budget(t->model, err)); /* logs the growth */
+            t->reruns++;
+            continue;
+        }
+        if (flags & MOE_STEP_NONFINITE)
+            return nonfinite_error(t, st, err);
+        break;
+    }
+    st->seconds = moe_timer_elapsed(&timer);
+    t->step++;
     return MOE_OK;
 }
 
-void moe_trainer_gradients(moe_trainer *t, moe_step_stats *st) {
+/* The step start: every scalar of the step, the flags included, to zero (one memset). */
+static void enqueue_gradients(moe_trainer *t, moe_step_stats *st) {
     const moe_config *c = &t->cfg;
     moe_model *m = t->model;
+    const moe_backend *be = m->be;
+    moe_step_scalars *S = m->scalars;
     const int accum = c->global_batch_size / c->micro_batch_size; /* over all ranks */
     const int local = accum / t->dp_size; /* on this rank (and the rest of its TP group) */
     const int B = c->micro_batch_size, T = c->seq_length;
-    moe_timer timer;
-    moe_timer_start(&timer);
     memset(st, 0, sizeof *st);
     st->step = t->step;
 
+    be->zero(S, sizeof *S);
     moe_model_zero_grad(m);
     moe_model_reset_load_counts(m);
     for (int i = 0; i < local; i++) {
@@ -322,70 +353,72 @@ void moe_trainer_gradients(moe_trainer *t, moe_step_stats *st) {
         uint64_t batch_index = (uint64_t)t->step * accum + (uint64_t)t->dp_rank * local + i;
         moe_dataset_batch(&t->data, MOE_SPLIT_TRAIN, B, T, (uint64_t)c->seed, batch_index,
                           t->inputs, t->targets);
-        st->loss += moe_model_forward(m, t->inputs, t->targets, B, T) / accum;
-        st->ce += m->last.ce / accum;
-        st->aux += m->last.aux / accum;
-        st->z += m->last.z / accum;
+        moe_model_forward_dev(m, t->inputs, t->targets, B, T);
+        be->loss_accumulate(S->step, S->mb, B * T, (double)accum);
         st->dropped += m->last.dropped;
         moe_model_backward(m, 1.0 / accum);
     }
-    st->local_loss = st->loss;
-    /* the sync-free MoE layers counted their expert loads on the device: one read, at the
-     * step boundary */
-    moe_model_collect_load_counts(m);
+    be->copy(&S->local_loss, &S->step[0], sizeof(double));
     /* every rank of a TP group has the same losses and counts: sum over the DP ranks */
     moe_comm *dp = t->world ? moe_parallel_group(&t->par, MOE_GROUP_DP_CP) : NULL;
     if (t->world)
         sync_gradients(t);
     /* under TP each rank's MoE layers ran on its own rows (its sequence shard): their
      * expert loads and drops add up over the TP group (the losses were summed in the model) */
+    const size_t nl = (size_t)c->num_layers * c->num_experts;
     if (t->tp.comm && m->load_counts) {
-        moe_comm_host_all_reduce_sum(t->tp.comm, m->load_counts,
-                                     (size_t)c->num_layers * c->num_experts, MOE_DTYPE_I64);
+        moe_comm_all_reduce_sum(t->tp.comm, m->load_counts, nl, MOE_DTYPE_I64);
         moe_comm_host_all_reduce_sum(t->tp.comm, &st->dropped, 1, MOE_DTYPE_I64);
     }
     if (dp) {
-        double sums[4] = {st->loss, st->ce, st->aux, st->z};
-        moe_comm_host_all_reduce_sum(dp, sums, 4, MOE_DTYPE_F64);
-        st->loss = sums[0];
-        st->ce = sums[1];
-        st->aux = sums[2];
-        st->z = sums[3];
+        moe_comm_all_reduce_sum(dp, S->step, 4, MOE_DTYPE_F64);
         moe_comm_host_all_reduce_sum(dp, &st->dropped, 1, MOE_DTYPE_I64);
         if (m->load_counts) /* the expert-bias rule and the statistics see the global batch */
-            moe_comm_host_all_reduce_sum(dp, m->load_counts,
-                                         (size_t)c->num_layers * c->num_experts, MOE_DTYPE_I64);
+            moe_comm_all_reduce_sum(dp, m->load_counts, nl, MOE_DTYPE_I64);
     }
     st->tokens = (double)accum * B * T;
     st->flops = st->tokens * moe_model_flops_per_token(m, T);
-    st->seconds = moe_timer_elapsed(&timer);
 }
 
-void moe_trainer_update(moe_trainer *t, moe_step_stats *st) {
-    moe_timer timer;
-    moe_timer_start(&timer);
-    st->grad_norm = global_grad_norm(t);
-    st->seconds += moe_timer_elapsed(&timer);
-    apply_update(t, st);
-}
-
-/* The update with st->grad_norm already computed. */
-static void apply_update(moe_trainer *t, moe_step_stats *st) {
+/* The update, all on the device: the norm and clip factor, AdamW (which reads them and the
+ * flags), the ZeRO gather, the compute-copy refresh and the expert bias (skipped on the
+ * device as well when a flag is up). */
+static void enqueue_update(moe_trainer *t, moe_step_stats *st) {
     const moe_config *c = &t->cfg;
     moe_model *m = t->model;
-    moe_timer timer;
-    moe_timer_start(&timer);
-    /* fp32 master weights: clip and step them, then refresh the compute copy */
-    moe_clip_grads(m->be, m->grads, moe_model_num_params(m), st->grad_norm, c->clip_grad);
+    enqueue_grad_norm(t);
     st->lr = moe_lr_at(c, t->step);
     moe_adamw_step(&t->opt, &m->table, m->params, m->grads, st->lr, c->adam_beta1, c->adam_beta2,
-                   c->adam_eps, c->weight_decay);
+                   c->adam_eps, c->weight_decay, &m->scalars->clip, m->step_flags);
     if (t->zero.n_runs) /* ZeRO-1: every rank updated its piece; gather the others' */
         moe_zero_all_gather(&t->zero, &t->opt, m->params, m->params, moe_dtype_real());
     moe_model_sync_weights(m);
     moe_model_update_expert_bias(m);
-    m->be->synchronize();
+}
 
+/* The step boundary: the scalars (and, once per log interval, the expert loads) into
+ * page-locked memory with one asynchronous copy each, one event, one wait. */
+static void read_boundary(moe_trainer *t, moe_step_stats *st, int loads) {
+    const moe_config *c = &t->cfg;
+    moe_model *m = t->model;
+    const moe_backend *be = m->be;
+    const size_t nl = (size_t)c->num_layers * c->num_experts;
+    be->to_host_async(t->readback, m->scalars, sizeof(moe_step_scalars));
+    if (loads)
+        be->to_host_async(t->load_host, m->load_counts, sizeof(long long) * nl);
+    be->wait_to_host();
+    const moe_step_scalars *r = t->readback;
+    st->loss = r->step[0];
+    st->ce = r->step[1];
+    st->aux = r->step[2];
+    st->z = r->step[3];
+    st->local_loss = r->local_loss;
+    st->grad_norm = r->grad_norm;
+    st->load_read = 0;
+    if (!loads)
+        return;
+    t->loads_read = 1;
+    st->load_read = 1;
     /* expert load over the whole global batch */
     st->load_min = -1;
     int moe_layers = 0;
@@ -394,7 +427,7 @@ static void apply_update(moe_trainer *t, moe_step_stats *st) {
             continue;
         moe_layers++;
         for (int e = 0; e < c->num_experts; e++) {
-            long long n = m->load_counts[(size_t)l * c->num_experts + e];
+            long long n = t->load_host[(size_t)l * c->num_experts + e];
             if (st->load_min < 0 || n < st->load_min)
                 st->load_min = n;
             if (n > st->load_max)
@@ -405,7 +438,26 @@ static void apply_update(moe_trainer *t, moe_step_stats *st) {
         st->load_mean = st->tokens * c->moe_router_topk / c->num_experts;
     else
         st->load_min = 0;
+}
+
+void moe_trainer_gradients(moe_trainer *t, moe_step_stats *st) {
+    moe_timer timer;
+    moe_timer_start(&timer);
+    enqueue_gradients(t, st);
+    read_boundary(t, st, 0);
+    st->seconds = moe_timer_elapsed(&timer);
+}
+
+void moe_trainer_update(moe_trainer *t, moe_step_stats *st) {
+    moe_timer timer;
+    moe_timer_start(&timer);
+    enqueue_update(t, st);
+    read_boundary(t, st, t->load_host != NULL);
     st->seconds += moe_timer_elapsed(&timer);
+    if (t->readback->flags) { /* skipped on the device */
+        t->opt.step--;
+        return;
+    }
     t->step++;
 }
 

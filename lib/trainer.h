@@ -18,6 +18,11 @@
 #include "optimizer.h"
 #include "parallel.h"
 
+struct moe_trainer;
+/** A test hook: called once per (re-)run of a step, after its forward and backward are
+ *  enqueued and before its update; it may raise step flags (step_flags.h). */
+typedef void (*moe_trainer_hook)(struct moe_trainer *t, void *ctx);
+
 /** Everything a run holds. */
 typedef struct moe_trainer {
     moe_config cfg;        /**< validated configuration */
@@ -36,6 +41,17 @@ typedef struct moe_trainer {
     int dp_rank;           /**< this rank's place among them */
     int rank;              /**< this rank in the world */
     int world_size;        /**< ranks in the world */
+    moe_step_scalars *readback; /**< page-locked host copy of the model's step scalars, filled
+                                     at each step boundary (step_scalars.h) */
+    long long *load_host;  /**< page-locked [L·E] expert loads, read once per load_interval */
+    int load_interval;     /**< read the expert loads every this many steps (--log-interval) */
+    int loads_read;        /**< the loads were read at least once by this trainer */
+    int reruns;            /**< steps run again after a MoE buffer overflow (chapter 06) */
+    moe_trainer_hook step_hook; /**< tests only: see ::moe_trainer_hook (NULL: none) */
+    /** grows the MoE budget after an overflow: moe_model_grow_moe_budget() (tests may put a
+     *  stand-in here to drive the re-run loop) */
+    moe_status (*grow_budget)(moe_model *m, moe_error *err);
+    void *step_hook_ctx;   /**< its context */
 } moe_trainer;
 
 /** What one optimizer step did. */
@@ -54,6 +70,8 @@ typedef struct moe_step_stats {
     long long load_min;    /**< fewest tokens any expert of any MoE layer received */
     long long load_max;    /**< most tokens any expert received */
     double load_mean;      /**< mean tokens per expert (= tokens·k/E) */
+    int load_read;         /**< 1 when this step read the expert loads back (the three fields
+                                above are set): once per moe_trainer::load_interval steps */
     long long dropped;     /**< expert assignments dropped by the capacity (all ranks, layers) */
 } moe_step_stats;
 
@@ -89,27 +107,37 @@ void moe_trainer_free(moe_trainer *t);
  * @brief One optimizer step: global/micro micro-batches forward+backward, clip, AdamW,
  *        expert-bias update.
  *
- * With --check-for-nan-in-loss-and-grad (the default) a loss or global gradient norm that
- * is NaN or infinite stops the step before the optimizer runs: the weights, the optimizer
- * state and the step counter stay those of the previous step. Every rank sees the same
- * (summed) values, so every rank returns the error at the same step.
+ * The whole step is enqueued without waiting for the device; the losses, the norm, the
+ * clip factor and the step flags stay in backend memory (step_scalars.h) and come back
+ * with one asynchronous copy and one wait at the end: the step boundary. Then:
+ *  - ::MOE_STEP_OVERFLOW (a static MoE buffer was too small): the update was skipped on the
+ *    device; moe_model_grow_moe_budget() grows the buffers and the same step (same batch,
+ *    same weights) runs again, counted in moe_trainer::reruns and logged;
+ *  - ::MOE_STEP_NONFINITE (with --check-for-nan-in-loss-and-grad, the default: a loss or
+ *    global gradient norm that is NaN or infinite): the update was skipped on the device,
+ *    so the weights, the optimizer state and the step counter stay those of the previous
+ *    step, and the step returns the error. Every rank sees the same (summed) values, so
+ *    every rank returns it at the same step.
  * @param t trainer  @param st receives the step's statistics
  * @param err receives the reason on failure (may be NULL)
- * @return ::MOE_OK, or ::MOE_ERR_NONFINITE naming the step, the rank and the value
+ * @return ::MOE_OK, ::MOE_ERR_NONFINITE naming the step, the rank and the value, or the
+ *         error of moe_model_grow_moe_budget()
  */
 moe_status moe_trainer_step(moe_trainer *t, moe_step_stats *st, moe_error *err);
 
 /**
  * @brief The first half of a step: every micro-batch of this rank forward and backward,
  *        gradients summed over the ranks that replicate them, losses and expert loads
- *        summed over all ranks. Fills loss, ce, aux, z, tokens, flops, seconds.
+ *        summed over all ranks. Fills loss, ce, aux, z, tokens, flops, seconds (it reads
+ *        the losses back: a host sync, for tests that look between the halves).
  * @param t trainer  @param st receives the statistics so far
  */
 void moe_trainer_gradients(moe_trainer *t, moe_step_stats *st);
 
 /**
  * @brief The second half: global-norm clipping, AdamW, the compute-copy refresh and the
- *        expert-bias update; fills grad_norm, lr and the expert-load statistics.
+ *        expert-bias update; fills grad_norm, lr and the expert-load statistics. A step the
+ *        device skipped (a flag raised) does not count.
  * @param t trainer  @param st statistics from moe_trainer_gradients, completed
  */
 void moe_trainer_update(moe_trainer *t, moe_step_stats *st);

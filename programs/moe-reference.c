@@ -305,17 +305,22 @@ static void write_step_json(FILE *f, const moe_step_stats *st, const moe_model *
             st->load_max);
     json_num(f, st->seconds);
     if (c->moe_router_enable_expert_bias && c->num_experts > 0) {
+        float *bias = malloc(sizeof(float) * (size_t)c->num_layers * c->num_experts);
+        MOE_CHECK_ALLOC(bias, sizeof(float) * (size_t)c->num_layers * c->num_experts,
+                        "the expert bias");
+        moe_model_read_expert_bias(m, bias);
         fputs(", \"expert_bias\": [", f);
         for (int l = 0; l < c->num_layers; l++) {
             fprintf(f, "%s[", l ? ", " : "");
             if (c->is_moe_layer[l])
                 for (int e = 0; e < c->num_experts; e++) {
                     fputs(e ? ", " : "", f);
-                    json_num(f, m->expert_bias_host[(size_t)l * c->num_experts + e]);
+                    json_num(f, bias[(size_t)l * c->num_experts + e]);
                 }
             fputc(']', f);
         }
         fputc(']', f);
+        free(bias);
     }
     fputc('}', f);
 }
@@ -440,6 +445,7 @@ int main(int argc, char **argv) {
                  m->last.total);
 
     FILE *f = open_out("losses.json", "w");
+    t->load_interval = 1; /* every step's expert loads go into the reference */
     fprintf(f, "{\n  \"steps\": [");
     for (int i = 0; i < steps; i++) {
         moe_step_stats st;

@@ -291,9 +291,11 @@ int main(int argc, char **argv) {
         moe_metrics_num(mx, "tflops", st.flops / st.seconds / 1e12);
         if (t->model->be->peak_tflops() > 0)
             moe_metrics_num(mx, "mfu", st.flops / st.seconds / 1e12 / t->model->be->peak_tflops());
-        moe_metrics_int(mx, "expert_load_min", st.load_min);
-        moe_metrics_int(mx, "expert_load_max", st.load_max);
-        moe_metrics_num(mx, "expert_load_mean", st.load_mean);
+        if (st.load_read) { /* read on the device once per --log-interval (chapter 06) */
+            moe_metrics_int(mx, "expert_load_min", st.load_min);
+            moe_metrics_int(mx, "expert_load_max", st.load_max);
+            moe_metrics_num(mx, "expert_load_mean", st.load_mean);
+        }
         moe_metrics_int(mx, "dropped_tokens", st.dropped);
         end_record(mx, world);
         if ((step + 1) % c->log_interval == 0 || step == first_step ||

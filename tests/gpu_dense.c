@@ -647,6 +647,24 @@ END_TEST
 
 /* --------------------------------------------------------------- optimizer */
 
+/* A reduction op (acc += Σ) run on a device double that starts at 0.25, and on a host double
+ * that starts there too: an op that overwrote instead of adding would be off by 0.25. */
+static double dev_reduce(void (*op)(double *, const moe_real *, size_t), const moe_real *x,
+                         size_t n) {
+    double *d = dmalloc(sizeof(double)), v = 0.25;
+    moe_cuda_from_host(d, &v, sizeof v);
+    op(d, x, n);
+    moe_cuda_to_host(&v, d, sizeof v);
+    moe_cuda_free(d);
+    return v - 0.25;
+}
+static double host_reduce(void (*op)(double *, const moe_real *, size_t), const moe_real *x,
+                          size_t n) {
+    double v = 0.25;
+    op(&v, x, n);
+    return v - 0.25;
+}
+
 START_TEST(test_gpu_optimizer) {
     const moe_backend *cpu = moe_backend_cpu();
     const size_t sizes[] = {1, 37, 4097, 1000003, 5000011};
@@ -654,9 +672,11 @@ START_TEST(test_gpu_optimizer) {
         size_t n = sizes[s];
         moe_real *x;
         moe_real *d_x = rand_real(n, 80 + s, 1.0, &x);
-        double ss = moe_cuda_sum_squares(d_x, n), ss_ref = cpu->sum_squares(x, n);
-        double su = moe_cuda_sum(d_x, n), su_ref = cpu->sum(x, n);
-        double ss2 = moe_cuda_sum_squares(d_x, n), su2 = moe_cuda_sum(d_x, n);
+        double ss = dev_reduce(moe_cuda_sum_squares, d_x, n);
+        double ss_ref = host_reduce(cpu->sum_squares, x, n);
+        double su = dev_reduce(moe_cuda_sum, d_x, n), su_ref = host_reduce(cpu->sum, x, n);
+        double ss2 = dev_reduce(moe_cuda_sum_squares, d_x, n);
+        double su2 = dev_reduce(moe_cuda_sum, d_x, n);
         printf("  sum_squares n=%-9zu rel err %.2e   sum abs err %.2e (|x| sum %.1f)\n", n,
                fabs(ss - ss_ref) / ss_ref, fabs(su - su_ref), ss_ref);
         ck_assert_msg(fabs(ss - ss_ref) <= 1e-12 * ss_ref, "sum_squares %.17g vs %.17g", ss,
@@ -668,7 +688,8 @@ START_TEST(test_gpu_optimizer) {
         moe_cuda_free(d_x);
         free(x);
     }
-    ck_assert(moe_cuda_sum_squares(NULL, 0) == 0.0 && moe_cuda_sum(NULL, 0) == 0.0);
+    ck_assert(dev_reduce(moe_cuda_sum_squares, NULL, 0) == 0.0 &&
+              dev_reduce(moe_cuda_sum, NULL, 0) == 0.0);
 
     /* scale_real: double math like the CPU */
     const size_t n = 100003;
@@ -691,9 +712,10 @@ START_TEST(test_gpu_optimizer) {
     moe_cuda_from_host(d_v, v, n * sizeof(moe_real));
     const double lr = 3e-4, b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1;
     const double bc1 = 1 - pow(b1, 3), bc2 = 1 - pow(b2, 3);
-    moe_cuda_adamw(d_p, d_g, (float *)d_m, (float *)d_v, n, lr, b1, b2, eps, wd, bc1, bc2);
+    moe_cuda_adamw(d_p, d_g, (float *)d_m, (float *)d_v, n, lr, b1, b2, eps, wd, bc1, bc2, NULL,
+                   NULL);
     moe_real *gp = read_real(d_p, n), *gm = read_real(d_m, n), *gv = read_real(d_v, n);
-    cpu->adamw(p, g, (float *)m, (float *)v, n, lr, b1, b2, eps, wd, bc1, bc2);
+    cpu->adamw(p, g, (float *)m, (float *)v, n, lr, b1, b2, eps, wd, bc1, bc2, NULL, NULL);
     expect_close("adamw p (fp32)", gp, p, n, 1e-6);
     expect_close("adamw m (fp32)", gm, m, n, 1e-6);
     expect_close("adamw v (fp32)", gv, v, n, 1e-6);
@@ -739,7 +761,10 @@ START_TEST(test_gpu_backend_table) {
         (void *)b->aux_loss_backward, (void *)b->z_loss_forward, (void *)b->z_loss_backward,
         (void *)b->permute_index, (void *)b->permute_tokens, (void *)b->permute_weights,
         (void *)b->unpermute_sum, (void *)b->unpermute_weights, (void *)b->sum_squares,
-        (void *)b->sum, (void *)b->scale_real, (void *)b->adamw,
+        (void *)b->sum, (void *)b->scale_real, (void *)b->adamw, (void *)b->add_f64,
+        (void *)b->loss_accumulate, (void *)b->grad_norm_finalize, (void *)b->expert_load_add,
+        (void *)b->expert_bias_update, (void *)b->host_alloc, (void *)b->host_free,
+        (void *)b->to_host_async, (void *)b->wait_to_host, (void *)b->aux_loss_counts,
     };
     for (size_t i = 0; i < sizeof slots / sizeof *slots; i++)
         ck_assert_msg(slots[i] != NULL, "slot %zu of the CUDA op table is NULL", i);

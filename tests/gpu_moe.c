@@ -251,8 +251,24 @@ typedef struct acc_op {
     moe_score_fn fn;
     double coeff, scale;
     const long long *counts; /* the aux loss: counts of every shard's rows (host) */
+    const long long *d_counts; /* the same on the device */
     moe_aux_shape sh;        /* the aux loss: this shard's rows */
 } acc_op;
+
+/* A loss op that adds into a device double: run it on a double poisoned with 0.5 (an op
+ * that overwrote instead of adding would be off by 0.5) and return what it added. */
+static double dev_acc(const long long *d_counts, const void *d_z, const moe_aux_shape *sh,
+                      int N, int E, double coeff) {
+    double *d = dnew(sizeof(double)), v = 0.5;
+    dput(d, &v, sizeof v);
+    if (sh)
+        moe_cuda_aux_loss_forward(d, d_z, d_counts, sh, coeff);
+    else
+        moe_cuda_z_loss_forward(d, d_z, N, E, coeff);
+    dget(&v, d, sizeof v);
+    CK_CUDA(cudaFree(d));
+    return v - 0.5;
+}
 
 /* Runs the CPU twin on zeros to learn the increment δ, then both sides on a pre-fill of
  * size ~½·max|δ|; returns max_i |gpu_i − cpu_i| / (|cpu_i| + max|δ|). A wrong or missing
@@ -285,7 +301,7 @@ static void aux_bwd_cpu(const acc_op *o, moe_real *d) {
     moe_cpu_aux_loss_backward_shard(d, o->z, o->counts, &o->sh, o->coeff, o->scale);
 }
 static void aux_bwd_gpu(const acc_op *o, void *d) {
-    moe_cuda_aux_loss_backward(d, o->d_z, o->counts, &o->sh, o->coeff, o->scale);
+    moe_cuda_aux_loss_backward(d, o->d_z, o->d_counts, &o->sh, o->coeff, o->scale);
 }
 static void z_bwd_cpu(const acc_op *o, moe_real *d) {
     moe_cpu_z_loss_backward(d, o->z, o->N, o->E, o->coeff, o->scale);
@@ -354,7 +370,7 @@ static void check_router(moe_router_params p, int N, int with_bias, uint64_t str
     /* backward, from the CPU's selection */
     moe_real *dw = hrandn(NK, stream + 2, 1.0, 0);
     acc_op o = {router_bwd_cpu, router_bwd_gpu, z, d_z, dw, NULL, idx_c, NULL, p, N, E, k, 0,
-                p.score_fn, 0, 0, NULL, {0}};
+                p.score_fn, 0, 0, NULL, NULL, {0}};
     moe_real *d_dw = dput_new(dw, sizeof(moe_real) * NK);
     int *d_idx_c = dput_new(idx_c, sizeof(int) * NK);
     o.d_dw = d_dw;
@@ -437,14 +453,14 @@ static void check_aux_sharded(int N, int group_len, int E, int k, moe_score_fn f
     const size_t GE = (size_t)G * E;
     long long *sum = calloc(GE, sizeof(long long)), *cc = malloc(sizeof(long long) * GE);
     long long *cg = malloc(sizeof(long long) * GE);
-    for (size_t i = 0; i < GE; i++) /* poisoned: every count must be written */
-        cg[i] = -7;
+    long long *d_cg = dnew(sizeof(long long) * GE); /* poisoned: every count must be written */
     long long bad_counts = 0;
     for (int r = 0; r < shards; r++) {
         moe_aux_shape sh = {rows, r * rows, group_len, G, E, k, fn};
         void *d_z = dput_bf16_new(z + (size_t)r * rows * E, (size_t)rows * E);
         moe_cpu_aux_loss_counts(cc, z + (size_t)r * rows * E, &sh);
-        moe_cuda_aux_loss_counts(cg, d_z, &sh);
+        moe_cuda_aux_loss_counts(d_cg, d_z, &sh); /* device counts (chapter 06) */
+        dget(cg, d_cg, sizeof(long long) * GE);
         for (size_t i = 0; i < GE; i++) {
             bad_counts += cc[i] != cg[i];
             sum[i] += cc[i];
@@ -452,6 +468,8 @@ static void check_aux_sharded(int N, int group_len, int E, int k, moe_score_fn f
         CK_CUDA(cudaFree(d_z));
     }
     ck_assert_msg(bad_counts == 0, "aux counts: %lld of %zu differ (CUDA vs CPU)", bad_counts, GE);
+    long long *d_sum = dnew(sizeof(long long) * GE);
+    dput(d_sum, sum, sizeof(long long) * GE);
     const double whole = moe_cpu_aux_loss_forward(z, N, group_len, E, k, fn, coeff);
     double parts = 0.0, worst = 0.0, gerr = 0.0;
     for (int r = 0; r < shards; r++) {
@@ -459,14 +477,15 @@ static void check_aux_sharded(int N, int group_len, int E, int k, moe_score_fn f
         const moe_real *zr = z + (size_t)r * rows * E;
         void *d_z = dput_bf16_new(zr, (size_t)rows * E);
         const double lc = moe_cpu_aux_loss_forward_shard(zr, sum, &sh, coeff);
-        const double lg = moe_cuda_aux_loss_forward(d_z, sum, &sh, coeff);
-        ck_assert_msg(moe_cuda_aux_loss_forward(d_z, sum, &sh, coeff) == lg,
+        const double lg = dev_acc(d_sum, d_z, &sh, 0, 0, coeff);
+        ck_assert_msg(dev_acc(d_sum, d_z, &sh, 0, 0, coeff) == lg,
                       "aux loss forward is not deterministic");
         parts += lc;
         const double rel = fabs(lg - lc) / fabs(lc);
         worst = rel > worst ? rel : worst;
         acc_op o = {aux_bwd_cpu, aux_bwd_gpu, zr, d_z, NULL, NULL, NULL, NULL,
-                    rp(E, k, fn, 0, 0, 0, 0), rows, E, k, group_len, fn, coeff, scale, sum, sh};
+                    rp(E, k, fn, 0, 0, 0, 0), rows, E, k, group_len, fn, coeff, scale, sum, d_sum,
+                    sh};
         const double e = check_accumulate(&o, (size_t)rows * E, stream + 1 + r);
         gerr = e > gerr ? e : gerr;
         CK_CUDA(cudaFree(d_z));
@@ -480,6 +499,8 @@ static void check_aux_sharded(int N, int group_len, int E, int k, moe_score_fn f
     ck_assert_msg(worst <= 1e-5, "aux loss: CUDA vs CPU rel %g", worst);
     ck_assert_msg(gerr <= 1e-2, "aux loss backward: err %g", gerr);
     free(sum); free(cc); free(cg);
+    CK_CUDA(cudaFree(d_cg));
+    CK_CUDA(cudaFree(d_sum));
     free(z);
 }
 
@@ -512,12 +533,12 @@ static void check_z(int N, int E, uint64_t stream) {
     const double coeff = 1e-3, scale = 2.0;
     void *d_z = dput_bf16_new(z, NE);
     double lc = moe_cpu_z_loss_forward(z, N, E, coeff);
-    double lg = moe_cuda_z_loss_forward(d_z, N, E, coeff);
-    ck_assert_msg(moe_cuda_z_loss_forward(d_z, N, E, coeff) == lg,
+    double lg = dev_acc(NULL, d_z, NULL, N, E, coeff);
+    ck_assert_msg(dev_acc(NULL, d_z, NULL, N, E, coeff) == lg,
                   "z-loss forward is not deterministic");
     double rel = fabs(lg - lc) / fabs(lc);
     acc_op o = {z_bwd_cpu, z_bwd_gpu, z, d_z, NULL, NULL, NULL, NULL, rp(E, 1, 0, 0, 0, 0, 0),
-                N, E, 1, N, MOE_SCORE_SOFTMAX, coeff, scale, NULL, {0}};
+                N, E, 1, N, MOE_SCORE_SOFTMAX, coeff, scale, NULL, NULL, {0}};
     double gerr = check_accumulate(&o, NE, stream + 1);
     printf("  z-loss N=%d E=%d: loss cpu %.9g gpu %.9g rel %.2e; backward err %.2e\n", N, E, lc,
            lg, rel, gerr);

@@ -362,6 +362,14 @@ static int force_routing(moe_model *m, int route, int step) {
     return hot0; /* the first MoE layer's hot expert */
 }
 
+/* the expert loads [L·E], from backend memory */
+static long long *host_loads(const moe_model *m) {
+    const size_t n = (size_t)m->cfg.num_layers * m->cfg.num_experts;
+    long long *v = malloc(sizeof(long long) * n);
+    m->be->to_host(v, m->load_counts, sizeof(long long) * n);
+    return v;
+}
+
 static moe_real *host_grads(const moe_model *m) {
     const size_t n = moe_model_num_params(m);
     moe_real *g = malloc(sizeof(moe_real) * n);
@@ -392,9 +400,10 @@ void moe_test_budget_protocol(const char *flags, int gpu, int route) {
         ck_assert_msg(take_step_flags(ma) == 0, "step %d: a budget of tokens*k overflowed",
                       step);
         /* the routing really was forced: every token picked the hot expert */
+        long long *la = host_loads(ma);
         for (int l = 0; l < L; l++)
             if (c->is_moe_layer[l]) {
-                ck_assert_int_eq((int)ma->load_counts[(size_t)l * E + hot], tokens);
+                ck_assert_int_eq((int)la[(size_t)l * E + hot], tokens);
                 break;
             }
         moe_trainer_gradients(small, &ss);
@@ -421,8 +430,11 @@ void moe_test_budget_protocol(const char *flags, int gpu, int route) {
                       step, bad, P);
         free(gs);
         free(ga);
-        ck_assert_msg(!memcmp(ms->load_counts, ma->load_counts, sizeof(long long) * L * E),
-                      "step %d: expert loads differ", step);
+        long long *ls = host_loads(ms);
+        ck_assert_msg(!memcmp(ls, la, sizeof(long long) * L * E), "step %d: expert loads differ",
+                      step);
+        free(ls);
+        free(la);
         moe_trainer_update(ample, &sa);
         moe_trainer_update(small, &ss);
     }
@@ -430,4 +442,61 @@ void moe_test_budget_protocol(const char *flags, int gpu, int route) {
     ck_assert_int_eq(ms->moe_budget_rows, ms->moe_budget_max);
     moe_trainer_free(small);
     moe_trainer_free(ample);
+}
+
+/* ------------------------------------------------ counting the host's waits (chapter 06) */
+
+static const moe_backend *g_sync_inner;    /* the table the trainer had */
+static moe_test_sync_counts *g_sync_counts;
+static moe_backend g_sync_table;           /* a copy with the blocking entries wrapped */
+
+static void count_to_host(void *dst, const void *src, size_t bytes) {
+    g_sync_counts->to_host++;
+    g_sync_inner->to_host(dst, src, bytes);
+}
+static void count_from_host(void *dst, const void *src, size_t bytes) {
+    g_sync_counts->from_host++;
+    g_sync_inner->from_host(dst, src, bytes);
+}
+static void count_read_act(moe_real *host, const void *src, size_t n) {
+    g_sync_counts->read_act++;
+    g_sync_inner->read_act(host, src, n);
+}
+static void count_synchronize(void) {
+    g_sync_counts->synchronize++;
+    g_sync_inner->synchronize();
+}
+static double count_timer_end_ms(void) {
+    g_sync_counts->timer_end_ms++;
+    return g_sync_inner->timer_end_ms();
+}
+static void count_wait_to_host(void) {
+    g_sync_counts->wait_to_host++;
+    g_sync_inner->wait_to_host();
+}
+static void count_permute_index(int *perm_src, int *row_of, int *expert_offset, int *dev_offset,
+                                long long *counts, const int *topk_idx, int N, int k, int E) {
+    g_sync_counts->permute_index++;
+    g_sync_inner->permute_index(perm_src, row_of, expert_offset, dev_offset, counts, topk_idx, N,
+                                k, E);
+}
+
+void moe_test_count_syncs(moe_trainer *t, moe_test_sync_counts *counts) {
+    g_sync_inner = t->model->be;
+    g_sync_counts = counts;
+    g_sync_table = *g_sync_inner;
+    g_sync_table.to_host = count_to_host;
+    g_sync_table.from_host = count_from_host;
+    g_sync_table.read_act = count_read_act;
+    g_sync_table.synchronize = count_synchronize;
+    g_sync_table.timer_end_ms = count_timer_end_ms;
+    g_sync_table.wait_to_host = count_wait_to_host;
+    g_sync_table.permute_index = count_permute_index;
+    /* every holder of the table: the model, the optimizer, ZeRO, the dispatcher contexts */
+    t->model->be = &g_sync_table;
+    t->opt.be = &g_sync_table;
+    if (t->zero.be)
+        t->zero.be = &g_sync_table;
+    t->ep.be = &g_sync_table;
+    t->model->ws.single.be = &g_sync_table;
 }

@@ -102,6 +102,20 @@ enum { MOE_TEST_ROUTE_ONE_EXPERT = 0, MOE_TEST_ROUTE_ALTERNATING = 1 };
  *  (the test fails if not), grows, re-runs, and then gives exactly the ample run's loss,
  *  gradients and expert loads (bit for bit); both then take the optimizer step. */
 void moe_test_budget_protocol(const char *flags, int gpu, int route);
+/** How often the op table's host-blocking entries were called (moe_test_count_syncs). The
+ *  scalars' and the optimizer's own (chapter 06) are to_host, read_act, synchronize and
+ *  wait_to_host; from_host (the batch upload) and permute_index (the MoE layer's host
+ *  offsets) are counted to be reported. */
+typedef struct moe_test_sync_counts {
+    long long to_host, read_act, synchronize, timer_end_ms; /**< each entry's calls */
+    long long wait_to_host;  /**< the step boundary's wait */
+    long long from_host;     /**< host → device copies (the batch's tokens) */
+    long long permute_index; /**< the MoE layer's host offsets (its own sync) */
+} moe_test_sync_counts;
+
+/** Make @p t run on a copy of its op table whose host-blocking entries count their calls
+ *  into @p counts (which the caller zeroes when it wants). One trainer at a time. */
+void moe_test_count_syncs(struct moe_trainer *t, moe_test_sync_counts *counts);
 
 /** Add to @p s a test case @p name of the @p n tests @p tests, each with @p timeout seconds.
  *  @return the test case */

@@ -32,6 +32,8 @@ Suite *suite_graph(void);     /* tests/test_graph.c: --cuda-graph-scope and the 
                                  on a mock backend (chapter 06) */
 Suite *suite_vocab_merge(void); /* tests/test_vocab_merge.c: the vocabulary-parallel
                                    cross-entropy's merge of the shards (chapter 04) */
+Suite *suite_step_scalars(void); /* tests/test_step_scalars.c: the step's scalars on the device,
+                                    one wait per step, overflow re-run, non-finite skip (ch06) */
 
 /* finite-difference gradient checks (fp64 build) */
 Suite *suite_fd_ops(void);    /* tests/fd_ops.c: every op */
@@ -50,6 +52,8 @@ Suite *suite_gpu_checkpoint(void); /* tests/gpu_checkpoint.c: kill -9, resume, t
                                       bit for bit, through bin/moe-train --device cuda */
 Suite *suite_gpu_graphs(void);    /* tests/gpu_graphs.c: no allocation after step 1; attn graphs
                                      replay == eager bit for bit; capture errors named */
+Suite *suite_gpu_scalars(void);   /* tests/gpu_scalars.c: the step's scalar ops CUDA vs CPU, and
+                                    a CUDA step's host waits counted (chapter 06) */
 
 /* MPI tests (CPU ranks under mpirun) */
 Suite *suite_mpi_comm(void);      /* tests/mpi_comm.c: every collective of comm.h, any rank count */

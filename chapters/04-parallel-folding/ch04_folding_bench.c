@@ -37,7 +37,10 @@
  *    elements, cut into P pieces of c = ⌈L/P⌉ (the last padded): a reduce-scatter of the
  *    padded run, P·c·r bytes, before AdamW, and an all-gather of this rank's updated piece,
  *    c·r bytes, after it.
- * Host control data (token counts per expert, losses, the gradient norm's partial sums)
+ *  - The step's scalars stay on the device (chapter 06), so their sums are modelled data
+ *    all-reduces of 8 bytes a value: the losses and expert loads over TP and DP, the
+ *    aux-loss counts over TP, the gradient norm's squares per shard group.
+ * Host control data (the dispatchers' token counts per expert, the dropped-token count)
  * is counted and printed, not modelled ("counted only").
  */
 #include <stdio.h>
@@ -179,6 +182,45 @@ static void model_step(const moe_trainer *t, model_bytes out) {
             out[k][MOE_COMM_OP_REDUCE_SCATTER] += P * chunk * r;
             out[k][MOE_COMM_OP_ALL_GATHER] += chunk * r;
         }
+    }
+    /* The step's scalars (chapter 06: they stay on the device, so their sums are data
+     * all-reduces, 8 bytes a value): under TP each micro-batch's aux and z totals and each
+     * MoE layer's aux-loss counts [groups, E], and the step's expert loads [L, E]; over DP
+     * the step's {loss, ce, aux, z} and the loads; the gradient norm's squares, one value
+     * per shard group with a communicator (under ZeRO first each run's slots over its group).
+     * The step flags (one int) are summed over the world: where a group spans the world it
+     * is the world's communicator, and those 4 bytes are counted there (once: kinds that
+     * share a communicator share its counts). */
+    {
+        const unsigned long long E = (unsigned long long)c->num_experts, LE = (unsigned long long)L * E;
+        const unsigned long long micro =
+            (unsigned long long)(c->global_batch_size / c->micro_batch_size) / t->dp_size;
+        if (t->tp.comm && E > 0) {
+            unsigned long long per_micro = 2 * 8;
+            const int aux = c->lb_type != MOE_LB_NONE && c->moe_aux_loss_coeff > 0;
+            const unsigned long long groups =
+                c->lb_type == MOE_LB_SEQ_AUX ? (unsigned long long)c->micro_batch_size : 1;
+            for (int l = 0; l < L; l++)
+                if (c->is_moe_layer[l] && aux)
+                    per_micro += groups * E * 8;
+            out[MOE_GROUP_TP][MOE_COMM_OP_ALL_REDUCE] += micro * per_micro + LE * 8;
+        }
+        if (t->world)
+            out[MOE_GROUP_DP_CP][MOE_COMM_OP_ALL_REDUCE] += 4 * 8 + LE * 8;
+        int used[MOE_GROUP_COUNT + 1] = {0};
+        for (int i = 0; i < m->table.n; i++)
+            used[m->table.t[i].shard.group] = 1;
+        for (int q = 0; q < t->zero.n_runs; q++)
+            if (t->zero.run[q].comm)
+                out[t->zero.run[q].kind][MOE_COMM_OP_ALL_REDUCE] += MOE_STEP_NORM_SLOTS * 8;
+        for (int g = 0; g < MOE_GROUP_COUNT; g++)
+            if (used[g] && moe_parallel_group(&t->par, (moe_group_kind)g))
+                out[g][MOE_COMM_OP_ALL_REDUCE] += 8;
+        for (int g = 0; t->world && g < MOE_GROUP_COUNT; g++)
+            if (moe_parallel_group(&t->par, (moe_group_kind)g) == t->world) {
+                out[g][MOE_COMM_OP_ALL_REDUCE] += sizeof(int);
+                break;
+            }
     }
     /* EP: the tokens of this step's routing */
     if (t->ep.comm) {

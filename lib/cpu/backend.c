@@ -229,16 +229,16 @@ static void a_router_backward(void *dlogits, const moe_real *dw, const void *log
 static void a_aux_counts(long long *counts, const void *logits, const moe_aux_shape *s) {
     moe_cpu_aux_loss_counts(counts, logits, s);
 }
-static double a_aux_forward(const void *logits, const long long *counts, const moe_aux_shape *s,
-                            double coeff) {
-    return moe_cpu_aux_loss_forward_shard(logits, counts, s, coeff);
+static void a_aux_forward(double *acc, const void *logits, const long long *counts,
+                          const moe_aux_shape *s, double coeff) {
+    *acc += moe_cpu_aux_loss_forward_shard(logits, counts, s, coeff);
 }
 static void a_aux_backward(void *dlogits, const void *logits, const long long *counts,
                            const moe_aux_shape *s, double coeff, double scale) {
     moe_cpu_aux_loss_backward_shard(dlogits, logits, counts, s, coeff, scale);
 }
-static double a_z_forward(const void *logits, int N, int E, double coeff) {
-    return moe_cpu_z_loss_forward(logits, N, E, coeff);
+static void a_z_forward(double *acc, const void *logits, int N, int E, double coeff) {
+    *acc += moe_cpu_z_loss_forward(logits, N, E, coeff);
 }
 static void a_z_backward(void *dlogits, const void *logits, int N, int E, double coeff,
                          double scale) {
@@ -288,19 +288,52 @@ static double block_sum(const moe_real *x, size_t n, int square) {
     free(part);
     return total;
 }
-static double cpu_sum_squares(const moe_real *x, size_t n) { return block_sum(x, n, 1); }
-static double cpu_sum(const moe_real *x, size_t n) { return block_sum(x, n, 0); }
+static void cpu_sum_squares(double *acc, const moe_real *x, size_t n) {
+    *acc += block_sum(x, n, 1);
+}
+static void cpu_sum(double *acc, const moe_real *x, size_t n) { *acc += block_sum(x, n, 0); }
+static void cpu_add_f64(double *dst, const double *src, int n) {
+    for (int i = 0; i < n; i++)
+        dst[i] += src[i];
+}
 static void cpu_scale_real(moe_real *x, double s, size_t n) {
 #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++)
         x[i] = (moe_real)(x[i] * s);
 }
 static void cpu_adamw(moe_real *p, const moe_real *g, float *m, float *v, size_t n, double lr,
-                      double beta1, double beta2, double eps, double wd, double bc1, double bc2) {
+                      double beta1, double beta2, double eps, double wd, double bc1, double bc2,
+                      const double *clip, const int *flags) {
+    if (flags && *flags) /* the step is skipped: its loss or norm is bad, or it overflowed */
+        return;
+    const double c = clip ? *clip : 1.0;
 #pragma omp parallel for schedule(static)
-    for (size_t i = 0; i < n; i++)
-        moe_adamw_update(&p[i], g[i], &m[i], &v[i], lr, beta1, beta2, eps, wd, bc1, bc2);
+    for (size_t i = 0; i < n; i++) /* g·1.0 == g exactly: no clip is no change */
+        moe_adamw_update(&p[i], (moe_real)(g[i] * c), &m[i], &v[i], lr, beta1, beta2, eps, wd,
+                         bc1, bc2);
 }
+
+/* --------------------------------------------------- the step's scalars (chapter 06) */
+
+static void cpu_loss_accumulate(double *step, const double *mb, int N, double accum) {
+    moe_step_loss_accumulate(step, mb, N, accum);
+}
+static void cpu_grad_norm_finalize(moe_step_scalars *s, double max_norm, int check) {
+    moe_step_grad_norm_finalize(s, max_norm, check);
+}
+static void cpu_expert_load_add(long long *load, const int *topk_idx, int N, int k, int E) {
+    for (size_t i = 0; i < (size_t)N * k; i++) {
+        MOE_ASSERT(topk_idx[i] >= 0 && topk_idx[i] < E);
+        load[topk_idx[i]]++;
+    }
+}
+static void cpu_expert_bias_update(float *bias, const long long *load, int E, double rate,
+                                   const int *flags) {
+    if (!(flags && *flags))
+        moe_expert_bias_update(bias, load, E, rate);
+}
+static void *cpu_host_alloc(size_t bytes) { return calloc(1, bytes ? bytes : 1); }
+static void cpu_wait_to_host(void) {}
 
 static const moe_backend g_cpu = {
     .name = "cpu",
@@ -357,7 +390,6 @@ static const moe_backend g_cpu = {
     .z_loss_backward = a_z_backward,
     .permute_index = a_permute_index,
     .permute_index_budget = moe_cpu_permute_index_budget,
-    .expert_counts_add = moe_cpu_expert_counts_add,
     .permute_tokens = a_permute_tokens,
     .permute_weights = moe_cpu_permute_weights,
     .unpermute_sum = a_unpermute_sum,
@@ -366,8 +398,17 @@ static const moe_backend g_cpu = {
     .gather_reals = cpu_gather_reals,
     .sum_squares = cpu_sum_squares,
     .sum = cpu_sum,
+    .add_f64 = cpu_add_f64,
     .scale_real = cpu_scale_real,
     .adamw = cpu_adamw,
+    .loss_accumulate = cpu_loss_accumulate,
+    .grad_norm_finalize = cpu_grad_norm_finalize,
+    .expert_load_add = cpu_expert_load_add,
+    .expert_bias_update = cpu_expert_bias_update,
+    .host_alloc = cpu_host_alloc,
+    .host_free = cpu_free,
+    .to_host_async = cpu_copy,
+    .wait_to_host = cpu_wait_to_host,
 };
 
 const moe_backend *moe_backend_cpu(void) { return &g_cpu; }

@@ -39,13 +39,6 @@ void moe_cpu_permute_index_budget(int *perm_src, int *row_of, int *expert_offset
                                   const int *topk_idx, int N, int k, int E, int budget);
 
 /**
- * @brief counts[e] += offset[e+1] − offset[e]: an expert's rows of one permutation added to
- *        its load statistics, where the offsets live (no host round trip).
- * @param counts [E] load counts  @param expert_offset [E+1] offsets  @param E experts
- */
-void moe_cpu_expert_counts_add(long long *counts, const int *expert_offset, int E);
-
-/**
  * @brief xp[r] = x[perm_src[r] / k]: copy each token to its k permuted rows.
  * @param xp [rows, C]  @param x [N, C]  @param perm_src map  @param rows N·k  @param k top-k  @param C width
  */

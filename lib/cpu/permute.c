@@ -101,8 +101,3 @@ void moe_cpu_unpermute_weights(moe_real *dtopk_w, const moe_real *dwp, const int
         if (row_of[a] >= 0)
             dtopk_w[a] += dwp[row_of[a]];
 }
-
-void moe_cpu_expert_counts_add(long long *counts, const int *expert_offset, int E) {
-    for (int e = 0; e < E; e++)
-        counts[e] += expert_offset[e + 1] - expert_offset[e];
-}

@@ -10,7 +10,8 @@
 
 /* The N·k assignments sorted by expert. Sync-free (chapter 06, our grouped kernel): the
  * offsets stay in device memory, the rows in the static budget, an overflow raises the
- * step flag, and the expert loads are counted on the device. Otherwise expert_offset comes
+ * step flag (the expert loads are counted on the device by the model, from the router's
+ * picks: moe_model_forward). Otherwise expert_offset comes
  * back to the host (and to the device for our grouped kernel), with the counts for the
  * statistics. */
 static void local_plan(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
@@ -20,8 +21,6 @@ static void local_plan(const moe_backend *be, const moe_layer_dims *d, moe_layer
     if (moe_layer_sync_free(d)) {
         be->permute_index_budget(a->perm_src, a->row_of, a->dev_offset, d->step_flags,
                                  a->topk_idx, d->N, d->k, d->E, moe_layer_permuted_rows(d));
-        if (d->load_counts)
-            be->expert_counts_add(d->load_counts, a->dev_offset, d->E);
         return;
     }
     be->permute_index(a->perm_src, a->row_of, a->expert_offset,

@@ -62,8 +62,9 @@ int moe_layer_acts_alloc(const moe_backend *be, moe_layer_acts *a, const moe_lay
     a->counts = calloc((size_t)d->E, sizeof(long long));
     {   /* at most one aux-loss group per sequence of all TP ranks' tokens */
         const size_t groups = (size_t)d->N * (d->tp ? d->tp->size : 1) / (d->T > 0 ? d->T : 1);
-        a->aux_counts = calloc((groups > 1 ? groups : 1) * (size_t)d->E, sizeof(long long));
+        a->aux_counts = be->alloc((groups > 1 ? groups : 1) * (size_t)d->E * sizeof(long long));
     }
+    a->loss = be->alloc(2 * sizeof(double));
     if (d->ep || d->etp || d->capacity_factor > 0) {
         a->dispatch_idx = be->alloc(sizeof(int) * NK);
         a->host_idx = malloc(sizeof(int) * NK);
@@ -74,7 +75,7 @@ int moe_layer_acts_alloc(const moe_backend *be, moe_layer_acts *a, const moe_lay
      * an assertion: a large batch reaches here */
     return ok && a->logits && a->topk_idx && a->topk_w && a->row_of &&
            (d->Fs == 0 || (a->shared_gu && a->shared_act)) &&
-           a->expert_offset && a->dev_offset && a->counts && a->aux_counts;
+           a->expert_offset && a->dev_offset && a->counts && a->aux_counts && a->loss;
 }
 
 void moe_layer_acts_free(const moe_backend *be, moe_layer_acts *a) {
@@ -84,7 +85,8 @@ void moe_layer_acts_free(const moe_backend *be, moe_layer_acts *a) {
     free(a->expert_offset);
     be->free(a->dev_offset);
     free(a->counts);
-    free(a->aux_counts);
+    be->free(a->aux_counts);
+    be->free(a->loss);
     be->free(a->dispatch_idx);
     free(a->host_idx);
     free(a->host_w);
@@ -192,19 +194,20 @@ void moe_layer_forward(const moe_backend *be, void *out, const void *x, const mo
     be->matmul_forward(a->logits, x, w->router, N, H, E);
     be->router_forward(a->topk_idx, a->topk_w, a->logits, expert_bias, &d->router, N);
 
-    /* 2. the router's own losses */
+    /* 2. the router's own losses, added into a->loss on the device (no host read) */
     const moe_tp *tp = tp_of(d);
-    a->aux_loss = 0.0;
+    be->zero(a->loss, 2 * sizeof(double));
     if (d->lb_type != MOE_LB_NONE && d->aux_coeff > 0) {
-        /* the counts of every TP rank's rows, then this rank's part of the loss */
+        /* the counts of every TP rank's rows (a device collective), then this rank's part */
         const moe_aux_shape sh = aux_shape(d);
         be->aux_loss_counts(a->aux_counts, a->logits, &sh);
         if (tp)
-            moe_comm_host_all_reduce_sum(tp->comm, a->aux_counts, (size_t)sh.groups * E,
-                                         MOE_DTYPE_I64);
-        a->aux_loss = be->aux_loss_forward(a->logits, a->aux_counts, &sh, d->aux_coeff);
+            moe_comm_all_reduce_sum(tp->comm, a->aux_counts, (size_t)sh.groups * E,
+                                    MOE_DTYPE_I64);
+        be->aux_loss_forward(&a->loss[0], a->logits, a->aux_counts, &sh, d->aux_coeff);
     }
-    a->z_loss = d->z_coeff > 0 ? be->z_loss_forward(a->logits, N, E, z_coeff(d)) : 0.0;
+    if (d->z_coeff > 0)
+        be->z_loss_forward(&a->loss[1], a->logits, N, E, z_coeff(d));
     moe_prof_mark(MOE_PROF_ROUTER);
 
     /* 3. dispatch: where each assignment goes (counts, capacity, plan), then the tokens

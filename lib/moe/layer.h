@@ -75,9 +75,6 @@ typedef struct moe_layer_dims {
     int *step_flags;
     /** the static budget of permuted rows (0: none, N·k); see moe_layer_permuted_rows() */
     int budget_rows;
-    /** the sync-free layer's expert loads: [E] backend memory its counts are added to (NULL:
-     *  not counted) */
-    long long *load_counts;
     /** expert tensor parallelism (moe/expert_tp.h): the ETP group, each of its ranks holding
      *  F of every local expert's columns (F above is already this rank's part); NULL: none */
     const moe_tp *etp;
@@ -122,9 +119,9 @@ typedef struct moe_layer_acts {
     int *expert_offset;   /**< host [E+1]: expert e owns permuted rows [off[e], off[e+1]) */
     int *dev_offset;      /**< the same offsets in backend memory ([E+2]; chapter 03 kernel) */
     long long *counts;    /**< host [E]: tokens per expert, this forward */
-    long long *aux_counts; /**< host [groups,E]: the aux loss's counts, summed over TP */
-    double aux_loss;      /**< load-balancing loss of this forward (this rank's part under TP) */
-    double z_loss;        /**< z-loss of this forward */
+    long long *aux_counts; /**< backend [groups,E]: the aux loss's counts, summed over TP */
+    double *loss;         /**< backend [2]: {load-balancing loss (this rank's part under TP),
+                               z-loss} of this forward, on the device (step_scalars.h) */
     /* the dispatchers that send rows (dispatch.h) and capacity */
     long long dropped;    /**< assignments dropped by the capacity, this forward */
     int *dispatch_idx;    /**< [N·k] routing with dropped assignments set to E */
