@@ -407,6 +407,12 @@ CH04_DROPS_RUN := --num-layers 1 --hidden-size 32 --num-attention-heads 4 --num-
 	--seq-length 16 --micro-batch-size 2 --global-batch-size 4 --moe-ffn-hidden-size 16 \
 	--tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 8 \
 	--moe-expert-capacity-factor 1.0 --lr-warmup-iters 0 --train-iters 1 --eval-iters 1 --sample-length 0
+# $(call CH04_ETP_AGREES,file): from the bench's output, each ETP folding's heading with its
+# agreement line; fails when there is none (the default list must hold uniform TP: the
+# bytes model's ETP term is checked only where an ETP folding runs)
+CH04_ETP_AGREES = awk '/^folding / { f = "" } /^folding [^:]*etp=/ && !/: not run/ { f = $$0; \
+	sub(/ \|.*/, "", f) } f != "" && /^  model / { sub(/^  /, ""); print f ": " $$0; n++ } \
+	END { exit !n }' $(1)
 check-ch04: check-deps
 	@$(MAKE) --no-print-directory $(call chapter_bin,04,unit) $(call chapter_bin,04,fd) \
 	  $(if $(filter 1,$(WITH_MPI)),$(call chapter_bin,04,mpi))
@@ -421,7 +427,10 @@ check-ch04: check-deps
 	  for np in 2 4; do echo "== chapter 04 folding benchmark on $$np MPI ranks: the bytes model must equal the counts"; \
 	  OMP_NUM_THREADS=1 $(MPIRUN) -np $$np ./bin/ch04_folding_bench --repeats 1 --warmup 0 \
 	    --model "--moe-layer-freq [1,0]" > $(BUILD)/ch04_folding_bench_$$np.txt 2>&1 \
-	    || { cat $(BUILD)/ch04_folding_bench_$$np.txt; exit 1; }; tail -1 $(BUILD)/ch04_folding_bench_$$np.txt; done; fi
+	    || { cat $(BUILD)/ch04_folding_bench_$$np.txt; exit 1; }; \
+	  $(call CH04_ETP_AGREES,$(BUILD)/ch04_folding_bench_$$np.txt) \
+	    || { echo "FAIL: no ETP folding in the benchmark's default list"; exit 1; }; \
+	  tail -1 $(BUILD)/ch04_folding_bench_$$np.txt; done; fi
 	@if [ "$(WITH_MPI)" = 1 ]; then $(MAKE) --no-print-directory bin/moe-train && \
 	  echo "== chapter 04: a TP run whose capacity drops tokens warns once (rank 0) that its loss differs from one process" && \
 	  OMP_NUM_THREADS=1 $(MPIRUN) -np 2 ./bin/moe-train --device cpu $(CH04_DROPS_RUN) > $(BUILD)/ch04_drops.txt 2>&1 \

@@ -304,7 +304,7 @@ def folding_bars(path):
                 # kinds ("tp=edp": one collective may be either's); the tokens' all-to-all
                 # is EP's. Segments landing on one name add up.
                 kind = "ep" if m.group(3) == "all-to-all" else "=".join(
-                    k for k in m.group(1).split("=") if k in ("tp", "dp", "ep", "edp"))
+                    k for k in m.group(1).split("=") if k in ("tp", "dp", "ep", "etp", "edp"))
                 key = f"{kind} {m.group(3)}"
                 segs = dict(cur[1])
                 segs[key] = segs.get(key, 0) + int(m.group(4))

@@ -1,11 +1,13 @@
 /*
  * Chapter 04 benchmark: what each parallel folding of one world costs, and why.
  *
- *   mpirun -np 4 bin/ch04_folding_bench [--foldings "tp=2,ep=4;tp=1,ep=2,zero=1"] [--repeats 5]
+ *   mpirun -np 4 bin/ch04_folding_bench [--foldings "tp=2,ep=4;tp=2,ep=2,etp=2;tp=1,ep=2,zero=1"]
+ *                                       [--repeats 5]
  *
- * For every folding (attention/dense TP with sequence parallelism, experts EP; the rest of
- * each grid data-parallel: DP = world/TP, EDP = world/EP) it trains a small MoE model for a
- * few real steps and prints, per step:
+ * For every folding (attention/dense TP with sequence parallelism; experts EP, each expert
+ * optionally split again over ETP ranks; the rest of each grid data-parallel: DP = world/TP,
+ * EDP = world/(ETP·EP)) it trains a small MoE model for a few real steps and prints, per
+ * step:
  *  - the step time (median of the repeats, slowest rank);
  *  - the bytes this rank sent in each of its groups, counted by the communication layer
  *    (comm.h: the logical payload a rank puts into each collective, not wire bytes);
@@ -30,6 +32,20 @@
  *    expert outputs come back, the output gradients go out and the input and routing
  *    weight gradients come back: 2(out+back)·H·s + (out+back)·r bytes, rows kept on this
  *    rank not counted.
+ *  - ETP (`etp=e`, moe/expert_tp.h: each routed expert's fc1 split by columns and fc2 by
+ *    rows over the e ranks of an ETP group): per MoE layer, after the EP dispatch, the ETP
+ *    ranks must see the same rows. Rank j holds R_j of them (what its EP group delivered,
+ *    the kept rows included), and every exchange pads each rank's block to p = max_j R_j
+ *    rows, so that it is one collective of equal blocks (R_j from the counts the layer
+ *    exchanged, this step's real routing). The forward all-gathers the inputs (H
+ *    activations a row) and the routing weights (one real) and reduce-scatters the partial
+ *    outputs (fc2 is row-parallel); the backward all-gathers the output gradients and
+ *    reduce-scatters the partial input and routing-weight gradients (each a sum over the
+ *    split width). A reduce-scatter counts its whole padded input, e blocks:
+ *        all-gather p·(2H·s + r),   reduce-scatter e·p·(2H·s + r)   bytes per MoE layer.
+ *    The expert weights' gradients need no sum over ETP (each rank's slice saw every row of
+ *    the group): they are summed over EDP = world/(ETP·EP) below, each rank holding
+ *    1/(EP·ETP) of every layer's experts.
  *  - DP (dense) and EDP (experts): one all-reduce of every gradient over its replicas
  *    (moe_tensor::grad_group), r bytes per element.
  *  - With the distributed optimizer (`zero=1`, --use-distributed-optimizer) that all-reduce
@@ -65,14 +81,19 @@ typedef struct opts {
     int repeats, warmup;
 } opts;
 
+/* one item of --foldings */
+#define FOLDING_SYNTAX "tp=T,ep=E[,etp=X][,sp=0|1][,zero=0|1]"
+
 #define OF(name, type, field, def, help, choices) \
     { name, type, offsetof(opts, field), def, help, choices, "benchmark" }
 static const moe_flag g_flags[] = {
     OF("device", MOE_FLAG_CHOICE, device, "cpu", "backend of every rank", "cpu|cuda"),
     OF("foldings", MOE_FLAG_STRING, foldings, "",
-       "';'-separated foldings, each 'tp=T,ep=E[,sp=0|1][,zero=0|1]' (sp defaults to 1 when "
-       "tp > 1; zero=1: --use-distributed-optimizer); empty = every power-of-two tp and ep "
-       "the world allows, and plain DP with the distributed optimizer", NULL),
+       "';'-separated foldings, each '" FOLDING_SYNTAX "' (etp: "
+       "--expert-tensor-parallel-size, default 1; sp defaults to 1 when tp > 1; zero=1: "
+       "--use-distributed-optimizer); empty = every power-of-two tp and ep the world allows, "
+       "uniform TP (tp=2,etp=2, the rest of the world EP) and plain DP with the distributed "
+       "optimizer", NULL),
     OF("model", MOE_FLAG_STRING, model, "",
        "extra model flags appended to the built-in small MoE model (e.g. '--hidden-size 128')",
        NULL),
@@ -92,12 +113,13 @@ static const moe_flag g_flags[] = {
 
 typedef struct folding {
     int tp, ep, sp;
+    int etp;  /* --expert-tensor-parallel-size */
     int zero; /* --use-distributed-optimizer */
 } folding;
 
-/* "tp=2,ep=4,sp=1,zero=1" -> f; 0 on a malformed item */
+/* "tp=2,ep=4,etp=2,sp=1,zero=1" -> f; 0 on a malformed item */
 static int parse_folding(const char *s, folding *f) {
-    f->tp = 1, f->ep = 1, f->sp = -1, f->zero = 0;
+    f->tp = 1, f->ep = 1, f->etp = 1, f->sp = -1, f->zero = 0;
     char buf[128];
     snprintf(buf, sizeof buf, "%s", s);
     for (char *save = NULL, *kv = strtok_r(buf, ",", &save); kv; kv = strtok_r(NULL, ",", &save)) {
@@ -111,6 +133,8 @@ static int parse_folding(const char *s, folding *f) {
             f->tp = v;
         else if (!strcmp(key, "ep"))
             f->ep = v;
+        else if (!strcmp(key, "etp"))
+            f->etp = v;
         else if (!strcmp(key, "sp"))
             f->sp = v;
         else if (!strcmp(key, "zero") && (v == 0 || v == 1))
@@ -121,6 +145,12 @@ static int parse_folding(const char *s, folding *f) {
     if (f->sp < 0)
         f->sp = f->tp > 1;
     return 1;
+}
+
+/* Every setting of a folding, for the messages: "tp=2,ep=2,etp=2,sp=1,zero=0" */
+static const char *folding_str(const folding *f, char *buf, size_t cap) {
+    snprintf(buf, cap, "tp=%d,ep=%d,etp=%d,sp=%d,zero=%d", f->tp, f->ep, f->etp, f->sp, f->zero);
+    return buf;
 }
 
 /* ---------------------------------------------------------------- the analytic model */
@@ -237,6 +267,27 @@ static void model_step(const moe_trainer *t, model_bytes out) {
             out[MOE_GROUP_EP][MOE_COMM_OP_ALL_TO_ALL] += 2 * rows * H * s + rows * r;
         }
     }
+    /* ETP: per MoE layer, the group's rows gathered (x, w; then dy) and the partial sums
+     * reduce-scattered (y; then dx, dw), every rank's block padded to the largest one */
+    if (m->etp.size > 1) {
+        const unsigned long long e = (unsigned long long)m->etp.size, row = 2 * H * s + r;
+        for (int l = 0; l < L; l++) {
+            if (!c->is_moe_layer[l])
+                continue;
+            const moe_etp_rows *er = &m->acts[l].moe.etp;
+            if (!er->counts) /* no step yet */
+                continue;
+            unsigned long long p = 0; /* max_j R_j */
+            for (int j = 0; j < m->etp.size; j++) {
+                unsigned long long Rj = 0;
+                for (int g = 0; g < er->G; g++)
+                    Rj += (unsigned long long)er->counts[j * er->G + g];
+                p = Rj > p ? Rj : p;
+            }
+            out[MOE_GROUP_ETP][MOE_COMM_OP_ALL_GATHER] += p * row;
+            out[MOE_GROUP_ETP][MOE_COMM_OP_REDUCE_SCATTER] += e * p * row;
+        }
+    }
 }
 
 /* ---------------------------------------------------------------- the groups */
@@ -287,12 +338,14 @@ static void mb_str(char *out, size_t cap, double bytes) {
 static long long run_folding(const opts *o, moe_comm *world, const folding *f) {
     const int W = moe_comm_size(world), rank = moe_comm_rank(world);
     const int dp = W / (f->tp > 0 && W % f->tp == 0 ? f->tp : 1);
-    char flags[2048];
+    char flags[2048], name[96];
+    folding_str(f, name, sizeof name);
     snprintf(flags, sizeof flags,
              "%s %s --device %s --tensor-model-parallel-size %d --expert-model-parallel-size %d "
-             "%s %s --global-batch-size %d",
-             BASE_MODEL, o->model, o->device, f->tp, f->ep, f->sp ? "--sequence-parallel" : "",
-             f->zero ? "--use-distributed-optimizer" : "", 2 * dp);
+             "--expert-tensor-parallel-size %d %s %s --global-batch-size %d",
+             BASE_MODEL, o->model, o->device, f->tp, f->ep, f->etp,
+             f->sp ? "--sequence-parallel" : "", f->zero ? "--use-distributed-optimizer" : "",
+             2 * dp);
     moe_config cfg;
     moe_error err;
     moe_error_clear(&err);
@@ -303,8 +356,7 @@ static long long run_folding(const opts *o, moe_comm *world, const folding *f) {
         st = moe_trainer_create_dist(&t, &cfg, world, &err);
     if (moe_comm_host_max(world, st != MOE_OK) > 0) { /* every rank skips it together */
         if (rank == 0)
-            printf("\nfolding tp=%d,ep=%d,sp=%d,zero=%d: not run (%s)\n", f->tp, f->ep, f->sp,
-                   f->zero,
+            printf("\nfolding %s: not run (%s)\n", name,
                    st != MOE_OK ? err.msg : "another rank could not build it");
         moe_trainer_free(t);
         return -1;
@@ -343,9 +395,9 @@ static long long run_folding(const opts *o, moe_comm *world, const folding *f) {
                 if (counted[g].bytes[op] != rows[g].model[op]) {
                     if (bad++ < 8)
                         fprintf(stderr,
-                                "[rank %d] tp=%d,ep=%d,sp=%d,zero=%d step %d: group %s %s "
+                                "[rank %d] %s step %d: group %s %s "
                                 "counted %llu bytes, the model says %llu\n",
-                                rank, f->tp, f->ep, f->sp, f->zero, i, rows[g].name,
+                                rank, name, i, rows[g].name,
                                 moe_comm_op_name((moe_comm_op)op), counted[g].bytes[op],
                                 rows[g].model[op]);
                 }
@@ -355,10 +407,15 @@ static long long run_folding(const opts *o, moe_comm *world, const folding *f) {
     const moe_memory_estimate e = t->model->mem; /* checked before the model's allocation */
     if (rank == 0) {
         const moe_grid *gr = &t->par.grid;
-        printf("\nfolding tp=%d,ep=%d%s%s: attention TP %d x DP %d, experts EP %d x EDP %d%s | "
-               "step %.2f ms (median of %d, slowest rank), loss %.4f\n",
-               f->tp, f->ep, f->sp ? " + SP" : "", f->zero ? ",zero=1" : "", gr->tp, gr->dp,
-               gr->ep, gr->edp, f->zero ? ", distributed optimizer" : "", med,
+        char etp_key[16] = "", etp_grid[24] = ""; /* ETP named only where it splits experts */
+        if (f->etp > 1) {
+            snprintf(etp_key, sizeof etp_key, ",etp=%d", f->etp);
+            snprintf(etp_grid, sizeof etp_grid, "ETP %d x ", gr->etp);
+        }
+        printf("\nfolding tp=%d,ep=%d%s%s%s: attention TP %d x DP %d, experts %sEP %d x EDP %d%s"
+               " | step %.2f ms (median of %d, slowest rank), loss %.4f\n",
+               f->tp, f->ep, etp_key, f->sp ? " + SP" : "", f->zero ? ",zero=1" : "", gr->tp,
+               gr->dp, etp_grid, gr->ep, gr->edp, f->zero ? ", distributed optimizer" : "", med,
                o->repeats, loss);
         char sw[32], sg[32], so[32], sa[32], stot[32];
         mb_str(sw, sizeof sw, (double)e.weight_bytes);
@@ -431,8 +488,9 @@ int main(int argc, char **argv) {
              item = strtok_r(NULL, ";", &save)) {
             if (!parse_folding(item, &list[n])) {
                 if (rank == 0)
-                    moe_log_error("--foldings: '%s' is not 'tp=T,ep=E[,sp=0|1][,zero=0|1]' (e.g. "
-                                  "--foldings \"tp=2,ep=2;tp=1,ep=4,zero=1\")", item);
+                    moe_log_error("--foldings: '%s' is not '" FOLDING_SYNTAX "' (e.g. "
+                                  "--foldings \"tp=2,ep=2;tp=2,ep=1,etp=2;tp=1,ep=4,zero=1\")",
+                                  item);
                 moe_comm_finalize(world);
                 return 2;
             }
@@ -442,9 +500,14 @@ int main(int argc, char **argv) {
         for (int tp = 1; tp <= W && tp <= 4; tp *= 2)
             for (int ep = 1; ep <= W && ep <= 8; ep *= 2)
                 if (W % tp == 0 && W % ep == 0)
-                    list[n++] = (folding){tp, ep, tp > 1, 0};
+                    list[n++] = (folding){.tp = tp, .ep = ep, .etp = 1, .sp = tp > 1};
+        /* uniform TP: the experts split like the attention (ETP = TP = 2) and over the rest
+         * of the world by EP, so that ETP x EP is the world, the experts' split of the folded
+         * tp=2,ep=W (when the 8 experts divide by W/2) */
+        if (W % 2 == 0 && 8 % (W / 2) == 0)
+            list[n++] = (folding){.tp = 2, .ep = W / 2, .etp = 2, .sp = 1};
         if (W > 1) /* plain DP (and EDP) with the distributed optimizer */
-            list[n++] = (folding){1, 1, 0, 1};
+            list[n++] = (folding){.tp = 1, .ep = 1, .etp = 1, .zero = 1};
     }
     if (rank == 0) {
         char name[600], where[640];
