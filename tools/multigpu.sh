@@ -8,6 +8,13 @@
 #              dispatcher + combine against a raw all-to-all (ch02_dispatch_bench), and weak
 #              scaling of training (the GPU preset and a larger model; 8 experts per GPU,
 #              32 sequences per GPU), fused and collective paths
+#   ch04       parallel folding on 2, 4 and 8 GPUs (up to --gpus): ch04_folding_bench on a
+#              model large enough for the difference to be real (hidden 1024, 16 experts,
+#              2048 tokens per sequence): uniform TP (attention TP and experts ETP), pure
+#              EP + DP, the folded layout (TP attention, EP experts), plain DP with and
+#              without the distributed optimizer; step time, bytes per group (model ==
+#              counts, or the run fails) and memory per rank. The invariance suites on GPU
+#              ranks are the MPI suite of the ch02 section (every suite, foldings included)
 #   multinode  the same with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1: NCCL moves everything
 #              through its network transport, as between nodes; the fused NVLink path must
 #              see that and fall back to the collective one, and say so
@@ -28,11 +35,11 @@ while [ $# -gt 0 ]; do
     --gpus) gpus="$2"; shift 2 ;;
     --steps) steps="$2"; shift 2 ;;
     -h | --help) usage 0 ;;
-    ch02 | multinode) sections+=("$1"); shift ;;
-    *) echo "tools/multigpu.sh: unknown argument '$1' (sections: ch02 multinode; --help)" >&2; exit 2 ;;
+    ch02 | ch04 | multinode) sections+=("$1"); shift ;;
+    *) echo "tools/multigpu.sh: unknown argument '$1' (sections: ch02 ch04 multinode; --help)" >&2; exit 2 ;;
     esac
 done
-[ ${#sections[@]} -gt 0 ] || sections=(ch02 multinode)
+[ ${#sections[@]} -gt 0 ] || sections=(ch02 ch04 multinode)
 if ! [[ "$gpus" =~ ^[0-9]+$ ]] || [ "$gpus" -lt 2 ]; then
     echo "tools/multigpu.sh: needs a host with at least 2 GPUs (found ${gpus:-0}; --gpus N to say)" >&2
     exit 2
@@ -41,7 +48,7 @@ if ! [[ "$steps" =~ ^[0-9]+$ ]] || [ "$steps" -lt 40 ]; then
     echo "tools/multigpu.sh: --steps must be an integer >= 40 (the first 40 steps are warm-up)" >&2
     exit 2
 fi
-for f in bin/moe-train bin/ch02_dispatch_bench build/tests/mpi; do
+for f in bin/moe-train bin/ch02_dispatch_bench bin/ch04_folding_bench build/tests/mpi; do
     [ -x "$f" ] || { echo "tools/multigpu.sh: $f is missing: run make first (with CUDA and MPI)" >&2; exit 2; }
 done
 
@@ -147,6 +154,27 @@ for s in "${sections[@]}"; do
         done
         echo "weak scaling ($steps steps; median of the steps after the 40th):"
         weak_scaling
+        ;;
+    ch04)
+        # appended to the bench's built-in model (later flags win): every size divides by 4
+        # (heads 16, KV groups 8, experts 16, vocabulary padded to a multiple of 8)
+        CH04_MODEL="--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --num-query-groups 8 \
+--seq-length 2048 --num-experts 16 --moe-ffn-hidden-size 1024 \
+--moe-shared-expert-intermediate-size 1024 --moe-router-topk 2"
+        for np in "${eps[@]}"; do
+            h=$((np / 2))
+            fold="tp=$np,ep=1,etp=$np;tp=1,ep=$np;tp=$np,ep=$np;tp=1,ep=1;tp=1,ep=1,zero=1"
+            [ "$np" -gt 2 ] && fold="$fold;tp=$h,ep=$np;tp=$h,ep=$h,etp=2"
+            echo "== ch04_folding_bench, $np GPUs: $fold"
+            f="$out/ch04_folding_${np}gpus.txt"
+            if ! $MPIRUN -np "$np" bin/ch04_folding_bench --device cuda --model "$CH04_MODEL" \
+                --foldings "$fold" --repeats 10 --warmup 3 >"$f" 2>&1; then
+                echo "ch04_folding_bench on $np GPUs: FAILED (see $f)"
+                status=1
+            fi
+            cat "$f" >>"$LOG"
+            grep -E "^folding|memory/rank|model .* the counts|not run|^FAIL|^OK" "$f"
+        done
         ;;
     multinode)
         export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1

@@ -8,7 +8,9 @@
  * optionally split again over ETP ranks; the rest of each grid data-parallel: DP = world/TP,
  * EDP = world/(ETP·EP)) it trains a small MoE model for a few real steps and prints, per
  * step:
- *  - the step time (median of the repeats, slowest rank);
+ *  - the step time (median of the repeats, slowest rank) and the tokens per second per rank:
+ *    each DP rank (a TP group) runs one micro-batch per step, so a folding with more TP
+ *    and less DP processes fewer tokens per step; tokens/s per rank is the comparison;
  *  - the bytes this rank sent in each of its groups, counted by the communication layer
  *    (comm.h: the logical payload a rank puts into each collective, not wire bytes);
  *  - the same bytes from an analytic model of the step, which must agree exactly, on every
@@ -413,10 +415,11 @@ static long long run_folding(const opts *o, moe_comm *world, const folding *f) {
             snprintf(etp_grid, sizeof etp_grid, "ETP %d x ", gr->etp);
         }
         printf("\nfolding tp=%d,ep=%d%s%s%s: attention TP %d x DP %d, experts %sEP %d x EDP %d%s"
-               " | step %.2f ms (median of %d, slowest rank), loss %.4f\n",
+               " | step %.2f ms (median of %d, slowest rank), %.0f tokens/s per rank, loss %.4f\n",
                f->tp, f->ep, etp_key, f->sp ? " + SP" : "", f->zero ? ",zero=1" : "", gr->tp,
                gr->dp, etp_grid, gr->ep, gr->edp, f->zero ? ", distributed optimizer" : "", med,
-               o->repeats, loss);
+               o->repeats, (double)t->cfg.global_batch_size * t->cfg.seq_length / (med / 1e3) / W,
+               loss);
         char sw[32], sg[32], so[32], sa[32], stot[32];
         mb_str(sw, sizeof sw, (double)e.weight_bytes);
         mb_str(sg, sizeof sg, (double)e.grad_bytes);
