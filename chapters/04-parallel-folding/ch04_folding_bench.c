@@ -33,7 +33,9 @@
  *    from each rank): the tokens go out (H activations and one routing weight each), the
  *    expert outputs come back, the output gradients go out and the input and routing
  *    weight gradients come back: 2(out+back)·H·s + (out+back)·r bytes, rows kept on this
- *    rank not counted.
+ *    rank not counted. GPU ranks on one NVLink host take the fused path (chapter 02): our
+ *    kernels store the rows straight into the peers' memory, so no collective runs and
+ *    the comm layer counts nothing; the model prints those bytes on a line of their own.
  *  - ETP (`etp=e`, moe/expert_tp.h: each routed expert's fc1 split by columns and fc2 by
  *    rows over the e ranks of an ETP group): per MoE layer, after the EP dispatch, the ETP
  *    ranks must see the same rows. Rank j holds R_j of them (what its EP group delivered,
@@ -162,7 +164,12 @@ typedef unsigned long long model_bytes[MOE_GROUP_COUNT][MOE_COMM_OP_COUNT];
 
 static moe_group_kind grad_group_of(const moe_tensor *x) { return x->grad_group; }
 
+/* The fused NVLink path's bytes of the last step modelled (rows stored straight into the
+ * peers' memory by our kernels: no collective, so the comm layer counts none of them) */
+static unsigned long long g_fused_bytes;
+
 static void model_step(const moe_trainer *t, model_bytes out) {
+    g_fused_bytes = 0;
     memset(out, 0, sizeof(model_bytes));
     const moe_model *m = t->model;
     const moe_config *c = &m->cfg;
@@ -266,7 +273,10 @@ static void model_step(const moe_trainer *t, model_bytes out) {
             for (int q = 0; q < t->ep.size; q++)
                 if (q != t->ep.rank)
                     rows += p->send_rows[q] + p->recv_rows[q];
-            out[MOE_GROUP_EP][MOE_COMM_OP_ALL_TO_ALL] += 2 * rows * H * s + rows * r;
+            if (p->fused) /* GPU ranks on one NVLink host: peer stores, not a collective */
+                g_fused_bytes += 2 * rows * H * s + rows * r;
+            else
+                out[MOE_GROUP_EP][MOE_COMM_OP_ALL_TO_ALL] += 2 * rows * H * s + rows * r;
         }
     }
     /* ETP: per MoE layer, the group's rows gathered (x, w; then dy) and the partial sums
@@ -445,6 +455,10 @@ static long long run_folding(const opts *o, moe_comm *world, const folding *f) {
             }
         if (!ng)
             printf("  (one rank per group: nothing to communicate)\n");
+        if (g_fused_bytes)
+            printf("  %-20s %5d  %-14s %14s %14llu  (the fused NVLink path: peer stores by our "
+                   "kernels, not counted by the comm layer)\n",
+                   "ep (fused)", t->ep.size, "peer stores", "-", g_fused_bytes);
         printf("  model %s the counts on every rank for all %d steps\n",
                all_bad ? "DISAGREES WITH" : "= exactly", o->repeats);
     }
