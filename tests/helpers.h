@@ -67,7 +67,17 @@ struct moe_trainer *moe_test_trainer(const char *flags, struct moe_comm *world, 
  *  2 sequences per data-parallel rank): @p dist over @p world at TP @p tp (with
  *  `--sequence-parallel` when @p sp) and EP @p ep, with @p dist_flags; @p ref in one
  *  process. Both get @p base and @p common. @return 0, making nothing, when the world's
- *  size is not a multiple of @p tp and @p ep (the folding does not fit), else 1. */
+ *  size is not a multiple of @p tp and @p ep (the folding does not fit), else 1.
+ *
+ *  On GPU ranks (@p gpu) the pair is also checked to route every token alike: under TP the
+ *  row-parallel GEMMs' partial sums are added in bf16 by the collective, while one process
+ *  rounds once, so the router's input differs in its last bits and a token whose top-k
+ *  logits are nearly tied can pick another expert; its expert gradients are then not
+ *  comparable. The step's global expert loads (moe_model::load_counts, summed over the
+ *  ranks by the trainer) are compared, and while they differ the pair is rebuilt with the
+ *  next `--seed` (up to 8; every rank sees the same sums, so all decide alike). The
+ *  first step's gradients are computed for that check: the caller's
+ *  moe_trainer_gradients() recomputes them, bit for bit. */
 int moe_test_folding(struct moe_comm *world, const char *base, int tp, int sp, int ep,
                      const char *common,
                      const char *dist_flags, int gpu, struct moe_trainer **dist,
