@@ -38,38 +38,34 @@ moe_status moe_graph_scope_check(const moe_config *c, const moe_backend *be, moe
         return MOE_OK;
     if (s == MOE_GRAPH_ATTN) /* the attention block is pure device work: nothing to refuse */
         return MOE_OK;
-    /* Every level beyond attn contains work that still waits for the host. Each item names
-     * the op and why; each goes away with a piece of the sync-free step (chapter 06). */
+    /* Every level beyond attn is refused today. Each item names the work and why; the host
+     * reads of the router and of the step's losses, norm and clip are gone (the step's
+     * scalars stay on the device: step_scalars.h), so what is left is a capture site for
+     * each region, and the host reads of the MoE paths that are not sync-free. */
     char why[MOE_ERROR_MSG_LEN / 2] = "";
     const int moe = any_moe_layer(c);
     if (moe) {
-        add(why, sizeof why, "the router returns the aux-loss counts and the aux and z losses "
-            "to the host (aux_loss_counts, aux_loss_forward, z_loss_forward wait for the GPU)");
+        add(why, sizeof why, "the router (device work only) has no capture site yet");
         if (s >= MOE_GRAPH_MOE_PREPROCESS)
-            add(why, sizeof why, "permute_index returns the expert offsets on the host");
+            add(why, sizeof why, "permute_index returns the expert offsets on the host (the "
+                "sync-free path has no capture site yet)");
     }
     if (s >= MOE_GRAPH_LAYER) {
         if (moe)
-            add(why, sizeof why, "the MoE layer sums the expert loads on the host and sizes "
-                "the experts' GEMMs from host offsets (loop, cublas-grouped) or exchanges counts "
-                "on the host under EP");
-        if (c->tensor_model_parallel_size > 1 && moe)
-            add(why, sizeof why, "under TP the aux and z losses are summed by MPI host "
-                "collectives");
-        if (!moe) /* dense layers are device work, but only attn has a capture site yet */
+            add(why, sizeof why, "other MoE paths size GEMMs from host offsets, drop on the "
+                "host or exchange counts on the host (EP)");
+        else /* dense layers are device work, but only attn has a capture site yet */
             add(why, sizeof why, "the dense FFN and the norms around each block have no "
                 "capture site yet (only attn)");
     }
     if (s >= MOE_GRAPH_FULL_ITERATION)
-        add(why, sizeof why, "the loss mean and the gradient norm are read on the host (sum, "
-            "sum_squares), the batch is copied from pageable host memory (from_host), and the "
-            "clip and the step are decided on the host");
+        add(why, sizeof why, "the tokens come from pageable memory (from_host waits)");
     if (!why[0]) /* a dense model at moe_router / moe_preprocess: nothing beyond attn */
         return MOE_OK;
     return moe_error_set(err, MOE_ERR_CONFIG,
                          "cuda graph scope '%s' is not capturable yet: %s. Use --cuda-graph-scope "
-                         "attn (or none) until the sync-free MoE layer and the device-side "
-                         "losses and optimizer land (chapter 06)", moe_graph_scope_name(s), why);
+                         "attn (or none) until the capture sites of the larger scopes land "
+                         "(chapter 06)", moe_graph_scope_name(s), why);
 }
 
 /* ------------------------------------------------------------------ the cache */

@@ -21,8 +21,9 @@
  * | `full_iteration` | forward, backward and the optimizer step: one graph per step        |
  *
  * moe_graph_scope_check() refuses, with a named error, a level whose region still contains
- * work that waits for the host (today: everything beyond `attn` in a model with MoE layers,
- * until the sync-free MoE layer and the device-side losses exist). moe_graph_run() is the
+ * work that waits for the host or that has no capture site yet (today: everything beyond
+ * `attn` in a model with MoE layers; the router's and the step's host reads are gone, the
+ * capture sites of the larger regions are not built yet). moe_graph_run() is the
  * capture helper: keyed by (site, layer, B, T), the first call of a key runs eagerly (the
  * warm-up: lazily sized scratch buffers and library handles settle), the second captures
  * and replays, every later one replays. What the backend finds uncapturable while

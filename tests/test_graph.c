@@ -94,10 +94,10 @@ START_TEST(test_graph_scope_check_named_errors) {
     ck_assert_int_eq(moe_graph_scope_check(&c, &mb, &err), MOE_OK); /* attn: capturable */
     /* each level beyond attn names what still waits for the host */
     struct { const char *scope, *must, *must_not; } cases[] = {
-        {"moe_router", "aux_loss_counts", "permute_index"},
-        {"moe_preprocess", "permute_index", "expert loads"},
-        {"layer", "expert loads", "sum_squares"},
-        {"full_iteration", "sum_squares", NULL},
+        {"moe_router", "router", "permute_index"},
+        {"moe_preprocess", "permute_index", "host offsets"},
+        {"layer", "host offsets", "from_host"},
+        {"full_iteration", "from_host", NULL},
     };
     for (int i = 0; i < 4; i++) {
         char f[64];
