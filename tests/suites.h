@@ -32,6 +32,8 @@ Suite *suite_graph(void);     /* tests/test_graph.c: --cuda-graph-scope and the 
                                  on a mock backend (chapter 06) */
 Suite *suite_vocab_merge(void); /* tests/test_vocab_merge.c: the vocabulary-parallel
                                    cross-entropy's merge of the shards (chapter 04) */
+Suite *suite_attention(void);  /* tests/test_attention.c: the CPU flash attention against the
+                                 naive reference: shapes, chunks at offsets, the model (ch07) */
 Suite *suite_step_scalars(void); /* tests/test_step_scalars.c: the step's scalars on the device,
                                     one wait per step, overflow re-run, non-finite skip (ch06) */
 
