@@ -1,5 +1,6 @@
 /*
- * Causal grouped-query attention on the GPU (the CUDA twin of lib/cpu/attention.c).
+ * Causal grouped-query attention on the GPU (the CUDA twin of the naive attention of
+ * lib/cpu/attention.c, moe_cpu_attention_naive_*; the CPU table now runs the flash version).
  *
  * The math, for query head h of sequence b, with key/value head g = h / (Hq/Hkv):
  *

@@ -20,8 +20,9 @@
  * The op contract is what chapter 07 fills with flash attention and context parallelism:
  * attention returns lse [B,Hq,T] beside y and receives both in its backward; RoPE takes the
  * position offset pos0 of a chunk of the sequence; and no [B,H,T,T] probability buffer
- * appears in it: a naive backend keeps its probabilities in the opaque workspace it sizes
- * itself (attention_workspace_bytes), a flash backend asks for none.
+ * appears in it: the workspace is opaque and sized by the backend
+ * (attention_workspace_bytes). The CPU backend's flash attention asks for none (op_ws stays
+ * NULL), the CUDA backend's naive kernels keep their probabilities there.
  */
 #ifndef MOE_ATTENTION_H
 #define MOE_ATTENTION_H

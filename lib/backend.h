@@ -188,10 +188,13 @@ typedef struct moe_backend {
      * the same three slots). The caller owns q, k, v, y, lse [B,Hq,Tq] (full precision) and
      * one opaque workspace per attention call it will differentiate, of
      * attention_workspace_bytes() bytes (a workspace sized for a shape serves every smaller
-     * one): what the forward leaves there is for the backward of the same call. The contract
-     * has no [B,H,T,T] buffer; a naive backend keeps its probabilities in the workspace, a
-     * flash one asks for 0 bytes. The ops abort on a shape that
-     * moe_attention_shape_unsupported() rejects.
+     * one; none is allocated for 0 bytes, and the ops then get NULL): what the forward leaves
+     * there is for the backward of the same call. The contract has no [B,H,T,T] buffer: the
+     * CPU backend's flash attention asks for 0 bytes and recomputes the probabilities from
+     * lse, the CUDA backend's naive kernels keep theirs in the workspace. A query row that
+     * sees no key gets y = 0 and lse = −∞. The CPU ops abort on a shape that
+     * moe_attention_shape_invalid() rejects, the CUDA ops on one that
+     * moe_attention_shape_unsupported() rejects (a query chunk attending to another chunk).
      */
     size_t (*attention_workspace_bytes)(moe_attention_shape s);
     /** as moe_cpu_attention_forward(): y and the row log-sum-exp lse */

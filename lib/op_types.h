@@ -55,12 +55,14 @@ typedef struct moe_aux_shape {
  * Without context parallelism both chunks are the whole sequence (positions 0..T−1). With
  * it (chapter 07) a rank holds chunks of the sequence and attends to key chunks of other
  * ranks: then Tq ≠ Tk or the offsets differ, and the log-sum-exp output is what merges the
- * partial results of those calls exactly.
+ * partial results of those calls exactly. A query row that sees no key of the chunk (its
+ * position is before k_pos) gets y = 0 and lse = −∞, the values that drop out of the merge.
  *
- * Supported now (moe_attention_shape_unsupported() names what is not): a chunk attending
- * to itself, Tq = Tk and q_pos = k_pos, at any offset (the mask is then the plain lower
- * triangle; positions enter only through RoPE). Attention between different chunks comes
- * with chapter 07.
+ * Supported now: the CPU backend's flash attention runs any valid shape
+ * (moe_attention_shape_invalid()); the CUDA kernels and the naive CPU reference only a
+ * chunk attending to itself, Tq = Tk and q_pos = k_pos, at any offset (the mask is then the
+ * plain lower triangle; positions enter only through RoPE): moe_attention_shape_unsupported()
+ * names what they cannot run. The model asks for nothing else until context parallelism.
  */
 typedef struct moe_attention_shape {
     int B;     /**< sequences */
@@ -74,36 +76,61 @@ typedef struct moe_attention_shape {
 } moe_attention_shape;
 
 /**
- * @brief Why the attention ops cannot run a shape yet, or NULL when they can.
- * @param s the shape  @param max_D the backend's largest head dimension (0: no limit)
- * @return a static message naming the unsupported part, or NULL
+ * @brief Why a shape is not a valid attention call at all, or NULL when it is.
+ * @param s the shape
+ * @return a static message naming the invalid part, or NULL
  */
-static inline const char *moe_attention_shape_unsupported(moe_attention_shape s, int max_D) {
-    if (s.B < 0 || s.Tq < 1 || s.Hq < 1 || s.Hkv < 1 || s.Hq % s.Hkv != 0 || s.D < 1)
-        return "invalid shape (need Tq >= 1, D >= 1 and Hq a multiple of Hkv)";
-    if (max_D > 0 && s.D > max_D)
-        return "head dimension too large for this backend";
-    if (s.Tq != s.Tk || s.q_pos != s.k_pos)
-        return "queries and keys must be the same chunk (Tq == Tk and q_pos == k_pos); "
-               "attention between different chunks comes with context parallelism (chapter 07)";
+static inline const char *moe_attention_shape_invalid(moe_attention_shape s) {
+    if (s.B < 0 || s.Tq < 1 || s.Tk < 1 || s.Hq < 1 || s.Hkv < 1 || s.Hq % s.Hkv != 0 ||
+        s.D < 1)
+        return "invalid shape (need Tq >= 1, Tk >= 1, D >= 1 and Hq a multiple of Hkv)";
     return NULL;
 }
 
 /**
- * @brief Abort, naming the shape and the reason, unless the attention ops of a backend can
- *        run it. The model only asks for supported shapes: anything else is a caller's bug.
- * @param s the shape  @param who the backend's attention, for the message
- * @param max_D its largest head dimension (0: no limit)
+ * @brief Why the same-chunk attention ops (the CUDA kernels, the naive CPU reference)
+ *        cannot run a shape, or NULL when they can.
+ * @param s the shape  @param max_D the backend's largest head dimension (0: no limit)
+ * @return a static message naming the unsupported part, or NULL
  */
-static inline void moe_attention_shape_require(moe_attention_shape s, const char *who,
-                                               int max_D) {
-    const char *why = moe_attention_shape_unsupported(s, max_D);
+static inline const char *moe_attention_shape_unsupported(moe_attention_shape s, int max_D) {
+    const char *why = moe_attention_shape_invalid(s);
+    if (why)
+        return why;
+    if (max_D > 0 && s.D > max_D)
+        return "head dimension too large for this backend";
+    if (s.Tq != s.Tk || s.q_pos != s.k_pos)
+        return "queries and keys must be the same chunk (Tq == Tk and q_pos == k_pos) for "
+               "this implementation; attention between different chunks runs on the CPU's "
+               "flash attention, its CUDA kernel comes with context parallelism (chapter 07)";
+    return NULL;
+}
+
+/**
+ * @brief Abort with a message naming the shape and @p why (a caller's bug: the model asks
+ *        only for shapes its backend runs). Does nothing when @p why is NULL.
+ * @param s the shape  @param who the backend's attention, for the message
+ * @param why the reason (moe_attention_shape_invalid() or moe_attention_shape_unsupported())
+ */
+static inline void moe_attention_shape_check(moe_attention_shape s, const char *who,
+                                             const char *why) {
     if (why) {
         fprintf(stderr, "%s: unsupported shape B=%d Tq=%d Tk=%d Hq=%d Hkv=%d D=%d q_pos=%d "
                         "k_pos=%d: %s\n",
                 who, s.B, s.Tq, s.Tk, s.Hq, s.Hkv, s.D, s.q_pos, s.k_pos, why);
         abort();
     }
+}
+
+/**
+ * @brief Abort, naming the shape and the reason, unless the same-chunk attention ops can
+ *        run it (moe_attention_shape_unsupported()).
+ * @param s the shape  @param who the backend's attention, for the message
+ * @param max_D its largest head dimension (0: no limit)
+ */
+static inline void moe_attention_shape_require(moe_attention_shape s, const char *who,
+                                               int max_D) {
+    moe_attention_shape_check(s, who, moe_attention_shape_unsupported(s, max_D));
 }
 
 #endif /* MOE_OP_TYPES_H */

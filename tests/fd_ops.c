@@ -150,87 +150,197 @@ START_TEST(test_rope_offset) {
 END_TEST
 
 /* --------------------------------------------------------------- attention */
-typedef struct { moe_attention_shape s; moe_real *q, *k, *v, *y, *lse, *att, *r; } att_ctx;
+/* The CPU table's flash attention (any chunks, P recomputed from lse in the backward) and
+ * the naive reference (P saved in its workspace), each against finite differences of its
+ * own forward. */
+typedef struct {
+    moe_attention_shape s;
+    int naive;
+    moe_real *q, *k, *v, *y, *lse, *att, *r;
+} att_ctx;
 static double att_loss(void *p) {
     att_ctx *c = p;
-    moe_cpu_attention_forward(c->y, c->lse, c->att, c->q, c->k, c->v, c->s);
+    if (c->naive)
+        moe_cpu_attention_naive_forward(c->y, c->lse, c->att, c->q, c->k, c->v, c->s);
+    else
+        moe_cpu_attention_forward(c->y, c->lse, NULL, c->q, c->k, c->v, c->s);
     return fd_dot(c->r, c->y, (size_t)c->s.B * c->s.Tq * c->s.Hq * c->s.D);
 }
 
 /* The op contract's lse against a reference computed here in double, straight from the
- * definition: lse_t = log Σ_{s≤t} exp(q_t·k_s/√D). Then the naive path's saved P must be
- * exp(S − lse), the identity a flash backward recomputes P from. */
+ * definition: lse_t = log Σ_s exp(q_t·k_s/√D) over the keys with k_pos + s ≤ q_pos + t,
+ * −∞ (and y_t = 0) for a row that sees none. For the naive path, its saved P must be
+ * exp(S − lse), the identity the flash backward recomputes P from. */
 static void check_lse(const att_ctx *c) {
     const moe_attention_shape sh = c->s;
-    const int T = sh.Tq, D = sh.D, qs = sh.Hq * D, kvs = sh.Hkv * D;
-    double *S = malloc(sizeof(double) * T);
+    const int Tq = sh.Tq, Tk = sh.Tk, D = sh.D, qs = sh.Hq * D, kvs = sh.Hkv * D;
+    double *S = malloc(sizeof(double) * Tk);
     ck_assert_ptr_nonnull(S);
     for (int b = 0; b < sh.B; b++)
         for (int h = 0; h < sh.Hq; h++) {
             const int g = h / (sh.Hq / sh.Hkv);
-            for (int t = 0; t < T; t++) {
-                const moe_real *qt = c->q + ((size_t)b * T + t) * qs + (size_t)h * D;
+            for (int t = 0; t < Tq; t++) {
+                const moe_real *qt = c->q + ((size_t)b * Tq + t) * qs + (size_t)h * D;
+                const size_t row = ((size_t)b * sh.Hq + h) * Tq + t;
+                const int last = sh.q_pos + t - sh.k_pos < Tk - 1 ? sh.q_pos + t - sh.k_pos : Tk - 1;
+                if (last < 0) { /* a row that sees no key */
+                    ck_assert_msg(isinf(c->lse[row]) && c->lse[row] < 0,
+                                  "lse of a row without keys = %g", (double)c->lse[row]);
+                    for (int d = 0; d < D; d++)
+                        ck_assert(c->y[((size_t)b * Tq + t) * qs + (size_t)h * D + d] == 0);
+                    continue;
+                }
                 double m = -INFINITY, sum = 0.0;
-                for (int u = 0; u <= t; u++) {
-                    const moe_real *ku = c->k + ((size_t)b * T + u) * kvs + (size_t)g * D;
+                for (int u = 0; u <= last; u++) {
+                    const moe_real *ku = c->k + ((size_t)b * Tk + u) * kvs + (size_t)g * D;
                     double dot = 0.0;
                     for (int d = 0; d < D; d++)
                         dot += (double)qt[d] * ku[d];
                     S[u] = dot / sqrt((double)D);
                     m = S[u] > m ? S[u] : m;
                 }
-                for (int u = 0; u <= t; u++)
+                for (int u = 0; u <= last; u++)
                     sum += exp(S[u] - m);
                 const double ref = m + log(sum);
-                const size_t row = ((size_t)b * sh.Hq + h) * T + t;
                 ck_assert_msg(fabs(c->lse[row] - ref) <= 1e-12 * (1.0 + fabs(ref)),
                               "lse[b=%d h=%d t=%d] = %.17g, reference %.17g", b, h, t,
                               (double)c->lse[row], ref);
-                for (int u = 0; u <= t; u++)
-                    ck_assert_double_eq_tol(c->att[row * T + u], exp(S[u] - c->lse[row]), 1e-12);
+                if (c->naive)
+                    for (int u = 0; u <= last; u++)
+                        ck_assert_double_eq_tol(c->att[row * Tk + u], exp(S[u] - c->lse[row]),
+                                                1e-12);
             }
         }
     free(S);
 }
-START_TEST(test_fd_attention) {
-    /* GQA: 2 query heads per kv head; at an offset (q_pos = k_pos: the same chunk) */
-    att_ctx c = {{2, 7, 7, 4, 2, 6, 3, 3}, 0, 0, 0, 0, 0, 0, 0};
-    const int B = c.s.B, T = c.s.Tq, Hq = c.s.Hq, Hkv = c.s.Hkv, D = c.s.D;
-    size_t nq = (size_t)B * T * Hq * D, nk = (size_t)B * T * Hkv * D;
+
+/* One shape through one implementation: the forward's lse (and P), then the backward,
+ * which accumulates onto non-zero gradients, against central differences. */
+static void fd_attention(moe_attention_shape sh, int naive, uint64_t seed) {
+    att_ctx c = {sh, naive, 0, 0, 0, 0, 0, 0, 0};
+    const int B = sh.B, Hq = sh.Hq, Hkv = sh.Hkv, D = sh.D;
+    const size_t nq = (size_t)B * sh.Tq * Hq * D, nk = (size_t)B * sh.Tk * Hkv * D;
     c.q = ALLOC(nq); c.k = ALLOC(nk); c.v = ALLOC(nk); c.y = ALLOC(nq); c.r = ALLOC(nq);
-    c.lse = ALLOC((size_t)B * Hq * T);
-    ck_assert_uint_eq(moe_cpu_attention_workspace_bytes(c.s),
-                      sizeof(moe_real) * (size_t)B * Hq * T * T);
-    c.att = malloc(moe_cpu_attention_workspace_bytes(c.s));
-    moe_test_randn(c.q, nq, 11, 1.0);
-    moe_test_randn(c.k, nk, 12, 1.0);
-    moe_test_randn(c.v, nk, 13, 1.0);
-    moe_test_randn(c.r, nq, 14, 1.0);
+    c.lse = ALLOC((size_t)B * Hq * sh.Tq);
+    if (naive) {
+        ck_assert_uint_eq(moe_cpu_attention_naive_workspace_bytes(sh),
+                          sizeof(moe_real) * (size_t)B * Hq * sh.Tq * sh.Tk);
+        c.att = malloc(moe_cpu_attention_naive_workspace_bytes(sh));
+    } else {
+        ck_assert_uint_eq(moe_cpu_attention_workspace_bytes(sh), 0);
+    }
+    moe_test_randn(c.q, nq, seed, 1.0);
+    moe_test_randn(c.k, nk, seed + 1, 1.0);
+    moe_test_randn(c.v, nk, seed + 2, 1.0);
+    moe_test_randn(c.r, nq, seed + 3, 1.0);
     att_loss(&c);
-    /* causality: rows of P sum to 1 and nothing attends to the future */
-    for (int bh = 0; bh < B * Hq; bh++)
-        for (int t = 0; t < T; t++) {
-            double s = 0;
-            for (int u = 0; u < T; u++) {
-                double pv = c.att[((size_t)bh * T + t) * T + u];
-                if (u > t)
-                    ck_assert_double_eq(pv, 0.0);
-                s += pv;
+    if (naive) /* causality: rows of P sum to 1 and nothing attends to the future */
+        for (int bh = 0; bh < B * Hq; bh++)
+            for (int t = 0; t < sh.Tq; t++) {
+                double s = 0;
+                for (int u = 0; u < sh.Tk; u++) {
+                    double pv = c.att[((size_t)bh * sh.Tq + t) * sh.Tk + u];
+                    if (u > t)
+                        ck_assert_double_eq(pv, 0.0);
+                    s += pv;
+                }
+                ck_assert_double_eq_tol(s, 1.0, 1e-12);
             }
-            ck_assert_double_eq_tol(s, 1.0, 1e-12);
-        }
     check_lse(&c);
+    /* the gradients start at 1: the backward adds to them, and the check subtracts the 1 */
     moe_real *dq = ALLOC(nq), *dk = ALLOC(nk), *dv = ALLOC(nk);
-    moe_cpu_attention_backward(dq, dk, dv, c.r, c.y, c.lse, c.att, c.q, c.k, c.v, c.s);
-    ck_assert_double_le(fd_check("attention dq", att_loss, &c, c.q, dq, nq, 300, TOL), TOL);
-    ck_assert_double_le(fd_check("attention dk", att_loss, &c, c.k, dk, nk, 300, TOL), TOL);
-    ck_assert_double_le(fd_check("attention dv", att_loss, &c, c.v, dv, nk, 300, TOL), TOL);
+    for (size_t i = 0; i < nq; i++)
+        dq[i] = 1;
+    for (size_t i = 0; i < nk; i++)
+        dk[i] = dv[i] = 1;
+    if (naive)
+        moe_cpu_attention_naive_backward(dq, dk, dv, c.r, c.y, c.lse, c.att, c.q, c.k, c.v, sh);
+    else
+        moe_cpu_attention_backward(dq, dk, dv, c.r, c.y, c.lse, NULL, c.q, c.k, c.v, sh);
+    for (size_t i = 0; i < nq; i++)
+        dq[i] -= 1;
+    for (size_t i = 0; i < nk; i++) {
+        dk[i] -= 1;
+        dv[i] -= 1;
+    }
+    char what[96];
+    const char *name = naive ? "naive" : "flash";
+    snprintf(what, sizeof what, "%s attention Tq=%d Tk=%d q_pos=%d k_pos=%d dq", name, sh.Tq,
+             sh.Tk, sh.q_pos, sh.k_pos);
+    ck_assert_double_le(fd_check(what, att_loss, &c, c.q, dq, nq, 300, TOL), TOL);
+    what[strlen(what) - 2] = 'k';
+    ck_assert_double_le(fd_check(what, att_loss, &c, c.k, dk, nk, 300, TOL), TOL);
+    what[strlen(what) - 2] = 'v';
+    ck_assert_double_le(fd_check(what, att_loss, &c, c.v, dv, nk, 300, TOL), TOL);
     free(c.q); free(c.k); free(c.v); free(c.y); free(c.r); free(c.lse); free(c.att);
     free(dq); free(dk); free(dv);
 }
+
+START_TEST(test_fd_attention) {
+    /* GQA: 2 query heads per kv head; at an offset (q_pos = k_pos: the same chunk) */
+    const moe_attention_shape self = {2, 7, 7, 4, 2, 6, 3, 3};
+    fd_attention(self, 1, 11); /* the reference the flash version is tested against */
+    fd_attention(self, 0, 11);
+    /* more than one query and key tile (64), a partial last tile, 4 query heads on 1 */
+    const moe_attention_shape tiles = {1, 70, 70, 4, 1, 4, 0, 0};
+    fd_attention(tiles, 0, 21);
+}
 END_TEST
 
-/* What the attention ops run today, and what they name as not yet supported. */
+/* The flash backward on chunks at other offsets (context parallelism's calls): queries at
+ * 60..129 against keys 0..74 (two key tiles, every row sees some), and queries 0..8 against
+ * keys 3..14 (rows 0..2 see none: y = 0, lse = −∞, no gradient through them). */
+START_TEST(test_fd_attention_chunks) {
+    const moe_attention_shape later = {1, 70, 75, 2, 1, 3, 60, 0};
+    fd_attention(later, 0, 31);
+    const moe_attention_shape before = {2, 9, 12, 4, 2, 5, 0, 3};
+    fd_attention(before, 0, 41);
+}
+END_TEST
+
+/* In fp64, flash and naive agree to rounding, forward and backward: |a − b| / max(|b|, 1)
+ * ≤ 1e-12 (the values are of order 1; near-zero entries are judged absolutely). */
+START_TEST(test_attention_flash_equals_naive_fp64) {
+    const moe_attention_shape sh = {2, 67, 67, 4, 2, 8, 5, 5};
+    const size_t nq = (size_t)sh.B * sh.Tq * sh.Hq * sh.D, nk = (size_t)sh.B * sh.Tk * sh.Hkv * sh.D;
+    const size_t nl = (size_t)sh.B * sh.Hq * sh.Tq;
+    moe_real *q = ALLOC(nq), *k = ALLOC(nk), *v = ALLOC(nk), *dy = ALLOC(nq);
+    moe_test_randn(q, nq, 51, 1.0);
+    moe_test_randn(k, nk, 52, 1.0);
+    moe_test_randn(v, nk, 53, 1.0);
+    moe_test_randn(dy, nq, 54, 1.0);
+    moe_real *y[2], *l[2], *g[2][3];
+    void *ws = malloc(moe_cpu_attention_naive_workspace_bytes(sh));
+    for (int naive = 0; naive < 2; naive++) {
+        y[naive] = ALLOC(nq);
+        l[naive] = ALLOC(nl);
+        g[naive][0] = ALLOC(nq);
+        g[naive][1] = ALLOC(nk);
+        g[naive][2] = ALLOC(nk);
+        if (naive) {
+            moe_cpu_attention_naive_forward(y[1], l[1], ws, q, k, v, sh);
+            moe_cpu_attention_naive_backward(g[1][0], g[1][1], g[1][2], dy, y[1], l[1], ws, q, k,
+                                             v, sh);
+        } else {
+            moe_cpu_attention_forward(y[0], l[0], NULL, q, k, v, sh);
+            moe_cpu_attention_backward(g[0][0], g[0][1], g[0][2], dy, y[0], l[0], NULL, q, k, v,
+                                       sh);
+        }
+    }
+    ck_assert_double_le(moe_test_max_rel_err(y[0], y[1], nq, 1.0), 1e-12);
+    ck_assert_double_le(moe_test_max_rel_err(l[0], l[1], nl, 1.0), 1e-12);
+    ck_assert_double_le(moe_test_max_rel_err(g[0][0], g[1][0], nq, 1.0), 1e-12);
+    ck_assert_double_le(moe_test_max_rel_err(g[0][1], g[1][1], nk, 1.0), 1e-12);
+    ck_assert_double_le(moe_test_max_rel_err(g[0][2], g[1][2], nk, 1.0), 1e-12);
+    for (int i = 0; i < 2; i++) {
+        free(y[i]); free(l[i]); free(g[i][0]); free(g[i][1]); free(g[i][2]);
+    }
+    free(q); free(k); free(v); free(dy); free(ws);
+}
+END_TEST
+
+/* What the attention ops run today, and what they name as not yet supported: the flash CPU
+ * op runs every valid shape, the same-chunk ops (CUDA, the naive reference) one chunk. */
 START_TEST(test_attention_shapes_supported) {
     const moe_attention_shape self = {2, 16, 16, 4, 2, 8, 0, 0};
     moe_attention_shape s = self;
@@ -239,12 +349,18 @@ START_TEST(test_attention_shapes_supported) {
     ck_assert_ptr_null(moe_attention_shape_unsupported(s, 0));
     s.k_pos = 32; /* queries 48..63 against keys 32..47: another chunk (chapter 07) */
     ck_assert_ptr_nonnull(strstr(moe_attention_shape_unsupported(s, 0), "chapter 07"));
+    ck_assert_ptr_null(moe_attention_shape_invalid(s)); /* the flash op runs it */
     s = self;
     s.Tk = 32; /* keys of two chunks */
     ck_assert_ptr_nonnull(strstr(moe_attention_shape_unsupported(s, 0), "same chunk"));
+    ck_assert_ptr_null(moe_attention_shape_invalid(s));
     s = self;
     s.Hkv = 3; /* 4 query heads cannot share 3 key/value heads */
     ck_assert_ptr_nonnull(strstr(moe_attention_shape_unsupported(s, 0), "multiple of Hkv"));
+    ck_assert_ptr_nonnull(strstr(moe_attention_shape_invalid(s), "multiple of Hkv"));
+    s = self;
+    s.Tk = 0; /* no keys at all */
+    ck_assert_ptr_nonnull(strstr(moe_attention_shape_invalid(s), "Tk >= 1"));
     s = self;
     s.D = 160;
     ck_assert_ptr_null(moe_attention_shape_unsupported(s, 0));
@@ -544,7 +660,6 @@ Suite *suite_fd_ops(void) {
     tcase_add_test(tc, test_fd_rmsnorm);
     tcase_add_test(tc, test_fd_rope);
     tcase_add_test(tc, test_rope_offset);
-    tcase_add_test(tc, test_fd_attention);
     tcase_add_test(tc, test_attention_shapes_supported);
     tcase_add_test(tc, test_fd_swiglu);
     tcase_add_test(tc, test_fd_cross_entropy);
@@ -564,5 +679,13 @@ Suite *suite_fd_ops(void) {
     tcase_add_test(ch04, test_fd_vocab_parallel_cross_entropy);
     tcase_add_test(ch04, test_fd_aux_loss_shards);
     suite_add_tcase(s, ch04);
+    /* chapter 07: the flash attention's gradients (make check-ch07) */
+    TCase *ch07 = tcase_create("ch07");
+    tcase_set_tags(ch07, "ch07");
+    tcase_set_timeout(ch07, 120);
+    tcase_add_test(ch07, test_fd_attention);
+    tcase_add_test(ch07, test_fd_attention_chunks);
+    tcase_add_test(ch07, test_attention_flash_equals_naive_fp64);
+    suite_add_tcase(s, ch07);
     return s;
 }

@@ -1,6 +1,6 @@
 /*
- * CUDA causal GQA attention (kernels/attention.cu) against its CPU twin
- * (lib/cpu/attention.c) on fresh random inputs.
+ * CUDA causal GQA attention (kernels/attention.cu) against its CPU twin, the naive CPU
+ * attention (lib/cpu/attention.c, moe_cpu_attention_naive_*), on fresh random inputs.
  *
  * Inputs are rounded to bf16 before both sides see them, so the only differences
  * left are fp32 summation order and the bf16 rounding of the GPU's outputs. Errors are
@@ -205,7 +205,7 @@ START_TEST(test_attention_forward) {
     moe_real *a_ref = malloc(natt * sizeof *a_ref), *a = malloc(natt * sizeof *a);
     moe_real *l_ref = malloc(nl * sizeof *l_ref), *l = malloc(nl * sizeof *l);
     ck_assert(y_ref && y && a_ref && a && l_ref && l);
-    moe_cpu_attention_forward(y_ref, l_ref, a_ref, q, k, v, sh);
+    moe_cpu_attention_naive_forward(y_ref, l_ref, a_ref, q, k, v, sh);
 
     void *dq = upload(q, nq), *dk = upload(k, nkv), *dv = upload(v, nkv);
     void *dy = upload_nan(nq), *da = upload_nan(natt);
@@ -287,7 +287,7 @@ START_TEST(test_attention_backward) {
     moe_real *y = malloc(nq * sizeof *y), *att = malloc(natt * sizeof *att);
     moe_real *lse = malloc(nl * sizeof *lse);
     ck_assert(y && att && lse);
-    moe_cpu_attention_forward(y, lse, att, q, k, v, sh);
+    moe_cpu_attention_naive_forward(y, lse, att, q, k, v, sh);
     round_bf16(att, natt);
 
     moe_real *gq_ref = malloc(nq * sizeof *gq_ref), *gq = malloc(nq * sizeof *gq);
@@ -297,7 +297,7 @@ START_TEST(test_attention_backward) {
     memcpy(gq_ref, gq0, nq * sizeof *gq_ref);
     memcpy(gk_ref, gk0, nkv * sizeof *gk_ref);
     memcpy(gv_ref, gv0, nkv * sizeof *gv_ref);
-    moe_cpu_attention_backward(gq_ref, gk_ref, gv_ref, gy, y, lse, att, q, k, v, sh);
+    moe_cpu_attention_naive_backward(gq_ref, gk_ref, gv_ref, gy, y, lse, att, q, k, v, sh);
 
     void *dq = upload(q, nq), *dk = upload(k, nkv), *dv = upload(v, nkv);
     void *dgy = upload(gy, nq), *datt = upload(att, natt), *dy = upload(y, nq);

@@ -34,6 +34,8 @@ Suite *suite_vocab_merge(void); /* tests/test_vocab_merge.c: the vocabulary-para
                                    cross-entropy's merge of the shards (chapter 04) */
 Suite *suite_cp_layout(void);   /* tests/test_cp_layout.c: context parallelism's chunk layout, ring
                                     schedule and log-sum-exp merge (chapter 07) */
+Suite *suite_attention(void);  /* tests/test_attention.c: the CPU flash attention against the
+                                 naive reference: shapes, chunks at offsets, the model (ch07) */
 Suite *suite_step_scalars(void); /* tests/test_step_scalars.c: the step's scalars on the device,
                                     one wait per step, overflow re-run, non-finite skip (ch06) */
 

@@ -133,40 +133,98 @@ void moe_cpu_rope_backward(moe_real *din, const moe_real *dout, int B, int T, in
 
 /* --------------------------------------------------------------- attention.c */
 
+/** Query rows per tile of the CPU flash attention: a tile of queries keeps its running
+ *  max, sum and output rows while the key tiles stream past (moe_cpu_attention_forward()). */
+#define MOE_CPU_ATTENTION_BQ 64
+/** Key rows per tile of the CPU flash attention: the scores of one query row against one
+ *  key tile are the only scores alive at a time (forward and backward). */
+#define MOE_CPU_ATTENTION_BK 64
+
 /**
- * @brief Bytes of workspace the CPU attention needs for a shape: the probabilities
- *        P [B, Hq, Tq, Tk] that its forward saves for its backward.
- * @param s shape  @return bytes
+ * @brief Bytes of workspace the CPU attention needs: 0. The flash forward keeps only y and
+ *        lse, and the backward recomputes the probabilities from them, so nothing passes
+ *        between the two but the op contract's outputs (its tiles live in per-thread
+ *        buffers of O(BK·D) elements inside each call).
+ * @param s shape  @return 0
  */
 size_t moe_cpu_attention_workspace_bytes(moe_attention_shape s);
 
 /**
- * @brief Causal grouped-query attention: y = softmax(q·kᵀ/√D + causal mask)·v, where query
- *        head h reads key/value head h / (Hq/Hkv), and the log-sum-exp of every row of
- *        scores, lse_t = log Σ_s exp(q_t·k_s/√D) over the unmasked s (natural log).
+ * @brief Causal grouped-query attention, flash style: y = softmax(q·kᵀ/√D + causal mask)·v,
+ *        where query head h reads key/value head h / (Hq/Hkv), and the log-sum-exp of every
+ *        row of scores, lse_t = log Σ_s exp(q_t·k_s/√D) over the unmasked s (natural log).
  *
- * This naive version saves the probabilities P [B, Hq, Tq, Tk] (upper triangle written as 0)
- * in @p ws for its backward. lse comes from the same pass as the softmax, from its row max
- * m and sum l: lse = m + log l.
- * @param y [B·Tq, Hq·D]  @param lse [B, Hq, Tq]
- * @param ws moe_cpu_attention_workspace_bytes() bytes; receives P
+ * Any valid shape (moe_attention_shape_invalid()): query t sees key s iff
+ * k_pos + s ≤ q_pos + t, so a chunk of queries can attend to another chunk of keys (context
+ * parallelism); a row that sees no key gets y = 0 and lse = −∞. Queries are cut into tiles
+ * of ::MOE_CPU_ATTENTION_BQ rows and keys into tiles of ::MOE_CPU_ATTENTION_BK; each row
+ * keeps a running max m, sum l and unnormalised output o over the key tiles (online softmax,
+ * rescaled by exp(m_old − m_new) when the max grows), and y = o / l, lse = m + log l at the
+ * end. No [Tq, Tk] buffer exists; the work is split over (b, h, query tile), and the result
+ * does not depend on the number of threads.
+ * @param y [B·Tq, Hq·D] (overwritten)  @param lse [B, Hq, Tq] (overwritten)
+ * @param ws unused (moe_cpu_attention_workspace_bytes() is 0; NULL is fine)
  * @param q [B·Tq, Hq·D]  @param k [B·Tk, Hkv·D]  @param v [B·Tk, Hkv·D]  @param s shape
  */
 void moe_cpu_attention_forward(moe_real *y, moe_real *lse, void *ws, const moe_real *q,
                                const moe_real *k, const moe_real *v, moe_attention_shape s);
 
 /**
- * @brief Backward of causal GQA attention (dq, dk, dv accumulate), from the P that the
- *        forward saved in @p ws. @p y and @p lse belong to the op contract (a flash backward
- *        recomputes P = exp(S − lse) and forms δ_t = dy_t · y_t); this version does not read them.
+ * @brief Backward of moe_cpu_attention_forward() (dq, dk, dv accumulate), from y and lse
+ *        alone: δ_t = dy_t·y_t, P = exp(S − lse) recomputed tile by tile, dv += Pᵀ·dy,
+ *        dP = dy·vᵀ, dS = P ∘ (dP − δ), dq += dS·k/√D, dk += dSᵀ·q/√D.
+ *
+ * y and lse need not come from a forward over the same keys: given the y and lse of the
+ * whole row (all key chunks merged), a call over one key chunk adds exactly that chunk's
+ * share of dq and its dk, dv (what context parallelism's backward does). The work is split
+ * over (b, key/value head): one thread owns a group's dk and dv, so nothing races and the
+ * sums run in a fixed order.
  * @param dq [B·Tq, Hq·D]  @param dk [B·Tk, Hkv·D]  @param dv [B·Tk, Hkv·D]  @param dy [B·Tq, Hq·D]
- * @param y forward output  @param lse forward log-sum-exp  @param ws the forward's workspace
+ * @param y forward output  @param lse forward log-sum-exp  @param ws unused (NULL is fine)
  * @param q queries  @param k keys  @param v values  @param s shape
  */
 void moe_cpu_attention_backward(moe_real *dq, moe_real *dk, moe_real *dv, const moe_real *dy,
                                 const moe_real *y, const moe_real *lse, void *ws,
                                 const moe_real *q, const moe_real *k, const moe_real *v,
                                 moe_attention_shape s);
+
+/**
+ * @brief Bytes of workspace the naive attention needs: the probabilities P [B, Hq, Tq, Tk]
+ *        that its forward saves for its backward.
+ * @param s shape  @return bytes
+ */
+size_t moe_cpu_attention_naive_workspace_bytes(moe_attention_shape s);
+
+/**
+ * @brief The naive attention, the reference the flash version is tested against (and the
+ *        CPU twin of the CUDA kernels, whose P the GPU tests compare): the same y and lse as
+ *        moe_cpu_attention_forward(), from whole rows of scores.
+ *
+ * It saves the probabilities P [B, Hq, Tq, Tk] (upper triangle written as 0) in @p ws for
+ * its backward. lse comes from the same pass as the softmax, from its row max m and sum l:
+ * lse = m + log l. Only a chunk attending to itself (moe_attention_shape_unsupported()).
+ * No op table uses it.
+ * @param y [B·Tq, Hq·D]  @param lse [B, Hq, Tq]
+ * @param ws moe_cpu_attention_naive_workspace_bytes() bytes; receives P
+ * @param q [B·Tq, Hq·D]  @param k [B·Tk, Hkv·D]  @param v [B·Tk, Hkv·D]  @param s shape
+ */
+void moe_cpu_attention_naive_forward(moe_real *y, moe_real *lse, void *ws, const moe_real *q,
+                                     const moe_real *k, const moe_real *v,
+                                     moe_attention_shape s);
+
+/**
+ * @brief Backward of moe_cpu_attention_naive_forward() (dq, dk, dv accumulate), from the P
+ *        that the forward saved in @p ws. @p y and @p lse belong to the op contract; this
+ *        version does not read them.
+ * @param dq [B·Tq, Hq·D]  @param dk [B·Tk, Hkv·D]  @param dv [B·Tk, Hkv·D]  @param dy [B·Tq, Hq·D]
+ * @param y forward output  @param lse forward log-sum-exp  @param ws the forward's workspace
+ * @param q queries  @param k keys  @param v values  @param s shape
+ */
+void moe_cpu_attention_naive_backward(moe_real *dq, moe_real *dk, moe_real *dv,
+                                      const moe_real *dy, const moe_real *y,
+                                      const moe_real *lse, void *ws, const moe_real *q,
+                                      const moe_real *k, const moe_real *v,
+                                      moe_attention_shape s);
 
 /* ------------------------------------------------------------------ swiglu.c */
 
