@@ -38,25 +38,32 @@ int moe_cp_ring_pairs(int cp, int rank, int i, moe_cp_pair out[4]) {
     return n;
 }
 
-void moe_cp_merge(moe_real *y, moe_real *lse, const moe_real *y_b, const moe_real *lse_b,
-                  size_t rows, int D) {
-    for (size_t r = 0; r < rows; r++) {
-        const double a = lse[r], b = lse_b[r];
-        if (isinf(b) && b < 0) /* the part saw no key: nothing to add */
-            continue;
-        moe_real *yr = y + r * (size_t)D;
-        const moe_real *yb = y_b + r * (size_t)D;
-        if (isinf(a) && a < 0) { /* nothing accumulated yet: take the part */
-            for (int d = 0; d < D; d++)
-                yr[d] = yb[d];
-            lse[r] = lse_b[r];
-            continue;
-        }
-        const double hi = a > b ? a : b, lo = a > b ? b : a;
-        const double l = hi + log1p(exp(lo - hi));
-        const double wa = exp(a - l), wb = exp(b - l);
+/* one row: the accumulator (yr, *l) and the part (yb, lb) */
+static void merge_row(moe_real *yr, moe_real *l, const moe_real *yb, double lb, int D) {
+    const double la = *l;
+    if (isinf(lb) && lb < 0) /* the part saw no key: nothing to add */
+        return;
+    if (isinf(la) && la < 0) { /* nothing accumulated yet: take the part */
         for (int d = 0; d < D; d++)
-            yr[d] = (moe_real)(wa * yr[d] + wb * yb[d]);
-        lse[r] = (moe_real)l;
+            yr[d] = yb[d];
+        *l = (moe_real)lb;
+        return;
     }
+    const double hi = la > lb ? la : lb, lo = la > lb ? lb : la;
+    const double m = hi + log1p(exp(lo - hi));
+    const double wa = exp(la - m), wb = exp(lb - m);
+    for (int d = 0; d < D; d++)
+        yr[d] = (moe_real)(wa * yr[d] + wb * yb[d]);
+    *l = (moe_real)m;
+}
+
+void moe_cp_merge(moe_real *y, moe_real *lse, const moe_real *y_b, const moe_real *lse_b, int B,
+                  int T, int H, int D) {
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < T; t++) {
+                const size_t row = (((size_t)b * T + t) * H + h) * (size_t)D;
+                const size_t l = ((size_t)b * H + h) * T + t;
+                merge_row(y + row, lse + l, y_b + row, lse_b[l], D);
+            }
 }

@@ -91,15 +91,17 @@ static inline int moe_cp_ring_source(int cp, int rank, int i) {
 }
 
 /**
- * @brief Merge a partial attention result into an accumulated one, row by row:
+ * @brief Merge a partial attention result into an accumulated one, in the attention op's
+ *        layouts (y [B, T, H, D], lse [B, H, T]), one query row (b, t, h) at a time:
  *        lse = max + log1p(exp(min − max)), y = exp(lse_acc − lse)·y + exp(lse_b − lse)·y_b.
  *        A row with lse_b = −∞ (no visible key) leaves the accumulator unchanged; an
  *        accumulator row at −∞ takes the part as it is.
- * @param y [rows, D] accumulated output, updated  @param lse [rows] its log-sum-exp, updated
- * @param y_b [rows, D] the part  @param lse_b [rows] its log-sum-exp
- * @param rows query rows (each with its own lse)  @param D values per row
+ * @param y accumulated output, updated  @param lse its log-sum-exp, updated
+ * @param y_b the part's output  @param lse_b the part's log-sum-exp
+ * @param B sequences  @param T query rows per sequence  @param H query heads
+ * @param D head dimension
  */
-void moe_cp_merge(moe_real *y, moe_real *lse, const moe_real *y_b, const moe_real *lse_b,
-                  size_t rows, int D);
+void moe_cp_merge(moe_real *y, moe_real *lse, const moe_real *y_b, const moe_real *lse_b, int B,
+                  int T, int H, int D);
 
 #endif /* MOE_CP_LAYOUT_H */

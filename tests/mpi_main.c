@@ -30,7 +30,7 @@ static const moe_backend *g_backend;
 
 /** The backend whose alloc/from_host/to_host make transport buffers (declared by the
  *  suites that use it; the world's accessor, moe_test_world, is in suites.h). */
-const moe_backend *moe_test_mpi_backend(void);
+
 
 moe_comm *moe_test_world(void) { return g_world; }
 const moe_backend *moe_test_mpi_backend(void) { return g_backend; }
@@ -73,6 +73,7 @@ int main(int argc, char **argv) {
     srunner_add_suite(sr, suite_mpi_dp());
     srunner_add_suite(sr, suite_mpi_etp());
     srunner_add_suite(sr, suite_mpi_fold8());
+    srunner_add_suite(sr, suite_mpi_cp());
     srunner_add_suite(sr, suite_mpi_checkpoint());
     srunner_set_fork_status(sr, CK_NOFORK);
     srunner_run_all(sr, rank == 0 ? CK_VERBOSE : CK_SILENT);

@@ -72,6 +72,9 @@ Suite *suite_mpi_etp(void);       /* tests/mpi_etp.c: ETP 2 (x EP 2, x TP 2 + SP
                                      single-process loss, gradients and weights; a mutant
                                      without the ETP reduction fails */
 Suite *suite_mpi_fold8(void);     /* tests/mpi_etp.c: the 8-rank foldings (make test-mpi8) */
+Suite *suite_mpi_cp(void);        /* tests/mpi_cp.c: context-parallel attention, p2p ring and
+                                     all-gather, against one process (chapter 07) */
+const struct moe_backend *moe_test_mpi_backend(void); /* the world's backend (mpi_main.c) */
 Suite *suite_mpi_tp(void);        /* tests/mpi_tp.c: TP and TP+SP give the single-process loss,
                                      gradients and weights; the f/g operators (chapter 04) */
 struct moe_comm;

@@ -119,7 +119,7 @@ START_TEST(test_cp_merge_equals_one_softmax) {
         for (int q = 0; q < 4; q++) {
             moe_real yb[D], lb;
             part(s, v, bounds[q], bounds[q + 1], D, yb, &lb);
-            moe_cp_merge(y, &lse, yb, &lb, 1, D);
+            moe_cp_merge(y, &lse, yb, &lb, 1, 1, 1, D);
         }
         ck_assert_msg(fabs(lse - want_lse) <= 1e-5 * fmax(1.0, fabs(want_lse)),
                       "trial %d: lse %.9g, one softmax %.9g", trial, lse, want_lse);

@@ -1,0 +1,95 @@
+/**
+ * @file context_parallel.h
+ * @brief Context-parallel attention (chapter 07): each rank holds 2 of the 2·cp chunks of
+ *        every sequence (cp_layout.h) and attends its queries to the keys of all ranks.
+ *
+ * Two ways to bring the keys, as Megatron's `--cp-comm-type` names them:
+ *  - **p2p** (ring attention): the keys and values travel around the ring of CP ranks, one
+ *    hop per step; at step i a rank holds those of rank (r − i) mod cp, computes the blocks
+ *    moe_cp_ring_pairs() lists, and merges each partial result into its output by its
+ *    log-sum-exp. Memory: two ranks' keys and values. In the backward the key and value
+ *    gradients travel with the keys and values, and one more hop brings them home.
+ *  - **allgather** (as in Llama 3): every rank all-gathers all keys and values once, attends
+ *    its queries to the visible chunks, and the key/value gradients are reduce-scattered
+ *    back. Memory: the whole sequence's keys and values; no ring, two collectives.
+ *
+ * The local tensors are **chunk-major**: a rank's T/cp tokens of each sequence are stored as
+ * its early chunk of every sequence, then its late chunk of every sequence
+ * ([2][B][C][heads][D], C = T/(2·cp)), so that one chunk of all B sequences is one
+ * contiguous [B, C, heads, D] block, which the attention op takes as it is. lse is
+ * [2][B][Hq][C] in the same spirit. The backward uses the attention op's backward with the
+ * *merged* output and log-sum-exp of each query row, which is exactly the gradient of the
+ * softmax over all keys (the probabilities of one block are exp(s − lse_total)).
+ *
+ * The backend's attention op must run a query chunk against another chunk
+ * (moe_attention_shape with Tq ≠ Tk or q_pos ≠ k_pos): the CPU's flash attention does; the
+ * CUDA kernels do not yet, and moe_cp_attention_supported() says so.
+ */
+#ifndef MOE_CONTEXT_PARALLEL_H
+#define MOE_CONTEXT_PARALLEL_H
+
+#include "backend.h"
+#include "comm.h"
+#include "cp_layout.h"
+#include "error.h"
+
+/** How the keys and values reach the other ranks (--cp-comm-type). */
+typedef enum moe_cp_comm {
+    MOE_CP_P2P = 0,   /**< ring attention: send/recv around the CP ranks */
+    MOE_CP_ALLGATHER, /**< all-gather the keys and values, reduce-scatter their gradients */
+} moe_cp_comm;
+
+/** One rank's view of a context-parallel attention call. */
+typedef struct moe_cp_attention {
+    moe_comm *comm;   /**< the CP group (NULL: cp = 1, nothing to exchange) */
+    int cp;           /**< ranks of the group */
+    int rank;         /**< this rank in it */
+    moe_cp_comm type; /**< p2p or allgather */
+    int B;            /**< sequences */
+    int T;            /**< tokens per sequence, over all ranks (2·cp·C) */
+    int Hq;           /**< query heads */
+    int Hkv;          /**< key/value heads */
+    int D;            /**< head dimension */
+} moe_cp_attention;
+
+/**
+ * @brief Whether a backend's attention op can run the chunk pairs context parallelism needs.
+ * @param be backend  @param err receives the reason when it cannot
+ * @return ::MOE_OK or ::MOE_ERR_CONFIG (naming --context-parallel-size and what to use)
+ */
+moe_status moe_cp_attention_supported(const moe_backend *be, moe_error *err);
+
+/**
+ * @brief Backend memory the call needs beside its tensors, in bytes: for p2p two ranks'
+ *        keys and values plus, in the backward, their gradients, and one partial output and
+ *        lse; for allgather the whole sequence's keys and values and their gradients.
+ * @param a the call  @param act_size bytes per activation
+ * @return bytes of workspace (moe_cp_attention_forward/backward take it as @p ws)
+ */
+size_t moe_cp_attention_workspace_bytes(const moe_cp_attention *a, size_t act_size);
+
+/**
+ * @brief Forward: y and lse of this rank's queries over the keys of the whole sequence.
+ * @param be backend (its attention op must run chunk pairs)  @param a the call
+ * @param y [2][B][C][Hq][D] output  @param lse [2][B][Hq][C] its row log-sum-exp
+ * @param q [2][B][C][Hq][D]  @param k [2][B][C][Hkv][D]  @param v as k (this rank's chunks,
+ *        RoPE applied at their absolute positions)
+ * @param ws moe_cp_attention_workspace_bytes() bytes of backend memory
+ */
+void moe_cp_attention_forward(const moe_backend *be, const moe_cp_attention *a, void *y,
+                              moe_real *lse, const void *q, const void *k, const void *v,
+                              void *ws);
+
+/**
+ * @brief Backward: dq, dk, dv of this rank's chunks (accumulated, +=) from dy, with the
+ *        forward's merged y and lse.
+ * @param be backend  @param a the call  @param dq as q  @param dk as k  @param dv as v
+ * @param dy as y  @param y the forward's output  @param lse the forward's log-sum-exp
+ * @param q @param k @param v the forward's inputs  @param ws workspace, as in the forward
+ */
+void moe_cp_attention_backward(const moe_backend *be, const moe_cp_attention *a, void *dq,
+                               void *dk, void *dv, const void *dy, const void *y,
+                               const moe_real *lse, const void *q, const void *k, const void *v,
+                               void *ws);
+
+#endif /* MOE_CONTEXT_PARALLEL_H */

@@ -1,0 +1,146 @@
+/*
+ * Context-parallel attention (chapter 07, lib/context_parallel.h). Under mpirun with W ranks
+ * the world is one CP group (cp = W): every rank holds chunks r and 2W−1−r of each sequence
+ * (chunk-major), runs the ring (p2p) and the all-gather variants forward and backward, and
+ * must get exactly the rows ONE process computes with the attention op on the whole
+ * sequence: y and lse of its query rows, and dq, dk, dv of its rows (accumulated onto a
+ * non-zero start, so an op that overwrites fails). With W = 1 the same code runs with no
+ * group (cp = 1). GQA 4/2 and 4/1, head dims 16 and 8, 3 and 5 tokens per chunk. Bound: fp32,
+ * 1e-5 of each tensor's largest magnitude (the same sums, merged in another order).
+ * CPU ranks only: the CUDA attention kernels do not run chunk pairs yet (the suite says so).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "comm.h"
+#include "context_parallel.h"
+#include "helpers.h"
+#include "rng.h"
+#include "suites.h"
+
+/* the local rows, chunk-major, of a [B, T, H, D] tensor (or back) */
+static void to_local(moe_real *loc, const moe_real *full, int B, int T, int H, int D, int cp,
+                     int r) {
+    const int C = T / (2 * cp);
+    for (int w = 0; w < 2; w++)
+        for (int b = 0; b < B; b++)
+            for (int c = 0; c < C; c++) {
+                const int pos = moe_cp_chunk(cp, r, w) * C + c;
+                memcpy(loc + (((size_t)w * B + b) * C + c) * H * D,
+                       full + ((size_t)b * T + pos) * H * D, sizeof(moe_real) * H * D);
+            }
+}
+
+/* largest |a − b| over n, relative to the largest |b| */
+static double rel_err(const moe_real *a, const moe_real *b, size_t n) {
+    double e = 0, m = 1e-30;
+    for (size_t i = 0; i < n; i++) {
+        e = fmax(e, fabs((double)a[i] - b[i]));
+        m = fmax(m, fabs((double)b[i]));
+    }
+    return e / m;
+}
+
+static moe_real *randn(size_t n, uint64_t stream) {
+    moe_real *x = malloc(sizeof *x * n);
+    for (size_t i = 0; i < n; i++)
+        x[i] = (moe_real)moe_rng_normal(11, stream, i);
+    return x;
+}
+
+static void check_cp(int B, int C, int Hq, int Hkv, int D, moe_cp_comm type) {
+    moe_comm *world = moe_test_world();
+    const int cp = moe_comm_size(world), r = moe_comm_rank(world), T = 2 * cp * C;
+    const moe_backend *be = moe_backend_cpu();
+    const size_t NQ = (size_t)B * T * Hq * D, NK = (size_t)B * T * Hkv * D;
+    moe_real *q = randn(NQ, 1), *k = randn(NK, 2), *v = randn(NK, 3), *dy = randn(NQ, 4);
+    /* one process, the whole sequence */
+    moe_real *y = malloc(sizeof *y * NQ), *lse = malloc(sizeof *lse * (size_t)B * Hq * T);
+    moe_real *dq = calloc(NQ, sizeof *dq), *dk = calloc(NK, sizeof *dk), *dv = calloc(NK, sizeof *dv);
+    const moe_attention_shape whole = {B, T, T, Hq, Hkv, D, 0, 0};
+    ck_assert_int_eq((int)be->attention_workspace_bytes(whole), 0);
+    be->attention_forward(y, lse, NULL, q, k, v, whole);
+    be->attention_backward(dq, dk, dv, dy, y, lse, NULL, q, k, v, whole);
+    /* this rank's rows */
+    const size_t nq = NQ / cp, nk = NK / cp, nl = (size_t)B * Hq * T / cp;
+    moe_real *lq = malloc(sizeof *lq * nq), *lk = malloc(sizeof *lk * nk),
+             *lv = malloc(sizeof *lv * nk), *ldy = malloc(sizeof *ldy * nq);
+    moe_real *want_y = malloc(sizeof *want_y * nq), *want_dq = malloc(sizeof *want_dq * nq),
+             *want_dk = malloc(sizeof *want_dk * nk), *want_dv = malloc(sizeof *want_dv * nk);
+    to_local(lq, q, B, T, Hq, D, cp, r);
+    to_local(lk, k, B, T, Hkv, D, cp, r);
+    to_local(lv, v, B, T, Hkv, D, cp, r);
+    to_local(ldy, dy, B, T, Hq, D, cp, r);
+    to_local(want_y, y, B, T, Hq, D, cp, r);
+    to_local(want_dq, dq, B, T, Hq, D, cp, r);
+    to_local(want_dk, dk, B, T, Hkv, D, cp, r);
+    to_local(want_dv, dv, B, T, Hkv, D, cp, r);
+    moe_real *want_lse = malloc(sizeof *want_lse * nl); /* lse [B, Hq, T] -> [2][B][Hq][C] */
+    for (int w = 0; w < 2; w++)
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < Hq; h++)
+                for (int c = 0; c < C; c++)
+                    want_lse[(((size_t)w * B + b) * Hq + h) * C + c] =
+                        lse[((size_t)b * Hq + h) * T + moe_cp_chunk(cp, r, w) * C + c];
+    /* context parallel */
+    moe_cp_attention a = {cp > 1 ? world : NULL, cp, r, type, B, T, Hq, Hkv, D};
+    void *ws = malloc(moe_cp_attention_workspace_bytes(&a, sizeof(moe_real)));
+    moe_real *got_y = malloc(sizeof *got_y * nq), *got_lse = malloc(sizeof *got_lse * nl);
+    for (size_t i = 0; i < nq; i++) /* poisoned: an unwritten row fails */
+        got_y[i] = NAN;
+    for (size_t i = 0; i < nl; i++)
+        got_lse[i] = NAN;
+    moe_cp_attention_forward(be, &a, got_y, got_lse, lq, lk, lv, ws);
+    const double start = 0.25; /* the gradients accumulate onto it */
+    moe_real *gq = malloc(sizeof *gq * nq), *gk = malloc(sizeof *gk * nk), *gv = malloc(sizeof *gv * nk);
+    for (size_t i = 0; i < nq; i++)
+        gq[i] = (moe_real)start;
+    for (size_t i = 0; i < nk; i++)
+        gk[i] = gv[i] = (moe_real)start;
+    moe_cp_attention_backward(be, &a, gq, gk, gv, ldy, got_y, got_lse, lq, lk, lv, ws);
+    for (size_t i = 0; i < nq; i++)
+        gq[i] -= (moe_real)start;
+    for (size_t i = 0; i < nk; i++)
+        gk[i] -= (moe_real)start, gv[i] -= (moe_real)start;
+    const double e[5] = {rel_err(got_y, want_y, nq), rel_err(got_lse, want_lse, nl),
+                         rel_err(gq, want_dq, nq), rel_err(gk, want_dk, nk),
+                         rel_err(gv, want_dv, nk)};
+    double worst = 0;
+    for (int i = 0; i < 5; i++)
+        worst = isnan(e[i]) ? INFINITY : fmax(worst, e[i]);
+    if (r == 0)
+        printf("  CP %d %-9s B=%d T=%d Hq=%d Hkv=%d D=%d: y %.1e lse %.1e dq %.1e dk %.1e dv %.1e "
+               "(relative to one process)\n", cp, type == MOE_CP_P2P ? "p2p" : "allgather", B, T,
+               Hq, Hkv, D, e[0], e[1], e[2], e[3], e[4]);
+    MOE_TEST_AGREE(!(worst <= 1e-5), "CP %d %s (B=%d T=%d Hq=%d Hkv=%d D=%d) on rank %d: y %.2e "
+                   "lse %.2e dq %.2e dk %.2e dv %.2e", cp, type == MOE_CP_P2P ? "p2p" : "allgather",
+                   B, T, Hq, Hkv, D, r, e[0], e[1], e[2], e[3], e[4]);
+    free(q), free(k), free(v), free(dy), free(y), free(lse), free(dq), free(dk), free(dv);
+    free(lq), free(lk), free(lv), free(ldy), free(want_y), free(want_dq), free(want_dk);
+    free(want_dv), free(want_lse), free(ws), free(got_y), free(got_lse), free(gq), free(gk);
+    free(gv);
+}
+
+START_TEST(test_cp_attention_equals_one_process) {
+    if (moe_comm_device(moe_test_world()) != MOE_DEVICE_CPU) {
+        moe_error err;
+        ck_assert_int_eq(moe_cp_attention_supported(moe_test_mpi_backend(), &err), MOE_ERR_CONFIG);
+        if (moe_comm_rank(moe_test_world()) == 0)
+            printf("  context-parallel attention: skipped on GPU ranks (%s)\n", err.msg);
+        return;
+    }
+    for (int t = 0; t < 2; t++) {
+        const moe_cp_comm type = t ? MOE_CP_ALLGATHER : MOE_CP_P2P;
+        check_cp(2, 3, 4, 2, 16, type);
+        check_cp(1, 5, 4, 1, 8, type);
+    }
+}
+END_TEST
+
+Suite *suite_mpi_cp(void) {
+    const TTest *const tests[] = {test_cp_attention_equals_one_process};
+    return moe_test_chapter_suite("mpi_cp", "ch07", tests, 1);
+}
