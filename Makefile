@@ -455,6 +455,10 @@ check-ch07: check-deps
 	@echo "== chapter 07 self-check (reference: the library's code; no student stubs yet)"
 	CK_INCLUDE_TAGS=ch07 $(BUILD)/tests/unit
 	CK_INCLUDE_TAGS=ch07 $(BUILD)/tests/fd
+	@if [ "$(WITH_MPI)" != 1 ]; then echo "== chapter 07 MPI ranks: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
+	else $(MAKE) --no-print-directory $(BUILD)/tests/mpi && \
+	  for np in 2 3 4; do echo "== chapter 07: context-parallel attention on $$np MPI ranks (CPU) against one process"; \
+	  CK_RUN_SUITE=mpi_cp OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(BUILD)/tests/mpi || exit 1; done; fi
 
 # make test runs the chapter checks on the reference, and proves the other direction: an
 # untouched stub fails, with the message that names its file and function.
