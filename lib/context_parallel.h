@@ -85,7 +85,8 @@ void moe_cp_attention_forward(const moe_backend *be, const moe_cp_attention *a, 
  *        forward's merged y and lse.
  * @param be backend  @param a the call  @param dq as q  @param dk as k  @param dv as v
  * @param dy as y  @param y the forward's output  @param lse the forward's log-sum-exp
- * @param q @param k @param v the forward's inputs  @param ws workspace, as in the forward
+ * @param q the forward's queries  @param k its keys  @param v its values
+ * @param ws workspace, as in the forward
  */
 void moe_cp_attention_backward(const moe_backend *be, const moe_cp_attention *a, void *dq,
                                void *dk, void *dv, const void *dy, const void *y,
