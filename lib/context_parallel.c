@@ -33,8 +33,21 @@ static sizes sizes_of(const moe_cp_attention *a) {
     return z;
 }
 
+moe_status moe_cp_attention_check(const moe_cp_attention *a, moe_error *err) {
+    MOE_TRY(moe_cp_check(a->T, a->cp, err));
+    if (a->type == MOE_CP_A2A && (a->Hq % a->cp != 0 || a->Hkv % a->cp != 0))
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "--cp-comm-type a2a splits the heads over the %d context-parallel "
+                             "ranks, but --num-attention-heads %d and --num-query-groups %d do "
+                             "not both divide by %d: use --cp-comm-type p2p or allgather, or "
+                             "another --context-parallel-size", a->cp, a->Hq, a->Hkv, a->cp);
+    return MOE_OK;
+}
+
 size_t moe_cp_attention_workspace_bytes(const moe_cp_attention *a, size_t act_size) {
     const sizes z = sizes_of(a);
+    if (a->type == MOE_CP_A2A) /* q k v y dy dq dk dv of my heads, their lse, the staging */
+        return (4 * 2 * z.QC + 4 * z.KL + 2 * 2 * z.QC) * act_size + 2 * z.LC * sizeof(moe_real);
     const size_t part = z.QC * act_size + z.LC * sizeof(moe_real); /* one partial y, lse */
     if (a->type == MOE_CP_ALLGATHER) /* all keys and values, their gradients, one piece */
         return (4 * (size_t)a->cp * z.KL + z.KL) * act_size + part;
@@ -58,6 +71,168 @@ static void ring_shift(const moe_backend *be, const moe_cp_attention *a, const v
     moe_comm_exchange(a->comm, cur, &to, 1, nxt, &from, 1, moe_dtype_act(be));
 }
 
+
+/* ------------------------------------------------------------ a2a (Ulysses) */
+
+/* Token (s, w, b, c) of the CP group (rank s's chunk w, sequence b, row c) sits at position
+ * moe_cp_chunk(cp, s, w)·C + c. "Tokens" layout: this rank's [2][B][C][H][D], every head;
+ * "heads" layout: [B][T][H/cp][D], every token of the sequence, this rank's heads. */
+
+/* the all-to-all of `per` elements with every rank (a copy with no group) */
+static void a2a_swap(const moe_backend *be, const moe_cp_attention *a, const void *send,
+                     void *recv, size_t per, moe_dtype t, size_t elem) {
+    if (!a->comm) {
+        memcpy(recv, send, per * elem);
+        return;
+    }
+    size_t counts[64];
+    MOE_ASSERT(a->cp <= 64);
+    for (int p = 0; p < a->cp; p++)
+        counts[p] = per;
+    moe_comm_all_to_all_v(a->comm, send, counts, recv, counts, t);
+    (void)be;
+}
+
+/* tokens -> heads: pack each head slice for its owner, swap, place by position */
+static void tokens_to_heads(const moe_backend *be, const moe_cp_attention *a, moe_real *full,
+                            const moe_real *local, int H, moe_real *stage) {
+    const int cp = a->cp, B = a->B, C = a->T / (2 * cp), h = H / cp, D = a->D;
+    const size_t per = (size_t)2 * B * C * h * D, row = (size_t)h * D;
+    moe_real *snd = stage, *rcv = stage + per * cp;
+    for (int d = 0; d < cp; d++)
+        for (int w = 0; w < 2; w++)
+            for (int b = 0; b < B; b++)
+                for (int c = 0; c < C; c++)
+                    memcpy(snd + d * per + (((size_t)w * B + b) * C + c) * row,
+                           local + (((size_t)w * B + b) * C + c) * H * D + (size_t)d * row,
+                           sizeof(moe_real) * row);
+    a2a_swap(be, a, snd, rcv, per, moe_dtype_act(be), sizeof(moe_real));
+    for (int s = 0; s < cp; s++)
+        for (int w = 0; w < 2; w++)
+            for (int b = 0; b < B; b++)
+                for (int c = 0; c < C; c++) {
+                    const int pos = moe_cp_chunk(cp, s, w) * C + c;
+                    memcpy(full + ((size_t)b * a->T + pos) * row,
+                           rcv + s * per + (((size_t)w * B + b) * C + c) * row,
+                           sizeof(moe_real) * row);
+                }
+}
+
+/* heads -> tokens: the inverse; `add` accumulates into local (gradients) */
+static void heads_to_tokens(const moe_backend *be, const moe_cp_attention *a, moe_real *local,
+                            const moe_real *full, int H, int add, moe_real *stage) {
+    const int cp = a->cp, B = a->B, C = a->T / (2 * cp), h = H / cp, D = a->D;
+    const size_t per = (size_t)2 * B * C * h * D, row = (size_t)h * D;
+    moe_real *snd = stage, *rcv = stage + per * cp;
+    for (int s = 0; s < cp; s++)
+        for (int w = 0; w < 2; w++)
+            for (int b = 0; b < B; b++)
+                for (int c = 0; c < C; c++) {
+                    const int pos = moe_cp_chunk(cp, s, w) * C + c;
+                    memcpy(snd + s * per + (((size_t)w * B + b) * C + c) * row,
+                           full + ((size_t)b * a->T + pos) * row, sizeof(moe_real) * row);
+                }
+    a2a_swap(be, a, snd, rcv, per, moe_dtype_act(be), sizeof(moe_real));
+    for (int d = 0; d < cp; d++)
+        for (int w = 0; w < 2; w++)
+            for (int b = 0; b < B; b++)
+                for (int c = 0; c < C; c++) {
+                    moe_real *dst = local + (((size_t)w * B + b) * C + c) * H * D + (size_t)d * row;
+                    const moe_real *src = rcv + d * per + (((size_t)w * B + b) * C + c) * row;
+                    for (size_t i = 0; i < row; i++)
+                        dst[i] = add ? dst[i] + src[i] : src[i];
+                }
+}
+
+/* the lse: local [2][B][Hq][C] -> heads [B][Hq/cp][T] (to_heads), or back; src is in the
+ * layout of the direction's start, dst in that of its end */
+static void lse_swap(const moe_backend *be, const moe_cp_attention *a, const moe_real *src,
+                     moe_real *dst, int to_heads, moe_real *stage) {
+    const int cp = a->cp, B = a->B, C = a->T / (2 * cp), Hq = a->Hq, h = Hq / cp;
+    const size_t per = (size_t)2 * B * h * C;
+    moe_real *snd = stage, *rcv = stage + per * cp;
+    for (int p = 0; p < cp; p++) /* p: the head owner (to heads) or the token owner (back) */
+        for (int w = 0; w < 2; w++)
+            for (int b = 0; b < B; b++)
+                for (int j = 0; j < h; j++)
+                    for (int c = 0; c < C; c++) {
+                        const size_t k = (size_t)p * per + (((size_t)w * B + b) * h + j) * C + c;
+                        snd[k] = to_heads
+                                     ? src[(((size_t)w * B + b) * Hq + p * h + j) * C + c]
+                                     : src[((size_t)b * h + j) * a->T + moe_cp_chunk(cp, p, w) * C + c];
+                    }
+    a2a_swap(be, a, snd, rcv, per, moe_dtype_real(), sizeof(moe_real));
+    for (int p = 0; p < cp; p++) /* p: the token owner (to heads) or the head owner (back) */
+        for (int w = 0; w < 2; w++)
+            for (int b = 0; b < B; b++)
+                for (int j = 0; j < h; j++)
+                    for (int c = 0; c < C; c++) {
+                        const moe_real x = rcv[(size_t)p * per + (((size_t)w * B + b) * h + j) * C + c];
+                        if (to_heads)
+                            dst[((size_t)b * h + j) * a->T + moe_cp_chunk(cp, p, w) * C + c] = x;
+                        else
+                            dst[(((size_t)w * B + b) * Hq + p * h + j) * C + c] = x;
+                    }
+}
+
+/* the a2a workspace: my heads' q k v y dy dq dk dv (whole sequence), their lse, staging */
+typedef struct a2a_bufs {
+    moe_real *q, *k, *v, *y, *dy, *dq, *dk, *dv, *lse, *stage;
+} a2a_bufs;
+
+static a2a_bufs a2a_layout(const moe_cp_attention *a, void *ws) {
+    const sizes z = sizes_of(a);
+    const size_t nq = 2 * z.QC, nk = z.KL;
+    a2a_bufs u;
+    moe_real *p = ws;
+    u.q = p, p += nq;
+    u.y = p, p += nq;
+    u.dy = p, p += nq;
+    u.dq = p, p += nq;
+    u.k = p, p += nk;
+    u.v = p, p += nk;
+    u.dk = p, p += nk;
+    u.dv = p, p += nk;
+    u.lse = p, p += 2 * z.LC;
+    u.stage = p; /* 2·nq: a send and a receive area of the largest tensor */
+    return u;
+}
+
+static moe_attention_shape a2a_shape(const moe_cp_attention *a) {
+    moe_attention_shape s = {a->B, a->T, a->T, a->Hq / a->cp, a->Hkv / a->cp, a->D, 0, 0};
+    return s;
+}
+
+static void a2a_forward(const moe_backend *be, const moe_cp_attention *a, void *y,
+                        moe_real *lse, const void *q, const void *k, const void *v, void *ws) {
+    const a2a_bufs u = a2a_layout(a, ws);
+    tokens_to_heads(be, a, u.q, q, a->Hq, u.stage);
+    tokens_to_heads(be, a, u.k, k, a->Hkv, u.stage);
+    tokens_to_heads(be, a, u.v, v, a->Hkv, u.stage);
+    be->attention_forward(u.y, u.lse, NULL, u.q, u.k, u.v, a2a_shape(a));
+    heads_to_tokens(be, a, y, u.y, a->Hq, 0, u.stage);
+    lse_swap(be, a, u.lse, lse, 0, u.stage);
+}
+
+static void a2a_backward(const moe_backend *be, const moe_cp_attention *a, void *dq, void *dk,
+                         void *dv, const void *dy, const void *y, const moe_real *lse,
+                         const void *q, const void *k, const void *v, void *ws) {
+    const a2a_bufs u = a2a_layout(a, ws);
+    const sizes z = sizes_of(a);
+    tokens_to_heads(be, a, u.q, q, a->Hq, u.stage);
+    tokens_to_heads(be, a, u.k, k, a->Hkv, u.stage);
+    tokens_to_heads(be, a, u.v, v, a->Hkv, u.stage);
+    tokens_to_heads(be, a, u.y, y, a->Hq, u.stage);
+    tokens_to_heads(be, a, u.dy, dy, a->Hq, u.stage);
+    lse_swap(be, a, lse, u.lse, 1, u.stage);
+    memset(u.dq, 0, sizeof(moe_real) * 2 * z.QC);
+    memset(u.dk, 0, sizeof(moe_real) * 2 * z.KL);
+    be->attention_backward(u.dq, u.dk, u.dv, u.dy, u.y, u.lse, NULL, u.q, u.k, u.v, a2a_shape(a));
+    heads_to_tokens(be, a, dq, u.dq, a->Hq, 1, u.stage);
+    heads_to_tokens(be, a, dk, u.dk, a->Hkv, 1, u.stage);
+    heads_to_tokens(be, a, dv, u.dv, a->Hkv, 1, u.stage);
+}
+
 #define AT(p, i) ((char *)(p) + (size_t)(i) * S) /* element i of an activation buffer */
 
 void moe_cp_attention_forward(const moe_backend *be, const moe_cp_attention *a, void *y,
@@ -70,6 +245,10 @@ void moe_cp_attention_forward(const moe_backend *be, const moe_cp_attention *a, 
     void *kv[2] = {w, w + 2 * z.KL * S}; /* the held rank's [k | v], and the next one's */
     void *y_part = w + 4 * z.KL * S;
     moe_real *lse_part = (moe_real *)((char *)y_part + z.QC * S);
+    if (a->type == MOE_CP_A2A) {
+        a2a_forward(be, a, y, lse, q, k, v, ws);
+        return;
+    }
     for (size_t i = 0; i < 2 * z.LC; i++) /* nothing merged yet: every row at lse = −∞ */
         lse[i] = -INFINITY;
     if (a->type == MOE_CP_ALLGATHER) {
@@ -129,6 +308,10 @@ void moe_cp_attention_backward(const moe_backend *be, const moe_cp_attention *a,
     const size_t S = be->act_size;
     MOE_ASSERT(S == sizeof(moe_real));
     char *w = ws;
+    if (a->type == MOE_CP_A2A) {
+        a2a_backward(be, a, dq, dk, dv, dy, y, lse, q, k, v, ws);
+        return;
+    }
     if (a->type == MOE_CP_ALLGATHER) {
         /* the forward's gather again (the workspace is shared between calls), then every
          * visible block's gradients into whole-sequence accumulators, reduce-scattered home */

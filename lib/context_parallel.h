@@ -12,6 +12,11 @@
  *  - **allgather** (as in Llama 3): every rank all-gathers all keys and values once, attends
  *    its queries to the visible chunks, and the key/value gradients are reduce-scattered
  *    back. Memory: the whole sequence's keys and values; no ring, two collectives.
+ *  - **a2a** (DeepSpeed-Ulysses): an all-to-all turns "my tokens, every head" into "every
+ *    token, my heads" (Hq/cp query heads and Hkv/cp key/value heads: both must divide by
+ *    cp), each rank runs plain causal attention over the whole sequence for its heads, and
+ *    an all-to-all turns the output back. Memory: the local size; four all-to-alls forward
+ *    (q, k, v in, y and lse out) and more in the backward, but no ring of dependent steps.
  *
  * The local tensors are **chunk-major**: a rank's T/cp tokens of each sequence are stored as
  * its early chunk of every sequence, then its late chunk of every sequence
@@ -37,6 +42,7 @@
 typedef enum moe_cp_comm {
     MOE_CP_P2P = 0,   /**< ring attention: send/recv around the CP ranks */
     MOE_CP_ALLGATHER, /**< all-gather the keys and values, reduce-scatter their gradients */
+    MOE_CP_A2A,       /**< all-to-all heads <-> sequence (Ulysses) */
 } moe_cp_comm;
 
 /** One rank's view of a context-parallel attention call. */
@@ -60,9 +66,18 @@ typedef struct moe_cp_attention {
 moe_status moe_cp_attention_supported(const moe_backend *be, moe_error *err);
 
 /**
+ * @brief Whether a call's sizes fit its communication type: 2·cp must divide T (every type),
+ *        and for a2a cp must divide both head counts.
+ * @param a the call  @param err receives a message naming the flags and the fix
+ * @return ::MOE_OK or ::MOE_ERR_CONFIG
+ */
+moe_status moe_cp_attention_check(const moe_cp_attention *a, moe_error *err);
+
+/**
  * @brief Backend memory the call needs beside its tensors, in bytes: for p2p two ranks'
  *        keys and values plus, in the backward, their gradients, and one partial output and
- *        lse; for allgather the whole sequence's keys and values and their gradients.
+ *        lse; for allgather the whole sequence's keys and values and their gradients; for
+ *        a2a eight local-sized tensors, the lse and a staging area.
  * @param a the call  @param act_size bytes per activation
  * @return bytes of workspace (moe_cp_attention_forward/backward take it as @p ws)
  */

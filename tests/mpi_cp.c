@@ -1,9 +1,10 @@
 /*
  * Context-parallel attention (chapter 07, lib/context_parallel.h). Under mpirun with W ranks
  * the world is one CP group (cp = W): every rank holds chunks r and 2W−1−r of each sequence
- * (chunk-major), runs the ring (p2p) and the all-gather variants forward and backward, and
+ * (chunk-major), runs each communication type forward and backward, and
  * must get exactly the rows ONE process computes with the attention op on the whole
- * sequence: y and lse of its query rows, and dq, dk, dv of its rows (accumulated onto a
+ * sequence (the ring, the all-gather and the all-to-all of heads, Ulysses): y and lse of
+ * its query rows, and dq, dk, dv of its rows (accumulated onto a
  * non-zero start, so an op that overwrites fails). With W = 1 the same code runs with no
  * group (cp = 1). GQA 4/2 and 4/1, head dims 16 and 8, 3 and 5 tokens per chunk. Bound: fp32,
  * 1e-5 of each tensor's largest magnitude (the same sums, merged in another order).
@@ -87,6 +88,9 @@ static void check_cp(int B, int C, int Hq, int Hkv, int D, moe_cp_comm type) {
                         lse[((size_t)b * Hq + h) * T + moe_cp_chunk(cp, r, w) * C + c];
     /* context parallel */
     moe_cp_attention a = {cp > 1 ? world : NULL, cp, r, type, B, T, Hq, Hkv, D};
+    const char *name = type == MOE_CP_P2P ? "p2p" : type == MOE_CP_ALLGATHER ? "allgather" : "a2a";
+    moe_error err;
+    ck_assert_msg(moe_cp_attention_check(&a, &err) == MOE_OK, "%s", err.msg);
     void *ws = malloc(moe_cp_attention_workspace_bytes(&a, sizeof(moe_real)));
     moe_real *got_y = malloc(sizeof *got_y * nq), *got_lse = malloc(sizeof *got_lse * nl);
     for (size_t i = 0; i < nq; i++) /* poisoned: an unwritten row fails */
@@ -113,10 +117,10 @@ static void check_cp(int B, int C, int Hq, int Hkv, int D, moe_cp_comm type) {
         worst = isnan(e[i]) ? INFINITY : fmax(worst, e[i]);
     if (r == 0)
         printf("  CP %d %-9s B=%d T=%d Hq=%d Hkv=%d D=%d: y %.1e lse %.1e dq %.1e dk %.1e dv %.1e "
-               "(relative to one process)\n", cp, type == MOE_CP_P2P ? "p2p" : "allgather", B, T,
+               "(relative to one process)\n", cp, name, B, T,
                Hq, Hkv, D, e[0], e[1], e[2], e[3], e[4]);
     MOE_TEST_AGREE(!(worst <= 1e-5), "CP %d %s (B=%d T=%d Hq=%d Hkv=%d D=%d) on rank %d: y %.2e "
-                   "lse %.2e dq %.2e dk %.2e dv %.2e", cp, type == MOE_CP_P2P ? "p2p" : "allgather",
+                   "lse %.2e dq %.2e dk %.2e dv %.2e", cp, name,
                    B, T, Hq, Hkv, D, r, e[0], e[1], e[2], e[3], e[4]);
     free(q), free(k), free(v), free(dy), free(y), free(lse), free(dq), free(dk), free(dv);
     free(lq), free(lk), free(lv), free(ldy), free(want_y), free(want_dq), free(want_dk);
@@ -132,10 +136,21 @@ START_TEST(test_cp_attention_equals_one_process) {
             printf("  context-parallel attention: skipped on GPU ranks (%s)\n", err.msg);
         return;
     }
+    const int cp = moe_comm_size(moe_test_world());
     for (int t = 0; t < 2; t++) {
         const moe_cp_comm type = t ? MOE_CP_ALLGATHER : MOE_CP_P2P;
         check_cp(2, 3, 4, 2, 16, type);
         check_cp(1, 5, 4, 1, 8, type);
+    }
+    /* a2a splits the heads: both counts must divide by cp (GQA 2:1, then one query per KV) */
+    check_cp(2, 3, 2 * cp, cp, 16, MOE_CP_A2A);
+    check_cp(1, 5, cp, cp, 8, MOE_CP_A2A);
+    if (cp > 1) { /* and a head count that does not divide is a named error */
+        moe_cp_attention bad = {NULL, cp, 0, MOE_CP_A2A, 1, 2 * cp, cp + 1, 1, 8};
+        moe_error err;
+        ck_assert_int_eq(moe_cp_attention_check(&bad, &err), MOE_ERR_CONFIG);
+        ck_assert_msg(strstr(err.msg, "--cp-comm-type a2a") && strstr(err.msg, "--num-query-groups"),
+                      "%s", err.msg);
     }
 }
 END_TEST
