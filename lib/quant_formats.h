@@ -17,7 +17,8 @@
  *     an FMA and never replaces the division by an approximation, whatever the flags. On the
  *     host, ISO C (`-std=c11`) does not contract `a*b+c` either (GCC's default in a standard
  *     mode is `-ffp-contract=off`), and x86-64 computes `float` in SSE registers, one
- *     rounding per operation.
+ *     rounding per operation. (No expression here has the a·b+c shape anyway: a product is
+ *     only ever encoded, compared or multiplied again.)
  *  3. **NaN is written as a constant.** x86 and CUDA disagree on the sign and payload of a
  *     NaN produced by arithmetic, so no result here depends on one: a NaN input encodes to a
  *     fixed code, and a NaN scale is written from the bit pattern ::MOE_Q_NAN_BITS.
