@@ -8,7 +8,7 @@
 #   make bench      benchmarks
 #   make test-gpu   the CUDA tests only (they print "skipped: no GPU" without one)
 #   make ch03-versions  chapter 03's kernel ladder, bin/ch03_versions (needs nvcc)
-#   make check-ch01 (ch02, ch03, ch04, ch06, ch07)   one chapter's tests only, in under a minute on 2 cores;
+#   make check-ch01 (ch02, ch03, ch04, ch05, ch06, ch07)   one chapter's tests only, in under a minute on 2 cores;
 #                   STUDENT=1 grades the stubs in chapters/NN-*/student/ instead
 #   make notebooks  re-execute notebooks-c/*.ipynb and save their outputs
 #   make test-plots tools/plot_metrics.py and tools/plot_bench.py on synthetic inputs
@@ -168,7 +168,7 @@ $(BUILD)/f64/LIB-MEMBERS: FORCE
 
 # ---------------------------------------------------------------- targets
 .PHONY: all config check-deps train test test-unit test-fd test-asan test-gpu test-mpi test-notebooks notebooks docs bench \
-	clean print-build-flags test-mpi8 check-ch01 check-ch02 check-ch03 check-ch04 check-ch06 check-ch07 test-chapters test-student-stubs test-plots \
+	clean print-build-flags test-mpi8 check-ch01 check-ch02 check-ch03 check-ch04 check-ch05 check-ch06 check-ch07 test-chapters test-student-stubs test-plots \
 	ch03-versions figures
 
 # chapter 03's kernel ladder (chapters/03-grouped-gemm/versions/): CUDA only
@@ -439,6 +439,15 @@ check-ch04: check-deps
 	  if [ "$$n" != 1 ]; then echo "FAIL: the warning appears $$n times, want once"; cat $(BUILD)/ch04_drops.txt; exit 1; fi; \
 	  echo "ok: $$(grep 'token drops depend' $(BUILD)/ch04_drops.txt)"; fi
 
+# chapter 05 (FP8 / NVFP4), so far the formats and the quantizers: the codecs and every
+# recipe on the CPU (tests/test_quant.c); with CUDA, every recipe CUDA vs CPU byte for byte
+# (tests/gpu_quant.c, "skipped: no GPU" without one)
+check-ch05: check-deps
+	@$(MAKE) --no-print-directory $(BUILD)/tests/unit $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu)
+	@echo "== chapter 05 self-check (reference: the library's code; no student stubs yet)"
+	CK_INCLUDE_TAGS=ch05 $(BUILD)/tests/unit
+	@if [ "$(WITH_CUDA)" = 1 ]; then CK_INCLUDE_TAGS=ch05 $(BUILD)/tests/gpu; fi
+
 # chapter 06 (CUDA graphs): the CPU parts (--cuda-graph-scope, the capture helper on a mock
 # backend); the GPU parts (the arena, replay == eager) are tagged ch06 in the GPU binary
 check-ch06: check-deps
@@ -462,7 +471,7 @@ check-ch07: check-deps
 
 # make test runs the chapter checks on the reference, and proves the other direction: an
 # untouched stub fails, with the message that names its file and function.
-test-chapters: check-ch01 check-ch02 check-ch03 check-ch04 check-ch06 check-ch07
+test-chapters: check-ch01 check-ch02 check-ch03 check-ch04 check-ch05 check-ch06 check-ch07
 
 # $(call EXPECT_STUB,NN,file,function[,suite]): the chapter's student unit binary (only
 # the Check suite named, when a chapter has stubs in several) must fail with the stub's

@@ -15,6 +15,7 @@
 #include <stddef.h>
 
 #include "backend.h"
+#include "quantize.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -180,6 +181,35 @@ void *moe_cuda_host_alloc(size_t bytes);
 void moe_cuda_host_free(void *p);
 void moe_cuda_to_host_async(void *dst, const void *src, size_t bytes);
 void moe_cuda_wait_to_host(void);
+
+/* chapter 05's quantization recipes (kernels/quantize.cu): the CUDA twins of the CPU
+ * reference in lib/quantize.h, with the same arguments (device pointers) and the same
+ * results byte for byte. Each validates its shape on the host (the same named errors as the
+ * CPU's) and enqueues its kernels without waiting; the scalars stay in device memory. */
+moe_status moe_cuda_quant_tensorwise(uint8_t *q, moe_quant_scalars *s, const float *x, size_t n,
+                                     moe_fp8_format f, moe_error *err);
+moe_status moe_cuda_quant_delayed(uint8_t *q, moe_quant_scalars *s, float *history, int len,
+                                  int pos, const float *x, size_t n, moe_fp8_format f,
+                                  moe_error *err);
+moe_status moe_cuda_dequant_tensorwise(float *y, const uint8_t *q, const moe_quant_scalars *s,
+                                       size_t n, moe_fp8_format f, moe_error *err);
+moe_status moe_cuda_quant_blockwise(uint8_t *q, float *scale_inv, const float *x, int rows,
+                                    int cols, moe_fp8_format f, int block_2d, int pow2,
+                                    moe_error *err);
+moe_status moe_cuda_dequant_blockwise(float *y, const uint8_t *q, const float *scale_inv,
+                                      int rows, int cols, moe_fp8_format f, int block_2d,
+                                      moe_error *err);
+moe_status moe_cuda_quant_mxfp8(uint8_t *q, uint8_t *scales, const float *x, int rows, int cols,
+                                moe_fp8_format f, moe_error *err);
+moe_status moe_cuda_dequant_mxfp8(float *y, const uint8_t *q, const uint8_t *scales, int rows,
+                                  int cols, moe_fp8_format f, moe_error *err);
+moe_status moe_cuda_quant_nvfp4(uint8_t *q, uint8_t *scales, moe_quant_scalars *g, const float *x,
+                                int rows, int cols, const moe_nvfp4_opts *o, moe_error *err);
+moe_status moe_cuda_dequant_nvfp4(float *y, const uint8_t *q, const uint8_t *scales,
+                                  const moe_quant_scalars *g, int rows, int cols,
+                                  const moe_nvfp4_opts *o, moe_error *err);
+moe_status moe_cuda_rht16(float *y, const float *x, int rows, int cols, uint64_t seed,
+                          int inverse, moe_error *err);
 
 #ifdef __cplusplus
 }

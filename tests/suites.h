@@ -38,6 +38,9 @@ Suite *suite_attention(void);  /* tests/test_attention.c: the CPU flash attentio
                                  naive reference: shapes, chunks at offsets, the model (ch07) */
 Suite *suite_step_scalars(void); /* tests/test_step_scalars.c: the step's scalars on the device,
                                     one wait per step, overflow re-run, non-finite skip (ch06) */
+Suite *suite_quant(void);     /* tests/test_quant.c: the FP8/FP4/E8M0 codecs exhaustively, every
+                                 quantization recipe vs its definition, RHT, stochastic rounding
+                                 (chapter 05) */
 
 /* finite-difference gradient checks (fp64 build) */
 Suite *suite_fd_ops(void);    /* tests/fd_ops.c: every op */
@@ -58,6 +61,8 @@ Suite *suite_gpu_graphs(void);    /* tests/gpu_graphs.c: no allocation after ste
                                      replay == eager bit for bit; capture errors named */
 Suite *suite_gpu_scalars(void);   /* tests/gpu_scalars.c: the step's scalar ops CUDA vs CPU, and
                                     a CUDA step's host waits counted (chapter 06) */
+Suite *suite_gpu_quant(void);     /* tests/gpu_quant.c: every quantization recipe CUDA vs CPU,
+                                     codes and scales byte for byte (chapter 05) */
 
 /* MPI tests (CPU ranks under mpirun) */
 Suite *suite_mpi_comm(void);      /* tests/mpi_comm.c: every collective of comm.h, any rank count */

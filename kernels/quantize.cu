@@ -1,0 +1,445 @@
+/*
+ * Chapter 05's quantization recipes on the GPU: the CUDA twins of lib/cpu/quantize.c, equal
+ * to them byte for byte (codes and scales), which tests/gpu_quant.c checks with memcmp.
+ *
+ * How the bytes come out equal: every per-element and per-block rule is a MOE_HOSTDEV
+ * function of lib/quant_formats.h and lib/quantize.h that the CPU calls too; this file only
+ * maps blocks onto threads. The amax reductions are maxima of integer keys
+ * (moe_q_abs_key), so a warp shuffle, a shared-memory step or an integer atomicMax give the
+ * CPU loop's answer whatever the order. No float atomics, no float reductions.
+ *
+ * The kernels, by recipe:
+ *   tensorwise  amax_kernel (grid-stride, atomicMax of the key into s->amax, zeroed first),
+ *               scalars_kernel (one thread: moe_quant_scalars_from_amax), cast_kernel;
+ *   delayed     cast_kernel with the scale already in s->scale, amax_kernel into the history
+ *               slot, delayed_kernel (one thread: moe_quant_delayed_finish);
+ *   blockwise   1×128: one warp per tile (4 elements per lane); 128×128: one 256-thread block
+ *               per block (64 elements per thread), the amax through shared memory;
+ *   MXFP8       one warp per 32-element block, one element per lane;
+ *   NVFP4       nvfp4_amax_kernel (per 16-element group, after the optional Hadamard
+ *               transform), scalars_kernel, then nvfp4_kernel: one thread per group, 256
+ *               threads = 16 rows × 16 groups, laid out so that the 16 rows of a 16×16 block
+ *               are one half-warp (the 2D block amax is a 4-step shuffle).
+ * Everything is enqueued on moe_cuda_stream(); nothing waits for the device, and the scales
+ * never travel through the host (delayed scaling reads its scale from device memory).
+ */
+#include "cuda_common.cuh"
+#include "cuda_ops.h"
+#include "quantize.h"
+
+#define THREADS 256
+#define MAX_BLOCKS 1024
+
+/* maximum of a key over the lanes of a warp (xor-butterfly: every lane gets it); width 16
+ * reduces each half-warp on its own */
+static __device__ __forceinline__ uint32_t warp_max_key(uint32_t v, int width = 32) {
+    for (int off = width / 2; off; off >>= 1) {
+        const uint32_t o = __shfl_xor_sync(0xffffffffu, v, off);
+        v = o > v ? o : v;
+    }
+    return v;
+}
+
+static unsigned grid_for(size_t work, size_t per_block) {
+    const size_t b = (work + per_block - 1) / per_block;
+    return (unsigned)(b < 1 ? 1 : b > MAX_BLOCKS ? MAX_BLOCKS : b);
+}
+
+/* ------------------------------------------------------------------ tensorwise */
+
+/* *key = max(*key, max_i |x[i]| as a key); *key zeroed by the caller */
+static __global__ void amax_kernel(unsigned *key, const float *x, size_t n) {
+    uint32_t m = 0;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const uint32_t k = moe_q_abs_key(x[i]);
+        m = k > m ? k : m;
+    }
+    m = warp_max_key(m);
+    if ((threadIdx.x & 31) == 0 && m)
+        atomicMax(key, m);
+}
+
+/* s->amax holds the reduced key: the scalars from it (one thread) */
+static __global__ void scalars_kernel(moe_quant_scalars *s, float num) {
+    moe_quant_scalars_from_amax(s, moe_q_key_amax(__float_as_uint(s->amax)), num);
+}
+
+/* q[i] = cast(x[i]·scale); with poison_nan, a NaN scale writes 0 (current scaling) */
+static __global__ void cast_kernel(uint8_t *q, const float *x, size_t n, const float *scale,
+                                   moe_fp8_format f, int poison_nan) {
+    const float s = *scale;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        q[i] = poison_nan ? moe_q_cast_scaled(x[i], s, f) : moe_fp8_encode(moe_q_mul(x[i], s), f);
+}
+
+static __global__ void delayed_kernel(moe_quant_scalars *s, float *history, int len, int pos,
+                                      float fmax) {
+    const float amax = moe_q_key_amax(__float_as_uint(history[pos]));
+    moe_quant_delayed_finish(s, history, len, pos, amax, fmax);
+}
+
+/* the tensor's amax key into *key (zeroed here first) */
+static void launch_amax(unsigned *key, const float *x, size_t n) {
+    cudaStream_t st = moe_cuda_stream();
+    MOE_CUDA_CHECK(cudaMemsetAsync(key, 0, sizeof(unsigned), st));
+    amax_kernel<<<grid_for(n, THREADS * 4), THREADS, 0, st>>>(key, x, n);
+    MOE_CUDA_LAUNCH_CHECK();
+}
+
+extern "C" moe_status moe_cuda_quant_tensorwise(uint8_t *q, moe_quant_scalars *s, const float *x,
+                                                size_t n, moe_fp8_format f, moe_error *err) {
+    MOE_TRY(moe_quant_check_format(f, err));
+    cudaStream_t st = moe_cuda_stream();
+    launch_amax((unsigned *)&s->amax, x, n);
+    scalars_kernel<<<1, 1, 0, st>>>(s, moe_fp8_max(f));
+    MOE_CUDA_LAUNCH_CHECK();
+    if (n) {
+        cast_kernel<<<grid_for(n, THREADS * 4), THREADS, 0, st>>>(q, x, n, &s->scale, f, 1);
+        MOE_CUDA_LAUNCH_CHECK();
+    }
+    return MOE_OK;
+}
+
+extern "C" moe_status moe_cuda_quant_delayed(uint8_t *q, moe_quant_scalars *s, float *history,
+                                             int len, int pos, const float *x, size_t n,
+                                             moe_fp8_format f, moe_error *err) {
+    MOE_TRY(moe_quant_check_format(f, err));
+    MOE_TRY(moe_quant_check_window(len, pos, err));
+    cudaStream_t st = moe_cuda_stream();
+    if (n) {
+        cast_kernel<<<grid_for(n, THREADS * 4), THREADS, 0, st>>>(q, x, n, &s->scale, f, 0);
+        MOE_CUDA_LAUNCH_CHECK();
+    }
+    launch_amax((unsigned *)(history + pos), x, n);
+    delayed_kernel<<<1, 1, 0, st>>>(s, history, len, pos, moe_fp8_max(f));
+    MOE_CUDA_LAUNCH_CHECK();
+    return MOE_OK;
+}
+
+static __global__ void dequant_tensorwise_kernel(float *y, const uint8_t *q,
+                                                 const moe_quant_scalars *s, size_t n,
+                                                 moe_fp8_format f) {
+    const float si = s->scale_inv;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        y[i] = moe_q_dequant(moe_fp8_decode(q[i], f), si);
+}
+
+extern "C" moe_status moe_cuda_dequant_tensorwise(float *y, const uint8_t *q,
+                                                  const moe_quant_scalars *s, size_t n,
+                                                  moe_fp8_format f, moe_error *err) {
+    MOE_TRY(moe_quant_check_format(f, err));
+    if (n) {
+        dequant_tensorwise_kernel<<<grid_for(n, THREADS * 4), THREADS, 0, moe_cuda_stream()>>>(
+            y, q, s, n, f);
+        MOE_CUDA_LAUNCH_CHECK();
+    }
+    return MOE_OK;
+}
+
+/* ------------------------------------------------------------------ blockwise */
+
+/* one warp per 1×128 tile: lane l holds elements l, l+32, l+64, l+96 */
+static __global__ void block1x128_kernel(uint8_t *q, float *scale_inv, const float *x,
+                                         long long tiles, int nbc, int cols, moe_fp8_format f,
+                                         int pow2) {
+    const long long t = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (t >= tiles)
+        return; /* the whole warp: t is the same for its lanes */
+    const size_t base = (size_t)(t / nbc) * cols + (size_t)(t % nbc) * MOE_QUANT_BLOCK;
+    float v[4];
+    uint32_t m = 0;
+    for (int k = 0; k < 4; k++) {
+        v[k] = x[base + lane + 32 * k];
+        const uint32_t key = moe_q_abs_key(v[k]);
+        m = key > m ? key : m;
+    }
+    m = warp_max_key(m);
+    const float scale = moe_q_scale_from_amax(moe_q_key_amax(m), moe_fp8_max(f), pow2);
+    for (int k = 0; k < 4; k++)
+        q[base + lane + 32 * k] = moe_q_cast_scaled(v[k], scale, f);
+    if (lane == 0)
+        scale_inv[t] = moe_q_scale_inv(scale);
+}
+
+/* one 256-thread block per 128×128 block (grid: nbc × nbr): thread t holds column t mod 128
+ * of rows t/128, t/128 + 2, ... */
+static __global__ void block128x128_kernel(uint8_t *q, float *scale_inv, const float *x,
+                                           int rows, int cols, moe_fp8_format f, int pow2) {
+    __shared__ uint32_t warp_max[THREADS / 32];
+    const int bc = blockIdx.x, br = blockIdx.y, c = bc * MOE_QUANT_BLOCK + (threadIdx.x & 127);
+    const int r0 = br * MOE_QUANT_BLOCK + (threadIdx.x >> 7);
+    const int r1 = min(br * MOE_QUANT_BLOCK + MOE_QUANT_BLOCK, rows);
+    uint32_t m = 0;
+    for (int r = r0; r < r1; r += 2) {
+        const uint32_t key = moe_q_abs_key(x[(size_t)r * cols + c]);
+        m = key > m ? key : m;
+    }
+    m = warp_max_key(m);
+    if ((threadIdx.x & 31) == 0)
+        warp_max[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = 0;
+    for (int w = 0; w < THREADS / 32; w++)
+        m = warp_max[w] > m ? warp_max[w] : m;
+    const float scale = moe_q_scale_from_amax(moe_q_key_amax(m), moe_fp8_max(f), pow2);
+    for (int r = r0; r < r1; r += 2) {
+        const size_t i = (size_t)r * cols + c;
+        q[i] = moe_q_cast_scaled(x[i], scale, f);
+    }
+    if (threadIdx.x == 0)
+        scale_inv[(size_t)br * gridDim.x + bc] = moe_q_scale_inv(scale);
+}
+
+extern "C" moe_status moe_cuda_quant_blockwise(uint8_t *q, float *scale_inv, const float *x,
+                                               int rows, int cols, moe_fp8_format f,
+                                               int block_2d, int pow2, moe_error *err) {
+    MOE_TRY(moe_quant_check(block_2d ? MOE_QUANT_BLOCK_128X128 : MOE_QUANT_BLOCK_1X128, rows,
+                            cols, err));
+    MOE_TRY(moe_quant_check_format(f, err));
+    const int nbc = cols / MOE_QUANT_BLOCK;
+    if (rows == 0 || nbc == 0)
+        return MOE_OK;
+    cudaStream_t st = moe_cuda_stream();
+    if (block_2d) {
+        const dim3 grid(nbc, (rows + MOE_QUANT_BLOCK - 1) / MOE_QUANT_BLOCK);
+        block128x128_kernel<<<grid, THREADS, 0, st>>>(q, scale_inv, x, rows, cols, f, pow2);
+    } else {
+        const long long tiles = (long long)rows * nbc;
+        block1x128_kernel<<<(unsigned)((tiles + 7) / 8), THREADS, 0, st>>>(q, scale_inv, x, tiles,
+                                                                           nbc, cols, f, pow2);
+    }
+    MOE_CUDA_LAUNCH_CHECK();
+    return MOE_OK;
+}
+
+static __global__ void dequant_blockwise_kernel(float *y, const uint8_t *q, const float *scale_inv,
+                                                int rows, int cols, moe_fp8_format f, int bh) {
+    const size_t n = (size_t)rows * cols, stride = (size_t)gridDim.x * blockDim.x;
+    const int nbc = cols / MOE_QUANT_BLOCK;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const int r = (int)(i / cols), c = (int)(i % cols);
+        y[i] = moe_q_dequant(moe_fp8_decode(q[i], f),
+                             scale_inv[(size_t)(r / bh) * nbc + c / MOE_QUANT_BLOCK]);
+    }
+}
+
+extern "C" moe_status moe_cuda_dequant_blockwise(float *y, const uint8_t *q,
+                                                 const float *scale_inv, int rows, int cols,
+                                                 moe_fp8_format f, int block_2d, moe_error *err) {
+    MOE_TRY(moe_quant_check(block_2d ? MOE_QUANT_BLOCK_128X128 : MOE_QUANT_BLOCK_1X128, rows,
+                            cols, err));
+    MOE_TRY(moe_quant_check_format(f, err));
+    const size_t n = (size_t)rows * cols;
+    if (n) {
+        dequant_blockwise_kernel<<<grid_for(n, THREADS * 4), THREADS, 0, moe_cuda_stream()>>>(
+            y, q, scale_inv, rows, cols, f, block_2d ? MOE_QUANT_BLOCK : 1);
+        MOE_CUDA_LAUNCH_CHECK();
+    }
+    return MOE_OK;
+}
+
+/* ------------------------------------------------------------------ MXFP8 */
+
+/* one warp per 32-element block (rows are whole blocks: block b is elements 32b .. 32b+31) */
+static __global__ void mxfp8_kernel(uint8_t *q, uint8_t *scales, const float *x, size_t nblocks,
+                                    moe_fp8_format f) {
+    const size_t b = (size_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (b >= nblocks)
+        return;
+    const float v = x[b * MOE_QUANT_MX_BLOCK + lane];
+    const uint32_t m = warp_max_key(moe_q_abs_key(v));
+    const uint8_t code = moe_mx_scale_code(moe_q_key_amax(m), f);
+    q[b * MOE_QUANT_MX_BLOCK + lane] = moe_mx_cast(v, code, f);
+    if (lane == 0)
+        scales[b] = code;
+}
+
+extern "C" moe_status moe_cuda_quant_mxfp8(uint8_t *q, uint8_t *scales, const float *x, int rows,
+                                           int cols, moe_fp8_format f, moe_error *err) {
+    MOE_TRY(moe_quant_check(MOE_QUANT_MXFP8, rows, cols, err));
+    MOE_TRY(moe_quant_check_format(f, err));
+    const size_t nblocks = (size_t)rows * (cols / MOE_QUANT_MX_BLOCK);
+    if (nblocks) {
+        mxfp8_kernel<<<(unsigned)((nblocks + 7) / 8), THREADS, 0, moe_cuda_stream()>>>(
+            q, scales, x, nblocks, f);
+        MOE_CUDA_LAUNCH_CHECK();
+    }
+    return MOE_OK;
+}
+
+static __global__ void dequant_mxfp8_kernel(float *y, const uint8_t *q, const uint8_t *scales,
+                                            size_t n, moe_fp8_format f) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        y[i] = moe_q_dequant(moe_fp8_decode(q[i], f),
+                             moe_e8m0_decode(scales[i / MOE_QUANT_MX_BLOCK]));
+}
+
+extern "C" moe_status moe_cuda_dequant_mxfp8(float *y, const uint8_t *q, const uint8_t *scales,
+                                             int rows, int cols, moe_fp8_format f,
+                                             moe_error *err) {
+    MOE_TRY(moe_quant_check(MOE_QUANT_MXFP8, rows, cols, err));
+    MOE_TRY(moe_quant_check_format(f, err));
+    const size_t n = (size_t)rows * cols;
+    if (n) {
+        dequant_mxfp8_kernel<<<grid_for(n, THREADS * 4), THREADS, 0, moe_cuda_stream()>>>(
+            y, q, scales, n, f);
+        MOE_CUDA_LAUNCH_CHECK();
+    }
+    return MOE_OK;
+}
+
+/* ------------------------------------------------------------------ NVFP4 */
+
+/* the 16 values of group g (consecutive in memory: cols is a multiple of 16), transformed */
+static __device__ __forceinline__ void load_group(float *v, const float *x, size_t g, int rht,
+                                                  uint32_t signs) {
+    for (int j = 0; j < 16; j++)
+        v[j] = x[g * 16 + j];
+    if (rht)
+        moe_q_rht16(v, signs, 0);
+}
+
+static __global__ void nvfp4_amax_kernel(unsigned *key, const float *x, size_t ngroups, int rht,
+                                         uint32_t signs) {
+    uint32_t m = 0;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t g = (size_t)blockIdx.x * blockDim.x + threadIdx.x; g < ngroups; g += stride) {
+        float v[16];
+        load_group(v, x, g, rht, signs);
+        for (int j = 0; j < 16; j++) {
+            const uint32_t k = moe_q_abs_key(v[j]);
+            m = k > m ? k : m;
+        }
+    }
+    m = warp_max_key(m);
+    if ((threadIdx.x & 31) == 0 && m)
+        atomicMax(key, m);
+}
+
+/* one thread per 16-element row group; a 256-thread block covers 16 rows × 16 groups, thread
+ * t = 16·(group in block) + (row in block), so the 16 rows of a 16×16 block are a half-warp */
+static __global__ void nvfp4_kernel(uint8_t *q, uint8_t *scales, const moe_quant_scalars *g,
+                                    const float *x, int rows, int cols, moe_nvfp4_opts o,
+                                    uint32_t signs) {
+    const int rl = threadIdx.x & 15, gl = threadIdx.x >> 4, gpr = cols / 16;
+    const int r = blockIdx.x * 16 + rl, gc = blockIdx.y * 16 + gl;
+    const bool valid = r < rows && gc < gpr;
+    float v[16];
+    uint32_t m = 0;
+    if (valid) {
+        load_group(v, x, (size_t)r * gpr + gc, o.rht, signs);
+        for (int j = 0; j < 16; j++) {
+            const uint32_t k = moe_q_abs_key(v[j]);
+            m = k > m ? k : m;
+        }
+    }
+    if (o.block_2d)
+        m = warp_max_key(m, 16); /* every lane takes part, valid or not (a missing row adds 0) */
+    if (!valid)
+        return;
+    const float G = g->scale;
+    const uint8_t code = moe_nvfp4_scale_code(moe_q_key_amax(m), G);
+    const float d = moe_nvfp4_divisor(code, G);
+    const uint64_t i0 = (uint64_t)r * cols + (uint64_t)gc * 16;
+    uint8_t *qr = q + (size_t)r * (cols / 2) + (size_t)gc * 8;
+    for (int j = 0; j < 16; j += 2)
+        qr[j / 2] = (uint8_t)(moe_nvfp4_cast(v[j], d, o.stochastic, o.sr_seed, i0 + j) |
+                              moe_nvfp4_cast(v[j + 1], d, o.stochastic, o.sr_seed, i0 + j + 1)
+                                  << 4);
+    if (!o.block_2d)
+        scales[(size_t)r * gpr + gc] = code;
+    else if (rl == 0)
+        scales[(size_t)blockIdx.x * gpr + gc] = code;
+}
+
+extern "C" moe_status moe_cuda_quant_nvfp4(uint8_t *q, uint8_t *scales, moe_quant_scalars *g,
+                                           const float *x, int rows, int cols,
+                                           const moe_nvfp4_opts *opts, moe_error *err) {
+    const moe_nvfp4_opts o = opts ? *opts : moe_nvfp4_opts{};
+    MOE_TRY(moe_quant_check(o.block_2d ? MOE_QUANT_NVFP4_2D : MOE_QUANT_NVFP4, rows, cols, err));
+    cudaStream_t st = moe_cuda_stream();
+    const uint32_t signs = o.rht ? moe_q_rht_signs(o.rht_seed) : 0;
+    const size_t ngroups = (size_t)rows * (cols / 16);
+    MOE_CUDA_CHECK(cudaMemsetAsync(&g->amax, 0, sizeof(float), st));
+    if (ngroups) {
+        nvfp4_amax_kernel<<<grid_for(ngroups, THREADS), THREADS, 0, st>>>(
+            (unsigned *)&g->amax, x, ngroups, o.rht, signs);
+        MOE_CUDA_LAUNCH_CHECK();
+    }
+    scalars_kernel<<<1, 1, 0, st>>>(g, MOE_NVFP4_GLOBAL_NUM);
+    MOE_CUDA_LAUNCH_CHECK();
+    if (ngroups) {
+        const dim3 grid((rows + 15) / 16, (cols / 16 + 15) / 16);
+        nvfp4_kernel<<<grid, THREADS, 0, st>>>(q, scales, g, x, rows, cols, o, signs);
+        MOE_CUDA_LAUNCH_CHECK();
+    }
+    return MOE_OK;
+}
+
+/* one thread per group: decode, scale, optional inverse transform */
+static __global__ void dequant_nvfp4_kernel(float *y, const uint8_t *q, const uint8_t *scales,
+                                            const moe_quant_scalars *g, int rows, int cols,
+                                            int bh, int rht, uint32_t signs) {
+    const int gpr = cols / 16;
+    const size_t ngroups = (size_t)rows * gpr, stride = (size_t)gridDim.x * blockDim.x;
+    const float G = g->scale;
+    for (size_t gi = (size_t)blockIdx.x * blockDim.x + threadIdx.x; gi < ngroups; gi += stride) {
+        const int r = (int)(gi / gpr), gc = (int)(gi % gpr);
+        const float ds = moe_q_div(moe_e4m3_decode(scales[(size_t)(r / bh) * gpr + gc]), G);
+        float v[16];
+        for (int j = 0; j < 16; j++) {
+            const uint8_t byte = q[(size_t)r * (cols / 2) + (size_t)gc * 8 + j / 2];
+            v[j] = moe_q_dequant(moe_e2m1_decode(j & 1 ? byte >> 4 : byte & 0xF), ds);
+        }
+        if (rht)
+            moe_q_rht16(v, signs, 1);
+        for (int j = 0; j < 16; j++)
+            y[gi * 16 + j] = v[j];
+    }
+}
+
+extern "C" moe_status moe_cuda_dequant_nvfp4(float *y, const uint8_t *q, const uint8_t *scales,
+                                             const moe_quant_scalars *g, int rows, int cols,
+                                             const moe_nvfp4_opts *opts, moe_error *err) {
+    const moe_nvfp4_opts o = opts ? *opts : moe_nvfp4_opts{};
+    MOE_TRY(moe_quant_check(o.block_2d ? MOE_QUANT_NVFP4_2D : MOE_QUANT_NVFP4, rows, cols, err));
+    const size_t ngroups = (size_t)rows * (cols / 16);
+    if (ngroups) {
+        dequant_nvfp4_kernel<<<grid_for(ngroups, THREADS), THREADS, 0, moe_cuda_stream()>>>(
+            y, q, scales, g, rows, cols, o.block_2d ? 16 : 1, o.rht,
+            o.rht ? moe_q_rht_signs(o.rht_seed) : 0u);
+        MOE_CUDA_LAUNCH_CHECK();
+    }
+    return MOE_OK;
+}
+
+static __global__ void rht16_kernel(float *y, const float *x, size_t ngroups, uint32_t signs,
+                                    int inverse) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t gi = (size_t)blockIdx.x * blockDim.x + threadIdx.x; gi < ngroups; gi += stride) {
+        float v[16];
+        for (int j = 0; j < 16; j++)
+            v[j] = x[gi * 16 + j];
+        moe_q_rht16(v, signs, inverse);
+        for (int j = 0; j < 16; j++)
+            y[gi * 16 + j] = v[j];
+    }
+}
+
+extern "C" moe_status moe_cuda_rht16(float *y, const float *x, int rows, int cols, uint64_t seed,
+                                     int inverse, moe_error *err) {
+    MOE_TRY(moe_quant_check(MOE_QUANT_NVFP4, rows, cols, err));
+    const size_t ngroups = (size_t)rows * (cols / 16);
+    if (ngroups) {
+        rht16_kernel<<<grid_for(ngroups, THREADS), THREADS, 0, moe_cuda_stream()>>>(
+            y, x, ngroups, moe_q_rht_signs(seed), inverse);
+        MOE_CUDA_LAUNCH_CHECK();
+    }
+    return MOE_OK;
+}

@@ -1,0 +1,837 @@
+/*
+ * Chapter 05's formats and quantization recipes on the CPU (lib/quant_formats.h,
+ * lib/quantize.h, lib/cpu/quantize.c).
+ *
+ *  - the codecs: all 256 E4M3 / E5M2 / E8M0 codes and the 16 E2M1 codes decode to a table
+ *    computed here independently (ldexp of the fields), encode(decode(c)) == c for every
+ *    finite code, every midpoint between neighbours rounds to the even one (and the floats
+ *    next to it to the nearer one), saturation, NaN, fp32 subnormals;
+ *  - each recipe on random data: the codes, the scales as specified (recomputed here from
+ *    the block's amax), dequantize(quantize(x)) within the format's error bound per element,
+ *    zero blocks, non-finite inputs, ragged rows, the named shape errors;
+ *  - delayed scaling follows the window's maximum; MXFP8's E8M0 rule on hand-made blocks;
+ *  - the Hadamard transform (H·Hᵀ = 16·I, the Sylvester matrix, inverse ∘ forward = identity)
+ *    and NVFP4's stochastic rounding (unbiased over elements and over seeds, reproducible).
+ * Outputs are filled with 0xAB bytes before every call, so an element a function forgets to
+ * write fails the comparison with its expected value.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "helpers.h"
+#include "quantize.h"
+#include "rng.h"
+#include "suites.h"
+
+/* ------------------------------------------------------------------ helpers */
+
+static void *poisoned(size_t bytes) {
+    void *p = malloc(bytes ? bytes : 1);
+    ck_assert_ptr_nonnull(p);
+    memset(p, 0xAB, bytes);
+    return p;
+}
+
+/* n normals times 2^(spread·(u − ½)): spread 0 is plain N(0,1), spread 20 spans 6 decades */
+static float *frand(size_t n, uint64_t stream, double spread) {
+    float *x = poisoned(n * sizeof(float));
+    for (size_t i = 0; i < n; i++)
+        x[i] = (float)(moe_rng_normal(77, stream, i) *
+                       exp2(spread * (moe_rng_uniform(78, stream, i) - 0.5)));
+    return x;
+}
+
+static uint32_t bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static float from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* the same float bit for bit, or both NaN */
+static int same(float a, float b) { return (isnan(a) && isnan(b)) || bits(a) == bits(b); }
+
+/* independent tables: the value of a code from its fields, with ldexp */
+static double ref_e4m3(int c) {
+    const int s = c >> 7, e = (c >> 3) & 15, m = c & 7;
+    if (e == 15 && m == 7)
+        return NAN;
+    const double v = e == 0 ? ldexp(m, -9) : ldexp(8 + m, e - 10); /* (1 + m/8)·2^(e−7) */
+    return s ? -v : v;
+}
+
+static double ref_e5m2(int c) {
+    const int s = c >> 7, e = (c >> 2) & 31, m = c & 3;
+    if (e == 31)
+        return m ? NAN : (s ? -INFINITY : INFINITY);
+    const double v = e == 0 ? ldexp(m, -16) : ldexp(4 + m, e - 17); /* (1 + m/4)·2^(e−15) */
+    return s ? -v : v;
+}
+
+static double ref_e2m1(int c) {
+    static const double mag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+    return c & 8 ? -mag[c & 7] : mag[c & 7];
+}
+
+typedef struct fmt8 {
+    const char *name;
+    uint8_t (*enc)(float);
+    float (*dec)(uint8_t);
+    double (*ref)(int);
+    int ncodes, max_mag, sign_bit;
+} fmt8;
+
+static uint8_t enc43(float x) { return moe_e4m3_encode(x); }
+static float dec43(uint8_t c) { return moe_e4m3_decode(c); }
+static uint8_t enc52(float x) { return moe_e5m2_encode(x); }
+static float dec52(uint8_t c) { return moe_e5m2_decode(c); }
+static uint8_t enc21(float x) { return moe_e2m1_encode(x); }
+static float dec21(uint8_t c) { return moe_e2m1_decode(c); }
+
+static const fmt8 FORMATS[3] = {
+    {"E4M3", enc43, dec43, ref_e4m3, 256, 0x7E, 0x80},
+    {"E5M2", enc52, dec52, ref_e5m2, 256, 0x7B, 0x80},
+    {"E2M1", enc21, dec21, ref_e2m1, 16, 0x7, 0x8},
+};
+
+/* ------------------------------------------------------------------ codecs */
+
+START_TEST(test_decode_tables) {
+    for (int f = 0; f < 3; f++) {
+        const fmt8 *F = &FORMATS[f];
+        int bad = 0, nans = 0;
+        for (int c = 0; c < F->ncodes; c++) {
+            const double r = F->ref(c);
+            const float got = F->dec((uint8_t)c);
+            nans += isnan(r);
+            if (isnan(r) ? !isnan(got) : bits(got) != bits((float)r)) {
+                if (bad++ < 5)
+                    fprintf(stderr, "%s code 0x%02X decodes to %a, want %a\n", F->name, c,
+                            (double)got, r);
+            }
+        }
+        ck_assert_msg(bad == 0, "%s: %d codes decode wrong", F->name, bad);
+        ck_assert_int_eq(nans, f == 0 ? 2 : f == 1 ? 6 : 0); /* E4M3 S.1111.111; E5M2 3 per sign */
+    }
+    /* the named constants */
+    ck_assert(moe_e4m3_decode(0x7E) == 448.0f && moe_e4m3_decode(0xFE) == -448.0f);
+    ck_assert(moe_e5m2_decode(0x7B) == 57344.0f && isinf(moe_e5m2_decode(0x7C)));
+    ck_assert(moe_e4m3_decode(0x01) == ldexpf(1, -9) && moe_e5m2_decode(0x01) == ldexpf(1, -16));
+    ck_assert(moe_e4m3_decode(MOE_E4M3_ONE) == 1.0f);
+    ck_assert(signbit(moe_e4m3_decode(0x80)) && moe_e4m3_decode(0x80) == 0.0f);
+    /* E8M0: 2^(c−127), 0xFF NaN; from an exponent, clamped */
+    for (int c = 0; c < 256; c++) {
+        const float got = moe_e8m0_decode((uint8_t)c);
+        if (c == 255)
+            ck_assert(isnan(got));
+        else
+            ck_assert_msg(bits(got) == bits((float)ldexp(1.0, c - 127)), "E8M0 0x%02X", c);
+        if (c < 255)
+            ck_assert_int_eq(moe_e8m0_from_exp(c - 127), c);
+    }
+    ck_assert_int_eq(moe_e8m0_from_exp(-200), 0);
+    ck_assert_int_eq(moe_e8m0_from_exp(300), 254);
+    ck_assert_int_eq(moe_e8m0_decode(MOE_E8M0_ONE), 1);
+    /* floor(log2) from the bits, subnormals included */
+    const float probe[] = {1.0f, 1.5f, 2.0f, 0.75f, 448.0f, 500.0f, FLT_MAX, FLT_MIN,
+                           from_bits(1), from_bits(0x00400000), from_bits(0x005FFFFF), 3e-39f};
+    for (size_t i = 0; i < sizeof probe / sizeof *probe; i++) {
+        int e;
+        frexp(probe[i], &e); /* probe = m·2^e with m in [0.5, 1) */
+        ck_assert_msg(moe_q_floor_log2(probe[i]) == e - 1, "floor_log2(%a)", (double)probe[i]);
+    }
+}
+END_TEST
+
+START_TEST(test_encode_roundtrip_and_ties) {
+    for (int f = 0; f < 3; f++) {
+        const fmt8 *F = &FORMATS[f];
+        /* encode(decode(c)) == c for every finite code, both signs, −0 included */
+        for (int c = 0; c < F->ncodes; c++) {
+            const float v = F->dec((uint8_t)c);
+            if (isnan(v) || isinf(v))
+                continue;
+            ck_assert_msg(F->enc(v) == c, "%s: encode(decode(0x%02X) = %a) = 0x%02X", F->name,
+                          c, (double)v, F->enc(v));
+        }
+        /* every midpoint between neighbours (exact in fp32: one more bit) rounds to the even
+         * code; the floats just below and above it round to the nearer code */
+        for (int k = 0; k < F->max_mag; k++) {
+            const double lo = F->ref(k), hi = F->ref(k + 1);
+            const float mid = (float)((lo + hi) / 2);
+            ck_assert(mid == (lo + hi) / 2);
+            const int even = k % 2 == 0 ? k : k + 1;
+            for (int s = 0; s < 2; s++) {
+                const float sg = s ? -1.0f : 1.0f;
+                const int sb = s ? F->sign_bit : 0;
+                ck_assert_msg(F->enc(sg * mid) == (sb | even), "%s: tie %a -> 0x%02X, want 0x%02X",
+                              F->name, (double)(sg * mid), F->enc(sg * mid), sb | even);
+                ck_assert_int_eq(F->enc(sg * nextafterf(mid, 0.0f)), sb | k);
+                ck_assert_int_eq(F->enc(sg * nextafterf(mid, INFINITY)), sb | (k + 1));
+            }
+        }
+        /* saturation: beyond max, huge, infinite → ±max; the midpoint above max too */
+        const float fmax = F->dec((uint8_t)F->max_mag);
+        const float above[] = {nextafterf(fmax, INFINITY), fmax * 1.0625f, fmax * 1.125f,
+                               fmax * 2.0f, 1e30f, FLT_MAX, INFINITY};
+        for (size_t i = 0; i < sizeof above / sizeof *above; i++) {
+            ck_assert_int_eq(F->enc(above[i]), F->max_mag);
+            ck_assert_int_eq(F->enc(-above[i]), F->sign_bit | F->max_mag);
+        }
+        /* tiny values: fp32 subnormals and anything below half the smallest subnormal → ±0;
+         * exactly half rounds to even (0) */
+        const float sub = F->dec(1);
+        const float tiny[] = {sub / 2, nextafterf(sub / 2, 0.0f), 1e-30f, FLT_MIN, from_bits(1),
+                              from_bits(0x007FFFFF)};
+        for (size_t i = 0; i < sizeof tiny / sizeof *tiny; i++) {
+            ck_assert_int_eq(F->enc(tiny[i]), 0);
+            ck_assert_int_eq(F->enc(-tiny[i]), F->sign_bit);
+        }
+        ck_assert_int_eq(F->enc(nextafterf(sub / 2, 1.0f)), 1);
+        /* NaN: the positive NaN code of E4M3/E5M2, whatever the sign and payload; E2M1 → +0 */
+        const uint32_t nans[] = {0x7FC00000u, 0xFFC00000u, 0x7F800001u, 0xFFFFFFFFu, 0x7FBFFFFFu};
+        for (size_t i = 0; i < sizeof nans / sizeof *nans; i++)
+            ck_assert_int_eq(F->enc(from_bits(nans[i])), f == 2 ? 0 : 0x7F);
+    }
+    /* a few hand values */
+    ck_assert_int_eq(moe_e4m3_encode(464.0f), 0x7E);  /* tie 448|480: 448 is even */
+    ck_assert_int_eq(moe_e4m3_encode(-500.0f), 0xFE);
+    ck_assert_int_eq(moe_e5m2_encode(61440.0f), 0x7B); /* tie 57344|inf: rounds up, saturates */
+    ck_assert_int_eq(moe_e2m1_encode(5.0f), 0x6);     /* tie 4|6: 4 is even */
+    ck_assert_int_eq(moe_e2m1_encode(2.5f), 0x4);     /* tie 2|3: 2 is even */
+    ck_assert_int_eq(moe_e2m1_encode(0.25f), 0x0);    /* tie 0|0.5 */
+    ck_assert_int_eq(moe_e2m1_encode(0.75f), 0x2);    /* tie 0.5|1: 1 is even */
+    ck_assert_int_eq(moe_e2m1_encode(-1.25f), 0xA);   /* tie 1|1.5: 1 is even */
+}
+END_TEST
+
+/* ------------------------------------------------------------------ recipes */
+
+static const float FMAX[2] = {448.0f, 57344.0f};
+static const int MBITS[2] = {3, 2};
+static const char *FNAME[2] = {"E4M3", "E5M2"};
+
+/* |y − x| of an FP8 element within half a step of the format, relative for normals and
+ * absolute (half the smallest subnormal, in x's units) below: y = decode(cast(x·s))/s */
+static int fp8_within(float y, float x, float scale_inv, moe_fp8_format f) {
+    const double sub = f == MOE_FP8_E5M2 ? ldexp(1, -16) : ldexp(1, -9);
+    const double bound = ldexp(fabs(x), -(MBITS[f] + 1)) * (1 + 1e-6) +
+                         0.5 * sub * scale_inv * (1 + 1e-6) + 1e-45;
+    return fabs((double)y - x) <= bound;
+}
+
+START_TEST(test_tensorwise) {
+    const size_t sizes[] = {1, 1000, 100003};
+    moe_error err;
+    for (int f = 0; f < 2; f++)
+        for (size_t si = 0; si < 3; si++) {
+            const size_t n = sizes[si];
+            float *x = frand(n, 10 + si, 16.0);
+            uint8_t *q = poisoned(n);
+            float *y = poisoned(n * sizeof(float));
+            moe_quant_scalars s;
+            memset(&s, 0xAB, sizeof s);
+            ck_assert_int_eq(moe_cpu_quant_tensorwise(q, &s, x, n, f, &err), MOE_OK);
+            ck_assert_int_eq(moe_cpu_dequant_tensorwise(y, q, &s, n, f, &err), MOE_OK);
+            float amax = 0;
+            for (size_t i = 0; i < n; i++)
+                amax = fmaxf(amax, fabsf(x[i]));
+            ck_assert(bits(s.amax) == bits(amax));
+            ck_assert(bits(s.scale) == bits(FMAX[f] / amax));
+            ck_assert(bits(s.scale_inv) == bits(1.0f / s.scale));
+            /* the tensor's largest element lands on the format's largest value */
+            ck_assert_int_eq(moe_fp8_encode(amax * s.scale, f), f ? 0x7B : 0x7E);
+            size_t bad = 0;
+            for (size_t i = 0; i < n; i++) {
+                bad += q[i] != moe_fp8_encode(x[i] * s.scale, f);
+                bad += !fp8_within(y[i], x[i], s.scale_inv, f);
+            }
+            ck_assert_msg(bad == 0, "tensorwise %s n=%zu: %zu elements wrong", FNAME[f], n, bad);
+            free(x), free(q), free(y);
+        }
+    /* zero tensor: scale 1, codes 0; a NaN or an inf: NaN scales, codes 0, NaN out; a tiny
+     * amax: the scale is clamped to FLT_MAX */
+    float z[40] = {0}, y[40];
+    uint8_t q[40];
+    moe_quant_scalars s;
+    memset(q, 0xAB, sizeof q);
+    moe_cpu_quant_tensorwise(q, &s, z, 40, MOE_FP8_E4M3, &err);
+    ck_assert(s.amax == 0 && s.scale == 1 && s.scale_inv == 1);
+    for (int i = 0; i < 40; i++)
+        ck_assert_int_eq(q[i], 0);
+    for (int bad = 0; bad < 3; bad++) {
+        z[17] = bad == 0 ? NAN : bad == 1 ? INFINITY : -INFINITY;
+        memset(q, 0xAB, sizeof q);
+        moe_cpu_quant_tensorwise(q, &s, z, 40, MOE_FP8_E4M3, &err);
+        ck_assert(bad ? isinf(s.amax) : bits(s.amax) == MOE_Q_NAN_BITS);
+        ck_assert(bits(s.scale) == MOE_Q_NAN_BITS && bits(s.scale_inv) == MOE_Q_NAN_BITS);
+        moe_cpu_dequant_tensorwise(y, q, &s, 40, MOE_FP8_E4M3, &err);
+        for (int i = 0; i < 40; i++)
+            ck_assert(q[i] == 0 && isnan(y[i]));
+    }
+    z[17] = 1e-38f;
+    moe_cpu_quant_tensorwise(q, &s, z, 40, MOE_FP8_E4M3, &err);
+    ck_assert(s.scale == FLT_MAX);
+    ck_assert_int_eq(moe_cpu_quant_tensorwise(q, &s, z, 40, (moe_fp8_format)7, &err),
+                     MOE_ERR_CONFIG);
+}
+END_TEST
+
+START_TEST(test_delayed_scaling) {
+    enum { N = 1000, LEN = 3, STEPS = 12 };
+    /* amax per step; a NaN at step 7 freezes the scale while it is in the window */
+    const float A[STEPS] = {1, 8, 2, 0.5f, 0.25f, 0.125f, 4, NAN, 1, 1, 2, 16};
+    float hist[LEN] = {0, 0, 0}, window[LEN] = {0, 0, 0};
+    moe_quant_scalars s = {0, 1.0f, 0};
+    float expect_scale = 1.0f;
+    moe_error err;
+    uint8_t *q = poisoned(N);
+    float *x = poisoned(N * sizeof(float));
+    for (int k = 0; k < STEPS; k++) {
+        for (int i = 0; i < N; i++)
+            x[i] = (float)(0.9 * (2 * moe_rng_uniform(5, k, i) - 1)) * (isnan(A[k]) ? 1 : A[k]);
+        x[7] = isnan(A[k]) ? NAN : -A[k];
+        memset(q, 0xAB, N);
+        const int pos = k % LEN;
+        ck_assert_int_eq(moe_cpu_quant_delayed(q, &s, hist, LEN, pos, x, N, MOE_FP8_E4M3, &err),
+                         MOE_OK);
+        /* the codes used the scale chosen before this step */
+        for (int i = 0; i < N; i++)
+            ck_assert_int_eq(q[i], moe_e4m3_encode(x[i] * expect_scale));
+        ck_assert(bits(s.scale_inv) == bits(1.0f / expect_scale));
+        ck_assert(same(s.amax, A[k]) && same(hist[pos], A[k]));
+        window[pos] = A[k];
+        float m = 0;
+        int finite = 1;
+        for (int j = 0; j < LEN; j++) {
+            finite &= isfinite(window[j]);
+            m = fmaxf(m, window[j]);
+        }
+        if (finite && m > 0)
+            expect_scale = 448.0f / m;
+        ck_assert_msg(bits(s.scale) == bits(expect_scale), "step %d: next scale %g, want %g", k,
+                      (double)s.scale, (double)expect_scale);
+    }
+    /* the window did its job: the 8 of step 1 left it at step 4 */
+    float h2[LEN] = {0}, probe = 1;
+    moe_quant_scalars s2 = {0, 1, 0};
+    const float amaxes[5] = {1, 8, 2, 0.5f, 0.25f};
+    float scales[5];
+    for (int k = 0; k < 5; k++) {
+        probe = amaxes[k];
+        moe_cpu_quant_delayed(q, &s2, h2, LEN, k % LEN, &probe, 1, MOE_FP8_E4M3, &err);
+        scales[k] = s2.scale;
+    }
+    ck_assert(scales[1] == 56 && scales[2] == 56 && scales[3] == 56 && scales[4] == 224);
+    ck_assert_int_eq(moe_cpu_quant_delayed(q, &s, hist, 0, 0, x, N, MOE_FP8_E4M3, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_int_eq(moe_cpu_quant_delayed(q, &s, hist, LEN, LEN, x, N, MOE_FP8_E4M3, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err.msg, "window"));
+    free(q), free(x);
+}
+END_TEST
+
+/* expected power-of-two scale: 2^floor(log2(fmax/amax)) of the float quotient */
+static float pow2_down(float s) {
+    int e;
+    frexpf(s, &e);
+    return ldexpf(1.0f, e - 1);
+}
+
+START_TEST(test_blockwise) {
+    const int shapes[][2] = {{1, 128}, {130, 256}, {257, 384}, {3, 1024}};
+    moe_error err;
+    for (int f = 0; f < 2; f++)
+        for (int b2 = 0; b2 < 2; b2++)
+            for (int p2 = 0; p2 < 2; p2++)
+                for (int sh = 0; sh < 4; sh++) {
+                    const int R = shapes[sh][0], C = shapes[sh][1], nbc = C / 128;
+                    const int bh = b2 ? 128 : 1, nbr = (R + bh - 1) / bh;
+                    const size_t n = (size_t)R * C;
+                    float *x = frand(n, 100 + sh, 12.0);
+                    /* block (0, last) all zeros */
+                    for (int r = 0; r < (b2 ? (R < 128 ? R : 128) : 1); r++)
+                        for (int c = C - 128; c < C; c++)
+                            x[(size_t)r * C + c] = 0.0f;
+                    uint8_t *q = poisoned(n);
+                    const size_t ns = moe_quant_scale_count(b2 ? MOE_QUANT_BLOCK_128X128
+                                                               : MOE_QUANT_BLOCK_1X128, R, C);
+                    ck_assert_int_eq(ns, (size_t)nbr * nbc);
+                    float *si = poisoned(ns * sizeof(float)), *y = poisoned(n * sizeof(float));
+                    ck_assert_int_eq(moe_cpu_quant_blockwise(q, si, x, R, C, f, b2, p2, &err),
+                                     MOE_OK);
+                    ck_assert_int_eq(moe_cpu_dequant_blockwise(y, q, si, R, C, f, b2, &err),
+                                     MOE_OK);
+                    size_t bad = 0;
+                    for (int br = 0; br < nbr; br++)
+                        for (int bc = 0; bc < nbc; bc++) {
+                            const int r0 = br * bh, r1 = r0 + bh < R ? r0 + bh : R;
+                            float amax = 0;
+                            for (int r = r0; r < r1; r++)
+                                for (int c = bc * 128; c < bc * 128 + 128; c++)
+                                    amax = fmaxf(amax, fabsf(x[(size_t)r * C + c]));
+                            float scale = amax == 0 ? 1.0f : FMAX[f] / amax;
+                            if (p2 && amax > 0)
+                                scale = pow2_down(scale);
+                            const float got_inv = si[(size_t)br * nbc + bc];
+                            if (bits(got_inv) != bits(1.0f / scale)) {
+                                bad++;
+                                continue;
+                            }
+                            if (amax > 0 && !p2) /* amax·scale lands on max */
+                                bad += moe_fp8_encode(amax * scale, f) != (f ? 0x7B : 0x7E);
+                            if (amax > 0 && p2) /* a power of two, amax·scale in (max/2, max] */
+                                bad += !(amax * scale <= FMAX[f] * (1 + 1e-6) && amax * scale > FMAX[f] / 2 &&
+                                         pow2_down(scale) == scale);
+                            for (int r = r0; r < r1; r++)
+                                for (int c = bc * 128; c < bc * 128 + 128; c++) {
+                                    const size_t i = (size_t)r * C + c;
+                                    bad += q[i] != moe_fp8_encode(x[i] * scale, f);
+                                    bad += !fp8_within(y[i], x[i], 1.0f / scale, f);
+                                    if (amax == 0)
+                                        bad += q[i] != 0 || y[i] != 0;
+                                }
+                        }
+                    ck_assert_msg(bad == 0, "blockwise %s %s%s [%d, %d]: %zu wrong", FNAME[f],
+                                  b2 ? "128x128" : "1x128", p2 ? " pow2" : "", R, C, bad);
+                    free(x), free(q), free(si), free(y);
+                }
+    /* a NaN poisons its tile only (1x128) or its block (128x128) */
+    for (int b2 = 0; b2 < 2; b2++) {
+        enum { R = 200, C = 256 };
+        float *x = frand(R * C, 9, 0.0), *y = poisoned(R * C * sizeof(float));
+        uint8_t *q = poisoned(R * C);
+        float si[400];
+        x[150 * C + 130] = NAN; /* row 150, column tile 1 */
+        moe_cpu_quant_blockwise(q, si, x, R, C, MOE_FP8_E4M3, b2, 0, &err);
+        moe_cpu_dequant_blockwise(y, q, si, R, C, MOE_FP8_E4M3, b2, &err);
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) {
+                const int hit = c >= 128 && (b2 ? r >= 128 : r == 150);
+                ck_assert_msg(hit == !!isnan(y[r * C + c]), "NaN spread wrong at (%d, %d)", r, c);
+                if (hit)
+                    ck_assert_int_eq(q[r * C + c], 0);
+            }
+        free(x), free(y), free(q);
+    }
+    /* named errors */
+    float x1[200] = {0};
+    uint8_t q1[200];
+    float s1[4];
+    ck_assert_int_eq(moe_cpu_quant_blockwise(q1, s1, x1, 2, 100, MOE_FP8_E4M3, 0, 0, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err.msg, "not a multiple of 128"));
+    ck_assert_int_eq(moe_cpu_quant_blockwise(q1, s1, x1, -1, 128, MOE_FP8_E4M3, 1, 0, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_int_eq(moe_cpu_quant_blockwise(q1, s1, x1, 0, 128, MOE_FP8_E4M3, 1, 0, &err), MOE_OK);
+}
+END_TEST
+
+START_TEST(test_mxfp8) {
+    moe_error err;
+    /* the E8M0 rule on hand-made blocks: scale exponent = floor(log2 amax) − 8 (E4M3) */
+    struct {
+        float amax;
+        int code;
+    } cases[] = {
+        {1.0f, 127 - 8},      {448.0f, 127},        {500.0f, 127},        {511.9f, 127},
+        {512.0f, 128},        {3.0f, 127 - 7},      {0.75f, 127 - 9},     {FLT_MAX, 127 + 119},
+        {from_bits(1), 0},    {1e-38f, 0},          {0.0f, 127},          {NAN, 255},
+        {INFINITY, 255},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        float x[32] = {0};
+        for (int j = 0; j < 32; j++)
+            x[j] = cases[k].amax * ((float)(j % 5) / 5.0f); /* smaller entries */
+        x[9] = -cases[k].amax;
+        uint8_t q[32], sc = 0xAB;
+        memset(q, 0xAB, 32);
+        ck_assert_int_eq(moe_cpu_quant_mxfp8(q, &sc, x, 1, 32, MOE_FP8_E4M3, &err), MOE_OK);
+        ck_assert_msg(sc == cases[k].code, "amax %a: E8M0 0x%02X, want 0x%02X",
+                      (double)cases[k].amax, sc, cases[k].code);
+        if (cases[k].amax == 500.0f) /* above 448 after scaling by 2^0: saturates */
+            ck_assert_int_eq(q[9], 0xFE);
+        if (cases[k].amax == 448.0f || cases[k].amax == 1.0f)
+            ck_assert_int_eq(q[9], cases[k].amax == 448.0f ? 0xFE : 0xF8); /* −448 ; −256 */
+        if (isnan(cases[k].amax) || isinf(cases[k].amax)) /* poisoned: codes 0 */
+            for (int j = 0; j < 32; j++)
+                ck_assert_int_eq(q[j], 0);
+        if (cases[k].amax == 0.0f) /* zeros: ±0 (x[9] is −0) */
+            for (int j = 0; j < 32; j++)
+                ck_assert_int_eq(q[j], j == 9 ? 0x80 : 0);
+    }
+    /* E5M2 elements: emax_elem = 15 */
+    {
+        float x[32] = {1.0f};
+        uint8_t q[32], sc;
+        moe_cpu_quant_mxfp8(q, &sc, x, 1, 32, MOE_FP8_E5M2, &err);
+        ck_assert_int_eq(sc, 127 - 15);
+        ck_assert(moe_e5m2_decode(q[0]) == 32768.0f);
+    }
+    /* random data: codes, scales, error bound, ragged rows */
+    const int shapes[][2] = {{1, 32}, {37, 96}, {129, 512}};
+    for (int f = 0; f < 2; f++)
+        for (int sh = 0; sh < 3; sh++) {
+            const int R = shapes[sh][0], C = shapes[sh][1];
+            const size_t n = (size_t)R * C, nb = n / 32;
+            float *x = frand(n, 200 + sh, 30.0), *y = poisoned(n * sizeof(float));
+            for (int j = 0; j < 32; j++)
+                x[n - 32 + j] = 0.0f; /* the last block: zeros */
+            uint8_t *q = poisoned(n), *sc = poisoned(nb);
+            ck_assert_int_eq(moe_cpu_quant_mxfp8(q, sc, x, R, C, f, &err), MOE_OK);
+            ck_assert_int_eq(moe_cpu_dequant_mxfp8(y, q, sc, R, C, f, &err), MOE_OK);
+            size_t bad = 0;
+            for (size_t b = 0; b < nb; b++) {
+                float amax = 0;
+                for (int j = 0; j < 32; j++)
+                    amax = fmaxf(amax, fabsf(x[b * 32 + j]));
+                int e = 0;
+                if (amax > 0) {
+                    frexpf(amax, &e);
+                    e = e - 1 - (f ? 15 : 8);
+                    e = e < -127 ? -127 : e;
+                }
+                bad += sc[b] != e + 127;
+                const float X = ldexpf(1.0f, e);
+                for (int j = 0; j < 32; j++) {
+                    const size_t i = b * 32 + j;
+                    bad += q[i] != moe_fp8_encode(x[i] / X, f);
+                    /* saturation aside (E4M3: |x|/X in (448, 512)), within half a step */
+                    if (fabsf(x[i]) / X <= FMAX[f])
+                        bad += !fp8_within(y[i], x[i], X, f);
+                    else
+                        bad += y[i] != copysignf(FMAX[f] * X, x[i]);
+                }
+            }
+            ck_assert_int_eq(sc[nb - 1], 127);
+            ck_assert_msg(bad == 0, "MXFP8 %s [%d, %d]: %zu wrong", FNAME[f], R, C, bad);
+            free(x), free(y), free(q), free(sc);
+        }
+    float x1[64] = {0};
+    uint8_t q1[64], s1[2];
+    ck_assert_int_eq(moe_cpu_quant_mxfp8(q1, s1, x1, 1, 48, MOE_FP8_E4M3, &err), MOE_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err.msg, "not a multiple of 32"));
+}
+END_TEST
+
+/* half the gap between the E2M1 neighbours of a = |v| (saturation beyond 6) */
+static double e2m1_err_bound(double a) {
+    return a <= 2 ? 0.25 : a <= 4 ? 0.5 : a <= 6 ? 1.0 : a - 6;
+}
+
+/* check one NVFP4 quantization against the definition, recomputed here */
+static size_t check_nvfp4(const float *xt, int R, int C, const moe_nvfp4_opts *o,
+                          const uint8_t *q, const uint8_t *sc, const moe_quant_scalars *g,
+                          const float *yt) {
+    const int gpr = C / 16, bh = o->block_2d ? 16 : 1, nbr = (R + bh - 1) / bh;
+    size_t bad = 0;
+    float amax = 0;
+    for (size_t i = 0; i < (size_t)R * C; i++)
+        amax = fmaxf(amax, fabsf(xt[i]));
+    const float G = amax == 0 ? 1.0f : 2688.0f / amax;
+    bad += bits(g->amax) != bits(amax) || bits(g->scale) != bits(G) ||
+           bits(g->scale_inv) != bits(1.0f / G);
+    for (int br = 0; br < nbr; br++)
+        for (int bc = 0; bc < gpr; bc++) {
+            const int r0 = br * bh, r1 = r0 + bh < R ? r0 + bh : R;
+            float bm = 0;
+            for (int r = r0; r < r1; r++)
+                for (int j = 0; j < 16; j++)
+                    bm = fmaxf(bm, fabsf(xt[(size_t)r * C + bc * 16 + j]));
+            const uint8_t want = bm == 0 ? 0x38 : moe_e4m3_encode(bm / 6.0f * G);
+            const uint8_t got = sc[(size_t)br * gpr + bc];
+            if (got != want) {
+                bad++;
+                continue;
+            }
+            const float d = moe_e4m3_decode(got) / G;
+            for (int r = r0; r < r1; r++)
+                for (int j = 0; j < 16; j++) {
+                    const size_t i = (size_t)r * C + bc * 16 + j;
+                    const uint8_t byte = q[(size_t)r * (C / 2) + bc * 8 + j / 2];
+                    const uint8_t c = j & 1 ? byte >> 4 : byte & 0xF;
+                    if (!o->stochastic)
+                        bad += c != (got == 0 ? 0 : moe_e2m1_encode(xt[i] / d));
+                    const double a = fabs((double)xt[i]) / d;
+                    const double err = fabs((double)moe_e2m1_decode(c) * d - xt[i]);
+                    const double bound = (o->stochastic ? 2 * e2m1_err_bound(a) : e2m1_err_bound(a));
+                    if (got != 0)
+                        bad += err > bound * d * (1 + 1e-5) + 1e-30;
+                    if (yt) /* the dequantized value, in the transformed domain */
+                        bad += bits(yt[i]) != bits(moe_e2m1_decode(c) * (moe_e4m3_decode(got) / G));
+                }
+        }
+    return bad;
+}
+
+START_TEST(test_nvfp4) {
+    moe_error err;
+    const int shapes[][2] = {{1, 16}, {37, 64}, {130, 256}};
+    for (int b2 = 0; b2 < 2; b2++)
+        for (int sh = 0; sh < 3; sh++) {
+            const int R = shapes[sh][0], C = shapes[sh][1];
+            const size_t n = (size_t)R * C;
+            const moe_nvfp4_opts o = {.block_2d = b2};
+            float *x = frand(n, 300 + sh, 8.0), *y = poisoned(n * sizeof(float));
+            if (R > 16) /* a zero block */
+                for (int r = 16; r < 32; r++)
+                    for (int j = 0; j < 16; j++)
+                        x[(size_t)r * C + 16 + j] = 0.0f;
+            const size_t ns = moe_quant_scale_count(b2 ? MOE_QUANT_NVFP4_2D : MOE_QUANT_NVFP4, R, C);
+            uint8_t *q = poisoned(n / 2), *sc = poisoned(ns);
+            moe_quant_scalars g;
+            memset(&g, 0xAB, sizeof g);
+            ck_assert_int_eq(moe_cpu_quant_nvfp4(q, sc, &g, x, R, C, &o, &err), MOE_OK);
+            ck_assert_int_eq(moe_cpu_dequant_nvfp4(y, q, sc, &g, R, C, &o, &err), MOE_OK);
+            const size_t bad = check_nvfp4(x, R, C, &o, q, sc, &g, y);
+            ck_assert_msg(bad == 0, "NVFP4 %s [%d, %d]: %zu wrong", b2 ? "16x16" : "1x16", R, C, bad);
+            if (R > 16)
+                ck_assert_int_eq(sc[b2 ? 1 * (C / 16) + 1 : 16 * (C / 16) + 1], MOE_E4M3_ONE);
+            free(x), free(y), free(q), free(sc);
+        }
+    /* packing: element 2j in the low nibble */
+    {
+        float x[16] = {6.0f, -3.0f, 0.5f, 1.0f};
+        uint8_t q[8], sc;
+        moe_quant_scalars g;
+        memset(q, 0xAB, 8);
+        moe_cpu_quant_nvfp4(q, &sc, &g, x, 1, 16, NULL, &err);
+        ck_assert(g.scale == 448.0f && sc == 0x7E); /* (6/6)·448 = 448: divisor 1 */
+        ck_assert_int_eq(q[0], 0x7 | (0xD << 4));
+        ck_assert_int_eq(q[1], 0x1 | (0x2 << 4));
+        for (int j = 2; j < 8; j++)
+            ck_assert_int_eq(q[j], 0);
+    }
+    /* a block far below the tensor amax: its E4M3 scale underflows to 0, its codes are 0 */
+    {
+        float x[32], y[32];
+        for (int j = 0; j < 32; j++)
+            x[j] = j < 16 ? 1e-3f * (float)(j + 1) : 0.5f;
+        x[20] = 1e6f;
+        uint8_t q[16], sc[2];
+        moe_quant_scalars g;
+        moe_cpu_quant_nvfp4(q, sc, &g, x, 1, 32, NULL, &err);
+        moe_cpu_dequant_nvfp4(y, q, sc, &g, 1, 32, NULL, &err);
+        ck_assert_int_eq(sc[0], 0);
+        for (int j = 0; j < 16; j++)
+            ck_assert(y[j] == 0.0f && (q[j / 2] & (j & 1 ? 0xF0 : 0x0F)) == 0);
+        ck_assert(fabsf(y[20] - 1e6f) <= 1e6f * 1e-6f);
+    }
+    /* a NaN or an inf anywhere poisons the whole tensor */
+    for (int bad = 0; bad < 2; bad++) {
+        float *x = frand(64, 11, 0.0), y[64];
+        x[40] = bad ? -INFINITY : NAN;
+        uint8_t q[32], sc[4];
+        moe_quant_scalars g;
+        moe_cpu_quant_nvfp4(q, sc, &g, x, 2, 32, NULL, &err);
+        moe_cpu_dequant_nvfp4(y, q, sc, &g, 2, 32, NULL, &err);
+        ck_assert(bits(g.scale) == MOE_Q_NAN_BITS);
+        for (int j = 0; j < 4; j++)
+            ck_assert_int_eq(sc[j], MOE_E4M3_NAN);
+        for (int j = 0; j < 64; j++)
+            ck_assert(isnan(y[j]) && q[j / 2] == 0);
+        free(x);
+    }
+    float x1[32] = {0};
+    uint8_t q1[16], s1[2];
+    moe_quant_scalars g1;
+    ck_assert_int_eq(moe_cpu_quant_nvfp4(q1, s1, &g1, x1, 1, 24, NULL, &err), MOE_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err.msg, "not a multiple of 16"));
+}
+END_TEST
+
+START_TEST(test_hadamard) {
+    /* H from the transform with no signs: row i of H/4 is e_i·(H/4); Sylvester's
+     * H[i][j] = (−1)^popcount(i & j); H·Hᵀ = 16·I */
+    float H[16][16];
+    for (int i = 0; i < 16; i++) {
+        float v[16] = {0};
+        v[i] = 1.0f;
+        moe_q_rht16(v, 0, 0);
+        for (int j = 0; j < 16; j++) {
+            H[i][j] = 4.0f * v[j];
+            ck_assert(H[i][j] == (__builtin_popcount(i & j) & 1 ? -1.0f : 1.0f));
+        }
+    }
+    for (int i = 0; i < 16; i++)
+        for (int j = 0; j < 16; j++) {
+            float d = 0;
+            for (int k = 0; k < 16; k++)
+                d += H[i][k] * H[j][k];
+            ck_assert(d == (i == j ? 16.0f : 0.0f));
+        }
+    /* with the signs of a seed: M = H·S/4, M·Mᵀ = I; the forward is v·M */
+    const uint32_t signs = moe_q_rht_signs(42);
+    ck_assert(signs != moe_q_rht_signs(43));
+    enum { R = 9, C = 64 };
+    float *x = frand(R * C, 400, 10.0), *t = poisoned(R * C * sizeof(float)),
+          *b = poisoned(R * C * sizeof(float));
+    moe_error err;
+    ck_assert_int_eq(moe_cpu_rht16(t, x, R, C, 42, 0, &err), MOE_OK);
+    ck_assert_int_eq(moe_cpu_rht16(b, t, R, C, 42, 1, &err), MOE_OK);
+    double worst_fwd = 0, worst_id = 0;
+    for (int g = 0; g < R * C / 16; g++) {
+        const float *xg = x + g * 16;
+        double norm = 0, nt = 0;
+        for (int k = 0; k < 16; k++)
+            norm = fmax(norm, fabs(xg[k]));
+        for (int j = 0; j < 16; j++) {
+            double want = 0; /* (x·H·S/4)_j in double */
+            for (int k = 0; k < 16; k++)
+                want += xg[k] * H[k][j];
+            want *= ((signs >> j) & 1 ? -0.25 : 0.25);
+            worst_fwd = fmax(worst_fwd, fabs(t[g * 16 + j] - want) / norm);
+            worst_id = fmax(worst_id, fabs(b[g * 16 + j] - xg[j]) / norm);
+            nt += (double)t[g * 16 + j] * t[g * 16 + j];
+        }
+        double nx = 0;
+        for (int k = 0; k < 16; k++)
+            nx += (double)xg[k] * xg[k];
+        ck_assert(fabs(sqrt(nt) - sqrt(nx)) <= 1e-6 * sqrt(nx)); /* orthogonal */
+    }
+    printf("  Hadamard: forward vs double %.2e, inverse(forward) vs identity %.2e (of the "
+           "group's max)\n", worst_fwd, worst_id);
+    ck_assert(worst_fwd < 1e-6 && worst_id < 1e-6);
+    /* NVFP4 with the transform: the amax is the transformed tensor's, the blocks are those of
+     * the transformed values, and dequantize inverts the transform */
+    for (int b2 = 0; b2 < 2; b2++) {
+        const moe_nvfp4_opts o = {.block_2d = b2, .rht = 1, .rht_seed = 42};
+        uint8_t q[R * C / 2], sc[R * C / 16];
+        moe_quant_scalars g;
+        float *y = poisoned(R * C * sizeof(float));
+        ck_assert_int_eq(moe_cpu_quant_nvfp4(q, sc, &g, x, R, C, &o, &err), MOE_OK);
+        const moe_nvfp4_opts plain = {.block_2d = b2};
+        ck_assert_uint_eq(check_nvfp4(t, R, C, &plain, q, sc, &g, NULL), 0);
+        ck_assert_int_eq(moe_cpu_dequant_nvfp4(y, q, sc, &g, R, C, &o, &err), MOE_OK);
+        /* the error of a group is that of its transformed values (orthogonal): at most
+         * 16 × (its block's divisor)² in squares */
+        const int gpr = C / 16, bh = b2 ? 16 : 1;
+        for (int gi = 0; gi < R * gpr; gi++) {
+            const int r = gi / gpr, gc = gi % gpr;
+            const float d = moe_e4m3_decode(sc[(r / bh) * gpr + gc]) / g.scale;
+            double e2 = 0;
+            for (int j = 0; j < 16; j++)
+                e2 += pow(y[gi * 16 + j] - x[gi * 16 + j], 2);
+            ck_assert_msg(sqrt(e2) <= 4.0 * d * 1.0001, "group %d: error %g, bound %g", gi,
+                          sqrt(e2), 4.0 * d);
+        }
+        free(y);
+    }
+    free(x), free(t), free(b);
+}
+END_TEST
+
+START_TEST(test_stochastic_rounding) {
+    enum { R = 64, C = 64, N = R * C };
+    moe_error err;
+    /* every block: one 6 (block scale 448, divisor 1) and fifteen 2.4 (between 2 and 3) */
+    float *x = poisoned(N * sizeof(float));
+    for (int i = 0; i < N; i++)
+        x[i] = i % 16 == 3 ? 6.0f : (i % 2 ? 2.4f : -2.4f);
+    const moe_nvfp4_opts rne = {0}, sr = {.stochastic = 1, .sr_seed = 1234};
+    uint8_t q[N / 2], q2[N / 2], sc[N / 16];
+    moe_quant_scalars g;
+    float *y = poisoned(N * sizeof(float));
+    /* nearest even: always 2 — biased by 0.4 */
+    moe_cpu_quant_nvfp4(q, sc, &g, x, R, C, &rne, &err);
+    moe_cpu_dequant_nvfp4(y, q, sc, &g, R, C, &rne, &err);
+    ck_assert(g.scale == 448.0f && sc[0] == 0x7E && fabsf(y[0]) == 2.0f);
+    /* stochastic: 2 or 3, mean 2.4 over the elements of one seed */
+    memset(q, 0xAB, sizeof q);
+    ck_assert_int_eq(moe_cpu_quant_nvfp4(q, sc, &g, x, R, C, &sr, &err), MOE_OK);
+    moe_cpu_dequant_nvfp4(y, q, sc, &g, R, C, &sr, &err);
+    double sum = 0;
+    int cnt = 0, threes = 0;
+    for (int i = 0; i < N; i++) {
+        if (i % 16 == 3) {
+            ck_assert(y[i] == 6.0f); /* on the grid: exact */
+            continue;
+        }
+        ck_assert(fabsf(y[i]) == 2.0f || fabsf(y[i]) == 3.0f);
+        ck_assert(signbit(y[i]) == signbit(x[i]));
+        sum += fabsf(y[i]), cnt++, threes += fabsf(y[i]) == 3.0f;
+    }
+    const double mean = sum / cnt, sigma = sqrt(0.24 / cnt);
+    printf("  stochastic rounding of 2.4: mean %.4f over %d elements (sigma %.4f), %d threes\n",
+           mean, cnt, sigma, threes);
+    ck_assert_msg(fabs(mean - 2.4) < 5 * sigma, "biased: mean %g", mean);
+    /* reproducible: the same seed gives the same bytes, another seed others */
+    moe_cpu_quant_nvfp4(q2, sc, &g, x, R, C, &sr, &err);
+    ck_assert(memcmp(q, q2, sizeof q) == 0);
+    const moe_nvfp4_opts sr2 = {.stochastic = 1, .sr_seed = 1235};
+    moe_cpu_quant_nvfp4(q2, sc, &g, x, R, C, &sr2, &err);
+    ck_assert(memcmp(q, q2, sizeof q) != 0);
+    /* unbiased over seeds for one element, for values all over the grid */
+    const float vals[] = {0.1f, 0.3f, 0.7f, 1.2f, 1.9f, 2.7f, 3.5f, 5.2f, -4.4f};
+    for (size_t k = 0; k < sizeof vals / sizeof *vals; k++) {
+        float xs[16] = {6.0f};
+        xs[5] = vals[k];
+        double s = 0, s2 = 0;
+        const int seeds = 2000;
+        for (int seed = 0; seed < seeds; seed++) {
+            const moe_nvfp4_opts o = {.stochastic = 1, .sr_seed = (uint64_t)seed};
+            uint8_t qq[8], ss;
+            float yy[16];
+            moe_cpu_quant_nvfp4(qq, &ss, &g, xs, 1, 16, &o, &err);
+            moe_cpu_dequant_nvfp4(yy, qq, &ss, &g, 1, 16, &o, &err);
+            s += yy[5], s2 += (double)yy[5] * yy[5];
+        }
+        const double m = s / seeds, var = s2 / seeds - m * m;
+        ck_assert_msg(fabs(m - vals[k]) <= 5 * sqrt(var / seeds) + 1e-6,
+                      "SR of %g over %d seeds: mean %g", (double)vals[k], seeds, m);
+    }
+    free(x), free(y);
+}
+END_TEST
+
+/* every recipe gives the same bytes with one OpenMP thread as with all of them */
+START_TEST(test_thread_count_invariant) {
+#ifdef _OPENMP
+    enum { R = 300, C = 512, N = R * C };
+    float *x = frand(N, 500, 20.0);
+    moe_error err;
+    uint8_t *q[2], *s8[2];
+    float *sf[2];
+    moe_quant_scalars g[2];
+    const int nth = omp_get_max_threads();
+    for (int t = 0; t < 2; t++) {
+        omp_set_num_threads(t ? nth : 1);
+        q[t] = poisoned(N * 4), s8[t] = poisoned(N), sf[t] = poisoned(N);
+        const moe_nvfp4_opts o = {.block_2d = 1, .stochastic = 1, .sr_seed = 3, .rht = 1,
+                                  .rht_seed = 5};
+        moe_cpu_quant_tensorwise(q[t], &g[t], x, N, MOE_FP8_E4M3, &err);
+        moe_cpu_quant_blockwise(q[t] + N, sf[t], x, R, C, MOE_FP8_E4M3, 1, 1, &err);
+        moe_cpu_quant_mxfp8(q[t] + 2 * N, s8[t], x, R, C, MOE_FP8_E4M3, &err);
+        moe_cpu_quant_nvfp4(q[t] + 3 * N, s8[t] + N / 32, &g[t], x, R, C, &o, &err);
+    }
+    omp_set_num_threads(nth);
+    ck_assert(!memcmp(q[0], q[1], N * 4) && !memcmp(s8[0], s8[1], N) &&
+              !memcmp(sf[0], sf[1], N) && !memcmp(&g[0], &g[1], sizeof g[0]));
+    for (int t = 0; t < 2; t++)
+        free(q[t]), free(s8[t]), free(sf[t]);
+    free(x);
+#endif
+}
+END_TEST
+
+Suite *suite_quant(void) {
+    const TTest *const tests[] = {test_decode_tables,       test_encode_roundtrip_and_ties,
+                                  test_tensorwise,          test_delayed_scaling,
+                                  test_blockwise,           test_mxfp8,
+                                  test_nvfp4,               test_hadamard,
+                                  test_stochastic_rounding, test_thread_count_invariant};
+    return moe_test_chapter_suite("quant", "ch05", tests, 10);
+}
