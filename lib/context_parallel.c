@@ -93,55 +93,45 @@ static void a2a_swap(const moe_backend *be, const moe_cp_attention *a, const voi
     (void)be;
 }
 
-/* tokens -> heads: pack each head slice for its owner, swap, place by position */
-static void tokens_to_heads(const moe_backend *be, const moe_cp_attention *a, moe_real *full,
-                            const moe_real *local, int H, moe_real *stage) {
-    const int cp = a->cp, B = a->B, C = a->T / (2 * cp), h = H / cp, D = a->D;
-    const size_t per = (size_t)2 * B * C * h * D, row = (size_t)h * D;
-    moe_real *snd = stage, *rcv = stage + per * cp;
-    for (int d = 0; d < cp; d++)
-        for (int w = 0; w < 2; w++)
-            for (int b = 0; b < B; b++)
-                for (int c = 0; c < C; c++)
-                    memcpy(snd + d * per + (((size_t)w * B + b) * C + c) * row,
-                           local + (((size_t)w * B + b) * C + c) * H * D + (size_t)d * row,
-                           sizeof(moe_real) * row);
-    a2a_swap(be, a, snd, rcv, per, moe_dtype_act(be), sizeof(moe_real));
-    for (int s = 0; s < cp; s++)
-        for (int w = 0; w < 2; w++)
-            for (int b = 0; b < B; b++)
-                for (int c = 0; c < C; c++) {
-                    const int pos = moe_cp_chunk(cp, s, w) * C + c;
-                    memcpy(full + ((size_t)b * a->T + pos) * row,
-                           rcv + s * per + (((size_t)w * B + b) * C + c) * row,
-                           sizeof(moe_real) * row);
-                }
+/* Where row (w, b, c) of rank p's part lies, in elements: in the tokens layout p is the head
+ * slice's owner (the row's slice p of this rank's token), in the heads layout p is the
+ * token's owner (the token at its absolute position, this rank's heads). */
+static size_t tokens_off(const moe_cp_attention *a, int H, int p, int w, int b, int c) {
+    const int C = a->T / (2 * a->cp);
+    return (((size_t)w * a->B + b) * C + c) * H * a->D + (size_t)p * (H / a->cp) * a->D;
+}
+static size_t heads_off(const moe_cp_attention *a, int H, int p, int w, int b, int c) {
+    const int C = a->T / (2 * a->cp);
+    return ((size_t)b * a->T + moe_cp_chunk(a->cp, p, w) * C + c) * (H / a->cp) * a->D;
 }
 
-/* heads -> tokens: the inverse; `add` accumulates into local (gradients) */
-static void heads_to_tokens(const moe_backend *be, const moe_cp_attention *a, moe_real *local,
-                            const moe_real *full, int H, int add, moe_real *stage) {
-    const int cp = a->cp, B = a->B, C = a->T / (2 * cp), h = H / cp, D = a->D;
-    const size_t per = (size_t)2 * B * C * h * D, row = (size_t)h * D;
+/* tokens -> heads (to_heads; src tokens, dst heads) or back (src heads, dst tokens; `add`
+ * accumulates, for gradients): pack each rank's rows, swap, place them. */
+static void a2a_rows(const moe_backend *be, const moe_cp_attention *a, const moe_real *src,
+                     moe_real *dst, int H, int to_heads, int add, moe_real *stage) {
+    const int cp = a->cp, B = a->B, C = a->T / (2 * cp);
+    const size_t row = (size_t)(H / cp) * a->D, per = (size_t)2 * B * C * row;
     moe_real *snd = stage, *rcv = stage + per * cp;
-    for (int s = 0; s < cp; s++)
-        for (int w = 0; w < 2; w++)
-            for (int b = 0; b < B; b++)
-                for (int c = 0; c < C; c++) {
-                    const int pos = moe_cp_chunk(cp, s, w) * C + c;
-                    memcpy(snd + s * per + (((size_t)w * B + b) * C + c) * row,
-                           full + ((size_t)b * a->T + pos) * row, sizeof(moe_real) * row);
-                }
-    a2a_swap(be, a, snd, rcv, per, moe_dtype_act(be), sizeof(moe_real));
-    for (int d = 0; d < cp; d++)
-        for (int w = 0; w < 2; w++)
-            for (int b = 0; b < B; b++)
-                for (int c = 0; c < C; c++) {
-                    moe_real *dst = local + (((size_t)w * B + b) * C + c) * H * D + (size_t)d * row;
-                    const moe_real *src = rcv + d * per + (((size_t)w * B + b) * C + c) * row;
-                    for (size_t i = 0; i < row; i++)
-                        dst[i] = add ? dst[i] + src[i] : src[i];
-                }
+    for (int pass = 0; pass < 2; pass++) { /* 0: pack into snd, 1: unpack from rcv */
+        if (pass == 1)
+            a2a_swap(be, a, snd, rcv, per, moe_dtype_act(be), sizeof(moe_real));
+        for (int p = 0; p < cp; p++)
+            for (int w = 0; w < 2; w++)
+                for (int b = 0; b < B; b++)
+                    for (int c = 0; c < C; c++) {
+                        const size_t k = (size_t)p * per + (((size_t)w * B + b) * C + c) * row;
+                        /* packing reads the start layout, unpacking writes the end layout */
+                        const int tokens_side = (pass == 0) == (to_heads != 0);
+                        const size_t o = tokens_side ? tokens_off(a, H, p, w, b, c)
+                                                     : heads_off(a, H, p, w, b, c);
+                        if (pass == 0) {
+                            memcpy(snd + k, src + o, sizeof(moe_real) * row);
+                        } else {
+                            for (size_t i = 0; i < row; i++)
+                                dst[o + i] = add ? dst[o + i] + rcv[k + i] : rcv[k + i];
+                        }
+                    }
+    }
 }
 
 /* the lse: local [2][B][Hq][C] -> heads [B][Hq/cp][T] (to_heads), or back; src is in the
@@ -206,11 +196,11 @@ static moe_attention_shape a2a_shape(const moe_cp_attention *a) {
 static void a2a_forward(const moe_backend *be, const moe_cp_attention *a, void *y,
                         moe_real *lse, const void *q, const void *k, const void *v, void *ws) {
     const a2a_bufs u = a2a_layout(a, ws);
-    tokens_to_heads(be, a, u.q, q, a->Hq, u.stage);
-    tokens_to_heads(be, a, u.k, k, a->Hkv, u.stage);
-    tokens_to_heads(be, a, u.v, v, a->Hkv, u.stage);
+    a2a_rows(be, a, q, u.q, a->Hq, 1, 0, u.stage);
+    a2a_rows(be, a, k, u.k, a->Hkv, 1, 0, u.stage);
+    a2a_rows(be, a, v, u.v, a->Hkv, 1, 0, u.stage);
     be->attention_forward(u.y, u.lse, NULL, u.q, u.k, u.v, a2a_shape(a));
-    heads_to_tokens(be, a, y, u.y, a->Hq, 0, u.stage);
+    a2a_rows(be, a, u.y, y, a->Hq, 0, 0, u.stage);
     lse_swap(be, a, u.lse, lse, 0, u.stage);
 }
 
@@ -219,18 +209,18 @@ static void a2a_backward(const moe_backend *be, const moe_cp_attention *a, void 
                          const void *q, const void *k, const void *v, void *ws) {
     const a2a_bufs u = a2a_layout(a, ws);
     const sizes z = sizes_of(a);
-    tokens_to_heads(be, a, u.q, q, a->Hq, u.stage);
-    tokens_to_heads(be, a, u.k, k, a->Hkv, u.stage);
-    tokens_to_heads(be, a, u.v, v, a->Hkv, u.stage);
-    tokens_to_heads(be, a, u.y, y, a->Hq, u.stage);
-    tokens_to_heads(be, a, u.dy, dy, a->Hq, u.stage);
+    a2a_rows(be, a, q, u.q, a->Hq, 1, 0, u.stage);
+    a2a_rows(be, a, k, u.k, a->Hkv, 1, 0, u.stage);
+    a2a_rows(be, a, v, u.v, a->Hkv, 1, 0, u.stage);
+    a2a_rows(be, a, y, u.y, a->Hq, 1, 0, u.stage);
+    a2a_rows(be, a, dy, u.dy, a->Hq, 1, 0, u.stage);
     lse_swap(be, a, lse, u.lse, 1, u.stage);
     memset(u.dq, 0, sizeof(moe_real) * 2 * z.QC);
     memset(u.dk, 0, sizeof(moe_real) * 2 * z.KL);
     be->attention_backward(u.dq, u.dk, u.dv, u.dy, u.y, u.lse, NULL, u.q, u.k, u.v, a2a_shape(a));
-    heads_to_tokens(be, a, dq, u.dq, a->Hq, 1, u.stage);
-    heads_to_tokens(be, a, dk, u.dk, a->Hkv, 1, u.stage);
-    heads_to_tokens(be, a, dv, u.dv, a->Hkv, 1, u.stage);
+    a2a_rows(be, a, u.dq, dq, a->Hq, 0, 1, u.stage);
+    a2a_rows(be, a, u.dk, dk, a->Hkv, 0, 1, u.stage);
+    a2a_rows(be, a, u.dv, dv, a->Hkv, 0, 1, u.stage);
 }
 
 #define AT(p, i) ((char *)(p) + (size_t)(i) * S) /* element i of an activation buffer */
