@@ -35,6 +35,12 @@ static sizes sizes_of(const moe_cp_attention *a) {
 
 moe_status moe_cp_attention_check(const moe_cp_attention *a, moe_error *err) {
     MOE_TRY(moe_cp_check(a->T, a->cp, err));
+    if (a->type == MOE_CP_A2A_P2P &&
+        (a->a2a < 1 || a->cp % a->a2a != 0 || a->Hq % a->a2a != 0 || a->Hkv % a->a2a != 0))
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "--cp-comm-type a2a+p2p with an all-to-all group of %d ranks: it "
+                             "must divide --context-parallel-size %d, --num-attention-heads %d "
+                             "and --num-query-groups %d", a->a2a, a->cp, a->Hq, a->Hkv);
     if (a->type == MOE_CP_A2A && (a->Hq % a->cp != 0 || a->Hkv % a->cp != 0))
         return moe_error_set(err, MOE_ERR_CONFIG,
                              "--cp-comm-type a2a splits the heads over the %d context-parallel "
@@ -46,6 +52,9 @@ moe_status moe_cp_attention_check(const moe_cp_attention *a, moe_error *err) {
 
 size_t moe_cp_attention_workspace_bytes(const moe_cp_attention *a, size_t act_size) {
     const sizes z = sizes_of(a);
+    if (a->type == MOE_CP_A2A_P2P) /* q y dy dq blocks, 2 travelling k v dk dv, lse, parts */
+        return (5 * 2 * z.QC + 8 * z.KL) * act_size + 2 * z.LC * sizeof(moe_real) +
+               z.QC / (size_t)a->a2a * act_size + z.LC / (size_t)a->a2a * sizeof(moe_real);
     if (a->type == MOE_CP_A2A) /* q k v y dy dq dk dv of my heads, their lse, the staging */
         return (4 * 2 * z.QC + 4 * z.KL + 2 * 2 * z.QC) * act_size + 2 * z.LC * sizeof(moe_real);
     const size_t part = z.QC * act_size + z.LC * sizeof(moe_real); /* one partial y, lse */
@@ -64,11 +73,16 @@ static moe_attention_shape block(const moe_cp_attention *a, int qc, int kc) {
 
 /* Pass `count` elements of `cur` to the next rank of the ring and receive the previous
  * rank's into `nxt` (one exchange: no ordering of sends and receives to get wrong). */
+static void ring_shift_in(const moe_backend *be, moe_comm *comm, int rank, int n,
+                          const void *cur, void *nxt, size_t count) {
+    const moe_comm_chunk to = {0, count, (rank + 1) % n};
+    const moe_comm_chunk from = {0, count, (rank + n - 1) % n};
+    moe_comm_exchange(comm, cur, &to, 1, nxt, &from, 1, moe_dtype_act(be));
+}
+
 static void ring_shift(const moe_backend *be, const moe_cp_attention *a, const void *cur,
                        void *nxt, size_t count) {
-    const moe_comm_chunk to = {0, count, (a->rank + 1) % a->cp};
-    const moe_comm_chunk from = {0, count, (a->rank + a->cp - 1) % a->cp};
-    moe_comm_exchange(a->comm, cur, &to, 1, nxt, &from, 1, moe_dtype_act(be));
+    ring_shift_in(be, a->comm, a->rank, a->cp, cur, nxt, count);
 }
 
 
@@ -78,19 +92,24 @@ static void ring_shift(const moe_backend *be, const moe_cp_attention *a, const v
  * moe_cp_chunk(cp, s, w)·C + c. "Tokens" layout: this rank's [2][B][C][H][D], every head;
  * "heads" layout: [B][T][H/cp][D], every token of the sequence, this rank's heads. */
 
-/* the all-to-all of `per` elements with every rank (a copy with no group) */
-static void a2a_swap(const moe_backend *be, const moe_cp_attention *a, const void *send,
-                     void *recv, size_t per, moe_dtype t, size_t elem) {
-    if (!a->comm) {
+/* the all-to-all of `per` elements with each of the n ranks of `comm` (a copy with none) */
+static void swap_in(moe_comm *comm, int n, const void *send, void *recv, size_t per, moe_dtype t,
+                    size_t elem) {
+    if (!comm) {
         memcpy(recv, send, per * elem);
         return;
     }
     size_t counts[64];
-    MOE_ASSERT(a->cp <= 64);
-    for (int p = 0; p < a->cp; p++)
+    MOE_ASSERT(n <= 64);
+    for (int p = 0; p < n; p++)
         counts[p] = per;
-    moe_comm_all_to_all_v(a->comm, send, counts, recv, counts, t);
+    moe_comm_all_to_all_v(comm, send, counts, recv, counts, t);
+}
+
+static void a2a_swap(const moe_backend *be, const moe_cp_attention *a, const void *send,
+                     void *recv, size_t per, moe_dtype t, size_t elem) {
     (void)be;
+    swap_in(a->comm, a->cp, send, recv, per, t, elem);
 }
 
 /* Where row (w, b, c) of rank p's part lies, in elements: in the tokens layout p is the head
@@ -223,6 +242,179 @@ static void a2a_backward(const moe_backend *be, const moe_cp_attention *a, void 
     a2a_rows(be, a, u.dv, dv, a->Hkv, 0, 1, u.stage);
 }
 
+
+/* ------------------------------------------------------------ a2a+p2p (hierarchical) */
+
+/* After the inner all-to-all a rank holds, for its head slice (H/a2a heads), the rows of
+ * every rank of its inner group in "blocks": [src][w][B][C][h][D], block (src, w) being
+ * chunk moe_cp_chunk(cp, o·a2a + src, w) of all B sequences (o: this rank's outer rank);
+ * lse blocks are [src][w][B][h][C]. Both are one contiguous [B, C, …] operand per block. */
+
+/* tokens -> blocks (to_blocks) or back (`add`: accumulate); rows of H heads */
+static void inner_rows(const moe_backend *be, const moe_cp_attention *a, const moe_real *src,
+                       moe_real *dst, int H, int to_blocks, int add, moe_real *stage) {
+    const int n = a->a2a, B = a->B, C = a->T / (2 * a->cp);
+    const size_t row = (size_t)(H / n) * a->D, per = (size_t)2 * B * C * row;
+    if (to_blocks) { /* pack slice p for head owner p; what arrives from inner rank s is
+                      * block s, so the received layout needs no unpack */
+        for (int p = 0; p < n; p++)
+            for (size_t r = 0; r < per / row; r++)
+                memcpy(stage + (size_t)p * per + r * row, src + r * H * a->D + (size_t)p * row,
+                       sizeof(moe_real) * row);
+        swap_in(a->inner, n, stage, dst, per, moe_dtype_act(be), sizeof(moe_real));
+        return;
+    }
+    swap_in(a->inner, n, src, stage, per, moe_dtype_act(be), sizeof(moe_real));
+    for (int p = 0; p < n; p++) /* from head owner p: its slice of this rank's rows */
+        for (size_t r = 0; r < per / row; r++) {
+            moe_real *d = dst + r * H * a->D + (size_t)p * row;
+            const moe_real *s = stage + (size_t)p * per + r * row;
+            for (size_t i = 0; i < row; i++)
+                d[i] = add ? d[i] + s[i] : s[i];
+        }
+}
+
+/* the lse: local [2][B][Hq][C] <-> blocks [src][2][B][h][C] */
+static void inner_lse(const moe_backend *be, const moe_cp_attention *a, const moe_real *src,
+                      moe_real *dst, int to_blocks, moe_real *stage) {
+    const int n = a->a2a, B = a->B, C = a->T / (2 * a->cp), Hq = a->Hq, h = Hq / n;
+    const size_t per = (size_t)2 * B * h * C;
+    (void)be;
+    if (!to_blocks)
+        swap_in(a->inner, n, src, stage, per, moe_dtype_real(), sizeof(moe_real));
+    for (int p = 0; p < n; p++)
+        for (int w = 0; w < 2; w++)
+            for (int b = 0; b < B; b++)
+                for (int j = 0; j < h; j++) {
+                    const size_t blk = (size_t)p * per + (((size_t)w * B + b) * h + j) * C;
+                    const size_t loc = (((size_t)w * B + b) * Hq + p * h + j) * C;
+                    if (to_blocks)
+                        memcpy(stage + blk, src + loc, sizeof(moe_real) * C);
+                    else
+                        memcpy(dst + loc, stage + blk, sizeof(moe_real) * C);
+                }
+    if (to_blocks)
+        swap_in(a->inner, n, stage, dst, per, moe_dtype_real(), sizeof(moe_real));
+}
+
+typedef struct hyb_bufs {
+    moe_real *q, *y, *dy, *dq, *stage, *set[2], *lse, *y_part, *lse_part;
+} hyb_bufs;
+
+static hyb_bufs hyb_layout(const moe_cp_attention *a, void *ws) {
+    const sizes z = sizes_of(a);
+    const size_t nq = 2 * z.QC, nk = z.KL;
+    hyb_bufs u;
+    moe_real *p = ws;
+    u.q = p, p += nq;
+    u.y = p, p += nq;
+    u.dy = p, p += nq;
+    u.dq = p, p += nq;
+    u.stage = p, p += nq;
+    u.set[0] = p, p += 4 * nk; /* [k | v | dk | dv] blocks of the held group */
+    u.set[1] = p, p += 4 * nk;
+    u.lse = p, p += 2 * z.LC;
+    u.y_part = p, p += z.QC / a->a2a;
+    u.lse_part = p;
+    return u;
+}
+
+/* one block pair's shape: h query heads, hk key heads, chunks qc and kc */
+static moe_attention_shape hyb_shape(const moe_cp_attention *a, int qc, int kc) {
+    const int C = a->T / (2 * a->cp);
+    moe_attention_shape s = {a->B, C, C, a->Hq / a->a2a, a->Hkv / a->a2a, a->D, qc * C, kc * C};
+    return s;
+}
+
+/* The blocks of one ring step: this rank's query blocks against the key blocks of outer
+ * rank `o2` (held now): every visible pair, forward (merge) or backward (accumulate). */
+static void hyb_step(const moe_backend *be, const moe_cp_attention *a, const hyb_bufs *u,
+                     moe_real *held, int o2, int backward) {
+    const int n = a->a2a, o = a->rank / n;
+    const sizes z = sizes_of(a);
+    const size_t QB = z.QC / n, KB = z.KC / n, LB = z.LC / n, nk = z.KL;
+    for (int sq = 0; sq < n; sq++)
+        for (int wq = 0; wq < 2; wq++) {
+            const int qc = moe_cp_chunk(a->cp, o * n + sq, wq);
+            const size_t qo = (size_t)(sq * 2 + wq) * QB, lo = (size_t)(sq * 2 + wq) * LB;
+            for (int sk = 0; sk < n; sk++)
+                for (int wk = 0; wk < 2; wk++) {
+                    const int kc = moe_cp_chunk(a->cp, o2 * n + sk, wk);
+                    if (kc > qc)
+                        continue;
+                    const size_t ko = (size_t)(sk * 2 + wk) * KB;
+                    const moe_attention_shape sh = hyb_shape(a, qc, kc);
+                    if (!backward) {
+                        be->attention_forward(u->y_part, u->lse_part, NULL, u->q + qo, held + ko,
+                                              held + nk + ko, sh);
+                        moe_cp_merge(u->y + qo, u->lse + lo, u->y_part, u->lse_part, a->B,
+                                     sh.Tq, sh.Hq, a->D);
+                    } else {
+                        /* the travelling set [k | v | dk | dv]: its dk, dv accumulate */
+                        be->attention_backward(u->dq + qo, held + 2 * nk + ko, held + 3 * nk + ko,
+                                               u->dy + qo, u->y + qo, u->lse + lo, NULL,
+                                               u->q + qo, held + ko, held + nk + ko, sh);
+                    }
+                }
+        }
+}
+
+static void hyb_forward(const moe_backend *be, const moe_cp_attention *a, moe_real *y,
+                        moe_real *lse, const moe_real *q, const moe_real *k, const moe_real *v,
+                        void *ws) {
+    hyb_bufs u = hyb_layout(a, ws);
+    const sizes z = sizes_of(a);
+    const int n = a->a2a, p = a->cp / n, o = a->rank / n;
+    inner_rows(be, a, q, u.q, a->Hq, 1, 0, u.stage);
+    inner_rows(be, a, k, u.set[0], a->Hkv, 1, 0, u.stage);
+    inner_rows(be, a, v, u.set[0] + z.KL, a->Hkv, 1, 0, u.stage);
+    for (size_t i = 0; i < 2 * z.LC; i++)
+        u.lse[i] = -INFINITY;
+    for (int s = 0; s < p; s++) {
+        hyb_step(be, a, &u, u.set[0], ((o - s) % p + p) % p, 0);
+        if (s + 1 < p) {
+            ring_shift_in(be, a->outer, o, p, u.set[0], u.set[1], 2 * z.KL);
+            moe_real *t = u.set[0];
+            u.set[0] = u.set[1], u.set[1] = t;
+        }
+    }
+    inner_rows(be, a, u.y, y, a->Hq, 0, 0, u.stage);
+    inner_lse(be, a, u.lse, lse, 0, u.stage);
+}
+
+static void hyb_backward(const moe_backend *be, const moe_cp_attention *a, moe_real *dq,
+                         moe_real *dk, moe_real *dv, const moe_real *dy, const moe_real *y,
+                         const moe_real *lse, const moe_real *q, const moe_real *k,
+                         const moe_real *v, void *ws) {
+    hyb_bufs u = hyb_layout(a, ws);
+    const sizes z = sizes_of(a);
+    const int n = a->a2a, p = a->cp / n, o = a->rank / n;
+    inner_rows(be, a, q, u.q, a->Hq, 1, 0, u.stage);
+    inner_rows(be, a, y, u.y, a->Hq, 1, 0, u.stage);
+    inner_rows(be, a, dy, u.dy, a->Hq, 1, 0, u.stage);
+    inner_rows(be, a, k, u.set[0], a->Hkv, 1, 0, u.stage);
+    inner_rows(be, a, v, u.set[0] + z.KL, a->Hkv, 1, 0, u.stage);
+    inner_lse(be, a, lse, u.lse, 1, u.stage);
+    memset(u.dq, 0, sizeof(moe_real) * 2 * z.QC);
+    memset(u.set[0] + 2 * z.KL, 0, sizeof(moe_real) * 2 * z.KL);
+    for (int s = 0; s < p; s++) {
+        hyb_step(be, a, &u, u.set[0], ((o - s) % p + p) % p, 1);
+        if (s + 1 < p) {
+            ring_shift_in(be, a->outer, o, p, u.set[0], u.set[1], 4 * z.KL);
+            moe_real *t = u.set[0];
+            u.set[0] = u.set[1], u.set[1] = t;
+        }
+    }
+    moe_real *home = u.set[0] + 2 * z.KL; /* [dk | dv] of outer rank o + 1 (or ours) */
+    if (p > 1) {
+        ring_shift_in(be, a->outer, o, p, home, u.set[1] + 2 * z.KL, 2 * z.KL);
+        home = u.set[1] + 2 * z.KL;
+    }
+    inner_rows(be, a, u.dq, dq, a->Hq, 0, 1, u.stage);
+    inner_rows(be, a, home, dk, a->Hkv, 0, 1, u.stage);
+    inner_rows(be, a, home + z.KL, dv, a->Hkv, 0, 1, u.stage);
+}
+
 #define AT(p, i) ((char *)(p) + (size_t)(i) * S) /* element i of an activation buffer */
 
 void moe_cp_attention_forward(const moe_backend *be, const moe_cp_attention *a, void *y,
@@ -237,6 +429,10 @@ void moe_cp_attention_forward(const moe_backend *be, const moe_cp_attention *a, 
     moe_real *lse_part = (moe_real *)((char *)y_part + z.QC * S);
     if (a->type == MOE_CP_A2A) {
         a2a_forward(be, a, y, lse, q, k, v, ws);
+        return;
+    }
+    if (a->type == MOE_CP_A2A_P2P) {
+        hyb_forward(be, a, y, lse, q, k, v, ws);
         return;
     }
     for (size_t i = 0; i < 2 * z.LC; i++) /* nothing merged yet: every row at lse = −∞ */
@@ -300,6 +496,10 @@ void moe_cp_attention_backward(const moe_backend *be, const moe_cp_attention *a,
     char *w = ws;
     if (a->type == MOE_CP_A2A) {
         a2a_backward(be, a, dq, dk, dv, dy, y, lse, q, k, v, ws);
+        return;
+    }
+    if (a->type == MOE_CP_A2A_P2P) {
+        hyb_backward(be, a, dq, dk, dv, dy, y, lse, q, k, v, ws);
         return;
     }
     if (a->type == MOE_CP_ALLGATHER) {

@@ -17,6 +17,10 @@
  *    cp), each rank runs plain causal attention over the whole sequence for its heads, and
  *    an all-to-all turns the output back. Memory: the local size; four all-to-alls forward
  *    (q, k, v in, y and lse out) and more in the backward, but no ring of dependent steps.
+ *  - **a2a+p2p** (hierarchical): the all-to-all of heads inside groups of `a2a` ranks (a
+ *    node's fast links), then a ring between the groups, each rank passing the keys and
+ *    values of its head slice for its group's 2·a2a chunks. With a2a = cp it is a2a (one
+ *    ring step), with a2a = 1 the ring over single ranks.
  *
  * The local tensors are **chunk-major**: a rank's T/cp tokens of each sequence are stored as
  * its early chunk of every sequence, then its late chunk of every sequence
@@ -43,6 +47,7 @@ typedef enum moe_cp_comm {
     MOE_CP_P2P = 0,   /**< ring attention: send/recv around the CP ranks */
     MOE_CP_ALLGATHER, /**< all-gather the keys and values, reduce-scatter their gradients */
     MOE_CP_A2A,       /**< all-to-all heads <-> sequence (Ulysses) */
+    MOE_CP_A2A_P2P,   /**< all-to-all inside groups of `a2a` ranks, the ring between them */
 } moe_cp_comm;
 
 /** One rank's view of a context-parallel attention call. */
@@ -56,6 +61,12 @@ typedef struct moe_cp_attention {
     int Hq;           /**< query heads */
     int Hkv;          /**< key/value heads */
     int D;            /**< head dimension */
+    /* a2a+p2p only: CP rank r is inner rank r mod a2a of the group of ranks
+     * [r − r mod a2a, … + a2a) and outer rank r / a2a of the ring of the ranks with its
+     * inner rank; either group may be NULL when it has one rank */
+    moe_comm *inner;  /**< the a2a group (size a2a) */
+    moe_comm *outer;  /**< the ring (size cp / a2a) */
+    int a2a;          /**< ranks of the a2a group (divides cp and both head counts) */
 } moe_cp_attention;
 
 /**

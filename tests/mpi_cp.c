@@ -3,7 +3,8 @@
  * the world is one CP group (cp = W): every rank holds chunks r and 2W−1−r of each sequence
  * (chunk-major), runs each communication type forward and backward, and
  * must get exactly the rows ONE process computes with the attention op on the whole
- * sequence (the ring, the all-gather and the all-to-all of heads, Ulysses): y and lse of
+ * sequence (the ring, the all-gather, the all-to-all of heads (Ulysses), and the hybrid
+ * a2a+p2p for every a2a group size that divides W): y and lse of
  * its query rows, and dq, dk, dv of its rows (accumulated onto a
  * non-zero start, so an op that overwrites fails). With W = 1 the same code runs with no
  * group (cp = 1). GQA 4/2 and 4/1, head dims 16 and 8, 3 and 5 tokens per chunk. Bound: fp32,
@@ -52,6 +53,11 @@ static moe_real *randn(size_t n, uint64_t stream) {
     return x;
 }
 
+/* a2a+p2p's groups: inner = the a2a ranks of this rank's block of `a2a`, outer = the ranks
+ * with its inner rank (NULL where a group has one rank) */
+static moe_comm *g_inner, *g_outer;
+static int g_a2a;
+
 static void check_cp(int B, int C, int Hq, int Hkv, int D, moe_cp_comm type) {
     moe_comm *world = moe_test_world();
     const int cp = moe_comm_size(world), r = moe_comm_rank(world), T = 2 * cp * C;
@@ -87,8 +93,14 @@ static void check_cp(int B, int C, int Hq, int Hkv, int D, moe_cp_comm type) {
                     want_lse[(((size_t)w * B + b) * Hq + h) * C + c] =
                         lse[((size_t)b * Hq + h) * T + moe_cp_chunk(cp, r, w) * C + c];
     /* context parallel */
-    moe_cp_attention a = {cp > 1 ? world : NULL, cp, r, type, B, T, Hq, Hkv, D};
-    const char *name = type == MOE_CP_P2P ? "p2p" : type == MOE_CP_ALLGATHER ? "allgather" : "a2a";
+    moe_cp_attention a = {cp > 1 ? world : NULL, cp, r, type, B, T, Hq, Hkv, D,
+                          g_inner, g_outer, g_a2a};
+    char name[32];
+    if (type == MOE_CP_A2A_P2P)
+        snprintf(name, sizeof name, "a2a%d+p2p%d", g_a2a, cp / g_a2a);
+    else
+        snprintf(name, sizeof name, "%s",
+                 type == MOE_CP_P2P ? "p2p" : type == MOE_CP_ALLGATHER ? "allgather" : "a2a");
     moe_error err;
     ck_assert_msg(moe_cp_attention_check(&a, &err) == MOE_OK, "%s", err.msg);
     void *ws = malloc(moe_cp_attention_workspace_bytes(&a, sizeof(moe_real)));
@@ -145,10 +157,38 @@ START_TEST(test_cp_attention_equals_one_process) {
     /* a2a splits the heads: both counts must divide by cp (GQA 2:1, then one query per KV) */
     check_cp(2, 3, 2 * cp, cp, 16, MOE_CP_A2A);
     check_cp(1, 5, cp, cp, 8, MOE_CP_A2A);
+    /* a2a+p2p: every a2a group size that divides cp (a2a = 1: the ring, a2a = cp: Ulysses) */
+    const int r = moe_comm_rank(moe_test_world());
+    for (int a2a = 1; a2a <= cp; a2a++) {
+        if (cp % a2a)
+            continue;
+        moe_error err;
+        g_inner = g_outer = NULL;
+        moe_comm *in = NULL, *out = NULL;
+        if (cp > 1) { /* every rank makes both splits, in the same order */
+            ck_assert_int_eq(moe_comm_split(moe_test_world(), r / a2a, r % a2a, &in, &err), MOE_OK);
+            ck_assert_int_eq(moe_comm_split(moe_test_world(), r % a2a, r / a2a, &out, &err), MOE_OK);
+        }
+        g_inner = a2a > 1 ? in : NULL;
+        g_outer = cp / a2a > 1 ? out : NULL;
+        g_a2a = a2a;
+        check_cp(2, 3, 2 * a2a, a2a, 16, MOE_CP_A2A_P2P);
+        check_cp(1, 5, 2 * a2a, 2 * a2a, 8, MOE_CP_A2A_P2P);
+        moe_comm_free(in);
+        moe_comm_free(out);
+    }
+    g_inner = g_outer = NULL;
+    g_a2a = 0;
     if (cp > 1) { /* and a head count that does not divide is a named error */
-        moe_cp_attention bad = {NULL, cp, 0, MOE_CP_A2A, 1, 2 * cp, cp + 1, 1, 8};
+        moe_cp_attention bad = {NULL, cp, 0, MOE_CP_A2A, 1, 2 * cp, cp + 1, 1, 8, NULL, NULL, 0};
         moe_error err;
         ck_assert_int_eq(moe_cp_attention_check(&bad, &err), MOE_ERR_CONFIG);
+        moe_cp_attention bad2 = bad; /* an a2a group that does not divide the heads */
+        bad2.type = MOE_CP_A2A_P2P;
+        bad2.a2a = cp;
+        bad2.Hq = 2 * cp + 1;
+        ck_assert_int_eq(moe_cp_attention_check(&bad2, &err), MOE_ERR_CONFIG);
+        ck_assert_msg(strstr(err.msg, "a2a+p2p"), "%s", err.msg);
         ck_assert_msg(strstr(err.msg, "--cp-comm-type a2a") && strstr(err.msg, "--num-query-groups"),
                       "%s", err.msg);
     }
