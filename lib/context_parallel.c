@@ -106,11 +106,6 @@ static void swap_in(moe_comm *comm, int n, const void *send, void *recv, size_t 
     moe_comm_all_to_all_v(comm, send, counts, recv, counts, t);
 }
 
-static void a2a_swap(const moe_backend *be, const moe_cp_attention *a, const void *send,
-                     void *recv, size_t per, moe_dtype t, size_t elem) {
-    (void)be;
-    swap_in(a->comm, a->cp, send, recv, per, t, elem);
-}
 
 /* Where row (w, b, c) of rank p's part lies, in elements: in the tokens layout p is the head
  * slice's owner (the row's slice p of this rank's token), in the heads layout p is the
@@ -133,7 +128,7 @@ static void a2a_rows(const moe_backend *be, const moe_cp_attention *a, const moe
     moe_real *snd = stage, *rcv = stage + per * cp;
     for (int pass = 0; pass < 2; pass++) { /* 0: pack into snd, 1: unpack from rcv */
         if (pass == 1)
-            a2a_swap(be, a, snd, rcv, per, moe_dtype_act(be), sizeof(moe_real));
+            swap_in(a->comm, a->cp, snd, rcv, per, moe_dtype_act(be), sizeof(moe_real));
         for (int p = 0; p < cp; p++)
             for (int w = 0; w < 2; w++)
                 for (int b = 0; b < B; b++)
@@ -155,8 +150,8 @@ static void a2a_rows(const moe_backend *be, const moe_cp_attention *a, const moe
 
 /* the lse: local [2][B][Hq][C] -> heads [B][Hq/cp][T] (to_heads), or back; src is in the
  * layout of the direction's start, dst in that of its end */
-static void lse_swap(const moe_backend *be, const moe_cp_attention *a, const moe_real *src,
-                     moe_real *dst, int to_heads, moe_real *stage) {
+static void lse_swap(const moe_cp_attention *a, const moe_real *src, moe_real *dst,
+                     int to_heads, moe_real *stage) {
     const int cp = a->cp, B = a->B, C = a->T / (2 * cp), Hq = a->Hq, h = Hq / cp;
     const size_t per = (size_t)2 * B * h * C;
     moe_real *snd = stage, *rcv = stage + per * cp;
@@ -170,7 +165,7 @@ static void lse_swap(const moe_backend *be, const moe_cp_attention *a, const moe
                                      ? src[(((size_t)w * B + b) * Hq + p * h + j) * C + c]
                                      : src[((size_t)b * h + j) * a->T + moe_cp_chunk(cp, p, w) * C + c];
                     }
-    a2a_swap(be, a, snd, rcv, per, moe_dtype_real(), sizeof(moe_real));
+    swap_in(a->comm, a->cp, snd, rcv, per, moe_dtype_real(), sizeof(moe_real));
     for (int p = 0; p < cp; p++) /* p: the token owner (to heads) or the head owner (back) */
         for (int w = 0; w < 2; w++)
             for (int b = 0; b < B; b++)
@@ -220,7 +215,7 @@ static void a2a_forward(const moe_backend *be, const moe_cp_attention *a, void *
     a2a_rows(be, a, v, u.v, a->Hkv, 1, 0, u.stage);
     be->attention_forward(u.y, u.lse, NULL, u.q, u.k, u.v, a2a_shape(a));
     a2a_rows(be, a, u.y, y, a->Hq, 0, 0, u.stage);
-    lse_swap(be, a, u.lse, lse, 0, u.stage);
+    lse_swap(a, u.lse, lse, 0, u.stage);
 }
 
 static void a2a_backward(const moe_backend *be, const moe_cp_attention *a, void *dq, void *dk,
@@ -233,7 +228,7 @@ static void a2a_backward(const moe_backend *be, const moe_cp_attention *a, void 
     a2a_rows(be, a, v, u.v, a->Hkv, 1, 0, u.stage);
     a2a_rows(be, a, y, u.y, a->Hq, 1, 0, u.stage);
     a2a_rows(be, a, dy, u.dy, a->Hq, 1, 0, u.stage);
-    lse_swap(be, a, lse, u.lse, 1, u.stage);
+    lse_swap(a, lse, u.lse, 1, u.stage);
     memset(u.dq, 0, sizeof(moe_real) * 2 * z.QC);
     memset(u.dk, 0, sizeof(moe_real) * 2 * z.KL);
     be->attention_backward(u.dq, u.dk, u.dv, u.dy, u.y, u.lse, NULL, u.q, u.k, u.v, a2a_shape(a));
@@ -275,11 +270,10 @@ static void inner_rows(const moe_backend *be, const moe_cp_attention *a, const m
 }
 
 /* the lse: local [2][B][Hq][C] <-> blocks [src][2][B][h][C] */
-static void inner_lse(const moe_backend *be, const moe_cp_attention *a, const moe_real *src,
-                      moe_real *dst, int to_blocks, moe_real *stage) {
+static void inner_lse(const moe_cp_attention *a, const moe_real *src, moe_real *dst,
+                      int to_blocks, moe_real *stage) {
     const int n = a->a2a, B = a->B, C = a->T / (2 * a->cp), Hq = a->Hq, h = Hq / n;
     const size_t per = (size_t)2 * B * h * C;
-    (void)be;
     if (!to_blocks)
         swap_in(a->inner, n, src, stage, per, moe_dtype_real(), sizeof(moe_real));
     for (int p = 0; p < n; p++)
@@ -379,7 +373,7 @@ static void hyb_forward(const moe_backend *be, const moe_cp_attention *a, moe_re
         }
     }
     inner_rows(be, a, u.y, y, a->Hq, 0, 0, u.stage);
-    inner_lse(be, a, u.lse, lse, 0, u.stage);
+    inner_lse(a, u.lse, lse, 0, u.stage);
 }
 
 static void hyb_backward(const moe_backend *be, const moe_cp_attention *a, moe_real *dq,
@@ -394,7 +388,7 @@ static void hyb_backward(const moe_backend *be, const moe_cp_attention *a, moe_r
     inner_rows(be, a, dy, u.dy, a->Hq, 1, 0, u.stage);
     inner_rows(be, a, k, u.set[0], a->Hkv, 1, 0, u.stage);
     inner_rows(be, a, v, u.set[0] + z.KL, a->Hkv, 1, 0, u.stage);
-    inner_lse(be, a, lse, u.lse, 1, u.stage);
+    inner_lse(a, lse, u.lse, 1, u.stage);
     memset(u.dq, 0, sizeof(moe_real) * 2 * z.QC);
     memset(u.set[0] + 2 * z.KL, 0, sizeof(moe_real) * 2 * z.KL);
     for (int s = 0; s < p; s++) {
