@@ -757,6 +757,20 @@ void moe_model_reset_load_counts(moe_model *m) {
                     sizeof(long long) * (size_t)m->cfg.num_layers * m->cfg.num_experts);
 }
 
+int moe_model_may_overflow(const moe_model *m) {
+    if (m->moe_budget_rows >= m->moe_budget_max)
+        return 0;
+    const moe_config *c = &m->cfg;
+    const int Nl = moe_tp_local_rows(&m->tp, m->max_B * m->max_T);
+    for (int l = 0; l < c->num_layers; l++)
+        if (c->is_moe_layer[l]) {
+            const moe_layer_dims d = moe_dims(m, Nl, m->max_T);
+            if (moe_layer_sync_free(&d))
+                return 1;
+        }
+    return 0;
+}
+
 moe_status moe_model_grow_moe_budget(moe_model *m, moe_error *err) {
     const int from = m->moe_budget_rows, most = m->moe_budget_max;
     if (from >= most)

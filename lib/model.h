@@ -249,6 +249,16 @@ void moe_model_zero_grad(moe_model *m);
 moe_status moe_model_grow_moe_budget(moe_model *m, moe_error *err);
 
 /**
+ * @brief Whether a step of this model can raise ::MOE_STEP_OVERFLOW: some MoE layer runs
+ *        sync-free (moe_layer_sync_free()) and its budget of permuted rows is below the most
+ *        that can arrive. Every rank of a run gets the same answer (it follows from the
+ *        configuration and the budget, which all ranks grow together), so the trainer can
+ *        skip the step flags' sum over the world when it is 0 without a rank waiting alone.
+ * @param m the model  @return 1 or 0
+ */
+int moe_model_may_overflow(const moe_model *m);
+
+/**
  * @brief Aux-loss-free balancing: update every MoE layer's expert bias from m->load_counts
  *        (call once per global batch, then reset the counts). No-op unless the bias is enabled.
  *        Runs on the device, and does nothing there while m->step_flags holds a bit (a

@@ -265,8 +265,9 @@ static void enqueue_grad_norm(moe_trainer *t) {
     }
     /* an overflow on any rank re-runs the step on every rank (a rank that went on alone would
      * wait in the next collective): the flags are summed over the world, on the device, and
-     * the finalize turns a non-zero sum back into the bit */
-    if (t->world)
+     * the finalize turns a non-zero sum back into the bit. Only where a layer can overflow:
+     * with the default budget (every row has a place) the step pays no extra collective. */
+    if (t->world && moe_model_may_overflow(m))
         moe_comm_all_reduce_sum(t->world, &S->flags, 1, MOE_DTYPE_I32);
     be->grad_norm_finalize(S, t->cfg.clip_grad, t->cfg.check_for_nan_in_loss_and_grad);
 }

@@ -195,6 +195,54 @@ START_TEST(test_distributed_optimizer) {
 }
 END_TEST
 
+/* The overflow protocol over ranks (chapter 06): sync-free MoE layers (our grouped kernel or
+ * its CPU twin, one EP rank, dropless) with half the rows they need, on every DP rank. Each
+ * rank raises MOE_STEP_OVERFLOW; the trainer sums the flags over the world on the device
+ * (2 on two ranks: the finalize must turn the sum back into the overflow bit, or the step
+ * would read as non-finite), every rank grows its budget and re-runs the step once, and the
+ * run's losses are those of one process that overflowed and re-ran the same way. Today every
+ * rank overflows alike (dropless on one EP rank: N·k rows each, whatever the routing), so
+ * this proves the sum and its normalisation, not that one rank's overflow alone brings the
+ * others along (that needs the budget under EP, not built yet). */
+#define SYNC_FREE_DP "--num-layers 2 --hidden-size 32 --num-attention-heads 4 "              \
+                     "--num-query-groups 2 --seq-length 16 --micro-batch-size 2 "             \
+                     "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 "          \
+                     "--ffn-hidden-size 64 --moe-expert-backend grouped "                     \
+                     "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "   \
+                     "--moe-aux-loss-coeff 0 --lr 3e-3 --lr-warmup-iters 2 --train-iters 10 " \
+                     "--moe-expert-rank-capacity-factor 0.5"
+
+START_TEST(test_overflow_rerun_over_ranks) {
+    const int W = moe_comm_size(moe_test_world()), rank = moe_comm_rank(moe_test_world());
+    moe_trainer *dist, *ref;
+    if (W < 2 || !moe_test_folding(moe_test_world(), SYNC_FREE_DP, 1, 0, 1, "", "", on_gpu(),
+                                   &dist, &ref))
+        return;
+    ck_assert_msg(moe_model_may_overflow(dist->model), "the budget of half the rows must be "
+                  "able to overflow (else the flags are not summed and nothing is tested)");
+    const double tol = on_gpu() ? 1e-3 : 1e-5;
+    for (int s = 0; s < 3; s++) {
+        moe_step_stats sd, sr;
+        moe_error err;
+        ck_assert_msg(moe_trainer_step(dist, &sd, &err) == MOE_OK, "rank %d step %d: %s", rank,
+                      s, err.msg);
+        ck_assert_msg(moe_trainer_step(ref, &sr, &err) == MOE_OK, "one process, step %d: %s", s,
+                      err.msg);
+        MOE_TEST_AGREE(!(fabs(sd.loss - sr.loss) <= tol * fabs(sr.loss)),
+                       "step %d: loss %.9g on %d ranks, %.9g in one process", s, sd.loss, W,
+                       sr.loss);
+    }
+    MOE_TEST_AGREE(dist->reruns != 1 || ref->reruns != 1,
+                   "re-runs: %d on rank %d, %d in one process (want 1 and 1)", dist->reruns,
+                   rank, ref->reruns);
+    if (rank == 0)
+        printf("  DP %d, budget half the rows: one overflow, one re-run on every rank, losses = "
+               "one process's for 3 steps\n", W);
+    moe_trainer_free(dist);
+    moe_trainer_free(ref);
+}
+END_TEST
+
 Suite *suite_mpi_dp(void) {
     Suite *s = suite_create("mpi_dp");
     TCase *tc = tcase_create("data_parallel");
@@ -202,6 +250,7 @@ Suite *suite_mpi_dp(void) {
     tcase_set_timeout(tc, 600);
     tcase_add_test(tc, test_grad_norm_folded);
     tcase_add_test(tc, test_distributed_optimizer);
+    tcase_add_test(tc, test_overflow_rerun_over_ranks);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -227,9 +227,10 @@ static void model_step(const moe_trainer *t, model_bytes out) {
      * MoE layer's aux-loss counts [groups, E], and the step's expert loads [L, E]; over DP
      * the step's {loss, ce, aux, z} and the loads; the gradient norm's squares, one value
      * per shard group with a communicator (under ZeRO first each run's slots over its group).
-     * The step flags (one int) are summed over the world: where a group spans the world it
-     * is the world's communicator, and those 4 bytes are counted there (once: kinds that
-     * share a communicator share its counts). */
+     * The step flags (one int) are summed over the world when a layer can overflow its
+     * budget (moe_model_may_overflow): where a group spans the world it is the world's
+     * communicator, and those 4 bytes are counted there (once: kinds that share a
+     * communicator share its counts). */
     {
         const unsigned long long E = (unsigned long long)c->num_experts, LE = (unsigned long long)L * E;
         const unsigned long long micro =
@@ -255,7 +256,7 @@ static void model_step(const moe_trainer *t, model_bytes out) {
         for (int g = 0; g < MOE_GROUP_COUNT; g++)
             if (used[g] && moe_parallel_group(&t->par, (moe_group_kind)g))
                 out[g][MOE_COMM_OP_ALL_REDUCE] += 8;
-        for (int g = 0; t->world && g < MOE_GROUP_COUNT; g++)
+        for (int g = 0; t->world && moe_model_may_overflow(m) && g < MOE_GROUP_COUNT; g++)
             if (moe_parallel_group(&t->par, (moe_group_kind)g) == t->world) {
                 out[g][MOE_COMM_OP_ALL_REDUCE] += sizeof(int);
                 break;
