@@ -168,7 +168,7 @@ void moe_cuda_add_f64(double *dst, const double *src, int n);
 void moe_cuda_scale_real(moe_real *x, double s, size_t n);
 void moe_cuda_adamw(moe_real *p, const moe_real *g, float *m, float *v, size_t n, double lr,
                     double beta1, double beta2, double eps, double wd, double bc1, double bc2,
-                    const double *clip, const int *flags);
+                    const double *clip, const int *flags, const double *hyper);
 
 /* the step's scalars on the device (chapter 06, step_scalars.h) */
 void moe_cuda_loss_accumulate(double *step, const double *mb, int N, double accum);
@@ -181,6 +181,7 @@ void *moe_cuda_host_alloc(size_t bytes);
 void moe_cuda_host_free(void *p);
 void moe_cuda_to_host_async(void *dst, const void *src, size_t bytes);
 void moe_cuda_wait_to_host(void);
+void moe_cuda_from_host_async(void *dst, const void *src, size_t bytes);
 
 /* chapter 05's quantization recipes (kernels/quantize.cu): the CUDA twins of the CPU
  * reference in lib/quantize.h, with the same arguments (device pointers) and the same

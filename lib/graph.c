@@ -82,16 +82,13 @@ moe_status moe_graph_scope_check(const moe_config *c, const moe_backend *be, moe
         snprintf(buf, sizeof buf, "the MoE layer is not sync-free (%s)", host);
         add(why, sizeof why, buf);
     }
-    if (s >= MOE_GRAPH_FULL_ITERATION)
-        add(why, sizeof why, "the tokens come from pageable memory (from_host waits) and the "
-            "optimizer takes its learning rate and step count from the host");
     if (!why[0])
         return MOE_OK;
     return moe_error_set(err, MOE_ERR_CONFIG,
                          "cuda graph scope '%s' is not capturable here: %s. Use a smaller "
-                         "--cuda-graph-scope (attn always works; moe_router, moe_preprocess "
-                         "and layer need a sync-free MoE layer and no tensor parallelism; "
-                         "chapter 06)", moe_graph_scope_name(s), why);
+                         "--cuda-graph-scope (attn always works; moe_router needs no tensor "
+                         "parallelism, moe_preprocess, layer and full_iteration a sync-free MoE "
+                         "layer as well; chapter 06)", moe_graph_scope_name(s), why);
 }
 
 /* ------------------------------------------------------------------ the cache */
@@ -159,7 +156,7 @@ static graph_entry *lookup(moe_graphs *g, moe_graph_key key) {
 
 static const char *const g_site_names[MOE_GRAPH_SITES] = {
     "attention forward", "attention backward", "router forward", "router backward",
-    "router and dispatch plan", "layer forward", "layer backward"};
+    "router and dispatch plan", "layer forward", "layer backward", "training step"};
 
 void moe_graph_run(moe_graphs *g, moe_graph_key key, void (*fn)(void *ctx), void *ctx) {
     graph_entry *e = g && g->scope != MOE_GRAPH_NONE && g->status == MOE_OK ? lookup(g, key)

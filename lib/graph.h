@@ -25,9 +25,11 @@
  * dropless, our grouped kernel): the other paths bring offsets or counts to the host.
  * moe_graph_scope_check() refuses, with a named error, a level whose region still contains
  * work that waits for the host or that has no capture site yet: `moe_preprocess` and
- * `layer` on a MoE path that is not sync-free, any level beyond `attn` under tensor
- * parallelism (its collectives count their bytes on the host), and `full_iteration`
- * (the batch upload and the optimizer's step-dependent scalars are host work, so far).
+ * `layer` (and `full_iteration`) on a MoE path that is not sync-free, and any level beyond
+ * `attn` under tensor parallelism (its collectives count their bytes on the host); the
+ * trainer refuses `full_iteration` on more than one GPU rank for the same reason (the
+ * gradient all-reduces). The step's batches and AdamW's per-step scalars reach a captured
+ * step through page-locked memory (from_host_async), so they are not host waits.
  * moe_graph_run() is the
  * capture helper: keyed by (site, layer, B, T), the first call of a key runs eagerly (the
  * warm-up: lazily sized scratch buffers and library handles settle), the second captures
@@ -51,6 +53,8 @@ typedef enum moe_graph_site {
     MOE_GRAPH_SITE_PREPROCESS_FWD = 4, /**< the router and the dispatch plan, forward */
     MOE_GRAPH_SITE_LAYER_FWD = 5,  /**< one whole transformer layer, forward */
     MOE_GRAPH_SITE_LAYER_BWD = 6,  /**< one whole transformer layer, backward */
+    MOE_GRAPH_SITE_STEP = 7,       /**< the whole training step: every micro-batch's forward
+                                    *   and backward, the norm, AdamW (variant: micro-batches) */
     MOE_GRAPH_SITES
 } moe_graph_site;
 

@@ -592,7 +592,20 @@ static void layer_forward_region(void *p) {
     layer_forward(r->m, r->l);
 }
 
+static void forward(moe_model *m, const int *tokens, const int *targets, int B, int T,
+                    int staged);
+
 void moe_model_forward_dev(moe_model *m, const int *tokens, const int *targets, int B, int T) {
+    forward(m, tokens, targets, B, T, 0);
+}
+
+void moe_model_forward_staged(moe_model *m, const int *tokens, const int *targets, int B, int T) {
+    forward(m, tokens, targets, B, T, 1);
+}
+
+/* staged: the batch is in page-locked memory and goes up without a wait */
+static void forward(moe_model *m, const int *tokens, const int *targets, int B, int T,
+                    int staged) {
     const moe_backend *be = m->be;
     const moe_config *c = &m->cfg;
     MOE_ASSERT(B >= 1 && B <= m->max_B && T >= 1 && T <= m->max_T);
@@ -603,9 +616,10 @@ void moe_model_forward_dev(moe_model *m, const int *tokens, const int *targets, 
     const moe_tp *tp = &m->tp;
     m->B = B;
     m->T = T;
-    be->from_host(m->tokens, tokens, sizeof(int) * N);
+    void (*up)(void *, const void *, size_t) = staged ? be->from_host_async : be->from_host;
+    up(m->tokens, tokens, sizeof(int) * N);
     if (targets)
-        be->from_host(m->targets, targets, sizeof(int) * N);
+        up(m->targets, targets, sizeof(int) * N);
 
     if (m->tp.size > 1) { /* vocabulary-parallel lookup, summed over TP (g, or SP's scatter) */
         moe_vp_set_batch(be, &m->vp, tokens, targets, N);
@@ -620,7 +634,7 @@ void moe_model_forward_dev(moe_model *m, const int *tokens, const int *targets, 
     be->zero(mb, 3 * sizeof(double));
     m->last.dropped = 0;
     for (int l = 0; l < L; l++) {
-        if (moe_graphs_scope(m->graphs) >= MOE_GRAPH_LAYER) {
+        if (moe_graphs_scope(m->graphs) == MOE_GRAPH_LAYER) {
             layer_region r = {m, l, 0.0};
             const moe_graph_key k = {MOE_GRAPH_SITE_LAYER_FWD, l, B, T, 0, 0.0};
             moe_graph_run(m->graphs, k, layer_forward_region, &r);
@@ -775,7 +789,7 @@ void moe_model_backward(moe_model *m, double loss_scale) {
      * Under SP a block's backward gathers its input again (Megatron does the same instead of
      * keeping the whole-sequence copy from the forward) and the output gradient. */
     for (int l = L - 1; l >= 0; l--) {
-        if (moe_graphs_scope(m->graphs) >= MOE_GRAPH_LAYER) {
+        if (moe_graphs_scope(m->graphs) == MOE_GRAPH_LAYER) {
             /* the first micro-batch stores the expert weight gradients, the others add:
              * two different graphs (layer_backward) */
             layer_region r = {m, l, loss_scale};

@@ -208,6 +208,16 @@ double moe_model_flops_per_token(const moe_model *m, int T);
 void moe_model_forward_dev(moe_model *m, const int *tokens, const int *targets, int B, int T);
 
 /**
+ * @brief moe_model_forward_dev() for a batch in page-locked host memory (the backend's
+ *        host_alloc): the tokens go up with from_host_async, so the call never waits and a
+ *        captured training step (`--cuda-graph-scope full_iteration`) replays the upload.
+ *        @p tokens and @p targets must not change until the step boundary's wait.
+ * @param m model  @param tokens host_alloc'd [B·T]  @param targets host_alloc'd [B·T] or NULL
+ * @param B sequences (≤ allocated)  @param T tokens per sequence (≤ seq_length)
+ */
+void moe_model_forward_staged(moe_model *m, const int *tokens, const int *targets, int B, int T);
+
+/**
  * @brief moe_model_forward_dev(), then the losses read back (a host sync): for evaluation,
  *        sampling, tests and programs that want the number now.
  * @param m model  @param tokens host [B·T]  @param targets host [B·T] or NULL (no loss)

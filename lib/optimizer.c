@@ -40,12 +40,21 @@ void moe_adamw_free(moe_adamw *opt) {
     opt->m = opt->v = NULL;
 }
 
+void moe_adamw_next_hyper(moe_adamw *opt, double lr, double beta1, double beta2,
+                          double host[3]) {
+    opt->step++;
+    host[0] = lr;
+    host[1] = 1.0 - pow(beta1, (double)opt->step);
+    host[2] = 1.0 - pow(beta2, (double)opt->step);
+}
+
 void moe_adamw_step(moe_adamw *opt, const moe_param_table *pt, moe_real *params,
                     const moe_real *grads, double lr, double beta1, double beta2, double eps,
-                    double wd, const double *clip, const int *flags) {
-    opt->step++;
-    const double bc1 = 1.0 - pow(beta1, (double)opt->step);
-    const double bc2 = 1.0 - pow(beta2, (double)opt->step);
+                    double wd, const double *clip, const int *flags, const double *hyper) {
+    double h[3] = {0.0, 0.0, 0.0}; /* unused when the device reads @p hyper */
+    if (!hyper)
+        moe_adamw_next_hyper(opt, lr, beta1, beta2, h);
+    const double bc1 = h[1], bc2 = h[2];
     /* each tensor's part of each piece: weight decay is per tensor */
     for (int k = 0; k < opt->n_pieces; k++) {
         const moe_adamw_piece *pc = &opt->piece[k];
@@ -57,7 +66,7 @@ void moe_adamw_step(moe_adamw *opt, const moe_param_table *pt, moe_real *params,
                 continue;
             const size_t st = pc->state + (a - pc->lo);
             opt->be->adamw(params + a, grads + a, opt->m + st, opt->v + st, b - a, lr, beta1,
-                           beta2, eps, ten->decay ? wd : 0.0, bc1, bc2, clip, flags);
+                           beta2, eps, ten->decay ? wd : 0.0, bc1, bc2, clip, flags, hyper);
         }
     }
 }

@@ -102,10 +102,25 @@ void moe_adamw_free(moe_adamw *opt);
  *               update is skipped on the device, or NULL. opt->step still counts the call:
  *               the caller takes it back when it learns (at the step boundary) that the
  *               step was skipped.
+ * @param hyper  NULL: this call counts the step (opt->step + 1) and computes the bias
+ *               corrections for @p lr itself. Else [3] backend memory holding {lr, 1 − β1ᵗ,
+ *               1 − β2ᵗ} from moe_adamw_next_hyper(), which already counted the step: the
+ *               device reads them, so a captured step (chapter 06) replays with the current
+ *               values, and @p lr is not used.
  */
 void moe_adamw_step(moe_adamw *opt, const moe_param_table *pt, moe_real *params,
                     const moe_real *grads, double lr, double beta1, double beta2, double eps,
-                    double wd, const double *clip, const int *flags);
+                    double wd, const double *clip, const int *flags, const double *hyper);
+
+/**
+ * @brief Count the next AdamW step and write its scalars for moe_adamw_step()'s @p hyper:
+ *        {lr, 1 − β1ᵗ, 1 − β2ᵗ} with t = the new opt->step.
+ * @param opt state (its step count is incremented)  @param lr this step's learning rate
+ * @param beta1 first-moment decay  @param beta2 second-moment decay
+ * @param host [3] receives the values (host memory; the caller copies them to the device)
+ */
+void moe_adamw_next_hyper(moe_adamw *opt, double lr, double beta1, double beta2,
+                          double host[3]);
 
 /**
  * @brief Scale @p grads by moe_clip_factor() = max_norm/(norm + 1e-6) when @p norm exceeds @p max_norm (the norm

@@ -33,6 +33,11 @@ typedef struct moe_trainer {
     int step;              /**< optimizer steps taken */
     int *inputs;           /**< host [micro·T] */
     int *targets;          /**< host [micro·T] */
+    int *batch;            /**< page-locked [micro-batches of this rank][inputs, targets]
+                            *   [micro·T]: a step's batches, fetched before the step and
+                            *   uploaded without a wait (chapter 06: a captured step replays
+                            *   the upload) */
+    double *hyper_host;    /**< page-locked [3]: AdamW's {lr, 1 − β1ᵗ, 1 − β2ᵗ} of the step */
     moe_comm *world;       /**< all ranks (NULL: a single process) */
     moe_parallel par;      /**< the process groups of the parallel grid (parallel.h) */
     moe_ep ep;             /**< the dispatcher's context */

@@ -92,10 +92,10 @@ START_TEST(test_graph_scope_check_named_errors) {
     moe_graphs_free(cpu);
     moe_backend mb = mock_backend();
     ck_assert_int_eq(moe_graph_scope_check(&c, &mb, &err), MOE_OK); /* attn: capturable */
-    /* beyond attn: the default MoE layer (one rank, dropless) is sync-free, so moe_router,
-     * moe_preprocess and layer are capturable; full_iteration still waits for the host */
-    const char *ok_scopes[] = {"moe_router", "moe_preprocess", "layer"};
-    for (int i = 0; i < 3; i++) {
+    /* beyond attn: the default MoE layer (one rank, dropless) is sync-free, so every level
+     * is capturable */
+    const char *ok_scopes[] = {"moe_router", "moe_preprocess", "layer", "full_iteration"};
+    for (int i = 0; i < 4; i++) {
         char f[160];
         snprintf(f, sizeof f, "--hidden-size 64 --moe-ffn-hidden-size 64 --moe-expert-backend "
                  "grouped --cuda-graph-scope %s", ok_scopes[i]);
@@ -104,7 +104,8 @@ START_TEST(test_graph_scope_check_named_errors) {
     }
     /* each refusal names the level and the work that waits for the host */
     struct { const char *flags, *must, *must_not; } cases[] = {
-        {"--cuda-graph-scope full_iteration", "from_host", "not sync-free"},
+        {"--cuda-graph-scope full_iteration --expert-model-parallel-size 2", "expert "
+         "parallelism", NULL},
         {"--cuda-graph-scope moe_preprocess --moe-expert-capacity-factor 1.0", "capacity", NULL},
         {"--cuda-graph-scope layer --moe-expert-backend loop", "host offsets", NULL},
         {"--cuda-graph-scope layer --moe-expert-backend cublas-grouped", "host offsets", NULL},
