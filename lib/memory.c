@@ -242,9 +242,11 @@ moe_status moe_memory_estimate_rank(const moe_config *c, int micro_batch, const 
         return MOE_OK;
     /* ZeRO-1 (dist_optimizer.h): the dense run is cut into DP·CP pieces, the expert run into
      * EDP pieces, each ⌈run / size⌉ long (the last one shorter); this rank keeps the moments
-     * of its piece of each, at most ⌈run / size⌉: what a rank at position 0 holds exactly.
+     * and the fp32 master weights of its piece of each, at most ⌈run / size⌉: what a rank at
+     * position 0 holds exactly.
      * The reduce-scatter and all-gather stage through one buffer of (size + 1)·⌈run / size⌉
      * elements of the widest run that has more than one rank. */
+    const long long S = (long long)act_size;
     const long long groups[2] = {(long long)g->dp * g->cp, g->edp};
     const long long runs[2] = {out->dense_params, out->expert_params};
     const long long es = sizeof(moe_real) > sizeof(float) ? sizeof(moe_real) : sizeof(float);
@@ -259,6 +261,9 @@ moe_status moe_memory_estimate_rank(const moe_config *c, int micro_batch, const 
     out->optim_elems = pieces;
     out->zero_staging_bytes = mul(widest, es);
     out->optim_bytes = add(mul(pieces, 8), out->zero_staging_bytes);
+    /* and the fp32 master weights of those pieces beside the moments; the model keeps the
+     * compute copy whole, a buffer of its own even where its type is moe_real (model.c) */
+    out->weight_bytes = add(mul(out->params, S), mul(pieces, (long long)sizeof(moe_real)));
     out->param_bytes = add(add(out->weight_bytes, out->grad_bytes), out->optim_bytes);
     out->total_bytes = add(out->param_bytes, out->act_bytes);
     return MOE_OK;

@@ -245,7 +245,19 @@ static moe_status check_memory(const moe_config *c, const moe_backend *be, int B
     const int E = ep && ep->comm ? ep->size : 1;
     const moe_grid one = {.world = E, .tp = 1, .cp = 1, .ep = E, .etp = 1, .pp = 1, .dp = 1,
                           .edp = 1};
-    MOE_TRY(moe_memory_estimate_rank(c, B, grid ? grid : &one, be->act_size, est, err));
+    moe_status s;
+    if (grid) {
+        s = moe_memory_estimate_rank(c, B, grid, be->act_size, est, err);
+    } else { /* one process runs no distributed optimizer (the trainer's rule) */
+        moe_config *plain = malloc(sizeof *plain);
+        if (!plain)
+            return moe_error_set(err, MOE_ERR_NOMEM, "out of memory creating the model");
+        *plain = *c;
+        plain->use_distributed_optimizer = 0;
+        s = moe_memory_estimate_rank(plain, B, &one, be->act_size, est, err);
+        free(plain);
+    }
+    MOE_TRY(s);
     return moe_memory_check(est, be->memory_bytes ? be->memory_bytes() : 0,
                             be->device == MOE_DEVICE_CUDA ? "free GPU memory" : "host memory",
                             err);
@@ -284,10 +296,13 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
     m->max_B = B;
     m->max_T = T;
     int ok = 1;
-    m->params = must(be, R * m->table.total, &ok);
+    /* Under the distributed optimizer the fp32 master weights are the optimizer's, 1/DP of
+     * them on each rank (dist_optimizer.h): the model holds only the compute copy, whole. */
+    m->master_sharded = grid && cfg->use_distributed_optimizer;
+    m->params = m->master_sharded ? NULL : must(be, R * m->table.total, &ok);
     m->grads = must(be, R * m->table.total, &ok);
-    /* the compute copy of the weights: the master itself when the types agree */
-    m->wact = S == R ? (void *)m->params : must(be, S * m->table.total, &ok);
+    /* the compute copy of the weights: the master itself when the types agree and it is here */
+    m->wact = S == R && m->params ? (void *)m->params : must(be, S * m->table.total, &ok);
     m->tokens = must(be, sizeof(int) * N, &ok);
     m->targets = must(be, sizeof(int) * N, &ok);
     m->res = calloc((size_t)L + 1, sizeof *m->res);
@@ -430,9 +445,8 @@ void moe_model_init(moe_model *m, uint64_t seed) {
     moe_real *host = malloc(R * m->table.total);
     MOE_CHECK_ALLOC(host, R * m->table.total, "the host copy of the weights for their initialisation");
     moe_params_init(&m->table, host, seed);
-    m->be->from_host(m->params, host, R * m->table.total);
+    moe_model_set_weights(m, host);
     free(host);
-    moe_model_sync_weights(m);
     m->be->zero(m->grads, R * m->table.total);
     if (m->expert_bias) {
         size_t n = (size_t)m->cfg.num_layers * m->cfg.num_experts;
@@ -441,8 +455,18 @@ void moe_model_init(moe_model *m, uint64_t seed) {
     }
 }
 
+void moe_model_set_weights(moe_model *m, const moe_real *host) {
+    if (!m->params) { /* the master is the optimizer's: the compute copy straight from host */
+        m->be->write_act(m->wact, host, m->table.total);
+        return;
+    }
+    m->be->from_host(m->params, host, R * m->table.total);
+    moe_model_sync_weights(m);
+}
+
 void moe_model_sync_weights(moe_model *m) {
-    m->be->cast_to_act(m->wact, m->params, m->table.total);
+    if (m->params) /* else the distributed optimizer refreshes it (moe_zero_gather_weights) */
+        m->be->cast_to_act(m->wact, m->params, m->table.total);
 }
 
 size_t moe_model_num_params(const moe_model *m) { return m->table.total; }

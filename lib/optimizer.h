@@ -31,12 +31,17 @@ typedef struct moe_adamw_piece {
 } moe_adamw_piece;
 
 /** AdamW state: the two moments of the pieces this rank updates, in backend memory. Without
- *  the distributed optimizer there is one piece, the whole buffer, and the moments are laid
- *  out like the parameters; with it (dist_optimizer.h) each rank holds 1/DP of them. */
+ *  the distributed optimizer there is one piece, the whole buffer, the moments are laid out
+ *  like the parameters and the step updates the caller's fp32 master weights; with it
+ *  (dist_optimizer.h) each rank holds 1/DP of the moments and of the fp32 master weights
+ *  (moe_adamw::master), and the model keeps only its compute copy whole. */
 typedef struct moe_adamw {
     const moe_backend *be; /**< where the state lives */
     float *m;              /**< first moment, fp32 */
     float *v;              /**< second moment, fp32 */
+    moe_real *master;      /**< the fp32 master weights of the pieces, laid out like the
+                                moments (piece k's at its `state` offset), or NULL: the step
+                                updates the caller's whole buffer */
     size_t n;              /**< elements of each moment (Σ of the pieces' sizes) */
     moe_adamw_piece piece[MOE_ADAMW_MAX_PIECES]; /**< what this rank updates */
     int n_pieces;          /**< how many */
@@ -74,11 +79,27 @@ moe_status moe_adamw_init(moe_adamw *opt, const moe_backend *be, size_t n, moe_e
  *        distributed optimizer: each rank updates its share of every gradient group).
  * @param opt state  @param be backend  @param pieces what this rank updates (their `state`
  *        fields are filled in: the pieces' moments back to back)  @param n_pieces 1 ..
- *        ::MOE_ADAMW_MAX_PIECES  @param err receives the reason on failure
+ *        ::MOE_ADAMW_MAX_PIECES
+ * @param keep_master 1: the optimizer also holds the fp32 master weights of its pieces
+ *        (moe_adamw::master, zeroed: fill it with moe_adamw_pieces_from_host()), and the
+ *        step updates them instead of the caller's buffer; 0: it holds moments only
+ * @param err receives the reason on failure
  * @return ::MOE_OK or ::MOE_ERR_NOMEM
  */
 moe_status moe_adamw_init_pieces(moe_adamw *opt, const moe_backend *be,
-                                 const moe_adamw_piece *pieces, int n_pieces, moe_error *err);
+                                 const moe_adamw_piece *pieces, int n_pieces, int keep_master,
+                                 moe_error *err);
+
+/**
+ * @brief Copy this rank's pieces of a whole host buffer (laid out like the parameters) into
+ *        a state buffer laid out like the moments: piece k's elements [lo, hi) of @p host go
+ *        to element `state` of @p dst. For a checkpoint's moments and master weights, and the
+ *        initial master weights.
+ * @param opt state (its pieces)
+ * @param dst backend memory: moe_adamw::m, moe_adamw::v or moe_adamw::master
+ * @param host [total] the whole buffer  @param es bytes per element (of both)
+ */
+void moe_adamw_pieces_from_host(const moe_adamw *opt, void *dst, const void *host, size_t es);
 
 /** @brief Free the state. @param opt state */
 void moe_adamw_free(moe_adamw *opt);
@@ -89,7 +110,8 @@ void moe_adamw_free(moe_adamw *opt);
  *        tensors with `decay` set, bias-corrected moments.
  * @param opt    state
  * @param pt     parameter table (which tensors decay)
- * @param params [n] master parameters, updated in place (backend memory)
+ * @param params [n] master parameters, updated in place (backend memory); unused (may be
+ *               NULL) when the optimizer holds its own (moe_adamw::master), which it updates
  * @param grads  [n] gradients (backend memory)
  * @param lr     learning rate
  * @param beta1  first-moment decay

@@ -119,12 +119,14 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
                                       t->ep.comm || t->ep.etp.comm ? &t->ep : NULL, &t->tp,
                                       world ? &t->par.grid : NULL, err);
     if (s == MOE_OK && world && c->use_distributed_optimizer) {
-        /* ZeRO-1: this rank's moments cover its piece of each gradient group only */
+        /* ZeRO-1: this rank's master weights and moments cover its piece of each gradient
+         * group only (the model holds no master: moe_model::master_sharded) */
         moe_adamw_piece pieces[MOE_ADAMW_MAX_PIECES];
         int n_pieces = 0;
+        MOE_ASSERT(t->model->master_sharded);
         s = moe_zero_init(&t->zero, be, &t->model->table, &t->par, pieces, &n_pieces, err);
         if (s == MOE_OK)
-            s = moe_adamw_init_pieces(&t->opt, be, pieces, n_pieces, err);
+            s = moe_adamw_init_pieces(&t->opt, be, pieces, n_pieces, 1, err);
     } else if (s == MOE_OK)
         s = moe_adamw_init(&t->opt, be, moe_model_num_params(t->model), err);
     if (s == MOE_OK) { /* page-locked landing places of the step boundary's readback */
@@ -165,8 +167,33 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
         return s;
     }
     moe_model_init(t->model, (uint64_t)c->seed);
+    if (t->opt.master) { /* this rank's pieces of the same initial master weights */
+        const size_t n = moe_model_num_params(t->model);
+        moe_real *host = malloc(sizeof(moe_real) * (n ? n : 1));
+        MOE_CHECK_ALLOC(host, sizeof(moe_real) * n, "the host copy of the initial weights");
+        moe_params_init(&t->model->table, host, (uint64_t)c->seed);
+        moe_adamw_pieces_from_host(&t->opt, t->opt.master, host, sizeof(moe_real));
+        free(host);
+    }
     *out = t;
     return MOE_OK;
+}
+
+moe_status moe_trainer_master_to_host(moe_trainer *t, moe_real *host, moe_error *err) {
+    const moe_model *m = t->model;
+    const size_t n = m->table.total;
+    if (!t->opt.master) {
+        m->be->to_host(host, m->params, sizeof(moe_real) * n);
+        return MOE_OK;
+    }
+    return moe_zero_gather_to_host(&t->zero, &t->opt, t->opt.master, n, moe_dtype_real(), host,
+                                   err);
+}
+
+void moe_trainer_master_from_host(moe_trainer *t, const moe_real *host) {
+    moe_model_set_weights(t->model, host);
+    if (t->opt.master)
+        moe_adamw_pieces_from_host(&t->opt, t->opt.master, host, sizeof(moe_real));
 }
 
 void moe_trainer_free(moe_trainer *t) {
@@ -461,9 +488,11 @@ static void enqueue_update(moe_trainer *t, moe_step_stats *st) {
     moe_adamw_step(&t->opt, &m->table, m->params, m->grads, st->lr, c->adam_beta1, c->adam_beta2,
                    c->adam_eps, c->weight_decay, &m->scalars->clip, m->step_flags,
                    m->scalars->hyper);
-    if (t->zero.n_runs) /* ZeRO-1: every rank updated its piece; gather the others' */
-        moe_zero_all_gather(&t->zero, &t->opt, m->params, m->params, moe_dtype_real());
-    moe_model_sync_weights(m);
+    if (t->opt.master) /* ZeRO-1: every rank updated its master piece; gather the compute
+                        * copies of the others' (in the activation type: bf16 on CUDA) */
+        moe_zero_gather_weights(&t->zero, &t->opt, m->wact);
+    else
+        moe_model_sync_weights(m);
     moe_model_update_expert_bias(m);
 }
 

@@ -109,6 +109,27 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
 void moe_trainer_free(moe_trainer *t);
 
 /**
+ * @brief The fp32 master weights, whole (this rank's layout: its TP/EP shards of every
+ *        tensor), into host memory: moe_model::params, or under the distributed optimizer
+ *        every rank's pieces gathered (dist_optimizer.h). For checkpoints, reference dumps
+ *        and the tests that compare weights across layouts.
+ * @param t trainer; under the distributed optimizer every rank of the run must call it (a
+ *        collective over the gradient groups)
+ * @param host [moe_model_num_params()] receives the weights
+ * @param err receives the reason on failure
+ * @return ::MOE_OK or ::MOE_ERR_NOMEM (the whole-size device buffer of the gather)
+ */
+moe_status moe_trainer_master_to_host(moe_trainer *t, moe_real *host, moe_error *err);
+
+/**
+ * @brief Set the fp32 master weights from a whole host copy (this rank's layout), and the
+ *        compute copy from them: moe_model_set_weights(), and under the distributed
+ *        optimizer this rank's pieces (moe_adamw::master). No communication.
+ * @param t trainer  @param host [moe_model_num_params()] the weights
+ */
+void moe_trainer_master_from_host(moe_trainer *t, const moe_real *host);
+
+/**
  * @brief One optimizer step: global/micro micro-batches forward+backward, clip, AdamW,
  *        expert-bias update.
  *
