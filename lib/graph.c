@@ -217,6 +217,17 @@ moe_status moe_graphs_status(const moe_graphs *g, moe_error *err) {
     return g->status;
 }
 
+void moe_graphs_reset(moe_graphs *g) {
+    if (!g)
+        return;
+    for (int i = 0; i < g->n; i++) {
+        if (g->e[i].graph)
+            g->be->graph_free(g->e[i].graph);
+        g->e[i].graph = NULL;
+        g->e[i].seen = 0;
+    }
+}
+
 moe_graph_stats moe_graphs_stats(const moe_graphs *g) {
     moe_graph_stats z = {0, 0, 0, 0};
     return g ? g->stats : z;

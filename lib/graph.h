@@ -131,6 +131,13 @@ void moe_graph_run(moe_graphs *g, moe_graph_key key, void (*fn)(void *ctx), void
  */
 moe_status moe_graphs_status(const moe_graphs *g, moe_error *err);
 
+/**
+ * @brief Forget every captured graph: buffers the regions use have moved (the MoE budget grew
+ *        after an overflow), so each key warms up and is captured again on its next calls.
+ * @param g cache (NULL: no-op)
+ */
+void moe_graphs_reset(moe_graphs *g);
+
 /** @brief The counters so far. @param g cache (NULL: zeros) @return a copy */
 moe_graph_stats moe_graphs_stats(const moe_graphs *g);
 

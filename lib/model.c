@@ -899,6 +899,9 @@ moe_status moe_model_grow_moe_budget(moe_model *m, moe_error *err) {
         }
     const moe_layer_dims wd = ws_dims(m, N, m->max_T, m->max_ffn);
     ok = moe_layer_workspace_regrow(m->be, &m->ws, &wd) && ok;
+    /* the budget's buffers moved and the budget itself is baked into the captured kernels'
+     * arguments: every graph is stale (the re-run warms up and captures again) */
+    moe_graphs_reset(m->graphs);
     if (!ok)
         return moe_error_set(err, MOE_ERR_NOMEM,
                              "out of %s memory growing the MoE budget from %d to %d permuted "

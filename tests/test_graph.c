@@ -190,6 +190,14 @@ START_TEST(test_graph_capture_once_per_key) {
     moe_graph_run(g, k0, region, NULL);
     ck_assert_int_eq(g_begins, 2);
     ck_assert_int_eq(g_runs, 7);
+    /* reset (the MoE budget grew, its buffers moved): each key warms up and captures again */
+    moe_graphs_reset(g);
+    moe_graph_run(g, k0, region, NULL); /* eager */
+    ck_assert_int_eq(g_runs, 8);
+    ck_assert_int_eq(g_begins, 2);
+    moe_graph_run(g, k0, region, NULL); /* captured again */
+    ck_assert_int_eq(g_runs, 9);
+    ck_assert_int_eq(g_begins, 3);
     moe_error err;
     ck_assert_int_eq(moe_graphs_status(g, &err), MOE_OK);
     moe_graphs_free(g);
@@ -202,7 +210,7 @@ START_TEST(test_graph_capture_once_per_key) {
         moe_graph_run(NULL, k0, region, NULL);
     }
     ck_assert_int_eq(g_runs, 6);
-    ck_assert_int_eq(g_begins, 2);
+    ck_assert_int_eq(g_begins, 3); /* no capture began */
     moe_graphs_free(g);
 }
 END_TEST
