@@ -56,6 +56,7 @@
 typedef struct opts {
     char device[MOE_FLAG_STR_LEN];
     char shape[MOE_FLAG_STR_LEN];
+    char rows[MOE_FLAG_STR_LEN];
     int warmup, repeats;
 } opts;
 
@@ -68,6 +69,9 @@ static const moe_flag g_flags[] = {
        "layer shape (auto = qwen3 and mixtral on a GPU, small on the CPU)",
        "auto|all|models|sweep|big|qwen3|mixtral|qwen3-235b|dsv2-lite|sweep64|sweep128|"
        "sweep256|sweep512|sweep1024|sweep2048|sweep4096|sweep8192|small|fine"),
+    OF("rows", MOE_FLAG_STRING, rows, "",
+       "--shape fine: only these rows per expert, comma-separated (e.g. 128,130); empty = "
+       "the whole sweep", NULL),
     OF("warmup", MOE_FLAG_INT, warmup, "2", "untimed runs of each GEMM first", NULL),
     OF("repeats", MOE_FLAG_INT, repeats, "7", "timed runs (the median is reported)", NULL),
 };
@@ -440,6 +444,21 @@ static double run_fine(const moe_backend *be, const opts *o) {
         rs[nr++] = r;
     for (int r = 250; r <= 260; r += cpu ? 5 : 1)
         rs[nr++] = r;
+    const int only = o->rows[0] != 0; /* --rows: just those exact cases */
+    if (only) {
+        nr = 0;
+        for (const char *c = o->rows; *c && nr < 64;) {
+            char *end;
+            const long r = strtol(c, &end, 10);
+            if (end == c || r < 1 || r > 4096) {
+                moe_log_error("--rows %s: want comma-separated rows per expert in 1..4096 "
+                              "(e.g. --rows 128,130)", o->rows);
+                exit(2);
+            }
+            rs[nr++] = (int)r;
+            c = *end == ',' ? end + 1 : end;
+        }
+    }
     const int E_exact = cpu ? 16 : 128;
     int *off = malloc(sizeof(int) * (256 + 1));
     fine_total *tots = malloc(sizeof(fine_total) * (3 + (size_t)nr));
@@ -447,7 +466,7 @@ static double run_fine(const moe_backend *be, const opts *o) {
     char title[96];
     double worst = 0, e;
     int nt = 0;
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < (only ? 0 : 3); i++) {
         const shape s = {"fine", T, H, F, Es[i], k};
         uniform_topk_offsets(off, &s);
         snprintf(title, sizeof title, "fine, uniform top-k router: T=%d H=%d F=%d E=%d k=%d", T,
@@ -474,7 +493,8 @@ static double run_fine(const moe_backend *be, const opts *o) {
     printf("---|\n");
     for (int i = 0; i < nt; i++) {
         const fine_total *t = &tots[i];
-        printf("| %s | %d..%d | %.1f |", i < 3 ? "uniform" : "exact", t->lo, t->hi, t->gflop);
+        printf("| %s | %d..%d | %.1f |", t->lo == t->hi ? "exact" : "uniform", t->lo, t->hi,
+               t->gflop);
         for (int j = 0; j < 1 + N_SCHED; j++)
             printf(" %.3f (%.0f) |", t->ms[j], t->gflop / t->ms[j]);
         printf(" %.2fx |\n", t->ms[1] / t->ms[N_SCHED]);
