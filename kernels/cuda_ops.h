@@ -109,7 +109,7 @@ typedef enum moe_grouped_schedule {
     MOE_GROUPED_SCHED_DYNAMIC = 2,        /* 128-row tiles, claimed in order */
     MOE_GROUPED_SCHED_DYNAMIC_TAIL64 = 3, /* both */
 } moe_grouped_schedule;
-#define MOE_GROUPED_SCHED_DEFAULT MOE_GROUPED_SCHED_DYNAMIC_TAIL64
+#define MOE_GROUPED_SCHED_DEFAULT MOE_GROUPED_SCHED_STATIC
 void moe_cuda_grouped_sm90_set_schedule(moe_grouped_schedule s);
 moe_grouped_schedule moe_cuda_grouped_sm90_schedule(void);
 const char *moe_cuda_grouped_sm90_schedule_name(moe_grouped_schedule s);

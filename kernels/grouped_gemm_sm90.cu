@@ -374,13 +374,13 @@ __global__ void __launch_bounds__(THREADS, 1)
     sch.S = p.split > 1 ? p.split : 1;
     sch.total = MODE == WGRAD ? sch.S * p.G * sch.mtn * sch.ntn : s_mt[p.G] * sch.ntn;
 
-    /* The tile ring. The producer decides which tile the CTA runs next and publishes its
-     * index in s_tile[j % RING] (tfull), the consumers read it (tempty): the j-th tile of
-     * the CTA, the last one published being past the end (the signal to stop). Static
-     * (dyn = 0): CTA b takes b, b + gridDim, ..., a fixed sequence. Dynamic (dyn = 1,
-     * forward and dgrad): after its first tile b, a CTA claims the next unclaimed index
-     * from a counter in global memory when it starts a tile, so tiles start in index
-     * order across the whole grid whatever each costs. That matters for the L2: the tiles
+    /* Which tiles a CTA runs. Static (dyn = 0): CTA b takes b, b + gridDim, ..., a fixed
+     * sequence the producer and the consumers each walk. Dynamic (dyn = 1, forward and
+     * dgrad): after its first tile b, the producer claims the next unclaimed index from a
+     * counter in global memory when it starts a tile, so tiles start in index order across
+     * the whole grid whatever each costs, and publishes it to the consumers through the
+     * tile ring: s_tile[j % RING] holds the CTA's j-th tile (tfull: written, tempty: read
+     * by all 8 consumer warps), the last one past the end (the signal to stop). That matters for the L2: the tiles
      * that read the same weight block (a group's m-tiles of one n-tile, neighbours in the
      * banded order) then run at the same time and fetch it from HBM once. Under the static
      * rule they do so only while every tile costs the same: with 64-row tiles among
@@ -399,7 +399,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             int tok[4];
             int t = blockIdx.x;
             for (int j = 0;; j++) {
-                if (lane == 0) {
+                if (p.dyn && lane == 0) {
                     const int r = j % RING;
                     mbar_wait(&tempty[r], ((j / RING) & 1) ^ 1);
                     s_tile[r] = t;
@@ -484,13 +484,15 @@ __global__ void __launch_bounds__(THREADS, 1)
     int it = 0;
     Tile ti;
     float d[BN / 2];
-    for (int j = 0;; j++) {
-        const int r = j % RING;
-        mbar_wait(&tfull[r], (j / RING) & 1);
-        const int t = s_tile[r];
-        __syncwarp();
-        if (lane == 0) /* every lane of this warp has read it */
-            mbar_arrive(&tempty[r]);
+    for (int j = 0, t = blockIdx.x;; j++, t += gridDim.x) {
+        if (p.dyn) { /* the producer's claim; static: b, b + gridDim, ... as it walks them */
+            const int r = j % RING;
+            mbar_wait(&tfull[r], (j / RING) & 1);
+            t = s_tile[r];
+            __syncwarp();
+            if (lane == 0) /* every lane of this warp has read it */
+                mbar_arrive(&tempty[r]);
+        }
         if (!sch.get(t, ti))
             break;
         if (ti.nk == 0 && (MODE != WGRAD || p.accumulate))

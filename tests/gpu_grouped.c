@@ -321,10 +321,17 @@ START_TEST(test_gpu_grouped_gather) {
     check_gather(g_edges, N_EDGES, 200, 320);
     const int few[3] = {0, 2000, 900}; /* long groups on a small dw: wgrad splits its k-loop */
     check_gather(few, 3, 128, 136);
-    int many[256]; /* 256 groups */
+    int many[256]; /* 256 groups, under every forward schedule (the gathering producer
+                      broadcasts a claimed tile to its 32 lanes) */
     for (int i = 0; i < 256; i++)
         many[i] = i % 32 >= 28 ? i % 2 : g_edges[i % N_EDGES] + (i / N_EDGES) % 3;
-    check_gather(many, 256, 136, 264);
+    const moe_grouped_schedule def = moe_cuda_grouped_sm90_schedule();
+    for (int sc = MOE_GROUPED_SCHED_STATIC; sc <= MOE_GROUPED_SCHED_DYNAMIC_TAIL64; sc++) {
+        moe_cuda_grouped_sm90_set_schedule((moe_grouped_schedule)sc);
+        printf("  (schedule %s)\n", moe_cuda_grouped_sm90_schedule_name(sc));
+        check_gather(many, 256, 136, 264);
+    }
+    moe_cuda_grouped_sm90_set_schedule(def);
 }
 END_TEST
 

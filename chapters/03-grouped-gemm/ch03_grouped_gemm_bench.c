@@ -34,10 +34,11 @@
  * tile; tiles taken statically, CTA b runs b, b + grid, ..., or claimed in order from a
  * device counter) against the per-expert cuBLAS loop, in the same run: a uniform top-k
  * router at T = 8192, k = 8 with E = 64, 128, 256 experts; every expert given exactly r
- * rows, r on both sides of multiples of 64 and 128; and the cliff, every r from 120 to 136
- * and from 250 to 260 (where 128-row tiles cost a whole tile more past each multiple of
- * 128). Each GEMM's output is checked against the loop's before its times are printed; a
- * summary table of the four GEMMs together closes the run.
+ * rows, r on both sides of multiples of 64 and 128; and the cliff, r in steps of 1 to 4
+ * from 120 to 136 and from 250 to 260 (where 128-row tiles cost a whole tile more past
+ * each multiple of 128); --rows picks other r. The implementations of each GEMM are timed
+ * interleaved (time_interleaved). Each GEMM's output is checked against the loop's
+ * before its times are printed; a summary table of the four GEMMs together closes the run.
  */
 #include <math.h>
 #include <stdio.h>
@@ -156,6 +157,29 @@ static double time_ms(const moe_backend *be, const opts *o, int impl, const prob
     const double med = moe_median(ms, o->repeats);
     free(ms);
     return med;
+}
+
+/* The median times of n implementations of one GEMM, measured INTERLEAVED: warm-up and
+ * every repeat run each implementation once in turn, so a drift of the clocks during the
+ * measurement (the GPU heating up, its power limit) is shared by all of them instead of
+ * favouring whichever ran first. */
+static void time_interleaved(const moe_backend *be, const opts *o, const int *impls, int n,
+                             const problem *p, const bufs *b, const int *off, int G,
+                             double *med) {
+    double *ms = malloc(sizeof(double) * (size_t)n * o->repeats);
+    MOE_ASSERT(ms != NULL);
+    for (int i = 0; i < o->warmup; i++)
+        for (int j = 0; j < n; j++)
+            run_once(be, impls[j], p, b, off, G);
+    for (int r = 0; r < o->repeats; r++)
+        for (int j = 0; j < n; j++) {
+            be->timer_begin();
+            run_once(be, impls[j], p, b, off, G);
+            ms[(size_t)j * o->repeats + r] = be->timer_end_ms();
+        }
+    for (int j = 0; j < n; j++)
+        med[j] = moe_median(ms + (size_t)j * o->repeats, o->repeats);
+    free(ms);
 }
 
 /* expert sizes of a uniform top-k router: every token picks k distinct experts */
@@ -390,8 +414,11 @@ static double run_fine_case(const moe_backend *be, const opts *o, const char *ti
         moe_real *ref = malloc(sizeof(moe_real) * n), *got = malloc(sizeof(moe_real) * n);
         MOE_ASSERT(ref && got);
         double err = 0, ms[NJ];
+        int impls[NJ];
+        for (int j = 0; j < NJ; j++)
+            impls[j] = j ? SCHED + j - 1 : LOOP;
         for (int j = 0; j < NJ; j++) {
-            const int impl = j ? SCHED + j - 1 : LOOP;
+            const int impl = impls[j];
             if (j == 0) { /* the loop's dgrad adds into its output (beta = 1): start at 0 */
                 be->zero(dst, S * n);
             } else {
@@ -406,10 +433,9 @@ static double run_fine_case(const moe_backend *be, const opts *o, const char *ti
                 err = e > err ? e : err;
             }
         }
-        for (int j = 0; j < NJ; j++) {
-            ms[j] = time_ms(be, o, j ? SCHED + j - 1 : LOOP, p, &b, off, G);
+        time_interleaved(be, o, impls, NJ, p, &b, off, G, ms);
+        for (int j = 0; j < NJ; j++)
             tot->ms[j] += ms[j];
-        }
         const double flop = 2.0 * N * p->I * p->O;
         printf("| %-11s | %6.1f |", p->name, flop / 1e9);
         for (int j = 0; j < NJ; j++)
@@ -440,10 +466,10 @@ static double run_fine(const moe_backend *be, const opts *o) {
     const int around64[4] = {64, 65, 192, 193};
     for (int i = 0; i < 4; i++)
         rs[nr++] = around64[i];
-    for (int r = 120; r <= 136; r += cpu ? 8 : 1)
-        rs[nr++] = r;
-    for (int r = 250; r <= 260; r += cpu ? 5 : 1)
-        rs[nr++] = r;
+    const int cliff[15] = {120, 124, 127, 128, 129, 130, 132, 136,
+                           250, 254, 255, 256, 257, 258, 260};
+    for (int i = 0; i < 15; i += cpu ? 7 : 1)
+        rs[nr++] = cliff[i];
     const int only = o->rows[0] != 0; /* --rows: just those exact cases */
     if (only) {
         nr = 0;
