@@ -31,7 +31,7 @@
  *                stage's "full" barrier with the byte count to expect.
  *
  * Forward and dgrad can also use a 64 × 256 tile (an experiment, off by default: it measured
- * slower, see g_fine_tiles), for the last <= 64 rows of a group: the two
+ * slower, see g_schedule), for the last <= 64 rows of a group: the two
  * warpgroups then sit side by side instead of one above the other — both read the same
  * 64-row A box, warpgroup c multiplies it by B's columns 128c .. 128c + 127 with 4 wgmma
  * m64n128k16 per k-step (64 accumulators) — so neither idles, and the producer loads one
@@ -40,7 +40,9 @@
  * (the tile-quantisation cliff just past every multiple of 128, which hurts where many
  * experts see a few hundred rows each); with it, 128 + 64 rows of MMA (rows are computed
  * in multiples of 64, the smallest M of a wgmma) — but each tile still loads the whole
- * 256-column weight block per k-step, and the time did not fall. The main loop is instantiated once per
+ * 256-column weight block per k-step, and the time did not fall (the tail tile of the
+ * 128-row schedule skips its empty A box too, so both move the same 40 KB per k-step;
+ * docs/results/03-grouped-gemm-ii.md §3b). The main loop is instantiated once per
  * width (256 or 128 columns per warpgroup) so that no wgmma pipeline spans a branch.
  *
  * Epilogue: each consumer warpgroup writes its 64 × 256 block from registers into its
@@ -54,16 +56,17 @@
  * docs/results/03-grouped-gemm.md): storing straight from registers cost 15-35% of the
  * GEMM time; the 4th stage is worth another 6-10%.
  *
- * The tile scheduler is static and persistent: CTA b takes tiles b, b + gridDim, ...
- * Within a group the tiles go in bands of BAND m-tiles, m fastest inside a band, so the
+ * The tile scheduler is persistent and, by default, static: CTA b takes tiles b,
+ * b + gridDim, ... (the dynamic schedule claims them in order instead: see the kernel's
+ * tile ring). Within a group the tiles go in bands of BAND m-tiles, m fastest inside a band, so the
  * CTAs running at the same time touch a few row blocks and a few weight blocks, which
  * stay in L2. For forward and dgrad a group has ceil(rows_g / BM) m-tiles; each CTA reads
  * the G + 1 offsets into shared memory and prefix-sums the m-tiles (G is small), which
  * maps a tile index to its group by binary search — the host never learns the sizes (the
  * rule is lib/moe/tile_schedule.h, one definition for this kernel and the C library). The
- * tile's shape can come from the same offsets: with moe_cuda_grouped_sm90_set_fine_tiles(1)
- * the group's last m-tile is a 64 × 256 tile when it holds <= 64 rows (an experiment, off
- * by default: measured slower, see g_fine_tiles). The 64-row tile stays in its
+ * tile's shape can come from the same offsets (moe_tile_rows_rule): under the -tail64
+ * schedules the group's last m-tile is a 64 × 256 tile when it holds <= 64 rows (off by
+ * default: measured slower, see g_schedule). The 64-row tile stays in its
  * group's band, next to the tiles that read the same weight block: ordering tiles
  * longest-first instead would balance the last wave a little better but read a weight
  * block again after it has left L2, and a tile costs at most twice another here. For wgrad the tiles
@@ -709,11 +712,13 @@ const void *contiguous(const Input &in, int rows, int I) {
 
 /* The forward/dgrad schedule, a moe_grouped_schedule: bit 0 = 64-row tiles for a group's
  * last <= 64 rows (Params::fine), bit 1 = tiles claimed from a counter (Params::dyn).
- * -1 until first used: then MOE_GROUPED_SCHEDULE, or the default. Static with 64-row tiles
- * measured SLOWER than 128-row tiles on an H200 (0.72x at 130 rows per expert,
- * docs/results/03-grouped-gemm-ii.md §3): the CTAs drifted apart (see the tile ring in the
- * kernel); claimed, the 64-row tiles pay. Tests run every schedule, the benchmark
- * (--shape fine) times them side by side. */
+ * -1 until first used: then MOE_GROUPED_SCHEDULE, or the default, static (128-row tiles).
+ * Measured (docs/results/03-grouped-gemm-ii.md §3): static with 64-row tiles is slower
+ * (0.72x at 130 rows per expert on an H200) because the CTAs drift apart and read the
+ * weights from DRAM twice (ncu on an H100: 5.9 against 3.4 GB); claiming the tiles in
+ * order fixes that, but the 64-row tiles still do not pay (0.90x at 130 rows on an H100),
+ * and dynamic alone is 2-4% faster up to 128 rows per expert, 3-8% slower above. Tests run
+ * every schedule, the benchmark (--shape fine) times them side by side. */
 int g_schedule = -1;
 
 const char *const SCHEDULE_NAMES[4] = {"static", "static-tail64", "dynamic", "dynamic-tail64"};
