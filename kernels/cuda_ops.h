@@ -97,10 +97,22 @@ void moe_cuda_grouped_sm90_backward_gather(void *din, void *dw, const void *dout
 /* how many chunks the sm_90a wgrad splits each group's rows into for this shape (1 = no
  * split), from host-known sizes only: for tests and benchmarks to report */
 int moe_cuda_grouped_sm90_wgrad_split(int G, int rows, int I, int O);
-/* the forward/dgrad tile schedule of the kernel above: 0 (the default) uses 128-row tiles
- * only, 1 gives a group's last <= 64 rows a 64 x 256 tile (measured slower: off by default); for the tests and
- * the chapter 03 benchmark, which compare the two (process-wide, not thread-safe) */
-void moe_cuda_grouped_sm90_set_fine_tiles(int on);
+/* the forward/dgrad tile schedule of the kernel above (process-wide, not thread-safe):
+ * bit 0 gives a group's last <= 64 rows a 64 x 256 tile instead of a 128 x 256 one, bit 1
+ * has the CTAs claim tiles in order from a device counter instead of CTA b taking tiles
+ * b, b + grid, ... Chosen by moe_cuda_grouped_sm90_set_schedule (tests, the chapter 03
+ * benchmark), else by the environment, MOE_GROUPED_SCHEDULE=static|static-tail64|dynamic|
+ * dynamic-tail64 (the names of moe_cuda_grouped_sm90_schedule_name), else the default */
+typedef enum moe_grouped_schedule {
+    MOE_GROUPED_SCHED_STATIC = 0,         /* 128-row tiles, CTA b takes b, b + grid, ... */
+    MOE_GROUPED_SCHED_STATIC_TAIL64 = 1,  /* ... with 64-row tiles for short last tiles */
+    MOE_GROUPED_SCHED_DYNAMIC = 2,        /* 128-row tiles, claimed in order */
+    MOE_GROUPED_SCHED_DYNAMIC_TAIL64 = 3, /* both */
+} moe_grouped_schedule;
+#define MOE_GROUPED_SCHED_DEFAULT MOE_GROUPED_SCHED_STATIC
+void moe_cuda_grouped_sm90_set_schedule(moe_grouped_schedule s);
+moe_grouped_schedule moe_cuda_grouped_sm90_schedule(void);
+const char *moe_cuda_grouped_sm90_schedule_name(moe_grouped_schedule s);
 void moe_cuda_embedding_forward(void *out, const int *tokens, const void *table, int N, int C);
 void moe_cuda_embedding_backward(moe_real *dtable, const void *dout, const int *tokens, int N,
                                  int V, int C);
