@@ -116,7 +116,7 @@ LIB      := $(BUILD)/libmoe.a
 LIB_F64  := $(BUILD)/f64/libmoe.a
 PROGRAMS := $(patsubst programs/%.c,bin/%,$(PROG_SRC))
 # chapter programs: chapters/NN-name/chNN_what.c -> bin/chNN_what
-CHAPTER_SRC := $(filter-out $(if $(filter 1,$(WITH_CUDA)),,chapters/06-cuda-graphs/%),$(wildcard chapters/*/ch*.c))
+CHAPTER_SRC := $(filter-out $(if $(filter 1,$(WITH_CUDA)),,chapters/06-cuda-graphs/% chapters/07-long-context/ch07_attention_bench.c),$(wildcard chapters/*/ch*.c))
 CHAPTER_BIN := $(foreach f,$(CHAPTER_SRC),bin/$(basename $(notdir $(f))))
 
 obj = $(patsubst %.c,$(BUILD)/$(2)%.o,$(1))
@@ -666,6 +666,8 @@ bench: all
 	./bin/ch03_grouped_gemm_bench
 	@if [ "$(WITH_CUDA)" = 1 ]; then ./bin/ch06_graphs_bench; \
 	else echo "ch06 graphs benchmark: skipped (built without CUDA)"; fi
+	@if [ "$(WITH_CUDA)" = 1 ]; then ./bin/ch07_attention_bench; \
+	else echo "ch07 attention benchmark: skipped (built without CUDA)"; fi
 
 # For tools that compile C against the library (the notebooks' %%c cells).
 print-build-flags:
