@@ -23,14 +23,20 @@
  * runs, so the same source builds for sm_90a and sm_100a. (A Hopper kernel with wgmma, TMA
  * and warp-specialised producer / consumer warps, FA3's ideas, is not written yet.)
  *
- *   tiles     a block has 4 warps (128 threads). Forward and dq: a block owns 64 query rows,
- *             16 per warp, and walks the key tiles of 64 rows that its rows can see. Each
- *             warp computes its 16 × 64 slice of S = Q·Kᵀ with 8 n-blocks of mma, keeps it in
- *             registers, and reuses the accumulator layout of S directly as the A operand of
- *             the next product (two 16 × 8 fp32 accumulators = one 16 × 16 bf16 A fragment),
- *             so neither P nor dS ever touches shared memory. Operands come from shared
- *             memory through ldmatrix (.trans where the product needs the tile's columns:
- *             V in P·V, K in dS·K, Q and dY in the dk/dv products).
+ *   tiles     a block has 4 warps (128 threads); each warp owns MT m-tiles of 16 rows (32
+ *             rows with MT = 2). Forward and dq: a block owns 4·16·MT query rows and walks
+ *             the key tiles its rows can see. Each warp computes its slice of S = Q·Kᵀ with
+ *             mma, keeps it in registers, and reuses the accumulator layout of S directly as
+ *             the A operand of the next product (two 16 × 8 fp32 accumulators = one 16 × 16
+ *             bf16 A fragment), so neither P nor dS ever touches shared memory. Operands
+ *             come from shared memory through ldmatrix (.trans where the product needs the
+ *             tile's columns: V in P·V, K in dS·K, Q and dY in the dk/dv products); every
+ *             B fragment read serves the warp's MT m-tiles, which is what MT buys: at MT = 1
+ *             a warp reads about as many shared-memory bytes per mma as the SM can deliver,
+ *             so the tensor cores wait. MT = 2 needs up to 255 registers; FaConfig picks MT
+ *             and the tile lengths per head dimension so that nothing spills, and
+ *             MOE_FLASH_MT=1 selects the narrow tiles everywhere (for comparison; the tests
+ *             run both).
  *   memory    tiles are [rows][DP + 8] bf16 in shared memory, DP the head dimension padded
  *             to 32, 64 or 128 (the template parameter; columns D..DP−1 are loaded as zeros,
  *             so any D ≤ 128 runs and only d < D is stored). The 16 extra bytes per row put
@@ -43,12 +49,14 @@
  *             columns; the 4 threads of a row merge l at the end), o rescaled by
  *             exp(m_old − m_new) whenever the max grows. Exponentials are exp2 with the
  *             scale and log2(e) folded in. y = o / l, lse = m/√D + log l. No T × T buffer.
- *   backward  three kernels, none with atomics:
+ *   backward  three kernels, none with atomics (the price: S and dP are computed twice,
+ *             once for dq and once for dk, dv: 7 tile products where FlashAttention-2's
+ *             backward, which adds dq with atomics, has 5):
  *     δ       δ_t = dy_t · y_t per (b, t, h), one warp a row, into the op workspace
  *             [B, Hq, Tq] fp32 (the workspace is O(B·Hq·T), nothing else);
- *     dq      one block per (b, h, 64 query rows): P = exp(S − lse) recomputed tile by tile,
+ *     dq      one block per (b, h, query tile): P = exp(S − lse) recomputed tile by tile,
  *             dP = dY·Vᵀ, dS = P ⊙ (dP − δ), dq += dS·K/√D in registers; it owns its rows;
- *     dk, dv  one block per (b, g, 64 key rows), 16 keys per warp: it works on the transposed
+ *     dk, dv  one block per (b, g, key tile), 16·MT keys per warp: it works on the transposed
  *             tiles Sᵀ = K·Qᵀ and dPᵀ = V·dYᵀ, looping over the query heads of group g and
  *             the query tiles that see its keys, always in the same order, and accumulates
  *             dv += Pᵀ·dY and dk += dSᵀ·Q/√D in registers. The block owns its dk, dv rows.
@@ -62,6 +70,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
@@ -69,8 +79,6 @@
 #define FA_MAX_D 128    /* the largest head dimension (padded head dims 32, 64, 128) */
 #define FA_WARPS 4      /* warps per block */
 #define FA_THREADS (32 * FA_WARPS)
-#define FA_BQ (16 * FA_WARPS) /* query rows per block: forward, dq (16 per warp) */
-#define FA_BK 64        /* key rows per tile (forward, dq) and per block (dk/dv) */
 #define FA_LOG2E 1.4426950408889634f
 
 /* The launch arguments every kernel shares. */
@@ -174,56 +182,79 @@ static __device__ __forceinline__ void fa_load_tile(moe_bf16 *dst, const moe_bf1
 }
 
 /*
- * acc[n] (n-blocks of 8 columns, NB of them) = A · Bᵀ over the padded head dimension:
- * A [16 rows][DP] at As (this warp's rows), B [8·NB rows][DP] at Bs, both tiles [..][LD]
- * in shared memory: S = Q·Kᵀ, dP = dY·Vᵀ, Sᵀ = K·Qᵀ, dPᵀ = V·dYᵀ.
+ * acc[m][n] = A · Bᵀ over the padded head dimension, for MT m-tiles of 16 rows of A (the
+ * warp's rows, from As) and NB n-blocks of 8 rows of B (from Bs), both [..][LD] tiles in
+ * shared memory: S = Q·Kᵀ, dP = dY·Vᵀ, Sᵀ = K·Qᵀ, dPᵀ = V·dYᵀ. Each B fragment read from
+ * shared memory serves MT m-tiles: the warp's rows are its reuse factor.
  */
-template <int DP, int NB>
-static __device__ __forceinline__ void fa_gemm_abt(float acc[NB][4], const moe_bf16 *As,
+template <int DP, int MT, int NB>
+static __device__ __forceinline__ void fa_gemm_abt(float acc[MT][NB][4], const moe_bf16 *As,
                                                    const moe_bf16 *Bs) {
     constexpr int LD = FaTile<DP>::LD;
     const int lane = threadIdx.x % 32;
 #pragma unroll
-    for (int n = 0; n < NB; n++)
-        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int n = 0; n < NB; n++)
+            acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < DP / 16; kk++) {
-        uint32_t af[4];
-        fa_ldsm4(af, As + (lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+        uint32_t af[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; m++)
+            fa_ldsm4(af[m], As + (m * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
 #pragma unroll
         for (int n = 0; n < NB; n += 2) {
             uint32_t bf[4]; /* rows 8n..8n+15 of B: b of n-block n is bf[0..1], n+1 bf[2..3] */
             fa_ldsm4(bf, Bs + (n * 8 + lane % 8 + (lane / 16) * 8) * LD + kk * 16 +
                              ((lane / 8) % 2) * 8);
-            fa_mma(acc[n], af, bf[0], bf[1]);
-            fa_mma(acc[n + 1], af, bf[2], bf[3]);
+#pragma unroll
+            for (int m = 0; m < MT; m++) {
+                fa_mma(acc[m][n], af[m], bf[0], bf[1]);
+                fa_mma(acc[m][n + 1], af[m], bf[2], bf[3]);
+            }
         }
     }
 }
 
 /*
- * out[n] (DP/8 n-blocks) += W · X, W [16 rows][8·NB columns] in registers (accumulator
- * layout, rounded to bf16 here), X [8·NB rows][DP] in shared memory read by rows
- * (ldmatrix .trans): y += P·V, dq += dS·K, dv += Pᵀ·dY, dk += dSᵀ·Q.
+ * out[m][n] (DP/8 n-blocks) += W · X, W [16·MT rows][8·NB columns] in registers
+ * (accumulator layout, rounded to bf16 here), X [8·NB rows][DP] in shared memory read by
+ * rows (ldmatrix .trans): y += P·V, dq += dS·K, dv += Pᵀ·dY, dk += dSᵀ·Q.
  */
-template <int DP, int NB>
-static __device__ __forceinline__ void fa_gemm_wx(float out[DP / 8][4], const float W[NB][4],
-                                                  const moe_bf16 *Xs) {
+template <int DP, int MT, int NB>
+static __device__ __forceinline__ void fa_gemm_wx(float out[MT][DP / 8][4],
+                                                  const float W[MT][NB][4], const moe_bf16 *Xs) {
     constexpr int LD = FaTile<DP>::LD;
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int kk = 0; kk < NB / 2; kk++) {
-        uint32_t af[4];
-        fa_acc_to_a(af, W[2 * kk], W[2 * kk + 1]);
+        uint32_t af[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; m++)
+            fa_acc_to_a(af[m], W[m][2 * kk], W[m][2 * kk + 1]);
 #pragma unroll
         for (int n = 0; n < DP / 8; n += 2) {
             uint32_t bf[4];
             fa_ldsm4_t(bf, Xs + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LD + n * 8 +
                                (lane / 16) * 8);
-            fa_mma(out[n], af, bf[0], bf[1]);
-            fa_mma(out[n + 1], af, bf[2], bf[3]);
+#pragma unroll
+            for (int m = 0; m < MT; m++) {
+                fa_mma(out[m][n], af[m], bf[0], bf[1]);
+                fa_mma(out[m][n + 1], af[m], bf[2], bf[3]);
+            }
         }
     }
+}
+
+/* Zero an accumulator of MT m-tiles and N n-blocks. */
+template <int MT, int N>
+static __device__ __forceinline__ void fa_zero(float acc[MT][N][4]) {
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int n = 0; n < N; n++)
+            acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
 }
 
 /* Sum over the 4 lanes that hold one accumulator row. */
@@ -242,141 +273,153 @@ static __device__ __forceinline__ int fa_key_end(int t_end, const FaArgs &a) {
     return last < 0 ? 0 : (int)(last + 1 < a.Tk ? last + 1 : a.Tk);
 }
 
+
 /*
- * Store acc (this warp's 16 rows × DP/8 n-blocks) times @p mul into rows row0.. of a
- * [rows][stride] bf16 tensor, row by row only where row < nrows and d < D; add to what is
- * there when @p accumulate.
+ * Store acc (this warp's 16·MT rows from row0, DP/8 n-blocks) times mul (per row) into a
+ * [rows][stride] bf16 tensor, only where row < nrows and d < D; add to what is there when
+ * @p accumulate.
  */
-template <int DP>
+template <int DP, int MT>
 static __device__ __forceinline__ void fa_store_rows(moe_bf16 *dst, size_t stride, int row0,
-                                                     int nrows, const float acc[DP / 8][4],
-                                                     const float mul[2], bool accumulate,
+                                                     int nrows, const float acc[MT][DP / 8][4],
+                                                     const float mul[MT][2], bool accumulate,
                                                      int D) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int row = row0 + lane / 4 + 8 * i;
-        if (row >= nrows)
-            continue;
-        moe_bf16 *p = dst + (size_t)row * stride;
+    for (int m = 0; m < MT; m++)
 #pragma unroll
-        for (int n = 0; n < DP / 8; n++) {
-            const int d = n * 8 + 2 * (lane % 4);
+        for (int i = 0; i < 2; i++) {
+            const int row = row0 + m * 16 + lane / 4 + 8 * i;
+            if (row >= nrows)
+                continue;
+            moe_bf16 *p = dst + (size_t)row * stride;
 #pragma unroll
-            for (int e = 0; e < 2; e++)
-                if (d + e < D) {
-                    const float x = acc[n][2 * i + e] * mul[i];
-                    p[d + e] = moe_st(accumulate ? moe_ld(p[d + e]) + x : x);
-                }
+            for (int n = 0; n < DP / 8; n++) {
+                const int d = n * 8 + 2 * (lane % 4);
+#pragma unroll
+                for (int e = 0; e < 2; e++)
+                    if (d + e < D) {
+                        const float x = acc[m][n][2 * i + e] * mul[m][i];
+                        p[d + e] = moe_st(accumulate ? moe_ld(p[d + e]) + x : x);
+                    }
+            }
         }
-    }
 }
 
 /* ------------------------------------------------------------------------- forward */
 
-template <int DP>
+/* One block: 16·MT·4 query rows (MT m-tiles of 16 per warp), key tiles of BK rows. */
+template <int DP, int MT, int BK>
 __global__ void __launch_bounds__(FA_THREADS)
     fa_forward_kernel(moe_bf16 *y, float *lse, const moe_bf16 *q, const moe_bf16 *k,
                       const moe_bf16 *v, FaArgs a) {
-    constexpr int LD = FaTile<DP>::LD, NB = FA_BK / 8;
+    constexpr int LD = FaTile<DP>::LD, NB = BK / 8, BQ = 16 * MT * FA_WARPS;
     extern __shared__ __align__(16) unsigned char fa_smem[];
-    moe_bf16 *Qs = (moe_bf16 *)fa_smem;  /* [BQ][LD] */
-    moe_bf16 *Ks = Qs + FA_BQ * LD;      /* [2][BK][LD] */
-    moe_bf16 *Vs = Ks + 2 * FA_BK * LD;  /* [2][BK][LD] */
+    moe_bf16 *Qs = (moe_bf16 *)fa_smem; /* [BQ][LD] */
+    moe_bf16 *Ks = Qs + BQ * LD;        /* [2][BK][LD] */
+    moe_bf16 *Vs = Ks + 2 * BK * LD;    /* [2][BK][LD] */
 
-    const int nqt = (a.Tq + FA_BQ - 1) / FA_BQ;
-    const int h = blockIdx.x, b = blockIdx.y, t0 = (nqt - 1 - (int)blockIdx.z) * FA_BQ;
+    const int nqt = (a.Tq + BQ - 1) / BQ;
+    const int h = blockIdx.x, b = blockIdx.y, t0 = (nqt - 1 - (int)blockIdx.z) * BQ;
     const int g = h / (a.Hq / a.Hkv), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const size_t qs = (size_t)a.Hq * a.D, kvs = (size_t)a.Hkv * a.D;
     const moe_bf16 *qb = q + (size_t)b * a.Tq * qs + (size_t)h * a.D;
     const moe_bf16 *kb = k + (size_t)b * a.Tk * kvs + (size_t)g * a.D;
     const moe_bf16 *vb = v + (size_t)b * a.Tk * kvs + (size_t)g * a.D;
-    const int kend = fa_key_end(min(t0 + FA_BQ, a.Tq), a);
-    const int nkt = (kend + FA_BK - 1) / FA_BK;
-    const int row = t0 + warp * 16 + lane / 4; /* this thread's rows: row, row + 8 */
+    const int kend = fa_key_end(min(t0 + BQ, a.Tq), a);
+    const int nkt = (kend + BK - 1) / BK;
+    const int wrow = t0 + warp * 16 * MT;   /* the warp's first row */
+    const int row = wrow + lane / 4;        /* this thread's rows: row + 16m + 8i */
 
-    fa_load_tile<DP, FA_BQ>(Qs, qb, qs, t0, a.Tq, a);
+    fa_load_tile<DP, BQ>(Qs, qb, qs, t0, a.Tq, a);
     if (nkt > 0) {
-        fa_load_tile<DP, FA_BK>(Ks, kb, kvs, 0, a.Tk, a);
-        fa_load_tile<DP, FA_BK>(Vs, vb, kvs, 0, a.Tk, a);
+        fa_load_tile<DP, BK>(Ks, kb, kvs, 0, a.Tk, a);
+        fa_load_tile<DP, BK>(Vs, vb, kvs, 0, a.Tk, a);
     }
     fa_cp_async_commit();
 
     const float sl = a.scale * FA_LOG2E; /* exp(x/√D) = exp2(x·sl) */
-    float o[DP / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float o[MT][DP / 8][4], m[MT][2], l[MT][2];
+    fa_zero<MT, DP / 8>(o);
 #pragma unroll
-    for (int n = 0; n < DP / 8; n++)
-        o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    for (int mt = 0; mt < MT; mt++)
+        m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.0f;
 
     for (int j = 0; j < nkt; j++) {
         fa_cp_async_wait_all();
         __syncthreads(); /* tile j landed; everyone is done with tile j−1's buffer */
         if (j + 1 < nkt) {
             const int nb = (j + 1) & 1;
-            fa_load_tile<DP, FA_BK>(Ks + nb * FA_BK * LD, kb, kvs, (j + 1) * FA_BK, a.Tk, a);
-            fa_load_tile<DP, FA_BK>(Vs + nb * FA_BK * LD, vb, kvs, (j + 1) * FA_BK, a.Tk, a);
+            fa_load_tile<DP, BK>(Ks + nb * BK * LD, kb, kvs, (j + 1) * BK, a.Tk, a);
+            fa_load_tile<DP, BK>(Vs + nb * BK * LD, vb, kvs, (j + 1) * BK, a.Tk, a);
         }
         fa_cp_async_commit();
-        const moe_bf16 *Kt = Ks + (j & 1) * FA_BK * LD, *Vt = Vs + (j & 1) * FA_BK * LD;
-        const int s0 = j * FA_BK;
+        const moe_bf16 *Kt = Ks + (j & 1) * BK * LD, *Vt = Vs + (j & 1) * BK * LD;
+        const int s0 = j * BK;
 
-        float s[NB][4];
-        fa_gemm_abt<DP, NB>(s, Qs + warp * 16 * LD, Kt);
+        float s[MT][NB][4];
+        fa_gemm_abt<DP, MT, NB>(s, Qs + (wrow - t0) * LD, Kt);
         /* the mask, only on tiles that cross the diagonal or the end of the keys */
-        if (s0 + FA_BK - 1 > t0 + a.off || s0 + FA_BK > a.Tk) {
+        if (s0 + BK - 1 > t0 + a.off || s0 + BK > a.Tk) {
 #pragma unroll
-            for (int n = 0; n < NB; n++)
+            for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int key = s0 + n * 8 + 2 * (lane % 4) + (e & 1);
-                    if (key > row + 8 * (e >> 1) + a.off || key >= a.Tk)
-                        s[n][e] = -INFINITY;
-                }
+                for (int n = 0; n < NB; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int key = s0 + n * 8 + 2 * (lane % 4) + (e & 1);
+                        if (key > row + 16 * mt + 8 * (e >> 1) + a.off || key >= a.Tk)
+                            s[mt][n][e] = -INFINITY;
+                    }
         }
-        /* the online softmax, row by row (i = 0: row, 1: row + 8) */
+        /* the online softmax, row by row (row + 16·mt + 8·i) */
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            float mx = m[i];
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-            for (int n = 0; n < NB; n++)
-                mx = fmaxf(mx, fmaxf(s[n][2 * i], s[n][2 * i + 1]));
-            mx = fa_quad_max(mx);
-            /* a row with nothing visible yet keeps m = −∞: exponents against 0, all 0 */
-            const float ms = mx == -INFINITY ? 0.0f : mx * sl;
-            const float alpha = exp2f(m[i] * sl - ms); /* 0 while m was −∞ */
-            m[i] = mx;
-            float rs = 0.0f;
+            for (int i = 0; i < 2; i++) {
+                float mx = m[mt][i];
 #pragma unroll
-            for (int n = 0; n < NB; n++)
+                for (int n = 0; n < NB; n++)
+                    mx = fmaxf(mx, fmaxf(s[mt][n][2 * i], s[mt][n][2 * i + 1]));
+                mx = fa_quad_max(mx);
+                /* a row with nothing visible yet keeps m = −∞: exponents against 0, all 0 */
+                const float ms = mx == -INFINITY ? 0.0f : mx * sl;
+                const float alpha = exp2f(m[mt][i] * sl - ms); /* 0 while m was −∞ */
+                m[mt][i] = mx;
+                float rs = 0.0f;
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const float p = exp2f(fmaf(s[n][2 * i + e], sl, -ms));
-                    s[n][2 * i + e] = p;
-                    rs += p;
+                for (int n = 0; n < NB; n++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const float p = exp2f(fmaf(s[mt][n][2 * i + e], sl, -ms));
+                        s[mt][n][2 * i + e] = p;
+                        rs += p;
+                    }
+                l[mt][i] = l[mt][i] * alpha + rs; /* this thread's columns; merged at the end */
+#pragma unroll
+                for (int n = 0; n < DP / 8; n++) {
+                    o[mt][n][2 * i] *= alpha;
+                    o[mt][n][2 * i + 1] *= alpha;
                 }
-            l[i] = l[i] * alpha + rs; /* this thread's columns; merged at the end */
-#pragma unroll
-            for (int n = 0; n < DP / 8; n++) {
-                o[n][2 * i] *= alpha;
-                o[n][2 * i + 1] *= alpha;
             }
-        }
-        fa_gemm_wx<DP, NB>(o, s, Vt);
+        fa_gemm_wx<DP, MT, NB>(o, s, Vt);
     }
     fa_cp_async_wait_all();
 
-    float inv[2];
+    float inv[MT][2];
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const float lt = fa_quad_sum(l[i]);
-        const int t = row + 8 * i;
-        inv[i] = lt > 0.0f ? 1.0f / lt : 0.0f; /* a row that sees no key: y = 0 */
-        if (lane % 4 == 0 && t < a.Tq)
-            lse[((size_t)b * a.Hq + h) * a.Tq + t] =
-                lt > 0.0f ? m[i] * a.scale + logf(lt) : -INFINITY;
-    }
-    fa_store_rows<DP>(y + (size_t)b * a.Tq * qs + (size_t)h * a.D, qs, row - lane / 4, a.Tq, o,
-                      inv, false, a.D);
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const float lt = fa_quad_sum(l[mt][i]);
+            const int t = row + 16 * mt + 8 * i;
+            inv[mt][i] = lt > 0.0f ? 1.0f / lt : 0.0f; /* a row that sees no key: y = 0 */
+            if (lane % 4 == 0 && t < a.Tq)
+                lse[((size_t)b * a.Hq + h) * a.Tq + t] =
+                    lt > 0.0f ? m[mt][i] * a.scale + logf(lt) : -INFINITY;
+        }
+    fa_store_rows<DP, MT>(y + (size_t)b * a.Tq * qs + (size_t)h * a.D, qs, wrow, a.Tq, o, inv,
+                          false, a.D);
 }
 
 /* ------------------------------------------------------------------------ backward */
@@ -400,104 +443,109 @@ __global__ void fa_delta_kernel(float *delta, const moe_bf16 *dy, const moe_bf16
     }
 }
 
-/* dq for one (b, h, 64 query rows). */
-template <int DP>
+/* dq for one (b, h, 16·MT·4 query rows), key tiles of BK rows. */
+template <int DP, int MT, int BK>
 __global__ void __launch_bounds__(FA_THREADS)
     fa_backward_dq_kernel(moe_bf16 *dq, const float *delta, const float *lse, const moe_bf16 *q,
                           const moe_bf16 *k, const moe_bf16 *v, const moe_bf16 *dy, FaArgs a) {
-    constexpr int LD = FaTile<DP>::LD, NB = FA_BK / 8;
+    constexpr int LD = FaTile<DP>::LD, NB = BK / 8, BQ = 16 * MT * FA_WARPS;
     extern __shared__ __align__(16) unsigned char fa_smem[];
-    moe_bf16 *Qs = (moe_bf16 *)fa_smem;  /* [BQ][LD] */
-    moe_bf16 *dYs = Qs + FA_BQ * LD;     /* [BQ][LD] */
-    moe_bf16 *Ks = dYs + FA_BQ * LD;     /* [2][BK][LD] */
-    moe_bf16 *Vs = Ks + 2 * FA_BK * LD;  /* [2][BK][LD] */
+    moe_bf16 *Qs = (moe_bf16 *)fa_smem; /* [BQ][LD] */
+    moe_bf16 *dYs = Qs + BQ * LD;       /* [BQ][LD] */
+    moe_bf16 *Ks = dYs + BQ * LD;       /* [2][BK][LD] */
+    moe_bf16 *Vs = Ks + 2 * BK * LD;    /* [2][BK][LD] */
 
-    const int nqt = (a.Tq + FA_BQ - 1) / FA_BQ;
-    const int h = blockIdx.x, b = blockIdx.y, t0 = (nqt - 1 - (int)blockIdx.z) * FA_BQ;
+    const int nqt = (a.Tq + BQ - 1) / BQ;
+    const int h = blockIdx.x, b = blockIdx.y, t0 = (nqt - 1 - (int)blockIdx.z) * BQ;
     const int g = h / (a.Hq / a.Hkv), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const size_t qs = (size_t)a.Hq * a.D, kvs = (size_t)a.Hkv * a.D;
     const size_t qoff = (size_t)b * a.Tq * qs + (size_t)h * a.D;
     const moe_bf16 *kb = k + (size_t)b * a.Tk * kvs + (size_t)g * a.D;
     const moe_bf16 *vb = v + (size_t)b * a.Tk * kvs + (size_t)g * a.D;
-    const int kend = fa_key_end(min(t0 + FA_BQ, a.Tq), a);
-    const int nkt = (kend + FA_BK - 1) / FA_BK;
+    const int kend = fa_key_end(min(t0 + BQ, a.Tq), a);
+    const int nkt = (kend + BK - 1) / BK;
     if (nkt == 0)
         return; /* no row of the tile sees a key: dq gets nothing */
-    const int row = t0 + warp * 16 + lane / 4;
+    const int wrow = t0 + warp * 16 * MT, row = wrow + lane / 4;
 
-    fa_load_tile<DP, FA_BQ>(Qs, q + qoff, qs, t0, a.Tq, a);
-    fa_load_tile<DP, FA_BQ>(dYs, dy + qoff, qs, t0, a.Tq, a);
-    fa_load_tile<DP, FA_BK>(Ks, kb, kvs, 0, a.Tk, a);
-    fa_load_tile<DP, FA_BK>(Vs, vb, kvs, 0, a.Tk, a);
+    fa_load_tile<DP, BQ>(Qs, q + qoff, qs, t0, a.Tq, a);
+    fa_load_tile<DP, BQ>(dYs, dy + qoff, qs, t0, a.Tq, a);
+    fa_load_tile<DP, BK>(Ks, kb, kvs, 0, a.Tk, a);
+    fa_load_tile<DP, BK>(Vs, vb, kvs, 0, a.Tk, a);
     fa_cp_async_commit();
 
     /* this thread's rows: lse·log2(e) (0 where it is −∞ or past Tq: those rows see no
      * key, every P of theirs is masked to 0) and δ */
-    float l2[2], dl[2];
+    float l2[MT][2], dl[MT][2];
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int t = row + 8 * i;
-        const size_t at = ((size_t)b * a.Hq + h) * a.Tq + t;
-        const float lt = t < a.Tq ? lse[at] : -INFINITY;
-        l2[i] = lt == -INFINITY ? 0.0f : lt * FA_LOG2E;
-        dl[i] = t < a.Tq ? delta[at] : 0.0f;
-    }
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int t = row + 16 * mt + 8 * i;
+            const size_t at = ((size_t)b * a.Hq + h) * a.Tq + t;
+            const float lt = t < a.Tq ? lse[at] : -INFINITY;
+            l2[mt][i] = lt == -INFINITY ? 0.0f : lt * FA_LOG2E;
+            dl[mt][i] = t < a.Tq ? delta[at] : 0.0f;
+        }
     const float sl = a.scale * FA_LOG2E;
-    float acc[DP / 8][4];
-#pragma unroll
-    for (int n = 0; n < DP / 8; n++)
-        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    float acc[MT][DP / 8][4];
+    fa_zero<MT, DP / 8>(acc);
 
     for (int j = 0; j < nkt; j++) {
         fa_cp_async_wait_all();
         __syncthreads();
         if (j + 1 < nkt) {
             const int nb = (j + 1) & 1;
-            fa_load_tile<DP, FA_BK>(Ks + nb * FA_BK * LD, kb, kvs, (j + 1) * FA_BK, a.Tk, a);
-            fa_load_tile<DP, FA_BK>(Vs + nb * FA_BK * LD, vb, kvs, (j + 1) * FA_BK, a.Tk, a);
+            fa_load_tile<DP, BK>(Ks + nb * BK * LD, kb, kvs, (j + 1) * BK, a.Tk, a);
+            fa_load_tile<DP, BK>(Vs + nb * BK * LD, vb, kvs, (j + 1) * BK, a.Tk, a);
         }
         fa_cp_async_commit();
-        const moe_bf16 *Kt = Ks + (j & 1) * FA_BK * LD, *Vt = Vs + (j & 1) * FA_BK * LD;
-        const int s0 = j * FA_BK;
+        const moe_bf16 *Kt = Ks + (j & 1) * BK * LD, *Vt = Vs + (j & 1) * BK * LD;
+        const int s0 = j * BK;
 
-        float s[NB][4], dp[NB][4];
-        fa_gemm_abt<DP, NB>(s, Qs + warp * 16 * LD, Kt);
-        fa_gemm_abt<DP, NB>(dp, dYs + warp * 16 * LD, Vt);
-        const bool mask = s0 + FA_BK - 1 > t0 + a.off || s0 + FA_BK > a.Tk;
+        float s[MT][NB][4], dp[MT][NB][4];
+        fa_gemm_abt<DP, MT, NB>(s, Qs + (wrow - t0) * LD, Kt);
+        fa_gemm_abt<DP, MT, NB>(dp, dYs + (wrow - t0) * LD, Vt);
+        const bool mask = s0 + BK - 1 > t0 + a.off || s0 + BK > a.Tk;
 #pragma unroll
-        for (int n = 0; n < NB; n++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int i = e >> 1, key = s0 + n * 8 + 2 * (lane % 4) + (e & 1);
-                float p = exp2f(fmaf(s[n][e], sl, -l2[i]));
-                if (mask && (key > row + 8 * i + a.off || key >= a.Tk))
-                    p = 0.0f;
-                s[n][e] = p * (dp[n][e] - dl[i]); /* dS (without 1/√D) */
-            }
-        fa_gemm_wx<DP, NB>(acc, s, Kt);
+            for (int n = 0; n < NB; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int i = e >> 1, key = s0 + n * 8 + 2 * (lane % 4) + (e & 1);
+                    float p = exp2f(fmaf(s[mt][n][e], sl, -l2[mt][i]));
+                    if (mask && (key > row + 16 * mt + 8 * i + a.off || key >= a.Tk))
+                        p = 0.0f;
+                    s[mt][n][e] = p * (dp[mt][n][e] - dl[mt][i]); /* dS (without 1/√D) */
+                }
+        fa_gemm_wx<DP, MT, NB>(acc, s, Kt);
     }
     fa_cp_async_wait_all();
-    const float mul[2] = {a.scale, a.scale};
-    fa_store_rows<DP>(dq + qoff, qs, row - lane / 4, a.Tq, acc, mul, true, a.D);
+    float mul[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+        mul[mt][0] = mul[mt][1] = a.scale;
+    fa_store_rows<DP, MT>(dq + qoff, qs, wrow, a.Tq, acc, mul, true, a.D);
 }
 
-/* dk and dv for one (b, g, 64 key rows), summed over the query heads of group g; BQC query
- * rows per step (fewer at D = 128, where the two accumulators take most registers). */
-template <int DP, int BQC>
+/* dk and dv for one (b, g, 16·MT·4 key rows), summed over the query heads of group g; BQC
+ * query rows per step (few enough that the two accumulators and Sᵀ, dPᵀ fit the registers). */
+template <int DP, int MT, int BQC>
 __global__ void __launch_bounds__(FA_THREADS)
     fa_backward_dkdv_kernel(moe_bf16 *dk, moe_bf16 *dv, const float *delta, const float *lse,
                             const moe_bf16 *q, const moe_bf16 *k, const moe_bf16 *v,
                             const moe_bf16 *dy, FaArgs a) {
-    constexpr int LD = FaTile<DP>::LD, NB = BQC / 8;
+    constexpr int LD = FaTile<DP>::LD, NB = BQC / 8, BKV = 16 * MT * FA_WARPS;
     extern __shared__ __align__(16) unsigned char fa_smem[];
-    moe_bf16 *Ks = (moe_bf16 *)fa_smem;  /* [BK][LD] */
-    moe_bf16 *Vs = Ks + FA_BK * LD;      /* [BK][LD] */
-    moe_bf16 *Qs = Vs + FA_BK * LD;      /* [2][BQC][LD] */
-    moe_bf16 *dYs = Qs + 2 * BQC * LD;   /* [2][BQC][LD] */
+    moe_bf16 *Ks = (moe_bf16 *)fa_smem;        /* [BKV][LD] */
+    moe_bf16 *Vs = Ks + BKV * LD;              /* [BKV][LD] */
+    moe_bf16 *Qs = Vs + BKV * LD;              /* [2][BQC][LD] */
+    moe_bf16 *dYs = Qs + 2 * BQC * LD;         /* [2][BQC][LD] */
     float *Ls = (float *)(dYs + 2 * BQC * LD); /* [2][BQC] lse·log2(e) */
     float *Ds = Ls + 2 * BQC;                  /* [2][BQC] δ */
 
-    const int g = blockIdx.x, b = blockIdx.y, s0 = (int)blockIdx.z * FA_BK;
+    const int g = blockIdx.x, b = blockIdx.y, s0 = (int)blockIdx.z * BKV;
     const int rep = a.Hq / a.Hkv, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const size_t qs = (size_t)a.Hq * a.D, kvs = (size_t)a.Hkv * a.D;
     const size_t kvoff = (size_t)b * a.Tk * kvs + (size_t)g * a.D;
@@ -507,7 +555,7 @@ __global__ void __launch_bounds__(FA_THREADS)
         return; /* no query sees these keys: dk, dv get nothing */
     const int qt0 = first > 0 ? (int)(first / BQC) : 0;
     const int per = (a.Tq + BQC - 1) / BQC - qt0, nit = rep * per;
-    const int srow = s0 + warp * 16 + lane / 4; /* this thread's keys: srow, srow + 8 */
+    const int wrow = s0 + warp * 16 * MT, srow = wrow + lane / 4; /* keys srow + 16m + 8i */
 
     /* stage step it's query tile: head g·rep + it/per, rows from (qt0 + it%per)·BQC */
     auto stage = [&](int it, int buf) {
@@ -523,18 +571,15 @@ __global__ void __launch_bounds__(FA_THREADS)
             Ds[buf * BQC + c] = t < a.Tq ? delta[at] : 0.0f;
         }
     };
-    fa_load_tile<DP, FA_BK>(Ks, k + kvoff, kvs, s0, a.Tk, a);
-    fa_load_tile<DP, FA_BK>(Vs, v + kvoff, kvs, s0, a.Tk, a);
+    fa_load_tile<DP, BKV>(Ks, k + kvoff, kvs, s0, a.Tk, a);
+    fa_load_tile<DP, BKV>(Vs, v + kvoff, kvs, s0, a.Tk, a);
     stage(0, 0);
     fa_cp_async_commit();
 
     const float sl = a.scale * FA_LOG2E;
-    float ak[DP / 8][4], av[DP / 8][4];
-#pragma unroll
-    for (int n = 0; n < DP / 8; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-            ak[n][e] = av[n][e] = 0.0f;
+    float ak[MT][DP / 8][4], av[MT][DP / 8][4];
+    fa_zero<MT, DP / 8>(ak);
+    fa_zero<MT, DP / 8>(av);
 
     for (int it = 0; it < nit; it++) {
         fa_cp_async_wait_all();
@@ -546,29 +591,34 @@ __global__ void __launch_bounds__(FA_THREADS)
         const moe_bf16 *Qt = Qs + buf * BQC * LD, *dYt = dYs + buf * BQC * LD;
         const float *Lt = Ls + buf * BQC, *Dt = Ds + buf * BQC;
 
-        float s[NB][4], dp[NB][4]; /* Sᵀ = K·Qᵀ, dPᵀ = V·dYᵀ: rows keys, columns queries */
-        fa_gemm_abt<DP, NB>(s, Ks + warp * 16 * LD, Qt);
-        fa_gemm_abt<DP, NB>(dp, Vs + warp * 16 * LD, dYt);
-        const bool mask = s0 + FA_BK - 1 > t0 + a.off || t0 + BQC > a.Tq || s0 + FA_BK > a.Tk;
+        float s[MT][NB][4], dp[MT][NB][4]; /* Sᵀ = K·Qᵀ, dPᵀ = V·dYᵀ: rows keys, columns queries */
+        fa_gemm_abt<DP, MT, NB>(s, Ks + (wrow - s0) * LD, Qt);
+        fa_gemm_abt<DP, MT, NB>(dp, Vs + (wrow - s0) * LD, dYt);
+        const bool mask = s0 + BKV - 1 > t0 + a.off || t0 + BQC > a.Tq || s0 + BKV > a.Tk;
 #pragma unroll
-        for (int n = 0; n < NB; n++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int c = n * 8 + 2 * (lane % 4) + (e & 1), t = t0 + c;
-                const int key = srow + 8 * (e >> 1);
-                float p = exp2f(fmaf(s[n][e], sl, -Lt[c]));
-                if (mask && (key > t + a.off || t >= a.Tq || key >= a.Tk))
-                    p = 0.0f;
-                s[n][e] = p;                      /* Pᵀ */
-                dp[n][e] = p * (dp[n][e] - Dt[c]); /* dSᵀ (without 1/√D) */
-            }
-        fa_gemm_wx<DP, NB>(av, s, dYt);
-        fa_gemm_wx<DP, NB>(ak, dp, Qt);
+            for (int n = 0; n < NB; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int c = n * 8 + 2 * (lane % 4) + (e & 1), t = t0 + c;
+                    const int key = srow + 16 * mt + 8 * (e >> 1);
+                    float p = exp2f(fmaf(s[mt][n][e], sl, -Lt[c]));
+                    if (mask && (key > t + a.off || t >= a.Tq || key >= a.Tk))
+                        p = 0.0f;
+                    s[mt][n][e] = p;                          /* Pᵀ */
+                    dp[mt][n][e] = p * (dp[mt][n][e] - Dt[c]); /* dSᵀ (without 1/√D) */
+                }
+        fa_gemm_wx<DP, MT, NB>(av, s, dYt);
+        fa_gemm_wx<DP, MT, NB>(ak, dp, Qt);
     }
     fa_cp_async_wait_all();
-    const float one[2] = {1.0f, 1.0f}, mul[2] = {a.scale, a.scale};
-    fa_store_rows<DP>(dk + kvoff, kvs, srow - lane / 4, a.Tk, ak, mul, true, a.D);
-    fa_store_rows<DP>(dv + kvoff, kvs, srow - lane / 4, a.Tk, av, one, true, a.D);
+    float one[MT][2], mul[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+        one[mt][0] = one[mt][1] = 1.0f, mul[mt][0] = mul[mt][1] = a.scale;
+    fa_store_rows<DP, MT>(dk + kvoff, kvs, wrow, a.Tk, ak, mul, true, a.D);
+    fa_store_rows<DP, MT>(dv + kvoff, kvs, wrow, a.Tk, av, one, true, a.D);
 }
 
 /* ----------------------------------------------------------------------- launchers */
@@ -602,35 +652,65 @@ static dim3 fa_grid(int heads, int B, int rows, int tile) {
     return dim3((unsigned)heads, (unsigned)B, moe_cdiv((size_t)rows, (size_t)tile));
 }
 
-template <int DP>
-static void fa_forward_launch(moe_bf16 *y, float *lse, const moe_bf16 *q, const moe_bf16 *k,
-                              const moe_bf16 *v, moe_attention_shape s) {
-    const FaArgs a = fa_args(s, q, k, v, y);
-    const size_t smem = sizeof(moe_bf16) * FaTile<DP>::LD * (FA_BQ + 4 * FA_BK);
-    fa_launch(fa_forward_kernel<DP>, fa_grid(s.Hq, s.B, s.Tq, FA_BQ), smem, y, lse, q, k, v,
-              a);
+/*
+ * The tile shapes of each padded head dimension: MT m-tiles of 16 rows per warp (every
+ * shared-memory fragment a warp reads serves MT m-tiles), the key tile of the forward and
+ * dq kernels, the query tile of the dk/dv kernel. WIDE (the default) is two m-tiles per warp
+ * wherever the registers hold them without spilling (ptxas -v: at D = 128 the dq and dk/dv
+ * kernels keep one); narrow is one m-tile everywhere (MOE_FLASH_MT=1, for comparison).
+ */
+template <int DP, bool WIDE> struct FaConfig {
+    static constexpr int FWD_MT = WIDE ? 2 : 1, FWD_BK = WIDE && DP == 128 ? 32 : 64;
+    static constexpr int DQ_MT = WIDE && DP < 128 ? 2 : 1, DQ_BK = DQ_MT == 2 ? 32 : 64;
+    static constexpr int KV_MT = WIDE && DP < 128 ? 2 : 1;
+    static constexpr int KV_BQC = KV_MT == 2 || DP == 128 ? 32 : 64;
+};
+
+/* MOE_FLASH_MT: 2 (default) wide tiles, 1 narrow ones; read at every call (a getenv), so
+ * that the tests run both in one process. */
+static bool fa_wide(void) {
+    const char *e = getenv("MOE_FLASH_MT");
+    if (e && strcmp(e, "1") && strcmp(e, "2")) {
+        fprintf(stderr, "MOE_FLASH_MT=%s: must be 1 (one m-tile of 16 rows per warp) or 2 "
+                        "(two, the default); unset it for the default\n", e);
+        exit(1);
+    }
+    return !(e && !strcmp(e, "1"));
 }
 
-template <int DP>
+template <int DP, bool WIDE>
+static void fa_forward_launch(moe_bf16 *y, float *lse, const moe_bf16 *q, const moe_bf16 *k,
+                              const moe_bf16 *v, moe_attention_shape s) {
+    typedef FaConfig<DP, WIDE> C;
+    constexpr int BQ = 16 * C::FWD_MT * FA_WARPS;
+    const FaArgs a = fa_args(s, q, k, v, y);
+    const size_t smem = sizeof(moe_bf16) * FaTile<DP>::LD * (BQ + 4 * C::FWD_BK);
+    fa_launch(fa_forward_kernel<DP, C::FWD_MT, C::FWD_BK>, fa_grid(s.Hq, s.B, s.Tq, BQ), smem,
+              y, lse, q, k, v, a);
+}
+
+template <int DP, bool WIDE>
 static void fa_backward_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const moe_bf16 *dy,
                                const moe_bf16 *y, const float *lse, float *delta,
                                const moe_bf16 *q, const moe_bf16 *k, const moe_bf16 *v,
                                moe_attention_shape s) {
+    typedef FaConfig<DP, WIDE> C;
     const FaArgs a = fa_args(s, q, k, v, dy);
     const long long rows = (long long)s.B * s.Tq * s.Hq; /* δ: one warp each, 8 per block */
     fa_delta_kernel<<<moe_cdiv((size_t)rows, 8), 256, 0, moe_cuda_stream()>>>(
         delta, dy, y, s.B, s.Tq, s.Hq, s.D);
     MOE_CUDA_LAUNCH_CHECK();
 
-    const size_t smem_q = sizeof(moe_bf16) * FaTile<DP>::LD * (2 * FA_BQ + 4 * FA_BK);
-    fa_launch(fa_backward_dq_kernel<DP>, fa_grid(s.Hq, s.B, s.Tq, FA_BQ), smem_q, dq,
-              (const float *)delta, lse, q, k, v, dy, a);
+    constexpr int BQ = 16 * C::DQ_MT * FA_WARPS;
+    const size_t smem_q = sizeof(moe_bf16) * FaTile<DP>::LD * (2 * BQ + 4 * C::DQ_BK);
+    fa_launch(fa_backward_dq_kernel<DP, C::DQ_MT, C::DQ_BK>, fa_grid(s.Hq, s.B, s.Tq, BQ),
+              smem_q, dq, (const float *)delta, lse, q, k, v, dy, a);
 
-    constexpr int BQC = DP == 128 ? 32 : 64;
-    const size_t smem_kv = sizeof(moe_bf16) * FaTile<DP>::LD * (2 * FA_BK + 4 * BQC) +
-                           sizeof(float) * 4 * BQC;
-    fa_launch(fa_backward_dkdv_kernel<DP, BQC>, fa_grid(s.Hkv, s.B, s.Tk, FA_BK), smem_kv, dk,
-              dv, (const float *)delta, lse, q, k, v, dy, a);
+    constexpr int BKV = 16 * C::KV_MT * FA_WARPS;
+    const size_t smem_kv = sizeof(moe_bf16) * FaTile<DP>::LD * (2 * BKV + 4 * C::KV_BQC) +
+                           sizeof(float) * 4 * C::KV_BQC;
+    fa_launch(fa_backward_dkdv_kernel<DP, C::KV_MT, C::KV_BQC>, fa_grid(s.Hkv, s.B, s.Tk, BKV),
+              smem_kv, dk, dv, (const float *)delta, lse, q, k, v, dy, a);
 }
 
 /* The workspace: the backward's δ [B, Hq, Tq] fp32 (the forward leaves nothing there). */
@@ -646,12 +726,16 @@ extern "C" void moe_cuda_attention_forward(void *y, moe_real *lse, void *ws, con
         return;
     moe_bf16 *Y = (moe_bf16 *)y;
     const moe_bf16 *Q = (const moe_bf16 *)q, *K = (const moe_bf16 *)k, *V = (const moe_bf16 *)v;
+    const bool w = fa_wide();
     if (s.D <= 32)
-        fa_forward_launch<32>(Y, lse, Q, K, V, s);
+        w ? fa_forward_launch<32, true>(Y, lse, Q, K, V, s)
+          : fa_forward_launch<32, false>(Y, lse, Q, K, V, s);
     else if (s.D <= 64)
-        fa_forward_launch<64>(Y, lse, Q, K, V, s);
+        w ? fa_forward_launch<64, true>(Y, lse, Q, K, V, s)
+          : fa_forward_launch<64, false>(Y, lse, Q, K, V, s);
     else
-        fa_forward_launch<128>(Y, lse, Q, K, V, s);
+        w ? fa_forward_launch<128, true>(Y, lse, Q, K, V, s)
+          : fa_forward_launch<128, false>(Y, lse, Q, K, V, s);
 }
 
 extern "C" void moe_cuda_attention_backward(void *dq, void *dk, void *dv, const void *dy,
@@ -665,10 +749,14 @@ extern "C" void moe_cuda_attention_backward(void *dq, void *dk, void *dv, const 
     const moe_bf16 *dY = (const moe_bf16 *)dy, *Y = (const moe_bf16 *)y;
     const moe_bf16 *Q = (const moe_bf16 *)q, *K = (const moe_bf16 *)k, *V = (const moe_bf16 *)v;
     float *delta = (float *)ws;
+    const bool w = fa_wide();
     if (s.D <= 32)
-        fa_backward_launch<32>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s);
+        w ? fa_backward_launch<32, true>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s)
+          : fa_backward_launch<32, false>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s);
     else if (s.D <= 64)
-        fa_backward_launch<64>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s);
+        w ? fa_backward_launch<64, true>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s)
+          : fa_backward_launch<64, false>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s);
     else
-        fa_backward_launch<128>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s);
+        w ? fa_backward_launch<128, true>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s)
+          : fa_backward_launch<128, false>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s);
 }

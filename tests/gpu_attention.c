@@ -203,8 +203,17 @@ static const shape SHAPES[] = {
     {4, 512, 512, 8, 4, 64, 0, 0, "realistic"}, /* skipped under MOE_TEST_QUICK */
 };
 
-#define SHAPE_SKIPPED(i) (moe_test_quick() && SHAPES[i].Tq >= 512)
 #define NSHAPES ((int)(sizeof SHAPES / sizeof SHAPES[0]))
+/* Loop index i: shape i % NSHAPES, with the kernels' wide tiles (i < NSHAPES, the default)
+ * or their narrow ones (MOE_FLASH_MT=1, kernels/attention.cu). */
+#define SHAPE_SKIPPED(i) (moe_test_quick() && SHAPES[(i) % NSHAPES].Tq >= 512)
+
+/* Select the tile configuration of loop index i; returns its name for the messages. */
+static const char *tiles_for(int i) {
+    const int narrow = i >= NSHAPES;
+    ck_assert_int_eq(setenv("MOE_FLASH_MT", narrow ? "1" : "2", 1), 0);
+    return narrow ? "MT=1" : "MT=2";
+}
 
 /* The op's shape of a test case. */
 static moe_attention_shape op_shape(const shape *s) {
@@ -236,15 +245,16 @@ static double lse_err(const moe_real *a, const moe_real *b, size_t n, size_t *mi
 START_TEST(test_attention_forward) {
     if (SHAPE_SKIPPED(_i))
         return;
-    const shape s = SHAPES[_i];
+    const shape s = SHAPES[_i % NSHAPES];
+    const char *tiles = tiles_for(_i);
     const moe_attention_shape sh = op_shape(&s);
     const size_t nq = (size_t)s.B * s.Tq * s.Hq * s.D, nkv = (size_t)s.B * s.Tk * s.Hkv * s.D;
     const size_t nl = (size_t)s.B * s.Hq * s.Tq;
     /* the workspace is δ [B, Hq, Tq] in fp32: O(T), no T × T buffer */
     ck_assert_uint_eq(moe_cuda_attention_workspace_bytes(sh), nl * sizeof(float));
-    moe_real *q = randn_bf16(nq, 10 + (uint64_t)_i, 1.0);
-    moe_real *k = randn_bf16(nkv, 20 + (uint64_t)_i, 1.0);
-    moe_real *v = randn_bf16(nkv, 30 + (uint64_t)_i, 1.0);
+    moe_real *q = randn_bf16(nq, 10 + (uint64_t)(_i % NSHAPES), 1.0);
+    moe_real *k = randn_bf16(nkv, 20 + (uint64_t)(_i % NSHAPES), 1.0);
+    moe_real *v = randn_bf16(nkv, 30 + (uint64_t)(_i % NSHAPES), 1.0);
     moe_real *y_ref = malloc(nq * sizeof *y_ref), *y = malloc(nq * sizeof *y);
     moe_real *l_ref = malloc(nl * sizeof *l_ref), *l = malloc(nl * sizeof *l);
     ck_assert(y_ref && y && l_ref && l);
@@ -265,9 +275,9 @@ START_TEST(test_attention_forward) {
     const double el = lse_err(l, l_ref, nl, &inf_mismatch);
     for (size_t i = 0; i < nl; i++)
         blind += isinf(l_ref[i]) != 0; /* glibc's isinf(−∞) is −1 */
-    printf("attention forward  B=%d Tq=%3d Tk=%3d Hq=%d Hkv=%d D=%3d pos %d/%d (%s): y %.2e  "
+    printf("attention forward  %s B=%d Tq=%3d Tk=%3d Hq=%d Hkv=%d D=%3d pos %d/%d (%s): y %.2e  "
            "lse %.2e  (%zu rows see no key)\n",
-           s.B, s.Tq, s.Tk, s.Hq, s.Hkv, s.D, s.q_pos, s.k_pos, s.what, ey, el, blind);
+           tiles, s.B, s.Tq, s.Tk, s.Hq, s.Hkv, s.D, s.q_pos, s.k_pos, s.what, ey, el, blind);
     ck_assert_msg(ey <= 1e-2, "%s: y error %g", s.what, ey);
     ck_assert_msg(el <= 1e-3, "%s: lse error %g", s.what, el);
     ck_assert_msg(inf_mismatch == 0, "%s: %zu lse entries are -inf on one side only", s.what,
@@ -279,6 +289,7 @@ START_TEST(test_attention_forward) {
     moe_real *hbufs[] = {q, k, v, y_ref, y, l_ref, l};
     for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++)
         free(hbufs[i]);
+    unsetenv("MOE_FLASH_MT"); /* back to the default for whatever runs next */
 }
 END_TEST
 
@@ -287,18 +298,19 @@ END_TEST
 START_TEST(test_attention_backward) {
     if (SHAPE_SKIPPED(_i))
         return;
-    const shape s = SHAPES[_i];
+    const shape s = SHAPES[_i % NSHAPES];
+    const char *tiles = tiles_for(_i);
     const moe_attention_shape sh = op_shape(&s);
     const size_t nq = (size_t)s.B * s.Tq * s.Hq * s.D, nkv = (size_t)s.B * s.Tk * s.Hkv * s.D;
     const size_t nl = (size_t)s.B * s.Hq * s.Tq;
-    moe_real *q = randn_bf16(nq, 40 + (uint64_t)_i, 1.0);
-    moe_real *k = randn_bf16(nkv, 50 + (uint64_t)_i, 1.0);
-    moe_real *v = randn_bf16(nkv, 60 + (uint64_t)_i, 1.0);
-    moe_real *gy = randn_bf16(nq, 70 + (uint64_t)_i, 1.0);
+    moe_real *q = randn_bf16(nq, 40 + (uint64_t)(_i % NSHAPES), 1.0);
+    moe_real *k = randn_bf16(nkv, 50 + (uint64_t)(_i % NSHAPES), 1.0);
+    moe_real *v = randn_bf16(nkv, 60 + (uint64_t)(_i % NSHAPES), 1.0);
+    moe_real *gy = randn_bf16(nq, 70 + (uint64_t)(_i % NSHAPES), 1.0);
     /* the gradients start non-zero: the backward must add to them */
-    moe_real *gq0 = randn_bf16(nq, 80 + (uint64_t)_i, 1.0);
-    moe_real *gk0 = randn_bf16(nkv, 90 + (uint64_t)_i, 1.0);
-    moe_real *gv0 = randn_bf16(nkv, 100 + (uint64_t)_i, 1.0);
+    moe_real *gq0 = randn_bf16(nq, 80 + (uint64_t)(_i % NSHAPES), 1.0);
+    moe_real *gk0 = randn_bf16(nkv, 90 + (uint64_t)(_i % NSHAPES), 1.0);
+    moe_real *gv0 = randn_bf16(nkv, 100 + (uint64_t)(_i % NSHAPES), 1.0);
     /* y and lse from the CPU forward, y rounded to bf16 as the GPU stores it; both sides
      * use them (the contract hands y and lse to the backward, which takes δ = dy·y) */
     moe_real *y = malloc(nq * sizeof *y), *lse = malloc(nl * sizeof *lse);
@@ -334,9 +346,10 @@ START_TEST(test_attention_backward) {
     const double jq = increment_err(iq, iq_ref, gq_ref, nq),
                  jk = increment_err(ik, ik_ref, gk_ref, nkv),
                  jv = increment_err(iv, iv_ref, gv_ref, nkv);
-    printf("attention backward B=%d Tq=%3d Tk=%3d Hq=%d Hkv=%d D=%3d pos %d/%d (%s): dq %.2e "
+    printf("attention backward %s B=%d Tq=%3d Tk=%3d Hq=%d Hkv=%d D=%3d pos %d/%d (%s): dq %.2e "
            "dk %.2e dv %.2e (increments %.2e %.2e %.2e)\n",
-           s.B, s.Tq, s.Tk, s.Hq, s.Hkv, s.D, s.q_pos, s.k_pos, s.what, eq, ek, ev, jq, jk, jv);
+           tiles, s.B, s.Tq, s.Tk, s.Hq, s.Hkv, s.D, s.q_pos, s.k_pos, s.what, eq, ek, ev, jq, jk,
+           jv);
     ck_assert_msg(eq <= 1e-2, "%s: dq error %g", s.what, eq);
     ck_assert_msg(ek <= 1e-2, "%s: dk error %g", s.what, ek);
     ck_assert_msg(ev <= 1e-2, "%s: dv error %g", s.what, ev);
@@ -353,6 +366,7 @@ START_TEST(test_attention_backward) {
                          gv_ref, gv, y,      lse, iq, iq_ref, ik, ik_ref, iv, iv_ref};
     for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++)
         free(hbufs[i]);
+    unsetenv("MOE_FLASH_MT"); /* back to the default for whatever runs next */
 }
 END_TEST
 
@@ -374,8 +388,11 @@ static const moe_attention_shape DET_SHAPES[] = {
     {2, 200, 260, 4, 1, 128, 60, 0},
 };
 
+#define NDET ((int)(sizeof DET_SHAPES / sizeof DET_SHAPES[0]))
+
 START_TEST(test_attention_deterministic) {
-    const moe_attention_shape sh = DET_SHAPES[_i];
+    const moe_attention_shape sh = DET_SHAPES[_i % NDET];
+    ck_assert_int_eq(setenv("MOE_FLASH_MT", _i >= NDET ? "1" : "2", 1), 0);
     const size_t nq = (size_t)sh.B * sh.Tq * sh.Hq * sh.D;
     const size_t nkv = (size_t)sh.B * sh.Tk * sh.Hkv * sh.D, nl = (size_t)sh.B * sh.Hq * sh.Tq;
     moe_real *q = randn_bf16(nq, 110, 1.0), *k = randn_bf16(nkv, 111, 1.0);
@@ -401,7 +418,7 @@ START_TEST(test_attention_deterministic) {
     const char *name[5] = {"y", "dq", "dk", "dv", "lse"};
     for (int i = 0; i < 5; i++) {
         ck_assert_msg(memcmp(out[0][i], out[1][i], n[i] * 2) == 0,
-                      "D=%d: %s differs between runs", sh.D, name[i]);
+                      "D=%d MT=%d: %s differs between runs", sh.D, _i >= NDET ? 1 : 2, name[i]);
         free(out[0][i]);
         free(out[1][i]);
     }
@@ -413,6 +430,7 @@ START_TEST(test_attention_deterministic) {
     free(k);
     free(v);
     free(gy);
+    unsetenv("MOE_FLASH_MT"); /* back to the default for whatever runs next */
 }
 END_TEST
 
@@ -420,10 +438,9 @@ Suite *suite_gpu_attention(void) {
     Suite *s = suite_create("gpu_attention");
     TCase *tc = tcase_create("attention");
     tcase_set_timeout(tc, 120);
-    tcase_add_loop_test(tc, test_attention_forward, 0, NSHAPES);
-    tcase_add_loop_test(tc, test_attention_backward, 0, NSHAPES);
-    tcase_add_loop_test(tc, test_attention_deterministic, 0,
-                        (int)(sizeof DET_SHAPES / sizeof DET_SHAPES[0]));
+    tcase_add_loop_test(tc, test_attention_forward, 0, 2 * NSHAPES);
+    tcase_add_loop_test(tc, test_attention_backward, 0, 2 * NSHAPES);
+    tcase_add_loop_test(tc, test_attention_deterministic, 0, 2 * NDET);
     suite_add_tcase(s, tc);
     return s;
 }
