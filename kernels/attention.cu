@@ -34,9 +34,9 @@
  *             B fragment read serves the warp's MT m-tiles, which is what MT buys: at MT = 1
  *             a warp reads about as many shared-memory bytes per mma as the SM can deliver,
  *             so the tensor cores wait. MT = 2 needs up to 255 registers; FaConfig picks MT
- *             and the tile lengths per head dimension so that nothing spills, and
- *             MOE_FLASH_MT=1 selects the narrow tiles everywhere (for comparison; the tests
- *             run both).
+ *             and the tile lengths per head dimension so that nothing spills. Which tiling
+ *             runs is measured (see fa_wide_forward): the wide forward from 512 query rows,
+ *             the narrow backward; MOE_FLASH_MT=1 or 2 forces one (the tests run both).
  *   memory    tiles are [rows][DP + 8] bf16 in shared memory, DP the head dimension padded
  *             to 32, 64 or 128 (the template parameter; columns D..DP−1 are loaded as zeros,
  *             so any D ≤ 128 runs and only d < D is stored). The 16 extra bytes per row put
@@ -655,9 +655,9 @@ static dim3 fa_grid(int heads, int B, int rows, int tile) {
 /*
  * The tile shapes of each padded head dimension: MT m-tiles of 16 rows per warp (every
  * shared-memory fragment a warp reads serves MT m-tiles), the key tile of the forward and
- * dq kernels, the query tile of the dk/dv kernel. WIDE (the default) is two m-tiles per warp
- * wherever the registers hold them without spilling (ptxas -v: at D = 128 the dq and dk/dv
- * kernels keep one); narrow is one m-tile everywhere (MOE_FLASH_MT=1, for comparison).
+ * dq kernels, the query tile of the dk/dv kernel. WIDE is two m-tiles per warp wherever the
+ * registers hold them without spilling (ptxas -v: at D = 128 the dq and dk/dv kernels keep
+ * one); narrow is one m-tile everywhere.
  */
 template <int DP, bool WIDE> struct FaConfig {
     static constexpr int FWD_MT = WIDE ? 2 : 1, FWD_BK = WIDE && DP == 128 ? 32 : 64;
@@ -666,17 +666,32 @@ template <int DP, bool WIDE> struct FaConfig {
     static constexpr int KV_BQC = KV_MT == 2 || DP == 128 ? 32 : 64;
 };
 
-/* MOE_FLASH_MT: 2 (default) wide tiles, 1 narrow ones; read at every call (a getenv), so
- * that the tests run both in one process. */
-static bool fa_wide(void) {
+/*
+ * Which tiling runs. Measured on one H100 (docs/results/07-long-context.md): the wide
+ * forward is 15-20% faster from T = 1K up, but slower at the GPU preset's T = 256 (fewer,
+ * larger blocks on 132 SMs); the wide backward is slower at T ≤ 4K and within 2% above. So by
+ * default the forward is wide from FA_WIDE_MIN_T query rows and the backward narrow.
+ * MOE_FLASH_MT=1 or 2 forces the narrow or the wide tiles everywhere (the tests run both);
+ * it is read at every call (a getenv), so that one process can switch.
+ */
+#define FA_WIDE_MIN_T 512
+
+static int fa_tiles_forced(void) {
     const char *e = getenv("MOE_FLASH_MT");
-    if (e && strcmp(e, "1") && strcmp(e, "2")) {
+    if (!e)
+        return 0;
+    if (strcmp(e, "1") && strcmp(e, "2")) {
         fprintf(stderr, "MOE_FLASH_MT=%s: must be 1 (one m-tile of 16 rows per warp) or 2 "
-                        "(two, the default); unset it for the default\n", e);
+                        "(two); unset it for the measured default\n", e);
         exit(1);
     }
-    return !(e && !strcmp(e, "1"));
+    return e[0] - '0';
 }
+static bool fa_wide_forward(int Tq) {
+    const int f = fa_tiles_forced();
+    return f ? f == 2 : Tq >= FA_WIDE_MIN_T;
+}
+static bool fa_wide_backward(void) { return fa_tiles_forced() == 2; }
 
 template <int DP, bool WIDE>
 static void fa_forward_launch(moe_bf16 *y, float *lse, const moe_bf16 *q, const moe_bf16 *k,
@@ -726,7 +741,7 @@ extern "C" void moe_cuda_attention_forward(void *y, moe_real *lse, void *ws, con
         return;
     moe_bf16 *Y = (moe_bf16 *)y;
     const moe_bf16 *Q = (const moe_bf16 *)q, *K = (const moe_bf16 *)k, *V = (const moe_bf16 *)v;
-    const bool w = fa_wide();
+    const bool w = fa_wide_forward(s.Tq);
     if (s.D <= 32)
         w ? fa_forward_launch<32, true>(Y, lse, Q, K, V, s)
           : fa_forward_launch<32, false>(Y, lse, Q, K, V, s);
@@ -749,7 +764,7 @@ extern "C" void moe_cuda_attention_backward(void *dq, void *dk, void *dv, const 
     const moe_bf16 *dY = (const moe_bf16 *)dy, *Y = (const moe_bf16 *)y;
     const moe_bf16 *Q = (const moe_bf16 *)q, *K = (const moe_bf16 *)k, *V = (const moe_bf16 *)v;
     float *delta = (float *)ws;
-    const bool w = fa_wide();
+    const bool w = fa_wide_backward();
     if (s.D <= 32)
         w ? fa_backward_launch<32, true>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s)
           : fa_backward_launch<32, false>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s);

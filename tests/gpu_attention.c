@@ -204,8 +204,9 @@ static const shape SHAPES[] = {
 };
 
 #define NSHAPES ((int)(sizeof SHAPES / sizeof SHAPES[0]))
-/* Loop index i: shape i % NSHAPES, with the kernels' wide tiles (i < NSHAPES, the default)
- * or their narrow ones (MOE_FLASH_MT=1, kernels/attention.cu). */
+/* Loop index i: shape i % NSHAPES, with the kernels' wide tiles forced (i < NSHAPES,
+ * MOE_FLASH_MT=2) or their narrow ones (MOE_FLASH_MT=1): the default picks between these
+ * two by length (kernels/attention.cu), so both are what the model runs. */
 #define SHAPE_SKIPPED(i) (moe_test_quick() && SHAPES[(i) % NSHAPES].Tq >= 512)
 
 /* Select the tile configuration of loop index i; returns its name for the messages. */
