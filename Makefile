@@ -460,10 +460,12 @@ check-ch06: check-deps
 # against the naive reference (shapes around the tiles, chunks at offsets, the model) and its
 # finite-difference gradients
 check-ch07: check-deps
-	@$(MAKE) --no-print-directory $(BUILD)/tests/unit $(BUILD)/tests/fd
+	@$(MAKE) --no-print-directory $(BUILD)/tests/unit $(BUILD)/tests/fd $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu)
 	@echo "== chapter 07 self-check (reference: the library's code; no student stubs yet)"
 	CK_INCLUDE_TAGS=ch07 $(BUILD)/tests/unit
 	CK_INCLUDE_TAGS=ch07 $(BUILD)/tests/fd
+	@if [ "$(WITH_CUDA)" = 1 ]; then echo "== chapter 07: the CUDA flash attention against the CPU's"; \
+	  CK_RUN_SUITE=gpu_attention $(BUILD)/tests/gpu; fi
 	@if [ "$(WITH_MPI)" != 1 ]; then echo "== chapter 07 MPI ranks: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
 	else $(MAKE) --no-print-directory $(BUILD)/tests/mpi && \
 	  for np in 2 3 4; do echo "== chapter 07: context-parallel attention on $$np MPI ranks (CPU) against one process"; \
