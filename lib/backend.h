@@ -189,12 +189,13 @@ typedef struct moe_backend {
      * one opaque workspace per attention call it will differentiate, of
      * attention_workspace_bytes() bytes (a workspace sized for a shape serves every smaller
      * one; none is allocated for 0 bytes, and the ops then get NULL): what the forward leaves
-     * there is for the backward of the same call. The contract has no [B,H,T,T] buffer: the
-     * CPU backend's flash attention asks for 0 bytes and recomputes the probabilities from
-     * lse, the CUDA backend's naive kernels keep theirs in the workspace. A query row that
-     * sees no key gets y = 0 and lse = −∞. The CPU ops abort on a shape that
+     * there is for the backward of the same call. The contract has no [B,H,T,T] buffer: both
+     * backends run flash attention and recompute the probabilities from lse in the backward;
+     * the CPU's asks for 0 bytes, the CUDA kernels for the backward's row dots δ [B,Hq,Tq]
+     * (fp32). A query row that sees no key gets y = 0 and lse = −∞. Both run any chunk of
+     * queries against any chunk of keys; the CPU ops abort on a shape that
      * moe_attention_shape_invalid() rejects, the CUDA ops on one that
-     * moe_attention_shape_unsupported() rejects (a query chunk attending to another chunk).
+     * moe_attention_shape_unsupported() rejects (a head dimension above 128).
      */
     size_t (*attention_workspace_bytes)(moe_attention_shape s);
     /** as moe_cpu_attention_forward(): y and the row log-sum-exp lse */

@@ -134,12 +134,11 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
     buffers(&t, "attention q", mul(L, qk ? 4 : 3), QD, S, WIDTH);
     buffers(&t, "attention k/v", mul(L, qk ? 4 : 3), KD, S, WIDTH);
     buffers(&t, "attention statistics", mul(L, qk ? 3 : 1), mul(N, Hql), Rb, HEADS);
-    /* the CUDA backend's naive attention keeps the probabilities [B, heads, T, T] for the
-     * backward; the CPU's flash attention keeps none (its workspace is 0 bytes), but the
-     * estimate is made from the flags alone, before a backend is chosen, so it counts them
-     * for every backend: on the CPU an overestimate */
-    buffers(&t, "attention probabilities", L, mul(mul(B, Hql), mul(T, T)), S,
-            "--seq-length, --micro-batch-size or --num-attention-heads");
+    /* the attention op's workspace, one per layer: the CUDA flash kernels keep the
+     * backward's row dots δ [B, heads, T] in fp32 there; the CPU's flash attention keeps
+     * nothing (0 bytes), but the estimate is made from the flags alone, before a backend is
+     * chosen, so it counts them for every backend. No [B, heads, T, T] buffer exists. */
+    buffers(&t, "attention workspace", L, mul(N, Hql), (long long)sizeof(float), HEADS);
     buffers(&t, "attention gradients", 3, QD, S, WIDTH);
     buffers(&t, "attention gradients k/v", 3, KD, S, WIDTH);
     long long widest_dense = 0;
