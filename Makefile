@@ -349,7 +349,10 @@ CH01_SYMBOLS := moe_cpu_router_forward moe_cpu_aux_loss_forward moe_cpu_aux_loss
 CH02_SYMBOLS := moe_dispatch_layout moe_dispatch_sort_maps
 CH03_SYMBOLS := moe_cpu_grouped_matmul_forward moe_tile_schedule_prefix moe_tile_schedule_at
 CH04_SYMBOLS := moe_cpu_cross_entropy_shard_merge
+CH07_SYMBOLS := moe_cp_merge
 OBJCOPY ?= objcopy
+# the chapters with student stubs
+STUDENT_CHAPTERS := 01 02 03 04 07
 student_src = $(wildcard chapters/$(1)-*/student/*.c)
 # $(call chapter_bin,NN,unit|fd|mpi): the test binary check-chNN runs
 chapter_bin = $(if $(filter 1,$(STUDENT)),$(BUILD)/student/ch$(1)/$(2),$(BUILD)/tests/$(2))
@@ -371,7 +374,7 @@ $(BUILD)/student/ch$(1)/mpi: $(call obj,$(MPI_SRC),) $(call obj,$(call student_s
 	@mkdir -p $$(dir $$@)
 	$$(CC) $$(ALL_CFLAGS) $$^ -o $$@ $$(CHECK_LIBS) $$(LDLIBS)
 endef
-$(foreach n,01 02 03 04,$(eval $(call STUDENT_RULES,$(n))))
+$(foreach n,$(STUDENT_CHAPTERS),$(eval $(call STUDENT_RULES,$(n))))
 
 CHECK_MODE = $(if $(filter 1,$(STUDENT)),student stubs in chapters/$(1)-*/student/,reference: the library's code)
 # $(call RUN_TAGGED,NN,unit|fd): one binary, only the chapter's test cases
@@ -459,17 +462,21 @@ check-ch06: check-deps
 # chapter 07 (flash attention, context parallelism), first part: the CPU flash attention
 # against the naive reference (shapes around the tiles, chunks at offsets, the model) and its
 # finite-difference gradients
+# chapter 07: the student's merge of partial attention results (moe_cp_merge) is graded by
+# its unit test and by the context-parallel attention on 2, 3 and 4 ranks, which merges
+# through it; the GPU comparison runs the library's kernels.
 check-ch07: check-deps
-	@$(MAKE) --no-print-directory $(BUILD)/tests/unit $(BUILD)/tests/fd $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu)
-	@echo "== chapter 07 self-check (reference: the library's code; no student stubs yet)"
-	CK_INCLUDE_TAGS=ch07 $(BUILD)/tests/unit
-	CK_INCLUDE_TAGS=ch07 $(BUILD)/tests/fd
+	@$(MAKE) --no-print-directory $(call chapter_bin,07,unit) $(call chapter_bin,07,fd) \
+	  $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu)
+	@echo "== chapter 07 self-check ($(call CHECK_MODE,07))"
+	$(call RUN_TAGGED,07,unit)
+	$(call RUN_TAGGED,07,fd)
 	@if [ "$(WITH_CUDA)" = 1 ]; then echo "== chapter 07: the CUDA flash attention against the CPU's"; \
 	  CK_RUN_SUITE=gpu_attention $(BUILD)/tests/gpu; fi
 	@if [ "$(WITH_MPI)" != 1 ]; then echo "== chapter 07 MPI ranks: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
-	else $(MAKE) --no-print-directory $(BUILD)/tests/mpi && \
+	else $(MAKE) --no-print-directory $(call chapter_bin,07,mpi) && \
 	  for np in 2 3 4; do echo "== chapter 07: context-parallel attention on $$np MPI ranks (CPU) against one process"; \
-	  CK_RUN_SUITE=mpi_cp OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(BUILD)/tests/mpi || exit 1; done; fi
+	  CK_RUN_SUITE=mpi_cp OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(call chapter_bin,07,mpi) || exit 1; done; fi
 
 # make test runs the chapter checks on the reference, and proves the other direction: an
 # untouched stub fails, with the message that names its file and function.
@@ -484,19 +491,20 @@ EXPECT_STUB = if CK_INCLUDE_TAGS=ch$(1) $(if $(4),CK_RUN_SUITE=$(4)) CK_FORK=no 
 	    echo "FAIL: no TODO message from $(2)"; cat $(BUILD)/student/ch$(1)/stub.log; exit 1; \
 	  else echo "ok: chapter $(1)'s untouched stub fails: $$(grep -F 'TODO(student)' $(BUILD)/student/ch$(1)/stub.log)"; fi
 test-student-stubs: check-deps
-	@$(MAKE) --no-print-directory $(foreach n,01 02 03 04,$(BUILD)/student/ch$(n)/unit)
+	@$(MAKE) --no-print-directory $(foreach n,$(STUDENT_CHAPTERS),$(BUILD)/student/ch$(n)/unit)
 	@echo "== student stubs, untouched, fail with their TODO message"
 	@$(call EXPECT_STUB,01,chapters/01-naive-moe/student/router.c,moe_cpu_router_forward)
 	@$(call EXPECT_STUB,02,chapters/02-expert-parallel/student/dispatch_plan.c,moe_dispatch_layout)
 	@$(call EXPECT_STUB,03,chapters/03-grouped-gemm/student/grouped_matmul.c,moe_cpu_grouped_matmul_forward,grouped)
 	@$(call EXPECT_STUB,03,chapters/03-grouped-gemm/student/tile_schedule.c,moe_tile_schedule_prefix,tile_schedule)
 	@$(call EXPECT_STUB,04,chapters/04-parallel-folding/student/cross_entropy_merge.c,moe_cpu_cross_entropy_shard_merge,vocab-merge)
+	@$(call EXPECT_STUB,07,chapters/07-long-context/student/cp_merge.c,moe_cp_merge,cp_layout)
 
 # Everything the test steps run is built first, in parallel; then the steps run one after
 # another (SERIAL=1), so their output does not interleave and the MPI ranks get the cores.
 TEST_BINS := $(BUILD)/tests/unit $(BUILD)/tests/fd $(if $(filter 1,$(WITH_MPI)),$(BUILD)/tests/mpi \
 	$(BUILD)/tests/mpi_abort) $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu) \
-	$(foreach n,01 02 03 04,$(BUILD)/student/ch$(n)/unit)
+	$(foreach n,$(STUDENT_CHAPTERS),$(BUILD)/student/ch$(n)/unit)
 test: config check-deps
 	@$(MAKE) --no-print-directory $(LIB) $(PROGRAMS) $(CHAPTER_BIN) $(TEST_BINS)
 	@$(MAKE) --no-print-directory SERIAL=1 test-unit test-fd test-mpi test-gpu test-chapters \
