@@ -456,9 +456,10 @@ check-ch06: check-deps
 	CK_INCLUDE_TAGS=ch06 $(BUILD)/tests/unit
 	@if [ "$(WITH_CUDA)" = 1 ]; then CK_INCLUDE_TAGS=ch06 $(BUILD)/tests/gpu; fi
 
-# chapter 07 (flash attention, context parallelism), first part: the CPU flash attention
-# against the naive reference (shapes around the tiles, chunks at offsets, the model) and its
-# finite-difference gradients
+# chapter 07 (flash attention, context parallelism): the CPU flash attention against the
+# naive reference (shapes around the tiles, chunks at offsets, the model) and its
+# finite-difference gradients; on MPI ranks the context-parallel attention and the model
+# under --context-parallel-size (each comm type, with TP and EP) against one process
 check-ch07: check-deps
 	@$(MAKE) --no-print-directory $(BUILD)/tests/unit $(BUILD)/tests/fd $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu)
 	@echo "== chapter 07 self-check (reference: the library's code; no student stubs yet)"
@@ -468,7 +469,7 @@ check-ch07: check-deps
 	  CK_RUN_SUITE=gpu_attention $(BUILD)/tests/gpu; fi
 	@if [ "$(WITH_MPI)" != 1 ]; then echo "== chapter 07 MPI ranks: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
 	else $(MAKE) --no-print-directory $(BUILD)/tests/mpi && \
-	  for np in 2 3 4; do echo "== chapter 07: context-parallel attention on $$np MPI ranks (CPU) against one process"; \
+	  for np in 2 3 4; do echo "== chapter 07: context-parallel attention and model on $$np MPI ranks (CPU) against one process"; \
 	  CK_RUN_SUITE=mpi_cp OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(BUILD)/tests/mpi || exit 1; done; fi
 
 # make test runs the chapter checks on the reference, and proves the other direction: an
