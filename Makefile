@@ -459,12 +459,12 @@ check-ch06: check-deps
 	CK_INCLUDE_TAGS=ch06 $(BUILD)/tests/unit
 	@if [ "$(WITH_CUDA)" = 1 ]; then CK_INCLUDE_TAGS=ch06 $(BUILD)/tests/gpu; fi
 
-# chapter 07 (flash attention, context parallelism), first part: the CPU flash attention
-# against the naive reference (shapes around the tiles, chunks at offsets, the model) and its
-# finite-difference gradients
-# chapter 07: the student's merge of partial attention results (moe_cp_merge) is graded by
-# its unit test and by the context-parallel attention on 2, 3 and 4 ranks, which merges
-# through it; the GPU comparison runs the library's kernels.
+# chapter 07 (flash attention, context parallelism): the CPU flash attention against the
+# naive reference (shapes around the tiles, chunks at offsets, the model) and its
+# finite-difference gradients; on MPI ranks the context-parallel attention and the model
+# under --context-parallel-size (each comm type, with TP and EP) against one process. The
+# student's merge of partial attention results (moe_cp_merge) is graded by its unit test and
+# by those MPI runs, which merge through it; the GPU comparison runs the library's kernels.
 check-ch07: check-deps
 	@$(MAKE) --no-print-directory $(call chapter_bin,07,unit) $(call chapter_bin,07,fd) \
 	  $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu)
@@ -475,7 +475,7 @@ check-ch07: check-deps
 	  CK_RUN_SUITE=gpu_attention $(BUILD)/tests/gpu; fi
 	@if [ "$(WITH_MPI)" != 1 ]; then echo "== chapter 07 MPI ranks: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
 	else $(MAKE) --no-print-directory $(call chapter_bin,07,mpi) && \
-	  for np in 2 3 4; do echo "== chapter 07: context-parallel attention on $$np MPI ranks (CPU) against one process"; \
+	  for np in 2 3 4; do echo "== chapter 07: context-parallel attention and model on $$np MPI ranks (CPU) against one process"; \
 	  CK_RUN_SUITE=mpi_cp OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(call chapter_bin,07,mpi) || exit 1; done; fi
 
 # make test runs the chapter checks on the reference, and proves the other direction: an

@@ -9,7 +9,7 @@ moe_attention_dims moe_attention_dims_from_config(const moe_config *c, int B, in
     moe_attention_dims d = {.B = B, .T = T, .H = c->hidden_size, .Hq = c->num_attention_heads,
                             .Hkv = c->num_query_groups, .D = c->head_dim,
                             .qk_norm = c->qk_layernorm, .norm_eps = c->norm_epsilon,
-                            .rope_base = c->rotary_base, .pos0 = 0};
+                            .rope_base = c->rotary_base, .pos0 = 0, .cp = NULL};
     return d;
 }
 
@@ -17,6 +17,45 @@ moe_attention_dims moe_attention_dims_from_config(const moe_config *c, int B, in
 static moe_attention_shape op_shape(const moe_attention_dims *d) {
     moe_attention_shape s = {d->B, d->T, d->T, d->Hq, d->Hkv, d->D, d->pos0, d->pos0};
     return s;
+}
+
+/* Under CP: the exchange's view of the call, the whole sequence being T·cp tokens. */
+static moe_cp_attention cp_call(const moe_attention_dims *d) {
+    moe_cp_attention a = *d->cp;
+    a.B = d->B;
+    a.T = d->T * d->cp->cp;
+    a.Hq = d->Hq;
+    a.Hkv = d->Hkv;
+    a.D = d->D;
+    return a;
+}
+
+/* The op's workspace, or under CP the exchange's (its buffers serve forward and backward). */
+static size_t op_workspace_bytes(const moe_backend *be, const moe_attention_dims *d) {
+    if (d->cp) {
+        const moe_cp_attention a = cp_call(d);
+        return moe_cp_attention_workspace_bytes(&a, be->act_size);
+    }
+    return be->attention_workspace_bytes(op_shape(d));
+}
+
+/* RoPE (forward, or its backward) of n tokens' heads. Under CP the T local tokens of each
+ * sequence are two chunks of C, stored chunk-major: chunk w of all B sequences is one
+ * contiguous [B, C, heads, D] block, which RoPE takes at that chunk's absolute position
+ * (rank r's chunks are r and 2cp−1−r: positions are not contiguous, one call per chunk). */
+static void rope(const moe_backend *be, int backward, void *out, const void *in,
+                 const moe_attention_dims *d, int heads) {
+    void (*op)(void *, const void *, int, int, int, int, int, double) =
+        backward ? be->rope_backward : be->rope_forward;
+    if (!d->cp) {
+        op(out, in, d->B, d->T, heads, d->D, d->pos0, d->rope_base);
+        return;
+    }
+    const int C = d->T / 2;
+    const size_t chunk = (size_t)d->B * C * heads * d->D;
+    for (int w = 0; w < 2; w++)
+        op(MOE_ACT(be, out, w * chunk), MOE_ACT(be, in, w * chunk), d->B, C, heads, d->D,
+           moe_cp_chunk(d->cp->cp, d->cp->rank, w) * C, d->rope_base);
 }
 
 int moe_attention_acts_alloc(const moe_backend *be, moe_attention_acts *a,
@@ -40,7 +79,7 @@ int moe_attention_acts_alloc(const moe_backend *be, moe_attention_acts *a,
     a->y = be->alloc(S * QD);
     a->lse = be->alloc(R * N * d->Hq);
     ok = ok && a->qr && a->kr && a->y && a->lse;
-    const size_t ws = be->attention_workspace_bytes(op_shape(d));
+    const size_t ws = op_workspace_bytes(be, d);
     if (ws > 0) {
         a->op_ws = be->alloc(ws);
         ok = ok && a->op_ws;
@@ -88,9 +127,14 @@ void moe_attention_forward(const moe_backend *be, void *out, const void *x,
         qin = a->qn;
         kin = a->kn;
     }
-    be->rope_forward(a->qr, qin, B, T, Hq, D, d->pos0, d->rope_base);
-    be->rope_forward(a->kr, kin, B, T, Hkv, D, d->pos0, d->rope_base);
-    be->attention_forward(a->y, a->lse, a->op_ws, a->qr, a->kr, a->v, op_shape(d));
+    rope(be, 0, a->qr, qin, d, Hq);
+    rope(be, 0, a->kr, kin, d, Hkv);
+    if (d->cp) { /* this rank's queries over the whole sequence's keys (context_parallel.h) */
+        const moe_cp_attention cp = cp_call(d);
+        moe_cp_attention_forward(be, &cp, a->y, a->lse, a->qr, a->kr, a->v, a->op_ws);
+    } else {
+        be->attention_forward(a->y, a->lse, a->op_ws, a->qr, a->kr, a->v, op_shape(d));
+    }
     be->matmul_forward(out, a->y, w->wo, N, Hq * D, H);
 }
 
@@ -107,12 +151,18 @@ void moe_attention_backward(const moe_backend *be, void *dx, const moe_attention
     be->zero(s->dq, S * QD);
     be->zero(s->dk, S * KD);
     be->zero(s->dv, S * KD);
-    be->attention_backward(s->dq, s->dk, s->dv, s->dy, a->y, a->lse, a->op_ws, a->qr, a->kr,
-                           a->v, op_shape(d));
+    if (d->cp) { /* the key/value gradients of every rank's queries come home */
+        const moe_cp_attention cp = cp_call(d);
+        moe_cp_attention_backward(be, &cp, s->dq, s->dk, s->dv, s->dy, a->y, a->lse, a->qr,
+                                  a->kr, a->v, a->op_ws);
+    } else {
+        be->attention_backward(s->dq, s->dk, s->dv, s->dy, a->y, a->lse, a->op_ws, a->qr, a->kr,
+                               a->v, op_shape(d));
+    }
     be->zero(s->dq2, S * QD);
     be->zero(s->dk2, S * KD);
-    be->rope_backward(s->dq2, s->dq, B, T, Hq, D, d->pos0, d->rope_base);
-    be->rope_backward(s->dk2, s->dk, B, T, Hkv, D, d->pos0, d->rope_base);
+    rope(be, 1, s->dq2, s->dq, d, Hq);
+    rope(be, 1, s->dk2, s->dk, d, Hkv);
     void *dq = s->dq2, *dk = s->dk2;
     if (d->qk_norm) { /* back through QK-norm, into the now free first buffers */
         be->zero(s->dq, S * QD);

@@ -8,7 +8,7 @@
  *
  *     q = x·Wqᵀ [N,Hq·D]     k = x·Wkᵀ [N,Hkv·D]     v = x·Wvᵀ [N,Hkv·D]
  *     q, k ← RMSNorm over each head vector   (QK-norm, when enabled: Qwen3)
- *     q, k ← RoPE at positions pos0 .. pos0+T−1
+ *     q, k ← RoPE at positions pos0 .. pos0+T−1 (under CP: each chunk's own positions)
  *     y, lse = attention(q, k, v)             (the op contract of backend.h)
  *     out = y·Woᵀ [N,H]
  *
@@ -29,6 +29,7 @@
 
 #include "backend.h"
 #include "config.h"
+#include "context_parallel.h"
 
 /** Sizes and options of one attention call. */
 typedef struct moe_attention_dims {
@@ -43,6 +44,12 @@ typedef struct moe_attention_dims {
     double rope_base; /**< RoPE base */
     int pos0;         /**< absolute position of every sequence's first token here (0 unless
                            this rank holds a later chunk of the sequence: chapter 07) */
+    /** context parallelism (chapter 07), or NULL: the CP group and its exchange (comm, cp,
+     *  rank, type, and a2a+p2p's groups; the sizes are filled from these dims). T is then
+     *  this rank's T/cp tokens per sequence, chunk-major ([2][B][C]: its early chunk of every
+     *  sequence, then its late one), RoPE runs at each chunk's absolute positions and the
+     *  attention is moe_cp_attention_forward/backward over the whole sequence */
+    const moe_cp_attention *cp;
 } moe_attention_dims;
 
 /** The block's weights: the backend's compute copy (activation type). */

@@ -558,7 +558,7 @@ static const char *const g_shape_flags[] = {
 static const char *const g_free_flags[] = {
     "train-iters", "expert-model-parallel-size", "tensor-model-parallel-size",
     "sequence-parallel", "expert-tensor-parallel-size", "context-parallel-size",
-    "pipeline-model-parallel-size", "moe-token-dispatcher-type",
+    "cp-comm-type", "hierarchical-context-parallel-sizes", "pipeline-model-parallel-size", "moe-token-dispatcher-type",
     "moe-alltoall-path", "moe-expert-backend", "moe-grouped-gemm"};
 
 static int listed(const char *const *list, size_t n, const char *name) {

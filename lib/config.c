@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "context_parallel.h"
 #include "memory.h"
 
 #define F(name, type, field, def, help, choices, group) \
@@ -137,7 +138,16 @@ static const moe_flag g_flags[] = {
       "ranks each expert's matrices are split over (ETP; expert grid ETP x EP x EDP)", NULL,
       G_PAR),
     F("context-parallel-size", MOE_FLAG_INT, context_parallel_size, "1",
-      "ranks each sequence is split over in attention (CP; chapter 07)", NULL, G_PAR),
+      "ranks each sequence is split over (CP; chapter 07): each holds 2 of its 2·CP chunks and "
+      "attention exchanges keys and values", NULL, G_PAR),
+    F("cp-comm-type", MOE_FLAG_CHOICE, cp_comm_type, "p2p",
+      "how context-parallel attention brings the keys: p2p (ring), allgather (Llama 3), a2a "
+      "(Ulysses: heads <-> sequence), a2a+p2p (a2a inside groups, the ring between them)",
+      "p2p|allgather|a2a|a2a+p2p", G_PAR),
+    F("hierarchical-context-parallel-sizes", MOE_FLAG_STRING, hierarchical_context_parallel_sizes,
+      "", "with --cp-comm-type a2a+p2p: the two levels as 'A,P' (A ranks of adjacent CP ranks "
+      "do the all-to-all, P of those groups form the ring; A x P = --context-parallel-size)",
+      NULL, G_PAR),
     F("pipeline-model-parallel-size", MOE_FLAG_INT, pipeline_model_parallel_size, "1",
       "pipeline stages (PP; not planned in moe.c: only 1)", NULL, G_PAR),
 
@@ -409,6 +419,53 @@ static moe_status require_finite(const moe_config *c, moe_error *err) {
     return MOE_OK;
 }
 
+/* Context parallelism (chapter 07, context_parallel.h). Each sequence is cut into 2·CP
+ * chunks (load balancing), the attention exchange must fit the heads each TP rank holds, and
+ * the per-sequence aux loss would need each rank's rows grouped by sequence (chunk-major rows
+ * are not): a named error until it is built. */
+static moe_status validate_cp(moe_config *c, int any_moe, moe_error *err) {
+    const int CP = c->context_parallel_size, TP = c->tensor_model_parallel_size;
+    RESOLVE(c->cp_comm, "cp-comm-type", c->cp_comm_type);
+    c->cp_a2a = 0;
+    const char *h = c->hierarchical_context_parallel_sizes;
+    if (h[0]) { /* "A,P" (also "[A, P]" or "A P"): the a2a level first, as Megatron's list */
+        int v[3], n = 0;
+        for (const char *q = h; *q && n < 3;) {
+            if (*q >= '0' && *q <= '9') {
+                char *end;
+                v[n++] = (int)strtol(q, &end, 10);
+                q = end;
+            } else {
+                REQUIRE(strchr("[], ", *q), "--hierarchical-context-parallel-sizes '%s': give "
+                        "two sizes as 'A,P' (the all-to-all level, then the ring)", h);
+                q++;
+            }
+        }
+        REQUIRE(n == 2 && v[0] >= 1 && v[1] >= 1 && v[0] * v[1] == CP,
+                "--hierarchical-context-parallel-sizes '%s': give two sizes 'A,P' whose product "
+                "is --context-parallel-size %d (e.g. '%d,1' or '1,%d')", h, CP, CP, CP);
+        REQUIRE(c->cp_comm == MOE_CP_A2A_P2P,
+                "--hierarchical-context-parallel-sizes is for --cp-comm-type a2a+p2p (got %s): "
+                "drop it, or use --cp-comm-type a2a+p2p", c->cp_comm_type);
+        c->cp_a2a = v[0];
+    }
+    if (CP == 1)
+        return MOE_OK;
+    REQUIRE(c->cp_comm != MOE_CP_A2A_P2P || c->cp_a2a > 0,
+            "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes 'A,P' (A ranks "
+            "do the all-to-all, P groups the ring; A x P = --context-parallel-size %d)", CP);
+    /* the attention exchange's own checks, on the heads of one TP rank */
+    moe_cp_attention a = {.cp = CP, .type = (moe_cp_comm)c->cp_comm, .B = 1,
+                          .T = c->seq_length, .Hq = c->num_attention_heads / TP,
+                          .Hkv = c->num_query_groups / TP, .D = c->head_dim, .a2a = c->cp_a2a};
+    MOE_TRY(moe_cp_attention_check(&a, err));
+    REQUIRE(!any_moe || c->lb_type != MOE_LB_SEQ_AUX,
+            "--moe-router-load-balancing-type seq_aux_loss with --context-parallel-size %d: the "
+            "per-sequence aux loss needs each rank's rows grouped by sequence, and under context "
+            "parallelism a rank holds two chunks of every sequence; use aux_loss (or none)", CP);
+    return MOE_OK;
+}
+
 /* The parallel sizes that do not depend on the number of ranks (moe_grid_resolve() checks
  * those that do: every product dividing the world). Tensor parallelism splits the attention
  * heads, so TP must divide the query heads and the key/value groups: moe.c does not
@@ -426,9 +483,7 @@ static moe_status validate_folding(moe_config *c, int any_moe, int any_dense, mo
     REQUIRE(c->pipeline_model_parallel_size >= 1,
             "--pipeline-model-parallel-size must be >= 1 (got %d; 1 = not split)",
             c->pipeline_model_parallel_size);
-    REQUIRE(c->context_parallel_size == 1,
-            "--context-parallel-size %d: context parallelism comes with chapter 07 (ring "
-            "attention); use --context-parallel-size 1", c->context_parallel_size);
+    MOE_TRY(validate_cp(c, any_moe, err));
     REQUIRE(c->pipeline_model_parallel_size == 1,
             "--pipeline-model-parallel-size %d: pipeline parallelism is not planned in moe.c "
             "(every rank holds every layer); use --pipeline-model-parallel-size 1",
@@ -462,9 +517,11 @@ static moe_status validate_folding(moe_config *c, int any_moe, int any_dense, mo
         REQUIRE(c->ffn_hidden_size % TP == 0,
                 "--ffn-hidden-size %d is not divisible by --tensor-model-parallel-size %d (fc1 "
                 "is split by columns, fc2 by rows)", c->ffn_hidden_size, TP);
-    REQUIRE(!c->sequence_parallel || c->seq_length % TP == 0,
-            "--seq-length %d is not divisible by --tensor-model-parallel-size %d: with "
-            "--sequence-parallel each rank holds 1/TP of every sequence", c->seq_length, TP);
+    REQUIRE(!c->sequence_parallel || c->seq_length % (TP * c->context_parallel_size) == 0,
+            "--seq-length %d is not divisible by --tensor-model-parallel-size %d x "
+            "--context-parallel-size %d: with --sequence-parallel each rank holds 1/TP of its "
+            "context-parallel share of every sequence", c->seq_length, TP,
+            c->context_parallel_size);
     /* MoE layers run on each rank's sequence shard (the experts are split by EP, not TP):
      * without SP every TP rank would route the same tokens. Megatron requires the same. */
     REQUIRE(!any_moe || c->sequence_parallel,

@@ -140,6 +140,9 @@ typedef struct moe_config {
                                                 padding; 1 = none) */
     int expert_tensor_parallel_size;       /**< --expert-tensor-parallel-size (ETP) */
     int context_parallel_size;             /**< --context-parallel-size (CP: chapter 07) */
+    char cp_comm_type[MOE_FLAG_STR_LEN];   /**< --cp-comm-type p2p|allgather|a2a|a2a+p2p */
+    /** --hierarchical-context-parallel-sizes "A,P" (a2a+p2p: the a2a level, then the ring) */
+    char hierarchical_context_parallel_sizes[MOE_FLAG_STR_LEN];
     int pipeline_model_parallel_size;      /**< --pipeline-model-parallel-size (PP: not planned) */
     char moe_token_dispatcher_type[MOE_FLAG_STR_LEN]; /**< --moe-token-dispatcher-type */
     char moe_alltoall_path[MOE_FLAG_STR_LEN];         /**< --moe-alltoall-path */
@@ -194,6 +197,9 @@ typedef struct moe_config {
     int head_dim;               /**< hidden / heads */
     moe_score_fn score_fn;      /**< parsed score function */
     moe_lb_type lb_type;        /**< parsed load-balancing type */
+    int cp_comm;                /**< parsed --cp-comm-type (a moe_cp_comm, context_parallel.h) */
+    int cp_a2a;                 /**< a2a+p2p: the all-to-all level of
+                                     --hierarchical-context-parallel-sizes (0: not given) */
     moe_lr_style lr_style;      /**< parsed decay style */
     int is_moe_layer[MOE_MAX_LAYERS]; /**< 1 where layer l has an MoE FFN */
     moe_dispatcher_type dispatcher_type; /**< parsed --moe-token-dispatcher-type */

@@ -10,10 +10,10 @@ moe_status moe_cp_attention_supported(const moe_backend *be, moe_error *err) {
     if (be->device == MOE_DEVICE_CPU)
         return MOE_OK;
     return moe_error_set(err, MOE_ERR_CONFIG,
-                         "--context-parallel-size > 1 needs an attention op that runs a chunk "
-                         "of queries against another chunk of keys: the CPU backend's flash "
-                         "attention does (--device cpu); the CUDA flash kernel is the next "
-                         "step of chapter 07");
+                         "--context-parallel-size > 1 runs on CPU ranks only (--device cpu): "
+                         "the CUDA flash kernel runs the chunk pairs, but the merge of the "
+                         "partial results by their log-sum-exp still runs on host memory; a "
+                         "device merge is the next step of chapter 07");
 }
 
 /* Element counts of one rank's tensors: a chunk of B sequences of queries (QC) and of

@@ -31,8 +31,9 @@
  * softmax over all keys (the probabilities of one block are exp(s − lse_total)).
  *
  * The backend's attention op must run a query chunk against another chunk
- * (moe_attention_shape with Tq ≠ Tk or q_pos ≠ k_pos): the CPU's flash attention does; the
- * CUDA kernels do not yet, and moe_cp_attention_supported() says so.
+ * (moe_attention_shape with Tq ≠ Tk or q_pos ≠ k_pos), which the CPU's and the CUDA flash
+ * attention both do; but the merge (moe_cp_merge) runs on host memory, so only CPU ranks run
+ * context parallelism today, and moe_cp_attention_supported() says so.
  */
 #ifndef MOE_CONTEXT_PARALLEL_H
 #define MOE_CONTEXT_PARALLEL_H

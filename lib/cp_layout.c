@@ -3,6 +3,7 @@
 #include "cp_layout.h"
 
 #include <math.h>
+#include <string.h>
 
 moe_status moe_cp_check(int T, int cp, moe_error *err) {
     if (cp < 1)
@@ -19,6 +20,15 @@ moe_status moe_cp_check(int T, int cp, moe_error *err) {
                              T, 2 * cp, lo > 0 ? lo : hi, hi);
     }
     return MOE_OK;
+}
+
+void moe_cp_take_local(int *dst, const int *src, int B, int T, int cp, int rank) {
+    const int C = T / (2 * cp);
+    for (int w = 0; w < 2; w++)
+        for (int b = 0; b < B; b++)
+            memcpy(dst + ((size_t)w * B + b) * C,
+                   src + (size_t)b * T + (size_t)moe_cp_chunk(cp, rank, w) * C,
+                   sizeof(int) * (size_t)C);
 }
 
 int moe_cp_ring_pairs(int cp, int rank, int i, moe_cp_pair out[4]) {

@@ -77,6 +77,16 @@ static inline int moe_cp_position(int T, int cp, int rank, int t) {
 }
 
 /**
+ * @brief This rank's tokens of B sequences, chunk-major: its early chunk of every sequence,
+ *        then its late chunk of every sequence ([2][B][C], C = T/(2·cp)), the order every
+ *        context-parallel tensor of the model keeps (one chunk of all B sequences contiguous).
+ * @param dst [B·T/cp] receives them  @param src [B·T] the whole micro-batch (row-major)
+ * @param B sequences  @param T tokens per sequence (2·cp divides it)  @param cp ranks
+ * @param rank this rank in the CP group
+ */
+void moe_cp_take_local(int *dst, const int *src, int B, int T, int cp, int rank);
+
+/**
  * @brief The blocks a rank computes at step @p i of the ring (at most 4; see the file's
  *        comment for which and why).
  * @param cp ranks  @param rank this rank  @param i step (0 .. cp−1)

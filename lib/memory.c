@@ -4,6 +4,7 @@
 #include <limits.h>
 #include <unistd.h>
 
+#include "context_parallel.h"
 #include "moe/capacity.h"
 #include "real.h"
 
@@ -66,7 +67,9 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
                     D = c->hidden_size / c->num_attention_heads, V = c->vocab_size,
                     E = c->num_experts, k = c->moe_router_topk, F = c->moe_ffn_hidden_size,
                     Fs = c->moe_shared_expert_intermediate_size, Fd = c->ffn_hidden_size,
-                    B = micro_batch, T = c->seq_length, EP = ep_size >= 1 ? ep_size : 1;
+                    EP = ep_size >= 1 ? ep_size : 1, B = micro_batch,
+                    CP = c->context_parallel_size > 1 ? c->context_parallel_size : 1,
+                    T = c->seq_length / CP; /* context parallelism: this rank's tokens */
     const long long S = (long long)act_size, Rb = (long long)sizeof(moe_real);
     const long long N = mul(B, T), NK = mul(N, k);
     /* tensor parallelism (tensor_parallel.h): the split tensors hold 1/TP of their rows or
@@ -138,7 +141,16 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
      * backward's row dots δ [B, heads, T] in fp32 there; the CPU's flash attention keeps
      * nothing (0 bytes), but the estimate is made from the flags alone, before a backend is
      * chosen, so it counts them for every backend. No [B, heads, T, T] buffer exists. */
-    buffers(&t, "attention workspace", L, mul(N, Hql), (long long)sizeof(float), HEADS);
+    if (CP > 1) { /* the exchange's workspace instead (context_parallel.h), one per layer */
+        const moe_cp_attention a = {.cp = (int)CP, .type = (moe_cp_comm)c->cp_comm,
+                                    .B = (int)B, .T = c->seq_length, .Hq = (int)Hql,
+                                    .Hkv = (int)Hkvl, .D = (int)D,
+                                    .a2a = c->cp_a2a > 0 ? c->cp_a2a : 1};
+        const long long ws = (long long)moe_cp_attention_workspace_bytes(&a, (size_t)S);
+        buffers(&t, "context-parallel attention workspace", L, (ws + S - 1) / S, S, HEADS);
+    } else {
+        buffers(&t, "attention workspace", L, mul(N, Hql), (long long)sizeof(float), HEADS);
+    }
     buffers(&t, "attention gradients", 3, QD, S, WIDTH);
     buffers(&t, "attention gradients k/v", 3, KD, S, WIDTH);
     long long widest_dense = 0;

@@ -168,6 +168,7 @@ static moe_layer_dims moe_dims(const moe_model *m, int N, int T) {
      * through its dispatcher, which has no fused path) */
     d.permute_fusion = c->moe_permute_fusion && !d.ep && m->etp.size == 1;
     d.tp = m->tp.size > 1 ? &m->tp : NULL;
+    d.shards = m->cp.attn.cp > 1 ? &m->cp.shards : NULL; /* router statistics over TP x CP */
     d.step_flags = m->step_flags;
     d.budget_rows = m->moe_budget_rows;
     d.etp = m->etp.size > 1 ? &m->etp : NULL;
@@ -194,6 +195,7 @@ static moe_attention_dims attn_dims(const moe_model *m, int B, int T) {
     moe_attention_dims d = moe_attention_dims_from_config(&m->cfg, B, T);
     d.Hq /= m->tp.size;
     d.Hkv /= m->tp.size;
+    d.cp = m->cp.attn.cp > 1 ? &m->cp.attn : NULL; /* T is then this rank's T/CP */
     return d;
 }
 
@@ -265,12 +267,13 @@ static moe_status check_memory(const moe_config *c, const moe_backend *be, int B
 
 moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_backend *be, int B,
                             moe_ep *ep, moe_error *err) {
-    return moe_model_create_parallel(out, cfg, be, B, ep, NULL, NULL, err);
+    return moe_model_create_parallel(out, cfg, be, B, ep, NULL, NULL, NULL, err);
 }
 
 moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
                                      const moe_backend *be, int B, moe_ep *ep, const moe_tp *tp,
-                                     const moe_grid *grid, moe_error *err) {
+                                     const moe_model_cp *cp, const moe_grid *grid,
+                                     moe_error *err) {
     *out = NULL;
     moe_memory_estimate est;
     MOE_TRY(moe_graph_scope_check(cfg, be, err));
@@ -283,13 +286,21 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
     m->be = be;
     m->ep = ep;
     m->tp = tp && tp->comm ? *tp : moe_tp_none();
+    if (cp && cp->attn.cp > 1) {
+        m->cp = *cp;
+    } else {
+        memset(&m->cp, 0, sizeof m->cp);
+        m->cp.attn.cp = 1;
+        m->cp.shards = moe_tp_none();
+    }
     /* the ETP group travels with the EP context (dispatch.h) */
     m->etp = ep && ep->etp.comm && ep->etp.size > 1 ? ep->etp : moe_tp_none();
     m->experts_local = cfg->num_experts / (ep && ep->comm ? ep->size : 1);
     layout(m);
     const moe_config *c = &m->cfg;
-    const int L = c->num_layers, H = c->hidden_size, V = c->vocab_size, T = c->seq_length,
-              E = c->num_experts;
+    /* under CP every buffer holds this rank's T/CP tokens of each sequence */
+    const int L = c->num_layers, H = c->hidden_size, V = c->vocab_size,
+              T = c->seq_length / m->cp.attn.cp, E = c->num_experts;
     const size_t N = (size_t)B * T, S = be->act_size;
     /* the residual stream and everything outside the TP GEMMs: this rank's rows */
     const size_t Nl = (size_t)moe_tp_local_rows(&m->tp, (int)N);
@@ -710,8 +721,17 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
         moe_comm_host_all_reduce_sum(m->tp.comm, m->layer_aux, (size_t)L, MOE_DTYPE_F64);
         moe_comm_host_all_reduce_sum(m->tp.comm, m->layer_z, (size_t)L, MOE_DTYPE_F64);
     }
-    /* the arithmetic of moe_step_loss_accumulate() with one micro-batch */
-    m->last.ce = mb[0] / (B * T);
+    const int cp = m->cp.attn.cp;
+    if (cp > 1) { /* each CP rank holds its tokens' part of every loss: the sums over CP */
+        moe_comm *g = m->cp.attn.comm;
+        moe_comm_host_all_reduce_sum(g, mb, 3, MOE_DTYPE_F64);
+        if (c->num_experts > 0) {
+            moe_comm_host_all_reduce_sum(g, m->layer_aux, (size_t)L, MOE_DTYPE_F64);
+            moe_comm_host_all_reduce_sum(g, m->layer_z, (size_t)L, MOE_DTYPE_F64);
+        }
+    }
+    /* the arithmetic of moe_step_loss_accumulate() with one micro-batch of B·T·CP tokens */
+    m->last.ce = mb[0] / ((double)B * T * cp);
     m->last.aux = mb[1];
     m->last.z = mb[2];
     m->last.total = m->last.ce + mb[1] + mb[2];
@@ -796,8 +816,12 @@ void moe_model_backward(moe_model *m, double loss_scale) {
         moe_vp_cross_entropy_backward(be, &m->vp, m->d_logits, m->logits, N);
     else
         be->cross_entropy_backward(m->d_logits, NULL, m->logits, m->targets, N, V);
-    if (loss_scale != 1.0)
-        be->scale(m->d_logits, loss_scale, (size_t)N * Vl);
+    /* the cross-entropy is the mean over the micro-batch's B·T·CP tokens, of which this
+     * rank holds B·T (the op divides by these): 1/CP more; the router losses' backward is
+     * each rank's part already (moe/layer.h) */
+    const double ce_scale = loss_scale / m->cp.attn.cp;
+    if (ce_scale != 1.0)
+        be->scale(m->d_logits, ce_scale, (size_t)N * Vl);
     void *dfull = m->tp_x ? m->tp_dx : m->d_ln; /* [N,H]: the whole input's gradient */
     be->zero(dfull, S * (size_t)N * H);
     be->matmul_backward(dfull, m->grads + m->off_lm_head, m->d_logits,

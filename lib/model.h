@@ -72,12 +72,23 @@ typedef struct moe_losses {
     long long dropped; /**< expert assignments dropped by the capacity, all layers */
 } moe_losses;
 
+/** Context parallelism of a model (chapter 07): each rank holds T/CP tokens of every
+ *  sequence, chunk-major (moe_cp_take_local()), and its attention exchanges keys and values
+ *  over the CP group; its router statistics are summed over TP x CP. */
+typedef struct moe_model_cp {
+    moe_cp_attention attn; /**< the exchange: comm, cp, rank, type, a2a and its groups (the
+                                sizes are the attention block's to fill); cp = 1: none */
+    moe_tp shards;         /**< the TP x CP group: the MoE layers' router statistics */
+} moe_model_cp;
+
 /** The model. */
 typedef struct moe_model {
     moe_config cfg;               /**< validated configuration (a copy) */
     const moe_backend *be;        /**< where everything lives and runs */
     moe_ep *ep;                   /**< expert parallelism, or NULL */
     moe_tp tp;                    /**< tensor (and sequence) parallelism: size 1 without */
+    moe_model_cp cp;              /**< context parallelism (cp.attn.cp = 1 without): the model
+                                       then runs on T/CP tokens of each sequence */
     moe_memory_estimate mem;      /**< this rank's memory estimate (memory.h), checked before
                                        any allocation and printed by moe-train */
     moe_tp etp;                   /**< expert tensor parallelism (moe/expert_tp.h): the ETP
@@ -166,6 +177,9 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
  * @param out receives the model  @param cfg validated config  @param be backend
  * @param B largest micro-batch  @param ep expert parallelism or NULL
  * @param tp this rank's TP group (copied), or NULL for TP 1
+ * @param cp context parallelism (copied), or NULL for CP 1: every forward then takes this
+ *        rank's T/CP tokens of each sequence (chunk-major, moe_cp_take_local()) with T the
+ *        local length, and the activations are sized for seq_length/CP tokens
  * @param grid the resolved grid of the run (moe_grid_resolve()), or NULL for one rank: the
  *        memory check before any allocation uses its per-rank estimate
  *        (moe_memory_estimate_rank(), kept in moe_model::mem), which counts the distributed
@@ -178,7 +192,8 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
  */
 moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
                                      const moe_backend *be, int B, moe_ep *ep, const moe_tp *tp,
-                                     const moe_grid *grid, moe_error *err);
+                                     const moe_model_cp *cp, const moe_grid *grid,
+                                     moe_error *err);
 
 /** @brief Free the model. @param m model (NULL: no-op) */
 void moe_model_free(moe_model *m);
@@ -212,7 +227,8 @@ double moe_model_flops_per_token(const moe_model *m, int T);
  *        over TP), and each MoE layer's expert load added into m->load_counts. Nothing is
  *        read back (chapter 06: the trainer reads once per step).
  * @param m model  @param tokens host [B·T]  @param targets host [B·T] or NULL (no loss)
- * @param B sequences (≤ allocated)  @param T tokens per sequence (≤ seq_length)
+ * @param B sequences (≤ allocated)  @param T tokens per sequence (≤ seq_length; under CP
+ *        this rank's tokens of each, ≤ seq_length/CP)
  */
 void moe_model_forward_dev(moe_model *m, const int *tokens, const int *targets, int B, int T);
 
@@ -222,7 +238,8 @@ void moe_model_forward_dev(moe_model *m, const int *tokens, const int *targets, 
  *        captured training step (`--cuda-graph-scope full_iteration`) replays the upload.
  *        @p tokens and @p targets must not change until the step boundary's wait.
  * @param m model  @param tokens host_alloc'd [B·T]  @param targets host_alloc'd [B·T] or NULL
- * @param B sequences (≤ allocated)  @param T tokens per sequence (≤ seq_length)
+ * @param B sequences (≤ allocated)  @param T tokens per sequence (≤ seq_length; under CP
+ *        this rank's tokens of each, ≤ seq_length/CP)
  */
 void moe_model_forward_staged(moe_model *m, const int *tokens, const int *targets, int B, int T);
 
@@ -230,9 +247,11 @@ void moe_model_forward_staged(moe_model *m, const int *tokens, const int *target
  * @brief moe_model_forward_dev(), then the losses read back (a host sync): for evaluation,
  *        sampling, tests and programs that want the number now.
  * @param m model  @param tokens host [B·T]  @param targets host [B·T] or NULL (no loss)
- * @param B sequences (≤ allocated)  @param T tokens per sequence (≤ seq_length)
+ * @param B sequences (≤ allocated)  @param T tokens per sequence (≤ seq_length; under CP
+ *        this rank's tokens of each, ≤ seq_length/CP)
  * @return the total loss (CE + aux + z), or 0 when @p targets is NULL; details in m->last,
- *         m->layer_aux and m->layer_z
+ *         m->layer_aux and m->layer_z. Under CP the losses are summed over the CP group (a
+ *         collective): every CP rank returns the micro-batch's
  */
 double moe_model_forward(moe_model *m, const int *tokens, const int *targets, int B, int T);
 

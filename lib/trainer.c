@@ -18,9 +18,40 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, moe_erro
     return moe_trainer_create_dist(out, cfg, NULL, err);
 }
 
+/* Context parallelism's groups (chapter 07): the CP group of the grid, its exchange, and for
+ * a2a+p2p its two levels (Megatron's --hierarchical-context-parallel-sizes A,P): the a2a
+ * groups are A adjacent CP ranks, the ring joins the ranks with the same place in theirs. The
+ * router statistics are summed over TP x CP (moe/layer.h). */
+static moe_status make_cp(moe_trainer *t, moe_error *err) {
+    const moe_config *c = &t->cfg;
+    moe_model_cp *cp = &t->cp;
+    moe_group g;
+    moe_grid_group(&t->par.grid, MOE_GROUP_CP, t->rank, &g, NULL);
+    cp->attn = (moe_cp_attention){.comm = moe_parallel_group(&t->par, MOE_GROUP_CP),
+                                  .cp = g.size, .rank = g.rank,
+                                  .type = (moe_cp_comm)c->cp_comm, .a2a = c->cp_a2a};
+    moe_grid_group(&t->par.grid, MOE_GROUP_TP_CP, t->rank, &g, NULL);
+    cp->shards = (moe_tp){moe_parallel_group(&t->par, MOE_GROUP_TP_CP), g.size, g.rank, 1};
+    if (cp->attn.cp == 1 || cp->attn.type != MOE_CP_A2A_P2P)
+        return MOE_OK;
+    const int A = c->cp_a2a, r = cp->attn.rank;
+    moe_comm *in = NULL, *out = NULL;
+    /* every rank of the CP group makes both splits, in the same order */
+    MOE_TRY(moe_comm_split(cp->attn.comm, r / A, r % A, &in, err));
+    MOE_TRY(moe_comm_split(cp->attn.comm, r % A, r / A, &out, err));
+    cp->attn.inner = A > 1 ? in : NULL;
+    cp->attn.outer = cp->attn.cp / A > 1 ? out : NULL;
+    if (!cp->attn.inner)
+        moe_comm_free(in);
+    if (!cp->attn.outer)
+        moe_comm_free(out);
+    return MOE_OK;
+}
+
 /* The process groups of a run, from the parallel grid (parallel.h): the attention/dense
- * grid TP x DP (CP and PP are 1: chapter 07, not planned) and the expert grid EP x EDP.
- * The ranks of a TP group run the same micro-batches; the DP groups split them. */
+ * grid TP x CP x DP (PP is 1: not planned) and the expert grid EP x EDP. The ranks of a
+ * TP x CP group run the same micro-batches (a CP rank its T/CP tokens of each sequence);
+ * the DP groups split them. */
 static moe_status make_groups(moe_trainer *t, moe_error *err) {
     const moe_config *c = &t->cfg;
     const int W = t->world_size, EP = c->expert_model_parallel_size;
@@ -47,6 +78,7 @@ static moe_status make_groups(moe_trainer *t, moe_error *err) {
     moe_grid_group(&t->par.grid, MOE_GROUP_TP, t->rank, &g, NULL);
     t->tp = (moe_tp){moe_parallel_group(&t->par, MOE_GROUP_TP), g.size, g.rank,
                      c->sequence_parallel};
+    MOE_TRY(make_cp(t, err));
     moe_group ep;
     moe_grid_group(&t->par.grid, MOE_GROUP_EP, t->rank, &ep, NULL);
     t->ep.size = ep.size;
@@ -74,6 +106,8 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
     t->world_size = world ? moe_comm_size(world) : 1;
     t->dp_size = t->world_size;
     t->tp = moe_tp_none();
+    t->cp.attn.cp = 1;
+    t->cp.shards = moe_tp_none();
     moe_config *c = &t->cfg;
     moe_tokenizer_type tt;
     moe_status s = moe_tokenizer_parse_type(c->tokenizer_type, &tt, err);
@@ -100,8 +134,9 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
         int size;
     } splits[] = {{"expert-model-parallel-size", c->expert_model_parallel_size},
                   {"expert-tensor-parallel-size", c->expert_tensor_parallel_size},
-                  {"tensor-model-parallel-size", c->tensor_model_parallel_size}};
-    for (int i = 0; i < 3 && s == MOE_OK && !world; i++)
+                  {"tensor-model-parallel-size", c->tensor_model_parallel_size},
+                  {"context-parallel-size", c->context_parallel_size}};
+    for (int i = 0; i < 4 && s == MOE_OK && !world; i++)
         if (splits[i].size > 1)
             s = moe_error_set(err, MOE_ERR_CONFIG,
                               "--%s %d needs %d ranks: run under mpirun -np %d (a build with "
@@ -111,13 +146,16 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
         s = moe_error_set(err, MOE_ERR_BACKEND,
                           "--device %s does not match the communication transport (%s ranks)",
                           be->name, moe_comm_device(world) == MOE_DEVICE_CUDA ? "GPU" : "CPU");
+    /* context-parallel attention runs chunk pairs and merges them on the host today */
+    if (s == MOE_OK && c->context_parallel_size > 1)
+        s = moe_cp_attention_supported(be, err);
     t->ep.be = be;
     if (s == MOE_OK && world)
         s = make_groups(t, err);
     if (s == MOE_OK)
         s = moe_model_create_parallel(&t->model, c, be, c->micro_batch_size,
                                       t->ep.comm || t->ep.etp.comm ? &t->ep : NULL, &t->tp,
-                                      world ? &t->par.grid : NULL, err);
+                                      &t->cp, world ? &t->par.grid : NULL, err);
     if (s == MOE_OK && world && c->use_distributed_optimizer) {
         /* ZeRO-1: this rank's master weights and moments cover its piece of each gradient
          * group only (the model holds no master: moe_model::master_sharded) */
@@ -209,6 +247,8 @@ void moe_trainer_free(moe_trainer *t) {
     moe_adamw_free(&t->opt);
     moe_zero_free(&t->zero);
     moe_ep_free(&t->ep);
+    moe_comm_free(t->cp.attn.inner); /* a2a+p2p's levels (make_cp); the CP group is the grid's */
+    moe_comm_free(t->cp.attn.outer);
     moe_parallel_free(&t->par);
     moe_dataset_free(&t->data);
     free(t->inputs);
@@ -407,6 +447,22 @@ moe_status moe_trainer_step(moe_trainer *t, moe_step_stats *st, moe_error *err) 
     return MOE_OK;
 }
 
+/* One micro-batch of this rank: B sequences of the split, or under CP its T/CP tokens of
+ * each, chunk-major (cp_layout.h), cut from the whole micro-batch read into t->inputs and
+ * t->targets. */
+static void read_batch(moe_trainer *t, moe_split split, uint64_t seed, uint64_t index,
+                       int *inputs, int *targets) {
+    const moe_config *c = &t->cfg;
+    const int B = c->micro_batch_size, T = c->seq_length, cp = t->cp.attn.cp;
+    if (cp == 1) {
+        moe_dataset_batch(&t->data, split, B, T, seed, index, inputs, targets);
+        return;
+    }
+    moe_dataset_batch(&t->data, split, B, T, seed, index, t->inputs, t->targets);
+    moe_cp_take_local(inputs, t->inputs, B, T, cp, t->cp.attn.rank);
+    moe_cp_take_local(targets, t->targets, B, T, cp, t->cp.attn.rank);
+}
+
 /* The host's part of a step, before any of its device work: this rank's batches into
  * page-locked memory (and the step's counts into the statistics). */
 static void prepare_batches(moe_trainer *t, moe_step_stats *st) {
@@ -414,14 +470,15 @@ static void prepare_batches(moe_trainer *t, moe_step_stats *st) {
     const int accum = c->global_batch_size / c->micro_batch_size; /* over all ranks */
     const int local = accum / t->dp_size; /* on this rank (and the rest of its TP group) */
     const int B = c->micro_batch_size, T = c->seq_length;
-    const size_t n = (size_t)B * T;
+    const size_t n = (size_t)B * T / (size_t)t->cp.attn.cp; /* this rank's tokens of one */
     memset(st, 0, sizeof *st);
     st->step = t->step;
     for (int i = 0; i < local; i++) {
-        /* data-parallel rank r runs micro-batches [r·local, (r+1)·local) of the step */
+        /* data-parallel rank r runs micro-batches [r·local, (r+1)·local) of the step; the
+         * ranks of its CP group read the same ones and keep their tokens of each */
         uint64_t batch_index = (uint64_t)t->step * accum + (uint64_t)t->dp_rank * local + i;
-        moe_dataset_batch(&t->data, MOE_SPLIT_TRAIN, B, T, (uint64_t)c->seed, batch_index,
-                          t->batch + 2 * i * n, t->batch + (2 * i + 1) * n);
+        read_batch(t, MOE_SPLIT_TRAIN, (uint64_t)c->seed, batch_index, t->batch + 2 * i * n,
+                   t->batch + (2 * i + 1) * n);
     }
     st->tokens = (double)accum * B * T;
     st->flops = st->tokens * moe_model_flops_per_token(t->model, T);
@@ -444,20 +501,23 @@ static void enqueue_gradients(moe_trainer *t, moe_step_stats *st) {
     moe_step_scalars *S = m->scalars;
     const int accum = c->global_batch_size / c->micro_batch_size; /* over all ranks */
     const int local = accum / t->dp_size; /* on this rank (and the rest of its TP group) */
-    const int B = c->micro_batch_size, T = c->seq_length;
-    const size_t n = (size_t)B * T;
+    const int B = c->micro_batch_size, T = c->seq_length, Tl = T / t->cp.attn.cp;
+    const size_t n = (size_t)B * Tl; /* under CP this rank's T/CP tokens of each sequence */
 
     be->zero(S, sizeof *S);
     moe_model_zero_grad(m);
     moe_model_reset_load_counts(m);
     for (int i = 0; i < local; i++) {
-        moe_model_forward_staged(m, t->batch + 2 * i * n, t->batch + (2 * i + 1) * n, B, T);
+        moe_model_forward_staged(m, t->batch + 2 * i * n, t->batch + (2 * i + 1) * n, B, Tl);
+        /* this rank's partial sums over the micro-batch's B·T tokens: the sum over DP x CP
+         * below is the step's loss */
         be->loss_accumulate(S->step, S->mb, B * T, (double)accum);
         st->dropped += m->last.dropped;
         moe_model_backward(m, 1.0 / accum);
     }
     be->copy(&S->local_loss, &S->step[0], sizeof(double));
-    /* every rank of a TP group has the same losses and counts: sum over the DP ranks */
+    /* every rank of a TP group has the same losses and counts, a CP rank its tokens' part:
+     * sum over the DP x CP ranks */
     moe_comm *dp = t->world ? moe_parallel_group(&t->par, MOE_GROUP_DP_CP) : NULL;
     if (t->world)
         sync_gradients(t);
@@ -565,12 +625,16 @@ void moe_trainer_update(moe_trainer *t, moe_step_stats *st) {
 
 double moe_trainer_evaluate(moe_trainer *t, moe_split split, int iters) {
     const moe_config *c = &t->cfg;
-    const int B = c->micro_batch_size, T = c->seq_length;
+    const int B = c->micro_batch_size, T = c->seq_length / t->cp.attn.cp;
+    const size_t n = (size_t)B * T;
+    int *in = t->cp.attn.cp > 1 ? t->batch : t->inputs; /* (free between steps) */
+    int *tg = t->cp.attn.cp > 1 ? t->batch + n : t->targets;
     double sum = 0.0;
     for (int i = 0; i < iters; i++) {
-        /* a fixed seed, independent of the run's: every evaluation sees the same batches */
-        moe_dataset_batch(&t->data, split, B, T, 0xE7A1ull, (uint64_t)i, t->inputs, t->targets);
-        moe_model_forward(t->model, t->inputs, t->targets, B, T);
+        /* a fixed seed, independent of the run's: every evaluation sees the same batches
+         * (under CP each rank its tokens; moe_model_forward sums the losses over CP) */
+        read_batch(t, split, 0xE7A1ull, (uint64_t)i, in, tg);
+        moe_model_forward(t->model, in, tg, B, T);
         sum += t->model->last.ce;
     }
     return sum / iters;
@@ -582,6 +646,7 @@ void moe_trainer_sample(moe_trainer *t, int n, double temperature, uint64_t seed
     /* the model's vocabulary may be padded (--make-vocab-size-divisible-by): sample among the
      * tokenizer's ids only */
     const int T = c->seq_length, V = c->vocab_size, Vt = tok->vocab_size;
+    MOE_ASSERT(t->cp.attn.cp == 1); /* the caller skips the sample under CP (trainer.h) */
     int *ctx = malloc(sizeof(int) * (size_t)(n + 1));
     int *window = malloc(sizeof(int) * (size_t)T);
     moe_real *logits = malloc(sizeof(moe_real) * (size_t)V);

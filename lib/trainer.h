@@ -42,6 +42,8 @@ typedef struct moe_trainer {
     moe_parallel par;      /**< the process groups of the parallel grid (parallel.h) */
     moe_ep ep;             /**< the dispatcher's context */
     moe_tp tp;             /**< this rank's tensor-parallel group (size 1 without TP) */
+    moe_model_cp cp;       /**< context parallelism (cp.attn.cp = 1 without): its CP group,
+                                exchange and the TP x CP group of the router statistics */
     int dp_size;           /**< data-parallel ranks: each runs its own micro-batches */
     int dp_rank;           /**< this rank's place among them */
     int rank;              /**< this rank in the world */
@@ -179,6 +181,8 @@ double moe_trainer_evaluate(moe_trainer *t, moe_split split, int iters);
  * @brief Generate @p n characters after a newline, sampling with temperature.
  * @param t trainer  @param n characters  @param temperature > 0  @param seed sampling seed
  * @param out receives n bytes and a terminating zero (size n+1)
+ * Not under context parallelism (the sampler feeds the model whole windows of the text, a
+ * CP rank holds two chunks of each sequence): moe-train skips the sample there.
  */
 void moe_trainer_sample(moe_trainer *t, int n, double temperature, uint64_t seed, char *out);
 

@@ -95,12 +95,19 @@ static void print_config(const moe_trainer *t) {
                  "device %s, %d threads",
                  c->train_iters, c->global_batch_size, c->seq_length, c->lr, c->min_lr,
                  c->lr_decay_style, c->lr_warmup_iters, m->be->name, threads);
+    char cp_detail[160] = ""; /* CP: the exchange and each rank's share of a sequence */
+    if (c->context_parallel_size > 1)
+        snprintf(cp_detail, sizeof cp_detail, " (%.16s%s%.32s, %d of %d tokens per sequence a rank)",
+                 c->cp_comm_type, c->cp_a2a ? " " : "",
+                 c->cp_a2a ? c->hierarchical_context_parallel_sizes : "",
+                 c->seq_length / c->context_parallel_size, c->seq_length);
     if (t->world_size > 1)
-        moe_log_info("ranks | %d ranks, tensor parallel %d%s, expert parallel %d (%s dispatcher, "
-                     "%d experts per rank, each split over %d ETP rank(s)), data parallel %d: "
-                     "%d micro-batches per rank per step%s",
+        moe_log_info("ranks | %d ranks, tensor parallel %d%s, context parallel %d%s, expert "
+                     "parallel %d (%s dispatcher, %d experts per rank, each split over %d ETP "
+                     "rank(s)), data parallel %d: %d micro-batches per rank per step%s",
                      t->world_size, c->tensor_model_parallel_size,
-                     c->sequence_parallel ? " + SP" : "", c->expert_model_parallel_size,
+                     c->sequence_parallel ? " + SP" : "", c->context_parallel_size, cp_detail,
+                     c->expert_model_parallel_size,
                      c->moe_token_dispatcher_type, m->experts_local,
                      c->expert_tensor_parallel_size, t->dp_size,
                      c->global_batch_size / c->micro_batch_size / t->dp_size,
@@ -342,7 +349,11 @@ int main(int argc, char **argv) {
     evaluate(t, mx, world, c->train_iters, moe_timer_elapsed(&total));
     moe_log_info("done  | %d steps in %.1f s of training (%.0f tok/s)", c->train_iters, train_s,
                  train_s > 0 ? tokens / train_s : 0.0);
-    if (c->sample_length > 0) {
+    if (c->sample_length > 0 && c->context_parallel_size > 1) {
+        moe_log_info("sample| skipped under --context-parallel-size %d (the sampler feeds the "
+                     "model whole windows of text; a context-parallel rank holds two chunks of "
+                     "each sequence)", c->context_parallel_size);
+    } else if (c->sample_length > 0) {
         char *text = malloc((size_t)c->sample_length + 1);
         if (text) {
             moe_trainer_sample(t, c->sample_length, c->sample_temperature, (uint64_t)c->seed,

@@ -294,12 +294,10 @@ long long moe_test_compare_state(moe_trainer *dist, moe_trainer *ref, double gra
                 gr[j] = full[moe_tensor_global_index(td, j)];
             const double e = tol == 0 ? (memcmp(gd, gr, sizeof(moe_real) * td->numel) ? INFINITY : 0)
                                       : rel_l2(gd, gr, td->numel);
-            if (!(e <= tol)) {
-                bad++;
-                if (!(e <= *worst)) {
-                    *worst = e;
-                    *worst_name = td->name;
-                }
+            bad += !(e <= tol);
+            if (!(e <= *worst)) { /* the largest error, within the bound or not */
+                *worst = e;
+                *worst_name = td->name;
             }
         }
         free(gr);

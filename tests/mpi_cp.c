@@ -22,6 +22,7 @@
 #include "helpers.h"
 #include "rng.h"
 #include "suites.h"
+#include "trainer.h"
 
 /* the local rows, chunk-major, of a [B, T, H, D] tensor (or back) */
 static void to_local(moe_real *loc, const moe_real *full, int B, int T, int H, int D, int cp,
@@ -195,7 +196,115 @@ START_TEST(test_cp_attention_equals_one_process) {
 }
 END_TEST
 
+/* ------------------------------------------------- the model, context-parallel */
+
+/* A dense layer then an MoE layer (a shared expert, the aux loss and the z-loss on), GQA and
+ * QK-norm: every op the CP ranks run on their T/CP tokens, the attention exchange, the router
+ * statistics over TP x CP and the gradient sums over DP x CP. 16 tokens: 2·CP chunks for
+ * CP 2 and 4. */
+#define CP_MODEL "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "    \
+                 "--micro-batch-size 2 --num-experts 4 --moe-router-topk 2 "                  \
+                 "--moe-ffn-hidden-size 16 --moe-shared-expert-intermediate-size 16 "           \
+                 "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --moe-layer-freq [0,1] "   \
+                 "--ffn-hidden-size 32 --qk-layernorm --make-vocab-size-divisible-by 4"
+
+/* CP ranks (x TP, with the experts over EP; the rest data-parallel) against one process:
+ * the first step's loss and every gradient tensor, the gradient norm, the losses of `steps`
+ * AdamW steps and then every parameter. `type` is the --cp-comm-type (with its flags). */
+static void check_cp_model(int cp, int tp, int ep, const char *type, const char *heads,
+                           int steps) {
+    moe_comm *world = moe_test_world();
+    const int W = moe_comm_size(world), rank = moe_comm_rank(world);
+    if (W % (cp * tp) != 0)
+        return;
+    char common[256], dist_flags[256];
+    snprintf(common, sizeof common, "--lr 1e-2 %s", heads);
+    snprintf(dist_flags, sizeof dist_flags, "--context-parallel-size %d --cp-comm-type %s", cp,
+             type);
+    moe_trainer *dist, *ref;
+    if (!moe_test_folding(world, CP_MODEL, tp, tp > 1, ep, common, dist_flags, 0, &dist, &ref))
+        return;
+    /* each rank holds T/CP tokens of each sequence: its activations are smaller */
+    ck_assert_int_eq(dist->model->max_T * cp, ref->model->max_T);
+    ck_assert(dist->model->mem.act_bytes < ref->model->mem.act_bytes);
+    const double tol = 1e-5;
+    moe_step_stats sd, sr;
+    moe_trainer_gradients(dist, &sd);
+    moe_trainer_gradients(ref, &sr);
+    const double dloss = fabs(sd.loss - sr.loss) / fabs(sr.loss);
+    MOE_TEST_AGREE(!(dloss <= tol), "CP %d TP %d EP %d %s: loss %.8f (ce %.8f aux %.8f z %.8f) "
+                   "vs one process %.8f (ce %.8f aux %.8f z %.8f) on rank %d", cp, tp, ep, type,
+                   sd.loss, sd.ce, sd.aux, sd.z, sr.loss, sr.ce, sr.aux, sr.z, rank);
+    double worst;
+    const char *worst_name;
+    const long long bad = moe_test_compare_shards(dist, ref, tol, &worst, &worst_name);
+    MOE_TEST_AGREE(bad, "CP %d TP %d EP %d %s: %lld tensors' gradients differ (rank %d: worst "
+                   "%s, relative %.2e)", cp, tp, ep, type, bad, rank, worst_name, worst);
+    moe_trainer_update(dist, &sd);
+    moe_trainer_update(ref, &sr);
+    MOE_TEST_AGREE(!(fabs(sd.grad_norm - sr.grad_norm) <= 10 * tol * sr.grad_norm),
+                   "CP %d TP %d EP %d %s: gradient norm %.8f vs %.8f (each tensor counted once?)",
+                   cp, tp, ep, type, sd.grad_norm, sr.grad_norm);
+    double last = 0, last_ref = 0, worst_step = 0;
+    for (int s = 1; s < steps; s++) {
+        moe_step_stats a, b;
+        moe_trainer_step(dist, &a, NULL);
+        moe_trainer_step(ref, &b, NULL);
+        worst_step = fmax(worst_step, fabs(a.loss - b.loss) / fabs(b.loss));
+        last = a.loss;
+        last_ref = b.loss;
+    }
+    MOE_TEST_AGREE(!(worst_step <= 1e-4), "CP %d TP %d EP %d %s: a later step's loss differs by "
+                   "%.2e (relative)", cp, tp, ep, type, worst_step);
+    /* the parameters after the steps: AdamW's 1/√v amplifies the sums' rounding */
+    const double worst_grad = worst;
+    const long long pbad = moe_test_compare_state(dist, ref, -1.0, 1e-4, &worst, &worst_name);
+    MOE_TEST_AGREE(pbad, "CP %d TP %d EP %d %s: %lld tensors differ from one process's after "
+                   "%d steps (rank %d: worst %s, relative %.2e)", cp, tp, ep, type, pbad, steps,
+                   rank, worst_name, worst);
+    if (rank == 0)
+        printf("  CP %d %s x TP %d x DP %d, EP %d: loss %.8f = one process %.8f (rel %.1e), "
+               "gradients rel %.1e; after %d steps loss %.8f = %.8f, parameters rel %.1e\n",
+               cp, type, tp, W / (cp * tp), ep, sd.loss, sr.loss, dloss, worst_grad, steps,
+               last, last_ref, worst);
+    moe_trainer_free(dist);
+    moe_trainer_free(ref);
+}
+
+/* CP 2 and 4 (where the ranks allow), each exchange: the ring, the all-gather, Ulysses (its
+ * heads must divide by CP: 4 query heads, 4 groups) and the hybrid at each split of CP */
+START_TEST(test_cp_model_equals_one_process) {
+    if (moe_comm_device(moe_test_world()) != MOE_DEVICE_CPU)
+        return; /* moe_cp_attention_supported() refuses CUDA (the first test says why) */
+    for (int cp = 2; cp <= 4; cp *= 2) {
+        check_cp_model(cp, 1, 1, "p2p", "--num-query-groups 2", 3);
+        check_cp_model(cp, 1, 1, "allgather", "--num-query-groups 2", 3);
+        check_cp_model(cp, 1, 1, "a2a", "--num-query-groups 4", 3);
+        for (int a2a = 1; a2a <= cp; a2a *= 2) {
+            char type[96];
+            snprintf(type, sizeof type, "a2a+p2p --hierarchical-context-parallel-sizes %d,%d",
+                     a2a, cp / a2a);
+            check_cp_model(cp, 1, 1, type, "--num-query-groups 4", 2);
+        }
+    }
+}
+END_TEST
+
+/* CP in the folding of chapter 04: CP 2 x TP 2 (+ SP: the router statistics over the TP x CP
+ * group of 4), and CP 2 with the experts over EP 2 (their gradients over EDP, which holds
+ * the CP ranks) and EP 4 */
+START_TEST(test_cp_model_folded) {
+    if (moe_comm_device(moe_test_world()) != MOE_DEVICE_CPU)
+        return;
+    check_cp_model(2, 2, 1, "p2p", "--num-query-groups 2", 3);
+    check_cp_model(2, 2, 2, "a2a", "--num-query-groups 4", 2);
+    check_cp_model(2, 1, 2, "p2p", "--num-query-groups 2", 3);
+    check_cp_model(2, 1, 4, "allgather", "--num-query-groups 2", 2);
+}
+END_TEST
+
 Suite *suite_mpi_cp(void) {
-    const TTest *const tests[] = {test_cp_attention_equals_one_process};
-    return moe_test_chapter_suite("mpi_cp", "ch07", tests, 1);
+    const TTest *const tests[] = {test_cp_attention_equals_one_process,
+                                  test_cp_model_equals_one_process, test_cp_model_folded};
+    return moe_test_chapter_suite("mpi_cp", "ch07", tests, 3);
 }

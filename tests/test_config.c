@@ -6,6 +6,7 @@
 
 #include "backend.h"
 #include "config.h"
+#include "context_parallel.h"
 #include "error.h"
 #include "flags.h"
 #include "helpers.h"
@@ -705,8 +706,36 @@ START_TEST(test_val_folding) {
     EXPECT_CONFIG_ERROR("--seq-length 10", "--sequence-parallel", DENSE, "--seq-length", "10",
                         "--tensor-model-parallel-size", "4", "--num-query-groups", "4",
                         "--sequence-parallel");
-    EXPECT_CONFIG_ERROR("--context-parallel-size 2", "chapter 07", "--context-parallel-size",
-                        "2");
+    /* context parallelism (chapter 07): 2·CP chunks of every sequence, an exchange that fits
+     * the heads of a TP rank, a2a+p2p's two levels, and no per-sequence aux loss */
+    EXPECT_OK(&c, "--context-parallel-size", "4");
+    ck_assert_int_eq(c.cp_comm, MOE_CP_P2P);
+    EXPECT_OK(&c, "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+              "--hierarchical-context-parallel-sizes", "2,2");
+    ck_assert_int_eq(c.cp_comm, MOE_CP_A2A_P2P);
+    ck_assert_int_eq(c.cp_a2a, 2);
+    EXPECT_CONFIG_ERROR("--seq-length 12 is not a multiple of 2 x --context-parallel-size (8)",
+                        "Use --seq-length 8 or 16", "--context-parallel-size", "4",
+                        "--seq-length", "12");
+    EXPECT_CONFIG_ERROR("--cp-comm-type a2a splits the heads", "--num-query-groups 2",
+                        "--context-parallel-size", "4", "--cp-comm-type", "a2a");
+    EXPECT_CONFIG_ERROR("--cp-comm-type a2a splits the heads", "use --cp-comm-type p2p",
+                        "--context-parallel-size", "2", "--cp-comm-type", "a2a",
+                        "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by",
+                        "2", "--num-experts", "0");
+    EXPECT_CONFIG_ERROR("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes",
+                        "A x P = --context-parallel-size 4", "--context-parallel-size", "4",
+                        "--cp-comm-type", "a2a+p2p");
+    EXPECT_CONFIG_ERROR("--hierarchical-context-parallel-sizes '2,4'", "product",
+                        "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                        "--hierarchical-context-parallel-sizes", "2,4");
+    EXPECT_CONFIG_ERROR("--hierarchical-context-parallel-sizes is for --cp-comm-type a2a+p2p",
+                        "drop it", "--context-parallel-size", "4",
+                        "--hierarchical-context-parallel-sizes", "2,2");
+    EXPECT_CONFIG_ERROR("seq_aux_loss with --context-parallel-size 2", "use aux_loss",
+                        "--context-parallel-size", "2", "--moe-router-load-balancing-type",
+                        "seq_aux_loss");
+    EXPECT_FLAG_ERROR("--cp-comm-type", "ring", "--cp-comm-type", "ring");
     EXPECT_CONFIG_ERROR("--pipeline-model-parallel-size 2", "not planned",
                         "--pipeline-model-parallel-size", "2");
     /* ETP splits each expert's width (moe/expert_tp.h): it must divide it, and the fused

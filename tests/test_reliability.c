@@ -377,7 +377,7 @@ START_TEST(test_memory_check_counts_distributed_optimizer) {
     g_memory = (size_t)(ez.total_bytes + ep.total_bytes) / 2;
     be.memory_bytes = some_memory;
     moe_model *m = NULL;
-    ck_assert_msg(moe_model_create_parallel(&m, &zc, &be, zc.micro_batch_size, NULL, NULL, &g,
+    ck_assert_msg(moe_model_create_parallel(&m, &zc, &be, zc.micro_batch_size, NULL, NULL, NULL, &g,
                                             &err) == MOE_OK,
                   "fits only with the distributed optimizer (%lld < %zu < %lld bytes), refused: "
                   "%s", ez.total_bytes, g_memory, ep.total_bytes, err.msg);
@@ -385,7 +385,7 @@ START_TEST(test_memory_check_counts_distributed_optimizer) {
     ck_assert_int_eq(m->mem.total_bytes, ez.total_bytes);
     ck_assert_int_eq(m->mem.optim_elems, ez.optim_elems);
     moe_model_free(m);
-    ck_assert_int_eq(moe_model_create_parallel(&m, &pc, &be, pc.micro_batch_size, NULL, NULL, &g,
+    ck_assert_int_eq(moe_model_create_parallel(&m, &pc, &be, pc.micro_batch_size, NULL, NULL, NULL, &g,
                                                &err), MOE_ERR_NOMEM);
     ck_assert_ptr_null(m);
     ck_assert_msg(strstr(err.msg, "needs about"), "%s", err.msg);

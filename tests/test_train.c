@@ -118,6 +118,8 @@ START_TEST(test_trainer_errors) {
     if (!moe_test_have_gpu())
         expect_error(SMALL "--device cuda", MOE_ERR_BACKEND, "--device");
     expect_error(SMALL "--no-such-flag 1", MOE_ERR_FLAG, "--no-such-flag");
+    /* context parallelism splits each sequence over ranks: one process cannot run it */
+    expect_error(SMALL "--context-parallel-size 2", MOE_ERR_CONFIG, "mpirun -np 2");
 }
 END_TEST
 

@@ -158,21 +158,29 @@ static const moe_tp *tp_of(const moe_layer_dims *d) {
     return d->tp;
 }
 
-/* This rank's rows among the aux loss's groups: the whole micro-batch (all TP ranks'
- * tokens), or one sequence. Under SP rank r holds rows [r·N, (r+1)·N) of the N·TP. */
+/* the ranks the micro-batch's tokens are split over (TP with SP, or TP x CP), or NULL */
+static const moe_tp *shards_of(const moe_layer_dims *d) {
+    if (d->shards)
+        return d->shards->size > 1 ? d->shards : NULL;
+    return tp_of(d);
+}
+
+/* This rank's rows among the aux loss's groups: the whole micro-batch (all the shards'
+ * tokens), or one sequence. Under SP rank r holds rows [r·N, (r+1)·N) of the N·TP (the
+ * per-sequence loss is refused under CP, whose rows are not grouped by sequence). */
 static moe_aux_shape aux_shape(const moe_layer_dims *d) {
-    const moe_tp *tp = tp_of(d);
-    const int all = d->N * (tp ? tp->size : 1);
+    const moe_tp *sh = shards_of(d);
+    const int all = d->N * (sh ? sh->size : 1);
     const int len = d->lb_type == MOE_LB_SEQ_AUX ? d->T : all;
-    return (moe_aux_shape){d->N, tp ? tp->rank * d->N : 0, len, all / len, d->E, d->k,
+    return (moe_aux_shape){d->N, sh ? sh->rank * d->N : 0, len, all / len, d->E, d->k,
                            d->router.score_fn};
 }
 
-/* The z-loss is a mean over all N·TP tokens: each rank's mean over its N rows, with the
- * coefficient divided by TP, is its part of it (Megatron divides by TP x CP likewise). */
+/* The z-loss is a mean over all N·TP·CP tokens: each rank's mean over its N rows, with the
+ * coefficient divided by TP x CP, is its part of it (Megatron divides by TP x CP likewise). */
 static double z_coeff(const moe_layer_dims *d) {
-    const moe_tp *tp = tp_of(d);
-    return d->z_coeff / (tp ? tp->size : 1);
+    const moe_tp *sh = shards_of(d);
+    return d->z_coeff / (sh ? sh->size : 1);
 }
 
 /* How steps 3 and 5 run: the EP group's dispatcher (chosen once, at setup); on one EP rank
@@ -209,14 +217,14 @@ static void route_forward(void *p) {
     be->router_forward(a->topk_idx, a->topk_w, a->logits, r->expert_bias, &d->router, N);
 
     /* 2. the router's own losses, added into a->loss on the device (no host read) */
-    const moe_tp *tp = tp_of(d);
+    const moe_tp *shards = shards_of(d);
     be->zero(a->loss, 2 * sizeof(double));
     if (d->lb_type != MOE_LB_NONE && d->aux_coeff > 0) {
-        /* the counts of every TP rank's rows (a device collective), then this rank's part */
+        /* the counts of every shard's rows (a device collective), then this rank's part */
         const moe_aux_shape sh = aux_shape(d);
         be->aux_loss_counts(a->aux_counts, a->logits, &sh);
-        if (tp)
-            moe_comm_all_reduce_sum(tp->comm, a->aux_counts, (size_t)sh.groups * E,
+        if (shards)
+            moe_comm_all_reduce_sum(shards->comm, a->aux_counts, (size_t)sh.groups * E,
                                     MOE_DTYPE_I64);
         be->aux_loss_forward(&a->loss[0], a->logits, a->aux_counts, &sh, d->aux_coeff);
     }

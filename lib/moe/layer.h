@@ -34,6 +34,9 @@
  *    expert is tensor-parallel like a dense FFN (all-gather, column-parallel fc1,
  *    row-parallel fc2, reduce-scatter). The experts see tokens, not ranks: the dispatcher
  *    sends each rank's rows to the EP group as before.
+ *  - `shards` (chapter 07): under context parallelism the router statistics treat the CP
+ *    ranks like TP's sequence shards: the counts are summed over TP x CP, the z-loss
+ *    coefficient divided by TP x CP (the shared expert stays tensor-parallel over TP only).
  */
 #ifndef MOE_LAYER_H
 #define MOE_LAYER_H
@@ -69,6 +72,11 @@ typedef struct moe_layer_dims {
      *  ::MOE_EXPERTS_KERNEL only */
     int permute_fusion;
     const moe_tp *tp;           /**< the TP group with SP (NULL or size 1: all N·1 tokens here) */
+    /** the ranks the micro-batch's tokens are split over, for the router's statistics: the
+     *  TP group with SP, or under context parallelism TP x CP (chapter 07: a CP rank holds
+     *  T/CP tokens of every sequence, as a TP rank holds N/TP rows). The aux-loss counts are
+     *  summed over it and the z-loss coefficient divided by its size. NULL: @ref tp */
+    const moe_tp *shards;
     /** chapter 06, the sync-free layer: the step-flags word (moe_model::step_flags, backend
      *  memory), or NULL. When set, a layer whose path allows it (moe_layer_sync_free())
      *  keeps the counts and offsets in backend memory from the router to the unpermute, and
