@@ -9,15 +9,17 @@ moe_status moe_cp_check(int T, int cp, moe_error *err) {
     if (cp < 1)
         return moe_error_set(err, MOE_ERR_CONFIG,
                              "--context-parallel-size %d: it must be at least 1", cp);
-    if (T < 1 || T % (2 * cp) != 0) {
-        const int lo = T / (2 * cp) * (2 * cp), hi = lo + 2 * cp;
+    /* in long long: 2·cp (and the suggestions) of a fuzzed cp near INT_MAX overflow int */
+    const long long chunks = 2LL * cp;
+    if (T < 1 || T % chunks != 0) {
+        const long long lo = T / chunks * chunks, hi = lo + chunks;
         return moe_error_set(err, MOE_ERR_CONFIG,
                              "--seq-length %d is not a multiple of 2 x --context-parallel-size "
-                             "(%d): context parallelism cuts every sequence into 2·cp equal "
+                             "(%lld): context parallelism cuts every sequence into 2·cp equal "
                              "chunks (rank r holds chunks r and 2cp-1-r, so that causal "
-                             "attention costs every rank the same). Use --seq-length %d or %d, "
-                             "or another --context-parallel-size",
-                             T, 2 * cp, lo > 0 ? lo : hi, hi);
+                             "attention costs every rank the same). Use --seq-length %lld or "
+                             "%lld, or another --context-parallel-size",
+                             T, chunks, lo > 0 ? lo : hi, hi);
     }
     return MOE_OK;
 }
