@@ -197,6 +197,9 @@ moe_status moe_cuda_dequant_tensorwise(float *y, const uint8_t *q, const moe_qua
 moe_status moe_cuda_quant_blockwise(uint8_t *q, float *scale_inv, const float *x, int rows,
                                     int cols, moe_fp8_format f, int block_2d, int pow2,
                                     moe_error *err);
+moe_status moe_cuda_quant_blockwise_t(uint8_t *q, float *scale_inv, uint8_t *qt,
+                                      float *scale_inv_t, const float *x, int rows, int cols,
+                                      moe_fp8_format f, int block_2d, int pow2, moe_error *err);
 moe_status moe_cuda_dequant_blockwise(float *y, const uint8_t *q, const float *scale_inv,
                                       int rows, int cols, moe_fp8_format f, int block_2d,
                                       moe_error *err);

@@ -196,6 +196,48 @@ START_TEST(test_gpu_quant_blockwise) {
 }
 END_TEST
 
+/* x and xᵀ from one read (blockwise_t_kernel) == the CPU's quantize(x), quantize(xᵀ) */
+START_TEST(test_gpu_quant_blockwise_t) {
+    const int shapes[][2] = {{128, 128}, {256, 384}, {640, 1024}};
+    moe_error err;
+    int ok = 1, cases = 0;
+    for (int f = 0; f < 2; f++)
+        for (int b2 = 0; b2 < 2; b2++)
+            for (int sh = 0; sh < 3; sh++) {
+                const int R = shapes[sh][0], C = shapes[sh][1], p2 = (sh + f) % 2;
+                const size_t n = (size_t)R * C;
+                const moe_quant_recipe rc = b2 ? MOE_QUANT_BLOCK_128X128 : MOE_QUANT_BLOCK_1X128;
+                const size_t ns = moe_quant_scale_count(rc, R, C), nt = moe_quant_scale_count(rc, C, R);
+                float *x = gen(n, 250 + sh, sh == 2 ? 1 : 0);
+                float *si = hpoison(ns * 4), *sit = hpoison(nt * 4);
+                uint8_t *q = hpoison(n), *qt = hpoison(n);
+                ck_assert_int_eq(moe_cpu_quant_blockwise_t(q, si, qt, sit, x, R, C, f, b2, p2, &err),
+                                 MOE_OK);
+                float *dx = dcopy(x, n * 4), *dsi = dpoison(ns * 4), *dsit = dpoison(nt * 4);
+                uint8_t *dq = dpoison(n), *dqt = dpoison(n);
+                ck_assert_int_eq(moe_cuda_quant_blockwise_t(dq, dsi, dqt, dsit, dx, R, C, f, b2, p2,
+                                                            &err),
+                                 MOE_OK);
+                ok &= same_bytes("blockwise_t codes", dq, q, n);
+                ok &= same_bytes("blockwise_t scales", dsi, si, ns * 4);
+                ok &= same_bytes("blockwise_t transposed codes", dqt, qt, n);
+                ok &= same_bytes("blockwise_t transposed scales", dsit, sit, nt * 4);
+                cases++;
+                free(x), free(si), free(sit), free(q), free(qt);
+                moe_cuda_free(dx), moe_cuda_free(dsi), moe_cuda_free(dsit), moe_cuda_free(dq),
+                    moe_cuda_free(dqt);
+            }
+    printf("  blockwise with transposed copy: %d cases (1x128 / 128x128, E4M3/E5M2, pow2, NaN), "
+           "%s\n",
+           cases, ok ? "CUDA == CPU byte for byte" : "DIFFER");
+    ck_assert(ok);
+    ck_assert_int_eq(moe_cuda_quant_blockwise_t(NULL, NULL, NULL, NULL, NULL, 100, 128,
+                                                MOE_FP8_E4M3, 0, 0, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err.msg, "pad the tokens"));
+}
+END_TEST
+
 START_TEST(test_gpu_quant_mxfp8) {
     const int shapes[][2] = {{1, 32}, {37, 96}, {513, 2048}};
     moe_error err;
@@ -476,8 +518,8 @@ END_TEST
 
 Suite *suite_gpu_quant(void) {
     const TTest *const tests[] = {test_gpu_quant_tensorwise, test_gpu_quant_delayed,
-                                  test_gpu_quant_blockwise,  test_gpu_quant_mxfp8,
-                                  test_gpu_quant_nvfp4,      test_gpu_fp8_gemm,
-                                  test_gpu_fp8_gemm_errors};
-    return moe_test_chapter_suite("gpu_quant", "ch05", tests, 7);
+                                  test_gpu_quant_blockwise,  test_gpu_quant_blockwise_t,
+                                  test_gpu_quant_mxfp8,      test_gpu_quant_nvfp4,
+                                  test_gpu_fp8_gemm,         test_gpu_fp8_gemm_errors};
+    return moe_test_chapter_suite("gpu_quant", "ch05", tests, 8);
 }

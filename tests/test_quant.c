@@ -831,6 +831,46 @@ START_TEST(test_thread_count_invariant) {
 }
 END_TEST
 
+/* the transposed copy: with 128×128 blocks it is the codes and scales transposed; with 1×128
+ * tiles its scales are the amaxes of x's 128-row column segments; rows not a multiple of 128
+ * are a named error */
+START_TEST(test_blockwise_transpose) {
+    enum { R = 256, C = 384 };
+    moe_error err;
+    float *x = frand(R * C, 800, 10.0);
+    for (int b2 = 0; b2 < 2; b2++) {
+        uint8_t *q = poisoned(R * C), *qt = poisoned(R * C);
+        float *s = poisoned(R * C), *st = poisoned(R * C);
+        ck_assert_int_eq(moe_cpu_quant_blockwise_t(q, s, qt, st, x, R, C, MOE_FP8_E4M3, b2, 0, &err),
+                         MOE_OK);
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++)
+                if (b2)
+                    ck_assert_uint_eq(qt[(size_t)c * R + r], q[(size_t)r * C + c]);
+        if (b2) {
+            for (int br = 0; br < R / 128; br++)
+                for (int bc = 0; bc < C / 128; bc++)
+                    ck_assert(bits(st[bc * (R / 128) + br]) == bits(s[br * (C / 128) + bc]));
+        } else {
+            for (int c = 0; c < C; c++)
+                for (int br = 0; br < R / 128; br++) {
+                    float amax = 0;
+                    for (int r = br * 128; r < br * 128 + 128; r++)
+                        amax = fmaxf(amax, fabsf(x[(size_t)r * C + c]));
+                    ck_assert(bits(st[(size_t)c * (R / 128) + br]) ==
+                              bits(moe_q_scale_inv(moe_q_scale_from_amax(amax, 448.0f, 0))));
+                }
+        }
+        free(q), free(qt), free(s), free(st);
+    }
+    ck_assert_int_eq(moe_cpu_quant_blockwise_t(NULL, NULL, NULL, NULL, x, 100, 128, MOE_FP8_E4M3,
+                                               0, 0, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err.msg, "pad the tokens"));
+    free(x);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ the GEMM */
 
 /* every named error of moe_fp8_gemm_check(), each with the words a user needs */
@@ -996,7 +1036,7 @@ Suite *suite_quant(void) {
                                   test_blockwise,           test_mxfp8,
                                   test_nvfp4,               test_hadamard,
                                   test_stochastic_rounding, test_thread_count_invariant,
-                                  test_fp8_gemm_check,      test_gemm_scale_layouts,
-                                  test_fp8_gemm_cpu_twin};
-    return moe_test_chapter_suite("quant", "ch05", tests, 13);
+                                  test_blockwise_transpose, test_fp8_gemm_check,
+                                  test_gemm_scale_layouts,  test_fp8_gemm_cpu_twin};
+    return moe_test_chapter_suite("quant", "ch05", tests, 14);
 }
