@@ -187,8 +187,20 @@ static const char *type_name(int t) {
     }
 }
 
-/* the cached plan for k, or a new one; NULL with a named error when cuBLASLt has no kernel */
-static plan *get_plan(const plan_key *k, moe_error *err) {
+static void set_scales(plan *p, const void *a_scale, const void *b_scale) {
+    if (b_scale) /* cuBLASLt's A is our B */
+        MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+            p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &b_scale, sizeof b_scale));
+    if (a_scale)
+        MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+            p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a_scale, sizeof a_scale));
+}
+
+/* the cached plan for k, or a new one; NULL with a named error when cuBLASLt has no kernel.
+ * The scale pointers are set before the heuristic runs: an algorithm chosen for a descriptor
+ * without them is a kernel without scaling, which cublasLtMatmul refuses once they are set */
+static plan *get_plan(const plan_key *k, const void *a_scale, const void *b_scale,
+                      moe_error *err) {
     for (int i = 0; i < g_nplans; i++)
         if (!memcmp(&g_plans[i].key, k, sizeof *k))
             return &g_plans[i];
@@ -216,6 +228,7 @@ static plan *get_plan(const plan_key *k, moe_error *err) {
         MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
                                                         &m, sizeof m));
     }
+    set_scales(&p, a_scale, b_scale);
     MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.la, (cudaDataType)k->tb, k->K, k->N, k->K));
     MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lb, (cudaDataType)k->ta, k->K, k->M, k->K));
     MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.ld, (cudaDataType)k->td, k->N, k->M, k->N));
@@ -232,24 +245,34 @@ static plan *get_plan(const plan_key *k, moe_error *err) {
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
     for (int i = 0; i < 4; i++)
         MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, aligns[i], &align, sizeof align));
-    cublasLtMatmulHeuristicResult_t h;
-    int found = 0;
+    /* the heuristic's candidates in its order; the first that cublasLtMatmulAlgoCheck accepts
+     * for this very descriptor wins */
+    cublasLtMatmulHeuristicResult_t h[8];
+    int found = 0, pick = -1;
     const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(lt_handle(), p.desc, p.la, p.lb, p.ld,
-                                                            p.ld, pref, 1, &h, &found);
+                                                            p.ld, pref, 8, h, &found);
     cublasLtMatmulPreferenceDestroy(pref);
-    if (s != CUBLAS_STATUS_SUCCESS || found == 0) {
+    for (int i = 0; s == CUBLAS_STATUS_SUCCESS && i < found && pick < 0; i++) {
+        cublasLtMatmulHeuristicResult_t chk;
+        if (cublasLtMatmulAlgoCheck(lt_handle(), p.desc, p.la, p.lb, p.ld, p.ld, &h[i].algo,
+                                    &chk) == CUBLAS_STATUS_SUCCESS &&
+            chk.workspaceSize <= LT_WORKSPACE)
+            pick = i;
+    }
+    if (s != CUBLAS_STATUS_SUCCESS || pick < 0) {
         plan_free(&p);
         moe_error_set(err, MOE_ERR_BACKEND,
                       "FP8 GEMM: cuBLASLt has no kernel for %s (scale mode %d) x %s (scale mode "
                       "%d) -> %s, M=%d N=%d K=%d on this GPU (compute capability %d.x): %s; use "
                       "E4M3 for both operands of a blockwise GEMM, or another recipe",
                       type_name(k->ta), k->sa, type_name(k->tb), k->sb, type_name(k->td), k->M,
-                      k->N, k->K, cc_major(), s == CUBLAS_STATUS_SUCCESS
-                                                  ? "the heuristic found no algorithm"
-                                                  : cublasGetStatusString(s));
+                      k->N, k->K, cc_major(),
+                      s != CUBLAS_STATUS_SUCCESS ? cublasGetStatusString(s)
+                      : found == 0               ? "the heuristic found no algorithm"
+                                                 : "no algorithm passed cublasLtMatmulAlgoCheck");
         return NULL;
     }
-    p.algo = h.algo;
+    p.algo = h[pick].algo;
     if (g_nplans == PLAN_CACHE) { /* full: replace the entries in turn */
         plan_free(&g_plans[g_next_evict]);
         g_plans[g_next_evict] = p;
@@ -261,23 +284,27 @@ static plan *get_plan(const plan_key *k, moe_error *err) {
     return &g_plans[g_nplans++];
 }
 
-/* run plan pl: d = alpha·op(b)·op(a) with the given scale pointers (NULL: none) */
-static void run_plan(plan *pl, void *d, const void *a, const void *b, const void *a_scale,
-                     const void *b_scale, const float *alpha_dev) {
-    if (b_scale)
-        MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
-            pl->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &b_scale, sizeof b_scale));
-    if (a_scale)
-        MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
-            pl->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a_scale, sizeof a_scale));
+/* run plan pl: d = alpha·op(b)·op(a) with the given scale pointers (NULL: none); a
+ * refusal at run time is a named error (it names the shape and the status) */
+static moe_status run_plan(plan *pl, void *d, const void *a, const void *b, const void *a_scale,
+                           const void *b_scale, const float *alpha_dev, moe_error *err) {
+    set_scales(pl, a_scale, b_scale);
     (void)moe_cuda_cublas(); /* creates the shared workspace on first use */
     void *ws = moe_cuda_scratch(MOE_SCRATCH_CUBLAS, LT_WORKSPACE);
     const float one = 1.0f, zero = 0.0f;
     const void *alpha = pl->key.device_alpha ? (const void *)alpha_dev : (const void *)&one;
     const void *beta = pl->key.device_alpha ? (const void *)symbol(g_zero) : (const void *)&zero;
-    MOE_CUBLAS_CHECK(cublasLtMatmul(lt_handle(), pl->desc, alpha, b, pl->la, a, pl->lb, beta, d,
-                                    pl->ld, d, pl->ld, &pl->algo, ws, LT_WORKSPACE,
-                                    moe_cuda_stream()));
+    const cublasStatus_t s =
+        cublasLtMatmul(lt_handle(), pl->desc, alpha, b, pl->la, a, pl->lb, beta, d, pl->ld, d,
+                       pl->ld, &pl->algo, ws, LT_WORKSPACE, moe_cuda_stream());
+    if (s != CUBLAS_STATUS_SUCCESS)
+        return moe_error_set(err, MOE_ERR_BACKEND,
+                             "FP8 GEMM: cublasLtMatmul refused %s x %s (scale modes %d, %d), "
+                             "M=%d N=%d K=%d: %s (run with CUBLASLT_LOG_LEVEL=2 for its reason)",
+                             type_name(pl->key.ta), type_name(pl->key.tb), pl->key.sa,
+                             pl->key.sb, pl->key.M, pl->key.N, pl->key.K,
+                             cublasGetStatusString(s));
+    return MOE_OK;
 }
 
 /* ------------------------------------------------------------------ the paths */
@@ -335,11 +362,10 @@ static moe_status gemm_emulated(void *d, int td, const moe_qmatrix *a, const moe
         MOE_CUDA_LAUNCH_CHECK();
     }
     const plan_key k = {M, N, K, CUDA_R_16BF, CUDA_R_16BF, td, -1, -1, 1};
-    plan *pl = get_plan(&k, err);
+    plan *pl = get_plan(&k, NULL, NULL, err);
     if (!pl)
         return MOE_ERR_BACKEND;
-    run_plan(pl, d, p[1], p[2], NULL, NULL, alpha);
-    return MOE_OK;
+    return run_plan(pl, d, p[1], p[2], NULL, NULL, alpha, err);
 }
 
 /* native FP8 with tensorwise or blockwise scales (cuBLASLt on sm_90) */
@@ -370,11 +396,10 @@ static moe_status gemm_fp8(void *d, int td, const moe_qmatrix *a, const moe_qmat
                  : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
     }
     const plan_key k = {M, N, K, fp8_type(a->format), fp8_type(b->format), td, ma, mb, 0};
-    plan *pl = get_plan(&k, err);
+    plan *pl = get_plan(&k, sa, sb, err);
     if (!pl)
         return MOE_ERR_BACKEND;
-    run_plan(pl, d, a->codes, b->codes, sa, sb, NULL);
-    return MOE_OK;
+    return run_plan(pl, d, a->codes, b->codes, sa, sb, NULL, err);
 }
 
 /* native MXFP8 / NVFP4 (cuBLASLt on sm_100; written from the documentation, untested) */
@@ -401,11 +426,10 @@ static moe_status gemm_block_scaled(void *d, int td, const moe_qmatrix *a, const
                          : CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
     const plan_key k = {M, N, K, fp4 ? CUDA_R_4F_E2M1 : fp8_type(a->format),
                         fp4 ? CUDA_R_4F_E2M1 : fp8_type(b->format), td, mode, mode, fp4};
-    plan *pl = get_plan(&k, err);
+    plan *pl = get_plan(&k, p[0], p[1], err);
     if (!pl)
         return MOE_ERR_BACKEND;
-    run_plan(pl, d, a->codes, b->codes, p[0], p[1], alpha);
-    return MOE_OK;
+    return run_plan(pl, d, a->codes, b->codes, p[0], p[1], alpha, err);
 }
 
 static int aligned16(const void *p) { return p == NULL || (uintptr_t)p % 16 == 0; }

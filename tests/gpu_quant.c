@@ -488,8 +488,10 @@ START_TEST(test_gpu_fp8_gemm) {
                    worst[1], pass ? "ok" : "TOO LARGE");
         ok &= pass;
         /* only the hybrid blockwise pair may be refused: every other one is documented to run */
-        ck_assert_msg(!refused || (gc->ra == MOE_QUANT_BLOCK_1X128 && gc->fa != gc->fb),
-                      "%s refused", gc->name);
+        if (refused && !(gc->ra == MOE_QUANT_BLOCK_1X128 && gc->fa != gc->fb)) {
+            printf("  %s: refused, but it must run\n", gc->name);
+            ok = 0;
+        }
     }
     printf("  FP8/FP4 GEMM: %d GEMMs vs the CPU twin (M 1/301/1000, bf16 tol 1e-2, fp32 tol 1e-3)"
            ", %s\n",
