@@ -263,8 +263,9 @@ static plan *get_plan(const plan_key *k, const void *a_scale, const void *b_scal
         plan_free(&p);
         moe_error_set(err, MOE_ERR_BACKEND,
                       "FP8 GEMM: cuBLASLt has no kernel for %s (scale mode %d) x %s (scale mode "
-                      "%d) -> %s, M=%d N=%d K=%d on this GPU (compute capability %d.x): %s; use "
-                      "E4M3 for both operands of a blockwise GEMM, or another recipe",
+                      "%d) -> %s, M=%d N=%d K=%d on this GPU (compute capability %d.x): %s; pad "
+                      "the shape (lib/fp8_gemm.h lists what was measured to run) or use "
+                      "another recipe",
                       type_name(k->ta), k->sa, type_name(k->tb), k->sb, type_name(k->td), k->M,
                       k->N, k->K, cc_major(),
                       s != CUBLAS_STATUS_SUCCESS ? cublasGetStatusString(s)
@@ -310,6 +311,13 @@ static moe_status run_plan(plan *pl, void *d, const void *a, const void *b, cons
 /* ------------------------------------------------------------------ the paths */
 
 static int fp8_type(moe_fp8_format f) { return f == MOE_FP8_E5M2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3; }
+
+/* the tensorwise dequantization scales, copied to 16-byte aligned slots (one thread) */
+static __global__ void scalar_scales_kernel(float *sa, float *sb, const moe_quant_scalars *a,
+                                            const moe_quant_scalars *b) {
+    *sa = a->scale_inv;
+    *sb = b->scale_inv;
+}
 
 /* NVFP4's alpha: 1/G_a · 1/G_b (one thread) */
 static __global__ void alpha_kernel(float *alpha, const moe_quant_scalars *ga,
@@ -374,8 +382,19 @@ static moe_status gemm_fp8(void *d, int td, const moe_qmatrix *a, const moe_qmat
     const void *sa, *sb;
     int ma, mb;
     if (a->recipe == MOE_QUANT_TENSORWISE) {
-        sa = &a->scalars->scale_inv; /* a device address: nothing is read here */
-        sb = &b->scalars->scale_inv;
+        /* the scale_inv fields sit 8 bytes into moe_quant_scalars, and cublasLtMatmul refuses
+         * FP8 scale pointers that are not 16-byte aligned ("not supported" on an H100, at run
+         * time, after the heuristic accepted the descriptor): copy them, on the device */
+        carve c = {};
+        carve_add(&c, sizeof(float));
+        carve_add(&c, sizeof(float));
+        void *p[2];
+        carve_take(&c, p);
+        scalar_scales_kernel<<<1, 1, 0, moe_cuda_stream()>>>((float *)p[0], (float *)p[1],
+                                                              a->scalars, b->scalars);
+        MOE_CUDA_LAUNCH_CHECK();
+        sa = p[0];
+        sb = p[1];
         ma = mb = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
     } else {
         const int kb = K / MOE_QUANT_BLOCK;
