@@ -24,7 +24,8 @@
  * | NVFP4 | NVFP4 (1D or 16×16) | Σ q·s_b over K, times 1/(G_a·G_b) | **emulated**: dequantize → bf16 GEMM |
  *
  * Element formats: E4M3 × E4M3, and the "hybrid" recipe's E5M2 (gradients) × E4M3 in either
- * position; cuBLASLt has no E5M2 × E5M2 GEMM, so that pair is a named error.
+ * position (cuBLASLt 13.0 on an H100 ran E5M2 × E4M3 with tensorwise and with blockwise
+ * scales); cuBLASLt has no E5M2 × E5M2 GEMM, so that pair is a named error.
  *
  * **Emulation, and why it has the native numerics.** MXFP8 and NVFP4 GEMMs exist in cuBLASLt
  * only on sm_100+ (block-scaled tcgen05 MMAs). On Hopper the GPU path dequantizes each
@@ -46,10 +47,14 @@
  * block-scaling layout. The GEMM converts them into a scratch buffer on every call; it is one
  * small kernel.
  *
- * **Shapes** (moe_fp8_gemm_check()): M ≥ 0 any (ragged: tokens per expert), N a multiple of
- * 16, K a multiple of 16 (tensorwise), 128 (blockwise), 32 (MXFP8 and NVFP4: a packed NVFP4
- * row must be 16-byte aligned); otherwise ::MOE_ERR_CONFIG with the multiple. The GPU path
- * also wants every pointer 16-byte aligned (cudaMalloc gives 256).
+ * **Shapes** (moe_fp8_gemm_check()): M ≥ 0 (ragged: tokens per expert), any for tensorwise,
+ * MXFP8 and NVFP4, a multiple of 4 for blockwise (cuBLASLt 13.0 on an H100 refused blockwise
+ * GEMMs with M = 1, 2, 301, 302 and ran M = 4, 8, 16, 304, 1000, for N of 256 to 384 and K of
+ * 256 to 1024); N a multiple of 16; K a multiple of 16 (tensorwise), 128 (blockwise), 32
+ * (MXFP8 and NVFP4: a packed NVFP4 row must be 16-byte aligned); otherwise ::MOE_ERR_CONFIG
+ * with the multiple. The GPU path also wants the codes, the scales and D 16-byte aligned
+ * (cudaMalloc gives 256); the tensorwise scale_inv, 8 bytes into ::moe_quant_scalars, is
+ * copied to an aligned slot by the GEMM, because cublasLtMatmul refuses it where it is.
  */
 #ifndef MOE_FP8_GEMM_H
 #define MOE_FP8_GEMM_H
@@ -136,9 +141,10 @@ extern "C" { /* kernels/fp8_gemm.cu calls the check */
  *
  * Accepted pairs: tensorwise × tensorwise; 1×128 (A) × 128×128 or 1×128 (B); MXFP8 × MXFP8;
  * NVFP4 (1D or 16×16) × NVFP4 (1D or 16×16) with the same random Hadamard transform (both
- * off, or both on with one seed). Formats: not E5M2 × E5M2. Shape: M ≥ 0, N ≥ 0 and a
- * multiple of 16, K ≥ 0 and a multiple of the recipe's (16 tensorwise, 128 blockwise, 32
- * MXFP8 and NVFP4). Codes must be given, and the scales or scalars the recipe needs.
+ * off, or both on with one seed). Formats: not E5M2 × E5M2. Shape: M ≥ 0 (blockwise: a
+ * multiple of 4), N ≥ 0 and a multiple of 16, K ≥ 0 and a multiple of the recipe's (16
+ * tensorwise, 128 blockwise, 32 MXFP8 and NVFP4). Codes must be given, and the scales or
+ * scalars the recipe needs.
  * @param a the [M, K] operand  @param b the [N, K] operand  @param M rows of A and D
  * @param N rows of B, columns of D  @param K the shared dimension
  * @param err receives the reason, naming the flag or the fix

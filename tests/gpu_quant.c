@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/ops.h"
 #include "cuda_ops.h"
 #include "fp8_gemm.h"
 #include "helpers.h"
@@ -404,6 +405,22 @@ static float *gemm_input(int rows, int K, uint64_t stream, int weights) {
     return x;
 }
 
+/* S[i][j] = Σ_k |deq(a)[i][k]·deq(b)[j][k]|, on the CPU */
+static float *abs_product(const moe_qmatrix *a, const moe_qmatrix *b, int M, int N, int K) {
+    moe_error err;
+    float *da = hpoison((size_t)M * K * 4), *db = hpoison((size_t)N * K * 4);
+    float *s = hpoison((size_t)M * N * 4);
+    ck_assert_int_eq(moe_cpu_qmatrix_dequant(da, a, M, K, &err), MOE_OK);
+    ck_assert_int_eq(moe_cpu_qmatrix_dequant(db, b, N, K, &err), MOE_OK);
+    for (size_t i = 0; i < (size_t)M * K; i++)
+        da[i] = fabsf(da[i]);
+    for (size_t i = 0; i < (size_t)N * K; i++)
+        db[i] = fabsf(db[i]);
+    moe_cpu_matmul_forward(s, da, db, M, K, N);
+    free(da), free(db);
+    return s;
+}
+
 typedef struct gemm_case {
     const char *name;
     moe_quant_recipe ra, rb;
@@ -412,10 +429,15 @@ typedef struct gemm_case {
 } gemm_case;
 
 /* every recipe and format pair the GEMM takes, GPU vs the CPU twin: D poisoned first, ragged
- * M (1, 301, 1000: tokens per expert), N not a multiple of 128 (a partial 128×128 weight
- * block), bf16 and fp32 outputs. Tolerance: |gpu − cpu| ≤ tol·max(|cpu|, rms(cpu)), tol 1e-2
- * for bf16 D (its rounding is 2⁻⁹ ≈ 2e-3) and 1e-3 for fp32 D (accumulation order, and the
- * FP8 tensor cores' partial sums promoted to fp32 every few k-steps) */
+ * M (1, 301, 1000 tokens; blockwise, which needs a multiple of 4: 4, 304, 1000), N not a
+ * multiple of 128 (a partial 128×128 weight block), bf16 and fp32 outputs.
+ * Tolerance, per element, relative to the sum's own scale S = Σ_k |a_k·b_k| (what bounds an
+ * accumulation error; a layout or scale mistake is off by O(S)): |gpu − cpu| ≤ tol·S with
+ *   native FP8: 5e-3 for bf16 D, 2e-3 for fp32 D. Hopper's FP8 tensor cores add their
+ *               products with fewer bits than fp32 (DeepSeek-V3 measured ~14); measured on an
+ *               H100: ~1e-2 of max(|D|, rms D), i.e. below 1e-3·S;
+ *   emulated:   5e-3 for bf16 D (its rounding: 2⁻⁹·|D| ≤ 2e-3·S), 2e-5 for fp32 D (exact
+ *               bf16 products, fp32 sums: only the order differs) */
 START_TEST(test_gpu_fp8_gemm) {
     const gemm_case cases[] = {
         {"tensorwise E4M3 x E4M3", MOE_QUANT_TENSORWISE, MOE_QUANT_TENSORWISE, MOE_FP8_E4M3,
@@ -447,7 +469,10 @@ START_TEST(test_gpu_fp8_gemm) {
         int refused = 0;
         for (int sh = 0; sh < 3; sh++)
             for (int fp32 = 0; fp32 < 2; fp32++) {
-                const int M = shapes[sh][0], N = shapes[sh][1], K = shapes[sh][2];
+                const int blockwise = gc->ra == MOE_QUANT_BLOCK_1X128;
+                const int M = (int)(blockwise ? moe_round_up((size_t)shapes[sh][0], 4)
+                                              : (size_t)shapes[sh][0]);
+                const int N = shapes[sh][1], K = shapes[sh][2];
                 const uint64_t stream = 600 + (uint64_t)(ci * 8 + sh * 2 + fp32);
                 float *x = gemm_input(M, K, stream, 0), *w = gemm_input(N, K, stream + 500, 1);
                 const moe_nvfp4_opts nv = {.rht = gc->rht, .rht_seed = 31};
@@ -457,6 +482,7 @@ START_TEST(test_gpu_fp8_gemm) {
                 const size_t n = (size_t)M * N;
                 float *ref = hpoison(n * 4), *got = hpoison(n * 4);
                 ck_assert_int_eq(moe_cpu_fp8_gemm(ref, &a.h, &b.h, M, N, K, &err), MOE_OK);
+                float *mag = abs_product(&a.h, &b.h, M, N, K); /* S per element */
                 void *dd = dpoison(n * (fp32 ? 4 : 2)); /* 0xABAB.. : bf16 and fp32 garbage */
                 const moe_status st = moe_cuda_fp8_gemm(dd, fp32, &a.d, &b.d, M, N, K, &err);
                 if (st == MOE_ERR_BACKEND) { /* cuBLASLt refused: a named error, reported */
@@ -470,51 +496,41 @@ START_TEST(test_gpu_fp8_gemm) {
                         moe_cuda_to_host(got, dd, n * 4);
                     else
                         moe_cuda_read_act(got, dd, n);
-                    double ss = 0;
-                    for (size_t i = 0; i < n; i++)
-                        ss += (double)ref[i] * ref[i];
-                    const double rms = sqrt(ss / (double)(n ? n : 1));
-                    const double e = moe_test_max_rel_err(got, ref, n, rms > 0 ? rms : 1e-30);
-                    worst[fp32] = e > worst[fp32] ? e : worst[fp32];
+                    for (size_t i = 0; i < n; i++) {
+                        const double e = fabs((double)got[i] - ref[i]) / (mag[i] + 1e-30);
+                        worst[fp32] = e > worst[fp32] || isnan(e) ? e : worst[fp32];
+                    }
                     ran++;
                 }
-                free(x), free(w), free(ref), free(got);
+                free(x), free(w), free(ref), free(got), free(mag);
                 moe_cuda_free(dd);
                 operand_free(&a), operand_free(&b);
             }
-        const int pass = worst[0] <= 1e-2 && worst[1] <= 1e-3;
-        printf("  %-42s %s: max rel err bf16 D %.2e, fp32 D %.2e %s\n", gc->name,
-               moe_cuda_fp8_gemm_native(gc->ra) ? "native  " : "emulated", worst[0], worst[1],
-               pass ? "ok" : "TOO LARGE");
+        const int native = moe_cuda_fp8_gemm_native(gc->ra);
+        const int pass = worst[0] <= 5e-3 && worst[1] <= (native ? 2e-3 : 2e-5);
+        printf("  %-42s %s: max |gpu - cpu| / S, bf16 D %.2e, fp32 D %.2e %s\n", gc->name,
+               native ? "native  " : "emulated", worst[0], worst[1], pass ? "ok" : "TOO LARGE");
         ok &= pass;
-        /* only blockwise GEMMs may be refused (some shapes; see the probe below) */
-        if (refused && gc->ra != MOE_QUANT_BLOCK_1X128) {
+        if (refused) {
             printf("  %s: refused, but it must run\n", gc->name);
             ok = 0;
         }
     }
-    printf("  FP8/FP4 GEMM: %d GEMMs vs the CPU twin (M 1/301/1000, bf16 tol 1e-2, fp32 tol 1e-3)"
-           ", %s\n",
-           ran, ok ? "all within tolerance" : "SOME TOO LARGE");
+    printf("  FP8/FP4 GEMM: %d GEMMs vs the CPU twin, %s\n", ran,
+           ok ? "all within tolerance" : "SOME TOO LARGE OR REFUSED");
     ck_assert(ok);
 }
 END_TEST
 
-/* which shapes cuBLASLt's blockwise FP8 GEMM takes on this GPU: printed, for the shape rule
- * of moe_fp8_gemm_check (the 1000 x 384 x 1024 GEMM of the test above must run) */
+/* the blockwise shape rule, on both sides of it: every M that is a multiple of 4 runs (also
+ * with N not a multiple of 128 and K = 256), every other M is the named error of
+ * moe_fp8_gemm_check (cuBLASLt itself refused them: measured with the check off) */
 START_TEST(test_gpu_fp8_gemm_blockwise_shapes) {
-    const int Ms[] = {1, 2, 4, 8, 16, 301, 302, 304, 1000};
-    const int NK[][2] = {{256, 256}, {256, 512}, {272, 512}, {384, 512}, {384, 1024}};
+    const int Ms[] = {1, 2, 4, 8, 302, 304};
+    const int NK[][2] = {{256, 256}, {272, 512}};
     moe_error err;
-    printf("  blockwise FP8 shapes cuBLASLt takes (1: runs, 0: refused), M down, (N, K) across:\n"
-           "  %6s", "M");
-    for (int j = 0; j < 5; j++)
-        printf("  (%d,%d)", NK[j][0], NK[j][1]);
-    printf("\n");
-    int ref_ok = 0;
-    for (int i = 0; i < 9; i++) {
-        printf("  %6d", Ms[i]);
-        for (int j = 0; j < 5; j++) {
+    for (int i = 0; i < 6; i++)
+        for (int j = 0; j < 2; j++) {
             const int M = Ms[i], N = NK[j][0], K = NK[j][1];
             float *x = gemm_input(M, K, 900 + (uint64_t)i, 0), *w = gemm_input(N, K, 950, 1);
             operand a, b;
@@ -522,17 +538,16 @@ START_TEST(test_gpu_fp8_gemm_blockwise_shapes) {
             operand_make(&b, MOE_QUANT_BLOCK_128X128, MOE_FP8_E4M3, NULL, w, N, K);
             void *dd = dpoison((size_t)M * N * 2);
             const moe_status st = moe_cuda_fp8_gemm(dd, 0, &a.d, &b.d, M, N, K, &err);
-            ck_assert_msg(st == MOE_OK || st == MOE_ERR_BACKEND, "%s", err.msg);
-            printf("  %*d", (int)strlen("(256,256)") - 2, st == MOE_OK);
-            if (M == 1000 && N == 384 && K == 1024)
-                ref_ok = st == MOE_OK;
+            if (M % 4)
+                ck_assert_msg(st == MOE_ERR_CONFIG && strstr(err.msg, "multiple of 4"),
+                              "M=%d: %s", M, err.msg);
+            else
+                ck_assert_msg(st == MOE_OK, "M=%d N=%d K=%d: %s", M, N, K, err.msg);
             free(x), free(w);
             moe_cuda_free(dd);
             operand_free(&a), operand_free(&b);
         }
-        printf("\n");
-    }
-    ck_assert(ref_ok);
+    printf("  blockwise FP8 GEMM: M = 4, 8, 304 run, M = 1, 2, 302 are the named error\n");
 }
 END_TEST
 

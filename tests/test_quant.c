@@ -896,13 +896,15 @@ START_TEST(test_fp8_gemm_check) {
         const char *want; /* NULL: valid */
     } cases[] = {
         {&tw, &tw, 301, 256, 512, NULL},
-        {&b1, &b2, 1, 272, 1024, NULL},
+        {&b1, &b2, 4, 272, 1024, NULL},
         {&b1, &b1, 0, 16, 128, NULL},
         {&mx, &mx, 5, 32, 64, NULL},
         {&nv, &nv, 5, 32, 64, NULL},
         {&e5, &tw, 16, 16, 16, NULL},
         {&tw, &tw, 16, 16, 100, "not a multiple of 16"},
         {&b1, &b2, 16, 16, 192, "not a multiple of 128"},
+        {&b1, &b2, 301, 16, 128, "M=301 is not a multiple of 4"},
+        {&tw, &tw, 301, 16, 128, NULL},
         {&mx, &mx, 16, 16, 48, "not a multiple of 32"},
         {&nv, &nv, 16, 16, 48, "not a multiple of 32"},
         {&tw, &tw, 16, 100, 128, "N=100"},
@@ -970,7 +972,7 @@ END_TEST
  * recipe pair, the NVFP4 transform included; and the quantized product stays near the exact
  * one (a loose bound per recipe: the quantization error, not the twin's) */
 START_TEST(test_fp8_gemm_cpu_twin) {
-    enum { M = 37, N = 48, K = 256 };
+    enum { M = 36, N = 48, K = 256 }; /* M: blockwise needs a multiple of 4 */
     const moe_quant_recipe pairs[][2] = {{MOE_QUANT_TENSORWISE, MOE_QUANT_TENSORWISE},
                                          {MOE_QUANT_BLOCK_1X128, MOE_QUANT_BLOCK_128X128},
                                          {MOE_QUANT_MXFP8, MOE_QUANT_MXFP8},

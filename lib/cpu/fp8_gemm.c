@@ -80,6 +80,12 @@ moe_status moe_fp8_gemm_check(const moe_qmatrix *a, const moe_qmatrix *b, int M,
                              "16-byte rows the FP8/FP4 tensor cores read); pad K to a multiple "
                              "of %d",
                              name, K, km, km);
+    if (ra == MOE_QUANT_BLOCK_1X128 && M % 4)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "blockwise FP8 GEMM: M=%d is not a multiple of 4, which cuBLASLt's "
+                             "1x128-scaled kernels need (measured on an H100: M = 1, 2, 301, 302 "
+                             "refused; 4, 8, 304, 1000 run); pad the tokens to a multiple of 4",
+                             M);
     if (N % 16)
         return moe_error_set(err, MOE_ERR_CONFIG,
                              "%s GEMM: N=%d (rows of B, columns of D) is not a multiple of 16, "
