@@ -9,8 +9,10 @@
  * them ([out, in]). So the forward `y = x·wᵀ` is this GEMM as it stands; the backward GEMMs
  * (dgrad `dx = dy·w`, wgrad `dw = dyᵀ·x`) need their operands transposed first, because
  * **Hopper's FP8 tensor cores (wgmma) read FP8 operands only K-major**: cuBLASLt accepts FP8
- * on sm_90 only in the "TN" layout, and so does this function. The transposed FP8 copies for
- * the backward are meant to come from a fused quantize+transpose kernel (not written yet).
+ * on sm_90 only in the "TN" layout, and so does this function. For the blockwise recipe the
+ * transposed FP8 copies of the backward come from moe_cpu_quant_blockwise_t() (and its CUDA
+ * twin), which quantizes x and xᵀ from one read of x; the other recipes have no such kernel
+ * yet.
  * Each operand is described by a ::moe_qmatrix: its recipe, its codes, its scales as the
  * quantizers of quantize.h wrote them (no layout conversion by the caller).
  *
