@@ -197,8 +197,9 @@ static void set_scales(plan *p, const void *a_scale, const void *b_scale) {
 }
 
 /* the cached plan for k, or a new one; NULL with a named error when cuBLASLt has no kernel.
- * The scale pointers are set before the heuristic runs: an algorithm chosen for a descriptor
- * without them is a kernel without scaling, which cublasLtMatmul refuses once they are set */
+ * The scale pointers are set before the heuristic runs, so it sees the descriptor that will
+ * run (as PyTorch and NVIDIA's samples do; setting them later was not what made the first
+ * tensorwise calls fail on an H100: that was the scale pointers' alignment, see gemm_fp8) */
 static plan *get_plan(const plan_key *k, const void *a_scale, const void *b_scale,
                       moe_error *err) {
     for (int i = 0; i < g_nplans; i++)
