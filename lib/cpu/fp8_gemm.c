@@ -161,12 +161,13 @@ moe_status moe_cpu_fp8_gemm(float *d, const moe_qmatrix *a, const moe_qmatrix *b
         s = dequant_real(&db, b, N, K, err);
     if (s == MOE_OK) {
 #ifdef MOE_REAL_DOUBLE
-        moe_real *dd = malloc(((size_t)M * N ? (size_t)M * N : 1) * sizeof *dd);
+        const size_t nd = (size_t)M * N;
+        moe_real *dd = malloc((nd > 0 ? nd : 1) * sizeof *dd);
         if (!dd) {
             s = moe_error_set(err, MOE_ERR_NOMEM, "FP8 GEMM twin: output");
         } else {
             moe_cpu_matmul_forward(dd, da, db, M, K, N);
-            for (size_t i = 0; i < (size_t)M * N; i++)
+            for (size_t i = 0; i < nd; i++)
                 d[i] = (float)dd[i];
             free(dd);
         }
