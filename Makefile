@@ -116,7 +116,7 @@ LIB      := $(BUILD)/libmoe.a
 LIB_F64  := $(BUILD)/f64/libmoe.a
 PROGRAMS := $(patsubst programs/%.c,bin/%,$(PROG_SRC))
 # chapter programs: chapters/NN-name/chNN_what.c -> bin/chNN_what
-CHAPTER_SRC := $(filter-out $(if $(filter 1,$(WITH_CUDA)),,chapters/05-fp8-nvfp4/% chapters/06-cuda-graphs/%),$(wildcard chapters/*/ch*.c))
+CHAPTER_SRC := $(filter-out $(if $(filter 1,$(WITH_CUDA)),,chapters/05-fp8-nvfp4/% chapters/06-cuda-graphs/% chapters/07-long-context/ch07_attention_bench.c),$(wildcard chapters/*/ch*.c))
 CHAPTER_BIN := $(foreach f,$(CHAPTER_SRC),bin/$(basename $(notdir $(f))))
 
 obj = $(patsubst %.c,$(BUILD)/$(2)%.o,$(1))
@@ -460,10 +460,12 @@ check-ch06: check-deps
 # against the naive reference (shapes around the tiles, chunks at offsets, the model) and its
 # finite-difference gradients
 check-ch07: check-deps
-	@$(MAKE) --no-print-directory $(BUILD)/tests/unit $(BUILD)/tests/fd
+	@$(MAKE) --no-print-directory $(BUILD)/tests/unit $(BUILD)/tests/fd $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu)
 	@echo "== chapter 07 self-check (reference: the library's code; no student stubs yet)"
 	CK_INCLUDE_TAGS=ch07 $(BUILD)/tests/unit
 	CK_INCLUDE_TAGS=ch07 $(BUILD)/tests/fd
+	@if [ "$(WITH_CUDA)" = 1 ]; then echo "== chapter 07: the CUDA flash attention against the CPU's"; \
+	  CK_RUN_SUITE=gpu_attention $(BUILD)/tests/gpu; fi
 	@if [ "$(WITH_MPI)" != 1 ]; then echo "== chapter 07 MPI ranks: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
 	else $(MAKE) --no-print-directory $(BUILD)/tests/mpi && \
 	  for np in 2 3 4; do echo "== chapter 07: context-parallel attention on $$np MPI ranks (CPU) against one process"; \
@@ -666,6 +668,8 @@ bench: all
 	./bin/ch03_grouped_gemm_bench
 	@if [ "$(WITH_CUDA)" = 1 ]; then ./bin/ch06_graphs_bench; \
 	else echo "ch06 graphs benchmark: skipped (built without CUDA)"; fi
+	@if [ "$(WITH_CUDA)" = 1 ]; then ./bin/ch07_attention_bench; \
+	else echo "ch07 attention benchmark: skipped (built without CUDA)"; fi
 
 # For tools that compile C against the library (the notebooks' %%c cells).
 print-build-flags:

@@ -1,584 +1,777 @@
 /*
- * Causal grouped-query attention on the GPU (the CUDA twin of the naive attention of
- * lib/cpu/attention.c, moe_cpu_attention_naive_*; the CPU table now runs the flash version).
+ * Causal grouped-query flash attention on the GPU, on tensor cores (the CUDA twin of the CPU
+ * flash attention of lib/cpu/attention.c, moe_cpu_attention_forward/backward).
  *
- * The math, for query head h of sequence b, with key/value head g = h / (Hq/Hkv):
+ * The math, for query head h of sequence b, with key/value head g = h / (Hq/Hkv), query row
+ * t at absolute position q_pos + t and key row s at k_pos + s:
  *
- *   S[t,s] = q_t · k_s / √D                  (s ≤ t; −∞ above the diagonal)
- *   P[t,:] = softmax(S[t,:])                 saved in att [B, Hq, T, T] as bf16
- *   y_t    = Σ_s P[t,s] v_s
- *   lse_t  = log Σ_s exp(S[t,s]) = m_t + log l_t   (row max m, sum l = Σ exp(S − m); fp32)
+ *   S[t,s] = q_t · k_s / √D     if k_pos + s ≤ q_pos + t (causal), else −∞
+ *   P[t,:] = softmax(S[t,:]),   y_t = Σ_s P[t,s] v_s,   lse_t = log Σ_s exp(S[t,s])
  *
- *   backward, with dP[t,s] = dy_t · v_s and the row dot δ_t = Σ_s P[t,s] dP[t,s]:
- *   dv_s  += Σ_t P[t,s] dy_t
- *   dS     = P ⊙ (dP − δ)                    (the softmax Jacobian, row by row)
- *   dq_t  += Σ_s dS[t,s] k_s / √D
- *   dk_s  += Σ_t dS[t,s] q_t / √D
+ *   backward, with dP[t,s] = dy_t · v_s and δ_t = Σ_s P[t,s] dP[t,s] = dy_t · y_t:
+ *   dS = P ⊙ (dP − δ),  dv_s += Σ_t P[t,s] dy_t,  dq_t += Σ_s dS[t,s] k_s / √D,
+ *   dk_s += Σ_t dS[t,s] q_t / √D.
  *
- * Precision: activations are bf16 in memory; every product, the softmax and every
- * accumulation run in fp32; results are rounded to bf16 once, when they are stored.
+ * A query row that sees no key of the chunk (q_pos + t < k_pos) gets y = 0 and lse = −∞.
  *
- * Design. This is the "materialised" attention of the chapters before flash attention
- * (chapter 07): it saves P in its op workspace (backend.h's attention contract: the
- * workspace is att, B·Hq·T·T bf16), so the T×T matrix is written once per head anyway.
- * Everything is cut into 64×64 tiles of that matrix. A thread block of 256 threads
- * (16×16, thread (ty, tx)) owns one tile at a time and computes a 4×4 micro-tile of it:
- * rows ty, ty+16, ty+32, ty+48 and columns tx, tx+16, tx+32, tx+48. The 64-row slices
- * of q, k, v, dy that a tile needs are staged in shared memory as fp32; products over
- * the head dimension D read them from there. A row of a tile lives in the 16 threads of
- * one half-warp, so row reductions (max, sum, δ) are warp shuffles.
+ * Precision: q, k, v, y, dy and the gradients are bf16 in memory; S, the softmax, dP, dS and
+ * every accumulation are fp32 (the tensor cores' bf16 × bf16 → fp32 products). P and dS are
+ * rounded to bf16 only where they enter a product with a bf16 operand (P·V, dS·K, ...), as in
+ * FlashAttention-2; the row statistics m, l and lse stay fp32.
  *
- * Shared-memory tiles are [64][LD] with LD = 16·NJ + 1, NJ = ceil(D/16) rounded up to
- * 2, 4 or 8 (the template parameter): columns D..LD−1 are zero, so inner loops need no
- * bounds tests, and the odd stride puts the 16 rows a half-warp reads in 16 different
- * banks. D may be anything up to 128; T anything (partial tiles are zero-padded).
+ * Design: FlashAttention-2 on mma.sync.m16n8k16 (bf16 → fp32), which every GPU since Ampere
+ * runs, so the same source builds for sm_90a and sm_100a. (A Hopper kernel with wgmma, TMA
+ * and warp-specialised producer / consumer warps, FA3's ideas, is not written yet.)
  *
- *   forward   one block per (b, h, 64 query rows), two sweeps over the key tiles:
- *             1. S tile by tile → running row max m and sum l (online softmax),
- *                then lse = m + log l per row (fp32);
- *             2. S again → P = exp(S − m)/l → att (bf16) and y += P·V (P in fp32).
- *             Tiles above the diagonal are written as zeros. Recomputing S costs one
- *             extra Q·Kᵀ but keeps shared memory independent of T.
+ *   tiles     a block has 4 warps (128 threads); each warp owns MT m-tiles of 16 rows (32
+ *             rows with MT = 2). Forward and dq: a block owns 4·16·MT query rows and walks
+ *             the key tiles its rows can see. Each warp computes its slice of S = Q·Kᵀ with
+ *             mma, keeps it in registers, and reuses the accumulator layout of S directly as
+ *             the A operand of the next product (two 16 × 8 fp32 accumulators = one 16 × 16
+ *             bf16 A fragment), so neither P nor dS ever touches shared memory. Operands
+ *             come from shared memory through ldmatrix (.trans where the product needs the
+ *             tile's columns: V in P·V, K in dS·K, Q and dY in the dk/dv products); every
+ *             B fragment read serves the warp's MT m-tiles, which is what MT buys: at MT = 1
+ *             a warp reads about as many shared-memory bytes per mma as the SM can deliver,
+ *             so the tensor cores wait. MT = 2 needs up to 255 registers; FaConfig picks MT
+ *             and the tile lengths per head dimension so that nothing spills. Which tiling
+ *             runs is measured (see fa_wide_forward): the wide forward from 512 query rows,
+ *             the narrow backward; MOE_FLASH_MT=1 or 2 forces one (the tests run both).
+ *   memory    tiles are [rows][DP + 8] bf16 in shared memory, DP the head dimension padded
+ *             to 32, 64 or 128 (the template parameter; columns D..DP−1 are loaded as zeros,
+ *             so any D ≤ 128 runs and only d < D is stored). The 16 extra bytes per row put
+ *             the 8 rows an ldmatrix reads in 8 different bank groups. Loads are cp.async,
+ *             16 bytes each (zero-filled outside the tensor) when D is a multiple of 8 and
+ *             the tensors are 16-byte aligned, else plain element loads. Key tiles (or the
+ *             dk/dv kernel's query tiles) are double-buffered: tile j+1 is in flight while
+ *             tile j is computed, one __syncthreads per tile.
+ *   forward   the online softmax per row: running max m and sum l (each thread over its
+ *             columns; the 4 threads of a row merge l at the end), o rescaled by
+ *             exp(m_old − m_new) whenever the max grows. Exponentials are exp2 with the
+ *             scale and log2(e) folded in. y = o / l, lse = m/√D + log l. No T × T buffer.
+ *   backward  three kernels, none with atomics (the price: S and dP are computed twice,
+ *             once for dq and once for dk, dv: 7 tile products where FlashAttention-2's
+ *             backward, which adds dq with atomics, has 5):
+ *     δ       δ_t = dy_t · y_t per (b, t, h), one warp a row, into the op workspace
+ *             [B, Hq, Tq] fp32 (the workspace is O(B·Hq·T), nothing else);
+ *     dq      one block per (b, h, query tile): P = exp(S − lse) recomputed tile by tile,
+ *             dP = dY·Vᵀ, dS = P ⊙ (dP − δ), dq += dS·K/√D in registers; it owns its rows;
+ *     dk, dv  one block per (b, g, key tile), 16·MT keys per warp: it works on the transposed
+ *             tiles Sᵀ = K·Qᵀ and dPᵀ = V·dYᵀ, looping over the query heads of group g and
+ *             the query tiles that see its keys, always in the same order, and accumulates
+ *             dv += Pᵀ·dY and dk += dSᵀ·Q/√D in registers. The block owns its dk, dv rows.
+ *             Every output element is summed by one thread in a fixed order, so two runs
+ *             give the same bits.
+ *   order     the heaviest blocks are issued first: the tile index is the grid's slowest
+ *             dimension, so all (b, h) of the last query tile (forward, dq: it sees the
+ *             most keys) or of the first key tile (dk/dv: seen by the most queries) go first.
  *
- *   backward  reads the saved P (bf16, exactly what the forward stored; no recompute),
- *             so the backward of a head is two matmul-shaped passes:
- *     dq      one block per (b, h, 64 query rows). Sweep 1: dP = dy·vᵀ tile by tile →
- *             δ_t (kept, and written to a small fp32 scratch [B, Hq, T]). Sweep 2:
- *             dP again → dS → dq += dS·K/√D. The block owns its dq rows.
- *     dk, dv  one block per (b, g, 64 key rows). It loops, in a fixed order, over the
- *             query heads of group g and the query tiles at or below the diagonal, and
- *             builds the transposed tiles dPᵀ = v·dyᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − δ) to
- *             accumulate dv += Pᵀ·dY and dk += dSᵀ·Q/√D in registers. The block owns
- *             its dk, dv rows, so the several query heads that share a key/value head
- *             add up without atomics, in the same order every run: bitwise reproducible.
- *
- *             The contract also hands the backward y and lse; this backward reads P
- *             instead and does not touch them.
- *
- * Blocks are issued heaviest first (the causal triangle gives the last query tiles the
- * most work), and every launcher enqueues on moe_cuda_stream() without waiting.
+ * Every launcher enqueues on moe_cuda_stream() without waiting.
  */
 #include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
 
-#define ATT_TILE 64      /* rows and columns of a tile of the T×T matrix */
-#define ATT_THREADS 256  /* 16 × 16 threads, a 4×4 micro-tile each */
-#define ATT_LDP (ATT_TILE + 1) /* stride of 64×64 fp32 tiles in shared memory */
+#define FA_MAX_D 128    /* the largest head dimension (padded head dims 32, 64, 128) */
+#define FA_WARPS 4      /* warps per block */
+#define FA_THREADS (32 * FA_WARPS)
+#define FA_LOG2E 1.4426950408889634f
 
-/* Stride of a [64][D] tile in shared memory (odd: see the header comment). */
-template <int NJ> struct AttDims {
-    static constexpr int DP = 16 * NJ;  /* padded head dimension */
-    static constexpr int LD = DP + 1;
+/* The launch arguments every kernel shares. */
+struct FaArgs {
+    int Tq, Tk, Hq, Hkv, D;
+    int off;     /* q_pos − k_pos: query t sees key s iff s ≤ t + off */
+    float scale; /* 1/√D */
+    int vec;     /* tiles move as 16-byte cp.async (D % 8 == 0, aligned tensors) */
 };
 
-/* The largest head dimension the kernels handle (NJ = 8: 16·8 columns). */
-#define ATT_MAX_D 128
+/* ------------------------------------------------------------------ PTX helpers */
 
-/*
- * Stage rows row0..row0+63 of one head (D values from src + row·stride) into a
- * [64][LD] fp32 tile, times @p mul. Rows ≥ T and columns ≥ D become 0. Consecutive
- * threads read consecutive elements of a row: coalesced.
- */
-template <int NJ>
-static __device__ void att_load_rows(float *dst, const moe_bf16 *src, size_t stride, int row0,
-                                     int T, int D, float mul) {
-    constexpr int DP = AttDims<NJ>::DP, LD = AttDims<NJ>::LD;
-    for (int i = threadIdx.x; i < ATT_TILE * DP; i += ATT_THREADS) {
-        int r = i / DP, d = i % DP;
-        int row = row0 + r;
-        float x = 0.0f;
-        if (row < T && d < D)
-            x = moe_ld(src[(size_t)row * stride + d]) * mul;
-        dst[r * LD + d] = x;
-    }
+static __device__ __forceinline__ uint32_t fa_smem_addr(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
 }
 
-/*
- * Stage the 64×64 tile P[t0.., s0..] of one head's probabilities (att rows of length T)
- * into shared memory, as fp32, only where s ≤ t < T (zero elsewhere, so the upper
- * triangle is never read). transpose = 0: dst[t][s]; 1: dst[s][t].
- */
-static __device__ void att_load_p(float *dst, const moe_bf16 *P, int t0, int s0, int T,
-                                  int transpose) {
-    for (int i = threadIdx.x; i < ATT_TILE * ATT_TILE; i += ATT_THREADS) {
-        int r = i / ATT_TILE, c = i % ATT_TILE; /* r: query row, c: key column */
-        int t = t0 + r, s = s0 + c;
-        float p = 0.0f;
-        if (t < T && s <= t)
-            p = moe_ld(P[(size_t)t * T + s]);
-        dst[transpose ? c * ATT_LDP + r : r * ATT_LDP + c] = p;
-    }
+/* 16 bytes global → shared, asynchronously; !full: 16 zero bytes (nothing is read). */
+static __device__ __forceinline__ void fa_cp_async16(void *dst, const void *src, bool full) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(fa_smem_addr(dst)),
+                 "l"(src), "r"(full ? 16 : 0));
+}
+static __device__ __forceinline__ void fa_cp_async_commit(void) {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+static __device__ __forceinline__ void fa_cp_async_wait_all(void) {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
-/*
- * The micro-tile of a "row dot" product over the head dimension:
- *   acc[i][j] = Σ_d A[ty+16i][d] · B[tx+16j][d]
- * (S = Q·Kᵀ, dP = dY·Vᵀ, dPᵀ = V·dYᵀ), A and B [64][LD] tiles in shared memory.
- */
-template <int NJ>
-static __device__ __forceinline__ void att_rowdot(float acc[4][4], const float *A, const float *B,
-                                                  int D) {
-    constexpr int LD = AttDims<NJ>::LD;
-    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-            acc[i][j] = 0.0f;
-    for (int d = 0; d < D; d++) {
-        float a[4], b[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            a[i] = A[(ty + 16 * i) * LD + d];
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-            b[j] = B[(tx + 16 * j) * LD + d];
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-                acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
-    }
+/* Four 8×8 bf16 matrices from shared memory; lane i gives the address of row i%8 of
+ * matrix i/8. r[j] holds, in lane l, row l/4, columns 2(l%4) and 2(l%4)+1 of matrix j
+ * (.trans: of the transposed matrix). */
+static __device__ __forceinline__ void fa_ldsm4(uint32_t r[4], const moe_bf16 *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(fa_smem_addr(p)));
+}
+static __device__ __forceinline__ void fa_ldsm4_t(uint32_t r[4], const moe_bf16 *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(fa_smem_addr(p)));
 }
 
+/* c (16×8 fp32) += a (16×16 bf16, row-major) · b (16×8 bf16, column-major). Lane l, with
+ * r = l/4 and c = 2(l%4): c[0..1] = row r, cols c, c+1; c[2..3] = row r+8; a[0] = row r,
+ * k = c, c+1; a[1] = row r+8; a[2], a[3] the same at k + 8; b[0] = k = c, c+1, col r;
+ * b[1] at k + 8. */
+static __device__ __forceinline__ void fa_mma(float c[4], const uint32_t a[4], uint32_t b0,
+                                              uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Two floats → one register of two bf16 (lo in the low half: the lower column). */
+static __device__ __forceinline__ uint32_t fa_pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+}
+
+/* The A fragment (16 rows × 16 columns k0..k0+15) made of two 16×8 accumulators, the
+ * n-blocks k0/8 and k0/8 + 1: their layouts line up with A's (FlashAttention-2's trick). */
+static __device__ __forceinline__ void fa_acc_to_a(uint32_t a[4], const float lo[4],
+                                                   const float hi[4]) {
+    a[0] = fa_pack(lo[0], lo[1]);
+    a[1] = fa_pack(lo[2], lo[3]);
+    a[2] = fa_pack(hi[0], hi[1]);
+    a[3] = fa_pack(hi[2], hi[3]);
+}
+
+/* ------------------------------------------------------------------ tiles */
+
+/* Row stride of a tile in shared memory, in bf16 (see the header comment). */
+template <int DP> struct FaTile {
+    static constexpr int LD = DP + 8;
+};
+
 /*
- * The micro-tile of a "tile times rows" product:
- *   acc[i][j] += Σ_c W[ty+16i][c] · X[c][tx+16j]
- * (y += P·V, dq += dS·K, dv += Pᵀ·dY, dk += dSᵀ·Q), W a 64×64 tile, X a [64][LD] tile.
+ * Stage rows row0..row0+R−1 of one head (D values from src + row·stride) into the
+ * [R][LD] tile dst. Rows ≥ nrows and columns ≥ D become 0. Asynchronous when a.vec (the
+ * caller commits and waits), else plain loads (visible after the next __syncthreads).
  */
-template <int NJ>
-static __device__ __forceinline__ void att_tilemul(float acc[4][NJ], const float *W,
-                                                   const float *X) {
-    constexpr int LD = AttDims<NJ>::LD;
-    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-#pragma unroll 4
-    for (int c = 0; c < ATT_TILE; c++) {
-        float w[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            w[i] = W[(ty + 16 * i) * ATT_LDP + c];
-#pragma unroll
-        for (int j = 0; j < NJ; j++) {
-            float x = X[c * LD + tx + 16 * j];
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-                acc[i][j] = fmaf(w[i], x, acc[i][j]);
+template <int DP, int R>
+static __device__ __forceinline__ void fa_load_tile(moe_bf16 *dst, const moe_bf16 *src,
+                                                    size_t stride, int row0, int nrows,
+                                                    const FaArgs &a) {
+    constexpr int LD = FaTile<DP>::LD, CH = DP / 8;
+    if (a.vec) {
+        for (int i = threadIdx.x; i < R * CH; i += FA_THREADS) {
+            const int r = i / CH, c = (i % CH) * 8, row = row0 + r;
+            const bool in = row < nrows && c < a.D;
+            fa_cp_async16(dst + r * LD + c, in ? src + (size_t)row * stride + c : src, in);
+        }
+    } else {
+        for (int i = threadIdx.x; i < R * DP; i += FA_THREADS) {
+            const int r = i / DP, c = i % DP, row = row0 + r;
+            dst[r * LD + c] =
+                row < nrows && c < a.D ? src[(size_t)row * stride + c] : moe_st(0.0f);
         }
     }
 }
 
-/* Sum / max over the 16 threads (tx) of a half-warp that share a row. */
-static __device__ __forceinline__ float att_row_sum(float x) {
+/*
+ * acc[m][n] = A · Bᵀ over the padded head dimension, for MT m-tiles of 16 rows of A (the
+ * warp's rows, from As) and NB n-blocks of 8 rows of B (from Bs), both [..][LD] tiles in
+ * shared memory: S = Q·Kᵀ, dP = dY·Vᵀ, Sᵀ = K·Qᵀ, dPᵀ = V·dYᵀ. Each B fragment read from
+ * shared memory serves MT m-tiles: the warp's rows are its reuse factor.
+ */
+template <int DP, int MT, int NB>
+static __device__ __forceinline__ void fa_gemm_abt(float acc[MT][NB][4], const moe_bf16 *As,
+                                                   const moe_bf16 *Bs) {
+    constexpr int LD = FaTile<DP>::LD;
+    const int lane = threadIdx.x % 32;
 #pragma unroll
-    for (int o = 8; o > 0; o >>= 1)
-        x += __shfl_xor_sync(0xffffffffu, x, o, 16);
-    return x;
-}
-static __device__ __forceinline__ float att_row_max(float x) {
+    for (int m = 0; m < MT; m++)
 #pragma unroll
-    for (int o = 8; o > 0; o >>= 1)
-        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o, 16));
-    return x;
+        for (int n = 0; n < NB; n++)
+            acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; kk++) {
+        uint32_t af[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; m++)
+            fa_ldsm4(af[m], As + (m * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+        for (int n = 0; n < NB; n += 2) {
+            uint32_t bf[4]; /* rows 8n..8n+15 of B: b of n-block n is bf[0..1], n+1 bf[2..3] */
+            fa_ldsm4(bf, Bs + (n * 8 + lane % 8 + (lane / 16) * 8) * LD + kk * 16 +
+                             ((lane / 8) % 2) * 8);
+#pragma unroll
+            for (int m = 0; m < MT; m++) {
+                fa_mma(acc[m][n], af[m], bf[0], bf[1]);
+                fa_mma(acc[m][n + 1], af[m], bf[2], bf[3]);
+            }
+        }
+    }
 }
 
-/* Blocks run heaviest first: block x handles the (n−1−x)-th tile of the sequence. */
-static __device__ __forceinline__ int att_tile_of_block(int ntiles) {
-    return ntiles - 1 - (int)blockIdx.x;
+/*
+ * out[m][n] (DP/8 n-blocks) += W · X, W [16·MT rows][8·NB columns] in registers
+ * (accumulator layout, rounded to bf16 here), X [8·NB rows][DP] in shared memory read by
+ * rows (ldmatrix .trans): y += P·V, dq += dS·K, dv += Pᵀ·dY, dk += dSᵀ·Q.
+ */
+template <int DP, int MT, int NB>
+static __device__ __forceinline__ void fa_gemm_wx(float out[MT][DP / 8][4],
+                                                  const float W[MT][NB][4], const moe_bf16 *Xs) {
+    constexpr int LD = FaTile<DP>::LD;
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int kk = 0; kk < NB / 2; kk++) {
+        uint32_t af[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; m++)
+            fa_acc_to_a(af[m], W[m][2 * kk], W[m][2 * kk + 1]);
+#pragma unroll
+        for (int n = 0; n < DP / 8; n += 2) {
+            uint32_t bf[4];
+            fa_ldsm4_t(bf, Xs + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LD + n * 8 +
+                               (lane / 16) * 8);
+#pragma unroll
+            for (int m = 0; m < MT; m++) {
+                fa_mma(out[m][n], af[m], bf[0], bf[1]);
+                fa_mma(out[m][n + 1], af[m], bf[2], bf[3]);
+            }
+        }
+    }
+}
+
+/* Zero an accumulator of MT m-tiles and N n-blocks. */
+template <int MT, int N>
+static __device__ __forceinline__ void fa_zero(float acc[MT][N][4]) {
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int n = 0; n < N; n++)
+            acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
+}
+
+/* Sum over the 4 lanes that hold one accumulator row. */
+static __device__ __forceinline__ float fa_quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+static __device__ __forceinline__ float fa_quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+/* The keys query rows [t0, t_end) see together: s < the returned bound (0: none). */
+static __device__ __forceinline__ int fa_key_end(int t_end, const FaArgs &a) {
+    const long long last = (long long)t_end - 1 + a.off; /* the last row's last key */
+    return last < 0 ? 0 : (int)(last + 1 < a.Tk ? last + 1 : a.Tk);
+}
+
+
+/*
+ * Store acc (this warp's 16·MT rows from row0, DP/8 n-blocks) times mul (per row) into a
+ * [rows][stride] bf16 tensor, only where row < nrows and d < D; add to what is there when
+ * @p accumulate.
+ */
+template <int DP, int MT>
+static __device__ __forceinline__ void fa_store_rows(moe_bf16 *dst, size_t stride, int row0,
+                                                     int nrows, const float acc[MT][DP / 8][4],
+                                                     const float mul[MT][2], bool accumulate,
+                                                     int D) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int row = row0 + m * 16 + lane / 4 + 8 * i;
+            if (row >= nrows)
+                continue;
+            moe_bf16 *p = dst + (size_t)row * stride;
+#pragma unroll
+            for (int n = 0; n < DP / 8; n++) {
+                const int d = n * 8 + 2 * (lane % 4);
+#pragma unroll
+                for (int e = 0; e < 2; e++)
+                    if (d + e < D) {
+                        const float x = acc[m][n][2 * i + e] * mul[m][i];
+                        p[d + e] = moe_st(accumulate ? moe_ld(p[d + e]) + x : x);
+                    }
+            }
+        }
 }
 
 /* ------------------------------------------------------------------------- forward */
 
-template <int NJ>
-__global__ void __launch_bounds__(ATT_THREADS)
-    att_forward_kernel(moe_bf16 *y, float *lse, moe_bf16 *att, const moe_bf16 *q,
-                       const moe_bf16 *k, const moe_bf16 *v, int T, int Hq, int Hkv, int D,
-                       float scale) {
-    constexpr int LD = AttDims<NJ>::LD;
-    extern __shared__ float smem[];
-    float *Qs = smem;                      /* [64][LD]  q_t · scale */
-    float *Ks = Qs + ATT_TILE * LD;        /* [64][LD]  k_s */
-    float *Vs = Ks + ATT_TILE * LD;        /* [64][LD]  v_s */
-    float *Ps = Vs + ATT_TILE * LD;        /* [64][65]  P tile, fp32 */
+/* One block: 16·MT·4 query rows (MT m-tiles of 16 per warp), key tiles of BK rows. */
+template <int DP, int MT, int BK>
+__global__ void __launch_bounds__(FA_THREADS)
+    fa_forward_kernel(moe_bf16 *y, float *lse, const moe_bf16 *q, const moe_bf16 *k,
+                      const moe_bf16 *v, FaArgs a) {
+    constexpr int LD = FaTile<DP>::LD, NB = BK / 8, BQ = 16 * MT * FA_WARPS;
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    moe_bf16 *Qs = (moe_bf16 *)fa_smem; /* [BQ][LD] */
+    moe_bf16 *Ks = Qs + BQ * LD;        /* [2][BK][LD] */
+    moe_bf16 *Vs = Ks + 2 * BK * LD;    /* [2][BK][LD] */
 
-    const int ntiles = (T + ATT_TILE - 1) / ATT_TILE;
-    const int qt = att_tile_of_block(ntiles), h = blockIdx.y, b = blockIdx.z;
-    const int g = h / (Hq / Hkv), t0 = qt * ATT_TILE;
-    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const size_t qs = (size_t)Hq * D, kvs = (size_t)Hkv * D;
-    const moe_bf16 *qb = q + (size_t)b * T * qs + (size_t)h * D;
-    const moe_bf16 *kb = k + (size_t)b * T * kvs + (size_t)g * D;
-    const moe_bf16 *vb = v + (size_t)b * T * kvs + (size_t)g * D;
-    moe_bf16 *P = att + ((size_t)b * Hq + h) * T * T;
+    const int nqt = (a.Tq + BQ - 1) / BQ;
+    const int h = blockIdx.x, b = blockIdx.y, t0 = (nqt - 1 - (int)blockIdx.z) * BQ;
+    const int g = h / (a.Hq / a.Hkv), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const size_t qs = (size_t)a.Hq * a.D, kvs = (size_t)a.Hkv * a.D;
+    const moe_bf16 *qb = q + (size_t)b * a.Tq * qs + (size_t)h * a.D;
+    const moe_bf16 *kb = k + (size_t)b * a.Tk * kvs + (size_t)g * a.D;
+    const moe_bf16 *vb = v + (size_t)b * a.Tk * kvs + (size_t)g * a.D;
+    const int kend = fa_key_end(min(t0 + BQ, a.Tq), a);
+    const int nkt = (kend + BK - 1) / BK;
+    const int wrow = t0 + warp * 16 * MT;   /* the warp's first row */
+    const int row = wrow + lane / 4;        /* this thread's rows: row + 16m + 8i */
 
-    att_load_rows<NJ>(Qs, qb, qs, t0, T, D, scale);
-
-    /* Sweep 1: online softmax statistics. Each thread keeps, for its 4 rows, the max
-     * m and the sum l = Σ exp(S − m) over the columns it has seen; the 16 threads of a
-     * row merge theirs at the end. */
-    float m[4], l[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
+    fa_load_tile<DP, BQ>(Qs, qb, qs, t0, a.Tq, a);
+    if (nkt > 0) {
+        fa_load_tile<DP, BK>(Ks, kb, kvs, 0, a.Tk, a);
+        fa_load_tile<DP, BK>(Vs, vb, kvs, 0, a.Tk, a);
     }
-    for (int st = 0; st <= qt; st++) {
-        const int s0 = st * ATT_TILE;
-        __syncthreads(); /* the previous tile's readers are done with Ks */
-        att_load_rows<NJ>(Ks, kb, kvs, s0, T, D, 1.0f);
-        __syncthreads();
-        float S[4][4];
-        att_rowdot<NJ>(S, Qs, Ks, D);
+    fa_cp_async_commit();
+
+    const float sl = a.scale * FA_LOG2E; /* exp(x/√D) = exp2(x·sl) */
+    float o[MT][DP / 8][4], m[MT][2], l[MT][2];
+    fa_zero<MT, DP / 8>(o);
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int t = t0 + ty + 16 * i;
-            float mt = m[i];
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-                if (s0 + tx + 16 * j <= t)
-                    mt = fmaxf(mt, S[i][j]);
-            if (mt == -INFINITY)
-                continue; /* nothing unmasked yet in this thread's part of the row */
-            float sum = l[i] * expf(m[i] - mt);
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-                if (s0 + tx + 16 * j <= t)
-                    sum += expf(S[i][j] - mt);
-            m[i] = mt;
-            l[i] = sum;
+    for (int mt = 0; mt < MT; mt++)
+        m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.0f;
+
+    for (int j = 0; j < nkt; j++) {
+        fa_cp_async_wait_all();
+        __syncthreads(); /* tile j landed; everyone is done with tile j−1's buffer */
+        if (j + 1 < nkt) {
+            const int nb = (j + 1) & 1;
+            fa_load_tile<DP, BK>(Ks + nb * BK * LD, kb, kvs, (j + 1) * BK, a.Tk, a);
+            fa_load_tile<DP, BK>(Vs + nb * BK * LD, vb, kvs, (j + 1) * BK, a.Tk, a);
         }
-    }
-    float inv_l[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float mrow = att_row_max(m[i]);
-        const float part = m[i] == -INFINITY ? 0.0f : l[i] * expf(m[i] - mrow);
-        const float lrow = att_row_sum(part);
-        m[i] = mrow;
-        inv_l[i] = lrow > 0.0f ? 1.0f / lrow : 0.0f; /* 0 only for padding rows t ≥ T */
-        const int t = t0 + ty + 16 * i;
-        if (tx == 0 && t < T)
-            lse[((size_t)b * Hq + h) * T + t] = mrow + logf(lrow);
-    }
+        fa_cp_async_commit();
+        const moe_bf16 *Kt = Ks + (j & 1) * BK * LD, *Vt = Vs + (j & 1) * BK * LD;
+        const int s0 = j * BK;
 
-    /* Sweep 2: P = exp(S − m) / l → att and y. */
-    float acc[4][NJ];
+        float s[MT][NB][4];
+        fa_gemm_abt<DP, MT, NB>(s, Qs + (wrow - t0) * LD, Kt);
+        /* the mask, only on tiles that cross the diagonal or the end of the keys */
+        if (s0 + BK - 1 > t0 + a.off || s0 + BK > a.Tk) {
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+            for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int j = 0; j < NJ; j++)
-            acc[i][j] = 0.0f;
-    for (int st = 0; st <= qt; st++) {
-        const int s0 = st * ATT_TILE;
-        __syncthreads(); /* previous readers of Ks, Vs, Ps are done */
-        att_load_rows<NJ>(Ks, kb, kvs, s0, T, D, 1.0f);
-        att_load_rows<NJ>(Vs, vb, kvs, s0, T, D, 1.0f);
-        __syncthreads();
-        float S[4][4];
-        att_rowdot<NJ>(S, Qs, Ks, D);
+                for (int n = 0; n < NB; n++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int r = ty + 16 * i;
+                    for (int e = 0; e < 4; e++) {
+                        const int key = s0 + n * 8 + 2 * (lane % 4) + (e & 1);
+                        if (key > row + 16 * mt + 8 * (e >> 1) + a.off || key >= a.Tk)
+                            s[mt][n][e] = -INFINITY;
+                    }
+        }
+        /* the online softmax, row by row (row + 16·mt + 8·i) */
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const int c = tx + 16 * j;
-                Ps[r * ATT_LDP + c] =
-                    s0 + c <= t0 + r ? expf(S[i][j] - m[i]) * inv_l[i] : 0.0f;
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                float mx = m[mt][i];
+#pragma unroll
+                for (int n = 0; n < NB; n++)
+                    mx = fmaxf(mx, fmaxf(s[mt][n][2 * i], s[mt][n][2 * i + 1]));
+                mx = fa_quad_max(mx);
+                /* a row with nothing visible yet keeps m = −∞: exponents against 0, all 0 */
+                const float ms = mx == -INFINITY ? 0.0f : mx * sl;
+                const float alpha = exp2f(m[mt][i] * sl - ms); /* 0 while m was −∞ */
+                m[mt][i] = mx;
+                float rs = 0.0f;
+#pragma unroll
+                for (int n = 0; n < NB; n++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const float p = exp2f(fmaf(s[mt][n][2 * i + e], sl, -ms));
+                        s[mt][n][2 * i + e] = p;
+                        rs += p;
+                    }
+                l[mt][i] = l[mt][i] * alpha + rs; /* this thread's columns; merged at the end */
+#pragma unroll
+                for (int n = 0; n < DP / 8; n++) {
+                    o[mt][n][2 * i] *= alpha;
+                    o[mt][n][2 * i + 1] *= alpha;
+                }
             }
-        }
-        __syncthreads();
-        /* write the tile row by row (coalesced), then y += P·V with P in fp32 */
-        for (int e = threadIdx.x; e < ATT_TILE * ATT_TILE; e += ATT_THREADS) {
-            const int r = e / ATT_TILE, c = e % ATT_TILE;
-            if (t0 + r < T && s0 + c < T)
-                P[(size_t)(t0 + r) * T + s0 + c] = moe_st(Ps[r * ATT_LDP + c]);
-        }
-        att_tilemul<NJ>(acc, Ps, Vs);
+        fa_gemm_wx<DP, MT, NB>(o, s, Vt);
     }
-    /* the tiles right of the diagonal tile: masked, written as 0 */
-    const int s_from = (qt + 1) * ATT_TILE;
-    if (s_from < T) {
-        const int width = T - s_from;
-        const moe_bf16 zero = moe_st(0.0f);
-        for (int e = threadIdx.x; e < ATT_TILE * width; e += ATT_THREADS) {
-            const int r = e / width, c = e % width;
-            if (t0 + r < T)
-                P[(size_t)(t0 + r) * T + s_from + c] = zero;
-        }
-    }
+    fa_cp_async_wait_all();
+
+    float inv[MT][2];
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int t = t0 + ty + 16 * i;
-        if (t >= T)
-            continue;
-        moe_bf16 *yt = y + ((size_t)b * T + t) * qs + (size_t)h * D;
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int j = 0; j < NJ; j++) {
-            const int d = tx + 16 * j;
-            if (d < D)
-                yt[d] = moe_st(acc[i][j]);
+        for (int i = 0; i < 2; i++) {
+            const float lt = fa_quad_sum(l[mt][i]);
+            const int t = row + 16 * mt + 8 * i;
+            inv[mt][i] = lt > 0.0f ? 1.0f / lt : 0.0f; /* a row that sees no key: y = 0 */
+            if (lane % 4 == 0 && t < a.Tq)
+                lse[((size_t)b * a.Hq + h) * a.Tq + t] =
+                    lt > 0.0f ? m[mt][i] * a.scale + logf(lt) : -INFINITY;
         }
-    }
+    fa_store_rows<DP, MT>(y + (size_t)b * a.Tq * qs + (size_t)h * a.D, qs, wrow, a.Tq, o, inv,
+                          false, a.D);
 }
 
 /* ------------------------------------------------------------------------ backward */
 
-/* dq (and the row dots δ) for one (b, h, 64 query rows). */
-template <int NJ>
-__global__ void __launch_bounds__(ATT_THREADS)
-    att_backward_dq_kernel(moe_bf16 *dq, float *delta, const moe_bf16 *dy, const moe_bf16 *att,
-                           const moe_bf16 *k, const moe_bf16 *v, int T, int Hq, int Hkv, int D,
-                           float scale) {
-    constexpr int LD = AttDims<NJ>::LD;
-    extern __shared__ float smem[];
-    float *dYs = smem;                     /* [64][LD]  dy_t */
-    float *Ks = dYs + ATT_TILE * LD;       /* [64][LD]  k_s */
-    float *Vs = Ks + ATT_TILE * LD;        /* [64][LD]  v_s */
-    float *Ps = Vs + ATT_TILE * LD;        /* [64][65]  P[t][s] */
-    float *dSs = Ps + ATT_TILE * ATT_LDP;  /* [64][65]  dS[t][s] */
-
-    const int ntiles = (T + ATT_TILE - 1) / ATT_TILE;
-    const int qt = att_tile_of_block(ntiles), h = blockIdx.y, b = blockIdx.z;
-    const int g = h / (Hq / Hkv), t0 = qt * ATT_TILE;
-    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const size_t qs = (size_t)Hq * D, kvs = (size_t)Hkv * D;
-    const moe_bf16 *kb = k + (size_t)b * T * kvs + (size_t)g * D;
-    const moe_bf16 *vb = v + (size_t)b * T * kvs + (size_t)g * D;
-    const moe_bf16 *P = att + ((size_t)b * Hq + h) * T * T;
-
-    att_load_rows<NJ>(dYs, dy + (size_t)b * T * qs + (size_t)h * D, qs, t0, T, D, 1.0f);
-
-    /* Sweep 1: δ_t = Σ_s P[t,s] dP[t,s], each thread over its columns, then per row. */
-    float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int st = 0; st <= qt; st++) {
-        const int s0 = st * ATT_TILE;
-        __syncthreads();
-        att_load_rows<NJ>(Vs, vb, kvs, s0, T, D, 1.0f);
-        att_load_p(Ps, P, t0, s0, T, 0);
-        __syncthreads();
-        float dP[4][4];
-        att_rowdot<NJ>(dP, dYs, Vs, D);
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-                dl[i] = fmaf(Ps[(ty + 16 * i) * ATT_LDP + tx + 16 * j], dP[i][j], dl[i]);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        dl[i] = att_row_sum(dl[i]);
-        const int t = t0 + ty + 16 * i;
-        if (tx == 0 && t < T)
-            delta[((size_t)b * Hq + h) * T + t] = dl[i];
-    }
-
-    /* Sweep 2: dS = P ⊙ (dP − δ), dq += dS·K. */
-    float acc[4][NJ];
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-        for (int j = 0; j < NJ; j++)
-            acc[i][j] = 0.0f;
-    for (int st = 0; st <= qt; st++) {
-        const int s0 = st * ATT_TILE;
-        __syncthreads();
-        att_load_rows<NJ>(Ks, kb, kvs, s0, T, D, 1.0f);
-        att_load_rows<NJ>(Vs, vb, kvs, s0, T, D, 1.0f);
-        att_load_p(Ps, P, t0, s0, T, 0);
-        __syncthreads();
-        float dP[4][4];
-        att_rowdot<NJ>(dP, dYs, Vs, D);
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const int e = (ty + 16 * i) * ATT_LDP + tx + 16 * j;
-                dSs[e] = Ps[e] * (dP[i][j] - dl[i]);
-            }
-        __syncthreads();
-        att_tilemul<NJ>(acc, dSs, Ks);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int t = t0 + ty + 16 * i;
-        if (t >= T)
-            continue;
-        moe_bf16 *dqt = dq + ((size_t)b * T + t) * qs + (size_t)h * D;
-#pragma unroll
-        for (int j = 0; j < NJ; j++) {
-            const int d = tx + 16 * j;
-            if (d < D)
-                dqt[d] = moe_st(moe_ld(dqt[d]) + acc[i][j] * scale);
-        }
+/* δ_t = dy_t · y_t (fp32), one warp per (b, t, h) row, into delta [B, Hq, Tq]. */
+__global__ void fa_delta_kernel(float *delta, const moe_bf16 *dy, const moe_bf16 *y, int B,
+                                int Tq, int Hq, int D) {
+    const long long r = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (r >= (long long)B * Tq * Hq)
+        return;
+    const int lane = threadIdx.x % 32, h = (int)(r % Hq);
+    const long long bt = r / Hq; /* b·Tq + t */
+    const moe_bf16 *dyr = dy + (size_t)r * D, *yr = y + (size_t)r * D;
+    float sum = 0.0f;
+    for (int d = lane; d < D; d += 32)
+        sum = fmaf(moe_ld(dyr[d]), moe_ld(yr[d]), sum);
+    sum = moe_warp_sum(sum);
+    if (lane == 0) {
+        const long long b = bt / Tq, t = bt % Tq;
+        delta[((size_t)b * Hq + h) * Tq + t] = sum;
     }
 }
 
-/* dk and dv for one (b, g, 64 key rows), summed over the query heads of group g. */
-template <int NJ>
-__global__ void __launch_bounds__(ATT_THREADS)
-    att_backward_dkdv_kernel(moe_bf16 *dk, moe_bf16 *dv, const float *delta, const moe_bf16 *dy,
-                             const moe_bf16 *att, const moe_bf16 *q, const moe_bf16 *v, int T,
-                             int Hq, int Hkv, int D, float scale) {
-    constexpr int LD = AttDims<NJ>::LD;
-    extern __shared__ float smem[];
-    float *Vs = smem;                      /* [64][LD]  v_s (for the whole block) */
-    float *Qs = Vs + ATT_TILE * LD;        /* [64][LD]  q_t */
-    float *dYs = Qs + ATT_TILE * LD;       /* [64][LD]  dy_t */
-    float *Pt = dYs + ATT_TILE * LD;       /* [64][65]  Pᵀ[s][t] */
-    float *dSt = Pt + ATT_TILE * ATT_LDP;  /* [64][65]  dSᵀ[s][t] */
-    float *dls = dSt + ATT_TILE * ATT_LDP; /* [64]      δ_t */
+/* dq for one (b, h, 16·MT·4 query rows), key tiles of BK rows. */
+template <int DP, int MT, int BK>
+__global__ void __launch_bounds__(FA_THREADS)
+    fa_backward_dq_kernel(moe_bf16 *dq, const float *delta, const float *lse, const moe_bf16 *q,
+                          const moe_bf16 *k, const moe_bf16 *v, const moe_bf16 *dy, FaArgs a) {
+    constexpr int LD = FaTile<DP>::LD, NB = BK / 8, BQ = 16 * MT * FA_WARPS;
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    moe_bf16 *Qs = (moe_bf16 *)fa_smem; /* [BQ][LD] */
+    moe_bf16 *dYs = Qs + BQ * LD;       /* [BQ][LD] */
+    moe_bf16 *Ks = dYs + BQ * LD;       /* [2][BK][LD] */
+    moe_bf16 *Vs = Ks + 2 * BK * LD;    /* [2][BK][LD] */
 
-    const int ntiles = (T + ATT_TILE - 1) / ATT_TILE;
-    const int kt = att_tile_of_block(ntiles), g = blockIdx.y, b = blockIdx.z;
-    const int rep = Hq / Hkv, s0 = kt * ATT_TILE;
-    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const size_t qs = (size_t)Hq * D, kvs = (size_t)Hkv * D;
+    const int nqt = (a.Tq + BQ - 1) / BQ;
+    const int h = blockIdx.x, b = blockIdx.y, t0 = (nqt - 1 - (int)blockIdx.z) * BQ;
+    const int g = h / (a.Hq / a.Hkv), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const size_t qs = (size_t)a.Hq * a.D, kvs = (size_t)a.Hkv * a.D;
+    const size_t qoff = (size_t)b * a.Tq * qs + (size_t)h * a.D;
+    const moe_bf16 *kb = k + (size_t)b * a.Tk * kvs + (size_t)g * a.D;
+    const moe_bf16 *vb = v + (size_t)b * a.Tk * kvs + (size_t)g * a.D;
+    const int kend = fa_key_end(min(t0 + BQ, a.Tq), a);
+    const int nkt = (kend + BK - 1) / BK;
+    if (nkt == 0)
+        return; /* no row of the tile sees a key: dq gets nothing */
+    const int wrow = t0 + warp * 16 * MT, row = wrow + lane / 4;
 
-    att_load_rows<NJ>(Vs, v + (size_t)b * T * kvs + (size_t)g * D, kvs, s0, T, D, 1.0f);
+    fa_load_tile<DP, BQ>(Qs, q + qoff, qs, t0, a.Tq, a);
+    fa_load_tile<DP, BQ>(dYs, dy + qoff, qs, t0, a.Tq, a);
+    fa_load_tile<DP, BK>(Ks, kb, kvs, 0, a.Tk, a);
+    fa_load_tile<DP, BK>(Vs, vb, kvs, 0, a.Tk, a);
+    fa_cp_async_commit();
 
-    float accv[4][NJ], acck[4][NJ];
+    /* this thread's rows: lse·log2(e) (0 where it is −∞ or past Tq: those rows see no
+     * key, every P of theirs is masked to 0) and δ */
+    float l2[MT][2], dl[MT][2];
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int j = 0; j < NJ; j++) {
-            accv[i][j] = 0.0f;
-            acck[i][j] = 0.0f;
+        for (int i = 0; i < 2; i++) {
+            const int t = row + 16 * mt + 8 * i;
+            const size_t at = ((size_t)b * a.Hq + h) * a.Tq + t;
+            const float lt = t < a.Tq ? lse[at] : -INFINITY;
+            l2[mt][i] = lt == -INFINITY ? 0.0f : lt * FA_LOG2E;
+            dl[mt][i] = t < a.Tq ? delta[at] : 0.0f;
         }
-    for (int h = g * rep; h < (g + 1) * rep; h++) {
-        const moe_bf16 *P = att + ((size_t)b * Hq + h) * T * T;
-        const float *dlh = delta + ((size_t)b * Hq + h) * T;
-        for (int qt = kt; qt < ntiles; qt++) { /* query tiles at or below the diagonal */
-            const int t0 = qt * ATT_TILE;
-            __syncthreads();
-            att_load_rows<NJ>(Qs, q + (size_t)b * T * qs + (size_t)h * D, qs, t0, T, D, 1.0f);
-            att_load_rows<NJ>(dYs, dy + (size_t)b * T * qs + (size_t)h * D, qs, t0, T, D,
-                              1.0f);
-            att_load_p(Pt, P, t0, s0, T, 1);
-            if (threadIdx.x < ATT_TILE)
-                dls[threadIdx.x] = t0 + (int)threadIdx.x < T ? dlh[t0 + threadIdx.x] : 0.0f;
-            __syncthreads();
-            float dPt[4][4]; /* dPᵀ[s][t] = v_s · dy_t */
-            att_rowdot<NJ>(dPt, Vs, dYs, D);
+    const float sl = a.scale * FA_LOG2E;
+    float acc[MT][DP / 8][4];
+    fa_zero<MT, DP / 8>(acc);
+
+    for (int j = 0; j < nkt; j++) {
+        fa_cp_async_wait_all();
+        __syncthreads();
+        if (j + 1 < nkt) {
+            const int nb = (j + 1) & 1;
+            fa_load_tile<DP, BK>(Ks + nb * BK * LD, kb, kvs, (j + 1) * BK, a.Tk, a);
+            fa_load_tile<DP, BK>(Vs + nb * BK * LD, vb, kvs, (j + 1) * BK, a.Tk, a);
+        }
+        fa_cp_async_commit();
+        const moe_bf16 *Kt = Ks + (j & 1) * BK * LD, *Vt = Vs + (j & 1) * BK * LD;
+        const int s0 = j * BK;
+
+        float s[MT][NB][4], dp[MT][NB][4];
+        fa_gemm_abt<DP, MT, NB>(s, Qs + (wrow - t0) * LD, Kt);
+        fa_gemm_abt<DP, MT, NB>(dp, dYs + (wrow - t0) * LD, Vt);
+        const bool mask = s0 + BK - 1 > t0 + a.off || s0 + BK > a.Tk;
 #pragma unroll
-            for (int i = 0; i < 4; i++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const int e = (ty + 16 * i) * ATT_LDP + tx + 16 * j;
-                    dSt[e] = Pt[e] * (dPt[i][j] - dls[tx + 16 * j]);
+            for (int n = 0; n < NB; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int i = e >> 1, key = s0 + n * 8 + 2 * (lane % 4) + (e & 1);
+                    float p = exp2f(fmaf(s[mt][n][e], sl, -l2[mt][i]));
+                    if (mask && (key > row + 16 * mt + 8 * i + a.off || key >= a.Tk))
+                        p = 0.0f;
+                    s[mt][n][e] = p * (dp[mt][n][e] - dl[mt][i]); /* dS (without 1/√D) */
                 }
-            __syncthreads();
-            att_tilemul<NJ>(accv, Pt, dYs);
-            att_tilemul<NJ>(acck, dSt, Qs);
-        }
+        fa_gemm_wx<DP, MT, NB>(acc, s, Kt);
     }
+    fa_cp_async_wait_all();
+    float mul[MT][2];
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int s = s0 + ty + 16 * i;
-        if (s >= T)
-            continue;
-        moe_bf16 *dks = dk + ((size_t)b * T + s) * kvs + (size_t)g * D;
-        moe_bf16 *dvs = dv + ((size_t)b * T + s) * kvs + (size_t)g * D;
-#pragma unroll
-        for (int j = 0; j < NJ; j++) {
-            const int d = tx + 16 * j;
-            if (d < D) {
-                dks[d] = moe_st(moe_ld(dks[d]) + acck[i][j] * scale);
-                dvs[d] = moe_st(moe_ld(dvs[d]) + accv[i][j]);
-            }
+    for (int mt = 0; mt < MT; mt++)
+        mul[mt][0] = mul[mt][1] = a.scale;
+    fa_store_rows<DP, MT>(dq + qoff, qs, wrow, a.Tq, acc, mul, true, a.D);
+}
+
+/* dk and dv for one (b, g, 16·MT·4 key rows), summed over the query heads of group g; BQC
+ * query rows per step (few enough that the two accumulators and Sᵀ, dPᵀ fit the registers). */
+template <int DP, int MT, int BQC>
+__global__ void __launch_bounds__(FA_THREADS)
+    fa_backward_dkdv_kernel(moe_bf16 *dk, moe_bf16 *dv, const float *delta, const float *lse,
+                            const moe_bf16 *q, const moe_bf16 *k, const moe_bf16 *v,
+                            const moe_bf16 *dy, FaArgs a) {
+    constexpr int LD = FaTile<DP>::LD, NB = BQC / 8, BKV = 16 * MT * FA_WARPS;
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    moe_bf16 *Ks = (moe_bf16 *)fa_smem;        /* [BKV][LD] */
+    moe_bf16 *Vs = Ks + BKV * LD;              /* [BKV][LD] */
+    moe_bf16 *Qs = Vs + BKV * LD;              /* [2][BQC][LD] */
+    moe_bf16 *dYs = Qs + 2 * BQC * LD;         /* [2][BQC][LD] */
+    float *Ls = (float *)(dYs + 2 * BQC * LD); /* [2][BQC] lse·log2(e) */
+    float *Ds = Ls + 2 * BQC;                  /* [2][BQC] δ */
+
+    const int g = blockIdx.x, b = blockIdx.y, s0 = (int)blockIdx.z * BKV;
+    const int rep = a.Hq / a.Hkv, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const size_t qs = (size_t)a.Hq * a.D, kvs = (size_t)a.Hkv * a.D;
+    const size_t kvoff = (size_t)b * a.Tk * kvs + (size_t)g * a.D;
+    /* the first query row that sees key s0: q_pos + t ≥ k_pos + s0 */
+    const long long first = (long long)s0 - a.off;
+    if (first >= a.Tq)
+        return; /* no query sees these keys: dk, dv get nothing */
+    const int qt0 = first > 0 ? (int)(first / BQC) : 0;
+    const int per = (a.Tq + BQC - 1) / BQC - qt0, nit = rep * per;
+    const int wrow = s0 + warp * 16 * MT, srow = wrow + lane / 4; /* keys srow + 16m + 8i */
+
+    /* stage step it's query tile: head g·rep + it/per, rows from (qt0 + it%per)·BQC */
+    auto stage = [&](int it, int buf) {
+        const int hh = g * rep + it / per, t0 = (qt0 + it % per) * BQC;
+        const size_t qoff = (size_t)b * a.Tq * qs + (size_t)hh * a.D;
+        fa_load_tile<DP, BQC>(Qs + buf * BQC * LD, q + qoff, qs, t0, a.Tq, a);
+        fa_load_tile<DP, BQC>(dYs + buf * BQC * LD, dy + qoff, qs, t0, a.Tq, a);
+        for (int c = threadIdx.x; c < BQC; c += FA_THREADS) {
+            const int t = t0 + c;
+            const size_t at = ((size_t)b * a.Hq + hh) * a.Tq + t;
+            const float lt = t < a.Tq ? lse[at] : -INFINITY;
+            Ls[buf * BQC + c] = lt == -INFINITY ? 0.0f : lt * FA_LOG2E;
+            Ds[buf * BQC + c] = t < a.Tq ? delta[at] : 0.0f;
         }
+    };
+    fa_load_tile<DP, BKV>(Ks, k + kvoff, kvs, s0, a.Tk, a);
+    fa_load_tile<DP, BKV>(Vs, v + kvoff, kvs, s0, a.Tk, a);
+    stage(0, 0);
+    fa_cp_async_commit();
+
+    const float sl = a.scale * FA_LOG2E;
+    float ak[MT][DP / 8][4], av[MT][DP / 8][4];
+    fa_zero<MT, DP / 8>(ak);
+    fa_zero<MT, DP / 8>(av);
+
+    for (int it = 0; it < nit; it++) {
+        fa_cp_async_wait_all();
+        __syncthreads();
+        if (it + 1 < nit)
+            stage(it + 1, (it + 1) & 1);
+        fa_cp_async_commit();
+        const int buf = it & 1, t0 = (qt0 + it % per) * BQC;
+        const moe_bf16 *Qt = Qs + buf * BQC * LD, *dYt = dYs + buf * BQC * LD;
+        const float *Lt = Ls + buf * BQC, *Dt = Ds + buf * BQC;
+
+        float s[MT][NB][4], dp[MT][NB][4]; /* Sᵀ = K·Qᵀ, dPᵀ = V·dYᵀ: rows keys, columns queries */
+        fa_gemm_abt<DP, MT, NB>(s, Ks + (wrow - s0) * LD, Qt);
+        fa_gemm_abt<DP, MT, NB>(dp, Vs + (wrow - s0) * LD, dYt);
+        const bool mask = s0 + BKV - 1 > t0 + a.off || t0 + BQC > a.Tq || s0 + BKV > a.Tk;
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int n = 0; n < NB; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int c = n * 8 + 2 * (lane % 4) + (e & 1), t = t0 + c;
+                    const int key = srow + 16 * mt + 8 * (e >> 1);
+                    float p = exp2f(fmaf(s[mt][n][e], sl, -Lt[c]));
+                    if (mask && (key > t + a.off || t >= a.Tq || key >= a.Tk))
+                        p = 0.0f;
+                    s[mt][n][e] = p;                          /* Pᵀ */
+                    dp[mt][n][e] = p * (dp[mt][n][e] - Dt[c]); /* dSᵀ (without 1/√D) */
+                }
+        fa_gemm_wx<DP, MT, NB>(av, s, dYt);
+        fa_gemm_wx<DP, MT, NB>(ak, dp, Qt);
     }
+    fa_cp_async_wait_all();
+    float one[MT][2], mul[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+        one[mt][0] = one[mt][1] = 1.0f, mul[mt][0] = mul[mt][1] = a.scale;
+    fa_store_rows<DP, MT>(dk + kvoff, kvs, wrow, a.Tk, ak, mul, true, a.D);
+    fa_store_rows<DP, MT>(dv + kvoff, kvs, wrow, a.Tk, av, one, true, a.D);
 }
 
 /* ----------------------------------------------------------------------- launchers */
 
-/* Dynamic shared memory of each kernel, in bytes. */
-template <int NJ> static size_t att_smem_forward(void) {
-    return (3 * (size_t)ATT_TILE * AttDims<NJ>::LD + (size_t)ATT_TILE * ATT_LDP) * sizeof(float);
-}
-template <int NJ> static size_t att_smem_backward(void) {
-    return (3 * (size_t)ATT_TILE * AttDims<NJ>::LD + 2 * (size_t)ATT_TILE * ATT_LDP + ATT_TILE) *
-           sizeof(float);
-}
-
-template <int NJ>
-static void att_forward_launch(moe_bf16 *y, float *lse, moe_bf16 *att, const moe_bf16 *q,
-                               const moe_bf16 *k, const moe_bf16 *v, int B, int T, int Hq,
-                               int Hkv, int D) {
-    const size_t smem = att_smem_forward<NJ>();
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(att_forward_kernel<NJ>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    dim3 grid(moe_cdiv(T, ATT_TILE), Hq, B);
-    att_forward_kernel<NJ><<<grid, ATT_THREADS, smem, moe_cuda_stream()>>>(
-        y, lse, att, q, k, v, T, Hq, Hkv, D, (float)(1.0 / sqrt((double)D)));
+/* Launch @p kernel with @p smem bytes of dynamic shared memory (opting in above 48 KiB). */
+template <typename K, typename... Args>
+static void fa_launch(K kernel, dim3 grid, size_t smem, Args... args) {
+    MOE_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    kernel<<<grid, FA_THREADS, smem, moe_cuda_stream()>>>(args...);
     MOE_CUDA_LAUNCH_CHECK();
 }
 
-template <int NJ>
-static void att_backward_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const moe_bf16 *dy,
-                                const moe_bf16 *att, const moe_bf16 *q, const moe_bf16 *k,
-                                const moe_bf16 *v, int B, int T, int Hq, int Hkv, int D) {
-    const size_t smem = att_smem_backward<NJ>();
-    const float scale = (float)(1.0 / sqrt((double)D));
-    cudaStream_t st = moe_cuda_stream();
-    /* δ [B, Hq, T]: a scratch slot, sized by the first backward and kept (no allocation per
-     * step, and an address a CUDA graph can keep: chapter 06) */
-    float *delta = (float *)moe_cuda_scratch(MOE_SCRATCH_ATTENTION,
-                                             (size_t)B * Hq * T * sizeof(float));
-
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(att_backward_dq_kernel<NJ>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    dim3 grid_q(moe_cdiv(T, ATT_TILE), Hq, B);
-    att_backward_dq_kernel<NJ><<<grid_q, ATT_THREADS, smem, st>>>(dq, delta, dy, att, k, v, T,
-                                                                  Hq, Hkv, D, scale);
-    MOE_CUDA_LAUNCH_CHECK();
-
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(att_backward_dkdv_kernel<NJ>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    dim3 grid_kv(moe_cdiv(T, ATT_TILE), Hkv, B);
-    att_backward_dkdv_kernel<NJ><<<grid_kv, ATT_THREADS, smem, st>>>(dk, dv, delta, dy, att, q,
-                                                                     v, T, Hq, Hkv, D, scale);
-    MOE_CUDA_LAUNCH_CHECK();
+/* The shared arguments; vec when every tile row is whole 16-byte words. */
+static FaArgs fa_args(moe_attention_shape s, const void *p0, const void *p1, const void *p2,
+                      const void *p3 = nullptr, const void *p4 = nullptr) {
+    FaArgs a;
+    a.Tq = s.Tq;
+    a.Tk = s.Tk;
+    a.Hq = s.Hq;
+    a.Hkv = s.Hkv;
+    a.D = s.D;
+    a.off = s.q_pos - s.k_pos;
+    a.scale = (float)(1.0 / sqrt((double)s.D));
+    a.vec = moe_vec8_ok(s.D, p0, p1, p2) && moe_vec8_ok(s.D, p3, p4);
+    return a;
 }
 
-/* The naive kernels' workspace: P [B, Hq, T, T] in bf16. */
+/* The grids: (heads, sequences, tiles), the tile index slowest (heaviest first). */
+static dim3 fa_grid(int heads, int B, int rows, int tile) {
+    return dim3((unsigned)heads, (unsigned)B, moe_cdiv((size_t)rows, (size_t)tile));
+}
+
+/*
+ * The tile shapes of each padded head dimension: MT m-tiles of 16 rows per warp (every
+ * shared-memory fragment a warp reads serves MT m-tiles), the key tile of the forward and
+ * dq kernels, the query tile of the dk/dv kernel. WIDE is two m-tiles per warp wherever the
+ * registers hold them without spilling (ptxas -v: at D = 128 the dq and dk/dv kernels keep
+ * one); narrow is one m-tile everywhere.
+ */
+template <int DP, bool WIDE> struct FaConfig {
+    static constexpr int FWD_MT = WIDE ? 2 : 1, FWD_BK = WIDE && DP == 128 ? 32 : 64;
+    static constexpr int DQ_MT = WIDE && DP < 128 ? 2 : 1, DQ_BK = DQ_MT == 2 ? 32 : 64;
+    static constexpr int KV_MT = WIDE && DP < 128 ? 2 : 1;
+    static constexpr int KV_BQC = KV_MT == 2 || DP == 128 ? 32 : 64;
+};
+
+/*
+ * Which tiling runs. Measured on one H100 (docs/results/07-long-context.md): the wide
+ * forward is 15-20% faster from T = 1K up, but slower at the GPU preset's T = 256 (fewer,
+ * larger blocks on 132 SMs); the wide backward is slower at T ≤ 4K and within 2% above. So by
+ * default the forward is wide from FA_WIDE_MIN_T query rows and the backward narrow.
+ * MOE_FLASH_MT=1 or 2 forces the narrow or the wide tiles everywhere (the tests run both);
+ * it is read at every call (a getenv), so that one process can switch.
+ */
+#define FA_WIDE_MIN_T 512
+
+static int fa_tiles_forced(void) {
+    const char *e = getenv("MOE_FLASH_MT");
+    if (!e)
+        return 0;
+    if (strcmp(e, "1") && strcmp(e, "2")) {
+        fprintf(stderr, "MOE_FLASH_MT=%s: must be 1 (one m-tile of 16 rows per warp) or 2 "
+                        "(two); unset it for the measured default\n", e);
+        exit(1);
+    }
+    return e[0] - '0';
+}
+static bool fa_wide_forward(int Tq) {
+    const int f = fa_tiles_forced();
+    return f ? f == 2 : Tq >= FA_WIDE_MIN_T;
+}
+static bool fa_wide_backward(void) { return fa_tiles_forced() == 2; }
+
+template <int DP, bool WIDE>
+static void fa_forward_launch(moe_bf16 *y, float *lse, const moe_bf16 *q, const moe_bf16 *k,
+                              const moe_bf16 *v, moe_attention_shape s) {
+    typedef FaConfig<DP, WIDE> C;
+    constexpr int BQ = 16 * C::FWD_MT * FA_WARPS;
+    const FaArgs a = fa_args(s, q, k, v, y);
+    const size_t smem = sizeof(moe_bf16) * FaTile<DP>::LD * (BQ + 4 * C::FWD_BK);
+    fa_launch(fa_forward_kernel<DP, C::FWD_MT, C::FWD_BK>, fa_grid(s.Hq, s.B, s.Tq, BQ), smem,
+              y, lse, q, k, v, a);
+}
+
+template <int DP, bool WIDE>
+static void fa_backward_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const moe_bf16 *dy,
+                               const moe_bf16 *y, const float *lse, float *delta,
+                               const moe_bf16 *q, const moe_bf16 *k, const moe_bf16 *v,
+                               moe_attention_shape s) {
+    typedef FaConfig<DP, WIDE> C;
+    const FaArgs a = fa_args(s, q, k, v, dy);
+    const long long rows = (long long)s.B * s.Tq * s.Hq; /* δ: one warp each, 8 per block */
+    fa_delta_kernel<<<moe_cdiv((size_t)rows, 8), 256, 0, moe_cuda_stream()>>>(
+        delta, dy, y, s.B, s.Tq, s.Hq, s.D);
+    MOE_CUDA_LAUNCH_CHECK();
+
+    constexpr int BQ = 16 * C::DQ_MT * FA_WARPS;
+    const size_t smem_q = sizeof(moe_bf16) * FaTile<DP>::LD * (2 * BQ + 4 * C::DQ_BK);
+    fa_launch(fa_backward_dq_kernel<DP, C::DQ_MT, C::DQ_BK>, fa_grid(s.Hq, s.B, s.Tq, BQ),
+              smem_q, dq, (const float *)delta, lse, q, k, v, dy, a);
+
+    constexpr int BKV = 16 * C::KV_MT * FA_WARPS;
+    const size_t smem_kv = sizeof(moe_bf16) * FaTile<DP>::LD * (2 * BKV + 4 * C::KV_BQC) +
+                           sizeof(float) * 4 * C::KV_BQC;
+    fa_launch(fa_backward_dkdv_kernel<DP, C::KV_MT, C::KV_BQC>, fa_grid(s.Hkv, s.B, s.Tk, BKV),
+              smem_kv, dk, dv, (const float *)delta, lse, q, k, v, dy, a);
+}
+
+/* The workspace: the backward's δ [B, Hq, Tq] fp32 (the forward leaves nothing there). */
 extern "C" size_t moe_cuda_attention_workspace_bytes(moe_attention_shape s) {
-    return sizeof(moe_bf16) * (size_t)s.B * s.Hq * s.Tq * s.Tk;
+    return sizeof(float) * (size_t)s.B * s.Hq * s.Tq;
 }
 
-/* Only a chunk attending to itself (Tq = Tk, q_pos = k_pos): the mask is then s ≤ t, which
- * is what the kernels apply; the offsets enter only through RoPE. */
 extern "C" void moe_cuda_attention_forward(void *y, moe_real *lse, void *ws, const void *q,
                                            const void *k, const void *v, moe_attention_shape s) {
-    moe_attention_shape_require(s, "moe_cuda_attention", ATT_MAX_D);
-    const int B = s.B, T = s.Tq, Hq = s.Hq, Hkv = s.Hkv, D = s.D;
-    if (B < 1)
+    (void)ws;
+    moe_attention_shape_require(s, "moe_cuda_attention", FA_MAX_D);
+    if (s.B < 1)
         return;
-    moe_bf16 *Y = (moe_bf16 *)y, *A = (moe_bf16 *)ws;
+    moe_bf16 *Y = (moe_bf16 *)y;
     const moe_bf16 *Q = (const moe_bf16 *)q, *K = (const moe_bf16 *)k, *V = (const moe_bf16 *)v;
-    if (D <= 32)
-        att_forward_launch<2>(Y, lse, A, Q, K, V, B, T, Hq, Hkv, D);
-    else if (D <= 64)
-        att_forward_launch<4>(Y, lse, A, Q, K, V, B, T, Hq, Hkv, D);
+    const bool w = fa_wide_forward(s.Tq);
+    if (s.D <= 32)
+        w ? fa_forward_launch<32, true>(Y, lse, Q, K, V, s)
+          : fa_forward_launch<32, false>(Y, lse, Q, K, V, s);
+    else if (s.D <= 64)
+        w ? fa_forward_launch<64, true>(Y, lse, Q, K, V, s)
+          : fa_forward_launch<64, false>(Y, lse, Q, K, V, s);
     else
-        att_forward_launch<8>(Y, lse, A, Q, K, V, B, T, Hq, Hkv, D);
+        w ? fa_forward_launch<128, true>(Y, lse, Q, K, V, s)
+          : fa_forward_launch<128, false>(Y, lse, Q, K, V, s);
 }
 
 extern "C" void moe_cuda_attention_backward(void *dq, void *dk, void *dv, const void *dy,
                                             const void *y, const moe_real *lse, void *ws,
                                             const void *q, const void *k, const void *v,
                                             moe_attention_shape s) {
-    moe_attention_shape_require(s, "moe_cuda_attention", ATT_MAX_D);
-    const int B = s.B, T = s.Tq, Hq = s.Hq, Hkv = s.Hkv, D = s.D;
-    if (B < 1)
+    moe_attention_shape_require(s, "moe_cuda_attention", FA_MAX_D);
+    if (s.B < 1)
         return;
     moe_bf16 *dQ = (moe_bf16 *)dq, *dK = (moe_bf16 *)dk, *dV = (moe_bf16 *)dv;
-    const moe_bf16 *dY = (const moe_bf16 *)dy, *A = (const moe_bf16 *)ws;
+    const moe_bf16 *dY = (const moe_bf16 *)dy, *Y = (const moe_bf16 *)y;
     const moe_bf16 *Q = (const moe_bf16 *)q, *K = (const moe_bf16 *)k, *V = (const moe_bf16 *)v;
-    if (D <= 32)
-        att_backward_launch<2>(dQ, dK, dV, dY, A, Q, K, V, B, T, Hq, Hkv, D);
-    else if (D <= 64)
-        att_backward_launch<4>(dQ, dK, dV, dY, A, Q, K, V, B, T, Hq, Hkv, D);
+    float *delta = (float *)ws;
+    const bool w = fa_wide_backward();
+    if (s.D <= 32)
+        w ? fa_backward_launch<32, true>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s)
+          : fa_backward_launch<32, false>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s);
+    else if (s.D <= 64)
+        w ? fa_backward_launch<64, true>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s)
+          : fa_backward_launch<64, false>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s);
     else
-        att_backward_launch<8>(dQ, dK, dV, dY, A, Q, K, V, B, T, Hq, Hkv, D);
+        w ? fa_backward_launch<128, true>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s)
+          : fa_backward_launch<128, false>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s);
 }

@@ -111,6 +111,7 @@ static moe_backend make_cuda_backend(void) {
     b.host_free = moe_cuda_host_free;
     b.to_host_async = moe_cuda_to_host_async;
     b.wait_to_host = moe_cuda_wait_to_host;
+    b.from_host_async = moe_cuda_from_host_async;
     return b;
 }
 

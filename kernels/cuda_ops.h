@@ -98,10 +98,22 @@ void moe_cuda_grouped_sm90_backward_gather(void *din, void *dw, const void *dout
 /* how many chunks the sm_90a wgrad splits each group's rows into for this shape (1 = no
  * split), from host-known sizes only: for tests and benchmarks to report */
 int moe_cuda_grouped_sm90_wgrad_split(int G, int rows, int I, int O);
-/* the forward/dgrad tile schedule of the kernel above: 0 (the default) uses 128-row tiles
- * only, 1 gives a group's last <= 64 rows a 64 x 256 tile (measured slower: off by default); for the tests and
- * the chapter 03 benchmark, which compare the two (process-wide, not thread-safe) */
-void moe_cuda_grouped_sm90_set_fine_tiles(int on);
+/* the forward/dgrad tile schedule of the kernel above (process-wide, not thread-safe):
+ * bit 0 gives a group's last <= 64 rows a 64 x 256 tile instead of a 128 x 256 one, bit 1
+ * has the CTAs claim tiles in order from a device counter instead of CTA b taking tiles
+ * b, b + grid, ... Chosen by moe_cuda_grouped_sm90_set_schedule (tests, the chapter 03
+ * benchmark), else by the environment, MOE_GROUPED_SCHEDULE=static|static-tail64|dynamic|
+ * dynamic-tail64 (the names of moe_cuda_grouped_sm90_schedule_name), else the default */
+typedef enum moe_grouped_schedule {
+    MOE_GROUPED_SCHED_STATIC = 0,         /* 128-row tiles, CTA b takes b, b + grid, ... */
+    MOE_GROUPED_SCHED_STATIC_TAIL64 = 1,  /* ... with 64-row tiles for short last tiles */
+    MOE_GROUPED_SCHED_DYNAMIC = 2,        /* 128-row tiles, claimed in order */
+    MOE_GROUPED_SCHED_DYNAMIC_TAIL64 = 3, /* both */
+} moe_grouped_schedule;
+#define MOE_GROUPED_SCHED_DEFAULT MOE_GROUPED_SCHED_STATIC
+void moe_cuda_grouped_sm90_set_schedule(moe_grouped_schedule s);
+moe_grouped_schedule moe_cuda_grouped_sm90_schedule(void);
+const char *moe_cuda_grouped_sm90_schedule_name(moe_grouped_schedule s);
 void moe_cuda_embedding_forward(void *out, const int *tokens, const void *table, int N, int C);
 void moe_cuda_embedding_backward(moe_real *dtable, const void *dout, const int *tokens, int N,
                                  int V, int C);
@@ -169,7 +181,7 @@ void moe_cuda_add_f64(double *dst, const double *src, int n);
 void moe_cuda_scale_real(moe_real *x, double s, size_t n);
 void moe_cuda_adamw(moe_real *p, const moe_real *g, float *m, float *v, size_t n, double lr,
                     double beta1, double beta2, double eps, double wd, double bc1, double bc2,
-                    const double *clip, const int *flags);
+                    const double *clip, const int *flags, const double *hyper);
 
 /* the step's scalars on the device (chapter 06, step_scalars.h) */
 void moe_cuda_loss_accumulate(double *step, const double *mb, int N, double accum);
@@ -182,6 +194,7 @@ void *moe_cuda_host_alloc(size_t bytes);
 void moe_cuda_host_free(void *p);
 void moe_cuda_to_host_async(void *dst, const void *src, size_t bytes);
 void moe_cuda_wait_to_host(void);
+void moe_cuda_from_host_async(void *dst, const void *src, size_t bytes);
 
 /* chapter 05's quantization recipes (kernels/quantize.cu): the CUDA twins of the CPU
  * reference in lib/quantize.h, with the same arguments (device pointers) and the same

@@ -31,7 +31,7 @@
  *                stage's "full" barrier with the byte count to expect.
  *
  * Forward and dgrad can also use a 64 × 256 tile (an experiment, off by default: it measured
- * slower, see g_fine_tiles), for the last <= 64 rows of a group: the two
+ * slower, see g_schedule), for the last <= 64 rows of a group: the two
  * warpgroups then sit side by side instead of one above the other — both read the same
  * 64-row A box, warpgroup c multiplies it by B's columns 128c .. 128c + 127 with 4 wgmma
  * m64n128k16 per k-step (64 accumulators) — so neither idles, and the producer loads one
@@ -40,7 +40,9 @@
  * (the tile-quantisation cliff just past every multiple of 128, which hurts where many
  * experts see a few hundred rows each); with it, 128 + 64 rows of MMA (rows are computed
  * in multiples of 64, the smallest M of a wgmma) — but each tile still loads the whole
- * 256-column weight block per k-step, and the time did not fall. The main loop is instantiated once per
+ * 256-column weight block per k-step, and the time did not fall (the tail tile of the
+ * 128-row schedule skips its empty A box too, so both move the same 40 KB per k-step;
+ * docs/results/03-grouped-gemm-ii.md §3b). The main loop is instantiated once per
  * width (256 or 128 columns per warpgroup) so that no wgmma pipeline spans a branch.
  *
  * Epilogue: each consumer warpgroup writes its 64 × 256 block from registers into its
@@ -54,16 +56,17 @@
  * docs/results/03-grouped-gemm.md): storing straight from registers cost 15-35% of the
  * GEMM time; the 4th stage is worth another 6-10%.
  *
- * The tile scheduler is static and persistent: CTA b takes tiles b, b + gridDim, ...
- * Within a group the tiles go in bands of BAND m-tiles, m fastest inside a band, so the
+ * The tile scheduler is persistent and, by default, static: CTA b takes tiles b,
+ * b + gridDim, ... (the dynamic schedule claims them in order instead: see the kernel's
+ * tile ring). Within a group the tiles go in bands of BAND m-tiles, m fastest inside a band, so the
  * CTAs running at the same time touch a few row blocks and a few weight blocks, which
  * stay in L2. For forward and dgrad a group has ceil(rows_g / BM) m-tiles; each CTA reads
  * the G + 1 offsets into shared memory and prefix-sums the m-tiles (G is small), which
  * maps a tile index to its group by binary search — the host never learns the sizes (the
  * rule is lib/moe/tile_schedule.h, one definition for this kernel and the C library). The
- * tile's shape can come from the same offsets: with moe_cuda_grouped_sm90_set_fine_tiles(1)
- * the group's last m-tile is a 64 × 256 tile when it holds <= 64 rows (an experiment, off
- * by default: measured slower, see g_fine_tiles). The 64-row tile stays in its
+ * tile's shape can come from the same offsets (moe_tile_rows_rule): under the -tail64
+ * schedules the group's last m-tile is a 64 × 256 tile when it holds <= 64 rows (off by
+ * default: measured slower, see g_schedule). The 64-row tile stays in its
  * group's band, next to the tiles that read the same weight block: ordering tiles
  * longest-first instead would balance the last wave a little better but read a weight
  * block again after it has left L2, and a tile costs at most twice another here. For wgrad the tiles
@@ -153,7 +156,9 @@ struct Params {
     int accumulate; /* C += instead of C = (dgrad; wgrad: reduce-add, else store) */
     int split;      /* wgrad: chunks each group's rows are cut into (1 = none, 0 = unset) */
     int fine;       /* forward/dgrad: a group's last <= 64 rows get a 64 × 256 tile (see
-                       Scheduler); 0 = the old schedule of 128-row tiles only */
+                       Scheduler); 0 = 128-row tiles only */
+    int dyn;        /* 1: CTAs claim their tiles in index order from g_claims (forward and
+                       dgrad, see the kernel's tile ring); 0: CTA b takes b, b + grid, ... */
     /* the fused permutation (GATHER kernels only): the GEMM's input row r is token row
        gmap[r] / gdiv of gx [*, gld] (forward: A; wgrad: B), copied by index with cp.async */
     const moe_bf16 *gx;
@@ -249,7 +254,7 @@ template <int MODE> struct Scheduler {
         /* the tile shape, from the offsets alone: a group's last m-tile that holds at most
          * 64 of its rows is a 64 × 256 tile (half the MMA work and 40 of the 48 KB per
          * k-step), so rows are computed in multiples of 64, not of 128 */
-        ti.half = fine && ti.r1 - ti.m0 <= BM / 2;
+        ti.half = moe_tile_rows_rule(&x, BM, fine) == BM / 2;
         return true;
     }
 };
@@ -311,6 +316,15 @@ __device__ __forceinline__ void gather_b_mnmajor(uint8_t *b, const int tok[4], c
 
 #endif
 
+/* The dynamic schedule's counters (Params::dyn): g_claims[0] counts the tiles claimed after
+ * the first wave (CTA b runs tile b first, then gridDim.x + atomicAdd(&g_claims[0], 1), ...
+ * until an index is past the last tile), g_claims[1] the CTAs that have made their last
+ * claim. The last CTA to finish puts both back to 0, so every launch finds them zero
+ * without a memset; the backend runs on one stream, so no two launches overlap. */
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL) /* nothing for sm_100a */
+__device__ int g_claims[2];
+#endif
+
 /* C32: the output C is fp32 (wgrad's main gradients or split-K partials); else bf16.
  * GATHER: the fused permutation (above); forward and wgrad only. */
 template <int MODE, int C32, int GATHER>
@@ -320,12 +334,15 @@ __global__ void __launch_bounds__(THREADS, 1)
                         const __grid_constant__ CUtensorMap map_c, const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int TA = MODE == WGRAD, TB = MODE != FWD; /* MN-major operands */
+    constexpr int RING = 4; /* tile indices the producer may publish ahead of the consumers */
 
     /* 128-byte swizzled tiles must start on a 1024-byte boundary */
     extern __shared__ __align__(1024) uint8_t smem[];
     if (threadIdx.x == 0 && (smem_u32(smem) & 1023))
         __trap(); /* the layout below would overflow the allocation */
     __shared__ uint64_t full[STAGES], empty[STAGES];
+    __shared__ uint64_t tfull[RING], tempty[RING]; /* the tile ring (below) */
+    __shared__ int s_tile[RING];
     __shared__ int s_off[MAX_G + 1], s_mt[MAX_G + 1];
 
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128; /* wg 2 = the producer warp */
@@ -337,6 +354,10 @@ __global__ void __launch_bounds__(THREADS, 1)
              * lanes' cp.async arrivals (noinc: they count against this number) */
             mbar_init(&full[s], GATHER ? 1 + 32 : 1);
             mbar_init(&empty[s], 8); /* one arrival per consumer warp */
+        }
+        for (int r = 0; r < RING; r++) {
+            mbar_init(&tfull[r], 1);  /* the producer wrote s_tile[r] */
+            mbar_init(&tempty[r], 8); /* every consumer warp has read it */
         }
         mbar_init_fence();
     }
@@ -356,16 +377,47 @@ __global__ void __launch_bounds__(THREADS, 1)
     sch.S = p.split > 1 ? p.split : 1;
     sch.total = MODE == WGRAD ? sch.S * p.G * sch.mtn * sch.ntn : s_mt[p.G] * sch.ntn;
 
+    /* Which tiles a CTA runs. Static (dyn = 0): CTA b takes b, b + gridDim, ..., a fixed
+     * sequence the producer and the consumers each walk. Dynamic (dyn = 1, forward and
+     * dgrad): after its first tile b, the producer claims the next unclaimed index from a
+     * counter in global memory when it starts a tile, so tiles start in index order across
+     * the whole grid whatever each costs, and publishes it to the consumers through the
+     * tile ring: s_tile[j % RING] holds the CTA's j-th tile (tfull: written, tempty: read
+     * by all 8 consumer warps), the last one past the end (the signal to stop). That matters for the L2: the tiles
+     * that read the same weight block (a group's m-tiles of one n-tile, neighbours in the
+     * banded order) then run at the same time and fetch it from HBM once. Under the static
+     * rule they do so only while every tile costs the same: with 64-row tiles among
+     * 128-row ones a CTA's tiles can all be of one kind (130 rows per expert: tiles
+     * alternate 128, 64, and CTA b gets the parity of b), the CTAs drift apart, and each
+     * weight block is fetched twice. */
     if (wg == 2) {
         /* ------------------------------------------------ producer
-         * Lane 0 issues the TMA loads; with GATHER all 32 lanes also copy the gathered
-         * operand (forward: A, wgrad: B) by index, and every lane waits for the free stage. */
+         * Lane 0 issues the TMA loads and runs the tile ring; with GATHER all 32 lanes also
+         * copy the gathered operand (forward: A, wgrad: B) by index, and every lane waits
+         * for the free stage. */
         const int lane = tid;
         if (GATHER || lane == 0) {
             int it = 0;
             Tile ti;
             int tok[4];
-            for (int t = blockIdx.x; sch.get(t, ti); t += gridDim.x) {
+            int t = blockIdx.x;
+            for (int j = 0;; j++) {
+                if (p.dyn && lane == 0) {
+                    const int r = j % RING;
+                    mbar_wait(&tempty[r], ((j / RING) & 1) ^ 1);
+                    s_tile[r] = t;
+                    mbar_arrive(&tfull[r]); /* release: the consumers see s_tile[r] */
+                }
+                if (!sch.get(t, ti))
+                    break;
+                /* claim the next tile now; its index is needed only after this tile's loads */
+                int next = t + gridDim.x;
+                if (p.dyn) {
+                    if (lane == 0)
+                        next = gridDim.x + atomicAdd(&g_claims[0], 1);
+                    if (GATHER)
+                        next = __shfl_sync(0xffffffffu, next, 0);
+                }
                 if (GATHER && MODE == FWD) /* the tile's 128 source rows, once per tile */
                     gather_tokens(tok, p, ti.m0, ti.r1, lane, 4);
                 for (int kt = 0; kt < ti.nk; kt++, it++) {
@@ -413,9 +465,18 @@ __global__ void __launch_bounds__(THREADS, 1)
                         cp_async_mbar_arrive_noinc(&full[s]);
                     }
                 }
+                t = next;
             }
             if (GATHER)
                 cp_async_wait_all(); /* no copy outlives its thread */
+            if (p.dyn && lane == 0) {
+                /* this CTA's claims are over; the last CTA to get here resets the counters */
+                __threadfence();
+                if (atomicAdd(&g_claims[1], 1) == (int)gridDim.x - 1) {
+                    atomicExch(&g_claims[0], 0);
+                    atomicExch(&g_claims[1], 0);
+                }
+            }
         }
         return;
     }
@@ -426,7 +487,17 @@ __global__ void __launch_bounds__(THREADS, 1)
     int it = 0;
     Tile ti;
     float d[BN / 2];
-    for (int t = blockIdx.x; sch.get(t, ti); t += gridDim.x) {
+    for (int j = 0, t = blockIdx.x;; j++, t += gridDim.x) {
+        if (p.dyn) { /* the producer's claim; static: b, b + gridDim, ... as it walks them */
+            const int r = j % RING;
+            mbar_wait(&tfull[r], (j / RING) & 1);
+            t = s_tile[r];
+            __syncwarp();
+            if (lane == 0) /* every lane of this warp has read it */
+                mbar_arrive(&tempty[r]);
+        }
+        if (!sch.get(t, ti))
+            break;
         if (ti.nk == 0 && (MODE != WGRAD || p.accumulate))
             continue; /* wgrad of an empty group (or chunk) adds nothing; a STORE writes 0 */
         const int half = MODE != WGRAD && ti.half; /* a 64 × 256 tile (see Scheduler) */
@@ -639,13 +710,40 @@ const void *contiguous(const Input &in, int rows, int I) {
     return xp;
 }
 
-/* forward/dgrad schedule: 0 = 128-row tiles only (the default), 1 = 64-row tiles for a
- * group's last <= 64 rows. Measured on an H200 (docs/results/03-grouped-gemm-ii.md, raw
- * output docs/results/runs/ch03_bench_fine_dc547fa.txt), the 64-row tile costs about as
- * much as a 128-row one and the schedule with it is SLOWER (forward + dgrad 0.72x at 130
- * and 192 rows per expert, 0.76x on E = 128 uniform), so it is off until that is
- * understood; tests run both, the benchmark compares them (--shape fine). */
-int g_fine_tiles = 0;
+/* The forward/dgrad schedule, a moe_grouped_schedule: bit 0 = 64-row tiles for a group's
+ * last <= 64 rows (Params::fine), bit 1 = tiles claimed from a counter (Params::dyn).
+ * -1 until first used: then MOE_GROUPED_SCHEDULE, or the default, static (128-row tiles).
+ * Measured (docs/results/03-grouped-gemm-ii.md §3): static with 64-row tiles is slower
+ * (0.72x at 130 rows per expert on an H200) because the CTAs drift apart and read the
+ * weights from DRAM twice (ncu on an H100: 5.9 against 3.4 GB); claiming the tiles in
+ * order fixes that, but the 64-row tiles still do not pay (0.90x at 130 rows on an H100),
+ * and dynamic alone is 2-4% faster up to 128 rows per expert, 3-8% slower above. Tests run
+ * every schedule, the benchmark (--shape fine) times them side by side. */
+int g_schedule = -1;
+
+const char *const SCHEDULE_NAMES[4] = {"static", "static-tail64", "dynamic", "dynamic-tail64"};
+
+int schedule(void) {
+    if (g_schedule < 0) {
+        g_schedule = MOE_GROUPED_SCHED_DEFAULT;
+        const char *e = getenv("MOE_GROUPED_SCHEDULE");
+        if (e && *e) {
+            int found = -1;
+            for (int i = 0; i < 4; i++)
+                if (!strcmp(e, SCHEDULE_NAMES[i]))
+                    found = i;
+            if (found < 0) {
+                fprintf(stderr, "moe.c: MOE_GROUPED_SCHEDULE=%s is not a schedule of the sm_90a "
+                                "grouped GEMM; use static, static-tail64, dynamic or "
+                                "dynamic-tail64 (or unset it for the default, %s)\n",
+                        e, SCHEDULE_NAMES[MOE_GROUPED_SCHED_DEFAULT]);
+                exit(1);
+            }
+            g_schedule = found;
+        }
+    }
+    return g_schedule;
+}
 
 void check_shapes(int G, int I, int O) {
     if (G > MAX_G || I % MOE_GROUPED_DEV_ALIGN || O % MOE_GROUPED_DEV_ALIGN) {
@@ -688,7 +786,18 @@ void wgrad_reduce(void *dw, const float *part, size_t n, int S, moe_dw_mode mode
 
 } /* namespace */
 
-extern "C" void moe_cuda_grouped_sm90_set_fine_tiles(int on) { g_fine_tiles = on != 0; }
+extern "C" void moe_cuda_grouped_sm90_set_schedule(moe_grouped_schedule s) {
+    MOE_ASSERT(s >= MOE_GROUPED_SCHED_STATIC && s <= MOE_GROUPED_SCHED_DYNAMIC_TAIL64);
+    g_schedule = (int)s;
+}
+
+extern "C" moe_grouped_schedule moe_cuda_grouped_sm90_schedule(void) {
+    return (moe_grouped_schedule)schedule();
+}
+
+extern "C" const char *moe_cuda_grouped_sm90_schedule_name(moe_grouped_schedule s) {
+    return s >= 0 && s < 4 ? SCHEDULE_NAMES[s] : "?";
+}
 
 extern "C" int moe_cuda_grouped_sm90_available(void) {
     static int avail = -1;
@@ -734,8 +843,8 @@ static void sm90_forward(void *out, const Input &in, const void *w, const int *d
     const uint64_t db[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
     const uint64_t dc[2] = {(uint64_t)O, (uint64_t)rows};
     const uint32_t ba[2] = {BK, BM / 2}, bb[3] = {BK, BN, 1}, bc[2] = {64, 64};
-    Params p = {dev_off, G, 0, O, I, out, 0, 1, g_fine_tiles,
-                      NULL, NULL, 0, 0};
+    Params p = {dev_off, G, 0, O, I, out, 0, 1, schedule() & 1, schedule() >> 1,
+                NULL, NULL, 0, 0};
     set_gather(p, in, I);
     const CUtensorMap mb = moe_tma_map(w, 3, db, bb);
     /* a gathered A has no tensor map (the kernel does not read map_a then) */
@@ -803,8 +912,8 @@ static void sm90_backward(void *din, void *dw, const void *dout, const Input &in
         const uint64_t db[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
         const uint64_t dc[2] = {(uint64_t)I, (uint64_t)rows};
         const uint32_t ba[2] = {BK, BM / 2}, bb[3] = {64, BK, 1}, bc[2] = {64, 64};
-        const Params p = {dev_off, G, 0, I, O, din, din_accumulate, 1, g_fine_tiles,
-                      NULL, NULL, 0, 0};
+        const Params p = {dev_off, G, 0, I, O, din, din_accumulate, 1, schedule() & 1,
+                          schedule() >> 1, NULL, NULL, 0, 0};
         launch<DGRAD>(moe_tma_map(dout, 2, da, ba), moe_tma_map(w, 3, db, bb),
                       moe_tma_map(din, 2, dc, bc), p,
                       ((rows + BM - 1) / BM + G) * ((I + BN - 1) / BN));
@@ -821,19 +930,17 @@ static void sm90_backward(void *din, void *dw, const void *dout, const Input &in
         const CUtensorMap mb = in.map ? ma : moe_tma_map(in.x, 2, db, box);
         if (S > 1) { /* every chunk STORES its partial [S][G][O][I]; one ordered sum after */
             float *part = (float *)moe_cuda_scratch(MOE_SCRATCH_WGRAD_SPLIT, S * nw * sizeof(float));
-            Params p = {dev_off, G, O, I, 0, NULL, 0, S, 0,
-                      NULL, NULL, 0, 0};
+            Params p = {dev_off, G, O, I, 0, NULL, 0, S, 0, 0, NULL, NULL, 0, 0};
             set_gather(p, in, I);
             launch<WGRAD>(ma, mb, moe_tma_map(part, 3, dc, bc32, 1), p, tiles);
             wgrad_reduce(dw, part, nw, S, dw_mode);
         } else if (dw_mode == MOE_DW_ACT) { /* bf16, stored */
-            Params p = {dev_off, G, O, I, 0, NULL, 0, 1, 0,
-                      NULL, NULL, 0, 0};
+            Params p = {dev_off, G, O, I, 0, NULL, 0, 1, 0, 0, NULL, NULL, 0, 0};
             set_gather(p, in, I);
             launch<WGRAD, 0>(ma, mb, moe_tma_map(dw, 3, dc, bc16), p, tiles);
         } else { /* fp32: reduce-added, or stored into a buffer whose contents do not count */
-            Params p = {dev_off, G, O, I, 0, NULL, dw_mode == MOE_DW_ACCUMULATE, 1, 0,
-                      NULL, NULL, 0, 0};
+            Params p = {dev_off, G, O, I, 0, NULL, dw_mode == MOE_DW_ACCUMULATE, 1, 0, 0,
+                        NULL, NULL, 0, 0};
             set_gather(p, in, I);
             launch<WGRAD>(ma, mb, moe_tma_map(dw, 3, dc, bc32, 1), p, tiles);
         }

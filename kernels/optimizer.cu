@@ -123,9 +123,14 @@ static __global__ void scale_real_kernel(float *x, double s, size_t n) {
 static __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, size_t n,
                                     double lr, double beta1, double beta2, double eps, double wd,
                                     double bc1, double bc2, const double *clip,
-                                    const int *flags) {
+                                    const int *flags, const double *hyper) {
     if (flags && *flags) /* the step is skipped (step_flags.h) */
         return;
+    if (hyper) { /* this step's values, from device memory (a replayed graph sees them) */
+        lr = hyper[0];
+        bc1 = hyper[1];
+        bc2 = hyper[2];
+    }
     const double c = clip ? *clip : 1.0;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
@@ -147,10 +152,12 @@ extern "C" void moe_cuda_scale_real(moe_real *x, double s, size_t n) {
 
 extern "C" void moe_cuda_adamw(moe_real *p, const moe_real *g, float *m, float *v, size_t n,
                                double lr, double beta1, double beta2, double eps, double wd,
-                               double bc1, double bc2, const double *clip, const int *flags) {
+                               double bc1, double bc2, const double *clip, const int *flags,
+                               const double *hyper) {
     if (n == 0)
         return;
     adamw_kernel<<<grid_for(n), THREADS, 0, moe_cuda_stream()>>>(p, g, m, v, n, lr, beta1, beta2,
-                                                                 eps, wd, bc1, bc2, clip, flags);
+                                                                 eps, wd, bc1, bc2, clip, flags,
+                                                                 hyper);
     MOE_CUDA_LAUNCH_CHECK();
 }

@@ -15,6 +15,10 @@
  *                   and nothing after it, once per step, when it has nothing left to enqueue.
  *
  * One event, created on first use: a step has one boundary, and the stream orders the copies.
+ *
+ *   from_host_async the other direction, from page-locked memory: the step's batches and
+ *                   AdamW's per-step scalars (lr and the bias corrections). It returns at
+ *                   once, and a graph can capture it (a copy from pageable memory cannot be).
  */
 #include <string.h>
 
@@ -45,6 +49,11 @@ extern "C" void moe_cuda_to_host_async(void *dst, const void *src, size_t bytes)
     if (bytes)
         MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, st));
     MOE_CUDA_CHECK(cudaEventRecord(g_readback, st));
+}
+
+extern "C" void moe_cuda_from_host_async(void *dst, const void *src, size_t bytes) {
+    if (bytes) /* from pinned memory: a copy-engine transfer in stream order, capturable */
+        MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, moe_cuda_stream()));
 }
 
 extern "C" void moe_cuda_wait_to_host(void) {

@@ -22,7 +22,7 @@
  * position offset pos0 of a chunk of the sequence; and no [B,H,T,T] probability buffer
  * appears in it: the workspace is opaque and sized by the backend
  * (attention_workspace_bytes). The CPU backend's flash attention asks for none (op_ws stays
- * NULL), the CUDA backend's naive kernels keep their probabilities there.
+ * NULL), the CUDA flash kernels for their backward's row dots δ [B,Hq,T] (fp32).
  */
 #ifndef MOE_ATTENTION_H
 #define MOE_ATTENTION_H

@@ -189,12 +189,13 @@ typedef struct moe_backend {
      * one opaque workspace per attention call it will differentiate, of
      * attention_workspace_bytes() bytes (a workspace sized for a shape serves every smaller
      * one; none is allocated for 0 bytes, and the ops then get NULL): what the forward leaves
-     * there is for the backward of the same call. The contract has no [B,H,T,T] buffer: the
-     * CPU backend's flash attention asks for 0 bytes and recomputes the probabilities from
-     * lse, the CUDA backend's naive kernels keep theirs in the workspace. A query row that
-     * sees no key gets y = 0 and lse = −∞. The CPU ops abort on a shape that
+     * there is for the backward of the same call. The contract has no [B,H,T,T] buffer: both
+     * backends run flash attention and recompute the probabilities from lse in the backward;
+     * the CPU's asks for 0 bytes, the CUDA kernels for the backward's row dots δ [B,Hq,Tq]
+     * (fp32). A query row that sees no key gets y = 0 and lse = −∞. Both run any chunk of
+     * queries against any chunk of keys; the CPU ops abort on a shape that
      * moe_attention_shape_invalid() rejects, the CUDA ops on one that
-     * moe_attention_shape_unsupported() rejects (a query chunk attending to another chunk).
+     * moe_attention_shape_unsupported() rejects (a head dimension above 128).
      */
     size_t (*attention_workspace_bytes)(moe_attention_shape s);
     /** as moe_cpu_attention_forward(): y and the row log-sum-exp lse */
@@ -295,10 +296,13 @@ typedef struct moe_backend {
     /** one AdamW update of n elements; bc1/bc2 are the bias corrections 1−βᵗ. @p clip (or
      *  NULL: 1) is the clip factor each gradient is multiplied by first, and while @p flags
      *  (or NULL) holds any ::MOE_STEP_OVERFLOW / ::MOE_STEP_NONFINITE bit nothing is
-     *  written: both [1] in BACKEND memory, read by the device, so the host never decides */
+     *  written: both [1] in BACKEND memory, read by the device, so the host never decides.
+     *  @p hyper (or NULL: the arguments) is {lr, bc1, bc2} [3] in BACKEND memory: the values
+     *  that change every step, read by the device so that a captured step replays with
+     *  the current ones (chapter 06) */
     void (*adamw)(moe_real *p, const moe_real *g, float *m, float *v, size_t n, double lr,
                   double beta1, double beta2, double eps, double wd, double bc1, double bc2,
-                  const double *clip, const int *flags);
+                  const double *clip, const int *flags, const double *hyper);
     /**@}*/
 
     /** @name the step's scalars on the device (chapter 06; step_scalars.h) */
@@ -325,6 +329,11 @@ typedef struct moe_backend {
     void (*to_host_async)(void *dst, const void *src, size_t bytes);
     /** wait for the event of the last to_host_async: the step boundary's one wait */
     void (*wait_to_host)(void);
+    /** queue a host → device copy from host_alloc'd @p src; returns at once. @p src must not
+     *  change until the copy has run (the step boundary's wait): the training step's
+     *  batches and AdamW's step scalars come this way, so a captured step can replay the
+     *  copy (a copy from pageable memory waits, and cannot be captured) */
+    void (*from_host_async)(void *dst, const void *src, size_t bytes);
     /**@}*/
 } moe_backend;
 

@@ -330,34 +330,29 @@ static void prune(const char *dir, long long step, int keep) {
     free(older);
 }
 
-/* The whole AdamW moments into the host copy. Under the distributed optimizer each rank
- * holds its pieces only: they are all-gathered over each gradient group first, so the file
- * has the same contents as without it (every rank's file whole moments of its shards), and a
- * run may resume with another data-parallel size or without the distributed optimizer. */
-static moe_status moments_to_host(moe_trainer *t, host_state *h, moe_error *err) {
+/* The whole fp32 master weights and AdamW moments into the host copy. Under the distributed
+ * optimizer each rank holds its pieces only: they are all-gathered over each gradient group
+ * first, so the file has the same contents as without it (every rank's file whole master
+ * weights and moments of its shards), and a run may resume with another data-parallel size
+ * or without the distributed optimizer. */
+static moe_status state_to_host(moe_trainer *t, host_state *h, moe_error *err) {
     const moe_backend *be = t->model->be;
     const size_t n = t->model->table.total;
-    if (!t->zero.n_runs) {
-        be->to_host(h->moment[0], t->opt.m, sizeof(float) * n);
-        be->to_host(h->moment[1], t->opt.v, sizeof(float) * n);
-        return MOE_OK;
-    }
-    float *full = be->alloc(sizeof(float) * (n ? n : 1));
-    if (!full)
-        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory gathering the distributed "
-                             "optimizer's moments for a checkpoint (%zu values)", n);
+    MOE_TRY(moe_trainer_master_to_host(t, h->param, err));
     for (int b = 0; b < 2; b++) {
-        moe_zero_all_gather(&t->zero, &t->opt, b ? t->opt.v : t->opt.m, full, MOE_DTYPE_F32);
-        be->to_host(h->moment[b], full, sizeof(float) * n);
+        const float *mine = b ? t->opt.v : t->opt.m;
+        if (!t->zero.n_runs)
+            be->to_host(h->moment[b], mine, sizeof(float) * n);
+        else
+            MOE_TRY(moe_zero_gather_to_host(&t->zero, &t->opt, mine, n, MOE_DTYPE_F32,
+                                            h->moment[b], err));
     }
-    be->free(full);
     return MOE_OK;
 }
 
 moe_status moe_checkpoint_save(moe_trainer *t, const char *dir, int keep_last, moe_error *err) {
     moe_model *m = t->model;
     const moe_backend *be = m->be;
-    const size_t n = m->table.total;
     char path[PATH_CAP];
     iter_dir(path, sizeof path, dir, t->step);
     moe_status s = make_dirs(path, err);
@@ -371,8 +366,7 @@ moe_status moe_checkpoint_save(moe_trainer *t, const char *dir, int keep_last, m
         s = moe_error_set(err, MOE_ERR_NOMEM, "out of memory saving a checkpoint");
     if (s == MOE_OK) {
         be->synchronize();
-        be->to_host(h.param, m->params, sizeof(moe_real) * n);
-        s = moments_to_host(t, &h, err);
+        s = state_to_host(t, &h, err);
     }
     if (s == MOE_OK) {
         if (h.expert_bias)
@@ -653,16 +647,11 @@ static moe_status stage(const moe_trainer *t, const moe_ckpt_file *f, int nf, lo
 static void apply(moe_trainer *t, const host_state *h) {
     moe_model *m = t->model;
     const moe_backend *be = m->be;
-    const size_t n = m->table.total;
-    be->from_host(m->params, h->param, sizeof(moe_real) * n);
-    /* this rank's moments: all of them, or its pieces under the distributed optimizer (the
-     * file holds whole moments, so any data-parallel size can load it) */
-    for (int k = 0; k < t->opt.n_pieces; k++) {
-        const moe_adamw_piece *pc = &t->opt.piece[k];
-        be->from_host(t->opt.m + pc->state, h->moment[0] + pc->lo, sizeof(float) * (pc->hi - pc->lo));
-        be->from_host(t->opt.v + pc->state, h->moment[1] + pc->lo, sizeof(float) * (pc->hi - pc->lo));
-    }
-    moe_model_sync_weights(m);
+    /* this rank's master weights and moments: all of them, or its pieces under the
+     * distributed optimizer (the file holds them whole, so any data-parallel size loads it) */
+    moe_trainer_master_from_host(t, h->param);
+    moe_adamw_pieces_from_host(&t->opt, t->opt.m, h->moment[0], sizeof(float));
+    moe_adamw_pieces_from_host(&t->opt, t->opt.v, h->moment[1], sizeof(float));
     if (h->expert_bias) {
         const size_t nb = (size_t)m->cfg.num_layers * m->cfg.num_experts;
         be->from_host(m->expert_bias, h->expert_bias, sizeof(float) * nb);

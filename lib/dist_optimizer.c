@@ -82,3 +82,25 @@ void moe_zero_all_gather(moe_zero *z, const moe_adamw *opt, const void *mine, vo
         z->be->copy((char *)full + r->start * es, gathered, r->len * es);
     }
 }
+
+void moe_zero_gather_weights(moe_zero *z, const moe_adamw *opt, void *wact) {
+    const moe_backend *be = z->be;
+    for (int i = 0; i < opt->n_pieces; i++) {
+        const moe_adamw_piece *pc = &opt->piece[i];
+        be->cast_to_act(MOE_ACT(be, wact, pc->lo), opt->master + pc->state, pc->hi - pc->lo);
+    }
+    moe_zero_all_gather(z, opt, wact, wact, moe_dtype_act(be));
+}
+
+moe_status moe_zero_gather_to_host(moe_zero *z, const moe_adamw *opt, const void *mine,
+                                   size_t total, moe_dtype t, void *host, moe_error *err) {
+    const size_t bytes = moe_dtype_size(t) * total;
+    void *full = z->be->alloc(bytes ? bytes : 1);
+    if (!full)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory gathering the distributed "
+                             "optimizer's state (%zu values)", total);
+    moe_zero_all_gather(z, opt, mine, full, t);
+    z->be->to_host(host, full, bytes);
+    z->be->free(full);
+    return MOE_OK;
+}

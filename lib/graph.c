@@ -1,6 +1,8 @@
 /* CUDA graphs of parts of a training step: see graph.h. */
 #include "graph.h"
 
+#include "moe/experts.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +31,35 @@ static void add(char *buf, size_t cap, const char *what) {
         snprintf(buf + n, cap - n, "%s%s", n ? "; " : "", what);
 }
 
+/* Why a MoE layer of this configuration is not sync-free (moe_layer_sync_free()), or NULL:
+ * the paths that bring offsets or counts to the host. @p be NULL: what the flags alone say
+ * (the expert backend "auto" is resolved with the backend). */
+static const char *not_sync_free(const moe_config *c, const moe_backend *be) {
+    if (c->expert_model_parallel_size > 1)
+        return "expert parallelism exchanges its counts on the host";
+    if (c->moe_expert_capacity_factor > 0)
+        return "a capacity factor drops tokens on the host";
+    if (c->expert_tensor_parallel_size > 1)
+        return "expert tensor parallelism gathers its rows with host offsets";
+    if (c->expert_backend == MOE_EXPERT_BACKEND_LOOP ||
+        c->expert_backend == MOE_EXPERT_BACKEND_CUBLAS)
+        return "--moe-expert-backend loop and cublas-grouped size their GEMMs from host "
+               "offsets (only our grouped kernel reads them on the device)";
+    if (!be)
+        return NULL;
+    switch (moe_expert_impl_from_config(c, be)) {
+    case MOE_EXPERTS_KERNEL:
+        return NULL;
+    case MOE_EXPERTS_CUBLAS:
+        return "the experts run on cuBLAS's grouped GEMM, which sizes its GEMMs from host "
+               "offsets (our kernel takes --hidden-size and --moe-ffn-hidden-size that are "
+               "multiples of 64)";
+    default:
+        return "the experts run as chapter 01's loop, which sizes its GEMMs from host offsets "
+               "(--moe-expert-backend grouped runs our kernel)";
+    }
+}
+
 moe_status moe_graph_scope_check(const moe_config *c, const moe_backend *be, moe_error *err) {
     const moe_graph_scope s = c->graph_scope;
     if (s == MOE_GRAPH_NONE)
@@ -38,34 +69,26 @@ moe_status moe_graph_scope_check(const moe_config *c, const moe_backend *be, moe
         return MOE_OK;
     if (s == MOE_GRAPH_ATTN) /* the attention block is pure device work: nothing to refuse */
         return MOE_OK;
-    /* Every level beyond attn is refused today. Each item names the work and why; the host
-     * reads of the router and of the step's losses, norm and clip are gone (the step's
-     * scalars stay on the device: step_scalars.h), so what is left is a capture site for
-     * each region, and the host reads of the MoE paths that are not sync-free. */
+    /* Beyond attn. Each item names the work that keeps a level's region from being captured
+     * and why; the router is device work on every path (its losses stay on the device). */
     char why[MOE_ERROR_MSG_LEN / 2] = "";
     const int moe = any_moe_layer(c);
-    if (moe) {
-        add(why, sizeof why, "the router (device work only) has no capture site yet");
-        if (s >= MOE_GRAPH_MOE_PREPROCESS)
-            add(why, sizeof why, "permute_index returns the expert offsets on the host (the "
-                "sync-free path has no capture site yet)");
+    if (c->tensor_model_parallel_size > 1 && (moe || s >= MOE_GRAPH_LAYER))
+        add(why, sizeof why, "tensor parallelism: its collectives inside the region count "
+            "their bytes on the host");
+    const char *host = moe ? not_sync_free(c, be) : NULL;
+    if (host && s >= MOE_GRAPH_MOE_PREPROCESS) {
+        char buf[MOE_ERROR_MSG_LEN / 4];
+        snprintf(buf, sizeof buf, "the MoE layer is not sync-free (%s)", host);
+        add(why, sizeof why, buf);
     }
-    if (s >= MOE_GRAPH_LAYER) {
-        if (moe)
-            add(why, sizeof why, "other MoE paths size GEMMs from host offsets, drop on the "
-                "host or exchange counts on the host (EP)");
-        else /* dense layers are device work, but only attn has a capture site yet */
-            add(why, sizeof why, "the dense FFN and the norms around each block have no "
-                "capture site yet (only attn)");
-    }
-    if (s >= MOE_GRAPH_FULL_ITERATION)
-        add(why, sizeof why, "the tokens come from pageable memory (from_host waits)");
-    if (!why[0]) /* a dense model at moe_router / moe_preprocess: nothing beyond attn */
+    if (!why[0])
         return MOE_OK;
     return moe_error_set(err, MOE_ERR_CONFIG,
-                         "cuda graph scope '%s' is not capturable yet: %s. Use --cuda-graph-scope "
-                         "attn (or none) until the capture sites of the larger scopes land "
-                         "(chapter 06)", moe_graph_scope_name(s), why);
+                         "cuda graph scope '%s' is not capturable here: %s. Use a smaller "
+                         "--cuda-graph-scope (attn always works; moe_router needs no tensor "
+                         "parallelism, moe_preprocess, layer and full_iteration a sync-free MoE "
+                         "layer as well; chapter 06)", moe_graph_scope_name(s), why);
 }
 
 /* ------------------------------------------------------------------ the cache */
@@ -109,7 +132,8 @@ void moe_graphs_free(moe_graphs *g) {
 moe_graph_scope moe_graphs_scope(const moe_graphs *g) { return g ? g->scope : MOE_GRAPH_NONE; }
 
 static int same_key(moe_graph_key a, moe_graph_key b) {
-    return a.site == b.site && a.layer == b.layer && a.B == b.B && a.T == b.T;
+    return a.site == b.site && a.layer == b.layer && a.B == b.B && a.T == b.T &&
+           a.variant == b.variant && a.scale == b.scale;
 }
 
 static graph_entry *lookup(moe_graphs *g, moe_graph_key key) {
@@ -130,8 +154,9 @@ static graph_entry *lookup(moe_graphs *g, moe_graph_key key) {
     return e;
 }
 
-static const char *const g_site_names[MOE_GRAPH_SITES] = {"attention forward",
-                                                          "attention backward"};
+static const char *const g_site_names[MOE_GRAPH_SITES] = {
+    "attention forward", "attention backward", "router forward", "router backward",
+    "router and dispatch plan", "layer forward", "layer backward", "training step"};
 
 void moe_graph_run(moe_graphs *g, moe_graph_key key, void (*fn)(void *ctx), void *ctx) {
     graph_entry *e = g && g->scope != MOE_GRAPH_NONE && g->status == MOE_OK ? lookup(g, key)
@@ -190,6 +215,17 @@ moe_status moe_graphs_status(const moe_graphs *g, moe_error *err) {
     if (err)
         *err = g->err;
     return g->status;
+}
+
+void moe_graphs_reset(moe_graphs *g) {
+    if (!g)
+        return;
+    for (int i = 0; i < g->n; i++) {
+        if (g->e[i].graph)
+            g->be->graph_free(g->e[i].graph);
+        g->e[i].graph = NULL;
+        g->e[i].seen = 0;
+    }
 }
 
 moe_graph_stats moe_graphs_stats(const moe_graphs *g) {

@@ -20,10 +20,17 @@
  * | `layer`          | each whole transformer layer (Megatron's default per-layer graphs)  |
  * | `full_iteration` | forward, backward and the optimizer step: one graph per step        |
  *
+ * The router region is device work on every MoE path. The dispatch plan and the rest of a
+ * MoE layer are device work only on the sync-free path (moe/layer.h: one rank of experts,
+ * dropless, our grouped kernel): the other paths bring offsets or counts to the host.
  * moe_graph_scope_check() refuses, with a named error, a level whose region still contains
- * work that waits for the host or that has no capture site yet (today: everything beyond
- * `attn` in a model with MoE layers; the router's and the step's host reads are gone, the
- * capture sites of the larger regions are not built yet). moe_graph_run() is the
+ * work that waits for the host or that has no capture site yet: `moe_preprocess` and
+ * `layer` (and `full_iteration`) on a MoE path that is not sync-free, and any level beyond
+ * `attn` under tensor parallelism (its collectives count their bytes on the host); the
+ * trainer refuses `full_iteration` on more than one GPU rank for the same reason (the
+ * gradient all-reduces). The step's batches and AdamW's per-step scalars reach a captured
+ * step through page-locked memory (from_host_async), so they are not host waits.
+ * moe_graph_run() is the
  * capture helper: keyed by (site, layer, B, T), the first call of a key runs eagerly (the
  * warm-up: lazily sized scratch buffers and library handles settle), the second captures
  * and replays, every later one replays. What the backend finds uncapturable while
@@ -39,8 +46,15 @@
 
 /** Where in the step a graph is captured. */
 typedef enum moe_graph_site {
-    MOE_GRAPH_SITE_ATTN_FWD = 0, /**< one layer's attention block, forward */
-    MOE_GRAPH_SITE_ATTN_BWD = 1, /**< one layer's attention block, backward */
+    MOE_GRAPH_SITE_ATTN_FWD = 0,   /**< one layer's attention block, forward */
+    MOE_GRAPH_SITE_ATTN_BWD = 1,   /**< one layer's attention block, backward */
+    MOE_GRAPH_SITE_ROUTER_FWD = 2, /**< a MoE layer's router, aux loss and z-loss, forward */
+    MOE_GRAPH_SITE_ROUTER_BWD = 3, /**< the same, backward (into the router's input gradient) */
+    MOE_GRAPH_SITE_PREPROCESS_FWD = 4, /**< the router and the dispatch plan, forward */
+    MOE_GRAPH_SITE_LAYER_FWD = 5,  /**< one whole transformer layer, forward */
+    MOE_GRAPH_SITE_LAYER_BWD = 6,  /**< one whole transformer layer, backward */
+    MOE_GRAPH_SITE_STEP = 7,       /**< the whole training step: every micro-batch's forward
+                                    *   and backward, the norm, AdamW (variant: micro-batches) */
     MOE_GRAPH_SITES
 } moe_graph_site;
 
@@ -48,8 +62,13 @@ typedef enum moe_graph_site {
 typedef struct moe_graph_key {
     moe_graph_site site; /**< where */
     int layer;           /**< which layer (-1 for regions of the whole model) */
-    int B;               /**< sequences of the micro-batch */
+    int B;               /**< sequences of the micro-batch (the MoE layer's sites: its rows) */
     int T;               /**< tokens per sequence */
+    int variant;         /**< a host choice that changes the ops (0 if none): a layer's
+                          *   backward stores the expert weight gradients on the first
+                          *   micro-batch of a step and adds them on the others */
+    double scale;        /**< a host scalar baked into the ops (0 if none): the backward's
+                          *   loss scale, 1 / micro-batches */
 } moe_graph_key;
 
 /** Counters of a graph cache, for tests and the benchmark. */
@@ -111,6 +130,13 @@ void moe_graph_run(moe_graphs *g, moe_graph_key key, void (*fn)(void *ctx), void
  * @return ::MOE_OK or ::MOE_ERR_CONFIG ("cuda graph scope 'attn': ... is not capturable")
  */
 moe_status moe_graphs_status(const moe_graphs *g, moe_error *err);
+
+/**
+ * @brief Forget every captured graph: buffers the regions use have moved (the MoE budget grew
+ *        after an overflow), so each key warms up and is captured again on its next calls.
+ * @param g cache (NULL: no-op)
+ */
+void moe_graphs_reset(moe_graphs *g);
 
 /** @brief The counters so far. @param g cache (NULL: zeros) @return a copy */
 moe_graph_stats moe_graphs_stats(const moe_graphs *g);

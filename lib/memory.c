@@ -134,12 +134,11 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
     buffers(&t, "attention q", mul(L, qk ? 4 : 3), QD, S, WIDTH);
     buffers(&t, "attention k/v", mul(L, qk ? 4 : 3), KD, S, WIDTH);
     buffers(&t, "attention statistics", mul(L, qk ? 3 : 1), mul(N, Hql), Rb, HEADS);
-    /* the CUDA backend's naive attention keeps the probabilities [B, heads, T, T] for the
-     * backward; the CPU's flash attention keeps none (its workspace is 0 bytes), but the
-     * estimate is made from the flags alone, before a backend is chosen, so it counts them
-     * for every backend: on the CPU an overestimate */
-    buffers(&t, "attention probabilities", L, mul(mul(B, Hql), mul(T, T)), S,
-            "--seq-length, --micro-batch-size or --num-attention-heads");
+    /* the attention op's workspace, one per layer: the CUDA flash kernels keep the
+     * backward's row dots δ [B, heads, T] in fp32 there; the CPU's flash attention keeps
+     * nothing (0 bytes), but the estimate is made from the flags alone, before a backend is
+     * chosen, so it counts them for every backend. No [B, heads, T, T] buffer exists. */
+    buffers(&t, "attention workspace", L, mul(N, Hql), (long long)sizeof(float), HEADS);
     buffers(&t, "attention gradients", 3, QD, S, WIDTH);
     buffers(&t, "attention gradients k/v", 3, KD, S, WIDTH);
     long long widest_dense = 0;
@@ -242,9 +241,11 @@ moe_status moe_memory_estimate_rank(const moe_config *c, int micro_batch, const 
         return MOE_OK;
     /* ZeRO-1 (dist_optimizer.h): the dense run is cut into DP·CP pieces, the expert run into
      * EDP pieces, each ⌈run / size⌉ long (the last one shorter); this rank keeps the moments
-     * of its piece of each, at most ⌈run / size⌉: what a rank at position 0 holds exactly.
+     * and the fp32 master weights of its piece of each, at most ⌈run / size⌉: what a rank at
+     * position 0 holds exactly.
      * The reduce-scatter and all-gather stage through one buffer of (size + 1)·⌈run / size⌉
      * elements of the widest run that has more than one rank. */
+    const long long S = (long long)act_size;
     const long long groups[2] = {(long long)g->dp * g->cp, g->edp};
     const long long runs[2] = {out->dense_params, out->expert_params};
     const long long es = sizeof(moe_real) > sizeof(float) ? sizeof(moe_real) : sizeof(float);
@@ -259,6 +260,9 @@ moe_status moe_memory_estimate_rank(const moe_config *c, int micro_batch, const 
     out->optim_elems = pieces;
     out->zero_staging_bytes = mul(widest, es);
     out->optim_bytes = add(mul(pieces, 8), out->zero_staging_bytes);
+    /* and the fp32 master weights of those pieces beside the moments; the model keeps the
+     * compute copy whole, a buffer of its own even where its type is moe_real (model.c) */
+    out->weight_bytes = add(mul(out->params, S), mul(pieces, (long long)sizeof(moe_real)));
     out->param_bytes = add(add(out->weight_bytes, out->grad_bytes), out->optim_bytes);
     out->total_bytes = add(out->param_bytes, out->act_bytes);
     return MOE_OK;

@@ -36,10 +36,13 @@ typedef struct moe_memory_estimate {
     long long dense_params;    /**< of which on the attention/dense grid (replicated over
                                     DP x CP: their gradients are summed there) */
     long long expert_params;   /**< of which the routed experts' shard (replicated over EDP) */
-    long long optim_elems;     /**< parameters whose AdamW moments this rank keeps: all of
+    long long optim_elems;     /**< parameters whose AdamW moments (and, under the distributed
+                                    optimizer, fp32 master weights) this rank keeps: all of
                                     them, or under the distributed optimizer its pieces */
     long long zero_staging_bytes; /**< the distributed optimizer's staging buffer (0 without) */
-    long long weight_bytes;    /**< fp32 master weights and the compute copy (if another type) */
+    long long weight_bytes;    /**< fp32 master weights and the compute copy (if another
+                                    type); under the distributed optimizer the whole compute
+                                    copy (activation type) and the master of optim_elems only */
     long long grad_bytes;      /**< fp32 gradients */
     long long optim_bytes;     /**< the two fp32 AdamW moments (8 bytes x optim_elems) and the
                                     staging buffer */
@@ -67,10 +70,11 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
 
 /**
  * @brief The estimate of one rank of a parallel grid: moe_memory_estimate_model() with the
- *        grid's EP, and under `--use-distributed-optimizer` (dist_optimizer.h) the moments of
- *        this rank's pieces only: ⌈dense / (DP·CP)⌉ + ⌈experts / EDP⌉ parameters' worth (the
- *        pieces of a rank at position 0 of both groups, the largest), plus the staging buffer
- *        of the reduce-scatter and all-gather.
+ *        grid's EP, and under `--use-distributed-optimizer` (dist_optimizer.h) the moments and
+ *        fp32 master weights of this rank's pieces only: ⌈dense / (DP·CP)⌉ + ⌈experts / EDP⌉
+ *        parameters' worth (the pieces of a rank at position 0 of both groups, the largest),
+ *        plus the staging buffer of the reduce-scatter and all-gather, and the whole compute
+ *        copy of the weights in the activation type.
  * @param c configuration (its TP, SP and distributed-optimizer flags are read)
  * @param micro_batch sequences per forward  @param g the resolved grid (moe_grid_resolve())
  * @param act_size bytes per activation element  @param out receives the estimate

@@ -171,6 +171,8 @@ static moe_layer_dims moe_dims(const moe_model *m, int N, int T) {
     d.step_flags = m->step_flags;
     d.budget_rows = m->moe_budget_rows;
     d.etp = m->etp.size > 1 ? &m->etp : NULL;
+    d.graphs = m->graphs;
+    d.layer = -1; /* the forward and backward set it */
     return d;
 }
 
@@ -243,7 +245,19 @@ static moe_status check_memory(const moe_config *c, const moe_backend *be, int B
     const int E = ep && ep->comm ? ep->size : 1;
     const moe_grid one = {.world = E, .tp = 1, .cp = 1, .ep = E, .etp = 1, .pp = 1, .dp = 1,
                           .edp = 1};
-    MOE_TRY(moe_memory_estimate_rank(c, B, grid ? grid : &one, be->act_size, est, err));
+    moe_status s;
+    if (grid) {
+        s = moe_memory_estimate_rank(c, B, grid, be->act_size, est, err);
+    } else { /* one process runs no distributed optimizer (the trainer's rule) */
+        moe_config *plain = malloc(sizeof *plain);
+        if (!plain)
+            return moe_error_set(err, MOE_ERR_NOMEM, "out of memory creating the model");
+        *plain = *c;
+        plain->use_distributed_optimizer = 0;
+        s = moe_memory_estimate_rank(plain, B, &one, be->act_size, est, err);
+        free(plain);
+    }
+    MOE_TRY(s);
     return moe_memory_check(est, be->memory_bytes ? be->memory_bytes() : 0,
                             be->device == MOE_DEVICE_CUDA ? "free GPU memory" : "host memory",
                             err);
@@ -282,10 +296,13 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
     m->max_B = B;
     m->max_T = T;
     int ok = 1;
-    m->params = must(be, R * m->table.total, &ok);
+    /* Under the distributed optimizer the fp32 master weights are the optimizer's, 1/DP of
+     * them on each rank (dist_optimizer.h): the model holds only the compute copy, whole. */
+    m->master_sharded = grid && cfg->use_distributed_optimizer;
+    m->params = m->master_sharded ? NULL : must(be, R * m->table.total, &ok);
     m->grads = must(be, R * m->table.total, &ok);
-    /* the compute copy of the weights: the master itself when the types agree */
-    m->wact = S == R ? (void *)m->params : must(be, S * m->table.total, &ok);
+    /* the compute copy of the weights: the master itself when the types agree and it is here */
+    m->wact = S == R && m->params ? (void *)m->params : must(be, S * m->table.total, &ok);
     m->tokens = must(be, sizeof(int) * N, &ok);
     m->targets = must(be, sizeof(int) * N, &ok);
     m->res = calloc((size_t)L + 1, sizeof *m->res);
@@ -428,9 +445,8 @@ void moe_model_init(moe_model *m, uint64_t seed) {
     moe_real *host = malloc(R * m->table.total);
     MOE_CHECK_ALLOC(host, R * m->table.total, "the host copy of the weights for their initialisation");
     moe_params_init(&m->table, host, seed);
-    m->be->from_host(m->params, host, R * m->table.total);
+    moe_model_set_weights(m, host);
     free(host);
-    moe_model_sync_weights(m);
     m->be->zero(m->grads, R * m->table.total);
     if (m->expert_bias) {
         size_t n = (size_t)m->cfg.num_layers * m->cfg.num_experts;
@@ -439,8 +455,18 @@ void moe_model_init(moe_model *m, uint64_t seed) {
     }
 }
 
+void moe_model_set_weights(moe_model *m, const moe_real *host) {
+    if (!m->params) { /* the master is the optimizer's: the compute copy straight from host */
+        m->be->write_act(m->wact, host, m->table.total);
+        return;
+    }
+    m->be->from_host(m->params, host, R * m->table.total);
+    moe_model_sync_weights(m);
+}
+
 void moe_model_sync_weights(moe_model *m) {
-    m->be->cast_to_act(m->wact, m->params, m->table.total);
+    if (m->params) /* else the distributed optimizer refreshes it (moe_zero_gather_weights) */
+        m->be->cast_to_act(m->wact, m->params, m->table.total);
 }
 
 size_t moe_model_num_params(const moe_model *m) { return m->table.total; }
@@ -505,7 +531,11 @@ static void attn_backward_region(void *p) {
 static void attention_forward(moe_model *m, int l, void *out, const void *x,
                               const moe_attention_weights *w, const moe_attention_dims *d) {
     attn_region r = {m, l, out, x, NULL, w, NULL, d};
-    moe_graph_key k = {MOE_GRAPH_SITE_ATTN_FWD, l, d->B, d->T};
+    if (moe_graphs_scope(m->graphs) >= MOE_GRAPH_LAYER) { /* inside the layer's region */
+        attn_forward_region(&r);
+        return;
+    }
+    moe_graph_key k = {MOE_GRAPH_SITE_ATTN_FWD, l, d->B, d->T, 0, 0.0};
     moe_graph_run(m->graphs, k, attn_forward_region, &r);
 }
 
@@ -513,7 +543,11 @@ static void attention_backward(moe_model *m, int l, void *dx, const moe_attentio
                                const void *dout, const void *x, const moe_attention_weights *w,
                                const moe_attention_dims *d) {
     attn_region r = {m, l, dx, x, dout, w, g, d};
-    moe_graph_key k = {MOE_GRAPH_SITE_ATTN_BWD, l, d->B, d->T};
+    if (moe_graphs_scope(m->graphs) >= MOE_GRAPH_LAYER) { /* inside the layer's region */
+        attn_backward_region(&r);
+        return;
+    }
+    moe_graph_key k = {MOE_GRAPH_SITE_ATTN_BWD, l, d->B, d->T, 0, 0.0};
     moe_graph_run(m->graphs, k, attn_backward_region, &r);
 }
 
@@ -525,7 +559,77 @@ static void attention_backward(moe_model *m, int l, void *dx, const moe_attentio
  * block writes: the output itself, or under SP the whole-sequence scratch. */
 static void *block_out(const moe_model *m, void *y) { return m->tp_x ? m->tp_y : y; }
 
+/* One transformer layer, forward: res[l+1] from res[l] (the batch's B, T in m). At
+ * `--cuda-graph-scope layer` this is the region captured once per (layer, B, T) and replayed
+ * (graph.h): every op is device work on buffers fixed for the shape. */
+static void layer_forward(moe_model *m, int l) {
+    const moe_backend *be = m->be;
+    const moe_config *c = &m->cfg;
+    const int H = c->hidden_size, B = m->B, T = m->T, N = B * T;
+    const int Nl = moe_tp_local_rows(&m->tp, N);
+    const moe_tp *tp = &m->tp;
+    const moe_attention_dims ad = attn_dims(m, B, T);
+    double *mb = m->scalars->mb;
+    moe_block_acts *a = &m->acts[l];
+    const void *x = m->res[l];
+    /* attention block: xmid = x + attn(ln1(x)) */
+    be->rmsnorm_forward(a->ln1, a->rstd1, x, P(m, l, MOE_W_LN1), Nl, H, c->norm_epsilon);
+    moe_attention_weights aw = attn_weights(m, l);
+    void *part = block_out(m, a->xmid);
+    attention_forward(m, l, part, moe_tp_enter_forward(be, tp, m->tp_x, a->ln1, N, H), &aw, &ad);
+    moe_tp_exit_forward(be, tp, a->xmid, part, N, H);
+    be->add(a->xmid, x, (size_t)Nl * H);
+    /* FFN block */
+    be->rmsnorm_forward(a->ln2, a->rstd2, a->xmid, P(m, l, MOE_W_LN2), Nl, H, c->norm_epsilon);
+    void *ffn_out = m->res[l + 1];
+    if (c->is_moe_layer[l]) { /* on this rank's Nl rows (moe/layer.h) */
+        moe_layer_dims d = moe_dims(m, Nl, T);
+        d.layer = l;
+        moe_layer_weights w = moe_weights(m, l);
+        moe_layer_forward(be, ffn_out, a->ln2, &w,
+                          c->moe_router_enable_expert_bias
+                              ? m->expert_bias + (size_t)l * c->num_experts
+                              : NULL,
+                          &d, &a->moe, &m->ws);
+        be->add_f64(mb + 1, a->moe.loss, 2); /* aux += layer aux, z += layer z */
+        be->expert_load_add(m->load_counts + (size_t)l * c->num_experts, a->moe.topk_idx, Nl,
+                            c->moe_router_topk, c->num_experts);
+    } else {
+        part = block_out(m, ffn_out);
+        moe_mlp_forward(be, part, a->dense_gu, a->dense_act,
+                        moe_tp_enter_forward(be, tp, m->tp_x, a->ln2, N, H), NULL,
+                        P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2), N, H, dense_ffn(m));
+        moe_tp_exit_forward(be, tp, ffn_out, part, N, H);
+    }
+    be->add(ffn_out, a->xmid, (size_t)Nl * H);
+}
+
+/* A whole layer as a region for moe_graph_run(). */
+typedef struct layer_region {
+    moe_model *m;
+    int l;
+    double loss_scale; /* the backward's */
+} layer_region;
+
+static void layer_forward_region(void *p) {
+    const layer_region *r = p;
+    layer_forward(r->m, r->l);
+}
+
+static void forward(moe_model *m, const int *tokens, const int *targets, int B, int T,
+                    int staged);
+
 void moe_model_forward_dev(moe_model *m, const int *tokens, const int *targets, int B, int T) {
+    forward(m, tokens, targets, B, T, 0);
+}
+
+void moe_model_forward_staged(moe_model *m, const int *tokens, const int *targets, int B, int T) {
+    forward(m, tokens, targets, B, T, 1);
+}
+
+/* staged: the batch is in page-locked memory and goes up without a wait */
+static void forward(moe_model *m, const int *tokens, const int *targets, int B, int T,
+                    int staged) {
     const moe_backend *be = m->be;
     const moe_config *c = &m->cfg;
     MOE_ASSERT(B >= 1 && B <= m->max_B && T >= 1 && T <= m->max_T);
@@ -534,12 +638,12 @@ void moe_model_forward_dev(moe_model *m, const int *tokens, const int *targets, 
     /* under sequence parallelism this rank holds Nl = N/TP rows of the residual stream */
     const int Nl = moe_tp_local_rows(&m->tp, N);
     const moe_tp *tp = &m->tp;
-    const moe_attention_dims ad = attn_dims(m, B, T);
     m->B = B;
     m->T = T;
-    be->from_host(m->tokens, tokens, sizeof(int) * N);
+    void (*up)(void *, const void *, size_t) = staged ? be->from_host_async : be->from_host;
+    up(m->tokens, tokens, sizeof(int) * N);
     if (targets)
-        be->from_host(m->targets, targets, sizeof(int) * N);
+        up(m->targets, targets, sizeof(int) * N);
 
     if (m->tp.size > 1) { /* vocabulary-parallel lookup, summed over TP (g, or SP's scatter) */
         moe_vp_set_batch(be, &m->vp, tokens, targets, N);
@@ -554,40 +658,15 @@ void moe_model_forward_dev(moe_model *m, const int *tokens, const int *targets, 
     be->zero(mb, 3 * sizeof(double));
     m->last.dropped = 0;
     for (int l = 0; l < L; l++) {
-        moe_block_acts *a = &m->acts[l];
-        const void *x = m->res[l];
-        /* attention block: xmid = x + attn(ln1(x)) */
-        be->rmsnorm_forward(a->ln1, a->rstd1, x, P(m, l, MOE_W_LN1), Nl, H, c->norm_epsilon);
-        moe_attention_weights aw = attn_weights(m, l);
-        void *part = block_out(m, a->xmid);
-        attention_forward(m, l, part, moe_tp_enter_forward(be, tp, m->tp_x, a->ln1, N, H), &aw,
-                          &ad);
-        moe_tp_exit_forward(be, tp, a->xmid, part, N, H);
-        be->add(a->xmid, x, (size_t)Nl * H);
-        /* FFN block */
-        be->rmsnorm_forward(a->ln2, a->rstd2, a->xmid, P(m, l, MOE_W_LN2), Nl, H,
-                            c->norm_epsilon);
-        void *ffn_out = m->res[l + 1];
-        if (c->is_moe_layer[l]) { /* on this rank's Nl rows (moe/layer.h) */
-            moe_layer_dims d = moe_dims(m, Nl, T);
-            moe_layer_weights w = moe_weights(m, l);
-            moe_layer_forward(be, ffn_out, a->ln2, &w,
-                              c->moe_router_enable_expert_bias
-                                  ? m->expert_bias + (size_t)l * c->num_experts
-                                  : NULL,
-                              &d, &a->moe, &m->ws);
-            m->last.dropped += a->moe.dropped;
-            be->add_f64(mb + 1, a->moe.loss, 2); /* aux += layer aux, z += layer z */
-            be->expert_load_add(m->load_counts + (size_t)l * c->num_experts, a->moe.topk_idx,
-                                Nl, c->moe_router_topk, c->num_experts);
+        if (moe_graphs_scope(m->graphs) == MOE_GRAPH_LAYER) {
+            layer_region r = {m, l, 0.0};
+            const moe_graph_key k = {MOE_GRAPH_SITE_LAYER_FWD, l, B, T, 0, 0.0};
+            moe_graph_run(m->graphs, k, layer_forward_region, &r);
         } else {
-            part = block_out(m, ffn_out);
-            moe_mlp_forward(be, part, a->dense_gu, a->dense_act,
-                            moe_tp_enter_forward(be, tp, m->tp_x, a->ln2, N, H), NULL,
-                            P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2), N, H, dense_ffn(m));
-            moe_tp_exit_forward(be, tp, ffn_out, part, N, H);
+            layer_forward(m, l);
         }
-        be->add(ffn_out, a->xmid, (size_t)Nl * H);
+        if (c->is_moe_layer[l]) /* host counts of the paths that drop (0 when sync-free) */
+            m->last.dropped += m->acts[l].moe.dropped;
     }
     if (m->tp.size > 1 && c->num_experts > 0)
         /* each TP rank added its rows' part of the aux and z losses: the sums are the
@@ -641,6 +720,64 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
 
 /* ---------------------------------------------------------------- backward */
 
+/* One transformer layer, backward: d_res holds ∂L/∂res[l+1] and leaves holding ∂L/∂res[l];
+ * the layer's weight gradients accumulate. The region captured at scope layer. */
+static void layer_backward(moe_model *m, int l, double loss_scale) {
+    const moe_backend *be = m->be;
+    const moe_config *c = &m->cfg;
+    const int H = c->hidden_size, B = m->B, T = m->T, N = B * T;
+    const int Nl = moe_tp_local_rows(&m->tp, N);
+    const moe_tp *tp = &m->tp;
+    const moe_attention_dims ad = attn_dims(m, B, T);
+    const size_t S = be->act_size;
+    void *dx = m->tp_x ? m->tp_dx : m->d_ln; /* where a block's input gradient accumulates */
+    moe_block_acts *a = &m->acts[l];
+    const void *x = m->res[l];
+    /* FFN block: res[l+1] = xmid + ffn(ln2(xmid)) */
+    be->zero(m->d_ln, S * (size_t)Nl * H);
+    if (c->is_moe_layer[l]) {
+        moe_layer_dims d = moe_dims(m, Nl, T);
+        d.layer = l;
+        moe_layer_weights w = moe_weights(m, l);
+        moe_layer_grads g = moe_grads(m, l);
+        /* the first micro-batch after zero_grad: our kernel stores the expert weight
+         * gradients instead of reduce-adding them into zeros (half the dw traffic);
+         * the other backends add anyway, so they keep accumulating */
+        if (m->grads_zero && d.experts == MOE_EXPERTS_KERNEL)
+            g.expert_dw = MOE_DW_STORE;
+        moe_layer_backward(be, m->d_ln, &g, m->d_res, a->ln2, &w, &d, &a->moe, &m->ws,
+                           loss_scale);
+    } else {
+        const void *dy = moe_tp_exit_backward(be, tp, m->tp_y, m->d_res, N, H);
+        const void *xin = moe_tp_enter_forward(be, tp, m->tp_x, a->ln2, N, H);
+        if (dx != m->d_ln)
+            be->zero(dx, S * (size_t)N * H);
+        moe_mlp_backward(be, dx, G(m, l, MOE_W_FC1), G(m, l, MOE_W_FC2), NULL, dy, xin,
+                         a->dense_gu, a->dense_act, NULL, P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2),
+                         m->ws.dh, m->ws.dgu, N, H, dense_ffn(m));
+        moe_tp_enter_backward(be, tp, m->d_ln, dx, N, H);
+    }
+    be->rmsnorm_backward(m->d_res, G(m, l, MOE_W_LN2), m->d_ln, a->xmid, P(m, l, MOE_W_LN2),
+                         a->rstd2, Nl, H);
+    /* attention block: xmid = x + attn(ln1(x)) */
+    moe_attention_weights aw = attn_weights(m, l);
+    moe_attention_grads ag = attn_grads(m, l);
+    be->zero(m->d_ln, S * (size_t)Nl * H);
+    const void *dy = moe_tp_exit_backward(be, tp, m->tp_y, m->d_res, N, H);
+    const void *xin = moe_tp_enter_forward(be, tp, m->tp_x, a->ln1, N, H);
+    if (dx != m->d_ln)
+        be->zero(dx, S * (size_t)N * H);
+    attention_backward(m, l, dx, &ag, dy, xin, &aw, &ad);
+    moe_tp_enter_backward(be, tp, m->d_ln, dx, N, H);
+    be->rmsnorm_backward(m->d_res, G(m, l, MOE_W_LN1), m->d_ln, x, P(m, l, MOE_W_LN1), a->rstd1,
+                         Nl, H);
+}
+
+static void layer_backward_region(void *p) {
+    const layer_region *r = p;
+    layer_backward(r->m, r->l, r->loss_scale);
+}
+
 void moe_model_backward(moe_model *m, double loss_scale) {
     const moe_backend *be = m->be;
     const moe_config *c = &m->cfg;
@@ -648,7 +785,6 @@ void moe_model_backward(moe_model *m, double loss_scale) {
     const int B = m->B, T = m->T, N = B * T;
     const int Nl = moe_tp_local_rows(&m->tp, N);
     const moe_tp *tp = &m->tp;
-    const moe_attention_dims ad = attn_dims(m, B, T);
 
     /* loss → logits → final norm: the mean over the N tokens. With TP this rank's V/TP
      * columns of every token (vocab_parallel.h); the LM head is column-parallel, so its
@@ -676,47 +812,17 @@ void moe_model_backward(moe_model *m, double loss_scale) {
      * leaving ∂L/∂res[l] (the residual connection passes the gradient through unchanged).
      * Under SP a block's backward gathers its input again (Megatron does the same instead of
      * keeping the whole-sequence copy from the forward) and the output gradient. */
-    void *dx = m->tp_x ? m->tp_dx : m->d_ln; /* where a block's input gradient accumulates */
     for (int l = L - 1; l >= 0; l--) {
-        moe_block_acts *a = &m->acts[l];
-        const void *x = m->res[l];
-        /* FFN block: res[l+1] = xmid + ffn(ln2(xmid)) */
-        be->zero(m->d_ln, S * (size_t)Nl * H);
-        if (c->is_moe_layer[l]) {
-            moe_layer_dims d = moe_dims(m, Nl, T);
-            moe_layer_weights w = moe_weights(m, l);
-            moe_layer_grads g = moe_grads(m, l);
-            /* the first micro-batch after zero_grad: our kernel stores the expert weight
-             * gradients instead of reduce-adding them into zeros (half the dw traffic);
-             * the other backends add anyway, so they keep accumulating */
-            if (m->grads_zero && d.experts == MOE_EXPERTS_KERNEL)
-                g.expert_dw = MOE_DW_STORE;
-            moe_layer_backward(be, m->d_ln, &g, m->d_res, a->ln2, &w, &d, &a->moe, &m->ws,
-                               loss_scale);
+        if (moe_graphs_scope(m->graphs) == MOE_GRAPH_LAYER) {
+            /* the first micro-batch stores the expert weight gradients, the others add:
+             * two different graphs (layer_backward) */
+            layer_region r = {m, l, loss_scale};
+            const moe_graph_key k = {MOE_GRAPH_SITE_LAYER_BWD, l, B, T, m->grads_zero,
+                                     loss_scale};
+            moe_graph_run(m->graphs, k, layer_backward_region, &r);
         } else {
-            const void *dy = moe_tp_exit_backward(be, tp, m->tp_y, m->d_res, N, H);
-            const void *xin = moe_tp_enter_forward(be, tp, m->tp_x, a->ln2, N, H);
-            if (dx != m->d_ln)
-                be->zero(dx, S * (size_t)N * H);
-            moe_mlp_backward(be, dx, G(m, l, MOE_W_FC1), G(m, l, MOE_W_FC2), NULL, dy, xin,
-                             a->dense_gu, a->dense_act, NULL, P(m, l, MOE_W_FC1),
-                             P(m, l, MOE_W_FC2), m->ws.dh, m->ws.dgu, N, H, dense_ffn(m));
-            moe_tp_enter_backward(be, tp, m->d_ln, dx, N, H);
+            layer_backward(m, l, loss_scale);
         }
-        be->rmsnorm_backward(m->d_res, G(m, l, MOE_W_LN2), m->d_ln, a->xmid, P(m, l, MOE_W_LN2),
-                             a->rstd2, Nl, H);
-        /* attention block: xmid = x + attn(ln1(x)) */
-        moe_attention_weights aw = attn_weights(m, l);
-        moe_attention_grads ag = attn_grads(m, l);
-        be->zero(m->d_ln, S * (size_t)Nl * H);
-        const void *dy = moe_tp_exit_backward(be, tp, m->tp_y, m->d_res, N, H);
-        const void *xin = moe_tp_enter_forward(be, tp, m->tp_x, a->ln1, N, H);
-        if (dx != m->d_ln)
-            be->zero(dx, S * (size_t)N * H);
-        attention_backward(m, l, dx, &ag, dy, xin, &aw, &ad);
-        moe_tp_enter_backward(be, tp, m->d_ln, dx, N, H);
-        be->rmsnorm_backward(m->d_res, G(m, l, MOE_W_LN1), m->d_ln, x, P(m, l, MOE_W_LN1),
-                             a->rstd1, Nl, H);
     }
     if (vp) { /* this rank's vocabulary rows, from every token's gradient */
         const void *dy = moe_tp_exit_backward(be, tp, m->tp_y, m->d_res, N, H);
@@ -793,6 +899,9 @@ moe_status moe_model_grow_moe_budget(moe_model *m, moe_error *err) {
         }
     const moe_layer_dims wd = ws_dims(m, N, m->max_T, m->max_ffn);
     ok = moe_layer_workspace_regrow(m->be, &m->ws, &wd) && ok;
+    /* the budget's buffers moved and the budget itself is baked into the captured kernels'
+     * arguments: every graph is stale (the re-run warms up and captures again) */
+    moe_graphs_reset(m->graphs);
     if (!ok)
         return moe_error_set(err, MOE_ERR_NOMEM,
                              "out of %s memory growing the MoE budget from %d to %d permuted "

@@ -85,13 +85,18 @@ typedef struct moe_model {
     moe_vocab_parallel vp;        /**< with TP: this rank's vocabulary shard (else zeroed) */
     int experts_local;            /**< experts of each MoE layer held by this rank */
     moe_param_table table;        /**< names, shapes, offsets */
-    moe_real *params;             /**< [table.total] master weights, full precision */
+    moe_real *params;             /**< [table.total] master weights, full precision; NULL when
+                                       master_sharded (the optimizer holds them) */
+    int master_sharded;           /**< the distributed optimizer keeps this rank's pieces of the
+                                       master weights (moe_adamw::master, dist_optimizer.h):
+                                       created with a grid and --use-distributed-optimizer */
     moe_real *grads;              /**< [table.total] gradients, full precision */
     int grads_zero;               /**< grads hold zeros: set by moe_model_zero_grad(), cleared
                                        by the next backward, which then lets our grouped
                                        kernel STORE the expert weight gradients */
     void *wact;                   /**< [table.total] compute copy of the weights in the activation
-                                       type (aliases params when that type is moe_real) */
+                                       type (aliases params when that type is moe_real and the
+                                       model holds the master; its own buffer otherwise) */
     size_t off_embed;             /**< offset of the embedding [V,H] */
     size_t off_final_norm;        /**< offset of the final norm [H] */
     size_t off_lm_head;           /**< offset of the LM head [V,H] */
@@ -164,7 +169,10 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_ba
  * @param grid the resolved grid of the run (moe_grid_resolve()), or NULL for one rank: the
  *        memory check before any allocation uses its per-rank estimate
  *        (moe_memory_estimate_rank(), kept in moe_model::mem), which counts the distributed
- *        optimizer's moments of this rank's pieces only
+ *        optimizer's master weights and moments of this rank's pieces only. With a grid and
+ *        --use-distributed-optimizer the model holds no fp32 master (moe_model::params NULL,
+ *        moe_model::master_sharded set; the trainer's optimizer keeps this rank's pieces) and
+ *        its compute copy moe_model::wact is a buffer of its own
  * @param err receives the reason on failure
  * @return ::MOE_OK or ::MOE_ERR_NOMEM (the estimate exceeds the backend's memory)
  */
@@ -176,7 +184,8 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
 void moe_model_free(moe_model *m);
 
 /**
- * @brief Initialise every parameter from the counter-based RNG (same values on every backend).
+ * @brief Initialise every parameter from the counter-based RNG (same values on every backend):
+ *        moe_model_set_weights() of moe_params_init()'s values.
  * @param m model  @param seed seed
  */
 void moe_model_init(moe_model *m, uint64_t seed);
@@ -208,6 +217,16 @@ double moe_model_flops_per_token(const moe_model *m, int T);
 void moe_model_forward_dev(moe_model *m, const int *tokens, const int *targets, int B, int T);
 
 /**
+ * @brief moe_model_forward_dev() for a batch in page-locked host memory (the backend's
+ *        host_alloc): the tokens go up with from_host_async, so the call never waits and a
+ *        captured training step (`--cuda-graph-scope full_iteration`) replays the upload.
+ *        @p tokens and @p targets must not change until the step boundary's wait.
+ * @param m model  @param tokens host_alloc'd [B·T]  @param targets host_alloc'd [B·T] or NULL
+ * @param B sequences (≤ allocated)  @param T tokens per sequence (≤ seq_length)
+ */
+void moe_model_forward_staged(moe_model *m, const int *tokens, const int *targets, int B, int T);
+
+/**
  * @brief moe_model_forward_dev(), then the losses read back (a host sync): for evaluation,
  *        sampling, tests and programs that want the number now.
  * @param m model  @param tokens host [B·T]  @param targets host [B·T] or NULL (no loss)
@@ -224,8 +243,18 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
 void moe_model_backward(moe_model *m, double loss_scale);
 
 /** @brief Refresh the compute copy of the weights from the master weights (after every
- *  optimizer step; a no-op when they are the same buffer). @param m model */
+ *  optimizer step; a no-op when they are the same buffer, or when the model holds no master:
+ *  then moe_zero_gather_weights() refreshes it). @param m model */
 void moe_model_sync_weights(moe_model *m);
+
+/**
+ * @brief Set the weights from a whole host copy of the fp32 master weights (this rank's
+ *        layout: its TP/EP shards): the master and its compute copy, or, when the model holds
+ *        no master (moe_model::master_sharded), the compute copy alone (the optimizer's
+ *        pieces are the caller's to set: moe_trainer_master_from_host()).
+ * @param m model  @param host [table.total] the weights
+ */
+void moe_model_set_weights(moe_model *m, const moe_real *host);
 
 /** @brief Set every gradient to zero (the next backward knows it: the first micro-batch's
  *  expert weight gradients are stored, not added). @param m model */

@@ -59,10 +59,11 @@ typedef struct moe_aux_shape {
  * position is before k_pos) gets y = 0 and lse = −∞, the values that drop out of the merge.
  *
  * Supported now: the CPU backend's flash attention runs any valid shape
- * (moe_attention_shape_invalid()); the CUDA kernels and the naive CPU reference only a
- * chunk attending to itself, Tq = Tk and q_pos = k_pos, at any offset (the mask is then the
- * plain lower triangle; positions enter only through RoPE): moe_attention_shape_unsupported()
- * names what they cannot run. The model asks for nothing else until context parallelism.
+ * (moe_attention_shape_invalid()), the CUDA flash kernels any valid shape with D ≤ 128
+ * (moe_attention_shape_unsupported()); only the naive CPU reference, kept for the tests,
+ * needs a chunk attending to itself, Tq = Tk and q_pos = k_pos, at any offset (the mask is
+ * then the plain lower triangle): moe_attention_shape_not_same_chunk() names what it cannot
+ * run.
  */
 typedef struct moe_attention_shape {
     int B;     /**< sequences */
@@ -88,8 +89,9 @@ static inline const char *moe_attention_shape_invalid(moe_attention_shape s) {
 }
 
 /**
- * @brief Why the same-chunk attention ops (the CUDA kernels, the naive CPU reference)
- *        cannot run a shape, or NULL when they can.
+ * @brief Why a backend's attention cannot run a shape, or NULL when it can: the shape is
+ *        invalid, or its head dimension is larger than the backend's kernels take. Any
+ *        chunk of queries against any chunk of keys is fine (chapter 07).
  * @param s the shape  @param max_D the backend's largest head dimension (0: no limit)
  * @return a static message naming the unsupported part, or NULL
  */
@@ -98,11 +100,24 @@ static inline const char *moe_attention_shape_unsupported(moe_attention_shape s,
     if (why)
         return why;
     if (max_D > 0 && s.D > max_D)
-        return "head dimension too large for this backend";
+        return "head dimension too large for this backend (the CUDA kernels take D <= 128)";
+    return NULL;
+}
+
+/**
+ * @brief Why the naive CPU reference (moe_cpu_attention_naive_*) cannot run a valid shape,
+ *        or NULL when it can: it runs only a chunk attending to itself.
+ * @param s the shape
+ * @return a static message naming the unsupported part, or NULL
+ */
+static inline const char *moe_attention_shape_not_same_chunk(moe_attention_shape s) {
+    const char *why = moe_attention_shape_invalid(s);
+    if (why)
+        return why;
     if (s.Tq != s.Tk || s.q_pos != s.k_pos)
         return "queries and keys must be the same chunk (Tq == Tk and q_pos == k_pos) for "
-               "this implementation; attention between different chunks runs on the CPU's "
-               "flash attention, its CUDA kernel comes with context parallelism (chapter 07)";
+               "the naive reference; the flash attention ops (CPU and CUDA) run any pair of "
+               "chunks";
     return NULL;
 }
 
@@ -110,7 +125,8 @@ static inline const char *moe_attention_shape_unsupported(moe_attention_shape s,
  * @brief Abort with a message naming the shape and @p why (a caller's bug: the model asks
  *        only for shapes its backend runs). Does nothing when @p why is NULL.
  * @param s the shape  @param who the backend's attention, for the message
- * @param why the reason (moe_attention_shape_invalid() or moe_attention_shape_unsupported())
+ * @param why the reason (moe_attention_shape_invalid(), moe_attention_shape_unsupported() or
+ *            moe_attention_shape_not_same_chunk())
  */
 static inline void moe_attention_shape_check(moe_attention_shape s, const char *who,
                                              const char *why) {
@@ -123,8 +139,8 @@ static inline void moe_attention_shape_check(moe_attention_shape s, const char *
 }
 
 /**
- * @brief Abort, naming the shape and the reason, unless the same-chunk attention ops can
- *        run it (moe_attention_shape_unsupported()).
+ * @brief Abort, naming the shape and the reason, unless a backend's attention can run it
+ *        (moe_attention_shape_unsupported()).
  * @param s the shape  @param who the backend's attention, for the message
  * @param max_D its largest head dimension (0: no limit)
  */

@@ -5,11 +5,12 @@
 
 moe_status moe_adamw_init(moe_adamw *opt, const moe_backend *be, size_t n, moe_error *err) {
     const moe_adamw_piece all = {0, n, 0};
-    return moe_adamw_init_pieces(opt, be, &all, 1, err);
+    return moe_adamw_init_pieces(opt, be, &all, 1, 0, err);
 }
 
 moe_status moe_adamw_init_pieces(moe_adamw *opt, const moe_backend *be,
-                                 const moe_adamw_piece *pieces, int n_pieces, moe_error *err) {
+                                 const moe_adamw_piece *pieces, int n_pieces, int keep_master,
+                                 moe_error *err) {
     MOE_ASSERT(n_pieces >= 1 && n_pieces <= MOE_ADAMW_MAX_PIECES);
     size_t n = 0;
     for (int i = 0; i < n_pieces; i++) {
@@ -22,30 +23,50 @@ moe_status moe_adamw_init_pieces(moe_adamw *opt, const moe_backend *be,
     opt->be = be;
     opt->m = be->alloc(sizeof(float) * (n ? n : 1));
     opt->v = be->alloc(sizeof(float) * (n ? n : 1));
+    opt->master = keep_master ? be->alloc(sizeof(moe_real) * (n ? n : 1)) : NULL;
     opt->n = n;
     opt->step = 0;
-    if (!opt->m || !opt->v) {
+    if (!opt->m || !opt->v || (keep_master && !opt->master)) {
         moe_adamw_free(opt);
-        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory for the AdamW state (%zu values)",
-                             n);
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory for the AdamW state (%zu values%s)",
+                             n, keep_master ? " with their fp32 master weights" : "");
     }
     return MOE_OK;
+}
+
+void moe_adamw_pieces_from_host(const moe_adamw *opt, void *dst, const void *host, size_t es) {
+    for (int k = 0; k < opt->n_pieces; k++) {
+        const moe_adamw_piece *pc = &opt->piece[k];
+        opt->be->from_host((char *)dst + pc->state * es, (const char *)host + pc->lo * es,
+                           (pc->hi - pc->lo) * es);
+    }
 }
 
 void moe_adamw_free(moe_adamw *opt) {
     if (opt->be) {
         opt->be->free(opt->m);
         opt->be->free(opt->v);
+        opt->be->free(opt->master);
     }
     opt->m = opt->v = NULL;
+    opt->master = NULL;
+}
+
+void moe_adamw_next_hyper(moe_adamw *opt, double lr, double beta1, double beta2,
+                          double host[3]) {
+    opt->step++;
+    host[0] = lr;
+    host[1] = 1.0 - pow(beta1, (double)opt->step);
+    host[2] = 1.0 - pow(beta2, (double)opt->step);
 }
 
 void moe_adamw_step(moe_adamw *opt, const moe_param_table *pt, moe_real *params,
                     const moe_real *grads, double lr, double beta1, double beta2, double eps,
-                    double wd, const double *clip, const int *flags) {
-    opt->step++;
-    const double bc1 = 1.0 - pow(beta1, (double)opt->step);
-    const double bc2 = 1.0 - pow(beta2, (double)opt->step);
+                    double wd, const double *clip, const int *flags, const double *hyper) {
+    double h[3] = {0.0, 0.0, 0.0}; /* unused when the device reads @p hyper */
+    if (!hyper)
+        moe_adamw_next_hyper(opt, lr, beta1, beta2, h);
+    const double bc1 = h[1], bc2 = h[2];
     /* each tensor's part of each piece: weight decay is per tensor */
     for (int k = 0; k < opt->n_pieces; k++) {
         const moe_adamw_piece *pc = &opt->piece[k];
@@ -56,8 +77,9 @@ void moe_adamw_step(moe_adamw *opt, const moe_param_table *pt, moe_real *params,
             if (a >= b)
                 continue;
             const size_t st = pc->state + (a - pc->lo);
-            opt->be->adamw(params + a, grads + a, opt->m + st, opt->v + st, b - a, lr, beta1,
-                           beta2, eps, ten->decay ? wd : 0.0, bc1, bc2, clip, flags);
+            moe_real *p = opt->master ? opt->master + st : params + a;
+            opt->be->adamw(p, grads + a, opt->m + st, opt->v + st, b - a, lr, beta1,
+                           beta2, eps, ten->decay ? wd : 0.0, bc1, bc2, clip, flags, hyper);
         }
     }
 }

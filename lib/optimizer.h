@@ -31,12 +31,17 @@ typedef struct moe_adamw_piece {
 } moe_adamw_piece;
 
 /** AdamW state: the two moments of the pieces this rank updates, in backend memory. Without
- *  the distributed optimizer there is one piece, the whole buffer, and the moments are laid
- *  out like the parameters; with it (dist_optimizer.h) each rank holds 1/DP of them. */
+ *  the distributed optimizer there is one piece, the whole buffer, the moments are laid out
+ *  like the parameters and the step updates the caller's fp32 master weights; with it
+ *  (dist_optimizer.h) each rank holds 1/DP of the moments and of the fp32 master weights
+ *  (moe_adamw::master), and the model keeps only its compute copy whole. */
 typedef struct moe_adamw {
     const moe_backend *be; /**< where the state lives */
     float *m;              /**< first moment, fp32 */
     float *v;              /**< second moment, fp32 */
+    moe_real *master;      /**< the fp32 master weights of the pieces, laid out like the
+                                moments (piece k's at its `state` offset), or NULL: the step
+                                updates the caller's whole buffer */
     size_t n;              /**< elements of each moment (Σ of the pieces' sizes) */
     moe_adamw_piece piece[MOE_ADAMW_MAX_PIECES]; /**< what this rank updates */
     int n_pieces;          /**< how many */
@@ -74,11 +79,27 @@ moe_status moe_adamw_init(moe_adamw *opt, const moe_backend *be, size_t n, moe_e
  *        distributed optimizer: each rank updates its share of every gradient group).
  * @param opt state  @param be backend  @param pieces what this rank updates (their `state`
  *        fields are filled in: the pieces' moments back to back)  @param n_pieces 1 ..
- *        ::MOE_ADAMW_MAX_PIECES  @param err receives the reason on failure
+ *        ::MOE_ADAMW_MAX_PIECES
+ * @param keep_master 1: the optimizer also holds the fp32 master weights of its pieces
+ *        (moe_adamw::master, zeroed: fill it with moe_adamw_pieces_from_host()), and the
+ *        step updates them instead of the caller's buffer; 0: it holds moments only
+ * @param err receives the reason on failure
  * @return ::MOE_OK or ::MOE_ERR_NOMEM
  */
 moe_status moe_adamw_init_pieces(moe_adamw *opt, const moe_backend *be,
-                                 const moe_adamw_piece *pieces, int n_pieces, moe_error *err);
+                                 const moe_adamw_piece *pieces, int n_pieces, int keep_master,
+                                 moe_error *err);
+
+/**
+ * @brief Copy this rank's pieces of a whole host buffer (laid out like the parameters) into
+ *        a state buffer laid out like the moments: piece k's elements [lo, hi) of @p host go
+ *        to element `state` of @p dst. For a checkpoint's moments and master weights, and the
+ *        initial master weights.
+ * @param opt state (its pieces)
+ * @param dst backend memory: moe_adamw::m, moe_adamw::v or moe_adamw::master
+ * @param host [total] the whole buffer  @param es bytes per element (of both)
+ */
+void moe_adamw_pieces_from_host(const moe_adamw *opt, void *dst, const void *host, size_t es);
 
 /** @brief Free the state. @param opt state */
 void moe_adamw_free(moe_adamw *opt);
@@ -89,7 +110,8 @@ void moe_adamw_free(moe_adamw *opt);
  *        tensors with `decay` set, bias-corrected moments.
  * @param opt    state
  * @param pt     parameter table (which tensors decay)
- * @param params [n] master parameters, updated in place (backend memory)
+ * @param params [n] master parameters, updated in place (backend memory); unused (may be
+ *               NULL) when the optimizer holds its own (moe_adamw::master), which it updates
  * @param grads  [n] gradients (backend memory)
  * @param lr     learning rate
  * @param beta1  first-moment decay
@@ -102,10 +124,25 @@ void moe_adamw_free(moe_adamw *opt);
  *               update is skipped on the device, or NULL. opt->step still counts the call:
  *               the caller takes it back when it learns (at the step boundary) that the
  *               step was skipped.
+ * @param hyper  NULL: this call counts the step (opt->step + 1) and computes the bias
+ *               corrections for @p lr itself. Else [3] backend memory holding {lr, 1 − β1ᵗ,
+ *               1 − β2ᵗ} from moe_adamw_next_hyper(), which already counted the step: the
+ *               device reads them, so a captured step (chapter 06) replays with the current
+ *               values, and @p lr is not used.
  */
 void moe_adamw_step(moe_adamw *opt, const moe_param_table *pt, moe_real *params,
                     const moe_real *grads, double lr, double beta1, double beta2, double eps,
-                    double wd, const double *clip, const int *flags);
+                    double wd, const double *clip, const int *flags, const double *hyper);
+
+/**
+ * @brief Count the next AdamW step and write its scalars for moe_adamw_step()'s @p hyper:
+ *        {lr, 1 − β1ᵗ, 1 − β2ᵗ} with t = the new opt->step.
+ * @param opt state (its step count is incremented)  @param lr this step's learning rate
+ * @param beta1 first-moment decay  @param beta2 second-moment decay
+ * @param host [3] receives the values (host memory; the caller copies them to the device)
+ */
+void moe_adamw_next_hyper(moe_adamw *opt, double lr, double beta1, double beta2,
+                          double host[3]);
 
 /**
  * @brief Scale @p grads by moe_clip_factor() = max_norm/(norm + 1e-6) when @p norm exceeds @p max_norm (the norm

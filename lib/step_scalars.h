@@ -43,6 +43,8 @@ typedef struct moe_step_scalars {
     double part[MOE_STEP_NORM_SLOTS];  /**< a run's piece under the distributed optimizer */
     double grad_norm;    /**< √(Σ sumsq), after the group all-reduces */
     double clip;         /**< the factor AdamW multiplies the gradients by (1: no clip) */
+    double hyper[3];     /**< AdamW's {lr, 1 − β1ᵗ, 1 − β2ᵗ} of this step, copied in from the
+                          *   host after the step's zeroing (moe_adamw_next_hyper()) */
     int flags;           /**< MOE_STEP_* bits raised this step (moe_model::step_flags) */
     int pad;             /**< keeps the size a multiple of 8 */
 } moe_step_scalars;

@@ -119,12 +119,14 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
                                       t->ep.comm || t->ep.etp.comm ? &t->ep : NULL, &t->tp,
                                       world ? &t->par.grid : NULL, err);
     if (s == MOE_OK && world && c->use_distributed_optimizer) {
-        /* ZeRO-1: this rank's moments cover its piece of each gradient group only */
+        /* ZeRO-1: this rank's master weights and moments cover its piece of each gradient
+         * group only (the model holds no master: moe_model::master_sharded) */
         moe_adamw_piece pieces[MOE_ADAMW_MAX_PIECES];
         int n_pieces = 0;
+        MOE_ASSERT(t->model->master_sharded);
         s = moe_zero_init(&t->zero, be, &t->model->table, &t->par, pieces, &n_pieces, err);
         if (s == MOE_OK)
-            s = moe_adamw_init_pieces(&t->opt, be, pieces, n_pieces, err);
+            s = moe_adamw_init_pieces(&t->opt, be, pieces, n_pieces, 1, err);
     } else if (s == MOE_OK)
         s = moe_adamw_init(&t->opt, be, moe_model_num_params(t->model), err);
     if (s == MOE_OK) { /* page-locked landing places of the step boundary's readback */
@@ -133,10 +135,24 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
         t->load_host = nl ? be->host_alloc(sizeof(long long) * nl) : NULL;
         t->load_interval = c->log_interval;
         t->grow_budget = moe_model_grow_moe_budget;
-        if (!t->readback || (nl && !t->load_host))
+        t->hyper_host = be->host_alloc(3 * sizeof(double));
+        /* this rank's micro-batches of a step, inputs and targets (make_groups set dp_size) */
+        const size_t local = (size_t)(c->global_batch_size / c->micro_batch_size) /
+                             (size_t)t->dp_size;
+        t->batch = be->host_alloc(sizeof(int) * 2 * local * (size_t)c->micro_batch_size *
+                                  (size_t)c->seq_length);
+        if (!t->readback || (nl && !t->load_host) || !t->hyper_host || !t->batch)
             s = moe_error_set(err, MOE_ERR_NOMEM,
-                              "out of page-locked host memory for the step's readback");
+                              "out of page-locked host memory for the step's batches and "
+                              "readback: reduce --global-batch-size or --seq-length");
     }
+    if (s == MOE_OK && t->world_size > 1 && be->graph_begin &&
+        c->graph_scope == MOE_GRAPH_FULL_ITERATION)
+        s = moe_error_set(err, MOE_ERR_CONFIG,
+                          "cuda graph scope 'full_iteration' is not capturable on %d ranks: the "
+                          "gradient all-reduces inside the step count their bytes on the host. "
+                          "Use --cuda-graph-scope layer (or run on one rank)",
+                          t->world_size);
     if (s == MOE_OK) {
         size_t n = (size_t)c->micro_batch_size * c->seq_length;
         t->inputs = malloc(sizeof(int) * n);
@@ -151,8 +167,33 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
         return s;
     }
     moe_model_init(t->model, (uint64_t)c->seed);
+    if (t->opt.master) { /* this rank's pieces of the same initial master weights */
+        const size_t n = moe_model_num_params(t->model);
+        moe_real *host = malloc(sizeof(moe_real) * (n ? n : 1));
+        MOE_CHECK_ALLOC(host, sizeof(moe_real) * n, "the host copy of the initial weights");
+        moe_params_init(&t->model->table, host, (uint64_t)c->seed);
+        moe_adamw_pieces_from_host(&t->opt, t->opt.master, host, sizeof(moe_real));
+        free(host);
+    }
     *out = t;
     return MOE_OK;
+}
+
+moe_status moe_trainer_master_to_host(moe_trainer *t, moe_real *host, moe_error *err) {
+    const moe_model *m = t->model;
+    const size_t n = m->table.total;
+    if (!t->opt.master) {
+        m->be->to_host(host, m->params, sizeof(moe_real) * n);
+        return MOE_OK;
+    }
+    return moe_zero_gather_to_host(&t->zero, &t->opt, t->opt.master, n, moe_dtype_real(), host,
+                                   err);
+}
+
+void moe_trainer_master_from_host(moe_trainer *t, const moe_real *host) {
+    moe_model_set_weights(t->model, host);
+    if (t->opt.master)
+        moe_adamw_pieces_from_host(&t->opt, t->opt.master, host, sizeof(moe_real));
 }
 
 void moe_trainer_free(moe_trainer *t) {
@@ -161,6 +202,8 @@ void moe_trainer_free(moe_trainer *t) {
     if (t->model) {
         t->model->be->host_free(t->readback);
         t->model->be->host_free(t->load_host);
+        t->model->be->host_free(t->hyper_host);
+        t->model->be->host_free(t->batch);
     }
     moe_model_free(t->model);
     moe_adamw_free(&t->opt);
@@ -290,6 +333,8 @@ static moe_status nonfinite_error(const moe_trainer *t, const moe_step_stats *st
                          st->local_loss);
 }
 
+static void prepare_batches(moe_trainer *t, moe_step_stats *st);
+static void prepare_update(moe_trainer *t, moe_step_stats *st);
 static void enqueue_gradients(moe_trainer *t, moe_step_stats *st);
 static void enqueue_update(moe_trainer *t, moe_step_stats *st);
 static void read_boundary(moe_trainer *t, moe_step_stats *st, int loads);
@@ -302,18 +347,46 @@ static int reads_loads(const moe_trainer *t) {
             t->step + 1 == t->cfg.train_iters);
 }
 
+/* The whole step's device work as one region: `--cuda-graph-scope full_iteration` captures
+ * it once per shape and replays it (graph.h). Everything that changes from step to step
+ * reaches it through page-locked memory the host fills before (prepare_batches,
+ * prepare_update): the batches and AdamW's {lr, bias corrections}. */
+typedef struct step_region {
+    moe_trainer *t;
+    moe_step_stats *st;
+} step_region;
+
+static void step_work(void *p) {
+    step_region *r = p;
+    enqueue_gradients(r->t, r->st);
+    enqueue_update(r->t, r->st);
+}
+
 moe_status moe_trainer_step(moe_trainer *t, moe_step_stats *st, moe_error *err) {
     moe_timer timer;
     moe_timer_start(&timer);
+    moe_model *m = t->model;
     for (;;) {
         /* the whole step is enqueued without one wait; then the boundary: one copy, one wait */
-        enqueue_gradients(t, st);
-        if (t->step_hook)
-            t->step_hook(t, t->step_hook_ctx);
-        /* a region that could not be captured (graph.h) lost this step's work: stop with its
-         * name before the update (a host-side status, known at capture time: no wait) */
-        MOE_TRY(moe_graphs_status(t->model->graphs, err));
-        enqueue_update(t, st);
+        prepare_batches(t, st);
+        prepare_update(t, st);
+        if (moe_graphs_scope(m->graphs) == MOE_GRAPH_FULL_ITERATION && !t->step_hook) {
+            step_region r = {t, st};
+            const moe_config *c = &t->cfg;
+            const int local = c->global_batch_size / c->micro_batch_size / t->dp_size;
+            const moe_graph_key k = {MOE_GRAPH_SITE_STEP, -1, c->micro_batch_size,
+                                     c->seq_length, local, 0.0};
+            moe_graph_run(m->graphs, k, step_work, &r);
+            MOE_TRY(moe_graphs_status(m->graphs, err));
+        } else { /* (a test hook runs between the two halves: eagerly) */
+            enqueue_gradients(t, st);
+            if (t->step_hook)
+                t->step_hook(t, t->step_hook_ctx);
+            /* a region that could not be captured (graph.h) lost this step's work: stop with
+             * its name before the update (a host-side status, known at capture time) */
+            MOE_TRY(moe_graphs_status(m->graphs, err));
+            enqueue_update(t, st);
+        }
         read_boundary(t, st, reads_loads(t));
         const int flags = t->readback->flags;
         if (flags) /* the device skipped AdamW: its step count goes back */
@@ -334,6 +407,35 @@ moe_status moe_trainer_step(moe_trainer *t, moe_step_stats *st, moe_error *err) 
     return MOE_OK;
 }
 
+/* The host's part of a step, before any of its device work: this rank's batches into
+ * page-locked memory (and the step's counts into the statistics). */
+static void prepare_batches(moe_trainer *t, moe_step_stats *st) {
+    const moe_config *c = &t->cfg;
+    const int accum = c->global_batch_size / c->micro_batch_size; /* over all ranks */
+    const int local = accum / t->dp_size; /* on this rank (and the rest of its TP group) */
+    const int B = c->micro_batch_size, T = c->seq_length;
+    const size_t n = (size_t)B * T;
+    memset(st, 0, sizeof *st);
+    st->step = t->step;
+    for (int i = 0; i < local; i++) {
+        /* data-parallel rank r runs micro-batches [r·local, (r+1)·local) of the step */
+        uint64_t batch_index = (uint64_t)t->step * accum + (uint64_t)t->dp_rank * local + i;
+        moe_dataset_batch(&t->data, MOE_SPLIT_TRAIN, B, T, (uint64_t)c->seed, batch_index,
+                          t->batch + 2 * i * n, t->batch + (2 * i + 1) * n);
+    }
+    st->tokens = (double)accum * B * T;
+    st->flops = st->tokens * moe_model_flops_per_token(t->model, T);
+}
+
+/* ... and of its update: AdamW's step count, learning rate and bias corrections into
+ * page-locked memory (enqueue_update copies them in; the caller takes the count back when
+ * the device skipped the step). */
+static void prepare_update(moe_trainer *t, moe_step_stats *st) {
+    const moe_config *c = &t->cfg;
+    st->lr = moe_lr_at(c, t->step);
+    moe_adamw_next_hyper(&t->opt, st->lr, c->adam_beta1, c->adam_beta2, t->hyper_host);
+}
+
 /* The step start: every scalar of the step, the flags included, to zero (one memset). */
 static void enqueue_gradients(moe_trainer *t, moe_step_stats *st) {
     const moe_config *c = &t->cfg;
@@ -343,18 +445,13 @@ static void enqueue_gradients(moe_trainer *t, moe_step_stats *st) {
     const int accum = c->global_batch_size / c->micro_batch_size; /* over all ranks */
     const int local = accum / t->dp_size; /* on this rank (and the rest of its TP group) */
     const int B = c->micro_batch_size, T = c->seq_length;
-    memset(st, 0, sizeof *st);
-    st->step = t->step;
+    const size_t n = (size_t)B * T;
 
     be->zero(S, sizeof *S);
     moe_model_zero_grad(m);
     moe_model_reset_load_counts(m);
     for (int i = 0; i < local; i++) {
-        /* data-parallel rank r runs micro-batches [r·local, (r+1)·local) of the step */
-        uint64_t batch_index = (uint64_t)t->step * accum + (uint64_t)t->dp_rank * local + i;
-        moe_dataset_batch(&t->data, MOE_SPLIT_TRAIN, B, T, (uint64_t)c->seed, batch_index,
-                          t->inputs, t->targets);
-        moe_model_forward_dev(m, t->inputs, t->targets, B, T);
+        moe_model_forward_staged(m, t->batch + 2 * i * n, t->batch + (2 * i + 1) * n, B, T);
         be->loss_accumulate(S->step, S->mb, B * T, (double)accum);
         st->dropped += m->last.dropped;
         moe_model_backward(m, 1.0 / accum);
@@ -377,8 +474,6 @@ static void enqueue_gradients(moe_trainer *t, moe_step_stats *st) {
         if (m->load_counts) /* the expert-bias rule and the statistics see the global batch */
             moe_comm_all_reduce_sum(dp, m->load_counts, nl, MOE_DTYPE_I64);
     }
-    st->tokens = (double)accum * B * T;
-    st->flops = st->tokens * moe_model_flops_per_token(m, T);
 }
 
 /* The update, all on the device: the norm and clip factor, AdamW (which reads them and the
@@ -388,12 +483,16 @@ static void enqueue_update(moe_trainer *t, moe_step_stats *st) {
     const moe_config *c = &t->cfg;
     moe_model *m = t->model;
     enqueue_grad_norm(t);
-    st->lr = moe_lr_at(c, t->step);
+    /* lr and the bias corrections from the step's scalars (prepare_update counted the step) */
+    m->be->from_host_async(m->scalars->hyper, t->hyper_host, sizeof m->scalars->hyper);
     moe_adamw_step(&t->opt, &m->table, m->params, m->grads, st->lr, c->adam_beta1, c->adam_beta2,
-                   c->adam_eps, c->weight_decay, &m->scalars->clip, m->step_flags);
-    if (t->zero.n_runs) /* ZeRO-1: every rank updated its piece; gather the others' */
-        moe_zero_all_gather(&t->zero, &t->opt, m->params, m->params, moe_dtype_real());
-    moe_model_sync_weights(m);
+                   c->adam_eps, c->weight_decay, &m->scalars->clip, m->step_flags,
+                   m->scalars->hyper);
+    if (t->opt.master) /* ZeRO-1: every rank updated its master piece; gather the compute
+                        * copies of the others' (in the activation type: bf16 on CUDA) */
+        moe_zero_gather_weights(&t->zero, &t->opt, m->wact);
+    else
+        moe_model_sync_weights(m);
     moe_model_update_expert_bias(m);
 }
 
@@ -444,6 +543,7 @@ static void read_boundary(moe_trainer *t, moe_step_stats *st, int loads) {
 void moe_trainer_gradients(moe_trainer *t, moe_step_stats *st) {
     moe_timer timer;
     moe_timer_start(&timer);
+    prepare_batches(t, st);
     enqueue_gradients(t, st);
     read_boundary(t, st, 0);
     st->seconds = moe_timer_elapsed(&timer);
@@ -452,6 +552,7 @@ void moe_trainer_gradients(moe_trainer *t, moe_step_stats *st) {
 void moe_trainer_update(moe_trainer *t, moe_step_stats *st) {
     moe_timer timer;
     moe_timer_start(&timer);
+    prepare_update(t, st);
     enqueue_update(t, st);
     read_boundary(t, st, t->load_host != NULL);
     st->seconds += moe_timer_elapsed(&timer);

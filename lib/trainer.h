@@ -33,6 +33,11 @@ typedef struct moe_trainer {
     int step;              /**< optimizer steps taken */
     int *inputs;           /**< host [micro·T] */
     int *targets;          /**< host [micro·T] */
+    int *batch;            /**< page-locked [micro-batches of this rank][inputs, targets]
+                            *   [micro·T]: a step's batches, fetched before the step and
+                            *   uploaded without a wait (chapter 06: a captured step replays
+                            *   the upload) */
+    double *hyper_host;    /**< page-locked [3]: AdamW's {lr, 1 − β1ᵗ, 1 − β2ᵗ} of the step */
     moe_comm *world;       /**< all ranks (NULL: a single process) */
     moe_parallel par;      /**< the process groups of the parallel grid (parallel.h) */
     moe_ep ep;             /**< the dispatcher's context */
@@ -102,6 +107,27 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
 
 /** @brief Free everything. @param t trainer (NULL: no-op) */
 void moe_trainer_free(moe_trainer *t);
+
+/**
+ * @brief The fp32 master weights, whole (this rank's layout: its TP/EP shards of every
+ *        tensor), into host memory: moe_model::params, or under the distributed optimizer
+ *        every rank's pieces gathered (dist_optimizer.h). For checkpoints, reference dumps
+ *        and the tests that compare weights across layouts.
+ * @param t trainer; under the distributed optimizer every rank of the run must call it (a
+ *        collective over the gradient groups)
+ * @param host [moe_model_num_params()] receives the weights
+ * @param err receives the reason on failure
+ * @return ::MOE_OK or ::MOE_ERR_NOMEM (the whole-size device buffer of the gather)
+ */
+moe_status moe_trainer_master_to_host(moe_trainer *t, moe_real *host, moe_error *err);
+
+/**
+ * @brief Set the fp32 master weights from a whole host copy (this rank's layout), and the
+ *        compute copy from them: moe_model_set_weights(), and under the distributed
+ *        optimizer this rank's pieces (moe_adamw::master). No communication.
+ * @param t trainer  @param host [moe_model_num_params()] the weights
+ */
+void moe_trainer_master_from_host(moe_trainer *t, const moe_real *host);
 
 /**
  * @brief One optimizer step: global/micro micro-batches forward+backward, clip, AdamW,

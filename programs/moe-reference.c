@@ -172,18 +172,38 @@ static void write_config(const moe_trainer *t, int steps, int accum) {
     close_out(f, "config.json");
 }
 
-/* n full-precision values of backend memory, as fp32 on disk. */
-static void write_real(const char *name, const moe_backend *be, const moe_real *src, size_t n) {
-    moe_real *host = malloc(sizeof(moe_real) * (n ? n : 1));
+/* n full-precision host values, as fp32 on disk. */
+static void write_host_real(const char *name, const moe_real *host, size_t n) {
     float *out = malloc(sizeof(float) * (n ? n : 1));
-    if (!host || !out)
+    if (!out)
         die("out of memory writing %s", name);
-    be->to_host(host, src, sizeof(moe_real) * n);
     for (size_t i = 0; i < n; i++)
         out[i] = (float)host[i];
     write_bin(name, out, sizeof(float) * n);
-    free(host);
     free(out);
+}
+
+/* n full-precision values of backend memory, as fp32 on disk. */
+static void write_real(const char *name, const moe_backend *be, const moe_real *src, size_t n) {
+    moe_real *host = malloc(sizeof(moe_real) * (n ? n : 1));
+    if (!host)
+        die("out of memory writing %s", name);
+    be->to_host(host, src, sizeof(moe_real) * n);
+    write_host_real(name, host, n);
+    free(host);
+}
+
+/* the fp32 master weights, wherever the optimizer keeps them (moe_trainer_master_to_host) */
+static void write_master(const char *name, moe_trainer *t) {
+    const size_t n = t->model->table.total;
+    moe_real *host = malloc(sizeof(moe_real) * (n ? n : 1));
+    moe_error err;
+    if (!host)
+        die("out of memory writing %s", name);
+    if (moe_trainer_master_to_host(t, host, &err) != MOE_OK)
+        die("%s: %s", name, err.msg);
+    write_host_real(name, host, n);
+    free(host);
 }
 
 static void write_batches(const moe_trainer *t, int steps, int accum) {
@@ -438,7 +458,7 @@ int main(int argc, char **argv) {
                  g_dir);
 
     write_config(t, steps, accum);
-    write_real("params.bin", m->be, m->params, m->table.total);
+    write_master("params.bin", t);
     write_batches(t, steps, accum);
     write_step0(t);
     moe_log_info("step0 | ce %.6f aux %.6f z %.6f total %.6f", m->last.ce, m->last.aux, m->last.z,
@@ -456,7 +476,7 @@ int main(int argc, char **argv) {
     }
     fprintf(f, "\n  ]\n}\n");
     close_out(f, "losses.json");
-    write_real("params_final.bin", m->be, m->params, m->table.total);
+    write_master("params_final.bin", t);
     moe_log_info(PROG " | wrote %s", g_dir);
     moe_trainer_free(t);
     return 0;

@@ -50,8 +50,9 @@ static void print_grid(const moe_trainer *t) {
                  e.total_bytes / mb);
     char zero[160] = "";
     if (t->cfg.use_distributed_optimizer)
-        snprintf(zero, sizeof zero, "; distributed optimizer: moments of %.3fM (1/%d of the "
-                 "dense, 1/%d of the experts)", e.optim_elems / 1e6, g->dp * g->cp, g->edp);
+        snprintf(zero, sizeof zero, "; distributed optimizer: fp32 master weights and moments "
+                 "of %.3fM (1/%d of the dense, 1/%d of the experts)", e.optim_elems / 1e6,
+                 g->dp * g->cp, g->edp);
     moe_log_info("memory| %.3fM parameters: dense %.3fM (TP %d shard, replicated over DP x CP "
                  "%d), experts %.3fM (ETP %d x EP %d shard, replicated over EDP %d)%s",
                  e.params / 1e6, e.dense_params / 1e6, g->tp, g->dp * g->cp,

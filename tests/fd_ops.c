@@ -339,24 +339,28 @@ START_TEST(test_attention_flash_equals_naive_fp64) {
 }
 END_TEST
 
-/* What the attention ops run today, and what they name as not yet supported: the flash CPU
- * op runs every valid shape, the same-chunk ops (CUDA, the naive reference) one chunk. */
+/* What the attention ops run today, and what they name as unsupported: the flash ops (CPU,
+ * and CUDA up to D = 128) run every valid shape, any chunk of queries against any chunk of
+ * keys; the naive CPU reference one chunk attending to itself. */
 START_TEST(test_attention_shapes_supported) {
     const moe_attention_shape self = {2, 16, 16, 4, 2, 8, 0, 0};
     moe_attention_shape s = self;
-    ck_assert_ptr_null(moe_attention_shape_unsupported(s, 0));
+    ck_assert_ptr_null(moe_attention_shape_unsupported(s, 128));
+    ck_assert_ptr_null(moe_attention_shape_not_same_chunk(s));
     s.q_pos = s.k_pos = 48; /* a later chunk attending to itself: the same mask */
-    ck_assert_ptr_null(moe_attention_shape_unsupported(s, 0));
+    ck_assert_ptr_null(moe_attention_shape_not_same_chunk(s));
     s.k_pos = 32; /* queries 48..63 against keys 32..47: another chunk (chapter 07) */
-    ck_assert_ptr_nonnull(strstr(moe_attention_shape_unsupported(s, 0), "chapter 07"));
-    ck_assert_ptr_null(moe_attention_shape_invalid(s)); /* the flash op runs it */
+    ck_assert_ptr_nonnull(strstr(moe_attention_shape_not_same_chunk(s), "same chunk"));
+    ck_assert_ptr_null(moe_attention_shape_unsupported(s, 128)); /* the flash ops run it */
+    ck_assert_ptr_null(moe_attention_shape_invalid(s));
     s = self;
     s.Tk = 32; /* keys of two chunks */
-    ck_assert_ptr_nonnull(strstr(moe_attention_shape_unsupported(s, 0), "same chunk"));
-    ck_assert_ptr_null(moe_attention_shape_invalid(s));
+    ck_assert_ptr_nonnull(strstr(moe_attention_shape_not_same_chunk(s), "same chunk"));
+    ck_assert_ptr_null(moe_attention_shape_unsupported(s, 128));
     s = self;
     s.Hkv = 3; /* 4 query heads cannot share 3 key/value heads */
     ck_assert_ptr_nonnull(strstr(moe_attention_shape_unsupported(s, 0), "multiple of Hkv"));
+    ck_assert_ptr_nonnull(strstr(moe_attention_shape_not_same_chunk(s), "multiple of Hkv"));
     ck_assert_ptr_nonnull(strstr(moe_attention_shape_invalid(s), "multiple of Hkv"));
     s = self;
     s.Tk = 0; /* no keys at all */

@@ -4,10 +4,11 @@
  *    zero times (kernels/memory.cu counts every call) and the device's free memory does
  *    not change (which would also show an allocation the counters cannot see, e.g. a
  *    library's own), with and without graphs;
- *  - --cuda-graph-scope attn: the losses of 6 steps and the parameters after them are those
- *    of the eager run bit for bit (the same kernels on the same buffers in the same order,
- *    only launched by a replay), on a small model and on the GPU preset's shape, and the
- *    graphs were really used (captures and replays counted);
+ *  - every --cuda-graph-scope (attn … full_iteration): the losses of 6 steps
+ *    and the parameters after them are those of the eager run bit for bit (the same kernels
+ *    on the same buffers in the same order, only launched by a replay), on a small model and
+ *    on the GPU preset's shape, and the graphs were really used (captures and replays
+ *    counted), also when a small MoE budget overflows and the step is re-run;
  *  - a capture that meets a host read (to_host) fails with a named error, and the scopes
  *    that still wait for the host are refused when the trainer is created.
  * Without a GPU the runner prints "skipped: no GPU" (tests/gpu_main.c).
@@ -78,13 +79,15 @@ static void check_arena(const char *flags) {
 START_TEST(test_gpu_arena_no_allocation_after_step_one) {
     check_arena(SMALL);
     check_arena(SMALL "--cuda-graph-scope attn");
+    check_arena(SMALL "--cuda-graph-scope layer");
+    check_arena(SMALL "--cuda-graph-scope full_iteration");
 }
 END_TEST
 
-/* 6 steps eager and 6 with the attention blocks graphed: identical losses and parameters. */
-static void check_replay_equals_eager(const char *flags) {
+/* 6 steps eager and 6 with the regions of @p scope graphed: identical losses and parameters. */
+static void check_replay_equals_eager(const char *flags, const char *scope) {
     char graphed[2100];
-    snprintf(graphed, sizeof graphed, "%.2000s --cuda-graph-scope attn", flags);
+    snprintf(graphed, sizeof graphed, "%.2000s --cuda-graph-scope %s", flags, scope);
     moe_trainer *te = must_make(flags), *tg = must_make(graphed);
     enum { STEPS = 6 };
     for (int s = 0; s < STEPS; s++) {
@@ -105,14 +108,22 @@ static void check_replay_equals_eager(const char *flags) {
         diff += memcmp(&pe[i], &pg[i], sizeof(moe_real)) != 0;
     const moe_graph_stats st = moe_graphs_stats(tg->model->graphs);
     const int L = tg->cfg.num_layers;
-    printf("  replay == eager (%s): %d steps, %zu of %zu parameters differ; %lld captures, "
-           "%lld replays (%lld nodes), %lld eager runs\n",
-           flags, STEPS, diff, P, st.captures, st.replays, st.nodes, st.eager);
+    printf("  replay == eager (%s, scope %s): %d steps, %zu of %zu parameters differ; %lld "
+           "captures, %lld replays (%lld nodes), %lld eager runs\n",
+           flags, scope, STEPS, diff, P, st.captures, st.replays, st.nodes, st.eager);
     ck_assert_msg(diff == 0, "%zu parameters differ after %d steps", diff, STEPS);
-    /* each layer's forward and backward: warmed up once, captured once, replayed after */
-    ck_assert_int_eq(st.captures, 2 * L);
-    ck_assert_int_eq(st.eager, 2 * L);
-    ck_assert(st.replays >= 2 * L * (STEPS - 1));
+    /* every key (region, layer, shape, variant): warmed up once, captured once, replayed
+     * after; attn has exactly one forward and one backward key per layer */
+    ck_assert_int_eq(te->reruns, tg->reruns); /* the same overflows, re-run the same way */
+    if (!te->reruns) { /* (a re-run recaptures: the grown buffers moved) */
+        ck_assert_int_eq(st.eager, st.captures);
+        ck_assert(st.replays >= st.captures * (STEPS - 2));
+    }
+    ck_assert(st.captures >= 1 && st.replays >= STEPS - 2);
+    if (!strcmp(scope, "attn"))
+        ck_assert_int_eq(st.captures, 2 * L);
+    if (!strcmp(scope, "full_iteration") && !te->reruns)
+        ck_assert_int_eq(st.captures, 1); /* one graph: the whole step */
     ck_assert_int_eq(moe_graphs_stats(te->model->graphs).captures, 0);
     free(pe);
     free(pg);
@@ -121,11 +132,21 @@ static void check_replay_equals_eager(const char *flags) {
 }
 
 START_TEST(test_gpu_graph_attn_replay_equals_eager) {
-    check_replay_equals_eager(SMALL);
+    /* the small model has a dense and a MoE layer and two micro-batches per step (so the
+     * layer backward has a storing and an adding variant) */
+    const char *scopes[] = {"attn", "moe_router", "moe_preprocess", "layer", "full_iteration"};
+    for (int i = 0; i < 5; i++)
+        check_replay_equals_eager(SMALL, scopes[i]);
+    /* a budget of 0.3·N·k rows overflows at the first step: the step is re-run with grown
+     * buffers (which moves them, so the graphs are captured again), the same as eagerly */
+    check_replay_equals_eager(SMALL "--moe-expert-rank-capacity-factor 0.3 ", "layer");
+    check_replay_equals_eager(SMALL "--moe-expert-rank-capacity-factor 0.3 ", "full_iteration");
     /* the GPU preset's shape (B 32, T 256, hidden 384, 8 experts) with 2 of its 6 layers */
     char preset[1024];
     snprintf(preset, sizeof preset, "%s --num-layers 2", moe_config_preset_flags("gpu"));
-    check_replay_equals_eager(preset);
+    check_replay_equals_eager(preset, "attn");
+    check_replay_equals_eager(preset, "layer");
+    check_replay_equals_eager(preset, "full_iteration");
 }
 END_TEST
 
@@ -142,7 +163,7 @@ START_TEST(test_gpu_graph_uncapturable_is_named) {
     g_be = be;
     int *d = be->alloc(sizeof(int));
     moe_graphs *g = moe_graphs_create(be, MOE_GRAPH_ATTN);
-    moe_graph_key k = {MOE_GRAPH_SITE_ATTN_FWD, 0, 1, 1};
+    moe_graph_key k = {MOE_GRAPH_SITE_ATTN_FWD, 0, 1, 1, 0, 0.0};
     moe_graph_run(g, k, reads_host, d); /* warm-up: eager, fine */
     moe_error err;
     ck_assert_int_eq(moe_graphs_status(g, &err), MOE_OK);
@@ -159,10 +180,16 @@ START_TEST(test_gpu_graph_uncapturable_is_named) {
     moe_graphs_free(g);
     be->free(d);
 
-    /* the scopes beyond attn are refused when the trainer is created, by name */
+    /* a scope whose region still waits for the host is refused when the trainer is
+     * created, by name: cuBLAS's grouped GEMM sizes its GEMMs from host offsets */
     moe_trainer *t = NULL;
-    ck_assert_int_eq(make(&t, SMALL "--cuda-graph-scope moe_preprocess", &err), MOE_ERR_CONFIG);
-    ck_assert_msg(strstr(err.msg, "moe_preprocess") && strstr(err.msg, "permute_index"), "%s",
+    ck_assert_int_eq(make(&t, SMALL "--moe-expert-backend cublas-grouped --cuda-graph-scope "
+                          "layer", &err), MOE_ERR_CONFIG);
+    ck_assert_msg(strstr(err.msg, "'layer'") && strstr(err.msg, "host offsets"), "%s", err.msg);
+    ck_assert_ptr_null(t);
+    ck_assert_int_eq(make(&t, SMALL "--moe-expert-capacity-factor 1.0 --cuda-graph-scope "
+                          "full_iteration", &err), MOE_ERR_CONFIG);
+    ck_assert_msg(strstr(err.msg, "full_iteration") && strstr(err.msg, "capacity"), "%s",
                   err.msg);
     ck_assert_ptr_null(t);
 }

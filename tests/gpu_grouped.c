@@ -4,9 +4,9 @@
  * memory), on ragged groups with empty experts, sizes that are not multiples of the tile
  * (128 rows, 128 columns, 64 k) and features that are only multiples of 8 — forward,
  * dgrad and wgrad; then the whole model with each backend against chapter 01's loop.
- * Our kernel runs under both of its forward/dgrad tile schedules (128-row tiles, the
- * default, and the experimental 64-row tiles for a group's last <= 64 rows), on group sizes around every
- * tile boundary. Inputs are rounded to bf16 for both sides (write_act, then read_act back
+ * Our kernel runs under each of its four forward/dgrad tile schedules (moe_grouped_schedule:
+ * 128-row tiles only or 64-row tiles for a group's last <= 64 rows, each taken statically
+ * or claimed from the device counter), on group sizes around every tile boundary. Inputs are rounded to bf16 for both sides (write_act, then read_act back
  * for the CPU); outputs are poisoned first and the accumulating outputs start from random
  * values. Errors are taken group by group (the worst group counts), so that one wrong
  * small group cannot hide in a large tensor's norm.
@@ -57,11 +57,14 @@ static void *upload(const moe_backend *g, moe_real *host, size_t n, uint64_t str
 
 static int g_split_seen; /* some wgrad below ran split-K */
 
-enum { CUBLAS, KERNEL, KERNEL_64 }; /* KERNEL_64: our kernel with its 64-row tiles (off by default) */
+enum { CUBLAS = -1 };
 
-/* impl: cuBLAS grouped (host offsets), or our kernel (device offsets) under either schedule */
+/* impl: CUBLAS (the cuBLAS grouped GEMM, host offsets), or our kernel (device offsets)
+ * under the moe_grouped_schedule impl */
 static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
-    moe_cuda_grouped_sm90_set_fine_tiles(impl == KERNEL_64);
+    const moe_grouped_schedule def = moe_cuda_grouped_sm90_schedule();
+    if (impl >= 0)
+        moe_cuda_grouped_sm90_set_schedule(impl);
     const moe_backend *g = moe_backend_cuda(), *c = moe_backend_cpu();
     int *off = malloc(sizeof(int) * (G + 1));
     off[0] = 0;
@@ -80,7 +83,7 @@ static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
     void *dout = g->alloc(g->act_size * nout);
     moe_test_poison(go, nout);
     g->write_act(dout, go, nout);
-    if (impl)
+    if (impl >= 0)
         g->grouped_matmul_forward_dev(dout, din_, dw_, doff, G, N, I, O);
     else
         g->grouped_matmul_forward(dout, din_, dw_, off, G, I, O);
@@ -94,7 +97,7 @@ static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
     moe_test_randn(cdw, nw, 45, 0.1);
     moe_real *ddw = g->alloc(sizeof(moe_real) * nw);
     g->from_host(ddw, cdw, sizeof(moe_real) * nw);
-    if (impl)
+    if (impl >= 0)
         g->grouped_matmul_backward_dev(ddi, ddw, ddo, din_, dw_, doff, G, N, I, O, 1,
                                        MOE_DW_ACCUMULATE);
     else
@@ -104,7 +107,7 @@ static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
     g->to_host(gdw, ddw, sizeof(moe_real) * nw);
     double ed = rel_groups(gdi, cdi, off, G, I), ew = rel(gdw, cdw, nw), eo = 0, es = 0, ea = 0;
     int split = 1;
-    if (impl) { /* dgrad into a fresh (poisoned) buffer: overwritten, not added to */
+    if (impl >= 0) { /* dgrad into a fresh (poisoned) buffer: overwritten, not added to */
         moe_test_poison(gdi, nin);
         g->write_act(ddi, gdi, nin);
         g->grouped_matmul_backward_dev(ddi, NULL, ddo, din_, dw_, doff, G, N, I, O, 0,
@@ -134,11 +137,12 @@ static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
         ea = rel(gdw, cdw, nw);
         g->free(dwa);
     }
-    moe_cuda_grouped_sm90_set_fine_tiles(0); /* the default */
-    static const char *names[] = {"cublas", "kernel", "kernel/64-row tiles"};
-    printf("  %s G=%d N=%d I=%d O=%d: forward %.2e, dgrad %.2e (overwriting %.2e; worst group), "
-           "wgrad %.2e (store %.2e, bf16 %.2e; split %d)\n",
-           names[impl], G, N, I, O, ef, ed, eo, ew, es, ea, split);
+    moe_cuda_grouped_sm90_set_schedule(def);
+    printf("  %s%s G=%d N=%d I=%d O=%d: forward %.2e, dgrad %.2e (overwriting %.2e; worst "
+           "group), wgrad %.2e (store %.2e, bf16 %.2e; split %d)\n",
+           impl < 0 ? "cublas" : "kernel/",
+           impl < 0 ? "" : moe_cuda_grouped_sm90_schedule_name(impl), G, N, I, O, ef, ed, eo,
+           ew, es, ea, split);
     ck_assert_msg(ef <= 1e-2 && ed <= 1e-2 && eo <= 1e-2 && ew <= 1e-4 && es <= 1e-4 &&
                       ea <= 1e-2,
                   "grouped GEMM differs from the loop");
@@ -151,7 +155,7 @@ static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
 
 static void check_both(const int *sizes, int G, int I, int O) {
     check_grouped(sizes, G, I, O, CUBLAS);
-    check_grouped(sizes, G, I, O, KERNEL);
+    check_grouped(sizes, G, I, O, moe_cuda_grouped_sm90_schedule()); /* the default */
 }
 
 START_TEST(test_gpu_grouped_matmul) {
@@ -205,8 +209,8 @@ static const int g_edges[] = {0,   1,   2,   3,   4,   5,   6,   7,   8,   63,  
 #define N_EDGES ((int)(sizeof g_edges / sizeof g_edges[0]))
 
 static void check_schedules(const int *sizes, int G, int I, int O) {
-    check_grouped(sizes, G, I, O, KERNEL);
-    check_grouped(sizes, G, I, O, KERNEL_64);
+    for (int s = MOE_GROUPED_SCHED_STATIC; s <= MOE_GROUPED_SCHED_DYNAMIC_TAIL64; s++)
+        check_grouped(sizes, G, I, O, s);
 }
 
 START_TEST(test_gpu_grouped_fine_tiles) {
@@ -317,10 +321,17 @@ START_TEST(test_gpu_grouped_gather) {
     check_gather(g_edges, N_EDGES, 200, 320);
     const int few[3] = {0, 2000, 900}; /* long groups on a small dw: wgrad splits its k-loop */
     check_gather(few, 3, 128, 136);
-    int many[256]; /* 256 groups */
+    int many[256]; /* 256 groups, under every forward schedule (the gathering producer
+                      broadcasts a claimed tile to its 32 lanes) */
     for (int i = 0; i < 256; i++)
         many[i] = i % 32 >= 28 ? i % 2 : g_edges[i % N_EDGES] + (i / N_EDGES) % 3;
-    check_gather(many, 256, 136, 264);
+    const moe_grouped_schedule def = moe_cuda_grouped_sm90_schedule();
+    for (int sc = MOE_GROUPED_SCHED_STATIC; sc <= MOE_GROUPED_SCHED_DYNAMIC_TAIL64; sc++) {
+        moe_cuda_grouped_sm90_set_schedule((moe_grouped_schedule)sc);
+        printf("  (schedule %s)\n", moe_cuda_grouped_sm90_schedule_name(sc));
+        check_gather(many, 256, 136, 264);
+    }
+    moe_cuda_grouped_sm90_set_schedule(def);
 }
 END_TEST
 

@@ -152,16 +152,20 @@ START_TEST(test_gpu_adamw_clip_flags) {
     double *dclip = dev(&clip, sizeof clip);
     int *dzero = dev(&zero, sizeof zero), *dflag = dev(&flag, sizeof flag);
     /* a raised flag: nothing moves */
-    moe_cuda_adamw(dp, dg, dm, dv, n, 3e-4, b1, b2, 1e-8, 0.1, bc1, bc2, dclip, dflag);
+    moe_cuda_adamw(dp, dg, dm, dv, n, 3e-4, b1, b2, 1e-8, 0.1, bc1, bc2, dclip, dflag, NULL);
     get(gp, dp, sizeof(moe_real) * n), get(gm, dm, sizeof(float) * n), get(gv, dv, sizeof(float) * n);
     ck_assert_msg(!memcmp(gp, p, sizeof(moe_real) * n) && !memcmp(gm, m, sizeof(float) * n) &&
                       !memcmp(gv, v, sizeof(float) * n),
                   "AdamW moved p, m or v while a step flag was up");
-    /* clip factor from device memory = the gradients clipped in place first (both sides) */
-    moe_cuda_adamw(dp, dg, dm, dv, n, 3e-4, b1, b2, 1e-8, 0.1, bc1, bc2, dclip, dzero);
+    /* clip factor from device memory = the gradients clipped in place first (both sides);
+     * lr and the bias corrections from device memory too (the arguments are wrong on
+     * purpose: the kernel must not use them when hyper is given) */
+    const double hyper[3] = {3e-4, bc1, bc2};
+    double *dhyper = dev(hyper, sizeof hyper);
+    moe_cuda_adamw(dp, dg, dm, dv, n, 99.0, b1, b2, 1e-8, 0.1, 0.5, 0.5, dclip, dzero, dhyper);
     get(gp, dp, sizeof(moe_real) * n), get(gm, dm, sizeof(float) * n), get(gv, dv, sizeof(float) * n);
     cpu->scale_real(g, clip, n);
-    cpu->adamw(p, g, m, v, n, 3e-4, b1, b2, 1e-8, 0.1, bc1, bc2, NULL, NULL);
+    cpu->adamw(p, g, m, v, n, 3e-4, b1, b2, 1e-8, 0.1, bc1, bc2, NULL, NULL, NULL);
     double worst = 0.0;
     for (size_t i = 0; i < n; i++) {
         const double e = fabs((double)gp[i] - p[i]) / (fabs(p[i]) + 1e-6);
@@ -171,7 +175,7 @@ START_TEST(test_gpu_adamw_clip_flags) {
            clip, worst);
     ck_assert_msg(worst <= 1e-6, "adamw with the clip factor: rel err %g", worst);
     moe_cuda_free(dp), moe_cuda_free(dg), moe_cuda_free(dm), moe_cuda_free(dv);
-    moe_cuda_free(dclip), moe_cuda_free(dzero), moe_cuda_free(dflag);
+    moe_cuda_free(dclip), moe_cuda_free(dzero), moe_cuda_free(dflag), moe_cuda_free(dhyper);
     free(p), free(g), free(m), free(v), free(gp), free(gm), free(gv);
 }
 END_TEST

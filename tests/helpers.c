@@ -255,35 +255,43 @@ static double rel_l2(const moe_real *a, const moe_real *b, size_t n) {
     return isfinite(num) ? sqrt(num / (den > 0 ? den : 1e-30)) : INFINITY;
 }
 
-/* The part of the reference's whole tensor @p tr (in @p buf: its params or grads) that the
- * distributed tensor @p td holds: element j is element moe_tensor_global_index(td, j).
- * @p full is scratch of tr->numel elements, @p out receives td->numel. */
-static void reference_shard(const moe_model *mr, const moe_real *buf, const moe_tensor *tr,
-                            const moe_tensor *td, moe_real *full, moe_real *out) {
-    mr->be->to_host(full, buf + tr->offset, sizeof(moe_real) * tr->numel);
-    for (size_t j = 0; j < td->numel; j++)
-        out[j] = full[moe_tensor_global_index(td, j)];
+moe_real *moe_test_master(moe_trainer *t) {
+    const size_t n = moe_model_num_params(t->model);
+    moe_real *host = malloc(sizeof(moe_real) * (n ? n : 1));
+    ck_assert(host != NULL);
+    moe_error err;
+    ck_assert_msg(moe_trainer_master_to_host(t, host, &err) == MOE_OK, "%s", err.msg);
+    return host;
 }
 
-long long moe_test_compare_state(const moe_model *md, const moe_model *mr, double grad_tol,
+long long moe_test_compare_state(moe_trainer *dist, moe_trainer *ref, double grad_tol,
                                  double param_tol, double *worst, const char **worst_name) {
+    const moe_model *md = dist->model, *mr = ref->model;
     long long bad = 0;
     *worst = 0;
     *worst_name = "";
+    /* the whole master weights of both (a collective under the distributed optimizer), and
+     * the gradients, each on the host */
+    moe_real *master[2] = {moe_test_master(dist), moe_test_master(ref)};
+    moe_real *grads[2] = {malloc(sizeof(moe_real) * md->table.total),
+                          malloc(sizeof(moe_real) * mr->table.total)};
+    ck_assert(grads[0] && grads[1]);
+    md->be->to_host(grads[0], md->grads, sizeof(moe_real) * md->table.total);
+    mr->be->to_host(grads[1], mr->grads, sizeof(moe_real) * mr->table.total);
     for (int i = 0; i < md->table.n; i++) {
         const moe_tensor *td = &md->table.t[i];
         const moe_tensor *tr = moe_params_find(&mr->table, td->name);
         ck_assert_ptr_nonnull(tr);
-        moe_real *gd = malloc(sizeof(moe_real) * td->numel);
         moe_real *gr = malloc(sizeof(moe_real) * td->numel);
-        moe_real *full = malloc(sizeof(moe_real) * tr->numel);
-        ck_assert(gd && gr && full);
-        /* the gradients (unless asked not to), then the weights: the same slice */
+        ck_assert(gr != NULL);
+        /* the gradients (unless asked not to), then the weights: the same slice of the
+         * reference's whole tensor (element j is element moe_tensor_global_index(td, j)) */
         for (int w = grad_tol < 0 ? 1 : 0; w < 2; w++) {
-            const moe_real *bd = w ? md->params : md->grads, *br = w ? mr->params : mr->grads;
+            const moe_real *gd = (w ? master : grads)[0] + td->offset;
+            const moe_real *full = (w ? master : grads)[1] + tr->offset;
             const double tol = w ? param_tol : grad_tol;
-            md->be->to_host(gd, bd + td->offset, sizeof(moe_real) * td->numel);
-            reference_shard(mr, br, tr, td, full, gr);
+            for (size_t j = 0; j < td->numel; j++)
+                gr[j] = full[moe_tensor_global_index(td, j)];
             const double e = tol == 0 ? (memcmp(gd, gr, sizeof(moe_real) * td->numel) ? INFINITY : 0)
                                       : rel_l2(gd, gr, td->numel);
             if (!(e <= tol)) {
@@ -294,16 +302,18 @@ long long moe_test_compare_state(const moe_model *md, const moe_model *mr, doubl
                 }
             }
         }
-        free(gd);
         free(gr);
-        free(full);
+    }
+    for (int k = 0; k < 2; k++) {
+        free(master[k]);
+        free(grads[k]);
     }
     return bad;
 }
 
-long long moe_test_compare_shards(const moe_model *md, const moe_model *mr, double tol,
+long long moe_test_compare_shards(moe_trainer *dist, moe_trainer *ref, double tol,
                                   double *worst, const char **worst_name) {
-    return moe_test_compare_state(md, mr, tol, 0, worst, worst_name);
+    return moe_test_compare_state(dist, ref, tol, 0, worst, worst_name);
 }
 
 /* Assignments routed to another expert: half the L1 distance of the two trainers' global

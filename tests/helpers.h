@@ -83,22 +83,27 @@ int moe_test_folding(struct moe_comm *world, const char *base, int tp, int sp, i
                      const char *dist_flags, int gpu, struct moe_trainer **dist,
                      struct moe_trainer **ref);
 
-struct moe_model;
-/** A distributed model against the single-process reference, tensor by tensor (by name):
- *  each tensor's gradient is this rank's shard of the reference's (element j against
- *  element moe_tensor_global_index(j) of the whole tensor) within a relative L2 error of
- *  @p tol, and its weights are that slice exactly. @return the number of tensors that
- *  differ; @p worst and @p worst_name receive the largest gradient error and its tensor */
-long long moe_test_compare_shards(const struct moe_model *dist, const struct moe_model *ref,
-                                  double tol, double *worst, const char **worst_name);
+/** A distributed trainer's model against the single-process reference's, tensor by tensor
+ *  (by name): each tensor's gradient is this rank's shard of the reference's (element j
+ *  against element moe_tensor_global_index(j) of the whole tensor) within a relative L2 error
+ *  of @p tol, and its fp32 master weights (moe_trainer_master_to_host(): gathered under the
+ *  distributed optimizer, so every rank of @p dist must call this) are that slice exactly.
+ *  @return the number of tensors that differ; @p worst and @p worst_name receive the largest
+ *  gradient error and its tensor */
+long long moe_test_compare_shards(struct moe_trainer *dist, struct moe_trainer *ref, double tol,
+                                  double *worst, const char **worst_name);
 
 /** Like moe_test_compare_shards(), with a bound for each buffer: the gradients within a
  *  relative L2 error of @p grad_tol (a negative bound skips them: e.g. under the distributed
- *  optimizer, where a rank holds only its shard of the reduced gradient), the weights within
- *  @p param_tol (0: exactly). @return the number of (tensor, buffer) pairs that differ */
-long long moe_test_compare_state(const struct moe_model *dist, const struct moe_model *ref,
+ *  optimizer, where a rank holds only its shard of the reduced gradient), the master weights
+ *  within @p param_tol (0: exactly). @return the number of (tensor, buffer) pairs that differ */
+long long moe_test_compare_state(struct moe_trainer *dist, struct moe_trainer *ref,
                                  double grad_tol, double param_tol, double *worst,
                                  const char **worst_name);
+
+/** The whole fp32 master weights of @p t on the host (moe_trainer_master_to_host(); a
+ *  collective under the distributed optimizer). @return a malloc'd array the caller frees */
+moe_real *moe_test_master(struct moe_trainer *t);
 
 /** Adversarial routings for moe_test_budget_protocol(): every token's first choice is
  *  expert 0 in every layer, or a hot expert that changes with the layer and the step. */

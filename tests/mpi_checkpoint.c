@@ -13,9 +13,11 @@
  *    one saved by one process loads into TP W + SP, each giving the next-step loss of the
  *    run continued without resharding (same bounds);
  *  - the distributed optimizer (chapter 04): saved by W ranks with
- *    --use-distributed-optimizer, resumed the same way (next-step loss and AdamW moments bit
- *    for bit), by one process and by W ranks without it (loss 1e-5, moments 1e-6 of their
- *    largest value);
+ *    --use-distributed-optimizer (the fp32 master weights and moments sharded), resumed the
+ *    same way (two steps' losses, the moments and the master weights bit for bit), by one
+ *    process and by W ranks without it, and one saved without it resumed with it (loss 1e-5,
+ *    moments and master weights 1e-6 of their largest value); each loads exactly the saved
+ *    master weights;
  *  - expert tensor parallelism (chapter 04): a checkpoint saved at ETP 2 x EP W/2 loads
  *    into one process (ETP 1 x EP 1), and the reverse, with the same next-step loss.
  */
@@ -248,18 +250,42 @@ static moe_trainer *make_zero(moe_comm *world, int zero) {
 /* Both AdamW moments, whole, on the host: under the distributed optimizer every rank holds
  * its pieces only, so they are all-gathered (collective over the trainer's groups). */
 static float *whole_moments(moe_trainer *t) {
-    const moe_backend *be = t->model->be;
     const size_t n = t->model->table.total;
-    float *host = malloc(sizeof(float) * 2 * n), *full = be->alloc(sizeof(float) * n);
-    ck_assert(host && full);
+    float *host = malloc(sizeof(float) * 2 * n);
+    ck_assert(host != NULL);
     for (int b = 0; b < 2; b++) {
         float *mine = b ? t->opt.v : t->opt.m;
+        moe_error err;
         if (t->zero.n_runs)
-            moe_zero_all_gather(&t->zero, &t->opt, mine, full, MOE_DTYPE_F32);
-        be->to_host(host + b * n, t->zero.n_runs ? full : mine, sizeof(float) * n);
+            ck_assert_msg(moe_zero_gather_to_host(&t->zero, &t->opt, mine, n, MOE_DTYPE_F32,
+                                                  host + b * n, &err) == MOE_OK, "%s", err.msg);
+        else
+            t->model->be->to_host(host + b * n, mine, sizeof(float) * n);
     }
-    be->free(full);
     return host;
+}
+
+/* The whole fp32 master weights of @p t against @p want: bit for bit (@p exact), else within
+ * @p tol of the largest |value|. Collective under the distributed optimizer. */
+static void check_master(moe_trainer *t, const moe_real *want, int exact, double tol,
+                         const char *what) {
+    const size_t n = t->model->table.total;
+    moe_real *got = moe_test_master(t);
+    double top = 0, worst = 0;
+    size_t at = 0;
+    for (size_t i = 0; i < n; i++) {
+        top = fabs((double)want[i]) > top ? fabs((double)want[i]) : top;
+        if (fabs((double)got[i] - want[i]) > worst)
+            worst = fabs((double)got[i] - want[i]), at = i;
+    }
+    if (exact)
+        ck_assert_msg(memcmp(got, want, sizeof(moe_real) * n) == 0, "%s: master weight %zu is "
+                      "%.9g, want %.9g", what, at, (double)got[at], (double)want[at]);
+    else
+        ck_assert_msg(worst <= tol * top, "%s: master weight %zu is %.9g, want %.9g (error %.3g "
+                      "of the largest %.3g, bound %g)", what, at, (double)got[at],
+                      (double)want[at], worst, top, tol);
+    free(got);
 }
 
 /* The moments after the next step against those of the run continued without resharding:
@@ -290,48 +316,87 @@ static void check_moments(moe_trainer *t, const float *want, int exact, double t
     free(got);
 }
 
-/* Saved by W ranks with --use-distributed-optimizer (each rank holding the moments of its
- * pieces, the file the whole moments): resumed (a) the same way, (b) by one process without
- * it, (c) by W ranks without it. The next step's loss and both moments must be those of the
- * run continued without a checkpoint: bit for bit in (a), within the reduction-order bounds
- * in (b) and (c). */
+/* @p t (in another layout than the one that saved) loads @p dir: exactly the @p saved master
+ * weights, then one step gives the continued run's loss @p next and moments @p want, within
+ * the reduction-order bounds. Returns @p t for more checks. */
+static moe_trainer *resume_other(moe_trainer *t, const char *dir, const moe_real *saved,
+                                 double next, const float *want, double tol, const char *what) {
+    char as_loaded[200];
+    snprintf(as_loaded, sizeof as_loaded, "%s, as loaded", what);
+    load(t, dir);
+    check_master(t, saved, 1, 0, as_loaded);
+    check_close(moe_test_step(t), next, what);
+    check_moments(t, want, 0, tol, what);
+    return t;
+}
+
+/* Saved by W ranks with --use-distributed-optimizer (each rank holding the master weights and
+ * moments of its pieces, the file them whole): resumed (a) the same way, (b) by one process
+ * without it, (c) by W ranks without it; and (d) one saved by W ranks without it resumed with
+ * it. Each loads exactly the saved master weights (gathered back from the pieces under the
+ * distributed optimizer), and its next step's loss and moments are those of the run
+ * continued without a checkpoint: bit for bit in (a) (two steps, and the master weights after
+ * them), within the reduction-order bounds in (b), (c) and (d). In a world of one (the GPU run
+ * of this suite) the pieces are whole runs: the same code paths, no communication. */
 START_TEST(test_ckpt_distributed_optimizer) {
     moe_comm *w = moe_test_world();
     const int W = moe_comm_size(w);
-    if (W == 1)
-        return; /* the moments are sharded over two ranks at least */
-    char dir[600];
+    char dir[600], dir1[600];
     shared_dir(dir, sizeof dir, "zero");
+    shared_dir(dir1, sizeof dir1, "zero1");
     moe_trainer *src = make_zero(w, 1);
     moe_test_step(src);
     moe_test_step(src);
     save(src, dir);
+    moe_real *saved = moe_test_master(src);
     const double next = moe_test_step(src);
     float *want = whole_moments(src);
+    const double next2 = moe_test_step(src);
+    moe_real *want_master = moe_test_master(src);
     moe_trainer_free(src);
     const double tol = on_gpu() ? 1e-3 : 1e-6;
 
     moe_trainer *same = make_zero(w, 1);
     load(same, dir);
+    check_master(same, saved, 1, 0, "ZeRO DP W -> the same, as loaded");
     const double got = moe_test_step(same);
     ck_assert_msg(memcmp(&got, &next, sizeof got) == 0, "ZeRO DP %d -> ZeRO DP %d: next-step "
                   "loss %.17g vs %.17g continued", W, W, got, next);
     check_moments(same, want, !on_gpu(), tol, "ZeRO DP W -> the same");
+    const double got2 = moe_test_step(same);
+    ck_assert_msg(memcmp(&got2, &next2, sizeof got2) == 0, "ZeRO DP %d -> ZeRO DP %d: second "
+                  "step's loss %.17g vs %.17g continued", W, W, got2, next2);
+    check_master(same, want_master, !on_gpu(), tol, "ZeRO DP W -> the same, after two steps");
     moe_trainer_free(same);
 
-    moe_trainer *one = make_zero(NULL, 0);
-    load(one, dir);
-    check_close(moe_test_step(one), next, "ZeRO DP W -> one process");
-    check_moments(one, want, 0, tol, "ZeRO DP W -> one process");
-    moe_trainer_free(one);
-
-    moe_trainer *dp = make_zero(w, 0);
-    load(dp, dir);
-    check_close(moe_test_step(dp), next, "ZeRO DP W -> DP W without it");
-    check_moments(dp, want, 0, tol, "ZeRO DP W -> DP W without it");
-    moe_trainer_free(dp);
+    moe_trainer_free(resume_other(make_zero(NULL, 0), dir, saved, next, want, tol,
+                                  "ZeRO DP W -> one process"));
+    moe_trainer_free(resume_other(make_zero(w, 0), dir, saved, next, want, tol,
+                                  "ZeRO DP W -> DP W without it"));
     free(want);
+    free(saved);
+    free(want_master);
+
+    /* (d) saved without the distributed optimizer, resumed with it: each rank keeps its
+     * pieces of the file's master weights and moments */
+    moe_trainer *plain = make_zero(w, 0);
+    moe_test_step(plain);
+    moe_test_step(plain);
+    save(plain, dir1);
+    saved = moe_test_master(plain);
+    const double next1 = moe_test_step(plain);
+    want = whole_moments(plain);
+    want_master = moe_test_master(plain);
+    moe_trainer_free(plain);
+    moe_trainer *zero = resume_other(make_zero(w, 1), dir1, saved, next1, want, tol,
+                                     "DP W -> ZeRO DP W");
+    check_master(zero, want_master, 0, tol, "DP W -> ZeRO DP W, after the next step");
+    moe_trainer_free(zero);
+    free(want);
+    free(saved);
+    free(want_master);
     remove_shared(dir);
+    remove_shared(dir1);
 }
 END_TEST
 

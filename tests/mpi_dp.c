@@ -76,14 +76,14 @@ static void check_clip(const char *base, int tp, int sp, int ep, const char *dis
          * distributed optimizer a rank holds only its part of the reduced gradient, so the
          * weights carry the check) and the weights it gave */
         if (s == 0) {
-            const long long bad = moe_test_compare_state(dist->model, ref->model, zero ? -1 : tol,
+            const long long bad = moe_test_compare_state(dist, ref, zero ? -1 : tol,
                                                          tol, &worst, &worst_name);
             MOE_TEST_AGREE(bad, "TP %d%s EP %d %s, after the first clipped step: %lld tensors "
                            "differ (rank %d: worst %s, rel %.2e)", tp, sp ? "+SP" : "", ep,
                            dist_only, bad, rank, worst_name, worst);
         }
     }
-    const long long bad = moe_test_compare_state(dist->model, ref->model, -1, tol_steps, &worst,
+    const long long bad = moe_test_compare_state(dist, ref, -1, tol_steps, &worst,
                                                  &worst_name);
     MOE_TEST_AGREE(bad, "TP %d%s EP %d %s, weights after %d clipped steps: %lld tensors differ "
                    "(rank %d: worst %s, rel %.2e)", tp, sp ? "+SP" : "", ep, dist_only, steps,
@@ -167,6 +167,17 @@ START_TEST(test_distributed_optimizer) {
         }
         ck_assert_uint_eq(whole, moe_model_num_params(t->model));
         ck_assert(W == 1 || t->opt.n < moe_model_num_params(t->model));
+        /* the fp32 master weights are the optimizer's, as many as its moments (the sum of
+         * this rank's pieces, 1/W of the parameters give or take the rounding); the model
+         * holds only the compute copy, whole */
+        long long pieces = 0;
+        for (int k = 0; k < t->opt.n_pieces; k++)
+            pieces += (long long)(t->opt.piece[k].hi - t->opt.piece[k].lo);
+        ck_assert_msg(t->opt.master && !t->model->params && t->model->wact &&
+                          t->model->master_sharded && (long long)t->opt.n == pieces,
+                      "the master weights must live in the optimizer's %lld piece elements "
+                      "(opt.n %zu, master %p, model params %p)", pieces, t->opt.n,
+                      (void *)t->opt.master, (void *)t->model->params);
         ck_assert_msg(!(v == 1 && W == 4) || uneven, "the second model's runs divide by 4: "
                       "the rounding of the pieces goes untested");
         /* the memory estimate (memory.h) counts exactly these pieces: Σ ⌈run / size⌉
@@ -180,18 +191,91 @@ START_TEST(test_distributed_optimizer) {
         long long chunks = 0;
         for (int r = 0; r < t->zero.n_runs; r++)
             chunks += (long long)t->zero.run[r].chunk;
+        const long long wbytes = e.params * (long long)md->be->act_size +
+                                 chunks * (long long)sizeof(moe_real);
         MOE_TEST_AGREE(e.optim_elems != chunks ||
                            e.params != (long long)moe_model_num_params(md) ||
                            (long long)t->opt.n > e.optim_elems ||
                            e.zero_staging_bytes != (long long)t->zero.scratch_bytes ||
-                           e.optim_bytes != 8 * chunks + (long long)t->zero.scratch_bytes,
+                           e.optim_bytes != 8 * chunks + (long long)t->zero.scratch_bytes ||
+                           e.weight_bytes != wbytes,
                        "distributed optimizer on %d ranks (model %d): the estimate keeps "
                        "moments of %lld parameters and %lld staging bytes, the layout's pieces "
-                       "are %lld long (this rank's: %zu) with %zu staging bytes", W, v,
+                       "are %lld long (this rank's: %zu) with %zu staging bytes; weights %lld "
+                       "bytes, want %lld (the whole compute copy and the master pieces)", W, v,
                        e.optim_elems, e.zero_staging_bytes, chunks, t->opt.n,
-                       t->zero.scratch_bytes);
+                       t->zero.scratch_bytes, e.weight_bytes, wbytes);
         moe_trainer_free(t);
     }
+}
+END_TEST
+
+/* The sharded master weights change nothing: the same DP run with and without
+ * --use-distributed-optimizer gives the same losses, and after 4 steps the same fp32 master
+ * weights (gathered from the pieces: moe_trainer_master_to_host) and the same compute copy on
+ * every rank. The gradients are summed by a reduce-scatter instead of an all-reduce, which
+ * may add in another order (on 4 CPU ranks the weights then move by ~1e-6, AdamW dividing by
+ * √v): 1e-5 relative on CPU ranks. In a world of one (the GPU run of
+ * this suite) no sum is taken, and everything must agree bit for bit, the bf16 compute copy
+ * included (cast from each piece, then gathered, against cast from the whole master). */
+START_TEST(test_sharded_master_matches_plain_dp) {
+    const int W = moe_comm_size(moe_test_world()), rank = moe_comm_rank(moe_test_world());
+    char flags[1024];
+    snprintf(flags, sizeof flags, "%s --global-batch-size %d --lr 1e-2", MOE, 4 * W);
+    moe_trainer *plain = moe_test_trainer(flags, moe_test_world(), on_gpu());
+    strcat(flags, " --use-distributed-optimizer");
+    moe_trainer *zero = moe_test_trainer(flags, moe_test_world(), on_gpu());
+    ck_assert(zero->opt.master && !plain->opt.master);
+    const int exact = W == 1;
+    const double tol = 1e-5;
+    const size_t n = moe_model_num_params(plain->model);
+    moe_real *a = moe_test_master(plain), *b = moe_test_master(zero);
+    MOE_TEST_AGREE(memcmp(a, b, sizeof(moe_real) * n) != 0,
+                   "the initial master weights differ with the distributed optimizer");
+    free(a);
+    free(b);
+    for (int s = 0; s < 4; s++) {
+        const double lp = moe_test_step(plain), lz = moe_test_step(zero);
+        MOE_TEST_AGREE(exact ? memcmp(&lp, &lz, sizeof lp) != 0
+                             : !(fabs(lp - lz) <= tol * fabs(lp)),
+                       "step %d on %d ranks: loss %.17g without the distributed optimizer, "
+                       "%.17g with it", s + 1, W, lp, lz);
+    }
+    a = moe_test_master(plain);
+    b = moe_test_master(zero);
+    double worst = 0;
+    size_t at = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double d = fabs((double)a[i] - b[i]) / (fabs((double)a[i]) + 1e-3);
+        if (!(d <= worst))
+            worst = d, at = i;
+    }
+    MOE_TEST_AGREE(exact ? memcmp(a, b, sizeof(moe_real) * n) != 0 : !(worst <= tol),
+                   "after 4 steps on %d ranks the master weights differ (rank %d: element %zu "
+                   "%.9g without, %.9g with the distributed optimizer)", W, rank, at,
+                   (double)a[at], (double)b[at]);
+    /* the compute copies every rank computes with, whole on every rank */
+    const moe_backend *be = plain->model->be;
+    moe_real *ca = malloc(sizeof(moe_real) * n), *cb = malloc(sizeof(moe_real) * n);
+    ck_assert(ca && cb);
+    be->read_act(ca, plain->model->wact, n);
+    be->read_act(cb, zero->model->wact, n);
+    long long differ = 0;
+    for (size_t i = 0; i < n; i++)
+        differ += exact ? ca[i] != cb[i]
+                        : !(fabs((double)ca[i] - cb[i]) <= tol * (fabs((double)ca[i]) + 1e-3));
+    MOE_TEST_AGREE(differ, "after 4 steps on %d ranks %lld compute weights differ (rank %d)", W,
+                   differ, rank);
+    if (rank == 0)
+        printf("  DP %d, %s: 4 steps with the master sharded over the ranks = without (%s; "
+               "master worst rel %.2e)\n", W, on_gpu() ? "GPU" : "CPU",
+               exact ? "bit for bit" : "to 1e-5", worst);
+    free(a);
+    free(b);
+    free(ca);
+    free(cb);
+    moe_trainer_free(plain);
+    moe_trainer_free(zero);
 }
 END_TEST
 
@@ -250,6 +334,7 @@ Suite *suite_mpi_dp(void) {
     tcase_set_timeout(tc, 600);
     tcase_add_test(tc, test_grad_norm_folded);
     tcase_add_test(tc, test_distributed_optimizer);
+    tcase_add_test(tc, test_sharded_master_matches_plain_dp);
     tcase_add_test(tc, test_overflow_rerun_over_ranks);
     suite_add_tcase(s, tc);
     return s;

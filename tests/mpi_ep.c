@@ -78,7 +78,7 @@ static void check_ep(const char *extra, int ep, int force) {
         ck_assert_msg(sr.dropped > 0, "the capacity test should drop something");
     double worst;
     const char *worst_name;
-    const long long bad = moe_test_compare_shards(dist->model, ref->model, tol_grad, &worst,
+    const long long bad = moe_test_compare_shards(dist, ref, tol_grad, &worst,
                                                   &worst_name);
     AGREE(bad, "EP %d (%s): %lld tensors differ (rank %d: worst %s, rel %.2e)", ep, extra, bad,
           rank, worst_name, worst);

@@ -53,7 +53,7 @@ static long long first_step(moe_trainer *dist, moe_trainer *ref, double tol, dou
     moe_trainer_gradients(dist, sd);
     moe_trainer_gradients(ref, sr);
     *loss_err = fabs(sd->loss - sr->loss) / fabs(sr->loss);
-    long long bad = moe_test_compare_shards(dist->model, ref->model, tol, worst, worst_name);
+    long long bad = moe_test_compare_shards(dist, ref, tol, worst, worst_name);
     moe_comm_host_all_reduce_sum(moe_test_world(), &bad, 1, MOE_DTYPE_I64);
     return bad;
 }
@@ -118,7 +118,7 @@ static void check_etp(int tp, int etp, int ep, const char *extra, int steps, int
                        a.loss, b.loss);
         last = a.loss;
     }
-    const long long moved = moe_test_compare_state(dist->model, ref->model, -1, tol_steps,
+    const long long moved = moe_test_compare_state(dist, ref, -1, tol_steps,
                                                    &worst, &worst_name);
     MOE_TEST_AGREE(moved, "TP %d, ETP %d x EP %d: after %d steps %lld weight tensors differ "
                    "(rank %d: worst %s)", tp, etp, ep, steps, moved, rank, worst_name);

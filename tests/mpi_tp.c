@@ -165,7 +165,7 @@ static void check_fold(const char *base, int tp, int sp, int ep, const char *ext
                    sr.loss, rank);
     double worst;
     const char *worst_name;
-    const long long bad = moe_test_compare_shards(dist->model, ref->model, tol_grad, &worst,
+    const long long bad = moe_test_compare_shards(dist, ref, tol_grad, &worst,
                                                   &worst_name);
     MOE_TEST_AGREE(bad, "TP %d SP %d (%s): %lld tensors differ (rank %d: worst %s, rel %.2e)", tp,
                    sp, extra, bad, rank, worst_name, worst);

@@ -645,7 +645,7 @@ START_TEST(test_adamw_first_steps) {
         ref[i] = p[i];
 
     /* step 1: bias correction makes m̂ = g and v̂ = g², so the update is g/(|g|+eps) + wd·p */
-    moe_adamw_step(&opt, &pt, p, g1, lr, b1, b2, eps, wd, NULL, NULL);
+    moe_adamw_step(&opt, &pt, p, g1, lr, b1, b2, eps, wd, NULL, NULL, NULL);
     ck_assert_int_eq(opt.step, 1);
     for (size_t i = 0; i < n; i++) {
         double d = i < 4 ? wd : 0.0;
@@ -667,7 +667,7 @@ START_TEST(test_adamw_first_steps) {
     ASSERT_NEAR(p[4], 1.0 - lr, 1e-6);
 
     /* step 2: general form with bias correction 1-β^2 */
-    moe_adamw_step(&opt, &pt, p, g2, lr, b1, b2, eps, wd, NULL, NULL);
+    moe_adamw_step(&opt, &pt, p, g2, lr, b1, b2, eps, wd, NULL, NULL, NULL);
     ck_assert_int_eq(opt.step, 2);
     const double bc1 = 1 - b1 * b1, bc2 = 1 - b2 * b2;
     for (size_t i = 0; i < n; i++) {
@@ -696,7 +696,7 @@ START_TEST(test_adamw_decay_only_where_enabled) {
     moe_adamw opt;
     ck_assert_int_eq(moe_adamw_init(&opt, moe_backend_cpu(), pt.total, NULL), MOE_OK);
     const double lr = 0.1, wd = 0.5;
-    moe_adamw_step(&opt, &pt, p, g, lr, 0.9, 0.999, 1e-8, wd, NULL, NULL);
+    moe_adamw_step(&opt, &pt, p, g, lr, 0.9, 0.999, 1e-8, wd, NULL, NULL, NULL);
     const moe_real before[9] = {1, -2, 3, 1, -2, 3, 4, 5, -6};
     for (int i = 0; i < 9; i++) {
         int decayed = i >= 3 && i < 7;
@@ -709,7 +709,7 @@ START_TEST(test_adamw_decay_only_where_enabled) {
     /* wd = 0 leaves even the decayed tensor alone */
     moe_real q[9];
     memcpy(q, before, sizeof q);
-    moe_adamw_step(&opt, &pt, q, g, lr, 0.9, 0.999, 1e-8, 0.0, NULL, NULL);
+    moe_adamw_step(&opt, &pt, q, g, lr, 0.9, 0.999, 1e-8, 0.0, NULL, NULL, NULL);
     ck_assert(memcmp(q, before, sizeof q) == 0);
     moe_adamw_free(&opt);
     moe_params_free(&pt);

@@ -92,23 +92,43 @@ START_TEST(test_graph_scope_check_named_errors) {
     moe_graphs_free(cpu);
     moe_backend mb = mock_backend();
     ck_assert_int_eq(moe_graph_scope_check(&c, &mb, &err), MOE_OK); /* attn: capturable */
-    /* each level beyond attn names what still waits for the host */
-    struct { const char *scope, *must, *must_not; } cases[] = {
-        {"moe_router", "router", "permute_index"},
-        {"moe_preprocess", "permute_index", "host offsets"},
-        {"layer", "host offsets", "from_host"},
-        {"full_iteration", "from_host", NULL},
-    };
+    /* beyond attn: the default MoE layer (one rank, dropless) is sync-free, so every level
+     * is capturable */
+    const char *ok_scopes[] = {"moe_router", "moe_preprocess", "layer", "full_iteration"};
     for (int i = 0; i < 4; i++) {
-        char f[64];
-        snprintf(f, sizeof f, "--cuda-graph-scope %s", cases[i].scope);
-        /* refused when the configuration is validated, whatever the device */
-        ck_assert_int_eq(config(&c, f, &err), MOE_ERR_CONFIG);
+        char f[160];
+        snprintf(f, sizeof f, "--hidden-size 64 --moe-ffn-hidden-size 64 --moe-expert-backend "
+                 "grouped --cuda-graph-scope %s", ok_scopes[i]);
+        ck_assert_msg(config(&c, f, &err) == MOE_OK, "%s: %s", f, err.msg);
+        ck_assert_msg(moe_graph_scope_check(&c, &mb, &err) == MOE_OK, "%s: %s", f, err.msg);
+    }
+    /* each refusal names the level and the work that waits for the host */
+    struct { const char *flags, *must, *must_not; } cases[] = {
+        {"--cuda-graph-scope full_iteration --expert-model-parallel-size 2", "expert "
+         "parallelism", NULL},
+        {"--cuda-graph-scope moe_preprocess --moe-expert-capacity-factor 1.0", "capacity", NULL},
+        {"--cuda-graph-scope layer --moe-expert-backend loop", "host offsets", NULL},
+        {"--cuda-graph-scope layer --moe-expert-backend cublas-grouped", "host offsets", NULL},
+        {"--cuda-graph-scope moe_router --tensor-model-parallel-size 2 --sequence-parallel"
+        , "tensor parallelism", "not sync-free"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const char *scope = strstr(cases[i].flags, "scope ") + 6;
         char want[64];
-        snprintf(want, sizeof want, "cuda graph scope '%s'", cases[i].scope);
+        snprintf(want, sizeof want, "cuda graph scope '%.*s'", (int)strcspn(scope, " "), scope);
+        /* refused when the configuration is validated, whatever the device */
+        ck_assert_msg(config(&c, cases[i].flags, &err) == MOE_ERR_CONFIG, "%s: accepted",
+                      cases[i].flags);
         ck_assert_msg(strstr(err.msg, want) && strstr(err.msg, cases[i].must), "%s", err.msg);
         ck_assert_msg(!cases[i].must_not || !strstr(err.msg, cases[i].must_not), "%s", err.msg);
     }
+    /* the backend decides "auto": the CPU-like mock runs the loop, which is not sync-free */
+    ck_assert_int_eq(config(&c, "--cuda-graph-scope layer", &err), MOE_OK);
+    ck_assert_int_eq(moe_graph_scope_check(&c, &mb, &err), MOE_ERR_CONFIG);
+    ck_assert_msg(strstr(err.msg, "loop"), "%s", err.msg);
+    /* moe_router on a path that is not sync-free is fine: the router is device work */
+    ck_assert_int_eq(config(&c, "--cuda-graph-scope moe_router --moe-expert-capacity-factor 1.0",
+                            &err), MOE_OK);
     /* a dense model has no router: moe_router captures what attn does */
     ck_assert_int_eq(config(&c, "--num-experts 0 --cuda-graph-scope moe_router", &err), MOE_OK);
     ck_assert_int_eq(moe_graph_scope_check(&c, &mb, &err), MOE_OK);
@@ -120,8 +140,10 @@ START_TEST(test_graph_capture_once_per_key) {
     moe_graphs *g = moe_graphs_create(&mb, MOE_GRAPH_ATTN);
     ck_assert_ptr_nonnull(g);
     g_runs = 0;
-    moe_graph_key k0 = {MOE_GRAPH_SITE_ATTN_FWD, 0, 8, 64}, k1 = {MOE_GRAPH_SITE_ATTN_FWD, 1, 8, 64},
-                  k0b = {MOE_GRAPH_SITE_ATTN_BWD, 0, 8, 64}, k0s = {MOE_GRAPH_SITE_ATTN_FWD, 0, 4, 64};
+    moe_graph_key k0 = {MOE_GRAPH_SITE_ATTN_FWD, 0, 8, 64, 0, 0.0},
+                  k1 = {MOE_GRAPH_SITE_ATTN_FWD, 1, 8, 64, 0, 0.0},
+                  k0b = {MOE_GRAPH_SITE_ATTN_BWD, 0, 8, 64, 0, 0.0},
+                  k0s = {MOE_GRAPH_SITE_ATTN_FWD, 0, 4, 64, 0, 0.0};
     moe_graph_run(g, k0, region, NULL); /* warm-up: eager */
     ck_assert_int_eq(g_runs, 1);
     ck_assert_int_eq(g_begins, 0);
@@ -144,6 +166,23 @@ START_TEST(test_graph_capture_once_per_key) {
     ck_assert_int_eq(st.captures, 1);
     ck_assert_int_eq(st.replays, 6);
     ck_assert_int_eq(st.nodes, 6 * 7);
+    /* a host choice (store vs add) or a baked scalar (the loss scale) is another graph too */
+    moe_graph_key kv = {MOE_GRAPH_SITE_LAYER_BWD, 0, 8, 64, 1, 0.5}, kv0 = kv, kv2 = kv;
+    kv0.variant = 0;
+    kv2.scale = 0.25;
+    for (int i = 0; i < 2; i++) {
+        moe_graph_run(g, kv, region, NULL);
+        moe_graph_run(g, kv0, region, NULL);
+        moe_graph_run(g, kv2, region, NULL);
+    }
+    ck_assert_int_eq(g_runs, 11); /* each warmed up, then captured */
+    ck_assert_int_eq(g_begins, 4);
+    moe_graph_run(g, kv, region, NULL); /* and each replays on its own */
+    moe_graph_run(g, kv0, region, NULL);
+    moe_graph_run(g, kv2, region, NULL);
+    ck_assert_int_eq(g_runs, 11);
+    g_runs = 5;
+    g_begins = 1;
     /* a buffer moved (the launch says stale): warm up again, then capture again */
     g_stale_next = 1;
     moe_graph_run(g, k0, region, NULL);
@@ -151,6 +190,14 @@ START_TEST(test_graph_capture_once_per_key) {
     moe_graph_run(g, k0, region, NULL);
     ck_assert_int_eq(g_begins, 2);
     ck_assert_int_eq(g_runs, 7);
+    /* reset (the MoE budget grew, its buffers moved): each key warms up and captures again */
+    moe_graphs_reset(g);
+    moe_graph_run(g, k0, region, NULL); /* eager */
+    ck_assert_int_eq(g_runs, 8);
+    ck_assert_int_eq(g_begins, 2);
+    moe_graph_run(g, k0, region, NULL); /* captured again */
+    ck_assert_int_eq(g_runs, 9);
+    ck_assert_int_eq(g_begins, 3);
     moe_error err;
     ck_assert_int_eq(moe_graphs_status(g, &err), MOE_OK);
     moe_graphs_free(g);
@@ -163,7 +210,7 @@ START_TEST(test_graph_capture_once_per_key) {
         moe_graph_run(NULL, k0, region, NULL);
     }
     ck_assert_int_eq(g_runs, 6);
-    ck_assert_int_eq(g_begins, 2);
+    ck_assert_int_eq(g_begins, 3); /* no capture began */
     moe_graphs_free(g);
 }
 END_TEST
@@ -171,7 +218,7 @@ END_TEST
 START_TEST(test_graph_capture_error_is_named_and_sticky) {
     moe_backend mb = mock_backend();
     moe_graphs *g = moe_graphs_create(&mb, MOE_GRAPH_ATTN);
-    moe_graph_key k = {MOE_GRAPH_SITE_ATTN_BWD, 3, 8, 64};
+    moe_graph_key k = {MOE_GRAPH_SITE_ATTN_BWD, 3, 8, 64, 0, 0.0};
     g_runs = 0;
     moe_graph_run(g, k, region, NULL);
     g_fail_next = 1; /* the backend found something it could not capture */

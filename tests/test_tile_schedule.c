@@ -7,9 +7,13 @@
  * no index past the last tile; every row of every group is covered exactly once per
  * column tile and no tile crosses into another group; and the per-CTA lists of a
  * persistent launch partition the tiles. Ragged groups, empty groups, one group holding
- * every row, bands wider than a group, and many random shapes.
+ * every row, bands wider than a group, and many random shapes. Then the tile height
+ * (moe_tile_rows_rule): with 64-row tails, a tile is bm / 2 rows exactly when its group has
+ * at most bm / 2 rows left, it still holds all of them, and a group's rows of MMA work are
+ * 128·floor(r / 128) + (0, 64 or 128) — checked on every size around the tile boundaries.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "helpers.h"
 #include "moe/tile_schedule.h"
@@ -140,8 +144,62 @@ START_TEST(test_tile_schedule_random) {
 }
 END_TEST
 
+/* The tile heights of every tile of off[0..G] (shape s), with and without 64-row tails:
+ * each tile's rows of its group are the same whatever its height (none lost), and each
+ * group's MMA rows equal the closed form computed here from its size alone. */
+static void check_heights(const int *off, int G, int N, moe_tile_shape s) {
+    int *mt = malloc(sizeof(int) * (size_t)(G + 1));
+    long *work = calloc((size_t)G, sizeof(long));
+    ck_assert(mt && work);
+    const int total = moe_tile_schedule_prefix(mt, off, G, s.bm) * ((N + s.bn - 1) / s.bn);
+    for (int fine = 0; fine < 2; fine++) {
+        memset(work, 0, sizeof(long) * (size_t)G);
+        for (int t = 0; t < total; t++) {
+            moe_tile ti;
+            ck_assert(moe_tile_schedule_at(&ti, t, off, mt, G, N, s));
+            const int h = moe_tile_rows_rule(&ti, s.bm, fine), left = ti.r1 - ti.m0;
+            ck_assert_msg(h == (fine && left <= s.bm / 2 ? s.bm / 2 : s.bm),
+                          "tile %d (group %d, %d rows left, tails %d): height %d", t, ti.g, left,
+                          fine, h);
+            ck_assert_msg(h >= (left < s.bm ? left : s.bm),
+                          "tile %d: %d rows tall, but %d of its group's rows are its", t, h,
+                          left < s.bm ? left : s.bm);
+            if (ti.n0 == 0)
+                work[ti.g] += h;
+        }
+        for (int g = 0; g < G; g++) {
+            const int r = off[g + 1] - off[g], rem = r % s.bm;
+            const long want = (long)(r / s.bm) * s.bm +
+                              (rem == 0 ? 0 : fine && rem <= s.bm / 2 ? s.bm / 2 : s.bm);
+            ck_assert_msg(work[g] == want, "group %d of %d rows (tails %d): %ld rows of MMA work, "
+                          "want %ld", g, r, fine, work[g], want);
+        }
+    }
+    free(mt);
+    free(work);
+}
+
+START_TEST(test_tile_schedule_tail_heights) {
+    /* every size around the tile boundaries, empty and 1-8 rows, 256 groups */
+    static const int edge[] = {0,   1,   2,   3,   4,   5,   6,   7,   8,   63,  64,  65, 127,
+                               128, 129, 130, 191, 192, 193, 255, 256, 257, 260, 383, 384, 385};
+    const int ne = (int)(sizeof edge / sizeof edge[0]);
+    int off[257];
+    off[0] = 0;
+    for (int g = 0; g < 256; g++)
+        off[g + 1] = off[g] + edge[(g * 7) % ne];
+    const moe_tile_shape s = {128, 256, 8};
+    check_heights(off, 256, 320, s);
+    check_heights(off, 256, 256, s);
+    const moe_tile_shape small = {16, 8, 3};
+    check_heights(off, 256, 20, small);
+    /* the schedule itself does not change with the heights (same tiles, same order) */
+    check_schedule(off, 256, 320, s);
+}
+END_TEST
+
 Suite *suite_tile_schedule(void) {
     const TTest *tests[] = {test_tile_schedule_ragged, test_tile_schedule_edge_groups,
-                            test_tile_schedule_random};
-    return moe_test_chapter_suite("tile_schedule", "ch03", tests, 3);
+                            test_tile_schedule_random, test_tile_schedule_tail_heights};
+    return moe_test_chapter_suite("tile_schedule", "ch03", tests, 4);
 }

@@ -25,13 +25,20 @@
  * --breakdown for its time shares (chapters/03-grouped-gemm/bench.sh runs both).
  * Timing: the backend's timer (CUDA events), warm-up, median of repeats.
  *
+ * Our kernel's forward/dgrad schedule is the library's default, or MOE_GROUPED_SCHEDULE
+ * (kernels/cuda_ops.h): the header says which.
+ *
  * --shape fine: the fine-grained regime (many experts of a few hundred rows, H = 4096,
- * F = 1536), forward and dgrad only, our kernel under both of its tile schedules (128-row
- * tiles only, the default; and a group's last <= 64 rows in a 64 × 256 tile, the
- * experiment that is off by default) against the per-expert cuBLAS loop: a uniform top-k router at T = 8192, k = 8
- * with E = 64, 128, 256 experts, then every expert given exactly r rows, r on both sides
- * of multiples of 64 and 128 (where the 128-row schedule's cost jumps by a whole tile). Each
- * GEMM's output is checked against the loop's before its times are printed.
+ * F = 1536), forward and dgrad only, our kernel under each of its four tile schedules
+ * (moe_grouped_schedule: 128-row tiles only, or a group's last <= 64 rows in a 64 × 256
+ * tile; tiles taken statically, CTA b runs b, b + grid, ..., or claimed in order from a
+ * device counter) against the per-expert cuBLAS loop, in the same run: a uniform top-k
+ * router at T = 8192, k = 8 with E = 64, 128, 256 experts; every expert given exactly r
+ * rows, r on both sides of multiples of 64 and 128; and the cliff, r in steps of 1 to 4
+ * from 120 to 136 and from 250 to 260 (where 128-row tiles cost a whole tile more past
+ * each multiple of 128); --rows picks other r. The implementations of each GEMM are timed
+ * interleaved (time_interleaved). Each GEMM's output is checked against the loop's
+ * before its times are printed; a summary table of the four GEMMs together closes the run.
  */
 #include <math.h>
 #include <stdio.h>
@@ -50,6 +57,7 @@
 typedef struct opts {
     char device[MOE_FLAG_STR_LEN];
     char shape[MOE_FLAG_STR_LEN];
+    char rows[MOE_FLAG_STR_LEN];
     int warmup, repeats;
 } opts;
 
@@ -62,15 +70,23 @@ static const moe_flag g_flags[] = {
        "layer shape (auto = qwen3 and mixtral on a GPU, small on the CPU)",
        "auto|all|models|sweep|big|qwen3|mixtral|qwen3-235b|dsv2-lite|sweep64|sweep128|"
        "sweep256|sweep512|sweep1024|sweep2048|sweep4096|sweep8192|small|fine"),
+    OF("rows", MOE_FLAG_STRING, rows, "",
+       "--shape fine: only these rows per expert, comma-separated (e.g. 128,130); empty = "
+       "the whole sweep", NULL),
     OF("warmup", MOE_FLAG_INT, warmup, "2", "untimed runs of each GEMM first", NULL),
     OF("repeats", MOE_FLAG_INT, repeats, "7", "timed runs (the median is reported)", NULL),
 };
 
 typedef moe_bench_shape shape;
 
-/* KERNEL_64: our kernel with its experimental forward/dgrad schedule (64-row tiles for a
- * group's last <= 64 rows), timed by --shape fine only */
-enum { LOOP, CUBLAS, KERNEL, N_IMPL, KERNEL_64 = N_IMPL };
+/* KERNEL: our kernel under the default schedule (or MOE_GROUPED_SCHEDULE's);
+ * SCHED + s: under the moe_grouped_schedule s, timed by --shape fine only */
+enum { LOOP, CUBLAS, KERNEL, N_IMPL, SCHED = N_IMPL };
+#define N_SCHED 4
+
+#ifdef MOE_HAVE_CUDA
+static moe_grouped_schedule g_default_sched; /* the schedule KERNEL runs under */
+#endif
 
 /* One GEMM of the six: C (+)= A·Bᵀ-shaped problem on the stacked expert weights. */
 typedef struct problem {
@@ -90,10 +106,11 @@ static void run_once(const moe_backend *be, int impl, const problem *p, const bu
                      const int *off, int G) {
     const int N = off[G];
 #ifdef MOE_HAVE_CUDA
-    if (be->device == MOE_DEVICE_CUDA)
-        moe_cuda_grouped_sm90_set_fine_tiles(impl == KERNEL_64);
+    if (be->device == MOE_DEVICE_CUDA && impl >= KERNEL)
+        moe_cuda_grouped_sm90_set_schedule(impl == KERNEL ? g_default_sched
+                                                           : (moe_grouped_schedule)(impl - SCHED));
 #endif
-    if (impl == KERNEL_64)
+    if (impl >= SCHED)
         impl = KERNEL;
     if (p->backward == 0) {
         if (impl == KERNEL)
@@ -140,6 +157,29 @@ static double time_ms(const moe_backend *be, const opts *o, int impl, const prob
     const double med = moe_median(ms, o->repeats);
     free(ms);
     return med;
+}
+
+/* The median times of n implementations of one GEMM, measured INTERLEAVED: warm-up and
+ * every repeat run each implementation once in turn, so a drift of the clocks during the
+ * measurement (the GPU heating up, its power limit) is shared by all of them instead of
+ * favouring whichever ran first. */
+static void time_interleaved(const moe_backend *be, const opts *o, const int *impls, int n,
+                             const problem *p, const bufs *b, const int *off, int G,
+                             double *med) {
+    double *ms = malloc(sizeof(double) * (size_t)n * o->repeats);
+    MOE_ASSERT(ms != NULL);
+    for (int i = 0; i < o->warmup; i++)
+        for (int j = 0; j < n; j++)
+            run_once(be, impls[j], p, b, off, G);
+    for (int r = 0; r < o->repeats; r++)
+        for (int j = 0; j < n; j++) {
+            be->timer_begin();
+            run_once(be, impls[j], p, b, off, G);
+            ms[(size_t)j * o->repeats + r] = be->timer_end_ms();
+        }
+    for (int j = 0; j < n; j++)
+        med[j] = moe_median(ms + (size_t)j * o->repeats, o->repeats);
+    free(ms);
 }
 
 /* expert sizes of a uniform top-k router: every token picks k distinct experts */
@@ -321,32 +361,64 @@ static double rel_err(const moe_real *a, const moe_real *ref, size_t n) {
     return sqrt(num / (den > 0 ? den : 1e-30));
 }
 
+/* the schedules' names, for the tables (the CPU has none: it runs the same loop for each) */
+static const char *sched_name(int s) {
+#ifdef MOE_HAVE_CUDA
+    return moe_cuda_grouped_sm90_schedule_name((moe_grouped_schedule)s);
+#else
+    static const char *n[N_SCHED] = {"static", "static-tail64", "dynamic", "dynamic-tail64"};
+    return n[s];
+#endif
+}
+
+/* the totals of one fine-grained case, for the closing summary */
+typedef struct fine_total {
+    char title[96];
+    int rows, lo, hi;
+    double gflop, ms[1 + N_SCHED]; /* the loop, then each schedule */
+} fine_total;
+
 /* One fine-grained case: the forward and dgrad GEMMs of both Linears, the per-expert loop
- * vs our kernel under each tile schedule. Before timing, each kernel output (poisoned with
- * NaN first) is compared with the loop's. Returns the worst relative error. */
+ * vs our kernel under each schedule. Before timing, each kernel output (poisoned with NaN
+ * first) is compared with the loop's. Returns the worst relative error; *tot gets the
+ * four GEMMs' total per implementation. */
 static double run_fine_case(const moe_backend *be, const opts *o, const char *title,
-                            const int *off, int G, int H, int F) {
+                            const int *off, int G, int H, int F, fine_total *tot) {
     bufs b;
     bufs_init(be, &b, off, G, H, F, 0);
     const size_t N = (size_t)off[G], S = be->act_size;
     int lo, hi;
     group_range(off, G, &lo, &hi);
     printf("\n%s -> %zu rows, %d..%d per expert\n", title, N, lo, hi);
-    printf("| GEMM        |  GFLOP | loop ms | TFLOP/s | grouped ms | TFLOP/s | grouped + 64-row "
-           "tiles ms | TFLOP/s | grouped vs loop | 64-row tiles vs grouped | rel err vs loop |\n"
-           "|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("| GEMM        |  GFLOP | loop ms | TFLOP/s |");
+    for (int j = 0; j < N_SCHED; j++)
+        printf(" %s ms | TFLOP/s |", sched_name(j));
+    printf(" %s vs %s | vs loop | rel err vs loop |\n|---|---|---|---|", sched_name(N_SCHED - 1),
+           sched_name(0));
+    for (int j = 0; j < N_SCHED; j++)
+        printf("---|---|");
+    printf("---|---|---|\n");
     const problem probs[4] = {{"fc1 forward", H, 2 * F, 0, 0}, {"fc2 forward", F, H, 0, 0},
                               {"fc1 dgrad", H, 2 * F, 1, 0},   {"fc2 dgrad", F, H, 1, 0}};
-    const int impls[3] = {LOOP, KERNEL, KERNEL_64};
-    double tot[3] = {0}, worst = 0;
+    enum { NJ = 1 + N_SCHED }; /* the loop, then each schedule */
+    double worst = 0;
+    memset(tot, 0, sizeof *tot);
+    snprintf(tot->title, sizeof tot->title, "%s", title);
+    tot->rows = (int)N;
+    tot->lo = lo;
+    tot->hi = hi;
     for (int i = 0; i < 4; i++) {
         const problem *p = &probs[i];
         const size_t n = N * (size_t)(p->backward ? p->I : p->O);
         void *dst = p->backward ? b.din : b.out;
         moe_real *ref = malloc(sizeof(moe_real) * n), *got = malloc(sizeof(moe_real) * n);
         MOE_ASSERT(ref && got);
-        double err = 0, ms[3];
-        for (int j = 0; j < 3; j++) {
+        double err = 0, ms[NJ];
+        int impls[NJ];
+        for (int j = 0; j < NJ; j++)
+            impls[j] = j ? SCHED + j - 1 : LOOP;
+        for (int j = 0; j < NJ; j++) {
+            const int impl = impls[j];
             if (j == 0) { /* the loop's dgrad adds into its output (beta = 1): start at 0 */
                 be->zero(dst, S * n);
             } else {
@@ -354,32 +426,31 @@ static double run_fine_case(const moe_backend *be, const opts *o, const char *ti
                     got[e] = (moe_real)NAN;
                 be->write_act(dst, got, n);
             }
-            run_once(be, impls[j], p, &b, off, G);
+            run_once(be, impl, p, &b, off, G);
             be->read_act(j ? got : ref, dst, n);
             if (j) {
                 const double e = rel_err(got, ref, n);
                 err = e > err ? e : err;
             }
         }
-        for (int j = 0; j < 3; j++) {
-            ms[j] = time_ms(be, o, impls[j], p, &b, off, G);
-            tot[j] += ms[j];
-        }
+        time_interleaved(be, o, impls, NJ, p, &b, off, G, ms);
+        for (int j = 0; j < NJ; j++)
+            tot->ms[j] += ms[j];
         const double flop = 2.0 * N * p->I * p->O;
         printf("| %-11s | %6.1f |", p->name, flop / 1e9);
-        for (int j = 0; j < 3; j++)
+        for (int j = 0; j < NJ; j++)
             printf(" %7.3f | %7.1f |", ms[j], flop / (ms[j] * 1e-3) / 1e12);
-        printf(" %.2fx | %.2fx | %.1e%s |\n", ms[0] / ms[1], ms[1] / ms[2], err,
+        printf(" %.2fx | %.2fx | %.1e%s |\n", ms[1] / ms[NJ - 1], ms[0] / ms[NJ - 1], err,
                err <= 1e-2 ? "" : " WRONG");
         worst = err > worst ? err : worst;
         free(ref);
         free(got);
     }
-    const double flop = 2.0 * 3.0 * 2.0 * N * H * F; /* both Linears, forward + dgrad */
-    printf("| all four    | %6.1f |", flop / 1e9);
-    for (int j = 0; j < 3; j++)
-        printf(" %7.3f | %7.1f |", tot[j], flop / (tot[j] * 1e-3) / 1e12);
-    printf(" %.2fx | %.2fx | |\n", tot[0] / tot[1], tot[1] / tot[2]);
+    tot->gflop = 2.0 * 3.0 * 2.0 * N * H * F / 1e9; /* both Linears, forward + dgrad */
+    printf("| all four    | %6.1f |", tot->gflop);
+    for (int j = 0; j < NJ; j++)
+        printf(" %7.3f | %7.1f |", tot->ms[j], tot->gflop / tot->ms[j]);
+    printf(" %.2fx | %.2fx | |\n", tot->ms[1] / tot->ms[NJ - 1], tot->ms[0] / tot->ms[NJ - 1]);
     bufs_free(be, &b);
     return worst;
 }
@@ -389,28 +460,72 @@ static double run_fine(const moe_backend *be, const opts *o) {
     const int cpu = be->device == MOE_DEVICE_CPU; /* the CPU runs a small copy of the sweep */
     const int H = cpu ? 256 : 4096, F = cpu ? 128 : 1536, T = cpu ? 1024 : 8192, k = 8;
     const int Es[3] = {64, 128, 256};
-    const int rs[8] = {64, 65, 128, 130, 192, 193, 256, 260};
+    /* a few sizes around multiples of 64, then the cliff: 120..136 and 250..260 (on the
+     * CPU, a few of them) */
+    int rs[64], nr = 0;
+    const int around64[4] = {64, 65, 192, 193};
+    for (int i = 0; i < 4; i++)
+        rs[nr++] = around64[i];
+    const int cliff[15] = {120, 124, 127, 128, 129, 130, 132, 136,
+                           250, 254, 255, 256, 257, 258, 260};
+    for (int i = 0; i < 15; i += cpu ? 7 : 1)
+        rs[nr++] = cliff[i];
+    const int only = o->rows[0] != 0; /* --rows: just those exact cases */
+    if (only) {
+        nr = 0;
+        for (const char *c = o->rows; *c && nr < 64;) {
+            char *end;
+            const long r = strtol(c, &end, 10);
+            if (end == c || r < 1 || r > 4096) {
+                moe_log_error("--rows %s: want comma-separated rows per expert in 1..4096 "
+                              "(e.g. --rows 128,130)", o->rows);
+                exit(2);
+            }
+            rs[nr++] = (int)r;
+            c = *end == ',' ? end + 1 : end;
+        }
+    }
     const int E_exact = cpu ? 16 : 128;
     int *off = malloc(sizeof(int) * (256 + 1));
-    MOE_ASSERT(off != NULL);
-    char title[160];
+    fine_total *tots = malloc(sizeof(fine_total) * (3 + (size_t)nr));
+    MOE_ASSERT(off != NULL && tots != NULL);
+    char title[96];
     double worst = 0, e;
-    for (int i = 0; i < 3; i++) {
+    int nt = 0;
+    for (int i = 0; i < (only ? 0 : 3); i++) {
         const shape s = {"fine", T, H, F, Es[i], k};
         uniform_topk_offsets(off, &s);
         snprintf(title, sizeof title, "fine, uniform top-k router: T=%d H=%d F=%d E=%d k=%d", T,
                  H, F, Es[i], k);
-        e = run_fine_case(be, o, title, off, Es[i], H, F);
+        e = run_fine_case(be, o, title, off, Es[i], H, F, &tots[nt++]);
         worst = e > worst ? e : worst;
     }
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < nr; i++) {
         for (int g = 0; g <= E_exact; g++)
             off[g] = g * rs[i];
         snprintf(title, sizeof title, "fine, exactly %d rows per expert: H=%d F=%d E=%d", rs[i], H,
                  F, E_exact);
-        e = run_fine_case(be, o, title, off, E_exact, H, F);
+        e = run_fine_case(be, o, title, off, E_exact, H, F, &tots[nt++]);
         worst = e > worst ? e : worst;
     }
+    /* the summary: the four GEMMs together per case, ms (and TFLOP/s) per implementation */
+    printf("\nsummary, forward + dgrad of both Linears (all four GEMMs), ms and TFLOP/s\n"
+           "| case | rows per expert | GFLOP | loop |");
+    for (int j = 0; j < N_SCHED; j++)
+        printf(" %s |", sched_name(j));
+    printf(" %s vs %s |\n|---|---|---|---|", sched_name(N_SCHED - 1), sched_name(0));
+    for (int j = 0; j < N_SCHED; j++)
+        printf("---|");
+    printf("---|\n");
+    for (int i = 0; i < nt; i++) {
+        const fine_total *t = &tots[i];
+        printf("| %s | %d..%d | %.1f |", t->lo == t->hi ? "exact" : "uniform", t->lo, t->hi,
+               t->gflop);
+        for (int j = 0; j < 1 + N_SCHED; j++)
+            printf(" %.3f (%.0f) |", t->ms[j], t->gflop / t->ms[j]);
+        printf(" %.2fx |\n", t->ms[1] / t->ms[N_SCHED]);
+    }
+    free(tots);
     free(off);
     return worst;
 }
@@ -446,6 +561,12 @@ int main(int argc, char **argv) {
            be->act_size == 2 ? "bf16" : "fp32", o.repeats, o.warmup);
     if (be->device == MOE_DEVICE_CPU)
         printf("(on the CPU every backend is the same loop over experts)\n");
+#ifdef MOE_HAVE_CUDA
+    g_default_sched = moe_cuda_grouped_sm90_schedule();
+    if (be->device == MOE_DEVICE_CUDA)
+        printf("our kernel's forward/dgrad tile schedule: %s (MOE_GROUPED_SCHEDULE, "
+               "kernels/cuda_ops.h)\n", sched_name(g_default_sched));
+#endif
     const double dense = dense_peak(be, &o);
     if (!strcmp(o.shape, "fine")) {
         const double worst = run_fine(be, &o);

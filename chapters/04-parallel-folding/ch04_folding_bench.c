@@ -55,8 +55,9 @@
  *  - With the distributed optimizer (`zero=1`, --use-distributed-optimizer) that all-reduce
  *    becomes, per run of consecutive tensors with one grad_group of size P > 1 and L
  *    elements, cut into P pieces of c = ⌈L/P⌉ (the last padded): a reduce-scatter of the
- *    padded run, P·c·r bytes, before AdamW, and an all-gather of this rank's updated piece,
- *    c·r bytes, after it.
+ *    padded run, P·c·r bytes, before AdamW, and an all-gather of this rank's updated piece
+ *    of the compute weights, c·s bytes, after it (the fp32 master stays sharded: bf16 on the
+ *    wire on GPU ranks, half of an fp32 gather).
  *  - The step's scalars stay on the device (chapter 06), so their sums are modelled data
  *    all-reduces of 8 bytes a value: the losses and expert loads over TP and DP, the
  *    aux-loss counts over TP, the gradient norm's squares per shard group.
@@ -207,7 +208,8 @@ static void model_step(const moe_trainer *t, model_bytes out) {
             out[x->grad_group][MOE_COMM_OP_ALL_REDUCE] += x->numel * r;
     }
     /* the distributed optimizer: per run of one grad_group, a reduce-scatter of the run
-     * padded to P pieces of c elements, and an all-gather of this rank's piece */
+     * padded to P pieces of c elements (r bytes each), and an all-gather of this rank's piece
+     * of the compute copy (s bytes each: the master weights stay sharded) */
     if (c->use_distributed_optimizer) {
         size_t start, end;
         moe_group_kind k;
@@ -219,7 +221,7 @@ static void model_step(const moe_trainer *t, model_bytes out) {
             const unsigned long long P = (unsigned long long)moe_comm_size(g);
             const unsigned long long chunk = (end - start + P - 1) / P;
             out[k][MOE_COMM_OP_REDUCE_SCATTER] += P * chunk * r;
-            out[k][MOE_COMM_OP_ALL_GATHER] += chunk * r;
+            out[k][MOE_COMM_OP_ALL_GATHER] += chunk * s; /* the compute copy's piece */
         }
     }
     /* The step's scalars (chapter 06: they stay on the device, so their sums are data

@@ -269,7 +269,8 @@ size_t moe_cpu_attention_naive_workspace_bytes(moe_attention_shape s) {
 void moe_cpu_attention_naive_forward(moe_real *y, moe_real *lse, void *ws, const moe_real *q,
                                      const moe_real *k, const moe_real *v,
                                      moe_attention_shape sh) {
-    moe_attention_shape_require(sh, "moe_cpu_attention_naive", 0);
+    moe_attention_shape_check(sh, "moe_cpu_attention_naive",
+                              moe_attention_shape_not_same_chunk(sh));
     moe_real *att = ws;
     const int B = sh.B, T = sh.Tq, Hq = sh.Hq, Hkv = sh.Hkv, D = sh.D;
     const int rep = Hq / Hkv, qs = Hq * D, kvs = Hkv * D;
@@ -340,7 +341,8 @@ void moe_cpu_attention_naive_backward(moe_real *dq, moe_real *dk, moe_real *dv,
                                       const moe_real *lse, void *ws, const moe_real *q,
                                       const moe_real *k, const moe_real *v,
                                       moe_attention_shape sh) {
-    moe_attention_shape_require(sh, "moe_cpu_attention_naive", 0);
+    moe_attention_shape_check(sh, "moe_cpu_attention_naive",
+                              moe_attention_shape_not_same_chunk(sh));
     const moe_real *att = ws;
     const int B = sh.B, T = sh.Tq, Hq = sh.Hq, Hkv = sh.Hkv, D = sh.D;
     const int rep = Hq / Hkv, qs = Hq * D, kvs = Hkv * D;

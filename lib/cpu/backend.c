@@ -303,9 +303,14 @@ static void cpu_scale_real(moe_real *x, double s, size_t n) {
 }
 static void cpu_adamw(moe_real *p, const moe_real *g, float *m, float *v, size_t n, double lr,
                       double beta1, double beta2, double eps, double wd, double bc1, double bc2,
-                      const double *clip, const int *flags) {
+                      const double *clip, const int *flags, const double *hyper) {
     if (flags && *flags) /* the step is skipped: its loss or norm is bad, or it overflowed */
         return;
+    if (hyper) {
+        lr = hyper[0];
+        bc1 = hyper[1];
+        bc2 = hyper[2];
+    }
     const double c = clip ? *clip : 1.0;
 #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++) /* g·1.0 == g exactly: no clip is no change */
@@ -409,6 +414,7 @@ static const moe_backend g_cpu = {
     .host_free = cpu_free,
     .to_host_async = cpu_copy,
     .wait_to_host = cpu_wait_to_host,
+    .from_host_async = cpu_copy,
 };
 
 const moe_backend *moe_backend_cpu(void) { return &g_cpu; }

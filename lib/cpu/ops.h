@@ -202,7 +202,7 @@ size_t moe_cpu_attention_naive_workspace_bytes(moe_attention_shape s);
  *
  * It saves the probabilities P [B, Hq, Tq, Tk] (upper triangle written as 0) in @p ws for
  * its backward. lse comes from the same pass as the softmax, from its row max m and sum l:
- * lse = m + log l. Only a chunk attending to itself (moe_attention_shape_unsupported()).
+ * lse = m + log l. Only a chunk attending to itself (moe_attention_shape_not_same_chunk()).
  * No op table uses it.
  * @param y [B·Tq, Hq·D]  @param lse [B, Hq, Tq]
  * @param ws moe_cpu_attention_naive_workspace_bytes() bytes; receives P

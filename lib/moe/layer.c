@@ -184,15 +184,29 @@ static const moe_dispatcher *dispatcher_of(const moe_layer_dims *d) {
     return d->capacity_factor > 0 || d->etp ? &moe_dispatcher_alltoall : &moe_dispatcher_local;
 }
 
-void moe_layer_forward(const moe_backend *be, void *out, const void *x, const moe_layer_weights *w,
-                       const float *expert_bias, const moe_layer_dims *d, moe_layer_acts *a,
-                       moe_layer_workspace *ws) {
+/* Steps 1 and 2 of the forward (and, with `plan`, step 3's plan): a region for
+ * moe_graph_run() at `--cuda-graph-scope moe_router` / `moe_preprocess` (graph.h). */
+typedef struct route_region {
+    const moe_backend *be;
+    const void *x;
+    const moe_layer_weights *w;
+    const float *expert_bias;
+    const moe_layer_dims *d;
+    moe_layer_acts *a;
+    moe_layer_workspace *ws;
+    int plan; /* also the dispatch plan (device work only on the sync-free path) */
+} route_region;
+
+static void route_forward(void *p) {
+    const route_region *r = p;
+    const moe_backend *be = r->be;
+    const moe_layer_dims *d = r->d;
+    moe_layer_acts *a = r->a;
     const int N = d->N, H = d->H, E = d->E;
-    const moe_dispatcher *dp = dispatcher_of(d);
 
     /* 1. route (router math in fp32 / the backend's real type) */
-    be->matmul_forward(a->logits, x, w->router, N, H, E);
-    be->router_forward(a->topk_idx, a->topk_w, a->logits, expert_bias, &d->router, N);
+    be->matmul_forward(a->logits, r->x, r->w->router, N, H, E);
+    be->router_forward(a->topk_idx, a->topk_w, a->logits, r->expert_bias, &d->router, N);
 
     /* 2. the router's own losses, added into a->loss on the device (no host read) */
     const moe_tp *tp = tp_of(d);
@@ -210,9 +224,36 @@ void moe_layer_forward(const moe_backend *be, void *out, const void *x, const mo
         be->z_loss_forward(&a->loss[1], a->logits, N, E, z_coeff(d));
     moe_prof_mark(MOE_PROF_ROUTER);
 
-    /* 3. dispatch: where each assignment goes (counts, capacity, plan), then the tokens
-     *    and their routing weights to their experts' rows */
-    dp->plan(be, d, a, ws);
+    /* 3, first half: where each assignment goes (counts, capacity, plan) */
+    if (r->plan)
+        dispatcher_of(d)->plan(be, d, a, r->ws);
+}
+
+void moe_layer_forward(const moe_backend *be, void *out, const void *x, const moe_layer_weights *w,
+                       const float *expert_bias, const moe_layer_dims *d, moe_layer_acts *a,
+                       moe_layer_workspace *ws) {
+    const int N = d->N, H = d->H;
+    const moe_dispatcher *dp = dispatcher_of(d);
+    const moe_tp *tp = tp_of(d);
+
+    /* 1-2: route and the router's losses; 3: the plan. Captured as one graph at scope
+     * moe_router (1-2) or moe_preprocess (1-3); at layer and above the whole layer is the
+     * model's region, so nothing here captures (graph.h) */
+    const moe_graph_scope scope = moe_graphs_scope(d->graphs);
+    const int site = scope == MOE_GRAPH_MOE_ROUTER       ? MOE_GRAPH_SITE_ROUTER_FWD
+                     : scope == MOE_GRAPH_MOE_PREPROCESS ? MOE_GRAPH_SITE_PREPROCESS_FWD
+                                                         : -1;
+    route_region rr = {be, x, w, expert_bias, d, a, ws, site != MOE_GRAPH_SITE_ROUTER_FWD};
+    if (site >= 0) {
+        const moe_graph_key k = {(moe_graph_site)site, d->layer, N, d->T, 0, 0.0};
+        moe_graph_run(d->graphs, k, route_forward, &rr);
+    } else {
+        route_forward(&rr);
+    }
+    if (!rr.plan)
+        dp->plan(be, d, a, ws);
+
+    /* 3, second half: the tokens and their routing weights to their experts' rows */
     dp->dispatch(be, d, a, ws, x);
 
     /* 4. the experts: chapter 01's loop of one SwiGLU MLP per expert on its rows, or
@@ -236,10 +277,43 @@ void moe_layer_forward(const moe_backend *be, void *out, const void *x, const mo
     }
 }
 
+/* Steps 2⁻¹ and 1⁻¹ of the backward: a region for moe_graph_run() (route_region's twin). */
+typedef struct router_region {
+    const moe_backend *be;
+    void *dx;
+    const moe_layer_grads *g;
+    const void *x;
+    const moe_layer_weights *w;
+    const moe_layer_dims *d;
+    const moe_layer_acts *a;
+    moe_layer_workspace *ws;
+    double loss_scale;
+} router_region;
+
+static void router_backward(void *p) {
+    const router_region *r = p;
+    const moe_backend *be = r->be;
+    const moe_layer_dims *d = r->d;
+    const moe_layer_acts *a = r->a;
+    moe_layer_workspace *ws = r->ws;
+    const int N = d->N, H = d->H, E = d->E;
+    be->zero(ws->dlogits, be->act_size * (size_t)N * E);
+    be->router_backward(ws->dlogits, ws->dtopk_w, a->logits, a->topk_idx, &d->router, N);
+    if (d->lb_type != MOE_LB_NONE && d->aux_coeff > 0) {
+        const moe_aux_shape sh = aux_shape(d);
+        be->aux_loss_backward(ws->dlogits, a->logits, a->aux_counts, &sh, d->aux_coeff,
+                              r->loss_scale);
+    }
+    if (d->z_coeff > 0)
+        be->z_loss_backward(ws->dlogits, a->logits, N, E, z_coeff(d), r->loss_scale);
+    be->matmul_backward(r->dx, r->g->router, ws->dlogits, r->x, r->w->router, N, H, E);
+    moe_prof_mark(MOE_PROF_ROUTER);
+}
+
 void moe_layer_backward(const moe_backend *be, void *dx, const moe_layer_grads *g, const void *dout,
                         const void *x, const moe_layer_weights *w, const moe_layer_dims *d,
                         const moe_layer_acts *a, moe_layer_workspace *ws, double loss_scale) {
-    const int N = d->N, H = d->H, E = d->E;
+    const int N = d->N, H = d->H;
     const moe_dispatcher *dp = dispatcher_of(d);
 
     /* 5⁻¹. the combine was a sum, so each expert row receives its token's gradient */
@@ -252,18 +326,16 @@ void moe_layer_backward(const moe_backend *be, void *dx, const moe_layer_grads *
      *      ws->dtopk_w */
     dp->combine_grad(be, d, a, ws, dx);
 
-    /* 2⁻¹ and 1⁻¹. router: routing weights, aux loss and z-loss all end in the logits */
-    be->zero(ws->dlogits, be->act_size * (size_t)N * E);
-    be->router_backward(ws->dlogits, ws->dtopk_w, a->logits, a->topk_idx, &d->router, N);
-    if (d->lb_type != MOE_LB_NONE && d->aux_coeff > 0) {
-        const moe_aux_shape sh = aux_shape(d);
-        be->aux_loss_backward(ws->dlogits, a->logits, a->aux_counts, &sh, d->aux_coeff,
-                              loss_scale);
+    /* 2⁻¹ and 1⁻¹. router: routing weights, aux loss and z-loss all end in the logits
+     *      (captured as one graph at scope moe_router and moe_preprocess) */
+    router_region rb = {be, dx, g, x, w, d, a, ws, loss_scale};
+    const moe_graph_scope scope = moe_graphs_scope(d->graphs);
+    if (scope == MOE_GRAPH_MOE_ROUTER || scope == MOE_GRAPH_MOE_PREPROCESS) {
+        const moe_graph_key k = {MOE_GRAPH_SITE_ROUTER_BWD, d->layer, N, d->T, 0, loss_scale};
+        moe_graph_run(d->graphs, k, router_backward, &rb);
+    } else {
+        router_backward(&rb);
     }
-    if (d->z_coeff > 0)
-        be->z_loss_backward(ws->dlogits, a->logits, N, E, z_coeff(d), loss_scale);
-    be->matmul_backward(dx, g->router, ws->dlogits, x, w->router, N, H, E);
-    moe_prof_mark(MOE_PROF_ROUTER);
 
     /* 6⁻¹. shared expert; with TP the output gradient's rows and the input are gathered
      *      again, and the whole input's partial gradient is reduce-scattered to this rank */

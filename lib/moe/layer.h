@@ -40,6 +40,7 @@
 
 #include "backend.h"
 #include "config.h"
+#include "graph.h"
 #include "mlp.h"
 #include "moe/dispatch.h"
 #include "moe/expert_tp.h"
@@ -78,6 +79,12 @@ typedef struct moe_layer_dims {
     /** expert tensor parallelism (moe/expert_tp.h): the ETP group, each of its ranks holding
      *  F of every local expert's columns (F above is already this rank's part); NULL: none */
     const moe_tp *etp;
+    /** chapter 06: the model's graph cache (graph.h) and this layer's index, for the capture
+     *  sites inside the layer: the router at `--cuda-graph-scope moe_router`, the router and
+     *  the dispatch plan at `moe_preprocess` (at `layer` the model captures the whole layer).
+     *  NULL: every op is launched eagerly */
+    moe_graphs *graphs;
+    int layer; /**< this layer's index (the graphs' key) */
 } moe_layer_dims;
 
 /** The layer's weights: the backend's compute copy (activation type), views into it. */

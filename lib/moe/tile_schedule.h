@@ -102,6 +102,22 @@ static inline MOE_HOSTDEV int moe_tile_at_rule(moe_tile *ti, int t, const int *o
     return 1;
 }
 
+/**
+ * @brief The rows tile @p ti computes: @p bm, or bm / 2 when @p fine is set and at most
+ *        bm / 2 of its group's rows are left from its first row (a group's ragged last
+ *        m-tile). The kernel computes rows in multiples of 64 (the M of one wgmma), so with
+ *        bm = 128 a group of r rows costs 128·floor(r / 128) rows of MMA work, plus 64 when
+ *        r mod 128 is 1..64 and 128 when it is 65..127 — instead of 128·ceil(r / 128): no
+ *        whole extra tile for the 2 rows of a group of 130. Read from the offsets alone, so
+ *        the device decides it without the host.
+ * @param ti the tile (from moe_tile_at_rule())  @param bm rows of a full tile (even)
+ * @param fine 1: a short last m-tile is bm / 2 rows tall; 0: every tile is bm rows
+ * @return bm or bm / 2
+ */
+static inline MOE_HOSTDEV int moe_tile_rows_rule(const moe_tile *ti, int bm, int fine) {
+    return fine && ti->r1 - ti->m0 <= bm / 2 ? bm / 2 : bm;
+}
+
 /** The shape of a tile grid: how the output is cut and walked. */
 typedef struct moe_tile_shape {
     int bm;   /**< rows per tile (the sm_90a kernel: 128) */

@@ -1,0 +1,417 @@
+/*
+ * Chapter 07's measurement: the CUDA flash attention (kernels/attention.cu), causal, bf16,
+ * forward, backward and both, against PyTorch SDPA's FLASH_ATTENTION and CUDNN_ATTENTION
+ * backends measured in the same run.
+ *
+ * Shapes: for each head dimension D and sequence length T, H = --hidden / D heads (MHA)
+ * and B = max(1, --tokens / T) sequences: the same number of tokens at every length, as in
+ * FlashAttention's own benchmarks. FLOPs are counted as FlashAttention does for a causal
+ * mask: forward 4·B·H·T²·D / 2, backward 2.5 × that.
+ *
+ * Before timing, every shape's outputs are checked against a double-precision reference on
+ * the host for sampled rows (y, lse and dq of 6 query rows, dk and dv of 6 key rows, in the
+ * first and last (b, h)); a check error above 3e-2 (relative to the largest reference value)
+ * stops the program. Times are CUDA events on the op's stream, median of --repeats after
+ * --warmup calls. The SDPA numbers come from chapters/07-long-context/ch07_sdpa.py (run with
+ * --python; it checks the two backends against each other on the same inputs).
+ *
+ *   bin/ch07_attention_bench [--seqs 1024,4096,16384,32768,65536] [--dims 64,128]
+ *                            [--tokens 16384] [--hidden 2048] [--repeats 10] [--warmup 3]
+ *                            [--python python3 | --no-sdpa]
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench.h"
+#include "cuda_ops.h"
+
+#define MAX_LIST 16
+#define CHECK_TOL 3e-2
+
+typedef struct sdpa_row {
+    int ok;                 /* 1: timed */
+    double fwd, bwd, fb;    /* ms */
+    double diff;            /* flash vs cuDNN outputs, max rel. */
+} sdpa_row;
+
+typedef struct shape_result {
+    int B, H, T, D;
+    double check, fwd, bwd, fb; /* check error; ms */
+    sdpa_row flash, cudnn;
+} shape_result;
+
+static int parse_list(const char *s, int *out) {
+    int n = 0;
+    while (*s && n < MAX_LIST) {
+        out[n++] = atoi(s);
+        const char *c = strchr(s, ',');
+        if (!c)
+            break;
+        s = c + 1;
+    }
+    return n;
+}
+
+/* A device bf16 tensor of n N(0, 1) values, and its host copy (as the GPU holds it). */
+static void *randn_act(size_t n, unsigned long long seed, moe_real **host) {
+    moe_real *tmp = moe_cuda_alloc(n * sizeof(moe_real));
+    void *x = moe_cuda_alloc(n * 2);
+    moe_cuda_fill_normal(tmp, n, seed, 0, 1.0);
+    moe_cuda_cast_to_act(x, tmp, n);
+    moe_cuda_synchronize();
+    moe_cuda_free(tmp);
+    if (host) {
+        *host = malloc(n * sizeof(moe_real));
+        if (!*host) {
+            fprintf(stderr, "ch07_attention_bench: out of host memory\n");
+            exit(1);
+        }
+        moe_cuda_read_act(*host, x, n);
+    }
+    return x;
+}
+
+/* A host copy of n device values (bf16 activations or, when f32, fp32). */
+static moe_real *fetch(const void *d, size_t n, int f32) {
+    moe_real *h = malloc(n * sizeof *h);
+    if (!h) {
+        fprintf(stderr, "ch07_attention_bench: out of host memory\n");
+        exit(1);
+    }
+    if (f32)
+        moe_cuda_to_host(h, d, n * sizeof *h);
+    else
+        moe_cuda_read_act(h, d, n);
+    return h;
+}
+
+/* max |a − ref| / max |ref| accumulated over calls: err[0] the max diff, err[1] the max ref */
+static void acc_err(double err[2], double a, double ref) {
+    const double d = fabs(a - ref);
+    err[0] = isnan(d) || d > err[0] ? (isnan(d) ? INFINITY : d) : err[0];
+    err[1] = fabs(ref) > err[1] ? fabs(ref) : err[1];
+}
+
+/* The sampled check (see the header comment): the worst relative error over y, lse, dq, dk,
+ * dv. Host tensors are [B, T, H, D]; lse is [B, H, T]; dq, dk, dv are one backward's
+ * increments (they started at 0). */
+static double check(int B, int H, int T, int D, const moe_real *q, const moe_real *k,
+                    const moe_real *v, const moe_real *dy, const moe_real *y,
+                    const moe_real *lse, const moe_real *dq, const moe_real *dk,
+                    const moe_real *dv) {
+    const double scale = 1.0 / sqrt((double)D);
+    const size_t rs = (size_t)H * D; /* row stride of one token */
+    double e[5][2] = {{0}};          /* y, lse, dq, dk, dv */
+    double *p = malloc(sizeof(double) * (size_t)T), *o = malloc(sizeof(double) * (size_t)D);
+    if (!p || !o)
+        exit(1);
+    const int rows[6] = {0, 1, T / 3, T / 2, T - 2 > 0 ? T - 2 : 0, T - 1};
+    const int bh[2][2] = {{0, 0}, {B - 1, H - 1}};
+    for (int w = 0; w < 2; w++) {
+        const int b = bh[w][0], h = bh[w][1];
+        const moe_real *qb = q + (size_t)b * T * rs + (size_t)h * D;
+        const moe_real *kb = k + (size_t)b * T * rs + (size_t)h * D;
+        const moe_real *vb = v + (size_t)b * T * rs + (size_t)h * D;
+        const moe_real *dyb = dy + (size_t)b * T * rs + (size_t)h * D;
+        const moe_real *yb = y + (size_t)b * T * rs + (size_t)h * D;
+        const moe_real *lb = lse + ((size_t)b * H + h) * T;
+        for (int r = 0; r < 6; r++) {
+            /* query row t: y, lse, dq */
+            const int t = rows[r];
+            double m = -INFINITY, l = 0.0, delta = 0.0;
+            for (int s = 0; s <= t; s++) {
+                double x = 0.0;
+                for (int d = 0; d < D; d++)
+                    x += (double)qb[(size_t)t * rs + d] * kb[(size_t)s * rs + d];
+                p[s] = x * scale;
+                m = p[s] > m ? p[s] : m;
+            }
+            for (int s = 0; s <= t; s++)
+                l += exp(p[s] - m);
+            for (int d = 0; d < D; d++)
+                o[d] = 0.0;
+            for (int s = 0; s <= t; s++) {
+                p[s] = exp(p[s] - m) / l;
+                for (int d = 0; d < D; d++)
+                    o[d] += p[s] * vb[(size_t)s * rs + d];
+            }
+            for (int d = 0; d < D; d++) {
+                acc_err(e[0], yb[(size_t)t * rs + d], o[d]);
+                delta += (double)dyb[(size_t)t * rs + d] * yb[(size_t)t * rs + d];
+            }
+            acc_err(e[1], lb[t], m + log(l));
+            for (int d = 0; d < D; d++)
+                o[d] = 0.0;
+            for (int s = 0; s <= t; s++) {
+                double dp = 0.0;
+                for (int d = 0; d < D; d++)
+                    dp += (double)dyb[(size_t)t * rs + d] * vb[(size_t)s * rs + d];
+                const double ds = p[s] * (dp - delta) * scale;
+                for (int d = 0; d < D; d++)
+                    o[d] += ds * kb[(size_t)s * rs + d];
+            }
+            for (int d = 0; d < D; d++)
+                acc_err(e[2], dq[(size_t)b * T * rs + (size_t)t * rs + (size_t)h * D + d], o[d]);
+            /* key row s = t: dk, dv over the queries that see it, with the GPU's lse and y */
+            const int s = t;
+            double *ok = malloc(sizeof(double) * (size_t)D);
+            if (!ok)
+                exit(1);
+            for (int d = 0; d < D; d++)
+                o[d] = ok[d] = 0.0;
+            for (int u = s; u < T; u++) {
+                double x = 0.0, dp = 0.0, du = 0.0;
+                for (int d = 0; d < D; d++) {
+                    x += (double)qb[(size_t)u * rs + d] * kb[(size_t)s * rs + d];
+                    dp += (double)dyb[(size_t)u * rs + d] * vb[(size_t)s * rs + d];
+                    du += (double)dyb[(size_t)u * rs + d] * yb[(size_t)u * rs + d];
+                }
+                const double pu = exp(x * scale - lb[u]), ds = pu * (dp - du) * scale;
+                for (int d = 0; d < D; d++) {
+                    o[d] += pu * dyb[(size_t)u * rs + d];
+                    ok[d] += ds * qb[(size_t)u * rs + d];
+                }
+            }
+            for (int d = 0; d < D; d++) {
+                const size_t at = (size_t)b * T * rs + (size_t)s * rs + (size_t)h * D + d;
+                acc_err(e[3], dk[at], ok[d]);
+                acc_err(e[4], dv[at], o[d]);
+            }
+            free(ok);
+        }
+    }
+    free(p);
+    free(o);
+    double worst = 0.0;
+    for (int i = 0; i < 5; i++) {
+        const double r = e[i][1] > 0 ? e[i][0] / e[i][1] : e[i][0];
+        worst = r > worst || isnan(r) ? r : worst;
+    }
+    return worst;
+}
+
+/* Median time of @p reps calls of the forward (which = 0), backward (1) or both (2). */
+static double time_op(int which, int reps, int warmup, void *y, moe_real *lse, void *ws,
+                      void *dq, void *dk, void *dv, const void *dy, const void *q,
+                      const void *k, const void *v, moe_attention_shape s) {
+    double *t = malloc(sizeof(double) * (size_t)reps);
+    if (!t)
+        exit(1);
+    for (int i = -warmup; i < reps; i++) {
+        moe_cuda_timer_begin();
+        if (which != 1)
+            moe_cuda_attention_forward(y, lse, ws, q, k, v, s);
+        if (which != 0)
+            moe_cuda_attention_backward(dq, dk, dv, dy, y, lse, ws, q, k, v, s);
+        const double ms = moe_cuda_timer_end_ms();
+        if (i >= 0)
+            t[i] = ms;
+    }
+    const double med = moe_median(t, reps);
+    free(t);
+    return med;
+}
+
+static void measure(shape_result *r, int reps, int warmup) {
+    const int B = r->B, H = r->H, T = r->T, D = r->D;
+    const moe_attention_shape s = {B, T, T, H, H, D, 0, 0};
+    const size_t n = (size_t)B * T * H * D, nl = (size_t)B * H * T;
+    moe_real *hq, *hk, *hv, *hdy;
+    void *q = randn_act(n, 1, &hq), *k = randn_act(n, 2, &hk), *v = randn_act(n, 3, &hv);
+    void *dy = randn_act(n, 4, &hdy);
+    void *y = moe_cuda_alloc(n * 2), *dq = moe_cuda_alloc(n * 2), *dk = moe_cuda_alloc(n * 2);
+    void *dv = moe_cuda_alloc(n * 2);
+    moe_real *lse = moe_cuda_alloc(nl * sizeof(moe_real));
+    void *ws = moe_cuda_alloc(moe_cuda_attention_workspace_bytes(s));
+    moe_cuda_zero(dq, n * 2);
+    moe_cuda_zero(dk, n * 2);
+    moe_cuda_zero(dv, n * 2);
+    moe_cuda_attention_forward(y, lse, ws, q, k, v, s);
+    moe_cuda_attention_backward(dq, dk, dv, dy, y, lse, ws, q, k, v, s);
+    moe_cuda_synchronize();
+    moe_real *hy = fetch(y, n, 0), *hl = fetch(lse, nl, 1), *hdq = fetch(dq, n, 0);
+    moe_real *hdk = fetch(dk, n, 0), *hdv = fetch(dv, n, 0);
+    r->check = check(B, H, T, D, hq, hk, hv, hdy, hy, hl, hdq, hdk, hdv);
+    moe_real *hbufs[] = {hq, hk, hv, hdy, hy, hl, hdq, hdk, hdv};
+    for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++)
+        free(hbufs[i]);
+    if (!(r->check <= CHECK_TOL)) {
+        fprintf(stderr, "ch07_attention_bench: B=%d H=%d T=%d D=%d: sampled check error %.3e "
+                "> %.0e: the kernel is wrong for this shape\n", B, H, T, D, r->check,
+                CHECK_TOL);
+        exit(1);
+    }
+    r->fwd = time_op(0, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
+    r->bwd = time_op(1, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
+    r->fb = time_op(2, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
+    void *bufs[] = {q, k, v, dy, y, dq, dk, dv, lse, ws};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        moe_cuda_free(bufs[i]);
+}
+
+/* Run the SDPA script once for every shape and fill r[].flash / .cudnn from its lines. */
+static void run_sdpa(shape_result *r, int n, const char *python, int reps, int warmup,
+                     char *info, size_t cap) {
+    char cmd[4096];
+    int len = snprintf(cmd, sizeof cmd,
+                       "%s chapters/07-long-context/ch07_sdpa.py --repeats %d --warmup %d",
+                       python, reps, warmup);
+    for (int i = 0; i < n && len < (int)sizeof cmd - 64; i++)
+        len += snprintf(cmd + len, sizeof cmd - (size_t)len, " %d,%d,%d,%d", r[i].B, r[i].H,
+                        r[i].T, r[i].D);
+    len += snprintf(cmd + len, sizeof cmd - (size_t)len, " 2>&1");
+    snprintf(info, cap, "not run");
+    FILE *f = popen(cmd, "r");
+    if (!f) {
+        snprintf(info, cap, "could not start %s", python);
+        return;
+    }
+    char line[1024];
+    while (fgets(line, sizeof line, f)) {
+        char name[64], rest[512];
+        int B, H, T, D;
+        line[strcspn(line, "\n")] = 0;
+        if (strncmp(line, "sdpa unavailable", 16) == 0 || strncmp(line, "sdpa torch", 10) == 0) {
+            snprintf(info, cap, "%.200s", line + 5);
+            continue;
+        }
+        if (sscanf(line, "sdpa %63s %d %d %d %d %511[^\n]", name, &B, &H, &T, &D, rest) != 6) {
+            fprintf(stderr, "  (sdpa) %s\n", line); /* a traceback or a warning: show it */
+            continue;
+        }
+        for (int i = 0; i < n; i++) {
+            if (r[i].B != B || r[i].H != H || r[i].T != T || r[i].D != D)
+                continue;
+            sdpa_row *row = strcmp(name, "FLASH_ATTENTION") == 0 ? &r[i].flash : &r[i].cudnn;
+            if (sscanf(rest, "%lf %lf %lf %lf", &row->fwd, &row->bwd, &row->fb, &row->diff) == 4)
+                row->ok = 1;
+            else
+                fprintf(stderr, "  (sdpa %s T=%d D=%d) %s\n", name, T, D, rest);
+        }
+    }
+    const int rc = pclose(f);
+    if (rc != 0)
+        fprintf(stderr, "ch07_attention_bench: the SDPA script exited with %d\n", rc);
+}
+
+static double tflops(double flops, double ms) { return ms > 0 ? flops / (ms * 1e9) : 0.0; }
+
+/* "x.xx" of a ratio, or "-" when the baseline is missing */
+static const char *ratio(char *buf, double ours_ms, const sdpa_row *base, int which) {
+    const double b = which == 0 ? base->fwd : which == 1 ? base->bwd : base->fb;
+    if (!base->ok || ours_ms <= 0)
+        return "-";
+    snprintf(buf, 16, "%.2fx", b / ours_ms);
+    return buf;
+}
+
+static const char *tf_or_dash(char *buf, double flops, const sdpa_row *row, int which) {
+    const double ms = which == 0 ? row->fwd : which == 1 ? row->bwd : row->fb;
+    if (!row->ok)
+        return "-";
+    snprintf(buf, 16, "%.0f", tflops(flops, ms));
+    return buf;
+}
+
+int main(int argc, char **argv) {
+    int seqs[MAX_LIST], dims[MAX_LIST];
+    int nseq = parse_list("1024,4096,16384,32768,65536", seqs), ndim = parse_list("64,128", dims);
+    int tokens = 16384, hidden = 2048, reps = 10, warmup = 3, sdpa = 1;
+    const char *python = "python3";
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--no-sdpa")) {
+            sdpa = 0;
+            continue;
+        }
+        if (!val) {
+            fprintf(stderr, "ch07_attention_bench: %s needs a value (or unknown flag)\n", a);
+            return 2;
+        }
+        i++;
+        if (!strcmp(a, "--seqs"))
+            nseq = parse_list(val, seqs);
+        else if (!strcmp(a, "--dims"))
+            ndim = parse_list(val, dims);
+        else if (!strcmp(a, "--tokens"))
+            tokens = atoi(val);
+        else if (!strcmp(a, "--hidden"))
+            hidden = atoi(val);
+        else if (!strcmp(a, "--repeats"))
+            reps = atoi(val);
+        else if (!strcmp(a, "--warmup"))
+            warmup = atoi(val);
+        else if (!strcmp(a, "--python"))
+            python = val;
+        else {
+            fprintf(stderr, "ch07_attention_bench: unknown flag %s (see the file's header)\n", a);
+            return 2;
+        }
+    }
+    if (reps < 1 || warmup < 0 || tokens < 1 || hidden < 1) {
+        fprintf(stderr, "ch07_attention_bench: --repeats >= 1, --warmup >= 0, --tokens and "
+                        "--hidden >= 1\n");
+        return 2;
+    }
+    for (int j = 0; j < ndim; j++)
+        if (dims[j] < 1 || dims[j] > 128 || hidden % dims[j]) {
+            fprintf(stderr, "ch07_attention_bench: --dims: %d is not in 1..128 or does not "
+                            "divide --hidden %d\n", dims[j], hidden);
+            return 2;
+        }
+    if (!moe_cuda_available()) {
+        printf("ch07_attention_bench: skipped: no GPU\n");
+        return 0;
+    }
+    char dev[256];
+    moe_cuda_device_name(dev, sizeof dev);
+    moe_bench_header("chapter 07: flash attention, causal bf16, ours vs PyTorch SDPA", dev);
+    printf("B = max(1, %d / T) sequences, H = %d / D heads (MHA); median of %d after %d "
+           "warm-up; TFLOP/s with causal FLOPs (fwd 2·B·H·T²·D, bwd 2.5x)\n\n",
+           tokens, hidden, reps, warmup);
+
+    shape_result res[MAX_LIST * MAX_LIST];
+    int n = 0;
+    for (int j = 0; j < ndim; j++)
+        for (int i = 0; i < nseq; i++) {
+            shape_result *r = &res[n++];
+            memset(r, 0, sizeof *r);
+            r->T = seqs[i];
+            r->D = dims[j];
+            r->H = hidden / dims[j];
+            r->B = tokens / seqs[i] > 1 ? tokens / seqs[i] : 1;
+            measure(r, reps, warmup);
+            fprintf(stderr, "  measured T=%d D=%d: fwd %.3f ms bwd %.3f ms (check %.1e)\n",
+                    r->T, r->D, r->fwd, r->bwd, r->check);
+        }
+    char info[512] = "skipped (--no-sdpa)";
+    if (sdpa)
+        run_sdpa(res, n, python, reps, warmup, info, sizeof info);
+    printf("SDPA: %s\n\n", info);
+    printf("| T | D | B×H | check | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | "
+           "fwd+bwd TFLOP/s | FLASH fwd / f+b TFLOP/s | cuDNN fwd / f+b TFLOP/s | "
+           "fwd vs FLASH / cuDNN | f+b vs FLASH / cuDNN |\n"
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (int i = 0; i < n; i++) {
+        const shape_result *r = &res[i];
+        const double f = 2.0 * r->B * r->H * (double)r->T * r->T * r->D; /* causal fwd */
+        char a[16], b[16], c[16], d[16], e[16], g[16], x[16], z[16];
+        printf("| %d | %d | %d×%d | %.1e | %.3f | %.0f | %.3f | %.0f | %.3f | %.0f | %s / %s | "
+               "%s / %s | %s / %s | %s / %s |\n",
+               r->T, r->D, r->B, r->H, r->check, r->fwd, tflops(f, r->fwd), r->bwd,
+               tflops(2.5 * f, r->bwd), r->fb, tflops(3.5 * f, r->fb),
+               tf_or_dash(a, f, &r->flash, 0), tf_or_dash(b, 3.5 * f, &r->flash, 2),
+               tf_or_dash(c, f, &r->cudnn, 0), tf_or_dash(d, 3.5 * f, &r->cudnn, 2),
+               ratio(e, r->fwd, &r->flash, 0), ratio(g, r->fwd, &r->cudnn, 0),
+               ratio(x, r->fb, &r->flash, 2), ratio(z, r->fb, &r->cudnn, 2));
+    }
+    printf("\nratios: SDPA time / ours (> 1: ours faster). check: sampled rows vs a double "
+           "reference (bound %.0e). SDPA flash vs cuDNN outputs differ by at most:", CHECK_TOL);
+    for (int i = 0; i < n; i++)
+        if (res[i].flash.ok)
+            printf(" %.1e", res[i].flash.diff);
+    printf("\n");
+    return 0;
+}
