@@ -116,7 +116,7 @@ LIB      := $(BUILD)/libmoe.a
 LIB_F64  := $(BUILD)/f64/libmoe.a
 PROGRAMS := $(patsubst programs/%.c,bin/%,$(PROG_SRC))
 # chapter programs: chapters/NN-name/chNN_what.c -> bin/chNN_what
-CHAPTER_SRC := $(filter-out $(if $(filter 1,$(WITH_CUDA)),,chapters/06-cuda-graphs/% chapters/07-long-context/ch07_attention_bench.c),$(wildcard chapters/*/ch*.c))
+CHAPTER_SRC := $(filter-out $(if $(filter 1,$(WITH_CUDA)),,chapters/05-fp8-nvfp4/% chapters/06-cuda-graphs/% chapters/07-long-context/ch07_attention_bench.c),$(wildcard chapters/*/ch*.c))
 CHAPTER_BIN := $(foreach f,$(CHAPTER_SRC),bin/$(basename $(notdir $(f))))
 
 obj = $(patsubst %.c,$(BUILD)/$(2)%.o,$(1))

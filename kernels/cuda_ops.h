@@ -15,6 +15,7 @@
 #include <stddef.h>
 
 #include "backend.h"
+#include "fp8_gemm.h"
 #include "quantize.h"
 
 #ifdef __cplusplus
@@ -209,6 +210,9 @@ moe_status moe_cuda_dequant_tensorwise(float *y, const uint8_t *q, const moe_qua
 moe_status moe_cuda_quant_blockwise(uint8_t *q, float *scale_inv, const float *x, int rows,
                                     int cols, moe_fp8_format f, int block_2d, int pow2,
                                     moe_error *err);
+moe_status moe_cuda_quant_blockwise_t(uint8_t *q, float *scale_inv, uint8_t *qt,
+                                      float *scale_inv_t, const float *x, int rows, int cols,
+                                      moe_fp8_format f, int block_2d, int pow2, moe_error *err);
 moe_status moe_cuda_dequant_blockwise(float *y, const uint8_t *q, const float *scale_inv,
                                       int rows, int cols, moe_fp8_format f, int block_2d,
                                       moe_error *err);
@@ -223,6 +227,16 @@ moe_status moe_cuda_dequant_nvfp4(float *y, const uint8_t *q, const uint8_t *sca
                                   const moe_nvfp4_opts *o, moe_error *err);
 moe_status moe_cuda_rht16(float *y, const float *x, int rows, int cols, uint64_t seed,
                           int inverse, moe_error *err);
+
+/* chapter 05's low-precision GEMM (kernels/fp8_gemm.cu): D[M,N] = A[M,K]·B[N,K]ᵀ on
+ * quantized operands, the contract and the shape rules of lib/fp8_gemm.h (the CPU twin is
+ * moe_cpu_fp8_gemm). d: bf16, or fp32 when d_fp32 is 1. Enqueued on moe_cuda_stream(). */
+moe_status moe_cuda_fp8_gemm(void *d, int d_fp32, const moe_qmatrix *a, const moe_qmatrix *b,
+                             int M, int N, int K, moe_error *err);
+/* 1 when this GPU runs the recipe's GEMM natively in cuBLASLt, 0 when emulated (dequantize →
+ * bf16 GEMM): tensorwise always native; blockwise native on compute capability 9.x; MXFP8 and
+ * NVFP4 native on 10.x unless MOE_FP8_GEMM_EMULATE=1 */
+int moe_cuda_fp8_gemm_native(moe_quant_recipe r);
 
 #ifdef __cplusplus
 }

@@ -15,6 +15,8 @@
  *               slot, delayed_kernel (one thread: moe_quant_delayed_finish);
  *   blockwise   1×128: one warp per tile (4 elements per lane); 128×128: one 256-thread block
  *               per block (64 elements per thread), the amax through shared memory;
+ *               with a transposed copy (blockwise_t_kernel): a 128×128 tile of x in shared
+ *               memory, quantized along its rows and its columns in the same block;
  *   MXFP8       one warp per 32-element block, one element per lane;
  *   NVFP4       nvfp4_amax_kernel (per 16-element group, after the optional Hadamard
  *               transform), scalars_kernel, then nvfp4_kernel: one thread per group, 256
@@ -239,6 +241,100 @@ extern "C" moe_status moe_cuda_dequant_blockwise(float *y, const uint8_t *q,
             y, q, scale_inv, rows, cols, f, block_2d ? MOE_QUANT_BLOCK : 1);
         MOE_CUDA_LAUNCH_CHECK();
     }
+    return MOE_OK;
+}
+
+/* x and xᵀ blockwise from one read: one 256-thread block per 128×128 tile of x (grid
+ * nbc × nbr), the tile in shared memory (129 floats a row: a column read by a warp hits 32
+ * banks). 1×128: each warp quantizes 16 rows of the tile (x's tiles) and 16 of its columns
+ * (xᵀ's tiles), 4 elements a lane, as block1x128_kernel; 128×128: one amax for the tile,
+ * then every element cast once and written twice, to q (row-major) and to qt (transposed).
+ * The writes of qt are coalesced: consecutive threads write consecutive bytes of a row of xᵀ */
+#define TILE_LD (MOE_QUANT_BLOCK + 1)
+static __global__ void blockwise_t_kernel(uint8_t *q, float *scale_inv, uint8_t *qt,
+                                          float *scale_inv_t, const float *x, int rows, int cols,
+                                          moe_fp8_format f, int block_2d, int pow2) {
+    extern __shared__ float tile[]; /* [128][TILE_LD] */
+    __shared__ uint32_t warp_max[THREADS / 32];
+    const int B = MOE_QUANT_BLOCK, bc = blockIdx.x, br = blockIdx.y;
+    const int nbc = gridDim.x, nbr = gridDim.y, r0 = br * B, c0 = bc * B;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int i = threadIdx.x; i < B * B; i += THREADS)
+        tile[(i / B) * TILE_LD + i % B] = x[(size_t)(r0 + i / B) * cols + c0 + i % B];
+    __syncthreads();
+    const float fmax = moe_fp8_max(f);
+    if (block_2d) {
+        uint32_t m = 0;
+        for (int i = threadIdx.x; i < B * B; i += THREADS) {
+            const uint32_t k = moe_q_abs_key(tile[(i / B) * TILE_LD + i % B]);
+            m = k > m ? k : m;
+        }
+        m = warp_max_key(m);
+        if (lane == 0)
+            warp_max[warp] = m;
+        __syncthreads();
+        m = 0;
+        for (int w = 0; w < THREADS / 32; w++)
+            m = warp_max[w] > m ? warp_max[w] : m;
+        const float scale = moe_q_scale_from_amax(moe_q_key_amax(m), fmax, pow2);
+        for (int i = threadIdx.x; i < B * B; i += THREADS) {
+            const int r = i / B, c = i % B; /* x's row-major order */
+            q[(size_t)(r0 + r) * cols + c0 + c] = moe_q_cast_scaled(tile[r * TILE_LD + c], scale, f);
+            const int ct = i / B, rt = i % B; /* xᵀ's row-major order */
+            qt[(size_t)(c0 + ct) * rows + r0 + rt] =
+                moe_q_cast_scaled(tile[rt * TILE_LD + ct], scale, f);
+        }
+        if (threadIdx.x == 0) {
+            scale_inv[(size_t)br * nbc + bc] = moe_q_scale_inv(scale);
+            scale_inv_t[(size_t)bc * nbr + br] = moe_q_scale_inv(scale);
+        }
+        return;
+    }
+    for (int j = warp * 16; j < warp * 16 + 16; j++) {
+        for (int t = 0; t < 2; t++) { /* t = 0: row j of the tile (x); 1: column j (xᵀ) */
+            float v[4];
+            uint32_t m = 0;
+            for (int k = 0; k < 4; k++) {
+                const int e = lane + 32 * k;
+                v[k] = t ? tile[e * TILE_LD + j] : tile[j * TILE_LD + e];
+                const uint32_t key = moe_q_abs_key(v[k]);
+                m = key > m ? key : m;
+            }
+            m = warp_max_key(m);
+            const float scale = moe_q_scale_from_amax(moe_q_key_amax(m), fmax, pow2);
+            uint8_t *dst = t ? qt + (size_t)(c0 + j) * rows + r0 : q + (size_t)(r0 + j) * cols + c0;
+            for (int k = 0; k < 4; k++)
+                dst[lane + 32 * k] = moe_q_cast_scaled(v[k], scale, f);
+            if (lane == 0) {
+                if (t)
+                    scale_inv_t[(size_t)(c0 + j) * nbr + br] = moe_q_scale_inv(scale);
+                else
+                    scale_inv[(size_t)(r0 + j) * nbc + bc] = moe_q_scale_inv(scale);
+            }
+        }
+    }
+}
+
+extern "C" moe_status moe_cuda_quant_blockwise_t(uint8_t *q, float *scale_inv, uint8_t *qt,
+                                                 float *scale_inv_t, const float *x, int rows,
+                                                 int cols, moe_fp8_format f, int block_2d,
+                                                 int pow2, moe_error *err) {
+    MOE_TRY(moe_quant_check_transpose(rows, err));
+    MOE_TRY(moe_quant_check(MOE_QUANT_BLOCK_1X128, rows, cols, err));
+    MOE_TRY(moe_quant_check_format(f, err));
+    if (rows == 0 || cols == 0)
+        return MOE_OK;
+    const size_t smem = (size_t)MOE_QUANT_BLOCK * TILE_LD * sizeof(float); /* 66 KB */
+    static int attr_set = 0;
+    if (!attr_set) {
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(blockwise_t_kernel,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        attr_set = 1;
+    }
+    const dim3 grid(cols / MOE_QUANT_BLOCK, rows / MOE_QUANT_BLOCK);
+    blockwise_t_kernel<<<grid, THREADS, smem, moe_cuda_stream()>>>(q, scale_inv, qt, scale_inv_t,
+                                                                   x, rows, cols, f, block_2d, pow2);
+    MOE_CUDA_LAUNCH_CHECK();
     return MOE_OK;
 }
 

@@ -18,6 +18,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#ifdef __cplusplus
+extern "C" { /* CUDA files (kernels/fp8_gemm.cu) set named errors too */
+#endif
+
 /** Status codes. 0 is success; every failure has its own code so tests can
  *  check that the *right* error was reported, not just "some" error. */
 typedef enum moe_status {
@@ -104,5 +108,9 @@ void moe_fatal_oom(const char *what, size_t bytes, const char *file, int line)
         if (moe_try_s_ != MOE_OK)         \
             return moe_try_s_;            \
     } while (0)
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* MOE_ERROR_H */

@@ -144,6 +144,11 @@ moe_status moe_quant_check_format(moe_fp8_format f, moe_error *err);
  */
 moe_status moe_quant_check(moe_quant_recipe r, int rows, int cols, moe_error *err);
 
+/** @brief Check the rows of a blockwise quantize with a transposed copy
+ *  (moe_cpu_quant_blockwise_t()): a multiple of 128, since they become the copy's columns.
+ *  @param rows rows of x @param err receives the message @return ::MOE_OK or ::MOE_ERR_CONFIG */
+moe_status moe_quant_check_transpose(int rows, moe_error *err);
+
 /** @brief Check delayed scaling's window: len ≥ 1 and 0 ≤ pos < len.
  *  @param len the history's length @param pos this step's slot @param err receives the message
  *  @return ::MOE_OK or ::MOE_ERR_CONFIG */
@@ -227,6 +232,28 @@ moe_status moe_cpu_quant_blockwise(uint8_t *q, float *scale_inv, const float *x,
 moe_status moe_cpu_dequant_blockwise(float *y, const uint8_t *q, const float *scale_inv,
                                      int rows, int cols, moe_fp8_format f, int block_2d,
                                      moe_error *err);
+
+/**
+ * @brief Blockwise FP8 of x and of xᵀ from one read of x: the two copies a training step's
+ *        GEMMs need, since Hopper's FP8 tensor cores read both operands K-major
+ *        (lib/fp8_gemm.h): x's row-major codes for the forward, xᵀ's for the backward.
+ *
+ * The outputs are, by definition, moe_cpu_quant_blockwise() of x (@p q, @p scale_inv) and of
+ * its transpose xᵀ [cols, rows] (@p qt, @p scale_inv_t), with the same format, tiling and
+ * pow2. With 1×128 tiles (activations, gradients) xᵀ's tiles are 128×1 columns of x, so its
+ * codes are their own (other scales); with 128×128 blocks (weights) the blocks are the same,
+ * and qt, scale_inv_t are q and scale_inv transposed.
+ * @param q [rows, cols] codes of x  @param scale_inv x's scales, moe_quant_scale_count()
+ * @param qt [cols, rows] codes of xᵀ  @param scale_inv_t xᵀ's scales
+ * @param x [rows, cols] input  @param rows rows (a multiple of 128: xᵀ's columns)
+ * @param cols columns (a multiple of 128)  @param f element format
+ * @param block_2d 0: 1×128 tiles, 1: 128×128 blocks  @param pow2 1: power-of-two scales
+ * @param err receives the reason on failure
+ * @return ::MOE_OK, ::MOE_ERR_CONFIG for a bad shape or format, ::MOE_ERR_NOMEM
+ */
+moe_status moe_cpu_quant_blockwise_t(uint8_t *q, float *scale_inv, uint8_t *qt,
+                                     float *scale_inv_t, const float *x, int rows, int cols,
+                                     moe_fp8_format f, int block_2d, int pow2, moe_error *err);
 
 /* -------------------------------------------------------- MXFP8 */
 

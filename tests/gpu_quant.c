@@ -9,6 +9,10 @@
  * to write differs from the CPU's. Inputs are fresh random tensors spanning ~9 decades (so
  * blocks hit FP8 subnormals and saturation), with ragged row counts, an all-zero block, exact
  * rounding midpoints, fp32 subnormals and, in some cases, a NaN or an infinity.
+ *
+ * The low-precision GEMM (kernels/fp8_gemm.cu) is compared with its CPU twin
+ * (moe_cpu_fp8_gemm: the CPU dequantizers, then an fp32 GEMM) with a tolerance instead: the
+ * GPU accumulates in another order and rounds D to bf16.
  * Without a GPU the runner (tests/gpu_main.c) prints "skipped: no GPU".
  */
 #include <math.h>
@@ -17,7 +21,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/ops.h"
 #include "cuda_ops.h"
+#include "fp8_gemm.h"
 #include "helpers.h"
 #include "quantize.h"
 #include "rng.h"
@@ -191,6 +197,48 @@ START_TEST(test_gpu_quant_blockwise) {
 }
 END_TEST
 
+/* x and xᵀ from one read (blockwise_t_kernel) == the CPU's quantize(x), quantize(xᵀ) */
+START_TEST(test_gpu_quant_blockwise_t) {
+    const int shapes[][2] = {{128, 128}, {256, 384}, {640, 1024}};
+    moe_error err;
+    int ok = 1, cases = 0;
+    for (int f = 0; f < 2; f++)
+        for (int b2 = 0; b2 < 2; b2++)
+            for (int sh = 0; sh < 3; sh++) {
+                const int R = shapes[sh][0], C = shapes[sh][1], p2 = (sh + f) % 2;
+                const size_t n = (size_t)R * C;
+                const moe_quant_recipe rc = b2 ? MOE_QUANT_BLOCK_128X128 : MOE_QUANT_BLOCK_1X128;
+                const size_t ns = moe_quant_scale_count(rc, R, C), nt = moe_quant_scale_count(rc, C, R);
+                float *x = gen(n, 250 + sh, sh == 2 ? 1 : 0);
+                float *si = hpoison(ns * 4), *sit = hpoison(nt * 4);
+                uint8_t *q = hpoison(n), *qt = hpoison(n);
+                ck_assert_int_eq(moe_cpu_quant_blockwise_t(q, si, qt, sit, x, R, C, f, b2, p2, &err),
+                                 MOE_OK);
+                float *dx = dcopy(x, n * 4), *dsi = dpoison(ns * 4), *dsit = dpoison(nt * 4);
+                uint8_t *dq = dpoison(n), *dqt = dpoison(n);
+                ck_assert_int_eq(moe_cuda_quant_blockwise_t(dq, dsi, dqt, dsit, dx, R, C, f, b2, p2,
+                                                            &err),
+                                 MOE_OK);
+                ok &= same_bytes("blockwise_t codes", dq, q, n);
+                ok &= same_bytes("blockwise_t scales", dsi, si, ns * 4);
+                ok &= same_bytes("blockwise_t transposed codes", dqt, qt, n);
+                ok &= same_bytes("blockwise_t transposed scales", dsit, sit, nt * 4);
+                cases++;
+                free(x), free(si), free(sit), free(q), free(qt);
+                moe_cuda_free(dx), moe_cuda_free(dsi), moe_cuda_free(dsit), moe_cuda_free(dq),
+                    moe_cuda_free(dqt);
+            }
+    printf("  blockwise with transposed copy: %d cases (1x128 / 128x128, E4M3/E5M2, pow2, NaN), "
+           "%s\n",
+           cases, ok ? "CUDA == CPU byte for byte" : "DIFFER");
+    ck_assert(ok);
+    ck_assert_int_eq(moe_cuda_quant_blockwise_t(NULL, NULL, NULL, NULL, NULL, 100, 128,
+                                                MOE_FP8_E4M3, 0, 0, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err.msg, "pad the tokens"));
+}
+END_TEST
+
 START_TEST(test_gpu_quant_mxfp8) {
     const int shapes[][2] = {{1, 32}, {37, 96}, {513, 2048}};
     moe_error err;
@@ -284,9 +332,248 @@ START_TEST(test_gpu_quant_nvfp4) {
 }
 END_TEST
 
+/* ------------------------------------------------------------------ the GEMM */
+
+/* one GEMM operand quantized on the CPU (the quantizers' CPU == CUDA equality is tested
+ * above), in host memory (h) and copied to the device (d) */
+typedef struct operand {
+    moe_qmatrix h, d;
+    moe_quant_scalars s;
+} operand;
+
+static void operand_make(operand *o, moe_quant_recipe r, moe_fp8_format f,
+                         const moe_nvfp4_opts *nv, const float *x, int rows, int K) {
+    moe_error err;
+    memset(o, 0, sizeof *o);
+    const size_t cb = moe_quant_code_bytes(r, rows, K), ns = moe_quant_scale_count(r, rows, K);
+    const size_t sb = ns * (r == MOE_QUANT_BLOCK_1X128 || r == MOE_QUANT_BLOCK_128X128 ? 4 : 1);
+    uint8_t *q = hpoison(cb);
+    void *sc = r == MOE_QUANT_TENSORWISE ? NULL : hpoison(sb);
+    moe_status st = MOE_OK;
+    switch (r) {
+    case MOE_QUANT_TENSORWISE:
+        st = moe_cpu_quant_tensorwise(q, &o->s, x, (size_t)rows * K, f, &err);
+        break;
+    case MOE_QUANT_BLOCK_1X128:
+    case MOE_QUANT_BLOCK_128X128:
+        st = moe_cpu_quant_blockwise(q, sc, x, rows, K, f, r == MOE_QUANT_BLOCK_128X128, 0, &err);
+        break;
+    case MOE_QUANT_MXFP8:
+        st = moe_cpu_quant_mxfp8(q, sc, x, rows, K, f, &err);
+        break;
+    default: {
+        moe_nvfp4_opts opt = *nv;
+        opt.block_2d = r == MOE_QUANT_NVFP4_2D;
+        st = moe_cpu_quant_nvfp4(q, sc, &o->s, x, rows, K, &opt, &err);
+        o->h.nvfp4 = opt;
+    }
+    }
+    ck_assert_int_eq(st, MOE_OK);
+    o->h.recipe = r;
+    o->h.format = f;
+    o->h.codes = q;
+    o->h.scales = sc;
+    o->h.scalars = r == MOE_QUANT_TENSORWISE || r == MOE_QUANT_NVFP4 || r == MOE_QUANT_NVFP4_2D
+                       ? &o->s
+                       : NULL;
+    o->d = o->h;
+    o->d.codes = dcopy(q, cb);
+    o->d.scales = sc ? dcopy(sc, sb) : NULL;
+    o->d.scalars = o->h.scalars ? dcopy(&o->s, sizeof o->s) : NULL;
+}
+
+static void operand_free(operand *o) {
+    free((void *)o->h.codes), free((void *)o->h.scales);
+    moe_cuda_free((void *)o->d.codes), moe_cuda_free((void *)o->d.scales),
+        moe_cuda_free((void *)o->d.scalars);
+}
+
+/* activations: N(0,1) rows, two of them outliers (x100, as the massive activations of LLMs);
+ * weights: N(0, 0.02), one outlier input channel (x20) */
+static float *gemm_input(int rows, int K, uint64_t stream, int weights) {
+    float *x = hpoison((size_t)rows * K * 4);
+    for (int r = 0; r < rows; r++)
+        for (int k = 0; k < K; k++) {
+            const size_t i = (size_t)r * K + k;
+            double v = moe_rng_normal(94, stream, i) * (weights ? 0.02 : 1.0);
+            if (!weights && (r == 7 || r == rows / 2))
+                v *= 100.0;
+            if (weights && k == 5)
+                v *= 20.0;
+            x[i] = (float)v;
+        }
+    return x;
+}
+
+/* S[i][j] = Σ_k |deq(a)[i][k]·deq(b)[j][k]|, on the CPU */
+static float *abs_product(const moe_qmatrix *a, const moe_qmatrix *b, int M, int N, int K) {
+    moe_error err;
+    float *da = hpoison((size_t)M * K * 4), *db = hpoison((size_t)N * K * 4);
+    float *s = hpoison((size_t)M * N * 4);
+    ck_assert_int_eq(moe_cpu_qmatrix_dequant(da, a, M, K, &err), MOE_OK);
+    ck_assert_int_eq(moe_cpu_qmatrix_dequant(db, b, N, K, &err), MOE_OK);
+    for (size_t i = 0; i < (size_t)M * K; i++)
+        da[i] = fabsf(da[i]);
+    for (size_t i = 0; i < (size_t)N * K; i++)
+        db[i] = fabsf(db[i]);
+    moe_cpu_matmul_forward(s, da, db, M, K, N);
+    free(da), free(db);
+    return s;
+}
+
+typedef struct gemm_case {
+    const char *name;
+    moe_quant_recipe ra, rb;
+    moe_fp8_format fa, fb;
+    int rht;
+} gemm_case;
+
+/* every recipe and format pair the GEMM takes, GPU vs the CPU twin: D poisoned first, ragged
+ * M (1, 301, 1000 tokens; blockwise, which needs a multiple of 4: 4, 304, 1000), N not a
+ * multiple of 128 (a partial 128×128 weight block), bf16 and fp32 outputs.
+ * Tolerance, per element, relative to the sum's own scale S = Σ_k |a_k·b_k| (what bounds an
+ * accumulation error; a layout or scale mistake is off by O(S)): |gpu − cpu| ≤ tol·S with
+ *   native FP8: 5e-3 for bf16 D, 2e-3 for fp32 D. Hopper's FP8 tensor cores add their
+ *               products with fewer bits than fp32 (DeepSeek-V3 measured ~14); measured on an
+ *               H100: ~1e-2 of max(|D|, rms D), i.e. below 1e-3·S;
+ *   emulated:   5e-3 for bf16 D (its rounding: 2⁻⁹·|D| ≤ 2e-3·S), 2e-5 for fp32 D (exact
+ *               bf16 products, fp32 sums: only the order differs) */
+START_TEST(test_gpu_fp8_gemm) {
+    const gemm_case cases[] = {
+        {"tensorwise E4M3 x E4M3", MOE_QUANT_TENSORWISE, MOE_QUANT_TENSORWISE, MOE_FP8_E4M3,
+         MOE_FP8_E4M3, 0},
+        {"tensorwise E5M2 x E4M3 (hybrid: dgrad)", MOE_QUANT_TENSORWISE, MOE_QUANT_TENSORWISE,
+         MOE_FP8_E5M2, MOE_FP8_E4M3, 0},
+        {"tensorwise E4M3 x E5M2", MOE_QUANT_TENSORWISE, MOE_QUANT_TENSORWISE, MOE_FP8_E4M3,
+         MOE_FP8_E5M2, 0},
+        {"blockwise 1x128 x 128x128 E4M3", MOE_QUANT_BLOCK_1X128, MOE_QUANT_BLOCK_128X128,
+         MOE_FP8_E4M3, MOE_FP8_E4M3, 0},
+        {"blockwise 1x128 x 1x128 E4M3 (wgrad)", MOE_QUANT_BLOCK_1X128, MOE_QUANT_BLOCK_1X128,
+         MOE_FP8_E4M3, MOE_FP8_E4M3, 0},
+        {"blockwise 1x128 x 128x128 E5M2 x E4M3", MOE_QUANT_BLOCK_1X128,
+         MOE_QUANT_BLOCK_128X128, MOE_FP8_E5M2, MOE_FP8_E4M3, 0},
+        {"MXFP8 E4M3 x E4M3", MOE_QUANT_MXFP8, MOE_QUANT_MXFP8, MOE_FP8_E4M3, MOE_FP8_E4M3, 0},
+        {"MXFP8 E5M2 x E4M3", MOE_QUANT_MXFP8, MOE_QUANT_MXFP8, MOE_FP8_E5M2, MOE_FP8_E4M3, 0},
+        {"NVFP4 1x16 x 16x16", MOE_QUANT_NVFP4, MOE_QUANT_NVFP4_2D, MOE_FP8_E4M3, MOE_FP8_E4M3,
+         0},
+        {"NVFP4 1x16 x 1x16, RHT on both", MOE_QUANT_NVFP4, MOE_QUANT_NVFP4, MOE_FP8_E4M3,
+         MOE_FP8_E4M3, 1},
+    };
+    const int shapes[][3] = {{301, 272, 512}, {1000, 384, 1024}, {1, 256, 256}};
+    const int ncases = (int)(sizeof cases / sizeof *cases);
+    moe_error err;
+    int ok = 1, ran = 0;
+    for (int ci = 0; ci < ncases; ci++) {
+        const gemm_case *gc = &cases[ci];
+        double worst[2] = {0, 0};
+        int refused = 0;
+        for (int sh = 0; sh < 3; sh++)
+            for (int fp32 = 0; fp32 < 2; fp32++) {
+                const int blockwise = gc->ra == MOE_QUANT_BLOCK_1X128;
+                const int M = (int)(blockwise ? moe_round_up((size_t)shapes[sh][0], 4)
+                                              : (size_t)shapes[sh][0]);
+                const int N = shapes[sh][1], K = shapes[sh][2];
+                const uint64_t stream = 600 + (uint64_t)(ci * 8 + sh * 2 + fp32);
+                float *x = gemm_input(M, K, stream, 0), *w = gemm_input(N, K, stream + 500, 1);
+                const moe_nvfp4_opts nv = {.rht = gc->rht, .rht_seed = 31};
+                operand a, b;
+                operand_make(&a, gc->ra, gc->fa, &nv, x, M, K);
+                operand_make(&b, gc->rb, gc->fb, &nv, w, N, K);
+                const size_t n = (size_t)M * N;
+                float *ref = hpoison(n * 4), *got = hpoison(n * 4);
+                ck_assert_int_eq(moe_cpu_fp8_gemm(ref, &a.h, &b.h, M, N, K, &err), MOE_OK);
+                float *mag = abs_product(&a.h, &b.h, M, N, K); /* S per element */
+                void *dd = dpoison(n * (fp32 ? 4 : 2)); /* 0xABAB.. : bf16 and fp32 garbage */
+                const moe_status st = moe_cuda_fp8_gemm(dd, fp32, &a.d, &b.d, M, N, K, &err);
+                if (st == MOE_ERR_BACKEND) { /* cuBLASLt refused: a named error, reported */
+                    if (!fp32)
+                        printf("  %s, M=%d N=%d K=%d: refused: %s\n", gc->name, M, N, K,
+                               err.msg);
+                    refused = 1;
+                } else {
+                    ck_assert_msg(st == MOE_OK, "%s: %s", gc->name, err.msg);
+                    if (fp32)
+                        moe_cuda_to_host(got, dd, n * 4);
+                    else
+                        moe_cuda_read_act(got, dd, n);
+                    for (size_t i = 0; i < n; i++) {
+                        const double e = fabs((double)got[i] - ref[i]) / (mag[i] + 1e-30);
+                        worst[fp32] = e > worst[fp32] || isnan(e) ? e : worst[fp32];
+                    }
+                    ran++;
+                }
+                free(x), free(w), free(ref), free(got), free(mag);
+                moe_cuda_free(dd);
+                operand_free(&a), operand_free(&b);
+            }
+        const int native = moe_cuda_fp8_gemm_native(gc->ra);
+        const int pass = worst[0] <= 5e-3 && worst[1] <= (native ? 2e-3 : 2e-5);
+        printf("  %-42s %s: max |gpu - cpu| / S, bf16 D %.2e, fp32 D %.2e %s\n", gc->name,
+               native ? "native  " : "emulated", worst[0], worst[1], pass ? "ok" : "TOO LARGE");
+        ok &= pass;
+        if (refused) {
+            printf("  %s: refused, but it must run\n", gc->name);
+            ok = 0;
+        }
+    }
+    printf("  FP8/FP4 GEMM: %d GEMMs vs the CPU twin, %s\n", ran,
+           ok ? "all within tolerance" : "SOME TOO LARGE OR REFUSED");
+    ck_assert(ok);
+}
+END_TEST
+
+/* the blockwise shape rule, on both sides of it: every M that is a multiple of 4 runs (also
+ * with N not a multiple of 128 and K = 256), every other M is the named error of
+ * moe_fp8_gemm_check (cuBLASLt itself refused them: measured with the check off) */
+START_TEST(test_gpu_fp8_gemm_blockwise_shapes) {
+    const int Ms[] = {1, 2, 4, 8, 302, 304};
+    const int NK[][2] = {{256, 256}, {272, 512}};
+    moe_error err;
+    for (int i = 0; i < 6; i++)
+        for (int j = 0; j < 2; j++) {
+            const int M = Ms[i], N = NK[j][0], K = NK[j][1];
+            float *x = gemm_input(M, K, 900 + (uint64_t)i, 0), *w = gemm_input(N, K, 950, 1);
+            operand a, b;
+            operand_make(&a, MOE_QUANT_BLOCK_1X128, MOE_FP8_E4M3, NULL, x, M, K);
+            operand_make(&b, MOE_QUANT_BLOCK_128X128, MOE_FP8_E4M3, NULL, w, N, K);
+            void *dd = dpoison((size_t)M * N * 2);
+            const moe_status st = moe_cuda_fp8_gemm(dd, 0, &a.d, &b.d, M, N, K, &err);
+            if (M % 4)
+                ck_assert_msg(st == MOE_ERR_CONFIG && strstr(err.msg, "multiple of 4"),
+                              "M=%d: %s", M, err.msg);
+            else
+                ck_assert_msg(st == MOE_OK, "M=%d N=%d K=%d: %s", M, N, K, err.msg);
+            free(x), free(w);
+            moe_cuda_free(dd);
+            operand_free(&a), operand_free(&b);
+        }
+    printf("  blockwise FP8 GEMM: M = 4, 8, 304 run, M = 1, 2, 302 are the named error\n");
+}
+END_TEST
+
+/* the GPU GEMM's own named errors: a misaligned pointer; the shape check is the CPU's */
+START_TEST(test_gpu_fp8_gemm_errors) {
+    moe_error err;
+    enum { M = 16, N = 16, K = 128 };
+    uint8_t *codes = dpoison(M * K + 16);
+    moe_quant_scalars *s = dpoison(sizeof *s);
+    void *d = dpoison(M * N * 2);
+    moe_qmatrix a = {.recipe = MOE_QUANT_TENSORWISE, .codes = codes + 1, .scalars = s};
+    moe_qmatrix b = a;
+    b.codes = codes;
+    ck_assert_int_eq(moe_cuda_fp8_gemm(d, 0, &a, &b, M, N, K, &err), MOE_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err.msg, "16-byte aligned"));
+    ck_assert_int_eq(moe_cuda_fp8_gemm(d, 0, &b, &b, M, N, 100, &err), MOE_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err.msg, "multiple of 16"));
+    moe_cuda_free(codes), moe_cuda_free(s), moe_cuda_free(d);
+}
+END_TEST
+
 Suite *suite_gpu_quant(void) {
     const TTest *const tests[] = {test_gpu_quant_tensorwise, test_gpu_quant_delayed,
-                                  test_gpu_quant_blockwise, test_gpu_quant_mxfp8,
-                                  test_gpu_quant_nvfp4};
-    return moe_test_chapter_suite("gpu_quant", "ch05", tests, 5);
+                                  test_gpu_quant_blockwise,  test_gpu_quant_blockwise_t,
+                                  test_gpu_quant_mxfp8,      test_gpu_quant_nvfp4,
+                                  test_gpu_fp8_gemm,         test_gpu_fp8_gemm_blockwise_shapes,
+                                  test_gpu_fp8_gemm_errors};
+    return moe_test_chapter_suite("gpu_quant", "ch05", tests, 9);
 }

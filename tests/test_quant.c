@@ -11,7 +11,10 @@
  *    zero blocks, non-finite inputs, ragged rows, the named shape errors;
  *  - delayed scaling follows the window's maximum; MXFP8's E8M0 rule on hand-made blocks;
  *  - the Hadamard transform (H·Hᵀ = 16·I, the Sylvester matrix, inverse ∘ forward = identity)
- *    and NVFP4's stochastic rounding (unbiased over elements and over seeds, reproducible).
+ *    and NVFP4's stochastic rounding (unbiased over elements and over seeds, reproducible);
+ *  - the low-precision GEMM's contract (lib/fp8_gemm.h): its named errors for bad recipe
+ *    pairs, formats and shapes, the scale layouts cuBLASLt reads, and its CPU twin against a
+ *    double-precision product of the dequantized operands.
  * Outputs are filled with 0xAB bytes before every call, so an element a function forgets to
  * write fails the comparison with its expected value.
  */
@@ -25,6 +28,7 @@
 #include <omp.h>
 #endif
 
+#include "fp8_gemm.h"
 #include "helpers.h"
 #include "quantize.h"
 #include "rng.h"
@@ -827,11 +831,214 @@ START_TEST(test_thread_count_invariant) {
 }
 END_TEST
 
+/* the transposed copy: with 128×128 blocks it is the codes and scales transposed; with 1×128
+ * tiles its scales are the amaxes of x's 128-row column segments; rows not a multiple of 128
+ * are a named error */
+START_TEST(test_blockwise_transpose) {
+    enum { R = 256, C = 384 };
+    moe_error err;
+    float *x = frand(R * C, 800, 10.0);
+    for (int b2 = 0; b2 < 2; b2++) {
+        uint8_t *q = poisoned(R * C), *qt = poisoned(R * C);
+        float *s = poisoned(R * C), *st = poisoned(R * C);
+        ck_assert_int_eq(moe_cpu_quant_blockwise_t(q, s, qt, st, x, R, C, MOE_FP8_E4M3, b2, 0, &err),
+                         MOE_OK);
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++)
+                if (b2)
+                    ck_assert_uint_eq(qt[(size_t)c * R + r], q[(size_t)r * C + c]);
+        if (b2) {
+            for (int br = 0; br < R / 128; br++)
+                for (int bc = 0; bc < C / 128; bc++)
+                    ck_assert(bits(st[bc * (R / 128) + br]) == bits(s[br * (C / 128) + bc]));
+        } else {
+            for (int c = 0; c < C; c++)
+                for (int br = 0; br < R / 128; br++) {
+                    float amax = 0;
+                    for (int r = br * 128; r < br * 128 + 128; r++)
+                        amax = fmaxf(amax, fabsf(x[(size_t)r * C + c]));
+                    ck_assert(bits(st[(size_t)c * (R / 128) + br]) ==
+                              bits(moe_q_scale_inv(moe_q_scale_from_amax(amax, 448.0f, 0))));
+                }
+        }
+        free(q), free(qt), free(s), free(st);
+    }
+    ck_assert_int_eq(moe_cpu_quant_blockwise_t(NULL, NULL, NULL, NULL, x, 100, 128, MOE_FP8_E4M3,
+                                               0, 0, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err.msg, "pad the tokens"));
+    free(x);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ the GEMM */
+
+/* every named error of moe_fp8_gemm_check(), each with the words a user needs */
+START_TEST(test_fp8_gemm_check) {
+    moe_error err;
+    uint8_t codes[16];
+    float scales[4];
+    moe_quant_scalars s = {0, 1, 1};
+    const moe_qmatrix tw = {.recipe = MOE_QUANT_TENSORWISE, .codes = codes, .scalars = &s};
+    const moe_qmatrix b1 = {.recipe = MOE_QUANT_BLOCK_1X128, .codes = codes, .scales = scales};
+    const moe_qmatrix b2 = {.recipe = MOE_QUANT_BLOCK_128X128, .codes = codes, .scales = scales};
+    const moe_qmatrix mx = {.recipe = MOE_QUANT_MXFP8, .codes = codes, .scales = scales};
+    const moe_qmatrix nv = {.recipe = MOE_QUANT_NVFP4, .codes = codes, .scales = scales,
+                            .scalars = &s};
+    moe_qmatrix nvr = nv;
+    nvr.nvfp4.rht = 1;
+    moe_qmatrix e5 = tw, e5b = tw, nos = b1;
+    e5.format = e5b.format = MOE_FP8_E5M2;
+    nos.scales = NULL;
+    const struct {
+        const moe_qmatrix *a, *b;
+        int M, N, K;
+        const char *want; /* NULL: valid */
+    } cases[] = {
+        {&tw, &tw, 301, 256, 512, NULL},
+        {&b1, &b2, 4, 272, 1024, NULL},
+        {&b1, &b1, 0, 16, 128, NULL},
+        {&mx, &mx, 5, 32, 64, NULL},
+        {&nv, &nv, 5, 32, 64, NULL},
+        {&e5, &tw, 16, 16, 16, NULL},
+        {&tw, &tw, 16, 16, 100, "not a multiple of 16"},
+        {&b1, &b2, 16, 16, 192, "not a multiple of 128"},
+        {&b1, &b2, 301, 16, 128, "M=301 is not a multiple of 4"},
+        {&tw, &tw, 301, 16, 128, NULL},
+        {&mx, &mx, 16, 16, 48, "not a multiple of 32"},
+        {&nv, &nv, 16, 16, 48, "not a multiple of 32"},
+        {&tw, &tw, 16, 100, 128, "N=100"},
+        {&tw, &tw, -1, 16, 128, "negative shape"},
+        {&tw, &b1, 16, 16, 128, "do not pair"},
+        {&b2, &b2, 16, 16, 128, "do not pair"},
+        {&mx, &nv, 16, 16, 128, "do not pair"},
+        {&e5, &e5b, 16, 16, 128, "E5M2 x E5M2"},
+        {&nv, &nvr, 16, 16, 128, "Hadamard"},
+        {&nos, &b1, 16, 16, 128, "lacks"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        const moe_status st =
+            moe_fp8_gemm_check(cases[i].a, cases[i].b, cases[i].M, cases[i].N, cases[i].K, &err);
+        if (!cases[i].want) {
+            ck_assert_msg(st == MOE_OK, "case %zu: %s", i, err.msg);
+        } else {
+            ck_assert_msg(st == MOE_ERR_CONFIG, "case %zu accepted", i);
+            ck_assert_msg(strstr(err.msg, cases[i].want), "case %zu: '%s' lacks '%s'", i, err.msg,
+                          cases[i].want);
+        }
+    }
+}
+END_TEST
+
+/* the scale layouts of moe_gemm_scale_index(): each one a bijection of the grid into its
+ * buffer (no two scales on one slot, none beyond the end), the 1×128 one R-contiguous with a
+ * 16-byte leading dimension, and the swizzled one equal to PyTorch's to_blocked(), written
+ * here as its reshapes: pad to (128·ntr, 4·ntc), view (ntr, 128, ntc, 4), permute to
+ * (ntr, ntc, 128, 4), view each tile as (4, 32, 4), swap its first two axes, flatten */
+START_TEST(test_gemm_scale_layouts) {
+    const int grids[][2] = {{1, 1}, {5, 3}, {128, 4}, {301, 36}, {257, 9}};
+    for (int l = 0; l < 3; l++)
+        for (size_t g = 0; g < sizeof grids / sizeof *grids; g++) {
+            const int R = grids[g][0], C = grids[g][1];
+            const size_t n = moe_gemm_scale_elems((moe_gemm_scale_layout)l, R, C);
+            unsigned char *hit = calloc(n, 1);
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < C; c++) {
+                    const size_t i = moe_gemm_scale_index((moe_gemm_scale_layout)l, r, c, R, C);
+                    ck_assert_msg(i < n && !hit[i], "layout %d grid %dx%d (%d,%d)", l, R, C, r, c);
+                    hit[i] = 1;
+                }
+            free(hit);
+        }
+    ck_assert_uint_eq(moe_gemm_scale_index(MOE_GEMM_SCALES_VEC128, 2, 3, 301, 36), 3 * 304 + 2);
+    ck_assert_uint_eq(moe_gemm_scale_index(MOE_GEMM_SCALES_BLK128, 2, 5, 3, 9), 2 * 12 + 5);
+    const int R = 257, C = 9, ntr = 3, ntc = 3;
+    size_t f = 0;
+    for (int tr = 0; tr < ntr; tr++)
+        for (int tc = 0; tc < ntc; tc++)
+            for (int j = 0; j < 32; j++)     /* the swapped axes: 32 first, then 4 */
+                for (int i = 0; i < 4; i++)
+                    for (int cc = 0; cc < 4; cc++, f++) {
+                        const int r = tr * 128 + i * 32 + j, c = tc * 4 + cc;
+                        if (r < R && c < C)
+                            ck_assert_uint_eq(
+                                moe_gemm_scale_index(MOE_GEMM_SCALES_SWIZZLED, r, c, R, C), f);
+                    }
+    ck_assert_uint_eq(f, moe_gemm_scale_elems(MOE_GEMM_SCALES_SWIZZLED, R, C));
+}
+END_TEST
+
+/* the CPU twin equals Σ_k deq(a)·deq(b) in double (fp32 accumulation: 1e-5), for every
+ * recipe pair, the NVFP4 transform included; and the quantized product stays near the exact
+ * one (a loose bound per recipe: the quantization error, not the twin's) */
+START_TEST(test_fp8_gemm_cpu_twin) {
+    enum { M = 36, N = 48, K = 256 }; /* M: blockwise needs a multiple of 4 */
+    const moe_quant_recipe pairs[][2] = {{MOE_QUANT_TENSORWISE, MOE_QUANT_TENSORWISE},
+                                         {MOE_QUANT_BLOCK_1X128, MOE_QUANT_BLOCK_128X128},
+                                         {MOE_QUANT_MXFP8, MOE_QUANT_MXFP8},
+                                         {MOE_QUANT_NVFP4, MOE_QUANT_NVFP4_2D}};
+    const double loose[] = {0.08, 0.08, 0.08, 0.3};
+    moe_error err;
+    float *x = frand(M * K, 700, 0), *w = frand(N * K, 701, 0);
+    for (int p = 0; p < 4; p++) {
+        uint8_t *qa = poisoned(M * K), *qb = poisoned(N * K);
+        float *sa = poisoned(M * K), *sb = poisoned(N * K); /* room for any scale count */
+        moe_quant_scalars ga, gb;
+        const moe_nvfp4_opts oa = {.rht = 1, .rht_seed = 4}, ob = {.block_2d = 1, .rht = 1,
+                                                                   .rht_seed = 4};
+        moe_qmatrix a = {.recipe = pairs[p][0], .codes = qa, .scales = sa, .scalars = &ga,
+                         .nvfp4 = oa};
+        moe_qmatrix b = {.recipe = pairs[p][1], .codes = qb, .scales = sb, .scalars = &gb,
+                         .nvfp4 = ob};
+        switch (p) {
+        case 0:
+            moe_cpu_quant_tensorwise(qa, &ga, x, M * K, MOE_FP8_E4M3, &err);
+            moe_cpu_quant_tensorwise(qb, &gb, w, N * K, MOE_FP8_E4M3, &err);
+            break;
+        case 1:
+            moe_cpu_quant_blockwise(qa, sa, x, M, K, MOE_FP8_E4M3, 0, 0, &err);
+            moe_cpu_quant_blockwise(qb, sb, w, N, K, MOE_FP8_E4M3, 1, 0, &err);
+            break;
+        case 2:
+            moe_cpu_quant_mxfp8(qa, (uint8_t *)sa, x, M, K, MOE_FP8_E4M3, &err);
+            moe_cpu_quant_mxfp8(qb, (uint8_t *)sb, w, N, K, MOE_FP8_E4M3, &err);
+            break;
+        default:
+            moe_cpu_quant_nvfp4(qa, (uint8_t *)sa, &ga, x, M, K, &oa, &err);
+            moe_cpu_quant_nvfp4(qb, (uint8_t *)sb, &gb, w, N, K, &ob, &err);
+        }
+        float *da = poisoned(M * K * 4), *db = poisoned(N * K * 4), *d = poisoned(M * N * 4);
+        ck_assert_int_eq(moe_cpu_qmatrix_dequant(da, &a, M, K, &err), MOE_OK);
+        ck_assert_int_eq(moe_cpu_qmatrix_dequant(db, &b, N, K, &err), MOE_OK);
+        ck_assert_int_eq(moe_cpu_fp8_gemm(d, &a, &b, M, N, K, &err), MOE_OK);
+        double worst = 0, worst_exact = 0, norm = 0;
+        for (int i = 0; i < M * N; i++) {
+            double deq = 0, exact = 0;
+            for (int k = 0; k < K; k++) {
+                deq += (double)da[(i / N) * K + k] * db[(i % N) * K + k];
+                exact += (double)x[(i / N) * K + k] * w[(i % N) * K + k];
+            }
+            worst = fmax(worst, fabs(d[i] - deq));
+            worst_exact = fmax(worst_exact, fabs(d[i] - exact));
+            norm = fmax(norm, fabs(exact));
+        }
+        ck_assert_msg(worst <= 1e-5 * norm, "pair %d: twin vs double %g (max |D| %g)", p, worst,
+                      norm);
+        ck_assert_msg(worst_exact <= loose[p] * norm, "pair %d: quantized vs exact %g of %g", p,
+                      worst_exact, norm);
+        free(qa), free(qb), free(sa), free(sb), free(da), free(db), free(d);
+    }
+    free(x), free(w);
+}
+END_TEST
+
 Suite *suite_quant(void) {
     const TTest *const tests[] = {test_decode_tables,       test_encode_roundtrip_and_ties,
                                   test_tensorwise,          test_delayed_scaling,
                                   test_blockwise,           test_mxfp8,
                                   test_nvfp4,               test_hadamard,
-                                  test_stochastic_rounding, test_thread_count_invariant};
-    return moe_test_chapter_suite("quant", "ch05", tests, 10);
+                                  test_stochastic_rounding, test_thread_count_invariant,
+                                  test_blockwise_transpose, test_fp8_gemm_check,
+                                  test_gemm_scale_layouts,  test_fp8_gemm_cpu_twin};
+    return moe_test_chapter_suite("quant", "ch05", tests, 14);
 }

@@ -19,6 +19,7 @@
  * maxima of integers, so the result does not depend on the number of threads.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "quantize.h"
@@ -104,6 +105,16 @@ static moe_status check_format(moe_fp8_format f, const char *who, moe_error *err
 
 moe_status moe_quant_check_format(moe_fp8_format f, moe_error *err) {
     return check_format(f, "quantize", err);
+}
+
+moe_status moe_quant_check_transpose(int rows, moe_error *err) {
+    if (rows < 0 || rows % MOE_QUANT_BLOCK)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "blockwise FP8 with a transposed copy: %d rows is not a multiple of "
+                             "%d (the rows become the transposed copy's columns, tiled by %d); "
+                             "pad the tokens to a multiple of %d",
+                             rows, MOE_QUANT_BLOCK, MOE_QUANT_BLOCK, MOE_QUANT_BLOCK);
+    return MOE_OK;
 }
 
 moe_status moe_quant_check_window(int len, int pos, moe_error *err) {
@@ -207,6 +218,27 @@ moe_status moe_cpu_dequant_blockwise(float *y, const uint8_t *q, const float *sc
             y[(size_t)r * cols + c] = moe_q_dequant(moe_fp8_decode(q[(size_t)r * cols + c], f), si);
         }
     return MOE_OK;
+}
+
+/* the reference is the definition: quantize x, then quantize its transpose (the CUDA twin
+ * does both from one read of each 128×128 tile) */
+moe_status moe_cpu_quant_blockwise_t(uint8_t *q, float *scale_inv, uint8_t *qt,
+                                     float *scale_inv_t, const float *x, int rows, int cols,
+                                     moe_fp8_format f, int block_2d, int pow2, moe_error *err) {
+    MOE_TRY(moe_quant_check_transpose(rows, err));
+    MOE_TRY(moe_cpu_quant_blockwise(q, scale_inv, x, rows, cols, f, block_2d, pow2, err));
+    const size_t n = (size_t)rows * cols;
+    float *xt = malloc((n ? n : 1) * sizeof *xt);
+    if (!xt)
+        return moe_error_set(err, MOE_ERR_NOMEM, "blockwise FP8 transpose: %zu floats", n);
+#pragma omp parallel for schedule(static)
+    for (int c = 0; c < cols; c++)
+        for (int r = 0; r < rows; r++)
+            xt[(size_t)c * rows + r] = x[(size_t)r * cols + c];
+    const moe_status s = moe_cpu_quant_blockwise(qt, scale_inv_t, xt, cols, rows, f, block_2d,
+                                                 pow2, err);
+    free(xt);
+    return s;
 }
 
 /* ------------------------------------------------------------------ MXFP8 */

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Chapter 05 benchmark, in one device call (on the GPU machine):
+#   chapters/05-fp8-nvfp4/bench.sh          # writes ${OUT:-/tmp}/ch05_fp8_gemm.txt
+#   SHAPE=fc1 REPEATS=5 chapters/05-fp8-nvfp4/bench.sh
+# 1. bin/ch05_fp8_gemm_bench: bf16 cuBLAS vs our FP8 tensorwise / blockwise GEMMs (with and
+#    without the quantizers) and the emulated MXFP8 / NVFP4 GEMMs, outputs checked first;
+# 2. torch_fp8_gemm.py: torch.mm and torch._scaled_mm (tensorwise, rowwise, blockwise) on the
+#    same shapes and GPU, then ours vs PyTorch side by side.
+# Needs bin/ch05_fp8_gemm_bench (make, with CUDA) and python3 with PyTorch for step 2.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+dir=${OUT:-/tmp}
+shape=${SHAPE:-all}
+repeats=${REPEATS:-15}
+out=$dir/ch05_fp8_gemm.txt
+tsv=$dir/ch05_fp8_gemm.tsv
+{
+    ./bin/ch05_fp8_gemm_bench --shape "$shape" --repeats "$repeats" --tsv "$tsv"
+    echo
+    if python3 -c "import torch" 2>/dev/null; then
+        PYTHONUNBUFFERED=1 python3 chapters/05-fp8-nvfp4/torch_fp8_gemm.py --shape "$shape" \
+            --repeats "$repeats" --ours "$tsv"
+    else
+        echo "PyTorch baselines: skipped (python3 has no torch)"
+    fi
+} 2>&1 | tee "$out"

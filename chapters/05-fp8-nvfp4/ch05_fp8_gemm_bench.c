@@ -1,0 +1,433 @@
+/*
+ * Chapter 05's measurement: the dense low-precision GEMMs of kernels/fp8_gemm.cu against the
+ * bf16 cuBLAS GEMM of kernels/matmul.cu, in one run, on one GPU.
+ *
+ * D[M,N] = A[M,K]·B[N,K]ᵀ (a Linear layer's forward: A the tokens' activations, B the weight),
+ * for a dense 8192³ GEMM, Mixtral-8x7B's expert fc1 (16384 × 14336 × 4096) and fc2
+ * (16384 × 4096 × 14336) as one dense GEMM of 16384 tokens, and a Qwen3-like narrow expert
+ * (16384 × 1536 × 4096). Rows:
+ *
+ *   bf16 cuBLAS            cublasGemmEx, bf16 in, fp32 accumulation, bf16 out: the baseline
+ *   FP8 tensorwise         cuBLASLt FP8 E4M3 x E4M3, one fp32 scale per operand
+ *   FP8 tensorwise hybrid  E5M2 (A, as a gradient would be) x E4M3
+ *   FP8 blockwise          1x128 activation scales x 128x128 weight scales (DeepSeek-V3's
+ *                          recipe), the scales' layout conversion included
+ *   + quantize A / A+B     the same plus the CUDA quantizers of A (every step) or of both
+ *                          operands (the weights: once per step in training), from fp32
+ *   MXFP8 / NVFP4          emulated on Hopper (dequantize → bf16 GEMM): what it costs to run
+ *                          the recipes' numerics on a GPU without block-scaled tensor cores
+ *
+ * Timing: CUDA events around `inner` back-to-back calls (inner chosen so one sample lasts
+ * ~3 ms), after warm-up; the median of --repeats samples. Before timing, every output is
+ * checked: 64 random elements against Σ_k deq(a)·deq(b) computed on the host from the
+ * operands' codes and scales (tolerance 1e-2·|ref| + 1e-4·Σ|a·b|: bf16 output rounding); the
+ * bf16 baseline against the product of its bf16 inputs.
+ *
+ *   bin/ch05_fp8_gemm_bench [--repeats 15] [--warmup 5] [--shape all|dense|fc1|fc2|qwen]
+ *                           [--tsv file]   (one line per measurement, for the PyTorch script)
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench.h"
+#include "cuda_ops.h"
+#include "fp8_gemm.h"
+#include "rng.h"
+
+typedef struct shape {
+    const char *name;
+    int M, N, K;
+} shape;
+
+static const shape g_shapes[] = {
+    {"dense", 8192, 8192, 8192},
+    {"fc1", 16384, 14336, 4096}, /* Mixtral-8x7B expert fc1 (w1/w3: 4096 -> 14336) */
+    {"fc2", 16384, 4096, 14336}, /* Mixtral-8x7B expert fc2 (w2: 14336 -> 4096) */
+    {"qwen", 16384, 1536, 4096}, /* a Qwen3-style narrow expert (4096 -> 1536) */
+};
+
+static int g_repeats = 15, g_warmup = 5;
+static FILE *g_tsv = NULL;
+
+static void die(const char *what, const moe_error *err) {
+    fprintf(stderr, "ch05_fp8_gemm_bench: %s: %s\n", what, err ? err->msg : "");
+    exit(1);
+}
+
+static void *dalloc(size_t bytes) {
+    void *p = moe_cuda_alloc(bytes ? bytes : 1);
+    if (!p) {
+        fprintf(stderr, "ch05_fp8_gemm_bench: out of device memory (%zu bytes)\n", bytes);
+        exit(1);
+    }
+    return p;
+}
+
+/* ------------------------------------------------------------------ timing */
+
+typedef void (*work_fn)(void *ctx);
+
+/* median ms of one call of fn */
+static double time_ms(work_fn fn, void *ctx) {
+    for (int i = 0; i < g_warmup; i++)
+        fn(ctx);
+    moe_cuda_timer_begin();
+    fn(ctx);
+    const double once = moe_cuda_timer_end_ms();
+    int inner = (int)ceil(3.0 / (once > 1e-3 ? once : 1e-3));
+    inner = inner < 1 ? 1 : inner > 50 ? 50 : inner;
+    double *t = malloc(sizeof(double) * (size_t)g_repeats);
+    for (int r = 0; r < g_repeats; r++) {
+        moe_cuda_timer_begin();
+        for (int i = 0; i < inner; i++)
+            fn(ctx);
+        t[r] = moe_cuda_timer_end_ms() / inner;
+    }
+    const double med = moe_median(t, g_repeats);
+    free(t);
+    return med;
+}
+
+/* ------------------------------------------------------------------ operands */
+
+/* one quantized operand on the device, with what the quantizer needs to run again */
+typedef struct qop {
+    moe_qmatrix q;
+    const float *x; /* the fp32 source [rows, K] */
+    int rows, K, block_2d;
+    moe_nvfp4_opts nv;
+} qop;
+
+static void quantize(qop *o) {
+    moe_error err;
+    moe_status s;
+    uint8_t *codes = (uint8_t *)o->q.codes;
+    moe_quant_scalars *sc = (moe_quant_scalars *)o->q.scalars;
+    switch (o->q.recipe) {
+    case MOE_QUANT_TENSORWISE:
+        s = moe_cuda_quant_tensorwise(codes, sc, o->x, (size_t)o->rows * o->K, o->q.format, &err);
+        break;
+    case MOE_QUANT_BLOCK_1X128:
+    case MOE_QUANT_BLOCK_128X128:
+        s = moe_cuda_quant_blockwise(codes, (float *)o->q.scales, o->x, o->rows, o->K, o->q.format,
+                                     o->q.recipe == MOE_QUANT_BLOCK_128X128, 0, &err);
+        break;
+    case MOE_QUANT_MXFP8:
+        s = moe_cuda_quant_mxfp8(codes, (uint8_t *)o->q.scales, o->x, o->rows, o->K, o->q.format,
+                                 &err);
+        break;
+    default:
+        s = moe_cuda_quant_nvfp4(codes, (uint8_t *)o->q.scales, sc, o->x, o->rows, o->K, &o->nv,
+                                 &err);
+    }
+    if (s != MOE_OK)
+        die("quantize", &err);
+}
+
+static size_t scale_bytes(moe_quant_recipe r, int rows, int K) {
+    if (r == MOE_QUANT_TENSORWISE)
+        return 0;
+    const size_t n = moe_quant_scale_count(r, rows, K);
+    return r == MOE_QUANT_BLOCK_1X128 || r == MOE_QUANT_BLOCK_128X128 ? n * 4 : n;
+}
+
+static void qop_make(qop *o, moe_quant_recipe r, moe_fp8_format f, const float *x, int rows,
+                     int K) {
+    memset(o, 0, sizeof *o);
+    o->q.recipe = r;
+    o->q.format = f;
+    o->x = x;
+    o->rows = rows;
+    o->K = K;
+    o->nv.block_2d = r == MOE_QUANT_NVFP4_2D;
+    o->q.nvfp4 = o->nv;
+    o->q.codes = dalloc(moe_quant_code_bytes(r, rows, K));
+    const size_t sb = scale_bytes(r, rows, K);
+    o->q.scales = sb ? dalloc(sb) : NULL;
+    if (r == MOE_QUANT_TENSORWISE || r == MOE_QUANT_NVFP4 || r == MOE_QUANT_NVFP4_2D)
+        o->q.scalars = dalloc(sizeof(moe_quant_scalars));
+    quantize(o);
+}
+
+static void qop_free(qop *o) {
+    moe_cuda_free((void *)o->q.codes);
+    moe_cuda_free((void *)o->q.scales);
+    moe_cuda_free((void *)o->q.scalars);
+}
+
+/* the host copy of a device operand (codes, scales, scalars), for the output check */
+typedef struct hop {
+    moe_qmatrix q;
+    moe_quant_scalars s;
+} hop;
+
+static void hop_make(hop *h, const qop *o) {
+    h->q = o->q;
+    const size_t cb = moe_quant_code_bytes(o->q.recipe, o->rows, o->K);
+    const size_t sb = scale_bytes(o->q.recipe, o->rows, o->K);
+    uint8_t *c = malloc(cb);
+    moe_cuda_to_host(c, o->q.codes, cb);
+    h->q.codes = c;
+    if (sb) {
+        void *s = malloc(sb);
+        moe_cuda_to_host(s, o->q.scales, sb);
+        h->q.scales = s;
+    }
+    if (o->q.scalars) {
+        moe_cuda_to_host(&h->s, o->q.scalars, sizeof h->s);
+        h->q.scalars = &h->s;
+    }
+}
+
+static void hop_free(hop *h) {
+    free((void *)h->q.codes);
+    free((void *)h->q.scales);
+}
+
+/* row r of a host operand, dequantized (a one-row view of its codes and scales) */
+static void hop_row(float *y, const hop *h, int r, int K) {
+    moe_qmatrix v = h->q;
+    const moe_quant_recipe rc = h->q.recipe;
+    const int nv = rc == MOE_QUANT_NVFP4 || rc == MOE_QUANT_NVFP4_2D;
+    v.codes = h->q.codes + (size_t)r * (nv ? K / 2 : K);
+    size_t so = 0; /* the row's first scale */
+    switch (rc) {
+    case MOE_QUANT_BLOCK_1X128:
+        so = (size_t)r * (K / 128) * 4;
+        break;
+    case MOE_QUANT_BLOCK_128X128:
+        so = (size_t)(r / 128) * (K / 128) * 4;
+        break;
+    case MOE_QUANT_MXFP8:
+        so = (size_t)r * (K / 32);
+        break;
+    case MOE_QUANT_NVFP4:
+        so = (size_t)r * (K / 16);
+        break;
+    case MOE_QUANT_NVFP4_2D:
+        so = (size_t)(r / 16) * (K / 16);
+        break;
+    default:
+        break;
+    }
+    if (v.scales)
+        v.scales = (const char *)h->q.scales + so;
+    moe_error err;
+    if (moe_cpu_qmatrix_dequant(y, &v, 1, K, &err) != MOE_OK)
+        die("dequantize a row", &err);
+}
+
+/* 64 random elements of d (bf16, device) against Σ_k a_row·b_row in double; returns the
+ * worst |got − ref| / (1e-2·|ref| + 1e-4·Σ|a·b|): ≤ 1 passes */
+typedef void (*row_fn)(float *y, const void *src, int r, int K);
+
+static double check(const void *d, int M, int N, int K, row_fn arow, const void *asrc,
+                    row_fn brow, const void *bsrc) {
+    float *a = malloc((size_t)K * 4), *b = malloc((size_t)K * 4);
+    double worst = 0;
+    for (int s = 0; s < 64; s++) {
+        const int i = (int)(moe_rng_uniform(95, 1, (uint64_t)s) * M) % M;
+        const int j = (int)(moe_rng_uniform(95, 2, (uint64_t)s) * N) % N;
+        arow(a, asrc, i, K);
+        brow(b, bsrc, j, K);
+        double ref = 0, mag = 0;
+        for (int k = 0; k < K; k++) {
+            ref += (double)a[k] * b[k];
+            mag += fabs((double)a[k] * b[k]);
+        }
+        float got;
+        moe_cuda_read_act(&got, (const char *)d + ((size_t)i * N + j) * 2, 1);
+        const double e = fabs(got - ref) / (1e-2 * fabs(ref) + 1e-4 * mag + 1e-30);
+        worst = e > worst ? e : worst;
+    }
+    free(a), free(b);
+    return worst;
+}
+
+static void hop_rowfn(float *y, const void *src, int r, int K) { hop_row(y, src, r, K); }
+
+/* a row of a bf16 device matrix */
+static void bf16_rowfn(float *y, const void *src, int r, int K) {
+    moe_cuda_read_act(y, (const char *)src + (size_t)r * K * 2, (size_t)K);
+}
+
+/* ------------------------------------------------------------------ the rows */
+
+typedef struct gemm_ctx {
+    void *d;
+    qop *a, *b;
+    int M, N, K;
+    int quant_a, quant_b; /* time the quantizers too */
+    const void *xa, *wb;  /* bf16 operands of the baseline */
+} gemm_ctx;
+
+static void run_bf16(void *p) {
+    gemm_ctx *c = p;
+    moe_cuda_matmul_forward(c->d, c->xa, c->wb, c->M, c->K, c->N);
+}
+
+static void run_q(void *p) {
+    gemm_ctx *c = p;
+    moe_error err;
+    if (c->quant_a)
+        quantize(c->a);
+    if (c->quant_b)
+        quantize(c->b);
+    if (moe_cuda_fp8_gemm(c->d, 0, &c->a->q, &c->b->q, c->M, c->N, c->K, &err) != MOE_OK)
+        die("FP8 GEMM", &err);
+}
+
+static double g_bf16_ms;
+
+static void report(const shape *s, const char *impl, double ms, double check_ratio) {
+    const double tflops = 2.0 * s->M * s->N * (double)s->K / (ms * 1e-3) / 1e12;
+    char chk[32];
+    if (check_ratio < 0) /* the GEMM of the row above, with the quantizers timed too */
+        snprintf(chk, sizeof chk, "(as above)");
+    else
+        snprintf(chk, sizeof chk, "%s (%.2f)", check_ratio <= 1.0 ? "ok" : "FAIL", check_ratio);
+    printf("%-6s %6d %6d %6d  %-38s %9.3f %9.1f %7.2fx   %s\n", s->name, s->M, s->N, s->K, impl,
+           ms, tflops, g_bf16_ms / ms, chk);
+    if (g_tsv)
+        fprintf(g_tsv, "%s\t%d\t%d\t%d\t%s\t%.5f\t%.2f\n", s->name, s->M, s->N, s->K, impl, ms,
+                tflops);
+    fflush(stdout);
+    if (check_ratio > 1.0) {
+        fprintf(stderr, "ch05_fp8_gemm_bench: %s on %s: output check failed (%.2f)\n", impl,
+                s->name, check_ratio);
+        exit(1);
+    }
+}
+
+/* check then time one quantized GEMM row */
+static int row_q(const shape *s, const char *impl, gemm_ctx *c) {
+    hop ha, hb;
+    moe_error err;
+    c->quant_a = c->quant_b = 0;
+    if (moe_cuda_fp8_gemm(c->d, 0, &c->a->q, &c->b->q, c->M, c->N, c->K, &err) != MOE_OK) {
+        printf("%-6s %6d %6d %6d  %-38s not available: %s\n", s->name, s->M, s->N, s->K, impl,
+               err.msg);
+        return 0;
+    }
+    hop_make(&ha, c->a);
+    hop_make(&hb, c->b);
+    const double chk = check(c->d, s->M, s->N, s->K, hop_rowfn, &ha, hop_rowfn, &hb);
+    hop_free(&ha), hop_free(&hb);
+    report(s, impl, time_ms(run_q, c), chk);
+    return 1;
+}
+
+static void bench_shape(const shape *s) {
+    const int M = s->M, N = s->N, K = s->K;
+    const size_t nx = (size_t)M * K, nw = (size_t)N * K;
+    float *x = dalloc(nx * 4), *w = dalloc(nw * 4);
+    /* activations N(0,1) with 16 outlier rows (x50), weights N(0, 0.02) */
+    moe_cuda_fill_normal(x, nx, 1234, 1, 1.0);
+    moe_cuda_fill_normal(x + (size_t)(M / 2) * K, (size_t)16 * K, 1234, 2, 50.0);
+    moe_cuda_fill_normal(w, nw, 1234, 3, 0.02);
+    void *xb = dalloc(nx * 2), *wb = dalloc(nw * 2), *d = dalloc((size_t)M * N * 2);
+    moe_cuda_cast_to_act(xb, x, nx);
+    moe_cuda_cast_to_act(wb, w, nw);
+
+    gemm_ctx c = {.d = d, .M = M, .N = N, .K = K, .xa = xb, .wb = wb};
+    run_bf16(&c);
+    g_bf16_ms = 1.0; /* the ratio column of the baseline row is set after timing */
+    const double chk = check(d, M, N, K, bf16_rowfn, xb, bf16_rowfn, wb);
+    g_bf16_ms = time_ms(run_bf16, &c);
+    report(s, "bf16 cuBLAS (baseline)", g_bf16_ms, chk);
+
+    qop a, b;
+    c.a = &a, c.b = &b;
+    /* tensorwise */
+    qop_make(&a, MOE_QUANT_TENSORWISE, MOE_FP8_E4M3, x, M, K);
+    qop_make(&b, MOE_QUANT_TENSORWISE, MOE_FP8_E4M3, w, N, K);
+    if (row_q(s, "FP8 tensorwise E4M3", &c)) {
+        c.quant_a = 1;
+        report(s, "FP8 tensorwise + quantize A", time_ms(run_q, &c), -1);
+    }
+    qop_free(&a);
+    qop_make(&a, MOE_QUANT_TENSORWISE, MOE_FP8_E5M2, x, M, K);
+    row_q(s, "FP8 tensorwise E5M2 x E4M3 (hybrid)", &c);
+    qop_free(&a), qop_free(&b);
+    /* blockwise */
+    qop_make(&a, MOE_QUANT_BLOCK_1X128, MOE_FP8_E4M3, x, M, K);
+    qop_make(&b, MOE_QUANT_BLOCK_128X128, MOE_FP8_E4M3, w, N, K);
+    if (row_q(s, "FP8 blockwise 1x128 x 128x128", &c)) {
+        c.quant_a = 1;
+        report(s, "FP8 blockwise + quantize A", time_ms(run_q, &c), -1);
+        c.quant_b = 1;
+        report(s, "FP8 blockwise + quantize A and B", time_ms(run_q, &c), -1);
+    }
+    qop_free(&a), qop_free(&b);
+    /* the Blackwell recipes, emulated here */
+    const char *how = moe_cuda_fp8_gemm_native(MOE_QUANT_MXFP8) ? "native" : "emulated";
+    char name[64];
+    qop_make(&a, MOE_QUANT_MXFP8, MOE_FP8_E4M3, x, M, K);
+    qop_make(&b, MOE_QUANT_MXFP8, MOE_FP8_E4M3, w, N, K);
+    snprintf(name, sizeof name, "MXFP8 E4M3 (%s)", how);
+    row_q(s, name, &c);
+    qop_free(&a), qop_free(&b);
+    qop_make(&a, MOE_QUANT_NVFP4, MOE_FP8_E4M3, x, M, K);
+    qop_make(&b, MOE_QUANT_NVFP4_2D, MOE_FP8_E4M3, w, N, K);
+    snprintf(name, sizeof name, "NVFP4 1x16 x 16x16 (%s)", how);
+    row_q(s, name, &c);
+    qop_free(&a), qop_free(&b);
+
+    moe_cuda_free(x), moe_cuda_free(w), moe_cuda_free(xb), moe_cuda_free(wb), moe_cuda_free(d);
+}
+
+int main(int argc, char **argv) {
+    const char *want = "all", *tsv = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--repeats") && i + 1 < argc)
+            g_repeats = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--warmup") && i + 1 < argc)
+            g_warmup = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--shape") && i + 1 < argc)
+            want = argv[++i];
+        else if (!strcmp(argv[i], "--tsv") && i + 1 < argc)
+            tsv = argv[++i];
+        else {
+            fprintf(stderr,
+                    "usage: %s [--repeats 15] [--warmup 5] [--shape all|dense|fc1|fc2|qwen] "
+                    "[--tsv file]\n",
+                    argv[0]);
+            return 2;
+        }
+    }
+    if (g_repeats < 1 || g_warmup < 0) {
+        fprintf(stderr, "ch05_fp8_gemm_bench: --repeats must be >= 1 and --warmup >= 0\n");
+        return 2;
+    }
+    if (!moe_cuda_available()) {
+        printf("ch05_fp8_gemm_bench: skipped: no GPU\n");
+        return 0;
+    }
+    if (tsv && !(g_tsv = fopen(tsv, "w"))) {
+        fprintf(stderr, "ch05_fp8_gemm_bench: cannot write --tsv %s\n", tsv);
+        return 1;
+    }
+    char dev[256];
+    moe_cuda_device_name(dev, sizeof dev);
+    moe_bench_header("chapter 05: dense FP8 / FP4 GEMMs vs bf16 cuBLAS", dev);
+    printf("median of %d samples after %d warm-up calls; check: 64 sampled outputs vs the host "
+           "product of the dequantized operands (ok when the ratio <= 1)\n",
+           g_repeats, g_warmup);
+    printf("%-6s %6s %6s %6s  %-38s %9s %9s %8s   %s\n", "shape", "M", "N", "K", "GEMM", "ms",
+           "TFLOP/s", "vs bf16", "check");
+    int any = 0;
+    for (size_t i = 0; i < sizeof g_shapes / sizeof *g_shapes; i++)
+        if (!strcmp(want, "all") || !strcmp(want, g_shapes[i].name)) {
+            bench_shape(&g_shapes[i]);
+            any = 1;
+        }
+    if (g_tsv)
+        fclose(g_tsv);
+    if (!any) {
+        fprintf(stderr, "ch05_fp8_gemm_bench: unknown --shape %s\n", want);
+        return 2;
+    }
+    return 0;
+}
