@@ -32,8 +32,11 @@
  *
  * The backend's attention op must run a query chunk against another chunk
  * (moe_attention_shape with Tq ≠ Tk or q_pos ≠ k_pos), which the CPU's and the CUDA flash
- * attention both do; but the merge (moe_cp_merge) runs on host memory, so only CPU ranks run
- * context parallelism today, and moe_cp_attention_supported() says so.
+ * attention both do. Everything else goes through the op table too, so CPU and GPU ranks
+ * run the same code: the merge (the cp_merge op: moe_cp_merge() on the CPU, a kernel on the
+ * GPU), the lse's start at −∞ (fill_real) and the all-to-alls' packing (copy_2d, strided
+ * rows into a contiguous staging area); the exchanges are moe_comm_* calls (NCCL on GPU
+ * ranks).
  */
 #ifndef MOE_CONTEXT_PARALLEL_H
 #define MOE_CONTEXT_PARALLEL_H
@@ -71,7 +74,8 @@ typedef struct moe_cp_attention {
 } moe_cp_attention;
 
 /**
- * @brief Whether a backend's attention op can run the chunk pairs context parallelism needs.
+ * @brief Whether a backend has the ops context parallelism needs beside attention: cp_merge,
+ *        fill_real and copy_2d (the CPU and CUDA backends both do).
  * @param be backend  @param err receives the reason when it cannot
  * @return ::MOE_OK or ::MOE_ERR_CONFIG (naming --context-parallel-size and what to use)
  */
