@@ -53,17 +53,55 @@ moe_status moe_cp_attention_check(const moe_cp_attention *a, moe_error *err) {
     return MOE_OK;
 }
 
-size_t moe_cp_attention_workspace_bytes(const moe_cp_attention *a, size_t act_size) {
+/* Query rows of a type's largest attention op call: a block of C rows of every head, a2a's
+ * whole sequence of its Hq/cp heads, a2a+p2p's block of its Hq/a2a heads. */
+static size_t op_rows(const moe_cp_attention *a) {
+    const sizes z = sizes_of(a);
+    if (a->type == MOE_CP_A2A)
+        return 2 * z.LC;
+    if (a->type == MOE_CP_A2A_P2P)
+        return z.LC / (size_t)a->a2a;
+    return z.LC;
+}
+
+/* the exchange's own buffers (the layouts below) */
+static size_t exchange_bytes(const moe_cp_attention *a, size_t act_size) {
     const sizes z = sizes_of(a);
     if (a->type == MOE_CP_A2A_P2P) /* q y dy dq blocks, 2 travelling k v dk dv, lse, parts */
         return (5 * 2 * z.QC + 8 * z.KL) * act_size + 2 * z.LC * sizeof(moe_real) +
-               z.QC / (size_t)a->a2a * act_size + z.LC / (size_t)a->a2a * sizeof(moe_real);
+               z.QC / (size_t)a->a2a * act_size + z.LC / (size_t)a->a2a * sizeof(moe_real) + 16;
     if (a->type == MOE_CP_A2A) /* q k v y dy dq dk dv of my heads, their lse, the staging */
         return (4 * 2 * z.QC + 4 * z.KL + 2 * 2 * z.QC) * act_size + 2 * z.LC * sizeof(moe_real);
-    const size_t part = z.QC * act_size + z.LC * sizeof(moe_real); /* one partial y, lse */
+    /* one partial lse and y, the y at 16 bytes (+ 16: the attention op's vector stores) */
+    const size_t part = z.LC * sizeof(moe_real) + 16 + z.QC * act_size;
     if (a->type == MOE_CP_ALLGATHER) /* all keys and values, their gradients, one piece */
         return (4 * (size_t)a->cp * z.KL + z.KL) * act_size + part;
     return 8 * z.KL * act_size + part; /* two travelling sets of k, v, dk, dv */
+}
+
+static size_t align16(size_t n) { return (n + 15) / 16 * 16; }
+
+/* p, moved on to the next multiple of 16 bytes from the workspace's start */
+static void *at16(void *ws, void *p) {
+    return (char *)ws + align16((size_t)((char *)p - (char *)ws));
+}
+
+/* After the exchange's buffers: the attention op's workspace, one fp32 per query row of the
+ * largest call (what the CUDA op keeps there, the backward's row dots δ; the CPU's needs
+ * none), shared by every block: the forward leaves nothing there for the backward (both
+ * backends' contract), and the backward of a block writes it before it reads it. */
+size_t moe_cp_attention_workspace_bytes(const moe_cp_attention *a, size_t act_size) {
+    return align16(exchange_bytes(a, act_size)) + op_rows(a) * sizeof(float);
+}
+
+/* the op's workspace for a call of shape `s` (NULL when it needs none) */
+static void *op_ws(const moe_backend *be, const moe_cp_attention *a, void *ws,
+                   moe_attention_shape s) {
+    const size_t need = be->attention_workspace_bytes(s);
+    if (need == 0)
+        return NULL;
+    MOE_ASSERT(need <= op_rows(a) * sizeof(float)); /* more than one fp32 a row: resize */
+    return (char *)ws + align16(exchange_bytes(a, be->act_size));
 }
 
 /* The shape of one block: query chunk `qc` of this rank against key chunk `kc`, global
@@ -206,7 +244,7 @@ static void a2a_forward(const moe_backend *be, const moe_cp_attention *a, void *
     a2a_move(be, a, q, u.q, a->Hq, 0, 1, 0, u.stage);
     a2a_move(be, a, k, u.k, a->Hkv, 0, 1, 0, u.stage);
     a2a_move(be, a, v, u.v, a->Hkv, 0, 1, 0, u.stage);
-    be->attention_forward(u.y, u.lse, NULL, u.q, u.k, u.v, a2a_shape(a));
+    be->attention_forward(u.y, u.lse, op_ws(be, a, ws, a2a_shape(a)), u.q, u.k, u.v, a2a_shape(a));
     a2a_move(be, a, u.y, y, a->Hq, 0, 0, 0, u.stage);
     a2a_move(be, a, u.lse, lse, a->Hq, 1, 0, 0, u.stage);
 }
@@ -224,7 +262,8 @@ static void a2a_backward(const moe_backend *be, const moe_cp_attention *a, void 
     a2a_move(be, a, lse, u.lse, a->Hq, 1, 1, 0, u.stage);
     be->zero(u.dq, be->act_size * 2 * z.QC);
     be->zero(u.dk, be->act_size * 2 * z.KL);
-    be->attention_backward(u.dq, u.dk, u.dv, u.dy, u.y, u.lse, NULL, u.q, u.k, u.v, a2a_shape(a));
+    be->attention_backward(u.dq, u.dk, u.dv, u.dy, u.y, u.lse, op_ws(be, a, ws, a2a_shape(a)),
+                           u.q, u.k, u.v, a2a_shape(a));
     a2a_move(be, a, u.dq, dq, a->Hq, 0, 0, 1, u.stage);
     a2a_move(be, a, u.dk, dk, a->Hkv, 0, 0, 1, u.stage);
     a2a_move(be, a, u.dv, dv, a->Hkv, 0, 0, 1, u.stage);
@@ -275,6 +314,7 @@ static void inner_move(const moe_backend *be, const moe_cp_attention *a, const v
 typedef struct hyb_bufs {
     char *q, *y, *dy, *dq, *stage, *set[2], *y_part;
     moe_real *lse, *lse_part;
+    void *ws; /* the whole workspace (op_ws finds the op's part) */
 } hyb_bufs;
 
 static hyb_bufs hyb_layout(const moe_backend *be, const moe_cp_attention *a, void *ws) {
@@ -290,8 +330,9 @@ static hyb_bufs hyb_layout(const moe_backend *be, const moe_cp_attention *a, voi
     u.set[0] = p, p += 4 * nk; /* [k | v | dk | dv] blocks of the held group */
     u.set[1] = p, p += 4 * nk;
     u.lse = (moe_real *)p, p += 2 * z.LC * sizeof(moe_real);
-    u.lse_part = (moe_real *)p, p += z.LC / a->a2a * sizeof(moe_real); /* the reals first: */
-    u.y_part = p; /* no activation count of an odd size can misalign them */
+    u.lse_part = (moe_real *)p, p += z.LC / a->a2a * sizeof(moe_real);
+    u.y_part = at16(ws, p); /* the attention op stores y 16 bytes at a time */
+    u.ws = ws;
     return u;
 }
 
@@ -321,15 +362,16 @@ static void hyb_step(const moe_backend *be, const moe_cp_attention *a, const hyb
                     const size_t ko = (size_t)(sk * 2 + wk) * KB * S;
                     const moe_attention_shape sh = hyb_shape(a, qc, kc);
                     if (!backward) {
-                        be->attention_forward(u->y_part, u->lse_part, NULL, u->q + qo, held + ko,
-                                              held + nk + ko, sh);
+                        be->attention_forward(u->y_part, u->lse_part, op_ws(be, a, u->ws, sh),
+                                              u->q + qo, held + ko, held + nk + ko, sh);
                         be->cp_merge(u->y + qo, u->lse + lo, u->y_part, u->lse_part, a->B,
                                      sh.Tq, sh.Hq, a->D);
                     } else {
                         /* the travelling set [k | v | dk | dv]: its dk, dv accumulate */
                         be->attention_backward(u->dq + qo, held + 2 * nk + ko, held + 3 * nk + ko,
-                                               u->dy + qo, u->y + qo, u->lse + lo, NULL,
-                                               u->q + qo, held + ko, held + nk + ko, sh);
+                                               u->dy + qo, u->y + qo, u->lse + lo,
+                                               op_ws(be, a, u->ws, sh), u->q + qo, held + ko,
+                                               held + nk + ko, sh);
                     }
                 }
         }
@@ -402,7 +444,7 @@ void moe_cp_attention_forward(const moe_backend *be, const moe_cp_attention *a, 
     void *kv[2] = {w, w + 2 * z.KL * S}; /* the held rank's [k | v], and the next one's */
     /* one partial result: its lse first (no activation count of an odd size misaligns it) */
     moe_real *lse_part = (moe_real *)(w + 4 * z.KL * S);
-    void *y_part = lse_part + z.LC;
+    void *y_part = at16(ws, lse_part + z.LC); /* the op stores y 16 bytes at a time */
     if (a->type == MOE_CP_A2A) {
         a2a_forward(be, a, y, lse, q, k, v, ws);
         return;
@@ -416,7 +458,7 @@ void moe_cp_attention_forward(const moe_backend *be, const moe_cp_attention *a, 
         char *all_k = w, *all_v = w + (size_t)a->cp * z.KL * S;
         lse_part = (moe_real *)(all_v + (size_t)a->cp * z.KL * S + 2 * (size_t)a->cp * z.KL * S +
                                 z.KL * S);
-        y_part = lse_part + z.LC;
+        y_part = at16(ws, lse_part + z.LC);
         if (a->comm) {
             moe_comm_all_gather(a->comm, k, all_k, z.KL, moe_dtype_act(be));
             moe_comm_all_gather(a->comm, v, all_v, z.KL, moe_dtype_act(be));
@@ -431,8 +473,9 @@ void moe_cp_attention_forward(const moe_backend *be, const moe_cp_attention *a, 
                     if (kc > qc) /* every key of a later chunk is masked */
                         continue;
                     const size_t off = (size_t)s * z.KL + kb * z.KC;
-                    be->attention_forward(y_part, lse_part, NULL, AT(q, qa * z.QC),
-                                          AT(all_k, off), AT(all_v, off), block(a, qc, kc));
+                    be->attention_forward(y_part, lse_part, op_ws(be, a, ws, block(a, qc, kc)),
+                                          AT(q, qa * z.QC), AT(all_k, off), AT(all_v, off),
+                                          block(a, qc, kc));
                     be->cp_merge(AT(y, qa * z.QC), lse + qa * z.LC, y_part, lse_part, a->B,
                                  z.C, a->Hq, a->D);
                 }
@@ -447,9 +490,9 @@ void moe_cp_attention_forward(const moe_backend *be, const moe_cp_attention *a, 
         for (int j = 0; j < np; j++) {
             const int qc = moe_cp_chunk(a->cp, a->rank, p[j].q);
             const int kc = moe_cp_chunk(a->cp, s, p[j].k);
-            be->attention_forward(y_part, lse_part, NULL, AT(q, p[j].q * z.QC),
-                                  AT(kv[0], p[j].k * z.KC), AT(kv[0], z.KL + p[j].k * z.KC),
-                                  block(a, qc, kc));
+            be->attention_forward(y_part, lse_part, op_ws(be, a, ws, block(a, qc, kc)),
+                                  AT(q, p[j].q * z.QC), AT(kv[0], p[j].k * z.KC),
+                                  AT(kv[0], z.KL + p[j].k * z.KC), block(a, qc, kc));
             be->cp_merge(AT(y, p[j].q * z.QC), lse + p[j].q * z.LC, y_part, lse_part, a->B,
                          z.C, a->Hq, a->D);
         }
@@ -500,8 +543,9 @@ void moe_cp_attention_backward(const moe_backend *be, const moe_cp_attention *a,
                     const size_t off = (size_t)s * z.KL + kb * z.KC;
                     be->attention_backward(AT(dq, qa * z.QC), AT(all_dk, off), AT(all_dv, off),
                                            AT(dy, qa * z.QC), AT(y, qa * z.QC), lse + qa * z.LC,
-                                           NULL, AT(q, qa * z.QC), AT(all_k, off),
-                                           AT(all_v, off), block(a, qc, kc));
+                                           op_ws(be, a, ws, block(a, qc, kc)),
+                                           AT(q, qa * z.QC), AT(all_k, off), AT(all_v, off),
+                                           block(a, qc, kc));
                 }
         for (int t = 0; t < 2; t++) { /* each rank's piece of dk, then of dv */
             char *all = t == 0 ? all_dk : all_dv;
@@ -531,9 +575,9 @@ void moe_cp_attention_backward(const moe_backend *be, const moe_cp_attention *a,
             const size_t ko = p[j].k * z.KC;
             be->attention_backward(AT(dq, p[j].q * z.QC), AT(c, 2 * z.KL + ko),
                                    AT(c, 3 * z.KL + ko), AT(dy, p[j].q * z.QC),
-                                   AT(y, p[j].q * z.QC), lse + p[j].q * z.LC, NULL,
-                                   AT(q, p[j].q * z.QC), AT(c, ko), AT(c, z.KL + ko),
-                                   block(a, qc, kc));
+                                   AT(y, p[j].q * z.QC), lse + p[j].q * z.LC,
+                                   op_ws(be, a, ws, block(a, qc, kc)), AT(q, p[j].q * z.QC),
+                                   AT(c, ko), AT(c, z.KL + ko), block(a, qc, kc));
         }
         if (i + 1 < a->cp) {
             ring_shift(be, a, set[0], set[1], 4 * z.KL);

@@ -93,7 +93,9 @@ moe_status moe_cp_attention_check(const moe_cp_attention *a, moe_error *err);
  * @brief Backend memory the call needs beside its tensors, in bytes: for p2p two ranks'
  *        keys and values plus, in the backward, their gradients, and one partial output and
  *        lse; for allgather the whole sequence's keys and values and their gradients; for
- *        a2a eight local-sized tensors, the lse and a staging area.
+ *        a2a eight local-sized tensors, the lse and a staging area. Then, for every
+ *        backend, the attention op's workspace of the largest block call: one fp32 per
+ *        query row (the CUDA op's backward keeps its row dots δ there; the CPU's needs none).
  * @param a the call  @param act_size bytes per activation
  * @return bytes of workspace (moe_cp_attention_forward/backward take it as @p ws)
  */
