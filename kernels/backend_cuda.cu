@@ -38,6 +38,8 @@ static moe_backend make_cuda_backend(void) {
     b.copy = moe_cuda_copy;
     b.to_host = moe_cuda_to_host;
     b.from_host = moe_cuda_from_host;
+    b.copy_2d = moe_cuda_copy_2d;
+    b.fill_real = moe_cuda_fill_real;
     b.read_act = moe_cuda_read_act;
     b.write_act = moe_cuda_write_act;
     b.cast_to_act = moe_cuda_cast_to_act;
@@ -65,6 +67,7 @@ static moe_backend make_cuda_backend(void) {
     b.attention_workspace_bytes = moe_cuda_attention_workspace_bytes;
     b.attention_forward = moe_cuda_attention_forward;
     b.attention_backward = moe_cuda_attention_backward;
+    b.cp_merge = moe_cuda_cp_merge;
     b.swiglu_forward = moe_cuda_swiglu_forward;
     b.swiglu_backward = moe_cuda_swiglu_backward;
     b.cross_entropy_forward = moe_cuda_cross_entropy_forward;

@@ -145,6 +145,12 @@ void moe_cuda_cross_entropy_shard_merge(moe_real *losses, moe_real *lse, const m
 void moe_cuda_cross_entropy_shard_backward(void *dlogits, const moe_real *dloss,
                                            const void *logits, const moe_real *lse,
                                            const int *targets, int N, int V);
+/* context parallelism (chapter 07; kernels/cp_merge.cu) */
+void moe_cuda_cp_merge(void *y, moe_real *lse, const void *y_b, const moe_real *lse_b, int B,
+                       int T, int H, int D);
+void moe_cuda_fill_real(moe_real *x, double v, size_t n);
+void moe_cuda_copy_2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
+                      size_t rows);
 void moe_cuda_add(void *y, const void *x, size_t n);
 void moe_cuda_scale(void *x, double s, size_t n);
 

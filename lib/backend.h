@@ -83,6 +83,13 @@ typedef struct moe_backend {
     void (*copy)(void *dst, const void *src, size_t bytes);      /**< device → device */
     void (*to_host)(void *dst, const void *src, size_t bytes);   /**< device → host */
     void (*from_host)(void *dst, const void *src, size_t bytes); /**< host → device */
+    /** dst + r·dpitch ← src + r·spitch, @p width bytes each, r < @p rows (device → device,
+     *  as cudaMemcpy2D): the packing of strided rows, e.g. context parallelism's all-to-all
+     *  of heads (chapter 07) */
+    void (*copy_2d)(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
+                    size_t rows);
+    /** x[i] = v, i < n, full-precision elements (e.g. log-sum-exp rows at −∞) */
+    void (*fill_real)(moe_real *x, double v, size_t n);
     /** n activations → host moe_real (for logits, tests) */
     void (*read_act)(moe_real *host, const void *src, size_t n);
     /** n host moe_real → activations (for tests) */
@@ -206,6 +213,12 @@ typedef struct moe_backend {
     void (*attention_backward)(void *dq, void *dk, void *dv, const void *dy, const void *y,
                                const moe_real *lse, void *ws, const void *q, const void *k,
                                const void *v, moe_attention_shape s);
+    /** as moe_cp_merge() (context parallelism, chapter 07), with y and y_b [B,T,H,D] in the
+     *  activation type and lse, lse_b [B,H,T] full precision: the part merged into the
+     *  accumulator by their log-sum-exp; a part row at −∞ leaves the row as it is, an
+     *  accumulator row at −∞ takes the part. The CPU op is moe_cp_merge() itself */
+    void (*cp_merge)(void *y, moe_real *lse, const void *y_b, const moe_real *lse_b, int B,
+                     int T, int H, int D);
     /** as moe_cpu_swiglu_forward(): out = silu(g)·u, times the routing weight
      *  row_scale[n] when not NULL (fused: the scaled activation is fc2's input) */
     void (*swiglu_forward)(void *out, const void *gu, const moe_real *row_scale, int N, int F);

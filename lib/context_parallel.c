@@ -7,13 +7,16 @@
 #include "log.h"
 
 moe_status moe_cp_attention_supported(const moe_backend *be, moe_error *err) {
-    if (be->device == MOE_DEVICE_CPU)
+    /* besides the attention op and the communicator: the merge, the lse fill and the strided
+     * copies of the all-to-alls, all on backend memory (the CPU's and the CUDA tables have
+     * them) */
+    if (be->cp_merge && be->fill_real && be->copy_2d)
         return MOE_OK;
     return moe_error_set(err, MOE_ERR_CONFIG,
-                         "--context-parallel-size > 1 runs on CPU ranks only (--device cpu): "
-                         "the CUDA flash kernel runs the chunk pairs, but the merge of the "
-                         "partial results by their log-sum-exp still runs on host memory; a "
-                         "device merge is the next step of chapter 07");
+                         "--context-parallel-size > 1 on the %s backend: its op table has no "
+                         "cp_merge, fill_real or copy_2d op (the merge of the partial results "
+                         "by their log-sum-exp and the all-to-all's packing); use --device cpu "
+                         "or cuda", be->name);
 }
 
 /* Element counts of one rank's tensors: a chunk of B sequences of queries (QC) and of
@@ -50,17 +53,55 @@ moe_status moe_cp_attention_check(const moe_cp_attention *a, moe_error *err) {
     return MOE_OK;
 }
 
-size_t moe_cp_attention_workspace_bytes(const moe_cp_attention *a, size_t act_size) {
+/* Query rows of a type's largest attention op call: a block of C rows of every head, a2a's
+ * whole sequence of its Hq/cp heads, a2a+p2p's block of its Hq/a2a heads. */
+static size_t op_rows(const moe_cp_attention *a) {
+    const sizes z = sizes_of(a);
+    if (a->type == MOE_CP_A2A)
+        return 2 * z.LC;
+    if (a->type == MOE_CP_A2A_P2P)
+        return z.LC / (size_t)a->a2a;
+    return z.LC;
+}
+
+/* the exchange's own buffers (the layouts below) */
+static size_t exchange_bytes(const moe_cp_attention *a, size_t act_size) {
     const sizes z = sizes_of(a);
     if (a->type == MOE_CP_A2A_P2P) /* q y dy dq blocks, 2 travelling k v dk dv, lse, parts */
         return (5 * 2 * z.QC + 8 * z.KL) * act_size + 2 * z.LC * sizeof(moe_real) +
-               z.QC / (size_t)a->a2a * act_size + z.LC / (size_t)a->a2a * sizeof(moe_real);
+               z.QC / (size_t)a->a2a * act_size + z.LC / (size_t)a->a2a * sizeof(moe_real) + 16;
     if (a->type == MOE_CP_A2A) /* q k v y dy dq dk dv of my heads, their lse, the staging */
         return (4 * 2 * z.QC + 4 * z.KL + 2 * 2 * z.QC) * act_size + 2 * z.LC * sizeof(moe_real);
-    const size_t part = z.QC * act_size + z.LC * sizeof(moe_real); /* one partial y, lse */
+    /* one partial lse and y, the y at 16 bytes (+ 16: the attention op's vector stores) */
+    const size_t part = z.LC * sizeof(moe_real) + 16 + z.QC * act_size;
     if (a->type == MOE_CP_ALLGATHER) /* all keys and values, their gradients, one piece */
         return (4 * (size_t)a->cp * z.KL + z.KL) * act_size + part;
     return 8 * z.KL * act_size + part; /* two travelling sets of k, v, dk, dv */
+}
+
+static size_t align16(size_t n) { return (n + 15) / 16 * 16; }
+
+/* p, moved on to the next multiple of 16 bytes from the workspace's start */
+static void *at16(void *ws, void *p) {
+    return (char *)ws + align16((size_t)((char *)p - (char *)ws));
+}
+
+/* After the exchange's buffers: the attention op's workspace, one fp32 per query row of the
+ * largest call (what the CUDA op keeps there, the backward's row dots δ; the CPU's needs
+ * none), shared by every block: the forward leaves nothing there for the backward (both
+ * backends' contract), and the backward of a block writes it before it reads it. */
+size_t moe_cp_attention_workspace_bytes(const moe_cp_attention *a, size_t act_size) {
+    return align16(exchange_bytes(a, act_size)) + op_rows(a) * sizeof(float);
+}
+
+/* the op's workspace for a call of shape `s` (NULL when it needs none) */
+static void *op_ws(const moe_backend *be, const moe_cp_attention *a, void *ws,
+                   moe_attention_shape s) {
+    const size_t need = be->attention_workspace_bytes(s);
+    if (need == 0)
+        return NULL;
+    MOE_ASSERT(need <= op_rows(a) * sizeof(float)); /* more than one fp32 a row: resize */
+    return (char *)ws + align16(exchange_bytes(a, be->act_size));
 }
 
 /* The shape of one block: query chunk `qc` of this rank against key chunk `kc`, global
@@ -90,105 +131,95 @@ static void ring_shift(const moe_backend *be, const moe_cp_attention *a, const v
 
 /* Token (s, w, b, c) of the CP group (rank s's chunk w, sequence b, row c) sits at position
  * moe_cp_chunk(cp, s, w)·C + c. "Tokens" layout: this rank's [2][B][C][H][D], every head;
- * "heads" layout: [B][T][H/cp][D], every token of the sequence, this rank's heads. */
+ * "heads" layout: [B][T][H/cp][D], every token of the sequence, this rank's heads. The lse
+ * likewise: [2][B][Hq][C] and [B][Hq/cp][T]. Every move below is a strided copy
+ * (be->copy_2d) between one of these layouts and a contiguous staging area, and the
+ * all-to-all of the staging areas: no element is touched on the host, so GPU ranks run it. */
 
 /* the all-to-all of `per` elements with each of the n ranks of `comm` (a copy with none) */
-static void swap_in(moe_comm *comm, int n, const void *send, void *recv, size_t per, moe_dtype t,
-                    size_t elem) {
+static void swap_in(const moe_backend *be, moe_comm *comm, int n, const void *send, void *recv,
+                    size_t per, moe_dtype t, size_t elem) {
     if (!comm) {
-        memcpy(recv, send, per * elem);
+        be->copy(recv, send, per * elem);
         return;
     }
-    size_t counts[64];
+    size_t counts[64] = {0};
     MOE_ASSERT(n <= 64);
     for (int p = 0; p < n; p++)
         counts[p] = per;
     moe_comm_all_to_all_v(comm, send, counts, recv, counts, t);
 }
 
+/* A strided piece of a tensor, in elements: `rows` rows of `width` from `off`, `pitch` apart. */
+typedef struct piece {
+    size_t off, pitch, width, rows;
+} piece;
 
-/* Where row (w, b, c) of rank p's part lies, in elements: in the tokens layout p is the head
- * slice's owner (the row's slice p of this rank's token), in the heads layout p is the
- * token's owner (the token at its absolute position, this rank's heads). */
-static size_t tokens_off(const moe_cp_attention *a, int H, int p, int w, int b, int c) {
-    const int C = a->T / (2 * a->cp);
-    return (((size_t)w * a->B + b) * C + c) * H * a->D + (size_t)p * (H / a->cp) * a->D;
+/* rows of a piece between a layout (at `lay`) and a contiguous staging area (at `flat`),
+ * `elem` bytes an element: out of the layout (to_flat) or into it */
+static void move_piece(const moe_backend *be, char *lay, char *flat, piece s, size_t elem,
+                       int to_flat) {
+    if (to_flat)
+        be->copy_2d(flat, s.width * elem, lay + s.off * elem, s.pitch * elem, s.width * elem,
+                    s.rows);
+    else
+        be->copy_2d(lay + s.off * elem, s.pitch * elem, flat, s.width * elem, s.width * elem,
+                    s.rows);
 }
-static size_t heads_off(const moe_cp_attention *a, int H, int p, int w, int b, int c) {
-    const int C = a->T / (2 * a->cp);
-    return ((size_t)b * a->T + moe_cp_chunk(a->cp, p, w) * C + c) * (H / a->cp) * a->D;
+
+/* Ulysses' piece (p, w) of a tensor of H heads (`lse`: of the lse) in the tokens layout
+ * (heads = 0: head slice p of this rank's chunk w) or the heads layout (heads = 1: chunk
+ * moe_cp_chunk(cp, p, w) of every sequence, this rank's heads). In the staging area of rank
+ * p's part it is contiguous, at w·per/2: [w][B][C][H/cp][D] (lse [w][B][Hq/cp][C]). */
+static piece a2a_piece(const moe_cp_attention *a, int H, int lse, int p, int w, int heads) {
+    const int cp = a->cp, B = a->B, C = a->T / (2 * cp), h = H / cp;
+    const size_t row = (size_t)h * a->D, at = (size_t)moe_cp_chunk(cp, p, w) * C;
+    piece s;
+    if (lse && heads)
+        s = (piece){at, (size_t)a->T, (size_t)C, (size_t)B * h};
+    else if (lse)
+        s = (piece){((size_t)w * B * H + (size_t)p * h) * C, (size_t)H * C, (size_t)h * C, B};
+    else if (heads)
+        s = (piece){at * row, (size_t)a->T * row, C * row, B};
+    else
+        s = (piece){(size_t)w * B * C * H * a->D + p * row, (size_t)H * a->D, row, (size_t)B * C};
+    return s;
 }
 
 /* tokens -> heads (to_heads; src tokens, dst heads) or back (src heads, dst tokens; `add`
- * accumulates, for gradients): pack each rank's rows, swap, place them. */
-static void a2a_rows(const moe_backend *be, const moe_cp_attention *a, const moe_real *src,
-                     moe_real *dst, int H, int to_heads, int add, moe_real *stage) {
-    const int cp = a->cp, B = a->B, C = a->T / (2 * cp);
-    const size_t row = (size_t)(H / cp) * a->D, per = (size_t)2 * B * C * row;
-    moe_real *snd = stage, *rcv = stage + per * cp;
-    for (int pass = 0; pass < 2; pass++) { /* 0: pack into snd, 1: unpack from rcv */
-        if (pass == 1)
-            swap_in(a->comm, a->cp, snd, rcv, per, moe_dtype_act(be), sizeof(moe_real));
-        for (int p = 0; p < cp; p++)
-            for (int w = 0; w < 2; w++)
-                for (int b = 0; b < B; b++)
-                    for (int c = 0; c < C; c++) {
-                        const size_t k = (size_t)p * per + (((size_t)w * B + b) * C + c) * row;
-                        /* packing reads the start layout, unpacking writes the end layout */
-                        const int tokens_side = (pass == 0) == (to_heads != 0);
-                        const size_t o = tokens_side ? tokens_off(a, H, p, w, b, c)
-                                                     : heads_off(a, H, p, w, b, c);
-                        if (pass == 0) {
-                            memcpy(snd + k, src + o, sizeof(moe_real) * row);
-                        } else {
-                            for (size_t i = 0; i < row; i++)
-                                dst[o + i] = add ? dst[o + i] + rcv[k + i] : rcv[k + i];
-                        }
-                    }
-    }
-}
-
-/* the lse: local [2][B][Hq][C] -> heads [B][Hq/cp][T] (to_heads), or back; src is in the
- * layout of the direction's start, dst in that of its end */
-static void lse_swap(const moe_cp_attention *a, const moe_real *src, moe_real *dst,
-                     int to_heads, moe_real *stage) {
-    const int cp = a->cp, B = a->B, C = a->T / (2 * cp), Hq = a->Hq, h = Hq / cp;
-    const size_t per = (size_t)2 * B * h * C;
-    moe_real *snd = stage, *rcv = stage + per * cp;
-    for (int p = 0; p < cp; p++) /* p: the head owner (to heads) or the token owner (back) */
+ * accumulates, for gradients) of a tensor of H heads (`lse`: the lse, of Hq heads): pack
+ * each rank's part, swap, place them. `stage` holds two local-sized tensors: the send and
+ * the receive area; an accumulation places into the (then free) send area and adds. */
+static void a2a_move(const moe_backend *be, const moe_cp_attention *a, const void *src,
+                     void *dst, int H, int lse, int to_heads, int add, char *stage) {
+    const int cp = a->cp;
+    const size_t elem = lse ? sizeof(moe_real) : be->act_size;
+    const size_t per = (size_t)2 * a->B * (a->T / (2 * cp)) * (H / cp) * (lse ? 1 : a->D);
+    char *snd = stage, *rcv = stage + per * cp * elem, *out = add ? snd : dst;
+    for (int p = 0; p < cp; p++) /* packing reads the start layout */
         for (int w = 0; w < 2; w++)
-            for (int b = 0; b < B; b++)
-                for (int j = 0; j < h; j++)
-                    for (int c = 0; c < C; c++) {
-                        const size_t k = (size_t)p * per + (((size_t)w * B + b) * h + j) * C + c;
-                        snd[k] = to_heads
-                                     ? src[(((size_t)w * B + b) * Hq + p * h + j) * C + c]
-                                     : src[((size_t)b * h + j) * a->T + moe_cp_chunk(cp, p, w) * C + c];
-                    }
-    swap_in(a->comm, a->cp, snd, rcv, per, moe_dtype_real(), sizeof(moe_real));
-    for (int p = 0; p < cp; p++) /* p: the token owner (to heads) or the head owner (back) */
+            move_piece(be, (char *)src, snd + (p * per + w * per / 2) * elem,
+                       a2a_piece(a, H, lse, p, w, !to_heads), elem, 1);
+    swap_in(be, a->comm, cp, snd, rcv, per, lse ? moe_dtype_real() : moe_dtype_act(be), elem);
+    for (int p = 0; p < cp; p++) /* unpacking writes the end layout */
         for (int w = 0; w < 2; w++)
-            for (int b = 0; b < B; b++)
-                for (int j = 0; j < h; j++)
-                    for (int c = 0; c < C; c++) {
-                        const moe_real x = rcv[(size_t)p * per + (((size_t)w * B + b) * h + j) * C + c];
-                        if (to_heads)
-                            dst[((size_t)b * h + j) * a->T + moe_cp_chunk(cp, p, w) * C + c] = x;
-                        else
-                            dst[(((size_t)w * B + b) * Hq + p * h + j) * C + c] = x;
-                    }
+            move_piece(be, out, rcv + (p * per + w * per / 2) * elem,
+                       a2a_piece(a, H, lse, p, w, to_heads), elem, 0);
+    if (add)
+        be->add(dst, snd, per * cp);
 }
 
 /* the a2a workspace: my heads' q k v y dy dq dk dv (whole sequence), their lse, staging */
 typedef struct a2a_bufs {
-    moe_real *q, *k, *v, *y, *dy, *dq, *dk, *dv, *lse, *stage;
+    char *q, *k, *v, *y, *dy, *dq, *dk, *dv, *stage;
+    moe_real *lse;
 } a2a_bufs;
 
-static a2a_bufs a2a_layout(const moe_cp_attention *a, void *ws) {
+static a2a_bufs a2a_layout(const moe_backend *be, const moe_cp_attention *a, void *ws) {
     const sizes z = sizes_of(a);
-    const size_t nq = 2 * z.QC, nk = z.KL;
+    const size_t S = be->act_size, nq = 2 * z.QC * S, nk = z.KL * S;
     a2a_bufs u;
-    moe_real *p = ws;
+    char *p = ws;
     u.q = p, p += nq;
     u.y = p, p += nq;
     u.dy = p, p += nq;
@@ -197,8 +228,8 @@ static a2a_bufs a2a_layout(const moe_cp_attention *a, void *ws) {
     u.v = p, p += nk;
     u.dk = p, p += nk;
     u.dv = p, p += nk;
-    u.lse = p, p += 2 * z.LC;
-    u.stage = p; /* 2·nq: a send and a receive area of the largest tensor */
+    u.lse = (moe_real *)p, p += 2 * z.LC * sizeof(moe_real);
+    u.stage = p; /* 2·nq: a send and a receive area of the largest tensor (or of the lse) */
     return u;
 }
 
@@ -209,32 +240,33 @@ static moe_attention_shape a2a_shape(const moe_cp_attention *a) {
 
 static void a2a_forward(const moe_backend *be, const moe_cp_attention *a, void *y,
                         moe_real *lse, const void *q, const void *k, const void *v, void *ws) {
-    const a2a_bufs u = a2a_layout(a, ws);
-    a2a_rows(be, a, q, u.q, a->Hq, 1, 0, u.stage);
-    a2a_rows(be, a, k, u.k, a->Hkv, 1, 0, u.stage);
-    a2a_rows(be, a, v, u.v, a->Hkv, 1, 0, u.stage);
-    be->attention_forward(u.y, u.lse, NULL, u.q, u.k, u.v, a2a_shape(a));
-    a2a_rows(be, a, u.y, y, a->Hq, 0, 0, u.stage);
-    lse_swap(a, u.lse, lse, 0, u.stage);
+    const a2a_bufs u = a2a_layout(be, a, ws);
+    a2a_move(be, a, q, u.q, a->Hq, 0, 1, 0, u.stage);
+    a2a_move(be, a, k, u.k, a->Hkv, 0, 1, 0, u.stage);
+    a2a_move(be, a, v, u.v, a->Hkv, 0, 1, 0, u.stage);
+    be->attention_forward(u.y, u.lse, op_ws(be, a, ws, a2a_shape(a)), u.q, u.k, u.v, a2a_shape(a));
+    a2a_move(be, a, u.y, y, a->Hq, 0, 0, 0, u.stage);
+    a2a_move(be, a, u.lse, lse, a->Hq, 1, 0, 0, u.stage);
 }
 
 static void a2a_backward(const moe_backend *be, const moe_cp_attention *a, void *dq, void *dk,
                          void *dv, const void *dy, const void *y, const moe_real *lse,
                          const void *q, const void *k, const void *v, void *ws) {
-    const a2a_bufs u = a2a_layout(a, ws);
+    const a2a_bufs u = a2a_layout(be, a, ws);
     const sizes z = sizes_of(a);
-    a2a_rows(be, a, q, u.q, a->Hq, 1, 0, u.stage);
-    a2a_rows(be, a, k, u.k, a->Hkv, 1, 0, u.stage);
-    a2a_rows(be, a, v, u.v, a->Hkv, 1, 0, u.stage);
-    a2a_rows(be, a, y, u.y, a->Hq, 1, 0, u.stage);
-    a2a_rows(be, a, dy, u.dy, a->Hq, 1, 0, u.stage);
-    lse_swap(a, lse, u.lse, 1, u.stage);
-    memset(u.dq, 0, sizeof(moe_real) * 2 * z.QC);
-    memset(u.dk, 0, sizeof(moe_real) * 2 * z.KL);
-    be->attention_backward(u.dq, u.dk, u.dv, u.dy, u.y, u.lse, NULL, u.q, u.k, u.v, a2a_shape(a));
-    a2a_rows(be, a, u.dq, dq, a->Hq, 0, 1, u.stage);
-    a2a_rows(be, a, u.dk, dk, a->Hkv, 0, 1, u.stage);
-    a2a_rows(be, a, u.dv, dv, a->Hkv, 0, 1, u.stage);
+    a2a_move(be, a, q, u.q, a->Hq, 0, 1, 0, u.stage);
+    a2a_move(be, a, k, u.k, a->Hkv, 0, 1, 0, u.stage);
+    a2a_move(be, a, v, u.v, a->Hkv, 0, 1, 0, u.stage);
+    a2a_move(be, a, y, u.y, a->Hq, 0, 1, 0, u.stage);
+    a2a_move(be, a, dy, u.dy, a->Hq, 0, 1, 0, u.stage);
+    a2a_move(be, a, lse, u.lse, a->Hq, 1, 1, 0, u.stage);
+    be->zero(u.dq, be->act_size * 2 * z.QC);
+    be->zero(u.dk, be->act_size * 2 * z.KL);
+    be->attention_backward(u.dq, u.dk, u.dv, u.dy, u.y, u.lse, op_ws(be, a, ws, a2a_shape(a)),
+                           u.q, u.k, u.v, a2a_shape(a));
+    a2a_move(be, a, u.dq, dq, a->Hq, 0, 0, 1, u.stage);
+    a2a_move(be, a, u.dk, dk, a->Hkv, 0, 0, 1, u.stage);
+    a2a_move(be, a, u.dv, dv, a->Hkv, 0, 0, 1, u.stage);
 }
 
 
@@ -245,61 +277,51 @@ static void a2a_backward(const moe_backend *be, const moe_cp_attention *a, void 
  * chunk moe_cp_chunk(cp, o·a2a + src, w) of all B sequences (o: this rank's outer rank);
  * lse blocks are [src][w][B][h][C]. Both are one contiguous [B, C, …] operand per block. */
 
-/* tokens -> blocks (to_blocks) or back (`add`: accumulate); rows of H heads */
-static void inner_rows(const moe_backend *be, const moe_cp_attention *a, const moe_real *src,
-                       moe_real *dst, int H, int to_blocks, int add, moe_real *stage) {
-    const int n = a->a2a, B = a->B, C = a->T / (2 * a->cp);
-    const size_t row = (size_t)(H / n) * a->D, per = (size_t)2 * B * C * row;
-    if (to_blocks) { /* pack slice p for head owner p; what arrives from inner rank s is
-                      * block s, so the received layout needs no unpack */
-        for (int p = 0; p < n; p++)
-            for (size_t r = 0; r < per / row; r++)
-                memcpy(stage + (size_t)p * per + r * row, src + r * H * a->D + (size_t)p * row,
-                       sizeof(moe_real) * row);
-        swap_in(a->inner, n, stage, dst, per, moe_dtype_act(be), sizeof(moe_real));
-        return;
-    }
-    swap_in(a->inner, n, src, stage, per, moe_dtype_act(be), sizeof(moe_real));
-    for (int p = 0; p < n; p++) /* from head owner p: its slice of this rank's rows */
-        for (size_t r = 0; r < per / row; r++) {
-            moe_real *d = dst + r * H * a->D + (size_t)p * row;
-            const moe_real *s = stage + (size_t)p * per + r * row;
-            for (size_t i = 0; i < row; i++)
-                d[i] = add ? d[i] + s[i] : s[i];
-        }
+/* head slice p of every local row (of H heads, or of the lse): what inner rank p gets */
+static piece inner_piece(const moe_cp_attention *a, int H, int lse, int p) {
+    const int n = a->a2a, C = a->T / (2 * a->cp), h = H / n;
+    if (lse)
+        return (piece){(size_t)p * h * C, (size_t)H * C, (size_t)h * C, (size_t)2 * a->B};
+    const size_t row = (size_t)h * a->D;
+    return (piece){p * row, (size_t)H * a->D, row, (size_t)2 * a->B * C};
 }
 
-/* the lse: local [2][B][Hq][C] <-> blocks [src][2][B][h][C] */
-static void inner_lse(const moe_cp_attention *a, const moe_real *src, moe_real *dst,
-                      int to_blocks, moe_real *stage) {
-    const int n = a->a2a, B = a->B, C = a->T / (2 * a->cp), Hq = a->Hq, h = Hq / n;
-    const size_t per = (size_t)2 * B * h * C;
-    if (!to_blocks)
-        swap_in(a->inner, n, src, stage, per, moe_dtype_real(), sizeof(moe_real));
-    for (int p = 0; p < n; p++)
-        for (int w = 0; w < 2; w++)
-            for (int b = 0; b < B; b++)
-                for (int j = 0; j < h; j++) {
-                    const size_t blk = (size_t)p * per + (((size_t)w * B + b) * h + j) * C;
-                    const size_t loc = (((size_t)w * B + b) * Hq + p * h + j) * C;
-                    if (to_blocks)
-                        memcpy(stage + blk, src + loc, sizeof(moe_real) * C);
-                    else
-                        memcpy(dst + loc, stage + blk, sizeof(moe_real) * C);
-                }
-    if (to_blocks)
-        swap_in(a->inner, n, stage, dst, per, moe_dtype_real(), sizeof(moe_real));
+/* tokens -> blocks (to_blocks) or back (`add`: accumulate, through `tmp`, a free buffer of
+ * the local size) of a tensor of H heads (`lse`: the lse, of Hq heads). What arrives from
+ * inner rank s is block s, so the blocks need no unpacking. */
+static void inner_move(const moe_backend *be, const moe_cp_attention *a, const void *src,
+                       void *dst, int H, int lse, int to_blocks, int add, char *stage,
+                       char *tmp) {
+    const int n = a->a2a;
+    const size_t elem = lse ? sizeof(moe_real) : be->act_size;
+    const size_t per = (size_t)2 * a->B * (a->T / (2 * a->cp)) * (H / n) * (lse ? 1 : a->D);
+    const moe_dtype t = lse ? moe_dtype_real() : moe_dtype_act(be);
+    if (to_blocks) { /* pack slice p for head owner p */
+        for (int p = 0; p < n; p++)
+            move_piece(be, (char *)src, stage + p * per * elem, inner_piece(a, H, lse, p), elem,
+                       1);
+        swap_in(be, a->inner, n, stage, dst, per, t, elem);
+        return;
+    }
+    char *out = add ? tmp : dst;
+    swap_in(be, a->inner, n, src, stage, per, t, elem);
+    for (int p = 0; p < n; p++) /* from head owner p: its slice of this rank's rows */
+        move_piece(be, out, stage + p * per * elem, inner_piece(a, H, lse, p), elem, 0);
+    if (add)
+        be->add(dst, tmp, per * n);
 }
 
 typedef struct hyb_bufs {
-    moe_real *q, *y, *dy, *dq, *stage, *set[2], *lse, *y_part, *lse_part;
+    char *q, *y, *dy, *dq, *stage, *set[2], *y_part;
+    moe_real *lse, *lse_part;
+    void *ws; /* the whole workspace (op_ws finds the op's part) */
 } hyb_bufs;
 
-static hyb_bufs hyb_layout(const moe_cp_attention *a, void *ws) {
+static hyb_bufs hyb_layout(const moe_backend *be, const moe_cp_attention *a, void *ws) {
     const sizes z = sizes_of(a);
-    const size_t nq = 2 * z.QC, nk = z.KL;
+    const size_t S = be->act_size, nq = 2 * z.QC * S, nk = z.KL * S;
     hyb_bufs u;
-    moe_real *p = ws;
+    char *p = ws;
     u.q = p, p += nq;
     u.y = p, p += nq;
     u.dy = p, p += nq;
@@ -307,9 +329,10 @@ static hyb_bufs hyb_layout(const moe_cp_attention *a, void *ws) {
     u.stage = p, p += nq;
     u.set[0] = p, p += 4 * nk; /* [k | v | dk | dv] blocks of the held group */
     u.set[1] = p, p += 4 * nk;
-    u.lse = p, p += 2 * z.LC;
-    u.y_part = p, p += z.QC / a->a2a;
-    u.lse_part = p;
+    u.lse = (moe_real *)p, p += 2 * z.LC * sizeof(moe_real);
+    u.lse_part = (moe_real *)p, p += z.LC / a->a2a * sizeof(moe_real);
+    u.y_part = at16(ws, p); /* the attention op stores y 16 bytes at a time */
+    u.ws = ws;
     return u;
 }
 
@@ -323,90 +346,91 @@ static moe_attention_shape hyb_shape(const moe_cp_attention *a, int qc, int kc) 
 /* The blocks of one ring step: this rank's query blocks against the key blocks of outer
  * rank `o2` (held now): every visible pair, forward (merge) or backward (accumulate). */
 static void hyb_step(const moe_backend *be, const moe_cp_attention *a, const hyb_bufs *u,
-                     moe_real *held, int o2, int backward) {
+                     char *held, int o2, int backward) {
     const int n = a->a2a, o = a->rank / n;
     const sizes z = sizes_of(a);
-    const size_t QB = z.QC / n, KB = z.KC / n, LB = z.LC / n, nk = z.KL;
+    const size_t S = be->act_size, QB = z.QC / n, KB = z.KC / n, LB = z.LC / n, nk = z.KL * S;
     for (int sq = 0; sq < n; sq++)
         for (int wq = 0; wq < 2; wq++) {
             const int qc = moe_cp_chunk(a->cp, o * n + sq, wq);
-            const size_t qo = (size_t)(sq * 2 + wq) * QB, lo = (size_t)(sq * 2 + wq) * LB;
+            const size_t qo = (size_t)(sq * 2 + wq) * QB * S, lo = (size_t)(sq * 2 + wq) * LB;
             for (int sk = 0; sk < n; sk++)
                 for (int wk = 0; wk < 2; wk++) {
                     const int kc = moe_cp_chunk(a->cp, o2 * n + sk, wk);
                     if (kc > qc)
                         continue;
-                    const size_t ko = (size_t)(sk * 2 + wk) * KB;
+                    const size_t ko = (size_t)(sk * 2 + wk) * KB * S;
                     const moe_attention_shape sh = hyb_shape(a, qc, kc);
                     if (!backward) {
-                        be->attention_forward(u->y_part, u->lse_part, NULL, u->q + qo, held + ko,
-                                              held + nk + ko, sh);
-                        moe_cp_merge(u->y + qo, u->lse + lo, u->y_part, u->lse_part, a->B,
+                        be->attention_forward(u->y_part, u->lse_part, op_ws(be, a, u->ws, sh),
+                                              u->q + qo, held + ko, held + nk + ko, sh);
+                        be->cp_merge(u->y + qo, u->lse + lo, u->y_part, u->lse_part, a->B,
                                      sh.Tq, sh.Hq, a->D);
                     } else {
                         /* the travelling set [k | v | dk | dv]: its dk, dv accumulate */
                         be->attention_backward(u->dq + qo, held + 2 * nk + ko, held + 3 * nk + ko,
-                                               u->dy + qo, u->y + qo, u->lse + lo, NULL,
-                                               u->q + qo, held + ko, held + nk + ko, sh);
+                                               u->dy + qo, u->y + qo, u->lse + lo,
+                                               op_ws(be, a, u->ws, sh), u->q + qo, held + ko,
+                                               held + nk + ko, sh);
                     }
                 }
         }
 }
 
-static void hyb_forward(const moe_backend *be, const moe_cp_attention *a, moe_real *y,
-                        moe_real *lse, const moe_real *q, const moe_real *k, const moe_real *v,
-                        void *ws) {
-    hyb_bufs u = hyb_layout(a, ws);
+static void hyb_forward(const moe_backend *be, const moe_cp_attention *a, void *y,
+                        moe_real *lse, const void *q, const void *k, const void *v, void *ws) {
+    hyb_bufs u = hyb_layout(be, a, ws);
     const sizes z = sizes_of(a);
+    const size_t S = be->act_size;
     const int n = a->a2a, p = a->cp / n, o = a->rank / n;
-    inner_rows(be, a, q, u.q, a->Hq, 1, 0, u.stage);
-    inner_rows(be, a, k, u.set[0], a->Hkv, 1, 0, u.stage);
-    inner_rows(be, a, v, u.set[0] + z.KL, a->Hkv, 1, 0, u.stage);
-    for (size_t i = 0; i < 2 * z.LC; i++)
-        u.lse[i] = -INFINITY;
+    inner_move(be, a, q, u.q, a->Hq, 0, 1, 0, u.stage, NULL);
+    inner_move(be, a, k, u.set[0], a->Hkv, 0, 1, 0, u.stage, NULL);
+    inner_move(be, a, v, u.set[0] + z.KL * S, a->Hkv, 0, 1, 0, u.stage, NULL);
+    be->fill_real(u.lse, -INFINITY, 2 * z.LC);
     for (int s = 0; s < p; s++) {
         hyb_step(be, a, &u, u.set[0], ((o - s) % p + p) % p, 0);
         if (s + 1 < p) {
             ring_shift_in(be, a->outer, o, p, u.set[0], u.set[1], 2 * z.KL);
-            moe_real *t = u.set[0];
+            char *t = u.set[0];
             u.set[0] = u.set[1], u.set[1] = t;
         }
     }
-    inner_rows(be, a, u.y, y, a->Hq, 0, 0, u.stage);
-    inner_lse(a, u.lse, lse, 0, u.stage);
+    inner_move(be, a, u.y, y, a->Hq, 0, 0, 0, u.stage, NULL);
+    inner_move(be, a, u.lse, lse, a->Hq, 1, 0, 0, u.stage, NULL);
 }
 
-static void hyb_backward(const moe_backend *be, const moe_cp_attention *a, moe_real *dq,
-                         moe_real *dk, moe_real *dv, const moe_real *dy, const moe_real *y,
-                         const moe_real *lse, const moe_real *q, const moe_real *k,
-                         const moe_real *v, void *ws) {
-    hyb_bufs u = hyb_layout(a, ws);
+static void hyb_backward(const moe_backend *be, const moe_cp_attention *a, void *dq, void *dk,
+                         void *dv, const void *dy, const void *y, const moe_real *lse,
+                         const void *q, const void *k, const void *v, void *ws) {
+    hyb_bufs u = hyb_layout(be, a, ws);
     const sizes z = sizes_of(a);
+    const size_t S = be->act_size, nk = z.KL * S;
     const int n = a->a2a, p = a->cp / n, o = a->rank / n;
-    inner_rows(be, a, q, u.q, a->Hq, 1, 0, u.stage);
-    inner_rows(be, a, y, u.y, a->Hq, 1, 0, u.stage);
-    inner_rows(be, a, dy, u.dy, a->Hq, 1, 0, u.stage);
-    inner_rows(be, a, k, u.set[0], a->Hkv, 1, 0, u.stage);
-    inner_rows(be, a, v, u.set[0] + z.KL, a->Hkv, 1, 0, u.stage);
-    inner_lse(a, lse, u.lse, 1, u.stage);
-    memset(u.dq, 0, sizeof(moe_real) * 2 * z.QC);
-    memset(u.set[0] + 2 * z.KL, 0, sizeof(moe_real) * 2 * z.KL);
+    inner_move(be, a, q, u.q, a->Hq, 0, 1, 0, u.stage, NULL);
+    inner_move(be, a, y, u.y, a->Hq, 0, 1, 0, u.stage, NULL);
+    inner_move(be, a, dy, u.dy, a->Hq, 0, 1, 0, u.stage, NULL);
+    inner_move(be, a, k, u.set[0], a->Hkv, 0, 1, 0, u.stage, NULL);
+    inner_move(be, a, v, u.set[0] + nk, a->Hkv, 0, 1, 0, u.stage, NULL);
+    inner_move(be, a, lse, u.lse, a->Hq, 1, 1, 0, u.stage, NULL);
+    be->zero(u.dq, 2 * z.QC * S);
+    be->zero(u.set[0] + 2 * nk, 2 * nk);
     for (int s = 0; s < p; s++) {
         hyb_step(be, a, &u, u.set[0], ((o - s) % p + p) % p, 1);
         if (s + 1 < p) {
             ring_shift_in(be, a->outer, o, p, u.set[0], u.set[1], 4 * z.KL);
-            moe_real *t = u.set[0];
+            char *t = u.set[0];
             u.set[0] = u.set[1], u.set[1] = t;
         }
     }
-    moe_real *home = u.set[0] + 2 * z.KL; /* [dk | dv] of outer rank o + 1 (or ours) */
+    char *home = u.set[0] + 2 * nk; /* [dk | dv] of outer rank o + 1 (or ours) */
     if (p > 1) {
-        ring_shift_in(be, a->outer, o, p, home, u.set[1] + 2 * z.KL, 2 * z.KL);
-        home = u.set[1] + 2 * z.KL;
+        ring_shift_in(be, a->outer, o, p, home, u.set[1] + 2 * nk, 2 * z.KL);
+        home = u.set[1] + 2 * nk;
     }
-    inner_rows(be, a, u.dq, dq, a->Hq, 0, 1, u.stage);
-    inner_rows(be, a, home, dk, a->Hkv, 0, 1, u.stage);
-    inner_rows(be, a, home + z.KL, dv, a->Hkv, 0, 1, u.stage);
+    /* the accumulations place through buffers free by now: the queries', the outputs' */
+    inner_move(be, a, u.dq, dq, a->Hq, 0, 0, 1, u.stage, u.q);
+    inner_move(be, a, home, dk, a->Hkv, 0, 0, 1, u.stage, u.y);
+    inner_move(be, a, home + nk, dv, a->Hkv, 0, 0, 1, u.stage, u.y);
 }
 
 #define AT(p, i) ((char *)(p) + (size_t)(i) * S) /* element i of an activation buffer */
@@ -416,11 +440,11 @@ void moe_cp_attention_forward(const moe_backend *be, const moe_cp_attention *a, 
                               void *ws) {
     const sizes z = sizes_of(a);
     const size_t S = be->act_size;
-    MOE_ASSERT(S == sizeof(moe_real)); /* the merge runs on host memory (moe_cp_attention_supported) */
     char *w = ws;
     void *kv[2] = {w, w + 2 * z.KL * S}; /* the held rank's [k | v], and the next one's */
-    void *y_part = w + 4 * z.KL * S;
-    moe_real *lse_part = (moe_real *)((char *)y_part + z.QC * S);
+    /* one partial result: its lse first (no activation count of an odd size misaligns it) */
+    moe_real *lse_part = (moe_real *)(w + 4 * z.KL * S);
+    void *y_part = at16(ws, lse_part + z.LC); /* the op stores y 16 bytes at a time */
     if (a->type == MOE_CP_A2A) {
         a2a_forward(be, a, y, lse, q, k, v, ws);
         return;
@@ -429,12 +453,12 @@ void moe_cp_attention_forward(const moe_backend *be, const moe_cp_attention *a, 
         hyb_forward(be, a, y, lse, q, k, v, ws);
         return;
     }
-    for (size_t i = 0; i < 2 * z.LC; i++) /* nothing merged yet: every row at lse = −∞ */
-        lse[i] = -INFINITY;
+    be->fill_real(lse, -INFINITY, 2 * z.LC); /* nothing merged yet: every row at lse = −∞ */
     if (a->type == MOE_CP_ALLGATHER) {
         char *all_k = w, *all_v = w + (size_t)a->cp * z.KL * S;
-        y_part = all_v + (size_t)a->cp * z.KL * S + 2 * (size_t)a->cp * z.KL * S + z.KL * S;
-        lse_part = (moe_real *)((char *)y_part + z.QC * S);
+        lse_part = (moe_real *)(all_v + (size_t)a->cp * z.KL * S + 2 * (size_t)a->cp * z.KL * S +
+                                z.KL * S);
+        y_part = at16(ws, lse_part + z.LC);
         if (a->comm) {
             moe_comm_all_gather(a->comm, k, all_k, z.KL, moe_dtype_act(be));
             moe_comm_all_gather(a->comm, v, all_v, z.KL, moe_dtype_act(be));
@@ -449,10 +473,11 @@ void moe_cp_attention_forward(const moe_backend *be, const moe_cp_attention *a, 
                     if (kc > qc) /* every key of a later chunk is masked */
                         continue;
                     const size_t off = (size_t)s * z.KL + kb * z.KC;
-                    be->attention_forward(y_part, lse_part, NULL, AT(q, qa * z.QC),
-                                          AT(all_k, off), AT(all_v, off), block(a, qc, kc));
-                    moe_cp_merge((moe_real *)AT(y, qa * z.QC), lse + qa * z.LC, y_part, lse_part,
-                                 a->B, z.C, a->Hq, a->D);
+                    be->attention_forward(y_part, lse_part, op_ws(be, a, ws, block(a, qc, kc)),
+                                          AT(q, qa * z.QC), AT(all_k, off), AT(all_v, off),
+                                          block(a, qc, kc));
+                    be->cp_merge(AT(y, qa * z.QC), lse + qa * z.LC, y_part, lse_part, a->B,
+                                 z.C, a->Hq, a->D);
                 }
         return;
     }
@@ -465,11 +490,11 @@ void moe_cp_attention_forward(const moe_backend *be, const moe_cp_attention *a, 
         for (int j = 0; j < np; j++) {
             const int qc = moe_cp_chunk(a->cp, a->rank, p[j].q);
             const int kc = moe_cp_chunk(a->cp, s, p[j].k);
-            be->attention_forward(y_part, lse_part, NULL, AT(q, p[j].q * z.QC),
-                                  AT(kv[0], p[j].k * z.KC), AT(kv[0], z.KL + p[j].k * z.KC),
-                                  block(a, qc, kc));
-            moe_cp_merge((moe_real *)AT(y, p[j].q * z.QC), lse + p[j].q * z.LC, y_part,
-                         lse_part, a->B, z.C, a->Hq, a->D);
+            be->attention_forward(y_part, lse_part, op_ws(be, a, ws, block(a, qc, kc)),
+                                  AT(q, p[j].q * z.QC), AT(kv[0], p[j].k * z.KC),
+                                  AT(kv[0], z.KL + p[j].k * z.KC), block(a, qc, kc));
+            be->cp_merge(AT(y, p[j].q * z.QC), lse + p[j].q * z.LC, y_part, lse_part, a->B,
+                         z.C, a->Hq, a->D);
         }
         if (i + 1 < a->cp) { /* pass the held keys and values on; receive the next ones */
             ring_shift(be, a, kv[0], kv[1], 2 * z.KL);
@@ -486,7 +511,6 @@ void moe_cp_attention_backward(const moe_backend *be, const moe_cp_attention *a,
                                void *ws) {
     const sizes z = sizes_of(a);
     const size_t S = be->act_size;
-    MOE_ASSERT(S == sizeof(moe_real));
     char *w = ws;
     if (a->type == MOE_CP_A2A) {
         a2a_backward(be, a, dq, dk, dv, dy, y, lse, q, k, v, ws);
@@ -519,8 +543,9 @@ void moe_cp_attention_backward(const moe_backend *be, const moe_cp_attention *a,
                     const size_t off = (size_t)s * z.KL + kb * z.KC;
                     be->attention_backward(AT(dq, qa * z.QC), AT(all_dk, off), AT(all_dv, off),
                                            AT(dy, qa * z.QC), AT(y, qa * z.QC), lse + qa * z.LC,
-                                           NULL, AT(q, qa * z.QC), AT(all_k, off),
-                                           AT(all_v, off), block(a, qc, kc));
+                                           op_ws(be, a, ws, block(a, qc, kc)),
+                                           AT(q, qa * z.QC), AT(all_k, off), AT(all_v, off),
+                                           block(a, qc, kc));
                 }
         for (int t = 0; t < 2; t++) { /* each rank's piece of dk, then of dv */
             char *all = t == 0 ? all_dk : all_dv;
@@ -550,9 +575,9 @@ void moe_cp_attention_backward(const moe_backend *be, const moe_cp_attention *a,
             const size_t ko = p[j].k * z.KC;
             be->attention_backward(AT(dq, p[j].q * z.QC), AT(c, 2 * z.KL + ko),
                                    AT(c, 3 * z.KL + ko), AT(dy, p[j].q * z.QC),
-                                   AT(y, p[j].q * z.QC), lse + p[j].q * z.LC, NULL,
-                                   AT(q, p[j].q * z.QC), AT(c, ko), AT(c, z.KL + ko),
-                                   block(a, qc, kc));
+                                   AT(y, p[j].q * z.QC), lse + p[j].q * z.LC,
+                                   op_ws(be, a, ws, block(a, qc, kc)), AT(q, p[j].q * z.QC),
+                                   AT(c, ko), AT(c, z.KL + ko), block(a, qc, kc));
         }
         if (i + 1 < a->cp) {
             ring_shift(be, a, set[0], set[1], 4 * z.KL);

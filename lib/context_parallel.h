@@ -32,8 +32,11 @@
  *
  * The backend's attention op must run a query chunk against another chunk
  * (moe_attention_shape with Tq ≠ Tk or q_pos ≠ k_pos), which the CPU's and the CUDA flash
- * attention both do; but the merge (moe_cp_merge) runs on host memory, so only CPU ranks run
- * context parallelism today, and moe_cp_attention_supported() says so.
+ * attention both do. Everything else goes through the op table too, so CPU and GPU ranks
+ * run the same code: the merge (the cp_merge op: moe_cp_merge() on the CPU, a kernel on the
+ * GPU), the lse's start at −∞ (fill_real) and the all-to-alls' packing (copy_2d, strided
+ * rows into a contiguous staging area); the exchanges are moe_comm_* calls (NCCL on GPU
+ * ranks).
  */
 #ifndef MOE_CONTEXT_PARALLEL_H
 #define MOE_CONTEXT_PARALLEL_H
@@ -71,7 +74,8 @@ typedef struct moe_cp_attention {
 } moe_cp_attention;
 
 /**
- * @brief Whether a backend's attention op can run the chunk pairs context parallelism needs.
+ * @brief Whether a backend has the ops context parallelism needs beside attention: cp_merge,
+ *        fill_real and copy_2d (the CPU and CUDA backends both do).
  * @param be backend  @param err receives the reason when it cannot
  * @return ::MOE_OK or ::MOE_ERR_CONFIG (naming --context-parallel-size and what to use)
  */
@@ -89,7 +93,9 @@ moe_status moe_cp_attention_check(const moe_cp_attention *a, moe_error *err);
  * @brief Backend memory the call needs beside its tensors, in bytes: for p2p two ranks'
  *        keys and values plus, in the backward, their gradients, and one partial output and
  *        lse; for allgather the whole sequence's keys and values and their gradients; for
- *        a2a eight local-sized tensors, the lse and a staging area.
+ *        a2a eight local-sized tensors, the lse and a staging area. Then, for every
+ *        backend, the attention op's workspace of the largest block call: one fp32 per
+ *        query row (the CUDA op's backward keeps its row dots δ there; the CPU's needs none).
  * @param a the call  @param act_size bytes per activation
  * @return bytes of workspace (moe_cp_attention_forward/backward take it as @p ws)
  */

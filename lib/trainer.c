@@ -146,7 +146,7 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
         s = moe_error_set(err, MOE_ERR_BACKEND,
                           "--device %s does not match the communication transport (%s ranks)",
                           be->name, moe_comm_device(world) == MOE_DEVICE_CUDA ? "GPU" : "CPU");
-    /* context-parallel attention runs chunk pairs and merges them on the host today */
+    /* context-parallel attention needs the merge and the packing ops (CPU and CUDA have them) */
     if (s == MOE_OK && c->context_parallel_size > 1)
         s = moe_cp_attention_supported(be, err);
     t->ep.be = be;

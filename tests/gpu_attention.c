@@ -14,8 +14,12 @@
  * 255, 257), and chunks of queries against other chunks of keys (Tq ≠ Tk, q_pos ≠ k_pos,
  * rows that see no key: y = 0, lse = −∞), as context parallelism calls them.
  *
+ * Then context parallelism's device pieces (kernels/cp_merge.cu): the merge of partial
+ * results by their log-sum-exp, the strided copy and the lse fill, against the CPU ops.
+ *
  * This file talks to the GPU through the CUDA runtime only (cudaMalloc, cudaMemcpy and
- * a host-side fp32 ↔ bf16 conversion), so it depends on nothing but the attention kernels.
+ * a host-side fp32 ↔ bf16 conversion), so it depends on nothing but the kernels it tests
+ * (and the CPU backend's table for the twins).
  */
 #include <cuda_runtime.h>
 #include <math.h>
@@ -24,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend.h"
+#include "cp_layout.h"
 #include "cpu/ops.h"
 #include "cuda_ops.h"
 #include "helpers.h"
@@ -435,6 +441,109 @@ START_TEST(test_attention_deterministic) {
 }
 END_TEST
 
+/* ------------------------------------------- context parallelism's device pieces */
+
+/* cp_merge (kernels/cp_merge.cu) against moe_cp_merge(), the CPU op, on fresh random inputs
+ * ({B, T, H, D}: the fast head dimensions and odd ones). Every fifth row's accumulator is at
+ * −∞ (its y poisoned with NaN: the part must replace it), every fifth row's part (its y_b
+ * poisoned: it must not be read), every fifth row both (nothing changes). Those rows must
+ * match the CPU exactly; merged rows within bf16's rounding of y (max error / max |y|
+ * 1e-2: one rounding is at most 2^-9 relative) and fp32's of the lse (1e-5). */
+static const int MERGE_SHAPES[][4] = {{2, 7, 3, 64}, {1, 33, 4, 128}, {3, 5, 2, 5}};
+#define NMERGE ((int)(sizeof MERGE_SHAPES / sizeof MERGE_SHAPES[0]))
+
+START_TEST(test_cp_merge) {
+    const int B = MERGE_SHAPES[_i][0], T = MERGE_SHAPES[_i][1], H = MERGE_SHAPES[_i][2],
+              D = MERGE_SHAPES[_i][3];
+    const size_t ny = (size_t)B * T * H * D, nl = (size_t)B * H * T;
+    moe_real *y = randn_bf16(ny, 300 + _i, 1.0), *yb = randn_bf16(ny, 400 + _i, 1.0);
+    moe_real *la = malloc(nl * sizeof *la), *lb = malloc(nl * sizeof *lb);
+    moe_test_randn(la, nl, 500 + _i, 3.0);
+    moe_test_randn(lb, nl, 600 + _i, 3.0);
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < T; t++) {
+                const size_t l = ((size_t)b * H + h) * T + t, row = (((size_t)b * T + t) * H + h) * D;
+                if (l % 5 == 1 || l % 5 == 3)
+                    la[l] = -INFINITY;
+                if (l % 5 == 2 || l % 5 == 3)
+                    lb[l] = -INFINITY;
+                if (l % 5 == 1) /* the part replaces it */
+                    moe_test_poison(y + row, D);
+                if (l % 5 == 2) /* never read */
+                    moe_test_poison(yb + row, D);
+            }
+    void *dy = upload(y, ny), *dyb = upload(yb, ny);
+    float *dla = upload_f32(la, nl), *dlb = upload_f32(lb, nl);
+    moe_cuda_cp_merge(dy, dla, dyb, dlb, B, T, H, D);
+    moe_backend_cpu()->cp_merge(y, la, yb, lb, B, T, H, D);
+    moe_real *gy = malloc(ny * sizeof *gy), *gl = malloc(nl * sizeof *gl);
+    download(gy, dy, ny);
+    download_f32(gl, dla, nl);
+    double num = 0, den = 0, lerr = 0;
+    long long exact_bad = 0;
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < T; t++) {
+                const size_t l = ((size_t)b * H + h) * T + t, row = (((size_t)b * T + t) * H + h) * D;
+                if (l % 5 >= 1 && l % 5 <= 3) { /* a −∞ rule: exactly the CPU's */
+                    exact_bad += !(gl[l] == la[l]);
+                    for (int d = 0; d < D; d++)
+                        exact_bad += !(gy[row + d] == y[row + d]);
+                    continue;
+                }
+                lerr = fmax(lerr, fabs((double)gl[l] - la[l]) / fmax(1.0, fabs((double)la[l])));
+                for (int d = 0; d < D; d++) {
+                    const double e = fabs((double)gy[row + d] - y[row + d]);
+                    num = isnan(e) ? INFINITY : fmax(num, e);
+                    den = fmax(den, fabs((double)y[row + d]));
+                }
+            }
+    const double yerr = num / den;
+    printf("  cp_merge B=%d T=%d H=%d D=%d: y %.1e lse %.1e, %lld of the -inf rows' values "
+           "differ\n", B, T, H, D, yerr, lerr, exact_bad);
+    ck_assert_msg(exact_bad == 0, "cp_merge: %lld values of rows at -inf differ from the CPU's",
+                  exact_bad);
+    ck_assert_msg(yerr <= 1e-2 && lerr <= 1e-5, "cp_merge B=%d T=%d H=%d D=%d: y %.2e lse %.2e",
+                  B, T, H, D, yerr, lerr);
+    cudaFree(dy), cudaFree(dyb), cudaFree(dla), cudaFree(dlb);
+    free(y), free(yb), free(la), free(lb), free(gy), free(gl);
+}
+END_TEST
+
+/* copy_2d and fill_real against their CPU twins: strided rows into a poisoned destination
+ * (the gaps between the rows must keep the poison), and −∞ into all but the last of a
+ * poisoned buffer. */
+START_TEST(test_cp_copy_2d_fill) {
+    enum { ROWS = 9, SP = 40, DP = 56, W = 26, N = 1001 };
+    unsigned char src[ROWS * SP], want[ROWS * DP], got[ROWS * DP];
+    for (int i = 0; i < ROWS * SP; i++)
+        src[i] = (unsigned char)(i * 7 + 3);
+    memset(want, 0xff, sizeof want);
+    moe_backend_cpu()->copy_2d(want, DP, src, SP, W, ROWS);
+    void *dsrc = NULL, *ddst = NULL;
+    CU_OK(cudaMalloc(&dsrc, sizeof src));
+    CU_OK(cudaMalloc(&ddst, sizeof got));
+    CU_OK(cudaMemcpy(dsrc, src, sizeof src, cudaMemcpyHostToDevice));
+    CU_OK(cudaMemset(ddst, 0xff, sizeof got));
+    moe_cuda_copy_2d(ddst, DP, dsrc, SP, W, ROWS);
+    CU_OK(cudaDeviceSynchronize());
+    CU_OK(cudaMemcpy(got, ddst, sizeof got, cudaMemcpyDeviceToHost));
+    ck_assert_msg(memcmp(got, want, sizeof got) == 0, "copy_2d differs from the CPU's");
+    moe_real *hw = malloc(N * sizeof *hw), *hg = malloc(N * sizeof *hg);
+    moe_test_poison(hw, N);
+    float *df = upload_nan_f32(N);
+    moe_backend_cpu()->fill_real(hw, -INFINITY, N - 1);
+    moe_cuda_fill_real(df, -INFINITY, N - 1);
+    download_f32(hg, df, N);
+    for (int i = 0; i < N - 1; i++)
+        ck_assert_msg(isinf(hg[i]) && hg[i] < 0 && hg[i] == hw[i], "fill_real: element %d", i);
+    ck_assert_msg(isnan(hg[N - 1]) && isnan(hw[N - 1]), "fill_real wrote past its n");
+    cudaFree(dsrc), cudaFree(ddst), cudaFree(df);
+    free(hw), free(hg);
+}
+END_TEST
+
 Suite *suite_gpu_attention(void) {
     Suite *s = suite_create("gpu_attention");
     TCase *tc = tcase_create("attention");
@@ -443,5 +552,9 @@ Suite *suite_gpu_attention(void) {
     tcase_add_loop_test(tc, test_attention_backward, 0, 2 * NSHAPES);
     tcase_add_loop_test(tc, test_attention_deterministic, 0, 2 * NDET);
     suite_add_tcase(s, tc);
+    TCase *cp = tcase_create("cp"); /* CK_RUN_CASE=cp: context parallelism's pieces alone */
+    tcase_add_loop_test(cp, test_cp_merge, 0, NMERGE);
+    tcase_add_test(cp, test_cp_copy_2d_fill);
+    suite_add_tcase(s, cp);
     return s;
 }

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "cp_layout.h"
 #include "cpu/moe_ops.h"
 #include "cpu/ops.h"
 #include "cpu/router.h"
@@ -29,6 +30,20 @@ static void *cpu_alloc(size_t bytes) { return calloc(1, bytes ? bytes : 1); }
 static void cpu_free(void *p) { free(p); }
 static void cpu_zero(void *p, size_t bytes) { memset(p, 0, bytes); }
 static void cpu_copy(void *dst, const void *src, size_t bytes) { memcpy(dst, src, bytes); }
+static void cpu_copy_2d(void *dst, size_t dpitch, const void *src, size_t spitch,
+                        size_t width, size_t rows) {
+    for (size_t r = 0; r < rows; r++)
+        memcpy((char *)dst + r * dpitch, (const char *)src + r * spitch, width);
+}
+static void cpu_fill_real(moe_real *x, double v, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        x[i] = (moe_real)v;
+}
+/* the activation type is moe_real: the chapter's merge as it is */
+static void cpu_cp_merge(void *y, moe_real *lse, const void *y_b, const moe_real *lse_b, int B,
+                         int T, int H, int D) {
+    moe_cp_merge(y, lse, y_b, lse_b, B, T, H, D);
+}
 static void cpu_read_act(moe_real *host, const void *src, size_t n) {
     memcpy(host, src, n * sizeof(moe_real));
 }
@@ -350,6 +365,8 @@ static const moe_backend g_cpu = {
     .copy = cpu_copy,
     .to_host = cpu_copy,
     .from_host = cpu_copy,
+    .copy_2d = cpu_copy_2d,
+    .fill_real = cpu_fill_real,
     .read_act = cpu_read_act,
     .write_act = cpu_write_act,
     .cast_to_act = cpu_cast_to_act,
@@ -377,6 +394,7 @@ static const moe_backend g_cpu = {
     .attention_workspace_bytes = moe_cpu_attention_workspace_bytes,
     .attention_forward = a_attention_forward,
     .attention_backward = a_attention_backward,
+    .cp_merge = cpu_cp_merge,
     .swiglu_forward = a_swiglu_forward,
     .swiglu_backward = a_swiglu_backward,
     .cross_entropy_forward = a_ce_forward,
