@@ -15,6 +15,12 @@
 #              without the distributed optimizer; step time, bytes per group (model ==
 #              counts, or the run fails) and memory per rank. The invariance suites on GPU
 #              ranks are the MPI suite of the ch02 section (every suite, foldings included)
+#   ch07       context parallelism on 2 and 4 GPUs (up to --gpus): the mpi_cp suite on GPU
+#              ranks (the attention's four exchanges and the model under CP, against one
+#              process on the same GPU), then 20 steps of the GPU preset with
+#              --context-parallel-size 2 against one GPU (the losses agree to bf16 noise).
+#              Sets MOE_CP_GPU_UNVERIFIED=1: the trainer refuses CP on GPU ranks until this
+#              section has passed once (chapter 07)
 #   multinode  the same with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1: NCCL moves everything
 #              through its network transport, as between nodes; the fused NVLink path must
 #              see that and fall back to the collective one, and say so
@@ -35,11 +41,11 @@ while [ $# -gt 0 ]; do
     --gpus) gpus="$2"; shift 2 ;;
     --steps) steps="$2"; shift 2 ;;
     -h | --help) usage 0 ;;
-    ch02 | ch04 | multinode) sections+=("$1"); shift ;;
-    *) echo "tools/multigpu.sh: unknown argument '$1' (sections: ch02 ch04 multinode; --help)" >&2; exit 2 ;;
+    ch02 | ch04 | ch07 | multinode) sections+=("$1"); shift ;;
+    *) echo "tools/multigpu.sh: unknown argument '$1' (sections: ch02 ch04 ch07 multinode; --help)" >&2; exit 2 ;;
     esac
 done
-[ ${#sections[@]} -gt 0 ] || sections=(ch02 ch04 multinode)
+[ ${#sections[@]} -gt 0 ] || sections=(ch02 ch04 ch07 multinode)
 if ! [[ "$gpus" =~ ^[0-9]+$ ]] || [ "$gpus" -lt 2 ]; then
     echo "tools/multigpu.sh: needs a host with at least 2 GPUs (found ${gpus:-0}; --gpus N to say)" >&2
     exit 2
@@ -175,6 +181,31 @@ for s in "${sections[@]}"; do
             cat "$f" >>"$LOG"
             grep -E "^folding|memory/rank|model .* the counts|not run|^FAIL|^OK" "$f"
         done
+        ;;
+    ch07)
+        export MOE_CP_GPU_UNVERIFIED=1
+        MPIRUN7="$MPIRUN -x MOE_CP_GPU_UNVERIFIED -x MOE_TEST_DEVICE"
+        for np in 2 4; do
+            [ "$np" -le "$gpus" ] || continue
+            f="$out/ch07_mpi_cp_${np}gpus.txt"
+            echo "== mpi_cp on $np GPU ranks"
+            if ! MOE_TEST_DEVICE=cuda CK_RUN_SUITE=mpi_cp CK_FORK=no timeout 600 \
+                $MPIRUN7 -np "$np" build/tests/mpi >"$f" 2>&1; then
+                echo "mpi_cp on $np GPU ranks: FAILED (see $f)"
+                status=1
+            fi
+            cat "$f" >>"$LOG"
+            grep -E "^[0-9]+%|:F:|:E:" "$f"
+        done
+        train="--device cuda --preset gpu --train-iters 20 --sample-length 0 --eval-interval 1000 --log-interval 1 --seed 1"
+        echo "== the GPU preset, 20 steps: one GPU, then --context-parallel-size 2 on 2 GPUs"
+        bin/moe-train $train 2>&1 | tee -a "$LOG" | grep -E "^step +(1|10|20)/"
+        if ! $MPIRUN7 -np 2 bin/moe-train $train --context-parallel-size 2 2>&1 | tee -a "$LOG" |
+            grep -E "^step +(1|10|20)/|rror"; then
+            echo "moe-train --context-parallel-size 2 on 2 GPUs: FAILED"
+            status=1
+        fi
+        unset MOE_CP_GPU_UNVERIFIED
         ;;
     multinode)
         export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
