@@ -128,6 +128,11 @@ moe_status moe_quant_check_window(int len, int pos, moe_error *err) {
 
 /* ------------------------------------------------------------------ tensorwise */
 
+/* Every loop below is parallel only above 65,536 elements: for a small tensor a parallel
+ * region costs more than the work, and many tiny regions (the stochastic-rounding test
+ * quantizes one 16-element row thousands of times) crawl on a loaded machine. The bytes do
+ * not depend on the thread count (test_thread_count_invariant). */
+
 /* max |x| as a key (see the top of the file) */
 static uint32_t amax_key(const float *x, size_t n) {
     uint32_t m = 0;
@@ -185,7 +190,7 @@ moe_status moe_cpu_quant_blockwise(uint8_t *q, float *scale_inv, const float *x,
     const int B = MOE_QUANT_BLOCK, nbc = cols / B, bh = block_2d ? B : 1;
     const int nbr = (rows + bh - 1) / bh;
     const float fmax = moe_fp8_max(f);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if ((size_t)rows * cols > 65536)
     for (long long b = 0; b < (long long)nbr * nbc; b++) {
         const int br = (int)(b / nbc), bc = (int)(b % nbc);
         const int r0 = br * bh, r1 = r0 + bh < rows ? r0 + bh : rows, c0 = bc * B;
@@ -211,7 +216,7 @@ moe_status moe_cpu_dequant_blockwise(float *y, const uint8_t *q, const float *sc
     MOE_TRY(moe_quant_check(rc, rows, cols, err));
     MOE_TRY(check_format(f, recipe_name(rc), err));
     const int B = MOE_QUANT_BLOCK, nbc = cols / B, bh = block_2d ? B : 1;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if ((size_t)rows * cols > 65536)
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++) {
             const float si = scale_inv[(size_t)(r / bh) * nbc + c / B];
@@ -231,7 +236,7 @@ moe_status moe_cpu_quant_blockwise_t(uint8_t *q, float *scale_inv, uint8_t *qt,
     float *xt = malloc((n ? n : 1) * sizeof *xt);
     if (!xt)
         return moe_error_set(err, MOE_ERR_NOMEM, "blockwise FP8 transpose: %zu floats", n);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if ((size_t)rows * cols > 65536)
     for (int c = 0; c < cols; c++)
         for (int r = 0; r < rows; r++)
             xt[(size_t)c * rows + r] = x[(size_t)r * cols + c];
@@ -248,7 +253,7 @@ moe_status moe_cpu_quant_mxfp8(uint8_t *q, uint8_t *scales, const float *x, int 
     MOE_TRY(moe_quant_check(MOE_QUANT_MXFP8, rows, cols, err));
     MOE_TRY(check_format(f, "MXFP8", err));
     const size_t nblocks = (size_t)rows * (cols / MOE_QUANT_MX_BLOCK);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if ((size_t)rows * cols > 65536)
     for (long long b = 0; b < (long long)nblocks; b++) {
         const float *xb = x + (size_t)b * MOE_QUANT_MX_BLOCK; /* rows are whole blocks */
         uint32_t m = 0;
@@ -297,7 +302,7 @@ moe_status moe_cpu_quant_nvfp4(uint8_t *q, uint8_t *scales, moe_quant_scalars *g
     const uint32_t signs = o->rht ? moe_q_rht_signs(o->rht_seed) : 0;
     /* pass 1: the tensor's amax, after the transform */
     uint32_t m = 0;
-#pragma omp parallel for reduction(max : m) schedule(static)
+#pragma omp parallel for reduction(max : m) schedule(static) if ((size_t)rows * cols > 65536)
     for (long long gi = 0; gi < (long long)ngroups; gi++) {
         float v[16];
         load_group(v, x, (size_t)gi, o, signs);
@@ -310,7 +315,7 @@ moe_status moe_cpu_quant_nvfp4(uint8_t *q, uint8_t *scales, moe_quant_scalars *g
     const float G = g->scale;
     /* pass 2: per block of bh rows × 16 columns, its scale, then its elements */
     const int bh = o->block_2d ? B : 1, nbr = (rows + bh - 1) / bh;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if ((size_t)rows * cols > 65536)
     for (long long b = 0; b < (long long)nbr * gpr; b++) {
         const int br = (int)(b / gpr), bc = (int)(b % gpr);
         const int r0 = br * bh, r1 = r0 + bh < rows ? r0 + bh : rows;
@@ -348,7 +353,7 @@ moe_status moe_cpu_dequant_nvfp4(float *y, const uint8_t *q, const uint8_t *scal
     const int B = MOE_QUANT_NVFP4_BLOCK, gpr = cols / B, bh = o->block_2d ? B : 1;
     const uint32_t signs = o->rht ? moe_q_rht_signs(o->rht_seed) : 0;
     const float G = g->scale;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if ((size_t)rows * cols > 65536)
     for (int r = 0; r < rows; r++)
         for (int gc = 0; gc < gpr; gc++) {
             const float ds = moe_q_div(moe_e4m3_decode(scales[(size_t)(r / bh) * gpr + gc]), G);
@@ -369,7 +374,7 @@ moe_status moe_cpu_rht16(float *y, const float *x, int rows, int cols, uint64_t 
     MOE_TRY(moe_quant_check(MOE_QUANT_NVFP4, rows, cols, err));
     const uint32_t signs = moe_q_rht_signs(seed);
     const size_t ngroups = (size_t)rows * (cols / 16);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if ((size_t)rows * cols > 65536)
     for (long long gi = 0; gi < (long long)ngroups; gi++) {
         float v[16];
         memcpy(v, x + (size_t)gi * 16, sizeof v);
