@@ -138,12 +138,38 @@ START_TEST(test_gpu_model_50_steps_track_cpu) {
 }
 END_TEST
 
+/* Chapter 05: the emulated FP8 path on CUDA (bf16 activations) against the CPU's (fp32), the
+ * same recipe (MXFP8: per-row blocks, so the grouped kernel's padding rows change nothing):
+ * one step's loss and gradients, then 30 steps of training. */
+START_TEST(test_gpu_model_lowp_tracks_cpu) {
+    const char *flags = GPU_SMALL "--fp8-format e4m3 --fp8-recipe mxfp8";
+    check_one_step(flags);
+    moe_trainer *tc = make(flags, "cpu"), *tg = make(flags, "cuda");
+    double lc[30], lg[30], worst = 0;
+    for (int s = 0; s < 30; s++) {
+        moe_step_stats a, b;
+        moe_trainer_step(tc, &a, NULL);
+        moe_trainer_step(tg, &b, NULL);
+        lc[s] = a.loss;
+        lg[s] = b.loss;
+        worst = fmax(worst, fabs(lc[s] - lg[s]));
+    }
+    printf("  fp8 mxfp8 emulated, 30 steps: cpu %.4f -> %.4f, cuda %.4f -> %.4f, max |diff| "
+           "%.4f\n", lc[0], lc[29], lg[0], lg[29], worst);
+    ck_assert_msg(worst <= 0.05, "a training loss differs by %.4f", worst);
+    ck_assert(lg[29] < lg[0] - 0.5);
+    moe_trainer_free(tc);
+    moe_trainer_free(tg);
+}
+END_TEST
+
 Suite *suite_gpu_model(void) {
     Suite *s = suite_create("gpu-model");
     TCase *tc = tcase_create("model");
     tcase_set_timeout(tc, 600);
     tcase_add_test(tc, test_gpu_model_one_step);
     tcase_add_test(tc, test_gpu_model_50_steps_track_cpu);
+    tcase_add_test(tc, test_gpu_model_lowp_tracks_cpu);
     suite_add_tcase(s, tc);
     return s;
 }
