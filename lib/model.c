@@ -310,8 +310,11 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
             moe_model_free(m);
             return moe_error_set(err, MOE_ERR_NOMEM, "out of memory creating the model");
         }
-        if (lp.on)
+        if (lp.on) {
             *m->lowp = lp;
+            moe_log_info("precision: %s: every linear layer's GEMM operands are quantized and "
+                         "dequantized (chapter 05)", lp.name);
+        }
     }
     layout(m);
     const moe_config *c = &m->cfg;
