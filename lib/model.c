@@ -424,7 +424,9 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
         for (int l = 0; l < L; l++)
             if (mc->is_moe_layer[l]) {
                 moe_layer_dims d = moe_dims(m, (int)Nl, T);
-                const size_t P = (size_t)moe_layer_permuted_rows(&d);
+                /* the budget may grow up to moe_budget_max after an overflow */
+                size_t P = (size_t)moe_layer_permuted_rows(&d);
+                P = P > (size_t)m->moe_budget_max ? P : (size_t)m->moe_budget_max;
                 rows = P > rows ? P : rows;
             }
         if (!moe_lowp_alloc(be, m->lowp, (rows > width ? rows : width) * width))
