@@ -36,6 +36,11 @@
  * GEMM, where a native kernel tiles them along the tokens (the transposed copy); and NVFP4's
  * random Hadamard transform of the wgrad operands is not applied.
  *
+ * **Refused at start-up** (named errors): delayed scaling, the distributed optimizer, the
+ * fused permutation, a per-tensor recipe (tensorwise, NVFP4) under TP/ETP or with the
+ * sync-free MoE layer (whose static budget of rows holds stale rows past the step's count),
+ * NVFP4 under CUDA graphs, and any linear width that is not a multiple of the recipe's block.
+ *
  * **Buffers.** The weights' compute copy is quantized once per step, in place (the model
  * keeps it apart from the master weights); an activation or gradient goes into one of two
  * scratch buffers of the context, allocated once with the model, and is quantized again in

@@ -413,6 +413,9 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
         m->ws.tp_y = m->tp_y;
         m->ws.tp_dx = m->tp_dx;
     }
+    /* chapter 05: a per-tensor amax over the sync-free layer's static budget of rows would
+     * include the rows past this step's count, which hold an earlier step's tokens */
+    int lowp_budget_refused = 0;
     if (m->lowp) { /* chapter 05: the QDQ buffers, for the largest GEMM operand or weight */
         const moe_config *mc = &m->cfg;
         size_t rows = N, width = (size_t)H;
@@ -424,6 +427,10 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
         for (int l = 0; l < L; l++)
             if (mc->is_moe_layer[l]) {
                 moe_layer_dims d = moe_dims(m, (int)Nl, T);
+                if (moe_layer_sync_free(&d) &&
+                    (m->lowp->spec[MOE_LOWP_ACTIVATION].recipe == MOE_QUANT_TENSORWISE ||
+                     m->lowp->spec[MOE_LOWP_ACTIVATION].recipe == MOE_QUANT_NVFP4))
+                    lowp_budget_refused = 1;
                 /* the budget may grow up to moe_budget_max after an overflow */
                 size_t P = (size_t)moe_layer_permuted_rows(&d);
                 P = P > (size_t)m->moe_budget_max ? P : (size_t)m->moe_budget_max;
@@ -435,6 +442,18 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
     if (E > 0) {
         m->expert_bias = must(be, sizeof(float) * (size_t)L * E, &ok);
         m->load_counts = must(be, sizeof(long long) * (size_t)L * E, &ok);
+    }
+    if (lowp_budget_refused) {
+        moe_model_free(m);
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "%s with the sync-free MoE layer (our grouped kernel, --moe-expert-"
+                             "backend grouped or auto on a GPU): its permuted buffers have a "
+                             "static budget of rows, and a per-tensor amax would include the rows "
+                             "past this step's tokens; use --fp8-recipe blockwise or mxfp8 (per-"
+                             "block scales), or --moe-expert-backend cublas-grouped or loop",
+                             m->cfg.fp4_format[0] && strcmp(m->cfg.fp4_format, "none")
+                                 ? "--fp4-recipe nvfp4"
+                                 : "--fp8-recipe tensorwise");
     }
     if (!ok) {
         size_t np = m->table.total;

@@ -132,6 +132,30 @@ START_TEST(test_lowp_training) {
                       "(margin %.0f %%)", recipes[r], tail, 100 * rel, ref_tail,
                       100 * margin[r]);
     }
+    /* the experts' grouped paths (one QDQ over all experts' rows; the per-row tiles make it
+     * the loop's values) train as the loop does */
+    double loop[LOWP_STEPS];
+    run_losses(LOWP_MODEL "--fp8-format hybrid --fp8-recipe blockwise", LOWP_STEPS, loop);
+    static const char *paths[] = {"grouped", "cublas-grouped"};
+    for (int p = 0; p < 2; p++) {
+        char flags[512];
+        snprintf(flags, sizeof flags,
+                 LOWP_MODEL "--fp8-format hybrid --fp8-recipe blockwise --moe-expert-backend %s",
+                 paths[p]);
+        run_losses(flags, LOWP_STEPS, l);
+        const double rel = fabs(tail_mean(l) - tail_mean(loop)) / tail_mean(loop);
+        printf("  blockwise hybrid, experts %-15s last 10 %.4f (loop %.4f)\n", paths[p],
+               tail_mean(l), tail_mean(loop));
+        ck_assert_msg(rel < 0.01, "%s: %.4f vs the loop's %.4f", paths[p], tail_mean(l),
+                      tail_mean(loop));
+    }
+    /* a per-tensor amax over the sync-free layer's static budget of rows is refused */
+    moe_trainer *t = NULL;
+    moe_error err;
+    ck_assert(make_trainer(&t, LOWP_MODEL "--fp8-format e4m3 --moe-expert-backend grouped",
+                           &err) == MOE_ERR_CONFIG);
+    ck_assert_msg(strstr(err.msg, "static budget of rows") && strstr(err.msg, "tensorwise"),
+                  "%s", err.msg);
 }
 END_TEST
 
