@@ -75,6 +75,7 @@ static moe_backend make_cuda_backend(void) {
     b.cross_entropy_shard_forward = moe_cuda_cross_entropy_shard_forward;
     b.cross_entropy_shard_merge = moe_cuda_cross_entropy_shard_merge;
     b.cross_entropy_shard_backward = moe_cuda_cross_entropy_shard_backward;
+    b.qdq = moe_cuda_qdq;
     b.add = moe_cuda_add;
     b.scale = moe_cuda_scale;
 

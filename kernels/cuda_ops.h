@@ -233,6 +233,9 @@ moe_status moe_cuda_dequant_nvfp4(float *y, const uint8_t *q, const uint8_t *sca
                                   const moe_nvfp4_opts *o, moe_error *err);
 moe_status moe_cuda_rht16(float *y, const float *x, int rows, int cols, uint64_t seed,
                           int inverse, moe_error *err);
+/* the CUDA twin of moe_cpu_qdq (bf16 activations through ws->x in fp32) */
+void moe_cuda_qdq(void *dst, const void *src, int rows, int cols, const moe_qdq_spec *spec,
+                  const moe_qdq_ws *ws);
 
 /* chapter 05's low-precision GEMM (kernels/fp8_gemm.cu): D[M,N] = A[M,K]·B[N,K]ᵀ on
  * quantized operands, the contract and the shape rules of lib/fp8_gemm.h (the CPU twin is

@@ -539,3 +539,41 @@ extern "C" moe_status moe_cuda_rht16(float *y, const float *x, int rows, int col
     }
     return MOE_OK;
 }
+
+/* ------------------------------------------------------------------ QDQ */
+
+static __global__ void bf16_to_f32_kernel(float *y, const moe_bf16 *x, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        y[i] = moe_ld(x[i]);
+}
+
+static __global__ void f32_to_bf16_kernel(moe_bf16 *y, const float *x, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        y[i] = moe_st(x[i]);
+}
+
+/* the CUDA quantizers, in moe_qdq_f32's table: the same sequence as the CPU's */
+static const moe_quant_fns g_cuda_quant_fns = {
+    moe_cuda_quant_tensorwise, moe_cuda_dequant_tensorwise, moe_cuda_quant_blockwise,
+    moe_cuda_dequant_blockwise, moe_cuda_quant_mxfp8,       moe_cuda_dequant_mxfp8,
+    moe_cuda_quant_nvfp4,      moe_cuda_dequant_nvfp4};
+
+/* bf16 → fp32 (exact), the recipe's quantize and dequantize, fp32 → bf16 (round to nearest
+ * even: the one rounding the CPU's fp32 activations do not have) */
+extern "C" void moe_cuda_qdq(void *dst, const void *src, int rows, int cols,
+                             const moe_qdq_spec *spec, const moe_qdq_ws *ws) {
+    const size_t n = (size_t)rows * cols;
+    if (n == 0)
+        return;
+    cudaStream_t st = moe_cuda_stream();
+    bf16_to_f32_kernel<<<grid_for(n, THREADS * 4), THREADS, 0, st>>>(ws->x, (const moe_bf16 *)src,
+                                                                     n);
+    moe_error err;
+    const moe_status s = moe_qdq_f32(&g_cuda_quant_fns, spec, ws, rows, cols, &err);
+    if (s != MOE_OK)
+        fprintf(stderr, "moe_cuda_qdq: %s\n", err.msg);
+    MOE_ASSERT(s == MOE_OK); /* the model checked every shape at start-up */
+    f32_to_bf16_kernel<<<grid_for(n, THREADS * 4), THREADS, 0, st>>>((moe_bf16 *)dst, ws->x, n);
+}

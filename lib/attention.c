@@ -3,6 +3,8 @@
 
 #include <string.h>
 
+#include "lowp.h"
+
 #define R sizeof(moe_real)
 
 moe_attention_dims moe_attention_dims_from_config(const moe_config *c, int B, int T) {
@@ -117,6 +119,7 @@ void moe_attention_forward(const moe_backend *be, void *out, const void *x,
                            const moe_attention_weights *w, const moe_attention_dims *d,
                            moe_attention_acts *a) {
     const int B = d->B, T = d->T, N = B * T, H = d->H, Hq = d->Hq, Hkv = d->Hkv, D = d->D;
+    x = moe_lowp_qdq(be, d->lowp, x, N, H, MOE_LOWP_ACTIVATION); /* chapter 05 (or x) */
     be->matmul_forward(a->q, x, w->wq, N, H, Hq * D);
     be->matmul_forward(a->k, x, w->wk, N, H, Hkv * D);
     be->matmul_forward(a->v, x, w->wv, N, H, Hkv * D);
@@ -135,7 +138,17 @@ void moe_attention_forward(const moe_backend *be, void *out, const void *x,
     } else {
         be->attention_forward(a->y, a->lse, a->op_ws, a->qr, a->kr, a->v, op_shape(d));
     }
-    be->matmul_forward(out, a->y, w->wo, N, Hq * D, H);
+    be->matmul_forward(out, moe_lowp_qdq(be, d->lowp, a->y, N, Hq * D, MOE_LOWP_ACTIVATION),
+                       w->wo, N, Hq * D, H);
+}
+
+/* One projection's backward, under chapter 05's emulated low precision on the quantized
+ * output gradient (and the input the caller quantized); as be->matmul_backward otherwise. */
+static void proj_backward(const moe_backend *be, const moe_attention_dims *d, void *din,
+                          moe_real *dw, const void *dout, const void *in, const void *w, int N,
+                          int I, int O) {
+    dout = moe_lowp_qdq(be, d->lowp, dout, N, O, MOE_LOWP_GRADIENT);
+    be->matmul_backward(din, dw, dout, in, w, N, I, O);
 }
 
 /* The forward in reverse. Every op accumulates into its gradients, so each scratch buffer
@@ -147,7 +160,9 @@ void moe_attention_backward(const moe_backend *be, void *dx, const moe_attention
     const int B = d->B, T = d->T, N = B * T, H = d->H, Hq = d->Hq, Hkv = d->Hkv, D = d->D;
     const size_t S = be->act_size, QD = (size_t)N * Hq * D, KD = (size_t)N * Hkv * D;
     be->zero(s->dy, S * QD);
-    be->matmul_backward(s->dy, g->wo, dout, a->y, w->wo, N, Hq * D, H);
+    proj_backward(be, d, s->dy, g->wo, dout,
+                  moe_lowp_qdq(be, d->lowp, a->y, N, Hq * D, MOE_LOWP_ACTIVATION), w->wo, N,
+                  Hq * D, H);
     be->zero(s->dq, S * QD);
     be->zero(s->dk, S * KD);
     be->zero(s->dv, S * KD);
@@ -172,7 +187,8 @@ void moe_attention_backward(const moe_backend *be, void *dx, const moe_attention
         dq = s->dq;
         dk = s->dk;
     }
-    be->matmul_backward(dx, g->wq, dq, x, w->wq, N, H, Hq * D);
-    be->matmul_backward(dx, g->wk, dk, x, w->wk, N, H, Hkv * D);
-    be->matmul_backward(dx, g->wv, s->dv, x, w->wv, N, H, Hkv * D);
+    x = moe_lowp_qdq(be, d->lowp, x, N, H, MOE_LOWP_ACTIVATION); /* chapter 05 (or x) */
+    proj_backward(be, d, dx, g->wq, dq, x, w->wq, N, H, Hq * D);
+    proj_backward(be, d, dx, g->wk, dk, x, w->wk, N, H, Hkv * D);
+    proj_backward(be, d, dx, g->wv, s->dv, x, w->wv, N, H, Hkv * D);
 }

@@ -50,6 +50,9 @@ typedef struct moe_attention_dims {
      *  sequence, then its late one), RoPE runs at each chunk's absolute positions and the
      *  attention is moe_cp_attention_forward/backward over the whole sequence */
     const moe_cp_attention *cp;
+    /** chapter 05's emulated low precision (lowp.h): the Q, K, V and output projections'
+     *  inputs and output gradients go through its QDQ; NULL: none */
+    struct moe_lowp *lowp;
 } moe_attention_dims;
 
 /** The block's weights: the backend's compute copy (activation type). */

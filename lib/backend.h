@@ -26,6 +26,7 @@
 #include "config.h"
 #include "error.h"
 #include "op_types.h"
+#include "quantize.h"
 #include "real.h"
 #include "step_scalars.h"
 
@@ -242,6 +243,11 @@ typedef struct moe_backend {
     /** as moe_cpu_cross_entropy_shard_backward(): a shard's columns of the gradient */
     void (*cross_entropy_shard_backward)(void *dlogits, const moe_real *dloss, const void *logits,
                                          const moe_real *lse, const int *targets, int N, int V);
+    /** dst = dequantize(quantize(src)) of a [rows, cols] activation-type tensor (chapter 05's
+     *  emulated low precision, lib/lowp.h): as moe_cpu_qdq(), through @p ws in backend
+     *  memory; dst may be src */
+    void (*qdq)(void *dst, const void *src, int rows, int cols, const moe_qdq_spec *spec,
+                const moe_qdq_ws *ws);
     /** y += x over n activations (residual connections) */
     void (*add)(void *y, const void *x, size_t n);
     /** x *= s over n activations */

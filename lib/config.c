@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "context_parallel.h"
+#include "lowp.h"
 #include "memory.h"
 
 #define F(name, type, field, def, help, choices, group) \
@@ -117,6 +118,23 @@ static const moe_flag g_flags[] = {
       "layer = whole layers; full_iteration = forward, backward and optimizer. A level whose "
       "work still waits for the host is refused with what it waits for",
       "none|attn|moe_router|moe_preprocess|layer|full_iteration", G_TRAIN),
+
+    F("fp8-format", MOE_FLAG_CHOICE, fp8_format, "none",
+      "train every linear layer in FP8, emulated (chapter 05: quantize -> dequantize of the "
+      "GEMM operands): e4m3 everywhere, or hybrid = e4m3 forward and e5m2 gradients",
+      "none|e4m3|hybrid", G_TRAIN),
+    F("fp8-recipe", MOE_FLAG_CHOICE, fp8_recipe, "tensorwise",
+      "scaling of --fp8-format: tensorwise (current scaling: the tensor's amax now), "
+      "blockwise (1x128 tiles, 128x128 weight blocks), mxfp8 (32-element blocks, E8M0 "
+      "scales); delayed is not wired into training yet",
+      "tensorwise|delayed|blockwise|mxfp8", G_TRAIN),
+    F("fp4-format", MOE_FLAG_CHOICE, fp4_format, "none",
+      "train every linear layer in FP4 (E2M1), emulated, with --fp4-recipe", "none|e2m1",
+      G_TRAIN),
+    F("fp4-recipe", MOE_FLAG_CHOICE, fp4_recipe, "nvfp4",
+      "scaling of --fp4-format: nvfp4 (16-element blocks with E4M3 scales and an fp32 scale "
+      "per tensor, 16x16 weight blocks, stochastic rounding of the gradients)", "nvfp4",
+      G_TRAIN),
 
     F("tensor-model-parallel-size", MOE_FLAG_INT, tensor_model_parallel_size, "1",
       "ranks each attention and dense-FFN matrix is split over (TP, Megatron style: column-"
@@ -759,6 +777,9 @@ moe_status moe_config_validate(moe_config *c, moe_error *err) {
             c->keep_last);
     REQUIRE(c->save[0] || (c->save_interval == 0 && !c->exit_signal_handler),
             "--save-interval and --exit-signal-handler save checkpoints: give --save DIR too");
+
+    /* chapter 05: the emulated FP8 / NVFP4 flags and every linear layer's widths */
+    MOE_TRY(moe_lowp_check_config(c, err));
 
     /* derived sizes: every buffer the model will allocate, in 64-bit with overflow checks
      * (memory.h); whether the memory is there is moe_model_create()'s question */

@@ -156,6 +156,10 @@ typedef struct moe_config {
     int moe_permute_fusion;                /**< --moe-permute-fusion (chapter 03) */
     char moe_expert_backend[MOE_FLAG_STR_LEN]; /**< --moe-expert-backend (chapter 03) */
     char cuda_graph_scope[MOE_FLAG_STR_LEN];   /**< --cuda-graph-scope (chapter 06) */
+    char fp8_format[MOE_FLAG_STR_LEN];     /**< --fp8-format none|e4m3|hybrid (chapter 05) */
+    char fp8_recipe[MOE_FLAG_STR_LEN];     /**< --fp8-recipe tensorwise|delayed|blockwise|mxfp8 */
+    char fp4_format[MOE_FLAG_STR_LEN];     /**< --fp4-format none|e2m1 */
+    char fp4_recipe[MOE_FLAG_STR_LEN];     /**< --fp4-recipe nvfp4 */
     /* ---- training */
     int micro_batch_size;       /**< --micro-batch-size */
     int global_batch_size;      /**< --global-batch-size (a multiple of the micro batch) */

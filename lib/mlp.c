@@ -7,6 +7,9 @@
  * rows are gathered by grp->gather (fc1 under the fused permutation) */
 static void gmm_forward(const moe_backend *be, void *out, const void *in, const void *w,
                         const moe_groups *grp, int I, int O, int gather) {
+    /* chapter 05, emulated low precision: the input quantized (the weights already are);
+     * the fused gather is refused with it at start-up (lowp.h) */
+    in = moe_lowp_qdq(be, grp->lowp, in, grp->rows, I, MOE_LOWP_ACTIVATION);
     if (gather)
         be->grouped_matmul_forward_dev_gather(out, in, grp->gather, grp->gather_div, w,
                                               grp->dev_off, grp->G, grp->rows, I, O);
@@ -23,6 +26,10 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
                          const void *in, const void *w, const moe_groups *grp, int I, int O,
                          int din_accumulate, int gather) {
     const int N = grp->rows;
+    /* chapter 05: both backward GEMMs on the quantized output gradient and the quantized
+     * input (the same bytes as the forward's); the straight-through rule of lowp.h */
+    dout = moe_lowp_qdq(be, grp->lowp, dout, N, O, MOE_LOWP_GRADIENT);
+    in = moe_lowp_qdq(be, grp->lowp, in, N, I, MOE_LOWP_ACTIVATION);
     if (gather) {
         be->grouped_matmul_backward_dev_gather(din, dw, dout, in, grp->gather, grp->gather_div,
                                                w, grp->dev_off, grp->G, N, I, O, din_accumulate,
@@ -81,25 +88,40 @@ void moe_mlp_backward_grouped(const moe_backend *be, void *dx, moe_real *dw1, mo
 }
 
 /* a single MLP is one group, run by the backend's plain matmul (G = 1) */
-static moe_groups one_group(const int *off) {
-    moe_groups g = {off, NULL, 1, MOE_EXPERTS_CUBLAS, MOE_DW_ACCUMULATE, NULL, 1, off[1]};
+static moe_groups one_group(const int *off, moe_lowp *lp) {
+    moe_groups g = {off, NULL, 1, MOE_EXPERTS_CUBLAS, MOE_DW_ACCUMULATE, NULL, 1, off[1], lp};
     return g;
+}
+
+void moe_mlp_forward_lowp(const moe_backend *be, void *out, void *gu, void *act, const void *x,
+                          const moe_real *row_scale, const void *w1, const void *w2, int N,
+                          int H, int F, moe_lowp *lp) {
+    const int off[2] = {0, N};
+    const moe_groups g = one_group(off, lp);
+    moe_mlp_forward_grouped(be, out, gu, act, x, row_scale, w1, w2, &g, H, F);
 }
 
 void moe_mlp_forward(const moe_backend *be, void *out, void *gu, void *act, const void *x,
                      const moe_real *row_scale, const void *w1, const void *w2, int N, int H,
                      int F) {
+    moe_mlp_forward_lowp(be, out, gu, act, x, row_scale, w1, w2, N, H, F, NULL);
+}
+
+void moe_mlp_backward_lowp(const moe_backend *be, void *dx, moe_real *dw1, moe_real *dw2,
+                           moe_real *drow_scale, const void *dout, const void *x, const void *gu,
+                           const void *act, const moe_real *row_scale, const void *w1,
+                           const void *w2, void *ws_dh, void *ws_dgu, int N, int H, int F,
+                           moe_lowp *lp) {
     const int off[2] = {0, N};
-    const moe_groups g = one_group(off);
-    moe_mlp_forward_grouped(be, out, gu, act, x, row_scale, w1, w2, &g, H, F);
+    const moe_groups g = one_group(off, lp);
+    moe_mlp_backward_grouped(be, dx, dw1, dw2, drow_scale, dout, x, gu, act, row_scale, w1, w2,
+                             ws_dh, ws_dgu, &g, H, F, 1);
 }
 
 void moe_mlp_backward(const moe_backend *be, void *dx, moe_real *dw1, moe_real *dw2,
                       moe_real *drow_scale, const void *dout, const void *x, const void *gu,
                       const void *act, const moe_real *row_scale, const void *w1, const void *w2,
                       void *ws_dh, void *ws_dgu, int N, int H, int F) {
-    const int off[2] = {0, N};
-    const moe_groups g = one_group(off);
-    moe_mlp_backward_grouped(be, dx, dw1, dw2, drow_scale, dout, x, gu, act, row_scale, w1, w2,
-                             ws_dh, ws_dgu, &g, H, F, 1);
+    moe_mlp_backward_lowp(be, dx, dw1, dw2, drow_scale, dout, x, gu, act, row_scale, w1, w2,
+                          ws_dh, ws_dgu, N, H, F, NULL);
 }

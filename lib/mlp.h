@@ -22,6 +22,7 @@
 #define MOE_MLP_H
 
 #include "backend.h"
+#include "lowp.h"
 
 /** How the routed experts' GEMMs run: the ladder of chapters 01 and 03. */
 typedef enum moe_expert_impl {
@@ -47,6 +48,9 @@ typedef struct moe_groups {
     int rows;             /**< rows of the buffers = off[G] where @ref off is known; with only
                                dev_off, the static row count the kernels are sized for (the
                                groups end at dev_off[G] <= rows) */
+    /** chapter 05's emulated low precision (lowp.h): both GEMMs' inputs and output
+     *  gradients go through its QDQ; NULL or off: as before */
+    moe_lowp *lowp;
 } moe_groups;
 
 /**
@@ -72,6 +76,31 @@ void moe_mlp_backward(const moe_backend *be, void *dx, moe_real *dw1, moe_real *
                       moe_real *drow_scale, const void *dout, const void *x, const void *gu,
                       const void *act, const moe_real *row_scale, const void *w1, const void *w2,
                       void *ws_dh, void *ws_dgu, int N, int H, int F);
+
+/**
+ * @brief moe_mlp_forward() with chapter 05's emulated low precision (lowp.h).
+ * @param be backend  @param out [N,H] output  @param gu [N,2F] saved fc1 output
+ * @param act [N,F] saved SwiGLU output  @param x [N,H] input  @param row_scale [N] or NULL
+ * @param w1 fc1 (already quantized: the model's compute copy)  @param w2 fc2 (likewise)
+ * @param N rows  @param H hidden  @param F intermediate  @param lp the context (NULL: none)
+ */
+void moe_mlp_forward_lowp(const moe_backend *be, void *out, void *gu, void *act, const void *x,
+                          const moe_real *row_scale, const void *w1, const void *w2, int N,
+                          int H, int F, moe_lowp *lp);
+
+/**
+ * @brief moe_mlp_backward() with chapter 05's emulated low precision (lowp.h).
+ * @param be backend  @param dx [N,H]  @param dw1 [2F,H]  @param dw2 [H,F]
+ * @param drow_scale [N] or NULL  @param dout [N,H]  @param x forward input  @param gu saved
+ * @param act saved  @param row_scale as in forward  @param w1 fc1  @param w2 fc2
+ * @param ws_dh [N,F] scratch  @param ws_dgu [N,2F] scratch  @param N rows  @param H hidden
+ * @param F intermediate  @param lp the context (NULL: none)
+ */
+void moe_mlp_backward_lowp(const moe_backend *be, void *dx, moe_real *dw1, moe_real *dw2,
+                           moe_real *drow_scale, const void *dout, const void *x, const void *gu,
+                           const void *act, const moe_real *row_scale, const void *w1,
+                           const void *w2, void *ws_dh, void *ws_dgu, int N, int H, int F,
+                           moe_lowp *lp);
 
 /**
  * @brief Forward of G MLPs at once (chapter 03): MLP g (weights g of the stacked w1

@@ -9,6 +9,7 @@
 
 #include "comm.h"
 #include "cpu/router.h"
+#include "lowp.h"
 #include "mlp.h"
 #include "log.h"
 #include "memory.h"
@@ -174,6 +175,7 @@ static moe_layer_dims moe_dims(const moe_model *m, int N, int T) {
     d.etp = m->etp.size > 1 ? &m->etp : NULL;
     d.graphs = m->graphs;
     d.layer = -1; /* the forward and backward set it */
+    d.lowp = m->lowp;
     return d;
 }
 
@@ -196,6 +198,7 @@ static moe_attention_dims attn_dims(const moe_model *m, int B, int T) {
     d.Hq /= m->tp.size;
     d.Hkv /= m->tp.size;
     d.cp = m->cp.attn.cp > 1 ? &m->cp.attn : NULL; /* T is then this rank's T/CP */
+    d.lowp = m->lowp;
     return d;
 }
 
@@ -296,6 +299,23 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
     /* the ETP group travels with the EP context (dispatch.h) */
     m->etp = ep && ep->etp.comm && ep->etp.size > 1 ? ep->etp : moe_tp_none();
     m->experts_local = cfg->num_experts / (ep && ep->comm ? ep->size : 1);
+    {
+        moe_lowp lp;
+        const moe_status st = moe_lowp_from_config(&lp, cfg, err);
+        if (st != MOE_OK) {
+            moe_model_free(m);
+            return st;
+        }
+        if (lp.on && !(m->lowp = malloc(sizeof *m->lowp))) {
+            moe_model_free(m);
+            return moe_error_set(err, MOE_ERR_NOMEM, "out of memory creating the model");
+        }
+        if (lp.on) {
+            *m->lowp = lp;
+            moe_log_info("precision: %s: every linear layer's GEMM operands are quantized and "
+                         "dequantized (chapter 05)", lp.name);
+        }
+    }
     layout(m);
     const moe_config *c = &m->cfg;
     /* under CP every buffer holds this rank's T/CP tokens of each sequence */
@@ -313,7 +333,8 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
     m->params = m->master_sharded ? NULL : must(be, R * m->table.total, &ok);
     m->grads = must(be, R * m->table.total, &ok);
     /* the compute copy of the weights: the master itself when the types agree and it is here */
-    m->wact = S == R && m->params ? (void *)m->params : must(be, S * m->table.total, &ok);
+    m->wact = S == R && m->params && !m->lowp ? (void *)m->params
+                                              : must(be, S * m->table.total, &ok);
     m->tokens = must(be, sizeof(int) * N, &ok);
     m->targets = must(be, sizeof(int) * N, &ok);
     m->res = calloc((size_t)L + 1, sizeof *m->res);
@@ -392,9 +413,47 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
         m->ws.tp_y = m->tp_y;
         m->ws.tp_dx = m->tp_dx;
     }
+    /* chapter 05: a per-tensor amax over the sync-free layer's static budget of rows would
+     * include the rows past this step's count, which hold an earlier step's tokens */
+    int lowp_budget_refused = 0;
+    if (m->lowp) { /* chapter 05: the QDQ buffers, for the largest GEMM operand or weight */
+        const moe_config *mc = &m->cfg;
+        size_t rows = N, width = (size_t)H;
+        const int widths[] = {mc->num_attention_heads * mc->head_dim, 2 * mc->ffn_hidden_size,
+                              2 * mc->moe_ffn_hidden_size,
+                              2 * mc->moe_shared_expert_intermediate_size};
+        for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
+            width = (size_t)widths[i] > width ? (size_t)widths[i] : width;
+        for (int l = 0; l < L; l++)
+            if (mc->is_moe_layer[l]) {
+                moe_layer_dims d = moe_dims(m, (int)Nl, T);
+                if (moe_layer_sync_free(&d) &&
+                    (m->lowp->spec[MOE_LOWP_ACTIVATION].recipe == MOE_QUANT_TENSORWISE ||
+                     m->lowp->spec[MOE_LOWP_ACTIVATION].recipe == MOE_QUANT_NVFP4))
+                    lowp_budget_refused = 1;
+                /* the budget may grow up to moe_budget_max after an overflow */
+                size_t P = (size_t)moe_layer_permuted_rows(&d);
+                P = P > (size_t)m->moe_budget_max ? P : (size_t)m->moe_budget_max;
+                rows = P > rows ? P : rows;
+            }
+        if (!moe_lowp_alloc(be, m->lowp, (rows > width ? rows : width) * width))
+            ok = 0;
+    }
     if (E > 0) {
         m->expert_bias = must(be, sizeof(float) * (size_t)L * E, &ok);
         m->load_counts = must(be, sizeof(long long) * (size_t)L * E, &ok);
+    }
+    if (lowp_budget_refused) {
+        moe_model_free(m);
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "%s with the sync-free MoE layer (our grouped kernel, --moe-expert-"
+                             "backend grouped or auto on a GPU): its permuted buffers have a "
+                             "static budget of rows, and a per-tensor amax would include the rows "
+                             "past this step's tokens; use --fp8-recipe blockwise or mxfp8 (per-"
+                             "block scales), or --moe-expert-backend cublas-grouped or loop",
+                             m->cfg.fp4_format[0] && strcmp(m->cfg.fp4_format, "none")
+                                 ? "--fp4-recipe nvfp4"
+                                 : "--fp8-recipe tensorwise");
     }
     if (!ok) {
         size_t np = m->table.total;
@@ -418,6 +477,8 @@ void moe_model_free(moe_model *m) {
     const int L = m->cfg.num_layers;
     if (m->wact != (void *)m->params)
         be->free(m->wact);
+    moe_lowp_free(be, m->lowp);
+    free(m->lowp);
     be->free(m->params);
     be->free(m->grads);
     be->free(m->tokens);
@@ -475,9 +536,41 @@ void moe_model_set_weights(moe_model *m, const moe_real *host) {
     moe_model_sync_weights(m);
 }
 
+/* The tensor of the table that starts at @p off. */
+static const moe_tensor *tensor_at(const moe_model *m, size_t off) {
+    for (int i = 0; i < m->table.n; i++)
+        if (m->table.t[i].offset == off)
+            return &m->table.t[i];
+    return NULL;
+}
+
+/* Chapter 05: QDQ of every linear layer's matrix in the compute copy, each routed expert's
+ * on its own (lowp.h). Not the router, the norms, the embedding or the LM head. */
+static void lowp_quantize_weights(moe_model *m) {
+    static const int slots[] = {MOE_W_Q,   MOE_W_K,   MOE_W_V,          MOE_W_O,
+                                MOE_W_FC1, MOE_W_FC2, MOE_W_SHARED_FC1, MOE_W_SHARED_FC2};
+    for (int l = 0; l < m->cfg.num_layers; l++)
+        for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++) {
+            const int s = slots[i];
+            if (m->off[l][s] == MOE_NO_WEIGHT)
+                continue;
+            const moe_tensor *t = tensor_at(m, m->off[l][s]);
+            MOE_ASSERT(t);
+            const int cols = t->shape[t->ndim - 1];
+            int groups = 1; /* routed experts: fc1 [2E, F, H], fc2 [E, H, F] on this rank */
+            if (m->cfg.is_moe_layer[l] && (s == MOE_W_FC1 || s == MOE_W_FC2))
+                groups = s == MOE_W_FC1 ? t->shape[0] / 2 : t->shape[0];
+            const int rows = (int)(t->numel / (size_t)groups / (size_t)cols);
+            moe_lowp_qdq_weight(m->be, m->lowp, MOE_ACT(m->be, m->wact, t->offset), groups, rows,
+                                cols);
+        }
+}
+
 void moe_model_sync_weights(moe_model *m) {
     if (m->params) /* else the distributed optimizer refreshes it (moe_zero_gather_weights) */
         m->be->cast_to_act(m->wact, m->params, m->table.total);
+    if (m->lowp && m->params) /* (lowp.h refuses the distributed optimizer) */
+        lowp_quantize_weights(m);
 }
 
 size_t moe_model_num_params(const moe_model *m) { return m->table.total; }
@@ -607,9 +700,10 @@ static void layer_forward(moe_model *m, int l) {
                             c->moe_router_topk, c->num_experts);
     } else {
         part = block_out(m, ffn_out);
-        moe_mlp_forward(be, part, a->dense_gu, a->dense_act,
-                        moe_tp_enter_forward(be, tp, m->tp_x, a->ln2, N, H), NULL,
-                        P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2), N, H, dense_ffn(m));
+        moe_mlp_forward_lowp(be, part, a->dense_gu, a->dense_act,
+                             moe_tp_enter_forward(be, tp, m->tp_x, a->ln2, N, H), NULL,
+                             P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2), N, H, dense_ffn(m),
+                             m->lowp);
         moe_tp_exit_forward(be, tp, ffn_out, part, N, H);
     }
     be->add(ffn_out, a->xmid, (size_t)Nl * H);
@@ -772,9 +866,10 @@ static void layer_backward(moe_model *m, int l, double loss_scale) {
         const void *xin = moe_tp_enter_forward(be, tp, m->tp_x, a->ln2, N, H);
         if (dx != m->d_ln)
             be->zero(dx, S * (size_t)N * H);
-        moe_mlp_backward(be, dx, G(m, l, MOE_W_FC1), G(m, l, MOE_W_FC2), NULL, dy, xin,
-                         a->dense_gu, a->dense_act, NULL, P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2),
-                         m->ws.dh, m->ws.dgu, N, H, dense_ffn(m));
+        moe_mlp_backward_lowp(be, dx, G(m, l, MOE_W_FC1), G(m, l, MOE_W_FC2), NULL, dy, xin,
+                              a->dense_gu, a->dense_act, NULL, P(m, l, MOE_W_FC1),
+                              P(m, l, MOE_W_FC2), m->ws.dh, m->ws.dgu, N, H, dense_ffn(m),
+                              m->lowp);
         moe_tp_enter_backward(be, tp, m->d_ln, dx, N, H);
     }
     be->rmsnorm_backward(m->d_res, G(m, l, MOE_W_LN2), m->d_ln, a->xmid, P(m, l, MOE_W_LN2),

@@ -142,6 +142,10 @@ typedef struct moe_model {
     double *layer_z;              /**< [L] per-layer z-loss of the last forward */
     moe_step_scalars *scalars;    /**< [1] backend memory: the step's losses, norm, clip factor
                                        and flags, read once per step (step_scalars.h) */
+    /** chapter 05's emulated FP8 / NVFP4 (lowp.h), or NULL without --fp8-format /
+     *  --fp4-format. The compute copy of the weights is then its own buffer, every linear
+     *  layer's matrix in it quantized at each moe_model_sync_weights() */
+    moe_lowp *lowp;
     int *step_flags;              /**< &scalars->flags, backend memory: MOE_STEP_* bits raised on
                                        the device during a step (step_flags.h); zeroed at each
                                        step start */

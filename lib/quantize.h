@@ -320,6 +320,90 @@ moe_status moe_cpu_dequant_nvfp4(float *y, const uint8_t *q, const uint8_t *scal
 moe_status moe_cpu_rht16(float *y, const float *x, int rows, int cols, uint64_t seed,
                          int inverse, moe_error *err);
 
+/* -------------------------------------------------------- QDQ (emulated low precision) */
+
+/**
+ * One quantize → dequantize ("QDQ", fake quantization): which recipe, element format and
+ * options a tensor of a given role goes through (lib/lowp.h picks them from the flags).
+ */
+typedef struct moe_qdq_spec {
+    moe_quant_recipe recipe; /**< ::MOE_QUANT_TENSORWISE (current scaling), ::MOE_QUANT_BLOCK_1X128,
+                                  ::MOE_QUANT_BLOCK_128X128, ::MOE_QUANT_MXFP8,
+                                  ::MOE_QUANT_NVFP4 or ::MOE_QUANT_NVFP4_2D */
+    moe_fp8_format format;   /**< the FP8 element format (ignored by NVFP4) */
+    int pow2;                /**< blockwise: power-of-two scales */
+    moe_nvfp4_opts nvfp4;    /**< NVFP4's options (block_2d follows the recipe) */
+} moe_qdq_spec;
+
+/** The buffers of a QDQ, in the memory of the backend that runs it, each sized for the
+ *  largest tensor it will see (moe_qdq_ws_bytes()). */
+typedef struct moe_qdq_ws {
+    float *x;               /**< [rows·cols] fp32: the input, then the dequantized values */
+    uint8_t *q;             /**< codes, moe_quant_code_bytes() */
+    void *scales;           /**< the block scales (fp32 or one byte each), 4·moe_quant_scale_count() bytes */
+    moe_quant_scalars *g;   /**< [1] the tensorwise scalars / NVFP4's global scale */
+} moe_qdq_ws;
+
+/** A backend's quantizers and dequantizers, with the signatures of the CPU ones: the CPU's
+ *  (moe_cpu_quant_fns()) or CUDA's, so that one QDQ sequence serves both. */
+typedef struct moe_quant_fns {
+    /** as moe_cpu_quant_tensorwise() */
+    moe_status (*tensorwise)(uint8_t *, moe_quant_scalars *, const float *, size_t,
+                             moe_fp8_format, moe_error *);
+    /** as moe_cpu_dequant_tensorwise() */
+    moe_status (*dequant_tensorwise)(float *, const uint8_t *, const moe_quant_scalars *, size_t,
+                                     moe_fp8_format, moe_error *);
+    /** as moe_cpu_quant_blockwise() */
+    moe_status (*blockwise)(uint8_t *, float *, const float *, int, int, moe_fp8_format, int, int,
+                            moe_error *);
+    /** as moe_cpu_dequant_blockwise() */
+    moe_status (*dequant_blockwise)(float *, const uint8_t *, const float *, int, int,
+                                    moe_fp8_format, int, moe_error *);
+    /** as moe_cpu_quant_mxfp8() */
+    moe_status (*mxfp8)(uint8_t *, uint8_t *, const float *, int, int, moe_fp8_format,
+                        moe_error *);
+    /** as moe_cpu_dequant_mxfp8() */
+    moe_status (*dequant_mxfp8)(float *, const uint8_t *, const uint8_t *, int, int,
+                                moe_fp8_format, moe_error *);
+    /** as moe_cpu_quant_nvfp4() */
+    moe_status (*nvfp4)(uint8_t *, uint8_t *, moe_quant_scalars *, const float *, int, int,
+                        const moe_nvfp4_opts *, moe_error *);
+    /** as moe_cpu_dequant_nvfp4() */
+    moe_status (*dequant_nvfp4)(float *, const uint8_t *, const uint8_t *,
+                                const moe_quant_scalars *, int, int, const moe_nvfp4_opts *,
+                                moe_error *);
+} moe_quant_fns;
+
+/** @brief The CPU's quantizers, for moe_qdq_f32(). @return a static table */
+const moe_quant_fns *moe_cpu_quant_fns(void);
+
+/** @brief Bytes of each buffer of a ::moe_qdq_ws for tensors of up to @p n elements (the
+ *  largest any recipe needs). @param n elements @param q receives the codes' bytes
+ *  @param scales receives the scales' bytes */
+void moe_qdq_ws_bytes(size_t n, size_t *q, size_t *scales);
+
+/**
+ * @brief QDQ of ws->x [rows, cols] in place, with @p fn's quantize and then dequantize of
+ *        the recipe: x ← dequantize(quantize(x)), exactly what the two calls give.
+ * @param fn the backend's quantizers  @param spec the recipe  @param ws the buffers (x in and out)
+ * @param rows rows  @param cols columns (the recipe's shape rules: moe_quant_check())
+ * @param err receives the reason on failure
+ * @return ::MOE_OK, or ::MOE_ERR_CONFIG for a shape or format the recipe refuses
+ */
+moe_status moe_qdq_f32(const moe_quant_fns *fn, const moe_qdq_spec *spec, const moe_qdq_ws *ws,
+                       int rows, int cols, moe_error *err);
+
+/**
+ * @brief The CPU backend's QDQ op: dst = QDQ(src), activations of the CPU (moe_real),
+ *        through ws->x in fp32 (moe_real → float is exact in the fp32 build; the gradcheck
+ *        build rounds to float first). dst may be src. A shape the recipe refuses aborts:
+ *        the model checks every shape at start-up (lib/lowp.h).
+ * @param dst [rows, cols] output  @param src [rows, cols] input  @param rows rows
+ * @param cols columns  @param spec the recipe  @param ws the buffers (host memory)
+ */
+void moe_cpu_qdq(void *dst, const void *src, int rows, int cols, const moe_qdq_spec *spec,
+                 const moe_qdq_ws *ws);
+
 #ifdef __cplusplus
 }
 #endif

@@ -6,6 +6,7 @@
  * is op_backward(dout = r); fd_check compares it with central differences.
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -14,6 +15,7 @@
 #include "cpu/router.h"
 #include "fd.h"
 #include "helpers.h"
+#include "lowp.h"
 #include "mlp.h"
 #include "suites.h"
 
@@ -655,6 +657,170 @@ START_TEST(test_fd_mlp) {
 }
 END_TEST
 
+/* ------------------------------------------------- chapter 05: a linear layer under QDQ */
+/* The emulated FP8 / NVFP4 linear layer y = Q(x)·Q(W)ᵀ (lowp.h) and its straight-through
+ * backward dx = Q(dy)·Q(W), dW = Q(dy)ᵀ·Q(x). The quantizer is piecewise constant, so the
+ * emulated forward's true derivative is 0 almost everywhere (checked below: central
+ * differences of it vanish for most coordinates). What the backward computes is, exactly,
+ * the gradient of the straight-through SURROGATE
+ *     S(x, W) = Σ Q(dy) ⊙ (x + e_x)·(W + e_W)ᵀ,   e_x = Q(x₀) − x₀, e_W = Q(W₀) − W₀ frozen,
+ * a smooth function equal to the emulated layer (up to the quantized dy) at (x₀, W₀), with
+ * the quantization errors held fixed: QDQ's Jacobian taken as the identity. The check is
+ * that fd of S matches the analytic backward to fd tolerance. */
+typedef struct {
+    int N, I, O;
+    moe_real *x, *w, *ex, *ew, *rq, *r, *out, *tmp_x, *tmp_w;
+    moe_lowp *lp;
+    int emulated; /* 1: the loss of the emulated forward itself (Q inside), with r */
+} lowp_lin_ctx;
+
+static double lowp_lin_loss(void *p) {
+    lowp_lin_ctx *c = p;
+    const moe_backend *be = moe_backend_cpu();
+    const size_t nx = (size_t)c->N * c->I, nw = (size_t)c->O * c->I;
+    if (c->emulated) {
+        memcpy(c->tmp_w, c->w, nw * sizeof(moe_real));
+        moe_lowp_qdq_weight(be, c->lp, c->tmp_w, 1, c->O, c->I);
+        be->matmul_forward(c->out, moe_lowp_qdq(be, c->lp, c->x, c->N, c->I, MOE_LOWP_ACTIVATION),
+                           c->tmp_w, c->N, c->I, c->O);
+        return fd_dot(c->r, c->out, (size_t)c->N * c->O);
+    }
+    for (size_t i = 0; i < nx; i++)
+        c->tmp_x[i] = c->x[i] + c->ex[i];
+    for (size_t i = 0; i < nw; i++)
+        c->tmp_w[i] = c->w[i] + c->ew[i];
+    be->matmul_forward(c->out, c->tmp_x, c->tmp_w, c->N, c->I, c->O);
+    return fd_dot(c->rq, c->out, (size_t)c->N * c->O);
+}
+
+START_TEST(test_fd_lowp_linear_straight_through) {
+    static const char *recipes[] = {"--fp8-format e4m3 --fp8-recipe tensorwise",
+                                    "--fp8-format hybrid --fp8-recipe blockwise",
+                                    "--fp8-format e4m3 --fp8-recipe mxfp8",
+                                    "--fp4-format e2m1 --fp4-recipe nvfp4"};
+    const moe_backend *be = moe_backend_cpu();
+    for (int k = 0; k < 4; k++) {
+        moe_config cfg;
+        moe_error err;
+        char flags[256];
+        snprintf(flags, sizeof flags, "%s --num-query-groups 4", recipes[k]);
+        ck_assert_msg(moe_test_config(&cfg, flags, &err) == MOE_OK, "%s", err.msg);
+        moe_lowp lp;
+        ck_assert(moe_lowp_from_config(&lp, &cfg, &err) == MOE_OK && lp.on);
+        lowp_lin_ctx c = {6, 128, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, &lp, 0};
+        const size_t nx = (size_t)c.N * c.I, nw = (size_t)c.O * c.I, ny = (size_t)c.N * c.O;
+        ck_assert(moe_lowp_alloc(be, &lp, nw));
+        c.x = ALLOC(nx); c.w = ALLOC(nw); c.ex = ALLOC(nx); c.ew = ALLOC(nw); c.rq = ALLOC(ny);
+        c.r = ALLOC(ny); c.out = ALLOC(ny); c.tmp_x = ALLOC(nx); c.tmp_w = ALLOC(nw);
+        moe_test_randn(c.x, nx, 61, 1.0);
+        moe_test_randn(c.w, nw, 62, 0.1);
+        moe_test_randn(c.r, ny, 63, 1.0);
+        /* the analytic backward, as the call sites run it (attention.c, mlp.c) */
+        moe_real *wq = ALLOC(nw), *xq = ALLOC(nx), *dx = ALLOC(nx), *dw = ALLOC(nw);
+        memcpy(wq, c.w, nw * sizeof(moe_real));
+        moe_lowp_qdq_weight(be, &lp, wq, 1, c.O, c.I);
+        memcpy(xq, moe_lowp_qdq(be, &lp, c.x, c.N, c.I, MOE_LOWP_ACTIVATION), nx * sizeof(moe_real));
+        const void *rq = moe_lowp_qdq(be, &lp, c.r, c.N, c.O, MOE_LOWP_GRADIENT);
+        memcpy(c.rq, rq, ny * sizeof(moe_real)); /* the quantized dy the backward used */
+        be->matmul_backward(dx, dw, rq, xq, wq, c.N, c.I, c.O);
+        for (size_t i = 0; i < nx; i++)
+            c.ex[i] = xq[i] - c.x[i];
+        for (size_t i = 0; i < nw; i++)
+            c.ew[i] = wq[i] - c.w[i];
+        char what[96];
+        snprintf(what, sizeof what, "%s: dx vs the straight-through surrogate", recipes[k]);
+        ck_assert_double_le(fd_check(what, lowp_lin_loss, &c, c.x, dx, nx, 300, TOL), TOL);
+        snprintf(what, sizeof what, "%s: dW vs the straight-through surrogate", recipes[k]);
+        ck_assert_double_le(fd_check(what, lowp_lin_loss, &c, c.w, dw, nw, 300, TOL), TOL);
+        /* the quantization did something: Q(x), Q(W), Q(dy) differ from x, W, dy */
+        size_t moved = 0;
+        for (size_t i = 0; i < ny; i++)
+            moved += c.rq[i] != c.r[i];
+        ck_assert_msg(moved > ny / 2, "%s: dy barely quantized (%zu of %zu)", recipes[k], moved,
+                      ny);
+        /* and the emulated forward itself is locally constant in x: its central differences
+         * (step 1e-4) vanish for most coordinates, where the straight-through dx does not */
+        c.emulated = 1;
+        int zero = 0, tried = 0;
+        for (size_t i = 0; i < nx; i += 7, tried++) {
+            const moe_real x0 = c.x[i];
+            c.x[i] = x0 + 1e-4;
+            const double lp_ = lowp_lin_loss(&c);
+            c.x[i] = x0 - 1e-4;
+            const double lm = lowp_lin_loss(&c);
+            c.x[i] = x0;
+            zero += lp_ == lm;
+        }
+        printf("  %s: the emulated forward's fd is exactly 0 at %d of %d coordinates of x\n",
+               recipes[k], zero, tried);
+        ck_assert_msg(zero * 10 >= tried * 8, "%s: only %d of %d", recipes[k], zero, tried);
+        moe_lowp_free(be, &lp);
+        free(c.x); free(c.w); free(c.ex); free(c.ew); free(c.rq); free(c.r); free(c.out);
+        free(c.tmp_x); free(c.tmp_w); free(wq); free(xq); free(dx); free(dw);
+    }
+    moe_cpu_matmul_release();
+}
+END_TEST
+
+/* The MLP's call sites under QDQ (mlp.c): each GEMM operand goes through the role it should
+ * (hybrid blockwise tells them apart: E4M3 1×128 activations, E5M2 1×128 gradients, 128×128
+ * weights), in fp64, against the same chain written out with the backend's ops. */
+START_TEST(test_lowp_mlp_roles) {
+    const moe_backend *be = moe_backend_cpu();
+    moe_config cfg;
+    moe_error err;
+    ck_assert_msg(moe_test_config(&cfg, "--fp8-format hybrid --fp8-recipe blockwise "
+                                        "--num-query-groups 4", &err) == MOE_OK, "%s", err.msg);
+    moe_lowp lp;
+    ck_assert(moe_lowp_from_config(&lp, &cfg, &err) == MOE_OK);
+    const int N = 5, H = 128, F = 128;
+    ck_assert(moe_lowp_alloc(be, &lp, (size_t)2 * F * H));
+    moe_real *x = ALLOC(N * H), *w1 = ALLOC(2 * F * H), *w2 = ALLOC(H * F), *r = ALLOC(N * H);
+    moe_real *out = ALLOC(N * H), *gu = ALLOC(N * 2 * F), *act = ALLOC(N * F);
+    moe_real *dx = ALLOC(N * H), *dw1 = ALLOC(2 * F * H), *dw2 = ALLOC(H * F);
+    moe_real *dh = ALLOC(N * F), *dgu = ALLOC(N * 2 * F);
+    moe_test_randn(x, N * H, 71, 1.0);
+    moe_test_randn(w1, 2 * F * H, 72, 0.1);
+    moe_test_randn(w2, H * F, 73, 0.1);
+    moe_test_randn(r, N * H, 74, 1e-3);
+    moe_lowp_qdq_weight(be, &lp, w1, 1, 2 * F, H);
+    moe_lowp_qdq_weight(be, &lp, w2, 1, H, F);
+    moe_mlp_forward_lowp(be, out, gu, act, x, NULL, w1, w2, N, H, F, &lp);
+    moe_mlp_backward_lowp(be, dx, dw1, dw2, NULL, r, x, gu, act, NULL, w1, w2, dh, dgu, N, H, F,
+                          &lp);
+    /* the chain by hand */
+    moe_real *q = ALLOC(N * 2 * F), *q2 = ALLOC(N * 2 * F), *e_out = ALLOC(N * H);
+    moe_real *e_gu = ALLOC(N * 2 * F), *e_act = ALLOC(N * F), *e_dx = ALLOC(N * H);
+    moe_real *e_dw1 = ALLOC(2 * F * H), *e_dw2 = ALLOC(H * F), *e_dh = ALLOC(N * F);
+    moe_real *e_dgu = ALLOC(N * 2 * F);
+    const moe_qdq_spec *sa = &lp.spec[MOE_LOWP_ACTIVATION], *sg = &lp.spec[MOE_LOWP_GRADIENT];
+    be->qdq(q, x, N, H, sa, &lp.ws);
+    be->matmul_forward(e_gu, q, w1, N, H, 2 * F);
+    be->swiglu_forward(e_act, e_gu, NULL, N, F);
+    be->qdq(q, e_act, N, F, sa, &lp.ws);
+    be->matmul_forward(e_out, q, w2, N, F, H);
+    be->qdq(q2, r, N, H, sg, &lp.ws);
+    be->matmul_backward(e_dh, e_dw2, q2, q, w2, N, F, H);
+    be->swiglu_backward(e_dgu, NULL, e_dh, e_gu, NULL, N, F);
+    be->qdq(q2, e_dgu, N, 2 * F, sg, &lp.ws);
+    be->qdq(q, x, N, H, sa, &lp.ws);
+    be->matmul_backward(e_dx, e_dw1, q2, q, w1, N, H, 2 * F);
+    ck_assert(memcmp(out, e_out, sizeof(moe_real) * N * H) == 0);
+    ck_assert(memcmp(dx, e_dx, sizeof(moe_real) * N * H) == 0);
+    ck_assert(memcmp(dw1, e_dw1, sizeof(moe_real) * 2 * F * H) == 0);
+    ck_assert(memcmp(dw2, e_dw2, sizeof(moe_real) * H * F) == 0);
+    /* and it is not the fp64 MLP: the roles matter */
+    moe_real *p_out = ALLOC(N * H);
+    moe_mlp_forward(be, p_out, e_gu, e_act, x, NULL, w1, w2, N, H, F);
+    ck_assert(memcmp(out, p_out, sizeof(moe_real) * N * H) != 0);
+    moe_lowp_free(be, &lp);
+    free(x); free(w1); free(w2); free(r); free(out); free(gu); free(act); free(dx); free(dw1);
+    free(dw2); free(dh); free(dgu); free(q); free(q2); free(e_out); free(e_gu); free(e_act);
+    free(e_dx); free(e_dw1); free(e_dw2); free(e_dh); free(e_dgu); free(p_out);
+    moe_cpu_matmul_release();
+}
+END_TEST
+
 Suite *suite_fd_ops(void) {
     Suite *s = suite_create("gradcheck-ops (fp64)");
     TCase *tc = tcase_create("ops");
@@ -669,6 +835,8 @@ Suite *suite_fd_ops(void) {
     tcase_add_test(tc, test_fd_cross_entropy);
     tcase_add_test(tc, test_fd_router_variants);
     tcase_add_test(tc, test_fd_mlp);
+    tcase_add_test(tc, test_fd_lowp_linear_straight_through);
+    tcase_add_test(tc, test_lowp_mlp_roles);
     suite_add_tcase(s, tc);
     /* chapter 01's exercise: the aux loss's gradient (make check-ch01) */
     TCase *ch01 = tcase_create("ch01");

@@ -115,26 +115,49 @@ START_TEST(test_gpu_model_one_step) {
 }
 END_TEST
 
-START_TEST(test_gpu_model_50_steps_track_cpu) {
-    moe_trainer *tc = make(GPU_SMALL, "cpu"), *tg = make(GPU_SMALL, "cuda");
-    double lc[50], lg[50], worst = 0, tail = 0;
-    for (int s = 0; s < 50; s++) {
+/* @p steps training steps of the same model on the CPU and on CUDA: the losses of each, and
+ * the largest difference */
+static double track_cpu(const char *flags, int steps, double *lc, double *lg) {
+    moe_trainer *tc = make(flags, "cpu"), *tg = make(flags, "cuda");
+    double worst = 0;
+    for (int s = 0; s < steps; s++) {
         moe_step_stats a, b;
         moe_trainer_step(tc, &a, NULL);
         moe_trainer_step(tg, &b, NULL);
         lc[s] = a.loss;
         lg[s] = b.loss;
         worst = fmax(worst, fabs(lc[s] - lg[s]));
-        if (s >= 40)
-            tail += fabs(lc[s] - lg[s]) / 10;
     }
+    moe_trainer_free(tc);
+    moe_trainer_free(tg);
+    return worst;
+}
+
+START_TEST(test_gpu_model_50_steps_track_cpu) {
+    double lc[50], lg[50], tail = 0;
+    const double worst = track_cpu(GPU_SMALL, 50, lc, lg);
+    for (int s = 40; s < 50; s++)
+        tail += fabs(lc[s] - lg[s]) / 10;
     printf("  50 steps: cpu %.4f -> %.4f, cuda %.4f -> %.4f, max |diff| %.4f, last-10 mean |diff| "
            "%.4f\n", lc[0], lc[49], lg[0], lg[49], worst, tail);
     ck_assert_msg(worst <= 0.05, "a training loss differs by %.4f", worst);
     ck_assert_msg(tail <= 0.03, "last-10 losses differ by %.4f on average", tail);
     ck_assert(lg[49] < lg[0] - 0.5); /* and the GPU run actually learns */
-    moe_trainer_free(tc);
-    moe_trainer_free(tg);
+}
+END_TEST
+
+/* Chapter 05: the emulated FP8 path on CUDA (bf16 activations) against the CPU's (fp32), the
+ * same recipe (MXFP8: per-row blocks, so the grouped kernel's padding rows change nothing):
+ * one step's loss and gradients, then 30 steps of training. */
+START_TEST(test_gpu_model_lowp_tracks_cpu) {
+    const char *flags = GPU_SMALL "--fp8-format e4m3 --fp8-recipe mxfp8";
+    check_one_step(flags);
+    double lc[30], lg[30];
+    const double worst = track_cpu(flags, 30, lc, lg);
+    printf("  fp8 mxfp8 emulated, 30 steps: cpu %.4f -> %.4f, cuda %.4f -> %.4f, max |diff| "
+           "%.4f\n", lc[0], lc[29], lg[0], lg[29], worst);
+    ck_assert_msg(worst <= 0.05, "a training loss differs by %.4f", worst);
+    ck_assert(lg[29] < lg[0] - 0.5);
 }
 END_TEST
 
@@ -144,6 +167,7 @@ Suite *suite_gpu_model(void) {
     tcase_set_timeout(tc, 600);
     tcase_add_test(tc, test_gpu_model_one_step);
     tcase_add_test(tc, test_gpu_model_50_steps_track_cpu);
+    tcase_add_test(tc, test_gpu_model_lowp_tracks_cpu);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -569,11 +569,56 @@ START_TEST(test_gpu_fp8_gemm_errors) {
 }
 END_TEST
 
+/* Chapter 05's emulated training (lib/lowp.h): the CUDA QDQ op on bf16 activations equals
+ * the CPU's on the same values, rounded to bf16 once at the end (the CPU keeps fp32), byte
+ * for byte, for every recipe; the output and the workspace start poisoned. */
+START_TEST(test_gpu_qdq) {
+    const int R = 130, C = 256;
+    const size_t n = (size_t)R * C;
+    float *x = gen(n, 951, 0);
+    void *src = dpoison(2 * n), *dst = dpoison(2 * n), *want = dpoison(2 * n);
+    moe_cuda_write_act(src, x, n);
+    moe_cuda_read_act(x, src, n); /* the bf16 values, exactly, in fp32 */
+    size_t qb, sb;
+    moe_qdq_ws_bytes(n, &qb, &sb);
+    moe_qdq_ws dws = {dpoison(n * sizeof(float)), dpoison(qb), dpoison(sb),
+                      dpoison(sizeof(moe_quant_scalars))};
+    moe_qdq_ws hws = {hpoison(n * sizeof(float)), hpoison(qb), hpoison(sb),
+                      hpoison(sizeof(moe_quant_scalars))};
+    float *y = hpoison(n * sizeof(float));
+    unsigned char *hwant = hpoison(2 * n);
+    const moe_quant_recipe recipes[] = {MOE_QUANT_TENSORWISE, MOE_QUANT_BLOCK_1X128,
+                                        MOE_QUANT_BLOCK_128X128, MOE_QUANT_MXFP8,
+                                        MOE_QUANT_NVFP4, MOE_QUANT_NVFP4_2D};
+    for (size_t r = 0; r < sizeof recipes / sizeof recipes[0]; r++)
+        for (int f = 0; f < 2; f++) {
+            moe_qdq_spec sp;
+            memset(&sp, 0, sizeof sp);
+            sp.recipe = recipes[r];
+            sp.format = (moe_fp8_format)f;
+            sp.pow2 = f;                /* both scale rules of blockwise */
+            sp.nvfp4.stochastic = f;    /* and NVFP4's stochastic rounding */
+            sp.nvfp4.sr_seed = 77 + r;
+            moe_cpu_qdq(y, x, R, C, &sp, &hws);
+            moe_cuda_write_act(want, y, n);
+            moe_cuda_to_host(hwant, want, 2 * n);
+            moe_cuda_qdq(dst, src, R, C, &sp, &dws);
+            char what[64];
+            snprintf(what, sizeof what, "QDQ recipe %d format %d", (int)recipes[r], f);
+            ck_assert_msg(same_bytes(what, dst, hwant, 2 * n), "%s: CUDA differs from the CPU",
+                          what);
+        }
+    free(x); free(y); free(hwant); free(hws.x); free(hws.q); free(hws.scales); free(hws.g);
+    moe_cuda_free(src); moe_cuda_free(dst); moe_cuda_free(want);
+    moe_cuda_free(dws.x); moe_cuda_free(dws.q); moe_cuda_free(dws.scales); moe_cuda_free(dws.g);
+}
+END_TEST
+
 Suite *suite_gpu_quant(void) {
     const TTest *const tests[] = {test_gpu_quant_tensorwise, test_gpu_quant_delayed,
                                   test_gpu_quant_blockwise,  test_gpu_quant_blockwise_t,
                                   test_gpu_quant_mxfp8,      test_gpu_quant_nvfp4,
                                   test_gpu_fp8_gemm,         test_gpu_fp8_gemm_blockwise_shapes,
-                                  test_gpu_fp8_gemm_errors};
-    return moe_test_chapter_suite("gpu_quant", "ch05", tests, 9);
+                                  test_gpu_fp8_gemm_errors,  test_gpu_qdq};
+    return moe_test_chapter_suite("gpu_quant", "ch05", tests, 10);
 }

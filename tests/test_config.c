@@ -485,6 +485,43 @@ START_TEST(test_val_layer_freq_mask) {
 }
 END_TEST
 
+/* chapter 05: the emulated FP8 / NVFP4 flags (lowp.h) */
+START_TEST(test_val_lowp) {
+    moe_config c;
+    /* the default model: K and V are 2 heads of 32 = 64 wide, not a multiple of 128 */
+    EXPECT_CONFIG_ERROR("--fp8-recipe blockwise", "attn.wk has output width 64",
+                        "--fp8-format", "e4m3", "--fp8-recipe", "blockwise");
+    EXPECT_CONFIG_ERROR("--num-query-groups", "tensorwise", "--fp8-format", "e4m3",
+                        "--fp8-recipe", "blockwise");
+    EXPECT_OK(&c, "--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--num-query-groups", "4");
+    EXPECT_CONFIG_ERROR("--fp8-recipe mxfp8", "moe.experts.fc2 has input width 48",
+                        "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8",
+                        "--moe-ffn-hidden-size", "48");
+    EXPECT_CONFIG_ERROR("--fp4-recipe nvfp4", "mlp.fc2 has input width 40", "--fp4-format",
+                        "e2m1", "--moe-layer-freq", "2", "--ffn-hidden-size", "40");
+    EXPECT_CONFIG_ERROR("moe.shared.fc1", "output width 48", "--fp8-format", "e4m3",
+                        "--fp8-recipe", "mxfp8", "--moe-shared-expert-intermediate-size", "24");
+    EXPECT_OK(&c, "--fp8-format", "e4m3", "--hidden-size", "40", "--num-attention-heads", "4",
+              "--moe-ffn-hidden-size", "24"); /* tensorwise takes any width */
+    EXPECT_CONFIG_ERROR("--fp8-format e4m3 and --fp4-format e2m1", "pick one", "--fp8-format",
+                        "e4m3", "--fp4-format", "e2m1");
+    EXPECT_CONFIG_ERROR("--fp8-recipe delayed", "not wired", "--fp8-format", "e4m3",
+                        "--fp8-recipe", "delayed");
+    EXPECT_FLAG_ERROR("--fp8-recipe", "fp9", "--fp8-format", "e4m3", "--fp8-recipe", "fp9");
+    EXPECT_FLAG_ERROR("--fp4-format", "e3m0", "--fp4-format", "e3m0");
+    EXPECT_CONFIG_ERROR("--use-distributed-optimizer", "drop one", "--fp8-format", "e4m3",
+                        "--use-distributed-optimizer");
+    EXPECT_CONFIG_ERROR("--moe-permute-fusion", "the unquantized tokens", "--fp8-format", "e4m3",
+                        "--moe-permute-fusion", "--moe-expert-backend", "grouped");
+    EXPECT_CONFIG_ERROR("--cuda-graph-scope attn", "stochastic rounding", "--fp4-format", "e2m1",
+                        "--cuda-graph-scope", "attn");
+    /* the default (no flag) is off */
+    EXPECT_OK(&c, "--seed", "1");
+    ck_assert_str_eq(c.fp8_format, "none");
+    ck_assert_str_eq(c.fp4_format, "none");
+}
+END_TEST
+
 START_TEST(test_val_dense_model) {
     moe_config c;
     /* router settings are irrelevant in a dense model and are not checked */
@@ -840,6 +877,7 @@ Suite *suite_config(void) {
     tcase_add_test(val, test_val_layer_freq_errors);
     tcase_add_test(val, test_val_layer_freq_mask);
     tcase_add_test(val, test_val_dense_model);
+    tcase_add_test(val, test_val_lowp);
     suite_add_tcase(s, val);
 
     TCase *fold = tcase_create("folding");

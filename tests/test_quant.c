@@ -30,6 +30,7 @@
 
 #include "fp8_gemm.h"
 #include "helpers.h"
+#include "lowp.h"
 #include "quantize.h"
 #include "rng.h"
 #include "suites.h"
@@ -1032,6 +1033,111 @@ START_TEST(test_fp8_gemm_cpu_twin) {
 }
 END_TEST
 
+/* ------------------------------------------------------------------ QDQ (chapter 05's
+ * emulated training, lowp.h) */
+
+/* The backend's QDQ op gives, byte for byte, the recipe's quantize then dequantize; and the
+ * flags pick the recipes lowp.h documents. */
+START_TEST(test_qdq_matches_quant_dequant) {
+    const int R = 130, C = 256; /* a partial last block of rows for the 2D recipes */
+    const size_t n = (size_t)R * C;
+    float *x = frand(n, 901, 12.0);
+    x[5] = 0.0f; /* and a few special values */
+    x[7] = -0.0f;
+    size_t qb, sb;
+    moe_qdq_ws_bytes(n, &qb, &sb);
+    moe_qdq_ws ws = {poisoned(n * sizeof(float)), poisoned(qb), poisoned(sb),
+                     poisoned(sizeof(moe_quant_scalars))};
+    float *y = poisoned(n * sizeof(float)), *ref = poisoned(n * sizeof(float));
+    uint8_t *q = poisoned(qb), *sc = poisoned(sb);
+    moe_quant_scalars g;
+    moe_error err;
+    const moe_backend *be = moe_backend_cpu();
+    const moe_quant_recipe recipes[] = {MOE_QUANT_TENSORWISE, MOE_QUANT_BLOCK_1X128,
+                                        MOE_QUANT_BLOCK_128X128, MOE_QUANT_MXFP8,
+                                        MOE_QUANT_NVFP4, MOE_QUANT_NVFP4_2D};
+    for (size_t r = 0; r < sizeof recipes / sizeof recipes[0]; r++)
+        for (int f = 0; f < 2; f++)
+            for (int variant = 0; variant < 2; variant++) { /* pow2 / stochastic rounding */
+                moe_qdq_spec sp;
+                memset(&sp, 0, sizeof sp);
+                sp.recipe = recipes[r];
+                sp.format = (moe_fp8_format)f;
+                sp.pow2 = variant;
+                sp.nvfp4.stochastic = variant;
+                sp.nvfp4.sr_seed = 1234 + r;
+                be->qdq(y, x, R, C, &sp, &ws);
+                moe_nvfp4_opts o = sp.nvfp4;
+                o.block_2d = recipes[r] == MOE_QUANT_NVFP4_2D;
+                switch (recipes[r]) {
+                case MOE_QUANT_TENSORWISE:
+                    ck_assert(moe_cpu_quant_tensorwise(q, &g, x, n, sp.format, &err) == MOE_OK);
+                    ck_assert(moe_cpu_dequant_tensorwise(ref, q, &g, n, sp.format, &err) == MOE_OK);
+                    break;
+                case MOE_QUANT_BLOCK_1X128:
+                case MOE_QUANT_BLOCK_128X128: {
+                    const int b2 = recipes[r] == MOE_QUANT_BLOCK_128X128;
+                    ck_assert(moe_cpu_quant_blockwise(q, (float *)sc, x, R, C, sp.format, b2,
+                                                      variant, &err) == MOE_OK);
+                    ck_assert(moe_cpu_dequant_blockwise(ref, q, (float *)sc, R, C, sp.format, b2,
+                                                        &err) == MOE_OK);
+                    break;
+                }
+                case MOE_QUANT_MXFP8:
+                    ck_assert(moe_cpu_quant_mxfp8(q, sc, x, R, C, sp.format, &err) == MOE_OK);
+                    ck_assert(moe_cpu_dequant_mxfp8(ref, q, sc, R, C, sp.format, &err) == MOE_OK);
+                    break;
+                default:
+                    ck_assert(moe_cpu_quant_nvfp4(q, sc, &g, x, R, C, &o, &err) == MOE_OK);
+                    ck_assert(moe_cpu_dequant_nvfp4(ref, q, sc, &g, R, C, &o, &err) == MOE_OK);
+                }
+                ck_assert_msg(memcmp(y, ref, n * sizeof(float)) == 0,
+                              "recipe %d format %d variant %d: QDQ differs from quantize + "
+                              "dequantize", (int)recipes[r], f, variant);
+                size_t changed = 0; /* and it did quantize */
+                for (size_t i = 0; i < n; i++)
+                    changed += bits(y[i]) != bits(x[i]);
+                ck_assert_msg(changed > n / 2, "recipe %d: only %zu of %zu values changed",
+                              (int)recipes[r], changed, n);
+            }
+    /* in place (dst = src) as the weights are */
+    moe_qdq_spec sp = {MOE_QUANT_MXFP8, MOE_FP8_E4M3, 0, {0}};
+    be->qdq(y, x, R, C, &sp, &ws);
+    memcpy(ref, x, n * sizeof(float));
+    be->qdq(ref, ref, R, C, &sp, &ws);
+    ck_assert(memcmp(y, ref, n * sizeof(float)) == 0);
+
+    /* the flags' recipes, per role (lowp.h's table) */
+    const char *flags[] = {"--fp8-format e4m3 --fp8-recipe tensorwise",
+                           "--fp8-format hybrid --fp8-recipe blockwise --num-query-groups 4",
+                           "--fp8-format e4m3 --fp8-recipe mxfp8",
+                           "--fp4-format e2m1 --fp4-recipe nvfp4", ""};
+    const moe_quant_recipe want[][3] = {
+        {MOE_QUANT_TENSORWISE, MOE_QUANT_TENSORWISE, MOE_QUANT_TENSORWISE},
+        {MOE_QUANT_BLOCK_1X128, MOE_QUANT_BLOCK_128X128, MOE_QUANT_BLOCK_1X128},
+        {MOE_QUANT_MXFP8, MOE_QUANT_MXFP8, MOE_QUANT_MXFP8},
+        {MOE_QUANT_NVFP4, MOE_QUANT_NVFP4_2D, MOE_QUANT_NVFP4}};
+    for (int i = 0; i < 5; i++) {
+        moe_config c;
+        ck_assert_msg(moe_test_config(&c, flags[i], &err) == MOE_OK, "%s", err.msg);
+        moe_lowp lp;
+        ck_assert(moe_lowp_from_config(&lp, &c, &err) == MOE_OK);
+        ck_assert_int_eq(lp.on, i < 4);
+        if (i == 4)
+            break;
+        for (int role = 0; role < MOE_LOWP_ROLES; role++)
+            ck_assert_int_eq(lp.spec[role].recipe, want[i][role]);
+        ck_assert_int_eq(lp.spec[MOE_LOWP_GRADIENT].format, i == 1 ? MOE_FP8_E5M2 : MOE_FP8_E4M3);
+        ck_assert_int_eq(lp.spec[MOE_LOWP_ACTIVATION].format, MOE_FP8_E4M3);
+        ck_assert_int_eq(lp.spec[MOE_LOWP_ACTIVATION].nvfp4.stochastic, 0); /* gradients only */
+        ck_assert_int_eq(lp.spec[MOE_LOWP_WEIGHT].nvfp4.stochastic, 0);
+        ck_assert_int_eq(lp.spec[MOE_LOWP_GRADIENT].nvfp4.stochastic, i == 3);
+    }
+    free(x); free(y); free(ref); free(q); free(sc);
+    free(ws.x); free(ws.q); free(ws.scales); free(ws.g);
+}
+END_TEST
+
 Suite *suite_quant(void) {
     const TTest *const tests[] = {test_decode_tables,       test_encode_roundtrip_and_ties,
                                   test_tensorwise,          test_delayed_scaling,
@@ -1039,6 +1145,7 @@ Suite *suite_quant(void) {
                                   test_nvfp4,               test_hadamard,
                                   test_stochastic_rounding, test_thread_count_invariant,
                                   test_blockwise_transpose, test_fp8_gemm_check,
-                                  test_gemm_scale_layouts,  test_fp8_gemm_cpu_twin};
-    return moe_test_chapter_suite("quant", "ch05", tests, 14);
+                                  test_gemm_scale_layouts,  test_fp8_gemm_cpu_twin,
+                                  test_qdq_matches_quant_dequant};
+    return moe_test_chapter_suite("quant", "ch05", tests, 15);
 }

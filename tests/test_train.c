@@ -3,6 +3,7 @@
  * thread count), a short run whose loss falls, errors at the trainer boundary,
  * and the moe-train program's exit codes and messages.
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -82,6 +83,82 @@ START_TEST(test_loss_falls) {
 }
 END_TEST
 
+/* Chapter 05: training in FP8 / NVFP4, emulated (lowp.h). A model whose every linear width is
+ * a multiple of 128 (so every recipe takes it), a dense layer and a shared expert among the
+ * MoE layers, 30 steps in fp32 and under each recipe. Each run must (1) differ from fp32 at
+ * every step (the QDQ ran: a skipped one would give fp32's bits), (2) fall, and (3) end
+ * within a stated margin of fp32: the mean loss of the last 10 steps within 3 % for FP8 and
+ * 5 % for NVFP4 (the test prints what it measured; 300-step runs of the same model:
+ * docs/results/runs/ch05_fp8_train_cpu_9dc4e10.txt). */
+#define LOWP_MODEL                                                                            \
+    "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --num-query-groups 4 "          \
+    "--seq-length 32 --micro-batch-size 4 --global-batch-size 8 --num-experts 4 "             \
+    "--moe-ffn-hidden-size 128 --ffn-hidden-size 128 --moe-shared-expert-intermediate-size " \
+    "128 --moe-layer-freq 2 --lr 3e-3 --lr-warmup-iters 2 --train-iters 30 "
+#define LOWP_STEPS 30
+
+static double tail_mean(const double *l) {
+    double s = 0;
+    for (int i = LOWP_STEPS - 10; i < LOWP_STEPS; i++)
+        s += l[i];
+    return s / 10;
+}
+
+START_TEST(test_lowp_training) {
+    static const char *recipes[] = {"--fp8-format e4m3 --fp8-recipe tensorwise",
+                                    "--fp8-format hybrid --fp8-recipe blockwise",
+                                    "--fp8-format e4m3 --fp8-recipe mxfp8",
+                                    "--fp4-format e2m1 --fp4-recipe nvfp4"};
+    static const double margin[] = {0.03, 0.03, 0.03, 0.05};
+    double ref[LOWP_STEPS], l[LOWP_STEPS];
+    run_losses(LOWP_MODEL, LOWP_STEPS, ref);
+    const double ref_tail = tail_mean(ref);
+    printf("  emulated low precision, 30 steps: fp32 first %.4f, mean of the last 10 %.4f\n",
+           ref[0], ref_tail);
+    for (int r = 0; r < 4; r++) {
+        char flags[512];
+        snprintf(flags, sizeof flags, LOWP_MODEL "%s", recipes[r]);
+        run_losses(flags, LOWP_STEPS, l);
+        for (int i = 0; i < LOWP_STEPS; i++)
+            ck_assert_msg(memcmp(&l[i], &ref[i], sizeof(double)) != 0,
+                          "%s: step %d has fp32's loss bits %.17g: was anything quantized?",
+                          recipes[r], i, l[i]);
+        const double tail = tail_mean(l), rel = fabs(tail - ref_tail) / ref_tail;
+        printf("  %-45s first %.4f, last 10 %.4f (%+.2f %% of fp32)\n", recipes[r], l[0], tail,
+               100 * (tail - ref_tail) / ref_tail);
+        ck_assert_msg(tail < l[0] - 0.5, "%s: the loss did not fall (%.4f -> %.4f)", recipes[r],
+                      l[0], tail);
+        ck_assert_msg(rel < margin[r], "%s: last-10 mean %.4f is %.2f %% from fp32's %.4f "
+                      "(margin %.0f %%)", recipes[r], tail, 100 * rel, ref_tail,
+                      100 * margin[r]);
+    }
+    /* the experts' grouped paths (one QDQ over all experts' rows; the per-row tiles make it
+     * the loop's values) train as the loop does */
+    double loop[LOWP_STEPS];
+    run_losses(LOWP_MODEL "--fp8-format hybrid --fp8-recipe blockwise", LOWP_STEPS, loop);
+    static const char *paths[] = {"grouped", "cublas-grouped"};
+    for (int p = 0; p < 2; p++) {
+        char flags[512];
+        snprintf(flags, sizeof flags,
+                 LOWP_MODEL "--fp8-format hybrid --fp8-recipe blockwise --moe-expert-backend %s",
+                 paths[p]);
+        run_losses(flags, LOWP_STEPS, l);
+        const double rel = fabs(tail_mean(l) - tail_mean(loop)) / tail_mean(loop);
+        printf("  blockwise hybrid, experts %-15s last 10 %.4f (loop %.4f)\n", paths[p],
+               tail_mean(l), tail_mean(loop));
+        ck_assert_msg(rel < 0.01, "%s: %.4f vs the loop's %.4f", paths[p], tail_mean(l),
+                      tail_mean(loop));
+    }
+    /* a per-tensor amax over the sync-free layer's static budget of rows is refused */
+    moe_trainer *t = NULL;
+    moe_error err;
+    ck_assert(make_trainer(&t, LOWP_MODEL "--fp8-format e4m3 --moe-expert-backend grouped",
+                           &err) == MOE_ERR_CONFIG);
+    ck_assert_msg(strstr(err.msg, "static budget of rows") && strstr(err.msg, "tensorwise"),
+                  "%s", err.msg);
+}
+END_TEST
+
 START_TEST(test_trainer_eval_and_sample) {
     moe_trainer *t = NULL;
     moe_error err;
@@ -157,6 +234,7 @@ Suite *suite_train(void) {
     tcase_set_timeout(tc, 600);
     tcase_add_test(tc, test_determinism_same_seed);
     tcase_add_test(tc, test_loss_falls);
+    tcase_add_test(tc, test_lowp_training);
     tcase_add_test(tc, test_trainer_eval_and_sample);
     tcase_add_test(tc, test_trainer_errors);
     tcase_add_test(tc, test_program_cli);

@@ -383,3 +383,69 @@ moe_status moe_cpu_rht16(float *y, const float *x, int rows, int cols, uint64_t 
     }
     return MOE_OK;
 }
+
+/* ------------------------------------------------------------------ QDQ */
+
+const moe_quant_fns *moe_cpu_quant_fns(void) {
+    static const moe_quant_fns fns = {
+        moe_cpu_quant_tensorwise, moe_cpu_dequant_tensorwise, moe_cpu_quant_blockwise,
+        moe_cpu_dequant_blockwise, moe_cpu_quant_mxfp8,       moe_cpu_dequant_mxfp8,
+        moe_cpu_quant_nvfp4,      moe_cpu_dequant_nvfp4};
+    return &fns;
+}
+
+void moe_qdq_ws_bytes(size_t n, size_t *q, size_t *scales) {
+    *q = n > 0 ? n : 1; /* FP8: one byte per element (NVFP4: half) */
+    /* the most scale bytes per element: NVFP4's one byte per 16 (fp32 per 128 and a byte
+     * per 32 are fewer); a partial last block of rows (2D blocks) adds at most a row of
+     * blocks, which a tensor of n elements has fewer of than n/16 + 16 */
+    *scales = n / MOE_QUANT_NVFP4_BLOCK + 64;
+}
+
+moe_status moe_qdq_f32(const moe_quant_fns *fn, const moe_qdq_spec *spec, const moe_qdq_ws *ws,
+                       int rows, int cols, moe_error *err) {
+    MOE_TRY(moe_quant_check(spec->recipe, rows, cols, err));
+    const size_t n = (size_t)rows * cols;
+    const moe_fp8_format f = spec->format;
+    switch (spec->recipe) {
+    case MOE_QUANT_TENSORWISE:
+        MOE_TRY(fn->tensorwise(ws->q, ws->g, ws->x, n, f, err));
+        return fn->dequant_tensorwise(ws->x, ws->q, ws->g, n, f, err);
+    case MOE_QUANT_BLOCK_1X128:
+    case MOE_QUANT_BLOCK_128X128: {
+        const int b2 = spec->recipe == MOE_QUANT_BLOCK_128X128;
+        MOE_TRY(fn->blockwise(ws->q, (float *)ws->scales, ws->x, rows, cols, f, b2, spec->pow2,
+                              err));
+        return fn->dequant_blockwise(ws->x, ws->q, (const float *)ws->scales, rows, cols, f, b2,
+                                     err);
+    }
+    case MOE_QUANT_MXFP8:
+        MOE_TRY(fn->mxfp8(ws->q, (uint8_t *)ws->scales, ws->x, rows, cols, f, err));
+        return fn->dequant_mxfp8(ws->x, ws->q, (const uint8_t *)ws->scales, rows, cols, f, err);
+    case MOE_QUANT_NVFP4:
+    case MOE_QUANT_NVFP4_2D: {
+        moe_nvfp4_opts o = spec->nvfp4;
+        o.block_2d = spec->recipe == MOE_QUANT_NVFP4_2D;
+        MOE_TRY(fn->nvfp4(ws->q, (uint8_t *)ws->scales, ws->g, ws->x, rows, cols, &o, err));
+        return fn->dequant_nvfp4(ws->x, ws->q, (const uint8_t *)ws->scales, ws->g, rows, cols,
+                                 &o, err);
+    }
+    }
+    return moe_error_set(err, MOE_ERR_CONFIG, "QDQ: unknown recipe %d", (int)spec->recipe);
+}
+
+void moe_cpu_qdq(void *dst, const void *src, int rows, int cols, const moe_qdq_spec *spec,
+                 const moe_qdq_ws *ws) {
+    const size_t n = (size_t)rows * cols;
+    const moe_real *s = (const moe_real *)src;
+    moe_real *d = (moe_real *)dst;
+    for (size_t i = 0; i < n; i++)
+        ws->x[i] = (float)s[i];
+    moe_error err;
+    const moe_status st = moe_qdq_f32(moe_cpu_quant_fns(), spec, ws, rows, cols, &err);
+    if (st != MOE_OK)
+        fprintf(stderr, "moe_cpu_qdq: %s\n", err.msg);
+    MOE_ASSERT(st == MOE_OK); /* the model checked every shape at start-up */
+    for (size_t i = 0; i < n; i++)
+        d[i] = (moe_real)ws->x[i];
+}

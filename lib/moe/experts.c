@@ -112,7 +112,7 @@ static moe_groups groups_of(const moe_backend *be, const moe_layer_dims *d,
     if (d->experts == MOE_EXPERTS_KERNEL && upload)
         be->from_host(a->dev_offset, r->off, sizeof(int) * (r->G + 1));
     moe_groups g = {r->off, a->dev_offset, r->G, d->experts, MOE_DW_ACCUMULATE, NULL, 1,
-                    (int)r->rows};
+                    (int)r->rows, d->lowp};
     if (d->permute_fusion) {
         MOE_ASSERT(d->experts == MOE_EXPERTS_KERNEL && !d->ep && d->capacity_factor == 0);
         g.gather = a->perm_src;
@@ -141,9 +141,9 @@ void moe_experts_forward(const moe_backend *be, const moe_layer_dims *d, moe_lay
         for (int e = 0; e < r.G; e++) {
             const size_t o = (size_t)r.off[e];
             const int rows = r.off[e + 1] - r.off[e];
-            moe_mlp_forward(be, A(r.y, o * H), A(r.gu, o * 2 * F), A(r.act, o * F),
-                            A(r.x, o * H), r.w + o, A(w->fc1, (size_t)e * 2 * F * H),
-                            A(w->fc2, (size_t)e * H * F), rows, H, F);
+            moe_mlp_forward_lowp(be, A(r.y, o * H), A(r.gu, o * 2 * F), A(r.act, o * F),
+                                 A(r.x, o * H), r.w + o, A(w->fc1, (size_t)e * 2 * F * H),
+                                 A(w->fc2, (size_t)e * H * F), rows, H, F, d->lowp);
         }
     }
     /* fc2 was row-parallel: sum the partial outputs, each rank keeping its own rows */
@@ -182,11 +182,12 @@ void moe_experts_backward(const moe_backend *be, const moe_layer_dims *d, const 
         for (int e = 0; e < r.G; e++) {
             const size_t o = (size_t)r.off[e];
             const int rows = r.off[e + 1] - r.off[e];
-            moe_mlp_backward(be, A(r.dx, o * H), g->fc1 + (size_t)e * 2 * F * H,
-                             g->fc2 + (size_t)e * H * F, r.dw + o, A(r.dy, o * H),
-                             A(r.x, o * H), A(r.gu, o * 2 * F), A(r.act, o * F), r.w + o,
-                             A(w->fc1, (size_t)e * 2 * F * H), A(w->fc2, (size_t)e * H * F),
-                             A(r.dh, o * F), A(r.dgu, o * 2 * F), rows, H, F);
+            moe_mlp_backward_lowp(be, A(r.dx, o * H), g->fc1 + (size_t)e * 2 * F * H,
+                                  g->fc2 + (size_t)e * H * F, r.dw + o, A(r.dy, o * H),
+                                  A(r.x, o * H), A(r.gu, o * 2 * F), A(r.act, o * F), r.w + o,
+                                  A(w->fc1, (size_t)e * 2 * F * H),
+                                  A(w->fc2, (size_t)e * H * F), A(r.dh, o * F),
+                                  A(r.dgu, o * 2 * F), rows, H, F, d->lowp);
         }
     }
     /* fc1 was column-parallel and the routing weight multiplies each rank's slice of h: the

@@ -93,6 +93,9 @@ typedef struct moe_layer_dims {
      *  NULL: every op is launched eagerly */
     moe_graphs *graphs;
     int layer; /**< this layer's index (the graphs' key) */
+    /** chapter 05's emulated low precision (lowp.h): the routed and shared experts' GEMM
+     *  operands go through its QDQ (the router's do not); NULL: none */
+    moe_lowp *lowp;
 } moe_layer_dims;
 
 /** The layer's weights: the backend's compute copy (activation type), views into it. */

@@ -1,0 +1,207 @@
+/* Chapter 05's emulated low-precision training: see lowp.h. */
+#include "lowp.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#define REQUIRE(cond, ...)                                          \
+    do {                                                            \
+        if (!(cond))                                                \
+            return moe_error_set(err, MOE_ERR_CONFIG, __VA_ARGS__); \
+    } while (0)
+
+static int is_on(const char *flag) { return flag[0] && strcmp(flag, "none") != 0; }
+
+moe_status moe_lowp_from_config(moe_lowp *lp, const moe_config *c, moe_error *err) {
+    memset(lp, 0, sizeof *lp);
+    const int fp8 = is_on(c->fp8_format), fp4 = is_on(c->fp4_format);
+    if (!fp8 && !fp4)
+        return MOE_OK;
+    REQUIRE(!(fp8 && fp4), "--fp8-format %s and --fp4-format %s both given: pick one of them "
+            "(Megatron trains either in FP8 or in NVFP4)", c->fp8_format, c->fp4_format);
+    lp->on = 1;
+    lp->seed = (uint64_t)c->seed ^ 0x5f8d3a1c7e2b9d41ull;
+    if (fp4) {
+        for (int r = 0; r < MOE_LOWP_ROLES; r++)
+            lp->spec[r].recipe = MOE_QUANT_NVFP4;
+        lp->spec[MOE_LOWP_WEIGHT].recipe = MOE_QUANT_NVFP4_2D;  /* 16×16 weight blocks */
+        lp->spec[MOE_LOWP_GRADIENT].nvfp4.stochastic = 1;        /* gradients only */
+        snprintf(lp->name, sizeof lp->name, "nvfp4 (emulated)");
+        return MOE_OK;
+    }
+    const int hybrid = strcmp(c->fp8_format, "hybrid") == 0;
+    const char *r = c->fp8_recipe;
+    REQUIRE(strcmp(r, "delayed") != 0,
+            "--fp8-recipe delayed: delayed scaling (an amax history) exists as a quantizer "
+            "(lib/quantize.h) but is not wired into training yet; use --fp8-recipe tensorwise "
+            "(current scaling), blockwise or mxfp8");
+    moe_quant_recipe act = MOE_QUANT_TENSORWISE, wgt = MOE_QUANT_TENSORWISE;
+    if (strcmp(r, "blockwise") == 0) {
+        act = MOE_QUANT_BLOCK_1X128;
+        wgt = MOE_QUANT_BLOCK_128X128;
+    } else if (strcmp(r, "mxfp8") == 0) {
+        act = wgt = MOE_QUANT_MXFP8;
+    }
+    for (int k = 0; k < MOE_LOWP_ROLES; k++) {
+        lp->spec[k].recipe = k == MOE_LOWP_WEIGHT ? wgt : act;
+        lp->spec[k].format = MOE_FP8_E4M3;
+        /* blockwise: power-of-two scales, TransformerEngine's default for this recipe */
+        lp->spec[k].pow2 = strcmp(r, "blockwise") == 0;
+    }
+    if (hybrid) /* E4M3 forward, E5M2 gradients */
+        lp->spec[MOE_LOWP_GRADIENT].format = MOE_FP8_E5M2;
+    snprintf(lp->name, sizeof lp->name, "fp8 %.12s %.8s (emulated)", r, c->fp8_format);
+    return MOE_OK;
+}
+
+/* one linear layer's widths, for the shape check */
+typedef struct linear_shape {
+    const char *name; /* as the parameter table names it */
+    int in, out;      /* this rank's I and O */
+    const char *why_in, *why_out; /* the flags the widths come from */
+} linear_shape;
+
+static moe_status check_linear(const linear_shape *s, const char *flag, const char *recipe,
+                               int width, moe_error *err) {
+    REQUIRE(s->in % width == 0,
+            "%s %s needs every linear layer's widths to be multiples of its block of %d "
+            "elements: %s has input width %d (%s); pick sizes that are multiples of %d%s",
+            flag, recipe, width, s->name, s->in, s->why_in, width,
+            width > 1 ? ", or --fp8-recipe tensorwise (any width)" : "");
+    REQUIRE(s->out % width == 0,
+            "%s %s needs every linear layer's widths to be multiples of its block of %d "
+            "elements: %s has output width %d (%s), the width of its output gradient; pick "
+            "sizes that are multiples of %d, or --fp8-recipe tensorwise (any width)",
+            flag, recipe, width, s->name, s->out, s->why_out, width);
+    return MOE_OK;
+}
+
+moe_status moe_lowp_check_config(const moe_config *c, moe_error *err) {
+    const int fp8 = is_on(c->fp8_format), fp4 = is_on(c->fp4_format);
+    if (!fp8 && !fp4)
+        return MOE_OK;
+    moe_lowp lp;
+    MOE_TRY(moe_lowp_from_config(&lp, c, err));
+    const char *flag = fp4 ? "--fp4-recipe" : "--fp8-recipe";
+    const char *recipe = fp4 ? c->fp4_recipe : c->fp8_recipe;
+    REQUIRE(!c->use_distributed_optimizer,
+            "%s %s with --use-distributed-optimizer: the emulated low precision quantizes the "
+            "weights' compute copy after the cast, which the distributed optimizer's gather "
+            "writes instead; not supported yet: drop one of the two", flag, recipe);
+    REQUIRE(!c->moe_permute_fusion,
+            "%s %s with --moe-permute-fusion: fc1 would gather its rows from the unquantized "
+            "tokens; drop --moe-permute-fusion (the emulation quantizes the permuted copy)",
+            flag, recipe);
+    const int tps = c->tensor_model_parallel_size, etps = c->expert_tensor_parallel_size;
+    const int per_tensor = lp.spec[MOE_LOWP_ACTIVATION].recipe == MOE_QUANT_TENSORWISE ||
+                           fp4; /* one amax per tensor: NVFP4's global scale too */
+    REQUIRE(!per_tensor || (tps == 1 && etps == 1),
+            "%s %s with tensor parallelism (TP %d, ETP %d): the per-tensor amax would be each "
+            "shard's, where Megatron reduces it over the group; not supported yet: use "
+            "--fp8-recipe blockwise or mxfp8 (per-block scales), or TP = ETP = 1",
+            flag, recipe, tps, etps);
+    REQUIRE(!fp4 || strcmp(c->cuda_graph_scope, "none") == 0,
+            "--fp4-recipe nvfp4 with --cuda-graph-scope %s: stochastic rounding draws a new "
+            "seed for every gradient from a host counter, which a captured graph would "
+            "replay unchanged; use --cuda-graph-scope none", c->cuda_graph_scope);
+    int width = 1;
+    switch (lp.spec[MOE_LOWP_ACTIVATION].recipe) {
+    case MOE_QUANT_BLOCK_1X128: width = MOE_QUANT_BLOCK; break;
+    case MOE_QUANT_MXFP8: width = MOE_QUANT_MX_BLOCK; break;
+    case MOE_QUANT_NVFP4: width = MOE_QUANT_NVFP4_BLOCK; break;
+    default: return MOE_OK; /* tensorwise: any width */
+    }
+    const int H = c->hidden_size, QD = c->num_attention_heads * c->head_dim,
+              KD = c->num_query_groups * c->head_dim;
+    const linear_shape attn[] = {
+        {"attn.wq", H, QD / tps, "--hidden-size", "--num-attention-heads x head dim / TP"},
+        {"attn.wk", H, KD / tps, "--hidden-size", "--num-query-groups x head dim / TP"},
+        {"attn.wv", H, KD / tps, "--hidden-size", "--num-query-groups x head dim / TP"},
+        {"attn.wo", QD / tps, H, "--num-attention-heads x head dim / TP", "--hidden-size"}};
+    for (size_t i = 0; i < sizeof attn / sizeof attn[0]; i++)
+        MOE_TRY(check_linear(&attn[i], flag, recipe, width, err));
+    int any_dense = 0, any_moe = 0;
+    for (int l = 0; l < c->num_layers; l++) {
+        any_moe |= c->is_moe_layer[l];
+        any_dense |= !c->is_moe_layer[l];
+    }
+    if (any_dense) {
+        const int F = c->ffn_hidden_size / tps;
+        const linear_shape s[] = {{"mlp.fc1", H, 2 * F, "--hidden-size", "2 x --ffn-hidden-size / TP"},
+                                  {"mlp.fc2", F, H, "--ffn-hidden-size / TP", "--hidden-size"}};
+        MOE_TRY(check_linear(&s[0], flag, recipe, width, err));
+        MOE_TRY(check_linear(&s[1], flag, recipe, width, err));
+    }
+    if (any_moe) {
+        const int F = c->moe_ffn_hidden_size / etps, Fs = c->moe_shared_expert_intermediate_size / tps;
+        const linear_shape s[] = {
+            {"moe.experts.fc1", H, 2 * F, "--hidden-size", "2 x --moe-ffn-hidden-size / ETP"},
+            {"moe.experts.fc2", F, H, "--moe-ffn-hidden-size / ETP", "--hidden-size"},
+            {"moe.shared.fc1", H, 2 * Fs, "--hidden-size",
+             "2 x --moe-shared-expert-intermediate-size / TP"},
+            {"moe.shared.fc2", Fs, H, "--moe-shared-expert-intermediate-size / TP",
+             "--hidden-size"}};
+        for (int i = 0; i < (Fs > 0 ? 4 : 2); i++)
+            MOE_TRY(check_linear(&s[i], flag, recipe, width, err));
+    }
+    return MOE_OK;
+}
+
+int moe_lowp_alloc(const moe_backend *be, moe_lowp *lp, size_t cap) {
+    if (!lp->on)
+        return 1;
+    size_t qb, sb;
+    moe_qdq_ws_bytes(cap, &qb, &sb);
+    lp->cap = cap;
+    lp->ws.x = be->alloc(sizeof(float) * (cap > 0 ? cap : 1));
+    lp->ws.q = be->alloc(qb);
+    lp->ws.scales = be->alloc(sb);
+    lp->ws.g = be->alloc(sizeof(moe_quant_scalars));
+    lp->act = be->alloc(be->act_size * (cap > 0 ? cap : 1));
+    lp->grad = be->alloc(be->act_size * (cap > 0 ? cap : 1));
+    return lp->ws.x && lp->ws.q && lp->ws.scales && lp->ws.g && lp->act && lp->grad;
+}
+
+void moe_lowp_free(const moe_backend *be, moe_lowp *lp) {
+    if (!lp)
+        return;
+    be->free(lp->ws.x);
+    be->free(lp->ws.q);
+    be->free(lp->ws.scales);
+    be->free(lp->ws.g);
+    be->free(lp->act);
+    be->free(lp->grad);
+    memset(&lp->ws, 0, sizeof lp->ws);
+    lp->act = lp->grad = NULL;
+}
+
+/* the spec of one QDQ: a gradient under stochastic rounding gets the next seed */
+static moe_qdq_spec spec_of(moe_lowp *lp, moe_lowp_role role) {
+    moe_qdq_spec s = lp->spec[role];
+    if (s.nvfp4.stochastic)
+        s.nvfp4.sr_seed = lp->seed + 0x9E3779B97F4A7C15ull * ++lp->sr_calls;
+    return s;
+}
+
+const void *moe_lowp_qdq(const moe_backend *be, moe_lowp *lp, const void *buf, int rows,
+                         int cols, moe_lowp_role role) {
+    if (!lp || !lp->on || rows == 0)
+        return buf;
+    MOE_ASSERT(role != MOE_LOWP_WEIGHT && (size_t)rows * cols <= lp->cap);
+    void *dst = role == MOE_LOWP_GRADIENT ? lp->grad : lp->act;
+    const moe_qdq_spec s = spec_of(lp, role);
+    be->qdq(dst, buf, rows, cols, &s, &lp->ws);
+    return dst;
+}
+
+void moe_lowp_qdq_weight(const moe_backend *be, moe_lowp *lp, void *w, int groups, int rows,
+                         int cols) {
+    if (!lp || !lp->on)
+        return;
+    MOE_ASSERT((size_t)rows * cols <= lp->cap);
+    const moe_qdq_spec s = spec_of(lp, MOE_LOWP_WEIGHT);
+    for (int g = 0; g < groups; g++) {
+        void *wg = MOE_ACT(be, w, (size_t)g * rows * cols);
+        be->qdq(wg, wg, rows, cols, &s, &lp->ws);
+    }
+}

@@ -1,0 +1,139 @@
+/**
+ * @file lowp.h
+ * @brief Chapter 05: training in FP8 / NVFP4, **emulated** ("low precision"). Every linear
+ *        layer's GEMM operands go through the recipe's quantize → dequantize (QDQ, fake
+ *        quantization) and the GEMM itself runs in the usual precision.
+ *
+ * The flags are Megatron's: `--fp8-format e4m3|hybrid` with `--fp8-recipe
+ * tensorwise|blockwise|mxfp8`, or `--fp4-format e2m1` with `--fp4-recipe nvfp4`. They act on
+ * every linear layer: the attention's Q, K, V and output projections, the routed experts'
+ * fc1 and fc2, the shared expert and the dense FFNs. The router, the norms, the softmax, the
+ * attention core, the embedding, the LM head and the optimizer stay as they are.
+ *
+ * What is quantized, for a linear layer y = x·Wᵀ:
+ *  - forward: x (role ::MOE_LOWP_ACTIVATION) and W (::MOE_LOWP_WEIGHT);
+ *  - backward: dy (::MOE_LOWP_GRADIENT) in both GEMMs, dx = Q(dy)·Q(W) and dW = Q(dy)ᵀ·Q(x).
+ *
+ * | recipe | activation | weight | gradient |
+ * |---|---|---|---|
+ * | tensorwise | E4M3, one scale (current amax) | E4M3, one scale per tensor (per expert) | E4M3 (`hybrid`: E5M2) |
+ * | blockwise | 1×128 tiles | 128×128 blocks | 1×128 tiles |
+ * | mxfp8 | 1×32, E8M0 scales | 1×32 | 1×32 |
+ * | nvfp4 | E2M1, 1×16, E4M3 scales + fp32 per tensor | 16×16 blocks | 1×16, stochastic rounding |
+ *
+ * **Straight-through estimator.** The quantizer is piecewise constant, so its true derivative
+ * is 0 almost everywhere. Like every low-precision trainer, the backward treats QDQ as the
+ * identity for the gradient: dx = Q(dy)·Q(W) is used as ∂L/∂x and dW = Q(dy)ᵀ·Q(x) as
+ * ∂L/∂W, as if y were x·Wᵀ evaluated on the quantized operands. The gradients that reach
+ * the master weights are those of the quantized model, passed straight through Q.
+ *
+ * **What differs from a native FP8 GEMM.** The products and sums: a native GEMM accumulates
+ * the codes' products in fp32 and applies the scales per block; the emulation multiplies the
+ * dequantized values (exactly representable in fp32) in the GEMM's own order. On CUDA the
+ * dequantized values are rounded to bf16 (activations are bf16 there), which a scale that is
+ * not a power of two can change in the last bits. One QDQ per tensor serves both backward
+ * GEMMs: the blockwise recipes' wgrad operands are tiled along the rows as for the dgrad
+ * GEMM, where a native kernel tiles them along the tokens (the transposed copy); and NVFP4's
+ * random Hadamard transform of the wgrad operands is not applied.
+ *
+ * **Refused at start-up** (named errors): delayed scaling, the distributed optimizer, the
+ * fused permutation, a per-tensor recipe (tensorwise, NVFP4) under TP/ETP or with the
+ * sync-free MoE layer (whose static budget of rows holds stale rows past the step's count),
+ * NVFP4 under CUDA graphs, and any linear width that is not a multiple of the recipe's block.
+ *
+ * **Buffers.** The weights' compute copy is quantized once per step, in place (the model
+ * keeps it apart from the master weights); an activation or gradient goes into one of two
+ * scratch buffers of the context, allocated once with the model, and is quantized again in
+ * the backward (the same bytes: QDQ is deterministic; the gradient is quantized there for the
+ * first time). Nothing is allocated in a step.
+ */
+#ifndef MOE_LOWP_H
+#define MOE_LOWP_H
+
+#include <stdint.h>
+
+#include "backend.h"
+#include "config.h"
+#include "error.h"
+#include "quantize.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** What a tensor is to a GEMM: it picks the recipe's tiling and format. */
+typedef enum moe_lowp_role {
+    MOE_LOWP_ACTIVATION = 0, /**< a GEMM's input x */
+    MOE_LOWP_WEIGHT = 1,     /**< a weight matrix W [O, I] */
+    MOE_LOWP_GRADIENT = 2,   /**< an output gradient dy */
+    MOE_LOWP_ROLES = 3       /**< number of roles */
+} moe_lowp_role;
+
+/** The emulated low precision of a model: the recipe per role and the scratch buffers. */
+typedef struct moe_lowp {
+    int on;                             /**< 0: no flag given, everything as before */
+    char name[48];                      /**< e.g. "fp8 blockwise e4m3" (logs) */
+    moe_qdq_spec spec[MOE_LOWP_ROLES];  /**< the recipe of each role */
+    size_t cap;                         /**< elements each buffer holds */
+    moe_qdq_ws ws;                      /**< the QDQ's fp32 values, codes and scales */
+    void *act;                          /**< [cap] the quantized input of the current GEMM */
+    void *grad;                         /**< [cap] the quantized output gradient */
+    uint64_t seed;                      /**< the stochastic rounding's base seed */
+    uint64_t sr_calls;                  /**< gradient QDQs so far: the rounding's counter */
+} moe_lowp;
+
+/**
+ * @brief The recipes from the flags (no memory yet): off when neither `--fp8-format` nor
+ *        `--fp4-format` is given.
+ * @param lp receives the context  @param c the configuration (validated)
+ * @param err receives the reason on failure
+ * @return ::MOE_OK, or ::MOE_ERR_CONFIG for a combination the flags do not allow
+ */
+moe_status moe_lowp_from_config(moe_lowp *lp, const moe_config *c, moe_error *err);
+
+/**
+ * @brief The start-up check (moe_config_validate() calls it): the flags go together, the
+ *        parallel layout is one this slice supports, and every linear layer's widths are
+ *        multiples of the recipe's block. The message names the flag, the layer and the fix.
+ * @param c the configuration (sizes already validated)  @param err receives the reason
+ * @return ::MOE_OK or ::MOE_ERR_CONFIG
+ */
+moe_status moe_lowp_check_config(const moe_config *c, moe_error *err);
+
+/**
+ * @brief Allocate the scratch buffers in backend memory (nothing when @p lp is off).
+ * @param be backend  @param lp the context  @param cap elements of the largest tensor
+ *        quantized (rows × width of any GEMM operand, or a weight matrix)
+ * @return 1 on success, 0 when out of memory
+ */
+int moe_lowp_alloc(const moe_backend *be, moe_lowp *lp, size_t cap);
+
+/** @brief Release the buffers. @param be backend @param lp the context (NULL: no-op) */
+void moe_lowp_free(const moe_backend *be, moe_lowp *lp);
+
+/**
+ * @brief QDQ of a GEMM operand [rows, cols] into the context's buffer for its role.
+ * @param be backend  @param lp the context (NULL or off: nothing happens)
+ * @param buf [rows, cols] the operand (activation type)  @param rows rows
+ * @param cols columns (checked at start-up)  @param role ::MOE_LOWP_ACTIVATION or
+ *        ::MOE_LOWP_GRADIENT
+ * @return the quantized copy (lp->act or lp->grad), or @p buf itself when off
+ */
+const void *moe_lowp_qdq(const moe_backend *be, moe_lowp *lp, const void *buf, int rows,
+                         int cols, moe_lowp_role role);
+
+/**
+ * @brief QDQ of @p groups weight matrices [groups][rows, cols] in place (each expert's
+ *        matrix is a tensor of its own: its own scales, and NVFP4's own global scale).
+ * @param be backend  @param lp the context (NULL or off: nothing happens)
+ * @param w the matrices (activation type)  @param groups how many  @param rows rows of each
+ * @param cols columns
+ */
+void moe_lowp_qdq_weight(const moe_backend *be, moe_lowp *lp, void *w, int groups, int rows,
+                         int cols);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_LOWP_H */
