@@ -448,16 +448,15 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
         m->load_counts = must(be, sizeof(long long) * (size_t)L * E, &ok);
     }
     if (lowp_budget_refused) {
-        moe_model_free(m);
+        const int fp4 = m->cfg.fp4_format[0] && strcmp(m->cfg.fp4_format, "none");
+        moe_model_free(m); /* (m is gone: the message uses only fp4) */
         return moe_error_set(err, MOE_ERR_CONFIG,
                              "%s with the sync-free MoE layer (our grouped kernel, --moe-expert-"
                              "backend grouped or auto on a GPU): its permuted buffers have a "
                              "static budget of rows, and a per-tensor amax would include the rows "
                              "past this step's tokens; use --fp8-recipe blockwise or mxfp8 (per-"
                              "block scales), or --moe-expert-backend cublas-grouped or loop",
-                             m->cfg.fp4_format[0] && strcmp(m->cfg.fp4_format, "none")
-                                 ? "--fp4-recipe nvfp4"
-                                 : "--fp8-recipe tensorwise");
+                             fp4 ? "--fp4-recipe nvfp4" : "--fp8-recipe tensorwise");
     }
     if (!ok) {
         size_t np = m->table.total;
