@@ -147,6 +147,24 @@ moe_status moe_lowp_check_config(const moe_config *c, moe_error *err) {
     return MOE_OK;
 }
 
+size_t moe_lowp_cap(const moe_config *c, size_t tokens, size_t moe_rows) {
+    size_t width = (size_t)c->hidden_size;
+    const int widths[] = {c->num_attention_heads * c->head_dim, 2 * c->ffn_hidden_size,
+                          2 * c->moe_ffn_hidden_size,
+                          2 * c->moe_shared_expert_intermediate_size};
+    for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
+        width = (size_t)widths[i] > width ? (size_t)widths[i] : width;
+    const size_t rows = moe_rows > tokens ? moe_rows : tokens;
+    return (rows > width ? rows : width) * width;
+}
+
+size_t moe_lowp_scratch_bytes(size_t cap, size_t act_size) {
+    size_t qb, sb;
+    moe_qdq_ws_bytes(cap, &qb, &sb);
+    /* as moe_lowp_alloc(): fp32 staging, codes, scales, the scalars, two operand buffers */
+    return sizeof(float) * cap + qb + sb + sizeof(moe_quant_scalars) + 2 * act_size * cap;
+}
+
 int moe_lowp_alloc(const moe_backend *be, moe_lowp *lp, size_t cap) {
     if (!lp->on)
         return 1;

@@ -101,6 +101,25 @@ moe_status moe_lowp_from_config(moe_lowp *lp, const moe_config *c, moe_error *er
 moe_status moe_lowp_check_config(const moe_config *c, moe_error *err);
 
 /**
+ * @brief The elements of the largest tensor a run quantizes: (the most rows of any GEMM
+ *        operand, or the widest width) × the widest width (a weight matrix or an operand).
+ *        The widths are the whole layer's (hidden, heads × head_dim, 2·F of each FFN); the
+ *        rows are the micro-batch's tokens, or the permuted rows a MoE layer may hold (its
+ *        static budget can grow to every assignment that can arrive).
+ * @param c config  @param tokens the micro-batch's tokens on this rank (B·T)
+ * @param moe_rows the most permuted rows of a MoE layer (0 without MoE layers)
+ * @return the element count, for moe_lowp_alloc() and the memory estimate
+ */
+size_t moe_lowp_cap(const moe_config *c, size_t tokens, size_t moe_rows);
+
+/**
+ * @brief The bytes moe_lowp_alloc() allocates for @p cap elements.
+ * @param cap elements (moe_lowp_cap())  @param act_size bytes of an activation element
+ * @return the bytes of the scratch buffers
+ */
+size_t moe_lowp_scratch_bytes(size_t cap, size_t act_size);
+
+/**
  * @brief Allocate the scratch buffers in backend memory (nothing when @p lp is off).
  * @param be backend  @param lp the context  @param cap elements of the largest tensor
  *        quantized (rows × width of any GEMM operand, or a weight matrix)

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include "context_parallel.h"
+#include "lowp.h"
 #include "moe/capacity.h"
 #include "real.h"
 
@@ -118,9 +119,13 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
     out->dense_params = P;
     out->params = P = add(P, Pe);
     out->optim_elems = P;
-    /* fp32 master weights (and the compute copy when its type differs), fp32 gradients,
-     * two fp32 AdamW moments */
-    out->weight_bytes = mul(P, add(Rb, S != Rb ? S : 0));
+    /* fp32 master weights (and the compute copy when its type differs, or when chapter 05's
+     * emulated low precision quantizes it in place: model.c), fp32 gradients, two fp32
+     * AdamW moments */
+    moe_lowp lowp;
+    moe_error lowp_err;
+    const int lowp_on = moe_lowp_from_config(&lowp, c, &lowp_err) == MOE_OK && lowp.on;
+    out->weight_bytes = mul(P, add(Rb, S != Rb || lowp_on ? S : 0));
     out->grad_bytes = mul(P, Rb);
     out->optim_bytes = mul(P, 8);
     out->param_bytes = add(add(out->weight_bytes, out->grad_bytes), out->optim_bytes);
@@ -223,6 +228,17 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
     buffers(&t, "losses", 2, N, Rb, BATCH);
     if (E > 0)
         buffers(&t, "expert bias and loads", 3, mul(L, E), 8, "--num-experts or --num-layers");
+    { /* chapter 05: the emulated low precision's QDQ scratch (lowp.h), sized like the model's */
+        if (lowp_on) {
+            const size_t cap = moe_lowp_cap(c, (size_t)N, any_moe ? (size_t)mul(NKl, EP) : 0);
+            const long long ops = mul(2, mul((long long)cap, S)); /* the two operand buffers */
+            const long long rest = (long long)moe_lowp_scratch_bytes(cap, (size_t)S) - ops;
+            const char *fix = "--micro-batch-size, --seq-length or the widest FFN";
+            buffers(&t, "low-precision QDQ operands", 2, (long long)cap, S, fix);
+            /* (counted in 16-byte units: fewer elements than cap, so no false overflow) */
+            buffer(&t, "low-precision QDQ staging, codes and scales", (rest + 15) / 16, 16, fix);
+        }
+    }
     out->act_bytes = A;
     out->total_bytes = add(out->param_bytes, out->act_bytes);
 

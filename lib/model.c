@@ -422,12 +422,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
     int lowp_budget_refused = 0;
     if (m->lowp) { /* chapter 05: the QDQ buffers, for the largest GEMM operand or weight */
         const moe_config *mc = &m->cfg;
-        size_t rows = N, width = (size_t)H;
-        const int widths[] = {mc->num_attention_heads * mc->head_dim, 2 * mc->ffn_hidden_size,
-                              2 * mc->moe_ffn_hidden_size,
-                              2 * mc->moe_shared_expert_intermediate_size};
-        for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
-            width = (size_t)widths[i] > width ? (size_t)widths[i] : width;
+        size_t rows = 0;
         for (int l = 0; l < L; l++)
             if (mc->is_moe_layer[l]) {
                 moe_layer_dims d = moe_dims(m, (int)Nl, T);
@@ -440,7 +435,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
                 P = P > (size_t)m->moe_budget_max ? P : (size_t)m->moe_budget_max;
                 rows = P > rows ? P : rows;
             }
-        if (!moe_lowp_alloc(be, m->lowp, (rows > width ? rows : width) * width))
+        if (!moe_lowp_alloc(be, m->lowp, moe_lowp_cap(mc, N, rows)))
             ok = 0;
     }
     if (E > 0) {
