@@ -13,7 +13,8 @@
 #define R sizeof(moe_real)
 
 int moe_layer_sync_free(const moe_layer_dims *d) {
-    return d->step_flags && !d->ep && d->capacity_factor == 0 &&
+    /* (ETP gathers the expert-side rows with host offsets: moe_etp_plan) */
+    return d->step_flags && !d->ep && !d->etp && d->capacity_factor == 0 &&
            d->experts == MOE_EXPERTS_KERNEL;
 }
 

@@ -188,11 +188,13 @@ typedef struct moe_layer_workspace {
 /**
  * @brief Whether the layer runs sync-free (chapter 06): counts and offsets stay in backend
  *        memory from the router to the unpermute, forward and backward, and nothing waits
- *        for the device. That is one rank (no EP group), dropless, our grouped kernel (it
- *        reads the offsets on the device), with a step-flags word to raise an overflow in.
- *        The other paths need the counts on the host: the per-expert loop and cuBLAS's
- *        grouped GEMM size each GEMM from them, a capacity drops on the host, and the EP
- *        dispatchers exchange counts and splits through the host.
+ *        for the device. That is one rank (no EP group, no ETP group), dropless, our
+ *        grouped kernel (it reads the offsets on the device), with a step-flags word to
+ *        raise an overflow in. The other paths need the counts on the host: the per-expert
+ *        loop and cuBLAS's grouped GEMM size each GEMM from them, a capacity drops on the
+ *        host, the EP dispatchers exchange counts and splits through the host, and ETP
+ *        gathers its group's rows with host offsets (graph.c's scope check lists the same
+ *        paths from the flags alone).
  * @param d dims @return 1 or 0
  */
 int moe_layer_sync_free(const moe_layer_dims *d);
