@@ -146,20 +146,9 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
         s = moe_error_set(err, MOE_ERR_BACKEND,
                           "--device %s does not match the communication transport (%s ranks)",
                           be->name, moe_comm_device(world) == MOE_DEVICE_CUDA ? "GPU" : "CPU");
-    /* context-parallel attention needs the merge and the packing ops (CPU and CUDA have them);
-     * on GPU ranks it is built but has not passed a GPU run yet: refused unless asked for */
+    /* context-parallel attention needs the merge and the packing ops (CPU and CUDA have them) */
     if (s == MOE_OK && c->context_parallel_size > 1)
         s = moe_cp_attention_supported(be, err);
-    if (s == MOE_OK && c->context_parallel_size > 1 && be->device == MOE_DEVICE_CUDA) {
-        const char *v = getenv("MOE_CP_GPU_UNVERIFIED");
-        if (!v || strcmp(v, "1"))
-            s = moe_error_set(err, MOE_ERR_CONFIG,
-                              "--context-parallel-size %d on GPU ranks is built but not verified "
-                              "yet (its first 2-GPU run faulted; the fix has not run on GPUs: "
-                              "chapter 07, 'Context parallelism on GPU ranks'). Use --device cpu, "
-                              "or set MOE_CP_GPU_UNVERIFIED=1 to run it anyway",
-                              c->context_parallel_size);
-    }
     t->ep.be = be;
     if (s == MOE_OK && world)
         s = make_groups(t, err);

@@ -52,7 +52,10 @@ static double rel_l2(const moe_real *a, const moe_real *b, size_t n) {
     return sqrt(num / (den > 0 ? den : 1e-30));
 }
 
-static void check_one_step(const char *flags) {
+/* One forward+backward on both backends; every bound is multiplied by @p slack (1 for bf16
+ * against fp32; more where a quantizer amplifies the bf16 differences, see the FP8 test). The
+ * errors are printed before they are checked, so a failure shows all of them. */
+static void check_one_step(const char *flags, double slack) {
     moe_trainer *tc = make(flags, "cpu"), *tg = make(flags, "cuda");
     ck_assert_str_eq(tg->model->be->name, "cuda");
     const moe_config *c = &tc->cfg;
@@ -67,12 +70,10 @@ static void check_one_step(const char *flags) {
     moe_dataset_batch(&tc->data, MOE_SPLIT_TRAIN, B, T, 1337, 0, tc->inputs, tc->targets);
     double lc = moe_model_forward(tc->model, tc->inputs, tc->targets, B, T);
     double lg = moe_model_forward(tg->model, tc->inputs, tc->targets, B, T);
-    ck_assert_msg(fabs(lc - lg) <= 0.02, "loss cpu %.5f vs cuda %.5f", lc, lg);
     moe_real *zc = malloc(sizeof(moe_real) * NV), *zg = malloc(sizeof(moe_real) * NV);
     tc->model->be->read_act(zc, tc->model->logits, NV);
     tg->model->be->read_act(zg, tg->model->logits, NV);
-    double ez = rel_l2(zg, zc, NV);
-    ck_assert_msg(ez <= 0.02, "logits rel err %.4f", ez);
+    const double ez = rel_l2(zg, zc, NV);
 
     moe_model_zero_grad(tc->model);
     moe_model_zero_grad(tg->model);
@@ -80,13 +81,16 @@ static void check_one_step(const char *flags) {
     moe_model_backward(tg->model, 1.0);
     memcpy(pc, tc->model->grads, sizeof(moe_real) * P);
     tg->model->be->to_host(pg, tg->model->grads, sizeof(moe_real) * P);
-    double worst = 0, worst_other = 0;
-    const char *worst_name = "", *worst_other_name = "";
+    double worst = 0, worst_other = 0, worst_excess = 0;
+    const char *worst_name = "", *worst_other_name = "", *over = NULL;
     for (int i = 0; i < tc->model->table.n; i++) {
         const moe_tensor *t = &tc->model->table.t[i];
         double e = rel_l2(pg + t->offset, pc + t->offset, t->numel);
-        double bound = strstr(t->name, ".experts.") ? 0.10 : 0.05;
-        ck_assert_msg(e <= bound, "gradient of %s: rel err %.4f > %.2f", t->name, e, bound);
+        double bound = slack * (strstr(t->name, ".experts.") ? 0.10 : 0.05);
+        if (e / bound > worst_excess) {
+            worst_excess = e / bound;
+            over = e > bound ? t->name : NULL;
+        }
         if (e > worst) {
             worst = e;
             worst_name = t->name;
@@ -100,18 +104,22 @@ static void check_one_step(const char *flags) {
            "| worst non-expert grad %s rel %.2e\n",
            flags + strlen(GPU_SMALL), lc, lg, ez, worst_name, worst, worst_other_name,
            worst_other);
+    ck_assert_msg(fabs(lc - lg) <= 0.02 * slack, "loss cpu %.5f vs cuda %.5f", lc, lg);
+    ck_assert_msg(ez <= 0.02 * slack, "logits rel err %.4f > %.3f", ez, 0.02 * slack);
+    ck_assert_msg(!over, "gradient of %s: rel err above its bound (%.2fx the bound)", over,
+                  worst_excess);
     free(pc); free(pg); free(zc); free(zg);
     moe_trainer_free(tc);
     moe_trainer_free(tg);
 }
 
 START_TEST(test_gpu_model_one_step) {
-    check_one_step(GPU_SMALL "");
+    check_one_step(GPU_SMALL "", 1);
     check_one_step(GPU_SMALL "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
                              "--moe-router-num-groups 4 --moe-router-group-topk 2 "
-                             "--moe-router-load-balancing-type seq_aux_loss");
+                             "--moe-router-load-balancing-type seq_aux_loss", 1);
     check_one_step(GPU_SMALL "--moe-router-pre-softmax --moe-router-topk 3 "
-                             "--moe-router-topk-scaling-factor 2");
+                             "--moe-router-topk-scaling-factor 2", 1);
 }
 END_TEST
 
@@ -148,10 +156,16 @@ END_TEST
 
 /* Chapter 05: the emulated FP8 path on CUDA (bf16 activations) against the CPU's (fp32), the
  * same recipe (MXFP8: per-row blocks, so the grouped kernel's padding rows change nothing):
- * one step's loss and gradients, then 30 steps of training. */
+ * one step's loss and gradients, then 30 steps of training.
+ *
+ * The one-step bounds are twice bf16's. Each linear layer quantizes its inputs to E4M3, whose
+ * step is 2^-3 = 12.5% of the value's binade: inputs that differ by bf16's rounding (~2^-9)
+ * land on different sides of a rounding boundary for about 2^-9 / 2^-3 ≈ 1.6% of the values,
+ * each then off by a whole E4M3 step. Measured on an H100 (fc266fd): logits 2.06% against
+ * bf16's bound of 2%, where the bf16 path itself is at 0.55%. */
 START_TEST(test_gpu_model_lowp_tracks_cpu) {
     const char *flags = GPU_SMALL "--fp8-format e4m3 --fp8-recipe mxfp8";
-    check_one_step(flags);
+    check_one_step(flags, 2);
     double lc[30], lg[30];
     const double worst = track_cpu(flags, 30, lc, lg);
     printf("  fp8 mxfp8 emulated, 30 steps: cpu %.4f -> %.4f, cuda %.4f -> %.4f, max |diff| "

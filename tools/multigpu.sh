@@ -18,9 +18,7 @@
 #   ch07       context parallelism on 2 and 4 GPUs (up to --gpus): the mpi_cp suite on GPU
 #              ranks (the attention's four exchanges and the model under CP, against one
 #              process on the same GPU), then 20 steps of the GPU preset with
-#              --context-parallel-size 2 against one GPU (the losses agree to bf16 noise).
-#              Sets MOE_CP_GPU_UNVERIFIED=1: the trainer refuses CP on GPU ranks until this
-#              section has passed once (chapter 07)
+#              --context-parallel-size 2 against one GPU (the losses agree to bf16 noise)
 #   multinode  the same with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1: NCCL moves everything
 #              through its network transport, as between nodes; the fused NVLink path must
 #              see that and fall back to the collective one, and say so
@@ -183,8 +181,7 @@ for s in "${sections[@]}"; do
         done
         ;;
     ch07)
-        export MOE_CP_GPU_UNVERIFIED=1
-        MPIRUN7="$MPIRUN -x MOE_CP_GPU_UNVERIFIED -x MOE_TEST_DEVICE"
+        MPIRUN7="$MPIRUN -x MOE_TEST_DEVICE"
         for np in 2 4; do
             [ "$np" -le "$gpus" ] || continue
             f="$out/ch07_mpi_cp_${np}gpus.txt"
@@ -205,7 +202,6 @@ for s in "${sections[@]}"; do
             echo "moe-train --context-parallel-size 2 on 2 GPUs: FAILED"
             status=1
         fi
-        unset MOE_CP_GPU_UNVERIFIED
         ;;
     multinode)
         export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
