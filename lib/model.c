@@ -314,10 +314,6 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
             *m->lowp = lp;
             moe_log_info("precision: %s: every linear layer's GEMM operands are quantized and "
                          "dequantized (chapter 05)", lp.name);
-            if (be->device == MOE_DEVICE_CUDA) /* say it until a GPU run has checked it */
-                moe_log_warn("precision: the emulated low-precision path has not run on a GPU "
-                             "yet (its CUDA kernels and GPU tests exist; chapter 05 says what "
-                             "was verified where)");
         }
     }
     layout(m);
