@@ -135,24 +135,33 @@ static ring_bufs ring_layout(char *p, size_t kl_bytes) {
 typedef void (*ring_blocks)(const moe_backend *be, const moe_cp_attention *a, const void *ctx,
                             int step, const char *kv, char *dkv);
 
-/* Overlap on unless MOE_CP_RING_OVERLAP=0 (the measurement's baseline: every hop then
- * completes before the blocks after it are enqueued, as a blocking exchange would). */
-static int ring_overlap(void) {
+/* Hops smaller than this are not overlapped by default: measured on 2 H100s (chapter 07's
+ * results), the overlap gains 4-6% of the attention at 8K-16K tokens (32-64 MiB hops) but
+ * the GPU preset (2 MiB hops, a host-bound step) lost 1 ms of its 8 to the side stream's
+ * events and the extra exchange of the backward. */
+#define RING_OVERLAP_MIN_BYTES ((size_t)8 << 20)
+
+/* Whether the ring overlaps hops of `bytes`: MOE_CP_RING_OVERLAP=1 always, =0 never (the
+ * baseline: every hop completes before the blocks after it are enqueued), unset: from
+ * RING_OVERLAP_MIN_BYTES up. Every choice gives the same bits (tests/mpi_cp.c). */
+static int ring_overlap(size_t bytes) {
     const char *v = getenv("MOE_CP_RING_OVERLAP");
-    return !v || strcmp(v, "0") != 0;
+    if (v && (!strcmp(v, "0") || !strcmp(v, "1")))
+        return v[0] == '1';
+    return bytes >= RING_OVERLAP_MIN_BYTES;
 }
 
-/* Start passing `count` elements of `cur` to the next rank of ring `comm` (n ranks, this
- * one `me`) and receiving the previous rank's into `nxt`: one exchange, so there is no
- * order of sends and receives to get wrong. Returns the handle to finish. */
+/* Pass `count` elements of `cur` to the next rank of ring `comm` (n ranks, this one `me`)
+ * and receive the previous rank's into `nxt`: one exchange, so there is no order of sends
+ * and receives to get wrong. Overlapped: started here, and the returned handle finishes
+ * it; else complete on return (on the compute stream) and -1. */
 static int ring_start(const moe_backend *be, moe_comm *comm, int me, int n, const void *cur,
                       void *nxt, size_t count, int overlap) {
     const moe_comm_chunk to = {0, count, (me + 1) % n};
     const moe_comm_chunk from = {0, count, (me + n - 1) % n};
-    const int h = moe_comm_exchange_start(comm, cur, &to, 1, nxt, &from, 1, moe_dtype_act(be));
     if (overlap)
-        return h;
-    moe_comm_exchange_finish(comm, h);
+        return moe_comm_exchange_start(comm, cur, &to, 1, nxt, &from, 1, moe_dtype_act(be));
+    moe_comm_exchange(comm, cur, &to, 1, nxt, &from, 1, moe_dtype_act(be));
     return -1;
 }
 
@@ -161,7 +170,7 @@ static int ring_start(const moe_backend *be, moe_comm *comm, int me, int n, cons
 static void ring_forward(const moe_backend *be, const moe_cp_attention *a, moe_comm *comm,
                          int me, int n, const ring_bufs *r, ring_blocks blocks, const void *ctx) {
     const size_t kv_count = 2 * sizes_of(a).KL;
-    const int overlap = ring_overlap();
+    const int overlap = ring_overlap(kv_count * be->act_size);
     char *kv[2] = {r->kv[0], r->kv[1]};
     for (int i = 0; i < n; i++) {
         const int h = i + 1 < n ? ring_start(be, comm, me, n, kv[0], kv[1], kv_count, overlap)
@@ -187,7 +196,7 @@ static char *ring_backward(const moe_backend *be, const moe_cp_attention *a, moe
                            int me, int n, const ring_bufs *r, ring_blocks blocks,
                            const void *ctx) {
     const size_t kv_count = 2 * sizes_of(a).KL;
-    const int overlap = ring_overlap();
+    const int overlap = ring_overlap(kv_count * be->act_size);
     char *kv[2] = {r->kv[0], r->kv[1]};
     int hd = -1; /* the accumulator travelling on */
     for (int i = 0; i < n; i++) {

@@ -2,7 +2,7 @@
  * Chapter 07's context-parallel measurement (run under mpirun, one rank per GPU or CPU
  * rank): the attention of one long sequence split over the ranks, forward + backward, per
  * communication type, and for the ring (p2p) with and without its overlap of the next hop
- * with the current blocks (MOE_CP_RING_OVERLAP=0 is the baseline, set inside this program).
+ * with the current blocks (MOE_CP_RING_OVERLAP=0 and =1, set inside this program).
  * The reference is the same sequence's attention on one rank alone (rank 0, the others
  * waiting), measured in the same run: the speedup is t(1 rank) / t(cp ranks) and the
  * scaling efficiency that divided by cp.
@@ -290,8 +290,8 @@ int main(int argc, char **argv) {
                 continue;
             }
             for (int ov = a.type == MOE_CP_P2P ? 0 : 1; ov <= 1; ov++) {
-                if (!ov)
-                    setenv("MOE_CP_RING_OVERLAP", "0", 1);
+                if (a.type == MOE_CP_P2P) /* forced either way (by default: by size) */
+                    setenv("MOE_CP_RING_OVERLAP", ov ? "1" : "0", 1);
                 const double f = time_call(be, world, &a, &b, 0, 1, &o);
                 const double bw = time_call(be, world, &a, &b, 1, 1, &o);
                 const double fb = time_call(be, world, &a, &b, 2, 1, &o);
