@@ -476,7 +476,13 @@ check-ch07: check-deps
 	@if [ "$(WITH_MPI)" != 1 ]; then echo "== chapter 07 MPI ranks: skipped (no mpicc: apt-get install libopenmpi-dev openmpi-bin)"; \
 	else $(MAKE) --no-print-directory $(call chapter_bin,07,mpi) && \
 	  for np in 2 3 4; do echo "== chapter 07: context-parallel attention and model on $$np MPI ranks (CPU) against one process"; \
-	  CK_RUN_SUITE=mpi_cp OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(call chapter_bin,07,mpi) || exit 1; done; fi
+	  CK_RUN_SUITE=mpi_cp OMP_NUM_THREADS=1 CK_FORK=no $(MPIRUN) -np $$np $(call chapter_bin,07,mpi) || exit 1; done; \
+	  $(MAKE) --no-print-directory bin/ch07_cp_bench && \
+	  echo "== chapter 07: the context-parallel benchmark runs (2 CPU ranks, small shapes)" && \
+	  OMP_NUM_THREADS=1 $(MPIRUN) -np 2 ./bin/ch07_cp_bench --seqs 64,128 --heads 2 --dim 16 \
+	    --repeats 1 --warmup 0 > $(BUILD)/ch07_cp_bench.txt 2>&1 \
+	    || { cat $(BUILD)/ch07_cp_bench.txt; exit 1; }; \
+	  tail -1 $(BUILD)/ch07_cp_bench.txt; fi
 
 # make test runs the chapter checks on the reference, and proves the other direction: an
 # untouched stub fails, with the message that names its file and function.
@@ -678,6 +684,9 @@ bench: all
 	else echo "ch06 graphs benchmark: skipped (built without CUDA)"; fi
 	@if [ "$(WITH_CUDA)" = 1 ]; then ./bin/ch07_attention_bench; \
 	else echo "ch07 attention benchmark: skipped (built without CUDA)"; fi
+	@if [ "$(WITH_MPI)" = 1 ]; then OMP_NUM_THREADS=1 $(MPIRUN) -np 2 ./bin/ch07_cp_bench \
+	  --seqs 1024,2048 --heads 4 --dim 64; \
+	else echo "ch07 context-parallel benchmark: skipped (needs MPI; GPUs: tools/multigpu.sh ch07)"; fi
 
 # For tools that compile C against the library (the notebooks' %%c cells).
 print-build-flags:

@@ -60,6 +60,12 @@ struct nccl_state {
     int device;             /* the GPU the communicator lives on (for the watchdog thread) */
     int *barrier_buf;       /* one int on the device for the barrier */
     cudaEvent_t done[DEPTH]; /* slot i: recorded after the operation in the watch's slot i */
+    /* exchanges in flight (moe_comm_exchange_start) run on the group's side stream: `fork`
+     * orders them after the compute stream's earlier work, join[h] marks the end of the
+     * one with handle h, which the compute stream waits for at its finish */
+    cudaStream_t side;
+    cudaEvent_t fork, join[MOE_COMM_MAX_PENDING];
+    int busy[MOE_COMM_MAX_PENDING];
     moe_comm_watch *watch;
 #ifdef MOE_NCCL_DEVICE_API
     ncclDevComm dev; /* the device communicator, once peer_access created it */
@@ -149,12 +155,14 @@ static int watch_failed(void *ctx, const char *op, char *msg, size_t cap) {
 
 static void watch_abort(void *ctx) { ncclCommAbort(((nccl_state *)ctx)->comm); }
 
-/* The operation just enqueued is in flight: mark its end on the stream and watch it. */
-static void enqueued(nccl_state *c, const char *op) {
+/* The operation just enqueued on stream `st` is in flight: mark its end there and watch it. */
+static void enqueued_on(nccl_state *c, const char *op, cudaStream_t st) {
     const int slot = moe_comm_watch_slot(c->watch);
-    MOE_CUDA_CHECK(cudaEventRecord(c->done[slot], moe_cuda_stream()));
+    MOE_CUDA_CHECK(cudaEventRecord(c->done[slot], st));
     moe_comm_watch_begin(c->watch, op);
 }
+
+static void enqueued(nccl_state *c, const char *op) { enqueued_on(c, op, moe_cuda_stream()); }
 
 /* The host waits for the stream; the watchdog still bounds the wait. */
 static void nccl_wait(void *s) {
@@ -184,6 +192,10 @@ static nccl_state *wrap(ncclComm_t comm, int world_rank) {
     MOE_CUDA_CHECK(cudaMemset(c->barrier_buf, 0, sizeof(int))); /* 0 + 0 stays 0 */
     for (int i = 0; i < DEPTH; i++)
         MOE_CUDA_CHECK(cudaEventCreateWithFlags(&c->done[i], cudaEventDisableTiming));
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking));
+    MOE_CUDA_CHECK(cudaEventCreateWithFlags(&c->fork, cudaEventDisableTiming));
+    for (int i = 0; i < MOE_COMM_MAX_PENDING; i++)
+        MOE_CUDA_CHECK(cudaEventCreateWithFlags(&c->join[i], cudaEventDisableTiming));
     static const moe_comm_watch_hooks hooks = {watch_done, watch_failed, watch_abort};
     c->watch = moe_comm_watch_open(&hooks, c, world_rank, DEPTH);
     return c;
@@ -249,6 +261,11 @@ static void nccl_free(void *s) {
     moe_comm_watch_close(c->watch); /* nothing is in flight any more */
     for (int i = 0; i < DEPTH; i++)
         MOE_CUDA_CHECK(cudaEventDestroy(c->done[i]));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(c->side));
+    for (int i = 0; i < MOE_COMM_MAX_PENDING; i++)
+        MOE_CUDA_CHECK(cudaEventDestroy(c->join[i]));
+    MOE_CUDA_CHECK(cudaEventDestroy(c->fork));
+    MOE_CUDA_CHECK(cudaStreamDestroy(c->side));
     moe_cuda_free_counted(c->barrier_buf);
 #ifdef MOE_NCCL_DEVICE_API
     if (c->has_dev)
@@ -304,9 +321,10 @@ static void nccl_reduce_scatter_sum(void *s, const void *send, void *recv, size_
     enqueued(c, "reduce_scatter_sum");
 }
 
-static void nccl_exchange(void *s, const void *send, const moe_comm_chunk *sends, int n_sends,
-                          void *recv, const moe_comm_chunk *recvs, int n_recvs, moe_dtype t) {
-    nccl_state *c = (nccl_state *)s;
+/* Every chunk of an exchange, as one NCCL group on stream `st`. */
+static void exchange_on(nccl_state *c, const void *send, const moe_comm_chunk *sends, int n_sends,
+                        void *recv, const moe_comm_chunk *recvs, int n_recvs, moe_dtype t,
+                        cudaStream_t st) {
     /* every chunk, those to this rank itself included: NCCL matches a rank's sends to
      * itself with its receives from itself in order, like any peer's, and copies them
      * while the transfers to the other ranks run. Copying them first, one cudaMemcpyAsync
@@ -318,13 +336,50 @@ static void nccl_exchange(void *s, const void *send, const moe_comm_chunk *sends
     for (int i = 0; i < n_sends; i++)
         if (sends[i].count > 0)
             MOE_NCCL_CHECK(c, ncclSend(at(send, sends[i].offset, es), sends[i].count, nt,
-                                       sends[i].peer, c->comm, moe_cuda_stream()));
+                                       sends[i].peer, c->comm, st));
     for (int i = 0; i < n_recvs; i++)
         if (recvs[i].count > 0)
             MOE_NCCL_CHECK(c, ncclRecv((void *)at(recv, recvs[i].offset, es), recvs[i].count, nt,
-                                       recvs[i].peer, c->comm, moe_cuda_stream()));
+                                       recvs[i].peer, c->comm, st));
     MOE_NCCL_CHECK(c, ncclGroupEnd());
-    enqueued(c, "exchange");
+    enqueued_on(c, "exchange", st);
+}
+
+static void nccl_exchange(void *s, const void *send, const moe_comm_chunk *sends, int n_sends,
+                          void *recv, const moe_comm_chunk *recvs, int n_recvs, moe_dtype t) {
+    exchange_on((nccl_state *)s, send, sends, n_sends, recv, recvs, n_recvs, t,
+                moe_cuda_stream());
+}
+
+/* The exchange on the side stream, after the compute stream's work so far (a fork: under
+ * stream capture the side stream joins the graph here). Every exchange in flight of this
+ * group shares the side stream, so they also run in the order they were started, which is
+ * the same on every rank: NCCL's rule for one communicator. */
+static int nccl_exchange_start(void *s, const void *send, const moe_comm_chunk *sends,
+                               int n_sends, void *recv, const moe_comm_chunk *recvs, int n_recvs,
+                               moe_dtype t) {
+    nccl_state *c = (nccl_state *)s;
+    int h = 0;
+    while (h < MOE_COMM_MAX_PENDING && c->busy[h])
+        h++;
+    if (h == MOE_COMM_MAX_PENDING)
+        moe_comm_fatal(NULL, "exchange_start: more than %d exchanges in flight on one group",
+                       MOE_COMM_MAX_PENDING);
+    MOE_CUDA_CHECK(cudaEventRecord(c->fork, moe_cuda_stream()));
+    MOE_CUDA_CHECK(cudaStreamWaitEvent(c->side, c->fork, 0));
+    exchange_on(c, send, sends, n_sends, recv, recvs, n_recvs, t, c->side);
+    MOE_CUDA_CHECK(cudaEventRecord(c->join[h], c->side));
+    c->busy[h] = 1;
+    return h;
+}
+
+/* The compute stream waits for the exchange (the join); the host does not. */
+static void nccl_exchange_finish(void *s, int h) {
+    nccl_state *c = (nccl_state *)s;
+    if (h < 0 || h >= MOE_COMM_MAX_PENDING || !c->busy[h])
+        moe_comm_fatal(NULL, "exchange_finish: handle %d is not an exchange in flight", h);
+    MOE_CUDA_CHECK(cudaStreamWaitEvent(moe_cuda_stream(), c->join[h], 0));
+    c->busy[h] = 0;
 }
 
 static void nccl_all_to_all_v(void *s, const void *send, const size_t *send_counts, void *recv,
@@ -473,7 +528,8 @@ static const moe_comm_transport g_nccl = {
     /* transport buffers */
     .all_reduce_sum = nccl_all_reduce_sum, .all_gather = nccl_all_gather,
     .all_gather_v = nccl_all_gather_v, .reduce_scatter_sum = nccl_reduce_scatter_sum,
-    .all_to_all_v = nccl_all_to_all_v, .exchange = nccl_exchange, .send = nccl_send,
+    .all_to_all_v = nccl_all_to_all_v, .exchange = nccl_exchange,
+    .exchange_start = nccl_exchange_start, .exchange_finish = nccl_exchange_finish, .send = nccl_send,
     .recv = nccl_recv, .barrier = nccl_barrier, .wait = nccl_wait, .track = nccl_track,
     /* host control data */
     .max = NULL, .broadcast = NULL, .node_rank = NULL,

@@ -308,13 +308,34 @@ void moe_comm_all_to_all_v(moe_comm *c, const void *send, const size_t *send_cou
     c->data->all_to_all_v(c->data_state, send, send_counts, recv, recv_counts, t);
 }
 
-void moe_comm_exchange(moe_comm *c, const void *send, const moe_comm_chunk *sends, int n_sends,
-                       void *recv, const moe_comm_chunk *recvs, int n_recvs, moe_dtype t) {
+/* what an exchange sends to other ranks (its own chunks are copies) */
+static size_t chunks_to_others(const moe_comm *c, const moe_comm_chunk *sends, int n_sends) {
     size_t n = 0;
     for (int i = 0; i < n_sends; i++)
         n += sends[i].peer == c->rank ? 0 : sends[i].count;
-    tally(c, MOE_COMM_OP_ALL_TO_ALL, n, t);
+    return n;
+}
+
+void moe_comm_exchange(moe_comm *c, const void *send, const moe_comm_chunk *sends, int n_sends,
+                       void *recv, const moe_comm_chunk *recvs, int n_recvs, moe_dtype t) {
+    tally(c, MOE_COMM_OP_ALL_TO_ALL, chunks_to_others(c, sends, n_sends), t);
     c->data->exchange(c->data_state, send, sends, n_sends, recv, recvs, n_recvs, t);
+}
+
+int moe_comm_exchange_start(moe_comm *c, const void *send, const moe_comm_chunk *sends,
+                            int n_sends, void *recv, const moe_comm_chunk *recvs, int n_recvs,
+                            moe_dtype t) {
+    if (!c->data->exchange_start) { /* nothing to overlap with: complete it now */
+        moe_comm_exchange(c, send, sends, n_sends, recv, recvs, n_recvs, t);
+        return -1;
+    }
+    tally(c, MOE_COMM_OP_ALL_TO_ALL, chunks_to_others(c, sends, n_sends), t);
+    return c->data->exchange_start(c->data_state, send, sends, n_sends, recv, recvs, n_recvs, t);
+}
+
+void moe_comm_exchange_finish(moe_comm *c, int handle) {
+    if (handle >= 0)
+        c->data->exchange_finish(c->data_state, handle);
 }
 
 void moe_comm_send(moe_comm *c, const void *buf, size_t count, moe_dtype t, int peer) {

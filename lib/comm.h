@@ -169,6 +169,37 @@ typedef struct moe_comm_chunk {
 void moe_comm_exchange(moe_comm *c, const void *send, const moe_comm_chunk *sends, int n_sends,
                        void *recv, const moe_comm_chunk *recvs, int n_recvs, moe_dtype t);
 
+/** Exchanges one group may have in flight at once (moe_comm_exchange_start()). */
+#define MOE_COMM_MAX_PENDING 4
+
+/**
+ * @brief Start moe_comm_exchange() and return before it completes, so the caller can
+ *        compute while the data moves (chapter 07's ring passes the next keys on while it
+ *        works on the held ones). Until moe_comm_exchange_finish() the send buffer must
+ *        not change and the receive buffer must not be read.
+ *
+ * On NCCL the transfer runs on the group's own side stream: it starts once the work
+ * enqueued on the compute stream before the call is done, and runs concurrently with what
+ * is enqueued after it (CUDA-graph capturable: a fork and a join). MPI posts nonblocking
+ * sends and receives. Transports without either (one rank: copies) complete it here.
+ * @param c group @param send buffer @param sends chunks to send @param n_sends their number
+ * @param recv buffer @param recvs chunks to receive @param n_recvs their number @param t type
+ * @return a handle for moe_comm_exchange_finish() (-1: already complete). More than
+ *         MOE_COMM_MAX_PENDING exchanges in flight on one group is a fatal error.
+ */
+int moe_comm_exchange_start(moe_comm *c, const void *send, const moe_comm_chunk *sends,
+                            int n_sends, void *recv, const moe_comm_chunk *recvs, int n_recvs,
+                            moe_dtype t);
+
+/**
+ * @brief Finish an exchange started with moe_comm_exchange_start(): afterwards the receive
+ *        buffer holds the data for everything that follows — on NCCL for the work enqueued
+ *        on the compute stream after this call (the stream waits for the transfer; the
+ *        host does not), on MPI on return (bounded by the timeout like every wait).
+ * @param c the group it was started on @param handle its handle (-1: nothing to do)
+ */
+void moe_comm_exchange_finish(moe_comm *c, int handle);
+
 /** @brief Send @p count elements to @p peer (pairs with moe_comm_recv on the peer).
  *  @param c group @param buf data @param count n @param t type @param peer destination rank */
 void moe_comm_send(moe_comm *c, const void *buf, size_t count, moe_dtype t, int peer);

@@ -41,6 +41,9 @@ typedef struct mpi_state {
     MPI_Comm comm;
     int rank, size;
     int *scount, *sdispl, *rcount, *rdispl; /* [size] int counts for the v-collectives */
+    /* exchanges in flight (moe_comm_exchange_start): their requests, NULL when free */
+    MPI_Request *pending[MOE_COMM_MAX_PENDING];
+    int n_pending[MOE_COMM_MAX_PENDING];
     moe_comm_watch *watch; /* the world's (NULL on one rank: nobody to wait for) */
     int owns_watch;        /* 1 on the world, which closes it */
     int ends_mpi;          /* 1 on a world that started MPI: freeing it ends MPI */
@@ -264,14 +267,15 @@ static void mpi_all_to_all_v(void *state, const void *send, const size_t *send_c
 
 static void host_copy(void *dst, const void *src, size_t bytes) { memmove(dst, src, bytes); }
 
-static void mpi_exchange(void *state, const void *send, const moe_comm_chunk *sends, int n_sends,
-                         void *recv, const moe_comm_chunk *recvs, int n_recvs, moe_dtype t) {
-    mpi_state *s = state;
+/* Post an exchange: its own chunks copied, every receive, then every send, with @p tag;
+ * returns the requests (malloc'd) and their number in *n. Same-pair messages keep their
+ * order (MPI's non-overtaking rule for one tag), which is what matches chunk k to chunk k. */
+static MPI_Request *exchange_post(mpi_state *s, const void *send, const moe_comm_chunk *sends,
+                                  int n_sends, void *recv, const moe_comm_chunk *recvs,
+                                  int n_recvs, moe_dtype t, int tag, int *n) {
     const size_t es = moe_dtype_size(t);
     /* chunks to this rank itself are copies; MPI moves only those between ranks */
     moe_comm_copy_own_chunks(s->rank, host_copy, send, sends, n_sends, recv, recvs, n_recvs, es);
-    /* post every receive, then every send; same-pair messages keep their order (MPI's
-     * non-overtaking rule for one tag), which is what matches chunk k to chunk k */
     MPI_Request *req = malloc(sizeof(MPI_Request) * (size_t)(n_sends + n_recvs + 1));
     if (!req)
         moe_comm_fatal(NULL, "exchange: out of host memory");
@@ -280,14 +284,50 @@ static void mpi_exchange(void *state, const void *send, const moe_comm_chunk *se
         if (recvs[i].count > 0 && recvs[i].peer != s->rank)
             MOE_MPI_CHECK(MPI_Irecv((char *)recv + recvs[i].offset * es,
                                     mpi_count(recvs[i].count, "exchange"), mpi_type(t),
-                                    recvs[i].peer, 7, s->comm, &req[nr++]));
+                                    recvs[i].peer, tag, s->comm, &req[nr++]));
     for (int i = 0; i < n_sends; i++)
         if (sends[i].count > 0 && sends[i].peer != s->rank)
             MOE_MPI_CHECK(MPI_Isend((const char *)send + sends[i].offset * es,
                                     mpi_count(sends[i].count, "exchange"), mpi_type(t),
-                                    sends[i].peer, 7, s->comm, &req[nr++]));
+                                    sends[i].peer, tag, s->comm, &req[nr++]));
+    *n = nr;
+    return req;
+}
+
+static void mpi_exchange(void *state, const void *send, const moe_comm_chunk *sends, int n_sends,
+                         void *recv, const moe_comm_chunk *recvs, int n_recvs, moe_dtype t) {
+    mpi_state *s = state;
+    int nr;
+    MPI_Request *req = exchange_post(s, send, sends, n_sends, recv, recvs, n_recvs, t, 7, &nr);
     MOE_MPI_WAIT(s, "exchange", MPI_Waitall(nr, req, MPI_STATUSES_IGNORE));
     free(req);
+}
+
+/* A started exchange takes a free slot; its tag is 8 + the slot, so two in flight between
+ * the same pair of ranks never match each other's messages (every rank takes the same
+ * slots in the same order: the calls are collective). */
+static int mpi_exchange_start(void *state, const void *send, const moe_comm_chunk *sends,
+                              int n_sends, void *recv, const moe_comm_chunk *recvs, int n_recvs,
+                              moe_dtype t) {
+    mpi_state *s = state;
+    int h = 0;
+    while (h < MOE_COMM_MAX_PENDING && s->pending[h])
+        h++;
+    if (h == MOE_COMM_MAX_PENDING)
+        moe_comm_fatal(NULL, "exchange_start: more than %d exchanges in flight on one group",
+                       MOE_COMM_MAX_PENDING);
+    s->pending[h] = exchange_post(s, send, sends, n_sends, recv, recvs, n_recvs, t, 8 + h,
+                                  &s->n_pending[h]);
+    return h;
+}
+
+static void mpi_exchange_finish(void *state, int h) {
+    mpi_state *s = state;
+    if (h < 0 || h >= MOE_COMM_MAX_PENDING || !s->pending[h])
+        moe_comm_fatal(NULL, "exchange_finish: handle %d is not an exchange in flight", h);
+    MOE_MPI_WAIT(s, "exchange", MPI_Waitall(s->n_pending[h], s->pending[h], MPI_STATUSES_IGNORE));
+    free(s->pending[h]);
+    s->pending[h] = NULL;
 }
 
 enum { MOE_COMM_TAG = 77 }; /* our point-to-point messages, in our own communicators */
@@ -346,7 +386,8 @@ static const moe_comm_transport g_mpi = {
     /* transport buffers */
     .all_reduce_sum = mpi_all_reduce_sum, .all_gather = mpi_all_gather,
     .all_gather_v = mpi_all_gather_v, .reduce_scatter_sum = mpi_reduce_scatter_sum,
-    .all_to_all_v = mpi_all_to_all_v, .exchange = mpi_exchange, .send = mpi_send,
+    .all_to_all_v = mpi_all_to_all_v, .exchange = mpi_exchange,
+    .exchange_start = mpi_exchange_start, .exchange_finish = mpi_exchange_finish, .send = mpi_send,
     .recv = mpi_recv, .barrier = mpi_barrier,
     /* host control data and the bootstrap of device transports */
     .max = mpi_max, .broadcast = mpi_broadcast, .node_rank = mpi_node_rank,

@@ -76,6 +76,12 @@ typedef struct moe_comm_transport {
     /** chunks to and from peers */
     void (*exchange)(void *s, const void *send, const moe_comm_chunk *sends, int n_sends,
                      void *recv, const moe_comm_chunk *recvs, int n_recvs, moe_dtype t);
+    /** start an exchange and return at once with a handle in [0, MOE_COMM_MAX_PENDING),
+     *  finished by exchange_finish (NULL: comm.c runs the blocking exchange instead) */
+    int (*exchange_start)(void *s, const void *send, const moe_comm_chunk *sends, int n_sends,
+                          void *recv, const moe_comm_chunk *recvs, int n_recvs, moe_dtype t);
+    /** finish the exchange of @p handle (see moe_comm_exchange_finish) */
+    void (*exchange_finish)(void *s, int handle);
     /** point-to-point send (to another rank) */
     void (*send)(void *s, const void *buf, size_t count, moe_dtype t, int peer);
     /** point-to-point receive (from another rank) */

@@ -2,6 +2,7 @@
 #include "context_parallel.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "log.h"
@@ -18,6 +19,11 @@ moe_status moe_cp_attention_supported(const moe_backend *be, moe_error *err) {
                          "by their log-sum-exp and the all-to-all's packing); use --device cpu "
                          "or cuda", be->name);
 }
+
+/* The ring's buffers (p2p, a2a+p2p), in units of KL (one rank's keys or values): the held
+ * and the next [k | v] (2 + 2), two [dk | dv] accumulators (2 + 2: the one being filled,
+ * the one travelling on) and the partial sums arriving from the previous rank (2). */
+#define RING_KLS 10
 
 /* Element counts of one rank's tensors: a chunk of B sequences of queries (QC) and of
  * keys (KC), lse rows of a chunk (LC), and a rank's keys or values, both chunks (KL). */
@@ -67,8 +73,8 @@ static size_t op_rows(const moe_cp_attention *a) {
 /* the exchange's own buffers (the layouts below) */
 static size_t exchange_bytes(const moe_cp_attention *a, size_t act_size) {
     const sizes z = sizes_of(a);
-    if (a->type == MOE_CP_A2A_P2P) /* q y dy dq blocks, 2 travelling k v dk dv, lse, parts */
-        return (5 * 2 * z.QC + 8 * z.KL) * act_size + 2 * z.LC * sizeof(moe_real) +
+    if (a->type == MOE_CP_A2A_P2P) /* q y dy dq blocks, the ring's buffers, lse, parts */
+        return (5 * 2 * z.QC + RING_KLS * z.KL) * act_size + 2 * z.LC * sizeof(moe_real) +
                z.QC / (size_t)a->a2a * act_size + z.LC / (size_t)a->a2a * sizeof(moe_real) + 16;
     if (a->type == MOE_CP_A2A) /* q k v y dy dq dk dv of my heads, their lse, the staging */
         return (4 * 2 * z.QC + 4 * z.KL + 2 * 2 * z.QC) * act_size + 2 * z.LC * sizeof(moe_real);
@@ -76,7 +82,7 @@ static size_t exchange_bytes(const moe_cp_attention *a, size_t act_size) {
     const size_t part = z.LC * sizeof(moe_real) + 16 + z.QC * act_size;
     if (a->type == MOE_CP_ALLGATHER) /* all keys and values, their gradients, one piece */
         return (4 * (size_t)a->cp * z.KL + z.KL) * act_size + part;
-    return 8 * z.KL * act_size + part; /* two travelling sets of k, v, dk, dv */
+    return RING_KLS * z.KL * act_size + part; /* the ring's buffers */
 }
 
 static size_t align16(size_t n) { return (n + 15) / 16 * 16; }
@@ -112,20 +118,107 @@ static moe_attention_shape block(const moe_cp_attention *a, int qc, int kc) {
     return s;
 }
 
-/* Pass `count` elements of `cur` to the next rank of the ring and receive the previous
- * rank's into `nxt` (one exchange: no ordering of sends and receives to get wrong). */
-static void ring_shift_in(const moe_backend *be, moe_comm *comm, int rank, int n,
-                          const void *cur, void *nxt, size_t count) {
-    const moe_comm_chunk to = {0, count, (rank + 1) % n};
-    const moe_comm_chunk from = {0, count, (rank + n - 1) % n};
+/* ------------------------------------------------------------ the ring (p2p, a2a+p2p) */
+
+typedef struct ring_bufs {
+    char *kv[2], *acc[2], *in;
+} ring_bufs;
+
+static ring_bufs ring_layout(char *p, size_t kl_bytes) {
+    ring_bufs r = {{p, p + 2 * kl_bytes}, {p + 4 * kl_bytes, p + 6 * kl_bytes}, p + 8 * kl_bytes};
+    return r;
+}
+
+/* The blocks of ring step `step`: this rank's queries against the held keys and values
+ * `kv` ([k | v]); forward they merge into the output, backward they add into dq and into
+ * `dkv` ([dk | dv] of the held keys). */
+typedef void (*ring_blocks)(const moe_backend *be, const moe_cp_attention *a, const void *ctx,
+                            int step, const char *kv, char *dkv);
+
+/* Hops smaller than this are not overlapped by default: measured on 2 H100s (chapter 07's
+ * results), the overlap gains 4-6% of the attention at 8K-16K tokens (32-64 MiB hops) but
+ * the GPU preset (2 MiB hops, a host-bound step) lost 1 ms of its 8 to the side stream's
+ * events and the extra exchange of the backward. */
+#define RING_OVERLAP_MIN_BYTES ((size_t)8 << 20)
+
+/* Whether the ring overlaps hops of `bytes`: MOE_CP_RING_OVERLAP=1 always, =0 never (the
+ * baseline: every hop completes before the blocks after it are enqueued), unset: from
+ * RING_OVERLAP_MIN_BYTES up. Every choice gives the same bits (tests/mpi_cp.c). */
+static int ring_overlap(size_t bytes) {
+    const char *v = getenv("MOE_CP_RING_OVERLAP");
+    if (v && (!strcmp(v, "0") || !strcmp(v, "1")))
+        return v[0] == '1';
+    return bytes >= RING_OVERLAP_MIN_BYTES;
+}
+
+/* Pass `count` elements of `cur` to the next rank of ring `comm` (n ranks, this one `me`)
+ * and receive the previous rank's into `nxt`: one exchange, so there is no order of sends
+ * and receives to get wrong. Overlapped: started here, and the returned handle finishes
+ * it; else complete on return (on the compute stream) and -1. */
+static int ring_start(const moe_backend *be, moe_comm *comm, int me, int n, const void *cur,
+                      void *nxt, size_t count, int overlap) {
+    const moe_comm_chunk to = {0, count, (me + 1) % n};
+    const moe_comm_chunk from = {0, count, (me + n - 1) % n};
+    if (overlap)
+        return moe_comm_exchange_start(comm, cur, &to, 1, nxt, &from, 1, moe_dtype_act(be));
     moe_comm_exchange(comm, cur, &to, 1, nxt, &from, 1, moe_dtype_act(be));
+    return -1;
 }
 
-static void ring_shift(const moe_backend *be, const moe_cp_attention *a, const void *cur,
-                       void *nxt, size_t count) {
-    ring_shift_in(be, a->comm, a->rank, a->cp, cur, nxt, count);
+/* The forward ring: n steps; at each, the next keys and values are already on their way
+ * while the held ones are used (the hop is started before the blocks and finished after). */
+static void ring_forward(const moe_backend *be, const moe_cp_attention *a, moe_comm *comm,
+                         int me, int n, const ring_bufs *r, ring_blocks blocks, const void *ctx) {
+    const size_t kv_count = 2 * sizes_of(a).KL;
+    const int overlap = ring_overlap(kv_count * be->act_size);
+    char *kv[2] = {r->kv[0], r->kv[1]};
+    for (int i = 0; i < n; i++) {
+        const int h = i + 1 < n ? ring_start(be, comm, me, n, kv[0], kv[1], kv_count, overlap)
+                                : -1;
+        blocks(be, a, ctx, i, kv[0], NULL);
+        moe_comm_exchange_finish(comm, h);
+        char *t = kv[0];
+        kv[0] = kv[1], kv[1] = t;
+    }
 }
 
+/* The backward ring; returns the [dk | dv] of this rank's own keys and values.
+ *
+ * The keys and values travel as in the forward, overlapped with the blocks. Their gradient
+ * is a sum over the ranks that visit them: the partial sum of source s leaves s at step 0
+ * and reaches rank s − 1 at step n − 1, one hop per step, and one more hop brings it home.
+ * A rank cannot add into the partial sum it is receiving before it has arrived, so to keep
+ * the hop off the critical path each step computes its blocks into a zeroed accumulator
+ * while the partial sum arrives, then adds it (one more pass over 2·KL elements) and starts
+ * sending the total on, which then overlaps the next step's blocks. Two accumulators
+ * alternate: the one sent at step i is in flight until step i + 1 finishes it. */
+static char *ring_backward(const moe_backend *be, const moe_cp_attention *a, moe_comm *comm,
+                           int me, int n, const ring_bufs *r, ring_blocks blocks,
+                           const void *ctx) {
+    const size_t kv_count = 2 * sizes_of(a).KL;
+    const int overlap = ring_overlap(kv_count * be->act_size);
+    char *kv[2] = {r->kv[0], r->kv[1]};
+    int hd = -1; /* the accumulator travelling on */
+    for (int i = 0; i < n; i++) {
+        char *acc = r->acc[i % 2];
+        const int hk = i + 1 < n ? ring_start(be, comm, me, n, kv[0], kv[1], kv_count, overlap)
+                                 : -1;
+        be->zero(acc, kv_count * be->act_size);
+        blocks(be, a, ctx, i, kv[0], acc);
+        if (n == 1)
+            return acc; /* no ring: our own keys' gradients */
+        if (i > 0) { /* the previous ranks' part of these keys' gradients */
+            moe_comm_exchange_finish(comm, hd);
+            be->add(acc, r->in, kv_count);
+        }
+        hd = ring_start(be, comm, me, n, acc, r->in, kv_count, overlap); /* at i = n − 1: home */
+        moe_comm_exchange_finish(comm, hk);
+        char *t = kv[0];
+        kv[0] = kv[1], kv[1] = t;
+    }
+    moe_comm_exchange_finish(comm, hd);
+    return r->in;
+}
 
 /* ------------------------------------------------------------ a2a (Ulysses) */
 
@@ -312,7 +405,8 @@ static void inner_move(const moe_backend *be, const moe_cp_attention *a, const v
 }
 
 typedef struct hyb_bufs {
-    char *q, *y, *dy, *dq, *stage, *set[2], *y_part;
+    char *q, *y, *dy, *dq, *stage, *y_part;
+    ring_bufs ring; /* [k | v] and [dk | dv] blocks of the held group */
     moe_real *lse, *lse_part;
     void *ws; /* the whole workspace (op_ws finds the op's part) */
 } hyb_bufs;
@@ -327,8 +421,7 @@ static hyb_bufs hyb_layout(const moe_backend *be, const moe_cp_attention *a, voi
     u.dy = p, p += nq;
     u.dq = p, p += nq;
     u.stage = p, p += nq;
-    u.set[0] = p, p += 4 * nk; /* [k | v | dk | dv] blocks of the held group */
-    u.set[1] = p, p += 4 * nk;
+    u.ring = ring_layout(p, nk), p += RING_KLS * nk;
     u.lse = (moe_real *)p, p += 2 * z.LC * sizeof(moe_real);
     u.lse_part = (moe_real *)p, p += z.LC / a->a2a * sizeof(moe_real);
     u.y_part = at16(ws, p); /* the attention op stores y 16 bytes at a time */
@@ -343,11 +436,13 @@ static moe_attention_shape hyb_shape(const moe_cp_attention *a, int qc, int kc) 
     return s;
 }
 
-/* The blocks of one ring step: this rank's query blocks against the key blocks of outer
- * rank `o2` (held now): every visible pair, forward (merge) or backward (accumulate). */
-static void hyb_step(const moe_backend *be, const moe_cp_attention *a, const hyb_bufs *u,
-                     char *held, int o2, int backward) {
-    const int n = a->a2a, o = a->rank / n;
+/* The blocks of ring step `step` (hybrid): this rank's query blocks against the key blocks
+ * of the outer rank held then; every visible pair, forward (merge) or backward (into dq and
+ * the held blocks' [dk | dv]). A ring_blocks function; ctx is the hyb_bufs. */
+static void hyb_blocks(const moe_backend *be, const moe_cp_attention *a, const void *ctx,
+                       int step, const char *kv, char *dkv) {
+    const hyb_bufs *u = ctx;
+    const int n = a->a2a, p = a->cp / n, o = a->rank / n, o2 = ((o - step) % p + p) % p;
     const sizes z = sizes_of(a);
     const size_t S = be->act_size, QB = z.QC / n, KB = z.KC / n, LB = z.LC / n, nk = z.KL * S;
     for (int sq = 0; sq < n; sq++)
@@ -361,17 +456,15 @@ static void hyb_step(const moe_backend *be, const moe_cp_attention *a, const hyb
                         continue;
                     const size_t ko = (size_t)(sk * 2 + wk) * KB * S;
                     const moe_attention_shape sh = hyb_shape(a, qc, kc);
-                    if (!backward) {
+                    if (!dkv) {
                         be->attention_forward(u->y_part, u->lse_part, op_ws(be, a, u->ws, sh),
-                                              u->q + qo, held + ko, held + nk + ko, sh);
+                                              u->q + qo, kv + ko, kv + nk + ko, sh);
                         be->cp_merge(u->y + qo, u->lse + lo, u->y_part, u->lse_part, a->B,
                                      sh.Tq, sh.Hq, a->D);
                     } else {
-                        /* the travelling set [k | v | dk | dv]: its dk, dv accumulate */
-                        be->attention_backward(u->dq + qo, held + 2 * nk + ko, held + 3 * nk + ko,
-                                               u->dy + qo, u->y + qo, u->lse + lo,
-                                               op_ws(be, a, u->ws, sh), u->q + qo, held + ko,
-                                               held + nk + ko, sh);
+                        be->attention_backward(u->dq + qo, dkv + ko, dkv + nk + ko, u->dy + qo,
+                                               u->y + qo, u->lse + lo, op_ws(be, a, u->ws, sh),
+                                               u->q + qo, kv + ko, kv + nk + ko, sh);
                     }
                 }
         }
@@ -384,17 +477,10 @@ static void hyb_forward(const moe_backend *be, const moe_cp_attention *a, void *
     const size_t S = be->act_size;
     const int n = a->a2a, p = a->cp / n, o = a->rank / n;
     inner_move(be, a, q, u.q, a->Hq, 0, 1, 0, u.stage, NULL);
-    inner_move(be, a, k, u.set[0], a->Hkv, 0, 1, 0, u.stage, NULL);
-    inner_move(be, a, v, u.set[0] + z.KL * S, a->Hkv, 0, 1, 0, u.stage, NULL);
+    inner_move(be, a, k, u.ring.kv[0], a->Hkv, 0, 1, 0, u.stage, NULL);
+    inner_move(be, a, v, u.ring.kv[0] + z.KL * S, a->Hkv, 0, 1, 0, u.stage, NULL);
     be->fill_real(u.lse, -INFINITY, 2 * z.LC);
-    for (int s = 0; s < p; s++) {
-        hyb_step(be, a, &u, u.set[0], ((o - s) % p + p) % p, 0);
-        if (s + 1 < p) {
-            ring_shift_in(be, a->outer, o, p, u.set[0], u.set[1], 2 * z.KL);
-            char *t = u.set[0];
-            u.set[0] = u.set[1], u.set[1] = t;
-        }
-    }
+    ring_forward(be, a, a->outer, o, p, &u.ring, hyb_blocks, &u);
     inner_move(be, a, u.y, y, a->Hq, 0, 0, 0, u.stage, NULL);
     inner_move(be, a, u.lse, lse, a->Hq, 1, 0, 0, u.stage, NULL);
 }
@@ -409,24 +495,11 @@ static void hyb_backward(const moe_backend *be, const moe_cp_attention *a, void 
     inner_move(be, a, q, u.q, a->Hq, 0, 1, 0, u.stage, NULL);
     inner_move(be, a, y, u.y, a->Hq, 0, 1, 0, u.stage, NULL);
     inner_move(be, a, dy, u.dy, a->Hq, 0, 1, 0, u.stage, NULL);
-    inner_move(be, a, k, u.set[0], a->Hkv, 0, 1, 0, u.stage, NULL);
-    inner_move(be, a, v, u.set[0] + nk, a->Hkv, 0, 1, 0, u.stage, NULL);
+    inner_move(be, a, k, u.ring.kv[0], a->Hkv, 0, 1, 0, u.stage, NULL);
+    inner_move(be, a, v, u.ring.kv[0] + nk, a->Hkv, 0, 1, 0, u.stage, NULL);
     inner_move(be, a, lse, u.lse, a->Hq, 1, 1, 0, u.stage, NULL);
     be->zero(u.dq, 2 * z.QC * S);
-    be->zero(u.set[0] + 2 * nk, 2 * nk);
-    for (int s = 0; s < p; s++) {
-        hyb_step(be, a, &u, u.set[0], ((o - s) % p + p) % p, 1);
-        if (s + 1 < p) {
-            ring_shift_in(be, a->outer, o, p, u.set[0], u.set[1], 4 * z.KL);
-            char *t = u.set[0];
-            u.set[0] = u.set[1], u.set[1] = t;
-        }
-    }
-    char *home = u.set[0] + 2 * nk; /* [dk | dv] of outer rank o + 1 (or ours) */
-    if (p > 1) {
-        ring_shift_in(be, a->outer, o, p, home, u.set[1] + 2 * nk, 2 * z.KL);
-        home = u.set[1] + 2 * nk;
-    }
+    const char *home = ring_backward(be, a, a->outer, o, p, &u.ring, hyb_blocks, &u);
     /* the accumulations place through buffers free by now: the queries', the outputs' */
     inner_move(be, a, u.dq, dq, a->Hq, 0, 0, 1, u.stage, u.q);
     inner_move(be, a, home, dk, a->Hkv, 0, 0, 1, u.stage, u.y);
@@ -435,15 +508,57 @@ static void hyb_backward(const moe_backend *be, const moe_cp_attention *a, void 
 
 #define AT(p, i) ((char *)(p) + (size_t)(i) * S) /* element i of an activation buffer */
 
+/* What the p2p ring's blocks read and write (the forward's or the backward's tensors). */
+typedef struct p2p_ctx {
+    void *y;
+    moe_real *lse;
+    const void *q;
+    void *dq;
+    const void *dy;
+    void *y_part;
+    moe_real *lse_part;
+    void *ws;
+} p2p_ctx;
+
+/* The blocks of ring step `step` (p2p): this rank's query chunks against the chunks of the
+ * rank held then that moe_cp_ring_pairs() lists; forward each partial result merges into y
+ * by its lse, backward the block gradients add into dq and `dkv`. A ring_blocks function. */
+static void p2p_blocks(const moe_backend *be, const moe_cp_attention *a, const void *ctxp,
+                       int step, const char *kv, char *dkv) {
+    const p2p_ctx *c = ctxp;
+    const sizes z = sizes_of(a);
+    const size_t S = be->act_size;
+    const int s = moe_cp_ring_source(a->cp, a->rank, step);
+    moe_cp_pair p[4];
+    const int np = moe_cp_ring_pairs(a->cp, a->rank, step, p);
+    for (int j = 0; j < np; j++) {
+        const int qc = moe_cp_chunk(a->cp, a->rank, p[j].q), kc = moe_cp_chunk(a->cp, s, p[j].k);
+        const moe_attention_shape sh = block(a, qc, kc);
+        const size_t ko = p[j].k * z.KC;
+        const char *kb = AT(kv, ko), *vb = AT(kv, z.KL + ko);
+        if (!dkv) {
+            be->attention_forward(c->y_part, c->lse_part, op_ws(be, a, c->ws, sh),
+                                  AT(c->q, p[j].q * z.QC), kb, vb, sh);
+            be->cp_merge(AT(c->y, p[j].q * z.QC), c->lse + p[j].q * z.LC, c->y_part,
+                         c->lse_part, a->B, z.C, a->Hq, a->D);
+        } else {
+            be->attention_backward(AT(c->dq, p[j].q * z.QC), AT(dkv, ko), AT(dkv, z.KL + ko),
+                                   AT(c->dy, p[j].q * z.QC), AT(c->y, p[j].q * z.QC),
+                                   c->lse + p[j].q * z.LC, op_ws(be, a, c->ws, sh),
+                                   AT(c->q, p[j].q * z.QC), kb, vb, sh);
+        }
+    }
+}
+
 void moe_cp_attention_forward(const moe_backend *be, const moe_cp_attention *a, void *y,
                               moe_real *lse, const void *q, const void *k, const void *v,
                               void *ws) {
     const sizes z = sizes_of(a);
     const size_t S = be->act_size;
     char *w = ws;
-    void *kv[2] = {w, w + 2 * z.KL * S}; /* the held rank's [k | v], and the next one's */
+    const ring_bufs ring = ring_layout(w, z.KL * S);
     /* one partial result: its lse first (no activation count of an odd size misaligns it) */
-    moe_real *lse_part = (moe_real *)(w + 4 * z.KL * S);
+    moe_real *lse_part = (moe_real *)(w + RING_KLS * z.KL * S);
     void *y_part = at16(ws, lse_part + z.LC); /* the op stores y 16 bytes at a time */
     if (a->type == MOE_CP_A2A) {
         a2a_forward(be, a, y, lse, q, k, v, ws);
@@ -481,28 +596,10 @@ void moe_cp_attention_forward(const moe_backend *be, const moe_cp_attention *a, 
                 }
         return;
     }
-    be->copy(kv[0], k, z.KL * S);
-    be->copy(AT(kv[0], z.KL), v, z.KL * S);
-    for (int i = 0; i < a->cp; i++) {
-        const int s = moe_cp_ring_source(a->cp, a->rank, i);
-        moe_cp_pair p[4];
-        const int np = moe_cp_ring_pairs(a->cp, a->rank, i, p);
-        for (int j = 0; j < np; j++) {
-            const int qc = moe_cp_chunk(a->cp, a->rank, p[j].q);
-            const int kc = moe_cp_chunk(a->cp, s, p[j].k);
-            be->attention_forward(y_part, lse_part, op_ws(be, a, ws, block(a, qc, kc)),
-                                  AT(q, p[j].q * z.QC), AT(kv[0], p[j].k * z.KC),
-                                  AT(kv[0], z.KL + p[j].k * z.KC), block(a, qc, kc));
-            be->cp_merge(AT(y, p[j].q * z.QC), lse + p[j].q * z.LC, y_part, lse_part, a->B,
-                         z.C, a->Hq, a->D);
-        }
-        if (i + 1 < a->cp) { /* pass the held keys and values on; receive the next ones */
-            ring_shift(be, a, kv[0], kv[1], 2 * z.KL);
-            void *t = kv[0];
-            kv[0] = kv[1];
-            kv[1] = t;
-        }
-    }
+    be->copy(ring.kv[0], k, z.KL * S);
+    be->copy(AT(ring.kv[0], z.KL), v, z.KL * S);
+    const p2p_ctx ctx = {y, lse, q, NULL, NULL, y_part, lse_part, ws};
+    ring_forward(be, a, a->comm, a->rank, a->cp, &ring, p2p_blocks, &ctx);
 }
 
 void moe_cp_attention_backward(const moe_backend *be, const moe_cp_attention *a, void *dq,
@@ -558,39 +655,12 @@ void moe_cp_attention_backward(const moe_backend *be, const moe_cp_attention *a,
         }
         return;
     }
-    /* p2p: [k | v | dk | dv] of the held rank travel together; the gradients go home at
-     * the end (one more hop) */
-    void *set[2] = {w, w + 4 * z.KL * S};
-    be->copy(set[0], k, z.KL * S);
-    be->copy(AT(set[0], z.KL), v, z.KL * S);
-    be->zero(AT(set[0], 2 * z.KL), 2 * z.KL * S);
-    for (int i = 0; i < a->cp; i++) {
-        const int s = moe_cp_ring_source(a->cp, a->rank, i);
-        moe_cp_pair p[4];
-        const int np = moe_cp_ring_pairs(a->cp, a->rank, i, p);
-        char *c = set[0];
-        for (int j = 0; j < np; j++) {
-            const int qc = moe_cp_chunk(a->cp, a->rank, p[j].q);
-            const int kc = moe_cp_chunk(a->cp, s, p[j].k);
-            const size_t ko = p[j].k * z.KC;
-            be->attention_backward(AT(dq, p[j].q * z.QC), AT(c, 2 * z.KL + ko),
-                                   AT(c, 3 * z.KL + ko), AT(dy, p[j].q * z.QC),
-                                   AT(y, p[j].q * z.QC), lse + p[j].q * z.LC,
-                                   op_ws(be, a, ws, block(a, qc, kc)), AT(q, p[j].q * z.QC),
-                                   AT(c, ko), AT(c, z.KL + ko), block(a, qc, kc));
-        }
-        if (i + 1 < a->cp) {
-            ring_shift(be, a, set[0], set[1], 4 * z.KL);
-            void *t = set[0];
-            set[0] = set[1];
-            set[1] = t;
-        }
-    }
-    char *home = AT(set[0], 2 * z.KL); /* [dk | dv] of rank + 1 (or our own when cp = 1) */
-    if (a->cp > 1) {
-        ring_shift(be, a, home, AT(set[1], 2 * z.KL), 2 * z.KL);
-        home = AT(set[1], 2 * z.KL);
-    }
+    /* p2p: the ring (ring_backward) */
+    const ring_bufs ring = ring_layout(w, z.KL * S);
+    be->copy(ring.kv[0], k, z.KL * S);
+    be->copy(AT(ring.kv[0], z.KL), v, z.KL * S);
+    const p2p_ctx ctx = {(void *)y, (moe_real *)lse, q, dq, dy, NULL, NULL, ws};
+    const char *home = ring_backward(be, a, a->comm, a->rank, a->cp, &ring, p2p_blocks, &ctx);
     be->add(dk, home, z.KL);
     be->add(dv, AT(home, z.KL), z.KL);
 }

@@ -7,8 +7,12 @@
  *  - **p2p** (ring attention): the keys and values travel around the ring of CP ranks, one
  *    hop per step; at step i a rank holds those of rank (r − i) mod cp, computes the blocks
  *    moe_cp_ring_pairs() lists, and merges each partial result into its output by its
- *    log-sum-exp. Memory: two ranks' keys and values. In the backward the key and value
- *    gradients travel with the keys and values, and one more hop brings them home.
+ *    log-sum-exp. Each hop is started before the blocks of the step and finished after
+ *    them (moe_comm_exchange_start), so the next keys travel while the held ones are used.
+ *    In the backward the key and value gradients travel too: each step computes its blocks
+ *    into a fresh accumulator while the previous ranks' partial sum arrives, adds it, and
+ *    sends the total on during the next step; one more hop brings them home. Memory: two
+ *    ranks' keys and values, two gradient accumulators and one arriving partial sum.
  *  - **allgather** (as in Llama 3): every rank all-gathers all keys and values once, attends
  *    its queries to the visible chunks, and the key/value gradients are reduce-scattered
  *    back. Memory: the whole sequence's keys and values; no ring, two collectives.
@@ -91,8 +95,8 @@ moe_status moe_cp_attention_check(const moe_cp_attention *a, moe_error *err);
 
 /**
  * @brief Backend memory the call needs beside its tensors, in bytes: for p2p two ranks'
- *        keys and values plus, in the backward, their gradients, and one partial output and
- *        lse; for allgather the whole sequence's keys and values and their gradients; for
+ *        keys and values, two gradient accumulators and an arriving partial sum (10 times
+ *        one rank's keys), and one partial output and lse; for allgather the whole sequence's keys and values and their gradients; for
  *        a2a eight local-sized tensors, the lse and a staging area. Then, for every
  *        backend, the attention op's workspace of the largest block call: one fp32 per
  *        query row (the CUDA op's backward keeps its row dots δ there; the CPU's needs none).

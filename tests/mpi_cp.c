@@ -84,6 +84,33 @@ static moe_real *down(const moe_backend *be, const void *d, size_t n, int act) {
 static moe_comm *g_inner, *g_outer;
 static int g_a2a;
 
+/* One context-parallel forward and backward of this rank's q, k, v and dy; the outputs come
+ * back to the host as out[0..4] = y, lse, dq, dk, dv (the caller frees them). y and lse start
+ * poisoned (an unwritten row fails), the gradients at 0.25, which they accumulate onto and
+ * which is taken off again. */
+static void cp_run(const moe_backend *be, const moe_cp_attention *a, void *ws, const void *g_q,
+                   const void *g_k, const void *g_v, const void *g_dy, size_t nq, size_t nk,
+                   size_t nl, const moe_real *poison, moe_real *out[5]) {
+    void *g_y = up(be, poison, nq, 1), *g_lse = up(be, poison, nl, 0);
+    moe_cp_attention_forward(be, a, g_y, g_lse, g_q, g_k, g_v, ws);
+    const double start = 0.25;
+    moe_real *gq = malloc(sizeof *gq * nq), *gk = malloc(sizeof *gk * nk), *gv = malloc(sizeof *gv * nk);
+    for (size_t i = 0; i < nq; i++)
+        gq[i] = (moe_real)start;
+    for (size_t i = 0; i < nk; i++)
+        gk[i] = gv[i] = (moe_real)start;
+    void *g_dq = up(be, gq, nq, 1), *g_dk = up(be, gk, nk, 1), *g_dv = up(be, gv, nk, 1);
+    moe_cp_attention_backward(be, a, g_dq, g_dk, g_dv, g_dy, g_y, g_lse, g_q, g_k, g_v, ws);
+    free(gq), free(gk), free(gv);
+    out[0] = down(be, g_y, nq, 1), out[1] = down(be, g_lse, nl, 0);
+    out[2] = down(be, g_dq, nq, 1), out[3] = down(be, g_dk, nk, 1), out[4] = down(be, g_dv, nk, 1);
+    for (size_t i = 0; i < nq; i++)
+        out[2][i] -= (moe_real)start;
+    for (size_t i = 0; i < nk; i++)
+        out[3][i] -= (moe_real)start, out[4][i] -= (moe_real)start;
+    be->free(g_y), be->free(g_lse), be->free(g_dq), be->free(g_dk), be->free(g_dv);
+}
+
 static void check_cp(int B, int C, int Hq, int Hkv, int D, moe_cp_comm type) {
     moe_comm *world = moe_test_world();
     const int cp = moe_comm_size(world), r = moe_comm_rank(world), T = 2 * cp * C;
@@ -145,25 +172,28 @@ static void check_cp(int B, int C, int Hq, int Hkv, int D, moe_cp_comm type) {
     moe_real *poison = malloc(sizeof *poison * (nq > nl ? nq : nl));
     for (size_t i = 0; i < (nq > nl ? nq : nl); i++) /* poisoned: an unwritten row fails */
         poison[i] = NAN;
-    void *g_y = up(be, poison, nq, 1), *g_lse = up(be, poison, nl, 0);
-    void *g_q = up(be, lq, nq, 1), *g_k = up(be, lk, nk, 1), *g_v = up(be, lv, nk, 1);
-    moe_cp_attention_forward(be, &a, g_y, g_lse, g_q, g_k, g_v, ws);
-    const double start = 0.25; /* the gradients accumulate onto it */
-    moe_real *gq = malloc(sizeof *gq * nq), *gk = malloc(sizeof *gk * nk), *gv = malloc(sizeof *gv * nk);
-    for (size_t i = 0; i < nq; i++)
-        gq[i] = (moe_real)start;
-    for (size_t i = 0; i < nk; i++)
-        gk[i] = gv[i] = (moe_real)start;
-    void *g_dq = up(be, gq, nq, 1), *g_dk = up(be, gk, nk, 1), *g_dv = up(be, gv, nk, 1),
+    void *g_q = up(be, lq, nq, 1), *g_k = up(be, lk, nk, 1), *g_v = up(be, lv, nk, 1),
          *g_dy = up(be, ldy, nq, 1);
-    moe_cp_attention_backward(be, &a, g_dq, g_dk, g_dv, g_dy, g_y, g_lse, g_q, g_k, g_v, ws);
-    free(gq), free(gk), free(gv);
-    moe_real *got_y = down(be, g_y, nq, 1), *got_lse = down(be, g_lse, nl, 0);
-    gq = down(be, g_dq, nq, 1), gk = down(be, g_dk, nk, 1), gv = down(be, g_dv, nk, 1);
-    for (size_t i = 0; i < nq; i++)
-        gq[i] -= (moe_real)start;
-    for (size_t i = 0; i < nk; i++)
-        gk[i] -= (moe_real)start, gv[i] -= (moe_real)start;
+    moe_real *got[5];
+    cp_run(be, &a, ws, g_q, g_k, g_v, g_dy, nq, nk, nl, poison, got);
+    moe_real *got_y = got[0], *got_lse = got[1], *gq = got[2], *gk = got[3], *gv = got[4];
+    for (int ov = 0; ov < 2 && (type == MOE_CP_P2P || type == MOE_CP_A2A_P2P); ov++) {
+        /* the ring with its hops forced overlapped (1) and forced complete before the blocks
+         * after them (0; the default picks by size, and these shapes are small): the same
+         * ops on the same data in the same order, so the same bits as the default's */
+        setenv("MOE_CP_RING_OVERLAP", ov ? "1" : "0", 1);
+        moe_real *base[5];
+        cp_run(be, &a, ws, g_q, g_k, g_v, g_dy, nq, nk, nl, poison, base);
+        unsetenv("MOE_CP_RING_OVERLAP");
+        const size_t n[5] = {nq, nl, nq, nk, nk};
+        int same = 1;
+        for (int i = 0; i < 5; i++) {
+            same &= memcmp(base[i], got[i], n[i] * sizeof(moe_real)) == 0;
+            free(base[i]);
+        }
+        MOE_TEST_AGREE(!same, "CP %d %s on rank %d: the ring with MOE_CP_RING_OVERLAP=%d gives "
+                       "other bits than by default", cp, name, r, ov);
+    }
     const double e[5] = {rel_err(got_y, want_y, nq), rel_err(got_lse, want_lse, nl),
                          rel_err(gq, want_dq, nq), rel_err(gk, want_dk, nk),
                          rel_err(gv, want_dv, nk)};
@@ -182,8 +212,7 @@ static void check_cp(int B, int C, int Hq, int Hkv, int D, moe_cp_comm type) {
     MOE_TEST_AGREE(!(worst <= tol), "CP %d %s (B=%d T=%d Hq=%d Hkv=%d D=%d) on rank %d: y %.2e "
                    "lse %.2e dq %.2e dk %.2e dv %.2e", cp, name,
                    B, T, Hq, Hkv, D, r, e[0], e[1], e[2], e[3], e[4]);
-    be->free(g_y), be->free(g_lse), be->free(g_q), be->free(g_k), be->free(g_v);
-    be->free(g_dq), be->free(g_dk), be->free(g_dv), be->free(g_dy), be->free(ws);
+    be->free(g_q), be->free(g_k), be->free(g_v), be->free(g_dy), be->free(ws);
     free(q), free(k), free(v), free(dy), free(y), free(lse), free(dq), free(dk), free(dv);
     free(lq), free(lk), free(lv), free(ldy), free(want_y), free(want_dq), free(want_dk);
     free(want_dv), free(want_lse), free(poison), free(got_y), free(got_lse), free(gq), free(gk);

@@ -18,7 +18,9 @@
 #   ch07       context parallelism on 2 and 4 GPUs (up to --gpus): the mpi_cp suite on GPU
 #              ranks (the attention's four exchanges and the model under CP, against one
 #              process on the same GPU), then 20 steps of the GPU preset with
-#              --context-parallel-size 2 against one GPU (the losses agree to bf16 noise)
+#              --context-parallel-size 2 against one GPU (the losses agree to bf16 noise),
+#              then bin/ch07_cp_bench on 2 and 4 GPUs: each comm type's attention at 8K-32K
+#              tokens, the ring with and without its overlap, against one GPU
 #   multinode  the same with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1: NCCL moves everything
 #              through its network transport, as between nodes; the fused NVLink path must
 #              see that and fall back to the collective one, and say so
@@ -52,7 +54,7 @@ if ! [[ "$steps" =~ ^[0-9]+$ ]] || [ "$steps" -lt 40 ]; then
     echo "tools/multigpu.sh: --steps must be an integer >= 40 (the first 40 steps are warm-up)" >&2
     exit 2
 fi
-for f in bin/moe-train bin/ch02_dispatch_bench bin/ch04_folding_bench build/tests/mpi; do
+for f in bin/moe-train bin/ch02_dispatch_bench bin/ch04_folding_bench bin/ch07_cp_bench build/tests/mpi; do
     [ -x "$f" ] || { echo "tools/multigpu.sh: $f is missing: run make first (with CUDA and MPI)" >&2; exit 2; }
 done
 
@@ -202,6 +204,15 @@ for s in "${sections[@]}"; do
             echo "moe-train --context-parallel-size 2 on 2 GPUs: FAILED"
             status=1
         fi
+        for np in 2 4; do
+            [ "$np" -le "$gpus" ] || continue
+            echo "== bin/ch07_cp_bench on $np GPUs"
+            if ! $MPIRUN -np "$np" bin/ch07_cp_bench --device cuda 2>&1 | tee -a "$LOG" |
+                grep -E "^\||rror"; then
+                echo "ch07_cp_bench on $np GPUs: FAILED"
+                status=1
+            fi
+        done
         ;;
     multinode)
         export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
