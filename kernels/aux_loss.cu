@@ -9,7 +9,8 @@
  * c_i: how many tokens of the group have expert i in the plain top-k of s.
  *
  * A rank may hold only some rows of the groups (moe_aux_shape: global rows [row0, row0+N)
- * of groups·T tokens; tensor parallelism runs the MoE layer on sequence shards). The counts
+ * of groups·T tokens; tensor parallelism runs the MoE layer on sequence shards; under
+ * context parallelism a sequence's rows are runs, moe_aux_shape::run). The counts
  * are then computed per rank and summed over the ranks by the caller (a device collective:
  * they stay in device memory), and the forward and backward take them: this rank's part of
  * L uses only its rows' scores.
@@ -64,12 +65,13 @@ static size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
 /* ------------------------------------------------------------------ kernels */
 
 /* cnt[g, e] += 1 for every pick e of every row of group g (integer atomics); local row t
- * is global row row0 + t. */
+ * is row row0 + t of the shape, whose group is moe_aux_group(). */
 static __global__ void count_picks_kernel(long long *cnt, const int *topk_idx, int N, int k,
-                                          int row0, int T, int E) {
+                                          moe_aux_shape sh) {
     int a = blockIdx.x * blockDim.x + threadIdx.x;
     if (a < N * k)
-        atomicAdd((unsigned long long *)&cnt[(size_t)((row0 + a / k) / T) * E + topk_idx[a]],
+        atomicAdd((unsigned long long *)&cnt[(size_t)moe_aux_group(&sh, (long long)sh.row0 + a / k) *
+                                                 sh.E + topk_idx[a]],
                   1ull);
 }
 
@@ -104,18 +106,21 @@ static __global__ void aux_scores_kernel(float *s, const moe_bf16 *logits, int N
         s[(size_t)t * E + e] = token_score(moe_ld(z[e]), sig, m, sum);
 }
 
-/* ssum[j, e] = Σ s[t, e] over this rank's rows t of group g0 + j (local rows [lo, hi)).
- * Block (32 experts) × (32 row strides). */
+/* ssum[j, e] = Σ s[t, e] over this rank's rows t of group g0 + j. The group's rows are
+ * runs of `run` rows, one every groups·run (one run when run = T, the usual case; two per
+ * rank under context parallelism), walked in order. Block (32 experts) × (32 row strides). */
 static __global__ void aux_colsum_kernel(double *ssum, const float *s, int N, int row0, int g0,
-                                         int T, int E) {
+                                         int groups, int run, int E) {
     __shared__ double part[32][33];
     const int g = blockIdx.x, e = blockIdx.y * 32 + threadIdx.x, ty = threadIdx.y;
-    const long long a = (long long)(g0 + g) * T - row0, b = a + T;
-    const int lo = a > 0 ? (int)a : 0, hi = b < N ? (int)b : N;
     double acc = 0.0;
-    if (e < E)
-        for (int t = lo + ty; t < hi; t += 32)
-            acc += s[(size_t)t * E + e];
+    for (long long a = (long long)(g0 + g) * run - row0; a < N; a += (long long)groups * run) {
+        const long long b = a + run;
+        const int lo = a > 0 ? (int)a : 0, hi = b < N ? (int)b : N;
+        if (e < E)
+            for (int t = lo + ty; t < hi; t += 32)
+                acc += s[(size_t)t * E + e];
+    }
     part[ty][threadIdx.x] = acc;
     __syncthreads();
     if (ty == 0 && e < E) {
@@ -145,15 +150,16 @@ static __global__ void aux_final_kernel(double *out, const long long *cnt, const
 /* dz += d(aux)/dz for local row t (global row0 + t); f = scale·coeff·E/(k·T²)/groups.
  * cnt: the counts from the first group this rank holds rows of. Warp per token. */
 static __global__ void aux_backward_kernel(moe_bf16 *dlogits, const moe_bf16 *logits,
-                                           const long long *cnt, int N, int row0, int T, int E,
+                                           const long long *cnt, int N, moe_aux_shape sh, int g0,
                                            bool sig, float f) {
+    const int E = sh.E;
     const int lane = threadIdx.x & 31;
     const int t = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (t >= N)
         return;
     const moe_bf16 *z = logits + (size_t)t * E;
     moe_bf16 *dz = dlogits + (size_t)t * E;
-    const long long *c = cnt + (size_t)((row0 + t) / T - row0 / T) * E;
+    const long long *c = cnt + (size_t)(moe_aux_group(&sh, (long long)sh.row0 + t) - g0) * E;
     float m, sum;
     token_stats(z, E, sig, lane, m, sum);
     float dot = 0.0f;
@@ -213,7 +219,7 @@ static __global__ void z_loss_backward_kernel(moe_bf16 *dlogits, const moe_bf16 
 /* ------------------------------------------------------------------ launchers */
 
 static void check_shape(const moe_aux_shape *s, const char *who) {
-    if (s->N < 0 || s->row0 < 0 || s->group_len <= 0 || s->groups <= 0 ||
+    if (s->N < 0 || s->row0 < 0 || s->group_len <= 0 || s->groups <= 0 || s->run < 0 ||
         (long long)s->row0 + s->N > (long long)s->groups * s->group_len || s->k < 1 ||
         s->k > s->E) {
         fprintf(stderr, "%s: rows [%d, %d) do not fit %d groups of %d (E %d, k %d)\n", who,
@@ -222,10 +228,18 @@ static void check_shape(const moe_aux_shape *s, const char *who) {
     }
 }
 
-/* The groups this rank holds rows of: g0 .. g0 + ng − 1. */
-static int first_group(const moe_aux_shape *s) { return s->row0 / s->group_len; }
+/* The groups this rank holds rows of: g0 .. g0 + ng − 1 (with runs shorter than a group,
+ * context parallelism: every group, those without rows here summing to 0). */
+static int run_of(const moe_aux_shape *s) { return s->run > 0 ? s->run : s->group_len; }
+static int first_group(const moe_aux_shape *s) {
+    return run_of(s) < s->group_len ? 0 : s->row0 / s->group_len;
+}
 static int held_groups(const moe_aux_shape *s) {
-    return s->N > 0 ? (s->row0 + s->N - 1) / s->group_len - first_group(s) + 1 : 0;
+    if (s->N <= 0)
+        return 0;
+    if (run_of(s) < s->group_len)
+        return s->groups;
+    return (s->row0 + s->N - 1) / s->group_len - first_group(s) + 1;
 }
 
 extern "C" void moe_cuda_aux_loss_counts(long long *counts, const void *logits,
@@ -241,8 +255,7 @@ extern "C" void moe_cuda_aux_loss_counts(long long *counts, const void *logits,
     if (N > 0) {
         moe_router_params rp = {E, k, s->fn, s->fn == MOE_SCORE_SOFTMAX, 0, 0, 0.0};
         moe_cuda_router_forward(idx, w, logits, NULL, &rp, N);
-        count_picks_kernel<<<moe_cdiv((size_t)N * k, 256), 256, 0, st>>>(
-            counts, idx, N, k, s->row0, s->group_len, E);
+        count_picks_kernel<<<moe_cdiv((size_t)N * k, 256), 256, 0, st>>>(counts, idx, N, k, *s);
         MOE_CUDA_LAUNCH_CHECK();
     }
 }
@@ -263,7 +276,7 @@ extern "C" void moe_cuda_aux_loss_forward(double *acc, const void *logits,
                                                                  s->fn == MOE_SCORE_SIGMOID);
     MOE_CUDA_LAUNCH_CHECK();
     aux_colsum_kernel<<<dim3(ng, moe_cdiv(E, 32)), dim3(32, 32), 0, st>>>(
-        ssum, sc, N, s->row0, first_group(s), T, E);
+        ssum, sc, N, s->row0, first_group(s), s->groups, run_of(s), E);
     MOE_CUDA_LAUNCH_CHECK();
     const double f = coeff * E / ((double)s->k * T * T);
     aux_final_kernel<<<1, 256, 0, st>>>(acc, counts + (size_t)first_group(s) * E, ssum, ng,
@@ -281,7 +294,7 @@ extern "C" void moe_cuda_aux_loss_backward(void *dlogits, const void *logits,
     const double f = scale * coeff * E / ((double)s->k * T * T) / s->groups;
     aux_backward_kernel<<<moe_cdiv(N, WARPS), 32 * WARPS, 0, moe_cuda_stream()>>>(
         (moe_bf16 *)dlogits, (const moe_bf16 *)logits, counts + (size_t)first_group(s) * E, N,
-        s->row0, T, E, s->fn == MOE_SCORE_SIGMOID, (float)f);
+        *s, first_group(s), s->fn == MOE_SCORE_SIGMOID, (float)f);
     MOE_CUDA_LAUNCH_CHECK();
 }
 

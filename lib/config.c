@@ -441,7 +441,7 @@ static moe_status require_finite(const moe_config *c, moe_error *err) {
  * chunks (load balancing), the attention exchange must fit the heads each TP rank holds, and
  * the per-sequence aux loss would need each rank's rows grouped by sequence (chunk-major rows
  * are not): a named error until it is built. */
-static moe_status validate_cp(moe_config *c, int any_moe, moe_error *err) {
+static moe_status validate_cp(moe_config *c, moe_error *err) {
     const int CP = c->context_parallel_size, TP = c->tensor_model_parallel_size;
     RESOLVE(c->cp_comm, "cp-comm-type", c->cp_comm_type);
     c->cp_a2a = 0;
@@ -477,10 +477,6 @@ static moe_status validate_cp(moe_config *c, int any_moe, moe_error *err) {
                           .T = c->seq_length, .Hq = c->num_attention_heads / TP,
                           .Hkv = c->num_query_groups / TP, .D = c->head_dim, .a2a = c->cp_a2a};
     MOE_TRY(moe_cp_attention_check(&a, err));
-    REQUIRE(!any_moe || c->lb_type != MOE_LB_SEQ_AUX,
-            "--moe-router-load-balancing-type seq_aux_loss with --context-parallel-size %d: the "
-            "per-sequence aux loss needs each rank's rows grouped by sequence, and under context "
-            "parallelism a rank holds two chunks of every sequence; use aux_loss (or none)", CP);
     return MOE_OK;
 }
 
@@ -501,7 +497,7 @@ static moe_status validate_folding(moe_config *c, int any_moe, int any_dense, mo
     REQUIRE(c->pipeline_model_parallel_size >= 1,
             "--pipeline-model-parallel-size must be >= 1 (got %d; 1 = not split)",
             c->pipeline_model_parallel_size);
-    MOE_TRY(validate_cp(c, any_moe, err));
+    MOE_TRY(validate_cp(c, err));
     REQUIRE(c->pipeline_model_parallel_size == 1,
             "--pipeline-model-parallel-size %d: pipeline parallelism is not planned in moe.c "
             "(every rank holds every layer); use --pipeline-model-parallel-size 1",

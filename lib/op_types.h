@@ -14,6 +14,7 @@
 #include <stdlib.h>
 
 #include "config.h"
+#include "real.h"
 
 /** What a router needs to know (from the config). */
 typedef struct moe_router_params {
@@ -45,7 +46,19 @@ typedef struct moe_aux_shape {
     int E;              /**< experts */
     int k;              /**< top-k of the counts */
     moe_score_fn fn;    /**< score function (softmax, or normalised sigmoid) */
+    /** rows of one group that lie together: row j belongs to group (j / run) % groups. 0
+     *  means group_len (each group one run, the usual case). Under context parallelism a
+     *  rank's rows are chunk-major, [2][B][C] (chapter 07), so sequence b's rows are two
+     *  runs of C: then j counts this CP rank's rows, run = C and group_len = T. */
+    int run;
 } moe_aux_shape;
+
+/** @brief The group of row @p j of an aux-loss shape (see moe_aux_shape::run).
+ *  @param s the shape @param j a row index in the shape's row space @return its group */
+static inline MOE_HOSTDEV int moe_aux_group(const moe_aux_shape *s, long long j) {
+    const int run = s->run > 0 ? s->run : s->group_len;
+    return (int)((j / run) % s->groups);
+}
 
 /**
  * The shape of one attention call: a chunk of queries attending to a chunk of keys.

@@ -585,22 +585,25 @@ static double aux_shard_loss(void *p) {
     aux_shard_ctx *c = p;
     return moe_cpu_aux_loss_forward_shard(c->logits, c->counts, &c->sh, c->coeff);
 }
-static void check_aux_shards(const char *what, int group, int shards, moe_score_fn fn) {
-    const int N = 24, E = 6, k = 2, G = N / group, n = N / shards;
+/* G groups of `group` tokens whose rows come in runs of `run` (0: one run per group; under
+ * context parallelism a rank's rows of each sequence are two runs, moe_aux_shape::run) */
+static void check_aux_runs(const char *what, int group, int G, int run, int shards,
+                           moe_score_fn fn) {
+    const int N = 24, E = 6, k = 2, n = N / shards;
     const double coeff = 0.37;
     moe_real *z = ALLOC(N * E);
     moe_test_randn(z, N * E, 27, 1.0);
     long long *sum = calloc((size_t)G * E, sizeof(long long)), *c = malloc(sizeof(long long) * G * E);
     ck_assert(sum && c);
     for (int r = 0; r < shards; r++) {
-        moe_aux_shape sh = {n, r * n, group, G, E, k, fn};
+        moe_aux_shape sh = {n, r * n, group, G, E, k, fn, run};
         moe_cpu_aux_loss_counts(c, z + (size_t)r * n * E, &sh);
         for (int i = 0; i < G * E; i++)
             sum[i] += c[i];
     }
     double parts = 0.0;
     for (int r = 0; r < shards; r++) {
-        aux_shard_ctx x = {{n, r * n, group, G, E, k, fn}, sum, coeff, z + (size_t)r * n * E};
+        aux_shard_ctx x = {{n, r * n, group, G, E, k, fn, run}, sum, coeff, z + (size_t)r * n * E};
         parts += aux_shard_loss(&x);
         moe_real *dl = ALLOC(n * E);
         moe_cpu_aux_loss_backward_shard(dl, x.logits, sum, &x.sh, coeff, 1.0);
@@ -608,16 +611,26 @@ static void check_aux_shards(const char *what, int group, int shards, moe_score_
                             TOL);
         free(dl);
     }
-    const double whole = moe_cpu_aux_loss_forward(z, N, group, E, k, fn, coeff);
+    const moe_aux_shape all = {N, 0, group, G, E, k, fn, run};
+    const double whole = moe_cpu_aux_loss_forward_shard(z, sum, &all, coeff);
     ck_assert_msg(fabs(parts - whole) <= 1e-12 * fabs(whole),
                   "%s: the shards' parts add up to %.15g, the loss is %.15g", what, parts, whole);
+    if (run == 0) /* and that is the one-rank loss */
+        ck_assert_double_eq_tol(whole, moe_cpu_aux_loss_forward(z, N, group, E, k, fn, coeff),
+                                1e-12 * fabs(whole));
     free(z); free(sum); free(c);
+}
+static void check_aux_shards(const char *what, int group, int shards, moe_score_fn fn) {
+    check_aux_runs(what, group, 24 / group, 0, shards, fn);
 }
 START_TEST(test_fd_aux_loss_shards) {
     check_aux_shards("aux loss over 2 shards (softmax)", 24, 2, MOE_SCORE_SOFTMAX);
     check_aux_shards("aux loss over 4 shards (sigmoid)", 24, 4, MOE_SCORE_SIGMOID);
     check_aux_shards("seq aux loss, shards inside sequences", 12, 4, MOE_SCORE_SOFTMAX);
     check_aux_shards("seq aux loss, shards across sequences", 8, 3, MOE_SCORE_SIGMOID);
+    /* context parallelism: one CP rank's rows of 4 sequences of 24 tokens, in runs of 3 */
+    check_aux_runs("seq aux loss, CP runs, 2 shards", 24, 4, 3, 2, MOE_SCORE_SOFTMAX);
+    check_aux_runs("seq aux loss, CP runs, 3 shards", 24, 4, 3, 3, MOE_SCORE_SIGMOID);
 }
 END_TEST
 

@@ -440,8 +440,18 @@ END_TEST
  * CUDA against CPU, exactly (integers from the same bf16 logits); their sum the counts of
  * one rank; each shard's part of the loss and its backward, CUDA against the CPU twin with
  * the summed counts; and the parts add up to the one-rank CPU loss. */
+static void check_aux_runs(int N, int group_len, int G, int run, int E, int k, moe_score_fn fn,
+                           int shards, uint64_t stream);
 static void check_aux_sharded(int N, int group_len, int E, int k, moe_score_fn fn, int shards,
                               uint64_t stream) {
+    check_aux_runs(N, group_len, N / group_len, 0, E, k, fn, shards, stream);
+}
+
+/* ...and in general: G groups whose rows come in runs of `run` (moe_aux_shape::run; 0: one
+ * run per group), as under context parallelism, where the N rows are one CP rank's [2][B][C]
+ * (G = B sequences of group_len = T tokens, run = C). */
+static void check_aux_runs(int N, int group_len, int G, int run, int E, int k, moe_score_fn fn,
+                           int shards, uint64_t stream) {
     const size_t NE = (size_t)N * E;
     moe_real *z = hrandn(NE, stream, 1.5, 0);
     for (int n = 0; n < N; n++) /* imbalance: the first eighth of the experts is favoured */
@@ -449,14 +459,14 @@ static void check_aux_sharded(int N, int group_len, int E, int k, moe_score_fn f
             z[(size_t)n * E + e] += 1.0f;
     round_bf16(z, NE);
     const double coeff = 1e-2, scale = 3.0;
-    const int G = N / group_len, rows = N / shards;
+    const int rows = N / shards;
     const size_t GE = (size_t)G * E;
     long long *sum = calloc(GE, sizeof(long long)), *cc = malloc(sizeof(long long) * GE);
     long long *cg = malloc(sizeof(long long) * GE);
     long long *d_cg = dnew(sizeof(long long) * GE); /* poisoned: every count must be written */
     long long bad_counts = 0;
     for (int r = 0; r < shards; r++) {
-        moe_aux_shape sh = {rows, r * rows, group_len, G, E, k, fn};
+        moe_aux_shape sh = {rows, r * rows, group_len, G, E, k, fn, run};
         void *d_z = dput_bf16_new(z + (size_t)r * rows * E, (size_t)rows * E);
         moe_cpu_aux_loss_counts(cc, z + (size_t)r * rows * E, &sh);
         moe_cuda_aux_loss_counts(d_cg, d_z, &sh); /* device counts (chapter 06) */
@@ -470,10 +480,11 @@ static void check_aux_sharded(int N, int group_len, int E, int k, moe_score_fn f
     ck_assert_msg(bad_counts == 0, "aux counts: %lld of %zu differ (CUDA vs CPU)", bad_counts, GE);
     long long *d_sum = dnew(sizeof(long long) * GE);
     dput(d_sum, sum, sizeof(long long) * GE);
-    const double whole = moe_cpu_aux_loss_forward(z, N, group_len, E, k, fn, coeff);
+    const moe_aux_shape all = {N, 0, group_len, G, E, k, fn, run};
+    const double whole = moe_cpu_aux_loss_forward_shard(z, sum, &all, coeff);
     double parts = 0.0, worst = 0.0, gerr = 0.0;
     for (int r = 0; r < shards; r++) {
-        moe_aux_shape sh = {rows, r * rows, group_len, G, E, k, fn};
+        moe_aux_shape sh = {rows, r * rows, group_len, G, E, k, fn, run};
         const moe_real *zr = z + (size_t)r * rows * E;
         void *d_z = dput_bf16_new(zr, (size_t)rows * E);
         const double lc = moe_cpu_aux_loss_forward_shard(zr, sum, &sh, coeff);
@@ -491,9 +502,10 @@ static void check_aux_sharded(int N, int group_len, int E, int k, moe_score_fn f
         CK_CUDA(cudaFree(d_z));
     }
     const double rel_parts = fabs(parts - whole) / fabs(whole);
-    printf("  aux fn=%d N=%d group_len=%d E=%d k=%d over %d shard(s): loss %.9g, parts sum to "
-           "%.9g (rel %.1e); CUDA vs CPU: loss rel %.2e, backward err %.2e\n",
-           fn, N, group_len, E, k, shards, whole, parts, rel_parts, worst, gerr);
+    printf("  aux fn=%d N=%d group_len=%d (%d groups, runs of %d) E=%d k=%d over %d shard(s): "
+           "loss %.9g, parts sum to %.9g (rel %.1e); CUDA vs CPU: loss rel %.2e, backward err "
+           "%.2e\n", fn, N, group_len, G, run ? run : group_len, E, k, shards, whole, parts,
+           rel_parts, worst, gerr);
     ck_assert_msg(rel_parts <= 1e-9, "aux loss: the shards' parts %.12g != the loss %.12g",
                   parts, whole);
     ck_assert_msg(worst <= 1e-5, "aux loss: CUDA vs CPU rel %g", worst);
@@ -523,6 +535,11 @@ START_TEST(test_gpu_aux_loss) {
         check_aux_sharded(1024, 128, 64, 4, fn, 2, 170 + f);
         check_aux_sharded(1200, 400, 64, 4, fn, 3, 180 + f);
         check_aux_sharded(1200, 300, 64, 4, fn, 8, 190 + f);
+        /* context parallelism (chapter 07): one CP rank's rows of B = 4 sequences of T = 512
+         * tokens over CP 4, chunk-major (runs of C = 64), alone and over 2 SP shards */
+        check_aux_runs(512, 512, 4, 64, 64, 4, fn, 1, 200 + f);
+        check_aux_runs(512, 512, 4, 64, 64, 4, fn, 2, 210 + f);
+        check_aux_runs(96, 40, 3, 16, 8, 2, fn, 4, 220 + f); /* shards start inside a run */
     }
 }
 END_TEST

@@ -282,6 +282,8 @@ END_TEST
                  "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --moe-layer-freq [0,1] "   \
                  "--ffn-hidden-size 32 --qk-layernorm --make-vocab-size-divisible-by 4"
 
+#define SEQ_AUX "--moe-router-load-balancing-type seq_aux_loss"
+
 /* CP ranks (x TP, with the experts over EP; the rest data-parallel) against one process:
  * the first step's loss and every gradient tensor, the gradient norm, the losses of `steps`
  * AdamW steps and then every parameter. `type` is the --cp-comm-type (with its flags). */
@@ -341,10 +343,10 @@ static void check_cp_model(int cp, int tp, int ep, const char *type, const char 
                    "%d steps (rank %d: worst %s, relative %.2e)", cp, tp, ep, type, pbad, steps,
                    rank, worst_name, worst);
     if (rank == 0)
-        printf("  CP %d %s x TP %d x DP %d, EP %d: loss %.8f = one process %.8f (rel %.1e), "
+        printf("  CP %d %s x TP %d x DP %d, EP %d%s: loss %.8f = one process %.8f (rel %.1e), "
                "gradients rel %.1e; after %d steps loss %.8f = %.8f, parameters rel %.1e\n",
-               cp, type, tp, W / (cp * tp), ep, sd.loss, sr.loss, dloss, worst_grad, steps,
-               last, last_ref, worst);
+               cp, type, tp, W / (cp * tp), ep, strstr(heads, "seq_aux") ? ", seq_aux_loss" : "",
+               sd.loss, sr.loss, dloss, worst_grad, steps, last, last_ref, worst);
     moe_trainer_free(dist);
     moe_trainer_free(ref);
 }
@@ -356,6 +358,8 @@ START_TEST(test_cp_model_equals_one_process) {
         check_cp_model(cp, 1, 1, "p2p", "--num-query-groups 2", 3);
         check_cp_model(cp, 1, 1, "allgather", "--num-query-groups 2", 3);
         check_cp_model(cp, 1, 1, "a2a", "--num-query-groups 4", 3);
+        /* the per-sequence aux loss: each sequence's two chunks on every rank */
+        check_cp_model(cp, 1, 1, "p2p", "--num-query-groups 2 " SEQ_AUX, 3);
         for (int a2a = 1; a2a <= cp; a2a *= 2) {
             char type[96];
             snprintf(type, sizeof type, "a2a+p2p --hierarchical-context-parallel-sizes %d,%d",
@@ -371,6 +375,7 @@ END_TEST
  * the CP ranks) and EP 4 */
 START_TEST(test_cp_model_folded) {
     check_cp_model(2, 2, 1, "p2p", "--num-query-groups 2", 3);
+    check_cp_model(2, 2, 1, "p2p", "--num-query-groups 2 " SEQ_AUX, 3); /* SP shards of chunks */
     check_cp_model(2, 2, 2, "a2a", "--num-query-groups 4", 2);
     check_cp_model(2, 1, 2, "p2p", "--num-query-groups 2", 3);
     check_cp_model(2, 1, 4, "allgather", "--num-query-groups 2", 2);

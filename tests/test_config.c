@@ -769,9 +769,11 @@ START_TEST(test_val_folding) {
     EXPECT_CONFIG_ERROR("--hierarchical-context-parallel-sizes is for --cp-comm-type a2a+p2p",
                         "drop it", "--context-parallel-size", "4",
                         "--hierarchical-context-parallel-sizes", "2,2");
-    EXPECT_CONFIG_ERROR("seq_aux_loss with --context-parallel-size 2", "use aux_loss",
-                        "--context-parallel-size", "2", "--moe-router-load-balancing-type",
-                        "seq_aux_loss");
+    { /* the per-sequence aux loss runs under CP (each sequence's two chunks per rank) */
+        moe_config cs;
+        EXPECT_OK(&cs, "--context-parallel-size", "2", "--moe-router-load-balancing-type",
+                  "seq_aux_loss");
+    }
     EXPECT_FLAG_ERROR("--cp-comm-type", "ring", "--cp-comm-type", "ring");
     EXPECT_CONFIG_ERROR("--pipeline-model-parallel-size 2", "not planned",
                         "--pipeline-model-parallel-size", "2");

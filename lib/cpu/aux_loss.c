@@ -18,6 +18,8 @@
  * score sums, so each rank's part uses only its own rows' scores, the parts add up to L,
  * and each rank's gradient is exactly that of its rows. (Megatron does the same: counts
  * summed over TP x CP, the token count of the whole group, each rank's own scores.)
+ * Under context parallelism a sequence's rows on a rank are two runs (its early and late
+ * chunk, moe_aux_shape::run); each row finds its group by moe_aux_group(), the rest holds.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -65,17 +67,10 @@ static void count_topk(long long *counts, const double *s, int E, int k) {
     }
 }
 
-/* The rows of group g this rank holds: [*lo, *hi) in its local indices (empty: lo >= hi). */
-static void group_rows(const moe_aux_shape *sh, int g, int *lo, int *hi) {
-    const long long a = (long long)g * sh->group_len, b = a + sh->group_len;
-    *lo = (int)((a > sh->row0 ? a : sh->row0) - sh->row0);
-    *hi = (int)((b < (long long)sh->row0 + sh->N ? b : (long long)sh->row0 + sh->N) - sh->row0);
-}
-
 static void check_shape(const moe_aux_shape *sh) {
     MOE_ASSERT(sh->N >= 0 && sh->row0 >= 0 && sh->group_len > 0 && sh->groups > 0 &&
                (long long)sh->row0 + sh->N <= (long long)sh->groups * sh->group_len &&
-               sh->k >= 1 && sh->k <= MOE_MAX_TOPK && sh->k <= sh->E);
+               sh->k >= 1 && sh->k <= MOE_MAX_TOPK && sh->k <= sh->E && sh->run >= 0);
 }
 
 void moe_cpu_aux_loss_counts(long long *counts, const moe_real *logits, const moe_aux_shape *sh) {
@@ -86,47 +81,40 @@ void moe_cpu_aux_loss_counts(long long *counts, const moe_real *logits, const mo
     memset(counts, 0, sizeof(long long) * (size_t)sh->groups * E);
     for (int t = 0; t < sh->N; t++) {
         aux_scores(s, logits + (size_t)t * E, E, sh->fn);
-        count_topk(counts + (size_t)((sh->row0 + t) / sh->group_len) * E, s, E, sh->k);
+        count_topk(counts + (size_t)moe_aux_group(sh, (long long)sh->row0 + t) * E, s, E, sh->k);
     }
     free(s);
-}
-
-/* The groups this rank holds rows of: [first, last]. */
-static int first_group(const moe_aux_shape *sh) { return sh->row0 / sh->group_len; }
-static int last_group(const moe_aux_shape *sh) {
-    return sh->N > 0 ? (sh->row0 + sh->N - 1) / sh->group_len : first_group(sh) - 1;
 }
 
 double moe_cpu_aux_loss_forward_shard(const moe_real *logits, const long long *counts,
                                       const moe_aux_shape *sh, double coeff) {
     check_shape(sh);
-    const int E = sh->E, T = sh->group_len;
-    double *ssum = malloc(sizeof(double) * E), *s = malloc(sizeof(double) * E);
+    const int E = sh->E, T = sh->group_len, G = sh->groups;
+    /* each group's score sums over this rank's rows of it, rows in order */
+    double *ssum = calloc((size_t)G * E, sizeof(double)), *s = malloc(sizeof(double) * E);
     MOE_ASSERT(ssum && s);
-    double total = 0.0;
-    for (int g = first_group(sh); g <= last_group(sh); g++) {
-        int lo, hi;
-        group_rows(sh, g, &lo, &hi);
-        memset(ssum, 0, sizeof(double) * E);
-        for (int t = lo; t < hi; t++) {
-            aux_scores(s, logits + (size_t)t * E, E, sh->fn);
-            for (int e = 0; e < E; e++)
-                ssum[e] += s[e];
-        }
+    for (int t = 0; t < sh->N; t++) {
+        aux_scores(s, logits + (size_t)t * E, E, sh->fn);
+        double *g = ssum + (size_t)moe_aux_group(sh, (long long)sh->row0 + t) * E;
+        for (int e = 0; e < E; e++)
+            g[e] += s[e];
+    }
+    double total = 0.0; /* a group without rows here adds exactly 0 */
+    for (int g = 0; g < G; g++) {
         const long long *c = counts + (size_t)g * E;
         double dot = 0.0;
         for (int e = 0; e < E; e++)
-            dot += (double)c[e] * ssum[e];
+            dot += (double)c[e] * ssum[(size_t)g * E + e];
         total += coeff * E / ((double)sh->k * T * T) * dot;
     }
     free(ssum); free(s);
-    return total / sh->groups;
+    return total / G;
 }
 
 /* One rank holding every row: groups of group_len, counted from its own logits. */
 static moe_aux_shape one_rank(int N, int group_len, int E, int k, moe_score_fn fn) {
     MOE_ASSERT(group_len > 0 && N % group_len == 0 && k <= MOE_MAX_TOPK);
-    return (moe_aux_shape){N, 0, group_len, N / group_len, E, k, fn};
+    return (moe_aux_shape){N, 0, group_len, N / group_len, E, k, fn, 0};
 }
 
 double moe_cpu_aux_loss_forward(const moe_real *logits, int N, int group_len, int E, int k,
@@ -150,7 +138,7 @@ void moe_cpu_aux_loss_backward_shard(moe_real *dlogits, const moe_real *logits,
     /* the loss is averaged over groups, hence the 1/groups */
     const double f = scale * coeff * E / ((double)sh->k * T * T) / sh->groups;
     for (int t = 0; t < sh->N; t++) {
-        const long long *c = counts + (size_t)((sh->row0 + t) / T) * E;
+        const long long *c = counts + (size_t)moe_aux_group(sh, (long long)sh->row0 + t) * E;
         for (int e = 0; e < E; e++)
             ds[e] = f * (double)c[e];
         const moe_real *z = logits + (size_t)t * E;

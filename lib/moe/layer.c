@@ -167,14 +167,24 @@ static const moe_tp *shards_of(const moe_layer_dims *d) {
 }
 
 /* This rank's rows among the aux loss's groups: the whole micro-batch (all the shards'
- * tokens), or one sequence. Under SP rank r holds rows [r·N, (r+1)·N) of the N·TP (the
- * per-sequence loss is refused under CP, whose rows are not grouped by sequence). */
+ * tokens), or one sequence. Under SP rank r holds rows [r·N, (r+1)·N) of the N·TP.
+ * Under CP (chapter 07) d->T is this rank's T/CP tokens of each sequence, held chunk-major
+ * ([2][B][C], C = T/(2·CP): its early chunk of every sequence, then its late one), so a
+ * sequence's rows are two runs of C in this CP rank's N·TP rows (moe_aux_shape::run); the
+ * counts, summed over TP x CP, are then those of the whole sequence of T tokens. */
 static moe_aux_shape aux_shape(const moe_layer_dims *d) {
-    const moe_tp *sh = shards_of(d);
+    const moe_tp *sh = shards_of(d), *tp = tp_of(d);
     const int all = d->N * (sh ? sh->size : 1);
-    const int len = d->lb_type == MOE_LB_SEQ_AUX ? d->T : all;
-    return (moe_aux_shape){d->N, sh ? sh->rank * d->N : 0, len, all / len, d->E, d->k,
-                           d->router.score_fn};
+    if (d->lb_type != MOE_LB_SEQ_AUX)
+        return (moe_aux_shape){d->N, sh ? sh->rank * d->N : 0, all, 1, d->E, d->k,
+                               d->router.score_fn, 0};
+    const int tps = tp ? tp->size : 1, cp = sh ? sh->size / tps : 1;
+    if (cp == 1)
+        return (moe_aux_shape){d->N, sh ? sh->rank * d->N : 0, d->T, all / d->T, d->E, d->k,
+                               d->router.score_fn, 0};
+    MOE_ASSERT(d->T % 2 == 0); /* config.c: 2·CP divides the sequence */
+    return (moe_aux_shape){d->N, (tp ? tp->rank : 0) * d->N, d->T * cp, d->N * tps / d->T,
+                           d->E, d->k, d->router.score_fn, d->T / 2};
 }
 
 /* The z-loss is a mean over all N·TP·CP tokens: each rank's mean over its N rows, with the
