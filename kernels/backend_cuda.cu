@@ -88,6 +88,7 @@ static moe_backend make_cuda_backend(void) {
     b.z_loss_backward = moe_cuda_z_loss_backward;
     b.permute_index = moe_cuda_permute_index;
     b.permute_index_budget = moe_cuda_permute_index_budget;
+    b.fused_plan = moe_cuda_fused_plan;
     b.permute_tokens = moe_cuda_permute_tokens;
     b.permute_weights = moe_cuda_permute_weights;
     b.unpermute_sum = moe_cuda_unpermute_sum;

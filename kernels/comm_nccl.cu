@@ -155,8 +155,15 @@ static int watch_failed(void *ctx, const char *op, char *msg, size_t cap) {
 
 static void watch_abort(void *ctx) { ncclCommAbort(((nccl_state *)ctx)->comm); }
 
-/* The operation just enqueued on stream `st` is in flight: mark its end there and watch it. */
+/* The operation just enqueued on stream `st` is in flight: mark its end there and watch it.
+ * Not while the stream is captured into a CUDA graph (chapter 06): the event would only
+ * mark a place in the graph, and the watchdog thread's query of it would break the
+ * capture; the graph's launch is watched instead (moe_comm_tally_track in lib/graph.c). */
 static void enqueued_on(nccl_state *c, const char *op, cudaStream_t st) {
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    MOE_CUDA_CHECK(cudaStreamIsCapturing(st, &cs));
+    if (cs != cudaStreamCaptureStatusNone)
+        return;
     const int slot = moe_comm_watch_slot(c->watch);
     MOE_CUDA_CHECK(cudaEventRecord(c->done[slot], st));
     moe_comm_watch_begin(c->watch, op);
@@ -536,6 +543,8 @@ static const moe_comm_transport g_nccl = {
     /* shared GPU memory */
     .device_api = nccl_device_api, .peer_access = nccl_peer_access,
     .device_comm = nccl_device_comm, .sym_alloc = nccl_sym_alloc, .sym_free = nccl_sym_free,
+    /* GPU kernels load and store symmetric memory themselves: no host puts and gets */
+    .sym_put = NULL, .sym_get = NULL, .sym_fence = NULL,
 };
 
 extern "C" const moe_comm_transport *moe_comm_transport_nccl(void) { return &g_nccl; }

@@ -172,6 +172,8 @@ void moe_cuda_permute_index(int *perm_src, int *row_of, int *expert_offset, int 
                             const int *topk_idx, int N, int k, int E);
 void moe_cuda_permute_index_budget(int *perm_src, int *row_of, int *expert_offset, int *flags,
                                    const int *topk_idx, int N, int k, int E, int budget);
+void moe_cuda_fused_plan(int *shift, int *expert_offset, int *flags, const int *all_off, int P,
+                         int rank, int E, int budget);
 void moe_cuda_permute_tokens(void *xp, const void *x, const int *perm_src, int rows, int k, int C);
 void moe_cuda_permute_weights(moe_real *wp, const moe_real *topk_w, const int *perm_src, int rows);
 void moe_cuda_unpermute_sum(void *out, const void *yp, const int *row_of, int N, int k, int C);

@@ -52,20 +52,25 @@
 #define UNROLL 4 /* 16-byte loads in flight per lane */
 
 /* Lane j < k: where assignment a's row (of row_bytes) goes, or comes from, in window win
- * on its expert's rank; NULL when the assignment was dropped. */
+ * on its expert's rank; NULL when the assignment was dropped, or when its row is at or past
+ * cap, the rows the buffers hold (the sync-free plan's budget: the plan has raised the
+ * overflow flag, the step is re-run, and nothing is stored out of bounds meanwhile). */
 static __device__ __forceinline__ char *peer_row(ncclWindow_t win, const int *idx,
                                                  const int *row_of, const int *shift, size_t a,
-                                                 int E, int EL, size_t row_bytes) {
+                                                 int E, int EL, int cap, size_t row_bytes) {
     const int e = idx[a];
     if (e >= E)
         return NULL;
-    return (char *)ncclGetPeerPointer(win, (size_t)(row_of[a] + shift[e]) * row_bytes, e / EL);
+    const int r = row_of[a] + shift[e];
+    if (r >= cap)
+        return NULL;
+    return (char *)ncclGetPeerPointer(win, (size_t)r * row_bytes, e / EL);
 }
 
 static __global__ void __launch_bounds__(THREADS)
     dispatch_kernel(ncclDevComm dc, ncclWindow_t rows, ncclWindow_t reals, const uint4 *x,
                     const float *w, const int *idx, const int *row_of, const int *shift, int N,
-                    int k, int E, int EL, int n16) {
+                    int k, int E, int EL, int cap, int n16) {
     ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dc, ncclTeamTagLsa(), blockIdx.x);
     bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
     const int lane = threadIdx.x % 32;
@@ -74,9 +79,9 @@ static __global__ void __launch_bounds__(THREADS)
         const size_t a = (size_t)n * k + lane;
         char *mine = NULL;
         if (lane < k) {
-            mine = peer_row(rows, idx, row_of, shift, a, E, EL, row_bytes);
+            mine = peer_row(rows, idx, row_of, shift, a, E, EL, cap, row_bytes);
             if (w && mine)
-                *(float *)peer_row(reals, idx, row_of, shift, a, E, EL, sizeof(float)) = w[a];
+                *(float *)peer_row(reals, idx, row_of, shift, a, E, EL, cap, sizeof(float)) = w[a];
         }
         const uint4 *src = x + (size_t)n * n16;
         /* every lane runs every iteration (the shuffles need the whole warp) */
@@ -103,7 +108,7 @@ static __global__ void __launch_bounds__(THREADS)
 static __global__ void __launch_bounds__(THREADS)
     combine_kernel(ncclDevComm dc, ncclWindow_t rows, ncclWindow_t reals, uint4 *out,
                    int accumulate, float *dwp, const int *idx, const int *row_of,
-                   const int *shift, int N, int k, int E, int EL, int n16) {
+                   const int *shift, int N, int k, int E, int EL, int cap, int n16) {
     ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dc, ncclTeamTagLsa(), blockIdx.x);
     bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
     const int lane = threadIdx.x % 32;
@@ -112,10 +117,10 @@ static __global__ void __launch_bounds__(THREADS)
         const size_t a = (size_t)n * k + lane;
         const char *mine = NULL;
         if (lane < k) {
-            mine = peer_row(rows, idx, row_of, shift, a, E, EL, row_bytes);
+            mine = peer_row(rows, idx, row_of, shift, a, E, EL, cap, row_bytes);
             if (dwp)
                 dwp[row_of[a]] =
-                    mine ? *(const float *)peer_row(reals, idx, row_of, shift, a, E, EL,
+                    mine ? *(const float *)peer_row(reals, idx, row_of, shift, a, E, EL, cap,
                                                     sizeof(float))
                          : 0.0f;
         }
@@ -184,10 +189,10 @@ static const ncclDevComm &dev_comm(moe_comm *c, int k) {
 extern "C" void moe_nvlink_dispatch(moe_comm *c, const moe_sym_buf *rows, const moe_sym_buf *reals,
                                     const void *x, const float *w, const int *idx,
                                     const int *row_of, const int *shift, int N, int k, int E,
-                                    int EL, int C) {
+                                    int EL, int C, int cap) {
     dispatch_kernel<<<grid_for(dispatch_kernel), THREADS, 0, moe_cuda_stream()>>>(
         dev_comm(c, k), (ncclWindow_t)rows->window, reals ? (ncclWindow_t)reals->window : NULL,
-        (const uint4 *)x, reals ? w : NULL, idx, row_of, shift, N, k, E, EL, C / 8);
+        (const uint4 *)x, reals ? w : NULL, idx, row_of, shift, N, k, E, EL, cap, C / 8);
     MOE_CUDA_LAUNCH_CHECK();
     moe_comm_track(c, "fused dispatch"); /* a peer that never arrives: the watchdog ends the job */
 }
@@ -195,10 +200,10 @@ extern "C" void moe_nvlink_dispatch(moe_comm *c, const moe_sym_buf *rows, const 
 extern "C" void moe_nvlink_combine(moe_comm *c, void *out, int accumulate, float *dwp,
                                    const moe_sym_buf *rows, const moe_sym_buf *reals,
                                    const int *idx, const int *row_of, const int *shift, int N,
-                                   int k, int E, int EL, int C) {
+                                   int k, int E, int EL, int C, int cap) {
     combine_kernel<<<grid_for(combine_kernel), THREADS, 0, moe_cuda_stream()>>>(
         dev_comm(c, k), (ncclWindow_t)rows->window, reals ? (ncclWindow_t)reals->window : NULL,
-        (uint4 *)out, accumulate, reals ? dwp : NULL, idx, row_of, shift, N, k, E, EL, C / 8);
+        (uint4 *)out, accumulate, reals ? dwp : NULL, idx, row_of, shift, N, k, E, EL, cap, C / 8);
     MOE_CUDA_LAUNCH_CHECK();
     moe_comm_track(c, "fused combine"); /* a peer that never arrives: the watchdog ends the job */
 }
@@ -208,14 +213,14 @@ extern "C" void moe_nvlink_combine(moe_comm *c, void *out, int accumulate, float
 extern "C" void moe_nvlink_dispatch(moe_comm *c, const moe_sym_buf *rows, const moe_sym_buf *reals,
                                     const void *x, const float *w, const int *idx,
                                     const int *row_of, const int *shift, int N, int k, int E,
-                                    int EL, int C) {
+                                    int EL, int C, int cap) {
     moe_comm_abort(c, 1, "fused dispatcher: NCCL has no device API");
 }
 
 extern "C" void moe_nvlink_combine(moe_comm *c, void *out, int accumulate, float *dwp,
                                    const moe_sym_buf *rows, const moe_sym_buf *reals,
                                    const int *idx, const int *row_of, const int *shift, int N,
-                                   int k, int E, int EL, int C) {
+                                   int k, int E, int EL, int C, int cap) {
     moe_comm_abort(c, 1, "fused dispatcher: NCCL has no device API");
 }
 

@@ -194,6 +194,48 @@ extern "C" void moe_cuda_permute_index_budget(int *perm_src, int *row_of, int *e
     index_launch(perm_src, row_of, topk_idx, A, E, budget, expert_offset, flags);
 }
 
+/* Chapter 06: the fused dispatcher's plan from the all-gathered offsets, on the device
+ * (the math: moe_cpu_fused_plan in lib/cpu/moe_ops.h). One block: thread e first sums
+ * every rank's rows for expert e into shared memory, then finds e's shift; threads
+ * el <= EL the local experts' offsets. E <= 1023, P·E small: a few µs, and no host. */
+static __global__ void fused_plan_kernel(int *shift, int *expert_offset, int *flags,
+                                         const int *all_off, int P, int rank, int E, int budget) {
+    extern __shared__ long long per_expert[]; /* Σ_p c[p][e] */
+    const int EL = E / P, W = E + 1;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        long long t = 0;
+        for (int p = 0; p < P; p++)
+            t += all_off[p * W + e + 1] - all_off[p * W + e];
+        per_expert[e] = t;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const int q = e / EL;
+        long long base = 0; /* q's earlier local experts, then the earlier ranks' rows for e */
+        for (int l = q * EL; l < e; l++)
+            base += per_expert[l];
+        for (int p = 0; p < rank; p++)
+            base += all_off[p * W + e + 1] - all_off[p * W + e];
+        shift[e] = (int)(base - all_off[rank * W + e]);
+    }
+    for (int el = threadIdx.x; el <= EL; el += blockDim.x) {
+        long long off = 0;
+        for (int l = 0; l < el; l++)
+            off += per_expert[rank * EL + l];
+        expert_offset[el] = off < budget ? (int)off : budget;
+        if (el == EL && off > budget && flags)
+            atomicOr(flags, MOE_STEP_OVERFLOW);
+    }
+}
+
+extern "C" void moe_cuda_fused_plan(int *shift, int *expert_offset, int *flags, const int *all_off,
+                                    int P, int rank, int E, int budget) {
+    const int threads = 32 * moe_cdiv(E + 1 < 1024 ? E + 1 : 1024, 32);
+    fused_plan_kernel<<<1, threads, sizeof(long long) * E, moe_cuda_stream()>>>(
+        shift, expert_offset, flags, all_off, P, rank, E, budget);
+    MOE_CUDA_LAUNCH_CHECK();
+}
+
 /* ------------------------------------------------------------------ row movers */
 
 /* One block per permuted row. */

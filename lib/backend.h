@@ -146,8 +146,10 @@ typedef struct moe_backend {
     void (*grouped_matmul_backward)(void *din, moe_real *dw, const void *dout, const void *in,
                                     const void *w, const int *off, int G, int I, int O);
     /** grouped_matmul_forward with the offsets @p dev_off [G+1] in BACKEND memory, so the
-     *  host never needs the group sizes (chapter 03's own kernel); @p rows = dev_off[G], the
-     *  rows of @p in and @p out; G <= ::MOE_GROUPED_DEV_MAX_GROUPS, I and O multiples of
+     *  host never needs the group sizes (chapter 03's own kernel); @p rows >= dev_off[G],
+     *  the rows of @p in and @p out (more on chapter 06's sync-free EP expert side, a static
+     *  budget of rows of which the device plan fills dev_off[G]: the rows past it are
+     *  neither read nor written); G <= ::MOE_GROUPED_DEV_MAX_GROUPS, I and O multiples of
      *  ::MOE_GROUPED_DEV_ALIGN */
     void (*grouped_matmul_forward_dev)(void *out, const void *in, const void *w,
                                        const int *dev_off, int G, int rows, int I, int O);
@@ -287,6 +289,10 @@ typedef struct moe_backend {
      *  06's sync-free layer); the permuted buffers hold @p budget rows */
     void (*permute_index_budget)(int *perm_src, int *row_of, int *expert_offset, int *flags,
                                  const int *topk_idx, int N, int k, int E, int budget);
+    /** as moe_cpu_fused_plan(): every array in backend memory (chapter 06, the fused
+     *  dispatcher's plan without the host) */
+    void (*fused_plan)(int *shift, int *expert_offset, int *flags, const int *all_off, int P,
+                       int rank, int E, int budget);
     /** as moe_cpu_permute_tokens() */
     void (*permute_tokens)(void *xp, const void *x, const int *perm_src, int rows, int k, int C);
     /** as moe_cpu_permute_weights() */

@@ -245,10 +245,84 @@ moe_device moe_comm_device(const moe_comm *c) { return c->device; }
 
 /* ============================================================ bytes sent */
 
+/* What the operations counted while a CUDA graph was captured (comm.h): one row per
+ * (group, kind), added to the groups' counts again at each replay. */
+typedef struct tally_row {
+    moe_comm *c;
+    moe_comm_op op;
+    unsigned long long bytes, calls;
+} tally_row;
+
+struct moe_comm_tally {
+    tally_row *rows;
+    int n, cap;
+};
+
+static moe_comm_tally *g_recording; /* the capture in progress, or NULL (one host thread) */
+
+static void record(moe_comm_tally *r, moe_comm *c, moe_comm_op op, unsigned long long bytes) {
+    for (int i = 0; i < r->n; i++)
+        if (r->rows[i].c == c && r->rows[i].op == op) {
+            r->rows[i].bytes += bytes;
+            r->rows[i].calls++;
+            return;
+        }
+    if (r->n == r->cap) {
+        const int cap = r->cap ? 2 * r->cap : 8;
+        tally_row *rows = realloc(r->rows, sizeof *rows * (size_t)cap);
+        MOE_ASSERT(rows);
+        r->rows = rows;
+        r->cap = cap;
+    }
+    r->rows[r->n++] = (tally_row){c, op, bytes, 1};
+}
+
 /* One operation's payload, in comm.h's convention. */
 static void tally(moe_comm *c, moe_comm_op op, size_t elements, moe_dtype t) {
-    c->sent.bytes[op] += (unsigned long long)elements * moe_dtype_size(t);
+    const unsigned long long bytes = (unsigned long long)elements * moe_dtype_size(t);
+    c->sent.bytes[op] += bytes;
     c->sent.calls[op]++;
+    if (g_recording)
+        record(g_recording, c, op, bytes);
+}
+
+void moe_comm_tally_begin(void) {
+    MOE_ASSERT(!g_recording);
+    g_recording = calloc(1, sizeof *g_recording);
+    MOE_ASSERT(g_recording);
+}
+
+moe_comm_tally *moe_comm_tally_end(void) {
+    moe_comm_tally *r = g_recording;
+    g_recording = NULL;
+    if (r && r->n == 0) {
+        moe_comm_tally_free(r);
+        return NULL;
+    }
+    return r;
+}
+
+void moe_comm_tally_replay(const moe_comm_tally *r) {
+    for (int i = 0; r && i < r->n; i++) {
+        r->rows[i].c->sent.bytes[r->rows[i].op] += r->rows[i].bytes;
+        r->rows[i].c->sent.calls[r->rows[i].op] += r->rows[i].calls;
+    }
+}
+
+void moe_comm_tally_track(const moe_comm_tally *r, const char *op) {
+    for (int i = 0; r && i < r->n; i++) {
+        int seen = 0; /* each group once */
+        for (int j = 0; j < i; j++)
+            seen |= r->rows[j].c == r->rows[i].c;
+        if (!seen)
+            moe_comm_track(r->rows[i].c, op);
+    }
+}
+
+void moe_comm_tally_free(moe_comm_tally *r) {
+    if (r)
+        free(r->rows);
+    free(r);
 }
 
 /* Elements of an all-to-all addressed to other ranks. */
@@ -364,7 +438,7 @@ void moe_comm_track(moe_comm *c, const char *op) {
 /* ============================================================ shared GPU memory */
 
 int moe_comm_peer_access(moe_comm *c, char *why, size_t why_len) {
-    snprintf(why, why_len, "CPU ranks share no GPU memory");
+    snprintf(why, why_len, "this build's transport shares no memory between ranks");
     const moe_comm_transport *tp = c->data;
     if (!tp->peer_access)
         return 0;
@@ -396,12 +470,34 @@ void moe_comm_sym_reserve(moe_comm *c, moe_sym_buf *b, size_t bytes) {
     const size_t page = (size_t)2 << 20;
     bytes = (bytes + page - 1) / page * page;
     if (!c->data->sym_alloc)
-        moe_comm_abort(NULL, 1, "moe_comm_sym_reserve: built without NCCL");
-    MOE_ASSERT(moe_comm_device_comm(c));
+        moe_comm_abort(NULL, 1, "moe_comm_sym_reserve: this transport has no shared memory");
+    /* GPU ranks: NCCL's device communicator registers the window */
+    MOE_ASSERT(!c->data->device_comm || moe_comm_device_comm(c));
     moe_comm_sym_free(b);
     c->data->sym_alloc(c->data_state, bytes, &b->ptr, &b->window);
     b->bytes = bytes;
     b->comm = c;
+}
+
+int moe_comm_sym_on_host(const moe_sym_buf *b) {
+    return b->comm && b->comm->data->sym_put != NULL;
+}
+
+void moe_comm_sym_put(moe_sym_buf *b, int peer, size_t offset, const void *src, size_t bytes) {
+    MOE_ASSERT(moe_comm_sym_on_host(b) && offset + bytes <= b->bytes);
+    if (peer != b->comm->rank)
+        tally(b->comm, MOE_COMM_OP_ALL_TO_ALL, bytes, MOE_DTYPE_BYTE);
+    b->comm->data->sym_put(b->comm->data_state, b->window, peer, offset, src, bytes);
+}
+
+void moe_comm_sym_get(moe_sym_buf *b, int peer, size_t offset, void *dst, size_t bytes) {
+    MOE_ASSERT(moe_comm_sym_on_host(b) && offset + bytes <= b->bytes);
+    b->comm->data->sym_get(b->comm->data_state, b->window, peer, offset, dst, bytes);
+}
+
+void moe_comm_sym_fence(moe_sym_buf *b) {
+    MOE_ASSERT(moe_comm_sym_on_host(b));
+    b->comm->data->sym_fence(b->comm->data_state, b->window);
 }
 
 void moe_comm_sym_free(moe_sym_buf *b) {

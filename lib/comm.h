@@ -261,6 +261,33 @@ void moe_comm_bytes_reset(moe_comm *c);
  *  ::MOE_COMM_OP_HOST). @param b counts @return bytes */
 unsigned long long moe_comm_bytes_data(const moe_comm_bytes *b);
 
+/**
+ * @name Counting inside CUDA graphs (chapter 06)
+ * The counts above are kept on the host, where each call is made. A CUDA graph replays the
+ * collectives it captured without calling comm.c, so a captured region records what its
+ * capture counted (per group and kind) and adds it again at each replay: the counts stay
+ * those of an eager run, which makes a captured step with collectives (EP, DP) as
+ * observable as an eager one. lib/graph.c is the only caller.
+ */
+/**@{*/
+/** What a capture counted: an opaque list of (group, kind, bytes, calls). */
+typedef struct moe_comm_tally moe_comm_tally;
+/** @brief Start recording every group's counted operations (a capture begins; one at a
+ *  time). */
+void moe_comm_tally_begin(void);
+/** @brief Stop recording. @return what was counted since moe_comm_tally_begin(), or NULL
+ *  when nothing was (free with moe_comm_tally_free()) */
+moe_comm_tally *moe_comm_tally_end(void);
+/** @brief Count the recorded operations again (a replay). @param t a recording, or NULL */
+void moe_comm_tally_replay(const moe_comm_tally *t);
+/** @brief Put every group of the recording on the communication watchdog's watch with
+ *  moe_comm_track() (a replay was enqueued: the operations inside it had no watch of their
+ *  own). @param t a recording, or NULL @param op name for the watchdog's message */
+void moe_comm_tally_track(const moe_comm_tally *t, const char *op);
+/** @brief Free a recording. @param t a recording, or NULL */
+void moe_comm_tally_free(moe_comm_tally *t);
+/**@}*/
+
 /** @brief Short name of a kind ("all-reduce", "all-gather", "reduce-scatter",
  *  "all-to-all", "send", "host"). @param op kind @return a static string */
 const char *moe_comm_op_name(moe_comm_op op);
@@ -270,13 +297,14 @@ const char *moe_comm_op_name(moe_comm_op op);
 /**
  * @brief A buffer of the same size on every rank of a group that GPU kernels of any rank
  *        can load from and store to (NCCL symmetric memory: ncclMemAlloc and a window
- *        registered with NCCL_WIN_COLL_SYMMETRIC). Kernels find a peer's copy through the
+ *        registered with NCCL_WIN_COLL_SYMMETRIC; on CPU ranks an MPI one-sided window,
+ *        reached through moe_comm_sym_put() and moe_comm_sym_get()). Kernels find a peer's copy through the
  *        window (ncclGetLsaPointer). Chapter 02's fused dispatcher writes tokens straight
  *        into the expert-side buffers of other GPUs and reads their outputs back.
  */
 typedef struct moe_sym_buf {
-    void *ptr;      /**< this rank's copy (device memory), or NULL */
-    void *window;   /**< the NCCL window (ncclWindow_t) */
+    void *ptr;      /**< this rank's copy (device memory; host on CPU ranks), or NULL */
+    void *window;   /**< the NCCL window (ncclWindow_t), or a boxed MPI_Win */
     size_t bytes;   /**< its size, the same on every rank */
     moe_comm *comm; /**< the group it was registered with */
 } moe_sym_buf;
@@ -291,7 +319,8 @@ typedef struct moe_sym_buf {
  *        usable: NCCL >= 2.28 with headers matching the library that runs. Collective
  *        (creates the device communicator); every rank gets the same answer.
  * @param c group  @param why receives the reason when the answer is 0  @param why_len its size
- * @return 1 or 0 (always 0 for CPU ranks and builds without NCCL)
+ * @return 1 or 0 (0 in builds without NCCL; CPU ranks under MPI: 1, through one-sided
+ *         windows, see moe_comm_sym_put())
  */
 int moe_comm_peer_access(moe_comm *c, char *why, size_t why_len);
 
@@ -302,6 +331,35 @@ int moe_comm_peer_access(moe_comm *c, char *why, size_t why_len);
  * @param c group  @param b buffer (zero-initialised before the first call)  @param bytes size
  */
 void moe_comm_sym_reserve(moe_comm *c, moe_sym_buf *b, size_t bytes);
+
+/**
+ * @brief Whether @p b lives in host memory and is reached through moe_comm_sym_put(),
+ *        moe_comm_sym_get() and moe_comm_sym_fence() (CPU ranks: an MPI one-sided window)
+ *        rather than by GPU kernels' loads and stores (NCCL symmetric memory).
+ * @param b buffer @return 1 or 0
+ */
+int moe_comm_sym_on_host(const moe_sym_buf *b);
+
+/**
+ * @brief Store @p bytes of @p src at byte @p offset of rank @p peer's copy of @p b (host
+ *        buffers only). Complete, and visible on @p peer, after the next
+ *        moe_comm_sym_fence(); the bytes to other ranks count as all-to-all bytes.
+ * @param b buffer @param peer rank in b's group @param offset bytes @param src data
+ * @param bytes size
+ */
+void moe_comm_sym_put(moe_sym_buf *b, int peer, size_t offset, const void *src, size_t bytes);
+
+/**
+ * @brief Load @p bytes at byte @p offset of rank @p peer's copy of @p b into @p dst (host
+ *        buffers only); @p dst holds them after the next moe_comm_sym_fence().
+ * @param b buffer @param peer rank in b's group @param offset bytes @param dst data
+ * @param bytes size
+ */
+void moe_comm_sym_get(moe_sym_buf *b, int peer, size_t offset, void *dst, size_t bytes);
+
+/** @brief Close an access epoch of @p b (collective over its group): every put and get of
+ *  every rank before it is complete when it returns (host buffers only). @param b buffer */
+void moe_comm_sym_fence(moe_sym_buf *b);
 
 /** @brief Free a symmetric buffer (collective; no-op when it was never allocated).
  *  @param b buffer */

@@ -378,6 +378,51 @@ static int mpi_node_rank(void *state) {
     return local_rank;
 }
 
+/* ------------------------------------- one-sided windows: shared memory for CPU ranks */
+
+/* CPU ranks have no NVLink, but MPI's one-sided windows give the same model: a buffer of
+ * the same size on every rank that any rank stores into and loads from by (rank, offset),
+ * with a fence where the GPU kernels have their LSA barriers. The fused dispatcher's CPU
+ * twin (lib/moe/dispatch_fused.c) runs on them, so its plan and its addressing are tested
+ * on CPU ranks too. */
+static int mpi_device_api(char *why, size_t why_len) { return 1; }
+static int mpi_peer_access(void *state, int ctas, char *why, size_t why_len) { return 1; }
+
+static void mpi_sym_alloc(void *state, size_t bytes, void **ptr, void **window) {
+    mpi_state *s = state;
+    MPI_Win *win = malloc(sizeof *win);
+    MOE_ASSERT(win);
+    MOE_MPI_WAIT(s, "window allocation",
+                 MPI_Win_allocate((MPI_Aint)bytes, 1, MPI_INFO_NULL, s->comm, ptr, win));
+    memset(*ptr, 0, bytes);
+    *window = win;
+}
+
+static void mpi_sym_free(void *state, void *ptr, void *window) {
+    MPI_Win *win = window;
+    MOE_MPI_CHECK(MPI_Win_free(win)); /* frees ptr too */
+    free(win);
+}
+
+static void mpi_sym_put(void *state, void *window, int peer, size_t offset, const void *src,
+                        size_t bytes) {
+    const int n = mpi_count(bytes, "window put");
+    MOE_MPI_CHECK(MPI_Put(src, n, MPI_BYTE, peer, (MPI_Aint)offset, n, MPI_BYTE,
+                          *(MPI_Win *)window));
+}
+
+static void mpi_sym_get(void *state, void *window, int peer, size_t offset, void *dst,
+                        size_t bytes) {
+    const int n = mpi_count(bytes, "window get");
+    MOE_MPI_CHECK(MPI_Get(dst, n, MPI_BYTE, peer, (MPI_Aint)offset, n, MPI_BYTE,
+                          *(MPI_Win *)window));
+}
+
+static void mpi_sym_fence(void *state, void *window) {
+    mpi_state *s = state;
+    MOE_MPI_WAIT(s, "window fence", MPI_Win_fence(0, *(MPI_Win *)window));
+}
+
 static const moe_comm_transport g_mpi = {
     .name = "mpi",
     /* a group's state */
@@ -391,6 +436,10 @@ static const moe_comm_transport g_mpi = {
     .recv = mpi_recv, .barrier = mpi_barrier,
     /* host control data and the bootstrap of device transports */
     .max = mpi_max, .broadcast = mpi_broadcast, .node_rank = mpi_node_rank,
+    /* one-sided windows: the fused dispatcher's shared memory on CPU ranks */
+    .device_api = mpi_device_api, .peer_access = mpi_peer_access, .sym_alloc = mpi_sym_alloc,
+    .sym_free = mpi_sym_free, .sym_put = mpi_sym_put, .sym_get = mpi_sym_get,
+    .sym_fence = mpi_sym_fence,
 };
 
 const moe_comm_transport *moe_comm_transport_mpi(void) { return &g_mpi; }

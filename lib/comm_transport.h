@@ -117,6 +117,19 @@ typedef struct moe_comm_transport {
     /** deregister and free it (collective) */
     void (*sym_free)(void *s, void *ptr, void *window);
     /**@}*/
+
+    /** @name host transports' stand-in for shared GPU memory (MPI one-sided windows): the
+     *  CPU ranks' twin of the fused dispatcher stores and loads through these */
+    /**@{*/
+    /** put @p bytes from @p src at byte @p offset of @p peer's copy of the window */
+    void (*sym_put)(void *s, void *window, int peer, size_t offset, const void *src,
+                    size_t bytes);
+    /** get @p bytes at byte @p offset of @p peer's copy of the window into @p dst */
+    void (*sym_get)(void *s, void *window, int peer, size_t offset, void *dst, size_t bytes);
+    /** close an access epoch (collective): every put and get before it is complete, on
+     *  every rank, when it returns — the LSA barrier of the GPU kernels */
+    void (*sym_fence)(void *s, void *window);
+    /**@}*/
 } moe_comm_transport;
 
 /** @brief The MPI transport (lib/comm_mpi.c; only in builds with MPI).

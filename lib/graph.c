@@ -1,6 +1,7 @@
 /* CUDA graphs of parts of a training step: see graph.h. */
 #include "graph.h"
 
+#include "comm.h"
 #include "moe/experts.h"
 
 #include <stdio.h>
@@ -35,8 +36,15 @@ static void add(char *buf, size_t cap, const char *what) {
  * the paths that bring offsets or counts to the host. @p be NULL: what the flags alone say
  * (the expert backend "auto" is resolved with the backend). */
 static const char *not_sync_free(const moe_config *c, const moe_backend *be) {
-    if (c->expert_model_parallel_size > 1)
-        return "expert parallelism exchanges its counts on the host";
+    if (c->expert_model_parallel_size > 1 && c->dispatcher_type == MOE_DISPATCHER_ALLGATHER)
+        return "the allgather dispatcher sizes the gathered rows from host counts "
+               "(--moe-token-dispatcher-type alltoall --moe-alltoall-path fused plans on the "
+               "device)";
+    /* under EP only the fused dispatcher plans on the device (dispatch_fused.c); auto may
+     * fall back to the collective path, so it has to be asked for */
+    if (c->expert_model_parallel_size > 1 && c->alltoall_path != MOE_A2A_FUSED)
+        return "the collective all-to-all-v needs its splits on the host (--moe-alltoall-path "
+               "fused exchanges the counts and plans on the device)";
     if (c->moe_expert_capacity_factor > 0)
         return "a capacity factor drops tokens on the host";
     if (c->expert_tensor_parallel_size > 1)
@@ -98,6 +106,7 @@ typedef struct graph_entry {
     int seen;      /* calls so far: 1 = warmed up (ran eagerly once) */
     void *graph;   /* the backend's executable graph, or NULL */
     size_t nodes;  /* its kernels, memsets and copies */
+    moe_comm_tally *tally; /* the bytes its collectives counted at capture (NULL: none) */
 } graph_entry;
 
 struct moe_graphs {
@@ -122,9 +131,11 @@ moe_graphs *moe_graphs_create(const moe_backend *be, moe_graph_scope scope) {
 void moe_graphs_free(moe_graphs *g) {
     if (!g)
         return;
-    for (int i = 0; i < g->n; i++)
+    for (int i = 0; i < g->n; i++) {
         if (g->e[i].graph)
             g->be->graph_free(g->e[i].graph);
+        moe_comm_tally_free(g->e[i].tally);
+    }
     free(g->e);
     free(g);
 }
@@ -165,11 +176,16 @@ void moe_graph_run(moe_graphs *g, moe_graph_key key, void (*fn)(void *ctx), void
         if (g->be->graph_launch(e->graph)) {
             g->stats.replays++;
             g->stats.nodes += (long long)e->nodes;
+            /* the replayed collectives: counted as the capture counted them, and watched */
+            moe_comm_tally_replay(e->tally);
+            moe_comm_tally_track(e->tally, g_site_names[key.site]);
             return;
         }
         /* a buffer it used has moved: forget it, warm up again, capture again */
         g->be->graph_free(e->graph);
         e->graph = NULL;
+        moe_comm_tally_free(e->tally);
+        e->tally = NULL;
         e->seen = 0;
     }
     if (!e || e->seen == 0) { /* eager: no graphs, or this key's warm-up */
@@ -182,9 +198,14 @@ void moe_graph_run(moe_graphs *g, moe_graph_key key, void (*fn)(void *ctx), void
     }
     char why[MOE_ERROR_MSG_LEN / 2] = "";
     g->be->graph_begin();
+    /* the host code of the region runs once, now: what its collectives count is recorded,
+     * to be counted again at each replay (comm.h) */
+    moe_comm_tally_begin();
     fn(ctx); /* recorded, not run (or run eagerly after an uncapturable op ended the capture) */
+    moe_comm_tally *tally = moe_comm_tally_end();
     void *graph = g->be->graph_end(why, sizeof why);
     if (!graph) {
+        moe_comm_tally_free(tally);
         /* The region (or its part before the uncapturable op) was recorded, not run, and the
          * recording is gone: this step is lost. The error stops the run. */
         g->status = moe_error_set(&g->err, MOE_ERR_CONFIG,
@@ -196,10 +217,13 @@ void moe_graph_run(moe_graphs *g, moe_graph_key key, void (*fn)(void *ctx), void
     }
     e->graph = graph;
     e->nodes = g->be->graph_nodes(graph);
+    e->tally = tally;
     g->stats.captures++;
-    if (g->be->graph_launch(graph)) { /* the capture only recorded: now run it */
+    if (g->be->graph_launch(graph)) { /* the capture only recorded: now run it (its bytes
+                                         were counted while it was recorded) */
         g->stats.replays++;
         g->stats.nodes += (long long)e->nodes;
+        moe_comm_tally_track(e->tally, g_site_names[key.site]);
     } else { /* cannot happen: nothing moved since the capture */
         g->status = moe_error_set(&g->err, MOE_ERR_CONFIG,
                                   "cuda graph scope '%s': a buffer moved during the capture of "
@@ -224,6 +248,8 @@ void moe_graphs_reset(moe_graphs *g) {
         if (g->e[i].graph)
             g->be->graph_free(g->e[i].graph);
         g->e[i].graph = NULL;
+        moe_comm_tally_free(g->e[i].tally);
+        g->e[i].tally = NULL;
         g->e[i].seen = 0;
     }
 }

@@ -184,13 +184,8 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
                               "out of page-locked host memory for the step's batches and "
                               "readback: reduce --global-batch-size or --seq-length");
     }
-    if (s == MOE_OK && t->world_size > 1 && be->graph_begin &&
-        c->graph_scope == MOE_GRAPH_FULL_ITERATION)
-        s = moe_error_set(err, MOE_ERR_CONFIG,
-                          "cuda graph scope 'full_iteration' is not capturable on %d ranks: the "
-                          "gradient all-reduces inside the step count their bytes on the host. "
-                          "Use --cuda-graph-scope layer (or run on one rank)",
-                          t->world_size);
+    /* (full_iteration on several GPU ranks: the gradient all-reduces inside the step count
+     * their bytes on the host, and a replay adds what its capture counted, lib/graph.c) */
     if (s == MOE_OK) {
         size_t n = (size_t)c->micro_batch_size * c->seq_length;
         t->inputs = malloc(sizeof(int) * n);
@@ -530,7 +525,10 @@ static void enqueue_gradients(moe_trainer *t, moe_step_stats *st) {
     }
     if (dp) {
         moe_comm_all_reduce_sum(dp, S->step, 4, MOE_DTYPE_F64);
-        moe_comm_host_all_reduce_sum(dp, &st->dropped, 1, MOE_DTYPE_I64);
+        /* (a host collective: only a capacity drops tokens, and a dropless step keeps none
+         * inside, so a captured step has nothing that would run once at capture only) */
+        if (c->moe_expert_capacity_factor > 0)
+            moe_comm_host_all_reduce_sum(dp, &st->dropped, 1, MOE_DTYPE_I64);
         if (m->load_counts) /* the expert-bias rule and the statistics see the global batch */
             moe_comm_all_reduce_sum(dp, m->load_counts, nl, MOE_DTYPE_I64);
     }

@@ -2,10 +2,12 @@
  * The sync-free MoE layer on the GPU (chapter 06): the budgeted permutation index and the
  * device-side load counts against their CPU twins (lib/cpu/permute.c) on random, one-expert
  * and alternating routings, with and without an overflow, outputs poisoned first; the
- * combine's skipping of unplaced rows; and the overflow protocol on CUDA trainers (the same
- * helper as the CPU test, tests/test_sync_free.c).
+ * combine's skipping of unplaced rows; the fused dispatcher's device plan (EP) against its
+ * CPU twin; and the overflow protocol on CUDA trainers (the same helper as the CPU test,
+ * tests/test_sync_free.c).
  */
 #include <cuda_runtime.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -139,6 +141,58 @@ START_TEST(test_gpu_permute_index_budget) {
 }
 END_TEST
 
+/* The fused dispatcher's device plan (moe_cuda_fused_plan) against its CPU twin, which
+ * tests/test_sync_free.c checks against the host plan: every rank's view of random offsets
+ * and of every row sent to rank 0, with budgets that hold everything, exactly the rows
+ * received, and one row fewer (the flag, the clamped offsets). Outputs poisoned first; the
+ * flags word starts with another bit set, which must stay. */
+START_TEST(test_gpu_fused_plan) {
+    const moe_backend *be = moe_backend_cuda();
+    const int shapes[5][2] = {{1, 4}, {2, 8}, {4, 16}, {8, 64}, {8, 1016}}; /* (P, E) */
+    unsigned seed = 17;
+    for (int s = 0; s < 5; s++)
+        for (int hot = 0; hot <= 1; hot++) {
+            const int P = shapes[s][0], E = shapes[s][1], EL = E / P;
+            const size_t n_all = (size_t)P * (E + 1);
+            int *all_off = malloc(sizeof(int) * n_all);
+            int *sc = malloc(sizeof(int) * E), *oc = malloc(sizeof(int) * (EL + 1));
+            int *sg = malloc(sizeof(int) * E), *og = malloc(sizeof(int) * (EL + 1));
+            moe_test_random_offsets(all_off, P, E, hot, &seed);
+            int *d_all = dput(all_off, sizeof(int) * n_all);
+            for (int r = 0; r < P; r++) {
+                int fc = MOE_STEP_NONFINITE;
+                moe_cpu_fused_plan(sc, oc, &fc, all_off, P, r, E, INT_MAX);
+                const int R = oc[EL];
+                const int budgets[3] = {INT_MAX, R, R > 0 ? R - 1 : 0};
+                for (int b = 0; b < 3; b++) {
+                    fc = MOE_STEP_NONFINITE;
+                    moe_cpu_fused_plan(sc, oc, &fc, all_off, P, r, E, budgets[b]);
+                    int *d_shift = dpoisoned(sizeof(int) * E);
+                    int *d_off = dpoisoned(sizeof(int) * (EL + 1));
+                    const int nonfinite = MOE_STEP_NONFINITE;
+                    int *d_flags = dput(&nonfinite, sizeof(int)), fg = 0;
+                    be->fused_plan(d_shift, d_off, d_flags, d_all, P, r, E, budgets[b]);
+                    dget(sg, d_shift, sizeof(int) * E);
+                    dget(og, d_off, sizeof(int) * (EL + 1));
+                    dget(&fg, d_flags, sizeof(int));
+                    ck_assert_msg(!memcmp(sc, sg, sizeof(int) * E),
+                                  "P %d E %d rank %d budget %d: shifts differ", P, E, r,
+                                  budgets[b]);
+                    ck_assert_msg(!memcmp(oc, og, sizeof(int) * (EL + 1)),
+                                  "P %d E %d rank %d budget %d: offsets differ", P, E, r,
+                                  budgets[b]);
+                    ck_assert_int_eq(fg, fc);
+                    be->free(d_shift);
+                    be->free(d_off);
+                    be->free(d_flags);
+                }
+            }
+            be->free(d_all);
+            free(all_off); free(sc); free(oc); free(sg); free(og);
+        }
+}
+END_TEST
+
 /* sizes our grouped kernel takes (H, F multiples of 8), sync-free MoE layers */
 #define GPU_SYNC_FREE "--num-layers 2 --hidden-size 64 --num-attention-heads 4 "               \
                       "--num-query-groups 2 --seq-length 64 --micro-batch-size 4 "             \
@@ -163,6 +217,7 @@ Suite *suite_gpu_sync_free(void) {
     TCase *tc = tcase_create("sync_free");
     tcase_set_timeout(tc, 600);
     tcase_add_test(tc, test_gpu_permute_index_budget);
+    tcase_add_test(tc, test_gpu_fused_plan);
     tcase_add_test(tc, test_gpu_budget_overflow_one_expert);
     tcase_add_test(tc, test_gpu_budget_overflow_alternating);
     suite_add_tcase(s, tc);

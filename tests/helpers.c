@@ -427,6 +427,18 @@ static moe_real *host_grads(const moe_model *m) {
     return g;
 }
 
+void moe_test_random_offsets(int *all_off, int P, int E, int hot, unsigned *seed) {
+    for (int p = 0; p < P; p++) {
+        int *o = all_off + (size_t)p * (E + 1);
+        o[0] = 0;
+        for (int e = 0; e < E; e++) {
+            *seed = *seed * 1103515245u + 12345u;
+            const int r = (int)((*seed >> 16) % 9), c = (*seed >> 20) % 5 == 0 ? 0 : r;
+            o[e + 1] = o[e] + (hot ? (e == 0 ? 40 : 0) : c);
+        }
+    }
+}
+
 void moe_test_budget_protocol(const char *flags, int gpu, int route) {
     char buf[1500];
     snprintf(buf, sizeof buf, "%s --moe-expert-rank-capacity-factor 0.5", flags);

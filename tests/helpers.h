@@ -117,6 +117,12 @@ enum { MOE_TEST_ROUTE_ONE_EXPERT = 0, MOE_TEST_ROUTE_ALTERNATING = 1 };
  *  (the test fails if not), grows, re-runs, and then gives exactly the ample run's loss,
  *  gradients and expert loads (bit for bit); both then take the optimizer step. */
 void moe_test_budget_protocol(const char *flags, int gpu, int route);
+/** Random permuted-row offsets of @p P ranks over @p E experts, as the fused dispatcher's
+ *  device plan receives them (chapter 06): @p all_off [P, E+1], each rank's running sums of
+ *  0..8 rows per expert (some empty; with @p hot, every rank's rows on expert 0 only, so
+ *  rank 0 receives everything). @p seed advances. */
+void moe_test_random_offsets(int *all_off, int P, int E, int hot, unsigned *seed);
+
 /** How often the op table's host-blocking entries were called (moe_test_count_syncs). The
  *  scalars' and the optimizer's own (chapter 06) are to_host, read_act, synchronize and
  *  wait_to_host; from_host (the batch upload) and permute_index (the MoE layer's host

@@ -6,7 +6,11 @@
  * allgather dispatchers, dropless and with a capacity (both drop policies, with padding),
  * and with every token routed to the same two experts (one rank receives everything,
  * the others nothing). On GPU ranks that share memory, both paths of the alltoall
- * dispatcher: the collective one and the fused kernels (--moe-alltoall-path).
+ * dispatcher: the collective one and the fused kernels (--moe-alltoall-path); on CPU ranks
+ * the fused path runs as its twin over MPI one-sided windows. Chapter 06: the fused
+ * dispatcher's plan made on the device (sync-free) against the host's plan bit for bit,
+ * and its overflow protocol (every token on one rank, a small budget: re-runs, then the
+ * same losses and weights as an ample budget).
  *
  * Bounds, fp32 on CPU ranks: the same operations in a different order (the all-reduce
  * sums per-rank partial gradients), so loss |Δ| ≤ 1e-5·|loss| and every gradient tensor
@@ -18,7 +22,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "graph.h"
 #include "helpers.h"
+#include "parallel.h"
 #include "suites.h"
 #include "trainer.h"
 
@@ -49,6 +55,12 @@ static void force_two_experts(moe_trainer *t) {
 
 #define AGREE MOE_TEST_AGREE
 
+/* Chapter 06's sync-free EP path: the fused dispatcher (on CPU ranks its twin over MPI
+ * windows) with our grouped kernel; the plan is made on the device (dispatch_fused.c). A
+ * budget of 4·N·k expert-side rows holds everything up to EP = 4. */
+#define SYNC_FREE_EP "--moe-alltoall-path fused --moe-expert-backend grouped " \
+                     "--moe-expert-rank-capacity-factor 4"
+
 /* One step's loss and gradients, distributed vs the single-process reference. */
 static void check_ep(const char *extra, int ep, int force) {
     moe_comm *world = moe_test_world();
@@ -74,7 +86,7 @@ static void check_ep(const char *extra, int ep, int force) {
           "EP %d (%s): loss %.8f vs reference %.8f on rank %d", ep, extra, sd.loss, sr.loss, rank);
     AGREE(sd.dropped != sr.dropped, "EP %d (%s): dropped %lld vs %lld", ep, extra, sd.dropped,
           sr.dropped);
-    if (strstr(extra, "capacity"))
+    if (strstr(extra, "--moe-expert-capacity-factor"))
         ck_assert_msg(sr.dropped > 0, "the capacity test should drop something");
     double worst;
     const char *worst_name;
@@ -110,6 +122,9 @@ START_TEST(test_ep_dropless) {
             check_ep("--moe-alltoall-path fused", ep, 0);
             check_ep("--moe-alltoall-path collective", ep, 0);
             check_ep("--moe-alltoall-path collective --moe-expert-backend grouped", ep, 0);
+            /* chapter 06: the fused dispatcher planned on the device (sync-free), with a
+             * budget that holds every row (EP·N·k) */
+            check_ep(SYNC_FREE_EP, ep, 0);
         }
         check_ep("--moe-token-dispatcher-type allgather", ep, 0);
         /* chapter 03's grouped expert path: offsets uploaded from the dispatch plan */
@@ -153,7 +168,136 @@ START_TEST(test_ep_all_tokens_to_two_experts) {
         snprintf(buf, sizeof buf, "%s --moe-router-topk 1 --moe-alltoall-path collective", sig);
         for (int ep = 1; ep <= 4; ep *= 2)
             check_ep(buf, ep, 1);
+        snprintf(buf, sizeof buf, "%s " SYNC_FREE_EP, sig);
+        for (int ep = 1; ep <= 4; ep *= 2)
+            check_ep(buf, ep, 1);
     }
+}
+END_TEST
+
+/* Bitwise: one rank's gradients (its own layout) of two trainers with the same layout. */
+static long long grads_differ(const moe_trainer *a, const moe_trainer *b) {
+    const size_t n = moe_model_num_params(a->model);
+    ck_assert_int_eq((long long)n, (long long)moe_model_num_params(b->model));
+    moe_real *ga = malloc(sizeof(moe_real) * (n ? n : 1)), *gb = malloc(sizeof(moe_real) * (n ? n : 1));
+    ck_assert(ga && gb);
+    a->model->be->to_host(ga, a->model->grads, sizeof(moe_real) * n);
+    b->model->be->to_host(gb, b->model->grads, sizeof(moe_real) * n);
+    long long bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad += memcmp(&ga[i], &gb[i], sizeof(moe_real)) != 0;
+    free(ga);
+    free(gb);
+    return bad;
+}
+
+/* Chapter 06: the plan made on the device (fused, sync-free) against the host's plan
+ * (collective all-to-all-v) on the same ranks, with the same grouped kernel. The expert side
+ * is the same [local expert][source rank] layout and the combine the same unpermute_sum, so
+ * on CPU ranks the loss and every gradient agree bit for bit (on GPU ranks the two paths
+ * sum in different places: within check_ep's bounds). Random routing and every token on
+ * experts 0 and 1 (one rank receives everything). */
+START_TEST(test_ep_sync_free_matches_host_plan) {
+    moe_comm *world = moe_test_world();
+    const int W = moe_comm_size(world), rank = moe_comm_rank(world);
+    if (W < 2 || !fused_possible())
+        return;
+    const char *sig = "--moe-router-score-function sigmoid --moe-router-enable-expert-bias";
+    for (int force = 0; force <= 1; force++) {
+        char flags[1024];
+        snprintf(flags, sizeof flags,
+                 EP_SMALL "--global-batch-size %d --expert-model-parallel-size %d %s " SYNC_FREE_EP,
+                 4 * W, W, force ? sig : "");
+        moe_trainer *dev = make(flags, world);
+        snprintf(flags, sizeof flags,
+                 EP_SMALL "--global-batch-size %d --expert-model-parallel-size %d %s "
+                          "--moe-alltoall-path collective --moe-expert-backend grouped",
+                 4 * W, W, force ? sig : "");
+        moe_trainer *host = make(flags, world);
+        if (force) {
+            force_two_experts(dev);
+            force_two_experts(host);
+        }
+        moe_step_stats sd, sh;
+        moe_trainer_gradients(dev, &sd);
+        moe_trainer_gradients(host, &sh);
+        /* the path really was the device plan (layer 1 is the MoE layer of EP_SMALL) */
+        ck_assert_int_eq(dev->model->acts[1].moe.plan.sync_free, 1);
+        ck_assert_int_eq(host->model->acts[1].moe.plan.sync_free, 0);
+        if (!on_gpu()) {
+            AGREE(sd.loss != sh.loss, "EP %d%s: loss %.17g (device plan) vs %.17g (host plan)",
+                  W, force ? ", forced" : "", sd.loss, sh.loss);
+            const long long bad = grads_differ(dev, host);
+            AGREE(bad, "EP %d%s: %lld gradients differ between the device and the host plan",
+                  W, force ? ", forced" : "", bad);
+        }
+        if (rank == 0)
+            printf("  EP %d%s: device plan loss %.9g, host plan %.9g%s\n", W,
+                   force ? " (every token on experts 0 and 1)" : "", sd.loss, sh.loss,
+                   on_gpu() ? "" : ", gradients equal bit for bit");
+        moe_trainer_free(dev);
+        moe_trainer_free(host);
+    }
+}
+END_TEST
+
+/* Chapter 06's overflow protocol under EP: every token on experts 0 and 1, both on rank 0,
+ * which receives EP·N·k rows. A budget of 0.5·N·k overflows there (and only there); the
+ * flag is summed over the world, so every rank skips the update, grows its budget (a
+ * collective re-registration of the symmetric buffers) and re-runs the step; after three
+ * steps the losses and the weights are those of a run whose budget never overflowed, bit
+ * for bit. */
+START_TEST(test_ep_sync_free_overflow) {
+    moe_comm *world = moe_test_world();
+    const int W = moe_comm_size(world), rank = moe_comm_rank(world);
+    if (W < 2 || !fused_possible())
+        return;
+    char flags[1024];
+    const char *base = EP_SMALL "--moe-router-score-function sigmoid "
+                                "--moe-router-enable-expert-bias --moe-alltoall-path fused "
+                                "--moe-expert-backend grouped";
+    snprintf(flags, sizeof flags, "%s --global-batch-size %d --expert-model-parallel-size %d "
+             "--moe-expert-rank-capacity-factor 0.5", base, 4 * W, W);
+    moe_trainer *small = make(flags, world);
+    snprintf(flags, sizeof flags, "%s --global-batch-size %d --expert-model-parallel-size %d "
+             "--moe-expert-rank-capacity-factor %d", base, 4 * W, W, W);
+    moe_trainer *ample = make(flags, world);
+    ck_assert_int_eq(ample->model->moe_budget_rows, ample->model->moe_budget_max);
+    ck_assert_int_lt(small->model->moe_budget_rows, small->model->moe_budget_max);
+    force_two_experts(small);
+    force_two_experts(ample);
+    for (int step = 0; step < 3; step++) {
+        moe_step_stats ss, sa;
+        moe_error err;
+        ck_assert_msg(moe_trainer_step(small, &ss, &err) == MOE_OK, "%s", err.msg);
+        ck_assert_msg(moe_trainer_step(ample, &sa, &err) == MOE_OK, "%s", err.msg);
+        if (!on_gpu())
+            AGREE(ss.loss != sa.loss, "step %d: loss %.17g after the re-runs, %.17g with an "
+                  "ample budget", step, ss.loss, sa.loss);
+        if (rank == 0)
+            printf("  EP %d, every token on rank 0, step %d: loss %.9g (re-run) %.9g (ample), "
+                   "budget %d of %d rows, %lld re-runs so far\n", W, step, ss.loss, sa.loss,
+                   small->model->moe_budget_rows, small->model->moe_budget_max,
+                   (long long)small->reruns);
+    }
+    /* 0.5 -> 1 -> ... -> EP times N·k: every doubling was one overflow and one re-run, all
+     * in the first step */
+    int grows = 0;
+    for (int f = 1; f < 2 * W; f *= 2) /* 0.5·N·k doubled up to W·N·k: log2(2W) times */
+        grows++;
+    ck_assert_int_eq(small->model->moe_budget_rows, small->model->moe_budget_max);
+    ck_assert_int_eq((int)small->reruns, grows);
+    ck_assert_int_eq((int)ample->reruns, 0);
+    moe_real *ps = moe_test_master(small), *pa = moe_test_master(ample);
+    const size_t n = moe_model_num_params(small->model);
+    long long bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad += on_gpu() ? 0 : memcmp(&ps[i], &pa[i], sizeof(moe_real)) != 0;
+    AGREE(bad, "%lld of %zu weights differ from the ample run after 3 steps", bad, n);
+    free(ps);
+    free(pa);
+    moe_trainer_free(small);
+    moe_trainer_free(ample);
 }
 END_TEST
 
@@ -196,6 +340,83 @@ START_TEST(test_ep_training_tracks_reference) {
     AGREE(differ, "%lld expert biases differ", differ);
     moe_trainer_free(dist);
     moe_trainer_free(ref);
+}
+END_TEST
+
+/* Chapter 06: CUDA graphs under EP, on GPU ranks. With the sync-free EP path (the counts
+ * all-gathered on the stream, the fused kernels, the plan made on the device) a whole MoE
+ * layer (--cuda-graph-scope layer) and the whole step with its gradient all-reduces
+ * (full_iteration) are captured once and replayed; 6 steps of replay give the losses and
+ * the weights of 6 eager steps bit for bit, and the bytes each group counted are the same
+ * (a replay adds what its capture counted: moe_comm_tally_replay). CPU ranks have no
+ * graphs: skipped, and said so. */
+#define EP_GPU "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 " \
+               "--seq-length 64 --micro-batch-size 4 --num-experts 8 --moe-router-topk 2 "     \
+               "--moe-ffn-hidden-size 64 --ffn-hidden-size 128 --moe-layer-freq 1 "           \
+               "--moe-alltoall-path fused --moe-expert-backend grouped --lr 2e-3 "            \
+               "--lr-warmup-iters 2 --train-iters 10 "
+
+static unsigned long long group_bytes(moe_trainer *t, moe_group_kind g) {
+    moe_comm *c = moe_parallel_group(&t->par, g);
+    if (!c)
+        return 0;
+    const moe_comm_bytes b = moe_comm_bytes_sent(c);
+    return moe_comm_bytes_data(&b);
+}
+
+START_TEST(test_ep_graph_replay_equals_eager) {
+    moe_comm *world = moe_test_world();
+    const int W = moe_comm_size(world), rank = moe_comm_rank(world);
+    if (!on_gpu() || W < 2 || !fused_possible()) {
+        if (rank == 0)
+            printf("  CUDA graphs under EP: skipped (%s)\n",
+                   !on_gpu() ? "CPU ranks have no graphs; MOE_TEST_DEVICE=cuda runs it"
+                             : W < 2 ? "one rank" : "the GPUs share no memory");
+        return;
+    }
+    const char *scopes[] = {"layer", "full_iteration"};
+    for (int i = 0; i < 2; i++) {
+        char flags[1024], graphed[1100];
+        snprintf(flags, sizeof flags, EP_GPU "--global-batch-size %d --expert-model-parallel-size %d",
+                 8 * W, W);
+        snprintf(graphed, sizeof graphed, "%s --cuda-graph-scope %s", flags, scopes[i]);
+        moe_trainer *te = make(flags, world), *tg = make(graphed, world);
+        for (int s = 0; s < 6; s++) {
+            moe_step_stats a, b;
+            moe_error err;
+            ck_assert_msg(moe_trainer_step(te, &a, &err) == MOE_OK, "%s", err.msg);
+            ck_assert_msg(moe_trainer_step(tg, &b, &err) == MOE_OK, "%s", err.msg);
+            AGREE(memcmp(&a.loss, &b.loss, sizeof a.loss) != 0,
+                  "scope %s, step %d: loss eager %.17g, graphed %.17g", scopes[i], s + 1, a.loss,
+                  b.loss);
+        }
+        ck_assert_int_eq(te->model->acts[0].moe.plan.sync_free, 1);
+        const size_t P = moe_model_num_params(te->model);
+        moe_real *pe = malloc(sizeof(moe_real) * P), *pg = malloc(sizeof(moe_real) * P);
+        ck_assert(pe && pg);
+        te->model->be->to_host(pe, te->model->params, sizeof(moe_real) * P);
+        tg->model->be->to_host(pg, tg->model->params, sizeof(moe_real) * P);
+        long long diff = 0;
+        for (size_t j = 0; j < P; j++)
+            diff += memcmp(&pe[j], &pg[j], sizeof(moe_real)) != 0;
+        AGREE(diff, "scope %s: %lld of %zu parameters differ after 6 steps", scopes[i], diff, P);
+        const moe_graph_stats st = moe_graphs_stats(tg->model->graphs);
+        ck_assert_msg(st.captures >= 1 && st.replays >= 4, "scope %s: %lld captures, %lld replays",
+                      scopes[i], st.captures, st.replays);
+        const moe_group_kind kinds[2] = {MOE_GROUP_EP, MOE_GROUP_DP_CP};
+        for (int g = 0; g < 2; g++)
+            AGREE(group_bytes(te, kinds[g]) != group_bytes(tg, kinds[g]),
+                  "scope %s: group %d counted %llu bytes eager, %llu graphed", scopes[i], g,
+                  group_bytes(te, kinds[g]), group_bytes(tg, kinds[g]));
+        if (rank == 0)
+            printf("  EP %d, scope %s: 6 steps replayed = eager bit for bit (losses, %zu "
+                   "parameters, bytes counted); %lld captures, %lld replays\n",
+                   W, scopes[i], P, st.captures, st.replays);
+        free(pe);
+        free(pg);
+        moe_trainer_free(te);
+        moe_trainer_free(tg);
+    }
 }
 END_TEST
 
@@ -251,6 +472,14 @@ Suite *suite_mpi_ep(void) {
     tcase_add_test(tc, test_ep_all_tokens_to_two_experts);
     tcase_add_test(tc, test_ep_training_tracks_reference);
     tcase_add_test(tc, test_ep_errors);
+    suite_add_tcase(s, tc);
+    /* chapter 06: EP without the host (CK_RUN_CASE=sync_free runs these alone) */
+    tc = tcase_create("sync_free");
+    tcase_set_tags(tc, "ch06");
+    tcase_set_timeout(tc, 600);
+    tcase_add_test(tc, test_ep_sync_free_matches_host_plan);
+    tcase_add_test(tc, test_ep_sync_free_overflow);
+    tcase_add_test(tc, test_ep_graph_replay_equals_eager);
     suite_add_tcase(s, tc);
     return s;
 }

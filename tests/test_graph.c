@@ -102,10 +102,26 @@ START_TEST(test_graph_scope_check_named_errors) {
         ck_assert_msg(config(&c, f, &err) == MOE_OK, "%s: %s", f, err.msg);
         ck_assert_msg(moe_graph_scope_check(&c, &mb, &err) == MOE_OK, "%s: %s", f, err.msg);
     }
+    /* under EP, the fused dispatcher with our grouped kernel plans on the device (chapter
+     * 06): every level is capturable; the collective and allgather paths are refused below */
+    for (int i = 0; i < 4; i++) {
+        char f[256];
+        snprintf(f, sizeof f, "--hidden-size 64 --moe-ffn-hidden-size 64 --moe-expert-backend "
+                 "grouped --expert-model-parallel-size 2 --moe-alltoall-path fused "
+                 "--cuda-graph-scope %s", ok_scopes[i]);
+        ck_assert_msg(config(&c, f, &err) == MOE_OK, "%s: %s", f, err.msg);
+        ck_assert_msg(moe_graph_scope_check(&c, &mb, &err) == MOE_OK, "%s: %s", f, err.msg);
+    }
     /* each refusal names the level and the work that waits for the host */
     struct { const char *flags, *must, *must_not; } cases[] = {
-        {"--cuda-graph-scope full_iteration --expert-model-parallel-size 2", "expert "
-         "parallelism", NULL},
+        {"--cuda-graph-scope full_iteration --expert-model-parallel-size 2", "all-to-all-v",
+         NULL},
+        {"--cuda-graph-scope layer --expert-model-parallel-size 2 --moe-alltoall-path "
+         "collective", "splits on the host", NULL},
+        {"--cuda-graph-scope layer --expert-model-parallel-size 2 --moe-token-dispatcher-type "
+         "allgather", "allgather", NULL},
+        {"--cuda-graph-scope layer --expert-model-parallel-size 2 --moe-alltoall-path fused "
+         "--moe-expert-capacity-factor 1.0", "capacity", NULL},
         {"--cuda-graph-scope moe_preprocess --moe-expert-capacity-factor 1.0", "capacity", NULL},
         {"--cuda-graph-scope layer --moe-expert-backend loop", "host offsets", NULL},
         {"--cuda-graph-scope layer --moe-expert-backend cublas-grouped", "host offsets", NULL},

@@ -2,7 +2,9 @@
  * The sync-free MoE layer on the CPU (chapter 06): the budgeted permutation index against
  * the plain one, its overflow (nothing written past the budget, the flag raised), the
  * overflow protocol with adversarial routing (grow, re-run, the same loss and gradients bit
- * for bit as an ample budget), capacity runs that never overflow, and the flag's validation.
+ * for bit as an ample budget), capacity runs that never overflow, the flag's validation, and
+ * the fused dispatcher's device plan against the host plan's arithmetic (under EP; the
+ * distributed runs are in tests/mpi_ep.c).
  * The CUDA twins are tested against these in tests/gpu_sync_free.c.
  */
 #include <limits.h>
@@ -12,6 +14,7 @@
 
 #include "cpu/moe_ops.h"
 #include "helpers.h"
+#include "moe/dispatch.h"
 #include "step_flags.h"
 #include "suites.h"
 #include "trainer.h"
@@ -160,6 +163,60 @@ START_TEST(test_capacity_never_overflows) {
 }
 END_TEST
 
+/* The fused dispatcher's plan made on the device (moe_cpu_fused_plan, the twin of the
+ * CUDA kernel) against the host plan's arithmetic (moe_dispatch_layout), from every rank's
+ * point of view, on random counts and on every row sent to rank 0:
+ *  - shift[e] takes this rank's permuted row of expert e to its row on e's rank: the
+ *    receive chunk (this rank, e) there minus this rank's send chunk e;
+ *  - the local offsets are the layout's expert offsets;
+ *  - a budget of exactly the rows received never overflows; one row fewer clamps the
+ *    offsets and raises MOE_STEP_OVERFLOW (and leaves the other bits alone). */
+START_TEST(test_fused_plan_matches_layout) {
+    enum { MP = 8, ME = 64 };
+    const int shapes[5][2] = {{1, 4}, {2, 8}, {2, 16}, {4, 16}, {8, 64}}; /* (P, E) */
+    unsigned seed = 5;
+    for (int s = 0; s < 5; s++)
+        for (int trial = 0; trial < 4; trial++) {
+            const int P = shapes[s][0], E = shapes[s][1], EL = E / P, W = E + 1;
+            int all_off[MP * (ME + 1)];
+            long long all[MP * ME];
+            moe_test_random_offsets(all_off, P, E, trial == 3, &seed);
+            for (int p = 0; p < P; p++)
+                for (int e = 0; e < E; e++)
+                    all[p * E + e] = all_off[p * W + e + 1] - all_off[p * W + e];
+            static size_t send_rows[MP][MP], recv_rows[MP][MP];
+            static int offset[MP][ME + 1];
+            static moe_comm_chunk send[MP][ME], recv[MP][ME];
+            for (int r = 0; r < P; r++)
+                moe_dispatch_layout(all, P, r, E, send_rows[r], recv_rows[r], offset[r],
+                                    send[r], recv[r]);
+            for (int r = 0; r < P; r++) {
+                int shift[ME], off[ME + 1], flags = MOE_STEP_NONFINITE;
+                memset(shift, 0x7f, sizeof shift);
+                memset(off, 0x7f, sizeof off);
+                moe_cpu_fused_plan(shift, off, &flags, all_off, P, r, E, INT_MAX);
+                ck_assert_int_eq(flags, MOE_STEP_NONFINITE);
+                for (int e = 0; e < E; e++) {
+                    const int q = e / EL, el = e % EL;
+                    ck_assert_int_eq(shift[e], (int)recv[q][r * EL + el].offset -
+                                                   (int)send[r][e].offset);
+                }
+                for (int el = 0; el <= EL; el++)
+                    ck_assert_int_eq(off[el], offset[r][el]);
+                const int R = offset[r][EL]; /* the rows this rank receives */
+                moe_cpu_fused_plan(shift, off, &flags, all_off, P, r, E, R);
+                ck_assert_int_eq(flags, MOE_STEP_NONFINITE);
+                if (R == 0)
+                    continue;
+                moe_cpu_fused_plan(shift, off, &flags, all_off, P, r, E, R - 1);
+                ck_assert_int_eq(flags, MOE_STEP_NONFINITE | MOE_STEP_OVERFLOW);
+                for (int el = 0; el <= EL; el++)
+                    ck_assert_int_eq(off[el], offset[r][el] < R - 1 ? offset[r][el] : R - 1);
+            }
+        }
+}
+END_TEST
+
 /* --moe-expert-rank-capacity-factor: positive and finite (a huge one is fine: the budget is
  * clamped to the most rows that can arrive, moe_model_create). */
 START_TEST(test_budget_flag_validation) {
@@ -185,7 +242,8 @@ Suite *suite_sync_free(void) {
     Suite *s = suite_create("sync_free");
     const TTest *tests[] = {test_permute_index_budget_matches, test_permute_index_budget_overflow,
                             test_budget_overflow_one_expert,   test_budget_overflow_alternating,
-                            test_capacity_never_overflows,     test_budget_flag_validation};
-    tcase_set_tags(moe_test_tcase(s, "ch06", 120, tests, 6), "ch06");
+                            test_capacity_never_overflows,     test_budget_flag_validation,
+                            test_fused_plan_matches_layout};
+    tcase_set_tags(moe_test_tcase(s, "ch06", 120, tests, 7), "ch06");
     return s;
 }

@@ -15,6 +15,13 @@
 #              without the distributed optimizer; step time, bytes per group (model ==
 #              counts, or the run fails) and memory per rank. The invariance suites on GPU
 #              ranks are the MPI suite of the ch02 section (every suite, foldings included)
+#   ch06       CUDA graphs under EP = 2 (chapter 06): the mpi-ep suite on 2 GPU ranks (its
+#              sync_free case: the plan made on the device against the host's, the
+#              overflow protocol, replay == eager at --cuda-graph-scope layer and
+#              full_iteration), then the GPU preset with 16 experts, global batch 64, EP 2
+#              on the fused path: eager against --cuda-graph-scope layer and full_iteration
+#              (ms/step, tokens/s, the last loss, which must be the same), and the
+#              collective path eager for reference
 #   ch07       context parallelism on 2 and 4 GPUs (up to --gpus): the mpi_cp suite on GPU
 #              ranks (the attention's four exchanges and the model under CP, against one
 #              process on the same GPU), then 20 steps of the GPU preset with
@@ -32,7 +39,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 steps=120
 sections=()
@@ -41,11 +48,11 @@ while [ $# -gt 0 ]; do
     --gpus) gpus="$2"; shift 2 ;;
     --steps) steps="$2"; shift 2 ;;
     -h | --help) usage 0 ;;
-    ch02 | ch04 | ch07 | multinode) sections+=("$1"); shift ;;
-    *) echo "tools/multigpu.sh: unknown argument '$1' (sections: ch02 ch04 ch07 multinode; --help)" >&2; exit 2 ;;
+    ch02 | ch04 | ch06 | ch07 | multinode) sections+=("$1"); shift ;;
+    *) echo "tools/multigpu.sh: unknown argument '$1' (sections: ch02 ch04 ch06 ch07 multinode; --help)" >&2; exit 2 ;;
     esac
 done
-[ ${#sections[@]} -gt 0 ] || sections=(ch02 ch04 ch07 multinode)
+[ ${#sections[@]} -gt 0 ] || sections=(ch02 ch04 ch06 ch07 multinode)
 if ! [[ "$gpus" =~ ^[0-9]+$ ]] || [ "$gpus" -lt 2 ]; then
     echo "tools/multigpu.sh: needs a host with at least 2 GPUs (found ${gpus:-0}; --gpus N to say)" >&2
     exit 2
@@ -180,6 +187,29 @@ for s in "${sections[@]}"; do
             fi
             cat "$f" >>"$LOG"
             grep -E "^folding|memory/rank|model .* the counts|not run|^FAIL|^OK" "$f"
+        done
+        ;;
+    ch06)
+        f="$out/ch06_mpi_ep_2gpus.txt"
+        echo "== mpi-ep on 2 GPU ranks (chapter 06: the sync-free EP path and its graphs)"
+        # (CH06_CASE=sync_free runs only chapter 06's case of the suite)
+        if ! env MOE_TEST_DEVICE=cuda CK_RUN_SUITE=mpi-ep ${CH06_CASE:+CK_RUN_CASE=$CH06_CASE} \
+            CK_FORK=no timeout 600 $MPIRUN -x MOE_TEST_DEVICE -x CK_RUN_SUITE \
+            ${CH06_CASE:+-x CK_RUN_CASE} -x CK_FORK -np 2 build/tests/mpi >"$f" 2>&1; then
+            echo "mpi-ep on 2 GPU ranks: FAILED (see $f)"
+            status=1
+        fi
+        cat "$f" >>"$LOG"
+        grep -E "^[0-9]+%|:F:|:E:|scope|device plan|CUDA graphs" "$f"
+        echo "EP 2, the GPU preset with 16 experts and global batch 64 ($steps steps; median of"
+        echo "the steps after the 40th):"
+        echo "| run | GPUs | ms/step | tokens/s | tokens/s per GPU | loss at the last step |"
+        echo "|---|---:|---:|---:|---:|---:|"
+        CH06="--preset gpu --num-experts 16 --global-batch-size 64 --expert-model-parallel-size 2"
+        train_row "collective, eager" 2 $CH06 --moe-alltoall-path collective
+        for scope in none layer full_iteration; do
+            train_row "fused (sync-free), --cuda-graph-scope $scope" 2 $CH06 \
+                --moe-alltoall-path fused --cuda-graph-scope "$scope"
         done
         ;;
     ch07)

@@ -114,7 +114,11 @@ int main(int argc, char **argv) {
     }
     moe_ep ep = {.comm = P > 1 ? world : NULL, .size = P, .rank = rank, .be = be};
     char why[320] = "one rank";
-    const int fused = P > 1 && k <= MOE_FUSED_MAX_TOPK && moe_comm_peer_access(world, why, sizeof why);
+    if (P > 1 && be->device != MOE_DEVICE_CUDA) /* (peer access is collective: all or none) */
+        snprintf(why, sizeof why, "CPU ranks: their fused path is a twin over MPI windows, a "
+                 "test of the plan, not a fast path");
+    const int fused = P > 1 && be->device == MOE_DEVICE_CUDA && k <= MOE_FUSED_MAX_TOPK &&
+                      moe_comm_peer_access(world, why, sizeof why);
     if (rank == 0) {
         if (!fused)
             printf("fused path: not timed (%s)\n\n", why);

@@ -123,13 +123,13 @@ static void cpu_grouped_backward(void *din, moe_real *dw, const void *dout, cons
 /* ... and with the offsets in "device" memory, which on the CPU is the same loop */
 static void cpu_grouped_forward_dev(void *out, const void *in, const void *w, const int *dev_off,
                                     int G, int rows, int I, int O) {
-    MOE_ASSERT(dev_off[G] == rows);
+    MOE_ASSERT(dev_off[G] <= rows); /* (the EP expert side: a budget, partly filled) */
     cpu_grouped_forward(out, in, w, dev_off, G, I, O);
 }
 static void cpu_grouped_backward_dev(void *din, void *dw, const void *dout, const void *in,
                                      const void *w, const int *dev_off, int G, int rows, int I,
                                      int O, int din_accumulate, moe_dw_mode dw_mode) {
-    MOE_ASSERT(dev_off[G] == rows);
+    MOE_ASSERT(dev_off[G] <= rows);
     if (din && !din_accumulate)
         memset(din, 0, sizeof(moe_real) * (size_t)rows * I);
     /* an overwritten dw is a sum that starts from zero; the CPU's activation type is
@@ -414,6 +414,7 @@ static const moe_backend g_cpu = {
     .z_loss_backward = a_z_backward,
     .permute_index = a_permute_index,
     .permute_index_budget = moe_cpu_permute_index_budget,
+    .fused_plan = moe_cpu_fused_plan,
     .permute_tokens = a_permute_tokens,
     .permute_weights = moe_cpu_permute_weights,
     .unpermute_sum = a_unpermute_sum,

@@ -39,6 +39,29 @@ void moe_cpu_permute_index_budget(int *perm_src, int *row_of, int *expert_offset
                                   const int *topk_idx, int N, int k, int E, int budget);
 
 /**
+ * @brief The fused dispatcher's plan from the exchanged offsets, on the device (chapter 06:
+ *        expert parallelism without the host). Rank p's permuted rows for global expert e
+ *        are [all_off[p][e], all_off[p][e+1]) (its permute_index_budget offsets), so
+ *        c[p][e] = all_off[p][e+1] − all_off[p][e] rows go from p to e's rank q = e / EL
+ *        (EL = E / P). On q the expert layout is [local expert][source rank]: p's rows for
+ *        e start at base[e] = Σ_{e' in q's experts before e} Σ_p' c[p'][e'] + Σ_{p' < p}
+ *        c[p'][e]. For this rank r: shift[e] = base[e] − all_off[r][e] (row on q − permuted
+ *        row, what the fused kernels add to row_of), and the local experts' offsets
+ *        offset[el] = Σ_{l < el} Σ_p c[p][r·EL + l], clamped to @p budget, with
+ *        ::MOE_STEP_OVERFLOW ORed into @p flags when offset[EL] (the rows r receives) exceeds
+ *        it. The same arithmetic as the host plan (moe_dispatch_layout()); nothing leaves
+ *        the device.
+ * @param shift         [E] out: destination row on the expert's rank − permuted row here
+ * @param expert_offset [EL+1] out: local expert el owns expert-side rows [off[el], off[el+1])
+ * @param flags         the step-flags word (::MOE_STEP_OVERFLOW), or NULL
+ * @param all_off       [P, E+1] every rank's permuted-row offsets (the all-gather of them)
+ * @param P ranks in the EP group  @param rank this rank  @param E global experts (P divides E)
+ * @param budget rows the expert-side buffers hold
+ */
+void moe_cpu_fused_plan(int *shift, int *expert_offset, int *flags, const int *all_off, int P,
+                        int rank, int E, int budget);
+
+/**
  * @brief xp[r] = x[perm_src[r] / k]: copy each token to its k permuted rows.
  * @param xp [rows, C]  @param x [N, C]  @param perm_src map  @param rows N·k  @param k top-k  @param C width
  */

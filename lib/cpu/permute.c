@@ -68,6 +68,35 @@ void moe_cpu_permute_index_budget(int *perm_src, int *row_of, int *expert_offset
     }
 }
 
+void moe_cpu_fused_plan(int *shift, int *expert_offset, int *flags, const int *all_off, int P,
+                        int rank, int E, int budget) {
+    MOE_ASSERT(P > 0 && E % P == 0 && E <= MOE_MAX_EXPERTS);
+    const int EL = E / P, W = E + 1; /* W: one rank's row of all_off */
+    long long tot[MOE_MAX_EXPERTS]; /* Σ_p c[p][e]: every rank's rows for expert e */
+    for (int e = 0; e < E; e++) {
+        tot[e] = 0;
+        for (int p = 0; p < P; p++)
+            tot[e] += all_off[p * W + e + 1] - all_off[p * W + e];
+    }
+    for (int e = 0; e < E; e++) {
+        const int q = e / EL;
+        long long base = 0; /* q's earlier local experts, then the earlier ranks' rows for e */
+        for (int l = q * EL; l < e; l++)
+            base += tot[l];
+        for (int p = 0; p < rank; p++)
+            base += all_off[p * W + e + 1] - all_off[p * W + e];
+        shift[e] = (int)(base - all_off[rank * W + e]);
+    }
+    long long off = 0;
+    for (int el = 0; el <= EL; el++) {
+        expert_offset[el] = off < budget ? (int)off : budget;
+        if (el < EL)
+            off += tot[rank * EL + el];
+    }
+    if (off > budget && flags)
+        *flags |= MOE_STEP_OVERFLOW;
+}
+
 void moe_cpu_permute_tokens(moe_real *xp, const moe_real *x, const int *perm_src, int rows, int k,
                             int C) {
 #pragma omp parallel for schedule(static)

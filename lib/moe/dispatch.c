@@ -17,6 +17,14 @@ moe_status moe_ep_choose_dispatcher(moe_ep *ep, const moe_config *c, int verbose
     ep->dispatcher = &moe_dispatcher_alltoall;
     if (!ep->comm || c->alltoall_path == MOE_A2A_COLLECTIVE)
         return MOE_OK;
+    /* auto takes the fused kernels on GPU ranks only: on CPU ranks the fused path is their
+     * twin over MPI windows (dispatch_fused.c), which tests the plan but is not faster */
+    if (c->alltoall_path == MOE_A2A_AUTO && ep->be->device != MOE_DEVICE_CUDA) {
+        if (verbose)
+            moe_log_info("alltoall dispatcher: collective (on CPU ranks the fused path is a "
+                         "twin over MPI windows, for tests: --moe-alltoall-path fused)");
+        return MOE_OK;
+    }
     /* the fused kernels where the GPUs of the EP group share memory, else the collective;
      * peer access is collective: every rank agrees */
     char why[320];

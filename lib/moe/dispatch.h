@@ -112,6 +112,13 @@ typedef struct moe_dispatch_plan {
     int max_recv;         /**< the largest R_recv of any rank (sizes the symmetric buffers) */
     int *shift;           /**< backend [E]: row on the expert's rank − permuted row, per expert */
     int shift_cap;        /**< allocated entries of shift */
+    int cap_recv;         /**< rows the expert-side buffers hold: the kernels store and load
+                               no row at or past it (the budget on the sync-free path) */
+    /* the fused path planned on the device (chapter 06, moe_layer_sync_free()) */
+    int sync_free;        /**< 1: the counts, shifts and offsets never left the device; the
+                               host fields above (R_recv, splits, chunks) are not filled */
+    int *my_off;          /**< backend [E+1]: this rank's permuted-row offsets per expert */
+    int *all_off;         /**< backend [EP·(E+1)]: every rank's, all-gathered on the stream */
 } moe_dispatch_plan;
 
 /**
@@ -266,16 +273,17 @@ void moe_combine_reals(moe_ep *ep, const moe_dispatch_plan *plan, moe_real *dst,
 /* ---------------------------------------------------------------- fused (dispatch_fused.c) */
 
 /**
- * @brief The fused part of a plan: each expert's shift from this rank's permuted rows to
- *        its rows on the expert's rank, and the largest rank's row count (the symmetric
- *        buffers are the same size on every rank). Called by moe_dispatch_plan_build().
+ * @brief The fused part of a host plan: each expert's shift from this rank's permuted rows
+ *        to its rows on the expert's rank (the arithmetic of the device plan,
+ *        moe_cpu_fused_plan(), run on the host's exchanged counts), and the largest rank's
+ *        row count (the symmetric buffers are the same size on every rank). Called by
+ *        moe_dispatch_plan_build().
  * @param plan plan (fused; E, E_local set) @param rank this rank in the EP group
- * @param P EP ranks @param counts host [E] this rank's rows per expert
- * @param all host [P·E] every rank's rows per expert (the exchanged counts)
+ * @param P EP ranks @param all host [P·E] every rank's rows per expert (the exchanged counts)
  * @param be backend the shifts are uploaded to
  */
-void moe_dispatch_fused_plan(moe_dispatch_plan *plan, int rank, int P, const long long *counts,
-                             const long long *all, const moe_backend *be);
+void moe_dispatch_fused_plan(moe_dispatch_plan *plan, int rank, int P, const long long *all,
+                             const moe_backend *be);
 
 /**
  * @brief The fused path's expert-side buffer for rows of @p row_bytes: grown (collectively)

@@ -57,8 +57,9 @@ void moe_dispatch_plan_build(moe_ep *ep, moe_dispatch_plan *plan, const long lon
                            ? &moe_dispatcher_fused
                            : &moe_dispatcher_alltoall;
     plan->fused = plan->dispatcher == &moe_dispatcher_fused;
+    plan->sync_free = 0; /* the host planned it */
     if (plan->fused)
-        moe_dispatch_fused_plan(plan, rank, P, counts, all, be);
+        moe_dispatch_fused_plan(plan, rank, P, all, be);
 
     /* host maps */
     int rows = plan->R_send > plan->R_recv ? plan->R_send : plan->R_recv;

@@ -7,7 +7,9 @@
  * Both calls are collective over the group (every rank calls them in the same order) and
  * need moe_comm_peer_access() == 1. Rows are bf16 of width C (a multiple of 8); routing
  * weights are fp32. Assignment a = n·k + j of token n goes to expert e = idx[a] (e = E:
- * dropped) on rank e / EL, at row row_of[a] + shift[e] of that rank's buffers. The largest
+ * dropped) on rank e / EL, at row row_of[a] + shift[e] of that rank's buffers — when that
+ * row is below @p cap, the rows the buffers hold (chapter 06's static budget: a row past it
+ * is not stored, and combines as zero; the device plan has raised the overflow flag). The largest
  * k the kernels take is ::MOE_FUSED_MAX_TOPK (config.h, where validation checks it).
  */
 #ifndef MOE_DISPATCH_NVLINK_H
@@ -27,10 +29,11 @@ extern "C" {
  * @param idx [N·k] expert per assignment (E: dropped) @param row_of [N·k] permuted row
  * @param shift [E] destination row − permuted row, per expert @param N tokens @param k top-k
  * @param E experts @param EL experts per rank @param C width
+ * @param cap rows of the expert-side buffers (INT_MAX: every row fits)
  */
 void moe_nvlink_dispatch(moe_comm *c, const moe_sym_buf *rows, const moe_sym_buf *reals,
                          const void *x, const float *w, const int *idx, const int *row_of,
-                         const int *shift, int N, int k, int E, int EL, int C);
+                         const int *shift, int N, int k, int E, int EL, int C, int cap);
 
 /**
  * @brief Experts to tokens, the reverse: out[n] (+)= Σ_j rows[row of (n, j)] from the
@@ -41,11 +44,12 @@ void moe_nvlink_dispatch(moe_comm *c, const moe_sym_buf *rows, const moe_sym_buf
  * @param reals expert-side values (symmetric) or NULL @param idx as for moe_nvlink_dispatch
  * @param row_of as for moe_nvlink_dispatch @param shift as for moe_nvlink_dispatch
  * @param N tokens @param k top-k @param E experts
- * @param EL experts per rank @param C width
+ * @param EL experts per rank @param C width @param cap as for moe_nvlink_dispatch
  */
 void moe_nvlink_combine(moe_comm *c, void *out, int accumulate, float *dwp,
                         const moe_sym_buf *rows, const moe_sym_buf *reals, const int *idx,
-                        const int *row_of, const int *shift, int N, int k, int E, int EL, int C);
+                        const int *row_of, const int *shift, int N, int k, int E, int EL, int C,
+                        int cap);
 
 #ifdef __cplusplus
 }

@@ -89,9 +89,11 @@ static expert_rows rows_of(const moe_layer_dims *d, const moe_layer_acts *a,
                              moe_layer_sync_free(d) ? NULL : a->expert_offset, d->E,
                              (size_t)moe_layer_permuted_rows(d)};
     const moe_dispatch_plan *pl = &a->plan;
-    /* the outputs' buffer takes the input gradients in the backward */
+    /* the outputs' buffer takes the input gradients in the backward; a plan made on the
+     * device (dispatch_fused.c) left the offsets there and the rows at the static budget */
     return (expert_rows){a->xe, a->we, a->gue, a->acte, ws->ye, ws->dye, ws->ye, ws->dwe,
-                         ws->edh, ws->edgu, pl->expert_offset, pl->E_local, (size_t)pl->R_recv};
+                         ws->edh, ws->edgu, pl->sync_free ? NULL : pl->expert_offset,
+                         pl->E_local, (size_t)pl->R_recv};
 }
 
 /* With ETP (expert_tp.h): the same rows of the whole ETP group, gathered expert-major, and
@@ -105,11 +107,12 @@ static expert_rows etp_rows_of(const moe_layer_acts *a, moe_layer_workspace *ws)
 
 /* The groups of step 4. Our grouped kernel reads the offsets from device memory: the
  * local dispatcher's permutation wrote them there already, the others' plans are
- * uploaded here (forward; the backward reuses them). Under the fused permutation fc1
+ * uploaded here (forward; the backward reuses them), but for the device plan's, which are
+ * there already. Under the fused permutation fc1
  * gathers its row r from token perm_src[r] / k (forward and weight gradient). */
 static moe_groups groups_of(const moe_backend *be, const moe_layer_dims *d,
                             const moe_layer_acts *a, const expert_rows *r, int upload) {
-    if (d->experts == MOE_EXPERTS_KERNEL && upload)
+    if (d->experts == MOE_EXPERTS_KERNEL && upload && r->off)
         be->from_host(a->dev_offset, r->off, sizeof(int) * (r->G + 1));
     moe_groups g = {r->off, a->dev_offset, r->G, d->experts, MOE_DW_ACCUMULATE, NULL, 1,
                     (int)r->rows, d->lowp};

@@ -13,15 +13,17 @@
 #define R sizeof(moe_real)
 
 int moe_layer_sync_free(const moe_layer_dims *d) {
-    /* (ETP gathers the expert-side rows with host offsets: moe_etp_plan) */
-    return d->step_flags && !d->ep && !d->etp && d->capacity_factor == 0 &&
-           d->experts == MOE_EXPERTS_KERNEL;
+    /* (ETP gathers the expert-side rows with host offsets: moe_etp_plan; under EP only the
+     * fused dispatcher plans on the device, dispatch_fused.c) */
+    return d->step_flags && (!d->ep || d->ep->dispatcher == &moe_dispatcher_fused) && !d->etp &&
+           d->capacity_factor == 0 && d->experts == MOE_EXPERTS_KERNEL;
 }
 
 int moe_layer_permuted_rows(const moe_layer_dims *d) {
     const int nk = d->N * d->k;
-    return moe_layer_sync_free(d) && d->budget_rows > 0 && d->budget_rows < nk ? d->budget_rows
-                                                                               : nk;
+    return !d->ep && moe_layer_sync_free(d) && d->budget_rows > 0 && d->budget_rows < nk
+               ? d->budget_rows
+               : nk;
 }
 
 static size_t max_rows_f(const moe_layer_dims *d) {

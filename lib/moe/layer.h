@@ -188,24 +188,28 @@ typedef struct moe_layer_workspace {
 /**
  * @brief Whether the layer runs sync-free (chapter 06): counts and offsets stay in backend
  *        memory from the router to the unpermute, forward and backward, and nothing waits
- *        for the device. That is one rank (no EP group, no ETP group), dropless, our
- *        grouped kernel (it reads the offsets on the device), with a step-flags word to
- *        raise an overflow in. The other paths need the counts on the host: the per-expert
- *        loop and cuBLAS's grouped GEMM size each GEMM from them, a capacity drops on the
- *        host, the EP dispatchers exchange counts and splits through the host, and ETP
- *        gathers its group's rows with host offsets (graph.c's scope check lists the same
- *        paths from the flags alone).
+ *        for the device. That is dropless, our grouped kernel (it reads the offsets on the
+ *        device), no ETP group, a step-flags word to raise an overflow in, and either one
+ *        rank or an EP group with the fused dispatcher, whose plan is made on the device
+ *        (the counts all-gathered on the stream, the shifts and offsets by the fused_plan op;
+ *        the expert side holds a static budget of rows). The other paths need the counts on
+ *        the host: the per-expert loop and cuBLAS's grouped GEMM size each GEMM from them, a
+ *        capacity drops on the host, the collective all-to-all-v and the allgather
+ *        dispatcher need host splits, and ETP gathers its group's rows with host offsets
+ *        (graph.c's scope check lists the same paths from the flags alone).
  * @param d dims @return 1 or 0
  */
 int moe_layer_sync_free(const moe_layer_dims *d);
 
 /**
  * @brief Rows of the permuted buffers (xp, gu, act, yp, ...) for @p d->N tokens: the N·k
- *        assignments, or on the sync-free path the static budget d->budget_rows when that
- *        is smaller. On one rank, dropless, exactly N·k rows are filled whatever the
- *        routing, so any budget of at least N·k never overflows; a smaller one always does
- *        (the assignments past it get no row, ::MOE_STEP_OVERFLOW is raised and the step is
- *        re-run with grown buffers).
+ *        assignments, or on the one-rank sync-free path the static budget d->budget_rows
+ *        when that is smaller. On one rank, dropless, exactly N·k rows are filled whatever
+ *        the routing, so any budget of at least N·k never overflows; a smaller one always
+ *        does (the assignments past it get no row, ::MOE_STEP_OVERFLOW is raised and the
+ *        step is re-run with grown buffers). Under EP the N·k rows a rank sends always fit;
+ *        the budget sizes the expert side instead (the rows a rank receives depend on every
+ *        rank's routing, up to EP·N·k).
  * @param d dims @return rows
  */
 int moe_layer_permuted_rows(const moe_layer_dims *d);
