@@ -251,6 +251,13 @@ moe_status moe_cuda_fp8_gemm(void *d, int d_fp32, const moe_qmatrix *a, const mo
 moe_status moe_cuda_fp8_grouped_gemm(void *d, int d_fp32, const moe_qmatrix *a,
                                      const moe_qmatrix *b, const int *dev_off, int G, int rows,
                                      int N, int K, moe_error *err);
+/* its two variants (process-wide, not thread-safe): 1 = the consumer warpgroups issue their
+ * k-blocks in turn (named barriers), so one promotes while the other's MMAs run; 0 = they
+ * issue together. Set by moe_cuda_fp8_grouped_set_ordered (tests, the chapter 05 benchmark),
+ * else MOE_FP8_GROUPED_ORDERED=0|1, else the default */
+#define MOE_FP8_GROUPED_ORDERED_DEFAULT 1
+void moe_cuda_fp8_grouped_set_ordered(int on);
+int moe_cuda_fp8_grouped_ordered(void);
 /* 1 when this GPU runs the recipe's GEMM natively in cuBLASLt, 0 when emulated (dequantize →
  * bf16 GEMM): tensorwise always native; blockwise native on compute capability 9.x; MXFP8 and
  * NVFP4 native on 10.x unless MOE_FP8_GEMM_EMULATE=1 */

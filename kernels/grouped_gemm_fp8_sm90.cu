@@ -27,15 +27,24 @@
  * kernel uses 256: a thread holds its 64 main accumulators AND 64 temporary ones; at 256
  * columns that would be 256 registers of accumulators alone, over the 255 a thread has.
  * A stage is 16 KB of A and 16 KB of B; 6 stages (192 KB) + two 16 KB staging buffers =
- * 224 KB of the SM's 227. Both warpgroups wait for their own MMAs before promoting (the
- * temporary accumulator is read right after), so the tensor cores stay busy by the two
- * warpgroups alternating: while one promotes, the other's MMAs run.
+ * 224 KB of the SM's 227. Each warpgroup waits for its own MMAs before promoting (the
+ * temporary accumulator is read right after), so the tensor cores stay busy only while the
+ * two warpgroups alternate: one promotes while the other's MMAs run. Left alone they do not:
+ * both wait for the same stage, issue their MMAs at the same moment (the tensor cores then
+ * interleave them and finish both together), and promote at the same moment, with the
+ * tensor cores idle. The ORDERED variant imposes the alternation (two named barriers, 3 and
+ * 4, in the way of CUTLASS's ordered sequence barrier): warpgroup 0 issues its k-block, then
+ * warpgroup 1 its own, then 0 the next, ... so warpgroup 0's MMAs finish first and it
+ * promotes while warpgroup 1's run, and its next MMAs are queued before those end.
+ * Which variant runs: moe_cuda_fp8_grouped_set_ordered() (tests, benchmark), else
+ * MOE_FP8_GROUPED_ORDERED=0|1, else the default (kernels/cuda_ops.h).
  *
  * Scales: the consumer thread loads the two row scales it needs (rows r_lo and r_lo + 8 of
  * its 64, see sm90_epilogue.cuh for the accumulator layout) and the tile's one weight-block
- * scale with ordinary loads BEFORE waiting for the stage, so their latency hides behind the
- * TMA and the MMAs; sa is [rows][K/128], so these are strided 4-byte loads from L2, 2 per
- * thread and k-block (~2 % of the A bytes). A row past the tensor gets scale 0.
+ * scale with ordinary loads one k-block AHEAD of their use, so their latency hides behind a
+ * whole k-block of MMAs; sa is [rows][K/128], so these are strided 4-byte loads (the 32-byte
+ * sector of a row's scales serves 8 k-blocks from L1), 3 per thread and k-block. A row past
+ * the tensor gets scale 0.
  *
  * Ragged edges as in the bf16 kernel: the tile scheduler (lib/moe/tile_schedule.h, the same
  * rule) never lets a tile cross a group; rows of a tile past its group's end are loaded
@@ -53,6 +62,7 @@
  * named error unless moe_cuda_grouped_sm90_available().
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
@@ -83,8 +93,8 @@ struct Params {
     void *C;         /* [rows, N] output, for the masked stores */
 };
 
-/* C32: fp32 output, else bf16 */
-template <int C32>
+/* C32: fp32 output, else bf16. ORDERED: the warpgroups issue their k-blocks in turn (above). */
+template <int C32, int ORDERED>
 __global__ void __launch_bounds__(THREADS, 1)
     fp8_grouped_kernel(const __grid_constant__ CUtensorMap map_a,
                        const __grid_constant__ CUtensorMap map_b,
@@ -139,7 +149,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int r_lo = warp * 16 + lane / 4; /* this thread's rows: r_lo and r_lo + 8 of 64 */
     uint8_t *cs = smem + STAGES * STAGE_BYTES + c * C_BYTES;
     const int nbn = (p.N + MOE_QUANT_BLOCK - 1) / MOE_QUANT_BLOCK; /* weight blocks along N */
-    int it = 0;
+    int it = 0; /* k-blocks consumed so far: the stage ring's position */
     moe_tile ti;
     float d[BN / 2], acc[BN / 2]; /* main and temporary (one k-block) accumulators */
     for (int t = blockIdx.x; moe_tile_at_rule(&ti, t, s_off, s_mt, p.G, ntn, BM, BN, BAND);
@@ -152,21 +162,30 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
         for (int i = 0; i < BN / 2; i++)
             d[i] = 0.0f;
+        /* k-block 0's scales; each step loads the next one's (nk >= 1) */
+        float nb = __ldg(sb), na0 = row0 < p.rows ? __ldg(sa0) : 0.0f;
+        float na1 = row1 < p.rows ? __ldg(sa1) : 0.0f;
         for (int kt = 0; kt < nk; kt++, it++) {
             const int s = it % STAGES, phase = (it / STAGES) & 1;
-            /* the scales first: their loads run while we wait for the stage */
-            const float b_s = __ldg(sb + kt);
-            const float s0 = row0 < p.rows ? __ldg(sa0 + kt) * b_s : 0.0f;
-            const float s1 = row1 < p.rows ? __ldg(sa1 + kt) * b_s : 0.0f;
+            const float s0 = na0 * nb, s1 = na1 * nb;
+            if (kt + 1 < nk) {
+                nb = __ldg(sb + kt + 1);
+                na0 = row0 < p.rows ? __ldg(sa0 + kt + 1) : 0.0f;
+                na1 = row1 < p.rows ? __ldg(sa1 + kt + 1) : 0.0f;
+            }
             mbar_wait(&full[s], phase);
             const uint8_t *a = smem + s * STAGE_BYTES + c * (A_BYTES / 2);
             const uint8_t *b = smem + s * STAGE_BYTES + A_BYTES;
+            if (ORDERED && (c == 1 || it > 0)) /* our turn: the other issued its k-block */
+                named_bar_sync(3 + c, 256);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < BK / 32; kk++) /* k32 steps: 32 bytes on in the row */
                 moe_wgmma_fp8<BN>::mma(acc, desc(a + kk * 32, 16, 1024),
                                        desc(b + kk * 32, 16, 1024), kk > 0);
             wgmma_commit();
+            if (ORDERED) /* the other warpgroup's turn */
+                named_bar_arrive(4 - c, 256);
             wgmma_wait<0>();
             if (lane == 0) /* this warp is done with the stage */
                 mbar_arrive(&empty[s]);
@@ -191,6 +210,8 @@ __global__ void __launch_bounds__(THREADS, 1)
             epilogue_masked<C32, BN>(d, p.C, p.N, m_wg, ti.n0, BN, ti.r1, tid, 0);
         }
     }
+    if (ORDERED && c == 0 && it > 0) /* consume warpgroup 1's last "your turn" */
+        named_bar_sync(3, 256);
     if (tid == 0)
         bulk_wait_all(); /* the last copy-outs have landed before the kernel ends */
 #else
@@ -198,12 +219,12 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 }
 
-template <int C32>
+template <int C32, int ORDERED>
 void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc, const Params &p,
             int max_tiles) {
     static bool configured = false;
     if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_kernel<C32>,
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_kernel<C32, ORDERED>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             SMEM_BYTES));
         configured = true;
@@ -211,11 +232,22 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
     const int grid = max_tiles < moe_sm90_num_sms() ? max_tiles : moe_sm90_num_sms();
     if (grid <= 0)
         return;
-    fp8_grouped_kernel<C32><<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mc, p);
+    fp8_grouped_kernel<C32, ORDERED>
+        <<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mc, p);
     MOE_CUDA_LAUNCH_CHECK();
 }
 
 int aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+int g_ordered = -1; /* the variant; -1 until first used */
+
+int ordered(void) {
+    if (g_ordered < 0) {
+        const char *e = getenv("MOE_FP8_GROUPED_ORDERED");
+        g_ordered = e && *e ? atoi(e) != 0 : MOE_FP8_GROUPED_ORDERED_DEFAULT;
+    }
+    return g_ordered;
+}
 
 } /* namespace */
 
@@ -248,9 +280,13 @@ extern "C" moe_status moe_cuda_fp8_grouped_gemm(void *d, int d_fp32, const moe_q
     /* an upper bound of the tiles from host-known sizes: each group adds at most one
      * partial m-tile */
     const int max_tiles = ((rows + BM - 1) / BM + G) * ((N + BN - 1) / BN);
-    if (d_fp32)
-        launch<1>(ma, mb, mc, p, max_tiles);
+    if (ordered())
+        d_fp32 ? launch<1, 1>(ma, mb, mc, p, max_tiles) : launch<0, 1>(ma, mb, mc, p, max_tiles);
     else
-        launch<0>(ma, mb, mc, p, max_tiles);
+        d_fp32 ? launch<1, 0>(ma, mb, mc, p, max_tiles) : launch<0, 0>(ma, mb, mc, p, max_tiles);
     return MOE_OK;
 }
+
+extern "C" void moe_cuda_fp8_grouped_set_ordered(int on) { g_ordered = on != 0; }
+
+extern "C" int moe_cuda_fp8_grouped_ordered(void) { return ordered(); }

@@ -28,10 +28,21 @@
 
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL) /* nothing for sm_100a */
 
-/** Barrier of the 128 threads of consumer warpgroup @p c (named barrier 1 + c). */
-static __device__ __forceinline__ void wg_barrier(int c) {
-    asm volatile("bar.sync %0, 128;" ::"r"(1 + c) : "memory");
+/** Named barrier @p id (0 is __syncthreads'): wait until @p n threads have arrived, this one
+ *  included. */
+static __device__ __forceinline__ void named_bar_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
+
+/** Arrive on named barrier @p id (of @p n threads) without waiting: a signal to the threads
+ *  that named_bar_sync() on it. */
+static __device__ __forceinline__ void named_bar_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+/** Barrier of the 128 threads of consumer warpgroup @p c (named barrier 1 + c; the FP8 kernel
+ *  uses 3 and 4 for its issue order). */
+static __device__ __forceinline__ void wg_barrier(int c) { named_bar_sync(1 + c, 128); }
 
 /** Before writing the staging buffer: the previous copy-out has read it. */
 static __device__ __forceinline__ void epilogue_reserve(int c, int tid) {

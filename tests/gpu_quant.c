@@ -641,7 +641,8 @@ static float *grouped_abs_product(const grouped_operands *o, const int *off, int
  * ragged groups: empty ones, a single row, sizes around the 64-row warpgroup and 128-row tile
  * boundaries, a last group ending inside a warpgroup's rows, N not a multiple of the 128-column
  * tile or weight block, and a case with more tiles than SMs and more k-blocks than pipeline
- * stages (the ring wraps within and across tiles). D is poisoned first (0xAB bytes) and every
+ * stages (the ring wraps within and across tiles); both variants of the kernel (the consumer
+ * warpgroups issuing their MMAs together or in turn), bf16 and fp32 D. D is poisoned first (0xAB bytes) and every
  * element is compared: a row or column the kernel forgets is off by O(1e38).
  * Tolerance per element relative to S = Σ_k |a_k·b_k| (as the dense GEMM's test): 5e-3 with
  * bf16 D (its rounding, 2⁻⁹·|D|), 2e-3 with fp32 D; and the Frobenius relative error
@@ -682,7 +683,9 @@ START_TEST(test_gpu_fp8_grouped_gemm) {
                          MOE_OK);
         float *mag = grouped_abs_product(&o, off, G, rows, N, K);
         int *doff = dcopy(off, sizeof(int) * (G + 1));
-        for (int fp32 = 0; fp32 < 2; fp32++) {
+        for (int v = 0; v < 4; v++) {
+            const int fp32 = v & 1, ord = v >> 1; /* output type; the kernel's variant */
+            moe_cuda_fp8_grouped_set_ordered(ord);
             void *dd = dpoison(n * (fp32 ? 4 : 2));
             const moe_status st =
                 moe_cuda_fp8_grouped_gemm(dd, fp32, &o.da, &o.db, doff, G, rows, N, K, &err);
@@ -701,9 +704,10 @@ START_TEST(test_gpu_fp8_grouped_gemm) {
             }
             const double frob = rows ? sqrt(e2 / (r2 + 1e-300)) : 0;
             const int pass = worst <= (fp32 ? 2e-3 : 5e-3) && frob <= 1e-2 && !isnan(frob);
-            printf("  FP8 grouped G=%-2d rows=%-4d N=%d K=%-4d %s D: max |gpu - cpu| / S %.2e, "
-                   "||gpu - cpu|| / ||cpu|| %.2e %s\n",
-                   G, rows, N, K, fp32 ? "fp32" : "bf16", worst, frob, pass ? "ok" : "TOO LARGE");
+            printf("  FP8 grouped G=%-2d rows=%-4d N=%d K=%-4d %-8s %s D: max |gpu - cpu| / S "
+                   "%.2e, ||gpu - cpu|| / ||cpu|| %.2e %s\n",
+                   G, rows, N, K, ord ? "ordered" : "lockstep", fp32 ? "fp32" : "bf16", worst,
+                   frob, pass ? "ok" : "TOO LARGE");
             ok &= pass;
             moe_cuda_free(dd);
         }
@@ -711,6 +715,7 @@ START_TEST(test_gpu_fp8_grouped_gemm) {
         free(x), free(w), free(ref), free(got), free(mag);
         grouped_free(&o);
     }
+    moe_cuda_fp8_grouped_set_ordered(MOE_FP8_GROUPED_ORDERED_DEFAULT);
     ck_assert_msg(ok, "the FP8 grouped GEMM differs from its CPU twin");
 }
 END_TEST

@@ -28,6 +28,8 @@
  *   FP8 grouped (ours)         our sm_90a FP8 kernel (kernels/grouped_gemm_fp8_sm90.cu):
  *                              1x128 activation x 128x128 weight scales, E4M3, bf16 out
  *   + quantize A               the same plus the 1x128 quantizer of the activations (fp32 in)
+ *   variant                    the kernel's other variant (its consumer warpgroups issue
+ *                              their MMAs in turn, or together: grouped_gemm_fp8_sm90.cu)
  *   FP8 dense ceiling          cuBLASLt's blockwise FP8 GEMM on the same rows x N x K as one
  *                              dense GEMM (one expert's weights): what a grouped GEMM can
  *                              at best approach
@@ -547,6 +549,18 @@ static void bench_grouped(const gshape *gs) {
         c.quant_a = 1;
         report(&s, "FP8 grouped blockwise + quantize A", time_ms(run_grouped_fp8, &c), -1);
         c.quant_a = 0;
+        /* the other variant of the kernel (the consumer warpgroups issuing together or in
+         * turn), checked again */
+        const int def = moe_cuda_fp8_grouped_ordered();
+        moe_cuda_fp8_grouped_set_ordered(!def);
+        /* poisoned first: 1e30 as fp32 is two large bf16 values */
+        moe_cuda_fill_real(d, 1e30, (size_t)rows * N * 2 / sizeof(moe_real));
+        run_grouped_fp8(&c);
+        const double chkv = check_grouped(d, off, G, rows, N, K, hop_rowfn, &ha, hop_rowfn, &hb);
+        report(&s, def ? "FP8 grouped, lockstep issue (variant)"
+                       : "FP8 grouped, ordered issue (variant)",
+               time_ms(run_grouped_fp8, &c), chkv);
+        moe_cuda_fp8_grouped_set_ordered(def);
         /* the dense ceiling: expert 0's weights for every row (B's first N rows) */
         run_dense_ceiling(&c);
         const double chkd = check(d, rows, N, K, hop_rowfn, &ha, hop_rowfn, &hb);

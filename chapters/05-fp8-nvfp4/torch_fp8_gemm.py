@@ -234,7 +234,9 @@ def main():
                           f"{b / a:6.2f}x")
         gpairs = [("bf16 grouped (ours, baseline)", "torch _grouped_mm bf16"),
                   ("FP8 grouped blockwise (ours)", "torch _scaled_grouped_mm rowwise"),
-                  ("FP8 grouped blockwise (ours)", "torch _grouped_mm bf16")]
+                  ("FP8 grouped blockwise (ours)", "torch _grouped_mm bf16"),
+                  ("FP8 grouped, lockstep issue (variant)", "torch _scaled_grouped_mm rowwise"),
+                  ("FP8 grouped, ordered issue (variant)", "torch _scaled_grouped_mm rowwise")]
         for name, G, M, N, K in GSHAPES:
             flops = 2.0 * M * N * K
             for o, t in gpairs:
