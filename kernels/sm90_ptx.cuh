@@ -3,9 +3,10 @@
  * @brief The Hopper (sm_90a) building blocks of chapter 03's grouped GEMM, as small inline
  *        PTX wrappers: mbarriers, TMA (the tensor memory accelerator) loads and stores,
  *        the wgmma fences and shared-memory matrix descriptors, and the host's tensor-map
- *        encoder. Shared by the library's kernel (grouped_gemm_sm90.cu) and the kernel
- *        ladder of chapters/03-grouped-gemm/versions/; the MMA instruction itself is
- *        wgmma.cuh.
+ *        encoder. Shared by the library's kernels (grouped_gemm_sm90.cu and chapter 05's
+ *        FP8 grouped_gemm_fp8_sm90.cu) and the kernel ladder of
+ *        chapters/03-grouped-gemm/versions/; the MMA instructions themselves are wgmma.cuh,
+ *        the epilogue sm90_epilogue.cuh.
  *
  * The device helpers compile for sm_90a only (sm_100a has no wgmma, and the kernels that
  * use them compile there to a trap): code that calls them is guarded by
