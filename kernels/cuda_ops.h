@@ -244,6 +244,22 @@ void moe_cuda_qdq(void *dst, const void *src, int rows, int cols, const moe_qdq_
  * moe_cpu_fp8_gemm). d: bf16, or fp32 when d_fp32 is 1. Enqueued on moe_cuda_stream(). */
 moe_status moe_cuda_fp8_gemm(void *d, int d_fp32, const moe_qmatrix *a, const moe_qmatrix *b,
                              int M, int N, int K, moe_error *err);
+/* chapter 05's FP8 grouped GEMM, our sm_90a kernel (kernels/grouped_gemm_fp8_sm90.cu): the
+ * experts' forward D[rows, N] = A_g · B_gᵀ per group, A blockwise 1×128 and B 128×128 per
+ * expert, E4M3, the contract and the shape rules of moe_fp8_grouped_check (lib/fp8_gemm.h;
+ * the CPU twin is moe_cpu_fp8_grouped_gemm). dev_off: [G+1] row offsets in DEVICE memory,
+ * read by the kernel (no host sync). d: bf16, or fp32 when d_fp32 is 1. ::MOE_ERR_BACKEND
+ * where the GPU is not Hopper. Enqueued on moe_cuda_stream(). */
+moe_status moe_cuda_fp8_grouped_gemm(void *d, int d_fp32, const moe_qmatrix *a,
+                                     const moe_qmatrix *b, const int *dev_off, int G, int rows,
+                                     int N, int K, moe_error *err);
+/* its two variants (process-wide, not thread-safe): 1 = the consumer warpgroups issue their
+ * k-blocks in turn (named barriers), so one promotes while the other's MMAs run; 0 = they
+ * issue together. Set by moe_cuda_fp8_grouped_set_ordered (tests, the chapter 05 benchmark),
+ * else MOE_FP8_GROUPED_ORDERED=0|1, else the default */
+#define MOE_FP8_GROUPED_ORDERED_DEFAULT 1
+void moe_cuda_fp8_grouped_set_ordered(int on);
+int moe_cuda_fp8_grouped_ordered(void);
 /* 1 when this GPU runs the recipe's GEMM natively in cuBLASLt, 0 when emulated (dequantize →
  * bf16 GEMM): tensorwise always native; blockwise native on compute capability 9.x; MXFP8 and
  * NVFP4 native on 10.x unless MOE_FP8_GEMM_EMULATE=1 */

@@ -126,6 +126,7 @@
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
 #include "moe/tile_schedule.h"
+#include "sm90_epilogue.cuh"
 #include "sm90_ptx.cuh"
 #include "wgmma.cuh"
 
@@ -177,26 +178,9 @@ struct Tile {
 };
 
 /* ---------------------------------------------------------------- PTX helpers
- * (the shared ones — mbarriers, TMA, wgmma fences and descriptors — are sm90_ptx.cuh) */
+ * (the shared ones — mbarriers, TMA, wgmma fences and descriptors — are sm90_ptx.cuh; the
+ * epilogue's barriers and stores are sm90_epilogue.cuh, shared with the FP8 kernel) */
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL) /* nothing for sm_100a */
-
-/* barrier of the 128 threads of consumer warpgroup c (named barrier 1 + c) */
-__device__ __forceinline__ void wg_barrier(int c) {
-    asm volatile("bar.sync %0, 128;" ::"r"(1 + c) : "memory");
-}
-
-/* before writing the staging buffer: the previous tile's copy-out has read it */
-__device__ __forceinline__ void epilogue_reserve(int c, int tid) {
-    if (tid == 0)
-        bulk_wait_read();
-    wg_barrier(c);
-}
-
-/* after writing it: make the writes visible to TMA (the async proxy), then hand over */
-__device__ __forceinline__ void epilogue_publish(int c) {
-    fence_proxy_async();
-    wg_barrier(c);
-}
 
 /* One k-step (BK = 64) of one warpgroup: 4 wgmma m64nNWk16 on the A block at a (64 rows)
  * and the NW columns of B at b. K-major: the k16 steps advance 32 bytes within the
@@ -482,7 +466,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 
     /* ---------------------------------------------------- consumers */
-    const int c = wg, warp = tid / 32, lane = tid % 32;
+    const int c = wg, lane = tid % 32;
     uint8_t *cs = smem + STAGES * STAGE_BYTES + c * C_BYTES; /* this warpgroup's C staging */
     int it = 0;
     Tile ti;
@@ -555,86 +539,32 @@ __global__ void __launch_bounds__(THREADS, 1)
          * accumulating dgrad or wgrad ADDs into global memory (TMA's reduce-add: the
          * accumulate happens in L2, no read-modify-write by the SM); a wgrad into a
          * buffer known to hold zeros, a bf16 wgrad and the split-K partials store. */
-        const int r_lo = warp * 16 + lane / 4; /* rows r_lo and r_lo + 8 of our 64 */
         const int m_wg = ti.m0 + (half ? 0 : c * 64);        /* our block's first row, */
         const int n_wg = ti.n0 + (half ? c * (BN / 2) : 0);  /* first column */
         const int ncols = half ? BN / 2 : BN;                /* and width */
         if (MODE == WGRAD || m_wg + 64 <= ti.r1) {
-            /* Our 64 × 256 block leaves in PIECES of C_BYTES (bf16: 2 × 128 columns; fp32:
-             * 4 × 64), each two TMA boxes of [64 rows][128 bytes]: write a piece, hand it
-             * to TMA, and before writing the next one into the same buffer wait until TMA
-             * has read the last (short: shared memory is read at once, the global writes
-             * complete later). */
-            constexpr int ES = C32 ? 4 : 2;                 /* bytes per output element */
-            constexpr int PIECE_COLS = C_BYTES / (64 * ES);  /* 128 or 64 */
-            constexpr int BOX_COLS = 128 / ES;               /* 64 or 32 */
-            constexpr int PIECES = BN / PIECE_COLS;
-#pragma unroll
-            for (int q = 0; q < PIECES; q++) {
-                if (q * PIECE_COLS >= ncols)
-                    break;
-                epilogue_reserve(c, tid);
-#pragma unroll
-                for (int jj = 0; jj < PIECE_COLS / 8; jj++) {
-                    const int j = q * (PIECE_COLS / 8) + jj; /* the accumulators' 8-column block */
-                    const int col = 8 * jj + 2 * (lane % 4);
-                    const int box = col / BOX_COLS, cc = col % BOX_COLS;
-                    const int chunk = cc * ES / 16, within = (cc * ES) % 16;
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const int row = r_lo + 8 * h;
-                        uint8_t *dst = cs + box * 8192 + moe_swizzle128(row, chunk) + within;
-                        if (C32)
-                            *(float2 *)dst = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-                        else
-                            *(__nv_bfloat162 *)dst =
-                                __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-                    }
-                }
-                epilogue_publish(c);
-                if (tid == 0) {
-                    for (int box = 0; box < PIECE_COLS / BOX_COLS; box++) {
-                        const int n = n_wg + q * PIECE_COLS + box * BOX_COLS;
-                        if (n >= p.N)
-                            break;
-                        if (MODE == WGRAD && p.accumulate)
-                            tma_reduce_add_3d(&map_c, cs + box * 8192, n, m_wg, ti.gc);
-                        else if (MODE == WGRAD)
-                            tma_store_3d(&map_c, cs + box * 8192, n, m_wg, ti.gc);
-                        else if (p.accumulate)
-                            tma_reduce_add_2d(&map_c, cs + box * 8192, n, m_wg);
-                        else
-                            tma_store_2d(&map_c, cs + box * 8192, n, m_wg);
-                    }
-                    bulk_commit();
-                }
-            }
+            /* our 64 × 256 block leaves through the staging buffer in pieces of C_BYTES
+             * (bf16: 2 × 128 columns; fp32: 4 × 64), each two TMA boxes [64 rows][128 bytes] */
+            epilogue_staged<C32, BN, C_BYTES>(d, cs, c, tid, ncols, [&](const uint8_t *src,
+                                                                        int col) {
+                const int n = n_wg + col;
+                if (n >= p.N)
+                    return 0;
+                if (MODE == WGRAD && p.accumulate)
+                    tma_reduce_add_3d(&map_c, src, n, m_wg, ti.gc);
+                else if (MODE == WGRAD)
+                    tma_store_3d(&map_c, src, n, m_wg, ti.gc);
+                else if (p.accumulate)
+                    tma_reduce_add_2d(&map_c, src, n, m_wg);
+                else
+                    tma_store_2d(&map_c, src, n, m_wg);
+                return 1;
+            });
         } else {
             /* the group ends inside our 64 rows: the rows after it belong to the next
-             * group, which a TMA box cannot skip — write directly, masked */
-            moe_bf16 *C = (moe_bf16 *)p.C;
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                if (8 * j >= ncols)
-                    break;
-                const int col = n_wg + 8 * j + 2 * (lane % 4);
-                if (col >= p.N)
-                    continue;
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int row = m_wg + r_lo + 8 * h;
-                    if (row < ti.r1) {
-                        __nv_bfloat162 *o = (__nv_bfloat162 *)(C + (size_t)row * p.N + col);
-                        float x = d[4 * j + 2 * h], y = d[4 * j + 2 * h + 1];
-                        if (p.accumulate) {
-                            const float2 old = __bfloat1622float2(*o);
-                            x += old.x;
-                            y += old.y;
-                        }
-                        *o = __floats2bfloat162_rn(x, y);
-                    }
-                }
-            }
+             * group, which a TMA box cannot skip — write directly, masked (bf16: forward
+             * and dgrad) */
+            epilogue_masked<0, BN>(d, p.C, p.N, m_wg, n_wg, ncols, ti.r1, tid, p.accumulate);
         }
     }
     if (tid == 0)
@@ -646,16 +576,6 @@ __global__ void __launch_bounds__(THREADS, 1)
 
 /* ---------------------------------------------------------------- host side */
 
-int num_sms(void) {
-    static int n = 0;
-    if (!n) {
-        int dev;
-        MOE_CUDA_CHECK(cudaGetDevice(&dev));
-        MOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    }
-    return n;
-}
-
 template <int MODE, int C32, int GATHER>
 void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
                    const Params &p, int max_tiles) {
@@ -666,7 +586,7 @@ void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorM
                                             SMEM_BYTES));
         configured = true;
     }
-    const int grid = max_tiles < num_sms() ? max_tiles : num_sms();
+    const int grid = max_tiles < moe_sm90_num_sms() ? max_tiles : moe_sm90_num_sms();
     if (grid <= 0)
         return;
     grouped_gemm_kernel<MODE, C32, GATHER>
@@ -867,7 +787,7 @@ extern "C" int moe_cuda_grouped_sm90_wgrad_split(int G, int rows, int I, int O) 
     if (G <= 0 || rows <= 0 || !moe_cuda_grouped_sm90_available())
         return 1;
     const int tiles = G * ((O + BM - 1) / BM) * ((I + BN - 1) / BN);
-    int S = num_sms() / tiles;                   /* whole waves of chunks, no tail wave */
+    int S = moe_sm90_num_sms() / tiles; /* whole waves of chunks, no tail wave */
     const int k_avg = rows / (G * BK);           /* a group's k-steps, on average */
     S = S < k_avg / MIN_CHUNK_KSTEPS ? S : k_avg / MIN_CHUNK_KSTEPS;
     S = S < MAX_SPLIT ? S : MAX_SPLIT;

@@ -3,9 +3,10 @@
  * @brief The Hopper (sm_90a) building blocks of chapter 03's grouped GEMM, as small inline
  *        PTX wrappers: mbarriers, TMA (the tensor memory accelerator) loads and stores,
  *        the wgmma fences and shared-memory matrix descriptors, and the host's tensor-map
- *        encoder. Shared by the library's kernel (grouped_gemm_sm90.cu) and the kernel
- *        ladder of chapters/03-grouped-gemm/versions/; the MMA instruction itself is
- *        wgmma.cuh.
+ *        encoder. Shared by the library's kernels (grouped_gemm_sm90.cu and chapter 05's
+ *        FP8 grouped_gemm_fp8_sm90.cu) and the kernel ladder of
+ *        chapters/03-grouped-gemm/versions/; the MMA instructions themselves are wgmma.cuh,
+ *        the epilogue sm90_epilogue.cuh.
  *
  * The device helpers compile for sm_90a only (sm_100a has no wgmma, and the kernels that
  * use them compile there to a trap): code that calls them is guarded by
@@ -223,20 +224,26 @@ static inline PFN_cuTensorMapEncodeTiled_v12000 moe_tma_encode_fn(void) {
     return fn;
 }
 
-/** A tensor map over a row-major bf16 (or fp32) tensor of @p rank dims (innermost first)
- *  with a box of @p box elements, 128-byte swizzle, zero fill outside the tensor. */
+/** Element types of moe_tma_map(): its last argument. */
+enum { MOE_TMA_BF16 = 0, MOE_TMA_F32 = 1, MOE_TMA_U8 = 2 /* FP8 codes: bytes to TMA */ };
+
+/** A tensor map over a row-major tensor of @p rank dims (innermost first) with a box of
+ *  @p box elements, 128-byte swizzle, zero fill outside the tensor. @p elem: MOE_TMA_BF16
+ *  (the default), MOE_TMA_F32 (also written as 1), or MOE_TMA_U8 (FP8 codes: TMA moves
+ *  bytes and does not need to know the format). */
 static inline CUtensorMap moe_tma_map(const void *base, int rank, const uint64_t *dims,
-                                      const uint32_t *box, int fp32 = 0) {
+                                      const uint32_t *box, int elem = MOE_TMA_BF16) {
     CUtensorMap m;
-    const uint64_t esize = fp32 ? 4 : 2;
+    const uint64_t esize = elem == MOE_TMA_F32 ? 4 : elem == MOE_TMA_U8 ? 1 : 2;
     uint64_t strides[2];
     strides[0] = dims[0] * esize;
     if (rank == 3)
         strides[1] = dims[1] * strides[0];
     const uint32_t estride[3] = {1, 1, 1};
-    CUresult r = moe_tma_encode_fn()(&m, fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
-                                              : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                                     rank, (void *)base, dims, strides, box, estride,
+    const CUtensorMapDataType type = elem == MOE_TMA_F32  ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                     : elem == MOE_TMA_U8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                                          : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    CUresult r = moe_tma_encode_fn()(&m, type, rank, (void *)base, dims, strides, box, estride,
                                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);

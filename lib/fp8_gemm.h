@@ -177,6 +177,45 @@ moe_status moe_cpu_qmatrix_dequant(float *y, const moe_qmatrix *q, int rows, int
 moe_status moe_cpu_fp8_gemm(float *d, const moe_qmatrix *a, const moe_qmatrix *b, int M, int N,
                             int K, moe_error *err);
 
+/* -------------------------------------------------------- the FP8 grouped GEMM (experts) */
+
+/**
+ * @brief Check an FP8 grouped GEMM (the experts' forward) before running it.
+ *
+ * The GEMM: for each group (expert) g, rows off[g] .. off[g+1] − 1 of D [rows, N] are
+ * A[those rows, K] · B_gᵀ, B_g = rows g·N .. g·N + N − 1 of B [G·N, K]. A is blockwise 1×128
+ * (tokens: moe_cpu_quant_blockwise() with block_2d = 0 over all rows at once, so its scales are
+ * [rows][K/128]) and B is blockwise 128×128 quantized **per expert** (each [N, K] slice on its
+ * own, so expert g's scales are the ⌈N/128⌉·(K/128) floats from g·⌈N/128⌉·(K/128) on, and no
+ * block spans two experts); both E4M3 (the forward's operands in the `e4m3` and `hybrid`
+ * formats). Shape: 1 ≤ G ≤ MOE_GROUPED_DEV_MAX_GROUPS, rows ≥ 0 (any: no multiple of 4 as the
+ * cuBLASLt path asks, groups may be empty or a single row), N > 0 a multiple of 16, K > 0 a
+ * multiple of 128 (one scale block per pipeline stage; a K that is not is the named error, pad
+ * it with zero columns). The offsets themselves are not checked here (the GPU path never sees
+ * them on the host): off[0] = 0, non-decreasing, off[G] = rows.
+ * @param a the [rows, K] activations  @param b the [G·N, K] expert weights
+ * @param G groups  @param rows rows of A and D  @param N columns of D (rows of each B_g)
+ * @param K the shared dimension  @param err receives the reason
+ * @return ::MOE_OK or ::MOE_ERR_CONFIG
+ */
+moe_status moe_fp8_grouped_check(const moe_qmatrix *a, const moe_qmatrix *b, int G, int rows,
+                                 int N, int K, moe_error *err);
+
+/**
+ * @brief The CPU twin of the FP8 grouped GEMM (moe_cuda_fp8_grouped_gemm): per group, the
+ *        blockwise dequantization of its rows of A and of B_g, then an fp32 GEMM — the dense
+ *        twin moe_cpu_fp8_gemm() on each group's views, the same scales.
+ * @param d [rows, N] fp32 output  @param a the [rows, K] 1×128 operand
+ * @param b the [G·N, K] operand, 128×128 per expert  @param off [G+1] row offsets (host)
+ * @param G groups  @param rows rows of A  @param N columns of D  @param K shared dimension
+ * @param err receives the reason on failure
+ * @return ::MOE_OK, ::MOE_ERR_CONFIG (moe_fp8_grouped_check(), or offsets that are not
+ *         0 .. rows non-decreasing) or ::MOE_ERR_NOMEM
+ */
+moe_status moe_cpu_fp8_grouped_gemm(float *d, const moe_qmatrix *a, const moe_qmatrix *b,
+                                    const int *off, int G, int rows, int N, int K,
+                                    moe_error *err);
+
 #ifdef __cplusplus
 }
 #endif

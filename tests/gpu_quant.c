@@ -12,7 +12,8 @@
  *
  * The low-precision GEMM (kernels/fp8_gemm.cu) is compared with its CPU twin
  * (moe_cpu_fp8_gemm: the CPU dequantizers, then an fp32 GEMM) with a tolerance instead: the
- * GPU accumulates in another order and rounds D to bf16.
+ * GPU accumulates in another order and rounds D to bf16. So is our FP8 grouped GEMM for the
+ * experts (kernels/grouped_gemm_fp8_sm90.cu), against moe_cpu_fp8_grouped_gemm.
  * Without a GPU the runner (tests/gpu_main.c) prints "skipped: no GPU".
  */
 #include <math.h>
@@ -569,6 +570,187 @@ START_TEST(test_gpu_fp8_gemm_errors) {
 }
 END_TEST
 
+/* ------------------------------------------------------------ the FP8 grouped GEMM */
+
+/* The grouped GEMM's operands on the host and the device: A [rows, K] 1×128 over all rows, B
+ * [G·N, K] 128×128 per expert (each [N, K] slice quantized on its own), both E4M3 */
+typedef struct grouped_operands {
+    moe_qmatrix ha, hb, da, db;
+} grouped_operands;
+
+static void grouped_make(grouped_operands *o, const float *x, const float *w, int G, int rows,
+                         int N, int K) {
+    moe_error err;
+    const int kb = K / 128, nbn = (N + 127) / 128;
+    uint8_t *qa = hpoison((size_t)rows * K), *qb = hpoison((size_t)G * N * K);
+    float *sa = hpoison((size_t)rows * kb * 4 + 4), *sb = hpoison((size_t)G * nbn * kb * 4);
+    ck_assert_int_eq(moe_cpu_quant_blockwise(qa, sa, x, rows, K, MOE_FP8_E4M3, 0, 0, &err),
+                     MOE_OK);
+    for (int g = 0; g < G; g++)
+        ck_assert_int_eq(moe_cpu_quant_blockwise(qb + (size_t)g * N * K,
+                                                 sb + (size_t)g * nbn * kb,
+                                                 w + (size_t)g * N * K, N, K, MOE_FP8_E4M3, 1,
+                                                 0, &err),
+                         MOE_OK);
+    const moe_qmatrix a = {.recipe = MOE_QUANT_BLOCK_1X128, .format = MOE_FP8_E4M3,
+                           .codes = qa, .scales = sa};
+    const moe_qmatrix b = {.recipe = MOE_QUANT_BLOCK_128X128, .format = MOE_FP8_E4M3,
+                           .codes = qb, .scales = sb};
+    o->ha = o->da = a;
+    o->hb = o->db = b;
+    o->da.codes = dcopy(qa, (size_t)rows * K);
+    o->da.scales = dcopy(sa, (size_t)rows * kb * 4 + 4);
+    o->db.codes = dcopy(qb, (size_t)G * N * K);
+    o->db.scales = dcopy(sb, (size_t)G * nbn * kb * 4);
+}
+
+static void grouped_free(grouped_operands *o) {
+    free((void *)o->ha.codes), free((void *)o->ha.scales);
+    free((void *)o->hb.codes), free((void *)o->hb.scales);
+    moe_cuda_free((void *)o->da.codes), moe_cuda_free((void *)o->da.scales);
+    moe_cuda_free((void *)o->db.codes), moe_cuda_free((void *)o->db.scales);
+}
+
+/* S[r][n] = Σ_k |deq(a)[r][k]·deq(b_g)[n][k]| for the group g of row r */
+static float *grouped_abs_product(const grouped_operands *o, const int *off, int G, int rows,
+                                  int N, int K) {
+    moe_error err;
+    const int kb = K / 128, nbn = (N + 127) / 128;
+    float *da = hpoison((size_t)rows * K * 4 + 4), *db = hpoison((size_t)N * K * 4);
+    float *s = hpoison((size_t)rows * N * 4 + 4);
+    ck_assert_int_eq(moe_cpu_qmatrix_dequant(da, &o->ha, rows, K, &err), MOE_OK);
+    for (size_t i = 0; i < (size_t)rows * K; i++)
+        da[i] = fabsf(da[i]);
+    for (int g = 0; g < G; g++) {
+        moe_qmatrix bg = o->hb;
+        bg.codes += (size_t)g * N * K;
+        bg.scales = (const float *)o->hb.scales + (size_t)g * nbn * kb;
+        ck_assert_int_eq(moe_cpu_qmatrix_dequant(db, &bg, N, K, &err), MOE_OK);
+        for (size_t i = 0; i < (size_t)N * K; i++)
+            db[i] = fabsf(db[i]);
+        if (off[g + 1] > off[g])
+            moe_cpu_matmul_forward(s + (size_t)off[g] * N, da + (size_t)off[g] * K, db,
+                                   off[g + 1] - off[g], K, N);
+    }
+    free(da), free(db);
+    return s;
+}
+
+/* Our sm_90a FP8 grouped GEMM (kernels/grouped_gemm_fp8_sm90.cu) against its CPU twin
+ * (moe_cpu_fp8_grouped_gemm: the same codes and scales dequantized, fp32 GEMM per group), on
+ * ragged groups: empty ones, a single row, sizes around the 64-row warpgroup and 128-row tile
+ * boundaries, a last group ending inside a warpgroup's rows, N not a multiple of the 128-column
+ * tile or weight block, and a case with more tiles than SMs and more k-blocks than pipeline
+ * stages (the ring wraps within and across tiles); both variants of the kernel (the consumer
+ * warpgroups issuing their MMAs together or in turn), bf16 and fp32 D. D is poisoned first (0xAB bytes) and every
+ * element is compared: a row or column the kernel forgets is off by O(1e38).
+ * Tolerance per element relative to S = Σ_k |a_k·b_k| (as the dense GEMM's test): 5e-3 with
+ * bf16 D (its rounding, 2⁻⁹·|D|), 2e-3 with fp32 D; and the Frobenius relative error
+ * ||gpu − cpu|| / ||cpu|| ≤ 1e-2. The scales are applied per 128-deep K block in fp32 (the
+ * promotion), so fp32 D is expected far inside its bound. */
+START_TEST(test_gpu_fp8_grouped_gemm) {
+    if (!moe_cuda_grouped_sm90_available()) {
+        printf("  FP8 grouped GEMM: skipped: not a Hopper GPU (our kernel is sm_90a only)\n");
+        return;
+    }
+    static const int sizes0[] = {0, 1, 63, 64, 65, 129};      /* around 64 and 128 */
+    static const int sizes1[] = {128, 127, 0, 200, 192};      /* a tile, one short, ... */
+    static const int sizes2[] = {1, 0, 0};                    /* one row in all */
+    static int sizes3[16];                                    /* more tiles than SMs */
+    for (int g = 0; g < 16; g++)
+        sizes3[g] = 250 + 37 * (g % 5) - (g == 3 ? 250 : 0); /* 111 to 398 rows */
+    const struct {
+        const int *sizes;
+        int G, N, K;
+    } cases[] = {{sizes0, 6, 272, 256}, {sizes1, 5, 256, 384}, {sizes2, 3, 128, 128},
+                 {sizes3, 16, 384, 1024}};
+    moe_error err;
+    int ok = 1;
+    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+        const int G = cases[ci].G, N = cases[ci].N, K = cases[ci].K;
+        int off[17];
+        off[0] = 0;
+        for (int g = 0; g < G; g++)
+            off[g + 1] = off[g] + cases[ci].sizes[g];
+        const int rows = off[G];
+        float *x = gemm_input(rows, K, 1300 + ci, 0);
+        float *w = gemm_input(G * N, K, 1400 + ci, 1);
+        grouped_operands o;
+        grouped_make(&o, x, w, G, rows, N, K);
+        const size_t n = (size_t)rows * N;
+        float *ref = hpoison(n * 4 + 4), *got = hpoison(n * 4 + 4);
+        ck_assert_int_eq(moe_cpu_fp8_grouped_gemm(ref, &o.ha, &o.hb, off, G, rows, N, K, &err),
+                         MOE_OK);
+        float *mag = grouped_abs_product(&o, off, G, rows, N, K);
+        int *doff = dcopy(off, sizeof(int) * (G + 1));
+        for (int v = 0; v < 4; v++) {
+            const int fp32 = v & 1, ord = v >> 1; /* output type; the kernel's variant */
+            moe_cuda_fp8_grouped_set_ordered(ord);
+            void *dd = dpoison(n * (fp32 ? 4 : 2));
+            const moe_status st =
+                moe_cuda_fp8_grouped_gemm(dd, fp32, &o.da, &o.db, doff, G, rows, N, K, &err);
+            ck_assert_msg(st == MOE_OK, "case %zu: %s", ci, err.msg);
+            if (fp32)
+                moe_cuda_to_host(got, dd, n * 4);
+            else
+                moe_cuda_read_act(got, dd, n);
+            double worst = 0, e2 = 0, r2 = 0;
+            for (size_t i = 0; i < n; i++) {
+                const double diff = fabs((double)got[i] - ref[i]);
+                const double e = diff / (mag[i] + 1e-30);
+                worst = e > worst || isnan(e) ? e : worst;
+                e2 += diff * diff;
+                r2 += (double)ref[i] * ref[i];
+            }
+            const double frob = rows ? sqrt(e2 / (r2 + 1e-300)) : 0;
+            const int pass = worst <= (fp32 ? 2e-3 : 5e-3) && frob <= 1e-2 && !isnan(frob);
+            printf("  FP8 grouped G=%-2d rows=%-4d N=%d K=%-4d %-8s %s D: max |gpu - cpu| / S "
+                   "%.2e, ||gpu - cpu|| / ||cpu|| %.2e %s\n",
+                   G, rows, N, K, ord ? "ordered" : "lockstep", fp32 ? "fp32" : "bf16", worst,
+                   frob, pass ? "ok" : "TOO LARGE");
+            ok &= pass;
+            moe_cuda_free(dd);
+        }
+        moe_cuda_free(doff);
+        free(x), free(w), free(ref), free(got), free(mag);
+        grouped_free(&o);
+    }
+    moe_cuda_fp8_grouped_set_ordered(MOE_FP8_GROUPED_ORDERED_DEFAULT);
+    ck_assert_msg(ok, "the FP8 grouped GEMM differs from its CPU twin");
+}
+END_TEST
+
+/* its named errors: K not a multiple of 128, a recipe or format it does not take, too many
+ * groups (each the shared check moe_fp8_grouped_check, the same on the CPU twin) */
+START_TEST(test_gpu_fp8_grouped_gemm_errors) {
+    moe_error err;
+    uint8_t *codes = dpoison(64 * 256);
+    float *scales = dpoison(64 * 4);
+    int *doff = dpoison(sizeof(int) * 2);
+    void *d = dpoison(64 * 64 * 2);
+    moe_qmatrix a = {.recipe = MOE_QUANT_BLOCK_1X128, .format = MOE_FP8_E4M3, .codes = codes,
+                     .scales = scales};
+    moe_qmatrix b = a;
+    b.recipe = MOE_QUANT_BLOCK_128X128;
+    ck_assert_int_eq(moe_cuda_fp8_grouped_gemm(d, 0, &a, &b, doff, 1, 16, 64, 200, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err.msg, "multiple of 128"));
+    ck_assert_int_eq(moe_cuda_fp8_grouped_gemm(d, 0, &a, &a, doff, 1, 16, 64, 128, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err.msg, "128x128"));
+    moe_qmatrix e5 = a;
+    e5.format = MOE_FP8_E5M2;
+    ck_assert_int_eq(moe_cuda_fp8_grouped_gemm(d, 0, &e5, &b, doff, 1, 16, 64, 128, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err.msg, "E4M3"));
+    ck_assert_int_eq(moe_cuda_fp8_grouped_gemm(d, 0, &a, &b, doff, 1, 16, 40, 128, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_int_eq(moe_cuda_fp8_grouped_gemm(d, 0, &a, &b, doff, 300, 16, 64, 128, &err),
+                     MOE_ERR_CONFIG);
+    moe_cuda_free(codes), moe_cuda_free(scales), moe_cuda_free(doff), moe_cuda_free(d);
+}
+END_TEST
+
 /* Chapter 05's emulated training (lib/lowp.h): the CUDA QDQ op on bf16 activations equals
  * the CPU's on the same values, rounded to bf16 once at the end (the CPU keeps fp32), byte
  * for byte, for every recipe; the output and the workspace start poisoned. */
@@ -619,6 +801,7 @@ Suite *suite_gpu_quant(void) {
                                   test_gpu_quant_blockwise,  test_gpu_quant_blockwise_t,
                                   test_gpu_quant_mxfp8,      test_gpu_quant_nvfp4,
                                   test_gpu_fp8_gemm,         test_gpu_fp8_gemm_blockwise_shapes,
-                                  test_gpu_fp8_gemm_errors,  test_gpu_qdq};
-    return moe_test_chapter_suite("gpu_quant", "ch05", tests, 10);
+                                  test_gpu_fp8_gemm_errors,  test_gpu_fp8_grouped_gemm,
+                                  test_gpu_fp8_grouped_gemm_errors, test_gpu_qdq};
+    return moe_test_chapter_suite("gpu_quant", "ch05", tests, 12);
 }

@@ -1033,6 +1033,67 @@ START_TEST(test_fp8_gemm_cpu_twin) {
 }
 END_TEST
 
+/* The FP8 grouped GEMM's CPU twin (the reference of our sm_90a kernel): on ragged groups
+ * (empty, 1 row, 5 rows, 130 rows; N = 144, a partial 128×128 weight block) each row equals
+ * the double-precision dot products of its dequantized row of A and its expert's dequantized
+ * B_g (A 1×128 over all rows, B 128×128 per expert); and the shape rules are named errors. */
+START_TEST(test_fp8_grouped_gemm_cpu_twin) {
+    enum { G = 4, N = 144, K = 256, NBN = 2, KB = 2 };
+    const int off[G + 1] = {0, 0, 1, 6, 136};
+    const int rows = off[G];
+    moe_error err;
+    float *x = frand(rows * K, 710, 0), *w = frand(G * N * K, 711, 0);
+    uint8_t *qa = poisoned(rows * K), *qb = poisoned(G * N * K);
+    float *sa = poisoned(rows * KB * 4), *sb = poisoned(G * NBN * KB * 4);
+    ck_assert_int_eq(moe_cpu_quant_blockwise(qa, sa, x, rows, K, MOE_FP8_E4M3, 0, 0, &err),
+                     MOE_OK);
+    for (int g = 0; g < G; g++)
+        ck_assert_int_eq(moe_cpu_quant_blockwise(qb + g * N * K, sb + g * NBN * KB,
+                                                 w + g * N * K, N, K, MOE_FP8_E4M3, 1, 0, &err),
+                         MOE_OK);
+    moe_qmatrix a = {.recipe = MOE_QUANT_BLOCK_1X128, .format = MOE_FP8_E4M3, .codes = qa,
+                     .scales = sa};
+    moe_qmatrix b = {.recipe = MOE_QUANT_BLOCK_128X128, .format = MOE_FP8_E4M3, .codes = qb,
+                     .scales = sb};
+    float *da = poisoned(rows * K * 4), *db = poisoned(G * N * K * 4), *d = poisoned(rows * N * 4);
+    ck_assert_int_eq(moe_cpu_qmatrix_dequant(da, &a, rows, K, &err), MOE_OK);
+    for (int g = 0; g < G; g++) {
+        moe_qmatrix bg = b;
+        bg.codes = qb + g * N * K;
+        bg.scales = sb + g * NBN * KB;
+        ck_assert_int_eq(moe_cpu_qmatrix_dequant(db + g * N * K, &bg, N, K, &err), MOE_OK);
+    }
+    ck_assert_int_eq(moe_cpu_fp8_grouped_gemm(d, &a, &b, off, G, rows, N, K, &err), MOE_OK);
+    double worst = 0, norm = 0;
+    for (int g = 0; g < G; g++)
+        for (int r = off[g]; r < off[g + 1]; r++)
+            for (int n = 0; n < N; n++) {
+                double ref = 0;
+                for (int k = 0; k < K; k++)
+                    ref += (double)da[r * K + k] * db[(g * N + n) * K + k];
+                worst = fmax(worst, fabs(d[r * N + n] - ref));
+                norm = fmax(norm, fabs(ref));
+            }
+    ck_assert_msg(worst <= 1e-5 * norm, "grouped twin vs double %g (max |D| %g)", worst, norm);
+    /* the named errors */
+    ck_assert_int_eq(moe_cpu_fp8_grouped_gemm(d, &a, &b, off, G, rows, N, 200, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err.msg, "multiple of 128"));
+    ck_assert_int_eq(moe_cpu_fp8_grouped_gemm(d, &a, &a, off, G, rows, N, K, &err),
+                     MOE_ERR_CONFIG);
+    moe_qmatrix e5 = a;
+    e5.format = MOE_FP8_E5M2;
+    ck_assert_int_eq(moe_cpu_fp8_grouped_gemm(d, &e5, &b, off, G, rows, N, K, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_int_eq(moe_cpu_fp8_grouped_gemm(d, &a, &b, off, G, rows, 136, K, &err),
+                     MOE_ERR_CONFIG); /* N not a multiple of 16 */
+    ck_assert_int_eq(moe_cpu_fp8_grouped_gemm(d, &a, &b, off, G, rows - 1, N, K, &err),
+                     MOE_ERR_CONFIG); /* off[G] != rows */
+    ck_assert_int_eq(moe_fp8_grouped_check(&a, &b, 0, rows, N, K, &err), MOE_ERR_CONFIG);
+    free(x), free(w), free(qa), free(qb), free(sa), free(sb), free(da), free(db), free(d);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ QDQ (chapter 05's
  * emulated training, lowp.h) */
 
@@ -1146,6 +1207,7 @@ Suite *suite_quant(void) {
                                   test_stochastic_rounding, test_thread_count_invariant,
                                   test_blockwise_transpose, test_fp8_gemm_check,
                                   test_gemm_scale_layouts,  test_fp8_gemm_cpu_twin,
+                                  test_fp8_grouped_gemm_cpu_twin,
                                   test_qdq_matches_quant_dequant};
-    return moe_test_chapter_suite("quant", "ch05", tests, 15);
+    return moe_test_chapter_suite("quant", "ch05", tests, 16);
 }

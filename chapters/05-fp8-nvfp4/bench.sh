@@ -2,10 +2,13 @@
 # Chapter 05 benchmark, in one device call (on the GPU machine):
 #   chapters/05-fp8-nvfp4/bench.sh          # writes ${OUT:-/tmp}/ch05_fp8_gemm.txt
 #   SHAPE=fc1 REPEATS=5 chapters/05-fp8-nvfp4/bench.sh
+#   SHAPE=moe chapters/05-fp8-nvfp4/bench.sh   # the MoE expert GEMMs only (grouped)
 # 1. bin/ch05_fp8_gemm_bench: bf16 cuBLAS vs our FP8 tensorwise / blockwise GEMMs (with and
 #    without the quantizers) and the emulated MXFP8 / NVFP4 GEMMs, outputs checked first;
 # 2. torch_fp8_gemm.py: torch.mm and torch._scaled_mm (tensorwise, rowwise, blockwise) on the
-#    same shapes and GPU, then ours vs PyTorch side by side.
+#    same shapes and GPU, then ours vs PyTorch side by side. The MoE shapes (Qwen3-30B-A3B,
+#    Mixtral-8x7B expert forwards): our FP8 and bf16 grouped kernels vs the dense FP8
+#    ceiling, then torch._grouped_mm (bf16) and torch._scaled_grouped_mm (rowwise FP8).
 # Needs bin/ch05_fp8_gemm_bench (make, with CUDA) and python3 with PyTorch for step 2.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

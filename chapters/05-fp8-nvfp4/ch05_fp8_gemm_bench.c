@@ -17,14 +17,34 @@
  *   MXFP8 / NVFP4          emulated on Hopper (dequantize → bf16 GEMM): what it costs to run
  *                          the recipes' numerics on a GPU without block-scaled tensor cores
  *
+ * The MoE expert GEMMs (--shape moe, or one of qwen3-fc1, qwen3-fc2, mixtral-fc1, mixtral-fc2):
+ * the forward of every expert at once, Y_g = X_g·W_gᵀ over ragged groups whose offsets stay in
+ * device memory, for Qwen3-30B-A3B (128 experts, H = 2048, F = 768, top-8, T = 4096 tokens:
+ * 32768 rows; fc1 is gate and up fused, N = 2F) and Mixtral-8x7B (8 experts, H = 4096,
+ * F = 14336, top-2, T = 8192: 16384 rows). Group sizes are imbalanced (0.5x to 1.5x the mean,
+ * multiples of 16, the rule of group_sizes(), which torch_fp8_gemm.py repeats). Rows:
+ *
+ *   bf16 grouped (ours)        chapter 03's sm_90a kernel (kernels/grouped_gemm_sm90.cu)
+ *   FP8 grouped (ours)         our sm_90a FP8 kernel (kernels/grouped_gemm_fp8_sm90.cu):
+ *                              1x128 activation x 128x128 weight scales, E4M3, bf16 out
+ *   + quantize A               the same plus the 1x128 quantizer of the activations (fp32 in)
+ *   variant                    the kernel's other variant (its consumer warpgroups issue
+ *                              their MMAs in turn, or together: grouped_gemm_fp8_sm90.cu)
+ *   FP8 dense ceiling          cuBLASLt's blockwise FP8 GEMM on the same rows x N x K as one
+ *                              dense GEMM (one expert's weights): what a grouped GEMM can
+ *                              at best approach
+ *
  * Timing: CUDA events around `inner` back-to-back calls (inner chosen so one sample lasts
  * ~3 ms), after warm-up; the median of --repeats samples. Before timing, every output is
  * checked: 64 random elements against Σ_k deq(a)·deq(b) computed on the host from the
  * operands' codes and scales (tolerance 1e-2·|ref| + 1e-4·Σ|a·b|: bf16 output rounding); the
  * bf16 baseline against the product of its bf16 inputs.
  *
- *   bin/ch05_fp8_gemm_bench [--repeats 15] [--warmup 5] [--shape all|dense|fc1|fc2|qwen]
- *                           [--tsv file]   (one line per measurement, for the PyTorch script)
+ *   bin/ch05_fp8_gemm_bench [--repeats 15] [--warmup 5] [--tsv file]
+ *                           [--shape all|dense|fc1|fc2|qwen|moe|qwen3-fc1|qwen3-fc2|
+ *                                    mixtral-fc1|mixtral-fc2]
+ *   (all: the dense shapes, then the MoE ones; --tsv: one line per measurement, for the
+ *   PyTorch script)
  */
 #include <math.h>
 #include <stdio.h>
@@ -378,6 +398,184 @@ static void bench_shape(const shape *s) {
     moe_cuda_free(x), moe_cuda_free(w), moe_cuda_free(xb), moe_cuda_free(wb), moe_cuda_free(d);
 }
 
+
+/* ------------------------------------------------------------------ the MoE expert GEMMs */
+
+typedef struct gshape {
+    const char *name;
+    int G, rows, N, K;
+} gshape;
+
+static const gshape g_gshapes[] = {
+    {"qwen3-fc1", 128, 32768, 1536, 2048},  /* Qwen3-30B-A3B: gate+up, H -> 2F */
+    {"qwen3-fc2", 128, 32768, 2048, 768},   /* down, F -> H */
+    {"mixtral-fc1", 8, 16384, 28672, 4096}, /* Mixtral-8x7B: w1+w3, H -> 2F */
+    {"mixtral-fc2", 8, 16384, 4096, 14336}, /* w2, F -> H */
+};
+
+/* Imbalanced group sizes that sum to rows: weight w_g = 500 + (7919·g mod 1000) (0.5x to 1.5x
+ * of the mean), each size rows·w_g / Σw rounded down to a multiple of 16, the rest handed out
+ * 16 rows at a time from group 0 (torch_fp8_gemm.py repeats this rule exactly). */
+static void group_sizes(int *off, int G, int rows) {
+    long long sum = 0;
+    for (int g = 0; g < G; g++)
+        sum += 500 + (7919LL * g) % 1000;
+    int left = rows;
+    int *n = malloc(sizeof(int) * (size_t)G);
+    for (int g = 0; g < G; g++) {
+        n[g] = (int)((long long)rows * (500 + (7919LL * g) % 1000) / sum) / 16 * 16;
+        left -= n[g];
+    }
+    for (int g = 0; left > 0; g = (g + 1) % G) {
+        const int add = left < 16 ? left : 16;
+        n[g] += add;
+        left -= add;
+    }
+    off[0] = 0;
+    for (int g = 0; g < G; g++)
+        off[g + 1] = off[g] + n[g];
+    free(n);
+}
+
+typedef struct grouped_ctx {
+    void *d;
+    const void *xb, *wb; /* bf16 operands */
+    qop *a;              /* A's quantizer (1x128, all rows) */
+    moe_qmatrix qa, qb;  /* device operands */
+    const int *doff;
+    int G, rows, N, K, quant_a;
+} grouped_ctx;
+
+static void run_grouped_bf16(void *p) {
+    grouped_ctx *c = p;
+    moe_cuda_grouped_sm90_forward(c->d, c->xb, c->wb, c->doff, c->G, c->rows, c->K, c->N);
+}
+
+static void run_grouped_fp8(void *p) {
+    grouped_ctx *c = p;
+    moe_error err;
+    if (c->quant_a)
+        quantize(c->a);
+    if (moe_cuda_fp8_grouped_gemm(c->d, 0, &c->qa, &c->qb, c->doff, c->G, c->rows, c->N, c->K,
+                                  &err) != MOE_OK)
+        die("FP8 grouped GEMM", &err);
+}
+
+static void run_dense_ceiling(void *p) {
+    grouped_ctx *c = p;
+    moe_error err;
+    if (moe_cuda_fp8_gemm(c->d, 0, &c->qa, &c->qb, c->rows, c->N, c->K, &err) != MOE_OK)
+        die("FP8 dense GEMM", &err);
+}
+
+/* 64 sampled outputs of a grouped GEMM (bf16 D), row i of group g against row g·N + j of B */
+static double check_grouped(const void *d, const int *off, int G, int rows, int N, int K,
+                            row_fn arow, const void *asrc, row_fn brow, const void *bsrc) {
+    float *a = malloc((size_t)K * 4), *b = malloc((size_t)K * 4);
+    double worst = 0;
+    for (int s = 0; s < 64; s++) {
+        const int i = (int)(moe_rng_uniform(96, 1, (uint64_t)s) * rows) % rows;
+        const int j = (int)(moe_rng_uniform(96, 2, (uint64_t)s) * N) % N;
+        int g = 0;
+        while (off[g + 1] <= i)
+            g++;
+        arow(a, asrc, i, K);
+        brow(b, bsrc, g * N + j, K);
+        double ref = 0, mag = 0;
+        for (int k = 0; k < K; k++) {
+            ref += (double)a[k] * b[k];
+            mag += fabs((double)a[k] * b[k]);
+        }
+        float got;
+        moe_cuda_read_act(&got, (const char *)d + ((size_t)i * N + j) * 2, 1);
+        const double e = fabs(got - ref) / (1e-2 * fabs(ref) + 1e-4 * mag + 1e-30);
+        worst = e > worst ? e : worst;
+    }
+    free(a), free(b);
+    return worst;
+}
+
+static void bench_grouped(const gshape *gs) {
+    const int G = gs->G, rows = gs->rows, N = gs->N, K = gs->K;
+    /* the 128x128 weight blocks of all experts quantized at once are each expert's own blocks
+     * only when N is a multiple of 128 (true of every shape here) */
+    if (N % 128 || K % 128) {
+        fprintf(stderr, "ch05_fp8_gemm_bench: %s: N and K must be multiples of 128\n", gs->name);
+        exit(1);
+    }
+    shape s = {gs->name, rows, N, K}; /* for report(): 2·rows·N·K FLOPs */
+    int *off = malloc(sizeof(int) * (size_t)(G + 1));
+    group_sizes(off, G, rows);
+    int lo = rows, hi = 0;
+    for (int g = 0; g < G; g++) {
+        const int n = off[g + 1] - off[g];
+        lo = n < lo ? n : lo;
+        hi = n > hi ? n : hi;
+    }
+    printf("%s: %d experts, %d rows (%d to %d per expert), N=%d, K=%d\n", gs->name, G, rows, lo,
+           hi, N, K);
+    const size_t nx = (size_t)rows * K, nw = (size_t)G * N * K;
+    float *x = dalloc(nx * 4), *w = dalloc(nw * 4);
+    moe_cuda_fill_normal(x, nx, 1235, 1, 1.0);
+    moe_cuda_fill_normal(x + (size_t)(rows / 2) * K, (size_t)16 * K, 1235, 2, 50.0);
+    moe_cuda_fill_normal(w, nw, 1235, 3, 0.02);
+    void *xb = dalloc(nx * 2), *wb = dalloc(nw * 2), *d = dalloc((size_t)rows * N * 2);
+    moe_cuda_cast_to_act(xb, x, nx);
+    moe_cuda_cast_to_act(wb, w, nw);
+    int *doff = dalloc(sizeof(int) * (size_t)(G + 1));
+    moe_cuda_from_host(doff, off, sizeof(int) * (size_t)(G + 1));
+
+    qop a, b;
+    qop_make(&a, MOE_QUANT_BLOCK_1X128, MOE_FP8_E4M3, x, rows, K);
+    qop_make(&b, MOE_QUANT_BLOCK_128X128, MOE_FP8_E4M3, w, G * N, K);
+    grouped_ctx c = {.d = d, .xb = xb, .wb = wb, .a = &a, .qa = a.q, .qb = b.q, .doff = doff,
+                     .G = G, .rows = rows, .N = N, .K = K};
+
+    if (moe_cuda_grouped_sm90_available()) {
+        run_grouped_bf16(&c);
+        g_bf16_ms = 1.0;
+        const double chk = check_grouped(d, off, G, rows, N, K, bf16_rowfn, xb, bf16_rowfn, wb);
+        g_bf16_ms = time_ms(run_grouped_bf16, &c);
+        report(&s, "bf16 grouped (ours, baseline)", g_bf16_ms, chk);
+
+        moe_error err;
+        if (moe_cuda_fp8_grouped_gemm(d, 0, &c.qa, &c.qb, doff, G, rows, N, K, &err) != MOE_OK)
+            die("FP8 grouped GEMM", &err);
+        hop ha, hb;
+        hop_make(&ha, &a);
+        hop_make(&hb, &b);
+        const double chk8 = check_grouped(d, off, G, rows, N, K, hop_rowfn, &ha, hop_rowfn, &hb);
+        report(&s, "FP8 grouped blockwise (ours)", time_ms(run_grouped_fp8, &c), chk8);
+        c.quant_a = 1;
+        report(&s, "FP8 grouped blockwise + quantize A", time_ms(run_grouped_fp8, &c), -1);
+        c.quant_a = 0;
+        /* the other variant of the kernel (the consumer warpgroups issuing together or in
+         * turn), checked again */
+        const int def = moe_cuda_fp8_grouped_ordered();
+        moe_cuda_fp8_grouped_set_ordered(!def);
+        /* poisoned first: 1e30 as fp32 is two large bf16 values */
+        moe_cuda_fill_real(d, 1e30, (size_t)rows * N * 2 / sizeof(moe_real));
+        run_grouped_fp8(&c);
+        const double chkv = check_grouped(d, off, G, rows, N, K, hop_rowfn, &ha, hop_rowfn, &hb);
+        report(&s, def ? "FP8 grouped, lockstep issue (variant)"
+                       : "FP8 grouped, ordered issue (variant)",
+               time_ms(run_grouped_fp8, &c), chkv);
+        moe_cuda_fp8_grouped_set_ordered(def);
+        /* the dense ceiling: expert 0's weights for every row (B's first N rows) */
+        run_dense_ceiling(&c);
+        const double chkd = check(d, rows, N, K, hop_rowfn, &ha, hop_rowfn, &hb);
+        report(&s, "FP8 blockwise dense cuBLASLt (ceiling)", time_ms(run_dense_ceiling, &c),
+               chkd);
+        hop_free(&ha), hop_free(&hb);
+    } else {
+        printf("%s: skipped: our grouped kernels are sm_90a (Hopper) only\n", gs->name);
+    }
+    qop_free(&a), qop_free(&b);
+    moe_cuda_free(x), moe_cuda_free(w), moe_cuda_free(xb), moe_cuda_free(wb), moe_cuda_free(d);
+    moe_cuda_free(doff);
+    free(off);
+}
+
 int main(int argc, char **argv) {
     const char *want = "all", *tsv = NULL;
     for (int i = 1; i < argc; i++) {
@@ -391,8 +589,8 @@ int main(int argc, char **argv) {
             tsv = argv[++i];
         else {
             fprintf(stderr,
-                    "usage: %s [--repeats 15] [--warmup 5] [--shape all|dense|fc1|fc2|qwen] "
-                    "[--tsv file]\n",
+                    "usage: %s [--repeats 15] [--warmup 5] [--shape all|dense|fc1|fc2|qwen|moe|"
+                    "qwen3-fc1|qwen3-fc2|mixtral-fc1|mixtral-fc2] [--tsv file]\n",
                     argv[0]);
             return 2;
         }
@@ -421,6 +619,12 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < sizeof g_shapes / sizeof *g_shapes; i++)
         if (!strcmp(want, "all") || !strcmp(want, g_shapes[i].name)) {
             bench_shape(&g_shapes[i]);
+            any = 1;
+        }
+    for (size_t i = 0; i < sizeof g_gshapes / sizeof *g_gshapes; i++)
+        if (!strcmp(want, "all") || !strcmp(want, "moe") || !strcmp(want, g_gshapes[i].name)) {
+            printf("\n");
+            bench_grouped(&g_gshapes[i]);
             any = 1;
         }
     if (g_tsv)

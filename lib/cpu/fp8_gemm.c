@@ -7,6 +7,7 @@
  */
 #include <stdlib.h>
 
+#include "config.h" /* MOE_GROUPED_DEV_MAX_GROUPS */
 #include "fp8_gemm.h"
 #include "ops.h"
 
@@ -152,9 +153,9 @@ static moe_status dequant_real(moe_real **out, const moe_qmatrix *q, int rows, i
     return MOE_OK;
 }
 
-moe_status moe_cpu_fp8_gemm(float *d, const moe_qmatrix *a, const moe_qmatrix *b, int M, int N,
+/* D = deq(A)·deq(B)ᵀ, the shape already checked */
+static moe_status gemm_twin(float *d, const moe_qmatrix *a, const moe_qmatrix *b, int M, int N,
                             int K, moe_error *err) {
-    MOE_TRY(moe_fp8_gemm_check(a, b, M, N, K, err));
     moe_real *da = NULL, *db = NULL;
     moe_status s = dequant_real(&da, a, M, K, err);
     if (s == MOE_OK)
@@ -178,4 +179,72 @@ moe_status moe_cpu_fp8_gemm(float *d, const moe_qmatrix *a, const moe_qmatrix *b
     free(da);
     free(db);
     return s;
+}
+
+moe_status moe_cpu_fp8_gemm(float *d, const moe_qmatrix *a, const moe_qmatrix *b, int M, int N,
+                            int K, moe_error *err) {
+    MOE_TRY(moe_fp8_gemm_check(a, b, M, N, K, err));
+    return gemm_twin(d, a, b, M, N, K, err);
+}
+
+moe_status moe_fp8_grouped_check(const moe_qmatrix *a, const moe_qmatrix *b, int G, int rows,
+                                 int N, int K, moe_error *err) {
+    if (a->recipe != MOE_QUANT_BLOCK_1X128 || b->recipe != MOE_QUANT_BLOCK_128X128)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "FP8 grouped GEMM: blockwise only, 1x128 activations (A) x 128x128 "
+                             "weights (B); got recipes %d x %d (--fp8-recipe blockwise)",
+                             (int)a->recipe, (int)b->recipe);
+    if (a->format != MOE_FP8_E4M3 || b->format != MOE_FP8_E4M3)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "FP8 grouped GEMM: E4M3 x E4M3 only (the forward's operands in "
+                             "both --fp8-format e4m3 and hybrid); got formats %d x %d",
+                             (int)a->format, (int)b->format);
+    if (G < 1 || G > MOE_GROUPED_DEV_MAX_GROUPS)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "FP8 grouped GEMM: G=%d groups, the kernel takes 1 to %d (its "
+                             "shared-memory offset table)",
+                             G, MOE_GROUPED_DEV_MAX_GROUPS);
+    if (rows < 0 || N <= 0 || N % 16)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "FP8 grouped GEMM: rows=%d N=%d: rows must be >= 0 and N a "
+                             "positive multiple of 16 (16-byte output rows for TMA); pad the "
+                             "experts' output width",
+                             rows, N);
+    if (K <= 0 || K % MOE_QUANT_BLOCK)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "FP8 grouped GEMM: K=%d is not a positive multiple of %d: the "
+                             "kernel applies one scale per 128-deep K block, one pipeline "
+                             "stage; pad K with zero columns to a multiple of %d",
+                             K, MOE_QUANT_BLOCK, MOE_QUANT_BLOCK);
+    if (!a->codes || !b->codes || !a->scales || !b->scales)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "FP8 grouped GEMM: an operand lacks its codes or scales (NULL)");
+    return MOE_OK;
+}
+
+moe_status moe_cpu_fp8_grouped_gemm(float *d, const moe_qmatrix *a, const moe_qmatrix *b,
+                                    const int *off, int G, int rows, int N, int K,
+                                    moe_error *err) {
+    MOE_TRY(moe_fp8_grouped_check(a, b, G, rows, N, K, err));
+    if (off[0] != 0 || off[G] != rows)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "FP8 grouped GEMM twin: offsets run from %d to %d, not 0 to rows=%d",
+                             off[0], off[G], rows);
+    const int kb = K / MOE_QUANT_BLOCK, nbn = (N + MOE_QUANT_BLOCK - 1) / MOE_QUANT_BLOCK;
+    for (int g = 0; g < G; g++) {
+        const int n = off[g + 1] - off[g];
+        if (n < 0)
+            return moe_error_set(err, MOE_ERR_CONFIG,
+                                 "FP8 grouped GEMM twin: offsets decrease at group %d", g);
+        if (n == 0)
+            continue;
+        /* the group's rows of A (1×128: rows are independent) and expert g's weights */
+        moe_qmatrix av = *a, bv = *b;
+        av.codes = a->codes + (size_t)off[g] * K;
+        av.scales = (const float *)a->scales + (size_t)off[g] * kb;
+        bv.codes = b->codes + (size_t)g * N * K;
+        bv.scales = (const float *)b->scales + (size_t)g * nbn * kb;
+        MOE_TRY(gemm_twin(d + (size_t)off[g] * N, &av, &bv, n, N, K, err));
+    }
+    return MOE_OK;
 }

@@ -1,0 +1,163 @@
+/**
+ * @file sm90_epilogue.cuh
+ * @brief What the sm_90a grouped GEMMs do after their main loop, written once for the bf16
+ *        kernel (grouped_gemm_sm90.cu) and the FP8 one (grouped_gemm_fp8_sm90.cu): a consumer
+ *        warpgroup's 64-row block of fp32 accumulators leaves either through a shared-memory
+ *        staging buffer and TMA (whole 64-row blocks), or by direct, row-masked stores (a
+ *        block that a group ends inside: a TMA box cannot skip the next group's rows).
+ *
+ * The accumulator layout of wgmma m64nN (fp32, any K and input type): thread t of the
+ * warpgroup (warp w = t/32, lane l) holds, for each 8-column block j, d[4j+0..1] at row
+ * 16w + l/4, columns 8j + 2(l%4) + 0..1, and d[4j+2..3] at the row 8 below.
+ *
+ * The staging buffer is written in the 128-byte swizzled layout of a TMA box [64 rows][128
+ * bytes] (moe_swizzle128; that also keeps the shared-memory writes free of bank conflicts),
+ * a PIECE of C_BYTES at a time; one thread hands each piece's boxes to TMA (a store or a
+ * reduce-add, as the caller's `issue` decides) and the warpgroup goes on; before the next
+ * piece is written into the same buffer, it waits until TMA has READ the last one (short:
+ * the global writes complete later). Measured on an H200 (docs/results/03-grouped-gemm.md):
+ * storing straight from registers cost 15-35 % of the bf16 GEMM's time.
+ */
+#ifndef MOE_SM90_EPILOGUE_CUH
+#define MOE_SM90_EPILOGUE_CUH
+
+#include <stdint.h>
+
+#include "cuda_common.cuh"
+#include "sm90_ptx.cuh"
+
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL) /* nothing for sm_100a */
+
+/** Named barrier @p id (0 is __syncthreads'): wait until @p n threads have arrived, this one
+ *  included. */
+static __device__ __forceinline__ void named_bar_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+/** Arrive on named barrier @p id (of @p n threads) without waiting: a signal to the threads
+ *  that named_bar_sync() on it. */
+static __device__ __forceinline__ void named_bar_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+/** Barrier of the 128 threads of consumer warpgroup @p c (named barrier 1 + c; the FP8 kernel
+ *  uses 3 and 4 for its issue order). */
+static __device__ __forceinline__ void wg_barrier(int c) { named_bar_sync(1 + c, 128); }
+
+/** Before writing the staging buffer: the previous copy-out has read it. */
+static __device__ __forceinline__ void epilogue_reserve(int c, int tid) {
+    if (tid == 0)
+        bulk_wait_read();
+    wg_barrier(c);
+}
+
+/** After writing it: make the writes visible to TMA (the async proxy), then hand over. */
+static __device__ __forceinline__ void epilogue_publish(int c) {
+    fence_proxy_async();
+    wg_barrier(c);
+}
+
+/**
+ * Warpgroup @p c's block of 64 rows × @p ncols (≤ NW) accumulators @p d → its staging buffer
+ * @p cs (C_BYTES) → TMA. C32: fp32 output, else bf16. @p issue(src, col) is called by one
+ * thread for each TMA box [64 rows][128 bytes] at @p src whose first column is @p col (from
+ * the block's first): it issues the box's store or reduce-add and returns 1, or returns 0 to
+ * skip this box and the rest of the piece (a column past the tensor).
+ */
+template <int C32, int NW, int C_BYTES, typename Issue>
+static __device__ __forceinline__ void epilogue_staged(const float *d, uint8_t *cs, int c, int tid,
+                                                       int ncols, Issue &&issue) {
+    constexpr int ES = C32 ? 4 : 2;                 /* bytes per output element */
+    constexpr int PIECE_COLS = C_BYTES / (64 * ES); /* columns per piece */
+    constexpr int BOX_COLS = 128 / ES;              /* 64 or 32 */
+    constexpr int PIECES = NW / PIECE_COLS;
+    const int warp = tid / 32, lane = tid % 32, r_lo = warp * 16 + lane / 4;
+#pragma unroll
+    for (int q = 0; q < PIECES; q++) {
+        if (q * PIECE_COLS >= ncols)
+            break;
+        epilogue_reserve(c, tid);
+#pragma unroll
+        for (int jj = 0; jj < PIECE_COLS / 8; jj++) {
+            const int j = q * (PIECE_COLS / 8) + jj; /* the accumulators' 8-column block */
+            const int col = 8 * jj + 2 * (lane % 4);
+            const int box = col / BOX_COLS, cc = col % BOX_COLS;
+            const int chunk = cc * ES / 16, within = (cc * ES) % 16;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int row = r_lo + 8 * h;
+                uint8_t *dst = cs + box * 8192 + moe_swizzle128(row, chunk) + within;
+                if (C32)
+                    *(float2 *)dst = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                else
+                    *(__nv_bfloat162 *)dst =
+                        __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+            }
+        }
+        epilogue_publish(c);
+        if (tid == 0) {
+            for (int box = 0; box < PIECE_COLS / BOX_COLS; box++)
+                if (!issue(cs + box * 8192, q * PIECE_COLS + box * BOX_COLS))
+                    break;
+            bulk_commit();
+        }
+    }
+}
+
+/**
+ * The same block written directly to @p C ([*, ldc], bf16 or fp32 as C32), rows from @p m_wg
+ * (the block's first) up to @p r_end (exclusive: where the group ends), columns from @p n_wg,
+ * at most @p ncols of them and none at or past @p ldc; @p accumulate adds to C.
+ */
+template <int C32, int NW>
+static __device__ __forceinline__ void epilogue_masked(const float *d, void *C, int ldc, int m_wg,
+                                                       int n_wg, int ncols, int r_end, int tid,
+                                                       int accumulate) {
+    const int warp = tid / 32, lane = tid % 32, r_lo = warp * 16 + lane / 4;
+#pragma unroll
+    for (int j = 0; j < NW / 8; j++) {
+        if (8 * j >= ncols)
+            break;
+        const int col = n_wg + 8 * j + 2 * (lane % 4);
+        if (col >= ldc)
+            continue;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int row = m_wg + r_lo + 8 * h;
+            if (row >= r_end)
+                continue;
+            float x = d[4 * j + 2 * h], y = d[4 * j + 2 * h + 1];
+            const size_t at = (size_t)row * ldc + col;
+            if (C32) {
+                float2 *o = (float2 *)((float *)C + at);
+                if (accumulate) {
+                    x += o->x;
+                    y += o->y;
+                }
+                *o = make_float2(x, y);
+            } else {
+                __nv_bfloat162 *o = (__nv_bfloat162 *)((moe_bf16 *)C + at);
+                if (accumulate) {
+                    const float2 old = __bfloat1622float2(*o);
+                    x += old.x;
+                    y += old.y;
+                }
+                *o = __floats2bfloat162_rn(x, y);
+            }
+        }
+    }
+}
+#endif
+
+/** The number of SMs of the current device (one CTA per SM for the persistent kernels). */
+static inline int moe_sm90_num_sms(void) {
+    static int n = 0;
+    if (!n) {
+        int dev;
+        MOE_CUDA_CHECK(cudaGetDevice(&dev));
+        MOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    }
+    return n;
+}
+
+#endif /* MOE_SM90_EPILOGUE_CUH */
