@@ -47,15 +47,18 @@
  *
  * So the share192 schedules let a group's tail rows SHARE the weight block instead: a
  * group of 128·q + t rows (q >= 1, 1 <= t <= 64) computes its last 128 + t rows in tiles
- * of 192 rows × SBN columns (lib/moe/tile_schedule.h, moe_tile_share_rule; SBN = 160 for
- * forward, 128 for dgrad, see sbn_of). A stage holds 3 A boxes of 64 rows (24 KB) and the
- * SBN weight columns (20 or 16 KB); warpgroup c multiplies its 64 full rows by all SBN
- * columns (m64nSBN) and the tail rows (A's third box) by its half of them (m64nSBN/2),
- * 0.75·SBN accumulators, which fit where a 128 × 256 tile's 128 do. Per 256 columns and
- * k-step that is 70 KB (forward) instead of the 88 KB of a full and a tail tile, and 192
- * instead of 256 rows of MMA. The sharing tiles are their own kernel instantiation
- * (SHARE): the other schedules' kernels are compiled exactly as without them (with both
- * in one function, ptxas serialised the forward's wgmma for want of registers).
+ * of 192 rows × SBN = 128 columns (lib/moe/tile_schedule.h, moe_tile_share_rule). A stage
+ * holds 3 A boxes of 64 rows (24 KB) and the 128 weight columns (16 KB); warpgroup c
+ * multiplies its 64 full rows by all 128 columns (m64n128) and the tail rows (A's third
+ * box) by columns 64c .. 64c + 63 (m64n64): 96 accumulators. Per 256 columns and k-step
+ * two such tiles move 80 KB instead of the 88 KB of a full and a tail tile, and compute
+ * 192 instead of 256 rows of MMA. Measured on an H100 (docs/results/03-grouped-gemm-ii.md
+ * §3c) it does not remove the cliff: the MMA work falls, but under the static schedule
+ * the CTAs holding the cheaper sharing tiles run ahead and the weights are read from DRAM
+ * again, and the dynamic schedule's own cost above 128 rows eats the rest; so it is a
+ * flag, off by default. The sharing tiles are their own kernel instantiation (SHARE): the
+ * other schedules' kernels compile exactly as without them (with both in one function,
+ * ptxas serialised the forward's wgmma for want of registers).
  *
  * Epilogue: each consumer warpgroup writes its 64 × 256 block from registers into its
  * own 16 KB shared-memory staging buffer, a piece at a time (in the swizzled layout of a
@@ -157,12 +160,14 @@ constexpr int MIN_CHUNK_KSTEPS = 4; /* ... and the fewest k-steps a chunk gets o
 
 enum Mode { FWD = 0, DGRAD = 1, WGRAD = 2 };
 
-/* Columns of a tail-sharing tile (192 rows, see Scheduler): as wide as 128 fp32
- * accumulators per consumer thread allow — 64 rows × SBN plus half the 64 tail rows
- * × SBN is 0.75·SBN per thread, and SBN must be a multiple of 16 whose halves a wgmma can
- * start at. Forward: 160 (B K-major: any multiple of 8 rows). Dgrad: 128 (B MN-major: a
- * wgmma operand starts on a 64-column box, so halves of 64). */
-__host__ __device__ constexpr int sbn_of(int mode) { return mode == FWD ? 160 : 128; }
+/* Columns of a tail-sharing tile (192 rows, see Scheduler). A consumer thread holds
+ * 0.75·SBN of its accumulators (64 rows × SBN, and the 64 tail rows × SBN / 2), so up to
+ * 170 would fit where a 128 × 256 tile's 128 do; dgrad's MN-major B can only be split on
+ * its 64-column boxes, so 128 there. 128 for the forward too: a 160-column forward tile
+ * (K-major B allows it) measured slower — the 160-column tiles leave slots without work
+ * where N is a multiple of 256, and need direct stores for their last 32 columns
+ * (docs/results/03-grouped-gemm-ii.md §3c). */
+constexpr int SBN = BN / 2;
 
 struct Params {
     const int *off; /* [G+1] group row offsets, DEVICE memory */
@@ -176,7 +181,7 @@ struct Params {
     int split;      /* wgrad: chunks each group's rows are cut into (1 = none, 0 = unset) */
     int fine;       /* forward/dgrad, how a group's last <= 64 rows are computed (see
                        Scheduler): 0 = in a 128-row tile; 1 = in a 64 × 256 tile (tail64);
-                       2 = with the 128 rows before them, in 192 × 192 tiles (share192) */
+                       2 = with the 128 rows before them, in 192 × 128 tiles (share192) */
     int dyn;        /* 1: CTAs claim their tiles in index order from g_claims (forward and
                        dgrad, see the kernel's tile ring); 0: CTA b takes b, b + grid, ... */
     /* the fused permutation (GATHER kernels only): the GEMM's input row r is token row
@@ -194,7 +199,7 @@ struct Tile {
     int gc;        /* wgrad: the [O, I] block of C it writes (group, or chunk · G + group) */
     int half;      /* forward/dgrad: a 64 × 256 tile, the two warpgroups side by side
                       (each 64 rows × 128 columns) instead of one above the other */
-    int share;     /* forward/dgrad: a tail-sharing tile of 192 rows × sbn_of(MODE) columns
+    int share;     /* forward/dgrad: a tail-sharing tile of 192 rows × SBN columns
                       (rows m0 .. r1 - 1, 129 to 192 of them; see Scheduler) */
 };
 
@@ -271,7 +276,7 @@ template <int MODE, int SHARE> struct Scheduler {
         /* share192 (the SHARE kernels): a group's last 128 + (1 .. 64) rows in 192-row
          * tiles, placed in the slots of its last two m-tiles; a slot without such a tile
          * has no work (nk = 0) */
-        const int kind = SHARE ? moe_tile_share_rule(&x, BM, BN, sbn_of(MODE), N) : 1;
+        const int kind = SHARE ? moe_tile_share_rule(&x, BM, BN, SBN, N) : 1;
         ti.share = kind == 2;
         ti.g = x.g;
         ti.m0 = x.m0;
@@ -300,27 +305,25 @@ template <int MODE, int SHARE> struct Scheduler {
  * issues fence.proxy.async (the producer cannot: it does not wait for its copies). */
 
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL) /* nothing for sm_100a */
-/* forward, A [128 or 192 rows][64 k] K-major: lane l holds the source token of rows l + 32j
+/* forward, A [128 rows][64 k] K-major: lane l holds the source token of rows l + 32j
  * (tok[j], -1 past the group's end: those rows are zero-filled and never stored) */
-__device__ __forceinline__ void gather_tokens(int tok[6], const Params &p, int first, int end,
+__device__ __forceinline__ void gather_tokens(int tok[4], const Params &p, int first, int end,
                                               int lane, int n) {
 #pragma unroll
-    for (int j = 0; j < 6; j++) {
+    for (int j = 0; j < 4; j++) {
         const int r = first + lane + 32 * j;
         tok[j] = j < n && r < end ? p.gmap[r] / p.gdiv : -1;
     }
 }
 
-/* ... and k-step k0 of its ROWS rows: pass i copies rows 4i .. 4i + 3, lane l the 16-byte
- * chunk l % 8 of row 4i + l / 8 (a row is 64 bf16 = 8 chunks; 4 rows = 512 bytes per pass;
- * the 64-row boxes of a 192-row A lie 8 KB apart, so row 64.. simply continues the layout) */
-template <int ROWS>
-__device__ __forceinline__ void gather_a_kmajor(uint8_t *a, const int tok[6], const Params &p,
+/* ... and k-step k0 of it: pass i copies rows 4i .. 4i + 3, lane l the 16-byte chunk l % 8
+ * of row 4i + l / 8 (a row is 64 bf16 = 8 chunks; 4 rows = 512 bytes per pass) */
+__device__ __forceinline__ void gather_a_kmajor(uint8_t *a, const int tok[4], const Params &p,
                                                 int k0, int lane) {
     const int chunk = lane % 8, kk = k0 + 8 * chunk;
     const bool kin = kk < p.K; /* K is a multiple of 8: a chunk is wholly in or out */
 #pragma unroll
-    for (int i = 0; i < ROWS / 4; i++) {
+    for (int i = 0; i < BM / 4; i++) {
         const int t = __shfl_sync(0xffffffffu, tok[i / 8], 4 * (i % 8) + lane / 8);
         const bool ok = kin && t >= 0;
         cp_async16(a + moe_swizzle128(4 * i + lane / 8, chunk),
@@ -331,7 +334,7 @@ __device__ __forceinline__ void gather_a_kmajor(uint8_t *a, const int tok[6], co
 /* wgrad, B [64 k][256 n] MN-major (4 boxes of [64 k][64 n], 8 KB apart): a k-row is one
  * token row, so lane l copies chunk l % 8 of box l / 8 of every k-row (512 contiguous
  * bytes of the token per row), its token broadcast from the lane that read it */
-__device__ __forceinline__ void gather_b_mnmajor(uint8_t *b, const int tok[6], const Params &p,
+__device__ __forceinline__ void gather_b_mnmajor(uint8_t *b, const int tok[4], const Params &p,
                                                  int n0, int lane) {
     const int box = lane / 8, chunk = lane % 8, n = n0 + 64 * box + 8 * chunk;
     const bool nin = n < p.N; /* N is a multiple of 8 */
@@ -357,7 +360,7 @@ __device__ int g_claims[2];
 
 /* C32: the output C is fp32 (wgrad's main gradients or split-K partials); else bf16.
  * GATHER: the fused permutation (above); forward and wgrad only. map_bs: the forward's
- * weights in boxes of sbn_of(FWD) = 160 rows (a sharing tile's; map_b's box is 256). */
+ * weights in boxes of SBN = 128 rows (a sharing tile's; map_b's box is 256). */
 template <int MODE, int C32, int GATHER, int SHARE>
 __global__ void __launch_bounds__(THREADS, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
@@ -432,7 +435,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (GATHER || lane == 0) {
             int it = 0;
             Tile ti;
-            int tok[6];
+            int tok[4];
             int t = blockIdx.x;
             for (int j = 0;; j++) {
                 if (p.dyn && lane == 0) {
@@ -451,8 +454,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                     if (GATHER)
                         next = __shfl_sync(0xffffffffu, next, 0);
                 }
-                if (GATHER && MODE == FWD) /* the tile's 128 (192) source rows, once per tile */
-                    gather_tokens(tok, p, ti.m0, ti.r1, lane, ti.share ? 6 : 4);
+                if (GATHER && MODE == FWD) /* the tile's 128 source rows, once per tile */
+                    gather_tokens(tok, p, ti.m0, ti.r1, lane, 4);
                 for (int kt = 0; kt < ti.nk; kt++, it++) {
                     const int s = it % STAGES, phase = (it / STAGES) & 1;
                     const int k0 = kt * BK;
@@ -462,25 +465,21 @@ __global__ void __launch_bounds__(THREADS, 1)
                     uint8_t *a = smem + s * STAGE_BYTES, *b = a + A_BYTES;
                     if (SHARE && ti.share) {
                         /* a sharing tile: A = 3 boxes of 64 rows (24 KB; the third holds
-                         * the group's 1 .. 64 last rows), then its sbn weight columns
-                         * (20 or 16 KB), in the same 48 KB stage */
-                        constexpr int SA = 3 * (A_BYTES / 2), SB = sbn_of(MODE) * BK * 2;
+                         * the group's 1 .. 64 last rows), then its 128 weight columns
+                         * (16 KB), in the same 48 KB stage */
+                        constexpr int SA = 3 * (A_BYTES / 2), SB = SBN * BK * 2;
                         b = a + SA;
                         if (lane == 0) {
-                            mbar_expect_tx(&full[s], GATHER ? SB : SA + SB);
-                            for (int i = 0; !GATHER && i < 3; i++)
+                            mbar_expect_tx(&full[s], SA + SB);
+                            for (int i = 0; i < 3; i++)
                                 tma_load_2d(a + i * (A_BYTES / 2), &map_a, &full[s], k0,
                                             ti.m0 + 64 * i);
-                            if (MODE == FWD) /* K-major: one box of 160 weight rows */
+                            if (MODE == FWD) /* K-major: one box of 128 weight rows */
                                 tma_load_3d(b, &map_bs, &full[s], k0, ti.n0, ti.g);
                             else /* MN-major: [64 k][64 n] boxes */
-                                for (int i = 0; i < sbn_of(MODE) / 64; i++)
+                                for (int i = 0; i < SBN / 64; i++)
                                     tma_load_3d(b + i * 8192, &map_b, &full[s], ti.n0 + 64 * i,
                                                 k0, ti.g);
-                        }
-                        if (GATHER && MODE == FWD) {
-                            gather_a_kmajor<3 * BM / 2>(a, tok, p, k0, lane);
-                            cp_async_mbar_arrive_noinc(&full[s]);
                         }
                         continue;
                     }
@@ -516,7 +515,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                     }
                     if (GATHER) {
                         if (MODE == FWD) /* all 128 rows: those past the group are zeros */
-                            gather_a_kmajor<BM>(a, tok, p, k0, lane);
+                            gather_a_kmajor(a, tok, p, k0, lane);
                         else
                             gather_b_mnmajor(b, tok, p, ti.n0, lane);
                         cp_async_mbar_arrive_noinc(&full[s]);
@@ -543,9 +542,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     uint8_t *cs = smem + STAGES * STAGE_BYTES + c * C_BYTES; /* this warpgroup's C staging */
     int it = 0;
     Tile ti;
-    /* accumulators: 64 × 256 (128 per thread); a sharing tile's 64 × sbn and 64 × sbn / 2
-     * (120 or 96) fit in them. (More do not fit: 288 threads get at most 168 registers.) */
-    constexpr int ND = BN / 2, SBN = sbn_of(MODE);
+    /* accumulators: 64 × 256 (128 per thread); a sharing tile's 64 × SBN and 64 × SBN / 2
+     * (96) fit in them. (More than 128 do not fit: each of 288 threads gets at most 168
+     * registers, three warps of 32 sharing an SM sub-partition's 16K.) */
+    constexpr int ND = BN / 2;
     float d[ND];
     for (int j = 0, t = blockIdx.x;; j++, t += gridDim.x) {
         if (p.dyn) { /* the producer's claim; static: b, b + gridDim, ... as it walks them */
@@ -567,10 +567,9 @@ __global__ void __launch_bounds__(THREADS, 1)
             d[i] = 0.0f;
         /* A sharing tile: warpgroup c computes rows 64c .. 64c + 63 (full rows of the group)
          * × all SBN columns, and the tail rows 128 .. (1 to 64 of them, A's third box) ×
-         * columns c·SBN/2 .. (forward: K-major B, whose row c·80 starts 10 KB on; dgrad:
-         * MN-major, box c, 8 KB on) */
-        const int tail_col = c * (SBN / 2);
-        const int tail_b = MODE == FWD ? tail_col * 128 : c * 8192; /* its byte offset in B */
+         * columns c·SBN/2 .. — 8 KB into B either way (forward: K-major B, its row 64c;
+         * dgrad: MN-major B, its box c) */
+        const int tail_col = c * (SBN / 2), tail_b = c * 8192;
         /* the main loop, one instantiation per warpgroup width (256, 128, or SBN + a tail
          * of SBN / 2), so that no wgmma pipeline spans a branch (ptxas would serialise the
          * MMAs) */
@@ -599,7 +598,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 wgmma_fence();
                 if constexpr (TW == 0) {
                     mma_kstep<NW, TA, TB>(d, a, b);
-                } else { /* sharing tile: A = 3 row boxes (24 KB), then B (192 columns) */
+                } else { /* sharing tile: A = 3 row boxes (24 KB), then B (SBN columns) */
                     uint8_t *st = smem + s * STAGE_BYTES, *bs = st + 3 * (A_BYTES / 2);
                     mma_kstep<NW, TA, TB>(d, st + c * (A_BYTES / 2), bs);
                     mma_kstep<TW, TA, TB>(d + NW / 2, st + A_BYTES, bs + tail_b);
@@ -642,8 +641,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int r_lo = warp * 16 + lane / 4; /* rows r_lo and r_lo + 8 of our 64 */
         const int m_wg = ti.m0 + (half ? 0 : c * 64);        /* our block's first row, */
         const int n_wg = ti.n0 + (half ? c * (BN / 2) : 0);  /* first column */
-        /* and width (a sharing tile's first 128 columns; forward's last 32 leave below) */
-        const int ncols = half || share ? BN / 2 : BN;
+        const int ncols = half || share ? BN / 2 : BN; /* and width */
         /* rows m_base .. of ti's group (not past r1) × columns n_base .. n_base + nc - 1
          * (not past N) of the accumulators dd, 8-column block j in dd[4j .. 4j + 3],
          * written directly with a row mask, accumulating into C where asked; MAXC: the
@@ -729,15 +727,9 @@ __global__ void __launch_bounds__(THREADS, 1)
             store_masked(std::integral_constant<int, BN>(), d, m_wg, n_wg, ncols);
         }
         if constexpr (SHARE) {
-            if (share) {
-                /* forward: columns 128 .. 159 of our full rows (half a TMA box), direct */
-                if constexpr (SBN > BN / 2)
-                    store_masked(std::integral_constant<int, SBN - BN / 2>(), d + BN / 4, m_wg,
-                                 n_wg + BN / 2, SBN - BN / 2);
-                /* the tail rows (1 .. 64 of them): masked, from d[SBN / 2 ..] */
+            if (share) /* the tail rows (1 .. 64 of them): masked, from d[SBN / 2 ..] */
                 store_masked(std::integral_constant<int, SBN / 2>(), d + SBN / 2, ti.m0 + BM,
                              ti.n0 + tail_col, SBN / 2);
-            }
         }
     }
     if (tid == 0)
@@ -778,18 +770,17 @@ void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorM
 }
 
 /* the gathering kernel where p asks for it (forward and wgrad; dgrad never reads the input),
- * the sharing one where the schedule does (p.fine == 2; forward and dgrad: its own
- * instantiation, so the other schedules' kernels are compiled exactly as without it);
- * mbs: the forward's weights in boxes of a sharing tile's 160 rows, else unused (pass mb) */
+ * else the sharing one where the schedule does (p.fine == 2; forward and dgrad: its own
+ * instantiation, so the other schedules' kernels compile exactly as without it). A
+ * gathering forward keeps 128-row tiles under share192 (the kernel's Scheduler ignores
+ * fine == 2 without SHARE): with both, ptxas serialised its wgmma for want of registers.
+ * mbs: the forward's weights in boxes of a sharing tile's 128 rows, else unused (pass mb) */
 template <int MODE, int C32 = MODE == WGRAD>
 void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mbs,
             const CUtensorMap &mc, const Params &p, int max_tiles) {
     constexpr int CAN_SHARE = MODE != WGRAD;
-    if (CAN_SHARE && p.fine == 2) {
-        if (MODE == FWD && p.gmap)
-            launch_kernel<MODE, C32, MODE == FWD, CAN_SHARE>(ma, mb, mbs, mc, p, max_tiles);
-        else
-            launch_kernel<MODE, C32, 0, CAN_SHARE>(ma, mb, mbs, mc, p, max_tiles);
+    if (CAN_SHARE && p.fine == 2 && !p.gmap) {
+        launch_kernel<MODE, C32, 0, CAN_SHARE>(ma, mb, mbs, mc, p, max_tiles);
     } else if (MODE != DGRAD && p.gmap) {
         launch_kernel<MODE, C32, MODE != DGRAD, 0>(ma, mb, mbs, mc, p, max_tiles);
     } else {
@@ -969,7 +960,7 @@ static void sm90_forward(void *out, const Input &in, const void *w, const int *d
     const uint64_t da[2] = {(uint64_t)I, (uint64_t)rows};
     const uint64_t db[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
     const uint64_t dc[2] = {(uint64_t)O, (uint64_t)rows};
-    const uint32_t ba[2] = {BK, BM / 2}, bb[3] = {BK, BN, 1}, bbs[3] = {BK, sbn_of(FWD), 1},
+    const uint32_t ba[2] = {BK, BM / 2}, bb[3] = {BK, BN, 1}, bbs[3] = {BK, SBN, 1},
                    bc[2] = {64, 64};
     Params p = {dev_off, G, 0, O, I, out, 0, 1, sched_fine(schedule()), sched_dyn(schedule()),
                 NULL, NULL, 0, 0};

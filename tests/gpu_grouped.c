@@ -218,11 +218,12 @@ static void check_schedules(const int *sizes, int G, int I, int O) {
 
 START_TEST(test_gpu_grouped_fine_tiles) {
     /* N = 320: the second n-tile of a 64-row tile has valid columns only in warpgroup 0's
-     * half, and it is two forward sharing tiles of 160 columns; K = 200 ends inside a
-     * k-step; dgrad's N = 200 < 256 (sharing tiles of 128 and 72 columns) */
+     * half, and the forward's sharing tiles (128 columns) are 128, 128 and 64 wide, one
+     * slot left without work; K = 200 ends inside a k-step; dgrad's N = 200 < 256
+     * (sharing tiles of 128 and 72 columns) */
     check_schedules(g_edges, N_EDGES, 200, 320);
-    /* N a multiple of 256, so both warpgroups of a 64-row tile store full TMA pieces; the
-     * forward's last sharing tile holds 32 columns (480 .. 511) */
+    /* N a multiple of 256, so both warpgroups of a 64-row tile store full TMA pieces, and
+     * every slot of a sharing group holds a sharing tile */
     check_schedules(g_edges, N_EDGES, 256, 512);
     /* 256 groups (the most the kernel takes): the edge sizes, shifted so that the groups
      * start at every residue, with runs of empty and one-row groups */

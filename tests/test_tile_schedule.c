@@ -268,9 +268,10 @@ START_TEST(test_tile_schedule_share) {
     for (int g = 0; g < 256; g++)
         off[g + 1] = off[g] + edge[(g * 7) % ne];
     const moe_tile_shape s = {128, 256, 8};
-    check_share(off, 256, 320, s, 160); /* the kernel's forward (160) and dgrad (128) */
+    check_share(off, 256, 320, s, 128); /* the kernel's sharing tiles: 128 columns */
     check_share(off, 256, 200, s, 128);
-    /* the first 2·ne groups (every size twice): n-tiles with one or two sharing tiles */
+    /* the first 2·ne groups (every size twice), other widths (160 and 192: n-tiles with
+     * one or two sharing tiles, slots without work) */
     const int Ns[6] = {64, 192, 256, 520, 1000, 4096};
     for (int i = 0; i < 6; i++) {
         check_share(off, 2 * ne, Ns[i], s, 160);

@@ -130,11 +130,12 @@ static inline MOE_HOSTDEV int moe_tile_rows_rule(const moe_tile *ti, int bm, int
  * of rows), and 384 rows of MMA for 257 rows of output. A 64-row tile for the tail halves
  * its MMA work but still loads the weight block (docs/results/03-grouped-gemm-ii.md §3b).
  * With bm = 128 the group's last 129 rows are 192-row tiles instead, whose weight block
- * serves all 192 rows: for the sm_90a kernel, sbn = 160 (forward) — a 44 KB pipeline stage
- * (3 row boxes of 8 KB, 160 weight rows of 128 bytes), 70 KB per 256 columns instead of
- * 88 KB, and 192 instead of 256 rows of MMA — or sbn = 128 (dgrad: 40 KB a stage, 80 KB
- * per 256 columns). (sbn is bounded by the registers: a consumer thread holds 0.75·sbn
- * accumulators of such a tile, and 128 of a 128 × 256 one.)
+ * serves all 192 rows: for the sm_90a kernel sbn = 128, a 40 KB pipeline stage (3 row
+ * boxes of 8 KB, 128 weight columns of 64 k), 80 KB per 256 columns and k-step instead of
+ * 88 KB, and 192 instead of 256 rows of MMA. (sbn is bounded by the registers: a consumer
+ * thread holds 0.75·sbn accumulators of such a tile, and 128 of a 128 × 256 one.) It is
+ * an experiment, off by default: on an H100 it did not remove the cliff
+ * (docs/results/03-grouped-gemm-ii.md §3c).
  *
  * The schedule itself does not change: the group keeps its ceil(r / bm) m-tile SLOTS
  * (moe_tile_prefix_rule() and moe_tile_at_rule() are the same), and the two last slots of
