@@ -99,16 +99,22 @@ void moe_cuda_grouped_sm90_backward_gather(void *din, void *dw, const void *dout
  * split), from host-known sizes only: for tests and benchmarks to report */
 int moe_cuda_grouped_sm90_wgrad_split(int G, int rows, int I, int O);
 /* the forward/dgrad tile schedule of the kernel above (process-wide, not thread-safe):
- * bit 0 gives a group's last <= 64 rows a 64 x 256 tile instead of a 128 x 256 one, bit 1
- * has the CTAs claim tiles in order from a device counter instead of CTA b taking tiles
- * b, b + grid, ... Chosen by moe_cuda_grouped_sm90_set_schedule (tests, the chapter 03
- * benchmark), else by the environment, MOE_GROUPED_SCHEDULE=static|static-tail64|dynamic|
- * dynamic-tail64 (the names of moe_cuda_grouped_sm90_schedule_name), else the default */
+ * how a group's last <= 64 rows are computed — in a 128 x 256 tile, in a 64 x 256 tile
+ * (tail64), or together with the 128 rows before them in 192 x 128 tiles that share the
+ * weight block (share192) — and whether the CTAs claim tiles in order from a device
+ * counter (dynamic) instead of CTA b taking tiles b, b + grid, ... (static). Chosen by
+ * moe_cuda_grouped_sm90_set_schedule (tests, the chapter 03 benchmark), else by the
+ * environment, MOE_GROUPED_SCHEDULE=static|static-tail64|dynamic|dynamic-tail64|
+ * static-share192|dynamic-share192 (the names of moe_cuda_grouped_sm90_schedule_name),
+ * else the default */
 typedef enum moe_grouped_schedule {
     MOE_GROUPED_SCHED_STATIC = 0,         /* 128-row tiles, CTA b takes b, b + grid, ... */
     MOE_GROUPED_SCHED_STATIC_TAIL64 = 1,  /* ... with 64-row tiles for short last tiles */
     MOE_GROUPED_SCHED_DYNAMIC = 2,        /* 128-row tiles, claimed in order */
     MOE_GROUPED_SCHED_DYNAMIC_TAIL64 = 3, /* both */
+    MOE_GROUPED_SCHED_STATIC_SHARE192 = 4,  /* 128-row tiles, but a group's last 128 + (1..64)
+                                               rows in 192 x 128 tiles (tail-sharing) */
+    MOE_GROUPED_SCHED_DYNAMIC_SHARE192 = 5, /* ... claimed in order */
 } moe_grouped_schedule;
 #define MOE_GROUPED_SCHED_DEFAULT MOE_GROUPED_SCHED_STATIC
 void moe_cuda_grouped_sm90_set_schedule(moe_grouped_schedule s);

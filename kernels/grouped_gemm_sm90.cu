@@ -45,6 +45,21 @@
  * docs/results/03-grouped-gemm-ii.md §3b). The main loop is instantiated once per
  * width (256 or 128 columns per warpgroup) so that no wgmma pipeline spans a branch.
  *
+ * So the share192 schedules let a group's tail rows SHARE the weight block instead: a
+ * group of 128·q + t rows (q >= 1, 1 <= t <= 64) computes its last 128 + t rows in tiles
+ * of 192 rows × SBN = 128 columns (lib/moe/tile_schedule.h, moe_tile_share_rule). A stage
+ * holds 3 A boxes of 64 rows (24 KB) and the 128 weight columns (16 KB); warpgroup c
+ * multiplies its 64 full rows by all 128 columns (m64n128) and the tail rows (A's third
+ * box) by columns 64c .. 64c + 63 (m64n64): 96 accumulators. Per 256 columns and k-step
+ * two such tiles move 80 KB instead of the 88 KB of a full and a tail tile, and compute
+ * 192 instead of 256 rows of MMA. Measured on an H100 (docs/results/03-grouped-gemm-ii.md
+ * §3c) it does not remove the cliff: the MMA work falls, but under the static schedule
+ * the CTAs holding the cheaper sharing tiles run ahead and the weights are read from DRAM
+ * again, and the dynamic schedule's own cost above 128 rows eats the rest; so it is a
+ * flag, off by default. The sharing tiles are their own kernel instantiation (SHARE): the
+ * other schedules' kernels compile exactly as without them (with both in one function,
+ * ptxas serialised the forward's wgmma for want of registers).
+ *
  * Epilogue: each consumer warpgroup writes its 64 × 256 block from registers into its
  * own 16 KB shared-memory staging buffer, a piece at a time (in the swizzled layout of a
  * TMA box), and one thread hands each piece to TMA: a store for forward (and for dgrad
@@ -146,6 +161,15 @@ constexpr int MIN_CHUNK_KSTEPS = 4; /* ... and the fewest k-steps a chunk gets o
 
 enum Mode { FWD = 0, DGRAD = 1, WGRAD = 2 };
 
+/* Columns of a tail-sharing tile (192 rows, see Scheduler). A consumer thread holds
+ * 0.75·SBN of its accumulators (64 rows × SBN, and the 64 tail rows × SBN / 2), so up to
+ * 170 would fit where a 128 × 256 tile's 128 do; dgrad's MN-major B can only be split on
+ * its 64-column boxes, so 128 there. 128 for the forward too: a 160-column forward tile
+ * (K-major B allows it) measured slower — the 160-column tiles leave slots without work
+ * where N is a multiple of 256, and need direct stores for their last 32 columns
+ * (docs/results/03-grouped-gemm-ii.md §3c). */
+constexpr int SBN = BN / 2;
+
 struct Params {
     const int *off; /* [G+1] group row offsets, DEVICE memory */
     int G;
@@ -156,8 +180,9 @@ struct Params {
                        ends inside a warpgroup's rows (everything else leaves through map_c) */
     int accumulate; /* C += instead of C = (dgrad; wgrad: reduce-add, else store) */
     int split;      /* wgrad: chunks each group's rows are cut into (1 = none, 0 = unset) */
-    int fine;       /* forward/dgrad: a group's last <= 64 rows get a 64 × 256 tile (see
-                       Scheduler); 0 = 128-row tiles only */
+    int fine;       /* forward/dgrad, how a group's last <= 64 rows are computed (see
+                       Scheduler): 0 = in a 128-row tile; 1 = in a 64 × 256 tile (tail64);
+                       2 = with the 128 rows before them, in 192 × 128 tiles (share192) */
     int dyn;        /* 1: CTAs claim their tiles in index order from g_claims (forward and
                        dgrad, see the kernel's tile ring); 0: CTA b takes b, b + grid, ... */
     /* the fused permutation (GATHER kernels only): the GEMM's input row r is token row
@@ -175,6 +200,8 @@ struct Tile {
     int gc;        /* wgrad: the [O, I] block of C it writes (group, or chunk · G + group) */
     int half;      /* forward/dgrad: a 64 × 256 tile, the two warpgroups side by side
                       (each 64 rows × 128 columns) instead of one above the other */
+    int share;     /* forward/dgrad: a tail-sharing tile of 192 rows × SBN columns
+                      (rows m0 .. r1 - 1, 129 to 192 of them; see Scheduler) */
 };
 
 /* ---------------------------------------------------------------- PTX helpers
@@ -201,10 +228,10 @@ __device__ __forceinline__ void mma_kstep(float *d, const uint8_t *a, const uint
 /* The tile index -> tile rule is lib/moe/tile_schedule.h, shared with the C library
  * (moe_tile_schedule_at, tested against a brute-force enumeration) and the chapter's
  * kernel ladder; this adds the wgrad raster and each tile's k-loop length. */
-template <int MODE> struct Scheduler {
+template <int MODE, int SHARE> struct Scheduler {
     static constexpr int BAND = 8; /* m-tiles per raster band (L2 reuse, see tile_schedule.h) */
     const int *off, *mt; /* shared: offsets [G+1], m-tile prefix [G+1] */
-    int G, ntn, mtn, total, K, fine;
+    int G, N, ntn, mtn, total, K, fine;
     int S; /* wgrad: chunks per group (split-K) */
 
     __device__ bool get(int t, Tile &ti) const {
@@ -225,20 +252,26 @@ template <int MODE> struct Scheduler {
             ti.nk = max(0, min(ck, nkg - s * ck));
             ti.gc = s * G + ti.g;
             ti.half = 0;
+            ti.share = 0;
             return true;
         }
         moe_tile x;
         moe_tile_at_rule(&x, t, off, mt, G, ntn, BM, BN, BAND);
+        /* share192 (the SHARE kernels): a group's last 128 + (1 .. 64) rows in 192-row
+         * tiles, placed in the slots of its last two m-tiles; a slot without such a tile
+         * has no work (nk = 0) */
+        const int kind = SHARE ? moe_tile_share_rule(&x, BM, BN, SBN, N) : 1;
+        ti.share = kind == 2;
         ti.g = x.g;
         ti.m0 = x.m0;
         ti.n0 = x.n0;
         ti.r0 = x.r0;
         ti.r1 = x.r1;
-        ti.nk = (K + BK - 1) / BK;
-        /* the tile shape, from the offsets alone: a group's last m-tile that holds at most
-         * 64 of its rows is a 64 × 256 tile (half the MMA work and 40 of the 48 KB per
-         * k-step), so rows are computed in multiples of 64, not of 128 */
-        ti.half = moe_tile_rows_rule(&x, BM, fine) == BM / 2;
+        ti.nk = kind ? (K + BK - 1) / BK : 0;
+        /* the tile shape, from the offsets alone: under tail64 a group's last m-tile that
+         * holds at most 64 of its rows is a 64 × 256 tile (half the MMA work and 40 of the
+         * 48 KB per k-step), so rows are computed in multiples of 64, not of 128 */
+        ti.half = moe_tile_rows_rule(&x, BM, fine == 1) == BM / 2;
         return true;
     }
 };
@@ -310,11 +343,13 @@ __device__ int g_claims[2];
 #endif
 
 /* C32: the output C is fp32 (wgrad's main gradients or split-K partials); else bf16.
- * GATHER: the fused permutation (above); forward and wgrad only. */
-template <int MODE, int C32, int GATHER>
+ * GATHER: the fused permutation (above); forward and wgrad only. map_bs: the forward's
+ * weights in boxes of SBN = 128 rows (a sharing tile's; map_b's box is 256). */
+template <int MODE, int C32, int GATHER, int SHARE>
 __global__ void __launch_bounds__(THREADS, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
+                        const __grid_constant__ CUtensorMap map_bs,
                         const __grid_constant__ CUtensorMap map_c, const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int TA = MODE == WGRAD, TB = MODE != FWD; /* MN-major operands */
@@ -350,12 +385,13 @@ __global__ void __launch_bounds__(THREADS, 1)
         moe_tile_prefix_rule(s_mt, s_off, p.G, BM);
     __syncthreads();
 
-    Scheduler<MODE> sch;
+    Scheduler<MODE, SHARE> sch;
     sch.off = s_off;
     sch.mt = s_mt;
     sch.G = p.G;
     sch.K = p.K;
     sch.fine = p.fine;
+    sch.N = p.N;
     sch.ntn = (p.N + BN - 1) / BN;
     sch.mtn = (p.M + BM - 1) / BM;
     sch.S = p.split > 1 ? p.split : 1;
@@ -411,6 +447,26 @@ __global__ void __launch_bounds__(THREADS, 1)
                         gather_tokens(tok, p, ti.r0 + k0, ti.r1, lane, 2);
                     mbar_wait(&empty[s], phase ^ 1);
                     uint8_t *a = smem + s * STAGE_BYTES, *b = a + A_BYTES;
+                    if (SHARE && ti.share) {
+                        /* a sharing tile: A = 3 boxes of 64 rows (24 KB; the third holds
+                         * the group's 1 .. 64 last rows), then its 128 weight columns
+                         * (16 KB), in the same 48 KB stage */
+                        constexpr int SA = 3 * (A_BYTES / 2), SB = SBN * BK * 2;
+                        b = a + SA;
+                        if (lane == 0) {
+                            mbar_expect_tx(&full[s], SA + SB);
+                            for (int i = 0; i < 3; i++)
+                                tma_load_2d(a + i * (A_BYTES / 2), &map_a, &full[s], k0,
+                                            ti.m0 + 64 * i);
+                            if (MODE == FWD) /* K-major: one box of 128 weight rows */
+                                tma_load_3d(b, &map_bs, &full[s], k0, ti.n0, ti.g);
+                            else /* MN-major: [64 k][64 n] boxes */
+                                for (int i = 0; i < SBN / 64; i++)
+                                    tma_load_3d(b + i * 8192, &map_b, &full[s], ti.n0 + 64 * i,
+                                                k0, ti.g);
+                        }
+                        continue;
+                    }
                     /* forward/dgrad: the second 64-row A box only where the group has rows
                      * in it (never in a 64-row tile; never a box wholly past the tensor) */
                     const int a2 = MODE == WGRAD || ti.r1 - ti.m0 > BM / 2;
@@ -470,7 +526,11 @@ __global__ void __launch_bounds__(THREADS, 1)
     uint8_t *cs = smem + STAGES * STAGE_BYTES + c * C_BYTES; /* this warpgroup's C staging */
     int it = 0;
     Tile ti;
-    float d[BN / 2];
+    /* accumulators: 64 × 256 (128 per thread); a sharing tile's 64 × SBN and 64 × SBN / 2
+     * (96) fit in them. (More than 128 do not fit: each of 288 threads gets at most 168
+     * registers, three warps of 32 sharing an SM sub-partition's 16K.) */
+    constexpr int ND = BN / 2;
+    float d[ND];
     for (int j = 0, t = blockIdx.x;; j++, t += gridDim.x) {
         if (p.dyn) { /* the producer's claim; static: b, b + gridDim, ... as it walks them */
             const int r = j % RING;
@@ -484,13 +544,21 @@ __global__ void __launch_bounds__(THREADS, 1)
             break;
         if (ti.nk == 0 && (MODE != WGRAD || p.accumulate))
             continue; /* wgrad of an empty group (or chunk) adds nothing; a STORE writes 0 */
-        const int half = MODE != WGRAD && ti.half; /* a 64 × 256 tile (see Scheduler) */
+        const int half = MODE != WGRAD && ti.half;   /* a 64 × 256 tile (see Scheduler) */
+        const int share = SHARE && ti.share; /* a 192-row sharing tile (see Scheduler) */
 #pragma unroll
-        for (int i = 0; i < BN / 2; i++)
+        for (int i = 0; i < ND; i++)
             d[i] = 0.0f;
-        /* the main loop, one instantiation per warpgroup width (256 or 128 columns), so
-         * that no wgmma pipeline spans a branch (ptxas would serialise the MMAs) */
-        auto mainloop = [&](auto nw) {
+        /* A sharing tile: warpgroup c computes rows 64c .. 64c + 63 (full rows of the group)
+         * × all SBN columns, and the tail rows 128 .. (1 to 64 of them, A's third box) ×
+         * columns c·SBN/2 .. — 8 KB into B either way (forward: K-major B, its row 64c;
+         * dgrad: MN-major B, its box c) */
+        const int tail_col = c * (SBN / 2), tail_b = c * 8192;
+        /* the main loop, one instantiation per warpgroup width (256, 128, or SBN + a tail
+         * of SBN / 2), so that no wgmma pipeline spans a branch (ptxas would serialise the
+         * MMAs) */
+        auto mainloop = [&](auto nw, auto tw) {
+            constexpr int NW = decltype(nw)::value, TW = decltype(tw)::value;
             for (int kt = 0; kt < ti.nk; kt++, it++) {
                 const int s = it % STAGES, phase = (it / STAGES) & 1;
                 mbar_wait(&full[s], phase);
@@ -512,7 +580,13 @@ __global__ void __launch_bounds__(THREADS, 1)
                     }
                 }
                 wgmma_fence();
-                mma_kstep<decltype(nw)::value, TA, TB>(d, a, b);
+                if constexpr (TW == 0) {
+                    mma_kstep<NW, TA, TB>(d, a, b);
+                } else { /* sharing tile: A = 3 row boxes (24 KB), then B (SBN columns) */
+                    uint8_t *st = smem + s * STAGE_BYTES, *bs = st + 3 * (A_BYTES / 2);
+                    mma_kstep<NW, TA, TB>(d, st + c * (A_BYTES / 2), bs);
+                    mma_kstep<TW, TA, TB>(d + NW / 2, st + A_BYTES, bs + tail_b);
+                }
                 wgmma_commit();
                 /* the previous k-step's MMAs are done once at most this one is pending */
                 wgmma_wait<1>();
@@ -523,12 +597,21 @@ __global__ void __launch_bounds__(THREADS, 1)
             if (ti.nk > 0 && lane == 0) /* a stored wgrad chunk may have no k-steps */
                 mbar_arrive(&empty[(it - 1) % STAGES]);
         };
-        if (half) /* accumulators d[0..63]: 64 rows × 128 columns */
-            mainloop(std::integral_constant<int, BN / 2>());
-        else
-            mainloop(std::integral_constant<int, BN>());
+        using Z = std::integral_constant<int, 0>;
+        if constexpr (MODE == WGRAD) {
+            mainloop(std::integral_constant<int, BN>(), Z());
+        } else if constexpr (SHARE) {
+            if (share) /* d[0 .. SBN/2): 64 rows × SBN; then the tail's 64 × SBN / 2 */
+                mainloop(std::integral_constant<int, SBN>(), std::integral_constant<int, SBN / 2>());
+            else
+                mainloop(std::integral_constant<int, BN>(), Z());
+        } else if (half) { /* accumulators d[0..63]: 64 rows × 128 columns */
+            mainloop(std::integral_constant<int, BN / 2>(), Z());
+        } else {
+            mainloop(std::integral_constant<int, BN>(), Z());
+        }
 #pragma unroll
-        for (int i = 0; i < BN / 2; i++)
+        for (int i = 0; i < ND; i++)
             reg_fence(d[i]);
 
         /* ------------------------------------------------ epilogue
@@ -541,7 +624,7 @@ __global__ void __launch_bounds__(THREADS, 1)
          * buffer known to hold zeros, a bf16 wgrad and the split-K partials store. */
         const int m_wg = ti.m0 + (half ? 0 : c * 64);        /* our block's first row, */
         const int n_wg = ti.n0 + (half ? c * (BN / 2) : 0);  /* first column */
-        const int ncols = half ? BN / 2 : BN;                /* and width */
+        const int ncols = half || share ? BN / 2 : BN; /* and width */
         if (MODE == WGRAD || m_wg + 64 <= ti.r1) {
             /* our 64 × 256 block leaves through the staging buffer in pieces of C_BYTES
              * (bf16: 2 × 128 columns; fp32: 4 × 64), each two TMA boxes [64 rows][128 bytes] */
@@ -566,6 +649,11 @@ __global__ void __launch_bounds__(THREADS, 1)
              * and dgrad) */
             epilogue_masked<0, BN>(d, p.C, p.N, m_wg, n_wg, ncols, ti.r1, tid, p.accumulate);
         }
+        if constexpr (SHARE) {
+            if (share) /* the tail rows (1 .. 64 of them): masked, from d[SBN / 2 ..] */
+                epilogue_masked<0, SBN / 2>(d + SBN / 2, p.C, p.N, ti.m0 + BM, ti.n0 + tail_col,
+                                            SBN / 2, ti.r1, tid, p.accumulate);
+        }
     }
     if (tid == 0)
         bulk_wait_all(); /* the last copy-outs have landed before the kernel ends */
@@ -576,12 +664,12 @@ __global__ void __launch_bounds__(THREADS, 1)
 
 /* ---------------------------------------------------------------- host side */
 
-template <int MODE, int C32, int GATHER>
-void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
-                   const Params &p, int max_tiles) {
+template <int MODE, int C32, int GATHER, int SHARE>
+void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mbs,
+                   const CUtensorMap &mc, const Params &p, int max_tiles) {
     static bool configured = false;
     if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<MODE, C32, GATHER>,
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<MODE, C32, GATHER, SHARE>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             SMEM_BYTES));
         configured = true;
@@ -589,19 +677,28 @@ void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorM
     const int grid = max_tiles < moe_sm90_num_sms() ? max_tiles : moe_sm90_num_sms();
     if (grid <= 0)
         return;
-    grouped_gemm_kernel<MODE, C32, GATHER>
-        <<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mc, p);
+    grouped_gemm_kernel<MODE, C32, GATHER, SHARE>
+        <<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mbs, mc, p);
     MOE_CUDA_LAUNCH_CHECK();
 }
 
-/* the gathering kernel where p asks for it (forward and wgrad; dgrad never reads the input) */
+/* the gathering kernel where p asks for it (forward and wgrad; dgrad never reads the input),
+ * else the sharing one where the schedule does (p.fine == 2; forward and dgrad: its own
+ * instantiation, so the other schedules' kernels compile exactly as without it). A
+ * gathering forward keeps 128-row tiles under share192 (the kernel's Scheduler ignores
+ * fine == 2 without SHARE): with both, ptxas serialised its wgmma for want of registers.
+ * mbs: the forward's weights in boxes of a sharing tile's 128 rows, else unused (pass mb) */
 template <int MODE, int C32 = MODE == WGRAD>
-void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc, const Params &p,
-            int max_tiles) {
-    if (MODE != DGRAD && p.gmap)
-        launch_kernel<MODE, C32, MODE != DGRAD>(ma, mb, mc, p, max_tiles);
-    else
-        launch_kernel<MODE, C32, 0>(ma, mb, mc, p, max_tiles);
+void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mbs,
+            const CUtensorMap &mc, const Params &p, int max_tiles) {
+    constexpr int CAN_SHARE = MODE != WGRAD;
+    if (CAN_SHARE && p.fine == 2 && !p.gmap) {
+        launch_kernel<MODE, C32, 0, CAN_SHARE>(ma, mb, mbs, mc, p, max_tiles);
+    } else if (MODE != DGRAD && p.gmap) {
+        launch_kernel<MODE, C32, MODE != DGRAD, 0>(ma, mb, mbs, mc, p, max_tiles);
+    } else {
+        launch_kernel<MODE, C32, 0, 0>(ma, mb, mbs, mc, p, max_tiles);
+    }
 }
 
 /* The input of a grouped GEMM: a contiguous [rows, I] buffer (map == NULL), or the fused
@@ -630,18 +727,31 @@ const void *contiguous(const Input &in, int rows, int I) {
     return xp;
 }
 
-/* The forward/dgrad schedule, a moe_grouped_schedule: bit 0 = 64-row tiles for a group's
- * last <= 64 rows (Params::fine), bit 1 = tiles claimed from a counter (Params::dyn).
- * -1 until first used: then MOE_GROUPED_SCHEDULE, or the default, static (128-row tiles).
+/* The forward/dgrad schedule, a moe_grouped_schedule: how a group's last <= 64 rows are
+ * computed (Params::fine: sched_fine) and whether tiles are claimed from a counter
+ * (Params::dyn: sched_dyn). -1 until first used: then MOE_GROUPED_SCHEDULE, or the
+ * default, static (128-row tiles).
  * Measured (docs/results/03-grouped-gemm-ii.md §3): static with 64-row tiles is slower
  * (0.72x at 130 rows per expert on an H200) because the CTAs drift apart and read the
  * weights from DRAM twice (ncu on an H100: 5.9 against 3.4 GB); claiming the tiles in
  * order fixes that, but the 64-row tiles still do not pay (0.90x at 130 rows on an H100),
- * and dynamic alone is 2-4% faster up to 128 rows per expert, 3-8% slower above. Tests run
- * every schedule, the benchmark (--shape fine) times them side by side. */
+ * and dynamic alone is 2-4% faster up to 128 rows per expert, 3-8% slower above. The
+ * share192 schedules (192-row tiles sharing the weight block with the tail rows): see
+ * docs/results/03-grouped-gemm-ii.md §3c. Tests run every schedule, the benchmark
+ * (--shape fine) times them side by side. */
 int g_schedule = -1;
 
-const char *const SCHEDULE_NAMES[4] = {"static", "static-tail64", "dynamic", "dynamic-tail64"};
+constexpr int N_SCHEDULES = 6;
+const char *const SCHEDULE_NAMES[N_SCHEDULES] = {"static",         "static-tail64",
+                                                 "dynamic",        "dynamic-tail64",
+                                                 "static-share192", "dynamic-share192"};
+
+/* Params::fine and Params::dyn of schedule s (the order of moe_grouped_schedule) */
+int sched_fine(int s) { return s >= MOE_GROUPED_SCHED_STATIC_SHARE192 ? 2 : s & 1; }
+int sched_dyn(int s) {
+    return s == MOE_GROUPED_SCHED_DYNAMIC || s == MOE_GROUPED_SCHED_DYNAMIC_TAIL64 ||
+           s == MOE_GROUPED_SCHED_DYNAMIC_SHARE192;
+}
 
 int schedule(void) {
     if (g_schedule < 0) {
@@ -649,13 +759,14 @@ int schedule(void) {
         const char *e = getenv("MOE_GROUPED_SCHEDULE");
         if (e && *e) {
             int found = -1;
-            for (int i = 0; i < 4; i++)
+            for (int i = 0; i < N_SCHEDULES; i++)
                 if (!strcmp(e, SCHEDULE_NAMES[i]))
                     found = i;
             if (found < 0) {
                 fprintf(stderr, "moe.c: MOE_GROUPED_SCHEDULE=%s is not a schedule of the sm_90a "
-                                "grouped GEMM; use static, static-tail64, dynamic or "
-                                "dynamic-tail64 (or unset it for the default, %s)\n",
+                                "grouped GEMM; use static, static-tail64, dynamic, "
+                                "dynamic-tail64, static-share192 or dynamic-share192 (or unset "
+                                "it for the default, %s)\n",
                         e, SCHEDULE_NAMES[MOE_GROUPED_SCHED_DEFAULT]);
                 exit(1);
             }
@@ -707,7 +818,7 @@ void wgrad_reduce(void *dw, const float *part, size_t n, int S, moe_dw_mode mode
 } /* namespace */
 
 extern "C" void moe_cuda_grouped_sm90_set_schedule(moe_grouped_schedule s) {
-    MOE_ASSERT(s >= MOE_GROUPED_SCHED_STATIC && s <= MOE_GROUPED_SCHED_DYNAMIC_TAIL64);
+    MOE_ASSERT(s >= MOE_GROUPED_SCHED_STATIC && s < N_SCHEDULES);
     g_schedule = (int)s;
 }
 
@@ -716,7 +827,7 @@ extern "C" moe_grouped_schedule moe_cuda_grouped_sm90_schedule(void) {
 }
 
 extern "C" const char *moe_cuda_grouped_sm90_schedule_name(moe_grouped_schedule s) {
-    return s >= 0 && s < 4 ? SCHEDULE_NAMES[s] : "?";
+    return s >= 0 && s < N_SCHEDULES ? SCHEDULE_NAMES[s] : "?";
 }
 
 extern "C" int moe_cuda_grouped_sm90_available(void) {
@@ -762,14 +873,16 @@ static void sm90_forward(void *out, const Input &in, const void *w, const int *d
     const uint64_t da[2] = {(uint64_t)I, (uint64_t)rows};
     const uint64_t db[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
     const uint64_t dc[2] = {(uint64_t)O, (uint64_t)rows};
-    const uint32_t ba[2] = {BK, BM / 2}, bb[3] = {BK, BN, 1}, bc[2] = {64, 64};
-    Params p = {dev_off, G, 0, O, I, out, 0, 1, schedule() & 1, schedule() >> 1,
+    const uint32_t ba[2] = {BK, BM / 2}, bb[3] = {BK, BN, 1}, bbs[3] = {BK, SBN, 1},
+                   bc[2] = {64, 64};
+    Params p = {dev_off, G, 0, O, I, out, 0, 1, sched_fine(schedule()), sched_dyn(schedule()),
                 NULL, NULL, 0, 0};
     set_gather(p, in, I);
     const CUtensorMap mb = moe_tma_map(w, 3, db, bb);
+    const CUtensorMap mbs = p.fine == 2 ? moe_tma_map(w, 3, db, bbs) : mb;
     /* a gathered A has no tensor map (the kernel does not read map_a then) */
-    launch<FWD>(in.map ? mb : moe_tma_map(in.x, 2, da, ba), mb, moe_tma_map(out, 2, dc, bc), p,
-                ((rows + BM - 1) / BM + G) * ((O + BN - 1) / BN));
+    launch<FWD>(in.map ? mb : moe_tma_map(in.x, 2, da, ba), mb, mbs, moe_tma_map(out, 2, dc, bc),
+                p, ((rows + BM - 1) / BM + G) * ((O + BN - 1) / BN));
 }
 
 extern "C" void moe_cuda_grouped_sm90_forward(void *out, const void *in, const void *w,
@@ -832,10 +945,10 @@ static void sm90_backward(void *din, void *dw, const void *dout, const Input &in
         const uint64_t db[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
         const uint64_t dc[2] = {(uint64_t)I, (uint64_t)rows};
         const uint32_t ba[2] = {BK, BM / 2}, bb[3] = {64, BK, 1}, bc[2] = {64, 64};
-        const Params p = {dev_off, G, 0, I, O, din, din_accumulate, 1, schedule() & 1,
-                          schedule() >> 1, NULL, NULL, 0, 0};
-        launch<DGRAD>(moe_tma_map(dout, 2, da, ba), moe_tma_map(w, 3, db, bb),
-                      moe_tma_map(din, 2, dc, bc), p,
+        const Params p = {dev_off, G, 0, I, O, din, din_accumulate, 1, sched_fine(schedule()),
+                          sched_dyn(schedule()), NULL, NULL, 0, 0};
+        const CUtensorMap mb = moe_tma_map(w, 3, db, bb);
+        launch<DGRAD>(moe_tma_map(dout, 2, da, ba), mb, mb, moe_tma_map(din, 2, dc, bc), p,
                       ((rows + BM - 1) / BM + G) * ((I + BN - 1) / BN));
     }
     if (dw) { /* dw_g[O,I] (+)= dout_gᵀ · in_g: A = dout, B = in (both MN-major; a gathered
@@ -852,17 +965,17 @@ static void sm90_backward(void *din, void *dw, const void *dout, const Input &in
             float *part = (float *)moe_cuda_scratch(MOE_SCRATCH_WGRAD_SPLIT, S * nw * sizeof(float));
             Params p = {dev_off, G, O, I, 0, NULL, 0, S, 0, 0, NULL, NULL, 0, 0};
             set_gather(p, in, I);
-            launch<WGRAD>(ma, mb, moe_tma_map(part, 3, dc, bc32, 1), p, tiles);
+            launch<WGRAD>(ma, mb, mb, moe_tma_map(part, 3, dc, bc32, 1), p, tiles);
             wgrad_reduce(dw, part, nw, S, dw_mode);
         } else if (dw_mode == MOE_DW_ACT) { /* bf16, stored */
             Params p = {dev_off, G, O, I, 0, NULL, 0, 1, 0, 0, NULL, NULL, 0, 0};
             set_gather(p, in, I);
-            launch<WGRAD, 0>(ma, mb, moe_tma_map(dw, 3, dc, bc16), p, tiles);
+            launch<WGRAD, 0>(ma, mb, mb, moe_tma_map(dw, 3, dc, bc16), p, tiles);
         } else { /* fp32: reduce-added, or stored into a buffer whose contents do not count */
             Params p = {dev_off, G, O, I, 0, NULL, dw_mode == MOE_DW_ACCUMULATE, 1, 0, 0,
                         NULL, NULL, 0, 0};
             set_gather(p, in, I);
-            launch<WGRAD>(ma, mb, moe_tma_map(dw, 3, dc, bc32, 1), p, tiles);
+            launch<WGRAD>(ma, mb, mb, moe_tma_map(dw, 3, dc, bc32, 1), p, tiles);
         }
     }
 }

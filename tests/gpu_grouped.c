@@ -4,9 +4,10 @@
  * memory), on ragged groups with empty experts, sizes that are not multiples of the tile
  * (128 rows, 128 columns, 64 k) and features that are only multiples of 8 — forward,
  * dgrad and wgrad; then the whole model with each backend against chapter 01's loop.
- * Our kernel runs under each of its four forward/dgrad tile schedules (moe_grouped_schedule:
- * 128-row tiles only or 64-row tiles for a group's last <= 64 rows, each taken statically
- * or claimed from the device counter), on group sizes around every tile boundary. Inputs are rounded to bf16 for both sides (write_act, then read_act back
+ * Our kernel runs under each of its six forward/dgrad tile schedules (moe_grouped_schedule:
+ * 128-row tiles only, 64-row tiles for a group's last <= 64 rows, or 192-row tiles that
+ * compute those rows with the 128 before them (share192), each taken statically or
+ * claimed from the device counter), on group sizes around every tile boundary. Inputs are rounded to bf16 for both sides (write_act, then read_act back
  * for the CPU); outputs are poisoned first and the accumulating outputs start from random
  * values. Errors are taken group by group (the worst group counts), so that one wrong
  * small group cannot hide in a large tensor's norm.
@@ -203,21 +204,26 @@ START_TEST(test_gpu_grouped_wgrad_modes) {
 END_TEST
 
 /* every group size where the tile shape changes: 0, 1-8 rows, and one below, at and above
- * each multiple of 64 up to 257 (a group's last m-tile is 64 rows when it holds <= 64) */
+ * each multiple of 64 up to 321 (a group's last m-tile is 64 rows when it holds <= 64; a
+ * group of 128·q + 1 .. 128·q + 64 rows, q >= 1, ends in 192-row sharing tiles) */
 static const int g_edges[] = {0,   1,   2,   3,   4,   5,   6,   7,   8,   63,  64,  65,  127, 128,
-                              129, 130, 191, 192, 193, 255, 256, 257, 260, 0,   1};
+                              129, 130, 191, 192, 193, 255, 256, 257, 258, 260, 319, 320, 321,
+                              0,   1};
 #define N_EDGES ((int)(sizeof g_edges / sizeof g_edges[0]))
 
 static void check_schedules(const int *sizes, int G, int I, int O) {
-    for (int s = MOE_GROUPED_SCHED_STATIC; s <= MOE_GROUPED_SCHED_DYNAMIC_TAIL64; s++)
+    for (int s = MOE_GROUPED_SCHED_STATIC; s <= MOE_GROUPED_SCHED_DYNAMIC_SHARE192; s++)
         check_grouped(sizes, G, I, O, s);
 }
 
 START_TEST(test_gpu_grouped_fine_tiles) {
     /* N = 320: the second n-tile of a 64-row tile has valid columns only in warpgroup 0's
-     * half; K = 200 ends inside a k-step; dgrad's N = 200 < 256 */
+     * half, and the forward's sharing tiles (128 columns) are 128, 128 and 64 wide, one
+     * slot left without work; K = 200 ends inside a k-step; dgrad's N = 200 < 256
+     * (sharing tiles of 128 and 72 columns) */
     check_schedules(g_edges, N_EDGES, 200, 320);
-    /* N a multiple of 256, so both warpgroups of a 64-row tile store full TMA pieces */
+    /* N a multiple of 256, so both warpgroups of a 64-row tile store full TMA pieces, and
+     * every slot of a sharing group holds a sharing tile */
     check_schedules(g_edges, N_EDGES, 256, 512);
     /* 256 groups (the most the kernel takes): the edge sizes, shifted so that the groups
      * start at every residue, with runs of empty and one-row groups */
@@ -326,7 +332,7 @@ START_TEST(test_gpu_grouped_gather) {
     for (int i = 0; i < 256; i++)
         many[i] = i % 32 >= 28 ? i % 2 : g_edges[i % N_EDGES] + (i / N_EDGES) % 3;
     const moe_grouped_schedule def = moe_cuda_grouped_sm90_schedule();
-    for (int sc = MOE_GROUPED_SCHED_STATIC; sc <= MOE_GROUPED_SCHED_DYNAMIC_TAIL64; sc++) {
+    for (int sc = MOE_GROUPED_SCHED_STATIC; sc <= MOE_GROUPED_SCHED_DYNAMIC_SHARE192; sc++) {
         moe_cuda_grouped_sm90_set_schedule((moe_grouped_schedule)sc);
         printf("  (schedule %s)\n", moe_cuda_grouped_sm90_schedule_name(sc));
         check_gather(many, 256, 136, 264);

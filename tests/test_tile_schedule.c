@@ -11,6 +11,10 @@
  * (moe_tile_rows_rule): with 64-row tails, a tile is bm / 2 rows exactly when its group has
  * at most bm / 2 rows left, it still holds all of them, and a group's rows of MMA work are
  * 128·floor(r / 128) + (0, 64 or 128) — checked on every size around the tile boundaries.
+ * Last, the tail-sharing tiles (moe_tile_share_rule): every element of every group is
+ * computed exactly once, a group's last bm + t rows (1 <= t <= bm / 2) go to sharing
+ * tiles of bm + t rows, ceil(N / sbn) of them per such group, each in the slot of the
+ * n-tile that holds its first column; other groups keep their plain tiles.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -198,8 +202,96 @@ START_TEST(test_tile_schedule_tail_heights) {
 }
 END_TEST
 
+/* The sharing tiles of off[0..G] (tile shape s, sharing tiles sbn columns wide): each
+ * element is computed by exactly one tile, and the rule's choices are checked against a
+ * closed form from the group's size. */
+static void check_share(const int *off, int G, int N, moe_tile_shape s, int sbn) {
+    int *mt = malloc(sizeof(int) * (size_t)(G + 1));
+    const int rows = off[G];
+    unsigned char *cover = calloc((size_t)(rows ? rows : 1) * N, 1);
+    int *shared = calloc((size_t)G, sizeof(int));
+    ck_assert(mt && cover && shared);
+    const int total = moe_tile_schedule_prefix(mt, off, G, s.bm) * ((N + s.bn - 1) / s.bn);
+    for (int t = 0; t < total; t++) {
+        moe_tile ti;
+        ck_assert(moe_tile_schedule_at(&ti, t, off, mt, G, N, s));
+        const moe_tile plain = ti;
+        const int kind = moe_tile_share_rule(&ti, s.bm, s.bn, sbn, N);
+        const int r = ti.r1 - ti.r0, q = r / s.bm, tail = r % s.bm;
+        const int sharing = q >= 1 && tail >= 1 && tail <= s.bm / 2;
+        const int last2 = (plain.m0 - plain.r0) / s.bm >= q - 1;
+        ck_assert_msg(kind == 1 ? !(sharing && last2) : sharing && last2,
+                      "tile %d (group %d of %d rows, m0 %d): kind %d", t, ti.g, r, plain.m0,
+                      kind);
+        if (kind == 0)
+            continue;
+        int m_end = ti.m0 + s.bm, n_end = ti.n0 + s.bn;
+        if (kind == 2) {
+            ck_assert_msg(ti.m0 == ti.r0 + (q - 1) * s.bm && ti.n0 % sbn == 0 &&
+                              ti.n0 / s.bn == plain.n0 / s.bn && ti.n0 < N,
+                          "sharing tile %d: m0 %d n0 %d (group rows %d..%d, slot n0 %d)", t,
+                          ti.m0, ti.n0, ti.r0, ti.r1, plain.n0);
+            m_end = ti.r1; /* bm + tail rows */
+            n_end = ti.n0 + sbn;
+            shared[ti.g]++;
+        }
+        m_end = m_end < ti.r1 ? m_end : ti.r1;
+        n_end = n_end < N ? n_end : N;
+        for (int row = ti.m0; row < m_end; row++)
+            for (int col = ti.n0; col < n_end; col++)
+                cover[(size_t)row * N + col]++;
+    }
+    size_t bad = 0; /* (one assertion at the end: check marks a point at each) */
+    while (bad < (size_t)rows * N && cover[bad] == 1)
+        bad++;
+    ck_assert_msg(bad == (size_t)rows * N, "row %zu, column %zu: computed %d times, want once",
+                  bad / N, bad % N, bad < (size_t)rows * N ? cover[bad] : 1);
+    for (int g = 0; g < G; g++) {
+        const int r = off[g + 1] - off[g], tail = r % s.bm;
+        const int want = r >= s.bm && tail >= 1 && tail <= s.bm / 2 ? (N + sbn - 1) / sbn : 0;
+        ck_assert_msg(shared[g] == want, "group %d of %d rows: %d sharing tiles, want %d", g, r,
+                      shared[g], want);
+    }
+    free(mt);
+    free(cover);
+    free(shared);
+}
+
+START_TEST(test_tile_schedule_share) {
+    /* every size around the tile boundaries (and the 192-row sharing tile's), 256 groups */
+    static const int edge[] = {0,   1,   2,   3,   4,   5,   6,   7,   8,   63,  64,  65,  127,
+                               128, 129, 130, 191, 192, 193, 255, 256, 257, 258, 260, 319,
+                               320, 321, 383, 384, 385, 449, 450};
+    const int ne = (int)(sizeof edge / sizeof edge[0]);
+    int off[257];
+    off[0] = 0;
+    for (int g = 0; g < 256; g++)
+        off[g + 1] = off[g] + edge[(g * 7) % ne];
+    const moe_tile_shape s = {128, 256, 8};
+    check_share(off, 256, 320, s, 128); /* the kernel's sharing tiles: 128 columns */
+    check_share(off, 256, 200, s, 128);
+    /* the first 2·ne groups (every size twice), other widths (160 and 192: n-tiles with
+     * one or two sharing tiles, slots without work) */
+    const int Ns[6] = {64, 192, 256, 520, 1000, 4096};
+    for (int i = 0; i < 6; i++) {
+        check_share(off, 2 * ne, Ns[i], s, 160);
+        check_share(off, 2 * ne, Ns[i], s, 128);
+        check_share(off, 2 * ne, Ns[i], s, 192);
+    }
+    check_share(off, 2 * ne, 512, s, 256); /* sbn = bn: one per n-tile */
+    const moe_tile_shape small = {16, 8, 3}; /* narrow bands, sbn = 6 */
+    int off2[41];
+    off2[0] = 0;
+    for (int g = 0; g < 40; g++)
+        off2[g + 1] = off2[g] + (g * 5) % 41;
+    for (int N = 1; N <= 30; N++)
+        check_share(off2, 40, N, small, 6);
+}
+END_TEST
+
 Suite *suite_tile_schedule(void) {
     const TTest *tests[] = {test_tile_schedule_ragged, test_tile_schedule_edge_groups,
-                            test_tile_schedule_random, test_tile_schedule_tail_heights};
-    return moe_test_chapter_suite("tile_schedule", "ch03", tests, 4);
+                            test_tile_schedule_random, test_tile_schedule_tail_heights,
+                            test_tile_schedule_share};
+    return moe_test_chapter_suite("tile_schedule", "ch03", tests, 5);
 }

@@ -29,10 +29,12 @@
  * (kernels/cuda_ops.h): the header says which.
  *
  * --shape fine: the fine-grained regime (many experts of a few hundred rows, H = 4096,
- * F = 1536), forward and dgrad only, our kernel under each of its four tile schedules
- * (moe_grouped_schedule: 128-row tiles only, or a group's last <= 64 rows in a 64 × 256
- * tile; tiles taken statically, CTA b runs b, b + grid, ..., or claimed in order from a
- * device counter) against the per-expert cuBLAS loop, in the same run: a uniform top-k
+ * F = 1536), forward and dgrad only, our kernel under each of its six tile schedules
+ * (moe_grouped_schedule: 128-row tiles only, a group's last <= 64 rows in a 64 × 256
+ * tile, or those rows with the 128 before them in 192-row tiles that share the weight
+ * block; tiles taken statically, CTA b runs b, b + grid, ..., or claimed in order from a
+ * device counter; --schedules picks some) against the per-expert cuBLAS loop, in the
+ * same run: a uniform top-k
  * router at T = 8192, k = 8 with E = 64, 128, 256 experts; every expert given exactly r
  * rows, r on both sides of multiples of 64 and 128; and the cliff, r in steps of 1 to 4
  * from 120 to 136 and from 250 to 260 (where 128-row tiles cost a whole tile more past
@@ -58,6 +60,7 @@ typedef struct opts {
     char device[MOE_FLAG_STR_LEN];
     char shape[MOE_FLAG_STR_LEN];
     char rows[MOE_FLAG_STR_LEN];
+    char schedules[MOE_FLAG_STR_LEN];
     int warmup, repeats;
 } opts;
 
@@ -73,6 +76,9 @@ static const moe_flag g_flags[] = {
     OF("rows", MOE_FLAG_STRING, rows, "",
        "--shape fine: only these rows per expert, comma-separated (e.g. 128,130); empty = "
        "the whole sweep", NULL),
+    OF("schedules", MOE_FLAG_STRING, schedules, "",
+       "--shape fine: only these tile schedules of our kernel, comma-separated (e.g. "
+       "static,static-share192); empty = all six", NULL),
     OF("warmup", MOE_FLAG_INT, warmup, "2", "untimed runs of each GEMM first", NULL),
     OF("repeats", MOE_FLAG_INT, repeats, "7", "timed runs (the median is reported)", NULL),
 };
@@ -82,7 +88,10 @@ typedef moe_bench_shape shape;
 /* KERNEL: our kernel under the default schedule (or MOE_GROUPED_SCHEDULE's);
  * SCHED + s: under the moe_grouped_schedule s, timed by --shape fine only */
 enum { LOOP, CUBLAS, KERNEL, N_IMPL, SCHED = N_IMPL };
-#define N_SCHED 4
+#define N_SCHED 6
+
+/* --shape fine: the schedules timed, in the order --schedules names them (all by default) */
+static int g_sel[N_SCHED], g_nsel;
 
 #ifdef MOE_HAVE_CUDA
 static moe_grouped_schedule g_default_sched; /* the schedule KERNEL runs under */
@@ -366,7 +375,8 @@ static const char *sched_name(int s) {
 #ifdef MOE_HAVE_CUDA
     return moe_cuda_grouped_sm90_schedule_name((moe_grouped_schedule)s);
 #else
-    static const char *n[N_SCHED] = {"static", "static-tail64", "dynamic", "dynamic-tail64"};
+    static const char *n[N_SCHED] = {"static",          "static-tail64",  "dynamic",
+                                     "dynamic-tail64",  "static-share192", "dynamic-share192"};
     return n[s];
 #endif
 }
@@ -375,7 +385,7 @@ static const char *sched_name(int s) {
 typedef struct fine_total {
     char title[96];
     int rows, lo, hi;
-    double gflop, ms[1 + N_SCHED]; /* the loop, then each schedule */
+    double gflop, ms[1 + N_SCHED]; /* the loop, then each selected schedule */
 } fine_total;
 
 /* One fine-grained case: the forward and dgrad GEMMs of both Linears, the per-expert loop
@@ -391,16 +401,16 @@ static double run_fine_case(const moe_backend *be, const opts *o, const char *ti
     group_range(off, G, &lo, &hi);
     printf("\n%s -> %zu rows, %d..%d per expert\n", title, N, lo, hi);
     printf("| GEMM        |  GFLOP | loop ms | TFLOP/s |");
-    for (int j = 0; j < N_SCHED; j++)
-        printf(" %s ms | TFLOP/s |", sched_name(j));
-    printf(" %s vs %s | vs loop | rel err vs loop |\n|---|---|---|---|", sched_name(N_SCHED - 1),
-           sched_name(0));
-    for (int j = 0; j < N_SCHED; j++)
+    for (int j = 0; j < g_nsel; j++)
+        printf(" %s ms | TFLOP/s |", sched_name(g_sel[j]));
+    printf(" %s vs %s | vs loop | rel err vs loop |\n|---|---|---|---|",
+           sched_name(g_sel[g_nsel - 1]), sched_name(g_sel[0]));
+    for (int j = 0; j < g_nsel; j++)
         printf("---|---|");
     printf("---|---|---|\n");
     const problem probs[4] = {{"fc1 forward", H, 2 * F, 0, 0}, {"fc2 forward", F, H, 0, 0},
                               {"fc1 dgrad", H, 2 * F, 1, 0},   {"fc2 dgrad", F, H, 1, 0}};
-    enum { NJ = 1 + N_SCHED }; /* the loop, then each schedule */
+    const int NJ = 1 + g_nsel; /* the loop, then each selected schedule */
     double worst = 0;
     memset(tot, 0, sizeof *tot);
     snprintf(tot->title, sizeof tot->title, "%s", title);
@@ -413,10 +423,10 @@ static double run_fine_case(const moe_backend *be, const opts *o, const char *ti
         void *dst = p->backward ? b.din : b.out;
         moe_real *ref = malloc(sizeof(moe_real) * n), *got = malloc(sizeof(moe_real) * n);
         MOE_ASSERT(ref && got);
-        double err = 0, ms[NJ];
-        int impls[NJ];
+        double err = 0, ms[1 + N_SCHED];
+        int impls[1 + N_SCHED];
         for (int j = 0; j < NJ; j++)
-            impls[j] = j ? SCHED + j - 1 : LOOP;
+            impls[j] = j ? SCHED + g_sel[j - 1] : LOOP;
         for (int j = 0; j < NJ; j++) {
             const int impl = impls[j];
             if (j == 0) { /* the loop's dgrad adds into its output (beta = 1): start at 0 */
@@ -455,8 +465,38 @@ static double run_fine_case(const moe_backend *be, const opts *o, const char *ti
     return worst;
 }
 
+/* --schedules: the selected schedules into g_sel (all when empty); 0, or -1 on a bad name */
+static int select_schedules(const char *list) {
+    g_nsel = 0;
+    if (!*list) {
+        for (int s = 0; s < N_SCHED; s++)
+            g_sel[g_nsel++] = s;
+        return 0;
+    }
+    for (const char *c = list; *c;) {
+        const size_t len = strcspn(c, ",");
+        int found = -1;
+        for (int s = 0; s < N_SCHED; s++)
+            if (strlen(sched_name(s)) == len && !strncmp(c, sched_name(s), len))
+                found = s;
+        if (found < 0 || g_nsel == N_SCHED)
+            return -1;
+        g_sel[g_nsel++] = found;
+        c += len;
+        if (*c == ',')
+            c++;
+    }
+    return g_nsel > 0 ? 0 : -1;
+}
+
 /* --shape fine: many experts of a few hundred rows each; returns the worst error seen */
 static double run_fine(const moe_backend *be, const opts *o) {
+    if (select_schedules(o->schedules) != 0) {
+        moe_log_error("--schedules %s: want comma-separated schedule names (static, "
+                      "static-tail64, dynamic, dynamic-tail64, static-share192, "
+                      "dynamic-share192)", o->schedules);
+        exit(2);
+    }
     const int cpu = be->device == MOE_DEVICE_CPU; /* the CPU runs a small copy of the sweep */
     const int H = cpu ? 256 : 4096, F = cpu ? 128 : 1536, T = cpu ? 1024 : 8192, k = 8;
     const int Es[3] = {64, 128, 256};
@@ -511,19 +551,19 @@ static double run_fine(const moe_backend *be, const opts *o) {
     /* the summary: the four GEMMs together per case, ms (and TFLOP/s) per implementation */
     printf("\nsummary, forward + dgrad of both Linears (all four GEMMs), ms and TFLOP/s\n"
            "| case | rows per expert | GFLOP | loop |");
-    for (int j = 0; j < N_SCHED; j++)
-        printf(" %s |", sched_name(j));
-    printf(" %s vs %s |\n|---|---|---|---|", sched_name(N_SCHED - 1), sched_name(0));
-    for (int j = 0; j < N_SCHED; j++)
+    for (int j = 0; j < g_nsel; j++)
+        printf(" %s |", sched_name(g_sel[j]));
+    printf(" %s vs %s |\n|---|---|---|---|", sched_name(g_sel[g_nsel - 1]), sched_name(g_sel[0]));
+    for (int j = 0; j < g_nsel; j++)
         printf("---|");
     printf("---|\n");
     for (int i = 0; i < nt; i++) {
         const fine_total *t = &tots[i];
         printf("| %s | %d..%d | %.1f |", t->lo == t->hi ? "exact" : "uniform", t->lo, t->hi,
                t->gflop);
-        for (int j = 0; j < 1 + N_SCHED; j++)
+        for (int j = 0; j < 1 + g_nsel; j++)
             printf(" %.3f (%.0f) |", t->ms[j], t->gflop / t->ms[j]);
-        printf(" %.2fx |\n", t->ms[1] / t->ms[N_SCHED]);
+        printf(" %.2fx |\n", t->ms[1] / t->ms[g_nsel]);
     }
     free(tots);
     free(off);

@@ -118,6 +118,61 @@ static inline MOE_HOSTDEV int moe_tile_rows_rule(const moe_tile *ti, int bm, int
     return fine && ti->r1 - ti->m0 <= bm / 2 ? bm / 2 : bm;
 }
 
+/**
+ * @brief The tail-sharing tile (the "share192" schedules): a group whose last m-tile holds
+ *        1 .. bm / 2 rows (r = q·bm + t, q >= 1, 1 <= t <= bm / 2) computes its last
+ *        bm + t rows — its last full m-tile and the tail — in tiles of (bm + bm / 2) rows
+ *        × @p sbn columns, so the tail's rows share the weight block that the full rows
+ *        load anyway instead of loading it again in a tile of their own.
+ *
+ * Why: with 128 × 256 tiles a group of 257 rows costs three tiles per 256 columns, each
+ * loading the whole 256-column weight block per k-step (3 × 32 KB of weights plus 40 KB
+ * of rows), and 384 rows of MMA for 257 rows of output. A 64-row tile for the tail halves
+ * its MMA work but still loads the weight block (docs/results/03-grouped-gemm-ii.md §3b).
+ * With bm = 128 the group's last 129 rows are 192-row tiles instead, whose weight block
+ * serves all 192 rows: for the sm_90a kernel sbn = 128, a 40 KB pipeline stage (3 row
+ * boxes of 8 KB, 128 weight columns of 64 k), 80 KB per 256 columns and k-step instead of
+ * 88 KB, and 192 instead of 256 rows of MMA. (sbn is bounded by the registers: a consumer
+ * thread holds 0.75·sbn accumulators of such a tile, and 128 of a 128 × 256 one.) It is
+ * an experiment, off by default: on an H100 it did not remove the cliff
+ * (docs/results/03-grouped-gemm-ii.md §3c).
+ *
+ * The schedule itself does not change: the group keeps its ceil(r / bm) m-tile SLOTS
+ * (moe_tile_prefix_rule() and moe_tile_at_rule() are the same), and the two last slots of
+ * n-tile ni (bn columns) hold the sharing tiles whose first column lies in n-tile ni's
+ * columns: tile j (columns [j·sbn, (j+1)·sbn)) sits in slot (ni = floor(j·sbn / bn),
+ * s = j − ceil(ni·bn / sbn)). With bn / 2 <= sbn <= bn that is at most two per n-tile,
+ * so they fit; a slot left over (or one whose tile starts past @p N) has no work. Placing
+ * them by their first column keeps a sharing tile next, in time, to the full tiles that
+ * read the same weight columns (the band order, moe_tile_band_place()).
+ *
+ * Read from the offsets alone (the tile's r0, r1, m0), so the device decides it without
+ * the host.
+ * @param ti the tile of moe_tile_at_rule() (same bm, bn); rewritten for a sharing tile:
+ *        m0 = its group's first row of the shared block, n0 = j·sbn
+ * @param bm rows of a full tile (even)  @param bn columns of a full tile
+ * @param sbn columns of a sharing tile, bn / 2 <= sbn <= bn  @param N output columns
+ * @return 1: a plain bm × bn tile (@p ti unchanged); 2: a sharing tile of rows
+ *         [m0, r1) (bm + 1 .. bm + bm / 2 of them) and columns [n0, min(n0 + sbn, N));
+ *         0: a slot without work
+ */
+static inline MOE_HOSTDEV int moe_tile_share_rule(moe_tile *ti, int bm, int bn, int sbn, int N) {
+    const int r = ti->r1 - ti->r0, q = r / bm, t = r % bm;
+    if (q < 1 || t < 1 || t > bm / 2)
+        return 1;
+    const int mi = (ti->m0 - ti->r0) / bm; /* this tile's m-slot in its group */
+    if (mi < q - 1)
+        return 1;
+    const int ni = ti->n0 / bn;
+    const int j0 = (ni * bn + sbn - 1) / sbn, j1 = ((ni + 1) * bn + sbn - 1) / sbn;
+    const int j = j0 + mi - (q - 1); /* slot q - 1 takes j0, slot q the one after */
+    if (j >= j1 || j * sbn >= N)
+        return 0;
+    ti->m0 = ti->r0 + (q - 1) * bm;
+    ti->n0 = j * sbn;
+    return 2;
+}
+
 /** The shape of a tile grid: how the output is cut and walked. */
 typedef struct moe_tile_shape {
     int bm;   /**< rows per tile (the sm_90a kernel: 128) */
