@@ -4,14 +4,15 @@
  *
  * `make STUDENT=1 check-ch05` links this file in place of the library's
  * moe_cpu_quant_blockwise (lib/cpu/quantize.c: the reference solution) and runs the
- * chapter's tests on it (tests/test_quant.c): every tile and block of random data over six
- * decades, E4M3 and E5M2, with and without power-of-two scales, on shapes with a partial
- * last block of rows, against the definition recomputed in the test (each scale bit for
- * bit, each code, dequantize(quantize(x)) within the format's error); a zero block; a NaN
- * that must poison its own tile or block and nothing else; the named shape errors; the same
- * bytes with one thread and with many; the transposed copy (moe_cpu_quant_blockwise_t calls
- * your function twice); and the QDQ op the emulated FP8 training runs (the CPU backend's
- * quantizer table holds your function, so `--fp8-recipe blockwise` trains through it).
+ * chapter's tests on it (tests/test_quant.c): every tile and block of random data spread
+ * over about four decades, E4M3 and E5M2, with and without power-of-two scales, on shapes
+ * with a partial last block of rows, against the definition recomputed in the test (each
+ * scale bit for bit, each code, dequantize(quantize(x)) within the format's error); a zero
+ * block; a NaN that must poison its own tile or block and nothing else; the named shape
+ * errors; the same bytes with one thread and with many; the transposed copy
+ * (moe_cpu_quant_blockwise_t calls your function twice); and the QDQ op the emulated FP8
+ * training runs (the CPU backend's quantizer table holds your function, so
+ * `--fp8-recipe blockwise` trains through it).
  *
  * The problem. x is row-major [rows, cols], cols a multiple of 128. Cut it into blocks:
  *   block_2d = 0: 1×128 tiles, block (br, bc) = row br, columns [128·bc, 128·bc + 128);

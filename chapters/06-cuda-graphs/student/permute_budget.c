@@ -24,7 +24,7 @@
  *   - the same stable counting sort as chapter 01: assignment a = n·k + j goes to expert
  *     topk_idx[a]; inside an expert the assignments keep increasing a;
  *   - the row r an assignment gets is the row the plain index would give it. If r < budget:
- *     perm_src[r] = a, row_of[a] = r. If r ≥ budget: no row — row_of[a] = −1 and nothing is
+ *     perm_src[r] = a, row_of[a] = r. If r ≥ budget: no row — row_of[a] = -1 and nothing is
  *     written (perm_src holds only budget entries);
  *   - expert_offset[e] = min(plain offset[e], budget) for e = 0..E (the experts' GEMMs size
  *     their work from the offsets, so none may point past the buffers);
@@ -58,7 +58,7 @@
  *   counts {2, 1, 3}; plain offsets {0, 2, 3, 6}; plain rows of a = 0..5: {3, 0, 4, 2, 5, 1}.
  *   budget 4 (< 6: overflow), *flags = MOE_STEP_NONFINITE (2) on entry:
  *     expert_offset = {0, 2, 3, 4}, *flags = 3 (2 | MOE_STEP_OVERFLOW),
- *     row_of = {3, 0, −1, 2, −1, 1}, perm_src[0..3] = {1, 5, 3, 0} (perm_src[4..5] untouched);
+ *     row_of = {3, 0, -1, 2, -1, 1}, perm_src[0..3] = {1, 5, 3, 0} (perm_src[4..5] untouched);
  *   budget 6: expert_offset = {0, 2, 3, 6}, *flags stays 2, row_of = {3, 0, 4, 2, 5, 1},
  *     perm_src = {1, 5, 3, 0, 2, 4} — chapter 01's index.
  */
@@ -77,7 +77,7 @@ void moe_cpu_permute_index_budget(int *perm_src, int *row_of, int *expert_offset
      *         into *flags */
     /* TODO 3: expert_offset[e] = min(cur[e], budget) for e = 0..E */
     /* TODO 4: the stable scatter: for a = 0 .. N·k − 1, r = cur[topk_idx[a]]++ (the plain
-     *         row); below the budget perm_src[r] = a and row_of[a] = r, else row_of[a] = −1 */
+     *         row); below the budget perm_src[r] = a and row_of[a] = r, else row_of[a] = -1 */
     (void)perm_src, (void)row_of, (void)expert_offset, (void)flags, (void)topk_idx, (void)N,
         (void)k, (void)E, (void)budget, (void)cur;
 }
