@@ -344,15 +344,21 @@ test-gpu: check-deps
 # pulled in for its other functions, and the two strong definitions would clash.) The
 # functions are called from other files than their own, so no inlined copy of the
 # reference survives; test-student-stubs proves it by expecting an untouched stub to fail.
+# (An op table in the function's own file is safe: taking the address is a relocation
+# against the symbol, which the linker binds to the stub. A direct call in the same file is
+# not: GCC -O3 inlined moe_cpu_quant_blockwise into its caller moe_cpu_quant_blockwise_t,
+# which therefore lives in lib/cpu/quantize_transpose.c.)
 CH01_SYMBOLS := moe_cpu_router_forward moe_cpu_aux_loss_forward moe_cpu_aux_loss_backward \
 	moe_cpu_permute_index
 CH02_SYMBOLS := moe_dispatch_layout moe_dispatch_sort_maps
 CH03_SYMBOLS := moe_cpu_grouped_matmul_forward moe_tile_schedule_prefix moe_tile_schedule_at
 CH04_SYMBOLS := moe_cpu_cross_entropy_shard_merge
+CH05_SYMBOLS := moe_cpu_quant_blockwise
+CH06_SYMBOLS := moe_cpu_permute_index_budget
 CH07_SYMBOLS := moe_cp_merge
 OBJCOPY ?= objcopy
 # the chapters with student stubs
-STUDENT_CHAPTERS := 01 02 03 04 07
+STUDENT_CHAPTERS := 01 02 03 04 05 06 07
 student_src = $(wildcard chapters/$(1)-*/student/*.c)
 # $(call chapter_bin,NN,unit|fd|mpi): the test binary check-chNN runs
 chapter_bin = $(if $(filter 1,$(STUDENT)),$(BUILD)/student/ch$(1)/$(2),$(BUILD)/tests/$(2))
@@ -442,21 +448,28 @@ check-ch04: check-deps
 	  if [ "$$n" != 1 ]; then echo "FAIL: the warning appears $$n times, want once"; cat $(BUILD)/ch04_drops.txt; exit 1; fi; \
 	  echo "ok: $$(grep 'token drops depend' $(BUILD)/ch04_drops.txt)"; fi
 
-# chapter 05 (FP8 / NVFP4), so far the formats and the quantizers: the codecs and every
-# recipe on the CPU (tests/test_quant.c); with CUDA, every recipe CUDA vs CPU byte for byte
-# (tests/gpu_quant.c, "skipped: no GPU" without one)
+# chapter 05 (FP8 / NVFP4): the codecs and every recipe on the CPU, the GEMM's CPU twin and
+# the QDQ op (tests/test_quant.c); with CUDA, every recipe CUDA vs CPU byte for byte
+# (tests/gpu_quant.c, "skipped: no GPU" without one). The student's blockwise quantizer
+# (moe_cpu_quant_blockwise) is graded by the unit suite, which calls it directly, through
+# the transposed copy and through the CPU quantizer table of the QDQ op; the GPU binary
+# runs the library's code.
 check-ch05: check-deps
-	@$(MAKE) --no-print-directory $(BUILD)/tests/unit $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu)
-	@echo "== chapter 05 self-check (reference: the library's code; no student stubs yet)"
-	CK_INCLUDE_TAGS=ch05 $(BUILD)/tests/unit
+	@$(MAKE) --no-print-directory $(call chapter_bin,05,unit) $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu)
+	@echo "== chapter 05 self-check ($(call CHECK_MODE,05))"
+	$(call RUN_TAGGED,05,unit)
 	@if [ "$(WITH_CUDA)" = 1 ]; then CK_INCLUDE_TAGS=ch05 $(BUILD)/tests/gpu; fi
 
 # chapter 06 (CUDA graphs): the CPU parts (--cuda-graph-scope, the capture helper on a mock
-# backend); the GPU parts (the arena, replay == eager) are tagged ch06 in the GPU binary
+# backend, the step's scalars, the sync-free layer's budget and its overflow protocol); the
+# GPU parts (the arena, replay == eager) are tagged ch06 in the GPU binary. The student's
+# budgeted permutation index (moe_cpu_permute_index_budget) is graded by its unit tests and
+# by the overflow protocol, whose sync-free layers call it through the CPU op table; the GPU
+# binary runs the library's code.
 check-ch06: check-deps
-	@$(MAKE) --no-print-directory $(BUILD)/tests/unit $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu)
-	@echo "== chapter 06 self-check (reference: the library's code; no student stubs yet)"
-	CK_INCLUDE_TAGS=ch06 $(BUILD)/tests/unit
+	@$(MAKE) --no-print-directory $(call chapter_bin,06,unit) $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu)
+	@echo "== chapter 06 self-check ($(call CHECK_MODE,06))"
+	$(call RUN_TAGGED,06,unit)
 	@if [ "$(WITH_CUDA)" = 1 ]; then CK_INCLUDE_TAGS=ch06 $(BUILD)/tests/gpu; fi
 
 # chapter 07 (flash attention, context parallelism): the CPU flash attention against the
@@ -504,6 +517,8 @@ test-student-stubs: check-deps
 	@$(call EXPECT_STUB,03,chapters/03-grouped-gemm/student/grouped_matmul.c,moe_cpu_grouped_matmul_forward,grouped)
 	@$(call EXPECT_STUB,03,chapters/03-grouped-gemm/student/tile_schedule.c,moe_tile_schedule_prefix,tile_schedule)
 	@$(call EXPECT_STUB,04,chapters/04-parallel-folding/student/cross_entropy_merge.c,moe_cpu_cross_entropy_shard_merge,vocab-merge)
+	@$(call EXPECT_STUB,05,chapters/05-fp8-nvfp4/student/quant_blockwise.c,moe_cpu_quant_blockwise,quant)
+	@$(call EXPECT_STUB,06,chapters/06-cuda-graphs/student/permute_budget.c,moe_cpu_permute_index_budget,sync_free)
 	@$(call EXPECT_STUB,07,chapters/07-long-context/student/cp_merge.c,moe_cp_merge,cp_layout)
 
 # Everything the test steps run is built first, in parallel; then the steps run one after
