@@ -13,6 +13,7 @@
 #include "checkpoint_file.h"
 #include "dist_optimizer.h"
 #include "log.h"
+#include "lowp.h"
 
 #define PATH_CAP 1100
 #define REAL_DTYPE (sizeof(moe_real) == 4 ? MOE_CKPT_F32 : MOE_CKPT_F64)
@@ -30,7 +31,16 @@ typedef struct host_state {
     float *moment[2];    /* exp_avg, exp_avg_sq */
     float *expert_bias;  /* [L·E], or NULL for a dense model */
     int64_t state[ST_COUNT];
+    int64_t sr_calls;    /* NVFP4's stochastic-rounding counter (lowp.sr_calls), or 0 */
 } host_state;
+
+/* Whether the model's low-precision recipe draws stochastic-rounding seeds (NVFP4's
+ * gradients, chapter 05): then its counter of draws is state a resumed run must continue
+ * from, or it would round every later gradient with other random bits. */
+static int has_sr_counter(const moe_model *m) {
+    return m->lowp && m->lowp->spec[MOE_LOWP_GRADIENT].nvfp4.stochastic;
+}
+#define SR_TENSOR "lowp.sr_calls"
 
 static void *buf_of(host_state *h, int b) {
     return b == BUF_PARAM ? (void *)h->param : (void *)h->moment[b - 1];
@@ -214,7 +224,7 @@ static moe_status write_shard(const moe_trainer *t, const char *path, host_state
                               const char *config, size_t config_len, moe_error *err) {
     const moe_model *m = t->model;
     const moe_param_table *pt = &m->table;
-    moe_ckpt_tensor *list = calloc((size_t)pt->n * BUF_COUNT + 3, sizeof *list);
+    moe_ckpt_tensor *list = calloc((size_t)pt->n * BUF_COUNT + 4, sizeof *list);
     void **owned = calloc((size_t)pt->n * BUF_COUNT + 1, sizeof *owned); /* assembled copies */
     if (!list || !owned) {
         free(list);
@@ -253,6 +263,8 @@ static moe_status write_shard(const moe_trainer *t, const char *path, host_state
         if (h->expert_bias)
             list[n++] = entry("router.expert_bias", MOE_CKPT_F32, NULL, 2, m->cfg.num_layers,
                               m->cfg.num_experts, h->expert_bias);
+        if (has_sr_counter(m)) /* the same on every rank: each quantizes as many gradients */
+            list[n++] = entry(SR_TENSOR, MOE_CKPT_I64, NULL, 1, 1, 0, &h->sr_calls);
     }
     moe_ckpt_file_info info = {.step = t->step, .file_index = t->rank,
                                .file_count = t->world_size};
@@ -375,6 +387,7 @@ moe_status moe_checkpoint_save(moe_trainer *t, const char *dir, int keep_last, m
         h.state[ST_ADAM_STEP] = t->opt.step;
         h.state[ST_SEED] = t->cfg.seed;
         h.state[ST_CONSUMED_SAMPLES] = (int64_t)t->step * t->cfg.global_batch_size;
+        h.sr_calls = has_sr_counter(m) ? (int64_t)m->lowp->sr_calls : 0;
         shard_path(path, sizeof path, dir, t->step, t->rank);
         s = write_shard(t, path, &h, config, config_len, err);
     }
@@ -640,6 +653,15 @@ static moe_status stage(const moe_trainer *t, const moe_ckpt_file *f, int nf, lo
         const moe_tensor eb = whole(2, m->cfg.num_layers, m->cfg.num_experts);
         MOE_TRY(gather(f, nf, "router.expert_bias", &eb, MOE_CKPT_F32, h->expert_bias, err));
     }
+    /* a checkpoint saved without stochastic rounding (another precision) has made no draws */
+    h->sr_calls = 0;
+    if (has_sr_counter(m) && find(f, nf, SR_TENSOR)) {
+        const moe_tensor one = whole(1, 1, 1);
+        MOE_TRY(gather(f, nf, SR_TENSOR, &one, MOE_CKPT_I64, &h->sr_calls, err));
+        if (h->sr_calls < 0)
+            return moe_error_set(err, MOE_ERR_DATA, "the checkpoint in '%s' says %lld "
+                                 "stochastic-rounding draws", f[0].path, (long long)h->sr_calls);
+    }
     return MOE_OK;
 }
 
@@ -658,6 +680,8 @@ static void apply(moe_trainer *t, const host_state *h) {
     }
     t->step = (int)h->state[ST_STEP];
     t->opt.step = h->state[ST_ADAM_STEP];
+    if (has_sr_counter(m))
+        m->lowp->sr_calls = (uint64_t)h->sr_calls;
     be->synchronize();
 }
 
