@@ -644,34 +644,52 @@ void moe_trainer_sample(moe_trainer *t, int n, double temperature, uint64_t seed
     /* the model's vocabulary may be padded (--make-vocab-size-divisible-by): sample among the
      * tokenizer's ids only */
     const int T = c->seq_length, V = c->vocab_size, Vt = tok->vocab_size;
-    MOE_ASSERT(t->cp.attn.cp == 1); /* the caller skips the sample under CP (trainer.h) */
+    const int cp = t->cp.attn.cp, cp_rank = t->cp.attn.rank;
     int *ctx = malloc(sizeof(int) * (size_t)(n + 1));
-    int *window = malloc(sizeof(int) * (size_t)T);
+    int *window = malloc(sizeof(int) * (size_t)T), *local = malloc(sizeof(int) * (size_t)T);
     moe_real *logits = malloc(sizeof(moe_real) * (size_t)V);
     double *p = malloc(sizeof(double) * (size_t)V);
-    MOE_ASSERT(ctx && window && logits && p);
-    /* Under sequence parallelism a forward needs a multiple of TP tokens (T is one): the
-     * window is padded at its end, which the causal mask keeps from changing the rows
-     * before it. With TP every rank has its V/TP logits of every row (vocab_parallel.h):
-     * each puts its own in place and a sum over TP assembles the row. */
+    MOE_ASSERT(ctx && window && local && logits && p);
+    /* Under sequence parallelism a forward needs a multiple of TP tokens, under context
+     * parallelism of 2·CP (each rank two chunks; T is a multiple of both): the window is
+     * padded at its end, which the causal mask keeps from changing the rows before it. With
+     * TP every rank has its V/TP logits of every row (vocab_parallel.h): each puts its own in
+     * place and a sum over TP assembles the row. Under CP the row of the window's last token
+     * lives on the rank holding its chunk: that rank puts it in place, the others zeros,
+     * and a sum over CP gives every rank the row (all ranks then draw the same token). */
     const moe_tp *tp = &t->model->tp;
     const int Vl = tp->size > 1 ? t->model->vp.Vl : V, v0 = tp->size > 1 ? t->model->vp.v0 : 0;
     const int sp = tp->size > 1 && tp->sp;
+    const int unit = (sp ? tp->size : 1) * (cp > 1 ? 2 * cp : 1);
     int len = 0;
     int nl = tok->byte_to_id['\n'];
     ctx[len++] = nl >= 0 ? nl : 0;
     for (int i = 0; i < n; i++) {
         int start = len > T ? len - T : 0, w = len - start;
-        const int tw = sp ? (w + tp->size - 1) / tp->size * tp->size : w;
+        const int tw = (w + unit - 1) / unit * unit;
         memcpy(window, ctx + start, sizeof(int) * (size_t)w);
         for (int j = w; j < tw; j++)
             window[j] = 0;
-        moe_model_forward(t->model, window, NULL, 1, tw);
+        int row = w - 1; /* the last token's row here, or -1: another CP rank holds it */
+        if (cp > 1) {
+            moe_cp_take_local(local, window, 1, tw, cp, cp_rank);
+            moe_model_forward(t->model, local, NULL, 1, tw / cp);
+            row = -1;
+            for (int j = 0; j < tw / cp; j++)
+                if (moe_cp_position(tw, cp, cp_rank, j) == w - 1)
+                    row = j;
+        } else {
+            moe_model_forward(t->model, window, NULL, 1, tw);
+        }
         const moe_backend *be = t->model->be;
         memset(logits, 0, sizeof(moe_real) * (size_t)V);
-        be->read_act(logits + v0, MOE_ACT(be, t->model->logits, (size_t)(w - 1) * Vl), (size_t)Vl);
+        if (row >= 0)
+            be->read_act(logits + v0, MOE_ACT(be, t->model->logits, (size_t)row * Vl),
+                         (size_t)Vl);
         if (tp->size > 1)
             moe_comm_host_all_reduce_sum(tp->comm, logits, (size_t)V, moe_dtype_real());
+        if (cp > 1)
+            moe_comm_host_all_reduce_sum(t->cp.attn.comm, logits, (size_t)V, moe_dtype_real());
         double mx = logits[0];
         for (int v = 1; v < Vt; v++)
             mx = logits[v] > mx ? logits[v] : mx;
@@ -694,6 +712,7 @@ void moe_trainer_sample(moe_trainer *t, int n, double temperature, uint64_t seed
     out[n] = '\0';
     free(ctx);
     free(window);
+    free(local);
     free(logits);
     free(p);
 }

@@ -181,8 +181,9 @@ double moe_trainer_evaluate(moe_trainer *t, moe_split split, int iters);
  * @brief Generate @p n characters after a newline, sampling with temperature.
  * @param t trainer  @param n characters  @param temperature > 0  @param seed sampling seed
  * @param out receives n bytes and a terminating zero (size n+1)
- * Not under context parallelism (the sampler feeds the model whole windows of the text, a
- * CP rank holds two chunks of each sequence): moe-train skips the sample there.
+ * Collective over the model's ranks: under TP and CP every rank calls it and gets the same
+ * text (under CP each rank runs its two chunks of every window, and the rank holding the
+ * last token's row shares its logits).
  */
 void moe_trainer_sample(moe_trainer *t, int n, double temperature, uint64_t seed, char *out);
 

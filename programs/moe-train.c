@@ -349,11 +349,7 @@ int main(int argc, char **argv) {
     evaluate(t, mx, world, c->train_iters, moe_timer_elapsed(&total));
     moe_log_info("done  | %d steps in %.1f s of training (%.0f tok/s)", c->train_iters, train_s,
                  train_s > 0 ? tokens / train_s : 0.0);
-    if (c->sample_length > 0 && c->context_parallel_size > 1) {
-        moe_log_info("sample| skipped under --context-parallel-size %d (the sampler feeds the "
-                     "model whole windows of text; a context-parallel rank holds two chunks of "
-                     "each sequence)", c->context_parallel_size);
-    } else if (c->sample_length > 0) {
+    if (c->sample_length > 0) {
         char *text = malloc((size_t)c->sample_length + 1);
         if (text) {
             moe_trainer_sample(t, c->sample_length, c->sample_temperature, (uint64_t)c->seed,

@@ -382,8 +382,49 @@ START_TEST(test_cp_model_folded) {
 }
 END_TEST
 
+/* Sampling under CP (moe_trainer_sample): every rank runs its chunks of each window, the rank
+ * holding the last token's row shares its logits, and the text equals one process's, for
+ * windows shorter than the sequence (padded to 2·CP tokens) and sliding past it. On CPU
+ * ranks exactly; on GPU ranks bf16 rounding may flip a near-tie, so there every rank must
+ * get the same text (the picks are collective). */
+START_TEST(test_cp_sample_equals_one_process) {
+    moe_comm *world = moe_test_world();
+    const int W = moe_comm_size(world), rank = moe_comm_rank(world);
+    for (int cp = 2; cp <= 4 && cp <= W; cp *= 2) {
+        if (W % cp != 0)
+            continue;
+        char dist_flags[96];
+        snprintf(dist_flags, sizeof dist_flags, "--context-parallel-size %d --cp-comm-type p2p",
+                 cp);
+        moe_trainer *dist, *ref;
+        if (!moe_test_folding(world, CP_MODEL, 1, 0, 1, "--lr 1e-2 --num-query-groups 2",
+                              dist_flags, on_gpu(), &dist, &ref))
+            continue;
+        enum { N = 40 }; /* past the 16-token sequence: the window slides */
+        char a[N + 1], b[N + 1];
+        moe_trainer_sample(dist, N, 0.8, 7, a);
+        moe_trainer_sample(ref, N, 0.8, 7, b);
+        unsigned long h = 5381;
+        for (int i = 0; i < N; i++)
+            h = h * 33 + (unsigned char)a[i];
+        const int same_ranks = moe_comm_host_max(world, (double)h) == (double)h &&
+                               -moe_comm_host_max(world, -(double)h) == (double)h;
+        MOE_TEST_AGREE(!same_ranks, "CP %d: the ranks sampled different texts", cp);
+        if (!on_gpu())
+            MOE_TEST_AGREE(memcmp(a, b, N) != 0, "CP %d on rank %d: sampled '%s', one process "
+                           "'%s'", cp, rank, a, b);
+        if (rank == 0)
+            printf("  CP %d sample (%d characters): %s one process's\n", cp, N,
+                   memcmp(a, b, N) ? "differs from (GPU: bf16 near-ties)" : "equals");
+        moe_trainer_free(dist);
+        moe_trainer_free(ref);
+    }
+}
+END_TEST
+
 Suite *suite_mpi_cp(void) {
     const TTest *const tests[] = {test_cp_attention_equals_one_process,
-                                  test_cp_model_equals_one_process, test_cp_model_folded};
-    return moe_test_chapter_suite("mpi_cp", "ch07", tests, 3);
+                                  test_cp_model_equals_one_process, test_cp_model_folded,
+                                  test_cp_sample_equals_one_process};
+    return moe_test_chapter_suite("mpi_cp", "ch07", tests, 4);
 }
