@@ -644,7 +644,17 @@ test-plots:
 	  test -s $(PLOT_TEST)/sweep.png && test -s $(PLOT_TEST)/roofline.png && \
 	  ! $(PY) tools/plot_bench.py sweep $(PLOT_TEST)/page.md --out $(PLOT_TEST)/x.png \
 	    2> $(PLOT_TEST)/nosweep.err && grep -q "no GEMM table under a 'NAME: T=.. E=.. -> N rows' line" $(PLOT_TEST)/nosweep.err && \
-	  echo "plots: sweep.png and roofline.png written with the numbers of chapter 03's tables, other shapes left out, a file without them refused"; \
+	  echo "plots: sweep.png and roofline.png written with the numbers of chapter 03's tables, other shapes left out, a file without them refused" && \
+	  printf '%s\n' '| T | ms per step | tokens/s | note |' '|---|---|---|---|' '| 4096 | 8 | 482,664 | a |' \
+	    '| 16384 | 34 | 478,470 | b |' '| total | 42 | | |' > $(PLOT_TEST)/lines.md && \
+	  $(PY) tools/plot_bench.py lines $(PLOT_TEST)/lines.md --table T --columns 'ms|tokens' \
+	    --out $(PLOT_TEST)/lines.png > $(PLOT_TEST)/lines.out && test -s $(PLOT_TEST)/lines.png && \
+	  grep -qx '  ms per step: 4096:8 16384:34' $(PLOT_TEST)/lines.out && \
+	  grep -qx '  tokens/s: 4096:482664 16384:478470' $(PLOT_TEST)/lines.out && \
+	  ! grep -q note $(PLOT_TEST)/lines.out && \
+	  ! $(PY) tools/plot_bench.py lines $(PLOT_TEST)/lines.md --table T --columns zzz \
+	    --out $(PLOT_TEST)/x.png 2> $(PLOT_TEST)/nolines.err && grep -q "no numeric column" $(PLOT_TEST)/nolines.err && \
+	  echo "plots: lines.png written against the first column, a row without a size left out, no matching column refused"; \
 	fi
 
 # ---- figures: every PNG of docs/results/figures/ redrawn from the files in the tree (the
@@ -656,6 +666,7 @@ FIG_RUNS = $(FIG)/runs
 FIG_CH02 = docs/results/runs/multigpu_ch02_e3716dc.txt
 FIG_CH03 = docs/results/03-grouped-gemm.md
 FIG_CH03_II = docs/results/runs/ch03_bench_dc547fa.txt
+FIG_CH07 = docs/results/07-long-context.md
 figures:
 	@$(PY) -c 'import matplotlib' 2>/dev/null || \
 	  { echo "make figures needs python3-matplotlib: sudo apt-get install python3-matplotlib"; exit 1; }
@@ -677,6 +688,9 @@ figures:
 	  --title "the sweep (H=4096, F=1536, k=8, E = T·k / R): expert GEMMs per backend and the layer vs PyTorch, H200, commit dc547fa"
 	$(PY) tools/plot_bench.py roofline $(FIG_CH03_II) --out $(FIG)/ch03_wgrad_roofline.png \
 	  --title "wgrad: achieved TFLOP/s against FLOP per byte, every shape of the run, H200, commit dc547fa"
+	$(PY) tools/plot_bench.py lines $(FIG_CH07) --table "T (tokens in one sequence)" \
+	  --columns "ms|tokens|memory" --out $(FIG)/ch07_longest_sequence.png \
+	  --title "the GPU preset's model, one sequence of T tokens, one H100, commit bc51e05"
 
 # ---- docs
 docs:

@@ -7,6 +7,7 @@
     tools/plot_bench.py sweep    --out FILE.png [--shapes RE] [--title T] CH03_BENCH.txt
     tools/plot_bench.py roofline --out FILE.png [--shapes RE] [--bandwidth GBS] CH03_BENCH.txt
     tools/plot_bench.py folding  --out FILE.png [--title T] CH04_FOLDING_BENCH.txt
+    tools/plot_bench.py lines    --out FILE.png --table CELL [--columns RE] [--title T] FILE.md
 
 The input format is the one every benchmark of moe.c prints and every results page
 quotes: Markdown pipe tables (`| a | b |`, a `|---|` rule under the header). Cells may
@@ -44,6 +45,11 @@ Figures:
             stacked bar per folding (the "folding tp=..." lines), a segment per group kind
             and collective of rank 0 (the "counted B" column, host control data left out;
             a communicator serving several kinds is named by them all, "tp=edp").
+
+  lines     one table against its first column (a size: sequence length, tokens): a
+            log-log panel per column that holds numbers (chapter 07's step time, tokens/s
+            and memory against the sequence length); rows whose first cell is not a number
+            are left out; --columns RE keeps the columns whose header matches RE.
 
 The PNG's path is printed, then the numbers read from the table (one line per panel).
 --table CELL picks the first table whose header's first cell is CELL (bold and spaces
@@ -314,6 +320,25 @@ def folding_bars(path):
     return bars
 
 
+def line_panels(table, path, columns):
+    """lines: x = the first column's numbers, a panel (header, xs, ys) per numeric column
+    whose header matches the regular expression `columns`."""
+    rows = [r for r in table["rows"] if r and number(r[0]) is not None]
+    if len(rows) < 2:
+        raise InputError(f"{path}: the table {clean(table['header'][0])!r} has fewer than two "
+                         "rows with a number in the first column")
+    xs = [number(r[0]) for r in rows]
+    panels = []
+    for c, head in enumerate(table["header"][1:], start=1):
+        ys = [number(r[c]) if c < len(r) else None for r in rows]
+        if re.search(columns, clean(head)) and any(y is not None for y in ys):
+            panels.append((clean(head), xs, ys))
+    if not panels:
+        raise InputError(f"{path}: the table {clean(table['header'][0])!r} has no numeric column "
+                         f"matching {columns!r}")
+    return clean(table["header"][0]), panels
+
+
 def fmt(values):
     return " ".join("-" if v is None else f"{v:g}" for v in values)
 
@@ -337,6 +362,10 @@ def describe(figure, panels):
         elif figure == "folding":
             name, segs = panel
             out.append(f"  {name}: " + " | ".join(f"{k} {v}" for k, v in segs))
+        elif figure == "lines":
+            name, xs, ys = panel
+            out.append(f"  {name}: " + " ".join(f"{x:g}:{'-' if y is None else f'{y:g}'}"
+                                                 for x, y in zip(xs, ys)))
         elif figure == "bars":
             name, series, labels, values = panel
             out.append(f"  {name or 'bars'}: rows {' / '.join(labels)}: "
@@ -398,6 +427,24 @@ def plot_bars(plt, panels, title, ylabel, ceiling, ceiling_label):
     axes[0][0].set_ylim(0, top * 1.25)  # room above the bars and the line for the legend
     axes[0][0].set_ylabel(ylabel)
     axes[0][0].legend(fontsize=8, loc="upper left", ncol=2)
+    fig.suptitle(title)
+    return fig
+
+
+def plot_lines(plt, xname, panels, title):
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 0.5, 4.0),
+                             squeeze=False)
+    for ax, (name, xs, ys) in zip(axes[0], panels):
+        pts = [(x, y) for x, y in zip(xs, ys) if y is not None and y > 0]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=5, color="C0")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(xs, [f"{x / 1024:g}K" if x >= 1024 else f"{x:g}" for x in xs],
+                      fontsize=8)
+        ax.minorticks_off()
+        ax.set_xlabel(xname)
+        ax.set_title(name, fontsize=10)
+        ax.grid(alpha=0.3, which="both")
     fig.suptitle(title)
     return fig
 
@@ -509,21 +556,23 @@ def plot_roofline(plt, series, title, ceiling, bandwidth):
 def main(argv=None):
     p = argparse.ArgumentParser(description="Plot the Markdown tables of moe.c's benchmarks as PNGs.")
     p.add_argument("figure", choices=("dispatch", "bars", "stages", "sweep", "roofline",
-                                      "folding"))
+                                      "folding", "lines"))
     p.add_argument("file", help="benchmark output or results page holding the table(s)")
     p.add_argument("--out", required=True, metavar="FILE.png", help="the PNG to write")
     p.add_argument("--table", metavar="CELL", help="the table whose header starts with CELL "
-                   "(bars, stages)")
+                   "(bars, stages, lines)")
     p.add_argument("--title", default="", help="the figure's title (name the run: device, commit)")
     p.add_argument("--ylabel", default="TFLOP/s", help="bars: the y axis (default TFLOP/s)")
     p.add_argument("--ceiling", type=float, metavar="X", help="bars: a dashed line at X")
     p.add_argument("--ceiling-label", default="", metavar="L", help="bars: the line's legend")
     p.add_argument("--shapes", metavar="RE", help="sweep, roofline: the shape names to read "
                    "(a regular expression; default 'sweep[0-9]+' for sweep, every shape for roofline)")
+    p.add_argument("--columns", metavar="RE", help="lines: the columns to plot (a regular "
+                   "expression on the header; default: every numeric column)")
     p.add_argument("--bandwidth", type=float, metavar="GBS", help="roofline: the roof's GB/s "
                    "(default: the highest wgrad GB/s of the run)")
     a = p.parse_args(argv)
-    if a.figure in ("bars", "stages") and not a.table:
+    if a.figure in ("bars", "stages", "lines") and not a.table:
         p.error(f"{a.figure} needs --table CELL (the first header cell of the table to plot)")
     if a.ceiling is not None and a.figure != "bars":
         p.error("--ceiling applies to the bars figure only (sweep and roofline read it from the run)")
@@ -531,11 +580,15 @@ def main(argv=None):
         p.error("--shapes applies to the sweep and roofline figures only")
     if a.bandwidth is not None and (a.figure != "roofline" or a.bandwidth <= 0):
         p.error("--bandwidth applies to the roofline figure only, and must be > 0 (GB/s)")
-    if a.shapes is not None:
+    if a.columns is not None and a.figure != "lines":
+        p.error("--columns applies to the lines figure only")
+    for name, rx in (("--shapes", a.shapes), ("--columns", a.columns)):
+        if rx is None:
+            continue
         try:
-            re.compile(a.shapes)
+            re.compile(rx)
         except re.error as e:
-            p.error(f"--shapes {a.shapes!r} is not a regular expression: {e}")
+            p.error(f"{name} {rx!r} is not a regular expression: {e}")
 
     try:
         tables = [] if a.figure == "folding" else read_tables(a.file)
@@ -549,6 +602,9 @@ def main(argv=None):
                 raise InputError(f"{a.file}: the table {a.table!r} has no numbers to plot")
         elif a.figure == "stages":
             panels = stage_panels(find_table(tables, a.file, a.table), a.file)
+        elif a.figure == "lines":
+            xname, panels = line_panels(find_table(tables, a.file, a.table), a.file,
+                                        a.columns or ".*")
         elif a.figure == "sweep":
             panels = [sweep_series(tables, a.file, a.shapes or r"sweep[0-9]+")]
             ceiling = dense_ceiling(a.file)
@@ -571,6 +627,8 @@ def main(argv=None):
         fig = plot_bars(plt, panels, a.title, a.ylabel, a.ceiling, a.ceiling_label)
     elif a.figure == "stages":
         fig = plot_stages(plt, panels, a.title)
+    elif a.figure == "lines":
+        fig = plot_lines(plt, xname, panels, a.title)
     elif a.figure == "sweep":
         fig = plot_sweep(plt, *panels[0], a.title, ceiling)
     else:
