@@ -24,6 +24,23 @@ void moe_bench_header(const char *title, const char *device) {
     printf("%s | %s | %s | commit %s\n", title, device, date, commit);
 }
 
+int moe_bench_parse_ints(const char *s, int *out, int cap) {
+    int n = 0;
+    for (const char *p = s; *p;) {
+        char *end;
+        const long v = strtol(p, &end, 10);
+        if (end == p || v < 1 || v > (1L << 24) || n == cap)
+            return -1;
+        out[n++] = (int)v;
+        if (*end == ',' && end[1])
+            end++;
+        else if (*end)
+            return -1; /* anything else, or a comma with nothing after it */
+        p = end;
+    }
+    return n > 0 ? n : -1;
+}
+
 static const moe_bench_shape g_shapes[] = {
     {"qwen3", 16384, 2048, 768, 128, 8},
     {"mixtral", 8192, 4096, 14336, 8, 2},

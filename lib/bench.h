@@ -21,6 +21,14 @@ double moe_median(double *v, int n);
  */
 void moe_bench_header(const char *title, const char *device);
 
+/**
+ * @brief Parse a benchmark flag's comma list of positive integers ("1024,4096,16384").
+ * @param s the list  @param out receives the values  @param cap room in @p out
+ * @return how many values (>= 1), or -1 for an empty list, a value that is not an integer
+ *         in 1 .. 2^24, anything else between the commas, or more than @p cap values
+ */
+int moe_bench_parse_ints(const char *s, int *out, int cap);
+
 /** One MoE layer shape: tokens, hidden size, expert width, experts, top-k. */
 typedef struct moe_bench_shape {
     const char *name; /**< qwen3, mixtral, qwen3-235b, dsv2-lite, sweepR or small */

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "backend.h"
+#include "bench.h"
 #include "config.h"
 #include "error.h"
 #include "helpers.h"
@@ -315,6 +316,22 @@ START_TEST(test_metrics_bad_dir) {
     ck_assert_msg(strstr(err.msg, path) != NULL, "message does not name the path: %s", err.msg);
     ck_assert_msg(strstr(err.msg, "--metrics-file") != NULL, "message does not name the flag: %s",
                   err.msg);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ benchmark flags */
+
+START_TEST(test_bench_parse_ints) {
+    int v[3];
+    ck_assert_int_eq(moe_bench_parse_ints("1024,4096", v, 3), 2);
+    ck_assert_int_eq(v[0], 1024);
+    ck_assert_int_eq(v[1], 4096);
+    ck_assert_int_eq(moe_bench_parse_ints("7", v, 3), 1);
+    ck_assert_int_eq(v[0], 7);
+    /* refused: empty, a word, zero, negative, a trailing comma or space, too large, too many */
+    const char *bad[] = {"", "abc", "0", "-4", "16,", "16 ", "16x", "99999999", "1,2,3,4"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
+        ck_assert_msg(moe_bench_parse_ints(bad[i], v, 3) == -1, "'%s' was accepted", bad[i]);
 }
 END_TEST
 
@@ -765,6 +782,7 @@ Suite *suite_core(void) {
     tcase_add_test(met, test_metrics_records);
     tcase_add_test(met, test_metrics_truncates);
     tcase_add_test(met, test_metrics_bad_dir);
+    tcase_add_test(met, test_bench_parse_ints);
     suite_add_tcase(s, met);
 
     TCase *par = tcase_create("params");

@@ -42,18 +42,6 @@ typedef struct shape_result {
     sdpa_row flash, cudnn;
 } shape_result;
 
-static int parse_list(const char *s, int *out) {
-    int n = 0;
-    while (*s && n < MAX_LIST) {
-        out[n++] = atoi(s);
-        const char *c = strchr(s, ',');
-        if (!c)
-            break;
-        s = c + 1;
-    }
-    return n;
-}
-
 /* A device bf16 tensor of n N(0, 1) values, and its host copy (as the GPU holds it). */
 static void *randn_act(size_t n, unsigned long long seed, moe_real **host) {
     moe_real *tmp = moe_cuda_alloc(n * sizeof(moe_real));
@@ -317,7 +305,8 @@ static const char *tf_or_dash(char *buf, double flops, const sdpa_row *row, int 
 
 int main(int argc, char **argv) {
     int seqs[MAX_LIST], dims[MAX_LIST];
-    int nseq = parse_list("1024,4096,16384,32768,65536", seqs), ndim = parse_list("64,128", dims);
+    int nseq = moe_bench_parse_ints("1024,4096,16384,32768,65536", seqs, MAX_LIST),
+        ndim = moe_bench_parse_ints("64,128", dims, MAX_LIST);
     int tokens = 16384, hidden = 2048, reps = 10, warmup = 3, sdpa = 1;
     const char *python = "python3";
     for (int i = 1; i < argc; i++) {
@@ -332,9 +321,9 @@ int main(int argc, char **argv) {
         }
         i++;
         if (!strcmp(a, "--seqs"))
-            nseq = parse_list(val, seqs);
+            nseq = moe_bench_parse_ints(val, seqs, MAX_LIST);
         else if (!strcmp(a, "--dims"))
-            ndim = parse_list(val, dims);
+            ndim = moe_bench_parse_ints(val, dims, MAX_LIST);
         else if (!strcmp(a, "--tokens"))
             tokens = atoi(val);
         else if (!strcmp(a, "--hidden"))
@@ -349,6 +338,11 @@ int main(int argc, char **argv) {
             fprintf(stderr, "ch07_attention_bench: unknown flag %s (see the file's header)\n", a);
             return 2;
         }
+    }
+    if (nseq < 1 || ndim < 1) {
+        fprintf(stderr, "ch07_attention_bench: --seqs and --dims take a comma list of at most "
+                        "%d positive integers (e.g. 4096,16384)\n", MAX_LIST);
+        return 2;
     }
     if (reps < 1 || warmup < 0 || tokens < 1 || hidden < 1) {
         fprintf(stderr, "ch07_attention_bench: --repeats >= 1, --warmup >= 0, --tokens and "

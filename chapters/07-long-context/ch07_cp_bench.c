@@ -26,6 +26,7 @@
 #include "comm.h"
 #include "context_parallel.h"
 #include "log.h"
+#include "rng.h"
 #include "timer.h"
 
 #define MAX_LIST 16
@@ -37,23 +38,6 @@ typedef struct opts {
     moe_cp_comm types[4];
     int n_types;
 } opts;
-
-static int parse_ints(const char *s, int *out) {
-    int n = 0;
-    for (const char *p = s; *p && n < MAX_LIST;) {
-        char *end;
-        const long v = strtol(p, &end, 10);
-        if (end == p || v < 1 || v > (1L << 24))
-            return -1;
-        out[n++] = (int)v;
-        if (*end == ',')
-            end++;
-        else if (*end)
-            return -1;
-        p = end;
-    }
-    return n;
-}
 
 static const char *type_name(moe_cp_comm t) {
     return t == MOE_CP_P2P ? "p2p" : t == MOE_CP_ALLGATHER ? "allgather" : "a2a";
@@ -77,21 +61,14 @@ static int parse_types(const char *s, moe_cp_comm *out) {
     return n;
 }
 
-/* a backend buffer of n activations, N(0, 1) scaled by `scale` */
+/* a backend buffer of n activations, N(0, 1) scaled by `scale` (stream `seed` of the
+ * project's counter-based generator) */
 static void *randn_act(const moe_backend *be, size_t n, unsigned long long seed, double scale) {
     moe_real *h = malloc(sizeof *h * n);
     if (!h)
         return NULL;
-    unsigned long long x = seed * 0x9E3779B97F4A7C15ull + 1;
-    for (size_t i = 0; i < n; i += 2) { /* Box-Muller on a 64-bit LCG */
-        x = x * 6364136223846793005ull + 1442695040888963407ull;
-        const double u1 = ((x >> 11) + 1.0) / 9007199254740993.0;
-        x = x * 6364136223846793005ull + 1442695040888963407ull;
-        const double u2 = (x >> 11) / 9007199254740992.0, r = sqrt(-2 * log(u1));
-        h[i] = (moe_real)(scale * r * cos(2 * M_PI * u2));
-        if (i + 1 < n)
-            h[i + 1] = (moe_real)(scale * r * sin(2 * M_PI * u2));
-    }
+    for (size_t i = 0; i < n; i++)
+        h[i] = (moe_real)(scale * moe_rng_normal(0xC7B3u, seed, i));
     void *d = be->alloc(n * be->act_size);
     if (d)
         be->write_act(d, h, n);
@@ -180,7 +157,7 @@ static double time_call(const moe_backend *be, moe_comm *world, const moe_cp_att
 
 int main(int argc, char **argv) {
     opts o = {.device = "cpu", .heads = 16, .dim = 128, .batch = 1, .repeats = 5, .warmup = 2};
-    o.n_seqs = parse_ints("8192,16384,32768", o.seqs);
+    o.n_seqs = moe_bench_parse_ints("8192,16384,32768", o.seqs, MAX_LIST);
     o.n_types = parse_types("p2p,allgather,a2a", o.types);
     int bad = 0;
     for (int i = 1; i < argc; i++) {
@@ -199,7 +176,7 @@ int main(int argc, char **argv) {
         if (!strcmp(f, "--device"))
             o.device = v, bad |= strcmp(v, "cpu") && strcmp(v, "cuda");
         else if (!strcmp(f, "--seqs"))
-            bad |= (o.n_seqs = parse_ints(v, o.seqs)) < 1;
+            bad |= (o.n_seqs = moe_bench_parse_ints(v, o.seqs, MAX_LIST)) < 1;
         else if (!strcmp(f, "--types"))
             bad |= (o.n_types = parse_types(v, o.types)) < 1;
         else if (!strcmp(f, "--heads"))
