@@ -77,6 +77,19 @@ static inline int moe_cp_position(int T, int cp, int rank, int t) {
 }
 
 /**
+ * @brief The inverse of moe_cp_position(): the local index on rank @p rank of the token at
+ *        absolute position @p pos, or -1 when another rank holds it.
+ * @param T tokens per sequence  @param cp ranks  @param rank this rank  @param pos position
+ * @return the local index (0 .. T/cp−1), or -1
+ */
+static inline int moe_cp_local_index(int T, int cp, int rank, int pos) {
+    const int C = T / (2 * cp), chunk = pos / C;
+    if (chunk == moe_cp_chunk(cp, rank, 0))
+        return pos % C;
+    return chunk == moe_cp_chunk(cp, rank, 1) ? C + pos % C : -1;
+}
+
+/**
  * @brief This rank's tokens of B sequences, chunk-major: its early chunk of every sequence,
  *        then its late chunk of every sequence ([2][B][C], C = T/(2·cp)), the order every
  *        context-parallel tensor of the model keeps (one chunk of all B sequences contiguous).

@@ -674,10 +674,7 @@ void moe_trainer_sample(moe_trainer *t, int n, double temperature, uint64_t seed
         if (cp > 1) {
             moe_cp_take_local(local, window, 1, tw, cp, cp_rank);
             moe_model_forward(t->model, local, NULL, 1, tw / cp);
-            row = -1;
-            for (int j = 0; j < tw / cp; j++)
-                if (moe_cp_position(tw, cp, cp_rank, j) == w - 1)
-                    row = j;
+            row = moe_cp_local_index(tw, cp, cp_rank, w - 1);
         } else {
             moe_model_forward(t->model, window, NULL, 1, tw);
         }

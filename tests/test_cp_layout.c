@@ -27,8 +27,20 @@ START_TEST(test_cp_positions_cover_the_sequence) {
                 if (t % C) /* consecutive inside a chunk */
                     ck_assert_int_eq(p, moe_cp_position(T, cp, r, t - 1) + 1);
             }
-        for (int p = 0; p < T; p++)
+        for (int p = 0; p < T; p++) {
             ck_assert_msg(seen[p] == 1, "cp %d: position %d held %d times", cp, p, seen[p]);
+            /* moe_cp_local_index is the inverse: exactly one rank finds p, at its index */
+            int holders = 0;
+            for (int r = 0; r < cp; r++) {
+                const int t = moe_cp_local_index(T, cp, r, p);
+                if (t < 0)
+                    continue;
+                holders++;
+                ck_assert_int_lt(t, local);
+                ck_assert_int_eq(moe_cp_position(T, cp, r, t), p);
+            }
+            ck_assert_int_eq(holders, 1);
+        }
         /* rank 0 holds the first and the last chunk */
         ck_assert_int_eq(moe_cp_position(T, cp, 0, 0), 0);
         ck_assert_int_eq(moe_cp_position(T, cp, 0, local - 1), T - 1);
