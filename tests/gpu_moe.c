@@ -435,21 +435,13 @@ END_TEST
 
 /* ------------------------------------------------------------------ aux and z losses */
 
-/* The aux loss of N rows in groups of group_len, split into `shards` consecutive row ranges
- * as tensor-parallel ranks hold them (moe_aux_shape; 1: one rank). Each shard's counts,
- * CUDA against CPU, exactly (integers from the same bf16 logits); their sum the counts of
- * one rank; each shard's part of the loss and its backward, CUDA against the CPU twin with
- * the summed counts; and the parts add up to the one-rank CPU loss. */
-static void check_aux_runs(int N, int group_len, int G, int run, int E, int k, moe_score_fn fn,
-                           int shards, uint64_t stream);
-static void check_aux_sharded(int N, int group_len, int E, int k, moe_score_fn fn, int shards,
-                              uint64_t stream) {
-    check_aux_runs(N, group_len, N / group_len, 0, E, k, fn, shards, stream);
-}
-
-/* ...and in general: G groups whose rows come in runs of `run` (moe_aux_shape::run; 0: one
- * run per group), as under context parallelism, where the N rows are one CP rank's [2][B][C]
- * (G = B sequences of group_len = T tokens, run = C). */
+/* The aux loss of N rows in G groups of group_len, split into `shards` consecutive row
+ * ranges as tensor-parallel ranks hold them (moe_aux_shape; 1: one rank), a group's rows in
+ * runs of `run` (moe_aux_shape::run; 0: one run per group; under context parallelism the N
+ * rows are one CP rank's [2][B][C]: G = B sequences of group_len = T tokens, run = C). Each
+ * shard's counts, CUDA against CPU, exactly (integers from the same bf16 logits); their sum
+ * the counts of one rank; each shard's part of the loss and its backward, CUDA against the
+ * CPU twin with the summed counts; and the parts add up to the one-rank CPU loss. */
 static void check_aux_runs(int N, int group_len, int G, int run, int E, int k, moe_score_fn fn,
                            int shards, uint64_t stream) {
     const size_t NE = (size_t)N * E;
@@ -514,6 +506,11 @@ static void check_aux_runs(int N, int group_len, int G, int run, int E, int k, m
     CK_CUDA(cudaFree(d_cg));
     CK_CUDA(cudaFree(d_sum));
     free(z);
+}
+
+static void check_aux_sharded(int N, int group_len, int E, int k, moe_score_fn fn, int shards,
+                              uint64_t stream) {
+    check_aux_runs(N, group_len, N / group_len, 0, E, k, fn, shards, stream);
 }
 
 static void check_aux(int N, int group_len, int E, int k, moe_score_fn fn, uint64_t stream) {
