@@ -28,6 +28,13 @@
 #              --context-parallel-size 2 against one GPU (the losses agree to bf16 noise),
 #              then bin/ch07_cp_bench on 2 and 4 GPUs: each comm type's attention at 8K-32K
 #              tokens, the ring with and without its overlap, against one GPU
+#   ch07long   long sequences under context parallelism: the GPU preset's model trains one
+#              sequence of T tokens (CH07_SEQS, default 131072 262144 524288) on 1 GPU and
+#              with --context-parallel-size 2 and 4 (each comm type that applies: p2p,
+#              allgather, a2a where the KV groups divide by CP, a2a+p2p as 2 x 2), 3 steps
+#              each; ms/step (median of steps 2-3), tokens/s, scaling efficiency against
+#              one GPU at the same T, the largest GPU memory any of the run's GPUs reached
+#              (nvidia-smi, 100 ms samples, CUDA context included) and the loss at step 3
 #   multinode  the same with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1: NCCL moves everything
 #              through its network transport, as between nodes; the fused NVLink path must
 #              see that and fall back to the collective one, and say so
@@ -39,7 +46,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 steps=120
 sections=()
@@ -48,11 +55,11 @@ while [ $# -gt 0 ]; do
     --gpus) gpus="$2"; shift 2 ;;
     --steps) steps="$2"; shift 2 ;;
     -h | --help) usage 0 ;;
-    ch02 | ch04 | ch06 | ch07 | multinode) sections+=("$1"); shift ;;
-    *) echo "tools/multigpu.sh: unknown argument '$1' (sections: ch02 ch04 ch06 ch07 multinode; --help)" >&2; exit 2 ;;
+    ch02 | ch04 | ch06 | ch07 | ch07long | multinode) sections+=("$1"); shift ;;
+    *) echo "tools/multigpu.sh: unknown argument '$1' (sections: ch02 ch04 ch06 ch07 ch07long multinode; --help)" >&2; exit 2 ;;
     esac
 done
-[ ${#sections[@]} -gt 0 ] || sections=(ch02 ch04 ch06 ch07 multinode)
+[ ${#sections[@]} -gt 0 ] || sections=(ch02 ch04 ch06 ch07 ch07long multinode)
 if ! [[ "$gpus" =~ ^[0-9]+$ ]] || [ "$gpus" -lt 2 ]; then
     echo "tools/multigpu.sh: needs a host with at least 2 GPUs (found ${gpus:-0}; --gpus N to say)" >&2
     exit 2
@@ -149,6 +156,51 @@ weak_scaling() { # extra env label
     done
 }
 
+# one long-sequence run of chapter 07: T, ranks, comm type ("-" on one GPU), extra flags;
+# appends a table row. Globals: LONGDATA (a text file whose validation split holds T + 1
+# tokens), ONE_GPU_TPS (tokens/s on one GPU at this T, set by the np = 1 run)
+long_row() {
+    local T="$1" np="$2" type="$3"; shift 3
+    local m="$out/long_$$_${np}_$RANDOM.jsonl" mem="$out/long_mem_$$.csv" log rc
+    local train="--device cuda --preset gpu --seq-length $T --micro-batch-size 1 --global-batch-size 1 \
+--train-iters 3 --lr-warmup-iters 0 --eval-interval 0 --eval-iters 1 --sample-length 0 --seed 1 \
+--data-path $LONGDATA --metrics-file $m --overwrite"
+    nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 100 >"$mem" &
+    local smi=$!
+    if [ "$np" = 1 ]; then
+        log=$(timeout 300 bin/moe-train $train "$@" 2>&1)
+    else
+        log=$(timeout 300 $MPIRUN -np "$np" bin/moe-train $train --context-parallel-size "$np" \
+              --cp-comm-type "$type" "$@" 2>&1)
+    fi
+    rc=$?
+    kill $smi; wait $smi 2>/dev/null
+    { echo "== T $T, $np GPUs, $type $*"; echo "$log"; } >>"$LOG"
+    local peak
+    peak=$(awk -F', *' -v n="$np" '$1 < n && $2 > p { p = $2 } END { print p + 0 }' "$mem")
+    if [ $rc != 0 ] || [ ! -s "$m" ]; then
+        echo "| $T | $np | $type | FAILED (rc $rc: $(echo "$log" | grep -iE 'error|out of memory' | head -1)) | | | | $peak | |"
+        status=1
+        return
+    fi
+    read -r ms tps loss < <(python3 - "$m" "$T" <<'EOF'
+import json, statistics, sys
+tr = [r for r in map(json.loads, open(sys.argv[1])) if r.get("event") == "train"]
+ms = statistics.median(r["step_s"] for r in tr[1:]) * 1e3
+print(f"{ms:.0f} {int(sys.argv[2]) / ms * 1e3:.0f} {tr[-1]['loss']:.4f}")
+EOF
+)
+    local speed="" eff=""
+    if [ "$np" = 1 ]; then
+        ONE_GPU_TPS=$tps
+    elif [ -n "$ONE_GPU_TPS" ]; then
+        speed=$(python3 -c "print(f'{$tps / $ONE_GPU_TPS:.2f}x')")
+        eff=$(python3 -c "print(f'{100 * $tps / $ONE_GPU_TPS / $np:.0f}%')")
+    fi
+    echo "| $T | $np | $type | $ms | $(printf "%'d" "$tps") | $speed | $eff | $(printf "%'d" "$peak") | $loss |"
+    rm -f "$m" "$mem"
+}
+
 for s in "${sections[@]}"; do
     LOG="$out/multigpu_$s.txt"
     : >"$LOG"
@@ -243,6 +295,24 @@ for s in "${sections[@]}"; do
                 status=1
             fi
         done
+        ;;
+    ch07long)
+        # the validation split (the last tenth) must hold a whole sequence: repeat the text
+        LONGDATA="$out/shakespeare_long.txt"
+        for i in 1 2 3 4 5 6; do cat data/tinyshakespeare.txt; done >"$LONGDATA"
+        echo "the GPU preset's model, one sequence of T tokens a step, 3 steps (ms: median of steps 2-3)"
+        echo "| T | GPUs | CP comm type | ms/step | tokens/s | vs 1 GPU | efficiency | peak GPU memory (MiB) | loss at step 3 |"
+        echo "|---:|---:|---|---:|---:|---:|---:|---:|---:|"
+        for T in ${CH07_SEQS:-131072 262144 524288}; do
+            ONE_GPU_TPS=""
+            long_row "$T" 1 -
+            [ "$gpus" -ge 2 ] || continue
+            for type in p2p allgather a2a; do long_row "$T" 2 "$type"; done
+            [ "$gpus" -ge 4 ] || continue
+            for type in p2p allgather; do long_row "$T" 4 "$type"; done
+            long_row "$T" 4 a2a+p2p --hierarchical-context-parallel-sizes 2,2
+        done
+        rm -f "$LONGDATA"
         ;;
     multinode)
         export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
