@@ -654,7 +654,15 @@ test-plots:
 	  ! grep -q note $(PLOT_TEST)/lines.out && \
 	  ! $(PY) tools/plot_bench.py lines $(PLOT_TEST)/lines.md --table T --columns zzz \
 	    --out $(PLOT_TEST)/x.png 2> $(PLOT_TEST)/nolines.err && grep -q "no numeric column" $(PLOT_TEST)/nolines.err && \
-	  echo "plots: lines.png written against the first column, a row without a size left out, no matching column refused"; \
+	  printf '%s\n' '| T | GPUs | type | tokens/s |' '|---|---|---|---|' '| 1024 | 1 | - | 10 |' \
+	    '| 1024 | 2 | p2p | 19 |' '| 1024 | 2 | a2a | 99 |' '| 2048 | 1 | - | 5 |' '| 2048 | 2 | p2p | 9 |' \
+	    > $(PLOT_TEST)/by.md && \
+	  $(PY) tools/plot_bench.py lines $(PLOT_TEST)/by.md --table T --by GPUs --where 'type=^(-|p2p)$$' \
+	    --out $(PLOT_TEST)/by.png > $(PLOT_TEST)/by.out && test -s $(PLOT_TEST)/by.png && \
+	  grep -qx '  tokens/s: GPUs 1: 1024:10 2048:5 | GPUs 2: 1024:19 2048:9' $(PLOT_TEST)/by.out && \
+	  ! $(PY) tools/plot_bench.py lines $(PLOT_TEST)/by.md --table T --by nope \
+	    --out $(PLOT_TEST)/x.png 2> $(PLOT_TEST)/noby.err && grep -q "no such column" $(PLOT_TEST)/noby.err && \
+	  echo "plots: lines.png written against the first column, a row without a size left out, no matching column refused, one line per --by value with --where's rows"; \
 	fi
 
 # ---- figures: every PNG of docs/results/figures/ redrawn from the files in the tree (the
@@ -691,6 +699,10 @@ figures:
 	$(PY) tools/plot_bench.py lines $(FIG_CH07) --table "T (tokens in one sequence)" \
 	  --columns "ms|tokens|memory" --out $(FIG)/ch07_longest_sequence.png \
 	  --title "the GPU preset's model, one sequence of T tokens, one H100, commit bc51e05"
+	$(PY) tools/plot_bench.py lines $(FIG_CH07) --table "T (tokens)" --by GPUs \
+	  --where "CP comm type=^(-|p2p)$$" --columns "tokens/s|efficiency|memory" \
+	  --out $(FIG)/ch07_cp_scaling.png \
+	  --title "the GPU preset's model, one sequence of T tokens, ring CP on 1-4 H100s, commit dc6a8b9"
 
 # ---- docs
 docs:

@@ -7,7 +7,8 @@
     tools/plot_bench.py sweep    --out FILE.png [--shapes RE] [--title T] CH03_BENCH.txt
     tools/plot_bench.py roofline --out FILE.png [--shapes RE] [--bandwidth GBS] CH03_BENCH.txt
     tools/plot_bench.py folding  --out FILE.png [--title T] CH04_FOLDING_BENCH.txt
-    tools/plot_bench.py lines    --out FILE.png --table CELL [--columns RE] [--title T] FILE.md
+    tools/plot_bench.py lines    --out FILE.png --table CELL [--columns RE] [--by CELL]
+                                 [--where CELL=RE] [--title T] FILE.md
 
 The input format is the one every benchmark of moe.c prints and every results page
 quotes: Markdown pipe tables (`| a | b |`, a `|---|` rule under the header). Cells may
@@ -47,9 +48,12 @@ Figures:
             a communicator serving several kinds is named by them all, "tp=edp").
 
   lines     one table against its first column (a size: sequence length, tokens): a
-            log-log panel per column that holds numbers (chapter 07's step time, tokens/s
+            panel per column that holds numbers (log-log, the y axis linear where the
+            values span less than a decade) (chapter 07's step time, tokens/s
             and memory against the sequence length); rows whose first cell is not a number
             are left out; --columns RE keeps the columns whose header matches RE.
+            --by CELL draws one line per value of that column (chapter 07's GPUs under
+            context parallelism); --where CELL=RE keeps the rows whose CELL matches RE.
 
 The PNG's path is printed, then the numbers read from the table (one line per panel).
 --table CELL picks the first table whose header's first cell is CELL (bold and spaces
@@ -320,19 +324,45 @@ def folding_bars(path):
     return bars
 
 
-def line_panels(table, path, columns):
-    """lines: x = the first column's numbers, a panel (header, xs, ys) per numeric column
-    whose header matches the regular expression `columns`."""
+def column_index(table, path, cell, option):
+    """The index of the column whose header is `cell` (emphasis ignored), or InputError."""
+    heads = [clean(h) for h in table["header"]]
+    if clean(cell) not in heads:
+        raise InputError(f"{path}: {option} {cell!r}: the table {heads[0]!r} has no such column "
+                         f"(its columns: {', '.join(heads)})")
+    return heads.index(clean(cell))
+
+
+def line_panels(table, path, columns, by=None, where=None):
+    """lines: x = the first column's numbers, a panel (header, series) per numeric column
+    whose header matches the regular expression `columns`; series maps a label to (xs, ys):
+    one series, or with `by` one per value of that column (in the order they appear).
+    `where` = (column, regular expression) keeps the rows whose cell matches."""
     rows = [r for r in table["rows"] if r and number(r[0]) is not None]
+    if where:
+        w = column_index(table, path, where[0], "--where")
+        rows = [r for r in rows if w < len(r) and re.search(where[1], clean(r[w]))]
     if len(rows) < 2:
         raise InputError(f"{path}: the table {clean(table['header'][0])!r} has fewer than two "
-                         "rows with a number in the first column")
-    xs = [number(r[0]) for r in rows]
+                         "rows with a number in the first column" + (" that --where keeps" if where else ""))
+    b = column_index(table, path, by, "--by") if by else None
+    keys = []
+    for r in rows:
+        k = clean(r[b]) if b is not None and b < len(r) else ""
+        if k not in keys:
+            keys.append(k)
     panels = []
     for c, head in enumerate(table["header"][1:], start=1):
-        ys = [number(r[c]) if c < len(r) else None for r in rows]
-        if re.search(columns, clean(head)) and any(y is not None for y in ys):
-            panels.append((clean(head), xs, ys))
+        if c == b or not re.search(columns, clean(head)):
+            continue
+        series = {}
+        for k in keys:
+            sel = [r for r in rows if b is None or (b < len(r) and clean(r[b]) == k)]
+            label = f"{clean(by)} {k}" if b is not None else ""
+            series[label] = ([number(r[0]) for r in sel],
+                             [number(r[c]) if c < len(r) else None for r in sel])
+        if any(y is not None for xs, ys in series.values() for y in ys):
+            panels.append((clean(head), series))
     if not panels:
         raise InputError(f"{path}: the table {clean(table['header'][0])!r} has no numeric column "
                          f"matching {columns!r}")
@@ -363,9 +393,11 @@ def describe(figure, panels):
             name, segs = panel
             out.append(f"  {name}: " + " | ".join(f"{k} {v}" for k, v in segs))
         elif figure == "lines":
-            name, xs, ys = panel
-            out.append(f"  {name}: " + " ".join(f"{x:g}:{'-' if y is None else f'{y:g}'}"
-                                                 for x, y in zip(xs, ys)))
+            name, series = panel
+            out.append(f"  {name}: " + " | ".join(
+                (f"{label}: " if label else "") + " ".join(
+                    f"{x:g}:{'-' if y is None else f'{y:g}'}" for x, y in zip(xs, ys))
+                for label, (xs, ys) in series.items()))
         elif figure == "bars":
             name, series, labels, values = panel
             out.append(f"  {name or 'bars'}: rows {' / '.join(labels)}: "
@@ -434,17 +466,32 @@ def plot_bars(plt, panels, title, ylabel, ceiling, ceiling_label):
 def plot_lines(plt, xname, panels, title):
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 0.5, 4.0),
                              squeeze=False)
-    for ax, (name, xs, ys) in zip(axes[0], panels):
-        pts = [(x, y) for x, y in zip(xs, ys) if y is not None and y > 0]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=5, color="C0")
+    for ax, (name, series) in zip(axes[0], panels):
+        allx = sorted({x for xs, _ in series.values() for x in xs})
+        top, bottom = 0.0, float("inf")
+        for i, (label, (xs, ys)) in enumerate(series.items()):
+            pts = [(x, y) for x, y in zip(xs, ys) if y is not None and y > 0]
+            if not pts:
+                continue  # (a series without numbers in this column: no legend entry)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=5,
+                    color=f"C{i % 10}", label=label or None)
+            top, bottom = max(top, *(p[1] for p in pts)), min(bottom, *(p[1] for p in pts))
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(xs, [f"{x / 1024:g}K" if x >= 1024 else f"{x:g}" for x in xs],
+        # log where the values span a decade or more (time, memory), else linear, whose
+        # ticks stay readable (an efficiency of 91-98%)
+        ax.set_yscale("log" if top >= 10 * bottom else "linear")
+        if top >= 10 * bottom:  # labels at 1, 2 and 5 of each decade, as plain numbers
+            from matplotlib.ticker import FuncFormatter, LogLocator
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
+        ax.set_xticks(allx, [f"{x / 1024:g}K" if x >= 1024 else f"{x:g}" for x in allx],
                       fontsize=8)
         ax.minorticks_off()
         ax.set_xlabel(xname)
         ax.set_title(name, fontsize=10)
         ax.grid(alpha=0.3, which="both")
+        if any(series) and ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.suptitle(title)
     return fig
 
@@ -569,6 +616,9 @@ def main(argv=None):
                    "(a regular expression; default 'sweep[0-9]+' for sweep, every shape for roofline)")
     p.add_argument("--columns", metavar="RE", help="lines: the columns to plot (a regular "
                    "expression on the header; default: every numeric column)")
+    p.add_argument("--by", metavar="CELL", help="lines: one line per value of this column")
+    p.add_argument("--where", metavar="CELL=RE", help="lines: keep the rows whose CELL "
+                   "matches the regular expression RE")
     p.add_argument("--bandwidth", type=float, metavar="GBS", help="roofline: the roof's GB/s "
                    "(default: the highest wgrad GB/s of the run)")
     a = p.parse_args(argv)
@@ -580,9 +630,16 @@ def main(argv=None):
         p.error("--shapes applies to the sweep and roofline figures only")
     if a.bandwidth is not None and (a.figure != "roofline" or a.bandwidth <= 0):
         p.error("--bandwidth applies to the roofline figure only, and must be > 0 (GB/s)")
-    if a.columns is not None and a.figure != "lines":
-        p.error("--columns applies to the lines figure only")
-    for name, rx in (("--shapes", a.shapes), ("--columns", a.columns)):
+    for name, v in (("--columns", a.columns), ("--by", a.by), ("--where", a.where)):
+        if v is not None and a.figure != "lines":
+            p.error(f"{name} applies to the lines figure only")
+    where = None
+    if a.where is not None:
+        if "=" not in a.where:
+            p.error(f"--where {a.where!r}: expected CELL=RE (a column's header, '=', a regular expression)")
+        where = tuple(a.where.split("=", 1))
+    for name, rx in (("--shapes", a.shapes), ("--columns", a.columns),
+                     ("--where", where[1] if where else None)):
         if rx is None:
             continue
         try:
@@ -604,7 +661,7 @@ def main(argv=None):
             panels = stage_panels(find_table(tables, a.file, a.table), a.file)
         elif a.figure == "lines":
             xname, panels = line_panels(find_table(tables, a.file, a.table), a.file,
-                                        a.columns or ".*")
+                                        a.columns or ".*", a.by, where)
         elif a.figure == "sweep":
             panels = [sweep_series(tables, a.file, a.shapes or r"sweep[0-9]+")]
             ceiling = dense_ceiling(a.file)
