@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# Chapter 05: does low precision train as well as bf16? One training run per recipe, same
+# model, data and seed, on one GPU (or the CPU), then a table and a loss-curve plot.
+#
+#   chapters/05-fp8-nvfp4/convergence.sh [--device cuda|cpu] [--models preset,large]
+#                                        [--steps N] [--recipes LIST]
+#
+# Models: preset = `--preset gpu` as it is (750 steps, validation every 125: the preset's
+# own schedule); large = the preset with 8 layers of hidden 1024 (16 experts of 1024, top-4,
+# 512 tokens a sequence; 400 steps unless --steps says otherwise). --device cpu runs the
+# chapter's small CPU model instead (train_cpu.sh's), for a laptop.
+# Recipes (default: all): bf16 (the reference: the GPU's bf16 model; on the CPU the fp32
+# one, and the model is called "cpu"),
+# tensorwise, blockwise, mxfp8 (E4M3; MXFP8 is emulated on Hopper), nvfp4. Our grouped
+# kernel's static row budget refuses per-tensor scales (tensorwise, NVFP4), so those two
+# run their experts through cuBLAS's grouped GEMM (`--moe-expert-backend cublas-grouped`);
+# the others take the default backend.
+# Writes ${OUT:-/tmp}/ch05_convergence.txt (the table and, per run, the last log lines),
+# the metrics files ch05_conv_<model>_<recipe>.jsonl and one loss figure per model,
+# ch05_convergence_<model>_loss.png (tools/plot_metrics.py; skipped without matplotlib).
+# The targets: the final validation loss within 1 % of bf16's for FP8, 3 % for NVFP4.
+# Exit status: 0 when every run finished (targets missed or not), 1 when one failed, 2 on
+# a usage error.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+
+device=cuda
+models=preset,large
+steps=""
+recipes="bf16 tensorwise blockwise mxfp8 nvfp4"
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit "${1:-0}"; }
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --device) device="$2"; shift 2 ;;
+    --models) models="$2"; shift 2 ;;
+    --steps) steps="$2"; shift 2 ;;
+    --recipes) recipes="${2//,/ }"; shift 2 ;;
+    -h | --help) usage 0 ;;
+    *) echo "convergence.sh: unknown argument '$1' (--help lists them)" >&2; exit 2 ;;
+    esac
+done
+case "$device" in cuda | cpu) ;; *) echo "convergence.sh: --device must be cuda or cpu (got '$device')" >&2; exit 2 ;; esac
+if [ -n "$steps" ] && ! [[ "$steps" =~ ^[0-9]+$ && "$steps" -ge 20 ]]; then
+    echo "convergence.sh: --steps must be an integer >= 20 (got '$steps')" >&2
+    exit 2
+fi
+for r in $recipes; do
+    case "$r" in bf16 | tensorwise | blockwise | mxfp8 | nvfp4) ;;
+    *) echo "convergence.sh: unknown recipe '$r' (bf16, tensorwise, blockwise, mxfp8, nvfp4)" >&2; exit 2 ;;
+    esac
+done
+[ -x bin/moe-train ] || { echo "convergence.sh: bin/moe-train is missing: run make first" >&2; exit 2; }
+
+out=${OUT:-/tmp}
+mkdir -p "$out"
+report="$out/ch05_convergence.txt"
+commit=${MOE_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+if [ "$device" = cuda ]; then
+    dev=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+    [ -n "$dev" ] || { echo "convergence.sh: no GPU (nvidia-smi found none); --device cpu runs the CPU model" >&2; exit 2; }
+else
+    dev="CPU ($(nproc) cores)"
+fi
+
+model_flags() { # model -> flags
+    case "$1:$device" in
+    preset:cuda) echo "--preset gpu${steps:+ --train-iters $steps --eval-interval $(( (steps + 5) / 6 ))}" ;;
+    large:cuda) local n=${steps:-400}
+        echo "--preset gpu --num-layers 8 --hidden-size 1024 --num-attention-heads 8 --num-query-groups 4 \
+--ffn-hidden-size 4096 --num-experts 16 --moe-ffn-hidden-size 1024 --moe-router-topk 4 --seq-length 512 \
+--micro-batch-size 16 --global-batch-size 16 --train-iters $n --eval-interval $(( (n + 3) / 4 ))" ;;
+    *:cpu) local n=${steps:-200}
+        echo "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --num-query-groups 4 --seq-length 32 \
+--micro-batch-size 4 --global-batch-size 8 --num-experts 4 --moe-ffn-hidden-size 128 --ffn-hidden-size 128 \
+--moe-shared-expert-intermediate-size 128 --moe-layer-freq 2 --lr 3e-3 --lr-warmup-iters 2 --train-iters $n \
+--eval-interval $(( (n + 3) / 4 ))" ;;
+    *) return 1 ;;
+    esac
+}
+
+recipe_flags() { # recipe -> flags
+    case "$1" in
+    bf16) echo "" ;;
+    tensorwise) echo "--fp8-format e4m3 --fp8-recipe tensorwise${cublas:+ $cublas}" ;;
+    blockwise) echo "--fp8-format e4m3 --fp8-recipe blockwise" ;;
+    mxfp8) echo "--fp8-format e4m3 --fp8-recipe mxfp8" ;;
+    nvfp4) echo "--fp4-format e2m1 --fp4-recipe nvfp4${cublas:+ $cublas}" ;;
+    esac
+}
+cublas=""
+[ "$device" = cuda ] && cublas="--moe-expert-backend cublas-grouped"
+
+# the python that draws (matplotlib): $PY, else the first of python3 and /usr/bin/python3 with it
+plotpy=""
+for py in ${PY:-python3 /usr/bin/python3}; do
+    if "$py" -c "import matplotlib" 2>/dev/null; then plotpy=$py; break; fi
+done
+[ -n "$plotpy" ] || echo "convergence.sh: no python3 with matplotlib: the table only, no figures" >&2
+
+status=0
+{
+    echo "chapter 05: convergence per recipe | $dev | $(date -u '+%Y-%m-%d %H:%M UTC') | commit $commit"
+    echo
+} | tee "$report"
+table="$out/ch05_conv_table.$$"
+: >"$table"
+for model in ${models//,/ }; do
+    mflags=$(model_flags "$model") || { echo "convergence.sh: unknown model '$model' (preset, large)" >&2; exit 2; }
+    if [ "$device" = cpu ]; then # the CPU has one model, in fp32 (its "bf16" run)
+        [ "$model" = preset ] || continue
+        model=cpu
+    fi
+    files=() labels=()
+    ref=""
+    for r in $recipes; do
+        m="$out/ch05_conv_${model}_$r.jsonl"
+        rflags=$(recipe_flags "$r")
+        log=$(MOE_NO_DOWNLOAD=1 bin/moe-train --device "$device" $mflags $rflags --seed 1 \
+              --sample-length 0 --metrics-file "$m" --overwrite 2>&1)
+        rc=$?
+        { echo "== $model, $r: bin/moe-train --device $device $mflags $rflags --seed 1 --sample-length 0"
+          echo "$log" | grep -E "^(moe.c|model|params|step .*/|eval|done)" | tail -8; } >>"$report"
+        if [ $rc != 0 ] || [ ! -s "$m" ]; then
+            echo "| $model | $r | FAILED (rc $rc: $(echo "$log" | grep -iE 'error' | head -1)) | | | | |" >>"$table"
+            status=1
+            continue
+        fi
+        read -r ms train val < <(python3 - "$m" <<'EOF'
+import json, statistics, sys
+recs = [json.loads(l) for l in open(sys.argv[1])]
+tr = [r for r in recs if r.get("event") == "train"]
+ev = [r for r in recs if r.get("event") == "eval"]
+ms = statistics.median(r["step_s"] for r in tr[len(tr) // 5:]) * 1e3
+tail = tr[-10:]
+print(f"{ms:.1f} {sum(r['loss'] for r in tail) / len(tail):.4f} {ev[-1]['val_loss']:.4f}")
+EOF
+)
+        [ "$r" = bf16 ] && ref=$val
+        vs="" verdict=""
+        if [ -n "$ref" ] && [ "$r" != bf16 ]; then
+            vs=$(python3 -c "print(f'{100 * ($val - $ref) / $ref:+.2f}%')")
+            bound=1; [ "$r" = nvfp4 ] && bound=3
+            verdict=$(python3 -c "print('met' if ($val - $ref) / $ref <= $bound / 100 else 'NOT met')")
+            verdict="$verdict (≤ +$bound%)"
+        fi
+        label=$r
+        [ "$device" = cpu ] && [ "$r" = bf16 ] && label="fp32"
+        echo "| $model | $label | $ms | $train | $val | $vs | $verdict |" >>"$table"
+        files+=("$m") labels+=(--label "$label")
+    done
+    if [ ${#files[@]} -gt 0 ] && [ -n "$plotpy" ]; then
+        "$plotpy" tools/plot_metrics.py --out "$out" --prefix "ch05_convergence_${model}_" --figure loss \
+            --smooth 10 --title "$model, $dev, commit $commit: " "${labels[@]}" "${files[@]}" >/dev/null ||
+            echo "(the plot of $model failed)" >>"$report"
+    fi
+done
+{
+    echo
+    echo "ms/step: median after the first fifth of the steps; train loss: mean of the last 10 steps;"
+    echo "val loss: the last evaluation (the end of the run); vs bf16: the val loss's difference"
+    echo "from the bf16 run's (on the CPU the reference is the fp32 run)"
+    echo
+    echo "| model | recipe | ms/step | train loss | val loss | vs bf16 | target |"
+    echo "|---|---|---:|---:|---:|---:|---|"
+    cat "$table"
+} | tee -a "$report"
+rm -f "$table"
+exit $status
