@@ -77,15 +77,6 @@ static int same(const char *what, const void *dev, const void *host, size_t byte
     return diff == 0;
 }
 
-/* bf16 normals on the device and the same (rounded) values in @p host */
-static void *upload(const moe_backend *g, moe_real *host, size_t n, uint64_t stream, double sd) {
-    moe_test_randn(host, n, stream, sd);
-    void *d = g->alloc(g->act_size * n);
-    g->write_act(d, host, n);
-    g->read_act(host, d, n);
-    return d;
-}
-
 START_TEST(test_gpu_fp8_layer_quantizers) {
     if (!hopper("FP8 layer quantizers"))
         return;
@@ -95,7 +86,7 @@ START_TEST(test_gpu_fp8_layer_quantizers) {
     const int R = 300, C = 384, nb = C / 128;
     const size_t n = (size_t)R * C;
     moe_real *x = malloc(sizeof(moe_real) * n);
-    void *dx = upload(g, x, n, 71, 3.0);
+    void *dx = moe_test_upload(g, x, n, 71, 3.0);
     x[5] = 0; /* (a few exact values among the normals) */
     g->write_act(dx, x, n);
     uint8_t *q = malloc(n), *dq = dpoison(n);
@@ -119,7 +110,7 @@ START_TEST(test_gpu_fp8_layer_quantizers) {
     const int G = 3, O = 256, I = 384, ns = (O / 128) * (I / 128);
     const size_t nw = (size_t)G * O * I;
     moe_real *w = malloc(sizeof(moe_real) * nw);
-    void *dw = upload(g, w, nw, 72, 0.05);
+    void *dw = moe_test_upload(g, w, nw, 72, 0.05);
     float *wf = malloc(sizeof(float) * nw);
     for (size_t i = 0; i < nw; i++)
         wf[i] = (float)w[i];
@@ -245,10 +236,10 @@ static int check_layer(const int *sizes, int G, int H, int F) {
     moe_real *x = malloc(sizeof(moe_real) * N * H), *w1 = malloc(sizeof(moe_real) * n1);
     moe_real *w2 = malloc(sizeof(moe_real) * n2), *dy = malloc(sizeof(moe_real) * N * H);
     moe_real *rs = malloc(sizeof(moe_real) * (N + 1));
-    g->free(upload(g, x, (size_t)N * H, 81, 1.0));
-    g->free(upload(g, w1, n1, 82, 0.05));
-    g->free(upload(g, w2, n2, 83, 0.05));
-    g->free(upload(g, dy, (size_t)N * H, 84, 1.0));
+    g->free(moe_test_upload(g, x, (size_t)N * H, 81, 1.0));
+    g->free(moe_test_upload(g, w1, n1, 82, 0.05));
+    g->free(moe_test_upload(g, w2, n2, 83, 0.05));
+    g->free(moe_test_upload(g, dy, (size_t)N * H, 84, 1.0));
     for (int i = 0; i < N; i++)
         rs[i] = (moe_real)(0.25 + 0.5 * ((i * 37) % 101) / 101.0);
     moe_real *ref[NOUT], *nat[NOUT], *emu[NOUT];
@@ -282,8 +273,10 @@ static int check_layer(const int *sizes, int G, int H, int F) {
            "(native | GPU emulated):", G, N, H, F);
     for (int k = 0; k < NOUT; k++) {
         const int per_row = k == OUT || k == DX;
-        const double en = per_row ? worst_group(nat[k], ref[k], off, G, H) : rel_all(nat[k], ref[k], cnt[k]);
-        const double ee = per_row ? worst_group(emu[k], ref[k], off, G, H) : rel_all(emu[k], ref[k], cnt[k]);
+        const double en = per_row ? worst_group(nat[k], ref[k], off, G, H)
+                                  : rel_all(nat[k], ref[k], cnt[k]);
+        const double ee = per_row ? worst_group(emu[k], ref[k], off, G, H)
+                                  : rel_all(emu[k], ref[k], cnt[k]);
         const int pass = en <= 1.5 * ee + 0.01 && en <= 0.06;
         printf(" %s %.2e | %.2e%s;", g_names[k], en, ee, pass ? "" : " TOO LARGE");
         ok &= pass;
