@@ -230,6 +230,19 @@ moe_status moe_cuda_quant_blockwise_t(uint8_t *q, float *scale_inv, uint8_t *qt,
 moe_status moe_cuda_dequant_blockwise(float *y, const uint8_t *q, const float *scale_inv,
                                       int rows, int cols, moe_fp8_format f, int block_2d,
                                       moe_error *err);
+/* the same quantizers reading bf16 activations (the native FP8 layer, lib/lowp.h): 1×128
+ * codes and scales of x [rows, cols] as moe_cuda_quant_blockwise of its fp32 values, and
+ * when y is not NULL the dequantized values rounded to bf16 (what moe_cuda_qdq writes) in
+ * the same pass; and blockwise with the transposed copy (moe_cuda_quant_blockwise_t) of
+ * each of @p batch matrices [rows, cols] stored one after the other (the experts' weights:
+ * codes, copies and scales batched the same way) */
+moe_status moe_cuda_quant_blockwise_act(uint8_t *q, float *scale_inv, void *y, const void *x,
+                                        int rows, int cols, moe_fp8_format f, int pow2,
+                                        moe_error *err);
+moe_status moe_cuda_quant_blockwise_t_act(uint8_t *q, float *scale_inv, uint8_t *qt,
+                                          float *scale_inv_t, const void *x, int batch, int rows,
+                                          int cols, moe_fp8_format f, int block_2d, int pow2,
+                                          moe_error *err);
 moe_status moe_cuda_quant_mxfp8(uint8_t *q, uint8_t *scales, const float *x, int rows, int cols,
                                 moe_fp8_format f, moe_error *err);
 moe_status moe_cuda_dequant_mxfp8(float *y, const uint8_t *q, const uint8_t *scales, int rows,

@@ -53,10 +53,13 @@
  * A box is not loaded when the group has no rows in it; the weights are a 3-D tensor map
  * [G, N, K], so a tile past N reads zeros, not the next expert.
  *
- * Forward only. dgrad (dX = dY · W_g) and wgrad (dW_g = dY_gᵀ · X_g) need K-major FP8 copies
- * of W_gᵀ (the 128×128 blocks transposed: same codes, scales transposed) and of dY_gᵀ, X_gᵀ
- * (1×128 tiles along the TOKENS, per group: moe_cuda_quant_blockwise_t's transposed copy,
- * which needs each group's rows padded to a multiple of 128) — not written yet.
+ * The same kernel runs dgrad (dX = dY · W_g = dY · (W_gᵀ)ᵀ): A = dY quantized 1×128 along
+ * its N, B = the K-major FP8 copy of each W_gᵀ (the 128×128 blocks transposed: the same codes,
+ * the scales transposed), made with the forward's codes in one fused pass
+ * (moe_cuda_quant_blockwise_t_act; the MoE layer does this, lib/lowp.h, lib/mlp.c). wgrad
+ * (dW_g = dY_gᵀ · X_g) would need dY_gᵀ and X_gᵀ tiled 1×128 along the TOKENS, per group,
+ * each group's rows padded to a multiple of 128 — not written yet: the layer's wgrad is
+ * chapter 03's bf16 grouped kernel.
  *
  * sm_100a has no wgmma: the kernel body compiles to a trap there and the launcher returns a
  * named error unless moe_cuda_grouped_sm90_available().

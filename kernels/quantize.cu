@@ -17,6 +17,9 @@
  *               per block (64 elements per thread), the amax through shared memory;
  *               with a transposed copy (blockwise_t_kernel): a 128×128 tile of x in shared
  *               memory, quantized along its rows and its columns in the same block;
+ *               both also read bf16 (the native FP8 layer, lib/lowp.h: activations 1×128
+ *               with their dequantized bf16 copy in the same pass, which is also the QDQ
+ *               op's 1×128 path; a batch of expert weights with their transposes);
  *   MXFP8       one warp per 32-element block, one element per lane;
  *   NVFP4       nvfp4_amax_kernel (per 16-element group, after the optional Hadamard
  *               transform), scalars_kernel, then nvfp4_kernel: one thread per group, 256
@@ -143,8 +146,16 @@ extern "C" moe_status moe_cuda_dequant_tensorwise(float *y, const uint8_t *q,
 
 /* ------------------------------------------------------------------ blockwise */
 
-/* one warp per 1×128 tile: lane l holds elements l, l+32, l+64, l+96 */
-static __global__ void block1x128_kernel(uint8_t *q, float *scale_inv, const float *x,
+/* an input element as fp32: the fp32 quantizers' own, or a bf16 activation (exact) */
+static __device__ __forceinline__ float ld_f32(float v) { return v; }
+static __device__ __forceinline__ float ld_f32(moe_bf16 v) { return moe_ld(v); }
+
+/* one warp per 1×128 tile: lane l holds elements l, l+32, l+64, l+96. With @p y (bf16
+ * input only), also the dequantized values rounded to bf16: moe_cuda_qdq's bytes, in the
+ * same pass (chapter 05's native FP8 layer: the codes for the FP8 GEMM, the values for the
+ * bf16 wgrad) */
+template <typename T>
+static __global__ void block1x128_kernel(uint8_t *q, float *scale_inv, moe_bf16 *y, const T *x,
                                          long long tiles, int nbc, int cols, moe_fp8_format f,
                                          int pow2) {
     const long long t = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -155,16 +166,33 @@ static __global__ void block1x128_kernel(uint8_t *q, float *scale_inv, const flo
     float v[4];
     uint32_t m = 0;
     for (int k = 0; k < 4; k++) {
-        v[k] = x[base + lane + 32 * k];
+        v[k] = ld_f32(x[base + lane + 32 * k]);
         const uint32_t key = moe_q_abs_key(v[k]);
         m = key > m ? key : m;
     }
     m = warp_max_key(m);
     const float scale = moe_q_scale_from_amax(moe_q_key_amax(m), moe_fp8_max(f), pow2);
-    for (int k = 0; k < 4; k++)
-        q[base + lane + 32 * k] = moe_q_cast_scaled(v[k], scale, f);
+    const float si = moe_q_scale_inv(scale);
+    for (int k = 0; k < 4; k++) {
+        const uint8_t c = moe_q_cast_scaled(v[k], scale, f);
+        q[base + lane + 32 * k] = c;
+        if (y)
+            y[base + lane + 32 * k] = moe_st(moe_q_dequant(moe_fp8_decode(c, f), si));
+    }
     if (lane == 0)
-        scale_inv[t] = moe_q_scale_inv(scale);
+        scale_inv[t] = si;
+}
+
+template <typename T>
+static void launch_block1x128(uint8_t *q, float *scale_inv, moe_bf16 *y, const T *x, int rows,
+                              int cols, moe_fp8_format f, int pow2) {
+    const int nbc = cols / MOE_QUANT_BLOCK;
+    const long long tiles = (long long)rows * nbc;
+    if (tiles == 0)
+        return;
+    block1x128_kernel<T><<<(unsigned)((tiles + 7) / 8), THREADS, 0, moe_cuda_stream()>>>(
+        q, scale_inv, y, x, tiles, nbc, cols, f, pow2);
+    MOE_CUDA_LAUNCH_CHECK();
 }
 
 /* one 256-thread block per 128×128 block (grid: nbc × nbr): thread t holds column t mod 128
@@ -209,12 +237,20 @@ extern "C" moe_status moe_cuda_quant_blockwise(uint8_t *q, float *scale_inv, con
     if (block_2d) {
         const dim3 grid(nbc, (rows + MOE_QUANT_BLOCK - 1) / MOE_QUANT_BLOCK);
         block128x128_kernel<<<grid, THREADS, 0, st>>>(q, scale_inv, x, rows, cols, f, pow2);
+        MOE_CUDA_LAUNCH_CHECK();
     } else {
-        const long long tiles = (long long)rows * nbc;
-        block1x128_kernel<<<(unsigned)((tiles + 7) / 8), THREADS, 0, st>>>(q, scale_inv, x, tiles,
-                                                                           nbc, cols, f, pow2);
+        launch_block1x128<float>(q, scale_inv, NULL, x, rows, cols, f, pow2);
     }
-    MOE_CUDA_LAUNCH_CHECK();
+    return MOE_OK;
+}
+
+extern "C" moe_status moe_cuda_quant_blockwise_act(uint8_t *q, float *scale_inv, void *y,
+                                                   const void *x, int rows, int cols,
+                                                   moe_fp8_format f, int pow2, moe_error *err) {
+    MOE_TRY(moe_quant_check(MOE_QUANT_BLOCK_1X128, rows, cols, err));
+    MOE_TRY(moe_quant_check_format(f, err));
+    launch_block1x128<moe_bf16>(q, scale_inv, (moe_bf16 *)y, (const moe_bf16 *)x, rows, cols, f,
+                                pow2);
     return MOE_OK;
 }
 
@@ -251,16 +287,25 @@ extern "C" moe_status moe_cuda_dequant_blockwise(float *y, const uint8_t *q,
  * then every element cast once and written twice, to q (row-major) and to qt (transposed).
  * The writes of qt are coalesced: consecutive threads write consecutive bytes of a row of xᵀ */
 #define TILE_LD (MOE_QUANT_BLOCK + 1)
+template <typename T>
 static __global__ void blockwise_t_kernel(uint8_t *q, float *scale_inv, uint8_t *qt,
-                                          float *scale_inv_t, const float *x, int rows, int cols,
+                                          float *scale_inv_t, const T *x, int rows, int cols,
                                           moe_fp8_format f, int block_2d, int pow2) {
     extern __shared__ float tile[]; /* [128][TILE_LD] */
     __shared__ uint32_t warp_max[THREADS / 32];
     const int B = MOE_QUANT_BLOCK, bc = blockIdx.x, br = blockIdx.y;
     const int nbc = gridDim.x, nbr = gridDim.y, r0 = br * B, c0 = bc * B;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    { /* blockIdx.z: a batch of matrices, each quantized on its own (the experts' weights) */
+        const size_t z = blockIdx.z, n = (size_t)rows * cols, ns = (size_t)nbr * nbc;
+        x += z * n;
+        q += z * n;
+        qt += z * n;
+        scale_inv += z * ns;
+        scale_inv_t += z * ns;
+    }
     for (int i = threadIdx.x; i < B * B; i += THREADS)
-        tile[(i / B) * TILE_LD + i % B] = x[(size_t)(r0 + i / B) * cols + c0 + i % B];
+        tile[(i / B) * TILE_LD + i % B] = ld_f32(x[(size_t)(r0 + i / B) * cols + c0 + i % B]);
     __syncthreads();
     const float fmax = moe_fp8_max(f);
     if (block_2d) {
@@ -315,27 +360,45 @@ static __global__ void blockwise_t_kernel(uint8_t *q, float *scale_inv, uint8_t 
     }
 }
 
+template <typename T>
+static moe_status launch_blockwise_t(uint8_t *q, float *scale_inv, uint8_t *qt,
+                                     float *scale_inv_t, const T *x, int batch, int rows,
+                                     int cols, moe_fp8_format f, int block_2d, int pow2,
+                                     moe_error *err) {
+    MOE_TRY(moe_quant_check_transpose(rows, err));
+    MOE_TRY(moe_quant_check(MOE_QUANT_BLOCK_1X128, rows, cols, err));
+    MOE_TRY(moe_quant_check_format(f, err));
+    if (rows == 0 || cols == 0 || batch == 0)
+        return MOE_OK;
+    const size_t smem = (size_t)MOE_QUANT_BLOCK * TILE_LD * sizeof(float); /* 66 KB */
+    static int attr_set = 0; /* one per instantiation */
+    if (!attr_set) {
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(blockwise_t_kernel<T>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        attr_set = 1;
+    }
+    const dim3 grid(cols / MOE_QUANT_BLOCK, rows / MOE_QUANT_BLOCK, batch);
+    blockwise_t_kernel<T><<<grid, THREADS, smem, moe_cuda_stream()>>>(
+        q, scale_inv, qt, scale_inv_t, x, rows, cols, f, block_2d, pow2);
+    MOE_CUDA_LAUNCH_CHECK();
+    return MOE_OK;
+}
+
 extern "C" moe_status moe_cuda_quant_blockwise_t(uint8_t *q, float *scale_inv, uint8_t *qt,
                                                  float *scale_inv_t, const float *x, int rows,
                                                  int cols, moe_fp8_format f, int block_2d,
                                                  int pow2, moe_error *err) {
-    MOE_TRY(moe_quant_check_transpose(rows, err));
-    MOE_TRY(moe_quant_check(MOE_QUANT_BLOCK_1X128, rows, cols, err));
-    MOE_TRY(moe_quant_check_format(f, err));
-    if (rows == 0 || cols == 0)
-        return MOE_OK;
-    const size_t smem = (size_t)MOE_QUANT_BLOCK * TILE_LD * sizeof(float); /* 66 KB */
-    static int attr_set = 0;
-    if (!attr_set) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(blockwise_t_kernel,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        attr_set = 1;
-    }
-    const dim3 grid(cols / MOE_QUANT_BLOCK, rows / MOE_QUANT_BLOCK);
-    blockwise_t_kernel<<<grid, THREADS, smem, moe_cuda_stream()>>>(q, scale_inv, qt, scale_inv_t,
-                                                                   x, rows, cols, f, block_2d, pow2);
-    MOE_CUDA_LAUNCH_CHECK();
-    return MOE_OK;
+    return launch_blockwise_t<float>(q, scale_inv, qt, scale_inv_t, x, 1, rows, cols, f,
+                                     block_2d, pow2, err);
+}
+
+extern "C" moe_status moe_cuda_quant_blockwise_t_act(uint8_t *q, float *scale_inv, uint8_t *qt,
+                                                     float *scale_inv_t, const void *x,
+                                                     int batch, int rows, int cols,
+                                                     moe_fp8_format f, int block_2d, int pow2,
+                                                     moe_error *err) {
+    return launch_blockwise_t<moe_bf16>(q, scale_inv, qt, scale_inv_t, (const moe_bf16 *)x,
+                                        batch, rows, cols, f, block_2d, pow2, err);
 }
 
 /* ------------------------------------------------------------------ MXFP8 */
@@ -567,10 +630,19 @@ extern "C" void moe_cuda_qdq(void *dst, const void *src, int rows, int cols,
     const size_t n = (size_t)rows * cols;
     if (n == 0)
         return;
+    moe_error err;
+    if (spec->recipe == MOE_QUANT_BLOCK_1X128) { /* one pass: the same bytes as the four below */
+        const moe_status s = moe_cuda_quant_blockwise_act(ws->q, (float *)ws->scales, dst, src,
+                                                          rows, cols, spec->format, spec->pow2,
+                                                          &err);
+        if (s != MOE_OK)
+            fprintf(stderr, "moe_cuda_qdq: %s\n", err.msg);
+        MOE_ASSERT(s == MOE_OK); /* the model checked every shape at start-up */
+        return;
+    }
     cudaStream_t st = moe_cuda_stream();
     bf16_to_f32_kernel<<<grid_for(n, THREADS * 4), THREADS, 0, st>>>(ws->x, (const moe_bf16 *)src,
                                                                      n);
-    moe_error err;
     const moe_status s = moe_qdq_f32(&g_cuda_quant_fns, spec, ws, rows, cols, &err);
     if (s != MOE_OK)
         fprintf(stderr, "moe_cuda_qdq: %s\n", err.msg);

@@ -30,6 +30,8 @@
 #include "real.h"
 #include "step_scalars.h"
 
+struct moe_qmatrix; /* fp8_gemm.h: an operand of the FP8 GEMMs */
+
 #ifdef __cplusplus
 extern "C" { /* kernels/backend_cuda.cu implements the CUDA entries */
 #endif
@@ -250,6 +252,28 @@ typedef struct moe_backend {
      *  memory; dst may be src */
     void (*qdq)(void *dst, const void *src, int rows, int cols, const moe_qdq_spec *spec,
                 const moe_qdq_ws *ws);
+    /** chapter 05's native FP8 expert GEMMs (lowp.h, ::moe_fp8_weight): 1 when this device
+     *  runs them (our FP8 grouped kernel, sm_90a); NULL on a backend that has none (the CPU),
+     *  which then runs the recipe emulated through @ref qdq */
+    int (*fp8_grouped_native)(void);
+    /** blockwise 1×128 quantize of an activation-type [rows, cols]: codes @p q, scales @p s
+     *  [rows][cols/128] (as moe_cpu_quant_blockwise() of its fp32 values), and when @p y is
+     *  not NULL the dequantized values in the activation type (@ref qdq's bytes) in the same
+     *  pass; NULL where @ref fp8_grouped_native is */
+    moe_status (*fp8_quant_act)(uint8_t *q, float *s, void *y, const void *x, int rows,
+                                int cols, moe_fp8_format f, int pow2, moe_error *err);
+    /** blockwise quantize of @p batch activation-type matrices [rows, cols] stored one after
+     *  the other, each with its transposed copy [cols, rows] from the same read (as
+     *  moe_cpu_quant_blockwise_t() of each); NULL where @ref fp8_grouped_native is */
+    moe_status (*fp8_quant_t_act)(uint8_t *q, float *s, uint8_t *qt, float *st, const void *x,
+                                  int batch, int rows, int cols, moe_fp8_format f, int block_2d,
+                                  int pow2, moe_error *err);
+    /** the FP8 grouped GEMM of lib/fp8_gemm.h (moe_fp8_grouped_check()'s contract, the
+     *  offsets in backend memory), D in the activation type, or fp32 when @p d_fp32; NULL
+     *  where @ref fp8_grouped_native is */
+    moe_status (*fp8_grouped_gemm)(void *d, int d_fp32, const struct moe_qmatrix *a,
+                                   const struct moe_qmatrix *b, const int *dev_off, int G,
+                                   int rows, int N, int K, moe_error *err);
     /** y += x over n activations (residual connections) */
     void (*add)(void *y, const void *x, size_t n);
     /** x *= s over n activations */

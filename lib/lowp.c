@@ -2,6 +2,7 @@
 #include "lowp.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define REQUIRE(cond, ...)                                          \
@@ -222,4 +223,60 @@ void moe_lowp_qdq_weight(const moe_backend *be, moe_lowp *lp, void *w, int group
         void *wg = MOE_ACT(be, w, (size_t)g * rows * cols);
         be->qdq(wg, wg, rows, cols, &s, &lp->ws);
     }
+}
+
+int moe_lowp_native(const moe_backend *be, const moe_lowp *lp) {
+    if (!lp || !lp->on || !be->fp8_grouped_native || !be->fp8_grouped_native())
+        return 0;
+    for (int r = 0; r < MOE_LOWP_ROLES; r++)
+        if (lp->spec[r].format != MOE_FP8_E4M3)
+            return 0;
+    const char *e = getenv("MOE_FP8_NATIVE");
+    return lp->spec[MOE_LOWP_ACTIVATION].recipe == MOE_QUANT_BLOCK_1X128 &&
+           lp->spec[MOE_LOWP_WEIGHT].recipe == MOE_QUANT_BLOCK_128X128 && !(e && *e == '0');
+}
+
+size_t moe_fp8_weight_bytes(int G, int O, int I) {
+    const size_t n = (size_t)G * O * I;
+    return 2 * n + 2 * sizeof(float) * (n / MOE_QUANT_BLOCK / MOE_QUANT_BLOCK);
+}
+
+int moe_fp8_weight_alloc(const moe_backend *be, moe_fp8_weight *fw, int G, int O, int I) {
+    MOE_ASSERT(O % MOE_QUANT_BLOCK == 0 && I % MOE_QUANT_BLOCK == 0);
+    const size_t n = (size_t)G * O * I, ns = n / MOE_QUANT_BLOCK / MOE_QUANT_BLOCK;
+    *fw = (moe_fp8_weight){be->alloc(n ? n : 1), be->alloc(sizeof(float) * (ns ? ns : 1)),
+                           be->alloc(n ? n : 1), be->alloc(sizeof(float) * (ns ? ns : 1)),
+                           G, O, I};
+    if (fw->q && fw->s && fw->qt && fw->st)
+        return 1;
+    moe_fp8_weight_free(be, fw);
+    return 0;
+}
+
+void moe_fp8_weight_free(const moe_backend *be, moe_fp8_weight *fw) {
+    if (!fw)
+        return;
+    be->free(fw->q);
+    be->free(fw->s);
+    be->free(fw->qt);
+    be->free(fw->st);
+    memset(fw, 0, sizeof *fw);
+}
+
+void moe_lowp_quantize_experts(const moe_backend *be, moe_lowp *lp, moe_fp8_weight *fw, void *w,
+                               int G, int O, int I) {
+    if (!lp || !lp->on)
+        return;
+    if (!fw) {
+        moe_lowp_qdq_weight(be, lp, w, G, O, I);
+        return;
+    }
+    MOE_ASSERT(fw->G == G && fw->O == O && fw->I == I);
+    const moe_qdq_spec *s = &lp->spec[MOE_LOWP_WEIGHT];
+    moe_error err;
+    const moe_status st = be->fp8_quant_t_act(fw->q, fw->s, fw->qt, fw->st, w, G, O, I,
+                                              s->format, 1, s->pow2, &err);
+    if (st != MOE_OK)
+        fprintf(stderr, "moe_lowp_quantize_experts: %s\n", err.msg);
+    MOE_ASSERT(st == MOE_OK); /* the model checked every shape at start-up */
 }

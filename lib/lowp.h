@@ -41,6 +41,24 @@
  * sync-free MoE layer (whose static budget of rows holds stale rows past the step's count),
  * NVFP4 under CUDA graphs, and any linear width that is not a multiple of the recipe's block.
  *
+ * **Native FP8 on Hopper** (blockwise, `e4m3`, our grouped kernel: moe_lowp_native()). The
+ * routed experts' forward and dgrad GEMMs run on FP8 codes in our FP8 grouped kernel (lib/
+ * fp8_gemm.h) instead of the emulation's bf16 GEMM on dequantized values, at the SAME
+ * quantization points, so the products are the emulation's exactly (E4M3 codes times
+ * power-of-two scales are exact in bf16 and fp32) and only the summation differs:
+ *  - forward y = x·Wᵀ: x quantized 1×128 along I (one pass from bf16), W as its 128×128
+ *    codes (::moe_fp8_weight, made once per step);
+ *  - dgrad dx = dy·W = dy·(Wᵀ)ᵀ: dy quantized 1×128 along O (the emulation's Q(dy)), and the
+ *    K-major transposed copy of each expert's W, made in the same pass as the forward
+ *    codes by the fused quantize+transpose kernel (a 128×128 block transposes exactly: the
+ *    same codes, its scale moves to the transposed position);
+ *  - wgrad dW = Q(dy)ᵀ·Q(x) stays a bf16 grouped GEMM on the dequantized operands, as
+ *    emulated (the pass that quantizes dy writes its dequantized copy too). A native FP8
+ *    wgrad needs Q(dy)ᵀ and Q(x)ᵀ tiled along the tokens, per expert: not written yet.
+ * The shared expert, dense FFNs and attention stay emulated. Elsewhere (the CPU, a GPU that
+ * is not sm_90, `hybrid`'s E5M2 gradients, the other recipes and expert backends) the
+ * emulation runs; `MOE_FP8_NATIVE=0` asks for it on Hopper too.
+ *
  * **Buffers.** The weights' compute copy is quantized once per step, in place (the model
  * keeps it apart from the master weights); an activation or gradient goes into one of two
  * scratch buffers of the context, allocated once with the model, and is quantized again in
@@ -80,7 +98,21 @@ typedef struct moe_lowp {
     void *grad;                         /**< [cap] the quantized output gradient */
     uint64_t seed;                      /**< the stochastic rounding's base seed */
     uint64_t sr_calls;                  /**< gradient QDQs so far: the rounding's counter */
+    int native;                         /**< 1: the routed experts run the native FP8 GEMMs
+                                             (moe_lowp_native(); the model sets it) */
 } moe_lowp;
+
+/** A routed expert weight [G][O, I] in FP8 for the native path (lowp.h): each expert's
+ *  128×128-block codes and, from the same pass, those of its transpose, in backend memory. */
+typedef struct moe_fp8_weight {
+    uint8_t *q;   /**< [G·O, I] codes, expert g's [O, I] from g·O·I: the forward's B */
+    float *s;     /**< [G][O/128][I/128] their scales (1/scale per block) */
+    uint8_t *qt;  /**< [G·I, O] the codes of each expert's Wᵀ [I, O]: dgrad's B */
+    float *st;    /**< [G][I/128][O/128] their scales (@ref s transposed per expert) */
+    int G;        /**< experts */
+    int O;        /**< rows of each expert's W (a multiple of 128) */
+    int I;        /**< columns (a multiple of 128) */
+} moe_fp8_weight;
 
 /**
  * @brief The recipes from the flags (no memory yet): off when neither `--fp8-format` nor
@@ -150,6 +182,44 @@ const void *moe_lowp_qdq(const moe_backend *be, moe_lowp *lp, const void *buf, i
  */
 void moe_lowp_qdq_weight(const moe_backend *be, moe_lowp *lp, void *w, int groups, int rows,
                          int cols);
+
+/**
+ * @brief Whether the routed experts can run the native FP8 GEMMs on this backend: the
+ *        blockwise recipe in E4M3 for every role (not `hybrid`: the kernel is E4M3 × E4M3),
+ *        a backend whose be->fp8_grouped_native() says yes (sm_90a), and `MOE_FP8_NATIVE`
+ *        not set to 0 in the environment. The caller also needs our grouped kernel as the
+ *        expert backend (the native path uses its device offsets).
+ * @param be backend  @param lp the context (NULL or off: 0)
+ * @return 1 when native
+ */
+int moe_lowp_native(const moe_backend *be, const moe_lowp *lp);
+
+/** @brief Bytes of a ::moe_fp8_weight's buffers. @param G experts @param O rows of each
+ *  @param I columns @return the bytes (codes twice, scales twice) */
+size_t moe_fp8_weight_bytes(int G, int O, int I);
+
+/**
+ * @brief Allocate the buffers of a ::moe_fp8_weight in backend memory.
+ * @param be backend  @param fw receives the buffers and the shape
+ * @param G experts  @param O rows of each (a multiple of 128)  @param I columns (likewise)
+ * @return 1 on success, 0 when out of memory (then nothing is held)
+ */
+int moe_fp8_weight_alloc(const moe_backend *be, moe_fp8_weight *fw, int G, int O, int I);
+
+/** @brief Release the buffers. @param be backend @param fw the weight (NULL: no-op) */
+void moe_fp8_weight_free(const moe_backend *be, moe_fp8_weight *fw);
+
+/**
+ * @brief Quantize a routed expert weight [G][O, I] (the compute copy) for the step: with
+ *        @p fw, into its FP8 codes and transposed codes (one fused pass, the native path),
+ *        leaving @p w as it is; without, QDQ of @p w in place (moe_lowp_qdq_weight(), the
+ *        emulation).
+ * @param be backend  @param lp the context (NULL or off: nothing happens)
+ * @param fw the FP8 weight (allocated for G, O, I) or NULL  @param w the weights
+ *        (activation type)  @param G experts  @param O rows of each  @param I columns
+ */
+void moe_lowp_quantize_experts(const moe_backend *be, moe_lowp *lp, moe_fp8_weight *fw, void *w,
+                               int G, int O, int I);
 
 #ifdef __cplusplus
 }

@@ -51,6 +51,11 @@ typedef struct moe_groups {
     /** chapter 05's emulated low precision (lowp.h): both GEMMs' inputs and output
      *  gradients go through its QDQ; NULL or off: as before */
     moe_lowp *lowp;
+    /** chapter 05's native FP8 path (lowp.h): fc1's and fc2's FP8 codes; when given (both,
+     *  with @ref lowp on, ::MOE_EXPERTS_KERNEL, no gather, the input gradient overwritten)
+     *  the forward and dgrad GEMMs run in our FP8 grouped kernel; NULL: emulated */
+    const moe_fp8_weight *fp8_w1;
+    const moe_fp8_weight *fp8_w2; /**< see @ref fp8_w1 */
 } moe_groups;
 
 /**

@@ -219,7 +219,8 @@ static moe_attention_grads attn_grads(const moe_model *m, int l) {
 
 static moe_layer_weights moe_weights(const moe_model *m, int l) {
     moe_layer_weights w = {P(m, l, MOE_W_ROUTER), P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2),
-                         P(m, l, MOE_W_SHARED_FC1), P(m, l, MOE_W_SHARED_FC2)};
+                         P(m, l, MOE_W_SHARED_FC1), P(m, l, MOE_W_SHARED_FC2),
+                         m->fp8w ? &m->fp8w[2 * l] : NULL, m->fp8w ? &m->fp8w[2 * l + 1] : NULL};
     return w;
 }
 
@@ -267,6 +268,8 @@ static moe_status check_memory(const moe_config *c, const moe_backend *be, int B
                             be->device == MOE_DEVICE_CUDA ? "free GPU memory" : "host memory",
                             err);
 }
+
+static int alloc_fp8_weights(moe_model *m);
 
 moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_backend *be, int B,
                             moe_ep *ep, moe_error *err) {
@@ -433,6 +436,8 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
             }
         if (!moe_lowp_alloc(be, m->lowp, moe_lowp_cap(mc, N, rows)))
             ok = 0;
+        if (ok && !alloc_fp8_weights(m))
+            ok = 0;
     }
     if (E > 0) {
         m->expert_bias = must(be, sizeof(float) * (size_t)L * E, &ok);
@@ -471,6 +476,9 @@ void moe_model_free(moe_model *m) {
     const int L = m->cfg.num_layers;
     if (m->wact != (void *)m->params)
         be->free(m->wact);
+    for (int i = 0; m->fp8w && i < 2 * L; i++)
+        moe_fp8_weight_free(be, &m->fp8w[i]);
+    free(m->fp8w);
     moe_lowp_free(be, m->lowp);
     free(m->lowp);
     be->free(m->params);
@@ -538,8 +546,36 @@ static const moe_tensor *tensor_at(const moe_model *m, size_t off) {
     return NULL;
 }
 
+/* Chapter 05's native path (lowp.h): where moe_lowp_native() allows it and the experts run
+ * our grouped kernel, the FP8 codes of every MoE layer's fc1 [E][2F, H] and fc2 [E][H, F]
+ * (this rank's experts and columns, as the tensors hold them). 0 when out of memory. */
+static int alloc_fp8_weights(moe_model *m) {
+    const moe_config *c = &m->cfg;
+    if (!moe_lowp_native(m->be, m->lowp) ||
+        moe_expert_impl_from_config(c, m->be) != MOE_EXPERTS_KERNEL)
+        return 1;
+    const int L = c->num_layers;
+    if (!(m->fp8w = calloc((size_t)2 * L, sizeof *m->fp8w)))
+        return 0;
+    for (int l = 0; l < L; l++)
+        for (int i = 0; i < 2 && c->is_moe_layer[l]; i++) {
+            const moe_tensor *t = tensor_at(m, m->off[l][i ? MOE_W_FC2 : MOE_W_FC1]);
+            MOE_ASSERT(t && t->ndim == 3);
+            /* fc1 [2E, F, H] holds expert e's gate and up rows as [2F, H]; fc2 [E, H, F] */
+            const int G = i ? t->shape[0] : t->shape[0] / 2, I = t->shape[2];
+            if (!moe_fp8_weight_alloc(m->be, &m->fp8w[2 * l + i], G,
+                                      (int)(t->numel / (size_t)G / (size_t)I), I))
+                return 0;
+        }
+    m->lowp->native = 1;
+    moe_log_info("precision: the routed experts' forward and dgrad GEMMs run natively in FP8 "
+                 "(our FP8 grouped kernel); their wgrad and the other linear layers emulated");
+    return 1;
+}
+
 /* Chapter 05: QDQ of every linear layer's matrix in the compute copy, each routed expert's
- * on its own (lowp.h). Not the router, the norms, the embedding or the LM head. */
+ * on its own (lowp.h); on the native path the routed experts' FP8 codes instead. Not the
+ * router, the norms, the embedding or the LM head. */
 static void lowp_quantize_weights(moe_model *m) {
     static const int slots[] = {MOE_W_Q,   MOE_W_K,   MOE_W_V,          MOE_W_O,
                                 MOE_W_FC1, MOE_W_FC2, MOE_W_SHARED_FC1, MOE_W_SHARED_FC2};
@@ -555,8 +591,11 @@ static void lowp_quantize_weights(moe_model *m) {
             if (m->cfg.is_moe_layer[l] && (s == MOE_W_FC1 || s == MOE_W_FC2))
                 groups = s == MOE_W_FC1 ? t->shape[0] / 2 : t->shape[0];
             const int rows = (int)(t->numel / (size_t)groups / (size_t)cols);
-            moe_lowp_qdq_weight(m->be, m->lowp, MOE_ACT(m->be, m->wact, t->offset), groups, rows,
-                                cols);
+            moe_fp8_weight *fw = NULL; /* the routed experts' FP8 codes (native path) */
+            if (m->fp8w && m->cfg.is_moe_layer[l] && (s == MOE_W_FC1 || s == MOE_W_FC2))
+                fw = &m->fp8w[2 * l + (s == MOE_W_FC2)];
+            moe_lowp_quantize_experts(m->be, m->lowp, fw, MOE_ACT(m->be, m->wact, t->offset),
+                                      groups, rows, cols);
         }
 }
 

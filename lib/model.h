@@ -146,6 +146,10 @@ typedef struct moe_model {
      *  --fp4-format. The compute copy of the weights is then its own buffer, every linear
      *  layer's matrix in it quantized at each moe_model_sync_weights() */
     moe_lowp *lowp;
+    /** chapter 05's native FP8 path (lowp.h: moe_lowp_native(), our grouped kernel): [2L]
+     *  the routed experts' fc1 and fc2 of each MoE layer in FP8, made at each
+     *  moe_model_sync_weights() instead of their QDQ; NULL when emulated */
+    moe_fp8_weight *fp8w;
     int *step_flags;              /**< &scalars->flags, backend memory: MOE_STEP_* bits raised on
                                        the device during a step (step_flags.h); zeroed at each
                                        step start */

@@ -47,15 +47,6 @@ static double rel_groups(const moe_real *a, const moe_real *b, const int *off, i
     return worst;
 }
 
-/* a bf16 device copy of fresh normals, and the same (rounded) values on the host */
-static void *upload(const moe_backend *g, moe_real *host, size_t n, uint64_t stream, double sd) {
-    moe_test_randn(host, n, stream, sd);
-    void *d = g->alloc(g->act_size * n);
-    g->write_act(d, host, n);
-    g->read_act(host, d, n);
-    return d;
-}
-
 static int g_split_seen; /* some wgrad below ran split-K */
 
 enum { CUBLAS = -1 };
@@ -77,8 +68,9 @@ static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
     const size_t nin = (size_t)N * I, nout = (size_t)N * O, nw = (size_t)G * O * I;
     moe_real *hin = malloc(sizeof(moe_real) * nin), *hw = malloc(sizeof(moe_real) * nw);
     moe_real *hdo = malloc(sizeof(moe_real) * nout);
-    void *din_ = upload(g, hin, nin, 41, 1.0), *dw_ = upload(g, hw, nw, 42, 0.05);
-    void *ddo = upload(g, hdo, nout, 43, 1.0);
+    void *din_ = moe_test_upload(g, hin, nin, 41, 1.0);
+    void *dw_ = moe_test_upload(g, hw, nw, 42, 0.05);
+    void *ddo = moe_test_upload(g, hdo, nout, 43, 1.0);
     /* forward, output poisoned first */
     moe_real *co = malloc(sizeof(moe_real) * nout), *go = malloc(sizeof(moe_real) * nout);
     void *dout = g->alloc(g->act_size * nout);
@@ -94,7 +86,7 @@ static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
     /* backward into pre-filled accumulators */
     moe_real *cdi = malloc(sizeof(moe_real) * nin), *gdi = malloc(sizeof(moe_real) * nin);
     moe_real *cdw = malloc(sizeof(moe_real) * nw), *gdw = malloc(sizeof(moe_real) * nw);
-    void *ddi = upload(g, cdi, nin, 44, 0.1);
+    void *ddi = moe_test_upload(g, cdi, nin, 44, 0.1);
     moe_test_randn(cdw, nw, 45, 0.1);
     moe_real *ddw = g->alloc(sizeof(moe_real) * nw);
     g->from_host(ddw, cdw, sizeof(moe_real) * nw);
@@ -264,8 +256,9 @@ static void check_gather(const int *sizes, int G, int I, int O) {
     const size_t nx = (size_t)T * I, nout = (size_t)R * O, nw = (size_t)G * O * I;
     moe_real *hx = malloc(sizeof(moe_real) * nx), *hw = malloc(sizeof(moe_real) * nw);
     moe_real *hdo = malloc(sizeof(moe_real) * (nout + 1));
-    void *dx = upload(g, hx, nx, 51, 1.0), *dw_ = upload(g, hw, nw, 52, 0.05);
-    void *ddo = upload(g, hdo, nout, 53, 1.0);
+    void *dx = moe_test_upload(g, hx, nx, 51, 1.0);
+    void *dw_ = moe_test_upload(g, hw, nw, 52, 0.05);
+    void *ddo = moe_test_upload(g, hdo, nout, 53, 1.0);
     void *dxp = g->alloc(g->act_size * ((size_t)R * I + 1)); /* the permuted copy */
     g->permute_tokens(dxp, dx, dmap, R, k, I);
     /* forward: fused, permute + GEMM, CPU gather */

@@ -29,6 +29,16 @@ void moe_test_poison(moe_real *x, size_t n) {
         x[i] = (moe_real)NAN;
 }
 
+void *moe_test_upload(const moe_backend *be, moe_real *host, size_t n, uint64_t stream,
+                      double scale) {
+    moe_test_randn(host, n, stream, scale);
+    void *d = be->alloc(be->act_size * (n ? n : 1));
+    ck_assert_ptr_nonnull(d);
+    be->write_act(d, host, n);
+    be->read_act(host, d, n);
+    return d;
+}
+
 double moe_test_max_rel_err(const moe_real *a, const moe_real *b, size_t n, double floor) {
     double worst = 0.0;
     for (size_t i = 0; i < n; i++) {

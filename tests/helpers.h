@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "backend.h"
 #include "config.h"
 #include "real.h"
 
@@ -20,6 +21,11 @@ void moe_test_randn(moe_real *x, size_t n, uint64_t stream, double scale);
 
 /** Fill @p x with n copies of NaN, so outputs that a function forgot to write fail the check. */
 void moe_test_poison(moe_real *x, size_t n);
+
+/** A buffer of @p be holding n normals * scale in its activation type, and the same values
+ *  (rounded to it) in @p host, so both backends start from the same numbers. */
+void *moe_test_upload(const moe_backend *be, moe_real *host, size_t n, uint64_t stream,
+                      double scale);
 
 /** Largest |a-b| / max(|b|, floor) over n elements (NaN counts as infinite). */
 double moe_test_max_rel_err(const moe_real *a, const moe_real *b, size_t n, double floor);

@@ -63,6 +63,8 @@ Suite *suite_gpu_scalars(void);   /* tests/gpu_scalars.c: the step's scalar ops 
                                     a CUDA step's host waits counted (chapter 06) */
 Suite *suite_gpu_quant(void);     /* tests/gpu_quant.c: every quantization recipe CUDA vs CPU,
                                      codes and scales byte for byte (chapter 05) */
+Suite *suite_gpu_fp8_layer(void); /* tests/gpu_fp8_layer.c: the native FP8 expert layer vs the
+                                     CPU's emulated recipe, its quantizers byte for byte */
 
 /* MPI tests (CPU ranks under mpirun) */
 Suite *suite_mpi_comm(void);      /* tests/mpi_comm.c: every collective of comm.h, any rank count */

@@ -12,6 +12,13 @@
  *
  * Before timing a shape, the backend's layer is checked against the CPU reference on the
  * same weights (the counter-based RNG fills both) with the full H, F, E, k and 256 tokens.
+ *
+ * `--precision bf16,fp8` (chapter 05) also times the layer in FP8 blockwise (lib/lowp.h): on
+ * Hopper with our grouped kernel the native path (forward and dgrad in our FP8 grouped
+ * kernel, wgrad in bf16), elsewhere the emulation; its check is against the CPU running the
+ * same recipe emulated, and the line after it gives its ratio to the bf16 layer of the same
+ * run. The experts' weights are quantized once before timing, as the bf16 layer's cast is
+ * (once per optimizer step, not per micro-batch); that time is printed on its own.
  * Timing: the backend's timer (CUDA events on the GPU), warm-up, median of repeats.
  */
 #include <math.h>
@@ -23,6 +30,7 @@
 #include "bench.h"
 #include "flags.h"
 #include "log.h"
+#include "lowp.h"
 #include "moe/layer.h"
 #include "profile.h"
 
@@ -33,6 +41,7 @@ typedef struct opts {
     char impl[MOE_FLAG_STR_LEN];
     char expert_dw[MOE_FLAG_STR_LEN];
     char permute_fusion[MOE_FLAG_STR_LEN];
+    char precision[MOE_FLAG_STR_LEN];
 } opts;
 
 #define OF(name, type, field, def, help, choices) \
@@ -59,6 +68,9 @@ static const moe_flag g_flags[] = {
     OF("permute-fusion", MOE_FLAG_STRING, permute_fusion, "off",
        "comma-separated: off (permute, then the grouped GEMMs) and on (--moe-permute-fusion: "
        "fc1 gathers its rows from the tokens, no permuted copy; our kernel only)", NULL),
+    OF("precision", MOE_FLAG_STRING, precision, "bf16",
+       "comma-separated: bf16 (the backend's activations) and fp8 (chapter 05's blockwise "
+       "E4M3 recipe: native FP8 expert GEMMs on Hopper with our kernel, else emulated)", NULL),
 };
 
 typedef moe_bench_shape shape;
@@ -73,11 +85,46 @@ typedef struct layer {
     moe_layer_workspace ws;
     void *x, *out, *dout, *dx, *wbuf;
     moe_real *gbuf;
+    moe_lowp lp;          /* chapter 05's recipe (lp.on = 0: bf16) */
+    moe_fp8_weight fw[2]; /* fc1's and fc2's FP8 codes on the native path */
 } layer;
+
+/* Chapter 05: the experts' weights quantized for the step (lowp.h) — into their FP8 codes on
+ * the native path, else QDQ in place (the emulation) */
+static void layer_quantize_weights(layer *L) {
+    const moe_layer_dims *d = &L->d;
+    moe_fp8_weight *fw = L->w.fc1_fp8 ? L->fw : NULL;
+    moe_lowp_quantize_experts(L->be, &L->lp, fw, (void *)L->w.fc1, d->E, 2 * d->F, d->H);
+    moe_lowp_quantize_experts(L->be, &L->lp, fw ? fw + 1 : NULL, (void *)L->w.fc2, d->E, d->H,
+                              d->F);
+}
+
+/* the FP8 blockwise recipe (--fp8-format e4m3 --fp8-recipe blockwise) for a layer of shape
+ * @p s on T tokens, its buffers, and the native path's FP8 weights where it runs */
+static void layer_lowp(layer *L, const shape *s, int T) {
+    moe_config c;
+    moe_config_defaults(&c);
+    snprintf(c.fp8_format, sizeof c.fp8_format, "e4m3");
+    snprintf(c.fp8_recipe, sizeof c.fp8_recipe, "blockwise");
+    c.hidden_size = s->H;
+    c.moe_ffn_hidden_size = s->F;
+    moe_error err;
+    MOE_ASSERT(moe_lowp_from_config(&L->lp, &c, &err) == MOE_OK);
+    MOE_ASSERT(moe_lowp_alloc(L->be, &L->lp, moe_lowp_cap(&c, (size_t)T, (size_t)T * s->k)));
+    L->d.lowp = &L->lp;
+    if (moe_lowp_native(L->be, &L->lp) && L->d.experts == MOE_EXPERTS_KERNEL) {
+        MOE_ASSERT(moe_fp8_weight_alloc(L->be, &L->fw[0], s->E, 2 * s->F, s->H) &&
+                   moe_fp8_weight_alloc(L->be, &L->fw[1], s->E, s->H, s->F));
+        L->lp.native = 1;
+        L->w.fc1_fp8 = &L->fw[0];
+        L->w.fc2_fp8 = &L->fw[1];
+    }
+    layer_quantize_weights(L);
+}
 
 /* Weights drawn from the counter-based RNG: the same values on every backend. */
 static void layer_init(layer *L, const moe_backend *be, const shape *s, int T,
-                       moe_expert_impl impl, int fused) {
+                       moe_expert_impl impl, int fused, int fp8) {
     memset(L, 0, sizeof *L);
     L->be = be;
     moe_layer_dims d = {.N = T, .T = T, .H = s->H, .E = s->E, .k = s->k, .F = s->F, .Fs = 0,
@@ -114,6 +161,8 @@ static void layer_init(layer *L, const moe_backend *be, const shape *s, int T,
     be->fill_normal(t2, (size_t)T * H, 1, 5, 1.0);
     be->cast_to_act(L->dout, t2, (size_t)T * H);
     be->free(t2);
+    if (fp8)
+        layer_lowp(L, s, T);
 }
 
 static void layer_free(layer *L) {
@@ -122,6 +171,20 @@ static void layer_free(layer *L) {
     moe_layer_workspace_free(be, &L->ws);
     be->free(L->wbuf); be->free(L->gbuf); be->free(L->x); be->free(L->out);
     be->free(L->dout); be->free(L->dx);
+    moe_fp8_weight_free(be, &L->fw[0]);
+    moe_fp8_weight_free(be, &L->fw[1]);
+    moe_lowp_free(be, &L->lp);
+}
+
+/* @p dst (CPU) takes @p src's weights, input and output gradient, as @p src's backend holds
+ * them (bf16 on CUDA), and quantizes its weights again */
+static void layer_copy_inputs(layer *dst, const layer *src) {
+    const moe_layer_dims *d = &src->d;
+    const size_t H = d->H, nw = (size_t)d->E * H * (1 + 3 * (size_t)d->F), nx = (size_t)d->N * H;
+    src->be->read_act(dst->wbuf, src->wbuf, nw);
+    src->be->read_act(dst->x, src->x, nx);
+    src->be->read_act(dst->dout, src->dout, nx);
+    layer_quantize_weights(dst);
 }
 
 static void layer_step(layer *L) {
@@ -173,15 +236,27 @@ static int same_routing(const layer *a, const layer *b, int N, int k, char *same
 static const char *const g_impl_names[] = {"loop", "cublas-grouped", "grouped"};
 static const char *const g_dw_names[] = {"add", "store", "bf16"};
 
+/* the median ms of the last bf16 run, for the fp8 run of the same configuration after it */
+static double g_bf16_ms = -1;
+
 static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_expert_impl impl,
-                     moe_dw_mode dw, int fused) {
-    char name[32]; /* the expert backend, "+fused" under the fused permutation */
-    snprintf(name, sizeof name, "%s%s", g_impl_names[impl], fused ? "-fused" : "");
+                     moe_dw_mode dw, int fused, int fp8) {
+    if (fp8 && (s->H % 128 || s->F % 128)) {
+        printf("  %s: fp8 skipped: the blockwise recipe needs H and F multiples of 128\n",
+               s->name);
+        return 0;
+    }
+    char name[40]; /* the expert backend, "-fused" under the fused permutation, "+fp8" */
+    snprintf(name, sizeof name, "%s%s%s", g_impl_names[impl], fused ? "-fused" : "",
+             fp8 ? "+fp8" : "");
     if (o->check && be->device != MOE_DEVICE_CPU) {
         /* the same layer, 256 tokens, on this backend and on the CPU reference */
         layer A, C;
-        layer_init(&A, be, s, 256, impl, fused);
-        layer_init(&C, moe_backend_cpu(), s, 256, MOE_EXPERTS_LOOP, 0);
+        layer_init(&A, be, s, 256, impl, fused, fp8);
+        layer_init(&C, moe_backend_cpu(), s, 256, MOE_EXPERTS_LOOP, 0, fp8);
+        if (fp8) /* the same recipe on the same (bf16) numbers: else a weight or input that
+                  * bf16 moved across an E4M3 rounding midpoint adds ~2 % per GEMM */
+            layer_copy_inputs(&C, &A);
         layer_step(&A);
         layer_step(&C);
         char same[256];
@@ -190,17 +265,27 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
         double ex = rel_err(&A, A.dx, &C, C.dx, 256, s->H, same);
         layer_free(&A);
         layer_free(&C);
-        printf("check %-8s %s %s vs cpu at 256 tokens: %d routed identically; on those, output "
-               "rel err %.2e, dgrad rel err %.2e\n",
-               s->name, be->name, name, n_same, eo, ex);
-        if (!(n_same >= 200 && eo < 2e-2 && ex < 3e-2)) {
+        printf("check %-8s %s %s vs cpu%s at 256 tokens: %d routed identically; on those, "
+               "output rel err %.2e, dgrad rel err %.2e\n",
+               s->name, be->name, name, fp8 ? " (the same recipe, emulated)" : "", n_same, eo,
+               ex);
+        /* FP8: the GPU's bf16 activations move a few elements across an E4M3 rounding
+         * midpoint before each quantizer, ~1 % per GEMM (tests/gpu_fp8_layer.c) */
+        if (!(n_same >= 200 && eo < (fp8 ? 5e-2 : 2e-2) && ex < (fp8 ? 8e-2 : 3e-2))) {
             moe_log_error("%s layer disagrees with the CPU reference: not timing it", be->name);
             return 1;
         }
     }
     layer L;
-    layer_init(&L, be, s, s->T, impl, fused);
+    layer_init(&L, be, s, s->T, impl, fused, fp8);
     L.g.expert_dw = dw; /* the fp32 gradient views have room for a bf16 dw */
+    double wq_ms = 0;
+    if (fp8) { /* the weights' quantization, once per optimizer step */
+        layer_quantize_weights(&L);
+        be->timer_begin();
+        layer_quantize_weights(&L);
+        wq_ms = be->timer_end_ms();
+    }
     for (int i = 0; i < o->warmup; i++)
         layer_step(&L);
     double *ms = malloc(sizeof(double) * o->repeats);
@@ -221,6 +306,19 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
            g_dw_names[dw], med, flop / (med * 1e-3) / 1e12, cmin, cmax);
     /* one line for torch_moe_layer.py --ours, which prints the comparison with ratios */
     printf("RESULT layer shape=%s impl=%s dw=%s ms=%.4f\n", s->name, name, g_dw_names[dw], med);
+    if (fp8) {
+        printf("  %s %s: %s; experts' weight quantization %.3f ms per optimizer step (not in "
+               "the layer's time)",
+               s->name, name,
+               L.lp.native ? "native FP8 forward + dgrad (our FP8 grouped kernel), bf16 wgrad"
+                           : "FP8 emulated (quantize -> dequantize -> the usual GEMMs)",
+               wq_ms);
+        if (g_bf16_ms > 0)
+            printf("; fp8 vs bf16 layer: %.2f ms vs %.2f ms = %.2fx", med, g_bf16_ms,
+                   g_bf16_ms / med);
+        printf("\n");
+    }
+    g_bf16_ms = fp8 ? -1 : med;
     free(ms);
     if (o->breakdown) { /* one more step with a device sync at every stage boundary */
         moe_prof_start(be);
@@ -282,6 +380,11 @@ int main(int argc, char **argv) {
     }
     const int fuse_off = impl_wanted(o.permute_fusion, "off"),
               fuse_on = impl_wanted(o.permute_fusion, "on");
+    const int prec[2] = {impl_wanted(o.precision, "bf16"), impl_wanted(o.precision, "fp8")};
+    if (!prec[0] && !prec[1]) {
+        moe_log_error("--precision '%s': give a comma-separated list of bf16, fp8", o.precision);
+        return 2;
+    }
     if (!fuse_off && !fuse_on) {
         moe_log_error("--permute-fusion '%s': give a comma-separated list of off, on",
                       o.permute_fusion);
@@ -321,9 +424,11 @@ int main(int argc, char **argv) {
                     impl_wanted(o.expert_dw, g_dw_names[dw]) &&
                     (dw != MOE_DW_ACT || impl == MOE_EXPERTS_KERNEL))
                     for (int f = 0; f < 2; f++) /* the fused permutation: our kernel only */
-                        if ((f ? fuse_on : fuse_off) && (!f || impl == MOE_EXPERTS_KERNEL))
-                            fails += run_shape(be, s, &o, (moe_expert_impl)impl,
-                                               (moe_dw_mode)dw, f);
+                        for (int p = 0; p < 2; p++) /* bf16, then fp8 (lowp.h refuses fusion) */
+                            if ((f ? fuse_on : fuse_off) && (!f || impl == MOE_EXPERTS_KERNEL) &&
+                                prec[p] && !(p && f))
+                                fails += run_shape(be, s, &o, (moe_expert_impl)impl,
+                                                   (moe_dw_mode)dw, f, p);
     }
     return fails ? 1 : 0;
 }

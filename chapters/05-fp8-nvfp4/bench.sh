@@ -9,14 +9,30 @@
 #    same shapes and GPU, then ours vs PyTorch side by side. The MoE shapes (Qwen3-30B-A3B,
 #    Mixtral-8x7B expert forwards): our FP8 and bf16 grouped kernels vs the dense FP8
 #    ceiling, then torch._grouped_mm (bf16) and torch._scaled_grouped_mm (rowwise FP8).
-# Needs bin/ch05_fp8_gemm_bench (make, with CUDA) and python3 with PyTorch for step 2.
+# 3. the MoE layer, forward + backward, in FP8 blockwise (native on Hopper: forward and dgrad in
+#    our FP8 grouped kernel, wgrad bf16) vs our bf16 layer, on the Qwen3-30B-A3B, Mixtral-8x7B
+#    and Qwen3-235B-A22B shapes, with the ratio (bin/ch01_moe_layer_bench --precision
+#    bf16,fp8, our grouped kernel; each checked against the CPU first): writes
+#    ${OUT:-/tmp}/ch05_fp8_layer.txt.
+#   PART=layer chapters/05-fp8-nvfp4/bench.sh   # step 3 only; PART=gemm: steps 1 and 2
+# Needs bin/ch05_fp8_gemm_bench and bin/ch01_moe_layer_bench (make, with CUDA) and python3
+# with PyTorch for step 2.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dir=${OUT:-/tmp}
 shape=${SHAPE:-all}
 repeats=${REPEATS:-15}
+part=${PART:-all}
 out=$dir/ch05_fp8_gemm.txt
 tsv=$dir/ch05_fp8_gemm.tsv
+if [ "$part" = all ] || [ "$part" = layer ]; then
+    for s in qwen3 mixtral qwen3-235b; do
+        ./bin/ch01_moe_layer_bench --shape "$s" --impl grouped --precision bf16,fp8 \
+            --repeats "${LAYER_REPEATS:-9}"
+        echo
+    done 2>&1 | tee "$dir/ch05_fp8_layer.txt"
+fi
+[ "$part" = layer ] && exit 0
 {
     ./bin/ch05_fp8_gemm_bench --shape "$shape" --repeats "$repeats" --tsv "$tsv"
     echo

@@ -115,7 +115,7 @@ static moe_groups groups_of(const moe_backend *be, const moe_layer_dims *d,
     if (d->experts == MOE_EXPERTS_KERNEL && upload && r->off)
         be->from_host(a->dev_offset, r->off, sizeof(int) * (r->G + 1));
     moe_groups g = {r->off, a->dev_offset, r->G, d->experts, MOE_DW_ACCUMULATE, NULL, 1,
-                    (int)r->rows, d->lowp};
+                    (int)r->rows, d->lowp, NULL, NULL};
     if (d->permute_fusion) {
         MOE_ASSERT(d->experts == MOE_EXPERTS_KERNEL && !d->ep && d->capacity_factor == 0);
         g.gather = a->perm_src;
@@ -137,7 +137,10 @@ void moe_experts_forward(const moe_backend *be, const moe_layer_dims *d, moe_lay
         moe_etp_gather(be, d->etp, &a->etp, &ws->etp, (void *)r.x, here.x, H, 0);
         moe_etp_gather(be, d->etp, &a->etp, &ws->etp, (void *)r.w, here.w, 1, 1);
     }
-    const moe_groups grp = groups_of(be, d, a, &r, expert_side);
+    moe_groups grp = groups_of(be, d, a, &r, expert_side);
+    grp.fp8_w1 = w->fc1_fp8; /* chapter 05's native FP8 GEMMs, when the model made them */
+    grp.fp8_w2 = w->fc2_fp8;
+    MOE_ASSERT(!grp.fp8_w1 || grp.impl == MOE_EXPERTS_KERNEL);
     if (grp.impl != MOE_EXPERTS_LOOP) { /* chapter 03: one grouped GEMM per Linear */
         moe_mlp_forward_grouped(be, r.y, r.gu, r.act, r.x, r.w, w->fc1, w->fc2, &grp, H, F);
     } else { /* chapter 01: one SwiGLU MLP per expert on its rows */
@@ -173,6 +176,8 @@ void moe_experts_backward(const moe_backend *be, const moe_layer_dims *d, const 
     moe_prof_mark(MOE_PROF_EXPERT_OPS);
     moe_groups grp = groups_of(be, d, a, &r, 0);
     grp.dw_mode = g->expert_dw;
+    grp.fp8_w1 = w->fc1_fp8;
+    grp.fp8_w2 = w->fc2_fp8;
     if (grp.impl != MOE_EXPERTS_LOOP) {
         moe_mlp_backward_grouped(be, r.dx, g->fc1, g->fc2, r.dw, r.dy, r.x, r.gu, r.act, r.w,
                                  w->fc1, w->fc2, r.dh, r.dgu, &grp, H, F, 0);

@@ -105,6 +105,11 @@ typedef struct moe_layer_weights {
     const void *fc2;         /**< [E,H,F] */
     const void *shared_fc1;  /**< [2Fs,H] or NULL */
     const void *shared_fc2;  /**< [H,Fs] or NULL */
+    /** chapter 05's native FP8 path (lowp.h): fc1's and fc2's FP8 codes and transposed
+     *  codes, made once per step by moe_lowp_quantize_experts(); NULL: the emulation (or no
+     *  low precision) */
+    const moe_fp8_weight *fc1_fp8;
+    const moe_fp8_weight *fc2_fp8; /**< see @ref fc1_fp8 */
 } moe_layer_weights;
 
 /** The layer's weight gradients (full precision), views into the gradient buffer. */

@@ -1,0 +1,312 @@
+/*
+ * Chapter 05's native FP8 expert layer (lib/lowp.h, lib/mlp.c): the routed experts' forward
+ * and dgrad GEMMs in our FP8 grouped kernel on FP8 codes, wgrad in bf16 on the dequantized
+ * operands, against the emulated recipe on the CPU (quantize → dequantize → fp32 GEMMs) — the
+ * same quantization points, so the two differ only by the GPU's bf16 activations and its
+ * summation order.
+ *
+ * First its two quantizers, byte for byte against the CPU (no tolerance): the 1×128 quantizer
+ * of bf16 activations (codes, scales and the dequantized bf16 copy, which must equal
+ * moe_cpu_qdq rounded to bf16) and the fused per-expert quantize+transpose of the bf16 expert
+ * weights (codes, transposed codes and both scale grids, each expert as
+ * moe_cpu_quant_blockwise_t). Then the grouped SwiGLU MLP forward and backward on ragged
+ * groups (empty ones, a single row, sizes around 128, a last group ending mid-tile, 40
+ * groups), every output poisoned first.
+ *
+ * The bound. The GPU rounds fc1's output and the SwiGLU to bf16 (the CPU keeps fp32), and the
+ * next quantizer then picks the neighbouring E4M3 code for the few elements that sit near a
+ * midpoint: about 1 % of relative error per GEMM, which the GPU's EMULATED path has as well.
+ * So each output's worst-group relative error is printed for the native path and for the
+ * GPU's emulation, and the native one must stay within 1.5× the emulation's + 0.01 and
+ * below 0.06 (a wrong index, scale or transpose is O(1)).
+ * Without a GPU the runner (tests/gpu_main.c) prints "skipped: no GPU"; on a GPU that is not
+ * Hopper this suite says "skipped: not a Hopper GPU".
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_ops.h"
+#include "helpers.h"
+#include "lowp.h"
+#include "mlp.h"
+#include "suites.h"
+
+static int hopper(const char *what) {
+    if (moe_cuda_grouped_sm90_available())
+        return 1;
+    printf("  %s: skipped: not a Hopper GPU (our FP8 grouped kernel is sm_90a only)\n", what);
+    return 0;
+}
+
+/* the blockwise E4M3 recipe with power-of-two scales, as --fp8-format e4m3 --fp8-recipe
+ * blockwise gives it, with buffers for @p cap elements on @p be */
+static void lowp_blockwise(moe_lowp *lp, const moe_backend *be, size_t cap) {
+    moe_config c;
+    moe_config_defaults(&c);
+    snprintf(c.fp8_format, sizeof c.fp8_format, "e4m3");
+    snprintf(c.fp8_recipe, sizeof c.fp8_recipe, "blockwise");
+    moe_error err;
+    ck_assert_int_eq(moe_lowp_from_config(lp, &c, &err), MOE_OK);
+    ck_assert(lp->spec[MOE_LOWP_ACTIVATION].pow2 == 1);
+    ck_assert(moe_lowp_alloc(be, lp, cap));
+}
+
+/* a device buffer of @p bytes filled with 0xAB */
+static void *dpoison(size_t bytes) {
+    void *h = malloc(bytes);
+    ck_assert_ptr_nonnull(h);
+    memset(h, 0xAB, bytes);
+    void *d = moe_cuda_alloc(bytes);
+    moe_cuda_from_host(d, h, bytes);
+    free(h);
+    return d;
+}
+
+/* the device bytes equal the host's */
+static int same(const char *what, const void *dev, const void *host, size_t bytes) {
+    unsigned char *got = malloc(bytes);
+    moe_cuda_to_host(got, dev, bytes);
+    size_t diff = 0;
+    for (size_t i = 0; i < bytes; i++)
+        diff += got[i] != ((const unsigned char *)host)[i];
+    if (diff)
+        printf("  %s: %zu of %zu bytes differ\n", what, diff, bytes);
+    free(got);
+    return diff == 0;
+}
+
+START_TEST(test_gpu_fp8_layer_quantizers) {
+    if (!hopper("FP8 layer quantizers"))
+        return;
+    const moe_backend *g = moe_backend_cuda();
+    moe_error err;
+    /* activations: 300 rows (not a multiple of anything) × 384 */
+    const int R = 300, C = 384, nb = C / 128;
+    const size_t n = (size_t)R * C;
+    moe_real *x = malloc(sizeof(moe_real) * n);
+    void *dx = moe_test_upload(g, x, n, 71, 3.0);
+    x[5] = 0; /* (a few exact values among the normals) */
+    g->write_act(dx, x, n);
+    uint8_t *q = malloc(n), *dq = dpoison(n);
+    float *s = malloc(sizeof(float) * R * nb), *ds = dpoison(sizeof(float) * R * nb);
+    void *dy = dpoison(2 * n), *want = g->alloc(2 * n);
+    float *xf = malloc(sizeof(float) * n), *yf = malloc(sizeof(float) * n);
+    for (size_t i = 0; i < n; i++)
+        xf[i] = (float)x[i];
+    ck_assert_int_eq(moe_cpu_quant_blockwise(q, s, xf, R, C, MOE_FP8_E4M3, 0, 1, &err), MOE_OK);
+    ck_assert_int_eq(moe_cpu_dequant_blockwise(yf, q, s, R, C, MOE_FP8_E4M3, 0, &err), MOE_OK);
+    for (size_t i = 0; i < n; i++)
+        x[i] = yf[i];
+    g->write_act(want, x, n); /* the CPU's QDQ, rounded to bf16 */
+    unsigned char *hwant = malloc(2 * n);
+    moe_cuda_to_host(hwant, want, 2 * n);
+    ck_assert_int_eq(g->fp8_quant_act(dq, ds, dy, dx, R, C, MOE_FP8_E4M3, 1, &err), MOE_OK);
+    ck_assert(same("1x128 codes", dq, q, n));
+    ck_assert(same("1x128 scales", ds, s, sizeof(float) * R * nb));
+    ck_assert(same("1x128 dequantized bf16", dy, hwant, 2 * n));
+    /* weights: 3 experts of [256, 384], each with its transpose */
+    const int G = 3, O = 256, I = 384, ns = (O / 128) * (I / 128);
+    const size_t nw = (size_t)G * O * I;
+    moe_real *w = malloc(sizeof(moe_real) * nw);
+    void *dw = moe_test_upload(g, w, nw, 72, 0.05);
+    float *wf = malloc(sizeof(float) * nw);
+    for (size_t i = 0; i < nw; i++)
+        wf[i] = (float)w[i];
+    uint8_t *wq = malloc(nw), *wqt = malloc(nw);
+    float *ws = malloc(sizeof(float) * G * ns), *wst = malloc(sizeof(float) * G * ns);
+    for (int e = 0; e < G; e++)
+        ck_assert_int_eq(moe_cpu_quant_blockwise_t(wq + (size_t)e * O * I, ws + (size_t)e * ns,
+                                                   wqt + (size_t)e * O * I, wst + (size_t)e * ns,
+                                                   wf + (size_t)e * O * I, O, I, MOE_FP8_E4M3, 1,
+                                                   1, &err),
+                         MOE_OK);
+    moe_lowp lp;
+    lowp_blockwise(&lp, g, 1024);
+    moe_fp8_weight fw;
+    ck_assert(moe_fp8_weight_alloc(g, &fw, G, O, I));
+    uint8_t *p = malloc(nw);
+    memset(p, 0xAB, nw);
+    moe_cuda_from_host(fw.q, p, nw);
+    moe_cuda_from_host(fw.qt, p, nw);
+    moe_cuda_from_host(fw.s, p, sizeof(float) * G * ns);
+    moe_cuda_from_host(fw.st, p, sizeof(float) * G * ns);
+    moe_lowp_quantize_experts(g, &lp, &fw, dw, G, O, I);
+    ck_assert(same("weight codes", fw.q, wq, nw));
+    ck_assert(same("weight scales", fw.s, ws, sizeof(float) * G * ns));
+    ck_assert(same("transposed weight codes", fw.qt, wqt, nw));
+    ck_assert(same("transposed weight scales", fw.st, wst, sizeof(float) * G * ns));
+    printf("  FP8 layer quantizers: 1x128 of bf16 [%d, %d] (codes, scales, QDQ bytes) and %d "
+           "experts' [%d, %d] weights with their transposes: CUDA == CPU byte for byte\n",
+           R, C, G, O, I);
+    moe_fp8_weight_free(g, &fw);
+    moe_lowp_free(g, &lp);
+    free(x), free(q), free(s), free(xf), free(yf), free(hwant), free(w), free(wf), free(wq);
+    free(wqt), free(ws), free(wst), free(p);
+    g->free(dx), g->free(dq), g->free(ds), g->free(dy), g->free(want), g->free(dw);
+}
+END_TEST
+
+/* relative Frobenius error of rows off[e] .. off[e+1] of a [*, cols] tensor, worst group */
+static double worst_group(const moe_real *a, const moe_real *b, const int *off, int G, int cols) {
+    double worst = 0;
+    for (int e = 0; e < G; e++) {
+        double num = 0, den = 0;
+        for (size_t i = (size_t)off[e] * cols; i < (size_t)off[e + 1] * cols; i++) {
+            num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+            den += (double)b[i] * b[i];
+        }
+        const double r = isfinite(num) ? sqrt(num / (den > 0 ? den : 1e-30)) : INFINITY;
+        worst = r > worst ? r : worst;
+    }
+    return worst;
+}
+
+static double rel_all(const moe_real *a, const moe_real *b, size_t n) {
+    const int off[2] = {0, 1};
+    return worst_group(a, b, off, 1, (int)n);
+}
+
+enum { OUT, DX, DROW, DW1, DW2, NOUT };
+static const char *const g_names[NOUT] = {"output", "dgrad dx", "routing-weight grad",
+                                          "wgrad fc1", "wgrad fc2"};
+
+/* One grouped MLP forward + backward on @p be; @p fw NULL: emulated. Writes the five
+ * outputs to host buffers @p res (each sized by the caller). */
+static void run_mlp(const moe_backend *be, moe_lowp *lp, const moe_fp8_weight *fw, const int *off,
+                    int G, int H, int F, const moe_real *hx, const moe_real *hw1,
+                    const moe_real *hw2, const moe_real *hrs, const moe_real *hdy,
+                    moe_real *res[NOUT]) {
+    const int N = off[G];
+    const size_t S = be->act_size, n1 = (size_t)G * 2 * F * H, n2 = (size_t)G * H * F;
+    void *x = be->alloc(S * N * H), *w1 = be->alloc(S * n1), *w2 = be->alloc(S * n2);
+    void *dy = be->alloc(S * N * H);
+    moe_real *rs = be->alloc(sizeof(moe_real) * N), *drs = be->alloc(sizeof(moe_real) * N);
+    be->write_act(x, hx, (size_t)N * H);
+    be->write_act(w1, hw1, n1);
+    be->write_act(w2, hw2, n2);
+    be->write_act(dy, hdy, (size_t)N * H);
+    be->from_host(rs, hrs, sizeof(moe_real) * N);
+    be->zero(drs, sizeof(moe_real) * N); /* (accumulates) */
+    if (!fw) { /* the emulation quantizes the compute copy in place */
+        moe_lowp_quantize_experts(be, lp, NULL, w1, G, 2 * F, H);
+        moe_lowp_quantize_experts(be, lp, NULL, w2, G, H, F);
+    }
+    int *doff = be->alloc(sizeof(int) * (G + 1));
+    be->from_host(doff, off, sizeof(int) * (G + 1));
+    /* outputs and scratch poisoned (fp32 NaN bit patterns, or bf16 0xFFFF) */
+    void *out = be->alloc(S * N * H), *gu = be->alloc(S * N * 2 * F), *act = be->alloc(S * N * F);
+    void *dx = be->alloc(S * N * H), *dh = be->alloc(S * N * F), *dgu = be->alloc(S * N * 2 * F);
+    moe_real *dw1 = be->alloc(sizeof(moe_real) * n1), *dw2 = be->alloc(sizeof(moe_real) * n2);
+    void *const poison[] = {out, gu, act, dx, dh, dgu, dw1, dw2};
+    const size_t pbytes[] = {S * N * H, S * N * 2 * F, S * N * F, S * N * H, S * N * F,
+                             S * N * 2 * F, sizeof(moe_real) * n1, sizeof(moe_real) * n2};
+    for (int i = 0; i < 8; i++) {
+        unsigned char *h = malloc(pbytes[i] ? pbytes[i] : 1);
+        memset(h, 0xFF, pbytes[i]);
+        be->from_host(poison[i], h, pbytes[i]);
+        free(h);
+    }
+    moe_groups grp = {off, doff, G, MOE_EXPERTS_KERNEL, MOE_DW_STORE, NULL, 1, N, lp,
+                      fw, fw ? fw + 1 : NULL};
+    moe_mlp_forward_grouped(be, out, gu, act, x, rs, w1, w2, &grp, H, F);
+    moe_mlp_backward_grouped(be, dx, dw1, dw2, drs, dy, x, gu, act, rs, w1, w2, dh, dgu, &grp, H,
+                             F, 0);
+    be->read_act(res[OUT], out, (size_t)N * H);
+    be->read_act(res[DX], dx, (size_t)N * H);
+    be->to_host(res[DROW], drs, sizeof(moe_real) * N);
+    be->to_host(res[DW1], dw1, sizeof(moe_real) * n1);
+    be->to_host(res[DW2], dw2, sizeof(moe_real) * n2);
+    void *const all[] = {x, w1, w2, dy, rs, drs, doff, out, gu, act, dx, dh, dgu, dw1, dw2};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        be->free(all[i]);
+}
+
+static int check_layer(const int *sizes, int G, int H, int F) {
+    const moe_backend *g = moe_backend_cuda(), *c = moe_backend_cpu();
+    int off[65];
+    off[0] = 0;
+    for (int e = 0; e < G; e++)
+        off[e + 1] = off[e] + sizes[e];
+    const int N = off[G];
+    const size_t n1 = (size_t)G * 2 * F * H, n2 = (size_t)G * H * F;
+    const size_t cnt[NOUT] = {(size_t)N * H, (size_t)N * H, (size_t)N, n1, n2};
+    /* inputs rounded to bf16, so both sides start from the same values */
+    moe_real *x = malloc(sizeof(moe_real) * N * H), *w1 = malloc(sizeof(moe_real) * n1);
+    moe_real *w2 = malloc(sizeof(moe_real) * n2), *dy = malloc(sizeof(moe_real) * N * H);
+    moe_real *rs = malloc(sizeof(moe_real) * (N + 1));
+    g->free(moe_test_upload(g, x, (size_t)N * H, 81, 1.0));
+    g->free(moe_test_upload(g, w1, n1, 82, 0.05));
+    g->free(moe_test_upload(g, w2, n2, 83, 0.05));
+    g->free(moe_test_upload(g, dy, (size_t)N * H, 84, 1.0));
+    for (int i = 0; i < N; i++)
+        rs[i] = (moe_real)(0.25 + 0.5 * ((i * 37) % 101) / 101.0);
+    moe_real *ref[NOUT], *nat[NOUT], *emu[NOUT];
+    for (int k = 0; k < NOUT; k++) {
+        ref[k] = malloc(sizeof(moe_real) * (cnt[k] + 1));
+        nat[k] = malloc(sizeof(moe_real) * (cnt[k] + 1));
+        emu[k] = malloc(sizeof(moe_real) * (cnt[k] + 1));
+    }
+    const size_t cap = (size_t)(N > 2 * F ? N : 2 * F) * (H > 2 * F ? H : 2 * F);
+    moe_lowp lc, lg, le;
+    lowp_blockwise(&lc, c, cap);
+    lowp_blockwise(&lg, g, cap);
+    lowp_blockwise(&le, g, cap);
+    ck_assert(moe_lowp_native(g, &lg));
+    moe_fp8_weight fw[2];
+    ck_assert(moe_fp8_weight_alloc(g, &fw[0], G, 2 * F, H));
+    ck_assert(moe_fp8_weight_alloc(g, &fw[1], G, H, F));
+    { /* the native path's FP8 weights, from the bf16 weights on the device */
+        void *d1 = g->alloc(2 * n1), *d2 = g->alloc(2 * n2);
+        g->write_act(d1, w1, n1);
+        g->write_act(d2, w2, n2);
+        moe_lowp_quantize_experts(g, &lg, &fw[0], d1, G, 2 * F, H);
+        moe_lowp_quantize_experts(g, &lg, &fw[1], d2, G, H, F);
+        g->free(d1), g->free(d2);
+    }
+    run_mlp(c, &lc, NULL, off, G, H, F, x, w1, w2, rs, dy, ref);
+    run_mlp(g, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, nat);
+    run_mlp(g, &le, NULL, off, G, H, F, x, w1, w2, rs, dy, emu);
+    int ok = 1;
+    printf("  FP8 layer G=%d rows=%d H=%d F=%d, relative error vs the CPU's emulation "
+           "(native | GPU emulated):", G, N, H, F);
+    for (int k = 0; k < NOUT; k++) {
+        const int per_row = k == OUT || k == DX;
+        const double en = per_row ? worst_group(nat[k], ref[k], off, G, H)
+                                  : rel_all(nat[k], ref[k], cnt[k]);
+        const double ee = per_row ? worst_group(emu[k], ref[k], off, G, H)
+                                  : rel_all(emu[k], ref[k], cnt[k]);
+        const int pass = en <= 1.5 * ee + 0.01 && en <= 0.06;
+        printf(" %s %.2e | %.2e%s;", g_names[k], en, ee, pass ? "" : " TOO LARGE");
+        ok &= pass;
+    }
+    printf("\n");
+    for (int k = 0; k < NOUT; k++)
+        free(ref[k]), free(nat[k]), free(emu[k]);
+    moe_fp8_weight_free(g, &fw[0]), moe_fp8_weight_free(g, &fw[1]);
+    moe_lowp_free(c, &lc), moe_lowp_free(g, &lg), moe_lowp_free(g, &le);
+    free(x), free(w1), free(w2), free(dy), free(rs);
+    return ok;
+}
+
+/* the native FP8 expert MLP against the CPU's emulation, on ragged groups */
+START_TEST(test_gpu_fp8_layer_vs_cpu) {
+    if (!hopper("FP8 layer"))
+        return;
+    static const int s0[] = {0, 1, 127, 128, 129, 0, 255, 64};  /* around 128, empty, one row */
+    static const int s1[] = {1, 0, 0};                          /* one row in all */
+    static int s2[40];                                          /* many groups */
+    for (int e = 0; e < 40; e++)
+        s2[e] = e % 7 == 3 ? 0 : (e * 53) % 190; /* 0 to 189 rows */
+    int ok = check_layer(s0, 8, 256, 384);
+    ok &= check_layer(s1, 3, 128, 128);
+    ok &= check_layer(s2, 40, 256, 128);
+    ck_assert_msg(ok, "the native FP8 expert layer differs from the CPU's emulation");
+}
+END_TEST
+
+Suite *suite_gpu_fp8_layer(void) {
+    const TTest *const tests[] = {test_gpu_fp8_layer_quantizers, test_gpu_fp8_layer_vs_cpu};
+    return moe_test_chapter_suite("gpu_fp8_layer", "ch05", tests, 2);
+}
