@@ -674,6 +674,7 @@ FIG_RUNS = $(FIG)/runs
 FIG_CH02 = docs/results/runs/multigpu_ch02_e3716dc.txt
 FIG_CH03 = docs/results/03-grouped-gemm.md
 FIG_CH03_II = docs/results/runs/ch03_bench_dc547fa.txt
+FIG_CH05 = docs/results/runs/ch05_convergence_776f6dd
 FIG_CH07 = docs/results/07-long-context.md
 figures:
 	@$(PY) -c 'import matplotlib' 2>/dev/null || \
@@ -696,6 +697,10 @@ figures:
 	  --title "the sweep (H=4096, F=1536, k=8, E = T·k / R): expert GEMMs per backend and the layer vs PyTorch, H200, commit dc547fa"
 	$(PY) tools/plot_bench.py roofline $(FIG_CH03_II) --out $(FIG)/ch03_wgrad_roofline.png \
 	  --title "wgrad: achieved TFLOP/s against FLOP per byte, every shape of the run, H200, commit dc547fa"
+	for m in preset large; do $(PY) tools/plot_metrics.py --out $(FIG) --prefix ch05_convergence_$${m}_ \
+	  --figure loss --smooth 10 --title "$$m model, NVIDIA H100 80GB HBM3, commit 776f6dd" \
+	  $(foreach r,bf16 tensorwise blockwise mxfp8 nvfp4,--label $(r)) \
+	  $(foreach r,bf16 tensorwise blockwise mxfp8 nvfp4,$(FIG_CH05)/ch05_conv_$${m}_$(r).jsonl) || exit 1; done
 	$(PY) tools/plot_bench.py lines $(FIG_CH07) --table "T (tokens in one sequence)" \
 	  --columns "ms|tokens|memory" --out $(FIG)/ch07_longest_sequence.png \
 	  --title "the GPU preset's model, one sequence of T tokens, one H100, commit bc51e05"

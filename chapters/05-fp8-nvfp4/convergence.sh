@@ -150,7 +150,7 @@ EOF
     done
     if [ ${#files[@]} -gt 0 ] && [ -n "$plotpy" ]; then
         "$plotpy" tools/plot_metrics.py --out "$out" --prefix "ch05_convergence_${model}_" --figure loss \
-            --smooth 10 --title "$model, $dev, commit $commit: " "${labels[@]}" "${files[@]}" >/dev/null ||
+            --smooth 10 --title "$model, $dev, commit $commit" "${labels[@]}" "${files[@]}" >/dev/null ||
             echo "(the plot of $model failed)" >>"$report"
     fi
 done
