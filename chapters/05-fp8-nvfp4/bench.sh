@@ -13,7 +13,10 @@
 #    our FP8 grouped kernel, wgrad bf16) vs our bf16 layer, on the Qwen3-30B-A3B, Mixtral-8x7B
 #    and Qwen3-235B-A22B shapes, with the ratio (bin/ch01_moe_layer_bench --precision
 #    bf16,fp8, our grouped kernel; each checked against the CPU first): writes
-#    ${OUT:-/tmp}/ch05_fp8_layer.txt.
+#    ${OUT:-/tmp}/ch05_fp8_layer.txt; then the same layer in PyTorch (torch_fp8_layer.py:
+#    forward and dgrad on torch._scaled_grouped_mm with rowwise FP8, wgrad bf16, eager and
+#    torch.compile, and bf16 torch._grouped_mm compiled) and the comparison table, written to
+#    ${OUT:-/tmp}/ch05_fp8_layer_torch.txt.
 #   PART=layer chapters/05-fp8-nvfp4/bench.sh   # step 3 only; PART=gemm: steps 1 and 2
 # Needs bin/ch05_fp8_gemm_bench and bin/ch01_moe_layer_bench (make, with CUDA) and python3
 # with PyTorch for step 2.
@@ -31,6 +34,13 @@ if [ "$part" = all ] || [ "$part" = layer ]; then
             --repeats "${LAYER_REPEATS:-9}"
         echo
     done 2>&1 | tee "$dir/ch05_fp8_layer.txt"
+    if python3 -c "import torch" 2>/dev/null; then
+        PYTHONUNBUFFERED=1 python3 chapters/05-fp8-nvfp4/torch_fp8_layer.py \
+            --repeats "${LAYER_REPEATS:-9}" --ours "$dir/ch05_fp8_layer.txt" 2>&1 |
+            tee "$dir/ch05_fp8_layer_torch.txt"
+    else
+        echo "PyTorch FP8 layer baseline: skipped (python3 has no torch)"
+    fi
 fi
 [ "$part" = layer ] && exit 0
 {
