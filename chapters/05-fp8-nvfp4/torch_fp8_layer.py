@@ -174,7 +174,7 @@ def main():
         return
     dev = torch.device("cuda")
     print(f"PyTorch {torch.__version__} FP8 MoE layer baseline | {torch.cuda.get_device_name()} | "
-          f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC")
+          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print("forward+backward, weight gradients added into fp32 main gradients in the step; "
           f"median of {args.repeats} after {args.warmup} warm-up")
     for knob in ("cache_size_limit", "recompile_limit"):
