@@ -92,6 +92,19 @@ def layer_grouped(x, wr, w1, w2, k):
     return out.index_add(0, tok, y)
 
 
+def make_inputs(name, dev):
+    """The layer's bf16 inputs for shape `name`: x [T, H] and the weights (router [E, H],
+    fc1 [E, 2F, H], fc2 [E, H, F]) requiring gradients, k, and the output gradient [T, H]"""
+    s = SHAPES[name]
+    T, H, Fh, E, k = s["T"], s["H"], s["F"], s["E"], s["k"]
+    bf = torch.bfloat16
+    x = torch.randn(T, H, device=dev, dtype=bf, requires_grad=True)
+    wr = (0.02 * torch.randn(E, H, device=dev)).to(bf).requires_grad_()
+    w1 = (0.02 * torch.randn(E, 2 * Fh, H, device=dev)).to(bf).requires_grad_()
+    w2 = (0.02 * torch.randn(E, H, Fh, device=dev)).to(bf).requires_grad_()
+    return x, wr, w1, w2, k, torch.randn(T, H, device=dev, dtype=bf)
+
+
 def bench(fn, tensors, dout, warmup, repeats, main_grad):
     """Median ms of forward + backward; with main_grad, plus main_grad += grad.float() for
     every weight (the fp32 gradient accumulation of a mixed-precision trainer)."""
@@ -186,14 +199,8 @@ def main():
     print("| shape      | impl                        |   ms/iter |  TFLOP/s |\n|---|---|---|---|")
     torch.manual_seed(0)
     for name in names:
-        s = SHAPES[name]
-        T, H, Fh, E, k = s["T"], s["H"], s["F"], s["E"], s["k"]
-        bf = torch.bfloat16
-        x = torch.randn(T, H, device=dev, dtype=bf, requires_grad=True)
-        wr = (0.02 * torch.randn(E, H, device=dev)).to(bf).requires_grad_()
-        w1 = (0.02 * torch.randn(E, 2 * Fh, H, device=dev)).to(bf).requires_grad_()
-        w2 = (0.02 * torch.randn(E, H, Fh, device=dev)).to(bf).requires_grad_()
-        dout = torch.randn(T, H, device=dev, dtype=bf)
+        x, wr, w1, w2, k, dout = make_inputs(name, dev)
+        T, H, Fh = x.shape[0], x.shape[1], w2.shape[2]
         tensors = (x, wr, w1, w2, k)
         with torch.no_grad():
             a = layer_loop(x, wr, w1, w2, k).float()

@@ -48,7 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "01-naive-moe"))
 from torch_fp8_gemm import quant_rows  # noqa: E402  (one scale per row: codes, scale_inv)
-from torch_moe_layer import SHAPES, bench, layer_grouped, route  # noqa: E402
+from torch_moe_layer import SHAPES, bench, layer_grouped, make_inputs, route  # noqa: E402
 
 IMPLS = ["grouped_mm", "grouped_mm_compiled", "scaled_grouped_mm", "scaled_grouped_mm_compiled"]
 
@@ -186,14 +186,8 @@ def main():
     print("| shape      | impl                        |   ms/iter |  TFLOP/s |\n|---|---|---|---|")
     torch.manual_seed(0)
     for name in names:
-        s = SHAPES[name]
-        T, H, Fh, E, k = s["T"], s["H"], s["F"], s["E"], s["k"]
-        bf = torch.bfloat16
-        x = torch.randn(T, H, device=dev, dtype=bf, requires_grad=True)
-        wr = (0.02 * torch.randn(E, H, device=dev)).to(bf).requires_grad_()
-        w1 = (0.02 * torch.randn(E, 2 * Fh, H, device=dev)).to(bf).requires_grad_()
-        w2 = (0.02 * torch.randn(E, H, Fh, device=dev)).to(bf).requires_grad_()
-        dout = torch.randn(T, H, device=dev, dtype=bf)
+        x, wr, w1, w2, k, dout = make_inputs(name, dev)
+        T, H, Fh = x.shape[0], x.shape[1], w2.shape[2]
         # the check: the FP8 layer against its emulation (the same codes and scales, fp32
         # products; the bound fits bf16 outputs and fp32-vs-tensor-core sums), and how far
         # FP8 moves both from the bf16 layer (reported, not bounded: that is the recipe's
