@@ -105,6 +105,15 @@ def make_inputs(name, dev):
     return x, wr, w1, w2, k, torch.randn(T, H, device=dev, dtype=bf)
 
 
+def compile_layer(fn):
+    """torch.compile(fn), one compiled function for every shape: dynamic shapes after the
+    first recompile, and room in the cache for the distinct k values and sizes of a list"""
+    for knob in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
+    return torch.compile(fn)
+
+
 def bench(fn, tensors, dout, warmup, repeats, main_grad):
     """Median ms of forward + backward; with main_grad, plus main_grad += grad.float() for
     every weight (the fp32 gradient accumulation of a mixed-precision trainer)."""
@@ -132,16 +141,21 @@ def bench(fn, tensors, dout, warmup, repeats, main_grad):
     return statistics.median(times)
 
 
-def read_ours(path):
-    """{(shape, dw): ms} of our grouped kernel from ch01_moe_layer_bench's RESULT lines"""
-    ours = {}
-    pat = re.compile(r"RESULT layer shape=(\S+) impl=grouped dw=(\S+) ms=([0-9.]+)")
+def read_results(path):
+    """{(shape, impl, dw): ms} of ch01_moe_layer_bench's RESULT lines"""
+    results = {}
+    pat = re.compile(r"RESULT layer shape=(\S+) impl=(\S+) dw=(\S+) ms=([0-9.]+)")
     with open(path) as f:
         for line in f:
             m = pat.search(line)
             if m:
-                ours[(m.group(1), m.group(2))] = float(m.group(3))
-    return ours
+                results[m.group(1, 2, 3)] = float(m.group(4))
+    return results
+
+
+def read_ours(path):
+    """{(shape, dw): ms} of our grouped kernel (bf16) from ch01_moe_layer_bench's output"""
+    return {(s, dw): ms for (s, impl, dw), ms in read_results(path).items() if impl == "grouped"}
 
 
 def comparison(ours, theirs, names):
@@ -187,12 +201,7 @@ def main():
     dev = torch.device("cuda")
     print(f"PyTorch {torch.__version__} baselines | {torch.cuda.get_device_name()} | "
           f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC")
-    # one compiled function for every shape: dynamic shapes after the first recompile, and
-    # room in the cache for the distinct k values and sizes of the shape list
-    for knob in ("cache_size_limit", "recompile_limit"):
-        if hasattr(torch._dynamo.config, knob):
-            setattr(torch._dynamo.config, knob, 64)
-    compiled = torch.compile(layer_grouped)
+    compiled = compile_layer(layer_grouped)
     fns = {"loop": layer_loop, "grouped_mm": layer_grouped, "grouped_mm_compiled": compiled}
     names = GROUPS.get(args.shape, [args.shape])
     theirs = {}

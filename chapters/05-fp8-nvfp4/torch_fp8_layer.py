@@ -38,7 +38,6 @@ lines), the script ends with the comparison: our FP8 and bf16 layers against the
 import argparse
 import datetime
 import os
-import re
 import sys
 
 import torch
@@ -48,7 +47,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "01-naive-moe"))
 from torch_fp8_gemm import quant_rows  # noqa: E402  (one scale per row: codes, scale_inv)
-from torch_moe_layer import SHAPES, bench, layer_grouped, make_inputs, route  # noqa: E402
+from torch_moe_layer import (SHAPES, bench, compile_layer, layer_grouped,  # noqa: E402
+                             make_inputs, read_results, route)
 
 IMPLS = ["grouped_mm", "grouped_mm_compiled", "scaled_grouped_mm", "scaled_grouped_mm_compiled"]
 
@@ -135,15 +135,9 @@ layer_fp8_emulated = moe_layer(EmulatedGroupedLinear)
 
 
 def read_ours(path):
-    """{(shape, impl): ms} of ch01_moe_layer_bench's RESULT lines (dw=add: fp32 main grads)"""
-    ours = {}
-    pat = re.compile(r"RESULT layer shape=(\S+) impl=(grouped|grouped\+fp8) dw=add ms=([0-9.]+)")
-    with open(path) as f:
-        for line in f:
-            m = pat.search(line)
-            if m:
-                ours[(m.group(1), m.group(2))] = float(m.group(3))
-    return ours
+    """{(shape, impl): ms} of ch01_moe_layer_bench's RESULT lines with fp32 main gradients
+    (dw=add), for impl "grouped" (bf16) and "grouped+fp8" alike"""
+    return {(s, impl): ms for (s, impl, dw), ms in read_results(path).items() if dw == "add"}
 
 
 def rel(a, b):
@@ -177,11 +171,8 @@ def main():
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print("forward+backward, weight gradients added into fp32 main gradients in the step; "
           f"median of {args.repeats} after {args.warmup} warm-up")
-    for knob in ("cache_size_limit", "recompile_limit"):
-        if hasattr(torch._dynamo.config, knob):
-            setattr(torch._dynamo.config, knob, 64)
-    fns = {"grouped_mm": layer_grouped, "grouped_mm_compiled": torch.compile(layer_grouped),
-           "scaled_grouped_mm": layer_fp8, "scaled_grouped_mm_compiled": torch.compile(layer_fp8)}
+    fns = {"grouped_mm": layer_grouped, "grouped_mm_compiled": compile_layer(layer_grouped),
+           "scaled_grouped_mm": layer_fp8, "scaled_grouped_mm_compiled": compile_layer(layer_fp8)}
     theirs = {}
     print("| shape      | impl                        |   ms/iter |  TFLOP/s |\n|---|---|---|---|")
     torch.manual_seed(0)
