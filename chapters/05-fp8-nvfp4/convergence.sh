@@ -3,7 +3,7 @@
 # model, data and seed, on one GPU (or the CPU), then a table and a loss-curve plot.
 #
 #   chapters/05-fp8-nvfp4/convergence.sh [--device cuda|cpu] [--models preset,large]
-#                                        [--steps N] [--recipes LIST]
+#                                        [--steps N] [--recipes LIST] [--seed S]
 #
 # Models: preset = `--preset gpu` as it is (750 steps, validation every 125: the preset's
 # own schedule); large = the preset with 8 layers of hidden 1024 (16 experts of 1024, top-4,
@@ -18,6 +18,7 @@
 # Writes ${OUT:-/tmp}/ch05_convergence.txt (the table and, per run, the last log lines),
 # the metrics files ch05_conv_<model>_<recipe>.jsonl and one loss figure per model,
 # ch05_convergence_<model>_loss.png (tools/plot_metrics.py; skipped without matplotlib).
+# --seed S (default 1) seeds the model and the data order of every run alike.
 # The targets: the final validation loss within 1 % of bf16's for FP8, 3 % for NVFP4.
 # Exit status: 0 when every run finished (targets missed or not), 1 when one failed, 2 on
 # a usage error.
@@ -28,6 +29,7 @@ device=cuda
 models=preset,large
 steps=""
 recipes="bf16 tensorwise blockwise mxfp8 nvfp4"
+seed=1
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit "${1:-0}"; }
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -35,6 +37,7 @@ while [ $# -gt 0 ]; do
     --models) models="$2"; shift 2 ;;
     --steps) steps="$2"; shift 2 ;;
     --recipes) recipes="${2//,/ }"; shift 2 ;;
+    --seed) seed="$2"; shift 2 ;;
     -h | --help) usage 0 ;;
     *) echo "convergence.sh: unknown argument '$1' (--help lists them)" >&2; exit 2 ;;
     esac
@@ -44,6 +47,7 @@ if [ -n "$steps" ] && ! [[ "$steps" =~ ^[0-9]+$ && "$steps" -ge 20 ]]; then
     echo "convergence.sh: --steps must be an integer >= 20 (got '$steps')" >&2
     exit 2
 fi
+[[ "$seed" =~ ^[0-9]+$ ]] || { echo "convergence.sh: --seed must be a non-negative integer (got '$seed')" >&2; exit 2; }
 for r in $recipes; do
     case "$r" in bf16 | tensorwise | blockwise | mxfp8 | nvfp4) ;;
     *) echo "convergence.sh: unknown recipe '$r' (bf16, tensorwise, blockwise, mxfp8, nvfp4)" >&2; exit 2 ;;
@@ -99,7 +103,7 @@ done
 
 status=0
 {
-    echo "chapter 05: convergence per recipe | $dev | $(date -u '+%Y-%m-%d %H:%M UTC') | commit $commit"
+    echo "chapter 05: convergence per recipe, seed $seed | $dev | $(date -u '+%Y-%m-%d %H:%M UTC') | commit $commit"
     echo
 } | tee "$report"
 table="$out/ch05_conv_table.$$"
@@ -115,10 +119,10 @@ for model in ${models//,/ }; do
     for r in $recipes; do
         m="$out/ch05_conv_${model}_$r.jsonl"
         rflags=$(recipe_flags "$r")
-        log=$(MOE_NO_DOWNLOAD=1 bin/moe-train --device "$device" $mflags $rflags --seed 1 \
+        log=$(MOE_NO_DOWNLOAD=1 bin/moe-train --device "$device" $mflags $rflags --seed $seed \
               --sample-length 0 --metrics-file "$m" --overwrite 2>&1)
         rc=$?
-        { echo "== $model, $r: bin/moe-train --device $device $mflags $rflags --seed 1 --sample-length 0"
+        { echo "== $model, $r: bin/moe-train --device $device $mflags $rflags --seed $seed --sample-length 0"
           echo "$log" | grep -E "^(moe.c|model|params|step .*/|eval|done)" | tail -8; } >>"$report"
         if [ $rc != 0 ] || [ ! -s "$m" ]; then
             echo "| $model | $r | FAILED (rc $rc: $(echo "$log" | grep -iE 'error' | head -1)) | | | | |" >>"$table"
