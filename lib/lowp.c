@@ -225,15 +225,21 @@ void moe_lowp_qdq_weight(const moe_backend *be, moe_lowp *lp, void *w, int group
     }
 }
 
-int moe_lowp_native(const moe_backend *be, const moe_lowp *lp) {
-    if (!lp || !lp->on || !be->fp8_grouped_native || !be->fp8_grouped_native())
+int moe_lowp_native_recipe(const moe_lowp *lp) {
+    if (!lp || !lp->on)
         return 0;
     for (int r = 0; r < MOE_LOWP_ROLES; r++)
         if (lp->spec[r].format != MOE_FP8_E4M3)
             return 0;
-    const char *e = getenv("MOE_FP8_NATIVE");
     return lp->spec[MOE_LOWP_ACTIVATION].recipe == MOE_QUANT_BLOCK_1X128 &&
-           lp->spec[MOE_LOWP_WEIGHT].recipe == MOE_QUANT_BLOCK_128X128 && !(e && *e == '0');
+           lp->spec[MOE_LOWP_WEIGHT].recipe == MOE_QUANT_BLOCK_128X128;
+}
+
+int moe_lowp_native(const moe_backend *be, const moe_lowp *lp) {
+    if (!moe_lowp_native_recipe(lp) || !be->fp8_grouped_native || !be->fp8_grouped_native())
+        return 0;
+    const char *e = getenv("MOE_FP8_NATIVE");
+    return !(e && *e == '0');
 }
 
 size_t moe_fp8_weight_bytes(int G, int O, int I) {

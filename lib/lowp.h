@@ -194,6 +194,14 @@ void moe_lowp_qdq_weight(const moe_backend *be, moe_lowp *lp, void *w, int group
  */
 int moe_lowp_native(const moe_backend *be, const moe_lowp *lp);
 
+/**
+ * @brief The recipe half of moe_lowp_native(): blockwise (1×128 activations and gradients,
+ *        128×128 weights) in E4M3 for every role. The memory estimate, which sees no
+ *        backend, counts the native path's FP8 weight copies where this holds.
+ * @param lp the context (NULL or off: 0)  @return 1 when the recipe is the native path's
+ */
+int moe_lowp_native_recipe(const moe_lowp *lp);
+
 /** @brief Bytes of a ::moe_fp8_weight's buffers. @param G experts @param O rows of each
  *  @param I columns @return the bytes (codes twice, scales twice) */
 size_t moe_fp8_weight_bytes(int G, int O, int I);

@@ -2,6 +2,7 @@
 #include "memory.h"
 
 #include <limits.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "context_parallel.h"
@@ -126,6 +127,21 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
     moe_error lowp_err;
     const int lowp_on = moe_lowp_from_config(&lowp, c, &lowp_err) == MOE_OK && lowp.on;
     out->weight_bytes = mul(P, add(Rb, S != Rb || lowp_on ? S : 0));
+    /* chapter 05's native FP8 path (lowp.h): each MoE layer's routed fc1 and fc2 also as FP8
+     * codes plus those of their transposes, with 128×128 scales (moe_fp8_weight_bytes()).
+     * The estimate sees no GPU, so it counts them wherever the path may run: the native
+     * recipe with our grouped kernel as the expert backend, asked for, or `auto` off the CPU
+     * (an upper bound on a GPU that is not sm_90) */
+    const int fp8_native =
+        any_moe && moe_lowp_native_recipe(lowp_on ? &lowp : NULL) &&
+        moe_config_grouped_kernel_fits(c) &&
+        (c->expert_backend == MOE_EXPERT_BACKEND_GROUPED ||
+         (c->expert_backend == MOE_EXPERT_BACKEND_AUTO && strcmp(c->device, "cpu") != 0));
+    for (int l = 0; fp8_native && l < L; l++)
+        if (c->is_moe_layer[l]) { /* moe_fp8_weight_bytes() of fc1 and fc2, in checked sums */
+            const long long n = mul(E / EP, mul(mul(3, Fl), H)); /* 2F·H + H·F per expert */
+            out->weight_bytes = add(out->weight_bytes, add(mul(2, n), mul(8, n / (128 * 128))));
+        }
     out->grad_bytes = mul(P, Rb);
     out->optim_bytes = mul(P, 8);
     out->param_bytes = add(add(out->weight_bytes, out->grad_bytes), out->optim_bytes);

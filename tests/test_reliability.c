@@ -15,6 +15,7 @@
 #include "comm_watchdog.h"
 #include "config.h"
 #include "helpers.h"
+#include "lowp.h"
 #include "memory.h"
 #include "metrics.h"
 #include "model.h"
@@ -336,6 +337,56 @@ START_TEST(test_memory_estimate_bounds_allocations) {
 }
 END_TEST
 
+/* Chapter 05's native FP8 path keeps every routed expert weight also as FP8 codes (and its
+ * transpose's): the estimate counts them, and exactly what the model allocates. A CPU
+ * backend that claims the native kernel makes the model allocate them (nothing runs them
+ * here); the estimate, which sees no backend, counts them for our grouped kernel and not for
+ * the loop. */
+static int claims_fp8_native(void) { return 1; }
+
+START_TEST(test_memory_estimate_counts_fp8_expert_weights) {
+    const char *fp8 = "--hidden-size 128 --num-attention-heads 4 --num-query-groups 4 "
+                      "--moe-ffn-hidden-size 128 --ffn-hidden-size 128 --fp8-format e4m3 "
+                      "--fp8-recipe blockwise --moe-expert-backend ";
+    /* the routed experts of the one MoE layer: fc1 4 × [256, 128], fc2 4 × [128, 128] */
+    const long long want = (long long)(moe_fp8_weight_bytes(4, 256, 128) +
+                                       moe_fp8_weight_bytes(4, 128, 128));
+    long long est[2];
+    size_t bytes[2];
+    for (int i = 0; i < 2; i++) { /* 0: the loop (no FP8 copies), 1: our grouped kernel */
+        char extra[512];
+        snprintf(extra, sizeof extra, "%s%s", fp8, i ? "grouped" : "loop");
+        moe_config c = small_config(extra);
+        moe_memory_estimate e;
+        moe_error err;
+        ck_assert_int_eq(moe_memory_estimate_model(&c, c.micro_batch_size, 1, 2, &e, &err),
+                         MOE_OK);
+        est[i] = e.weight_bytes;
+        /* allocations: the grouped model (i = 1's config) with and without the claimed
+         * native kernel */
+        snprintf(extra, sizeof extra, "%sgrouped", fp8);
+        moe_config cg = small_config(extra);
+        moe_backend be = *moe_backend_cpu();
+        be.alloc = counting_alloc;
+        if (i)
+            be.fp8_grouped_native = claims_fp8_native;
+        g_bytes = 0;
+        g_calls = 0;
+        g_fail_at = -1;
+        moe_model *m = NULL;
+        ck_assert_msg(moe_model_create(&m, &cg, &be, cg.micro_batch_size, NULL, &err) == MOE_OK,
+                      "%s", err.msg);
+        moe_model_free(m);
+        bytes[i] = g_bytes;
+    }
+    ck_assert_msg(est[1] - est[0] == want, "the estimate adds %lld bytes for the FP8 expert "
+                  "weights, they take %lld", est[1] - est[0], want);
+    ck_assert_msg((long long)(bytes[1] - bytes[0]) == want, "the model allocates %lld bytes "
+                  "more with the native path, the FP8 expert weights take %lld",
+                  (long long)(bytes[1] - bytes[0]), want);
+}
+END_TEST
+
 /* Out of memory at any allocation of the model is a named error, never an abort, and
  * leaks nothing (the ASan run checks that). */
 START_TEST(test_out_of_memory_is_an_error) {
@@ -487,9 +538,10 @@ Suite *suite_reliability(void) {
     moe_test_tcase(s, "programs", 300, programs, 3);
     const TTest *lib[] = {test_nan_stops_before_update, test_outfile_rules,
                           test_metrics_whole_lines, test_memory_estimate_bounds_allocations,
+                          test_memory_estimate_counts_fp8_expert_weights,
                           test_out_of_memory_is_an_error, test_huge_configs_are_refused,
                           test_new_flags};
-    moe_test_tcase(s, "library", 300, lib, 7);
+    moe_test_tcase(s, "library", 300, lib, 8);
     const TTest *ch04[] = {test_memory_check_counts_distributed_optimizer};
     tcase_set_tags(moe_test_tcase(s, "memory-zero", 60, ch04, 1), "ch04");
     return s;
