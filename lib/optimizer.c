@@ -67,19 +67,38 @@ void moe_adamw_step(moe_adamw *opt, const moe_param_table *pt, moe_real *params,
     if (!hyper)
         moe_adamw_next_hyper(opt, lr, beta1, beta2, h);
     const double bc1 = h[1], bc2 = h[2];
-    /* each tensor's part of each piece: weight decay is per tensor */
+    /* Each tensor's part of each piece, since weight decay is per tensor; but the update is
+     * elementwise, so neighbouring tensors with the same decay are one call: a run
+     * [ra, rb) grows while the next tensor starts where it ends (chapter 06: the GPU preset's
+     * 57 tensors were 57 launches, most of them small) */
     for (int k = 0; k < opt->n_pieces; k++) {
         const moe_adamw_piece *pc = &opt->piece[k];
-        for (int t = 0; t < pt->n; t++) {
-            const moe_tensor *ten = &pt->t[t];
-            const size_t a = ten->offset > pc->lo ? ten->offset : pc->lo;
-            const size_t b = ten->offset + ten->numel < pc->hi ? ten->offset + ten->numel : pc->hi;
-            if (a >= b)
-                continue;
-            const size_t st = pc->state + (a - pc->lo);
-            moe_real *p = opt->master ? opt->master + st : params + a;
-            opt->be->adamw(p, grads + a, opt->m + st, opt->v + st, b - a, lr, beta1,
-                           beta2, eps, ten->decay ? wd : 0.0, bc1, bc2, clip, flags, hyper);
+        size_t ra = 0, rb = 0; /* the run, empty */
+        int rdecay = 0;
+        for (int t = 0; t <= pt->n; t++) {
+            size_t a = 0, b = 0;
+            int decay = 0;
+            if (t < pt->n) {
+                const moe_tensor *ten = &pt->t[t];
+                a = ten->offset > pc->lo ? ten->offset : pc->lo;
+                b = ten->offset + ten->numel < pc->hi ? ten->offset + ten->numel : pc->hi;
+                decay = ten->decay != 0;
+                if (a >= b)
+                    continue;
+                if (rb > ra && a == rb && decay == rdecay) {
+                    rb = b;
+                    continue;
+                }
+            }
+            if (rb > ra) { /* flush the run (before a tensor that cannot join it, or at the end) */
+                const size_t st = pc->state + (ra - pc->lo);
+                moe_real *p = opt->master ? opt->master + st : params + ra;
+                opt->be->adamw(p, grads + ra, opt->m + st, opt->v + st, rb - ra, lr, beta1,
+                               beta2, eps, rdecay ? wd : 0.0, bc1, bc2, clip, flags, hyper);
+            }
+            ra = a;
+            rb = b;
+            rdecay = decay;
         }
     }
 }

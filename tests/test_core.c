@@ -733,6 +733,76 @@ START_TEST(test_adamw_decay_only_where_enabled) {
 }
 END_TEST
 
+/* Neighbouring tensors with the same weight decay are updated in one backend call (fewer
+ * launches on a GPU), with the bits of one call per tensor, and never across a piece of the
+ * distributed optimizer's state. */
+static int g_adamw_calls;
+static size_t g_adamw_n[8];
+static void counting_adamw(moe_real *p, const moe_real *g, float *m, float *v, size_t n,
+                           double lr, double beta1, double beta2, double eps, double wd,
+                           double bc1, double bc2, const double *clip, const int *flags,
+                           const double *hyper) {
+    if (g_adamw_calls < 8)
+        g_adamw_n[g_adamw_calls] = n;
+    g_adamw_calls++;
+    moe_backend_cpu()->adamw(p, g, m, v, n, lr, beta1, beta2, eps, wd, bc1, bc2, clip, flags,
+                             hyper);
+}
+
+START_TEST(test_adamw_coalesces_neighbours) {
+    moe_param_table pt = {0};
+    moe_params_add(&pt, "a", 1, 5, 0, 0, MOE_INIT_NORMAL, 0.02, 1);  /* decayed ... */
+    moe_params_add(&pt, "b", 2, 2, 3, 0, MOE_INIT_NORMAL, 0.02, 1);  /* ... one run of 11 */
+    moe_params_add(&pt, "n1", 1, 3, 0, 0, MOE_INIT_ONES, 0.0, 0);    /* not decayed: 3 */
+    moe_params_add(&pt, "c", 1, 4, 0, 0, MOE_INIT_NORMAL, 0.02, 1);  /* decayed ... */
+    moe_params_add(&pt, "d", 1, 6, 0, 0, MOE_INIT_NORMAL, 0.02, 1);  /* ... one run of 10 */
+    const size_t n = pt.total;
+    ck_assert_uint_eq(n, 24);
+    moe_real p0[24], g[24], p[24], q[24];
+    for (size_t i = 0; i < n; i++) {
+        p0[i] = (moe_real)moe_rng_normal(11, 0, i);
+        g[i] = (moe_real)moe_rng_normal(12, 0, i);
+    }
+    moe_backend be = *moe_backend_cpu();
+    be.adamw = counting_adamw;
+    const double lr = 0.01, b1 = 0.9, b2 = 0.99, eps = 1e-8, wd = 0.1;
+    /* one piece (the whole state), then two pieces cut inside tensor "c" (at 16) */
+    const moe_adamw_piece one[] = {{0, n, 0}}, two[] = {{0, 16, 0}, {16, n, 16}};
+    const size_t want_one[] = {11, 3, 10}, want_two[] = {11, 3, 2, 8};
+    for (int cut = 0; cut < 2; cut++) {
+        moe_adamw opt, ref;
+        ck_assert_int_eq(moe_adamw_init_pieces(&opt, &be, cut ? two : one, cut ? 2 : 1, 0, NULL),
+                         MOE_OK);
+        ck_assert_int_eq(moe_adamw_init(&ref, moe_backend_cpu(), n, NULL), MOE_OK);
+        memcpy(p, p0, sizeof p);
+        memcpy(q, p0, sizeof q);
+        for (int step = 1; step <= 2; step++) {
+            g_adamw_calls = 0;
+            moe_adamw_step(&opt, &pt, p, g, lr, b1, b2, eps, wd, NULL, NULL, NULL);
+            const size_t *want = cut ? want_two : want_one;
+            const int calls = cut ? 4 : 3;
+            ck_assert_int_eq(g_adamw_calls, calls);
+            for (int c = 0; c < calls; c++)
+                ck_assert_uint_eq(g_adamw_n[c], want[c]);
+            /* the reference: one call per tensor, as before the runs */
+            ref.step++;
+            const double bc1 = 1.0 - pow(b1, ref.step), bc2 = 1.0 - pow(b2, ref.step);
+            for (int t = 0; t < pt.n; t++) {
+                const moe_tensor *ten = &pt.t[t];
+                moe_backend_cpu()->adamw(q + ten->offset, g + ten->offset, ref.m + ten->offset,
+                                         ref.v + ten->offset, ten->numel, lr, b1, b2, eps,
+                                         ten->decay ? wd : 0.0, bc1, bc2, NULL, NULL, NULL);
+            }
+            ck_assert_msg(memcmp(p, q, sizeof p) == 0, "pieces %d, step %d: the weights differ "
+                          "from one call per tensor", cut + 1, step);
+        }
+        moe_adamw_free(&opt);
+        moe_adamw_free(&ref);
+    }
+    moe_params_free(&pt);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ timer */
 
 START_TEST(test_timer) {
@@ -801,6 +871,7 @@ Suite *suite_core(void) {
     tcase_add_test(opt, test_clip_grad_norm_large);
     tcase_add_test(opt, test_adamw_first_steps);
     tcase_add_test(opt, test_adamw_decay_only_where_enabled);
+    tcase_add_test(opt, test_adamw_coalesces_neighbours);
     suite_add_tcase(s, opt);
 
     TCase *tim = tcase_create("timer");
