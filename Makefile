@@ -726,6 +726,9 @@ bench: all
 	@if [ "$(WITH_MPI)" = 1 ]; then OMP_NUM_THREADS=1 $(MPIRUN) -np 4 ./bin/ch04_folding_bench; \
 	else echo "ch04 folding benchmark: skipped (needs MPI)"; fi
 	./bin/ch03_grouped_gemm_bench
+	@if [ "$(WITH_CUDA)" = 1 ]; then ./bin/ch05_fp8_gemm_bench; \
+	else echo "ch05 FP8 GEMM benchmark: skipped (built without CUDA)"; fi
+	./bin/ch01_moe_layer_bench --impl grouped --precision bf16,fp8
 	@if [ "$(WITH_CUDA)" = 1 ]; then ./bin/ch06_graphs_bench; \
 	else echo "ch06 graphs benchmark: skipped (built without CUDA)"; fi
 	@if [ "$(WITH_CUDA)" = 1 ]; then ./bin/ch07_attention_bench; \
