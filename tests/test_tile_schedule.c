@@ -148,6 +148,14 @@ START_TEST(test_tile_schedule_random) {
 }
 END_TEST
 
+/* Offsets off[0..G] of G groups whose sizes walk the list edge[0..ne) with stride 7 (coprime
+ * with the lists' lengths, so every size appears, next to different neighbours). */
+static void edge_offsets(int *off, int G, const int *edge, int ne) {
+    off[0] = 0;
+    for (int g = 0; g < G; g++)
+        off[g + 1] = off[g] + edge[(g * 7) % ne];
+}
+
 /* The tile heights of every tile of off[0..G] (shape s), with and without 64-row tails:
  * each tile's rows of its group are the same whatever its height (none lost), and each
  * group's MMA rows equal the closed form computed here from its size alone. */
@@ -189,9 +197,7 @@ START_TEST(test_tile_schedule_tail_heights) {
                                128, 129, 130, 191, 192, 193, 255, 256, 257, 260, 383, 384, 385};
     const int ne = (int)(sizeof edge / sizeof edge[0]);
     int off[257];
-    off[0] = 0;
-    for (int g = 0; g < 256; g++)
-        off[g + 1] = off[g] + edge[(g * 7) % ne];
+    edge_offsets(off, 256, edge, ne);
     const moe_tile_shape s = {128, 256, 8};
     check_heights(off, 256, 320, s);
     check_heights(off, 256, 256, s);
@@ -264,9 +270,7 @@ START_TEST(test_tile_schedule_share) {
                                320, 321, 383, 384, 385, 449, 450};
     const int ne = (int)(sizeof edge / sizeof edge[0]);
     int off[257];
-    off[0] = 0;
-    for (int g = 0; g < 256; g++)
-        off[g + 1] = off[g] + edge[(g * 7) % ne];
+    edge_offsets(off, 256, edge, ne);
     const moe_tile_shape s = {128, 256, 8};
     check_share(off, 256, 320, s, 128); /* the kernel's sharing tiles: 128 columns */
     check_share(off, 256, 200, s, 128);
