@@ -243,6 +243,19 @@ static void hop_row(float *y, const hop *h, int r, int K) {
  * worst |got − ref| / (1e-2·|ref| + 1e-4·Σ|a·b|): ≤ 1 passes */
 typedef void (*row_fn)(float *y, const void *src, int r, int K);
 
+/* element (i, j) of d (bf16, device, N columns) against Σ_k a[k]·b[k] in double, as above */
+static double element_error(const void *d, int N, int i, int j, const float *a, const float *b,
+                            int K) {
+    double ref = 0, mag = 0;
+    for (int k = 0; k < K; k++) {
+        ref += (double)a[k] * b[k];
+        mag += fabs((double)a[k] * b[k]);
+    }
+    float got;
+    moe_cuda_read_act(&got, (const char *)d + ((size_t)i * N + j) * 2, 1);
+    return fabs(got - ref) / (1e-2 * fabs(ref) + 1e-4 * mag + 1e-30);
+}
+
 static double check(const void *d, int M, int N, int K, row_fn arow, const void *asrc,
                     row_fn brow, const void *bsrc) {
     float *a = malloc((size_t)K * 4), *b = malloc((size_t)K * 4);
@@ -252,14 +265,7 @@ static double check(const void *d, int M, int N, int K, row_fn arow, const void 
         const int j = (int)(moe_rng_uniform(95, 2, (uint64_t)s) * N) % N;
         arow(a, asrc, i, K);
         brow(b, bsrc, j, K);
-        double ref = 0, mag = 0;
-        for (int k = 0; k < K; k++) {
-            ref += (double)a[k] * b[k];
-            mag += fabs((double)a[k] * b[k]);
-        }
-        float got;
-        moe_cuda_read_act(&got, (const char *)d + ((size_t)i * N + j) * 2, 1);
-        const double e = fabs(got - ref) / (1e-2 * fabs(ref) + 1e-4 * mag + 1e-30);
+        const double e = element_error(d, N, i, j, a, b, K);
         worst = e > worst ? e : worst;
     }
     free(a), free(b);
@@ -481,14 +487,7 @@ static double check_grouped(const void *d, const int *off, int G, int rows, int 
             g++;
         arow(a, asrc, i, K);
         brow(b, bsrc, g * N + j, K);
-        double ref = 0, mag = 0;
-        for (int k = 0; k < K; k++) {
-            ref += (double)a[k] * b[k];
-            mag += fabs((double)a[k] * b[k]);
-        }
-        float got;
-        moe_cuda_read_act(&got, (const char *)d + ((size_t)i * N + j) * 2, 1);
-        const double e = fabs(got - ref) / (1e-2 * fabs(ref) + 1e-4 * mag + 1e-30);
+        const double e = element_error(d, N, i, j, a, b, K);
         worst = e > worst ? e : worst;
     }
     free(a), free(b);
