@@ -573,6 +573,18 @@ printf '%s\n' '$(1): T=1 H=8 F=8 E=2 k=1 -> $(2) rows, 1..2 per expert' 'our wgr
   > $(PLOT_TEST)/$(1).txt
 endef
 test-plots:
+	@echo "== run summaries (tools/metrics_summary.py)"
+	@mkdir -p $(PLOT_TEST) && printf '%s\n' '{"event":"config"}' \
+	  '{"event":"train","step":1,"loss":5.0,"step_s":0.9,"tokens_per_s":10}' \
+	  '{"event":"train","step":2,"loss":4.0,"step_s":0.020,"tokens_per_s":400}' \
+	  '{"event":"train","step":3,"loss":3.0,"step_s":0.010,"tokens_per_s":800}' \
+	  '{"event":"train","step":4,"loss":2.0,"step_s":0.030,"tokens_per_s":300}' \
+	  '{"event":"eval","step":4,"train_loss":2.1,"val_loss":2.5}' > $(PLOT_TEST)/summary.jsonl && \
+	  test "$$($(PY) tools/metrics_summary.py $(PLOT_TEST)/summary.jsonl --after 1)" = "20.000 400 2.0000" && \
+	  test "$$($(PY) tools/metrics_summary.py $(PLOT_TEST)/summary.jsonl --after 50% --tokens 80 --print ms,tps,tail,val)" = "20.000 4000 3.5000 2.5000" && \
+	  ! $(PY) tools/metrics_summary.py $(PLOT_TEST)/summary.jsonl --after 4 2> $(PLOT_TEST)/summary.err && \
+	  grep -q "no training step after --after 4" $(PLOT_TEST)/summary.err && \
+	  echo "summaries: the warm-up left out (steps or a percentage), medians, the last and tail losses, a run too short refused"
 	@echo "== plots (tools/plot_metrics.py, tools/plot_bench.py)"
 	@if ! $(PY) -c 'import matplotlib' 2>/dev/null; then \
 	  echo "skipped: python3-matplotlib not installed (sudo apt-get install python3-matplotlib)"; \

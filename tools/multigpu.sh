@@ -88,16 +88,7 @@ topo() {
 
 # median step time (ms) and tokens/s of the steps after the first 40 of a metrics file,
 # and the last logged loss: "ms tok/s loss"
-steady() {
-    python3 - "$1" <<'EOF'
-import json, statistics, sys
-recs = [json.loads(l) for l in open(sys.argv[1])]
-tr = [r for r in recs if r.get("event") == "train" and r["step"] > 40]
-ms = statistics.median(r["step_s"] for r in tr) * 1e3
-tps = statistics.median(r["tokens_per_s"] for r in tr)
-print(f"{ms:.1f} {tps:,.0f} {tr[-1]['loss']:.4f}")
-EOF
-}
+steady() { python3 tools/metrics_summary.py "$1" --after 40 --print ms,tps,loss; }
 
 # one training run: label, ranks, extra flags; appends a table row
 train_row() {
@@ -118,8 +109,7 @@ train_row() {
         return
     fi
     read -r ms tps loss < <(steady "$m")
-    local per=$(( ${tps//,/} / np ))
-    echo "| $label | $np | $ms | $tps | $(printf "%'d" "$per") | $loss |"
+    echo "| $label | $np | $(printf "%.1f" "$ms") | $(printf "%'d" "$tps") | $(printf "%'d" $((tps / np))) | $loss |"
     echo "$log" | grep -m1 "alltoall dispatcher" | sed 's/^/    /' >&2
     rm -f "$m"
 }
@@ -183,13 +173,8 @@ long_row() {
         status=1
         return
     fi
-    read -r ms tps loss < <(python3 - "$m" "$T" <<'EOF'
-import json, statistics, sys
-tr = [r for r in map(json.loads, open(sys.argv[1])) if r.get("event") == "train"]
-ms = statistics.median(r["step_s"] for r in tr[1:]) * 1e3
-print(f"{ms:.0f} {int(sys.argv[2]) / ms * 1e3:.0f} {tr[-1]['loss']:.4f}")
-EOF
-)
+    read -r ms tps loss < <(python3 tools/metrics_summary.py "$m" --after 1 --tokens "$T")
+    ms=$(printf "%.0f" "$ms")
     local speed="" eff=""
     if [ "$np" = 1 ]; then
         ONE_GPU_TPS=$tps

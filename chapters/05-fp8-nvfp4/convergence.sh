@@ -129,16 +129,8 @@ for model in ${models//,/ }; do
             status=1
             continue
         fi
-        read -r ms train val < <(python3 - "$m" <<'EOF'
-import json, statistics, sys
-recs = [json.loads(l) for l in open(sys.argv[1])]
-tr = [r for r in recs if r.get("event") == "train"]
-ev = [r for r in recs if r.get("event") == "eval"]
-ms = statistics.median(r["step_s"] for r in tr[len(tr) // 5:]) * 1e3
-tail = tr[-10:]
-print(f"{ms:.1f} {sum(r['loss'] for r in tail) / len(tail):.4f} {ev[-1]['val_loss']:.4f}")
-EOF
-)
+        read -r ms train val < <(python3 tools/metrics_summary.py "$m" --after 20% --print ms,tail,val)
+        ms=$(printf "%.1f" "$ms")
         [ "$r" = bf16 ] && ref=$val
         vs="" verdict=""
         if [ -n "$ref" ] && [ "$r" != bf16 ]; then
