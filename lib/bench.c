@@ -57,6 +57,9 @@ static const moe_bench_shape g_shapes[] = {
     {"sweep4096", 8192, 4096, 1536, 16, 8},
     {"sweep8192", 8192, 4096, 1536, 8, 8},
     {"small", 2048, 256, 256, 16, 4},
+    /* the GPU preset's MoE layer (--preset gpu): short reductions (K = 384 and 768) and
+     * N = 384, the grouped GEMM's case in the trainer (chapter 06) */
+    {"preset", 8192, 384, 768, 8, 2},
 };
 
 const moe_bench_shape *moe_bench_shapes(int *n) {
@@ -65,7 +68,8 @@ const moe_bench_shape *moe_bench_shapes(int *n) {
 }
 
 int moe_bench_shape_wanted(const char *want, const char *name, int on_gpu) {
-    const int sweep = !strncmp(name, "sweep", 5), small = !strcmp(name, "small");
+    const int sweep = !strncmp(name, "sweep", 5);
+    const int small = !strcmp(name, "small") || !strcmp(name, "preset"); /* not a model's */
     if (!strcmp(want, "all") || !strcmp(want, name))
         return 1;
     if (!strcmp(want, "sweep"))

@@ -31,7 +31,7 @@ int moe_bench_parse_ints(const char *s, int *out, int cap);
 
 /** One MoE layer shape: tokens, hidden size, expert width, experts, top-k. */
 typedef struct moe_bench_shape {
-    const char *name; /**< qwen3, mixtral, qwen3-235b, dsv2-lite, sweepR or small */
+    const char *name; /**< qwen3, mixtral, qwen3-235b, dsv2-lite, sweepR, small or preset */
     int T;            /**< tokens */
     int H;            /**< hidden size */
     int F;            /**< expert intermediate size */
@@ -45,7 +45,8 @@ typedef struct moe_bench_shape {
  *        (T=8192, H=4096, F=1536, E=128, k=8), DeepSeek-V2-Lite (T=16384, H=2048,
  *        F=1408, E=64, k=6), the sweep "sweepR" of R = 64 .. 8192 rows per expert at
  *        H=4096, F=1536, k=8 (T=8192, E=T·k/R, at most 256 experts: T shrinks below
- *        R = 256) — and "small", a CPU-sized one (T=2048, H=256, F=256, E=16, k=4).
+ *        R = 256) — "small", a CPU-sized one (T=2048, H=256, F=256, E=16, k=4), and
+ *        "preset", the GPU preset's MoE layer (T=8192, H=384, F=768, E=8, k=2).
  * @param n receives how many
  * @return the table
  */
@@ -53,7 +54,8 @@ const moe_bench_shape *moe_bench_shapes(int *n);
 
 /**
  * @brief Whether a `--shape` choice selects @p name: "all", the name itself, "models"
- *        (the four model shapes), "sweep" (the sweep), "big" (both), or "auto" (qwen3
+ *        (the four model shapes), "sweep" (the sweep), "big" (both, not small or
+ *        preset), or "auto" (qwen3
  *        and mixtral on a GPU, small on the CPU).
  * @param want the flag's value  @param name a shape's name  @param on_gpu 1 on a GPU
  * @return 1 when selected

@@ -52,7 +52,7 @@ static const moe_flag g_flags[] = {
     OF("shape", MOE_FLAG_CHOICE, shape, "auto",
        "layer shape (auto = qwen3 and mixtral on a GPU, small on the CPU)",
        "auto|all|models|sweep|big|qwen3|mixtral|qwen3-235b|dsv2-lite|sweep64|sweep128|"
-       "sweep256|sweep512|sweep1024|sweep2048|sweep4096|sweep8192|small"),
+       "sweep256|sweep512|sweep1024|sweep2048|sweep4096|sweep8192|small|preset"),
     OF("warmup", MOE_FLAG_INT, warmup, "2", "untimed iterations first", NULL),
     OF("repeats", MOE_FLAG_INT, repeats, "7", "timed iterations (the median is reported)", NULL),
     OF("check", MOE_FLAG_BOOL, check, "1", "check against the CPU reference before timing", NULL),

@@ -39,6 +39,7 @@ SHAPES = {
     "mixtral": dict(T=8192, H=4096, F=14336, E=8, k=2),
     "qwen3-235b": dict(T=8192, H=4096, F=1536, E=128, k=8),
     "dsv2-lite": dict(T=16384, H=2048, F=1408, E=64, k=6),
+    "preset": dict(T=8192, H=384, F=768, E=8, k=2),  # the GPU preset's MoE layer
 }
 for _r in (64, 128, 256, 512, 1024, 2048, 4096, 8192):  # rows per expert, at most 256 experts
     _T = 8192 if _r >= 256 else 256 * _r // 8

@@ -72,7 +72,7 @@ static const moe_flag g_flags[] = {
     OF("shape", MOE_FLAG_CHOICE, shape, "auto",
        "layer shape (auto = qwen3 and mixtral on a GPU, small on the CPU)",
        "auto|all|models|sweep|big|qwen3|mixtral|qwen3-235b|dsv2-lite|sweep64|sweep128|"
-       "sweep256|sweep512|sweep1024|sweep2048|sweep4096|sweep8192|small|fine"),
+       "sweep256|sweep512|sweep1024|sweep2048|sweep4096|sweep8192|small|preset|fine"),
     OF("rows", MOE_FLAG_STRING, rows, "",
        "--shape fine: only these rows per expert, comma-separated (e.g. 128,130); empty = "
        "the whole sweep", NULL),
