@@ -120,6 +120,12 @@ typedef enum moe_grouped_schedule {
 void moe_cuda_grouped_sm90_set_schedule(moe_grouped_schedule s);
 moe_grouped_schedule moe_cuda_grouped_sm90_schedule(void);
 const char *moe_cuda_grouped_sm90_schedule_name(moe_grouped_schedule s);
+/* narrow tiles (process-wide, like the schedule): with them on (the default; the
+ * environment's MOE_GROUPED_NARROW=0 turns them off) a GEMM whose N columns 192 divides with
+ * less padding than 256 (N = 384: 2 x 192 instead of 256 + a half-empty 256) runs 128 x 192
+ * tiles, under the static and dynamic schedules and without the fused gather */
+void moe_cuda_grouped_sm90_set_narrow(int on);
+int moe_cuda_grouped_sm90_narrow(void);
 void moe_cuda_embedding_forward(void *out, const int *tokens, const void *table, int N, int C);
 void moe_cuda_embedding_backward(moe_real *dtable, const void *dout, const int *tokens, int N,
                                  int V, int C);

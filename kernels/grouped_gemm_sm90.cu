@@ -30,6 +30,17 @@
  *                each k-step into the next free stage of a STAGES-deep ring, arming the
  *                stage's "full" barrier with the byte count to expect.
  *
+ * Narrow tiles, 128 × 192 (the default where they apply; MOE_GROUPED_NARROW=0 turns them
+ * off): N columns in tiles of 256 waste ceil(N/256)·256 − N of them, and at N = 384 — the
+ * GPU preset's hidden size, the N of fc2's forward, fc1's dgrad and (as dw's columns) fc1's
+ * wgrad — that is a third of the MMA work: a full tile and a half-empty one. Tiles of 192
+ * columns cover 384 exactly, so the host (which knows N) picks them wherever they pad less
+ * (tile_width). Each warpgroup then issues m64n192k16 (96 accumulators a thread) on a B
+ * block of 192 rows (K-major: one TMA box of 192 rows; MN-major: three 64-column boxes);
+ * the stage keeps its layout, 8 KB of it unused. They are their own instantiation (WN),
+ * under the static and dynamic schedules only: the 64-row, sharing and gathering tiles
+ * are written for 256 columns.
+ *
  * Forward and dgrad can also use a 64 × 256 tile (an experiment, off by default: it measured
  * slower, see g_schedule), for the last <= 64 rows of a group: the two
  * warpgroups then sit side by side instead of one above the other — both read the same
@@ -170,6 +181,10 @@ enum Mode { FWD = 0, DGRAD = 1, WGRAD = 2 };
  * (docs/results/03-grouped-gemm-ii.md §3c). */
 constexpr int SBN = BN / 2;
 
+/* Columns of a narrow tile: 128 × 192, for N that 192 divides better than 256 (see
+ * tile_width). m64n192k16 per warpgroup, 96 accumulators a thread. */
+constexpr int NARROW_BN = 192;
+
 struct Params {
     const int *off; /* [G+1] group row offsets, DEVICE memory */
     int G;
@@ -228,7 +243,7 @@ __device__ __forceinline__ void mma_kstep(float *d, const uint8_t *a, const uint
 /* The tile index -> tile rule is lib/moe/tile_schedule.h, shared with the C library
  * (moe_tile_schedule_at, tested against a brute-force enumeration) and the chapter's
  * kernel ladder; this adds the wgrad raster and each tile's k-loop length. */
-template <int MODE, int SHARE> struct Scheduler {
+template <int MODE, int SHARE, int WN> struct Scheduler {
     static constexpr int BAND = 8; /* m-tiles per raster band (L2 reuse, see tile_schedule.h) */
     const int *off, *mt; /* shared: offsets [G+1], m-tile prefix [G+1] */
     int G, N, ntn, mtn, total, K, fine;
@@ -243,7 +258,7 @@ template <int MODE, int SHARE> struct Scheduler {
             moe_tile_band_place(t % per, mtn, ntn, BAND, &mi, &ni);
             ti.g = (t / per) % G;
             ti.m0 = mi * BM;
-            ti.n0 = ni * BN;
+            ti.n0 = ni * WN;
             /* split-K: chunk s of S takes k-steps [s·ck, (s+1)·ck) of the group's nkg, a
              * length read here from the device offsets (a chunk may get none) */
             const int nkg = (off[ti.g + 1] - off[ti.g] + BK - 1) / BK, ck = (nkg + S - 1) / S;
@@ -256,7 +271,7 @@ template <int MODE, int SHARE> struct Scheduler {
             return true;
         }
         moe_tile x;
-        moe_tile_at_rule(&x, t, off, mt, G, ntn, BM, BN, BAND);
+        moe_tile_at_rule(&x, t, off, mt, G, ntn, BM, WN, BAND);
         /* share192 (the SHARE kernels): a group's last 128 + (1 .. 64) rows in 192-row
          * tiles, placed in the slots of its last two m-tiles; a slot without such a tile
          * has no work (nk = 0) */
@@ -345,7 +360,7 @@ __device__ int g_claims[2];
 /* C32: the output C is fp32 (wgrad's main gradients or split-K partials); else bf16.
  * GATHER: the fused permutation (above); forward and wgrad only. map_bs: the forward's
  * weights in boxes of SBN = 128 rows (a sharing tile's; map_b's box is 256). */
-template <int MODE, int C32, int GATHER, int SHARE>
+template <int MODE, int C32, int GATHER, int SHARE, int WN>
 __global__ void __launch_bounds__(THREADS, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
@@ -353,6 +368,11 @@ __global__ void __launch_bounds__(THREADS, 1)
                         const __grid_constant__ CUtensorMap map_c, const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int TA = MODE == WGRAD, TB = MODE != FWD; /* MN-major operands */
+    /* WN: the tile's columns, BN or NARROW_BN (then no 64-row, sharing or gathering tiles:
+     * the host picks it only for the plain schedules). The stage keeps its 48 KB layout;
+     * a narrow tile's B fills 24 of its 32 KB. */
+    static_assert(WN == BN || (WN == NARROW_BN && !SHARE && !GATHER), "tile width");
+    constexpr int WB_BYTES = WN * BK * 2, WSTAGE_TX = A_BYTES + WB_BYTES;
     constexpr int RING = 4; /* tile indices the producer may publish ahead of the consumers */
 
     /* 128-byte swizzled tiles must start on a 1024-byte boundary */
@@ -385,14 +405,14 @@ __global__ void __launch_bounds__(THREADS, 1)
         moe_tile_prefix_rule(s_mt, s_off, p.G, BM);
     __syncthreads();
 
-    Scheduler<MODE, SHARE> sch;
+    Scheduler<MODE, SHARE, WN> sch;
     sch.off = s_off;
     sch.mt = s_mt;
     sch.G = p.G;
     sch.K = p.K;
     sch.fine = p.fine;
     sch.N = p.N;
-    sch.ntn = (p.N + BN - 1) / BN;
+    sch.ntn = (p.N + WN - 1) / WN;
     sch.mtn = (p.M + BM - 1) / BM;
     sch.S = p.split > 1 ? p.split : 1;
     sch.total = MODE == WGRAD ? sch.S * p.G * sch.mtn * sch.ntn : s_mt[p.G] * sch.ntn;
@@ -472,14 +492,14 @@ __global__ void __launch_bounds__(THREADS, 1)
                     const int a2 = MODE == WGRAD || ti.r1 - ti.m0 > BM / 2;
                     if (lane == 0) {
                         /* the bytes TMA brings: with GATHER only the other operand's */
-                        mbar_expect_tx(&full[s], GATHER ? (MODE == WGRAD ? A_BYTES : B_BYTES)
-                                                 : a2   ? STAGE_BYTES
-                                                        : STAGE_BYTES - A_BYTES / 2);
+                        mbar_expect_tx(&full[s], GATHER ? (MODE == WGRAD ? A_BYTES : WB_BYTES)
+                                                 : a2   ? WSTAGE_TX
+                                                        : WSTAGE_TX - A_BYTES / 2);
                         if (MODE == WGRAD) { /* both MN-major: 64×64 boxes along M and N */
                             for (int i = 0; i < BM / 64; i++)
                                 tma_load_2d(a + i * 8192, &map_a, &full[s], ti.m0 + 64 * i,
                                             ti.r0 + k0);
-                            for (int i = 0; !GATHER && i < BN / 64; i++)
+                            for (int i = 0; !GATHER && i < WN / 64; i++)
                                 tma_load_2d(b + i * 8192, &map_b, &full[s], ti.n0 + 64 * i,
                                             ti.r0 + k0);
                         } else { /* A: K-major boxes of 64 rows × 64 k, the second 8 KB on */
@@ -489,10 +509,10 @@ __global__ void __launch_bounds__(THREADS, 1)
                                     tma_load_2d(a + A_BYTES / 2, &map_a, &full[s], k0,
                                                 ti.m0 + BM / 2);
                             }
-                            if (MODE == FWD)
+                            if (MODE == FWD) /* one box of WN weight rows */
                                 tma_load_3d(b, &map_b, &full[s], k0, ti.n0, ti.g);
                             else
-                                for (int i = 0; i < BN / 64; i++)
+                                for (int i = 0; i < WN / 64; i++)
                                     tma_load_3d(b + i * 8192, &map_b, &full[s], ti.n0 + 64 * i,
                                                 k0, ti.g);
                         }
@@ -529,7 +549,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     /* accumulators: 64 × 256 (128 per thread); a sharing tile's 64 × SBN and 64 × SBN / 2
      * (96) fit in them. (More than 128 do not fit: each of 288 threads gets at most 168
      * registers, three warps of 32 sharing an SM sub-partition's 16K.) */
-    constexpr int ND = BN / 2;
+    constexpr int ND = WN / 2;
     float d[ND];
     for (int j = 0, t = blockIdx.x;; j++, t += gridDim.x) {
         if (p.dyn) { /* the producer's claim; static: b, b + gridDim, ... as it walks them */
@@ -598,8 +618,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                 mbar_arrive(&empty[(it - 1) % STAGES]);
         };
         using Z = std::integral_constant<int, 0>;
-        if constexpr (MODE == WGRAD) {
-            mainloop(std::integral_constant<int, BN>(), Z());
+        if constexpr (MODE == WGRAD || WN != BN) {
+            mainloop(std::integral_constant<int, WN>(), Z());
         } else if constexpr (SHARE) {
             if (share) /* d[0 .. SBN/2): 64 rows × SBN; then the tail's 64 × SBN / 2 */
                 mainloop(std::integral_constant<int, SBN>(), std::integral_constant<int, SBN / 2>());
@@ -624,11 +644,11 @@ __global__ void __launch_bounds__(THREADS, 1)
          * buffer known to hold zeros, a bf16 wgrad and the split-K partials store. */
         const int m_wg = ti.m0 + (half ? 0 : c * 64);        /* our block's first row, */
         const int n_wg = ti.n0 + (half ? c * (BN / 2) : 0);  /* first column */
-        const int ncols = half || share ? BN / 2 : BN; /* and width */
+        const int ncols = half || share ? BN / 2 : WN; /* and width */
         if (MODE == WGRAD || m_wg + 64 <= ti.r1) {
             /* our 64 × 256 block leaves through the staging buffer in pieces of C_BYTES
              * (bf16: 2 × 128 columns; fp32: 4 × 64), each two TMA boxes [64 rows][128 bytes] */
-            epilogue_staged<C32, BN, C_BYTES>(d, cs, c, tid, ncols, [&](const uint8_t *src,
+            epilogue_staged<C32, WN, C_BYTES>(d, cs, c, tid, ncols, [&](const uint8_t *src,
                                                                         int col) {
                 const int n = n_wg + col;
                 if (n >= p.N)
@@ -647,7 +667,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             /* the group ends inside our 64 rows: the rows after it belong to the next
              * group, which a TMA box cannot skip — write directly, masked (bf16: forward
              * and dgrad) */
-            epilogue_masked<0, BN>(d, p.C, p.N, m_wg, n_wg, ncols, ti.r1, tid, p.accumulate);
+            epilogue_masked<0, WN>(d, p.C, p.N, m_wg, n_wg, ncols, ti.r1, tid, p.accumulate);
         }
         if constexpr (SHARE) {
             if (share) /* the tail rows (1 .. 64 of them): masked, from d[SBN / 2 ..] */
@@ -664,12 +684,12 @@ __global__ void __launch_bounds__(THREADS, 1)
 
 /* ---------------------------------------------------------------- host side */
 
-template <int MODE, int C32, int GATHER, int SHARE>
+template <int MODE, int C32, int GATHER, int SHARE, int WN = BN>
 void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mbs,
                    const CUtensorMap &mc, const Params &p, int max_tiles) {
     static bool configured = false;
     if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<MODE, C32, GATHER, SHARE>,
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<MODE, C32, GATHER, SHARE, WN>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             SMEM_BYTES));
         configured = true;
@@ -677,7 +697,7 @@ void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorM
     const int grid = max_tiles < moe_sm90_num_sms() ? max_tiles : moe_sm90_num_sms();
     if (grid <= 0)
         return;
-    grouped_gemm_kernel<MODE, C32, GATHER, SHARE>
+    grouped_gemm_kernel<MODE, C32, GATHER, SHARE, WN>
         <<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mbs, mc, p);
     MOE_CUDA_LAUNCH_CHECK();
 }
@@ -687,12 +707,15 @@ void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorM
  * instantiation, so the other schedules' kernels compile exactly as without it). A
  * gathering forward keeps 128-row tiles under share192 (the kernel's Scheduler ignores
  * fine == 2 without SHARE): with both, ptxas serialised its wgmma for want of registers.
- * mbs: the forward's weights in boxes of a sharing tile's 128 rows, else unused (pass mb) */
+ * mbs: the forward's weights in boxes of a sharing tile's 128 rows, else unused (pass mb).
+ * wn: the tile width, from tile_width() (NARROW_BN only where it allows it). */
 template <int MODE, int C32 = MODE == WGRAD>
 void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mbs,
-            const CUtensorMap &mc, const Params &p, int max_tiles) {
+            const CUtensorMap &mc, const Params &p, int max_tiles, int wn) {
     constexpr int CAN_SHARE = MODE != WGRAD;
-    if (CAN_SHARE && p.fine == 2 && !p.gmap) {
+    if (wn == NARROW_BN) {
+        launch_kernel<MODE, C32, 0, 0, NARROW_BN>(ma, mb, mbs, mc, p, max_tiles);
+    } else if (CAN_SHARE && p.fine == 2 && !p.gmap) {
         launch_kernel<MODE, C32, 0, CAN_SHARE>(ma, mb, mbs, mc, p, max_tiles);
     } else if (MODE != DGRAD && p.gmap) {
         launch_kernel<MODE, C32, MODE != DGRAD, 0>(ma, mb, mbs, mc, p, max_tiles);
@@ -776,6 +799,32 @@ int schedule(void) {
     return g_schedule;
 }
 
+/* Narrow tiles (Params-independent, a host choice like the schedule): -1 until first used,
+ * then MOE_GROUPED_NARROW (0 turns them off), else on. */
+int g_narrow = -1;
+
+int narrow_enabled(void) {
+    if (g_narrow < 0) {
+        const char *e = getenv("MOE_GROUPED_NARROW");
+        g_narrow = !(e && !strcmp(e, "0"));
+    }
+    return g_narrow;
+}
+
+/* The tile width for N output columns: BN = 256, or NARROW_BN = 192 where that pads fewer
+ * columns. N = 384 (the GPU preset's hidden size) in 256-column tiles is a full tile and a
+ * half-empty one: a third of the MMA work computes zeros. In 192-column tiles it is two
+ * full ones. Each narrow tile still loads its A block whole, so where both widths pad
+ * alike (N = 768: 3 × 256 or 4 × 192) the wider one wins. N is host-known, so the choice
+ * costs no sync. Only for the plain schedules (fine == 0) and non-gathering kernels: the
+ * 64-row, sharing and gathering tiles are written for 256 columns. */
+int tile_width(int N, int fine, int gather) {
+    if (!narrow_enabled() || fine != 0 || gather)
+        return BN;
+    const int pad_n = (N + NARROW_BN - 1) / NARROW_BN * NARROW_BN, pad_b = (N + BN - 1) / BN * BN;
+    return pad_n < pad_b ? NARROW_BN : BN;
+}
+
 void check_shapes(int G, int I, int O) {
     if (G > MAX_G || I % MOE_GROUPED_DEV_ALIGN || O % MOE_GROUPED_DEV_ALIGN) {
         fprintf(stderr, "moe.c: the sm_90a grouped GEMM needs at most %d groups and feature sizes "
@@ -821,6 +870,10 @@ extern "C" void moe_cuda_grouped_sm90_set_schedule(moe_grouped_schedule s) {
     MOE_ASSERT(s >= MOE_GROUPED_SCHED_STATIC && s < N_SCHEDULES);
     g_schedule = (int)s;
 }
+
+extern "C" void moe_cuda_grouped_sm90_set_narrow(int on) { g_narrow = on != 0; }
+
+extern "C" int moe_cuda_grouped_sm90_narrow(void) { return narrow_enabled(); }
 
 extern "C" moe_grouped_schedule moe_cuda_grouped_sm90_schedule(void) {
     return (moe_grouped_schedule)schedule();
@@ -873,16 +926,17 @@ static void sm90_forward(void *out, const Input &in, const void *w, const int *d
     const uint64_t da[2] = {(uint64_t)I, (uint64_t)rows};
     const uint64_t db[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
     const uint64_t dc[2] = {(uint64_t)O, (uint64_t)rows};
-    const uint32_t ba[2] = {BK, BM / 2}, bb[3] = {BK, BN, 1}, bbs[3] = {BK, SBN, 1},
-                   bc[2] = {64, 64};
     Params p = {dev_off, G, 0, O, I, out, 0, 1, sched_fine(schedule()), sched_dyn(schedule()),
                 NULL, NULL, 0, 0};
     set_gather(p, in, I);
+    const int wn = tile_width(O, p.fine, in.map != NULL);
+    const uint32_t ba[2] = {BK, BM / 2}, bb[3] = {BK, (uint32_t)wn, 1}, bbs[3] = {BK, SBN, 1},
+                   bc[2] = {64, 64};
     const CUtensorMap mb = moe_tma_map(w, 3, db, bb);
     const CUtensorMap mbs = p.fine == 2 ? moe_tma_map(w, 3, db, bbs) : mb;
     /* a gathered A has no tensor map (the kernel does not read map_a then) */
     launch<FWD>(in.map ? mb : moe_tma_map(in.x, 2, da, ba), mb, mbs, moe_tma_map(out, 2, dc, bc),
-                p, ((rows + BM - 1) / BM + G) * ((O + BN - 1) / BN));
+                p, ((rows + BM - 1) / BM + G) * ((O + wn - 1) / wn), wn);
 }
 
 extern "C" void moe_cuda_grouped_sm90_forward(void *out, const void *in, const void *w,
@@ -899,7 +953,8 @@ extern "C" void moe_cuda_grouped_sm90_forward_gather(void *out, const void *x, c
 extern "C" int moe_cuda_grouped_sm90_wgrad_split(int G, int rows, int I, int O) {
     if (G <= 0 || rows <= 0 || !moe_cuda_grouped_sm90_available())
         return 1;
-    const int tiles = G * ((O + BM - 1) / BM) * ((I + BN - 1) / BN);
+    const int wn = tile_width(I, 0, 0); /* (a gathering wgrad uses BN: S is only a choice) */
+    const int tiles = G * ((O + BM - 1) / BM) * ((I + wn - 1) / wn);
     int S = moe_sm90_num_sms() / tiles; /* whole waves of chunks, no tail wave */
     const int k_avg = rows / (G * BK);           /* a group's k-steps, on average */
     S = S < k_avg / MIN_CHUNK_KSTEPS ? S : k_avg / MIN_CHUNK_KSTEPS;
@@ -948,8 +1003,9 @@ static void sm90_backward(void *din, void *dw, const void *dout, const Input &in
         const Params p = {dev_off, G, 0, I, O, din, din_accumulate, 1, sched_fine(schedule()),
                           sched_dyn(schedule()), NULL, NULL, 0, 0};
         const CUtensorMap mb = moe_tma_map(w, 3, db, bb);
+        const int wn = tile_width(I, p.fine, 0);
         launch<DGRAD>(moe_tma_map(dout, 2, da, ba), mb, mb, moe_tma_map(din, 2, dc, bc), p,
-                      ((rows + BM - 1) / BM + G) * ((I + BN - 1) / BN));
+                      ((rows + BM - 1) / BM + G) * ((I + wn - 1) / wn), wn);
     }
     if (dw) { /* dw_g[O,I] (+)= dout_gᵀ · in_g: A = dout, B = in (both MN-major; a gathered
                * B is copied by index, each of its k-rows one token row) */
@@ -958,24 +1014,25 @@ static void sm90_backward(void *din, void *dw, const void *dout, const Input &in
         const uint64_t db[2] = {(uint64_t)I, (uint64_t)rows};
         const uint64_t dc[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G * S};
         const uint32_t box[2] = {64, BK}, bc32[3] = {32, 64, 1}, bc16[3] = {64, 64, 1};
-        const int tiles = S * G * ((O + BM - 1) / BM) * ((I + BN - 1) / BN);
+        const int wn = tile_width(I, 0, in.map != NULL);
+        const int tiles = S * G * ((O + BM - 1) / BM) * ((I + wn - 1) / wn);
         const CUtensorMap ma = moe_tma_map(dout, 2, da, box);
         const CUtensorMap mb = in.map ? ma : moe_tma_map(in.x, 2, db, box);
         if (S > 1) { /* every chunk STORES its partial [S][G][O][I]; one ordered sum after */
             float *part = (float *)moe_cuda_scratch(MOE_SCRATCH_WGRAD_SPLIT, S * nw * sizeof(float));
             Params p = {dev_off, G, O, I, 0, NULL, 0, S, 0, 0, NULL, NULL, 0, 0};
             set_gather(p, in, I);
-            launch<WGRAD>(ma, mb, mb, moe_tma_map(part, 3, dc, bc32, 1), p, tiles);
+            launch<WGRAD>(ma, mb, mb, moe_tma_map(part, 3, dc, bc32, 1), p, tiles, wn);
             wgrad_reduce(dw, part, nw, S, dw_mode);
         } else if (dw_mode == MOE_DW_ACT) { /* bf16, stored */
             Params p = {dev_off, G, O, I, 0, NULL, 0, 1, 0, 0, NULL, NULL, 0, 0};
             set_gather(p, in, I);
-            launch<WGRAD, 0>(ma, mb, mb, moe_tma_map(dw, 3, dc, bc16), p, tiles);
+            launch<WGRAD, 0>(ma, mb, mb, moe_tma_map(dw, 3, dc, bc16), p, tiles, wn);
         } else { /* fp32: reduce-added, or stored into a buffer whose contents do not count */
             Params p = {dev_off, G, O, I, 0, NULL, dw_mode == MOE_DW_ACCUMULATE, 1, 0, 0,
                         NULL, NULL, 0, 0};
             set_gather(p, in, I);
-            launch<WGRAD>(ma, mb, mb, moe_tma_map(dw, 3, dc, bc32, 1), p, tiles);
+            launch<WGRAD>(ma, mb, mb, moe_tma_map(dw, 3, dc, bc32, 1), p, tiles, wn);
         }
     }
 }

@@ -58,8 +58,8 @@ static __device__ __forceinline__ void epilogue_publish(int c) {
 }
 
 /**
- * Warpgroup @p c's block of 64 rows × @p ncols (≤ NW) accumulators @p d → its staging buffer
- * @p cs (C_BYTES) → TMA. C32: fp32 output, else bf16. @p issue(src, col) is called by one
+ * Warpgroup @p c's block of 64 rows × @p ncols (≤ NW, a multiple of 64) accumulators @p d
+ * → its staging buffer @p cs (C_BYTES) → TMA. C32: fp32 output, else bf16. @p issue(src, col) is called by one
  * thread for each TMA box [64 rows][128 bytes] at @p src whose first column is @p col (from
  * the block's first): it issues the box's store or reduce-add and returns 1, or returns 0 to
  * skip this box and the rest of the piece (a column past the tensor).
@@ -70,7 +70,9 @@ static __device__ __forceinline__ void epilogue_staged(const float *d, uint8_t *
     constexpr int ES = C32 ? 4 : 2;                 /* bytes per output element */
     constexpr int PIECE_COLS = C_BYTES / (64 * ES); /* columns per piece */
     constexpr int BOX_COLS = 128 / ES;              /* 64 or 32 */
-    constexpr int PIECES = NW / PIECE_COLS;
+    /* NW need not be a multiple of a piece (a 192-column tile, bf16: one piece of 128
+     * columns and one of 64) */
+    constexpr int PIECES = (NW + PIECE_COLS - 1) / PIECE_COLS;
     const int warp = tid / 32, lane = tid % 32, r_lo = warp * 16 + lane / 4;
 #pragma unroll
     for (int q = 0; q < PIECES; q++) {
@@ -80,6 +82,8 @@ static __device__ __forceinline__ void epilogue_staged(const float *d, uint8_t *
 #pragma unroll
         for (int jj = 0; jj < PIECE_COLS / 8; jj++) {
             const int j = q * (PIECE_COLS / 8) + jj; /* the accumulators' 8-column block */
+            if (j >= NW / 8) /* (known at compile time once unrolled) */
+                break;
             const int col = 8 * jj + 2 * (lane % 4);
             const int box = col / BOX_COLS, cc = col % BOX_COLS;
             const int chunk = cc * ES / 16, within = (cc * ES) % 16;
@@ -96,9 +100,11 @@ static __device__ __forceinline__ void epilogue_staged(const float *d, uint8_t *
         }
         epilogue_publish(c);
         if (tid == 0) {
-            for (int box = 0; box < PIECE_COLS / BOX_COLS; box++)
-                if (!issue(cs + box * 8192, q * PIECE_COLS + box * BOX_COLS))
-                    break;
+            for (int box = 0; box < PIECE_COLS / BOX_COLS; box++) {
+                const int col = q * PIECE_COLS + box * BOX_COLS;
+                if (col >= ncols || !issue(cs + box * 8192, col))
+                    break; /* past the block (its staging holds stale data there) */
+            }
             bulk_commit();
         }
     }

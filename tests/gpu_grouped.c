@@ -7,7 +7,8 @@
  * Our kernel runs under each of its six forward/dgrad tile schedules (moe_grouped_schedule:
  * 128-row tiles only, 64-row tiles for a group's last <= 64 rows, or 192-row tiles that
  * compute those rows with the 128 before them (share192), each taken statically or
- * claimed from the device counter), on group sizes around every tile boundary. Inputs are rounded to bf16 for both sides (write_act, then read_act back
+ * claimed from the device counter), on group sizes around every tile boundary, and with
+ * its 192-column tiles on and off. Inputs are rounded to bf16 for both sides (write_act, then read_act back
  * for the CPU); outputs are poisoned first and the accumulating outputs start from random
  * values. Errors are taken group by group (the worst group counts), so that one wrong
  * small group cannot hide in a large tensor's norm.
@@ -227,6 +228,31 @@ START_TEST(test_gpu_grouped_fine_tiles) {
 }
 END_TEST
 
+/* Narrow tiles (128 × 192, where 192 divides N with less padding than 256; on by default):
+ * the shapes where they apply, under both plain schedules (the 64-row and sharing tiles
+ * keep 256 columns), with them on and then off, each against the loop: N = 384 (the GPU
+ * preset's hidden size: fc2's forward, fc1's dgrad, and a wgrad whose dw has 384
+ * columns), N = 576 (three narrow tiles) and N = 200 (one, with ragged columns), K ending
+ * inside a k-step, on the edge group sizes and on 256 groups. */
+START_TEST(test_gpu_grouped_narrow_tiles) {
+    const int def = moe_cuda_grouped_sm90_narrow();
+    int many[256];
+    for (int i = 0; i < 256; i++)
+        many[i] = i % 32 >= 28 ? i % 2 : g_edges[i % N_EDGES] + (i / N_EDGES) % 3;
+    for (int on = 1; on >= 0; on--) {
+        moe_cuda_grouped_sm90_set_narrow(on);
+        printf("  (narrow tiles %s)\n", on ? "on" : "off");
+        for (int s = MOE_GROUPED_SCHED_STATIC; s <= MOE_GROUPED_SCHED_DYNAMIC; s += 2) {
+            check_grouped(g_edges, N_EDGES, 384, 576, s);
+            check_grouped(g_edges, N_EDGES, 576, 384, s);
+        }
+        check_grouped(many, 256, 200, 384, MOE_GROUPED_SCHED_STATIC);
+        check_grouped(many, 256, 384, 200, MOE_GROUPED_SCHED_STATIC);
+    }
+    moe_cuda_grouped_sm90_set_narrow(def);
+}
+END_TEST
+
 /* The fused permutation: the grouped GEMM whose input row r is token map[r] / k (the
  * permutation's perm_src, here a random one over T·k assignments, some unused) equals
  * permute + GEMM on the GPU (the same kernel on the permuted copy: equal up to the sign of
@@ -382,6 +408,7 @@ Suite *suite_gpu_grouped(void) {
     tcase_add_test(tc, test_gpu_grouped_matmul);
     tcase_add_test(tc, test_gpu_grouped_wgrad_modes);
     tcase_add_test(tc, test_gpu_grouped_fine_tiles);
+    tcase_add_test(tc, test_gpu_grouped_narrow_tiles);
     tcase_add_test(tc, test_gpu_grouped_gather);
     tcase_add_test(tc, test_gpu_grouped_model_equals_loop);
     suite_add_tcase(s, tc);
