@@ -51,14 +51,20 @@ static void poison_dev(void *p, size_t bytes) {
     free(h);
 }
 
-/* Random bf16 activation tensor: returns the device buffer; *host gets the rounded values. */
-static void *rand_act(size_t n, uint64_t stream, double scale, moe_real **host) {
+/* n random bf16 values written to the device buffer @p d; returns the host copy, rounded:
+ * exactly what the GPU holds. */
+static moe_real *upload_act(void *d, size_t n, uint64_t stream, double scale) {
     moe_real *h = hmalloc(n);
     moe_test_randn(h, n, stream, scale);
-    void *d = dmalloc(n * 2);
     moe_cuda_write_act(d, h, n);
-    moe_cuda_read_act(h, d, n); /* now exactly what the GPU holds */
-    *host = h;
+    moe_cuda_read_act(h, d, n);
+    return h;
+}
+
+/* Random bf16 activation tensor: returns the device buffer; *host gets the rounded values. */
+static void *rand_act(size_t n, uint64_t stream, double scale, moe_real **host) {
+    void *d = dmalloc(n * 2);
+    *host = upload_act(d, n, stream, scale);
     return d;
 }
 
@@ -333,60 +339,145 @@ END_TEST
 
 /* ----------------------------------------------------------------- rmsnorm */
 
-static void check_rmsnorm(int N, int C) {
+/* What one check_rmsnorm() run produced on the GPU (host copies), for bit comparisons. */
+typedef struct rms_run {
+    moe_real *out, *rstd, *dx, *dw;
+} rms_run;
+
+/* A bf16 activation buffer of n elements starting @p shift (0 or 1) elements into an
+ * allocation of n + 2, the rest poisoned: shift = 1 misaligns it by 2 bytes, which sends
+ * the norm kernels to their element-by-element path; the poisoned guards catch writes
+ * outside the tensor (rms_guards_intact()). *base gets the allocation to free. */
+static void *rms_buffer(size_t n, int shift, void **base) {
+    *base = dmalloc((n + 2) * 2);
+    poison_dev(*base, (n + 2) * 2);
+    return (char *)*base + 2 * shift;
+}
+
+/* The guard elements of rms_buffer() still hold the poison (0xFFFF). */
+static void rms_guards_intact(const char *what, void *base, size_t n, int shift) {
+    uint16_t *h = malloc((n + 2) * 2);
+    ck_assert_ptr_nonnull(h);
+    moe_cuda_to_host(h, base, (n + 2) * 2);
+    for (size_t i = 0; i < n + 2; i++)
+        if (i < (size_t)shift || i >= n + (size_t)shift)
+            ck_assert_msg(h[i] == 0xFFFFu, "%s: element %td outside the tensor was written",
+                          what, (ptrdiff_t)i - shift);
+    free(h);
+}
+
+/*
+ * moe_cuda_rmsnorm_{forward,backward} on N rows of C against the CPU twin. The activations
+ * (x, dy, y, dx) start @p shift elements into their allocations (rms_buffer). Forward
+ * outputs are poisoned first; dx and dw ACCUMULATE, so they start from random values. The
+ * dx-only (dw NULL) and dw-only (dx NULL) calls must give the same bits as the call that
+ * computes both. Returns the GPU's results in @p run (the caller frees them) when given.
+ */
+static void check_rmsnorm_at(int N, int C, int shift, rms_run *run) {
     char name[96];
     const double eps = 1e-6;
-    moe_real *x, *w, *dout, *dx0, *dw0;
-    void *d_x = rand_act((size_t)N * C, 30, 2.0, &x);
+    const size_t n = (size_t)N * C;
+    void *b_x, *b_dout, *b_out, *b_dx;
+    void *d_x = rms_buffer(n, shift, &b_x), *d_dout = rms_buffer(n, shift, &b_dout);
+    void *d_out = rms_buffer(n, shift, &b_out), *d_dx = rms_buffer(n, shift, &b_dx);
+    moe_real *x = upload_act(d_x, n, 30, 2.0), *dout = upload_act(d_dout, n, 32, 1.0);
+    moe_real *w;
     void *d_w = rand_act((size_t)C, 31, 0.5, &w);
-    void *d_dout = rand_act((size_t)N * C, 32, 1.0, &dout);
 
-    void *d_out = dmalloc((size_t)N * C * 2);
     moe_real *d_rstd = dmalloc((size_t)N * sizeof(moe_real));
-    poison_dev(d_out, (size_t)N * C * 2);
     poison_dev(d_rstd, (size_t)N * sizeof(moe_real));
     moe_cuda_rmsnorm_forward(d_out, d_rstd, d_x, d_w, N, C, eps);
-    moe_real *out = read_act(d_out, (size_t)N * C), *rstd = read_real(d_rstd, (size_t)N);
-    moe_real *ref = hmalloc((size_t)N * C), *rstd_ref = hmalloc((size_t)N);
+    moe_real *out = read_act(d_out, n), *rstd = read_real(d_rstd, (size_t)N);
+    moe_real *ref = hmalloc(n), *rstd_ref = hmalloc((size_t)N);
     moe_cpu_rmsnorm_forward(ref, rstd_ref, x, w, N, C, eps);
-    snprintf(name, sizeof name, "rmsnorm fwd N=%d C=%d", N, C);
-    expect_close(name, out, ref, (size_t)N * C, 1e-2);
+    snprintf(name, sizeof name, "rmsnorm fwd N=%d C=%d%s", N, C, shift ? " unaligned" : "");
+    expect_close(name, out, ref, n, 1e-2);
     snprintf(name, sizeof name, "rmsnorm rstd (fp32) N=%d C=%d", N, C);
     expect_close(name, rstd, rstd_ref, (size_t)N, 1e-5);
 
     /* backward from the same saved rstd on both sides (the CPU's) */
     moe_cuda_from_host(d_rstd, rstd_ref, (size_t)N * sizeof(moe_real));
-    void *d_dx = rand_act((size_t)N * C, 33, 0.3, &dx0);
+    moe_real *dx0 = upload_act(d_dx, n, 33, 0.3), *dw0;
     moe_real *d_dw = rand_real((size_t)C, 34, sqrt((double)N), &dw0);
+    moe_real *dx_init = hmalloc(n), *dw_init = hmalloc((size_t)C);
+    memcpy(dx_init, dx0, n * sizeof(moe_real));
+    memcpy(dw_init, dw0, (size_t)C * sizeof(moe_real));
     moe_cuda_rmsnorm_backward(d_dx, d_dw, d_dout, d_x, d_w, d_rstd, N, C);
-    moe_real *dx = read_act(d_dx, (size_t)N * C), *dw = read_real(d_dw, (size_t)C);
+    moe_real *dx = read_act(d_dx, n), *dw = read_real(d_dw, (size_t)C);
     moe_cpu_rmsnorm_backward(dx0, dw0, dout, x, w, rstd_ref, N, C);
     snprintf(name, sizeof name, "rmsnorm dx N=%d C=%d", N, C);
-    expect_close(name, dx, dx0, (size_t)N * C, 1e-2);
+    expect_close(name, dx, dx0, n, 1e-2);
+    /* 1e-4, not 1e-5: the CPU twin adds the N rows one by one in fp32 (its own error grows
+     * like √N), the GPU in chunks */
     snprintf(name, sizeof name, "rmsnorm dw (fp32) N=%d C=%d", N, C);
     expect_close(name, dw, dw0, (size_t)C, 1e-4);
 
-    /* determinism: the same call from the same state gives the same bits */
-    moe_cuda_from_host(d_dw, dw, (size_t)C * sizeof(moe_real));
+    /* dx alone and dw alone: the same bits as together (and so run to run) */
+    moe_cuda_write_act(d_dx, dx_init, n); /* exact: the values are bf16 already */
+    moe_cuda_rmsnorm_backward(d_dx, NULL, d_dout, d_x, d_w, d_rstd, N, C);
+    moe_real *dx_only = read_act(d_dx, n);
+    ck_assert_msg(!memcmp(dx_only, dx, n * sizeof(moe_real)), "rmsnorm dx alone N=%d C=%d", N,
+                  C);
+    moe_cuda_from_host(d_dw, dw_init, (size_t)C * sizeof(moe_real));
     moe_cuda_rmsnorm_backward(NULL, d_dw, d_dout, d_x, d_w, d_rstd, N, C);
-    moe_real *dw_a = read_real(d_dw, (size_t)C);
-    moe_cuda_from_host(d_dw, dw, (size_t)C * sizeof(moe_real));
-    moe_cuda_rmsnorm_backward(NULL, d_dw, d_dout, d_x, d_w, d_rstd, N, C);
-    moe_real *dw_b = read_real(d_dw, (size_t)C);
-    ck_assert_int_eq(memcmp(dw_a, dw_b, (size_t)C * sizeof(moe_real)), 0);
+    moe_real *dw_only = read_real(d_dw, (size_t)C);
+    ck_assert_msg(!memcmp(dw_only, dw, (size_t)C * sizeof(moe_real)), "rmsnorm dw alone N=%d C=%d",
+                  N, C);
 
-    moe_cuda_free(d_x), moe_cuda_free(d_w), moe_cuda_free(d_dout), moe_cuda_free(d_out);
-    moe_cuda_free(d_rstd), moe_cuda_free(d_dx), moe_cuda_free(d_dw);
-    free(x), free(w), free(dout), free(dx0), free(dw0), free(out), free(rstd), free(ref);
-    free(rstd_ref), free(dx), free(dw), free(dw_a), free(dw_b);
+    rms_guards_intact("rmsnorm x", b_x, n, shift);
+    rms_guards_intact("rmsnorm dy", b_dout, n, shift);
+    rms_guards_intact("rmsnorm y", b_out, n, shift);
+    rms_guards_intact("rmsnorm dx", b_dx, n, shift);
+    if (run)
+        *run = (rms_run){out, rstd, dx, dw};
+    else
+        free(out), free(rstd), free(dx), free(dw);
+    moe_cuda_free(b_x), moe_cuda_free(d_w), moe_cuda_free(b_dout), moe_cuda_free(b_out);
+    moe_cuda_free(d_rstd), moe_cuda_free(b_dx), moe_cuda_free(d_dw);
+    free(x), free(w), free(dout), free(dx0), free(dw0), free(ref), free(rstd_ref);
+    free(dx_init), free(dw_init), free(dx_only), free(dw_only);
 }
 
+/* Every path of kernels/rmsnorm.cu: C = 1..8, the boundaries of the register-held rows
+ * (C = 256, 512, 1024 and one past), odd and ragged C, large C (the strided loop, with and
+ * without the fused dw), and N that is not a multiple of the rows a block handles. */
 START_TEST(test_gpu_rmsnorm) {
-    check_rmsnorm(37, 130);
-    check_rmsnorm(300, 65);
-    check_rmsnorm(1, 1000);
-    if (!moe_test_quick())
-        check_rmsnorm(4096, 512);
+    static const int shapes[][2] = {
+        {37, 130}, {300, 65}, {1, 1000}, {19, 1},   {19, 2},   {19, 3},   {19, 4},
+        {19, 5},   {19, 6},   {19, 7},   {17, 8},   {33, 256}, {33, 257}, {45, 383},
+        {45, 384}, {21, 512}, {21, 520}, {13, 1024}, {13, 1025}, {9, 1032}, {5, 4096},
+        {3, 8200}, {3, 8193},
+    };
+    for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
+        check_rmsnorm_at(shapes[i][0], shapes[i][1], 0, NULL);
+    if (!moe_test_quick()) { /* the GPU preset's norm, and larger configurations */
+        check_rmsnorm_at(8192, 384, 0, NULL);
+        check_rmsnorm_at(4096, 512, 0, NULL);
+        check_rmsnorm_at(1000, 4096, 0, NULL);
+        check_rmsnorm_at(100, 8200, 0, NULL);
+    }
+}
+END_TEST
+
+/* Misaligned by one element, the kernels read and write element by element: the results
+ * must still match the CPU and be the same bits as the aligned 16-byte path's (the sums
+ * add the same numbers in the same order). */
+START_TEST(test_gpu_rmsnorm_unaligned) {
+    static const int shapes[][2] = {{45, 384}, {13, 1024}, {5, 4096}, {8192, 384}};
+    const size_t count = sizeof shapes / sizeof *shapes - (moe_test_quick() ? 1 : 0);
+    for (size_t i = 0; i < count; i++) {
+        const int N = shapes[i][0], C = shapes[i][1];
+        const size_t n = (size_t)N * C;
+        rms_run a, u;
+        check_rmsnorm_at(N, C, 0, &a);
+        check_rmsnorm_at(N, C, 1, &u);
+        ck_assert_msg(!memcmp(a.out, u.out, n * sizeof(moe_real)), "y differs C=%d", C);
+        ck_assert_msg(!memcmp(a.rstd, u.rstd, N * sizeof(moe_real)), "rstd differs C=%d", C);
+        ck_assert_msg(!memcmp(a.dx, u.dx, n * sizeof(moe_real)), "dx differs C=%d", C);
+        ck_assert_msg(!memcmp(a.dw, u.dw, C * sizeof(moe_real)), "dw differs C=%d", C);
+        free(a.out), free(a.rstd), free(a.dx), free(a.dw);
+        free(u.out), free(u.rstd), free(u.dx), free(u.dw);
+    }
 }
 END_TEST
 
@@ -782,6 +873,7 @@ Suite *suite_gpu_dense(void) {
     tcase_add_test(tc, test_gpu_matmul);
     tcase_add_test(tc, test_gpu_embedding);
     tcase_add_test(tc, test_gpu_rmsnorm);
+    tcase_add_test(tc, test_gpu_rmsnorm_unaligned);
     tcase_add_test(tc, test_gpu_rope);
     tcase_add_test(tc, test_gpu_swiglu);
     tcase_add_test(tc, test_gpu_cross_entropy);
