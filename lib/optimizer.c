@@ -11,9 +11,9 @@ moe_status moe_adamw_init(moe_adamw *opt, const moe_backend *be, const moe_param
 }
 
 /* The run list of the pieces (optimizer.h), into @p run [pt->n · n_pieces at most]: each
- * tensor's part of each piece; a run [ra, rb) of the flat buffer grows while the next
- * tensor starts where it ends with the same decay, and never crosses a piece (its moments
- * would not be contiguous). Returns how many runs; fills in every run's first chunk. */
+ * tensor's part of each piece; a run grows while the next tensor starts where it ends with
+ * the same decay, and never crosses into the next piece (whose moments start elsewhere).
+ * Returns how many runs, and the chunks of them all in @p chunks. */
 static int build_runs(const moe_adamw *opt, const moe_param_table *pt, moe_adamw_run *run,
                       size_t *chunks) {
     int n = 0;

@@ -103,8 +103,8 @@ moe_status moe_adamw_init(moe_adamw *opt, const moe_backend *be, const moe_param
  * @return ::MOE_OK or ::MOE_ERR_NOMEM (the state or the run list)
  */
 moe_status moe_adamw_init_pieces(moe_adamw *opt, const moe_backend *be,
-                                 const moe_param_table *pt, const moe_adamw_piece *pieces, int n_pieces, int keep_master,
-                                 moe_error *err);
+                                 const moe_param_table *pt, const moe_adamw_piece *pieces,
+                                 int n_pieces, int keep_master, moe_error *err);
 
 /**
  * @brief Copy this rank's pieces of a whole host buffer (laid out like the parameters) into
