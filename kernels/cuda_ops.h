@@ -199,9 +199,10 @@ void moe_cuda_sum_squares(double *acc, const moe_real *x, size_t n);
 void moe_cuda_sum(double *acc, const moe_real *x, size_t n);
 void moe_cuda_add_f64(double *dst, const double *src, int n);
 void moe_cuda_scale_real(moe_real *x, double s, size_t n);
-void moe_cuda_adamw(moe_real *p, const moe_real *g, float *m, float *v, size_t n, double lr,
-                    double beta1, double beta2, double eps, double wd, double bc1, double bc2,
-                    const double *clip, const int *flags, const double *hyper);
+void moe_cuda_adamw(const moe_adamw_runs *runs, moe_real *p, const moe_real *g, float *m,
+                    float *v, void *act, double lr, double beta1, double beta2, double eps,
+                    double wd, double bc1, double bc2, const double *clip, const int *flags,
+                    const double *hyper);
 
 /* the step's scalars on the device (chapter 06, step_scalars.h) */
 void moe_cuda_loss_accumulate(double *step, const double *mb, int N, double accum);

@@ -4,8 +4,9 @@
  *   sum          *acc += Σ x
  *   add_f64      dst += src (the step's partial sums)
  *   scale_real   x *= s
- *   adamw        one AdamW update per element, the gradient times the clip factor, skipped
- *                while the step flags hold a bit
+ *   adamw        one AdamW update per element of every run of the step in one launch (the
+ *                multi-tensor AdamW), the gradient times the clip factor, skipped while the
+ *                step flags hold a bit; it also writes the bf16 compute copy of the result
  *   loss_accumulate, grad_norm_finalize   the step's scalars (step_scalars.h)
  *
  * Deterministic reductions. A floating-point sum depends on its order; summing with
@@ -24,8 +25,12 @@
  * the update rule exists once. Math in double, state (m, v) stored in fp32. It reads two
  * words of device memory written earlier in the same step: the clip factor (every thread
  * multiplies its gradient by it, (float)(g·c) exactly as the in-place clip did, so clipping
- * costs no pass of its own) and the step flags (a bit set: every thread returns, the update
- * is skipped without the host deciding anything). The step's scalars are finished by
+ * costs no pass of its own) and the step flags (a bit set: the update is skipped without the
+ * host deciding anything). It also writes bf16(p) right after p, the bits cast_to_act would
+ * write, so the step needs no cast pass of its own: 2 bytes more per element where the
+ * separate pass read 4 and wrote 2 (on a skipped step it writes only that copy, of the
+ * unchanged p). The one launch walks every run of the step (see adamw_kernel). The step's
+ * scalars are finished by
  * one-thread kernels that call the MOE_HOSTDEV functions of step_scalars.h, as the CPU does.
  */
 #include "cuda_common.cuh"
@@ -34,6 +39,9 @@
 
 #define THREADS 256
 #define MAX_BLOCKS 1024 /* pass-1 blocks: enough to saturate the memory system */
+
+static_assert(MOE_ADAMW_CHUNK % (4 * THREADS) == 0,
+              "an AdamW chunk is whole passes of 4 elements per thread");
 
 
 /* pass 1: partial[b] = Σ over this block's grid-stride elements of x (or x²) */
@@ -120,11 +128,31 @@ static __global__ void scale_real_kernel(float *x, double s, size_t n) {
         x[i] = (float)(x[i] * s); /* in double, like the CPU */
 }
 
-static __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, size_t n,
-                                    double lr, double beta1, double beta2, double eps, double wd,
-                                    double bc1, double bc2, const double *clip,
-                                    const int *flags, const double *hyper) {
-    if (flags && *flags) /* the step is skipped (step_flags.h) */
+/* Four consecutive elements in one 16-byte word (fp32) or one 8-byte word (bf16). */
+union f32x4 {
+    float4 v;
+    float s[4];
+};
+union bf16x4 {
+    uint2 u;
+    moe_bf16 h[4];
+};
+
+/* The multi-tensor AdamW: ONE launch for every run of the step (op_types.h), a block per
+ * chunk of MOE_ADAMW_CHUNK elements. Block b finds its run by a binary search over the runs'
+ * first chunks (a few reads of a table every block shares, from the cache) and updates
+ * elements [lo, hi) of it; thread t takes 4 consecutive elements at a time, lo + 4t,
+ * lo + 4t + 4·THREADS, ... Where the run's four arrays start 16-byte aligned (and its bf16
+ * copy 8-byte aligned) the 4 elements move as one float4 per array, else one by one, as the
+ * ragged end of a run does: the math is moe_adamw_update() per element either way, so both
+ * give the same bits. */
+static __global__ void __launch_bounds__(THREADS)
+    adamw_kernel(const moe_adamw_run *runs, int n_runs, float *p, const float *g, float *m,
+                 float *v, moe_bf16 *act, double lr, double beta1, double beta2, double eps,
+                 double wd, double bc1, double bc2, const double *clip, const int *flags,
+                 const double *hyper) {
+    const bool skip = flags && *flags; /* the step is skipped (step_flags.h) */
+    if (skip && !act)
         return;
     if (hyper) { /* this step's values, from device memory (a replayed graph sees them) */
         lr = hyper[0];
@@ -132,10 +160,50 @@ static __global__ void adamw_kernel(float *p, const float *g, float *m, float *v
         bc2 = hyper[2];
     }
     const double c = clip ? *clip : 1.0;
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        moe_adamw_update(&p[i], (float)(g[i] * c), &m[i], &v[i], lr, beta1, beta2, eps, wd, bc1,
-                         bc2);
+    const moe_adamw_run r = runs[moe_adamw_run_of_chunk(runs, n_runs, blockIdx.x)];
+    const size_t lo = ((size_t)blockIdx.x - r.chunk) * MOE_ADAMW_CHUNK;
+    const size_t hi = lo + MOE_ADAMW_CHUNK < r.n ? lo + MOE_ADAMW_CHUNK : r.n;
+    float *pr = p + r.weight, *mr = m + r.state, *vr = v + r.state;
+    const float *gr = g + r.grad;
+    moe_bf16 *ar = act ? act + r.grad : NULL;
+    const double d = r.decay ? wd : 0.0;
+    /* lo is a multiple of 4, so every 4-element group of an aligned run is aligned */
+    const bool vec = ((uintptr_t)pr | (uintptr_t)gr | (uintptr_t)mr | (uintptr_t)vr) % 16 == 0 &&
+                     (uintptr_t)ar % 8 == 0;
+    for (size_t i = lo + 4 * (size_t)threadIdx.x; i < hi; i += 4 * (size_t)THREADS) {
+        if (vec && i + 4 <= hi) {
+            f32x4 P, G, M, V;
+            P.v = *(const float4 *)(pr + i);
+            if (!skip) {
+                G.v = *(const float4 *)(gr + i);
+                M.v = *(const float4 *)(mr + i);
+                V.v = *(const float4 *)(vr + i);
+#pragma unroll
+                for (int k = 0; k < 4; k++)
+                    moe_adamw_update(&P.s[k], (float)(G.s[k] * c), &M.s[k], &V.s[k], lr, beta1,
+                                     beta2, eps, d, bc1, bc2);
+                *(float4 *)(pr + i) = P.v;
+                *(float4 *)(mr + i) = M.v;
+                *(float4 *)(vr + i) = V.v;
+            }
+            if (ar) {
+                bf16x4 A;
+#pragma unroll
+                for (int k = 0; k < 4; k++)
+                    A.h[k] = moe_st(P.s[k]); /* what cast_to_act writes */
+                *(uint2 *)(ar + i) = A.u;
+            }
+            continue;
+        }
+        const size_t e = i + 4 < hi ? i + 4 : hi; /* one by one: unaligned, or the ragged end */
+        for (size_t j = i; j < e; j++) {
+            if (!skip) /* g·1.0 == g exactly: no clip is no change */
+                moe_adamw_update(&pr[j], (float)(gr[j] * c), &mr[j], &vr[j], lr, beta1, beta2,
+                                 eps, d, bc1, bc2);
+            if (ar)
+                ar[j] = moe_st(pr[j]);
+        }
+    }
 }
 
 static unsigned grid_for(size_t n) {
@@ -150,14 +218,15 @@ extern "C" void moe_cuda_scale_real(moe_real *x, double s, size_t n) {
     MOE_CUDA_LAUNCH_CHECK();
 }
 
-extern "C" void moe_cuda_adamw(moe_real *p, const moe_real *g, float *m, float *v, size_t n,
-                               double lr, double beta1, double beta2, double eps, double wd,
-                               double bc1, double bc2, const double *clip, const int *flags,
-                               const double *hyper) {
-    if (n == 0)
+extern "C" void moe_cuda_adamw(const moe_adamw_runs *runs, moe_real *p, const moe_real *g,
+                               float *m, float *v, void *act, double lr, double beta1,
+                               double beta2, double eps, double wd, double bc1, double bc2,
+                               const double *clip, const int *flags, const double *hyper) {
+    if (runs->chunks == 0)
         return;
-    adamw_kernel<<<grid_for(n), THREADS, 0, moe_cuda_stream()>>>(p, g, m, v, n, lr, beta1, beta2,
-                                                                 eps, wd, bc1, bc2, clip, flags,
-                                                                 hyper);
+    MOE_ASSERT(runs->chunks <= 0x7fffffffu); /* the grid's x dimension (8.8e12 elements) */
+    adamw_kernel<<<(unsigned)runs->chunks, THREADS, 0, moe_cuda_stream()>>>(
+        runs->run, runs->n, p, g, m, v, (moe_bf16 *)act, lr, beta1, beta2, eps, wd, bc1, bc2,
+        clip, flags, hyper);
     MOE_CUDA_LAUNCH_CHECK();
 }

@@ -342,16 +342,23 @@ typedef struct moe_backend {
     void (*add_f64)(double *dst, const double *src, int n);
     /** x *= s over n full-precision elements */
     void (*scale_real)(moe_real *x, double s, size_t n);
-    /** one AdamW update of n elements; bc1/bc2 are the bias corrections 1−βᵗ. @p clip (or
-     *  NULL: 1) is the clip factor each gradient is multiplied by first, and while @p flags
-     *  (or NULL) holds any ::MOE_STEP_OVERFLOW / ::MOE_STEP_NONFINITE bit nothing is
-     *  written: both [1] in BACKEND memory, read by the device, so the host never decides.
-     *  @p hyper (or NULL: the arguments) is {lr, bc1, bc2} [3] in BACKEND memory: the values
-     *  that change every step, read by the device so that a captured step replays with
-     *  the current ones (chapter 06) */
-    void (*adamw)(moe_real *p, const moe_real *g, float *m, float *v, size_t n, double lr,
-                  double beta1, double beta2, double eps, double wd, double bc1, double bc2,
-                  const double *clip, const int *flags, const double *hyper);
+    /** one AdamW update (moe_adamw_update()) of every element of the runs @p runs
+     *  (op_types.h) in ONE call (on CUDA one launch: a block per chunk), run r's
+     *  elements i < n being p[weight + i], g[grad + i], m[state + i], v[state + i], with
+     *  weight decay @p wd where the run has `decay`, else none; bc1/bc2 are the bias
+     *  corrections 1−βᵗ. @p act (or NULL) receives the compute copy of each element after
+     *  the call: act[grad + i] = what cast_to_act writes for p[weight + i] (bitwise), so
+     *  no cast pass follows the step. @p clip (or NULL: 1) is the clip factor each gradient
+     *  is multiplied by first, and while @p flags (or NULL) holds any ::MOE_STEP_OVERFLOW /
+     *  ::MOE_STEP_NONFINITE bit p, m and v are not written (act still receives the copy of
+     *  the unchanged p): both [1] in BACKEND memory, read by the device, so the host never
+     *  decides. @p hyper (or NULL: the arguments) is {lr, bc1, bc2} [3] in BACKEND memory:
+     *  the values that change every step, read by the device so that a captured step
+     *  replays with the current ones (chapter 06) */
+    void (*adamw)(const moe_adamw_runs *runs, moe_real *p, const moe_real *g, float *m,
+                  float *v, void *act, double lr, double beta1, double beta2, double eps,
+                  double wd, double bc1, double bc2, const double *clip, const int *flags,
+                  const double *hyper);
     /**@}*/
 
     /** @name the step's scalars on the device (chapter 06; step_scalars.h) */

@@ -602,6 +602,10 @@ static void lowp_quantize_weights(moe_model *m) {
 void moe_model_sync_weights(moe_model *m) {
     if (m->params) /* else the distributed optimizer refreshes it (moe_zero_gather_weights) */
         m->be->cast_to_act(m->wact, m->params, m->table.total);
+    moe_model_weights_written(m);
+}
+
+void moe_model_weights_written(moe_model *m) {
     if (m->lowp && m->params) /* (lowp.h refuses the distributed optimizer) */
         lowp_quantize_weights(m);
 }

@@ -269,10 +269,19 @@ double moe_model_forward(moe_model *m, const int *tokens, const int *targets, in
  */
 void moe_model_backward(moe_model *m, double loss_scale);
 
-/** @brief Refresh the compute copy of the weights from the master weights (after every
- *  optimizer step; a no-op when they are the same buffer, or when the model holds no master:
- *  then moe_zero_gather_weights() refreshes it). @param m model */
+/** @brief Refresh the compute copy of the weights from the master weights (cast_to_act;
+ *  a no-op when they are the same buffer, or when the model holds no master: then
+ *  moe_zero_gather_weights() refreshes it), then what is derived from the compute copy
+ *  (moe_model_weights_written()). After new master weights: set, loaded, or stepped by an
+ *  optimizer that did not write the compute copy itself. @param m model */
 void moe_model_sync_weights(moe_model *m);
+
+/** @brief The compute copy of the weights is current (an AdamW step wrote it along with the
+ *  master weights: moe_adamw_step()'s `act`): derive what comes from it, the low-precision
+ *  weights of chapter 05 (their QDQ in place, or the FP8 codes of the native path). A no-op
+ *  without a low-precision recipe or without a master (see moe_model_sync_weights()).
+ *  @param m model */
+void moe_model_weights_written(moe_model *m);
 
 /**
  * @brief Set the weights from a whole host copy of the fp32 master weights (this rank's

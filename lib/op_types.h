@@ -162,4 +162,53 @@ static inline void moe_attention_shape_require(moe_attention_shape s, const char
     moe_attention_shape_check(s, who, moe_attention_shape_unsupported(s, max_D));
 }
 
+/** Elements of one chunk of the multi-tensor AdamW: the unit of work of one CUDA block and of
+ *  one iteration of the CPU's parallel loop (a multiple of 4·256, so a block's 256 threads
+ *  move 4 elements each per pass). */
+#define MOE_ADAMW_CHUNK 4096
+
+/**
+ * One run of the multi-tensor AdamW: @p n consecutive elements that share one weight-decay
+ * choice. The optimizer (optimizer.h) cuts the parameters it updates into runs once, at its
+ * creation: a run is a stretch of neighbouring tensors with the same `decay` inside one
+ * piece of the optimizer state. Each run has three offsets because the arrays it touches
+ * are laid out differently under the distributed optimizer: the gradients and the compute
+ * copy like the flat parameter buffer, the moments (and the optimizer's own master weights)
+ * piece after piece.
+ */
+typedef struct moe_adamw_run {
+    size_t grad;   /**< first element in the flat buffer: of the gradients and the compute copy */
+    size_t weight; /**< first element of the fp32 weights the step updates */
+    size_t state;  /**< first element of the moments m and v */
+    size_t n;      /**< elements (> 0) */
+    size_t chunk;  /**< its first chunk: Σ ⌈n / ::MOE_ADAMW_CHUNK ⌉ over the runs before it */
+    int decay;     /**< 1: decoupled weight decay applies to these elements */
+} moe_adamw_run;
+
+/** The run list the `adamw` op walks in one call. */
+typedef struct moe_adamw_runs {
+    moe_adamw_run *run; /**< [n] in BACKEND memory (the device reads it), by increasing chunk */
+    int n;              /**< runs */
+    size_t chunks;      /**< chunks over all runs: the CUDA grid, the CPU loop's length */
+} moe_adamw_runs;
+
+/**
+ * @brief The run that chunk @p c belongs to: the last run whose first chunk is ≤ @p c (a
+ *        binary search: the runs are sorted by their first chunk). Every CUDA block and
+ *        every CPU iteration calls it for its own chunk, so no block searches the elements.
+ * @param run [n] the runs  @param n how many (≥ 1)  @param c a chunk, < the total
+ * @return the index of its run
+ */
+static inline MOE_HOSTDEV int moe_adamw_run_of_chunk(const moe_adamw_run *run, int n, size_t c) {
+    int lo = 0, hi = n - 1; /* invariant: run[lo].chunk <= c, and the answer is in [lo, hi] */
+    while (lo < hi) {
+        const int mid = lo + (hi - lo + 1) / 2;
+        if (run[mid].chunk <= c)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
 #endif /* MOE_OP_TYPES_H */

@@ -45,6 +45,9 @@ typedef struct moe_adamw {
     size_t n;              /**< elements of each moment (Σ of the pieces' sizes) */
     moe_adamw_piece piece[MOE_ADAMW_MAX_PIECES]; /**< what this rank updates */
     int n_pieces;          /**< how many */
+    moe_adamw_runs runs;   /**< the pieces cut into runs of one weight-decay choice, built
+                                once at init (run list in backend memory): what one `adamw`
+                                call walks */
     long long step;        /**< steps taken (for bias correction) */
 } moe_adamw;
 
@@ -68,27 +71,40 @@ static inline MOE_HOSTDEV void moe_adamw_update(moe_real *p, moe_real g, float *
 }
 
 /**
- * @brief Allocate zeroed state for @p n parameters on backend @p be.
- * @param opt state  @param be backend  @param n count  @param err receives the reason on failure
+ * @brief Allocate zeroed state for every parameter of @p pt on backend @p be, and its run
+ *        list (moe_adamw::runs).
+ * @param opt state  @param be backend
+ * @param pt parameter table: its size, and which tensors decay (read now, not kept)
+ * @param err receives the reason on failure
  * @return ::MOE_OK or ::MOE_ERR_NOMEM
  */
-moe_status moe_adamw_init(moe_adamw *opt, const moe_backend *be, size_t n, moe_error *err);
+moe_status moe_adamw_init(moe_adamw *opt, const moe_backend *be, const moe_param_table *pt,
+                          moe_error *err);
 
 /**
  * @brief Allocate zeroed state for the pieces @p pieces of the flat buffer only (the
- *        distributed optimizer: each rank updates its share of every gradient group).
- * @param opt state  @param be backend  @param pieces what this rank updates (their `state`
+ *        distributed optimizer: each rank updates its share of every gradient group), and
+ *        the run list of those pieces (moe_adamw::runs).
+ *
+ * The runs: each tensor's part of each piece, since weight decay is per tensor; but the
+ * update is elementwise, so neighbouring tensors with the same decay join one run (the GPU
+ * preset's 57 tensors are 27 runs), and the `adamw` op walks all runs in one call (chapter
+ * 06: one launch a step instead of one per run). The list depends on the table and the
+ * pieces only, so it is built here once and copied to the backend.
+ * @param opt state  @param be backend
+ * @param pt parameter table (which tensors decay; read now, not kept)
+ * @param pieces what this rank updates (their `state`
  *        fields are filled in: the pieces' moments back to back)  @param n_pieces 1 ..
  *        ::MOE_ADAMW_MAX_PIECES
  * @param keep_master 1: the optimizer also holds the fp32 master weights of its pieces
  *        (moe_adamw::master, zeroed: fill it with moe_adamw_pieces_from_host()), and the
  *        step updates them instead of the caller's buffer; 0: it holds moments only
  * @param err receives the reason on failure
- * @return ::MOE_OK or ::MOE_ERR_NOMEM
+ * @return ::MOE_OK or ::MOE_ERR_NOMEM (the state or the run list)
  */
 moe_status moe_adamw_init_pieces(moe_adamw *opt, const moe_backend *be,
-                                 const moe_adamw_piece *pieces, int n_pieces, int keep_master,
-                                 moe_error *err);
+                                 const moe_param_table *pt, const moe_adamw_piece *pieces,
+                                 int n_pieces, int keep_master, moe_error *err);
 
 /**
  * @brief Copy this rank's pieces of a whole host buffer (laid out like the parameters) into
@@ -107,12 +123,16 @@ void moe_adamw_free(moe_adamw *opt);
 /**
  * @brief One AdamW step over every element of this rank's pieces (the whole buffer unless
  *        moe_adamw_init_pieces() chose less): decoupled weight decay on the elements of
- *        tensors with `decay` set, bias-corrected moments.
+ *        tensors with `decay` set, bias-corrected moments. One call of the backend's
+ *        `adamw` op over moe_adamw::runs.
  * @param opt    state
- * @param pt     parameter table (which tensors decay)
  * @param params [n] master parameters, updated in place (backend memory); unused (may be
  *               NULL) when the optimizer holds its own (moe_adamw::master), which it updates
  * @param grads  [n] gradients (backend memory)
+ * @param act    [n] the model's compute copy of the weights (backend memory, activation
+ *               type), or NULL: each element of the pieces receives what cast_to_act
+ *               would write for its weight after the step (on a skipped step, for the
+ *               unchanged weight), so the caller needs no cast pass afterwards
  * @param lr     learning rate
  * @param beta1  first-moment decay
  * @param beta2  second-moment decay
@@ -130,8 +150,8 @@ void moe_adamw_free(moe_adamw *opt);
  *               device reads them, so a captured step (chapter 06) replays with the current
  *               values, and @p lr is not used.
  */
-void moe_adamw_step(moe_adamw *opt, const moe_param_table *pt, moe_real *params,
-                    const moe_real *grads, double lr, double beta1, double beta2, double eps,
+void moe_adamw_step(moe_adamw *opt, moe_real *params, const moe_real *grads, void *act,
+                    double lr, double beta1, double beta2, double eps,
                     double wd, const double *clip, const int *flags, const double *hyper);
 
 /**

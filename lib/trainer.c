@@ -164,9 +164,9 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
         MOE_ASSERT(t->model->master_sharded);
         s = moe_zero_init(&t->zero, be, &t->model->table, &t->par, pieces, &n_pieces, err);
         if (s == MOE_OK)
-            s = moe_adamw_init_pieces(&t->opt, be, pieces, n_pieces, 1, err);
+            s = moe_adamw_init_pieces(&t->opt, be, &t->model->table, pieces, n_pieces, 1, err);
     } else if (s == MOE_OK)
-        s = moe_adamw_init(&t->opt, be, moe_model_num_params(t->model), err);
+        s = moe_adamw_init(&t->opt, be, &t->model->table, err);
     if (s == MOE_OK) { /* page-locked landing places of the step boundary's readback */
         const size_t nl = (size_t)c->num_layers * c->num_experts;
         t->readback = be->host_alloc(sizeof(moe_step_scalars));
@@ -543,14 +543,17 @@ static void enqueue_update(moe_trainer *t, moe_step_stats *st) {
     enqueue_grad_norm(t);
     /* lr and the bias corrections from the step's scalars (prepare_update counted the step) */
     m->be->from_host_async(m->scalars->hyper, t->hyper_host, sizeof m->scalars->hyper);
-    moe_adamw_step(&t->opt, &m->table, m->params, m->grads, st->lr, c->adam_beta1, c->adam_beta2,
+    /* without the distributed optimizer AdamW also writes the compute copy (bf16 on CUDA) of
+     * every weight it updates: no cast pass over the weights after it */
+    void *act = t->opt.master ? NULL : m->wact;
+    moe_adamw_step(&t->opt, m->params, m->grads, act, st->lr, c->adam_beta1, c->adam_beta2,
                    c->adam_eps, c->weight_decay, &m->scalars->clip, m->step_flags,
                    m->scalars->hyper);
     if (t->opt.master) /* ZeRO-1: every rank updated its master piece; gather the compute
                         * copies of the others' (in the activation type: bf16 on CUDA) */
         moe_zero_gather_weights(&t->zero, &t->opt, m->wact);
     else
-        moe_model_sync_weights(m);
+        moe_model_weights_written(m);
     moe_model_update_expert_bias(m);
 }
 

@@ -803,10 +803,15 @@ START_TEST(test_gpu_optimizer) {
     moe_cuda_from_host(d_v, v, n * sizeof(moe_real));
     const double lr = 3e-4, b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1;
     const double bc1 = 1 - pow(b1, 3), bc2 = 1 - pow(b2, 3);
-    moe_cuda_adamw(d_p, d_g, (float *)d_m, (float *)d_v, n, lr, b1, b2, eps, wd, bc1, bc2, NULL,
-                   NULL, NULL);
+    moe_adamw_runs d_run = moe_test_adamw_flat(moe_backend_cuda(), n),
+                   h_run = moe_test_adamw_flat(cpu, n);
+    moe_cuda_adamw(&d_run, d_p, d_g, (float *)d_m, (float *)d_v, NULL, lr, b1, b2, eps, wd, bc1,
+                   bc2, NULL, NULL, NULL);
     moe_real *gp = read_real(d_p, n), *gm = read_real(d_m, n), *gv = read_real(d_v, n);
-    cpu->adamw(p, g, (float *)m, (float *)v, n, lr, b1, b2, eps, wd, bc1, bc2, NULL, NULL, NULL);
+    cpu->adamw(&h_run, p, g, (float *)m, (float *)v, NULL, lr, b1, b2, eps, wd, bc1, bc2, NULL,
+               NULL, NULL);
+    moe_cuda_free(d_run.run);
+    cpu->free(h_run.run);
     expect_close("adamw p (fp32)", gp, p, n, 1e-6);
     expect_close("adamw m (fp32)", gm, m, n, 1e-6);
     expect_close("adamw v (fp32)", gv, v, n, 1e-6);

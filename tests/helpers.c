@@ -29,6 +29,28 @@ void moe_test_poison(moe_real *x, size_t n) {
         x[i] = (moe_real)NAN;
 }
 
+moe_param_table moe_test_adamw_table(void) {
+    const int C = MOE_ADAMW_CHUNK;
+    moe_param_table pt = {0};
+    moe_params_add(&pt, "big", 1, 3 * C + 5, 0, 0, MOE_INIT_NORMAL, 0.02, 1);
+    moe_params_add(&pt, "odd", 3, 2, 3, 7, MOE_INIT_NORMAL, 0.02, 1);
+    moe_params_add(&pt, "n1", 1, 13, 0, 0, MOE_INIT_ONES, 0.0, 0);
+    moe_params_add(&pt, "c", 2, 129, 65, 0, MOE_INIT_NORMAL, 0.02, 1);
+    moe_params_add(&pt, "n2", 1, 1, 0, 0, MOE_INIT_ONES, 0.0, 0);
+    moe_params_add(&pt, "e", 2, 256, 64, 0, MOE_INIT_NORMAL, 0.02, 1);
+    moe_params_add(&pt, "d", 1, C + 1, 0, 0, MOE_INIT_NORMAL, 0.02, 1);
+    return pt;
+}
+
+moe_adamw_runs moe_test_adamw_flat(const moe_backend *be, size_t n) {
+    const moe_adamw_run one = {.n = n, .decay = 1}; /* every offset 0, the first chunk 0 */
+    moe_adamw_runs r = {.run = be->alloc(sizeof one), .n = 1,
+                        .chunks = (n + MOE_ADAMW_CHUNK - 1) / MOE_ADAMW_CHUNK};
+    ck_assert_ptr_nonnull(r.run);
+    be->from_host(r.run, &one, sizeof one);
+    return r;
+}
+
 void *moe_test_upload(const moe_backend *be, moe_real *host, size_t n, uint64_t stream,
                       double scale) {
     moe_test_randn(host, n, stream, scale);

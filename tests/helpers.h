@@ -11,6 +11,7 @@
 
 #include "backend.h"
 #include "config.h"
+#include "params.h"
 #include "real.h"
 
 /** 1 when MOE_TEST_QUICK is set (the sanitizer run uses smaller problems). */
@@ -26,6 +27,16 @@ void moe_test_poison(moe_real *x, size_t n);
  *  (rounded to it) in @p host, so both backends start from the same numbers. */
 void *moe_test_upload(const moe_backend *be, moe_real *host, size_t n, uint64_t stream,
                       double scale);
+
+/** A parameter table for the multi-tensor AdamW's tests: runs of several chunks
+ *  (::MOE_ADAMW_CHUNK), odd lengths (so some runs start off 16-byte alignment) and mixed
+ *  weight decay: big (3 chunks + 5, decay), odd [2,3,7] (decay), n1 [13], c [129,65] (decay),
+ *  n2 [1], e [256,64] (decay), d [chunk + 1] (decay). Free with moe_params_free(). */
+moe_param_table moe_test_adamw_table(void);
+
+/** The `adamw` op's run list for plain arrays of @p n elements (> 0): one run at offset 0,
+ *  with weight decay, in @p be's memory; release it with be->free(runs.run). */
+moe_adamw_runs moe_test_adamw_flat(const moe_backend *be, size_t n);
 
 /** Largest |a-b| / max(|b|, floor) over n elements (NaN counts as infinite). */
 double moe_test_max_rel_err(const moe_real *a, const moe_real *b, size_t n, double floor);

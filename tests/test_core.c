@@ -17,6 +17,7 @@
 #include "params.h"
 #include "real.h"
 #include "rng.h"
+#include "step_flags.h"
 #include "suites.h"
 #include "timer.h"
 
@@ -650,7 +651,7 @@ START_TEST(test_adamw_first_steps) {
 
     moe_adamw opt;
     moe_error err;
-    ck_assert_int_eq(moe_adamw_init(&opt, moe_backend_cpu(), n, &err), MOE_OK);
+    ck_assert_int_eq(moe_adamw_init(&opt, moe_backend_cpu(), &pt, &err), MOE_OK);
     ck_assert_uint_eq(opt.n, n);
     ck_assert_int_eq(opt.step, 0);
     for (size_t i = 0; i < n; i++)
@@ -662,7 +663,7 @@ START_TEST(test_adamw_first_steps) {
         ref[i] = p[i];
 
     /* step 1: bias correction makes m̂ = g and v̂ = g², so the update is g/(|g|+eps) + wd·p */
-    moe_adamw_step(&opt, &pt, p, g1, lr, b1, b2, eps, wd, NULL, NULL, NULL);
+    moe_adamw_step(&opt, p, g1, NULL, lr, b1, b2, eps, wd, NULL, NULL, NULL);
     ck_assert_int_eq(opt.step, 1);
     for (size_t i = 0; i < n; i++) {
         double d = i < 4 ? wd : 0.0;
@@ -684,7 +685,7 @@ START_TEST(test_adamw_first_steps) {
     ASSERT_NEAR(p[4], 1.0 - lr, 1e-6);
 
     /* step 2: general form with bias correction 1-β^2 */
-    moe_adamw_step(&opt, &pt, p, g2, lr, b1, b2, eps, wd, NULL, NULL, NULL);
+    moe_adamw_step(&opt, p, g2, NULL, lr, b1, b2, eps, wd, NULL, NULL, NULL);
     ck_assert_int_eq(opt.step, 2);
     const double bc1 = 1 - b1 * b1, bc2 = 1 - b2 * b2;
     for (size_t i = 0; i < n; i++) {
@@ -711,9 +712,9 @@ START_TEST(test_adamw_decay_only_where_enabled) {
     moe_real p[9] = {1, -2, 3, 1, -2, 3, 4, 5, -6};
     moe_real g[9] = {0};
     moe_adamw opt;
-    ck_assert_int_eq(moe_adamw_init(&opt, moe_backend_cpu(), pt.total, NULL), MOE_OK);
+    ck_assert_int_eq(moe_adamw_init(&opt, moe_backend_cpu(), &pt, NULL), MOE_OK);
     const double lr = 0.1, wd = 0.5;
-    moe_adamw_step(&opt, &pt, p, g, lr, 0.9, 0.999, 1e-8, wd, NULL, NULL, NULL);
+    moe_adamw_step(&opt, p, g, NULL, lr, 0.9, 0.999, 1e-8, wd, NULL, NULL, NULL);
     const moe_real before[9] = {1, -2, 3, 1, -2, 3, 4, 5, -6};
     for (int i = 0; i < 9; i++) {
         int decayed = i >= 3 && i < 7;
@@ -726,30 +727,53 @@ START_TEST(test_adamw_decay_only_where_enabled) {
     /* wd = 0 leaves even the decayed tensor alone */
     moe_real q[9];
     memcpy(q, before, sizeof q);
-    moe_adamw_step(&opt, &pt, q, g, lr, 0.9, 0.999, 1e-8, 0.0, NULL, NULL, NULL);
+    moe_adamw_step(&opt, q, g, NULL, lr, 0.9, 0.999, 1e-8, 0.0, NULL, NULL, NULL);
     ck_assert(memcmp(q, before, sizeof q) == 0);
     moe_adamw_free(&opt);
     moe_params_free(&pt);
 }
 END_TEST
 
-/* Neighbouring tensors with the same weight decay are updated in one backend call (fewer
- * launches on a GPU), with the bits of one call per tensor, and never across a piece of the
- * distributed optimizer's state. */
-static int g_adamw_calls;
-static size_t g_adamw_n[8];
-static void counting_adamw(moe_real *p, const moe_real *g, float *m, float *v, size_t n,
-                           double lr, double beta1, double beta2, double eps, double wd,
-                           double bc1, double bc2, const double *clip, const int *flags,
-                           const double *hyper) {
-    if (g_adamw_calls < 8)
-        g_adamw_n[g_adamw_calls] = n;
-    g_adamw_calls++;
-    moe_backend_cpu()->adamw(p, g, m, v, n, lr, beta1, beta2, eps, wd, bc1, bc2, clip, flags,
-                             hyper);
+/* The step before the run list, element by element: each tensor's part of each piece, with
+ * its weight decay, the gradient times the clip factor. @p w holds the weights at the state
+ * offsets when @p master (the optimizer's own), else laid out like the flat buffer. */
+static void adamw_reference(const moe_param_table *pt, const moe_adamw *opt, int master,
+                            moe_real *w, const moe_real *g, float *m, float *v, long long step,
+                            double lr, double b1, double b2, double eps, double wd, double clip) {
+    const double bc1 = 1.0 - pow(b1, (double)step), bc2 = 1.0 - pow(b2, (double)step);
+    for (int k = 0; k < opt->n_pieces; k++) {
+        const moe_adamw_piece *pc = &opt->piece[k];
+        for (int t = 0; t < pt->n; t++) {
+            const moe_tensor *ten = &pt->t[t];
+            for (size_t i = ten->offset; i < ten->offset + ten->numel; i++) {
+                if (i < pc->lo || i >= pc->hi)
+                    continue;
+                const size_t st = pc->state + (i - pc->lo);
+                moe_adamw_update(&w[master ? st : i], (moe_real)(g[i] * clip), &m[st], &v[st],
+                                 lr, b1, b2, eps, ten->decay ? wd : 0.0, bc1, bc2);
+            }
+        }
+    }
 }
 
-START_TEST(test_adamw_coalesces_neighbours) {
+/* Neighbouring tensors with the same weight decay form one run, never across a piece of the
+ * distributed optimizer's state, and one backend call walks every run (one launch a step
+ * on a GPU), with the bits of one update per element as before. */
+static int g_adamw_calls, g_adamw_runs;
+static size_t g_adamw_n[8];
+static void counting_adamw(const moe_adamw_runs *runs, moe_real *p, const moe_real *g, float *m,
+                           float *v, void *act, double lr, double beta1, double beta2, double eps,
+                           double wd, double bc1, double bc2, const double *clip,
+                           const int *flags, const double *hyper) {
+    g_adamw_calls++;
+    g_adamw_runs = runs->n;
+    for (int r = 0; r < runs->n && r < 8; r++)
+        g_adamw_n[r] = runs->run[r].n;
+    moe_backend_cpu()->adamw(runs, p, g, m, v, act, lr, beta1, beta2, eps, wd, bc1, bc2, clip,
+                             flags, hyper);
+}
+
+START_TEST(test_adamw_one_call_over_runs) {
     moe_param_table pt = {0};
     moe_params_add(&pt, "a", 1, 5, 0, 0, MOE_INIT_NORMAL, 0.02, 1);  /* decayed ... */
     moe_params_add(&pt, "b", 2, 2, 3, 0, MOE_INIT_NORMAL, 0.02, 1);  /* ... one run of 11 */
@@ -758,7 +782,7 @@ START_TEST(test_adamw_coalesces_neighbours) {
     moe_params_add(&pt, "d", 1, 6, 0, 0, MOE_INIT_NORMAL, 0.02, 1);  /* ... one run of 10 */
     const size_t n = pt.total;
     ck_assert_uint_eq(n, 24);
-    moe_real p0[24], g[24], p[24], q[24];
+    moe_real p0[24], g[24], p[24], q[24], act[24];
     for (size_t i = 0; i < n; i++) {
         p0[i] = (moe_real)moe_rng_normal(11, 0, i);
         g[i] = (moe_real)moe_rng_normal(12, 0, i);
@@ -770,35 +794,123 @@ START_TEST(test_adamw_coalesces_neighbours) {
     const moe_adamw_piece one[] = {{0, n, 0}}, two[] = {{0, 16, 0}, {16, n, 16}};
     const size_t want_one[] = {11, 3, 10}, want_two[] = {11, 3, 2, 8};
     for (int cut = 0; cut < 2; cut++) {
-        moe_adamw opt, ref;
-        ck_assert_int_eq(moe_adamw_init_pieces(&opt, &be, cut ? two : one, cut ? 2 : 1, 0, NULL),
-                         MOE_OK);
-        ck_assert_int_eq(moe_adamw_init(&ref, moe_backend_cpu(), n, NULL), MOE_OK);
+        moe_adamw opt;
+        ck_assert_int_eq(
+            moe_adamw_init_pieces(&opt, &be, &pt, cut ? two : one, cut ? 2 : 1, 0, NULL), MOE_OK);
+        float *m = calloc(n, sizeof(float)), *v = calloc(n, sizeof(float));
         memcpy(p, p0, sizeof p);
         memcpy(q, p0, sizeof q);
         for (int step = 1; step <= 2; step++) {
             g_adamw_calls = 0;
-            moe_adamw_step(&opt, &pt, p, g, lr, b1, b2, eps, wd, NULL, NULL, NULL);
+            moe_test_poison(act, n);
+            moe_adamw_step(&opt, p, g, act, lr, b1, b2, eps, wd, NULL, NULL, NULL);
             const size_t *want = cut ? want_two : want_one;
-            const int calls = cut ? 4 : 3;
-            ck_assert_int_eq(g_adamw_calls, calls);
-            for (int c = 0; c < calls; c++)
-                ck_assert_uint_eq(g_adamw_n[c], want[c]);
-            /* the reference: one call per tensor, as before the runs */
-            ref.step++;
-            const double bc1 = 1.0 - pow(b1, ref.step), bc2 = 1.0 - pow(b2, ref.step);
-            for (int t = 0; t < pt.n; t++) {
-                const moe_tensor *ten = &pt.t[t];
-                moe_backend_cpu()->adamw(q + ten->offset, g + ten->offset, ref.m + ten->offset,
-                                         ref.v + ten->offset, ten->numel, lr, b1, b2, eps,
-                                         ten->decay ? wd : 0.0, bc1, bc2, NULL, NULL, NULL);
-            }
-            ck_assert_msg(memcmp(p, q, sizeof p) == 0, "pieces %d, step %d: the weights differ "
-                          "from one call per tensor", cut + 1, step);
+            ck_assert_int_eq(g_adamw_calls, 1);
+            ck_assert_int_eq(g_adamw_runs, cut ? 4 : 3);
+            for (int r = 0; r < g_adamw_runs; r++)
+                ck_assert_uint_eq(g_adamw_n[r], want[r]);
+            adamw_reference(&pt, &opt, 0, q, g, m, v, step, lr, b1, b2, eps, wd, 1.0);
+            ck_assert_msg(!memcmp(p, q, sizeof p) && !memcmp(opt.m, m, n * sizeof(float)) &&
+                              !memcmp(opt.v, v, n * sizeof(float)),
+                          "pieces %d, step %d: the weights or moments differ from one update "
+                          "per element", cut + 1, step);
+            /* the compute copy (moe_real on the CPU: cast_to_act is a copy) */
+            ck_assert_msg(!memcmp(act, p, sizeof p), "pieces %d, step %d: act is not the "
+                          "weights", cut + 1, step);
         }
+        free(m);
+        free(v);
         moe_adamw_free(&opt);
-        moe_adamw_free(&ref);
+        ck_assert_ptr_null(opt.runs.run);
     }
+    moe_params_free(&pt);
+}
+END_TEST
+
+/* The run list on a table with runs of several chunks, odd lengths, mixed decay, and three
+ * pieces of optimizer state that hold their own master weights (the distributed
+ * optimizer's layout, where the weights' offsets are not the gradients'): every chunk finds
+ * its run, the step equals one update per element bit for bit (with a clip factor and
+ * {lr, bias corrections} read from memory), the compute copy is cast_to_act of the updated
+ * weights where this rank updates and untouched elsewhere, and a step flag leaves p, m and
+ * v as they were while the copy is still written. */
+START_TEST(test_adamw_runs_chunks_master) {
+    const int C = MOE_ADAMW_CHUNK;
+    moe_param_table pt = moe_test_adamw_table();
+    const size_t n = pt.total, t_c = pt.t[3].offset;
+    /* piece 0 inside "big" (two chunks of one run), piece 1 from "odd" into "c", piece 2 to
+     * the end but one element; the rest is another rank's */
+    const moe_adamw_piece pieces[] = {{1000, 1000 + C + 77, 0},
+                                      {3 * (size_t)C + 9, t_c + 500, 0},
+                                      {t_c + 500, n - 1, 0}};
+    moe_adamw opt;
+    ck_assert_int_eq(moe_adamw_init_pieces(&opt, moe_backend_cpu(), &pt, pieces, 3, 1, NULL),
+                     MOE_OK);
+    /* runs: big | odd, n1, c | c (where the piece starts again), n2, e and d */
+    ck_assert_int_eq(opt.runs.n, 7);
+    const moe_adamw_run *run = opt.runs.run;
+    size_t chunks = 0;
+    for (int r = 0; r < opt.runs.n; r++) {
+        ck_assert_uint_eq(run[r].chunk, chunks);
+        ck_assert_uint_eq(run[r].weight, run[r].state); /* the master is laid out like m */
+        chunks += (run[r].n + C - 1) / C;
+        for (size_t c = run[r].chunk; c < chunks; c++)
+            ck_assert_int_eq(moe_adamw_run_of_chunk(run, opt.runs.n, c), r);
+    }
+    ck_assert_uint_eq(opt.runs.chunks, chunks);
+    ck_assert_uint_eq(run[0].n, (size_t)C + 77);
+    ck_assert_uint_eq(run[1].grad, 3 * (size_t)C + 9);
+    ck_assert_uint_eq(run[1].state, (size_t)C + 77);
+    ck_assert(run[0].decay && run[1].decay && !run[2].decay && run[3].decay && run[4].decay &&
+              !run[5].decay && run[6].decay);
+
+    const size_t ns = opt.n;
+    moe_real *g = malloc(sizeof(moe_real) * n), *act = malloc(sizeof(moe_real) * n);
+    moe_real *w = malloc(sizeof(moe_real) * ns), *w0 = malloc(sizeof(moe_real) * ns);
+    float *m = malloc(sizeof(float) * ns), *v = malloc(sizeof(float) * ns);
+    float *m0 = malloc(sizeof(float) * ns), *v0 = malloc(sizeof(float) * ns);
+    moe_test_randn(g, n, 21, 1e-2);
+    moe_test_randn(opt.master, ns, 22, 1.0);
+    moe_test_randn(opt.m, ns, 23, 1e-3);
+    moe_test_randn(opt.v, ns, 24, 1e-3);
+    for (size_t i = 0; i < ns; i++)
+        opt.v[i] *= opt.v[i];
+    memcpy(w, opt.master, sizeof(moe_real) * ns);
+    memcpy(m, opt.m, sizeof(float) * ns);
+    memcpy(v, opt.v, sizeof(float) * ns);
+    const double b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1, clip = 0.37;
+    for (int step = 1; step <= 2; step++) {
+        double hyper[3];
+        moe_adamw_next_hyper(&opt, 1e-3 * step, b1, b2, hyper);
+        moe_test_poison(act, n);
+        moe_adamw_step(&opt, NULL, g, act, 99.0, b1, b2, eps, wd, &clip, NULL, hyper);
+        adamw_reference(&pt, &opt, 1, w, g, m, v, step, 1e-3 * step, b1, b2, eps, wd, clip);
+        ck_assert_msg(!memcmp(opt.master, w, sizeof(moe_real) * ns) &&
+                          !memcmp(opt.m, m, sizeof(float) * ns) &&
+                          !memcmp(opt.v, v, sizeof(float) * ns),
+                      "step %d: the multi-tensor step differs from one update per element",
+                      step);
+        for (int k = 0; k < opt.n_pieces; k++) /* the copy of this rank's pieces ... */
+            ck_assert(!memcmp(act + pieces[k].lo, w + opt.piece[k].state,
+                              sizeof(moe_real) * (pieces[k].hi - pieces[k].lo)));
+        for (size_t i = 0; i < pieces[0].lo; i++) /* ... and nothing else */
+            ck_assert(isnan(act[i]));
+        ck_assert(isnan(act[pieces[0].hi]) && isnan(act[pieces[1].lo - 1]) && isnan(act[n - 1]));
+    }
+    /* a skipped step: p, m, v untouched, the copy still written (of the unchanged weights) */
+    memcpy(w0, opt.master, sizeof(moe_real) * ns);
+    memcpy(m0, opt.m, sizeof(float) * ns);
+    memcpy(v0, opt.v, sizeof(float) * ns);
+    const int flag = MOE_STEP_NONFINITE;
+    moe_test_poison(act, n);
+    moe_adamw_step(&opt, NULL, g, act, 1e-3, b1, b2, eps, wd, &clip, &flag, NULL);
+    ck_assert(!memcmp(opt.master, w0, sizeof(moe_real) * ns) &&
+              !memcmp(opt.m, m0, sizeof(float) * ns) && !memcmp(opt.v, v0, sizeof(float) * ns));
+    for (int k = 0; k < opt.n_pieces; k++)
+        ck_assert(!memcmp(act + pieces[k].lo, w0 + opt.piece[k].state,
+                          sizeof(moe_real) * (pieces[k].hi - pieces[k].lo)));
+    moe_adamw_free(&opt);
+    free(g), free(act), free(w), free(w0), free(m), free(v), free(m0), free(v0);
     moe_params_free(&pt);
 }
 END_TEST
@@ -871,7 +983,8 @@ Suite *suite_core(void) {
     tcase_add_test(opt, test_clip_grad_norm_large);
     tcase_add_test(opt, test_adamw_first_steps);
     tcase_add_test(opt, test_adamw_decay_only_where_enabled);
-    tcase_add_test(opt, test_adamw_coalesces_neighbours);
+    tcase_add_test(opt, test_adamw_one_call_over_runs);
+    tcase_add_test(opt, test_adamw_runs_chunks_master);
     suite_add_tcase(s, opt);
 
     TCase *tim = tcase_create("timer");

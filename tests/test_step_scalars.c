@@ -205,20 +205,26 @@ START_TEST(test_scalar_ops_cpu) {
     const double clip = 0.3;
     for (int i = 0; i < 3; i++)
         gc[i] = (moe_real)(g[i] * clip);
-    be->adamw(p1, g, m1, v1, 3, 1e-2, 0.9, 0.95, 1e-8, 0.1, 0.1, 0.05, &clip, NULL, NULL);
-    be->adamw(p2, gc, m2, v2, 3, 1e-2, 0.9, 0.95, 1e-8, 0.1, 0.1, 0.05, NULL, NULL, NULL);
+    const moe_adamw_runs run3 = moe_test_adamw_flat(be, 3); /* the three elements */
+    be->adamw(&run3, p1, g, m1, v1, NULL, 1e-2, 0.9, 0.95, 1e-8, 0.1, 0.1, 0.05, &clip, NULL,
+              NULL);
+    be->adamw(&run3, p2, gc, m2, v2, NULL, 1e-2, 0.9, 0.95, 1e-8, 0.1, 0.1, 0.05, NULL, NULL,
+              NULL);
     ck_assert(!memcmp(p1, p2, sizeof p1) && !memcmp(m1, m2, sizeof m1) &&
               !memcmp(v1, v2, sizeof v1));
     /* lr and the bias corrections from memory (hyper) win over the arguments */
     moe_real p3[3] = {1, 2, 3};
     float m3[3] = {0}, v3[3] = {0};
     const double hyper[3] = {1e-2, 0.1, 0.05};
-    be->adamw(p3, gc, m3, v3, 3, 7.0, 0.9, 0.95, 1e-8, 0.1, 0.9, 0.9, NULL, NULL, hyper);
+    be->adamw(&run3, p3, gc, m3, v3, NULL, 7.0, 0.9, 0.95, 1e-8, 0.1, 0.9, 0.9, NULL, NULL,
+              hyper);
     ck_assert(!memcmp(p3, p2, sizeof p3) && !memcmp(m3, m2, sizeof m3) &&
               !memcmp(v3, v2, sizeof v3));
     const int flag = MOE_STEP_NONFINITE;
-    be->adamw(p1, g, m1, v1, 3, 1e-2, 0.9, 0.95, 1e-8, 0.1, 0.1, 0.05, &clip, &flag, NULL);
+    be->adamw(&run3, p1, g, m1, v1, NULL, 1e-2, 0.9, 0.95, 1e-8, 0.1, 0.1, 0.05, &clip, &flag,
+              NULL);
     ck_assert(!memcmp(p1, p2, sizeof p1) && !memcmp(m1, m2, sizeof m1));
+    be->free(run3.run);
     /* the expert load and the bias */
     long long load[4] = {5, 0, 0, 1};
     const int idx[6] = {0, 3, 1, 3, 3, 2};

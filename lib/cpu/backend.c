@@ -316,10 +316,17 @@ static void cpu_scale_real(moe_real *x, double s, size_t n) {
     for (size_t i = 0; i < n; i++)
         x[i] = (moe_real)(x[i] * s);
 }
-static void cpu_adamw(moe_real *p, const moe_real *g, float *m, float *v, size_t n, double lr,
-                      double beta1, double beta2, double eps, double wd, double bc1, double bc2,
-                      const double *clip, const int *flags, const double *hyper) {
-    if (flags && *flags) /* the step is skipped: its loss or norm is bad, or it overflowed */
+/* The multi-tensor AdamW: the same loop as the CUDA kernel (kernels/optimizer.cu), one
+ * iteration per chunk, each finding its run by a binary search. The compute copy is the
+ * weight itself (the activation type is moe_real: cast_to_act is a copy), written after
+ * the update, or of the unchanged weight on a skipped step. */
+static void cpu_adamw(const moe_adamw_runs *runs, moe_real *p, const moe_real *g, float *m,
+                      float *v, void *act, double lr, double beta1, double beta2, double eps,
+                      double wd, double bc1, double bc2, const double *clip, const int *flags,
+                      const double *hyper) {
+    const int skip = flags && *flags; /* the step is skipped: its loss or norm is bad, or it
+                                       * overflowed */
+    if (skip && !act)
         return;
     if (hyper) {
         lr = hyper[0];
@@ -327,10 +334,22 @@ static void cpu_adamw(moe_real *p, const moe_real *g, float *m, float *v, size_t
         bc2 = hyper[2];
     }
     const double c = clip ? *clip : 1.0;
+    moe_real *a = act;
 #pragma omp parallel for schedule(static)
-    for (size_t i = 0; i < n; i++) /* g·1.0 == g exactly: no clip is no change */
-        moe_adamw_update(&p[i], (moe_real)(g[i] * c), &m[i], &v[i], lr, beta1, beta2, eps, wd,
-                         bc1, bc2);
+    for (size_t k = 0; k < runs->chunks; k++) {
+        const moe_adamw_run r = runs->run[moe_adamw_run_of_chunk(runs->run, runs->n, k)];
+        const size_t lo = (k - r.chunk) * MOE_ADAMW_CHUNK;
+        const size_t hi = lo + MOE_ADAMW_CHUNK < r.n ? lo + MOE_ADAMW_CHUNK : r.n;
+        const double d = r.decay ? wd : 0.0;
+        for (size_t i = lo; i < hi; i++) {
+            moe_real *w = &p[r.weight + i];
+            if (!skip) /* g·1.0 == g exactly: no clip is no change */
+                moe_adamw_update(w, (moe_real)(g[r.grad + i] * c), &m[r.state + i],
+                                 &v[r.state + i], lr, beta1, beta2, eps, d, bc1, bc2);
+            if (a)
+                a[r.grad + i] = *w;
+        }
+    }
 }
 
 /* --------------------------------------------------- the step's scalars (chapter 06) */
