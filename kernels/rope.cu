@@ -147,7 +147,7 @@ static __global__ void rope_kernel(moe_bf16 *out, const moe_bf16 *in, const floa
     const size_t o = (size_t)n * heads * D + (size_t)h * D + i; /* a_i; b_i is o + half */
     moe_bf16x8 va, vb, oa, ob; /* the first VEC elements are used */
     float2 t8[VEC];
-    if (VEC == 8) {
+    if constexpr (VEC == 8) {
         va.u = *(const uint4 *)(in + o);
         vb.u = *(const uint4 *)(in + o + half);
         if (accumulate) {
@@ -185,7 +185,7 @@ static __global__ void rope_kernel(moe_bf16 *out, const moe_bf16 *in, const floa
         oa.h[j] = moe_st(ra);
         ob.h[j] = moe_st(rb);
     }
-    if (VEC == 8) {
+    if constexpr (VEC == 8) {
         *(uint4 *)(out + o) = oa.u;
         *(uint4 *)(out + o + half) = ob.u;
     } else {
