@@ -48,6 +48,8 @@ static const char *const g_slot_names[MOE_SCRATCH_SLOTS] = {
 
 unsigned long long moe_cuda_memory_epoch(void) { return g_epoch; }
 
+void moe_cuda_memory_moved(void) { g_epoch++; }
+
 void *moe_cuda_scratch(moe_scratch_slot slot, size_t bytes) {
     if (bytes > g_scratch_bytes[slot]) {
         char what[96];
@@ -66,7 +68,7 @@ void *moe_cuda_scratch(moe_scratch_slot slot, size_t bytes) {
             exit(1);
         }
         g_scratch_bytes[slot] = cap;
-        g_epoch++;
+        moe_cuda_memory_moved();
     }
     return g_scratch[slot];
 }

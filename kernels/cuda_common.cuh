@@ -191,6 +191,11 @@ void moe_cuda_free_counted(void *p);
  *  stale. @return the epoch */
 unsigned long long moe_cuda_memory_epoch(void);
 
+/** Advance the memory epoch: a device buffer that a captured CUDA graph may hold was freed
+ *  or replaced (scratch growth; kernels/rope.cu's cos/sin tables), so such graphs are
+ *  captured again instead of replayed. */
+void moe_cuda_memory_moved(void);
+
 /**
  * Where the backend would wait for the device, read device memory on the host, or allocate,
  * it first calls this with what it is about to do. Outside a capture it returns 0 and the

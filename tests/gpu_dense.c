@@ -61,11 +61,21 @@ static moe_real *upload_act(void *d, size_t n, uint64_t stream, double scale) {
     return h;
 }
 
-/* Random bf16 activation tensor: returns the device buffer; *host gets the rounded values. */
-static void *rand_act(size_t n, uint64_t stream, double scale, moe_real **host) {
-    void *d = dmalloc(n * 2);
+/* Random bf16 tensor of n elements placed @p off elements into a fresh device buffer (off = 1
+ * makes it 2 bytes past a 16-byte boundary: the kernels' one-element path). *alloc gets the
+ * buffer to free, *host the values the GPU holds. */
+static void *rand_act_at(size_t n, size_t off, uint64_t stream, double scale, moe_real **host,
+                         void **alloc) {
+    *alloc = dmalloc((n + off) * 2);
+    void *d = (char *)*alloc + 2 * off;
     *host = upload_act(d, n, stream, scale);
     return d;
+}
+
+/* Random bf16 activation tensor: returns the device buffer; *host gets the rounded values. */
+static void *rand_act(size_t n, uint64_t stream, double scale, moe_real **host) {
+    void *alloc;
+    return rand_act_at(n, 0, stream, scale, host, &alloc);
 }
 
 /* Random fp32 tensor on the device; *host gets the same values. */
@@ -483,20 +493,26 @@ END_TEST
 
 /* -------------------------------------------------------------------- rope */
 
-/* @p pos0: the rows are positions pos0.. of each sequence (a context-parallel chunk) */
-static void check_rope(int B, int T, int heads, int D, int pos0, double base) {
-    char name[96];
+/* One run of RoPE forward (out poisoned first, then again in place) and backward (into a
+ * random din) at @p off elements into its buffers, each checked against the CPU twin.
+ * Returns the GPU's forward and backward outputs (*fwd, *bwd) for the caller to compare. */
+static void run_rope(int B, int T, int heads, int D, int pos0, double base, size_t off,
+                     moe_real **fwd, moe_real **bwd) {
+    char name[128];
     const size_t n = (size_t)B * T * heads * D;
     moe_real *in, *dout, *din0;
-    void *d_in = rand_act(n, 40, 1.0, &in);
-    void *d_dout = rand_act(n, 41, 1.0, &dout);
+    void *a_in, *a_dout, *a_out, *a_din;
+    void *d_in = rand_act_at(n, off, 40, 1.0, &in, &a_in);
+    void *d_dout = rand_act_at(n, off, 41, 1.0, &dout, &a_dout);
 
-    void *d_out = dmalloc(n * 2);
-    poison_dev(d_out, n * 2);
+    a_out = dmalloc((n + off) * 2);
+    void *d_out = (char *)a_out + 2 * off;
+    poison_dev(a_out, (n + off) * 2);
     moe_cuda_rope_forward(d_out, d_in, B, T, heads, D, pos0, base);
     moe_real *out = read_act(d_out, n), *ref = hmalloc(n);
     moe_cpu_rope_forward(ref, in, B, T, heads, D, pos0, base);
-    snprintf(name, sizeof name, "rope fwd B=%d T=%d H=%d D=%d pos0=%d", B, T, heads, D, pos0);
+    snprintf(name, sizeof name, "rope fwd B=%d T=%d H=%d D=%d pos0=%d off=%zu", B, T, heads, D,
+             pos0, off);
     expect_close(name, out, ref, n, 1e-2);
 
     /* in place (out == in) gives the same result */
@@ -505,23 +521,71 @@ static void check_rope(int B, int T, int heads, int D, int pos0, double base) {
     moe_real *inplace = read_act(d_out, n);
     ck_assert_int_eq(memcmp(inplace, out, n * sizeof(moe_real)), 0);
 
-    void *d_din = rand_act(n, 42, 1.0, &din0);
+    /* backward accumulates into a random din */
+    void *d_din = rand_act_at(n, off, 42, 1.0, &din0, &a_din);
     moe_cuda_rope_backward(d_din, d_dout, B, T, heads, D, pos0, base);
     moe_real *din = read_act(d_din, n);
     moe_cpu_rope_backward(din0, dout, B, T, heads, D, pos0, base);
-    snprintf(name, sizeof name, "rope bwd B=%d T=%d H=%d D=%d pos0=%d", B, T, heads, D, pos0);
+    snprintf(name, sizeof name, "rope bwd B=%d T=%d H=%d D=%d pos0=%d off=%zu", B, T, heads, D,
+             pos0, off);
     expect_close(name, din, din0, n, 1e-2);
 
-    moe_cuda_free(d_in), moe_cuda_free(d_dout), moe_cuda_free(d_out), moe_cuda_free(d_din);
-    free(in), free(dout), free(din0), free(out), free(ref), free(inplace), free(din);
+    moe_cuda_free(a_in), moe_cuda_free(a_dout), moe_cuda_free(a_out), moe_cuda_free(a_din);
+    free(in), free(dout), free(din0), free(ref), free(inplace);
+    *fwd = out;
+    *bwd = din;
+}
+
+/* @p pos0: the rows are positions pos0.. of each sequence (a context-parallel chunk). When
+ * D/2 is a multiple of 8 the kernel takes 8 pairs a thread with 16-byte accesses; the same
+ * call one element off a 16-byte boundary takes the one-pair path, and both must give the
+ * same bits. */
+static void check_rope(int B, int T, int heads, int D, int pos0, double base) {
+    const size_t n = (size_t)B * T * heads * D;
+    moe_real *fwd, *bwd;
+    run_rope(B, T, heads, D, pos0, base, 0, &fwd, &bwd);
+    if (D % 16 == 0) {
+        moe_real *fwd1, *bwd1;
+        run_rope(B, T, heads, D, pos0, base, 1, &fwd1, &bwd1);
+        ck_assert_msg(memcmp(fwd, fwd1, n * sizeof(moe_real)) == 0 &&
+                          memcmp(bwd, bwd1, n * sizeof(moe_real)) == 0,
+                      "rope D=%d: the 16-byte and the one-element paths differ", D);
+        free(fwd1), free(bwd1);
+    }
+    free(fwd), free(bwd);
 }
 
 START_TEST(test_gpu_rope) {
     check_rope(3, 37, 4, 64, 0, 10000.0);
-    if (!moe_test_quick())
-        check_rope(2, 1024, 8, 128, 0, 10000.0);
-    check_rope(1, 5000, 2, 6, 0, 1e6); /* long positions, tiny head */
+    check_rope(2, 50, 6, 64, 0, 10000.0); /* the GPU preset's heads: 6 query, 2 key/value */
+    check_rope(2, 50, 2, 64, 0, 10000.0);
+    check_rope(1, 5000, 2, 6, 0, 1e6);        /* long positions, tiny head: one pair a thread */
     check_rope(2, 300, 4, 64, 4700, 10000.0); /* a chunk at positions 4700..4999 */
+    check_rope(2, 100, 3, 128, 100000, 10000.0); /* positions ~1e5: angles need double */
+    check_rope(1, 64, 2, 16, 99990, 1e6);        /* the smallest head of 8 pairs a thread */
+    if (!moe_test_quick()) {
+        check_rope(2, 1024, 8, 128, 0, 10000.0);
+        check_rope(1, 8192, 6, 64, 0, 10000.0); /* the preset's q and k of one step */
+        check_rope(1, 8192, 2, 64, 0, 10000.0);
+        check_rope(2, 2048, 2, 64, 131072 - 2048, 1e6); /* a CP rank's chunk, far out */
+    }
+}
+END_TEST
+
+/* The cos/sin tables (kernels/rope.cu) are cached per (D, base) and cover positions from 0:
+ * a call beyond them, a new D or base, and more (D, base) than the cache holds must each get
+ * correct values — a stale or short table would rotate by the wrong angle. */
+START_TEST(test_gpu_rope_table_rebuilt) {
+    check_rope(1, 16, 2, 64, 0, 10000.0);
+    check_rope(1, 4096, 2, 64, 100000, 10000.0); /* grows the table past position 104095 */
+    check_rope(1, 16, 2, 64, 0, 10000.0);        /* served by the grown table */
+    check_rope(1, 16, 2, 128, 0, 10000.0);       /* another D */
+    check_rope(1, 16, 2, 64, 0, 500000.0);       /* another base */
+    check_rope(1, 16, 2, 32, 7, 10000.0);
+    check_rope(1, 16, 2, 16, 0, 10000.0); /* a fifth (D, base): one table is replaced */
+    check_rope(2, 40, 2, 64, 3000, 10000.0);
+    check_rope(1, 300, 2, 128, 5000, 10000.0);
+    check_rope(1, 16, 2, 64, 0, 500000.0);
 }
 END_TEST
 
@@ -708,6 +772,49 @@ END_TEST
 
 /* ------------------------------------------------------------- elementwise */
 
+/* add and scale on n elements at y + yoff, x + xoff (offsets in elements) inside buffers with
+ * 8 guard elements after: every element is compared BIT FOR BIT with the fp32 arithmetic
+ * rounded once (what the kernels promise, on the 16-byte path and the one-element path
+ * alike), and the guards must be untouched. */
+static void check_add_scale(size_t n, size_t yoff, size_t xoff) {
+    const moe_backend *cpu = moe_backend_cpu();
+    const size_t ny = yoff + n + 8, nx = xoff + n + 8;
+    moe_real *x, *y;
+    void *d_x = rand_act(nx, 70, 1.0, &x), *d_y = rand_act(ny, 71, 1.0, &y);
+
+    moe_cuda_add((char *)d_y + 2 * yoff, (char *)d_x + 2 * xoff, n);
+    moe_real *got = read_act(d_y, ny);
+    size_t bad = 0, guard = 0;
+    for (size_t i = 0; i < ny; i++) {
+        if (i >= yoff && i < yoff + n)
+            bad += got[i] != bf16_round(y[i] + x[i - yoff + xoff]);
+        else
+            guard += memcmp(&got[i], &y[i], sizeof(moe_real)) != 0;
+    }
+    ck_assert_msg(bad == 0 && guard == 0,
+                  "add n=%zu y+%zu x+%zu: %zu elements not the rounded fp32 sum, %zu guards "
+                  "written", n, yoff, xoff, bad, guard);
+
+    const double f = 0.37;
+    moe_cuda_scale((char *)d_y + 2 * yoff, f, n);
+    moe_real *got2 = read_act(d_y, ny);
+    bad = guard = 0;
+    for (size_t i = 0; i < ny; i++) {
+        if (i >= yoff && i < yoff + n)
+            bad += got2[i] != bf16_round(got[i] * (float)f);
+        else
+            guard += memcmp(&got2[i], &y[i], sizeof(moe_real)) != 0;
+    }
+    ck_assert_msg(bad == 0 && guard == 0,
+                  "scale n=%zu x+%zu: %zu elements not the rounded fp32 product, %zu guards "
+                  "written", n, yoff, bad, guard);
+    cpu->scale(got + yoff, f, n); /* the CPU twin (double product): within one rounding */
+    expect_close("scale vs CPU", got2 + yoff, got + yoff, n, 1e-2);
+
+    moe_cuda_free(d_x), moe_cuda_free(d_y);
+    free(x), free(y), free(got), free(got2);
+}
+
 START_TEST(test_gpu_elementwise) {
     const moe_backend *cpu = moe_backend_cpu();
     const size_t n = 1000003;
@@ -719,20 +826,16 @@ START_TEST(test_gpu_elementwise) {
     moe_real *got = read_act(d_y, n);
     cpu->add(y, x, n);
     expect_close("add", got, y, n, 1e-2);
-    /* y = bf16(fp32 sum): exactly the CPU's sum, rounded once */
-    size_t bad = 0;
-    for (size_t i = 0; i < n; i++)
-        bad += got[i] != bf16_round(y[i]);
-    ck_assert_msg(bad == 0, "add: %zu elements are not the rounded fp32 sum", bad);
-
-    moe_cuda_write_act(d_y, got, n);
-    moe_cuda_scale(d_y, 0.37, n);
-    moe_real *got2 = read_act(d_y, n);
-    cpu->scale(got, 0.37, n);
-    expect_close("scale", got2, got, n, 1e-2);
 
     moe_cuda_free(d_x), moe_cuda_free(d_y);
-    free(x), free(y), free(got), free(got2);
+    free(x), free(y), free(got);
+
+    /* odd sizes, each around the 8-element units, aligned and not */
+    const size_t sizes[] = {1, 7, 8, 9, 15, 17, 4099, 1000003};
+    const size_t offs[][2] = {{0, 0}, {1, 0}, {0, 1}, {1, 1}, {3, 3}, {7, 7}, {5, 2}};
+    for (size_t a = 0; a < sizeof sizes / sizeof *sizes; a++)
+        for (size_t b = 0; b < sizeof offs / sizeof *offs; b++)
+            check_add_scale(sizes[a], offs[b][0], offs[b][1]);
 }
 END_TEST
 
@@ -880,6 +983,7 @@ Suite *suite_gpu_dense(void) {
     tcase_add_test(tc, test_gpu_rmsnorm);
     tcase_add_test(tc, test_gpu_rmsnorm_unaligned);
     tcase_add_test(tc, test_gpu_rope);
+    tcase_add_test(tc, test_gpu_rope_table_rebuilt);
     tcase_add_test(tc, test_gpu_swiglu);
     tcase_add_test(tc, test_gpu_cross_entropy);
     tcase_add_test(tc, test_gpu_cross_entropy_shard);
