@@ -23,9 +23,10 @@
  *      independent), into the caller's device array.
  *   2. scores: one warp per token writes s[t, :] in fp32.
  *   3. column sums Σ_t s_{t,i} over this rank's rows of each group it holds: a block per
- *      (group, 32 experts), 32 threads down the rows in a fixed stride, partial sums in
- *      double, combined in a fixed order.
- *   4. L = (1/groups)·Σ_g coeff·E/(k·T²)·Σ_i c_{g,i}·ssum_{g,i}: one block, fixed-order tree,
+ *      (group, 32 experts, slice of the rows), 32 threads down the slice in a fixed stride,
+ *      partial sums in double, combined in a fixed order;
+ *   4. L = (1/groups)·Σ_g coeff·E/(k·T²)·Σ_i c_{g,i}·ssum_{g,i}, ssum the slices' sum in
+ *      slice order: one block, fixed-order tree,
  *      added into the caller's device double (until chapter 06 it came back to the host: a
  *      sync per layer and micro-batch).
  * Backward: only s carries gradient (counts are constants). With
@@ -106,40 +107,55 @@ static __global__ void aux_scores_kernel(float *s, const moe_bf16 *logits, int N
         s[(size_t)t * E + e] = token_score(moe_ld(z[e]), sig, m, sum);
 }
 
-/* ssum[j, e] = Σ s[t, e] over this rank's rows t of group g0 + j. The group's rows are
- * runs of `run` rows, one every groups·run (one run when run = T, the usual case; two per
- * rank under context parallelism), walked in order. Block (32 experts) × (32 row strides). */
-static __global__ void aux_colsum_kernel(double *ssum, const float *s, int N, int row0, int g0,
+/* The column sums are cut into COLSUM_SLICES slices of a group's rows, each summed by a
+ * block of its own: with one block per group (the global aux loss has one group) a block's
+ * threads each walked N/32 rows, every add waiting on a load from L2 — 16 µs a call for the
+ * GPU preset's 8192 × 8 scores. The slicing depends on nothing but the constant, so the
+ * order of every sum, and the result, is the same on every run. */
+#define COLSUM_SLICES 16
+
+/* part[j, z, e] = Σ s[t, e] over slice z of this rank's rows t of group g0 + j. The group's
+ * rows are runs of `run` rows, one every groups·run (one run when run = T, the usual case;
+ * two per rank under context parallelism), walked in order; slice z takes the rows lo + ty +
+ * 32·(z + COLSUM_SLICES·i) of each run. Block (32 experts) × (32 row strides), grid (groups,
+ * expert blocks, slices). */
+static __global__ void aux_colsum_kernel(double *part, const float *s, int N, int row0, int g0,
                                          int groups, int run, int E) {
-    __shared__ double part[32][33];
+    __shared__ double sh[32][33];
     const int g = blockIdx.x, e = blockIdx.y * 32 + threadIdx.x, ty = threadIdx.y;
+    const int z = blockIdx.z;
     double acc = 0.0;
     for (long long a = (long long)(g0 + g) * run - row0; a < N; a += (long long)groups * run) {
         const long long b = a + run;
         const int lo = a > 0 ? (int)a : 0, hi = b < N ? (int)b : N;
         if (e < E)
-            for (int t = lo + ty; t < hi; t += 32)
+            for (int t = lo + ty + 32 * z; t < hi; t += 32 * COLSUM_SLICES)
                 acc += s[(size_t)t * E + e];
     }
-    part[ty][threadIdx.x] = acc;
+    sh[ty][threadIdx.x] = acc;
     __syncthreads();
     if (ty == 0 && e < E) {
         double tot = 0.0;
         for (int i = 0; i < 32; i++)
-            tot += part[i][threadIdx.x];
-        ssum[(size_t)g * E + e] = tot;
+            tot += sh[i][threadIdx.x];
+        part[((size_t)g * COLSUM_SLICES + z) * E + e] = tot;
     }
 }
 
 /* out = (1/groups) Σ_j f · Σ_e c[j,e]·ssum[j,e] over the ng groups this rank holds rows of
- * (cnt points at the first); one block of 256 threads, fixed order. */
-static __global__ void aux_final_kernel(double *out, const long long *cnt, const double *ssum,
+ * (cnt points at the first), ssum[j,e] = Σ_z part[j,z,e] in slice order; one block of 256
+ * threads, fixed order. */
+static __global__ void aux_final_kernel(double *out, const long long *cnt, const double *part,
                                         int ng, int groups, int E, double f) {
     double acc = 0.0;
     for (int g = threadIdx.x; g < ng; g += blockDim.x) {
         double dot = 0.0;
-        for (int e = 0; e < E; e++)
-            dot += (double)cnt[(size_t)g * E + e] * ssum[(size_t)g * E + e];
+        for (int e = 0; e < E; e++) {
+            double ssum = 0.0;
+            for (int z = 0; z < COLSUM_SLICES; z++)
+                ssum += part[((size_t)g * COLSUM_SLICES + z) * E + e];
+            dot += (double)cnt[(size_t)g * E + e] * ssum;
+        }
         acc += f * dot;
     }
     acc = moe_block_sum<double>(acc);
@@ -269,17 +285,18 @@ extern "C" void moe_cuda_aux_loss_forward(double *acc, const void *logits,
         return; /* *acc += 0 */
     cudaStream_t st = moe_cuda_stream();
     const size_t b_s = align256(sizeof(float) * (size_t)N * E);
-    unsigned char *p = (unsigned char *)scratch(b_s + sizeof(double) * (size_t)ng * E);
+    unsigned char *p =
+        (unsigned char *)scratch(b_s + sizeof(double) * (size_t)ng * COLSUM_SLICES * E);
     float *sc = (float *)p;
-    double *ssum = (double *)(p + b_s);
+    double *part = (double *)(p + b_s);
     aux_scores_kernel<<<moe_cdiv(N, WARPS), 32 * WARPS, 0, st>>>(sc, (const moe_bf16 *)logits, N, E,
                                                                  s->fn == MOE_SCORE_SIGMOID);
     MOE_CUDA_LAUNCH_CHECK();
-    aux_colsum_kernel<<<dim3(ng, moe_cdiv(E, 32)), dim3(32, 32), 0, st>>>(
-        ssum, sc, N, s->row0, first_group(s), s->groups, run_of(s), E);
+    aux_colsum_kernel<<<dim3(ng, moe_cdiv(E, 32), COLSUM_SLICES), dim3(32, 32), 0, st>>>(
+        part, sc, N, s->row0, first_group(s), s->groups, run_of(s), E);
     MOE_CUDA_LAUNCH_CHECK();
     const double f = coeff * E / ((double)s->k * T * T);
-    aux_final_kernel<<<1, 256, 0, st>>>(acc, counts + (size_t)first_group(s) * E, ssum, ng,
+    aux_final_kernel<<<1, 256, 0, st>>>(acc, counts + (size_t)first_group(s) * E, part, ng,
                                         s->groups, E, f);
     MOE_CUDA_LAUNCH_CHECK();
 }
