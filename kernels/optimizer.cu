@@ -48,7 +48,21 @@ static_assert(MOE_ADAMW_CHUNK % (4 * THREADS) == 0,
 static __global__ void sum_partial_kernel(double *partial, const float *x, size_t n, int square) {
     const size_t stride = (size_t)gridDim.x * blockDim.x;
     double acc = 0.0;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    /* the same elements in the same order, so the same sum, with 4 loads in flight at a
+     * time (one at a time, each add waited for its own load) */
+    for (; i + 3 * stride < n; i += 4 * stride) {
+        float v[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+            v[u] = x[i + u * stride];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const double d = v[u];
+            acc += square ? d * d : d;
+        }
+    }
+    for (; i < n; i += stride) {
         const double v = x[i];
         acc += square ? v * v : v;
     }
