@@ -215,20 +215,8 @@ static __global__ void lse_kernel(float *lse, const moe_bf16 *logits, int N, int
 static __global__ void z_final_kernel(double *out, const float *lse, int N, double coeff) {
     /* thread t adds lse[t]², lse[t + 256]², ... in that order, 8 loads in flight at a time:
      * one block walking the values one L2 latency each took 8 us for 8192 tokens */
-    const int B = blockDim.x;
-    double acc = 0.0;
-    int t = threadIdx.x;
-    for (; t + 7 * B < N; t += 8 * B) {
-        float v[8];
-#pragma unroll
-        for (int u = 0; u < 8; u++)
-            v[u] = lse[t + u * B];
-#pragma unroll
-        for (int u = 0; u < 8; u++)
-            acc += (double)v[u] * v[u];
-    }
-    for (; t < N; t += B)
-        acc += (double)lse[t] * lse[t];
+    double acc = moe_strided_sum<8>(lse, threadIdx.x, (size_t)N, blockDim.x,
+                                    [](double v) { return v * v; });
     acc = moe_block_sum<double>(acc);
     if (threadIdx.x == 0)
         *out += coeff * acc / N;

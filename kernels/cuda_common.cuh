@@ -121,6 +121,29 @@ static __device__ __forceinline__ void moe_warp_softmax_stats(const moe_bf16 *z,
     *sum = moe_warp_sum(s);
 }
 
+/** One thread's part of a strided sum: acc + f(x[i]) + f(x[i + s]) + f(x[i + 2s]) + ... for
+ *  the indices below @p n, added in that order, in double, with U loads in flight at a time.
+ *  A plain loop makes each add wait for its own load, so a reduction that one thread walks
+ *  for many elements runs at one memory latency per element; loading U ahead keeps the order
+ *  of the adds, and so the bits of the sum. */
+template <int U, typename F>
+static __device__ __forceinline__ double moe_strided_sum(const float *x, size_t i, size_t n,
+                                                         size_t s, F f) {
+    double acc = 0.0;
+    for (; i + (U - 1) * s < n; i += U * s) {
+        float v[U];
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            v[u] = x[i + u * s];
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            acc += f((double)v[u]);
+    }
+    for (; i < n; i += s)
+        acc += f((double)x[i]);
+    return acc;
+}
+
 /** Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread
  *  gets the result. Contains __syncthreads(): call it from every thread of the block. */
 template <typename T> static __device__ T moe_block_sum(T v) {

@@ -47,25 +47,8 @@ static_assert(MOE_ADAMW_CHUNK % (4 * THREADS) == 0,
 /* pass 1: partial[b] = Σ over this block's grid-stride elements of x (or x²) */
 static __global__ void sum_partial_kernel(double *partial, const float *x, size_t n, int square) {
     const size_t stride = (size_t)gridDim.x * blockDim.x;
-    double acc = 0.0;
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    /* the same elements in the same order, so the same sum, with 4 loads in flight at a
-     * time (one at a time, each add waited for its own load) */
-    for (; i + 3 * stride < n; i += 4 * stride) {
-        float v[4];
-#pragma unroll
-        for (int u = 0; u < 4; u++)
-            v[u] = x[i + u * stride];
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const double d = v[u];
-            acc += square ? d * d : d;
-        }
-    }
-    for (; i < n; i += stride) {
-        const double v = x[i];
-        acc += square ? v * v : v;
-    }
+    double acc = moe_strided_sum<4>(x, (size_t)blockIdx.x * blockDim.x + threadIdx.x, n, stride,
+                                    [square](double v) { return square ? v * v : v; });
     acc = moe_block_sum<double>(acc);
     if (threadIdx.x == 0)
         partial[blockIdx.x] = acc;
