@@ -251,7 +251,10 @@ static moe_status write_shard(const moe_trainer *t, const char *path, host_state
                               const char *config, size_t config_len, moe_error *err) {
     const moe_model *m = t->model;
     const moe_param_table *pt = &m->table;
-    moe_ckpt_tensor *list = calloc((size_t)pt->n * BUF_COUNT + 4, sizeof *list);
+    /* the parameters' buffers, then at most: trainer.state, config, expert bias, the
+     * stochastic-rounding counter and delayed scaling's three tables */
+    enum { EXTRA_ENTRIES = 7 };
+    moe_ckpt_tensor *list = calloc((size_t)pt->n * BUF_COUNT + EXTRA_ENTRIES, sizeof *list);
     void **owned = calloc((size_t)pt->n * BUF_COUNT + 1, sizeof *owned); /* assembled copies */
     if (!list || !owned) {
         free(list);

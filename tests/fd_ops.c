@@ -710,9 +710,11 @@ START_TEST(test_fd_lowp_linear_straight_through) {
     static const char *recipes[] = {"--fp8-format e4m3 --fp8-recipe tensorwise",
                                     "--fp8-format hybrid --fp8-recipe blockwise",
                                     "--fp8-format e4m3 --fp8-recipe mxfp8",
-                                    "--fp4-format e2m1 --fp4-recipe nvfp4"};
+                                    "--fp4-format e2m1 --fp4-recipe nvfp4",
+                                    /* one site per role: the backward's x replays */
+                                    "--fp8-format e4m3 --fp8-recipe delayed"};
     const moe_backend *be = moe_backend_cpu();
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < (int)(sizeof recipes / sizeof recipes[0]); k++) {
         moe_config cfg;
         moe_error err;
         char flags[256];
@@ -722,7 +724,7 @@ START_TEST(test_fd_lowp_linear_straight_through) {
         ck_assert(moe_lowp_from_config(&lp, &cfg, &err) == MOE_OK && lp.on);
         lowp_lin_ctx c = {6, 128, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, &lp, 0};
         const size_t nx = (size_t)c.N * c.I, nw = (size_t)c.O * c.I, ny = (size_t)c.N * c.O;
-        ck_assert(moe_lowp_alloc(be, &lp, nw));
+        ck_assert(moe_lowp_alloc(be, &lp, nw) && moe_lowp_alloc_delayed(be, &lp, 1, 0));
         c.x = ALLOC(nx); c.w = ALLOC(nw); c.ex = ALLOC(nx); c.ew = ALLOC(nw); c.rq = ALLOC(ny);
         c.r = ALLOC(ny); c.out = ALLOC(ny); c.tmp_x = ALLOC(nx); c.tmp_w = ALLOC(nw);
         moe_test_randn(c.x, nx, 61, 1.0);
