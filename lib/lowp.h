@@ -5,7 +5,9 @@
  *        quantization) and the GEMM itself runs in the usual precision.
  *
  * The flags are Megatron's: `--fp8-format e4m3|hybrid` with `--fp8-recipe
- * tensorwise|blockwise|mxfp8`, or `--fp4-format e2m1` with `--fp4-recipe nvfp4`. They act on
+ * tensorwise|delayed|blockwise|mxfp8` (delayed: `--fp8-amax-history-len`,
+ * `--fp8-amax-compute-algo max|most_recent`, `--fp8-margin`), or `--fp4-format e2m1` with
+ * `--fp4-recipe nvfp4`. They act on
  * every linear layer: the attention's Q, K, V and output projections, the routed experts'
  * fc1 and fc2, the shared expert and the dense FFNs. The router, the norms, the softmax, the
  * attention core, the embedding, the LM head and the optimizer stay as they are.
@@ -17,6 +19,7 @@
  * | recipe | activation | weight | gradient |
  * |---|---|---|---|
  * | tensorwise | E4M3, one scale (current amax) | E4M3, one scale per tensor (per expert) | E4M3 (`hybrid`: E5M2) |
+ * | delayed | as tensorwise, the scale from the amax history of the tensor's call site | as tensorwise | as tensorwise |
  * | blockwise | 1×128 tiles | 128×128 blocks | 1×128 tiles |
  * | mxfp8 | 1×32, E8M0 scales | 1×32 | 1×32 |
  * | nvfp4 | E2M1, 1×16, E4M3 scales + fp32 per tensor | 16×16 blocks | 1×16, stochastic rounding |
@@ -36,10 +39,22 @@
  * GEMM, where a native kernel tiles them along the tokens (the transposed copy); and NVFP4's
  * random Hadamard transform of the wgrad operands is not applied.
  *
- * **Refused at start-up** (named errors): delayed scaling, the distributed optimizer, the
- * fused permutation, a per-tensor recipe (tensorwise, NVFP4) under TP/ETP or with the
- * sync-free MoE layer (whose static budget of rows holds stale rows past the step's count),
- * NVFP4 under CUDA graphs, and any linear width that is not a multiple of the recipe's block.
+ * **Delayed scaling** (TransformerEngine's DelayedScaling): each tensor a linear layer
+ * quantizes is cast with a scale chosen from the amaxes of the previous steps at its call
+ * site, and its own amax is recorded for the next ones. The state is a table of sites
+ * (layer, linear, role; per expert for the routed experts) in backend memory, found by the
+ * call site's identity, not by call order, because the backward quantizes a saved input
+ * again: that QDQ replays the forward's scale and records nothing (moe_lowp_qdq_saved()).
+ * The first tensor at a site takes current scaling. Details in lib/lowp.c, "Delayed
+ * scaling"; the table is saved in checkpoints. Not done: Megatron's `--fp8-interval`
+ * (deprecated there; every step updates here), and the amax reduction over ranks (so delayed
+ * scaling runs on one rank only).
+ *
+ * **Refused at start-up** (named errors): the distributed optimizer, the fused permutation,
+ * a per-tensor recipe (tensorwise, delayed, NVFP4) under TP/ETP or with the sync-free MoE
+ * layer (whose static budget of rows holds stale rows past the step's count), delayed
+ * scaling on more than one rank, NVFP4 under CUDA graphs, and any linear width that is not a
+ * multiple of the recipe's block.
  *
  * **Native FP8 on Hopper** (blockwise, `e4m3`, our grouped kernel: moe_lowp_native()). The
  * routed experts' forward and dgrad GEMMs run on FP8 codes in our FP8 grouped kernel (lib/
@@ -62,8 +77,9 @@
  * **Buffers.** The weights' compute copy is quantized once per step, in place (the model
  * keeps it apart from the master weights); an activation or gradient goes into one of two
  * scratch buffers of the context, allocated once with the model, and is quantized again in
- * the backward (the same bytes: QDQ is deterministic; the gradient is quantized there for the
- * first time). Nothing is allocated in a step.
+ * the backward (the same bytes: QDQ is deterministic, and delayed scaling replays the
+ * forward's scale; the gradient is quantized there for the first time). Nothing is allocated
+ * in a step.
  */
 #ifndef MOE_LOWP_H
 #define MOE_LOWP_H
