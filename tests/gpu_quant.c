@@ -751,6 +751,19 @@ START_TEST(test_gpu_fp8_grouped_gemm_errors) {
 }
 END_TEST
 
+/* a QDQ workspace for n elements, poisoned, on the device (@p dev) or the host */
+static moe_qdq_ws qdq_ws(size_t n, int dev) {
+    size_t qb, sb;
+    moe_qdq_ws_bytes(n, &qb, &sb);
+    void *(*p)(size_t) = dev ? dpoison : hpoison;
+    return (moe_qdq_ws){p(n * sizeof(float)), p(qb), p(sb), p(sizeof(moe_quant_scalars))};
+}
+
+static void qdq_ws_free(moe_qdq_ws *ws, int dev) {
+    void (*f)(void *) = dev ? moe_cuda_free : free;
+    f(ws->x), f(ws->q), f(ws->scales), f(ws->g);
+}
+
 /* Chapter 05's emulated training (lib/lowp.h): the CUDA QDQ op on bf16 activations equals
  * the CPU's on the same values, rounded to bf16 once at the end (the CPU keeps fp32), byte
  * for byte, for every recipe; the output and the workspace start poisoned. */
@@ -761,12 +774,7 @@ START_TEST(test_gpu_qdq) {
     void *src = dpoison(2 * n), *dst = dpoison(2 * n), *want = dpoison(2 * n);
     moe_cuda_write_act(src, x, n);
     moe_cuda_read_act(x, src, n); /* the bf16 values, exactly, in fp32 */
-    size_t qb, sb;
-    moe_qdq_ws_bytes(n, &qb, &sb);
-    moe_qdq_ws dws = {dpoison(n * sizeof(float)), dpoison(qb), dpoison(sb),
-                      dpoison(sizeof(moe_quant_scalars))};
-    moe_qdq_ws hws = {hpoison(n * sizeof(float)), hpoison(qb), hpoison(sb),
-                      hpoison(sizeof(moe_quant_scalars))};
+    moe_qdq_ws dws = qdq_ws(n, 1), hws = qdq_ws(n, 0);
     float *y = hpoison(n * sizeof(float));
     unsigned char *hwant = hpoison(2 * n);
     const moe_quant_recipe recipes[] = {MOE_QUANT_TENSORWISE, MOE_QUANT_BLOCK_1X128,
@@ -790,9 +798,9 @@ START_TEST(test_gpu_qdq) {
             ck_assert_msg(same_bytes(what, dst, hwant, 2 * n), "%s: CUDA differs from the CPU",
                           what);
         }
-    free(x); free(y); free(hwant); free(hws.x); free(hws.q); free(hws.scales); free(hws.g);
+    free(x); free(y); free(hwant); qdq_ws_free(&hws, 0);
     moe_cuda_free(src); moe_cuda_free(dst); moe_cuda_free(want);
-    moe_cuda_free(dws.x); moe_cuda_free(dws.q); moe_cuda_free(dws.scales); moe_cuda_free(dws.g);
+    qdq_ws_free(&dws, 1);
 }
 END_TEST
 
@@ -803,12 +811,7 @@ END_TEST
 START_TEST(test_gpu_qdq_delayed) {
     enum { R = 64, C = 96, LEN = 3, CALLS = 8 };
     const size_t n = (size_t)R * C;
-    size_t qb, sb;
-    moe_qdq_ws_bytes(n, &qb, &sb);
-    moe_qdq_ws dws = {dpoison(n * sizeof(float)), dpoison(qb), dpoison(sb),
-                      dpoison(sizeof(moe_quant_scalars))};
-    moe_qdq_ws hws = {hpoison(n * sizeof(float)), hpoison(qb), hpoison(sb),
-                      hpoison(sizeof(moe_quant_scalars))};
+    moe_qdq_ws dws = qdq_ws(n, 1), hws = qdq_ws(n, 0);
     void *src = dpoison(2 * n), *dst = dpoison(2 * n), *want = dpoison(2 * n);
     float *y = hpoison(n * sizeof(float));
     unsigned char *hwant = hpoison(2 * n);
@@ -854,9 +857,9 @@ START_TEST(test_gpu_qdq_delayed) {
     printf("  delayed QDQ at a site: 2 algorithms x 2 formats x %d calls, %s\n", CALLS,
            ok ? "outputs, site and history CUDA == CPU" : "DIFFER");
     ck_assert(ok);
-    free(y); free(hwant); free(hws.x); free(hws.q); free(hws.scales); free(hws.g);
+    free(y); free(hwant); qdq_ws_free(&hws, 0);
     moe_cuda_free(src); moe_cuda_free(dst); moe_cuda_free(want);
-    moe_cuda_free(dws.x); moe_cuda_free(dws.q); moe_cuda_free(dws.scales); moe_cuda_free(dws.g);
+    qdq_ws_free(&dws, 1);
 }
 END_TEST
 
