@@ -303,7 +303,8 @@ void moe_fp8_weight_free(const moe_backend *be, moe_fp8_weight *fw);
  * @param be backend  @param lp the context (NULL or off: nothing happens)
  * @param fw the FP8 weight (allocated for G, O, I) or NULL  @param w the weights
  *        (activation type)  @param G experts  @param O rows of each  @param I columns
- * @param linear @param record as moe_lowp_qdq_weight()
+ * @param linear the first expert's linear layer (moe_lowp_qdq_weight())
+ * @param record 1: record the amaxes, 0: replay (moe_lowp_qdq_weight())
  */
 void moe_lowp_quantize_experts(const moe_backend *be, moe_lowp *lp, moe_fp8_weight *fw, void *w,
                                int G, int O, int I, int linear, int record);
