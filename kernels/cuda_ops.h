@@ -226,6 +226,10 @@ moe_status moe_cuda_quant_tensorwise(uint8_t *q, moe_quant_scalars *s, const flo
 moe_status moe_cuda_quant_delayed(uint8_t *q, moe_quant_scalars *s, float *history, int len,
                                   int pos, const float *x, size_t n, moe_fp8_format f,
                                   moe_error *err);
+/** @brief As moe_cpu_quant_delayed_site() (quantize.h), the site in device memory. */
+moe_status moe_cuda_quant_delayed_site(uint8_t *q, moe_quant_scalars *s, const moe_delayed_ref *d,
+                                       const float *x, size_t n, moe_fp8_format f,
+                                       moe_error *err);
 moe_status moe_cuda_dequant_tensorwise(float *y, const uint8_t *q, const moe_quant_scalars *s,
                                        size_t n, moe_fp8_format f, moe_error *err);
 moe_status moe_cuda_quant_blockwise(uint8_t *q, float *scale_inv, const float *x, int rows,

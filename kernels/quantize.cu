@@ -12,7 +12,9 @@
  *   tensorwise  amax_kernel (grid-stride, atomicMax of the key into s->amax, zeroed first),
  *               scalars_kernel (one thread: moe_quant_scalars_from_amax), cast_kernel;
  *   delayed     cast_kernel with the scale already in s->scale, amax_kernel into the history
- *               slot, delayed_kernel (one thread: moe_quant_delayed_finish);
+ *               slot, delayed_kernel (one thread: moe_quant_delayed_finish); at a training
+ *               site (lib/lowp.h) amax_kernel, delayed_site_kernel (one thread:
+ *               moe_delayed_record, the state in device memory), then cast_kernel;
  *   blockwise   1×128: one warp per tile (4 elements per lane); 128×128: one 256-thread block
  *               per block (64 elements per thread), the amax through shared memory;
  *               with a transposed copy (blockwise_t_kernel): a 128×128 tile of x in shared
@@ -120,6 +122,34 @@ extern "C" moe_status moe_cuda_quant_delayed(uint8_t *q, moe_quant_scalars *s, f
     launch_amax((unsigned *)(history + pos), x, n);
     delayed_kernel<<<1, 1, 0, st>>>(s, history, len, pos, moe_fp8_max(f));
     MOE_CUDA_LAUNCH_CHECK();
+    return MOE_OK;
+}
+
+/* a delayed site (one thread): with @p record, this tensor's amax (its key in s->amax) is
+ * recorded and the scales chosen; then s = the scalars its codes are cast with */
+static __global__ void delayed_site_kernel(moe_quant_scalars *s, moe_delayed_ref d, float num) {
+    if (d.record)
+        moe_delayed_record(d.site, d.history, d.len, d.algo, num,
+                           moe_q_key_amax(__float_as_uint(s->amax)));
+    moe_delayed_scalars(s, d.site);
+}
+
+/* as the CPU's: amax (when recording), the site's scalars, then the cast with the scale read
+ * from device memory: nothing travels through the host, so a graph can capture it */
+extern "C" moe_status moe_cuda_quant_delayed_site(uint8_t *q, moe_quant_scalars *s,
+                                                  const moe_delayed_ref *d, const float *x,
+                                                  size_t n, moe_fp8_format f, moe_error *err) {
+    MOE_TRY(moe_quant_check_format(f, err));
+    MOE_TRY(moe_quant_check_delayed(d, err));
+    cudaStream_t st = moe_cuda_stream();
+    if (d->record)
+        launch_amax((unsigned *)&s->amax, x, n);
+    delayed_site_kernel<<<1, 1, 0, st>>>(s, *d, moe_quant_delayed_num(f, d->margin));
+    MOE_CUDA_LAUNCH_CHECK();
+    if (n) {
+        cast_kernel<<<grid_for(n, THREADS * 4), THREADS, 0, st>>>(q, x, n, &s->scale, f, 1);
+        MOE_CUDA_LAUNCH_CHECK();
+    }
     return MOE_OK;
 }
 
@@ -621,7 +651,7 @@ static __global__ void f32_to_bf16_kernel(moe_bf16 *y, const float *x, size_t n)
 static const moe_quant_fns g_cuda_quant_fns = {
     moe_cuda_quant_tensorwise, moe_cuda_dequant_tensorwise, moe_cuda_quant_blockwise,
     moe_cuda_dequant_blockwise, moe_cuda_quant_mxfp8,       moe_cuda_dequant_mxfp8,
-    moe_cuda_quant_nvfp4,      moe_cuda_dequant_nvfp4};
+    moe_cuda_quant_nvfp4,      moe_cuda_dequant_nvfp4,     moe_cuda_quant_delayed_site};
 
 /* bf16 → fp32 (exact), the recipe's quantize and dequantize, fp32 → bf16 (round to nearest
  * even: the one rounding the CPU's fp32 activations do not have) */

@@ -119,7 +119,8 @@ void moe_attention_forward(const moe_backend *be, void *out, const void *x,
                            const moe_attention_weights *w, const moe_attention_dims *d,
                            moe_attention_acts *a) {
     const int B = d->B, T = d->T, N = B * T, H = d->H, Hq = d->Hq, Hkv = d->Hkv, D = d->D;
-    x = moe_lowp_qdq(be, d->lowp, x, N, H, MOE_LOWP_ACTIVATION); /* chapter 05 (or x) */
+    /* chapter 05 (or x): one QDQ of the input serves Q, K and V (Q's site) */
+    x = moe_lowp_qdq(be, d->lowp, x, N, H, MOE_LOWP_ACTIVATION, d->lowp_site);
     be->matmul_forward(a->q, x, w->wq, N, H, Hq * D);
     be->matmul_forward(a->k, x, w->wk, N, H, Hkv * D);
     be->matmul_forward(a->v, x, w->wv, N, H, Hkv * D);
@@ -138,16 +139,18 @@ void moe_attention_forward(const moe_backend *be, void *out, const void *x,
     } else {
         be->attention_forward(a->y, a->lse, a->op_ws, a->qr, a->kr, a->v, op_shape(d));
     }
-    be->matmul_forward(out, moe_lowp_qdq(be, d->lowp, a->y, N, Hq * D, MOE_LOWP_ACTIVATION),
+    be->matmul_forward(out,
+                       moe_lowp_qdq(be, d->lowp, a->y, N, Hq * D, MOE_LOWP_ACTIVATION,
+                                    d->lowp_site + 3),
                        w->wo, N, Hq * D, H);
 }
 
 /* One projection's backward, under chapter 05's emulated low precision on the quantized
  * output gradient (and the input the caller quantized); as be->matmul_backward otherwise. */
-static void proj_backward(const moe_backend *be, const moe_attention_dims *d, void *din,
+static void proj_backward(const moe_backend *be, const moe_attention_dims *d, int proj, void *din,
                           moe_real *dw, const void *dout, const void *in, const void *w, int N,
                           int I, int O) {
-    dout = moe_lowp_qdq(be, d->lowp, dout, N, O, MOE_LOWP_GRADIENT);
+    dout = moe_lowp_qdq(be, d->lowp, dout, N, O, MOE_LOWP_GRADIENT, d->lowp_site + proj);
     be->matmul_backward(din, dw, dout, in, w, N, I, O);
 }
 
@@ -160,8 +163,8 @@ void moe_attention_backward(const moe_backend *be, void *dx, const moe_attention
     const int B = d->B, T = d->T, N = B * T, H = d->H, Hq = d->Hq, Hkv = d->Hkv, D = d->D;
     const size_t S = be->act_size, QD = (size_t)N * Hq * D, KD = (size_t)N * Hkv * D;
     be->zero(s->dy, S * QD);
-    proj_backward(be, d, s->dy, g->wo, dout,
-                  moe_lowp_qdq(be, d->lowp, a->y, N, Hq * D, MOE_LOWP_ACTIVATION), w->wo, N,
+    proj_backward(be, d, 3, s->dy, g->wo, dout,
+                  moe_lowp_qdq_saved(be, d->lowp, a->y, N, Hq * D, d->lowp_site + 3), w->wo, N,
                   Hq * D, H);
     be->zero(s->dq, S * QD);
     be->zero(s->dk, S * KD);
@@ -187,8 +190,8 @@ void moe_attention_backward(const moe_backend *be, void *dx, const moe_attention
         dq = s->dq;
         dk = s->dk;
     }
-    x = moe_lowp_qdq(be, d->lowp, x, N, H, MOE_LOWP_ACTIVATION); /* chapter 05 (or x) */
-    proj_backward(be, d, dx, g->wq, dq, x, w->wq, N, H, Hq * D);
-    proj_backward(be, d, dx, g->wk, dk, x, w->wk, N, H, Hkv * D);
-    proj_backward(be, d, dx, g->wv, s->dv, x, w->wv, N, H, Hkv * D);
+    x = moe_lowp_qdq_saved(be, d->lowp, x, N, H, d->lowp_site); /* chapter 05 (or x) */
+    proj_backward(be, d, 0, dx, g->wq, dq, x, w->wq, N, H, Hq * D);
+    proj_backward(be, d, 1, dx, g->wk, dk, x, w->wk, N, H, Hkv * D);
+    proj_backward(be, d, 2, dx, g->wv, s->dv, x, w->wv, N, H, Hkv * D);
 }

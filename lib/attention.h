@@ -53,6 +53,9 @@ typedef struct moe_attention_dims {
     /** chapter 05's emulated low precision (lowp.h): the Q, K, V and output projections'
      *  inputs and output gradients go through its QDQ; NULL: none */
     struct moe_lowp *lowp;
+    /** the Q projection's linear index in @ref lowp's site table (moe_lowp_site(): K, V, O
+     *  follow), under delayed scaling */
+    int lowp_site;
 } moe_attention_dims;
 
 /** The block's weights: the backend's compute copy (activation type). */

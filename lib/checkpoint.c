@@ -32,6 +32,13 @@ typedef struct host_state {
     float *expert_bias;  /* [L·E], or NULL for a dense model */
     int64_t state[ST_COUNT];
     int64_t sr_calls;    /* NVFP4's stochastic-rounding counter (lowp.sr_calls), or 0 */
+    /* FP8 delayed scaling's site table (lowp.h), or NULL: per site its four scalars (scale,
+     * used, used_inv, amax), its slot and count (pos, steps), and its amax window */
+    float *dl_scalars;   /* [sites][4] */
+    int64_t *dl_slots;   /* [sites][2] */
+    float *dl_history;   /* [sites][hist_len] */
+    moe_delayed_site *dl_site; /* [sites] the table as the backend holds it */
+    int dl_found;        /* load: the checkpoint held them */
 } host_state;
 
 /* Whether the model's low-precision recipe draws stochastic-rounding seeds (NVFP4's
@@ -41,6 +48,14 @@ static int has_sr_counter(const moe_model *m) {
     return m->lowp && m->lowp->spec[MOE_LOWP_GRADIENT].nvfp4.stochastic;
 }
 #define SR_TENSOR "lowp.sr_calls"
+
+/* FP8 delayed scaling (chapter 05): every site's scale and amax history are state a resumed
+ * run must continue from, or its next steps would cast with other scales. Optional sections:
+ * a checkpoint of another recipe has none, and its run starts with empty histories. */
+#define DL_SCALARS "lowp.delayed.scalars"
+#define DL_SLOTS "lowp.delayed.slots"
+#define DL_HISTORY "lowp.delayed.history"
+static size_t dl_sites(const moe_model *m) { return moe_lowp_sites(m->lowp); }
 
 static void *buf_of(host_state *h, int b) {
     return b == BUF_PARAM ? (void *)h->param : (void *)h->moment[b - 1];
@@ -52,6 +67,10 @@ static void host_state_free(host_state *h) {
     free(h->moment[0]);
     free(h->moment[1]);
     free(h->expert_bias);
+    free(h->dl_scalars);
+    free(h->dl_slots);
+    free(h->dl_history);
+    free(h->dl_site);
 }
 
 static moe_status host_state_alloc(host_state *h, const moe_model *m, moe_error *err) {
@@ -62,7 +81,15 @@ static moe_status host_state_alloc(host_state *h, const moe_model *m, moe_error 
     h->moment[0] = malloc(sizeof(float) * n + 1);
     h->moment[1] = malloc(sizeof(float) * n + 1);
     h->expert_bias = nb ? malloc(sizeof(float) * nb) : NULL;
-    if (!h->param || !h->moment[0] || !h->moment[1] || (nb && !h->expert_bias)) {
+    const size_t ns = dl_sites(m);
+    if (ns) {
+        h->dl_scalars = malloc(sizeof(float) * 4 * ns);
+        h->dl_slots = malloc(sizeof(int64_t) * 2 * ns);
+        h->dl_history = malloc(sizeof(float) * ns * (size_t)m->lowp->hist_len);
+        h->dl_site = malloc(sizeof(moe_delayed_site) * ns);
+    }
+    if (!h->param || !h->moment[0] || !h->moment[1] || (nb && !h->expert_bias) ||
+        (ns && (!h->dl_scalars || !h->dl_slots || !h->dl_history || !h->dl_site))) {
         host_state_free(h);
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory for the checkpoint's host copy "
                              "of %zu parameters (%.1f MB)", n,
@@ -224,7 +251,10 @@ static moe_status write_shard(const moe_trainer *t, const char *path, host_state
                               const char *config, size_t config_len, moe_error *err) {
     const moe_model *m = t->model;
     const moe_param_table *pt = &m->table;
-    moe_ckpt_tensor *list = calloc((size_t)pt->n * BUF_COUNT + 4, sizeof *list);
+    /* the parameters' buffers, then at most: trainer.state, config, expert bias, the
+     * stochastic-rounding counter and delayed scaling's three tables */
+    enum { EXTRA_ENTRIES = 7 };
+    moe_ckpt_tensor *list = calloc((size_t)pt->n * BUF_COUNT + EXTRA_ENTRIES, sizeof *list);
     void **owned = calloc((size_t)pt->n * BUF_COUNT + 1, sizeof *owned); /* assembled copies */
     if (!list || !owned) {
         free(list);
@@ -265,6 +295,13 @@ static moe_status write_shard(const moe_trainer *t, const char *path, host_state
                               m->cfg.num_experts, h->expert_bias);
         if (has_sr_counter(m)) /* the same on every rank: each quantizes as many gradients */
             list[n++] = entry(SR_TENSOR, MOE_CKPT_I64, NULL, 1, 1, 0, &h->sr_calls);
+        if (h->dl_scalars) { /* (delayed scaling runs on one rank: trainer.c) */
+            const int64_t ns = (int64_t)dl_sites(m);
+            list[n++] = entry(DL_SCALARS, MOE_CKPT_F32, NULL, 2, ns, 4, h->dl_scalars);
+            list[n++] = entry(DL_SLOTS, MOE_CKPT_I64, NULL, 2, ns, 2, h->dl_slots);
+            list[n++] = entry(DL_HISTORY, MOE_CKPT_F32, NULL, 2, ns, m->lowp->hist_len,
+                              h->dl_history);
+        }
     }
     moe_ckpt_file_info info = {.step = t->step, .file_index = t->rank,
                                .file_count = t->world_size};
@@ -358,6 +395,19 @@ static moe_status state_to_host(moe_trainer *t, host_state *h, moe_error *err) {
         else
             MOE_TRY(moe_zero_gather_to_host(&t->zero, &t->opt, mine, n, MOE_DTYPE_F32,
                                             h->moment[b], err));
+    }
+    const moe_lowp *lp = t->model->lowp;
+    const size_t ns = dl_sites(t->model);
+    if (ns) {
+        moe_delayed_site *site = h->dl_site;
+        be->to_host(site, lp->sites, sizeof *site * ns);
+        be->to_host(h->dl_history, lp->history, sizeof(float) * ns * (size_t)lp->hist_len);
+        for (size_t i = 0; i < ns; i++) {
+            const float v[4] = {site[i].scale, site[i].used, site[i].used_inv, site[i].amax};
+            memcpy(h->dl_scalars + 4 * i, v, sizeof v);
+            h->dl_slots[2 * i] = site[i].pos;
+            h->dl_slots[2 * i + 1] = site[i].steps;
+        }
     }
     return MOE_OK;
 }
@@ -628,6 +678,41 @@ static moe_status check_config(const moe_trainer *t, const moe_ckpt_file *f, int
     return s;
 }
 
+/* Delayed scaling's site table, when this run has one and the checkpoint too; a checkpoint
+ * of another recipe (none saved) leaves the fresh table: empty histories. */
+static moe_status stage_delayed(const moe_model *m, const moe_ckpt_file *f, int nf,
+                                host_state *h, moe_error *err) {
+    const int ns = (int)dl_sites(m), len = ns ? m->lowp->hist_len : 0;
+    h->dl_found = ns > 0 && find(f, nf, DL_HISTORY) != NULL;
+    if (!h->dl_found) {
+        if (ns)
+            moe_log_info("ckpt  | no delayed-scaling state in '%s': the amax histories start "
+                         "empty", f[0].path);
+        return MOE_OK;
+    }
+    const moe_ckpt_tensor *saved = find(f, nf, DL_HISTORY);
+    if (saved->ndim != 2 || saved->global_shape[0] != ns || saved->global_shape[1] != len)
+        return moe_error_set(err, MOE_ERR_CONFIG, "the checkpoint in '%s' holds delayed-scaling "
+                             "histories of %lld sites x %lld steps, this run has %d x %d "
+                             "(--fp8-amax-history-len must match the checkpoint's)", f[0].path,
+                             (long long)saved->global_shape[0],
+                             (long long)(saved->ndim > 1 ? saved->global_shape[1] : 1), ns, len);
+    const moe_tensor sc = whole(2, ns, 4), sl = whole(2, ns, 2), hi = whole(2, ns, len);
+    MOE_TRY(gather(f, nf, DL_SCALARS, &sc, MOE_CKPT_F32, h->dl_scalars, err));
+    MOE_TRY(gather(f, nf, DL_SLOTS, &sl, MOE_CKPT_I64, h->dl_slots, err));
+    MOE_TRY(gather(f, nf, DL_HISTORY, &hi, MOE_CKPT_F32, h->dl_history, err));
+    for (int i = 0; i < ns; i++) {
+        const int64_t pos = h->dl_slots[2 * i], steps = h->dl_slots[2 * i + 1];
+        if (pos < 0 || pos >= len || steps < 0 || steps > INT32_MAX)
+            return moe_error_set(err, MOE_ERR_DATA, "the checkpoint in '%s' says delayed-scaling "
+                                 "site %d is at slot %lld of %d after %lld steps", f[0].path, i,
+                                 (long long)pos, len, (long long)steps);
+        const float *v = h->dl_scalars + 4 * i;
+        h->dl_site[i] = (moe_delayed_site){v[0], v[1], v[2], v[3], (int32_t)pos, (int32_t)steps};
+    }
+    return MOE_OK;
+}
+
 /* Everything a checkpoint holds for this trainer, into host buffers, verified. */
 static moe_status stage(const moe_trainer *t, const moe_ckpt_file *f, int nf, long long step,
                         host_state *h, moe_error *err) {
@@ -662,7 +747,7 @@ static moe_status stage(const moe_trainer *t, const moe_ckpt_file *f, int nf, lo
             return moe_error_set(err, MOE_ERR_DATA, "the checkpoint in '%s' says %lld "
                                  "stochastic-rounding draws", f[0].path, (long long)h->sr_calls);
     }
-    return MOE_OK;
+    return stage_delayed(m, f, nf, h, err);
 }
 
 /* Copy the verified state into the trainer: the only step that changes it. */
@@ -682,6 +767,13 @@ static void apply(moe_trainer *t, const host_state *h) {
     t->opt.step = h->state[ST_ADAM_STEP];
     if (has_sr_counter(m))
         m->lowp->sr_calls = (uint64_t)h->sr_calls;
+    if (h->dl_found) { /* the sites, then the weights cast again with their saved scales */
+        const size_t ns = dl_sites(m);
+        be->from_host(m->lowp->sites, h->dl_site, sizeof(moe_delayed_site) * ns);
+        be->from_host(m->lowp->history, h->dl_history,
+                      sizeof(float) * ns * (size_t)m->lowp->hist_len);
+        moe_model_lowp_replay_weights(m);
+    }
     be->synchronize();
 }
 

@@ -125,9 +125,19 @@ static const moe_flag g_flags[] = {
       "none|e4m3|hybrid", G_TRAIN),
     F("fp8-recipe", MOE_FLAG_CHOICE, fp8_recipe, "tensorwise",
       "scaling of --fp8-format: tensorwise (current scaling: the tensor's amax now), "
+      "delayed (a scale per tensor from the amax history of the previous steps), "
       "blockwise (1x128 tiles, 128x128 weight blocks), mxfp8 (32-element blocks, E8M0 "
-      "scales); delayed is not wired into training yet",
+      "scales)",
       "tensorwise|delayed|blockwise|mxfp8", G_TRAIN),
+    F("fp8-amax-history-len", MOE_FLAG_INT, fp8_amax_history_len, "1",
+      "--fp8-recipe delayed: the amaxes of the last N steps each tensor keeps (Megatron's "
+      "default 1; TransformerEngine's own is 1024)", NULL, G_TRAIN),
+    F("fp8-amax-compute-algo", MOE_FLAG_CHOICE, fp8_amax_compute_algo, "most_recent",
+      "--fp8-recipe delayed: the scale from the largest amax of the history (max) or the "
+      "last one (most_recent, Megatron's default)", "most_recent|max", G_TRAIN),
+    F("fp8-margin", MOE_FLAG_INT, fp8_margin, "0",
+      "--fp8-recipe delayed: divide every scale by 2^margin (headroom for a growing amax)",
+      NULL, G_TRAIN),
     F("fp4-format", MOE_FLAG_CHOICE, fp4_format, "none",
       "train every linear layer in FP4 (E2M1), emulated, with --fp4-recipe", "none|e2m1",
       G_TRAIN),

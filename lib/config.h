@@ -158,6 +158,9 @@ typedef struct moe_config {
     char cuda_graph_scope[MOE_FLAG_STR_LEN];   /**< --cuda-graph-scope (chapter 06) */
     char fp8_format[MOE_FLAG_STR_LEN];     /**< --fp8-format none|e4m3|hybrid (chapter 05) */
     char fp8_recipe[MOE_FLAG_STR_LEN];     /**< --fp8-recipe tensorwise|delayed|blockwise|mxfp8 */
+    int fp8_amax_history_len;              /**< --fp8-amax-history-len (delayed scaling) */
+    char fp8_amax_compute_algo[MOE_FLAG_STR_LEN]; /**< --fp8-amax-compute-algo max|most_recent */
+    int fp8_margin;                        /**< --fp8-margin (delayed scaling) */
     char fp4_format[MOE_FLAG_STR_LEN];     /**< --fp4-format none|e2m1 */
     char fp4_recipe[MOE_FLAG_STR_LEN];     /**< --fp4-recipe nvfp4 */
     /* ---- training */

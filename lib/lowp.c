@@ -32,10 +32,13 @@ moe_status moe_lowp_from_config(moe_lowp *lp, const moe_config *c, moe_error *er
     }
     const int hybrid = strcmp(c->fp8_format, "hybrid") == 0;
     const char *r = c->fp8_recipe;
-    REQUIRE(strcmp(r, "delayed") != 0,
-            "--fp8-recipe delayed: delayed scaling (an amax history) exists as a quantizer "
-            "(lib/quantize.h) but is not wired into training yet; use --fp8-recipe tensorwise "
-            "(current scaling), blockwise or mxfp8");
+    if (strcmp(r, "delayed") == 0) { /* tensorwise, the scale from a history per site */
+        lp->delayed = 1;
+        lp->hist_len = c->fp8_amax_history_len;
+        lp->algo = strcmp(c->fp8_amax_compute_algo, "max") == 0 ? MOE_AMAX_MAX
+                                                                 : MOE_AMAX_MOST_RECENT;
+        lp->margin = c->fp8_margin;
+    }
     moe_quant_recipe act = MOE_QUANT_TENSORWISE, wgt = MOE_QUANT_TENSORWISE;
     if (strcmp(r, "blockwise") == 0) {
         act = MOE_QUANT_BLOCK_1X128;
@@ -79,6 +82,12 @@ static moe_status check_linear(const linear_shape *s, const char *flag, const ch
 
 moe_status moe_lowp_check_config(const moe_config *c, moe_error *err) {
     const int fp8 = is_on(c->fp8_format), fp4 = is_on(c->fp4_format);
+    REQUIRE(c->fp8_amax_history_len >= 1,
+            "--fp8-amax-history-len %d: delayed scaling keeps the amaxes of the last N steps, "
+            "N >= 1 (Megatron's default 1, TransformerEngine's 1024)", c->fp8_amax_history_len);
+    REQUIRE(c->fp8_margin >= 0 && c->fp8_margin <= MOE_QUANT_MAX_MARGIN,
+            "--fp8-margin %d: delayed scaling divides each scale by 2^margin; give 0 to %d "
+            "(Megatron's default 0)", c->fp8_margin, MOE_QUANT_MAX_MARGIN);
     if (!fp8 && !fp4)
         return MOE_OK;
     moe_lowp lp;
@@ -190,36 +199,129 @@ void moe_lowp_free(const moe_backend *be, moe_lowp *lp) {
     be->free(lp->ws.g);
     be->free(lp->act);
     be->free(lp->grad);
+    be->free(lp->sites);
+    be->free(lp->history);
     memset(&lp->ws, 0, sizeof lp->ws);
     lp->act = lp->grad = NULL;
+    lp->sites = NULL;
+    lp->history = NULL;
 }
 
-/* the spec of one QDQ: a gradient under stochastic rounding gets the next seed */
-static moe_qdq_spec spec_of(moe_lowp *lp, moe_lowp_role role) {
+/*
+ * Delayed scaling (`--fp8-recipe delayed`): which state a QDQ uses.
+ *
+ * Each tensor a linear layer quantizes has its own scale and amax history, as in
+ * TransformerEngine (one FP8 meta per module: input, weight, output gradient). The model
+ * runs every layer's forward and, later, its backward, and the backward quantizes the saved
+ * input AGAIN (no quantized copy is kept: "Buffers" in lowp.h). So the state cannot be
+ * found by counting QDQs in call order: the backward's calls come in another order and some
+ * quantize a tensor the second time. A call site names its state instead: the linear layer
+ * (moe_lowp_site(): the layer, the block, the expert, fc1/fc2 or Q/K/V/O) and the role give
+ * the site index (linear·3 + role) into a table allocated with the model.
+ *
+ * When the history moves:
+ *  - the forward's QDQ of an input and the backward's of an output gradient record: the
+ *    tensor is cast with site->scale, chosen from the history before it, and its amax goes
+ *    into the history (once per micro-batch at each site);
+ *  - the backward's QDQ of a saved input (moe_lowp_qdq_saved()) replays: it casts with the
+ *    scale the forward used (site->used) and records nothing, so the backward's GEMMs see
+ *    exactly the forward's codes. The forward and the backward of a micro-batch alternate
+ *    (the trainer runs them back to back), so `used` is still the forward's;
+ *  - the weights record once per optimizer step, when the compute copy is quantized
+ *    (moe_model_weights_written()); after a checkpoint's load they replay.
+ * The first tensor at a site (no history yet) takes current scaling: TransformerEngine
+ * starts from scale 1, which would cast a gradient of 1e-6 to zero codes and saturate an
+ * activation above 448 for a whole step; current scaling gives step 1 what the tensorwise
+ * recipe gives it and costs nothing here (the amax is computed anyway, to be recorded).
+ * The table lives in backend memory and only the quantize kernels touch it: no step reads a
+ * scale on the host, and a CUDA graph replays the same kernels on the same state.
+ */
+size_t moe_lowp_sites(const moe_lowp *lp) {
+    if (!lp || !lp->delayed)
+        return 0;
+    return (size_t)lp->layers * (size_t)(MOE_LOWP_EXPERTS + 2 * lp->experts) * MOE_LOWP_ROLES;
+}
+
+size_t moe_lowp_delayed_bytes(const moe_config *c, int experts) {
+    if (!is_on(c->fp8_format) || strcmp(c->fp8_recipe, "delayed") != 0)
+        return 0;
+    const moe_lowp lp = {.delayed = 1, .layers = c->num_layers, .experts = experts};
+    const size_t n = moe_lowp_sites(&lp);
+    const size_t len = c->fp8_amax_history_len > 0 ? (size_t)c->fp8_amax_history_len : 1;
+    return n * (sizeof(moe_delayed_site) + sizeof(float) * len);
+}
+
+int moe_lowp_alloc_delayed(const moe_backend *be, moe_lowp *lp, int layers, int experts) {
+    if (!lp->on || !lp->delayed)
+        return 1;
+    lp->layers = layers;
+    lp->experts = experts;
+    const size_t n = moe_lowp_sites(lp), nh = n * (size_t)lp->hist_len;
+    lp->sites = be->alloc(sizeof(moe_delayed_site) * (n ? n : 1));
+    lp->history = be->alloc(sizeof(float) * (nh ? nh : 1));
+    moe_delayed_site *h = malloc(sizeof *h * (n ? n : 1));
+    const int ok = lp->sites && lp->history && h;
+    if (ok) {
+        for (size_t i = 0; i < n; i++)
+            h[i] = (moe_delayed_site){1.0f, 1.0f, 1.0f, 0.0f, 0, 0};
+        be->from_host(lp->sites, h, sizeof *h * n);
+        be->zero(lp->history, sizeof(float) * nh);
+    }
+    free(h);
+    return ok;
+}
+
+int moe_lowp_site(const moe_lowp *lp, int layer, moe_lowp_block block, int expert) {
+    if (!lp || !lp->sites) /* no table (yet): a sizing call, or another recipe */
+        return 0;
+    MOE_ASSERT(layer >= 0 && layer < lp->layers && expert >= 0 &&
+               (block == MOE_LOWP_EXPERTS ? expert < lp->experts : expert == 0));
+    return layer * (MOE_LOWP_EXPERTS + 2 * lp->experts) + (int)block + 2 * expert;
+}
+
+/* the spec of one QDQ: a gradient under stochastic rounding gets the next seed; under delayed
+ * scaling the site of (linear, role), recording or replaying */
+static moe_qdq_spec spec_of(moe_lowp *lp, moe_lowp_role role, int linear, int record) {
     moe_qdq_spec s = lp->spec[role];
     if (s.nvfp4.stochastic)
         s.nvfp4.sr_seed = lp->seed + 0x9E3779B97F4A7C15ull * ++lp->sr_calls;
+    if (lp->sites) {
+        const size_t k = (size_t)linear * MOE_LOWP_ROLES + (size_t)role;
+        MOE_ASSERT(linear >= 0 && k < moe_lowp_sites(lp));
+        s.delayed = (moe_delayed_ref){lp->sites + k, lp->history + k * (size_t)lp->hist_len,
+                                      lp->hist_len, lp->algo, lp->margin, record};
+    }
     return s;
 }
 
-const void *moe_lowp_qdq(const moe_backend *be, moe_lowp *lp, const void *buf, int rows,
-                         int cols, moe_lowp_role role) {
+static const void *qdq_operand(const moe_backend *be, moe_lowp *lp, const void *buf, int rows,
+                               int cols, moe_lowp_role role, int linear, int record) {
     if (!lp || !lp->on || rows == 0)
         return buf;
     MOE_ASSERT(role != MOE_LOWP_WEIGHT && (size_t)rows * cols <= lp->cap);
     void *dst = role == MOE_LOWP_GRADIENT ? lp->grad : lp->act;
-    const moe_qdq_spec s = spec_of(lp, role);
+    const moe_qdq_spec s = spec_of(lp, role, linear, record);
     be->qdq(dst, buf, rows, cols, &s, &lp->ws);
     return dst;
 }
 
+const void *moe_lowp_qdq(const moe_backend *be, moe_lowp *lp, const void *buf, int rows,
+                         int cols, moe_lowp_role role, int linear) {
+    return qdq_operand(be, lp, buf, rows, cols, role, linear, 1);
+}
+
+const void *moe_lowp_qdq_saved(const moe_backend *be, moe_lowp *lp, const void *buf, int rows,
+                               int cols, int linear) {
+    return qdq_operand(be, lp, buf, rows, cols, MOE_LOWP_ACTIVATION, linear, 0);
+}
+
 void moe_lowp_qdq_weight(const moe_backend *be, moe_lowp *lp, void *w, int groups, int rows,
-                         int cols) {
+                         int cols, int linear, int record) {
     if (!lp || !lp->on)
         return;
     MOE_ASSERT((size_t)rows * cols <= lp->cap);
-    const moe_qdq_spec s = spec_of(lp, MOE_LOWP_WEIGHT);
     for (int g = 0; g < groups; g++) {
+        const moe_qdq_spec s = spec_of(lp, MOE_LOWP_WEIGHT, linear + 2 * g, record);
         void *wg = MOE_ACT(be, w, (size_t)g * rows * cols);
         be->qdq(wg, wg, rows, cols, &s, &lp->ws);
     }
@@ -270,11 +372,11 @@ void moe_fp8_weight_free(const moe_backend *be, moe_fp8_weight *fw) {
 }
 
 void moe_lowp_quantize_experts(const moe_backend *be, moe_lowp *lp, moe_fp8_weight *fw, void *w,
-                               int G, int O, int I) {
+                               int G, int O, int I, int linear, int record) {
     if (!lp || !lp->on)
         return;
     if (!fw) {
-        moe_lowp_qdq_weight(be, lp, w, G, O, I);
+        moe_lowp_qdq_weight(be, lp, w, G, O, I, linear, record);
         return;
     }
     MOE_ASSERT(fw->G == G && fw->O == O && fw->I == I);

@@ -5,7 +5,9 @@
  *        quantization) and the GEMM itself runs in the usual precision.
  *
  * The flags are Megatron's: `--fp8-format e4m3|hybrid` with `--fp8-recipe
- * tensorwise|blockwise|mxfp8`, or `--fp4-format e2m1` with `--fp4-recipe nvfp4`. They act on
+ * tensorwise|delayed|blockwise|mxfp8` (delayed: `--fp8-amax-history-len`,
+ * `--fp8-amax-compute-algo max|most_recent`, `--fp8-margin`), or `--fp4-format e2m1` with
+ * `--fp4-recipe nvfp4`. They act on
  * every linear layer: the attention's Q, K, V and output projections, the routed experts'
  * fc1 and fc2, the shared expert and the dense FFNs. The router, the norms, the softmax, the
  * attention core, the embedding, the LM head and the optimizer stay as they are.
@@ -17,6 +19,7 @@
  * | recipe | activation | weight | gradient |
  * |---|---|---|---|
  * | tensorwise | E4M3, one scale (current amax) | E4M3, one scale per tensor (per expert) | E4M3 (`hybrid`: E5M2) |
+ * | delayed | as tensorwise, the scale from the amax history of the tensor's call site | as tensorwise | as tensorwise |
  * | blockwise | 1×128 tiles | 128×128 blocks | 1×128 tiles |
  * | mxfp8 | 1×32, E8M0 scales | 1×32 | 1×32 |
  * | nvfp4 | E2M1, 1×16, E4M3 scales + fp32 per tensor | 16×16 blocks | 1×16, stochastic rounding |
@@ -36,10 +39,22 @@
  * GEMM, where a native kernel tiles them along the tokens (the transposed copy); and NVFP4's
  * random Hadamard transform of the wgrad operands is not applied.
  *
- * **Refused at start-up** (named errors): delayed scaling, the distributed optimizer, the
- * fused permutation, a per-tensor recipe (tensorwise, NVFP4) under TP/ETP or with the
- * sync-free MoE layer (whose static budget of rows holds stale rows past the step's count),
- * NVFP4 under CUDA graphs, and any linear width that is not a multiple of the recipe's block.
+ * **Delayed scaling** (TransformerEngine's DelayedScaling): each tensor a linear layer
+ * quantizes is cast with a scale chosen from the amaxes of the previous steps at its call
+ * site, and its own amax is recorded for the next ones. The state is a table of sites
+ * (layer, linear, role; per expert for the routed experts) in backend memory, found by the
+ * call site's identity, not by call order, because the backward quantizes a saved input
+ * again: that QDQ replays the forward's scale and records nothing (moe_lowp_qdq_saved()).
+ * The first tensor at a site takes current scaling. Details in lib/lowp.c, "Delayed
+ * scaling"; the table is saved in checkpoints. Not done: Megatron's `--fp8-interval`
+ * (deprecated there; every step updates here), and the amax reduction over ranks (so delayed
+ * scaling runs on one rank only).
+ *
+ * **Refused at start-up** (named errors): the distributed optimizer, the fused permutation,
+ * a per-tensor recipe (tensorwise, delayed, NVFP4) under TP/ETP or with the sync-free MoE
+ * layer (whose static budget of rows holds stale rows past the step's count), delayed
+ * scaling on more than one rank, NVFP4 under CUDA graphs, and any linear width that is not a
+ * multiple of the recipe's block.
  *
  * **Native FP8 on Hopper** (blockwise, `e4m3`, our grouped kernel: moe_lowp_native()). The
  * routed experts' forward and dgrad GEMMs run on FP8 codes in our FP8 grouped kernel (lib/
@@ -62,8 +77,9 @@
  * **Buffers.** The weights' compute copy is quantized once per step, in place (the model
  * keeps it apart from the master weights); an activation or gradient goes into one of two
  * scratch buffers of the context, allocated once with the model, and is quantized again in
- * the backward (the same bytes: QDQ is deterministic; the gradient is quantized there for the
- * first time). Nothing is allocated in a step.
+ * the backward (the same bytes: QDQ is deterministic, and delayed scaling replays the
+ * forward's scale; the gradient is quantized there for the first time). Nothing is allocated
+ * in a step.
  */
 #ifndef MOE_LOWP_H
 #define MOE_LOWP_H
@@ -100,7 +116,25 @@ typedef struct moe_lowp {
     uint64_t sr_calls;                  /**< gradient QDQs so far: the rounding's counter */
     int native;                         /**< 1: the routed experts run the native FP8 GEMMs
                                              (moe_lowp_native(); the model sets it) */
+    /* delayed scaling (`--fp8-recipe delayed`): a state per call site, "Delayed scaling" */
+    int delayed;                        /**< 1: the tensorwise recipe with delayed scaling */
+    int hist_len;                       /**< --fp8-amax-history-len */
+    moe_amax_algo algo;                 /**< --fp8-amax-compute-algo */
+    int margin;                         /**< --fp8-margin */
+    int layers;                         /**< the site table's layers (moe_lowp_alloc_delayed()) */
+    int experts;                        /**< its routed experts per layer (this rank's) */
+    moe_delayed_site *sites;            /**< [moe_lowp_sites()] in backend memory */
+    float *history;                     /**< [moe_lowp_sites()][hist_len] in backend memory */
 } moe_lowp;
+
+/** Where a linear layer's sites start within a layer's block of the site table
+ *  (moe_lowp_site()): attention's Q, K, V, O, then each FFN's fc1 and fc2. */
+typedef enum moe_lowp_block {
+    MOE_LOWP_ATTN = 0,    /**< +0 Q (its input: Q's, K's and V's), +1 K, +2 V, +3 O */
+    MOE_LOWP_DENSE = 4,   /**< the dense FFN: +0 fc1, +1 fc2 */
+    MOE_LOWP_SHARED = 6,  /**< the shared expert: +0 fc1, +1 fc2 */
+    MOE_LOWP_EXPERTS = 8  /**< routed expert e: +2e fc1, +2e+1 fc2 */
+} moe_lowp_block;
 
 /** A routed expert weight [G][O, I] in FP8 for the native path (lowp.h): each expert's
  *  128×128-block codes and, from the same pass, those of its transpose, in backend memory. */
@@ -163,25 +197,69 @@ int moe_lowp_alloc(const moe_backend *be, moe_lowp *lp, size_t cap);
 void moe_lowp_free(const moe_backend *be, moe_lowp *lp);
 
 /**
- * @brief QDQ of a GEMM operand [rows, cols] into the context's buffer for its role.
+ * @brief Allocate and initialise delayed scaling's site table in backend memory (nothing
+ *        unless lp->delayed): every site's scale 1, an empty history, slot 0.
+ * @param be backend  @param lp the context  @param layers the model's layers
+ * @param experts the routed experts of a layer on this rank (0 without MoE layers)
+ * @return 1 on success, 0 when out of memory
+ */
+int moe_lowp_alloc_delayed(const moe_backend *be, moe_lowp *lp, int layers, int experts);
+
+/** @brief Sites of the table: layers × (8 + 2·experts) linear layers × 3 roles (0 unless
+ *  delayed). @param lp the context (NULL: 0) @return the count */
+size_t moe_lowp_sites(const moe_lowp *lp);
+
+/** @brief Bytes of the site table for a configuration (the memory estimate).
+ *  @param c config @param experts routed experts per layer on this rank @return bytes */
+size_t moe_lowp_delayed_bytes(const moe_config *c, int experts);
+
+/**
+ * @brief The linear layer a call site quantizes for, as an index into the site table: layer
+ *        @p layer, @p block, and for ::MOE_LOWP_EXPERTS expert @p expert (its fc1; fc2 is
+ *        the next). Add 1..3 for attention's K, V, O and 1 for an FFN's fc2.
+ * @param lp the context (NULL: 0)  @param layer the layer  @param block which block
+ * @param expert the routed expert on this rank (0 otherwise)
+ * @return the linear's index (a site is index·3 + role)
+ */
+int moe_lowp_site(const moe_lowp *lp, int layer, moe_lowp_block block, int expert);
+
+/**
+ * @brief QDQ of a GEMM operand [rows, cols] into the context's buffer for its role: a new
+ *        tensor (a forward's input, an output gradient). Under delayed scaling it is cast
+ *        with the scale of linear @p linear's site for @p role and its amax recorded there.
  * @param be backend  @param lp the context (NULL or off: nothing happens)
  * @param buf [rows, cols] the operand (activation type)  @param rows rows
  * @param cols columns (checked at start-up)  @param role ::MOE_LOWP_ACTIVATION or
- *        ::MOE_LOWP_GRADIENT
+ *        ::MOE_LOWP_GRADIENT  @param linear the linear layer (moe_lowp_site())
  * @return the quantized copy (lp->act or lp->grad), or @p buf itself when off
  */
 const void *moe_lowp_qdq(const moe_backend *be, moe_lowp *lp, const void *buf, int rows,
-                         int cols, moe_lowp_role role);
+                         int cols, moe_lowp_role role, int linear);
+
+/**
+ * @brief The backward's QDQ of a saved forward input: the same bytes as the forward's QDQ at
+ *        linear @p linear (lowp.h, "Buffers"). Under delayed scaling it replays that
+ *        forward's scale and records nothing.
+ * @param be backend  @param lp the context (NULL or off: nothing happens)
+ * @param buf [rows, cols] the saved input  @param rows rows  @param cols columns
+ * @param linear the linear layer the forward quantized it for
+ * @return the quantized copy (lp->act), or @p buf itself when off
+ */
+const void *moe_lowp_qdq_saved(const moe_backend *be, moe_lowp *lp, const void *buf, int rows,
+                               int cols, int linear);
 
 /**
  * @brief QDQ of @p groups weight matrices [groups][rows, cols] in place (each expert's
  *        matrix is a tensor of its own: its own scales, and NVFP4's own global scale).
  * @param be backend  @param lp the context (NULL or off: nothing happens)
  * @param w the matrices (activation type)  @param groups how many  @param rows rows of each
- * @param cols columns
+ * @param cols columns  @param linear the first matrix's linear layer (moe_lowp_site());
+ *        group g's is linear + 2g (the routed experts' layout)
+ * @param record delayed scaling: 1 records the weights' amaxes (once per optimizer step),
+ *        0 replays the last recorded scales (the weights again, after a checkpoint's load)
  */
 void moe_lowp_qdq_weight(const moe_backend *be, moe_lowp *lp, void *w, int groups, int rows,
-                         int cols);
+                         int cols, int linear, int record);
 
 /**
  * @brief Whether the routed experts can run the native FP8 GEMMs on this backend: the
@@ -225,9 +303,11 @@ void moe_fp8_weight_free(const moe_backend *be, moe_fp8_weight *fw);
  * @param be backend  @param lp the context (NULL or off: nothing happens)
  * @param fw the FP8 weight (allocated for G, O, I) or NULL  @param w the weights
  *        (activation type)  @param G experts  @param O rows of each  @param I columns
+ * @param linear the first expert's linear layer (moe_lowp_qdq_weight())
+ * @param record 1: record the amaxes, 0: replay (moe_lowp_qdq_weight())
  */
 void moe_lowp_quantize_experts(const moe_backend *be, moe_lowp *lp, moe_fp8_weight *fw, void *w,
-                               int G, int O, int I);
+                               int G, int O, int I, int linear, int record);
 
 #ifdef __cplusplus
 }

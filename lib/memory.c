@@ -253,6 +253,10 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
             buffers(&t, "low-precision QDQ operands", 2, (long long)cap, S, fix);
             /* (counted in 16-byte units: fewer elements than cap, so no false overflow) */
             buffer(&t, "low-precision QDQ staging, codes and scales", (rest + 15) / 16, 16, fix);
+            const size_t dl = moe_lowp_delayed_bytes(c, any_moe ? (int)(E / EP) : 0);
+            if (dl) /* delayed scaling's site table: a scale and a window per tensor */
+                buffer(&t, "FP8 delayed-scaling amax histories", (long long)((dl + 15) / 16), 16,
+                       "--fp8-amax-history-len");
         }
     }
     out->act_bytes = A;

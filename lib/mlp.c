@@ -34,10 +34,10 @@ static void fp8_gemm(const moe_backend *be, void *d, const void *a, void *a_deq,
 
 /* one grouped Linear, through the grouped GEMM the groups ask for; @p gather: its input
  * rows are gathered by grp->gather (fc1 under the fused permutation); @p fw: its FP8 codes
- * (the native path of lowp.h) or NULL */
+ * (the native path of lowp.h) or NULL; @p lin: 0 fc1, 1 fc2 (its sites: grp->lowp_site + lin) */
 static void gmm_forward(const moe_backend *be, void *out, const void *in, const void *w,
                         const moe_fp8_weight *fw, const moe_groups *grp, int I, int O,
-                        int gather) {
+                        int gather, int lin) {
     if (fw) { /* chapter 05, native: out = Q(in)·Q(w_g)ᵀ on the FP8 codes */
         MOE_ASSERT(!gather && grp->impl == MOE_EXPERTS_KERNEL && fw->O == O && fw->I == I);
         fp8_gemm(be, out, in, NULL, fw->q, fw->s, grp, O, I, MOE_LOWP_ACTIVATION);
@@ -45,7 +45,8 @@ static void gmm_forward(const moe_backend *be, void *out, const void *in, const 
     }
     /* chapter 05, emulated low precision: the input quantized (the weights already are);
      * the fused gather is refused with it at start-up (lowp.h) */
-    in = moe_lowp_qdq(be, grp->lowp, in, grp->rows, I, MOE_LOWP_ACTIVATION);
+    in = moe_lowp_qdq(be, grp->lowp, in, grp->rows, I, MOE_LOWP_ACTIVATION,
+                      grp->lowp_site + lin);
     if (gather)
         be->grouped_matmul_forward_dev_gather(out, in, grp->gather, grp->gather_div, w,
                                               grp->dev_off, grp->G, grp->rows, I, O);
@@ -60,8 +61,9 @@ static void gmm_forward(const moe_backend *be, void *out, const void *in, const 
  * zeroed buffer */
 static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const void *dout,
                          const void *in, const void *w, const moe_fp8_weight *fw,
-                         const moe_groups *grp, int I, int O, int din_accumulate, int gather) {
-    const int N = grp->rows;
+                         const moe_groups *grp, int I, int O, int din_accumulate, int gather,
+                         int lin) {
+    const int N = grp->rows, site = grp->lowp_site + lin;
     if (fw) { /* chapter 05, native: dgrad din = Q(dout)·Q(w_g) on the transposed FP8 codes,
                * one pass quantizing dout for it and writing Q(dout) for the bf16 wgrad */
         MOE_ASSERT(!gather && !din_accumulate && grp->impl == MOE_EXPERTS_KERNEL);
@@ -69,18 +71,18 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
         if (din)
             fp8_gemm(be, din, dout, lp->grad, fw->qt, fw->st, grp, I, O, MOE_LOWP_GRADIENT);
         else
-            dout = moe_lowp_qdq(be, lp, dout, N, O, MOE_LOWP_GRADIENT);
+            dout = moe_lowp_qdq(be, lp, dout, N, O, MOE_LOWP_GRADIENT, site);
         /* wgrad on the dequantized operands, as emulated (the codes' buffer is reused:
          * the dgrad GEMM is queued before it on the same stream) */
-        in = moe_lowp_qdq(be, lp, in, N, I, MOE_LOWP_ACTIVATION);
+        in = moe_lowp_qdq_saved(be, lp, in, N, I, site);
         be->grouped_matmul_backward_dev(NULL, dw, din ? lp->grad : dout, in, w, grp->dev_off,
                                         grp->G, N, I, O, 0, grp->dw_mode);
         return;
     }
     /* chapter 05: both backward GEMMs on the quantized output gradient and the quantized
      * input (the same bytes as the forward's); the straight-through rule of lowp.h */
-    dout = moe_lowp_qdq(be, grp->lowp, dout, N, O, MOE_LOWP_GRADIENT);
-    in = moe_lowp_qdq(be, grp->lowp, in, N, I, MOE_LOWP_ACTIVATION);
+    dout = moe_lowp_qdq(be, grp->lowp, dout, N, O, MOE_LOWP_GRADIENT, site);
+    in = moe_lowp_qdq_saved(be, grp->lowp, in, N, I, site);
     if (gather) {
         be->grouped_matmul_backward_dev_gather(din, dw, dout, in, grp->gather, grp->gather_div,
                                                w, grp->dev_off, grp->G, N, I, O, din_accumulate,
@@ -109,11 +111,11 @@ void moe_mlp_forward_grouped(const moe_backend *be, void *out, void *gu, void *a
     if (N == 0)
         return;
     MOE_ASSERT(!grp->gather || grp->impl == MOE_EXPERTS_KERNEL); /* only our kernel gathers */
-    gmm_forward(be, gu, x, w1, grp->fp8_w1, grp, H, 2 * F, grp->gather != NULL);
+    gmm_forward(be, gu, x, w1, grp->fp8_w1, grp, H, 2 * F, grp->gather != NULL, 0);
     moe_prof_mark(MOE_PROF_GEMM);
     be->swiglu_forward(act, gu, row_scale, N, F);
     moe_prof_mark(MOE_PROF_EXPERT_OPS);
-    gmm_forward(be, out, act, w2, grp->fp8_w2, grp, F, H, 0);
+    gmm_forward(be, out, act, w2, grp->fp8_w2, grp, F, H, 0, 1);
     moe_prof_mark(MOE_PROF_GEMM);
 }
 
@@ -129,45 +131,45 @@ void moe_mlp_backward_grouped(const moe_backend *be, void *dx, moe_real *dw1, mo
     if (N == 0)
         return;
     const size_t nf = (size_t)N * F;
-    gmm_backward(be, ws_dh, dw2, dout, act, w2, grp->fp8_w2, grp, F, H, 0,
-                 0); /* dh: a fresh buffer */
+    gmm_backward(be, ws_dh, dw2, dout, act, w2, grp->fp8_w2, grp, F, H, 0, 0,
+                 1); /* dh: a fresh buffer */
     moe_prof_mark(MOE_PROF_GEMM);
     be->zero(ws_dgu, be->act_size * 2 * nf);
     be->swiglu_backward(ws_dgu, row_scale ? drow_scale : NULL, ws_dh, gu, row_scale, N, F);
     moe_prof_mark(MOE_PROF_EXPERT_OPS);
     gmm_backward(be, dx, dw1, ws_dgu, x, w1, grp->fp8_w1, grp, H, 2 * F, dx_accumulate,
-                 grp->gather != NULL);
+                 grp->gather != NULL, 0);
     moe_prof_mark(MOE_PROF_GEMM);
 }
 
 /* a single MLP is one group, run by the backend's plain matmul (G = 1) */
-static moe_groups one_group(const int *off, moe_lowp *lp) {
+static moe_groups one_group(const int *off, moe_lowp *lp, int site) {
     moe_groups g = {off, NULL, 1, MOE_EXPERTS_CUBLAS, MOE_DW_ACCUMULATE, NULL, 1, off[1], lp,
-                    NULL, NULL};
+                    NULL, NULL, site};
     return g;
 }
 
 void moe_mlp_forward_lowp(const moe_backend *be, void *out, void *gu, void *act, const void *x,
                           const moe_real *row_scale, const void *w1, const void *w2, int N,
-                          int H, int F, moe_lowp *lp) {
+                          int H, int F, moe_lowp *lp, int site) {
     const int off[2] = {0, N};
-    const moe_groups g = one_group(off, lp);
+    const moe_groups g = one_group(off, lp, site);
     moe_mlp_forward_grouped(be, out, gu, act, x, row_scale, w1, w2, &g, H, F);
 }
 
 void moe_mlp_forward(const moe_backend *be, void *out, void *gu, void *act, const void *x,
                      const moe_real *row_scale, const void *w1, const void *w2, int N, int H,
                      int F) {
-    moe_mlp_forward_lowp(be, out, gu, act, x, row_scale, w1, w2, N, H, F, NULL);
+    moe_mlp_forward_lowp(be, out, gu, act, x, row_scale, w1, w2, N, H, F, NULL, 0);
 }
 
 void moe_mlp_backward_lowp(const moe_backend *be, void *dx, moe_real *dw1, moe_real *dw2,
                            moe_real *drow_scale, const void *dout, const void *x, const void *gu,
                            const void *act, const moe_real *row_scale, const void *w1,
                            const void *w2, void *ws_dh, void *ws_dgu, int N, int H, int F,
-                           moe_lowp *lp) {
+                           moe_lowp *lp, int site) {
     const int off[2] = {0, N};
-    const moe_groups g = one_group(off, lp);
+    const moe_groups g = one_group(off, lp, site);
     moe_mlp_backward_grouped(be, dx, dw1, dw2, drow_scale, dout, x, gu, act, row_scale, w1, w2,
                              ws_dh, ws_dgu, &g, H, F, 1);
 }
@@ -177,5 +179,5 @@ void moe_mlp_backward(const moe_backend *be, void *dx, moe_real *dw1, moe_real *
                       const void *act, const moe_real *row_scale, const void *w1, const void *w2,
                       void *ws_dh, void *ws_dgu, int N, int H, int F) {
     moe_mlp_backward_lowp(be, dx, dw1, dw2, drow_scale, dout, x, gu, act, row_scale, w1, w2,
-                          ws_dh, ws_dgu, N, H, F, NULL);
+                          ws_dh, ws_dgu, N, H, F, NULL, 0);
 }

@@ -56,6 +56,10 @@ typedef struct moe_groups {
      *  the forward and dgrad GEMMs run in our FP8 grouped kernel; NULL: emulated */
     const moe_fp8_weight *fp8_w1;
     const moe_fp8_weight *fp8_w2; /**< see @ref fp8_w1 */
+    /** fc1's linear index in @ref lowp's site table (moe_lowp_site(); fc2 is the next),
+     *  under delayed scaling: the grouped GEMMs quantize all the groups' rows as one tensor,
+     *  at the first expert's sites */
+    int lowp_site;
 } moe_groups;
 
 /**
@@ -88,10 +92,11 @@ void moe_mlp_backward(const moe_backend *be, void *dx, moe_real *dw1, moe_real *
  * @param act [N,F] saved SwiGLU output  @param x [N,H] input  @param row_scale [N] or NULL
  * @param w1 fc1 (already quantized: the model's compute copy)  @param w2 fc2 (likewise)
  * @param N rows  @param H hidden  @param F intermediate  @param lp the context (NULL: none)
+ * @param site fc1's linear index in @p lp's site table (moe_lowp_site(); fc2 is the next)
  */
 void moe_mlp_forward_lowp(const moe_backend *be, void *out, void *gu, void *act, const void *x,
                           const moe_real *row_scale, const void *w1, const void *w2, int N,
-                          int H, int F, moe_lowp *lp);
+                          int H, int F, moe_lowp *lp, int site);
 
 /**
  * @brief moe_mlp_backward() with chapter 05's emulated low precision (lowp.h).
@@ -99,13 +104,13 @@ void moe_mlp_forward_lowp(const moe_backend *be, void *out, void *gu, void *act,
  * @param drow_scale [N] or NULL  @param dout [N,H]  @param x forward input  @param gu saved
  * @param act saved  @param row_scale as in forward  @param w1 fc1  @param w2 fc2
  * @param ws_dh [N,F] scratch  @param ws_dgu [N,2F] scratch  @param N rows  @param H hidden
- * @param F intermediate  @param lp the context (NULL: none)
+ * @param F intermediate  @param lp the context (NULL: none)  @param site as the forward's
  */
 void moe_mlp_backward_lowp(const moe_backend *be, void *dx, moe_real *dw1, moe_real *dw2,
                            moe_real *drow_scale, const void *dout, const void *x, const void *gu,
                            const void *act, const moe_real *row_scale, const void *w1,
                            const void *w2, void *ws_dh, void *ws_dgu, int N, int H, int F,
-                           moe_lowp *lp);
+                           moe_lowp *lp, int site);
 
 /**
  * @brief Forward of G MLPs at once (chapter 03): MLP g (weights g of the stacked w1

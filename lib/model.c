@@ -192,13 +192,15 @@ static moe_layer_dims ws_dims(const moe_model *m, int N, int T, int max_ffn) {
     return d;
 }
 
-/* this rank's attention: its Hq/TP query heads and Hkv/TP key/value heads, on every token */
-static moe_attention_dims attn_dims(const moe_model *m, int B, int T) {
+/* this rank's attention: its Hq/TP query heads and Hkv/TP key/value heads, on every token;
+ * layer @p l's sites under delayed scaling */
+static moe_attention_dims attn_dims(const moe_model *m, int B, int T, int l) {
     moe_attention_dims d = moe_attention_dims_from_config(&m->cfg, B, T);
     d.Hq /= m->tp.size;
     d.Hkv /= m->tp.size;
     d.cp = m->cp.attn.cp > 1 ? &m->cp.attn : NULL; /* T is then this rank's T/CP */
     d.lowp = m->lowp;
+    d.lowp_site = moe_lowp_site(m->lowp, l, MOE_LOWP_ATTN, 0);
     return d;
 }
 
@@ -362,7 +364,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
         m->moe_budget_rows = b < 1 ? 1 : (b < m->moe_budget_max ? (int)b : m->moe_budget_max);
     }
     int max_ffn = 0; /* widest FFN intermediate, for the shared scratch */
-    const moe_attention_dims ad = attn_dims(m, B, T);
+    const moe_attention_dims ad = attn_dims(m, B, T, 0);
     for (int l = 0; l < L; l++) {
         moe_block_acts *a = &m->acts[l];
         a->ln1 = must(be, S * Nl * H, &ok);
@@ -434,7 +436,8 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
                 P = P > (size_t)m->moe_budget_max ? P : (size_t)m->moe_budget_max;
                 rows = P > rows ? P : rows;
             }
-        if (!moe_lowp_alloc(be, m->lowp, moe_lowp_cap(mc, N, rows)))
+        if (!moe_lowp_alloc(be, m->lowp, moe_lowp_cap(mc, N, rows)) ||
+            !moe_lowp_alloc_delayed(be, m->lowp, L, E > 0 ? m->experts_local : 0))
             ok = 0;
         if (ok && !alloc_fp8_weights(m))
             ok = 0;
@@ -575,11 +578,20 @@ static int alloc_fp8_weights(moe_model *m) {
 
 /* Chapter 05: QDQ of every linear layer's matrix in the compute copy, each routed expert's
  * on its own (lowp.h); on the native path the routed experts' FP8 codes instead. Not the
- * router, the norms, the embedding or the LM head. */
-static void lowp_quantize_weights(moe_model *m) {
+ * router, the norms, the embedding or the LM head. Under delayed scaling each matrix at its
+ * linear layer's weight site: @p record 1 records their amaxes (once per optimizer step),
+ * 0 replays the scales last recorded (after a checkpoint's load). */
+static void lowp_quantize_weights(moe_model *m, int record) {
     static const int slots[] = {MOE_W_Q,   MOE_W_K,   MOE_W_V,          MOE_W_O,
                                 MOE_W_FC1, MOE_W_FC2, MOE_W_SHARED_FC1, MOE_W_SHARED_FC2};
-    for (int l = 0; l < m->cfg.num_layers; l++)
+    for (int l = 0; l < m->cfg.num_layers; l++) {
+        /* each weight's linear layer in the site table (lowp.h), in the order of slots[] */
+        const int at = moe_lowp_site(m->lowp, l, MOE_LOWP_ATTN, 0),
+                  ffn = moe_lowp_site(m->lowp, l,
+                                      m->cfg.is_moe_layer[l] ? MOE_LOWP_EXPERTS : MOE_LOWP_DENSE,
+                                      0),
+                  sh = moe_lowp_site(m->lowp, l, MOE_LOWP_SHARED, 0);
+        const int site[] = {at, at + 1, at + 2, at + 3, ffn, ffn + 1, sh, sh + 1};
         for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++) {
             const int s = slots[i];
             if (m->off[l][s] == MOE_NO_WEIGHT)
@@ -595,8 +607,9 @@ static void lowp_quantize_weights(moe_model *m) {
             if (m->fp8w && m->cfg.is_moe_layer[l] && (s == MOE_W_FC1 || s == MOE_W_FC2))
                 fw = &m->fp8w[2 * l + (s == MOE_W_FC2)];
             moe_lowp_quantize_experts(m->be, m->lowp, fw, MOE_ACT(m->be, m->wact, t->offset),
-                                      groups, rows, cols);
+                                      groups, rows, cols, site[i], record);
         }
+    }
 }
 
 void moe_model_sync_weights(moe_model *m) {
@@ -607,7 +620,14 @@ void moe_model_sync_weights(moe_model *m) {
 
 void moe_model_weights_written(moe_model *m) {
     if (m->lowp && m->params) /* (lowp.h refuses the distributed optimizer) */
-        lowp_quantize_weights(m);
+        lowp_quantize_weights(m, 1);
+}
+
+void moe_model_lowp_replay_weights(moe_model *m) {
+    if (!m->lowp || !m->params)
+        return;
+    m->be->cast_to_act(m->wact, m->params, m->table.total);
+    lowp_quantize_weights(m, 0);
 }
 
 size_t moe_model_num_params(const moe_model *m) { return m->table.total; }
@@ -709,7 +729,7 @@ static void layer_forward(moe_model *m, int l) {
     const int H = c->hidden_size, B = m->B, T = m->T, N = B * T;
     const int Nl = moe_tp_local_rows(&m->tp, N);
     const moe_tp *tp = &m->tp;
-    const moe_attention_dims ad = attn_dims(m, B, T);
+    const moe_attention_dims ad = attn_dims(m, B, T, l);
     double *mb = m->scalars->mb;
     moe_block_acts *a = &m->acts[l];
     const void *x = m->res[l];
@@ -740,7 +760,7 @@ static void layer_forward(moe_model *m, int l) {
         moe_mlp_forward_lowp(be, part, a->dense_gu, a->dense_act,
                              moe_tp_enter_forward(be, tp, m->tp_x, a->ln2, N, H), NULL,
                              P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2), N, H, dense_ffn(m),
-                             m->lowp);
+                             m->lowp, moe_lowp_site(m->lowp, l, MOE_LOWP_DENSE, 0));
         moe_tp_exit_forward(be, tp, ffn_out, part, N, H);
     }
     be->add(ffn_out, a->xmid, (size_t)Nl * H);
@@ -879,7 +899,7 @@ static void layer_backward(moe_model *m, int l, double loss_scale) {
     const int H = c->hidden_size, B = m->B, T = m->T, N = B * T;
     const int Nl = moe_tp_local_rows(&m->tp, N);
     const moe_tp *tp = &m->tp;
-    const moe_attention_dims ad = attn_dims(m, B, T);
+    const moe_attention_dims ad = attn_dims(m, B, T, l);
     const size_t S = be->act_size;
     void *dx = m->tp_x ? m->tp_dx : m->d_ln; /* where a block's input gradient accumulates */
     moe_block_acts *a = &m->acts[l];
@@ -906,7 +926,7 @@ static void layer_backward(moe_model *m, int l, double loss_scale) {
         moe_mlp_backward_lowp(be, dx, G(m, l, MOE_W_FC1), G(m, l, MOE_W_FC2), NULL, dy, xin,
                               a->dense_gu, a->dense_act, NULL, P(m, l, MOE_W_FC1),
                               P(m, l, MOE_W_FC2), m->ws.dh, m->ws.dgu, N, H, dense_ffn(m),
-                              m->lowp);
+                              m->lowp, moe_lowp_site(m->lowp, l, MOE_LOWP_DENSE, 0));
         moe_tp_enter_backward(be, tp, m->d_ln, dx, N, H);
     }
     be->rmsnorm_backward(m->d_res, G(m, l, MOE_W_LN2), m->d_ln, a->xmid, P(m, l, MOE_W_LN2),

@@ -283,6 +283,12 @@ void moe_model_sync_weights(moe_model *m);
  *  @param m model */
 void moe_model_weights_written(moe_model *m);
 
+/** @brief The compute copy again from the master weights, quantized with the scales last
+ *  recorded and recording nothing (chapter 05's delayed scaling, lowp.h): after a checkpoint
+ *  restored the site table, the weights the saved run's next step would have used. A no-op
+ *  without a low-precision recipe or a master. @param m model */
+void moe_model_lowp_replay_weights(moe_model *m);
+
 /**
  * @brief Set the weights from a whole host copy of the fp32 master weights (this rank's
  *        layout: its TP/EP shards): the master and its compute copy, or, when the model holds

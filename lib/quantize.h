@@ -127,6 +127,83 @@ static inline MOE_HOSTDEV void moe_quant_delayed_finish(moe_quant_scalars *s, fl
         s->scale = moe_q_scale_from_amax(hmax, fmax, 0);
 }
 
+/** How delayed scaling chooses the next scale from the amax history (Megatron's
+ *  `--fp8-amax-compute-algo`). */
+typedef enum moe_amax_algo {
+    MOE_AMAX_MAX = 0,         /**< the largest amax of the window */
+    MOE_AMAX_MOST_RECENT = 1  /**< the amax just recorded */
+} moe_amax_algo;
+
+/** The state of one tensor under delayed scaling (one call site of training, lib/lowp.h),
+ *  in backend memory: only the quantize ops read and write it, so a step never waits for
+ *  the host and a captured CUDA graph replays it as it is. */
+typedef struct moe_delayed_site {
+    float scale;    /**< the scale the next recording quantize casts with (from the history) */
+    float used;     /**< the scale the last recording quantize cast with (a replay's too) */
+    float used_inv; /**< 1/used: the dequantization scale of those codes */
+    float amax;     /**< the amax last recorded */
+    int32_t pos;    /**< the history slot the next amax goes into */
+    int32_t steps;  /**< amaxes recorded so far (0: nothing yet, current scaling) */
+} moe_delayed_site;
+
+/** One delayed-scaling quantize of a site (::moe_qdq_spec's @c delayed; site NULL: none). */
+typedef struct moe_delayed_ref {
+    moe_delayed_site *site; /**< [1] the tensor's state (backend memory) */
+    float *history;         /**< [len] its amax window (backend memory) */
+    int len;                /**< the window's length, ≥ 1 (`--fp8-amax-history-len`) */
+    moe_amax_algo algo;     /**< how the next scale is chosen */
+    int margin;             /**< `--fp8-margin` ≥ 0: every scale is divided by 2^margin */
+    int record;             /**< 1: a new tensor (record its amax); 0: a replay of the last
+                                 recorded one (the same scale, nothing recorded) */
+} moe_delayed_ref;
+
+/**
+ * @brief Record one tensor's amax at a delayed-scaling site and choose the scales, before
+ *        its codes are cast: the scale this tensor casts with is the one chosen from the
+ *        history BEFORE it (site->scale), except for the site's first tensor, which has no
+ *        history and takes current scaling (num/amax of itself); then its amax goes into the
+ *        window and the next scale is chosen from it (moe_quant_delayed_finish() for
+ *        ::MOE_AMAX_MAX, num/amax for ::MOE_AMAX_MOST_RECENT), kept while the candidate is
+ *        not finite and positive. Both backends call it (CUDA in one thread).
+ * @param d the site  @param history [len] its window  @param len its length
+ * @param algo the compute algorithm  @param num the numerator: fmax / 2^margin
+ * @param amax this tensor's amax (canonical NaN if it held one)
+ */
+static inline MOE_HOSTDEV void moe_delayed_record(moe_delayed_site *d, float *history, int len,
+                                                  moe_amax_algo algo, float num, float amax) {
+    const float used = d->steps > 0 ? d->scale : moe_q_scale_from_amax(amax, num, 0);
+    moe_quant_scalars s = {0.0f, used, 0.0f};
+    moe_quant_delayed_finish(&s, history, len, d->pos, amax, num);
+    if (algo == MOE_AMAX_MOST_RECENT)
+        s.scale = !moe_q_nonfinite(amax) && amax > 0.0f ? moe_q_scale_from_amax(amax, num, 0)
+                                                       : used;
+    d->used = used;
+    d->used_inv = s.scale_inv;
+    d->amax = amax;
+    if (!moe_q_nonfinite(s.scale)) /* a poisoned first tensor keeps the initial scale */
+        d->scale = s.scale;
+    d->pos = d->pos + 1 < len ? d->pos + 1 : 0;
+    d->steps = d->steps < INT32_MAX ? d->steps + 1 : d->steps;
+}
+
+/** The largest `--fp8-margin` (the scale's numerator fmax/2^margin stays a normal float). */
+#define MOE_QUANT_MAX_MARGIN 64
+
+/** @brief A delayed site's numerator: the format's max over 2^margin (exact: a power of two).
+ *  @param f the format @param margin 0 to ::MOE_QUANT_MAX_MARGIN @return fmax·2^−margin */
+static inline MOE_HOSTDEV float moe_quant_delayed_num(moe_fp8_format f, int margin) {
+    return moe_q_mul(moe_fp8_max(f), moe_q_pow2f(-margin));
+}
+
+/** @brief The scalars a site's last recorded tensor was cast with (what its dequantize and a
+ *  replay use). @param s receives amax, scale and scale_inv @param d the site */
+static inline MOE_HOSTDEV void moe_delayed_scalars(moe_quant_scalars *s,
+                                                   const moe_delayed_site *d) {
+    s->amax = d->amax;
+    s->scale = d->used;
+    s->scale_inv = d->used_inv;
+}
+
 #ifdef __cplusplus
 extern "C" { /* kernels/quantize.cu calls the checks */
 #endif
@@ -195,6 +272,25 @@ moe_status moe_cpu_quant_tensorwise(uint8_t *q, moe_quant_scalars *s, const floa
 moe_status moe_cpu_quant_delayed(uint8_t *q, moe_quant_scalars *s, float *history, int len,
                                  int pos, const float *x, size_t n, moe_fp8_format f,
                                  moe_error *err);
+
+/**
+ * @brief Delayed scaling at a site of training (lib/lowp.h), its state in memory: when
+ *        d->record, the tensor's amax is recorded and the scales chosen
+ *        (moe_delayed_record(): the history's scale, current scaling for the site's first
+ *        tensor); then, recorded or replayed, codes = cast(x·d->site->used) (a NaN scale
+ *        writes 0, as current scaling) and @p s = moe_delayed_scalars().
+ * @param q [n] codes  @param s receives the scalars the codes were cast with
+ * @param d the site, its window and options  @param x [n] input  @param n elements
+ * @param f element format  @param err receives the reason on failure
+ * @return ::MOE_OK, or ::MOE_ERR_CONFIG for a bad window, margin or format
+ */
+moe_status moe_cpu_quant_delayed_site(uint8_t *q, moe_quant_scalars *s, const moe_delayed_ref *d,
+                                      const float *x, size_t n, moe_fp8_format f,
+                                      moe_error *err);
+
+/** @brief Check a delayed site's options: a window of at least 1, a margin of 0 to 64.
+ *  @param d the reference @param err receives the message @return ::MOE_OK or ::MOE_ERR_CONFIG */
+moe_status moe_quant_check_delayed(const moe_delayed_ref *d, moe_error *err);
 
 /**
  * @brief Dequantize a tensorwise recipe: y = decode(q)·s->scale_inv.
@@ -333,6 +429,8 @@ typedef struct moe_qdq_spec {
     moe_fp8_format format;   /**< the FP8 element format (ignored by NVFP4) */
     int pow2;                /**< blockwise: power-of-two scales */
     moe_nvfp4_opts nvfp4;    /**< NVFP4's options (block_2d follows the recipe) */
+    moe_delayed_ref delayed; /**< tensorwise with delayed.site set: delayed scaling at that
+                                  site (moe_cpu_quant_delayed_site()) instead of current */
 } moe_qdq_spec;
 
 /** The buffers of a QDQ, in the memory of the backend that runs it, each sized for the
@@ -372,6 +470,9 @@ typedef struct moe_quant_fns {
     moe_status (*dequant_nvfp4)(float *, const uint8_t *, const uint8_t *,
                                 const moe_quant_scalars *, int, int, const moe_nvfp4_opts *,
                                 moe_error *);
+    /** as moe_cpu_quant_delayed_site() */
+    moe_status (*delayed)(uint8_t *, moe_quant_scalars *, const moe_delayed_ref *, const float *,
+                          size_t, moe_fp8_format, moe_error *);
 } moe_quant_fns;
 
 /** @brief The CPU's quantizers, for moe_qdq_f32(). @return a static table */

@@ -149,6 +149,15 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
     /* context-parallel attention needs the merge and the packing ops (CPU and CUDA have them) */
     if (s == MOE_OK && c->context_parallel_size > 1)
         s = moe_cp_attention_supported(be, err);
+    /* chapter 05's delayed scaling keeps each rank's amaxes: TransformerEngine reduces them
+     * over the ranks (its amax reduction group) so that every replica casts alike; not here */
+    if (s == MOE_OK && t->world_size > 1 && strcmp(c->fp8_recipe, "delayed") == 0 &&
+        strcmp(c->fp8_format, "none") != 0)
+        s = moe_error_set(err, MOE_ERR_CONFIG,
+                          "--fp8-recipe delayed on %d ranks: each rank would keep the amax "
+                          "history of its own micro-batches, where TransformerEngine reduces "
+                          "the amaxes over the ranks; not supported yet: run one rank, or use "
+                          "--fp8-recipe tensorwise, blockwise or mxfp8", t->world_size);
     t->ep.be = be;
     if (s == MOE_OK && world)
         s = make_groups(t, err);

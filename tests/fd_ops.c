@@ -693,8 +693,8 @@ static double lowp_lin_loss(void *p) {
     const size_t nx = (size_t)c->N * c->I, nw = (size_t)c->O * c->I;
     if (c->emulated) {
         memcpy(c->tmp_w, c->w, nw * sizeof(moe_real));
-        moe_lowp_qdq_weight(be, c->lp, c->tmp_w, 1, c->O, c->I);
-        be->matmul_forward(c->out, moe_lowp_qdq(be, c->lp, c->x, c->N, c->I, MOE_LOWP_ACTIVATION),
+        moe_lowp_qdq_weight(be, c->lp, c->tmp_w, 1, c->O, c->I, 0, 1);
+        be->matmul_forward(c->out, moe_lowp_qdq(be, c->lp, c->x, c->N, c->I, MOE_LOWP_ACTIVATION, 0),
                            c->tmp_w, c->N, c->I, c->O);
         return fd_dot(c->r, c->out, (size_t)c->N * c->O);
     }
@@ -710,9 +710,11 @@ START_TEST(test_fd_lowp_linear_straight_through) {
     static const char *recipes[] = {"--fp8-format e4m3 --fp8-recipe tensorwise",
                                     "--fp8-format hybrid --fp8-recipe blockwise",
                                     "--fp8-format e4m3 --fp8-recipe mxfp8",
-                                    "--fp4-format e2m1 --fp4-recipe nvfp4"};
+                                    "--fp4-format e2m1 --fp4-recipe nvfp4",
+                                    /* one site per role: the backward's x replays */
+                                    "--fp8-format e4m3 --fp8-recipe delayed"};
     const moe_backend *be = moe_backend_cpu();
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < (int)(sizeof recipes / sizeof recipes[0]); k++) {
         moe_config cfg;
         moe_error err;
         char flags[256];
@@ -722,7 +724,7 @@ START_TEST(test_fd_lowp_linear_straight_through) {
         ck_assert(moe_lowp_from_config(&lp, &cfg, &err) == MOE_OK && lp.on);
         lowp_lin_ctx c = {6, 128, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, &lp, 0};
         const size_t nx = (size_t)c.N * c.I, nw = (size_t)c.O * c.I, ny = (size_t)c.N * c.O;
-        ck_assert(moe_lowp_alloc(be, &lp, nw));
+        ck_assert(moe_lowp_alloc(be, &lp, nw) && moe_lowp_alloc_delayed(be, &lp, 1, 0));
         c.x = ALLOC(nx); c.w = ALLOC(nw); c.ex = ALLOC(nx); c.ew = ALLOC(nw); c.rq = ALLOC(ny);
         c.r = ALLOC(ny); c.out = ALLOC(ny); c.tmp_x = ALLOC(nx); c.tmp_w = ALLOC(nw);
         moe_test_randn(c.x, nx, 61, 1.0);
@@ -731,9 +733,9 @@ START_TEST(test_fd_lowp_linear_straight_through) {
         /* the analytic backward, as the call sites run it (attention.c, mlp.c) */
         moe_real *wq = ALLOC(nw), *xq = ALLOC(nx), *dx = ALLOC(nx), *dw = ALLOC(nw);
         memcpy(wq, c.w, nw * sizeof(moe_real));
-        moe_lowp_qdq_weight(be, &lp, wq, 1, c.O, c.I);
-        memcpy(xq, moe_lowp_qdq(be, &lp, c.x, c.N, c.I, MOE_LOWP_ACTIVATION), nx * sizeof(moe_real));
-        const void *rq = moe_lowp_qdq(be, &lp, c.r, c.N, c.O, MOE_LOWP_GRADIENT);
+        moe_lowp_qdq_weight(be, &lp, wq, 1, c.O, c.I, 0, 1);
+        memcpy(xq, moe_lowp_qdq(be, &lp, c.x, c.N, c.I, MOE_LOWP_ACTIVATION, 0), nx * sizeof(moe_real));
+        const void *rq = moe_lowp_qdq(be, &lp, c.r, c.N, c.O, MOE_LOWP_GRADIENT, 0);
         memcpy(c.rq, rq, ny * sizeof(moe_real)); /* the quantized dy the backward used */
         be->matmul_backward(dx, dw, rq, xq, wq, c.N, c.I, c.O);
         for (size_t i = 0; i < nx; i++)
@@ -796,11 +798,11 @@ START_TEST(test_lowp_mlp_roles) {
     moe_test_randn(w1, 2 * F * H, 72, 0.1);
     moe_test_randn(w2, H * F, 73, 0.1);
     moe_test_randn(r, N * H, 74, 1e-3);
-    moe_lowp_qdq_weight(be, &lp, w1, 1, 2 * F, H);
-    moe_lowp_qdq_weight(be, &lp, w2, 1, H, F);
-    moe_mlp_forward_lowp(be, out, gu, act, x, NULL, w1, w2, N, H, F, &lp);
+    moe_lowp_qdq_weight(be, &lp, w1, 1, 2 * F, H, 0, 1);
+    moe_lowp_qdq_weight(be, &lp, w2, 1, H, F, 0, 1);
+    moe_mlp_forward_lowp(be, out, gu, act, x, NULL, w1, w2, N, H, F, &lp, 0);
     moe_mlp_backward_lowp(be, dx, dw1, dw2, NULL, r, x, gu, act, NULL, w1, w2, dh, dgu, N, H, F,
-                          &lp);
+                          &lp, 0);
     /* the chain by hand */
     moe_real *q = ALLOC(N * 2 * F), *q2 = ALLOC(N * 2 * F), *e_out = ALLOC(N * H);
     moe_real *e_gu = ALLOC(N * 2 * F), *e_act = ALLOC(N * F), *e_dx = ALLOC(N * H);

@@ -132,7 +132,7 @@ START_TEST(test_gpu_fp8_layer_quantizers) {
     moe_cuda_from_host(fw.qt, p, nw);
     moe_cuda_from_host(fw.s, p, sizeof(float) * G * ns);
     moe_cuda_from_host(fw.st, p, sizeof(float) * G * ns);
-    moe_lowp_quantize_experts(g, &lp, &fw, dw, G, O, I);
+    moe_lowp_quantize_experts(g, &lp, &fw, dw, G, O, I, 0, 1);
     ck_assert(same("weight codes", fw.q, wq, nw));
     ck_assert(same("weight scales", fw.s, ws, sizeof(float) * G * ns));
     ck_assert(same("transposed weight codes", fw.qt, wqt, nw));
@@ -190,8 +190,8 @@ static void run_mlp(const moe_backend *be, moe_lowp *lp, const moe_fp8_weight *f
     be->from_host(rs, hrs, sizeof(moe_real) * N);
     be->zero(drs, sizeof(moe_real) * N); /* (accumulates) */
     if (!fw) { /* the emulation quantizes the compute copy in place */
-        moe_lowp_quantize_experts(be, lp, NULL, w1, G, 2 * F, H);
-        moe_lowp_quantize_experts(be, lp, NULL, w2, G, H, F);
+        moe_lowp_quantize_experts(be, lp, NULL, w1, G, 2 * F, H, 0, 1);
+        moe_lowp_quantize_experts(be, lp, NULL, w2, G, H, F, 0, 1);
     }
     int *doff = be->alloc(sizeof(int) * (G + 1));
     be->from_host(doff, off, sizeof(int) * (G + 1));
@@ -209,7 +209,7 @@ static void run_mlp(const moe_backend *be, moe_lowp *lp, const moe_fp8_weight *f
         free(h);
     }
     moe_groups grp = {off, doff, G, MOE_EXPERTS_KERNEL, MOE_DW_STORE, NULL, 1, N, lp,
-                      fw, fw ? fw + 1 : NULL};
+                      fw, fw ? fw + 1 : NULL, 0};
     moe_mlp_forward_grouped(be, out, gu, act, x, rs, w1, w2, &grp, H, F);
     moe_mlp_backward_grouped(be, dx, dw1, dw2, drs, dy, x, gu, act, rs, w1, w2, dh, dgu, &grp, H,
                              F, 0);
@@ -261,8 +261,8 @@ static int check_layer(const int *sizes, int G, int H, int F) {
         void *d1 = g->alloc(2 * n1), *d2 = g->alloc(2 * n2);
         g->write_act(d1, w1, n1);
         g->write_act(d2, w2, n2);
-        moe_lowp_quantize_experts(g, &lg, &fw[0], d1, G, 2 * F, H);
-        moe_lowp_quantize_experts(g, &lg, &fw[1], d2, G, H, F);
+        moe_lowp_quantize_experts(g, &lg, &fw[0], d1, G, 2 * F, H, 0, 1);
+        moe_lowp_quantize_experts(g, &lg, &fw[1], d2, G, H, F, 0, 1);
         g->free(d1), g->free(d2);
     }
     run_mlp(c, &lc, NULL, off, G, H, F, x, w1, w2, rs, dy, ref);

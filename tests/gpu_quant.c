@@ -751,6 +751,19 @@ START_TEST(test_gpu_fp8_grouped_gemm_errors) {
 }
 END_TEST
 
+/* a QDQ workspace for n elements, poisoned, on the device (@p dev) or the host */
+static moe_qdq_ws qdq_ws(size_t n, int dev) {
+    size_t qb, sb;
+    moe_qdq_ws_bytes(n, &qb, &sb);
+    void *(*p)(size_t) = dev ? dpoison : hpoison;
+    return (moe_qdq_ws){p(n * sizeof(float)), p(qb), p(sb), p(sizeof(moe_quant_scalars))};
+}
+
+static void qdq_ws_free(moe_qdq_ws *ws, int dev) {
+    void (*f)(void *) = dev ? moe_cuda_free : free;
+    f(ws->x), f(ws->q), f(ws->scales), f(ws->g);
+}
+
 /* Chapter 05's emulated training (lib/lowp.h): the CUDA QDQ op on bf16 activations equals
  * the CPU's on the same values, rounded to bf16 once at the end (the CPU keeps fp32), byte
  * for byte, for every recipe; the output and the workspace start poisoned. */
@@ -761,12 +774,7 @@ START_TEST(test_gpu_qdq) {
     void *src = dpoison(2 * n), *dst = dpoison(2 * n), *want = dpoison(2 * n);
     moe_cuda_write_act(src, x, n);
     moe_cuda_read_act(x, src, n); /* the bf16 values, exactly, in fp32 */
-    size_t qb, sb;
-    moe_qdq_ws_bytes(n, &qb, &sb);
-    moe_qdq_ws dws = {dpoison(n * sizeof(float)), dpoison(qb), dpoison(sb),
-                      dpoison(sizeof(moe_quant_scalars))};
-    moe_qdq_ws hws = {hpoison(n * sizeof(float)), hpoison(qb), hpoison(sb),
-                      hpoison(sizeof(moe_quant_scalars))};
+    moe_qdq_ws dws = qdq_ws(n, 1), hws = qdq_ws(n, 0);
     float *y = hpoison(n * sizeof(float));
     unsigned char *hwant = hpoison(2 * n);
     const moe_quant_recipe recipes[] = {MOE_QUANT_TENSORWISE, MOE_QUANT_BLOCK_1X128,
@@ -790,9 +798,68 @@ START_TEST(test_gpu_qdq) {
             ck_assert_msg(same_bytes(what, dst, hwant, 2 * n), "%s: CUDA differs from the CPU",
                           what);
         }
-    free(x); free(y); free(hwant); free(hws.x); free(hws.q); free(hws.scales); free(hws.g);
+    free(x); free(y); free(hwant); qdq_ws_free(&hws, 0);
     moe_cuda_free(src); moe_cuda_free(dst); moe_cuda_free(want);
-    moe_cuda_free(dws.x); moe_cuda_free(dws.q); moe_cuda_free(dws.scales); moe_cuda_free(dws.g);
+    qdq_ws_free(&dws, 1);
+}
+END_TEST
+
+/* Chapter 05's delayed scaling in training (lib/lowp.h): the QDQ op at a site of the table,
+ * a sequence of recording and replaying QDQs (the first one on current scaling, a NaN in the
+ * window, the window wrapping), CUDA against the CPU: the outputs as test_gpu_qdq, the site
+ * and its history byte for byte after every call. */
+START_TEST(test_gpu_qdq_delayed) {
+    enum { R = 64, C = 96, LEN = 3, CALLS = 8 };
+    const size_t n = (size_t)R * C;
+    moe_qdq_ws dws = qdq_ws(n, 1), hws = qdq_ws(n, 0);
+    void *src = dpoison(2 * n), *dst = dpoison(2 * n), *want = dpoison(2 * n);
+    float *y = hpoison(n * sizeof(float));
+    unsigned char *hwant = hpoison(2 * n);
+    int ok = 1;
+    for (int algo = 0; algo < 2; algo++)
+        for (int f = 0; f < 2; f++) {
+            moe_delayed_site site = {1.0f, 1.0f, 1.0f, 0.0f, 0, 0};
+            float hist[LEN] = {0};
+            moe_delayed_site *dsite = dcopy(&site, sizeof site);
+            float *dhist = dcopy(hist, sizeof hist);
+            moe_qdq_spec hs, ds;
+            memset(&hs, 0, sizeof hs);
+            hs.recipe = MOE_QUANT_TENSORWISE;
+            hs.format = (moe_fp8_format)f;
+            hs.delayed = (moe_delayed_ref){&site, hist, LEN, (moe_amax_algo)algo, 1, 1};
+            ds = hs;
+            ds.delayed.site = dsite;
+            ds.delayed.history = dhist;
+            float *x = NULL;
+            for (int k = 0; k < CALLS; k++) {
+                const int replay = k % 3 == 1; /* the backward's QDQ of the last input */
+                if (!replay) {
+                    free(x);
+                    x = gen(n, 960 + k, k == 4 ? 1 : 0);
+                    const float amp = ldexpf(1.0f, (k * 5) % 9 - 4);
+                    for (size_t i = 0; i < n; i++)
+                        x[i] *= amp;
+                    moe_cuda_write_act(src, x, n);
+                    moe_cuda_read_act(x, src, n); /* the bf16 values, exactly */
+                }
+                hs.delayed.record = ds.delayed.record = !replay;
+                moe_cpu_qdq(y, x, R, C, &hs, &hws);
+                moe_cuda_write_act(want, y, n);
+                moe_cuda_to_host(hwant, want, 2 * n);
+                moe_cuda_qdq(dst, src, R, C, &ds, &dws);
+                ok &= same_bytes("delayed QDQ", dst, hwant, 2 * n);
+                ok &= same_bytes("delayed site", dsite, &site, sizeof site);
+                ok &= same_bytes("delayed history", dhist, hist, sizeof hist);
+            }
+            free(x);
+            moe_cuda_free(dsite), moe_cuda_free(dhist);
+        }
+    printf("  delayed QDQ at a site: 2 algorithms x 2 formats x %d calls, %s\n", CALLS,
+           ok ? "outputs, site and history CUDA == CPU" : "DIFFER");
+    ck_assert(ok);
+    free(y); free(hwant); qdq_ws_free(&hws, 0);
+    moe_cuda_free(src); moe_cuda_free(dst); moe_cuda_free(want);
+    qdq_ws_free(&dws, 1);
 }
 END_TEST
 
@@ -802,6 +869,7 @@ Suite *suite_gpu_quant(void) {
                                   test_gpu_quant_mxfp8,      test_gpu_quant_nvfp4,
                                   test_gpu_fp8_gemm,         test_gpu_fp8_gemm_blockwise_shapes,
                                   test_gpu_fp8_gemm_errors,  test_gpu_fp8_grouped_gemm,
-                                  test_gpu_fp8_grouped_gemm_errors, test_gpu_qdq};
-    return moe_test_chapter_suite("gpu_quant", "ch05", tests, 12);
+                                  test_gpu_fp8_grouped_gemm_errors, test_gpu_qdq,
+                                  test_gpu_qdq_delayed};
+    return moe_test_chapter_suite("gpu_quant", "ch05", tests, 13);
 }

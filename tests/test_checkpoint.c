@@ -149,6 +149,11 @@ START_TEST(test_resume_in_process) {
      * quantizations, which the checkpoint must carry (widths: multiples of NVFP4's 16) */
     resume_in_process("--fp4-format e2m1 --fp4-recipe nvfp4 --ffn-hidden-size 32 "
                       "--moe-shared-expert-intermediate-size 16 --num-query-groups 4");
+    /* FP8 delayed scaling: every site's scales, amax window and slot (lowp.h), and the
+     * weights cast again with their saved scales (a window of 4 holds a step's amaxes
+     * beyond the last one, so the max algorithm needs the whole window back) */
+    resume_in_process("--fp8-format e4m3 --fp8-recipe delayed --fp8-amax-history-len 4 "
+                      "--fp8-amax-compute-algo max --fp8-margin 1");
 }
 END_TEST
 

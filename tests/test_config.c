@@ -505,8 +505,20 @@ START_TEST(test_val_lowp) {
               "--moe-ffn-hidden-size", "24"); /* tensorwise takes any width */
     EXPECT_CONFIG_ERROR("--fp8-format e4m3 and --fp4-format e2m1", "pick one", "--fp8-format",
                         "e4m3", "--fp4-format", "e2m1");
-    EXPECT_CONFIG_ERROR("--fp8-recipe delayed", "not wired", "--fp8-format", "e4m3",
-                        "--fp8-recipe", "delayed");
+    /* delayed scaling and its options (lowp.h, "Delayed scaling") */
+    EXPECT_OK(&c, "--fp8-format", "e4m3", "--fp8-recipe", "delayed", "--fp8-amax-history-len",
+              "16", "--fp8-amax-compute-algo", "max", "--fp8-margin", "2");
+    ck_assert_int_eq(c.fp8_amax_history_len, 16);
+    ck_assert_str_eq(c.fp8_amax_compute_algo, "max");
+    ck_assert_int_eq(c.fp8_margin, 2);
+    EXPECT_CONFIG_ERROR("--fp8-amax-history-len 0", "N >= 1", "--fp8-format", "e4m3",
+                        "--fp8-recipe", "delayed", "--fp8-amax-history-len", "0");
+    EXPECT_CONFIG_ERROR("--fp8-margin -1", "0 to 64", "--fp8-format", "e4m3", "--fp8-recipe",
+                        "delayed", "--fp8-margin", "-1");
+    EXPECT_CONFIG_ERROR("--fp8-margin 65", "2^margin", "--fp8-format", "e4m3", "--fp8-recipe",
+                        "delayed", "--fp8-margin", "65");
+    EXPECT_FLAG_ERROR("--fp8-amax-compute-algo", "mean", "--fp8-format", "e4m3",
+                      "--fp8-recipe", "delayed", "--fp8-amax-compute-algo", "mean");
     EXPECT_FLAG_ERROR("--fp8-recipe", "fp9", "--fp8-format", "e4m3", "--fp8-recipe", "fp9");
     EXPECT_FLAG_ERROR("--fp4-format", "e3m0", "--fp4-format", "e3m0");
     EXPECT_CONFIG_ERROR("--use-distributed-optimizer", "drop one", "--fp8-format", "e4m3",
@@ -519,6 +531,10 @@ START_TEST(test_val_lowp) {
     EXPECT_OK(&c, "--seed", "1");
     ck_assert_str_eq(c.fp8_format, "none");
     ck_assert_str_eq(c.fp4_format, "none");
+    /* Megatron's defaults for delayed scaling */
+    ck_assert_int_eq(c.fp8_amax_history_len, 1);
+    ck_assert_str_eq(c.fp8_amax_compute_algo, "most_recent");
+    ck_assert_int_eq(c.fp8_margin, 0);
 }
 END_TEST
 

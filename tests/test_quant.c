@@ -1162,7 +1162,7 @@ START_TEST(test_qdq_matches_quant_dequant) {
                               (int)recipes[r], changed, n);
             }
     /* in place (dst = src) as the weights are */
-    moe_qdq_spec sp = {MOE_QUANT_MXFP8, MOE_FP8_E4M3, 0, {0}};
+    moe_qdq_spec sp = {MOE_QUANT_MXFP8, MOE_FP8_E4M3, 0, {0}, {0}};
     be->qdq(y, x, R, C, &sp, &ws);
     memcpy(ref, x, n * sizeof(float));
     be->qdq(ref, ref, R, C, &sp, &ws);
@@ -1199,6 +1199,106 @@ START_TEST(test_qdq_matches_quant_dequant) {
 }
 END_TEST
 
+/* Chapter 05's delayed scaling in training (lowp.h, "Delayed scaling"), the call sites'
+ * contract on the CPU backend:
+ *  - the first tensor at a site takes current scaling: the same bytes as the tensorwise
+ *    recipe's QDQ;
+ *  - moe_lowp_qdq_saved() (the backward's QDQ of a saved input) gives exactly the bytes the
+ *    forward's QDQ gave and leaves the site and its history as they were;
+ *  - a later tensor is cast with fmax/2^margin over the largest amax of the window BEFORE it
+ *    (not its own: a larger input saturates), and its amax joins the window;
+ *  - sites are found by identity: another linear's or role's site is untouched;
+ *  - a weight QDQ with record = 0 replays the recorded scale. */
+static moe_delayed_site site_at(const moe_lowp *lp, int linear, moe_lowp_role role) {
+    moe_delayed_site s;
+    memcpy(&s, lp->sites + (size_t)linear * MOE_LOWP_ROLES + role, sizeof s);
+    return s;
+}
+
+START_TEST(test_lowp_delayed_sites) {
+    const moe_backend *be = moe_backend_cpu();
+    moe_config c;
+    moe_error err;
+    ck_assert_msg(moe_test_config(&c, "--fp8-format e4m3 --fp8-recipe delayed "
+                                      "--fp8-amax-history-len 3 --fp8-amax-compute-algo max "
+                                      "--fp8-margin 1", &err) == MOE_OK, "%s", err.msg);
+    moe_lowp lp;
+    ck_assert(moe_lowp_from_config(&lp, &c, &err) == MOE_OK && lp.on && lp.delayed);
+    const int R = 8, C = 40;
+    const size_t n = (size_t)R * C;
+    ck_assert(moe_lowp_alloc(be, &lp, n) && moe_lowp_alloc_delayed(be, &lp, 2, 3));
+    ck_assert_uint_eq(moe_lowp_sites(&lp), 2 * (8 + 2 * 3) * 3);
+    const int o = moe_lowp_site(&lp, 1, MOE_LOWP_ATTN, 0) + 3; /* layer 1's output projection */
+    ck_assert_int_eq(moe_lowp_site(&lp, 1, MOE_LOWP_EXPERTS, 2), 14 + 8 + 4);
+    const float num = 448.0f / 2; /* E4M3's max over 2^margin */
+    moe_real *x = malloc(sizeof(moe_real) * n), *y1 = malloc(sizeof(moe_real) * n),
+             *want = malloc(sizeof(moe_real) * n);
+    moe_test_randn(x, n, 71, 1.0);
+    float amax1 = 0;
+    for (size_t i = 0; i < n; i++)
+        amax1 = fmaxf(amax1, fabsf((float)x[i]));
+    /* 1. the first tensor: current scaling with the margin */
+    memcpy(y1, moe_lowp_qdq(be, &lp, x, R, C, MOE_LOWP_ACTIVATION, o), sizeof(moe_real) * n);
+    moe_delayed_site s = site_at(&lp, o, MOE_LOWP_ACTIVATION);
+    ck_assert_int_eq(s.steps, 1);
+    ck_assert_int_eq(s.pos, 1);
+    ck_assert(s.amax == amax1 && s.used == num / amax1 && s.scale == num / amax1);
+    moe_qdq_spec cur = lp.spec[MOE_LOWP_ACTIVATION]; /* tensorwise current scaling... */
+    for (size_t i = 0; i < n; i++)
+        x[i] *= 0.5; /* ...with the margin: the same codes from x/2 at fmax/amax */
+    be->qdq(want, x, R, C, &cur, &lp.ws);
+    for (size_t i = 0; i < n; i++)
+        ck_assert_msg(y1[i] == 2 * want[i], "element %zu: %g vs %g", i, (double)y1[i],
+                      2 * (double)want[i]);
+    for (size_t i = 0; i < n; i++)
+        x[i] *= 2;
+    /* 2. the backward's QDQ of the saved input: the same bytes, nothing recorded */
+    float hist[3];
+    memcpy(hist, lp.history + ((size_t)o * MOE_LOWP_ROLES) * 3, sizeof hist);
+    const void *y2 = moe_lowp_qdq_saved(be, &lp, x, R, C, o);
+    ck_assert(memcmp(y2, y1, sizeof(moe_real) * n) == 0);
+    moe_delayed_site s2 = site_at(&lp, o, MOE_LOWP_ACTIVATION);
+    ck_assert(memcmp(&s2, &s, sizeof s) == 0);
+    ck_assert(memcmp(hist, lp.history + ((size_t)o * MOE_LOWP_ROLES) * 3, sizeof hist) == 0);
+    /* 3. a tensor 4x larger is cast with the scale of the window before it: it saturates */
+    for (size_t i = 0; i < n; i++)
+        x[i] *= 4;
+    const moe_real *y3 = moe_lowp_qdq(be, &lp, x, R, C, MOE_LOWP_ACTIVATION, o);
+    s = site_at(&lp, o, MOE_LOWP_ACTIVATION);
+    ck_assert(s.used == num / amax1);            /* fmax/2^margin over max(window before) */
+    ck_assert(s.scale == num / (4 * amax1));     /* the next: the window holds 4·amax1 now */
+    ck_assert_int_eq(s.steps, 2);
+    ck_assert_int_eq(s.pos, 2);
+    int saturated = 0;
+    for (size_t i = 0; i < n; i++)
+        saturated += fabsf((float)y3[i]) == 448.0f * s.used_inv; /* the largest code */
+    ck_assert_msg(saturated > 0, "nothing saturated");
+    /* 4. other sites untouched: the same linear's gradient, another layer's, the weights */
+    ck_assert_int_eq(site_at(&lp, o, MOE_LOWP_GRADIENT).steps, 0);
+    ck_assert_int_eq(site_at(&lp, o - 14, MOE_LOWP_ACTIVATION).steps, 0);
+    ck_assert_int_eq(site_at(&lp, o, MOE_LOWP_WEIGHT).steps, 0);
+    /* 5. weights: per expert (linear + 2g), record then replay the same bytes */
+    const int e0 = moe_lowp_site(&lp, 0, MOE_LOWP_EXPERTS, 0);
+    moe_real *w = malloc(sizeof(moe_real) * 3 * n), *w0 = malloc(sizeof(moe_real) * 3 * n),
+             *wq = malloc(sizeof(moe_real) * 3 * n);
+    moe_test_randn(w0, 3 * n, 72, 0.1);
+    memcpy(wq, w0, sizeof(moe_real) * 3 * n);
+    moe_lowp_qdq_weight(be, &lp, wq, 3, R, C, e0, 1);
+    for (int g = 0; g < 3; g++) {
+        ck_assert_int_eq(site_at(&lp, e0 + 2 * g, MOE_LOWP_WEIGHT).steps, 1);
+        ck_assert_int_eq(site_at(&lp, e0 + 2 * g + 1, MOE_LOWP_WEIGHT).steps, 0); /* fc2 */
+    }
+    moe_delayed_site before = site_at(&lp, e0 + 2, MOE_LOWP_WEIGHT);
+    memcpy(w, w0, sizeof(moe_real) * 3 * n);
+    moe_lowp_qdq_weight(be, &lp, w, 3, R, C, e0, 0);
+    ck_assert(memcmp(w, wq, sizeof(moe_real) * 3 * n) == 0);
+    moe_delayed_site after = site_at(&lp, e0 + 2, MOE_LOWP_WEIGHT);
+    ck_assert(memcmp(&before, &after, sizeof before) == 0);
+    free(x); free(y1); free(want); free(w); free(w0); free(wq);
+    moe_lowp_free(be, &lp);
+}
+END_TEST
+
 Suite *suite_quant(void) {
     const TTest *const tests[] = {test_decode_tables,       test_encode_roundtrip_and_ties,
                                   test_tensorwise,          test_delayed_scaling,
@@ -1208,6 +1308,6 @@ Suite *suite_quant(void) {
                                   test_blockwise_transpose, test_fp8_gemm_check,
                                   test_gemm_scale_layouts,  test_fp8_gemm_cpu_twin,
                                   test_fp8_grouped_gemm_cpu_twin,
-                                  test_qdq_matches_quant_dequant};
-    return moe_test_chapter_suite("quant", "ch05", tests, 16);
+                                  test_qdq_matches_quant_dequant, test_lowp_delayed_sites};
+    return moe_test_chapter_suite("quant", "ch05", tests, 17);
 }

@@ -298,8 +298,10 @@ START_TEST(test_memory_estimate_bounds_allocations) {
                              "--moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity",
                              "--num-layers 3 --moe-layer-freq 0,1,1 --seq-length 64 --micro-batch-size 4 "
                              "--global-batch-size 4",
-                             /* chapter 05: the QDQ scratch is part of the estimate (last) */
-                             "--fp8-format e4m3 --fp8-recipe tensorwise"};
+                             "--fp8-format e4m3 --fp8-recipe tensorwise",
+                             /* chapter 05: the QDQ scratch and delayed scaling's table of
+                              * sites are part of the estimate (last) */
+                             "--fp8-format e4m3 --fp8-recipe delayed --fp8-amax-history-len 1024"};
     moe_backend be = *moe_backend_cpu();
     be.alloc = counting_alloc;
     long long est0 = 0;

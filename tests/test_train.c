@@ -14,6 +14,8 @@
 
 #include "helpers.h"
 #include "suites.h"
+#include "lowp.h"
+#include "model.h"
 #include "trainer.h"
 
 #define SMALL "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 " \
@@ -108,14 +110,16 @@ START_TEST(test_lowp_training) {
     static const char *recipes[] = {"--fp8-format e4m3 --fp8-recipe tensorwise",
                                     "--fp8-format hybrid --fp8-recipe blockwise",
                                     "--fp8-format e4m3 --fp8-recipe mxfp8",
-                                    "--fp4-format e2m1 --fp4-recipe nvfp4"};
-    static const double margin[] = {0.03, 0.03, 0.03, 0.05};
+                                    "--fp4-format e2m1 --fp4-recipe nvfp4",
+                                    "--fp8-format e4m3 --fp8-recipe delayed "
+                                    "--fp8-amax-history-len 16 --fp8-amax-compute-algo max"};
+    static const double margin[] = {0.03, 0.03, 0.03, 0.05, 0.03};
     double ref[LOWP_STEPS], l[LOWP_STEPS];
     run_losses(LOWP_MODEL, LOWP_STEPS, ref);
     const double ref_tail = tail_mean(ref);
     printf("  emulated low precision, 30 steps: fp32 first %.4f, mean of the last 10 %.4f\n",
            ref[0], ref_tail);
-    for (int r = 0; r < 4; r++) {
+    for (int r = 0; r < (int)(sizeof recipes / sizeof recipes[0]); r++) {
         char flags[512];
         snprintf(flags, sizeof flags, LOWP_MODEL "%s", recipes[r]);
         run_losses(flags, LOWP_STEPS, l);
@@ -228,6 +232,105 @@ START_TEST(test_program_cli) {
 }
 END_TEST
 
+/* Chapter 05's delayed scaling through training (lowp.h, "Delayed scaling"), its state read
+ * after every step. One micro-batch per step, a window of 4, the max algorithm, margin 1 (so
+ * the numerator is 448/2). At every site that recorded in step t:
+ *  - its first tensor took current scaling: used = 224/amax(itself);
+ *  - every later one was cast with 224 / (the max of the amaxes of the last 4 records BEFORE
+ *    it), kept by the test from what each step recorded, and that was the site's scale
+ *    before the step: the history of steps < t, not the tensor itself;
+ *  - its amax went into the slot it was at, and the slot moved by one (mod 4);
+ * and each site recorded as often as it should: the forward inputs and output gradients of
+ * attention, the dense FFN and the shared expert once per step (the backward's replay of a
+ * saved input records nothing), each weight once per step (plus once when the model was
+ * made), a routed expert's input and gradient at most once (an expert may get no tokens),
+ * and the K and V inputs (served by Q's QDQ) never. */
+#define DELAYED_MODEL                                                                        \
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 "          \
+    "--seq-length 16 --micro-batch-size 4 --global-batch-size 4 --num-experts 4 "            \
+    "--moe-ffn-hidden-size 32 --ffn-hidden-size 64 --moe-shared-expert-intermediate-size 16 " \
+    "--moe-layer-freq 0,1 --lr 3e-3 --lr-warmup-iters 2 --train-iters 20 --fp8-format e4m3 " \
+    "--fp8-recipe delayed --fp8-amax-history-len 4 --fp8-amax-compute-algo max --fp8-margin 1 "
+
+/* how often site (linear li, role) of the DELAYED_MODEL records per step: 1, 0, or -1 for
+ * "0 or 1" (a routed expert's input and gradient) */
+static int records_per_step(int li, int role, int experts) {
+    const int stride = 8 + 2 * experts, layer = li / stride, j = li % stride;
+    const int moe = layer == 1; /* --moe-layer-freq 0,1 */
+    if ((j == 4 || j == 5) && moe) /* no dense FFN in the MoE layer */
+        return 0;
+    if (j >= 6 && !moe) /* no shared expert, no routed experts in the dense one */
+        return 0;
+    if (role == MOE_LOWP_ACTIVATION && (j == 1 || j == 2)) /* K, V: Q's QDQ serves them */
+        return 0;
+    if (j >= 8 && role != MOE_LOWP_WEIGHT)
+        return -1;
+    return 1;
+}
+
+START_TEST(test_lowp_delayed_history) {
+    enum { STEPS = 7, LEN = 4, MAXREC = STEPS + 1 };
+    moe_trainer *t = NULL;
+    moe_error err;
+    ck_assert_msg(make_trainer(&t, DELAYED_MODEL, &err) == MOE_OK, "%s", err.msg);
+    const moe_lowp *lp = t->model->lowp;
+    const moe_backend *be = t->model->be;
+    ck_assert(lp && lp->delayed && lp->hist_len == LEN && lp->sites);
+    const size_t ns = moe_lowp_sites(lp);
+    moe_delayed_site *prev = malloc(sizeof *prev * ns), *now = malloc(sizeof *now * ns);
+    float *hist = malloc(sizeof(float) * ns * LEN);
+    float *log = calloc(ns * MAXREC, sizeof(float)); /* every amax each site recorded */
+    be->to_host(prev, lp->sites, sizeof *prev * ns);
+    for (size_t k = 0; k < ns; k++) { /* the model's creation quantized the weights once */
+        const int want = k % 3 == MOE_LOWP_WEIGHT &&
+                         records_per_step((int)(k / 3), MOE_LOWP_WEIGHT, lp->experts) == 1;
+        ck_assert_msg(prev[k].steps == want, "site %zu: %d records at creation", k,
+                      prev[k].steps);
+        if (want)
+            log[k * MAXREC] = prev[k].amax;
+    }
+    const float num = 448.0f / 2;
+    double first = 0, last = 0;
+    for (int step = 1; step <= STEPS; step++) {
+        last = moe_test_step(t);
+        first = step == 1 ? last : first;
+        be->to_host(now, lp->sites, sizeof *now * ns);
+        be->to_host(hist, lp->history, sizeof(float) * ns * LEN);
+        for (size_t k = 0; k < ns; k++) {
+            const int per = records_per_step((int)(k / 3), (int)(k % 3), lp->experts);
+            const int d = now[k].steps - prev[k].steps;
+            ck_assert_msg(per < 0 ? d == 0 || d == 1 : d == per,
+                          "step %d, site %zu (linear %zu, role %zu): %d records, want %d", step,
+                          k, k / 3, k % 3, d, per);
+            if (d == 0)
+                continue;
+            const int n = prev[k].steps; /* records before this one */
+            float want;
+            if (n == 0) {
+                want = num / now[k].amax; /* current scaling */
+            } else {
+                float m = 0;
+                for (int i = n - 1; i >= 0 && i >= n - LEN; i--)
+                    m = fmaxf(m, log[k * MAXREC + i]);
+                want = num / m;
+                ck_assert(now[k].used == prev[k].scale);
+            }
+            ck_assert_msg(now[k].used == want, "step %d, site %zu: cast with %.9g, want %.9g "
+                          "(224 / max of the %d amaxes before)", step, k, now[k].used, want,
+                          n < LEN ? n : LEN);
+            ck_assert(now[k].used_inv == 1.0f / now[k].used);
+            ck_assert(hist[k * LEN + prev[k].pos] == now[k].amax);
+            ck_assert_int_eq(now[k].pos, (prev[k].pos + 1) % LEN);
+            log[k * MAXREC + n] = now[k].amax;
+        }
+        memcpy(prev, now, sizeof *now * ns);
+    }
+    ck_assert_msg(last < first, "the loss did not fall: %.4f -> %.4f", first, last);
+    free(prev), free(now), free(hist), free(log);
+    moe_trainer_free(t);
+}
+END_TEST
+
 Suite *suite_train(void) {
     Suite *s = suite_create("train");
     TCase *tc = tcase_create("train");
@@ -239,5 +342,10 @@ Suite *suite_train(void) {
     tcase_add_test(tc, test_trainer_errors);
     tcase_add_test(tc, test_program_cli);
     suite_add_tcase(s, tc);
+    TCase *ch05 = tcase_create("ch05");
+    tcase_set_tags(ch05, "ch05");
+    tcase_set_timeout(ch05, 120);
+    tcase_add_test(ch05, test_lowp_delayed_history);
+    suite_add_tcase(s, ch05);
     return s;
 }

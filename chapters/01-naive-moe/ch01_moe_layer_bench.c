@@ -94,9 +94,10 @@ typedef struct layer {
 static void layer_quantize_weights(layer *L) {
     const moe_layer_dims *d = &L->d;
     moe_fp8_weight *fw = L->w.fc1_fp8 ? L->fw : NULL;
-    moe_lowp_quantize_experts(L->be, &L->lp, fw, (void *)L->w.fc1, d->E, 2 * d->F, d->H);
+    moe_lowp_quantize_experts(L->be, &L->lp, fw, (void *)L->w.fc1, d->E, 2 * d->F, d->H, 0,
+                              1);
     moe_lowp_quantize_experts(L->be, &L->lp, fw ? fw + 1 : NULL, (void *)L->w.fc2, d->E, d->H,
-                              d->F);
+                              d->F, 0, 1);
 }
 
 /* the FP8 blockwise recipe (--fp8-format e4m3 --fp8-recipe blockwise) for a layer of shape

@@ -169,6 +169,36 @@ moe_status moe_cpu_quant_delayed(uint8_t *q, moe_quant_scalars *s, float *histor
     return MOE_OK;
 }
 
+moe_status moe_quant_check_delayed(const moe_delayed_ref *d, moe_error *err) {
+    if (d->len < 1)
+        return moe_error_set(err, MOE_ERR_CONFIG, "delayed scaling: an amax history of %d "
+                             "steps (need at least 1)", d->len);
+    if (d->margin < 0 || d->margin > MOE_QUANT_MAX_MARGIN)
+        return moe_error_set(err, MOE_ERR_CONFIG, "delayed scaling: a margin of %d (need 0 to "
+                             "%d: the scale is divided by 2^margin)", d->margin,
+                             MOE_QUANT_MAX_MARGIN);
+    if (d->algo != MOE_AMAX_MAX && d->algo != MOE_AMAX_MOST_RECENT)
+        return moe_error_set(err, MOE_ERR_CONFIG, "delayed scaling: unknown amax algorithm %d",
+                             (int)d->algo);
+    return MOE_OK;
+}
+
+moe_status moe_cpu_quant_delayed_site(uint8_t *q, moe_quant_scalars *s, const moe_delayed_ref *d,
+                                      const float *x, size_t n, moe_fp8_format f,
+                                      moe_error *err) {
+    MOE_TRY(check_format(f, "delayed scaling", err));
+    MOE_TRY(moe_quant_check_delayed(d, err));
+    if (d->record)
+        moe_delayed_record(d->site, d->history, d->len, d->algo,
+                           moe_quant_delayed_num(f, d->margin), moe_q_key_amax(amax_key(x, n)));
+    moe_delayed_scalars(s, d->site);
+    const float scale = s->scale;
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (size_t i = 0; i < n; i++)
+        q[i] = moe_q_cast_scaled(x[i], scale, f);
+    return MOE_OK;
+}
+
 moe_status moe_cpu_dequant_tensorwise(float *y, const uint8_t *q, const moe_quant_scalars *s,
                                       size_t n, moe_fp8_format f, moe_error *err) {
     MOE_TRY(check_format(f, "tensorwise FP8", err));
@@ -369,7 +399,7 @@ const moe_quant_fns *moe_cpu_quant_fns(void) {
     static const moe_quant_fns fns = {
         moe_cpu_quant_tensorwise, moe_cpu_dequant_tensorwise, moe_cpu_quant_blockwise,
         moe_cpu_dequant_blockwise, moe_cpu_quant_mxfp8,       moe_cpu_dequant_mxfp8,
-        moe_cpu_quant_nvfp4,      moe_cpu_dequant_nvfp4};
+        moe_cpu_quant_nvfp4,      moe_cpu_dequant_nvfp4,     moe_cpu_quant_delayed_site};
     return &fns;
 }
 
@@ -388,7 +418,10 @@ moe_status moe_qdq_f32(const moe_quant_fns *fn, const moe_qdq_spec *spec, const 
     const moe_fp8_format f = spec->format;
     switch (spec->recipe) {
     case MOE_QUANT_TENSORWISE:
-        MOE_TRY(fn->tensorwise(ws->q, ws->g, ws->x, n, f, err));
+        if (spec->delayed.site)
+            MOE_TRY(fn->delayed(ws->q, ws->g, &spec->delayed, ws->x, n, f, err));
+        else
+            MOE_TRY(fn->tensorwise(ws->q, ws->g, ws->x, n, f, err));
         return fn->dequant_tensorwise(ws->x, ws->q, ws->g, n, f, err);
     case MOE_QUANT_BLOCK_1X128:
     case MOE_QUANT_BLOCK_128X128: {

@@ -115,7 +115,8 @@ static moe_groups groups_of(const moe_backend *be, const moe_layer_dims *d,
     if (d->experts == MOE_EXPERTS_KERNEL && upload && r->off)
         be->from_host(a->dev_offset, r->off, sizeof(int) * (r->G + 1));
     moe_groups g = {r->off, a->dev_offset, r->G, d->experts, MOE_DW_ACCUMULATE, NULL, 1,
-                    (int)r->rows, d->lowp, NULL, NULL};
+                    (int)r->rows, d->lowp, NULL, NULL,
+                    moe_lowp_site(d->lowp, d->layer, MOE_LOWP_EXPERTS, 0)};
     if (d->permute_fusion) {
         MOE_ASSERT(d->experts == MOE_EXPERTS_KERNEL && !d->ep && d->capacity_factor == 0);
         g.gather = a->perm_src;
@@ -149,7 +150,8 @@ void moe_experts_forward(const moe_backend *be, const moe_layer_dims *d, moe_lay
             const int rows = r.off[e + 1] - r.off[e];
             moe_mlp_forward_lowp(be, A(r.y, o * H), A(r.gu, o * 2 * F), A(r.act, o * F),
                                  A(r.x, o * H), r.w + o, A(w->fc1, (size_t)e * 2 * F * H),
-                                 A(w->fc2, (size_t)e * H * F), rows, H, F, d->lowp);
+                                 A(w->fc2, (size_t)e * H * F), rows, H, F, d->lowp,
+                                 moe_lowp_site(d->lowp, d->layer, MOE_LOWP_EXPERTS, e));
         }
     }
     /* fc2 was row-parallel: sum the partial outputs, each rank keeping its own rows */
@@ -195,7 +197,8 @@ void moe_experts_backward(const moe_backend *be, const moe_layer_dims *d, const 
                                   A(r.x, o * H), A(r.gu, o * 2 * F), A(r.act, o * F), r.w + o,
                                   A(w->fc1, (size_t)e * 2 * F * H),
                                   A(w->fc2, (size_t)e * H * F), A(r.dh, o * F),
-                                  A(r.dgu, o * 2 * F), rows, H, F, d->lowp);
+                                  A(r.dgu, o * 2 * F), rows, H, F, d->lowp,
+                                  moe_lowp_site(d->lowp, d->layer, MOE_LOWP_EXPERTS, e));
         }
     }
     /* fc1 was column-parallel and the routing weight multiplies each rank's slice of h: the
