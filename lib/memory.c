@@ -259,6 +259,16 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
                        "--fp8-amax-history-len");
         }
     }
+    if (!strcmp(c->device, "cuda")) {
+        /* the CUDA backend's RoPE table (kernels/rope.cu): cos and sin (one float2) of every
+         * position 0 .. npos − 1 and pair, npos a power of two ≥ max(4096, seq_length), kept
+         * for the run. Counted for --device cuda only: under auto the backend is not known
+         * here, and on the CPU there is no table */
+        long long npos = 4096;
+        while (npos < c->seq_length)
+            npos *= 2;
+        buffer(&t, "RoPE cos/sin table (CUDA)", mul(npos, D / 2), 8, "--seq-length");
+    }
     out->act_bytes = A;
     out->total_bytes = add(out->param_bytes, out->act_bytes);
 

@@ -389,6 +389,32 @@ START_TEST(test_memory_estimate_counts_fp8_expert_weights) {
 }
 END_TEST
 
+/* The CUDA backend's RoPE table (cos and sin of every position and pair, a float2 each) is
+ * counted under --device cuda: positions a power of two of at least 4096 and at least the
+ * sequence, times D/2 pairs, 8 bytes each; the CPU has none. */
+START_TEST(test_memory_estimate_counts_rope_table) {
+    const struct {
+        const char *flags;
+        long long npos;
+    } cases[] = {{"", 4096}, {"--seq-length 5000 --micro-batch-size 1 --global-batch-size 1", 8192}};
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        moe_config c = small_config(cases[i].flags);
+        long long total[2];
+        for (int gpu = 0; gpu < 2; gpu++) { /* the device flag only: nothing else changes */
+            snprintf(c.device, sizeof c.device, "%s", gpu ? "cuda" : "cpu");
+            moe_memory_estimate e;
+            moe_error err;
+            ck_assert_int_eq(moe_memory_estimate_model(&c, c.micro_batch_size, 1, 2, &e, &err),
+                             MOE_OK);
+            total[gpu] = e.total_bytes;
+        }
+        const long long want = cases[i].npos * (c.hidden_size / c.num_attention_heads / 2) * 8;
+        ck_assert_msg(total[1] - total[0] == want, "'%s': --device cuda adds %lld bytes, the "
+                      "RoPE table takes %lld", cases[i].flags, total[1] - total[0], want);
+    }
+}
+END_TEST
+
 /* Out of memory at any allocation of the model is a named error, never an abort, and
  * leaks nothing (the ASan run checks that). */
 START_TEST(test_out_of_memory_is_an_error) {
@@ -541,9 +567,10 @@ Suite *suite_reliability(void) {
     const TTest *lib[] = {test_nan_stops_before_update, test_outfile_rules,
                           test_metrics_whole_lines, test_memory_estimate_bounds_allocations,
                           test_memory_estimate_counts_fp8_expert_weights,
+                          test_memory_estimate_counts_rope_table,
                           test_out_of_memory_is_an_error, test_huge_configs_are_refused,
                           test_new_flags};
-    moe_test_tcase(s, "library", 300, lib, 8);
+    moe_test_tcase(s, "library", 300, lib, 9);
     const TTest *ch04[] = {test_memory_check_counts_distributed_optimizer};
     tcase_set_tags(moe_test_tcase(s, "memory-zero", 60, ch04, 1), "ch04");
     return s;
