@@ -553,8 +553,11 @@ static void enqueue_update(moe_trainer *t, moe_step_stats *st) {
     /* lr and the bias corrections from the step's scalars (prepare_update counted the step) */
     m->be->from_host_async(m->scalars->hyper, t->hyper_host, sizeof m->scalars->hyper);
     /* without the distributed optimizer AdamW also writes the compute copy (bf16 on CUDA) of
-     * every weight it updates: no cast pass over the weights after it */
-    void *act = t->opt.master ? NULL : m->wact;
+     * every weight it updates: no cast pass over the weights after it. Where the copy IS the
+     * weights (the CPU's fp32 model without low precision) there is nothing to write: the
+     * copy would store every weight onto itself, a second pass over them each step (the cast
+     * it replaced skipped that case too) */
+    void *act = t->opt.master || m->wact == (void *)m->params ? NULL : m->wact;
     moe_adamw_step(&t->opt, m->params, m->grads, act, st->lr, c->adam_beta1, c->adam_beta2,
                    c->adam_eps, c->weight_decay, &m->scalars->clip, m->step_flags,
                    m->scalars->hyper);
