@@ -89,9 +89,7 @@ static int g_evict = 0; /* the slot a fifth (D, base) replaces next */
  * one. Not capturable (it allocates): see the file comment. */
 static void rope_table_build(rope_table *t, int D, double base, long long need) {
     (void)moe_cuda_capture_forbid("building the RoPE cos/sin table (cudaMalloc)");
-    long long npos = 4096;
-    while (npos < need)
-        npos *= 2;
+    const long long npos = moe_rope_table_positions(need);
     const size_t entries = (size_t)npos * (size_t)(D / 2);
     float2 *cs = (float2 *)moe_cuda_malloc_counted(entries * sizeof(float2));
     if (!cs) {

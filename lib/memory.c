@@ -8,6 +8,7 @@
 #include "context_parallel.h"
 #include "lowp.h"
 #include "moe/capacity.h"
+#include "op_types.h"
 #include "real.h"
 
 /* The running estimate. Products saturate at LLONG_MAX instead of wrapping, so one
@@ -264,9 +265,7 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
          * position 0 .. npos − 1 and pair, npos a power of two ≥ max(4096, seq_length), kept
          * for the run. Counted for --device cuda only: under auto the backend is not known
          * here, and on the CPU there is no table */
-        long long npos = 4096;
-        while (npos < c->seq_length)
-            npos *= 2;
+        const long long npos = moe_rope_table_positions(c->seq_length);
         buffer(&t, "RoPE cos/sin table (CUDA)", mul(npos, D / 2), 8, "--seq-length");
     }
     out->act_bytes = A;

@@ -211,4 +211,19 @@ static inline MOE_HOSTDEV int moe_adamw_run_of_chunk(const moe_adamw_run *run, i
     return lo;
 }
 
+/**
+ * @brief Positions in a RoPE cos/sin table that covers positions 0 .. @p need − 1: the
+ *        smallest power of two ≥ max(4096, need). The CUDA backend builds its table this
+ *        size (kernels/rope.cu: grown by doubling, so a longer sequence rebuilds it rarely)
+ *        and the memory estimate counts it the same way (lib/memory.c).
+ * @param need the highest position used, plus one
+ * @return the table's positions
+ */
+static inline long long moe_rope_table_positions(long long need) {
+    long long npos = 4096;
+    while (npos < need)
+        npos *= 2;
+    return npos;
+}
+
 #endif /* MOE_OP_TYPES_H */
