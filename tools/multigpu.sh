@@ -14,7 +14,9 @@
 #              EP + DP, the folded layout (TP attention, EP experts), plain DP with and
 #              without the distributed optimizer; step time, bytes per group (model ==
 #              counts, or the run fails) and memory per rank. The invariance suites on GPU
-#              ranks are the MPI suite of the ch02 section (every suite, foldings included)
+#              ranks are the MPI suite of the ch02 section (every suite, foldings included).
+#              CH04_MODEL='flags' and CH04_FOLDINGS='tp=4,ep=4;...' replace the model and
+#              the foldings (e.g. a model that needs TP: docs/results/04-parallel-folding.md)
 #   ch06       CUDA graphs under EP = 2 (chapter 06): the mpi-ep suite on 2 GPU ranks (its
 #              sync_free case: the plan made on the device against the host's, the
 #              overflow protocol, replay == eager at --cuda-graph-scope layer and
@@ -46,7 +48,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 steps=120
 sections=()
@@ -208,16 +210,19 @@ for s in "${sections[@]}"; do
     ch04)
         # appended to the bench's built-in model (later flags win): every size divides by 4
         # (heads 16, KV groups 8, experts 16, vocabulary padded to a multiple of 8)
-        CH04_MODEL="--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --num-query-groups 8 \
---seq-length 2048 --num-experts 16 --moe-ffn-hidden-size 1024 \
---moe-shared-expert-intermediate-size 1024 --moe-router-topk 2"
+        # CH04_MODEL and CH04_FOLDINGS (the bench's --foldings, for every GPU count) replace
+        # the defaults, e.g. for a model that does not fit one GPU
+        ch04_model=${CH04_MODEL:-"--num-layers 4 --hidden-size 1024 --num-attention-heads 16 \
+--num-query-groups 8 --seq-length 2048 --num-experts 16 --moe-ffn-hidden-size 1024 \
+--moe-shared-expert-intermediate-size 1024 --moe-router-topk 2"}
         for np in "${eps[@]}"; do
             h=$((np / 2))
             fold="tp=$np,ep=1,etp=$np;tp=1,ep=$np;tp=$np,ep=$np;tp=1,ep=1;tp=1,ep=1,zero=1"
             [ "$np" -gt 2 ] && fold="$fold;tp=$h,ep=$np;tp=$h,ep=$h,etp=2"
+            fold=${CH04_FOLDINGS:-$fold}
             echo "== ch04_folding_bench, $np GPUs: $fold"
             f="$out/ch04_folding_${np}gpus.txt"
-            if ! $MPIRUN -np "$np" bin/ch04_folding_bench --device cuda --model "$CH04_MODEL" \
+            if ! $MPIRUN -np "$np" bin/ch04_folding_bench --device cuda --model "$ch04_model" \
                 --foldings "$fold" --repeats 10 --warmup 3 >"$f" 2>&1; then
                 echo "ch04_folding_bench on $np GPUs: FAILED (see $f)"
                 status=1
