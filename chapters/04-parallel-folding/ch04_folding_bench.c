@@ -169,6 +169,12 @@ static moe_group_kind grad_group_of(const moe_tensor *x) { return x->grad_group;
  * peers' memory by our kernels: no collective, so the comm layer counts none of them) */
 static unsigned long long g_fused_bytes;
 
+/* micro-batches each rank runs in one step */
+static unsigned long long micro_batches(const moe_trainer *t) {
+    const moe_config *c = &t->model->cfg;
+    return (unsigned long long)(c->global_batch_size / c->micro_batch_size) / t->dp_size;
+}
+
 static void model_step(const moe_trainer *t, model_bytes out) {
     g_fused_bytes = 0;
     memset(out, 0, sizeof(model_bytes));
@@ -235,8 +241,7 @@ static void model_step(const moe_trainer *t, model_bytes out) {
      * communicator share its counts). */
     {
         const unsigned long long E = (unsigned long long)c->num_experts, LE = (unsigned long long)L * E;
-        const unsigned long long micro =
-            (unsigned long long)(c->global_batch_size / c->micro_batch_size) / t->dp_size;
+        const unsigned long long micro = micro_batches(t);
         if (t->tp.comm && E > 0) {
             unsigned long long per_micro = 2 * 8;
             const int aux = c->lb_type != MOE_LB_NONE && c->moe_aux_loss_coeff > 0;
@@ -276,9 +281,14 @@ static void model_step(const moe_trainer *t, model_bytes out) {
             for (int q = 0; q < t->ep.size; q++)
                 if (q != t->ep.rank)
                     rows += p->send_rows[q] + p->recv_rows[q];
-            if (p->fused) /* GPU ranks on one NVLink host: peer stores, not a collective */
+            if (p->fused) { /* GPU ranks on one NVLink host: peer stores, not a collective */
                 g_fused_bytes += 2 * rows * H * s + rows * r;
-            else
+                /* chapter 06's plan on the device (sync_free): each micro-batch all-gathers
+                 * every rank's expert offsets, E + 1 int32, over the EP group */
+                if (p->sync_free)
+                    out[MOE_GROUP_EP][MOE_COMM_OP_ALL_GATHER] +=
+                        micro_batches(t) * ((unsigned long long)c->num_experts + 1) * 4;
+            } else
                 out[MOE_GROUP_EP][MOE_COMM_OP_ALL_TO_ALL] += 2 * rows * H * s + rows * r;
         }
     }
