@@ -275,20 +275,23 @@ static void model_step(const moe_trainer *t, model_bytes out) {
             if (!c->is_moe_layer[l])
                 continue;
             const moe_dispatch_plan *p = &m->acts[l].moe.plan;
+            /* chapter 06's plan on the device (fused and sync-free): each micro-batch
+             * all-gathers every rank's expert offsets, E + 1 int32, over the EP group; the
+             * rows then move by peer stores, which the host never counts */
+            if (p->fused && p->sync_free) {
+                out[MOE_GROUP_EP][MOE_COMM_OP_ALL_GATHER] +=
+                    micro_batches(t) * ((unsigned long long)c->num_experts + 1) * 4;
+                continue;
+            }
             if (!p->send_rows) /* no step yet (the group list before any warm-up) */
                 continue;
             unsigned long long rows = 0; /* out + back */
             for (int q = 0; q < t->ep.size; q++)
                 if (q != t->ep.rank)
                     rows += p->send_rows[q] + p->recv_rows[q];
-            if (p->fused) { /* GPU ranks on one NVLink host: peer stores, not a collective */
+            if (p->fused) /* GPU ranks on one NVLink host: peer stores, not a collective */
                 g_fused_bytes += 2 * rows * H * s + rows * r;
-                /* chapter 06's plan on the device (sync_free): each micro-batch all-gathers
-                 * every rank's expert offsets, E + 1 int32, over the EP group */
-                if (p->sync_free)
-                    out[MOE_GROUP_EP][MOE_COMM_OP_ALL_GATHER] +=
-                        micro_batches(t) * ((unsigned long long)c->num_experts + 1) * 4;
-            } else
+            else
                 out[MOE_GROUP_EP][MOE_COMM_OP_ALL_TO_ALL] += 2 * rows * H * s + rows * r;
         }
     }
