@@ -265,6 +265,21 @@ moe_status moe_cuda_dequant_nvfp4(float *y, const uint8_t *q, const uint8_t *sca
                                   const moe_nvfp4_opts *o, moe_error *err);
 moe_status moe_cuda_rht16(float *y, const float *x, int rows, int cols, uint64_t seed,
                           int inverse, moe_error *err);
+/* chapter 05's fused passes of the native FP8 layer (kernels/swiglu_quant.cu; the backend's
+ * fp8_swiglu_forward_quant, fp8_swiglu_backward_quant, fp8_dequant_act): the same bytes as
+ * moe_cuda_swiglu_forward / moe_cuda_swiglu_backward (into a zeroed dgu) followed by
+ * moe_cuda_quant_blockwise_act, and as that quantizer's dequantized copy. F % 128 == 0 and
+ * 16-byte aligned buffers, else MOE_ERR_CONFIG (nothing launched). */
+moe_status moe_cuda_swiglu_forward_quant(uint8_t *q, float *scale_inv, void *y, const void *gu,
+                                         const moe_real *row_scale, int N, int F,
+                                         moe_fp8_format f, int pow2, moe_error *err);
+moe_status moe_cuda_swiglu_backward_quant(uint8_t *q, float *scale_inv, void *y,
+                                          moe_real *drow_scale, const void *dout, const void *gu,
+                                          const moe_real *row_scale, int N, int F,
+                                          moe_fp8_format f, int pow2, moe_error *err);
+moe_status moe_cuda_dequant_blockwise_act(void *y, const uint8_t *q, const float *scale_inv,
+                                          int rows, int cols, moe_fp8_format f, moe_error *err);
+
 /* the CUDA twin of moe_cpu_qdq (bf16 activations through ws->x in fp32) */
 void moe_cuda_qdq(void *dst, const void *src, int rows, int cols, const moe_qdq_spec *spec,
                   const moe_qdq_ws *ws);

@@ -15,7 +15,9 @@
  *               slot, delayed_kernel (one thread: moe_quant_delayed_finish); at a training
  *               site (lib/lowp.h) amax_kernel, delayed_site_kernel (one thread:
  *               moe_delayed_record, the state in device memory), then cast_kernel;
- *   blockwise   1×128: one warp per tile (4 elements per lane); 128×128: one 256-thread block
+ *   blockwise   1×128: a half-warp per tile, 8 elements per lane in 16-byte loads, the warps
+ *               striding over the tiles (quant1x128.cuh; MOE_QUANT_VEC=0: the former one
+ *               warp per tile, 4 elements per lane); 128×128: one 256-thread block
  *               per block (64 elements per thread), the amax through shared memory;
  *               with a transposed copy (blockwise_t_kernel): a 128×128 tile of x in shared
  *               memory, quantized along its rows and its columns in the same block;
@@ -32,7 +34,10 @@
  */
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
+#include "quant1x128.cuh"
 #include "quantize.h"
+
+#include <stdlib.h>
 
 #define THREADS 256
 #define MAX_BLOCKS 1024
@@ -213,6 +218,61 @@ static __global__ void block1x128_kernel(uint8_t *q, float *scale_inv, moe_bf16 
         scale_inv[t] = si;
 }
 
+/* 8 consecutive inputs as fp32, in 16-byte loads (@p x 16-byte aligned) */
+static __device__ __forceinline__ void ld8_f32(float v[8], const float *x) {
+    const float4 a = ((const float4 *)x)[0], b = ((const float4 *)x)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z,
+    v[7] = b.w;
+}
+static __device__ __forceinline__ void ld8_f32(float v[8], const moe_bf16 *x) {
+    moe_bf16x8 h;
+    h.u = *(const uint4 *)x;
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        v[k] = moe_ld(h.h[k]);
+}
+
+/* The vectorized 1×128 quantizer: a half-warp per tile, lane l of it holding elements
+ * 8l .. 8l+7 (one 16-byte load of bf16, two of fp32; the 8 codes one 8-byte store, the
+ * dequantized copy one 16-byte store), the amax by a 4-step shuffle (quant1x128.cuh). The
+ * warps stride over pairs of tiles, so a warp quantizes many tiles and the grid stays at
+ * the device's width. The rows are contiguous (cols = 128·nbc), so tile t is elements
+ * 128t .. 128t+127 and its scale scale_inv[t], whatever the row. */
+template <typename T>
+static __global__ void block1x128_vec_kernel(uint8_t *q, float *scale_inv, moe_bf16 *y,
+                                             const T *x, long long tiles, moe_fp8_format f,
+                                             int pow2) {
+    const int lane = threadIdx.x & 31, hl = lane & 15;
+    const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+    /* the loop is the same for the whole warp (pairs), so every lane reaches the shuffles */
+    for (long long p = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+         2 * p < tiles; p += warps) {
+        const long long t = 2 * p + (lane >> 4);
+        const bool valid = t < tiles;
+        const size_t i = (size_t)t * MOE_QUANT_BLOCK + MOE_Q1X128_PER_LANE * hl;
+        float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (valid)
+            ld8_f32(v, x + i);
+        uint2 c;
+        moe_bf16x8 d;
+        const float si = moe_q1x128_tile8(v, &c, y ? &d : NULL, f, pow2);
+        if (valid) {
+            *(uint2 *)(q + i) = c;
+            if (y)
+                *(uint4 *)(y + i) = d.u;
+            if (hl == 0)
+                scale_inv[t] = si;
+        }
+    }
+}
+
+/* MOE_QUANT_VEC=0 in the environment: the one-warp-per-tile kernel above (the reference the
+ * vectorized one replaced; same bytes), for a GPU where the new one misbehaves */
+static int quant_vec_on(void) {
+    const char *e = getenv("MOE_QUANT_VEC");
+    return !(e && *e == '0');
+}
+
 template <typename T>
 static void launch_block1x128(uint8_t *q, float *scale_inv, moe_bf16 *y, const T *x, int rows,
                               int cols, moe_fp8_format f, int pow2) {
@@ -220,8 +280,19 @@ static void launch_block1x128(uint8_t *q, float *scale_inv, moe_bf16 *y, const T
     const long long tiles = (long long)rows * nbc;
     if (tiles == 0)
         return;
-    block1x128_kernel<T><<<(unsigned)((tiles + 7) / 8), THREADS, 0, moe_cuda_stream()>>>(
-        q, scale_inv, y, x, tiles, nbc, cols, f, pow2);
+    /* 16-byte loads of x and stores of y, 8-byte stores of q (rows start at multiples of 128
+     * elements, so only the base pointers can be misaligned) */
+    const bool vec = quant_vec_on() && (uintptr_t)x % 16 == 0 && (uintptr_t)y % 16 == 0 &&
+                     (uintptr_t)q % 8 == 0;
+    if (vec) {
+        const long long pairs = (tiles + 1) / 2, warps = THREADS / 32;
+        block1x128_vec_kernel<T>
+            <<<grid_for((size_t)pairs, warps), THREADS, 0, moe_cuda_stream()>>>(
+                q, scale_inv, y, x, tiles, f, pow2);
+    } else {
+        block1x128_kernel<T><<<(unsigned)((tiles + 7) / 8), THREADS, 0, moe_cuda_stream()>>>(
+            q, scale_inv, y, x, tiles, nbc, cols, f, pow2);
+    }
     MOE_CUDA_LAUNCH_CHECK();
 }
 

@@ -34,23 +34,7 @@
  */
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
-
-static __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-/* one output of the forward, before rounding */
-static __device__ __forceinline__ float swiglu_fwd(float g, float u, float s) {
-    return g * sigmoid(g) * u * s;
-}
-
-/* One element of the backward: adds into *dg and *du (fp32) and returns dout·a, this
- * element's share of the routing weight's gradient. */
-static __device__ __forceinline__ float swiglu_bwd(float g, float u, float dy, float s, float *dg,
-                                                   float *du) {
-    const float sg = sigmoid(g), silu = g * sg, d = dy * s;
-    *dg += d * u * sg * (1.0f + g * (1.0f - sg));
-    *du += d * silu;
-    return dy * (silu * u);
-}
+#include "swiglu.cuh"
 
 /* One thread per VEC ? 8 : 1 consecutive outputs of a row. */
 template <bool VEC>

@@ -252,6 +252,26 @@ typedef struct moe_backend {
      *  memory; dst may be src */
     void (*qdq)(void *dst, const void *src, int rows, int cols, const moe_qdq_spec *spec,
                 const moe_qdq_ws *ws);
+    /** chapter 05's native FP8 layer, fused (lowp.h, "Fused passes"): the SwiGLU forward
+     *  (@ref swiglu_forward's values, rounded to the activation type) writing its 1×128
+     *  codes @p q and scales @p s [N][F/128] instead of its output (as @ref fp8_quant_act of
+     *  that output), with @p y not NULL also the dequantized copy; NULL where
+     *  @ref fp8_grouped_native is */
+    moe_status (*fp8_swiglu_forward_quant)(uint8_t *q, float *s, void *y, const void *gu,
+                                           const moe_real *row_scale, int N, int F,
+                                           moe_fp8_format f, int pow2, moe_error *err);
+    /** ... and the SwiGLU backward into a zero dgu [N, 2F] (@ref swiglu_backward's values,
+     *  drow_scale added to alike) writing dgu's 1×128 codes, scales [N][2F/128] and, with
+     *  @p y not NULL, its dequantized copy instead of dgu; NULL where
+     *  @ref fp8_grouped_native is */
+    moe_status (*fp8_swiglu_backward_quant)(uint8_t *q, float *s, void *y,
+                                            moe_real *drow_scale, const void *dout,
+                                            const void *gu, const moe_real *row_scale, int N,
+                                            int F, moe_fp8_format f, int pow2, moe_error *err);
+    /** the dequantized copy of 1×128 codes [rows, cols] in the activation type (the bytes
+     *  @ref fp8_quant_act writes to its @p y); NULL where @ref fp8_grouped_native is */
+    moe_status (*fp8_dequant_act)(void *y, const uint8_t *q, const float *s, int rows,
+                                  int cols, moe_fp8_format f, moe_error *err);
     /** chapter 05's native FP8 expert GEMMs (lowp.h, ::moe_fp8_weight): 1 when this device
      *  runs them (our FP8 grouped kernel, sm_90a); NULL on a backend that has none (the CPU),
      *  which then runs the recipe emulated through @ref qdq */

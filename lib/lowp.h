@@ -70,6 +70,17 @@
  *  - wgrad dW = Q(dy)ᵀ·Q(x) stays a bf16 grouped GEMM on the dequantized operands, as
  *    emulated (the pass that quantizes dy writes its dequantized copy too). A native FP8
  *    wgrad needs Q(dy)ᵀ and Q(x)ᵀ tiled along the tokens, per expert: not written yet.
+ *
+ * **Fused passes** (the native path, `MOE_FP8_FUSED` unset or 1; lib/mlp.c,
+ * moe_mlp_fp8_fused()). No pass reads bf16 only to write FP8 around the SwiGLU: its forward
+ * writes the 1×128 codes and scales of its output (fc2's A) instead of the output, and they
+ * are kept for the backward in the output's own buffer (N·F + N·F/32 bytes instead of 2·N·F);
+ * fc2's bf16 wgrad dequantizes them once (1 byte read, 2 written per element, instead of
+ * quantizing the saved bf16 output again: 2 read, 3 written); the SwiGLU backward writes
+ * dgu's codes (fc1's dgrad) and dequantized copy (fc1's wgrad), not dgu. The same bits as the
+ * separate passes (tests/gpu_fp8_fused.c). `MOE_FP8_FUSED=0` runs the separate passes. Not
+ * fused yet: x is still quantized by its own pass in the forward and again in the backward
+ * (its codes are not kept), and dy by its own pass.
  * The shared expert, dense FFNs and attention stay emulated. Elsewhere (the CPU, a GPU that
  * is not sm_90, `hybrid`'s E5M2 gradients, the other recipes and expert backends) the
  * emulation runs; `MOE_FP8_NATIVE=0` asks for it on Hopper too.

@@ -2,6 +2,7 @@
 #include "mlp.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "fp8_gemm.h"
 #include "profile.h"
@@ -17,6 +18,19 @@ static void fp8_ok(moe_status st, const moe_error *err) {
 /* D = Q(A)·B_gᵀ per group in our FP8 grouped kernel: A [rows, K] in the activation type,
  * quantized 1×128 into the context's codes (and, with @p a_deq, its dequantized copy for the
  * bf16 wgrad, in the same pass); B_g the FP8 codes [N, K] of each expert */
+/* D = A·B_gᵀ per group on codes already made: A's 1×128 codes @p aq and scales @p as
+ * [rows, K], B_g the FP8 codes [N, K] of each expert */
+static void fp8_gemm_codes(const moe_backend *be, void *d, const uint8_t *aq, const float *as,
+                           const uint8_t *bq, const float *bs, const moe_groups *grp, int N,
+                           int K, moe_lowp_role role) {
+    const moe_qmatrix qa = {MOE_QUANT_BLOCK_1X128, grp->lowp->spec[role].format, aq, as, NULL,
+                            {0}};
+    const moe_qmatrix qb = {MOE_QUANT_BLOCK_128X128, MOE_FP8_E4M3, bq, bs, NULL, {0}};
+    moe_error err;
+    fp8_ok(be->fp8_grouped_gemm(d, 0, &qa, &qb, grp->dev_off, grp->G, grp->rows, N, K, &err),
+           &err);
+}
+
 static void fp8_gemm(const moe_backend *be, void *d, const void *a, void *a_deq,
                      const uint8_t *bq, const float *bs, const moe_groups *grp, int N, int K,
                      moe_lowp_role role) {
@@ -26,10 +40,7 @@ static void fp8_gemm(const moe_backend *be, void *d, const void *a, void *a_deq,
     moe_error err;
     fp8_ok(be->fp8_quant_act(ws->q, (float *)ws->scales, a_deq, a, grp->rows, K, sp->format,
                              sp->pow2, &err), &err);
-    const moe_qmatrix qa = {MOE_QUANT_BLOCK_1X128, sp->format, ws->q, ws->scales, NULL, {0}};
-    const moe_qmatrix qb = {MOE_QUANT_BLOCK_128X128, MOE_FP8_E4M3, bq, bs, NULL, {0}};
-    fp8_ok(be->fp8_grouped_gemm(d, 0, &qa, &qb, grp->dev_off, grp->G, grp->rows, N, K, &err),
-           &err);
+    fp8_gemm_codes(be, d, ws->q, ws->scales, bq, bs, grp, N, K, role);
 }
 
 /* one grouped Linear, through the grouped GEMM the groups ask for; @p gather: its input
@@ -102,6 +113,88 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
     be->grouped_matmul_backward(din, dw, dout, in, w, grp->off, grp->G, I, O);
 }
 
+/*
+ * Chapter 05's native FP8 layer with its passes fused (lowp.h, "Fused passes"; off with
+ * MOE_FP8_FUSED=0, which runs the separate passes above: the same bits, tested by
+ * tests/gpu_fp8_fused.c):
+ *  - forward: the SwiGLU writes fc2's 1×128 codes and scales, not its bf16 output; they are
+ *    kept for the backward in the `act` buffer itself (codes [N, F] bytes, then the scales
+ *    [N][F/128]: F + F/32 bytes a row where the bf16 output took 2F);
+ *  - backward: fc2's bf16 wgrad dequantizes those codes once (1 byte read and 2 written per
+ *    element, where the separate path read the saved bf16 output and quantized it again: 2
+ *    read, 3 written); the SwiGLU backward writes dgu's codes and dequantized copy, not dgu.
+ * The forward and the backward of a micro-batch must agree on the switch (`act` holds codes
+ * under it): set it before the run, not between the two.
+ */
+int moe_mlp_fp8_fused(const moe_backend *be, const moe_groups *grp) {
+    if (!grp->fp8_w1 || !grp->fp8_w2 || !be->fp8_swiglu_forward_quant ||
+        !be->fp8_swiglu_backward_quant || !be->fp8_dequant_act)
+        return 0;
+    const char *e = getenv("MOE_FP8_FUSED");
+    return !(e && *e == '0');
+}
+
+/* the scales of the codes kept in `act` (after the [N, F] codes: N·F is a multiple of 128,
+ * so they start 16-byte aligned) */
+static float *saved_scales(void *act, int N, int F) {
+    return (float *)((uint8_t *)act + (size_t)N * F);
+}
+
+static void forward_fp8_fused(const moe_backend *be, void *out, void *gu, void *act,
+                              const void *x, const moe_real *row_scale, const moe_groups *grp,
+                              int H, int F) {
+    const int N = grp->rows;
+    const moe_qdq_spec *sp = &grp->lowp->spec[MOE_LOWP_ACTIVATION];
+    moe_error err;
+    fp8_gemm(be, gu, x, NULL, grp->fp8_w1->q, grp->fp8_w1->s, grp, 2 * F, H,
+             MOE_LOWP_ACTIVATION);
+    moe_prof_mark(MOE_PROF_GEMM);
+    fp8_ok(be->fp8_swiglu_forward_quant(act, saved_scales(act, N, F), NULL, gu, row_scale, N, F,
+                                        sp->format, sp->pow2, &err), &err);
+    moe_prof_mark(MOE_PROF_EXPERT_OPS);
+    fp8_gemm_codes(be, out, act, saved_scales(act, N, F), grp->fp8_w2->q, grp->fp8_w2->s, grp,
+                   H, F, MOE_LOWP_ACTIVATION);
+    moe_prof_mark(MOE_PROF_GEMM);
+}
+
+static void backward_fp8_fused(const moe_backend *be, void *dx, moe_real *dw1, moe_real *dw2,
+                               moe_real *drow_scale, const void *dout, const void *x,
+                               const void *gu, const void *act, const moe_real *row_scale,
+                               const void *w1, const void *w2, void *ws_dh,
+                               const moe_groups *grp, int H, int F) {
+    const int N = grp->rows;
+    moe_lowp *lp = grp->lowp;
+    const moe_qdq_ws *ws = &lp->ws;
+    const moe_qdq_spec *sa = &lp->spec[MOE_LOWP_ACTIVATION], *sg = &lp->spec[MOE_LOWP_GRADIENT];
+    MOE_ASSERT((size_t)N * 2 * F <= lp->cap && (size_t)N * H <= lp->cap);
+    moe_error err;
+    /* fc2: dh = Q(dout)·Q(w2_g) (dout's codes and its dequantized copy in one pass), then the
+     * bf16 wgrad on that copy and the forward's codes of the SwiGLU output, dequantized */
+    fp8_gemm(be, ws_dh, dout, lp->grad, grp->fp8_w2->qt, grp->fp8_w2->st, grp, F, H,
+             MOE_LOWP_GRADIENT);
+    fp8_ok(be->fp8_dequant_act(lp->act, (const uint8_t *)act,
+                               saved_scales((void *)act, N, F), N, F, sa->format, &err),
+           &err);
+    be->grouped_matmul_backward_dev(NULL, dw2, lp->grad, lp->act, w2, grp->dev_off, grp->G, N,
+                                    F, H, 0, grp->dw_mode);
+    moe_prof_mark(MOE_PROF_GEMM);
+    /* dgu's codes (fc1's dgrad) and dequantized copy (its wgrad), not dgu: the GEMMs above
+     * were queued before on the same stream, so the buffers are free again */
+    fp8_ok(be->fp8_swiglu_backward_quant(ws->q, (float *)ws->scales, lp->grad,
+                                         row_scale ? drow_scale : NULL, ws_dh, gu, row_scale, N,
+                                         F, sg->format, sg->pow2, &err),
+           &err);
+    moe_prof_mark(MOE_PROF_EXPERT_OPS);
+    if (dx)
+        fp8_gemm_codes(be, dx, ws->q, ws->scales, grp->fp8_w1->qt, grp->fp8_w1->st, grp, H,
+                       2 * F, MOE_LOWP_GRADIENT);
+    /* fc1's wgrad: x quantized again, as the separate path does (its codes are not kept) */
+    const void *xq = moe_lowp_qdq_saved(be, lp, x, N, H, grp->lowp_site);
+    be->grouped_matmul_backward_dev(NULL, dw1, lp->grad, xq, w1, grp->dev_off, grp->G, N, H,
+                                    2 * F, 0, grp->dw_mode);
+    moe_prof_mark(MOE_PROF_GEMM);
+}
+
 /* Forward: fc1 → SwiGLU (with the routing weight fused in) → fc2. The SwiGLU output is
  * saved as `act`: it is exactly fc2's input, so fc2's weight gradient reads it as is. */
 void moe_mlp_forward_grouped(const moe_backend *be, void *out, void *gu, void *act,
@@ -111,6 +204,11 @@ void moe_mlp_forward_grouped(const moe_backend *be, void *out, void *gu, void *a
     if (N == 0)
         return;
     MOE_ASSERT(!grp->gather || grp->impl == MOE_EXPERTS_KERNEL); /* only our kernel gathers */
+    if (moe_mlp_fp8_fused(be, grp)) {
+        MOE_ASSERT(!grp->gather && grp->impl == MOE_EXPERTS_KERNEL);
+        forward_fp8_fused(be, out, gu, act, x, row_scale, grp, H, F);
+        return;
+    }
     gmm_forward(be, gu, x, w1, grp->fp8_w1, grp, H, 2 * F, grp->gather != NULL, 0);
     moe_prof_mark(MOE_PROF_GEMM);
     be->swiglu_forward(act, gu, row_scale, N, F);
@@ -130,6 +228,12 @@ void moe_mlp_backward_grouped(const moe_backend *be, void *dx, moe_real *dw1, mo
     const int N = grp->rows;
     if (N == 0)
         return;
+    if (moe_mlp_fp8_fused(be, grp)) {
+        MOE_ASSERT(!grp->gather && !dx_accumulate && grp->impl == MOE_EXPERTS_KERNEL);
+        backward_fp8_fused(be, dx, dw1, dw2, drow_scale, dout, x, gu, act, row_scale, w1, w2,
+                           ws_dh, grp, H, F);
+        return;
+    }
     const size_t nf = (size_t)N * F;
     gmm_backward(be, ws_dh, dw2, dout, act, w2, grp->fp8_w2, grp, F, H, 0, 0,
                  1); /* dh: a fresh buffer */

@@ -113,6 +113,18 @@ void moe_mlp_backward_lowp(const moe_backend *be, void *dx, moe_real *dw1, moe_r
                            moe_lowp *lp, int site);
 
 /**
+ * @brief Whether chapter 05's native FP8 experts run with their quantization fused into the
+ *        SwiGLU passes (lib/mlp.c, "native FP8 layer with its passes fused"): the groups
+ *        carry FP8 weights (grp->fp8_w1, fp8_w2), the backend has the fused ops, and
+ *        `MOE_FP8_FUSED` is not set to 0 in the environment. Then moe_mlp_forward_grouped()
+ *        keeps in @p act the SwiGLU output's 1×128 FP8 codes and scales (N·F + N·F/32
+ *        bytes), not its bf16 values, and moe_mlp_backward_grouped() reads them so.
+ * @param be backend  @param grp the groups
+ * @return 1 when fused
+ */
+int moe_mlp_fp8_fused(const moe_backend *be, const moe_groups *grp);
+
+/**
  * @brief Forward of G MLPs at once (chapter 03): MLP g (weights g of the stacked w1
  *        [G,2F,H] and w2 [G,H,F]) runs on rows [off[g], off[g+1]) of every buffer, through
  *        the backend's grouped matmul — one GEMM call for all experts instead of one each.

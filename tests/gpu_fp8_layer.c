@@ -242,11 +242,13 @@ static int check_layer(const int *sizes, int G, int H, int F) {
     g->free(moe_test_upload(g, dy, (size_t)N * H, 84, 1.0));
     for (int i = 0; i < N; i++)
         rs[i] = (moe_real)(0.25 + 0.5 * ((i * 37) % 101) / 101.0);
-    moe_real *ref[NOUT], *nat[NOUT], *emu[NOUT];
+    moe_real *ref[NOUT], *nat[NOUT], *emu[NOUT], *unf[NOUT], *again[NOUT];
     for (int k = 0; k < NOUT; k++) {
         ref[k] = malloc(sizeof(moe_real) * (cnt[k] + 1));
         nat[k] = malloc(sizeof(moe_real) * (cnt[k] + 1));
         emu[k] = malloc(sizeof(moe_real) * (cnt[k] + 1));
+        unf[k] = malloc(sizeof(moe_real) * (cnt[k] + 1));
+        again[k] = malloc(sizeof(moe_real) * (cnt[k] + 1));
     }
     const size_t cap = (size_t)(N > 2 * F ? N : 2 * F) * (H > 2 * F ? H : 2 * F);
     moe_lowp lc, lg, le;
@@ -268,7 +270,45 @@ static int check_layer(const int *sizes, int G, int H, int F) {
     run_mlp(c, &lc, NULL, off, G, H, F, x, w1, w2, rs, dy, ref);
     run_mlp(g, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, nat);
     run_mlp(g, &le, NULL, off, G, H, F, x, w1, w2, rs, dy, emu);
+    /* the fused passes (lib/mlp.c, MOE_FP8_FUSED) against the separate ones: the same bits,
+     * provided the GEMMs repeat themselves bit for bit (checked by running fused twice) */
+    const char *env = getenv("MOE_FP8_FUSED");
+    char saved[16] = "";
+    if (env)
+        snprintf(saved, sizeof saved, "%s", env);
+    setenv("MOE_FP8_FUSED", "1", 1);
+    ck_assert(moe_mlp_fp8_fused(g, &(moe_groups){.fp8_w1 = &fw[0], .fp8_w2 = &fw[1]}));
+    run_mlp(g, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, nat);
+    run_mlp(g, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, again);
+    setenv("MOE_FP8_FUSED", "0", 1);
+    run_mlp(g, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, unf);
+    if (env)
+        setenv("MOE_FP8_FUSED", saved, 1);
+    else
+        unsetenv("MOE_FP8_FUSED");
     int ok = 1;
+    for (int k = 0; k < NOUT; k++) {
+        const int repeat = memcmp(nat[k], again[k], sizeof(moe_real) * cnt[k]) == 0;
+        size_t diff = 0, first = cnt[k];
+        double worst = 0;
+        for (size_t i = 0; i < cnt[k]; i++)
+            if (memcmp(&nat[k][i], &unf[k][i], sizeof(moe_real)) != 0) {
+                diff++;
+                first = first == cnt[k] ? i : first;
+                const double d = fabs((double)nat[k][i] - (double)unf[k][i]);
+                worst = d > worst || d != d ? d : worst;
+            }
+        if (diff)
+            printf("  FP8 layer %s: fused vs separate passes: %zu of %zu differ, first at %zu "
+                   "(fused %.9g, separate %.9g), max |diff| %.3g%s\n",
+                   g_names[k], diff, cnt[k], first, (double)nat[k][first],
+                   (double)unf[k][first], worst,
+                   repeat ? "" : " (but the fused run does not repeat itself either: "
+                                "not counted as a failure)");
+        ok &= !diff || !repeat;
+    }
+    printf("  FP8 layer G=%d rows=%d: fused quantize passes == separate passes: %s\n", G, N,
+           ok ? "bit for bit" : "DIFFER");
     printf("  FP8 layer G=%d rows=%d H=%d F=%d, relative error vs the CPU's emulation "
            "(native | GPU emulated):", G, N, H, F);
     for (int k = 0; k < NOUT; k++) {
@@ -283,7 +323,7 @@ static int check_layer(const int *sizes, int G, int H, int F) {
     }
     printf("\n");
     for (int k = 0; k < NOUT; k++)
-        free(ref[k]), free(nat[k]), free(emu[k]);
+        free(ref[k]), free(nat[k]), free(emu[k]), free(unf[k]), free(again[k]);
     moe_fp8_weight_free(g, &fw[0]), moe_fp8_weight_free(g, &fw[1]);
     moe_lowp_free(c, &lc), moe_lowp_free(g, &lg), moe_lowp_free(g, &le);
     free(x), free(w1), free(w2), free(dy), free(rs);

@@ -65,6 +65,8 @@ Suite *suite_gpu_quant(void);     /* tests/gpu_quant.c: every quantization recip
                                      codes and scales byte for byte (chapter 05) */
 Suite *suite_gpu_fp8_layer(void); /* tests/gpu_fp8_layer.c: the native FP8 expert layer vs the
                                      CPU's emulated recipe, its quantizers byte for byte */
+Suite *suite_gpu_fp8_fused(void); /* tests/gpu_fp8_fused.c: the vectorized 1x128 quantizer and
+                                     the fused SwiGLU quantize passes == the separate ones */
 
 /* MPI tests (CPU ranks under mpirun) */
 Suite *suite_mpi_comm(void);      /* tests/mpi_comm.c: every collective of comm.h, any rank count */

@@ -70,7 +70,9 @@ static const moe_flag g_flags[] = {
        "fc1 gathers its rows from the tokens, no permuted copy; our kernel only)", NULL),
     OF("precision", MOE_FLAG_STRING, precision, "bf16",
        "comma-separated: bf16 (the backend's activations) and fp8 (chapter 05's blockwise "
-       "E4M3 recipe: native FP8 expert GEMMs on Hopper with our kernel, else emulated)", NULL),
+       "E4M3 recipe: native FP8 expert GEMMs on Hopper with our kernel, else emulated); "
+       "fp8-unfused: fp8 with MOE_FP8_FUSED=0 (the separate quantize passes, lib/mlp.c), "
+       "timed before fp8 for a before/after in one run", NULL),
 };
 
 typedef moe_bench_shape shape;
@@ -239,6 +241,9 @@ static const char *const g_dw_names[] = {"add", "store", "bf16"};
 
 /* the median ms of the last bf16 run, for the fp8 run of the same configuration after it */
 static double g_bf16_ms = -1;
+/* the fp8 run's tag: "+fp8", or "+fp8-unfused" for --precision fp8-unfused (MOE_FP8_FUSED=0
+ * for that run: chapter 05's separate quantize passes, the before of lib/mlp.c's fusion) */
+static const char *g_fp8_tag = "+fp8";
 
 static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_expert_impl impl,
                      moe_dw_mode dw, int fused, int fp8) {
@@ -249,7 +254,7 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
     }
     char name[40]; /* the expert backend, "-fused" under the fused permutation, "+fp8" */
     snprintf(name, sizeof name, "%s%s%s", g_impl_names[impl], fused ? "-fused" : "",
-             fp8 ? "+fp8" : "");
+             fp8 ? g_fp8_tag : "");
     if (o->check && be->device != MOE_DEVICE_CPU) {
         /* the same layer, 256 tokens, on this backend and on the CPU reference */
         layer A, C;
@@ -318,8 +323,21 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
             printf("; fp8 vs bf16 layer: %.2f ms vs %.2f ms = %.2fx", med, g_bf16_ms,
                    g_bf16_ms / med);
         printf("\n");
+        /* what the layer keeps of the SwiGLU output [rows, F] for the backward (lib/mlp.c) */
+        const moe_groups probe = {.fp8_w1 = L.w.fc1_fp8, .fp8_w2 = L.w.fc2_fp8};
+        const double rows = (double)s->T * s->k, nf = rows * s->F;
+        if (moe_mlp_fp8_fused(be, &probe))
+            printf("  %s %s: fused quantize passes (MOE_FP8_FUSED); the SwiGLU output is kept "
+                   "as FP8 codes + 1x128 scales, %.1f MB instead of %.1f MB in bf16 (in its "
+                   "bf16-sized buffer: not yet freed)\n",
+                   s->name, name, (nf + nf / 128 * 4) / 1e6, nf * 2 / 1e6);
+        else if (L.lp.native)
+            printf("  %s %s: separate quantize passes (MOE_FP8_FUSED=0); the SwiGLU output is "
+                   "kept in bf16, %.1f MB, and quantized again in the backward\n",
+                   s->name, name, nf * 2 / 1e6);
     }
-    g_bf16_ms = fp8 ? -1 : med;
+    if (!fp8)
+        g_bf16_ms = med;
     free(ms);
     if (o->breakdown) { /* one more step with a device sync at every stage boundary */
         moe_prof_start(be);
@@ -381,9 +399,11 @@ int main(int argc, char **argv) {
     }
     const int fuse_off = impl_wanted(o.permute_fusion, "off"),
               fuse_on = impl_wanted(o.permute_fusion, "on");
-    const int prec[2] = {impl_wanted(o.precision, "bf16"), impl_wanted(o.precision, "fp8")};
-    if (!prec[0] && !prec[1]) {
-        moe_log_error("--precision '%s': give a comma-separated list of bf16, fp8", o.precision);
+    const int prec[3] = {impl_wanted(o.precision, "bf16"), impl_wanted(o.precision, "fp8"),
+                         impl_wanted(o.precision, "fp8-unfused")};
+    if (!prec[0] && !prec[1] && !prec[2]) {
+        moe_log_error("--precision '%s': give a comma-separated list of bf16, fp8, fp8-unfused",
+                      o.precision);
         return 2;
     }
     if (!fuse_off && !fuse_on) {
@@ -424,12 +444,33 @@ int main(int argc, char **argv) {
                 if (impl_wanted(o.impl, g_impl_names[impl]) &&
                     impl_wanted(o.expert_dw, g_dw_names[dw]) &&
                     (dw != MOE_DW_ACT || impl == MOE_EXPERTS_KERNEL))
-                    for (int f = 0; f < 2; f++) /* the fused permutation: our kernel only */
-                        for (int p = 0; p < 2; p++) /* bf16, then fp8 (lowp.h refuses fusion) */
-                            if ((f ? fuse_on : fuse_off) && (!f || impl == MOE_EXPERTS_KERNEL) &&
-                                prec[p] && !(p && f))
-                                fails += run_shape(be, s, &o, (moe_expert_impl)impl,
-                                                   (moe_dw_mode)dw, f, p);
+                    for (int f = 0; f < 2; f++) { /* the fused permutation: our kernel only */
+                        g_bf16_ms = -1;
+                        /* bf16, fp8-unfused, then fp8 (lowp.h refuses the fused permutation) */
+                        const int order[3] = {0, 2, 1};
+                        for (int j = 0; j < 3; j++) {
+                            const int p = order[j];
+                            if (!((f ? fuse_on : fuse_off) && (!f || impl == MOE_EXPERTS_KERNEL) &&
+                                  prec[p] && !(p && f)))
+                                continue;
+                            /* fp8-unfused: MOE_FP8_FUSED=0 for this run, restored after */
+                            const char *env = getenv("MOE_FP8_FUSED");
+                            char saved[16] = "";
+                            if (env)
+                                snprintf(saved, sizeof saved, "%s", env);
+                            if (p == 2)
+                                setenv("MOE_FP8_FUSED", "0", 1);
+                            g_fp8_tag = p == 2 ? "+fp8-unfused" : "+fp8";
+                            fails += run_shape(be, s, &o, (moe_expert_impl)impl,
+                                               (moe_dw_mode)dw, f, p != 0);
+                            if (p == 2) {
+                                if (env)
+                                    setenv("MOE_FP8_FUSED", saved, 1);
+                                else
+                                    unsetenv("MOE_FP8_FUSED");
+                            }
+                        }
+                    }
     }
     return fails ? 1 : 0;
 }

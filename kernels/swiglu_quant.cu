@@ -1,0 +1,223 @@
+/*
+ * Chapter 05's native FP8 layer (lib/lowp.h): the passes that read bf16 only to write FP8,
+ * fused into the pass that produced the bf16.
+ *
+ *   forward   the SwiGLU output a = s·silu(g)·u goes to fc2's FP8 GEMM only: the SwiGLU
+ *             writes its 1×128 codes and scales (and, when asked, the dequantized bf16 copy)
+ *             instead of a, which the quantizer then read back (MOE_FP8_FUSED=0 in lib/mlp.c
+ *             runs the two passes);
+ *   backward  dgu = [dg | du] goes to fc1's FP8 dgrad (codes) and the bf16 wgrad (the
+ *             dequantized copy): the SwiGLU backward writes both, and not dgu;
+ *   saved     the backward's bf16 wgrad needs Q(a) as bf16: dequantized once from the codes
+ *             the forward kept (1 byte read per element, 2 written), where the unfused path
+ *             quantized the saved bf16 a again (2 read, 3 written).
+ *
+ * Bit for bit the unfused passes: each element is computed and rounded to bf16 exactly as in
+ * kernels/swiglu.cu (the same swiglu.cuh math, the backward starting from a zero dgu as the
+ * unfused path's zeroed buffer), read back as fp32 as the quantizer would read it, and
+ * quantized by the quantizer's own tile step (quant1x128.cuh). The routing weight's gradient
+ * keeps the unfused kernel's thread-to-column map and block size, so each thread's partial
+ * sum and the block's tree add in the same order.
+ *
+ * Both need F % 128 == 0 (the native path's start-up check) and 16-byte aligned rows; the
+ * launchers return MOE_ERR_CONFIG otherwise, before launching anything.
+ */
+#include "cuda_common.cuh"
+#include "cuda_ops.h"
+#include "quant1x128.cuh"
+#include "swiglu.cuh"
+
+#define THREADS 256
+
+static moe_status check_fused(int N, int F, const void *a, const void *b, const void *c,
+                              const char *what, moe_error *err) {
+    if (N < 0 || F <= 0 || F % MOE_QUANT_BLOCK != 0)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "%s: F = %d is not a positive multiple of %d (the 1x128 tiles); "
+                             "the native FP8 layer checks this at start-up",
+                             what, F, MOE_QUANT_BLOCK);
+    if (!moe_vec8_ok(F, a, b, c))
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "%s: a buffer is not 16-byte aligned; run the unfused passes "
+                             "(MOE_FP8_FUSED=0)",
+                             what);
+    return MOE_OK;
+}
+
+/* a half-warp per 1×128 tile of the output [N, F], lane l its columns 8l .. 8l+7: the
+ * forward's values (swiglu_forward_kernel's, rounded to bf16), then the tile's quantization */
+static __global__ void swiglu_quant_fwd_kernel(uint8_t *q, float *scale_inv, moe_bf16 *y,
+                                               const moe_bf16 *gu, const float *row_scale,
+                                               int F, long long tiles, moe_fp8_format f,
+                                               int pow2) {
+    const int lane = threadIdx.x & 31, hl = lane & 15, nbc = F / MOE_QUANT_BLOCK;
+    const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+    for (long long p = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+         2 * p < tiles; p += warps) {
+        const long long t = 2 * p + (lane >> 4);
+        const bool valid = t < tiles;
+        float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (valid) {
+            const size_t n = (size_t)(t / nbc), c = (size_t)(t % nbc) * 16 + hl; /* 8-col unit */
+            const float s = row_scale ? row_scale[n] : 1.0f;
+            const moe_bf16 *g = gu + n * 2 * F, *u = g + F;
+            moe_bf16x8 vg, vu;
+            vg.u = ((const uint4 *)g)[c];
+            vu.u = ((const uint4 *)u)[c];
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                v[k] = moe_ld(moe_st(swiglu_fwd(moe_ld(vg.h[k]), moe_ld(vu.h[k]), s)));
+        }
+        uint2 cw;
+        moe_bf16x8 d;
+        const float si = moe_q1x128_tile8(v, &cw, y ? &d : NULL, f, pow2);
+        if (valid) {
+            const size_t i = (size_t)t * MOE_QUANT_BLOCK + MOE_Q1X128_PER_LANE * hl;
+            *(uint2 *)(q + i) = cw;
+            if (y)
+                *(uint4 *)(y + i) = d.u;
+            if (hl == 0)
+                scale_inv[t] = si;
+        }
+    }
+}
+
+extern "C" moe_status moe_cuda_swiglu_forward_quant(uint8_t *q, float *scale_inv, void *y,
+                                                    const void *gu, const moe_real *row_scale,
+                                                    int N, int F, moe_fp8_format f, int pow2,
+                                                    moe_error *err) {
+    MOE_TRY(moe_quant_check_format(f, err));
+    MOE_TRY(check_fused(N, F, gu, y, NULL, "moe_cuda_swiglu_forward_quant", err));
+    if ((uintptr_t)q % 8 != 0)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "moe_cuda_swiglu_forward_quant: the codes are not 8-byte aligned");
+    const long long tiles = (long long)N * (F / MOE_QUANT_BLOCK);
+    if (tiles == 0)
+        return MOE_OK;
+    const long long pairs = (tiles + 1) / 2, per_block = THREADS / 32;
+    long long blocks = (pairs + per_block - 1) / per_block;
+    blocks = blocks > 4096 ? 4096 : blocks;
+    swiglu_quant_fwd_kernel<<<(unsigned)blocks, THREADS, 0, moe_cuda_stream()>>>(
+        q, scale_inv, (moe_bf16 *)y, (const moe_bf16 *)gu, row_scale, F, tiles, f, pow2);
+    MOE_CUDA_LAUNCH_CHECK();
+    return MOE_OK;
+}
+
+/* quantize the tile whose lane-share is @p v and store it at element @p i of [rows, W]
+ * (tile index @p t); @p valid: this half-warp has a tile */
+static __device__ __forceinline__ void store_tile(uint8_t *q, float *scale_inv, moe_bf16 *y,
+                                                  const float v[8], size_t i, size_t t,
+                                                  bool valid, bool lead, moe_fp8_format f,
+                                                  int pow2) {
+    uint2 cw;
+    moe_bf16x8 d;
+    const float si = moe_q1x128_tile8(v, &cw, y ? &d : NULL, f, pow2);
+    if (valid) {
+        *(uint2 *)(q + i) = cw;
+        if (y)
+            *(uint4 *)(y + i) = d.u;
+        if (lead)
+            scale_inv[t] = si;
+    }
+}
+
+/* swiglu_backward_kernel<true> (one block per row, thread x on the 8-column units x,
+ * x + blockDim, ...), from a zero dgu, with dg and du quantized 1×128 along the row of dgu
+ * [N, 2F] instead of stored. Units are 16 to a tile and the warps start at multiples of 32
+ * units, so each half-warp holds one tile of dg and the matching tile of du. */
+static __global__ void swiglu_quant_bwd_kernel(uint8_t *q, float *scale_inv, moe_bf16 *y,
+                                               float *drow_scale, const moe_bf16 *dout,
+                                               const moe_bf16 *gu, const float *row_scale,
+                                               int F, moe_fp8_format f, int pow2) {
+    const size_t n = blockIdx.x;
+    const int lane = threadIdx.x & 31, units = F / 8, nbr = 2 * F / MOE_QUANT_BLOCK;
+    const float s = row_scale ? row_scale[n] : 1.0f;
+    const moe_bf16 *g = gu + n * 2 * F, *u = g + F, *dy = dout + n * F;
+    float acc = 0.0f;
+    for (int c0 = threadIdx.x - lane; c0 < units; c0 += blockDim.x) { /* warp-uniform */
+        const int c = c0 + lane;
+        const bool valid = c < units;
+        float vg_[8] = {0, 0, 0, 0, 0, 0, 0, 0}, vu_[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (valid) {
+            moe_bf16x8 vg, vu, vy;
+            vg.u = ((const uint4 *)g)[c];
+            vu.u = ((const uint4 *)u)[c];
+            vy.u = ((const uint4 *)dy)[c];
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                float a = 0.0f, b = 0.0f; /* the zeroed dgu of the unfused path */
+                acc += swiglu_bwd(moe_ld(vg.h[k]), moe_ld(vu.h[k]), moe_ld(vy.h[k]), s, &a, &b);
+                vg_[k] = moe_ld(moe_st(a));
+                vu_[k] = moe_ld(moe_st(b));
+            }
+        }
+        const size_t i = n * 2 * F + (size_t)8 * c, t = n * nbr + (size_t)(c / 16);
+        const bool lead = (lane & 15) == 0;
+        store_tile(q, scale_inv, y, vg_, i, t, valid, lead, f, pow2);
+        store_tile(q, scale_inv, y, vu_, i + F, t + F / MOE_QUANT_BLOCK, valid, lead, f, pow2);
+    }
+    if (drow_scale) { /* as swiglu_backward_kernel: every thread reaches the sum */
+        acc = moe_block_sum(acc);
+        if (threadIdx.x == 0)
+            drow_scale[n] += acc;
+    }
+}
+
+extern "C" moe_status moe_cuda_swiglu_backward_quant(uint8_t *q, float *scale_inv, void *y,
+                                                     moe_real *drow_scale, const void *dout,
+                                                     const void *gu, const moe_real *row_scale,
+                                                     int N, int F, moe_fp8_format f, int pow2,
+                                                     moe_error *err) {
+    MOE_TRY(moe_quant_check_format(f, err));
+    MOE_TRY(check_fused(N, F, gu, dout, y, "moe_cuda_swiglu_backward_quant", err));
+    if ((uintptr_t)q % 8 != 0)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "moe_cuda_swiglu_backward_quant: the codes are not 8-byte aligned");
+    if (N == 0)
+        return MOE_OK;
+    /* moe_cuda_swiglu_backward's block size, so the routing weight's gradient adds alike */
+    const int units = F / 8;
+    const int threads = units >= 256 ? 256 : 32 * (int)moe_cdiv(units, 32);
+    swiglu_quant_bwd_kernel<<<N, threads, 0, moe_cuda_stream()>>>(
+        q, scale_inv, (moe_bf16 *)y, drow_scale, (const moe_bf16 *)dout, (const moe_bf16 *)gu,
+        row_scale, F, f, pow2);
+    MOE_CUDA_LAUNCH_CHECK();
+    return MOE_OK;
+}
+
+/* 8 elements per thread: y = bf16(dequant(code)), the scale of their tile */
+static __global__ void dequant_act_kernel(moe_bf16 *y, const uint8_t *q, const float *scale_inv,
+                                          size_t units, moe_fp8_format f) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t c = (size_t)blockIdx.x * blockDim.x + threadIdx.x; c < units; c += stride) {
+        const uint2 w = ((const uint2 *)q)[c];
+        const float si = scale_inv[c / 16];
+        moe_bf16x8 d;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const uint8_t code = (uint8_t)((k < 4 ? w.x : w.y) >> (8 * (k % 4)));
+            d.h[k] = moe_st(moe_q_dequant(moe_fp8_decode(code, f), si));
+        }
+        ((uint4 *)y)[c] = d.u;
+    }
+}
+
+extern "C" moe_status moe_cuda_dequant_blockwise_act(void *y, const uint8_t *q,
+                                                     const float *scale_inv, int rows, int cols,
+                                                     moe_fp8_format f, moe_error *err) {
+    MOE_TRY(moe_quant_check(MOE_QUANT_BLOCK_1X128, rows, cols, err));
+    MOE_TRY(moe_quant_check_format(f, err));
+    if ((uintptr_t)y % 16 != 0 || (uintptr_t)q % 8 != 0)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "moe_cuda_dequant_blockwise_act: y must be 16-byte and q 8-byte "
+                             "aligned");
+    const size_t units = (size_t)rows * cols / 8;
+    if (units == 0)
+        return MOE_OK;
+    size_t blocks = (units + THREADS - 1) / THREADS;
+    blocks = blocks > 4096 ? 4096 : blocks;
+    dequant_act_kernel<<<(unsigned)blocks, THREADS, 0, moe_cuda_stream()>>>(
+        (moe_bf16 *)y, q, scale_inv, units, f);
+    MOE_CUDA_LAUNCH_CHECK();
+    return MOE_OK;
+}

@@ -1,0 +1,285 @@
+/*
+ * Chapter 05's fused passes of the native FP8 layer (kernels/swiglu_quant.cu, lib/mlp.c
+ * "native FP8 layer with its passes fused") and the vectorized 1×128 quantizer
+ * (kernels/quantize.cu, quant1x128.cuh): the same bytes as the separate passes.
+ *
+ *  - the 1×128 quantizer of bf16 (codes, scales, dequantized bf16 copy): vectorized
+ *    (MOE_QUANT_VEC unset), the former warp-per-tile kernel (MOE_QUANT_VEC=0) and the CPU
+ *    (moe_cpu_quant_blockwise of the same values) agree byte for byte, on odd row counts,
+ *    tile counts that are odd or not a multiple of the block's 16 tiles, a single tile, and a
+ *    misaligned input (the fallback);
+ *  - fused SwiGLU forward == moe_cuda_swiglu_forward then the quantizer;
+ *  - fused SwiGLU backward == zero dgu, moe_cuda_swiglu_backward, then the quantizer with its
+ *    dequantized copy; the routing weight's gradient (accumulated onto random values)
+ *    too, which checks the summation order;
+ *  - the saved codes' dequantization == the quantizer's dequantized copy.
+ * No tolerance anywhere: memcmp. Every output is 0xAB-poisoned first, so an element a kernel
+ * forgets differs. A mismatch prints its first byte offset, both bytes and the count.
+ * Without a GPU the runner (tests/gpu_main.c) prints "skipped: no GPU".
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu/ops.h"
+#include "cuda_ops.h"
+#include "helpers.h"
+#include "quantize.h"
+#include "rng.h"
+#include "suites.h"
+
+static void *dpoison(size_t bytes) {
+    void *h = malloc(bytes ? bytes : 1);
+    ck_assert_ptr_nonnull(h);
+    memset(h, 0xAB, bytes);
+    void *d = moe_cuda_alloc(bytes ? bytes : 1);
+    ck_assert_ptr_nonnull(d);
+    moe_cuda_from_host(d, h, bytes);
+    free(h);
+    return d;
+}
+
+/* two buffers equal byte for byte (each on the device when its flag says so) */
+static int same2(const char *what, const void *a, int a_dev, const void *b, int b_dev,
+                 size_t bytes) {
+    unsigned char *x = malloc(bytes ? bytes : 1), *y = malloc(bytes ? bytes : 1);
+    if (a_dev)
+        moe_cuda_to_host(x, a, bytes);
+    else
+        memcpy(x, a, bytes);
+    if (b_dev)
+        moe_cuda_to_host(y, b, bytes);
+    else
+        memcpy(y, b, bytes);
+    size_t first = bytes, diff = 0;
+    for (size_t i = 0; i < bytes; i++)
+        if (x[i] != y[i]) {
+            diff++;
+            if (first == bytes)
+                first = i;
+        }
+    if (diff)
+        printf("  %s: %zu of %zu bytes differ, first at byte %zu: 0x%02X vs 0x%02X\n", what, diff,
+               bytes, first, x[first], y[first]);
+    free(x), free(y);
+    return diff == 0;
+}
+
+/* n values normal × 2^U(−lo, lo) per element (so tiles hit FP8 subnormals and saturation);
+ * the first 128 zero when n >= 1024 (an all-zero tile) */
+static float *gen(size_t n, uint64_t stream, double scale, double lo) {
+    float *x = malloc(sizeof(float) * (n ? n : 1));
+    for (size_t i = 0; i < n; i++)
+        x[i] = (float)(scale * moe_rng_normal(31, stream, i) *
+                       exp2(2 * lo * (moe_rng_uniform(32, stream, i) - 0.5)));
+    for (size_t i = 0; n >= 1024 && i < 128; i++)
+        x[i] = 0.0f;
+    return x;
+}
+
+/* bf16 on the device from fp32 values; @p x receives the values the device holds */
+static void *upload_bf16(float *x, size_t n) {
+    void *d = dpoison(2 * n);
+    moe_cuda_write_act(d, x, n);
+    moe_cuda_read_act(x, d, n);
+    return d;
+}
+
+START_TEST(test_gpu_quant_1x128_vec) {
+    /* rows × 128-wide tiles: 1 tile, odd tile counts, not multiples of a block's 16 tiles */
+    const int shapes[][2] = {{1, 128}, {3, 128}, {17, 384}, {301, 1152}, {1001, 640}, {64, 2048}};
+    moe_error err;
+    int ok = 1, cases = 0;
+    for (int sh = 0; sh < 6; sh++)
+        for (int fmt = 0; fmt < 2; fmt++)
+            for (int p2 = 0; p2 < 2; p2++)
+                for (int mis = 0; mis < 2; mis++) { /* mis: input 2 bytes off (fallback) */
+                    const int R = shapes[sh][0], C = shapes[sh][1];
+                    const size_t n = (size_t)R * C, ns = n / 128;
+                    float *x = gen(n, 100 + sh, 1.0, 12.0);
+                    void *dxa = dpoison(2 * n + 16);
+                    void *dx = (char *)dxa + (mis ? 2 : 0);
+                    moe_cuda_write_act(dx, x, n);
+                    moe_cuda_read_act(x, dx, n);
+                    uint8_t *q = malloc(n);
+                    float *s = malloc(4 * ns), *yf = malloc(4 * n);
+                    ck_assert_int_eq(moe_cpu_quant_blockwise(q, s, x, R, C, fmt, 0, p2, &err),
+                                     MOE_OK);
+                    moe_cpu_dequant_blockwise(yf, q, s, R, C, fmt, 0, &err);
+                    void *want_y = dpoison(2 * n);
+                    moe_cuda_write_act(want_y, yf, n);
+                    for (int vec = 0; vec < 2; vec++) {
+                        setenv("MOE_QUANT_VEC", vec ? "1" : "0", 1);
+                        uint8_t *dq = dpoison(n);
+                        float *ds = dpoison(4 * ns);
+                        void *dy = dpoison(2 * n);
+                        ck_assert_int_eq(moe_cuda_quant_blockwise_act(dq, ds, dy, dx, R, C, fmt,
+                                                                      p2, &err),
+                                         MOE_OK);
+                        char what[96];
+                        snprintf(what, sizeof what, "[%d, %d] fmt %d pow2 %d vec %d mis %d", R,
+                                 C, fmt, p2, vec, mis);
+                        int k = same2("1x128 codes", dq, 1, q, 0, n);
+                        k &= same2("1x128 scales", ds, 1, s, 0, 4 * ns);
+                        k &= same2("1x128 dequantized", dy, 1, want_y, 1, 2 * n);
+                        /* y = NULL: codes only */
+                        uint8_t *dq2 = dpoison(n);
+                        ck_assert_int_eq(moe_cuda_quant_blockwise_act(dq2, ds, NULL, dx, R, C,
+                                                                      fmt, p2, &err),
+                                         MOE_OK);
+                        k &= same2("1x128 codes (no copy)", dq2, 1, q, 0, n);
+                        /* the saved codes' dequantization */
+                        if (!mis) {
+                            void *dz = dpoison(2 * n);
+                            ck_assert_int_eq(
+                                moe_cuda_dequant_blockwise_act(dz, dq, ds, R, C, fmt, &err),
+                                MOE_OK);
+                            k &= same2("dequantized saved codes", dz, 1, want_y, 1, 2 * n);
+                            moe_cuda_free(dz);
+                        }
+                        if (!k)
+                            printf("  ^ in case %s\n", what);
+                        ok &= k;
+                        cases++;
+                        moe_cuda_free(dq), moe_cuda_free(ds), moe_cuda_free(dy),
+                            moe_cuda_free(dq2);
+                    }
+                    unsetenv("MOE_QUANT_VEC");
+                    free(x), free(q), free(s), free(yf);
+                    moe_cuda_free(dxa), moe_cuda_free(want_y);
+                }
+    printf("  1x128 quantizer of bf16: %d cases (vectorized and warp-per-tile, ragged shapes, "
+           "misaligned input), %s\n",
+           cases, ok ? "== CPU byte for byte" : "DIFFER");
+    ck_assert(ok);
+}
+END_TEST
+
+/* F values: one tile, three, and 2176 (272 8-column units: a 256-thread backward block
+ * loops twice, the second time with only 16 units, half a warp) */
+static const int FS[] = {128, 384, 2176};
+static const int NS[] = {1, 7, 130};
+
+START_TEST(test_gpu_swiglu_quant_forward) {
+    moe_error err;
+    int ok = 1, cases = 0;
+    for (int fi = 0; fi < 3; fi++)
+        for (int ni = 0; ni < 3; ni++)
+            for (int scaled = 0; scaled < 2; scaled++)
+                for (int with_y = 0; with_y < 2; with_y++) {
+                    const int N = NS[ni], F = FS[fi];
+                    const size_t n = (size_t)N * F, ns = n / 128;
+                    float *gu = gen(2 * n, 200 + fi * 3 + ni, 3.0, 6.0);
+                    float *rs = malloc(sizeof(float) * N);
+                    for (int r = 0; r < N; r++)
+                        rs[r] = (float)moe_rng_uniform(33, fi * 3 + ni, r);
+                    void *dgu = upload_bf16(gu, 2 * n);
+                    float *drs = dpoison(sizeof(float) * N);
+                    moe_cuda_from_host(drs, rs, sizeof(float) * N);
+                    const float *row_scale = scaled ? drs : NULL;
+                    /* separate passes */
+                    void *act = dpoison(2 * n), *y1 = dpoison(2 * n);
+                    uint8_t *q1 = dpoison(n);
+                    float *s1 = dpoison(4 * ns);
+                    moe_cuda_swiglu_forward(act, dgu, row_scale, N, F);
+                    ck_assert_int_eq(moe_cuda_quant_blockwise_act(q1, s1, y1, act, N, F,
+                                                                  MOE_FP8_E4M3, 1, &err),
+                                     MOE_OK);
+                    /* fused */
+                    void *y2 = dpoison(2 * n);
+                    uint8_t *q2 = dpoison(n);
+                    float *s2 = dpoison(4 * ns);
+                    ck_assert_int_eq(moe_cuda_swiglu_forward_quant(q2, s2, with_y ? y2 : NULL,
+                                                                   dgu, row_scale, N, F,
+                                                                   MOE_FP8_E4M3, 1, &err),
+                                     MOE_OK);
+                    int k = same2("fused forward codes", q2, 1, q1, 1, n);
+                    k &= same2("fused forward scales", s2, 1, s1, 1, 4 * ns);
+                    if (with_y)
+                        k &= same2("fused forward dequantized", y2, 1, y1, 1, 2 * n);
+                    if (!k)
+                        printf("  ^ in case N %d F %d scaled %d y %d\n", N, F, scaled, with_y);
+                    ok &= k;
+                    cases++;
+                    free(gu), free(rs);
+                    moe_cuda_free(dgu), moe_cuda_free(drs), moe_cuda_free(act);
+                    moe_cuda_free(y1), moe_cuda_free(q1), moe_cuda_free(s1);
+                    moe_cuda_free(y2), moe_cuda_free(q2), moe_cuda_free(s2);
+                }
+    printf("  fused SwiGLU forward + 1x128 quantize: %d cases, %s\n", cases,
+           ok ? "== separate passes byte for byte" : "DIFFER");
+    ck_assert(ok);
+    ck_assert_int_eq(moe_cuda_swiglu_forward_quant(NULL, NULL, NULL, NULL, NULL, 4, 100,
+                                                   MOE_FP8_E4M3, 1, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err.msg, "multiple of 128"));
+}
+END_TEST
+
+START_TEST(test_gpu_swiglu_quant_backward) {
+    moe_error err;
+    int ok = 1, cases = 0;
+    for (int fi = 0; fi < 3; fi++)
+        for (int ni = 0; ni < 3; ni++)
+            for (int scaled = 0; scaled < 2; scaled++) {
+                const int N = NS[ni], F = FS[fi];
+                const size_t n = (size_t)N * F, n2 = 2 * n, ns2 = n2 / 128;
+                float *gu = gen(n2, 300 + fi * 3 + ni, 3.0, 6.0);
+                float *dy = gen(n, 400 + fi * 3 + ni, 1e-3, 10.0);
+                float *rs = malloc(sizeof(float) * N), *drs0 = malloc(sizeof(float) * N);
+                for (int r = 0; r < N; r++) {
+                    rs[r] = (float)moe_rng_uniform(34, fi * 3 + ni, r);
+                    drs0[r] = (float)moe_rng_normal(35, fi * 3 + ni, r);
+                }
+                void *dgu = upload_bf16(gu, n2), *ddy = upload_bf16(dy, n);
+                float *drs = dpoison(sizeof(float) * N);
+                moe_cuda_from_host(drs, rs, sizeof(float) * N);
+                float *dr1 = dpoison(sizeof(float) * N), *dr2 = dpoison(sizeof(float) * N);
+                moe_cuda_from_host(dr1, drs0, sizeof(float) * N);
+                moe_cuda_from_host(dr2, drs0, sizeof(float) * N);
+                const float *row_scale = scaled ? drs : NULL;
+                /* separate passes: a zeroed dgu, the backward, the quantizer with its copy */
+                void *dgrad = dpoison(2 * n2), *y1 = dpoison(2 * n2);
+                uint8_t *q1 = dpoison(n2);
+                float *s1 = dpoison(4 * ns2);
+                moe_cuda_zero(dgrad, 2 * n2);
+                moe_cuda_swiglu_backward(dgrad, scaled ? dr1 : NULL, ddy, dgu, row_scale, N, F);
+                ck_assert_int_eq(moe_cuda_quant_blockwise_act(q1, s1, y1, dgrad, N, 2 * F,
+                                                              MOE_FP8_E4M3, 1, &err),
+                                 MOE_OK);
+                /* fused */
+                void *y2 = dpoison(2 * n2);
+                uint8_t *q2 = dpoison(n2);
+                float *s2 = dpoison(4 * ns2);
+                ck_assert_int_eq(moe_cuda_swiglu_backward_quant(q2, s2, y2, scaled ? dr2 : NULL,
+                                                                ddy, dgu, row_scale, N, F,
+                                                                MOE_FP8_E4M3, 1, &err),
+                                 MOE_OK);
+                int k = same2("fused backward codes", q2, 1, q1, 1, n2);
+                k &= same2("fused backward scales", s2, 1, s1, 1, 4 * ns2);
+                k &= same2("fused backward dequantized", y2, 1, y1, 1, 2 * n2);
+                k &= same2("fused backward routing-weight gradient", dr2, 1, dr1, 1,
+                           sizeof(float) * N);
+                if (!k)
+                    printf("  ^ in case N %d F %d scaled %d\n", N, F, scaled);
+                ok &= k;
+                cases++;
+                free(gu), free(dy), free(rs), free(drs0);
+                moe_cuda_free(dgu), moe_cuda_free(ddy), moe_cuda_free(drs);
+                moe_cuda_free(dr1), moe_cuda_free(dr2), moe_cuda_free(dgrad);
+                moe_cuda_free(y1), moe_cuda_free(q1), moe_cuda_free(s1);
+                moe_cuda_free(y2), moe_cuda_free(q2), moe_cuda_free(s2);
+            }
+    printf("  fused SwiGLU backward + 1x128 quantize: %d cases, %s\n", cases,
+           ok ? "== separate passes byte for byte (codes, scales, copy, d scale)" : "DIFFER");
+    ck_assert(ok);
+}
+END_TEST
+
+Suite *suite_gpu_fp8_fused(void) {
+    const TTest *const tests[] = {test_gpu_quant_1x128_vec, test_gpu_swiglu_quant_forward,
+                                  test_gpu_swiglu_quant_backward};
+    return moe_test_chapter_suite("gpu_fp8_fused", "ch05", tests, 3);
+}
