@@ -572,8 +572,13 @@ Suite *suite_mpi_ep(void) {
     tcase_add_test(tc, test_ep_capacity);
     tcase_add_test(tc, test_ep_all_tokens_to_two_experts);
     tcase_add_test(tc, test_ep_training_tracks_reference);
-    tcase_add_test(tc, test_ep_fp8_dispatch);
     tcase_add_test(tc, test_ep_errors);
+    suite_add_tcase(s, tc);
+    /* chapter 05: the FP8 dispatch (CK_RUN_CASE=fp8_dispatch runs it alone) */
+    tc = tcase_create("fp8_dispatch");
+    tcase_set_tags(tc, "ch05");
+    tcase_set_timeout(tc, 600);
+    tcase_add_test(tc, test_ep_fp8_dispatch);
     suite_add_tcase(s, tc);
     /* chapter 06: EP without the host (CK_RUN_CASE=sync_free runs these alone) */
     tc = tcase_create("sync_free");
