@@ -262,7 +262,7 @@ typedef struct moe_backend {
      *  pass (chapter 05's native FP8 GEMMs, and the FP8 dispatch on every backend) */
     moe_status (*fp8_quant_act)(uint8_t *q, float *s, void *y, const void *x, int rows,
                                 int cols, moe_fp8_format f, int pow2, moe_error *err);
-    /** the inverse of @ref fp8_quant_act: 1×128 codes @p q and scales @p s [rows][cols/128]
+    /** the inverse of fp8_quant_act: 1×128 codes @p q and scales @p s [rows][cols/128]
      *  dequantized into the activation type @p y, the same bytes as its @p y (chapter 05's
      *  FP8 dispatch: the received codes become the experts' input rows) */
     moe_status (*fp8_dequant_act)(void *y, const uint8_t *q, const float *s, int rows,

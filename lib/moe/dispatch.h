@@ -81,9 +81,14 @@ typedef struct moe_ep {
     int fp8;               /**< 1: the forward's token rows travel quantized */
     moe_fp8_format fp8_format; /**< their element format (the activation role's) */
     int fp8_pow2;          /**< 1: power-of-two scales (the recipe's) */
-    uint8_t *q_send, *q_recv; /**< the codes sent and received (grow-only) */
-    float *s_send, *s_recv;   /**< their scales, [rows][H/128] (grow-only) */
-    size_t q_send_cap, q_recv_cap, s_send_cap, s_recv_cap; /**< their sizes in bytes */
+    uint8_t *q_send;       /**< the codes sent [R_send, H] (grow-only) */
+    uint8_t *q_recv;       /**< the codes received [R_recv, H]: fc1's native GEMM reads them */
+    float *s_send;         /**< the scales sent [R_send][H/128] (grow-only) */
+    float *s_recv;         /**< the scales received [R_recv][H/128] */
+    size_t q_send_cap;     /**< bytes of q_send */
+    size_t q_recv_cap;     /**< bytes of q_recv */
+    size_t s_send_cap;     /**< bytes of s_send */
+    size_t s_recv_cap;     /**< bytes of s_recv */
     moe_tp etp;            /**< the ETP group that splits each local expert (moe/expert_tp.h;
                                 comm NULL and size 0 or 1: none). It travels with the EP
                                 context because the two groups together hold the experts */
