@@ -432,7 +432,7 @@ END_TEST
 #define FP8_EP "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --num-query-groups 4 " \
                "--seq-length 16 --micro-batch-size 2 --num-experts 8 --moe-router-topk 2 "     \
                "--moe-ffn-hidden-size 128 --ffn-hidden-size 128 --moe-layer-freq 0,1 "         \
-               "--fp8-format e4m3 --fp8-recipe blockwise "
+               "--fp8-format e4m3 --fp8-recipe blockwise --moe-alltoall-path collective "
 
 static unsigned long long ep_a2a_bytes(moe_trainer *t) {
     const moe_comm_bytes b = moe_comm_bytes_sent(moe_parallel_group(&t->par, MOE_GROUP_EP));
@@ -474,11 +474,12 @@ START_TEST(test_ep_fp8_dispatch) {
             const long long diff = grads_differ(fp8, act);
             AGREE(diff, "EP %d %s: %lld gradients differ between the FP8 dispatch and the "
                   "activation-type one (rank %d)", ep, backends[b], diff, rank);
-            AGREE(!(fabs(sf.loss - sr.loss) <= 1e-5 * fabs(sr.loss)),
+            const double tl = on_gpu() ? 1e-3 : 1e-5, tg = on_gpu() ? 2e-2 : 1e-5;
+            AGREE(!(fabs(sf.loss - sr.loss) <= tl * fabs(sr.loss)),
                   "EP %d: loss %.8f vs one process %.8f on rank %d", ep, sf.loss, sr.loss, rank);
             double worst;
             const char *worst_name;
-            const long long bad = moe_test_compare_shards(fp8, ref, 1e-5, &worst, &worst_name);
+            const long long bad = moe_test_compare_shards(fp8, ref, tg, &worst, &worst_name);
             AGREE(bad, "EP %d FP8 dispatch: %lld tensors differ from one process (rank %d: "
                   "worst %s, rel %.2e)", ep, bad, rank, worst_name, worst);
             /* the bytes, from the plans of the one MoE layer */
