@@ -81,6 +81,7 @@ static moe_backend make_cuda_backend(void) {
     b.fp8_dequant_act = moe_cuda_dequant_blockwise_act;
     b.fp8_grouped_native = moe_cuda_grouped_sm90_available;
     b.fp8_quant_act = moe_cuda_quant_blockwise_act;
+    b.fp8_dequant_act = moe_cuda_dequant_blockwise_act;
     b.fp8_quant_t_act = moe_cuda_quant_blockwise_t_act;
     b.fp8_grouped_gemm = moe_cuda_fp8_grouped_gemm;
     b.add = moe_cuda_add;

@@ -250,6 +250,10 @@ moe_status moe_cuda_dequant_blockwise(float *y, const uint8_t *q, const float *s
 moe_status moe_cuda_quant_blockwise_act(uint8_t *q, float *scale_inv, void *y, const void *x,
                                         int rows, int cols, moe_fp8_format f, int pow2,
                                         moe_error *err);
+/* the inverse of moe_cuda_quant_blockwise_act: 1×128 codes and scales to bf16, the bytes of
+ * its y (chapter 05's FP8 dispatch: the received rows) */
+moe_status moe_cuda_dequant_blockwise_act(void *y, const uint8_t *q, const float *scale_inv,
+                                          int rows, int cols, moe_fp8_format f, moe_error *err);
 moe_status moe_cuda_quant_blockwise_t_act(uint8_t *q, float *scale_inv, uint8_t *qt,
                                           float *scale_inv_t, const void *x, int batch, int rows,
                                           int cols, moe_fp8_format f, int block_2d, int pow2,

@@ -355,14 +355,20 @@ extern "C" moe_status moe_cuda_quant_blockwise_act(uint8_t *q, float *scale_inv,
     return MOE_OK;
 }
 
-static __global__ void dequant_blockwise_kernel(float *y, const uint8_t *q, const float *scale_inv,
+static __device__ __forceinline__ void st_val(float *p, float v) { *p = v; }
+static __device__ __forceinline__ void st_val(moe_bf16 *p, float v) { *p = moe_st(v); }
+
+/* T = float: the fp32 values; T = moe_bf16: rounded to bf16, block1x128_kernel's y bytes
+ * (the same decode and multiply), for the FP8 dispatch's received rows */
+template <typename T>
+static __global__ void dequant_blockwise_kernel(T *y, const uint8_t *q, const float *scale_inv,
                                                 int rows, int cols, moe_fp8_format f, int bh) {
     const size_t n = (size_t)rows * cols, stride = (size_t)gridDim.x * blockDim.x;
     const int nbc = cols / MOE_QUANT_BLOCK;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         const int r = (int)(i / cols), c = (int)(i % cols);
-        y[i] = moe_q_dequant(moe_fp8_decode(q[i], f),
-                             scale_inv[(size_t)(r / bh) * nbc + c / MOE_QUANT_BLOCK]);
+        st_val(&y[i], moe_q_dequant(moe_fp8_decode(q[i], f),
+                                    scale_inv[(size_t)(r / bh) * nbc + c / MOE_QUANT_BLOCK]));
     }
 }
 
@@ -374,8 +380,24 @@ extern "C" moe_status moe_cuda_dequant_blockwise(float *y, const uint8_t *q,
     MOE_TRY(moe_quant_check_format(f, err));
     const size_t n = (size_t)rows * cols;
     if (n) {
-        dequant_blockwise_kernel<<<grid_for(n, THREADS * 4), THREADS, 0, moe_cuda_stream()>>>(
-            y, q, scale_inv, rows, cols, f, block_2d ? MOE_QUANT_BLOCK : 1);
+        dequant_blockwise_kernel<float>
+            <<<grid_for(n, THREADS * 4), THREADS, 0, moe_cuda_stream()>>>(
+                y, q, scale_inv, rows, cols, f, block_2d ? MOE_QUANT_BLOCK : 1);
+        MOE_CUDA_LAUNCH_CHECK();
+    }
+    return MOE_OK;
+}
+
+extern "C" moe_status moe_cuda_dequant_blockwise_act(void *y, const uint8_t *q,
+                                                     const float *scale_inv, int rows, int cols,
+                                                     moe_fp8_format f, moe_error *err) {
+    MOE_TRY(moe_quant_check(MOE_QUANT_BLOCK_1X128, rows, cols, err));
+    MOE_TRY(moe_quant_check_format(f, err));
+    const size_t n = (size_t)rows * cols;
+    if (n) {
+        dequant_blockwise_kernel<moe_bf16>
+            <<<grid_for(n, THREADS * 4), THREADS, 0, moe_cuda_stream()>>>(
+                (moe_bf16 *)y, q, scale_inv, rows, cols, f, 1);
         MOE_CUDA_LAUNCH_CHECK();
     }
     return MOE_OK;

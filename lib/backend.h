@@ -279,9 +279,14 @@ typedef struct moe_backend {
     /** blockwise 1×128 quantize of an activation-type [rows, cols]: codes @p q, scales @p s
      *  [rows][cols/128] (as moe_cpu_quant_blockwise() of its fp32 values), and when @p y is
      *  not NULL the dequantized values in the activation type (@ref qdq's bytes) in the same
-     *  pass; NULL where @ref fp8_grouped_native is */
+     *  pass (chapter 05's native FP8 GEMMs, and the FP8 dispatch on every backend) */
     moe_status (*fp8_quant_act)(uint8_t *q, float *s, void *y, const void *x, int rows,
                                 int cols, moe_fp8_format f, int pow2, moe_error *err);
+    /** the inverse of fp8_quant_act: 1×128 codes @p q and scales @p s [rows][cols/128]
+     *  dequantized into the activation type @p y, the same bytes as its @p y (chapter 05's
+     *  FP8 dispatch: the received codes become the experts' input rows) */
+    moe_status (*fp8_dequant_act)(void *y, const uint8_t *q, const float *s, int rows,
+                                  int cols, moe_fp8_format f, moe_error *err);
     /** blockwise quantize of @p batch activation-type matrices [rows, cols] stored one after
      *  the other, each with its transposed copy [cols, rows] from the same read (as
      *  moe_cpu_quant_blockwise_t() of each); NULL where @ref fp8_grouped_native is */

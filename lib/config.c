@@ -129,6 +129,12 @@ static const moe_flag g_flags[] = {
       "blockwise (1x128 tiles, 128x128 weight blocks), mxfp8 (32-element blocks, E8M0 "
       "scales)",
       "tensorwise|delayed|blockwise|mxfp8", G_TRAIN),
+    F("moe-fp8-dispatch", MOE_FLAG_CHOICE, moe_fp8_dispatch, "auto",
+      "--fp8-recipe blockwise under expert parallelism: quantize the tokens 1x128 once before "
+      "the all-to-all, so EP moves FP8 codes and fp32 scales (about half the bytes of bf16) "
+      "and the experts' fc1 reads them with no second quantization; the way back stays in "
+      "the activation type. auto = on with blockwise, EP > 1 and the collective all-to-all; "
+      "off = tokens travel in the activation type", "auto|off", G_TRAIN),
     F("fp8-amax-history-len", MOE_FLAG_INT, fp8_amax_history_len, "1",
       "--fp8-recipe delayed: the amaxes of the last N steps each tensor keeps (Megatron's "
       "default 1; TransformerEngine's own is 1024)", NULL, G_TRAIN),

@@ -159,6 +159,7 @@ typedef struct moe_config {
     char fp8_format[MOE_FLAG_STR_LEN];     /**< --fp8-format none|e4m3|hybrid (chapter 05) */
     char fp8_recipe[MOE_FLAG_STR_LEN];     /**< --fp8-recipe tensorwise|delayed|blockwise|mxfp8 */
     int fp8_amax_history_len;              /**< --fp8-amax-history-len (delayed scaling) */
+    char moe_fp8_dispatch[MOE_FLAG_STR_LEN];       /**< --moe-fp8-dispatch auto|off */
     char fp8_amax_compute_algo[MOE_FLAG_STR_LEN]; /**< --fp8-amax-compute-algo max|most_recent */
     int fp8_margin;                        /**< --fp8-margin (delayed scaling) */
     char fp4_format[MOE_FLAG_STR_LEN];     /**< --fp4-format none|e2m1 */

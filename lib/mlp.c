@@ -15,6 +15,14 @@ static void fp8_ok(moe_status st, const moe_error *err) {
     MOE_ASSERT(st == MOE_OK);
 }
 
+/* MOE_FP8_DISPATCH_CODES=0: fc1's native GEMM quantizes the received rows again instead
+ * of reading the received codes (the same codes by construction; a switch for the GPU, where
+ * this path was only compiled when it was written) */
+static int fp8_dispatch_codes_on(void) {
+    const char *e = getenv("MOE_FP8_DISPATCH_CODES");
+    return !(e && *e == '0');
+}
+
 /* D = Q(A)·B_gᵀ per group in our FP8 grouped kernel: A [rows, K] in the activation type,
  * quantized 1×128 into the context's codes (and, with @p a_deq, its dequantized copy for the
  * bf16 wgrad, in the same pass); B_g the FP8 codes [N, K] of each expert */
@@ -49,15 +57,29 @@ static void fp8_gemm(const moe_backend *be, void *d, const void *a, void *a_deq,
 static void gmm_forward(const moe_backend *be, void *out, const void *in, const void *w,
                         const moe_fp8_weight *fw, const moe_groups *grp, int I, int O,
                         int gather, int lin) {
+    /* chapter 05's FP8 dispatch: fc1's rows arrived quantized (their QDQ, and the codes) */
+    const int arrived = lin == 0 && grp->x_quantized;
     if (fw) { /* chapter 05, native: out = Q(in)·Q(w_g)ᵀ on the FP8 codes */
         MOE_ASSERT(!gather && grp->impl == MOE_EXPERTS_KERNEL && fw->O == O && fw->I == I);
+        if (arrived && grp->xq && fp8_dispatch_codes_on()) { /* the received codes as they are */
+            const moe_qdq_spec *sp = &grp->lowp->spec[MOE_LOWP_ACTIVATION];
+            const moe_qmatrix qa = {MOE_QUANT_BLOCK_1X128, sp->format, grp->xq, grp->xs, NULL,
+                                    {0}};
+            const moe_qmatrix qb = {MOE_QUANT_BLOCK_128X128, MOE_FP8_E4M3, fw->q, fw->s, NULL,
+                                    {0}};
+            moe_error err;
+            fp8_ok(be->fp8_grouped_gemm(out, 0, &qa, &qb, grp->dev_off, grp->G, grp->rows, O, I,
+                                        &err), &err);
+            return;
+        }
         fp8_gemm(be, out, in, NULL, fw->q, fw->s, grp, O, I, MOE_LOWP_ACTIVATION);
         return;
     }
     /* chapter 05, emulated low precision: the input quantized (the weights already are);
      * the fused gather is refused with it at start-up (lowp.h) */
-    in = moe_lowp_qdq(be, grp->lowp, in, grp->rows, I, MOE_LOWP_ACTIVATION,
-                      grp->lowp_site + lin);
+    if (!arrived)
+        in = moe_lowp_qdq(be, grp->lowp, in, grp->rows, I, MOE_LOWP_ACTIVATION,
+                          grp->lowp_site + lin);
     if (gather)
         be->grouped_matmul_forward_dev_gather(out, in, grp->gather, grp->gather_div, w,
                                               grp->dev_off, grp->G, grp->rows, I, O);
@@ -84,8 +106,10 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
         else
             dout = moe_lowp_qdq(be, lp, dout, N, O, MOE_LOWP_GRADIENT, site);
         /* wgrad on the dequantized operands, as emulated (the codes' buffer is reused:
-         * the dgrad GEMM is queued before it on the same stream) */
-        in = moe_lowp_qdq_saved(be, lp, in, N, I, site);
+         * the dgrad GEMM is queued before it on the same stream); fc1's rows that arrived
+         * quantized (the FP8 dispatch) are those values already */
+        if (!(lin == 0 && grp->x_quantized))
+            in = moe_lowp_qdq_saved(be, lp, in, N, I, site);
         be->grouped_matmul_backward_dev(NULL, dw, din ? lp->grad : dout, in, w, grp->dev_off,
                                         grp->G, N, I, O, 0, grp->dw_mode);
         return;
@@ -93,7 +117,8 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
     /* chapter 05: both backward GEMMs on the quantized output gradient and the quantized
      * input (the same bytes as the forward's); the straight-through rule of lowp.h */
     dout = moe_lowp_qdq(be, grp->lowp, dout, N, O, MOE_LOWP_GRADIENT, site);
-    in = moe_lowp_qdq_saved(be, grp->lowp, in, N, I, site);
+    if (!(lin == 0 && grp->x_quantized)) /* (the FP8 dispatch's rows are Q(x) already) */
+        in = moe_lowp_qdq_saved(be, grp->lowp, in, N, I, site);
     if (gather) {
         be->grouped_matmul_backward_dev_gather(din, dw, dout, in, grp->gather, grp->gather_div,
                                                w, grp->dev_off, grp->G, N, I, O, din_accumulate,
@@ -247,9 +272,9 @@ void moe_mlp_backward_grouped(const moe_backend *be, void *dx, moe_real *dw1, mo
 }
 
 /* a single MLP is one group, run by the backend's plain matmul (G = 1) */
-static moe_groups one_group(const int *off, moe_lowp *lp, int site) {
+moe_groups moe_groups_single(const int *off, moe_lowp *lp, int site) {
     moe_groups g = {off, NULL, 1, MOE_EXPERTS_CUBLAS, MOE_DW_ACCUMULATE, NULL, 1, off[1], lp,
-                    NULL, NULL, site};
+                    NULL, NULL, site, 0, NULL, NULL};
     return g;
 }
 
@@ -257,7 +282,7 @@ void moe_mlp_forward_lowp(const moe_backend *be, void *out, void *gu, void *act,
                           const moe_real *row_scale, const void *w1, const void *w2, int N,
                           int H, int F, moe_lowp *lp, int site) {
     const int off[2] = {0, N};
-    const moe_groups g = one_group(off, lp, site);
+    const moe_groups g = moe_groups_single(off, lp, site);
     moe_mlp_forward_grouped(be, out, gu, act, x, row_scale, w1, w2, &g, H, F);
 }
 
@@ -273,7 +298,7 @@ void moe_mlp_backward_lowp(const moe_backend *be, void *dx, moe_real *dw1, moe_r
                            const void *w2, void *ws_dh, void *ws_dgu, int N, int H, int F,
                            moe_lowp *lp, int site) {
     const int off[2] = {0, N};
-    const moe_groups g = one_group(off, lp, site);
+    const moe_groups g = moe_groups_single(off, lp, site);
     moe_mlp_backward_grouped(be, dx, dw1, dw2, drow_scale, dout, x, gu, act, row_scale, w1, w2,
                              ws_dh, ws_dgu, &g, H, F, 1);
 }

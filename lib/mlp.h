@@ -60,7 +60,25 @@ typedef struct moe_groups {
      *  under delayed scaling: the grouped GEMMs quantize all the groups' rows as one tensor,
      *  at the first expert's sites */
     int lowp_site;
+    /** chapter 05's FP8 dispatch (moe_dispatch_rows_fp8()): 1 when fc1's input rows hold
+     *  already the dequantized values of their 1×128 quantization (the all-to-all moved
+     *  codes and scales), so fc1 quantizes nothing again, forward or backward */
+    int x_quantized;
+    /** with @ref x_quantized on the native path: those codes [rows, I] and scales
+     *  [rows][I/128] in backend memory, read by fc1's FP8 GEMM as they are; NULL: the
+     *  native path quantizes the dequantized rows again (the same codes) */
+    const uint8_t *xq;
+    const float *xs; /**< see @ref xq */
 } moe_groups;
+
+/**
+ * @brief The groups of a single MLP: one group of @p off[1] rows, run by the backend's
+ *        plain matmul (what moe_mlp_forward_lowp() runs on).
+ * @param off [2] {0, rows} (kept by pointer: it must outlive the groups)
+ * @param lp chapter 05's context or NULL  @param site fc1's linear index (moe_lowp_site())
+ * @return the groups
+ */
+moe_groups moe_groups_single(const int *off, moe_lowp *lp, int site);
 
 /**
  * @brief Forward.

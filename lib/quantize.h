@@ -505,6 +505,33 @@ moe_status moe_qdq_f32(const moe_quant_fns *fn, const moe_qdq_spec *spec, const 
 void moe_cpu_qdq(void *dst, const void *src, int rows, int cols, const moe_qdq_spec *spec,
                  const moe_qdq_ws *ws);
 
+/**
+ * @brief Blockwise 1×128 quantize of an activation-type [rows, cols] tensor on the CPU
+ *        (the backend's fp8_quant_act; moe_cuda_quant_blockwise_act()'s twin): codes and
+ *        scales as moe_cpu_quant_blockwise() of its fp32 values, and with @p y the
+ *        dequantized values in the activation type, the bytes moe_cpu_qdq() writes.
+ * @param q [rows, cols] codes  @param s [rows][cols/128] 1/scale per tile
+ * @param y NULL, or [rows, cols] the dequantized values  @param x [rows, cols] input
+ * @param rows rows  @param cols columns (a multiple of 128)  @param f element format
+ * @param pow2 1: power-of-two scales  @param err receives the reason on failure
+ * @return ::MOE_OK, or ::MOE_ERR_CONFIG for a bad shape or format
+ */
+moe_status moe_cpu_quant_blockwise_act(uint8_t *q, float *s, void *y, const void *x, int rows,
+                                       int cols, moe_fp8_format f, int pow2, moe_error *err);
+
+/**
+ * @brief Dequantize 1×128 codes and scales into the activation type on the CPU (the
+ *        backend's fp8_dequant_act: chapter 05's FP8 dispatch turns the received codes back
+ *        into the rows the experts read): the same values as moe_cpu_quant_blockwise_act()'s
+ *        @p y, hence as moe_cpu_qdq() of the tensor that was quantized.
+ * @param y [rows, cols] output  @param q [rows, cols] codes  @param s [rows][cols/128] 1/scale
+ * @param rows rows  @param cols columns (a multiple of 128)  @param f element format
+ * @param err receives the reason on failure
+ * @return ::MOE_OK, or ::MOE_ERR_CONFIG for a bad shape or format
+ */
+moe_status moe_cpu_dequant_blockwise_act(void *y, const uint8_t *q, const float *s, int rows,
+                                         int cols, moe_fp8_format f, moe_error *err);
+
 #ifdef __cplusplus
 }
 #endif

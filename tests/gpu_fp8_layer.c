@@ -68,11 +68,13 @@ static void *dpoison(size_t bytes) {
 static int same(const char *what, const void *dev, const void *host, size_t bytes) {
     unsigned char *got = malloc(bytes);
     moe_cuda_to_host(got, dev, bytes);
-    size_t diff = 0;
+    size_t diff = 0, first = 0;
     for (size_t i = 0; i < bytes; i++)
-        diff += got[i] != ((const unsigned char *)host)[i];
+        if (got[i] != ((const unsigned char *)host)[i] && diff++ == 0)
+            first = i;
     if (diff)
-        printf("  %s: %zu of %zu bytes differ\n", what, diff, bytes);
+        printf("  %s: %zu of %zu bytes differ; the first at byte %zu: 0x%02x, want 0x%02x\n",
+               what, diff, bytes, first, got[first], ((const unsigned char *)host)[first]);
     free(got);
     return diff == 0;
 }
@@ -106,6 +108,12 @@ START_TEST(test_gpu_fp8_layer_quantizers) {
     ck_assert(same("1x128 codes", dq, q, n));
     ck_assert(same("1x128 scales", ds, s, sizeof(float) * R * nb));
     ck_assert(same("1x128 dequantized bf16", dy, hwant, 2 * n));
+    /* chapter 05's FP8 dispatch: the received codes and scales (here the CPU's, on the
+     * device) dequantized to bf16 are the QDQ's bytes; a fresh poisoned output */
+    void *dy2 = dpoison(2 * n);
+    ck_assert_int_eq(g->fp8_dequant_act(dy2, dq, ds, R, C, MOE_FP8_E4M3, &err), MOE_OK);
+    ck_assert(same("1x128 dequantize to bf16 (FP8 dispatch)", dy2, hwant, 2 * n));
+    g->free(dy2);
     /* weights: 3 experts of [256, 384], each with its transpose */
     const int G = 3, O = 256, I = 384, ns = (O / 128) * (I / 128);
     const size_t nw = (size_t)G * O * I;
@@ -209,7 +217,7 @@ static void run_mlp(const moe_backend *be, moe_lowp *lp, const moe_fp8_weight *f
         free(h);
     }
     moe_groups grp = {off, doff, G, MOE_EXPERTS_KERNEL, MOE_DW_STORE, NULL, 1, N, lp,
-                      fw, fw ? fw + 1 : NULL, 0};
+                      fw, fw ? fw + 1 : NULL, 0, 0, NULL, NULL};
     moe_mlp_forward_grouped(be, out, gu, act, x, rs, w1, w2, &grp, H, F);
     moe_mlp_backward_grouped(be, dx, dw1, dw2, drs, dy, x, gu, act, rs, w1, w2, dh, dgu, &grp, H,
                              F, 0);

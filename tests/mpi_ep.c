@@ -420,6 +420,108 @@ START_TEST(test_ep_graph_replay_equals_eager) {
 }
 END_TEST
 
+/* Chapter 05's FP8 dispatch (--moe-fp8-dispatch, dispatch_alltoall.c): under --fp8-recipe
+ * blockwise the tokens cross the all-to-all as 1×128 codes and fp32 scales. Quantization per
+ * row commutes with moving rows, so against the tokens travelling in the activation type
+ * (--moe-fp8-dispatch off) the loss and every gradient are the same bit for bit, and both
+ * equal one process (check_ep's bounds). One micro-batch per rank, so the layer's last plan
+ * is the step's and the bytes the EP group counted are exact: the activation-type run moves
+ * 2(S+R)·H·s + (S+R)·r per MoE layer (S, R: rows sent to / received from the other ranks;
+ * the chapter 04 bytes model), the FP8 run S·(H·s − H − 4·H/128) fewer (only the forward's
+ * tokens are quantized: the combine and the whole backward stay in the activation type). */
+#define FP8_EP "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --num-query-groups 4 " \
+               "--seq-length 16 --micro-batch-size 2 --num-experts 8 --moe-router-topk 2 "     \
+               "--moe-ffn-hidden-size 128 --ffn-hidden-size 128 --moe-layer-freq 0,1 "         \
+               "--fp8-format e4m3 --fp8-recipe blockwise --moe-alltoall-path collective "
+
+static unsigned long long ep_a2a_bytes(moe_trainer *t) {
+    const moe_comm_bytes b = moe_comm_bytes_sent(moe_parallel_group(&t->par, MOE_GROUP_EP));
+    return b.bytes[MOE_COMM_OP_ALL_TO_ALL];
+}
+
+START_TEST(test_ep_fp8_dispatch) {
+    moe_comm *world = moe_test_world();
+    const int W = moe_comm_size(world), rank = moe_comm_rank(world);
+    const char *backends[] = {"", "--moe-grouped-gemm "};
+    for (int ep = 2; ep <= 4; ep *= 2) {
+        if (W % ep != 0)
+            continue;
+        for (int b = 0; b < 2; b++) {
+            char flags[1024];
+            snprintf(flags, sizeof flags,
+                     FP8_EP "%s--global-batch-size %d --expert-model-parallel-size %d",
+                     backends[b], 2 * W, ep);
+            moe_trainer *fp8 = make(flags, world);
+            ck_assert_msg(fp8->ep.fp8, "EP %d blockwise: the FP8 dispatch should be on", ep);
+            strncat(flags, " --moe-fp8-dispatch off", sizeof flags - strlen(flags) - 1);
+            moe_trainer *act = make(flags, world);
+            ck_assert(!act->ep.fp8);
+            snprintf(flags, sizeof flags, FP8_EP "%s--global-batch-size %d", backends[b], 2 * W);
+            moe_trainer *ref = make(flags, NULL);
+            /* (the two runs' EP groups may be the same communicator, the world's: each
+             * counts its own step alone) */
+            moe_step_stats sf, sa, sr;
+            moe_comm_bytes_reset(moe_parallel_group(&fp8->par, MOE_GROUP_EP));
+            moe_trainer_gradients(fp8, &sf);
+            const unsigned long long got_fp8 = ep_a2a_bytes(fp8);
+            moe_comm_bytes_reset(moe_parallel_group(&act->par, MOE_GROUP_EP));
+            moe_trainer_gradients(act, &sa);
+            const unsigned long long got_act = ep_a2a_bytes(act);
+            moe_trainer_gradients(ref, &sr);
+            AGREE(memcmp(&sf.loss, &sa.loss, sizeof sf.loss) != 0,
+                  "EP %d: FP8 dispatch loss %.9f, activation-type %.9f on rank %d", ep, sf.loss,
+                  sa.loss, rank);
+            const long long diff = grads_differ(fp8, act);
+            AGREE(diff, "EP %d %s: %lld gradients differ between the FP8 dispatch and the "
+                  "activation-type one (rank %d)", ep, backends[b], diff, rank);
+            const double tl = on_gpu() ? 1e-3 : 1e-5, tg = on_gpu() ? 2e-2 : 1e-5;
+            AGREE(!(fabs(sf.loss - sr.loss) <= tl * fabs(sr.loss)),
+                  "EP %d: loss %.8f vs one process %.8f on rank %d", ep, sf.loss, sr.loss, rank);
+            double worst;
+            const char *worst_name;
+            const long long bad = moe_test_compare_shards(fp8, ref, tg, &worst, &worst_name);
+            AGREE(bad, "EP %d FP8 dispatch: %lld tensors differ from one process (rank %d: "
+                  "worst %s, rel %.2e)", ep, bad, rank, worst_name, worst);
+            /* the bytes, from the plans of the one MoE layer */
+            const moe_model *m = fp8->model;
+            const unsigned long long H = (unsigned long long)m->cfg.hidden_size,
+                                     s = m->be->act_size, r = sizeof(moe_real);
+            unsigned long long want_act = 0, saved = 0;
+            for (int l = 0; l < m->cfg.num_layers; l++) {
+                if (!m->cfg.is_moe_layer[l])
+                    continue;
+                const moe_dispatch_plan *pf = &m->acts[l].moe.plan,
+                                        *pa = &act->model->acts[l].moe.plan;
+                unsigned long long S = 0, R = 0;
+                for (int q = 0; q < ep; q++) {
+                    ck_assert_int_eq((long long)pf->send_rows[q], (long long)pa->send_rows[q]);
+                    if (q != fp8->ep.rank) {
+                        S += pf->send_rows[q];
+                        R += pf->recv_rows[q];
+                    }
+                }
+                want_act += 2 * (S + R) * H * s + (S + R) * r;
+                saved += S * (H * s - H - 4 * (H / 128));
+            }
+            AGREE(got_act != want_act, "EP %d: activation-type dispatch counted %llu bytes, the "
+                  "model says %llu (rank %d)", ep, got_act, want_act, rank);
+            AGREE(got_fp8 != want_act - saved, "EP %d: FP8 dispatch counted %llu bytes, expected "
+                  "%llu = %llu - %llu (rank %d)", ep, got_fp8, want_act - saved, want_act, saved,
+                  rank);
+            if (rank == 0)
+                printf("  EP %d of %d ranks, blockwise%s%s: FP8 dispatch = activation-type bit "
+                       "for bit = one process (loss %.6f); all-to-all bytes %llu vs %llu "
+                       "(%.2fx)\n",
+                       ep, W, *backends[b] ? ", " : "", backends[b], sf.loss, got_fp8, got_act,
+                       (double)got_act / (double)(got_fp8 ? got_fp8 : 1));
+            moe_trainer_free(fp8);
+            moe_trainer_free(act);
+            moe_trainer_free(ref);
+        }
+    }
+}
+END_TEST
+
 START_TEST(test_ep_errors) {
     moe_comm *world = moe_test_world();
     const int W = moe_comm_size(world);
@@ -472,6 +574,12 @@ Suite *suite_mpi_ep(void) {
     tcase_add_test(tc, test_ep_all_tokens_to_two_experts);
     tcase_add_test(tc, test_ep_training_tracks_reference);
     tcase_add_test(tc, test_ep_errors);
+    suite_add_tcase(s, tc);
+    /* chapter 05: the FP8 dispatch (CK_RUN_CASE=fp8_dispatch runs it alone) */
+    tc = tcase_create("fp8_dispatch");
+    tcase_set_tags(tc, "ch05");
+    tcase_set_timeout(tc, 600);
+    tcase_add_test(tc, test_ep_fp8_dispatch);
     suite_add_tcase(s, tc);
     /* chapter 06: EP without the host (CK_RUN_CASE=sync_free runs these alone) */
     tc = tcase_create("sync_free");

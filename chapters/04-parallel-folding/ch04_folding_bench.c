@@ -285,14 +285,19 @@ static void model_step(const moe_trainer *t, model_bytes out) {
             }
             if (!p->send_rows) /* no step yet (the group list before any warm-up) */
                 continue;
-            unsigned long long rows = 0; /* out + back */
+            unsigned long long rows = 0, sent = 0; /* out + back; out */
             for (int q = 0; q < t->ep.size; q++)
-                if (q != t->ep.rank)
+                if (q != t->ep.rank) {
                     rows += p->send_rows[q] + p->recv_rows[q];
+                    sent += p->send_rows[q];
+                }
             if (p->fused) /* GPU ranks on one NVLink host: peer stores, not a collective */
                 g_fused_bytes += 2 * rows * H * s + rows * r;
-            else
-                out[MOE_GROUP_EP][MOE_COMM_OP_ALL_TO_ALL] += 2 * rows * H * s + rows * r;
+            else /* chapter 05's FP8 dispatch: the forward's token rows as H codes + H/128
+                  * fp32 scales instead of H activations (the way back stays as it was) */
+                out[MOE_GROUP_EP][MOE_COMM_OP_ALL_TO_ALL] +=
+                    2 * rows * H * s + rows * r -
+                    (t->ep.fp8 ? sent * (H * s - H - 4 * (H / 128)) : 0);
         }
     }
     /* ETP: per MoE layer, the group's rows gathered (x, w; then dy) and the partial sums

@@ -461,3 +461,33 @@ void moe_cpu_qdq(void *dst, const void *src, int rows, int cols, const moe_qdq_s
     for (size_t i = 0; i < n; i++)
         d[i] = (moe_real)ws->x[i];
 }
+
+/* The activation type is moe_real on the CPU: through fp32 as moe_cpu_qdq() goes, so the
+ * codes, the scales and the dequantized values are the QDQ's to the bit. */
+moe_status moe_cpu_quant_blockwise_act(uint8_t *q, float *s, void *y, const void *x, int rows,
+                                       int cols, moe_fp8_format f, int pow2, moe_error *err) {
+    MOE_TRY(moe_quant_check(MOE_QUANT_BLOCK_1X128, rows, cols, err));
+    const size_t n = (size_t)rows * cols;
+    float *v = malloc(sizeof(float) * (n ? n : 1));
+    MOE_ASSERT(v);
+    for (size_t i = 0; i < n; i++)
+        v[i] = (float)((const moe_real *)x)[i];
+    moe_status st = moe_cpu_quant_blockwise(q, s, v, rows, cols, f, 0, pow2, err);
+    if (st == MOE_OK && y)
+        st = moe_cpu_dequant_blockwise_act(y, q, s, rows, cols, f, err);
+    free(v);
+    return st;
+}
+
+moe_status moe_cpu_dequant_blockwise_act(void *y, const uint8_t *q, const float *s, int rows,
+                                         int cols, moe_fp8_format f, moe_error *err) {
+    MOE_TRY(moe_quant_check(MOE_QUANT_BLOCK_1X128, rows, cols, err));
+    const size_t n = (size_t)rows * cols;
+    float *v = malloc(sizeof(float) * (n ? n : 1));
+    MOE_ASSERT(v);
+    const moe_status st = moe_cpu_dequant_blockwise(v, q, s, rows, cols, f, 0, err);
+    for (size_t i = 0; st == MOE_OK && i < n; i++)
+        ((moe_real *)y)[i] = (moe_real)v[i];
+    free(v);
+    return st;
+}

@@ -5,11 +5,54 @@
 #include <string.h>
 
 #include "log.h"
+#include "lowp.h"
 #include "moe/layer.h"
 #include "profile.h"
 
+/* Chapter 05's FP8 dispatch: on under --fp8-recipe blockwise with EP > 1 where the
+ * collective all-to-all moves the rows, unless --moe-fp8-dispatch off. Elsewhere the tokens
+ * travel in the activation type and the log says why. */
+static void choose_fp8(moe_ep *ep, const moe_config *c, int verbose) {
+    ep->fp8 = 0;
+    const int blockwise = c->fp8_format[0] && strcmp(c->fp8_format, "none") != 0 &&
+                          strcmp(c->fp8_recipe, "blockwise") == 0;
+    if (!blockwise || !ep->comm || strcmp(c->moe_fp8_dispatch, "off") == 0)
+        return;
+    const char *why = ep->dispatcher == &moe_dispatcher_allgather
+                          ? "the allgather dispatcher gathers whole token batches"
+                      : ep->dispatcher == &moe_dispatcher_fused
+                          ? "the fused NVLink kernels store activation-type rows"
+                      : c->expert_tensor_parallel_size > 1
+                          ? "ETP gathers the expert-side rows again"
+                          : NULL;
+    if (why) {
+        if (verbose)
+            moe_log_info("FP8 dispatch: off (%s); the tokens travel in the activation type",
+                         why);
+        return;
+    }
+    moe_lowp lp; /* the activation role's format and scales, as the experts' QDQ has them */
+    moe_error e;
+    if (moe_lowp_from_config(&lp, c, &e) != MOE_OK) /* (validated: not reached) */
+        return;
+    ep->fp8 = 1;
+    ep->fp8_format = lp.spec[MOE_LOWP_ACTIVATION].format;
+    ep->fp8_pow2 = lp.spec[MOE_LOWP_ACTIVATION].pow2;
+    if (verbose)
+        moe_log_info("FP8 dispatch: the tokens cross the all-to-all as 1x128 FP8 codes and "
+                     "fp32 scales (--moe-fp8-dispatch off: in the activation type)");
+}
+
+static moe_status choose(moe_ep *ep, const moe_config *c, int verbose, moe_error *err);
+
 moe_status moe_ep_choose_dispatcher(moe_ep *ep, const moe_config *c, int verbose,
                                     moe_error *err) {
+    MOE_TRY(choose(ep, c, verbose, err));
+    choose_fp8(ep, c, verbose);
+    return MOE_OK;
+}
+
+static moe_status choose(moe_ep *ep, const moe_config *c, int verbose, moe_error *err) {
     if (c->dispatcher_type == MOE_DISPATCHER_ALLGATHER) {
         ep->dispatcher = &moe_dispatcher_allgather;
         return MOE_OK;
@@ -74,8 +117,15 @@ void moe_ep_free(moe_ep *ep) {
     ep->be->free(ep->send_buf);
     ep->be->free(ep->recv_buf);
     ep->be->free(ep->ag_buf);
+    ep->be->free(ep->q_send);
+    ep->be->free(ep->q_recv);
+    ep->be->free(ep->s_send);
+    ep->be->free(ep->s_recv);
     ep->send_buf = ep->recv_buf = ep->ag_buf = NULL;
+    ep->q_send = ep->q_recv = NULL;
+    ep->s_send = ep->s_recv = NULL;
     ep->send_cap = ep->recv_cap = ep->ag_cap = 0;
+    ep->q_send_cap = ep->q_recv_cap = ep->s_send_cap = ep->s_recv_cap = 0;
 }
 
 void moe_dispatch_permute(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,

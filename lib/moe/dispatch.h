@@ -76,6 +76,19 @@ typedef struct moe_ep {
     size_t recv_cap;       /**< its size in bytes */
     void *ag_buf;          /**< allgather dispatcher: the partial outputs of every rank's tokens */
     size_t ag_cap;         /**< its size in bytes */
+    /* chapter 05's FP8 dispatch (--moe-fp8-dispatch, dispatch_alltoall.c): the tokens
+     * cross the all-to-all as 1×128 FP8 codes and fp32 scales */
+    int fp8;               /**< 1: the forward's token rows travel quantized */
+    moe_fp8_format fp8_format; /**< their element format (the activation role's) */
+    int fp8_pow2;          /**< 1: power-of-two scales (the recipe's) */
+    uint8_t *q_send;       /**< the codes sent [R_send, H] (grow-only) */
+    uint8_t *q_recv;       /**< the codes received [R_recv, H]: fc1's native GEMM reads them */
+    float *s_send;         /**< the scales sent [R_send][H/128] (grow-only) */
+    float *s_recv;         /**< the scales received [R_recv][H/128] */
+    size_t q_send_cap;     /**< bytes of q_send */
+    size_t q_recv_cap;     /**< bytes of q_recv */
+    size_t s_send_cap;     /**< bytes of s_send */
+    size_t s_recv_cap;     /**< bytes of s_recv */
     moe_tp etp;            /**< the ETP group that splits each local expert (moe/expert_tp.h;
                                 comm NULL and size 0 or 1: none). It travels with the EP
                                 context because the two groups together hold the experts */
@@ -180,6 +193,20 @@ extern const moe_dispatcher moe_dispatcher_allgather;
  */
 moe_status moe_ep_choose_dispatcher(moe_ep *ep, const moe_config *c, int verbose,
                                     moe_error *err);
+
+/**
+ * @brief Chapter 05's FP8 dispatch (--moe-fp8-dispatch): the forward's token rows of the
+ *        collective all-to-all as 1×128 FP8 codes and fp32 scales. Quantizing per row
+ *        commutes with moving rows, so the experts receive exactly the QDQ of their rows
+ *        (into @p dst, the activation type, for the emulation and the wgrad) and, in
+ *        ep->q_recv and ep->s_recv, the codes and scales the native FP8 GEMM reads as they
+ *        are. Bytes on the wire per row: H + 4·H/128 instead of H·act_size.
+ * @param ep context (ep->fp8 set)  @param plan the layer's plan
+ * @param dst [R_recv, H] the expert-side rows  @param src [R_kept, H] the permuted rows
+ * @param H the row width (a multiple of 128)
+ */
+void moe_dispatch_rows_fp8(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, const void *src,
+                           int H);
 
 /* ---------------------------------------------------------- alltoall (dispatch_alltoall.c) */
 

@@ -2,6 +2,7 @@
  * sort — see dispatch.h. Its plan also serves the fused dispatcher (dispatch_fused.c). */
 #include "moe/dispatch.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -171,6 +172,63 @@ static void move(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, const voi
     free(rc);
 }
 
+/* One exchange toward the experts of rows of C elements of type t, with no padding or
+ * sorting step (the caller's rows are in the send layout already): the FP8 dispatch's
+ * codes and scales */
+static void exchange_to_experts(moe_ep *ep, const moe_dispatch_plan *plan, void *dst,
+                                const void *src, int C, moe_dtype t) {
+    const int nch = ep->size * plan->E_local;
+    moe_comm_chunk *cs = malloc(sizeof *cs * nch), *cr = malloc(sizeof *cr * nch);
+    MOE_ASSERT(cs && cr);
+    for (int i = 0; i < nch; i++) {
+        cs[i] = plan->send_chunks[i];
+        cs[i].offset *= (size_t)C;
+        cs[i].count *= (size_t)C;
+        cr[i] = plan->recv_chunks[i];
+        cr[i].offset *= (size_t)C;
+        cr[i].count *= (size_t)C;
+    }
+    moe_comm_exchange(ep->comm, src, cs, nch, dst, cr, nch, t);
+    free(cs);
+    free(cr);
+}
+
+/* a backend quantizer's status: the shapes were checked at start-up (lowp.c) */
+static void fp8_ok(moe_status st, const moe_error *err) {
+    if (st != MOE_OK)
+        fprintf(stderr, "FP8 dispatch: %s\n", err->msg);
+    MOE_ASSERT(st == MOE_OK);
+}
+
+void moe_dispatch_rows_fp8(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, const void *src,
+                           int H) {
+    const moe_backend *be = ep->be;
+    MOE_ASSERT(ep->comm && ep->fp8 && H % MOE_QUANT_BLOCK == 0);
+    const size_t S = (size_t)H / MOE_QUANT_BLOCK, Rs = (size_t)plan->R_send,
+                 Rr = (size_t)plan->R_recv;
+    const void *rows = src;
+    if (plan->padded) { /* the send layout first (padding rows are zeros: zero codes) */
+        ep->send_buf = moe_grow(be, ep->send_buf, &ep->send_cap, be->act_size * H * (Rs + 1));
+        be->gather_rows(ep->send_buf, src, plan->send_map, plan->R_send, H);
+        rows = ep->send_buf;
+    }
+    ep->q_send = moe_grow(be, ep->q_send, &ep->q_send_cap, (size_t)H * (Rs + 1));
+    ep->s_send = moe_grow(be, ep->s_send, &ep->s_send_cap, sizeof(float) * S * (Rs + 1));
+    ep->q_recv = moe_grow(be, ep->q_recv, &ep->q_recv_cap, (size_t)H * (Rr + 1));
+    ep->s_recv = moe_grow(be, ep->s_recv, &ep->s_recv_cap, sizeof(float) * S * (Rr + 1));
+    moe_error err;
+    /* quantize once, before the exchange: each row's 1×128 tiles are its own, so these are
+     * the codes the experts' QDQ of the received rows would make */
+    if (Rs > 0)
+        fp8_ok(be->fp8_quant_act(ep->q_send, ep->s_send, NULL, rows, plan->R_send, H,
+                                 ep->fp8_format, ep->fp8_pow2, &err), &err);
+    exchange_to_experts(ep, plan, ep->q_recv, ep->q_send, H, MOE_DTYPE_BYTE);
+    exchange_to_experts(ep, plan, ep->s_recv, ep->s_send, (int)S, MOE_DTYPE_F32);
+    if (Rr > 0)
+        fp8_ok(be->fp8_dequant_act(dst, ep->q_recv, ep->s_recv, plan->R_recv, H, ep->fp8_format,
+                                   &err), &err);
+}
+
 void moe_dispatch_rows(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, const void *src,
                        int C) {
     move(ep, plan, dst, src, C, 1, 1);
@@ -225,7 +283,10 @@ static void a2a_dispatch(const moe_backend *be, const moe_layer_dims *d, moe_lay
                          moe_layer_workspace *ws, const void *x) {
     moe_ep *ep = ep_of(d, ws);
     moe_dispatch_permute(be, d, a, x);
-    moe_dispatch_rows(ep, &a->plan, a->xe, a->xp, d->H);
+    if (ep->fp8) /* chapter 05: FP8 codes and scales on the wire (--moe-fp8-dispatch) */
+        moe_dispatch_rows_fp8(ep, &a->plan, a->xe, a->xp, d->H);
+    else
+        moe_dispatch_rows(ep, &a->plan, a->xe, a->xp, d->H);
     moe_dispatch_reals(ep, &a->plan, a->we, a->wp);
     moe_prof_mark(MOE_PROF_OTHER);
 }

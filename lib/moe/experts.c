@@ -116,7 +116,10 @@ static moe_groups groups_of(const moe_backend *be, const moe_layer_dims *d,
         be->from_host(a->dev_offset, r->off, sizeof(int) * (r->G + 1));
     moe_groups g = {r->off, a->dev_offset, r->G, d->experts, MOE_DW_ACCUMULATE, NULL, 1,
                     (int)r->rows, d->lowp, NULL, NULL,
-                    moe_lowp_site(d->lowp, d->layer, MOE_LOWP_EXPERTS, 0)};
+                    moe_lowp_site(d->lowp, d->layer, MOE_LOWP_EXPERTS, 0), 0, NULL, NULL};
+    /* chapter 05's FP8 dispatch: the expert-side rows arrived as their 1×128 QDQ (only the
+     * collective alltoall dispatcher sets ep->fp8, and never with ETP: dispatch.c) */
+    g.x_quantized = r->x == a->xe && d->ep && d->ep->fp8 && !d->etp;
     if (d->permute_fusion) {
         MOE_ASSERT(d->experts == MOE_EXPERTS_KERNEL && !d->ep && d->capacity_factor == 0);
         g.gather = a->perm_src;
@@ -141,17 +144,23 @@ void moe_experts_forward(const moe_backend *be, const moe_layer_dims *d, moe_lay
     moe_groups grp = groups_of(be, d, a, &r, expert_side);
     grp.fp8_w1 = w->fc1_fp8; /* chapter 05's native FP8 GEMMs, when the model made them */
     grp.fp8_w2 = w->fc2_fp8;
+    if (grp.x_quantized) { /* the FP8 dispatch's codes, for fc1's native GEMM */
+        grp.xq = d->ep->q_recv;
+        grp.xs = d->ep->s_recv;
+    }
     MOE_ASSERT(!grp.fp8_w1 || grp.impl == MOE_EXPERTS_KERNEL);
     if (grp.impl != MOE_EXPERTS_LOOP) { /* chapter 03: one grouped GEMM per Linear */
         moe_mlp_forward_grouped(be, r.y, r.gu, r.act, r.x, r.w, w->fc1, w->fc2, &grp, H, F);
     } else { /* chapter 01: one SwiGLU MLP per expert on its rows */
         for (int e = 0; e < r.G; e++) {
+            const int off[2] = {0, r.off[e + 1] - r.off[e]};
             const size_t o = (size_t)r.off[e];
-            const int rows = r.off[e + 1] - r.off[e];
-            moe_mlp_forward_lowp(be, A(r.y, o * H), A(r.gu, o * 2 * F), A(r.act, o * F),
-                                 A(r.x, o * H), r.w + o, A(w->fc1, (size_t)e * 2 * F * H),
-                                 A(w->fc2, (size_t)e * H * F), rows, H, F, d->lowp,
-                                 moe_lowp_site(d->lowp, d->layer, MOE_LOWP_EXPERTS, e));
+            moe_groups one = moe_groups_single(
+                off, d->lowp, moe_lowp_site(d->lowp, d->layer, MOE_LOWP_EXPERTS, e));
+            one.x_quantized = grp.x_quantized;
+            moe_mlp_forward_grouped(be, A(r.y, o * H), A(r.gu, o * 2 * F), A(r.act, o * F),
+                                    A(r.x, o * H), r.w + o, A(w->fc1, (size_t)e * 2 * F * H),
+                                    A(w->fc2, (size_t)e * H * F), &one, H, F);
         }
     }
     /* fc2 was row-parallel: sum the partial outputs, each rank keeping its own rows */
@@ -190,15 +199,17 @@ void moe_experts_backward(const moe_backend *be, const moe_layer_dims *d, const 
             be->zero(g->fc2, R * r.G * H * F);
         }
         for (int e = 0; e < r.G; e++) {
+            const int off[2] = {0, r.off[e + 1] - r.off[e]};
             const size_t o = (size_t)r.off[e];
-            const int rows = r.off[e + 1] - r.off[e];
-            moe_mlp_backward_lowp(be, A(r.dx, o * H), g->fc1 + (size_t)e * 2 * F * H,
-                                  g->fc2 + (size_t)e * H * F, r.dw + o, A(r.dy, o * H),
-                                  A(r.x, o * H), A(r.gu, o * 2 * F), A(r.act, o * F), r.w + o,
-                                  A(w->fc1, (size_t)e * 2 * F * H),
-                                  A(w->fc2, (size_t)e * H * F), A(r.dh, o * F),
-                                  A(r.dgu, o * 2 * F), rows, H, F, d->lowp,
-                                  moe_lowp_site(d->lowp, d->layer, MOE_LOWP_EXPERTS, e));
+            moe_groups one = moe_groups_single(
+                off, d->lowp, moe_lowp_site(d->lowp, d->layer, MOE_LOWP_EXPERTS, e));
+            one.x_quantized = grp.x_quantized;
+            moe_mlp_backward_grouped(be, A(r.dx, o * H), g->fc1 + (size_t)e * 2 * F * H,
+                                     g->fc2 + (size_t)e * H * F, r.dw + o, A(r.dy, o * H),
+                                     A(r.x, o * H), A(r.gu, o * 2 * F), A(r.act, o * F),
+                                     r.w + o, A(w->fc1, (size_t)e * 2 * F * H),
+                                     A(w->fc2, (size_t)e * H * F), A(r.dh, o * F),
+                                     A(r.dgu, o * 2 * F), &one, H, F, 1);
         }
     }
     /* fc1 was column-parallel and the routing weight multiplies each rank's slice of h: the
