@@ -281,8 +281,6 @@ moe_status moe_cuda_swiglu_backward_quant(uint8_t *q, float *scale_inv, void *y,
                                           moe_real *drow_scale, const void *dout, const void *gu,
                                           const moe_real *row_scale, int N, int F,
                                           moe_fp8_format f, int pow2, moe_error *err);
-moe_status moe_cuda_dequant_blockwise_act(void *y, const uint8_t *q, const float *scale_inv,
-                                          int rows, int cols, moe_fp8_format f, moe_error *err);
 
 /* the CUDA twin of moe_cpu_qdq (bf16 activations through ws->x in fp32) */
 void moe_cuda_qdq(void *dst, const void *src, int rows, int cols, const moe_qdq_spec *spec,

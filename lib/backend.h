@@ -268,10 +268,6 @@ typedef struct moe_backend {
                                             moe_real *drow_scale, const void *dout,
                                             const void *gu, const moe_real *row_scale, int N,
                                             int F, moe_fp8_format f, int pow2, moe_error *err);
-    /** the dequantized copy of 1×128 codes [rows, cols] in the activation type (the bytes
-     *  @ref fp8_quant_act writes to its @p y); NULL where @ref fp8_grouped_native is */
-    moe_status (*fp8_dequant_act)(void *y, const uint8_t *q, const float *s, int rows,
-                                  int cols, moe_fp8_format f, moe_error *err);
     /** chapter 05's native FP8 expert GEMMs (lowp.h, ::moe_fp8_weight): 1 when this device
      *  runs them (our FP8 grouped kernel, sm_90a); NULL on a backend that has none (the CPU),
      *  which then runs the recipe emulated through @ref qdq */
