@@ -99,6 +99,7 @@ static moe_backend make_cuda_backend(void) {
     b.permute_tokens = moe_cuda_permute_tokens;
     b.permute_weights = moe_cuda_permute_weights;
     b.unpermute_sum = moe_cuda_unpermute_sum;
+    b.unpermute_sum_slots = moe_cuda_unpermute_sum_slots;
     b.unpermute_weights = moe_cuda_unpermute_weights;
     b.grouped_matmul_forward = moe_cuda_grouped_matmul_forward;
     b.grouped_matmul_backward = moe_cuda_grouped_matmul_backward;
@@ -106,6 +107,7 @@ static moe_backend make_cuda_backend(void) {
     b.grouped_matmul_backward_dev = moe_cuda_grouped_sm90_backward;
     b.grouped_matmul_forward_dev_gather = moe_cuda_grouped_sm90_forward_gather;
     b.grouped_matmul_backward_dev_gather = moe_cuda_grouped_sm90_backward_gather;
+    b.grouped_matmul_forward_dev_scatter = moe_cuda_grouped_sm90_forward_scatter;
     b.gather_rows = moe_cuda_gather_rows;
     b.gather_reals = moe_cuda_gather_reals;
 

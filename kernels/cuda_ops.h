@@ -95,6 +95,11 @@ void moe_cuda_grouped_sm90_backward_gather(void *din, void *dw, const void *dout
                                            const int *map, int div, const void *w,
                                            const int *dev_off, int G, int rows, int I, int O,
                                            int din_accumulate, moe_dw_mode dw_mode);
+/* the forward whose output row r is stored at row map[r] of out (the fused permutation's fc2:
+ * map = perm_src, so out is in token-slot order, row n·k + j) */
+void moe_cuda_grouped_sm90_forward_scatter(void *out, const void *in, const int *map,
+                                           const void *w, const int *dev_off, int G, int rows,
+                                           int I, int O);
 /* how many chunks the sm_90a wgrad splits each group's rows into for this shape (1 = no
  * split), from host-known sizes only: for tests and benchmarks to report */
 int moe_cuda_grouped_sm90_wgrad_split(int G, int rows, int I, int O);
@@ -189,6 +194,10 @@ void moe_cuda_fused_plan(int *shift, int *expert_offset, int *flags, const int *
 void moe_cuda_permute_tokens(void *xp, const void *x, const int *perm_src, int rows, int k, int C);
 void moe_cuda_permute_weights(moe_real *wp, const moe_real *topk_w, const int *perm_src, int rows);
 void moe_cuda_unpermute_sum(void *out, const void *yp, const int *row_of, int N, int k, int C);
+/* the same sum over rows in token-slot order: out[n] += Σ_j ys[n·k + j] where row_of[n·k + j]
+ * >= 0 (the fused permutation's combine, after fc2 scattered its rows) */
+void moe_cuda_unpermute_sum_slots(void *out, const void *ys, const int *row_of, int N, int k,
+                                  int C);
 void moe_cuda_unpermute_weights(moe_real *dtopk_w, const moe_real *dwp, const int *row_of, int N,
                                 int k);
 void moe_cuda_gather_rows(void *dst, const void *src, const int *map, int rows, int C);

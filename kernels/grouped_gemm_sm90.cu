@@ -205,6 +205,9 @@ struct Params {
     const moe_bf16 *gx;
     const int *gmap;
     int gdiv, gld;
+    /* the fused permutation's other half (SCATTER kernels only, forward): output row r is
+       stored at row smap[r] of C (16-byte stores from the staging buffer, no TMA) */
+    const int *smap;
 };
 
 struct Tile {
@@ -358,9 +361,11 @@ __device__ int g_claims[2];
 #endif
 
 /* C32: the output C is fp32 (wgrad's main gradients or split-K partials); else bf16.
- * GATHER: the fused permutation (above); forward and wgrad only. map_bs: the forward's
- * weights in boxes of SBN = 128 rows (a sharing tile's; map_b's box is 256). */
-template <int MODE, int C32, int GATHER, int SHARE, int WN>
+ * GATHER: the fused permutation (above); forward and wgrad only. SCATTER: its other half,
+ * forward only (bf16, no sharing tiles): every output row goes to row p.smap[row] of C
+ * (epilogue_scatter). map_bs: the forward's weights in boxes of SBN = 128 rows (a sharing
+ * tile's; map_b's box is 256). */
+template <int MODE, int C32, int GATHER, int SHARE, int WN, int SCATTER>
 __global__ void __launch_bounds__(THREADS, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
@@ -372,6 +377,7 @@ __global__ void __launch_bounds__(THREADS, 1)
      * the host picks it only for the plain schedules). The stage keeps its 48 KB layout;
      * a narrow tile's B fills 24 of its 32 KB. */
     static_assert(WN == BN || (WN == NARROW_BN && !SHARE && !GATHER), "tile width");
+    static_assert(!SCATTER || (MODE == FWD && !C32 && !SHARE), "the scatter epilogue");
     constexpr int WB_BYTES = WN * BK * 2, WSTAGE_TX = A_BYTES + WB_BYTES;
     constexpr int RING = 4; /* tile indices the producer may publish ahead of the consumers */
 
@@ -645,7 +651,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int m_wg = ti.m0 + (half ? 0 : c * 64);        /* our block's first row, */
         const int n_wg = ti.n0 + (half ? c * (BN / 2) : 0);  /* first column */
         const int ncols = half || share ? BN / 2 : WN; /* and width */
-        if (MODE == WGRAD || m_wg + 64 <= ti.r1) {
+        if constexpr (SCATTER) {
+            /* every block, whole or cut by its group's end, row by row to its slot */
+            epilogue_scatter<WN, C_BYTES>(d, cs, c, tid, ncols, (moe_bf16 *)p.C, p.N, m_wg,
+                                          n_wg, ti.r1, p.smap);
+        } else if (MODE == WGRAD || m_wg + 64 <= ti.r1) {
             /* our 64 × 256 block leaves through the staging buffer in pieces of C_BYTES
              * (bf16: 2 × 128 columns; fp32: 4 × 64), each two TMA boxes [64 rows][128 bytes] */
             epilogue_staged<C32, WN, C_BYTES>(d, cs, c, tid, ncols, [&](const uint8_t *src,
@@ -684,12 +694,13 @@ __global__ void __launch_bounds__(THREADS, 1)
 
 /* ---------------------------------------------------------------- host side */
 
-template <int MODE, int C32, int GATHER, int SHARE, int WN = BN>
+template <int MODE, int C32, int GATHER, int SHARE, int WN = BN, int SCATTER = 0>
 void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mbs,
                    const CUtensorMap &mc, const Params &p, int max_tiles) {
     static bool configured = false;
     if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<MODE, C32, GATHER, SHARE, WN>,
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<MODE, C32, GATHER, SHARE, WN,
+                                                                SCATTER>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             SMEM_BYTES));
         configured = true;
@@ -697,7 +708,7 @@ void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorM
     const int grid = max_tiles < moe_sm90_num_sms() ? max_tiles : moe_sm90_num_sms();
     if (grid <= 0)
         return;
-    grouped_gemm_kernel<MODE, C32, GATHER, SHARE, WN>
+    grouped_gemm_kernel<MODE, C32, GATHER, SHARE, WN, SCATTER>
         <<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mbs, mc, p);
     MOE_CUDA_LAUNCH_CHECK();
 }
@@ -713,7 +724,13 @@ template <int MODE, int C32 = MODE == WGRAD>
 void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mbs,
             const CUtensorMap &mc, const Params &p, int max_tiles, int wn) {
     constexpr int CAN_SHARE = MODE != WGRAD;
-    if (wn == NARROW_BN) {
+    if (MODE == FWD && p.smap) { /* the scatter epilogue: no gather, no sharing tiles */
+        MOE_ASSERT(!p.gmap);
+        if (wn == NARROW_BN)
+            launch_kernel<FWD, 0, 0, 0, NARROW_BN, 1>(ma, mb, mbs, mc, p, max_tiles);
+        else
+            launch_kernel<FWD, 0, 0, 0, BN, 1>(ma, mb, mbs, mc, p, max_tiles);
+    } else if (wn == NARROW_BN) {
         launch_kernel<MODE, C32, 0, 0, NARROW_BN>(ma, mb, mbs, mc, p, max_tiles);
     } else if (CAN_SHARE && p.fine == 2 && !p.gmap) {
         launch_kernel<MODE, C32, 0, CAN_SHARE>(ma, mb, mbs, mc, p, max_tiles);
@@ -748,6 +765,17 @@ const void *contiguous(const Input &in, int rows, int I) {
     void *xp = moe_cuda_scratch(MOE_SCRATCH_GATHER, sizeof(moe_bf16) * (size_t)rows * I);
     moe_cuda_permute_tokens(xp, in.x, in.map, rows, in.div, I);
     return xp;
+}
+
+/* out[map[r], :] = src[r, :] for r < off[G] (bf16 rows of C elements): the portable path's
+ * scatter, the pass the kernel's scatter epilogue fuses away. One block per row. */
+__global__ void scatter_rows_kernel(moe_bf16 *out, const moe_bf16 *src, const int *map,
+                                    const int *off, int G, int C) {
+    const int r = blockIdx.x;
+    if (r >= off[G])
+        return;
+    for (int c = threadIdx.x; c < C; c += blockDim.x)
+        out[(size_t)map[r] * C + c] = src[(size_t)r * C + c];
 }
 
 /* The forward/dgrad schedule, a moe_grouped_schedule: how a group's last <= 64 rows are
@@ -912,13 +940,23 @@ static const int *offsets_on_host(const int *dev_off, int G) {
 }
 
 
+/* scatter: NULL, or output row r goes to row scatter[r] of out (the fused permutation's
+ * fc2; out then has as many rows as scatter's values reach) */
 static void sm90_forward(void *out, const Input &in, const void *w, const int *dev_off, int G,
-                         int rows, int I, int O) {
+                         int rows, int I, int O, const int *scatter = NULL) {
     if (rows == 0)
         return;
     if (!moe_cuda_grouped_sm90_available()) {
-        moe_cuda_grouped_matmul_forward(out, contiguous(in, rows, I), w,
+        void *dst = out;
+        if (scatter) /* computed contiguously, then scattered */
+            dst = moe_cuda_scratch(MOE_SCRATCH_SCATTER, sizeof(moe_bf16) * (size_t)rows * O);
+        moe_cuda_grouped_matmul_forward(dst, contiguous(in, rows, I), w,
                                         offsets_on_host(dev_off, G), G, I, O);
+        if (scatter) {
+            scatter_rows_kernel<<<rows, 128, 0, moe_cuda_stream()>>>(
+                (moe_bf16 *)out, (const moe_bf16 *)dst, scatter, dev_off, G, O);
+            MOE_CUDA_LAUNCH_CHECK();
+        }
         return;
     }
     check_shapes(G, I, O);
@@ -927,7 +965,8 @@ static void sm90_forward(void *out, const Input &in, const void *w, const int *d
     const uint64_t db[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
     const uint64_t dc[2] = {(uint64_t)O, (uint64_t)rows};
     Params p = {dev_off, G, 0, O, I, out, 0, 1, sched_fine(schedule()), sched_dyn(schedule()),
-                NULL, NULL, 0, 0};
+                NULL, NULL, 0, 0, scatter};
+    MOE_ASSERT(!(scatter && in.map)); /* (no kernel both gathers and scatters) */
     set_gather(p, in, I);
     const int wn = tile_width(O, p.fine, in.map != NULL);
     const uint32_t ba[2] = {BK, BM / 2}, bb[3] = {BK, (uint32_t)wn, 1}, bbs[3] = {BK, SBN, 1},
@@ -948,6 +987,12 @@ extern "C" void moe_cuda_grouped_sm90_forward_gather(void *out, const void *x, c
                                                      int div, const void *w, const int *dev_off,
                                                      int G, int rows, int I, int O) {
     sm90_forward(out, Input{x, map, div}, w, dev_off, G, rows, I, O);
+}
+
+extern "C" void moe_cuda_grouped_sm90_forward_scatter(void *out, const void *in, const int *map,
+                                                      const void *w, const int *dev_off, int G,
+                                                      int rows, int I, int O) {
+    sm90_forward(out, Input{in, NULL, 1}, w, dev_off, G, rows, I, O, map);
 }
 
 extern "C" int moe_cuda_grouped_sm90_wgrad_split(int G, int rows, int I, int O) {
@@ -1001,7 +1046,7 @@ static void sm90_backward(void *din, void *dw, const void *dout, const Input &in
         const uint64_t dc[2] = {(uint64_t)I, (uint64_t)rows};
         const uint32_t ba[2] = {BK, BM / 2}, bb[3] = {64, BK, 1}, bc[2] = {64, 64};
         const Params p = {dev_off, G, 0, I, O, din, din_accumulate, 1, sched_fine(schedule()),
-                          sched_dyn(schedule()), NULL, NULL, 0, 0};
+                          sched_dyn(schedule()), NULL, NULL, 0, 0, NULL};
         const CUtensorMap mb = moe_tma_map(w, 3, db, bb);
         const int wn = tile_width(I, p.fine, 0);
         launch<DGRAD>(moe_tma_map(dout, 2, da, ba), mb, mb, moe_tma_map(din, 2, dc, bc), p,
@@ -1020,17 +1065,17 @@ static void sm90_backward(void *din, void *dw, const void *dout, const Input &in
         const CUtensorMap mb = in.map ? ma : moe_tma_map(in.x, 2, db, box);
         if (S > 1) { /* every chunk STORES its partial [S][G][O][I]; one ordered sum after */
             float *part = (float *)moe_cuda_scratch(MOE_SCRATCH_WGRAD_SPLIT, S * nw * sizeof(float));
-            Params p = {dev_off, G, O, I, 0, NULL, 0, S, 0, 0, NULL, NULL, 0, 0};
+            Params p = {dev_off, G, O, I, 0, NULL, 0, S, 0, 0, NULL, NULL, 0, 0, NULL};
             set_gather(p, in, I);
             launch<WGRAD>(ma, mb, mb, moe_tma_map(part, 3, dc, bc32, 1), p, tiles, wn);
             wgrad_reduce(dw, part, nw, S, dw_mode);
         } else if (dw_mode == MOE_DW_ACT) { /* bf16, stored */
-            Params p = {dev_off, G, O, I, 0, NULL, 0, 1, 0, 0, NULL, NULL, 0, 0};
+            Params p = {dev_off, G, O, I, 0, NULL, 0, 1, 0, 0, NULL, NULL, 0, 0, NULL};
             set_gather(p, in, I);
             launch<WGRAD, 0>(ma, mb, mb, moe_tma_map(dw, 3, dc, bc16), p, tiles, wn);
         } else { /* fp32: reduce-added, or stored into a buffer whose contents do not count */
             Params p = {dev_off, G, O, I, 0, NULL, dw_mode == MOE_DW_ACCUMULATE, 1, 0, 0,
-                        NULL, NULL, 0, 0};
+                        NULL, NULL, 0, 0, NULL};
             set_gather(p, in, I);
             launch<WGRAD>(ma, mb, mb, moe_tma_map(dw, 3, dc, bc32, 1), p, tiles, wn);
         }

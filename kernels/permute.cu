@@ -38,6 +38,9 @@
  *   unpermute_sum      out[n, :] += Σ_j yp[row_of[n·k + j], :]: one thread per column
  *                      starts from out in fp32, adds the k rows in j order (the CPU's
  *                      order), rounds to bf16 once
+ *   unpermute_sum_slots  the same sum, but row j of token n is row n·k + j (fc2 scattered
+ *                      its rows there: the fused permutation), skipped where row_of < 0:
+ *                      the same values added in the same order, so bit for bit the same
  *   unpermute_weights  dtopk_w[a] += dwp[row_of[a]]
  * Row kernels move 8 bf16 (16 bytes, moe_bf16x8) per access when the width is a multiple
  * of 8 and the pointers are 16-byte aligned (moe_vec8_ok), and one element at a time
@@ -284,14 +287,17 @@ extern "C" void moe_cuda_permute_weights(moe_real *wp, const moe_real *topk_w, c
     MOE_CUDA_LAUNCH_CHECK();
 }
 
-/* One block per token; its k source rows are read once into shared memory. */
-template <bool VEC>
+/* One block per token; its k source rows are read once into shared memory. SLOTS: row j
+ * of token n is row n·k + j of yp (fc2 scattered it there), where row_of says it exists. */
+template <bool VEC, bool SLOTS>
 static __global__ void unpermute_sum_kernel(moe_bf16 *out, const moe_bf16 *yp, const int *row_of,
                                             int k, int C) {
     __shared__ int rows[64]; /* k <= MOE_MAX_TOPK = 64 */
     const size_t n = blockIdx.x;
-    for (int j = threadIdx.x; j < k; j += blockDim.x)
-        rows[j] = row_of[n * k + j];
+    for (int j = threadIdx.x; j < k; j += blockDim.x) {
+        const int r = row_of[n * k + j];
+        rows[j] = SLOTS && r >= 0 ? (int)(n * k + j) : r;
+    }
     __syncthreads();
     moe_bf16 *o = out + n * C;
     if (VEC) {
@@ -324,8 +330,9 @@ static __global__ void unpermute_sum_kernel(moe_bf16 *out, const moe_bf16 *yp, c
     }
 }
 
-extern "C" void moe_cuda_unpermute_sum(void *out, const void *yp, const int *row_of, int N, int k,
-                                       int C) {
+template <bool SLOTS>
+static void unpermute_sum_launch(void *out, const void *yp, const int *row_of, int N, int k,
+                                 int C) {
     if (N <= 0 || C <= 0)
         return;
     if (k > 64) {
@@ -334,12 +341,22 @@ extern "C" void moe_cuda_unpermute_sum(void *out, const void *yp, const int *row
     }
     cudaStream_t st = moe_cuda_stream();
     if (moe_vec8_ok(C, out, yp))
-        unpermute_sum_kernel<true>
+        unpermute_sum_kernel<true, SLOTS>
             <<<N, 128, 0, st>>>((moe_bf16 *)out, (const moe_bf16 *)yp, row_of, k, C);
     else
-        unpermute_sum_kernel<false>
+        unpermute_sum_kernel<false, SLOTS>
             <<<N, 128, 0, st>>>((moe_bf16 *)out, (const moe_bf16 *)yp, row_of, k, C);
     MOE_CUDA_LAUNCH_CHECK();
+}
+
+extern "C" void moe_cuda_unpermute_sum(void *out, const void *yp, const int *row_of, int N, int k,
+                                       int C) {
+    unpermute_sum_launch<false>(out, yp, row_of, N, k, C);
+}
+
+extern "C" void moe_cuda_unpermute_sum_slots(void *out, const void *ys, const int *row_of, int N,
+                                             int k, int C) {
+    unpermute_sum_launch<true>(out, ys, row_of, N, k, C);
 }
 
 static __global__ void unpermute_weights_kernel(float *dtopk_w, const float *dwp, const int *row_of,

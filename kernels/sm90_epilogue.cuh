@@ -57,6 +57,36 @@ static __device__ __forceinline__ void epilogue_publish(int c) {
     wg_barrier(c);
 }
 
+/** Piece @p q (C_BYTES: PIECE_COLS columns) of warpgroup @p c's 64-row block of accumulators
+ *  @p d into the staging buffer @p cs, in the swizzled layout of TMA boxes [64 rows][128
+ *  bytes], box b at cs + 8192·b. C32: fp32, else bf16. */
+template <int C32, int NW, int C_BYTES>
+static __device__ __forceinline__ void stage_piece(const float *d, uint8_t *cs, int q, int tid) {
+    constexpr int ES = C32 ? 4 : 2;                 /* bytes per output element */
+    constexpr int PIECE_COLS = C_BYTES / (64 * ES); /* columns per piece */
+    constexpr int BOX_COLS = 128 / ES;              /* 64 or 32 */
+    const int warp = tid / 32, lane = tid % 32, r_lo = warp * 16 + lane / 4;
+#pragma unroll
+    for (int jj = 0; jj < PIECE_COLS / 8; jj++) {
+        const int j = q * (PIECE_COLS / 8) + jj; /* the accumulators' 8-column block */
+        if (j >= NW / 8) /* (known at compile time once unrolled) */
+            break;
+        const int col = 8 * jj + 2 * (lane % 4);
+        const int box = col / BOX_COLS, cc = col % BOX_COLS;
+        const int chunk = cc * ES / 16, within = (cc * ES) % 16;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int row = r_lo + 8 * h;
+            uint8_t *dst = cs + box * 8192 + moe_swizzle128(row, chunk) + within;
+            if (C32)
+                *(float2 *)dst = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+            else
+                *(__nv_bfloat162 *)dst =
+                    __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+        }
+    }
+}
+
 /**
  * Warpgroup @p c's block of 64 rows × @p ncols (≤ NW, a multiple of 64) accumulators @p d
  * → its staging buffer @p cs (C_BYTES) → TMA. C32: fp32 output, else bf16. @p issue(src, col) is called by one
@@ -67,37 +97,18 @@ static __device__ __forceinline__ void epilogue_publish(int c) {
 template <int C32, int NW, int C_BYTES, typename Issue>
 static __device__ __forceinline__ void epilogue_staged(const float *d, uint8_t *cs, int c, int tid,
                                                        int ncols, Issue &&issue) {
-    constexpr int ES = C32 ? 4 : 2;                 /* bytes per output element */
-    constexpr int PIECE_COLS = C_BYTES / (64 * ES); /* columns per piece */
-    constexpr int BOX_COLS = 128 / ES;              /* 64 or 32 */
+    constexpr int ES = C32 ? 4 : 2;
+    constexpr int PIECE_COLS = C_BYTES / (64 * ES);
+    constexpr int BOX_COLS = 128 / ES;
     /* NW need not be a multiple of a piece (a 192-column tile, bf16: one piece of 128
      * columns and one of 64) */
     constexpr int PIECES = (NW + PIECE_COLS - 1) / PIECE_COLS;
-    const int warp = tid / 32, lane = tid % 32, r_lo = warp * 16 + lane / 4;
 #pragma unroll
     for (int q = 0; q < PIECES; q++) {
         if (q * PIECE_COLS >= ncols)
             break;
         epilogue_reserve(c, tid);
-#pragma unroll
-        for (int jj = 0; jj < PIECE_COLS / 8; jj++) {
-            const int j = q * (PIECE_COLS / 8) + jj; /* the accumulators' 8-column block */
-            if (j >= NW / 8) /* (known at compile time once unrolled) */
-                break;
-            const int col = 8 * jj + 2 * (lane % 4);
-            const int box = col / BOX_COLS, cc = col % BOX_COLS;
-            const int chunk = cc * ES / 16, within = (cc * ES) % 16;
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int row = r_lo + 8 * h;
-                uint8_t *dst = cs + box * 8192 + moe_swizzle128(row, chunk) + within;
-                if (C32)
-                    *(float2 *)dst = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-                else
-                    *(__nv_bfloat162 *)dst =
-                        __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-            }
-        }
+        stage_piece<C32, NW, C_BYTES>(d, cs, q, tid);
         epilogue_publish(c);
         if (tid == 0) {
             for (int box = 0; box < PIECE_COLS / BOX_COLS; box++) {
@@ -106,6 +117,53 @@ static __device__ __forceinline__ void epilogue_staged(const float *d, uint8_t *
                     break; /* past the block (its staging holds stale data there) */
             }
             bulk_commit();
+        }
+    }
+}
+
+/**
+ * The scatter epilogue (bf16; chapter 03's fused permutation, fc2): the same block, staged
+ * as above, leaves ROW BY ROW — block row i (absolute row m_wg + i) goes to row
+ * @p dst_row[m_wg + i] of @p C [*, ldc], as 16-byte vector stores read back from the
+ * staging buffer (TMA cannot scatter rows on Hopper: a box is a rectangle). Rows at or past
+ * @p r_end (the next group's) and columns at or past @p ldc are not written, so a block that
+ * its group ends inside needs no separate masked path. Per pass, the 128 threads cover 8
+ * rows × 16 chunks of 16 bytes (a piece's two boxes of one row: 256 contiguous bytes in
+ * C): a quarter-warp reads one row's 128 swizzled bytes (every bank once) and writes them
+ * as one coalesced segment. No TMA is involved, so a plain barrier (not the proxy fence)
+ * orders the staging writes before the reads and the reads before the next piece.
+ */
+template <int NW, int C_BYTES>
+static __device__ __forceinline__ void epilogue_scatter(const float *d, uint8_t *cs, int c,
+                                                        int tid, int ncols, moe_bf16 *C,
+                                                        int ldc, int m_wg, int n_wg, int r_end,
+                                                        const int *dst_row) {
+    constexpr int PIECE_COLS = C_BYTES / (64 * 2); /* 128 */
+    constexpr int PIECES = (NW + PIECE_COLS - 1) / PIECE_COLS;
+    const int sub = tid % 16, box = sub / 8, chunk = sub % 8; /* which 16 bytes of a row */
+    int dst[8]; /* this thread's rows i = tid / 16 + 8·p: their destinations (-1: none) */
+#pragma unroll
+    for (int p = 0; p < 8; p++) {
+        const int row = m_wg + tid / 16 + 8 * p;
+        dst[p] = row < r_end ? __ldg(dst_row + row) : -1;
+    }
+#pragma unroll
+    for (int q = 0; q < PIECES; q++) {
+        if (q * PIECE_COLS >= ncols)
+            break;
+        wg_barrier(c); /* the previous piece's reads are done */
+        stage_piece<0, NW, C_BYTES>(d, cs, q, tid);
+        wg_barrier(c);
+        const int col = q * PIECE_COLS + box * 64 + chunk * 8; /* from the block's first */
+        if (col < ncols && n_wg + col < ldc) {
+#pragma unroll
+            for (int p = 0; p < 8; p++) {
+                const int i = tid / 16 + 8 * p;
+                if (dst[p] < 0)
+                    continue;
+                const uint4 v = *(const uint4 *)(cs + box * 8192 + moe_swizzle128(i, chunk));
+                *(uint4 *)(C + (size_t)dst[p] * ldc + n_wg + col) = v;
+            }
         }
     }
 }

@@ -178,6 +178,15 @@ typedef struct moe_backend {
                                                const void *w, const int *dev_off, int G,
                                                int rows, int I, int O, int din_accumulate,
                                                moe_dw_mode dw_mode);
+    /** grouped_matmul_forward_dev with its output rows SCATTERED (chapter 03, the fused
+     *  permutation's fc2): row r of the result (r < dev_off[G]) is stored at row map[r] of
+     *  @p out, with @p map [rows] in backend memory — the permutation's perm_src, so out is
+     *  in token-slot order (row n·k + j) and the combine a contiguous sum
+     *  (unpermute_sum_slots). Rows of out that no r maps to are not written. CPU: the plain
+     *  op, then the rows moved */
+    void (*grouped_matmul_forward_dev_scatter)(void *out, const void *in, const int *map,
+                                               const void *w, const int *dev_off, int G,
+                                               int rows, int I, int O);
     /** as moe_cpu_embedding_forward() */
     void (*embedding_forward)(void *out, const int *tokens, const void *table, int N, int C);
     /** as moe_cpu_embedding_backward() */
@@ -344,6 +353,9 @@ typedef struct moe_backend {
     void (*permute_weights)(moe_real *wp, const moe_real *topk_w, const int *perm_src, int rows);
     /** as moe_cpu_unpermute_sum() (the k rows are summed in fp32) */
     void (*unpermute_sum)(void *out, const void *yp, const int *row_of, int N, int k, int C);
+    /** as moe_cpu_unpermute_sum_slots() (the same sums, bit for bit, on slot-ordered rows) */
+    void (*unpermute_sum_slots)(void *out, const void *ys, const int *row_of, int N, int k,
+                                int C);
     /** as moe_cpu_unpermute_weights() */
     void (*unpermute_weights)(moe_real *dtopk_w, const moe_real *dwp, const int *row_of, int N,
                               int k);

@@ -103,9 +103,10 @@ static const moe_flag g_flags[] = {
       "run all local experts' GEMMs as grouped GEMMs instead of chapter 01's loop (Megatron's "
       "switch: with --moe-expert-backend auto it picks 'grouped')", NULL, G_MOE),
     F("moe-permute-fusion", MOE_FLAG_BOOL, moe_permute_fusion, "0",
-      "fuse the token permutation into the experts' first GEMM: fc1 gathers its rows from the "
-      "tokens by index and the permuted copy is never written (chapter 03; one rank, dropless, "
-      "our grouped kernel)", NULL, G_MOE),
+      "fuse the token permutation into the experts' GEMMs: fc1 gathers its rows from the "
+      "tokens by index and fc2 stores its rows in their tokens' slots, so neither permuted "
+      "copy is written (chapter 03; one rank, dropless, our grouped kernel; "
+      "MOE_FUSED_GATHER=0 or MOE_FUSED_SCATTER=0 turns one half off)", NULL, G_MOE),
     F("moe-expert-backend", MOE_FLAG_CHOICE, moe_expert_backend, "auto",
       "how the experts' GEMMs run: loop (one cublasGemmEx per expert, chapter 01), "
       "cublas-grouped (cublasGemmGroupedBatchedEx), grouped (our sm_90a kernel, sizes read on "

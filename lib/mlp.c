@@ -52,15 +52,17 @@ static void fp8_gemm(const moe_backend *be, void *d, const void *a, void *a_deq,
 }
 
 /* one grouped Linear, through the grouped GEMM the groups ask for; @p gather: its input
- * rows are gathered by grp->gather (fc1 under the fused permutation); @p fw: its FP8 codes
- * (the native path of lowp.h) or NULL; @p lin: 0 fc1, 1 fc2 (its sites: grp->lowp_site + lin) */
+ * rows are gathered by grp->gather (fc1 under the fused permutation); @p scatter: its output
+ * rows are scattered by grp->scatter (fc2 under it); @p fw: its FP8 codes (the native path
+ * of lowp.h) or NULL; @p lin: 0 fc1, 1 fc2 (its sites: grp->lowp_site + lin) */
 static void gmm_forward(const moe_backend *be, void *out, const void *in, const void *w,
                         const moe_fp8_weight *fw, const moe_groups *grp, int I, int O,
-                        int gather, int lin) {
+                        int gather, int scatter, int lin) {
     /* chapter 05's FP8 dispatch: fc1's rows arrived quantized (their QDQ, and the codes) */
     const int arrived = lin == 0 && grp->x_quantized;
     if (fw) { /* chapter 05, native: out = Q(in)·Q(w_g)ᵀ on the FP8 codes */
-        MOE_ASSERT(!gather && grp->impl == MOE_EXPERTS_KERNEL && fw->O == O && fw->I == I);
+        MOE_ASSERT(!gather && !scatter && grp->impl == MOE_EXPERTS_KERNEL && fw->O == O &&
+                   fw->I == I);
         if (arrived && grp->xq && fp8_dispatch_codes_on()) { /* the received codes as they are */
             const moe_qdq_spec *sp = &grp->lowp->spec[MOE_LOWP_ACTIVATION];
             const moe_qmatrix qa = {MOE_QUANT_BLOCK_1X128, sp->format, grp->xq, grp->xs, NULL,
@@ -83,6 +85,9 @@ static void gmm_forward(const moe_backend *be, void *out, const void *in, const 
     if (gather)
         be->grouped_matmul_forward_dev_gather(out, in, grp->gather, grp->gather_div, w,
                                               grp->dev_off, grp->G, grp->rows, I, O);
+    else if (scatter)
+        be->grouped_matmul_forward_dev_scatter(out, in, grp->scatter, w, grp->dev_off, grp->G,
+                                               grp->rows, I, O);
     else if (grp->impl == MOE_EXPERTS_KERNEL)
         be->grouped_matmul_forward_dev(out, in, w, grp->dev_off, grp->G, grp->rows, I, O);
     else
@@ -228,17 +233,18 @@ void moe_mlp_forward_grouped(const moe_backend *be, void *out, void *gu, void *a
     const int N = grp->rows;
     if (N == 0)
         return;
-    MOE_ASSERT(!grp->gather || grp->impl == MOE_EXPERTS_KERNEL); /* only our kernel gathers */
+    /* only our kernel gathers and scatters */
+    MOE_ASSERT((!grp->gather && !grp->scatter) || grp->impl == MOE_EXPERTS_KERNEL);
     if (moe_mlp_fp8_fused(be, grp)) {
-        MOE_ASSERT(!grp->gather && grp->impl == MOE_EXPERTS_KERNEL);
+        MOE_ASSERT(!grp->gather && !grp->scatter && grp->impl == MOE_EXPERTS_KERNEL);
         forward_fp8_fused(be, out, gu, act, x, row_scale, grp, H, F);
         return;
     }
-    gmm_forward(be, gu, x, w1, grp->fp8_w1, grp, H, 2 * F, grp->gather != NULL, 0);
+    gmm_forward(be, gu, x, w1, grp->fp8_w1, grp, H, 2 * F, grp->gather != NULL, 0, 0);
     moe_prof_mark(MOE_PROF_GEMM);
     be->swiglu_forward(act, gu, row_scale, N, F);
     moe_prof_mark(MOE_PROF_EXPERT_OPS);
-    gmm_forward(be, out, act, w2, grp->fp8_w2, grp, F, H, 0, 1);
+    gmm_forward(be, out, act, w2, grp->fp8_w2, grp, F, H, 0, grp->scatter != NULL, 1);
     moe_prof_mark(MOE_PROF_GEMM);
 }
 
@@ -274,7 +280,7 @@ void moe_mlp_backward_grouped(const moe_backend *be, void *dx, moe_real *dw1, mo
 /* a single MLP is one group, run by the backend's plain matmul (G = 1) */
 moe_groups moe_groups_single(const int *off, moe_lowp *lp, int site) {
     moe_groups g = {off, NULL, 1, MOE_EXPERTS_CUBLAS, MOE_DW_ACCUMULATE, NULL, 1, off[1], lp,
-                    NULL, NULL, site, 0, NULL, NULL};
+                    NULL, NULL, site, 0, NULL, NULL, NULL};
     return g;
 }
 

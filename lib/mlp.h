@@ -69,6 +69,11 @@ typedef struct moe_groups {
      *  native path quantizes the dequantized rows again (the same codes) */
     const uint8_t *xq;
     const float *xs; /**< see @ref xq */
+    /** the fused permutation's other half (::MOE_EXPERTS_KERNEL only; NULL: none): fc2's
+     *  output row r is stored at row scatter[r] of the out passed in (backend memory
+     *  [off[G]]: the permutation's perm_src, so out is in token-slot order, n·k + j, and
+     *  needs as many rows as the slots). The backward is unchanged: it never reads out */
+    const int *scatter;
 } moe_groups;
 
 /**

@@ -146,6 +146,21 @@ static moe_real *G(const moe_model *m, int l, moe_layer_weight s) {
     return m->off[l][s] == MOE_NO_WEIGHT ? NULL : m->grads + m->off[l][s];
 }
 
+/* The fused permutation's halves (--moe-permute-fusion turns both on): environment switch
+ * @p name ("MOE_FUSED_GATHER", "MOE_FUSED_SCATTER") = 0 turns one off, so one benchmark can
+ * time each half alone, and a half found wrong on a GPU can be switched off without the
+ * other. Read at every use (cheap, and tests may set it between models). */
+static int fusion_half(const char *name) {
+    const char *e = getenv(name);
+    if (!e || !*e || !strcmp(e, "1"))
+        return 1;
+    if (!strcmp(e, "0"))
+        return 0;
+    fprintf(stderr, "moe.c: %s=%s: use 0 (that half of --moe-permute-fusion off) or 1 (on, the "
+                    "default)\n", name, e);
+    exit(1);
+}
+
 static moe_layer_dims moe_dims(const moe_model *m, int N, int T) {
     const moe_config *c = &m->cfg;
     moe_layer_dims d;
@@ -167,7 +182,9 @@ static moe_layer_dims moe_dims(const moe_model *m, int N, int T) {
     d.experts = moe_expert_impl_from_config(c, m->be);
     /* (validated: one rank, dropless, our kernel; an EP group, even of one rank, sends
      * through its dispatcher, which has no fused path) */
-    d.permute_fusion = c->moe_permute_fusion && !d.ep && m->etp.size == 1;
+    const int fused = c->moe_permute_fusion && !d.ep && m->etp.size == 1;
+    d.permute_fusion = fused && fusion_half("MOE_FUSED_GATHER");
+    d.permute_scatter = fused && fusion_half("MOE_FUSED_SCATTER");
     d.tp = m->tp.size > 1 ? &m->tp : NULL;
     d.shards = m->cp.attn.cp > 1 ? &m->cp.shards : NULL; /* router statistics over TP x CP */
     d.step_flags = m->step_flags;

@@ -217,7 +217,7 @@ static void run_mlp(const moe_backend *be, moe_lowp *lp, const moe_fp8_weight *f
         free(h);
     }
     moe_groups grp = {off, doff, G, MOE_EXPERTS_KERNEL, MOE_DW_STORE, NULL, 1, N, lp,
-                      fw, fw ? fw + 1 : NULL, 0, 0, NULL, NULL};
+                      fw, fw ? fw + 1 : NULL, 0, 0, NULL, NULL, NULL};
     moe_mlp_forward_grouped(be, out, gu, act, x, rs, w1, w2, &grp, H, F);
     moe_mlp_backward_grouped(be, dx, dw1, dw2, drs, dy, x, gu, act, rs, w1, w2, dh, dgu, &grp, H,
                              F, 0);

@@ -360,6 +360,179 @@ START_TEST(test_gpu_grouped_gather) {
 }
 END_TEST
 
+/* The fused permutation's other half: the grouped forward whose output row r is stored at
+ * row map[r] (the permutation's perm_src over T·k slots, some slots unused) equals the plain
+ * forward's row r BIT FOR BIT (the same kernel, only the stores differ), every unused slot
+ * keeps its poison (no stray row), and the CPU twin agrees; then the combine over the slot
+ * rows (unpermute_sum_slots) equals today's unpermute_sum over the permuted rows bit for
+ * bit, from the same random start (the same bf16 values summed in the same order). */
+static void check_scatter(const int *sizes, int G, int I, int O) {
+    const moe_backend *g = moe_backend_cuda(), *c = moe_backend_cpu();
+    const int k = 4;
+    int *off = malloc(sizeof(int) * (G + 1));
+    off[0] = 0;
+    for (int i = 0; i < G; i++)
+        off[i + 1] = off[i] + sizes[i];
+    const int R = off[G], T = R / k + 3, A = T * k;
+    int *map = malloc(sizeof(int) * A), *row_of = malloc(sizeof(int) * A);
+    for (int a = 0; a < A; a++)
+        map[a] = a;
+    uint64_t st = 0x2545f4914f6cdd1dull;
+    for (int a = A - 1; a > 0; a--) { /* Fisher-Yates: a random permutation */
+        st = st * 6364136223846793005ull + 1442695040888963407ull;
+        const int j = (int)((st >> 33) % (uint64_t)(a + 1)), t = map[a];
+        map[a] = map[j];
+        map[j] = t;
+    }
+    for (int a = 0; a < A; a++)
+        row_of[a] = -1; /* a slot no row goes to: skipped by both combines */
+    for (int r = 0; r < R; r++)
+        row_of[map[r]] = r;
+    int *doff = g->alloc(sizeof(int) * (G + 1)), *dmap = g->alloc(sizeof(int) * A);
+    int *drow = g->alloc(sizeof(int) * A);
+    g->from_host(doff, off, sizeof(int) * (G + 1));
+    g->from_host(dmap, map, sizeof(int) * A);
+    g->from_host(drow, row_of, sizeof(int) * A);
+    const size_t nin = (size_t)R * I, nw = (size_t)G * O * I, nys = (size_t)A * O;
+    moe_real *hin = malloc(sizeof(moe_real) * (nin + 1)), *hw = malloc(sizeof(moe_real) * nw);
+    void *din = moe_test_upload(g, hin, nin, 61, 1.0);
+    void *dw_ = moe_test_upload(g, hw, nw, 62, 0.05);
+    moe_real *ys = malloc(sizeof(moe_real) * (nys + 1)), *yp = malloc(sizeof(moe_real) * (nys + 1));
+    moe_real *cr = malloc(sizeof(moe_real) * (nys + 1));
+    void *dys = g->alloc(g->act_size * (nys + 1)), *dyp = g->alloc(g->act_size * (nys + 1));
+    moe_test_poison(ys, nys);
+    g->write_act(dys, ys, nys);
+    g->grouped_matmul_forward_dev_scatter(dys, din, dmap, dw_, doff, G, R, I, O);
+    g->read_act(ys, dys, nys);
+    g->grouped_matmul_forward_dev(dyp, din, dw_, doff, G, R, I, O);
+    g->read_act(yp, dyp, (size_t)R * O);
+    moe_test_poison(cr, nys);
+    c->grouped_matmul_forward_dev_scatter(cr, hin, map, hw, off, G, R, I, O);
+    long bad = 0, first = -1, stray = 0;
+    double num = 0, den = 0;
+    for (int a = 0; a < A; a++)
+        for (int o = 0; o < O; o++) {
+            const size_t at = (size_t)a * O + o;
+            if (row_of[a] < 0) { /* an unused slot: still poisoned */
+                stray += !isnan(ys[at]);
+                continue;
+            }
+            const moe_real want = yp[(size_t)row_of[a] * O + o];
+            if (!(ys[at] == want) && bad++ == 0)
+                first = (long)at;
+            num += ((double)ys[at] - cr[at]) * ((double)ys[at] - cr[at]);
+            den += (double)cr[at] * cr[at];
+        }
+    if (first >= 0)
+        printf("  scatter: first mismatch at slot %ld col %ld (permuted row %d): %g, plain "
+               "forward %g\n", first / O, first % O, row_of[first / O], ys[first],
+               yp[(size_t)row_of[first / O] * O + first % O]);
+    const double ec = sqrt(num / (den > 0 ? den : 1e-30));
+    /* the combine: today's over the permuted rows vs the slots', from one random start */
+    const size_t nout = (size_t)T * O;
+    moe_real *o1 = malloc(sizeof(moe_real) * (nout + 1)), *o2 = malloc(sizeof(moe_real) * (nout + 1));
+    void *dout1 = moe_test_upload(g, o1, nout, 63, 1.0);
+    void *dout2 = g->alloc(g->act_size * (nout + 1));
+    g->write_act(dout2, o1, nout);
+    g->unpermute_sum(dout1, dyp, drow, T, k, O);
+    g->unpermute_sum_slots(dout2, dys, drow, T, k, O);
+    g->read_act(o1, dout1, nout);
+    g->read_act(o2, dout2, nout);
+    long cbad = 0, cfirst = -1;
+    for (size_t i = 0; i < nout; i++)
+        if (!(o1[i] == o2[i]) && cbad++ == 0)
+            cfirst = (long)i;
+    if (cfirst >= 0)
+        printf("  combine: first mismatch at token %ld col %ld: slots %g, permuted %g\n",
+               cfirst / O, cfirst % O, o2[cfirst], o1[cfirst]);
+    printf("  scatter G=%d rows=%d slots=%d I=%d O=%d: %ld elements differ from the plain "
+           "forward, %ld unused-slot elements written, vs CPU %.2e; combine: %ld differ\n",
+           G, R, A, I, O, bad, stray, ec, cbad);
+    ck_assert_msg(bad == 0 && stray == 0, "the fused scatter differs from the plain forward");
+    ck_assert_msg(ec <= 1e-2, "the fused scatter differs from the CPU reference");
+    ck_assert_msg(cbad == 0, "the slot-order combine differs from unpermute_sum");
+    g->free(doff); g->free(dmap); g->free(drow); g->free(din); g->free(dw_); g->free(dys);
+    g->free(dyp); g->free(dout1); g->free(dout2);
+    free(off); free(map); free(row_of); free(hin); free(hw); free(ys); free(yp); free(cr);
+    free(o1); free(o2);
+}
+
+START_TEST(test_gpu_grouped_scatter) {
+    /* ragged: empty groups, one row, sizes around the 64-row half tile and the 128-row
+     * tile; N = 320 ends inside a 256-column tile (and a 64-column box: 320 = 5·64), K = 200
+     * inside a k-step; N = 136 is not a multiple of 64 (16-byte chunks past the end) */
+    const moe_grouped_schedule def = moe_cuda_grouped_sm90_schedule();
+    const int narrow = moe_cuda_grouped_sm90_narrow();
+    int many[256];
+    for (int i = 0; i < 256; i++)
+        many[i] = i % 32 >= 28 ? i % 2 : g_edges[i % N_EDGES] + (i / N_EDGES) % 3;
+    for (int sc = MOE_GROUPED_SCHED_STATIC; sc <= MOE_GROUPED_SCHED_DYNAMIC_SHARE192; sc++) {
+        moe_cuda_grouped_sm90_set_schedule((moe_grouped_schedule)sc);
+        printf("  (schedule %s)\n", moe_cuda_grouped_sm90_schedule_name(sc));
+        check_scatter(g_edges, N_EDGES, 200, 320);
+        check_scatter(many, 256, 136, 136);
+    }
+    moe_cuda_grouped_sm90_set_schedule(def);
+    for (int on = 1; on >= 0; on--) { /* N = 384: the 192-column tiles where they are on */
+        moe_cuda_grouped_sm90_set_narrow(on);
+        printf("  (narrow tiles %s)\n", on ? "on" : "off");
+        check_scatter(g_edges, N_EDGES, 256, 384);
+    }
+    moe_cuda_grouped_sm90_set_narrow(narrow);
+}
+END_TEST
+
+/* The whole model with the fused permutation's halves switched by the environment: scatter
+ * only must give the same loss and gradients as no fusion BIT FOR BIT (it changes where fc2
+ * stores and how the combine finds its rows, not one sum); gather only and both are checked
+ * against the loop by model_vs_loop. */
+static void model_grads(const char *extra, double *loss, moe_real **grads, size_t *P) {
+    const char *base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+                       "--num-query-groups 2 --seq-length 64 --micro-batch-size 8 "
+                       "--global-batch-size 8 --num-experts 8 --moe-ffn-hidden-size 64 "
+                       "--ffn-hidden-size 128 --device cuda --moe-expert-backend grouped";
+    char flags[512];
+    snprintf(flags, sizeof flags, "%s %s", base, extra);
+    moe_config cfg;
+    moe_error err;
+    moe_trainer *t;
+    moe_step_stats st;
+    setenv("MOE_NO_DOWNLOAD", "1", 1);
+    ck_assert_msg(moe_test_config(&cfg, flags, &err) == MOE_OK, "%s", err.msg);
+    ck_assert_msg(moe_trainer_create(&t, &cfg, &err) == MOE_OK, "%s", err.msg);
+    moe_trainer_gradients(t, &st);
+    *P = moe_model_num_params(t->model);
+    *grads = malloc(sizeof(moe_real) * *P);
+    t->model->be->to_host(*grads, t->model->grads, sizeof(moe_real) * *P);
+    *loss = st.loss;
+    moe_trainer_free(t);
+}
+
+START_TEST(test_gpu_grouped_model_scatter_exact) {
+    double l0, l1;
+    moe_real *g0, *g1;
+    size_t P0, P1;
+    model_grads("", &l0, &g0, &P0);
+    setenv("MOE_FUSED_GATHER", "0", 1);
+    model_grads("--moe-permute-fusion", &l1, &g1, &P1);
+    unsetenv("MOE_FUSED_GATHER");
+    ck_assert(P0 == P1);
+    size_t bad = 0, first = 0;
+    for (size_t i = 0; i < P0; i++)
+        if (!(g0[i] == g1[i]) && bad++ == 0)
+            first = i;
+    printf("  whole model, fused scatter only vs separate passes: loss %.9g vs %.9g, %zu of %zu "
+           "gradients differ%s\n", l1, l0, bad, P0, bad ? "" : " (bit for bit)");
+    if (bad)
+        printf("  first differing gradient: index %zu, %.9g vs %.9g\n", first, g1[first],
+               g0[first]);
+    ck_assert_msg(l0 == l1 && bad == 0,
+                  "the fused scatter changed the model's loss or gradients");
+    free(g0);
+    free(g1);
+}
+END_TEST
+
 /* one gradient step of a small model with expert backend @p impl vs chapter 01's loop */
 static void model_vs_loop(const char *impl, const char *extra) {
     const char *base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 "
@@ -397,7 +570,10 @@ static void model_vs_loop(const char *impl, const char *extra) {
 START_TEST(test_gpu_grouped_model_equals_loop) {
     model_vs_loop("cublas-grouped", "");
     model_vs_loop("grouped", "");
-    model_vs_loop("grouped", "--moe-permute-fusion"); /* the fused permutation */
+    model_vs_loop("grouped", "--moe-permute-fusion"); /* the fused permutation, both halves */
+    setenv("MOE_FUSED_SCATTER", "0", 1); /* its gather half alone */
+    model_vs_loop("grouped", "--moe-permute-fusion");
+    unsetenv("MOE_FUSED_SCATTER");
 }
 END_TEST
 
@@ -410,6 +586,8 @@ Suite *suite_gpu_grouped(void) {
     tcase_add_test(tc, test_gpu_grouped_fine_tiles);
     tcase_add_test(tc, test_gpu_grouped_narrow_tiles);
     tcase_add_test(tc, test_gpu_grouped_gather);
+    tcase_add_test(tc, test_gpu_grouped_scatter);
+    tcase_add_test(tc, test_gpu_grouped_model_scatter_exact);
     tcase_add_test(tc, test_gpu_grouped_model_equals_loop);
     suite_add_tcase(s, tc);
     return s;

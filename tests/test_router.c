@@ -208,6 +208,19 @@ START_TEST(test_permutation) {
     moe_cpu_unpermute_sum(out, xp, row_of, 3, 2, 1);
     for (int n = 0; n < 3; n++)
         ck_assert_double_eq(out[n], 2 * x[n]);
+    /* the fused scatter's combine: the same rows in slot order (ys[a] = xp[row_of[a]]), with
+     * slot 3 over a budget (row_of = -1: poisoned, and skipped), gives the same sums */
+    moe_real ys[6], o1[3] = {1, 2, 3}, o2[3] = {1, 2, 3};
+    int ro[6];
+    for (int a = 0; a < 6; a++) {
+        ro[a] = a == 3 ? -1 : row_of[a];
+        ys[a] = a == 3 ? NAN : xp[row_of[a]];
+    }
+    moe_cpu_unpermute_sum(o1, xp, ro, 3, 2, 1);
+    moe_cpu_unpermute_sum_slots(o2, ys, ro, 3, 2, 1);
+    for (int n = 0; n < 3; n++)
+        ck_assert_double_eq(o1[n], o2[n]);
+    ck_assert_double_eq(o2[1], 2 + x[1]); /* token 1 lost its second row (slot 3) */
 }
 END_TEST
 

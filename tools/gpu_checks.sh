@@ -14,7 +14,8 @@
 #            eager and torch.compile
 #   fine     the fine-grained regime: forward and dgrad under both tile schedules
 #            (bin/ch03_grouped_gemm_bench --shape fine)
-#   fused    the fused gather permutation against the separate passes (layer fwd+bwd)
+#   fused    the fused permutation against the separate passes (layer fwd+bwd): gather
+#            only, scatter only, both
 #
 # Run from the repository root. It builds first (make -j$(nproc); --check-dir DIR or
 # CHECK_DIR=DIR for Check as static libraries, see tools/README.md). Each section writes
@@ -102,15 +103,21 @@ for s in "${sections[@]}"; do
         ;;
     fused)
         for shape in qwen3 qwen3-235b; do
-            run fused 150 bin/ch01_moe_layer_bench --shape "$shape" --impl grouped \
-                --permute-fusion off,on
+            run fused 200 bin/ch01_moe_layer_bench --shape "$shape" --impl grouped \
+                --permute-fusion off,gather,scatter,on
         done
+        # layer forward+backward: the separate passes, each half of the fused permutation
+        # alone (gather: fc1 reads the tokens; scatter: fc2 stores into the token slots), both
         awk '/^RESULT layer/ { split($3, s, "="); split($4, i, "="); split($6, m, "=");
                ms[s[2] " " i[2]] = m[2]; shapes[s[2]] = 1 }
-             END { for (sh in shapes) if ((sh " grouped") in ms && (sh " grouped-fused") in ms)
-                   printf "   %-11s separate passes %8.3f ms   fused gather %8.3f ms   %.2fx\n", sh,
-                          ms[sh " grouped"], ms[sh " grouped-fused"],
-                          ms[sh " grouped"] / ms[sh " grouped-fused"] }' "$out/fused.txt"
+             END { for (sh in shapes) if ((sh " grouped") in ms) {
+                     b = ms[sh " grouped"]
+                     printf "   %-11s separate passes %8.3f ms", sh, b
+                     n = split("gather scatter fused", v, " ")
+                     for (j = 1; j <= n; j++) if ((sh " grouped-" v[j]) in ms)
+                       printf "   %s %8.3f ms %.2fx", (v[j] == "fused" ? "both" : v[j]),
+                              ms[sh " grouped-" v[j]], b / ms[sh " grouped-" v[j]]
+                     printf "\n" } }' "$out/fused.txt"
         ;;
     esac
 done

@@ -66,8 +66,10 @@ static const moe_flag g_flags[] = {
        "+=, every micro-batch but a step's first), store (fp32 =, the first) and bf16 (=, as "
        "torch._grouped_mm; our kernel only)", NULL),
     OF("permute-fusion", MOE_FLAG_STRING, permute_fusion, "off",
-       "comma-separated: off (permute, then the grouped GEMMs) and on (--moe-permute-fusion: "
-       "fc1 gathers its rows from the tokens, no permuted copy; our kernel only)", NULL),
+       "comma-separated: off (permute, the grouped GEMMs, unpermute), gather (fc1 gathers its "
+       "rows from the tokens: no permuted copy of them), scatter (fc2 stores its rows in their "
+       "tokens' slots: no permuted copy of the outputs) and on (both: --moe-permute-fusion); "
+       "our kernel only", NULL),
     OF("precision", MOE_FLAG_STRING, precision, "bf16",
        "comma-separated: bf16 (the backend's activations) and fp8 (chapter 05's blockwise "
        "E4M3 recipe: native FP8 expert GEMMs on Hopper with our kernel, else emulated); "
@@ -125,7 +127,11 @@ static void layer_lowp(layer *L, const shape *s, int T) {
     layer_quantize_weights(L);
 }
 
-/* Weights drawn from the counter-based RNG: the same values on every backend. */
+/* The fused permutation's halves, as a bit mask: FUSE_GATHER (fc1), FUSE_SCATTER (fc2). */
+enum { FUSE_GATHER = 1, FUSE_SCATTER = 2 };
+
+/* Weights drawn from the counter-based RNG: the same values on every backend. @p fused: the
+ * halves of the fused permutation (FUSE_*) */
 static void layer_init(layer *L, const moe_backend *be, const shape *s, int T,
                        moe_expert_impl impl, int fused, int fp8) {
     memset(L, 0, sizeof *L);
@@ -133,7 +139,8 @@ static void layer_init(layer *L, const moe_backend *be, const shape *s, int T,
     moe_layer_dims d = {.N = T, .T = T, .H = s->H, .E = s->E, .k = s->k, .F = s->F, .Fs = 0,
                         .router = {s->E, s->k, MOE_SCORE_SOFTMAX, 0, 0, 0, 0},
                         .lb_type = MOE_LB_AUX, .aux_coeff = 0.01, .z_coeff = 0.001,
-                        .experts = impl, .permute_fusion = fused};
+                        .experts = impl, .permute_fusion = (fused & FUSE_GATHER) != 0,
+                        .permute_scatter = (fused & FUSE_SCATTER) != 0};
     L->d = d;
     const size_t H = s->H, F = s->F, E = s->E, S = be->act_size;
     const size_t nr = E * H, n1 = E * 2 * F * H, n2 = E * H * F, n = nr + n1 + n2;
@@ -252,8 +259,11 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
                s->name);
         return 0;
     }
-    char name[40]; /* the expert backend, "-fused" under the fused permutation, "+fp8" */
-    snprintf(name, sizeof name, "%s%s%s", g_impl_names[impl], fused ? "-fused" : "",
+    /* the expert backend; "-fused" under the whole fused permutation, "-gather" or
+     * "-scatter" under one half; "+fp8" (or "+fp8-unfused") */
+    static const char *const fuse_names[4] = {"", "-gather", "-scatter", "-fused"};
+    char name[40];
+    snprintf(name, sizeof name, "%s%s%s", g_impl_names[impl], fuse_names[fused & 3],
              fp8 ? g_fp8_tag : "");
     if (o->check && be->device != MOE_DEVICE_CPU) {
         /* the same layer, 256 tokens, on this backend and on the CPU reference */
@@ -397,8 +407,11 @@ int main(int argc, char **argv) {
         n_impl += impl_wanted(o.impl, g_impl_names[i]);
         n_dw += impl_wanted(o.expert_dw, g_dw_names[i]);
     }
-    const int fuse_off = impl_wanted(o.permute_fusion, "off"),
-              fuse_on = impl_wanted(o.permute_fusion, "on");
+    /* the fused permutation's variants, in the order they run: none, gather, scatter, both */
+    const int fuse[4] = {impl_wanted(o.permute_fusion, "off"),
+                         impl_wanted(o.permute_fusion, "gather"),
+                         impl_wanted(o.permute_fusion, "scatter"),
+                         impl_wanted(o.permute_fusion, "on")};
     const int prec[3] = {impl_wanted(o.precision, "bf16"), impl_wanted(o.precision, "fp8"),
                          impl_wanted(o.precision, "fp8-unfused")};
     if (!prec[0] && !prec[1] && !prec[2]) {
@@ -406,9 +419,9 @@ int main(int argc, char **argv) {
                       o.precision);
         return 2;
     }
-    if (!fuse_off && !fuse_on) {
-        moe_log_error("--permute-fusion '%s': give a comma-separated list of off, on",
-                      o.permute_fusion);
+    if (!fuse[0] && !fuse[1] && !fuse[2] && !fuse[3]) {
+        moe_log_error("--permute-fusion '%s': give a comma-separated list of off, gather, "
+                      "scatter, on", o.permute_fusion);
         return 2;
     }
     if (n_dw == 0) {
@@ -444,13 +457,13 @@ int main(int argc, char **argv) {
                 if (impl_wanted(o.impl, g_impl_names[impl]) &&
                     impl_wanted(o.expert_dw, g_dw_names[dw]) &&
                     (dw != MOE_DW_ACT || impl == MOE_EXPERTS_KERNEL))
-                    for (int f = 0; f < 2; f++) { /* the fused permutation: our kernel only */
+                    for (int f = 0; f < 4; f++) { /* the fused permutation: our kernel only */
                         g_bf16_ms = -1;
                         /* bf16, fp8-unfused, then fp8 (lowp.h refuses the fused permutation) */
                         const int order[3] = {0, 2, 1};
                         for (int j = 0; j < 3; j++) {
                             const int p = order[j];
-                            if (!((f ? fuse_on : fuse_off) && (!f || impl == MOE_EXPERTS_KERNEL) &&
+                            if (!(fuse[f] && (!f || impl == MOE_EXPERTS_KERNEL) &&
                                   prec[p] && !(p && f)))
                                 continue;
                             /* fp8-unfused: MOE_FP8_FUSED=0 for this run, restored after */

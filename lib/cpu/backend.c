@@ -164,6 +164,20 @@ static void cpu_grouped_backward_dev_gather(void *din, void *dw, const void *dou
     free(xp);
 }
 
+/* ... and with its output rows scattered: row r to row map[r] (the fused permutation's fc2).
+ * The reference computes contiguously, then moves the rows (the pass the GPU kernel's
+ * epilogue fuses away). */
+static void cpu_grouped_forward_dev_scatter(void *out, const void *in, const int *map,
+                                            const void *w, const int *dev_off, int G, int rows,
+                                            int I, int O) {
+    moe_real *yp = malloc(sizeof(moe_real) * ((size_t)rows * O + 1));
+    MOE_CHECK_ALLOC(yp, sizeof(moe_real) * (size_t)rows * O, "a scattered grouped-GEMM output");
+    cpu_grouped_forward_dev(yp, in, w, dev_off, G, rows, I, O);
+    for (int r = 0; r < dev_off[G]; r++)
+        memcpy((moe_real *)out + (size_t)map[r] * O, yp + (size_t)r * O, sizeof(moe_real) * O);
+    free(yp);
+}
+
 static void a_embedding_forward(void *out, const int *tokens, const void *table, int N, int C) {
     moe_cpu_embedding_forward(out, tokens, table, N, C);
 }
@@ -264,6 +278,10 @@ static void a_permute_tokens(void *xp, const void *x, const int *src, int rows, 
 }
 static void a_unpermute_sum(void *out, const void *yp, const int *row_of, int N, int k, int C) {
     moe_cpu_unpermute_sum(out, yp, row_of, N, k, C);
+}
+static void a_unpermute_sum_slots(void *out, const void *ys, const int *row_of, int N, int k,
+                                  int C) {
+    moe_cpu_unpermute_sum_slots(out, ys, row_of, N, k, C);
 }
 static void cpu_gather_rows(void *dstv, const void *srcv, const int *map, int rows, int C) {
     moe_real *dst = dstv;
@@ -404,6 +422,7 @@ static const moe_backend g_cpu = {
     .grouped_matmul_backward_dev = cpu_grouped_backward_dev,
     .grouped_matmul_forward_dev_gather = cpu_grouped_forward_dev_gather,
     .grouped_matmul_backward_dev_gather = cpu_grouped_backward_dev_gather,
+    .grouped_matmul_forward_dev_scatter = cpu_grouped_forward_dev_scatter,
     .embedding_forward = a_embedding_forward,
     .embedding_backward = a_embedding_backward,
     .rmsnorm_forward = a_rmsnorm_forward,
@@ -439,6 +458,7 @@ static const moe_backend g_cpu = {
     .permute_tokens = a_permute_tokens,
     .permute_weights = moe_cpu_permute_weights,
     .unpermute_sum = a_unpermute_sum,
+    .unpermute_sum_slots = a_unpermute_sum_slots,
     .unpermute_weights = moe_cpu_unpermute_weights,
     .gather_rows = cpu_gather_rows,
     .gather_reals = cpu_gather_reals,

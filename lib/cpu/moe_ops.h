@@ -83,6 +83,16 @@ void moe_cpu_unpermute_sum(moe_real *out, const moe_real *yp, const int *row_of,
                            int C);
 
 /**
+ * @brief out[n] += Σ_j ys[n·k+j] over the j with row_of[n·k+j] >= 0: moe_cpu_unpermute_sum()
+ *        on rows already in token-slot order (the fused permutation's fc2 scattered them
+ *        there), in the same order, so the same result bit for bit.
+ * @param out [N, C]  @param ys [N·k, C] slot rows  @param row_of map (which slots exist)
+ * @param N tokens  @param k top-k  @param C width
+ */
+void moe_cpu_unpermute_sum_slots(moe_real *out, const moe_real *ys, const int *row_of, int N,
+                                 int k, int C);
+
+/**
  * @brief dtopk_w[a] += dwp[row_of[a]]: routing-weight gradients back to token order
  *        (nothing where row_of[a] = -1).
  * @param dtopk_w [N·k]  @param dwp [N·k] permuted  @param row_of map  @param N tokens  @param k top-k

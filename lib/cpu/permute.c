@@ -124,6 +124,21 @@ void moe_cpu_unpermute_sum(moe_real *out, const moe_real *yp, const int *row_of,
     }
 }
 
+void moe_cpu_unpermute_sum_slots(moe_real *out, const moe_real *ys, const int *row_of, int N,
+                                 int k, int C) {
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        moe_real *o = out + (size_t)n * C;
+        for (int j = 0; j < k; j++) {
+            if (row_of[n * k + j] < 0)
+                continue;
+            const moe_real *y = ys + ((size_t)n * k + j) * C;
+            for (int c = 0; c < C; c++)
+                o[c] += y[c];
+        }
+    }
+}
+
 void moe_cpu_unpermute_weights(moe_real *dtopk_w, const moe_real *dwp, const int *row_of, int N,
                                int k) {
     for (int a = 0; a < N * k; a++)

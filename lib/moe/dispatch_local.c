@@ -38,10 +38,16 @@ static void local_dispatch(const moe_backend *be, const moe_layer_dims *d, moe_l
     moe_prof_mark(MOE_PROF_PERMUTE);
 }
 
-/* out[n] = Σ_j expert output of (n, j) */
+/* out[n] = Σ_j expert output of (n, j); under the fused scatter fc2 left them in slot
+ * order already (row n·k + j of yp), so the sum reads each token's k rows contiguously */
 static void local_combine(const moe_backend *be, const moe_layer_dims *d,
                           const moe_layer_acts *a, moe_layer_workspace *ws, void *out) {
-    moe_dispatch_unpermute(be, d, a, out, ws->yp);
+    if (d->permute_scatter) {
+        be->zero(out, be->act_size * (size_t)d->N * d->H);
+        be->unpermute_sum_slots(out, ws->yp, a->row_of, d->N, d->k, d->H);
+    } else {
+        moe_dispatch_unpermute(be, d, a, out, ws->yp);
+    }
     moe_prof_mark(MOE_PROF_UNPERMUTE);
 }
 

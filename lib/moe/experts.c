@@ -116,15 +116,20 @@ static moe_groups groups_of(const moe_backend *be, const moe_layer_dims *d,
         be->from_host(a->dev_offset, r->off, sizeof(int) * (r->G + 1));
     moe_groups g = {r->off, a->dev_offset, r->G, d->experts, MOE_DW_ACCUMULATE, NULL, 1,
                     (int)r->rows, d->lowp, NULL, NULL,
-                    moe_lowp_site(d->lowp, d->layer, MOE_LOWP_EXPERTS, 0), 0, NULL, NULL};
+                    moe_lowp_site(d->lowp, d->layer, MOE_LOWP_EXPERTS, 0), 0, NULL, NULL,
+                    NULL};
     /* chapter 05's FP8 dispatch: the expert-side rows arrived as their 1×128 QDQ (only the
      * collective alltoall dispatcher sets ep->fp8, and never with ETP: dispatch.c) */
     g.x_quantized = r->x == a->xe && d->ep && d->ep->fp8 && !d->etp;
+    if (d->permute_fusion || d->permute_scatter)
+        MOE_ASSERT(d->experts == MOE_EXPERTS_KERNEL && !d->ep && d->capacity_factor == 0 &&
+                   !d->etp); /* the local dispatcher's rows, in place */
     if (d->permute_fusion) {
-        MOE_ASSERT(d->experts == MOE_EXPERTS_KERNEL && !d->ep && d->capacity_factor == 0);
         g.gather = a->perm_src;
         g.gather_div = d->k;
     }
+    if (d->permute_scatter) /* fc2's row r to slot row perm_src[r] of ws->yp (layer.h) */
+        g.scatter = a->perm_src;
     return g;
 }
 

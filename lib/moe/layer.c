@@ -110,9 +110,14 @@ void moe_layer_acts_free(const moe_backend *be, moe_layer_acts *a) {
 static int alloc_permuted_ws(const moe_backend *be, moe_layer_workspace *w,
                              const moe_layer_dims *d) {
     const size_t N = d->N, P = moe_layer_permuted_rows(d), HF = max_rows_f(d), S = be->act_size;
+    /* under the fused scatter fc2 writes yp in slot order: all N·k slots, even where the
+     * sync-free budget keeps fewer permuted rows */
+    size_t Y = P > N ? P : N;
+    if (d->permute_scatter && (size_t)d->N * d->k > Y)
+        Y = (size_t)d->N * d->k;
     be->free(w->yp); be->free(w->dyp); be->free(w->dxp); be->free(w->dwp);
     be->free(w->dh); be->free(w->dgu);
-    w->yp = be->alloc(S * (P > N ? P : N) * d->H);
+    w->yp = be->alloc(S * Y * d->H);
     w->dyp = be->alloc(S * P * d->H);
     w->dxp = be->alloc(S * P * d->H);
     w->dwp = be->alloc(R * P);

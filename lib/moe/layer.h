@@ -25,7 +25,9 @@
  *  - `experts` (chapter 03): step 4 as chapter 01's loop or as one grouped GEMM per
  *    Linear (cuBLAS's, or our kernel that reads the group offsets on the device);
  *  - `permute_fusion` (chapter 03): step 3 moves only the routing weights, and fc1
- *    gathers its rows straight from the tokens by the permutation's index.
+ *    gathers its rows straight from the tokens by the permutation's index;
+ *    `permute_scatter`, its other half: fc2 stores each output row in its token's slot
+ *    (row n·k + j) and step 5 sums each token's k contiguous slots.
  *  - `tp` (chapter 04): attention's tensor-parallel group, with sequence parallelism. The
  *    layer then runs on this rank's N rows of the N·TP tokens (its sequence shard): the
  *    router is replicated (its gradient is this rank's part, summed over TP by the
@@ -71,6 +73,13 @@ typedef struct moe_layer_dims {
      *  the tokens by index, so the permuted copy xp is never written; one rank, dropless,
      *  ::MOE_EXPERTS_KERNEL only */
     int permute_fusion;
+    /** the fused permutation's other half (chapter 03, --moe-permute-fusion unless
+     *  MOE_FUSED_SCATTER=0): fc2 stores its output row r at slot row perm_src[r] (= n·k + j)
+     *  of ws->yp, so the permuted copy of the outputs is never written and the combine sums
+     *  each token's k contiguous slot rows (unpermute_sum_slots: the same sums in the same
+     *  order, bit for bit). The backward is unchanged (it never reads the outputs). The
+     *  same conditions as @ref permute_fusion */
+    int permute_scatter;
     const moe_tp *tp;           /**< the TP group with SP (NULL or size 1: all N·1 tokens here) */
     /** the ranks the micro-batch's tokens are split over, for the router's statistics: the
      *  TP group with SP, or under context parallelism TP x CP (chapter 07: a CP rank holds
