@@ -20,8 +20,11 @@
  * FlashAttention-2; the row statistics m, l and lse stay fp32.
  *
  * Design: FlashAttention-2 on mma.sync.m16n8k16 (bf16 → fp32), which every GPU since Ampere
- * runs, so the same source builds for sm_90a and sm_100a. (A Hopper kernel with wgmma, TMA
- * and warp-specialised producer / consumer warps, FA3's ideas, is not written yet.)
+ * runs, so the same source builds for sm_90a and sm_100a. On an sm_90 GPU the forward of
+ * head dims 64 and 128 runs the Hopper kernel of attention_sm90.cu instead (wgmma, TMA and
+ * warp-specialised producer / consumer warps, FlashAttention-3's ideas; MOE_FLASH_SM90=0
+ * keeps this one); the backward is this file's on every GPU (a Hopper backward is not
+ * written yet).
  *
  *   tiles     a block has 4 warps (128 threads); each warp owns MT m-tiles of 16 rows (32
  *             rows with MT = 2). Forward and dq: a block owns 4·16·MT query rows and walks
@@ -739,6 +742,8 @@ extern "C" void moe_cuda_attention_forward(void *y, moe_real *lse, void *ws, con
     moe_attention_shape_require(s, "moe_cuda_attention", FA_MAX_D);
     if (s.B < 1)
         return;
+    if (moe_cuda_attention_sm90_forward(y, lse, q, k, v, s))
+        return; /* the Hopper kernel (attention_sm90.cu) took it */
     moe_bf16 *Y = (moe_bf16 *)y;
     const moe_bf16 *Q = (const moe_bf16 *)q, *K = (const moe_bf16 *)k, *V = (const moe_bf16 *)v;
     const bool w = fa_wide_forward(s.Tq);

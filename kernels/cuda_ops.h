@@ -145,6 +145,14 @@ void moe_cuda_rope_backward(void *din, const void *dout, int B, int T, int heads
 size_t moe_cuda_attention_workspace_bytes(moe_attention_shape s);
 void moe_cuda_attention_forward(void *y, moe_real *lse, void *ws, const void *q, const void *k,
                                 const void *v, moe_attention_shape s);
+/* chapter 07's Hopper flash-attention forward (kernels/attention_sm90.cu): runs it and
+ * returns 1 for head dims 64 and 128 on an sm_90 device with 16-byte aligned tensors unless
+ * MOE_FLASH_SM90=0, else returns 0 without doing anything (moe_cuda_attention_forward
+ * calls it first and falls back to the portable kernel). The count of calls that ran it
+ * lets a test prove the path was taken. */
+int moe_cuda_attention_sm90_forward(void *y, moe_real *lse, const void *q, const void *k,
+                                    const void *v, moe_attention_shape s);
+long long moe_cuda_attention_sm90_calls(void);
 void moe_cuda_attention_backward(void *dq, void *dk, void *dv, const void *dy, const void *y,
                                  const moe_real *lse, void *ws, const void *q, const void *k,
                                  const void *v, moe_attention_shape s);

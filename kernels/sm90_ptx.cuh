@@ -99,6 +99,17 @@ static __device__ __forceinline__ void tma_load_3d(void *dst, const CUtensorMap 
                  : "memory");
 }
 
+/** The same for a 4-D tensor (e.g. attention's q [B, T, H, D]: a box of rows of one head
+ *  of one sequence, zero-filled past the sequence's end). */
+static __device__ __forceinline__ void tma_load_4d(void *dst, const CUtensorMap *map,
+                                                   uint64_t *bar, int c0, int c1, int c2,
+                                                   int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(smem_u32(dst)),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
+                 : "memory");
+}
+
 /** TMA copy-out of one box from shared memory: store... */
 static __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, const void *src,
                                                     int c0, int c1) {
@@ -227,7 +238,7 @@ static inline PFN_cuTensorMapEncodeTiled_v12000 moe_tma_encode_fn(void) {
 /** Element types of moe_tma_map(): its last argument. */
 enum { MOE_TMA_BF16 = 0, MOE_TMA_F32 = 1, MOE_TMA_U8 = 2 /* FP8 codes: bytes to TMA */ };
 
-/** A tensor map over a row-major tensor of @p rank dims (innermost first) with a box of
+/** A tensor map over a dense row-major tensor of @p rank (2 to 5) dims (innermost first) with a box of
  *  @p box elements, 128-byte swizzle, zero fill outside the tensor. @p elem: MOE_TMA_BF16
  *  (the default), MOE_TMA_F32 (also written as 1), or MOE_TMA_U8 (FP8 codes: TMA moves
  *  bytes and does not need to know the format). */
@@ -235,11 +246,11 @@ static inline CUtensorMap moe_tma_map(const void *base, int rank, const uint64_t
                                       const uint32_t *box, int elem = MOE_TMA_BF16) {
     CUtensorMap m;
     const uint64_t esize = elem == MOE_TMA_F32 ? 4 : elem == MOE_TMA_U8 ? 1 : 2;
-    uint64_t strides[2];
+    uint64_t strides[4]; /* bytes from one index of dim i + 1 to the next (dense tensor) */
     strides[0] = dims[0] * esize;
-    if (rank == 3)
-        strides[1] = dims[1] * strides[0];
-    const uint32_t estride[3] = {1, 1, 1};
+    for (int i = 1; i + 1 < rank && i < 4; i++)
+        strides[i] = dims[i] * strides[i - 1];
+    const uint32_t estride[5] = {1, 1, 1, 1, 1};
     const CUtensorMapDataType type = elem == MOE_TMA_F32  ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
                                      : elem == MOE_TMA_U8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
                                                           : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;

@@ -218,6 +218,8 @@ static const shape SHAPES[] = {
 /* Select the tile configuration of loop index i; returns its name for the messages. */
 static const char *tiles_for(int i) {
     const int narrow = i >= NSHAPES;
+    /* the portable kernel's forward; the Hopper one has its own test (test_attention_sm90) */
+    ck_assert_int_eq(setenv("MOE_FLASH_SM90", "0", 1), 0);
     ck_assert_int_eq(setenv("MOE_FLASH_MT", narrow ? "1" : "2", 1), 0);
     return narrow ? "MT=1" : "MT=2";
 }
@@ -297,6 +299,141 @@ START_TEST(test_attention_forward) {
     for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++)
         free(hbufs[i]);
     unsetenv("MOE_FLASH_MT"); /* back to the default for whatever runs next */
+    unsetenv("MOE_FLASH_SM90");
+}
+END_TEST
+
+/* ------------------------------------------------------- the Hopper forward (sm_90a) */
+
+/* kernels/attention_sm90.cu against the CPU twin and against the portable kernel, on the
+ * shapes its tiles make hard: lengths around its 128-row query and key tiles (1, 63, 127,
+ * 129, 300, 1000) and a long one, both head dims it runs, GQA 4 (Hq = 8, Hkv = 2), and the
+ * chunks context parallelism passes (a query chunk after its key chunk; a chunk whose
+ * queries all precede the keys: every row sees nothing, y = 0, lse = −∞; a shifted
+ * diagonal). On an sm_90 device the test fails unless the Hopper path actually ran
+ * (moe_cuda_attention_sm90_calls() grew), so it cannot pass through the portable kernel;
+ * elsewhere it checks the fallback. */
+static const shape SM90_SHAPES[] = {
+    {2, 1, 1, 8, 2, 128, 0, 0, "T = 1"},
+    {2, 63, 63, 8, 2, 64, 0, 0, "T = 63, D = 64"},
+    {2, 127, 127, 8, 2, 128, 0, 0, "T = 127"},
+    {2, 129, 129, 8, 2, 64, 0, 0, "T = 129, D = 64: a second tile of one row"},
+    {2, 129, 129, 8, 2, 128, 0, 0, "T = 129, D = 128"},
+    {1, 300, 300, 8, 2, 128, 0, 0, "T = 300"},
+    {1, 1000, 1000, 8, 2, 64, 0, 0, "T = 1000, D = 64"},
+    {1, 1000, 1000, 4, 4, 128, 0, 0, "T = 1000, MHA"},
+    {2, 300, 300, 8, 2, 128, 600, 300, "CP: queries 600..899 after the keys 300..599"},
+    {2, 200, 300, 8, 2, 64, 0, 300, "CP: queries 0..199 before the keys 300..499: all blind"},
+    {2, 250, 170, 8, 2, 128, 100, 30, "CP: keys 30..199, queries 100..349: a shifted diagonal"},
+    {1, 700, 500, 8, 2, 64, 0, 77, "CP: keys 77..576, queries 0..699: 77 blind rows"},
+    {1, 4096, 4096, 4, 1, 128, 0, 0, "T = 4096, MQA"}, /* skipped under MOE_TEST_QUICK */
+};
+#define NSM90 ((int)(sizeof SM90_SHAPES / sizeof SM90_SHAPES[0]))
+
+/* max|a − b| / max|b| as norm_err, and the first element over tol·max|b| (or NaN) printed
+ * with its index and both values: where a kernel goes wrong, not only that it does. */
+static double diag_err(const char *what, const moe_real *a, const moe_real *b, size_t n,
+                       double tol) {
+    double den = 0.0, num = 0.0;
+    size_t worst = 0;
+    for (size_t i = 0; i < n; i++)
+        den = fabs((double)b[i]) > den ? fabs((double)b[i]) : den;
+    int shown = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double d = fabs((double)a[i] - (double)b[i]);
+        if ((isnan(d) || d > tol * (den > 0.0 ? den : 1.0)) && !shown) {
+            printf("  %s: first mismatch at %zu: got %g, want %g\n", what, i, (double)a[i],
+                   (double)b[i]);
+            shown = 1;
+        }
+        if (isnan(d))
+            return INFINITY;
+        if (d > num)
+            num = d, worst = i;
+    }
+    if (num > 0.0)
+        printf("  %s: max error %g at %zu (got %g, want %g)\n", what, num, worst,
+               (double)a[worst], (double)b[worst]);
+    return den > 0.0 ? num / den : num;
+}
+
+/* Is the current device a compute capability 9 GPU (where the Hopper path must run)? */
+static int device_is_sm90(void) {
+    int dev = 0, major = 0;
+    CU_OK(cudaGetDevice(&dev));
+    CU_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    return major == 9;
+}
+
+START_TEST(test_attention_sm90) {
+    const shape s = SM90_SHAPES[_i];
+    if (moe_test_quick() && s.Tq >= 4096)
+        return;
+    const moe_attention_shape sh = op_shape(&s);
+    const size_t nq = (size_t)s.B * s.Tq * s.Hq * s.D, nkv = (size_t)s.B * s.Tk * s.Hkv * s.D;
+    const size_t nl = (size_t)s.B * s.Hq * s.Tq;
+    moe_real *q = randn_bf16(nq, 200 + (uint64_t)_i, 1.0);
+    moe_real *k = randn_bf16(nkv, 220 + (uint64_t)_i, 1.0);
+    moe_real *v = randn_bf16(nkv, 240 + (uint64_t)_i, 1.0);
+    moe_real *y_ref = malloc(nq * sizeof *y_ref), *l_ref = malloc(nl * sizeof *l_ref);
+    moe_real *y[2], *l[2];
+    for (int p = 0; p < 2; p++) {
+        y[p] = malloc(nq * sizeof *y[p]);
+        l[p] = malloc(nl * sizeof *l[p]);
+        ck_assert(y[p] && l[p]);
+    }
+    ck_assert(y_ref && l_ref);
+    moe_cpu_attention_forward(y_ref, l_ref, NULL, q, k, v, sh);
+
+    void *dq = upload(q, nq), *dk = upload(k, nkv), *dv = upload(v, nkv);
+    const int sm90 = device_is_sm90();
+    /* p = 0: the portable kernel (MOE_FLASH_SM90=0); p = 1: the Hopper one (the default) */
+    for (int p = 0; p < 2; p++) {
+        ck_assert_int_eq(setenv("MOE_FLASH_SM90", p ? "1" : "0", 1), 0);
+        void *dy = upload_nan(nq);
+        float *dl = upload_nan_f32(nl), *ws = upload_nan_f32(nl);
+        const long long before = moe_cuda_attention_sm90_calls();
+        moe_cuda_attention_forward(dy, dl, ws, dq, dk, dv, sh);
+        CU_OK(cudaGetLastError());
+        download(y[p], dy, nq);
+        download_f32(l[p], dl, nl);
+        const long long ran = moe_cuda_attention_sm90_calls() - before;
+        ck_assert_msg(ran == (p && sm90), "%s: the Hopper path ran %lld times with "
+                      "MOE_FLASH_SM90=%d on a device %s sm_90", s.what, ran, p,
+                      sm90 ? "of" : "not of");
+        cudaFree(dy);
+        cudaFree(dl);
+        cudaFree(ws);
+    }
+    unsetenv("MOE_FLASH_SM90");
+
+    printf("attention sm90 forward B=%d Tq=%4d Tk=%4d Hq=%d Hkv=%d D=%3d pos %d/%d (%s)%s\n",
+           s.B, s.Tq, s.Tk, s.Hq, s.Hkv, s.D, s.q_pos, s.k_pos, s.what,
+           sm90 ? "" : " [no sm_90 device: the fallback]");
+    const double ey = diag_err("y vs cpu", y[1], y_ref, nq, 1e-2);
+    const double ep = diag_err("y vs portable", y[1], y[0], nq, 1e-2);
+    size_t inf_mismatch;
+    const double el = lse_err(l[1], l_ref, nl, &inf_mismatch);
+    size_t first_inf = nl;
+    for (size_t i = 0; i < nl && first_inf == nl; i++)
+        if ((isinf(l[1][i]) || isinf(l_ref[i])) && l[1][i] != l_ref[i])
+            first_inf = i;
+    if (first_inf < nl)
+        printf("  lse: first -inf mismatch at %zu: got %g, want %g\n", first_inf,
+               (double)l[1][first_inf], (double)l_ref[first_inf]);
+    printf("  y %.2e (vs portable %.2e)  lse %.2e\n", ey, ep, el);
+    ck_assert_msg(ey <= 1e-2, "%s: y error %g against the CPU", s.what, ey);
+    ck_assert_msg(ep <= 1e-2, "%s: y error %g against the portable kernel", s.what, ep);
+    ck_assert_msg(el <= 1e-3, "%s: lse error %g", s.what, el);
+    ck_assert_msg(inf_mismatch == 0, "%s: %zu lse entries are -inf on one side only", s.what,
+                  inf_mismatch);
+
+    cudaFree(dq);
+    cudaFree(dk);
+    cudaFree(dv);
+    moe_real *hbufs[] = {q, k, v, y_ref, l_ref, y[0], y[1], l[0], l[1]};
+    for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++)
+        free(hbufs[i]);
 }
 END_TEST
 
@@ -374,6 +511,7 @@ START_TEST(test_attention_backward) {
     for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++)
         free(hbufs[i]);
     unsetenv("MOE_FLASH_MT"); /* back to the default for whatever runs next */
+    unsetenv("MOE_FLASH_SM90");
 }
 END_TEST
 
@@ -549,6 +687,7 @@ Suite *suite_gpu_attention(void) {
     TCase *tc = tcase_create("attention");
     tcase_set_timeout(tc, 120);
     tcase_add_loop_test(tc, test_attention_forward, 0, 2 * NSHAPES);
+    tcase_add_loop_test(tc, test_attention_sm90, 0, NSM90);
     tcase_add_loop_test(tc, test_attention_backward, 0, 2 * NSHAPES);
     tcase_add_loop_test(tc, test_attention_deterministic, 0, 2 * NDET);
     suite_add_tcase(s, tc);

@@ -15,6 +15,12 @@
  * --warmup calls. The SDPA numbers come from chapters/07-long-context/ch07_sdpa.py (run with
  * --python; it checks the two backends against each other on the same inputs).
  *
+ * On an sm_90 GPU the forward is the Hopper kernel (kernels/attention_sm90.cu) for D = 64
+ * and 128; the portable forward (kernels/attention.cu, MOE_FLASH_SM90=0) is timed too, and
+ * the table shows both ("sm90" says which path the main columns took). The backward is the
+ * portable one either way. Run the whole program under MOE_FLASH_SM90=0 to measure the
+ * portable kernel alone.
+ *
  *   bin/ch07_attention_bench [--seqs 1024,4096,16384,32768,65536] [--dims 64,128]
  *                            [--tokens 16384] [--hidden 2048] [--repeats 10] [--warmup 3]
  *                            [--python python3 | --no-sdpa]
@@ -39,6 +45,8 @@ typedef struct sdpa_row {
 typedef struct shape_result {
     int B, H, T, D;
     double check, fwd, bwd, fb; /* check error; ms */
+    double fwd_portable;        /* ms: the portable forward (MOE_FLASH_SM90=0) */
+    int sm90;                   /* the main forward ran the Hopper kernel */
     sdpa_row flash, cudnn;
 } shape_result;
 
@@ -231,7 +239,20 @@ static void measure(shape_result *r, int reps, int warmup) {
                 CHECK_TOL);
         exit(1);
     }
+    const long long calls = moe_cuda_attention_sm90_calls();
     r->fwd = time_op(0, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
+    r->sm90 = moe_cuda_attention_sm90_calls() > calls;
+    /* the portable forward on the same inputs, then the caller's setting back */
+    const char *prev = getenv("MOE_FLASH_SM90");
+    char saved[16] = "";
+    if (prev)
+        snprintf(saved, sizeof saved, "%s", prev);
+    setenv("MOE_FLASH_SM90", "0", 1);
+    r->fwd_portable = time_op(0, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
+    if (prev)
+        setenv("MOE_FLASH_SM90", saved, 1);
+    else
+        unsetenv("MOE_FLASH_SM90");
     r->bwd = time_op(1, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
     r->fb = time_op(2, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
     void *bufs[] = {q, k, v, dy, y, dq, dk, dv, lse, ws};
@@ -377,24 +398,27 @@ int main(int argc, char **argv) {
             r->H = hidden / dims[j];
             r->B = tokens / seqs[i] > 1 ? tokens / seqs[i] : 1;
             measure(r, reps, warmup);
-            fprintf(stderr, "  measured T=%d D=%d: fwd %.3f ms bwd %.3f ms (check %.1e)\n",
-                    r->T, r->D, r->fwd, r->bwd, r->check);
+            fprintf(stderr, "  measured T=%d D=%d: fwd %.3f ms (%s; portable %.3f ms) bwd %.3f "
+                    "ms (check %.1e)\n", r->T, r->D, r->fwd, r->sm90 ? "sm90" : "portable",
+                    r->fwd_portable, r->bwd, r->check);
         }
     char info[512] = "skipped (--no-sdpa)";
     if (sdpa)
         run_sdpa(res, n, python, reps, warmup, info, sizeof info);
     printf("SDPA: %s\n\n", info);
-    printf("| T | D | B×H | check | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | "
+    printf("| T | D | B×H | check | sm90 | fwd ms | fwd TFLOP/s | portable fwd ms | portable "
+           "fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | "
            "fwd+bwd TFLOP/s | FLASH fwd / f+b TFLOP/s | cuDNN fwd / f+b TFLOP/s | "
            "fwd vs FLASH / cuDNN | f+b vs FLASH / cuDNN |\n"
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+           "|---:|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (int i = 0; i < n; i++) {
         const shape_result *r = &res[i];
         const double f = 2.0 * r->B * r->H * (double)r->T * r->T * r->D; /* causal fwd */
         char a[16], b[16], c[16], d[16], e[16], g[16], x[16], z[16];
-        printf("| %d | %d | %d×%d | %.1e | %.3f | %.0f | %.3f | %.0f | %.3f | %.0f | %s / %s | "
-               "%s / %s | %s / %s | %s / %s |\n",
-               r->T, r->D, r->B, r->H, r->check, r->fwd, tflops(f, r->fwd), r->bwd,
+        printf("| %d | %d | %d×%d | %.1e | %s | %.3f | %.0f | %.3f | %.0f | %.3f | %.0f | %.3f "
+               "| %.0f | %s / %s | %s / %s | %s / %s | %s / %s |\n",
+               r->T, r->D, r->B, r->H, r->check, r->sm90 ? "yes" : "no", r->fwd,
+               tflops(f, r->fwd), r->fwd_portable, tflops(f, r->fwd_portable), r->bwd,
                tflops(2.5 * f, r->bwd), r->fb, tflops(3.5 * f, r->fb),
                tf_or_dash(a, f, &r->flash, 0), tf_or_dash(b, 3.5 * f, &r->flash, 2),
                tf_or_dash(c, f, &r->cudnn, 0), tf_or_dash(d, 3.5 * f, &r->cudnn, 2),
