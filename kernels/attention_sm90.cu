@@ -15,8 +15,9 @@
  * memory by the TMA engine: one thread issues the copy, an mbarrier counts its bytes in.
  * Neither needs the math warps' registers or issue slots, so the work splits by role:
  *
- *   warp specialisation  a CTA has 2 consumer warpgroups (warps 0-7) and 1 producer warp
- *             (warp 8, one lane working). The producer loads the CTA's Q tile (128 query
+ *   warp specialisation  a CTA has 2 consumer warpgroups (warps 0-7) and 1 producer
+ *             warpgroup (warps 8-11, of which one lane works; it gives its registers to the
+ *             consumers with setmaxnreg: 24 each, the consumers 240). The producer loads the CTA's Q tile (128 query
  *             rows of one (b, h)) once, then the K and V tiles (128 keys each) into a ring
  *             of STAGES = 2 stages: it waits for a stage to be empty (8 arrivals: every
  *             consumer warp is done with it), announces the stage's bytes on its full
@@ -90,7 +91,8 @@ namespace {
 
 constexpr int BM = 128;           /* query rows of a CTA: 2 consumer warpgroups × 64 */
 constexpr int STAGES = 2;         /* the K/V ring */
-constexpr int THREADS = 288;      /* 2 consumer warpgroups (warps 0-7) + 1 producer warp */
+constexpr int THREADS = 384;      /* 2 consumer warpgroups + 1 producer warpgroup (one lane
+                                     works: its registers go to the consumers, setmaxnreg) */
 constexpr int BOX = 128 * 64 * 2; /* one TMA box: [128 rows][64 bf16], 16 KB */
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL) /* device code: sm_90a */
 constexpr int BN = 128; /* keys of a tile */
@@ -138,7 +140,7 @@ __device__ __forceinline__ float fa_quad_sum(float x) {
 }
 #endif
 
-template <int D>
+template <int D, bool PIPE>
 __global__ void __launch_bounds__(THREADS, 1)
     fa_sm90_forward_kernel(const __grid_constant__ CUtensorMap mq,
                            const __grid_constant__ CUtensorMap mk,
@@ -174,6 +176,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     if (wg == 2) {
         /* ------------------------------------------------ producer (one lane) */
+        setmaxnreg_dec<24>();
         if (tid == 0 && nkt > 0) {
             mbar_expect_tx(&qbar, L::TILE);
             for (int c = 0; c < NC; c++)
@@ -193,6 +196,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 
     /* ---------------------------------------------------- consumers */
+    /* 240 registers: O (D/2), S (64) and P (32) of the overlapped loop, with room; the
+     * launch's 168 per thread × 384 = 24 × 128 + 240 × 256 (of 64K) */
+    setmaxnreg_inc<240>();
     const int lane = tid % 32, w = tid / 32;
     const int row = t0 + 64 * wg + 16 * w + lane / 4; /* this thread's rows: row, row + 8 */
     const float sl = a.scale * LOG2E;                 /* exp(x/√D) = exp2(x·sl) */
@@ -202,16 +208,13 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int i = 0; i < D / 2; i++)
         o[i] = 0.0f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
-    if (nkt > 0)
-        mbar_wait(&qbar, 0);
+    float sc[BN / 2];   /* S of a tile: 64 rows × 128 keys, then its exponentials */
+    uint32_t p[BN / 4]; /* P as bf16 pairs: k-block kb's A fragment is p[4kb .. 4kb + 3] */
 
-    for (int j = 0; j < nkt; j++) {
-        const int s = j % STAGES, phase = (j / STAGES) & 1;
-        mbar_wait(&full[s], phase);
-        const uint8_t *kt = KV + s * L::STAGE, *vt = kt + L::TILE;
-
-        /* S = Q Kᵀ: 64 rows × 128 keys, D/16 k-steps (32 bytes along the row, 4 per box) */
-        float sc[BN / 2];
+    /* S = Q Kᵀ of the tile in stage s, issued (not waited for): D/16 k-steps of 32 bytes
+     * along the rows, 4 per box */
+    auto issue_s = [&](int s) {
+        const uint8_t *kt = KV + s * L::STAGE;
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
@@ -220,14 +223,25 @@ __global__ void __launch_bounds__(THREADS, 1)
                                      kk > 0);
         }
         wgmma_commit();
-        wgmma_wait<0>();
+    };
+    /* O += P V with the V of stage s, issued: 128 keys = 8 k-steps of 16 keys (2048 bytes) */
+    auto issue_pv = [&](int s) {
+        const uint8_t *vt = KV + s * L::STAGE + L::TILE;
+        wgmma_fence();
+#pragma unroll
+        for (int kb = 0; kb < BN / 16; kb++)
+            moe_wgmma_rs<D, 1>::mma(o, p + 4 * kb, fa_desc_mnmajor(vt + kb * 2048), 1);
+        wgmma_commit();
+    };
+    /* The mask and the online softmax of tile j, once its S has landed in sc: sc becomes
+     * exp2(S·sl − m_new·sl), m and l are updated, and the factors O must be scaled by are
+     * returned in al0, al1 (the caller applies them once O's pending product is done). */
+    auto softmax = [&](int j, float &al0, float &al1) {
 #pragma unroll
         for (int i = 0; i < BN / 2; i++)
             reg_fence(sc[i]);
-
-        /* the mask, only on tiles that cross the diagonal or the end of the keys */
         const int s0 = j * BN;
-        if (s0 + BN - 1 > t0 + a.off || s0 + BN > a.Tk) {
+        if (s0 + BN - 1 > t0 + a.off || s0 + BN > a.Tk) { /* crosses the diagonal or Tk */
 #pragma unroll
             for (int n = 0; n < BN / 8; n++)
 #pragma unroll
@@ -237,8 +251,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                         sc[4 * n + e] = -INFINITY;
                 }
         }
-
-        /* the online softmax of rows row (e = 0, 1) and row + 8 (e = 2, 3) */
+        /* rows row (e = 0, 1) and row + 8 (e = 2, 3); the 4 threads of a row hold its
+         * 128 columns two by two */
         float mx0 = m0, mx1 = m1;
 #pragma unroll
         for (int n = 0; n < BN / 8; n++) {
@@ -250,24 +264,28 @@ __global__ void __launch_bounds__(THREADS, 1)
         /* a row with nothing visible yet keeps m = −∞: exponents against 0, all 0 */
         const float ms0 = mx0 == -INFINITY ? 0.0f : mx0 * sl;
         const float ms1 = mx1 == -INFINITY ? 0.0f : mx1 * sl;
-        const float al0 = exp2f(m0 * sl - ms0), al1 = exp2f(m1 * sl - ms1); /* 0 from −∞ */
+        al0 = exp2f(m0 * sl - ms0); /* 0 while m was −∞ */
+        al1 = exp2f(m1 * sl - ms1);
         m0 = mx0;
         m1 = mx1;
         float rs0 = 0.0f, rs1 = 0.0f;
-        uint32_t p[BN / 4]; /* P as bf16 pairs: k-block kb's A fragment is p[4kb .. 4kb + 3] */
 #pragma unroll
         for (int n = 0; n < BN / 8; n++) {
-            const float p0 = exp2f(fmaf(sc[4 * n], sl, -ms0));
-            const float p1 = exp2f(fmaf(sc[4 * n + 1], sl, -ms0));
-            const float p2 = exp2f(fmaf(sc[4 * n + 2], sl, -ms1));
-            const float p3 = exp2f(fmaf(sc[4 * n + 3], sl, -ms1));
-            rs0 += p0 + p1;
-            rs1 += p2 + p3;
-            p[2 * n] = fa_pack_bf16(p0, p1);     /* (row, k), (row, k + 1) */
-            p[2 * n + 1] = fa_pack_bf16(p2, p3); /* the same at row + 8 */
+            sc[4 * n] = exp2f(fmaf(sc[4 * n], sl, -ms0));
+            sc[4 * n + 1] = exp2f(fmaf(sc[4 * n + 1], sl, -ms0));
+            sc[4 * n + 2] = exp2f(fmaf(sc[4 * n + 2], sl, -ms1));
+            sc[4 * n + 3] = exp2f(fmaf(sc[4 * n + 3], sl, -ms1));
+            rs0 += sc[4 * n] + sc[4 * n + 1];
+            rs1 += sc[4 * n + 2] + sc[4 * n + 3];
         }
         l0 = l0 * al0 + rs0; /* this thread's columns; the quad's are merged at the end */
         l1 = l1 * al1 + rs1;
+    };
+    /* O ·= alpha per row, then P = bf16(sc) in the A-fragment order (the fragment trick) */
+    auto rescale_pack = [&](float al0, float al1) {
+#pragma unroll
+        for (int i = 0; i < D / 2; i++)
+            reg_fence(o[i]);
 #pragma unroll
         for (int n = 0; n < D / 8; n++) {
             o[4 * n] *= al0;
@@ -275,21 +293,62 @@ __global__ void __launch_bounds__(THREADS, 1)
             o[4 * n + 2] *= al1;
             o[4 * n + 3] *= al1;
         }
-
-        /* O += P V: 128 keys = 8 k-steps of 16 keys (2048 bytes of V each) */
-        wgmma_fence();
 #pragma unroll
-        for (int kb = 0; kb < BN / 16; kb++)
-            moe_wgmma_rs<D, 1>::mma(o, p + 4 * kb, fa_desc_mnmajor(vt + kb * 2048), 1);
-        wgmma_commit();
-        wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < D / 2; i++)
-            reg_fence(o[i]);
+        for (int n = 0; n < BN / 8; n++) {
+            p[2 * n] = fa_pack_bf16(sc[4 * n], sc[4 * n + 1]);     /* (row, k), (row, k+1) */
+            p[2 * n + 1] = fa_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]); /* row + 8 */
+        }
+    };
+    auto release = [&](int s) {
         __syncwarp();
         if (lane == 0) /* this warp is done with the stage */
             mbar_arrive(&empty[s]);
+    };
+
+    if (nkt > 0)
+        mbar_wait(&qbar, 0);
+    if (!PIPE) {
+        /* one tile at a time: S, softmax, P V, each waiting for the one before */
+        for (int j = 0; j < nkt; j++) {
+            const int s = j % STAGES;
+            mbar_wait(&full[s], (j / STAGES) & 1);
+            issue_s(s);
+            wgmma_wait<0>();
+            float al0, al1;
+            softmax(j, al0, al1);
+            rescale_pack(al0, al1);
+            issue_pv(s);
+            wgmma_wait<0>();
+            release(s);
+        }
+    } else if (nkt > 0) {
+        /* FA3's intra-warpgroup overlap: S of tile j is issued before P V of tile j − 1,
+         * so the tensor cores run P V while this warpgroup does tile j's softmax (which
+         * reads only sc; p and o belong to the pending product until its wait) */
+        float al0, al1;
+        mbar_wait(&full[0], 0);
+        issue_s(0);
+        wgmma_wait<0>();
+        softmax(0, al0, al1);
+        rescale_pack(al0, al1);
+        for (int j = 1; j < nkt; j++) {
+            const int s = j % STAGES, sp = (j - 1) % STAGES;
+            mbar_wait(&full[s], (j / STAGES) & 1);
+            issue_s(s);
+            issue_pv(sp);
+            wgmma_wait<1>(); /* S_j has landed (groups complete in order) */
+            softmax(j, al0, al1);
+            wgmma_wait<0>(); /* P_{j−1} V_{j−1} is done: o and p are ours again */
+            release(sp);
+            rescale_pack(al0, al1);
+        }
+        issue_pv((nkt - 1) % STAGES);
+        wgmma_wait<0>();
+        release((nkt - 1) % STAGES);
     }
+#pragma unroll
+    for (int i = 0; i < D / 2; i++)
+        reg_fence(o[i]);
 
     /* ---------------------------------------------------- epilogue */
     l0 = fa_quad_sum(l0);
@@ -339,6 +398,20 @@ bool fa_sm90_enabled(void) {
     return e[0] == '1';
 }
 
+/* MOE_FLASH_SM90_PIPE: unset or 1 = the overlapped main loop (S of tile j under P V of tile
+ * j − 1), 0 = one tile at a time (the simpler loop, kept to compare and to fall back on). */
+bool fa_sm90_pipelined(void) {
+    const char *e = getenv("MOE_FLASH_SM90_PIPE");
+    if (!e)
+        return true;
+    if (strcmp(e, "0") && strcmp(e, "1")) {
+        fprintf(stderr, "MOE_FLASH_SM90_PIPE=%s: must be 1 (the overlapped main loop, the "
+                        "default) or 0 (one tile at a time)\n", e);
+        exit(1);
+    }
+    return e[0] == '1';
+}
+
 bool fa_sm90_device(void) {
     static int avail = -1;
     if (avail < 0) {
@@ -354,12 +427,12 @@ bool fa_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 long long g_sm90_calls = 0;
 
-template <int D>
+template <int D, bool PIPE>
 void fa_sm90_launch(moe_bf16 *y, float *lse, const void *q, const void *k, const void *v,
                     moe_attention_shape s) {
     static bool configured = false;
     if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(fa_sm90_forward_kernel<D>,
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(fa_sm90_forward_kernel<D, PIPE>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             Layout<D>::BYTES));
         configured = true;
@@ -375,7 +448,7 @@ void fa_sm90_launch(moe_bf16 *y, float *lse, const void *q, const void *k, const
     const CUtensorMap mk = fa_sm90_map(k, s.B, s.Tk, s.Hkv, D);
     const CUtensorMap mv = fa_sm90_map(v, s.B, s.Tk, s.Hkv, D);
     const dim3 grid((unsigned)s.Hq, (unsigned)s.B, (unsigned)((s.Tq + BM - 1) / BM));
-    fa_sm90_forward_kernel<D><<<grid, THREADS, Layout<D>::BYTES, moe_cuda_stream()>>>(
+    fa_sm90_forward_kernel<D, PIPE><<<grid, THREADS, Layout<D>::BYTES, moe_cuda_stream()>>>(
         mq, mk, mv, y, lse, a);
     MOE_CUDA_LAUNCH_CHECK();
 }
@@ -390,10 +463,13 @@ extern "C" int moe_cuda_attention_sm90_forward(void *y, moe_real *lse, const voi
         return 0;
     if (!fa_aligned16(y) || !fa_aligned16(q) || !fa_aligned16(k) || !fa_aligned16(v))
         return 0; /* TMA needs 16-byte aligned tensors (cudaMalloc gives 256) */
+    const bool pipe = fa_sm90_pipelined();
     if (s.D == 64)
-        fa_sm90_launch<64>((moe_bf16 *)y, lse, q, k, v, s);
+        pipe ? fa_sm90_launch<64, true>((moe_bf16 *)y, lse, q, k, v, s)
+             : fa_sm90_launch<64, false>((moe_bf16 *)y, lse, q, k, v, s);
     else
-        fa_sm90_launch<128>((moe_bf16 *)y, lse, q, k, v, s);
+        pipe ? fa_sm90_launch<128, true>((moe_bf16 *)y, lse, q, k, v, s)
+             : fa_sm90_launch<128, false>((moe_bf16 *)y, lse, q, k, v, s);
     g_sm90_calls++;
     return 1;
 }

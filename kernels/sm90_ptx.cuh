@@ -212,6 +212,17 @@ template <int N> static __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
+/** Warp specialisation's register split: every warp of a warpgroup gives its registers
+ *  back down to N per thread (a producer that only issues TMA) or asks for N (the math
+ *  warpgroups); the compiler allocates the code after it within N. N is a multiple of 8 in
+ *  24..256, and the CTA's total must fit the SM's 64K registers. */
+template <int N> static __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <int N> static __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+
 /** Keep the compiler from moving accumulator reads across a wgmma wait. */
 static __device__ __forceinline__ void reg_fence(float &r) { asm volatile("" : "+f"(r)::"memory"); }
 #endif

@@ -376,8 +376,8 @@ START_TEST(test_attention_sm90) {
     moe_real *k = randn_bf16(nkv, 220 + (uint64_t)_i, 1.0);
     moe_real *v = randn_bf16(nkv, 240 + (uint64_t)_i, 1.0);
     moe_real *y_ref = malloc(nq * sizeof *y_ref), *l_ref = malloc(nl * sizeof *l_ref);
-    moe_real *y[2], *l[2];
-    for (int p = 0; p < 2; p++) {
+    moe_real *y[3], *l[3];
+    for (int p = 0; p < 3; p++) {
         y[p] = malloc(nq * sizeof *y[p]);
         l[p] = malloc(nl * sizeof *l[p]);
         ck_assert(y[p] && l[p]);
@@ -387,9 +387,11 @@ START_TEST(test_attention_sm90) {
 
     void *dq = upload(q, nq), *dk = upload(k, nkv), *dv = upload(v, nkv);
     const int sm90 = device_is_sm90();
-    /* p = 0: the portable kernel (MOE_FLASH_SM90=0); p = 1: the Hopper one (the default) */
-    for (int p = 0; p < 2; p++) {
+    /* p = 0: the portable kernel (MOE_FLASH_SM90=0); p = 1: the Hopper one (the default,
+     * its overlapped loop); p = 2: the Hopper one with MOE_FLASH_SM90_PIPE=0 */
+    for (int p = 0; p < 3; p++) {
         ck_assert_int_eq(setenv("MOE_FLASH_SM90", p ? "1" : "0", 1), 0);
+        ck_assert_int_eq(setenv("MOE_FLASH_SM90_PIPE", p == 2 ? "0" : "1", 1), 0);
         void *dy = upload_nan(nq);
         float *dl = upload_nan_f32(nl), *ws = upload_nan_f32(nl);
         const long long before = moe_cuda_attention_sm90_calls();
@@ -399,39 +401,45 @@ START_TEST(test_attention_sm90) {
         download_f32(l[p], dl, nl);
         const long long ran = moe_cuda_attention_sm90_calls() - before;
         ck_assert_msg(ran == (p && sm90), "%s: the Hopper path ran %lld times with "
-                      "MOE_FLASH_SM90=%d on a device %s sm_90", s.what, ran, p,
+                      "MOE_FLASH_SM90=%d on a device %s sm_90", s.what, ran, p > 0,
                       sm90 ? "of" : "not of");
         cudaFree(dy);
         cudaFree(dl);
         cudaFree(ws);
     }
     unsetenv("MOE_FLASH_SM90");
+    unsetenv("MOE_FLASH_SM90_PIPE");
 
     printf("attention sm90 forward B=%d Tq=%4d Tk=%4d Hq=%d Hkv=%d D=%3d pos %d/%d (%s)%s\n",
            s.B, s.Tq, s.Tk, s.Hq, s.Hkv, s.D, s.q_pos, s.k_pos, s.what,
            sm90 ? "" : " [no sm_90 device: the fallback]");
-    const double ey = diag_err("y vs cpu", y[1], y_ref, nq, 1e-2);
-    const double ep = diag_err("y vs portable", y[1], y[0], nq, 1e-2);
-    size_t inf_mismatch;
-    const double el = lse_err(l[1], l_ref, nl, &inf_mismatch);
-    size_t first_inf = nl;
-    for (size_t i = 0; i < nl && first_inf == nl; i++)
-        if ((isinf(l[1][i]) || isinf(l_ref[i])) && l[1][i] != l_ref[i])
-            first_inf = i;
-    if (first_inf < nl)
-        printf("  lse: first -inf mismatch at %zu: got %g, want %g\n", first_inf,
-               (double)l[1][first_inf], (double)l_ref[first_inf]);
-    printf("  y %.2e (vs portable %.2e)  lse %.2e\n", ey, ep, el);
-    ck_assert_msg(ey <= 1e-2, "%s: y error %g against the CPU", s.what, ey);
-    ck_assert_msg(ep <= 1e-2, "%s: y error %g against the portable kernel", s.what, ep);
-    ck_assert_msg(el <= 1e-3, "%s: lse error %g", s.what, el);
-    ck_assert_msg(inf_mismatch == 0, "%s: %zu lse entries are -inf on one side only", s.what,
-                  inf_mismatch);
+    for (int p = 1; p < 3; p++) {
+        const char *loop = p == 1 ? "overlapped loop" : "MOE_FLASH_SM90_PIPE=0";
+        printf(" %s:\n", loop);
+        const double ey = diag_err("y vs cpu", y[p], y_ref, nq, 1e-2);
+        const double ep = diag_err("y vs portable", y[p], y[0], nq, 1e-2);
+        size_t inf_mismatch;
+        const double el = lse_err(l[p], l_ref, nl, &inf_mismatch);
+        size_t first_inf = nl;
+        for (size_t i = 0; i < nl && first_inf == nl; i++)
+            if ((isinf(l[p][i]) || isinf(l_ref[i])) && l[p][i] != l_ref[i])
+                first_inf = i;
+        if (first_inf < nl)
+            printf("  lse: first -inf mismatch at %zu: got %g, want %g\n", first_inf,
+                   (double)l[p][first_inf], (double)l_ref[first_inf]);
+        printf("  y %.2e (vs portable %.2e)  lse %.2e\n", ey, ep, el);
+        ck_assert_msg(ey <= 1e-2, "%s (%s): y error %g against the CPU", s.what, loop, ey);
+        ck_assert_msg(ep <= 1e-2, "%s (%s): y error %g against the portable kernel", s.what,
+                      loop, ep);
+        ck_assert_msg(el <= 1e-3, "%s (%s): lse error %g", s.what, loop, el);
+        ck_assert_msg(inf_mismatch == 0, "%s (%s): %zu lse entries are -inf on one side only",
+                      s.what, loop, inf_mismatch);
+    }
 
     cudaFree(dq);
     cudaFree(dk);
     cudaFree(dv);
-    moe_real *hbufs[] = {q, k, v, y_ref, l_ref, y[0], y[1], l[0], l[1]};
+    moe_real *hbufs[] = {q, k, v, y_ref, l_ref, y[0], y[1], y[2], l[0], l[1], l[2]};
     for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++)
         free(hbufs[i]);
 }
