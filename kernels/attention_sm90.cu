@@ -17,11 +17,11 @@
  *
  *   warp specialisation  a CTA has 2 consumer warpgroups (warps 0-7) and 1 producer
  *             warpgroup (warps 8-11, of which one lane works; it gives its registers to the
- *             consumers with setmaxnreg: 24 each, the consumers 240). The producer loads the CTA's Q tile (128 query
- *             rows of one (b, h)) once, then the K and V tiles (128 keys each) into a ring
- *             of STAGES = 2 stages: it waits for a stage to be empty (8 arrivals: every
- *             consumer warp is done with it), announces the stage's bytes on its full
- *             barrier and issues the TMA copies. The consumers wait on full, compute, and
+ *             consumers with setmaxnreg: 24 each, the consumers 240). The producer loads
+ *             the CTA's Q tile (128 query rows of one (b, h)) once, then the K and V tiles
+ *             (128 keys each) into a ring of 3 stages (4 at D = 64): it waits for a stage
+ *             to be empty (8 arrivals: every consumer warp is done with it), announces the
+ *             stage's bytes on its full barrier and issues the TMA copies. The consumers wait on full, compute, and
  *             arrive on empty. So loads run ahead of the math by a stage without any
  *             consumer thread spending an instruction on them.
  *   the math  consumer warpgroup c owns query rows 64c .. 64c + 63 of the tile:
@@ -59,8 +59,9 @@
  *             (Q, K) with SBO = 1024 (the next 8 rows) and the k16 step 32 bytes along the
  *             row (the next box at k = 64); MN-major (V) with SBO = 1024 (the next 8 keys),
  *             LBO = 16 KB (the next 64 columns of D: the next box) and the k16 step 16 keys
- *             = 2048 bytes. Q 32 KB + 2 stages × (K + V) 128 KB = 160 KB at D = 128 (80 KB
- *             at D = 64, where the key tile stays 128: a 64 × 128 S per warpgroup).
+ *             = 2048 bytes. Q 32 KB + 3 stages × (K + V) 192 KB = 224 KB at D = 128 (16 +
+ *             4 × 32 KB at D = 64, where the key tile stays 128: a 64 × 128 S per
+ *             warpgroup).
  *   epilogue  y = O / l written from registers as bf16 pairs, lse = m/√D + log l, the
  *             masked rows (past Tq) skipped; a row that saw nothing has l = 0: y = 0,
  *             lse = −∞.
@@ -90,7 +91,7 @@
 namespace {
 
 constexpr int BM = 128;           /* query rows of a CTA: 2 consumer warpgroups × 64 */
-constexpr int STAGES = 2;         /* the K/V ring */
+constexpr int MAX_STAGES = 4;     /* the K/V ring's barriers */
 constexpr int THREADS = 384;      /* 2 consumer warpgroups + 1 producer warpgroup (one lane
                                      works: its registers go to the consumers, setmaxnreg) */
 constexpr int BOX = 128 * 64 * 2; /* one TMA box: [128 rows][64 bf16], 16 KB */
@@ -103,7 +104,11 @@ template <int D> struct Layout {
     static constexpr int NC = D / 64;           /* boxes across the head dimension */
     static constexpr int TILE = NC * BOX;       /* Q, or K or V of one stage */
     static constexpr int STAGE = 2 * TILE;      /* K then V */
+    /* the K/V ring, as deep as the 227 KB of shared memory allow: D = 128: 32 + 3 × 64 KB,
+     * D = 64: 16 + 4 × 32 KB */
+    static constexpr int STAGES = D == 128 ? 3 : 4;
     static constexpr int BYTES = TILE + STAGES * STAGE + 1024; /* + alignment slack */
+    static_assert(STAGES <= MAX_STAGES && BYTES <= 227 * 1024, "shared memory");
 };
 
 struct Args {
@@ -148,12 +153,12 @@ __global__ void __launch_bounds__(THREADS, 1)
                            const Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     typedef Layout<D> L;
-    constexpr int NC = L::NC;
+    constexpr int NC = L::NC, STAGES = L::STAGES;
     extern __shared__ uint8_t fa_smem_raw[];
     /* 128-byte swizzled boxes must start on a 1024-byte boundary */
     uint8_t *Qs = fa_smem_raw + ((1024 - (smem_u32(fa_smem_raw) & 1023)) & 1023);
     uint8_t *KV = Qs + L::TILE; /* stage s: K at KV + s·STAGE, V TILE bytes after it */
-    __shared__ uint64_t qbar, full[STAGES], empty[STAGES];
+    __shared__ uint64_t qbar, full[MAX_STAGES], empty[MAX_STAGES];
 
     const int nqt = (a.Tq + BM - 1) / BM;
     const int h = blockIdx.x, b = blockIdx.y, t0 = (nqt - 1 - (int)blockIdx.z) * BM;
