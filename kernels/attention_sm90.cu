@@ -21,9 +21,9 @@
  *             the CTA's Q tile (128 query rows of one (b, h)) once, then the K and V tiles
  *             (128 keys each) into a ring of 3 stages (4 at D = 64): it waits for a stage
  *             to be empty (8 arrivals: every consumer warp is done with it), announces the
- *             stage's bytes on its full barrier and issues the TMA copies. The consumers wait on full, compute, and
- *             arrive on empty. So loads run ahead of the math by a stage without any
- *             consumer thread spending an instruction on them.
+ *             stage's bytes on its full barrier and issues the TMA copies. The consumers
+ *             wait on full, compute, and arrive on empty. So loads run stages ahead of the
+ *             math without any consumer thread spending an instruction on them.
  *   the math  consumer warpgroup c owns query rows 64c .. 64c + 63 of the tile:
  *             S = Q Kᵀ         wgmma m64n128k16, both operands from shared memory ("SS"):
  *                              Q [rows][D] and K [keys][D] are both K-major (D contiguous),

@@ -249,8 +249,8 @@ static inline PFN_cuTensorMapEncodeTiled_v12000 moe_tma_encode_fn(void) {
 /** Element types of moe_tma_map(): its last argument. */
 enum { MOE_TMA_BF16 = 0, MOE_TMA_F32 = 1, MOE_TMA_U8 = 2 /* FP8 codes: bytes to TMA */ };
 
-/** A tensor map over a dense row-major tensor of @p rank (2 to 5) dims (innermost first) with a box of
- *  @p box elements, 128-byte swizzle, zero fill outside the tensor. @p elem: MOE_TMA_BF16
+/** A tensor map over a dense row-major tensor of @p rank (2 to 5) dims (innermost first)
+ *  with a box of @p box elements, 128-byte swizzle, zero fill outside the tensor. @p elem: MOE_TMA_BF16
  *  (the default), MOE_TMA_F32 (also written as 1), or MOE_TMA_U8 (FP8 codes: TMA moves
  *  bytes and does not need to know the format). */
 static inline CUtensorMap moe_tma_map(const void *base, int rank, const uint64_t *dims,
