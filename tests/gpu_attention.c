@@ -12,7 +12,10 @@
  * The shapes cover the head dimensions the kernels are fast for (64, 128) and odd ones (40,
  * 5: no 16-byte loads), GQA ratios 1, 3 and MQA, lengths around the 64-row tiles (1, 17,
  * 255, 257), and chunks of queries against other chunks of keys (Tq ≠ Tk, q_pos ≠ k_pos,
- * rows that see no key: y = 0, lse = −∞), as context parallelism calls them.
+ * rows that see no key: y = 0, lse = −∞), as context parallelism calls them. Those run the
+ * portable kernel (MOE_FLASH_SM90=0); test_attention_sm90 runs the Hopper forward
+ * (kernels/attention_sm90.cu, both of its main loops) against the CPU and the portable
+ * kernel, and fails on an sm_90 device if the Hopper path did not run.
  *
  * Then context parallelism's device pieces (kernels/cp_merge.cu): the merge of partial
  * results by their log-sum-exp, the strided copy and the lse fill, against the CPU ops.
