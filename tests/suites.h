@@ -67,6 +67,8 @@ Suite *suite_gpu_fp8_layer(void); /* tests/gpu_fp8_layer.c: the native FP8 exper
                                      CPU's emulated recipe, its quantizers byte for byte */
 Suite *suite_gpu_fp8_fused(void); /* tests/gpu_fp8_fused.c: the vectorized 1x128 quantizer and
                                      the fused SwiGLU quantize passes == the separate ones */
+Suite *suite_gpu_fp8_wgrad(void); /* tests/gpu_fp8_wgrad.c: the FP8 wgrad's token-wise quantizer
+                                     (byte for byte) and grouped GEMM vs their CPU twins */
 
 /* MPI tests (CPU ranks under mpirun) */
 Suite *suite_mpi_comm(void);      /* tests/mpi_comm.c: every collective of comm.h, any rank count */
