@@ -127,6 +127,15 @@ typedef struct moe_lowp {
     uint64_t sr_calls;                  /**< gradient QDQs so far: the rounding's counter */
     int native;                         /**< 1: the routed experts run the native FP8 GEMMs
                                              (moe_lowp_native(); the model sets it) */
+    /* chapter 05's FP8 wgrad (lib/fp8_wgrad.h, MOE_FP8_WGRAD): the routed experts' weight
+     * gradients on operands quantized 1×128 along the tokens of each expert */
+    int fp8_wgrad;                      /**< 1: blockwise E4M3 with MOE_FP8_WGRAD on (not 0):
+                                             the native path runs the FP8 wgrad kernel, the
+                                             emulation its token-wise QDQ */
+    uint8_t *wg_q;                      /**< the native path's two token-wise copies (codes),
+                                             moe_lowp_alloc_fp8_wgrad() */
+    float *wg_s;                        /**< their scales */
+    size_t wg_elems;                    /**< codes @ref wg_q holds */
     /* delayed scaling (`--fp8-recipe delayed`): a state per call site, "Delayed scaling" */
     int delayed;                        /**< 1: the tensorwise recipe with delayed scaling */
     int hist_len;                       /**< --fp8-amax-history-len */
@@ -282,6 +291,23 @@ void moe_lowp_qdq_weight(const moe_backend *be, moe_lowp *lp, void *w, int group
  * @return 1 when native
  */
 int moe_lowp_native(const moe_backend *be, const moe_lowp *lp);
+
+/**
+ * @brief The native path's buffers for the FP8 wgrad (lib/fp8_wgrad.h): the token-wise codes
+ *        and scales of both operands of the largest expert wgrad (nothing when
+ *        @ref moe_lowp::fp8_wgrad is off).
+ * @param be backend  @param lp the context  @param rows the most permuted rows of a MoE layer
+ * @param G this rank's experts  @param channels the most O + I of an expert Linear (fc1:
+ *        2F + H)  @return 1 on success, 0 when out of memory
+ */
+int moe_lowp_alloc_fp8_wgrad(const moe_backend *be, moe_lowp *lp, int rows, int G,
+                             int channels);
+
+/**
+ * @brief The bytes moe_lowp_alloc_fp8_wgrad() allocates (the memory estimate).
+ * @param rows as there  @param G as there  @param channels as there  @return bytes
+ */
+size_t moe_lowp_fp8_wgrad_bytes(int rows, int G, int channels);
 
 /**
  * @brief The recipe half of moe_lowp_native(): blockwise (1×128 activations and gradients,
