@@ -38,6 +38,8 @@ Suite *suite_attention(void);  /* tests/test_attention.c: the CPU flash attentio
                                  naive reference: shapes, chunks at offsets, the model (ch07) */
 Suite *suite_step_scalars(void); /* tests/test_step_scalars.c: the step's scalars on the device,
                                     one wait per step, overflow re-run, non-finite skip (ch06) */
+Suite *suite_fp8_wgrad(void); /* tests/test_fp8_wgrad.c: the FP8 wgrad's CPU twins vs their
+                                 definitions, the emulated expert backward vs the twin */
 Suite *suite_quant(void);     /* tests/test_quant.c: the FP8/FP4/E8M0 codecs exhaustively, every
                                  quantization recipe vs its definition, RHT, stochastic rounding
                                  (chapter 05) */
