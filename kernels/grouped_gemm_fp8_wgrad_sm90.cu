@@ -16,7 +16,7 @@
  *   - the tiles: the group (expert) g, then 128-row block of dW_g, then 128-column block:
  *     G · (M/128) · (N/128) tiles, each with its group's k-loop, ⌈n_g/128⌉ k-blocks from the
  *     group's padded start P_g (lib/fp8_wgrad.h), which every CTA computes from the offsets
- *     in shared memory (a prefix sum over G ≤ 256 groups by one thread);
+ *     in shared memory (moe_wgrad_block_prefix, fp8_wgrad.cuh: a scan, a thread a group);
  *   - the scale of a k-block is a row scale times a COLUMN scale (a token block of dY's
  *     channel m and one of X's channel n), so the promotion multiplies each accumulator by
  *     its own sa[m]·sb[n]. A thread's 64 accumulators are rows r_lo, r_lo + 8 and columns
@@ -38,6 +38,7 @@
 
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
+#include "fp8_wgrad.cuh"
 #include "fp8_wgrad.h"
 #include "sm90_epilogue.cuh"
 #include "sm90_ptx.cuh"
@@ -50,6 +51,11 @@ constexpr int BM = 128, BN = 128, BK = MOE_QUANT_BLOCK, STAGES = 6, THREADS = 28
 constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK, STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int C_BYTES = 16384;
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * C_BYTES; /* 224 KB */
+static_assert(THREADS >= MOE_GROUPED_DEV_MAX_GROUPS, "moe_wgrad_block_prefix: a thread a group");
+/* registers a thread: __launch_bounds__(288, 1) let ptxas cap them at 168 (it rounds the CTA up
+ * to 384 threads), where the 128 accumulators, the scales and the addressing spilled; 288 ×
+ * 224 fit the SM's 64K */
+constexpr int MAX_REGS = 224;
 static_assert(BK == 128, "a stage must be one 128-token scale block of 128 bytes");
 
 struct Params {
@@ -61,7 +67,7 @@ struct Params {
 
 /* C32: fp32 output, else bf16 (stored). ORDERED: as the forward kernel */
 template <int C32, int ORDERED>
-__global__ void __launch_bounds__(THREADS, 1)
+__global__ void __maxnreg__(MAX_REGS)
     fp8_wgrad_kernel(const __grid_constant__ CUtensorMap map_a,
                      const __grid_constant__ CUtensorMap map_b,
                      const __grid_constant__ CUtensorMap map_c, const Params p) {
@@ -74,19 +80,13 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
     if (threadIdx.x == 0) {
-        int acc = 0;
-        for (int g = 0; g < p.G; g++) {
-            s_pb[g] = acc;
-            acc += (p.off[g + 1] - p.off[g] + BK - 1) / BK;
-        }
-        s_pb[p.G] = acc;
         for (int s = 0; s < STAGES; s++) {
             mbar_init(&full[s], 1);
             mbar_init(&empty[s], 8);
         }
         mbar_init_fence();
     }
-    __syncthreads();
+    moe_wgrad_block_prefix(s_pb, p.off, p.G); /* (ends with __syncthreads) */
     const int ntm = p.M / BM, ntn = p.N / BN, per_g = ntm * ntn, tiles = p.G * per_g;
 
     if (wg == 2) { /* ------------------------------------------------ producer */
@@ -163,11 +163,12 @@ __global__ void __launch_bounds__(THREADS, 1)
                 mbar_arrive(&empty[s]);
 #pragma unroll
             for (int j = 0; j < BN / 8; j++) {
+                const float2 sv = sbv[j];
 #pragma unroll
                 for (int h = 0; h < 4; h++) { /* d[4j+h]: row (h & 2 ? row1 : row0), column h & 1 */
                     const int i = 4 * j + h;
                     reg_fence(acc[i]);
-                    const float sc = ((h & 2) ? a1 : a0) * ((h & 1) ? sbv[j].y : sbv[j].x);
+                    const float sc = ((h & 2) ? a1 : a0) * ((h & 1) ? sv.y : sv.x);
                     d[i] = fmaf(acc[i], sc, d[i]);
                 }
             }

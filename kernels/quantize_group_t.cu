@@ -6,11 +6,11 @@
  * which any order gives alike).
  *
  * One 256-thread block per (128 channels, one padded 128-token block): grid (C/128, Kpad/128),
- * Kpad the host's bound (moe_fp8_wgrad_kpad). The block finds its group on the device: one
- * thread walks the offsets (G ≤ 256) accumulating ⌈n_g/128⌉ until it passes blockIdx.y;
- * blocks past the last group's padded end return at once. The 128 tokens × 128 channels of
- * bf16 go to shared memory as fp32 (a token past the group's end as 0: its key is 0, it
- * cannot raise an amax), then each warp quantizes 16 channels, a lane 4 tokens (lane + 32k),
+ * Kpad the host's bound (moe_fp8_wgrad_kpad). The block finds its group on the device: the
+ * groups' padded starts by a scan over the offsets (moe_wgrad_block_prefix, fp8_wgrad.cuh),
+ * then the one thread whose group holds blockIdx.y says so; blocks past the last group's
+ * padded end return at once. The 128 tokens × 128 channels of bf16 go to shared memory (a
+ * token past the group's end as 0: its key is 0, it cannot raise an amax), then each warp quantizes 16 channels, a lane 4 tokens (lane + 32k),
  * as the transposed half of blockwise_t_kernel: the transposed codes of a channel are one
  * 128-byte run of its row of the copy.
  * With y (the emulation's QDQ, moe_cpu_qdq_group_t's values rounded to bf16), the
@@ -19,35 +19,30 @@
  */
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
+#include "fp8_wgrad.cuh"
 #include "fp8_wgrad.h"
 
 namespace {
 
-constexpr int B = MOE_QUANT_BLOCK, LD = B + 1, THREADS = 256;
+/* the tile in bf16 (the input's own values: exact), 130 a row: a column read by a warp (one
+ * row a lane, 65 words apart) hits 32 banks */
+constexpr int B = MOE_QUANT_BLOCK, LD = B + 2, THREADS = 256;
+static_assert(THREADS >= MOE_GROUPED_DEV_MAX_GROUPS, "moe_wgrad_block_prefix: a thread a group");
 
 __global__ void __launch_bounds__(THREADS)
     group_t_kernel(uint8_t *qt, float *st, moe_bf16 *y, const moe_bf16 *x, const int *off,
                    int G, int C, size_t kpad, moe_fp8_format f, int pow2) {
-    __shared__ float tile[B * LD];
-    __shared__ int s_info[3]; /* the group's first token, its token count in this block, and
-                                 the block's padded column */
+    __shared__ moe_bf16 tile[B * LD];            /* 33 KB */
+    __shared__ int s_pb[MOE_GROUPED_DEV_MAX_GROUPS + 1];
+    __shared__ int s_info[2]; /* this block's first token and its token count (0: none) */
     const int pb = blockIdx.y, c0 = blockIdx.x * B;
-    if (threadIdx.x == 0) {
-        int g = 0, acc = 0, found = 0;
-        for (; g < G; g++) {
-            const int o0 = off[g], n = off[g + 1] - o0, nb = (n + B - 1) / B;
-            if (pb < acc + nb) {
-                const int kb = pb - acc;
-                s_info[0] = o0 + kb * B;
-                s_info[1] = min(B, n - kb * B);
-                found = 1;
-                break;
-            }
-            acc += nb;
-        }
-        if (!found)
-            s_info[1] = 0;
-        s_info[2] = pb * B;
+    if (threadIdx.x == 0)
+        s_info[1] = 0; /* past the last group's padded end, unless a group claims it */
+    moe_wgrad_block_prefix(s_pb, off, G); /* (synchronizes) */
+    if (threadIdx.x < G && s_pb[threadIdx.x] <= pb && pb < s_pb[threadIdx.x + 1]) {
+        const int g = threadIdx.x, kb = pb - s_pb[g]; /* exactly one thread: its group */
+        s_info[0] = off[g] + kb * B;
+        s_info[1] = min(B, off[g + 1] - off[g] - kb * B);
     }
     __syncthreads();
     const int t0 = s_info[0], nt = s_info[1];
@@ -55,7 +50,7 @@ __global__ void __launch_bounds__(THREADS)
         return; /* past the last group's padded end: not written (lib/fp8_wgrad.h) */
     for (int i = threadIdx.x; i < B * B; i += THREADS) {
         const int r = i / B, c = i % B; /* consecutive threads: consecutive channels */
-        tile[r * LD + c] = r < nt ? moe_ld(x[(size_t)(t0 + r) * C + c0 + c]) : 0.0f;
+        tile[r * LD + c] = r < nt ? x[(size_t)(t0 + r) * C + c0 + c] : moe_st(0.0f);
     }
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -64,7 +59,7 @@ __global__ void __launch_bounds__(THREADS)
         float v[4];
         uint32_t m = 0;
         for (int k = 0; k < 4; k++) {
-            v[k] = tile[(lane + 32 * k) * LD + j];
+            v[k] = moe_ld(tile[(lane + 32 * k) * LD + j]);
             const uint32_t key = moe_q_abs_key(v[k]);
             m = key > m ? key : m;
         }
@@ -75,7 +70,7 @@ __global__ void __launch_bounds__(THREADS)
             const int t = lane + 32 * k;
             const uint8_t code = t < nt ? moe_q_cast_scaled(v[k], scale, f) : (uint8_t)0;
             if (qt)
-                qt[(size_t)(c0 + j) * kpad + s_info[2] + t] = code;
+                qt[(size_t)(c0 + j) * kpad + (size_t)pb * B + t] = code;
             if (y && t < nt)
                 y[(size_t)(t0 + t) * C + c0 + j] = moe_st(moe_q_dequant(moe_fp8_decode(code, f), si));
         }
