@@ -116,15 +116,19 @@ static void fp8_wgrad(const moe_backend *be, moe_real *dw, const void *dout, con
                                  &err), &err);
 }
 
-/* The emulation of the FP8 wgrad's numerics (lowp->fp8_wgrad): the groups' offsets in
- * backend memory for the token-wise QDQ, or NULL where there are none (a CUDA call with host
- * offsets only: the row-wise QDQ then serves the wgrad as before) */
+/* The emulation of the FP8 wgrad's numerics (lowp->fp8_wgrad), for the routed experts' grouped
+ * GEMMs only (as the native path): the groups' offsets in backend memory for the token-wise
+ * QDQ, or NULL (the row-wise QDQ then serves the wgrad as before). The routed experts' groups
+ * are those with device offsets (moe/experts.c; a single MLP's, mlp.c's one_group, has none);
+ * our kernel reads them there, the CPU's host offsets are backend memory too; a CUDA grouped
+ * GEMM with host offsets (cuBLAS) keeps the row-wise QDQ, and so does the CPU's twin of it */
 static const int *wgrad_offsets(const moe_backend *be, const moe_groups *grp) {
-    if (!grp->lowp || !grp->lowp->on || !grp->lowp->fp8_wgrad || !be->qdq_group_t)
+    if (!grp->lowp || !grp->lowp->on || !grp->lowp->fp8_wgrad || !be->qdq_group_t ||
+        !grp->dev_off)
         return NULL;
     if (grp->impl == MOE_EXPERTS_KERNEL)
         return grp->dev_off;
-    return be->device == MOE_DEVICE_CUDA ? NULL : grp->off;
+    return NULL;
 }
 
 /* one grouped backward through the op the groups ask for (no gather); din or dw may be NULL */
