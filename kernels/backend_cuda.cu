@@ -26,6 +26,16 @@ extern "C" int moe_cuda_available(void) {
 }
 
 /* Filled field by field (C++17 has no designated initializers); every slot is set. */
+/* the emulation's token-wise QDQ (lib/fp8_wgrad.h): a shape the model checked at start-up */
+static void qdq_group_t(void *dst, const void *src, const int *off, int G, int rows, int cols,
+                        moe_fp8_format f, int pow2) {
+    moe_error err;
+    const moe_status st = moe_cuda_qdq_group_t_act(dst, src, off, G, rows, cols, f, pow2, &err);
+    if (st != MOE_OK)
+        fprintf(stderr, "token-wise QDQ: %s\n", err.msg);
+    MOE_ASSERT(st == MOE_OK);
+}
+
 static moe_backend make_cuda_backend(void) {
     moe_backend b = {};
     b.name = "cuda";
@@ -83,6 +93,9 @@ static moe_backend make_cuda_backend(void) {
     b.fp8_dequant_act = moe_cuda_dequant_blockwise_act;
     b.fp8_quant_t_act = moe_cuda_quant_blockwise_t_act;
     b.fp8_grouped_gemm = moe_cuda_fp8_grouped_gemm;
+    b.fp8_quant_group_t_act = moe_cuda_quant_group_t_act;
+    b.fp8_grouped_wgrad = moe_cuda_fp8_grouped_wgrad;
+    b.qdq_group_t = qdq_group_t;
     b.add = moe_cuda_add;
     b.scale = moe_cuda_scale;
 

@@ -324,6 +324,22 @@ moe_status moe_cuda_fp8_grouped_gemm(void *d, int d_fp32, const moe_qmatrix *a,
 #define MOE_FP8_GROUPED_ORDERED_DEFAULT 1
 void moe_cuda_fp8_grouped_set_ordered(int on);
 int moe_cuda_fp8_grouped_ordered(void);
+/* chapter 05's FP8 wgrad (lib/fp8_wgrad.h): the token-wise FP8 copy [C][kpad] of a bf16
+ * [rows][C] per expert group, scales [kpad/128][C], the offsets in DEVICE memory
+ * (kernels/quantize_group_t.cu; CPU twin moe_cpu_quant_group_t); the emulation's QDQ with
+ * the same blocks into y [rows][C] bf16 (y may be x; CPU twin moe_cpu_qdq_group_t); and the
+ * grouped wgrad dW_g [M][N] (+)= A_gᵀ-copy · B_g-copy on two such copies
+ * (kernels/grouped_gemm_fp8_wgrad_sm90.cu; CPU twin moe_cpu_fp8_grouped_wgrad), dW written
+ * as mode says (fp32 added / stored, bf16 stored). Enqueued on moe_cuda_stream(). */
+moe_status moe_cuda_quant_group_t_act(uint8_t *qt, float *st, const void *x, const int *dev_off,
+                                      int G, int rows, int C, size_t kpad, moe_fp8_format f,
+                                      int pow2, moe_error *err);
+moe_status moe_cuda_qdq_group_t_act(void *y, const void *x, const int *dev_off, int G, int rows,
+                                    int C, moe_fp8_format f, int pow2, moe_error *err);
+moe_status moe_cuda_fp8_grouped_wgrad(void *dw, moe_dw_mode mode, const uint8_t *qa,
+                                      const float *sa, const uint8_t *qb, const float *sb,
+                                      const int *dev_off, int G, size_t kpad, int M, int N,
+                                      moe_error *err);
 /* 1 when this GPU runs the recipe's GEMM natively in cuBLASLt, 0 when emulated (dequantize →
  * bf16 GEMM): tensorwise always native; blockwise native on compute capability 9.x; MXFP8 and
  * NVFP4 native on 10.x unless MOE_FP8_GEMM_EMULATE=1 */

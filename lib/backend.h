@@ -304,6 +304,24 @@ typedef struct moe_backend {
     moe_status (*fp8_grouped_gemm)(void *d, int d_fp32, const struct moe_qmatrix *a,
                                    const struct moe_qmatrix *b, const int *dev_off, int G,
                                    int rows, int N, int K, moe_error *err);
+    /** chapter 05's FP8 wgrad (lib/fp8_wgrad.h): the token-wise FP8 copy [C][kpad] (scales
+     *  [kpad/128][C]) of an activation-type [rows][C] per group, @p off [G+1] in backend
+     *  memory (as moe_cpu_quant_group_t()); NULL where @ref fp8_grouped_native is */
+    moe_status (*fp8_quant_group_t_act)(uint8_t *qt, float *st, const void *x, const int *off,
+                                        int G, int rows, int C, size_t kpad, moe_fp8_format f,
+                                        int pow2, moe_error *err);
+    /** the FP8 grouped wgrad of lib/fp8_wgrad.h on two such copies: dw [G][M][N] written as
+     *  @p mode says (::moe_dw_mode); NULL where @ref fp8_grouped_native is */
+    moe_status (*fp8_grouped_wgrad)(void *dw, moe_dw_mode mode, const uint8_t *qa,
+                                    const float *sa, const uint8_t *qb, const float *sb,
+                                    const int *off, int G, size_t kpad, int M, int N,
+                                    moe_error *err);
+    /** the emulation's token-wise QDQ of the FP8 wgrad's operands: dst [rows][cols] = the
+     *  dequantized values of the copy above (moe_cpu_qdq_group_t(); the activation type, so
+     *  bf16 on CUDA), @p off in backend memory; rows from off[G] on not written; dst may be
+     *  src */
+    void (*qdq_group_t)(void *dst, const void *src, const int *off, int G, int rows, int cols,
+                        moe_fp8_format f, int pow2);
     /** y += x over n activations (residual connections) */
     void (*add)(void *y, const void *x, size_t n);
     /** x *= s over n activations */

@@ -1,6 +1,8 @@
 /* Chapter 05's emulated low-precision training: see lowp.h. */
 #include "lowp.h"
 
+#include "fp8_wgrad.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +14,15 @@
     } while (0)
 
 static int is_on(const char *flag) { return flag[0] && strcmp(flag, "none") != 0; }
+
+/* MOE_FP8_WGRAD=0|1 (default MOE_FP8_WGRAD_DEFAULT): the routed experts' weight gradients
+ * on token-wise FP8 operands (lib/fp8_wgrad.h: the native FP8 wgrad kernel, the emulation's
+ * token-wise QDQ), or, 0, on the row-wise quantized operands of the dgrad (a bf16 GEMM) */
+#define MOE_FP8_WGRAD_DEFAULT 0
+static int fp8_wgrad_env(void) {
+    const char *e = getenv("MOE_FP8_WGRAD");
+    return e && *e ? atoi(e) != 0 : MOE_FP8_WGRAD_DEFAULT;
+}
 
 moe_status moe_lowp_from_config(moe_lowp *lp, const moe_config *c, moe_error *err) {
     memset(lp, 0, sizeof *lp);
@@ -55,6 +66,7 @@ moe_status moe_lowp_from_config(moe_lowp *lp, const moe_config *c, moe_error *er
     if (hybrid) /* E4M3 forward, E5M2 gradients */
         lp->spec[MOE_LOWP_GRADIENT].format = MOE_FP8_E5M2;
     snprintf(lp->name, sizeof lp->name, "fp8 %.12s %.8s (emulated)", r, c->fp8_format);
+    lp->fp8_wgrad = moe_lowp_native_recipe(lp) && fp8_wgrad_env();
     return MOE_OK;
 }
 
@@ -201,6 +213,10 @@ void moe_lowp_free(const moe_backend *be, moe_lowp *lp) {
     be->free(lp->grad);
     be->free(lp->sites);
     be->free(lp->history);
+    be->free(lp->wg_q);
+    be->free(lp->wg_s);
+    lp->wg_q = NULL;
+    lp->wg_s = NULL;
     memset(&lp->ws, 0, sizeof lp->ws);
     lp->act = lp->grad = NULL;
     lp->sites = NULL;
@@ -325,6 +341,24 @@ void moe_lowp_qdq_weight(const moe_backend *be, moe_lowp *lp, void *w, int group
         void *wg = MOE_ACT(be, w, (size_t)g * rows * cols);
         be->qdq(wg, wg, rows, cols, &s, &lp->ws);
     }
+}
+
+size_t moe_lowp_fp8_wgrad_bytes(int rows, int G, int channels) {
+    const size_t n = moe_fp8_wgrad_kpad(rows, G) * (size_t)channels;
+    return n + sizeof(float) * (n / MOE_QUANT_BLOCK);
+}
+
+int moe_lowp_alloc_fp8_wgrad(const moe_backend *be, moe_lowp *lp, int rows, int G,
+                             int channels) {
+    if (!lp || !lp->on || !lp->fp8_wgrad)
+        return 1;
+    const size_t n = moe_fp8_wgrad_kpad(rows, G) * (size_t)channels;
+    be->free(lp->wg_q);
+    be->free(lp->wg_s);
+    lp->wg_q = be->alloc(n ? n : 1);
+    lp->wg_s = be->alloc(sizeof(float) * (n / MOE_QUANT_BLOCK + 1));
+    lp->wg_elems = n;
+    return lp->wg_q && lp->wg_s;
 }
 
 int moe_lowp_native_recipe(const moe_lowp *lp) {

@@ -36,8 +36,12 @@
  * dequantized values are rounded to bf16 (activations are bf16 there), which a scale that is
  * not a power of two can change in the last bits. One QDQ per tensor serves both backward
  * GEMMs: the blockwise recipes' wgrad operands are tiled along the rows as for the dgrad
- * GEMM, where a native kernel tiles them along the tokens (the transposed copy); and NVFP4's
- * random Hadamard transform of the wgrad operands is not applied.
+ * GEMM, where a native kernel tiles them along the tokens (the transposed copy) — except the
+ * routed experts' under `MOE_FP8_WGRAD=1` (lib/fp8_wgrad.h), tiled along each expert's
+ * tokens; and NVFP4's random Hadamard transform of the wgrad operands is not applied. (With
+ * power-of-two scales the two tilings give different values only where an element falls
+ * into the subnormals of its block: E4M3's relative precision does not depend on the
+ * scale.)
  *
  * **Delayed scaling** (TransformerEngine's DelayedScaling): each tensor a linear layer
  * quantizes is cast with a scale chosen from the amaxes of the previous steps at its call
@@ -67,9 +71,15 @@
  *    K-major transposed copy of each expert's W, made in the same pass as the forward
  *    codes by the fused quantize+transpose kernel (a 128×128 block transposes exactly: the
  *    same codes, its scale moves to the transposed position);
- *  - wgrad dW = Q(dy)ᵀ·Q(x) stays a bf16 grouped GEMM on the dequantized operands, as
- *    emulated (the pass that quantizes dy writes its dequantized copy too). A native FP8
- *    wgrad needs Q(dy)ᵀ and Q(x)ᵀ tiled along the tokens, per expert: not written yet.
+ *  - wgrad dW = Q(dy)ᵀ·Q(x): by default a bf16 grouped GEMM on the dequantized operands, as
+ *    emulated (the pass that quantizes dy writes its dequantized copy too). With
+ *    `MOE_FP8_WGRAD=1` (::moe_lowp::fp8_wgrad) it runs in FP8 too (lib/fp8_wgrad.h): dy and x
+ *    quantized 1×128 along the TOKENS of each expert into K-major copies (each expert's
+ *    tokens from a 128-aligned column), then our FP8 wgrad kernel; the emulation then QDQs
+ *    the routed experts' wgrad operands the same way (the grouped path: CPU
+ *    `--moe-expert-backend grouped`), so the CPU twin of the expert backward is what the GPU
+ *    computes up to the summation order. The fused passes (below) are off with it: they do
+ *    not keep the bf16 SwiGLU output and dgu that the token-wise copies are made from.
  *
  * **Fused passes** (the native path, `MOE_FP8_FUSED` unset or 1; lib/mlp.c,
  * moe_mlp_fp8_fused()). No pass reads bf16 only to write FP8 around the SwiGLU: its forward
@@ -127,6 +137,15 @@ typedef struct moe_lowp {
     uint64_t sr_calls;                  /**< gradient QDQs so far: the rounding's counter */
     int native;                         /**< 1: the routed experts run the native FP8 GEMMs
                                              (moe_lowp_native(); the model sets it) */
+    /* chapter 05's FP8 wgrad (lib/fp8_wgrad.h, MOE_FP8_WGRAD): the routed experts' weight
+     * gradients on operands quantized 1×128 along the tokens of each expert */
+    int fp8_wgrad;                      /**< 1: blockwise E4M3 with MOE_FP8_WGRAD on (not 0):
+                                             the native path runs the FP8 wgrad kernel, the
+                                             emulation its token-wise QDQ */
+    uint8_t *wg_q;                      /**< the native path's two token-wise copies (codes),
+                                             moe_lowp_alloc_fp8_wgrad() */
+    float *wg_s;                        /**< their scales */
+    size_t wg_elems;                    /**< codes @ref wg_q holds */
     /* delayed scaling (`--fp8-recipe delayed`): a state per call site, "Delayed scaling" */
     int delayed;                        /**< 1: the tensorwise recipe with delayed scaling */
     int hist_len;                       /**< --fp8-amax-history-len */
@@ -282,6 +301,23 @@ void moe_lowp_qdq_weight(const moe_backend *be, moe_lowp *lp, void *w, int group
  * @return 1 when native
  */
 int moe_lowp_native(const moe_backend *be, const moe_lowp *lp);
+
+/**
+ * @brief The native path's buffers for the FP8 wgrad (lib/fp8_wgrad.h): the token-wise codes
+ *        and scales of both operands of the largest expert wgrad (nothing when
+ *        @ref moe_lowp::fp8_wgrad is off).
+ * @param be backend  @param lp the context  @param rows the most permuted rows of a MoE layer
+ * @param G this rank's experts  @param channels the most O + I of an expert Linear (fc1:
+ *        2F + H)  @return 1 on success, 0 when out of memory
+ */
+int moe_lowp_alloc_fp8_wgrad(const moe_backend *be, moe_lowp *lp, int rows, int G,
+                             int channels);
+
+/**
+ * @brief The bytes moe_lowp_alloc_fp8_wgrad() allocates (the memory estimate).
+ * @param rows as there  @param G as there  @param channels as there  @return bytes
+ */
+size_t moe_lowp_fp8_wgrad_bytes(int rows, int G, int channels);
 
 /**
  * @brief The recipe half of moe_lowp_native(): blockwise (1×128 activations and gradients,

@@ -258,6 +258,15 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
             if (dl) /* delayed scaling's site table: a scale and a window per tensor */
                 buffer(&t, "FP8 delayed-scaling amax histories", (long long)((dl + 15) / 16), 16,
                        "--fp8-amax-history-len");
+            if (fp8_native && lowp.fp8_wgrad) { /* the FP8 wgrad's token-wise copies
+                                                 * (moe_lowp_alloc_fp8_wgrad(): the rows of
+                                                 * the ETP group, fc1's 2F + H channels) */
+                const long long wrows = mul(mul(NKl, EP), ETP);
+                const size_t b = moe_lowp_fp8_wgrad_bytes(
+                    wrows > INT_MAX ? INT_MAX : (int)wrows, (int)(E / EP), (int)(2 * Fl + H));
+                buffer(&t, "FP8 wgrad token-wise operands", (long long)((b + 15) / 16), 16,
+                       EXPERT);
+            }
         }
     }
     if (!strcmp(c->device, "cuda")) {

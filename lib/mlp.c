@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include "fp8_gemm.h"
+#include "fp8_wgrad.h"
 #include "profile.h"
 
 /* chapter 05's native FP8 path (lowp.h): a backend op's status, which a shape checked at
@@ -94,6 +95,60 @@ static void gmm_forward(const moe_backend *be, void *out, const void *in, const 
         be->grouped_matmul_forward(out, in, w, grp->off, grp->G, I, O);
 }
 
+/* chapter 05's FP8 wgrad, native (lib/fp8_wgrad.h): dw_g = Q_t(dout_g)ᵀ·Q_t(in_g) in our FP8
+ * wgrad kernel, both operands quantized 1×128 along the tokens of each group into the
+ * context's buffers (moe_lowp_alloc_fp8_wgrad()), dw written in the groups' mode */
+static void fp8_wgrad(const moe_backend *be, moe_real *dw, const void *dout, const void *in,
+                      const moe_groups *grp, int I, int O) {
+    moe_lowp *lp = grp->lowp;
+    const int N = grp->rows, G = grp->G;
+    const size_t kpad = moe_fp8_wgrad_kpad(N, G);
+    MOE_ASSERT(lp->wg_q && lp->wg_s && kpad * (size_t)(O + I) <= lp->wg_elems);
+    uint8_t *qa = lp->wg_q, *qb = qa + (size_t)O * kpad;
+    float *sa = lp->wg_s, *sb = sa + (size_t)O * (kpad / MOE_QUANT_BLOCK);
+    const moe_qdq_spec *sg = &lp->spec[MOE_LOWP_GRADIENT], *sx = &lp->spec[MOE_LOWP_ACTIVATION];
+    moe_error err;
+    fp8_ok(be->fp8_quant_group_t_act(qa, sa, dout, grp->dev_off, G, N, O, kpad, sg->format,
+                                     sg->pow2, &err), &err);
+    fp8_ok(be->fp8_quant_group_t_act(qb, sb, in, grp->dev_off, G, N, I, kpad, sx->format,
+                                     sx->pow2, &err), &err);
+    fp8_ok(be->fp8_grouped_wgrad(dw, grp->dw_mode, qa, sa, qb, sb, grp->dev_off, G, kpad, O, I,
+                                 &err), &err);
+}
+
+/* The emulation of the FP8 wgrad's numerics (lowp->fp8_wgrad), for the routed experts' grouped
+ * GEMMs only (as the native path): the groups' offsets in backend memory for the token-wise
+ * QDQ, or NULL (the row-wise QDQ then serves the wgrad as before). The routed experts' groups
+ * are those with device offsets (moe/experts.c; a single MLP's, mlp.c's one_group, has none);
+ * our kernel reads them there, the CPU's host offsets are backend memory too; a CUDA grouped
+ * GEMM with host offsets (cuBLAS) keeps the row-wise QDQ, and so does the CPU's twin of it */
+static const int *wgrad_offsets(const moe_backend *be, const moe_groups *grp) {
+    if (!grp->lowp || !grp->lowp->on || !grp->lowp->fp8_wgrad || !be->qdq_group_t ||
+        !grp->dev_off)
+        return NULL;
+    if (grp->impl == MOE_EXPERTS_KERNEL)
+        return grp->dev_off;
+    return NULL;
+}
+
+/* one grouped backward through the op the groups ask for (no gather); din or dw may be NULL */
+static void grouped_backward(const moe_backend *be, void *din, moe_real *dw, const void *dout,
+                             const void *in, const void *w, const moe_groups *grp, int I, int O,
+                             int din_accumulate) {
+    const int N = grp->rows;
+    if (grp->impl == MOE_EXPERTS_KERNEL) {
+        be->grouped_matmul_backward_dev(din, dw, dout, in, w, grp->dev_off, grp->G, N, I, O,
+                                        din_accumulate, grp->dw_mode);
+        return;
+    }
+    MOE_ASSERT(grp->dw_mode != MOE_DW_ACT);
+    if (din && !din_accumulate)
+        be->zero(din, be->act_size * (size_t)N * I);
+    if (dw && grp->dw_mode == MOE_DW_STORE)
+        be->zero(dw, sizeof(moe_real) * (size_t)grp->G * O * I);
+    be->grouped_matmul_backward(din, dw, dout, in, w, grp->off, grp->G, I, O);
+}
+
 /* ... and its backward: din accumulates, or (din_accumulate = 0) is overwritten — our
  * kernel simply stores instead of adding; the host-offset ops always add, so they get a
  * zeroed buffer */
@@ -102,6 +157,15 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
                          const moe_groups *grp, int I, int O, int din_accumulate, int gather,
                          int lin) {
     const int N = grp->rows, site = grp->lowp_site + lin;
+    const void *dout_raw = dout;
+    if (fw && grp->lowp->fp8_wgrad) { /* chapter 05, native, the FP8 wgrad too */
+        MOE_ASSERT(!gather && !din_accumulate && grp->impl == MOE_EXPERTS_KERNEL);
+        if (din)
+            fp8_gemm(be, din, dout, NULL, fw->qt, fw->st, grp, I, O, MOE_LOWP_GRADIENT);
+        if (dw)
+            fp8_wgrad(be, dw, dout, in, grp, I, O);
+        return;
+    }
     if (fw) { /* chapter 05, native: dgrad din = Q(dout)·Q(w_g) on the transposed FP8 codes,
                * one pass quantizing dout for it and writing Q(dout) for the bf16 wgrad */
         MOE_ASSERT(!gather && !din_accumulate && grp->impl == MOE_EXPERTS_KERNEL);
@@ -122,6 +186,18 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
     /* chapter 05: both backward GEMMs on the quantized output gradient and the quantized
      * input (the same bytes as the forward's); the straight-through rule of lowp.h */
     dout = moe_lowp_qdq(be, grp->lowp, dout, N, O, MOE_LOWP_GRADIENT, site);
+    const int *wo = wgrad_offsets(be, grp);
+    if (wo && !gather && dw) { /* the FP8 wgrad's numerics: dgrad on the row-wise Q(dout),
+                                * then wgrad on the token-wise QDQ of dout_raw and in */
+        if (din)
+            grouped_backward(be, din, NULL, dout, in, w, grp, I, O, din_accumulate);
+        moe_lowp *lp = grp->lowp;
+        const moe_qdq_spec *sg = &lp->spec[MOE_LOWP_GRADIENT], *sx = &lp->spec[MOE_LOWP_ACTIVATION];
+        be->qdq_group_t(lp->grad, dout_raw, wo, grp->G, N, O, sg->format, sg->pow2);
+        be->qdq_group_t(lp->act, in, wo, grp->G, N, I, sx->format, sx->pow2);
+        grouped_backward(be, NULL, dw, lp->grad, lp->act, w, grp, I, O, 0);
+        return;
+    }
     if (!(lin == 0 && grp->x_quantized)) /* (the FP8 dispatch's rows are Q(x) already) */
         in = moe_lowp_qdq_saved(be, grp->lowp, in, N, I, site);
     if (gather) {
@@ -159,6 +235,11 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
 int moe_mlp_fp8_fused(const moe_backend *be, const moe_groups *grp) {
     if (!grp->fp8_w1 || !grp->fp8_w2 || !be->fp8_swiglu_forward_quant ||
         !be->fp8_swiglu_backward_quant || !be->fp8_dequant_act)
+        return 0;
+    /* the FP8 wgrad (MOE_FP8_WGRAD) quantizes the SwiGLU output and dgu along the tokens,
+     * from their bf16 values, which the fused passes do not keep (they write the row-wise
+     * codes instead): with it the separate passes run */
+    if (grp->lowp && grp->lowp->fp8_wgrad)
         return 0;
     const char *e = getenv("MOE_FP8_FUSED");
     return !(e && *e == '0');

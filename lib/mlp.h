@@ -138,8 +138,10 @@ void moe_mlp_backward_lowp(const moe_backend *be, void *dx, moe_real *dw1, moe_r
 /**
  * @brief Whether chapter 05's native FP8 experts run with their quantization fused into the
  *        SwiGLU passes (lib/mlp.c, "native FP8 layer with its passes fused"): the groups
- *        carry FP8 weights (grp->fp8_w1, fp8_w2), the backend has the fused ops, and
- *        `MOE_FP8_FUSED` is not set to 0 in the environment. Then moe_mlp_forward_grouped()
+ *        carry FP8 weights (grp->fp8_w1, fp8_w2), the backend has the fused ops,
+ *        `MOE_FP8_FUSED` is not set to 0 in the environment, and the FP8 wgrad is off
+ *        (grp->lowp->fp8_wgrad, `MOE_FP8_WGRAD`: it quantizes the bf16 SwiGLU output and
+ *        dgu along the tokens, which the fused passes do not keep). Then moe_mlp_forward_grouped()
  *        keeps in @p act the SwiGLU output's 1×128 FP8 codes and scales (N·F + N·F/32
  *        bytes), not its bf16 values, and moe_mlp_backward_grouped() reads them so.
  * @param be backend  @param grp the groups

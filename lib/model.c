@@ -288,7 +288,7 @@ static moe_status check_memory(const moe_config *c, const moe_backend *be, int B
                             err);
 }
 
-static int alloc_fp8_weights(moe_model *m);
+static int alloc_fp8_weights(moe_model *m, int moe_rows);
 
 moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_backend *be, int B,
                             moe_ep *ep, moe_error *err) {
@@ -456,7 +456,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
         if (!moe_lowp_alloc(be, m->lowp, moe_lowp_cap(mc, N, rows)) ||
             !moe_lowp_alloc_delayed(be, m->lowp, L, E > 0 ? m->experts_local : 0))
             ok = 0;
-        if (ok && !alloc_fp8_weights(m))
+        if (ok && !alloc_fp8_weights(m, (int)rows))
             ok = 0;
     }
     if (E > 0) {
@@ -569,7 +569,7 @@ static const moe_tensor *tensor_at(const moe_model *m, size_t off) {
 /* Chapter 05's native path (lowp.h): where moe_lowp_native() allows it and the experts run
  * our grouped kernel, the FP8 codes of every MoE layer's fc1 [E][2F, H] and fc2 [E][H, F]
  * (this rank's experts and columns, as the tensors hold them). 0 when out of memory. */
-static int alloc_fp8_weights(moe_model *m) {
+static int alloc_fp8_weights(moe_model *m, int moe_rows) {
     const moe_config *c = &m->cfg;
     if (!moe_lowp_native(m->be, m->lowp) ||
         moe_expert_impl_from_config(c, m->be) != MOE_EXPERTS_KERNEL)
@@ -588,8 +588,19 @@ static int alloc_fp8_weights(moe_model *m) {
                 return 0;
         }
     m->lowp->native = 1;
+    if (m->lowp->fp8_wgrad) { /* the FP8 wgrad's token-wise copies (lib/fp8_wgrad.h) */
+        int ch = 0;
+        for (int i = 0; i < 2 * L; i++)
+            if (m->fp8w[i].q && m->fp8w[i].O + m->fp8w[i].I > ch)
+                ch = m->fp8w[i].O + m->fp8w[i].I;
+        /* under ETP the experts run on the rows of the whole ETP group (expert_tp.h) */
+        const int etp = c->expert_tensor_parallel_size > 1 ? c->expert_tensor_parallel_size : 1;
+        if (!moe_lowp_alloc_fp8_wgrad(m->be, m->lowp, moe_rows * etp, m->experts_local, ch))
+            return 0;
+    }
     moe_log_info("precision: the routed experts' forward and dgrad GEMMs run natively in FP8 "
-                 "(our FP8 grouped kernel); their wgrad and the other linear layers emulated");
+                 "(our FP8 grouped kernel); their wgrad %s, the other linear layers emulated",
+                 m->lowp->fp8_wgrad ? "too (MOE_FP8_WGRAD=1)" : "in bf16 on QDQ'd operands");
     return 1;
 }
 

@@ -1,8 +1,10 @@
 /*
  * Chapter 05's native FP8 expert layer (lib/lowp.h, lib/mlp.c): the routed experts' forward
  * and dgrad GEMMs in our FP8 grouped kernel on FP8 codes, wgrad in bf16 on the dequantized
- * operands, against the emulated recipe on the CPU (quantize → dequantize → fp32 GEMMs) — the
- * same quantization points, so the two differ only by the GPU's bf16 activations and its
+ * operands or (MOE_FP8_WGRAD, lib/fp8_wgrad.h; both are run) in the FP8 wgrad kernel on
+ * token-wise codes, against the emulated recipe on the CPU (quantize → dequantize → fp32
+ * GEMMs, the wgrad's operands QDQ'd as the native path quantizes them) — the same
+ * quantization points, so the two differ only by the GPU's bf16 activations and its
  * summation order.
  *
  * First its two quantizers, byte for byte against the CPU (no tolerance): the 1×128 quantizer
@@ -231,7 +233,7 @@ static void run_mlp(const moe_backend *be, moe_lowp *lp, const moe_fp8_weight *f
         be->free(all[i]);
 }
 
-static int check_layer(const int *sizes, int G, int H, int F) {
+static int check_layer(const int *sizes, int G, int H, int F, int wgrad) {
     const moe_backend *g = moe_backend_cuda(), *c = moe_backend_cpu();
     int off[65];
     off[0] = 0;
@@ -264,6 +266,10 @@ static int check_layer(const int *sizes, int G, int H, int F) {
     lowp_blockwise(&lg, g, cap);
     lowp_blockwise(&le, g, cap);
     ck_assert(moe_lowp_native(g, &lg));
+    /* the wgrad's operands: token-wise (the FP8 wgrad, lib/fp8_wgrad.h) or row-wise (bf16),
+     * the same on all three sides whatever MOE_FP8_WGRAD says */
+    lc.fp8_wgrad = lg.fp8_wgrad = le.fp8_wgrad = wgrad;
+    ck_assert(moe_lowp_alloc_fp8_wgrad(g, &lg, off[G], G, 2 * F + H));
     moe_fp8_weight fw[2];
     ck_assert(moe_fp8_weight_alloc(g, &fw[0], G, 2 * F, H));
     ck_assert(moe_fp8_weight_alloc(g, &fw[1], G, H, F));
@@ -317,8 +323,8 @@ static int check_layer(const int *sizes, int G, int H, int F) {
     }
     printf("  FP8 layer G=%d rows=%d: fused quantize passes == separate passes: %s\n", G, N,
            ok ? "bit for bit" : "DIFFER");
-    printf("  FP8 layer G=%d rows=%d H=%d F=%d, relative error vs the CPU's emulation "
-           "(native | GPU emulated):", G, N, H, F);
+    printf("  FP8 layer G=%d rows=%d H=%d F=%d, %s wgrad, relative error vs the CPU's "
+           "emulation (native | GPU emulated):", G, N, H, F, wgrad ? "FP8" : "bf16");
     for (int k = 0; k < NOUT; k++) {
         const int per_row = k == OUT || k == DX;
         const double en = per_row ? worst_group(nat[k], ref[k], off, G, H)
@@ -347,9 +353,12 @@ START_TEST(test_gpu_fp8_layer_vs_cpu) {
     static int s2[40];                                          /* many groups */
     for (int e = 0; e < 40; e++)
         s2[e] = e % 7 == 3 ? 0 : (e * 53) % 190; /* 0 to 189 rows */
-    int ok = check_layer(s0, 8, 256, 384);
-    ok &= check_layer(s1, 3, 128, 128);
-    ok &= check_layer(s2, 40, 256, 128);
+    int ok = 1;
+    for (int wgrad = 0; wgrad < 2; wgrad++) { /* MOE_FP8_WGRAD=0, then 1 */
+        ok &= check_layer(s0, 8, 256, 384, wgrad);
+        ok &= check_layer(s1, 3, 128, 128, wgrad);
+        ok &= check_layer(s2, 40, 256, 128, wgrad);
+    }
     ck_assert_msg(ok, "the native FP8 expert layer differs from the CPU's emulation");
 }
 END_TEST

@@ -27,6 +27,7 @@ int main(void) {
     srunner_add_suite(sr, suite_gpu_quant());
     srunner_add_suite(sr, suite_gpu_fp8_layer());
     srunner_add_suite(sr, suite_gpu_fp8_fused());
+    srunner_add_suite(sr, suite_gpu_fp8_wgrad());
     srunner_set_fork_status(sr, CK_NOFORK); /* one CUDA context for the whole run */
     srunner_run_all(sr, CK_NORMAL);
     int failed = srunner_ntests_failed(sr);

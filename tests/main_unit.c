@@ -26,6 +26,7 @@ int main(void) {
     srunner_add_suite(sr, suite_attention());
     srunner_add_suite(sr, suite_checkpoint());
     srunner_add_suite(sr, suite_quant());
+    srunner_add_suite(sr, suite_fp8_wgrad());
     srunner_run_all(sr, CK_NORMAL);
     int failed = srunner_ntests_failed(sr);
     srunner_free(sr);

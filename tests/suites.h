@@ -38,6 +38,8 @@ Suite *suite_attention(void);  /* tests/test_attention.c: the CPU flash attentio
                                  naive reference: shapes, chunks at offsets, the model (ch07) */
 Suite *suite_step_scalars(void); /* tests/test_step_scalars.c: the step's scalars on the device,
                                     one wait per step, overflow re-run, non-finite skip (ch06) */
+Suite *suite_fp8_wgrad(void); /* tests/test_fp8_wgrad.c: the FP8 wgrad's CPU twins vs their
+                                 definitions, the emulated expert backward vs the twin */
 Suite *suite_quant(void);     /* tests/test_quant.c: the FP8/FP4/E8M0 codecs exhaustively, every
                                  quantization recipe vs its definition, RHT, stochastic rounding
                                  (chapter 05) */
@@ -67,6 +69,8 @@ Suite *suite_gpu_fp8_layer(void); /* tests/gpu_fp8_layer.c: the native FP8 exper
                                      CPU's emulated recipe, its quantizers byte for byte */
 Suite *suite_gpu_fp8_fused(void); /* tests/gpu_fp8_fused.c: the vectorized 1x128 quantizer and
                                      the fused SwiGLU quantize passes == the separate ones */
+Suite *suite_gpu_fp8_wgrad(void); /* tests/gpu_fp8_wgrad.c: the FP8 wgrad's token-wise quantizer
+                                     (byte for byte) and grouped GEMM vs their CPU twins */
 
 /* MPI tests (CPU ranks under mpirun) */
 Suite *suite_mpi_comm(void);      /* tests/mpi_comm.c: every collective of comm.h, any rank count */

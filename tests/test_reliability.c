@@ -355,6 +355,13 @@ START_TEST(test_memory_estimate_counts_fp8_expert_weights) {
                                        moe_fp8_weight_bytes(4, 128, 128));
     long long est[2];
     size_t bytes[2];
+    /* the weights alone: the FP8 wgrad's buffers (MOE_FP8_WGRAD=1, lib/fp8_wgrad.h) come on
+     * top of them with the native path, so the switch is pinned off here */
+    const char *env = getenv("MOE_FP8_WGRAD");
+    char saved[16] = "";
+    if (env)
+        snprintf(saved, sizeof saved, "%s", env);
+    setenv("MOE_FP8_WGRAD", "0", 1);
     for (int i = 0; i < 2; i++) { /* 0: the loop (no FP8 copies), 1: our grouped kernel */
         char extra[512];
         snprintf(extra, sizeof extra, "%s%s", fp8, i ? "grouped" : "loop");
@@ -381,6 +388,10 @@ START_TEST(test_memory_estimate_counts_fp8_expert_weights) {
         moe_model_free(m);
         bytes[i] = g_bytes;
     }
+    if (env)
+        setenv("MOE_FP8_WGRAD", saved, 1);
+    else
+        unsetenv("MOE_FP8_WGRAD");
     ck_assert_msg(est[1] - est[0] == want, "the estimate adds %lld bytes for the FP8 expert "
                   "weights, they take %lld", est[1] - est[0], want);
     ck_assert_msg((long long)(bytes[1] - bytes[0]) == want, "the model allocates %lld bytes "

@@ -121,6 +121,9 @@ static void layer_lowp(layer *L, const shape *s, int T) {
         MOE_ASSERT(moe_fp8_weight_alloc(L->be, &L->fw[0], s->E, 2 * s->F, s->H) &&
                    moe_fp8_weight_alloc(L->be, &L->fw[1], s->E, s->H, s->F));
         L->lp.native = 1;
+        /* MOE_FP8_WGRAD=1: the FP8 wgrad's token-wise copies (lib/fp8_wgrad.h) */
+        MOE_ASSERT(moe_lowp_alloc_fp8_wgrad(L->be, &L->lp, moe_layer_permuted_rows(&L->d),
+                                            s->E, 2 * s->F + s->H));
         L->w.fc1_fp8 = &L->fw[0];
         L->w.fc2_fp8 = &L->fw[1];
     }

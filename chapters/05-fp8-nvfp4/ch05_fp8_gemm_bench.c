@@ -33,6 +33,13 @@
  *   FP8 dense ceiling          cuBLASLt's blockwise FP8 GEMM on the same rows x N x K as one
  *                              dense GEMM (one expert's weights): what a grouped GEMM can
  *                              at best approach
+ * and the same shape's weight gradient dW_g[N, K] = dY_gᵀ·X_g (dY: the forward's output,
+ * as bf16 values; the ratio column of these rows is against the bf16 wgrad):
+ *   bf16 wgrad grouped (ours)  chapter 03's kernel, fp32 dW stored (MOE_DW_STORE)
+ *   FP8 wgrad grouped (ours)   kernels/grouped_gemm_fp8_wgrad_sm90.cu on the token-wise
+ *                              FP8 copies of dY and X (lib/fp8_wgrad.h), fp32 dW stored
+ *   + token-wise quantize      the same plus the two quantize+transpose passes from bf16
+ *   (no sampled check on these rows: tests/gpu_fp8_wgrad.c holds the kernel to its twin)
  *
  * Timing: CUDA events around `inner` back-to-back calls (inner chosen so one sample lasts
  * ~3 ms), after warm-up; the median of --repeats samples. Before timing, every output is
@@ -54,6 +61,7 @@
 #include "bench.h"
 #include "cuda_ops.h"
 #include "fp8_gemm.h"
+#include "fp8_wgrad.h"
 #include "rng.h"
 
 typedef struct shape {
@@ -474,6 +482,63 @@ static void run_dense_ceiling(void *p) {
         die("FP8 dense GEMM", &err);
 }
 
+/* the weight gradient of a grouped shape: dW [G][N][K] fp32 from dY [rows, N], X [rows, K]
+ * (bf16), in bf16 (chapter 03) or FP8 (the token-wise copies qa/sa, qb/sb of kpad columns) */
+typedef struct wgrad_ctx {
+    float *dw;
+    const void *dy, *x;
+    const int *doff;
+    int G, rows, N, K, quant;
+    size_t kpad;
+    uint8_t *qa, *qb;
+    float *sa, *sb;
+} wgrad_ctx;
+
+static void run_wgrad_bf16(void *p) {
+    wgrad_ctx *c = p;
+    moe_cuda_grouped_sm90_backward(NULL, c->dw, c->dy, c->x, NULL, c->doff, c->G, c->rows, c->K,
+                                   c->N, 0, MOE_DW_STORE);
+}
+
+static void run_wgrad_fp8(void *p) {
+    wgrad_ctx *c = p;
+    moe_error err;
+    if (c->quant &&
+        (moe_cuda_quant_group_t_act(c->qa, c->sa, c->dy, c->doff, c->G, c->rows, c->N, c->kpad,
+                                    MOE_FP8_E4M3, 1, &err) != MOE_OK ||
+         moe_cuda_quant_group_t_act(c->qb, c->sb, c->x, c->doff, c->G, c->rows, c->K, c->kpad,
+                                    MOE_FP8_E4M3, 1, &err) != MOE_OK))
+        die("token-wise FP8 quantize", &err);
+    if (moe_cuda_fp8_grouped_wgrad(c->dw, MOE_DW_STORE, c->qa, c->sa, c->qb, c->sb, c->doff, c->G,
+                                   c->kpad, c->N, c->K, &err) != MOE_OK)
+        die("FP8 grouped wgrad", &err);
+}
+
+/* the wgrad rows of a grouped shape (above); the ratio column against the bf16 wgrad */
+static void bench_wgrad(const shape *s, int G, int rows, int N, int K, const void *dy,
+                        const void *x, const int *doff) {
+    const size_t kpad = moe_fp8_wgrad_kpad(rows, G);
+    wgrad_ctx c = {.dw = dalloc((size_t)G * N * K * 4), .dy = dy, .x = x, .doff = doff, .G = G,
+                   .rows = rows, .N = N, .K = K, .kpad = kpad,
+                   .qa = dalloc((size_t)N * kpad + 16), .qb = dalloc((size_t)K * kpad + 16),
+                   .sa = dalloc(kpad / 128 * (size_t)N * 4 + 16),
+                   .sb = dalloc(kpad / 128 * (size_t)K * 4 + 16)};
+    const double saved = g_bf16_ms;
+    run_wgrad_bf16(&c);
+    g_bf16_ms = 1.0;
+    g_bf16_ms = time_ms(run_wgrad_bf16, &c);
+    report(s, "bf16 wgrad grouped (ours, fp32 dW)", g_bf16_ms, -1);
+    c.quant = 1;
+    run_wgrad_fp8(&c); /* the copies made once */
+    c.quant = 0;
+    report(s, "FP8 wgrad grouped (ours, fp32 dW)", time_ms(run_wgrad_fp8, &c), -1);
+    c.quant = 1;
+    report(s, "FP8 wgrad + token-wise quantize", time_ms(run_wgrad_fp8, &c), -1);
+    g_bf16_ms = saved;
+    moe_cuda_free(c.dw), moe_cuda_free(c.qa), moe_cuda_free(c.qb), moe_cuda_free(c.sa);
+    moe_cuda_free(c.sb);
+}
+
 /* 64 sampled outputs of a grouped GEMM (bf16 D), row i of group g against row g·N + j of B */
 static double check_grouped(const void *d, const int *off, int G, int rows, int N, int K,
                             row_fn arow, const void *asrc, row_fn brow, const void *bsrc) {
@@ -565,6 +630,8 @@ static void bench_grouped(const gshape *gs) {
         const double chkd = check(d, rows, N, K, hop_rowfn, &ha, hop_rowfn, &hb);
         report(&s, "FP8 blockwise dense cuBLASLt (ceiling)", time_ms(run_dense_ceiling, &c),
                chkd);
+        /* the wgrad of this shape: dY = the forward's output just written (bf16 values) */
+        bench_wgrad(&s, G, rows, N, K, d, xb, doff);
         hop_free(&ha), hop_free(&hb);
     } else {
         printf("%s: skipped: our grouped kernels are sm_90a (Hopper) only\n", gs->name);

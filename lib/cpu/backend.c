@@ -12,6 +12,7 @@
 
 #include "backend.h"
 #include "cp_layout.h"
+#include "fp8_wgrad.h"
 #include "cpu/moe_ops.h"
 #include "cpu/ops.h"
 #include "cpu/router.h"
@@ -231,6 +232,25 @@ static void a_ce_shard_backward(void *dlogits, const moe_real *dloss, const void
                                 const moe_real *lse, const int *t, int N, int V) {
     moe_cpu_cross_entropy_shard_backward(dlogits, dloss, logits, lse, t, N, V);
 }
+/* the emulation's token-wise QDQ (lib/fp8_wgrad.h) on moe_real values, through fp32 */
+static void cpu_qdq_group_t(void *dst, const void *src, const int *off, int G, int rows,
+                            int cols, moe_fp8_format f, int pow2) {
+    const size_t n = (size_t)rows * cols;
+    float *x = malloc(sizeof(float) * (n ? n : 1));
+    MOE_ASSERT(x);
+    for (size_t i = 0; i < n; i++)
+        x[i] = (float)((const moe_real *)src)[i];
+    moe_error err;
+    const moe_status st = moe_cpu_qdq_group_t(x, x, off, G, rows, cols, f, pow2, &err);
+    if (st != MOE_OK)
+        fprintf(stderr, "token-wise QDQ: %s\n", err.msg);
+    MOE_ASSERT(st == MOE_OK); /* the model checked every shape at start-up */
+    const int end = off[G]; /* rows past the groups: not written (as the CUDA op) */
+    for (size_t i = 0; i < (size_t)end * cols; i++)
+        ((moe_real *)dst)[i] = x[i];
+    free(x);
+}
+
 static void cpu_add(void *yv, const void *xv, size_t n) {
     moe_real *y = yv;
     const moe_real *x = xv;
@@ -443,6 +463,7 @@ static const moe_backend g_cpu = {
     .qdq = moe_cpu_qdq,
     .fp8_quant_act = moe_cpu_quant_blockwise_act,
     .fp8_dequant_act = moe_cpu_dequant_blockwise_act,
+    .qdq_group_t = cpu_qdq_group_t,
     .add = cpu_add,
     .scale = cpu_scale,
     .router_forward = a_router_forward,

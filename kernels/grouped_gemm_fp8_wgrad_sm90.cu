@@ -1,0 +1,256 @@
+/*
+ * Chapter 05's FP8 grouped wgrad for Hopper (lib/fp8_wgrad.h): every routed expert's weight
+ * gradient dW_g = dY_gᵀ · X_g in one persistent kernel, on the token-wise FP8 copies of dY
+ * and X (kernels/quantize_group_t.cu), the group offsets read from DEVICE memory (sync-free):
+ *
+ *   D_g[m, n] (+)= Σ_{kb in g's blocks} sa[kb][m] · sb[kb][n] · Σ_{k in kb} qa[m, k] · qb[n, k]
+ *
+ * A = dYᵀ's codes [M][Kpad] (M = O), B = Xᵀ's [N][Kpad] (N = I), both K-major (K = the
+ * tokens), as Hopper's FP8 wgmma needs. It is the forward kernel (grouped_gemm_fp8_sm90.cu)
+ * turned around, and reuses its machinery: 288 threads (2 consumer warpgroups of 64 rows + a
+ * producer warp), tiles of 128 × 128, a stage = one 128-deep k-block of A (two TMA boxes of
+ * 64 rows × 128 bytes) and B (one box of 128 rows), 6 stages, the same swizzled descriptors,
+ * the same "promotion" of each k-block's wgmma partial into fp32 main accumulators, the same
+ * ORDERED issue (named barriers 3 and 4: moe_cuda_fp8_grouped_ordered()), the same epilogue
+ * (sm90_epilogue.cuh). What differs:
+ *   - the tiles: the group (expert) g, then 128-row block of dW_g, then 128-column block:
+ *     G · (M/128) · (N/128) tiles, each with its group's k-loop, ⌈n_g/128⌉ k-blocks from the
+ *     group's padded start P_g (lib/fp8_wgrad.h), which every CTA computes from the offsets
+ *     in shared memory (moe_wgrad_block_prefix, fp8_wgrad.cuh: a scan, a thread a group);
+ *   - the scale of a k-block is a row scale times a COLUMN scale (a token block of dY's
+ *     channel m and one of X's channel n), so the promotion multiplies each accumulator by
+ *     its own sa[m]·sb[n]. A thread's 64 accumulators are rows r_lo, r_lo + 8 and columns
+ *     8j + 2(l%4) + {0, 1}, j < 16 (sm90_epilogue.cuh): 2 row scales and 32 column scales
+ *     per k-block. The scales are block-major ([Kpad/128][M] and [Kpad/128][N]): a
+ *     thread's column scales are 16 float2 loads, one 32-byte sector per warp and load,
+ *     the same sectors for every warp (L1). They are issued right after the k-block's
+ *     MMAs, so their latency hides behind the MMAs the thread then waits for; the two row
+ *     scales are loaded one k-block ahead, as in the forward kernel.
+ *   - the output: dW [G][M][N] through a 3-D tensor map: fp32 reduce-added (ACCUMULATE),
+ *     fp32 stored (STORE) or bf16 stored (ACT), chapter 03's three modes (moe_dw_mode);
+ *     M and N are multiples of 128, so every tile is whole and leaves through TMA. An empty
+ *     group's tiles: skipped when adding, zeros stored otherwise.
+ * Load balance is the simple one (tiles strided over the CTAs in order; a long group's
+ * tiles cost more); correctness first.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "cuda_common.cuh"
+#include "cuda_ops.h"
+#include "fp8_wgrad.cuh"
+#include "fp8_wgrad.h"
+#include "sm90_epilogue.cuh"
+#include "sm90_ptx.cuh"
+#include "wgmma.cuh"
+
+namespace {
+
+constexpr int BM = 128, BN = 128, BK = MOE_QUANT_BLOCK, STAGES = 6, THREADS = 288;
+[[maybe_unused]] constexpr int MAX_G = MOE_GROUPED_DEV_MAX_GROUPS;
+constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK, STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int C_BYTES = 16384;
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * C_BYTES; /* 224 KB */
+static_assert(THREADS >= MOE_GROUPED_DEV_MAX_GROUPS, "moe_wgrad_block_prefix: a thread a group");
+/* registers a thread: __launch_bounds__(288, 1) let ptxas cap them at 168 (it rounds the CTA up
+ * to 384 threads), where the 128 accumulators, the scales and the addressing spilled; 288 ×
+ * 224 fit the SM's 64K */
+constexpr int MAX_REGS = 224;
+static_assert(BK == 128, "a stage must be one 128-token scale block of 128 bytes");
+
+struct Params {
+    const int *off; /* [G+1] token offsets, DEVICE memory */
+    int G, M, N;
+    const float *sa, *sb; /* [Kpad/128][M], [Kpad/128][N] */
+    int accumulate;       /* 1: reduce-add (fp32); 0: store */
+};
+
+/* C32: fp32 output, else bf16 (stored). ORDERED: as the forward kernel */
+template <int C32, int ORDERED>
+__global__ void __maxnreg__(MAX_REGS)
+    fp8_wgrad_kernel(const __grid_constant__ CUtensorMap map_a,
+                     const __grid_constant__ CUtensorMap map_b,
+                     const __grid_constant__ CUtensorMap map_c, const Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(1024) uint8_t smem[];
+    if (threadIdx.x == 0 && (smem_u32(smem) & 1023))
+        __trap();
+    __shared__ uint64_t full[STAGES], empty[STAGES];
+    __shared__ int s_pb[MAX_G + 1]; /* padded k-block start of each group, and the end */
+
+    const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], 8);
+        }
+        mbar_init_fence();
+    }
+    moe_wgrad_block_prefix(s_pb, p.off, p.G); /* (ends with __syncthreads) */
+    const int ntm = p.M / BM, ntn = p.N / BN, per_g = ntm * ntn, tiles = p.G * per_g;
+
+    if (wg == 2) { /* ------------------------------------------------ producer */
+        if (tid == 0) {
+            int it = 0;
+            for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+                const int g = t / per_g, r = t % per_g, m0 = (r / ntn) * BM, n0 = (r % ntn) * BN;
+                const int kb0 = s_pb[g], nk = s_pb[g + 1] - kb0;
+                for (int kt = 0; kt < nk; kt++, it++) {
+                    const int s = it % STAGES, phase = (it / STAGES) & 1;
+                    mbar_wait(&empty[s], phase ^ 1);
+                    uint8_t *a = smem + s * STAGE_BYTES, *b = a + A_BYTES;
+                    mbar_expect_tx(&full[s], STAGE_BYTES);
+                    const int k = (kb0 + kt) * BK;
+                    tma_load_2d(a, &map_a, &full[s], k, m0);
+                    tma_load_2d(a + A_BYTES / 2, &map_a, &full[s], k, m0 + BM / 2);
+                    tma_load_2d(b, &map_b, &full[s], k, n0);
+                }
+            }
+        }
+        return;
+    }
+
+    /* ---------------------------------------------------- consumers */
+    const int c = wg, warp = tid / 32, lane = tid % 32;
+    const int r_lo = warp * 16 + lane / 4;
+    uint8_t *cs = smem + STAGES * STAGE_BYTES + c * C_BYTES;
+    int it = 0;
+    float d[BN / 2], acc[BN / 2];
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const int g = t / per_g, r = t % per_g, m0 = (r / ntn) * BM, n0 = (r % ntn) * BN;
+        const int kb0 = s_pb[g], nk = s_pb[g + 1] - kb0;
+        if (nk == 0 && p.accumulate)
+            continue; /* an empty group adds nothing (the producer skipped it too) */
+        const int m_wg = m0 + 64 * c, row0 = m_wg + r_lo, row1 = row0 + 8;
+        /* this thread's column scales: columns n0 + 8j + 2(lane%4) + {0,1} */
+        const float *sbc = p.sb + n0 + 2 * (lane % 4);
+#pragma unroll
+        for (int i = 0; i < BN / 2; i++)
+            d[i] = 0.0f;
+        float na0 = 0.0f, na1 = 0.0f;
+        if (nk > 0) {
+            na0 = __ldg(p.sa + (size_t)kb0 * p.M + row0);
+            na1 = __ldg(p.sa + (size_t)kb0 * p.M + row1);
+        }
+        for (int kt = 0; kt < nk; kt++, it++) {
+            const int s = it % STAGES, phase = (it / STAGES) & 1;
+            const size_t kb = (size_t)(kb0 + kt);
+            const float a0 = na0, a1 = na1;
+            if (kt + 1 < nk) {
+                na0 = __ldg(p.sa + (kb + 1) * p.M + row0);
+                na1 = __ldg(p.sa + (kb + 1) * p.M + row1);
+            }
+            mbar_wait(&full[s], phase);
+            const uint8_t *a = smem + s * STAGE_BYTES + c * (A_BYTES / 2);
+            const uint8_t *b = smem + s * STAGE_BYTES + A_BYTES;
+            if (ORDERED && (c == 1 || it > 0))
+                named_bar_sync(3 + c, 256);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BK / 32; kk++)
+                moe_wgmma_fp8<BN>::mma(acc, desc(a + kk * 32, 16, 1024),
+                                       desc(b + kk * 32, 16, 1024), kk > 0);
+            wgmma_commit();
+            if (ORDERED)
+                named_bar_arrive(4 - c, 256);
+            float2 sbv[BN / 8]; /* loaded while the MMAs run */
+            const float *sbk = sbc + kb * p.N;
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++)
+                sbv[j] = __ldg((const float2 *)(sbk + 8 * j));
+            wgmma_wait<0>();
+            if (lane == 0)
+                mbar_arrive(&empty[s]);
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++) {
+                const float2 sv = sbv[j];
+#pragma unroll
+                for (int h = 0; h < 4; h++) { /* d[4j+h]: row (h & 2 ? row1 : row0), column h & 1 */
+                    const int i = 4 * j + h;
+                    reg_fence(acc[i]);
+                    const float sc = ((h & 2) ? a1 : a0) * ((h & 1) ? sv.y : sv.x);
+                    d[i] = fmaf(acc[i], sc, d[i]);
+                }
+            }
+        }
+
+        /* ------------------------------------------------ epilogue: whole 64-row blocks */
+        epilogue_staged<C32, BN, C_BYTES>(d, cs, c, tid, BN, [&](const uint8_t *src, int col) {
+            if (C32 && p.accumulate)
+                tma_reduce_add_3d(&map_c, src, n0 + col, m_wg, g);
+            else
+                tma_store_3d(&map_c, src, n0 + col, m_wg, g);
+            return 1;
+        });
+    }
+    if (ORDERED && c == 0 && it > 0)
+        named_bar_sync(3, 256);
+    if (tid == 0)
+        bulk_wait_all();
+#else
+    __trap();
+#endif
+}
+
+template <int C32, int ORDERED>
+void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc, const Params &p,
+            int tiles) {
+    static bool configured = false;
+    if (!configured) {
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(fp8_wgrad_kernel<C32, ORDERED>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            SMEM_BYTES));
+        configured = true;
+    }
+    const int grid = tiles < moe_sm90_num_sms() ? tiles : moe_sm90_num_sms();
+    if (grid <= 0)
+        return;
+    fp8_wgrad_kernel<C32, ORDERED><<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mc, p);
+    MOE_CUDA_LAUNCH_CHECK();
+}
+
+int aligned16(const void *q) { return ((uintptr_t)q & 15) == 0; }
+
+} /* namespace */
+
+extern "C" moe_status moe_cuda_fp8_grouped_wgrad(void *dw, moe_dw_mode mode, const uint8_t *qa,
+                                                 const float *sa, const uint8_t *qb,
+                                                 const float *sb, const int *dev_off, int G,
+                                                 size_t kpad, int M, int N, moe_error *err) {
+    if (G < 1 || G > MOE_GROUPED_DEV_MAX_GROUPS || M <= 0 || N <= 0 || M % BM || N % BN ||
+        kpad % BK)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "FP8 grouped wgrad: G=%d M=%d N=%d kpad=%zu: give 1 to %d groups "
+                             "and M, N, kpad positive multiples of 128",
+                             G, M, N, kpad, MOE_GROUPED_DEV_MAX_GROUPS);
+    if (!dw || !qa || !sa || !qb || !sb || !dev_off || !aligned16(qa) || !aligned16(qb) ||
+        !aligned16(dw) || ((uintptr_t)sb & 7))
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "FP8 grouped wgrad: a pointer is NULL or misaligned (codes and dW "
+                             "16 bytes for TMA, the column scales 8)");
+    if (!moe_cuda_grouped_sm90_available())
+        return moe_error_set(err, MOE_ERR_BACKEND,
+                             "FP8 grouped wgrad: our kernel is wgmma (sm_90a, Hopper) only; set "
+                             "MOE_FP8_WGRAD=0 for the bf16 wgrad");
+    const int C32 = mode != MOE_DW_ACT;
+    if (kpad == 0) { /* no tokens can exist: an overwritten dW is zeros */
+        if (mode != MOE_DW_ACCUMULATE)
+            MOE_CUDA_CHECK(cudaMemsetAsync(dw, 0, (size_t)G * M * N * (C32 ? 4 : 2),
+                                           moe_cuda_stream()));
+        return MOE_OK;
+    }
+    const uint64_t da[2] = {(uint64_t)kpad, (uint64_t)M}, db[2] = {(uint64_t)kpad, (uint64_t)N};
+    const uint64_t dc[3] = {(uint64_t)N, (uint64_t)M, (uint64_t)G};
+    const uint32_t ba[2] = {BK, BM / 2}, bb[2] = {BK, BN};
+    const uint32_t bc[3] = {(uint32_t)(C32 ? 32 : 64), 64, 1};
+    const Params p = {dev_off, G, M, N, sa, sb, mode == MOE_DW_ACCUMULATE};
+    const CUtensorMap ma = moe_tma_map(qa, 2, da, ba, MOE_TMA_U8);
+    const CUtensorMap mb = moe_tma_map(qb, 2, db, bb, MOE_TMA_U8);
+    const CUtensorMap mc = moe_tma_map(dw, 3, dc, bc, C32 ? MOE_TMA_F32 : MOE_TMA_BF16);
+    const int tiles = G * (M / BM) * (N / BN);
+    if (moe_cuda_fp8_grouped_ordered())
+        C32 ? launch<1, 1>(ma, mb, mc, p, tiles) : launch<0, 1>(ma, mb, mc, p, tiles);
+    else
+        C32 ? launch<1, 0>(ma, mb, mc, p, tiles) : launch<0, 0>(ma, mb, mc, p, tiles);
+    return MOE_OK;
+}

@@ -1,0 +1,276 @@
+/*
+ * Chapter 05's FP8 wgrad (lib/fp8_wgrad.h) on the GPU against its CPU twins:
+ *  - the token-wise quantize + transpose per expert group (moe_cuda_quant_group_t_act vs
+ *    moe_cpu_quant_group_t): codes and scales byte for byte over the whole poisoned buffers
+ *    (the tail past the last group's padded end must stay poisoned on both sides), and the
+ *    emulation's QDQ (moe_cuda_qdq_group_t_act vs moe_cpu_qdq_group_t rounded to bf16);
+ *  - the grouped wgrad GEMM (moe_cuda_fp8_grouped_wgrad vs moe_cpu_fp8_grouped_wgrad) in its
+ *    three modes: fp32 added onto random values (an empty group's block must keep them),
+ *    fp32 stored and bf16 stored over NaN poison (an empty group's block must be zeros).
+ * Ragged groups: 0, 1, 127, 128, 129, 255 rows; 40 groups of 0 to 189 rows.
+ *
+ * The GEMM's bound: the CPU sums each block's code products exactly; Hopper's FP8 tensor
+ * cores accumulate a 128-deep block with about 14 significant bits (DeepSeek-V3), then both
+ * promote in fp32. So |gpu − cpu| ≤ 2⁻¹⁰ · Σ_kb |sa·sb| · Σ_k |qa·qb| + 1e-6·|cpu| + tiny
+ * (4x the 14 bits' worth, for safety), with the Σ|.| computed on the CPU per element; a wrong
+ * index, scale or layout is O(1) of the values, and the sum of a few hundred random-sign
+ * products is about Σ|.|/√n, still ~2⁻⁵ of it. "worst error" prints the largest error as a
+ * fraction of that bound (a healthy kernel: well below 1). The first violation is printed with its (group, row, column) and both values.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_ops.h"
+#include "fp8_wgrad.h"
+#include "helpers.h"
+#include "suites.h"
+
+static int hopper(const char *what) {
+    if (moe_cuda_grouped_sm90_available())
+        return 1;
+    printf("  %s: skipped: not a Hopper GPU (the FP8 wgrad kernel is sm_90a only)\n", what);
+    return 0;
+}
+
+static void *dpoison(size_t bytes, unsigned char byte) {
+    void *h = malloc(bytes ? bytes : 1);
+    ck_assert_ptr_nonnull(h);
+    memset(h, byte, bytes);
+    void *d = moe_cuda_alloc(bytes ? bytes : 1);
+    moe_cuda_from_host(d, h, bytes);
+    free(h);
+    return d;
+}
+
+/* the device bytes equal the host's; the first difference printed */
+static int same(const char *what, const void *dev, const void *host, size_t bytes) {
+    unsigned char *got = malloc(bytes ? bytes : 1);
+    moe_cuda_to_host(got, dev, bytes);
+    size_t diff = 0, first = 0;
+    for (size_t i = 0; i < bytes; i++)
+        if (got[i] != ((const unsigned char *)host)[i] && !diff++)
+            first = i;
+    if (diff)
+        printf("  %s: %zu of %zu bytes differ, the first at byte %zu: GPU 0x%02x, CPU 0x%02x\n",
+               what, diff, bytes, first, got[first], ((const unsigned char *)host)[first]);
+    free(got);
+    return diff == 0;
+}
+
+/* random bf16-exact values on both sides: x [rows][C] host fp32, dx its device bf16 copy */
+static void *upload(float *x, size_t n, uint64_t seed, double scale) {
+    const moe_backend *g = moe_backend_cuda();
+    moe_real *h = malloc(sizeof(moe_real) * (n ? n : 1));
+    void *d = moe_test_upload(g, h, n, seed, scale);
+    for (size_t i = 0; i < n; i++)
+        x[i] = (float)h[i];
+    free(h);
+    return d;
+}
+
+static void offsets(int *off, const int *sizes, int G) {
+    off[0] = 0;
+    for (int e = 0; e < G; e++)
+        off[e + 1] = off[e] + sizes[e];
+}
+
+/* (a): quantize + transpose and the QDQ of one [rows][C] bf16 tensor, ragged groups */
+static int check_quant(const int *sizes, int G, int C, uint64_t seed) {
+    int off[257];
+    offsets(off, sizes, G);
+    const int rows = off[G] + 3; /* 3 rows past the groups (a static budget's): never read */
+    const size_t kpad = moe_fp8_wgrad_kpad(rows, G), n = (size_t)rows * C;
+    const size_t nq = (size_t)C * kpad, ns = kpad / MOE_QUANT_BLOCK * C;
+    float *x = malloc(sizeof(float) * (n + 1));
+    void *dx = upload(x, n, seed, 2.0);
+    int *doff = moe_cuda_alloc(sizeof(int) * (G + 1));
+    moe_cuda_from_host(doff, off, sizeof(int) * (G + 1));
+    uint8_t *q = malloc(nq + 1);
+    float *s = malloc(sizeof(float) * (ns + 1));
+    memset(q, 0xAB, nq);
+    memset(s, 0xAB, sizeof(float) * ns);
+    moe_error err;
+    ck_assert_int_eq(moe_cpu_quant_group_t(q, s, x, off, G, rows, C, kpad, MOE_FP8_E4M3, 1, &err),
+                     MOE_OK);
+    void *dq = dpoison(nq, 0xAB), *ds = dpoison(sizeof(float) * ns, 0xAB);
+    ck_assert_int_eq(moe_cuda_quant_group_t_act(dq, ds, dx, doff, G, rows, C, kpad, MOE_FP8_E4M3,
+                                                1, &err),
+                     MOE_OK);
+    int ok = same("token-wise codes", dq, q, nq);
+    ok &= same("token-wise scales", ds, s, sizeof(float) * ns);
+    /* the QDQ: the CPU's values rounded to bf16 (exact: decode·2^k), rows past off[G] kept */
+    float *y = malloc(sizeof(float) * (n + 1));
+    memcpy(y, x, sizeof(float) * n);
+    ck_assert_int_eq(moe_cpu_qdq_group_t(y, x, off, G, rows, C, MOE_FP8_E4M3, 1, &err), MOE_OK);
+    const moe_backend *g = moe_backend_cuda();
+    moe_real *hy = malloc(sizeof(moe_real) * (n + 1));
+    for (size_t i = 0; i < n; i++)
+        hy[i] = y[i];
+    void *want = g->alloc(2 * n + 2), *dy = g->alloc(2 * n + 2);
+    g->write_act(want, hy, n);
+    unsigned char *hw = malloc(2 * n + 2);
+    moe_cuda_to_host(hw, want, 2 * n);
+    moe_cuda_copy(dy, dx, 2 * n); /* in place, as the emulated path runs it */
+    ck_assert_int_eq(moe_cuda_qdq_group_t_act(dy, dy, doff, G, rows, C, MOE_FP8_E4M3, 1, &err),
+                     MOE_OK);
+    ok &= same("token-wise QDQ (bf16)", dy, hw, 2 * n);
+    printf("  token-wise FP8 G=%d rows=%d C=%d kpad=%zu: codes, scales, QDQ %s\n", G, off[G], C,
+           kpad, ok ? "CUDA == CPU byte for byte" : "DIFFER");
+    free(x), free(q), free(s), free(y), free(hy), free(hw);
+    g->free(dx), g->free(doff), g->free(dq), g->free(ds), g->free(want), g->free(dy);
+    return ok;
+}
+
+static float bf16_round(float v) { /* round to nearest even, as the GPU's __float2bfloat16_rn */
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u += 0x7FFF + ((u >> 16) & 1);
+    u &= 0xFFFF0000u;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+/* (b): dW_g [O][I] from dY [rows][O] and X [rows][I], both quantized token-wise on the CPU
+ * (the bytes (a) was just shown to make on the GPU), the GEMM in each mode */
+static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
+    int off[257];
+    offsets(off, sizes, G);
+    const int rows = off[G];
+    const size_t kpad = moe_fp8_wgrad_kpad(rows, G), nkb = kpad / MOE_QUANT_BLOCK;
+    const size_t na = (size_t)rows * O, nb = (size_t)rows * I, nw = (size_t)G * O * I;
+    float *dy = malloc(sizeof(float) * (na + 1)), *x = malloc(sizeof(float) * (nb + 1));
+    moe_cuda_free(upload(dy, na, seed, 1.0));
+    moe_cuda_free(upload(x, nb, seed + 1, 3.0));
+    for (size_t i = 0; i < na; i += 97) /* a few rows with a wide range of magnitudes */
+        dy[i] *= 1e-3f;
+    uint8_t *qa = calloc(O * kpad + 1, 1), *qb = calloc(I * kpad + 1, 1);
+    float *sa = calloc(nkb * O + 1, sizeof(float)), *sb = calloc(nkb * I + 1, sizeof(float));
+    moe_error err;
+    ck_assert_int_eq(moe_cpu_quant_group_t(qa, sa, dy, off, G, rows, O, kpad, MOE_FP8_E4M3, 1, &err),
+                     MOE_OK);
+    ck_assert_int_eq(moe_cpu_quant_group_t(qb, sb, x, off, G, rows, I, kpad, MOE_FP8_E4M3, 1, &err),
+                     MOE_OK);
+    /* the bound's Σ_kb |sa·sb| Σ_k |qa·qb| per element: the same twin on |codes| */
+    uint8_t *aa = malloc(O * kpad + 1), *ab = malloc(I * kpad + 1);
+    for (size_t i = 0; i < O * kpad; i++)
+        aa[i] = qa[i] & 0x7F; /* E4M3's sign is the top bit */
+    for (size_t i = 0; i < I * kpad; i++)
+        ab[i] = qb[i] & 0x7F;
+    float *mag = malloc(sizeof(float) * (nw + 1)), *init = malloc(sizeof(float) * (nw + 1));
+    ck_assert_int_eq(moe_cpu_fp8_grouped_wgrad(mag, 0, aa, sa, ab, sb, off, G, kpad, O, I, &err),
+                     MOE_OK);
+    void *dqa = moe_cuda_alloc(O * kpad + 16), *dqb = moe_cuda_alloc(I * kpad + 16);
+    void *dsa = moe_cuda_alloc(sizeof(float) * nkb * O + 16);
+    void *dsb = moe_cuda_alloc(sizeof(float) * nkb * I + 16);
+    moe_cuda_from_host(dqa, qa, O * kpad);
+    moe_cuda_from_host(dqb, qb, I * kpad);
+    moe_cuda_from_host(dsa, sa, sizeof(float) * nkb * O);
+    moe_cuda_from_host(dsb, sb, sizeof(float) * nkb * I);
+    int *doff = moe_cuda_alloc(sizeof(int) * (G + 1));
+    moe_cuda_from_host(doff, off, sizeof(int) * (G + 1));
+    float *want = malloc(sizeof(float) * (nw + 1)), *got = malloc(sizeof(float) * (nw + 1));
+    uint16_t *got16 = malloc(2 * nw + 2);
+    void *dw = moe_cuda_alloc(sizeof(float) * nw + 16);
+    int ok = 1;
+    static const char *const names[] = {"fp32 added", "fp32 stored", "bf16 stored"};
+    for (int mode = 0; mode < 3; mode++) {
+        const moe_dw_mode md = mode == 0 ? MOE_DW_ACCUMULATE : mode == 1 ? MOE_DW_STORE : MOE_DW_ACT;
+        /* the starting contents: random values to add to, or NaN poison */
+        for (size_t i = 0; i < nw; i++)
+            init[i] = mode == 0 ? (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f : NAN;
+        if (mode == 2) {
+            memset(got16, 0xFF, 2 * nw);
+            moe_cuda_from_host(dw, got16, 2 * nw);
+        } else {
+            moe_cuda_from_host(dw, init, sizeof(float) * nw);
+        }
+        memcpy(want, init, sizeof(float) * nw);
+        ck_assert_int_eq(moe_cpu_fp8_grouped_wgrad(want, mode == 0, qa, sa, qb, sb, off, G, kpad,
+                                                   O, I, &err),
+                         MOE_OK);
+        ck_assert_int_eq(moe_cuda_fp8_grouped_wgrad(dw, md, dqa, dsa, dqb, dsb, doff, G, kpad, O,
+                                                    I, &err),
+                         MOE_OK);
+        if (mode == 2) {
+            moe_cuda_to_host(got16, dw, 2 * nw);
+            for (size_t i = 0; i < nw; i++) {
+                const uint32_t u = (uint32_t)got16[i] << 16;
+                memcpy(&got[i], &u, 4);
+            }
+        } else {
+            moe_cuda_to_host(got, dw, sizeof(float) * nw);
+        }
+        double worst = 0;
+        size_t bad = 0, first = 0;
+        for (size_t i = 0; i < nw; i++) {
+            const double w = mode == 2 ? bf16_round(want[i]) : want[i];
+            double tol = ldexp(mag[i], -10) + 1e-6 * fabs(w) + 1e-30;
+            if (mode == 2) /* and the bf16 rounding of the GPU's fp32 value */
+                tol += ldexp(fabs(w), -8);
+            const double e = fabs((double)got[i] - w);
+            const double r = e / tol;
+            if (!(e <= tol) && !bad++)
+                first = i;
+            if (isfinite(r) && r > worst)
+                worst = r;
+        }
+        if (bad) {
+            const size_t g = first / ((size_t)O * I), o = first / I % O, i = first % I;
+            printf("  FP8 wgrad %s: %zu of %zu outside the bound; first at group %zu row %zu "
+                   "col %zu: GPU %.9g, CPU %.9g, bound %.3g\n",
+                   names[mode], bad, nw, g, o, i, got[first], want[first],
+                   ldexp(mag[first], -10) + 1e-6 * fabs(want[first]));
+            ok = 0;
+        }
+        printf("  FP8 wgrad G=%d rows=%d O=%d I=%d %s: worst error %.3f of the bound%s\n", G,
+               rows, O, I, names[mode], worst, bad ? " FAIL" : "");
+    }
+    free(dy), free(x), free(qa), free(qb), free(sa), free(sb), free(aa), free(ab), free(mag);
+    free(init), free(want), free(got), free(got16);
+    moe_cuda_free(dqa), moe_cuda_free(dqb), moe_cuda_free(dsa);
+    moe_cuda_free(dsb), moe_cuda_free(doff), moe_cuda_free(dw);
+    return ok;
+}
+
+static const int g_s0[] = {0, 1, 127, 128, 129, 0, 255, 64}; /* around 128, empty, one row */
+static const int g_s1[] = {0, 0, 1};                         /* one row in all */
+
+START_TEST(test_gpu_fp8_wgrad_quant) {
+    if (!hopper("token-wise FP8"))
+        return;
+    int s2[40];
+    for (int e = 0; e < 40; e++)
+        s2[e] = e % 7 == 3 ? 0 : (e * 53) % 190; /* 0 to 189 rows */
+    int ok = check_quant(g_s0, 8, 384, 91);
+    ok &= check_quant(g_s1, 3, 128, 92);
+    ok &= check_quant(s2, 40, 256, 93);
+    ck_assert_msg(ok, "the token-wise FP8 copy differs from the CPU's");
+}
+END_TEST
+
+START_TEST(test_gpu_fp8_wgrad_gemm) {
+    if (!hopper("FP8 wgrad"))
+        return;
+    int s2[40];
+    for (int e = 0; e < 40; e++)
+        s2[e] = e % 7 == 3 ? 0 : (e * 53) % 190;
+    const int ordered = moe_cuda_fp8_grouped_ordered();
+    int ok = 1;
+    for (int o = 0; o < 2; o++) { /* both issue orders of the consumer warpgroups */
+        moe_cuda_fp8_grouped_set_ordered(o);
+        printf("  (warpgroups %s)\n", o ? "ordered" : "unordered");
+        ok &= check_gemm(g_s0, 8, 256, 384, 101);
+        ok &= check_gemm(g_s1, 3, 128, 128, 102);
+        ok &= check_gemm(s2, 40, 256, 128, 103);
+    }
+    moe_cuda_fp8_grouped_set_ordered(ordered);
+    ck_assert_msg(ok, "the FP8 wgrad differs from the CPU twin beyond the FP8 bound");
+}
+END_TEST
+
+Suite *suite_gpu_fp8_wgrad(void) {
+    const TTest *const tests[] = {test_gpu_fp8_wgrad_quant, test_gpu_fp8_wgrad_gemm};
+    return moe_test_chapter_suite("gpu_fp8_wgrad", "ch05", tests, 2);
+}
