@@ -24,7 +24,7 @@
  *               op's 1×128 path; a batch of expert weights with their transposes);
  *   MXFP8       one warp per 32-element block, one element per lane;
  *   NVFP4       nvfp4_amax_kernel (per 16-element group, after the optional Hadamard
- *               transform), scalars_kernel, then nvfp4_kernel: one thread per group, 256
+ *               transform), nvfp4_scalars_kernel (which also advances the stochastic rounding's draw counter), then nvfp4_kernel: one thread per group, 256
  *               threads = 16 rows × 16 groups, laid out so that the 16 rows of a 16×16 block
  *               are one half-warp (the 2D block amax is a 4-step shuffle).
  * Everything is enqueued on moe_cuda_stream(); nothing waits for the device, and the scales
@@ -511,6 +511,16 @@ static __global__ void nvfp4_amax_kernel(unsigned *key, const float *x, size_t n
         atomicMax(key, m);
 }
 
+/* NVFP4's scalars (global scale from the amax), and the stochastic rounding's draw counter
+ * advanced by this one thread (quantize.h, moe_nvfp4_opts::sr_counter): nvfp4_kernel, next on
+ * the stream, reads it, so a replayed graph rounds with a fresh seed */
+static __global__ void nvfp4_scalars_kernel(moe_quant_scalars *s, uint64_t *sr_counter) {
+    moe_quant_scalars_from_amax(s, moe_q_key_amax(__float_as_uint(s->amax)),
+                                MOE_NVFP4_GLOBAL_NUM);
+    if (sr_counter)
+        *sr_counter += 1;
+}
+
 /* one thread per 16-element row group; a 256-thread block covers 16 rows × 16 groups, thread
  * t = 16·(group in block) + (row in block), so the 16 rows of a 16×16 block are a half-warp */
 static __global__ void nvfp4_kernel(uint8_t *q, uint8_t *scales, const moe_quant_scalars *g,
@@ -533,6 +543,8 @@ static __global__ void nvfp4_kernel(uint8_t *q, uint8_t *scales, const moe_quant
     if (!valid)
         return;
     const float G = g->scale;
+    if (o.stochastic && o.sr_counter)
+        o.sr_seed = moe_q_sr_seed(o.sr_seed, *o.sr_counter);
     const uint8_t code = moe_nvfp4_scale_code(moe_q_key_amax(m), G);
     const float d = moe_nvfp4_divisor(code, G);
     const uint64_t i0 = (uint64_t)r * cols + (uint64_t)gc * 16;
@@ -561,7 +573,7 @@ extern "C" moe_status moe_cuda_quant_nvfp4(uint8_t *q, uint8_t *scales, moe_quan
             (unsigned *)&g->amax, x, ngroups, o.rht, signs);
         MOE_CUDA_LAUNCH_CHECK();
     }
-    scalars_kernel<<<1, 1, 0, st>>>(g, MOE_NVFP4_GLOBAL_NUM);
+    nvfp4_scalars_kernel<<<1, 1, 0, st>>>(g, o.stochastic ? o.sr_counter : nullptr);
     MOE_CUDA_LAUNCH_CHECK();
     if (ngroups) {
         const dim3 grid((rows + 15) / 16, (cols / 16 + 15) / 16);

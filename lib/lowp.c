@@ -110,10 +110,6 @@ moe_status moe_lowp_check_config(const moe_config *c, moe_error *err) {
             "shard's, where Megatron reduces it over the group; not supported yet: use "
             "--fp8-recipe blockwise or mxfp8 (per-block scales), or TP = ETP = 1",
             flag, recipe, tps, etps);
-    REQUIRE(!fp4 || strcmp(c->cuda_graph_scope, "none") == 0,
-            "--fp4-recipe nvfp4 with --cuda-graph-scope %s: stochastic rounding draws a new "
-            "seed for every gradient from a host counter, which a captured graph would "
-            "replay unchanged; use --cuda-graph-scope none", c->cuda_graph_scope);
     int width = 1;
     switch (lp.spec[MOE_LOWP_ACTIVATION].recipe) {
     case MOE_QUANT_BLOCK_1X128: width = MOE_QUANT_BLOCK; break;
@@ -172,7 +168,8 @@ size_t moe_lowp_scratch_bytes(size_t cap, size_t act_size) {
     size_t qb, sb;
     moe_qdq_ws_bytes(cap, &qb, &sb);
     /* as moe_lowp_alloc(): fp32 staging, codes, scales, the scalars, two operand buffers */
-    return sizeof(float) * cap + qb + sb + sizeof(moe_quant_scalars) + 2 * act_size * cap;
+    return sizeof(float) * cap + qb + sb + sizeof(moe_quant_scalars) + 2 * act_size * cap +
+           sizeof(uint64_t); /* the draw counter */
 }
 
 int moe_lowp_alloc(const moe_backend *be, moe_lowp *lp, size_t cap) {
@@ -187,7 +184,11 @@ int moe_lowp_alloc(const moe_backend *be, moe_lowp *lp, size_t cap) {
     lp->ws.g = be->alloc(sizeof(moe_quant_scalars));
     lp->act = be->alloc(be->act_size * (cap > 0 ? cap : 1));
     lp->grad = be->alloc(be->act_size * (cap > 0 ? cap : 1));
-    return lp->ws.x && lp->ws.q && lp->ws.scales && lp->ws.g && lp->act && lp->grad;
+    lp->sr_calls = be->alloc(sizeof(uint64_t));
+    if (lp->sr_calls)
+        be->zero(lp->sr_calls, sizeof(uint64_t));
+    return lp->ws.x && lp->ws.q && lp->ws.scales && lp->ws.g && lp->act && lp->grad &&
+           lp->sr_calls;
 }
 
 void moe_lowp_free(const moe_backend *be, moe_lowp *lp) {
@@ -199,6 +200,8 @@ void moe_lowp_free(const moe_backend *be, moe_lowp *lp) {
     be->free(lp->ws.g);
     be->free(lp->act);
     be->free(lp->grad);
+    be->free(lp->sr_calls);
+    lp->sr_calls = NULL;
     be->free(lp->sites);
     be->free(lp->history);
     memset(&lp->ws, 0, sizeof lp->ws);
@@ -284,7 +287,7 @@ int moe_lowp_site(const moe_lowp *lp, int layer, moe_lowp_block block, int exper
 static moe_qdq_spec spec_of(moe_lowp *lp, moe_lowp_role role, int linear, int record) {
     moe_qdq_spec s = lp->spec[role];
     if (s.nvfp4.stochastic)
-        s.nvfp4.sr_seed = lp->seed + 0x9E3779B97F4A7C15ull * ++lp->sr_calls;
+        s.nvfp4.sr_seed = lp->seed, s.nvfp4.sr_counter = lp->sr_calls; /* advanced on the device */
     if (lp->sites) {
         const size_t k = (size_t)linear * MOE_LOWP_ROLES + (size_t)role;
         MOE_ASSERT(linear >= 0 && k < moe_lowp_sites(lp));
@@ -325,6 +328,18 @@ void moe_lowp_qdq_weight(const moe_backend *be, moe_lowp *lp, void *w, int group
         void *wg = MOE_ACT(be, w, (size_t)g * rows * cols);
         be->qdq(wg, wg, rows, cols, &s, &lp->ws);
     }
+}
+
+uint64_t moe_lowp_sr_calls(const moe_backend *be, const moe_lowp *lp) {
+    uint64_t n = 0;
+    if (lp && lp->on && lp->sr_calls)
+        be->to_host(&n, lp->sr_calls, sizeof n);
+    return n;
+}
+
+void moe_lowp_set_sr_calls(const moe_backend *be, moe_lowp *lp, uint64_t n) {
+    if (lp && lp->on && lp->sr_calls)
+        be->from_host(lp->sr_calls, &n, sizeof n);
 }
 
 int moe_lowp_native_recipe(const moe_lowp *lp) {

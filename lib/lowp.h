@@ -53,8 +53,9 @@
  * **Refused at start-up** (named errors): the distributed optimizer, the fused permutation,
  * a per-tensor recipe (tensorwise, delayed, NVFP4) under TP/ETP or with the sync-free MoE
  * layer (whose static budget of rows holds stale rows past the step's count), delayed
- * scaling on more than one rank, NVFP4 under CUDA graphs, and any linear width that is not a
- * multiple of the recipe's block.
+ * scaling on more than one rank, and any linear width that is not a multiple of the
+ * recipe's block. NVFP4 runs under CUDA graphs: its stochastic rounding's draw counter
+ * (@ref moe_lowp::sr_calls) is in backend memory and advanced by the quantize kernels.
  *
  * **Native FP8 on Hopper** (blockwise, `e4m3`, our grouped kernel: moe_lowp_native()). The
  * routed experts' forward and dgrad GEMMs run on FP8 codes in our FP8 grouped kernel (lib/
@@ -113,7 +114,11 @@ typedef struct moe_lowp {
     void *act;                          /**< [cap] the quantized input of the current GEMM */
     void *grad;                         /**< [cap] the quantized output gradient */
     uint64_t seed;                      /**< the stochastic rounding's base seed */
-    uint64_t sr_calls;                  /**< gradient QDQs so far: the rounding's counter */
+    uint64_t *sr_calls;                 /**< [1] in backend memory: gradient QDQs so far,
+                                             the rounding's draw counter (each stochastic
+                                             quantize advances it on the device: quantize.h,
+                                             moe_nvfp4_opts::sr_counter); read and set with
+                                             moe_lowp_sr_calls(), moe_lowp_set_sr_calls() */
     int native;                         /**< 1: the routed experts run the native FP8 GEMMs
                                              (moe_lowp_native(); the model sets it) */
     /* delayed scaling (`--fp8-recipe delayed`): a state per call site, "Delayed scaling" */
@@ -260,6 +265,23 @@ const void *moe_lowp_qdq_saved(const moe_backend *be, moe_lowp *lp, const void *
  */
 void moe_lowp_qdq_weight(const moe_backend *be, moe_lowp *lp, void *w, int groups, int rows,
                          int cols, int linear, int record);
+
+/**
+ * @brief The stochastic rounding's draw counter (lowp.h, "Resuming"): the gradient
+ *        quantizations made so far. Reads backend memory (a host sync on CUDA): for
+ *        checkpoints and tests, not inside a step.
+ * @param be backend  @param lp the context (NULL, off, or no counter: 0)
+ * @return the counter
+ */
+uint64_t moe_lowp_sr_calls(const moe_backend *be, const moe_lowp *lp);
+
+/**
+ * @brief Set the draw counter (a checkpoint's load): the next gradient quantization rounds
+ *        with draw @p n + 1.
+ * @param be backend  @param lp the context (NULL, off, or no counter: nothing happens)
+ * @param n the draws already made
+ */
+void moe_lowp_set_sr_calls(const moe_backend *be, moe_lowp *lp, uint64_t n);
 
 /**
  * @brief Whether the routed experts can run the native FP8 GEMMs on this backend: the

@@ -85,7 +85,12 @@ typedef enum moe_quant_recipe {
 typedef struct moe_nvfp4_opts {
     int block_2d;        /**< 1: one scale per 16×16 block (weights), 0: per 1×16 */
     int stochastic;      /**< 1: stochastic rounding of the elements (gradients) */
-    uint64_t sr_seed;    /**< the stochastic rounding's seed */
+    uint64_t sr_seed;    /**< the stochastic rounding's seed (with @ref sr_counter: the base) */
+    uint64_t *sr_counter; /**< NULL: @ref sr_seed is the seed. Otherwise a draw counter in
+                              backend memory: a stochastic quantize first adds 1 to it (one
+                              thread, once per tensor) and rounds with moe_q_sr_seed(sr_seed,
+                              counter), read on the device when it runs, so a captured CUDA
+                              graph draws a new seed at every replay */
     int rht;             /**< 1: random Hadamard transform of every 16-element row group
                               before quantizing (the amaxes are taken after it);
                               dequantize then applies the inverse */

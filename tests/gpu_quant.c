@@ -316,6 +316,38 @@ START_TEST(test_gpu_quant_nvfp4) {
     printf("  NVFP4: %d cases (1D/2D x nearest/stochastic x RHT, NaN), %s\n", cases,
            ok ? "codes, E4M3 scales, global scale and dequantized CUDA == CPU" : "DIFFER");
     ck_assert(ok);
+    /* the stochastic rounding's draw counter in device memory (moe_nvfp4_opts::sr_counter,
+     * what a CUDA graph replays): each quantize advances it once on the device and rounds
+     * with moe_q_sr_seed(base, counter): CUDA == CPU over three draws, each draw's codes
+     * differing from the previous one's (a stale device counter would repeat them) */
+    {
+        enum { R2 = 64, C2 = 256, N2 = R2 * C2 };
+        float *x2 = gen(N2, 520, 0), *dx2 = dcopy(x2, N2 * 4);
+        uint8_t *q2 = hpoison(N2 / 2), *s2 = hpoison(N2 / 16), *prev = hpoison(N2 / 2);
+        uint8_t *dq2 = dpoison(N2 / 2), *ds2 = dpoison(N2 / 16);
+        moe_quant_scalars g2, *dg2 = dpoison(sizeof g2);
+        uint64_t hc = 41, *dc = dcopy(&hc, sizeof hc);
+        moe_nvfp4_opts hc_o = {.stochastic = 1, .sr_seed = 99, .sr_counter = &hc};
+        moe_nvfp4_opts dc_o = {.stochastic = 1, .sr_seed = 99, .sr_counter = dc};
+        for (int draw = 0; draw < 3; draw++) {
+            ck_assert_int_eq(moe_cpu_quant_nvfp4(q2, s2, &g2, x2, R2, C2, &hc_o, &err), MOE_OK);
+            ck_assert_int_eq(moe_cuda_quant_nvfp4(dq2, ds2, dg2, dx2, R2, C2, &dc_o, &err),
+                             MOE_OK);
+            char what[64];
+            snprintf(what, sizeof what, "NVFP4 SR, device draw counter, draw %d", draw + 1);
+            ck_assert(same_bytes(what, dq2, q2, N2 / 2));
+            ck_assert(same_bytes(what, dc, &hc, sizeof hc));
+            ck_assert_msg(draw == 0 || memcmp(prev, q2, N2 / 2) != 0,
+                          "draw %d rounded exactly as the one before", draw + 1);
+            memcpy(prev, q2, N2 / 2);
+        }
+        ck_assert_uint_eq(hc, 44);
+        printf("  NVFP4 SR with the draw counter in device memory: 3 draws CUDA == CPU, "
+               "counter 41 -> 44\n");
+        free(x2), free(q2), free(s2), free(prev);
+        moe_cuda_free(dx2), moe_cuda_free(dq2), moe_cuda_free(ds2), moe_cuda_free(dg2),
+            moe_cuda_free(dc);
+    }
     /* the transform alone, both ways */
     enum { R = 33, C = 512 };
     float *x = gen(R * C, 500, 1), *t = hpoison(R * C * 4), *b = hpoison(R * C * 4);

@@ -779,6 +779,22 @@ START_TEST(test_stochastic_rounding) {
     const moe_nvfp4_opts sr2 = {.stochastic = 1, .sr_seed = 1235};
     moe_cpu_quant_nvfp4(q2, sc, &g, x, R, C, &sr2, &err);
     ck_assert(memcmp(q, q2, sizeof q) != 0);
+    /* the draw counter (moe_nvfp4_opts::sr_counter, what training and CUDA graphs use): a
+     * quantize advances it by one and rounds with moe_q_sr_seed(base, counter after) — the
+     * same bytes as that seed given directly; the next call draws another seed */
+    uint64_t ctr = 6;
+    const moe_nvfp4_opts src = {.stochastic = 1, .sr_seed = 1234, .sr_counter = &ctr},
+                         s7 = {.stochastic = 1, .sr_seed = moe_q_sr_seed(1234, 7)};
+    moe_cpu_quant_nvfp4(q, sc, &g, x, R, C, &src, &err);
+    ck_assert_uint_eq(ctr, 7);
+    moe_cpu_quant_nvfp4(q2, sc, &g, x, R, C, &s7, &err);
+    ck_assert(memcmp(q, q2, sizeof q) == 0);
+    moe_cpu_quant_nvfp4(q2, sc, &g, x, R, C, &src, &err);
+    ck_assert_uint_eq(ctr, 8);
+    ck_assert(memcmp(q, q2, sizeof q) != 0);
+    const moe_nvfp4_opts rne_ctr = {.sr_counter = &ctr}; /* not stochastic: no draw */
+    moe_cpu_quant_nvfp4(q2, sc, &g, x, R, C, &rne_ctr, &err);
+    ck_assert_uint_eq(ctr, 8);
     /* unbiased over seeds for one element, for values all over the grid */
     const float vals[] = {0.1f, 0.3f, 0.7f, 1.2f, 1.9f, 2.7f, 3.5f, 5.2f, -4.4f};
     for (size_t k = 0; k < sizeof vals / sizeof *vals; k++) {

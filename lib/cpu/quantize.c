@@ -322,6 +322,12 @@ moe_status moe_cpu_quant_nvfp4(uint8_t *q, uint8_t *scales, moe_quant_scalars *g
     }
     moe_quant_scalars_from_amax(g, moe_q_key_amax(m), MOE_NVFP4_GLOBAL_NUM);
     const float G = g->scale;
+    /* the draw counter (quantize.h): advanced once, between the passes, as the CUDA twin's
+     * scalars kernel does */
+    moe_nvfp4_opts oc = *o;
+    if (o->stochastic && o->sr_counter)
+        oc.sr_seed = moe_q_sr_seed(o->sr_seed, ++*o->sr_counter);
+    o = &oc;
     /* pass 2: per block of bh rows × 16 columns, its scale, then its elements */
     const int bh = o->block_2d ? B : 1, nbr = (rows + bh - 1) / bh;
 #pragma omp parallel for schedule(static) if ((size_t)rows * cols > 65536)
