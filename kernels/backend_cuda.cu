@@ -76,6 +76,7 @@ static moe_backend make_cuda_backend(void) {
     b.cross_entropy_shard_merge = moe_cuda_cross_entropy_shard_merge;
     b.cross_entropy_shard_backward = moe_cuda_cross_entropy_shard_backward;
     b.qdq = moe_cuda_qdq;
+    b.qdq_t = moe_cuda_qdq_t;
     b.fp8_grouped_native = moe_cuda_grouped_sm90_available;
     b.fp8_quant_act = moe_cuda_quant_blockwise_act;
     b.fp8_quant_t_act = moe_cuda_quant_blockwise_t_act;

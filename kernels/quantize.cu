@@ -691,3 +691,59 @@ extern "C" void moe_cuda_qdq(void *dst, const void *src, int rows, int cols,
     MOE_ASSERT(s == MOE_OK); /* the model checked every shape at start-up */
     f32_to_bf16_kernel<<<grid_for(n, THREADS * 4), THREADS, 0, st>>>((moe_bf16 *)dst, ws->x, n);
 }
+
+/* the tokens' transpose of a wgrad operand (moe_cuda_qdq_t) through a 32×32 tile in shared
+ * memory (33 columns: no bank conflicts), so that both the read and the write are coalesced:
+ * y [cols, m] fp32 = xᵀ with the tokens n..m−1 zero */
+static __global__ void tokens_t_in_kernel(float *y, const moe_bf16 *x, int n, int m, int cols) {
+    __shared__ float tile[32][33];
+    const int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
+    for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+        const int r = r0 + i, c = c0 + threadIdx.x;
+        tile[i][threadIdx.x] = r < n && c < cols ? moe_ld(x[(size_t)r * cols + c]) : 0.0f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+        const int c = c0 + i, r = r0 + threadIdx.x;
+        if (c < cols && r < m)
+            y[(size_t)c * m + r] = tile[threadIdx.x][i];
+    }
+}
+
+/* ... and back: y [m, cols] bf16 (round to nearest even) = xᵀ of x [cols, m] fp32 */
+static __global__ void tokens_t_out_kernel(moe_bf16 *y, const float *x, int m, int cols) {
+    __shared__ float tile[32][33];
+    const int r0 = blockIdx.x * 32, c0 = blockIdx.y * 32;
+    for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+        const int c = c0 + i, r = r0 + threadIdx.x;
+        tile[i][threadIdx.x] = c < cols && r < m ? x[(size_t)c * m + r] : 0.0f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+        const int r = r0 + i, c = c0 + threadIdx.x;
+        if (r < m && c < cols)
+            y[(size_t)r * cols + c] = moe_st(tile[threadIdx.x][i]);
+    }
+}
+
+/* the CPU's sequence (moe_cpu_qdq_t): transpose in, the recipe's QDQ of [cols, m] (its blocks
+ * along the tokens), transpose out */
+extern "C" void moe_cuda_qdq_t(void *dst, const void *src, int n, int m, int cols,
+                               const moe_qdq_spec *spec, const moe_qdq_ws *ws) {
+    MOE_ASSERT(n >= 0 && n <= m && dst != src);
+    if ((size_t)m * cols == 0)
+        return;
+    cudaStream_t st = moe_cuda_stream();
+    const dim3 block(32, 8);
+    tokens_t_in_kernel<<<dim3((cols + 31) / 32, (m + 31) / 32), block, 0, st>>>(
+        ws->x, (const moe_bf16 *)src, n, m, cols);
+    MOE_CUDA_LAUNCH_CHECK();
+    moe_error err;
+    const moe_status s = moe_qdq_f32(&g_cuda_quant_fns, spec, ws, cols, m, &err);
+    if (s != MOE_OK)
+        fprintf(stderr, "moe_cuda_qdq_t: %s\n", err.msg);
+    MOE_ASSERT(s == MOE_OK); /* the model checked every shape at start-up */
+    tokens_t_out_kernel<<<dim3((m + 31) / 32, (cols + 31) / 32), block, 0, st>>>(
+        (moe_bf16 *)dst, ws->x, m, cols);
+    MOE_CUDA_LAUNCH_CHECK();
+}

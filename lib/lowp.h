@@ -28,7 +28,9 @@
  * is 0 almost everywhere. Like every low-precision trainer, the backward treats QDQ as the
  * identity for the gradient: dx = Q(dy)·Q(W) is used as ∂L/∂x and dW = Q(dy)ᵀ·Q(x) as
  * ∂L/∂W, as if y were x·Wᵀ evaluated on the quantized operands. The gradients that reach
- * the master weights are those of the quantized model, passed straight through Q.
+ * the master weights are those of the quantized model, passed straight through Q. (NVFP4's
+ * wgrad takes dW = Q_t(dy)ᵀ·Q_t(x), its operands quantized along the tokens with the
+ * Hadamard transform: another estimate of the same ∂L/∂W, below.)
  *
  * **What differs from a native FP8 GEMM.** The products and sums: a native GEMM accumulates
  * the codes' products in fp32 and applies the scales per block; the emulation multiplies the
@@ -36,8 +38,10 @@
  * dequantized values are rounded to bf16 (activations are bf16 there), which a scale that is
  * not a power of two can change in the last bits. One QDQ per tensor serves both backward
  * GEMMs: the blockwise recipes' wgrad operands are tiled along the rows as for the dgrad
- * GEMM, where a native kernel tiles them along the tokens (the transposed copy); and NVFP4's
- * random Hadamard transform of the wgrad operands is not applied.
+ * GEMM, where a native kernel tiles them along the tokens (the transposed copy). NVFP4's
+ * wgrad is the exception: it quantizes dy and x along the tokens with the random Hadamard
+ * transform (moe_lowp_wgrad(), TransformerEngine's NVFP4BlockScaling; off with
+ * `--fp4-disable-rht`), so dW = Q_t(dy)ᵀ·Q_t(x) there, a second quantization of dy.
  *
  * **Delayed scaling** (TransformerEngine's DelayedScaling): each tensor a linear layer
  * quantizes is cast with a scale chosen from the amaxes of the previous steps at its call
@@ -119,6 +123,11 @@ typedef struct moe_lowp {
                                              quantize advances it on the device: quantize.h,
                                              moe_nvfp4_opts::sr_counter); read and set with
                                              moe_lowp_sr_calls(), moe_lowp_set_sr_calls() */
+    int wgrad_rht;                      /**< NVFP4: 1 (default; 0 with --fp4-disable-rht):
+                                             the wgrad quantizes its operands along the tokens
+                                             with the random Hadamard transform
+                                             (moe_lowp_wgrad()) */
+    uint64_t rht_seed;                  /**< the transform's signs, from --seed */
     int native;                         /**< 1: the routed experts run the native FP8 GEMMs
                                              (moe_lowp_native(); the model sets it) */
     /* delayed scaling (`--fp8-recipe delayed`): a state per call site, "Delayed scaling" */
@@ -265,6 +274,30 @@ const void *moe_lowp_qdq_saved(const moe_backend *be, moe_lowp *lp, const void *
  */
 void moe_lowp_qdq_weight(const moe_backend *be, moe_lowp *lp, void *w, int groups, int rows,
                          int cols, int linear, int record);
+
+/**
+ * @brief Whether the wgrad GEMMs take NVFP4's random Hadamard transform (moe_lowp_wgrad()):
+ *        `--fp4-format e2m1` without `--fp4-disable-rht`.
+ * @param lp the context (NULL or off: 0)  @return 1 when on
+ */
+int moe_lowp_wgrad_rht(const moe_lowp *lp);
+
+/**
+ * @brief NVFP4's wgrad with the random Hadamard transform (lib/lowp.c, "wgrad"): for each
+ *        group g of rows off[g]..off[g+1]: dw_g += Q_t(dy_g)ᵀ·Q_t(x_g), where Q_t quantizes
+ *        along the tokens in 16-element blocks after the transform (the same signs for both
+ *        operands, so it cancels in the product), the tokens padded to a multiple of 16
+ *        with zeros, the gradient with stochastic rounding; each group is a tensor of its
+ *        own. Uses lp->grad and lp->act (the dgrad GEMM must be queued before it).
+ * @param be backend  @param lp the context (moe_lowp_wgrad_rht() on)
+ * @param dw [G][O, I] the weight gradients (accumulated into)
+ * @param dout [off[G], O] the output gradient, not quantized  @param in [off[G], I] the
+ *        layer's input, not quantized  @param off HOST [G+1] the groups' row offsets
+ * @param G groups  @param I input width  @param O output width
+ * @param linear the first group's linear layer (moe_lowp_site())
+ */
+void moe_lowp_wgrad(const moe_backend *be, moe_lowp *lp, moe_real *dw, const void *dout,
+                    const void *in, const int *off, int G, int I, int O, int linear);
 
 /**
  * @brief The stochastic rounding's draw counter (lowp.h, "Resuming"): the gradient

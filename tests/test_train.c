@@ -112,9 +112,11 @@ START_TEST(test_lowp_training) {
                                     "--fp8-format e4m3 --fp8-recipe mxfp8",
                                     "--fp4-format e2m1 --fp4-recipe nvfp4",
                                     "--fp8-format e4m3 --fp8-recipe delayed "
-                                    "--fp8-amax-history-len 16 --fp8-amax-compute-algo max"};
-    static const double margin[] = {0.03, 0.03, 0.03, 0.05, 0.03};
-    double ref[LOWP_STEPS], l[LOWP_STEPS];
+                                    "--fp8-amax-history-len 16 --fp8-amax-compute-algo max",
+                                    /* NVFP4 without the wgrad's random Hadamard transform */
+                                    "--fp4-format e2m1 --fp4-recipe nvfp4 --fp4-disable-rht"};
+    static const double margin[] = {0.03, 0.03, 0.03, 0.05, 0.03, 0.05};
+    double ref[LOWP_STEPS], l[LOWP_STEPS], nvfp4[2][LOWP_STEPS];
     run_losses(LOWP_MODEL, LOWP_STEPS, ref);
     const double ref_tail = tail_mean(ref);
     printf("  emulated low precision, 30 steps: fp32 first %.4f, mean of the last 10 %.4f\n",
@@ -135,7 +137,15 @@ START_TEST(test_lowp_training) {
         ck_assert_msg(rel < margin[r], "%s: last-10 mean %.4f is %.2f %% from fp32's %.4f "
                       "(margin %.0f %%)", recipes[r], tail, 100 * rel, ref_tail,
                       100 * margin[r]);
+        if (r == 3 || r == 5)
+            memcpy(nvfp4[r == 5], l, sizeof l);
     }
+    /* the transform changes the weight gradients, not the forward: step 1's loss is the
+     * same with and without it, every later one differs */
+    ck_assert(memcmp(&nvfp4[0][0], &nvfp4[1][0], sizeof(double)) == 0);
+    for (int i = 1; i < LOWP_STEPS; i++)
+        ck_assert_msg(nvfp4[0][i] != nvfp4[1][i], "step %d: NVFP4 with and without the wgrad "
+                      "RHT both %.17g: was the transform applied?", i + 1, nvfp4[0][i]);
     /* the experts' grouped paths (one QDQ over all experts' rows; the per-row tiles make it
      * the loop's values) train as the loop does */
     double loop[LOWP_STEPS];

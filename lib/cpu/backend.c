@@ -422,6 +422,7 @@ static const moe_backend g_cpu = {
     .cross_entropy_shard_merge = moe_cpu_cross_entropy_shard_merge,
     .cross_entropy_shard_backward = a_ce_shard_backward,
     .qdq = moe_cpu_qdq,
+    .qdq_t = moe_cpu_qdq_t,
     .add = cpu_add,
     .scale = cpu_scale,
     .router_forward = a_router_forward,
