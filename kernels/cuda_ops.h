@@ -302,6 +302,10 @@ moe_status moe_cuda_swiglu_backward_quant(uint8_t *q, float *scale_inv, void *y,
 /* the CUDA twin of moe_cpu_qdq (bf16 activations through ws->x in fp32) */
 void moe_cuda_qdq(void *dst, const void *src, int rows, int cols, const moe_qdq_spec *spec,
                   const moe_qdq_ws *ws);
+/* the CUDA twin of moe_cpu_qdq_t: the QDQ along the tokens of a wgrad operand, src [n, cols]
+ * bf16 → dst [m, cols] bf16 (tokens zero-padded to m), through ws->x [cols, m] in fp32 */
+void moe_cuda_qdq_t(void *dst, const void *src, int n, int m, int cols,
+                    const moe_qdq_spec *spec, const moe_qdq_ws *ws);
 
 /* chapter 05's low-precision GEMM (kernels/fp8_gemm.cu): D[M,N] = A[M,K]·B[N,K]ᵀ on
  * quantized operands, the contract and the shape rules of lib/fp8_gemm.h (the CPU twin is

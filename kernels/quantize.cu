@@ -26,7 +26,7 @@
  *               op's 1×128 path; a batch of expert weights with their transposes);
  *   MXFP8       one warp per 32-element block, one element per lane;
  *   NVFP4       nvfp4_amax_kernel (per 16-element group, after the optional Hadamard
- *               transform), scalars_kernel, then nvfp4_kernel: one thread per group, 256
+ *               transform), nvfp4_scalars_kernel (which also advances the stochastic rounding's draw counter), then nvfp4_kernel: one thread per group, 256
  *               threads = 16 rows × 16 groups, laid out so that the 16 rows of a 16×16 block
  *               are one half-warp (the 2D block amax is a 4-step shuffle).
  * Everything is enqueued on moe_cuda_stream(); nothing waits for the device, and the scales
@@ -629,6 +629,16 @@ static __global__ void nvfp4_amax_kernel(unsigned *key, const float *x, size_t n
         atomicMax(key, m);
 }
 
+/* NVFP4's scalars (global scale from the amax), and the stochastic rounding's draw counter
+ * advanced by this one thread (quantize.h, moe_nvfp4_opts::sr_counter): nvfp4_kernel, next on
+ * the stream, reads it, so a replayed graph rounds with a fresh seed */
+static __global__ void nvfp4_scalars_kernel(moe_quant_scalars *s, uint64_t *sr_counter) {
+    moe_quant_scalars_from_amax(s, moe_q_key_amax(__float_as_uint(s->amax)),
+                                MOE_NVFP4_GLOBAL_NUM);
+    if (sr_counter)
+        *sr_counter += 1;
+}
+
 /* one thread per 16-element row group; a 256-thread block covers 16 rows × 16 groups, thread
  * t = 16·(group in block) + (row in block), so the 16 rows of a 16×16 block are a half-warp */
 static __global__ void nvfp4_kernel(uint8_t *q, uint8_t *scales, const moe_quant_scalars *g,
@@ -651,6 +661,8 @@ static __global__ void nvfp4_kernel(uint8_t *q, uint8_t *scales, const moe_quant
     if (!valid)
         return;
     const float G = g->scale;
+    if (o.stochastic && o.sr_counter)
+        o.sr_seed = moe_q_sr_seed(o.sr_seed, *o.sr_counter);
     const uint8_t code = moe_nvfp4_scale_code(moe_q_key_amax(m), G);
     const float d = moe_nvfp4_divisor(code, G);
     const uint64_t i0 = (uint64_t)r * cols + (uint64_t)gc * 16;
@@ -679,7 +691,7 @@ extern "C" moe_status moe_cuda_quant_nvfp4(uint8_t *q, uint8_t *scales, moe_quan
             (unsigned *)&g->amax, x, ngroups, o.rht, signs);
         MOE_CUDA_LAUNCH_CHECK();
     }
-    scalars_kernel<<<1, 1, 0, st>>>(g, MOE_NVFP4_GLOBAL_NUM);
+    nvfp4_scalars_kernel<<<1, 1, 0, st>>>(g, o.stochastic ? o.sr_counter : nullptr);
     MOE_CUDA_LAUNCH_CHECK();
     if (ngroups) {
         const dim3 grid((rows + 15) / 16, (cols / 16 + 15) / 16);
@@ -796,4 +808,60 @@ extern "C" void moe_cuda_qdq(void *dst, const void *src, int rows, int cols,
         fprintf(stderr, "moe_cuda_qdq: %s\n", err.msg);
     MOE_ASSERT(s == MOE_OK); /* the model checked every shape at start-up */
     f32_to_bf16_kernel<<<grid_for(n, THREADS * 4), THREADS, 0, st>>>((moe_bf16 *)dst, ws->x, n);
+}
+
+/* the tokens' transpose of a wgrad operand (moe_cuda_qdq_t) through a 32×32 tile in shared
+ * memory (33 columns: no bank conflicts), so that both the read and the write are coalesced:
+ * y [cols, m] fp32 = xᵀ with the tokens n..m−1 zero */
+static __global__ void tokens_t_in_kernel(float *y, const moe_bf16 *x, int n, int m, int cols) {
+    __shared__ float tile[32][33];
+    const int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
+    for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+        const int r = r0 + i, c = c0 + threadIdx.x;
+        tile[i][threadIdx.x] = r < n && c < cols ? moe_ld(x[(size_t)r * cols + c]) : 0.0f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+        const int c = c0 + i, r = r0 + threadIdx.x;
+        if (c < cols && r < m)
+            y[(size_t)c * m + r] = tile[threadIdx.x][i];
+    }
+}
+
+/* ... and back: y [m, cols] bf16 (round to nearest even) = xᵀ of x [cols, m] fp32 */
+static __global__ void tokens_t_out_kernel(moe_bf16 *y, const float *x, int m, int cols) {
+    __shared__ float tile[32][33];
+    const int r0 = blockIdx.x * 32, c0 = blockIdx.y * 32;
+    for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+        const int c = c0 + i, r = r0 + threadIdx.x;
+        tile[i][threadIdx.x] = c < cols && r < m ? x[(size_t)c * m + r] : 0.0f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+        const int r = r0 + i, c = c0 + threadIdx.x;
+        if (r < m && c < cols)
+            y[(size_t)r * cols + c] = moe_st(tile[threadIdx.x][i]);
+    }
+}
+
+/* the CPU's sequence (moe_cpu_qdq_t): transpose in, the recipe's QDQ of [cols, m] (its blocks
+ * along the tokens), transpose out */
+extern "C" void moe_cuda_qdq_t(void *dst, const void *src, int n, int m, int cols,
+                               const moe_qdq_spec *spec, const moe_qdq_ws *ws) {
+    MOE_ASSERT(n >= 0 && n <= m && dst != src);
+    if ((size_t)m * cols == 0)
+        return;
+    cudaStream_t st = moe_cuda_stream();
+    const dim3 block(32, 8);
+    tokens_t_in_kernel<<<dim3((cols + 31) / 32, (m + 31) / 32), block, 0, st>>>(
+        ws->x, (const moe_bf16 *)src, n, m, cols);
+    MOE_CUDA_LAUNCH_CHECK();
+    moe_error err;
+    const moe_status s = moe_qdq_f32(&g_cuda_quant_fns, spec, ws, cols, m, &err);
+    if (s != MOE_OK)
+        fprintf(stderr, "moe_cuda_qdq_t: %s\n", err.msg);
+    MOE_ASSERT(s == MOE_OK); /* the model checked every shape at start-up */
+    tokens_t_out_kernel<<<dim3((m + 31) / 32, (cols + 31) / 32), block, 0, st>>>(
+        (moe_bf16 *)dst, ws->x, m, cols);
+    MOE_CUDA_LAUNCH_CHECK();
 }

@@ -150,8 +150,24 @@ void moe_attention_forward(const moe_backend *be, void *out, const void *x,
 static void proj_backward(const moe_backend *be, const moe_attention_dims *d, int proj, void *din,
                           moe_real *dw, const void *dout, const void *in, const void *w, int N,
                           int I, int O) {
-    dout = moe_lowp_qdq(be, d->lowp, dout, N, O, MOE_LOWP_GRADIENT, d->lowp_site + proj);
-    be->matmul_backward(din, dw, dout, in, w, N, I, O);
+    const int site = d->lowp_site + proj;
+    const void *dq = moe_lowp_qdq(be, d->lowp, dout, N, O, MOE_LOWP_GRADIENT, site);
+    if (!moe_lowp_wgrad_rht(d->lowp)) {
+        be->matmul_backward(din, dw, dq, in, w, N, I, O);
+        return;
+    }
+    /* NVFP4: @p in is the input itself; the wgrad quantizes it and dout along the tokens
+     * with the random Hadamard transform (lowp.h) after the dgrad GEMM */
+    be->matmul_backward(din, NULL, dq, NULL, w, N, I, O);
+    const int off[2] = {0, N};
+    moe_lowp_wgrad(be, d->lowp, dw, dout, in, off, 1, I, O, site);
+}
+
+/* the input a projection's backward takes: its saved forward QDQ, or under NVFP4's wgrad
+ * transform the input itself (moe_lowp_wgrad() quantizes it) */
+static const void *proj_input(const moe_backend *be, const moe_attention_dims *d, const void *x,
+                              int N, int I, int linear) {
+    return moe_lowp_wgrad_rht(d->lowp) ? x : moe_lowp_qdq_saved(be, d->lowp, x, N, I, linear);
 }
 
 /* The forward in reverse. Every op accumulates into its gradients, so each scratch buffer
@@ -164,8 +180,7 @@ void moe_attention_backward(const moe_backend *be, void *dx, const moe_attention
     const size_t S = be->act_size, QD = (size_t)N * Hq * D, KD = (size_t)N * Hkv * D;
     be->zero(s->dy, S * QD);
     proj_backward(be, d, 3, s->dy, g->wo, dout,
-                  moe_lowp_qdq_saved(be, d->lowp, a->y, N, Hq * D, d->lowp_site + 3), w->wo, N,
-                  Hq * D, H);
+                  proj_input(be, d, a->y, N, Hq * D, d->lowp_site + 3), w->wo, N, Hq * D, H);
     be->zero(s->dq, S * QD);
     be->zero(s->dk, S * KD);
     be->zero(s->dv, S * KD);
@@ -190,7 +205,7 @@ void moe_attention_backward(const moe_backend *be, void *dx, const moe_attention
         dq = s->dq;
         dk = s->dk;
     }
-    x = moe_lowp_qdq_saved(be, d->lowp, x, N, H, d->lowp_site); /* chapter 05 (or x) */
+    x = proj_input(be, d, x, N, H, d->lowp_site); /* chapter 05 (or x) */
     proj_backward(be, d, 0, dx, g->wq, dq, x, w->wq, N, H, Hq * D);
     proj_backward(be, d, 1, dx, g->wk, dk, x, w->wk, N, H, Hkv * D);
     proj_backward(be, d, 2, dx, g->wv, s->dv, x, w->wv, N, H, Hkv * D);

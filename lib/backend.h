@@ -277,6 +277,11 @@ typedef struct moe_backend {
                                             moe_real *drow_scale, const void *dout,
                                             const void *gu, const moe_real *row_scale, int N,
                                             int F, moe_fp8_format f, int pow2, moe_error *err);
+    /** dst [m, cols] = the QDQ along the tokens of src [n, cols] (a wgrad operand, NVFP4's
+     *  random Hadamard transform: lib/lowp.h), tokens zero-padded to m: as moe_cpu_qdq_t(),
+     *  through @p ws in backend memory; dst is not src */
+    void (*qdq_t)(void *dst, const void *src, int n, int m, int cols, const moe_qdq_spec *spec,
+                  const moe_qdq_ws *ws);
     /** chapter 05's native FP8 expert GEMMs (lowp.h, ::moe_fp8_weight): 1 when this device
      *  runs them (our FP8 grouped kernel, sm_90a); NULL on a backend that has none (the CPU),
      *  which then runs the recipe emulated through @ref qdq */

@@ -437,7 +437,7 @@ moe_status moe_checkpoint_save(moe_trainer *t, const char *dir, int keep_last, m
         h.state[ST_ADAM_STEP] = t->opt.step;
         h.state[ST_SEED] = t->cfg.seed;
         h.state[ST_CONSUMED_SAMPLES] = (int64_t)t->step * t->cfg.global_batch_size;
-        h.sr_calls = has_sr_counter(m) ? (int64_t)m->lowp->sr_calls : 0;
+        h.sr_calls = has_sr_counter(m) ? (int64_t)moe_lowp_sr_calls(be, m->lowp) : 0;
         shard_path(path, sizeof path, dir, t->step, t->rank);
         s = write_shard(t, path, &h, config, config_len, err);
     }
@@ -766,7 +766,7 @@ static void apply(moe_trainer *t, const host_state *h) {
     t->step = (int)h->state[ST_STEP];
     t->opt.step = h->state[ST_ADAM_STEP];
     if (has_sr_counter(m))
-        m->lowp->sr_calls = (uint64_t)h->sr_calls;
+        moe_lowp_set_sr_calls(be, m->lowp, (uint64_t)h->sr_calls);
     if (h->dl_found) { /* the sites, then the weights cast again with their saved scales */
         const size_t ns = dl_sites(m);
         be->from_host(m->lowp->sites, h->dl_site, sizeof(moe_delayed_site) * ns);

@@ -150,8 +150,13 @@ static const moe_flag g_flags[] = {
       G_TRAIN),
     F("fp4-recipe", MOE_FLAG_CHOICE, fp4_recipe, "nvfp4",
       "scaling of --fp4-format: nvfp4 (16-element blocks with E4M3 scales and an fp32 scale "
-      "per tensor, 16x16 weight blocks, stochastic rounding of the gradients)", "nvfp4",
+      "per tensor, 16x16 weight blocks, stochastic rounding of the gradients, a random "
+      "Hadamard transform of the wgrad operands along the tokens)", "nvfp4",
       G_TRAIN),
+    F("fp4-disable-rht", MOE_FLAG_BOOL, fp4_disable_rht, "0",
+      "--fp4-recipe nvfp4: no random Hadamard transform of the wgrad operands (the wgrad "
+      "then quantizes them along the tokens without it; TransformerEngine's "
+      "NVFP4BlockScaling disable_rht, NVTE_NVFP4_DISABLE_RHT=1)", NULL, G_TRAIN),
 
     F("tensor-model-parallel-size", MOE_FLAG_INT, tensor_model_parallel_size, "1",
       "ranks each attention and dense-FFN matrix is split over (TP, Megatron style: column-"

@@ -164,6 +164,7 @@ typedef struct moe_config {
     int fp8_margin;                        /**< --fp8-margin (delayed scaling) */
     char fp4_format[MOE_FLAG_STR_LEN];     /**< --fp4-format none|e2m1 */
     char fp4_recipe[MOE_FLAG_STR_LEN];     /**< --fp4-recipe nvfp4 */
+    int fp4_disable_rht;                   /**< --fp4-disable-rht (NVFP4's wgrad RHT off) */
     /* ---- training */
     int micro_batch_size;       /**< --micro-batch-size */
     int global_batch_size;      /**< --global-batch-size (a multiple of the micro batch) */

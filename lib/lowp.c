@@ -38,6 +38,10 @@ moe_status moe_lowp_from_config(moe_lowp *lp, const moe_config *c, moe_error *er
             lp->spec[r].recipe = MOE_QUANT_NVFP4;
         lp->spec[MOE_LOWP_WEIGHT].recipe = MOE_QUANT_NVFP4_2D;  /* 16×16 weight blocks */
         lp->spec[MOE_LOWP_GRADIENT].nvfp4.stochastic = 1;        /* gradients only */
+        /* the wgrad operands' transform (lowp.h, "wgrad"), on as in TransformerEngine; one
+         * sign vector for the run, the same for both operands of every wgrad */
+        lp->wgrad_rht = !c->fp4_disable_rht;
+        lp->rht_seed = (uint64_t)c->seed ^ 0x2c1b3c6d9e8f7a55ull;
         snprintf(lp->name, sizeof lp->name, "nvfp4 (emulated)");
         return MOE_OK;
     }
@@ -100,6 +104,9 @@ moe_status moe_lowp_check_config(const moe_config *c, moe_error *err) {
     REQUIRE(c->fp8_margin >= 0 && c->fp8_margin <= MOE_QUANT_MAX_MARGIN,
             "--fp8-margin %d: delayed scaling divides each scale by 2^margin; give 0 to %d "
             "(Megatron's default 0)", c->fp8_margin, MOE_QUANT_MAX_MARGIN);
+    REQUIRE(!c->fp4_disable_rht || fp4,
+            "--fp4-disable-rht without --fp4-format e2m1: the random Hadamard transform is "
+            "part of the NVFP4 recipe; give --fp4-format e2m1 or drop --fp4-disable-rht");
     if (!fp8 && !fp4)
         return MOE_OK;
     moe_lowp lp;
@@ -122,10 +129,6 @@ moe_status moe_lowp_check_config(const moe_config *c, moe_error *err) {
             "shard's, where Megatron reduces it over the group; not supported yet: use "
             "--fp8-recipe blockwise or mxfp8 (per-block scales), or TP = ETP = 1",
             flag, recipe, tps, etps);
-    REQUIRE(!fp4 || strcmp(c->cuda_graph_scope, "none") == 0,
-            "--fp4-recipe nvfp4 with --cuda-graph-scope %s: stochastic rounding draws a new "
-            "seed for every gradient from a host counter, which a captured graph would "
-            "replay unchanged; use --cuda-graph-scope none", c->cuda_graph_scope);
     int width = 1;
     switch (lp.spec[MOE_LOWP_ACTIVATION].recipe) {
     case MOE_QUANT_BLOCK_1X128: width = MOE_QUANT_BLOCK; break;
@@ -176,7 +179,8 @@ size_t moe_lowp_cap(const moe_config *c, size_t tokens, size_t moe_rows) {
                           2 * c->moe_shared_expert_intermediate_size};
     for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
         width = (size_t)widths[i] > width ? (size_t)widths[i] : width;
-    const size_t rows = moe_rows > tokens ? moe_rows : tokens;
+    /* + a block: the wgrad operands' tokens padded to NVFP4's 16 (moe_lowp_wgrad()) */
+    const size_t rows = (moe_rows > tokens ? moe_rows : tokens) + MOE_QUANT_NVFP4_BLOCK;
     return (rows > width ? rows : width) * width;
 }
 
@@ -184,7 +188,8 @@ size_t moe_lowp_scratch_bytes(size_t cap, size_t act_size) {
     size_t qb, sb;
     moe_qdq_ws_bytes(cap, &qb, &sb);
     /* as moe_lowp_alloc(): fp32 staging, codes, scales, the scalars, two operand buffers */
-    return sizeof(float) * cap + qb + sb + sizeof(moe_quant_scalars) + 2 * act_size * cap;
+    return sizeof(float) * cap + qb + sb + sizeof(moe_quant_scalars) + 2 * act_size * cap +
+           sizeof(uint64_t); /* the draw counter */
 }
 
 int moe_lowp_alloc(const moe_backend *be, moe_lowp *lp, size_t cap) {
@@ -199,7 +204,11 @@ int moe_lowp_alloc(const moe_backend *be, moe_lowp *lp, size_t cap) {
     lp->ws.g = be->alloc(sizeof(moe_quant_scalars));
     lp->act = be->alloc(be->act_size * (cap > 0 ? cap : 1));
     lp->grad = be->alloc(be->act_size * (cap > 0 ? cap : 1));
-    return lp->ws.x && lp->ws.q && lp->ws.scales && lp->ws.g && lp->act && lp->grad;
+    lp->sr_calls = be->alloc(sizeof(uint64_t));
+    if (lp->sr_calls)
+        be->zero(lp->sr_calls, sizeof(uint64_t));
+    return lp->ws.x && lp->ws.q && lp->ws.scales && lp->ws.g && lp->act && lp->grad &&
+           lp->sr_calls;
 }
 
 void moe_lowp_free(const moe_backend *be, moe_lowp *lp) {
@@ -211,6 +220,8 @@ void moe_lowp_free(const moe_backend *be, moe_lowp *lp) {
     be->free(lp->ws.g);
     be->free(lp->act);
     be->free(lp->grad);
+    be->free(lp->sr_calls);
+    lp->sr_calls = NULL;
     be->free(lp->sites);
     be->free(lp->history);
     be->free(lp->wg_q);
@@ -300,7 +311,7 @@ int moe_lowp_site(const moe_lowp *lp, int layer, moe_lowp_block block, int exper
 static moe_qdq_spec spec_of(moe_lowp *lp, moe_lowp_role role, int linear, int record) {
     moe_qdq_spec s = lp->spec[role];
     if (s.nvfp4.stochastic)
-        s.nvfp4.sr_seed = lp->seed + 0x9E3779B97F4A7C15ull * ++lp->sr_calls;
+        s.nvfp4.sr_seed = lp->seed, s.nvfp4.sr_counter = lp->sr_calls; /* advanced on the device */
     if (lp->sites) {
         const size_t k = (size_t)linear * MOE_LOWP_ROLES + (size_t)role;
         MOE_ASSERT(linear >= 0 && k < moe_lowp_sites(lp));
@@ -331,6 +342,47 @@ const void *moe_lowp_qdq_saved(const moe_backend *be, moe_lowp *lp, const void *
     return qdq_operand(be, lp, buf, rows, cols, MOE_LOWP_ACTIVATION, linear, 0);
 }
 
+int moe_lowp_wgrad_rht(const moe_lowp *lp) { return lp && lp->on && lp->wgrad_rht; }
+
+/*
+ * The wgrad with NVFP4's random Hadamard transform (TransformerEngine's NVFP4BlockScaling,
+ * whose RHT applies to the columnwise, i.e. wgrad, usage of the input and of the gradient).
+ * dW = dYᵀ·X reduces over the tokens, so a native NVFP4 wgrad quantizes the transposed
+ * operands dYᵀ [O, n] and Xᵀ [I, n]: 16-element blocks along the tokens, each block first
+ * multiplied by M = H·S/4 (H the 16×16 Hadamard matrix, S the run's random signs), the amaxes
+ * taken after it. M is orthogonal (M·Mᵀ = H·Hᵀ/16 = I), so for one block of 16 tokens
+ * Σ_t (dy·M)_t (x·M)_t = dy·M·Mᵀ·xᵀ = Σ_t dy_t x_t: the product is unchanged in exact
+ * arithmetic and only the quantization sees the transformed values, whose outliers are
+ * spread over the block. The emulation computes exactly that product: each operand's QDQ
+ * along the tokens (be->qdq_t, the transform kept: moe_qdq_spec::keep_transform), then the
+ * ordinary wgrad GEMM over the padded tokens (zero rows transform into nonzero values, which
+ * the product needs: all 16 positions of a block take part). Each group (expert) is a tensor
+ * of its own (its own global scale), as TransformerEngine's GroupedLinear quantizes each
+ * expert's split, and its tokens are padded to a multiple of 16 on their own.
+ */
+void moe_lowp_wgrad(const moe_backend *be, moe_lowp *lp, moe_real *dw, const void *dout,
+                    const void *in, const int *off, int G, int I, int O, int linear) {
+    MOE_ASSERT(moe_lowp_wgrad_rht(lp) && off);
+    const int B = MOE_QUANT_NVFP4_BLOCK;
+    for (int g = 0; g < G; g++) {
+        const int n = off[g + 1] - off[g], m = (n + B - 1) / B * B;
+        if (n == 0)
+            continue;
+        MOE_ASSERT((size_t)m * (O > I ? O : I) <= lp->cap);
+        moe_qdq_spec s[2] = {spec_of(lp, MOE_LOWP_GRADIENT, linear, 1),
+                             spec_of(lp, MOE_LOWP_ACTIVATION, linear, 1)};
+        for (int k = 0; k < 2; k++) {
+            s[k].recipe = MOE_QUANT_NVFP4; /* 1×16 along the tokens */
+            s[k].nvfp4.rht = 1;
+            s[k].nvfp4.rht_seed = lp->rht_seed;
+            s[k].keep_transform = 1;
+        }
+        be->qdq_t(lp->grad, MOE_ACT(be, dout, (size_t)off[g] * O), n, m, O, &s[0], &lp->ws);
+        be->qdq_t(lp->act, MOE_ACT(be, in, (size_t)off[g] * I), n, m, I, &s[1], &lp->ws);
+        be->matmul_backward(NULL, dw + (size_t)g * O * I, lp->grad, lp->act, NULL, m, I, O);
+    }
+}
+
 void moe_lowp_qdq_weight(const moe_backend *be, moe_lowp *lp, void *w, int groups, int rows,
                          int cols, int linear, int record) {
     if (!lp || !lp->on)
@@ -359,6 +411,18 @@ int moe_lowp_alloc_fp8_wgrad(const moe_backend *be, moe_lowp *lp, int rows, int 
     lp->wg_s = be->alloc(sizeof(float) * (n / MOE_QUANT_BLOCK + 1));
     lp->wg_elems = n;
     return lp->wg_q && lp->wg_s;
+}
+
+uint64_t moe_lowp_sr_calls(const moe_backend *be, const moe_lowp *lp) {
+    uint64_t n = 0;
+    if (lp && lp->on && lp->sr_calls)
+        be->to_host(&n, lp->sr_calls, sizeof n);
+    return n;
+}
+
+void moe_lowp_set_sr_calls(const moe_backend *be, moe_lowp *lp, uint64_t n) {
+    if (lp && lp->on && lp->sr_calls)
+        be->from_host(lp->sr_calls, &n, sizeof n);
 }
 
 int moe_lowp_native_recipe(const moe_lowp *lp) {

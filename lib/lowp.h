@@ -28,7 +28,9 @@
  * is 0 almost everywhere. Like every low-precision trainer, the backward treats QDQ as the
  * identity for the gradient: dx = Q(dy)·Q(W) is used as ∂L/∂x and dW = Q(dy)ᵀ·Q(x) as
  * ∂L/∂W, as if y were x·Wᵀ evaluated on the quantized operands. The gradients that reach
- * the master weights are those of the quantized model, passed straight through Q.
+ * the master weights are those of the quantized model, passed straight through Q. (NVFP4's
+ * wgrad takes dW = Q_t(dy)ᵀ·Q_t(x), its operands quantized along the tokens with the
+ * Hadamard transform: another estimate of the same ∂L/∂W, below.)
  *
  * **What differs from a native FP8 GEMM.** The products and sums: a native GEMM accumulates
  * the codes' products in fp32 and applies the scales per block; the emulation multiplies the
@@ -38,10 +40,12 @@
  * GEMMs: the blockwise recipes' wgrad operands are tiled along the rows as for the dgrad
  * GEMM, where a native kernel tiles them along the tokens (the transposed copy) — except the
  * routed experts' under `MOE_FP8_WGRAD=1` (lib/fp8_wgrad.h), tiled along each expert's
- * tokens; and NVFP4's random Hadamard transform of the wgrad operands is not applied. (With
- * power-of-two scales the two tilings give different values only where an element falls
- * into the subnormals of its block: E4M3's relative precision does not depend on the
- * scale.)
+ * tokens. (With power-of-two scales the two tilings give different values only where an
+ * element falls into the subnormals of its block: E4M3's relative precision does not depend
+ * on the scale.) NVFP4's wgrad is the other exception: it quantizes dy and x along the
+ * tokens with the random Hadamard transform (moe_lowp_wgrad(), TransformerEngine's
+ * NVFP4BlockScaling; off with `--fp4-disable-rht`), so dW = Q_t(dy)ᵀ·Q_t(x) there, a second
+ * quantization of dy.
  *
  * **Delayed scaling** (TransformerEngine's DelayedScaling): each tensor a linear layer
  * quantizes is cast with a scale chosen from the amaxes of the previous steps at its call
@@ -57,8 +61,9 @@
  * **Refused at start-up** (named errors): the distributed optimizer, the fused permutation,
  * a per-tensor recipe (tensorwise, delayed, NVFP4) under TP/ETP or with the sync-free MoE
  * layer (whose static budget of rows holds stale rows past the step's count), delayed
- * scaling on more than one rank, NVFP4 under CUDA graphs, and any linear width that is not a
- * multiple of the recipe's block.
+ * scaling on more than one rank, and any linear width that is not a multiple of the
+ * recipe's block. NVFP4 runs under CUDA graphs: its stochastic rounding's draw counter
+ * (@ref moe_lowp::sr_calls) is in backend memory and advanced by the quantize kernels.
  *
  * **Native FP8 on Hopper** (blockwise, `e4m3`, our grouped kernel: moe_lowp_native()). The
  * routed experts' forward and dgrad GEMMs run on FP8 codes in our FP8 grouped kernel (lib/
@@ -134,7 +139,16 @@ typedef struct moe_lowp {
     void *act;                          /**< [cap] the quantized input of the current GEMM */
     void *grad;                         /**< [cap] the quantized output gradient */
     uint64_t seed;                      /**< the stochastic rounding's base seed */
-    uint64_t sr_calls;                  /**< gradient QDQs so far: the rounding's counter */
+    uint64_t *sr_calls;                 /**< [1] in backend memory: gradient QDQs so far,
+                                             the rounding's draw counter (each stochastic
+                                             quantize advances it on the device: quantize.h,
+                                             moe_nvfp4_opts::sr_counter); read and set with
+                                             moe_lowp_sr_calls(), moe_lowp_set_sr_calls() */
+    int wgrad_rht;                      /**< NVFP4: 1 (default; 0 with --fp4-disable-rht):
+                                             the wgrad quantizes its operands along the tokens
+                                             with the random Hadamard transform
+                                             (moe_lowp_wgrad()) */
+    uint64_t rht_seed;                  /**< the transform's signs, from --seed */
     int native;                         /**< 1: the routed experts run the native FP8 GEMMs
                                              (moe_lowp_native(); the model sets it) */
     /* chapter 05's FP8 wgrad (lib/fp8_wgrad.h, MOE_FP8_WGRAD): the routed experts' weight
@@ -290,6 +304,47 @@ const void *moe_lowp_qdq_saved(const moe_backend *be, moe_lowp *lp, const void *
  */
 void moe_lowp_qdq_weight(const moe_backend *be, moe_lowp *lp, void *w, int groups, int rows,
                          int cols, int linear, int record);
+
+/**
+ * @brief Whether the wgrad GEMMs take NVFP4's random Hadamard transform (moe_lowp_wgrad()):
+ *        `--fp4-format e2m1` without `--fp4-disable-rht`.
+ * @param lp the context (NULL or off: 0)  @return 1 when on
+ */
+int moe_lowp_wgrad_rht(const moe_lowp *lp);
+
+/**
+ * @brief NVFP4's wgrad with the random Hadamard transform (lib/lowp.c, "wgrad"): for each
+ *        group g of rows off[g]..off[g+1]: dw_g += Q_t(dy_g)ᵀ·Q_t(x_g), where Q_t quantizes
+ *        along the tokens in 16-element blocks after the transform (the same signs for both
+ *        operands, so it cancels in the product), the tokens padded to a multiple of 16
+ *        with zeros, the gradient with stochastic rounding; each group is a tensor of its
+ *        own. Uses lp->grad and lp->act (the dgrad GEMM must be queued before it).
+ * @param be backend  @param lp the context (moe_lowp_wgrad_rht() on)
+ * @param dw [G][O, I] the weight gradients (accumulated into)
+ * @param dout [off[G], O] the output gradient, not quantized  @param in [off[G], I] the
+ *        layer's input, not quantized  @param off HOST [G+1] the groups' row offsets
+ * @param G groups  @param I input width  @param O output width
+ * @param linear the first group's linear layer (moe_lowp_site())
+ */
+void moe_lowp_wgrad(const moe_backend *be, moe_lowp *lp, moe_real *dw, const void *dout,
+                    const void *in, const int *off, int G, int I, int O, int linear);
+
+/**
+ * @brief The stochastic rounding's draw counter (lowp.h, "Resuming"): the gradient
+ *        quantizations made so far. Reads backend memory (a host sync on CUDA): for
+ *        checkpoints and tests, not inside a step.
+ * @param be backend  @param lp the context (NULL, off, or no counter: 0)
+ * @return the counter
+ */
+uint64_t moe_lowp_sr_calls(const moe_backend *be, const moe_lowp *lp);
+
+/**
+ * @brief Set the draw counter (a checkpoint's load): the next gradient quantization rounds
+ *        with draw @p n + 1.
+ * @param be backend  @param lp the context (NULL, off, or no counter: nothing happens)
+ * @param n the draws already made
+ */
+void moe_lowp_set_sr_calls(const moe_backend *be, moe_lowp *lp, uint64_t n);
 
 /**
  * @brief Whether the routed experts can run the native FP8 GEMMs on this backend: the

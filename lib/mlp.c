@@ -149,6 +149,31 @@ static void grouped_backward(const moe_backend *be, void *din, moe_real *dw, con
     be->grouped_matmul_backward(din, dw, dout, in, w, grp->off, grp->G, I, O);
 }
 
+/* chapter 05, NVFP4 with the wgrad's random Hadamard transform (lowp.h): the dgrad GEMM
+ * din = Q(dout)·Q(w) as always, then the wgrad on the operands quantized along the tokens,
+ * expert by expert (moe_lowp_wgrad(): the host offsets, which NVFP4 has: it refuses the
+ * sync-free layer) */
+static void wgrad_rht_backward(const moe_backend *be, void *din, moe_real *dw, const void *dout,
+                               const void *in, const void *w, const moe_groups *grp, int I,
+                               int O, int din_accumulate, int site) {
+    const int N = grp->rows;
+    MOE_ASSERT(grp->off && !grp->gather && grp->dw_mode != MOE_DW_ACT);
+    if (din) {
+        const void *dq = moe_lowp_qdq(be, grp->lowp, dout, N, O, MOE_LOWP_GRADIENT, site);
+        if (grp->impl == MOE_EXPERTS_KERNEL) {
+            be->grouped_matmul_backward_dev(din, NULL, dq, in, w, grp->dev_off, grp->G, N, I,
+                                            O, din_accumulate, grp->dw_mode);
+        } else {
+            if (!din_accumulate)
+                be->zero(din, be->act_size * (size_t)N * I);
+            be->grouped_matmul_backward(din, NULL, dq, in, w, grp->off, grp->G, I, O);
+        }
+    }
+    if (grp->dw_mode == MOE_DW_STORE)
+        be->zero(dw, sizeof(moe_real) * (size_t)grp->G * O * I);
+    moe_lowp_wgrad(be, grp->lowp, dw, dout, in, grp->off, grp->G, I, O, site);
+}
+
 /* ... and its backward: din accumulates, or (din_accumulate = 0) is overwritten — our
  * kernel simply stores instead of adding; the host-offset ops always add, so they get a
  * zeroed buffer */
@@ -181,6 +206,10 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
             in = moe_lowp_qdq_saved(be, lp, in, N, I, site);
         be->grouped_matmul_backward_dev(NULL, dw, din ? lp->grad : dout, in, w, grp->dev_off,
                                         grp->G, N, I, O, 0, grp->dw_mode);
+        return;
+    }
+    if (dw && moe_lowp_wgrad_rht(grp->lowp)) { /* chapter 05, NVFP4: dgrad on Q(dout) */
+        wgrad_rht_backward(be, din, dw, dout, in, w, grp, I, O, din_accumulate, site);
         return;
     }
     /* chapter 05: both backward GEMMs on the quantized output gradient and the quantized

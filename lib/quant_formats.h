@@ -460,6 +460,15 @@ static inline MOE_HOSTDEV uint32_t moe_q_sr_bits(uint64_t seed, uint64_t i) {
     return moe_rng_bits(seed, MOE_Q_STREAM_SR, i >> 2).v[i & 3] >> 8;
 }
 
+/** @brief The stochastic rounding's seed of draw @p n from base seed @p base: base + n·φ·2⁶⁴
+ *  (the golden-ratio increment, so consecutive draws' seeds are far apart). The emulated
+ *  training path (lib/lowp.h) rounds its n-th gradient quantization with it; the counter n
+ *  lives in backend memory (moe_nvfp4_opts::sr_counter).
+ *  @param base the base seed  @param n the draw (1 for the first)  @return the seed */
+static inline MOE_HOSTDEV uint64_t moe_q_sr_seed(uint64_t base, uint64_t n) {
+    return base + 0x9E3779B97F4A7C15ull * n;
+}
+
 /**
  * @brief One NVFP4 element: x / divisor cast to E2M1, to nearest even or stochastically
  *        (with the bits of element @p idx under @p seed), or 0 when the divisor is 0

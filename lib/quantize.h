@@ -85,7 +85,12 @@ typedef enum moe_quant_recipe {
 typedef struct moe_nvfp4_opts {
     int block_2d;        /**< 1: one scale per 16×16 block (weights), 0: per 1×16 */
     int stochastic;      /**< 1: stochastic rounding of the elements (gradients) */
-    uint64_t sr_seed;    /**< the stochastic rounding's seed */
+    uint64_t sr_seed;    /**< the stochastic rounding's seed (with a draw counter: the base) */
+    uint64_t *sr_counter; /**< NULL: sr_seed is the seed. Otherwise a draw counter in
+                              backend memory: a stochastic quantize first adds 1 to it (one
+                              thread, once per tensor) and rounds with moe_q_sr_seed(sr_seed,
+                              counter), read on the device when it runs, so a captured CUDA
+                              graph draws a new seed at every replay */
     int rht;             /**< 1: random Hadamard transform of every 16-element row group
                               before quantizing (the amaxes are taken after it);
                               dequantize then applies the inverse */
@@ -431,6 +436,11 @@ typedef struct moe_qdq_spec {
     moe_nvfp4_opts nvfp4;    /**< NVFP4's options (block_2d follows the recipe) */
     moe_delayed_ref delayed; /**< tensorwise with delayed.site set: delayed scaling at that
                                   site (moe_cpu_quant_delayed_site()) instead of current */
+    int keep_transform;      /**< NVFP4 with nvfp4.rht: the dequantized values stay in the
+                                  transformed basis (no inverse transform). The wgrad
+                                  operands (moe_cpu_qdq_t()): both carry the same orthogonal
+                                  transform along the reduction, which cancels in the
+                                  product, as in a native NVFP4 GEMM on the codes */
 } moe_qdq_spec;
 
 /** The buffers of a QDQ, in the memory of the backend that runs it, each sized for the
@@ -531,6 +541,21 @@ moe_status moe_cpu_quant_blockwise_act(uint8_t *q, float *s, void *y, const void
  */
 moe_status moe_cpu_dequant_blockwise_act(void *y, const uint8_t *q, const float *s, int rows,
                                          int cols, moe_fp8_format f, moe_error *err);
+
+/**
+ * @brief The CPU backend's QDQ along the tokens (chapter 05: a wgrad operand, NVFP4's random
+ *        Hadamard transform): dst [m, cols] = (QDQ by @p spec of srcᵀ [cols, m])ᵀ, where
+ *        srcᵀ's columns n..m−1 are zeros (the tokens padded to the recipe's block). So each
+ *        block (and, with spec->nvfp4.rht, each transform) runs over 16 consecutive tokens
+ *        of one column, the layout a native wgrad GEMM dW = dYᵀ·X reduces over; with
+ *        spec->keep_transform the values stay transformed (lib/lowp.h, "wgrad").
+ * @param dst [m, cols] output (moe_real; not @p src)  @param src [n, cols] input
+ * @param n tokens  @param m padded tokens (n <= m, a multiple of the recipe's block)
+ * @param cols columns  @param spec the recipe  @param ws the buffers (host memory; x holds
+ *        cols·m floats)
+ */
+void moe_cpu_qdq_t(void *dst, const void *src, int n, int m, int cols, const moe_qdq_spec *spec,
+                   const moe_qdq_ws *ws);
 
 #ifdef __cplusplus
 }

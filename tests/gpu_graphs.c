@@ -19,6 +19,7 @@
 
 #include "cuda_ops.h"
 #include "helpers.h"
+#include "lowp.h"
 #include "suites.h"
 #include "trainer.h"
 
@@ -150,6 +151,43 @@ START_TEST(test_gpu_graph_attn_replay_equals_eager) {
 }
 END_TEST
 
+/* chapter 05's NVFP4 under graphs: a dense model (the per-tensor recipe is refused with the
+ * sync-free MoE layer that the larger scopes need), widths multiples of 16 */
+#define DENSE_FP4 "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 " \
+                  "--seq-length 64 --micro-batch-size 8 --global-batch-size 16 --num-experts 0 " \
+                  "--ffn-hidden-size 128 --lr 2e-3 --lr-warmup-iters 2 --qk-layernorm "        \
+                  "--fp4-format e2m1 --fp4-recipe nvfp4 "
+
+/* The stochastic rounding's draw counter lives in device memory and the quantize kernels
+ * advance and read it (quantize.h, moe_nvfp4_opts::sr_counter), so a replayed step rounds
+ * its gradients with new seeds: replay == eager bit for bit over 6 steps (eager draws a new
+ * seed per gradient, so a replay that reused the captured seeds would part from it at step
+ * 2), and the counter moves between two replays by the eager run's draws per step. */
+START_TEST(test_gpu_graph_nvfp4_replay_equals_eager) {
+    check_replay_equals_eager(DENSE_FP4, "attn");
+    check_replay_equals_eager(DENSE_FP4, "full_iteration");
+    moe_trainer *te = must_make(DENSE_FP4),
+                *tg = must_make(DENSE_FP4 "--cuda-graph-scope full_iteration");
+    uint64_t prev = 0;
+    for (int s = 1; s <= 4; s++) {
+        step(te, NULL);
+        step(tg, NULL);
+        const uint64_t ce = moe_lowp_sr_calls(te->model->be, te->model->lowp),
+                       cg = moe_lowp_sr_calls(tg->model->be, tg->model->lowp);
+        printf("  NVFP4 draw counter after step %d: eager %llu, graphed %llu\n", s,
+               (unsigned long long)ce, (unsigned long long)cg);
+        ck_assert_msg(cg == ce, "step %d: the graphed run made %llu draws, eager %llu", s,
+                      (unsigned long long)cg, (unsigned long long)ce);
+        ck_assert_msg(cg > prev, "step %d: the draw counter did not move (%llu): the replay "
+                      "rounded with the seeds of the step before", s, (unsigned long long)cg);
+        prev = cg;
+    }
+    ck_assert(moe_graphs_stats(tg->model->graphs).replays >= 2); /* steps 3 and 4 replayed */
+    moe_trainer_free(te);
+    moe_trainer_free(tg);
+}
+END_TEST
+
 /* A region that reads the device on the host cannot be captured: the capture ends, and the
  * error names the op and the region. */
 static const moe_backend *g_be;
@@ -203,6 +241,7 @@ Suite *suite_gpu_graphs(void) {
     tcase_add_test(tc, test_gpu_arena_no_allocation_after_step_one);
     tcase_add_test(tc, test_gpu_graph_attn_replay_equals_eager);
     tcase_add_test(tc, test_gpu_graph_uncapturable_is_named);
+    tcase_add_test(tc, test_gpu_graph_nvfp4_replay_equals_eager);
     suite_add_tcase(s, tc);
     return s;
 }

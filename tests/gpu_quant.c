@@ -316,6 +316,38 @@ START_TEST(test_gpu_quant_nvfp4) {
     printf("  NVFP4: %d cases (1D/2D x nearest/stochastic x RHT, NaN), %s\n", cases,
            ok ? "codes, E4M3 scales, global scale and dequantized CUDA == CPU" : "DIFFER");
     ck_assert(ok);
+    /* the stochastic rounding's draw counter in device memory (moe_nvfp4_opts::sr_counter,
+     * what a CUDA graph replays): each quantize advances it once on the device and rounds
+     * with moe_q_sr_seed(base, counter): CUDA == CPU over three draws, each draw's codes
+     * differing from the previous one's (a stale device counter would repeat them) */
+    {
+        enum { R2 = 64, C2 = 256, N2 = R2 * C2 };
+        float *x2 = gen(N2, 520, 0), *dx2 = dcopy(x2, N2 * 4);
+        uint8_t *q2 = hpoison(N2 / 2), *s2 = hpoison(N2 / 16), *prev = hpoison(N2 / 2);
+        uint8_t *dq2 = dpoison(N2 / 2), *ds2 = dpoison(N2 / 16);
+        moe_quant_scalars g2, *dg2 = dpoison(sizeof g2);
+        uint64_t hc = 41, *dc = dcopy(&hc, sizeof hc);
+        moe_nvfp4_opts hc_o = {.stochastic = 1, .sr_seed = 99, .sr_counter = &hc};
+        moe_nvfp4_opts dc_o = {.stochastic = 1, .sr_seed = 99, .sr_counter = dc};
+        for (int draw = 0; draw < 3; draw++) {
+            ck_assert_int_eq(moe_cpu_quant_nvfp4(q2, s2, &g2, x2, R2, C2, &hc_o, &err), MOE_OK);
+            ck_assert_int_eq(moe_cuda_quant_nvfp4(dq2, ds2, dg2, dx2, R2, C2, &dc_o, &err),
+                             MOE_OK);
+            char what[64];
+            snprintf(what, sizeof what, "NVFP4 SR, device draw counter, draw %d", draw + 1);
+            ck_assert(same_bytes(what, dq2, q2, N2 / 2));
+            ck_assert(same_bytes(what, dc, &hc, sizeof hc));
+            ck_assert_msg(draw == 0 || memcmp(prev, q2, N2 / 2) != 0,
+                          "draw %d rounded exactly as the one before", draw + 1);
+            memcpy(prev, q2, N2 / 2);
+        }
+        ck_assert_uint_eq(hc, 44);
+        printf("  NVFP4 SR with the draw counter in device memory: 3 draws CUDA == CPU, "
+               "counter 41 -> 44\n");
+        free(x2), free(q2), free(s2), free(prev);
+        moe_cuda_free(dx2), moe_cuda_free(dq2), moe_cuda_free(ds2), moe_cuda_free(dg2),
+            moe_cuda_free(dc);
+    }
     /* the transform alone, both ways */
     enum { R = 33, C = 512 };
     float *x = gen(R * C, 500, 1), *t = hpoison(R * C * 4), *b = hpoison(R * C * 4);
@@ -804,6 +836,67 @@ START_TEST(test_gpu_qdq) {
 }
 END_TEST
 
+/* Chapter 05, NVFP4's wgrad operands (lib/lowp.c, "wgrad"): the CUDA QDQ along the tokens
+ * (moe_cuda_qdq_t: transpose in, NVFP4 with the random Hadamard transform kept, transpose
+ * out) equals the CPU's (moe_cpu_qdq_t) on the same bf16 values: the E2M1 codes, E4M3 block
+ * scales and global scale left in the workspace byte for byte, and the output rounded to
+ * bf16 once, for tokens that need padding (37 → 48, 300 → 304) or not (64), with and without
+ * the transform and the stochastic rounding (its draw counter in device memory, advanced
+ * the same on both). Outputs and workspaces start poisoned. */
+START_TEST(test_gpu_qdq_t) {
+    const int shapes[][2] = {{37, 64}, {64, 32}, {300, 256}}; /* tokens, columns */
+    int ok = 1, cases = 0;
+    for (int sh = 0; sh < 3; sh++)
+        for (int v = 0; v < 4; v++) {
+            const int n = shapes[sh][0], C = shapes[sh][1], m = (n + 15) / 16 * 16;
+            const size_t nin = (size_t)n * C, nout = (size_t)m * C;
+            float *x = gen(nin, 960 + (uint64_t)(sh * 4 + v), 0);
+            for (size_t i = 0; i < nin; i++) /* plain normals: every block in use */
+                x[i] = (float)moe_rng_normal(94, (uint64_t)sh, i) * (i % 97 == 0 ? 30.0f : 1.0f);
+            void *src = dpoison(2 * nin), *dst = dpoison(2 * nout), *want = dpoison(2 * nout);
+            moe_cuda_write_act(src, x, nin);
+            moe_cuda_read_act(x, src, nin); /* the bf16 values, exactly, in fp32 */
+            moe_qdq_ws dws = qdq_ws(nout, 1), hws = qdq_ws(nout, 0);
+            float *y = hpoison(nout * sizeof(float));
+            unsigned char *hwant = hpoison(2 * nout);
+            uint64_t hc = 10 + (uint64_t)v, *dc = dcopy(&hc, sizeof hc);
+            moe_qdq_spec sp;
+            memset(&sp, 0, sizeof sp);
+            sp.recipe = MOE_QUANT_NVFP4;
+            sp.nvfp4.rht = v & 1;
+            sp.nvfp4.rht_seed = 4242;
+            sp.nvfp4.stochastic = (v >> 1) & 1;
+            sp.nvfp4.sr_seed = 31;
+            sp.keep_transform = 1;
+            moe_qdq_spec dsp = sp;
+            sp.nvfp4.sr_counter = &hc;
+            dsp.nvfp4.sr_counter = dc;
+            moe_cpu_qdq_t(y, x, n, m, C, &sp, &hws);
+            moe_cuda_write_act(want, y, nout);
+            moe_cuda_to_host(hwant, want, 2 * nout);
+            moe_cuda_qdq_t(dst, src, n, m, C, &dsp, &dws);
+            char what[96];
+            snprintf(what, sizeof what, "QDQ along the tokens [%d -> %d, %d]%s%s", n, m, C,
+                     sp.nvfp4.rht ? " RHT" : "", sp.nvfp4.stochastic ? " SR" : "");
+            int c = same_bytes(what, dws.q, hws.q, nout / 2);             /* E2M1 codes */
+            c &= same_bytes(what, dws.scales, hws.scales, nout / 16);     /* E4M3 scales */
+            c &= same_bytes(what, dws.g, hws.g, sizeof(moe_quant_scalars));
+            c &= same_bytes(what, dst, hwant, 2 * nout);                 /* the bf16 output */
+            c &= same_bytes(what, dc, &hc, sizeof hc);                   /* the draw counter */
+            ok &= c;
+            cases++;
+            free(x), free(y), free(hwant);
+            qdq_ws_free(&hws, 0);
+            qdq_ws_free(&dws, 1);
+            moe_cuda_free(src), moe_cuda_free(dst), moe_cuda_free(want), moe_cuda_free(dc);
+        }
+    printf("  NVFP4 QDQ along the tokens (wgrad operands): %d cases (padding, RHT, SR), %s\n",
+           cases, ok ? "codes, scales, global scale, bf16 output and counter CUDA == CPU"
+                     : "DIFFER");
+    ck_assert(ok);
+}
+END_TEST
+
 /* Chapter 05's delayed scaling in training (lib/lowp.h): the QDQ op at a site of the table,
  * a sequence of recording and replaying QDQs (the first one on current scaling, a NaN in the
  * window, the window wrapping), CUDA against the CPU: the outputs as test_gpu_qdq, the site
@@ -870,6 +963,6 @@ Suite *suite_gpu_quant(void) {
                                   test_gpu_fp8_gemm,         test_gpu_fp8_gemm_blockwise_shapes,
                                   test_gpu_fp8_gemm_errors,  test_gpu_fp8_grouped_gemm,
                                   test_gpu_fp8_grouped_gemm_errors, test_gpu_qdq,
-                                  test_gpu_qdq_delayed};
-    return moe_test_chapter_suite("gpu_quant", "ch05", tests, 13);
+                                  test_gpu_qdq_delayed,      test_gpu_qdq_t};
+    return moe_test_chapter_suite("gpu_quant", "ch05", tests, 14);
 }

@@ -525,8 +525,18 @@ START_TEST(test_val_lowp) {
                         "--use-distributed-optimizer");
     EXPECT_CONFIG_ERROR("--moe-permute-fusion", "the unquantized tokens", "--fp8-format", "e4m3",
                         "--moe-permute-fusion", "--moe-expert-backend", "grouped");
-    EXPECT_CONFIG_ERROR("--cuda-graph-scope attn", "stochastic rounding", "--fp4-format", "e2m1",
-                        "--cuda-graph-scope", "attn");
+    /* NVFP4 under CUDA graphs: the stochastic rounding's draw counter lives in device memory
+     * (quantize.h, moe_nvfp4_opts::sr_counter), so a replay draws fresh seeds */
+    EXPECT_OK(&c, "--fp4-format", "e2m1", "--cuda-graph-scope", "attn");
+    ck_assert_str_eq(c.cuda_graph_scope, "attn");
+    /* the wgrad's random Hadamard transform: on by default, off by flag, NVFP4 only */
+    ck_assert_int_eq(c.fp4_disable_rht, 0);
+    EXPECT_OK(&c, "--fp4-format", "e2m1", "--fp4-disable-rht");
+    ck_assert_int_eq(c.fp4_disable_rht, 1);
+    EXPECT_CONFIG_ERROR("--fp4-disable-rht without --fp4-format e2m1", "part of the NVFP4 recipe",
+                        "--fp4-disable-rht");
+    EXPECT_CONFIG_ERROR("--fp4-disable-rht without --fp4-format e2m1", "drop --fp4-disable-rht",
+                        "--fp8-format", "e4m3", "--fp4-disable-rht");
     /* the default (no flag) is off */
     EXPECT_OK(&c, "--seed", "1");
     ck_assert_str_eq(c.fp8_format, "none");

@@ -779,6 +779,22 @@ START_TEST(test_stochastic_rounding) {
     const moe_nvfp4_opts sr2 = {.stochastic = 1, .sr_seed = 1235};
     moe_cpu_quant_nvfp4(q2, sc, &g, x, R, C, &sr2, &err);
     ck_assert(memcmp(q, q2, sizeof q) != 0);
+    /* the draw counter (moe_nvfp4_opts::sr_counter, what training and CUDA graphs use): a
+     * quantize advances it by one and rounds with moe_q_sr_seed(base, counter after) — the
+     * same bytes as that seed given directly; the next call draws another seed */
+    uint64_t ctr = 6;
+    const moe_nvfp4_opts src = {.stochastic = 1, .sr_seed = 1234, .sr_counter = &ctr},
+                         s7 = {.stochastic = 1, .sr_seed = moe_q_sr_seed(1234, 7)};
+    moe_cpu_quant_nvfp4(q, sc, &g, x, R, C, &src, &err);
+    ck_assert_uint_eq(ctr, 7);
+    moe_cpu_quant_nvfp4(q2, sc, &g, x, R, C, &s7, &err);
+    ck_assert(memcmp(q, q2, sizeof q) == 0);
+    moe_cpu_quant_nvfp4(q2, sc, &g, x, R, C, &src, &err);
+    ck_assert_uint_eq(ctr, 8);
+    ck_assert(memcmp(q, q2, sizeof q) != 0);
+    const moe_nvfp4_opts rne_ctr = {.sr_counter = &ctr}; /* not stochastic: no draw */
+    moe_cpu_quant_nvfp4(q2, sc, &g, x, R, C, &rne_ctr, &err);
+    ck_assert_uint_eq(ctr, 8);
     /* unbiased over seeds for one element, for values all over the grid */
     const float vals[] = {0.1f, 0.3f, 0.7f, 1.2f, 1.9f, 2.7f, 3.5f, 5.2f, -4.4f};
     for (size_t k = 0; k < sizeof vals / sizeof *vals; k++) {
@@ -1162,7 +1178,7 @@ START_TEST(test_qdq_matches_quant_dequant) {
                               (int)recipes[r], changed, n);
             }
     /* in place (dst = src) as the weights are */
-    moe_qdq_spec sp = {MOE_QUANT_MXFP8, MOE_FP8_E4M3, 0, {0}, {0}};
+    moe_qdq_spec sp = {MOE_QUANT_MXFP8, MOE_FP8_E4M3, 0, {0}, {0}, 0};
     be->qdq(y, x, R, C, &sp, &ws);
     memcpy(ref, x, n * sizeof(float));
     be->qdq(ref, ref, R, C, &sp, &ws);
@@ -1193,9 +1209,204 @@ START_TEST(test_qdq_matches_quant_dequant) {
         ck_assert_int_eq(lp.spec[MOE_LOWP_ACTIVATION].nvfp4.stochastic, 0); /* gradients only */
         ck_assert_int_eq(lp.spec[MOE_LOWP_WEIGHT].nvfp4.stochastic, 0);
         ck_assert_int_eq(lp.spec[MOE_LOWP_GRADIENT].nvfp4.stochastic, i == 3);
+        ck_assert_int_eq(lp.wgrad_rht, i == 3); /* TransformerEngine's default: on */
     }
     free(x); free(y); free(ref); free(q); free(sc);
     free(ws.x); free(ws.q); free(ws.scales); free(ws.g);
+}
+END_TEST
+
+/* Chapter 05, NVFP4's wgrad with the random Hadamard transform (lowp.c, "wgrad"), on the CPU
+ * backend, three groups of 150, 0 and 143 tokens (padding and an empty group):
+ *  - moe_lowp_wgrad() equals a double-precision reference built independently: each group's
+ *    operands transposed by hand (tokens zero-padded to 16), quantized by
+ *    moe_cpu_quant_nvfp4() with the transform (the gradient stochastically, with the
+ *    counter's next seeds), dequantized WITHOUT the inverse, multiplied in double;
+ *  - the draw counter advanced once per non-empty group (the gradients only);
+ *  - the transform is orthogonal and the same for both operands, so it cancels in the
+ *    product: on Gaussian data (whose distribution it leaves as it is) the error against
+ *    the exact product dyᵀ·x is that of the same quantization along the tokens without the
+ *    transform, within 10 % (different signs per operand, or an inverse applied to one of
+ *    them, would leave an error of the order of the product itself);
+ *  - on data with outliers (1 % of the elements ×30) the wgrad with the transform differs
+ *    from --fp4-disable-rht's (rowwise QDQ, as the dgrad's) in most elements; the errors
+ *    against the exact product are printed (with and without the transform, and
+ *    --fp4-disable-rht's). They do NOT show the transform closer on such data: a block of
+ *    16 whose outlier is spread by H lands all 16 values in the coarse top of the E2M1 grid,
+ *    which costs as much as the small values the outlier crushes without it. */
+static void outliers(moe_real *v, size_t n, uint64_t stream) {
+    for (size_t i = 0; i < n; i++) {
+        v[i] = (moe_real)moe_rng_normal(7, stream, i);
+        if (moe_rng_bits(7, stream + 1000, i).v[0] % 100 == 0)
+            v[i] *= 30;
+    }
+}
+
+/* the reference wgrad of one group, in double: dw [O, I] = Σ_t dq[o][t]·xq[i][t] over the
+ * padded tokens, dq and xq the dequantized (transform kept) transposed operands */
+static void ref_wgrad_group(double *dw, double *abs_sum, const moe_real *dy, const moe_real *x,
+                            int n, int I, int O, int rht, uint64_t rht_seed, uint64_t sr_seed) {
+    const int m = (n + 15) / 16 * 16;
+    float *t[2], *y[2];
+    const int C[2] = {O, I};
+    const moe_real *src[2] = {dy, x};
+    moe_error err;
+    for (int k = 0; k < 2; k++) {
+        t[k] = malloc(sizeof(float) * C[k] * m);
+        y[k] = malloc(sizeof(float) * C[k] * m);
+        for (int c = 0; c < C[k]; c++)
+            for (int r = 0; r < m; r++)
+                t[k][(size_t)c * m + r] = r < n ? (float)src[k][(size_t)r * C[k] + c] : 0.0f;
+        const moe_nvfp4_opts q = {.stochastic = k == 0, .sr_seed = sr_seed, .rht = rht,
+                                  .rht_seed = rht_seed},
+                             dq = {0}; /* no inverse transform */
+        uint8_t *codes = malloc((size_t)C[k] * m / 2), *sc = malloc((size_t)C[k] * m / 16);
+        moe_quant_scalars g;
+        ck_assert_int_eq(moe_cpu_quant_nvfp4(codes, sc, &g, t[k], C[k], m, &q, &err), MOE_OK);
+        ck_assert_int_eq(moe_cpu_dequant_nvfp4(y[k], codes, sc, &g, C[k], m, &dq, &err), MOE_OK);
+        free(codes), free(sc);
+    }
+    for (int o = 0; o < O; o++)
+        for (int i = 0; i < I; i++) {
+            double acc = 0, a = 0;
+            for (int r = 0; r < m; r++) {
+                const double p = (double)y[0][(size_t)o * m + r] * y[1][(size_t)i * m + r];
+                acc += p, a += fabs(p);
+            }
+            dw[(size_t)o * I + i] = acc;
+            if (abs_sum)
+                abs_sum[(size_t)o * I + i] = a;
+        }
+    for (int k = 0; k < 2; k++)
+        free(t[k]), free(y[k]);
+}
+
+/* ‖a − b‖ / ‖b‖ (Frobenius) */
+static double rel_err(const moe_real *a, const double *b, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++)
+        num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]), den += b[i] * b[i];
+    return sqrt(num / den);
+}
+
+/* ‖Q_t(dy)ᵀ·Q_t(x) − dyᵀ·x‖ / ‖dyᵀ·x‖ over one group of n tokens, the reference's
+ * quantization along the tokens with or without the transform */
+static double wgrad_err(const moe_real *dy, const moe_real *x, int n, int I, int O, int rht) {
+    double *q = malloc(sizeof(double) * O * I), num = 0, den = 0;
+    ref_wgrad_group(q, NULL, dy, x, n, I, O, rht, 4242, 99);
+    for (int o = 0; o < O; o++)
+        for (int i = 0; i < I; i++) {
+            double e = 0;
+            for (int t = 0; t < n; t++)
+                e += (double)dy[(size_t)t * O + o] * x[(size_t)t * I + i];
+            num += (q[(size_t)o * I + i] - e) * (q[(size_t)o * I + i] - e), den += e * e;
+        }
+    free(q);
+    return sqrt(num / den);
+}
+
+START_TEST(test_lowp_wgrad_rht) {
+    const moe_backend *be = moe_backend_cpu();
+    enum { G = 3, N = 293, I = 64, O = 48 };
+    const int off[G + 1] = {0, 150, 150, N};
+    moe_config c;
+    moe_error err;
+    ck_assert_msg(moe_test_config(&c, "--fp4-format e2m1 --fp4-recipe nvfp4", &err) == MOE_OK,
+                  "%s", err.msg);
+    moe_lowp lp;
+    ck_assert(moe_lowp_from_config(&lp, &c, &err) == MOE_OK && lp.on && lp.wgrad_rht);
+    ck_assert(moe_lowp_alloc(be, &lp, (size_t)(N + 16) * I));
+    moe_real *dy = malloc(sizeof(moe_real) * N * O), *x = malloc(sizeof(moe_real) * N * I);
+    outliers(dy, (size_t)N * O, 11);
+    outliers(x, (size_t)N * I, 12);
+    const size_t nw = (size_t)G * O * I;
+    moe_real *dw = malloc(sizeof(moe_real) * nw), *dw_off = malloc(sizeof(moe_real) * nw);
+    double *ref = malloc(sizeof(double) * nw), *ref_norht = malloc(sizeof(double) * nw),
+           *exact = malloc(sizeof(double) * nw), *abs_sum = malloc(sizeof(double) * nw);
+    /* the training path */
+    moe_lowp_set_sr_calls(be, &lp, 5);
+    memset(dw, 0, sizeof(moe_real) * nw);
+    moe_lowp_wgrad(be, &lp, dw, dy, x, off, G, I, O, 0);
+    ck_assert_uint_eq(moe_lowp_sr_calls(be, &lp), 7); /* two non-empty groups' gradients */
+    /* the reference, the exact product, and the same quantization without the transform */
+    uint64_t draw = 5;
+    for (int g = 0; g < G; g++) {
+        const int n = off[g + 1] - off[g];
+        double *rg = ref + (size_t)g * O * I, *ng = ref_norht + (size_t)g * O * I,
+               *eg = exact + (size_t)g * O * I;
+        memset(rg, 0, sizeof(double) * O * I);
+        memset(ng, 0, sizeof(double) * O * I);
+        memset(eg, 0, sizeof(double) * O * I);
+        memset(abs_sum + (size_t)g * O * I, 0, sizeof(double) * O * I);
+        if (n == 0)
+            continue;
+        const moe_real *dyg = dy + (size_t)off[g] * O, *xg = x + (size_t)off[g] * I;
+        draw++;
+        ref_wgrad_group(rg, abs_sum + (size_t)g * O * I, dyg, xg, n, I, O, 1, lp.rht_seed,
+                        moe_q_sr_seed(lp.seed, draw));
+        ref_wgrad_group(ng, NULL, dyg, xg, n, I, O, 0, 0, moe_q_sr_seed(lp.seed, draw));
+        for (int o = 0; o < O; o++)
+            for (int i = 0; i < I; i++)
+                for (int t = 0; t < n; t++)
+                    eg[(size_t)o * I + i] += (double)dyg[(size_t)t * O + o] * xg[(size_t)t * I + i];
+    }
+    /* moe_lowp_wgrad == reference up to the fp32 GEMM's sums: 1e-5 of Σ|products| */
+    double worst = 0;
+    for (int g = 0; g < G; g++)
+        for (int o = 0; o < O; o++)
+            for (int i = 0; i < I; i++) {
+                const size_t k = ((size_t)g * O + o) * I + i;
+                const double e = fabs((double)dw[k] - ref[k]) / (abs_sum[k] + 1e-30);
+                ck_assert_msg(e < 1e-5, "dW[%d][%d][%d] = %.9g, reference %.9g", g, o, i,
+                              (double)dw[k], ref[k]);
+                worst = e > worst ? e : worst;
+            }
+    /* the training path with --fp4-disable-rht: the rowwise QDQs the dgrad uses too */
+    memset(dw_off, 0, sizeof(moe_real) * nw);
+    moe_lowp lo = lp;
+    lo.wgrad_rht = 0;
+    for (int g = 0; g < G; g++) {
+        const int n = off[g + 1] - off[g];
+        if (n == 0)
+            continue;
+        moe_real *dq = malloc(sizeof(moe_real) * n * O);
+        memcpy(dq, moe_lowp_qdq(be, &lo, dy + (size_t)off[g] * O, n, O, MOE_LOWP_GRADIENT, 0),
+               sizeof(moe_real) * n * O);
+        const void *xq = moe_lowp_qdq(be, &lo, x + (size_t)off[g] * I, n, I,
+                                      MOE_LOWP_ACTIVATION, 0);
+        be->matmul_backward(NULL, dw_off + (size_t)g * O * I, dq, xq, NULL, n, I, O);
+        free(dq);
+    }
+    const double e_rht = rel_err(dw, exact, nw), e_off = rel_err(dw_off, exact, nw);
+    moe_real *tmp = malloc(sizeof(moe_real) * nw);
+    for (size_t k = 0; k < nw; k++)
+        tmp[k] = (moe_real)ref_norht[k];
+    const double e_t = rel_err(tmp, exact, nw);
+    printf("  NVFP4 wgrad with RHT == double reference (max err %.2e of the bound); relative "
+           "error vs dy^T x with 1%% outliers x30: RHT %.4f, along the tokens without RHT "
+           "%.4f, rowwise (--fp4-disable-rht) %.4f\n", worst / 1e-5, e_rht, e_t, e_off);
+    /* Gaussian data: the transform neither helps nor hurts (orthogonal, shared) */
+    enum { NG = 1024 };
+    moe_real *gdy = malloc(sizeof(moe_real) * NG * O), *gx = malloc(sizeof(moe_real) * NG * I);
+    for (size_t i = 0; i < (size_t)NG * O; i++)
+        gdy[i] = (moe_real)moe_rng_normal(8, 1, i);
+    for (size_t i = 0; i < (size_t)NG * I; i++)
+        gx[i] = (moe_real)moe_rng_normal(8, 2, i);
+    const double g_rht = wgrad_err(gdy, gx, NG, I, O, 1), g_no = wgrad_err(gdy, gx, NG, I, O, 0);
+    printf("  Gaussian data, %d tokens: relative error vs dy^T x with RHT %.4f, without %.4f\n",
+           NG, g_rht, g_no);
+    ck_assert_msg(g_rht < 0.3 && fabs(g_rht - g_no) < 0.1 * g_no,
+                  "Gaussian data: RHT's error %.4f, without %.4f: the transform does not cancel "
+                  "in the product", g_rht, g_no);
+    free(gdy), free(gx);
+    size_t differ = 0;
+    for (size_t k = 0; k < nw; k++)
+        differ += dw[k] != dw_off[k];
+    ck_assert_msg(differ > nw / 2, "only %zu of %zu dW elements differ with RHT on and off",
+                  differ, nw);
+    free(dy), free(x), free(dw), free(dw_off), free(ref), free(ref_norht), free(exact),
+        free(tmp), free(abs_sum);
+    moe_lowp_free(be, &lp);
 }
 END_TEST
 
@@ -1308,6 +1519,7 @@ Suite *suite_quant(void) {
                                   test_blockwise_transpose, test_fp8_gemm_check,
                                   test_gemm_scale_layouts,  test_fp8_gemm_cpu_twin,
                                   test_fp8_grouped_gemm_cpu_twin,
-                                  test_qdq_matches_quant_dequant, test_lowp_delayed_sites};
-    return moe_test_chapter_suite("quant", "ch05", tests, 17);
+                                  test_qdq_matches_quant_dequant, test_lowp_delayed_sites,
+                                  test_lowp_wgrad_rht};
+    return moe_test_chapter_suite("quant", "ch05", tests, 18);
 }

@@ -112,9 +112,11 @@ START_TEST(test_lowp_training) {
                                     "--fp8-format e4m3 --fp8-recipe mxfp8",
                                     "--fp4-format e2m1 --fp4-recipe nvfp4",
                                     "--fp8-format e4m3 --fp8-recipe delayed "
-                                    "--fp8-amax-history-len 16 --fp8-amax-compute-algo max"};
-    static const double margin[] = {0.03, 0.03, 0.03, 0.05, 0.03};
-    double ref[LOWP_STEPS], l[LOWP_STEPS];
+                                    "--fp8-amax-history-len 16 --fp8-amax-compute-algo max",
+                                    /* NVFP4 without the wgrad's random Hadamard transform */
+                                    "--fp4-format e2m1 --fp4-recipe nvfp4 --fp4-disable-rht"};
+    static const double margin[] = {0.03, 0.03, 0.03, 0.05, 0.03, 0.05};
+    double ref[LOWP_STEPS], l[LOWP_STEPS], nvfp4[2][LOWP_STEPS];
     run_losses(LOWP_MODEL, LOWP_STEPS, ref);
     const double ref_tail = tail_mean(ref);
     printf("  emulated low precision, 30 steps: fp32 first %.4f, mean of the last 10 %.4f\n",
@@ -135,7 +137,15 @@ START_TEST(test_lowp_training) {
         ck_assert_msg(rel < margin[r], "%s: last-10 mean %.4f is %.2f %% from fp32's %.4f "
                       "(margin %.0f %%)", recipes[r], tail, 100 * rel, ref_tail,
                       100 * margin[r]);
+        if (r == 3 || r == 5)
+            memcpy(nvfp4[r == 5], l, sizeof l);
     }
+    /* the transform changes the weight gradients, not the forward: step 1's loss is the
+     * same with and without it, every later one differs */
+    ck_assert(memcmp(&nvfp4[0][0], &nvfp4[1][0], sizeof(double)) == 0);
+    for (int i = 1; i < LOWP_STEPS; i++)
+        ck_assert_msg(nvfp4[0][i] != nvfp4[1][i], "step %d: NVFP4 with and without the wgrad "
+                      "RHT both %.17g: was the transform applied?", i + 1, nvfp4[0][i]);
     /* the experts' grouped paths (one QDQ over all experts' rows; the per-row tiles make it
      * the loop's values) train as the loop does */
     double loop[LOWP_STEPS];
@@ -153,6 +163,17 @@ START_TEST(test_lowp_training) {
         ck_assert_msg(rel < 0.01, "%s: %.4f vs the loop's %.4f", paths[p], tail_mean(l),
                       tail_mean(loop));
     }
+    /* NVFP4's wgrad transform expert by expert under the grouped GEMM with host offsets
+     * (moe_lowp_wgrad(): G groups, each padded on its own): it trains as the loop does,
+     * within NVFP4's margin of fp32 (the forward's QDQ is one tensor over all experts
+     * there, one per expert in the loop, so the bits differ) */
+    run_losses(LOWP_MODEL "--fp4-format e2m1 --fp4-recipe nvfp4 --moe-expert-backend "
+                          "cublas-grouped", LOWP_STEPS, l);
+    printf("  nvfp4, experts cublas-grouped            first %.4f, last 10 %.4f (loop %.4f)\n",
+           l[0], tail_mean(l), tail_mean(nvfp4[0]));
+    ck_assert_msg(tail_mean(l) < l[0] - 0.5 && fabs(tail_mean(l) - ref_tail) / ref_tail < 0.05,
+                  "nvfp4, cublas-grouped experts: %.4f -> %.4f (fp32 %.4f)", l[0], tail_mean(l),
+                  ref_tail);
     /* a per-tensor amax over the sync-free layer's static budget of rows is refused */
     moe_trainer *t = NULL;
     moe_error err;

@@ -464,6 +464,7 @@ static const moe_backend g_cpu = {
     .fp8_quant_act = moe_cpu_quant_blockwise_act,
     .fp8_dequant_act = moe_cpu_dequant_blockwise_act,
     .qdq_group_t = cpu_qdq_group_t,
+    .qdq_t = moe_cpu_qdq_t,
     .add = cpu_add,
     .scale = cpu_scale,
     .router_forward = a_router_forward,

@@ -322,6 +322,12 @@ moe_status moe_cpu_quant_nvfp4(uint8_t *q, uint8_t *scales, moe_quant_scalars *g
     }
     moe_quant_scalars_from_amax(g, moe_q_key_amax(m), MOE_NVFP4_GLOBAL_NUM);
     const float G = g->scale;
+    /* the draw counter (quantize.h): advanced once, between the passes, as the CUDA twin's
+     * scalars kernel does */
+    moe_nvfp4_opts oc = *o;
+    if (o->stochastic && o->sr_counter)
+        oc.sr_seed = moe_q_sr_seed(o->sr_seed, ++*o->sr_counter);
+    o = &oc;
     /* pass 2: per block of bh rows × 16 columns, its scale, then its elements */
     const int bh = o->block_2d ? B : 1, nbr = (rows + bh - 1) / bh;
 #pragma omp parallel for schedule(static) if ((size_t)rows * cols > 65536)
@@ -439,6 +445,8 @@ moe_status moe_qdq_f32(const moe_quant_fns *fn, const moe_qdq_spec *spec, const 
         moe_nvfp4_opts o = spec->nvfp4;
         o.block_2d = spec->recipe == MOE_QUANT_NVFP4_2D;
         MOE_TRY(fn->nvfp4(ws->q, (uint8_t *)ws->scales, ws->g, ws->x, rows, cols, &o, err));
+        if (spec->keep_transform) /* the wgrad operands: no inverse transform (quantize.h) */
+            o.rht = 0;
         return fn->dequant_nvfp4(ws->x, ws->q, (const uint8_t *)ws->scales, ws->g, rows, cols,
                                  &o, err);
     }
@@ -490,4 +498,26 @@ moe_status moe_cpu_dequant_blockwise_act(void *y, const uint8_t *q, const float 
         ((moe_real *)y)[i] = (moe_real)v[i];
     free(v);
     return st;
+}
+
+void moe_cpu_qdq_t(void *dst, const void *src, int n, int m, int cols, const moe_qdq_spec *spec,
+                   const moe_qdq_ws *ws) {
+    MOE_ASSERT(n >= 0 && n <= m && dst != src);
+    if ((size_t)m * cols == 0)
+        return;
+    const moe_real *s = (const moe_real *)src;
+    moe_real *d = (moe_real *)dst;
+#pragma omp parallel for schedule(static) if ((size_t)m * cols > 65536)
+    for (int c = 0; c < cols; c++)
+        for (int r = 0; r < m; r++) /* the tokens padded with zeros */
+            ws->x[(size_t)c * m + r] = r < n ? (float)s[(size_t)r * cols + c] : 0.0f;
+    moe_error err;
+    const moe_status st = moe_qdq_f32(moe_cpu_quant_fns(), spec, ws, cols, m, &err);
+    if (st != MOE_OK)
+        fprintf(stderr, "moe_cpu_qdq_t: %s\n", err.msg);
+    MOE_ASSERT(st == MOE_OK); /* the model checked every shape at start-up */
+#pragma omp parallel for schedule(static) if ((size_t)m * cols > 65536)
+    for (int r = 0; r < m; r++)
+        for (int c = 0; c < cols; c++)
+            d[(size_t)r * cols + c] = (moe_real)ws->x[(size_t)c * m + r];
 }
