@@ -46,16 +46,20 @@
 
 namespace {
 
-constexpr int BM = 128, BN = 128, BK = MOE_QUANT_BLOCK, STAGES = 6, THREADS = 288;
+constexpr int BM = 128, BN = 128, BK = MOE_QUANT_BLOCK, STAGES = 6, THREADS = 384;
 [[maybe_unused]] constexpr int MAX_G = MOE_GROUPED_DEV_MAX_GROUPS;
 constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK, STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int C_BYTES = 16384;
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * C_BYTES; /* 224 KB */
 static_assert(THREADS >= MOE_GROUPED_DEV_MAX_GROUPS, "moe_wgrad_block_prefix: a thread a group");
-/* registers a thread: __launch_bounds__(288, 1) let ptxas cap them at 168 (it rounds the CTA up
- * to 384 threads), where the 128 accumulators, the scales and the addressing spilled; 288 ×
- * 224 fit the SM's 64K */
-constexpr int MAX_REGS = 224;
+/* registers: the 128 accumulators (64 of the k-block's wgmma, 64 scaled sums), the scales and
+ * the addressing need about 200 a consumer thread. 288 threads (two consumer warpgroups and
+ * one producer warp) cannot have them: three warps then share an SM sub-partition's 16K
+ * registers, 168 each at most (an H100 refused __maxnreg__(224) at launch: "too many
+ * resources requested"). So the producer is a whole warpgroup that gives its registers to the
+ * consumers with setmaxnreg, as kernels/attention_sm90.cu does: per sub-partition one warp of
+ * each warpgroup, 2 × 232 + 40 = 504 ≤ 512 registers a lane. */
+[[maybe_unused]] constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
 static_assert(BK == 128, "a stage must be one 128-token scale block of 128 bytes");
 
 struct Params {
@@ -67,7 +71,7 @@ struct Params {
 
 /* C32: fp32 output, else bf16 (stored). ORDERED: as the forward kernel */
 template <int C32, int ORDERED>
-__global__ void __maxnreg__(MAX_REGS)
+__global__ void __launch_bounds__(THREADS, 1)
     fp8_wgrad_kernel(const __grid_constant__ CUtensorMap map_a,
                      const __grid_constant__ CUtensorMap map_b,
                      const __grid_constant__ CUtensorMap map_c, const Params p) {
@@ -90,6 +94,7 @@ __global__ void __maxnreg__(MAX_REGS)
     const int ntm = p.M / BM, ntn = p.N / BN, per_g = ntm * ntn, tiles = p.G * per_g;
 
     if (wg == 2) { /* ------------------------------------------------ producer */
+        setmaxnreg_dec<PRODUCER_REGS>(); /* the whole warpgroup; one lane issues the loads */
         if (tid == 0) {
             int it = 0;
             for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -111,6 +116,7 @@ __global__ void __maxnreg__(MAX_REGS)
     }
 
     /* ---------------------------------------------------- consumers */
+    setmaxnreg_inc<CONSUMER_REGS>();
     const int c = wg, warp = tid / 32, lane = tid % 32;
     const int r_lo = warp * 16 + lane / 4;
     uint8_t *cs = smem + STAGES * STAGE_BYTES + c * C_BYTES;
