@@ -417,16 +417,7 @@ bool fa_sm90_pipelined(void) {
     return e[0] == '1';
 }
 
-bool fa_sm90_device(void) {
-    static int avail = -1;
-    if (avail < 0) {
-        int dev, major = 0;
-        MOE_CUDA_CHECK(cudaGetDevice(&dev));
-        MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-        avail = major == 9;
-    }
-    return avail == 1;
-}
+bool fa_sm90_device(void) { return moe_cuda_cc_major() == 9; }
 
 bool fa_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 

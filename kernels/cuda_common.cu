@@ -73,6 +73,17 @@ void *moe_cuda_scratch(moe_scratch_slot slot, size_t bytes) {
     return g_scratch[slot];
 }
 
+int moe_cuda_cc_major(void) {
+    static int major = -1;
+    if (major < 0) {
+        int dev = 0, m = 0;
+        MOE_CUDA_CHECK(cudaGetDevice(&dev));
+        MOE_CUDA_CHECK(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev));
+        major = m;
+    }
+    return major;
+}
+
 cublasHandle_t moe_cuda_cublas(void) {
     if (!g_cublas) {
         MOE_CUBLAS_CHECK(cublasCreate(&g_cublas));

@@ -62,6 +62,10 @@ cudaStream_t moe_cuda_stream(void);
 /** The cuBLAS handle, bound to moe_cuda_stream() (created on first use). */
 cublasHandle_t moe_cuda_cublas(void);
 
+/** The current device's compute capability major (9: Hopper, 10: Blackwell), read once:
+ *  the kernels built for sm_90a (wgmma, TMA) run only where it is 9. */
+int moe_cuda_cc_major(void);
+
 /** ceil(a / b) for launch grids. */
 static inline unsigned moe_cdiv(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
 

@@ -61,16 +61,6 @@ static cublasLtHandle_t lt_handle(void) {
     return h;
 }
 
-static int cc_major(void) {
-    static int major = -1;
-    if (major < 0) {
-        int dev = 0;
-        MOE_CUDA_CHECK(cudaGetDevice(&dev));
-        MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    }
-    return major;
-}
-
 static int force_emulation(void) {
     static int on = -1;
     if (on < 0) {
@@ -81,7 +71,7 @@ static int force_emulation(void) {
 }
 
 extern "C" int moe_cuda_fp8_gemm_native(moe_quant_recipe r) {
-    const int major = cc_major();
+    const int major = moe_cuda_cc_major();
     switch (r) {
     case MOE_QUANT_TENSORWISE:
         return 1;
@@ -268,7 +258,7 @@ static plan *get_plan(const plan_key *k, const void *a_scale, const void *b_scal
                       "the shape (lib/fp8_gemm.h lists what was measured to run) or use "
                       "another recipe",
                       type_name(k->ta), k->sa, type_name(k->tb), k->sb, type_name(k->td), k->M,
-                      k->N, k->K, cc_major(),
+                      k->N, k->K, moe_cuda_cc_major(),
                       s != CUBLAS_STATUS_SUCCESS ? cublasGetStatusString(s)
                       : found == 0               ? "the heuristic found no algorithm"
                                                  : "no algorithm passed cublasLtMatmulAlgoCheck");

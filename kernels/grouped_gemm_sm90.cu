@@ -912,14 +912,7 @@ extern "C" const char *moe_cuda_grouped_sm90_schedule_name(moe_grouped_schedule 
 }
 
 extern "C" int moe_cuda_grouped_sm90_available(void) {
-    static int avail = -1;
-    if (avail < 0) {
-        int dev, major = 0;
-        MOE_CUDA_CHECK(cudaGetDevice(&dev));
-        MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-        avail = major == 9;
-    }
-    return avail;
+    return moe_cuda_cc_major() == 9;
 }
 
 /* The portable path (sm_100a and anything that is not Hopper): bring the offsets to the

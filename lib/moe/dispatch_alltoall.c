@@ -113,6 +113,24 @@ static void scale_counts(size_t *out, const size_t *rows, int P, int C) {
 
 /* The one routine behind all four directions: is_act picks activations (gather_rows, the
  * backend's type) or full precision (gather_reals, C = 1); to_experts the direction. */
+/* The plan's chunk lists (in rows) scaled to rows of C elements, for moe_comm_exchange();
+ * the caller frees both */
+static void chunks_in_elements(const moe_dispatch_plan *plan, int nch, int C,
+                               moe_comm_chunk **send, moe_comm_chunk **recv) {
+    moe_comm_chunk *cs = malloc(sizeof *cs * nch), *cr = malloc(sizeof *cr * nch);
+    MOE_ASSERT(cs && cr);
+    for (int i = 0; i < nch; i++) {
+        cs[i] = plan->send_chunks[i];
+        cs[i].offset *= (size_t)C;
+        cs[i].count *= (size_t)C;
+        cr[i] = plan->recv_chunks[i];
+        cr[i].offset *= (size_t)C;
+        cr[i].count *= (size_t)C;
+    }
+    *send = cs;
+    *recv = cr;
+}
+
 static void move(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, const void *src, int C,
                  int is_act, int to_experts) {
     const moe_backend *be = ep->be;
@@ -134,16 +152,8 @@ static void move(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, const voi
     } while (0)
     /* chunk lists in elements */
     const int nch = P * plan->E_local;
-    moe_comm_chunk *cs = malloc(sizeof *cs * nch), *cr = malloc(sizeof *cr * nch);
-    MOE_ASSERT(cs && cr);
-    for (int i = 0; i < nch; i++) {
-        cs[i] = plan->send_chunks[i];
-        cs[i].offset *= (size_t)C;
-        cs[i].count *= (size_t)C;
-        cr[i] = plan->recv_chunks[i];
-        cr[i].offset *= (size_t)C;
-        cr[i].count *= (size_t)C;
-    }
+    moe_comm_chunk *cs, *cr;
+    chunks_in_elements(plan, nch, C, &cs, &cr);
     if (to_experts) {
         /* permuted → (padded) send layout → exchange straight into [el][src] */
         const void *send = src;
@@ -178,16 +188,8 @@ static void move(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, const voi
 static void exchange_to_experts(moe_ep *ep, const moe_dispatch_plan *plan, void *dst,
                                 const void *src, int C, moe_dtype t) {
     const int nch = ep->size * plan->E_local;
-    moe_comm_chunk *cs = malloc(sizeof *cs * nch), *cr = malloc(sizeof *cr * nch);
-    MOE_ASSERT(cs && cr);
-    for (int i = 0; i < nch; i++) {
-        cs[i] = plan->send_chunks[i];
-        cs[i].offset *= (size_t)C;
-        cs[i].count *= (size_t)C;
-        cr[i] = plan->recv_chunks[i];
-        cr[i].offset *= (size_t)C;
-        cr[i].count *= (size_t)C;
-    }
+    moe_comm_chunk *cs, *cr;
+    chunks_in_elements(plan, nch, C, &cs, &cr);
     moe_comm_exchange(ep->comm, src, cs, nch, dst, cr, nch, t);
     free(cs);
     free(cr);
