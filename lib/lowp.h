@@ -55,13 +55,13 @@
  * again: that QDQ replays the forward's scale and records nothing (moe_lowp_qdq_saved()).
  * The first tensor at a site takes current scaling. Details in lib/lowp.c, "Delayed
  * scaling"; the table is saved in checkpoints. Not done: Megatron's `--fp8-interval`
- * (deprecated there; every step updates here), and the amax reduction over ranks (so delayed
- * scaling runs on one rank only).
+ * (deprecated there; every step updates here). On several ranks the windows are max-reduced
+ * over the replicas after each micro-batch (moe_lowp_reduce_amax()).
  *
  * **Refused at start-up** (named errors): the distributed optimizer, the fused permutation,
  * a per-tensor recipe (tensorwise, delayed, NVFP4) under TP/ETP or with the sync-free MoE
  * layer (whose static budget of rows holds stale rows past the step's count), delayed
- * scaling on more than one rank, and any linear width that is not a multiple of the
+ * and any linear width that is not a multiple of the
  * recipe's block. NVFP4 runs under CUDA graphs: its stochastic rounding's draw counter
  * (@ref moe_lowp::sr_calls) is in backend memory and advanced by the quantize kernels.
  *
