@@ -294,6 +294,15 @@ static void nccl_all_reduce_sum(void *s, void *buf, size_t count, moe_dtype t) {
     enqueued(c, "all_reduce_sum");
 }
 
+static void nccl_all_reduce_max(void *s, void *buf, size_t count, moe_dtype t) {
+    nccl_state *c = (nccl_state *)s;
+    if (count == 0)
+        return;
+    MOE_NCCL_CHECK(c, ncclAllReduce(buf, buf, count, nccl_type(t), ncclMax, c->comm,
+                                    moe_cuda_stream()));
+    enqueued(c, "all_reduce_max");
+}
+
 static void nccl_all_gather(void *s, const void *send, void *recv, size_t count, moe_dtype t) {
     nccl_state *c = (nccl_state *)s;
     if (count == 0)
@@ -533,7 +542,7 @@ static const moe_comm_transport g_nccl = {
     .start = NULL, .open = nccl_open, .split = nccl_split, .shape = nccl_shape,
     .free = nccl_free, .abort = NULL,
     /* transport buffers */
-    .all_reduce_sum = nccl_all_reduce_sum, .all_gather = nccl_all_gather,
+    .all_reduce_sum = nccl_all_reduce_sum, .all_reduce_max = nccl_all_reduce_max, .all_gather = nccl_all_gather,
     .all_gather_v = nccl_all_gather_v, .reduce_scatter_sum = nccl_reduce_scatter_sum,
     .all_to_all_v = nccl_all_to_all_v, .exchange = nccl_exchange,
     .exchange_start = nccl_exchange_start, .exchange_finish = nccl_exchange_finish, .send = nccl_send,

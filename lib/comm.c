@@ -358,6 +358,14 @@ void moe_comm_all_reduce_sum(moe_comm *c, void *buf, size_t count, moe_dtype t) 
     c->data->all_reduce_sum(c->data_state, buf, count, t);
 }
 
+void moe_comm_all_reduce_max(moe_comm *c, void *buf, size_t count, moe_dtype t) {
+    if (t != MOE_DTYPE_I32)
+        moe_comm_fatal(c, "all_reduce_max on %s: only MOE_DTYPE_I32 is supported",
+                       moe_comm_dtype_name(t));
+    tally(c, MOE_COMM_OP_ALL_REDUCE, count, t);
+    c->data->all_reduce_max(c->data_state, buf, count, t);
+}
+
 void moe_comm_all_gather(moe_comm *c, const void *send, void *recv, size_t count, moe_dtype t) {
     tally(c, MOE_COMM_OP_ALL_GATHER, count, t);
     c->data->all_gather(c->data_state, send, recv, count, t);

@@ -121,6 +121,17 @@ void moe_comm_free(moe_comm *c);
 /** @brief In-place sum over the group. @param c group @param buf count elements @param count n @param t type */
 void moe_comm_all_reduce_sum(moe_comm *c, void *buf, size_t count, moe_dtype t);
 
+/**
+ * @brief In-place maximum over the group, of 32-bit signed integers only (MOE_DTYPE_I32; any
+ *        other type ends the job with a message). Chapter 05's amax reduction reduces float
+ *        amaxes through it as their bit patterns: for floats ≥ 0 (and the positive NaN) the
+ *        order of the bits as int32 is the order of the values, with NaN above +inf, so a
+ *        NaN on one rank reaches every rank (a float max would be the transport's choice).
+ *        Counted as an all-reduce (::MOE_COMM_OP_ALL_REDUCE).
+ * @param c group @param buf count elements @param count n @param t MOE_DTYPE_I32
+ */
+void moe_comm_all_reduce_max(moe_comm *c, void *buf, size_t count, moe_dtype t);
+
 /** @brief recv = concatenation of every rank's @p count elements, in rank order.
  *  @param c group @param send count elements @param recv size·count elements @param count n @param t type */
 void moe_comm_all_gather(moe_comm *c, const void *send, void *recv, size_t count, moe_dtype t);

@@ -79,6 +79,10 @@ static void local_all_reduce_sum(void *s, void *buf, size_t count, moe_dtype t) 
     (void)s, (void)buf, (void)count, (void)t; /* the sum over one rank is its own data */
 }
 
+static void local_all_reduce_max(void *s, void *buf, size_t count, moe_dtype t) {
+    (void)s, (void)buf, (void)count, (void)t; /* the maximum over one rank is its own data */
+}
+
 static void local_all_gather(void *s, const void *send, void *recv, size_t count, moe_dtype t) {
     copy(s, recv, send, count * moe_dtype_size(t));
 }
@@ -155,7 +159,7 @@ static const moe_comm_transport g_local = {
     .open = local_open,   /* as the data transport of one GPU rank: device memory */
     .split = local_split, .shape = local_shape, .free = local_free, .abort = local_abort,
     /* sums are the data itself; gathers, scatters and exchanges copy */
-    .all_reduce_sum = local_all_reduce_sum, .all_gather = local_all_gather,
+    .all_reduce_sum = local_all_reduce_sum, .all_reduce_max = local_all_reduce_max, .all_gather = local_all_gather,
     .all_gather_v = local_all_gather_v, .reduce_scatter_sum = local_reduce_scatter_sum,
     .all_to_all_v = local_all_to_all_v, .exchange = local_exchange,
     .send = NULL, .recv = NULL, /* comm.c refuses them: one rank has no peer */

@@ -224,6 +224,15 @@ static void mpi_all_reduce_sum(void *state, void *buf, size_t count, moe_dtype t
                                mpi_sum_type(t, "all_reduce_sum"), MPI_SUM, s->comm));
 }
 
+static void mpi_all_reduce_max(void *state, void *buf, size_t count, moe_dtype t) {
+    mpi_state *s = state;
+    if (count == 0)
+        return;
+    MOE_MPI_WAIT(s, "all_reduce_max",
+                 MPI_Allreduce(MPI_IN_PLACE, buf, mpi_count(count, "all_reduce_max"),
+                               mpi_type(t), MPI_MAX, s->comm));
+}
+
 static void mpi_all_gather(void *state, const void *send, void *recv, size_t count,
                            moe_dtype t) {
     mpi_state *s = state;
@@ -429,7 +438,7 @@ static const moe_comm_transport g_mpi = {
     .start = mpi_start, .split = mpi_split, .shape = mpi_shape, .free = mpi_free,
     .abort = mpi_abort,
     /* transport buffers */
-    .all_reduce_sum = mpi_all_reduce_sum, .all_gather = mpi_all_gather,
+    .all_reduce_sum = mpi_all_reduce_sum, .all_reduce_max = mpi_all_reduce_max, .all_gather = mpi_all_gather,
     .all_gather_v = mpi_all_gather_v, .reduce_scatter_sum = mpi_reduce_scatter_sum,
     .all_to_all_v = mpi_all_to_all_v, .exchange = mpi_exchange,
     .exchange_start = mpi_exchange_start, .exchange_finish = mpi_exchange_finish, .send = mpi_send,

@@ -63,6 +63,8 @@ typedef struct moe_comm_transport {
     /** @name transport buffers (see comm.h) */
     /**@{*/
     void (*all_reduce_sum)(void *s, void *buf, size_t count, moe_dtype t); /**< in-place sum */
+    /** in-place maximum (MOE_DTYPE_I32 only: comm.c checks) */
+    void (*all_reduce_max)(void *s, void *buf, size_t count, moe_dtype t);
     /** all-gather */
     void (*all_gather)(void *s, const void *send, void *recv, size_t count, moe_dtype t);
     /** all-gather with per-rank counts */

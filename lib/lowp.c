@@ -1,6 +1,7 @@
 /* Chapter 05's emulated low-precision training: see lowp.h. */
 #include "lowp.h"
 
+#include "comm.h"
 #include "fp8_wgrad.h"
 
 #include <stdio.h>
@@ -304,6 +305,35 @@ int moe_lowp_site(const moe_lowp *lp, int layer, moe_lowp_block block, int exper
     MOE_ASSERT(layer >= 0 && layer < lp->layers && expert >= 0 &&
                (block == MOE_LOWP_EXPERTS ? expert < lp->experts : expert == 0));
     return layer * (MOE_LOWP_EXPERTS + 2 * lp->experts) + (int)block + 2 * expert;
+}
+
+/* the windows [first, first + n) of the table, their max over group g (floats ≥ 0 as int32) */
+static void reduce_windows(const moe_lowp *lp, moe_comm *g, size_t first, size_t n) {
+    if (g && n)
+        moe_comm_all_reduce_max(g, lp->history + first * (size_t)lp->hist_len,
+                                n * (size_t)lp->hist_len, MOE_DTYPE_I32);
+}
+
+void moe_lowp_reduce_amax(const moe_lowp *lp, moe_comm *dense, moe_comm *experts,
+                          moe_comm *rows) {
+    if (!lp || !lp->history)
+        return;
+    if (dense == experts && (!rows || rows == dense)) { /* one collective: no EP */
+        reduce_windows(lp, dense, 0, moe_lowp_sites(lp));
+        return;
+    }
+    const size_t R = MOE_LOWP_ROLES, per_layer = (size_t)(MOE_LOWP_EXPERTS + 2 * lp->experts);
+    for (int l = 0; l < lp->layers; l++) {
+        const size_t base = (size_t)l * per_layer * R;
+        reduce_windows(lp, dense, base, MOE_LOWP_EXPERTS * R);
+        if (!lp->experts)
+            continue;
+        reduce_windows(lp, experts, base + MOE_LOWP_EXPERTS * R, 2 * (size_t)lp->experts * R);
+        for (size_t lin = MOE_LOWP_EXPERTS; rows && lin < MOE_LOWP_EXPERTS + 2; lin++) {
+            reduce_windows(lp, rows, base + lin * R + MOE_LOWP_ACTIVATION, 1);
+            reduce_windows(lp, rows, base + lin * R + MOE_LOWP_GRADIENT, 1);
+        }
+    }
 }
 
 /* the spec of one QDQ: a gradient under stochastic rounding gets the next seed; under delayed

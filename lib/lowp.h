@@ -55,13 +55,13 @@
  * again: that QDQ replays the forward's scale and records nothing (moe_lowp_qdq_saved()).
  * The first tensor at a site takes current scaling. Details in lib/lowp.c, "Delayed
  * scaling"; the table is saved in checkpoints. Not done: Megatron's `--fp8-interval`
- * (deprecated there; every step updates here), and the amax reduction over ranks (so delayed
- * scaling runs on one rank only).
+ * (deprecated there; every step updates here). On several ranks the windows are max-reduced
+ * over the replicas after each micro-batch (moe_lowp_reduce_amax()).
  *
  * **Refused at start-up** (named errors): the distributed optimizer, the fused permutation,
  * a per-tensor recipe (tensorwise, delayed, NVFP4) under TP/ETP or with the sync-free MoE
  * layer (whose static budget of rows holds stale rows past the step's count), delayed
- * scaling on more than one rank, and any linear width that is not a multiple of the
+ * and any linear width that is not a multiple of the
  * recipe's block. NVFP4 runs under CUDA graphs: its stochastic rounding's draw counter
  * (@ref moe_lowp::sr_calls) is in backend memory and advanced by the quantize kernels.
  *
@@ -328,6 +328,37 @@ int moe_lowp_wgrad_rht(const moe_lowp *lp);
  */
 void moe_lowp_wgrad(const moe_backend *be, moe_lowp *lp, moe_real *dw, const void *dout,
                     const void *in, const int *off, int G, int I, int O, int linear);
+
+struct moe_comm;
+
+/**
+ * @brief Delayed scaling on several ranks: reduce the amax windows of the site table over
+ *        the ranks that hold the same tensors (TransformerEngine's amax reduction group),
+ *        so every replica casts with the scale one process would on the whole batch.
+ *
+ * Each window is replaced by its elementwise maximum over the group (the amaxes as int32
+ * bits, moe_comm_all_reduce_max(): exact, NaN wins). The slots a rank did not write this
+ * time are equal on every replica already (by induction from the zeroed table), so the max
+ * changes only the slots recorded since the last reduction; the next cast reads the window
+ * (moe_delayed_record()), so no pass over the sites follows. Which group reduces what:
+ *  - attention, dense FFN and shared-expert sites (every block below ::MOE_LOWP_EXPERTS):
+ *    over @p dense, the ranks with the same weights and different tokens (DP x CP);
+ *  - the routed experts' sites (per local expert, each EP rank holding other experts):
+ *    over @p experts, the expert-data-parallel replicas (EDP), never over EP;
+ *  - and where the experts' rows are one grouped tensor at local expert 0's sites (the
+ *    grouped backends: its activation and gradient roles stand for all this rank's
+ *    experts' rows), those two roles once more over @p rows, the ranks whose experts
+ *    together make the layer (EP x EDP, = DP x CP without TP), so the amax is that of every
+ *    expert's rows, as on one process. (The weight roles stay per expert.)
+ * One collective over the whole table where the three are the same group (no EP); else per
+ * layer one over the dense block, one over the experts' block and four windows over @p rows.
+ * Not under TP/ETP: a shard's amax would first need a max over TP (refused at start-up).
+ * @param lp the context (no site table: nothing happens)
+ * @param dense DP x CP group (NULL: none)  @param experts EDP group (NULL: none)
+ * @param rows the group of the grouped experts' rows (NULL: per-expert sites, the loop)
+ */
+void moe_lowp_reduce_amax(const moe_lowp *lp, struct moe_comm *dense, struct moe_comm *experts,
+                          struct moe_comm *rows);
 
 /**
  * @brief The stochastic rounding's draw counter (lowp.h, "Resuming"): the gradient

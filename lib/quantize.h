@@ -143,7 +143,8 @@ typedef enum moe_amax_algo {
  *  in backend memory: only the quantize ops read and write it, so a step never waits for
  *  the host and a captured CUDA graph replays it as it is. */
 typedef struct moe_delayed_site {
-    float scale;    /**< the scale the next recording quantize casts with (from the history) */
+    float scale;    /**< the scale this rank's window gave after the last recording (the
+                         next cast's on one rank; the fallback of a poisoned window) */
     float used;     /**< the scale the last recording quantize cast with (a replay's too) */
     float used_inv; /**< 1/used: the dequantization scale of those codes */
     float amax;     /**< the amax last recorded */
@@ -163,30 +164,63 @@ typedef struct moe_delayed_ref {
 } moe_delayed_ref;
 
 /**
+ * @brief The scale a delayed site's window gives: fmax/2^margin over the window's largest
+ *        amax (::MOE_AMAX_MAX) or over the amax in slot @p last (::MOE_AMAX_MOST_RECENT),
+ *        or @p keep while that amax is not finite and positive (TransformerEngine's rule:
+ *        an empty or poisoned window does not move the scale).
+ * @param history [len] the window  @param len its length  @param last the slot written last
+ * @param algo the compute algorithm  @param num fmax / 2^margin  @param keep the fallback
+ * @return the scale
+ */
+static inline MOE_HOSTDEV float moe_delayed_window_scale(const float *history, int len, int last,
+                                                         moe_amax_algo algo, float num,
+                                                         float keep) {
+    float a = history[last];
+    if (algo == MOE_AMAX_MAX) {
+        uint32_t m = 0;
+        for (int i = 0; i < len; i++) {
+            const uint32_t k = moe_q_abs_key(history[i]);
+            m = k > m ? k : m;
+        }
+        a = moe_q_key_amax(m);
+    }
+    return !moe_q_nonfinite(a) && a > 0.0f ? moe_q_scale_from_amax(a, num, 0) : keep;
+}
+
+/**
  * @brief Record one tensor's amax at a delayed-scaling site and choose the scales, before
- *        its codes are cast: the scale this tensor casts with is the one chosen from the
- *        history BEFORE it (site->scale), except for the site's first tensor, which has no
- *        history and takes current scaling (num/amax of itself); then its amax goes into the
- *        window and the next scale is chosen from it (moe_quant_delayed_finish() for
- *        ::MOE_AMAX_MAX, num/amax for ::MOE_AMAX_MOST_RECENT), kept while the candidate is
- *        not finite and positive. Both backends call it (CUDA in one thread).
+ *        its codes are cast: the scale this tensor casts with is the one the window gives
+ *        AS IT IS NOW (moe_delayed_window_scale(), falling back on site->scale), except for
+ *        the site's first tensor, which has no history and takes current scaling (num/amax
+ *        of itself); then its amax goes into the window and site->scale becomes the scale
+ *        the window now gives (the next tensor's, on one rank). Both backends call it (CUDA
+ *        in one thread).
+ *
+ * Why the cast reads the window and not site->scale: on several ranks the trainer reduces
+ * the windows (a max over the replicas, moe_lowp_reduce_amax()) between two recordings,
+ * after site->scale was chosen from this rank's amax alone; reading the window at the cast
+ * makes the reduced amaxes the ones that count, with no pass over the sites after the
+ * reduction. On one rank nothing moves the window between two recordings, so the scale is
+ * site->scale, bit for bit.
  * @param d the site  @param history [len] its window  @param len its length
  * @param algo the compute algorithm  @param num the numerator: fmax / 2^margin
  * @param amax this tensor's amax (canonical NaN if it held one)
  */
 static inline MOE_HOSTDEV void moe_delayed_record(moe_delayed_site *d, float *history, int len,
                                                   moe_amax_algo algo, float num, float amax) {
-    const float used = d->steps > 0 ? d->scale : moe_q_scale_from_amax(amax, num, 0);
-    moe_quant_scalars s = {0.0f, used, 0.0f};
-    moe_quant_delayed_finish(&s, history, len, d->pos, amax, num);
-    if (algo == MOE_AMAX_MOST_RECENT)
-        s.scale = !moe_q_nonfinite(amax) && amax > 0.0f ? moe_q_scale_from_amax(amax, num, 0)
-                                                       : used;
+    const int last = d->pos > 0 ? d->pos - 1 : len - 1;
+    const float used = d->steps > 0
+                           ? moe_delayed_window_scale(history, len, last, algo, num, d->scale)
+                           : moe_q_scale_from_amax(amax, num, 0);
+    history[d->pos] = amax;
+    /* a poisoned first tensor keeps the initial scale */
+    const float next = moe_delayed_window_scale(history, len, d->pos, algo, num,
+                                                moe_q_nonfinite(used) ? d->scale : used);
     d->used = used;
-    d->used_inv = s.scale_inv;
+    d->used_inv = moe_q_scale_inv(used);
     d->amax = amax;
-    if (!moe_q_nonfinite(s.scale)) /* a poisoned first tensor keeps the initial scale */
-        d->scale = s.scale;
+    if (!moe_q_nonfinite(next))
+        d->scale = next;
     d->pos = d->pos + 1 < len ? d->pos + 1 : 0;
     d->steps = d->steps < INT32_MAX ? d->steps + 1 : d->steps;
 }

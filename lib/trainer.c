@@ -7,6 +7,8 @@
 
 #include "comm.h"
 #include "cpu/ops.h"
+#include "lowp.h"
+#include "moe/experts.h"
 #include "log.h"
 #include "rng.h"
 #include "timer.h"
@@ -149,15 +151,12 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
     /* context-parallel attention needs the merge and the packing ops (CPU and CUDA have them) */
     if (s == MOE_OK && c->context_parallel_size > 1)
         s = moe_cp_attention_supported(be, err);
-    /* chapter 05's delayed scaling keeps each rank's amaxes: TransformerEngine reduces them
-     * over the ranks (its amax reduction group) so that every replica casts alike; not here */
-    if (s == MOE_OK && t->world_size > 1 && strcmp(c->fp8_recipe, "delayed") == 0 &&
-        strcmp(c->fp8_format, "none") != 0)
-        s = moe_error_set(err, MOE_ERR_CONFIG,
-                          "--fp8-recipe delayed on %d ranks: each rank would keep the amax "
-                          "history of its own micro-batches, where TransformerEngine reduces "
-                          "the amaxes over the ranks; not supported yet: run one rank, or use "
-                          "--fp8-recipe tensorwise, blockwise or mxfp8", t->world_size);
+    /* chapter 05's delayed scaling on several ranks: the amax windows are reduced over the
+     * replicas after each micro-batch (reduce_amax below; under TP/ETP the recipe is refused
+     * by lowp.c's start-up checks, a shard's amax not being the tensor's).
+     * MOE_FP8_AMAX_REDUCE=0 turns the reduction off: tests only (they show the windows part) */
+    const char *amax_env = getenv("MOE_FP8_AMAX_REDUCE");
+    t->amax_reduce = !(amax_env && strcmp(amax_env, "0") == 0);
     t->ep.be = be;
     if (s == MOE_OK && world)
         s = make_groups(t, err);
@@ -497,6 +496,26 @@ static void prepare_update(moe_trainer *t, moe_step_stats *st) {
     moe_adamw_next_hyper(&t->opt, st->lr, c->adam_beta1, c->adam_beta2, t->hyper_host);
 }
 
+/* Chapter 05's delayed scaling on several ranks (TransformerEngine's amax reduction): after
+ * each micro-batch, every site's window becomes its max over the ranks that hold the same
+ * tensor (moe_lowp_reduce_amax(): DP x CP for the dense sites, EDP for the experts', and the
+ * grouped experts' rows over EP x EDP), before the next micro-batch casts with it. Per
+ * micro-batch and not per step, as TransformerEngine reduces at each forward's end: the next
+ * micro-batch's scales come from the windows, and they must be the replicas' common ones.
+ * (The weights record after the update, on replicas with equal weights: equal amaxes.) */
+static void reduce_amax(moe_trainer *t) {
+    const moe_model *m = t->model;
+    if (!t->world || !t->amax_reduce || !m->lowp || !m->lowp->history)
+        return;
+    moe_comm *dense = moe_parallel_group(&t->par, MOE_GROUP_DP_CP);
+    moe_comm *experts = dense, *rows = NULL;
+    if (t->cfg.expert_model_parallel_size > 1)
+        experts = moe_parallel_group(&t->par, MOE_GROUP_EDP);
+    if (moe_expert_impl_from_config(&t->cfg, m->be) != MOE_EXPERTS_LOOP)
+        rows = dense; /* (EP x EDP: the same ranks as DP x CP without TP) */
+    moe_lowp_reduce_amax(m->lowp, dense, experts, rows);
+}
+
 /* The step start: every scalar of the step, the flags included, to zero (one memset). */
 static void enqueue_gradients(moe_trainer *t, moe_step_stats *st) {
     const moe_config *c = &t->cfg;
@@ -518,6 +537,7 @@ static void enqueue_gradients(moe_trainer *t, moe_step_stats *st) {
         be->loss_accumulate(S->step, S->mb, B * T, (double)accum);
         st->dropped += m->last.dropped;
         moe_model_backward(m, 1.0 / accum);
+        reduce_amax(t);
     }
     be->copy(&S->local_loss, &S->step[0], sizeof(double));
     /* every rank of a TP group has the same losses and counts, a CP rank its tokens' part:

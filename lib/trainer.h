@@ -54,6 +54,8 @@ typedef struct moe_trainer {
     int load_interval;     /**< read the expert loads every this many steps (--log-interval) */
     int loads_read;        /**< the loads were read at least once by this trainer */
     int reruns;            /**< steps run again after a MoE buffer overflow (chapter 06) */
+    int amax_reduce;       /**< chapter 05, delayed scaling on several ranks: reduce the amax
+                                windows over the replicas (1; MOE_FP8_AMAX_REDUCE=0: tests) */
     moe_trainer_hook step_hook; /**< tests only: see ::moe_trainer_hook (NULL: none) */
     /** grows the MoE budget after an overflow: moe_model_grow_moe_budget() (tests may put a
      *  stand-in here to drive the re-run loop) */

@@ -71,6 +71,7 @@ int main(int argc, char **argv) {
     srunner_add_suite(sr, suite_mpi_ep());
     srunner_add_suite(sr, suite_mpi_tp());
     srunner_add_suite(sr, suite_mpi_dp());
+    srunner_add_suite(sr, suite_mpi_delayed());
     srunner_add_suite(sr, suite_mpi_etp());
     srunner_add_suite(sr, suite_mpi_fold8());
     srunner_add_suite(sr, suite_mpi_cp());

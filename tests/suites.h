@@ -79,6 +79,7 @@ Suite *suite_mpi_ep(void);        /* tests/mpi_ep.c: EP = any divisor of the ran
                                      single-process loss and gradients */
 Suite *suite_mpi_checkpoint(void); /* tests/mpi_checkpoint.c: exact resume at EP = ranks, a
                                       checkpoint loaded into another folding, a missing file */
+Suite *suite_mpi_delayed(void);   /* tests/mpi_delayed.c: delayed scaling on DP/EP ranks == one process (ch05) */
 Suite *suite_mpi_dp(void);        /* tests/mpi_dp.c: the clipped global gradient norm of every
                                      folding is one process's; the distributed optimizer */
 Suite *suite_mpi_etp(void);       /* tests/mpi_etp.c: ETP 2 (x EP 2, x TP 2 + SP) gives the
