@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
         for (int i = 0; i < BN / 2; i++)
             d[i] = 0.0f;
-        if (PIPE) { /* ------------------------------------ two accumulator sets */
+        if constexpr (PIPE) { /* -------------------------------- two accumulator sets */
             /* the parity of a k-block must be known at compile time (registers cannot be
              * indexed), hence the loop by twos */
             /* the scales as 32-bit indices from k-block 0 (the host checks that they fit):
