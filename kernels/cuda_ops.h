@@ -344,6 +344,15 @@ moe_status moe_cuda_fp8_grouped_wgrad(void *dw, moe_dw_mode mode, const uint8_t 
                                       const float *sa, const uint8_t *qb, const float *sb,
                                       const int *dev_off, int G, size_t kpad, int M, int N,
                                       moe_error *err);
+/* the wgrad kernel's two consumer loops (process-wide, not thread-safe): 1 = two accumulator
+ * sets, k-block j + 1's MMAs run while j's partial is promoted (scaled into the fp32 sums);
+ * 0 = the first loop, each k-block's MMAs waited for before its promotion (the tensor cores
+ * idle meanwhile). Same numbers either way (the same promotion order). Set by
+ * moe_cuda_fp8_wgrad_set_pipe (tests, the chapter 05 benchmark), else MOE_FP8_WGRAD_PIPE=0|1,
+ * else the default */
+#define MOE_FP8_WGRAD_PIPE_DEFAULT 1
+void moe_cuda_fp8_wgrad_set_pipe(int on);
+int moe_cuda_fp8_wgrad_pipe(void);
 /* 1 when this GPU runs the recipe's GEMM natively in cuBLASLt, 0 when emulated (dequantize →
  * bf16 GEMM): tensorwise always native; blockwise native on compute capability 9.x; MXFP8 and
  * NVFP4 native on 10.x unless MOE_FP8_GEMM_EMULATE=1 */

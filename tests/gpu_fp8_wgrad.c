@@ -6,8 +6,12 @@
  *    emulation's QDQ (moe_cuda_qdq_group_t_act vs moe_cpu_qdq_group_t rounded to bf16);
  *  - the grouped wgrad GEMM (moe_cuda_fp8_grouped_wgrad vs moe_cpu_fp8_grouped_wgrad) in its
  *    three modes: fp32 added onto random values (an empty group's block must keep them),
- *    fp32 stored and bf16 stored over NaN poison (an empty group's block must be zeros).
- * Ragged groups: 0, 1, 127, 128, 129, 255 rows; 40 groups of 0 to 189 rows.
+ *    fp32 stored and bf16 stored over NaN poison (an empty group's block must be zeros);
+ *    each with both consumer loops (moe_cuda_fp8_wgrad_set_pipe: pipelined, then the first
+ *    one), and both issue orders of the warpgroups. The two loops promote the same k-blocks
+ *    in the same order, so their outputs must also be equal bit for bit.
+ * Ragged groups: 0, 1, 127, 128, 129, 255 rows; 40 groups of 0 to 189 rows; for the GEMM
+ * also 700, 0, 385, 257, 1 rows (6, 0, 4, 3, 1 k-blocks).
  *
  * The GEMM's bound: the CPU sums each block's code products exactly; Hopper's FP8 tensor
  * cores accumulate a 128-deep block with about 14 significant bits (DeepSeek-V3), then both
@@ -15,7 +19,8 @@
  * (4x the 14 bits' worth, for safety), with the Σ|.| computed on the CPU per element; a wrong
  * index, scale or layout is O(1) of the values, and the sum of a few hundred random-sign
  * products is about Σ|.|/√n, still ~2⁻⁵ of it. "worst error" prints the largest error as a
- * fraction of that bound (a healthy kernel: well below 1). The first violation is printed with its (group, row, column) and both values.
+ * fraction of that bound (a healthy kernel: well below 1). The first violation is printed
+ * with its (group, row, column) and both values.
  */
 #include <math.h>
 #include <stdio.h>
@@ -166,7 +171,12 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
     void *dw = moe_cuda_alloc(sizeof(float) * nw + 16);
     int ok = 1;
     static const char *const names[] = {"fp32 added", "fp32 stored", "bf16 stored"};
-    for (int mode = 0; mode < 3; mode++) {
+    float *piped = malloc(sizeof(float) * (nw + 1)); /* the pipelined loop's output */
+    for (int run = 0; run < 6; run++) {
+        /* each mode with the pipelined loop, then the first loop; the second must also equal
+         * the first bit for bit (the same promotions in the same order) */
+        const int mode = run / 2, pipe = !(run & 1);
+        moe_cuda_fp8_wgrad_set_pipe(pipe);
         const moe_dw_mode md = mode == 0 ? MOE_DW_ACCUMULATE : mode == 1 ? MOE_DW_STORE : MOE_DW_ACT;
         /* the starting contents: random values to add to, or NaN poison */
         for (size_t i = 0; i < nw; i++)
@@ -193,6 +203,20 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
         } else {
             moe_cuda_to_host(got, dw, sizeof(float) * nw);
         }
+        if (pipe) {
+            memcpy(piped, got, sizeof(float) * nw);
+        } else {
+            size_t nd = 0, fd = 0;
+            for (size_t i = 0; i < nw; i++)
+                if (memcmp(&got[i], &piped[i], 4) && !nd++)
+                    fd = i;
+            if (nd) {
+                printf("  FP8 wgrad %s: the two loops differ in %zu of %zu elements, the first "
+                       "at %zu: pipelined %.9g, first loop %.9g\n",
+                       names[mode], nd, nw, fd, piped[fd], got[fd]);
+                ok = 0;
+            }
+        }
         double worst = 0;
         size_t bad = 0, first = 0;
         for (size_t i = 0; i < nw; i++) {
@@ -213,15 +237,19 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
         }
         if (bad) {
             const size_t g = first / ((size_t)O * I), o = first / I % O, i = first % I;
-            printf("  FP8 wgrad %s: %zu of %zu outside the bound; first at group %zu row %zu "
-                   "col %zu: GPU %.9g, CPU %.9g, bound %.3g\n",
-                   names[mode], bad, nw, g, o, i, got[first], want[first],
+            printf("  FP8 wgrad %s (%s loop): %zu of %zu outside the bound; first at group %zu "
+                   "row %zu col %zu: GPU %.9g, CPU %.9g, bound %.3g\n",
+                   names[mode], pipe ? "pipelined" : "first", bad, nw, g, o, i, got[first],
+                   want[first],
                    ldexp(mag[first], -10) + 1e-6 * fabs(want[first]));
             ok = 0;
         }
-        printf("  FP8 wgrad G=%d rows=%d O=%d I=%d %s: worst error %.3f of the bound%s\n", G,
-               rows, O, I, names[mode], worst, bad ? " FAIL" : "");
+        printf("  FP8 wgrad G=%d rows=%d O=%d I=%d %s, %s loop: worst error %.3f of the "
+               "bound%s\n",
+               G, rows, O, I, names[mode], pipe ? "pipelined" : "first", worst,
+               bad ? " FAIL" : "");
     }
+    free(piped);
     free(dy), free(x), free(qa), free(qb), free(sa), free(sb), free(aa), free(ab), free(mag);
     free(init), free(want), free(got), free(got16);
     moe_cuda_free(dqa), moe_cuda_free(dqb), moe_cuda_free(dsa);
@@ -231,6 +259,9 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
 
 static const int g_s0[] = {0, 1, 127, 128, 129, 0, 255, 64}; /* around 128, empty, one row */
 static const int g_s1[] = {0, 0, 1};                         /* one row in all */
+/* long groups: 6, 0, 4, 3 and 1 k-blocks, so the pipelined loop goes round more than once
+ * (it takes k-blocks by twos) and ends on both parities */
+static const int g_s3[] = {700, 0, 385, 257, 1};
 
 START_TEST(test_gpu_fp8_wgrad_quant) {
     if (!hopper("token-wise FP8"))
@@ -251,7 +282,7 @@ START_TEST(test_gpu_fp8_wgrad_gemm) {
     int s2[40];
     for (int e = 0; e < 40; e++)
         s2[e] = e % 7 == 3 ? 0 : (e * 53) % 190;
-    const int ordered = moe_cuda_fp8_grouped_ordered();
+    const int ordered = moe_cuda_fp8_grouped_ordered(), pipe = moe_cuda_fp8_wgrad_pipe();
     int ok = 1;
     for (int o = 0; o < 2; o++) { /* both issue orders of the consumer warpgroups */
         moe_cuda_fp8_grouped_set_ordered(o);
@@ -259,8 +290,10 @@ START_TEST(test_gpu_fp8_wgrad_gemm) {
         ok &= check_gemm(g_s0, 8, 256, 384, 101);
         ok &= check_gemm(g_s1, 3, 128, 128, 102);
         ok &= check_gemm(s2, 40, 256, 128, 103);
+        ok &= check_gemm(g_s3, 5, 128, 256, 104);
     }
     moe_cuda_fp8_grouped_set_ordered(ordered);
+    moe_cuda_fp8_wgrad_set_pipe(pipe);
     ck_assert_msg(ok, "the FP8 wgrad differs from the CPU twin beyond the FP8 bound");
 }
 END_TEST

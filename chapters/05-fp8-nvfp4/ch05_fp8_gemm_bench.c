@@ -36,9 +36,14 @@
  * and the same shape's weight gradient dW_g[N, K] = dY_gᵀ·X_g (dY: the forward's output,
  * as bf16 values; the ratio column of these rows is against the bf16 wgrad):
  *   bf16 wgrad grouped (ours)  chapter 03's kernel, fp32 dW stored (MOE_DW_STORE)
- *   FP8 wgrad grouped (ours)   kernels/grouped_gemm_fp8_wgrad_sm90.cu on the token-wise
- *                              FP8 copies of dY and X (lib/fp8_wgrad.h), fp32 dW stored
- *   + token-wise quantize      the same plus the two quantize+transpose passes from bf16
+ *   FP8 wgrad grouped,         kernels/grouped_gemm_fp8_wgrad_sm90.cu on the token-wise
+ *     pipelined (ours)         FP8 copies of dY and X (lib/fp8_wgrad.h), fp32 dW stored;
+ *                              its consumer loop with two accumulator sets (MMAs of k-block
+ *                              j + 1 run while j is promoted; MOE_FP8_WGRAD_PIPE=1)
+ *   first loop (variant)       the same kernel with its first loop (each k-block waited for
+ *                              before its promotion; MOE_FP8_WGRAD_PIPE=0): both timed in
+ *                              every run, whatever the variable says
+ *   + token-wise quantize      the default loop plus the two quantize+transpose passes
  *   (no sampled check on these rows: tests/gpu_fp8_wgrad.c holds the kernel to its twin)
  *
  * Timing: CUDA events around `inner` back-to-back calls (inner chosen so one sample lasts
@@ -531,9 +536,18 @@ static void bench_wgrad(const shape *s, int G, int rows, int N, int K, const voi
     c.quant = 1;
     run_wgrad_fp8(&c); /* the copies made once */
     c.quant = 0;
-    report(s, "FP8 wgrad grouped (ours, fp32 dW)", time_ms(run_wgrad_fp8, &c), -1);
+    /* both consumer loops of the kernel (the test checks they agree bit for bit): the
+     * pipelined one (two accumulator sets, the default) and the first one */
+    const int pipe = moe_cuda_fp8_wgrad_pipe();
+    moe_cuda_fp8_wgrad_set_pipe(1);
+    report(s, "FP8 wgrad grouped, pipelined (ours, fp32 dW)", time_ms(run_wgrad_fp8, &c), -1);
+    moe_cuda_fp8_wgrad_set_pipe(0);
+    report(s, "FP8 wgrad grouped, first loop (variant)", time_ms(run_wgrad_fp8, &c), -1);
+    moe_cuda_fp8_wgrad_set_pipe(pipe);
     c.quant = 1;
-    report(s, "FP8 wgrad + token-wise quantize", time_ms(run_wgrad_fp8, &c), -1);
+    report(s, pipe ? "FP8 wgrad pipelined + token-wise quantize"
+                   : "FP8 wgrad first loop + token-wise quantize",
+           time_ms(run_wgrad_fp8, &c), -1);
     g_bf16_ms = saved;
     moe_cuda_free(c.dw), moe_cuda_free(c.qa), moe_cuda_free(c.qb), moe_cuda_free(c.sa);
     moe_cuda_free(c.sb);
