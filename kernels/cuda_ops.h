@@ -105,13 +105,14 @@ void moe_cuda_grouped_sm90_forward_scatter(void *out, const void *in, const int 
 int moe_cuda_grouped_sm90_wgrad_split(int G, int rows, int I, int O);
 /* the forward/dgrad tile schedule of the kernel above (process-wide, not thread-safe):
  * how a group's last <= 64 rows are computed — in a 128 x 256 tile, in a 64 x 256 tile
- * (tail64), or together with the 128 rows before them in 192 x 128 tiles that share the
- * weight block (share192) — and whether the CTAs claim tiles in order from a device
+ * (tail64), together with the 128 rows before them in 192 x 128 tiles that share the
+ * weight block (share192), or transposed, out^T = W x^T with the rows as wgmma's N of 16,
+ * 32 or 64 (swaptail) — and whether the CTAs claim tiles in order from a device
  * counter (dynamic) instead of CTA b taking tiles b, b + grid, ... (static). Chosen by
  * moe_cuda_grouped_sm90_set_schedule (tests, the chapter 03 benchmark), else by the
  * environment, MOE_GROUPED_SCHEDULE=static|static-tail64|dynamic|dynamic-tail64|
- * static-share192|dynamic-share192 (the names of moe_cuda_grouped_sm90_schedule_name),
- * else the default */
+ * static-share192|dynamic-share192|static-swaptail|dynamic-swaptail (the names of
+ * moe_cuda_grouped_sm90_schedule_name), else the default */
 typedef enum moe_grouped_schedule {
     MOE_GROUPED_SCHED_STATIC = 0,         /* 128-row tiles, CTA b takes b, b + grid, ... */
     MOE_GROUPED_SCHED_STATIC_TAIL64 = 1,  /* ... with 64-row tiles for short last tiles */
@@ -120,6 +121,10 @@ typedef enum moe_grouped_schedule {
     MOE_GROUPED_SCHED_STATIC_SHARE192 = 4,  /* 128-row tiles, but a group's last 128 + (1..64)
                                                rows in 192 x 128 tiles (tail-sharing) */
     MOE_GROUPED_SCHED_DYNAMIC_SHARE192 = 5, /* ... claimed in order */
+    MOE_GROUPED_SCHED_STATIC_SWAPTAIL = 6,  /* 128-row tiles, but a group's last 1..64 rows
+                                               computed transposed (swapped operands) */
+    MOE_GROUPED_SCHED_DYNAMIC_SWAPTAIL = 7, /* ... claimed in order */
+    MOE_GROUPED_SCHED_COUNT = 8             /* (how many there are) */
 } moe_grouped_schedule;
 #define MOE_GROUPED_SCHED_DEFAULT MOE_GROUPED_SCHED_STATIC
 void moe_cuda_grouped_sm90_set_schedule(moe_grouped_schedule s);

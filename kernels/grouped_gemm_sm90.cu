@@ -71,6 +71,22 @@
  * other schedules' kernels compile exactly as without them (with both in one function,
  * ptxas serialised the forward's wgmma for want of registers).
  *
+ * The swaptail schedules (written, not yet measured or run on a GPU; off by default)
+ * compute a group's last t = 1 .. 64 rows TRANSPOSED, outᵀ = W · Xᵀ: both the 64-row and the
+ * sharing tile still pay for rows in multiples of 64 because wgmma's M is 64, but its N
+ * runs from 8 to 256 in steps of 8. So the weight block becomes wgmma's A (warpgroup c
+ * takes features 128c .. 128c + 127 as two A blocks of 64: the very 8 KB pieces the plain
+ * tile reads as B, K-major for forward, MN-major boxes for dgrad, so the same TMA loads
+ * serve) and the tail's token rows, A's first 64-row box, become wgmma's B (K-major for
+ * both forward and dgrad) with N = 16, 32 or 64, t rounded up (moe_tile_swap_rule: chosen
+ * per tile on the device from the offsets). A 1-row tail then costs 16 columns of MMA per
+ * 64 features instead of 64 or 128 rows. The tile keeps its slot in the schedule and its
+ * loads (the producer already skips A's empty second box), so only the consumers change:
+ * their own 2 × N/2 accumulators (in d[], at any offsets, ptxas serialised the wgmma of
+ * the whole kernel) and a transposed epilogue (sm90_epilogue.cuh, epilogue_transposed:
+ * through shared memory, then 16-byte row stores masked to the t rows). Their own
+ * instantiation (SWAP), forward and dgrad, not with the gather or the scatter.
+ *
  * Epilogue: each consumer warpgroup writes its 64 × 256 block from registers into its
  * own 16 KB shared-memory staging buffer, a piece at a time (in the swizzled layout of a
  * TMA box), and one thread hands each piece to TMA: a store for forward (and for dgrad
@@ -197,7 +213,8 @@ struct Params {
     int split;      /* wgrad: chunks each group's rows are cut into (1 = none, 0 = unset) */
     int fine;       /* forward/dgrad, how a group's last <= 64 rows are computed (see
                        Scheduler): 0 = in a 128-row tile; 1 = in a 64 × 256 tile (tail64);
-                       2 = with the 128 rows before them, in 192 × 128 tiles (share192) */
+                       2 = with the 128 rows before them, in 192 × 128 tiles (share192);
+                       3 = transposed, the rows as wgmma's N (swaptail) */
     int dyn;        /* 1: CTAs claim their tiles in index order from g_claims (forward and
                        dgrad, see the kernel's tile ring); 0: CTA b takes b, b + grid, ... */
     /* the fused permutation (GATHER kernels only): the GEMM's input row r is token row
@@ -220,6 +237,9 @@ struct Tile {
                       (each 64 rows × 128 columns) instead of one above the other */
     int share;     /* forward/dgrad: a tail-sharing tile of 192 rows × SBN columns
                       (rows m0 .. r1 - 1, 129 to 192 of them; see Scheduler) */
+    int swap;      /* forward/dgrad: a swapped tail tile, rows m0 .. r1 - 1 (1 to 64 of
+                      them) computed transposed with this many token columns (16, 32 or
+                      64); 0: not one (see Scheduler) */
 };
 
 /* ---------------------------------------------------------------- PTX helpers
@@ -239,6 +259,22 @@ __device__ __forceinline__ void mma_kstep(float *d, const uint8_t *a, const uint
         moe_wgmma<NW, TA, TB>::mma(d, da, db, 1);
     }
 }
+
+/* One k-step of a swapped tail tile (swaptail): D[64 features][NT tokens] += W · Xᵀ, the
+ * transposed product. wgmma's A is the 64 weight rows at w — the block the plain tile
+ * reads as its B, so it keeps B's major TB (forward: K-major rows of w_g; dgrad: one
+ * MN-major [64 k][64 features] box of w_g) — and its B is the first NT token rows of the A
+ * block at x (K-major, 8-row groups 1024 bytes apart, so any N that is a multiple of 8
+ * reads them the way the plain B reads its 256 rows). */
+template <int NT, int TB>
+__device__ __forceinline__ void mma_kstep_swap(float *d, const uint8_t *w, const uint8_t *x) {
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; kk++) {
+        const uint64_t dw = TB ? desc(w + kk * 2048, 8192, 1024) : desc(w + kk * 32, 16, 1024);
+        const uint64_t dx = desc(x + kk * 32, 16, 1024);
+        moe_wgmma<NT, TB, 0>::mma(d, dw, dx, 1);
+    }
+}
 #endif
 
 /* ---------------------------------------------------------------- the scheduler */
@@ -246,7 +282,7 @@ __device__ __forceinline__ void mma_kstep(float *d, const uint8_t *a, const uint
 /* The tile index -> tile rule is lib/moe/tile_schedule.h, shared with the C library
  * (moe_tile_schedule_at, tested against a brute-force enumeration) and the chapter's
  * kernel ladder; this adds the wgrad raster and each tile's k-loop length. */
-template <int MODE, int SHARE, int WN> struct Scheduler {
+template <int MODE, int SHARE, int WN, int SWAP> struct Scheduler {
     static constexpr int BAND = 8; /* m-tiles per raster band (L2 reuse, see tile_schedule.h) */
     const int *off, *mt; /* shared: offsets [G+1], m-tile prefix [G+1] */
     int G, N, ntn, mtn, total, K, fine;
@@ -271,6 +307,7 @@ template <int MODE, int SHARE, int WN> struct Scheduler {
             ti.gc = s * G + ti.g;
             ti.half = 0;
             ti.share = 0;
+            ti.swap = 0;
             return true;
         }
         moe_tile x;
@@ -290,6 +327,10 @@ template <int MODE, int SHARE, int WN> struct Scheduler {
          * holds at most 64 of its rows is a 64 × 256 tile (half the MMA work and 40 of the
          * 48 KB per k-step), so rows are computed in multiples of 64, not of 128 */
         ti.half = moe_tile_rows_rule(&x, BM, fine == 1) == BM / 2;
+        /* swaptail (the SWAP kernels): a tile holding a group's last 1 .. 64 rows is
+         * computed transposed, the rows as wgmma's N (16, 32 or 64 of them), so a 1-row
+         * tail costs 16 columns of MMA instead of 64 or 128 rows; same slot, same loads */
+        ti.swap = SWAP && fine == 3 ? moe_tile_swap_rule(&x, BM) : 0;
         return true;
     }
 };
@@ -365,7 +406,7 @@ __device__ int g_claims[2];
  * forward only (bf16, no sharing tiles): every output row goes to row p.smap[row] of C
  * (epilogue_scatter). map_bs: the forward's weights in boxes of SBN = 128 rows (a sharing
  * tile's; map_b's box is 256). */
-template <int MODE, int C32, int GATHER, int SHARE, int WN, int SCATTER>
+template <int MODE, int C32, int GATHER, int SHARE, int WN, int SCATTER, int SWAP>
 __global__ void __launch_bounds__(THREADS, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
@@ -378,6 +419,8 @@ __global__ void __launch_bounds__(THREADS, 1)
      * a narrow tile's B fills 24 of its 32 KB. */
     static_assert(WN == BN || (WN == NARROW_BN && !SHARE && !GATHER), "tile width");
     static_assert(!SCATTER || (MODE == FWD && !C32 && !SHARE), "the scatter epilogue");
+    static_assert(!SWAP || (MODE != WGRAD && !C32 && !GATHER && !SHARE && WN == BN && !SCATTER),
+                  "swapped tail tiles: forward and dgrad, bf16, plain 256-column kernels");
     constexpr int WB_BYTES = WN * BK * 2, WSTAGE_TX = A_BYTES + WB_BYTES;
     constexpr int RING = 4; /* tile indices the producer may publish ahead of the consumers */
 
@@ -411,7 +454,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         moe_tile_prefix_rule(s_mt, s_off, p.G, BM);
     __syncthreads();
 
-    Scheduler<MODE, SHARE, WN> sch;
+    Scheduler<MODE, SHARE, WN, SWAP> sch;
     sch.off = s_off;
     sch.mt = s_mt;
     sch.G = p.G;
@@ -572,9 +615,6 @@ __global__ void __launch_bounds__(THREADS, 1)
             continue; /* wgrad of an empty group (or chunk) adds nothing; a STORE writes 0 */
         const int half = MODE != WGRAD && ti.half;   /* a 64 × 256 tile (see Scheduler) */
         const int share = SHARE && ti.share; /* a 192-row sharing tile (see Scheduler) */
-#pragma unroll
-        for (int i = 0; i < ND; i++)
-            d[i] = 0.0f;
         /* A sharing tile: warpgroup c computes rows 64c .. 64c + 63 (full rows of the group)
          * × all SBN columns, and the tail rows 128 .. (1 to 64 of them, A's third box) ×
          * columns c·SBN/2 .. — 8 KB into B either way (forward: K-major B, its row 64c;
@@ -583,8 +623,9 @@ __global__ void __launch_bounds__(THREADS, 1)
         /* the main loop, one instantiation per warpgroup width (256, 128, or SBN + a tail
          * of SBN / 2), so that no wgmma pipeline spans a branch (ptxas would serialise the
          * MMAs) */
-        auto mainloop = [&](auto nw, auto tw) {
+        auto mainloop = [&](float *acc, float *acc2, auto nw, auto tw, auto sw) {
             constexpr int NW = decltype(nw)::value, TW = decltype(tw)::value;
+            constexpr int SW = decltype(sw)::value; /* a swapped tile's token columns */
             for (int kt = 0; kt < ti.nk; kt++, it++) {
                 const int s = it % STAGES, phase = (it / STAGES) & 1;
                 mbar_wait(&full[s], phase);
@@ -606,12 +647,20 @@ __global__ void __launch_bounds__(THREADS, 1)
                     }
                 }
                 wgmma_fence();
-                if constexpr (TW == 0) {
-                    mma_kstep<NW, TA, TB>(d, a, b);
+                if constexpr (SW > 0) {
+                    /* swapped tail tile: warpgroup c takes the weight block's features
+                     * 128c .. 128c + 127 as two wgmma A blocks of 64 (8 KB each: K-major
+                     * rows, or MN-major boxes 2c, 2c + 1) times the tail's SW token rows
+                     * (A's first box) as wgmma's B: into acc and acc2, SW / 2 each */
+                    uint8_t *st = smem + s * STAGE_BYTES, *wb = st + A_BYTES + c * 16384;
+                    mma_kstep_swap<SW, TB>(acc, wb, st);
+                    mma_kstep_swap<SW, TB>(acc2, wb + 8192, st);
+                } else if constexpr (TW == 0) {
+                    mma_kstep<NW, TA, TB>(acc, a, b);
                 } else { /* sharing tile: A = 3 row boxes (24 KB), then B (SBN columns) */
                     uint8_t *st = smem + s * STAGE_BYTES, *bs = st + 3 * (A_BYTES / 2);
-                    mma_kstep<NW, TA, TB>(d, st + c * (A_BYTES / 2), bs);
-                    mma_kstep<TW, TA, TB>(d + NW / 2, st + A_BYTES, bs + tail_b);
+                    mma_kstep<NW, TA, TB>(acc, st + c * (A_BYTES / 2), bs);
+                    mma_kstep<TW, TA, TB>(acc + NW / 2, st + A_BYTES, bs + tail_b);
                 }
                 wgmma_commit();
                 /* the previous k-step's MMAs are done once at most this one is pending */
@@ -624,17 +673,52 @@ __global__ void __launch_bounds__(THREADS, 1)
                 mbar_arrive(&empty[(it - 1) % STAGES]);
         };
         using Z = std::integral_constant<int, 0>;
+        using Full = std::integral_constant<int, BN>;
+        if constexpr (SWAP) {
+            /* a swapped tail tile: its own accumulators, 2 × SW / 2 a thread, and d[] is not
+             * live here. (With the two halves inside d[] — any offsets — ptxas serialised
+             * the wgmma of the whole kernel for want of registers: C7511.) Then the
+             * transposed epilogue writes features 128c .. of rows m0 .. r1 − 1. */
+            auto swapped = [&](auto sw) {
+                constexpr int SW = decltype(sw)::value;
+                float e0[SW / 2], e1[SW / 2];
+#pragma unroll
+                for (int i = 0; i < SW / 2; i++)
+                    e0[i] = e1[i] = 0.0f;
+                mainloop(e0, e1, Full(), Z(), sw);
+#pragma unroll
+                for (int i = 0; i < SW / 2; i++) {
+                    reg_fence(e0[i]);
+                    reg_fence(e1[i]);
+                }
+                epilogue_transposed<SW, C_BYTES>(e0, e1, cs, c, tid, (moe_bf16 *)p.C, p.N, ti.m0,
+                                                 ti.n0 + c * (BN / 2), ti.r1, p.accumulate);
+            };
+            if (ti.swap) {
+                if (ti.swap == 16)
+                    swapped(std::integral_constant<int, 16>());
+                else if (ti.swap == 32)
+                    swapped(std::integral_constant<int, 32>());
+                else
+                    swapped(std::integral_constant<int, 64>());
+                continue;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < ND; i++)
+            d[i] = 0.0f;
         if constexpr (MODE == WGRAD || WN != BN) {
-            mainloop(std::integral_constant<int, WN>(), Z());
+            mainloop(d, d, std::integral_constant<int, WN>(), Z(), Z());
         } else if constexpr (SHARE) {
             if (share) /* d[0 .. SBN/2): 64 rows × SBN; then the tail's 64 × SBN / 2 */
-                mainloop(std::integral_constant<int, SBN>(), std::integral_constant<int, SBN / 2>());
+                mainloop(d, d, std::integral_constant<int, SBN>(),
+                         std::integral_constant<int, SBN / 2>(), Z());
             else
-                mainloop(std::integral_constant<int, BN>(), Z());
+                mainloop(d, d, Full(), Z(), Z());
         } else if (half) { /* accumulators d[0..63]: 64 rows × 128 columns */
-            mainloop(std::integral_constant<int, BN / 2>(), Z());
+            mainloop(d, d, std::integral_constant<int, BN / 2>(), Z(), Z());
         } else {
-            mainloop(std::integral_constant<int, BN>(), Z());
+            mainloop(d, d, Full(), Z(), Z());
         }
 #pragma unroll
         for (int i = 0; i < ND; i++)
@@ -694,13 +778,13 @@ __global__ void __launch_bounds__(THREADS, 1)
 
 /* ---------------------------------------------------------------- host side */
 
-template <int MODE, int C32, int GATHER, int SHARE, int WN = BN, int SCATTER = 0>
+template <int MODE, int C32, int GATHER, int SHARE, int WN = BN, int SCATTER = 0, int SWAP = 0>
 void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mbs,
                    const CUtensorMap &mc, const Params &p, int max_tiles) {
     static bool configured = false;
     if (!configured) {
         MOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<MODE, C32, GATHER, SHARE, WN,
-                                                                SCATTER>,
+                                                                SCATTER, SWAP>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             SMEM_BYTES));
         configured = true;
@@ -708,7 +792,7 @@ void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorM
     const int grid = max_tiles < moe_sm90_num_sms() ? max_tiles : moe_sm90_num_sms();
     if (grid <= 0)
         return;
-    grouped_gemm_kernel<MODE, C32, GATHER, SHARE, WN, SCATTER>
+    grouped_gemm_kernel<MODE, C32, GATHER, SHARE, WN, SCATTER, SWAP>
         <<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mbs, mc, p);
     MOE_CUDA_LAUNCH_CHECK();
 }
@@ -734,6 +818,8 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mbs
         launch_kernel<MODE, C32, 0, 0, NARROW_BN>(ma, mb, mbs, mc, p, max_tiles);
     } else if (CAN_SHARE && p.fine == 2 && !p.gmap) {
         launch_kernel<MODE, C32, 0, CAN_SHARE>(ma, mb, mbs, mc, p, max_tiles);
+    } else if (CAN_SHARE && p.fine == 3 && !p.gmap) { /* swapped tail tiles (swaptail) */
+        launch_kernel<MODE, C32, 0, 0, BN, 0, CAN_SHARE>(ma, mb, mbs, mc, p, max_tiles);
     } else if (MODE != DGRAD && p.gmap) {
         launch_kernel<MODE, C32, MODE != DGRAD, 0>(ma, mb, mbs, mc, p, max_tiles);
     } else {
@@ -788,20 +874,26 @@ __global__ void scatter_rows_kernel(moe_bf16 *out, const moe_bf16 *src, const in
  * order fixes that, but the 64-row tiles still do not pay (0.90x at 130 rows on an H100),
  * and dynamic alone is 2-4% faster up to 128 rows per expert, 3-8% slower above. The
  * share192 schedules (192-row tiles sharing the weight block with the tail rows): see
- * docs/results/03-grouped-gemm-ii.md §3c. Tests run every schedule, the benchmark
- * (--shape fine) times them side by side. */
+ * docs/results/03-grouped-gemm-ii.md §3c. The swaptail schedules (the tail rows computed
+ * transposed, their rows as wgmma's N): written, not yet measured. Tests run every
+ * schedule, the benchmark (--shape fine) times them side by side. */
 int g_schedule = -1;
 
-constexpr int N_SCHEDULES = 6;
-const char *const SCHEDULE_NAMES[N_SCHEDULES] = {"static",         "static-tail64",
-                                                 "dynamic",        "dynamic-tail64",
-                                                 "static-share192", "dynamic-share192"};
+constexpr int N_SCHEDULES = MOE_GROUPED_SCHED_COUNT;
+const char *const SCHEDULE_NAMES[N_SCHEDULES] = {"static",          "static-tail64",
+                                                 "dynamic",         "dynamic-tail64",
+                                                 "static-share192", "dynamic-share192",
+                                                 "static-swaptail", "dynamic-swaptail"};
 
 /* Params::fine and Params::dyn of schedule s (the order of moe_grouped_schedule) */
-int sched_fine(int s) { return s >= MOE_GROUPED_SCHED_STATIC_SHARE192 ? 2 : s & 1; }
+int sched_fine(int s) {
+    return s >= MOE_GROUPED_SCHED_STATIC_SWAPTAIL  ? 3
+           : s >= MOE_GROUPED_SCHED_STATIC_SHARE192 ? 2
+                                                    : s & 1;
+}
 int sched_dyn(int s) {
     return s == MOE_GROUPED_SCHED_DYNAMIC || s == MOE_GROUPED_SCHED_DYNAMIC_TAIL64 ||
-           s == MOE_GROUPED_SCHED_DYNAMIC_SHARE192;
+           s == MOE_GROUPED_SCHED_DYNAMIC_SHARE192 || s == MOE_GROUPED_SCHED_DYNAMIC_SWAPTAIL;
 }
 
 int schedule(void) {
@@ -816,8 +908,9 @@ int schedule(void) {
             if (found < 0) {
                 fprintf(stderr, "moe.c: MOE_GROUPED_SCHEDULE=%s is not a schedule of the sm_90a "
                                 "grouped GEMM; use static, static-tail64, dynamic, "
-                                "dynamic-tail64, static-share192 or dynamic-share192 (or unset "
-                                "it for the default, %s)\n",
+                                "dynamic-tail64, static-share192, dynamic-share192, "
+                                "static-swaptail or dynamic-swaptail (or unset it for the "
+                                "default, %s)\n",
                         e, SCHEDULE_NAMES[MOE_GROUPED_SCHED_DEFAULT]);
                 exit(1);
             }

@@ -169,6 +169,80 @@ static __device__ __forceinline__ void epilogue_scatter(const float *d, uint8_t 
 }
 
 /**
+ * The transposed epilogue of a swapped tail tile (bf16; grouped_gemm_sm90.cu's swaptail
+ * schedules): warpgroup @p c holds Cᵀ for 128 output columns (features) and @p NT token rows
+ * as two wgmma m64nNT accumulators, @p d0 for features 0..63 and @p d1 for 64..127
+ * (feature = the accumulator's row, token = its column). Element (feature f, token j)
+ * belongs at C[m0 + j][n_wg + f], so each half goes through the staging buffer
+ * TRANSPOSED — written as fp32 rows [token j][64 features] of 256 bytes, the 16-byte chunk
+ * q of row j stored at chunk q ^ (j % 16) (the four tokens one store instruction writes
+ * then fall in different banks) — and is read back a row at a time: 8 threads cover one
+ * token's 64 features, each reading 8 fp32 (two chunks), adding the old value when
+ * @p accumulate (in fp32, one rounding, as epilogue_masked does), and writing 8 bf16 as one
+ * 16-byte store. Tokens at or past @p r_end (the next group's rows, or the padding up to
+ * NT) and columns at or past @p ldc are not written. ldc is a multiple of 8, so a 16-byte
+ * chunk of 8 columns is wholly in or out. No TMA: plain barriers order the staging writes
+ * and reads, and epilogue_reserve() first waits until an earlier TMA copy-out of this
+ * buffer has read it.
+ */
+template <int NT, int C_BYTES>
+static __device__ __forceinline__ void epilogue_transposed(const float *d0, const float *d1,
+                                                           uint8_t *cs, int c, int tid,
+                                                           moe_bf16 *C, int ldc, int m0,
+                                                           int n_wg, int r_end, int accumulate) {
+    static_assert(NT % 16 == 0 && NT * 64 * 4 <= C_BYTES, "a half's fp32 staging must fit");
+    const int warp = tid / 32, lane = tid % 32, oct = tid % 8;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const float *d = h ? d1 : d0;
+        epilogue_reserve(c, tid); /* the buffer is free (TMA and the last half have read it) */
+#pragma unroll
+        for (int j = 0; j < NT / 8; j++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+#pragma unroll
+                for (int x = 0; x < 2; x++) {
+                    const int f = 16 * warp + lane / 4 + 8 * e, tok = 8 * j + 2 * (lane % 4) + x;
+                    float *dst = (float *)(cs + tok * 256 + (((f / 4) ^ (tok % 16)) * 16)) + f % 4;
+                    *dst = d[4 * j + 2 * e + x];
+                }
+            }
+        }
+        wg_barrier(c);
+        const int col = n_wg + 64 * h + 8 * oct; /* this thread's 8 columns */
+        if (col < ldc) {
+#pragma unroll
+            for (int p = 0; p < NT / 16; p++) {
+                const int i = tid / 8 + 16 * p, row = m0 + i;
+                if (row >= r_end)
+                    continue;
+                const uint8_t *src = cs + i * 256;
+                const float4 lo = *(const float4 *)(src + ((2 * oct) ^ (i % 16)) * 16);
+                const float4 hi = *(const float4 *)(src + ((2 * oct + 1) ^ (i % 16)) * 16);
+                float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+                uint4 *o = (uint4 *)(C + (size_t)row * ldc + col);
+                if (accumulate) {
+                    const uint4 old = *o;
+                    const __nv_bfloat162 *ob = (const __nv_bfloat162 *)&old;
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        const float2 f2 = __bfloat1622float2(ob[q]);
+                        v[2 * q] += f2.x;
+                        v[2 * q + 1] += f2.y;
+                    }
+                }
+                uint4 out;
+                __nv_bfloat162 *pb = (__nv_bfloat162 *)&out;
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    pb[q] = __floats2bfloat162_rn(v[2 * q], v[2 * q + 1]);
+                *o = out;
+            }
+        }
+    }
+}
+
+/**
  * The same block written directly to @p C ([*, ldc], bf16 or fp32 as C32), rows from @p m_wg
  * (the block's first) up to @p r_end (exclusive: where the group ends), columns from @p n_wg,
  * at most @p ncols of them and none at or past @p ldc; @p accumulate adds to C.

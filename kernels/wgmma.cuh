@@ -24,6 +24,37 @@
 
 template <int N, int TA, int TB> struct moe_wgmma;
 
+template <int TA, int TB> struct moe_wgmma<16, TA, TB> {
+    static __device__ __forceinline__ void mma(float *d, uint64_t da, uint64_t db, int scale_d) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %12, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+            "{" 
+            "%0, %1, %2, %3, %4, %5, %6, %7"
+            "}, %8, %9, p, 1, 1, %10, %11;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+            : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(scale_d));
+#endif
+    }
+};
+
+template <int TA, int TB> struct moe_wgmma<32, TA, TB> {
+    static __device__ __forceinline__ void mma(float *d, uint64_t da, uint64_t db, int scale_d) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %20, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+            "{" 
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+            "}, %16, %17, p, 1, 1, %18, %19;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+            : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(scale_d));
+#endif
+    }
+};
+
 template <int TA, int TB> struct moe_wgmma<64, TA, TB> {
     static __device__ __forceinline__ void mma(float *d, uint64_t da, uint64_t db, int scale_d) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -4,9 +4,10 @@
  * memory), on ragged groups with empty experts, sizes that are not multiples of the tile
  * (128 rows, 128 columns, 64 k) and features that are only multiples of 8 — forward,
  * dgrad and wgrad; then the whole model with each backend against chapter 01's loop.
- * Our kernel runs under each of its six forward/dgrad tile schedules (moe_grouped_schedule:
- * 128-row tiles only, 64-row tiles for a group's last <= 64 rows, or 192-row tiles that
- * compute those rows with the 128 before them (share192), each taken statically or
+ * Our kernel runs under each of its eight forward/dgrad tile schedules (moe_grouped_schedule:
+ * 128-row tiles only, 64-row tiles for a group's last <= 64 rows, 192-row tiles that
+ * compute those rows with the 128 before them (share192), or those rows computed
+ * transposed with 16, 32 or 64 token columns (swaptail), each taken statically or
  * claimed from the device counter), on group sizes around every tile boundary, and with
  * its 192-column tiles on and off. Inputs are rounded to bf16 for both sides (write_act, then read_act back
  * for the CPU); outputs are poisoned first and the accumulating outputs start from random
@@ -48,6 +49,40 @@ static double rel_groups(const moe_real *a, const moe_real *b, const int *off, i
     return worst;
 }
 
+/* Where a tensor differs: the first element (row-major, @p cols wide) that is NaN or off by
+ * more than 2e-2·(1 + |ref|) — printed with its group, row, column and both values — and
+ * the largest absolute difference, so that a failing GPU run says where to look (a whole
+ * tile, one row, the rows past a group's end, a column block). */
+static void print_mismatch(const char *what, const moe_real *got, const moe_real *ref,
+                           const int *off, int G, size_t cols) {
+    const size_t n = (size_t)off[G] * cols;
+    size_t first = n, bad = 0;
+    double worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double diff = fabs((double)got[i] - ref[i]);
+        const int wrong = isnan(got[i]) || diff > 2e-2 * (1 + fabs((double)ref[i]));
+        if (wrong && first == n)
+            first = i;
+        bad += wrong;
+        if (isnan(got[i]))
+            worst = INFINITY;
+        else if (diff > worst)
+            worst = diff;
+    }
+    if (first == n) {
+        printf("    %s: no element off by more than 2e-2 (max |diff| %.3e)\n", what, worst);
+        return;
+    }
+    const int row = (int)(first / cols);
+    int g = 0;
+    while (g < G && off[g + 1] <= row)
+        g++;
+    printf("    %s: %zu of %zu elements wrong; first at row %d (group %d, its row %d of %d), "
+           "column %zu: got %g, want %g; max |diff| %.3e\n",
+           what, bad, n, row, g, row - off[g], off[g + 1] - off[g], first % cols,
+           (double)got[first], (double)ref[first], worst);
+}
+
 static int g_split_seen; /* some wgrad below ran split-K */
 
 enum { CUBLAS = -1 };
@@ -84,6 +119,8 @@ static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
     c->grouped_matmul_forward(co, hin, hw, off, G, I, O);
     g->read_act(go, dout, nout);
     double ef = rel_groups(go, co, off, G, O);
+    if (ef > 1e-2)
+        print_mismatch("forward", go, co, off, G, O);
     /* backward into pre-filled accumulators */
     moe_real *cdi = malloc(sizeof(moe_real) * nin), *gdi = malloc(sizeof(moe_real) * nin);
     moe_real *cdw = malloc(sizeof(moe_real) * nw), *gdw = malloc(sizeof(moe_real) * nw);
@@ -100,6 +137,8 @@ static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
     g->read_act(gdi, ddi, nin);
     g->to_host(gdw, ddw, sizeof(moe_real) * nw);
     double ed = rel_groups(gdi, cdi, off, G, I), ew = rel(gdw, cdw, nw), eo = 0, es = 0, ea = 0;
+    if (ed > 1e-2)
+        print_mismatch("dgrad (accumulating)", gdi, cdi, off, G, I);
     int split = 1;
     if (impl >= 0) { /* dgrad into a fresh (poisoned) buffer: overwritten, not added to */
         moe_test_poison(gdi, nin);
@@ -110,6 +149,8 @@ static void check_grouped(const int *sizes, int G, int I, int O, int impl) {
         c->grouped_matmul_backward(cdi, NULL, hdo, hin, hw, off, G, I, O);
         g->read_act(gdi, ddi, nin);
         eo = rel_groups(gdi, cdi, off, G, I);
+        if (eo > 1e-2)
+            print_mismatch("dgrad (overwriting)", gdi, cdi, off, G, I);
         /* wgrad into a poisoned buffer: MOE_DW_STORE (fp32) and MOE_DW_ACT (bf16) must
          * overwrite every group's block, an empty group's (zeros) included; the CPU twin
          * of both is the sum from zero */
@@ -205,7 +246,7 @@ static const int g_edges[] = {0,   1,   2,   3,   4,   5,   6,   7,   8,   63,  
 #define N_EDGES ((int)(sizeof g_edges / sizeof g_edges[0]))
 
 static void check_schedules(const int *sizes, int G, int I, int O) {
-    for (int s = MOE_GROUPED_SCHED_STATIC; s <= MOE_GROUPED_SCHED_DYNAMIC_SHARE192; s++)
+    for (int s = MOE_GROUPED_SCHED_STATIC; s < MOE_GROUPED_SCHED_COUNT; s++)
         check_grouped(sizes, G, I, O, s);
 }
 
@@ -225,6 +266,41 @@ START_TEST(test_gpu_grouped_fine_tiles) {
         many[i] = i % 32 >= 28 ? i % 2 : g_edges[i % N_EDGES] + (i / N_EDGES) % 3;
     check_schedules(many, 256, 136, 264);
     check_grouped(many, 256, 136, 264, CUBLAS);
+}
+END_TEST
+
+/* The swapped tail tiles (swaptail: a group's last 1..64 rows computed transposed, with 16,
+ * 32 or 64 token columns chosen on the device from the offsets): under both swaptail
+ * schedules, forward, dgrad accumulating and dgrad overwriting (outputs poisoned first, the
+ * first mismatch printed) against the per-expert loop, on every size around the token
+ * widths and the tile boundaries — empty groups, 1 row, 1-8 rows, 15-17, 31-33, 63-65,
+ * 127-129, 143-145, 191-193, 255-257 — as a few groups and as 256 groups starting at every
+ * residue; N = 320 (the last n-tile's second warpgroup and second half have no columns),
+ * N = 136 and 200 (not multiples of 64: 16-byte chunks past the end), N = 512 (every
+ * column block full), K ending inside a k-step. The wgrad (not affected: its tiles do not
+ * change) rides along in check_grouped. */
+static const int g_swap_edges[] = {0,  1,  2,   3,   4,   5,   6,   7,   8,   15,  16,
+                                   17, 31, 32,  33,  63,  64,  65,  127, 128, 129, 143,
+                                   144, 145, 191, 192, 193, 255, 256, 257, 0,   1};
+#define N_SWAP_EDGES ((int)(sizeof g_swap_edges / sizeof g_swap_edges[0]))
+
+START_TEST(test_gpu_grouped_swaptail) {
+    const int one[1] = {1}, two[2] = {1, 0}, few[4] = {5, 0, 257, 64};
+    int many[256];
+    for (int i = 0; i < 256; i++)
+        many[i] = i % 32 >= 28 ? i % 2 : g_swap_edges[(i * 7) % N_SWAP_EDGES] + (i / 64) % 3;
+    const int scheds[2] = {MOE_GROUPED_SCHED_STATIC_SWAPTAIL, MOE_GROUPED_SCHED_DYNAMIC_SWAPTAIL};
+    for (int k = 0; k < 2; k++) {
+        const int sc = scheds[k];
+        check_grouped(one, 1, 64, 256, sc);   /* one row: a 16-column swapped tile */
+        check_grouped(two, 2, 136, 136, sc);
+        check_grouped(few, 4, 200, 320, sc);
+        check_grouped(g_swap_edges, N_SWAP_EDGES, 200, 320, sc);
+        check_grouped(g_swap_edges, N_SWAP_EDGES, 256, 512, sc);
+        check_grouped(g_swap_edges, N_SWAP_EDGES, 320, 136, sc);
+        check_grouped(many, 256, 136, 264, sc);
+        check_grouped(many, 256, 264, 200, sc);
+    }
 }
 END_TEST
 
@@ -351,7 +427,7 @@ START_TEST(test_gpu_grouped_gather) {
     for (int i = 0; i < 256; i++)
         many[i] = i % 32 >= 28 ? i % 2 : g_edges[i % N_EDGES] + (i / N_EDGES) % 3;
     const moe_grouped_schedule def = moe_cuda_grouped_sm90_schedule();
-    for (int sc = MOE_GROUPED_SCHED_STATIC; sc <= MOE_GROUPED_SCHED_DYNAMIC_SHARE192; sc++) {
+    for (int sc = MOE_GROUPED_SCHED_STATIC; sc < MOE_GROUPED_SCHED_COUNT; sc++) {
         moe_cuda_grouped_sm90_set_schedule((moe_grouped_schedule)sc);
         printf("  (schedule %s)\n", moe_cuda_grouped_sm90_schedule_name(sc));
         check_gather(many, 256, 136, 264);
@@ -466,7 +542,7 @@ START_TEST(test_gpu_grouped_scatter) {
     int many[256];
     for (int i = 0; i < 256; i++)
         many[i] = i % 32 >= 28 ? i % 2 : g_edges[i % N_EDGES] + (i / N_EDGES) % 3;
-    for (int sc = MOE_GROUPED_SCHED_STATIC; sc <= MOE_GROUPED_SCHED_DYNAMIC_SHARE192; sc++) {
+    for (int sc = MOE_GROUPED_SCHED_STATIC; sc < MOE_GROUPED_SCHED_COUNT; sc++) {
         moe_cuda_grouped_sm90_set_schedule((moe_grouped_schedule)sc);
         printf("  (schedule %s)\n", moe_cuda_grouped_sm90_schedule_name(sc));
         check_scatter(g_edges, N_EDGES, 200, 320);
@@ -584,6 +660,7 @@ Suite *suite_gpu_grouped(void) {
     tcase_add_test(tc, test_gpu_grouped_matmul);
     tcase_add_test(tc, test_gpu_grouped_wgrad_modes);
     tcase_add_test(tc, test_gpu_grouped_fine_tiles);
+    tcase_add_test(tc, test_gpu_grouped_swaptail);
     tcase_add_test(tc, test_gpu_grouped_narrow_tiles);
     tcase_add_test(tc, test_gpu_grouped_gather);
     tcase_add_test(tc, test_gpu_grouped_scatter);

@@ -15,6 +15,11 @@
  * computed exactly once, a group's last bm + t rows (1 <= t <= bm / 2) go to sharing
  * tiles of bm + t rows, ceil(N / sbn) of them per such group, each in the slot of the
  * n-tile that holds its first column; other groups keep their plain tiles.
+ * And the swapped tail tiles (moe_tile_swap_rule): a tile is swapped exactly when it holds
+ * 1..64 rows (<= bm / 2), its token width (16, 32 or 64) is the smallest that holds them,
+ * there is one per (group, n-tile) whose group has such a tail and none elsewhere, every
+ * element is computed exactly once (the swapped tile computes rows [m0, r1), no row of the
+ * next group), and a group's MMA work is 128·floor(r / 128) + (0, 16, 32, 64 or 128) rows.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -293,9 +298,97 @@ START_TEST(test_tile_schedule_share) {
 }
 END_TEST
 
+/* The swapped tail tiles of off[0..G] (tile shape s): checked element by element (each
+ * computed once), tile by tile (swapped exactly when it holds 1 .. min(bm / 2, 64) rows, its
+ * width the smallest of 16, 32, 64 holding them), and group by group (one swapped tile per
+ * n-tile where the group's size mod bm is 1 .. bm / 2, and the closed form of its MMA work,
+ * in rows, at the first n-tile). */
+static void check_swap(const int *off, int G, int N, moe_tile_shape s) {
+    int *mt = malloc(sizeof(int) * (size_t)(G + 1));
+    const int rows = off[G], ntn = (N + s.bn - 1) / s.bn;
+    unsigned char *cover = calloc((size_t)(rows ? rows : 1) * N, 1);
+    int *swapped = calloc((size_t)G, sizeof(int));
+    long *work = calloc((size_t)G, sizeof(long));
+    ck_assert(mt && cover && swapped && work);
+    const int total = moe_tile_schedule_prefix(mt, off, G, s.bm) * ntn;
+    for (int t = 0; t < total; t++) {
+        moe_tile ti;
+        ck_assert(moe_tile_schedule_at(&ti, t, off, mt, G, N, s));
+        const int w = moe_tile_swap_rule(&ti, s.bm), left = ti.r1 - ti.m0;
+        const int tail = left >= 1 && left <= s.bm / 2 && left <= 64;
+        const int want_w = !tail ? 0 : left <= 16 ? 16 : left <= 32 ? 32 : 64;
+        ck_assert_msg(w == want_w, "tile %d (group %d, %d rows left from m0 %d): width %d, want "
+                      "%d", t, ti.g, left, ti.m0, w, want_w);
+        if (w) {
+            ck_assert_msg(w >= left && ti.m0 + left == ti.r1 && ti.m0 >= ti.r0,
+                          "swapped tile %d: rows %d..%d of group %d..%d, width %d", t, ti.m0,
+                          ti.m0 + left, ti.r0, ti.r1, w);
+            swapped[ti.g]++;
+        }
+        if (ti.n0 == 0)
+            work[ti.g] += w ? w : s.bm;
+        /* a swapped tile writes its tokens j < w masked to rows < r1; a plain one its bm
+         * rows masked likewise */
+        const int span = w ? w : s.bm;
+        const int m_end = ti.m0 + span < ti.r1 ? ti.m0 + span : ti.r1;
+        const int n_end = ti.n0 + s.bn < N ? ti.n0 + s.bn : N;
+        for (int row = ti.m0; row < m_end; row++)
+            for (int col = ti.n0; col < n_end; col++)
+                cover[(size_t)row * N + col]++;
+    }
+    size_t bad = 0;
+    while (bad < (size_t)rows * N && cover[bad] == 1)
+        bad++;
+    ck_assert_msg(bad == (size_t)rows * N, "row %zu, column %zu: computed %d times, want once",
+                  bad / N, bad % N, bad < (size_t)rows * N ? cover[bad] : 1);
+    for (int g = 0; g < G; g++) {
+        const int r = off[g + 1] - off[g], rem = r % s.bm;
+        const int has = rem >= 1 && rem <= s.bm / 2 && rem <= 64;
+        ck_assert_msg(swapped[g] == (has ? ntn : 0), "group %d of %d rows: %d swapped tiles, "
+                      "want %d", g, r, swapped[g], has ? ntn : 0);
+        const long want = (long)(r / s.bm) * s.bm +
+                          (rem == 0 ? 0 : !has ? s.bm : rem <= 16 ? 16 : rem <= 32 ? 32 : 64);
+        ck_assert_msg(work[g] == want, "group %d of %d rows: %ld rows of MMA work, want %ld", g,
+                      r, work[g], want);
+    }
+    free(mt);
+    free(cover);
+    free(swapped);
+    free(work);
+}
+
+START_TEST(test_tile_schedule_swap) {
+    /* every size around the widths (16, 32, 64) and the tile boundaries, 256 groups */
+    static const int edge[] = {0,   1,   2,   3,   4,   5,   6,   7,   8,   15,  16,  17,  31,
+                               32,  33,  63,  64,  65,  127, 128, 129, 144, 145, 191, 192,
+                               193, 255, 256, 257, 320, 321, 383, 384, 385};
+    const int ne = (int)(sizeof edge / sizeof edge[0]);
+    int off[257];
+    edge_offsets(off, 256, edge, ne);
+    const moe_tile_shape s = {128, 256, 8};
+    check_swap(off, 256, 320, s); /* the kernel's tiles; the last n-tile short */
+    check_swap(off, 256, 512, s);
+    check_swap(off, 256, 136, s);
+    const int one[2] = {0, 1}; /* one group of one row */
+    check_swap(one, 1, 256, s);
+    const int lead_empty[5] = {0, 0, 0, 0, 129};
+    check_swap(lead_empty, 4, 64, s);
+    /* narrow bands: the swapped tile stays in its group's band slot */
+    const moe_tile_shape bands3 = {128, 64, 3};
+    check_swap(off, 2 * ne, 200, bands3);
+    const moe_tile_shape small = {16, 8, 3}; /* bm / 2 = 8: tails of 1..8 rows, width 16 */
+    int off2[41];
+    off2[0] = 0;
+    for (int g = 0; g < 40; g++)
+        off2[g + 1] = off2[g] + (g * 5) % 41;
+    for (int N = 1; N <= 30; N++)
+        check_swap(off2, 40, N, small);
+}
+END_TEST
+
 Suite *suite_tile_schedule(void) {
     const TTest *tests[] = {test_tile_schedule_ragged, test_tile_schedule_edge_groups,
                             test_tile_schedule_random, test_tile_schedule_tail_heights,
-                            test_tile_schedule_share};
-    return moe_test_chapter_suite("tile_schedule", "ch03", tests, 5);
+                            test_tile_schedule_share,  test_tile_schedule_swap};
+    return moe_test_chapter_suite("tile_schedule", "ch03", tests, 6);
 }

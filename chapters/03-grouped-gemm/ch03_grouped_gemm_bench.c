@@ -29,10 +29,11 @@
  * (kernels/cuda_ops.h): the header says which.
  *
  * --shape fine: the fine-grained regime (many experts of a few hundred rows, H = 4096,
- * F = 1536), forward and dgrad only, our kernel under each of its six tile schedules
+ * F = 1536), forward and dgrad only, our kernel under each of its eight tile schedules
  * (moe_grouped_schedule: 128-row tiles only, a group's last <= 64 rows in a 64 × 256
- * tile, or those rows with the 128 before them in 192-row tiles that share the weight
- * block; tiles taken statically, CTA b runs b, b + grid, ..., or claimed in order from a
+ * tile, those rows with the 128 before them in 192-row tiles that share the weight
+ * block, or those rows computed transposed with 16, 32 or 64 token columns (swaptail);
+ * tiles taken statically, CTA b runs b, b + grid, ..., or claimed in order from a
  * device counter; --schedules picks some) against the per-expert cuBLAS loop, in the
  * same run: a uniform top-k
  * router at T = 8192, k = 8 with E = 64, 128, 256 experts; every expert given exactly r
@@ -78,7 +79,7 @@ static const moe_flag g_flags[] = {
        "the whole sweep", NULL),
     OF("schedules", MOE_FLAG_STRING, schedules, "",
        "--shape fine: only these tile schedules of our kernel, comma-separated (e.g. "
-       "static,static-share192); empty = all six", NULL),
+       "static,static-swaptail); empty = all eight", NULL),
     OF("warmup", MOE_FLAG_INT, warmup, "2", "untimed runs of each GEMM first", NULL),
     OF("repeats", MOE_FLAG_INT, repeats, "7", "timed runs (the median is reported)", NULL),
 };
@@ -88,13 +89,14 @@ typedef moe_bench_shape shape;
 /* KERNEL: our kernel under the default schedule (or MOE_GROUPED_SCHEDULE's);
  * SCHED + s: under the moe_grouped_schedule s, timed by --shape fine only */
 enum { LOOP, CUBLAS, KERNEL, N_IMPL, SCHED = N_IMPL };
-#define N_SCHED 6
+#define N_SCHED 8
 
 /* --shape fine: the schedules timed, in the order --schedules names them (all by default) */
 static int g_sel[N_SCHED], g_nsel;
 
 #ifdef MOE_HAVE_CUDA
 static moe_grouped_schedule g_default_sched; /* the schedule KERNEL runs under */
+_Static_assert(N_SCHED == MOE_GROUPED_SCHED_COUNT, "one column per schedule of the kernel");
 #endif
 
 /* One GEMM of the six: C (+)= A·Bᵀ-shaped problem on the stacked expert weights. */
@@ -375,8 +377,9 @@ static const char *sched_name(int s) {
 #ifdef MOE_HAVE_CUDA
     return moe_cuda_grouped_sm90_schedule_name((moe_grouped_schedule)s);
 #else
-    static const char *n[N_SCHED] = {"static",          "static-tail64",  "dynamic",
-                                     "dynamic-tail64",  "static-share192", "dynamic-share192"};
+    static const char *n[N_SCHED] = {"static",          "static-tail64",    "dynamic",
+                                     "dynamic-tail64",  "static-share192",  "dynamic-share192",
+                                     "static-swaptail", "dynamic-swaptail"};
     return n[s];
 #endif
 }
@@ -494,7 +497,7 @@ static double run_fine(const moe_backend *be, const opts *o) {
     if (select_schedules(o->schedules) != 0) {
         moe_log_error("--schedules %s: want comma-separated schedule names (static, "
                       "static-tail64, dynamic, dynamic-tail64, static-share192, "
-                      "dynamic-share192)", o->schedules);
+                      "dynamic-share192, static-swaptail, dynamic-swaptail)", o->schedules);
         exit(2);
     }
     const int cpu = be->device == MOE_DEVICE_CPU; /* the CPU runs a small copy of the sweep */

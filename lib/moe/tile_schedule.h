@@ -173,6 +173,36 @@ static inline MOE_HOSTDEV int moe_tile_share_rule(moe_tile *ti, int bm, int bn, 
     return 2;
 }
 
+/**
+ * @brief The swapped tail tile (the "swaptail" schedules): a tile that holds t = r1 − m0
+ *        <= min(bm / 2, 64) rows — the last m-tile of a group of r = 128·q + t rows, any
+ *        q >= 0 — is computed TRANSPOSED, Cᵀ = W_tile · X_tailᵀ, and this says how many
+ *        token columns that product has: t rounded up to 16, 32 or 64.
+ *
+ * Why: a wgmma's M is 64 rows, so a tile computes rows in multiples of 64 and a 1-row
+ * tail still costs 64 rows of MMA per weight column (the tail64 tile of
+ * moe_tile_rows_rule(); the 128-row tile costs 128). Swapped, the weight block is the
+ * operand whose rows wgmma counts in 64s (its output features, of which there are always
+ * plenty) and the tail's token rows are wgmma's N, which runs from 8 to 256 in steps of 8:
+ * a 1-row tail costs 16 columns of MMA per 64 features instead of 64 or 128 rows. The
+ * kernel instantiates N = 16, 32 and 64 (fewer instantiations, no 8: the MMA of m64n8 and
+ * m64n16 cost about the same issue slot), so the rows of MMA work of a group of r rows
+ * are 128·floor(r / 128) + (0, 16, 32, 64 or 128).
+ *
+ * The schedule does not change: the tile keeps its slot (moe_tile_at_rule()), its rows
+ * and its bn columns; only the way the kernel computes it does. Read from the offsets
+ * alone, so the device decides it without the host.
+ * @param ti the tile (from moe_tile_at_rule())  @param bm rows of a full tile (even)
+ * @return 0: a plain tile; else the token width of the swapped product (16, 32 or 64,
+ *         >= the tile's rows)
+ */
+static inline MOE_HOSTDEV int moe_tile_swap_rule(const moe_tile *ti, int bm) {
+    const int t = ti->r1 - ti->m0;
+    if (t < 1 || t > bm / 2 || t > 64)
+        return 0;
+    return t <= 16 ? 16 : t <= 32 ? 32 : 64;
+}
+
 /** The shape of a tile grid: how the output is cut and walked. */
 typedef struct moe_tile_shape {
     int bm;   /**< rows per tile (the sm_90a kernel: 128) */
