@@ -71,9 +71,10 @@
  * overlap each other only as the warp schedulers interleave them. FA3 issues S_{j+1} before
  * the softmax of tile j and has the warpgroups ping-pong through named barriers.
  *
- * The building blocks for the backward (a later kernel): the 4-D tensor maps of q, k, v
- * (fa_sm90_map), the K-major and MN-major descriptors of the [128][64] swizzled boxes
- * (fa_desc_kmajor, fa_desc_mnmajor) and the RS wgmma (wgmma.cuh's moe_wgmma_rs).
+ * The building blocks the backward (attention_sm90_bwd.cu) shares, in attention_sm90.cuh:
+ * the 4-D tensor maps of q, k, v (fa_sm90_map), the K-major and MN-major descriptors of the
+ * [rows][64] swizzled boxes (fa_desc_kmajor, fa_desc_mnmajor), the bf16 packing; and the RS
+ * wgmma (wgmma.cuh's moe_wgmma_rs).
  *
  * sm_100a has no wgmma: this file builds there (the kernel body compiles to a trap) and the
  * launcher runs it only on a device of compute capability 9.
