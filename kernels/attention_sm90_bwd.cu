@@ -255,6 +255,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 Ls[s][c] = lt == -INFINITY ? 0.0f : lt * LOG2E;
                 Ds[s][c] = t < a.Tq ? delta[at] : 0.0f;
             }
+            __threadfence_block(); /* each lane's stores before lane 0's releasing arrive */
             __syncwarp();
             if (tid == 0) {
                 uint8_t *qt = ring + s * L::STAGE, *dyt = qt + L::TILE;
