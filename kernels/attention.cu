@@ -23,8 +23,9 @@
  * runs, so the same source builds for sm_90a and sm_100a. On an sm_90 GPU the forward of
  * head dims 64 and 128 runs the Hopper kernel of attention_sm90.cu instead (wgmma, TMA and
  * warp-specialised producer / consumer warps, FlashAttention-3's ideas; MOE_FLASH_SM90=0
- * keeps this one); the backward is this file's on every GPU (a Hopper backward is not
- * written yet).
+ * keeps this one). The backward computes δ here, then offers the work to the Hopper
+ * backward of attention_sm90_bwd.cu (D = 64, 128 on sm_90, only with MOE_FLASH_SM90_BWD=1:
+ * written, not yet verified on a GPU) and otherwise runs this file's kernels.
  *
  *   tiles     a block has 4 warps (128 threads); each warp owns MT m-tiles of 16 rows (32
  *             rows with MT = 2). Forward and dq: a block owns 4·16·MT query rows and walks
@@ -707,28 +708,32 @@ static void fa_forward_launch(moe_bf16 *y, float *lse, const moe_bf16 *q, const 
               y, lse, q, k, v, a);
 }
 
-template <int DP, bool WIDE>
-static void fa_backward_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const moe_bf16 *dy,
-                               const moe_bf16 *y, const float *lse, float *delta,
-                               const moe_bf16 *q, const moe_bf16 *k, const moe_bf16 *v,
-                               moe_attention_shape s) {
-    typedef FaConfig<DP, WIDE> C;
-    const FaArgs a = fa_args(s, q, k, v, dy);
-    const long long rows = (long long)s.B * s.Tq * s.Hq; /* δ: one warp each, 8 per block */
+/* δ_t = dy_t · y_t into the workspace [B, Hq, Tq] (both backwards read it). */
+static void fa_delta_launch(float *delta, const moe_bf16 *dy, const moe_bf16 *y,
+                            moe_attention_shape s) {
+    const long long rows = (long long)s.B * s.Tq * s.Hq; /* one warp each, 8 per block */
     fa_delta_kernel<<<moe_cdiv((size_t)rows, 8), 256, 0, moe_cuda_stream()>>>(
         delta, dy, y, s.B, s.Tq, s.Hq, s.D);
     MOE_CUDA_LAUNCH_CHECK();
+}
+
+template <int DP, bool WIDE>
+static void fa_backward_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const moe_bf16 *dy,
+                               const float *lse, const float *delta, const moe_bf16 *q,
+                               const moe_bf16 *k, const moe_bf16 *v, moe_attention_shape s) {
+    typedef FaConfig<DP, WIDE> C;
+    const FaArgs a = fa_args(s, q, k, v, dy);
 
     constexpr int BQ = 16 * C::DQ_MT * FA_WARPS;
     const size_t smem_q = sizeof(moe_bf16) * FaTile<DP>::LD * (2 * BQ + 4 * C::DQ_BK);
     fa_launch(fa_backward_dq_kernel<DP, C::DQ_MT, C::DQ_BK>, fa_grid(s.Hq, s.B, s.Tq, BQ),
-              smem_q, dq, (const float *)delta, lse, q, k, v, dy, a);
+              smem_q, dq, delta, lse, q, k, v, dy, a);
 
     constexpr int BKV = 16 * C::KV_MT * FA_WARPS;
     const size_t smem_kv = sizeof(moe_bf16) * FaTile<DP>::LD * (2 * BKV + 4 * C::KV_BQC) +
                            sizeof(float) * 4 * C::KV_BQC;
     fa_launch(fa_backward_dkdv_kernel<DP, C::KV_MT, C::KV_BQC>, fa_grid(s.Hkv, s.B, s.Tk, BKV),
-              smem_kv, dk, dv, (const float *)delta, lse, q, k, v, dy, a);
+              smem_kv, dk, dv, delta, lse, q, k, v, dy, a);
 }
 
 /* The workspace: the backward's δ [B, Hq, Tq] fp32 (the forward leaves nothing there). */
@@ -769,14 +774,17 @@ extern "C" void moe_cuda_attention_backward(void *dq, void *dk, void *dv, const 
     const moe_bf16 *dY = (const moe_bf16 *)dy, *Y = (const moe_bf16 *)y;
     const moe_bf16 *Q = (const moe_bf16 *)q, *K = (const moe_bf16 *)k, *V = (const moe_bf16 *)v;
     float *delta = (float *)ws;
+    fa_delta_launch(delta, dY, Y, s);
+    if (moe_cuda_attention_sm90_backward(dq, dk, dv, dy, lse, delta, q, k, v, s))
+        return; /* the Hopper kernels (attention_sm90_bwd.cu, MOE_FLASH_SM90_BWD=1) took it */
     const bool w = fa_wide_backward();
     if (s.D <= 32)
-        w ? fa_backward_launch<32, true>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s)
-          : fa_backward_launch<32, false>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s);
+        w ? fa_backward_launch<32, true>(dQ, dK, dV, dY, lse, delta, Q, K, V, s)
+          : fa_backward_launch<32, false>(dQ, dK, dV, dY, lse, delta, Q, K, V, s);
     else if (s.D <= 64)
-        w ? fa_backward_launch<64, true>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s)
-          : fa_backward_launch<64, false>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s);
+        w ? fa_backward_launch<64, true>(dQ, dK, dV, dY, lse, delta, Q, K, V, s)
+          : fa_backward_launch<64, false>(dQ, dK, dV, dY, lse, delta, Q, K, V, s);
     else
-        w ? fa_backward_launch<128, true>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s)
-          : fa_backward_launch<128, false>(dQ, dK, dV, dY, Y, lse, delta, Q, K, V, s);
+        w ? fa_backward_launch<128, true>(dQ, dK, dV, dY, lse, delta, Q, K, V, s)
+          : fa_backward_launch<128, false>(dQ, dK, dV, dY, lse, delta, Q, K, V, s);
 }

@@ -71,9 +71,10 @@
  * overlap each other only as the warp schedulers interleave them. FA3 issues S_{j+1} before
  * the softmax of tile j and has the warpgroups ping-pong through named barriers.
  *
- * The building blocks for the backward (a later kernel): the 4-D tensor maps of q, k, v
- * (fa_sm90_map), the K-major and MN-major descriptors of the [128][64] swizzled boxes
- * (fa_desc_kmajor, fa_desc_mnmajor) and the RS wgmma (wgmma.cuh's moe_wgmma_rs).
+ * The building blocks the backward (attention_sm90_bwd.cu) shares, in attention_sm90.cuh:
+ * the 4-D tensor maps of q, k, v (fa_sm90_map), the K-major and MN-major descriptors of the
+ * [rows][64] swizzled boxes (fa_desc_kmajor, fa_desc_mnmajor), the bf16 packing; and the RS
+ * wgmma (wgmma.cuh's moe_wgmma_rs).
  *
  * sm_100a has no wgmma: this file builds there (the kernel body compiles to a trap) and the
  * launcher runs it only on a device of compute capability 9.
@@ -85,6 +86,7 @@
 
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
+#include "attention_sm90.cuh"
 #include "sm90_ptx.cuh"
 #include "wgmma.cuh"
 
@@ -94,7 +96,7 @@ constexpr int BM = 128;           /* query rows of a CTA: 2 consumer warpgroups 
 constexpr int MAX_STAGES = 4;     /* the K/V ring's barriers */
 constexpr int THREADS = 384;      /* 2 consumer warpgroups + 1 producer warpgroup (one lane
                                      works: its registers go to the consumers, setmaxnreg) */
-constexpr int BOX = 128 * 64 * 2; /* one TMA box: [128 rows][64 bf16], 16 KB */
+constexpr int BOX = FA_SM90_BOX;   /* one TMA box: [128 rows][64 bf16], 16 KB */
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL) /* device code: sm_90a */
 constexpr int BN = 128; /* keys of a tile */
 constexpr float LOG2E = 1.4426950408889634f;
@@ -118,22 +120,6 @@ struct Args {
 };
 
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL) /* nothing for sm_100a */
-
-/* The descriptor of a K-major operand inside a [rows][64] swizzled box: p is the first row
- * (a multiple of 8 rows from the box's start) plus 32 bytes per k16 step. */
-__device__ __forceinline__ uint64_t fa_desc_kmajor(const uint8_t *p) { return desc(p, 16, 1024); }
-
-/* The descriptor of an MN-major operand made of [k rows][64 mn] boxes of BOX bytes side by
- * side along MN: p is the first k-row of the step (2048 bytes per k16 step). */
-__device__ __forceinline__ uint64_t fa_desc_mnmajor(const uint8_t *p) {
-    return desc(p, BOX, 1024);
-}
-
-/* Two floats → one register of two bf16 (lo in the low half: the lower column/k). */
-__device__ __forceinline__ uint32_t fa_pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t *>(&v);
-}
 
 __device__ __forceinline__ float fa_quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -381,14 +367,6 @@ __global__ void __launch_bounds__(THREADS, 1)
 
 /* ---------------------------------------------------------------- host side */
 
-/* A 4-D tensor map over x [B][T][H][D] bf16 with boxes of [128 rows][64 d] of one head of
- * one sequence (coordinates: d, head, row, sequence), 128-byte swizzle, zero fill. */
-CUtensorMap fa_sm90_map(const void *x, int B, int T, int H, int D) {
-    const uint64_t dims[4] = {(uint64_t)D, (uint64_t)H, (uint64_t)T, (uint64_t)B};
-    const uint32_t box[4] = {64, 1, 128, 1};
-    return moe_tma_map(x, 4, dims, box);
-}
-
 /* MOE_FLASH_SM90: unset or 1 = on, 0 = off; read at every call (a getenv), so that one
  * process (the tests, the benchmark) can switch. */
 bool fa_sm90_enabled(void) {
@@ -416,10 +394,6 @@ bool fa_sm90_pipelined(void) {
     }
     return e[0] == '1';
 }
-
-bool fa_sm90_device(void) { return moe_cuda_cc_major() == 9; }
-
-bool fa_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 long long g_sm90_calls = 0;
 

@@ -15,7 +15,10 @@
  * rows that see no key: y = 0, lse = −∞), as context parallelism calls them. Those run the
  * portable kernel (MOE_FLASH_SM90=0); test_attention_sm90 runs the Hopper forward
  * (kernels/attention_sm90.cu, both of its main loops) against the CPU and the portable
- * kernel, and fails on an sm_90 device if the Hopper path did not run.
+ * kernel, and fails on an sm_90 device if the Hopper path did not run;
+ * test_attention_sm90_backward does the same for the Hopper backward
+ * (kernels/attention_sm90_bwd.cu, MOE_FLASH_SM90_BWD=1 set by the test), and checks that two
+ * of its runs give the same bits.
  *
  * Then context parallelism's device pieces (kernels/cp_merge.cu): the merge of partial
  * results by their log-sum-exp, the strided copy and the lse fill, against the CPU ops.
@@ -590,6 +593,147 @@ START_TEST(test_attention_deterministic) {
 }
 END_TEST
 
+/* ------------------------------------------------------ the Hopper backward (sm_90a) */
+
+/* kernels/attention_sm90_bwd.cu (MOE_FLASH_SM90_BWD=1, set here and restored) against the
+ * CPU twin and against the portable backward (MOE_FLASH_SM90_BWD=0), dq, dk, dv, on the
+ * shapes its tiles make hard: lengths around its 64- and 128-row tiles (1, 63, 127, 129, 300,
+ * 1000, 4096), both head dims it runs, GQA 4 (Hq = 8, Hkv = 2: dk, dv summed over 4 query
+ * heads), MHA, MQA, and context parallelism's chunks (queries after their keys, all rows
+ * blind, a shifted diagonal, some blind rows). The gradients start at random values (the
+ * backward adds to them), so a row it overwrites or forgets fails the increment check; the
+ * Hopper backward runs twice and must give the same bits (no atomics). On an sm_90 device
+ * the test fails unless the Hopper path ran (moe_cuda_attention_sm90_backward_calls() grew);
+ * elsewhere it checks the fallback. */
+static const shape SM90_BWD_SHAPES[] = {
+    {2, 1, 1, 8, 2, 128, 0, 0, "T = 1"},
+    {2, 63, 63, 8, 2, 64, 0, 0, "T = 63, D = 64"},
+    {2, 127, 127, 8, 2, 128, 0, 0, "T = 127"},
+    {2, 129, 129, 8, 2, 64, 0, 0, "T = 129, D = 64: a second tile of one row"},
+    {2, 129, 129, 8, 2, 128, 0, 0, "T = 129, D = 128"},
+    {1, 300, 300, 8, 2, 128, 0, 0, "T = 300"},
+    {1, 300, 300, 4, 4, 64, 0, 0, "T = 300, MHA, D = 64"},
+    {2, 300, 300, 4, 1, 64, 0, 0, "T = 300, MQA, D = 64"},
+    {1, 1000, 1000, 8, 2, 64, 0, 0, "T = 1000, D = 64"},
+    {1, 1000, 1000, 4, 4, 128, 0, 0, "T = 1000, MHA"},
+    {2, 300, 300, 8, 2, 128, 600, 300, "CP: queries 600..899 after the keys 300..599"},
+    {2, 200, 300, 8, 2, 64, 0, 300, "CP: queries 0..199 before the keys 300..499: all blind"},
+    {2, 250, 170, 8, 2, 128, 100, 30, "CP: keys 30..199, queries 100..349: a shifted diagonal"},
+    {1, 700, 500, 8, 2, 64, 0, 77, "CP: keys 77..576, queries 0..699: 77 blind rows"},
+    {1, 4096, 4096, 4, 1, 128, 0, 0, "T = 4096, MQA"}, /* skipped under MOE_TEST_QUICK */
+};
+#define NSM90_BWD ((int)(sizeof SM90_BWD_SHAPES / sizeof SM90_BWD_SHAPES[0]))
+
+START_TEST(test_attention_sm90_backward) {
+    const shape s = SM90_BWD_SHAPES[_i];
+    if (moe_test_quick() && s.Tq >= 4096)
+        return;
+    const moe_attention_shape sh = op_shape(&s);
+    const size_t nq = (size_t)s.B * s.Tq * s.Hq * s.D, nkv = (size_t)s.B * s.Tk * s.Hkv * s.D;
+    const size_t nl = (size_t)s.B * s.Hq * s.Tq;
+    const uint64_t seed = 300 + 10 * (uint64_t)_i;
+    moe_real *q = randn_bf16(nq, seed, 1.0), *k = randn_bf16(nkv, seed + 1, 1.0);
+    moe_real *v = randn_bf16(nkv, seed + 2, 1.0), *gy = randn_bf16(nq, seed + 3, 1.0);
+    /* the gradients start non-zero: the backward must add to them */
+    moe_real *g0[3] = {randn_bf16(nq, seed + 4, 1.0), randn_bf16(nkv, seed + 5, 1.0),
+                       randn_bf16(nkv, seed + 6, 1.0)};
+    const size_t n[3] = {nq, nkv, nkv};
+    const char *name[3] = {"dq", "dk", "dv"};
+    moe_real *y = malloc(nq * sizeof *y), *lse = malloc(nl * sizeof *lse);
+    ck_assert(y && lse);
+    moe_cpu_attention_forward(y, lse, NULL, q, k, v, sh);
+    round_bf16(y, nq);
+    moe_real *ref[3];
+    for (int i = 0; i < 3; i++) {
+        ref[i] = malloc(n[i] * sizeof *ref[i]);
+        ck_assert_ptr_nonnull(ref[i]);
+        memcpy(ref[i], g0[i], n[i] * sizeof *ref[i]);
+    }
+    moe_cpu_attention_backward(ref[0], ref[1], ref[2], gy, y, lse, NULL, q, k, v, sh);
+
+    void *dq = upload(q, nq), *dk = upload(k, nkv), *dv = upload(v, nkv);
+    void *dgy = upload(gy, nq), *dy = upload(y, nq);
+    float *dlse = upload_f32(lse, nl);
+    const int sm90 = device_is_sm90();
+    const char *saved = getenv("MOE_FLASH_SM90_BWD");
+    char *restore = saved ? strdup(saved) : NULL;
+    /* run 0: the portable backward; runs 1 and 2: the Hopper one (twice: the same bits) */
+    moe_real *got[3][3];
+    uint16_t *raw[3][3];
+    for (int r = 0; r < 3; r++) {
+        ck_assert_int_eq(setenv("MOE_FLASH_SM90_BWD", r ? "1" : "0", 1), 0);
+        float *ws = upload_nan_f32(nl);
+        void *dg[3] = {upload(g0[0], nq), upload(g0[1], nkv), upload(g0[2], nkv)};
+        const long long before = moe_cuda_attention_sm90_backward_calls();
+        moe_cuda_attention_backward(dg[0], dg[1], dg[2], dgy, dy, dlse, ws, dq, dk, dv, sh);
+        CU_OK(cudaGetLastError());
+        CU_OK(cudaDeviceSynchronize());
+        const long long ran = moe_cuda_attention_sm90_backward_calls() - before;
+        ck_assert_msg(ran == (r && sm90), "%s: the Hopper backward ran %lld times with "
+                      "MOE_FLASH_SM90_BWD=%d on a device %s sm_90", s.what, ran, r > 0,
+                      sm90 ? "of" : "not of");
+        for (int i = 0; i < 3; i++) {
+            got[r][i] = malloc(n[i] * sizeof *got[r][i]);
+            ck_assert_ptr_nonnull(got[r][i]);
+            download(got[r][i], dg[i], n[i]);
+            raw[r][i] = bits(dg[i], n[i]);
+            cudaFree(dg[i]);
+        }
+        cudaFree(ws);
+    }
+    if (restore) {
+        ck_assert_int_eq(setenv("MOE_FLASH_SM90_BWD", restore, 1), 0);
+        free(restore);
+    } else {
+        unsetenv("MOE_FLASH_SM90_BWD");
+    }
+
+    printf("attention sm90 backward B=%d Tq=%4d Tk=%4d Hq=%d Hkv=%d D=%3d pos %d/%d (%s)%s\n",
+           s.B, s.Tq, s.Tk, s.Hq, s.Hkv, s.D, s.q_pos, s.k_pos, s.what,
+           sm90 ? "" : " [no sm_90 device: the fallback]");
+    for (int i = 0; i < 3; i++) {
+        char what[64];
+        snprintf(what, sizeof what, "%s vs cpu", name[i]);
+        const double e = diag_err(what, got[1][i], ref[i], n[i], 1e-2);
+        snprintf(what, sizeof what, "%s vs portable", name[i]);
+        const double ep = diag_err(what, got[1][i], got[0][i], n[i], 1e-2);
+        /* the increments alone (gpu − start vs cpu − start): where a kernel overwrites or
+         * forgets, this is what shows it */
+        moe_real *inc = diff(got[1][i], g0[i], n[i]), *inc_ref = diff(ref[i], g0[i], n[i]);
+        snprintf(what, sizeof what, "%s increment vs cpu", name[i]);
+        diag_err(what, inc, inc_ref, n[i], 3e-2);
+        const double ei = increment_err(inc, inc_ref, ref[i], n[i]);
+        size_t first_diff = n[i];
+        for (size_t j = 0; j < n[i] && first_diff == n[i]; j++)
+            if (raw[1][i][j] != raw[2][i][j])
+                first_diff = j;
+        printf("  %s: %.2e (vs portable %.2e, increment %.2e)%s\n", name[i], e, ep, ei,
+               first_diff < n[i] ? " NOT deterministic" : "");
+        ck_assert_msg(e <= 1e-2, "%s: Hopper %s error %g against the CPU", s.what, name[i], e);
+        ck_assert_msg(ep <= 1e-2, "%s: Hopper %s error %g against the portable backward",
+                      s.what, name[i], ep);
+        ck_assert_msg(ei <= 3e-2, "%s: Hopper %s increment error %g", s.what, name[i], ei);
+        ck_assert_msg(first_diff == n[i], "%s: Hopper %s differs between two runs at %zu",
+                      s.what, name[i], first_diff);
+        free(inc);
+        free(inc_ref);
+    }
+
+    void *bufs[] = {dq, dk, dv, dgy, dy, dlse};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        cudaFree(bufs[i]);
+    for (int i = 0; i < 3; i++) {
+        for (int r = 0; r < 3; r++) {
+            free(got[r][i]);
+            free(raw[r][i]);
+        }
+        free(ref[i]);
+        free(g0[i]);
+    }
+    free(q), free(k), free(v), free(gy), free(y), free(lse);
+}
+END_TEST
+
 /* ------------------------------------------- context parallelism's device pieces */
 
 /* cp_merge (kernels/cp_merge.cu) against moe_cp_merge(), the CPU op, on fresh random inputs
@@ -701,6 +845,7 @@ Suite *suite_gpu_attention(void) {
     tcase_add_loop_test(tc, test_attention_sm90, 0, NSM90);
     tcase_add_loop_test(tc, test_attention_backward, 0, 2 * NSHAPES);
     tcase_add_loop_test(tc, test_attention_deterministic, 0, 2 * NDET);
+    tcase_add_loop_test(tc, test_attention_sm90_backward, 0, NSM90_BWD);
     suite_add_tcase(s, tc);
     TCase *cp = tcase_create("cp"); /* CK_RUN_CASE=cp: context parallelism's pieces alone */
     tcase_add_loop_test(cp, test_cp_merge, 0, NMERGE);

@@ -18,8 +18,13 @@
  * On an sm_90 GPU the forward is the Hopper kernel (kernels/attention_sm90.cu) for D = 64
  * and 128; the portable forward (kernels/attention.cu, MOE_FLASH_SM90=0) is timed too, and
  * the table shows both ("sm90" says which path the main columns took). The backward is the
- * portable one either way. Run the whole program under MOE_FLASH_SM90=0 to measure the
- * portable kernel alone.
+ * portable one unless MOE_FLASH_SM90_BWD=1 (the Hopper backward of
+ * kernels/attention_sm90_bwd.cu, D = 64 and 128 on sm_90: written, not yet verified, off by
+ * default); then the portable backward is timed too and "sm90 bwd" says which ran in the main
+ * columns (the sampled check runs on the main path, so a wrong Hopper backward stops the
+ * program). Run the whole program under MOE_FLASH_SM90=0 to measure the portable kernel alone.
+ *
+ *   MOE_FLASH_SM90_BWD=1 bin/ch07_attention_bench --seqs 4096,16384,65536 --dims 128,64
  *
  *   bin/ch07_attention_bench [--seqs 1024,4096,16384,32768,65536] [--dims 64,128]
  *                            [--tokens 16384] [--hidden 2048] [--repeats 10] [--warmup 3]
@@ -47,6 +52,8 @@ typedef struct shape_result {
     double check, fwd, bwd, fb; /* check error; ms */
     double fwd_portable;        /* ms: the portable forward (MOE_FLASH_SM90=0) */
     int sm90;                   /* the main forward ran the Hopper kernel */
+    double bwd_portable;        /* ms: the portable backward (MOE_FLASH_SM90_BWD=0), or 0 */
+    int sm90_bwd;               /* the main backward ran the Hopper kernels */
     sdpa_row flash, cudnn;
 } shape_result;
 
@@ -225,7 +232,9 @@ static void measure(shape_result *r, int reps, int warmup) {
     moe_cuda_zero(dk, n * 2);
     moe_cuda_zero(dv, n * 2);
     moe_cuda_attention_forward(y, lse, ws, q, k, v, s);
+    const long long bcalls = moe_cuda_attention_sm90_backward_calls();
     moe_cuda_attention_backward(dq, dk, dv, dy, y, lse, ws, q, k, v, s);
+    r->sm90_bwd = moe_cuda_attention_sm90_backward_calls() > bcalls;
     moe_cuda_synchronize();
     moe_real *hy = fetch(y, n, 0), *hl = fetch(lse, nl, 1), *hdq = fetch(dq, n, 0);
     moe_real *hdk = fetch(dk, n, 0), *hdv = fetch(dv, n, 0);
@@ -254,6 +263,19 @@ static void measure(shape_result *r, int reps, int warmup) {
     else
         unsetenv("MOE_FLASH_SM90");
     r->bwd = time_op(1, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
+    if (r->sm90_bwd) {
+        /* the portable backward on the same inputs, then the caller's setting back */
+        const char *pb = getenv("MOE_FLASH_SM90_BWD");
+        char sb[16] = "";
+        if (pb)
+            snprintf(sb, sizeof sb, "%s", pb);
+        setenv("MOE_FLASH_SM90_BWD", "0", 1);
+        r->bwd_portable = time_op(1, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
+        if (pb)
+            setenv("MOE_FLASH_SM90_BWD", sb, 1);
+        else
+            unsetenv("MOE_FLASH_SM90_BWD");
+    }
     r->fb = time_op(2, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
     void *bufs[] = {q, k, v, dy, y, dq, dk, dv, lse, ws};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
@@ -399,27 +421,30 @@ int main(int argc, char **argv) {
             r->B = tokens / seqs[i] > 1 ? tokens / seqs[i] : 1;
             measure(r, reps, warmup);
             fprintf(stderr, "  measured T=%d D=%d: fwd %.3f ms (%s; portable %.3f ms) bwd %.3f "
-                    "ms (check %.1e)\n", r->T, r->D, r->fwd, r->sm90 ? "sm90" : "portable",
-                    r->fwd_portable, r->bwd, r->check);
+                    "ms (%s; portable %.3f ms) (check %.1e)\n", r->T, r->D, r->fwd,
+                    r->sm90 ? "sm90" : "portable", r->fwd_portable, r->bwd,
+                    r->sm90_bwd ? "sm90" : "portable",
+                    r->sm90_bwd ? r->bwd_portable : r->bwd, r->check);
         }
     char info[512] = "skipped (--no-sdpa)";
     if (sdpa)
         run_sdpa(res, n, python, reps, warmup, info, sizeof info);
     printf("SDPA: %s\n\n", info);
     printf("| T | D | B×H | check | sm90 | fwd ms | fwd TFLOP/s | portable fwd ms | portable "
-           "fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | "
+           "fwd TFLOP/s | sm90 bwd | bwd ms | bwd TFLOP/s | portable bwd ms | fwd+bwd ms | "
            "fwd+bwd TFLOP/s | FLASH fwd / f+b TFLOP/s | cuDNN fwd / f+b TFLOP/s | "
            "fwd vs FLASH / cuDNN | f+b vs FLASH / cuDNN |\n"
-           "|---:|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+           "|---:|---:|---:|---:|:---:|---:|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (int i = 0; i < n; i++) {
         const shape_result *r = &res[i];
         const double f = 2.0 * r->B * r->H * (double)r->T * r->T * r->D; /* causal fwd */
         char a[16], b[16], c[16], d[16], e[16], g[16], x[16], z[16];
-        printf("| %d | %d | %d×%d | %.1e | %s | %.3f | %.0f | %.3f | %.0f | %.3f | %.0f | %.3f "
-               "| %.0f | %s / %s | %s / %s | %s / %s | %s / %s |\n",
+        printf("| %d | %d | %d×%d | %.1e | %s | %.3f | %.0f | %.3f | %.0f | %s | %.3f | %.0f "
+               "| %.3f | %.3f | %.0f | %s / %s | %s / %s | %s / %s | %s / %s |\n",
                r->T, r->D, r->B, r->H, r->check, r->sm90 ? "yes" : "no", r->fwd,
-               tflops(f, r->fwd), r->fwd_portable, tflops(f, r->fwd_portable), r->bwd,
-               tflops(2.5 * f, r->bwd), r->fb, tflops(3.5 * f, r->fb),
+               tflops(f, r->fwd), r->fwd_portable, tflops(f, r->fwd_portable),
+               r->sm90_bwd ? "yes" : "no", r->bwd, tflops(2.5 * f, r->bwd),
+               r->sm90_bwd ? r->bwd_portable : r->bwd, r->fb, tflops(3.5 * f, r->fb),
                tf_or_dash(a, f, &r->flash, 0), tf_or_dash(b, 3.5 * f, &r->flash, 2),
                tf_or_dash(c, f, &r->cudnn, 0), tf_or_dash(d, 3.5 * f, &r->cudnn, 2),
                ratio(e, r->fwd, &r->flash, 0), ratio(g, r->fwd, &r->cudnn, 0),

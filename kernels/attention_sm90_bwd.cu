@@ -1,0 +1,549 @@
+/*
+ * The Hopper (sm_90a) flash-attention backward: wgmma + TMA, warp-specialised, the
+ * deterministic two-kernel split of the portable backward (attention.cu: read its header for
+ * the math and the semantics: dq, dk, dv are ADDED to, GQA sums dk, dv over the query heads
+ * of a group, causal with the q_pos/k_pos offset, a row that sees no key contributes
+ * nothing). moe_cuda_attention_backward computes δ = rowsum(dy ⊙ y) with its fa_delta_kernel
+ * and then calls moe_cuda_attention_sm90_backward() first, which runs this file's two kernels
+ * for head dims 64 and 128 on an sm_90 device when MOE_FLASH_SM90_BWD=1, and otherwise says
+ * no, so the portable kernels run.
+ *
+ * STATUS: written, not yet run on a GPU; off by default (MOE_FLASH_SM90_BWD unset or 0)
+ * until tests/gpu_attention.c's test_attention_sm90_backward has passed on an H100.
+ *
+ * The math, per (b, query head h, group g = h / (Hq/Hkv)), with sl = log2(e)/√D and
+ * lse₂ = lse·log2(e) (0 for a row that sees nothing: every key of it is masked anyway):
+ *
+ *   P  = exp2(S·sl − lse₂)   with S = Q Kᵀ, masked to 0 (key > t + q_pos − k_pos, key ≥ Tk)
+ *   dP = dY Vᵀ,   dS = P ⊙ (dP − δ)
+ *   dV += Pᵀ dY,  dK += dSᵀ Q / √D,  dQ += dS K / √D
+ *
+ * Why two kernels and not FlashAttention-3's one. FA3 runs one CTA per key tile and adds
+ * each key tile's dS K into dq with fp32 atomics (a separate kernel converts dq to bf16): 5
+ * tile products, but the order of the additions into dq changes from run to run, so two runs
+ * differ in the last bits. This library's backward is deterministic (the portable one is,
+ * and tests/gpu_attention.c checks it), so, as the portable backward does, the work splits
+ * by what a CTA owns:
+ *
+ *   dk/dv kernel   one CTA per (b, g, key tile of 128 keys); it owns dk and dv of its keys.
+ *                  It loops over the query heads of the group and, for each, over the query
+ *                  tiles of 64 rows that see its keys (the causal skip: from the first query
+ *                  that sees key s0), always in the same order:
+ *                    Sᵀ  = K Qᵀ      m64n64k16 SS: K [keys][D] and Q [queries][D], both
+ *                                    K-major (D contiguous), D/16 instructions
+ *                    dPᵀ = V dYᵀ     the same with V and dY
+ *                    Pᵀ, dSᵀ         in registers (lse₂ and δ per COLUMN: from shared memory)
+ *                    dV += Pᵀ dY     m64nDk16 RS: A = Pᵀ from registers (the forward's
+ *                                    fragment trick: the accumulator of Sᵀ, rows = keys,
+ *                                    columns = queries, IS the A fragment with k = queries),
+ *                                    B = dY [queries][D] read MN-major (transposed)
+ *                    dK += dSᵀ Q     the same with dSᵀ and Q
+ *                  No operand needs a transpose through shared memory: Pᵀ and dSᵀ come out
+ *                  of Sᵀ = K Qᵀ already with the keys as rows, the M of the next products.
+ *   dq kernel      one CTA per (b, h, query tile of 128 rows); it owns dq of its rows. It
+ *                  loops over the key tiles of 64 keys that its last row sees (the forward's
+ *                  causal skip):
+ *                    S = Q Kᵀ, dP = dY Vᵀ    m64n64k16 SS, K-major both
+ *                    dS                       in registers (lse₂, δ per row)
+ *                    dQ += dS K               m64nDk16 RS: A = dS from registers, B = K
+ *                                             [keys][D] read MN-major (the forward's P V)
+ *
+ *   So S and dP are computed twice (7 tile products instead of FA3's 5): about 1.4x the
+ *   tensor-core work, bought for bit-reproducible gradients and no fp32 dq workspace. Both
+ *   kernels use only operand forms the forward already runs (SS K-major × K-major, RS with an
+ *   MN-major B), with boxes of 64 rows where the forward has 128.
+ *
+ *   warp specialisation  as the forward: 2 consumer warpgroups (warps 0-7, 240 registers
+ *             each with setmaxnreg) own 64 rows each of the CTA's resident tile (dk/dv: 64
+ *             keys, dq: 64 query rows), and 1 producer warpgroup (24 registers) of which one
+ *             warp works: it loads the resident tiles once (K and V; or Q and dY) and
+ *             streams the other operand pair through a ring of STAGES stages with TMA
+ *             (full barriers count the bytes, empty barriers count the 8 consumer warps).
+ *             In the dk/dv kernel the producer warp's 32 lanes also copy the tile's 64 lse₂
+ *             and δ into the stage before announcing it (plain stores; the arrive releases
+ *             them, the consumers' wait acquires them).
+ *   registers dk/dv at D = 128: dK, dV 64 + 64 fp32, Sᵀ and dPᵀ 32 + 32, Pᵀ, dSᵀ as bf16
+ *             16 + 16 per thread. dq: dQ 64, S, dP 32 + 32, dS 16.
+ *   memory    dk/dv, D = 128: K, V 2 × 32 KB + 3 stages × (Q, dY 2 × 16 KB) = 160 KB;
+ *             dq, D = 128: Q, dY 2 × 32 KB + 4 stages × (K, V 2 × 16 KB) = 192 KB.
+ *             Every box is [rows][64 bf16] with the 128-byte swizzle, 1024-byte aligned;
+ *             MN-major reads step 16 rows = 2048 bytes per k16, LBO = the box size (the next
+ *             64 columns of D).
+ *   masks     applied only to the tiles that cross the diagonal, Tq or Tk. Rows past Tq and
+ *             keys past Tk are TMA's zero fill; their P is masked to 0 (dk/dv) or never
+ *             stored (dq), and their δ and lse₂ are 0.
+ *   epilogue  each thread adds its accumulators (× 1/√D for dq, dk) to the bf16 outputs in
+ *             place: read the pair, add in fp32, round once, as the portable kernel does.
+ *
+ * Not done (FlashAttention-3's further ideas): no overlap of a tile's softmax part with the
+ * next tile's products inside a warpgroup, no ping-pong between the warpgroups; and the
+ * 5-product single kernel with a deterministic dq reduction (per key tile partial dq in a
+ * workspace, summed in a fixed order) is a possible next step if the extra products cost
+ * more than the reduction.
+ *
+ * sm_100a has no wgmma: this file builds there (the kernel bodies compile to a trap) and the
+ * launcher runs them only on a device of compute capability 9.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attention_sm90.cuh"
+#include "cuda_common.cuh"
+#include "cuda_ops.h"
+#include "sm90_ptx.cuh"
+#include "wgmma.cuh"
+
+namespace {
+
+constexpr int THREADS = 384;       /* 2 consumer warpgroups + 1 producer warpgroup */
+constexpr int BIG = 128;           /* the resident tile: keys (dk/dv) or query rows (dq) */
+constexpr int SMALL = 64;          /* the streamed tile: query rows (dk/dv) or keys (dq) */
+constexpr int BOX_BIG = FA_SM90_BOX;       /* [128 rows][64 bf16]: 16 KB */
+constexpr int BOX_SMALL = FA_SM90_BOX / 2; /* [64 rows][64 bf16]: 8 KB */
+constexpr int MAX_STAGES = 4;
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+constexpr float LOG2E = 1.4426950408889634f;
+#endif
+
+/* Shared memory of both kernels: two resident tiles of BIG rows, then a ring of STAGES
+ * stages of two streamed tiles of SMALL rows. */
+template <int D, int STAGES_> struct Layout {
+    static constexpr int NC = D / 64;              /* boxes across the head dimension */
+    static constexpr int RES = NC * BOX_BIG;       /* one resident tile */
+    static constexpr int TILE = NC * BOX_SMALL;    /* one streamed tile */
+    static constexpr int STAGE = 2 * TILE;
+    static constexpr int STAGES = STAGES_;
+    static constexpr int BYTES = 2 * RES + STAGES * STAGE + 1024; /* + alignment slack */
+    static_assert(STAGES <= MAX_STAGES && BYTES <= 227 * 1024, "shared memory");
+};
+template <int D> using LayoutKV = Layout<D, 3>; /* D = 128: 64 + 96 KB */
+template <int D> using LayoutQ = Layout<D, 4>;  /* D = 128: 64 + 128 KB */
+
+struct Args {
+    int Tq, Tk, Hq, Hkv;
+    int off;     /* q_pos − k_pos: query t sees key s iff s ≤ t + off */
+    float scale; /* 1/√D */
+};
+
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* out[0..1] += (x0, x1) for a bf16 pair in global memory (4-byte aligned: even column). */
+__device__ __forceinline__ void fa_add_pair(moe_bf16 *out, float x0, float x1) {
+    uint32_t *p = reinterpret_cast<uint32_t *>(out);
+    const __nv_bfloat162 old = *reinterpret_cast<const __nv_bfloat162 *>(p);
+    *p = fa_pack_bf16(__low2float(old) + x0, __high2float(old) + x1);
+}
+
+/* Add a warpgroup's m64nDk16 accumulator acc (× mul) to rows row0 + lane/4 (+ 8) of
+ * out [rows][stride], columns 0..D−1; rows ≥ nrows are skipped. */
+template <int D>
+__device__ __forceinline__ void fa_add_rows(moe_bf16 *out, size_t stride, int row0, int nrows,
+                                            const float *acc, float mul, int lane) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int r = row0 + 8 * i;
+        if (r >= nrows)
+            continue;
+        moe_bf16 *o = out + (size_t)r * stride + 2 * (lane % 4);
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+            fa_add_pair(o + 8 * n, acc[4 * n + 2 * i] * mul, acc[4 * n + 2 * i + 1] * mul);
+    }
+}
+
+/* The accumulator of a 64 × 64 product (32 floats per thread) → the A fragments of its 4
+ * k-blocks of 16 columns, as bf16 pairs: k-block kb is a[4kb .. 4kb + 3] (the fragment
+ * trick of attention_sm90.cu). */
+__device__ __forceinline__ void fa_pack_a(uint32_t a[16], const float x[32]) {
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        a[2 * n] = fa_pack_bf16(x[4 * n], x[4 * n + 1]);
+        a[2 * n + 1] = fa_pack_bf16(x[4 * n + 2], x[4 * n + 3]);
+    }
+}
+
+/* The release of a stage by a consumer warp. */
+__device__ __forceinline__ void fa_release(uint64_t *empty, int lane) {
+    __syncwarp();
+    if (lane == 0)
+        mbar_arrive(empty);
+}
+
+/* x[0..31] = A·Bᵀ (64 × 64) for the warpgroup: A = 64 rows of a resident tile (boxes of
+ * BOX_BIG bytes along D), B = a streamed tile of 64 rows (boxes of BOX_SMALL), both K-major:
+ * D/16 k-steps of 32 bytes, 4 per box. Issued, not committed. */
+template <int D>
+__device__ __forceinline__ void fa_issue_abt(float *x, const uint8_t *a, const uint8_t *b) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++)
+        moe_wgmma<64, 0, 0>::mma(x, fa_desc_kmajor(a + (kk / 4) * BOX_BIG + (kk % 4) * 32),
+                                 fa_desc_kmajor(b + (kk / 4) * BOX_SMALL + (kk % 4) * 32),
+                                 kk > 0);
+}
+
+/* acc (64 × D) += A·B with A = a[16] (64 × 64 from registers: 4 k-blocks) and B = a
+ * streamed tile [64 k-rows][D] read MN-major (4 k16 steps of 2048 bytes; LBO = the next box
+ * of 64 columns). Issued, not committed. */
+template <int D>
+__device__ __forceinline__ void fa_issue_rs(float *acc, const uint32_t *a, const uint8_t *b) {
+#pragma unroll
+    for (int kb = 0; kb < 4; kb++)
+        moe_wgmma_rs<D, 1>::mma(acc, a + 4 * kb, fa_desc_mnmajor(b + kb * 2048, BOX_SMALL), 1);
+}
+#endif
+
+/* ------------------------------------------------------------------ dk, dv */
+
+template <int D>
+__global__ void __launch_bounds__(THREADS, 1)
+    fa_sm90_dkdv_kernel(const __grid_constant__ CUtensorMap mq,
+                        const __grid_constant__ CUtensorMap mk,
+                        const __grid_constant__ CUtensorMap mv,
+                        const __grid_constant__ CUtensorMap mdy, moe_bf16 *dk, moe_bf16 *dv,
+                        const float *lse, const float *delta, const Args a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    typedef LayoutKV<D> L;
+    constexpr int NC = L::NC, STAGES = L::STAGES;
+    extern __shared__ uint8_t fa_smem_raw[];
+    uint8_t *Ks = fa_smem_raw + ((1024 - (smem_u32(fa_smem_raw) & 1023)) & 1023);
+    uint8_t *Vs = Ks + L::RES;
+    uint8_t *ring = Vs + L::RES; /* stage s: Q at ring + s·STAGE, dY TILE bytes after it */
+    __shared__ float Ls[MAX_STAGES][SMALL], Ds[MAX_STAGES][SMALL]; /* lse₂, δ per column */
+    __shared__ uint64_t kvbar, full[MAX_STAGES], empty[MAX_STAGES];
+
+    const int g = blockIdx.x, b = blockIdx.y, s0 = (int)blockIdx.z * BIG;
+    const int rep = a.Hq / a.Hkv;
+    /* the first query row that sees key s0: q_pos + t ≥ k_pos + s0 */
+    const long long first = (long long)s0 - a.off;
+    if (first >= a.Tq)
+        return; /* no query sees these keys: dk, dv get nothing (uniform: before any barrier) */
+    const int qt0 = first > 0 ? (int)(first / SMALL) : 0;
+    const int per = (a.Tq + SMALL - 1) / SMALL - qt0, nit = rep * per;
+    const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+
+    if (threadIdx.x == 0) {
+        mbar_init(&kvbar, 1);
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(&full[s], 1);  /* the producer's expect_tx (+ the bytes) */
+            mbar_init(&empty[s], 8); /* one arrival per consumer warp */
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 2) {
+        /* ------------------------------------------------ producer (one warp) */
+        setmaxnreg_dec<24>();
+        if (tid >= 32)
+            return;
+        if (tid == 0) {
+            mbar_expect_tx(&kvbar, 2 * L::RES);
+            for (int c = 0; c < NC; c++) {
+                tma_load_4d(Ks + c * BOX_BIG, &mk, &kvbar, 64 * c, g, s0, b);
+                tma_load_4d(Vs + c * BOX_BIG, &mv, &kvbar, 64 * c, g, s0, b);
+            }
+        }
+        for (int it = 0; it < nit; it++) {
+            const int s = it % STAGES, phase = (it / STAGES) & 1;
+            const int hh = g * rep + it / per, t0 = (qt0 + it % per) * SMALL;
+            mbar_wait(&empty[s], phase ^ 1); /* a fresh barrier passes parity 1 */
+            for (int c = tid; c < SMALL; c += 32) {
+                const int t = t0 + c;
+                const size_t at = ((size_t)b * a.Hq + hh) * a.Tq + t;
+                const float lt = t < a.Tq ? lse[at] : -INFINITY;
+                Ls[s][c] = lt == -INFINITY ? 0.0f : lt * LOG2E;
+                Ds[s][c] = t < a.Tq ? delta[at] : 0.0f;
+            }
+            __threadfence_block(); /* each lane's stores before lane 0's releasing arrive */
+            __syncwarp();
+            if (tid == 0) {
+                uint8_t *qt = ring + s * L::STAGE, *dyt = qt + L::TILE;
+                mbar_expect_tx(&full[s], L::STAGE); /* releases the lanes' Ls, Ds stores */
+                for (int c = 0; c < NC; c++) {
+                    tma_load_4d(qt + c * BOX_SMALL, &mq, &full[s], 64 * c, hh, t0, b);
+                    tma_load_4d(dyt + c * BOX_SMALL, &mdy, &full[s], 64 * c, hh, t0, b);
+                }
+            }
+            __syncwarp();
+        }
+        return;
+    }
+
+    /* ---------------------------------------------------- consumers */
+    setmaxnreg_inc<240>();
+    const int lane = tid % 32, w = tid / 32;
+    const int key = s0 + 64 * wg + 16 * w + lane / 4; /* this thread's keys: key, key + 8 */
+    const float sl = a.scale * LOG2E;
+    const uint8_t *ka = Ks + wg * 64 * 128, *va = Vs + wg * 64 * 128; /* our 64 keys */
+    float adk[D / 2], adv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++)
+        adk[i] = adv[i] = 0.0f;
+    float st[32], dpt[32]; /* Sᵀ, dPᵀ: 64 keys × 64 queries per warpgroup */
+    uint32_t pa[16], da[16]; /* Pᵀ, dSᵀ as A fragments */
+
+    mbar_wait(&kvbar, 0);
+    for (int it = 0; it < nit; it++) {
+        const int s = it % STAGES, t0 = (qt0 + it % per) * SMALL;
+        const uint8_t *qt = ring + s * L::STAGE, *dyt = qt + L::TILE;
+        mbar_wait(&full[s], (it / STAGES) & 1);
+        wgmma_fence();
+        fa_issue_abt<D>(st, ka, qt);
+        fa_issue_abt<D>(dpt, va, dyt);
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            reg_fence(st[i]);
+            reg_fence(dpt[i]);
+        }
+        const bool mask = s0 + BIG - 1 > t0 + a.off || t0 + SMALL > a.Tq || s0 + BIG > a.Tk;
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int c = 8 * n + 2 * (lane % 4) + (e & 1), t = t0 + c;
+                const int kr = key + 8 * (e >> 1);
+                float p = exp2f(fmaf(st[4 * n + e], sl, -Ls[s][c]));
+                if (mask && (kr > t + a.off || t >= a.Tq || kr >= a.Tk))
+                    p = 0.0f;
+                st[4 * n + e] = p;                                /* Pᵀ */
+                dpt[4 * n + e] = p * (dpt[4 * n + e] - Ds[s][c]); /* dSᵀ (without 1/√D) */
+            }
+        fa_pack_a(pa, st);
+        fa_pack_a(da, dpt);
+        wgmma_fence();
+        fa_issue_rs<D>(adv, pa, dyt);
+        fa_issue_rs<D>(adk, da, qt);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fa_release(&empty[s], lane);
+    }
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) {
+        reg_fence(adk[i]);
+        reg_fence(adv[i]);
+    }
+    const size_t kvs = (size_t)a.Hkv * D;
+    const size_t base = (size_t)b * a.Tk * kvs + (size_t)g * D;
+    fa_add_rows<D>(dk + base, kvs, key, a.Tk, adk, a.scale, lane);
+    fa_add_rows<D>(dv + base, kvs, key, a.Tk, adv, 1.0f, lane);
+#else
+    __trap(); /* sm_90a only: the host never launches it elsewhere */
+#endif
+}
+
+/* ------------------------------------------------------------------ dq */
+
+template <int D>
+__global__ void __launch_bounds__(THREADS, 1)
+    fa_sm90_dq_kernel(const __grid_constant__ CUtensorMap mq,
+                      const __grid_constant__ CUtensorMap mk,
+                      const __grid_constant__ CUtensorMap mv,
+                      const __grid_constant__ CUtensorMap mdy, moe_bf16 *dq, const float *lse,
+                      const float *delta, const Args a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    typedef LayoutQ<D> L;
+    constexpr int NC = L::NC, STAGES = L::STAGES;
+    extern __shared__ uint8_t fa_smem_raw[];
+    uint8_t *Qs = fa_smem_raw + ((1024 - (smem_u32(fa_smem_raw) & 1023)) & 1023);
+    uint8_t *dYs = Qs + L::RES;
+    uint8_t *ring = dYs + L::RES; /* stage s: K at ring + s·STAGE, V TILE bytes after it */
+    __shared__ uint64_t qbar, full[MAX_STAGES], empty[MAX_STAGES];
+
+    const int nqt = (a.Tq + BIG - 1) / BIG;
+    const int h = blockIdx.x, b = blockIdx.y, t0 = (nqt - 1 - (int)blockIdx.z) * BIG;
+    const int g = h / (a.Hq / a.Hkv);
+    /* the keys the CTA's last row sees: [0, kend) (attention.cu's fa_key_end) */
+    const long long last = (long long)min(t0 + BIG, a.Tq) - 1 + a.off;
+    const int kend = last < 0 ? 0 : (int)(last + 1 < a.Tk ? last + 1 : a.Tk);
+    const int nkt = (kend + SMALL - 1) / SMALL;
+    if (nkt == 0)
+        return; /* no row of the tile sees a key: dq gets nothing (uniform) */
+    const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+
+    if (threadIdx.x == 0) {
+        mbar_init(&qbar, 1);
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], 8);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 2) {
+        /* ------------------------------------------------ producer (one lane) */
+        setmaxnreg_dec<24>();
+        if (tid == 0) {
+            mbar_expect_tx(&qbar, 2 * L::RES);
+            for (int c = 0; c < NC; c++) {
+                tma_load_4d(Qs + c * BOX_BIG, &mq, &qbar, 64 * c, h, t0, b);
+                tma_load_4d(dYs + c * BOX_BIG, &mdy, &qbar, 64 * c, h, t0, b);
+            }
+            for (int j = 0; j < nkt; j++) {
+                const int s = j % STAGES, phase = (j / STAGES) & 1;
+                mbar_wait(&empty[s], phase ^ 1);
+                uint8_t *kt = ring + s * L::STAGE, *vt = kt + L::TILE;
+                mbar_expect_tx(&full[s], L::STAGE);
+                for (int c = 0; c < NC; c++) {
+                    tma_load_4d(kt + c * BOX_SMALL, &mk, &full[s], 64 * c, g, j * SMALL, b);
+                    tma_load_4d(vt + c * BOX_SMALL, &mv, &full[s], 64 * c, g, j * SMALL, b);
+                }
+            }
+        }
+        return;
+    }
+
+    /* ---------------------------------------------------- consumers */
+    setmaxnreg_inc<240>();
+    const int lane = tid % 32, w = tid / 32;
+    const int row = t0 + 64 * wg + 16 * w + lane / 4; /* this thread's rows: row, row + 8 */
+    const float sl = a.scale * LOG2E;
+    float l2[2], dl[2]; /* lse₂ (0 where −∞ or past Tq) and δ of the two rows */
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int t = row + 8 * i;
+        const size_t at = ((size_t)b * a.Hq + h) * a.Tq + t;
+        const float lt = t < a.Tq ? lse[at] : -INFINITY;
+        l2[i] = lt == -INFINITY ? 0.0f : lt * LOG2E;
+        dl[i] = t < a.Tq ? delta[at] : 0.0f;
+    }
+    const uint8_t *qa = Qs + wg * 64 * 128, *dya = dYs + wg * 64 * 128; /* our 64 rows */
+    float adq[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++)
+        adq[i] = 0.0f;
+    float sc[32], dp[32]; /* S, dP: 64 rows × 64 keys per warpgroup */
+    uint32_t da[16];      /* dS as A fragments */
+
+    mbar_wait(&qbar, 0);
+    for (int j = 0; j < nkt; j++) {
+        const int s = j % STAGES, k0 = j * SMALL;
+        const uint8_t *kt = ring + s * L::STAGE, *vt = kt + L::TILE;
+        mbar_wait(&full[s], (j / STAGES) & 1);
+        wgmma_fence();
+        fa_issue_abt<D>(sc, qa, kt);
+        fa_issue_abt<D>(dp, dya, vt);
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            reg_fence(sc[i]);
+            reg_fence(dp[i]);
+        }
+        const bool mask = k0 + SMALL - 1 > t0 + a.off || k0 + SMALL > a.Tk;
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int i = e >> 1, kc = k0 + 8 * n + 2 * (lane % 4) + (e & 1);
+                float p = exp2f(fmaf(sc[4 * n + e], sl, -l2[i]));
+                if (mask && (kc > row + 8 * i + a.off || kc >= a.Tk))
+                    p = 0.0f;
+                dp[4 * n + e] = p * (dp[4 * n + e] - dl[i]); /* dS (without 1/√D) */
+            }
+        fa_pack_a(da, dp);
+        wgmma_fence();
+        fa_issue_rs<D>(adq, da, kt);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fa_release(&empty[s], lane);
+    }
+#pragma unroll
+    for (int i = 0; i < D / 2; i++)
+        reg_fence(adq[i]);
+    const size_t qs = (size_t)a.Hq * D;
+    fa_add_rows<D>(dq + (size_t)b * a.Tq * qs + (size_t)h * D, qs, row, a.Tq, adq, a.scale,
+                   lane);
+#else
+    __trap();
+#endif
+}
+
+/* ---------------------------------------------------------------- host side */
+
+/* MOE_FLASH_SM90_BWD: unset or 0 = the portable backward (the default until the Hopper one
+ * is verified on a GPU), 1 = the Hopper backward; read at every call (a getenv), so that one
+ * process (the tests, the benchmark) can switch. */
+bool fa_sm90_bwd_enabled(void) {
+    const char *e = getenv("MOE_FLASH_SM90_BWD");
+    if (!e)
+        return false;
+    if (strcmp(e, "0") && strcmp(e, "1")) {
+        fprintf(stderr, "MOE_FLASH_SM90_BWD=%s: must be 0 (the portable flash-attention "
+                        "backward, the default) or 1 (the Hopper backward of "
+                        "kernels/attention_sm90_bwd.cu, sm_90 only)\n", e);
+        exit(1);
+    }
+    return e[0] == '1';
+}
+
+long long g_sm90_bwd_calls = 0;
+
+template <int D>
+void fa_sm90_bwd_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const void *dy,
+                        const float *lse, const float *delta, const void *q, const void *k,
+                        const void *v, moe_attention_shape s) {
+    static bool configured = false;
+    if (!configured) {
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(fa_sm90_dkdv_kernel<D>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            LayoutKV<D>::BYTES));
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(fa_sm90_dq_kernel<D>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            LayoutQ<D>::BYTES));
+        configured = true;
+    }
+    Args a;
+    a.Tq = s.Tq;
+    a.Tk = s.Tk;
+    a.Hq = s.Hq;
+    a.Hkv = s.Hkv;
+    a.off = s.q_pos - s.k_pos;
+    a.scale = (float)(1.0 / sqrt((double)D));
+    /* the resident tiles in boxes of 128 rows, the streamed ones in boxes of 64 */
+    const CUtensorMap mk_big = fa_sm90_map(k, s.B, s.Tk, s.Hkv, D, BIG);
+    const CUtensorMap mv_big = fa_sm90_map(v, s.B, s.Tk, s.Hkv, D, BIG);
+    const CUtensorMap mq_small = fa_sm90_map(q, s.B, s.Tq, s.Hq, D, SMALL);
+    const CUtensorMap mdy_small = fa_sm90_map(dy, s.B, s.Tq, s.Hq, D, SMALL);
+    const dim3 gkv((unsigned)s.Hkv, (unsigned)s.B, (unsigned)((s.Tk + BIG - 1) / BIG));
+    fa_sm90_dkdv_kernel<D><<<gkv, THREADS, LayoutKV<D>::BYTES, moe_cuda_stream()>>>(
+        mq_small, mk_big, mv_big, mdy_small, dk, dv, lse, delta, a);
+    MOE_CUDA_LAUNCH_CHECK();
+
+    const CUtensorMap mq_big = fa_sm90_map(q, s.B, s.Tq, s.Hq, D, BIG);
+    const CUtensorMap mdy_big = fa_sm90_map(dy, s.B, s.Tq, s.Hq, D, BIG);
+    const CUtensorMap mk_small = fa_sm90_map(k, s.B, s.Tk, s.Hkv, D, SMALL);
+    const CUtensorMap mv_small = fa_sm90_map(v, s.B, s.Tk, s.Hkv, D, SMALL);
+    const dim3 gq((unsigned)s.Hq, (unsigned)s.B, (unsigned)((s.Tq + BIG - 1) / BIG));
+    fa_sm90_dq_kernel<D><<<gq, THREADS, LayoutQ<D>::BYTES, moe_cuda_stream()>>>(
+        mq_big, mk_small, mv_small, mdy_big, dq, lse, delta, a);
+    MOE_CUDA_LAUNCH_CHECK();
+}
+
+} // namespace
+
+extern "C" int moe_cuda_attention_sm90_backward(void *dq, void *dk, void *dv, const void *dy,
+                                                const moe_real *lse, const moe_real *delta,
+                                                const void *q, const void *k, const void *v,
+                                                moe_attention_shape s) {
+    if (!fa_sm90_bwd_enabled() || (s.D != 64 && s.D != 128) || s.B < 1 || s.Tq < 1 ||
+        s.Tk < 1 || s.B > 65535 || (s.Tq + BIG - 1) / BIG > 65535 ||
+        (s.Tk + BIG - 1) / BIG > 65535 || !fa_sm90_device())
+        return 0;
+    if (!fa_aligned16(dq) || !fa_aligned16(dk) || !fa_aligned16(dv) || !fa_aligned16(dy) ||
+        !fa_aligned16(q) || !fa_aligned16(k) || !fa_aligned16(v))
+        return 0; /* TMA needs 16-byte aligned tensors; the epilogue 4-byte pairs */
+    if (s.D == 64)
+        fa_sm90_bwd_launch<64>((moe_bf16 *)dq, (moe_bf16 *)dk, (moe_bf16 *)dv, dy, lse, delta,
+                               q, k, v, s);
+    else
+        fa_sm90_bwd_launch<128>((moe_bf16 *)dq, (moe_bf16 *)dk, (moe_bf16 *)dv, dy, lse, delta,
+                                q, k, v, s);
+    g_sm90_bwd_calls++;
+    return 1;
+}
+
+extern "C" long long moe_cuda_attention_sm90_backward_calls(void) { return g_sm90_bwd_calls; }
