@@ -17,7 +17,10 @@
  *  - The reduction off (MOE_FP8_AMAX_REDUCE=0): the windows part across the ranks after one
  *    step (the test that fails without the reduction).
  * Bounds, fp32 on CPU ranks: the losses 1e-5 relative at the first step, 1e-4 later (as
- * tests/mpi_dp.c); the windows against one process's 1e-5 relative.
+ * tests/mpi_dp.c); the windows equal across the ranks bit for bit, and against one
+ * process's 1e-5 relative under DP; under EP 1e-5 for the activations' and weights'
+ * windows at the first step, 5e-2 for the output gradients' and for every window later
+ * (why: at the check below).
  */
 #include <math.h>
 #include <stdio.h>
@@ -139,15 +142,38 @@ static void check_invariance(const char *base, int ep, int steps) {
                                      ep > 1 ? dense_floats(lp) : per_layer);
         ck_assert_msg(bad == 0, "step %d: %lld amax window slot(s) differ across the ranks",
                       s + 1, bad);
-        /* and they are the one process's (to the sums' order). Under EP not checked yet: at
-         * step 1 some dense windows differ beyond 1e-5 while the loss agrees to 2e-7 (not
-         * understood yet; see the branch's report) */
+        /* and they are the one process's: under DP to the last bit (1e-5 allowed); under EP
+         * the activations' and weights' windows too at the first step, the output gradients'
+         * to 5e-2, and every window to 5e-2 once the updates differ. Under EP the experts' outputs come back and add in another order, so the
+         * backward's fp32 gradients differ in the last bits; the E4M3 quantization of a
+         * gradient turns a few of those into whole-code flips (one step = 6-12 %), and the
+         * attention's gradients computed from them carry the flip: the worst dense window
+         * (Q's or K's output gradient) differs by 2e-3 at step 1 and 9e-3 after on 2 CPU
+         * ranks, 2.7e-2 at step 1 on 4, with the loss within 2e-7 at step 1. A missing reduction shows as the windows differing
+         * across the ranks, which the check above asserts bit for bit. */
         long long far = 0;
-        for (int l = 0; ep == 1 && l < lp->layers; l++)
+        double worst = 0, worst_ng = 0;
+        size_t wi = 0;
+        for (int l = 0; l < lp->layers; l++)
             for (size_t i = 0; i < dense_floats(lp); i++) {
                 const float a = h[(size_t)l * per_layer + i], b = hr[(size_t)l * per_layer_ref + i];
-                far += !(fabsf(a - b) <= 1e-5f * fmaxf(fabsf(b), 1e-30f) || (a == b));
+                const double r = fabsf(a - b) / fmaxf(fabsf(b), 1e-30f);
+                const int grad = (int)(i / (size_t)lp->hist_len) % MOE_LOWP_ROLES ==
+                                 MOE_LOWP_GRADIENT;
+                if (a != b && r > worst)
+                    worst = r, wi = (size_t)l * 100000 + i;
+                if (a != b && !grad && r > worst_ng)
+                    worst_ng = r;
+                /* under EP: the gradients' windows 5e-2; the others 1e-5 at the first step,
+                 * and 5e-2 after it, once AdamW has turned the flipped gradient elements into
+                 * other updates (the worst: 9e-3 on 4 CPU ranks at step 2) */
+                const double bound = ep == 1 ? 1e-5 : grad || s ? 5e-2 : 1e-5;
+                far += !(r <= bound || a == b);
             }
+        if (rank == 0)
+            printf("  delayed, %s %d ranks, step %d: dense amax windows vs one process, worst "
+                   "relative difference %.3e (layer %zu, slot %zu), %.3e of the other roles\n",
+                   ep > 1 ? "EP" : "DP", W, s + 1, worst, wi / 100000, wi % 100000, worst_ng);
         MOE_TEST_AGREE(far, "step %d: dense amax windows differ from one process's", s + 1);
         free(h);
         free(hr);
