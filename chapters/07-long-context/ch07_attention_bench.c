@@ -358,6 +358,18 @@ int main(int argc, char **argv) {
             sdpa = 0;
             continue;
         }
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            printf("usage: bin/ch07_attention_bench [--seqs 1024,4096,16384,32768,65536] "
+                   "[--dims 64,128]\n"
+                   "                                [--tokens 16384] [--hidden 2048] "
+                   "[--repeats 10] [--warmup 3]\n"
+                   "                                [--python python3 | --no-sdpa]\n"
+                   "Causal bf16 flash attention, forward, backward and both, against PyTorch "
+                   "SDPA's flash and cuDNN\nbackends in the same run. MOE_FLASH_SM90=0: the "
+                   "portable forward only; MOE_FLASH_SM90_BWD=1: the\nHopper backward "
+                   "(kernels/attention_sm90_bwd.cu).\n");
+            return 0;
+        }
         if (!val) {
             fprintf(stderr, "ch07_attention_bench: %s needs a value (or unknown flag)\n", a);
             return 2;
