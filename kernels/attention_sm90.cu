@@ -172,16 +172,8 @@ __global__ void __launch_bounds__(THREADS, 1)
             mbar_expect_tx(&qbar, L::TILE);
             for (int c = 0; c < NC; c++)
                 tma_load_4d(Qs + c * BOX, &mq, &qbar, 64 * c, h, t0, b);
-            for (int j = 0; j < nkt; j++) {
-                const int s = j % STAGES, phase = (j / STAGES) & 1;
-                mbar_wait(&empty[s], phase ^ 1); /* a fresh barrier passes parity 1 */
-                uint8_t *kt = KV + s * L::STAGE, *vt = kt + L::TILE;
-                mbar_expect_tx(&full[s], L::STAGE);
-                for (int c = 0; c < NC; c++) {
-                    tma_load_4d(kt + c * BOX, &mk, &full[s], 64 * c, g, j * BN, b);
-                    tma_load_4d(vt + c * BOX, &mv, &full[s], 64 * c, g, j * BN, b);
-                }
-            }
+            fa_produce_kv<STAGES, NC>(KV, L::STAGE, L::TILE, BOX, &mk, &mv, full, empty, nkt,
+                                      BN, g, b);
         }
         return;
     }

@@ -40,6 +40,28 @@ static __device__ __forceinline__ uint32_t fa_pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t *>(&v);
 }
+
+/* The producer's key/value ring, shared by the forward and the backward's dq kernel: key
+ * tiles j = 0 .. nkt−1 of `rows` keys of KV head g in sequence b, each stage holding the K
+ * tile then the V tile (tile_bytes each, NC boxes of box_bytes side by side along D), its
+ * `full` barrier expecting both, after the consumers released it through `empty`. */
+template <int STAGES, int NC>
+static __device__ __forceinline__ void fa_produce_kv(uint8_t *ring, int stage_bytes,
+                                                     int tile_bytes, int box_bytes,
+                                                     const CUtensorMap *mk, const CUtensorMap *mv,
+                                                     uint64_t *full, uint64_t *empty, int nkt,
+                                                     int rows, int g, int b) {
+    for (int j = 0; j < nkt; j++) {
+        const int s = j % STAGES, phase = (j / STAGES) & 1;
+        mbar_wait(&empty[s], phase ^ 1); /* a fresh barrier passes parity 1 */
+        uint8_t *kt = ring + s * stage_bytes, *vt = kt + tile_bytes;
+        mbar_expect_tx(&full[s], stage_bytes);
+        for (int c = 0; c < NC; c++) {
+            tma_load_4d(kt + c * box_bytes, mk, &full[s], 64 * c, g, j * rows, b);
+            tma_load_4d(vt + c * box_bytes, mv, &full[s], 64 * c, g, j * rows, b);
+        }
+    }
+}
 #endif
 
 /* A 4-D tensor map over x [B][T][H][D] bf16 with boxes of [rows][64 d] of one head of one

@@ -382,16 +382,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                 tma_load_4d(Qs + c * BOX_BIG, &mq, &qbar, 64 * c, h, t0, b);
                 tma_load_4d(dYs + c * BOX_BIG, &mdy, &qbar, 64 * c, h, t0, b);
             }
-            for (int j = 0; j < nkt; j++) {
-                const int s = j % STAGES, phase = (j / STAGES) & 1;
-                mbar_wait(&empty[s], phase ^ 1);
-                uint8_t *kt = ring + s * L::STAGE, *vt = kt + L::TILE;
-                mbar_expect_tx(&full[s], L::STAGE);
-                for (int c = 0; c < NC; c++) {
-                    tma_load_4d(kt + c * BOX_SMALL, &mk, &full[s], 64 * c, g, j * SMALL, b);
-                    tma_load_4d(vt + c * BOX_SMALL, &mv, &full[s], 64 * c, g, j * SMALL, b);
-                }
-            }
+            fa_produce_kv<STAGES, NC>(ring, L::STAGE, L::TILE, BOX_SMALL, &mk, &mv, full, empty,
+                                      nkt, SMALL, g, b);
         }
         return;
     }
