@@ -573,6 +573,8 @@ printf '%s\n' '$(1): T=1 H=8 F=8 E=2 k=1 -> $(2) rows, 1..2 per expert' 'our wgr
   > $(PLOT_TEST)/$(1).txt
 endef
 test-plots:
+	@echo "== which kernels' device code changed (tools/device_code_diff.py)"
+	@NVCC=$(NVCC) tools/test_device_code_diff.sh
 	@echo "== run summaries (tools/metrics_summary.py)"
 	@mkdir -p $(PLOT_TEST) && printf '%s\n' '{"event":"config"}' \
 	  '{"event":"train","step":1,"loss":5.0,"step_s":0.9,"tokens_per_s":10}' \
