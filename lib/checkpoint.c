@@ -295,7 +295,9 @@ static moe_status write_shard(const moe_trainer *t, const char *path, host_state
                               m->cfg.num_experts, h->expert_bias);
         if (has_sr_counter(m)) /* the same on every rank: each quantizes as many gradients */
             list[n++] = entry(SR_TENSOR, MOE_CKPT_I64, NULL, 1, 1, 0, &h->sr_calls);
-        if (h->dl_scalars) { /* (delayed scaling runs on one rank: trainer.c) */
+        if (h->dl_scalars) { /* rank 0's: on several ranks the replicas' windows are equal
+                              * after the amax reduction, and EP, where they are not, is
+                              * refused with a checkpoint (trainer.c) */
             const int64_t ns = (int64_t)dl_sites(m);
             list[n++] = entry(DL_SCALARS, MOE_CKPT_F32, NULL, 2, ns, 4, h->dl_scalars);
             list[n++] = entry(DL_SLOTS, MOE_CKPT_I64, NULL, 2, ns, 2, h->dl_slots);

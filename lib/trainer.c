@@ -157,6 +157,20 @@ moe_status moe_trainer_create_dist(moe_trainer **out, const moe_config *cfg, moe
      * MOE_FP8_AMAX_REDUCE=0 turns the reduction off: tests only (they show the windows part) */
     const char *amax_env = getenv("MOE_FP8_AMAX_REDUCE");
     t->amax_reduce = !(amax_env && strcmp(amax_env, "0") == 0);
+    /* The checkpoint keeps rank 0's site table (checkpoint.c): the replicas' windows are
+     * equal after the reduction, but under EP each rank holds other experts' sites, so a
+     * resume would give every rank rank 0's expert histories. Refused until the table is
+     * saved per EP rank. */
+    if (s == MOE_OK && t->world_size > 1 && strcmp(c->fp8_recipe, "delayed") == 0 &&
+        strcmp(c->fp8_format, "none") != 0 && c->expert_model_parallel_size > 1 &&
+        (c->save[0] || c->load[0]))
+        s = moe_error_set(err, MOE_ERR_CONFIG,
+                          "--fp8-recipe delayed with --expert-model-parallel-size %d and "
+                          "--save/--load: the checkpoint keeps one rank's amax histories, and "
+                          "under EP each rank's experts have their own; not supported yet: "
+                          "checkpoint with EP 1 (data parallel only), or use --fp8-recipe "
+                          "blockwise or tensorwise",
+                          c->expert_model_parallel_size);
     t->ep.be = be;
     if (s == MOE_OK && world)
         s = make_groups(t, err);

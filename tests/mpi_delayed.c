@@ -221,6 +221,33 @@ START_TEST(test_delayed_without_reduction_parts) {
 }
 END_TEST
 
+/* The checkpoint keeps rank 0's site table: right for replicas (DP), wrong under EP, where
+ * each rank's experts have their own windows, so that combination is refused by name */
+START_TEST(test_delayed_ep_checkpoint_refused) {
+    moe_comm *w = moe_test_world();
+    const int W = moe_comm_size(w);
+    if (W < 2)
+        return;
+    char flags[1024];
+    snprintf(flags, sizeof flags,
+             "%s %s --micro-batch-size 2 --global-batch-size %d --expert-model-parallel-size %d "
+             "--save /tmp/moe_mpi_delayed_ckpt --device %s",
+             MOE, FP8, 2 * W, W, on_gpu() ? "cuda" : "cpu");
+    moe_config c;
+    moe_error err;
+    setenv("MOE_NO_DOWNLOAD", "1", 1);
+    ck_assert_msg(moe_test_config(&c, flags, &err) == MOE_OK, "%s", err.msg);
+    moe_trainer *t = NULL;
+    const moe_status st = moe_trainer_create_dist(&t, &c, w, &err);
+    ck_assert_msg(st == MOE_ERR_CONFIG && strstr(err.msg, "--expert-model-parallel-size") &&
+                      strstr(err.msg, "--save/--load"),
+                  "delayed + EP + --save: status %d, '%s'", (int)st, err.msg);
+    moe_trainer_free(t);
+    if (moe_comm_rank(w) == 0)
+        printf("  delayed, EP %d with --save: %s\n", W, err.msg);
+}
+END_TEST
+
 Suite *suite_mpi_delayed(void) {
     Suite *s = suite_create("mpi_delayed");
     TCase *tc = tcase_create("ch05");
@@ -228,6 +255,7 @@ Suite *suite_mpi_delayed(void) {
     tcase_add_test(tc, test_delayed_dp_matches_one_process);
     tcase_add_test(tc, test_delayed_ep_matches_one_process);
     tcase_add_test(tc, test_delayed_without_reduction_parts);
+    tcase_add_test(tc, test_delayed_ep_checkpoint_refused);
     suite_add_tcase(s, tc);
     return s;
 }
