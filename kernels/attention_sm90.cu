@@ -155,14 +155,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int nkt = (kend + BN - 1) / BN;
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
 
-    if (threadIdx.x == 0) {
-        mbar_init(&qbar, 1);
-        for (int s = 0; s < STAGES; s++) {
-            mbar_init(&full[s], 1);  /* the producer's expect_tx (+ the bytes) */
-            mbar_init(&empty[s], 8); /* one arrival per consumer warp */
-        }
-        mbar_init_fence();
-    }
+    fa_init_barriers(&qbar, full, empty, STAGES);
     __syncthreads();
 
     if (wg == 2) {

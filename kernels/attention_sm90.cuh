@@ -41,6 +41,21 @@ static __device__ __forceinline__ uint32_t fa_pack_bf16(float lo, float hi) {
     return *reinterpret_cast<uint32_t *>(&v);
 }
 
+/* The first thread sets up a CTA's barriers: `resident` for the tiles loaded once (one
+ * expect_tx), and per ring stage `full` (the producer's expect_tx and the bytes) and `empty`
+ * (one arrival per consumer warp, 8); the caller syncs the block after it. */
+static __device__ __forceinline__ void fa_init_barriers(uint64_t *resident, uint64_t *full,
+                                                        uint64_t *empty, int stages) {
+    if (threadIdx.x == 0) {
+        mbar_init(resident, 1);
+        for (int s = 0; s < stages; s++) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], 8);
+        }
+        mbar_init_fence();
+    }
+}
+
 /* The producer's key/value ring, shared by the forward and the backward's dq kernel: key
  * tiles j = 0 .. nkt−1 of `rows` keys of KV head g in sequence b, each stage holding the K
  * tile then the V tile (tile_bytes each, NC boxes of box_bytes side by side along D), its

@@ -222,14 +222,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int per = (a.Tq + SMALL - 1) / SMALL - qt0, nit = rep * per;
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
 
-    if (threadIdx.x == 0) {
-        mbar_init(&kvbar, 1);
-        for (int s = 0; s < STAGES; s++) {
-            mbar_init(&full[s], 1);  /* the producer's expect_tx (+ the bytes) */
-            mbar_init(&empty[s], 8); /* one arrival per consumer warp */
-        }
-        mbar_init_fence();
-    }
+    fa_init_barriers(&kvbar, full, empty, STAGES);
     __syncthreads();
 
     if (wg == 2) {
@@ -363,14 +356,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         return; /* no row of the tile sees a key: dq gets nothing (uniform) */
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
 
-    if (threadIdx.x == 0) {
-        mbar_init(&qbar, 1);
-        for (int s = 0; s < STAGES; s++) {
-            mbar_init(&full[s], 1);
-            mbar_init(&empty[s], 8);
-        }
-        mbar_init_fence();
-    }
+    fa_init_barriers(&qbar, full, empty, STAGES);
     __syncthreads();
 
     if (wg == 2) {
