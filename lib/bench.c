@@ -17,6 +17,30 @@ double moe_median(double *v, int n) {
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+moe_bench_env moe_bench_env_set(const char *name, const char *value) {
+    moe_bench_env e = {name, 0, ""};
+    const char *old = getenv(name);
+    if (old) {
+        if (strlen(old) >= sizeof e.value) {
+            fprintf(stderr, "%s=%s: longer than %zu characters, which this program cannot "
+                            "restore after changing it; unset it or give a shorter value\n",
+                    name, old, sizeof e.value - 1);
+            exit(2);
+        }
+        e.was_set = 1;
+        snprintf(e.value, sizeof e.value, "%s", old);
+    }
+    setenv(name, value, 1);
+    return e;
+}
+
+void moe_bench_env_restore(const moe_bench_env *e) {
+    if (e->was_set)
+        setenv(e->name, e->value, 1);
+    else
+        unsetenv(e->name);
+}
+
 void moe_bench_header(const char *title, const char *device) {
     char date[64], commit[64];
     moe_utc_date(date, sizeof date);

@@ -21,6 +21,27 @@ double moe_median(double *v, int n);
  */
 void moe_bench_header(const char *title, const char *device);
 
+/** An environment variable as it was before moe_bench_env_set(), to put back. */
+typedef struct moe_bench_env {
+    const char *name; /**< the variable */
+    int was_set;      /**< 1: it had a value (@ref value), 0: it was unset */
+    char value[64];   /**< its former value (longer values are refused) */
+} moe_bench_env;
+
+/**
+ * @brief Give an environment switch (MOE_FLASH_SM90, MOE_FP8_FUSED, ...) a value for one
+ *        measurement or test, remembering the old one for moe_bench_env_restore().
+ * @param name the variable  @param value its value for now
+ * @return what to restore; a former value longer than 63 characters aborts with a message
+ */
+moe_bench_env moe_bench_env_set(const char *name, const char *value);
+
+/**
+ * @brief Put back what moe_bench_env_set() replaced: the former value, or unset.
+ * @param e what moe_bench_env_set() returned
+ */
+void moe_bench_env_restore(const moe_bench_env *e);
+
 /**
  * @brief Parse a benchmark flag's comma list of positive integers ("1024,4096,16384").
  * @param s the list  @param out receives the values  @param cap room in @p out

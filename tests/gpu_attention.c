@@ -35,6 +35,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "bench.h"
 #include "cp_layout.h"
 #include "cpu/ops.h"
 #include "cuda_ops.h"
@@ -655,8 +656,7 @@ START_TEST(test_attention_sm90_backward) {
     void *dgy = upload(gy, nq), *dy = upload(y, nq);
     float *dlse = upload_f32(lse, nl);
     const int sm90 = device_is_sm90();
-    const char *saved = getenv("MOE_FLASH_SM90_BWD");
-    char *restore = saved ? strdup(saved) : NULL;
+    const moe_bench_env env = moe_bench_env_set("MOE_FLASH_SM90_BWD", "0");
     /* run 0: the portable backward; runs 1 and 2: the Hopper one (twice: the same bits) */
     moe_real *got[3][3];
     uint16_t *raw[3][3];
@@ -681,12 +681,7 @@ START_TEST(test_attention_sm90_backward) {
         }
         cudaFree(ws);
     }
-    if (restore) {
-        ck_assert_int_eq(setenv("MOE_FLASH_SM90_BWD", restore, 1), 0);
-        free(restore);
-    } else {
-        unsetenv("MOE_FLASH_SM90_BWD");
-    }
+    moe_bench_env_restore(&env);
 
     printf("attention sm90 backward B=%d Tq=%4d Tk=%4d Hq=%d Hkv=%d D=%3d pos %d/%d (%s)%s\n",
            s.B, s.Tq, s.Tk, s.Hq, s.Hkv, s.D, s.q_pos, s.k_pos, s.what,

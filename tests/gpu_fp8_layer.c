@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench.h"
 #include "cuda_ops.h"
 #include "helpers.h"
 #include "lowp.h"
@@ -286,20 +287,13 @@ static int check_layer(const int *sizes, int G, int H, int F, int wgrad) {
     run_mlp(g, &le, NULL, off, G, H, F, x, w1, w2, rs, dy, emu);
     /* the fused passes (lib/mlp.c, MOE_FP8_FUSED) against the separate ones: the same bits,
      * provided the GEMMs repeat themselves bit for bit (checked by running fused twice) */
-    const char *env = getenv("MOE_FP8_FUSED");
-    char saved[16] = "";
-    if (env)
-        snprintf(saved, sizeof saved, "%s", env);
-    setenv("MOE_FP8_FUSED", "1", 1);
+    moe_bench_env env = moe_bench_env_set("MOE_FP8_FUSED", "1");
     ck_assert(moe_mlp_fp8_fused(g, &(moe_groups){.fp8_w1 = &fw[0], .fp8_w2 = &fw[1]}));
     run_mlp(g, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, nat);
     run_mlp(g, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, again);
     setenv("MOE_FP8_FUSED", "0", 1);
     run_mlp(g, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, unf);
-    if (env)
-        setenv("MOE_FP8_FUSED", saved, 1);
-    else
-        unsetenv("MOE_FP8_FUSED");
+    moe_bench_env_restore(&env);
     int ok = 1;
     for (int k = 0; k < NOUT; k++) {
         const int repeat = memcmp(nat[k], again[k], sizeof(moe_real) * cnt[k]) == 0;

@@ -470,21 +470,14 @@ int main(int argc, char **argv) {
                                   prec[p] && !(p && f)))
                                 continue;
                             /* fp8-unfused: MOE_FP8_FUSED=0 for this run, restored after */
-                            const char *env = getenv("MOE_FP8_FUSED");
-                            char saved[16] = "";
-                            if (env)
-                                snprintf(saved, sizeof saved, "%s", env);
+                            moe_bench_env env;
                             if (p == 2)
-                                setenv("MOE_FP8_FUSED", "0", 1);
+                                env = moe_bench_env_set("MOE_FP8_FUSED", "0");
                             g_fp8_tag = p == 2 ? "+fp8-unfused" : "+fp8";
                             fails += run_shape(be, s, &o, (moe_expert_impl)impl,
                                                (moe_dw_mode)dw, f, p != 0);
-                            if (p == 2) {
-                                if (env)
-                                    setenv("MOE_FP8_FUSED", saved, 1);
-                                else
-                                    unsetenv("MOE_FP8_FUSED");
-                            }
+                            if (p == 2)
+                                moe_bench_env_restore(&env);
                         }
                     }
     }

@@ -252,29 +252,14 @@ static void measure(shape_result *r, int reps, int warmup) {
     r->fwd = time_op(0, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
     r->sm90 = moe_cuda_attention_sm90_calls() > calls;
     /* the portable forward on the same inputs, then the caller's setting back */
-    const char *prev = getenv("MOE_FLASH_SM90");
-    char saved[16] = "";
-    if (prev)
-        snprintf(saved, sizeof saved, "%s", prev);
-    setenv("MOE_FLASH_SM90", "0", 1);
+    moe_bench_env env = moe_bench_env_set("MOE_FLASH_SM90", "0");
     r->fwd_portable = time_op(0, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
-    if (prev)
-        setenv("MOE_FLASH_SM90", saved, 1);
-    else
-        unsetenv("MOE_FLASH_SM90");
+    moe_bench_env_restore(&env);
     r->bwd = time_op(1, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
-    if (r->sm90_bwd) {
-        /* the portable backward on the same inputs, then the caller's setting back */
-        const char *pb = getenv("MOE_FLASH_SM90_BWD");
-        char sb[16] = "";
-        if (pb)
-            snprintf(sb, sizeof sb, "%s", pb);
-        setenv("MOE_FLASH_SM90_BWD", "0", 1);
+    if (r->sm90_bwd) { /* and the portable backward */
+        env = moe_bench_env_set("MOE_FLASH_SM90_BWD", "0");
         r->bwd_portable = time_op(1, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
-        if (pb)
-            setenv("MOE_FLASH_SM90_BWD", sb, 1);
-        else
-            unsetenv("MOE_FLASH_SM90_BWD");
+        moe_bench_env_restore(&env);
     }
     r->fb = time_op(2, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
     void *bufs[] = {q, k, v, dy, y, dq, dk, dv, lse, ws};
