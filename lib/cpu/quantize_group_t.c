@@ -60,11 +60,12 @@ static float block_scale(const float *x, int C, int c, int t0, int t1, moe_fp8_f
     return moe_q_scale_from_amax(moe_q_key_amax(m), moe_fp8_max(f), pow2);
 }
 
-moe_status moe_cpu_quant_group_t(uint8_t *qt, float *st, const float *x, const int *off, int G,
-                                 int rows, int C, size_t kpad, moe_fp8_format f, int pow2,
-                                 moe_error *err) {
-    MOE_TRY(moe_quant_group_t_check(qt, st, x, off, G, rows, C, kpad, f, err));
-    MOE_TRY(check_off(off, G, rows, err));
+/* Every 128-token block of every group and column, with its scale: the codes into qt [C][kpad]
+ * (each group from its padded start, the padding zero codes) and the 1/scales into st
+ * [kpad/128][C] when qt is not NULL; the dequantized values into y [rows, C] (which may be
+ * x: each element is read, then written) when y is not NULL. */
+static void group_t_blocks(uint8_t *qt, float *st, size_t kpad, float *y, const float *x,
+                           const int *off, int G, int C, moe_fp8_format f, int pow2) {
     const int B = MOE_QUANT_BLOCK;
     size_t p = 0; /* the group's padded start */
     for (int g = 0; g < G; g++) {
@@ -74,14 +75,30 @@ moe_status moe_cpu_quant_group_t(uint8_t *qt, float *st, const float *x, const i
             for (int kb = 0; kb < nb; kb++) {
                 const int t0 = off[g] + kb * B, t1 = t0 + B < off[g + 1] ? t0 + B : off[g + 1];
                 const float scale = block_scale(x, C, c, t0, t1, f, pow2);
-                uint8_t *dst = qt + (size_t)c * kpad + p + (size_t)kb * B;
-                for (int i = 0; i < B; i++)
-                    dst[i] = t0 + i < t1 ? moe_q_cast_scaled(x[(size_t)(t0 + i) * C + c], scale, f)
-                                         : 0;
-                st[(p / B + kb) * (size_t)C + c] = moe_q_scale_inv(scale);
+                const float si = moe_q_scale_inv(scale);
+                if (qt) {
+                    uint8_t *dst = qt + (size_t)c * kpad + p + (size_t)kb * B;
+                    for (int i = 0; i < B; i++)
+                        dst[i] = t0 + i < t1
+                                     ? moe_q_cast_scaled(x[(size_t)(t0 + i) * C + c], scale, f)
+                                     : 0;
+                    st[(p / B + kb) * (size_t)C + c] = si;
+                }
+                for (int t = t0; y && t < t1; t++) {
+                    const size_t i = (size_t)t * C + c;
+                    y[i] = moe_q_dequant(moe_fp8_decode(moe_q_cast_scaled(x[i], scale, f), f), si);
+                }
             }
         p += (size_t)nb * B;
     }
+}
+
+moe_status moe_cpu_quant_group_t(uint8_t *qt, float *st, const float *x, const int *off, int G,
+                                 int rows, int C, size_t kpad, moe_fp8_format f, int pow2,
+                                 moe_error *err) {
+    MOE_TRY(moe_quant_group_t_check(qt, st, x, off, G, rows, C, kpad, f, err));
+    MOE_TRY(check_off(off, G, rows, err));
+    group_t_blocks(qt, st, kpad, NULL, x, off, G, C, f, pow2);
     return MOE_OK;
 }
 
@@ -91,20 +108,6 @@ moe_status moe_cpu_qdq_group_t(float *y, const float *x, const int *off, int G, 
     MOE_TRY(moe_quant_group_t_check(&dummy, &dummy, x, off, G, rows, C,
                                     moe_fp8_wgrad_kpad(rows, G), f, err));
     MOE_TRY(check_off(off, G, rows, err));
-    const int B = MOE_QUANT_BLOCK;
-    for (int g = 0; g < G; g++) {
-        const int n = off[g + 1] - off[g], nb = (n + B - 1) / B;
-#pragma omp parallel for schedule(static) if ((size_t)n * C > 65536)
-        for (int c = 0; c < C; c++)
-            for (int kb = 0; kb < nb; kb++) {
-                const int t0 = off[g] + kb * B, t1 = t0 + B < off[g + 1] ? t0 + B : off[g + 1];
-                const float scale = block_scale(x, C, c, t0, t1, f, pow2);
-                const float si = moe_q_scale_inv(scale);
-                for (int t = t0; t < t1; t++) { /* y may be x: each element read, then written */
-                    const size_t i = (size_t)t * C + c;
-                    y[i] = moe_q_dequant(moe_fp8_decode(moe_q_cast_scaled(x[i], scale, f), f), si);
-                }
-            }
-    }
+    group_t_blocks(NULL, NULL, 0, y, x, off, G, C, f, pow2);
     return MOE_OK;
 }
