@@ -159,7 +159,7 @@ int moe_cuda_attention_sm90_forward(void *y, moe_real *lse, const void *q, const
                                     const void *v, moe_attention_shape s);
 long long moe_cuda_attention_sm90_calls(void);
 /* chapter 07's Hopper flash-attention backward (kernels/attention_sm90_bwd.cu): with
- * MOE_FLASH_SM90_BWD=1 (default 0: written, not yet verified on a GPU), head dims 64 and 128,
+ * MOE_FLASH_SM90_BWD unset or 1 (the default; 0 = the portable kernels), head dims 64 and 128,
  * an sm_90 device and 16-byte aligned tensors, adds the gradients to dq, dk, dv from dy, the
  * forward's lse and delta = rowsum(dy ⊙ y) [B, Hq, Tq] (computed by the caller) and returns
  * 1; else returns 0 without doing anything (moe_cuda_attention_backward calls it first and

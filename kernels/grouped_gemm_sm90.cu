@@ -71,8 +71,8 @@
  * other schedules' kernels compile exactly as without them (with both in one function,
  * ptxas serialised the forward's wgmma for want of registers).
  *
- * The swaptail schedules (written, not yet measured or run on a GPU; off by default)
- * compute a group's last t = 1 .. 64 rows TRANSPOSED, outᵀ = W · Xᵀ: both the 64-row and the
+ * The swaptail schedules (off by default: correct on an H100, but 0.95-0.98x the static
+ * schedule at 129-260 rows per expert, docs/results/03-grouped-gemm-ii.md §3e) compute a group's last t = 1 .. 64 rows TRANSPOSED, outᵀ = W · Xᵀ: both the 64-row and the
  * sharing tile still pay for rows in multiples of 64 because wgmma's M is 64, but its N
  * runs from 8 to 256 in steps of 8. So the weight block becomes wgmma's A (warpgroup c
  * takes features 128c .. 128c + 127 as two A blocks of 64: the very 8 KB pieces the plain

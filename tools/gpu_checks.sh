@@ -17,7 +17,7 @@
 #   fused    the fused permutation against the separate passes (layer fwd+bwd): gather
 #            only, scatter only, both
 #   pending  the measurements of the paths that are off by default until measured (not in
-#            the default list): the Hopper attention backward (MOE_FLASH_SM90_BWD=1), the
+#            the default list): the attention benchmark (Hopper and portable backward), the
 #            grouped GEMM's swapped-tail schedules around the 128- and 256-row cliffs, the
 #            FP8 wgrad's GEMMs (both loops) and the FP8 layer with it (MOE_FP8_WGRAD=1)
 #
@@ -106,7 +106,7 @@ for s in "${sections[@]}"; do
         grep -E "^fine, |all four" "$out/fine.txt"
         ;;
     pending)
-        run pending 300 env MOE_FLASH_SM90_BWD=1 bin/ch07_attention_bench \
+        run pending 300 bin/ch07_attention_bench \
             --seqs 4096,16384,65536 --dims 128,64
         run pending 200 bin/ch03_grouped_gemm_bench --shape fine --warmup 3 --repeats 9 \
             --schedules static,dynamic,static-swaptail,dynamic-swaptail \

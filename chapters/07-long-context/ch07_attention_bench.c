@@ -18,13 +18,13 @@
  * On an sm_90 GPU the forward is the Hopper kernel (kernels/attention_sm90.cu) for D = 64
  * and 128; the portable forward (kernels/attention.cu, MOE_FLASH_SM90=0) is timed too, and
  * the table shows both ("sm90" says which path the main columns took). The backward is the
- * portable one unless MOE_FLASH_SM90_BWD=1 (the Hopper backward of
- * kernels/attention_sm90_bwd.cu, D = 64 and 128 on sm_90: written, not yet verified, off by
- * default); then the portable backward is timed too and "sm90 bwd" says which ran in the main
- * columns (the sampled check runs on the main path, so a wrong Hopper backward stops the
- * program). Run the whole program under MOE_FLASH_SM90=0 to measure the portable kernel alone.
+ * Hopper one on sm_90 for D = 64 and 128 (kernels/attention_sm90_bwd.cu; MOE_FLASH_SM90_BWD=0
+ * keeps the portable one); then the portable backward is timed too and "sm90 bwd" says which
+ * ran in the main columns (the sampled check runs on the main path, so a wrong Hopper
+ * backward stops the program). Run the whole program under MOE_FLASH_SM90=0
+ * MOE_FLASH_SM90_BWD=0 to measure the portable kernels alone.
  *
- *   MOE_FLASH_SM90_BWD=1 bin/ch07_attention_bench --seqs 4096,16384,65536 --dims 128,64
+ *   bin/ch07_attention_bench --seqs 4096,16384,65536 --dims 128,64
  *
  *   bin/ch07_attention_bench [--seqs 1024,4096,16384,32768,65536] [--dims 64,128]
  *                            [--tokens 16384] [--hidden 2048] [--repeats 10] [--warmup 3]
@@ -351,8 +351,8 @@ int main(int argc, char **argv) {
                    "                                [--python python3 | --no-sdpa]\n"
                    "Causal bf16 flash attention, forward, backward and both, against PyTorch "
                    "SDPA's flash and cuDNN\nbackends in the same run. MOE_FLASH_SM90=0: the "
-                   "portable forward only; MOE_FLASH_SM90_BWD=1: the\nHopper backward "
-                   "(kernels/attention_sm90_bwd.cu).\n");
+                   "portable forward only; MOE_FLASH_SM90_BWD=0: the\nportable backward only "
+                   "(the Hopper one is kernels/attention_sm90_bwd.cu).\n");
             return 0;
         }
         if (!val) {
