@@ -272,7 +272,8 @@ __global__ void __launch_bounds__(THREADS, QDQ ? MIN_CTAS / 2 : MIN_CTAS)
             for (int i = 0; i < LOADS; i++) {
                 const int t = lr + ROWS_PER_PASS * i;
                 if (t < nt)
-                    *(uint4 *)(y + (size_t)(t0 + t) * C + c0 + 8 * lq) = tile[t * CHUNKS + swz(t, lq)];
+                    *(uint4 *)(y + (size_t)(t0 + t) * C + c0 + 8 * lq) =
+                        tile[t * CHUNKS + swz(t, lq)];
             }
         }
     }

@@ -239,11 +239,11 @@ START_TEST(test_fp8_encode_fast) {
         for (long long hi = 0; hi < (1LL << 15); hi++)
             for (uint32_t lo = 0; lo < (1u << 16); lo++) {
                 const uint32_t u = (uint32_t)hi << 16 | lo;
+                const moe_fp8_format fm = (moe_fp8_format)f;
                 const float x = from_bits(u), nx = from_bits(u | 0x80000000u);
-                bad += moe_fp8_encode_fast(x, (moe_fp8_format)f) != moe_fp8_encode(x, (moe_fp8_format)f);
+                bad += moe_fp8_encode_fast(x, fm) != moe_fp8_encode(x, fm);
                 if (u % 4093 == 0)
-                    bad += moe_fp8_encode_fast(nx, (moe_fp8_format)f) !=
-                           moe_fp8_encode(nx, (moe_fp8_format)f);
+                    bad += moe_fp8_encode_fast(nx, fm) != moe_fp8_encode(nx, fm);
             }
         ck_assert_msg(bad == 0, "%s: the fast encoder differs on %lld inputs", FNAME[f], bad);
     }
