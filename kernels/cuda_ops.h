@@ -356,6 +356,14 @@ moe_status moe_cuda_quant_group_t_act(uint8_t *qt, float *st, const void *x, con
                                       int pow2, moe_error *err);
 moe_status moe_cuda_qdq_group_t_act(void *y, const void *x, const int *dev_off, int G, int rows,
                                     int C, moe_fp8_format f, int pow2, moe_error *err);
+/* the token-wise quantizer's two kernels (process-wide, not thread-safe): 0 = the vectorized
+ * one (the default), 1 = the first one (MOE_QUANT_GROUP_T_V1=1, for a comparison; it also
+ * serves inputs that are not 16-byte aligned). Set by moe_cuda_quant_group_t_set_v1 (tests,
+ * the chapter 05 benchmark), else MOE_QUANT_GROUP_T_V1=0|1. The count of launches of the
+ * vectorized kernel lets a test prove it ran. */
+void moe_cuda_quant_group_t_set_v1(int on);
+int moe_cuda_quant_group_t_v1(void);
+long long moe_cuda_quant_group_t_v2_calls(void);
 moe_status moe_cuda_fp8_grouped_wgrad(void *dw, moe_dw_mode mode, const uint8_t *qa,
                                       const float *sa, const uint8_t *qb, const float *sb,
                                       const int *dev_off, int G, size_t kpad, int M, int N,

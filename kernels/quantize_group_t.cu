@@ -5,18 +5,55 @@
  * moe_cpu_quant_group_t (the same MOE_HOSTDEV rules; the amax is a maximum of integer keys,
  * which any order gives alike).
  *
- * One 256-thread block per (128 channels, one padded 128-token block): grid (C/128, Kpad/128),
- * Kpad the host's bound (moe_fp8_wgrad_kpad). The block finds its group on the device: the
- * groups' padded starts by a scan over the offsets (moe_wgrad_block_prefix, fp8_wgrad.cuh),
- * then the one thread whose group holds blockIdx.y says so; blocks past the last group's
- * padded end return at once. The 128 tokens × 128 channels of bf16 go to shared memory (a
- * token past the group's end as 0: its key is 0, it cannot raise an amax), then each warp quantizes 16 channels, a lane 4 tokens (lane + 32k),
- * as the transposed half of blockwise_t_kernel: the transposed codes of a channel are one
- * 128-byte run of its row of the copy.
- * With y (the emulation's QDQ, moe_cpu_qdq_group_t's values rounded to bf16), the
- * dequantized values go back to x's own layout [rows][C] (the GPU's emulated path), and the
- * codes are written only when qt is given.
+ * STATUS: the vectorized kernel (v2, below) is written and compiled, not yet run on a GPU;
+ * MOE_QUANT_GROUP_T_V1=1 (or moe_cuda_quant_group_t_set_v1) runs the first kernel instead.
+ *
+ * The pass moves bytes and casts: it reads 2 bytes and writes 1 per element, so it can at
+ * best run at the copy bandwidth of 3 bytes an element (Mixtral fc1's two copies: 1.6 GB,
+ * ~0.55 ms on an H100). The first kernel (group_t_kernel_v1) ran at about a quarter of that:
+ * 2-byte loads, 1-byte stores, a block scan per tile, and the general encoder
+ * (moe_q_encode: ~40 integer operations, at half the fp32 rate on Hopper, per element: the
+ * casts alone cost about as much as the memory). v2:
+ *
+ *  - one 256-thread block per 128 channels and a stride of padded 128-token blocks
+ *    (TILES_PER_CTA of them on average): the groups' padded starts (moe_wgrad_block_prefix)
+ *    are scanned once per block, and each tile finds its group by a binary search of them in
+ *    shared memory;
+ *  - the tile (128 tokens × 128 channels of bf16, 32 KB) arrives by 16-byte loads, eight per
+ *    thread, all issued before the first is stored (and before the barrier that waits for
+ *    the previous tile's readers), so a thread keeps 128 bytes in flight;
+ *  - a lane then owns 2 channels × 16 consecutive tokens (one 32-bit word, a bf16 pair, per
+ *    token), so its codes of one channel are 16 bytes: one 16-byte store, and the 8 lanes of
+ *    a channel write its 128-byte run whole; the amax of a channel is a max over the lane's
+ *    16 keys then a 3-step xor butterfly over its 8 lanes;
+ *  - the cast is moe_fp8_encode_fast_mag (lib/quant_formats.h): with the sign, equal to
+ *    moe_fp8_encode on every input (tested over all of them), about ten operations; the
+ *    signs and the bytes are packed 4 at a time with byte permutes.
+ *
+ * The transpose's bank conflicts. The tile is stored unpadded, 256 bytes (64 words, two
+ * rounds of the 32 banks) a token row, in 16 chunks of 16 bytes (8 channels); chunk q of
+ * token row t lives at chunk position q ^ ((t >> 4) & 7) of its row (an XOR swizzle).
+ *  - The 16-byte stores: a quarter-warp (the unit of a 128-bit shared access) is 8 threads
+ *    with chunks q = 0..7 (or 8..15) of one row: XOR with one constant permutes them, so
+ *    the 8 chunks cover the 32 banks once.
+ *  - The 32-bit reads: at step k, lane (s = lane & 7, p = lane >> 3) reads word p of chunk q
+ *    of row 16·s + k. Unswizzled, the 8 rows 16 apart start in the same bank (16 · 64 words
+ *    is a multiple of 32): an 8-way conflict. Swizzled, row 16·s + k has its chunk at
+ *    q ^ s: bank 4·((q ^ s) & 7) + p, 32 distinct banks for the 32 lanes.
+ * Padding cannot do it: any row stride puts rows 16 apart on banks 16·stride apart, one of
+ * only two values mod 32; and a padded row would break the 16-byte alignment of the stores.
+ *
+ * With y (the emulation's QDQ, moe_cpu_qdq_group_t's values rounded to bf16), each lane
+ * writes its dequantized values over its own words of the tile, and after a barrier the tile
+ * goes back to x's layout [rows][C] with 16-byte stores (rows past the group's end skipped);
+ * the codes are written only when qt is given. y may be x: a tile is read whole before any
+ * of it is written, and no other block touches it.
+ *
+ * v2 needs x, y and qt 16-byte aligned (C and Kpad are multiples of 128, so every row then
+ * is); otherwise the first kernel runs (a launch-time choice).
  */
+#include <stdlib.h>
+
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
 #include "fp8_wgrad.cuh"
@@ -24,15 +61,20 @@
 
 namespace {
 
-/* the tile in bf16 (the input's own values: exact), 130 a row: a column read by a warp (one
- * row a lane, 65 words apart) hits 32 banks */
-constexpr int B = MOE_QUANT_BLOCK, LD = B + 2, THREADS = 256;
+constexpr int B = MOE_QUANT_BLOCK, THREADS = 256;
 static_assert(THREADS >= MOE_GROUPED_DEV_MAX_GROUPS, "moe_wgrad_block_prefix: a thread a group");
 
+/* ------------------------------------------------------------------ v1 (the first kernel)
+ * One 256-thread block per (128 channels, one padded 128-token block): grid (C/128, Kpad/128).
+ * The block finds its group with its own scan; the tile goes to shared memory 2 bytes a
+ * thread (130 bf16 a row: a column read by a warp, one row a lane, 65 words apart, hits 32
+ * banks); each warp quantizes 16 channels, a lane 4 tokens (lane + 32k), storing a byte each. */
+constexpr int LD1 = B + 2;
+
 __global__ void __launch_bounds__(THREADS)
-    group_t_kernel(uint8_t *qt, float *st, moe_bf16 *y, const moe_bf16 *x, const int *off,
-                   int G, int C, size_t kpad, moe_fp8_format f, int pow2) {
-    __shared__ moe_bf16 tile[B * LD];            /* 33 KB */
+    group_t_kernel_v1(uint8_t *qt, float *st, moe_bf16 *y, const moe_bf16 *x, const int *off,
+                      int G, int C, size_t kpad, moe_fp8_format f, int pow2) {
+    __shared__ moe_bf16 tile[B * LD1]; /* 33 KB */
     __shared__ int s_pb[MOE_GROUPED_DEV_MAX_GROUPS + 1];
     __shared__ int s_info[2]; /* this block's first token and its token count (0: none) */
     const int pb = blockIdx.y, c0 = blockIdx.x * B;
@@ -50,7 +92,7 @@ __global__ void __launch_bounds__(THREADS)
         return; /* past the last group's padded end: not written (lib/fp8_wgrad.h) */
     for (int i = threadIdx.x; i < B * B; i += THREADS) {
         const int r = i / B, c = i % B; /* consecutive threads: consecutive channels */
-        tile[r * LD + c] = r < nt ? x[(size_t)(t0 + r) * C + c0 + c] : moe_st(0.0f);
+        tile[r * LD1 + c] = r < nt ? x[(size_t)(t0 + r) * C + c0 + c] : moe_st(0.0f);
     }
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -59,7 +101,7 @@ __global__ void __launch_bounds__(THREADS)
         float v[4];
         uint32_t m = 0;
         for (int k = 0; k < 4; k++) {
-            v[k] = moe_ld(tile[(lane + 32 * k) * LD + j]);
+            v[k] = moe_ld(tile[(lane + 32 * k) * LD1 + j]);
             const uint32_t key = moe_q_abs_key(v[k]);
             m = key > m ? key : m;
         }
@@ -79,18 +121,212 @@ __global__ void __launch_bounds__(THREADS)
     }
 }
 
+/* ------------------------------------------------------------------ v2 (see the header) */
+
+constexpr int CHUNKS = B / 8;      /* 16-byte chunks of a token row (8 channels each) */
+constexpr int ROWS_PER_PASS = THREADS / CHUNKS; /* 16 token rows per load step */
+constexpr int LOADS = B / ROWS_PER_PASS;        /* 8 loads of 16 bytes per thread */
+constexpr int SEG = 16;            /* consecutive tokens per lane: one 16-byte code store */
+constexpr int TILES_PER_CTA = 4;   /* padded token blocks per block, on average */
+/* 4 blocks an SM: 64 registers a thread (80 unbounded, which allows 3), 4 × 34 KB of shared
+ * memory, 4 × 32 KB of loads in flight; the QDQ's kernel (the emulation's, which also holds
+ * the dequantized values) 2, where it does not spill */
+constexpr int MIN_CTAS = 4;
+static_assert(LOADS == 8 && B / SEG == 8, "the swizzle below assumes 8 segments of 16 rows");
+
+/* the swizzled chunk position of chunk q of token row t (see the header) */
+static __device__ __forceinline__ int swz(int t, int q) { return q ^ ((t >> 4) & 7); }
+
+/* the key of a bf16 (its fp32 bits' |.|: moe_q_abs_key of the value) from its 16 bits in the
+ * low or high half of w, and the value itself */
+static __device__ __forceinline__ uint32_t key_lo(uint32_t w) { return (w << 16) & 0x7FFFFFFFu; }
+static __device__ __forceinline__ uint32_t key_hi(uint32_t w) { return w & 0x7FFF0000u; }
+static __device__ __forceinline__ float val_lo(uint32_t w) { return moe_q_u2f(w << 16); }
+static __device__ __forceinline__ float val_hi(uint32_t w) { return moe_q_u2f(w & 0xFFFF0000u); }
+
+/* max of a key over the 8 lanes of a channel (lanes that differ in bits 0..2) */
+static __device__ __forceinline__ uint32_t seg_max_key(uint32_t m) {
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) {
+        const uint32_t other = __shfl_xor_sync(0xffffffffu, m, o);
+        m = other > m ? other : m;
+    }
+    return m;
+}
+
+/* One channel's 16 codes (as moe_q_cast_scaled: all 0 for a NaN scale), packed
+ * little-endian, and with DEQ its dequantized values rounded to bf16 into the half (HI or
+ * not) of w. The values are finite (a block holding a NaN or an infinity has a NaN scale),
+ * so the magnitude half of the fast encoder serves, and the signs (those of the values: the
+ * scale is positive) are gathered 4 at a time from the words' bytes: 1 or 3, bit 7. */
+template <moe_fp8_format F, bool HI, bool DEQ>
+static __device__ __forceinline__ uint4 cast16(uint32_t *w, float scale, float si) {
+    uint32_t c[4];
+    const bool poisoned = moe_q_nonfinite(scale);
+    constexpr unsigned sign_sel = HI ? 0x0073 : 0x0051; /* byte 3 or 1 of two words */
+#pragma unroll
+    for (int g = 0; g < 4; g++) {
+        uint32_t m[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float v = HI ? val_hi(w[4 * g + j]) : val_lo(w[4 * g + j]);
+            m[j] = moe_fp8_encode_fast_mag(moe_q_f2u(moe_q_mul(v, scale)) & 0x7FFFFFFFu, F);
+        }
+        const uint32_t mags = __byte_perm(__byte_perm(m[0], m[1], 0x0040),
+                                          __byte_perm(m[2], m[3], 0x0040), 0x5410);
+        const uint32_t signs = __byte_perm(__byte_perm(w[4 * g], w[4 * g + 1], sign_sel),
+                                           __byte_perm(w[4 * g + 2], w[4 * g + 3], sign_sel),
+                                           0x5410);
+        c[g] = poisoned ? 0u : mags | (signs & 0x80808080u);
+        if (DEQ)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const uint8_t code = (uint8_t)(c[g] >> (8 * j));
+                const uint32_t h = __bfloat16_as_ushort(
+                    moe_st(moe_q_dequant(moe_fp8_decode(code, F), si)));
+                uint32_t &x = w[4 * g + j];
+                x = HI ? (x & 0xFFFFu) | (h << 16) : (x & 0xFFFF0000u) | h;
+            }
+    }
+    return make_uint4(c[0], c[1], c[2], c[3]);
+}
+
+template <moe_fp8_format F, bool QDQ>
+__global__ void __launch_bounds__(THREADS, QDQ ? MIN_CTAS / 2 : MIN_CTAS)
+    group_t_kernel(uint8_t *qt, float *st, moe_bf16 *y, const moe_bf16 *x, const int *off,
+                   int G, int C, size_t kpad, int pow2) {
+    __shared__ uint4 tile[B * CHUNKS]; /* 32 KB: [token][swizzled chunk] */
+    __shared__ int s_pb[MOE_GROUPED_DEV_MAX_GROUPS + 1];
+    __shared__ int s_off[MOE_GROUPED_DEV_MAX_GROUPS + 1];
+    const int tid = threadIdx.x, c0 = blockIdx.x * B;
+    for (int i = tid; i <= G; i += THREADS) /* G + 1 offsets: 257 at the most */
+        s_off[i] = off[i];
+    moe_wgrad_block_prefix(s_pb, off, G); /* (synchronizes, after s_off's stores too) */
+    const int total = s_pb[G]; /* the padded blocks of all groups: the rest is not written */
+    /* the load step's thread layout: chunk lq of token rows lr + 16·i */
+    const int lq = tid % CHUNKS, lr = tid / CHUNKS;
+    /* the cast step's: warp w, pass h: chunk q = 2w + h; lane (s, p): tokens 16s .. 16s + 15,
+     * channels 8q + 2p (low half of each word) and 8q + 2p + 1 (high half) */
+    const int lane = tid & 31, warp = tid >> 5, s = lane & 7, p = lane >> 3;
+    const float fmax = moe_fp8_max(F);
+    for (int pb = blockIdx.y; pb < total; pb += gridDim.y) {
+        /* its group: the last g < G with s_pb[g] ≤ pb (then pb < s_pb[g + 1]; an empty group
+         * has s_pb[g] = s_pb[g + 1] and is passed over) */
+        int g = 0;
+#pragma unroll
+        for (int step = MOE_GROUPED_DEV_MAX_GROUPS / 2; step; step >>= 1)
+            if (g + step < G && s_pb[g + step] <= pb)
+                g += step;
+        const int t0 = s_off[g] + (pb - s_pb[g]) * B;
+        const int nt = min(B, s_off[g + 1] - t0);
+        uint4 r[LOADS];
+#pragma unroll
+        for (int i = 0; i < LOADS; i++) {
+            const int t = lr + ROWS_PER_PASS * i;
+            r[i] = t < nt ? *(const uint4 *)(x + (size_t)(t0 + t) * C + c0 + 8 * lq)
+                          : make_uint4(0, 0, 0, 0); /* key 0, code 0: the padding */
+        }
+        __syncthreads(); /* the previous tile's readers are done */
+#pragma unroll
+        for (int i = 0; i < LOADS; i++) {
+            const int t = lr + ROWS_PER_PASS * i;
+            tile[t * CHUNKS + swz(t, lq)] = r[i];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int q = 2 * warp + h;
+            uint32_t w[SEG], mlo = 0, mhi = 0;
+#pragma unroll
+            for (int k = 0; k < SEG; k++) {
+                const int t = SEG * s + k;
+                w[k] = ((const uint32_t *)&tile[t * CHUNKS + swz(t, q)])[p];
+                mlo = max(mlo, key_lo(w[k]));
+                mhi = max(mhi, key_hi(w[k]));
+            }
+            mlo = seg_max_key(mlo);
+            mhi = seg_max_key(mhi);
+            const float sclo = moe_q_scale_from_amax(moe_q_key_amax(mlo), fmax, pow2);
+            const float schi = moe_q_scale_from_amax(moe_q_key_amax(mhi), fmax, pow2);
+            const float silo = moe_q_scale_inv(sclo), sihi = moe_q_scale_inv(schi);
+            const uint4 clo = cast16<F, false, QDQ>(w, sclo, silo);
+            const uint4 chi = cast16<F, true, QDQ>(w, schi, sihi);
+            const int c = c0 + 8 * q + 2 * p; /* the low channel */
+            if (!QDQ) {
+                uint8_t *dst = qt + (size_t)c * kpad + (size_t)pb * B + SEG * s;
+                *(uint4 *)dst = clo;
+                *(uint4 *)(dst + kpad) = chi;
+                if (s < 2) /* 8 consecutive scales: channels 8q .. 8q + 7 */
+                    st[(size_t)pb * C + c + s] = s ? sihi : silo;
+            }
+            if (QDQ) /* the dequantized pair back over the words just read */
+#pragma unroll
+                for (int k = 0; k < SEG; k++) {
+                    const int t = SEG * s + k;
+                    ((uint32_t *)&tile[t * CHUNKS + swz(t, q)])[p] = w[k];
+                }
+        }
+        if (QDQ) {
+            __syncthreads();
+#pragma unroll
+            for (int i = 0; i < LOADS; i++) {
+                const int t = lr + ROWS_PER_PASS * i;
+                if (t < nt)
+                    *(uint4 *)(y + (size_t)(t0 + t) * C + c0 + 8 * lq) =
+                        tile[t * CHUNKS + swz(t, lq)];
+            }
+        }
+    }
+}
+
+long long g_v2_calls = 0; /* launches of v2 (a test's proof that it ran) */
+int g_v1 = -1;            /* MOE_QUANT_GROUP_T_V1; -1 until first used */
+
+int use_v1(void) {
+    if (g_v1 < 0) {
+        const char *e = getenv("MOE_QUANT_GROUP_T_V1");
+        g_v1 = e && *e ? atoi(e) != 0 : 0;
+    }
+    return g_v1;
+}
+
 moe_status launch(uint8_t *qt, float *st, moe_bf16 *y, const moe_bf16 *x, const int *dev_off,
                   int G, int C, size_t kpad, moe_fp8_format f, int pow2) {
     if (kpad == 0)
         return MOE_OK;
-    const dim3 grid(C / B, (unsigned)(kpad / B));
-    group_t_kernel<<<grid, THREADS, 0, moe_cuda_stream()>>>(qt, st, y, x, dev_off, G, C, kpad,
-                                                            f, pow2);
+    const size_t nblk = kpad / B;
+    if (use_v1() || !moe_vec8_ok(C, x, y, qt)) {
+        const dim3 grid(C / B, (unsigned)nblk);
+        group_t_kernel_v1<<<grid, THREADS, 0, moe_cuda_stream()>>>(qt, st, y, x, dev_off, G, C,
+                                                                    kpad, f, pow2);
+        MOE_CUDA_LAUNCH_CHECK();
+        return MOE_OK;
+    }
+    /* enough blocks to fill the GPU several times over at the shapes of chapter 05 (the
+     * Mixtral X copy: 32 × 34 blocks), each over about TILES_PER_CTA padded token blocks */
+    size_t gy = (nblk + TILES_PER_CTA - 1) / TILES_PER_CTA;
+    gy = gy > 65535 ? 65535 : gy;
+    const dim3 grid(C / B, (unsigned)gy);
+    /* a kernel per format (its constants folded into the encoder) and per output: the
+     * codes and scales, or (y given) the QDQ into y */
+    void (*k)(uint8_t *, float *, moe_bf16 *, const moe_bf16 *, const int *, int, int, size_t,
+              int) = f == MOE_FP8_E5M2 ? (y ? group_t_kernel<MOE_FP8_E5M2, true>
+                                            : group_t_kernel<MOE_FP8_E5M2, false>)
+                                       : (y ? group_t_kernel<MOE_FP8_E4M3, true>
+                                            : group_t_kernel<MOE_FP8_E4M3, false>);
+    k<<<grid, THREADS, 0, moe_cuda_stream()>>>(qt, st, y, x, dev_off, G, C, kpad, pow2);
     MOE_CUDA_LAUNCH_CHECK();
+    g_v2_calls++;
     return MOE_OK;
 }
 
 } /* namespace */
+
+extern "C" void moe_cuda_quant_group_t_set_v1(int on) { g_v1 = on != 0; }
+
+extern "C" int moe_cuda_quant_group_t_v1(void) { return use_v1(); }
+
+extern "C" long long moe_cuda_quant_group_t_v2_calls(void) { return g_v2_calls; }
 
 extern "C" moe_status moe_cuda_quant_group_t_act(uint8_t *qt, float *st, const void *x,
                                                  const int *dev_off, int G, int rows, int C,

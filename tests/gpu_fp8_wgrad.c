@@ -11,7 +11,10 @@
  *    one), and both issue orders of the warpgroups. The two loops promote the same k-blocks
  *    in the same order, so their outputs must also be equal bit for bit.
  * Ragged groups: 0, 1, 127, 128, 129, 255 rows; 40 groups of 0 to 189 rows; for the GEMM
- * also 700, 0, 385, 257, 1 rows (6, 0, 4, 3, 1 k-blocks).
+ * also 700, 0, 385, 257, 1 rows (6, 0, 4, 3, 1 k-blocks); for the quantizer also the most
+ * groups (256, 0 to 300 rows, C = 384). The quantizer in both formats, pow2 scales on and
+ * off, by its vectorized kernel and by the first one (MOE_QUANT_GROUP_T_V1), with a NaN, an
+ * infinity, −0 and bf16 subnormals among the values; a count of launches proves which ran.
  *
  * The GEMM's bound: the CPU sums each block's code products exactly; Hopper's FP8 tensor
  * cores accumulate a 128-deep block with about 14 significant bits (DeepSeek-V3), then both
@@ -27,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "config.h" /* MOE_GROUPED_DEV_MAX_GROUPS */
 #include "cuda_ops.h"
 #include "fp8_wgrad.h"
 #include "helpers.h"
@@ -81,15 +85,35 @@ static void offsets(int *off, const int *sizes, int G) {
         off[e + 1] = off[e] + sizes[e];
 }
 
-/* (a): quantize + transpose and the QDQ of one [rows][C] bf16 tensor, ragged groups */
-static int check_quant(const int *sizes, int G, int C, uint64_t seed) {
-    int off[257];
+/* one element set to the bf16 of bits b on both sides (host fp32, device bf16) */
+static void poke(float *x, void *dx, size_t i, uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    memcpy(&x[i], &u, 4);
+    moe_cuda_from_host((char *)dx + 2 * i, &b, 2);
+}
+
+/* (a): quantize + transpose and the QDQ of one [rows][C] bf16 tensor, ragged groups, in
+ * format f with pow2 scales or not, by the kernel v1 says (moe_cuda_quant_group_t_set_v1);
+ * special: a NaN, an infinity (their blocks' scales NaN, codes 0), −0 and bf16 subnormals
+ * (codes that round to ±0) among the first 64 tokens */
+static int check_quant(const int *sizes, int G, int C, uint64_t seed, moe_fp8_format f, int pow2,
+                       int v1, int special) {
+    int off[MOE_GROUPED_DEV_MAX_GROUPS + 1];
     offsets(off, sizes, G);
     const int rows = off[G] + 3; /* 3 rows past the groups (a static budget's): never read */
     const size_t kpad = moe_fp8_wgrad_kpad(rows, G), n = (size_t)rows * C;
     const size_t nq = (size_t)C * kpad, ns = kpad / MOE_QUANT_BLOCK * C;
     float *x = malloc(sizeof(float) * (n + 1));
     void *dx = upload(x, n, seed, 2.0);
+    for (size_t i = 0; special && i < 64 && i < (size_t)rows; i++) /* token i, channel 3i mod C */
+        poke(x, dx, i * C + (3 * i) % C,
+             i == 5   ? 0x7FC0 /* NaN */
+             : i == 9 ? 0xFF80 /* −inf */
+             : i % 4 == 1 ? 0x8000 /* −0 */
+             : i % 4 == 2 ? 0x0001 : 0x8013); /* ± bf16 subnormals */
+    const int saved_v1 = moe_cuda_quant_group_t_v1();
+    moe_cuda_quant_group_t_set_v1(v1);
+    const long long calls = moe_cuda_quant_group_t_v2_calls();
     int *doff = moe_cuda_alloc(sizeof(int) * (G + 1));
     moe_cuda_from_host(doff, off, sizeof(int) * (G + 1));
     uint8_t *q = malloc(nq + 1);
@@ -97,18 +121,16 @@ static int check_quant(const int *sizes, int G, int C, uint64_t seed) {
     memset(q, 0xAB, nq);
     memset(s, 0xAB, sizeof(float) * ns);
     moe_error err;
-    ck_assert_int_eq(moe_cpu_quant_group_t(q, s, x, off, G, rows, C, kpad, MOE_FP8_E4M3, 1, &err),
-                     MOE_OK);
+    ck_assert_int_eq(moe_cpu_quant_group_t(q, s, x, off, G, rows, C, kpad, f, pow2, &err), MOE_OK);
     void *dq = dpoison(nq, 0xAB), *ds = dpoison(sizeof(float) * ns, 0xAB);
-    ck_assert_int_eq(moe_cuda_quant_group_t_act(dq, ds, dx, doff, G, rows, C, kpad, MOE_FP8_E4M3,
-                                                1, &err),
+    ck_assert_int_eq(moe_cuda_quant_group_t_act(dq, ds, dx, doff, G, rows, C, kpad, f, pow2, &err),
                      MOE_OK);
     int ok = same("token-wise codes", dq, q, nq);
     ok &= same("token-wise scales", ds, s, sizeof(float) * ns);
     /* the QDQ: the CPU's values rounded to bf16 (exact: decode·2^k), rows past off[G] kept */
     float *y = malloc(sizeof(float) * (n + 1));
     memcpy(y, x, sizeof(float) * n);
-    ck_assert_int_eq(moe_cpu_qdq_group_t(y, x, off, G, rows, C, MOE_FP8_E4M3, 1, &err), MOE_OK);
+    ck_assert_int_eq(moe_cpu_qdq_group_t(y, x, off, G, rows, C, f, pow2, &err), MOE_OK);
     const moe_backend *g = moe_backend_cuda();
     moe_real *hy = malloc(sizeof(moe_real) * (n + 1));
     for (size_t i = 0; i < n; i++)
@@ -118,11 +140,19 @@ static int check_quant(const int *sizes, int G, int C, uint64_t seed) {
     unsigned char *hw = malloc(2 * n + 2);
     moe_cuda_to_host(hw, want, 2 * n);
     moe_cuda_copy(dy, dx, 2 * n); /* in place, as the emulated path runs it */
-    ck_assert_int_eq(moe_cuda_qdq_group_t_act(dy, dy, doff, G, rows, C, MOE_FP8_E4M3, 1, &err),
-                     MOE_OK);
+    ck_assert_int_eq(moe_cuda_qdq_group_t_act(dy, dy, doff, G, rows, C, f, pow2, &err), MOE_OK);
     ok &= same("token-wise QDQ (bf16)", dy, hw, 2 * n);
-    printf("  token-wise FP8 G=%d rows=%d C=%d kpad=%zu: codes, scales, QDQ %s\n", G, off[G], C,
-           kpad, ok ? "CUDA == CPU byte for byte" : "DIFFER");
+    /* the kernel asked for ran: v2 launched twice (the copy and the QDQ), or not at all */
+    const long long ran = moe_cuda_quant_group_t_v2_calls() - calls;
+    if (ran != (v1 ? 0 : 2)) {
+        printf("  token-wise FP8: the %s kernel did not run (%lld launches of v2)\n",
+               v1 ? "first" : "vectorized", ran);
+        ok = 0;
+    }
+    moe_cuda_quant_group_t_set_v1(saved_v1);
+    printf("  token-wise FP8 %s %s G=%d rows=%d C=%d kpad=%zu%s: codes, scales, QDQ %s\n",
+           v1 ? "v1" : "v2", f == MOE_FP8_E5M2 ? "E5M2" : "E4M3", G, off[G], C, kpad,
+           pow2 ? " pow2" : "", ok ? "CUDA == CPU byte for byte" : "DIFFER");
     free(x), free(q), free(s), free(y), free(hy), free(hw);
     g->free(dx), g->free(doff), g->free(dq), g->free(ds), g->free(want), g->free(dy);
     return ok;
@@ -131,7 +161,7 @@ static int check_quant(const int *sizes, int G, int C, uint64_t seed) {
 /* (b): dW_g [O][I] from dY [rows][O] and X [rows][I], both quantized token-wise on the CPU
  * (the bytes (a) was just shown to make on the GPU), the GEMM in each mode */
 static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
-    int off[257];
+    int off[MOE_GROUPED_DEV_MAX_GROUPS + 1];
     offsets(off, sizes, G);
     const int rows = off[G];
     const size_t kpad = moe_fp8_wgrad_kpad(rows, G), nkb = kpad / MOE_QUANT_BLOCK;
@@ -269,9 +299,21 @@ START_TEST(test_gpu_fp8_wgrad_quant) {
     int s2[40];
     for (int e = 0; e < 40; e++)
         s2[e] = e % 7 == 3 ? 0 : (e * 53) % 190; /* 0 to 189 rows */
-    int ok = check_quant(g_s0, 8, 384, 91);
-    ok &= check_quant(g_s1, 3, 128, 92);
-    ok &= check_quant(s2, 40, 256, 93);
+    /* the most groups the kernels take, 0 to 300 rows each (a quarter of them empty) */
+    int s3[MOE_GROUPED_DEV_MAX_GROUPS];
+    for (int e = 0; e < MOE_GROUPED_DEV_MAX_GROUPS; e++)
+        s3[e] = e % 4 == 1 ? 0 : (e * 97 + 13) % 301;
+    int ok = 1;
+    for (int v1 = 0; v1 < 2; v1++) /* the vectorized kernel, then the first (its fallback) */
+        for (int fp = 0; fp < 4; fp++) {
+            const moe_fp8_format f = fp & 1 ? MOE_FP8_E5M2 : MOE_FP8_E4M3;
+            const int pow2 = !(fp & 2);
+            ok &= check_quant(g_s0, 8, 384, 91 + fp, f, pow2, v1, 1);
+            ok &= check_quant(g_s1, 3, 128, 95 + fp, f, pow2, v1, 0);
+            ok &= check_quant(s2, 40, 256, 99 + fp, f, pow2, v1, 1);
+            if (!v1)
+                ok &= check_quant(s3, MOE_GROUPED_DEV_MAX_GROUPS, 384, 103 + fp, f, pow2, 0, 1);
+        }
     ck_assert_msg(ok, "the token-wise FP8 copy differs from the CPU's");
 }
 END_TEST

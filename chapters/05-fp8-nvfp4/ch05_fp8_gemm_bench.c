@@ -44,6 +44,10 @@
  *                              before its promotion; MOE_FP8_WGRAD_PIPE=0): both timed in
  *                              every run, whatever the variable says
  *   + token-wise quantize      the default loop plus the two quantize+transpose passes
+ *   token-wise quantize dY/X   one quantize+transpose pass alone (kernels/quantize_group_t.cu),
+ *     (C=...), v1              then its first kernel (MOE_QUANT_GROUP_T_V1): ms, and GB/s of
+ *                              bytes read (bf16) + written (codes, scales), next to a D2D
+ *                              copy of as many bytes in the same run (cudaMemcpyAsync)
  *   (no sampled check on these rows: tests/gpu_fp8_wgrad.c holds the kernel to its twin)
  *
  * Timing: CUDA events around `inner` back-to-back calls (inner chosen so one sample lasts
@@ -519,9 +523,70 @@ static void run_wgrad_fp8(void *p) {
         die("FP8 grouped wgrad", &err);
 }
 
+/* one token-wise quantize pass alone (the operand of C channels), and the D2D copy that
+ * moves as many bytes (its reference) */
+typedef struct tq_ctx {
+    uint8_t *q;
+    float *s;
+    const void *x;
+    void *scratch; /* the copy's destination */
+    const int *doff;
+    int G, rows, C;
+    size_t kpad, copy_bytes;
+} tq_ctx;
+
+static void run_tq(void *p) {
+    tq_ctx *c = p;
+    moe_error err;
+    if (moe_cuda_quant_group_t_act(c->q, c->s, c->x, c->doff, c->G, c->rows, c->C, c->kpad,
+                                   MOE_FP8_E4M3, 1, &err) != MOE_OK)
+        die("token-wise FP8 quantize", &err);
+}
+
+static void run_copy(void *p) {
+    tq_ctx *c = p;
+    moe_cuda_copy(c->scratch, c->x, c->copy_bytes);
+}
+
+/* the token-wise quantize of dY (N channels) and of X (K channels) alone: ms and GB/s (bytes
+ * read + written: 2 a bf16 element read, the codes and scales of the groups' padded blocks
+ * written) by the vectorized kernel and by the first one (MOE_QUANT_GROUP_T_V1), next to a
+ * device-to-device copy of the same number of bytes (half read, half written) in the same
+ * run: how near the copy bandwidth the pass runs */
+static void bench_tq(const shape *s, const int *off, int G, int rows, const char *what, int C,
+                     const void *x, const int *doff, uint8_t *q, float *sc, size_t kpad) {
+    size_t nb = 0; /* the groups' padded 128-token blocks */
+    for (int g = 0; g < G; g++)
+        nb += (size_t)(off[g + 1] - off[g] + MOE_QUANT_BLOCK - 1) / MOE_QUANT_BLOCK;
+    const double bytes = 2.0 * off[G] * C + (double)nb * MOE_QUANT_BLOCK * C + 4.0 * nb * C;
+    tq_ctx c = {.q = q, .s = sc, .x = x, .doff = doff, .G = G, .rows = rows, .C = C,
+                .kpad = kpad, .copy_bytes = (size_t)(bytes / 2) / 16 * 16};
+    c.scratch = dalloc(c.copy_bytes);
+    const double copy_ms = time_ms(run_copy, &c);
+    const double copy_gbs = 2.0 * c.copy_bytes / (copy_ms * 1e-3) / 1e9;
+    const int v1 = moe_cuda_quant_group_t_v1();
+    for (int k = 0; k < 2; k++) {
+        moe_cuda_quant_group_t_set_v1(k);
+        const double ms = time_ms(run_tq, &c), gbs = bytes / (ms * 1e-3) / 1e9;
+        char impl[64];
+        snprintf(impl, sizeof impl, "token-wise quantize %s (C=%d)%s", what, C,
+                 k ? " v1" : "");
+        printf("%-6s %6d %6d %6d  %-38s %9.3f %6.0f GB/s = %3.0f%% of a D2D copy (%.3f ms, "
+               "%.0f GB/s), %.2f GB\n",
+               s->name, s->M, s->N, s->K, impl, ms, gbs, 100.0 * gbs / copy_gbs, copy_ms,
+               copy_gbs, bytes / 1e9);
+        if (g_tsv)
+            fprintf(g_tsv, "%s\t%d\t%d\t%d\t%s\t%.5f\t%.2f\n", s->name, s->M, s->N, s->K, impl,
+                    ms, gbs);
+    }
+    fflush(stdout);
+    moe_cuda_quant_group_t_set_v1(v1);
+    moe_cuda_free(c.scratch);
+}
+
 /* the wgrad rows of a grouped shape (above); the ratio column against the bf16 wgrad */
-static void bench_wgrad(const shape *s, int G, int rows, int N, int K, const void *dy,
-                        const void *x, const int *doff) {
+static void bench_wgrad(const shape *s, const int *off, int G, int rows, int N, int K,
+                        const void *dy, const void *x, const int *doff) {
     const size_t kpad = moe_fp8_wgrad_kpad(rows, G);
     wgrad_ctx c = {.dw = dalloc((size_t)G * N * K * 4), .dy = dy, .x = x, .doff = doff, .G = G,
                    .rows = rows, .N = N, .K = K, .kpad = kpad,
@@ -548,6 +613,8 @@ static void bench_wgrad(const shape *s, int G, int rows, int N, int K, const voi
     report(s, pipe ? "FP8 wgrad pipelined + token-wise quantize"
                    : "FP8 wgrad first loop + token-wise quantize",
            time_ms(run_wgrad_fp8, &c), -1);
+    bench_tq(s, off, G, rows, "dY", N, dy, doff, c.qa, c.sa, kpad);
+    bench_tq(s, off, G, rows, "X", K, x, doff, c.qb, c.sb, kpad);
     g_bf16_ms = saved;
     moe_cuda_free(c.dw), moe_cuda_free(c.qa), moe_cuda_free(c.qb), moe_cuda_free(c.sa);
     moe_cuda_free(c.sb);
@@ -645,7 +712,7 @@ static void bench_grouped(const gshape *gs) {
         report(&s, "FP8 blockwise dense cuBLASLt (ceiling)", time_ms(run_dense_ceiling, &c),
                chkd);
         /* the wgrad of this shape: dY = the forward's output just written (bf16 values) */
-        bench_wgrad(&s, G, rows, N, K, d, xb, doff);
+        bench_wgrad(&s, off, G, rows, N, K, d, xb, doff);
         hop_free(&ha), hop_free(&hb);
     } else {
         printf("%s: skipped: our grouped kernels are sm_90a (Hopper) only\n", gs->name);
