@@ -24,8 +24,9 @@
  * head dims 64 and 128 runs the Hopper kernel of attention_sm90.cu instead (wgmma, TMA and
  * warp-specialised producer / consumer warps, FlashAttention-3's ideas; MOE_FLASH_SM90=0
  * keeps this one). The backward computes δ here, then offers the work to the Hopper
- * backward of attention_sm90_bwd.cu (D = 64, 128 on sm_90, only with MOE_FLASH_SM90_BWD=1:
- * written, not yet verified on a GPU) and otherwise runs this file's kernels.
+ * backward of attention_sm90_bwd.cu (D = 64, 128 on sm_90, only with MOE_FLASH_SM90_BWD=1,
+ * or =2 for its fused kernel: written, not yet verified on a GPU) and otherwise runs this
+ * file's kernels.
  *
  *   tiles     a block has 4 warps (128 threads); each warp owns MT m-tiles of 16 rows (32
  *             rows with MT = 2). Forward and dq: a block owns 4·16·MT query rows and walks
@@ -776,7 +777,7 @@ extern "C" void moe_cuda_attention_backward(void *dq, void *dk, void *dv, const 
     float *delta = (float *)ws;
     fa_delta_launch(delta, dY, Y, s);
     if (moe_cuda_attention_sm90_backward(dq, dk, dv, dy, lse, delta, q, k, v, s))
-        return; /* the Hopper kernels (attention_sm90_bwd.cu, MOE_FLASH_SM90_BWD=1) took it */
+        return; /* the Hopper kernels (attention_sm90_bwd.cu, MOE_FLASH_SM90_BWD=1, 2) took it */
     const bool w = fa_wide_backward();
     if (s.D <= 32)
         w ? fa_backward_launch<32, true>(dQ, dK, dV, dY, lse, delta, Q, K, V, s)
