@@ -5,13 +5,15 @@
  * of a group, causal with the q_pos/k_pos offset, a row that sees no key contributes
  * nothing). moe_cuda_attention_backward computes δ = rowsum(dy ⊙ y) with its fa_delta_kernel
  * and then calls moe_cuda_attention_sm90_backward() first, which runs this file's two kernels
- * for head dims 64 and 128 on an sm_90 device unless MOE_FLASH_SM90_BWD=0, and otherwise says
- * no, so the portable kernels run.
+ * for head dims 64 and 128 on an sm_90 device unless MOE_FLASH_SM90_BWD=0 (mode 1, the
+ * default), its fused kernel (below: "The fused backward") when MOE_FLASH_SM90_BWD=2, and
+ * otherwise says no, so the portable kernels run.
  *
- * STATUS: on by default (MOE_FLASH_SM90_BWD=0 turns it off). tests/gpu_attention.c's
+ * STATUS: mode 1 (the two kernels) is the default: tests/gpu_attention.c's
  * test_attention_sm90_backward passed on an H100 (commit cc04ca2), and there it ran at
  * 326 TFLOP/s at 16K, D = 128 causal (8.44 ms against the portable 15.58 ms, 1.85x;
- * docs/results/07-long-context.md).
+ * docs/results/07-long-context.md). Mode 2 (the fused kernel): written, not yet run on a
+ * GPU; off unless MOE_FLASH_SM90_BWD=2.
  *
  * The math, per (b, query head h, group g = h / (Hq/Hkv)), with sl = log2(e)/√D and
  * lse₂ = lse·log2(e) (0 for a row that sees nothing: every key of it is masked anyway):
@@ -77,11 +79,81 @@
  *   epilogue  each thread adds its accumulators (× 1/√D for dq, dk) to the bf16 outputs in
  *             place: read the pair, add in fp32, round once, as the portable kernel does.
  *
+ * The fused backward (MOE_FLASH_SM90_BWD=2): FlashAttention-3's 5 products, deterministic.
+ * One kernel, the dk/dv kernel's CTAs (b, g, key tile of 128 keys, the same loop over the
+ * group's query heads and the query tiles of 64 rows that see the keys, the same Sᵀ, dPᵀ,
+ * Pᵀ, dSᵀ, dV, dK instructions: dk and dv come out as mode 1's), plus per iteration
+ *
+ *   dQ_tile = dS K    64 queries × D over the CTA's 128 keys, added to an fp32 accumulator
+ *                    acc [B, Hq, Tq, D] in global memory; then a small kernel adds
+ *                    acc / √D to the bf16 dq (one rounding, as the epilogues do).
+ *
+ *   operands  dS is in registers as dSᵀ (rows = keys, each warpgroup 64 of them), but dQ's
+ *             rows are queries and its sum runs over both warpgroups' keys, so dS goes
+ *             through shared memory: each thread stores its dSᵀ bf16 pairs (the A fragments
+ *             it just fed to dK) into a [128 keys][64 queries] tile of 128-byte swizzled rows
+ *             (conflict-free: the 8 rows of a store land in 8 different chunks). That tile
+ *             read MN-major IS dS as wgmma's A (M = queries contiguous, K = keys: 8 k16 steps
+ *             of 16 rows = 2048 bytes, the RS products' B form); B = the resident K box of
+ *             64 head-dim columns read MN-major (keys = K rows, the same form). So it is an
+ *             SS m64n64k16 with both transpose bits: no new layout, no register transpose.
+ *             Warpgroup p computes dq's columns 64p .. 64p + 63 (D = 128: both, 32 floats
+ *             each, in Sᵀ's registers, free by then: no extra registers); at D = 64 warpgroup
+ *             0 computes all 64 (an N = 32 half would need a 64-byte swizzle for K's MN-major
+ *             read; the warpgroups share the tensor cores, so the other's idle turn is cheap).
+ *             dS is double-buffered (16 KB each): the copy iteration it writes was last read by
+ *             iteration it − 2's dq products, which both warpgroups waited for before the
+ *             named barrier (1) of iteration it − 1 that says both halves of dS are written.
+ *   the add   through a staging buffer and TMA, by a third role: warp 1 of the producer
+ *             warpgroup (the store warp, 24 registers like the producer). The consumers write
+ *             their dQ accumulator in the swizzled layout of [64 rows][32 fp32] TMA boxes
+ *             (sm90_epilogue.cuh's stage_piece) and go on; the store warp hands the boxes to
+ *             TMA over a 3-D fp32 tensor map of acc (rows past Tq are outside it: TMA skips
+ *             them). Named barriers 2 (buffer empty: the store warp arrives after TMA has
+ *             READ it) and 3 (full: the consumers arrive) hand the one buffer back and forth.
+ *   order     deterministic because every (b, h, query tile) of acc is added to in one fixed
+ *             order, ascending key tile, with a semaphore per (b, h, query tile) [B, Hq,
+ *             ⌈Tq/64⌉] (FlashAttention-3's Deterministic mode): the store warp of key tile j
+ *             spins (ld.acquire.gpu) until the tile's semaphore is j, issues its TMA copy-out,
+ *             waits until the copy has COMPLETED (cp.async.bulk.wait_group 0, not .read),
+ *             fences the async proxy and posts (red.release.gpu add 1). The key tiles that see
+ *             a query tile m are always a prefix 0 .. J(m): a CTA walks every query tile from
+ *             the first that sees its first key to the end, that first query tile grows with
+ *             j, and a CTA whose keys no query sees is followed only by such CTAs. So exactly
+ *             the j tiles before j add to m first, for causal masks with any q_pos/k_pos
+ *             offset (CP chunks), for queries wholly after the keys (no mask: every key tile
+ *             sees every query tile), for rows that see nothing (no key tile reaches their
+ *             tile: the add kernel skips tiles whose semaphore stayed 0), for Tq, Tk not
+ *             multiples of the tiles, and for GQA (the semaphore is per query head; the
+ *             group's CTA walks its heads one after the other). Key tile 0 STORES where the
+ *             others add, so acc needs no zeroing (only the semaphores: a memset).
+ *   deadlock  a CTA only waits for CTAs of the same (b, g) with a smaller key tile. It takes
+ *             its tile from a ticket counter (atomicAdd at its start) instead of blockIdx,
+ *             with the key tile as the slowest index: the CTAs it waits for took smaller
+ *             tickets, so they have started, are resident or done, and by induction finish
+ *             (the smallest unfinished ticket waits for nobody). That holds whatever order
+ *             the hardware starts CTAs in (FlashAttention-3 relies on the launch order).
+ *             Ascending order also starts the heaviest CTAs first (key tile 0: every query
+ *             tile sees it), like mode 1. Its cost: within a (b, g), CTA j adds to tile m
+ *             after CTA j − 1, so the CTAs of one chain running at once finish together, at
+ *             the pace of the one that started first (a simulation of the list schedule:
+ *             +2..5 % over the ideal for MHA at 4K-64K tokens, 16-64 heads; more where few
+ *             (b, g) chains are long, e.g. GQA 4 with 4 KV heads, +26 %, where FA3's order,
+ *             descending key tile with the shortest CTAs launched first, loses as much).
+ *   workspace acc (B·Hq·Tq·D fp32), the semaphores and the ticket: the scratch slot
+ *             MOE_SCRATCH_ATTENTION_DQ (cuda_common.cu: kept between calls, grown in the
+ *             first call of a shape, i.e. in lib/graph.c's eager warm-up, never inside a
+ *             capture; growing moves the memory epoch so captured graphs are re-captured).
+ *             Each call only memsets the semaphores and the ticket on the op's stream.
+ *   memory    D = 128: K, V 64 KB + 2 stages × 32 KB + dS 2 × 16 KB + dq staging 32 KB =
+ *             192 KB; D = 64: 32 + 3 × 16 + 32 + 16 = 128 KB.
+ *   registers ptxas (nvcc 13, -Xptxas -v): 168 at launch (240 for the consumers after
+ *             setmaxnreg, 24 for the producer warpgroup), no spills at D = 128; at D = 64 the
+ *             producer warpgroup's two roles spill 20 bytes (the consumers do not). The dq
+ *             accumulator reuses Sᵀ's registers, so the consumers' peak is mode 1's.
+ *
  * Not done (FlashAttention-3's further ideas): no overlap of a tile's softmax part with the
- * next tile's products inside a warpgroup, no ping-pong between the warpgroups; and the
- * 5-product single kernel with a deterministic dq reduction (per key tile partial dq in a
- * workspace, summed in a fixed order) is a possible next step if the extra products cost
- * more than the reduction.
+ * next tile's products inside a warpgroup, no ping-pong between the warpgroups.
  *
  * sm_100a has no wgmma: this file builds there (the kernel bodies compile to a trap) and the
  * launcher runs them only on a device of compute capability 9.
@@ -94,6 +166,7 @@
 #include "attention_sm90.cuh"
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
+#include "sm90_epilogue.cuh"
 #include "sm90_ptx.cuh"
 #include "wgmma.cuh"
 
@@ -122,6 +195,26 @@ template <int D, int STAGES_> struct Layout {
 };
 template <int D> using LayoutKV = Layout<D, 3>; /* D = 128: 64 + 96 KB */
 template <int D> using LayoutQ = Layout<D, 4>;  /* D = 128: 64 + 128 KB */
+
+/* The fused kernel's (MOE_FLASH_SM90_BWD=2): the dk/dv kernel's tiles and ring, then the dS
+ * tile twice (iteration it writes copy it % 2) and the dq staging buffer (NP parts of
+ * [64 rows][64 fp32], each two TMA boxes [64][32 fp32] of 8 KB). D = 128: 64 + 64 + 32 +
+ * 32 KB. */
+template <int D, int STAGES_> struct LayoutF : Layout<D, STAGES_> {
+    static constexpr int NP = D / 64;     /* 64-column parts of dq: warpgroup p computes part p */
+    static constexpr int DS = BIG * 128;  /* dS: [128 keys][64 queries] bf16 = 16 KB */
+    static constexpr int PART = 64 * 64 * 4;
+    static constexpr int BYTES = Layout<D, STAGES_>::BYTES + 2 * DS + NP * PART;
+    static_assert(BYTES <= 227 * 1024 - 2048, "shared memory (with the static lse₂, δ)");
+};
+template <int D> using LayoutFused = LayoutF<D, D == 128 ? 2 : 3>; /* D = 64: 112 KB */
+
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* The fused kernel's named barriers (0 is __syncthreads'). */
+constexpr int BAR_DS = 1;       /* both consumer warpgroups have written their dS rows */
+constexpr int BAR_DQ_EMPTY = 2; /* the store warp has read the dq staging buffer */
+constexpr int BAR_DQ_FULL = 3;  /* the consumers have written it */
+#endif
 
 struct Args {
     int Tq, Tk, Hq, Hkv;
@@ -193,6 +286,215 @@ __device__ __forceinline__ void fa_issue_rs(float *acc, const uint32_t *a, const
     for (int kb = 0; kb < 4; kb++)
         moe_wgmma_rs<D, 1>::mma(acc, a + 4 * kb, fa_desc_mnmajor(b + kb * 2048, BOX_SMALL), 1);
 }
+
+/* ------------------------------------------- what the dk/dv and the fused kernel share */
+
+/* The query tiles that a CTA of the key tile starting at s0 walks, for each of the rep
+ * query heads of its group: qt0 .. qt0 + per − 1 (from the first query that sees key s0:
+ * q_pos + t ≥ k_pos + s0), nit = rep · per iterations. False when no query sees the keys. */
+struct KvWork {
+    int qt0, per, nit;
+};
+__device__ __forceinline__ bool fa_kv_work(int s0, int rep, const Args &a, KvWork &w) {
+    const long long first = (long long)s0 - a.off;
+    if (first >= a.Tq)
+        return false;
+    w.qt0 = first > 0 ? (int)(first / SMALL) : 0;
+    w.per = (a.Tq + SMALL - 1) / SMALL - w.qt0;
+    w.nit = rep * w.per;
+    return true;
+}
+
+/* The producer warp of a key-tile CTA: K and V of keys s0 .. s0 + 127 of KV head g once,
+ * then for each iteration the query tile's Q and dY into the ring (its lanes first copy the
+ * tile's 64 lse₂ and δ into the stage: plain stores, released by the arrive that announces
+ * the stage, acquired by the consumers' wait). */
+template <typename L>
+__device__ __forceinline__ void fa_produce_q_dy(
+    int tid, uint8_t *Ks, uint8_t *Vs, uint8_t *ring, float (*Ls)[SMALL], float (*Ds)[SMALL],
+    uint64_t *kvbar, uint64_t *full, uint64_t *empty, const CUtensorMap *mq,
+    const CUtensorMap *mk, const CUtensorMap *mv, const CUtensorMap *mdy, const float *lse,
+    const float *delta, const Args &a, int g, int b, int s0, int rep, const KvWork &w) {
+    constexpr int NC = L::NC, STAGES = L::STAGES;
+    if (tid == 0) {
+        mbar_expect_tx(kvbar, 2 * L::RES);
+        for (int c = 0; c < NC; c++) {
+            tma_load_4d(Ks + c * BOX_BIG, mk, kvbar, 64 * c, g, s0, b);
+            tma_load_4d(Vs + c * BOX_BIG, mv, kvbar, 64 * c, g, s0, b);
+        }
+    }
+    for (int it = 0; it < w.nit; it++) {
+        const int s = it % STAGES, phase = (it / STAGES) & 1;
+        const int hh = g * rep + it / w.per, t0 = (w.qt0 + it % w.per) * SMALL;
+        mbar_wait(&empty[s], phase ^ 1); /* a fresh barrier passes parity 1 */
+        for (int c = tid; c < SMALL; c += 32) {
+            const int t = t0 + c;
+            const size_t at = ((size_t)b * a.Hq + hh) * a.Tq + t;
+            const float lt = t < a.Tq ? lse[at] : -INFINITY;
+            Ls[s][c] = lt == -INFINITY ? 0.0f : lt * LOG2E;
+            Ds[s][c] = t < a.Tq ? delta[at] : 0.0f;
+        }
+        __threadfence_block(); /* each lane's stores before lane 0's releasing arrive */
+        __syncwarp();
+        if (tid == 0) {
+            uint8_t *qt = ring + s * L::STAGE, *dyt = qt + L::TILE;
+            mbar_expect_tx(&full[s], L::STAGE); /* releases the lanes' Ls, Ds stores */
+            for (int c = 0; c < NC; c++) {
+                tma_load_4d(qt + c * BOX_SMALL, mq, &full[s], 64 * c, hh, t0, b);
+                tma_load_4d(dyt + c * BOX_SMALL, mdy, &full[s], 64 * c, hh, t0, b);
+            }
+        }
+        __syncwarp();
+    }
+}
+
+/* One iteration's transposed tiles for a consumer warpgroup (its 64 keys × the 64 queries
+ * t0 ..): waits for the stage, Sᵀ = K Qᵀ and dPᵀ = V dYᵀ, then st = Pᵀ (masked) and
+ * dpt = dSᵀ = Pᵀ ⊙ (dPᵀ − δ) without 1/√D, with lse₂ ls[] and δ ds[] per column. */
+template <int D>
+__device__ __forceinline__ void fa_tile_p_ds(float st[32], float dpt[32], const uint8_t *ka,
+                                             const uint8_t *va, const uint8_t *qt,
+                                             const uint8_t *dyt, uint64_t *full, int phase,
+                                             const float *ls, const float *ds, int key, int s0,
+                                             int t0, int lane, const Args &a, float sl) {
+    mbar_wait(full, phase);
+    wgmma_fence();
+    fa_issue_abt<D>(st, ka, qt);
+    fa_issue_abt<D>(dpt, va, dyt);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+        reg_fence(st[i]);
+        reg_fence(dpt[i]);
+    }
+    const bool mask = s0 + BIG - 1 > t0 + a.off || t0 + SMALL > a.Tq || s0 + BIG > a.Tk;
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int c = 8 * n + 2 * (lane % 4) + (e & 1), t = t0 + c;
+            const int kr = key + 8 * (e >> 1);
+            float p = exp2f(fmaf(st[4 * n + e], sl, -ls[c]));
+            if (mask && (kr > t + a.off || t >= a.Tq || kr >= a.Tk))
+                p = 0.0f;
+            st[4 * n + e] = p;                            /* Pᵀ */
+            dpt[4 * n + e] = p * (dpt[4 * n + e] - ds[c]); /* dSᵀ (without 1/√D) */
+        }
+}
+
+/* The key-tile CTA's epilogue: dk += dK/√D, dv += dV for the thread's keys key, key + 8. */
+template <int D>
+__device__ __forceinline__ void fa_add_dkdv(moe_bf16 *dk, moe_bf16 *dv, float *adk, float *adv,
+                                            int key, int g, int b, int lane, const Args &a) {
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) {
+        reg_fence(adk[i]);
+        reg_fence(adv[i]);
+    }
+    const size_t kvs = (size_t)a.Hkv * D;
+    const size_t base = (size_t)b * a.Tk * kvs + (size_t)g * D;
+    fa_add_rows<D>(dk + base, kvs, key, a.Tk, adk, a.scale, lane);
+    fa_add_rows<D>(dv + base, kvs, key, a.Tk, adv, 1.0f, lane);
+}
+
+/* ------------------------------------------------- the fused kernel's dq pieces */
+
+/* A warpgroup's dSᵀ fragments da (fa_pack_a of rows row, row + 8 = keys, 64 query columns)
+ * into the dS tile [128 keys][64 queries] bf16 of 128-byte swizzled rows: element (key r,
+ * query c) at moe_swizzle128(r, c / 8) + 2 (c % 8). The 8 rows of one store instruction
+ * fall in 8 different 16-byte chunks of their bank window: no bank conflicts. */
+__device__ __forceinline__ void fa_store_ds(uint8_t *ds, const uint32_t da[16], int row,
+                                            int lane) {
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+            *reinterpret_cast<uint32_t *>(ds + moe_swizzle128(row + 8 * i, n) + 4 * (lane % 4)) =
+                da[2 * n + i];
+}
+
+/* acc (64 queries × 64 columns of part p) = dS·K over the CTA's 128 keys: A = dS read from
+ * the dS tile MN-major (M = queries contiguous; 8 k16 steps of 16 key rows = 2048 bytes),
+ * B = the resident K box of columns 64p .. 64p + 63 read MN-major (N = the head dimension
+ * contiguous, the same rows). Issued, not committed. */
+__device__ __forceinline__ void fa_issue_dq(float *acc, const uint8_t *ds, const uint8_t *kbox) {
+#pragma unroll
+    for (int kk = 0; kk < BIG / 16; kk++)
+        moe_wgmma<64, 1, 1>::mma(acc, fa_desc_mnmajor(ds + kk * 2048, BIG * 128),
+                                 fa_desc_mnmajor(kbox + kk * 2048, BOX_BIG), kk > 0);
+}
+
+/* The semaphore of a (b, h, query tile): spin (one thread) until it reaches v; acquire, so
+ * that what the CTAs before released is visible to this thread's later accesses. */
+__device__ __forceinline__ void fa_sem_wait(const int *sem, int v) {
+    int x;
+    do {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(x) : "l"(sem) : "memory");
+    } while (x < v);
+}
+
+/* ... and its increment, releasing this thread's earlier writes (and what it acquired). */
+__device__ __forceinline__ void fa_sem_post(int *sem) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(sem) : "memory");
+}
+
+/* The store warp of the fused kernel (warp 1 of the producer warpgroup): for each
+ * iteration, in the consumers' order, it waits until the tile's semaphore says that the j
+ * key tiles before this one have added their part, takes the consumers' dq tile from the
+ * staging buffer and hands it to TMA (a plain store for key tile 0, the first: the
+ * accumulator needs no zeroing; a reduce-add, done in L2, for the others), frees the
+ * buffer once TMA has read it, waits until the writes are complete, and posts the
+ * semaphore. Rows past Tq are outside the tensor map: TMA skips them. */
+template <int NP>
+__device__ __forceinline__ void fa_store_dq(int lane, const CUtensorMap *mdq, const uint8_t *dqs,
+                                            int *sem, int j, int g, int b, int rep,
+                                            const KvWork &w, const Args &a) {
+    constexpr int NB = NP * 128 + 32; /* the barriers' threads: the dq warpgroups + this warp */
+    /* few live registers (this warp has 24): the tile walks m = qt0 .. qt0 + per − 1 for
+     * each head, and sem points at the semaphore of (bh, m), [bh][M] */
+    const int M = (a.Tq + SMALL - 1) / SMALL, mend = w.qt0 + w.per;
+    int bh = b * a.Hq + g * rep, m = w.qt0;
+    int *tsem = sem + (size_t)bh * M + m;
+    named_bar_arrive(BAR_DQ_EMPTY, NB); /* the buffer starts free */
+    for (int it = 0; it < w.nit; it++) {
+        if (lane == 0) {
+            fa_sem_wait(tsem, j); /* key tiles 0 .. j−1 see tile m too: they come first */
+            fence_proxy_async_global(); /* ... and before our TMA reduce-add */
+        }
+        __syncwarp();
+        named_bar_sync(BAR_DQ_FULL, NB);
+        if (lane == 0) {
+#pragma unroll
+            for (int p = 0; p < NP; p++)
+#pragma unroll
+                for (int box = 0; box < 2; box++) {
+                    const uint8_t *src = dqs + p * (64 * 64 * 4) + box * 8192;
+                    if (j == 0)
+                        tma_store_3d(mdq, src, 64 * p + 32 * box, m * SMALL, bh);
+                    else
+                        tma_reduce_add_3d(mdq, src, 64 * p + 32 * box, m * SMALL, bh);
+                }
+            bulk_commit();
+            bulk_wait_read();
+        }
+        __syncwarp();
+        if (it + 1 < w.nit)
+            named_bar_arrive(BAR_DQ_EMPTY, NB); /* the consumers may write the next tile */
+        if (lane == 0) {
+            bulk_wait_all();            /* the adds are done in global memory ... */
+            fence_proxy_async_global(); /* ... ordered before the generic release */
+            fa_sem_post(tsem);
+        }
+        __syncwarp();
+        tsem++;
+        if (++m == mend) { /* the next query head of the group */
+            m = w.qt0;
+            bh++;
+            tsem += M - w.per;
+        }
+    }
+}
 #endif
 
 /* ------------------------------------------------------------------ dk, dv */
@@ -206,7 +508,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                         const float *lse, const float *delta, const Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     typedef LayoutKV<D> L;
-    constexpr int NC = L::NC, STAGES = L::STAGES;
+    constexpr int STAGES = L::STAGES;
     extern __shared__ uint8_t fa_smem_raw[];
     uint8_t *Ks = fa_smem_raw + ((1024 - (smem_u32(fa_smem_raw) & 1023)) & 1023);
     uint8_t *Vs = Ks + L::RES;
@@ -216,12 +518,9 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     const int g = blockIdx.x, b = blockIdx.y, s0 = (int)blockIdx.z * BIG;
     const int rep = a.Hq / a.Hkv;
-    /* the first query row that sees key s0: q_pos + t ≥ k_pos + s0 */
-    const long long first = (long long)s0 - a.off;
-    if (first >= a.Tq)
+    KvWork w;
+    if (!fa_kv_work(s0, rep, a, w))
         return; /* no query sees these keys: dk, dv get nothing (uniform: before any barrier) */
-    const int qt0 = first > 0 ? (int)(first / SMALL) : 0;
-    const int per = (a.Tq + SMALL - 1) / SMALL - qt0, nit = rep * per;
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
 
     fa_init_barriers(&kvbar, full, empty, STAGES);
@@ -230,45 +529,16 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (wg == 2) {
         /* ------------------------------------------------ producer (one warp) */
         setmaxnreg_dec<24>();
-        if (tid >= 32)
-            return;
-        if (tid == 0) {
-            mbar_expect_tx(&kvbar, 2 * L::RES);
-            for (int c = 0; c < NC; c++) {
-                tma_load_4d(Ks + c * BOX_BIG, &mk, &kvbar, 64 * c, g, s0, b);
-                tma_load_4d(Vs + c * BOX_BIG, &mv, &kvbar, 64 * c, g, s0, b);
-            }
-        }
-        for (int it = 0; it < nit; it++) {
-            const int s = it % STAGES, phase = (it / STAGES) & 1;
-            const int hh = g * rep + it / per, t0 = (qt0 + it % per) * SMALL;
-            mbar_wait(&empty[s], phase ^ 1); /* a fresh barrier passes parity 1 */
-            for (int c = tid; c < SMALL; c += 32) {
-                const int t = t0 + c;
-                const size_t at = ((size_t)b * a.Hq + hh) * a.Tq + t;
-                const float lt = t < a.Tq ? lse[at] : -INFINITY;
-                Ls[s][c] = lt == -INFINITY ? 0.0f : lt * LOG2E;
-                Ds[s][c] = t < a.Tq ? delta[at] : 0.0f;
-            }
-            __threadfence_block(); /* each lane's stores before lane 0's releasing arrive */
-            __syncwarp();
-            if (tid == 0) {
-                uint8_t *qt = ring + s * L::STAGE, *dyt = qt + L::TILE;
-                mbar_expect_tx(&full[s], L::STAGE); /* releases the lanes' Ls, Ds stores */
-                for (int c = 0; c < NC; c++) {
-                    tma_load_4d(qt + c * BOX_SMALL, &mq, &full[s], 64 * c, hh, t0, b);
-                    tma_load_4d(dyt + c * BOX_SMALL, &mdy, &full[s], 64 * c, hh, t0, b);
-                }
-            }
-            __syncwarp();
-        }
+        if (tid < 32)
+            fa_produce_q_dy<L>(tid, Ks, Vs, ring, Ls, Ds, &kvbar, full, empty, &mq, &mk, &mv,
+                               &mdy, lse, delta, a, g, b, s0, rep, w);
         return;
     }
 
     /* ---------------------------------------------------- consumers */
     setmaxnreg_inc<240>();
-    const int lane = tid % 32, w = tid / 32;
-    const int key = s0 + 64 * wg + 16 * w + lane / 4; /* this thread's keys: key, key + 8 */
+    const int lane = tid % 32, wp = tid / 32;
+    const int key = s0 + 64 * wg + 16 * wp + lane / 4; /* this thread's keys: key, key + 8 */
     const float sl = a.scale * LOG2E;
     const uint8_t *ka = Ks + wg * 64 * 128, *va = Vs + wg * 64 * 128; /* our 64 keys */
     float adk[D / 2], adv[D / 2];
@@ -279,33 +549,11 @@ __global__ void __launch_bounds__(THREADS, 1)
     uint32_t pa[16], da[16]; /* Pᵀ, dSᵀ as A fragments */
 
     mbar_wait(&kvbar, 0);
-    for (int it = 0; it < nit; it++) {
-        const int s = it % STAGES, t0 = (qt0 + it % per) * SMALL;
+    for (int it = 0; it < w.nit; it++) {
+        const int s = it % STAGES, t0 = (w.qt0 + it % w.per) * SMALL;
         const uint8_t *qt = ring + s * L::STAGE, *dyt = qt + L::TILE;
-        mbar_wait(&full[s], (it / STAGES) & 1);
-        wgmma_fence();
-        fa_issue_abt<D>(st, ka, qt);
-        fa_issue_abt<D>(dpt, va, dyt);
-        wgmma_commit();
-        wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < 32; i++) {
-            reg_fence(st[i]);
-            reg_fence(dpt[i]);
-        }
-        const bool mask = s0 + BIG - 1 > t0 + a.off || t0 + SMALL > a.Tq || s0 + BIG > a.Tk;
-#pragma unroll
-        for (int n = 0; n < 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int c = 8 * n + 2 * (lane % 4) + (e & 1), t = t0 + c;
-                const int kr = key + 8 * (e >> 1);
-                float p = exp2f(fmaf(st[4 * n + e], sl, -Ls[s][c]));
-                if (mask && (kr > t + a.off || t >= a.Tq || kr >= a.Tk))
-                    p = 0.0f;
-                st[4 * n + e] = p;                                /* Pᵀ */
-                dpt[4 * n + e] = p * (dpt[4 * n + e] - Ds[s][c]); /* dSᵀ (without 1/√D) */
-            }
+        fa_tile_p_ds<D>(st, dpt, ka, va, qt, dyt, &full[s], (it / STAGES) & 1, Ls[s], Ds[s],
+                        key, s0, t0, lane, a, sl);
         fa_pack_a(pa, st);
         fa_pack_a(da, dpt);
         wgmma_fence();
@@ -315,20 +563,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         wgmma_wait<0>();
         fa_release(&empty[s], lane);
     }
-#pragma unroll
-    for (int i = 0; i < D / 2; i++) {
-        reg_fence(adk[i]);
-        reg_fence(adv[i]);
-    }
-    const size_t kvs = (size_t)a.Hkv * D;
-    const size_t base = (size_t)b * a.Tk * kvs + (size_t)g * D;
-    fa_add_rows<D>(dk + base, kvs, key, a.Tk, adk, a.scale, lane);
-    fa_add_rows<D>(dv + base, kvs, key, a.Tk, adv, 1.0f, lane);
+    fa_add_dkdv<D>(dk, dv, adk, adv, key, g, b, lane, a);
 #else
     __trap(); /* sm_90a only: the host never launches it elsewhere */
 #endif
 }
-
 /* ------------------------------------------------------------------ dq */
 
 template <int D>
@@ -442,26 +681,201 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 }
 
+/* ------------------------------------------ the fused kernel (MOE_FLASH_SM90_BWD=2) */
+
+/* The dk/dv kernel plus dq: one CTA per (b, g, key tile) computes, for each query tile that
+ * sees its keys, also dS·K, and adds it to the fp32 dq accumulator acc [B, Hq, Tq, D]
+ * (through the tensor map mdq) in ascending key-tile order, as the semaphores sem
+ * [B, Hq, ⌈Tq/64⌉] (zero before the launch) order it. The CTA takes its tile from the
+ * ticket counter (zero before the launch), not from blockIdx: a CTA only ever waits for
+ * CTAs with smaller tickets, which have started, so the waits cannot deadlock whatever
+ * order the hardware starts CTAs in. */
+template <int D>
+__global__ void __launch_bounds__(THREADS, 1)
+    fa_sm90_fused_kernel(const __grid_constant__ CUtensorMap mq,
+                         const __grid_constant__ CUtensorMap mk,
+                         const __grid_constant__ CUtensorMap mv,
+                         const __grid_constant__ CUtensorMap mdy,
+                         const __grid_constant__ CUtensorMap mdq, moe_bf16 *dk, moe_bf16 *dv,
+                         const float *lse, const float *delta, int *sem, int *ticket,
+                         const Args a, const int B) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    typedef LayoutFused<D> L;
+    constexpr int STAGES = L::STAGES, NP = L::NP;
+    extern __shared__ uint8_t fa_smem_raw[];
+    uint8_t *Ks = fa_smem_raw + ((1024 - (smem_u32(fa_smem_raw) & 1023)) & 1023);
+    uint8_t *Vs = Ks + L::RES;
+    uint8_t *ring = Vs + L::RES;              /* as the dk/dv kernel's */
+    uint8_t *dsb = ring + STAGES * L::STAGE;  /* dS, two copies */
+    uint8_t *dqs = dsb + 2 * L::DS;           /* the dq staging buffer */
+    __shared__ float Ls[MAX_STAGES][SMALL], Ds[MAX_STAGES][SMALL]; /* lse₂, δ per column */
+    __shared__ uint64_t kvbar, full[MAX_STAGES], empty[MAX_STAGES];
+    __shared__ int tile;
+
+    if (threadIdx.x == 0)
+        tile = atomicAdd(ticket, 1);
+    fa_init_barriers(&kvbar, full, empty, STAGES);
+    __syncthreads();
+    /* the key tile is the slowest index: all (b, g) of key tile 0 first (the most query
+     * tiles see it), and the tile a CTA waits for (j − 1) has a smaller ticket */
+    const int j = tile / (a.Hkv * B), g = tile % a.Hkv, b = (tile / a.Hkv) % B;
+    const int s0 = j * BIG, rep = a.Hq / a.Hkv;
+    KvWork w;
+    if (!fa_kv_work(s0, rep, a, w))
+        return; /* no query sees these keys, nor those of the later key tiles: nobody waits
+                   for this CTA (uniform) */
+    const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+
+    if (wg == 2) {
+        /* ------------------------------- producer (warp 0) and dq store warp (warp 1) */
+        setmaxnreg_dec<24>();
+        if (tid < 32)
+            fa_produce_q_dy<L>(tid, Ks, Vs, ring, Ls, Ds, &kvbar, full, empty, &mq, &mk, &mv,
+                               &mdy, lse, delta, a, g, b, s0, rep, w);
+        else if (tid < 64)
+            fa_store_dq<NP>(tid - 32, &mdq, dqs, sem, j, g, b, rep, w, a);
+        return;
+    }
+
+    /* ---------------------------------------------------- consumers */
+    setmaxnreg_inc<240>();
+    const int lane = tid % 32, wp = tid / 32;
+    const int row = 64 * wg + 16 * wp + lane / 4; /* this thread's rows of the key tile */
+    const int key = s0 + row;                     /* its keys: key, key + 8 */
+    const float sl = a.scale * LOG2E;
+    const uint8_t *ka = Ks + wg * 64 * 128, *va = Vs + wg * 64 * 128; /* our 64 keys */
+    /* D = 64: warpgroup 0 computes all of dq's 64 columns (the warpgroups share the tensor
+     * cores, so the other one's idle turn costs little); the shuffle makes the condition
+     * visibly warp-uniform to ptxas, which otherwise serialises the wgmma in the branch */
+    const bool dq_part = NP == 2 || __shfl_sync(0xffffffffu, wg, 0) == 0;
+    float adk[D / 2], adv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++)
+        adk[i] = adv[i] = 0.0f;
+    float st[32], dpt[32]; /* Sᵀ, dPᵀ: 64 keys × 64 queries per warpgroup; then st = dQ */
+    uint32_t pa[16], da[16]; /* Pᵀ, dSᵀ as A fragments */
+
+    mbar_wait(&kvbar, 0);
+    for (int it = 0; it < w.nit; it++) {
+        const int s = it % STAGES, t0 = (w.qt0 + it % w.per) * SMALL;
+        const uint8_t *qt = ring + s * L::STAGE, *dyt = qt + L::TILE;
+        uint8_t *ds = dsb + (it & 1) * L::DS;
+        fa_tile_p_ds<D>(st, dpt, ka, va, qt, dyt, &full[s], (it / STAGES) & 1, Ls[s], Ds[s],
+                        key, s0, t0, lane, a, sl);
+        fa_pack_a(pa, st);
+        fa_pack_a(da, dpt);
+        /* dSᵀ to shared memory, for the dq product (which needs dS with the queries as
+         * rows, across both warpgroups' keys) */
+        fa_store_ds(ds, da, row, lane);
+        fence_proxy_async(); /* our stores → wgmma's reads */
+        wgmma_fence();
+        fa_issue_rs<D>(adv, pa, dyt);
+        fa_issue_rs<D>(adk, da, qt);
+        wgmma_commit();
+        /* both warpgroups' dS rows are written; the copy written now was last read by the
+         * dq products of iteration it − 2, which both warpgroups waited for before they
+         * reached this barrier in iteration it − 1 */
+        named_bar_sync(BAR_DS, 256);
+        if (dq_part) {
+            wgmma_fence();
+            fa_issue_dq(st, ds, Ks + wg * BOX_BIG);
+            wgmma_commit();
+            wgmma_wait<1>(); /* dV, dK: done with the stage */
+            fa_release(&empty[s], lane);
+            wgmma_wait<0>();
+#pragma unroll
+            for (int i = 0; i < 32; i++)
+                reg_fence(st[i]);
+            named_bar_sync(BAR_DQ_EMPTY, NP * 128 + 32); /* the store warp has read the last */
+            stage_piece<1, 64, 64 * 64 * 4>(st, dqs + wg * L::PART, 0, tid);
+            fence_proxy_async(); /* our stores → TMA's reads */
+            named_bar_arrive(BAR_DQ_FULL, NP * 128 + 32);
+        } else {
+            wgmma_wait<0>();
+            fa_release(&empty[s], lane);
+        }
+    }
+    fa_add_dkdv<D>(dk, dv, adk, adv, key, g, b, lane, a);
+#else
+    __trap();
+#endif
+}
+
+/* dq[b, t, h, :] += scale · acc[b, h, t, :] (bf16 += fp32, one rounding) for the rows of the
+ * query tiles that some key tile reached (semaphore > 0: the others' acc was never
+ * written); one thread per 8 columns. */
+__global__ void fa_sm90_dq_add_kernel(moe_bf16 *dq, const float *acc, const int *sem, int B,
+                                      int Tq, int Hq, int D, float scale) {
+    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int c8 = D / 8;
+    if (idx >= (size_t)B * Hq * Tq * c8)
+        return;
+    const size_t row = idx / c8; /* (b·Hq + h)·Tq + t */
+    const int c = (int)(idx % c8) * 8, t = (int)(row % Tq);
+    const size_t bh = row / Tq;
+    if (sem[bh * ((Tq + SMALL - 1) / SMALL) + t / SMALL] == 0)
+        return;
+    const int b = (int)(bh / Hq), h = (int)(bh % Hq);
+    const float4 *x = reinterpret_cast<const float4 *>(acc + row * D + c);
+    const float4 x0 = x[0], x1 = x[1];
+    uint4 *o = reinterpret_cast<uint4 *>(dq + (((size_t)b * Tq + t) * Hq + h) * D + c);
+    uint4 old = *o;
+    __nv_bfloat162 *v = reinterpret_cast<__nv_bfloat162 *>(&old);
+    const float add[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        v[i] = __floats2bfloat162_rn(__low2float(v[i]) + add[2 * i] * scale,
+                                     __high2float(v[i]) + add[2 * i + 1] * scale);
+    *o = old;
+}
+
 /* ---------------------------------------------------------------- host side */
 
-/* MOE_FLASH_SM90_BWD: unset or 1 = the Hopper backward (the default since it passed
- * tests/gpu_attention.c on an H100 and ran 1.85x the portable backward at 16K, D = 128),
- * 0 = the portable backward; read at every call (a getenv), so that one process (the tests,
- * the benchmark) can switch. */
-bool fa_sm90_bwd_enabled(void) {
+/* MOE_FLASH_SM90_BWD: unset or 1 = the Hopper backward's two kernels (the default since they
+ * passed tests/gpu_attention.c on an H100 and ran 1.85x the portable backward at 16K,
+ * D = 128), 2 = the fused kernel, 0 = the portable backward; read at every call (a getenv),
+ * so that one process (the tests, the benchmark) can switch. */
+int fa_sm90_bwd_mode(void) {
     const char *e = getenv("MOE_FLASH_SM90_BWD");
     if (!e)
-        return true;
-    if (strcmp(e, "0") && strcmp(e, "1")) {
+        return 1;
+    if (strcmp(e, "0") && strcmp(e, "1") && strcmp(e, "2")) {
         fprintf(stderr, "MOE_FLASH_SM90_BWD=%s: must be 1 (the Hopper backward of "
-                        "kernels/attention_sm90_bwd.cu, sm_90 only, the default) or 0 (the "
+                        "kernels/attention_sm90_bwd.cu, sm_90 only, the default), 2 (its fused "
+                        "single-kernel form with a deterministic fp32 dq reduction) or 0 (the "
                         "portable flash-attention backward)\n", e);
         exit(1);
     }
-    return e[0] == '1';
+    return e[0] - '0';
 }
 
-long long g_sm90_bwd_calls = 0;
+long long g_sm90_bwd_calls = 0, g_sm90_bwd_fused_calls = 0;
+
+/* The dk/dv side's tensor maps (both modes): K and V resident in boxes of 128 rows, Q and
+ * dY streamed in boxes of 64. */
+struct KvMaps {
+    CUtensorMap q, k, v, dy;
+};
+KvMaps fa_kv_maps(const void *q, const void *k, const void *v, const void *dy,
+                  moe_attention_shape s) {
+    KvMaps m;
+    m.k = fa_sm90_map(k, s.B, s.Tk, s.Hkv, s.D, BIG);
+    m.v = fa_sm90_map(v, s.B, s.Tk, s.Hkv, s.D, BIG);
+    m.q = fa_sm90_map(q, s.B, s.Tq, s.Hq, s.D, SMALL);
+    m.dy = fa_sm90_map(dy, s.B, s.Tq, s.Hq, s.D, SMALL);
+    return m;
+}
+
+Args fa_args(moe_attention_shape s) {
+    Args a;
+    a.Tq = s.Tq;
+    a.Tk = s.Tk;
+    a.Hq = s.Hq;
+    a.Hkv = s.Hkv;
+    a.off = s.q_pos - s.k_pos;
+    a.scale = (float)(1.0 / sqrt((double)s.D));
+    return a;
+}
 
 template <int D>
 void fa_sm90_bwd_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const void *dy,
@@ -477,21 +891,11 @@ void fa_sm90_bwd_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const void *dy
                                             LayoutQ<D>::BYTES));
         configured = true;
     }
-    Args a;
-    a.Tq = s.Tq;
-    a.Tk = s.Tk;
-    a.Hq = s.Hq;
-    a.Hkv = s.Hkv;
-    a.off = s.q_pos - s.k_pos;
-    a.scale = (float)(1.0 / sqrt((double)D));
-    /* the resident tiles in boxes of 128 rows, the streamed ones in boxes of 64 */
-    const CUtensorMap mk_big = fa_sm90_map(k, s.B, s.Tk, s.Hkv, D, BIG);
-    const CUtensorMap mv_big = fa_sm90_map(v, s.B, s.Tk, s.Hkv, D, BIG);
-    const CUtensorMap mq_small = fa_sm90_map(q, s.B, s.Tq, s.Hq, D, SMALL);
-    const CUtensorMap mdy_small = fa_sm90_map(dy, s.B, s.Tq, s.Hq, D, SMALL);
+    const Args a = fa_args(s);
+    const KvMaps m = fa_kv_maps(q, k, v, dy, s);
     const dim3 gkv((unsigned)s.Hkv, (unsigned)s.B, (unsigned)((s.Tk + BIG - 1) / BIG));
     fa_sm90_dkdv_kernel<D><<<gkv, THREADS, LayoutKV<D>::BYTES, moe_cuda_stream()>>>(
-        mq_small, mk_big, mv_big, mdy_small, dk, dv, lse, delta, a);
+        m.q, m.k, m.v, m.dy, dk, dv, lse, delta, a);
     MOE_CUDA_LAUNCH_CHECK();
 
     const CUtensorMap mq_big = fa_sm90_map(q, s.B, s.Tq, s.Hq, D, BIG);
@@ -504,27 +908,77 @@ void fa_sm90_bwd_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const void *dy
     MOE_CUDA_LAUNCH_CHECK();
 }
 
+/* The fused backward: its workspace is the scratch slot MOE_SCRATCH_ATTENTION_DQ (grown in
+ * the first call of a shape, so never inside a CUDA graph capture: lib/graph.c runs a region
+ * eagerly before it captures it): the semaphores and the ticket counter, zeroed here on the
+ * op's stream (a memset node when captured), then the fp32 accumulator [B, Hq, Tq, D],
+ * which needs no zeroing (key tile 0 stores, the others add; the add kernel skips the tiles
+ * that no key tile reached). */
+template <int D>
+void fa_sm90_fused_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const void *dy,
+                          const float *lse, const float *delta, const void *q, const void *k,
+                          const void *v, moe_attention_shape s) {
+    typedef LayoutFused<D> L;
+    static bool configured = false;
+    if (!configured) {
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(fa_sm90_fused_kernel<D>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            L::BYTES));
+        configured = true;
+    }
+    const Args a = fa_args(s);
+    const size_t nsem = (size_t)s.B * s.Hq * ((s.Tq + SMALL - 1) / SMALL);
+    const size_t sem_bytes = ((nsem + 1) * sizeof(int) + 255) / 256 * 256; /* + the ticket */
+    const size_t nacc = (size_t)s.B * s.Hq * s.Tq * D;
+    uint8_t *ws = (uint8_t *)moe_cuda_scratch(MOE_SCRATCH_ATTENTION_DQ,
+                                              sem_bytes + nacc * sizeof(float));
+    int *sem = (int *)ws, *ticket = sem + nsem;
+    float *acc = (float *)(ws + sem_bytes);
+    MOE_CUDA_CHECK(cudaMemsetAsync(sem, 0, (nsem + 1) * sizeof(int), moe_cuda_stream()));
+
+    const KvMaps m = fa_kv_maps(q, k, v, dy, s);
+    const uint64_t dims[3] = {(uint64_t)D, (uint64_t)s.Tq, (uint64_t)s.B * s.Hq};
+    const uint32_t box[3] = {32, SMALL, 1}; /* [64 rows][32 fp32]: 128 bytes a row */
+    const CUtensorMap mdq = moe_tma_map(acc, 3, dims, box, MOE_TMA_F32);
+    const unsigned ctas = (unsigned)s.Hkv * s.B * ((s.Tk + BIG - 1) / BIG);
+    fa_sm90_fused_kernel<D><<<ctas, THREADS, L::BYTES, moe_cuda_stream()>>>(
+        m.q, m.k, m.v, m.dy, mdq, dk, dv, lse, delta, sem, ticket, a, s.B);
+    MOE_CUDA_LAUNCH_CHECK();
+    fa_sm90_dq_add_kernel<<<moe_cdiv(nacc / 8, 256), 256, 0, moe_cuda_stream()>>>(
+        dq, acc, sem, s.B, s.Tq, s.Hq, D, a.scale);
+    MOE_CUDA_LAUNCH_CHECK();
+}
+
 } // namespace
 
 extern "C" int moe_cuda_attention_sm90_backward(void *dq, void *dk, void *dv, const void *dy,
                                                 const moe_real *lse, const moe_real *delta,
                                                 const void *q, const void *k, const void *v,
                                                 moe_attention_shape s) {
-    if (!fa_sm90_bwd_enabled() || (s.D != 64 && s.D != 128) || s.B < 1 || s.Tq < 1 ||
-        s.Tk < 1 || s.B > 65535 || (s.Tq + BIG - 1) / BIG > 65535 ||
-        (s.Tk + BIG - 1) / BIG > 65535 || !fa_sm90_device())
+    const int mode = fa_sm90_bwd_mode();
+    if (!mode || (s.D != 64 && s.D != 128) || s.B < 1 || s.Tq < 1 || s.Tk < 1 ||
+        s.B > 65535 || (s.Tq + BIG - 1) / BIG > 65535 || (s.Tk + BIG - 1) / BIG > 65535 ||
+        (long long)s.Hkv * s.B * ((s.Tk + BIG - 1) / BIG) > 0x7fffffff || !fa_sm90_device())
         return 0;
     if (!fa_aligned16(dq) || !fa_aligned16(dk) || !fa_aligned16(dv) || !fa_aligned16(dy) ||
         !fa_aligned16(q) || !fa_aligned16(k) || !fa_aligned16(v))
         return 0; /* TMA needs 16-byte aligned tensors; the epilogue 4-byte pairs */
-    if (s.D == 64)
-        fa_sm90_bwd_launch<64>((moe_bf16 *)dq, (moe_bf16 *)dk, (moe_bf16 *)dv, dy, lse, delta,
-                               q, k, v, s);
+    moe_bf16 *dQ = (moe_bf16 *)dq, *dK = (moe_bf16 *)dk, *dV = (moe_bf16 *)dv;
+    if (mode == 2 && s.D == 64)
+        fa_sm90_fused_launch<64>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+    else if (mode == 2)
+        fa_sm90_fused_launch<128>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+    else if (s.D == 64)
+        fa_sm90_bwd_launch<64>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
     else
-        fa_sm90_bwd_launch<128>((moe_bf16 *)dq, (moe_bf16 *)dk, (moe_bf16 *)dv, dy, lse, delta,
-                                q, k, v, s);
+        fa_sm90_bwd_launch<128>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
     g_sm90_bwd_calls++;
+    g_sm90_bwd_fused_calls += mode == 2;
     return 1;
 }
 
 extern "C" long long moe_cuda_attention_sm90_backward_calls(void) { return g_sm90_bwd_calls; }
+
+extern "C" long long moe_cuda_attention_sm90_backward_fused_calls(void) {
+    return g_sm90_bwd_fused_calls;
+}

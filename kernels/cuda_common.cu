@@ -44,7 +44,7 @@ static unsigned long long g_epoch = 0;
 
 static const char *const g_slot_names[MOE_SCRATCH_SLOTS] = {
     "aux_loss", "embedding", "permute", "grouped_gemm", "wgrad_split",
-    "gather", "rmsnorm", "reduce", "cublas", "fp8_gemm", "scatter"};
+    "gather", "rmsnorm", "reduce", "cublas", "fp8_gemm", "scatter", "attention_dq"};
 
 unsigned long long moe_cuda_memory_epoch(void) { return g_epoch; }
 

@@ -190,6 +190,7 @@ typedef enum moe_scratch_slot {
     MOE_SCRATCH_CUBLAS,      /* cuBLAS's workspace, set once on the handle */
     MOE_SCRATCH_FP8_GEMM,    /* the FP8 GEMM's scale layouts and emulated bf16 operands */
     MOE_SCRATCH_SCATTER,     /* rows a scattering grouped GEMM computes where it cannot scatter */
+    MOE_SCRATCH_ATTENTION_DQ, /* the fused Hopper attention backward's fp32 dq and semaphores */
     MOE_SCRATCH_SLOTS
 } moe_scratch_slot;
 

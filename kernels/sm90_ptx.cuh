@@ -161,6 +161,14 @@ static __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+/** The same between the generic and the async proxy for GLOBAL memory: orders a TMA store
+ *  or reduce-add (async proxy) that has completed before this thread's later ordinary
+ *  accesses (a release that tells another CTA), and an acquire before this thread's later
+ *  TMA copy-outs. */
+static __device__ __forceinline__ void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 /* ---------------------------------------------------------------- cp.async
  * The fused permutation (grouped_gemm_sm90.cu, GATHER) copies rows picked by an index,
  * which a TMA box cannot do on Hopper (sm_100's gather4 can): the producer warp's 32

@@ -17,8 +17,8 @@
  * (kernels/attention_sm90.cu, both of its main loops) against the CPU and the portable
  * kernel, and fails on an sm_90 device if the Hopper path did not run;
  * test_attention_sm90_backward does the same for the Hopper backward
- * (kernels/attention_sm90_bwd.cu, MOE_FLASH_SM90_BWD=1 set by the test), and checks that two
- * of its runs give the same bits.
+ * (kernels/attention_sm90_bwd.cu, MOE_FLASH_SM90_BWD=1 and 2 set by the test: the two-kernel
+ * form and the fused one), and checks that two runs of each give the same bits.
  *
  * Then context parallelism's device pieces (kernels/cp_merge.cu): the merge of partial
  * results by their log-sum-exp, the strided copy and the lse fill, against the CPU ops.
@@ -596,16 +596,19 @@ END_TEST
 
 /* ------------------------------------------------------ the Hopper backward (sm_90a) */
 
-/* kernels/attention_sm90_bwd.cu (MOE_FLASH_SM90_BWD=1, set here and restored) against the
- * CPU twin and against the portable backward (MOE_FLASH_SM90_BWD=0), dq, dk, dv, on the
+/* kernels/attention_sm90_bwd.cu (MOE_FLASH_SM90_BWD=1 and 2, set here and restored) against
+ * the CPU twin and against the portable backward (MOE_FLASH_SM90_BWD=0), dq, dk, dv, on the
  * shapes its tiles make hard: lengths around its 64- and 128-row tiles (1, 63, 127, 129, 300,
  * 1000, 4096), both head dims it runs, GQA 4 (Hq = 8, Hkv = 2: dk, dv summed over 4 query
  * heads), MHA, MQA, and context parallelism's chunks (queries after their keys, all rows
  * blind, a shifted diagonal, some blind rows). The gradients start at random values (the
- * backward adds to them), so a row it overwrites or forgets fails the increment check; the
- * Hopper backward runs twice and must give the same bits (no atomics). On an sm_90 device
- * the test fails unless the Hopper path ran (moe_cuda_attention_sm90_backward_calls() grew);
- * elsewhere it checks the fallback. */
+ * backward adds to them), so a row it overwrites or forgets fails the increment check. Each
+ * mode runs twice and must give the same bits (mode 1: no atomics; mode 2: its dq additions
+ * in a fixed order); mode 2 is also compared with mode 1 (its dk, dv come from the same
+ * instructions, so they should be the same bits: printed, not asserted). On an sm_90 device
+ * the test fails unless each Hopper path ran (moe_cuda_attention_sm90_backward_calls() and,
+ * for mode 2, moe_cuda_attention_sm90_backward_fused_calls() grew); elsewhere it checks the
+ * fallback. */
 static const shape SM90_BWD_SHAPES[] = {
     {2, 1, 1, 8, 2, 128, 0, 0, "T = 1"},
     {2, 63, 63, 8, 2, 64, 0, 0, "T = 63, D = 64"},
@@ -657,21 +660,27 @@ START_TEST(test_attention_sm90_backward) {
     float *dlse = upload_f32(lse, nl);
     const int sm90 = device_is_sm90();
     const moe_bench_env env = moe_bench_env_set("MOE_FLASH_SM90_BWD", "0");
-    /* run 0: the portable backward; runs 1 and 2: the Hopper one (twice: the same bits) */
-    moe_real *got[3][3];
-    uint16_t *raw[3][3];
-    for (int r = 0; r < 3; r++) {
-        ck_assert_int_eq(setenv("MOE_FLASH_SM90_BWD", r ? "1" : "0", 1), 0);
+    /* run 0: the portable backward; runs 1, 2: mode 1; runs 3, 4: mode 2 (each twice: the
+     * same bits) */
+    enum { RUNS = 5 };
+    static const char *const mode[RUNS] = {"0", "1", "1", "2", "2"};
+    moe_real *got[RUNS][3];
+    uint16_t *raw[RUNS][3];
+    for (int r = 0; r < RUNS; r++) {
+        ck_assert_int_eq(setenv("MOE_FLASH_SM90_BWD", mode[r], 1), 0);
         float *ws = upload_nan_f32(nl);
         void *dg[3] = {upload(g0[0], nq), upload(g0[1], nkv), upload(g0[2], nkv)};
         const long long before = moe_cuda_attention_sm90_backward_calls();
+        const long long fused_before = moe_cuda_attention_sm90_backward_fused_calls();
         moe_cuda_attention_backward(dg[0], dg[1], dg[2], dgy, dy, dlse, ws, dq, dk, dv, sh);
         CU_OK(cudaGetLastError());
         CU_OK(cudaDeviceSynchronize());
         const long long ran = moe_cuda_attention_sm90_backward_calls() - before;
-        ck_assert_msg(ran == (r && sm90), "%s: the Hopper backward ran %lld times with "
-                      "MOE_FLASH_SM90_BWD=%d on a device %s sm_90", s.what, ran, r > 0,
-                      sm90 ? "of" : "not of");
+        const long long fused = moe_cuda_attention_sm90_backward_fused_calls() - fused_before;
+        ck_assert_msg(ran == (r && sm90) && fused == (r >= 3 && sm90),
+                      "%s: with MOE_FLASH_SM90_BWD=%s on a device %s sm_90 the Hopper backward "
+                      "ran %lld times, its fused kernel %lld times", s.what, mode[r],
+                      sm90 ? "of" : "not of", ran, fused);
         for (int i = 0; i < 3; i++) {
             got[r][i] = malloc(n[i] * sizeof *got[r][i]);
             ck_assert_ptr_nonnull(got[r][i]);
@@ -686,39 +695,50 @@ START_TEST(test_attention_sm90_backward) {
     printf("attention sm90 backward B=%d Tq=%4d Tk=%4d Hq=%d Hkv=%d D=%3d pos %d/%d (%s)%s\n",
            s.B, s.Tq, s.Tk, s.Hq, s.Hkv, s.D, s.q_pos, s.k_pos, s.what,
            sm90 ? "" : " [no sm_90 device: the fallback]");
-    for (int i = 0; i < 3; i++) {
-        char what[64];
-        snprintf(what, sizeof what, "%s vs cpu", name[i]);
-        const double e = diag_err(what, got[1][i], ref[i], n[i], 1e-2);
-        snprintf(what, sizeof what, "%s vs portable", name[i]);
-        const double ep = diag_err(what, got[1][i], got[0][i], n[i], 1e-2);
-        /* the increments alone (gpu − start vs cpu − start): where a kernel overwrites or
-         * forgets, this is what shows it */
-        moe_real *inc = diff(got[1][i], g0[i], n[i]), *inc_ref = diff(ref[i], g0[i], n[i]);
-        snprintf(what, sizeof what, "%s increment vs cpu", name[i]);
-        diag_err(what, inc, inc_ref, n[i], 3e-2);
-        const double ei = increment_err(inc, inc_ref, ref[i], n[i]);
-        size_t first_diff = n[i];
-        for (size_t j = 0; j < n[i] && first_diff == n[i]; j++)
-            if (raw[1][i][j] != raw[2][i][j])
-                first_diff = j;
-        printf("  %s: %.2e (vs portable %.2e, increment %.2e)%s\n", name[i], e, ep, ei,
-               first_diff < n[i] ? " NOT deterministic" : "");
-        ck_assert_msg(e <= 1e-2, "%s: Hopper %s error %g against the CPU", s.what, name[i], e);
-        ck_assert_msg(ep <= 1e-2, "%s: Hopper %s error %g against the portable backward",
-                      s.what, name[i], ep);
-        ck_assert_msg(ei <= 3e-2, "%s: Hopper %s increment error %g", s.what, name[i], ei);
-        ck_assert_msg(first_diff == n[i], "%s: Hopper %s differs between two runs at %zu",
-                      s.what, name[i], first_diff);
-        free(inc);
-        free(inc_ref);
+    for (int m = 1; m <= 2; m++) { /* mode m: runs 2m − 1 and 2m */
+        const int r = 2 * m - 1;
+        for (int i = 0; i < 3; i++) {
+            char what[64];
+            snprintf(what, sizeof what, "mode %d %s vs cpu", m, name[i]);
+            const double e = diag_err(what, got[r][i], ref[i], n[i], 1e-2);
+            snprintf(what, sizeof what, "mode %d %s vs portable", m, name[i]);
+            const double ep = diag_err(what, got[r][i], got[0][i], n[i], 1e-2);
+            snprintf(what, sizeof what, "mode %d %s vs mode 1", m, name[i]);
+            const double e1 = diag_err(what, got[r][i], got[1][i], n[i], 1e-2);
+            /* the increments alone (gpu − start vs cpu − start): where a kernel overwrites
+             * or forgets, this is what shows it */
+            moe_real *inc = diff(got[r][i], g0[i], n[i]), *inc_ref = diff(ref[i], g0[i], n[i]);
+            snprintf(what, sizeof what, "mode %d %s increment vs cpu", m, name[i]);
+            diag_err(what, inc, inc_ref, n[i], 3e-2);
+            const double ei = increment_err(inc, inc_ref, ref[i], n[i]);
+            size_t first_diff = n[i];
+            for (size_t j = 0; j < n[i] && first_diff == n[i]; j++)
+                if (raw[r][i][j] != raw[r + 1][i][j])
+                    first_diff = j;
+            const int same_as_1 = m == 2 && memcmp(raw[r][i], raw[1][i], n[i] * 2) == 0;
+            printf("  mode %d %s: %.2e (vs portable %.2e, vs mode 1 %.2e%s, increment %.2e)%s\n",
+                   m, name[i], e, ep, e1, same_as_1 ? ": the same bits" : "", ei,
+                   first_diff < n[i] ? " NOT deterministic" : "");
+            ck_assert_msg(e <= 1e-2, "%s: mode %d %s error %g against the CPU", s.what, m,
+                          name[i], e);
+            ck_assert_msg(ep <= 1e-2, "%s: mode %d %s error %g against the portable backward",
+                          s.what, m, name[i], ep);
+            ck_assert_msg(e1 <= 1e-2, "%s: mode %d %s error %g against mode 1", s.what, m,
+                          name[i], e1);
+            ck_assert_msg(ei <= 3e-2, "%s: mode %d %s increment error %g", s.what, m, name[i],
+                          ei);
+            ck_assert_msg(first_diff == n[i], "%s: mode %d %s differs between two runs at %zu",
+                          s.what, m, name[i], first_diff);
+            free(inc);
+            free(inc_ref);
+        }
     }
 
     void *bufs[] = {dq, dk, dv, dgy, dy, dlse};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         cudaFree(bufs[i]);
     for (int i = 0; i < 3; i++) {
-        for (int r = 0; r < 3; r++) {
+        for (int r = 0; r < RUNS; r++) {
             free(got[r][i]);
             free(raw[r][i]);
         }

@@ -17,12 +17,16 @@
  *
  * On an sm_90 GPU the forward is the Hopper kernel (kernels/attention_sm90.cu) for D = 64
  * and 128; the portable forward (kernels/attention.cu, MOE_FLASH_SM90=0) is timed too, and
- * the table shows both ("sm90" says which path the main columns took). The backward is the
- * Hopper one on sm_90 for D = 64 and 128 (kernels/attention_sm90_bwd.cu; MOE_FLASH_SM90_BWD=0
- * keeps the portable one); then the portable backward is timed too and "sm90 bwd" says which
- * ran in the main columns (the sampled check runs on the main path, so a wrong Hopper
- * backward stops the program). Run the whole program under MOE_FLASH_SM90=0
- * MOE_FLASH_SM90_BWD=0 to measure the portable kernels alone.
+ * the table shows both ("sm90" says which path the main columns took). The backward in the
+ * main columns is the Hopper one on sm_90 for D = 64 and 128 (kernels/attention_sm90_bwd.cu,
+ * mode 1, the default; MOE_FLASH_SM90_BWD=2 puts its fused single-kernel form there:
+ * written, not yet run on a GPU; =0 the portable one); then the portable backward is timed
+ * too and "sm90 bwd" says which ran in the main columns (the sampled check runs on the main
+ * path, so a wrong Hopper backward stops the program). Wherever a Hopper backward runs (an
+ * sm_90 GPU, D = 64 or 128), both of its modes are also checked (the same sampled check) and
+ * timed whatever the setting, side by side in the columns "bwd mode 1" and "bwd mode 2". Run
+ * the whole program under MOE_FLASH_SM90=0 MOE_FLASH_SM90_BWD=0 to measure the portable
+ * kernels alone.
  *
  *   bin/ch07_attention_bench --seqs 4096,16384,65536 --dims 128,64
  *
@@ -54,6 +58,7 @@ typedef struct shape_result {
     int sm90;                   /* the main forward ran the Hopper kernel */
     double bwd_portable;        /* ms: the portable backward (MOE_FLASH_SM90_BWD=0), or 0 */
     int sm90_bwd;               /* the main backward ran the Hopper kernels */
+    double bwd_mode[2];         /* ms: the Hopper backward's modes 1 and 2, or 0: not run */
     sdpa_row flash, cudnn;
 } shape_result;
 
@@ -217,6 +222,41 @@ static double time_op(int which, int reps, int warmup, void *y, moe_real *lse, v
     return med;
 }
 
+/* One backward from zero gradients as the environment selects, checked against the double
+ * reference (the program stops above CHECK_TOL, naming @p what); *err gets the check error.
+ * Returns 1 when it ran a Hopper backward (for "mode 2": the fused one). */
+static int checked_backward(const shape_result *r, const char *what, const moe_real *hq,
+                            const moe_real *hk, const moe_real *hv, const moe_real *hdy,
+                            void *y, moe_real *lse, void *ws, void *dq, void *dk, void *dv,
+                            const void *dy, const void *q, const void *k, const void *v,
+                            moe_attention_shape s, double *err) {
+    const int B = r->B, H = r->H, T = r->T, D = r->D;
+    const size_t n = (size_t)B * T * H * D, nl = (size_t)B * H * T;
+    moe_cuda_zero(dq, n * 2);
+    moe_cuda_zero(dk, n * 2);
+    moe_cuda_zero(dv, n * 2);
+    const long long bcalls = moe_cuda_attention_sm90_backward_calls();
+    const long long fcalls = moe_cuda_attention_sm90_backward_fused_calls();
+    moe_cuda_attention_backward(dq, dk, dv, dy, y, lse, ws, q, k, v, s);
+    const int ran = strcmp(what, "mode 2") == 0
+                        ? moe_cuda_attention_sm90_backward_fused_calls() > fcalls
+                        : moe_cuda_attention_sm90_backward_calls() > bcalls;
+    moe_cuda_synchronize();
+    moe_real *hy = fetch(y, n, 0), *hl = fetch(lse, nl, 1), *hdq = fetch(dq, n, 0);
+    moe_real *hdk = fetch(dk, n, 0), *hdv = fetch(dv, n, 0);
+    *err = check(B, H, T, D, hq, hk, hv, hdy, hy, hl, hdq, hdk, hdv);
+    moe_real *hbufs[] = {hy, hl, hdq, hdk, hdv};
+    for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++)
+        free(hbufs[i]);
+    if (!(*err <= CHECK_TOL)) {
+        fprintf(stderr, "ch07_attention_bench: B=%d H=%d T=%d D=%d (%s backward): sampled check "
+                "error %.3e > %.0e: the kernel is wrong for this shape\n", B, H, T, D, what,
+                *err, CHECK_TOL);
+        exit(1);
+    }
+    return ran;
+}
+
 static void measure(shape_result *r, int reps, int warmup) {
     const int B = r->B, H = r->H, T = r->T, D = r->D;
     const moe_attention_shape s = {B, T, T, H, H, D, 0, 0};
@@ -228,26 +268,9 @@ static void measure(shape_result *r, int reps, int warmup) {
     void *dv = moe_cuda_alloc(n * 2);
     moe_real *lse = moe_cuda_alloc(nl * sizeof(moe_real));
     void *ws = moe_cuda_alloc(moe_cuda_attention_workspace_bytes(s));
-    moe_cuda_zero(dq, n * 2);
-    moe_cuda_zero(dk, n * 2);
-    moe_cuda_zero(dv, n * 2);
     moe_cuda_attention_forward(y, lse, ws, q, k, v, s);
-    const long long bcalls = moe_cuda_attention_sm90_backward_calls();
-    moe_cuda_attention_backward(dq, dk, dv, dy, y, lse, ws, q, k, v, s);
-    r->sm90_bwd = moe_cuda_attention_sm90_backward_calls() > bcalls;
-    moe_cuda_synchronize();
-    moe_real *hy = fetch(y, n, 0), *hl = fetch(lse, nl, 1), *hdq = fetch(dq, n, 0);
-    moe_real *hdk = fetch(dk, n, 0), *hdv = fetch(dv, n, 0);
-    r->check = check(B, H, T, D, hq, hk, hv, hdy, hy, hl, hdq, hdk, hdv);
-    moe_real *hbufs[] = {hq, hk, hv, hdy, hy, hl, hdq, hdk, hdv};
-    for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++)
-        free(hbufs[i]);
-    if (!(r->check <= CHECK_TOL)) {
-        fprintf(stderr, "ch07_attention_bench: B=%d H=%d T=%d D=%d: sampled check error %.3e "
-                "> %.0e: the kernel is wrong for this shape\n", B, H, T, D, r->check,
-                CHECK_TOL);
-        exit(1);
-    }
+    r->sm90_bwd = checked_backward(r, "main", hq, hk, hv, hdy, y, lse, ws, dq, dk, dv, dy, q, k,
+                                   v, s, &r->check);
     const long long calls = moe_cuda_attention_sm90_calls();
     r->fwd = time_op(0, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
     r->sm90 = moe_cuda_attention_sm90_calls() > calls;
@@ -261,7 +284,20 @@ static void measure(shape_result *r, int reps, int warmup) {
         r->bwd_portable = time_op(1, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
         moe_bench_env_restore(&env);
     }
+    /* the Hopper backward's two modes side by side, each checked first (a mode that does
+     * not run here, e.g. off sm_90, stays at 0) */
+    for (int m = 0; m < 2; m++) {
+        env = moe_bench_env_set("MOE_FLASH_SM90_BWD", m ? "2" : "1");
+        double err = 0.0;
+        if (checked_backward(r, m ? "mode 2" : "mode 1", hq, hk, hv, hdy, y, lse, ws, dq, dk, dv,
+                             dy, q, k, v, s, &err))
+            r->bwd_mode[m] = time_op(1, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
+        moe_bench_env_restore(&env);
+    }
     r->fb = time_op(2, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
+    moe_real *hbufs[] = {hq, hk, hv, hdy};
+    for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++)
+        free(hbufs[i]);
     void *bufs[] = {q, k, v, dy, y, dq, dk, dv, lse, ws};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         moe_cuda_free(bufs[i]);
@@ -323,6 +359,14 @@ static const char *ratio(char *buf, double ours_ms, const sdpa_row *base, int wh
     return buf;
 }
 
+/* "ms / TFLOP/s" of one of our timings, or "-" when it was not run (buf: 32 bytes) */
+static const char *ms_tf(char *buf, double flops, double ms) {
+    if (ms <= 0)
+        return "-";
+    snprintf(buf, 32, "%.3f / %.0f", ms, tflops(flops, ms));
+    return buf;
+}
+
 static const char *tf_or_dash(char *buf, double flops, const sdpa_row *row, int which) {
     const double ms = which == 0 ? row->fwd : which == 1 ? row->bwd : row->fb;
     if (!row->ok)
@@ -351,8 +395,9 @@ int main(int argc, char **argv) {
                    "                                [--python python3 | --no-sdpa]\n"
                    "Causal bf16 flash attention, forward, backward and both, against PyTorch "
                    "SDPA's flash and cuDNN\nbackends in the same run. MOE_FLASH_SM90=0: the "
-                   "portable forward only; MOE_FLASH_SM90_BWD=0: the\nportable backward only "
-                   "(the Hopper one is kernels/attention_sm90_bwd.cu).\n");
+                   "portable forward only; MOE_FLASH_SM90_BWD=0: the\nportable backward, 2: the "
+                   "Hopper backward's fused kernel in the main columns (both\nHopper modes are "
+                   "timed side by side on sm_90 anyway).\n");
             return 0;
         }
         if (!val) {
@@ -418,30 +463,32 @@ int main(int argc, char **argv) {
             r->B = tokens / seqs[i] > 1 ? tokens / seqs[i] : 1;
             measure(r, reps, warmup);
             fprintf(stderr, "  measured T=%d D=%d: fwd %.3f ms (%s; portable %.3f ms) bwd %.3f "
-                    "ms (%s; portable %.3f ms) (check %.1e)\n", r->T, r->D, r->fwd,
-                    r->sm90 ? "sm90" : "portable", r->fwd_portable, r->bwd,
-                    r->sm90_bwd ? "sm90" : "portable",
-                    r->sm90_bwd ? r->bwd_portable : r->bwd, r->check);
+                    "ms (%s; portable %.3f ms; mode 1 %.3f ms, mode 2 %.3f ms) (check %.1e)\n",
+                    r->T, r->D, r->fwd, r->sm90 ? "sm90" : "portable", r->fwd_portable,
+                    r->bwd, r->sm90_bwd ? "sm90" : "portable",
+                    r->sm90_bwd ? r->bwd_portable : r->bwd, r->bwd_mode[0], r->bwd_mode[1],
+                    r->check);
         }
     char info[512] = "skipped (--no-sdpa)";
     if (sdpa)
         run_sdpa(res, n, python, reps, warmup, info, sizeof info);
     printf("SDPA: %s\n\n", info);
     printf("| T | D | B×H | check | sm90 | fwd ms | fwd TFLOP/s | portable fwd ms | portable "
-           "fwd TFLOP/s | sm90 bwd | bwd ms | bwd TFLOP/s | portable bwd ms | fwd+bwd ms | "
-           "fwd+bwd TFLOP/s | FLASH fwd / f+b TFLOP/s | cuDNN fwd / f+b TFLOP/s | "
-           "fwd vs FLASH / cuDNN | f+b vs FLASH / cuDNN |\n"
-           "|---:|---:|---:|---:|:---:|---:|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+           "fwd TFLOP/s | sm90 bwd | bwd ms | bwd TFLOP/s | portable bwd ms | bwd mode 1 ms / "
+           "TFLOP/s | bwd mode 2 ms / TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | FLASH fwd / f+b "
+           "TFLOP/s | cuDNN fwd / f+b TFLOP/s | fwd vs FLASH / cuDNN | f+b vs FLASH / cuDNN |\n"
+           "|---:|---:|---:|---:|:---:|---:|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (int i = 0; i < n; i++) {
         const shape_result *r = &res[i];
         const double f = 2.0 * r->B * r->H * (double)r->T * r->T * r->D; /* causal fwd */
-        char a[16], b[16], c[16], d[16], e[16], g[16], x[16], z[16];
+        char a[16], b[16], c[16], d[16], e[16], g[16], x[16], z[16], m1[32], m2[32];
         printf("| %d | %d | %d×%d | %.1e | %s | %.3f | %.0f | %.3f | %.0f | %s | %.3f | %.0f "
-               "| %.3f | %.3f | %.0f | %s / %s | %s / %s | %s / %s | %s / %s |\n",
+               "| %.3f | %s | %s | %.3f | %.0f | %s / %s | %s / %s | %s / %s | %s / %s |\n",
                r->T, r->D, r->B, r->H, r->check, r->sm90 ? "yes" : "no", r->fwd,
                tflops(f, r->fwd), r->fwd_portable, tflops(f, r->fwd_portable),
                r->sm90_bwd ? "yes" : "no", r->bwd, tflops(2.5 * f, r->bwd),
-               r->sm90_bwd ? r->bwd_portable : r->bwd, r->fb, tflops(3.5 * f, r->fb),
+               r->sm90_bwd ? r->bwd_portable : r->bwd, ms_tf(m1, 2.5 * f, r->bwd_mode[0]),
+               ms_tf(m2, 2.5 * f, r->bwd_mode[1]), r->fb, tflops(3.5 * f, r->fb),
                tf_or_dash(a, f, &r->flash, 0), tf_or_dash(b, 3.5 * f, &r->flash, 2),
                tf_or_dash(c, f, &r->cudnn, 0), tf_or_dash(d, 3.5 * f, &r->cudnn, 2),
                ratio(e, r->fwd, &r->flash, 0), ratio(g, r->fwd, &r->cudnn, 0),
