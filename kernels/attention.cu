@@ -25,8 +25,7 @@
  * warp-specialised producer / consumer warps, FlashAttention-3's ideas; MOE_FLASH_SM90=0
  * keeps this one). The backward computes δ here, then offers the work to the Hopper
  * backward of attention_sm90_bwd.cu (D = 64, 128 on sm_90; MOE_FLASH_SM90_BWD=0 keeps this
- * file's, =2 runs its fused kernel: written, not yet verified on a GPU) and otherwise runs
- * this file's kernels.
+ * file's) and otherwise runs this file's kernels.
  *
  *   tiles     a block has 4 warps (128 threads); each warp owns MT m-tiles of 16 rows (32
  *             rows with MT = 2). Forward and dq: a block owns 4·16·MT query rows and walks

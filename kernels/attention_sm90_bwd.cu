@@ -4,16 +4,16 @@
  * the math and the semantics: dq, dk, dv are ADDED to, GQA sums dk, dv over the query heads
  * of a group, causal with the q_pos/k_pos offset, a row that sees no key contributes
  * nothing). moe_cuda_attention_backward computes δ = rowsum(dy ⊙ y) with its fa_delta_kernel
- * and then calls moe_cuda_attention_sm90_backward() first, which runs this file's two kernels
- * for head dims 64 and 128 on an sm_90 device unless MOE_FLASH_SM90_BWD=0 (mode 1, the
- * default), its fused kernel (below: "The fused backward") when MOE_FLASH_SM90_BWD=2, and
- * otherwise says no, so the portable kernels run.
+ * and then calls moe_cuda_attention_sm90_backward() first, which, for head dims 64 and 128
+ * on an sm_90 device, runs this file's fused kernel (below: "The fused backward", mode 2,
+ * the default), its two kernels with MOE_FLASH_SM90_BWD=1 (mode 1), and otherwise (=0, or
+ * another device or head dim) says no, so the portable kernels run.
  *
- * STATUS: mode 1 (the two kernels) is the default: tests/gpu_attention.c's
- * test_attention_sm90_backward passed on an H100 (commit cc04ca2), and there it ran at
- * 326 TFLOP/s at 16K, D = 128 causal (8.44 ms against the portable 15.58 ms, 1.85x;
- * docs/results/07-long-context.md). Mode 2 (the fused kernel): written, not yet run on a
- * GPU; off unless MOE_FLASH_SM90_BWD=2.
+ * STATUS: both modes passed tests/gpu_attention.c's test_attention_sm90_backward on an H100
+ * (mode 1 at cc04ca2, mode 2 at 16ee93c) and give the same bits as each other and as the
+ * portable backward on all its shapes. At 16K, D = 128 causal, mode 1 ran 326 TFLOP/s
+ * (1.85x the portable backward) and mode 2 381 TFLOP/s (7.22 against 8.44 ms; D = 64: 313
+ * against 199), so mode 2 is the default (docs/results/07-long-context.md).
  *
  * The math, per (b, query head h, group g = h / (Hq/Hkv)), with sl = log2(e)/√D and
  * lse₂ = lse·log2(e) (0 for a row that sees nothing: every key of it is masked anyway):
@@ -831,19 +831,19 @@ __global__ void fa_sm90_dq_add_kernel(moe_bf16 *dq, const float *acc, const int 
 
 /* ---------------------------------------------------------------- host side */
 
-/* MOE_FLASH_SM90_BWD: unset or 1 = the Hopper backward's two kernels (the default since they
- * passed tests/gpu_attention.c on an H100 and ran 1.85x the portable backward at 16K,
- * D = 128), 2 = the fused kernel, 0 = the portable backward; read at every call (a getenv),
- * so that one process (the tests, the benchmark) can switch. */
+/* MOE_FLASH_SM90_BWD: unset or 2 = the fused kernel (the default: on an H100 the same bits as
+ * mode 1 and 1.17x its speed at 16K, D = 128, 1.57x at D = 64), 1 = the Hopper backward's two
+ * kernels, 0 = the portable backward; read at every call (a getenv), so that one process (the
+ * tests, the benchmark) can switch. */
 int fa_sm90_bwd_mode(void) {
     const char *e = getenv("MOE_FLASH_SM90_BWD");
     if (!e)
-        return 1;
+        return 2;
     if (strcmp(e, "0") && strcmp(e, "1") && strcmp(e, "2")) {
-        fprintf(stderr, "MOE_FLASH_SM90_BWD=%s: must be 1 (the Hopper backward of "
-                        "kernels/attention_sm90_bwd.cu, sm_90 only, the default), 2 (its fused "
-                        "single-kernel form with a deterministic fp32 dq reduction) or 0 (the "
-                        "portable flash-attention backward)\n", e);
+        fprintf(stderr, "MOE_FLASH_SM90_BWD=%s: must be 2 (the Hopper backward of "
+                        "kernels/attention_sm90_bwd.cu, sm_90 only, its fused single kernel "
+                        "with a deterministic fp32 dq reduction: the default), 1 (its two "
+                        "kernels) or 0 (the portable flash-attention backward)\n", e);
         exit(1);
     }
     return e[0] - '0';

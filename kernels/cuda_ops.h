@@ -159,9 +159,9 @@ int moe_cuda_attention_sm90_forward(void *y, moe_real *lse, const void *q, const
                                     const void *v, moe_attention_shape s);
 long long moe_cuda_attention_sm90_calls(void);
 /* chapter 07's Hopper flash-attention backward (kernels/attention_sm90_bwd.cu): with
- * MOE_FLASH_SM90_BWD unset or 1 (its two kernels, the default), or 2 (its fused kernel with a
- * deterministic fp32 dq reduction in a scratch workspace: written, not yet verified on a
- * GPU); 0 = the portable kernels. Head dims 64 and 128, an sm_90 device and 16-byte aligned
+ * MOE_FLASH_SM90_BWD unset or 2 (its fused kernel with a deterministic fp32 dq reduction in
+ * a scratch workspace, the default), or 1 (its two kernels; the same bits); 0 = the portable
+ * kernels. Head dims 64 and 128, an sm_90 device and 16-byte aligned
  * tensors: adds the gradients to dq, dk, dv from dy, the forward's lse and delta =
  * rowsum(dy ⊙ y) [B, Hq, Tq] (computed by the caller) and returns 1; else returns 0 without
  * doing anything (moe_cuda_attention_backward calls it first and falls back to the portable

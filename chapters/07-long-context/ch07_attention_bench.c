@@ -18,9 +18,9 @@
  * On an sm_90 GPU the forward is the Hopper kernel (kernels/attention_sm90.cu) for D = 64
  * and 128; the portable forward (kernels/attention.cu, MOE_FLASH_SM90=0) is timed too, and
  * the table shows both ("sm90" says which path the main columns took). The backward in the
- * main columns is the Hopper one on sm_90 for D = 64 and 128 (kernels/attention_sm90_bwd.cu,
- * mode 1, the default; MOE_FLASH_SM90_BWD=2 puts its fused single-kernel form there:
- * written, not yet run on a GPU; =0 the portable one); then the portable backward is timed
+ * main columns is the Hopper one on sm_90 for D = 64 and 128 (kernels/attention_sm90_bwd.cu:
+ * its fused single kernel, mode 2, the default; MOE_FLASH_SM90_BWD=1 puts its two-kernel form
+ * there, =0 the portable one); then the portable backward is timed
  * too and "sm90 bwd" says which ran in the main columns (the sampled check runs on the main
  * path, so a wrong Hopper backward stops the program). Wherever a Hopper backward runs (an
  * sm_90 GPU, D = 64 or 128), both of its modes are also checked (the same sampled check) and
@@ -395,8 +395,8 @@ int main(int argc, char **argv) {
                    "                                [--python python3 | --no-sdpa]\n"
                    "Causal bf16 flash attention, forward, backward and both, against PyTorch "
                    "SDPA's flash and cuDNN\nbackends in the same run. MOE_FLASH_SM90=0: the "
-                   "portable forward only; MOE_FLASH_SM90_BWD=0: the\nportable backward, 2: the "
-                   "Hopper backward's fused kernel in the main columns (both\nHopper modes are "
+                   "portable forward only; MOE_FLASH_SM90_BWD=0: the\nportable backward, 1: the "
+                   "Hopper backward's two kernels in the main columns (both\nHopper modes are "
                    "timed side by side on sm_90 anyway).\n");
             return 0;
         }
