@@ -150,12 +150,20 @@ typedef struct moe_lowp {
                                              (moe_lowp_wgrad()) */
     uint64_t rht_seed;                  /**< the transform's signs, from --seed */
     int native;                         /**< 1: the routed experts run the native FP8 GEMMs
-                                             (moe_lowp_native(); the model sets it) */
+                                             (moe_lowp_native(); the model sets it once, with
+                                             its FP8 weights, before its buffers) */
     /* chapter 05's FP8 wgrad (lib/fp8_wgrad.h, MOE_FP8_WGRAD): the routed experts' weight
      * gradients on operands quantized 1×128 along the tokens of each expert */
     int fp8_wgrad;                      /**< 1: blockwise E4M3 with MOE_FP8_WGRAD on (not 0):
                                              the native path runs the FP8 wgrad kernel, the
                                              emulation its token-wise QDQ */
+    int fp8_fused;                      /**< 1: blockwise E4M3 with MOE_FP8_FUSED not 0 when
+                                             the context was made: the native path's fused
+                                             passes (lib/mlp.c, moe_mlp_fp8_fused()). Read
+                                             once, not per call: the routed experts' saved
+                                             SwiGLU outputs are allocated at the size it
+                                             gives (moe_mlp_act_bytes()), so the switch
+                                             cannot change under a buffer */
     uint8_t *wg_q;                      /**< the native path's two token-wise copies (codes),
                                              moe_lowp_alloc_fp8_wgrad() */
     float *wg_s;                        /**< their scales */
