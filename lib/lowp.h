@@ -89,11 +89,16 @@
  * **Fused passes** (the native path, `MOE_FP8_FUSED` unset or 1; lib/mlp.c,
  * moe_mlp_fp8_fused()). No pass reads bf16 only to write FP8 around the SwiGLU: its forward
  * writes the 1×128 codes and scales of its output (fc2's A) instead of the output, and they
- * are kept for the backward in the output's own buffer (N·F + N·F/32 bytes instead of 2·N·F);
+ * are kept for the backward in the output's own buffer, allocated at their size: N·F + N·F/32
+ * bytes instead of 2·N·F, N·F·31/32 bytes saved per MoE layer (moe_mlp_act_bytes(), the one
+ * size of every such buffer; lib/memory.c counts and reports it, `memory|` in moe-train).
+ * Since the buffer's size depends on it, the switch is read once, when the context is made
+ * (moe_lowp::fp8_fused), not per call;
  * fc2's bf16 wgrad dequantizes them once (1 byte read, 2 written per element, instead of
  * quantizing the saved bf16 output again: 2 read, 3 written); the SwiGLU backward writes
  * dgu's codes (fc1's dgrad) and dequantized copy (fc1's wgrad), not dgu. The same bits as the
- * separate passes (tests/gpu_fp8_fused.c). `MOE_FP8_FUSED=0` runs the separate passes. Not
+ * separate passes (tests/gpu_fp8_fused.c, gpu_fp8_layer.c). `MOE_FP8_FUSED=0` (set before the
+ * model is made) runs the separate passes, the SwiGLU output then kept in bf16. Not
  * fused yet: x is still quantized by its own pass in the forward and again in the backward
  * (its codes are not kept), and dy by its own pass.
  * The shared expert, dense FFNs and attention stay emulated. Elsewhere (the CPU, a GPU that

@@ -184,7 +184,8 @@ size_t moe_mlp_act_bytes(const moe_backend *be, const moe_lowp *lp, size_t rows,
  *        [G,2F,H] and w2 [G,H,F]) runs on rows [off[g], off[g+1]) of every buffer, through
  *        the backend's grouped matmul — one GEMM call for all experts instead of one each.
  * @param be backend  @param out [N,H]  @param gu [N,2F]  @param act [N,F] (scaled, as in
- *        moe_mlp_forward)
+ *        moe_mlp_forward), or under moe_mlp_fp8_fused() its FP8 codes and scales
+ *        (moe_mlp_act_bytes() of N rows)
  * @param x [N,H], or the token rows grp->gather picks from  @param row_scale [N] or NULL
  * @param w1 stacked fc1  @param w2 stacked fc2
  * @param grp the groups (N = off[G]) and which grouped GEMM runs them

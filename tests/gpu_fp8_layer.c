@@ -31,11 +31,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench.h"
 #include "cuda_ops.h"
 #include "helpers.h"
 #include "lowp.h"
 #include "mlp.h"
 #include "suites.h"
+#include "trainer.h"
 
 static int hopper(const char *what) {
     if (moe_cuda_grouped_sm90_available())
@@ -381,7 +383,72 @@ START_TEST(test_gpu_fp8_layer_vs_cpu) {
 }
 END_TEST
 
+/* The whole model with the native FP8 path (--fp8-format e4m3 --fp8-recipe blockwise, our
+ * grouped kernel): with the fused passes its MoE layers keep the SwiGLU output as FP8 codes in
+ * buffers of that size (moe_mlp_act_bytes(); experts.c asserts at every step that the fused
+ * passes run on them), and its training losses are those of MOE_FP8_FUSED=0 bit for bit,
+ * provided the fused run repeats itself (checked by running it twice). */
+#define FP8_MODEL                                                                               \
+    "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --num-query-groups 4 "           \
+    "--seq-length 64 --micro-batch-size 8 --global-batch-size 16 --num-experts 8 "             \
+    "--moe-ffn-hidden-size 128 --ffn-hidden-size 256 --moe-layer-freq 0,1 --lr 2e-3 "          \
+    "--lr-warmup-iters 2 --train-iters 6 --fp8-format e4m3 --fp8-recipe blockwise "            \
+    "--moe-expert-backend grouped --device cuda"
+enum { FP8_STEPS = 6 };
+
+/* FP8_STEPS training losses of the FP8_MODEL under MOE_FP8_FUSED=@p fused; 1 when its MoE
+ * layers kept the SwiGLU output as FP8 codes */
+static int fp8_model_losses(const char *fused, double *loss, long long *fp8_act) {
+    moe_bench_env env = moe_bench_env_set("MOE_FP8_FUSED", fused);
+    moe_bench_env wg = moe_bench_env_set("MOE_FP8_WGRAD", "0");
+    setenv("MOE_NO_DOWNLOAD", "1", 1);
+    moe_config c;
+    moe_error err;
+    ck_assert_msg(moe_test_config(&c, FP8_MODEL, &err) == MOE_OK, "%s", err.msg);
+    moe_trainer *t = NULL;
+    ck_assert_msg(moe_trainer_create(&t, &c, &err) == MOE_OK, "%s", err.msg);
+    moe_bench_env_restore(&env); /* (latched by the model: lowp.h) */
+    moe_bench_env_restore(&wg);
+    const moe_model *m = t->model;
+    ck_assert(m->lowp && m->lowp->native);
+    const int codes = moe_mlp_fp8_saves_codes(m->be, m->lowp);
+    *fp8_act = m->mem.fp8_act_bytes;
+    for (int s = 0; s < FP8_STEPS; s++) {
+        moe_step_stats st;
+        ck_assert_int_eq(moe_trainer_step(t, &st, &err), MOE_OK);
+        loss[s] = st.loss;
+    }
+    moe_trainer_free(t);
+    return codes;
+}
+
+START_TEST(test_gpu_fp8_model_fused_saved_codes) {
+    if (!hopper("FP8 model, saved SwiGLU output in FP8"))
+        return;
+    double fused[FP8_STEPS], again[FP8_STEPS], sep[FP8_STEPS];
+    long long act_fused, act_sep, act_again;
+    ck_assert(fp8_model_losses("1", fused, &act_fused));
+    ck_assert(!fp8_model_losses("0", sep, &act_sep));
+    ck_assert(fp8_model_losses("1", again, &act_again));
+    /* the one MoE layer's N·k = 8·64·2 rows of F = 128: codes + scales in the estimate */
+    const long long rows = 8 * 64 * 2;
+    ck_assert_int_eq(act_fused, rows * 128 + rows * 4);
+    ck_assert_int_eq(act_sep, 0);
+    const int repeat = memcmp(fused, again, sizeof fused) == 0;
+    const int same = memcmp(fused, sep, sizeof fused) == 0;
+    printf("  FP8 model, %d steps: fused passes (SwiGLU output kept in %lld bytes of FP8 codes, "
+           "bf16 %lld) %.6f -> %.6f, separate passes %.6f -> %.6f: %s\n", FP8_STEPS, act_fused,
+           rows * 128 * 2, fused[0], fused[FP8_STEPS - 1], sep[0], sep[FP8_STEPS - 1],
+           same ? "the same bits"
+                : repeat ? "DIFFER" : "differ, but the fused run does not repeat itself either");
+    ck_assert_msg(same || !repeat, "the fused FP8 model's losses differ from the separate "
+                  "passes'");
+    ck_assert(fused[FP8_STEPS - 1] < fused[0]);
+}
+END_TEST
+
 Suite *suite_gpu_fp8_layer(void) {
-    const TTest *const tests[] = {test_gpu_fp8_layer_quantizers, test_gpu_fp8_layer_vs_cpu};
-    return moe_test_chapter_suite("gpu_fp8_layer", "ch05", tests, 2);
+    const TTest *const tests[] = {test_gpu_fp8_layer_quantizers, test_gpu_fp8_layer_vs_cpu,
+                                  test_gpu_fp8_model_fused_saved_codes};
+    return moe_test_chapter_suite("gpu_fp8_layer", "ch05", tests, 3);
 }
