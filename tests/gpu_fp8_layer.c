@@ -387,7 +387,8 @@ END_TEST
  * grouped kernel): with the fused passes its MoE layers keep the SwiGLU output as FP8 codes in
  * buffers of that size (moe_mlp_act_bytes(); experts.c asserts at every step that the fused
  * passes run on them), and its training losses are those of MOE_FP8_FUSED=0 bit for bit,
- * provided the fused run repeats itself (checked by running it twice). */
+ * provided the fused run repeats itself (checked by running it twice). STATUS: written
+ * without a GPU at hand, not yet run on one (nor is run_mlp()'s smaller `act` buffer). */
 #define FP8_MODEL                                                                               \
     "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --num-query-groups 4 "           \
     "--seq-length 64 --micro-batch-size 8 --global-batch-size 16 --num-experts 8 "             \
