@@ -25,6 +25,13 @@ static int fp8_wgrad_env(void) {
     return e && *e ? atoi(e) != 0 : MOE_FP8_WGRAD_DEFAULT;
 }
 
+/* the native path's fused passes (lib/mlp.c): on unless MOE_FP8_FUSED is 0; read here, once
+ * per context, since the saved SwiGLU outputs' buffers are sized from it */
+static int fp8_fused_env(void) {
+    const char *e = getenv("MOE_FP8_FUSED");
+    return !(e && *e == '0');
+}
+
 moe_status moe_lowp_from_config(moe_lowp *lp, const moe_config *c, moe_error *err) {
     memset(lp, 0, sizeof *lp);
     const int fp8 = is_on(c->fp8_format), fp4 = is_on(c->fp4_format);
@@ -72,6 +79,7 @@ moe_status moe_lowp_from_config(moe_lowp *lp, const moe_config *c, moe_error *er
         lp->spec[MOE_LOWP_GRADIENT].format = MOE_FP8_E5M2;
     snprintf(lp->name, sizeof lp->name, "fp8 %.12s %.8s (emulated)", r, c->fp8_format);
     lp->fp8_wgrad = moe_lowp_native_recipe(lp) && fp8_wgrad_env();
+    lp->fp8_fused = moe_lowp_native_recipe(lp) && fp8_fused_env();
     return MOE_OK;
 }
 

@@ -89,11 +89,16 @@
  * **Fused passes** (the native path, `MOE_FP8_FUSED` unset or 1; lib/mlp.c,
  * moe_mlp_fp8_fused()). No pass reads bf16 only to write FP8 around the SwiGLU: its forward
  * writes the 1×128 codes and scales of its output (fc2's A) instead of the output, and they
- * are kept for the backward in the output's own buffer (N·F + N·F/32 bytes instead of 2·N·F);
+ * are kept for the backward in the output's own buffer, allocated at their size: N·F + N·F/32
+ * bytes instead of 2·N·F, N·F·31/32 bytes saved per MoE layer (moe_mlp_act_bytes(), the one
+ * size of every such buffer; lib/memory.c counts and reports it, `memory|` in moe-train).
+ * Since the buffer's size depends on it, the switch is read once, when the context is made
+ * (moe_lowp::fp8_fused), not per call;
  * fc2's bf16 wgrad dequantizes them once (1 byte read, 2 written per element, instead of
  * quantizing the saved bf16 output again: 2 read, 3 written); the SwiGLU backward writes
  * dgu's codes (fc1's dgrad) and dequantized copy (fc1's wgrad), not dgu. The same bits as the
- * separate passes (tests/gpu_fp8_fused.c). `MOE_FP8_FUSED=0` runs the separate passes. Not
+ * separate passes (tests/gpu_fp8_fused.c, gpu_fp8_layer.c). `MOE_FP8_FUSED=0` (set before the
+ * model is made) runs the separate passes, the SwiGLU output then kept in bf16. Not
  * fused yet: x is still quantized by its own pass in the forward and again in the backward
  * (its codes are not kept), and dy by its own pass.
  * The shared expert, dense FFNs and attention stay emulated. Elsewhere (the CPU, a GPU that
@@ -150,12 +155,20 @@ typedef struct moe_lowp {
                                              (moe_lowp_wgrad()) */
     uint64_t rht_seed;                  /**< the transform's signs, from --seed */
     int native;                         /**< 1: the routed experts run the native FP8 GEMMs
-                                             (moe_lowp_native(); the model sets it) */
+                                             (moe_lowp_native(); the model sets it once, with
+                                             its FP8 weights, before its buffers) */
     /* chapter 05's FP8 wgrad (lib/fp8_wgrad.h, MOE_FP8_WGRAD): the routed experts' weight
      * gradients on operands quantized 1×128 along the tokens of each expert */
     int fp8_wgrad;                      /**< 1: blockwise E4M3 with MOE_FP8_WGRAD on (not 0):
                                              the native path runs the FP8 wgrad kernel, the
                                              emulation its token-wise QDQ */
+    int fp8_fused;                      /**< 1: blockwise E4M3 with MOE_FP8_FUSED not 0 when
+                                             the context was made: the native path's fused
+                                             passes (lib/mlp.c, moe_mlp_fp8_fused()). Read
+                                             once, not per call: the routed experts' saved
+                                             SwiGLU outputs are allocated at the size it
+                                             gives (moe_mlp_act_bytes()), so the switch
+                                             cannot change under a buffer */
     uint8_t *wg_q;                      /**< the native path's two token-wise copies (codes),
                                              moe_lowp_alloc_fp8_wgrad() */
     float *wg_s;                        /**< their scales */

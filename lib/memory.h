@@ -13,7 +13,9 @@
  * The estimate follows the allocations of model.c, moe/layer.c and attention.c buffer
  * by buffer (parameters, gradients, AdamW moments, the compute copy; the activations of
  * one micro-batch; the expert-side rows of one MoE layer, counted as if every token of
- * the EP group came to this rank). With tensor parallelism (the config's
+ * the EP group came to this rank; chapter 05's native FP8 path keeps the routed experts'
+ * SwiGLU outputs as FP8 codes, moe_mlp_act_bytes(), where the flags allow it on a bf16
+ * backend). With tensor parallelism (the config's
  * `--tensor-model-parallel-size`, `--sequence-parallel`) it counts this rank's shards of
  * the split tensors and the rows it holds (tensor_parallel.h, moe/layer.h). It is an
  * estimate, not an accountant: a unit test keeps it within a factor of two of what the
@@ -49,6 +51,11 @@ typedef struct moe_memory_estimate {
     long long param_bytes;     /**< weight_bytes + grad_bytes + optim_bytes */
     long long act_bytes;       /**< activations and workspaces of one micro-batch */
     long long total_bytes;     /**< param_bytes + act_bytes */
+    long long fp8_act_bytes;   /**< chapter 05's native FP8: of act_bytes, the routed
+                                    experts' SwiGLU outputs kept for the backward as FP8 codes
+                                    and 1×128 scales (moe_mlp_act_bytes()); 0 where they are
+                                    kept in the activation type */
+    long long fp8_act_bf16_bytes; /**< what those outputs would take in bf16 (0 likewise) */
     long long largest;         /**< elements of the largest single buffer */
     const char *largest_name;  /**< its name ("logits", "moe.gu", ...) */
 } moe_memory_estimate;

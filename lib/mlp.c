@@ -251,27 +251,39 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
 /*
  * Chapter 05's native FP8 layer with its passes fused (lowp.h, "Fused passes"; off with
  * MOE_FP8_FUSED=0, which runs the separate passes above: the same bits, tested by
- * tests/gpu_fp8_fused.c):
+ * tests/gpu_fp8_fused.c and tests/gpu_fp8_layer.c):
  *  - forward: the SwiGLU writes fc2's 1×128 codes and scales, not its bf16 output; they are
  *    kept for the backward in the `act` buffer itself (codes [N, F] bytes, then the scales
- *    [N][F/128]: F + F/32 bytes a row where the bf16 output took 2F);
+ *    [N][F/128]: F + F/32 bytes a row where the bf16 output took 2F), which is allocated at
+ *    that size (moe_mlp_act_bytes()): N·F·31/32 bytes fewer per MoE layer than in bf16;
  *  - backward: fc2's bf16 wgrad dequantizes those codes once (1 byte read and 2 written per
  *    element, where the separate path read the saved bf16 output and quantized it again: 2
  *    read, 3 written); the SwiGLU backward writes dgu's codes and dequantized copy, not dgu.
- * The forward and the backward of a micro-batch must agree on the switch (`act` holds codes
- * under it): set it before the run, not between the two.
+ * The forward, the backward and the buffer's size must agree on the switch (`act` holds
+ * codes under it, in a buffer too small for the bf16 output): it is the context's
+ * lp->fp8_fused, latched from MOE_FP8_FUSED when the context is made (moe_lowp_from_config()),
+ * and lp->native, set by whoever made the FP8 weights (the model, before its buffers).
  */
-int moe_mlp_fp8_fused(const moe_backend *be, const moe_groups *grp) {
-    if (!grp->fp8_w1 || !grp->fp8_w2 || !be->fp8_swiglu_forward_quant ||
-        !be->fp8_swiglu_backward_quant || !be->fp8_dequant_act)
-        return 0;
+int moe_mlp_fp8_saves_codes(const moe_backend *be, const moe_lowp *lp) {
     /* the FP8 wgrad (MOE_FP8_WGRAD) quantizes the SwiGLU output and dgu along the tokens,
      * from their bf16 values, which the fused passes do not keep (they write the row-wise
      * codes instead): with it the separate passes run */
-    if (grp->lowp && grp->lowp->fp8_wgrad)
-        return 0;
-    const char *e = getenv("MOE_FP8_FUSED");
-    return !(e && *e == '0');
+    return lp && lp->native && lp->fp8_fused && !lp->fp8_wgrad &&
+           be->fp8_swiglu_forward_quant && be->fp8_swiglu_backward_quant && be->fp8_dequant_act;
+}
+
+size_t moe_mlp_fp8_act_bytes(size_t rows, int F) {
+    const size_t blocks = ((size_t)F + MOE_QUANT_BLOCK - 1) / MOE_QUANT_BLOCK;
+    return rows * (size_t)F + rows * blocks * sizeof(float);
+}
+
+size_t moe_mlp_act_bytes(const moe_backend *be, const moe_lowp *lp, size_t rows, int F) {
+    return moe_mlp_fp8_saves_codes(be, lp) ? moe_mlp_fp8_act_bytes(rows, F)
+                                           : be->act_size * rows * (size_t)F;
+}
+
+int moe_mlp_fp8_fused(const moe_backend *be, const moe_groups *grp) {
+    return grp->fp8_w1 && grp->fp8_w2 && moe_mlp_fp8_saves_codes(be, grp->lowp);
 }
 
 /* the scales of the codes kept in `act` (after the [N, F] codes: N·F is a multiple of 128,

@@ -138,23 +138,54 @@ void moe_mlp_backward_lowp(const moe_backend *be, void *dx, moe_real *dw1, moe_r
 /**
  * @brief Whether chapter 05's native FP8 experts run with their quantization fused into the
  *        SwiGLU passes (lib/mlp.c, "native FP8 layer with its passes fused"): the groups
- *        carry FP8 weights (grp->fp8_w1, fp8_w2), the backend has the fused ops,
- *        `MOE_FP8_FUSED` is not set to 0 in the environment, and the FP8 wgrad is off
- *        (grp->lowp->fp8_wgrad, `MOE_FP8_WGRAD`: it quantizes the bf16 SwiGLU output and
- *        dgu along the tokens, which the fused passes do not keep). Then moe_mlp_forward_grouped()
- *        keeps in @p act the SwiGLU output's 1×128 FP8 codes and scales (N·F + N·F/32
- *        bytes), not its bf16 values, and moe_mlp_backward_grouped() reads them so.
+ *        carry FP8 weights (grp->fp8_w1, fp8_w2) and moe_mlp_fp8_saves_codes() holds for
+ *        grp->lowp. Then moe_mlp_forward_grouped() keeps in @p act the SwiGLU output's 1×128
+ *        FP8 codes and scales (moe_mlp_fp8_act_bytes()), not its bf16 values, and
+ *        moe_mlp_backward_grouped() reads them so.
  * @param be backend  @param grp the groups
  * @return 1 when fused
  */
 int moe_mlp_fp8_fused(const moe_backend *be, const moe_groups *grp);
 
 /**
+ * @brief Whether the routed experts of a context keep their SwiGLU output for the backward
+ *        as FP8 codes (the fused passes): the native path is on (@p lp->native: the FP8
+ *        weights were made), `MOE_FP8_FUSED` was not 0 when the context was made
+ *        (@p lp->fp8_fused, latched: the buffers are sized from it), the FP8 wgrad is off
+ *        (@p lp->fp8_wgrad, `MOE_FP8_WGRAD`: it quantizes the bf16 SwiGLU output and dgu
+ *        along the tokens, which the fused passes do not keep), and the backend has the fused
+ *        ops. The one condition behind the buffers' size (moe_mlp_act_bytes()) and the path
+ *        (moe_mlp_fp8_fused()).
+ * @param be backend  @param lp the context (NULL: 0)
+ * @return 1 when the saved SwiGLU outputs are FP8 codes
+ */
+int moe_mlp_fp8_saves_codes(const moe_backend *be, const moe_lowp *lp);
+
+/**
+ * @brief Bytes of @p rows rows of the SwiGLU output kept as FP8 codes: the codes [rows, F],
+ *        then the fp32 scales [rows][F/128] (F + F/32 bytes a row, against 2F in bf16).
+ * @param rows rows  @param F width (a multiple of 128 on the native path)
+ * @return bytes
+ */
+size_t moe_mlp_fp8_act_bytes(size_t rows, int F);
+
+/**
+ * @brief Bytes of a routed experts' `act` buffer (the SwiGLU output kept for the backward)
+ *        of @p rows rows: moe_mlp_fp8_act_bytes() where moe_mlp_fp8_saves_codes(), else
+ *        rows·F activation elements. Every allocation of such a buffer (moe/layer.c,
+ *        moe/experts.c, moe/expert_tp.c, the layer bench) takes its size from here.
+ * @param be backend  @param lp the context (NULL: none)  @param rows rows
+ * @param F width  @return bytes
+ */
+size_t moe_mlp_act_bytes(const moe_backend *be, const moe_lowp *lp, size_t rows, int F);
+
+/**
  * @brief Forward of G MLPs at once (chapter 03): MLP g (weights g of the stacked w1
  *        [G,2F,H] and w2 [G,H,F]) runs on rows [off[g], off[g+1]) of every buffer, through
  *        the backend's grouped matmul — one GEMM call for all experts instead of one each.
  * @param be backend  @param out [N,H]  @param gu [N,2F]  @param act [N,F] (scaled, as in
- *        moe_mlp_forward)
+ *        moe_mlp_forward), or under moe_mlp_fp8_fused() its FP8 codes and scales
+ *        (moe_mlp_act_bytes() of N rows)
  * @param x [N,H], or the token rows grp->gather picks from  @param row_scale [N] or NULL
  * @param w1 stacked fc1  @param w2 stacked fc2
  * @param grp the groups (N = off[G]) and which grouped GEMM runs them

@@ -336,6 +336,11 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
             *m->lowp = lp;
             moe_log_info("precision: %s: every linear layer's GEMM operands are quantized and "
                          "dequantized (chapter 05)", lp.name);
+            /* the native path, decided once before any buffer: the routed experts' saved
+             * SwiGLU outputs are sized from it (moe_mlp_act_bytes()); alloc_fp8_weights()
+             * makes its FP8 weights */
+            m->lowp->native = moe_lowp_native(be, m->lowp) &&
+                              moe_expert_impl_from_config(cfg, be) == MOE_EXPERTS_KERNEL;
         }
     }
     layout(m);
@@ -571,8 +576,7 @@ static const moe_tensor *tensor_at(const moe_model *m, size_t off) {
  * (this rank's experts and columns, as the tensors hold them). 0 when out of memory. */
 static int alloc_fp8_weights(moe_model *m, int moe_rows) {
     const moe_config *c = &m->cfg;
-    if (!moe_lowp_native(m->be, m->lowp) ||
-        moe_expert_impl_from_config(c, m->be) != MOE_EXPERTS_KERNEL)
+    if (!m->lowp->native) /* (decided at the model's creation) */
         return 1;
     const int L = c->num_layers;
     if (!(m->fp8w = calloc((size_t)2 * L, sizeof *m->fp8w)))
@@ -587,7 +591,6 @@ static int alloc_fp8_weights(moe_model *m, int moe_rows) {
                                       (int)(t->numel / (size_t)G / (size_t)I), I))
                 return 0;
         }
-    m->lowp->native = 1;
     if (m->lowp->fp8_wgrad) { /* the FP8 wgrad's token-wise copies (lib/fp8_wgrad.h) */
         int ch = 0;
         for (int i = 0; i < 2 * L; i++)
@@ -599,8 +602,13 @@ static int alloc_fp8_weights(moe_model *m, int moe_rows) {
             return 0;
     }
     moe_log_info("precision: the routed experts' forward and dgrad GEMMs run natively in FP8 "
-                 "(our FP8 grouped kernel); their wgrad %s, the other linear layers emulated",
-                 m->lowp->fp8_wgrad ? "too (MOE_FP8_WGRAD=1)" : "in bf16 on QDQ'd operands");
+                 "(our FP8 grouped kernel); their wgrad %s, the other linear layers emulated; "
+                 "their SwiGLU output kept for the backward %s",
+                 m->lowp->fp8_wgrad ? "too (MOE_FP8_WGRAD=1)" : "in bf16 on QDQ'd operands",
+                 moe_mlp_fp8_saves_codes(m->be, m->lowp)
+                     ? "as FP8 codes + 1x128 scales (fused passes)"
+                     : m->lowp->fp8_wgrad ? "in bf16 (the FP8 wgrad reads it)"
+                                          : "in bf16 (MOE_FP8_FUSED=0)");
     return 1;
 }
 

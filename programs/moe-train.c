@@ -28,6 +28,7 @@
 #include "log.h"
 #include "memory.h"
 #include "metrics.h"
+#include "mlp.h"
 #include "outfile.h"
 #include "timer.h"
 #include "trainer.h"
@@ -112,6 +113,15 @@ static void print_config(const moe_trainer *t) {
                      c->expert_tensor_parallel_size, t->dp_size,
                      c->global_batch_size / c->micro_batch_size / t->dp_size,
                      c->moe_expert_capacity_factor > 0 ? ", capacity on" : "");
+    /* chapter 05's native FP8: what keeping the routed experts' SwiGLU outputs as FP8 codes
+     * saves (the estimate's buffers, which are the model's: lib/mlp.c, moe_mlp_act_bytes()) */
+    const moe_memory_estimate *e = &m->mem;
+    if (moe_mlp_fp8_saves_codes(m->be, m->lowp) && e->fp8_act_bytes > 0)
+        moe_log_info("memory| routed experts' SwiGLU output kept for the backward in FP8: %.2f MB "
+                     "(bf16: %.2f MB), %.2f MB less per micro-batch%s",
+                     e->fp8_act_bytes / 1e6, e->fp8_act_bf16_bytes / 1e6,
+                     (e->fp8_act_bf16_bytes - e->fp8_act_bytes) / 1e6,
+                     t->world_size > 1 ? " on each rank (estimate)" : "");
     if (t->world_size > 1)
         print_grid(t);
 }

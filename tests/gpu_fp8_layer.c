@@ -13,7 +13,9 @@
  * weights (codes, transposed codes and both scale grids, each expert as
  * moe_cpu_quant_blockwise_t). Then the grouped SwiGLU MLP forward and backward on ragged
  * groups (empty ones, a single row, sizes around 128, a last group ending mid-tile, 40
- * groups), every output poisoned first.
+ * groups), every output poisoned first; the saved SwiGLU output in a buffer of the size the
+ * model gives it (moe_mlp_act_bytes(): its FP8 codes and scales alone under the fused passes,
+ * which must run there, and give the separate passes' bits).
  *
  * The bound. The GPU rounds fc1's output and the SwiGLU to bf16 (the CPU keeps fp32), and the
  * next quantizer then picks the neighbouring E4M3 code for the few elements that sit near a
@@ -35,6 +37,7 @@
 #include "lowp.h"
 #include "mlp.h"
 #include "suites.h"
+#include "trainer.h"
 
 static int hopper(const char *what) {
     if (moe_cuda_grouped_sm90_available())
@@ -180,6 +183,9 @@ static double rel_all(const moe_real *a, const moe_real *b, size_t n) {
 }
 
 enum { OUT, DX, DROW, DW1, DW2, NOUT };
+
+/* run_mlp() calls that ran the fused passes, with `act` sized for the FP8 codes alone */
+static int g_fused_runs;
 static const char *const g_names[NOUT] = {"output", "dgrad dx", "routing-weight grad",
                                           "wgrad fc1", "wgrad fc2"};
 
@@ -206,12 +212,15 @@ static void run_mlp(const moe_backend *be, moe_lowp *lp, const moe_fp8_weight *f
     }
     int *doff = be->alloc(sizeof(int) * (G + 1));
     be->from_host(doff, off, sizeof(int) * (G + 1));
-    /* outputs and scratch poisoned (fp32 NaN bit patterns, or bf16 0xFFFF) */
-    void *out = be->alloc(S * N * H), *gu = be->alloc(S * N * 2 * F), *act = be->alloc(S * N * F);
+    /* outputs and scratch poisoned (fp32 NaN bit patterns, or bf16 0xFFFF); the saved SwiGLU
+     * output at the size the model gives it (FP8 codes and scales under the fused passes:
+     * moe_mlp_act_bytes()), so a pass writing bf16 there would run past its end */
+    const size_t act_bytes = moe_mlp_act_bytes(be, lp, (size_t)N, F);
+    void *out = be->alloc(S * N * H), *gu = be->alloc(S * N * 2 * F), *act = be->alloc(act_bytes);
     void *dx = be->alloc(S * N * H), *dh = be->alloc(S * N * F), *dgu = be->alloc(S * N * 2 * F);
     moe_real *dw1 = be->alloc(sizeof(moe_real) * n1), *dw2 = be->alloc(sizeof(moe_real) * n2);
     void *const poison[] = {out, gu, act, dx, dh, dgu, dw1, dw2};
-    const size_t pbytes[] = {S * N * H, S * N * 2 * F, S * N * F, S * N * H, S * N * F,
+    const size_t pbytes[] = {S * N * H, S * N * 2 * F, act_bytes, S * N * H, S * N * F,
                              S * N * 2 * F, sizeof(moe_real) * n1, sizeof(moe_real) * n2};
     for (int i = 0; i < 8; i++) {
         unsigned char *h = malloc(pbytes[i] ? pbytes[i] : 1);
@@ -221,6 +230,13 @@ static void run_mlp(const moe_backend *be, moe_lowp *lp, const moe_fp8_weight *f
     }
     moe_groups grp = {off, doff, G, MOE_EXPERTS_KERNEL, MOE_DW_STORE, NULL, 1, N, lp,
                       fw, fw ? fw + 1 : NULL, 0, 0, NULL, NULL, NULL};
+    /* the buffer's size and the path agree: codes exactly where the fused passes run */
+    ck_assert_int_eq(moe_mlp_fp8_saves_codes(be, lp), moe_mlp_fp8_fused(be, &grp));
+    if (moe_mlp_fp8_fused(be, &grp)) {
+        ck_assert_uint_eq(act_bytes, (size_t)N * F + (size_t)N * (F / 128) * sizeof(float));
+        ck_assert(N == 0 || act_bytes < S * N * F);
+        g_fused_runs++;
+    }
     moe_mlp_forward_grouped(be, out, gu, act, x, rs, w1, w2, &grp, H, F);
     moe_mlp_backward_grouped(be, dx, dw1, dw2, drs, dy, x, gu, act, rs, w1, w2, dh, dgu, &grp, H,
                              F, 0);
@@ -274,6 +290,7 @@ static int check_layer(const int *sizes, int G, int H, int F, int wgrad) {
     moe_fp8_weight fw[2];
     ck_assert(moe_fp8_weight_alloc(g, &fw[0], G, 2 * F, H));
     ck_assert(moe_fp8_weight_alloc(g, &fw[1], G, H, F));
+    lg.native = 1; /* as the model sets it, with its FP8 weights (lowp.h) */
     { /* the native path's FP8 weights, from the bf16 weights on the device */
         void *d1 = g->alloc(2 * n1), *d2 = g->alloc(2 * n2);
         g->write_act(d1, w1, n1);
@@ -287,13 +304,19 @@ static int check_layer(const int *sizes, int G, int H, int F, int wgrad) {
     run_mlp(g, &le, NULL, off, G, H, F, x, w1, w2, rs, dy, emu);
     /* the fused passes (lib/mlp.c, MOE_FP8_FUSED) against the separate ones: the same bits,
      * provided the GEMMs repeat themselves bit for bit (checked by running fused twice) */
-    moe_bench_env env = moe_bench_env_set("MOE_FP8_FUSED", "1");
-    ck_assert(moe_mlp_fp8_fused(g, &(moe_groups){.fp8_w1 = &fw[0], .fp8_w2 = &fw[1]}));
+    /* (the switch is the context's, latched from MOE_FP8_FUSED when it is made: set here on
+     * lg as a model made with MOE_FP8_FUSED=1, then =0, would have it) */
+    lg.fp8_fused = 1;
+    ck_assert_int_eq(moe_mlp_fp8_fused(g, &(moe_groups){.fp8_w1 = &fw[0], .fp8_w2 = &fw[1],
+                                                         .lowp = &lg}),
+                     !wgrad); /* (the FP8 wgrad runs the separate passes) */
+    const int fused_before = g_fused_runs;
     run_mlp(g, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, nat);
     run_mlp(g, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, again);
-    setenv("MOE_FP8_FUSED", "0", 1);
+    ck_assert_int_eq(g_fused_runs - fused_before, wgrad ? 0 : 2); /* they ran, act small */
+    lg.fp8_fused = 0;
     run_mlp(g, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, unf);
-    moe_bench_env_restore(&env);
+    ck_assert_int_eq(g_fused_runs - fused_before, wgrad ? 0 : 2);
     int ok = 1;
     for (int k = 0; k < NOUT; k++) {
         const int repeat = memcmp(nat[k], again[k], sizeof(moe_real) * cnt[k]) == 0;
@@ -315,8 +338,11 @@ static int check_layer(const int *sizes, int G, int H, int F, int wgrad) {
                                 "not counted as a failure)");
         ok &= !diff || !repeat;
     }
-    printf("  FP8 layer G=%d rows=%d: fused quantize passes == separate passes: %s\n", G, N,
-           ok ? "bit for bit" : "DIFFER");
+    printf("  FP8 layer G=%d rows=%d: fused quantize passes == separate passes: %s%s", G, N,
+           ok ? "bit for bit" : "DIFFER", wgrad ? " (FP8 wgrad: both separate)\n" : "");
+    if (!wgrad) /* the fused runs kept the SwiGLU output in a buffer of the codes' size */
+        printf(", the SwiGLU output kept in %zu bytes (bf16: %zu)\n",
+               moe_mlp_fp8_act_bytes((size_t)N, F), (size_t)2 * N * F);
     printf("  FP8 layer G=%d rows=%d H=%d F=%d, %s wgrad, relative error vs the CPU's "
            "emulation (native | GPU emulated):", G, N, H, F, wgrad ? "FP8" : "bf16");
     for (int k = 0; k < NOUT; k++) {
@@ -357,7 +383,73 @@ START_TEST(test_gpu_fp8_layer_vs_cpu) {
 }
 END_TEST
 
+/* The whole model with the native FP8 path (--fp8-format e4m3 --fp8-recipe blockwise, our
+ * grouped kernel): with the fused passes its MoE layers keep the SwiGLU output as FP8 codes in
+ * buffers of that size (moe_mlp_act_bytes(); experts.c asserts at every step that the fused
+ * passes run on them), and its training losses are those of MOE_FP8_FUSED=0 bit for bit,
+ * provided the fused run repeats itself (checked by running it twice). STATUS: written
+ * without a GPU at hand, not yet run on one (nor is run_mlp()'s smaller `act` buffer). */
+#define FP8_MODEL                                                                               \
+    "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --num-query-groups 4 "           \
+    "--seq-length 64 --micro-batch-size 8 --global-batch-size 16 --num-experts 8 "             \
+    "--moe-ffn-hidden-size 128 --ffn-hidden-size 256 --moe-layer-freq 0,1 --lr 2e-3 "          \
+    "--lr-warmup-iters 2 --train-iters 6 --fp8-format e4m3 --fp8-recipe blockwise "            \
+    "--moe-expert-backend grouped --device cuda"
+enum { FP8_STEPS = 6 };
+
+/* FP8_STEPS training losses of the FP8_MODEL under MOE_FP8_FUSED=@p fused; 1 when its MoE
+ * layers kept the SwiGLU output as FP8 codes */
+static int fp8_model_losses(const char *fused, double *loss, long long *fp8_act) {
+    moe_bench_env env = moe_bench_env_set("MOE_FP8_FUSED", fused);
+    moe_bench_env wg = moe_bench_env_set("MOE_FP8_WGRAD", "0");
+    setenv("MOE_NO_DOWNLOAD", "1", 1);
+    moe_config c;
+    moe_error err;
+    ck_assert_msg(moe_test_config(&c, FP8_MODEL, &err) == MOE_OK, "%s", err.msg);
+    moe_trainer *t = NULL;
+    ck_assert_msg(moe_trainer_create(&t, &c, &err) == MOE_OK, "%s", err.msg);
+    moe_bench_env_restore(&env); /* (latched by the model: lowp.h) */
+    moe_bench_env_restore(&wg);
+    const moe_model *m = t->model;
+    ck_assert(m->lowp && m->lowp->native);
+    const int codes = moe_mlp_fp8_saves_codes(m->be, m->lowp);
+    *fp8_act = m->mem.fp8_act_bytes;
+    for (int s = 0; s < FP8_STEPS; s++) {
+        moe_step_stats st;
+        ck_assert_int_eq(moe_trainer_step(t, &st, &err), MOE_OK);
+        loss[s] = st.loss;
+    }
+    moe_trainer_free(t);
+    return codes;
+}
+
+START_TEST(test_gpu_fp8_model_fused_saved_codes) {
+    if (!hopper("FP8 model, saved SwiGLU output in FP8"))
+        return;
+    double fused[FP8_STEPS], again[FP8_STEPS], sep[FP8_STEPS];
+    long long act_fused, act_sep, act_again;
+    ck_assert(fp8_model_losses("1", fused, &act_fused));
+    ck_assert(!fp8_model_losses("0", sep, &act_sep));
+    ck_assert(fp8_model_losses("1", again, &act_again));
+    /* the one MoE layer's N·k = 8·64·2 rows of F = 128: codes + scales in the estimate */
+    const long long rows = 8 * 64 * 2;
+    ck_assert_int_eq(act_fused, rows * 128 + rows * 4);
+    ck_assert_int_eq(act_sep, 0);
+    const int repeat = memcmp(fused, again, sizeof fused) == 0;
+    const int same = memcmp(fused, sep, sizeof fused) == 0;
+    printf("  FP8 model, %d steps: fused passes (SwiGLU output kept in %lld bytes of FP8 codes, "
+           "bf16 %lld) %.6f -> %.6f, separate passes %.6f -> %.6f: %s\n", FP8_STEPS, act_fused,
+           rows * 128 * 2, fused[0], fused[FP8_STEPS - 1], sep[0], sep[FP8_STEPS - 1],
+           same ? "the same bits"
+                : repeat ? "DIFFER" : "differ, but the fused run does not repeat itself either");
+    ck_assert_msg(same || !repeat, "the fused FP8 model's losses differ from the separate "
+                  "passes'");
+    ck_assert(fused[FP8_STEPS - 1] < fused[0]);
+}
+END_TEST
+
 Suite *suite_gpu_fp8_layer(void) {
-    const TTest *const tests[] = {test_gpu_fp8_layer_quantizers, test_gpu_fp8_layer_vs_cpu};
-    return moe_test_chapter_suite("gpu_fp8_layer", "ch05", tests, 2);
+    const TTest *const tests[] = {test_gpu_fp8_layer_quantizers, test_gpu_fp8_layer_vs_cpu,
+                                  test_gpu_fp8_model_fused_saved_codes};
+    return moe_test_chapter_suite("gpu_fp8_layer", "ch05", tests, 3);
 }

@@ -11,12 +11,14 @@
 #include <unistd.h>
 
 #include "backend.h"
+#include "bench.h"
 #include "comm.h"
 #include "comm_watchdog.h"
 #include "config.h"
 #include "helpers.h"
 #include "lowp.h"
 #include "memory.h"
+#include "mlp.h"
 #include "metrics.h"
 #include "model.h"
 #include "moe/capacity.h"
@@ -400,6 +402,125 @@ START_TEST(test_memory_estimate_counts_fp8_expert_weights) {
 }
 END_TEST
 
+/* Chapter 05's fused FP8 passes keep the routed experts' SwiGLU output for the backward as
+ * FP8 codes + 1x128 scales (lib/mlp.c): the one sizing function, the latch of MOE_FP8_FUSED,
+ * the estimate, and what the model really allocates agree. The CPU cannot run the path: a CPU
+ * backend that claims the native kernel and the fused ops (never called: no step runs) makes
+ * the model size its buffers for it. */
+static moe_status never_swiglu_fwd_q(uint8_t *q, float *s, void *y, const void *gu,
+                                     const moe_real *row_scale, int N, int F, moe_fp8_format f,
+                                     int pow2, moe_error *err) {
+    ck_abort_msg("the fused SwiGLU forward ran on the CPU");
+    return MOE_OK;
+}
+static moe_status never_swiglu_bwd_q(uint8_t *q, float *s, void *y, moe_real *drow_scale,
+                                     const void *dout, const void *gu, const moe_real *row_scale,
+                                     int N, int F, moe_fp8_format f, int pow2, moe_error *err) {
+    ck_abort_msg("the fused SwiGLU backward ran on the CPU");
+    return MOE_OK;
+}
+
+/* the model's allocations for @p c on the CPU backend, claiming the native path when
+ * @p native (and then the fused ops) */
+static size_t fp8_model_bytes(const moe_config *c, int native) {
+    moe_backend be = *moe_backend_cpu();
+    be.alloc = counting_alloc;
+    if (native) {
+        be.fp8_grouped_native = claims_fp8_native;
+        be.fp8_swiglu_forward_quant = never_swiglu_fwd_q;
+        be.fp8_swiglu_backward_quant = never_swiglu_bwd_q;
+    }
+    g_bytes = 0;
+    g_calls = 0;
+    g_fail_at = -1;
+    moe_model *m = NULL;
+    moe_error err;
+    ck_assert_msg(moe_model_create(&m, c, &be, c->micro_batch_size, NULL, &err) == MOE_OK, "%s",
+                  err.msg);
+    ck_assert_int_eq(m->lowp->native, native);
+    ck_assert_int_eq(moe_mlp_fp8_saves_codes(&be, m->lowp), native && m->lowp->fp8_fused);
+    moe_model_free(m);
+    return g_bytes;
+}
+
+START_TEST(test_memory_fp8_saved_swiglu_output) {
+    moe_bench_env wg = moe_bench_env_set("MOE_FP8_WGRAD", "0");
+    moe_bench_env fu = moe_bench_env_set("MOE_FP8_FUSED", "1");
+    moe_config c = small_config("--hidden-size 128 --num-attention-heads 4 --num-query-groups 4 "
+                                "--moe-ffn-hidden-size 256 --ffn-hidden-size 128 --fp8-format "
+                                "e4m3 --fp8-recipe blockwise --moe-expert-backend grouped");
+    const int F = c.moe_ffn_hidden_size;
+    const size_t NK = (size_t)c.micro_batch_size * c.seq_length * c.moe_router_topk;
+    const size_t codes = NK * F + NK * (F / 128) * sizeof(float); /* F + F/32 bytes a row */
+
+    /* the sizing function: codes only with every condition; else activation elements */
+    moe_lowp lp;
+    moe_error err;
+    ck_assert_int_eq(moe_lowp_from_config(&lp, &c, &err), MOE_OK);
+    ck_assert(lp.fp8_fused && !lp.fp8_wgrad && !lp.native);
+    moe_backend cpu = *moe_backend_cpu(), fused = cpu;
+    fused.fp8_swiglu_forward_quant = never_swiglu_fwd_q;
+    fused.fp8_swiglu_backward_quant = never_swiglu_bwd_q;
+    ck_assert_uint_eq(moe_mlp_fp8_act_bytes(NK, F), codes);
+    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, F), fused.act_size * NK * F); /* not
+                                                                             * native */
+    lp.native = 1;
+    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, F), codes);
+    ck_assert_uint_eq(moe_mlp_act_bytes(&cpu, &lp, NK, F), cpu.act_size * NK * F); /* no ops */
+    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, NULL, NK, F), fused.act_size * NK * F);
+    lp.fp8_wgrad = 1; /* the FP8 wgrad reads the bf16 output: the separate passes */
+    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, F), fused.act_size * NK * F);
+    lp.fp8_wgrad = 0;
+    /* the path agrees with the size: fused exactly where codes are kept, with FP8 weights */
+    moe_fp8_weight w = {0};
+    ck_assert(moe_mlp_fp8_fused(&fused, &(moe_groups){.fp8_w1 = &w, .fp8_w2 = &w, .lowp = &lp}));
+    ck_assert(!moe_mlp_fp8_fused(&fused, &(moe_groups){.lowp = &lp}));
+    /* MOE_FP8_FUSED is read once, when the context is made: later changes do not reach it */
+    setenv("MOE_FP8_FUSED", "0", 1);
+    ck_assert(lp.fp8_fused);
+    moe_lowp off;
+    ck_assert_int_eq(moe_lowp_from_config(&off, &c, &err), MOE_OK);
+    ck_assert(!off.fp8_fused);
+    off.native = 1;
+    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &off, NK, F), fused.act_size * NK * F);
+
+    /* the estimate (a bf16 backend: act_size 2): the one MoE layer's permuted buffer in FP8,
+     * and the report's two numbers */
+    moe_memory_estimate e[2];
+    for (int on = 0; on < 2; on++) {
+        setenv("MOE_FP8_FUSED", on ? "1" : "0", 1);
+        ck_assert_int_eq(moe_memory_estimate_model(&c, c.micro_batch_size, 1, 2, &e[on], &err),
+                         MOE_OK);
+    }
+    ck_assert_int_eq(e[0].fp8_act_bytes, 0);
+    ck_assert_int_eq(e[0].fp8_act_bf16_bytes, 0);
+    ck_assert_int_eq(e[1].fp8_act_bytes, (long long)codes);
+    ck_assert_int_eq(e[1].fp8_act_bf16_bytes, (long long)(2 * NK * F));
+    ck_assert_int_eq(e[0].act_bytes - e[1].act_bytes, (long long)(2 * NK * F - codes));
+    ck_assert_int_eq(e[0].weight_bytes, e[1].weight_bytes);
+    /* the CPU's fp32 activations: never FP8 codes in the estimate either */
+    ck_assert_int_eq(moe_memory_estimate_model(&c, c.micro_batch_size, 1, 4, &e[0], &err),
+                     MOE_OK);
+    ck_assert_int_eq(e[0].fp8_act_bytes, 0);
+
+    /* the model's allocations: the native path with the fused passes takes exactly the
+     * FP8 saving less than with MOE_FP8_FUSED=0 (its permuted rows: all N·k on one rank) */
+    setenv("MOE_FP8_FUSED", "0", 1);
+    const size_t unfused = fp8_model_bytes(&c, 1);
+    setenv("MOE_FP8_FUSED", "1", 1);
+    const size_t with_codes = fp8_model_bytes(&c, 1);
+    ck_assert_msg(unfused - with_codes == moe_backend_cpu()->act_size * NK * F - codes,
+                  "the fused model allocates %zu bytes less, the FP8 codes save %zu",
+                  unfused - with_codes, moe_backend_cpu()->act_size * NK * F - codes);
+    /* and without the native path the switch changes nothing */
+    const size_t plain = fp8_model_bytes(&c, 0);
+    setenv("MOE_FP8_FUSED", "0", 1);
+    ck_assert_uint_eq(fp8_model_bytes(&c, 0), plain);
+    moe_bench_env_restore(&fu);
+    moe_bench_env_restore(&wg);
+}
+END_TEST
+
 /* The CUDA backend's RoPE table (cos and sin of every position and pair, a float2 each) is
  * counted under --device cuda: positions a power of two of at least 4096 and at least the
  * sequence, times D/2 pairs, 8 bytes each; the CPU has none. */
@@ -584,5 +705,7 @@ Suite *suite_reliability(void) {
     moe_test_tcase(s, "library", 300, lib, 9);
     const TTest *ch04[] = {test_memory_check_counts_distributed_optimizer};
     tcase_set_tags(moe_test_tcase(s, "memory-zero", 60, ch04, 1), "ch04");
+    const TTest *ch05[] = {test_memory_fp8_saved_swiglu_output};
+    tcase_set_tags(moe_test_tcase(s, "memory-fp8-act", 60, ch05, 1), "ch05");
     return s;
 }

@@ -162,6 +162,10 @@ static void layer_init(layer *L, const moe_backend *be, const shape *s, int T,
     L->g.router = L->gbuf;
     L->g.fc1 = L->gbuf + nr;
     L->g.fc2 = L->gbuf + nr + n1;
+    /* the recipe before the buffers: on the native path the saved SwiGLU output's buffer
+     * is sized for its FP8 codes (moe_mlp_act_bytes()) */
+    if (fp8)
+        layer_lowp(L, s, T);
     moe_layer_acts_alloc(be, &L->a, &L->d);
     moe_layer_workspace_alloc(be, &L->ws, &L->d);
     L->x = be->alloc(S * T * H);
@@ -174,8 +178,6 @@ static void layer_init(layer *L, const moe_backend *be, const shape *s, int T,
     be->fill_normal(t2, (size_t)T * H, 1, 5, 1.0);
     be->cast_to_act(L->dout, t2, (size_t)T * H);
     be->free(t2);
-    if (fp8)
-        layer_lowp(L, s, T);
 }
 
 static void layer_free(layer *L) {
@@ -337,13 +339,16 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
                    g_bf16_ms / med);
         printf("\n");
         /* what the layer keeps of the SwiGLU output [rows, F] for the backward (lib/mlp.c) */
-        const moe_groups probe = {.fp8_w1 = L.w.fc1_fp8, .fp8_w2 = L.w.fc2_fp8};
-        const double rows = (double)s->T * s->k, nf = rows * s->F;
+        const moe_groups probe = {.fp8_w1 = L.w.fc1_fp8, .fp8_w2 = L.w.fc2_fp8,
+                                  .lowp = &L.lp};
+        const size_t rows = (size_t)moe_layer_permuted_rows(&L.d);
+        const double nf = (double)rows * s->F;
         if (moe_mlp_fp8_fused(be, &probe))
             printf("  %s %s: fused quantize passes (MOE_FP8_FUSED); the SwiGLU output is kept "
-                   "as FP8 codes + 1x128 scales, %.1f MB instead of %.1f MB in bf16 (in its "
-                   "bf16-sized buffer: not yet freed)\n",
-                   s->name, name, (nf + nf / 128 * 4) / 1e6, nf * 2 / 1e6);
+                   "as FP8 codes + 1x128 scales in a buffer of that size, %.1f MB instead of "
+                   "%.1f MB in bf16 (%.1f MB saved)\n",
+                   s->name, name, moe_mlp_act_bytes(be, &L.lp, rows, s->F) / 1e6, nf * 2 / 1e6,
+                   (nf * 2 - (double)moe_mlp_act_bytes(be, &L.lp, rows, s->F)) / 1e6);
         else if (L.lp.native)
             printf("  %s %s: separate quantize passes (MOE_FP8_FUSED=0); the SwiGLU output is "
                    "kept in bf16, %.1f MB, and quantized again in the backward\n",
@@ -469,7 +474,8 @@ int main(int argc, char **argv) {
                             if (!(fuse[f] && (!f || impl == MOE_EXPERTS_KERNEL) &&
                                   prec[p] && !(p && f)))
                                 continue;
-                            /* fp8-unfused: MOE_FP8_FUSED=0 for this run, restored after */
+                            /* fp8-unfused: MOE_FP8_FUSED=0 for this run (read once, when
+                             * its layer's recipe is made: lowp.h), restored after */
                             moe_bench_env env;
                             if (p == 2)
                                 env = moe_bench_env_set("MOE_FP8_FUSED", "0");

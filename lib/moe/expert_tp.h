@@ -56,7 +56,8 @@ typedef struct moe_etp_rows {
     void *x;          /**< [cap,H] the gathered inputs */
     moe_real *w;      /**< [cap] their routing weights */
     void *gu;         /**< [cap,2F] fc1 outputs (F = this rank's slice) */
-    void *act;        /**< [cap,F] SwiGLU outputs × routing weight */
+    void *act;        /**< [cap,F] SwiGLU outputs × routing weight (cap rows of act_row bytes:
+                           moe_etp_plan()) */
 } moe_etp_rows;
 
 /** Scratch of the gathered rows, shared by every MoE layer (grow-only). */
@@ -80,9 +81,11 @@ typedef struct moe_etp_work {
  * @param be backend @param etp the ETP group (size > 1) @param r the layer's saved rows
  * @param w the scratch @param off host [G+1]: this rank's expert offsets (the dispatcher's)
  * @param G local experts @param H hidden size @param F this rank's slice of the expert width
+ * @param act_row bytes of one row of r->act (moe_mlp_act_bytes() of one row: F activation
+ *        elements, or chapter 05's FP8 codes and scales of F)
  */
 void moe_etp_plan(const moe_backend *be, const moe_tp *etp, moe_etp_rows *r, moe_etp_work *w,
-                  const int *off, int G, int H, int F);
+                  const int *off, int G, int H, int F, size_t act_row);
 
 /**
  * @brief All-gather rows over the ETP group, expert-major (collective): @p dst [r->rows, C]

@@ -49,7 +49,7 @@ void moe_expert_rows_reserve(const moe_backend *be, const moe_layer_dims *d, moe
             a->we = regrow(be, a->we, R * rows);
         }
         a->gue = regrow(be, a->gue, S * rows * 2 * F);
-        a->acte = regrow(be, a->acte, S * rows * F);
+        a->acte = regrow(be, a->acte, moe_mlp_act_bytes(be, d->lowp, rows, (int)F));
         a->e_rows = rows;
     }
     if (rows > ws->e_rows) {
@@ -141,7 +141,8 @@ void moe_experts_forward(const moe_backend *be, const moe_layer_dims *d, moe_lay
     expert_rows r = here;
     if (d->etp) { /* every rank of the ETP group on the rows of all of them (expert_tp.h) */
         MOE_ASSERT(expert_side);
-        moe_etp_plan(be, d->etp, &a->etp, &ws->etp, here.off, here.G, H, F);
+        moe_etp_plan(be, d->etp, &a->etp, &ws->etp, here.off, here.G, H, F,
+                     moe_mlp_act_bytes(be, d->lowp, 1, F));
         r = etp_rows_of(a, ws);
         moe_etp_gather(be, d->etp, &a->etp, &ws->etp, (void *)r.x, here.x, H, 0);
         moe_etp_gather(be, d->etp, &a->etp, &ws->etp, (void *)r.w, here.w, 1, 1);
@@ -154,6 +155,9 @@ void moe_experts_forward(const moe_backend *be, const moe_layer_dims *d, moe_lay
         grp.xs = d->ep->s_recv;
     }
     MOE_ASSERT(!grp.fp8_w1 || grp.impl == MOE_EXPERTS_KERNEL);
+    /* r.act was allocated at moe_mlp_act_bytes()'s size: FP8 codes there mean this runs the
+     * fused passes, which write codes (a bf16 output would overflow it) */
+    MOE_ASSERT(!moe_mlp_fp8_saves_codes(be, d->lowp) || moe_mlp_fp8_fused(be, &grp));
     if (grp.impl != MOE_EXPERTS_LOOP) { /* chapter 03: one grouped GEMM per Linear */
         moe_mlp_forward_grouped(be, r.y, r.gu, r.act, r.x, r.w, w->fc1, w->fc2, &grp, H, F);
     } else { /* chapter 01: one SwiGLU MLP per expert on its rows */
@@ -194,6 +198,7 @@ void moe_experts_backward(const moe_backend *be, const moe_layer_dims *d, const 
     grp.dw_mode = g->expert_dw;
     grp.fp8_w1 = w->fc1_fp8;
     grp.fp8_w2 = w->fc2_fp8;
+    MOE_ASSERT(!moe_mlp_fp8_saves_codes(be, d->lowp) || moe_mlp_fp8_fused(be, &grp));
     if (grp.impl != MOE_EXPERTS_LOOP) {
         moe_mlp_backward_grouped(be, r.dx, g->fc1, g->fc2, r.dw, r.dy, r.x, r.gu, r.act, r.w,
                                  w->fc1, w->fc2, r.dh, r.dgu, &grp, H, F, 0);
