@@ -382,7 +382,7 @@ int moe_cuda_fp8_wgrad_pipe(void);
  * stage (bulk copies; 5 stages instead of 6 to make room); 0 = from global memory, as the
  * kernel first did (MOE_FP8_WGRAD_SCALES=global, for a comparison; also taken when sa or sb
  * is not 16-byte aligned). Same numbers either way. Set by moe_cuda_fp8_wgrad_set_smem_scales
- * (tests, the chapter 05 benchmark), else MOE_FP8_WGRAD_SCALES=global|smem, else the
+ * (tests, the chapter 05 benchmark), else MOE_FP8_WGRAD_SCALES=global|smem (or 0|1), else the
  * default. The count of launches with the scales in shared memory lets a test prove it ran. */
 #define MOE_FP8_WGRAD_SMEM_SCALES_DEFAULT 1
 void moe_cuda_fp8_wgrad_set_smem_scales(int on);

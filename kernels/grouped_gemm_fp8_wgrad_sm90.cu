@@ -454,7 +454,8 @@ long long g_smem_calls; /* launches of a shared-memory-scales variant (the tests
 int smem_scales(void) {
     if (g_smem_scales < 0) {
         const char *e = getenv("MOE_FP8_WGRAD_SCALES");
-        g_smem_scales = e && *e ? strcmp(e, "global") != 0 : MOE_FP8_WGRAD_SMEM_SCALES_DEFAULT;
+        g_smem_scales = e && *e ? strcmp(e, "global") && strcmp(e, "0") /* else smem, 1 */
+                                : MOE_FP8_WGRAD_SMEM_SCALES_DEFAULT;
     }
     return g_smem_scales;
 }
