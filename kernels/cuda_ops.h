@@ -381,6 +381,17 @@ moe_status moe_cuda_fp8_grouped_wgrad(void *dw, moe_dw_mode mode, const uint8_t 
 #define MOE_FP8_WGRAD_PIPE_DEFAULT 1
 void moe_cuda_fp8_wgrad_set_pipe(int on);
 int moe_cuda_fp8_wgrad_pipe(void);
+/* where the wgrad kernel's consumers read each k-block's scales (process-wide, not
+ * thread-safe): 1 = from shared memory, where the producer brings them with the k-block's
+ * stage (bulk copies; 5 stages instead of 6 to make room); 0 = from global memory, as the
+ * kernel first did (MOE_FP8_WGRAD_SCALES=global, for a comparison; also taken when sa or sb
+ * is not 16-byte aligned). Same numbers either way. Set by moe_cuda_fp8_wgrad_set_smem_scales
+ * (tests, the chapter 05 benchmark), else MOE_FP8_WGRAD_SCALES=global|smem (or 0|1), else the
+ * default. The count of launches with the scales in shared memory lets a test prove it ran. */
+#define MOE_FP8_WGRAD_SMEM_SCALES_DEFAULT 1
+void moe_cuda_fp8_wgrad_set_smem_scales(int on);
+int moe_cuda_fp8_wgrad_smem_scales(void);
+long long moe_cuda_fp8_wgrad_smem_calls(void);
 /* 1 when this GPU runs the recipe's GEMM natively in cuBLASLt, 0 when emulated (dequantize →
  * bf16 GEMM): tensorwise always native; blockwise native on compute capability 9.x; MXFP8 and
  * NVFP4 native on 10.x unless MOE_FP8_GEMM_EMULATE=1 */

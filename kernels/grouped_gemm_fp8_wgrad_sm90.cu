@@ -7,12 +7,13 @@
  *
  * A = dYᵀ's codes [M][Kpad] (M = O), B = Xᵀ's [N][Kpad] (N = I), both K-major (K = the
  * tokens), as Hopper's FP8 wgmma needs. It is the forward kernel (grouped_gemm_fp8_sm90.cu)
- * turned around, and reuses its machinery: 288 threads (2 consumer warpgroups of 64 rows + a
- * producer warp), tiles of 128 × 128, a stage = one 128-deep k-block of A (two TMA boxes of
- * 64 rows × 128 bytes) and B (one box of 128 rows), 6 stages, the same swizzled descriptors,
- * the same "promotion" of each k-block's wgmma partial into fp32 main accumulators, the same
- * ORDERED issue (named barriers 3 and 4: moe_cuda_fp8_grouped_ordered()), the same epilogue
- * (sm90_epilogue.cuh). What differs:
+ * turned around, and reuses its machinery: 2 consumer warpgroups of 64 rows + a producer
+ * (a warpgroup here: the register note below), tiles of 128 × 128, a stage = one 128-deep
+ * k-block of A (two TMA boxes of 64 rows × 128 bytes), B (one box of 128 rows) and their
+ * scales (below), 5 stages, the same swizzled descriptors, the same "promotion" of each
+ * k-block's wgmma partial into fp32 main accumulators, the same ORDERED issue (named
+ * barriers 3 and 4: moe_cuda_fp8_grouped_ordered()), the same epilogue (sm90_epilogue.cuh).
+ * What differs:
  *   - the tiles: the group (expert) g, then 128-row block of dW_g, then 128-column block:
  *     G · (M/128) · (N/128) tiles, each with its group's k-loop, ⌈n_g/128⌉ k-blocks from the
  *     group's padded start P_g (lib/fp8_wgrad.h), which every CTA computes from the offsets
@@ -21,11 +22,22 @@
  *     channel m and one of X's channel n), so the promotion multiplies each accumulator by
  *     its own sa[m]·sb[n]. A thread's 64 accumulators are rows r_lo, r_lo + 8 and columns
  *     8j + 2(l%4) + {0, 1}, j < 16 (sm90_epilogue.cuh): 2 row scales and 32 column scales
- *     per k-block. The scales are block-major ([Kpad/128][M] and [Kpad/128][N]): a
- *     thread's column scales are 16 float2 loads, one 32-byte sector per warp and load,
- *     the same sectors for every warp (L1). They are issued right after the k-block's
- *     MMAs, so their latency hides behind the MMAs the thread then waits for; the two row
- *     scales are loaded one k-block ahead, as in the forward kernel.
+ *     per k-block. The scales are block-major ([Kpad/128][M] and [Kpad/128][N]), so the
+ *     tile's scales of one k-block are two runs of 512 contiguous bytes, sa[kb][m0 ..
+ *     m0 + 127] and sb[kb][n0 .. n0 + 127], kb = P_g + the local k-block: the producer
+ *     brings them into a 1 KB slot of the k-block's stage with two bulk copies
+ *     (cp.async.bulk, no tensor map; DeepGEMM brings its scales with TMA too), counted in
+ *     the stage's full barrier, and each consumer thread reads its 2 row and 32 column
+ *     scales there (conflict-free, release_promote_smem) once the k-block's MMAs are done,
+ *     into registers, before it gives the stage back. The room: 5 stages, not 6 (Ring).
+ *   - why: the consumers first loaded the scales from global memory (16 float2 and 2
+ *     floats a thread and k-block, issued after the k-block's MMAs so their latency would
+ *     hide behind the MMAs waited for next; kept as MOE_FP8_WGRAD_SCALES=global). Nsight
+ *     Compute on an H100 (Mixtral fc2: 16384 tokens, 4096 × 14336, 8 experts; pipelined,
+ *     fp32 dW added) saw 4.34 ms, the tensor pipe 29 % busy, no eligible warp in 68 % of
+ *     the cycles, and the top stall the L1TEX scoreboard (2.8 of 7.1 cycles between
+ *     issues): those loads, not hidden (L1 hit 78 %). Shared memory answers in ~30
+ *     cycles, and TMA fetched the slot long before, with the codes.
  *   - the output: dW [G][M][N] through a 3-D tensor map: fp32 reduce-added (ACCUMULATE),
  *     fp32 stored (STORE) or bf16 stored (ACT), chapter 03's three modes (moe_dw_mode);
  *     M and N are multiples of 128, so every tile is whole and leaves through TMA. An empty
@@ -37,10 +49,11 @@
  * part of it: 0.85-0.93x the bf16 wgrad on an H100). Now, the DeepGEMM / CUTLASS way, each
  * warpgroup has two accumulator sets: k-block j's MMAs go into acc[j % 2]; step j issues
  * j + 1's into the other set, waits until only that group is outstanding (wgmma_wait<1>: j
- * is done), gives j's stage back to the producer (only now: the wgmma read it until it
- * completed), and promotes j while j + 1 runs. The parity is fixed at compile time by a loop
- * by twos (registers cannot be indexed), and whether a step issues is a template argument,
- * not a runtime flag tested twice (pipe_step: otherwise ptxas serializes the wgmmas).
+ * is done), reads j's scales, gives j's stage back to the producer (only now: the wgmma
+ * read it until it completed), and promotes j while j + 1 runs. The parity is fixed at
+ * compile time by a loop by twos (registers cannot be indexed), and whether a step issues
+ * is a template argument, not a runtime flag tested twice (pipe_step: otherwise ptxas
+ * serializes the wgmmas).
  * The same k-blocks are promoted in the same order with the same fmaf, so the output is bit
  * for bit the first loop's. The ORDERED issue is unchanged: each issue (now one k-block
  * ahead of its promotion) waits for the other warpgroup's previous issue.
@@ -50,10 +63,19 @@
  * Two sets cost 64 registers more than the first loop (see the register note below).
  * Load balance is the simple one (tiles strided over the CTAs in order; a long group's
  * tiles cost more); correctness first.
+ * The scales are read in the same order with the same values whichever memory they come
+ * from, so the output is also bit for bit the global-scales kernel's (tests/gpu_fp8_wgrad.c
+ * compares all four variants of loop and scale path).
+ *
+ * STATUS: the global-scales kernel passed tests/gpu_fp8_wgrad.c on an H100 (0.83-0.91x the
+ * bf16 wgrad). The shared-memory scales (the default, MOE_FP8_WGRAD_SCALES=global for the
+ * old path): written, not yet run on a GPU; ptxas -v: no spills in any of its 8 variants
+ * (the bf16-output global-scales ones keep their 4 to 8 bytes).
  */
 #include <limits.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
@@ -65,12 +87,34 @@
 
 namespace {
 
-constexpr int BM = 128, BN = 128, BK = MOE_QUANT_BLOCK, STAGES = 6, THREADS = 384;
+constexpr int BM = 128, BN = 128, BK = MOE_QUANT_BLOCK, THREADS = 384;
 [[maybe_unused]] constexpr int MAX_G = MOE_GROUPED_DEV_MAX_GROUPS;
 constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK, STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int SCL_BYTES = (BM + BN) * 4; /* a stage's scales: sa's 128 rows, sb's 128 columns */
 constexpr int C_BYTES = 16384;
-constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * C_BYTES; /* 224 KB */
 static_assert(THREADS >= MOE_GROUPED_DEV_MAX_GROUPS, "moe_wgrad_block_prefix: a thread a group");
+/* The ring of each scale path (SS: 1 = the scales in shared memory, with their stage; 0 =
+ * read from global memory by the consumers, kept to compare). Shared memory, from the
+ * 1024-aligned base: STAGES × 32 KB of codes (A then B), then (SS) STAGES × 1 KB of scales,
+ * then the two consumers' 16 KB staging buffers. A block may have 227 KB (232448 bytes),
+ * static shared memory included: the barriers and the 257 group starts (1.1 KB) take 2 KB
+ * once the dynamic part is aligned to 1024 (ptxas -v: "2048 bytes smem"). 6 stages with
+ * their scales would be 6 × 33 + 32 + 2 = 232 KB: over. So the shared-memory scales come
+ * with 5 stages (5 × 33 + 32 + 2 = 199 KB), not with 6 and halved staging buffers: the
+ * loads are not what the loop waits for (Nsight Compute on an H100, Mixtral fc2: DRAM 27 %
+ * busy, L2 hits 83 %; its top stall was the consumers' scale loads), 5 k-blocks ahead are
+ * 1.4 µs of MMAs at the tensor cores' peak (a k-block is 4.2 MFLOP, 0.28 µs at 1979/132
+ * TFLOP/s an SM), above an L2 or DRAM load's latency, and 8 KB staging buffers would make
+ * the epilogue wait for TMA to read each 8 KB box before writing the next (4 waits a tile
+ * instead of 2 with fp32 output). 6 stages + 8 KB buffers is the other choice, not tried. */
+template <int SS> struct Ring {
+    static constexpr int STAGES = SS ? 5 : 6;
+    static constexpr int SCL_OFF = STAGES * STAGE_BYTES;                  /* the scales */
+    static constexpr int C_OFF = SCL_OFF + (SS ? STAGES * SCL_BYTES : 0); /* the staging */
+    static constexpr int SMEM = C_OFF + 2 * C_BYTES;
+    static_assert(SMEM + 2048 <= 232448, "over the 227 KB a block may have");
+    static_assert(SCL_OFF % 1024 == 0 && C_OFF % 1024 == 0, "swizzled tiles: 1024-aligned");
+};
 /* registers: the first loop's 128 accumulators (64 of the k-block's wgmma, 64 scaled sums),
  * the scales and the addressing need about 200 a consumer thread; the pipelined loop's 192
  * accumulators (two wgmma sets and the sums) about 240. 288 threads (two consumer warpgroups
@@ -96,7 +140,7 @@ struct Params {
  * acc, issued and committed, not waited for. ORDERED: the warpgroups take turns at the
  * issue (named barriers 3 and 4, as the forward kernel): warpgroup 0's first issue waits
  * for nobody, every other waits for the other warpgroup's previous issue */
-template <int ORDERED>
+template <int ORDERED, int STAGES>
 __device__ __forceinline__ void issue_kblock(float *acc, const uint8_t *smem, uint64_t *full,
                                              int it, int c) {
     const int s = it % STAGES, phase = (it / STAGES) & 1;
@@ -135,6 +179,28 @@ __device__ __forceinline__ void promote(float *d, float *acc, float a0, float a1
     }
 }
 
+/* a finished k-block's scales from its stage's slot in shared memory (SS), into registers,
+ * then its stage given back to the producer (only now: the reads of the slot are done; the
+ * arrive's release orders them before the producer's next TMA write), then its promotion.
+ * sc: the slot (sa's 128 rows, then sb's 128 columns); ia = 64c + r_lo, the thread's first
+ * row in the CTA's tile, ib = 128 + 2(lane%4), its first column scale in the slot. No bank
+ * conflicts: a warp reads rows r_lo = 16w + lane/4, 8 consecutive floats (each to 4 lanes,
+ * a broadcast), and column pairs 8j + 2(lane%4), 4 consecutive float2 (32 bytes, each to 8
+ * lanes): one wavefront a load. 34 registers, live from here to the promotion only (not
+ * across the wgmma wait before, where 32 more spilled: see pipe_step) */
+template <int J = BN / 8> /* (a template, as promote: sm_100a compiles none of it) */
+__device__ __forceinline__ void release_promote_smem(float *d, float *acc, const float *sc,
+                                                     uint64_t *empty, int lane, int ia, int ib) {
+    const float a0 = sc[ia], a1 = sc[ia + 8];
+    float2 sbv[J];
+#pragma unroll
+    for (int j = 0; j < J; j++)
+        sbv[j] = *(const float2 *)(sc + ib + 8 * j);
+    if (lane == 0)
+        mbar_arrive(empty); /* (an asm with a memory clobber: the reads stay before it) */
+    promote<J>(d, acc, a0, a1, sbv);
+}
+
 /* one step of the pipelined loop: k-block kt's MMAs were issued into cur. MORE (a k-block
  * follows): issue kt + 1's into nxt, then wait until only that group is outstanding (kt
  * done); else wait for all. Then give kt's stage back to the producer and promote cur,
@@ -142,44 +208,61 @@ __device__ __forceinline__ void promote(float *d, float *acc, float a0, float a1
  * twice: ptxas tracks which accumulators an in-flight wgmma owns along each path, and two
  * tests of one runtime flag (issue if more, wait<1> if more) give it a path where nxt's
  * group is still running at the loop's exit; it then serializes every wgmma (C7514) and
- * injects a wait (C7517). it0: the issue number of the tile's k-block 0 */
-template <int ORDERED, int MORE>
+ * injects a wait (C7517). it0: the issue number of the tile's k-block 0. SS: the scales in
+ * the stage's slot (ia, ib: release_promote_smem's), else in global memory (ia, ib: the
+ * thread's first row and column scale of k-block 0, 32-bit indices into p.sa and p.sb) */
+template <int ORDERED, int MORE, int SS>
 __device__ __forceinline__ void pipe_step(float *d, float *cur, float *nxt, const uint8_t *smem,
                                           uint64_t *full, uint64_t *empty, int it0, int kt,
                                           int c, int lane, int ia, int ib, const Params &p) {
+    constexpr int STAGES = Ring<SS>::STAGES;
+    const int s = (it0 + kt) % STAGES;
     if (MORE)
-        issue_kblock<ORDERED>(nxt, smem, full, it0 + kt + 1, c);
-    /* kt's row scales: their latency hides behind the wait. Its column scales are loaded
-     * after it: 32 more registers live across the wait spill (ptxas -v), and a spilled
-     * accumulator serializes the wgmmas (C7514); their latency hides behind kt + 1's MMAs */
-    const float *sak = p.sa + (unsigned)(ia + kt * p.M);
-    const float a0 = __ldg(sak), a1 = __ldg(sak + 8);
-    if (MORE)
-        wgmma_wait<1>(); /* all but kt + 1's group: kt's MMAs have read their stage */
-    else
-        wgmma_wait<0>();
-    if (lane == 0)
-        mbar_arrive(&empty[(it0 + kt) % STAGES]);
-    const float *sbk = p.sb + (unsigned)(ib + kt * p.N);
+        issue_kblock<ORDERED, STAGES>(nxt, smem, full, it0 + kt + 1, c);
+    if constexpr (SS) {
+        if (MORE)
+            wgmma_wait<1>(); /* all but kt + 1's group: kt's MMAs have read their stage */
+        else
+            wgmma_wait<0>();
+        release_promote_smem(d, cur, (const float *)(smem + Ring<SS>::SCL_OFF + s * SCL_BYTES),
+                             &empty[s], lane, ia, ib);
+    } else {
+        /* kt's row scales: their latency hides behind the wait. Its column scales are loaded
+         * after it: 32 more registers live across the wait spill (ptxas -v), and a spilled
+         * accumulator serializes the wgmmas (C7514); their latency hides behind kt + 1's
+         * MMAs (in principle: Nsight Compute found these loads the loop's top stall) */
+        const float *sak = p.sa + (unsigned)(ia + kt * p.M);
+        const float a0 = __ldg(sak), a1 = __ldg(sak + 8);
+        if (MORE)
+            wgmma_wait<1>();
+        else
+            wgmma_wait<0>();
+        if (lane == 0)
+            mbar_arrive(&empty[s]);
+        const float *sbk = p.sb + (unsigned)(ib + kt * p.N);
 #pragma unroll
-    for (int q = 0; q < BN / 32; q++) { /* 4 pairs at a time: 8 registers, not 32 */
-        float2 sbv[4];
+        for (int q = 0; q < BN / 32; q++) { /* 4 pairs at a time: 8 registers, not 32 */
+            float2 sbv[4];
 #pragma unroll
-        for (int j = 0; j < 4; j++)
-            sbv[j] = __ldg((const float2 *)(sbk + 32 * q + 8 * j));
-        promote<4>(d + 16 * q, cur + 16 * q, a0, a1, sbv);
+            for (int j = 0; j < 4; j++)
+                sbv[j] = __ldg((const float2 *)(sbk + 32 * q + 8 * j));
+            promote<4>(d + 16 * q, cur + 16 * q, a0, a1, sbv);
+        }
     }
 }
 
 /* C32: fp32 output, else bf16 (stored). ORDERED: as the forward kernel. PIPE: 1 = two
  * accumulator sets, k-block j + 1's MMAs run while j is promoted (the default); 0 = the
- * first loop, each k-block's MMAs waited for before its promotion (MOE_FP8_WGRAD_PIPE=0) */
-template <int C32, int ORDERED, int PIPE>
+ * first loop, each k-block's MMAs waited for before its promotion (MOE_FP8_WGRAD_PIPE=0).
+ * SS: 1 = each k-block's scales brought into shared memory with its stage by the producer
+ * (the default); 0 = the consumers load them from global memory (MOE_FP8_WGRAD_SCALES=global) */
+template <int C32, int ORDERED, int PIPE, int SS>
 __global__ void __launch_bounds__(THREADS, 1)
     fp8_wgrad_kernel(const __grid_constant__ CUtensorMap map_a,
                      const __grid_constant__ CUtensorMap map_b,
                      const __grid_constant__ CUtensorMap map_c, const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int STAGES = Ring<SS>::STAGES;
     extern __shared__ __align__(1024) uint8_t smem[];
     if (threadIdx.x == 0 && (smem_u32(smem) & 1023))
         __trap();
@@ -208,11 +291,18 @@ __global__ void __launch_bounds__(THREADS, 1)
                     const int s = it % STAGES, phase = (it / STAGES) & 1;
                     mbar_wait(&empty[s], phase ^ 1);
                     uint8_t *a = smem + s * STAGE_BYTES, *b = a + A_BYTES;
-                    mbar_expect_tx(&full[s], STAGE_BYTES);
+                    mbar_expect_tx(&full[s], STAGE_BYTES + (SS ? SCL_BYTES : 0));
                     const int k = (kb0 + kt) * BK;
                     tma_load_2d(a, &map_a, &full[s], k, m0);
                     tma_load_2d(a + A_BYTES / 2, &map_a, &full[s], k, m0 + BM / 2);
                     tma_load_2d(b, &map_b, &full[s], k, n0);
+                    if constexpr (SS) { /* the k-block's scale rows: 512 contiguous bytes each
+                                         * (block-major scales, m0, n0 multiples of 128) */
+                        float *sc = (float *)(smem + Ring<SS>::SCL_OFF + s * SCL_BYTES);
+                        const unsigned kb = kb0 + kt; /* 32-bit: the host checked it fits */
+                        bulk_load_1d(sc, p.sa + (kb * p.M + m0), BM * 4, &full[s]);
+                        bulk_load_1d(sc + BM, p.sb + (kb * p.N + n0), BN * 4, &full[s]);
+                    }
                 }
             }
         }
@@ -231,40 +321,51 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (nk == 0 && p.accumulate)
             continue; /* an empty group adds nothing (the producer skipped it too) */
         const int m_wg = m0 + 64 * c, row0 = m_wg + r_lo, row1 = row0 + 8;
-        /* this thread's column scales: columns n0 + 8j + 2(lane%4) + {0,1} */
-        const float *sbc = p.sb + n0 + 2 * (lane % 4);
 #pragma unroll
         for (int i = 0; i < BN / 2; i++)
             d[i] = 0.0f;
         if constexpr (PIPE) { /* -------------------------------- two accumulator sets */
             /* the parity of a k-block must be known at compile time (registers cannot be
              * indexed), hence the loop by twos */
-            /* the scales as 32-bit indices from k-block 0 (the host checks that they fit):
-             * registers are short here, a 64-bit pointer costs two */
-            const int ia = kb0 * p.M + row0, ib = kb0 * p.N + n0 + 2 * (lane % 4);
+            /* the scales' indices: in the stage's slot (SS), else global from k-block 0 as
+             * 32-bit indices (the host checks that they fit): registers are short here, a
+             * 64-bit pointer costs two */
+            const int ia = SS ? 64 * c + r_lo : kb0 * p.M + row0;
+            const int ib = SS ? BM + 2 * (lane % 4) : kb0 * p.N + n0 + 2 * (lane % 4);
             /* acc holds the even k-blocks, acc2 the odd ones */
             if (nk > 0) {
-                issue_kblock<ORDERED>(acc, smem, full, it, c);
+                issue_kblock<ORDERED, STAGES>(acc, smem, full, it, c);
                 for (int kt = 0;; kt += 2) { /* k-block kt in flight in acc */
                     if (kt + 1 >= nk) {
-                        pipe_step<ORDERED, 0>(d, acc, acc2, smem, full, empty, it, kt, c, lane,
-                                              ia, ib, p);
+                        pipe_step<ORDERED, 0, SS>(d, acc, acc2, smem, full, empty, it, kt, c,
+                                                  lane, ia, ib, p);
                         break;
                     }
-                    pipe_step<ORDERED, 1>(d, acc, acc2, smem, full, empty, it, kt, c, lane, ia,
-                                          ib, p);
+                    pipe_step<ORDERED, 1, SS>(d, acc, acc2, smem, full, empty, it, kt, c, lane,
+                                              ia, ib, p);
                     /* kt + 1 in flight in acc2 */
                     if (kt + 2 >= nk) {
-                        pipe_step<ORDERED, 0>(d, acc2, acc, smem, full, empty, it, kt + 1, c,
-                                              lane, ia, ib, p);
+                        pipe_step<ORDERED, 0, SS>(d, acc2, acc, smem, full, empty, it, kt + 1,
+                                                  c, lane, ia, ib, p);
                         break;
                     }
-                    pipe_step<ORDERED, 1>(d, acc2, acc, smem, full, empty, it, kt + 1, c, lane,
-                                          ia, ib, p);
+                    pipe_step<ORDERED, 1, SS>(d, acc2, acc, smem, full, empty, it, kt + 1, c,
+                                              lane, ia, ib, p);
                 }
             }
             it += nk;
-        } else { /* ---------- one accumulator set: the first loop, kept to compare */
+        } else if constexpr (SS) { /* ------ one accumulator set, the scales in the stage */
+            for (int kt = 0; kt < nk; kt++, it++) {
+                const int s = it % STAGES;
+                issue_kblock<ORDERED, STAGES>(acc, smem, full, it, c);
+                wgmma_wait<0>(); /* the tensor cores idle from here to the next issue */
+                release_promote_smem(d, acc,
+                                     (const float *)(smem + Ring<SS>::SCL_OFF + s * SCL_BYTES),
+                                     &empty[s], lane, 64 * c + r_lo, BM + 2 * (lane % 4));
+            }
+        } else { /* ----------------------------- one accumulator set, global scales */
+            /* this thread's column scales: columns n0 + 8j + 2(lane%4) + {0,1} */
+            const float *sbc = p.sb + n0 + 2 * (lane % 4);
             float na0 = 0.0f, na1 = 0.0f;
             if (nk > 0) {
                 na0 = __ldg(p.sa + (size_t)kb0 * p.M + row0);
@@ -277,7 +378,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                     na0 = __ldg(p.sa + (kb + 1) * p.M + row0);
                     na1 = __ldg(p.sa + (kb + 1) * p.M + row1);
                 }
-                issue_kblock<ORDERED>(acc, smem, full, it, c);
+                issue_kblock<ORDERED, STAGES>(acc, smem, full, it, c);
                 float2 sbv[BN / 8]; /* loaded while the MMAs run */
                 const float *sbk = sbc + kb * p.N;
 #pragma unroll
@@ -291,7 +392,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
 
         /* ------------------------------------------------ epilogue: whole 64-row blocks */
-        uint8_t *cs = smem + STAGES * STAGE_BYTES + c * C_BYTES;
+        uint8_t *cs = smem + Ring<SS>::C_OFF + c * C_BYTES;
         epilogue_staged<C32, BN, C_BYTES>(d, cs, c, tid, BN, [&](const uint8_t *src, int col) {
             if (C32 && p.accumulate)
                 tma_reduce_add_3d(&map_c, src, n0 + col, m_wg, g);
@@ -309,12 +410,13 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 }
 
-template <int C32, int ORDERED, int PIPE>
+template <int C32, int ORDERED, int PIPE, int SS>
 void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc, const Params &p,
             int tiles) {
+    constexpr int SMEM_BYTES = Ring<SS>::SMEM;
     static bool configured = false;
     if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(fp8_wgrad_kernel<C32, ORDERED, PIPE>,
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(fp8_wgrad_kernel<C32, ORDERED, PIPE, SS>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             SMEM_BYTES));
         configured = true;
@@ -322,17 +424,18 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
     const int grid = tiles < moe_sm90_num_sms() ? tiles : moe_sm90_num_sms();
     if (grid <= 0)
         return;
-    fp8_wgrad_kernel<C32, ORDERED, PIPE><<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mc, p);
+    fp8_wgrad_kernel<C32, ORDERED, PIPE, SS>
+        <<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mc, p);
     MOE_CUDA_LAUNCH_CHECK();
 }
 
 int aligned16(const void *q) { return ((uintptr_t)q & 15) == 0; }
 
-/* the variants as one index: C32, ORDERED, PIPE (each 0 or 1) */
+/* the variants as one index: C32, ORDERED, PIPE, SS (each 0 or 1) */
 template <int V>
 void launch_v(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
               const Params &p, int tiles) {
-    launch<(V >> 2) & 1, (V >> 1) & 1, V & 1>(ma, mb, mc, p, tiles);
+    launch<(V >> 3) & 1, (V >> 2) & 1, (V >> 1) & 1, V & 1>(ma, mb, mc, p, tiles);
 }
 
 int g_pipe = -1; /* the loop; -1 until first used */
@@ -343,6 +446,18 @@ int pipe(void) {
         g_pipe = e && *e ? atoi(e) != 0 : MOE_FP8_WGRAD_PIPE_DEFAULT;
     }
     return g_pipe;
+}
+
+int g_smem_scales = -1; /* where the consumers read the scales; -1 until first used */
+long long g_smem_calls; /* launches of a shared-memory-scales variant (the tests' proof) */
+
+int smem_scales(void) {
+    if (g_smem_scales < 0) {
+        const char *e = getenv("MOE_FP8_WGRAD_SCALES");
+        g_smem_scales = e && *e ? strcmp(e, "global") && strcmp(e, "0") /* else smem, 1 */
+                                : MOE_FP8_WGRAD_SMEM_SCALES_DEFAULT;
+    }
+    return g_smem_scales;
 }
 
 } /* namespace */
@@ -390,12 +505,25 @@ extern "C" moe_status moe_cuda_fp8_grouped_wgrad(void *dw, moe_dw_mode mode, con
     const int tiles = G * (M / BM) * (N / BN);
     typedef void (*launcher)(const CUtensorMap &, const CUtensorMap &, const CUtensorMap &,
                              const Params &, int);
-    static const launcher variants[8] = {launch_v<0>, launch_v<1>, launch_v<2>, launch_v<3>,
-                                         launch_v<4>, launch_v<5>, launch_v<6>, launch_v<7>};
-    variants[C32 << 2 | moe_cuda_fp8_grouped_ordered() << 1 | pipe()](ma, mb, mc, p, tiles);
+    static const launcher variants[16] = {
+        launch_v<0>, launch_v<1>, launch_v<2>,  launch_v<3>,  launch_v<4>,  launch_v<5>,
+        launch_v<6>, launch_v<7>, launch_v<8>,  launch_v<9>,  launch_v<10>, launch_v<11>,
+        launch_v<12>, launch_v<13>, launch_v<14>, launch_v<15>};
+    /* the bulk copies of the scales need 16-byte aligned rows: M, N are multiples of 128,
+     * so the arrays' starts decide; others take the global-memory path */
+    const int ss = smem_scales() && aligned16(sa) && aligned16(sb);
+    g_smem_calls += ss;
+    variants[C32 << 3 | moe_cuda_fp8_grouped_ordered() << 2 | pipe() << 1 | ss](ma, mb, mc, p,
+                                                                                 tiles);
     return MOE_OK;
 }
 
 extern "C" void moe_cuda_fp8_wgrad_set_pipe(int on) { g_pipe = on != 0; }
 
 extern "C" int moe_cuda_fp8_wgrad_pipe(void) { return pipe(); }
+
+extern "C" void moe_cuda_fp8_wgrad_set_smem_scales(int on) { g_smem_scales = on != 0; }
+
+extern "C" int moe_cuda_fp8_wgrad_smem_scales(void) { return smem_scales(); }
+
+extern "C" long long moe_cuda_fp8_wgrad_smem_calls(void) { return g_smem_calls; }

@@ -154,6 +154,18 @@ static __device__ __forceinline__ void bulk_wait_all() {
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+/** Bulk copy of @p bytes from global to shared memory, no tensor map (a 1-D run of
+ *  contiguous bytes, e.g. a stage's slice of per-row scales); its bytes count down @p bar's
+ *  expected transaction as a TMA load's do. Both addresses 16-byte aligned, @p bytes a
+ *  multiple of 16. */
+static __device__ __forceinline__ void bulk_load_1d(void *dst, const void *src, uint32_t bytes,
+                                                    uint64_t *bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1], %2, [%3];" ::"r"(smem_u32(dst)),
+                 "l"((uint64_t)__cvta_generic_to_global(src)), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
+}
+
 /** Make this thread's ordinary shared-memory writes visible to the async proxy (TMA
  *  stores, and wgmma's operand reads) — needed after threads write a tile that wgmma or
  *  TMA reads next. */

@@ -8,8 +8,10 @@
  *    three modes: fp32 added onto random values (an empty group's block must keep them),
  *    fp32 stored and bf16 stored over NaN poison (an empty group's block must be zeros);
  *    each with both consumer loops (moe_cuda_fp8_wgrad_set_pipe: pipelined, then the first
- *    one), and both issue orders of the warpgroups. The two loops promote the same k-blocks
- *    in the same order, so their outputs must also be equal bit for bit.
+ *    one), each with the scales brought into shared memory with their stage and read from
+ *    global memory (moe_cuda_fp8_wgrad_set_smem_scales; a count of launches proves which
+ *    ran), and both issue orders of the warpgroups. The four promote the same k-blocks with
+ *    the same scales in the same order, so their outputs must also be equal bit for bit.
  * Ragged groups: 0, 1, 127, 128, 129, 255 rows; 40 groups of 0 to 189 rows; for the GEMM
  * also 700, 0, 385, 257, 1 rows (6, 0, 4, 3, 1 k-blocks); for the quantizer also the most
  * groups (256, 0 to 300 rows, C = 384). The quantizer in both formats, pow2 scales on and
@@ -201,12 +203,15 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
     void *dw = moe_cuda_alloc(sizeof(float) * nw + 16);
     int ok = 1;
     static const char *const names[] = {"fp32 added", "fp32 stored", "bf16 stored"};
-    float *piped = malloc(sizeof(float) * (nw + 1)); /* the pipelined loop's output */
-    for (int run = 0; run < 6; run++) {
-        /* each mode with the pipelined loop, then the first loop; the second must also equal
-         * the first bit for bit (the same promotions in the same order) */
-        const int mode = run / 2, pipe = !(run & 1);
+    float *piped = malloc(sizeof(float) * (nw + 1)); /* the first variant's output */
+    for (int run = 0; run < 12; run++) {
+        /* each mode with the pipelined loop, then the first loop, each with the scales read
+         * from shared memory, then from global memory; the last three must equal the first
+         * bit for bit (the same scale values, the same promotions in the same order) */
+        const int mode = run / 4, pipe = !(run & 2), ss = !(run & 1);
         moe_cuda_fp8_wgrad_set_pipe(pipe);
+        moe_cuda_fp8_wgrad_set_smem_scales(ss);
+        const char *scl = ss ? "shared" : "global";
         const moe_dw_mode md = mode == 0 ? MOE_DW_ACCUMULATE : mode == 1 ? MOE_DW_STORE : MOE_DW_ACT;
         /* the starting contents: random values to add to, or NaN poison */
         for (size_t i = 0; i < nw; i++)
@@ -221,9 +226,14 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
         ck_assert_int_eq(moe_cpu_fp8_grouped_wgrad(want, mode == 0, qa, sa, qb, sb, off, G, kpad,
                                                    O, I, &err),
                          MOE_OK);
+        const long long calls = moe_cuda_fp8_wgrad_smem_calls();
         ck_assert_int_eq(moe_cuda_fp8_grouped_wgrad(dw, md, dqa, dsa, dqb, dsb, doff, G, kpad, O,
                                                     I, &err),
                          MOE_OK);
+        if (moe_cuda_fp8_wgrad_smem_calls() - calls != ss) { /* the path asked for ran */
+            printf("  FP8 wgrad %s: the %s-memory scale path did not run\n", names[mode], scl);
+            ok = 0;
+        }
         if (mode == 2) {
             moe_cuda_to_host(got16, dw, 2 * nw);
             for (size_t i = 0; i < nw; i++) {
@@ -233,7 +243,7 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
         } else {
             moe_cuda_to_host(got, dw, sizeof(float) * nw);
         }
-        if (pipe) {
+        if (run % 4 == 0) {
             memcpy(piped, got, sizeof(float) * nw);
         } else {
             size_t nd = 0, fd = 0;
@@ -241,9 +251,11 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
                 if (memcmp(&got[i], &piped[i], 4) && !nd++)
                     fd = i;
             if (nd) {
-                printf("  FP8 wgrad %s: the two loops differ in %zu of %zu elements, the first "
-                       "at %zu: pipelined %.9g, first loop %.9g\n",
-                       names[mode], nd, nw, fd, piped[fd], got[fd]);
+                printf("  FP8 wgrad %s: the %s loop with %s scales differs from the pipelined "
+                       "loop with shared scales in %zu of %zu elements, the first at %zu: %.9g "
+                       "vs %.9g\n",
+                       names[mode], pipe ? "pipelined" : "first", scl, nd, nw, fd, got[fd],
+                       piped[fd]);
                 ok = 0;
             }
         }
@@ -267,16 +279,16 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
         }
         if (bad) {
             const size_t g = first / ((size_t)O * I), o = first / I % O, i = first % I;
-            printf("  FP8 wgrad %s (%s loop): %zu of %zu outside the bound; first at group %zu "
-                   "row %zu col %zu: GPU %.9g, CPU %.9g, bound %.3g\n",
-                   names[mode], pipe ? "pipelined" : "first", bad, nw, g, o, i, got[first],
+            printf("  FP8 wgrad %s (%s loop, %s scales): %zu of %zu outside the bound; first "
+                   "at group %zu row %zu col %zu: GPU %.9g, CPU %.9g, bound %.3g\n",
+                   names[mode], pipe ? "pipelined" : "first", scl, bad, nw, g, o, i, got[first],
                    want[first],
                    ldexp(mag[first], -10) + 1e-6 * fabs(want[first]));
             ok = 0;
         }
-        printf("  FP8 wgrad G=%d rows=%d O=%d I=%d %s, %s loop: worst error %.3f of the "
-               "bound%s\n",
-               G, rows, O, I, names[mode], pipe ? "pipelined" : "first", worst,
+        printf("  FP8 wgrad G=%d rows=%d O=%d I=%d %s, %s loop, %s scales: worst error %.3f "
+               "of the bound%s\n",
+               G, rows, O, I, names[mode], pipe ? "pipelined" : "first", scl, worst,
                bad ? " FAIL" : "");
     }
     free(piped);
@@ -325,6 +337,7 @@ START_TEST(test_gpu_fp8_wgrad_gemm) {
     for (int e = 0; e < 40; e++)
         s2[e] = e % 7 == 3 ? 0 : (e * 53) % 190;
     const int ordered = moe_cuda_fp8_grouped_ordered(), pipe = moe_cuda_fp8_wgrad_pipe();
+    const int smem_scales = moe_cuda_fp8_wgrad_smem_scales();
     int ok = 1;
     for (int o = 0; o < 2; o++) { /* both issue orders of the consumer warpgroups */
         moe_cuda_fp8_grouped_set_ordered(o);
@@ -336,6 +349,7 @@ START_TEST(test_gpu_fp8_wgrad_gemm) {
     }
     moe_cuda_fp8_grouped_set_ordered(ordered);
     moe_cuda_fp8_wgrad_set_pipe(pipe);
+    moe_cuda_fp8_wgrad_set_smem_scales(smem_scales);
     ck_assert_msg(ok, "the FP8 wgrad differs from the CPU twin beyond the FP8 bound");
 }
 END_TEST

@@ -19,7 +19,8 @@
 #   pending  the measurements of the paths that are off by default until measured (not in
 #            the default list): the attention benchmark (Hopper and portable backward), the
 #            grouped GEMM's swapped-tail schedules around the 128- and 256-row cliffs, the
-#            FP8 wgrad's GEMMs (both loops) and the FP8 layer with it (MOE_FP8_WGRAD=1)
+#            FP8 wgrad's GEMMs (both loops, both scale paths) and the FP8 layer with it
+#            (MOE_FP8_WGRAD=1)
 #
 # Run from the repository root. It builds first (make -j$(nproc); --check-dir DIR or
 # CHECK_DIR=DIR for Check as static libraries, see tools/README.md). Each section writes
@@ -28,7 +29,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 check_dir=${CHECK_DIR:-}
 sections=()
 while [ $# -gt 0 ]; do

@@ -39,10 +39,15 @@
  *   FP8 wgrad grouped,         kernels/grouped_gemm_fp8_wgrad_sm90.cu on the token-wise
  *     pipelined (ours)         FP8 copies of dY and X (lib/fp8_wgrad.h), fp32 dW stored;
  *                              its consumer loop with two accumulator sets (MMAs of k-block
- *                              j + 1 run while j is promoted; MOE_FP8_WGRAD_PIPE=1)
+ *                              j + 1 run while j is promoted; MOE_FP8_WGRAD_PIPE=1), each
+ *                              k-block's scales brought into shared memory with its stage
+ *   pipelined, global scales   the same loop with the consumers loading the scales from
+ *     (var.)                   global memory, as the kernel first did (6 stages instead of
+ *                              5; MOE_FP8_WGRAD_SCALES=global)
  *   first loop (variant)       the same kernel with its first loop (each k-block waited for
- *                              before its promotion; MOE_FP8_WGRAD_PIPE=0): both timed in
- *                              every run, whatever the variable says
+ *                              before its promotion; MOE_FP8_WGRAD_PIPE=0), shared-memory
+ *                              scales: all three timed in every run, whatever the
+ *                              variables say
  *   + token-wise quantize      the default loop plus the two quantize+transpose passes
  *   token-wise quantize dY/X   one quantize+transpose pass alone (kernels/quantize_group_t.cu),
  *     (C=...), v1              then its first kernel (MOE_QUANT_GROUP_T_V1): ms, and GB/s of
@@ -601,14 +606,20 @@ static void bench_wgrad(const shape *s, const int *off, int G, int rows, int N, 
     c.quant = 1;
     run_wgrad_fp8(&c); /* the copies made once */
     c.quant = 0;
-    /* both consumer loops of the kernel (the test checks they agree bit for bit): the
-     * pipelined one (two accumulator sets, the default) and the first one */
-    const int pipe = moe_cuda_fp8_wgrad_pipe();
+    /* the kernel's variants (the test checks they agree bit for bit): the pipelined loop
+     * (two accumulator sets, the default) with the scales in shared memory (the default),
+     * then read from global memory (as before), then the first loop (shared scales) */
+    const int pipe = moe_cuda_fp8_wgrad_pipe(), ss = moe_cuda_fp8_wgrad_smem_scales();
     moe_cuda_fp8_wgrad_set_pipe(1);
+    moe_cuda_fp8_wgrad_set_smem_scales(1);
     report(s, "FP8 wgrad grouped, pipelined (ours, fp32 dW)", time_ms(run_wgrad_fp8, &c), -1);
+    moe_cuda_fp8_wgrad_set_smem_scales(0);
+    report(s, "FP8 wgrad pipelined, global scales (var.)", time_ms(run_wgrad_fp8, &c), -1);
+    moe_cuda_fp8_wgrad_set_smem_scales(1);
     moe_cuda_fp8_wgrad_set_pipe(0);
     report(s, "FP8 wgrad grouped, first loop (variant)", time_ms(run_wgrad_fp8, &c), -1);
     moe_cuda_fp8_wgrad_set_pipe(pipe);
+    moe_cuda_fp8_wgrad_set_smem_scales(ss);
     c.quant = 1;
     report(s, pipe ? "FP8 wgrad pipelined + token-wise quantize"
                    : "FP8 wgrad first loop + token-wise quantize",
