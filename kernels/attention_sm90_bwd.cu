@@ -10,10 +10,12 @@
  * another device or head dim) says no, so the portable kernels run.
  *
  * STATUS: both modes passed tests/gpu_attention.c's test_attention_sm90_backward on an H100
- * (mode 1 at cc04ca2, mode 2 at 16ee93c) and give the same bits as each other and as the
- * portable backward on all its shapes. At 16K, D = 128 causal, mode 1 ran 326 TFLOP/s
- * (1.85x the portable backward) and mode 2 381 TFLOP/s (7.22 against 8.44 ms; D = 64: 313
- * against 199), so mode 2 is the default (docs/results/07-long-context.md).
+ * (mode 1 at cc04ca2, mode 2 at 16ee93c) and gave the same bits as each other and as the
+ * portable backward on all its shapes (not in general: mode 2 rounds its fp32 dq sum once
+ * per key tile; the GPU preset's loss at step 60 is 2.2659 with it, 2.2567 with mode 1).
+ * At 16K, D = 128 causal, mode 1 ran 326 TFLOP/s (1.85x the portable backward) and mode 2
+ * 381 TFLOP/s (7.22 against 8.44 ms; D = 64: 313 against 199), so mode 2 is the default
+ * (docs/results/07-long-context.md).
  *
  * The math, per (b, query head h, group g = h / (Hq/Hkv)), with sl = log2(e)/√D and
  * lse₂ = lse·log2(e) (0 for a row that sees nothing: every key of it is masked anyway):
@@ -832,9 +834,9 @@ __global__ void fa_sm90_dq_add_kernel(moe_bf16 *dq, const float *acc, const int 
 /* ---------------------------------------------------------------- host side */
 
 /* MOE_FLASH_SM90_BWD: unset or 2 = the fused kernel (the default: on an H100 the same bits as
- * mode 1 and 1.17x its speed at 16K, D = 128, 1.57x at D = 64), 1 = the Hopper backward's two
- * kernels, 0 = the portable backward; read at every call (a getenv), so that one process (the
- * tests, the benchmark) can switch. */
+ * mode 1 on the tests' shapes and 1.17x its speed at 16K, D = 128, 1.57x at D = 64), 1 = the
+ * Hopper backward's two kernels, 0 = the portable backward; read at every call (a getenv),
+ * so that one process (the tests, the benchmark) can switch. */
 int fa_sm90_bwd_mode(void) {
     const char *e = getenv("MOE_FLASH_SM90_BWD");
     if (!e)

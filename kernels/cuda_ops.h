@@ -160,9 +160,9 @@ int moe_cuda_attention_sm90_forward(void *y, moe_real *lse, const void *q, const
 long long moe_cuda_attention_sm90_calls(void);
 /* chapter 07's Hopper flash-attention backward (kernels/attention_sm90_bwd.cu): with
  * MOE_FLASH_SM90_BWD unset or 2 (its fused kernel with a deterministic fp32 dq reduction in
- * a scratch workspace, the default), or 1 (its two kernels; the same bits); 0 = the portable
- * kernels. Head dims 64 and 128, an sm_90 device and 16-byte aligned
- * tensors: adds the gradients to dq, dk, dv from dy, the forward's lse and delta =
+ * a scratch workspace, the default), or 1 (its two kernels: the same bits on the tests'
+ * shapes, not always); 0 = the portable kernels. Head dims 64 and 128, an sm_90 device and
+ * 16-byte aligned tensors: adds the gradients to dq, dk, dv from dy, the forward's lse and delta =
  * rowsum(dy ⊙ y) [B, Hq, Tq] (computed by the caller) and returns 1; else returns 0 without
  * doing anything (moe_cuda_attention_backward calls it first and falls back to the portable
  * kernels). MOE_FLASH_SM90_BWD set to anything but 0, 1 or 2 exits with a message naming

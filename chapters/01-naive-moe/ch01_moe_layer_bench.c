@@ -331,8 +331,11 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
         printf("  %s %s: %s; experts' weight quantization %.3f ms per optimizer step (not in "
                "the layer's time)",
                s->name, name,
-               L.lp.native ? "native FP8 forward + dgrad (our FP8 grouped kernel), bf16 wgrad"
-                           : "FP8 emulated (quantize -> dequantize -> the usual GEMMs)",
+               !L.lp.native ? "FP8 emulated (quantize -> dequantize -> the usual GEMMs)"
+               : L.lp.fp8_wgrad
+                   ? "native FP8 forward + dgrad + wgrad (our FP8 grouped kernels, "
+                     "MOE_FP8_WGRAD=1)"
+                   : "native FP8 forward + dgrad (our FP8 grouped kernel), bf16 wgrad",
                wq_ms);
         if (g_bf16_ms > 0)
             printf("; fp8 vs bf16 layer: %.2f ms vs %.2f ms = %.2fx", med, g_bf16_ms,
