@@ -385,6 +385,44 @@ __device__ __forceinline__ void fa_tile_p_ds(float st[32], float dpt[32], const 
         }
 }
 
+/* Mode 3's split of fa_tile_p_ds's arithmetic, so that a wgmma runs under each half: Pᵀ
+ * once Sᵀ is there (while dPᵀ is computed), dSᵀ once dPᵀ is there (while dV += Pᵀ dY is).
+ * Element for element the same operations as fa_tile_p_ds (the same bits); that one keeps
+ * its fused loop because sharing these helpers changed the PTX of the verified modes. */
+__device__ __forceinline__ void fa_tile_p(float st[32], const float *ls, int key, int s0,
+                                          int t0, int lane, const Args &a, float sl) {
+#pragma unroll
+    for (int i = 0; i < 32; i++)
+        reg_fence(st[i]);
+    const bool mask = s0 + BIG - 1 > t0 + a.off || t0 + SMALL > a.Tq || s0 + BIG > a.Tk;
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int c = 8 * n + 2 * (lane % 4) + (e & 1), t = t0 + c;
+            const int kr = key + 8 * (e >> 1);
+            float p = exp2f(fmaf(st[4 * n + e], sl, -ls[c]));
+            if (mask && (kr > t + a.off || t >= a.Tq || kr >= a.Tk))
+                p = 0.0f;
+            st[4 * n + e] = p; /* Pᵀ */
+        }
+}
+
+/* ... and dpt = dSᵀ = Pᵀ ⊙ (dPᵀ − δ) (without 1/√D) from st = Pᵀ (masked: 0 where masked). */
+__device__ __forceinline__ void fa_tile_ds(float dpt[32], const float st[32], const float *ds,
+                                           int lane) {
+#pragma unroll
+    for (int i = 0; i < 32; i++)
+        reg_fence(dpt[i]);
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int c = 8 * n + 2 * (lane % 4) + (e & 1);
+            dpt[4 * n + e] = st[4 * n + e] * (dpt[4 * n + e] - ds[c]);
+        }
+}
+
 /* The key-tile CTA's epilogue: dk += dK/√D, dv += dV for the thread's keys key, key + 8. */
 template <int D>
 __device__ __forceinline__ void fa_add_dkdv(moe_bf16 *dk, moe_bf16 *dv, float *adk, float *adv,
@@ -425,6 +463,21 @@ __device__ __forceinline__ void fa_issue_dq(float *acc, const uint8_t *ds, const
     for (int kk = 0; kk < BIG / 16; kk++)
         moe_wgmma<64, 1, 1>::mma(acc, fa_desc_mnmajor(ds + kk * 2048, BIG * 128),
                                  fa_desc_mnmajor(kbox + kk * 2048, BOX_BIG), kk > 0);
+}
+
+/* A dq-computing warpgroup hands its finished dq product acc (64 queries × 64 columns, whose
+ * wgmma it has waited for) to the store warp: once the store warp has read the last one
+ * (named barrier 2), into its part of the staging buffer in TMA's [64][32 fp32] box layout,
+ * then announce it (3). */
+template <int NP>
+__device__ __forceinline__ void fa_stage_dq(float acc[32], uint8_t *part, int tid) {
+#pragma unroll
+    for (int i = 0; i < 32; i++)
+        reg_fence(acc[i]);
+    named_bar_sync(BAR_DQ_EMPTY, NP * 128 + 32); /* the store warp has read the last */
+    stage_piece<1, 64, 64 * 64 * 4>(acc, part, 0, tid);
+    fence_proxy_async(); /* our stores → TMA's reads */
+    named_bar_arrive(BAR_DQ_FULL, NP * 128 + 32);
 }
 
 /* The semaphore of a (b, h, query tile): spin (one thread) until it reaches v; acquire, so
@@ -691,8 +744,10 @@ __global__ void __launch_bounds__(THREADS, 1)
  * [B, Hq, ⌈Tq/64⌉] (zero before the launch) order it. The CTA takes its tile from the
  * ticket counter (zero before the launch), not from blockIdx: a CTA only ever waits for
  * CTAs with smaller tickets, which have started, so the waits cannot deadlock whatever
- * order the hardware starts CTAs in. */
-template <int D>
+ * order the hardware starts CTAs in. OVERLAP = 1 (mode 3) overlaps each consumer
+ * warpgroup's arithmetic with its own wgmmas (the header's "Mode 3"); the products, their
+ * operands and the accumulation orders are mode 2's. */
+template <int D, int OVERLAP>
 __global__ void __launch_bounds__(THREADS, 1)
     fa_sm90_fused_kernel(const __grid_constant__ CUtensorMap mq,
                          const __grid_constant__ CUtensorMap mk,
@@ -758,43 +813,92 @@ __global__ void __launch_bounds__(THREADS, 1)
     uint32_t pa[16], da[16]; /* Pᵀ, dSᵀ as A fragments */
 
     mbar_wait(&kvbar, 0);
-    for (int it = 0; it < w.nit; it++) {
-        const int s = it % STAGES, t0 = (w.qt0 + it % w.per) * SMALL;
-        const uint8_t *qt = ring + s * L::STAGE, *dyt = qt + L::TILE;
-        uint8_t *ds = dsb + (it & 1) * L::DS;
-        fa_tile_p_ds<D>(st, dpt, ka, va, qt, dyt, &full[s], (it / STAGES) & 1, Ls[s], Ds[s],
-                        key, s0, t0, lane, a, sl);
-        fa_pack_a(pa, st);
-        fa_pack_a(da, dpt);
-        /* dSᵀ to shared memory, for the dq product (which needs dS with the queries as
-         * rows, across both warpgroups' keys) */
-        fa_store_ds(ds, da, row, lane);
-        fence_proxy_async(); /* our stores → wgmma's reads */
-        wgmma_fence();
-        fa_issue_rs<D>(adv, pa, dyt);
-        fa_issue_rs<D>(adk, da, qt);
-        wgmma_commit();
-        /* both warpgroups' dS rows are written; the copy written now was last read by the
-         * dq products of iteration it − 2, which both warpgroups waited for before they
-         * reached this barrier in iteration it − 1 */
-        named_bar_sync(BAR_DS, 256);
-        if (dq_part) {
+    if constexpr (OVERLAP) {
+        /* Mode 3: the iteration's products in four commit groups, waited for one by one,
+         * so that each piece of arithmetic runs under a wgmma of this warpgroup (the other
+         * warpgroup's come on top, as in mode 2):
+         *
+         *   issue Sᵀ, dPᵀ      wait for all but dPᵀ: Pᵀ while dPᵀ runs
+         *   issue dV += Pᵀ dY  wait for all but dV: dSᵀ while dV runs; dS → shared memory
+         *   issue dK += dSᵀ Q; barrier 1; issue dQ = dS K; wait for all but dQ: release the
+         *   stage while dQ runs; wait for dQ and stage it (as mode 2)
+         *
+         * Registers (D = 128): the peak is during dSᵀ, adk + adv + st + dpt + pa = 208, as in
+         * mode 2. Carrying dQ in flight into the next iteration (its staging under the next
+         * Sᵀ) was tried: ptxas (nvcc 13) then serialises every wgmma of the kernel (C7514),
+         * as it does where the number of pending groups at the loop's head depends on the
+         * path. */
+        for (int it = 0; it < w.nit; it++) {
+            const int s = it % STAGES, t0 = (w.qt0 + it % w.per) * SMALL;
+            const uint8_t *qt = ring + s * L::STAGE, *dyt = qt + L::TILE;
+            uint8_t *ds = dsb + (it & 1) * L::DS;
+            mbar_wait(&full[s], (it / STAGES) & 1);
             wgmma_fence();
-            fa_issue_dq(st, ds, Ks + wg * BOX_BIG);
+            fa_issue_abt<D>(st, ka, qt);
             wgmma_commit();
-            wgmma_wait<1>(); /* dV, dK: done with the stage */
-            fa_release(&empty[s], lane);
-            wgmma_wait<0>();
-#pragma unroll
-            for (int i = 0; i < 32; i++)
-                reg_fence(st[i]);
-            named_bar_sync(BAR_DQ_EMPTY, NP * 128 + 32); /* the store warp has read the last */
-            stage_piece<1, 64, 64 * 64 * 4>(st, dqs + wg * L::PART, 0, tid);
-            fence_proxy_async(); /* our stores → TMA's reads */
-            named_bar_arrive(BAR_DQ_FULL, NP * 128 + 32);
-        } else {
-            wgmma_wait<0>();
-            fa_release(&empty[s], lane);
+            fa_issue_abt<D>(dpt, va, dyt);
+            wgmma_commit();
+            wgmma_wait<1>(); /* Sᵀ (dPᵀ runs on) */
+            fa_tile_p(st, Ls[s], key, s0, t0, lane, a, sl);
+            fa_pack_a(pa, st);
+            wgmma_fence();
+            fa_issue_rs<D>(adv, pa, dyt);
+            wgmma_commit();
+            wgmma_wait<1>(); /* dPᵀ (dV runs on) */
+            fa_tile_ds(dpt, st, Ds[s], lane);
+            fa_pack_a(da, dpt);
+            fa_store_ds(ds, da, row, lane);
+            fence_proxy_async(); /* our stores → wgmma's reads */
+            wgmma_fence();
+            fa_issue_rs<D>(adk, da, qt);
+            wgmma_commit();
+            named_bar_sync(BAR_DS, 256); /* both warpgroups' dS rows are written */
+            if (dq_part) {
+                wgmma_fence();
+                fa_issue_dq(st, ds, Ks + wg * BOX_BIG);
+                wgmma_commit();
+                wgmma_wait<1>(); /* dV, dK: done with the stage (dQ runs on) */
+                fa_release(&empty[s], lane);
+                wgmma_wait<0>();
+                fa_stage_dq<NP>(st, dqs + wg * L::PART, tid);
+            } else {
+                wgmma_wait<0>();
+                fa_release(&empty[s], lane);
+            }
+        }
+    } else {
+        for (int it = 0; it < w.nit; it++) {
+            const int s = it % STAGES, t0 = (w.qt0 + it % w.per) * SMALL;
+            const uint8_t *qt = ring + s * L::STAGE, *dyt = qt + L::TILE;
+            uint8_t *ds = dsb + (it & 1) * L::DS;
+            fa_tile_p_ds<D>(st, dpt, ka, va, qt, dyt, &full[s], (it / STAGES) & 1, Ls[s], Ds[s],
+                            key, s0, t0, lane, a, sl);
+            fa_pack_a(pa, st);
+            fa_pack_a(da, dpt);
+            /* dSᵀ to shared memory, for the dq product (which needs dS with the queries as
+             * rows, across both warpgroups' keys) */
+            fa_store_ds(ds, da, row, lane);
+            fence_proxy_async(); /* our stores → wgmma's reads */
+            wgmma_fence();
+            fa_issue_rs<D>(adv, pa, dyt);
+            fa_issue_rs<D>(adk, da, qt);
+            wgmma_commit();
+            /* both warpgroups' dS rows are written; the copy written now was last read by the
+             * dq products of iteration it − 2, which both warpgroups waited for before they
+             * reached this barrier in iteration it − 1 */
+            named_bar_sync(BAR_DS, 256);
+            if (dq_part) {
+                wgmma_fence();
+                fa_issue_dq(st, ds, Ks + wg * BOX_BIG);
+                wgmma_commit();
+                wgmma_wait<1>(); /* dV, dK: done with the stage */
+                fa_release(&empty[s], lane);
+                wgmma_wait<0>();
+                fa_stage_dq<NP>(st, dqs + wg * L::PART, tid);
+            } else {
+                wgmma_wait<0>();
+                fa_release(&empty[s], lane);
+            }
         }
     }
     fa_add_dkdv<D>(dk, dv, adk, adv, key, g, b, lane, a);
@@ -834,24 +938,27 @@ __global__ void fa_sm90_dq_add_kernel(moe_bf16 *dq, const float *acc, const int 
 /* ---------------------------------------------------------------- host side */
 
 /* MOE_FLASH_SM90_BWD: unset or 2 = the fused kernel (the default: on an H100 the same bits as
- * mode 1 on the tests' shapes and 1.17x its speed at 16K, D = 128, 1.57x at D = 64), 1 = the
- * Hopper backward's two kernels, 0 = the portable backward; read at every call (a getenv),
- * so that one process (the tests, the benchmark) can switch. */
+ * mode 1 on the tests' shapes and 1.17x its speed at 16K, D = 128, 1.57x at D = 64), 3 = the
+ * fused kernel with the overlap of the header's "Mode 3" (mode 2's bits; not yet run on a
+ * GPU, so opt-in), 1 = the Hopper backward's two kernels, 0 = the portable backward; read at
+ * every call (a getenv), so that one process (the tests, the benchmark) can switch. */
 int fa_sm90_bwd_mode(void) {
     const char *e = getenv("MOE_FLASH_SM90_BWD");
     if (!e)
         return 2;
-    if (strcmp(e, "0") && strcmp(e, "1") && strcmp(e, "2")) {
+    if (strcmp(e, "0") && strcmp(e, "1") && strcmp(e, "2") && strcmp(e, "3")) {
         fprintf(stderr, "MOE_FLASH_SM90_BWD=%s: must be 2 (the Hopper backward of "
                         "kernels/attention_sm90_bwd.cu, sm_90 only, its fused single kernel "
-                        "with a deterministic fp32 dq reduction: the default), 1 (its two "
-                        "kernels) or 0 (the portable flash-attention backward)\n", e);
+                        "with a deterministic fp32 dq reduction: the default), 3 (the same "
+                        "kernel with its wgmmas overlapped with the arithmetic, mode 2's bits), "
+                        "1 (its two kernels) or 0 (the portable flash-attention backward)\n",
+                e);
         exit(1);
     }
     return e[0] - '0';
 }
 
-long long g_sm90_bwd_calls = 0, g_sm90_bwd_fused_calls = 0;
+long long g_sm90_bwd_calls = 0, g_sm90_bwd_fused_calls = 0, g_sm90_bwd_overlap_calls = 0;
 
 /* The dk/dv side's tensor maps (both modes): K and V resident in boxes of 128 rows, Q and
  * dY streamed in boxes of 64. */
@@ -915,15 +1022,15 @@ void fa_sm90_bwd_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const void *dy
  * eagerly before it captures it): the semaphores and the ticket counter, zeroed here on the
  * op's stream (a memset node when captured), then the fp32 accumulator [B, Hq, Tq, D],
  * which needs no zeroing (key tile 0 stores, the others add; the add kernel skips the tiles
- * that no key tile reached). */
-template <int D>
+ * that no key tile reached). OVERLAP: mode 3's kernel (1) or mode 2's (0). */
+template <int D, int OVERLAP>
 void fa_sm90_fused_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const void *dy,
                           const float *lse, const float *delta, const void *q, const void *k,
                           const void *v, moe_attention_shape s) {
     typedef LayoutFused<D> L;
     static bool configured = false;
     if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(fa_sm90_fused_kernel<D>,
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(fa_sm90_fused_kernel<D, OVERLAP>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             L::BYTES));
         configured = true;
@@ -943,7 +1050,7 @@ void fa_sm90_fused_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const void *
     const uint32_t box[3] = {32, SMALL, 1}; /* [64 rows][32 fp32]: 128 bytes a row */
     const CUtensorMap mdq = moe_tma_map(acc, 3, dims, box, MOE_TMA_F32);
     const unsigned ctas = (unsigned)s.Hkv * s.B * ((s.Tk + BIG - 1) / BIG);
-    fa_sm90_fused_kernel<D><<<ctas, THREADS, L::BYTES, moe_cuda_stream()>>>(
+    fa_sm90_fused_kernel<D, OVERLAP><<<ctas, THREADS, L::BYTES, moe_cuda_stream()>>>(
         m.q, m.k, m.v, m.dy, mdq, dk, dv, lse, delta, sem, ticket, a, s.B);
     MOE_CUDA_LAUNCH_CHECK();
     fa_sm90_dq_add_kernel<<<moe_cdiv(nacc / 8, 256), 256, 0, moe_cuda_stream()>>>(
@@ -967,15 +1074,20 @@ extern "C" int moe_cuda_attention_sm90_backward(void *dq, void *dk, void *dv, co
         return 0; /* TMA needs 16-byte aligned tensors; the epilogue 4-byte pairs */
     moe_bf16 *dQ = (moe_bf16 *)dq, *dK = (moe_bf16 *)dk, *dV = (moe_bf16 *)dv;
     if (mode == 2 && s.D == 64)
-        fa_sm90_fused_launch<64>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+        fa_sm90_fused_launch<64, 0>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
     else if (mode == 2)
-        fa_sm90_fused_launch<128>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+        fa_sm90_fused_launch<128, 0>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+    else if (mode == 3 && s.D == 64)
+        fa_sm90_fused_launch<64, 1>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+    else if (mode == 3)
+        fa_sm90_fused_launch<128, 1>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
     else if (s.D == 64)
         fa_sm90_bwd_launch<64>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
     else
         fa_sm90_bwd_launch<128>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
     g_sm90_bwd_calls++;
-    g_sm90_bwd_fused_calls += mode == 2;
+    g_sm90_bwd_fused_calls += mode >= 2;
+    g_sm90_bwd_overlap_calls += mode == 3;
     return 1;
 }
 
@@ -983,4 +1095,8 @@ extern "C" long long moe_cuda_attention_sm90_backward_calls(void) { return g_sm9
 
 extern "C" long long moe_cuda_attention_sm90_backward_fused_calls(void) {
     return g_sm90_bwd_fused_calls;
+}
+
+extern "C" long long moe_cuda_attention_sm90_backward_overlap_calls(void) {
+    return g_sm90_bwd_overlap_calls;
 }
