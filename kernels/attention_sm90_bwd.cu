@@ -15,7 +15,8 @@
  * per key tile; the GPU preset's loss at step 60 is 2.2659 with it, 2.2567 with mode 1).
  * At 16K, D = 128 causal, mode 1 ran 326 TFLOP/s (1.85x the portable backward) and mode 2
  * 381 TFLOP/s (7.22 against 8.44 ms; D = 64: 313 against 199), so mode 2 is the default
- * (docs/results/07-long-context.md).
+ * (docs/results/07-long-context.md). Mode 3 (MOE_FLASH_SM90_BWD=3, below: mode 2 with
+ * overlap) STATUS: written, not yet run on a GPU; opt-in.
  *
  * The math, per (b, query head h, group g = h / (Hq/Hkv)), with sl = log2(e)/√D and
  * lse₂ = lse·log2(e) (0 for a row that sees nothing: every key of it is masked anyway):
@@ -154,8 +155,25 @@
  *             producer warpgroup's two roles spill 20 bytes (the consumers do not). The dq
  *             accumulator reuses Sᵀ's registers, so the consumers' peak is mode 1's.
  *
- * Not done (FlashAttention-3's further ideas): no overlap of a tile's softmax part with the
- * next tile's products inside a warpgroup, no ping-pong between the warpgroups.
+ * Mode 3 (MOE_FLASH_SM90_BWD=3, opt-in): mode 2's kernel (OVERLAP = 1) with the overlap
+ * FlashAttention-3's backward has inside a warpgroup. Mode 2 waits for all of a tile's
+ * products at once: Sᵀ and dPᵀ together, then Pᵀ and dSᵀ with the tensor cores idle (but
+ * for the other warpgroup, which barrier 1 keeps in step with this one, so it is mostly in
+ * its own arithmetic at the same time). Mode 3 commits them in separate groups and waits
+ * for one at a time: Pᵀ = exp2(...) is computed as soon as Sᵀ is there while dPᵀ's wgmmas
+ * run; dV += Pᵀ dY is issued at once, and dSᵀ computed (and stored for dq) while it runs;
+ * then dK, barrier 1, dQ as in mode 2, the stage released while dQ runs. The operations,
+ * their operands and the order of every accumulation (dK, dV, each dq tile, the semaphore-
+ * ordered adds) are mode 2's, so mode 3 gives mode 2's bits (tests/gpu_attention.c asserts
+ * it). Registers (ptxas, nvcc 13): no spills at D = 128 (the consumers' peak, during dSᵀ, is
+ * dK, dV, Sᵀ, dPᵀ, Pᵀ = 208 live accumulator/fragment registers, as in mode 2); at D = 64
+ * the same 20 bytes of the producer warpgroup's spill as mode 2; ptxas reports no wgmma
+ * serialisation (C7514). Not done: carrying the dQ product into the next iteration (its
+ * staging under the next Sᵀ): ptxas then serialised every wgmma of the kernel, as it does
+ * whenever the count of pending groups at the loop head depends on the path; the next
+ * tile's Sᵀ, dPᵀ issued before this tile's Pᵀ, dSᵀ (FlashAttention-3's forward-style
+ * intra-warpgroup pipelining) needs a second Sᵀ, dPᵀ (64 registers): 272 at D = 128; and
+ * ping-pong of the two warpgroups.
  *
  * sm_100a has no wgmma: this file builds there (the kernel bodies compile to a trap) and the
  * launcher runs them only on a device of compute capability 9.

@@ -596,7 +596,7 @@ END_TEST
 
 /* ------------------------------------------------------ the Hopper backward (sm_90a) */
 
-/* kernels/attention_sm90_bwd.cu (MOE_FLASH_SM90_BWD=1 and 2, set here and restored) against
+/* kernels/attention_sm90_bwd.cu (MOE_FLASH_SM90_BWD=1, 2 and 3, set here and restored) against
  * the CPU twin and against the portable backward (MOE_FLASH_SM90_BWD=0), dq, dk, dv, on the
  * shapes its tiles make hard: lengths around its 64- and 128-row tiles (1, 63, 127, 129, 300,
  * 1000, 4096), both head dims it runs, GQA 4 (Hq = 8, Hkv = 2: dk, dv summed over 4 query
@@ -605,9 +605,13 @@ END_TEST
  * backward adds to them), so a row it overwrites or forgets fails the increment check. Each
  * mode runs twice and must give the same bits (mode 1: no atomics; mode 2: its dq additions
  * in a fixed order); mode 2 is also compared with mode 1 (its dk, dv come from the same
- * instructions, so they should be the same bits: printed, not asserted). On an sm_90 device
- * the test fails unless each Hopper path ran (moe_cuda_attention_sm90_backward_calls() and,
- * for mode 2, moe_cuda_attention_sm90_backward_fused_calls() grew); elsewhere it checks the
+ * instructions, so they should be the same bits: printed, not asserted); mode 3 (mode 2's
+ * kernel with its wgmmas overlapped with its arithmetic: the same operations in the same
+ * order) must give mode 2's bits exactly, dq, dk and dv (asserted where the Hopper backward
+ * ran). On an sm_90 device the test fails unless each Hopper path ran
+ * (moe_cuda_attention_sm90_backward_calls() and, for modes 2 and 3,
+ * moe_cuda_attention_sm90_backward_fused_calls(), for mode 3 also
+ * moe_cuda_attention_sm90_backward_overlap_calls(), grew); elsewhere it checks the
  * fallback. */
 static const shape SM90_BWD_SHAPES[] = {
     {2, 1, 1, 8, 2, 128, 0, 0, "T = 1"},
@@ -660,10 +664,10 @@ START_TEST(test_attention_sm90_backward) {
     float *dlse = upload_f32(lse, nl);
     const int sm90 = device_is_sm90();
     const moe_bench_env env = moe_bench_env_set("MOE_FLASH_SM90_BWD", "0");
-    /* run 0: the portable backward; runs 1, 2: mode 1; runs 3, 4: mode 2 (each twice: the
-     * same bits) */
-    enum { RUNS = 5 };
-    static const char *const mode[RUNS] = {"0", "1", "1", "2", "2"};
+    /* run 0: the portable backward; runs 1, 2: mode 1; runs 3, 4: mode 2; runs 5, 6: mode 3
+     * (each twice: the same bits) */
+    enum { RUNS = 7, MODES = 3 };
+    static const char *const mode[RUNS] = {"0", "1", "1", "2", "2", "3", "3"};
     moe_real *got[RUNS][3];
     uint16_t *raw[RUNS][3];
     for (int r = 0; r < RUNS; r++) {
@@ -672,15 +676,19 @@ START_TEST(test_attention_sm90_backward) {
         void *dg[3] = {upload(g0[0], nq), upload(g0[1], nkv), upload(g0[2], nkv)};
         const long long before = moe_cuda_attention_sm90_backward_calls();
         const long long fused_before = moe_cuda_attention_sm90_backward_fused_calls();
+        const long long overlap_before = moe_cuda_attention_sm90_backward_overlap_calls();
         moe_cuda_attention_backward(dg[0], dg[1], dg[2], dgy, dy, dlse, ws, dq, dk, dv, sh);
         CU_OK(cudaGetLastError());
         CU_OK(cudaDeviceSynchronize());
         const long long ran = moe_cuda_attention_sm90_backward_calls() - before;
         const long long fused = moe_cuda_attention_sm90_backward_fused_calls() - fused_before;
-        ck_assert_msg(ran == (r && sm90) && fused == (r >= 3 && sm90),
+        const long long overlap =
+            moe_cuda_attention_sm90_backward_overlap_calls() - overlap_before;
+        ck_assert_msg(ran == (r && sm90) && fused == (r >= 3 && sm90) &&
+                          overlap == (r >= 5 && sm90),
                       "%s: with MOE_FLASH_SM90_BWD=%s on a device %s sm_90 the Hopper backward "
-                      "ran %lld times, its fused kernel %lld times", s.what, mode[r],
-                      sm90 ? "of" : "not of", ran, fused);
+                      "ran %lld times, its fused kernel %lld times, in mode 3 %lld times",
+                      s.what, mode[r], sm90 ? "of" : "not of", ran, fused, overlap);
         for (int i = 0; i < 3; i++) {
             got[r][i] = malloc(n[i] * sizeof *got[r][i]);
             ck_assert_ptr_nonnull(got[r][i]);
@@ -695,7 +703,7 @@ START_TEST(test_attention_sm90_backward) {
     printf("attention sm90 backward B=%d Tq=%4d Tk=%4d Hq=%d Hkv=%d D=%3d pos %d/%d (%s)%s\n",
            s.B, s.Tq, s.Tk, s.Hq, s.Hkv, s.D, s.q_pos, s.k_pos, s.what,
            sm90 ? "" : " [no sm_90 device: the fallback]");
-    for (int m = 1; m <= 2; m++) { /* mode m: runs 2m − 1 and 2m */
+    for (int m = 1; m <= MODES; m++) { /* mode m: runs 2m − 1 and 2m */
         const int r = 2 * m - 1;
         for (int i = 0; i < 3; i++) {
             char what[64];
@@ -715,10 +723,16 @@ START_TEST(test_attention_sm90_backward) {
             for (size_t j = 0; j < n[i] && first_diff == n[i]; j++)
                 if (raw[r][i][j] != raw[r + 1][i][j])
                     first_diff = j;
-            const int same_as_1 = m == 2 && memcmp(raw[r][i], raw[1][i], n[i] * 2) == 0;
-            printf("  mode %d %s: %.2e (vs portable %.2e, vs mode 1 %.2e%s, increment %.2e)%s\n",
+            const int same_as_1 = m >= 2 && memcmp(raw[r][i], raw[1][i], n[i] * 2) == 0;
+            size_t diff_2 = n[i]; /* mode 3: the first element that differs from mode 2 */
+            for (size_t j = 0; m == 3 && j < n[i] && diff_2 == n[i]; j++)
+                if (raw[r][i][j] != raw[3][i][j])
+                    diff_2 = j;
+            printf("  mode %d %s: %.2e (vs portable %.2e, vs mode 1 %.2e%s, "
+                   "increment %.2e)%s%s\n",
                    m, name[i], e, ep, e1, same_as_1 ? ": the same bits" : "", ei,
-                   first_diff < n[i] ? " NOT deterministic" : "");
+                   first_diff < n[i] ? " NOT deterministic" : "",
+                   m == 3 ? (diff_2 < n[i] ? " NOT mode 2's bits" : ", mode 2's bits") : "");
             ck_assert_msg(e <= 1e-2, "%s: mode %d %s error %g against the CPU", s.what, m,
                           name[i], e);
             ck_assert_msg(ep <= 1e-2, "%s: mode %d %s error %g against the portable backward",
@@ -729,6 +743,10 @@ START_TEST(test_attention_sm90_backward) {
                           ei);
             ck_assert_msg(first_diff == n[i], "%s: mode %d %s differs between two runs at %zu",
                           s.what, m, name[i], first_diff);
+            /* mode 3 is mode 2's operations in mode 2's order (without an sm_90 device both
+             * are the portable backward, deterministic too) */
+            ck_assert_msg(diff_2 == n[i], "%s: mode 3 %s differs from mode 2 at %zu", s.what,
+                          name[i], diff_2);
             free(inc);
             free(inc_ref);
         }
