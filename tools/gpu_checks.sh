@@ -16,11 +16,11 @@
 #            (bin/ch03_grouped_gemm_bench --shape fine)
 #   fused    the fused permutation against the separate passes (layer fwd+bwd): gather
 #            only, scatter only, both
-#   pending  the measurements of the paths that are off by default until measured (not in
-#            the default list): the attention benchmark (Hopper and portable backward), the
-#            grouped GEMM's swapped-tail schedules around the 128- and 256-row cliffs, the
-#            FP8 wgrad's GEMMs (both loops, both scale paths) and the FP8 layer with it
-#            (MOE_FP8_WGRAD=1)
+#   pending  the measurements of the paths that are off by default (not in the default
+#            list): the attention benchmark (the portable backward and the Hopper modes 1, 2
+#            and the opt-in 3 side by side), the grouped GEMM's swapped-tail schedules
+#            around the 128- and 256-row cliffs, the FP8 wgrad's GEMMs (both loops, both
+#            scale paths) and the FP8 layer with it (MOE_FP8_WGRAD=1)
 #
 # Run from the repository root. It builds first (make -j$(nproc); --check-dir DIR or
 # CHECK_DIR=DIR for Check as static libraries, see tools/README.md). Each section writes
