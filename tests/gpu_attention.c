@@ -314,8 +314,8 @@ END_TEST
 
 /* kernels/attention_sm90.cu against the CPU twin and against the portable kernel, on the
  * shapes its tiles make hard: lengths around its 128-row query and key tiles (1, 63, 127,
- * 129, 300, 1000) and a long one, both head dims it runs, GQA 4 (Hq = 8, Hkv = 2), and the
- * chunks context parallelism passes (a query chunk after its key chunk; a chunk whose
+ * 129, 300, 1000) and a long one, both head dims it runs, GQA 4 (Hq = 8, Hkv = 2), MHA, MQA,
+ * and the chunks context parallelism passes (a query chunk after its key chunk; a chunk whose
  * queries all precede the keys: every row sees nothing, y = 0, lse = −∞; a shifted
  * diagonal). On an sm_90 device the test fails unless the Hopper path actually ran
  * (moe_cuda_attention_sm90_calls() grew), so it cannot pass through the portable kernel;
@@ -327,6 +327,8 @@ static const shape SM90_SHAPES[] = {
     {2, 129, 129, 8, 2, 64, 0, 0, "T = 129, D = 64: a second tile of one row"},
     {2, 129, 129, 8, 2, 128, 0, 0, "T = 129, D = 128"},
     {1, 300, 300, 8, 2, 128, 0, 0, "T = 300"},
+    {1, 300, 300, 4, 4, 64, 0, 0, "T = 300, MHA, D = 64"},
+    {2, 300, 300, 4, 1, 64, 0, 0, "T = 300, MQA, D = 64"},
     {1, 1000, 1000, 8, 2, 64, 0, 0, "T = 1000, D = 64"},
     {1, 1000, 1000, 4, 4, 128, 0, 0, "T = 1000, MHA"},
     {2, 300, 300, 8, 2, 128, 600, 300, "CP: queries 600..899 after the keys 300..599"},
@@ -612,28 +614,9 @@ END_TEST
  * (moe_cuda_attention_sm90_backward_calls() and, for modes 2 and 3,
  * moe_cuda_attention_sm90_backward_fused_calls(), for mode 3 also
  * moe_cuda_attention_sm90_backward_overlap_calls(), grew); elsewhere it checks the
- * fallback. */
-static const shape SM90_BWD_SHAPES[] = {
-    {2, 1, 1, 8, 2, 128, 0, 0, "T = 1"},
-    {2, 63, 63, 8, 2, 64, 0, 0, "T = 63, D = 64"},
-    {2, 127, 127, 8, 2, 128, 0, 0, "T = 127"},
-    {2, 129, 129, 8, 2, 64, 0, 0, "T = 129, D = 64: a second tile of one row"},
-    {2, 129, 129, 8, 2, 128, 0, 0, "T = 129, D = 128"},
-    {1, 300, 300, 8, 2, 128, 0, 0, "T = 300"},
-    {1, 300, 300, 4, 4, 64, 0, 0, "T = 300, MHA, D = 64"},
-    {2, 300, 300, 4, 1, 64, 0, 0, "T = 300, MQA, D = 64"},
-    {1, 1000, 1000, 8, 2, 64, 0, 0, "T = 1000, D = 64"},
-    {1, 1000, 1000, 4, 4, 128, 0, 0, "T = 1000, MHA"},
-    {2, 300, 300, 8, 2, 128, 600, 300, "CP: queries 600..899 after the keys 300..599"},
-    {2, 200, 300, 8, 2, 64, 0, 300, "CP: queries 0..199 before the keys 300..499: all blind"},
-    {2, 250, 170, 8, 2, 128, 100, 30, "CP: keys 30..199, queries 100..349: a shifted diagonal"},
-    {1, 700, 500, 8, 2, 64, 0, 77, "CP: keys 77..576, queries 0..699: 77 blind rows"},
-    {1, 4096, 4096, 4, 1, 128, 0, 0, "T = 4096, MQA"}, /* skipped under MOE_TEST_QUICK */
-};
-#define NSM90_BWD ((int)(sizeof SM90_BWD_SHAPES / sizeof SM90_BWD_SHAPES[0]))
-
+ * fallback. The shapes are the forward test's (SM90_SHAPES): one list serves both. */
 START_TEST(test_attention_sm90_backward) {
-    const shape s = SM90_BWD_SHAPES[_i];
+    const shape s = SM90_SHAPES[_i];
     if (moe_test_quick() && s.Tq >= 4096)
         return;
     const moe_attention_shape sh = op_shape(&s);
@@ -878,7 +861,7 @@ Suite *suite_gpu_attention(void) {
     tcase_add_loop_test(tc, test_attention_sm90, 0, NSM90);
     tcase_add_loop_test(tc, test_attention_backward, 0, 2 * NSHAPES);
     tcase_add_loop_test(tc, test_attention_deterministic, 0, 2 * NDET);
-    tcase_add_loop_test(tc, test_attention_sm90_backward, 0, NSM90_BWD);
+    tcase_add_loop_test(tc, test_attention_sm90_backward, 0, NSM90);
     suite_add_tcase(s, tc);
     TCase *cp = tcase_create("cp"); /* CK_RUN_CASE=cp: context parallelism's pieces alone */
     tcase_add_loop_test(cp, test_cp_merge, 0, NMERGE);
