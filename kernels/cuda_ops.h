@@ -311,12 +311,13 @@ moe_status moe_cuda_rht16(float *y, const float *x, int rows, int cols, uint64_t
 /* chapter 05's fused passes of the native FP8 layer (kernels/swiglu_quant.cu; the backend's
  * fp8_swiglu_forward_quant, fp8_swiglu_backward_quant, fp8_dequant_act): the same bytes as
  * moe_cuda_swiglu_forward / moe_cuda_swiglu_backward (into a zeroed dgu) followed by
- * moe_cuda_quant_blockwise_act, and as that quantizer's dequantized copy. F % 128 == 0 and
+ * moe_cuda_quant_blockwise_act, and as that quantizer's dequantized copy (y_raw = 0) or as
+ * the SwiGLU's own bf16 output (y_raw = 1: the FP8 wgrad's source). F % 128 == 0 and
  * 16-byte aligned buffers, else MOE_ERR_CONFIG (nothing launched). */
-moe_status moe_cuda_swiglu_forward_quant(uint8_t *q, float *scale_inv, void *y, const void *gu,
-                                         const moe_real *row_scale, int N, int F,
+moe_status moe_cuda_swiglu_forward_quant(uint8_t *q, float *scale_inv, void *y, int y_raw,
+                                         const void *gu, const moe_real *row_scale, int N, int F,
                                          moe_fp8_format f, int pow2, moe_error *err);
-moe_status moe_cuda_swiglu_backward_quant(uint8_t *q, float *scale_inv, void *y,
+moe_status moe_cuda_swiglu_backward_quant(uint8_t *q, float *scale_inv, void *y, int y_raw,
                                           moe_real *drow_scale, const void *dout, const void *gu,
                                           const moe_real *row_scale, int N, int F,
                                           moe_fp8_format f, int pow2, moe_error *err);

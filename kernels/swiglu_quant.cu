@@ -8,6 +8,13 @@
  *             runs the two passes);
  *   backward  dgu = [dg | du] goes to fc1's FP8 dgrad (codes) and the bf16 wgrad (the
  *             dequantized copy): the SwiGLU backward writes both, and not dgu;
+ *   y_raw     under the FP8 wgrad (MOE_FP8_WGRAD=1) the wgrad quantizes a and dgu again,
+ *             along the tokens of each expert (kernels/quantize_group_t.cu), from their bf16
+ *             values: then the bf16 output `y` is a itself, or dgu itself (the bytes the
+ *             separate kernels write), next to the row-wise codes, instead of the dequantized
+ *             copy — one pass still, where the separate path wrote a (dgu), read it back to
+ *             quantize it, and (backward) zeroed dgu first. STATUS of y_raw: written, not yet
+ *             run on a GPU (tests/gpu_fp8_fused.c, gpu_fp8_layer.c check it there);
  *   saved     the backward's bf16 wgrad needs Q(a) as bf16: dequantized once from the codes
  *             the forward kept (1 byte read per element, 2 written), where the unfused path
  *             quantized the saved bf16 a again (2 read, 3 written).
@@ -44,12 +51,36 @@ static moe_status check_fused(int N, int F, const void *a, const void *b, const 
     return MOE_OK;
 }
 
+/* quantize the tile whose lane-share is @p v and store it at element @p i of [rows, W]
+ * (tile index @p t); @p valid: this half-warp has a tile; with @p y also its bf16 values:
+ * the dequantized copy, or (@p y_raw) @p v itself (bf16 values already: exact) */
+static __device__ __forceinline__ void store_tile(uint8_t *q, float *scale_inv, moe_bf16 *y,
+                                                  int y_raw, const float v[8], size_t i,
+                                                  size_t t, bool valid, bool lead,
+                                                  moe_fp8_format f, int pow2) {
+    uint2 cw;
+    moe_bf16x8 d;
+    const float si = moe_q1x128_tile8(v, &cw, y && !y_raw ? &d : NULL, f, pow2);
+    if (y && y_raw) {
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            d.h[k] = moe_st(v[k]);
+    }
+    if (valid) {
+        *(uint2 *)(q + i) = cw;
+        if (y)
+            *(uint4 *)(y + i) = d.u;
+        if (lead)
+            scale_inv[t] = si;
+    }
+}
+
 /* a half-warp per 1×128 tile of the output [N, F], lane l its columns 8l .. 8l+7: the
  * forward's values (swiglu_forward_kernel's, rounded to bf16), then the tile's quantization */
 static __global__ void swiglu_quant_fwd_kernel(uint8_t *q, float *scale_inv, moe_bf16 *y,
-                                               const moe_bf16 *gu, const float *row_scale,
-                                               int F, long long tiles, moe_fp8_format f,
-                                               int pow2) {
+                                               int y_raw, const moe_bf16 *gu,
+                                               const float *row_scale, int F, long long tiles,
+                                               moe_fp8_format f, int pow2) {
     const int lane = threadIdx.x & 31, hl = lane & 15, nbc = F / MOE_QUANT_BLOCK;
     const long long warps = (long long)gridDim.x * (blockDim.x / 32);
     for (long long p = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -68,22 +99,14 @@ static __global__ void swiglu_quant_fwd_kernel(uint8_t *q, float *scale_inv, moe
             for (int k = 0; k < 8; k++)
                 v[k] = moe_ld(moe_st(swiglu_fwd(moe_ld(vg.h[k]), moe_ld(vu.h[k]), s)));
         }
-        uint2 cw;
-        moe_bf16x8 d;
-        const float si = moe_q1x128_tile8(v, &cw, y ? &d : NULL, f, pow2);
-        if (valid) {
-            const size_t i = (size_t)t * MOE_QUANT_BLOCK + MOE_Q1X128_PER_LANE * hl;
-            *(uint2 *)(q + i) = cw;
-            if (y)
-                *(uint4 *)(y + i) = d.u;
-            if (hl == 0)
-                scale_inv[t] = si;
-        }
+        const size_t i = (size_t)t * MOE_QUANT_BLOCK + MOE_Q1X128_PER_LANE * hl;
+        store_tile(q, scale_inv, y, y_raw, v, i, (size_t)t, valid, hl == 0, f, pow2);
     }
 }
 
 extern "C" moe_status moe_cuda_swiglu_forward_quant(uint8_t *q, float *scale_inv, void *y,
-                                                    const void *gu, const moe_real *row_scale,
+                                                    int y_raw, const void *gu,
+                                                    const moe_real *row_scale,
                                                     int N, int F, moe_fp8_format f, int pow2,
                                                     moe_error *err) {
     MOE_TRY(moe_quant_check_format(f, err));
@@ -98,27 +121,10 @@ extern "C" moe_status moe_cuda_swiglu_forward_quant(uint8_t *q, float *scale_inv
     long long blocks = (pairs + per_block - 1) / per_block;
     blocks = blocks > 4096 ? 4096 : blocks;
     swiglu_quant_fwd_kernel<<<(unsigned)blocks, THREADS, 0, moe_cuda_stream()>>>(
-        q, scale_inv, (moe_bf16 *)y, (const moe_bf16 *)gu, row_scale, F, tiles, f, pow2);
+        q, scale_inv, (moe_bf16 *)y, y_raw, (const moe_bf16 *)gu, row_scale, F, tiles, f,
+        pow2);
     MOE_CUDA_LAUNCH_CHECK();
     return MOE_OK;
-}
-
-/* quantize the tile whose lane-share is @p v and store it at element @p i of [rows, W]
- * (tile index @p t); @p valid: this half-warp has a tile */
-static __device__ __forceinline__ void store_tile(uint8_t *q, float *scale_inv, moe_bf16 *y,
-                                                  const float v[8], size_t i, size_t t,
-                                                  bool valid, bool lead, moe_fp8_format f,
-                                                  int pow2) {
-    uint2 cw;
-    moe_bf16x8 d;
-    const float si = moe_q1x128_tile8(v, &cw, y ? &d : NULL, f, pow2);
-    if (valid) {
-        *(uint2 *)(q + i) = cw;
-        if (y)
-            *(uint4 *)(y + i) = d.u;
-        if (lead)
-            scale_inv[t] = si;
-    }
 }
 
 /* swiglu_backward_kernel<true> (one block per row, thread x on the 8-column units x,
@@ -126,7 +132,7 @@ static __device__ __forceinline__ void store_tile(uint8_t *q, float *scale_inv, 
  * [N, 2F] instead of stored. Units are 16 to a tile and the warps start at multiples of 32
  * units, so each half-warp holds one tile of dg and the matching tile of du. */
 static __global__ void swiglu_quant_bwd_kernel(uint8_t *q, float *scale_inv, moe_bf16 *y,
-                                               float *drow_scale, const moe_bf16 *dout,
+                                               int y_raw, float *drow_scale, const moe_bf16 *dout,
                                                const moe_bf16 *gu, const float *row_scale,
                                                int F, moe_fp8_format f, int pow2) {
     const size_t n = blockIdx.x;
@@ -153,8 +159,9 @@ static __global__ void swiglu_quant_bwd_kernel(uint8_t *q, float *scale_inv, moe
         }
         const size_t i = n * 2 * F + (size_t)8 * c, t = n * nbr + (size_t)(c / 16);
         const bool lead = (lane & 15) == 0;
-        store_tile(q, scale_inv, y, vg_, i, t, valid, lead, f, pow2);
-        store_tile(q, scale_inv, y, vu_, i + F, t + F / MOE_QUANT_BLOCK, valid, lead, f, pow2);
+        store_tile(q, scale_inv, y, y_raw, vg_, i, t, valid, lead, f, pow2);
+        store_tile(q, scale_inv, y, y_raw, vu_, i + F, t + F / MOE_QUANT_BLOCK, valid, lead, f,
+                   pow2);
     }
     if (drow_scale) { /* as swiglu_backward_kernel: every thread reaches the sum */
         acc = moe_block_sum(acc);
@@ -164,7 +171,7 @@ static __global__ void swiglu_quant_bwd_kernel(uint8_t *q, float *scale_inv, moe
 }
 
 extern "C" moe_status moe_cuda_swiglu_backward_quant(uint8_t *q, float *scale_inv, void *y,
-                                                     moe_real *drow_scale, const void *dout,
+                                                     int y_raw, moe_real *drow_scale, const void *dout,
                                                      const void *gu, const moe_real *row_scale,
                                                      int N, int F, moe_fp8_format f, int pow2,
                                                      moe_error *err) {
@@ -179,7 +186,7 @@ extern "C" moe_status moe_cuda_swiglu_backward_quant(uint8_t *q, float *scale_in
     const int units = F / 8;
     const int threads = units >= 256 ? 256 : 32 * (int)moe_cdiv(units, 32);
     swiglu_quant_bwd_kernel<<<N, threads, 0, moe_cuda_stream()>>>(
-        q, scale_inv, (moe_bf16 *)y, drow_scale, (const moe_bf16 *)dout, (const moe_bf16 *)gu,
+        q, scale_inv, (moe_bf16 *)y, y_raw, drow_scale, (const moe_bf16 *)dout, (const moe_bf16 *)gu,
         row_scale, F, f, pow2);
     MOE_CUDA_LAUNCH_CHECK();
     return MOE_OK;

@@ -264,16 +264,17 @@ typedef struct moe_backend {
     /** chapter 05's native FP8 layer, fused (lowp.h, "Fused passes"): the SwiGLU forward
      *  (@ref swiglu_forward's values, rounded to the activation type) writing its 1×128
      *  codes @p q and scales @p s [N][F/128] instead of its output (as @ref fp8_quant_act of
-     *  that output), with @p y not NULL also the dequantized copy; NULL where
-     *  @ref fp8_grouped_native is */
-    moe_status (*fp8_swiglu_forward_quant)(uint8_t *q, float *s, void *y, const void *gu,
-                                           const moe_real *row_scale, int N, int F,
-                                           moe_fp8_format f, int pow2, moe_error *err);
+     *  that output), with @p y not NULL also the dequantized copy, or with @p y_raw the
+     *  output itself (@ref swiglu_forward's bytes: the FP8 wgrad quantizes it again along
+     *  the tokens, lib/fp8_wgrad.h); NULL where @ref fp8_grouped_native is */
+    moe_status (*fp8_swiglu_forward_quant)(uint8_t *q, float *s, void *y, int y_raw,
+                                           const void *gu, const moe_real *row_scale, int N,
+                                           int F, moe_fp8_format f, int pow2, moe_error *err);
     /** ... and the SwiGLU backward into a zero dgu [N, 2F] (@ref swiglu_backward's values,
      *  drow_scale added to alike) writing dgu's 1×128 codes, scales [N][2F/128] and, with
-     *  @p y not NULL, its dequantized copy instead of dgu; NULL where
-     *  @ref fp8_grouped_native is */
-    moe_status (*fp8_swiglu_backward_quant)(uint8_t *q, float *s, void *y,
+     *  @p y not NULL, its dequantized copy (or with @p y_raw dgu itself) instead of dgu;
+     *  NULL where @ref fp8_grouped_native is */
+    moe_status (*fp8_swiglu_backward_quant)(uint8_t *q, float *s, void *y, int y_raw,
                                             moe_real *drow_scale, const void *dout,
                                             const void *gu, const moe_real *row_scale, int N,
                                             int F, moe_fp8_format f, int pow2, moe_error *err);

@@ -83,8 +83,8 @@
  *    tokens from a 128-aligned column), then our FP8 wgrad kernel; the emulation then QDQs
  *    the routed experts' wgrad operands the same way (the grouped path: CPU
  *    `--moe-expert-backend grouped`), so the CPU twin of the expert backward is what the GPU
- *    computes up to the summation order. The fused passes (below) are off with it: they do
- *    not keep the bf16 SwiGLU output and dgu that the token-wise copies are made from.
+ *    computes up to the summation order. The fused passes (below) run with it too, keeping
+ *    the bf16 SwiGLU output and dgu that the token-wise copies are made from.
  *
  * **Fused passes** (the native path, `MOE_FP8_FUSED` unset or 1; lib/mlp.c,
  * moe_mlp_fp8_fused()). No pass reads bf16 only to write FP8 around the SwiGLU: its forward
@@ -101,6 +101,17 @@
  * model is made) runs the separate passes, the SwiGLU output then kept in bf16. Not
  * fused yet: x is still quantized by its own pass in the forward and again in the backward
  * (its codes are not kept), and dy by its own pass.
+ * With the FP8 wgrad (`MOE_FP8_WGRAD=1`) the fused passes run in a second arrangement (lib/
+ * mlp.c; STATUS: written, not yet run on a GPU, so on only under that switch, itself off by
+ * default): its token-wise copies are made from the bf16 SwiGLU output and dgu, so the fused
+ * SwiGLU forward and backward write those (y_raw) next to the row-wise codes, instead of the
+ * dequantized copy, and the saved output stays bf16 (moe_mlp_fp8_saves_codes() is 0: one
+ * sizing rule); fc2's forward and fc1's dgrad read the codes from the context's scratch.
+ * Against the separate passes: 14·N·F bytes fewer per MoE layer of N rows (the forward's
+ * re-read of the output, 2·N·F; the backward's zeroing of dgu, the SwiGLU's read of it and
+ * the quantizer's, 4·N·F each) and two launches; the same bits (tests/gpu_fp8_fused.c,
+ * gpu_fp8_layer.c). The token-wise quantization stays a pass of its own (it needs each
+ * expert's whole 128-token blocks, which the row-wise SwiGLU passes do not see).
  * The shared expert, dense FFNs and attention stay emulated. Elsewhere (the CPU, a GPU that
  * is not sm_90, `hybrid`'s E5M2 gradients, the other recipes and expert backends) the
  * emulation runs; `MOE_FP8_NATIVE=0` asks for it on Hopper too.

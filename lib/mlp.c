@@ -263,13 +263,29 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
  * codes under it, in a buffer too small for the bf16 output): it is the context's
  * lp->fp8_fused, latched from MOE_FP8_FUSED when the context is made (moe_lowp_from_config()),
  * and lp->native, set by whoever made the FP8 weights (the model, before its buffers).
+ *
+ * Under the FP8 wgrad (lp->fp8_wgrad, MOE_FP8_WGRAD=1) the wgrad quantizes the SwiGLU output
+ * and dgu along the tokens of each expert, from their bf16 values, so those are kept: the
+ * fused SwiGLU passes write them (y_raw) next to the row-wise codes (into the context's
+ * scratch, fc2's forward and fc1's dgrad read them at once), and `act` stays bf16 (the
+ * sizing below). Per MoE layer of N rows this skips, against the separate passes, the
+ * forward's re-read of the SwiGLU output (2·N·F bytes) and, in the backward, the zeroing of
+ * dgu, the SwiGLU's read of it and the quantizer's (3 × 4·N·F bytes): 14·N·F bytes and two
+ * launches. STATUS: written, not yet run on a GPU; on only with MOE_FP8_WGRAD=1 (itself off
+ * by default), so the default path is untouched.
  */
+
+/* the fused passes' condition, whichever wgrad runs: the native path, MOE_FP8_FUSED latched
+ * on, and the backend's fused ops */
+static int fp8_fused_passes(const moe_backend *be, const moe_lowp *lp) {
+    return lp && lp->native && lp->fp8_fused && be->fp8_swiglu_forward_quant &&
+           be->fp8_swiglu_backward_quant && be->fp8_dequant_act;
+}
+
 int moe_mlp_fp8_saves_codes(const moe_backend *be, const moe_lowp *lp) {
-    /* the FP8 wgrad (MOE_FP8_WGRAD) quantizes the SwiGLU output and dgu along the tokens,
-     * from their bf16 values, which the fused passes do not keep (they write the row-wise
-     * codes instead): with it the separate passes run */
-    return lp && lp->native && lp->fp8_fused && !lp->fp8_wgrad &&
-           be->fp8_swiglu_forward_quant && be->fp8_swiglu_backward_quant && be->fp8_dequant_act;
+    /* the FP8 wgrad (MOE_FP8_WGRAD) quantizes the SwiGLU output along the tokens from its
+     * bf16 values: with it the fused passes keep those, not the codes */
+    return fp8_fused_passes(be, lp) && !lp->fp8_wgrad;
 }
 
 size_t moe_mlp_fp8_act_bytes(size_t rows, int F) {
@@ -283,7 +299,7 @@ size_t moe_mlp_act_bytes(const moe_backend *be, const moe_lowp *lp, size_t rows,
 }
 
 int moe_mlp_fp8_fused(const moe_backend *be, const moe_groups *grp) {
-    return grp->fp8_w1 && grp->fp8_w2 && moe_mlp_fp8_saves_codes(be, grp->lowp);
+    return grp->fp8_w1 && grp->fp8_w2 && fp8_fused_passes(be, grp->lowp);
 }
 
 /* the scales of the codes kept in `act` (after the [N, F] codes: N·F is a multiple of 128,
@@ -296,16 +312,55 @@ static void forward_fp8_fused(const moe_backend *be, void *out, void *gu, void *
                               const void *x, const moe_real *row_scale, const moe_groups *grp,
                               int H, int F) {
     const int N = grp->rows;
-    const moe_qdq_spec *sp = &grp->lowp->spec[MOE_LOWP_ACTIVATION];
+    const moe_lowp *lp = grp->lowp;
+    const moe_qdq_spec *sp = &lp->spec[MOE_LOWP_ACTIVATION];
+    /* fc2's codes: kept in `act` itself, or under the FP8 wgrad (`act` then keeps the bf16
+     * output) in the scratch, for fc2's GEMM only */
+    const int wgrad = lp->fp8_wgrad;
+    uint8_t *q = wgrad ? lp->ws.q : (uint8_t *)act;
+    float *s = wgrad ? (float *)lp->ws.scales : saved_scales(act, N, F);
+    MOE_ASSERT(!wgrad || (size_t)N * F <= lp->cap);
     moe_error err;
     fp8_gemm(be, gu, x, NULL, grp->fp8_w1->q, grp->fp8_w1->s, grp, 2 * F, H,
              MOE_LOWP_ACTIVATION);
     moe_prof_mark(MOE_PROF_GEMM);
-    fp8_ok(be->fp8_swiglu_forward_quant(act, saved_scales(act, N, F), NULL, gu, row_scale, N, F,
+    /* (fc1's GEMM, which read x's codes from the scratch, is queued before on the stream) */
+    fp8_ok(be->fp8_swiglu_forward_quant(q, s, wgrad ? act : NULL, wgrad, gu, row_scale, N, F,
                                         sp->format, sp->pow2, &err), &err);
     moe_prof_mark(MOE_PROF_EXPERT_OPS);
-    fp8_gemm_codes(be, out, act, saved_scales(act, N, F), grp->fp8_w2->q, grp->fp8_w2->s, grp,
-                   H, F, MOE_LOWP_ACTIVATION);
+    fp8_gemm_codes(be, out, q, s, grp->fp8_w2->q, grp->fp8_w2->s, grp, H, F,
+                   MOE_LOWP_ACTIVATION);
+    moe_prof_mark(MOE_PROF_GEMM);
+}
+
+/* the fused backward under the FP8 wgrad: fc2 as the separate path runs it (dgrad on dout's
+ * row-wise codes, FP8 wgrad on the token-wise copies of dout and the kept bf16 output); the
+ * SwiGLU backward writing dgu's row-wise codes (fc1's dgrad) and dgu itself (the source of
+ * its token-wise copy), not zeroed first nor read back; then fc1's dgrad and FP8 wgrad */
+static void backward_fp8_fused_wgrad(const moe_backend *be, void *dx, moe_real *dw1,
+                                     moe_real *dw2, moe_real *drow_scale, const void *dout,
+                                     const void *x, const void *gu, const void *act,
+                                     const moe_real *row_scale, const void *w2, void *ws_dh,
+                                     void *ws_dgu, const moe_groups *grp, int H, int F) {
+    const int N = grp->rows;
+    moe_lowp *lp = grp->lowp;
+    const moe_qdq_ws *ws = &lp->ws;
+    const moe_qdq_spec *sg = &lp->spec[MOE_LOWP_GRADIENT];
+    MOE_ASSERT((size_t)N * 2 * F <= lp->cap);
+    moe_error err;
+    gmm_backward(be, ws_dh, dw2, dout, act, w2, grp->fp8_w2, grp, F, H, 0, 0, 1);
+    moe_prof_mark(MOE_PROF_GEMM);
+    /* (fc2's dgrad GEMM, which read dout's codes from the scratch, is queued before) */
+    fp8_ok(be->fp8_swiglu_backward_quant(ws->q, (float *)ws->scales, ws_dgu, 1,
+                                         row_scale ? drow_scale : NULL, ws_dh, gu, row_scale, N,
+                                         F, sg->format, sg->pow2, &err),
+           &err);
+    moe_prof_mark(MOE_PROF_EXPERT_OPS);
+    if (dx)
+        fp8_gemm_codes(be, dx, ws->q, ws->scales, grp->fp8_w1->qt, grp->fp8_w1->st, grp, H,
+                       2 * F, MOE_LOWP_GRADIENT);
+    if (dw1)
+        fp8_wgrad(be, dw1, ws_dgu, x, grp, H, 2 * F);
     moe_prof_mark(MOE_PROF_GEMM);
 }
 
@@ -332,7 +387,7 @@ static void backward_fp8_fused(const moe_backend *be, void *dx, moe_real *dw1, m
     moe_prof_mark(MOE_PROF_GEMM);
     /* dgu's codes (fc1's dgrad) and dequantized copy (its wgrad), not dgu: the GEMMs above
      * were queued before on the same stream, so the buffers are free again */
-    fp8_ok(be->fp8_swiglu_backward_quant(ws->q, (float *)ws->scales, lp->grad,
+    fp8_ok(be->fp8_swiglu_backward_quant(ws->q, (float *)ws->scales, lp->grad, 0,
                                          row_scale ? drow_scale : NULL, ws_dh, gu, row_scale, N,
                                          F, sg->format, sg->pow2, &err),
            &err);
@@ -383,8 +438,12 @@ void moe_mlp_backward_grouped(const moe_backend *be, void *dx, moe_real *dw1, mo
         return;
     if (moe_mlp_fp8_fused(be, grp)) {
         MOE_ASSERT(!grp->gather && !dx_accumulate && grp->impl == MOE_EXPERTS_KERNEL);
-        backward_fp8_fused(be, dx, dw1, dw2, drow_scale, dout, x, gu, act, row_scale, w1, w2,
-                           ws_dh, grp, H, F);
+        if (grp->lowp->fp8_wgrad)
+            backward_fp8_fused_wgrad(be, dx, dw1, dw2, drow_scale, dout, x, gu, act, row_scale,
+                                     w2, ws_dh, ws_dgu, grp, H, F);
+        else
+            backward_fp8_fused(be, dx, dw1, dw2, drow_scale, dout, x, gu, act, row_scale, w1,
+                               w2, ws_dh, grp, H, F);
         return;
     }
     const size_t nf = (size_t)N * F;

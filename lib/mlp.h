@@ -138,10 +138,13 @@ void moe_mlp_backward_lowp(const moe_backend *be, void *dx, moe_real *dw1, moe_r
 /**
  * @brief Whether chapter 05's native FP8 experts run with their quantization fused into the
  *        SwiGLU passes (lib/mlp.c, "native FP8 layer with its passes fused"): the groups
- *        carry FP8 weights (grp->fp8_w1, fp8_w2) and moe_mlp_fp8_saves_codes() holds for
- *        grp->lowp. Then moe_mlp_forward_grouped() keeps in @p act the SwiGLU output's 1×128
- *        FP8 codes and scales (moe_mlp_fp8_act_bytes()), not its bf16 values, and
- *        moe_mlp_backward_grouped() reads them so.
+ *        carry FP8 weights (grp->fp8_w1, fp8_w2) and grp->lowp is native with the fused
+ *        switch latched on and the backend has the fused ops (moe_mlp_fp8_saves_codes()'s
+ *        condition, the FP8 wgrad aside). Then moe_mlp_forward_grouped() keeps in @p act the
+ *        SwiGLU output's 1×128 FP8 codes and scales (moe_mlp_fp8_act_bytes()), not its bf16
+ *        values, and moe_mlp_backward_grouped() reads them so; under the FP8 wgrad
+ *        (lp->fp8_wgrad) @p act keeps the bf16 output, which the fused forward writes next
+ *        to the codes (the backward's token-wise copy is made from it).
  * @param be backend  @param grp the groups
  * @return 1 when fused
  */
@@ -152,10 +155,10 @@ int moe_mlp_fp8_fused(const moe_backend *be, const moe_groups *grp);
  *        as FP8 codes (the fused passes): the native path is on (@p lp->native: the FP8
  *        weights were made), `MOE_FP8_FUSED` was not 0 when the context was made
  *        (@p lp->fp8_fused, latched: the buffers are sized from it), the FP8 wgrad is off
- *        (@p lp->fp8_wgrad, `MOE_FP8_WGRAD`: it quantizes the bf16 SwiGLU output and dgu
- *        along the tokens, which the fused passes do not keep), and the backend has the fused
- *        ops. The one condition behind the buffers' size (moe_mlp_act_bytes()) and the path
- *        (moe_mlp_fp8_fused()).
+ *        (@p lp->fp8_wgrad, `MOE_FP8_WGRAD`: it quantizes the bf16 SwiGLU output along the
+ *        tokens, so the fused passes keep that instead), and the backend has the fused ops.
+ *        The one condition behind the buffers' size (moe_mlp_act_bytes()); the path
+ *        (moe_mlp_fp8_fused()) is the same condition without the FP8 wgrad's term.
  * @param be backend  @param lp the context (NULL: 0)
  * @return 1 when the saved SwiGLU outputs are FP8 codes
  */
@@ -184,7 +187,7 @@ size_t moe_mlp_act_bytes(const moe_backend *be, const moe_lowp *lp, size_t rows,
  *        [G,2F,H] and w2 [G,H,F]) runs on rows [off[g], off[g+1]) of every buffer, through
  *        the backend's grouped matmul — one GEMM call for all experts instead of one each.
  * @param be backend  @param out [N,H]  @param gu [N,2F]  @param act [N,F] (scaled, as in
- *        moe_mlp_forward), or under moe_mlp_fp8_fused() its FP8 codes and scales
+ *        moe_mlp_forward), or under moe_mlp_fp8_saves_codes() its FP8 codes and scales
  *        (moe_mlp_act_bytes() of N rows)
  * @param x [N,H], or the token rows grp->gather picks from  @param row_scale [N] or NULL
  * @param w1 stacked fc1  @param w2 stacked fc2

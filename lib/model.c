@@ -607,7 +607,10 @@ static int alloc_fp8_weights(moe_model *m, int moe_rows) {
                  m->lowp->fp8_wgrad ? "too (MOE_FP8_WGRAD=1)" : "in bf16 on QDQ'd operands",
                  moe_mlp_fp8_saves_codes(m->be, m->lowp)
                      ? "as FP8 codes + 1x128 scales (fused passes)"
-                     : m->lowp->fp8_wgrad ? "in bf16 (the FP8 wgrad reads it)"
+                     : m->lowp->fp8_wgrad && m->lowp->fp8_fused
+                         ? "in bf16, written by the fused passes with fc2's codes (the FP8 "
+                           "wgrad reads it)"
+                     : m->lowp->fp8_wgrad ? "in bf16 (the FP8 wgrad reads it; MOE_FP8_FUSED=0)"
                                           : "in bf16 (MOE_FP8_FUSED=0)");
     return 1;
 }

@@ -12,6 +12,9 @@
  *  - fused SwiGLU backward == zero dgu, moe_cuda_swiglu_backward, then the quantizer with its
  *    dequantized copy; the routing weight's gradient (accumulated onto random values)
  *    too, which checks the summation order;
+ *  - both with y_raw (the FP8 wgrad's arrangement, lib/mlp.c): the bf16 output they write next
+ *    to the codes is the separate SwiGLU's output (forward) or dgu (backward) byte for byte.
+ *    STATUS of y_raw: written, not yet run on a GPU;
  *  - the saved codes' dequantization == the quantizer's dequantized copy.
  * No tolerance anywhere: memcmp. Every output is 0xAB-poisoned first, so an element a kernel
  * forgets differs. A mismatch prints its first byte offset, both bytes and the count.
@@ -168,7 +171,7 @@ START_TEST(test_gpu_swiglu_quant_forward) {
     for (int fi = 0; fi < 3; fi++)
         for (int ni = 0; ni < 3; ni++)
             for (int scaled = 0; scaled < 2; scaled++)
-                for (int with_y = 0; with_y < 2; with_y++) {
+                for (int with_y = 0; with_y < 3; with_y++) { /* none, dequantized, raw */
                     const int N = NS[ni], F = FS[fi];
                     const size_t n = (size_t)N * F, ns = n / 128;
                     float *gu = gen(2 * n, 200 + fi * 3 + ni, 3.0, 6.0);
@@ -192,13 +195,15 @@ START_TEST(test_gpu_swiglu_quant_forward) {
                     uint8_t *q2 = dpoison(n);
                     float *s2 = dpoison(4 * ns);
                     ck_assert_int_eq(moe_cuda_swiglu_forward_quant(q2, s2, with_y ? y2 : NULL,
-                                                                   dgu, row_scale, N, F,
-                                                                   MOE_FP8_E4M3, 1, &err),
+                                                                   with_y == 2, dgu, row_scale,
+                                                                   N, F, MOE_FP8_E4M3, 1, &err),
                                      MOE_OK);
                     int k = same2("fused forward codes", q2, 1, q1, 1, n);
                     k &= same2("fused forward scales", s2, 1, s1, 1, 4 * ns);
-                    if (with_y)
+                    if (with_y == 1)
                         k &= same2("fused forward dequantized", y2, 1, y1, 1, 2 * n);
+                    if (with_y == 2) /* the FP8 wgrad's source: the SwiGLU's own output */
+                        k &= same2("fused forward bf16 output (y_raw)", y2, 1, act, 1, 2 * n);
                     if (!k)
                         printf("  ^ in case N %d F %d scaled %d y %d\n", N, F, scaled, with_y);
                     ok &= k;
@@ -209,9 +214,9 @@ START_TEST(test_gpu_swiglu_quant_forward) {
                     moe_cuda_free(y2), moe_cuda_free(q2), moe_cuda_free(s2);
                 }
     printf("  fused SwiGLU forward + 1x128 quantize: %d cases, %s\n", cases,
-           ok ? "== separate passes byte for byte" : "DIFFER");
+           ok ? "== separate passes byte for byte (codes, scales, copy or output)" : "DIFFER");
     ck_assert(ok);
-    ck_assert_int_eq(moe_cuda_swiglu_forward_quant(NULL, NULL, NULL, NULL, NULL, 4, 100,
+    ck_assert_int_eq(moe_cuda_swiglu_forward_quant(NULL, NULL, NULL, 0, NULL, NULL, 4, 100,
                                                    MOE_FP8_E4M3, 1, &err),
                      MOE_ERR_CONFIG);
     ck_assert_ptr_nonnull(strstr(err.msg, "multiple of 128"));
@@ -223,7 +228,8 @@ START_TEST(test_gpu_swiglu_quant_backward) {
     int ok = 1, cases = 0;
     for (int fi = 0; fi < 3; fi++)
         for (int ni = 0; ni < 3; ni++)
-            for (int scaled = 0; scaled < 2; scaled++) {
+            for (int sr = 0; sr < 4; sr++) { /* raw: y is dgu itself (y_raw), not the copy */
+                const int scaled = sr & 1, raw = sr >> 1;
                 const int N = NS[ni], F = FS[fi];
                 const size_t n = (size_t)N * F, n2 = 2 * n, ns2 = n2 / 128;
                 float *gu = gen(n2, 300 + fi * 3 + ni, 3.0, 6.0);
@@ -253,17 +259,21 @@ START_TEST(test_gpu_swiglu_quant_backward) {
                 void *y2 = dpoison(2 * n2);
                 uint8_t *q2 = dpoison(n2);
                 float *s2 = dpoison(4 * ns2);
-                ck_assert_int_eq(moe_cuda_swiglu_backward_quant(q2, s2, y2, scaled ? dr2 : NULL,
-                                                                ddy, dgu, row_scale, N, F,
-                                                                MOE_FP8_E4M3, 1, &err),
+                ck_assert_int_eq(moe_cuda_swiglu_backward_quant(q2, s2, y2, raw,
+                                                                scaled ? dr2 : NULL, ddy, dgu,
+                                                                row_scale, N, F, MOE_FP8_E4M3,
+                                                                1, &err),
                                  MOE_OK);
                 int k = same2("fused backward codes", q2, 1, q1, 1, n2);
                 k &= same2("fused backward scales", s2, 1, s1, 1, 4 * ns2);
-                k &= same2("fused backward dequantized", y2, 1, y1, 1, 2 * n2);
+                if (raw) /* the FP8 wgrad's source: dgu itself, the separate backward's bytes */
+                    k &= same2("fused backward dgu (y_raw)", y2, 1, dgrad, 1, 2 * n2);
+                else
+                    k &= same2("fused backward dequantized", y2, 1, y1, 1, 2 * n2);
                 k &= same2("fused backward routing-weight gradient", dr2, 1, dr1, 1,
                            sizeof(float) * N);
                 if (!k)
-                    printf("  ^ in case N %d F %d scaled %d\n", N, F, scaled);
+                    printf("  ^ in case N %d F %d scaled %d raw %d\n", N, F, scaled, raw);
                 ok &= k;
                 cases++;
                 free(gu), free(dy), free(rs), free(drs0);
@@ -273,7 +283,8 @@ START_TEST(test_gpu_swiglu_quant_backward) {
                 moe_cuda_free(y2), moe_cuda_free(q2), moe_cuda_free(s2);
             }
     printf("  fused SwiGLU backward + 1x128 quantize: %d cases, %s\n", cases,
-           ok ? "== separate passes byte for byte (codes, scales, copy, d scale)" : "DIFFER");
+           ok ? "== separate passes byte for byte (codes, scales, copy or dgu, d scale)"
+              : "DIFFER");
     ck_assert(ok);
 }
 END_TEST

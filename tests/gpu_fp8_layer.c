@@ -15,7 +15,10 @@
  * groups (empty ones, a single row, sizes around 128, a last group ending mid-tile, 40
  * groups), every output poisoned first; the saved SwiGLU output in a buffer of the size the
  * model gives it (moe_mlp_act_bytes(): its FP8 codes and scales alone under the fused passes,
- * which must run there, and give the separate passes' bits).
+ * which must run there, and give the separate passes' bits). Under the FP8 wgrad the fused
+ * passes run as well (the fused SwiGLU ops counted, in their y_raw form: they keep the bf16
+ * output and dgu), on a bf16 `act`, and must give MOE_FP8_FUSED=0's bits too (STATUS of that
+ * arrangement: written, not yet run on a GPU).
  *
  * The bound. The GPU rounds fc1's output and the SwiGLU to bf16 (the CPU keeps fp32), and the
  * next quantizer then picks the neighbouring E4M3 code for the few elements that sit near a
@@ -184,8 +187,40 @@ static double rel_all(const moe_real *a, const moe_real *b, size_t n) {
 
 enum { OUT, DX, DROW, DW1, DW2, NOUT };
 
-/* run_mlp() calls that ran the fused passes, with `act` sized for the FP8 codes alone */
+/* run_mlp() calls that ran the fused passes (`act` sized for the FP8 codes alone, or in bf16
+ * under the FP8 wgrad) */
 static int g_fused_runs;
+
+/* the fused SwiGLU ops that really ran, [0 forward, 1 backward][y_raw]: the CUDA backend's
+ * ops, counted (counting_cuda()), so a test sees which arrangement ran and not only which
+ * one moe_mlp_fp8_fused() promised */
+static int g_swiglu_q[2][2];
+
+static moe_status counted_swiglu_fwd_q(uint8_t *q, float *s, void *y, int y_raw, const void *gu,
+                                       const moe_real *row_scale, int N, int F, moe_fp8_format f,
+                                       int pow2, moe_error *err) {
+    g_swiglu_q[0][y_raw != 0]++;
+    return moe_backend_cuda()->fp8_swiglu_forward_quant(q, s, y, y_raw, gu, row_scale, N, F, f,
+                                                        pow2, err);
+}
+
+static moe_status counted_swiglu_bwd_q(uint8_t *q, float *s, void *y, int y_raw,
+                                       moe_real *drow_scale, const void *dout, const void *gu,
+                                       const moe_real *row_scale, int N, int F, moe_fp8_format f,
+                                       int pow2, moe_error *err) {
+    g_swiglu_q[1][y_raw != 0]++;
+    return moe_backend_cuda()->fp8_swiglu_backward_quant(q, s, y, y_raw, drow_scale, dout, gu,
+                                                         row_scale, N, F, f, pow2, err);
+}
+
+/* the CUDA backend with its fused SwiGLU ops counted in g_swiglu_q */
+static const moe_backend *counting_cuda(void) {
+    static moe_backend b;
+    b = *moe_backend_cuda();
+    b.fp8_swiglu_forward_quant = counted_swiglu_fwd_q;
+    b.fp8_swiglu_backward_quant = counted_swiglu_bwd_q;
+    return &b;
+}
 static const char *const g_names[NOUT] = {"output", "dgrad dx", "routing-weight grad",
                                           "wgrad fc1", "wgrad fc2"};
 
@@ -230,11 +265,17 @@ static void run_mlp(const moe_backend *be, moe_lowp *lp, const moe_fp8_weight *f
     }
     moe_groups grp = {off, doff, G, MOE_EXPERTS_KERNEL, MOE_DW_STORE, NULL, 1, N, lp,
                       fw, fw ? fw + 1 : NULL, 0, 0, NULL, NULL, NULL};
-    /* the buffer's size and the path agree: codes exactly where the fused passes run */
-    ck_assert_int_eq(moe_mlp_fp8_saves_codes(be, lp), moe_mlp_fp8_fused(be, &grp));
+    /* the buffer's size and the path agree: codes exactly where the fused passes run without
+     * the FP8 wgrad; under it they run on a bf16 `act` (its token-wise copy's source) */
+    ck_assert_int_eq(moe_mlp_fp8_saves_codes(be, lp),
+                     moe_mlp_fp8_fused(be, &grp) && !(lp && lp->fp8_wgrad));
     if (moe_mlp_fp8_fused(be, &grp)) {
-        ck_assert_uint_eq(act_bytes, (size_t)N * F + (size_t)N * (F / 128) * sizeof(float));
-        ck_assert(N == 0 || act_bytes < S * N * F);
+        if (lp->fp8_wgrad) {
+            ck_assert_uint_eq(act_bytes, S * N * F);
+        } else {
+            ck_assert_uint_eq(act_bytes, (size_t)N * F + (size_t)N * (F / 128) * sizeof(float));
+            ck_assert(N == 0 || act_bytes < S * N * F);
+        }
         g_fused_runs++;
     }
     moe_mlp_forward_grouped(be, out, gu, act, x, rs, w1, w2, &grp, H, F);
@@ -305,18 +346,28 @@ static int check_layer(const int *sizes, int G, int H, int F, int wgrad) {
     /* the fused passes (lib/mlp.c, MOE_FP8_FUSED) against the separate ones: the same bits,
      * provided the GEMMs repeat themselves bit for bit (checked by running fused twice) */
     /* (the switch is the context's, latched from MOE_FP8_FUSED when it is made: set here on
-     * lg as a model made with MOE_FP8_FUSED=1, then =0, would have it) */
+     * lg as a model made with MOE_FP8_FUSED=1, then =0, would have it). Under the FP8 wgrad
+     * the fused passes run too, keeping the bf16 SwiGLU output and dgu (y_raw) for its
+     * token-wise copies: the fused ops must have run, in that form, twice each */
+    const moe_backend *cg = counting_cuda();
     lg.fp8_fused = 1;
-    ck_assert_int_eq(moe_mlp_fp8_fused(g, &(moe_groups){.fp8_w1 = &fw[0], .fp8_w2 = &fw[1],
-                                                         .lowp = &lg}),
-                     !wgrad); /* (the FP8 wgrad runs the separate passes) */
+    ck_assert(moe_mlp_fp8_fused(cg, &(moe_groups){.fp8_w1 = &fw[0], .fp8_w2 = &fw[1],
+                                                   .lowp = &lg}));
     const int fused_before = g_fused_runs;
-    run_mlp(g, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, nat);
-    run_mlp(g, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, again);
-    ck_assert_int_eq(g_fused_runs - fused_before, wgrad ? 0 : 2); /* they ran, act small */
+    int q0[2][2];
+    memcpy(q0, g_swiglu_q, sizeof q0);
+    run_mlp(cg, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, nat);
+    run_mlp(cg, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, again);
+    ck_assert_int_eq(g_fused_runs - fused_before, 2); /* they ran on `act` of the right size */
+    for (int dir = 0; dir < 2; dir++) {
+        ck_assert_int_eq(g_swiglu_q[dir][wgrad] - q0[dir][wgrad], 2);
+        ck_assert_int_eq(g_swiglu_q[dir][!wgrad] - q0[dir][!wgrad], 0);
+    }
     lg.fp8_fused = 0;
-    run_mlp(g, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, unf);
-    ck_assert_int_eq(g_fused_runs - fused_before, wgrad ? 0 : 2);
+    run_mlp(cg, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, unf);
+    ck_assert_int_eq(g_fused_runs - fused_before, 2);
+    for (int dir = 0; dir < 2; dir++) /* the separate passes: no fused op since those two */
+        ck_assert_int_eq(g_swiglu_q[dir][0] + g_swiglu_q[dir][1] - q0[dir][0] - q0[dir][1], 2);
     int ok = 1;
     for (int k = 0; k < NOUT; k++) {
         const int repeat = memcmp(nat[k], again[k], sizeof(moe_real) * cnt[k]) == 0;
@@ -339,7 +390,10 @@ static int check_layer(const int *sizes, int G, int H, int F, int wgrad) {
         ok &= !diff || !repeat;
     }
     printf("  FP8 layer G=%d rows=%d: fused quantize passes == separate passes: %s%s", G, N,
-           ok ? "bit for bit" : "DIFFER", wgrad ? " (FP8 wgrad: both separate)\n" : "");
+           ok ? "bit for bit" : "DIFFER",
+           wgrad ? " (FP8 wgrad: fused, the bf16 SwiGLU output and dgu kept for its "
+                   "token-wise copies)\n"
+                 : "");
     if (!wgrad) /* the fused runs kept the SwiGLU output in a buffer of the codes' size */
         printf(", the SwiGLU output kept in %zu bytes (bf16: %zu)\n",
                moe_mlp_fp8_act_bytes((size_t)N, F), (size_t)2 * N * F);
@@ -397,11 +451,12 @@ END_TEST
     "--moe-expert-backend grouped --device cuda"
 enum { FP8_STEPS = 6 };
 
-/* FP8_STEPS training losses of the FP8_MODEL under MOE_FP8_FUSED=@p fused; 1 when its MoE
- * layers kept the SwiGLU output as FP8 codes */
-static int fp8_model_losses(const char *fused, double *loss, long long *fp8_act) {
+/* FP8_STEPS training losses of the FP8_MODEL under MOE_FP8_FUSED=@p fused and
+ * MOE_FP8_WGRAD=@p wgrad; 1 when its MoE layers kept the SwiGLU output as FP8 codes */
+static int fp8_model_losses(const char *fused, const char *wgrad, double *loss,
+                            long long *fp8_act) {
     moe_bench_env env = moe_bench_env_set("MOE_FP8_FUSED", fused);
-    moe_bench_env wg = moe_bench_env_set("MOE_FP8_WGRAD", "0");
+    moe_bench_env wg = moe_bench_env_set("MOE_FP8_WGRAD", wgrad);
     setenv("MOE_NO_DOWNLOAD", "1", 1);
     moe_config c;
     moe_error err;
@@ -412,6 +467,14 @@ static int fp8_model_losses(const char *fused, double *loss, long long *fp8_act)
     moe_bench_env_restore(&wg);
     const moe_model *m = t->model;
     ck_assert(m->lowp && m->lowp->native);
+    ck_assert_int_eq(m->lowp->fp8_wgrad, *wgrad == '1');
+    /* the fused passes run where the latch says (lib/mlp.c: the FP8 wgrad no longer stops
+     * them), on the model's FP8 expert weights */
+    ck_assert_ptr_nonnull(m->fp8w[2].q); /* layer 1, the MoE one: fc1, fc2 (model.c) */
+    ck_assert_int_eq(moe_mlp_fp8_fused(m->be, &(moe_groups){.fp8_w1 = &m->fp8w[2],
+                                                             .fp8_w2 = &m->fp8w[3],
+                                                             .lowp = m->lowp}),
+                     *fused == '1');
     const int codes = moe_mlp_fp8_saves_codes(m->be, m->lowp);
     *fp8_act = m->mem.fp8_act_bytes;
     for (int s = 0; s < FP8_STEPS; s++) {
@@ -428,9 +491,9 @@ START_TEST(test_gpu_fp8_model_fused_saved_codes) {
         return;
     double fused[FP8_STEPS], again[FP8_STEPS], sep[FP8_STEPS];
     long long act_fused, act_sep, act_again;
-    ck_assert(fp8_model_losses("1", fused, &act_fused));
-    ck_assert(!fp8_model_losses("0", sep, &act_sep));
-    ck_assert(fp8_model_losses("1", again, &act_again));
+    ck_assert(fp8_model_losses("1", "0", fused, &act_fused));
+    ck_assert(!fp8_model_losses("0", "0", sep, &act_sep));
+    ck_assert(fp8_model_losses("1", "0", again, &act_again));
     /* the one MoE layer's N·k = 8·64·2 rows of F = 128: codes + scales in the estimate */
     const long long rows = 8 * 64 * 2;
     ck_assert_int_eq(act_fused, rows * 128 + rows * 4);
@@ -448,8 +511,35 @@ START_TEST(test_gpu_fp8_model_fused_saved_codes) {
 }
 END_TEST
 
+/* ... and with the FP8 wgrad (MOE_FP8_WGRAD=1): the fused passes keep the SwiGLU output in
+ * bf16 (no FP8 codes saved, nothing in the estimate's FP8 line) and give MOE_FP8_FUSED=0's
+ * losses bit for bit (the same proviso). STATUS: written, not yet run on a GPU. */
+START_TEST(test_gpu_fp8_model_fused_fp8_wgrad) {
+    if (!hopper("FP8 model with the FP8 wgrad, fused passes"))
+        return;
+    double fused[FP8_STEPS], again[FP8_STEPS], sep[FP8_STEPS];
+    long long act_fused, act_sep, act_again;
+    ck_assert(!fp8_model_losses("1", "1", fused, &act_fused));
+    ck_assert(!fp8_model_losses("0", "1", sep, &act_sep));
+    ck_assert(!fp8_model_losses("1", "1", again, &act_again));
+    ck_assert_int_eq(act_fused, 0);
+    ck_assert_int_eq(act_sep, 0);
+    const int repeat = memcmp(fused, again, sizeof fused) == 0;
+    const int same = memcmp(fused, sep, sizeof fused) == 0;
+    printf("  FP8 model with the FP8 wgrad, %d steps: fused passes %.6f -> %.6f, separate "
+           "passes %.6f -> %.6f: %s\n", FP8_STEPS, fused[0], fused[FP8_STEPS - 1], sep[0],
+           sep[FP8_STEPS - 1],
+           same ? "the same bits"
+                : repeat ? "DIFFER" : "differ, but the fused run does not repeat itself either");
+    ck_assert_msg(same || !repeat, "the fused FP8 model's losses (FP8 wgrad) differ from the "
+                  "separate passes'");
+    ck_assert(fused[FP8_STEPS - 1] < fused[0]);
+}
+END_TEST
+
 Suite *suite_gpu_fp8_layer(void) {
     const TTest *const tests[] = {test_gpu_fp8_layer_quantizers, test_gpu_fp8_layer_vs_cpu,
-                                  test_gpu_fp8_model_fused_saved_codes};
-    return moe_test_chapter_suite("gpu_fp8_layer", "ch05", tests, 3);
+                                  test_gpu_fp8_model_fused_saved_codes,
+                                  test_gpu_fp8_model_fused_fp8_wgrad};
+    return moe_test_chapter_suite("gpu_fp8_layer", "ch05", tests, 4);
 }

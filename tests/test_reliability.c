@@ -407,15 +407,16 @@ END_TEST
  * the estimate, and what the model really allocates agree. The CPU cannot run the path: a CPU
  * backend that claims the native kernel and the fused ops (never called: no step runs) makes
  * the model size its buffers for it. */
-static moe_status never_swiglu_fwd_q(uint8_t *q, float *s, void *y, const void *gu,
+static moe_status never_swiglu_fwd_q(uint8_t *q, float *s, void *y, int y_raw, const void *gu,
                                      const moe_real *row_scale, int N, int F, moe_fp8_format f,
                                      int pow2, moe_error *err) {
     ck_abort_msg("the fused SwiGLU forward ran on the CPU");
     return MOE_OK;
 }
-static moe_status never_swiglu_bwd_q(uint8_t *q, float *s, void *y, moe_real *drow_scale,
-                                     const void *dout, const void *gu, const moe_real *row_scale,
-                                     int N, int F, moe_fp8_format f, int pow2, moe_error *err) {
+static moe_status never_swiglu_bwd_q(uint8_t *q, float *s, void *y, int y_raw,
+                                     moe_real *drow_scale, const void *dout, const void *gu,
+                                     const moe_real *row_scale, int N, int F, moe_fp8_format f,
+                                     int pow2, moe_error *err) {
     ck_abort_msg("the fused SwiGLU backward ran on the CPU");
     return MOE_OK;
 }
@@ -468,13 +469,19 @@ START_TEST(test_memory_fp8_saved_swiglu_output) {
     ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, F), codes);
     ck_assert_uint_eq(moe_mlp_act_bytes(&cpu, &lp, NK, F), cpu.act_size * NK * F); /* no ops */
     ck_assert_uint_eq(moe_mlp_act_bytes(&fused, NULL, NK, F), fused.act_size * NK * F);
-    lp.fp8_wgrad = 1; /* the FP8 wgrad reads the bf16 output: the separate passes */
-    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, F), fused.act_size * NK * F);
-    lp.fp8_wgrad = 0;
     /* the path agrees with the size: fused exactly where codes are kept, with FP8 weights */
     moe_fp8_weight w = {0};
     ck_assert(moe_mlp_fp8_fused(&fused, &(moe_groups){.fp8_w1 = &w, .fp8_w2 = &w, .lowp = &lp}));
     ck_assert(!moe_mlp_fp8_fused(&fused, &(moe_groups){.lowp = &lp}));
+    /* the FP8 wgrad reads the bf16 output: kept in bf16, the fused passes writing it too */
+    lp.fp8_wgrad = 1;
+    ck_assert(!moe_mlp_fp8_saves_codes(&fused, &lp));
+    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, F), fused.act_size * NK * F);
+    ck_assert(moe_mlp_fp8_fused(&fused, &(moe_groups){.fp8_w1 = &w, .fp8_w2 = &w, .lowp = &lp}));
+    lp.fp8_fused = 0; /* MOE_FP8_FUSED=0: the separate passes, with the FP8 wgrad too */
+    ck_assert(!moe_mlp_fp8_fused(&fused, &(moe_groups){.fp8_w1 = &w, .fp8_w2 = &w, .lowp = &lp}));
+    lp.fp8_fused = 1;
+    lp.fp8_wgrad = 0;
     /* MOE_FP8_FUSED is read once, when the context is made: later changes do not reach it */
     setenv("MOE_FP8_FUSED", "0", 1);
     ck_assert(lp.fp8_fused);

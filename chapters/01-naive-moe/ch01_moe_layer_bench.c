@@ -346,7 +346,13 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
                                   .lowp = &L.lp};
         const size_t rows = (size_t)moe_layer_permuted_rows(&L.d);
         const double nf = (double)rows * s->F;
-        if (moe_mlp_fp8_fused(be, &probe))
+        if (moe_mlp_fp8_fused(be, &probe) && L.lp.fp8_wgrad)
+            printf("  %s %s: fused quantize passes (MOE_FP8_FUSED) with the FP8 wgrad: the "
+                   "SwiGLU passes write the bf16 output (kept, %.1f MB) and dgu next to the "
+                   "row-wise codes, %.1f MB of bf16 traffic fewer than the separate passes "
+                   "(14 bytes per row and F column)\n",
+                   s->name, name, nf * 2 / 1e6, nf * 14 / 1e6);
+        else if (moe_mlp_fp8_fused(be, &probe))
             printf("  %s %s: fused quantize passes (MOE_FP8_FUSED); the SwiGLU output is kept "
                    "as FP8 codes + 1x128 scales in a buffer of that size, %.1f MB instead of "
                    "%.1f MB in bf16 (%.1f MB saved)\n",
