@@ -111,7 +111,7 @@ int moe_cuda_grouped_sm90_wgrad_split(int G, int rows, int I, int O);
  * counter (dynamic) instead of CTA b taking tiles b, b + grid, ... (static). Chosen by
  * moe_cuda_grouped_sm90_set_schedule (tests, the chapter 03 benchmark), else by the
  * environment, MOE_GROUPED_SCHEDULE=static|static-tail64|dynamic|dynamic-tail64|
- * static-share192|dynamic-share192|static-swaptail|dynamic-swaptail (the names of
+ * static-share192|dynamic-share192|static-swaptail|dynamic-swaptail|static-mc2 (the names of
  * moe_cuda_grouped_sm90_schedule_name), else the default */
 typedef enum moe_grouped_schedule {
     MOE_GROUPED_SCHED_STATIC = 0,         /* 128-row tiles, CTA b takes b, b + grid, ... */
@@ -124,12 +124,18 @@ typedef enum moe_grouped_schedule {
     MOE_GROUPED_SCHED_STATIC_SWAPTAIL = 6,  /* 128-row tiles, but a group's last 1..64 rows
                                                computed transposed (swapped operands) */
     MOE_GROUPED_SCHED_DYNAMIC_SWAPTAIL = 7, /* ... claimed in order */
-    MOE_GROUPED_SCHED_COUNT = 8             /* (how many there are) */
+    MOE_GROUPED_SCHED_STATIC_MC2 = 8,       /* 128-row tiles, CTA clusters of two that take
+                                               m-tiles 2i, 2i+1 of one (group, n-tile) and
+                                               load its weight block once, multicast */
+    MOE_GROUPED_SCHED_COUNT = 9             /* (how many there are) */
 } moe_grouped_schedule;
 #define MOE_GROUPED_SCHED_DEFAULT MOE_GROUPED_SCHED_STATIC
 void moe_cuda_grouped_sm90_set_schedule(moe_grouped_schedule s);
 moe_grouped_schedule moe_cuda_grouped_sm90_schedule(void);
 const char *moe_cuda_grouped_sm90_schedule_name(moe_grouped_schedule s);
+/* how many times the static-mc2 kernels (2-CTA clusters, multicast weights) were launched
+ * in this process: a test's proof that the schedule ran */
+int moe_cuda_grouped_sm90_mc_launches(void);
 /* narrow tiles (process-wide, like the schedule): with them on (the default; the
  * environment's MOE_GROUPED_NARROW=0 turns them off) a GEMM whose N columns 192 divides with
  * less padding than 256 (N = 384: 2 x 192 instead of 256 + a half-empty 256) runs 128 x 192

@@ -87,6 +87,32 @@
  * through shared memory, then 16-byte row stores masked to the t rows). Their own
  * instantiation (SWAP), forward and dgrad, not with the gather or the scatter.
  *
+ * The static-mc2 schedule (MOE_GROUPED_SCHEDULE=static-mc2, off by default; STATUS: written,
+ * not yet run on a GPU) attacks the weight traffic behind the 256 → 257-row cliff
+ * (docs/results/03-grouped-gemm-ii.md §3e): every further m-tile of a group re-reads its
+ * weight block (2 MB per 128 × 256 tile at K = 4096) unless L2 still holds it. The kernel
+ * (its own instantiation, MC) is launched in CTA clusters of two along x; cluster c walks
+ * PAIR SLOTS c, c + gridDim / 2, ... (moe_tile_pair_at_rule, prefix-summed on the device
+ * from the offsets like the m-tiles, so still sync-free): in a multicast slot its CTAs take
+ * m-tiles 2i and 2i + 1 of one (group, n-tile), and each loads HALF of every weight k-block
+ * (forward: 128 K-major rows through map_bs; dgrad: two of the four MN-major boxes) with
+ * .multicast::cluster into both CTAs' shared memory, so the block is read once per pair;
+ * each CTA's full barrier expects its own A boxes and the WHOLE B block (half of its bytes
+ * come from the partner's TMA). The odd m-tile of a group is not paired with an idle
+ * partner (257 rows would cost 4 tile slots per n-tile instead of 3) but with itself under
+ * the next n-tile (a solo slot: each CTA loads its own weights); only an odd number of
+ * n-tiles leaves the second CTA of a group's last solo slot without a tile, and that CTA
+ * still turns the stages (its producer arrives on full with no bytes, its consumers wait
+ * and release) so that both CTAs' pipelines stay in step: both walk the same slots with
+ * the same ceil(K / 64) k-steps each, so stage it % STAGES is the same stage in both. A
+ * stage is overwritten by both producers, so the empty barriers count 16 arrivals — every
+ * consumer warp of BOTH CTAs arrives on both (mapa + mbarrier.arrive.release.cluster), as
+ * in CUTLASS's and DeepGEMM's multicast pipelines. All threads meet in a cluster barrier
+ * after the barrier initialisation (the partner's barriers exist before a multicast) and
+ * before exiting (no CTA leaves while its partner may still write its shared memory).
+ * Forward and dgrad, contiguous input, 256-column tiles (with a gathered input, a scatter
+ * or narrow tiles the plain kernels run); tests/gpu_grouped.c test_gpu_grouped_mc2.
+ *
  * Epilogue: each consumer warpgroup writes its 64 × 256 block from registers into its
  * own 16 KB shared-memory staging buffer, a piece at a time (in the swizzled layout of a
  * TMA box), and one thread hands each piece to TMA: a store for forward (and for dgrad
@@ -214,7 +240,9 @@ struct Params {
     int fine;       /* forward/dgrad, how a group's last <= 64 rows are computed (see
                        Scheduler): 0 = in a 128-row tile; 1 = in a 64 × 256 tile (tail64);
                        2 = with the 128 rows before them, in 192 × 128 tiles (share192);
-                       3 = transposed, the rows as wgmma's N (swaptail) */
+                       3 = transposed, the rows as wgmma's N (swaptail); 4 = in
+                       128-row tiles, two CTAs of a cluster sharing the weights (static-mc2,
+                       the MC kernels) */
     int dyn;        /* 1: CTAs claim their tiles in index order from g_claims (forward and
                        dgrad, see the kernel's tile ring); 0: CTA b takes b, b + grid, ... */
     /* the fused permutation (GATHER kernels only): the GEMM's input row r is token row
@@ -240,6 +268,9 @@ struct Tile {
     int swap;      /* forward/dgrad: a swapped tail tile, rows m0 .. r1 - 1 (1 to 64 of
                       them) computed transposed with this many token columns (16, 32 or
                       64); 0: not one (see Scheduler) */
+    int mc;        /* the MC kernels (static-mc2): 1 = the cluster's two CTAs share this
+                      tile's weight block (multicast), 0 = this CTA loads its own, -1 = no
+                      tile (the CTA only keeps the cluster's pipeline in step) */
 };
 
 /* ---------------------------------------------------------------- PTX helpers
@@ -282,11 +313,12 @@ __device__ __forceinline__ void mma_kstep_swap(float *d, const uint8_t *w, const
 /* The tile index -> tile rule is lib/moe/tile_schedule.h, shared with the C library
  * (moe_tile_schedule_at, tested against a brute-force enumeration) and the chapter's
  * kernel ladder; this adds the wgrad raster and each tile's k-loop length. */
-template <int MODE, int SHARE, int WN, int SWAP> struct Scheduler {
+template <int MODE, int SHARE, int WN, int SWAP, int MC> struct Scheduler {
     static constexpr int BAND = 8; /* m-tiles per raster band (L2 reuse, see tile_schedule.h) */
     const int *off, *mt; /* shared: offsets [G+1], m-tile prefix [G+1] */
     int G, N, ntn, mtn, total, K, fine;
     int S; /* wgrad: chunks per group (split-K) */
+    int rank; /* MC: this CTA's rank in its cluster of two */
 
     __device__ bool get(int t, Tile &ti) const {
         if (t >= total)
@@ -311,6 +343,21 @@ template <int MODE, int SHARE, int WN, int SWAP> struct Scheduler {
             return true;
         }
         moe_tile x;
+        if constexpr (MC) {
+            /* static-mc2: t is a pair slot (mt holds the pair-slot prefix), the cluster's
+             * two CTAs take m-tiles 2i, 2i + 1 of one n-tile (multicast) or an odd group's
+             * last m-tile under n-tiles 2j, 2j + 1 (solo) */
+            const int kind = moe_tile_pair_at_rule(&x, t, rank, off, mt, G, ntn, BM, BN, BAND);
+            ti.g = x.g;
+            ti.m0 = x.m0;
+            ti.n0 = x.n0;
+            ti.r0 = x.r0;
+            ti.r1 = x.r1;
+            ti.nk = (K + BK - 1) / BK; /* the same for every slot: the CTAs stay in step */
+            ti.half = ti.share = ti.swap = 0;
+            ti.mc = kind == MOE_PAIR_MCAST ? 1 : kind == MOE_PAIR_SOLO ? 0 : -1;
+            return true;
+        }
         moe_tile_at_rule(&x, t, off, mt, G, ntn, BM, WN, BAND);
         /* share192 (the SHARE kernels): a group's last 128 + (1 .. 64) rows in 192-row
          * tiles, placed in the slots of its last two m-tiles; a slot without such a tile
@@ -406,7 +453,7 @@ __device__ int g_claims[2];
  * forward only (bf16, no sharing tiles): every output row goes to row p.smap[row] of C
  * (epilogue_scatter). map_bs: the forward's weights in boxes of SBN = 128 rows (a sharing
  * tile's; map_b's box is 256). */
-template <int MODE, int C32, int GATHER, int SHARE, int WN, int SCATTER, int SWAP>
+template <int MODE, int C32, int GATHER, int SHARE, int WN, int SCATTER, int SWAP, int MC>
 __global__ void __launch_bounds__(THREADS, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
@@ -421,6 +468,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     static_assert(!SCATTER || (MODE == FWD && !C32 && !SHARE), "the scatter epilogue");
     static_assert(!SWAP || (MODE != WGRAD && !C32 && !GATHER && !SHARE && WN == BN && !SCATTER),
                   "swapped tail tiles: forward and dgrad, bf16, plain 256-column kernels");
+    static_assert(!MC || (MODE != WGRAD && !C32 && !GATHER && !SHARE && WN == BN && !SCATTER &&
+                          !SWAP),
+                  "static-mc2: forward and dgrad, bf16, plain 256-column kernels");
     constexpr int WB_BYTES = WN * BK * 2, WSTAGE_TX = A_BYTES + WB_BYTES;
     constexpr int RING = 4; /* tile indices the producer may publish ahead of the consumers */
 
@@ -441,7 +491,9 @@ __global__ void __launch_bounds__(THREADS, 1)
             /* the producer's expect_tx arrival (+ the bytes), and with GATHER the 32
              * lanes' cp.async arrivals (noinc: they count against this number) */
             mbar_init(&full[s], GATHER ? 1 + 32 : 1);
-            mbar_init(&empty[s], 8); /* one arrival per consumer warp */
+            /* one arrival per consumer warp; MC: of both CTAs of the cluster (the partner's
+             * multicast writes this stage of our shared memory too) */
+            mbar_init(&empty[s], MC ? 16 : 8);
         }
         for (int r = 0; r < RING; r++) {
             mbar_init(&tfull[r], 1);  /* the producer wrote s_tile[r] */
@@ -450,11 +502,17 @@ __global__ void __launch_bounds__(THREADS, 1)
         mbar_init_fence();
     }
     __syncthreads();
-    if (threadIdx.x == 0) /* m-tile prefix over the groups (forward/dgrad) */
-        moe_tile_prefix_rule(s_mt, s_off, p.G, BM);
+    if constexpr (MC)
+        cluster_sync(); /* the partner's barriers exist before we multicast or arrive */
+    if (threadIdx.x == 0) { /* m-tile prefix over the groups (forward/dgrad) */
+        if constexpr (MC) /* ... MC: the pair-slot prefix */
+            moe_tile_pair_prefix_rule(s_mt, s_off, p.G, BM, (p.N + BN - 1) / BN);
+        else
+            moe_tile_prefix_rule(s_mt, s_off, p.G, BM);
+    }
     __syncthreads();
 
-    Scheduler<MODE, SHARE, WN, SWAP> sch;
+    Scheduler<MODE, SHARE, WN, SWAP, MC> sch;
     sch.off = s_off;
     sch.mt = s_mt;
     sch.G = p.G;
@@ -465,6 +523,13 @@ __global__ void __launch_bounds__(THREADS, 1)
     sch.mtn = (p.M + BM - 1) / BM;
     sch.S = p.split > 1 ? p.split : 1;
     sch.total = MODE == WGRAD ? sch.S * p.G * sch.mtn * sch.ntn : s_mt[p.G] * sch.ntn;
+    /* MC: the cluster (CTAs 2c, 2c + 1) takes pair slots c, c + gridDim / 2, ... (the
+     * slot walks below divide blockIdx.x and gridDim.x by CL) */
+    constexpr int CL = MC ? 2 : 1;
+    if constexpr (MC) {
+        sch.rank = (int)cluster_ctarank();
+        sch.total = s_mt[p.G];
+    }
 
     /* Which tiles a CTA runs. Static (dyn = 0): CTA b takes b, b + gridDim, ..., a fixed
      * sequence the producer and the consumers each walk. Dynamic (dyn = 1, forward and
@@ -489,7 +554,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             int it = 0;
             Tile ti;
             int tok[4];
-            int t = blockIdx.x;
+            int t = blockIdx.x / CL;
             for (int j = 0;; j++) {
                 if (p.dyn && lane == 0) {
                     const int r = j % RING;
@@ -500,7 +565,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 if (!sch.get(t, ti))
                     break;
                 /* claim the next tile now; its index is needed only after this tile's loads */
-                int next = t + gridDim.x;
+                int next = t + gridDim.x / CL;
                 if (p.dyn) {
                     if (lane == 0)
                         next = gridDim.x + atomicAdd(&g_claims[0], 1);
@@ -516,6 +581,12 @@ __global__ void __launch_bounds__(THREADS, 1)
                         gather_tokens(tok, p, ti.r0 + k0, ti.r1, lane, 2);
                     mbar_wait(&empty[s], phase ^ 1);
                     uint8_t *a = smem + s * STAGE_BYTES, *b = a + A_BYTES;
+                    if constexpr (MC) {
+                        if (ti.mc < 0) { /* no tile: the stage's phase turns with no bytes */
+                            mbar_arrive(&full[s]);
+                            continue;
+                        }
+                    }
                     if (SHARE && ti.share) {
                         /* a sharing tile: A = 3 boxes of 64 rows (24 KB; the third holds
                          * the group's 1 .. 64 last rows), then its 128 weight columns
@@ -558,7 +629,20 @@ __global__ void __launch_bounds__(THREADS, 1)
                                     tma_load_2d(a + A_BYTES / 2, &map_a, &full[s], k0,
                                                 ti.m0 + BM / 2);
                             }
-                            if (MODE == FWD) /* one box of WN weight rows */
+                            if (MC && ti.mc > 0) {
+                                /* the pair's weight block: this CTA loads half of it (K-major:
+                                 * 128 rows, map_bs; MN-major: boxes 2·rank, 2·rank + 1) into
+                                 * both CTAs, and its full barrier counts the partner's half
+                                 * too (the expect_tx above is the whole block) */
+                                if (MODE == FWD)
+                                    tma_load_3d_mc(b + sch.rank * (B_BYTES / 2), &map_bs,
+                                                   &full[s], k0, ti.n0 + sch.rank * (BN / 2),
+                                                   ti.g, 3);
+                                else
+                                    for (int i = 2 * sch.rank; i < 2 * sch.rank + 2; i++)
+                                        tma_load_3d_mc(b + i * 8192, &map_b, &full[s],
+                                                       ti.n0 + 64 * i, k0, ti.g, 3);
+                            } else if (MODE == FWD) /* one box of WN weight rows */
                                 tma_load_3d(b, &map_b, &full[s], k0, ti.n0, ti.g);
                             else
                                 for (int i = 0; i < WN / 64; i++)
@@ -587,6 +671,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                 }
             }
         }
+        if constexpr (MC)
+            cluster_sync(); /* (with the consumers: see the kernel's end) */
         return;
     }
 
@@ -600,7 +686,17 @@ __global__ void __launch_bounds__(THREADS, 1)
      * registers, three warps of 32 sharing an SM sub-partition's 16K.) */
     constexpr int ND = WN / 2;
     float d[ND];
-    for (int j = 0, t = blockIdx.x;; j++, t += gridDim.x) {
+    /* a consumer warp frees a stage: MC, in both CTAs of the cluster (each CTA's producer
+     * overwrites the stage in both) */
+    auto release = [&](uint64_t *bar) {
+        if constexpr (MC) {
+            mbar_arrive_cluster(bar, 0);
+            mbar_arrive_cluster(bar, 1);
+        } else {
+            mbar_arrive(bar);
+        }
+    };
+    for (int j = 0, t = blockIdx.x / CL;; j++, t += gridDim.x / CL) {
         if (p.dyn) { /* the producer's claim; static: b, b + gridDim, ... as it walks them */
             const int r = j % RING;
             mbar_wait(&tfull[r], (j / RING) & 1);
@@ -666,12 +762,22 @@ __global__ void __launch_bounds__(THREADS, 1)
                 /* the previous k-step's MMAs are done once at most this one is pending */
                 wgmma_wait<1>();
                 if (kt > 0 && lane == 0)
-                    mbar_arrive(&empty[(it - 1) % STAGES]);
+                    release(&empty[(it - 1) % STAGES]);
             }
             wgmma_wait<0>();
             if (ti.nk > 0 && lane == 0) /* a stored wgrad chunk may have no k-steps */
-                mbar_arrive(&empty[(it - 1) % STAGES]);
+                release(&empty[(it - 1) % STAGES]);
         };
+        if constexpr (MC) {
+            if (ti.mc < 0) { /* no tile: pass the stages on, in step with the partner */
+                for (int kt = 0; kt < ti.nk; kt++, it++) {
+                    mbar_wait(&full[it % STAGES], (it / STAGES) & 1);
+                    if (lane == 0)
+                        release(&empty[it % STAGES]);
+                }
+                continue;
+            }
+        }
         using Z = std::integral_constant<int, 0>;
         using Full = std::integral_constant<int, BN>;
         if constexpr (SWAP) {
@@ -771,6 +877,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     if (tid == 0)
         bulk_wait_all(); /* the last copy-outs have landed before the kernel ends */
+    if constexpr (MC)
+        cluster_sync(); /* no CTA leaves while its partner may still multicast into its
+                           shared memory or arrive on its barriers */
 #else
     __trap(); /* sm_90a only: the host never launches it elsewhere */
 #endif
@@ -778,22 +887,54 @@ __global__ void __launch_bounds__(THREADS, 1)
 
 /* ---------------------------------------------------------------- host side */
 
-template <int MODE, int C32, int GATHER, int SHARE, int WN = BN, int SCATTER = 0, int SWAP = 0>
+/* launches of the MC (static-mc2) kernels, for the tests: the schedule really ran */
+int g_mc_launches = 0;
+
+/* MC: clusters of two CTAs along x (cudaLaunchKernelEx), as many clusters as fit at once
+ * (cudaOccupancyMaxActiveClusters: one CTA per SM, and a cluster needs two SMs of one GPC,
+ * so that can be fewer than SMs / 2) and no more than max_tiles (an upper bound of the
+ * pair slots: each slot holds at least one tile) */
+template <int MODE, int C32, int GATHER, int SHARE, int WN = BN, int SCATTER = 0, int SWAP = 0,
+          int MC = 0>
 void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mbs,
                    const CUtensorMap &mc, const Params &p, int max_tiles) {
+    auto kernel = grouped_gemm_kernel<MODE, C32, GATHER, SHARE, WN, SCATTER, SWAP, MC>;
     static bool configured = false;
     if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<MODE, C32, GATHER, SHARE, WN,
-                                                                SCATTER, SWAP>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             SMEM_BYTES));
         configured = true;
+    }
+    if constexpr (MC) {
+        static int max_clusters = 0;
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = 2;
+        attr[0].val.clusterDim.y = 1;
+        attr[0].val.clusterDim.z = 1;
+        cudaLaunchConfig_t cfg = {};
+        cfg.blockDim = dim3(THREADS);
+        cfg.dynamicSmemBytes = SMEM_BYTES;
+        cfg.stream = moe_cuda_stream();
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        if (!max_clusters) {
+            cfg.gridDim = dim3(moe_sm90_num_sms() / 2 * 2);
+            MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &cfg));
+            MOE_ASSERT(max_clusters >= 1);
+        }
+        const int clusters = max_tiles < max_clusters ? max_tiles : max_clusters;
+        if (clusters <= 0)
+            return;
+        cfg.gridDim = dim3(2 * clusters);
+        MOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ma, mb, mbs, mc, p));
+        g_mc_launches++;
+        return;
     }
     const int grid = max_tiles < moe_sm90_num_sms() ? max_tiles : moe_sm90_num_sms();
     if (grid <= 0)
         return;
-    grouped_gemm_kernel<MODE, C32, GATHER, SHARE, WN, SCATTER, SWAP>
-        <<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mbs, mc, p);
+    kernel<<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mbs, mc, p);
     MOE_CUDA_LAUNCH_CHECK();
 }
 
@@ -820,6 +961,8 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mbs
         launch_kernel<MODE, C32, 0, CAN_SHARE>(ma, mb, mbs, mc, p, max_tiles);
     } else if (CAN_SHARE && p.fine == 3 && !p.gmap) { /* swapped tail tiles (swaptail) */
         launch_kernel<MODE, C32, 0, 0, BN, 0, CAN_SHARE>(ma, mb, mbs, mc, p, max_tiles);
+    } else if (CAN_SHARE && p.fine == 4 && !p.gmap) { /* 2-CTA clusters (static-mc2) */
+        launch_kernel<MODE, C32, 0, 0, BN, 0, 0, CAN_SHARE>(ma, mb, mbs, mc, p, max_tiles);
     } else if (MODE != DGRAD && p.gmap) {
         launch_kernel<MODE, C32, MODE != DGRAD, 0>(ma, mb, mbs, mc, p, max_tiles);
     } else {
@@ -875,7 +1018,8 @@ __global__ void scatter_rows_kernel(moe_bf16 *out, const moe_bf16 *src, const in
  * and dynamic alone is 2-4% faster up to 128 rows per expert, 3-8% slower above. The
  * share192 schedules (192-row tiles sharing the weight block with the tail rows): see
  * docs/results/03-grouped-gemm-ii.md §3c. The swaptail schedules (the tail rows computed
- * transposed, their rows as wgmma's N): written, not yet measured. Tests run every
+ * transposed, their rows as wgmma's N): docs/results/03-grouped-gemm-ii.md §3e. static-mc2
+ * (2-CTA clusters, weights multicast; see the header): not yet run. Tests run every
  * schedule, the benchmark (--shape fine) times them side by side. */
 int g_schedule = -1;
 
@@ -883,11 +1027,13 @@ constexpr int N_SCHEDULES = MOE_GROUPED_SCHED_COUNT;
 const char *const SCHEDULE_NAMES[N_SCHEDULES] = {"static",          "static-tail64",
                                                  "dynamic",         "dynamic-tail64",
                                                  "static-share192", "dynamic-share192",
-                                                 "static-swaptail", "dynamic-swaptail"};
+                                                 "static-swaptail", "dynamic-swaptail",
+                                                 "static-mc2"};
 
 /* Params::fine and Params::dyn of schedule s (the order of moe_grouped_schedule) */
 int sched_fine(int s) {
-    return s >= MOE_GROUPED_SCHED_STATIC_SWAPTAIL  ? 3
+    return s >= MOE_GROUPED_SCHED_STATIC_MC2       ? 4
+           : s >= MOE_GROUPED_SCHED_STATIC_SWAPTAIL  ? 3
            : s >= MOE_GROUPED_SCHED_STATIC_SHARE192 ? 2
                                                     : s & 1;
 }
@@ -909,7 +1055,8 @@ int schedule(void) {
                 fprintf(stderr, "moe.c: MOE_GROUPED_SCHEDULE=%s is not a schedule of the sm_90a "
                                 "grouped GEMM; use static, static-tail64, dynamic, "
                                 "dynamic-tail64, static-share192, dynamic-share192, "
-                                "static-swaptail or dynamic-swaptail (or unset it for the "
+                                "static-swaptail, dynamic-swaptail or static-mc2 (or unset it "
+                                "for the "
                                 "default, %s)\n",
                         e, SCHEDULE_NAMES[MOE_GROUPED_SCHED_DEFAULT]);
                 exit(1);
@@ -1004,6 +1151,8 @@ extern "C" const char *moe_cuda_grouped_sm90_schedule_name(moe_grouped_schedule 
     return s >= 0 && s < N_SCHEDULES ? SCHEDULE_NAMES[s] : "?";
 }
 
+extern "C" int moe_cuda_grouped_sm90_mc_launches(void) { return g_mc_launches; }
+
 extern "C" int moe_cuda_grouped_sm90_available(void) {
     return moe_cuda_cc_major() == 9;
 }
@@ -1058,7 +1207,8 @@ static void sm90_forward(void *out, const Input &in, const void *w, const int *d
     const uint32_t ba[2] = {BK, BM / 2}, bb[3] = {BK, (uint32_t)wn, 1}, bbs[3] = {BK, SBN, 1},
                    bc[2] = {64, 64};
     const CUtensorMap mb = moe_tma_map(w, 3, db, bb);
-    const CUtensorMap mbs = p.fine == 2 ? moe_tma_map(w, 3, db, bbs) : mb;
+    /* (128-row weight boxes: a sharing tile's, and static-mc2's half of a weight block) */
+    const CUtensorMap mbs = p.fine == 2 || p.fine == 4 ? moe_tma_map(w, 3, db, bbs) : mb;
     /* a gathered A has no tensor map (the kernel does not read map_a then) */
     launch<FWD>(in.map ? mb : moe_tma_map(in.x, 2, da, ba), mb, mbs, moe_tma_map(out, 2, dc, bc),
                 p, ((rows + BM - 1) / BM + G) * ((O + wn - 1) / wn), wn);

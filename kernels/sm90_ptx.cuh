@@ -110,6 +110,59 @@ static __device__ __forceinline__ void tma_load_4d(void *dst, const CUtensorMap 
                  : "memory");
 }
 
+/* ---------------------------------------------------------------- CTA clusters
+ * A cluster's CTAs run at the same time on neighbouring SMs and can address each other's
+ * shared memory (the shared::cluster window): a TMA load can MULTICAST one box into the
+ * same offset of several CTAs' shared memory, signalling each CTA's mbarrier at that
+ * offset, and a thread can arrive on another CTA's mbarrier. (The grouped GEMM's
+ * static-mc2 schedule: two CTAs that need the same weight block load half of it each.) */
+
+/** This CTA's rank in its cluster. */
+static __device__ __forceinline__ uint32_t cluster_ctarank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+/** Every thread of every CTA of the cluster: arrive (release) and wait (acquire). Orders
+ *  barrier initialisation before the other CTAs' remote arrivals and multicasts, and keeps
+ *  a CTA alive (its shared memory mapped) until the others are done touching it. Not
+ *  `.aligned`: the threads may reach it from divergent paths. */
+static __device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\n"
+                 "barrier.cluster.wait.acquire;" ::: "memory");
+}
+
+/** Arrive on the mbarrier at @p bar's offset in the shared memory of cluster CTA @p rank
+ *  (this CTA's own rank works too). The default semantics (release at CTA scope), as in
+ *  CUTLASS's ClusterBarrier: what the arrival publishes is that this warp's wgmma reads of
+ *  the stage are complete (wgmma.wait_group retired them), and the partner's TMA write
+ *  is ordered after the barrier's phase flips. An explicit `.release.cluster` makes ptxas
+ *  put a cluster-wide memory fence before every arrival: measured, the consumers then
+ *  spent 64 % of their cycles in that fence (ncu: "stalled waiting on a memory barrier")
+ *  and the kernel ran at 0.44x the static schedule. */
+static __device__ __forceinline__ void mbar_arrive_cluster(uint64_t *bar, uint32_t rank) {
+    asm volatile("{\n"
+                 ".reg .b32 remote;\n"
+                 "mapa.shared::cluster.u32 remote, %0, %1;\n"
+                 "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
+                 "}" ::"r"(smem_u32(bar)),
+                 "r"(rank)
+                 : "memory");
+}
+
+/** tma_load_3d multicast: the box lands at @p dst's offset in the shared memory of every
+ *  cluster CTA whose bit is set in @p mask, and its bytes count down the mbarrier at
+ *  @p bar's offset in each of them. */
+static __device__ __forceinline__ void tma_load_3d_mc(void *dst, const CUtensorMap *map,
+                                                      uint64_t *bar, int c0, int c1, int c2,
+                                                      uint16_t mask) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 ".multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;" ::"r"(smem_u32(dst)),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar)), "h"(mask)
+                 : "memory");
+}
+
 /** TMA copy-out of one box from shared memory: store... */
 static __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, const void *src,
                                                     int c0, int c1) {

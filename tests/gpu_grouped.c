@@ -4,11 +4,12 @@
  * memory), on ragged groups with empty experts, sizes that are not multiples of the tile
  * (128 rows, 128 columns, 64 k) and features that are only multiples of 8 — forward,
  * dgrad and wgrad; then the whole model with each backend against chapter 01's loop.
- * Our kernel runs under each of its eight forward/dgrad tile schedules (moe_grouped_schedule:
+ * Our kernel runs under each of its nine forward/dgrad tile schedules (moe_grouped_schedule:
  * 128-row tiles only, 64-row tiles for a group's last <= 64 rows, 192-row tiles that
  * compute those rows with the 128 before them (share192), or those rows computed
  * transposed with 16, 32 or 64 token columns (swaptail), each taken statically or
- * claimed from the device counter), on group sizes around every tile boundary, and with
+ * claimed from the device counter; and static-mc2, 2-CTA clusters that load a weight
+ * block once for two m-tiles), on group sizes around every tile boundary, and with
  * its 192-column tiles on and off. Inputs are rounded to bf16 for both sides (write_act, then read_act back
  * for the CPU); outputs are poisoned first and the accumulating outputs start from random
  * values. Errors are taken group by group (the worst group counts), so that one wrong
@@ -301,6 +302,42 @@ START_TEST(test_gpu_grouped_swaptail) {
         check_grouped(many, 256, 136, 264, sc);
         check_grouped(many, 256, 264, 200, sc);
     }
+}
+END_TEST
+
+/* static-mc2 (2-CTA clusters; kernels/grouped_gemm_sm90.cu, moe_tile_pair_at_rule): forward,
+ * dgrad accumulating and overwriting against the per-expert loop (outputs poisoned first),
+ * on groups with an even and an odd number of m-tiles (pairs, and the last m-tile of an
+ * odd count computed under two n-tiles), empty groups, 1 row, sizes around 128 and 256,
+ * and 256 groups; with an even and an odd number of n-tiles (an odd one leaves the second
+ * CTA of a group's last solo slot idle: it must keep the cluster's pipeline in step and
+ * write nothing — a wrong barrier count hangs here, a write shows as a mismatch); N not a
+ * multiple of 64 and K ending inside a k-step. The launch counter proves the cluster kernel
+ * ran (a gathering input, a scatter, or narrow tiles would not run it). */
+static const int g_mc_edges[] = {0,   1,   127, 128, 129, 255, 256, 257, 258, 383, 384,
+                                 385, 511, 512, 513, 640, 0,   1,   64,  1000};
+#define N_MC_EDGES ((int)(sizeof g_mc_edges / sizeof g_mc_edges[0]))
+
+START_TEST(test_gpu_grouped_mc2) {
+    const int sc = MOE_GROUPED_SCHED_STATIC_MC2;
+    const int one[1] = {1}, two[2] = {257, 0}, pair[1] = {256}, three[3] = {385, 129, 1};
+    int many[256];
+    for (int i = 0; i < 256; i++)
+        many[i] = i % 32 >= 28 ? i % 2 : g_mc_edges[(i * 7) % N_MC_EDGES] + (i / 64) % 3;
+    const int before = moe_cuda_grouped_sm90_mc_launches();
+    check_grouped(one, 1, 64, 256, sc);      /* one n-tile: the solo slot's partner idles */
+    check_grouped(pair, 1, 256, 512, sc);    /* one pair, two n-tiles */
+    check_grouped(two, 2, 136, 136, sc);     /* three m-tiles, one n-tile either way */
+    check_grouped(three, 3, 200, 320, sc);   /* odd m-tile counts, N ends inside a tile */
+    check_grouped(g_mc_edges, N_MC_EDGES, 200, 320, sc);
+    check_grouped(g_mc_edges, N_MC_EDGES, 256, 512, sc);
+    check_grouped(g_mc_edges, N_MC_EDGES, 320, 768, sc); /* 3 n-tiles forward, 2 dgrad */
+    check_grouped(many, 256, 136, 264, sc);
+    check_grouped(many, 256, 264, 200, sc);
+    const int ran = moe_cuda_grouped_sm90_mc_launches() - before;
+    printf("  static-mc2: %d cluster launches\n", ran);
+    if (moe_cuda_grouped_sm90_available()) /* (elsewhere the cuBLAS fallback runs) */
+        ck_assert_msg(ran >= 3 * 9, "the static-mc2 kernels did not run");
 }
 END_TEST
 
@@ -661,6 +698,7 @@ Suite *suite_gpu_grouped(void) {
     tcase_add_test(tc, test_gpu_grouped_wgrad_modes);
     tcase_add_test(tc, test_gpu_grouped_fine_tiles);
     tcase_add_test(tc, test_gpu_grouped_swaptail);
+    tcase_add_test(tc, test_gpu_grouped_mc2);
     tcase_add_test(tc, test_gpu_grouped_narrow_tiles);
     tcase_add_test(tc, test_gpu_grouped_gather);
     tcase_add_test(tc, test_gpu_grouped_scatter);

@@ -386,9 +386,86 @@ START_TEST(test_tile_schedule_swap) {
 }
 END_TEST
 
+/* The pair slots of the static-mc2 schedule (moe_tile_pair_at_rule): over all slots and
+ * both ranks, every (group, m-tile, n-tile) is computed exactly once; a multicast slot's
+ * two CTAs share group and n-tile and take m-tiles 2i, 2i + 1 of it; a solo slot's take the
+ * group's last m-tile (of an odd count) under n-tiles 2j, 2j + 1; a CTA idles only in the
+ * second half of a group's last solo slot when ntn is odd; no slot past ps[G]. */
+static void check_pairs(const int *off, int G, int N, moe_tile_shape s) {
+    const int ntn = (N + s.bn - 1) / s.bn;
+    int *ps = malloc(sizeof(int) * (G + 1)), *mt = malloc(sizeof(int) * (G + 1));
+    const int total = moe_tile_pair_prefix_rule(ps, off, G, s.bm, ntn);
+    const int mtiles = moe_tile_prefix_rule(mt, off, G, s.bm);
+    char *seen = calloc((size_t)(mtiles > 0 ? mtiles : 1) * ntn, 1);
+    int idle = 0, want_idle = 0;
+    for (int g = 0; g < G; g++)
+        want_idle += (mt[g + 1] - mt[g]) % 2 && ntn % 2;
+    for (int t = 0; t < total; t++) {
+        moe_tile a, b;
+        const int ka = moe_tile_pair_at_rule(&a, t, 0, off, ps, G, ntn, s.bm, s.bn, s.band);
+        const int kb = moe_tile_pair_at_rule(&b, t, 1, off, ps, G, ntn, s.bm, s.bn, s.band);
+        ck_assert(a.g == b.g && a.r0 == off[a.g] && a.r1 == off[a.g + 1]);
+        if (ka == MOE_PAIR_MCAST) {
+            ck_assert_int_eq(kb, MOE_PAIR_MCAST);
+            ck_assert(a.n0 == b.n0 && b.m0 == a.m0 + s.bm && (a.m0 - a.r0) % (2 * s.bm) == 0);
+        } else {
+            ck_assert_int_eq(ka, MOE_PAIR_SOLO);
+            ck_assert(kb == MOE_PAIR_SOLO || kb == MOE_PAIR_IDLE);
+            ck_assert(a.m0 == b.m0 && b.n0 == a.n0 + s.bn && a.m0 + s.bm >= a.r1);
+            ck_assert_int_eq((mt[a.g + 1] - mt[a.g]) % 2, 1);
+            idle += kb == MOE_PAIR_IDLE;
+            ck_assert(kb == MOE_PAIR_SOLO || b.n0 >= N);
+        }
+        for (int r = 0; r < 2; r++) {
+            const moe_tile *x = r ? &b : &a;
+            if ((r ? kb : ka) == MOE_PAIR_IDLE)
+                continue;
+            ck_assert(x->m0 >= x->r0 && x->m0 < x->r1 && x->n0 < N);
+            const size_t i = (size_t)(mt[x->g] + (x->m0 - x->r0) / s.bm) * ntn + x->n0 / s.bn;
+            ck_assert_msg(!seen[i], "tile computed twice");
+            seen[i] = 1;
+        }
+    }
+    for (size_t i = 0; i < (size_t)mtiles * ntn; i++)
+        ck_assert_msg(seen[i], "tile never computed");
+    ck_assert_int_eq(idle, want_idle);
+    moe_tile x;
+    ck_assert_int_eq(moe_tile_pair_at_rule(&x, total, 0, off, ps, G, ntn, s.bm, s.bn, s.band),
+                     MOE_PAIR_NONE);
+    free(ps);
+    free(mt);
+    free(seen);
+}
+
+START_TEST(test_tile_schedule_pairs) {
+    static const int edge[] = {0,   1,   2,   63,  64,  65,  127, 128, 129, 255, 256,
+                               257, 258, 383, 384, 385, 511, 512, 513, 1000, 1025};
+    const int ne = (int)(sizeof edge / sizeof edge[0]);
+    int off[257];
+    edge_offsets(off, 256, edge, ne);
+    const moe_tile_shape s = {128, 256, 8};
+    for (int N = 256; N <= 1536; N += 256) /* even and odd numbers of n-tiles */
+        check_pairs(off, 256, N, s);
+    check_pairs(off, 256, 320, s);
+    check_pairs(off, 256, 136, s);
+    const int one[2] = {0, 1}, lead_empty[5] = {0, 0, 0, 0, 257};
+    check_pairs(one, 1, 256, s);
+    check_pairs(one, 1, 768, s);
+    check_pairs(lead_empty, 4, 512, s);
+    const moe_tile_shape small = {16, 8, 4};
+    int off2[41];
+    off2[0] = 0;
+    for (int g = 0; g < 40; g++)
+        off2[g + 1] = off2[g] + (g * 7) % 75;
+    for (int N = 1; N <= 40; N++)
+        check_pairs(off2, 40, N, small);
+}
+END_TEST
+
 Suite *suite_tile_schedule(void) {
     const TTest *tests[] = {test_tile_schedule_ragged, test_tile_schedule_edge_groups,
                             test_tile_schedule_random, test_tile_schedule_tail_heights,
-                            test_tile_schedule_share,  test_tile_schedule_swap};
-    return moe_test_chapter_suite("tile_schedule", "ch03", tests, 6);
+                            test_tile_schedule_share,  test_tile_schedule_swap,
+                            test_tile_schedule_pairs};
+    return moe_test_chapter_suite("tile_schedule", "ch03", tests, 7);
 }

@@ -29,10 +29,11 @@
  * (kernels/cuda_ops.h): the header says which.
  *
  * --shape fine: the fine-grained regime (many experts of a few hundred rows, H = 4096,
- * F = 1536), forward and dgrad only, our kernel under each of its eight tile schedules
+ * F = 1536), forward and dgrad only, our kernel under each of its nine tile schedules
  * (moe_grouped_schedule: 128-row tiles only, a group's last <= 64 rows in a 64 × 256
  * tile, those rows with the 128 before them in 192-row tiles that share the weight
- * block, or those rows computed transposed with 16, 32 or 64 token columns (swaptail);
+ * block, or those rows computed transposed with 16, 32 or 64 token columns (swaptail),
+ * or 2-CTA clusters whose CTAs take m-tiles 2i, 2i + 1 and load the weights once (mc2);
  * tiles taken statically, CTA b runs b, b + grid, ..., or claimed in order from a
  * device counter; --schedules picks some) against the per-expert cuBLAS loop, in the
  * same run: a uniform top-k
@@ -79,7 +80,7 @@ static const moe_flag g_flags[] = {
        "the whole sweep", NULL),
     OF("schedules", MOE_FLAG_STRING, schedules, "",
        "--shape fine: only these tile schedules of our kernel, comma-separated (e.g. "
-       "static,static-swaptail); empty = all eight", NULL),
+       "static,static-swaptail); empty = all nine", NULL),
     OF("warmup", MOE_FLAG_INT, warmup, "2", "untimed runs of each GEMM first", NULL),
     OF("repeats", MOE_FLAG_INT, repeats, "7", "timed runs (the median is reported)", NULL),
 };
@@ -89,7 +90,7 @@ typedef moe_bench_shape shape;
 /* KERNEL: our kernel under the default schedule (or MOE_GROUPED_SCHEDULE's);
  * SCHED + s: under the moe_grouped_schedule s, timed by --shape fine only */
 enum { LOOP, CUBLAS, KERNEL, N_IMPL, SCHED = N_IMPL };
-#define N_SCHED 8
+#define N_SCHED 9
 
 /* --shape fine: the schedules timed, in the order --schedules names them (all by default) */
 static int g_sel[N_SCHED], g_nsel;
@@ -379,7 +380,7 @@ static const char *sched_name(int s) {
 #else
     static const char *n[N_SCHED] = {"static",          "static-tail64",    "dynamic",
                                      "dynamic-tail64",  "static-share192",  "dynamic-share192",
-                                     "static-swaptail", "dynamic-swaptail"};
+                                     "static-swaptail", "dynamic-swaptail", "static-mc2"};
     return n[s];
 #endif
 }

@@ -203,6 +203,98 @@ static inline MOE_HOSTDEV int moe_tile_swap_rule(const moe_tile *ti, int bm) {
     return t <= 16 ? 16 : t <= 32 ? 32 : 64;
 }
 
+/**
+ * @brief The pair slots of one group (the "static-mc2" schedule, a CTA cluster of two):
+ *        (q / 2)·ntn multicast slots, each two m-tiles 2i, 2i + 1 of one n-tile, and, for
+ *        an odd number q = ceil(rows / bm) of m-tiles, ceil(ntn / 2) solo slots, each the
+ *        last m-tile under two neighbouring n-tiles.
+ *
+ * Why: in the fine-grained regime the weight block of a tile (bn rows of w_g × all of K)
+ * outweighs its rows, and every further m-tile of a group reads it again unless L2 still
+ * holds it (docs/results/03-grouped-gemm-ii.md §3e). A CTA cluster of two computes the
+ * m-tiles 2i and 2i + 1 of one (group, n-tile) at the same time and each CTA loads half
+ * of every weight k-block, multicast into both CTAs' shared memory: the weights are read
+ * once per pair. The odd m-tile left over is not paired with an empty partner (that CTA
+ * would idle a whole tile: a group of 257 rows would cost 4 tile slots per n-tile instead
+ * of 3) but with itself under the next n-tile: each CTA loads its own weights (solo), both
+ * compute; only an odd ntn leaves one CTA idle in the group's last slot.
+ * @param rows the group's rows  @param bm rows per m-tile  @param ntn n-tiles
+ * @return the group's pair slots
+ */
+static inline MOE_HOSTDEV int moe_tile_pair_count(int rows, int bm, int ntn) {
+    const int q = (rows + bm - 1) / bm;
+    return q / 2 * ntn + q % 2 * ((ntn + 1) / 2);
+}
+
+/**
+ * @brief The pair-slot prefix: ps[g] = Σ_{h<g} moe_tile_pair_count(rows_h), g = 0..G.
+ * @param ps [G+1] receives the prefix  @param off [G+1] row offsets  @param G groups
+ * @param bm rows per m-tile  @param ntn n-tiles
+ * @return ps[G], the number of pair slots
+ */
+static inline MOE_HOSTDEV int moe_tile_pair_prefix_rule(int *ps, const int *off, int G, int bm,
+                                                        int ntn) {
+    int acc = 0;
+    for (int g = 0; g < G; g++) {
+        ps[g] = acc;
+        acc += moe_tile_pair_count(off[g + 1] - off[g], bm, ntn);
+    }
+    ps[G] = acc;
+    return acc;
+}
+
+/** What a CTA of a pair slot does (moe_tile_pair_at_rule()). */
+enum {
+    MOE_PAIR_NONE = 0,  /**< no such slot (past the last one) */
+    MOE_PAIR_IDLE = 1,  /**< no tile: the solo slot's second n-tile lies past N */
+    MOE_PAIR_SOLO = 2,  /**< a tile whose weights this CTA loads alone */
+    MOE_PAIR_MCAST = 3  /**< a tile whose weight block the two CTAs load half each */
+};
+
+/**
+ * @brief The tile that CTA @p rank (0 or 1) of a cluster computes in pair slot @p t: the
+ *        group by binary search in the pair-slot prefix; then, inside the group, the
+ *        multicast slots in bands of band / 2 pairs (the band order of
+ *        moe_tile_band_place(), so a band still spans @p band m-tiles), then the solo
+ *        slots. Multicast: m-tile 2i + rank of pair i, both CTAs the same n-tile. Solo:
+ *        the group's last m-tile, n-tile 2j + rank.
+ * @param ti receives the tile (for MOE_PAIR_IDLE: the group and rows, n0 past N)
+ * @param t pair slot  @param rank the CTA's rank in its cluster (0 or 1)
+ * @param off [G+1] row offsets  @param ps [G+1] the prefix of moe_tile_pair_prefix_rule()
+ * @param G groups  @param ntn n-tiles  @param bm rows per m-tile  @param bn columns per tile
+ * @param band m-tiles per band (even)
+ * @return MOE_PAIR_NONE, MOE_PAIR_IDLE, MOE_PAIR_SOLO or MOE_PAIR_MCAST
+ */
+static inline MOE_HOSTDEV int moe_tile_pair_at_rule(moe_tile *ti, int t, int rank,
+                                                    const int *off, const int *ps, int G,
+                                                    int ntn, int bm, int bn, int band) {
+    if (t < 0 || t >= ps[G])
+        return MOE_PAIR_NONE;
+    int lo = 0, hi = G - 1; /* the g with ps[g] <= t < ps[g+1] (empty groups are skipped) */
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (ps[mid] <= t)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    const int l = t - ps[lo], q = (off[lo + 1] - off[lo] + bm - 1) / bm, np = q / 2;
+    ti->g = lo;
+    ti->r0 = off[lo];
+    ti->r1 = off[lo + 1];
+    if (l < np * ntn) {
+        int pi, ni;
+        moe_tile_band_place(l, np, ntn, band / 2, &pi, &ni);
+        ti->m0 = ti->r0 + (2 * pi + rank) * bm;
+        ti->n0 = ni * bn;
+        return MOE_PAIR_MCAST;
+    }
+    const int n = 2 * (l - np * ntn) + rank;
+    ti->m0 = ti->r0 + (q - 1) * bm;
+    ti->n0 = n * bn;
+    return n < ntn ? MOE_PAIR_SOLO : MOE_PAIR_IDLE;
+}
+
 /** The shape of a tile grid: how the output is cut and walked. */
 typedef struct moe_tile_shape {
     int bm;   /**< rows per tile (the sm_90a kernel: 128) */
