@@ -13,8 +13,8 @@
  *             values: then the bf16 output `y` is a itself, or dgu itself (the bytes the
  *             separate kernels write), next to the row-wise codes, instead of the dequantized
  *             copy — one pass still, where the separate path wrote a (dgu), read it back to
- *             quantize it, and (backward) zeroed dgu first. STATUS of y_raw: written, not yet
- *             run on a GPU (tests/gpu_fp8_fused.c, gpu_fp8_layer.c check it there);
+ *             quantize it, and (backward) zeroed dgu first. STATUS of y_raw: passed
+ *             tests/gpu_fp8_fused.c and gpu_fp8_layer.c on an H100 at 3d50c58;
  *   saved     the backward's bf16 wgrad needs Q(a) as bf16: dequantized once from the codes
  *             the forward kept (1 byte read per element, 2 written), where the unfused path
  *             quantized the saved bf16 a again (2 read, 3 written).

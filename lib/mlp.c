@@ -271,8 +271,9 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
  * sizing below). Per MoE layer of N rows this skips, against the separate passes, the
  * forward's re-read of the SwiGLU output (2·N·F bytes) and, in the backward, the zeroing of
  * dgu, the SwiGLU's read of it and the quantizer's (3 × 4·N·F bytes): 14·N·F bytes and two
- * launches. STATUS: written, not yet run on a GPU; on only with MOE_FP8_WGRAD=1 (itself off
- * by default), so the default path is untouched.
+ * launches. STATUS: passed tests/gpu_fp8_fused.c and gpu_fp8_layer.c on an H100 at 3d50c58;
+ * on only with MOE_FP8_WGRAD=1 (itself off by default: the Mixtral layer measured 1.09x bf16
+ * with it and 1.08x without, docs/results/05-fp8-nvfp4.md).
  */
 
 /* the fused passes' condition, whichever wgrad runs: the native path, MOE_FP8_FUSED latched
