@@ -112,7 +112,8 @@ constexpr int BH = 128;     /* columns of one wgmma m64n128k32 = of a weight sca
 constexpr int BK = MOE_QUANT_BLOCK; /* k per stage: one scale block = one 128-byte row */
 [[maybe_unused]] constexpr int BAND = 8; /* m-tiles per raster band (tile_schedule.h) */
 [[maybe_unused]] constexpr int MAX_G = MOE_GROUPED_DEV_MAX_GROUPS;
-constexpr int A_BYTES = BM * BK, B_BOX = BH * BK;
+constexpr int A_BYTES = BM * BK;
+[[maybe_unused]] constexpr int B_BOX = BH * BK; /* one 128-row weight box */
 constexpr int C_BYTES = 16384; /* a warpgroup's staging: 64 × 128 bf16, or half of fp32 */
 static_assert(BK == 128, "a stage must be one 128-deep scale block of 128 bytes");
 
