@@ -67,7 +67,8 @@
  * = 224 KB. A tile whose second half lies wholly past N (N = 256·k + 1..128) neither loads
  * nor computes it, and reads no scale past the ⌈N/128⌉ blocks of its expert. The tile
  * scheduler gets the width 256 (moe_tile_at_rule's bn), as the bf16 kernel's 256 columns.
- * Its own instantiations: the 128-column kernels compile to the same SASS as before.
+ * Its own instantiations (WIDE = 1): the 128-column kernels compile to the same PTX as before
+ * (tools/device_code_diff.py).
  *
  * Scales: the consumer thread loads the two row scales it needs (rows r_lo and r_lo + 8 of
  * its 64, see sm90_epilogue.cuh for the accumulator layout) and the tile's one weight-block
@@ -117,12 +118,13 @@ constexpr int A_BYTES = BM * BK;
 constexpr int C_BYTES = 16384; /* a warpgroup's staging: 64 × 128 bf16, or half of fp32 */
 static_assert(BK == 128, "a stage must be one 128-deep scale block of 128 bytes");
 
-/* What depends on the tile width TN: 128 × 128 tiles, 6 stages of 32 KB, 288 threads (the
+/* What depends on the tile width TN (WIDE = 0: 128, 1: 256; a 0/1 template parameter, so
+ * that tools/device_code_diff.py matches the 128-column kernels with their old names): 128 × 128 tiles, 6 stages of 32 KB, 288 threads (the
  * producer a single warp); 128 × 256 tiles, 4 stages of 48 KB, 384 threads (the producer a
  * whole warpgroup, so that setmaxnreg can hand its registers to the consumers). Both:
  * stages + two staging buffers = 224 KB of the SM's 227. */
-template <int TN> struct Tile {
-    static_assert(TN == BH || TN == 2 * BH, "a tile is 128 or 256 columns wide");
+template <int WIDE> struct Tile {
+    static constexpr int TN = WIDE ? 2 * BH : BH; /* the tile's columns */
     static constexpr int STAGES = TN == BH ? 6 : 4;
     static constexpr int STAGE_BYTES = A_BYTES + TN * BK;
     static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * C_BYTES;
@@ -139,15 +141,16 @@ struct Params {
 };
 
 /* C32: fp32 output, else bf16. ORDERED: the warpgroups issue their k-blocks (halves) in turn
- * (above). TN: the tile's columns, 128 or 256 (the split promotion, above). */
-template <int C32, int ORDERED, int TN>
-__global__ void __launch_bounds__(Tile<TN>::THREADS, 1)
+ * (above). WIDE: 128 × 256 tiles (the split promotion, above), else 128 × 128. */
+template <int C32, int ORDERED, int WIDE>
+__global__ void __launch_bounds__(Tile<WIDE>::THREADS, 1)
     fp8_grouped_kernel(const __grid_constant__ CUtensorMap map_a,
                        const __grid_constant__ CUtensorMap map_b,
                        const __grid_constant__ CUtensorMap map_c, const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int STAGES = Tile<TN>::STAGES, STAGE_BYTES = Tile<TN>::STAGE_BYTES;
-    constexpr int THREADS = Tile<TN>::THREADS;
+    constexpr int TN = Tile<WIDE>::TN;
+    constexpr int STAGES = Tile<WIDE>::STAGES, STAGE_BYTES = Tile<WIDE>::STAGE_BYTES;
+    constexpr int THREADS = Tile<WIDE>::THREADS;
     constexpr int NH = TN / BH; /* 128-column halves of the tile: 1 or 2 */
     extern __shared__ __align__(1024) uint8_t smem[];
     if (threadIdx.x == 0 && (smem_u32(smem) & 1023))
@@ -296,36 +299,37 @@ __global__ void __launch_bounds__(Tile<TN>::THREADS, 1)
 
 long long g_bn256_calls = 0; /* launches of the 256-column kernel (a test's proof it ran) */
 
-template <int C32, int ORDERED, int TN>
+template <int C32, int ORDERED, int WIDE>
 void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc, const Params &p,
             int max_tiles) {
     static bool configured = false;
     if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_kernel<C32, ORDERED, TN>,
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_kernel<C32, ORDERED, WIDE>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            Tile<TN>::SMEM_BYTES));
+                                            Tile<WIDE>::SMEM_BYTES));
         configured = true;
     }
     const int grid = max_tiles < moe_sm90_num_sms() ? max_tiles : moe_sm90_num_sms();
     if (grid <= 0)
         return;
-    fp8_grouped_kernel<C32, ORDERED, TN>
-        <<<grid, Tile<TN>::THREADS, Tile<TN>::SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mc, p);
+    fp8_grouped_kernel<C32, ORDERED, WIDE>
+        <<<grid, Tile<WIDE>::THREADS, Tile<WIDE>::SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mc,
+                                                                                   p);
     MOE_CUDA_LAUNCH_CHECK();
-    if (TN != BH)
+    if (WIDE)
         g_bn256_calls++;
 }
 
-/* the variant's launch for tile width TN */
-template <int TN>
-void launch_tn(int d_fp32, int ord, const CUtensorMap &ma, const CUtensorMap &mb,
+/* the variant's launch for tile width Tile<WIDE>::TN */
+template <int WIDE>
+void launch_width(int d_fp32, int ord, const CUtensorMap &ma, const CUtensorMap &mb,
                const CUtensorMap &mc, const Params &p, int max_tiles) {
     if (ord)
-        d_fp32 ? launch<1, 1, TN>(ma, mb, mc, p, max_tiles)
-               : launch<0, 1, TN>(ma, mb, mc, p, max_tiles);
+        d_fp32 ? launch<1, 1, WIDE>(ma, mb, mc, p, max_tiles)
+               : launch<0, 1, WIDE>(ma, mb, mc, p, max_tiles);
     else
-        d_fp32 ? launch<1, 0, TN>(ma, mb, mc, p, max_tiles)
-               : launch<0, 0, TN>(ma, mb, mc, p, max_tiles);
+        d_fp32 ? launch<1, 0, WIDE>(ma, mb, mc, p, max_tiles)
+               : launch<0, 0, WIDE>(ma, mb, mc, p, max_tiles);
 }
 
 int aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
@@ -383,9 +387,9 @@ extern "C" moe_status moe_cuda_fp8_grouped_gemm(void *d, int d_fp32, const moe_q
     const int tn = tile_width();
     const int max_tiles = ((rows + BM - 1) / BM + G) * ((N + tn - 1) / tn);
     if (tn == 2 * BH)
-        launch_tn<2 * BH>(d_fp32, ordered(), ma, mb, mc, p, max_tiles);
+        launch_width<1>(d_fp32, ordered(), ma, mb, mc, p, max_tiles);
     else
-        launch_tn<BH>(d_fp32, ordered(), ma, mb, mc, p, max_tiles);
+        launch_width<0>(d_fp32, ordered(), ma, mb, mc, p, max_tiles);
     return MOE_OK;
 }
 
