@@ -323,7 +323,7 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
 /* the variant's launch for tile width Tile<WIDE>::TN */
 template <int WIDE>
 void launch_width(int d_fp32, int ord, const CUtensorMap &ma, const CUtensorMap &mb,
-               const CUtensorMap &mc, const Params &p, int max_tiles) {
+                  const CUtensorMap &mc, const Params &p, int max_tiles) {
     if (ord)
         d_fp32 ? launch<1, 1, WIDE>(ma, mb, mc, p, max_tiles)
                : launch<0, 1, WIDE>(ma, mb, mc, p, max_tiles);
