@@ -357,6 +357,26 @@ moe_status moe_cuda_fp8_grouped_gemm(void *d, int d_fp32, const moe_qmatrix *a,
 #define MOE_FP8_GROUPED_ORDERED_DEFAULT 1
 void moe_cuda_fp8_grouped_set_ordered(int on);
 int moe_cuda_fp8_grouped_ordered(void);
+/** The default tile width of the FP8 grouped GEMM: 128 columns (the 256-column tile has not
+ *  run on a GPU yet). */
+#define MOE_FP8_GROUPED_BN_DEFAULT 128
+/**
+ * @brief Choose the FP8 grouped GEMM's tile width (process-wide, not thread-safe; forward
+ *        and dgrad, both output types): 128 × 128 tiles, or 128 × 256 tiles whose consumer
+ *        warpgroups promote each k-block in two 128-column halves (the "split promotion" of
+ *        kernels/grouped_gemm_fp8_sm90.cu). Both give bit-identical outputs.
+ *
+ * Without a call, the environment's MOE_FP8_GROUPED_BN=128|256 decides, else
+ * ::MOE_FP8_GROUPED_BN_DEFAULT. Set by the tests and the chapter 05 benchmark.
+ * @param bn 256 for the wide tile; any other value selects 128
+ */
+void moe_cuda_fp8_grouped_set_bn(int bn);
+/** @brief The FP8 grouped GEMM's tile width in use: 128 or 256 (moe_cuda_fp8_grouped_set_bn()).
+ *  @return 128 or 256 */
+int moe_cuda_fp8_grouped_bn(void);
+/** @brief Launches of the 256-column FP8 grouped kernel since the process started: a test's
+ *  proof that it ran. @return the count */
+long long moe_cuda_fp8_grouped_bn256_calls(void);
 /* chapter 05's FP8 wgrad (lib/fp8_wgrad.h): the token-wise FP8 copy [C][kpad] of a bf16
  * [rows][C] per expert group, scales [kpad/128][C], the offsets in DEVICE memory
  * (kernels/quantize_group_t.cu; CPU twin moe_cpu_quant_group_t); the emulation's QDQ with

@@ -668,6 +668,31 @@ static float *grouped_abs_product(const grouped_operands *o, const int *off, int
     return s;
 }
 
+/* The GPU's D (bf16, or fp32 when fp32) against the CPU twin's ref, per element relative to
+ * S = mag (Σ_k |a_k·b_k|): at most 5e-3 with bf16 D (its rounding, 2⁻⁹·|D|), 2e-3 with fp32
+ * D, and ||gpu − cpu|| / ||cpu|| ≤ 1e-2; prints one line. got: n floats of host scratch,
+ * left holding the GPU's D as fp32. */
+static int grouped_vs_ref(const char *what, const void *dd, int fp32, const float *ref,
+                          const float *mag, size_t n, float *got) {
+    if (fp32)
+        moe_cuda_to_host(got, dd, n * 4);
+    else
+        moe_cuda_read_act(got, dd, n);
+    double worst = 0, e2 = 0, r2 = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double diff = fabs((double)got[i] - ref[i]);
+        const double e = diff / (mag[i] + 1e-30);
+        worst = e > worst || isnan(e) ? e : worst;
+        e2 += diff * diff;
+        r2 += (double)ref[i] * ref[i];
+    }
+    const double frob = n ? sqrt(e2 / (r2 + 1e-300)) : 0;
+    const int pass = worst <= (fp32 ? 2e-3 : 5e-3) && frob <= 1e-2 && !isnan(frob);
+    printf("  FP8 grouped %s %s D: max |gpu - cpu| / S %.2e, ||gpu - cpu|| / ||cpu|| %.2e %s\n",
+           what, fp32 ? "fp32" : "bf16", worst, frob, pass ? "ok" : "TOO LARGE");
+    return pass;
+}
+
 /* Our sm_90a FP8 grouped GEMM (kernels/grouped_gemm_fp8_sm90.cu) against its CPU twin
  * (moe_cpu_fp8_grouped_gemm: the same codes and scales dequantized, fp32 GEMM per group), on
  * ragged groups: empty ones, a single row, sizes around the 64-row warpgroup and 128-row tile
@@ -722,25 +747,10 @@ START_TEST(test_gpu_fp8_grouped_gemm) {
             const moe_status st =
                 moe_cuda_fp8_grouped_gemm(dd, fp32, &o.da, &o.db, doff, G, rows, N, K, &err);
             ck_assert_msg(st == MOE_OK, "case %zu: %s", ci, err.msg);
-            if (fp32)
-                moe_cuda_to_host(got, dd, n * 4);
-            else
-                moe_cuda_read_act(got, dd, n);
-            double worst = 0, e2 = 0, r2 = 0;
-            for (size_t i = 0; i < n; i++) {
-                const double diff = fabs((double)got[i] - ref[i]);
-                const double e = diff / (mag[i] + 1e-30);
-                worst = e > worst || isnan(e) ? e : worst;
-                e2 += diff * diff;
-                r2 += (double)ref[i] * ref[i];
-            }
-            const double frob = rows ? sqrt(e2 / (r2 + 1e-300)) : 0;
-            const int pass = worst <= (fp32 ? 2e-3 : 5e-3) && frob <= 1e-2 && !isnan(frob);
-            printf("  FP8 grouped G=%-2d rows=%-4d N=%d K=%-4d %-8s %s D: max |gpu - cpu| / S "
-                   "%.2e, ||gpu - cpu|| / ||cpu|| %.2e %s\n",
-                   G, rows, N, K, ord ? "ordered" : "lockstep", fp32 ? "fp32" : "bf16", worst,
-                   frob, pass ? "ok" : "TOO LARGE");
-            ok &= pass;
+            char what[96];
+            snprintf(what, sizeof what, "G=%-2d rows=%-4d N=%d K=%-4d %-8s", G, rows, N, K,
+                     ord ? "ordered" : "lockstep");
+            ok &= grouped_vs_ref(what, dd, fp32, ref, mag, n, got);
             moe_cuda_free(dd);
         }
         moe_cuda_free(doff);
@@ -749,6 +759,109 @@ START_TEST(test_gpu_fp8_grouped_gemm) {
     }
     moe_cuda_fp8_grouped_set_ordered(MOE_FP8_GROUPED_ORDERED_DEFAULT);
     ck_assert_msg(ok, "the FP8 grouped GEMM differs from its CPU twin");
+}
+END_TEST
+
+/* The 128 × 256 tile of the FP8 grouped GEMM (moe_cuda_fp8_grouped_set_bn(256): two
+ * 128-column halves promoted one after the other per k-block) against the 128-column tile,
+ * BIT FOR BIT (the same m64n128k32 on the same bytes, the same scale products, the same order
+ * of k-blocks: every element is the same fp32 sum, so bf16 and fp32 D must be the same bytes),
+ * and against the CPU twin with grouped_vs_ref's tolerance (the two could share a bug). On
+ * ragged groups: empty ones, 1 to 8 rows, sizes around the 64/128/256 boundaries, many
+ * groups; N = 256 (whole wide tiles), 384 and 640 (256·k + 128: the last tile's second half
+ * past N, neither loaded nor computed), 272 and 144 (not multiples of 128: a half that N ends
+ * inside, its weight scale block the expert's last), 128 (one half only); K from one k-block
+ * to 5 (more than the wide tile's 4 stages), more tiles than SMs. Both issue orders, bf16 and
+ * fp32 D, each D poisoned (0xAB) first. The wide kernel's launch counter must grow by one per
+ * wide call: a test of the 128-column kernel alone would otherwise pass. */
+START_TEST(test_gpu_fp8_grouped_gemm_bn256) {
+    if (!moe_cuda_grouped_sm90_available()) {
+        printf("  FP8 grouped GEMM, 256-column tile: skipped: not a Hopper GPU\n");
+        return;
+    }
+    static const int tiny[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1};
+    static const int edges[] = {127, 128, 129, 255, 256, 257, 0, 64, 65, 192};
+    static int many[24], big[16];
+    for (int g = 0; g < 24; g++)
+        many[g] = (int[]){1, 8, 130, 0, 256, 300, 63}[g % 7];
+    for (int g = 0; g < 16; g++)
+        big[g] = 250 + 37 * (g % 5) - (g == 3 ? 250 : 0);
+    static const int two[] = {5, 200}, one[] = {1, 129, 0};
+    const struct {
+        const int *sizes;
+        int G, N, K;
+    } cases[] = {{tiny, 11, 256, 128},  {edges, 10, 384, 384}, {many, 24, 272, 256},
+                 {big, 16, 640, 640},   {two, 2, 144, 128},    {one, 3, 128, 256},
+                 {edges, 10, 512, 128}};
+    const int bn = moe_cuda_fp8_grouped_bn(), ordered = moe_cuda_fp8_grouped_ordered();
+    const long long calls = moe_cuda_fp8_grouped_bn256_calls();
+    long long wide = 0; /* the wide calls made here */
+    moe_error err;
+    int ok = 1, same = 1;
+    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+        const int G = cases[ci].G, N = cases[ci].N, K = cases[ci].K;
+        int off[25];
+        off[0] = 0;
+        for (int g = 0; g < G; g++)
+            off[g + 1] = off[g] + cases[ci].sizes[g];
+        const int rows = off[G];
+        float *x = gemm_input(rows, K, 1500 + ci, 0);
+        float *w = gemm_input(G * N, K, 1600 + ci, 1);
+        grouped_operands o;
+        grouped_make(&o, x, w, G, rows, N, K);
+        const size_t n = (size_t)rows * N;
+        float *ref = hpoison(n * 4 + 4), *got = hpoison(n * 4 + 4);
+        ck_assert_int_eq(moe_cpu_fp8_grouped_gemm(ref, &o.ha, &o.hb, off, G, rows, N, K, &err),
+                         MOE_OK);
+        float *mag = grouped_abs_product(&o, off, G, rows, N, K);
+        int *doff = dcopy(off, sizeof(int) * (G + 1));
+        unsigned char *h128 = hpoison(n * 4 + 4), *h256 = hpoison(n * 4 + 4);
+        for (int v = 0; v < 4; v++) {
+            const int fp32 = v & 1, ord = v >> 1;
+            const size_t bytes = n * (fp32 ? 4 : 2);
+            moe_cuda_fp8_grouped_set_ordered(ord);
+            void *d128 = dpoison(bytes), *d256 = dpoison(bytes);
+            moe_cuda_fp8_grouped_set_bn(128);
+            ck_assert_msg(moe_cuda_fp8_grouped_gemm(d128, fp32, &o.da, &o.db, doff, G, rows, N,
+                                                    K, &err) == MOE_OK,
+                          "case %zu: %s", ci, err.msg);
+            moe_cuda_fp8_grouped_set_bn(256);
+            ck_assert_msg(moe_cuda_fp8_grouped_gemm(d256, fp32, &o.da, &o.db, doff, G, rows, N,
+                                                    K, &err) == MOE_OK,
+                          "case %zu: %s", ci, err.msg);
+            wide += rows > 0;
+            moe_cuda_to_host(h128, d128, bytes);
+            moe_cuda_to_host(h256, d256, bytes);
+            size_t first = bytes;
+            for (size_t i = 0; i < bytes && first == bytes; i++)
+                if (h128[i] != h256[i])
+                    first = i;
+            char what[96];
+            snprintf(what, sizeof what, "G=%-2d rows=%-4d N=%d K=%-4d %-8s 128x256", G, rows, N,
+                     K, ord ? "ordered" : "lockstep");
+            if (first < bytes) {
+                const size_t e = first / (fp32 ? 4 : 2);
+                printf("  FP8 grouped %s %s D: differs from the 128-column tile at row %zu, "
+                       "column %zu\n",
+                       what, fp32 ? "fp32" : "bf16", e / N, e % N);
+                same = 0;
+            }
+            ok &= grouped_vs_ref(what, d256, fp32, ref, mag, n, got);
+            moe_cuda_free(d128), moe_cuda_free(d256);
+        }
+        moe_cuda_free(doff);
+        free(x), free(w), free(ref), free(got), free(mag), free(h128), free(h256);
+        grouped_free(&o);
+    }
+    moe_cuda_fp8_grouped_set_bn(bn);
+    moe_cuda_fp8_grouped_set_ordered(ordered);
+    const long long ran = moe_cuda_fp8_grouped_bn256_calls() - calls;
+    printf("  FP8 grouped 128x256 tile: %lld launches of %lld wide calls, %s the 128-column "
+           "tile's bytes\n",
+           ran, wide, same ? "identical to" : "NOT identical to");
+    ck_assert_msg(ran == wide, "the 256-column kernel ran %lld times, not %lld", ran, wide);
+    ck_assert_msg(same, "the 256-column tile's D differs from the 128-column tile's");
+    ck_assert_msg(ok, "the 256-column tile differs from the CPU twin");
 }
 END_TEST
 
@@ -963,6 +1076,7 @@ Suite *suite_gpu_quant(void) {
                                   test_gpu_fp8_gemm,         test_gpu_fp8_gemm_blockwise_shapes,
                                   test_gpu_fp8_gemm_errors,  test_gpu_fp8_grouped_gemm,
                                   test_gpu_fp8_grouped_gemm_errors, test_gpu_qdq,
-                                  test_gpu_qdq_delayed,      test_gpu_qdq_t};
-    return moe_test_chapter_suite("gpu_quant", "ch05", tests, 14);
+                                  test_gpu_qdq_delayed,      test_gpu_qdq_t,
+                                  test_gpu_fp8_grouped_gemm_bn256};
+    return moe_test_chapter_suite("gpu_quant", "ch05", tests, 15);
 }

@@ -30,6 +30,11 @@
  *   + quantize A               the same plus the 1x128 quantizer of the activations (fp32 in)
  *   variant                    the kernel's other variant (its consumer warpgroups issue
  *                              their MMAs in turn, or together: grouped_gemm_fp8_sm90.cu)
+ *   128x256 tile (BN=256)      the same kernel with 128 x 256 tiles (two 128-column halves
+ *                              promoted per k-block; MOE_FP8_GROUPED_BN=256 makes it the
+ *                              default, and this row the 128x128 tile), the default issue
+ *                              order; after the ceiling row, one line gives both tile
+ *                              widths' fraction of the ceiling
  *   FP8 dense ceiling          cuBLASLt's blockwise FP8 GEMM on the same rows x N x K as one
  *                              dense GEMM (one expert's weights): what a grouped GEMM can
  *                              at best approach
@@ -701,7 +706,8 @@ static void bench_grouped(const gshape *gs) {
         hop_make(&ha, &a);
         hop_make(&hb, &b);
         const double chk8 = check_grouped(d, off, G, rows, N, K, hop_rowfn, &ha, hop_rowfn, &hb);
-        report(&s, "FP8 grouped blockwise (ours)", time_ms(run_grouped_fp8, &c), chk8);
+        const double ms8 = time_ms(run_grouped_fp8, &c);
+        report(&s, "FP8 grouped blockwise (ours)", ms8, chk8);
         c.quant_a = 1;
         report(&s, "FP8 grouped blockwise + quantize A", time_ms(run_grouped_fp8, &c), -1);
         c.quant_a = 0;
@@ -717,11 +723,26 @@ static void bench_grouped(const gshape *gs) {
                        : "FP8 grouped, ordered issue (variant)",
                time_ms(run_grouped_fp8, &c), chkv);
         moe_cuda_fp8_grouped_set_ordered(def);
+        /* the other tile width (128 x 256 with the split promotion, or 128 x 128 where the
+         * wide one is the default; the default issue order), checked again */
+        const int bn = moe_cuda_fp8_grouped_bn();
+        moe_cuda_fp8_grouped_set_bn(bn == 256 ? 128 : 256);
+        moe_cuda_fill_real(d, 1e30, (size_t)rows * N * 2 / sizeof(moe_real));
+        run_grouped_fp8(&c);
+        const double chkw = check_grouped(d, off, G, rows, N, K, hop_rowfn, &ha, hop_rowfn, &hb);
+        const double msw = time_ms(run_grouped_fp8, &c);
+        report(&s, bn == 256 ? "FP8 grouped, 128x128 tile (variant)"
+                             : "FP8 grouped, 128x256 tile (BN=256)",
+               msw, chkw);
+        moe_cuda_fp8_grouped_set_bn(bn);
         /* the dense ceiling: expert 0's weights for every row (B's first N rows) */
         run_dense_ceiling(&c);
         const double chkd = check(d, rows, N, K, hop_rowfn, &ha, hop_rowfn, &hb);
-        report(&s, "FP8 blockwise dense cuBLASLt (ceiling)", time_ms(run_dense_ceiling, &c),
-               chkd);
+        const double msd = time_ms(run_dense_ceiling, &c);
+        report(&s, "FP8 blockwise dense cuBLASLt (ceiling)", msd, chkd);
+        /* the fraction of the ceiling each tile width reaches (time ratio = TFLOP/s ratio) */
+        printf("%-6s %20s  FP8 grouped / ceiling: 128x128 tile %.2f, 128x256 tile %.2f\n",
+               gs->name, "", msd / (bn == 256 ? msw : ms8), msd / (bn == 256 ? ms8 : msw));
         /* the wgrad of this shape: dY = the forward's output just written (bf16 values) */
         bench_wgrad(&s, off, G, rows, N, K, d, xb, doff);
         hop_free(&ha), hop_free(&hb);
