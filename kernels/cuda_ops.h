@@ -315,7 +315,7 @@ int moe_cuda_quant_1x128_kernel(void);
 void moe_cuda_quant_1x128_set_max_blocks(int blocks);
 long long moe_cuda_quant_1x128_v3_calls(void);
 /* a test of the hardware conversions v3 relies on (tests/gpu_fp8_fused.c): into
- * *cast_bad the count of finite fp32 inputs, all 2^32 bit patterns tried, whose
+ * *cast_bad the count of fp32 inputs but NaNs, all 2^32 bit patterns tried, whose
  * cvt.rn.satfinite cast to format f differs from moe_fp8_encode's (in either half of the
  * pair), into *decode_bad the count of non-NaN codes whose FP8 → f16 → fp32 value differs
  * from moe_fp8_decode's bits. Synchronizes (reads the counts back). */

@@ -95,12 +95,12 @@ static __device__ __forceinline__ float2 moe_fp8x2_decode(uint32_t pair) {
 /**
  * Two fp32 values to two FP8 codes of format @p F (the first in the low byte) by the
  * hardware's cvt.rn.satfinite.{e4m3,e5m2}x2.f32: round to nearest even, values beyond the
- * largest finite one (and ±infinity) to ±max. On every FINITE input that is
+ * largest finite one (and ±infinity) to ±max. On every input but a NaN that is
  * moe_fp8_encode()'s rule (fp32 subnormals, flushed or not, round to a zero of their sign
  * either way: the formats' smallest steps are 2⁻⁹ and 2⁻¹⁶); only a NaN differs (the
  * hardware may keep its sign), and moe_q1x128_tile8_fast never casts one: a tile holding a
  * NaN or an infinity has a NaN scale, and its codes are written as 0. The exhaustive check
- * over all 2³² inputs is moe_cuda_fp8_cast_check (tests/gpu_fp8_fused.c).
+ * over all 2³² inputs but the NaNs is moe_cuda_fp8_cast_check (tests/gpu_fp8_fused.c).
  */
 template <moe_fp8_format F>
 static __device__ __forceinline__ uint32_t moe_fp8x2_encode_hw(float lo, float hi) {

@@ -170,14 +170,14 @@ START_TEST(test_gpu_quant_1x128_vec) {
 END_TEST
 
 /* the hardware conversions v3's MOE_QUANT_VEC=3 casts with (and both v3s decode with)
- * against moe_fp8_encode / moe_fp8_decode on every input: all 2^32 fp32 bit patterns that
- * are finite, every code that is not a NaN */
+ * against moe_fp8_encode / moe_fp8_decode on every input: all 2^32 fp32 bit patterns but
+ * the NaNs (infinities and subnormals included), every code that is not a NaN */
 START_TEST(test_gpu_fp8_cast_check) {
     moe_error err;
     for (int f = 0; f < 2; f++) {
         long long cast_bad = -1, decode_bad = -1;
         ck_assert_int_eq(moe_cuda_fp8_cast_check(&cast_bad, &decode_bad, f, &err), MOE_OK);
-        printf("  %s: hardware cast differs from moe_fp8_encode on %lld finite inputs (of "
+        printf("  %s: hardware cast differs from moe_fp8_encode on %lld non-NaN inputs (of "
                "2^32 patterns), hardware decode from moe_fp8_decode on %lld codes\n",
                f ? "E5M2" : "E4M3", cast_bad, decode_bad);
         ck_assert_int_eq(cast_bad, 0);
