@@ -299,6 +299,28 @@ moe_status moe_cuda_quant_blockwise_act(uint8_t *q, float *scale_inv, void *y, c
  * its y (chapter 05's FP8 dispatch: the received rows) */
 moe_status moe_cuda_dequant_blockwise_act(void *y, const uint8_t *q, const float *scale_inv,
                                           int rows, int cols, moe_fp8_format f, moe_error *err);
+/* which kernel quantizes 1×128 (moe_cuda_quant_blockwise without block_2d and
+ * moe_cuda_quant_blockwise_act; process-wide, not thread-safe; all give the same bytes):
+ * 0 = one warp per tile (also the fallback for misaligned buffers), 1 = the vectorized one
+ * (a half-warp per tile), 2 = v3 (kernels/quantize.cu, block1x128_v3_kernel: STATUS written,
+ * not yet run on a GPU), 3 = v3 with the hardware's FP8 casts. Set by
+ * moe_cuda_quant_1x128_set_kernel (tests, the chapter 05 benchmark; -1 = back to the
+ * environment), else MOE_QUANT_VEC=0|1|2|3 read at each launch,
+ * else MOE_QUANT_1X128_DEFAULT. The count of v3's launches lets a test prove it ran;
+ * moe_cuda_quant_1x128_set_max_blocks caps v3's grid (0: the device's width), so a test can
+ * make its warps loop over many groups of tiles on a small tensor. */
+#define MOE_QUANT_1X128_DEFAULT 1
+void moe_cuda_quant_1x128_set_kernel(int k);
+int moe_cuda_quant_1x128_kernel(void);
+void moe_cuda_quant_1x128_set_max_blocks(int blocks);
+long long moe_cuda_quant_1x128_v3_calls(void);
+/* a test of the hardware conversions v3 relies on (tests/gpu_fp8_fused.c): into
+ * *cast_bad the count of fp32 inputs but NaNs, all 2^32 bit patterns tried, whose
+ * cvt.rn.satfinite cast to format f differs from moe_fp8_encode's (in either half of the
+ * pair), into *decode_bad the count of non-NaN codes whose FP8 → f16 → fp32 value differs
+ * from moe_fp8_decode's bits. Synchronizes (reads the counts back). */
+moe_status moe_cuda_fp8_cast_check(long long *cast_bad, long long *decode_bad, moe_fp8_format f,
+                                   moe_error *err);
 moe_status moe_cuda_quant_blockwise_t_act(uint8_t *q, float *scale_inv, uint8_t *qt,
                                           float *scale_inv_t, const void *x, int batch, int rows,
                                           int cols, moe_fp8_format f, int block_2d, int pow2,

@@ -17,7 +17,9 @@
  *               moe_delayed_record, the state in device memory), then cast_kernel;
  *   blockwise   1×128: a half-warp per tile, 8 elements per lane in 16-byte loads, the warps
  *               striding over the tiles (quant1x128.cuh; MOE_QUANT_VEC=0: the former one
- *               warp per tile, 4 elements per lane); 128×128: one 256-thread block
+ *               warp per tile, 4 elements per lane; MOE_QUANT_VEC=2 or 3: v3, the same tile in
+ *               cheaper instructions, 8 tiles a warp in flight, block1x128_v3_kernel,
+ *               written and not yet run on a GPU); 128×128: one 256-thread block
  *               per block (64 elements per thread), the amax through shared memory;
  *               with a transposed copy (blockwise_t_kernel): a 128×128 tile of x in shared
  *               memory, quantized along its rows and its columns in the same block;
@@ -266,11 +268,228 @@ static __global__ void block1x128_vec_kernel(uint8_t *q, float *scale_inv, moe_b
     }
 }
 
-/* MOE_QUANT_VEC=0 in the environment: the one-warp-per-tile kernel above (the reference the
- * vectorized one replaced; same bytes), for a GPU where the new one misbehaves */
-static int quant_vec_on(void) {
+/* The third 1×128 quantizer, v3. STATUS: written, not yet run on a GPU; off by default
+ * (MOE_QUANT_1X128_DEFAULT, cuda_ops.h): MOE_QUANT_VEC=2 (or
+ * moe_cuda_quant_1x128_set_kernel(2)) runs it, MOE_QUANT_VEC=3 runs it with the hardware's
+ * casts. The vectorized kernel above moves ~1.3 TB/s on an H100 (Qwen3-235B's permuted x,
+ * 65536 × 4096 bf16 with its dequantized copy: 1.05 ms) where a copy of its bytes runs
+ * ~3 TB/s. Its grid is not the limit (1024 blocks of 8 warps: more than the 6 blocks an SM
+ * holds at its 37 registers), nor only its 16 bytes in flight a lane: per element it spends
+ * some forty integer operations on the general encoder (moe_q_encode, the format a runtime
+ * value, so both formats' code is there) and about twenty more on the general decoder for
+ * the copy, with Hopper's integer pipe at half the fp32 rate: about the time the pass takes.
+ * v3 changes the instructions, not the arithmetic:
+ *
+ *  - the tile is moe_q1x128_tile8_fast (quant1x128.cuh): the format a template parameter,
+ *    the cast moe_fp8_encode_fast (equal to moe_fp8_encode on every input), or with
+ *    MOE_QUANT_VEC=3 the hardware's cvt.rn.satfinite fp32x2 → FP8x2 (the same rule on the
+ *    finite values a tile casts: two elements an instruction where the fast encoder takes
+ *    ~15 integer operations each), the copy's decode the hardware's FP8x2 → f16x2 (exact);
+ *    the amax, the scale, 1/scale and every product and rounding are moe_q1x128_tile8's;
+ *  - a warp takes V3_TILES = 8 consecutive tiles an iteration, a tile per half-warp per step
+ *    as before, and issues all its loads first (4 independent 16-byte loads a lane for bf16,
+ *    8 for fp32) before the first shuffle: 64 bytes in flight a lane, not 16;
+ *  - the grid is the device's resident width (its SMs times the blocks of this kernel one
+ *    holds, from the occupancy calculator: 4 at ≤ 64 registers), the warps striding over
+ *    groups of V3_TILES tiles;
+ *  - the loads and stores are streaming (evict-first: each byte is touched once), and the
+ *    8 scales of a warp's tiles go out as one 32-byte run (lanes 0..3 of each half).
+ * y is given only with bf16 inputs (the native FP8 layer's copy); fp32 ones come without. */
+constexpr int V3_PAIRS = 4, V3_TILES = 2 * V3_PAIRS, V3_WARPS = THREADS / 32;
+
+/* a lane's 8 elements as loaded: one 16-byte word of bf16, two of fp32 */
+template <typename T> struct raw8 {
+    uint4 w[sizeof(T) / 2];
+};
+
+template <typename T>
+static __device__ __forceinline__ void ld_raw8(raw8<T> &r, const T *x) {
+#pragma unroll
+    for (int j = 0; j < (int)(sizeof(T) / 2); j++)
+        r.w[j] = __ldcs((const uint4 *)x + j);
+}
+
+static __device__ __forceinline__ void unpack8(float v[8], const raw8<float> &r) {
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        v[4 * j] = __uint_as_float(r.w[j].x), v[4 * j + 1] = __uint_as_float(r.w[j].y);
+        v[4 * j + 2] = __uint_as_float(r.w[j].z), v[4 * j + 3] = __uint_as_float(r.w[j].w);
+    }
+}
+static __device__ __forceinline__ void unpack8(float v[8], const raw8<moe_bf16> &r) {
+    moe_bf16x8 h;
+    h.u = r.w[0];
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        v[k] = moe_ld(h.h[k]);
+}
+
+template <typename T, moe_fp8_format F, bool DEQ, bool HW>
+static __global__ void __launch_bounds__(THREADS, 4)
+    block1x128_v3_kernel(uint8_t *q, float *scale_inv, moe_bf16 *y, const T *x, long long tiles,
+                         int pow2) {
+    const int lane = threadIdx.x & 31, hl = lane & 15, half = lane >> 4;
+    const long long stride = (long long)gridDim.x * V3_WARPS * V3_TILES;
+    /* t0 is the same for the whole warp, so every lane reaches the shuffles */
+    for (long long t0 = ((long long)blockIdx.x * V3_WARPS + threadIdx.x / 32) * V3_TILES;
+         t0 < tiles; t0 += stride) {
+        raw8<T> r[V3_PAIRS];
+#pragma unroll
+        for (int u = 0; u < V3_PAIRS; u++) { /* tile t0 + 2u + half: all loads first */
+            const long long t = t0 + 2 * u + half;
+            if (t < tiles)
+                ld_raw8<T>(r[u], x + (size_t)t * MOE_QUANT_BLOCK + MOE_Q1X128_PER_LANE * hl);
+            else
+                r[u] = raw8<T>{}; /* zeros: key 0, nothing stored */
+        }
+        float mine = 0.0f; /* lane hl < V3_PAIRS of each half: the scale of its tile u = hl */
+#pragma unroll
+        for (int u = 0; u < V3_PAIRS; u++) {
+            const long long t = t0 + 2 * u + half;
+            float v[8];
+            unpack8(v, r[u]);
+            uint2 c;
+            moe_bf16x8 d;
+            const float si = moe_q1x128_tile8_fast<F, DEQ, HW>(v, &c, &d, pow2);
+            if (t < tiles) {
+                const size_t i = (size_t)t * MOE_QUANT_BLOCK + MOE_Q1X128_PER_LANE * hl;
+                __stcs((uint2 *)(q + i), c);
+                if (DEQ)
+                    __stcs((uint4 *)(y + i), d.u);
+            }
+            mine = hl == u ? si : mine;
+        }
+        /* lane (half, u) writes tile t0 + 2u + half's scale: 8 consecutive floats */
+        if (hl < V3_PAIRS && t0 + 2 * hl + half < tiles)
+            scale_inv[t0 + 2 * hl + half] = mine;
+    }
+}
+
+/* which 1×128 kernel runs: -1 until set (then MOE_QUANT_VEC decides at each launch) */
+static int g_1x128_kernel = -1;
+static int g_1x128_max_blocks = 0; /* a test's cap on v3's grid; 0: the device's width */
+static long long g_1x128_v3_calls = 0;
+
+extern "C" void moe_cuda_quant_1x128_set_kernel(int k) {
+    g_1x128_kernel = k < 0 ? -1 : k > 3 ? 3 : k;
+}
+
+/* MOE_QUANT_VEC=0: the one-warp-per-tile kernel (the reference the vectorized one replaced),
+ * 1: the vectorized one, 2: v3, 3: v3 with the hardware's casts; unset or anything else:
+ * MOE_QUANT_1X128_DEFAULT. Read at every launch (tests switch it with setenv), unless set by
+ * moe_cuda_quant_1x128_set_kernel */
+extern "C" int moe_cuda_quant_1x128_kernel(void) {
+    if (g_1x128_kernel >= 0)
+        return g_1x128_kernel;
     const char *e = getenv("MOE_QUANT_VEC");
-    return !(e && *e == '0');
+    if (e && e[0] >= '0' && e[0] <= '3' && !e[1])
+        return e[0] - '0';
+    return MOE_QUANT_1X128_DEFAULT;
+}
+
+extern "C" void moe_cuda_quant_1x128_set_max_blocks(int blocks) {
+    g_1x128_max_blocks = blocks > 0 ? blocks : 0;
+}
+
+extern "C" long long moe_cuda_quant_1x128_v3_calls(void) { return g_1x128_v3_calls; }
+
+/* v3's grid: enough blocks to fill the device once (@p full: its SMs times the blocks of
+ * the kernel an SM holds), fewer when there are not as many groups of V3_TILES tiles, or the
+ * test's cap */
+static unsigned v3_grid(int full, long long tiles) {
+    long long g = (tiles + V3_WARPS * V3_TILES - 1) / (V3_WARPS * V3_TILES);
+    g = g < full ? g : full;
+    if (g_1x128_max_blocks && g > g_1x128_max_blocks)
+        g = g_1x128_max_blocks;
+    return (unsigned)(g < 1 ? 1 : g);
+}
+
+template <typename T, moe_fp8_format F, bool DEQ, bool HW>
+static void launch_v3(uint8_t *q, float *scale_inv, moe_bf16 *y, const T *x, long long tiles,
+                      int pow2) {
+    auto k = block1x128_v3_kernel<T, F, DEQ, HW>;
+    static int full = 0; /* the resident width, computed once per kernel */
+    if (!full) {
+        int dev = 0, sms = 0, per_sm = 0;
+        MOE_CUDA_CHECK(cudaGetDevice(&dev));
+        MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+        MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, THREADS, 0));
+        full = sms * (per_sm > 0 ? per_sm : 1);
+    }
+    k<<<v3_grid(full, tiles), THREADS, 0, moe_cuda_stream()>>>(q, scale_inv, y, x, tiles, pow2);
+}
+
+template <typename T, moe_fp8_format F, bool HW>
+static void launch_v3(uint8_t *q, float *scale_inv, moe_bf16 *y, const T *x, long long tiles,
+                      int pow2) {
+    if constexpr (sizeof(T) == 2) { /* bf16: with or without the dequantized copy */
+        if (y) {
+            launch_v3<T, F, true, HW>(q, scale_inv, y, x, tiles, pow2);
+            return;
+        }
+    }
+    launch_v3<T, F, false, HW>(q, scale_inv, NULL, x, tiles, pow2);
+}
+
+template <typename T, bool HW>
+static void launch_v3(uint8_t *q, float *scale_inv, moe_bf16 *y, const T *x, long long tiles,
+                      moe_fp8_format f, int pow2) {
+    if (f == MOE_FP8_E5M2)
+        launch_v3<T, MOE_FP8_E5M2, HW>(q, scale_inv, y, x, tiles, pow2);
+    else
+        launch_v3<T, MOE_FP8_E4M3, HW>(q, scale_inv, y, x, tiles, pow2);
+}
+
+/* the hardware's conversions v3 uses against the library's rules, on every input: the casts
+ * of all fp32 bit patterns but the NaNs (never cast, see moe_fp8x2_encode_hw), each
+ * pattern in both halves of the pair; and the decode of every code that is not a NaN (bits
+ * compared, so the signed zeros too). Mismatches counted into cnt[0] (casts), cnt[1]
+ * (decodes), zeroed by the caller */
+template <moe_fp8_format F>
+static __global__ void fp8_cast_check_kernel(unsigned long long *cnt) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    unsigned long long bad = 0;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < (1ull << 32); i += stride) {
+        const float x = __uint_as_float((uint32_t)i), other = __uint_as_float((uint32_t)~i);
+        if (moe_q_abs_key(x) > 0x7F800000u) /* a NaN: never cast */
+            continue;
+        const uint32_t want = moe_fp8_encode(x, F);
+        const uint32_t lo =
+            moe_fp8x2_encode_hw<F>(x, moe_q_abs_key(other) > 0x7F800000u ? 0.0f : other);
+        const uint32_t hi = moe_fp8x2_encode_hw<F>(0.0f, x);
+        bad += (lo & 0xFFu) != want;
+        bad += (hi >> 8 & 0xFFu) != want;
+    }
+    if (bad)
+        atomicAdd(&cnt[0], bad);
+    if (blockIdx.x == 0) {
+        const uint8_t c = (uint8_t)threadIdx.x; /* 256 threads: every code once */
+        const float want = moe_fp8_decode(c, F);
+        const float2 got = moe_fp8x2_decode<F>((uint32_t)c | (uint32_t)(uint8_t)~c << 8);
+        const float got_hi = moe_fp8x2_decode<F>((uint32_t)c << 8).y;
+        if (want == want && (__float_as_uint(got.x) != __float_as_uint(want) ||
+                             __float_as_uint(got_hi) != __float_as_uint(want)))
+            atomicAdd(&cnt[1], 1ull);
+    }
+}
+
+extern "C" moe_status moe_cuda_fp8_cast_check(long long *cast_bad, long long *decode_bad,
+                                              moe_fp8_format f, moe_error *err) {
+    MOE_TRY(moe_quant_check_format(f, err));
+    unsigned long long *d = (unsigned long long *)moe_cuda_alloc(2 * sizeof *d), h[2];
+    cudaStream_t st = moe_cuda_stream();
+    MOE_CUDA_CHECK(cudaMemsetAsync(d, 0, 2 * sizeof *d, st));
+    if (f == MOE_FP8_E5M2)
+        fp8_cast_check_kernel<MOE_FP8_E5M2><<<4096, THREADS, 0, st>>>(d);
+    else
+        fp8_cast_check_kernel<MOE_FP8_E4M3><<<4096, THREADS, 0, st>>>(d);
+    MOE_CUDA_LAUNCH_CHECK();
+    moe_cuda_to_host(h, d, sizeof h);
+    moe_cuda_free(d);
+    *cast_bad = (long long)h[0];
+    *decode_bad = (long long)h[1];
+    return MOE_OK;
 }
 
 template <typename T>
@@ -282,9 +501,16 @@ static void launch_block1x128(uint8_t *q, float *scale_inv, moe_bf16 *y, const T
         return;
     /* 16-byte loads of x and stores of y, 8-byte stores of q (rows start at multiples of 128
      * elements, so only the base pointers can be misaligned) */
-    const bool vec = quant_vec_on() && (uintptr_t)x % 16 == 0 && (uintptr_t)y % 16 == 0 &&
-                     (uintptr_t)q % 8 == 0;
-    if (vec) {
+    const int kernel = moe_cuda_quant_1x128_kernel();
+    const bool aligned =
+        (uintptr_t)x % 16 == 0 && (uintptr_t)y % 16 == 0 && (uintptr_t)q % 8 == 0;
+    if (aligned && kernel >= 2) {
+        if (kernel == 3)
+            launch_v3<T, true>(q, scale_inv, y, x, tiles, f, pow2);
+        else
+            launch_v3<T, false>(q, scale_inv, y, x, tiles, f, pow2);
+        g_1x128_v3_calls++;
+    } else if (aligned && kernel == 1) {
         const long long pairs = (tiles + 1) / 2, warps = THREADS / 32;
         block1x128_vec_kernel<T>
             <<<grid_for((size_t)pairs, warps), THREADS, 0, moe_cuda_stream()>>>(

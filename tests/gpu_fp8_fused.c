@@ -3,11 +3,15 @@
  * "native FP8 layer with its passes fused") and the vectorized 1×128 quantizer
  * (kernels/quantize.cu, quant1x128.cuh): the same bytes as the separate passes.
  *
- *  - the 1×128 quantizer of bf16 (codes, scales, dequantized bf16 copy): vectorized
- *    (MOE_QUANT_VEC unset), the former warp-per-tile kernel (MOE_QUANT_VEC=0) and the CPU
- *    (moe_cpu_quant_blockwise of the same values) agree byte for byte, on odd row counts,
- *    tile counts that are odd or not a multiple of the block's 16 tiles, a single tile, and a
- *    misaligned input (the fallback);
+ *  - the 1×128 quantizer of bf16 (codes, scales, dequantized bf16 copy): v3 with software
+ *    and hardware casts (MOE_QUANT_VEC=2, 3), the vectorized kernel (1), the former
+ *    warp-per-tile kernel (0) and the CPU (moe_cpu_quant_blockwise of the same values) agree
+ *    byte for byte, on odd row counts, tile counts that are odd or not a multiple of the
+ *    block's 16 tiles, a single tile, and a misaligned input (the fallback); v3's launch
+ *    count proves it ran;
+ *  - v3 further (STATUS: written, not yet run on a GPU): fp32 inputs, NaN and infinity
+ *    tiles, its warps' loop with the grid capped and not; and the hardware conversions it
+ *    uses against the library's encoder and decoder on all 2^32 inputs;
  *  - fused SwiGLU forward == moe_cuda_swiglu_forward then the quantizer;
  *  - fused SwiGLU backward == zero dgu, moe_cuda_swiglu_backward, then the quantizer with its
  *    dequantized copy; the routing weight's gradient (accumulated onto random values)
@@ -113,8 +117,10 @@ START_TEST(test_gpu_quant_1x128_vec) {
                     moe_cpu_dequant_blockwise(yf, q, s, R, C, fmt, 0, &err);
                     void *want_y = dpoison(2 * n);
                     moe_cuda_write_act(want_y, yf, n);
-                    for (int vec = 0; vec < 2; vec++) {
-                        setenv("MOE_QUANT_VEC", vec ? "1" : "0", 1);
+                    for (int vec = 0; vec < 4; vec++) {
+                        const char *env[] = {"0", "1", "2", "3"};
+                        setenv("MOE_QUANT_VEC", env[vec], 1);
+                        const long long v3_before = moe_cuda_quant_1x128_v3_calls();
                         uint8_t *dq = dpoison(n);
                         float *ds = dpoison(4 * ns);
                         void *dy = dpoison(2 * n);
@@ -133,6 +139,9 @@ START_TEST(test_gpu_quant_1x128_vec) {
                                                                       fmt, p2, &err),
                                          MOE_OK);
                         k &= same2("1x128 codes (no copy)", dq2, 1, q, 0, n);
+                        /* v3 ran (twice) where it was asked for and the buffers allow it */
+                        ck_assert_int_eq(moe_cuda_quant_1x128_v3_calls() - v3_before,
+                                         vec >= 2 && !mis ? 2 : 0);
                         /* the saved codes' dequantization */
                         if (!mis) {
                             void *dz = dpoison(2 * n);
@@ -153,8 +162,127 @@ START_TEST(test_gpu_quant_1x128_vec) {
                     free(x), free(q), free(s), free(yf);
                     moe_cuda_free(dxa), moe_cuda_free(want_y);
                 }
-    printf("  1x128 quantizer of bf16: %d cases (vectorized and warp-per-tile, ragged shapes, "
-           "misaligned input), %s\n",
+    printf("  1x128 quantizer of bf16: %d cases (v3 with software and hardware casts, "
+           "vectorized and warp-per-tile, ragged shapes, misaligned input), %s\n",
+           cases, ok ? "== CPU byte for byte" : "DIFFER");
+    ck_assert(ok);
+}
+END_TEST
+
+/* the hardware conversions v3's MOE_QUANT_VEC=3 casts with (and both v3s decode with)
+ * against moe_fp8_encode / moe_fp8_decode on every input: all 2^32 fp32 bit patterns but
+ * the NaNs (infinities and subnormals included), every code that is not a NaN */
+START_TEST(test_gpu_fp8_cast_check) {
+    moe_error err;
+    for (int f = 0; f < 2; f++) {
+        long long cast_bad = -1, decode_bad = -1;
+        ck_assert_int_eq(moe_cuda_fp8_cast_check(&cast_bad, &decode_bad, f, &err), MOE_OK);
+        printf("  %s: hardware cast differs from moe_fp8_encode on %lld non-NaN inputs (of "
+               "2^32 patterns), hardware decode from moe_fp8_decode on %lld codes\n",
+               f ? "E5M2" : "E4M3", cast_bad, decode_bad);
+        ck_assert_int_eq(cast_bad, 0);
+        ck_assert_int_eq(decode_bad, 0);
+    }
+}
+END_TEST
+
+/* v3 of the 1x128 quantizer (MOE_QUANT_VEC=2: software casts, 3: the hardware's) against
+ * the CPU, byte for byte, on what the other test does not reach: fp32 inputs
+ * (moe_cuda_quant_blockwise), tiles holding a NaN or an infinity (poisoned: codes 0, NaN
+ * scale, NaN copy), fp32 subnormals and rounding midpoints; the warps' loop over groups of
+ * 8 tiles, with the grid capped at 1 and 3 blocks (tile counts 2709 and 3003: tails of 5 and
+ * 3 tiles, odd) and uncapped on 2053 x 2176 (34901 tiles: more than one sweep of an H100's
+ * resident grid, 132 SMs x 4 blocks x 64 tiles = 33792); y NULL and not; both formats, pow2
+ * on and off. */
+static float *gen_special(size_t n, uint64_t stream) {
+    float *x = gen(n, stream, 1.0, 14.0);
+    const float special[] = {464.0f, 2.5f, 0.75f, 61440.0f, 1e-40f, -1e-44f, 0.0234375f,
+                             -0.0f};
+    for (size_t k = 0; k < sizeof special / sizeof *special; k++)
+        if (n > 300 + 37 * k)
+            x[300 + 37 * k] = special[k];
+    if (n > 4096) { /* a NaN in one tile, an infinity in another */
+        x[n / 2 + 1] = NAN;
+        x[n / 3 + 7] = -INFINITY;
+    }
+    return x;
+}
+
+START_TEST(test_gpu_quant_1x128_v3) {
+    const struct {
+        int R, C, max_blocks;
+    } cases_[] = {{301, 1152, 1}, {1001, 384, 3}, {1, 128, 0}, {2053, 2176, 0}};
+    moe_error err;
+    int ok = 1, cases = 0;
+    for (size_t sh = 0; sh < sizeof cases_ / sizeof *cases_; sh++)
+        for (int fmt = 0; fmt < 2; fmt++)
+            for (int p2 = 0; p2 < 2; p2++) {
+                const int R = cases_[sh].R, C = cases_[sh].C;
+                const size_t n = (size_t)R * C, ns = n / 128;
+                moe_cuda_quant_1x128_set_max_blocks(cases_[sh].max_blocks);
+                /* fp32 input: the values as generated */
+                float *x = gen_special(n, 300 + sh);
+                uint8_t *q = malloc(n);
+                float *s = malloc(4 * ns), *yf = malloc(4 * n);
+                ck_assert_int_eq(moe_cpu_quant_blockwise(q, s, x, R, C, fmt, 0, p2, &err), MOE_OK);
+                float *dxf = moe_cuda_alloc(4 * n);
+                moe_cuda_from_host(dxf, x, 4 * n);
+                for (int k3 = 2; k3 < 4; k3++) {
+                    moe_cuda_quant_1x128_set_kernel(k3);
+                    const long long before = moe_cuda_quant_1x128_v3_calls();
+                    uint8_t *dq = dpoison(n);
+                    float *ds = dpoison(4 * ns);
+                    ck_assert_int_eq(
+                        moe_cuda_quant_blockwise(dq, ds, dxf, R, C, fmt, 0, p2, &err), MOE_OK);
+                    ck_assert_int_eq(moe_cuda_quant_1x128_v3_calls() - before, 1);
+                    int k = same2("v3 fp32 codes", dq, 1, q, 0, n);
+                    k &= same2("v3 fp32 scales", ds, 1, s, 0, 4 * ns);
+                    if (!k)
+                        printf("  ^ in case fp32 [%d, %d] fmt %d pow2 %d kernel %d blocks %d\n", R,
+                               C, fmt, p2, k3, cases_[sh].max_blocks);
+                    ok &= k;
+                    cases++;
+                    moe_cuda_free(dq), moe_cuda_free(ds);
+                }
+                moe_cuda_free(dxf);
+                /* bf16 input: the values the device holds */
+                void *dx = upload_bf16(x, n);
+                ck_assert_int_eq(moe_cpu_quant_blockwise(q, s, x, R, C, fmt, 0, p2, &err), MOE_OK);
+                moe_cpu_dequant_blockwise(yf, q, s, R, C, fmt, 0, &err);
+                void *want_y = dpoison(2 * n);
+                moe_cuda_write_act(want_y, yf, n);
+                for (int k3 = 2; k3 < 4; k3++)
+                    for (int with_y = 0; with_y < 2; with_y++) {
+                        moe_cuda_quant_1x128_set_kernel(k3);
+                        const long long before = moe_cuda_quant_1x128_v3_calls();
+                        uint8_t *dq = dpoison(n);
+                        float *ds = dpoison(4 * ns);
+                        void *dy = with_y ? dpoison(2 * n) : NULL;
+                        ck_assert_int_eq(moe_cuda_quant_blockwise_act(dq, ds, dy, dx, R, C, fmt,
+                                                                      p2, &err),
+                                         MOE_OK);
+                        ck_assert_int_eq(moe_cuda_quant_1x128_v3_calls() - before, 1);
+                        int k = same2("v3 bf16 codes", dq, 1, q, 0, n);
+                        k &= same2("v3 bf16 scales", ds, 1, s, 0, 4 * ns);
+                        if (with_y)
+                            k &= same2("v3 bf16 dequantized", dy, 1, want_y, 1, 2 * n);
+                        if (!k)
+                            printf("  ^ in case bf16 [%d, %d] fmt %d pow2 %d kernel %d y %d "
+                                   "blocks %d\n",
+                                   R, C, fmt, p2, k3, with_y, cases_[sh].max_blocks);
+                        ok &= k;
+                        cases++;
+                        moe_cuda_free(dq), moe_cuda_free(ds);
+                        if (dy)
+                            moe_cuda_free(dy);
+                    }
+                moe_cuda_quant_1x128_set_kernel(-1);
+                moe_cuda_quant_1x128_set_max_blocks(0);
+                free(x), free(q), free(s), free(yf);
+                moe_cuda_free(dx), moe_cuda_free(want_y);
+            }
+    printf("  1x128 quantizer v3 (software and hardware casts): %d cases (fp32 and bf16, NaN "
+           "and inf tiles, grid capped at 1 and 3 blocks and not, y or not), %s\n",
            cases, ok ? "== CPU byte for byte" : "DIFFER");
     ck_assert(ok);
 }
@@ -290,7 +418,8 @@ START_TEST(test_gpu_swiglu_quant_backward) {
 END_TEST
 
 Suite *suite_gpu_fp8_fused(void) {
-    const TTest *const tests[] = {test_gpu_quant_1x128_vec, test_gpu_swiglu_quant_forward,
+    const TTest *const tests[] = {test_gpu_quant_1x128_vec, test_gpu_fp8_cast_check,
+                                  test_gpu_quant_1x128_v3, test_gpu_swiglu_quant_forward,
                                   test_gpu_swiglu_quant_backward};
-    return moe_test_chapter_suite("gpu_fp8_fused", "ch05", tests, 3);
+    return moe_test_chapter_suite("gpu_fp8_fused", "ch05", tests, 5);
 }

@@ -8,7 +8,7 @@ must run again. This compiles every kernels/*.cu of this tree and of BASE_TREE (
 `git archive <verified-commit> | tar -x -C /tmp/base`) to PTX for one architecture and
 compares them kernel by kernel (each `.entry`), after removing what changes without the
 code changing: comments, line information, the hash nvcc puts in anonymous-namespace and
-internal names, and the numbering of branch labels. A template that gained a parameter
+internal names, and the numbering of branch labels and of local stacks (__local_depotN). A template that gained a parameter
 whose value is 0 in the old instantiations is matched by dropping that trailing 0.
 
 It prints one line per kernel: `same`, `CHANGED`, `new` or `removed`, and a summary; the
@@ -48,7 +48,9 @@ def kernels(text):
         if m:  # the kernel's own name recurs in its parameters' and static variables' names
             name = m.group(1)
             body = part.replace(name[2:] if name.startswith("_Z") else name, "<self>")
-            out[m.group(1)] = re.sub(r"\$L__BB\d+_", "$L__BB_", body)
+            body = re.sub(r"\$L__BB\d+_", "$L__BB_", body)
+            # the local stack's name counts the entries before it, like the labels
+            out[m.group(1)] = re.sub(r"__local_depot\d+", "__local_depot", body)
     return out
 
 

@@ -59,6 +59,16 @@
  *                              bytes read (bf16) + written (codes, scales), next to a D2D
  *                              copy of as many bytes in the same run (cudaMemcpyAsync)
  *   (no sampled check on these rows: tests/gpu_fp8_wgrad.c holds the kernel to its twin)
+ *   1x128 quantize X+y / dY+y  the native FP8 layer's 1x128 quantize (lib/mlp.c) of X
+ *     (C=...) v3 hw, v3, vec  [rows, K] and of dY [rows, N], each with its dequantized bf16
+ *                              copy, by the three kernels of kernels/quantize.cu (v3 with the
+ *                              hardware's casts, v3, the vectorized one: MOE_QUANT_VEC=3, 2,
+ *                              1): ms and GB/s of bytes read (bf16) + written (codes, scales,
+ *                              copy) next to a D2D copy of as many bytes (no check here:
+ *                              tests/gpu_fp8_fused.c holds them to the CPU byte for byte)
+ * --shape q1x128 (also in all): those rows alone for Qwen3-235B's permuted x, 65536 x 4096,
+ * with and without the copy (ch01_moe_layer_bench --shape qwen3-235b --precision fp8's
+ * largest quantize).
  *
  * Timing: CUDA events around `inner` back-to-back calls (inner chosen so one sample lasts
  * ~3 ms), after warm-up; the median of --repeats samples. Before timing, every output is
@@ -68,7 +78,7 @@
  *
  *   bin/ch05_fp8_gemm_bench [--repeats 15] [--warmup 5] [--tsv file]
  *                           [--shape all|dense|fc1|fc2|qwen|moe|qwen3-fc1|qwen3-fc2|
- *                                    mixtral-fc1|mixtral-fc2]
+ *                                    mixtral-fc1|mixtral-fc2|q1x128]
  *   (all: the dense shapes, then the MoE ones; --tsv: one line per measurement, for the
  *   PyTorch script)
  */
@@ -594,6 +604,91 @@ static void bench_tq(const shape *s, const int *off, int G, int rows, const char
     moe_cuda_free(c.scratch);
 }
 
+/* one 1x128 quantize of a bf16 operand [rows, cols] (moe_cuda_quant_blockwise_act, the
+ * native FP8 layer's pass: lib/mlp.c), with or without its dequantized bf16 copy y, and the
+ * D2D copy of as many bytes */
+typedef struct q1_ctx {
+    uint8_t *q;
+    float *s;
+    void *y; /* NULL: codes and scales only */
+    const void *x;
+    void *scratch;
+    int rows, cols;
+    size_t copy_bytes;
+} q1_ctx;
+
+static void run_q1(void *p) {
+    q1_ctx *c = p;
+    moe_error err;
+    if (moe_cuda_quant_blockwise_act(c->q, c->s, c->y, c->x, c->rows, c->cols, MOE_FP8_E4M3, 1,
+                                     &err) != MOE_OK)
+        die("1x128 FP8 quantize", &err);
+}
+
+static void run_q1_copy(void *p) {
+    q1_ctx *c = p;
+    moe_cuda_copy(c->scratch, c->x, c->copy_bytes);
+}
+
+/* the 1x128 quantize of x [rows, cols] bf16 (what: its name in the row), with y (the copy)
+ * or not: ms and GB/s (bytes read + written: 2 an element read, 1 a code, 4 a 128-element
+ * scale, and 2 an element of the copy) by v3 with the hardware's casts, v3 and the
+ * vectorized kernel (MOE_QUANT_VEC=3, 2, 1; kernels/quantize.cu), next to a D2D copy of as
+ * many bytes (half read, half written) in the same run */
+static void bench_q1(const shape *s, const char *what, int rows, int cols, const void *x,
+                     int with_y) {
+    const size_t n = (size_t)rows * cols;
+    const double bytes = (2.0 + 1.0 + (with_y ? 2.0 : 0.0)) * n + 4.0 * (n / MOE_QUANT_BLOCK);
+    q1_ctx c = {.q = dalloc(n), .s = dalloc(4 * (n / MOE_QUANT_BLOCK)),
+                .y = with_y ? dalloc(2 * n) : NULL, .x = x, .rows = rows, .cols = cols,
+                .copy_bytes = (size_t)(bytes / 2) / 16 * 16};
+    c.scratch = dalloc(c.copy_bytes);
+    const double copy_ms = time_ms(run_q1_copy, &c);
+    const double copy_gbs = 2.0 * c.copy_bytes / (copy_ms * 1e-3) / 1e9;
+    static const struct {
+        int kernel;
+        const char *name;
+    } ks[] = {{3, "v3 hw"}, {2, "v3"}, {1, "vec"}};
+    for (int k = 0; k < 3; k++) {
+        moe_cuda_quant_1x128_set_kernel(ks[k].kernel);
+        const double ms = time_ms(run_q1, &c), gbs = bytes / (ms * 1e-3) / 1e9;
+        char impl[64];
+        snprintf(impl, sizeof impl, "1x128 quantize %s%s (C=%d) %s", what, with_y ? "+y" : "",
+                 cols, ks[k].name);
+        printf("%-6s %6d %6d %6d  %-38s %9.3f %6.0f GB/s = %3.0f%% of a D2D copy (%.3f ms, "
+               "%.0f GB/s), %.2f GB\n",
+               s->name, s->M, s->N, s->K, impl, ms, gbs, 100.0 * gbs / copy_gbs, copy_ms,
+               copy_gbs, bytes / 1e9);
+        if (g_tsv)
+            fprintf(g_tsv, "%s\t%d\t%d\t%d\t%s\t%.5f\t%.2f\n", s->name, s->M, s->N, s->K, impl,
+                    ms, gbs);
+    }
+    fflush(stdout);
+    moe_cuda_quant_1x128_set_kernel(-1);
+    moe_cuda_free(c.q), moe_cuda_free(c.s), moe_cuda_free(c.scratch);
+    if (c.y)
+        moe_cuda_free(c.y);
+}
+
+/* --shape q1x128 (and all): the 1x128 quantize alone at the native FP8 layer's largest
+ * operand, Qwen3-235B's permuted x as chapters/01-naive-moe/ch01_moe_layer_bench.c
+ * --shape qwen3-235b has it (lib/bench.c: 8192 tokens x top-8 = 65536 rows of H = 4096),
+ * with the copy (as fc1's forward makes it) and without */
+static void bench_q1_alone(void) {
+    const int rows = 65536, cols = 4096;
+    const size_t n = (size_t)rows * cols;
+    shape s = {"q1x128", rows, cols, 0};
+    printf("q1x128: the 1x128 quantize of Qwen3-235B's permuted x, %d x %d bf16\n", rows, cols);
+    float *xf = dalloc(n * 4);
+    moe_cuda_fill_normal(xf, n, 1236, 1, 1.0);
+    void *x = dalloc(n * 2);
+    moe_cuda_cast_to_act(x, xf, n);
+    moe_cuda_free(xf);
+    bench_q1(&s, "X", rows, cols, x, 1);
+    bench_q1(&s, "X", rows, cols, x, 0);
+    moe_cuda_free(x);
+}
+
 /* the wgrad rows of a grouped shape (above); the ratio column against the bf16 wgrad */
 static void bench_wgrad(const shape *s, const int *off, int G, int rows, int N, int K,
                         const void *dy, const void *x, const int *doff) {
@@ -745,6 +840,10 @@ static void bench_grouped(const gshape *gs) {
                gs->name, "", msd / (bn == 256 ? msw : ms8), msd / (bn == 256 ? ms8 : msw));
         /* the wgrad of this shape: dY = the forward's output just written (bf16 values) */
         bench_wgrad(&s, off, G, rows, N, K, d, xb, doff);
+        /* the native layer's 1x128 quantize of X (fc1's input) and of dY ([rows, N]: as
+         * fc2's dgrad quantizes its output gradient), each with its dequantized copy */
+        bench_q1(&s, "X", rows, K, xb, 1);
+        bench_q1(&s, "dY", rows, N, d, 1);
         hop_free(&ha), hop_free(&hb);
     } else {
         printf("%s: skipped: our grouped kernels are sm_90a (Hopper) only\n", gs->name);
@@ -769,7 +868,7 @@ int main(int argc, char **argv) {
         else {
             fprintf(stderr,
                     "usage: %s [--repeats 15] [--warmup 5] [--shape all|dense|fc1|fc2|qwen|moe|"
-                    "qwen3-fc1|qwen3-fc2|mixtral-fc1|mixtral-fc2] [--tsv file]\n",
+                    "qwen3-fc1|qwen3-fc2|mixtral-fc1|mixtral-fc2|q1x128] [--tsv file]\n",
                     argv[0]);
             return 2;
         }
@@ -806,6 +905,11 @@ int main(int argc, char **argv) {
             bench_grouped(&g_gshapes[i]);
             any = 1;
         }
+    if (!strcmp(want, "all") || !strcmp(want, "q1x128")) {
+        printf("\n");
+        bench_q1_alone();
+        any = 1;
+    }
     if (g_tsv)
         fclose(g_tsv);
     if (!any) {
