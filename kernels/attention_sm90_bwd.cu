@@ -18,7 +18,7 @@
  * (docs/results/07-long-context.md). Mode 3 (MOE_FLASH_SM90_BWD=3, below: mode 2 with
  * overlap) STATUS: written, not yet run on a GPU; opt-in. Mode 4 (MOE_FLASH_SM90_BWD=4,
  * below: mode 2 without the dq ordering, NOT deterministic) STATUS: written, not yet run on a
- * GPU; opt-in, never the default.
+ * GPU; opt-in, never the default; mode 5 (=5: mode 4 with a batched dk/dv epilogue) the same.
  *
  * The math, per (b, query head h, group g = h / (Hq/Hkv)), with sl = log2(e)/√D and
  * lse₂ = lse·log2(e) (0 for a row that sees nothing: every key of it is masked anyway):
@@ -199,6 +199,25 @@
  * a few bf16 ulps of mode 2's. Registers (ptxas, nvcc 13): 168 at launch; no spills at D =
  * 128; at D = 64 the producer warpgroup spills 24 bytes (mode 2: 20). The consumers' code is
  * mode 2's; tools/device_code_diff.py reports modes 1-3's kernels unchanged.
+ *
+ * Mode 5 (MOE_FLASH_SM90_BWD=5, opt-in, NOT deterministic): mode 4 (NONDET = 2) with the dk/dv
+ * epilogue's loads batched (fa_add_dkdv_batched). Where Nsight Compute counts "uncoalesced"
+ * global sectors in mode 2's kernel (32 % excessive at 16K, D = 128), they are the dk/dv
+ * epilogue's: its only other generic global accesses are the producer's lse₂, δ loads (32
+ * lanes, 128 contiguous bytes: coalesced) and the semaphore's one-lane poll and post (one
+ * sector each, no excess); TMA's copies are not counted. fa_add_rows reads and writes bf16
+ * pairs, 4 bytes a lane: an instruction covers 8 rows × 16 bytes, 8 sectors of 32 bytes each
+ * half used (2× the ideal), 64 loads and 64 stores a thread at D = 128: per CTA 8 warps ×
+ * 128 × 8 = 8192 sectors, half of them excess; over the 16K, D = 128, 16-head grid 16.8 M
+ * against the lse₂, δ loads' 4.2 M (16 a query tile) and the polls. Their bytes are few
+ * (≈ 0.5 GB of sector traffic against ≈ 17 GB of TMA loads and reduce-adds), but the PTX
+ * alternates load, store 64 times (the compiler keeps a load after the store before it: it
+ * cannot prove the addresses differ), so if ptxas keeps that order too, each thread waits
+ * for 64 L2 round trips one after the other while the CTA holds its SM (one CTA an SM: 193
+ * KB of shared memory) with its tensor cores idle. Mode 5 issues each tensor's 2 × D/8 loads
+ * first (D/4 registers, free by then), then adds and stores: the same operations on the same
+ * values, so dk and dv keep mode 2's bits (asserted). The half-used sectors stay (8-byte
+ * accesses would need a quad shuffle of the accumulator: not done).
  *
  * sm_100a has no wgmma: this file builds there (the kernel bodies compile to a trap) and the
  * launcher runs them only on a device of compute capability 9.
@@ -479,6 +498,57 @@ __device__ __forceinline__ void fa_add_dkdv(moe_bf16 *dk, moe_bf16 *dv, float *a
     const size_t base = (size_t)b * a.Tk * kvs + (size_t)g * D;
     fa_add_rows<D>(dk + base, kvs, key, a.Tk, adk, a.scale, lane);
     fa_add_rows<D>(dv + base, kvs, key, a.Tk, adv, 1.0f, lane);
+}
+
+/* Mode 5's epilogue: fa_add_dkdv's arithmetic (the same bits) with each tensor's loads issued
+ * before any of its stores. In fa_add_rows every load follows the store before it (the
+ * compiler cannot prove that out + r·stride + 8n and the next pair's address differ, and
+ * keeps the order: the PTX alternates load, store 64 times), so the stores wait for the loads
+ * one L2 round trip at a time, with the CTA's tensor cores idle until the last one. Here a
+ * thread loads its 2 rows × D/8 pairs (D/4 registers), then adds and stores them: one round
+ * trip per tensor. The rows' 16-byte pieces per instruction (8 rows × 4 lanes × 4 bytes:
+ * half of each 32-byte sector used) are unchanged. */
+template <int D>
+__device__ __forceinline__ void fa_add_rows_batched(moe_bf16 *out, size_t stride, int row0,
+                                                    int nrows, const float *acc, float mul,
+                                                    int lane) {
+    uint32_t old[2][D / 8];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const uint32_t *o = reinterpret_cast<const uint32_t *>(
+            out + (size_t)(row0 + 8 * i) * stride + 2 * (lane % 4));
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+            old[i][n] = row0 + 8 * i < nrows ? o[4 * n] : 0u; /* pair n: columns 8n + .. */
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        if (row0 + 8 * i >= nrows)
+            continue;
+        uint32_t *o =
+            reinterpret_cast<uint32_t *>(out + (size_t)(row0 + 8 * i) * stride + 2 * (lane % 4));
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162 *>(&old[i][n]);
+            const float x0 = acc[4 * n + 2 * i] * mul, x1 = acc[4 * n + 2 * i + 1] * mul;
+            o[4 * n] = fa_pack_bf16(__low2float(v) + x0, __high2float(v) + x1);
+        }
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void fa_add_dkdv_batched(moe_bf16 *dk, moe_bf16 *dv, float *adk,
+                                                    float *adv, int key, int g, int b, int lane,
+                                                    const Args &a) {
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) {
+        reg_fence(adk[i]);
+        reg_fence(adv[i]);
+    }
+    const size_t kvs = (size_t)a.Hkv * D;
+    const size_t base = (size_t)b * a.Tk * kvs + (size_t)g * D;
+    fa_add_rows_batched<D>(dk + base, kvs, key, a.Tk, adk, a.scale, lane);
+    fa_add_rows_batched<D>(dv + base, kvs, key, a.Tk, adv, 1.0f, lane);
 }
 
 /* ------------------------------------------------- the fused kernel's dq pieces */
@@ -805,7 +875,8 @@ __global__ void __launch_bounds__(THREADS, 1)
  * warpgroup's arithmetic with its own wgmmas (the header's "Mode 3"); the products, their
  * operands and the accumulation orders are mode 2's. NONDET = 1 (mode 4, with OVERLAP = 0)
  * drops the semaphores: every dq tile is a TMA reduce-add into acc (zeroed before the
- * launch) in whatever order the CTAs reach it (the header's "Mode 4"); sem is not read. */
+ * launch) in whatever order the CTAs reach it (the header's "Mode 4"); sem is not read.
+ * NONDET = 2 (mode 5): mode 4 with the batched dk/dv epilogue (fa_add_dkdv_batched). */
 template <int D, int OVERLAP, int NONDET>
 __global__ void __launch_bounds__(THREADS, 1)
     fa_sm90_fused_kernel(const __grid_constant__ CUtensorMap mq,
@@ -961,7 +1032,10 @@ __global__ void __launch_bounds__(THREADS, 1)
             }
         }
     }
-    fa_add_dkdv<D>(dk, dv, adk, adv, key, g, b, lane, a);
+    if constexpr (NONDET == 2)
+        fa_add_dkdv_batched<D>(dk, dv, adk, adv, key, g, b, lane, a);
+    else
+        fa_add_dkdv<D>(dk, dv, adk, adv, key, g, b, lane, a);
 #else
     __trap();
 #endif
@@ -1024,20 +1098,22 @@ __global__ void fa_sm90_dq_add_all_kernel(moe_bf16 *dq, const float *acc, int B,
  * mode 1 on the tests' shapes and 1.17x its speed at 16K, D = 128, 1.57x at D = 64), 3 = the
  * fused kernel with the overlap of the header's "Mode 3" (mode 2's bits; not yet run on a
  * GPU, so opt-in), 4 = the fused kernel without the semaphores (the header's "Mode 4":
- * NON-deterministic dq; not yet run on a GPU, opt-in and never the default), 1 = the Hopper
- * backward's two kernels, 0 = the portable backward; read at every call (a getenv), so that
+ * NON-deterministic dq; not yet run on a GPU, opt-in and never the default), 5 = mode 4 with
+ * the batched dk/dv epilogue of the header's "Mode 5" (not deterministic either), 1 = the
+ * Hopper backward's two kernels, 0 = the portable backward; read at every call (a getenv), so that
  * one process (the tests, the benchmark) can switch. */
 int fa_sm90_bwd_mode(void) {
     const char *e = getenv("MOE_FLASH_SM90_BWD");
     if (!e)
         return 2;
     if (strcmp(e, "0") && strcmp(e, "1") && strcmp(e, "2") && strcmp(e, "3") &&
-        strcmp(e, "4")) {
+        strcmp(e, "4") && strcmp(e, "5")) {
         fprintf(stderr, "MOE_FLASH_SM90_BWD=%s: must be 2 (the Hopper backward of "
                         "kernels/attention_sm90_bwd.cu, sm_90 only, its fused single kernel "
                         "with a deterministic fp32 dq reduction: the default), 3 (the same "
                         "kernel with its wgmmas overlapped with the arithmetic, mode 2's bits), "
                         "4 (the fused kernel with unordered dq reduce-adds: NOT deterministic), "
+                        "5 (mode 4 with its dk/dv epilogue's loads batched), "
                         "1 (its two kernels) or 0 (the portable flash-attention backward)\n",
                 e);
         exit(1);
@@ -1046,7 +1122,7 @@ int fa_sm90_bwd_mode(void) {
 }
 
 long long g_sm90_bwd_calls = 0, g_sm90_bwd_fused_calls = 0, g_sm90_bwd_overlap_calls = 0,
-          g_sm90_bwd_nondet_calls = 0;
+          g_sm90_bwd_nondet_calls = 0, g_sm90_bwd_batched_calls = 0;
 
 /* The dk/dv side's tensor maps (both modes): K and V resident in boxes of 128 rows, Q and
  * dY streamed in boxes of 64. */
@@ -1112,7 +1188,8 @@ void fa_sm90_bwd_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const void *dy
  * which needs no zeroing (key tile 0 stores, the others add; the add kernel skips the tiles
  * that no key tile reached). OVERLAP: mode 3's kernel (1) or mode 2's (0). NONDET (mode 4):
  * every key tile reduce-adds, so acc is zeroed too (the same memset, over the whole
- * workspace), and the add kernel takes every row. */
+ * workspace), and the add kernel takes every row; NONDET = 2 (mode 5): the same with the
+ * kernel's batched dk/dv epilogue. */
 template <int D, int OVERLAP, int NONDET>
 void fa_sm90_fused_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const void *dy,
                           const float *lse, const float *delta, const void *q, const void *k,
@@ -1181,6 +1258,10 @@ extern "C" int moe_cuda_attention_sm90_backward(void *dq, void *dk, void *dv, co
         fa_sm90_fused_launch<64, 0, 1>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
     else if (mode == 4)
         fa_sm90_fused_launch<128, 0, 1>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+    else if (mode == 5 && s.D == 64)
+        fa_sm90_fused_launch<64, 0, 2>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+    else if (mode == 5)
+        fa_sm90_fused_launch<128, 0, 2>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
     else if (s.D == 64)
         fa_sm90_bwd_launch<64>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
     else
@@ -1188,7 +1269,8 @@ extern "C" int moe_cuda_attention_sm90_backward(void *dq, void *dk, void *dv, co
     g_sm90_bwd_calls++;
     g_sm90_bwd_fused_calls += mode >= 2;
     g_sm90_bwd_overlap_calls += mode == 3;
-    g_sm90_bwd_nondet_calls += mode == 4;
+    g_sm90_bwd_nondet_calls += mode >= 4;
+    g_sm90_bwd_batched_calls += mode == 5;
     return 1;
 }
 
@@ -1204,4 +1286,8 @@ extern "C" long long moe_cuda_attention_sm90_backward_overlap_calls(void) {
 
 extern "C" long long moe_cuda_attention_sm90_backward_nondet_calls(void) {
     return g_sm90_bwd_nondet_calls;
+}
+
+extern "C" long long moe_cuda_attention_sm90_backward_batched_calls(void) {
+    return g_sm90_bwd_batched_calls;
 }
