@@ -496,7 +496,8 @@ int main(int argc, char **argv) {
     printf("SDPA: %s\n\n", info);
     printf("| T | D | B×H | check | sm90 | fwd ms | fwd TFLOP/s | portable fwd ms | portable "
            "fwd TFLOP/s | sm90 bwd | bwd ms | bwd TFLOP/s | portable bwd ms | bwd mode 1 ms / "
-           "TFLOP/s | bwd mode 2 ms / TFLOP/s | bwd mode 3 ms / TFLOP/s | bwd mode 4 ms / TFLOP/s | bwd mode 5 ms / TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | FLASH fwd / f+b "
+           "TFLOP/s | bwd mode 2 ms / TFLOP/s | bwd mode 3 ms / TFLOP/s | bwd mode 4 ms / "
+           "TFLOP/s | bwd mode 5 ms / TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | FLASH fwd / f+b "
            "TFLOP/s | cuDNN fwd / f+b TFLOP/s | fwd vs FLASH / cuDNN | f+b vs FLASH / cuDNN |\n"
            "|---:|---:|---:|---:|:---:|---:|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (int i = 0; i < n; i++) {
