@@ -16,7 +16,9 @@
  * At 16K, D = 128 causal, mode 1 ran 326 TFLOP/s (1.85x the portable backward) and mode 2
  * 381 TFLOP/s (7.22 against 8.44 ms; D = 64: 313 against 199), so mode 2 is the default
  * (docs/results/07-long-context.md). Mode 3 (MOE_FLASH_SM90_BWD=3, below: mode 2 with
- * overlap) STATUS: written, not yet run on a GPU; opt-in.
+ * overlap) STATUS: written, not yet run on a GPU; opt-in. Mode 4 (MOE_FLASH_SM90_BWD=4,
+ * below: mode 2 without the dq ordering, NOT deterministic) STATUS: written, not yet run on a
+ * GPU; opt-in, never the default; mode 5 (=5: mode 4 with a batched dk/dv epilogue) the same.
  *
  * The math, per (b, query head h, group g = h / (Hq/Hkv)), with sl = log2(e)/√D and
  * lse₂ = lse·log2(e) (0 for a row that sees nothing: every key of it is masked anyway):
@@ -174,6 +176,48 @@
  * tile's Sᵀ, dPᵀ issued before this tile's Pᵀ, dSᵀ (FlashAttention-3's forward-style
  * intra-warpgroup pipelining) needs a second Sᵀ, dPᵀ (64 registers): 272 at D = 128; and
  * ping-pong of the two warpgroups.
+ *
+ * Mode 4 (MOE_FLASH_SM90_BWD=4, opt-in, NOT deterministic): mode 2's kernel (NONDET = 1)
+ * without the semaphores, FlashAttention-3's default mode. The store warp hands each staged
+ * dq tile to TMA as a reduce-add (cp.reduce.async.bulk.tensor ... .add, fp32, done in L2)
+ * as soon as the consumers have staged it: no spin on the tile's semaphore, no wait for the
+ * copy to complete, no post. Only the buffer's hand-back stays: TMA must have READ the
+ * staging buffer (cp.async.bulk.wait_group.read) before the consumers write the next tile
+ * (the consumers fence their stores to the async proxy before they announce it, as in mode
+ * 2), and the warp waits for its copies to complete once, before it exits. So key tile 0 adds
+ * too, and acc is zeroed first (the launcher's memset covers the whole workspace: the
+ * semaphores, unused, the ticket, acc). The add kernel then takes every row
+ * (fa_sm90_dq_add_all_kernel): a row that sees no key has acc = +0 (its P, hence its dS, is
+ * masked to 0 in the tiles that reach it; nothing is added where none does), and dq + 0 is
+ * dq. The ticket order stays (nobody waits, so it cannot deadlock; it starts the heaviest
+ * CTAs first). What it measures: the cost of mode 2's ordering (a CTA's store warp waits for
+ * key tile j − 1's add to the same query tile, then for its own add to complete, and the
+ * consumers stall on the staging buffer whenever the store warp falls an iteration behind).
+ * What changes: the fp32 additions into each acc element happen in the order the CTAs reach
+ * them, so dq differs from run to run in its last bits (dk and dv do not: they are mode 2's
+ * instructions and bits). tests/gpu_attention.c asserts dk, dv = mode 2's bits and dq within
+ * a few bf16 ulps of mode 2's. Registers (ptxas, nvcc 13): 168 at launch; no spills at D =
+ * 128; at D = 64 the producer warpgroup spills 24 bytes (mode 2: 20). The consumers' code is
+ * mode 2's; tools/device_code_diff.py reports modes 1-3's kernels unchanged.
+ *
+ * Mode 5 (MOE_FLASH_SM90_BWD=5, opt-in, NOT deterministic): mode 4 (NONDET = 2) with the dk/dv
+ * epilogue's loads batched (fa_add_dkdv_batched). Where Nsight Compute counts "uncoalesced"
+ * global sectors in mode 2's kernel (32 % excessive at 16K, D = 128), they are the dk/dv
+ * epilogue's: its only other generic global accesses are the producer's lse₂, δ loads (32
+ * lanes, 128 contiguous bytes: coalesced) and the semaphore's one-lane poll and post (one
+ * sector each, no excess); TMA's copies are not counted. fa_add_rows reads and writes bf16
+ * pairs, 4 bytes a lane: an instruction covers 8 rows × 16 bytes, 8 sectors of 32 bytes each
+ * half used (2× the ideal), 64 loads and 64 stores a thread at D = 128: per CTA 8 warps ×
+ * 128 × 8 = 8192 sectors, half of them excess; over the 16K, D = 128, 16-head grid 16.8 M
+ * against the lse₂, δ loads' 4.2 M (16 a query tile) and the polls. Their bytes are few
+ * (≈ 0.5 GB of sector traffic against ≈ 17 GB of TMA loads and reduce-adds), but the PTX
+ * alternates load, store 64 times (the compiler keeps a load after the store before it: it
+ * cannot prove the addresses differ), so if ptxas keeps that order too, each thread waits
+ * for 64 L2 round trips one after the other while the CTA holds its SM (one CTA an SM: 193
+ * KB of shared memory) with its tensor cores idle. Mode 5 issues each tensor's 2 × D/8 loads
+ * first (D/4 registers, free by then), then adds and stores: the same operations on the same
+ * values, so dk and dv keep mode 2's bits (asserted). The half-used sectors stay (8-byte
+ * accesses would need a quad shuffle of the accumulator: not done).
  *
  * sm_100a has no wgmma: this file builds there (the kernel bodies compile to a trap) and the
  * launcher runs them only on a device of compute capability 9.
@@ -456,6 +500,57 @@ __device__ __forceinline__ void fa_add_dkdv(moe_bf16 *dk, moe_bf16 *dv, float *a
     fa_add_rows<D>(dv + base, kvs, key, a.Tk, adv, 1.0f, lane);
 }
 
+/* Mode 5's epilogue: fa_add_dkdv's arithmetic (the same bits) with each tensor's loads issued
+ * before any of its stores. In fa_add_rows every load follows the store before it (the
+ * compiler cannot prove that out + r·stride + 8n and the next pair's address differ, and
+ * keeps the order: the PTX alternates load, store 64 times), so the stores wait for the loads
+ * one L2 round trip at a time, with the CTA's tensor cores idle until the last one. Here a
+ * thread loads its 2 rows × D/8 pairs (D/4 registers), then adds and stores them: one round
+ * trip per tensor. The rows' 16-byte pieces per instruction (8 rows × 4 lanes × 4 bytes:
+ * half of each 32-byte sector used) are unchanged. */
+template <int D>
+__device__ __forceinline__ void fa_add_rows_batched(moe_bf16 *out, size_t stride, int row0,
+                                                    int nrows, const float *acc, float mul,
+                                                    int lane) {
+    uint32_t old[2][D / 8];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const uint32_t *o = reinterpret_cast<const uint32_t *>(
+            out + (size_t)(row0 + 8 * i) * stride + 2 * (lane % 4));
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+            old[i][n] = row0 + 8 * i < nrows ? o[4 * n] : 0u; /* pair n: columns 8n + .. */
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        if (row0 + 8 * i >= nrows)
+            continue;
+        uint32_t *o =
+            reinterpret_cast<uint32_t *>(out + (size_t)(row0 + 8 * i) * stride + 2 * (lane % 4));
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162 *>(&old[i][n]);
+            const float x0 = acc[4 * n + 2 * i] * mul, x1 = acc[4 * n + 2 * i + 1] * mul;
+            o[4 * n] = fa_pack_bf16(__low2float(v) + x0, __high2float(v) + x1);
+        }
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void fa_add_dkdv_batched(moe_bf16 *dk, moe_bf16 *dv, float *adk,
+                                                    float *adv, int key, int g, int b, int lane,
+                                                    const Args &a) {
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) {
+        reg_fence(adk[i]);
+        reg_fence(adv[i]);
+    }
+    const size_t kvs = (size_t)a.Hkv * D;
+    const size_t base = (size_t)b * a.Tk * kvs + (size_t)g * D;
+    fa_add_rows_batched<D>(dk + base, kvs, key, a.Tk, adk, a.scale, lane);
+    fa_add_rows_batched<D>(dv + base, kvs, key, a.Tk, adv, 1.0f, lane);
+}
+
 /* ------------------------------------------------- the fused kernel's dq pieces */
 
 /* A warpgroup's dSᵀ fragments da (fa_pack_a of rows row, row + 8 = keys, 64 query columns)
@@ -518,8 +613,12 @@ __device__ __forceinline__ void fa_sem_post(int *sem) {
  * staging buffer and hands it to TMA (a plain store for key tile 0, the first: the
  * accumulator needs no zeroing; a reduce-add, done in L2, for the others), frees the
  * buffer once TMA has read it, waits until the writes are complete, and posts the
- * semaphore. Rows past Tq are outside the tensor map: TMA skips them. */
-template <int NP>
+ * semaphore. Rows past Tq are outside the tensor map: TMA skips them.
+ * NONDET (mode 4): no semaphore, no wait for completion, no post: every key tile's dq tile
+ * is a reduce-add into the zeroed acc as soon as it is staged, in whatever order the CTAs
+ * get there; the buffer is freed once TMA has read it (.read), and the warp waits for its
+ * copies to complete only once, before it exits. */
+template <int NP, int NONDET>
 __device__ __forceinline__ void fa_store_dq(int lane, const CUtensorMap *mdq, const uint8_t *dqs,
                                             int *sem, int j, int g, int b, int rep,
                                             const KvWork &w, const Args &a) {
@@ -531,19 +630,22 @@ __device__ __forceinline__ void fa_store_dq(int lane, const CUtensorMap *mdq, co
     int *tsem = sem + (size_t)bh * M + m;
     named_bar_arrive(BAR_DQ_EMPTY, NB); /* the buffer starts free */
     for (int it = 0; it < w.nit; it++) {
-        if (lane == 0) {
-            fa_sem_wait(tsem, j); /* key tiles 0 .. j−1 see tile m too: they come first */
-            fence_proxy_async_global(); /* ... and before our TMA reduce-add */
+        if constexpr (!NONDET) {
+            if (lane == 0) {
+                fa_sem_wait(tsem, j); /* key tiles 0 .. j−1 see tile m too: they come first */
+                fence_proxy_async_global(); /* ... and before our TMA reduce-add */
+            }
+            __syncwarp();
         }
-        __syncwarp();
-        named_bar_sync(BAR_DQ_FULL, NB);
+        named_bar_sync(BAR_DQ_FULL, NB); /* the consumers fenced their stores to the async
+                                            proxy before they arrived */
         if (lane == 0) {
 #pragma unroll
             for (int p = 0; p < NP; p++)
 #pragma unroll
                 for (int box = 0; box < 2; box++) {
                     const uint8_t *src = dqs + p * (64 * 64 * 4) + box * 8192;
-                    if (j == 0)
+                    if (!NONDET && j == 0)
                         tma_store_3d(mdq, src, 64 * p + 32 * box, m * SMALL, bh);
                     else
                         tma_reduce_add_3d(mdq, src, 64 * p + 32 * box, m * SMALL, bh);
@@ -554,18 +656,25 @@ __device__ __forceinline__ void fa_store_dq(int lane, const CUtensorMap *mdq, co
         __syncwarp();
         if (it + 1 < w.nit)
             named_bar_arrive(BAR_DQ_EMPTY, NB); /* the consumers may write the next tile */
-        if (lane == 0) {
-            bulk_wait_all();            /* the adds are done in global memory ... */
-            fence_proxy_async_global(); /* ... ordered before the generic release */
-            fa_sem_post(tsem);
+        if constexpr (!NONDET) {
+            if (lane == 0) {
+                bulk_wait_all();            /* the adds are done in global memory ... */
+                fence_proxy_async_global(); /* ... ordered before the generic release */
+                fa_sem_post(tsem);
+            }
+            __syncwarp();
         }
-        __syncwarp();
         tsem++;
         if (++m == mend) { /* the next query head of the group */
             m = w.qt0;
             bh++;
             tsem += M - w.per;
         }
+    }
+    if constexpr (NONDET) {
+        if (lane == 0)
+            bulk_wait_all(); /* every reduce-add issued has completed before the CTA exits */
+        __syncwarp();
     }
 }
 #endif
@@ -764,8 +873,11 @@ __global__ void __launch_bounds__(THREADS, 1)
  * CTAs with smaller tickets, which have started, so the waits cannot deadlock whatever
  * order the hardware starts CTAs in. OVERLAP = 1 (mode 3) overlaps each consumer
  * warpgroup's arithmetic with its own wgmmas (the header's "Mode 3"); the products, their
- * operands and the accumulation orders are mode 2's. */
-template <int D, int OVERLAP>
+ * operands and the accumulation orders are mode 2's. NONDET = 1 (mode 4, with OVERLAP = 0)
+ * drops the semaphores: every dq tile is a TMA reduce-add into acc (zeroed before the
+ * launch) in whatever order the CTAs reach it (the header's "Mode 4"); sem is not read.
+ * NONDET = 2 (mode 5): mode 4 with the batched dk/dv epilogue (fa_add_dkdv_batched). */
+template <int D, int OVERLAP, int NONDET>
 __global__ void __launch_bounds__(THREADS, 1)
     fa_sm90_fused_kernel(const __grid_constant__ CUtensorMap mq,
                          const __grid_constant__ CUtensorMap mk,
@@ -792,7 +904,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     fa_init_barriers(&kvbar, full, empty, STAGES);
     __syncthreads();
     /* the key tile is the slowest index: all (b, g) of key tile 0 first (the most query
-     * tiles see it), and the tile a CTA waits for (j − 1) has a smaller ticket */
+     * tiles see it), and the tile a CTA waits for (j − 1) has a smaller ticket (mode 4
+     * waits for nobody: there the ticket only starts the heaviest CTAs first) */
     const int j = tile / (a.Hkv * B), g = tile % a.Hkv, b = (tile / a.Hkv) % B;
     const int s0 = j * BIG, rep = a.Hq / a.Hkv;
     KvWork w;
@@ -808,7 +921,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             fa_produce_q_dy<L>(tid, Ks, Vs, ring, Ls, Ds, &kvbar, full, empty, &mq, &mk, &mv,
                                &mdy, lse, delta, a, g, b, s0, rep, w);
         else if (tid < 64)
-            fa_store_dq<NP>(tid - 32, &mdq, dqs, sem, j, g, b, rep, w, a);
+            fa_store_dq<NP, NONDET>(tid - 32, &mdq, dqs, sem, j, g, b, rep, w, a);
         return;
     }
 
@@ -919,10 +1032,32 @@ __global__ void __launch_bounds__(THREADS, 1)
             }
         }
     }
-    fa_add_dkdv<D>(dk, dv, adk, adv, key, g, b, lane, a);
+    if constexpr (NONDET == 2)
+        fa_add_dkdv_batched<D>(dk, dv, adk, adv, key, g, b, lane, a);
+    else
+        fa_add_dkdv<D>(dk, dv, adk, adv, key, g, b, lane, a);
 #else
     __trap();
 #endif
+}
+
+/* dq[b, t, h, c .. c + 7] += scale · acc[row, c .. c + 7] for row = (b·Hq + h)·Tq + t
+ * (bf16 += fp32, one rounding): what both add kernels do for one thread. */
+__device__ __forceinline__ void fa_dq_add8(moe_bf16 *dq, const float *acc, size_t row, int c,
+                                           int t, size_t bh, int Hq, int Tq, int D,
+                                           float scale) {
+    const int b = (int)(bh / Hq), h = (int)(bh % Hq);
+    const float4 *x = reinterpret_cast<const float4 *>(acc + row * D + c);
+    const float4 x0 = x[0], x1 = x[1];
+    uint4 *o = reinterpret_cast<uint4 *>(dq + (((size_t)b * Tq + t) * Hq + h) * D + c);
+    uint4 old = *o;
+    __nv_bfloat162 *v = reinterpret_cast<__nv_bfloat162 *>(&old);
+    const float add[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        v[i] = __floats2bfloat162_rn(__low2float(v[i]) + add[2 * i] * scale,
+                                     __high2float(v[i]) + add[2 * i + 1] * scale);
+    *o = old;
 }
 
 /* dq[b, t, h, :] += scale · acc[b, h, t, :] (bf16 += fp32, one rounding) for the rows of the
@@ -939,18 +1074,22 @@ __global__ void fa_sm90_dq_add_kernel(moe_bf16 *dq, const float *acc, const int 
     const size_t bh = row / Tq;
     if (sem[bh * ((Tq + SMALL - 1) / SMALL) + t / SMALL] == 0)
         return;
-    const int b = (int)(bh / Hq), h = (int)(bh % Hq);
-    const float4 *x = reinterpret_cast<const float4 *>(acc + row * D + c);
-    const float4 x0 = x[0], x1 = x[1];
-    uint4 *o = reinterpret_cast<uint4 *>(dq + (((size_t)b * Tq + t) * Hq + h) * D + c);
-    uint4 old = *o;
-    __nv_bfloat162 *v = reinterpret_cast<__nv_bfloat162 *>(&old);
-    const float add[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-        v[i] = __floats2bfloat162_rn(__low2float(v[i]) + add[2 * i] * scale,
-                                     __high2float(v[i]) + add[2 * i + 1] * scale);
-    *o = old;
+    fa_dq_add8(dq, acc, row, c, t, bh, Hq, Tq, D, scale);
+}
+
+/* Mode 4's: the same for every row, with no semaphores to say which tiles were reached: acc
+ * was zeroed before the fused kernel, and a row that sees no key gets only zeros from the
+ * key tiles that reach its tile (its P, hence its dS, is masked to 0) and nothing where no
+ * key tile reaches it, so its acc is +0 and dq + 0 = dq (bit for bit but for a dq of −0,
+ * which becomes +0: the same value). */
+__global__ void fa_sm90_dq_add_all_kernel(moe_bf16 *dq, const float *acc, int B, int Tq, int Hq,
+                                          int D, float scale) {
+    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int c8 = D / 8;
+    if (idx >= (size_t)B * Hq * Tq * c8)
+        return;
+    const size_t row = idx / c8; /* (b·Hq + h)·Tq + t */
+    fa_dq_add8(dq, acc, row, (int)(idx % c8) * 8, (int)(row % Tq), row / Tq, Hq, Tq, D, scale);
 }
 
 /* ---------------------------------------------------------------- host side */
@@ -958,17 +1097,23 @@ __global__ void fa_sm90_dq_add_kernel(moe_bf16 *dq, const float *acc, const int 
 /* MOE_FLASH_SM90_BWD: unset or 2 = the fused kernel (the default: on an H100 the same bits as
  * mode 1 on the tests' shapes and 1.17x its speed at 16K, D = 128, 1.57x at D = 64), 3 = the
  * fused kernel with the overlap of the header's "Mode 3" (mode 2's bits; not yet run on a
- * GPU, so opt-in), 1 = the Hopper backward's two kernels, 0 = the portable backward; read at
- * every call (a getenv), so that one process (the tests, the benchmark) can switch. */
+ * GPU, so opt-in), 4 = the fused kernel without the semaphores (the header's "Mode 4":
+ * NON-deterministic dq; not yet run on a GPU, opt-in and never the default), 5 = mode 4 with
+ * the batched dk/dv epilogue of the header's "Mode 5" (not deterministic either), 1 = the
+ * Hopper backward's two kernels, 0 = the portable backward; read at every call (a getenv), so that
+ * one process (the tests, the benchmark) can switch. */
 int fa_sm90_bwd_mode(void) {
     const char *e = getenv("MOE_FLASH_SM90_BWD");
     if (!e)
         return 2;
-    if (strcmp(e, "0") && strcmp(e, "1") && strcmp(e, "2") && strcmp(e, "3")) {
+    if (strcmp(e, "0") && strcmp(e, "1") && strcmp(e, "2") && strcmp(e, "3") &&
+        strcmp(e, "4") && strcmp(e, "5")) {
         fprintf(stderr, "MOE_FLASH_SM90_BWD=%s: must be 2 (the Hopper backward of "
                         "kernels/attention_sm90_bwd.cu, sm_90 only, its fused single kernel "
                         "with a deterministic fp32 dq reduction: the default), 3 (the same "
                         "kernel with its wgmmas overlapped with the arithmetic, mode 2's bits), "
+                        "4 (the fused kernel with unordered dq reduce-adds: NOT deterministic), "
+                        "5 (mode 4 with its dk/dv epilogue's loads batched), "
                         "1 (its two kernels) or 0 (the portable flash-attention backward)\n",
                 e);
         exit(1);
@@ -976,7 +1121,8 @@ int fa_sm90_bwd_mode(void) {
     return e[0] - '0';
 }
 
-long long g_sm90_bwd_calls = 0, g_sm90_bwd_fused_calls = 0, g_sm90_bwd_overlap_calls = 0;
+long long g_sm90_bwd_calls = 0, g_sm90_bwd_fused_calls = 0, g_sm90_bwd_overlap_calls = 0,
+          g_sm90_bwd_nondet_calls = 0, g_sm90_bwd_batched_calls = 0;
 
 /* The dk/dv side's tensor maps (both modes): K and V resident in boxes of 128 rows, Q and
  * dY streamed in boxes of 64. */
@@ -1040,15 +1186,18 @@ void fa_sm90_bwd_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const void *dy
  * eagerly before it captures it): the semaphores and the ticket counter, zeroed here on the
  * op's stream (a memset node when captured), then the fp32 accumulator [B, Hq, Tq, D],
  * which needs no zeroing (key tile 0 stores, the others add; the add kernel skips the tiles
- * that no key tile reached). OVERLAP: mode 3's kernel (1) or mode 2's (0). */
-template <int D, int OVERLAP>
+ * that no key tile reached). OVERLAP: mode 3's kernel (1) or mode 2's (0). NONDET (mode 4):
+ * every key tile reduce-adds, so acc is zeroed too (the same memset, over the whole
+ * workspace), and the add kernel takes every row; NONDET = 2 (mode 5): the same with the
+ * kernel's batched dk/dv epilogue. */
+template <int D, int OVERLAP, int NONDET>
 void fa_sm90_fused_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const void *dy,
                           const float *lse, const float *delta, const void *q, const void *k,
                           const void *v, moe_attention_shape s) {
     typedef LayoutFused<D> L;
     static bool configured = false;
     if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(fa_sm90_fused_kernel<D, OVERLAP>,
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(fa_sm90_fused_kernel<D, OVERLAP, NONDET>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             L::BYTES));
         configured = true;
@@ -1061,18 +1210,24 @@ void fa_sm90_fused_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const void *
                                               sem_bytes + nacc * sizeof(float));
     int *sem = (int *)ws, *ticket = sem + nsem;
     float *acc = (float *)(ws + sem_bytes);
-    MOE_CUDA_CHECK(cudaMemsetAsync(sem, 0, (nsem + 1) * sizeof(int), moe_cuda_stream()));
+    MOE_CUDA_CHECK(cudaMemsetAsync(sem, 0, NONDET ? sem_bytes + nacc * sizeof(float)
+                                                  : (nsem + 1) * sizeof(int),
+                                   moe_cuda_stream()));
 
     const KvMaps m = fa_kv_maps(q, k, v, dy, s);
     const uint64_t dims[3] = {(uint64_t)D, (uint64_t)s.Tq, (uint64_t)s.B * s.Hq};
     const uint32_t box[3] = {32, SMALL, 1}; /* [64 rows][32 fp32]: 128 bytes a row */
     const CUtensorMap mdq = moe_tma_map(acc, 3, dims, box, MOE_TMA_F32);
     const unsigned ctas = (unsigned)s.Hkv * s.B * ((s.Tk + BIG - 1) / BIG);
-    fa_sm90_fused_kernel<D, OVERLAP><<<ctas, THREADS, L::BYTES, moe_cuda_stream()>>>(
+    fa_sm90_fused_kernel<D, OVERLAP, NONDET><<<ctas, THREADS, L::BYTES, moe_cuda_stream()>>>(
         m.q, m.k, m.v, m.dy, mdq, dk, dv, lse, delta, sem, ticket, a, s.B);
     MOE_CUDA_LAUNCH_CHECK();
-    fa_sm90_dq_add_kernel<<<moe_cdiv(nacc / 8, 256), 256, 0, moe_cuda_stream()>>>(
-        dq, acc, sem, s.B, s.Tq, s.Hq, D, a.scale);
+    if (NONDET)
+        fa_sm90_dq_add_all_kernel<<<moe_cdiv(nacc / 8, 256), 256, 0, moe_cuda_stream()>>>(
+            dq, acc, s.B, s.Tq, s.Hq, D, a.scale);
+    else
+        fa_sm90_dq_add_kernel<<<moe_cdiv(nacc / 8, 256), 256, 0, moe_cuda_stream()>>>(
+            dq, acc, sem, s.B, s.Tq, s.Hq, D, a.scale);
     MOE_CUDA_LAUNCH_CHECK();
 }
 
@@ -1092,13 +1247,21 @@ extern "C" int moe_cuda_attention_sm90_backward(void *dq, void *dk, void *dv, co
         return 0; /* TMA needs 16-byte aligned tensors; the epilogue 4-byte pairs */
     moe_bf16 *dQ = (moe_bf16 *)dq, *dK = (moe_bf16 *)dk, *dV = (moe_bf16 *)dv;
     if (mode == 2 && s.D == 64)
-        fa_sm90_fused_launch<64, 0>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+        fa_sm90_fused_launch<64, 0, 0>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
     else if (mode == 2)
-        fa_sm90_fused_launch<128, 0>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+        fa_sm90_fused_launch<128, 0, 0>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
     else if (mode == 3 && s.D == 64)
-        fa_sm90_fused_launch<64, 1>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+        fa_sm90_fused_launch<64, 1, 0>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
     else if (mode == 3)
-        fa_sm90_fused_launch<128, 1>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+        fa_sm90_fused_launch<128, 1, 0>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+    else if (mode == 4 && s.D == 64)
+        fa_sm90_fused_launch<64, 0, 1>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+    else if (mode == 4)
+        fa_sm90_fused_launch<128, 0, 1>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+    else if (mode == 5 && s.D == 64)
+        fa_sm90_fused_launch<64, 0, 2>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+    else if (mode == 5)
+        fa_sm90_fused_launch<128, 0, 2>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
     else if (s.D == 64)
         fa_sm90_bwd_launch<64>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
     else
@@ -1106,6 +1269,8 @@ extern "C" int moe_cuda_attention_sm90_backward(void *dq, void *dk, void *dv, co
     g_sm90_bwd_calls++;
     g_sm90_bwd_fused_calls += mode >= 2;
     g_sm90_bwd_overlap_calls += mode == 3;
+    g_sm90_bwd_nondet_calls += mode >= 4;
+    g_sm90_bwd_batched_calls += mode == 5;
     return 1;
 }
 
@@ -1117,4 +1282,12 @@ extern "C" long long moe_cuda_attention_sm90_backward_fused_calls(void) {
 
 extern "C" long long moe_cuda_attention_sm90_backward_overlap_calls(void) {
     return g_sm90_bwd_overlap_calls;
+}
+
+extern "C" long long moe_cuda_attention_sm90_backward_nondet_calls(void) {
+    return g_sm90_bwd_nondet_calls;
+}
+
+extern "C" long long moe_cuda_attention_sm90_backward_batched_calls(void) {
+    return g_sm90_bwd_batched_calls;
 }

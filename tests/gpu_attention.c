@@ -17,8 +17,10 @@
  * (kernels/attention_sm90.cu, both of its main loops) against the CPU and the portable
  * kernel, and fails on an sm_90 device if the Hopper path did not run;
  * test_attention_sm90_backward does the same for the Hopper backward
- * (kernels/attention_sm90_bwd.cu, MOE_FLASH_SM90_BWD=1 and 2 set by the test: the two-kernel
- * form and the fused one), and checks that two runs of each give the same bits.
+ * (kernels/attention_sm90_bwd.cu, MOE_FLASH_SM90_BWD=1 to 5 set by the test: the two-kernel
+ * form, the fused one, the fused one overlapped, the fused one with unordered dq additions,
+ * and that with a batched dk/dv epilogue), and checks that two runs of each deterministic
+ * mode give the same bits.
  *
  * Then context parallelism's device pieces (kernels/cp_merge.cu): the merge of partial
  * results by their log-sum-exp, the strided copy and the lse fill, against the CPU ops.
@@ -598,7 +600,31 @@ END_TEST
 
 /* ------------------------------------------------------ the Hopper backward (sm_90a) */
 
-/* kernels/attention_sm90_bwd.cu (MOE_FLASH_SM90_BWD=1, 2 and 3, set here and restored) against
+/* The elements where a is not within a few bf16 ulps of b: |a − b| > 2^-6 |b| (2 to 4 ulps of
+ * b: a bf16 ulp is 2^-8 .. 2^-7 of the value) + 2^-12 max|b| (for values near 0, whose ulp is
+ * finer than what an fp32 sum in another order can hold them to). Prints the first and the
+ * count; returns the count (0: close). For two gradients that differ only in the order of
+ * their fp32 sums before one bf16 rounding. */
+static size_t far_ulps(const char *what, const moe_real *a, const moe_real *b, size_t n) {
+    double mx = 0.0;
+    for (size_t i = 0; i < n; i++)
+        mx = fabs((double)b[i]) > mx ? fabs((double)b[i]) : mx;
+    size_t far = 0, same = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double d = fabs((double)a[i] - (double)b[i]);
+        same += a[i] == b[i];
+        if (isnan(d) || d > ldexp(fabs((double)b[i]), -6) + ldexp(mx, -12)) {
+            if (!far)
+                printf("  %s: first element beyond a few ulps at %zu: got %g, want %g\n", what,
+                       i, (double)a[i], (double)b[i]);
+            far++;
+        }
+    }
+    printf("  %s: %zu of %zu elements differ, %zu beyond a few ulps\n", what, n - same, n, far);
+    return far;
+}
+
+/* kernels/attention_sm90_bwd.cu (MOE_FLASH_SM90_BWD=1 to 5, set here and restored) against
  * the CPU twin and against the portable backward (MOE_FLASH_SM90_BWD=0), dq, dk, dv, on the
  * shapes its tiles make hard: lengths around its 64- and 128-row tiles (1, 63, 127, 129, 300,
  * 1000, 4096), both head dims it runs, GQA 4 (Hq = 8, Hkv = 2: dk, dv summed over 4 query
@@ -610,10 +636,18 @@ END_TEST
  * instructions, so they should be the same bits: printed, not asserted); mode 3 (mode 2's
  * kernel with its wgmmas overlapped with its arithmetic: the same operations in the same
  * order) must give mode 2's bits exactly, dq, dk and dv (asserted where the Hopper backward
- * ran). On an sm_90 device the test fails unless each Hopper path ran
- * (moe_cuda_attention_sm90_backward_calls() and, for modes 2 and 3,
+ * ran). Mode 4 (mode 2's kernel with the dq tiles reduce-added in no fixed order: NOT
+ * deterministic) must give mode 2's dk and dv bits (the same instructions; asserted, and the
+ * same in both runs) and a dq within a few bf16 ulps of mode 2's (far_ulps: the same fp32
+ * terms summed in another order, then one rounding), besides the bounds against the CPU,
+ * the portable backward and mode 1 that every mode meets; its two runs may differ in dq
+ * (printed, not asserted). Mode 5 (mode 4 with its dk/dv epilogue's loads batched: the same
+ * operations) is held to mode 4's checks. On an sm_90 device the test fails unless each
+ * Hopper path ran (moe_cuda_attention_sm90_backward_calls() and, for modes 2 to 5,
  * moe_cuda_attention_sm90_backward_fused_calls(), for mode 3 also
- * moe_cuda_attention_sm90_backward_overlap_calls(), grew); elsewhere it checks the
+ * moe_cuda_attention_sm90_backward_overlap_calls(), for modes 4 and 5
+ * moe_cuda_attention_sm90_backward_nondet_calls(), for mode 5
+ * moe_cuda_attention_sm90_backward_batched_calls(), grew); elsewhere it checks the
  * fallback. The shapes are the forward test's (SM90_SHAPES): one list serves both. */
 START_TEST(test_attention_sm90_backward) {
     const shape s = SM90_SHAPES[_i];
@@ -647,10 +681,11 @@ START_TEST(test_attention_sm90_backward) {
     float *dlse = upload_f32(lse, nl);
     const int sm90 = device_is_sm90();
     const moe_bench_env env = moe_bench_env_set("MOE_FLASH_SM90_BWD", "0");
-    /* run 0: the portable backward; runs 1, 2: mode 1; runs 3, 4: mode 2; runs 5, 6: mode 3
-     * (each twice: the same bits) */
-    enum { RUNS = 7, MODES = 3 };
-    static const char *const mode[RUNS] = {"0", "1", "1", "2", "2", "3", "3"};
+    /* run 0: the portable backward; runs 1, 2: mode 1; runs 3, 4: mode 2; runs 5, 6: mode 3;
+     * runs 7, 8: mode 4; runs 9, 10: mode 5 (each twice: the same bits, but for modes 4 and
+     * 5's dq) */
+    enum { RUNS = 11, MODES = 5 };
+    static const char *const mode[RUNS] = {"0", "1", "1", "2", "2", "3", "3", "4", "4", "5", "5"};
     moe_real *got[RUNS][3];
     uint16_t *raw[RUNS][3];
     for (int r = 0; r < RUNS; r++) {
@@ -660,6 +695,8 @@ START_TEST(test_attention_sm90_backward) {
         const long long before = moe_cuda_attention_sm90_backward_calls();
         const long long fused_before = moe_cuda_attention_sm90_backward_fused_calls();
         const long long overlap_before = moe_cuda_attention_sm90_backward_overlap_calls();
+        const long long nondet_before = moe_cuda_attention_sm90_backward_nondet_calls();
+        const long long batched_before = moe_cuda_attention_sm90_backward_batched_calls();
         moe_cuda_attention_backward(dg[0], dg[1], dg[2], dgy, dy, dlse, ws, dq, dk, dv, sh);
         CU_OK(cudaGetLastError());
         CU_OK(cudaDeviceSynchronize());
@@ -667,11 +704,17 @@ START_TEST(test_attention_sm90_backward) {
         const long long fused = moe_cuda_attention_sm90_backward_fused_calls() - fused_before;
         const long long overlap =
             moe_cuda_attention_sm90_backward_overlap_calls() - overlap_before;
+        const long long nondet = moe_cuda_attention_sm90_backward_nondet_calls() - nondet_before;
+        const long long batched =
+            moe_cuda_attention_sm90_backward_batched_calls() - batched_before;
         ck_assert_msg(ran == (r && sm90) && fused == (r >= 3 && sm90) &&
-                          overlap == (r >= 5 && sm90),
+                          overlap == (r >= 5 && r <= 6 && sm90) &&
+                          nondet == (r >= 7 && sm90) && batched == (r >= 9 && sm90),
                       "%s: with MOE_FLASH_SM90_BWD=%s on a device %s sm_90 the Hopper backward "
-                      "ran %lld times, its fused kernel %lld times, in mode 3 %lld times",
-                      s.what, mode[r], sm90 ? "of" : "not of", ran, fused, overlap);
+                      "ran %lld times, its fused kernel %lld times, in mode 3 %lld times, in "
+                      "mode 4 or 5 %lld times, in mode 5 %lld times",
+                      s.what, mode[r], sm90 ? "of" : "not of", ran, fused, overlap, nondet,
+                      batched);
         for (int i = 0; i < 3; i++) {
             got[r][i] = malloc(n[i] * sizeof *got[r][i]);
             ck_assert_ptr_nonnull(got[r][i]);
@@ -707,15 +750,24 @@ START_TEST(test_attention_sm90_backward) {
                 if (raw[r][i][j] != raw[r + 1][i][j])
                     first_diff = j;
             const int same_as_1 = m >= 2 && memcmp(raw[r][i], raw[1][i], n[i] * 2) == 0;
-            size_t diff_2 = n[i]; /* mode 3: the first element that differs from mode 2 */
-            for (size_t j = 0; m == 3 && j < n[i] && diff_2 == n[i]; j++)
+            /* modes 3, 4 and 5 (but 4 and 5's dq): the first element that differs from mode 2 */
+            const int as_2 = m == 3 || (m >= 4 && i > 0);
+            size_t diff_2 = n[i];
+            for (size_t j = 0; as_2 && j < n[i] && diff_2 == n[i]; j++)
                 if (raw[r][i][j] != raw[3][i][j])
                     diff_2 = j;
             printf("  mode %d %s: %.2e (vs portable %.2e, vs mode 1 %.2e%s, "
                    "increment %.2e)%s%s\n",
                    m, name[i], e, ep, e1, same_as_1 ? ": the same bits" : "", ei,
-                   first_diff < n[i] ? " NOT deterministic" : "",
-                   m == 3 ? (diff_2 < n[i] ? " NOT mode 2's bits" : ", mode 2's bits") : "");
+                   first_diff == n[i]         ? ""
+                   : m >= 4 && i == 0 ? " (its two runs differ: expected)"
+                                      : " NOT deterministic",
+                   as_2 ? (diff_2 < n[i] ? " NOT mode 2's bits" : ", mode 2's bits") : "");
+            size_t far_2 = 0; /* modes 4, 5's dq (both runs): within a few ulps of mode 2's */
+            for (int rr = r; m >= 4 && i == 0 && rr <= r + 1; rr++) {
+                snprintf(what, sizeof what, "mode %d run %d dq vs mode 2", m, rr - r + 1);
+                far_2 += far_ulps(what, got[rr][i], got[3][i], n[i]);
+            }
             ck_assert_msg(e <= 1e-2, "%s: mode %d %s error %g against the CPU", s.what, m,
                           name[i], e);
             ck_assert_msg(ep <= 1e-2, "%s: mode %d %s error %g against the portable backward",
@@ -724,12 +776,17 @@ START_TEST(test_attention_sm90_backward) {
                           name[i], e1);
             ck_assert_msg(ei <= 3e-2, "%s: mode %d %s increment error %g", s.what, m, name[i],
                           ei);
-            ck_assert_msg(first_diff == n[i], "%s: mode %d %s differs between two runs at %zu",
-                          s.what, m, name[i], first_diff);
-            /* mode 3 is mode 2's operations in mode 2's order (without an sm_90 device both
-             * are the portable backward, deterministic too) */
-            ck_assert_msg(diff_2 == n[i], "%s: mode 3 %s differs from mode 2 at %zu", s.what,
-                          name[i], diff_2);
+            /* modes 4, 5's dq may differ between runs (its additions have no fixed order) */
+            ck_assert_msg(first_diff == n[i] || (m >= 4 && i == 0),
+                          "%s: mode %d %s differs between two runs at %zu", s.what, m, name[i],
+                          first_diff);
+            /* mode 3 is mode 2's operations in mode 2's order, modes 4 and 5's dk and dv are
+             * mode 2's operations (without an sm_90 device all are the portable backward,
+             * deterministic too) */
+            ck_assert_msg(diff_2 == n[i], "%s: mode %d %s differs from mode 2 at %zu", s.what,
+                          m, name[i], diff_2);
+            ck_assert_msg(far_2 == 0, "%s: mode %d dq: %zu elements beyond a few ulps of mode 2's",
+                          s.what, m, far_2);
             free(inc);
             free(inc_ref);
         }

@@ -18,7 +18,7 @@
 #            only, scatter only, both
 #   pending  the measurements of the paths that are off by default (not in the default
 #            list): the attention benchmark (the portable backward and the Hopper modes 1, 2
-#            and the opt-in 3 side by side), the grouped GEMM's swapped-tail schedules
+#            and the opt-in 3, 4 and 5 (4, 5 non-deterministic) side by side), the grouped GEMM's swapped-tail schedules
 #            around the 128- and 256-row cliffs, the FP8 wgrad's GEMMs (both loops, both
 #            scale paths) and the FP8 layer with it (MOE_FP8_WGRAD=1)
 #

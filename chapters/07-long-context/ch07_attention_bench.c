@@ -23,10 +23,14 @@
  * there, =0 the portable one); then the portable backward is timed
  * too and "sm90 bwd" says which ran in the main columns (the sampled check runs on the main
  * path, so a wrong Hopper backward stops the program). Wherever a Hopper backward runs (an
- * sm_90 GPU, D = 64 or 128), its three modes are also checked (the same sampled check) and
- * timed whatever the setting, side by side in the columns "bwd mode 1", "bwd mode 2" and
- * "bwd mode 3" (MOE_FLASH_SM90_BWD=3: mode 2's kernel with its wgmmas overlapped with its
- * arithmetic, opt-in). Run
+ * sm_90 GPU, D = 64 or 128), its five modes are also checked (the same sampled check) and
+ * timed whatever the setting, side by side in the columns "bwd mode 1", "bwd mode 2", "bwd
+ * mode 3" (MOE_FLASH_SM90_BWD=3: mode 2's kernel with its wgmmas overlapped with its
+ * arithmetic, opt-in) and "bwd mode 4" (MOE_FLASH_SM90_BWD=4: mode 2's kernel with its dq
+ * tiles reduce-added in no fixed order, FlashAttention-3's default: NOT deterministic,
+ * opt-in; it measures what mode 2's deterministic ordering costs) and "bwd mode 5"
+ * (MOE_FLASH_SM90_BWD=5: mode 4 with its dk/dv epilogue's loads batched before its stores,
+ * not deterministic either). Run
  * the whole program under MOE_FLASH_SM90=0 MOE_FLASH_SM90_BWD=0 to measure the portable
  * kernels alone.
  *
@@ -60,7 +64,7 @@ typedef struct shape_result {
     int sm90;                   /* the main forward ran the Hopper kernel */
     double bwd_portable;        /* ms: the portable backward (MOE_FLASH_SM90_BWD=0), or 0 */
     int sm90_bwd;               /* the main backward ran the Hopper kernels */
-    double bwd_mode[3];         /* ms: the Hopper backward's modes 1, 2, 3, or 0: not run */
+    double bwd_mode[5];         /* ms: the Hopper backward's modes 1-5, or 0: not run */
     sdpa_row flash, cudnn;
 } shape_result;
 
@@ -227,7 +231,8 @@ static double time_op(int which, int reps, int warmup, void *y, moe_real *lse, v
 /* One backward from zero gradients as the environment selects, checked against the double
  * reference (the program stops above CHECK_TOL, naming @p what); *err gets the check error.
  * Returns 1 when it ran a Hopper backward (for "mode 2": the fused one; "mode 3": the fused
- * one with the overlap). */
+ * one with the overlap; "mode 4": the fused one with unordered dq additions; "mode 5": that
+ * with the batched dk/dv epilogue). */
 static int checked_backward(const shape_result *r, const char *what, const moe_real *hq,
                             const moe_real *hk, const moe_real *hv, const moe_real *hdy,
                             void *y, moe_real *lse, void *ws, void *dq, void *dk, void *dv,
@@ -241,8 +246,14 @@ static int checked_backward(const shape_result *r, const char *what, const moe_r
     const long long bcalls = moe_cuda_attention_sm90_backward_calls();
     const long long fcalls = moe_cuda_attention_sm90_backward_fused_calls();
     const long long ocalls = moe_cuda_attention_sm90_backward_overlap_calls();
+    const long long ncalls = moe_cuda_attention_sm90_backward_nondet_calls();
+    const long long bcalls5 = moe_cuda_attention_sm90_backward_batched_calls();
     moe_cuda_attention_backward(dq, dk, dv, dy, y, lse, ws, q, k, v, s);
-    const int ran = strcmp(what, "mode 3") == 0
+    const int ran = strcmp(what, "mode 5") == 0
+                        ? moe_cuda_attention_sm90_backward_batched_calls() > bcalls5
+                    : strcmp(what, "mode 4") == 0
+                        ? moe_cuda_attention_sm90_backward_nondet_calls() > ncalls
+                    : strcmp(what, "mode 3") == 0
                         ? moe_cuda_attention_sm90_backward_overlap_calls() > ocalls
                     : strcmp(what, "mode 2") == 0
                         ? moe_cuda_attention_sm90_backward_fused_calls() > fcalls
@@ -290,11 +301,11 @@ static void measure(shape_result *r, int reps, int warmup) {
         r->bwd_portable = time_op(1, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
         moe_bench_env_restore(&env);
     }
-    /* the Hopper backward's three modes side by side, each checked first (a mode that does
+    /* the Hopper backward's five modes side by side, each checked first (a mode that does
      * not run here, e.g. off sm_90, stays at 0) */
-    static const char *const mode_env[3] = {"1", "2", "3"};
-    static const char *const mode_name[3] = {"mode 1", "mode 2", "mode 3"};
-    for (int m = 0; m < 3; m++) {
+    static const char *const mode_env[5] = {"1", "2", "3", "4", "5"};
+    static const char *const mode_name[5] = {"mode 1", "mode 2", "mode 3", "mode 4", "mode 5"};
+    for (int m = 0; m < 5; m++) {
         env = moe_bench_env_set("MOE_FLASH_SM90_BWD", mode_env[m]);
         double err = 0.0;
         if (checked_backward(r, mode_name[m], hq, hk, hv, hdy, y, lse, ws, dq, dk, dv, dy, q, k,
@@ -404,8 +415,9 @@ int main(int argc, char **argv) {
                    "Causal bf16 flash attention, forward, backward and both, against PyTorch "
                    "SDPA's flash and cuDNN\nbackends in the same run. MOE_FLASH_SM90=0: the "
                    "portable forward only; MOE_FLASH_SM90_BWD=0: the\nportable backward, 1: the "
-                   "Hopper backward's two kernels in the main columns (both\nHopper modes are "
-                   "timed side by side on sm_90 anyway).\n");
+                   "Hopper backward's two kernels in the main columns (all five\nHopper modes "
+                   "are timed side by side on sm_90 anyway; modes 4, 5 are not deterministic)."
+                   "\n");
             return 0;
         }
         if (!val) {
@@ -471,12 +483,12 @@ int main(int argc, char **argv) {
             r->B = tokens / seqs[i] > 1 ? tokens / seqs[i] : 1;
             measure(r, reps, warmup);
             fprintf(stderr, "  measured T=%d D=%d: fwd %.3f ms (%s; portable %.3f ms) bwd %.3f "
-                    "ms (%s; portable %.3f ms; mode 1 %.3f ms, mode 2 %.3f ms, mode 3 %.3f ms) "
-                    "(check %.1e)\n",
+                    "ms (%s; portable %.3f ms; mode 1 %.3f ms, mode 2 %.3f ms, mode 3 %.3f ms, "
+                    "mode 4 %.3f ms, mode 5 %.3f ms) (check %.1e)\n",
                     r->T, r->D, r->fwd, r->sm90 ? "sm90" : "portable", r->fwd_portable,
                     r->bwd, r->sm90_bwd ? "sm90" : "portable",
                     r->sm90_bwd ? r->bwd_portable : r->bwd, r->bwd_mode[0], r->bwd_mode[1],
-                    r->bwd_mode[2], r->check);
+                    r->bwd_mode[2], r->bwd_mode[3], r->bwd_mode[4], r->check);
         }
     char info[512] = "skipped (--no-sdpa)";
     if (sdpa)
@@ -484,20 +496,23 @@ int main(int argc, char **argv) {
     printf("SDPA: %s\n\n", info);
     printf("| T | D | B×H | check | sm90 | fwd ms | fwd TFLOP/s | portable fwd ms | portable "
            "fwd TFLOP/s | sm90 bwd | bwd ms | bwd TFLOP/s | portable bwd ms | bwd mode 1 ms / "
-           "TFLOP/s | bwd mode 2 ms / TFLOP/s | bwd mode 3 ms / TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | FLASH fwd / f+b "
+           "TFLOP/s | bwd mode 2 ms / TFLOP/s | bwd mode 3 ms / TFLOP/s | bwd mode 4 ms / "
+           "TFLOP/s | bwd mode 5 ms / TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | FLASH fwd / f+b "
            "TFLOP/s | cuDNN fwd / f+b TFLOP/s | fwd vs FLASH / cuDNN | f+b vs FLASH / cuDNN |\n"
-           "|---:|---:|---:|---:|:---:|---:|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+           "|---:|---:|---:|---:|:---:|---:|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (int i = 0; i < n; i++) {
         const shape_result *r = &res[i];
         const double f = 2.0 * r->B * r->H * (double)r->T * r->T * r->D; /* causal fwd */
-        char a[16], b[16], c[16], d[16], e[16], g[16], x[16], z[16], m1[32], m2[32], m3[32];
+        char a[16], b[16], c[16], d[16], e[16], g[16], x[16], z[16], m1[32], m2[32], m3[32],
+            m4[32], m5[32];
         printf("| %d | %d | %d×%d | %.1e | %s | %.3f | %.0f | %.3f | %.0f | %s | %.3f | %.0f "
-               "| %.3f | %s | %s | %s | %.3f | %.0f | %s / %s | %s / %s | %s / %s | %s / %s |\n",
+               "| %.3f | %s | %s | %s | %s | %s | %.3f | %.0f | %s / %s | %s / %s | %s / %s | %s / %s |\n",
                r->T, r->D, r->B, r->H, r->check, r->sm90 ? "yes" : "no", r->fwd,
                tflops(f, r->fwd), r->fwd_portable, tflops(f, r->fwd_portable),
                r->sm90_bwd ? "yes" : "no", r->bwd, tflops(2.5 * f, r->bwd),
                r->sm90_bwd ? r->bwd_portable : r->bwd, ms_tf(m1, 2.5 * f, r->bwd_mode[0]),
-               ms_tf(m2, 2.5 * f, r->bwd_mode[1]), ms_tf(m3, 2.5 * f, r->bwd_mode[2]), r->fb,
+               ms_tf(m2, 2.5 * f, r->bwd_mode[1]), ms_tf(m3, 2.5 * f, r->bwd_mode[2]),
+               ms_tf(m4, 2.5 * f, r->bwd_mode[3]), ms_tf(m5, 2.5 * f, r->bwd_mode[4]), r->fb,
                tflops(3.5 * f, r->fb),
                tf_or_dash(a, f, &r->flash, 0), tf_or_dash(b, 3.5 * f, &r->flash, 2),
                tf_or_dash(c, f, &r->cudnn, 0), tf_or_dash(d, 3.5 * f, &r->cudnn, 2),
