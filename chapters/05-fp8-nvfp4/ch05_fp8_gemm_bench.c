@@ -625,9 +625,11 @@ static void run_q1(void *p) {
         die("1x128 FP8 quantize", &err);
 }
 
+/* the copy moves as many bytes as the pass (up to 5 per element of x, which holds 2): from
+ * the second half of its own scratch buffer into the first, not from x */
 static void run_q1_copy(void *p) {
     q1_ctx *c = p;
-    moe_cuda_copy(c->scratch, c->x, c->copy_bytes);
+    moe_cuda_copy(c->scratch, (uint8_t *)c->scratch + c->copy_bytes, c->copy_bytes);
 }
 
 /* the 1x128 quantize of x [rows, cols] bf16 (what: its name in the row), with y (the copy)
@@ -642,7 +644,7 @@ static void bench_q1(const shape *s, const char *what, int rows, int cols, const
     q1_ctx c = {.q = dalloc(n), .s = dalloc(4 * (n / MOE_QUANT_BLOCK)),
                 .y = with_y ? dalloc(2 * n) : NULL, .x = x, .rows = rows, .cols = cols,
                 .copy_bytes = (size_t)(bytes / 2) / 16 * 16};
-    c.scratch = dalloc(c.copy_bytes);
+    c.scratch = dalloc(2 * c.copy_bytes);
     const double copy_ms = time_ms(run_q1_copy, &c);
     const double copy_gbs = 2.0 * c.copy_bytes / (copy_ms * 1e-3) / 1e9;
     static const struct {
