@@ -15,10 +15,13 @@
  * per key tile; the GPU preset's loss at step 60 is 2.2659 with it, 2.2567 with mode 1).
  * At 16K, D = 128 causal, mode 1 ran 326 TFLOP/s (1.85x the portable backward) and mode 2
  * 381 TFLOP/s (7.22 against 8.44 ms; D = 64: 313 against 199), so mode 2 is the default
- * (docs/results/07-long-context.md). Mode 3 (MOE_FLASH_SM90_BWD=3, below: mode 2 with
- * overlap) STATUS: written, not yet run on a GPU; opt-in. Mode 4 (MOE_FLASH_SM90_BWD=4,
- * below: mode 2 without the dq ordering, NOT deterministic) STATUS: written, not yet run on a
- * GPU; opt-in, never the default; mode 5 (=5: mode 4 with a batched dk/dv epilogue) the same.
+ * (docs/results/07-long-context.md). Modes 3, 4 and 5 passed the same test on an H100 at
+ * 27db17a (3: mode 2's bits; 4 and 5: mode 2's dk, dv bits, dq within a few ulps of mode 2's)
+ * and were measured in the same call at 16K (D = 128 / 64, TFLOP/s, mode 2: 381 / 309):
+ * mode 3 (MOE_FLASH_SM90_BWD=3, below: mode 2 with overlap) 375 / 294, opt-in; mode 4
+ * (=4, below: mode 2 without the dq ordering, NOT deterministic) 400 / 323, so the ordering
+ * costs mode 2 about 5 %; opt-in, never the default, as the library's gradients are
+ * bit-reproducible; mode 5 (=5: mode 4 with a batched dk/dv epilogue) 395 / 319, opt-in.
  *
  * The math, per (b, query head h, group g = h / (Hq/Hkv)), with sl = log2(e)/√D and
  * lse₂ = lse·log2(e) (0 for a row that sees nothing: every key of it is masked anyway):
@@ -1096,9 +1099,9 @@ __global__ void fa_sm90_dq_add_all_kernel(moe_bf16 *dq, const float *acc, int B,
 
 /* MOE_FLASH_SM90_BWD: unset or 2 = the fused kernel (the default: on an H100 the same bits as
  * mode 1 on the tests' shapes and 1.17x its speed at 16K, D = 128, 1.57x at D = 64), 3 = the
- * fused kernel with the overlap of the header's "Mode 3" (mode 2's bits; not yet run on a
- * GPU, so opt-in), 4 = the fused kernel without the semaphores (the header's "Mode 4":
- * NON-deterministic dq; not yet run on a GPU, opt-in and never the default), 5 = mode 4 with
+ * fused kernel with the overlap of the header's "Mode 3" (mode 2's bits; measured slower, so
+ * opt-in), 4 = the fused kernel without the semaphores (the header's "Mode 4":
+ * NON-deterministic dq; 1.05x mode 2, opt-in and never the default), 5 = mode 4 with
  * the batched dk/dv epilogue of the header's "Mode 5" (not deterministic either), 1 = the
  * Hopper backward's two kernels, 0 = the portable backward; read at every call (a getenv), so that
  * one process (the tests, the benchmark) can switch. */

@@ -169,8 +169,8 @@ long long moe_cuda_attention_sm90_calls(void);
  * a scratch workspace, the default), 3 (the same kernel with its wgmmas overlapped with its
  * arithmetic: mode 2's bits; opt-in: measured 0.95-0.98x mode 2's speed on an H100), 4 (the fused kernel with its dq
  * tiles reduce-added in no fixed order: NOT deterministic, FlashAttention-3's default; opt-in,
- * not yet run on a GPU), 5 (mode 4 with its dk/dv epilogue's loads batched before its
- * stores: dk, dv mode 2's bits; opt-in, not yet run on a GPU), or 1 (its two kernels: the same
+ * measured 1.05x mode 2), 5 (mode 4 with its dk/dv epilogue's loads batched before its
+ * stores: dk, dv mode 2's bits; opt-in, measured slower than mode 4), or 1 (its two kernels: the same
  * bits on the tests' shapes, not always); 0 = the portable kernels. Head dims 64 and 128, an sm_90 device and
  * 16-byte aligned tensors: adds the gradients to dq, dk, dv from dy, the forward's lse and delta =
  * rowsum(dy ⊙ y) [B, Hq, Tq] (computed by the caller) and returns 1; else returns 0 without
@@ -308,14 +308,15 @@ moe_status moe_cuda_dequant_blockwise_act(void *y, const uint8_t *q, const float
 /* which kernel quantizes 1×128 (moe_cuda_quant_blockwise without block_2d and
  * moe_cuda_quant_blockwise_act; process-wide, not thread-safe; all give the same bytes):
  * 0 = one warp per tile (also the fallback for misaligned buffers), 1 = the vectorized one
- * (a half-warp per tile), 2 = v3 (kernels/quantize.cu, block1x128_v3_kernel: STATUS written,
- * not yet run on a GPU), 3 = v3 with the hardware's FP8 casts. Set by
+ * (a half-warp per tile), 2 = v3 (kernels/quantize.cu, block1x128_v3_kernel), 3 = v3 with
+ * the hardware's FP8 casts (the default: byte for byte the others on an H100, whose casts
+ * equal moe_fp8_encode/moe_fp8_decode on all 2^32 inputs, tests/gpu_fp8_fused.c). Set by
  * moe_cuda_quant_1x128_set_kernel (tests, the chapter 05 benchmark; -1 = back to the
  * environment), else MOE_QUANT_VEC=0|1|2|3 read at each launch,
  * else MOE_QUANT_1X128_DEFAULT. The count of v3's launches lets a test prove it ran;
  * moe_cuda_quant_1x128_set_max_blocks caps v3's grid (0: the device's width), so a test can
  * make its warps loop over many groups of tiles on a small tensor. */
-#define MOE_QUANT_1X128_DEFAULT 1
+#define MOE_QUANT_1X128_DEFAULT 3
 void moe_cuda_quant_1x128_set_kernel(int k);
 int moe_cuda_quant_1x128_kernel(void);
 void moe_cuda_quant_1x128_set_max_blocks(int blocks);
@@ -385,9 +386,9 @@ moe_status moe_cuda_fp8_grouped_gemm(void *d, int d_fp32, const moe_qmatrix *a,
 #define MOE_FP8_GROUPED_ORDERED_DEFAULT 1
 void moe_cuda_fp8_grouped_set_ordered(int on);
 int moe_cuda_fp8_grouped_ordered(void);
-/** The default tile width of the FP8 grouped GEMM: 128 columns (the 256-column tile has not
- *  run on a GPU yet). */
-#define MOE_FP8_GROUPED_BN_DEFAULT 128
+/** The default tile width of the FP8 grouped GEMM: 256 columns (on an H100 bit-identical to
+ *  the 128-column tile, and faster: docs/results/05-fp8-nvfp4.md). */
+#define MOE_FP8_GROUPED_BN_DEFAULT 256
 /**
  * @brief Choose the FP8 grouped GEMM's tile width (process-wide, not thread-safe; forward
  *        and dgrad, both output types): 128 × 128 tiles, or 128 × 256 tiles whose consumer

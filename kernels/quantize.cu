@@ -18,8 +18,8 @@
  *   blockwise   1×128: a half-warp per tile, 8 elements per lane in 16-byte loads, the warps
  *               striding over the tiles (quant1x128.cuh; MOE_QUANT_VEC=0: the former one
  *               warp per tile, 4 elements per lane; MOE_QUANT_VEC=2 or 3: v3, the same tile in
- *               cheaper instructions, 8 tiles a warp in flight, block1x128_v3_kernel,
- *               written and not yet run on a GPU); 128×128: one 256-thread block
+ *               cheaper instructions, 8 tiles a warp in flight, block1x128_v3_kernel;
+ *               3, the hardware's casts, is the default); 128×128: one 256-thread block
  *               per block (64 elements per thread), the amax through shared memory;
  *               with a transposed copy (blockwise_t_kernel): a 128×128 tile of x in shared
  *               memory, quantized along its rows and its columns in the same block;
@@ -268,10 +268,11 @@ static __global__ void block1x128_vec_kernel(uint8_t *q, float *scale_inv, moe_b
     }
 }
 
-/* The third 1×128 quantizer, v3. STATUS: written, not yet run on a GPU; off by default
- * (MOE_QUANT_1X128_DEFAULT, cuda_ops.h): MOE_QUANT_VEC=2 (or
- * moe_cuda_quant_1x128_set_kernel(2)) runs it, MOE_QUANT_VEC=3 runs it with the hardware's
- * casts. The vectorized kernel above moves ~1.3 TB/s on an H100 (Qwen3-235B's permuted x,
+/* The third 1×128 quantizer, v3: the default with the hardware's casts
+ * (MOE_QUANT_1X128_DEFAULT = 3, cuda_ops.h; MOE_QUANT_VEC=2 or
+ * moe_cuda_quant_1x128_set_kernel(2) runs it with the software encoder, =1 the vectorized
+ * kernel below). STATUS: byte for byte the CPU twin and the older kernels on an H100 at
+ * 27db17a (tests/gpu_fp8_fused.c, gpu_quant.c, gpu_fp8_layer.c). The vectorized kernel above moves ~1.3 TB/s on an H100 (Qwen3-235B's permuted x,
  * 65536 × 4096 bf16 with its dequantized copy: 1.05 ms) where a copy of its bytes runs
  * ~3 TB/s. Its grid is not the limit (1024 blocks of 8 warps: more than the 6 blocks an SM
  * holds at its 37 registers), nor only its 16 bytes in flight a lane: per element it spends

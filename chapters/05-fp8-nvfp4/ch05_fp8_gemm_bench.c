@@ -30,11 +30,12 @@
  *   + quantize A               the same plus the 1x128 quantizer of the activations (fp32 in)
  *   variant                    the kernel's other variant (its consumer warpgroups issue
  *                              their MMAs in turn, or together: grouped_gemm_fp8_sm90.cu)
- *   128x256 tile (BN=256)      the same kernel with 128 x 256 tiles (two 128-column halves
- *                              promoted per k-block; MOE_FP8_GROUPED_BN=256 makes it the
- *                              default, and this row the 128x128 tile), the default issue
- *                              order; after the ceiling row, one line gives both tile
- *                              widths' fraction of the ceiling
+ *   128x128 tile (variant)     the kernel's other tile width, the default issue order: the
+ *                              default is 128 x 256 (two 128-column halves promoted per
+ *                              k-block), so this row is the 128 x 128 tile; with
+ *                              MOE_FP8_GROUPED_BN=128 the rows swap and it reads "128x256
+ *                              tile (BN=256)"; after the ceiling row, one line gives both
+ *                              tile widths' fraction of the ceiling
  *   FP8 dense ceiling          cuBLASLt's blockwise FP8 GEMM on the same rows x N x K as one
  *                              dense GEMM (one expert's weights): what a grouped GEMM can
  *                              at best approach
