@@ -204,7 +204,7 @@
  * mode 2's; tools/device_code_diff.py reports modes 1-3's kernels unchanged.
  *
  * Mode 5 (MOE_FLASH_SM90_BWD=5, opt-in, NOT deterministic): mode 4 (NONDET = 2) with the dk/dv
- * epilogue's loads batched (fa_add_dkdv_batched). Where Nsight Compute counts "uncoalesced"
+ * epilogue's loads batched (fa_add_dkdv<D, true>). Where Nsight Compute counts "uncoalesced"
  * global sectors in mode 2's kernel (32 % excessive at 16K, D = 128), they are the dk/dv
  * epilogue's: its only other generic global accesses are the producer's lse₂, δ loads (32
  * lanes, 128 contiguous bytes: coalesced) and the semaphore's one-lane poll and post (one
@@ -488,20 +488,6 @@ __device__ __forceinline__ void fa_tile_ds(float dpt[32], const float st[32], co
         }
 }
 
-/* The key-tile CTA's epilogue: dk += dK/√D, dv += dV for the thread's keys key, key + 8. */
-template <int D>
-__device__ __forceinline__ void fa_add_dkdv(moe_bf16 *dk, moe_bf16 *dv, float *adk, float *adv,
-                                            int key, int g, int b, int lane, const Args &a) {
-#pragma unroll
-    for (int i = 0; i < D / 2; i++) {
-        reg_fence(adk[i]);
-        reg_fence(adv[i]);
-    }
-    const size_t kvs = (size_t)a.Hkv * D;
-    const size_t base = (size_t)b * a.Tk * kvs + (size_t)g * D;
-    fa_add_rows<D>(dk + base, kvs, key, a.Tk, adk, a.scale, lane);
-    fa_add_rows<D>(dv + base, kvs, key, a.Tk, adv, 1.0f, lane);
-}
 
 /* Mode 5's epilogue: fa_add_dkdv's arithmetic (the same bits) with each tensor's loads issued
  * before any of its stores. In fa_add_rows every load follows the store before it (the
@@ -539,10 +525,11 @@ __device__ __forceinline__ void fa_add_rows_batched(moe_bf16 *out, size_t stride
     }
 }
 
-template <int D>
-__device__ __forceinline__ void fa_add_dkdv_batched(moe_bf16 *dk, moe_bf16 *dv, float *adk,
-                                                    float *adv, int key, int g, int b, int lane,
-                                                    const Args &a) {
+/* The key-tile CTA's epilogue: dk += dK/√D, dv += dV for the thread's keys key, key + 8;
+ * BATCHED (mode 5): through fa_add_rows_batched, the same bits. */
+template <int D, bool BATCHED = false>
+__device__ __forceinline__ void fa_add_dkdv(moe_bf16 *dk, moe_bf16 *dv, float *adk, float *adv,
+                                            int key, int g, int b, int lane, const Args &a) {
 #pragma unroll
     for (int i = 0; i < D / 2; i++) {
         reg_fence(adk[i]);
@@ -550,8 +537,13 @@ __device__ __forceinline__ void fa_add_dkdv_batched(moe_bf16 *dk, moe_bf16 *dv, 
     }
     const size_t kvs = (size_t)a.Hkv * D;
     const size_t base = (size_t)b * a.Tk * kvs + (size_t)g * D;
-    fa_add_rows_batched<D>(dk + base, kvs, key, a.Tk, adk, a.scale, lane);
-    fa_add_rows_batched<D>(dv + base, kvs, key, a.Tk, adv, 1.0f, lane);
+    if constexpr (BATCHED) {
+        fa_add_rows_batched<D>(dk + base, kvs, key, a.Tk, adk, a.scale, lane);
+        fa_add_rows_batched<D>(dv + base, kvs, key, a.Tk, adv, 1.0f, lane);
+    } else {
+        fa_add_rows<D>(dk + base, kvs, key, a.Tk, adk, a.scale, lane);
+        fa_add_rows<D>(dv + base, kvs, key, a.Tk, adv, 1.0f, lane);
+    }
 }
 
 /* ------------------------------------------------- the fused kernel's dq pieces */
@@ -879,7 +871,7 @@ __global__ void __launch_bounds__(THREADS, 1)
  * operands and the accumulation orders are mode 2's. NONDET = 1 (mode 4, with OVERLAP = 0)
  * drops the semaphores: every dq tile is a TMA reduce-add into acc (zeroed before the
  * launch) in whatever order the CTAs reach it (the header's "Mode 4"); sem is not read.
- * NONDET = 2 (mode 5): mode 4 with the batched dk/dv epilogue (fa_add_dkdv_batched). */
+ * NONDET = 2 (mode 5): mode 4 with the batched dk/dv epilogue (fa_add_dkdv<D, true>). */
 template <int D, int OVERLAP, int NONDET>
 __global__ void __launch_bounds__(THREADS, 1)
     fa_sm90_fused_kernel(const __grid_constant__ CUtensorMap mq,
@@ -1036,7 +1028,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
     }
     if constexpr (NONDET == 2)
-        fa_add_dkdv_batched<D>(dk, dv, adk, adv, key, g, b, lane, a);
+        fa_add_dkdv<D, true>(dk, dv, adk, adv, key, g, b, lane, a);
     else
         fa_add_dkdv<D>(dk, dv, adk, adv, key, g, b, lane, a);
 #else

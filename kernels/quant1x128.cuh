@@ -48,6 +48,23 @@ static __device__ __forceinline__ uint32_t moe_q_halfwarp_max_key(uint32_t m) {
     return m;
 }
 
+/** The scale of this lane's half-warp tile from its 8 elements @p v (the amax over the 16
+ *  lanes, moe_q_scale_from_amax), its inverse into @p si. Both 1×128 tile functions below
+ *  start with it. */
+static __device__ __forceinline__ float moe_q1x128_scale8(const float v[8], float fmax, int pow2,
+                                                         float *si) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const uint32_t key = moe_q_abs_key(v[k]);
+        m = key > m ? key : m;
+    }
+    m = moe_q_halfwarp_max_key(m);
+    const float scale = moe_q_scale_from_amax(moe_q_key_amax(m), fmax, pow2);
+    *si = moe_q_scale_inv(scale);
+    return scale;
+}
+
 /**
  * Quantize this lane's 8 elements @p v of its half-warp's tile: the packed codes into
  * @p codes (element k in byte k, little-endian: the memory order), and with @p deq the
@@ -56,15 +73,8 @@ static __device__ __forceinline__ uint32_t moe_q_halfwarp_max_key(uint32_t m) {
 static __device__ __forceinline__ float moe_q1x128_tile8(const float v[8], uint2 *codes,
                                                          moe_bf16x8 *deq, moe_fp8_format f,
                                                          int pow2) {
-    uint32_t m = 0;
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const uint32_t key = moe_q_abs_key(v[k]);
-        m = key > m ? key : m;
-    }
-    m = moe_q_halfwarp_max_key(m);
-    const float scale = moe_q_scale_from_amax(moe_q_key_amax(m), moe_fp8_max(f), pow2);
-    const float si = moe_q_scale_inv(scale);
+    float si;
+    const float scale = moe_q1x128_scale8(v, moe_fp8_max(f), pow2, &si);
     uint32_t w[2] = {0, 0};
 #pragma unroll
     for (int k = 0; k < 8; k++) {
@@ -124,15 +134,8 @@ static __device__ __forceinline__ uint32_t moe_fp8x2_encode_hw(float lo, float h
 template <moe_fp8_format F, bool DEQ, bool HW>
 static __device__ __forceinline__ float moe_q1x128_tile8_fast(const float v[8], uint2 *codes,
                                                               moe_bf16x8 *deq, int pow2) {
-    uint32_t m = 0;
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const uint32_t key = moe_q_abs_key(v[k]);
-        m = key > m ? key : m;
-    }
-    m = moe_q_halfwarp_max_key(m);
-    const float scale = moe_q_scale_from_amax(moe_q_key_amax(m), moe_fp8_max(F), pow2);
-    const float si = moe_q_scale_inv(scale);
+    float si;
+    const float scale = moe_q1x128_scale8(v, moe_fp8_max(F), pow2, &si);
     /* moe_q_cast_scaled: 0 for a NaN scale (a poisoned tile), else the cast of x·scale */
     const bool poisoned = moe_q_nonfinite(scale);
     uint32_t w[2] = {0, 0};

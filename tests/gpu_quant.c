@@ -693,6 +693,47 @@ static int grouped_vs_ref(const char *what, const void *dd, int fp32, const floa
     return pass;
 }
 
+/* One ragged case of the FP8 grouped GEMM tests: G groups of the given sizes, random x
+ * [rows, K] and w [G·N, K] (seeds seed and seed + 100), their quantized operands on both
+ * sides, the CPU twin's D, Σ|a·b| per element for the tolerance, a host buffer for the GPU's
+ * D and the offsets in device memory. */
+typedef struct grouped_case {
+    int G, rows, N, K;
+    int *off; /* [G + 1], host */
+    int *doff; /* the same, device */
+    float *x, *w, *ref, *got, *mag;
+    size_t n; /* rows · N */
+    grouped_operands o;
+} grouped_case;
+
+static void grouped_case_make(grouped_case *c, const int *sizes, int G, int N, int K,
+                              unsigned seed) {
+    moe_error err;
+    c->G = G, c->N = N, c->K = K;
+    c->off = malloc(sizeof(int) * (G + 1));
+    ck_assert_ptr_nonnull(c->off);
+    c->off[0] = 0;
+    for (int g = 0; g < G; g++)
+        c->off[g + 1] = c->off[g] + sizes[g];
+    c->rows = c->off[G];
+    c->x = gemm_input(c->rows, K, seed, 0);
+    c->w = gemm_input(G * N, K, seed + 100, 1);
+    grouped_make(&c->o, c->x, c->w, G, c->rows, N, K);
+    c->n = (size_t)c->rows * N;
+    c->ref = hpoison(c->n * 4 + 4), c->got = hpoison(c->n * 4 + 4);
+    ck_assert_int_eq(
+        moe_cpu_fp8_grouped_gemm(c->ref, &c->o.ha, &c->o.hb, c->off, G, c->rows, N, K, &err),
+        MOE_OK);
+    c->mag = grouped_abs_product(&c->o, c->off, G, c->rows, N, K);
+    c->doff = dcopy(c->off, sizeof(int) * (G + 1));
+}
+
+static void grouped_case_free(grouped_case *c) {
+    moe_cuda_free(c->doff);
+    free(c->off), free(c->x), free(c->w), free(c->ref), free(c->got), free(c->mag);
+    grouped_free(&c->o);
+}
+
 /* Our sm_90a FP8 grouped GEMM (kernels/grouped_gemm_fp8_sm90.cu) against its CPU twin
  * (moe_cpu_fp8_grouped_gemm: the same codes and scales dequantized, fp32 GEMM per group), on
  * ragged groups: empty ones, a single row, sizes around the 64-row warpgroup and 128-row tile
@@ -724,22 +765,13 @@ START_TEST(test_gpu_fp8_grouped_gemm) {
     moe_error err;
     int ok = 1;
     for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
-        const int G = cases[ci].G, N = cases[ci].N, K = cases[ci].K;
-        int off[17];
-        off[0] = 0;
-        for (int g = 0; g < G; g++)
-            off[g + 1] = off[g] + cases[ci].sizes[g];
-        const int rows = off[G];
-        float *x = gemm_input(rows, K, 1300 + ci, 0);
-        float *w = gemm_input(G * N, K, 1400 + ci, 1);
-        grouped_operands o;
-        grouped_make(&o, x, w, G, rows, N, K);
-        const size_t n = (size_t)rows * N;
-        float *ref = hpoison(n * 4 + 4), *got = hpoison(n * 4 + 4);
-        ck_assert_int_eq(moe_cpu_fp8_grouped_gemm(ref, &o.ha, &o.hb, off, G, rows, N, K, &err),
-                         MOE_OK);
-        float *mag = grouped_abs_product(&o, off, G, rows, N, K);
-        int *doff = dcopy(off, sizeof(int) * (G + 1));
+        grouped_case c;
+        grouped_case_make(&c, cases[ci].sizes, cases[ci].G, cases[ci].N, cases[ci].K,
+                          1300 + (unsigned)ci);
+        const int G = c.G, rows = c.rows, N = c.N, K = c.K;
+        const size_t n = c.n;
+        const grouped_operands o = c.o;
+        const int *doff = c.doff;
         for (int v = 0; v < 4; v++) {
             const int fp32 = v & 1, ord = v >> 1; /* output type; the kernel's variant */
             moe_cuda_fp8_grouped_set_ordered(ord);
@@ -750,12 +782,10 @@ START_TEST(test_gpu_fp8_grouped_gemm) {
             char what[96];
             snprintf(what, sizeof what, "G=%-2d rows=%-4d N=%d K=%-4d %-8s", G, rows, N, K,
                      ord ? "ordered" : "lockstep");
-            ok &= grouped_vs_ref(what, dd, fp32, ref, mag, n, got);
+            ok &= grouped_vs_ref(what, dd, fp32, c.ref, c.mag, n, c.got);
             moe_cuda_free(dd);
         }
-        moe_cuda_free(doff);
-        free(x), free(w), free(ref), free(got), free(mag);
-        grouped_free(&o);
+        grouped_case_free(&c);
     }
     moe_cuda_fp8_grouped_set_ordered(MOE_FP8_GROUPED_ORDERED_DEFAULT);
     ck_assert_msg(ok, "the FP8 grouped GEMM differs from its CPU twin");
@@ -799,22 +829,13 @@ START_TEST(test_gpu_fp8_grouped_gemm_bn256) {
     moe_error err;
     int ok = 1, same = 1;
     for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
-        const int G = cases[ci].G, N = cases[ci].N, K = cases[ci].K;
-        int off[25];
-        off[0] = 0;
-        for (int g = 0; g < G; g++)
-            off[g + 1] = off[g] + cases[ci].sizes[g];
-        const int rows = off[G];
-        float *x = gemm_input(rows, K, 1500 + ci, 0);
-        float *w = gemm_input(G * N, K, 1600 + ci, 1);
-        grouped_operands o;
-        grouped_make(&o, x, w, G, rows, N, K);
-        const size_t n = (size_t)rows * N;
-        float *ref = hpoison(n * 4 + 4), *got = hpoison(n * 4 + 4);
-        ck_assert_int_eq(moe_cpu_fp8_grouped_gemm(ref, &o.ha, &o.hb, off, G, rows, N, K, &err),
-                         MOE_OK);
-        float *mag = grouped_abs_product(&o, off, G, rows, N, K);
-        int *doff = dcopy(off, sizeof(int) * (G + 1));
+        grouped_case c;
+        grouped_case_make(&c, cases[ci].sizes, cases[ci].G, cases[ci].N, cases[ci].K,
+                          1500 + (unsigned)ci);
+        const int G = c.G, rows = c.rows, N = c.N, K = c.K;
+        const size_t n = c.n;
+        const grouped_operands o = c.o;
+        const int *doff = c.doff;
         unsigned char *h128 = hpoison(n * 4 + 4), *h256 = hpoison(n * 4 + 4);
         for (int v = 0; v < 4; v++) {
             const int fp32 = v & 1, ord = v >> 1;
@@ -846,12 +867,11 @@ START_TEST(test_gpu_fp8_grouped_gemm_bn256) {
                        what, fp32 ? "fp32" : "bf16", e / N, e % N);
                 same = 0;
             }
-            ok &= grouped_vs_ref(what, d256, fp32, ref, mag, n, got);
+            ok &= grouped_vs_ref(what, d256, fp32, c.ref, c.mag, n, c.got);
             moe_cuda_free(d128), moe_cuda_free(d256);
         }
-        moe_cuda_free(doff);
-        free(x), free(w), free(ref), free(got), free(mag), free(h128), free(h256);
-        grouped_free(&o);
+        free(h128), free(h256);
+        grouped_case_free(&c);
     }
     moe_cuda_fp8_grouped_set_bn(bn);
     moe_cuda_fp8_grouped_set_ordered(ordered);

@@ -544,6 +544,20 @@ static void run_wgrad_fp8(void *p) {
         die("FP8 grouped wgrad", &err);
 }
 
+/* one row of a memory-bound pass (impl) that moved @p bytes in @p ms: its GB/s beside a
+ * device-to-device copy of as many bytes timed in the same run (copy_ms, copy_gbs) */
+static void bw_row(const shape *s, const char *impl, double ms, double bytes, double copy_ms,
+                   double copy_gbs) {
+    const double gbs = bytes / (ms * 1e-3) / 1e9;
+    printf("%-6s %6d %6d %6d  %-38s %9.3f %6.0f GB/s = %3.0f%% of a D2D copy (%.3f ms, "
+           "%.0f GB/s), %.2f GB\n",
+           s->name, s->M, s->N, s->K, impl, ms, gbs, 100.0 * gbs / copy_gbs, copy_ms, copy_gbs,
+           bytes / 1e9);
+    if (g_tsv)
+        fprintf(g_tsv, "%s\t%d\t%d\t%d\t%s\t%.5f\t%.2f\n", s->name, s->M, s->N, s->K, impl, ms,
+                gbs);
+}
+
 /* one token-wise quantize pass alone (the operand of C channels), and the D2D copy that
  * moves as many bytes (its reference) */
 typedef struct tq_ctx {
@@ -588,17 +602,11 @@ static void bench_tq(const shape *s, const int *off, int G, int rows, const char
     const int v1 = moe_cuda_quant_group_t_v1();
     for (int k = 0; k < 2; k++) {
         moe_cuda_quant_group_t_set_v1(k);
-        const double ms = time_ms(run_tq, &c), gbs = bytes / (ms * 1e-3) / 1e9;
+        const double ms = time_ms(run_tq, &c);
         char impl[64];
         snprintf(impl, sizeof impl, "token-wise quantize %s (C=%d)%s", what, C,
                  k ? " v1" : "");
-        printf("%-6s %6d %6d %6d  %-38s %9.3f %6.0f GB/s = %3.0f%% of a D2D copy (%.3f ms, "
-               "%.0f GB/s), %.2f GB\n",
-               s->name, s->M, s->N, s->K, impl, ms, gbs, 100.0 * gbs / copy_gbs, copy_ms,
-               copy_gbs, bytes / 1e9);
-        if (g_tsv)
-            fprintf(g_tsv, "%s\t%d\t%d\t%d\t%s\t%.5f\t%.2f\n", s->name, s->M, s->N, s->K, impl,
-                    ms, gbs);
+        bw_row(s, impl, ms, bytes, copy_ms, copy_gbs);
     }
     fflush(stdout);
     moe_cuda_quant_group_t_set_v1(v1);
@@ -654,17 +662,11 @@ static void bench_q1(const shape *s, const char *what, int rows, int cols, const
     } ks[] = {{3, "v3 hw"}, {2, "v3"}, {1, "vec"}};
     for (int k = 0; k < 3; k++) {
         moe_cuda_quant_1x128_set_kernel(ks[k].kernel);
-        const double ms = time_ms(run_q1, &c), gbs = bytes / (ms * 1e-3) / 1e9;
+        const double ms = time_ms(run_q1, &c);
         char impl[64];
         snprintf(impl, sizeof impl, "1x128 quantize %s%s (C=%d) %s", what, with_y ? "+y" : "",
                  cols, ks[k].name);
-        printf("%-6s %6d %6d %6d  %-38s %9.3f %6.0f GB/s = %3.0f%% of a D2D copy (%.3f ms, "
-               "%.0f GB/s), %.2f GB\n",
-               s->name, s->M, s->N, s->K, impl, ms, gbs, 100.0 * gbs / copy_gbs, copy_ms,
-               copy_gbs, bytes / 1e9);
-        if (g_tsv)
-            fprintf(g_tsv, "%s\t%d\t%d\t%d\t%s\t%.5f\t%.2f\n", s->name, s->M, s->N, s->K, impl,
-                    ms, gbs);
+        bw_row(s, impl, ms, bytes, copy_ms, copy_gbs);
     }
     fflush(stdout);
     moe_cuda_quant_1x128_set_kernel(-1);
