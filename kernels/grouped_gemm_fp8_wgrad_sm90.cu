@@ -90,7 +90,8 @@ namespace {
 constexpr int BM = 128, BN = 128, BK = MOE_QUANT_BLOCK, THREADS = 384;
 [[maybe_unused]] constexpr int MAX_G = MOE_GROUPED_DEV_MAX_GROUPS;
 constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK, STAGE_BYTES = A_BYTES + B_BYTES;
-[[maybe_unused]] constexpr int SCL_BYTES = (BM + BN) * 4; /* a stage's scales: sa's 128 rows, sb's 128 columns */
+/* a stage's scales: sa's 128 rows, sb's 128 columns */
+[[maybe_unused]] constexpr int SCL_BYTES = (BM + BN) * 4;
 constexpr int C_BYTES = 16384;
 static_assert(THREADS >= MOE_GROUPED_DEV_MAX_GROUPS, "moe_wgrad_block_prefix: a thread a group");
 /* The ring of each scale path (SS: 1 = the scales in shared memory, with their stage; 0 =
@@ -308,7 +309,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                     const int s = it % STAGES, phase = (it / STAGES) & 1;
                     mbar_wait(&empty[s], phase ^ 1);
                     uint8_t *a = smem + s * R::SB, *b = a + A_BYTES;
-                    mbar_expect_tx(&full[s], A_BYTES + nb * B_BYTES + (SS ? (BM + nb * BN) * 4 : 0));
+                    mbar_expect_tx(&full[s],
+                                   A_BYTES + nb * B_BYTES + (SS ? (BM + nb * BN) * 4 : 0));
                     const int k = (kb0 + kt) * BK;
                     tma_load_2d(a, &map_a, &full[s], k, m0);
                     tma_load_2d(a + A_BYTES / 2, &map_a, &full[s], k, m0 + BM / 2);
@@ -593,8 +595,8 @@ extern "C" moe_status moe_cuda_fp8_grouped_wgrad(void *dw, moe_dw_mode mode, con
     if (ss && pipe() && tile_width() == 2 * BN) {
         static const launcher wide[4] = {launch_wide<0>, launch_wide<1>, launch_wide<2>,
                                          launch_wide<3>};
-        wide[C32 << 1 | moe_cuda_fp8_grouped_ordered()](ma, mb, mc, p,
-                                                        G * (M / BM) * ((N + 2 * BN - 1) / (2 * BN)));
+        const int tiles = G * (M / BM) * ((N + 2 * BN - 1) / (2 * BN));
+        wide[C32 << 1 | moe_cuda_fp8_grouped_ordered()](ma, mb, mc, p, tiles);
         return MOE_OK;
     }
     variants[C32 << 3 | moe_cuda_fp8_grouped_ordered() << 2 | pipe() << 1 | ss](
