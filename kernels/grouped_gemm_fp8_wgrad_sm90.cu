@@ -61,6 +61,36 @@
  * promotions per MMA FLOP): its 128 wgmma accumulators plus 128 sums are 256 registers, past
  * the 240 a consumer can have (below); it would also still wait before each promotion.
  * Two sets cost 64 registers more than the first loop (see the register note below).
+ * The 128 × 256 tile after all (WIDE = 1; MOE_FP8_WGRAD_BN=256 or moe_cuda_fp8_wgrad_set_bn,
+ * off by default), the forward kernel's "split promotion" (grouped_gemm_fp8_sm90.cu, where
+ * it took the forward from 59-71 % to 74-88 % of the dense FP8 GEMM on an H100): each
+ * consumer warpgroup owns 64 rows × 256 columns of SUMS (128 registers a thread) but only
+ * one 64 × 128 wgmma accumulator (64): per k-block it issues columns 0..127's 4
+ * m64n128k32 into it, waits, promotes them into d[0..63] (each with its sa[m]·sb[n], the
+ * column scales of that half read from the stage's slot, 4 pairs at a time: 8 registers,
+ * not 32), then columns 128..255's into the same accumulator, promotes into d[64..127], and
+ * only then gives the stage back. 192 accumulators: the forward's registers (a producer
+ * warpgroup at 40, consumers at 232: 2 × 232 + 40 = 504 ≤ 512); ptxas -v: no spills. The
+ * ORDERED turns become halves (warpgroup 0's half 0, 1's half 0, 0's half 1, 1's half 1,
+ * ..., the same barriers 3 and 4: issue_kblock's h), so while one warpgroup promotes a half
+ * the other's MMAs run: the wait before each promotion is the other warpgroup's issue, not
+ * idle tensor cores. What it saves over the 128 × 128 pipelined loop: per k-block 48 KB of
+ * loads for 128 × 256 outputs where two narrow tiles load 64 KB (A twice), half the stage
+ * waits, scale copies and epilogue hand-offs per FLOP. Each output element is the same fp32
+ * sum as the narrow kernels' (the same m64n128k32 on the same bytes, the same scale
+ * product, the same fmaf in the same k-block order), so they agree bit for bit
+ * (tests/gpu_fp8_wgrad.c). A stage: A 16 KB, B 32 KB (two 128-row boxes), scales 1.5 KB
+ * (sa's 128 rows, sb's 256 columns); 4 stages with two 16 KB staging buffers are 230 KB +
+ * 2 KB static, over the 227 KB, so the staging buffers are 8 KB (Ring): 4 × 49.5 + 16 + 2
+ * = 216 KB. 4 stages, not 3 with 16 KB buffers: 4 k-blocks ahead as the forward's wide
+ * tile (3 × 48 KB would be 1.7 µs of MMAs at the tensor cores' peak, close to a loaded
+ * L2's latency), at the price of an epilogue in 8 pieces instead of 4 (fp32; 4 instead of
+ * 2 with bf16), each waiting until TMA has read the last, once per tile of nk k-blocks.
+ * Not tried: the other choice, 3 stages. N = 128·odd: the last tile's second half lies
+ * past N; it is neither loaded nor computed, its scales not read, its columns not stored.
+ * Only with the scales in shared memory and the pipelined loop selected (the defaults): with
+ * MOE_FP8_WGRAD_SCALES=global or MOE_FP8_WGRAD_PIPE=0 (comparisons of the 128-column
+ * kernel) the 128-column tile runs.
  * Load balance is the simple one (tiles strided over the CTAs in order; a long group's
  * tiles cost more); correctness first.
  * The scales are read in the same order with the same values whichever memory they come
@@ -71,6 +101,9 @@
  * bf16 wgrad). The shared-memory scales (the default, MOE_FP8_WGRAD_SCALES=global for the
  * old path): written, not yet run on a GPU; ptxas -v: no spills in any of its 8 variants
  * (the bf16-output global-scales ones keep their 4 to 8 bytes).
+ * The 128 × 256 tile (MOE_FP8_WGRAD_BN=256): written, not yet run on a GPU; ptxas -v: no
+ * spills in its 4 variants (fp32 / bf16 output, ordered or not); the 128-column kernels'
+ * PTX unchanged (tools/device_code_diff.py: same).
  */
 #include <limits.h>
 #include <stdint.h>
@@ -107,7 +140,9 @@ static_assert(THREADS >= MOE_GROUPED_DEV_MAX_GROUPS, "moe_wgrad_block_prefix: a 
  * 1.4 µs of MMAs at the tensor cores' peak (a k-block is 4.2 MFLOP, 0.28 µs at 1979/132
  * TFLOP/s an SM), above an L2 or DRAM load's latency, and 8 KB staging buffers would make
  * the epilogue wait for TMA to read each 8 KB box before writing the next (4 waits a tile
- * instead of 2 with fp32 output). 6 stages + 8 KB buffers is the other choice, not tried. */
+ * instead of 2 with fp32 output). 6 stages + 8 KB buffers is the other choice, not tried.
+ * WIDE (the 128 × 256 tile, above): stages of 48 KB + 1.5 KB of scales, 4 of them, and 8 KB
+ * staging buffers (16 KB ones would make 232 KB). */
 template <int SS, int WIDE = 0> struct Ring {
     static constexpr int TN = WIDE ? 2 * BN : BN; /* the tile's columns */
     static constexpr int SB = A_BYTES + TN * BK;  /* a stage's codes */
