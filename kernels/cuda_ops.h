@@ -450,6 +450,30 @@ int moe_cuda_fp8_wgrad_pipe(void);
 void moe_cuda_fp8_wgrad_set_smem_scales(int on);
 int moe_cuda_fp8_wgrad_smem_scales(void);
 long long moe_cuda_fp8_wgrad_smem_calls(void);
+/** The default tile width of the FP8 grouped wgrad: 128 columns (the 128 × 256 tile is
+ *  written, not yet run on a GPU). */
+#define MOE_FP8_WGRAD_BN_DEFAULT 128
+/**
+ * @brief Choose the FP8 grouped wgrad's tile width (process-wide, not thread-safe; all three
+ *        output modes): 128 × 128 tiles, or 128 × 256 tiles whose consumer warpgroups promote
+ *        each k-block in two 128-column halves (the "split promotion" of
+ *        kernels/grouped_gemm_fp8_wgrad_sm90.cu, as the forward's 128 × 256 tile). Both give
+ *        bit-identical outputs.
+ *
+ * The wide tile has one loop, with the scales in shared memory: with the scales read from
+ * global memory (moe_cuda_fp8_wgrad_set_smem_scales(0), or sa / sb not 16-byte aligned) or the
+ * first loop (moe_cuda_fp8_wgrad_set_pipe(0)), the 128-column tile runs whatever is set here.
+ * Without a call, the environment's MOE_FP8_WGRAD_BN=128|256 decides, else
+ * ::MOE_FP8_WGRAD_BN_DEFAULT. Set by the tests and the chapter 05 benchmark.
+ * @param bn 256 for the wide tile; any other value selects 128
+ */
+void moe_cuda_fp8_wgrad_set_bn(int bn);
+/** @brief The FP8 grouped wgrad's tile width asked for: 128 or 256 (moe_cuda_fp8_wgrad_set_bn()).
+ *  @return 128 or 256 */
+int moe_cuda_fp8_wgrad_bn(void);
+/** @brief Launches of the 128 × 256 FP8 grouped wgrad kernel since the process started: a
+ *  test's proof that it ran. @return the count */
+long long moe_cuda_fp8_wgrad_bn256_calls(void);
 /* 1 when this GPU runs the recipe's GEMM natively in cuBLASLt, 0 when emulated (dequantize →
  * bf16 GEMM): tensorwise always native; blockwise native on compute capability 9.x; MXFP8 and
  * NVFP4 native on 10.x unless MOE_FP8_GEMM_EMULATE=1 */

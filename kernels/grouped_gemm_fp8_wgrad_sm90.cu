@@ -61,6 +61,36 @@
  * promotions per MMA FLOP): its 128 wgmma accumulators plus 128 sums are 256 registers, past
  * the 240 a consumer can have (below); it would also still wait before each promotion.
  * Two sets cost 64 registers more than the first loop (see the register note below).
+ * The 128 × 256 tile after all (WIDE = 1; MOE_FP8_WGRAD_BN=256 or moe_cuda_fp8_wgrad_set_bn,
+ * off by default), the forward kernel's "split promotion" (grouped_gemm_fp8_sm90.cu, where
+ * it took the forward from 59-71 % to 74-88 % of the dense FP8 GEMM on an H100): each
+ * consumer warpgroup owns 64 rows × 256 columns of SUMS (128 registers a thread) but only
+ * one 64 × 128 wgmma accumulator (64): per k-block it issues columns 0..127's 4
+ * m64n128k32 into it, waits, promotes them into d[0..63] (each with its sa[m]·sb[n], the
+ * column scales of that half read from the stage's slot, 4 pairs at a time: 8 registers,
+ * not 32), then columns 128..255's into the same accumulator, promotes into d[64..127], and
+ * only then gives the stage back. 192 accumulators: the forward's registers (a producer
+ * warpgroup at 40, consumers at 232: 2 × 232 + 40 = 504 ≤ 512); ptxas -v: no spills. The
+ * ORDERED turns become halves (warpgroup 0's half 0, 1's half 0, 0's half 1, 1's half 1,
+ * ..., the same barriers 3 and 4: issue_kblock's h), so while one warpgroup promotes a half
+ * the other's MMAs run: the wait before each promotion is the other warpgroup's issue, not
+ * idle tensor cores. What it saves over the 128 × 128 pipelined loop: per k-block 48 KB of
+ * loads for 128 × 256 outputs where two narrow tiles load 64 KB (A twice), half the stage
+ * waits, scale copies and epilogue hand-offs per FLOP. Each output element is the same fp32
+ * sum as the narrow kernels' (the same m64n128k32 on the same bytes, the same scale
+ * product, the same fmaf in the same k-block order), so they agree bit for bit
+ * (tests/gpu_fp8_wgrad.c). A stage: A 16 KB, B 32 KB (two 128-row boxes), scales 1.5 KB
+ * (sa's 128 rows, sb's 256 columns); 4 stages with two 16 KB staging buffers are 230 KB +
+ * 2 KB static, over the 227 KB, so the staging buffers are 8 KB (Ring): 4 × 49.5 + 16 + 2
+ * = 216 KB. 4 stages, not 3 with 16 KB buffers: 4 k-blocks ahead as the forward's wide
+ * tile (3 × 48 KB would be 1.7 µs of MMAs at the tensor cores' peak, close to a loaded
+ * L2's latency), at the price of an epilogue in 8 pieces instead of 4 (fp32; 4 instead of
+ * 2 with bf16), each waiting until TMA has read the last, once per tile of nk k-blocks.
+ * Not tried: the other choice, 3 stages. N = 128·odd: the last tile's second half lies
+ * past N; it is neither loaded nor computed, its scales not read, its columns not stored.
+ * Only with the scales in shared memory and the pipelined loop selected (the defaults): with
+ * MOE_FP8_WGRAD_SCALES=global or MOE_FP8_WGRAD_PIPE=0 (comparisons of the 128-column
+ * kernel) the 128-column tile runs.
  * Load balance is the simple one (tiles strided over the CTAs in order; a long group's
  * tiles cost more); correctness first.
  * The scales are read in the same order with the same values whichever memory they come
@@ -71,6 +101,9 @@
  * bf16 wgrad). The shared-memory scales (the default, MOE_FP8_WGRAD_SCALES=global for the
  * old path): written, not yet run on a GPU; ptxas -v: no spills in any of its 8 variants
  * (the bf16-output global-scales ones keep their 4 to 8 bytes).
+ * The 128 × 256 tile (MOE_FP8_WGRAD_BN=256): written, not yet run on a GPU; ptxas -v: no
+ * spills in its 4 variants (fp32 / bf16 output, ordered or not); the 128-column kernels'
+ * PTX unchanged (tools/device_code_diff.py: same).
  */
 #include <limits.h>
 #include <stdint.h>
@@ -90,7 +123,8 @@ namespace {
 constexpr int BM = 128, BN = 128, BK = MOE_QUANT_BLOCK, THREADS = 384;
 [[maybe_unused]] constexpr int MAX_G = MOE_GROUPED_DEV_MAX_GROUPS;
 constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK, STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int SCL_BYTES = (BM + BN) * 4; /* a stage's scales: sa's 128 rows, sb's 128 columns */
+/* a stage's scales: sa's 128 rows, sb's 128 columns */
+[[maybe_unused]] constexpr int SCL_BYTES = (BM + BN) * 4;
 constexpr int C_BYTES = 16384;
 static_assert(THREADS >= MOE_GROUPED_DEV_MAX_GROUPS, "moe_wgrad_block_prefix: a thread a group");
 /* The ring of each scale path (SS: 1 = the scales in shared memory, with their stage; 0 =
@@ -106,14 +140,21 @@ static_assert(THREADS >= MOE_GROUPED_DEV_MAX_GROUPS, "moe_wgrad_block_prefix: a 
  * 1.4 µs of MMAs at the tensor cores' peak (a k-block is 4.2 MFLOP, 0.28 µs at 1979/132
  * TFLOP/s an SM), above an L2 or DRAM load's latency, and 8 KB staging buffers would make
  * the epilogue wait for TMA to read each 8 KB box before writing the next (4 waits a tile
- * instead of 2 with fp32 output). 6 stages + 8 KB buffers is the other choice, not tried. */
-template <int SS> struct Ring {
-    static constexpr int STAGES = SS ? 5 : 6;
-    static constexpr int SCL_OFF = STAGES * STAGE_BYTES;                  /* the scales */
-    static constexpr int C_OFF = SCL_OFF + (SS ? STAGES * SCL_BYTES : 0); /* the staging */
-    static constexpr int SMEM = C_OFF + 2 * C_BYTES;
+ * instead of 2 with fp32 output). 6 stages + 8 KB buffers is the other choice, not tried.
+ * WIDE (the 128 × 256 tile, above): stages of 48 KB + 1.5 KB of scales, 4 of them, and 8 KB
+ * staging buffers (16 KB ones would make 232 KB). */
+template <int SS, int WIDE = 0> struct Ring {
+    static constexpr int TN = WIDE ? 2 * BN : BN; /* the tile's columns */
+    static constexpr int SB = A_BYTES + TN * BK;  /* a stage's codes */
+    static constexpr int SCL = (BM + TN) * 4;     /* a stage's scales */
+    static constexpr int STAGES = WIDE ? 4 : SS ? 5 : 6;
+    static constexpr int CB = WIDE ? 8192 : C_BYTES; /* a consumer's staging buffer */
+    static constexpr int SCL_OFF = STAGES * SB;                     /* the scales */
+    static constexpr int C_OFF = SCL_OFF + (SS ? STAGES * SCL : 0); /* the staging */
+    static constexpr int SMEM = C_OFF + 2 * CB;
     static_assert(SMEM + 2048 <= 232448, "over the 227 KB a block may have");
     static_assert(SCL_OFF % 1024 == 0 && C_OFF % 1024 == 0, "swizzled tiles: 1024-aligned");
+    static_assert(!WIDE || SS, "the 128 x 256 tile reads its scales from its stage only");
 };
 /* registers: the first loop's 128 accumulators (64 of the k-block's wgmma, 64 scaled sums),
  * the scales and the addressing need about 200 a consumer thread; the pipelined loop's 192
@@ -127,6 +168,8 @@ template <int SS> struct Ring {
  * the pipelined loop spilled 28 to 48 bytes; with 240 and 32-bit scale indices: none, except
  * 4 to 8 bytes in the bf16-output variants (their epilogue). */
 [[maybe_unused]] constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+/* the 128 × 256 tile's (WIDE): 128 main + 64 wgmma accumulators, the forward's 40 / 232 */
+[[maybe_unused]] constexpr int PRODUCER_REGS_W = 40, CONSUMER_REGS_W = 232;
 static_assert(BK == 128, "a stage must be one 128-token scale block of 128 bytes");
 
 struct Params {
@@ -139,15 +182,18 @@ struct Params {
 /* one k-block's MMAs of consumer warpgroup c (issue number it: its stage and phase) into
  * acc, issued and committed, not waited for. ORDERED: the warpgroups take turns at the
  * issue (named barriers 3 and 4, as the forward kernel): warpgroup 0's first issue waits
- * for nobody, every other waits for the other warpgroup's previous issue */
-template <int ORDERED, int STAGES>
+ * for nobody, every other waits for the other warpgroup's previous issue. The 128 × 256
+ * tile (SB: its stage's bytes) issues a k-block in two calls, h = 0 and 1: its 128-column
+ * halves, each a turn of its own; the second finds the stage already full */
+template <int ORDERED, int STAGES, int SB = STAGE_BYTES>
 __device__ __forceinline__ void issue_kblock(float *acc, const uint8_t *smem, uint64_t *full,
-                                             int it, int c) {
+                                             int it, int c, int h = 0) {
     const int s = it % STAGES, phase = (it / STAGES) & 1;
-    mbar_wait(&full[s], phase);
-    const uint8_t *a = smem + s * STAGE_BYTES + c * (A_BYTES / 2);
-    const uint8_t *b = smem + s * STAGE_BYTES + A_BYTES;
-    if (ORDERED && (c == 1 || it > 0))
+    if (h == 0)
+        mbar_wait(&full[s], phase);
+    const uint8_t *a = smem + s * SB + c * (A_BYTES / 2);
+    const uint8_t *b = smem + s * SB + A_BYTES + h * B_BYTES;
+    if (ORDERED && (c == 1 || it > 0 || h > 0))
         named_bar_sync(3 + c, 256);
     wgmma_fence();
 #pragma unroll
@@ -256,13 +302,14 @@ __device__ __forceinline__ void pipe_step(float *d, float *cur, float *nxt, cons
  * first loop, each k-block's MMAs waited for before its promotion (MOE_FP8_WGRAD_PIPE=0).
  * SS: 1 = each k-block's scales brought into shared memory with its stage by the producer
  * (the default); 0 = the consumers load them from global memory (MOE_FP8_WGRAD_SCALES=global) */
-template <int C32, int ORDERED, int PIPE, int SS>
+template <int C32, int ORDERED, int PIPE, int SS, int WIDE = 0>
 __global__ void __launch_bounds__(THREADS, 1)
     fp8_wgrad_kernel(const __grid_constant__ CUtensorMap map_a,
                      const __grid_constant__ CUtensorMap map_b,
                      const __grid_constant__ CUtensorMap map_c, const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int STAGES = Ring<SS>::STAGES;
+    typedef Ring<SS, WIDE> R;
+    constexpr int STAGES = R::STAGES, TN = R::TN;
     extern __shared__ __align__(1024) uint8_t smem[];
     if (threadIdx.x == 0 && (smem_u32(smem) & 1023))
         __trap();
@@ -278,30 +325,40 @@ __global__ void __launch_bounds__(THREADS, 1)
         mbar_init_fence();
     }
     moe_wgrad_block_prefix(s_pb, p.off, p.G); /* (ends with __syncthreads) */
-    const int ntm = p.M / BM, ntn = p.N / BN, per_g = ntm * ntn, tiles = p.G * per_g;
+    /* (WIDE: a tile's second 128 columns may lie past N = 256·k + 128) */
+    const int ntm = p.M / BM, ntn = WIDE ? (p.N + TN - 1) / TN : p.N / BN;
+    const int per_g = ntm * ntn, tiles = p.G * per_g;
 
     if (wg == 2) { /* ------------------------------------------------ producer */
-        setmaxnreg_dec<PRODUCER_REGS>(); /* the whole warpgroup; one lane issues the loads */
+        /* the whole warpgroup; one lane issues the loads */
+        setmaxnreg_dec<WIDE ? PRODUCER_REGS_W : PRODUCER_REGS>();
         if (tid == 0) {
             int it = 0;
             for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-                const int g = t / per_g, r = t % per_g, m0 = (r / ntn) * BM, n0 = (r % ntn) * BN;
+                const int g = t / per_g, r = t % per_g, m0 = (r / ntn) * BM, n0 = (r % ntn) * TN;
                 const int kb0 = s_pb[g], nk = s_pb[g + 1] - kb0;
+                /* B boxes of 128 rows (columns of dW) the tile holds: 1, or 2 when WIDE and
+                 * its second half holds some of N (else neither loaded nor its scales) */
+                const int nb = WIDE && n0 + BN < p.N ? 2 : 1;
                 for (int kt = 0; kt < nk; kt++, it++) {
                     const int s = it % STAGES, phase = (it / STAGES) & 1;
                     mbar_wait(&empty[s], phase ^ 1);
-                    uint8_t *a = smem + s * STAGE_BYTES, *b = a + A_BYTES;
-                    mbar_expect_tx(&full[s], STAGE_BYTES + (SS ? SCL_BYTES : 0));
+                    uint8_t *a = smem + s * R::SB, *b = a + A_BYTES;
+                    mbar_expect_tx(&full[s],
+                                   A_BYTES + nb * B_BYTES + (SS ? (BM + nb * BN) * 4 : 0));
                     const int k = (kb0 + kt) * BK;
                     tma_load_2d(a, &map_a, &full[s], k, m0);
                     tma_load_2d(a + A_BYTES / 2, &map_a, &full[s], k, m0 + BM / 2);
                     tma_load_2d(b, &map_b, &full[s], k, n0);
+                    if (WIDE && nb == 2)
+                        tma_load_2d(b + B_BYTES, &map_b, &full[s], k, n0 + BN);
                     if constexpr (SS) { /* the k-block's scale rows: 512 contiguous bytes each
-                                         * (block-major scales, m0, n0 multiples of 128) */
-                        float *sc = (float *)(smem + Ring<SS>::SCL_OFF + s * SCL_BYTES);
+                                         * (block-major scales, m0, n0 multiples of 128), sb's
+                                         * 1 KB when WIDE and nb = 2 */
+                        float *sc = (float *)(smem + R::SCL_OFF + s * R::SCL);
                         const unsigned kb = kb0 + kt; /* 32-bit: the host checked it fits */
                         bulk_load_1d(sc, p.sa + (kb * p.M + m0), BM * 4, &full[s]);
-                        bulk_load_1d(sc + BM, p.sb + (kb * p.N + n0), BN * 4, &full[s]);
+                        bulk_load_1d(sc + BM, p.sb + (kb * p.N + n0), nb * BN * 4, &full[s]);
                     }
                 }
             }
@@ -310,21 +367,54 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 
     /* ---------------------------------------------------- consumers */
-    setmaxnreg_inc<CONSUMER_REGS>();
+    setmaxnreg_inc<WIDE ? CONSUMER_REGS_W : CONSUMER_REGS>();
     const int c = wg, warp = tid / 32, lane = tid % 32;
     const int r_lo = warp * 16 + lane / 4;
     int it = 0;
-    float d[BN / 2], acc[BN / 2], acc2[PIPE ? BN / 2 : 1];
+    /* main accumulators (64 rows × TN), the k-block's wgmma ones (64 × 128) */
+    float d[TN / 2], acc[BN / 2], acc2[PIPE ? BN / 2 : 1];
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-        const int g = t / per_g, r = t % per_g, m0 = (r / ntn) * BM, n0 = (r % ntn) * BN;
+        const int g = t / per_g, r = t % per_g, m0 = (r / ntn) * BM, n0 = (r % ntn) * TN;
         const int kb0 = s_pb[g], nk = s_pb[g + 1] - kb0;
         if (nk == 0 && p.accumulate)
             continue; /* an empty group adds nothing (the producer skipped it too) */
         const int m_wg = m0 + 64 * c, row0 = m_wg + r_lo, row1 = row0 + 8;
 #pragma unroll
-        for (int i = 0; i < BN / 2; i++)
+        for (int i = 0; i < TN / 2; i++)
             d[i] = 0.0f;
-        if constexpr (PIPE) { /* -------------------------------- two accumulator sets */
+        const int two = WIDE && n0 + BN < p.N; /* as the producer's nb = 2 */
+        if constexpr (WIDE) { /* ----------------- 128 × 256: the split promotion, by halves */
+            for (int kt = 0; kt < nk; kt++, it++) {
+                const int s = it % STAGES;
+                const float *sc = (const float *)(smem + R::SCL_OFF + s * R::SCL);
+                float a0 = 0.0f, a1 = 0.0f; /* the row scales, read once the stage is full */
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    if (h > 0 && !two)
+                        break; /* past N: nothing loaded, nothing to compute */
+                    issue_kblock<ORDERED, STAGES, R::SB>(acc, smem, full, it, c, h);
+                    wgmma_wait<0>(); /* this half's MMAs have read the stage */
+                    if (h == 0) {
+                        a0 = sc[64 * c + r_lo];
+                        a1 = sc[64 * c + r_lo + 8];
+                    }
+                    /* the half's column scales, 4 pairs at a time (8 registers, not 32: the
+                     * 192 accumulators leave little room), read from the stage while it is
+                     * still ours: it is given back after its last half's promotion */
+                    const float *sbh = sc + BM + BN * h + 2 * (lane % 4);
+#pragma unroll
+                    for (int q = 0; q < BN / 32; q++) {
+                        float2 sbv[4];
+#pragma unroll
+                        for (int j = 0; j < 4; j++)
+                            sbv[j] = *(const float2 *)(sbh + 32 * q + 8 * j);
+                        promote<4>(d + (BN / 2) * h + 16 * q, acc + 16 * q, a0, a1, sbv);
+                    }
+                }
+                if (lane == 0)
+                    mbar_arrive(&empty[s]); /* (an asm with a memory clobber: reads before) */
+            }
+        } else if constexpr (PIPE) { /* -------------------------------- two accumulator sets */
             /* the parity of a k-block must be known at compile time (registers cannot be
              * indexed), hence the loop by twos */
             /* the scales' indices: in the stage's slot (SS), else global from k-block 0 as
@@ -392,8 +482,9 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
 
         /* ------------------------------------------------ epilogue: whole 64-row blocks */
-        uint8_t *cs = smem + Ring<SS>::C_OFF + c * C_BYTES;
-        epilogue_staged<C32, BN, C_BYTES>(d, cs, c, tid, BN, [&](const uint8_t *src, int col) {
+        uint8_t *cs = smem + R::C_OFF + c * R::CB;
+        const int ncols = WIDE ? (1 + two) * BN : BN; /* a half past N is not staged */
+        epilogue_staged<C32, TN, R::CB>(d, cs, c, tid, ncols, [&](const uint8_t *src, int col) {
             if (C32 && p.accumulate)
                 tma_reduce_add_3d(&map_c, src, n0 + col, m_wg, g);
             else
@@ -410,13 +501,15 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 }
 
-template <int C32, int ORDERED, int PIPE, int SS>
+long long g_bn256_calls; /* launches of the 128 × 256 kernel (the tests' proof it ran) */
+
+template <int C32, int ORDERED, int PIPE, int SS, int WIDE = 0>
 void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc, const Params &p,
             int tiles) {
-    constexpr int SMEM_BYTES = Ring<SS>::SMEM;
+    constexpr int SMEM_BYTES = Ring<SS, WIDE>::SMEM;
     static bool configured = false;
     if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(fp8_wgrad_kernel<C32, ORDERED, PIPE, SS>,
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(fp8_wgrad_kernel<C32, ORDERED, PIPE, SS, WIDE>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             SMEM_BYTES));
         configured = true;
@@ -424,9 +517,10 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
     const int grid = tiles < moe_sm90_num_sms() ? tiles : moe_sm90_num_sms();
     if (grid <= 0)
         return;
-    fp8_wgrad_kernel<C32, ORDERED, PIPE, SS>
+    fp8_wgrad_kernel<C32, ORDERED, PIPE, SS, WIDE>
         <<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mc, p);
     MOE_CUDA_LAUNCH_CHECK();
+    g_bn256_calls += WIDE;
 }
 
 int aligned16(const void *q) { return ((uintptr_t)q & 15) == 0; }
@@ -436,6 +530,14 @@ template <int V>
 void launch_v(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
               const Params &p, int tiles) {
     launch<(V >> 3) & 1, (V >> 2) & 1, (V >> 1) & 1, V & 1>(ma, mb, mc, p, tiles);
+}
+
+/* the 128 × 256 tile's variants: C32, ORDERED (its own loop: PIPE 0; scales in shared
+ * memory: SS 1) */
+template <int V>
+void launch_wide(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
+                 const Params &p, int tiles) {
+    launch<(V >> 1) & 1, V & 1, 0, 1, 1>(ma, mb, mc, p, tiles);
 }
 
 int g_pipe = -1; /* the loop; -1 until first used */
@@ -458,6 +560,16 @@ int smem_scales(void) {
                                 : MOE_FP8_WGRAD_SMEM_SCALES_DEFAULT;
     }
     return g_smem_scales;
+}
+
+int g_bn = -1; /* the tile width asked for, 128 or 256; -1 until first used */
+
+int tile_width(void) {
+    if (g_bn < 0) {
+        const char *e = getenv("MOE_FP8_WGRAD_BN");
+        g_bn = e && *e ? (atoi(e) == 256 ? 256 : 128) : MOE_FP8_WGRAD_BN_DEFAULT;
+    }
+    return g_bn;
 }
 
 } /* namespace */
@@ -502,7 +614,6 @@ extern "C" moe_status moe_cuda_fp8_grouped_wgrad(void *dw, moe_dw_mode mode, con
     const CUtensorMap ma = moe_tma_map(qa, 2, da, ba, MOE_TMA_U8);
     const CUtensorMap mb = moe_tma_map(qb, 2, db, bb, MOE_TMA_U8);
     const CUtensorMap mc = moe_tma_map(dw, 3, dc, bc, C32 ? MOE_TMA_F32 : MOE_TMA_BF16);
-    const int tiles = G * (M / BM) * (N / BN);
     typedef void (*launcher)(const CUtensorMap &, const CUtensorMap &, const CUtensorMap &,
                              const Params &, int);
     static const launcher variants[16] = {
@@ -513,8 +624,18 @@ extern "C" moe_status moe_cuda_fp8_grouped_wgrad(void *dw, moe_dw_mode mode, con
      * so the arrays' starts decide; others take the global-memory path */
     const int ss = smem_scales() && aligned16(sa) && aligned16(sb);
     g_smem_calls += ss;
-    variants[C32 << 3 | moe_cuda_fp8_grouped_ordered() << 2 | pipe() << 1 | ss](ma, mb, mc, p,
-                                                                                 tiles);
+    /* the 128 × 256 tile has its own loop, with the scales in shared memory: asked for with
+     * the global-scales path or the first loop (the 128-column comparisons), the 128 × 128
+     * tile runs */
+    if (ss && pipe() && tile_width() == 2 * BN) {
+        static const launcher wide[4] = {launch_wide<0>, launch_wide<1>, launch_wide<2>,
+                                         launch_wide<3>};
+        const int tiles = G * (M / BM) * ((N + 2 * BN - 1) / (2 * BN));
+        wide[C32 << 1 | moe_cuda_fp8_grouped_ordered()](ma, mb, mc, p, tiles);
+        return MOE_OK;
+    }
+    variants[C32 << 3 | moe_cuda_fp8_grouped_ordered() << 2 | pipe() << 1 | ss](
+        ma, mb, mc, p, G * (M / BM) * (N / BN));
     return MOE_OK;
 }
 
@@ -527,3 +648,9 @@ extern "C" void moe_cuda_fp8_wgrad_set_smem_scales(int on) { g_smem_scales = on 
 extern "C" int moe_cuda_fp8_wgrad_smem_scales(void) { return smem_scales(); }
 
 extern "C" long long moe_cuda_fp8_wgrad_smem_calls(void) { return g_smem_calls; }
+
+extern "C" void moe_cuda_fp8_wgrad_set_bn(int bn) { g_bn = bn == 256 ? 256 : 128; }
+
+extern "C" int moe_cuda_fp8_wgrad_bn(void) { return tile_width(); }
+
+extern "C" long long moe_cuda_fp8_wgrad_bn256_calls(void) { return g_bn256_calls; }

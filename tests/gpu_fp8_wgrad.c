@@ -10,8 +10,11 @@
  *    each with both consumer loops (moe_cuda_fp8_wgrad_set_pipe: pipelined, then the first
  *    one), each with the scales brought into shared memory with their stage and read from
  *    global memory (moe_cuda_fp8_wgrad_set_smem_scales; a count of launches proves which
- *    ran), and both issue orders of the warpgroups. The four promote the same k-blocks with
- *    the same scales in the same order, so their outputs must also be equal bit for bit.
+ *    ran), then the 128 × 256 tile (moe_cuda_fp8_wgrad_set_bn(256), its split promotion; its
+ *    own count of launches proves it ran), and both issue orders of the warpgroups. The five
+ *    promote the same k-blocks' m64n128k32 partials with the same scales in the same order,
+ *    so their outputs must also be equal bit for bit. The wide tile on N = 128·odd (its last
+ *    tile's second half past N: not computed, not stored) and N = 256·k.
  * Ragged groups: 0, 1, 127, 128, 129, 255 rows; 40 groups of 0 to 189 rows; for the GEMM
  * also 700, 0, 385, 257, 1 rows (6, 0, 4, 3, 1 k-blocks); for the quantizer also the most
  * groups (256, 0 to 300 rows, C = 384). The quantizer in both formats, pow2 scales on and
@@ -204,14 +207,18 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
     int ok = 1;
     static const char *const names[] = {"fp32 added", "fp32 stored", "bf16 stored"};
     float *piped = malloc(sizeof(float) * (nw + 1)); /* the first variant's output */
-    for (int run = 0; run < 12; run++) {
+    for (int run = 0; run < 15; run++) {
         /* each mode with the pipelined loop, then the first loop, each with the scales read
-         * from shared memory, then from global memory; the last three must equal the first
-         * bit for bit (the same scale values, the same promotions in the same order) */
-        const int mode = run / 4, pipe = !(run & 2), ss = !(run & 1);
+         * from shared memory, then from global memory, then the 128 × 256 tile; the last four
+         * must equal the first bit for bit (the same scale values, the same promotions in the
+         * same order) */
+        const int mode = run / 5, v = run % 5, wide = v == 4;
+        const int pipe = wide || !(v & 2), ss = wide || !(v & 1);
         moe_cuda_fp8_wgrad_set_pipe(pipe);
         moe_cuda_fp8_wgrad_set_smem_scales(ss);
+        moe_cuda_fp8_wgrad_set_bn(wide ? 256 : 128);
         const char *scl = ss ? "shared" : "global";
+        const char *loop = wide ? "128x256" : pipe ? "pipelined" : "first";
         const moe_dw_mode md = mode == 0 ? MOE_DW_ACCUMULATE : mode == 1 ? MOE_DW_STORE : MOE_DW_ACT;
         /* the starting contents: random values to add to, or NaN poison */
         for (size_t i = 0; i < nw; i++)
@@ -227,11 +234,17 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
                                                    O, I, &err),
                          MOE_OK);
         const long long calls = moe_cuda_fp8_wgrad_smem_calls();
+        const long long wcalls = moe_cuda_fp8_wgrad_bn256_calls();
         ck_assert_int_eq(moe_cuda_fp8_grouped_wgrad(dw, md, dqa, dsa, dqb, dsb, doff, G, kpad, O,
                                                     I, &err),
                          MOE_OK);
         if (moe_cuda_fp8_wgrad_smem_calls() - calls != ss) { /* the path asked for ran */
             printf("  FP8 wgrad %s: the %s-memory scale path did not run\n", names[mode], scl);
+            ok = 0;
+        }
+        if (moe_cuda_fp8_wgrad_bn256_calls() - wcalls != wide) { /* the tile asked for ran */
+            printf("  FP8 wgrad %s: the %s tile did not run\n", names[mode],
+                   wide ? "128x256" : "128x128");
             ok = 0;
         }
         if (mode == 2) {
@@ -243,7 +256,7 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
         } else {
             moe_cuda_to_host(got, dw, sizeof(float) * nw);
         }
-        if (run % 4 == 0) {
+        if (v == 0) {
             memcpy(piped, got, sizeof(float) * nw);
         } else {
             size_t nd = 0, fd = 0;
@@ -254,8 +267,7 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
                 printf("  FP8 wgrad %s: the %s loop with %s scales differs from the pipelined "
                        "loop with shared scales in %zu of %zu elements, the first at %zu: %.9g "
                        "vs %.9g\n",
-                       names[mode], pipe ? "pipelined" : "first", scl, nd, nw, fd, got[fd],
-                       piped[fd]);
+                       names[mode], loop, scl, nd, nw, fd, got[fd], piped[fd]);
                 ok = 0;
             }
         }
@@ -281,14 +293,14 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
             const size_t g = first / ((size_t)O * I), o = first / I % O, i = first % I;
             printf("  FP8 wgrad %s (%s loop, %s scales): %zu of %zu outside the bound; first "
                    "at group %zu row %zu col %zu: GPU %.9g, CPU %.9g, bound %.3g\n",
-                   names[mode], pipe ? "pipelined" : "first", scl, bad, nw, g, o, i, got[first],
+                   names[mode], loop, scl, bad, nw, g, o, i, got[first],
                    want[first],
                    ldexp(mag[first], -10) + 1e-6 * fabs(want[first]));
             ok = 0;
         }
         printf("  FP8 wgrad G=%d rows=%d O=%d I=%d %s, %s loop, %s scales: worst error %.3f "
                "of the bound%s\n",
-               G, rows, O, I, names[mode], pipe ? "pipelined" : "first", scl, worst,
+               G, rows, O, I, names[mode], loop, scl, worst,
                bad ? " FAIL" : "");
     }
     free(piped);
@@ -337,7 +349,7 @@ START_TEST(test_gpu_fp8_wgrad_gemm) {
     for (int e = 0; e < 40; e++)
         s2[e] = e % 7 == 3 ? 0 : (e * 53) % 190;
     const int ordered = moe_cuda_fp8_grouped_ordered(), pipe = moe_cuda_fp8_wgrad_pipe();
-    const int smem_scales = moe_cuda_fp8_wgrad_smem_scales();
+    const int smem_scales = moe_cuda_fp8_wgrad_smem_scales(), bn = moe_cuda_fp8_wgrad_bn();
     int ok = 1;
     for (int o = 0; o < 2; o++) { /* both issue orders of the consumer warpgroups */
         moe_cuda_fp8_grouped_set_ordered(o);
@@ -346,10 +358,12 @@ START_TEST(test_gpu_fp8_wgrad_gemm) {
         ok &= check_gemm(g_s1, 3, 128, 128, 102);
         ok &= check_gemm(s2, 40, 256, 128, 103);
         ok &= check_gemm(g_s3, 5, 128, 256, 104);
+        ok &= check_gemm(g_s3, 5, 256, 512, 105); /* N = 256·2: whole wide tiles */
     }
     moe_cuda_fp8_grouped_set_ordered(ordered);
     moe_cuda_fp8_wgrad_set_pipe(pipe);
     moe_cuda_fp8_wgrad_set_smem_scales(smem_scales);
+    moe_cuda_fp8_wgrad_set_bn(bn);
     ck_assert_msg(ok, "the FP8 wgrad differs from the CPU twin beyond the FP8 bound");
 }
 END_TEST

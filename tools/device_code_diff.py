@@ -50,7 +50,8 @@ def kernels(text):
             body = part.replace(name[2:] if name.startswith("_Z") else name, "<self>")
             body = re.sub(r"\$L__BB\d+_", "$L__BB_", body)
             # the local stack's name counts the entries before it, like the labels
-            out[m.group(1)] = re.sub(r"__local_depot\d+", "__local_depot", body)
+            # (rstrip: the file's last entry ends in the file's trailing blank lines)
+            out[m.group(1)] = re.sub(r"__local_depot\d+", "__local_depot", body).rstrip()
     return out
 
 

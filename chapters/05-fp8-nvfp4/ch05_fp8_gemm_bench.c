@@ -52,8 +52,11 @@
  *                              5; MOE_FP8_WGRAD_SCALES=global)
  *   first loop (variant)       the same kernel with its first loop (each k-block waited for
  *                              before its promotion; MOE_FP8_WGRAD_PIPE=0), shared-memory
- *                              scales: all three timed in every run, whatever the
- *                              variables say
+ *                              scales
+ *   128x256 tile               the same kernel's 128 × 256 tile (split promotion: each
+ *                              k-block in two 128-column halves; MOE_FP8_WGRAD_BN=256),
+ *                              shared-memory scales: all four timed in every run, the
+ *                              first three at 128 columns, whatever the variables say
  *   + token-wise quantize      the default loop plus the two quantize+transpose passes
  *   token-wise quantize dY/X   one quantize+transpose pass alone (kernels/quantize_group_t.cu),
  *     (C=...), v1              then its first kernel (MOE_QUANT_GROUP_T_V1): ms, and GB/s of
@@ -713,18 +716,25 @@ static void bench_wgrad(const shape *s, const int *off, int G, int rows, int N, 
     c.quant = 0;
     /* the kernel's variants (the test checks they agree bit for bit): the pipelined loop
      * (two accumulator sets, the default) with the scales in shared memory (the default),
-     * then read from global memory (as before), then the first loop (shared scales) */
+     * then read from global memory (as before), then the first loop (shared scales), all at
+     * 128 columns, then the 128 × 256 tile */
     const int pipe = moe_cuda_fp8_wgrad_pipe(), ss = moe_cuda_fp8_wgrad_smem_scales();
+    const int bn = moe_cuda_fp8_wgrad_bn();
     moe_cuda_fp8_wgrad_set_pipe(1);
     moe_cuda_fp8_wgrad_set_smem_scales(1);
+    moe_cuda_fp8_wgrad_set_bn(128);
     report(s, "FP8 wgrad grouped, pipelined (ours, fp32 dW)", time_ms(run_wgrad_fp8, &c), -1);
     moe_cuda_fp8_wgrad_set_smem_scales(0);
     report(s, "FP8 wgrad pipelined, global scales (var.)", time_ms(run_wgrad_fp8, &c), -1);
     moe_cuda_fp8_wgrad_set_smem_scales(1);
     moe_cuda_fp8_wgrad_set_pipe(0);
     report(s, "FP8 wgrad grouped, first loop (variant)", time_ms(run_wgrad_fp8, &c), -1);
+    moe_cuda_fp8_wgrad_set_pipe(1);
+    moe_cuda_fp8_wgrad_set_bn(256);
+    report(s, "FP8 wgrad grouped, 128x256 tile", time_ms(run_wgrad_fp8, &c), -1);
     moe_cuda_fp8_wgrad_set_pipe(pipe);
     moe_cuda_fp8_wgrad_set_smem_scales(ss);
+    moe_cuda_fp8_wgrad_set_bn(bn);
     c.quant = 1;
     report(s, pipe ? "FP8 wgrad pipelined + token-wise quantize"
                    : "FP8 wgrad first loop + token-wise quantize",
