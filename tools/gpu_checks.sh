@@ -17,10 +17,12 @@
 #   fused    the fused permutation against the separate passes (layer fwd+bwd): gather
 #            only, scatter only, both
 #   pending  the measurements of the paths that are off by default (not in the default
-#            list): the attention benchmark (the portable backward and the Hopper modes 1, 2
-#            and the opt-in 3, 4 and 5 (4, 5 non-deterministic) side by side), the grouped GEMM's swapped-tail schedules
-#            around the 128- and 256-row cliffs, the FP8 wgrad's GEMMs (both loops, both
-#            scale paths) and the FP8 layer with it (MOE_FP8_WGRAD=1)
+#            list): the attention benchmark (the portable backward and the Hopper modes 1,
+#            2 and the opt-in 3, 4 and 5, 4 and 5 non-deterministic, side by side), the
+#            grouped GEMM's swapped-tail schedules around the 128- and 256-row cliffs, the
+#            FP8 wgrad's GEMMs (both loops, both scale paths, both tile widths) and the FP8
+#            layer with and without it in one process (--precision bf16,fp8,fp8-wgrad with
+#            MOE_FP8_WGRAD_BN=256) on Mixtral and Qwen3-235B
 #
 # Run from the repository root. It builds first (make -j$(nproc); --check-dir DIR or
 # CHECK_DIR=DIR for Check as static libraries, see tools/README.md). Each section writes
@@ -29,7 +31,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 check_dir=${CHECK_DIR:-}
 sections=()
 while [ $# -gt 0 ]; do
@@ -113,11 +115,12 @@ for s in "${sections[@]}"; do
             --schedules static,dynamic,static-swaptail,dynamic-swaptail \
             --rows 128,129,130,136,256,257,258,260
         run pending 200 bin/ch05_fp8_gemm_bench --shape moe
-        for w in 0 1; do
-            run pending 200 env MOE_FP8_WGRAD=$w bin/ch01_moe_layer_bench --shape mixtral \
-                --impl grouped --precision bf16,fp8 --repeats 5
+        # the FP8 layer with and without the FP8 wgrad (its 128 x 256 tile) in one process
+        for shape in mixtral qwen3-235b; do
+            run pending 200 env MOE_FP8_WGRAD_BN=256 bin/ch01_moe_layer_bench --shape "$shape" \
+                --impl grouped --precision bf16,fp8,fp8-wgrad --repeats 7
         done
-        grep -E "^\| [0-9]|wgrad|^\| mixtral|^fine, |all four" "$out/pending.txt"
+        grep -E "^\| [0-9]|wgrad|^\| (mixtral|qwen3-235b)|^fine, |all four" "$out/pending.txt"
         ;;
     fused)
         for shape in qwen3 qwen3-235b; do
