@@ -66,6 +66,26 @@ cublasHandle_t moe_cuda_cublas(void);
  *  the kernels built for sm_90a (wgmma, TMA) run only where it is 9. */
 int moe_cuda_cc_major(void);
 
+/** The number of SMs of the current device (queried once). */
+static inline int moe_cuda_num_sms(void) {
+    static int n = 0;
+    if (!n) {
+        int dev;
+        MOE_CUDA_CHECK(cudaGetDevice(&dev));
+        MOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    }
+    return n;
+}
+
+/** How many blocks of @p kernel (@p threads threads, no dynamic shared memory) the device
+ *  holds at once: its SMs times the blocks an SM holds (at least one). Not cached: a kernel
+ *  type is shared by kernels of one signature, so the caller caches per kernel. */
+template <typename K> static inline int moe_cuda_resident_blocks(K kernel, int threads) {
+    int per_sm = 0;
+    MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+    return moe_cuda_num_sms() * (per_sm > 0 ? per_sm : 1);
+}
+
 /** ceil(a / b) for launch grids. */
 static inline unsigned moe_cdiv(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
 

@@ -168,11 +168,8 @@ static __global__ void __launch_bounds__(THREADS)
 template <typename K> static int grid_for(K kernel) {
     static int g = 0;
     if (!g) {
-        int dev = 0, sms = 0, per_sm = 0;
-        MOE_CUDA_CHECK(cudaGetDevice(&dev));
-        MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-        MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, 0));
-        g = sms * per_sm < MOE_COMM_PEER_CTAS ? sms * per_sm : MOE_COMM_PEER_CTAS;
+        const int r = moe_cuda_resident_blocks(kernel, THREADS);
+        g = r < MOE_COMM_PEER_CTAS ? r : MOE_COMM_PEER_CTAS;
     }
     return g;
 }

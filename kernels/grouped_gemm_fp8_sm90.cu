@@ -310,7 +310,7 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
                                             Tile<WIDE>::SMEM_BYTES));
         configured = true;
     }
-    const int grid = max_tiles < moe_sm90_num_sms() ? max_tiles : moe_sm90_num_sms();
+    const int grid = max_tiles < moe_cuda_num_sms() ? max_tiles : moe_cuda_num_sms();
     if (grid <= 0)
         return;
     fp8_grouped_kernel<C32, ORDERED, WIDE>

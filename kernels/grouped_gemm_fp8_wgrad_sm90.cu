@@ -513,7 +513,7 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
                                             SMEM_BYTES));
         configured = true;
     }
-    const int grid = tiles < moe_sm90_num_sms() ? tiles : moe_sm90_num_sms();
+    const int grid = tiles < moe_cuda_num_sms() ? tiles : moe_cuda_num_sms();
     if (grid <= 0)
         return;
     fp8_wgrad_kernel<C32, ORDERED, PIPE, SS, WIDE>

@@ -921,7 +921,7 @@ void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorM
         cfg.attrs = attr;
         cfg.numAttrs = 1;
         if (!max_clusters) {
-            cfg.gridDim = dim3(moe_sm90_num_sms() / 2 * 2);
+            cfg.gridDim = dim3(moe_cuda_num_sms() / 2 * 2);
             MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &cfg));
             MOE_ASSERT(max_clusters >= 1);
         }
@@ -933,7 +933,7 @@ void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorM
         g_mc_launches++;
         return;
     }
-    const int grid = max_tiles < moe_sm90_num_sms() ? max_tiles : moe_sm90_num_sms();
+    const int grid = max_tiles < moe_cuda_num_sms() ? max_tiles : moe_cuda_num_sms();
     if (grid <= 0)
         return;
     kernel<<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mbs, mc, p);
@@ -1238,7 +1238,7 @@ extern "C" int moe_cuda_grouped_sm90_wgrad_split(int G, int rows, int I, int O) 
         return 1;
     const int wn = tile_width(I, 0, 0); /* (a gathering wgrad uses BN: S is only a choice) */
     const int tiles = G * ((O + BM - 1) / BM) * ((I + wn - 1) / wn);
-    int S = moe_sm90_num_sms() / tiles; /* whole waves of chunks, no tail wave */
+    int S = moe_cuda_num_sms() / tiles; /* whole waves of chunks, no tail wave */
     const int k_avg = rows / (G * BK);           /* a group's k-steps, on average */
     S = S < k_avg / MIN_CHUNK_KSTEPS ? S : k_avg / MIN_CHUNK_KSTEPS;
     S = S < MAX_SPLIT ? S : MAX_SPLIT;

@@ -410,13 +410,8 @@ static void launch_v3(uint8_t *q, float *scale_inv, moe_bf16 *y, const T *x, lon
                       int pow2) {
     auto k = block1x128_v3_kernel<T, F, DEQ, HW>;
     static int full = 0; /* the resident width, computed once per kernel */
-    if (!full) {
-        int dev = 0, sms = 0, per_sm = 0;
-        MOE_CUDA_CHECK(cudaGetDevice(&dev));
-        MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-        MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, THREADS, 0));
-        full = sms * (per_sm > 0 ? per_sm : 1);
-    }
+    if (!full)
+        full = moe_cuda_resident_blocks(k, THREADS);
     k<<<v3_grid(full, tiles), THREADS, 0, moe_cuda_stream()>>>(q, scale_inv, y, x, tiles, pow2);
 }
 

@@ -287,15 +287,4 @@ static __device__ __forceinline__ void epilogue_masked(const float *d, void *C, 
 }
 #endif
 
-/** The number of SMs of the current device (one CTA per SM for the persistent kernels). */
-static inline int moe_sm90_num_sms(void) {
-    static int n = 0;
-    if (!n) {
-        int dev;
-        MOE_CUDA_CHECK(cudaGetDevice(&dev));
-        MOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    }
-    return n;
-}
-
 #endif /* MOE_SM90_EPILOGUE_CUH */
