@@ -142,6 +142,27 @@ int moe_cuda_grouped_sm90_mc_launches(void);
  * tiles, under the static and dynamic schedules and without the fused gather */
 void moe_cuda_grouped_sm90_set_narrow(int on);
 int moe_cuda_grouped_sm90_narrow(void);
+/** The default of the wgrad's L2 prefetch (moe_cuda_wgrad_set_prefetch()): 0, off. */
+#define MOE_WGRAD_PREFETCH_DEFAULT 0
+/**
+ * @brief Prefetch, or not, each weight-gradient tile's fp32 dw into L2 before the wgrad
+ *        reduce-adds into it (process-wide, not thread-safe). Both Hopper wgrad kernels, the
+ *        bf16 grouped GEMM's and the FP8 one's, in ::MOE_DW_ACCUMULATE mode: their producer
+ *        asks L2 for the tile a few k-steps before the epilogue, so the read of the old values
+ *        overlaps the main loop. It changes no result, only where the read waits.
+ *
+ * Without a call, the environment's MOE_WGRAD_PREFETCH=0|1 decides (another value stops the
+ * process with a message), else ::MOE_WGRAD_PREFETCH_DEFAULT.
+ * @param on nonzero to prefetch
+ */
+void moe_cuda_wgrad_set_prefetch(int on);
+/** @brief Whether the wgrad prefetches dw (moe_cuda_wgrad_set_prefetch()). @return 0 or 1 */
+int moe_cuda_wgrad_prefetch(void);
+/** @brief Count one wgrad launch that prefetched (called by the wgrad launchers). */
+void moe_cuda_wgrad_prefetch_note(void);
+/** @brief Wgrad launches that prefetched dw since the process started, both kernels: a
+ *  test's proof that the prefetch ran. @return the count */
+long long moe_cuda_wgrad_prefetch_launches(void);
 void moe_cuda_embedding_forward(void *out, const int *tokens, const void *table, int N, int C);
 void moe_cuda_embedding_backward(moe_real *dtable, const void *dout, const int *tokens, int N,
                                  int V, int C);

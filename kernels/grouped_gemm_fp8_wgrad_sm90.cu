@@ -102,7 +102,9 @@
  * global for the old path: 0.99-1.25x the bf16 wgrad, ad0b47d) and the 128 × 256 tile
  * (MOE_FP8_WGRAD_BN=256; 6e1d150: bit for bit the 128-column kernels in all three output
  * modes, and 751 against the pipelined 128-column kernel's 731 TFLOP/s on Mixtral's fc1,
- * 1.03x: measured on that one shape, so it stays opt-in).
+ * 1.03x: measured on that one shape, so it stays opt-in). The L2 prefetch of dW before the
+ * reduce-add (MOE_WGRAD_PREFETCH=1, as the bf16 wgrad's: kernels/grouped_gemm_sm90.cu; the
+ * shared-memory-scales kernels only) is written, not yet run on a GPU.
  */
 #include <limits.h>
 #include <stdint.h>
@@ -176,6 +178,8 @@ struct Params {
     int G, M, N;
     const float *sa, *sb; /* [Kpad/128][M], [Kpad/128][N] */
     int accumulate;       /* 1: reduce-add (fp32); 0: store */
+    int prefetch;         /* reduce-add: the producer prefetches each tile's dW into L2
+                             (prefetch_dw_tile, MOE_WGRAD_PREFETCH) */
 };
 
 /* one k-block's MMAs of consumer warpgroup c (issue number it: its stage and phase) into
@@ -341,6 +345,9 @@ __global__ void __launch_bounds__(THREADS, 1)
                 const int nb = WIDE && n0 + BN < p.N ? 2 : 1;
                 for (int kt = 0; kt < nk; kt++, it++) {
                     const int s = it % STAGES, phase = (it / STAGES) & 1;
+                    if (C32 && SS && p.prefetch && /* (SS = 0, the old path, has no room) */
+                        kt == (nk > WGRAD_PREFETCH_LEAD ? nk - WGRAD_PREFETCH_LEAD : 0))
+                        prefetch_dw_tile<BM>(&map_c, n0, m0, g, nb * BN, p.N);
                     mbar_wait(&empty[s], phase ^ 1);
                     uint8_t *a = smem + s * R::SB, *b = a + A_BYTES;
                     mbar_expect_tx(&full[s],
@@ -609,7 +616,14 @@ extern "C" moe_status moe_cuda_fp8_grouped_wgrad(void *dw, moe_dw_mode mode, con
     const uint64_t dc[3] = {(uint64_t)N, (uint64_t)M, (uint64_t)G};
     const uint32_t ba[2] = {BK, BM / 2}, bb[2] = {BK, BN};
     const uint32_t bc[3] = {(uint32_t)(C32 ? 32 : 64), 64, 1};
-    const Params p = {dev_off, G, M, N, sa, sb, mode == MOE_DW_ACCUMULATE};
+    /* the bulk copies of the scales need 16-byte aligned rows: M, N are multiples of 128,
+     * so the arrays' starts decide; others take the global-memory path */
+    const int ss = smem_scales() && aligned16(sa) && aligned16(sb);
+    /* (the global-scales kernels do not prefetch: with it their consumers spilled) */
+    const int prefetch = mode == MOE_DW_ACCUMULATE && ss && moe_cuda_wgrad_prefetch();
+    const Params p = {dev_off, G, M, N, sa, sb, mode == MOE_DW_ACCUMULATE, prefetch};
+    if (prefetch)
+        moe_cuda_wgrad_prefetch_note();
     const CUtensorMap ma = moe_tma_map(qa, 2, da, ba, MOE_TMA_U8);
     const CUtensorMap mb = moe_tma_map(qb, 2, db, bb, MOE_TMA_U8);
     const CUtensorMap mc = moe_tma_map(dw, 3, dc, bc, C32 ? MOE_TMA_F32 : MOE_TMA_BF16);
@@ -619,9 +633,6 @@ extern "C" moe_status moe_cuda_fp8_grouped_wgrad(void *dw, moe_dw_mode mode, con
         launch_v<0>, launch_v<1>, launch_v<2>,  launch_v<3>,  launch_v<4>,  launch_v<5>,
         launch_v<6>, launch_v<7>, launch_v<8>,  launch_v<9>,  launch_v<10>, launch_v<11>,
         launch_v<12>, launch_v<13>, launch_v<14>, launch_v<15>};
-    /* the bulk copies of the scales need 16-byte aligned rows: M, N are multiples of 128,
-     * so the arrays' starts decide; others take the global-memory path */
-    const int ss = smem_scales() && aligned16(sa) && aligned16(sb);
     g_smem_calls += ss;
     /* the 128 × 256 tile has its own loop, with the scales in shared memory: asked for with
      * the global-scales path or the first loop (the 128-column comparisons), the 128 × 128

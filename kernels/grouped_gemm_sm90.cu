@@ -159,6 +159,12 @@
  * of the adds would change the bits from run to run — but each STOREs its partial into an
  * fp32 workspace [S][G][O][I], and one small kernel sums the S partials in order into dw
  * in the caller's mode. The workspace is small exactly when splitting pays (few tiles).
+ * The reduce-add's read of the old dw can also move off the epilogue's critical path
+ * (MOE_WGRAD_PREFETCH=1, moe_cuda_wgrad_set_prefetch; off by default. STATUS: written, not
+ * yet run on a GPU): the producer asks L2 for the tile's dw (cp.async.bulk.prefetch.tensor,
+ * sm90_epilogue.cuh's prefetch_dw_tile) WGRAD_PREFETCH_LEAD k-steps before its last load, so
+ * HBM reads dw while the tensor cores run the main loop, instead of every CTA's epilogue
+ * waiting for it at once. It changes no bit of the result.
  *
  * Ragged edges without padding:
  *   - rows of a forward/dgrad tile past the group's end are loaded (they belong to the
@@ -255,6 +261,8 @@ struct Params {
     /* the fused permutation's other half (SCATTER kernels only, forward): output row r is
        stored at row smap[r] of C (16-byte stores from the staging buffer, no TMA) */
     const int *smap;
+    int prefetch; /* wgrad, reduce-add: the producer prefetches each tile's dw into L2
+                     (prefetch_dw_tile, MOE_WGRAD_PREFETCH) */
 };
 
 struct Tile {
@@ -579,6 +587,9 @@ __global__ void __launch_bounds__(THREADS, 1)
                 for (int kt = 0; kt < ti.nk; kt++, it++) {
                     const int s = it % STAGES, phase = (it / STAGES) & 1;
                     const int k0 = kt * BK;
+                    if (MODE == WGRAD && C32 && p.prefetch && lane == 0 &&
+                        kt == (ti.nk > WGRAD_PREFETCH_LEAD ? ti.nk - WGRAD_PREFETCH_LEAD : 0))
+                        prefetch_dw_tile<BM>(&map_c, ti.n0, ti.m0, ti.gc, WN, p.N);
                     if (GATHER && MODE == WGRAD) /* this k-step's 64 source rows */
                         gather_tokens(tok, p, ti.r0 + k0, ti.r1, lane, 2);
                     mbar_wait(&empty[s], phase ^ 1);
@@ -1081,6 +1092,11 @@ int narrow_enabled(void) {
     return g_narrow;
 }
 
+/* The wgrad's L2 prefetch of dw before a reduce-add (prefetch_dw_tile; a host choice, like
+ * the schedule): -1 until first used, then MOE_WGRAD_PREFETCH=0|1, else the default. */
+int g_wgrad_prefetch = -1;
+long long g_prefetch_launches = 0; /* wgrad launches that prefetched, both kernels */
+
 /* The tile width for N output columns: BN = 256, or NARROW_BN = 192 where that pads fewer
  * columns. N = 384 (the GPU preset's hidden size) in 256-column tiles is a full tile and a
  * half-empty one: a third of the MMA work computes zeros. In 192-column tiles it is two
@@ -1143,6 +1159,30 @@ extern "C" void moe_cuda_grouped_sm90_set_schedule(moe_grouped_schedule s) {
 
 extern "C" void moe_cuda_grouped_sm90_set_narrow(int on) { g_narrow = on != 0; }
 
+extern "C" int moe_cuda_wgrad_prefetch(void) {
+    if (g_wgrad_prefetch < 0) {
+        const char *e = getenv("MOE_WGRAD_PREFETCH");
+        g_wgrad_prefetch = MOE_WGRAD_PREFETCH_DEFAULT;
+        if (e && *e) {
+            if (strcmp(e, "0") && strcmp(e, "1")) {
+                fprintf(stderr, "moe.c: MOE_WGRAD_PREFETCH=%s: use 0 (no L2 prefetch of dw "
+                                "before the wgrad's reduce-add) or 1 (prefetch), or unset it "
+                                "for the default, %d\n",
+                        e, MOE_WGRAD_PREFETCH_DEFAULT);
+                exit(1);
+            }
+            g_wgrad_prefetch = e[0] == '1';
+        }
+    }
+    return g_wgrad_prefetch;
+}
+
+extern "C" void moe_cuda_wgrad_set_prefetch(int on) { g_wgrad_prefetch = on != 0; }
+
+extern "C" void moe_cuda_wgrad_prefetch_note(void) { g_prefetch_launches++; }
+
+extern "C" long long moe_cuda_wgrad_prefetch_launches(void) { return g_prefetch_launches; }
+
 extern "C" int moe_cuda_grouped_sm90_narrow(void) { return narrow_enabled(); }
 
 extern "C" moe_grouped_schedule moe_cuda_grouped_sm90_schedule(void) {
@@ -1202,7 +1242,7 @@ static void sm90_forward(void *out, const Input &in, const void *w, const int *d
     const uint64_t db[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
     const uint64_t dc[2] = {(uint64_t)O, (uint64_t)rows};
     Params p = {dev_off, G, 0, O, I, out, 0, 1, sched_fine(schedule()), sched_dyn(schedule()),
-                NULL, NULL, 0, 0, scatter};
+                NULL, NULL, 0, 0, scatter, 0};
     MOE_ASSERT(!(scatter && in.map)); /* (no kernel both gathers and scatters) */
     set_gather(p, in, I);
     const int wn = tile_width(O, p.fine, in.map != NULL);
@@ -1284,7 +1324,7 @@ static void sm90_backward(void *din, void *dw, const void *dout, const Input &in
         const uint64_t dc[2] = {(uint64_t)I, (uint64_t)rows};
         const uint32_t ba[2] = {BK, BM / 2}, bb[3] = {64, BK, 1}, bc[2] = {64, 64};
         const Params p = {dev_off, G, 0, I, O, din, din_accumulate, 1, sched_fine(schedule()),
-                          sched_dyn(schedule()), NULL, NULL, 0, 0, NULL};
+                          sched_dyn(schedule()), NULL, NULL, 0, 0, NULL, 0};
         const CUtensorMap mb = moe_tma_map(w, 3, db, bb);
         const int wn = tile_width(I, p.fine, 0);
         launch<DGRAD>(moe_tma_map(dout, 2, da, ba), mb, mb, moe_tma_map(din, 2, dc, bc), p,
@@ -1303,18 +1343,21 @@ static void sm90_backward(void *din, void *dw, const void *dout, const Input &in
         const CUtensorMap mb = in.map ? ma : moe_tma_map(in.x, 2, db, box);
         if (S > 1) { /* every chunk STORES its partial [S][G][O][I]; one ordered sum after */
             float *part = (float *)moe_cuda_scratch(MOE_SCRATCH_WGRAD_SPLIT, S * nw * sizeof(float));
-            Params p = {dev_off, G, O, I, 0, NULL, 0, S, 0, 0, NULL, NULL, 0, 0, NULL};
+            Params p = {dev_off, G, O, I, 0, NULL, 0, S, 0, 0, NULL, NULL, 0, 0, NULL, 0};
             set_gather(p, in, I);
             launch<WGRAD>(ma, mb, mb, moe_tma_map(part, 3, dc, bc32, 1), p, tiles, wn);
             wgrad_reduce(dw, part, nw, S, dw_mode);
         } else if (dw_mode == MOE_DW_ACT) { /* bf16, stored */
-            Params p = {dev_off, G, O, I, 0, NULL, 0, 1, 0, 0, NULL, NULL, 0, 0, NULL};
+            Params p = {dev_off, G, O, I, 0, NULL, 0, 1, 0, 0, NULL, NULL, 0, 0, NULL, 0};
             set_gather(p, in, I);
             launch<WGRAD, 0>(ma, mb, mb, moe_tma_map(dw, 3, dc, bc16), p, tiles, wn);
         } else { /* fp32: reduce-added, or stored into a buffer whose contents do not count */
-            Params p = {dev_off, G, O, I, 0, NULL, dw_mode == MOE_DW_ACCUMULATE, 1, 0, 0,
-                        NULL, NULL, 0, 0, NULL};
+            const int acc = dw_mode == MOE_DW_ACCUMULATE;
+            Params p = {dev_off, G, O, I, 0, NULL, acc, 1, 0, 0, NULL, NULL, 0, 0, NULL,
+                        acc && moe_cuda_wgrad_prefetch()};
             set_gather(p, in, I);
+            if (p.prefetch)
+                moe_cuda_wgrad_prefetch_note();
             launch<WGRAD>(ma, mb, mb, moe_tma_map(dw, 3, dc, bc32, 1), p, tiles, wn);
         }
     }

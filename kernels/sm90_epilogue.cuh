@@ -87,6 +87,30 @@ static __device__ __forceinline__ void stage_piece(const float *d, uint8_t *cs, 
     }
 }
 
+/** How many k-steps before the end of a wgrad tile's loads its producer prefetches the tile's
+ *  dw into L2 (prefetch_dw_tile): the producer runs up to a pipeline's depth (4) ahead of the
+ *  consumers, so the lines are asked for about 16 k-steps (8 µs at 650 TFLOP/s) before the
+ *  epilogue's reduce-add needs them, or at the tile's start when it is shorter than that. */
+constexpr int WGRAD_PREFETCH_LEAD = 12;
+
+/**
+ * Prefetch an accumulating wgrad tile's fp32 dw into L2: @p rows × @p cols from column @p n0,
+ * row @p m0 of block @p g of the 3-D tensor behind @p map (boxes of 32 fp32 columns × 64
+ * rows, the epilogue's own), columns from @p N on skipped. Why: a TMA reduce-add reads every
+ * element it adds to (L2 fetches the old value from HBM, adds, writes the sum back later).
+ * Issued by the epilogue, that read is one HBM round trip per piece, taken while the tensor
+ * cores idle and while every CTA's epilogue asks at once; issued by the producer during the
+ * main loop, the read overlaps the MMAs and the reduce-add finds its lines in L2. A hint:
+ * it changes no result.
+ */
+template <int ROWS>
+static __device__ __forceinline__ void prefetch_dw_tile(const CUtensorMap *map, int n0, int m0,
+                                                        int g, int cols, int N) {
+    for (int r = 0; r < ROWS; r += 64)
+        for (int cc = 0; cc < cols && n0 + cc < N; cc += 32)
+            tma_prefetch_3d(map, n0 + cc, m0 + r, g);
+}
+
 /**
  * Warpgroup @p c's block of 64 rows × @p ncols (≤ NW, a multiple of 64) accumulators @p d
  * → its staging buffer @p cs (C_BYTES) → TMA. C32: fp32 output, else bf16. @p issue(src, col) is called by one

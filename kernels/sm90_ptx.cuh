@@ -194,6 +194,16 @@ static __device__ __forceinline__ void tma_store_3d(const CUtensorMap *map, cons
                  "r"(smem_u32(src))
                  : "memory");
 }
+/** Ask L2 to fetch one box of a 3-D tensor from global memory (no shared memory, no
+ *  barrier, nothing to wait for: a hint the hardware may drop). Out-of-bounds parts of the
+ *  box fetch nothing. */
+static __device__ __forceinline__ void tma_prefetch_3d(const CUtensorMap *map, int c0, int c1,
+                                                       int c2) {
+    asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];" ::"l"(
+                     (uint64_t)map),
+                 "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+}
 /** Close the group of copy-outs issued since the last commit. */
 static __device__ __forceinline__ void bulk_commit() {
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");

@@ -11,9 +11,11 @@
  *    one), each with the scales brought into shared memory with their stage and read from
  *    global memory (moe_cuda_fp8_wgrad_set_smem_scales; a count of launches proves which
  *    ran), then the 128 × 256 tile (moe_cuda_fp8_wgrad_set_bn(256), its split promotion; its
- *    own count of launches proves it ran), and both issue orders of the warpgroups. The five
- *    promote the same k-blocks' m64n128k32 partials with the same scales in the same order,
- *    so their outputs must also be equal bit for bit. The wide tile on N = 128·odd (its last
+ *    own count of launches proves it ran), then the 128 × 256 tile and the pipelined loop
+ *    with dW prefetched into L2 before the reduce-add (moe_cuda_wgrad_set_prefetch; a count
+ *    proves it ran when adding, and only then), and both issue orders of the warpgroups. The
+ *    seven promote the same k-blocks' m64n128k32 partials with the same scales in the same
+ *    order, so their outputs must also be equal bit for bit. The wide tile on N = 128·odd (its last
  *    tile's second half past N: not computed, not stored) and N = 256·k.
  * Ragged groups: 0, 1, 127, 128, 129, 255 rows; 40 groups of 0 to 189 rows; for the GEMM
  * also 700, 0, 385, 257, 1 rows (6, 0, 4, 3, 1 k-blocks); for the quantizer also the most
@@ -207,13 +209,16 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
     int ok = 1;
     static const char *const names[] = {"fp32 added", "fp32 stored", "bf16 stored"};
     float *piped = malloc(sizeof(float) * (nw + 1)); /* the first variant's output */
-    for (int run = 0; run < 15; run++) {
+    enum { NV = 7 }; /* variants per mode */
+    for (int run = 0; run < 3 * NV; run++) {
         /* each mode with the pipelined loop, then the first loop, each with the scales read
-         * from shared memory, then from global memory, then the 128 × 256 tile; the last four
-         * must equal the first bit for bit (the same scale values, the same promotions in the
-         * same order) */
-        const int mode = run / 5, v = run % 5, wide = v == 4;
-        const int pipe = wide || !(v & 2), ss = wide || !(v & 1);
+         * from shared memory, then from global memory, then the 128 × 256 tile, then the
+         * 128 × 256 tile and the pipelined loop with dW prefetched into L2 (a hint: it acts
+         * only when adding); the last six must equal the first bit for bit (the same scale
+         * values, the same promotions in the same order) */
+        const int mode = run / NV, v = run % NV, wide = v == 4 || v == 5, pf = v >= 5;
+        const int pipe = wide || v == 6 || !(v & 2), ss = wide || v == 6 || !(v & 1);
+        moe_cuda_wgrad_set_prefetch(pf);
         moe_cuda_fp8_wgrad_set_pipe(pipe);
         moe_cuda_fp8_wgrad_set_smem_scales(ss);
         moe_cuda_fp8_wgrad_set_bn(wide ? 256 : 128);
@@ -235,6 +240,7 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
                          MOE_OK);
         const long long calls = moe_cuda_fp8_wgrad_smem_calls();
         const long long wcalls = moe_cuda_fp8_wgrad_bn256_calls();
+        const long long pcalls = moe_cuda_wgrad_prefetch_launches();
         ck_assert_int_eq(moe_cuda_fp8_grouped_wgrad(dw, md, dqa, dsa, dqb, dsb, doff, G, kpad, O,
                                                     I, &err),
                          MOE_OK);
@@ -245,6 +251,11 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
         if (moe_cuda_fp8_wgrad_bn256_calls() - wcalls != wide) { /* the tile asked for ran */
             printf("  FP8 wgrad %s: the %s tile did not run\n", names[mode],
                    wide ? "128x256" : "128x128");
+            ok = 0;
+        }
+        if (moe_cuda_wgrad_prefetch_launches() - pcalls != (pf && mode == 0)) {
+            printf("  FP8 wgrad %s: the L2 prefetch of dW %s\n", names[mode],
+                   pf && mode == 0 ? "did not run" : "ran unasked");
             ok = 0;
         }
         if (mode == 2) {
@@ -298,9 +309,9 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
                    ldexp(mag[first], -10) + 1e-6 * fabs(want[first]));
             ok = 0;
         }
-        printf("  FP8 wgrad G=%d rows=%d O=%d I=%d %s, %s loop, %s scales: worst error %.3f "
-               "of the bound%s\n",
-               G, rows, O, I, names[mode], loop, scl, worst,
+        printf("  FP8 wgrad G=%d rows=%d O=%d I=%d %s, %s loop, %s scales%s: worst error "
+               "%.3f of the bound%s\n",
+               G, rows, O, I, names[mode], loop, scl, pf ? ", dW prefetched" : "", worst,
                bad ? " FAIL" : "");
     }
     free(piped);
@@ -350,6 +361,7 @@ START_TEST(test_gpu_fp8_wgrad_gemm) {
         s2[e] = e % 7 == 3 ? 0 : (e * 53) % 190;
     const int ordered = moe_cuda_fp8_grouped_ordered(), pipe = moe_cuda_fp8_wgrad_pipe();
     const int smem_scales = moe_cuda_fp8_wgrad_smem_scales(), bn = moe_cuda_fp8_wgrad_bn();
+    const int prefetch = moe_cuda_wgrad_prefetch();
     int ok = 1;
     for (int o = 0; o < 2; o++) { /* both issue orders of the consumer warpgroups */
         moe_cuda_fp8_grouped_set_ordered(o);
@@ -364,6 +376,7 @@ START_TEST(test_gpu_fp8_wgrad_gemm) {
     moe_cuda_fp8_wgrad_set_pipe(pipe);
     moe_cuda_fp8_wgrad_set_smem_scales(smem_scales);
     moe_cuda_fp8_wgrad_set_bn(bn);
+    moe_cuda_wgrad_set_prefetch(prefetch);
     ck_assert_msg(ok, "the FP8 wgrad differs from the CPU twin beyond the FP8 bound");
 }
 END_TEST

@@ -238,6 +238,37 @@ START_TEST(test_gpu_grouped_wgrad_modes) {
 }
 END_TEST
 
+/* The wgrad's L2 prefetch of dw before its reduce-add (moe_cuda_wgrad_set_prefetch): a
+ * hint, so with it on the accumulating wgrad must still equal the CPU twin — on the
+ * fine-grained shapes (256 groups of 0 .. 513 rows, the prefetch at a tile's first k-step),
+ * on long groups whose k-loop exceeds the prefetch lead (up to 755 rows: 12 k-steps; 2,000
+ * rows: 32), and on a small dw that splits the k-loop (its chunks store: no prefetch) —
+ * and the launch counter proves that the prefetching kernel ran. */
+START_TEST(test_gpu_grouped_wgrad_prefetch) {
+    const int was = moe_cuda_wgrad_prefetch();
+    moe_cuda_wgrad_set_prefetch(1);
+    const long long before = moe_cuda_wgrad_prefetch_launches();
+    static const int edge[] = {0, 1, 2, 7, 8, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511,
+                               512, 513};
+    const int ne = (int)(sizeof edge / sizeof edge[0]);
+    int fine[256];
+    for (int i = 0; i < 256; i++)
+        fine[i] = edge[(i * 5) % ne];
+    check_both(fine, 256, 136, 264);
+    int big[16];
+    for (int i = 0; i < 16; i++)
+        big[i] = i % 5 == 0 ? 0 : 200 + 37 * i;
+    check_both(big, 16, 512, 768);
+    const int few[6] = {0, 700, 1, 2000, 63, 900};
+    check_both(few, 6, 256, 128);
+    const long long ran = moe_cuda_wgrad_prefetch_launches() - before;
+    moe_cuda_wgrad_set_prefetch(was);
+    printf("  wgrad with dw prefetched: %lld launches\n", ran);
+    if (moe_cuda_grouped_sm90_available()) /* (elsewhere the cuBLAS fallback runs) */
+        ck_assert_msg(ran >= 2, "the wgrad's dw prefetch did not run");
+}
+END_TEST
+
 /* every group size where the tile shape changes: 0, 1-8 rows, and one below, at and above
  * each multiple of 64 up to 321 (a group's last m-tile is 64 rows when it holds <= 64; a
  * group of 128·q + 1 .. 128·q + 64 rows, q >= 1, ends in 192-row sharing tiles) */
@@ -696,6 +727,7 @@ Suite *suite_gpu_grouped(void) {
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, test_gpu_grouped_matmul);
     tcase_add_test(tc, test_gpu_grouped_wgrad_modes);
+    tcase_add_test(tc, test_gpu_grouped_wgrad_prefetch);
     tcase_add_test(tc, test_gpu_grouped_fine_tiles);
     tcase_add_test(tc, test_gpu_grouped_swaptail);
     tcase_add_test(tc, test_gpu_grouped_mc2);
