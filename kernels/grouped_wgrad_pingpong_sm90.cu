@@ -43,6 +43,16 @@
  * still bound by HBM (~3.35 TB/s), a reduce-add (read and write: twice that) much more
  * so; the bf16 store (half) is where the overlap should show whole.
  *
+ * The price, to watch when it is measured: a warpgroup's tile is half the CTA tile of
+ * grouped_gemm_sm90.cu (128 accumulators a thread allow 128 × 128 or 64 × 256 per
+ * warpgroup, and 128 × 128 loads the least of those), so per FLOP it loads 37 % more
+ * through TMA (32 KB per 2.1 MFLOP against 48 KB per 4.2 MFLOP: ~64 bytes a clock an SM at
+ * the full MMA rate, served by L2, where the operands of a group's tiles stay) and its
+ * wgmma read 20 % more shared memory (two m64n128k16 read B twice: 12 KB per k16, where
+ * one m64n256k16 of the same FLOPs reads 10 KB). If the measurement shows the kernel fed too
+ * slowly rather than stalled in its epilogue, the next step is CUTLASS's: 2-CTA clusters
+ * that multicast the shared operand.
+ *
  * The pipeline: one producer thread (warp 8) walks ALL the CTA's tiles in order and loads
  * each k-step (A: two [64 k][64 O] boxes, B: two [64 k][64 I] boxes, 32 KB) into the next
  * stage of ONE ring of STAGES = 6 (6 × 32 KB + 2 × 16 KB staging = 224 KB). A stage is
