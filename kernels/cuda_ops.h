@@ -163,6 +163,50 @@ void moe_cuda_wgrad_prefetch_note(void);
 /** @brief Wgrad launches that prefetched dw since the process started, both kernels: a
  *  test's proof that the prefetch ran. @return the count */
 long long moe_cuda_wgrad_prefetch_launches(void);
+/**
+ * @brief Turn the ping-pong wgrad (kernels/grouped_wgrad_pingpong_sm90.cu) on or off,
+ *        process-wide (not thread-safe), overriding the environment.
+ *
+ * With it on, moe_cuda_grouped_sm90_backward() computes dw with the ping-pong kernel (each
+ * consumer warpgroup owns a whole 128 x 128 tile, the two take turns in the main loop, so
+ * one's epilogue overlaps the other's MMAs) wherever it would otherwise run the wgrad in
+ * one chunk (moe_cuda_grouped_sm90_wgrad_split() == 1) on a contiguous input; split-K and
+ * the fused gather keep the 128 x 256 kernel. Off by default: STATUS, written, not yet run
+ * on a GPU.
+ * @param on nonzero: on; 0: off
+ */
+void moe_cuda_grouped_sm90_set_wgrad_pingpong(int on);
+/**
+ * @brief Whether the ping-pong wgrad is on: moe_cuda_grouped_sm90_set_wgrad_pingpong()'s
+ *        value, else the environment's MOE_GROUPED_WGRAD_PINGPONG (nonzero: on), else off.
+ * @return 1 on, 0 off
+ */
+int moe_cuda_grouped_sm90_wgrad_pingpong(void);
+/**
+ * @brief How many times the ping-pong wgrad kernel was launched in this process: a test's
+ *        proof that it ran.
+ * @return the launch count
+ */
+int moe_cuda_grouped_sm90_wgrad_pingpong_launches(void);
+/**
+ * @brief The ping-pong wgrad itself: dw_g[O,I] (+)= dout_gᵀ · in_g for every group g, in
+ *        one persistent sm_90a kernel, the offsets read from device memory (no host sync).
+ *
+ * moe_cuda_grouped_sm90_backward() calls it when it is switched on; tests and benchmarks
+ * may call it directly. It needs an sm_90 device (moe_cuda_grouped_sm90_available()),
+ * G <= MOE_GROUPED_DEV_MAX_GROUPS and I, O multiples of MOE_GROUPED_DEV_ALIGN (it exits
+ * with a message otherwise).
+ * @param dw [G][O][I]: fp32 for MOE_DW_ACCUMULATE (added to) and MOE_DW_STORE (overwritten,
+ *        an empty group's block with zeros), bf16 for MOE_DW_ACT (overwritten)
+ * @param dout [rows][O] bf16, the output gradient in group order
+ * @param in [rows][I] bf16, the input in group order
+ * @param dev_off [G+1] group row offsets, DEVICE memory; dev_off[G] == rows
+ * @param G groups  @param rows total rows  @param I in features  @param O out features
+ * @param mode how dw leaves (moe_dw_mode)
+ */
+void moe_cuda_grouped_sm90_wgrad_pingpong_run(void *dw, const void *dout, const void *in,
+                                              const int *dev_off, int G, int rows, int I, int O,
+                                              moe_dw_mode mode);
 void moe_cuda_embedding_forward(void *out, const int *tokens, const void *table, int N, int C);
 void moe_cuda_embedding_backward(moe_real *dtable, const void *dout, const int *tokens, int N,
                                  int V, int C);

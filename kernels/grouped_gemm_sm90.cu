@@ -165,6 +165,10 @@
  * sm90_epilogue.cuh's prefetch_dw_tile) WGRAD_PREFETCH_LEAD k-steps before its last load, so
  * HBM reads dw while the tensor cores run the main loop, instead of every CTA's epilogue
  * waiting for it at once. It changes no bit of the result.
+ * Ping-pong (MOE_GROUPED_WGRAD_PINGPONG=1, off by default, not yet run on a GPU): where the
+ * wgrad runs in one chunk on a contiguous input, kernels/grouped_wgrad_pingpong_sm90.cu can
+ * run it instead — each consumer warpgroup a whole 128 × 128 tile, the two taking turns in
+ * the main loop, so that one's epilogue overlaps the other's MMAs (sm90_backward).
  *
  * Ragged edges without padding:
  *   - rows of a forward/dgrad tile past the group's end are loaded (they belong to the
@@ -1333,6 +1337,13 @@ static void sm90_backward(void *din, void *dw, const void *dout, const Input &in
     if (dw) { /* dw_g[O,I] (+)= dout_gᵀ · in_g: A = dout, B = in (both MN-major; a gathered
                * B is copied by index, each of its k-rows one token row) */
         const int S = moe_cuda_grouped_sm90_wgrad_split(G, rows, I, O);
+        if (S == 1 && !in.map && moe_cuda_grouped_sm90_wgrad_pingpong()) {
+            /* one chunk, contiguous input: the ping-pong kernel when switched on (off by
+             * default; kernels/grouped_wgrad_pingpong_sm90.cu) */
+            moe_cuda_grouped_sm90_wgrad_pingpong_run(dw, dout, in.x, dev_off, G, rows, I, O,
+                                                     dw_mode);
+            return;
+        }
         const uint64_t da[2] = {(uint64_t)O, (uint64_t)rows};
         const uint64_t db[2] = {(uint64_t)I, (uint64_t)rows};
         const uint64_t dc[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G * S};

@@ -219,13 +219,14 @@ END_TEST
  * tile); and few, long groups on a small dw, where wgrad splits its k-loop (an empty
  * group, a 1-row group and a group shorter than a chunk among them, so chunks without
  * rows store zeros). Each runs accumulate, store (fp32) and bf16, dw poisoned first. */
+static const int g_wgrad_edges[] = {0,   1,   2,   3,   4,   5,   6,   7,   8,   63,  64,  65,
+                                    127, 128, 129, 191, 192, 193, 255, 256, 257, 511, 512, 513};
+#define N_WGRAD_EDGES ((int)(sizeof g_wgrad_edges / sizeof g_wgrad_edges[0]))
+
 START_TEST(test_gpu_grouped_wgrad_modes) {
-    static const int edge[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 63, 64, 65, 127, 128, 129,
-                               191, 192, 193, 255, 256, 257, 511, 512, 513};
-    const int ne = (int)(sizeof edge / sizeof edge[0]);
     int fine[256];
     for (int i = 0; i < 256; i++)
-        fine[i] = edge[(i * 7) % ne];
+        fine[i] = g_wgrad_edges[(i * 7) % N_WGRAD_EDGES];
     check_both(fine, 256, 136, 264);
     const int few[6] = {0, 700, 1, 2000, 63, 900};
     check_both(few, 6, 256, 128);
@@ -243,29 +244,85 @@ END_TEST
  * fine-grained shapes (256 groups of 0 .. 513 rows, the prefetch at a tile's first k-step),
  * on long groups whose k-loop exceeds the prefetch lead (up to 755 rows: 12 k-steps; 2,000
  * rows: 32), and on a small dw that splits the k-loop (its chunks store: no prefetch) —
- * and the launch counter proves that the prefetching kernel ran. */
+ * in the 128 × 256 kernel and in the ping-pong one, and the launch counter proves that
+ * the prefetching kernels ran. */
 START_TEST(test_gpu_grouped_wgrad_prefetch) {
     const int was = moe_cuda_wgrad_prefetch();
     moe_cuda_wgrad_set_prefetch(1);
     const long long before = moe_cuda_wgrad_prefetch_launches();
-    static const int edge[] = {0, 1, 2, 7, 8, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511,
-                               512, 513};
-    const int ne = (int)(sizeof edge / sizeof edge[0]);
-    int fine[256];
+    const int pp = moe_cuda_grouped_sm90_wgrad_pingpong();
+    int fine[256], big[16];
     for (int i = 0; i < 256; i++)
-        fine[i] = edge[(i * 5) % ne];
-    check_both(fine, 256, 136, 264);
-    int big[16];
+        fine[i] = g_wgrad_edges[(i * 5) % N_WGRAD_EDGES];
     for (int i = 0; i < 16; i++)
         big[i] = i % 5 == 0 ? 0 : 200 + 37 * i;
-    check_both(big, 16, 512, 768);
     const int few[6] = {0, 700, 1, 2000, 63, 900};
-    check_both(few, 6, 256, 128);
+    for (int on = 0; on < 2; on++) { /* the 128 × 256 kernel, then the ping-pong one */
+        moe_cuda_grouped_sm90_set_wgrad_pingpong(on);
+        check_both(fine, 256, 136, 264);
+        check_both(big, 16, 512, 768);
+        check_both(few, 6, 256, 128);
+    }
+    moe_cuda_grouped_sm90_set_wgrad_pingpong(pp);
     const long long ran = moe_cuda_wgrad_prefetch_launches() - before;
     moe_cuda_wgrad_set_prefetch(was);
     printf("  wgrad with dw prefetched: %lld launches\n", ran);
     if (moe_cuda_grouped_sm90_available()) /* (elsewhere the cuBLAS fallback runs) */
-        ck_assert_msg(ran >= 2, "the wgrad's dw prefetch did not run");
+        ck_assert_msg(ran >= 4, "the wgrad's dw prefetch did not run");
+}
+END_TEST
+
+/* The ping-pong wgrad (kernels/grouped_wgrad_pingpong_sm90.cu: each consumer warpgroup a
+ * whole 128 × 128 tile, the two taking turns in the main loop), switched on for this test:
+ * check_grouped's three wgrad modes — reduce-added into a random dw, stored into a
+ * poisoned fp32 dw and into a poisoned bf16 dw (an empty group's block must come out
+ * zero) — against the CPU twin, on 256 groups of the edge sizes (0, 1-8 rows, around
+ * 64 / 128 / 256 / 512: ragged last k-steps whose next group's rows must be zeroed, empty
+ * tiles that still take their turn) with features that are multiples of 8 but not of 128
+ * (I = 136, O = 264: tiles cut at both edges, a second 64-row half wholly past O) and of
+ * 128; few long groups (more k-steps than stages); one group of a few tiles (CTAs of one
+ * tile: the second warpgroup has none) and of one row. A wrong ordering barrier hangs
+ * here; a wrong ring position or parity shows as a mismatch. Wherever the wgrad is not
+ * split (moe_cuda_grouped_sm90_wgrad_split() == 1) each check must launch the kernel three
+ * times, once per mode (the counter): split shapes keep the 128 × 256 kernel. */
+START_TEST(test_gpu_grouped_wgrad_pingpong) {
+    const int def = moe_cuda_grouped_sm90_wgrad_pingpong();
+    moe_cuda_grouped_sm90_set_wgrad_pingpong(1);
+    int fine[256];
+    for (int i = 0; i < 256; i++)
+        fine[i] = g_wgrad_edges[(i * 7) % N_WGRAD_EDGES];
+    const int few[6] = {0, 700, 1, 2000, 63, 900}, one[1] = {200}, row[1] = {1};
+    struct {
+        const int *sizes;
+        int G, I, O;
+    } cases[] = {{fine, 256, 136, 264}, {fine, 256, 256, 384}, {fine, 256, 384, 128},
+                 {few, 6, 1024, 520},   {one, 1, 256, 264},    {row, 1, 128, 128}};
+    const int n = (int)(sizeof cases / sizeof cases[0]);
+    int ran = 0, unsplit = 0;
+    printf("  (wgrad ping-pong on)\n");
+    for (int i = 0; i < n; i++) {
+        int rows = 0;
+        for (int g = 0; g < cases[i].G; g++)
+            rows += cases[i].sizes[g];
+        const int split = moe_cuda_grouped_sm90_wgrad_split(cases[i].G, rows, cases[i].I,
+                                                            cases[i].O);
+        const int before = moe_cuda_grouped_sm90_wgrad_pingpong_launches();
+        check_grouped(cases[i].sizes, cases[i].G, cases[i].I, cases[i].O,
+                      MOE_GROUPED_SCHED_STATIC);
+        const int launched = moe_cuda_grouped_sm90_wgrad_pingpong_launches() - before;
+        printf("    ping-pong launches: %d (split %d)\n", launched, split);
+        if (moe_cuda_grouped_sm90_available()) /* (elsewhere the cuBLAS fallback runs) */
+            ck_assert_msg(launched == (split == 1 ? 3 : 0),
+                          "the ping-pong wgrad launched %d times, want %d (G=%d I=%d O=%d)",
+                          launched, split == 1 ? 3 : 0, cases[i].G, cases[i].I, cases[i].O);
+        ran += launched;
+        unsplit += split == 1;
+    }
+    moe_cuda_grouped_sm90_set_wgrad_pingpong(def);
+    if (moe_cuda_grouped_sm90_available())
+        ck_assert_msg(ran >= 3 * 4 && unsplit >= 4,
+                      "the ping-pong wgrad ran on too few shapes (%d launches, %d unsplit)", ran,
+                      unsplit);
 }
 END_TEST
 
@@ -728,6 +785,7 @@ Suite *suite_gpu_grouped(void) {
     tcase_add_test(tc, test_gpu_grouped_matmul);
     tcase_add_test(tc, test_gpu_grouped_wgrad_modes);
     tcase_add_test(tc, test_gpu_grouped_wgrad_prefetch);
+    tcase_add_test(tc, test_gpu_grouped_wgrad_pingpong);
     tcase_add_test(tc, test_gpu_grouped_fine_tiles);
     tcase_add_test(tc, test_gpu_grouped_swaptail);
     tcase_add_test(tc, test_gpu_grouped_mc2);

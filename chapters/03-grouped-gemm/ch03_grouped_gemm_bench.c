@@ -610,6 +610,9 @@ int main(int argc, char **argv) {
     if (be->device == MOE_DEVICE_CUDA)
         printf("our kernel's forward/dgrad tile schedule: %s (MOE_GROUPED_SCHEDULE, "
                "kernels/cuda_ops.h)\n", sched_name(g_default_sched));
+    if (be->device == MOE_DEVICE_CUDA && moe_cuda_grouped_sm90_wgrad_pingpong())
+        printf("our kernel's unsplit wgrad: the ping-pong kernel (MOE_GROUPED_WGRAD_PINGPONG, "
+               "kernels/grouped_wgrad_pingpong_sm90.cu)\n");
 #endif
     const double dense = dense_peak(be, &o);
     if (!strcmp(o.shape, "fine")) {
