@@ -222,6 +222,87 @@
  * values, so dk and dv keep mode 2's bits (asserted). The half-used sectors stay (8-byte
  * accesses would need a quad shuffle of the accumulator: not done).
  *
+ * What FlashAttention-3 does differently (hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp,
+ * flash_bwd_kernel_sm90.h, flash_bwd_launch_template.h, read at 0251105a). Its Hopper
+ * configuration for causal hdim 128 is kBlockM = 64 queries, kBlockN = 128 keys, 2 MMA
+ * warpgroups (240 registers each, producer warpgroup 24: our budget), SdP_swapAB (it computes
+ * Sᵀ and dPᵀ, 64 keys × 64 queries a warpgroup, m64n64k16 SS: our tile), dV, dK as RS
+ * m64n128k16 over the 64 queries (Mma_dKV_is_RS: ours), dQ as SS m64n64k16 with the
+ * warpgroups splitting D (AtomLayoutMdQ = 1: ours), dS double-buffered in shared memory
+ * (ours), Q and dO 2 stages each. So at D = 128 every product, its wgmma N and the register
+ * budget are the same as mode 2's; what differs is WHEN things happen in an iteration:
+ *
+ *   1. The waits. FA3 issues Sᵀ and dPᵀ as two groups, waits for Sᵀ alone and computes Pᵀ
+ *      while dPᵀ runs (mode 3 does this too). Then: dSᵀ, dS to shared memory, issue dV;
+ *      barrier; issue dQ; wait for dV (dQ runs); issue dK; wait for dQ (dK runs); stage dQ
+ *      for the store warp WHILE dK RUNS; wait for dK. Mode 2 stages dq after waiting for all
+ *      of its products, so its staging (32 fp32 stores a thread, a named barrier with the
+ *      store warp) runs with its tensor pipe idle, and the next Sᵀ cannot start until it is
+ *      done. Expected effect in a latency-bound kernel: the staging leaves the critical path
+ *      (a few hundred cycles of an iteration of ≈ 6600 at 381 TFLOP/s); one wgmma of the
+ *      warpgroup is in flight during every elementwise phase but dSᵀ.
+ *   2. The dq hand-off is per warpgroup: FA3 has a dQ-empty and a dQ-full barrier for each
+ *      MMA warpgroup (128 + 32 threads), and its store warp issues each warpgroup's part as
+ *      soon as that part is staged. Mode 2 syncs both warpgroups and the store warp on one
+ *      barrier (288 threads): a second rendezvous of the two warpgroups per iteration,
+ *      beside the dS barrier both designs need. Expected effect: less lockstep, so one
+ *      warpgroup's arithmetic can overlap the other's wgmmas more often.
+ *   3. lse₂ and δ come by TMA with Q and dO (1-D bulk copies on the same barriers, from
+ *      arrays the preprocess kernel writes already multiplied by log2 e and padded to the
+ *      tile); our producer warp loads them with plain loads and stores them before it issues
+ *      the stage's TMA: an L2 round trip in front of every stage's copy. With 2 stages and
+ *      an iteration of several microseconds it has slack; it would matter nearer the peak.
+ *   4. dQ goes to global memory as a 1-D bulk reduce-add of the warpgroup's accumulator in
+ *      register order (dQaccum lives in a permuted layout that the postprocess kernel
+ *      undoes), stored to shared memory with 16-byte vector stores; ours stages in TMA's
+ *      swizzled box layout (4-byte stores) for a tensor reduce-add. dS goes to shared
+ *      memory with stmatrix (4 instructions a thread), ours with 16 4-byte stores.
+ *   5. Non-deterministic by default (mode 4 measured that: 5 %); its deterministic mode
+ *      orders by semaphore like mode 2, with the key tiles in descending order for causal.
+ *   6. At hdim 64 the shape differs: kBlockM = 128 queries, so Sᵀ and dPᵀ are m64n128k16
+ *      (N = 128, twice ours: half the iterations and waits per FLOP), dV and dK have K = 128,
+ *      and BOTH warpgroups compute dQ (AtomLayoutMdQ = 2: 64 query rows each), where our D
+ *      = 64 leaves warpgroup 1 idle during dQ. It keeps lse₂ and δ split across the 8
+ *      threads that share them and fetches them by shuffle (ShuffleLSE) to fit in 240
+ *      registers, and separates the causal-mask iterations from the rest.
+ *
+ * Mode 6 (MOE_FLASH_SM90_BWD=6, opt-in, deterministic) takes differences 1 and 2; mode 7
+ * (=7, NOT deterministic) is mode 6 without the semaphores, as mode 4 is mode 2 without
+ * them: the like-for-like comparison with FlashAttention-3's default. See "Mode 6" below.
+ *
+ * Mode 6: mode 2's kernel (OVERLAP = 2) with FlashAttention-3's order inside an iteration:
+ *
+ *   issue Sᵀ | issue dPᵀ | wait Sᵀ: Pᵀ (dPᵀ runs) | wait dPᵀ: dSᵀ, dS → shared memory |
+ *   issue dV += Pᵀ dY | barrier 1 | issue dQ = dS K | wait dV (dQ runs) |
+ *   issue dK += dSᵀ Q | wait dQ (dK runs): stage dq | wait dK: release the stage
+ *
+ * and a dq hand-off per warpgroup: warpgroup p stages its part and syncs only with the store
+ * warp, on named barriers 2 + 2p (part p empty) and 3 + 2p (part p full), each counting 160
+ * threads: warpgroup p's 128 (sync on empty, arrive on full) and the store warp's 32 (arrive
+ * on empty, sync on full). Per part and iteration exactly one arrival of each side, the store
+ * warp's first "empty" before its loop and none after the last iteration (nit arrivals
+ * against the warpgroup's nit syncs), so the generations cannot mix: the store warp arrives
+ * on "empty" of generation k + 1 only after its sync on "full" of generation k, which needs
+ * the warpgroup past "empty" k. At D = 64 only part 0 exists (warpgroup 0 computes all of
+ * dq) and only barriers 2 and 3 are used. The store warp takes part 0 then part 1 (each as
+ * soon as its warpgroup has staged it) and frees both once TMA has read them (FA3 frees each
+ * part once its own copy is read: one more wait, and no fewer spills in the 24-register
+ * store warp, so not done).
+ * In deterministic mode 6 it still waits for the tile's semaphore before both parts and
+ * posts after both have completed: the order of the adds into acc is mode 2's. The products,
+ * their operands (Pᵀ, dSᵀ by fa_tile_p and fa_tile_ds, mode 3's split, mode 2's bits) and the
+ * order of every accumulation are mode 2's, so mode 6 gives mode 2's dq, dk, dv bits
+ * (asserted by tests/gpu_attention.c); mode 7 gives mode 2's dk, dv bits and a dq within a
+ * few ulps. The dS double buffer stays safe: warpgroup p waits for its dQ of iteration it − 2
+ * (the wait before the staging) before it reaches barrier 1 of iteration it − 1, which the
+ * other warpgroup must pass before writing copy it % 2 in iteration it. The stage is
+ * released after dK (Q is read by dK, the last product); mode 2 released it after dV, dK
+ * with dQ still running, so the producer gets the slot slightly later. Registers: the peak
+ * is during Pᵀ (dK, dV 128, Sᵀ 32, dPᵀ 32 in flight) or after the packs (+ Pᵀ, dSᵀ 32 bf16
+ * pairs) as in mode 3; while dK runs and dq is staged, dK, dV, dSᵀ (in flight) and dQ = 176.
+ *
+ * STATUS (modes 6, 7): written, not yet run on a GPU (compiled with nvcc 13 for sm_90a).
+ *
  * sm_100a has no wgmma: this file builds there (the kernel bodies compile to a trap) and the
  * launcher runs them only on a device of compute capability 9.
  */
@@ -576,16 +657,20 @@ __device__ __forceinline__ void fa_issue_dq(float *acc, const uint8_t *ds, const
 /* A dq-computing warpgroup hands its finished dq product acc (64 queries × 64 columns, whose
  * wgmma it has waited for) to the store warp: once the store warp has read the last one
  * (named barrier 2), into its part of the staging buffer in TMA's [64][32 fp32] box layout,
- * then announce it (3). */
-template <int NP>
-__device__ __forceinline__ void fa_stage_dq(float acc[32], uint8_t *part, int tid) {
+ * then announce it (3). SPLIT (modes 6, 7): warpgroup wg's own pair of barriers instead, 2 +
+ * 2·wg (its part empty) and 3 + 2·wg (full), of 160 threads: the warpgroup and the store
+ * warp, not the other warpgroup. */
+template <int NP, bool SPLIT = false>
+__device__ __forceinline__ void fa_stage_dq(float acc[32], uint8_t *part, int tid, int wg = 0) {
+    constexpr int NB = SPLIT ? 128 + 32 : NP * 128 + 32;
+    const int bar = SPLIT ? 2 * wg : 0;
 #pragma unroll
     for (int i = 0; i < 32; i++)
         reg_fence(acc[i]);
-    named_bar_sync(BAR_DQ_EMPTY, NP * 128 + 32); /* the store warp has read the last */
+    named_bar_sync(BAR_DQ_EMPTY + bar, NB); /* the store warp has read the last */
     stage_piece<1, 64, 64 * 64 * 4>(acc, part, 0, tid);
     fence_proxy_async(); /* our stores → TMA's reads */
-    named_bar_arrive(BAR_DQ_FULL, NP * 128 + 32);
+    named_bar_arrive(BAR_DQ_FULL + bar, NB);
 }
 
 /* The semaphore of a (b, h, query tile): spin (one thread) until it reaches v; acquire, so
@@ -602,6 +687,86 @@ __device__ __forceinline__ void fa_sem_post(int *sem) {
     asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(sem) : "memory");
 }
 
+/* One dq part's boxes to TMA (issuing lane): a plain store for key tile 0 of the ordered
+ * modes, a reduce-add otherwise. */
+template <int NONDET>
+__device__ __forceinline__ void fa_issue_dq_part(const CUtensorMap *mdq, const uint8_t *src,
+                                                 int p, int j, int m, int bh) {
+#pragma unroll
+    for (int box = 0; box < 2; box++) {
+        if (!NONDET && j == 0)
+            tma_store_3d(mdq, src + box * 8192, 64 * p + 32 * box, m * SMALL, bh);
+        else
+            tma_reduce_add_3d(mdq, src + box * 8192, 64 * p + 32 * box, m * SMALL, bh);
+    }
+}
+
+/* Modes 6 and 7's store warp: fa_store_dq with a hand-off per warpgroup (the header's "Mode
+ * 6"). For each iteration: (mode 6) the tile's semaphore as in fa_store_dq; then for each
+ * part p in turn, its "full" barrier (3 + 2p, 160 threads: warpgroup p arrives, this warp
+ * syncs) and its boxes to TMA; then, once TMA has read them all, each part's buffer is freed
+ * by an arrival on its "empty" barrier (2 + 2p, 160: this warp arrives, warpgroup p syncs).
+ * Each barrier sees one arrival of each side per iteration: the initial "empty"
+ * before the loop and none after the last iteration. (mode 6) then the completed adds and the
+ * post, as fa_store_dq. */
+template <int NP, int NONDET>
+__device__ __forceinline__ void fa_store_dq_split(int lane, const CUtensorMap *mdq,
+                                                  const uint8_t *dqs, int *sem, int j, int g,
+                                                  int b, int rep, const KvWork &w,
+                                                  const Args &a) {
+    constexpr int NB = 128 + 32; /* one warpgroup + this warp */
+    const int M = (a.Tq + SMALL - 1) / SMALL, mend = w.qt0 + w.per;
+    int bh = b * a.Hq + g * rep, m = w.qt0;
+    int *tsem = sem + (size_t)bh * M + m;
+#pragma unroll
+    for (int p = 0; p < NP; p++)
+        named_bar_arrive(BAR_DQ_EMPTY + 2 * p, NB); /* the buffers start free */
+    for (int it = 0; it < w.nit; it++) {
+        if constexpr (!NONDET) {
+            if (lane == 0) {
+                fa_sem_wait(tsem, j); /* key tiles 0 .. j−1 see tile m too: they come first */
+                fence_proxy_async_global(); /* ... and before our TMA reduce-add */
+            }
+            __syncwarp();
+        }
+#pragma unroll
+        for (int p = 0; p < NP; p++) {
+            named_bar_sync(BAR_DQ_FULL + 2 * p, NB); /* warpgroup p fenced its stores */
+            if (lane == 0)
+                fa_issue_dq_part<NONDET>(mdq, dqs + p * (64 * 64 * 4), p, j, m, bh);
+            __syncwarp();
+        }
+        if (lane == 0) {
+            bulk_commit();
+            bulk_wait_read(); /* TMA has read both parts */
+        }
+        __syncwarp();
+#pragma unroll
+        for (int p = 0; p < NP; p++)
+            if (it + 1 < w.nit)
+                named_bar_arrive(BAR_DQ_EMPTY + 2 * p, NB); /* part p may be written again */
+        if constexpr (!NONDET) {
+            if (lane == 0) {
+                bulk_wait_all();            /* the adds are done in global memory ... */
+                fence_proxy_async_global(); /* ... ordered before the generic release */
+                fa_sem_post(tsem);
+            }
+            __syncwarp();
+        }
+        tsem++;
+        if (++m == mend) { /* the next query head of the group */
+            m = w.qt0;
+            bh++;
+            tsem += M - w.per;
+        }
+    }
+    if constexpr (NONDET) {
+        if (lane == 0)
+            bulk_wait_all(); /* every reduce-add issued has completed before the CTA exits */
+        __syncwarp();
+    }
+}
+
 /* The store warp of the fused kernel (warp 1 of the producer warpgroup): for each
  * iteration, in the consumers' order, it waits until the tile's semaphore says that the j
  * key tiles before this one have added their part, takes the consumers' dq tile from the
@@ -613,10 +778,14 @@ __device__ __forceinline__ void fa_sem_post(int *sem) {
  * is a reduce-add into the zeroed acc as soon as it is staged, in whatever order the CTAs
  * get there; the buffer is freed once TMA has read it (.read), and the warp waits for its
  * copies to complete only once, before it exits. */
-template <int NP, int NONDET>
+template <int NP, int NONDET, bool SPLIT = false>
 __device__ __forceinline__ void fa_store_dq(int lane, const CUtensorMap *mdq, const uint8_t *dqs,
                                             int *sem, int j, int g, int b, int rep,
                                             const KvWork &w, const Args &a) {
+    if constexpr (SPLIT) {
+        fa_store_dq_split<NP, NONDET>(lane, mdq, dqs, sem, j, g, b, rep, w, a);
+        return;
+    }
     constexpr int NB = NP * 128 + 32; /* the barriers' threads: the dq warpgroups + this warp */
     /* few live registers (this warp has 24): the tile walks m = qt0 .. qt0 + per − 1 for
      * each head, and sem points at the semaphore of (bh, m), [bh][M] */
@@ -871,7 +1040,9 @@ __global__ void __launch_bounds__(THREADS, 1)
  * operands and the accumulation orders are mode 2's. NONDET = 1 (mode 4, with OVERLAP = 0)
  * drops the semaphores: every dq tile is a TMA reduce-add into acc (zeroed before the
  * launch) in whatever order the CTAs reach it (the header's "Mode 4"); sem is not read.
- * NONDET = 2 (mode 5): mode 4 with the batched dk/dv epilogue (fa_add_dkdv<D, true>). */
+ * NONDET = 2 (mode 5): mode 4 with the batched dk/dv epilogue (fa_add_dkdv<D, true>).
+ * OVERLAP = 2 (mode 6; with NONDET = 1 mode 7): FlashAttention-3's order of the products and
+ * waits, dq staged under dK, a dq hand-off per warpgroup (the header's "Mode 6"). */
 template <int D, int OVERLAP, int NONDET>
 __global__ void __launch_bounds__(THREADS, 1)
     fa_sm90_fused_kernel(const __grid_constant__ CUtensorMap mq,
@@ -916,7 +1087,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             fa_produce_q_dy<L>(tid, Ks, Vs, ring, Ls, Ds, &kvbar, full, empty, &mq, &mk, &mv,
                                &mdy, lse, delta, a, g, b, s0, rep, w);
         else if (tid < 64)
-            fa_store_dq<NP, NONDET>(tid - 32, &mdq, dqs, sem, j, g, b, rep, w, a);
+            fa_store_dq<NP, NONDET, OVERLAP == 2>(tid - 32, &mdq, dqs, sem, j, g, b, rep, w, a);
         return;
     }
 
@@ -939,7 +1110,55 @@ __global__ void __launch_bounds__(THREADS, 1)
     uint32_t pa[16], da[16]; /* Pᵀ, dSᵀ as A fragments */
 
     mbar_wait(&kvbar, 0);
-    if constexpr (OVERLAP) {
+    if constexpr (OVERLAP == 2) {
+        /* Modes 6, 7: FlashAttention-3's order (the header's "Mode 6"); five commit groups,
+         * waited for one at a time, all done at the end of the iteration (no group pending
+         * at the loop's head on any path, so ptxas need not serialise the wgmmas). */
+        for (int it = 0; it < w.nit; it++) {
+            const int s = it % STAGES, t0 = (w.qt0 + it % w.per) * SMALL;
+            const uint8_t *qt = ring + s * L::STAGE, *dyt = qt + L::TILE;
+            uint8_t *ds = dsb + (it & 1) * L::DS;
+            mbar_wait(&full[s], (it / STAGES) & 1);
+            wgmma_fence();
+            fa_issue_abt<D>(st, ka, qt);
+            wgmma_commit();
+            fa_issue_abt<D>(dpt, va, dyt);
+            wgmma_commit();
+            wgmma_wait<1>(); /* Sᵀ (dPᵀ runs on) */
+            fa_tile_p(st, Ls[s], key, s0, t0, lane, a, sl);
+            wgmma_wait<0>(); /* dPᵀ */
+            fa_tile_ds(dpt, st, Ds[s], lane);
+            fa_pack_a(pa, st);
+            fa_pack_a(da, dpt);
+            fa_store_ds(ds, da, row, lane);
+            fence_proxy_async(); /* our stores → wgmma's reads */
+            wgmma_fence();
+            fa_issue_rs<D>(adv, pa, dyt);
+            wgmma_commit();
+            /* both warpgroups' dS rows are written (the double buffer: the header's "Mode 6") */
+            named_bar_sync(BAR_DS, 256);
+            if (dq_part) {
+                wgmma_fence();
+                fa_issue_dq(st, ds, Ks + wg * BOX_BIG);
+                wgmma_commit();
+                wgmma_wait<1>(); /* dV (dQ runs on) */
+                wgmma_fence(); /* as FlashAttention-3 before each product (no register of dK's
+                                  was touched since the last fence: cheap insurance) */
+                fa_issue_rs<D>(adk, da, qt);
+                wgmma_commit();
+                wgmma_wait<1>(); /* dQ (dK runs on): stage it for the store warp meanwhile */
+                fa_stage_dq<NP, true>(st, dqs + wg * L::PART, tid, wg);
+                wgmma_wait<0>(); /* dK: done with the stage */
+                fa_release(&empty[s], lane);
+            } else {
+                wgmma_fence();
+                fa_issue_rs<D>(adk, da, qt);
+                wgmma_commit();
+                wgmma_wait<0>();
+                fa_release(&empty[s], lane);
+            }
+        }
+    } else if constexpr (OVERLAP) {
         /* Mode 3: the iteration's products in four commit groups, waited for one by one,
          * so that each piece of arithmetic runs under a wgmma of this warpgroup (the other
          * warpgroup's come on top, as in mode 2):
@@ -1094,7 +1313,9 @@ __global__ void fa_sm90_dq_add_all_kernel(moe_bf16 *dq, const float *acc, int B,
  * fused kernel with the overlap of the header's "Mode 3" (mode 2's bits; measured slower, so
  * opt-in), 4 = the fused kernel without the semaphores (the header's "Mode 4":
  * NON-deterministic dq; 1.05x mode 2, opt-in and never the default), 5 = mode 4 with
- * the batched dk/dv epilogue of the header's "Mode 5" (not deterministic either), 1 = the
+ * the batched dk/dv epilogue of the header's "Mode 5" (not deterministic either), 6 = the
+ * fused kernel in FlashAttention-3's order of the header's "Mode 6" (mode 2's bits; not yet run
+ * on a GPU, opt-in), 7 = mode 6 without the semaphores (NOT deterministic), 1 = the
  * Hopper backward's two kernels, 0 = the portable backward; read at every call (a getenv), so that
  * one process (the tests, the benchmark) can switch. */
 int fa_sm90_bwd_mode(void) {
@@ -1102,13 +1323,16 @@ int fa_sm90_bwd_mode(void) {
     if (!e)
         return 2;
     if (strcmp(e, "0") && strcmp(e, "1") && strcmp(e, "2") && strcmp(e, "3") &&
-        strcmp(e, "4") && strcmp(e, "5")) {
+        strcmp(e, "4") && strcmp(e, "5") && strcmp(e, "6") && strcmp(e, "7")) {
         fprintf(stderr, "MOE_FLASH_SM90_BWD=%s: must be 2 (the Hopper backward of "
                         "kernels/attention_sm90_bwd.cu, sm_90 only, its fused single kernel "
                         "with a deterministic fp32 dq reduction: the default), 3 (the same "
                         "kernel with its wgmmas overlapped with the arithmetic, mode 2's bits), "
                         "4 (the fused kernel with unordered dq reduce-adds: NOT deterministic), "
                         "5 (mode 4 with its dk/dv epilogue's loads batched), "
+                        "6 (the fused kernel in FlashAttention-3's order inside an iteration, "
+                        "mode 2's bits), 7 (mode 6 with unordered dq reduce-adds: NOT "
+                        "deterministic), "
                         "1 (its two kernels) or 0 (the portable flash-attention backward)\n",
                 e);
         exit(1);
@@ -1117,7 +1341,8 @@ int fa_sm90_bwd_mode(void) {
 }
 
 long long g_sm90_bwd_calls = 0, g_sm90_bwd_fused_calls = 0, g_sm90_bwd_overlap_calls = 0,
-          g_sm90_bwd_nondet_calls = 0, g_sm90_bwd_batched_calls = 0;
+          g_sm90_bwd_nondet_calls = 0, g_sm90_bwd_batched_calls = 0,
+          g_sm90_bwd_fa3order_calls = 0;
 
 /* The dk/dv side's tensor maps (both modes): K and V resident in boxes of 128 rows, Q and
  * dY streamed in boxes of 64. */
@@ -1181,7 +1406,8 @@ void fa_sm90_bwd_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const void *dy
  * eagerly before it captures it): the semaphores and the ticket counter, zeroed here on the
  * op's stream (a memset node when captured), then the fp32 accumulator [B, Hq, Tq, D],
  * which needs no zeroing (key tile 0 stores, the others add; the add kernel skips the tiles
- * that no key tile reached). OVERLAP: mode 3's kernel (1) or mode 2's (0). NONDET (mode 4):
+ * that no key tile reached). OVERLAP: mode 3's kernel (1), mode 6's (2: FlashAttention-3's
+ * order, with NONDET = 1 mode 7) or mode 2's (0). NONDET (mode 4):
  * every key tile reduce-adds, so acc is zeroed too (the same memset, over the whole
  * workspace), and the add kernel takes every row; NONDET = 2 (mode 5): the same with the
  * kernel's batched dk/dv epilogue. */
@@ -1257,6 +1483,14 @@ extern "C" int moe_cuda_attention_sm90_backward(void *dq, void *dk, void *dv, co
         fa_sm90_fused_launch<64, 0, 2>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
     else if (mode == 5)
         fa_sm90_fused_launch<128, 0, 2>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+    else if (mode == 6 && s.D == 64)
+        fa_sm90_fused_launch<64, 2, 0>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+    else if (mode == 6)
+        fa_sm90_fused_launch<128, 2, 0>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+    else if (mode == 7 && s.D == 64)
+        fa_sm90_fused_launch<64, 2, 1>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
+    else if (mode == 7)
+        fa_sm90_fused_launch<128, 2, 1>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
     else if (s.D == 64)
         fa_sm90_bwd_launch<64>(dQ, dK, dV, dy, lse, delta, q, k, v, s);
     else
@@ -1264,8 +1498,9 @@ extern "C" int moe_cuda_attention_sm90_backward(void *dq, void *dk, void *dv, co
     g_sm90_bwd_calls++;
     g_sm90_bwd_fused_calls += mode >= 2;
     g_sm90_bwd_overlap_calls += mode == 3;
-    g_sm90_bwd_nondet_calls += mode >= 4;
+    g_sm90_bwd_nondet_calls += mode == 4 || mode == 5 || mode == 7;
     g_sm90_bwd_batched_calls += mode == 5;
+    g_sm90_bwd_fa3order_calls += mode >= 6;
     return 1;
 }
 
@@ -1285,4 +1520,8 @@ extern "C" long long moe_cuda_attention_sm90_backward_nondet_calls(void) {
 
 extern "C" long long moe_cuda_attention_sm90_backward_batched_calls(void) {
     return g_sm90_bwd_batched_calls;
+}
+
+extern "C" long long moe_cuda_attention_sm90_backward_fa3order_calls(void) {
+    return g_sm90_bwd_fa3order_calls;
 }

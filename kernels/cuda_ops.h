@@ -235,15 +235,18 @@ long long moe_cuda_attention_sm90_calls(void);
  * arithmetic: mode 2's bits; opt-in: measured 0.95-0.98x mode 2's speed on an H100), 4 (the fused kernel with its dq
  * tiles reduce-added in no fixed order: NOT deterministic, FlashAttention-3's default; opt-in,
  * measured 1.05x mode 2), 5 (mode 4 with its dk/dv epilogue's loads batched before its
- * stores: dk, dv mode 2's bits; opt-in, measured slower than mode 4), or 1 (its two kernels: the same
+ * stores: dk, dv mode 2's bits; opt-in, measured slower than mode 4), 6 (the fused kernel with
+ * FlashAttention-3's order of products and waits inside an iteration and a dq hand-off per
+ * warpgroup: mode 2's bits; opt-in, not yet run on a GPU), 7 (mode 6 with mode 4's unordered
+ * dq reduce-adds: NOT deterministic; opt-in, not yet run on a GPU), or 1 (its two kernels: the same
  * bits on the tests' shapes, not always); 0 = the portable kernels. Head dims 64 and 128, an sm_90 device and
  * 16-byte aligned tensors: adds the gradients to dq, dk, dv from dy, the forward's lse and delta =
  * rowsum(dy ⊙ y) [B, Hq, Tq] (computed by the caller) and returns 1; else returns 0 without
  * doing anything (moe_cuda_attention_backward calls it first and falls back to the portable
- * kernels). MOE_FLASH_SM90_BWD set to anything but 0 .. 5 exits with a message naming it.
+ * kernels). MOE_FLASH_SM90_BWD set to anything but 0 .. 7 exits with a message naming it.
  * The call counts (every call that ran a Hopper backward; those that ran the fused kernel,
- * modes 2-5; those that ran mode 3; those that ran modes 4 and 5; those that ran mode 5) let a
- * test prove the path was taken. */
+ * modes 2-7; those that ran mode 3; those that ran the non-deterministic modes 4, 5 and 7;
+ * those that ran mode 5; those that ran modes 6 and 7) let a test prove the path was taken. */
 int moe_cuda_attention_sm90_backward(void *dq, void *dk, void *dv, const void *dy,
                                      const moe_real *lse, const moe_real *delta, const void *q,
                                      const void *k, const void *v, moe_attention_shape s);
@@ -252,6 +255,7 @@ long long moe_cuda_attention_sm90_backward_fused_calls(void);
 long long moe_cuda_attention_sm90_backward_overlap_calls(void);
 long long moe_cuda_attention_sm90_backward_nondet_calls(void);
 long long moe_cuda_attention_sm90_backward_batched_calls(void);
+long long moe_cuda_attention_sm90_backward_fa3order_calls(void);
 void moe_cuda_attention_backward(void *dq, void *dk, void *dv, const void *dy, const void *y,
                                  const moe_real *lse, void *ws, const void *q, const void *k,
                                  const void *v, moe_attention_shape s);

@@ -624,7 +624,7 @@ static size_t far_ulps(const char *what, const moe_real *a, const moe_real *b, s
     return far;
 }
 
-/* kernels/attention_sm90_bwd.cu (MOE_FLASH_SM90_BWD=1 to 5, set here and restored) against
+/* kernels/attention_sm90_bwd.cu (MOE_FLASH_SM90_BWD=1 to 7, set here and restored) against
  * the CPU twin and against the portable backward (MOE_FLASH_SM90_BWD=0), dq, dk, dv, on the
  * shapes its tiles make hard: lengths around its 64- and 128-row tiles (1, 63, 127, 129, 300,
  * 1000, 4096), both head dims it runs, GQA 4 (Hq = 8, Hkv = 2: dk, dv summed over 4 query
@@ -642,12 +642,15 @@ static size_t far_ulps(const char *what, const moe_real *a, const moe_real *b, s
  * terms summed in another order, then one rounding), besides the bounds against the CPU,
  * the portable backward and mode 1 that every mode meets; its two runs may differ in dq
  * (printed, not asserted). Mode 5 (mode 4 with its dk/dv epilogue's loads batched: the same
- * operations) is held to mode 4's checks. On an sm_90 device the test fails unless each
- * Hopper path ran (moe_cuda_attention_sm90_backward_calls() and, for modes 2 to 5,
- * moe_cuda_attention_sm90_backward_fused_calls(), for mode 3 also
- * moe_cuda_attention_sm90_backward_overlap_calls(), for modes 4 and 5
+ * operations) is held to mode 4's checks. Mode 6 (mode 2's products in FlashAttention-3's
+ * order, a dq hand-off per warpgroup; deterministic) is held to mode 3's: mode 2's dq, dk, dv
+ * bits. Mode 7 (mode 6 without the dq ordering) is held to mode 4's. On an sm_90 device the
+ * test fails unless each Hopper path ran (moe_cuda_attention_sm90_backward_calls() and, for
+ * modes 2 to 7, moe_cuda_attention_sm90_backward_fused_calls(), for mode 3 also
+ * moe_cuda_attention_sm90_backward_overlap_calls(), for modes 4, 5 and 7
  * moe_cuda_attention_sm90_backward_nondet_calls(), for mode 5
- * moe_cuda_attention_sm90_backward_batched_calls(), grew); elsewhere it checks the
+ * moe_cuda_attention_sm90_backward_batched_calls(), for modes 6 and 7
+ * moe_cuda_attention_sm90_backward_fa3order_calls(), grew); elsewhere it checks the
  * fallback. The shapes are the forward test's (SM90_SHAPES): one list serves both. */
 START_TEST(test_attention_sm90_backward) {
     const shape s = SM90_SHAPES[_i];
@@ -681,11 +684,11 @@ START_TEST(test_attention_sm90_backward) {
     float *dlse = upload_f32(lse, nl);
     const int sm90 = device_is_sm90();
     const moe_bench_env env = moe_bench_env_set("MOE_FLASH_SM90_BWD", "0");
-    /* run 0: the portable backward; runs 1, 2: mode 1; runs 3, 4: mode 2; runs 5, 6: mode 3;
-     * runs 7, 8: mode 4; runs 9, 10: mode 5 (each twice: the same bits, but for modes 4 and
-     * 5's dq) */
-    enum { RUNS = 11, MODES = 5 };
-    static const char *const mode[RUNS] = {"0", "1", "1", "2", "2", "3", "3", "4", "4", "5", "5"};
+    /* run 0: the portable backward; runs 2m − 1, 2m: mode m = 1 .. 7 (each twice: the same
+     * bits, but for the dq of the non-deterministic modes 4, 5 and 7) */
+    enum { RUNS = 15, MODES = 7 };
+    static const char *const mode[RUNS] = {"0", "1", "1", "2", "2", "3", "3", "4",
+                                           "4", "5", "5", "6", "6", "7", "7"};
     moe_real *got[RUNS][3];
     uint16_t *raw[RUNS][3];
     for (int r = 0; r < RUNS; r++) {
@@ -697,6 +700,7 @@ START_TEST(test_attention_sm90_backward) {
         const long long overlap_before = moe_cuda_attention_sm90_backward_overlap_calls();
         const long long nondet_before = moe_cuda_attention_sm90_backward_nondet_calls();
         const long long batched_before = moe_cuda_attention_sm90_backward_batched_calls();
+        const long long fa3_before = moe_cuda_attention_sm90_backward_fa3order_calls();
         moe_cuda_attention_backward(dg[0], dg[1], dg[2], dgy, dy, dlse, ws, dq, dk, dv, sh);
         CU_OK(cudaGetLastError());
         CU_OK(cudaDeviceSynchronize());
@@ -707,14 +711,18 @@ START_TEST(test_attention_sm90_backward) {
         const long long nondet = moe_cuda_attention_sm90_backward_nondet_calls() - nondet_before;
         const long long batched =
             moe_cuda_attention_sm90_backward_batched_calls() - batched_before;
-        ck_assert_msg(ran == (r && sm90) && fused == (r >= 3 && sm90) &&
-                          overlap == (r >= 5 && r <= 6 && sm90) &&
-                          nondet == (r >= 7 && sm90) && batched == (r >= 9 && sm90),
+        const long long fa3 = moe_cuda_attention_sm90_backward_fa3order_calls() - fa3_before;
+        const int m_r = (r + 1) / 2; /* the run's mode (0: the portable backward) */
+        ck_assert_msg(ran == (r && sm90) && fused == (m_r >= 2 && sm90) &&
+                          overlap == (m_r == 3 && sm90) &&
+                          nondet == ((m_r == 4 || m_r == 5 || m_r == 7) && sm90) &&
+                          batched == (m_r == 5 && sm90) && fa3 == (m_r >= 6 && sm90),
                       "%s: with MOE_FLASH_SM90_BWD=%s on a device %s sm_90 the Hopper backward "
                       "ran %lld times, its fused kernel %lld times, in mode 3 %lld times, in "
-                      "mode 4 or 5 %lld times, in mode 5 %lld times",
+                      "mode 4, 5 or 7 %lld times, in mode 5 %lld times, in mode 6 or 7 %lld "
+                      "times",
                       s.what, mode[r], sm90 ? "of" : "not of", ran, fused, overlap, nondet,
-                      batched);
+                      batched, fa3);
         for (int i = 0; i < 3; i++) {
             got[r][i] = malloc(n[i] * sizeof *got[r][i]);
             ck_assert_ptr_nonnull(got[r][i]);
@@ -750,8 +758,10 @@ START_TEST(test_attention_sm90_backward) {
                 if (raw[r][i][j] != raw[r + 1][i][j])
                     first_diff = j;
             const int same_as_1 = m >= 2 && memcmp(raw[r][i], raw[1][i], n[i] * 2) == 0;
-            /* modes 3, 4 and 5 (but 4 and 5's dq): the first element that differs from mode 2 */
-            const int as_2 = m == 3 || (m >= 4 && i > 0);
+            /* the non-deterministic modes' dq may differ from run to run */
+            const int nondet_dq = (m == 4 || m == 5 || m == 7) && i == 0;
+            /* modes 3 to 7 (but 4, 5 and 7's dq): the first element that differs from mode 2 */
+            const int as_2 = m >= 3 && !nondet_dq;
             size_t diff_2 = n[i];
             for (size_t j = 0; as_2 && j < n[i] && diff_2 == n[i]; j++)
                 if (raw[r][i][j] != raw[3][i][j])
@@ -760,11 +770,11 @@ START_TEST(test_attention_sm90_backward) {
                    "increment %.2e)%s%s\n",
                    m, name[i], e, ep, e1, same_as_1 ? ": the same bits" : "", ei,
                    first_diff == n[i]         ? ""
-                   : m >= 4 && i == 0 ? " (its two runs differ: expected)"
+                   : nondet_dq        ? " (its two runs differ: expected)"
                                       : " NOT deterministic",
                    as_2 ? (diff_2 < n[i] ? " NOT mode 2's bits" : ", mode 2's bits") : "");
-            size_t far_2 = 0; /* modes 4, 5's dq (both runs): within a few ulps of mode 2's */
-            for (int rr = r; m >= 4 && i == 0 && rr <= r + 1; rr++) {
+            size_t far_2 = 0; /* modes 4, 5, 7's dq (both runs): within a few ulps of mode 2's */
+            for (int rr = r; nondet_dq && rr <= r + 1; rr++) {
                 snprintf(what, sizeof what, "mode %d run %d dq vs mode 2", m, rr - r + 1);
                 far_2 += far_ulps(what, got[rr][i], got[3][i], n[i]);
             }
@@ -776,13 +786,13 @@ START_TEST(test_attention_sm90_backward) {
                           name[i], e1);
             ck_assert_msg(ei <= 3e-2, "%s: mode %d %s increment error %g", s.what, m, name[i],
                           ei);
-            /* modes 4, 5's dq may differ between runs (its additions have no fixed order) */
-            ck_assert_msg(first_diff == n[i] || (m >= 4 && i == 0),
+            /* modes 4, 5, 7's dq may differ between runs (its additions have no fixed order) */
+            ck_assert_msg(first_diff == n[i] || nondet_dq,
                           "%s: mode %d %s differs between two runs at %zu", s.what, m, name[i],
                           first_diff);
-            /* mode 3 is mode 2's operations in mode 2's order, modes 4 and 5's dk and dv are
-             * mode 2's operations (without an sm_90 device all are the portable backward,
-             * deterministic too) */
+            /* modes 3 and 6 are mode 2's operations with mode 2's accumulation orders, modes
+             * 4, 5 and 7's dk and dv are mode 2's operations (without an sm_90 device all are
+             * the portable backward, deterministic too) */
             ck_assert_msg(diff_2 == n[i], "%s: mode %d %s differs from mode 2 at %zu", s.what,
                           m, name[i], diff_2);
             ck_assert_msg(far_2 == 0, "%s: mode %d dq: %zu elements beyond a few ulps of mode 2's",

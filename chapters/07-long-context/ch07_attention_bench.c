@@ -23,14 +23,17 @@
  * there, =0 the portable one); then the portable backward is timed
  * too and "sm90 bwd" says which ran in the main columns (the sampled check runs on the main
  * path, so a wrong Hopper backward stops the program). Wherever a Hopper backward runs (an
- * sm_90 GPU, D = 64 or 128), its five modes are also checked (the same sampled check) and
+ * sm_90 GPU, D = 64 or 128), its seven modes are also checked (the same sampled check) and
  * timed whatever the setting, side by side in the columns "bwd mode 1", "bwd mode 2", "bwd
  * mode 3" (MOE_FLASH_SM90_BWD=3: mode 2's kernel with its wgmmas overlapped with its
  * arithmetic, opt-in) and "bwd mode 4" (MOE_FLASH_SM90_BWD=4: mode 2's kernel with its dq
  * tiles reduce-added in no fixed order, FlashAttention-3's default: NOT deterministic,
  * opt-in; it measures what mode 2's deterministic ordering costs) and "bwd mode 5"
  * (MOE_FLASH_SM90_BWD=5: mode 4 with its dk/dv epilogue's loads batched before its stores,
- * not deterministic either). Run
+ * not deterministic either), "bwd mode 6" (MOE_FLASH_SM90_BWD=6: mode 2's kernel with
+ * FlashAttention-3's order of products and waits and a dq hand-off per warpgroup; mode 2's
+ * bits) and "bwd mode 7" (=7: mode 6 with mode 4's unordered dq adds, NOT deterministic).
+ * Run
  * the whole program under MOE_FLASH_SM90=0 MOE_FLASH_SM90_BWD=0 to measure the portable
  * kernels alone.
  *
@@ -64,7 +67,7 @@ typedef struct shape_result {
     int sm90;                   /* the main forward ran the Hopper kernel */
     double bwd_portable;        /* ms: the portable backward (MOE_FLASH_SM90_BWD=0), or 0 */
     int sm90_bwd;               /* the main backward ran the Hopper kernels */
-    double bwd_mode[5];         /* ms: the Hopper backward's modes 1-5, or 0: not run */
+    double bwd_mode[7];         /* ms: the Hopper backward's modes 1-7, or 0: not run */
     sdpa_row flash, cudnn;
 } shape_result;
 
@@ -232,7 +235,7 @@ static double time_op(int which, int reps, int warmup, void *y, moe_real *lse, v
  * reference (the program stops above CHECK_TOL, naming @p what); *err gets the check error.
  * Returns 1 when it ran a Hopper backward (for "mode 2": the fused one; "mode 3": the fused
  * one with the overlap; "mode 4": the fused one with unordered dq additions; "mode 5": that
- * with the batched dk/dv epilogue). */
+ * with the batched dk/dv epilogue; "mode 6" and "mode 7": FlashAttention-3's order). */
 static int checked_backward(const shape_result *r, const char *what, const moe_real *hq,
                             const moe_real *hk, const moe_real *hv, const moe_real *hdy,
                             void *y, moe_real *lse, void *ws, void *dq, void *dk, void *dv,
@@ -248,8 +251,11 @@ static int checked_backward(const shape_result *r, const char *what, const moe_r
     const long long ocalls = moe_cuda_attention_sm90_backward_overlap_calls();
     const long long ncalls = moe_cuda_attention_sm90_backward_nondet_calls();
     const long long bcalls5 = moe_cuda_attention_sm90_backward_batched_calls();
+    const long long fa3calls = moe_cuda_attention_sm90_backward_fa3order_calls();
     moe_cuda_attention_backward(dq, dk, dv, dy, y, lse, ws, q, k, v, s);
-    const int ran = strcmp(what, "mode 5") == 0
+    const int ran = strcmp(what, "mode 6") == 0 || strcmp(what, "mode 7") == 0
+                        ? moe_cuda_attention_sm90_backward_fa3order_calls() > fa3calls
+                    : strcmp(what, "mode 5") == 0
                         ? moe_cuda_attention_sm90_backward_batched_calls() > bcalls5
                     : strcmp(what, "mode 4") == 0
                         ? moe_cuda_attention_sm90_backward_nondet_calls() > ncalls
@@ -301,11 +307,12 @@ static void measure(shape_result *r, int reps, int warmup) {
         r->bwd_portable = time_op(1, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
         moe_bench_env_restore(&env);
     }
-    /* the Hopper backward's five modes side by side, each checked first (a mode that does
+    /* the Hopper backward's seven modes side by side, each checked first (a mode that does
      * not run here, e.g. off sm_90, stays at 0) */
-    static const char *const mode_env[5] = {"1", "2", "3", "4", "5"};
-    static const char *const mode_name[5] = {"mode 1", "mode 2", "mode 3", "mode 4", "mode 5"};
-    for (int m = 0; m < 5; m++) {
+    static const char *const mode_env[7] = {"1", "2", "3", "4", "5", "6", "7"};
+    static const char *const mode_name[7] = {"mode 1", "mode 2", "mode 3", "mode 4",
+                                             "mode 5", "mode 6", "mode 7"};
+    for (int m = 0; m < 7; m++) {
         env = moe_bench_env_set("MOE_FLASH_SM90_BWD", mode_env[m]);
         double err = 0.0;
         if (checked_backward(r, mode_name[m], hq, hk, hv, hdy, y, lse, ws, dq, dk, dv, dy, q, k,
@@ -415,8 +422,9 @@ int main(int argc, char **argv) {
                    "Causal bf16 flash attention, forward, backward and both, against PyTorch "
                    "SDPA's flash and cuDNN\nbackends in the same run. MOE_FLASH_SM90=0: the "
                    "portable forward only; MOE_FLASH_SM90_BWD=0: the\nportable backward, 1: the "
-                   "Hopper backward's two kernels in the main columns (all five\nHopper modes "
-                   "are timed side by side on sm_90 anyway; modes 4, 5 are not deterministic)."
+                   "Hopper backward's two kernels in the main columns (all seven\nHopper modes "
+                   "are timed side by side on sm_90 anyway; modes 4, 5, 7 are not "
+                   "deterministic)."
                    "\n");
             return 0;
         }
@@ -484,11 +492,13 @@ int main(int argc, char **argv) {
             measure(r, reps, warmup);
             fprintf(stderr, "  measured T=%d D=%d: fwd %.3f ms (%s; portable %.3f ms) bwd %.3f "
                     "ms (%s; portable %.3f ms; mode 1 %.3f ms, mode 2 %.3f ms, mode 3 %.3f ms, "
-                    "mode 4 %.3f ms, mode 5 %.3f ms) (check %.1e)\n",
+                    "mode 4 %.3f ms, mode 5 %.3f ms, mode 6 %.3f ms, mode 7 %.3f ms) "
+                    "(check %.1e)\n",
                     r->T, r->D, r->fwd, r->sm90 ? "sm90" : "portable", r->fwd_portable,
                     r->bwd, r->sm90_bwd ? "sm90" : "portable",
                     r->sm90_bwd ? r->bwd_portable : r->bwd, r->bwd_mode[0], r->bwd_mode[1],
-                    r->bwd_mode[2], r->bwd_mode[3], r->bwd_mode[4], r->check);
+                    r->bwd_mode[2], r->bwd_mode[3], r->bwd_mode[4], r->bwd_mode[5],
+                    r->bwd_mode[6], r->check);
         }
     char info[512] = "skipped (--no-sdpa)";
     if (sdpa)
@@ -497,22 +507,24 @@ int main(int argc, char **argv) {
     printf("| T | D | B×H | check | sm90 | fwd ms | fwd TFLOP/s | portable fwd ms | portable "
            "fwd TFLOP/s | sm90 bwd | bwd ms | bwd TFLOP/s | portable bwd ms | bwd mode 1 ms / "
            "TFLOP/s | bwd mode 2 ms / TFLOP/s | bwd mode 3 ms / TFLOP/s | bwd mode 4 ms / "
-           "TFLOP/s | bwd mode 5 ms / TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | FLASH fwd / f+b "
+           "TFLOP/s | bwd mode 5 ms / TFLOP/s | bwd mode 6 ms / TFLOP/s | bwd mode 7 ms / "
+           "TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | FLASH fwd / f+b "
            "TFLOP/s | cuDNN fwd / f+b TFLOP/s | fwd vs FLASH / cuDNN | f+b vs FLASH / cuDNN |\n"
-           "|---:|---:|---:|---:|:---:|---:|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+           "|---:|---:|---:|---:|:---:|---:|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (int i = 0; i < n; i++) {
         const shape_result *r = &res[i];
         const double f = 2.0 * r->B * r->H * (double)r->T * r->T * r->D; /* causal fwd */
         char a[16], b[16], c[16], d[16], e[16], g[16], x[16], z[16], m1[32], m2[32], m3[32],
-            m4[32], m5[32];
+            m4[32], m5[32], m6[32], m7[32];
         printf("| %d | %d | %d×%d | %.1e | %s | %.3f | %.0f | %.3f | %.0f | %s | %.3f | %.0f "
-               "| %.3f | %s | %s | %s | %s | %s | %.3f | %.0f | %s / %s | %s / %s | %s / %s | %s / %s |\n",
+               "| %.3f | %s | %s | %s | %s | %s | %s | %s | %.3f | %.0f | %s / %s | %s / %s | %s / %s | %s / %s |\n",
                r->T, r->D, r->B, r->H, r->check, r->sm90 ? "yes" : "no", r->fwd,
                tflops(f, r->fwd), r->fwd_portable, tflops(f, r->fwd_portable),
                r->sm90_bwd ? "yes" : "no", r->bwd, tflops(2.5 * f, r->bwd),
                r->sm90_bwd ? r->bwd_portable : r->bwd, ms_tf(m1, 2.5 * f, r->bwd_mode[0]),
                ms_tf(m2, 2.5 * f, r->bwd_mode[1]), ms_tf(m3, 2.5 * f, r->bwd_mode[2]),
-               ms_tf(m4, 2.5 * f, r->bwd_mode[3]), ms_tf(m5, 2.5 * f, r->bwd_mode[4]), r->fb,
+               ms_tf(m4, 2.5 * f, r->bwd_mode[3]), ms_tf(m5, 2.5 * f, r->bwd_mode[4]),
+               ms_tf(m6, 2.5 * f, r->bwd_mode[5]), ms_tf(m7, 2.5 * f, r->bwd_mode[6]), r->fb,
                tflops(3.5 * f, r->fb),
                tf_or_dash(a, f, &r->flash, 0), tf_or_dash(b, 3.5 * f, &r->flash, 2),
                tf_or_dash(c, f, &r->cudnn, 0), tf_or_dash(d, 3.5 * f, &r->cudnn, 2),
