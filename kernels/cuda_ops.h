@@ -151,12 +151,15 @@ int moe_cuda_grouped_sm90_narrow(void);
  *        asks L2 for the tile a few k-steps before the epilogue, so the read of the old values
  *        overlaps the main loop. It changes no result, only where the read waits.
  *
- * Without a call, the environment's MOE_WGRAD_PREFETCH=0|1 decides (another value stops the
+ * Without a call, the environment's MOE_WGRAD_PREFETCH=0|1|2 decides (another value stops the
  * process with a message), else ::MOE_WGRAD_PREFETCH_DEFAULT.
- * @param on nonzero to prefetch
+ * @param how 1: the producer's TMA prefetches the tile (cp.async.bulk.prefetch.tensor, all
+ *        three kernels); 2: the consumer threads issue prefetch.global.L2 for its lines at the
+ *        tile's start (the bf16 128 × 256 kernel only; the others do not prefetch then);
+ *        anything else: no prefetch
  */
-void moe_cuda_wgrad_set_prefetch(int on);
-/** @brief Whether the wgrad prefetches dw (moe_cuda_wgrad_set_prefetch()). @return 0 or 1 */
+void moe_cuda_wgrad_set_prefetch(int how);
+/** @brief How the wgrad prefetches dw (moe_cuda_wgrad_set_prefetch()). @return 0, 1 or 2 */
 int moe_cuda_wgrad_prefetch(void);
 /** @brief Count one wgrad launch that prefetched (called by the wgrad launchers). */
 void moe_cuda_wgrad_prefetch_note(void);

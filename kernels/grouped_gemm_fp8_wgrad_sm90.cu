@@ -620,7 +620,7 @@ extern "C" moe_status moe_cuda_fp8_grouped_wgrad(void *dw, moe_dw_mode mode, con
      * so the arrays' starts decide; others take the global-memory path */
     const int ss = smem_scales() && aligned16(sa) && aligned16(sb);
     /* (the global-scales kernels do not prefetch: with it their consumers spilled) */
-    const int prefetch = mode == MOE_DW_ACCUMULATE && ss && moe_cuda_wgrad_prefetch();
+    const int prefetch = mode == MOE_DW_ACCUMULATE && ss && moe_cuda_wgrad_prefetch() == 1;
     const Params p = {dev_off, G, M, N, sa, sb, mode == MOE_DW_ACCUMULATE, prefetch};
     if (prefetch)
         moe_cuda_wgrad_prefetch_note();

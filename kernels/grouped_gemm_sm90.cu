@@ -591,7 +591,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 for (int kt = 0; kt < ti.nk; kt++, it++) {
                     const int s = it % STAGES, phase = (it / STAGES) & 1;
                     const int k0 = kt * BK;
-                    if (MODE == WGRAD && C32 && p.prefetch && lane == 0 &&
+                    if (MODE == WGRAD && C32 && p.prefetch == 1 && lane == 0 &&
                         kt == (ti.nk > WGRAD_PREFETCH_LEAD ? ti.nk - WGRAD_PREFETCH_LEAD : 0))
                         prefetch_dw_tile<BM>(&map_c, ti.n0, ti.m0, ti.gc, WN, p.N);
                     if (GATHER && MODE == WGRAD) /* this k-step's 64 source rows */
@@ -726,6 +726,9 @@ __global__ void __launch_bounds__(THREADS, 1)
             break;
         if (ti.nk == 0 && (MODE != WGRAD || p.accumulate))
             continue; /* wgrad of an empty group (or chunk) adds nothing; a STORE writes 0 */
+        if (MODE == WGRAD && C32 && p.prefetch == 2) /* (p.C is dw then: see the host) */
+            prefetch_dw_lines<BM, WN>((const float *)p.C, ti.gc, ti.m0, ti.n0, p.M, p.N,
+                                      c * 128 + tid, 256);
         const int half = MODE != WGRAD && ti.half;   /* a 64 × 256 tile (see Scheduler) */
         const int share = SHARE && ti.share; /* a 192-row sharing tile (see Scheduler) */
         /* A sharing tile: warpgroup c computes rows 64c .. 64c + 63 (full rows of the group)
@@ -1168,20 +1171,23 @@ extern "C" int moe_cuda_wgrad_prefetch(void) {
         const char *e = getenv("MOE_WGRAD_PREFETCH");
         g_wgrad_prefetch = MOE_WGRAD_PREFETCH_DEFAULT;
         if (e && *e) {
-            if (strcmp(e, "0") && strcmp(e, "1")) {
+            if (strcmp(e, "0") && strcmp(e, "1") && strcmp(e, "2")) {
                 fprintf(stderr, "moe.c: MOE_WGRAD_PREFETCH=%s: use 0 (no L2 prefetch of dw "
-                                "before the wgrad's reduce-add) or 1 (prefetch), or unset it "
-                                "for the default, %d\n",
+                                "before the wgrad's reduce-add), 1 (by the producer's TMA) or "
+                                "2 (by the consumers' prefetch instructions), or unset it for "
+                                "the default, %d\n",
                         e, MOE_WGRAD_PREFETCH_DEFAULT);
                 exit(1);
             }
-            g_wgrad_prefetch = e[0] == '1';
+            g_wgrad_prefetch = e[0] - '0';
         }
     }
     return g_wgrad_prefetch;
 }
 
-extern "C" void moe_cuda_wgrad_set_prefetch(int on) { g_wgrad_prefetch = on != 0; }
+extern "C" void moe_cuda_wgrad_set_prefetch(int how) {
+    g_wgrad_prefetch = how == 1 || how == 2 ? how : 0;
+}
 
 extern "C" void moe_cuda_wgrad_prefetch_note(void) { g_prefetch_launches++; }
 
@@ -1364,8 +1370,11 @@ static void sm90_backward(void *din, void *dw, const void *dout, const Input &in
             launch<WGRAD, 0>(ma, mb, mb, moe_tma_map(dw, 3, dc, bc16), p, tiles, wn);
         } else { /* fp32: reduce-added, or stored into a buffer whose contents do not count */
             const int acc = dw_mode == MOE_DW_ACCUMULATE;
-            Params p = {dev_off, G, O, I, 0, NULL, acc, 1, 0, 0, NULL, NULL, 0, 0, NULL,
-                        acc && moe_cuda_wgrad_prefetch()};
+            /* (C: the wgrad's tiles all leave through TMA; the consumers' prefetch reads dw
+             * from it) */
+            const int pf = acc ? moe_cuda_wgrad_prefetch() : 0;
+            Params p = {dev_off, G, O, I, 0, pf == 2 ? dw : NULL, acc, 1, 0, 0, NULL, NULL, 0, 0,
+                        NULL, pf};
             set_gather(p, in, I);
             if (p.prefetch)
                 moe_cuda_wgrad_prefetch_note();

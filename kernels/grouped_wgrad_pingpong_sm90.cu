@@ -381,7 +381,7 @@ extern "C" void moe_cuda_grouped_sm90_wgrad_pingpong_run(void *dw, const void *d
     const uint32_t box[2] = {64, BK}, bc32[3] = {32, 64, 1}, bc16[3] = {64, 64, 1};
     const CUtensorMap ma = moe_tma_map(dout, 2, da, box), mb = moe_tma_map(in, 2, db, box);
     const int acc = mode == MOE_DW_ACCUMULATE;
-    const Params p = {dev_off, G, O, I, acc, acc && moe_cuda_wgrad_prefetch()};
+    const Params p = {dev_off, G, O, I, acc, acc && moe_cuda_wgrad_prefetch() == 1};
     if (p.prefetch)
         moe_cuda_wgrad_prefetch_note();
     const int tiles = G * ((O + BM - 1) / BM) * ((I + BN - 1) / BN);

@@ -103,6 +103,24 @@ constexpr int WGRAD_PREFETCH_LEAD = 12;
  * main loop, the read overlaps the MMAs and the reduce-add finds its lines in L2. A hint:
  * it changes no result.
  */
+/**
+ * The same prefetch by plain instructions (MOE_WGRAD_PREFETCH=2): thread @p t of @p nt asks L2
+ * for its share of the tile's 128-byte lines (prefetch.global.L2) — @p rows rows of
+ * @p cols fp32 from (@p m0, @p n0) of block @p g of dw [*][M][N], rows from M and columns from
+ * N on skipped. Issued by the consumers at the tile's start, so the requests go through the
+ * load/store units instead of queueing in the producer's TMA unit before the operand loads.
+ */
+template <int ROWS, int COLS>
+static __device__ __forceinline__ void prefetch_dw_lines(const float *dw, int g, int m0, int n0,
+                                                         int M, int N, int t, int nt) {
+    constexpr int LPR = COLS * 4 / 128; /* 128-byte lines per row */
+    for (int i = t; i < ROWS * LPR; i += nt) {
+        const int r = m0 + i / LPR, col = n0 + (i % LPR) * 32;
+        if (r < M && col < N)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(dw + ((size_t)g * M + r) * N + col));
+    }
+}
+
 template <int ROWS>
 static __device__ __forceinline__ void prefetch_dw_tile(const CUtensorMap *map, int n0, int m0,
                                                         int g, int cols, int N) {
