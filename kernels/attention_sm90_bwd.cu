@@ -5,9 +5,11 @@
  * of a group, causal with the q_pos/k_pos offset, a row that sees no key contributes
  * nothing). moe_cuda_attention_backward computes δ = rowsum(dy ⊙ y) with its fa_delta_kernel
  * and then calls moe_cuda_attention_sm90_backward() first, which, for head dims 64 and 128
- * on an sm_90 device, runs this file's fused kernel (below: "The fused backward", mode 2,
- * the default), its two kernels with MOE_FLASH_SM90_BWD=1 (mode 1), and otherwise (=0, or
- * another device or head dim) says no, so the portable kernels run.
+ * on an sm_90 device, runs this file's fused kernel (below: "The fused backward"; in
+ * FlashAttention-3's order inside an iteration, "Mode 6", the default; MOE_FLASH_SM90_BWD=2
+ * for its first order, mode 2, the same bits), its two kernels with MOE_FLASH_SM90_BWD=1
+ * (mode 1), and otherwise (=0, or another device or head dim) says no, so the portable
+ * kernels run.
  *
  * STATUS: both modes passed tests/gpu_attention.c's test_attention_sm90_backward on an H100
  * (mode 1 at cc04ca2, mode 2 at 16ee93c) and gave the same bits as each other and as the
@@ -22,6 +24,12 @@
  * (=4, below: mode 2 without the dq ordering, NOT deterministic) 400 / 323, so the ordering
  * costs mode 2 about 5 %; opt-in, never the default, as the library's gradients are
  * bit-reproducible; mode 5 (=5: mode 4 with a batched dk/dv epilogue) 395 / 319, opt-in.
+ * Modes 6 and 7 passed the same test on an H100 at 6fe39a1 and 53dcef4 (6: mode 2's dq, dk,
+ * dv bits; 7: mode 2's dk, dv bits, its dq equal to mode 2's in both runs of the test) and
+ * were measured beside modes 1-5 in one process each (TFLOP/s, D = 128, mode 2 / 6 / 7): 4K
+ * 324 / 329 / 327, 16K 378 / 395 / 417, 32K 402 / 411 / 420; D = 64 at 16K 308 / 309 / 320.
+ * So mode 6 (deterministic, mode 2's bits, 1.02-1.05x at D = 128) is the default since
+ * 53dcef4's successor; mode 7 (not deterministic, 1.04-1.10x) stays opt-in, as mode 4 does.
  *
  * The math, per (b, query head h, group g = h / (Hq/Hkv)), with sl = log2(e)/√D and
  * lse₂ = lse·log2(e) (0 for a row that sees nothing: every key of it is masked anyway):
@@ -266,7 +274,7 @@
  *      threads that share them and fetches them by shuffle (ShuffleLSE) to fit in 240
  *      registers, and separates the causal-mask iterations from the rest.
  *
- * Mode 6 (MOE_FLASH_SM90_BWD=6, opt-in, deterministic) takes differences 1 and 2; mode 7
+ * Mode 6 (MOE_FLASH_SM90_BWD=6 or unset: the default, deterministic) takes differences 1 and 2; mode 7
  * (=7, NOT deterministic) is mode 6 without the semaphores, as mode 4 is mode 2 without
  * them: the like-for-like comparison with FlashAttention-3's default. See "Mode 6" below.
  *
@@ -1308,30 +1316,33 @@ __global__ void fa_sm90_dq_add_all_kernel(moe_bf16 *dq, const float *acc, int B,
 
 /* ---------------------------------------------------------------- host side */
 
-/* MOE_FLASH_SM90_BWD: unset or 2 = the fused kernel (the default: on an H100 the same bits as
- * mode 1 on the tests' shapes and 1.17x its speed at 16K, D = 128, 1.57x at D = 64), 3 = the
+/* MOE_FLASH_SM90_BWD: unset or 6 = the fused kernel in FlashAttention-3's order of the
+ * header's "Mode 6" (the default since 53dcef4: mode 2's bits, and on an H100 1.02-1.05x mode
+ * 2 at 4K-32K, D = 128, 1.00x at D = 64), 2 = the fused kernel in its first order (on an H100
+ * the same bits as mode 1 on the tests' shapes and 1.17x its speed at 16K, D = 128, 1.57x at
+ * D = 64), 3 = the
  * fused kernel with the overlap of the header's "Mode 3" (mode 2's bits; measured slower, so
  * opt-in), 4 = the fused kernel without the semaphores (the header's "Mode 4":
  * NON-deterministic dq; 1.05x mode 2, opt-in and never the default), 5 = mode 4 with
- * the batched dk/dv epilogue of the header's "Mode 5" (not deterministic either), 6 = the
- * fused kernel in FlashAttention-3's order of the header's "Mode 6" (mode 2's bits; not yet run
- * on a GPU, opt-in), 7 = mode 6 without the semaphores (NOT deterministic), 1 = the
+ * the batched dk/dv epilogue of the header's "Mode 5" (not deterministic either), 7 = mode 6
+ * without the semaphores (NOT deterministic; 1.04-1.10x mode 2, opt-in), 1 = the
  * Hopper backward's two kernels, 0 = the portable backward; read at every call (a getenv), so that
  * one process (the tests, the benchmark) can switch. */
 int fa_sm90_bwd_mode(void) {
     const char *e = getenv("MOE_FLASH_SM90_BWD");
     if (!e)
-        return 2;
+        return 6;
     if (strcmp(e, "0") && strcmp(e, "1") && strcmp(e, "2") && strcmp(e, "3") &&
         strcmp(e, "4") && strcmp(e, "5") && strcmp(e, "6") && strcmp(e, "7")) {
-        fprintf(stderr, "MOE_FLASH_SM90_BWD=%s: must be 2 (the Hopper backward of "
+        fprintf(stderr, "MOE_FLASH_SM90_BWD=%s: must be 6 (the Hopper backward of "
                         "kernels/attention_sm90_bwd.cu, sm_90 only, its fused single kernel "
-                        "with a deterministic fp32 dq reduction: the default), 3 (the same "
+                        "with a deterministic fp32 dq reduction, in FlashAttention-3's order "
+                        "inside an iteration: the default), 2 (the same kernel in its first "
+                        "order, mode 6's bits), 3 (the same "
                         "kernel with its wgmmas overlapped with the arithmetic, mode 2's bits), "
                         "4 (the fused kernel with unordered dq reduce-adds: NOT deterministic), "
                         "5 (mode 4 with its dk/dv epilogue's loads batched), "
-                        "6 (the fused kernel in FlashAttention-3's order inside an iteration, "
-                        "mode 2's bits), 7 (mode 6 with unordered dq reduce-adds: NOT "
+                        "7 (mode 6 with unordered dq reduce-adds: NOT "
                         "deterministic), "
                         "1 (its two kernels) or 0 (the portable flash-attention backward)\n",
                 e);

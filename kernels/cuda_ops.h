@@ -233,15 +233,16 @@ int moe_cuda_attention_sm90_forward(void *y, moe_real *lse, const void *q, const
                                     const void *v, moe_attention_shape s);
 long long moe_cuda_attention_sm90_calls(void);
 /* chapter 07's Hopper flash-attention backward (kernels/attention_sm90_bwd.cu): with
- * MOE_FLASH_SM90_BWD unset or 2 (its fused kernel with a deterministic fp32 dq reduction in
- * a scratch workspace, the default), 3 (the same kernel with its wgmmas overlapped with its
+ * MOE_FLASH_SM90_BWD unset or 6 (its fused kernel with a deterministic fp32 dq reduction in
+ * a scratch workspace, in FlashAttention-3's order of products and waits inside an iteration
+ * with a dq hand-off per warpgroup: the default, measured 1.02-1.05x mode 2 on an H100), 2
+ * (the same kernel in its first order: mode 6's bits), 3 (the same kernel with its wgmmas overlapped with its
  * arithmetic: mode 2's bits; opt-in: measured 0.95-0.98x mode 2's speed on an H100), 4 (the fused kernel with its dq
  * tiles reduce-added in no fixed order: NOT deterministic, FlashAttention-3's default; opt-in,
  * measured 1.05x mode 2), 5 (mode 4 with its dk/dv epilogue's loads batched before its
- * stores: dk, dv mode 2's bits; opt-in, measured slower than mode 4), 6 (the fused kernel with
- * FlashAttention-3's order of products and waits inside an iteration and a dq hand-off per
- * warpgroup: mode 2's bits; opt-in, not yet run on a GPU), 7 (mode 6 with mode 4's unordered
- * dq reduce-adds: NOT deterministic; opt-in, not yet run on a GPU), or 1 (its two kernels: the same
+ * stores: dk, dv mode 2's bits; opt-in, measured slower than mode 4), 7 (mode 6 with mode 4's
+ * unordered dq reduce-adds: NOT deterministic; opt-in, measured 1.04-1.10x mode 2), or 1 (its
+ * two kernels: the same
  * bits on the tests' shapes, not always); 0 = the portable kernels. Head dims 64 and 128, an sm_90 device and
  * 16-byte aligned tensors: adds the gradients to dq, dk, dv from dy, the forward's lse and delta =
  * rowsum(dy ⊙ y) [B, Hq, Tq] (computed by the caller) and returns 1; else returns 0 without

@@ -19,8 +19,9 @@
  * and 128; the portable forward (kernels/attention.cu, MOE_FLASH_SM90=0) is timed too, and
  * the table shows both ("sm90" says which path the main columns took). The backward in the
  * main columns is the Hopper one on sm_90 for D = 64 and 128 (kernels/attention_sm90_bwd.cu:
- * its fused single kernel, mode 2, the default; MOE_FLASH_SM90_BWD=1 puts its two-kernel form
- * there, =0 the portable one); then the portable backward is timed
+ * its fused single kernel in FlashAttention-3's order, mode 6, the default; MOE_FLASH_SM90_BWD=2
+ * puts the same kernel in its first order there, =1 its two-kernel form, =0 the portable
+ * one); then the portable backward is timed
  * too and "sm90 bwd" says which ran in the main columns (the sampled check runs on the main
  * path, so a wrong Hopper backward stops the program). Wherever a Hopper backward runs (an
  * sm_90 GPU, D = 64 or 128), its seven modes are also checked (the same sampled check) and
