@@ -385,13 +385,7 @@ long long g_sm90_calls = 0;
 template <int D, bool PIPE>
 void fa_sm90_launch(moe_bf16 *y, float *lse, const void *q, const void *k, const void *v,
                     moe_attention_shape s) {
-    static bool configured = false;
-    if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(fa_sm90_forward_kernel<D, PIPE>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            Layout<D>::BYTES));
-        configured = true;
-    }
+    moe_cuda_smem_opt_in<fa_sm90_forward_kernel<D, PIPE>>(Layout<D>::BYTES);
     Args a;
     a.Tq = s.Tq;
     a.Tk = s.Tk;

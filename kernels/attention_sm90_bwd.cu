@@ -709,72 +709,6 @@ __device__ __forceinline__ void fa_issue_dq_part(const CUtensorMap *mdq, const u
     }
 }
 
-/* Modes 6 and 7's store warp: fa_store_dq with a hand-off per warpgroup (the header's "Mode
- * 6"). For each iteration: (mode 6) the tile's semaphore as in fa_store_dq; then for each
- * part p in turn, its "full" barrier (3 + 2p, 160 threads: warpgroup p arrives, this warp
- * syncs) and its boxes to TMA; then, once TMA has read them all, each part's buffer is freed
- * by an arrival on its "empty" barrier (2 + 2p, 160: this warp arrives, warpgroup p syncs).
- * Each barrier sees one arrival of each side per iteration: the initial "empty"
- * before the loop and none after the last iteration. (mode 6) then the completed adds and the
- * post, as fa_store_dq. */
-template <int NP, int NONDET>
-__device__ __forceinline__ void fa_store_dq_split(int lane, const CUtensorMap *mdq,
-                                                  const uint8_t *dqs, int *sem, int j, int g,
-                                                  int b, int rep, const KvWork &w,
-                                                  const Args &a) {
-    constexpr int NB = 128 + 32; /* one warpgroup + this warp */
-    const int M = (a.Tq + SMALL - 1) / SMALL, mend = w.qt0 + w.per;
-    int bh = b * a.Hq + g * rep, m = w.qt0;
-    int *tsem = sem + (size_t)bh * M + m;
-#pragma unroll
-    for (int p = 0; p < NP; p++)
-        named_bar_arrive(BAR_DQ_EMPTY + 2 * p, NB); /* the buffers start free */
-    for (int it = 0; it < w.nit; it++) {
-        if constexpr (!NONDET) {
-            if (lane == 0) {
-                fa_sem_wait(tsem, j); /* key tiles 0 .. j−1 see tile m too: they come first */
-                fence_proxy_async_global(); /* ... and before our TMA reduce-add */
-            }
-            __syncwarp();
-        }
-#pragma unroll
-        for (int p = 0; p < NP; p++) {
-            named_bar_sync(BAR_DQ_FULL + 2 * p, NB); /* warpgroup p fenced its stores */
-            if (lane == 0)
-                fa_issue_dq_part<NONDET>(mdq, dqs + p * (64 * 64 * 4), p, j, m, bh);
-            __syncwarp();
-        }
-        if (lane == 0) {
-            bulk_commit();
-            bulk_wait_read(); /* TMA has read both parts */
-        }
-        __syncwarp();
-#pragma unroll
-        for (int p = 0; p < NP; p++)
-            if (it + 1 < w.nit)
-                named_bar_arrive(BAR_DQ_EMPTY + 2 * p, NB); /* part p may be written again */
-        if constexpr (!NONDET) {
-            if (lane == 0) {
-                bulk_wait_all();            /* the adds are done in global memory ... */
-                fence_proxy_async_global(); /* ... ordered before the generic release */
-                fa_sem_post(tsem);
-            }
-            __syncwarp();
-        }
-        tsem++;
-        if (++m == mend) { /* the next query head of the group */
-            m = w.qt0;
-            bh++;
-            tsem += M - w.per;
-        }
-    }
-    if constexpr (NONDET) {
-        if (lane == 0)
-            bulk_wait_all(); /* every reduce-add issued has completed before the CTA exits */
-        __syncwarp();
-    }
-}
-
 /* The store warp of the fused kernel (warp 1 of the producer warpgroup): for each
  * iteration, in the consumers' order, it waits until the tile's semaphore says that the j
  * key tiles before this one have added their part, takes the consumers' dq tile from the
@@ -782,25 +716,30 @@ __device__ __forceinline__ void fa_store_dq_split(int lane, const CUtensorMap *m
  * accumulator needs no zeroing; a reduce-add, done in L2, for the others), frees the
  * buffer once TMA has read it, waits until the writes are complete, and posts the
  * semaphore. Rows past Tq are outside the tensor map: TMA skips them.
- * NONDET (mode 4): no semaphore, no wait for completion, no post: every key tile's dq tile
- * is a reduce-add into the zeroed acc as soon as it is staged, in whatever order the CTAs
- * get there; the buffer is freed once TMA has read it (.read), and the warp waits for its
- * copies to complete only once, before it exits. */
+ * NONDET (modes 4, 5, 7): no semaphore, no wait for completion, no post: every key tile's
+ * dq tile is a reduce-add into the zeroed acc as soon as it is staged, in whatever order the
+ * CTAs get there; the buffer is freed once TMA has read it (.read), and the warp waits for
+ * its copies to complete only once, before it exits.
+ * SPLIT (modes 6 and 7, the header's "Mode 6"): a hand-off per warpgroup. Part p has its own
+ * pair of barriers, "full" 3 + 2p and "empty" 2 + 2p, 160 threads each (warpgroup p arrives
+ * on full and syncs on empty; this warp the other way round), and the warp takes part 0 then
+ * part 1, each as soon as its warpgroup has staged it. Without SPLIT one pair (3, 2) counts
+ * all NP warpgroups + this warp. Either way each barrier sees one arrival of each side per
+ * iteration: the initial "empty" before the loop and none after the last iteration. */
 template <int NP, int NONDET, bool SPLIT = false>
 __device__ __forceinline__ void fa_store_dq(int lane, const CUtensorMap *mdq, const uint8_t *dqs,
                                             int *sem, int j, int g, int b, int rep,
                                             const KvWork &w, const Args &a) {
-    if constexpr (SPLIT) {
-        fa_store_dq_split<NP, NONDET>(lane, mdq, dqs, sem, j, g, b, rep, w, a);
-        return;
-    }
-    constexpr int NB = NP * 128 + 32; /* the barriers' threads: the dq warpgroups + this warp */
+    constexpr int PAIRS = SPLIT ? NP : 1;                /* barrier pairs */
+    constexpr int NB = (SPLIT ? 1 : NP) * 128 + 32;      /* the threads of each barrier */
     /* few live registers (this warp has 24): the tile walks m = qt0 .. qt0 + per − 1 for
      * each head, and sem points at the semaphore of (bh, m), [bh][M] */
     const int M = (a.Tq + SMALL - 1) / SMALL, mend = w.qt0 + w.per;
     int bh = b * a.Hq + g * rep, m = w.qt0;
     int *tsem = sem + (size_t)bh * M + m;
-    named_bar_arrive(BAR_DQ_EMPTY, NB); /* the buffer starts free */
+#pragma unroll
+    for (int q = 0; q < PAIRS; q++)
+        named_bar_arrive(BAR_DQ_EMPTY + 2 * q, NB); /* the buffers start free */
     for (int it = 0; it < w.nit; it++) {
         if constexpr (!NONDET) {
             if (lane == 0) {
@@ -809,25 +748,25 @@ __device__ __forceinline__ void fa_store_dq(int lane, const CUtensorMap *mdq, co
             }
             __syncwarp();
         }
-        named_bar_sync(BAR_DQ_FULL, NB); /* the consumers fenced their stores to the async
-                                            proxy before they arrived */
+#pragma unroll
+        for (int q = 0; q < PAIRS; q++) {
+            named_bar_sync(BAR_DQ_FULL + 2 * q, NB); /* the consumers fenced their stores to
+                                                        the async proxy before they arrived */
+            if (lane == 0)
+#pragma unroll
+                for (int p = SPLIT ? q : 0; p < (SPLIT ? q + 1 : NP); p++)
+                    fa_issue_dq_part<NONDET>(mdq, dqs + p * (64 * 64 * 4), p, j, m, bh);
+            __syncwarp();
+        }
         if (lane == 0) {
-#pragma unroll
-            for (int p = 0; p < NP; p++)
-#pragma unroll
-                for (int box = 0; box < 2; box++) {
-                    const uint8_t *src = dqs + p * (64 * 64 * 4) + box * 8192;
-                    if (!NONDET && j == 0)
-                        tma_store_3d(mdq, src, 64 * p + 32 * box, m * SMALL, bh);
-                    else
-                        tma_reduce_add_3d(mdq, src, 64 * p + 32 * box, m * SMALL, bh);
-                }
             bulk_commit();
-            bulk_wait_read();
+            bulk_wait_read(); /* TMA has read every part */
         }
         __syncwarp();
-        if (it + 1 < w.nit)
-            named_bar_arrive(BAR_DQ_EMPTY, NB); /* the consumers may write the next tile */
+#pragma unroll
+        for (int q = 0; q < PAIRS; q++)
+            if (it + 1 < w.nit)
+                named_bar_arrive(BAR_DQ_EMPTY + 2 * q, NB); /* may be written again */
         if constexpr (!NONDET) {
             if (lane == 0) {
                 bulk_wait_all();            /* the adds are done in global memory ... */
@@ -1385,16 +1324,8 @@ template <int D>
 void fa_sm90_bwd_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const void *dy,
                         const float *lse, const float *delta, const void *q, const void *k,
                         const void *v, moe_attention_shape s) {
-    static bool configured = false;
-    if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(fa_sm90_dkdv_kernel<D>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            LayoutKV<D>::BYTES));
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(fa_sm90_dq_kernel<D>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            LayoutQ<D>::BYTES));
-        configured = true;
-    }
+    moe_cuda_smem_opt_in<fa_sm90_dkdv_kernel<D>>(LayoutKV<D>::BYTES);
+    moe_cuda_smem_opt_in<fa_sm90_dq_kernel<D>>(LayoutQ<D>::BYTES);
     const Args a = fa_args(s);
     const KvMaps m = fa_kv_maps(q, k, v, dy, s);
     const dim3 gkv((unsigned)s.Hkv, (unsigned)s.B, (unsigned)((s.Tk + BIG - 1) / BIG));
@@ -1427,13 +1358,7 @@ void fa_sm90_fused_launch(moe_bf16 *dq, moe_bf16 *dk, moe_bf16 *dv, const void *
                           const float *lse, const float *delta, const void *q, const void *k,
                           const void *v, moe_attention_shape s) {
     typedef LayoutFused<D> L;
-    static bool configured = false;
-    if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(fa_sm90_fused_kernel<D, OVERLAP, NONDET>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            L::BYTES));
-        configured = true;
-    }
+    moe_cuda_smem_opt_in<fa_sm90_fused_kernel<D, OVERLAP, NONDET>>(L::BYTES);
     const Args a = fa_args(s);
     const size_t nsem = (size_t)s.B * s.Hq * ((s.Tq + SMALL - 1) / SMALL);
     const size_t sem_bytes = ((nsem + 1) * sizeof(int) + 255) / 256 * 256; /* + the ticket */

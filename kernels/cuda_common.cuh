@@ -86,6 +86,24 @@ template <typename K> static inline int moe_cuda_resident_blocks(K kernel, int t
     return moe_cuda_num_sms() * (per_sm > 0 ? per_sm : 1);
 }
 
+/** Let kernel @p K take @p bytes of dynamic shared memory, above the 48 KB a launch gets
+ *  without asking: cudaFuncSetAttribute once per kernel and process (the flag is per
+ *  instantiation of this template, so per kernel), not before every launch. */
+template <auto K> static inline void moe_cuda_smem_opt_in(int bytes) {
+    static bool done = false;
+    if (!done) {
+        MOE_CUDA_CHECK(
+            cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+        done = true;
+    }
+}
+
+/** The grid of a persistent kernel over @p tiles work items: one CTA an SM, and never more
+ *  CTAs than items (0 when there are none: nothing to launch). */
+static inline int moe_cuda_persistent_grid(int tiles) {
+    return tiles < moe_cuda_num_sms() ? tiles : moe_cuda_num_sms();
+}
+
 /** ceil(a / b) for launch grids. */
 static inline unsigned moe_cdiv(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
 

@@ -303,14 +303,8 @@ long long g_bn256_calls = 0; /* launches of the 256-column kernel (a test's proo
 template <int C32, int ORDERED, int WIDE>
 void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc, const Params &p,
             int max_tiles) {
-    static bool configured = false;
-    if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_kernel<C32, ORDERED, WIDE>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            Tile<WIDE>::SMEM_BYTES));
-        configured = true;
-    }
-    const int grid = max_tiles < moe_cuda_num_sms() ? max_tiles : moe_cuda_num_sms();
+    moe_cuda_smem_opt_in<fp8_grouped_kernel<C32, ORDERED, WIDE>>(Tile<WIDE>::SMEM_BYTES);
+    const int grid = moe_cuda_persistent_grid(max_tiles);
     if (grid <= 0)
         return;
     fp8_grouped_kernel<C32, ORDERED, WIDE>

@@ -513,14 +513,8 @@ template <int C32, int ORDERED, int PIPE, int SS, int WIDE = 0>
 void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc, const Params &p,
             int tiles) {
     constexpr int SMEM_BYTES = Ring<SS, WIDE>::SMEM;
-    static bool configured = false;
-    if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(fp8_wgrad_kernel<C32, ORDERED, PIPE, SS, WIDE>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            SMEM_BYTES));
-        configured = true;
-    }
-    const int grid = tiles < moe_cuda_num_sms() ? tiles : moe_cuda_num_sms();
+    moe_cuda_smem_opt_in<fp8_wgrad_kernel<C32, ORDERED, PIPE, SS, WIDE>>(SMEM_BYTES);
+    const int grid = moe_cuda_persistent_grid(tiles);
     if (grid <= 0)
         return;
     fp8_wgrad_kernel<C32, ORDERED, PIPE, SS, WIDE>

@@ -919,12 +919,8 @@ template <int MODE, int C32, int GATHER, int SHARE, int WN = BN, int SCATTER = 0
 void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mbs,
                    const CUtensorMap &mc, const Params &p, int max_tiles) {
     auto kernel = grouped_gemm_kernel<MODE, C32, GATHER, SHARE, WN, SCATTER, SWAP, MC>;
-    static bool configured = false;
-    if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            SMEM_BYTES));
-        configured = true;
-    }
+    moe_cuda_smem_opt_in<grouped_gemm_kernel<MODE, C32, GATHER, SHARE, WN, SCATTER, SWAP, MC>>(
+        SMEM_BYTES);
     if constexpr (MC) {
         static int max_clusters = 0;
         cudaLaunchAttribute attr[1];
@@ -951,7 +947,7 @@ void launch_kernel(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorM
         g_mc_launches++;
         return;
     }
-    const int grid = max_tiles < moe_cuda_num_sms() ? max_tiles : moe_cuda_num_sms();
+    const int grid = moe_cuda_persistent_grid(max_tiles);
     if (grid <= 0)
         return;
     kernel<<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mbs, mc, p);

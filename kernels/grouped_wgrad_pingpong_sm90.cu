@@ -326,14 +326,8 @@ int g_launches = 0;  /* launches of the kernel, for the tests */
 template <int C32>
 void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc, const Params &p,
             int tiles) {
-    static bool configured = false;
-    if (!configured) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(wgrad_pingpong_kernel<C32>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            SMEM_BYTES));
-        configured = true;
-    }
-    const int grid = tiles < moe_cuda_num_sms() ? tiles : moe_cuda_num_sms();
+    moe_cuda_smem_opt_in<wgrad_pingpong_kernel<C32>>(SMEM_BYTES);
+    const int grid = moe_cuda_persistent_grid(tiles);
     if (grid <= 0)
         return;
     wgrad_pingpong_kernel<C32><<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mc, p);

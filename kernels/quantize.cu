@@ -741,12 +741,7 @@ static moe_status launch_blockwise_t(uint8_t *q, float *scale_inv, uint8_t *qt,
     if (rows == 0 || cols == 0 || batch == 0)
         return MOE_OK;
     const size_t smem = (size_t)MOE_QUANT_BLOCK * TILE_LD * sizeof(float); /* 66 KB */
-    static int attr_set = 0; /* one per instantiation */
-    if (!attr_set) {
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(blockwise_t_kernel<T>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        attr_set = 1;
-    }
+    moe_cuda_smem_opt_in<blockwise_t_kernel<T>>((int)smem);
     const dim3 grid(cols / MOE_QUANT_BLOCK, rows / MOE_QUANT_BLOCK, batch);
     blockwise_t_kernel<T><<<grid, THREADS, smem, moe_cuda_stream()>>>(
         q, scale_inv, qt, scale_inv_t, x, rows, cols, f, block_2d, pow2);
