@@ -104,7 +104,8 @@
  * modes, and 751 against the pipelined 128-column kernel's 731 TFLOP/s on Mixtral's fc1,
  * 1.03x: measured on that one shape, so it stays opt-in). The L2 prefetch of dW before the
  * reduce-add (MOE_WGRAD_PREFETCH=1, as the bf16 wgrad's: kernels/grouped_gemm_sm90.cu; the
- * shared-memory-scales kernels only) is written, not yet run on a GPU.
+ * shared-memory-scales kernels only) passed tests/gpu_fp8_wgrad.c on an H100 (its output
+ * bit for bit the other variants'); off, as the bf16 wgrad's prefetch measured slower.
  */
 #include <limits.h>
 #include <stdint.h>

@@ -160,12 +160,17 @@
  * fp32 workspace [S][G][O][I], and one small kernel sums the S partials in order into dw
  * in the caller's mode. The workspace is small exactly when splitting pays (few tiles).
  * The reduce-add's read of the old dw can also move off the epilogue's critical path
- * (MOE_WGRAD_PREFETCH=1, moe_cuda_wgrad_set_prefetch; off by default. STATUS: written, not
- * yet run on a GPU): the producer asks L2 for the tile's dw (cp.async.bulk.prefetch.tensor,
- * sm90_epilogue.cuh's prefetch_dw_tile) WGRAD_PREFETCH_LEAD k-steps before its last load, so
- * HBM reads dw while the tensor cores run the main loop, instead of every CTA's epilogue
- * waiting for it at once. It changes no bit of the result.
- * Ping-pong (MOE_GROUPED_WGRAD_PINGPONG=1, off by default, not yet run on a GPU): where the
+ * (MOE_WGRAD_PREFETCH=1, moe_cuda_wgrad_set_prefetch): the producer asks L2 for the tile's dw
+ * (cp.async.bulk.prefetch.tensor, sm90_epilogue.cuh's prefetch_dw_tile) WGRAD_PREFETCH_LEAD
+ * k-steps before its last load, so HBM reads dw while the tensor cores run the main loop,
+ * instead of every CTA's epilogue waiting for it at once; =2: the consumers issue
+ * prefetch.global.L2 for its lines at the tile's start (prefetch_dw_lines). It changes no bit
+ * of the result. STATUS: both passed test_gpu_grouped_wgrad_prefetch on an H100 (6fe39a1,
+ * 53dcef4) and both made the adding wgrad SLOWER there, 0.82x and 0.76x at 512 rows per
+ * expert: the adding and storing wgrads both move about 2 TB/s, so the read does not wait on
+ * latency, it adds bytes (docs/results/03-grouped-gemm-ii.md §3g). Off by default.
+ * Ping-pong (MOE_GROUPED_WGRAD_PINGPONG=1, off by default; measured 0.81-1.01x this kernel at
+ * 512 rows per expert on an H100, §3g): where the
  * wgrad runs in one chunk on a contiguous input, kernels/grouped_wgrad_pingpong_sm90.cu can
  * run it instead — each consumer warpgroup a whole 128 × 128 tile, the two taking turns in
  * the main loop, so that one's epilogue overlaps the other's MMAs (sm90_backward).
