@@ -94,6 +94,7 @@ static moe_backend make_cuda_backend(void) {
     b.fp8_dequant_act = moe_cuda_dequant_blockwise_act;
     b.fp8_quant_t_act = moe_cuda_quant_blockwise_t_act;
     b.fp8_grouped_gemm = moe_cuda_fp8_grouped_gemm;
+    b.fp8_gemm = moe_cuda_fp8_gemm_act;
     b.fp8_quant_group_t_act = moe_cuda_quant_group_t_act;
     b.fp8_grouped_wgrad = moe_cuda_fp8_grouped_wgrad;
     b.qdq_group_t = qdq_group_t;

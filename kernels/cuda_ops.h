@@ -444,6 +444,13 @@ void moe_cuda_qdq_t(void *dst, const void *src, int n, int m, int cols,
  * moe_cpu_fp8_gemm). d: bf16, or fp32 when d_fp32 is 1. Enqueued on moe_cuda_stream(). */
 moe_status moe_cuda_fp8_gemm(void *d, int d_fp32, const moe_qmatrix *a, const moe_qmatrix *b,
                              int M, int N, int K, moe_error *err);
+/* ... with @p accumulate 1: D += A·Bᵀ (cuBLASLt's beta = 1 on D itself; a bf16 D is read,
+ * summed in fp32 with the product and rounded once, as the bf16 matmul_backward does) */
+moe_status moe_cuda_fp8_gemm_acc(void *d, int d_fp32, int accumulate, const moe_qmatrix *a,
+                                 const moe_qmatrix *b, int M, int N, int K, moe_error *err);
+/* the backend's fp8_gemm (lib/backend.h): moe_cuda_fp8_gemm_acc with a bf16 D */
+moe_status moe_cuda_fp8_gemm_act(void *d, int accumulate, const moe_qmatrix *a,
+                                 const moe_qmatrix *b, int M, int N, int K, moe_error *err);
 /* chapter 05's FP8 grouped GEMM, our sm_90a kernel (kernels/grouped_gemm_fp8_sm90.cu): the
  * experts' forward D[rows, N] = A_g · B_gᵀ per group, A blockwise 1×128 and B 128×128 per
  * expert, E4M3, the contract and the shape rules of moe_fp8_grouped_check (lib/fp8_gemm.h;

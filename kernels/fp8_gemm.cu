@@ -276,16 +276,21 @@ static plan *get_plan(const plan_key *k, const void *a_scale, const void *b_scal
     return &g_plans[g_nplans++];
 }
 
-/* run plan pl: d = alpha·op(b)·op(a) with the given scale pointers (NULL: none); a
- * refusal at run time is a named error (it names the shape and the status) */
-static moe_status run_plan(plan *pl, void *d, const void *a, const void *b, const void *a_scale,
-                           const void *b_scale, const float *alpha_dev, moe_error *err) {
+/* run plan pl: d = alpha·op(b)·op(a) (+ d when @p accumulate: beta = 1, C = D in place, as
+ * cuBLASLt allows with the same layout; NVIDIA's LtBlk128x128Fp8Matmul sample runs beta = 1
+ * with blockwise scales and a bf16 C) with the given scale pointers (NULL: none); a refusal
+ * at run time is a named error (it names the shape and the status) */
+static moe_status run_plan(plan *pl, void *d, int accumulate, const void *a, const void *b,
+                           const void *a_scale, const void *b_scale, const float *alpha_dev,
+                           moe_error *err) {
     set_scales(pl, a_scale, b_scale);
     (void)moe_cuda_cublas(); /* creates the shared workspace on first use */
     void *ws = moe_cuda_scratch(MOE_SCRATCH_CUBLAS, LT_WORKSPACE);
     const float one = 1.0f, zero = 0.0f;
     const void *alpha = pl->key.device_alpha ? (const void *)alpha_dev : (const void *)&one;
-    const void *beta = pl->key.device_alpha ? (const void *)symbol(g_zero) : (const void *)&zero;
+    const void *beta = pl->key.device_alpha
+                           ? (const void *)(accumulate ? symbol(g_one) : symbol(g_zero))
+                           : (const void *)(accumulate ? &one : &zero);
     const cublasStatus_t s =
         cublasLtMatmul(lt_handle(), pl->desc, alpha, b, pl->la, a, pl->lb, beta, d, pl->ld, d,
                        pl->ld, &pl->algo, ws, LT_WORKSPACE, moe_cuda_stream());
@@ -341,7 +346,7 @@ static moe_status dequant_for_gemm(float *y, const moe_qmatrix *q, int rows, int
 static int is_nvfp4(moe_quant_recipe r) { return r == MOE_QUANT_NVFP4 || r == MOE_QUANT_NVFP4_2D; }
 
 /* emulated: dequantize → bf16 → one bf16 GEMM with fp32 accumulation */
-static moe_status gemm_emulated(void *d, int td, const moe_qmatrix *a, const moe_qmatrix *b,
+static moe_status gemm_emulated(void *d, int td, int accumulate, const moe_qmatrix *a, const moe_qmatrix *b,
                                 int M, int N, int K, moe_error *err) {
     carve c = {};
     const size_t rmax = (size_t)(M > N ? M : N);
@@ -364,11 +369,11 @@ static moe_status gemm_emulated(void *d, int td, const moe_qmatrix *a, const moe
     plan *pl = get_plan(&k, NULL, NULL, err);
     if (!pl)
         return MOE_ERR_BACKEND;
-    return run_plan(pl, d, p[1], p[2], NULL, NULL, alpha, err);
+    return run_plan(pl, d, accumulate, p[1], p[2], NULL, NULL, alpha, err);
 }
 
 /* native FP8 with tensorwise or blockwise scales (cuBLASLt on sm_90) */
-static moe_status gemm_fp8(void *d, int td, const moe_qmatrix *a, const moe_qmatrix *b, int M,
+static moe_status gemm_fp8(void *d, int td, int accumulate, const moe_qmatrix *a, const moe_qmatrix *b, int M,
                            int N, int K, moe_error *err) {
     const void *sa, *sb;
     int ma, mb;
@@ -409,11 +414,11 @@ static moe_status gemm_fp8(void *d, int td, const moe_qmatrix *a, const moe_qmat
     plan *pl = get_plan(&k, sa, sb, err);
     if (!pl)
         return MOE_ERR_BACKEND;
-    return run_plan(pl, d, a->codes, b->codes, sa, sb, NULL, err);
+    return run_plan(pl, d, accumulate, a->codes, b->codes, sa, sb, NULL, err);
 }
 
 /* native MXFP8 / NVFP4 (cuBLASLt on sm_100; written from the documentation, untested) */
-static moe_status gemm_block_scaled(void *d, int td, const moe_qmatrix *a, const moe_qmatrix *b,
+static moe_status gemm_block_scaled(void *d, int td, int accumulate, const moe_qmatrix *a, const moe_qmatrix *b,
                                     int M, int N, int K, moe_error *err) {
     const int fp4 = is_nvfp4(a->recipe);
     const int blk = fp4 ? MOE_QUANT_NVFP4_BLOCK : MOE_QUANT_MX_BLOCK, kb = K / blk;
@@ -439,14 +444,14 @@ static moe_status gemm_block_scaled(void *d, int td, const moe_qmatrix *a, const
     plan *pl = get_plan(&k, p[0], p[1], err);
     if (!pl)
         return MOE_ERR_BACKEND;
-    return run_plan(pl, d, a->codes, b->codes, p[0], p[1], alpha, err);
+    return run_plan(pl, d, accumulate, a->codes, b->codes, p[0], p[1], alpha, err);
 }
 
 static int aligned16(const void *p) { return p == NULL || (uintptr_t)p % 16 == 0; }
 
-extern "C" moe_status moe_cuda_fp8_gemm(void *d, int d_fp32, const moe_qmatrix *a,
-                                        const moe_qmatrix *b, int M, int N, int K,
-                                        moe_error *err) {
+extern "C" moe_status moe_cuda_fp8_gemm_acc(void *d, int d_fp32, int accumulate,
+                                            const moe_qmatrix *a, const moe_qmatrix *b, int M,
+                                            int N, int K, moe_error *err) {
     MOE_TRY(moe_fp8_gemm_check(a, b, M, N, K, err));
     if (!aligned16(d) || !aligned16(a->codes) || !aligned16(b->codes) || !aligned16(a->scales) ||
         !aligned16(b->scales))
@@ -457,13 +462,28 @@ extern "C" moe_status moe_cuda_fp8_gemm(void *d, int d_fp32, const moe_qmatrix *
     if (M == 0 || N == 0)
         return MOE_OK;
     const int td = d_fp32 ? CUDA_R_32F : CUDA_R_16BF;
-    if (K == 0) { /* an empty sum */
-        MOE_CUDA_CHECK(cudaMemsetAsync(d, 0, (size_t)M * N * (d_fp32 ? 4 : 2), moe_cuda_stream()));
+    if (K == 0) { /* an empty sum: D = 0, or D += 0 */
+        if (!accumulate)
+            MOE_CUDA_CHECK(cudaMemsetAsync(d, 0, (size_t)M * N * (d_fp32 ? 4 : 2),
+                                           moe_cuda_stream()));
         return MOE_OK;
     }
     if (!moe_cuda_fp8_gemm_native(a->recipe))
-        return gemm_emulated(d, td, a, b, M, N, K, err);
+        return gemm_emulated(d, td, accumulate, a, b, M, N, K, err);
     if (a->recipe == MOE_QUANT_MXFP8 || is_nvfp4(a->recipe))
-        return gemm_block_scaled(d, td, a, b, M, N, K, err);
-    return gemm_fp8(d, td, a, b, M, N, K, err);
+        return gemm_block_scaled(d, td, accumulate, a, b, M, N, K, err);
+    return gemm_fp8(d, td, accumulate, a, b, M, N, K, err);
+}
+
+extern "C" moe_status moe_cuda_fp8_gemm(void *d, int d_fp32, const moe_qmatrix *a,
+                                        const moe_qmatrix *b, int M, int N, int K,
+                                        moe_error *err) {
+    return moe_cuda_fp8_gemm_acc(d, d_fp32, 0, a, b, M, N, K, err);
+}
+
+/* the backend's fp8_gemm (lib/backend.h): D in the activation type (bf16) */
+extern "C" moe_status moe_cuda_fp8_gemm_act(void *d, int accumulate, const moe_qmatrix *a,
+                                            const moe_qmatrix *b, int M, int N, int K,
+                                            moe_error *err) {
+    return moe_cuda_fp8_gemm_acc(d, 0, accumulate, a, b, M, N, K, err);
 }

@@ -115,15 +115,29 @@ void moe_attention_scratch_free(const moe_backend *be, moe_attention_scratch *s)
     memset(s, 0, sizeof *s);
 }
 
+/* chapter 05's native FP8 dense linears (lowp.h): projection @p proj's FP8 weight (0..3:
+ * Q, K, V, O) when this call of @p rows tokens runs it natively, else NULL (the emulation) */
+static const moe_fp8_weight *native_w(const moe_attention_weights *w,
+                                      const moe_attention_dims *d, int proj, int rows) {
+    return w->fp8 && moe_lowp_dense_fits(d->lowp, &w->fp8[proj], rows) ? &w->fp8[proj] : NULL;
+}
+
 void moe_attention_forward(const moe_backend *be, void *out, const void *x,
                            const moe_attention_weights *w, const moe_attention_dims *d,
                            moe_attention_acts *a) {
     const int B = d->B, T = d->T, N = B * T, H = d->H, Hq = d->Hq, Hkv = d->Hkv, D = d->D;
-    /* chapter 05 (or x): one QDQ of the input serves Q, K and V (Q's site) */
-    x = moe_lowp_qdq(be, d->lowp, x, N, H, MOE_LOWP_ACTIVATION, d->lowp_site);
-    be->matmul_forward(a->q, x, w->wq, N, H, Hq * D);
-    be->matmul_forward(a->k, x, w->wk, N, H, Hkv * D);
-    be->matmul_forward(a->v, x, w->wv, N, H, Hkv * D);
+    if (native_w(w, d, 0, N) && native_w(w, d, 1, N) && native_w(w, d, 2, N)) {
+        /* chapter 05, native: one quantization of the input serves Q, K and V */
+        void *const qkv[3] = {a->q, a->k, a->v};
+        const moe_fp8_weight *const fw[3] = {&w->fp8[0], &w->fp8[1], &w->fp8[2]};
+        moe_lowp_dense_forward(be, d->lowp, qkv, fw, 3, x, N, H);
+    } else {
+        /* chapter 05 (or x): one QDQ of the input serves Q, K and V (Q's site) */
+        x = moe_lowp_qdq(be, d->lowp, x, N, H, MOE_LOWP_ACTIVATION, d->lowp_site);
+        be->matmul_forward(a->q, x, w->wq, N, H, Hq * D);
+        be->matmul_forward(a->k, x, w->wk, N, H, Hkv * D);
+        be->matmul_forward(a->v, x, w->wv, N, H, Hkv * D);
+    }
     const void *qin = a->q, *kin = a->k;
     if (d->qk_norm) { /* RMSNorm over each head vector (Qwen3): N·heads rows of D */
         be->rmsnorm_forward(a->qn, a->q_rstd, a->q, w->q_norm, N * Hq, D, d->norm_eps);
@@ -139,6 +153,11 @@ void moe_attention_forward(const moe_backend *be, void *out, const void *x,
     } else {
         be->attention_forward(a->y, a->lse, a->op_ws, a->qr, a->kr, a->v, op_shape(d));
     }
+    const moe_fp8_weight *fo = native_w(w, d, 3, N);
+    if (fo) {
+        moe_lowp_dense_forward(be, d->lowp, &out, &fo, 1, a->y, N, Hq * D);
+        return;
+    }
     be->matmul_forward(out,
                        moe_lowp_qdq(be, d->lowp, a->y, N, Hq * D, MOE_LOWP_ACTIVATION,
                                     d->lowp_site + 3),
@@ -146,11 +165,18 @@ void moe_attention_forward(const moe_backend *be, void *out, const void *x,
 }
 
 /* One projection's backward, under chapter 05's emulated low precision on the quantized
- * output gradient (and the input the caller quantized); as be->matmul_backward otherwise. */
+ * output gradient (and the input the caller quantized); as be->matmul_backward otherwise.
+ * With @p fw (the native FP8 dense path, lowp.h) the dgrad adds Q(dout)·Q(W) into din in the
+ * FP8 GEMM and the wgrad runs in bf16 on Q(dout), as emulated. */
 static void proj_backward(const moe_backend *be, const moe_attention_dims *d, int proj, void *din,
-                          moe_real *dw, const void *dout, const void *in, const void *w, int N,
-                          int I, int O) {
+                          moe_real *dw, const void *dout, const void *in, const void *w,
+                          const moe_fp8_weight *fw, int N, int I, int O) {
     const int site = d->lowp_site + proj;
+    if (fw) {
+        const void *dq = moe_lowp_dense_dgrad(be, d->lowp, din, 1, fw, dout, N);
+        be->matmul_backward(NULL, dw, dq, in, NULL, N, I, O);
+        return;
+    }
     const void *dq = moe_lowp_qdq(be, d->lowp, dout, N, O, MOE_LOWP_GRADIENT, site);
     if (!moe_lowp_wgrad_rht(d->lowp)) {
         be->matmul_backward(din, dw, dq, in, w, N, I, O);
@@ -180,7 +206,8 @@ void moe_attention_backward(const moe_backend *be, void *dx, const moe_attention
     const size_t S = be->act_size, QD = (size_t)N * Hq * D, KD = (size_t)N * Hkv * D;
     be->zero(s->dy, S * QD);
     proj_backward(be, d, 3, s->dy, g->wo, dout,
-                  proj_input(be, d, a->y, N, Hq * D, d->lowp_site + 3), w->wo, N, Hq * D, H);
+                  proj_input(be, d, a->y, N, Hq * D, d->lowp_site + 3), w->wo,
+                  native_w(w, d, 3, N), N, Hq * D, H);
     be->zero(s->dq, S * QD);
     be->zero(s->dk, S * KD);
     be->zero(s->dv, S * KD);
@@ -206,7 +233,7 @@ void moe_attention_backward(const moe_backend *be, void *dx, const moe_attention
         dk = s->dk;
     }
     x = proj_input(be, d, x, N, H, d->lowp_site); /* chapter 05 (or x) */
-    proj_backward(be, d, 0, dx, g->wq, dq, x, w->wq, N, H, Hq * D);
-    proj_backward(be, d, 1, dx, g->wk, dk, x, w->wk, N, H, Hkv * D);
-    proj_backward(be, d, 2, dx, g->wv, s->dv, x, w->wv, N, H, Hkv * D);
+    proj_backward(be, d, 0, dx, g->wq, dq, x, w->wq, native_w(w, d, 0, N), N, H, Hq * D);
+    proj_backward(be, d, 1, dx, g->wk, dk, x, w->wk, native_w(w, d, 1, N), N, H, Hkv * D);
+    proj_backward(be, d, 2, dx, g->wv, s->dv, x, w->wv, native_w(w, d, 2, N), N, H, Hkv * D);
 }

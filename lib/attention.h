@@ -31,6 +31,8 @@
 #include "config.h"
 #include "context_parallel.h"
 
+struct moe_fp8_weight; /* lowp.h: a weight's FP8 codes (chapter 05's native path) */
+
 /** Sizes and options of one attention call. */
 typedef struct moe_attention_dims {
     int B;            /**< sequences */
@@ -66,6 +68,10 @@ typedef struct moe_attention_weights {
     const void *wo;     /**< [H, Hq·D] */
     const void *q_norm; /**< [D], or NULL without QK-norm */
     const void *k_norm; /**< [D], or NULL without QK-norm */
+    /** chapter 05's native FP8 dense linears (lowp.h, "Native FP8 dense linears"): [4] the
+     *  FP8 codes of wq, wk, wv, wo (and of their transposes), made once per step; NULL: the
+     *  emulation (or no low precision) */
+    const struct moe_fp8_weight *fp8;
 } moe_attention_weights;
 
 /** The block's weight gradients (full precision; they accumulate). */

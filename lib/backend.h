@@ -310,6 +310,12 @@ typedef struct moe_backend {
     moe_status (*fp8_grouped_gemm)(void *d, int d_fp32, const struct moe_qmatrix *a,
                                    const struct moe_qmatrix *b, const int *dev_off, int G,
                                    int rows, int N, int K, moe_error *err);
+    /** chapter 05's native FP8 dense linears (lowp.h, "Native FP8 dense linears"): the
+     *  low-precision GEMM of lib/fp8_gemm.h, D[M,N] = A[M,K]·B[N,K]ᵀ (moe_fp8_gemm_check()'s
+     *  contract; cuBLASLt on sm_90), D in the activation type, overwritten or, with
+     *  @p accumulate, added to (D += A·Bᵀ); NULL on a backend that has none (the CPU) */
+    moe_status (*fp8_gemm)(void *d, int accumulate, const struct moe_qmatrix *a,
+                           const struct moe_qmatrix *b, int M, int N, int K, moe_error *err);
     /** chapter 05's FP8 wgrad (lib/fp8_wgrad.h): the token-wise FP8 copy [C][kpad] (scales
      *  [kpad/128][C]) of an activation-type [rows][C] per group, @p off [G+1] in backend
      *  memory (as moe_cpu_quant_group_t()); NULL where @ref fp8_grouped_native is */

@@ -2,6 +2,7 @@
 #include "lowp.h"
 
 #include "comm.h"
+#include "fp8_gemm.h"
 #include "fp8_wgrad.h"
 
 #include <stdio.h>
@@ -30,6 +31,14 @@ static int fp8_wgrad_env(void) {
 static int fp8_fused_env(void) {
     const char *e = getenv("MOE_FP8_FUSED");
     return !(e && *e == '0');
+}
+
+/* MOE_FP8_NATIVE_DENSE=1: the dense linears' native FP8 GEMMs (lowp.h, "Native FP8 dense
+ * linears"); off unless set to a nonzero value. Read here, once per context: the model's FP8
+ * weight copies (and the memory estimate) depend on it */
+static int native_dense_env(void) {
+    const char *e = getenv("MOE_FP8_NATIVE_DENSE");
+    return e && *e && atoi(e) != 0;
 }
 
 moe_status moe_lowp_from_config(moe_lowp *lp, const moe_config *c, moe_error *err) {
@@ -80,6 +89,7 @@ moe_status moe_lowp_from_config(moe_lowp *lp, const moe_config *c, moe_error *er
     snprintf(lp->name, sizeof lp->name, "fp8 %.12s %.8s (emulated)", r, c->fp8_format);
     lp->fp8_wgrad = moe_lowp_native_recipe(lp) && fp8_wgrad_env();
     lp->fp8_fused = moe_lowp_native_recipe(lp) && fp8_fused_env();
+    lp->native_dense = moe_lowp_native_recipe(lp) && native_dense_env();
     return MOE_OK;
 }
 
@@ -507,6 +517,20 @@ void moe_fp8_weight_free(const moe_backend *be, moe_fp8_weight *fw) {
     memset(fw, 0, sizeof *fw);
 }
 
+/* the FP8 codes of G weights [O, I] and of their transposes, in one fused pass (the native
+ * paths' weights; the recipe's 128×128 blocks) */
+static void quantize_fp8_weight(const moe_backend *be, const moe_lowp *lp, moe_fp8_weight *fw,
+                                const void *w, int G, int O, int I, const char *who) {
+    MOE_ASSERT(fw->G == G && fw->O == O && fw->I == I);
+    const moe_qdq_spec *s = &lp->spec[MOE_LOWP_WEIGHT];
+    moe_error err;
+    const moe_status st = be->fp8_quant_t_act(fw->q, fw->s, fw->qt, fw->st, w, G, O, I,
+                                              s->format, 1, s->pow2, &err);
+    if (st != MOE_OK)
+        fprintf(stderr, "%s: %s\n", who, err.msg);
+    MOE_ASSERT(st == MOE_OK); /* the model checked every shape at start-up */
+}
+
 void moe_lowp_quantize_experts(const moe_backend *be, moe_lowp *lp, moe_fp8_weight *fw, void *w,
                                int G, int O, int I, int linear, int record) {
     if (!lp || !lp->on)
@@ -515,12 +539,81 @@ void moe_lowp_quantize_experts(const moe_backend *be, moe_lowp *lp, moe_fp8_weig
         moe_lowp_qdq_weight(be, lp, w, G, O, I, linear, record);
         return;
     }
-    MOE_ASSERT(fw->G == G && fw->O == O && fw->I == I);
-    const moe_qdq_spec *s = &lp->spec[MOE_LOWP_WEIGHT];
-    moe_error err;
-    const moe_status st = be->fp8_quant_t_act(fw->q, fw->s, fw->qt, fw->st, w, G, O, I,
-                                              s->format, 1, s->pow2, &err);
+    quantize_fp8_weight(be, lp, fw, w, G, O, I, "moe_lowp_quantize_experts");
+}
+
+/* ------------------------------------------------- native FP8 dense linears (lowp.h) */
+
+int moe_lowp_native_dense(const moe_backend *be, const moe_lowp *lp) {
+    return lp && lp->native_dense && moe_lowp_native(be, lp) && be->fp8_gemm &&
+           be->fp8_quant_act && be->fp8_quant_t_act;
+}
+
+int moe_lowp_dense_fits(const moe_lowp *lp, const moe_fp8_weight *fw, int rows) {
+    /* cuBLASLt's blockwise GEMM wants M % 4 == 0 (moe_fp8_gemm_check()); the widths are
+     * multiples of 128, checked at start-up (moe_lowp_check_config()) */
+    return lp && lp->on && lp->native_dense && fw && fw->q && fw->G == 1 && rows > 0 &&
+           rows % 4 == 0;
+}
+
+/* a backend op's status, which the shapes checked at start-up and by moe_lowp_dense_fits()
+ * cannot fail; a cuBLASLt refusal is named before the abort */
+static void dense_ok(moe_status st, const moe_error *err) {
     if (st != MOE_OK)
-        fprintf(stderr, "moe_lowp_quantize_experts: %s\n", err.msg);
-    MOE_ASSERT(st == MOE_OK); /* the model checked every shape at start-up */
+        fprintf(stderr, "native FP8 dense GEMM: %s\n", err->msg);
+    MOE_ASSERT(st == MOE_OK);
+}
+
+/* x [rows, cols] quantized 1×128 into the context's codes and scales (and, with @p y, its
+ * dequantized copy there): the A operand of the next dense GEMMs */
+static moe_qmatrix dense_quant(const moe_backend *be, moe_lowp *lp, void *y, const void *x,
+                               int rows, int cols, moe_lowp_role role) {
+    const moe_qdq_spec *sp = &lp->spec[role];
+    MOE_ASSERT((size_t)rows * cols <= lp->cap);
+    moe_error err;
+    dense_ok(be->fp8_quant_act(lp->ws.q, (float *)lp->ws.scales, y, x, rows, cols, sp->format,
+                               sp->pow2, &err),
+             &err);
+    const moe_qmatrix a = {MOE_QUANT_BLOCK_1X128, sp->format, lp->ws.q, lp->ws.scales, NULL,
+                           {0}};
+    return a;
+}
+
+/* d (+)= A·Bᵀ on B = @p q, @p s: the codes [N, K] of a weight or of its transpose */
+static void dense_gemm(const moe_backend *be, moe_lowp *lp, void *d, int accumulate,
+                       const moe_qmatrix *a, const uint8_t *q, const float *s, int M, int N,
+                       int K) {
+    const moe_qmatrix b = {MOE_QUANT_BLOCK_128X128, MOE_FP8_E4M3, q, s, NULL, {0}};
+    moe_error err;
+    dense_ok(be->fp8_gemm(d, accumulate, a, &b, M, N, K, &err), &err);
+    lp->dense_gemms++;
+}
+
+void moe_lowp_dense_forward(const moe_backend *be, moe_lowp *lp, void *const *out,
+                            const moe_fp8_weight *const *fw, int n, const void *x, int rows,
+                            int I) {
+    for (int i = 0; i < n; i++)
+        MOE_ASSERT(moe_lowp_dense_fits(lp, fw[i], rows) && fw[i]->I == I);
+    /* (the GEMMs read the codes in stream order: nothing quantizes between them) */
+    const moe_qmatrix a = dense_quant(be, lp, NULL, x, rows, I, MOE_LOWP_ACTIVATION);
+    for (int i = 0; i < n; i++)
+        dense_gemm(be, lp, out[i], 0, &a, fw[i]->q, fw[i]->s, rows, fw[i]->O, I);
+}
+
+const void *moe_lowp_dense_dgrad(const moe_backend *be, moe_lowp *lp, void *din, int accumulate,
+                                 const moe_fp8_weight *fw, const void *dout, int rows) {
+    MOE_ASSERT(moe_lowp_dense_fits(lp, fw, rows));
+    const moe_qmatrix a = dense_quant(be, lp, lp->grad, dout, rows, fw->O, MOE_LOWP_GRADIENT);
+    if (din) /* dx [rows, I] = Q(dout) [rows, O] · (Wᵀ [I, O])ᵀ: Wᵀ's codes are K-major */
+        dense_gemm(be, lp, din, accumulate, &a, fw->qt, fw->st, rows, fw->I, fw->O);
+    return lp->grad;
+}
+
+void moe_lowp_quantize_dense(const moe_backend *be, moe_lowp *lp, moe_fp8_weight *fw, void *w,
+                             int O, int I, int linear, int record) {
+    if (!lp || !lp->on)
+        return;
+    if (fw) /* first, from W itself: the codes of the emulation's Q(W) (lowp.h) */
+        quantize_fp8_weight(be, lp, fw, w, 1, O, I, "moe_lowp_quantize_dense");
+    moe_lowp_qdq_weight(be, lp, w, 1, O, I, linear, record);
 }

@@ -112,9 +112,36 @@
  * the quantizer's, 4·N·F each) and two launches; the same bits (tests/gpu_fp8_fused.c,
  * gpu_fp8_layer.c). The token-wise quantization stays a pass of its own (it needs each
  * expert's whole 128-token blocks, which the row-wise SwiGLU passes do not see).
- * The shared expert, dense FFNs and attention stay emulated. Elsewhere (the CPU, a GPU that
- * is not sm_90, `hybrid`'s E5M2 gradients, the other recipes and expert backends) the
- * emulation runs; `MOE_FP8_NATIVE=0` asks for it on Hopper too.
+ * The shared expert, dense FFNs and attention stay emulated unless `MOE_FP8_NATIVE_DENSE=1`
+ * (below). Elsewhere (the CPU, a GPU that is not sm_90, `hybrid`'s E5M2 gradients, the other
+ * recipes and expert backends) the emulation runs; `MOE_FP8_NATIVE=0` asks for it on Hopper
+ * too.
+ *
+ * **Native FP8 dense linears** (`MOE_FP8_NATIVE_DENSE=1`, off by default; blockwise E4M3 on
+ * sm_90 as moe_lowp_native(), any expert backend: moe_lowp_native_dense()). STATUS: written,
+ * not yet run on a GPU (tests/gpu_fp8_layer.c, "dense" cases). Every other linear layer —
+ * attention's Q, K, V and output projections, the dense FFN's and the shared expert's fc1
+ * and fc2 — runs the experts' arrangement through the dense FP8 GEMM of lib/fp8_gemm.h
+ * (cuBLASLt, be->fp8_gemm), at the emulation's quantization points:
+ *  - forward y = x·Wᵀ: x quantized 1×128 along I into the context's codes (one pass; the
+ *    attention's Q, K and V GEMMs read the same codes, as they read one QDQ of x), W as its
+ *    128×128 codes;
+ *  - dgrad dx (+)= dy·W = dy·(Wᵀ)ᵀ: dy quantized 1×128 along O, its dequantized copy written
+ *    in the same pass (the emulation's Q(dy), for the wgrad), and the K-major codes of Wᵀ
+ *    from the fused quantize+transpose. Attention's dx sums the Q, K and V dgrads: the GEMM
+ *    adds into it (cuBLASLt's beta = 1 on a bf16 D, one rounding, as the bf16 GEMM does);
+ *  - wgrad dW += Q(dy)ᵀ·Q(x): the bf16 GEMM on the dequantized operands, as emulated.
+ * The weights: each dense weight's codes and transposed codes (a ::moe_fp8_weight with
+ * G = 1) are made once per optimizer step (moe_lowp_quantize_dense()), from the compute copy
+ * before the emulation's in-place QDQ of it, which is kept: the compute copy then holds Q(W)
+ * as before, so a call whose shape cuBLASLt's blockwise GEMM does not take (rows not a
+ * multiple of 4: moe_lowp_dense_fits()) falls back to the emulation with the same numerics,
+ * and the weight pass costs what the emulation already paid. The copies add
+ * moe_fp8_weight_bytes(1, O, I) per dense weight (2·O·I bytes and two scale grids), counted
+ * by the memory estimate when the switch is on. The switch is read once, when the context
+ * is made (@ref moe_lowp::native_dense): the model's buffers depend on it. The counter
+ * @ref moe_lowp::dense_gemms counts the native dense GEMMs issued (host side: under a CUDA
+ * graph it counts the captures, not the replays), so a test can tell that the path ran.
  *
  * **Buffers.** The weights' compute copy is quantized once per step, in place (the model
  * keeps it apart from the master weights); an activation or gradient goes into one of two
@@ -180,6 +207,15 @@ typedef struct moe_lowp {
                                              SwiGLU outputs are allocated at the size it
                                              gives (moe_mlp_act_bytes()), so the switch
                                              cannot change under a buffer */
+    int native_dense;                   /**< 1: the dense linears run native FP8 GEMMs ("Native
+                                             FP8 dense linears"). moe_lowp_from_config() sets
+                                             it to the request (the native recipe with
+                                             MOE_FP8_NATIVE_DENSE=1, what the memory estimate
+                                             counts); the model then keeps it only where
+                                             moe_lowp_native_dense() holds, before its
+                                             buffers */
+    unsigned long long dense_gemms;     /**< native dense FP8 GEMMs issued so far (forward and
+                                             dgrad; host counter, for the tests) */
     uint8_t *wg_q;                      /**< the native path's two token-wise copies (codes),
                                              moe_lowp_alloc_fp8_wgrad() */
     float *wg_s;                        /**< their scales */
@@ -465,6 +501,63 @@ void moe_fp8_weight_free(const moe_backend *be, moe_fp8_weight *fw);
  */
 void moe_lowp_quantize_experts(const moe_backend *be, moe_lowp *lp, moe_fp8_weight *fw, void *w,
                                int G, int O, int I, int linear, int record);
+
+/**
+ * @brief Whether the dense linears can run the native FP8 GEMMs ("Native FP8 dense linears"):
+ *        asked for (@ref moe_lowp::native_dense, from `MOE_FP8_NATIVE_DENSE=1`), the native
+ *        path's recipe and device (moe_lowp_native(): blockwise E4M3, sm_90a, `MOE_FP8_NATIVE`
+ *        not 0), and a backend with the dense FP8 GEMM and the quantizers.
+ * @param be backend  @param lp the context (NULL or off: 0)  @return 1 when native
+ */
+int moe_lowp_native_dense(const moe_backend *be, const moe_lowp *lp);
+
+/**
+ * @brief Whether one dense linear's call runs natively: its FP8 weight was made (@p fw and
+ *        its codes given) and cuBLASLt's blockwise GEMM takes @p rows (a multiple of 4,
+ *        lib/fp8_gemm.h: M = 1, 2, 301, 302 were refused on an H100); else the caller runs
+ *        the emulation, whose Q(W) the compute copy still holds.
+ * @param lp the context  @param fw the weight's FP8 copy or NULL  @param rows the tokens
+ * @return 1 when native
+ */
+int moe_lowp_dense_fits(const moe_lowp *lp, const moe_fp8_weight *fw, int rows);
+
+/**
+ * @brief The native forward of @p n dense linears that share their input: out_i[rows, O_i] =
+ *        Q(x)·Q(W_i)ᵀ, x [rows, I] quantized 1×128 once into the context's codes, each W_i
+ *        as its 128×128 codes (O_i = fw[i]->O). moe_lowp_dense_fits() must hold for each.
+ * @param be backend  @param lp the context  @param out [n] outputs (activation type,
+ *        overwritten)  @param fw [n] the FP8 weights  @param n how many  @param x the input
+ *        (activation type)  @param rows its rows  @param I its columns (each fw[i]->I)
+ */
+void moe_lowp_dense_forward(const moe_backend *be, moe_lowp *lp, void *const *out,
+                            const moe_fp8_weight *const *fw, int n, const void *x, int rows,
+                            int I);
+
+/**
+ * @brief The native dgrad of a dense linear: din[rows, I] (+)= Q(dout)·Q(W) on the codes of
+ *        Wᵀ, dout [rows, O] quantized 1×128 along O in one pass that also writes its
+ *        dequantized copy Q(dout) into lp->grad (the bf16 wgrad's operand, the emulation's
+ *        bytes). moe_lowp_dense_fits() must hold.
+ * @param be backend  @param lp the context  @param din [rows, I] (activation type) or NULL
+ *        (then only Q(dout) is made)  @param accumulate 1: din += the product, 0: din =
+ * @param fw the FP8 weight [O, I]  @param dout the output gradient  @param rows its rows
+ * @return Q(dout), [rows, O] in lp->grad
+ */
+const void *moe_lowp_dense_dgrad(const moe_backend *be, moe_lowp *lp, void *din, int accumulate,
+                                 const moe_fp8_weight *fw, const void *dout, int rows);
+
+/**
+ * @brief Quantize a dense linear's weight [O, I] (the compute copy) for the step: with
+ *        @p fw, first into its FP8 codes and transposed codes (one fused pass, "Native FP8
+ *        dense linears"), then, in every case, the emulation's QDQ of @p w in place
+ *        (moe_lowp_qdq_weight(): the fallback's operand).
+ * @param be backend  @param lp the context (NULL or off: nothing happens)
+ * @param fw the FP8 weight (allocated for 1, O, I) or NULL  @param w the weight (activation
+ *        type)  @param O rows  @param I columns  @param linear its linear layer
+ *        (moe_lowp_site())  @param record as moe_lowp_qdq_weight()
+ */
+void moe_lowp_quantize_dense(const moe_backend *be, moe_lowp *lp, moe_fp8_weight *fw, void *w,
+                             int O, int I, int linear, int record);
 
 #ifdef __cplusplus
 }

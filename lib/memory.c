@@ -31,6 +31,12 @@ static long long mul(long long a, long long b) {
 
 static long long add(long long a, long long b) { return a > LLONG_MAX - b ? LLONG_MAX : a + b; }
 
+/* chapter 05's FP8 copy of n weight elements (moe_fp8_weight_bytes(), in checked sums): the
+ * codes and those of the transpose, and two fp32 scales per 128×128 block */
+static long long fp8_copy_bytes(long long n) {
+    return add(mul(2, n), mul(8, n / (128 * 128)));
+}
+
 /* @p count buffers named @p name of @p elems elements of @p size bytes each. */
 static void buffers(tally *t, const char *name, long long count, long long elems, long long size,
                     const char *flags) {
@@ -158,10 +164,20 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
         (c->expert_backend == MOE_EXPERT_BACKEND_GROUPED ||
          (c->expert_backend == MOE_EXPERT_BACKEND_AUTO && strcmp(c->device, "cpu") != 0));
     for (int l = 0; fp8_native && l < L; l++)
-        if (c->is_moe_layer[l]) { /* moe_fp8_weight_bytes() of fc1 and fc2, in checked sums */
-            const long long n = mul(E / EP, mul(mul(3, Fl), H)); /* 2F·H + H·F per expert */
-            out->weight_bytes = add(out->weight_bytes, add(mul(2, n), mul(8, n / (128 * 128))));
-        }
+        if (c->is_moe_layer[l]) /* moe_fp8_weight_bytes() of fc1 and fc2, in checked sums */
+            out->weight_bytes = add(out->weight_bytes,
+                                    fp8_copy_bytes(mul(E / EP, mul(mul(3, Fl), H))));
+    /* ... and with MOE_FP8_NATIVE_DENSE=1 (lowp.h, "Native FP8 dense linears") every dense
+     * linear too: attention's four projections, the dense FFN's or the shared expert's fc1
+     * and fc2 (this rank's shards; a weight's 128×128 blocks never span two of them). Counted
+     * wherever the switch asks for it (an upper bound where the device cannot run it) */
+    for (int l = 0; lowp_on && lowp.native_dense && l < L; l++) {
+        const long long Fffn = c->is_moe_layer[l] ? Fsl : Fdl;
+        const long long n[] = {mul(mul(Hql, D), H), mul(mul(Hkvl, D), H), mul(mul(Hkvl, D), H),
+                               mul(H, mul(Hql, D)), mul(mul(2, Fffn), H), mul(H, Fffn)};
+        for (size_t i = 0; i < sizeof n / sizeof n[0]; i++)
+            out->weight_bytes = add(out->weight_bytes, fp8_copy_bytes(n[i]));
+    }
     /* ... and the fused passes keep the routed experts' SwiGLU outputs as FP8 codes and
      * scales, in buffers of that size (lib/mlp.c, moe_mlp_act_bytes()): the same rule, the
      * fused switch (MOE_FP8_FUSED, read now as the model will) and the FP8 wgrad off, on a

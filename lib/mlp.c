@@ -56,9 +56,26 @@ static void fp8_gemm(const moe_backend *be, void *d, const void *a, void *a_deq,
  * rows are gathered by grp->gather (fc1 under the fused permutation); @p scatter: its output
  * rows are scattered by grp->scatter (fc2 under it); @p fw: its FP8 codes (the native path
  * of lowp.h) or NULL; @p lin: 0 fc1, 1 fc2 (its sites: grp->lowp_site + lin) */
+/* chapter 05's native FP8 dense linears (lowp.h): linear @p lin's FP8 weight of a single
+ * MLP when this call runs it natively (not on rows that arrived quantized: the routed
+ * experts' FP8 dispatch), else NULL */
+static const moe_fp8_weight *dense_native(const moe_groups *grp, int lin) {
+    if (!grp->dense_fp8 || (lin == 0 && grp->x_quantized))
+        return NULL;
+    MOE_ASSERT(grp->G == 1 && grp->impl != MOE_EXPERTS_KERNEL && !grp->gather && !grp->scatter);
+    const moe_fp8_weight *fw = &grp->dense_fp8[lin];
+    return moe_lowp_dense_fits(grp->lowp, fw, grp->rows) ? fw : NULL;
+}
+
 static void gmm_forward(const moe_backend *be, void *out, const void *in, const void *w,
                         const moe_fp8_weight *fw, const moe_groups *grp, int I, int O,
                         int gather, int scatter, int lin) {
+    const moe_fp8_weight *fd = dense_native(grp, lin);
+    if (fd) { /* chapter 05, native dense: out = Q(in)·Q(w)ᵀ in the dense FP8 GEMM */
+        MOE_ASSERT(fd->O == O && fd->I == I);
+        moe_lowp_dense_forward(be, grp->lowp, &out, &fd, 1, in, grp->rows, I);
+        return;
+    }
     /* chapter 05's FP8 dispatch: fc1's rows arrived quantized (their QDQ, and the codes) */
     const int arrived = lin == 0 && grp->x_quantized;
     if (fw) { /* chapter 05, native: out = Q(in)·Q(w_g)ᵀ on the FP8 codes */
@@ -183,6 +200,17 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
                          int lin) {
     const int N = grp->rows, site = grp->lowp_site + lin;
     const void *dout_raw = dout;
+    const moe_fp8_weight *fd = dense_native(grp, lin);
+    if (fd) { /* chapter 05, native dense: din (+)= Q(dout)·Q(w) in the dense FP8 GEMM on
+               * Wᵀ's codes, its quantizing pass writing Q(dout) for the bf16 wgrad on the
+               * saved input's QDQ, as emulated */
+        MOE_ASSERT(fd->O == O && fd->I == I && !gather);
+        const void *dq = moe_lowp_dense_dgrad(be, grp->lowp, din, din_accumulate, fd, dout, N);
+        if (dw)
+            grouped_backward(be, NULL, dw, dq, moe_lowp_qdq_saved(be, grp->lowp, in, N, I, site),
+                             w, grp, I, O, 0);
+        return;
+    }
     if (fw && grp->lowp->fp8_wgrad) { /* chapter 05, native, the FP8 wgrad too */
         MOE_ASSERT(!gather && !din_accumulate && grp->impl == MOE_EXPERTS_KERNEL);
         if (din)
@@ -462,31 +490,33 @@ void moe_mlp_backward_grouped(const moe_backend *be, void *dx, moe_real *dw1, mo
 /* a single MLP is one group, run by the backend's plain matmul (G = 1) */
 moe_groups moe_groups_single(const int *off, moe_lowp *lp, int site) {
     moe_groups g = {off, NULL, 1, MOE_EXPERTS_CUBLAS, MOE_DW_ACCUMULATE, NULL, 1, off[1], lp,
-                    NULL, NULL, site, 0, NULL, NULL, NULL};
+                    NULL, NULL, site, 0, NULL, NULL, NULL, NULL};
     return g;
 }
 
 void moe_mlp_forward_lowp(const moe_backend *be, void *out, void *gu, void *act, const void *x,
                           const moe_real *row_scale, const void *w1, const void *w2, int N,
-                          int H, int F, moe_lowp *lp, int site) {
+                          int H, int F, moe_lowp *lp, int site, const moe_fp8_weight *fp8) {
     const int off[2] = {0, N};
-    const moe_groups g = moe_groups_single(off, lp, site);
+    moe_groups g = moe_groups_single(off, lp, site);
+    g.dense_fp8 = fp8;
     moe_mlp_forward_grouped(be, out, gu, act, x, row_scale, w1, w2, &g, H, F);
 }
 
 void moe_mlp_forward(const moe_backend *be, void *out, void *gu, void *act, const void *x,
                      const moe_real *row_scale, const void *w1, const void *w2, int N, int H,
                      int F) {
-    moe_mlp_forward_lowp(be, out, gu, act, x, row_scale, w1, w2, N, H, F, NULL, 0);
+    moe_mlp_forward_lowp(be, out, gu, act, x, row_scale, w1, w2, N, H, F, NULL, 0, NULL);
 }
 
 void moe_mlp_backward_lowp(const moe_backend *be, void *dx, moe_real *dw1, moe_real *dw2,
                            moe_real *drow_scale, const void *dout, const void *x, const void *gu,
                            const void *act, const moe_real *row_scale, const void *w1,
                            const void *w2, void *ws_dh, void *ws_dgu, int N, int H, int F,
-                           moe_lowp *lp, int site) {
+                           moe_lowp *lp, int site, const moe_fp8_weight *fp8) {
     const int off[2] = {0, N};
-    const moe_groups g = moe_groups_single(off, lp, site);
+    moe_groups g = moe_groups_single(off, lp, site);
+    g.dense_fp8 = fp8;
     moe_mlp_backward_grouped(be, dx, dw1, dw2, drow_scale, dout, x, gu, act, row_scale, w1, w2,
                              ws_dh, ws_dgu, &g, H, F, 1);
 }
@@ -496,5 +526,5 @@ void moe_mlp_backward(const moe_backend *be, void *dx, moe_real *dw1, moe_real *
                       const void *act, const moe_real *row_scale, const void *w1, const void *w2,
                       void *ws_dh, void *ws_dgu, int N, int H, int F) {
     moe_mlp_backward_lowp(be, dx, dw1, dw2, drow_scale, dout, x, gu, act, row_scale, w1, w2,
-                          ws_dh, ws_dgu, N, H, F, NULL, 0);
+                          ws_dh, ws_dgu, N, H, F, NULL, 0, NULL);
 }

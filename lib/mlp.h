@@ -74,6 +74,11 @@ typedef struct moe_groups {
      *  [off[G]]: the permutation's perm_src, so out is in token-slot order, n·k + j, and
      *  needs as many rows as the slots). The backward is unchanged: it never reads out */
     const int *scatter;
+    /** chapter 05's native FP8 dense linears (lowp.h, "Native FP8 dense linears"): a single
+     *  MLP's (one group, host offsets: the dense FFN, the shared expert) [2] fc1's and fc2's
+     *  FP8 codes, made once per step; NULL: emulated. Apart from @ref fp8_w1, which only the
+     *  routed experts' grouped kernel runs */
+    const moe_fp8_weight *dense_fp8;
 } moe_groups;
 
 /**
@@ -116,10 +121,12 @@ void moe_mlp_backward(const moe_backend *be, void *dx, moe_real *dw1, moe_real *
  * @param w1 fc1 (already quantized: the model's compute copy)  @param w2 fc2 (likewise)
  * @param N rows  @param H hidden  @param F intermediate  @param lp the context (NULL: none)
  * @param site fc1's linear index in @p lp's site table (moe_lowp_site(); fc2 is the next)
+ * @param fp8 [2] fc1's and fc2's FP8 codes for the native dense path (lowp.h, "Native FP8
+ *        dense linears"; each runs where moe_lowp_dense_fits()), or NULL: emulated
  */
 void moe_mlp_forward_lowp(const moe_backend *be, void *out, void *gu, void *act, const void *x,
                           const moe_real *row_scale, const void *w1, const void *w2, int N,
-                          int H, int F, moe_lowp *lp, int site);
+                          int H, int F, moe_lowp *lp, int site, const moe_fp8_weight *fp8);
 
 /**
  * @brief moe_mlp_backward() with chapter 05's emulated low precision (lowp.h).
@@ -128,12 +135,13 @@ void moe_mlp_forward_lowp(const moe_backend *be, void *out, void *gu, void *act,
  * @param act saved  @param row_scale as in forward  @param w1 fc1  @param w2 fc2
  * @param ws_dh [N,F] scratch  @param ws_dgu [N,2F] scratch  @param N rows  @param H hidden
  * @param F intermediate  @param lp the context (NULL: none)  @param site as the forward's
+ * @param fp8 as the forward's
  */
 void moe_mlp_backward_lowp(const moe_backend *be, void *dx, moe_real *dw1, moe_real *dw2,
                            moe_real *drow_scale, const void *dout, const void *x, const void *gu,
                            const void *act, const moe_real *row_scale, const void *w1,
                            const void *w2, void *ws_dh, void *ws_dgu, int N, int H, int F,
-                           moe_lowp *lp, int site);
+                           moe_lowp *lp, int site, const moe_fp8_weight *fp8);
 
 /**
  * @brief Whether chapter 05's native FP8 experts run with their quantization fused into the

@@ -224,9 +224,21 @@ static moe_attention_dims attn_dims(const moe_model *m, int B, int T, int l) {
 /* the intermediate width of this rank's dense FFNs */
 static int dense_ffn(const moe_model *m) { return m->cfg.ffn_hidden_size / m->tp.size; }
 
+/* layer @p l's FP8 dense copies (chapter 05's native dense path): wq, wk, wv, wo, then the
+ * FFN's fc1, fc2 (MOE_FP8_DENSE_SLOTS); NULL when emulated */
+static const moe_fp8_weight *fp8_dense(const moe_model *m, int l) {
+    return m->fp8d ? &m->fp8d[(size_t)MOE_FP8_DENSE_SLOTS * l] : NULL;
+}
+
+/* ... its FFN's fc1 and fc2 (the dense FFN's, or the shared expert's) */
+static const moe_fp8_weight *fp8_ffn(const moe_model *m, int l) {
+    return m->fp8d ? fp8_dense(m, l) + 4 : NULL;
+}
+
 static moe_attention_weights attn_weights(const moe_model *m, int l) {
     moe_attention_weights w = {P(m, l, MOE_W_Q), P(m, l, MOE_W_K),     P(m, l, MOE_W_V),
-                               P(m, l, MOE_W_O), P(m, l, MOE_W_QNORM), P(m, l, MOE_W_KNORM)};
+                               P(m, l, MOE_W_O), P(m, l, MOE_W_QNORM), P(m, l, MOE_W_KNORM),
+                               fp8_dense(m, l)};
     return w;
 }
 
@@ -239,7 +251,8 @@ static moe_attention_grads attn_grads(const moe_model *m, int l) {
 static moe_layer_weights moe_weights(const moe_model *m, int l) {
     moe_layer_weights w = {P(m, l, MOE_W_ROUTER), P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2),
                          P(m, l, MOE_W_SHARED_FC1), P(m, l, MOE_W_SHARED_FC2),
-                         m->fp8w ? &m->fp8w[2 * l] : NULL, m->fp8w ? &m->fp8w[2 * l + 1] : NULL};
+                         m->fp8w ? &m->fp8w[2 * l] : NULL, m->fp8w ? &m->fp8w[2 * l + 1] : NULL,
+                         fp8_ffn(m, l)};
     return w;
 }
 
@@ -289,6 +302,7 @@ static moe_status check_memory(const moe_config *c, const moe_backend *be, int B
 }
 
 static int alloc_fp8_weights(moe_model *m, int moe_rows);
+static int alloc_fp8_dense(moe_model *m);
 
 moe_status moe_model_create(moe_model **out, const moe_config *cfg, const moe_backend *be, int B,
                             moe_ep *ep, moe_error *err) {
@@ -341,6 +355,9 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
              * makes its FP8 weights */
             m->lowp->native = moe_lowp_native(be, m->lowp) &&
                               moe_expert_impl_from_config(cfg, be) == MOE_EXPERTS_KERNEL;
+            /* the dense linears' native path (MOE_FP8_NATIVE_DENSE=1), likewise once:
+             * alloc_fp8_dense() makes its FP8 weights */
+            m->lowp->native_dense = moe_lowp_native_dense(be, m->lowp);
         }
     }
     layout(m);
@@ -461,7 +478,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_config *cfg,
         if (!moe_lowp_alloc(be, m->lowp, moe_lowp_cap(mc, N, rows)) ||
             !moe_lowp_alloc_delayed(be, m->lowp, L, E > 0 ? m->experts_local : 0))
             ok = 0;
-        if (ok && !alloc_fp8_weights(m, (int)rows))
+        if (ok && (!alloc_fp8_weights(m, (int)rows) || !alloc_fp8_dense(m)))
             ok = 0;
     }
     if (E > 0) {
@@ -504,6 +521,9 @@ void moe_model_free(moe_model *m) {
     for (int i = 0; m->fp8w && i < 2 * L; i++)
         moe_fp8_weight_free(be, &m->fp8w[i]);
     free(m->fp8w);
+    for (int i = 0; m->fp8d && i < MOE_FP8_DENSE_SLOTS * L; i++)
+        moe_fp8_weight_free(be, &m->fp8d[i]);
+    free(m->fp8d);
     moe_lowp_free(be, m->lowp);
     free(m->lowp);
     be->free(m->params);
@@ -615,6 +635,54 @@ static int alloc_fp8_weights(moe_model *m, int moe_rows) {
     return 1;
 }
 
+/* Chapter 05's native FP8 dense linears (lowp.h, MOE_FP8_NATIVE_DENSE=1, where
+ * moe_lowp_native_dense() holds): the FP8 codes of every layer's attention projections and
+ * of its dense FFN or shared expert (MOE_FP8_DENSE_SLOTS; this rank's shards, as the tensors
+ * hold them). 0 when out of memory. */
+/* where a dense linear's weight slot keeps its FP8 copy in a layer's block of m->fp8d:
+ * wq, wk, wv, wo, then fc1, fc2 (the dense FFN's, or the shared expert's) */
+static int fp8_dense_slot(int s) {
+    switch (s) {
+    case MOE_W_Q: return 0;
+    case MOE_W_K: return 1;
+    case MOE_W_V: return 2;
+    case MOE_W_O: return 3;
+    case MOE_W_FC1: case MOE_W_SHARED_FC1: return 4;
+    default: return 5; /* MOE_W_FC2, MOE_W_SHARED_FC2 */
+    }
+}
+
+static int alloc_fp8_dense(moe_model *m) {
+    const moe_config *c = &m->cfg;
+    if (!m->lowp->native_dense) /* (decided at the model's creation) */
+        return 1;
+    static const int slots[] = {MOE_W_Q,   MOE_W_K,   MOE_W_V,          MOE_W_O,
+                                MOE_W_FC1, MOE_W_FC2, MOE_W_SHARED_FC1, MOE_W_SHARED_FC2};
+    const int L = c->num_layers;
+    if (!(m->fp8d = calloc((size_t)MOE_FP8_DENSE_SLOTS * L, sizeof *m->fp8d)))
+        return 0;
+    for (int l = 0; l < L; l++)
+        for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++) {
+            const int s = slots[i];
+            /* the routed experts (a MoE layer's fc1, fc2) are fp8w's; no shared expert */
+            if ((c->is_moe_layer[l] && (s == MOE_W_FC1 || s == MOE_W_FC2)) ||
+                m->off[l][s] == MOE_NO_WEIGHT)
+                continue;
+            const moe_tensor *t = tensor_at(m, m->off[l][s]);
+            MOE_ASSERT(t && t->ndim >= 2);
+            const int I = t->shape[t->ndim - 1];
+            if (!moe_fp8_weight_alloc(m->be,
+                                      &m->fp8d[(size_t)MOE_FP8_DENSE_SLOTS * l +
+                                               (size_t)fp8_dense_slot(s)],
+                                      1, (int)(t->numel / (size_t)I), I))
+                return 0;
+        }
+    moe_log_info("precision: the attention projections, dense FFNs and shared experts run their "
+                 "forward and dgrad GEMMs natively in FP8 (cuBLASLt blockwise, "
+                 "MOE_FP8_NATIVE_DENSE=1), their wgrad in bf16 on QDQ'd operands");
+    return 1;
+}
+
 /* Chapter 05: QDQ of every linear layer's matrix in the compute copy, each routed expert's
  * on its own (lowp.h); on the native path the routed experts' FP8 codes instead. Not the
  * router, the norms, the embedding or the LM head. Under delayed scaling each matrix at its
@@ -638,15 +706,24 @@ static void lowp_quantize_weights(moe_model *m, int record) {
             const moe_tensor *t = tensor_at(m, m->off[l][s]);
             MOE_ASSERT(t);
             const int cols = t->shape[t->ndim - 1];
+            const int routed = m->cfg.is_moe_layer[l] && (s == MOE_W_FC1 || s == MOE_W_FC2);
             int groups = 1; /* routed experts: fc1 [2E, F, H], fc2 [E, H, F] on this rank */
-            if (m->cfg.is_moe_layer[l] && (s == MOE_W_FC1 || s == MOE_W_FC2))
+            if (routed)
                 groups = s == MOE_W_FC1 ? t->shape[0] / 2 : t->shape[0];
             const int rows = (int)(t->numel / (size_t)groups / (size_t)cols);
+            void *w = MOE_ACT(m->be, m->wact, t->offset);
+            if (!routed) { /* a dense linear, and its FP8 copy on the native dense path */
+                moe_fp8_weight *fd = m->fp8d ? &m->fp8d[(size_t)MOE_FP8_DENSE_SLOTS * l +
+                                                        (size_t)fp8_dense_slot(s)]
+                                             : NULL;
+                moe_lowp_quantize_dense(m->be, m->lowp, fd, w, rows, cols, site[i], record);
+                continue;
+            }
             moe_fp8_weight *fw = NULL; /* the routed experts' FP8 codes (native path) */
-            if (m->fp8w && m->cfg.is_moe_layer[l] && (s == MOE_W_FC1 || s == MOE_W_FC2))
+            if (m->fp8w)
                 fw = &m->fp8w[2 * l + (s == MOE_W_FC2)];
-            moe_lowp_quantize_experts(m->be, m->lowp, fw, MOE_ACT(m->be, m->wact, t->offset),
-                                      groups, rows, cols, site[i], record);
+            moe_lowp_quantize_experts(m->be, m->lowp, fw, w, groups, rows, cols, site[i],
+                                      record);
         }
     }
 }
@@ -799,7 +876,8 @@ static void layer_forward(moe_model *m, int l) {
         moe_mlp_forward_lowp(be, part, a->dense_gu, a->dense_act,
                              moe_tp_enter_forward(be, tp, m->tp_x, a->ln2, N, H), NULL,
                              P(m, l, MOE_W_FC1), P(m, l, MOE_W_FC2), N, H, dense_ffn(m),
-                             m->lowp, moe_lowp_site(m->lowp, l, MOE_LOWP_DENSE, 0));
+                             m->lowp, moe_lowp_site(m->lowp, l, MOE_LOWP_DENSE, 0),
+                             fp8_ffn(m, l));
         moe_tp_exit_forward(be, tp, ffn_out, part, N, H);
     }
     be->add(ffn_out, a->xmid, (size_t)Nl * H);
@@ -965,7 +1043,8 @@ static void layer_backward(moe_model *m, int l, double loss_scale) {
         moe_mlp_backward_lowp(be, dx, G(m, l, MOE_W_FC1), G(m, l, MOE_W_FC2), NULL, dy, xin,
                               a->dense_gu, a->dense_act, NULL, P(m, l, MOE_W_FC1),
                               P(m, l, MOE_W_FC2), m->ws.dh, m->ws.dgu, N, H, dense_ffn(m),
-                              m->lowp, moe_lowp_site(m->lowp, l, MOE_LOWP_DENSE, 0));
+                              m->lowp, moe_lowp_site(m->lowp, l, MOE_LOWP_DENSE, 0),
+                              fp8_ffn(m, l));
         moe_tp_enter_backward(be, tp, m->d_ln, dx, N, H);
     }
     be->rmsnorm_backward(m->d_res, G(m, l, MOE_W_LN2), m->d_ln, a->xmid, P(m, l, MOE_W_LN2),

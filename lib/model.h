@@ -49,6 +49,10 @@ typedef enum moe_layer_weight {
 /** Marks a slot the layer does not have. */
 #define MOE_NO_WEIGHT ((size_t)-1)
 
+/** The FP8 copies of a layer's dense linears (moe_model::fp8d): wq, wk, wv, wo, fc1, fc2 (the
+ *  dense FFN's, or in a MoE layer the shared expert's). */
+#define MOE_FP8_DENSE_SLOTS 6
+
 /** Activations one transformer layer (block) saves for its backward: `void *` in the
  *  backend's activation type, `moe_real *` (norm statistics) in full precision. */
 typedef struct moe_block_acts {
@@ -150,6 +154,11 @@ typedef struct moe_model {
      *  the routed experts' fc1 and fc2 of each MoE layer in FP8, made at each
      *  moe_model_sync_weights() instead of their QDQ; NULL when emulated */
     moe_fp8_weight *fp8w;
+    /** chapter 05's native FP8 dense linears (lowp.h, "Native FP8 dense linears",
+     *  MOE_FP8_NATIVE_DENSE=1): [MOE_FP8_DENSE_SLOTS·L] each layer's wq, wk, wv, wo, then its
+     *  dense FFN's (or shared expert's) fc1, fc2 in FP8, made at each moe_model_sync_weights()
+     *  before their QDQ (an absent weight's slot stays zero); NULL when emulated */
+    moe_fp8_weight *fp8d;
     int *step_flags;              /**< &scalars->flags, backend memory: MOE_STEP_* bits raised on
                                        the device during a step (step_flags.h); zeroed at each
                                        step start */

@@ -800,9 +800,9 @@ START_TEST(test_lowp_mlp_roles) {
     moe_test_randn(r, N * H, 74, 1e-3);
     moe_lowp_qdq_weight(be, &lp, w1, 1, 2 * F, H, 0, 1);
     moe_lowp_qdq_weight(be, &lp, w2, 1, H, F, 0, 1);
-    moe_mlp_forward_lowp(be, out, gu, act, x, NULL, w1, w2, N, H, F, &lp, 0);
+    moe_mlp_forward_lowp(be, out, gu, act, x, NULL, w1, w2, N, H, F, &lp, 0, NULL);
     moe_mlp_backward_lowp(be, dx, dw1, dw2, NULL, r, x, gu, act, NULL, w1, w2, dh, dgu, N, H, F,
-                          &lp, 0);
+                          &lp, 0, NULL);
     /* the chain by hand */
     moe_real *q = ALLOC(N * 2 * F), *q2 = ALLOC(N * 2 * F), *e_out = ALLOC(N * H);
     moe_real *e_gu = ALLOC(N * 2 * F), *e_act = ALLOC(N * F), *e_dx = ALLOC(N * H);

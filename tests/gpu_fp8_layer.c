@@ -264,7 +264,7 @@ static void run_mlp(const moe_backend *be, moe_lowp *lp, const moe_fp8_weight *f
         free(h);
     }
     moe_groups grp = {off, doff, G, MOE_EXPERTS_KERNEL, MOE_DW_STORE, NULL, 1, N, lp,
-                      fw, fw ? fw + 1 : NULL, 0, 0, NULL, NULL, NULL};
+                      fw, fw ? fw + 1 : NULL, 0, 0, NULL, NULL, NULL, NULL};
     /* the buffer's size and the path agree: codes exactly where the fused passes run without
      * the FP8 wgrad; under it they run on a bf16 `act` (its token-wise copy's source) */
     ck_assert_int_eq(moe_mlp_fp8_saves_codes(be, lp),
@@ -537,9 +537,172 @@ START_TEST(test_gpu_fp8_model_fused_fp8_wgrad) {
 }
 END_TEST
 
+/* ------------------------------------------------------------ native FP8 dense linears */
+
+/* Chapter 05's native FP8 dense linears (lowp.h, "Native FP8 dense linears",
+ * MOE_FP8_NATIVE_DENSE=1; STATUS: written, not yet run on a GPU): forward and dgrad in
+ * cuBLASLt's blockwise FP8 GEMM against the GPU's emulation (QDQ, then the bf16 GEMM) at the
+ * same quantization points. The products are the same exact values, so only the summation
+ * order and the bf16 output's rounding differ: a relative (Frobenius) error of a few 1e-3;
+ * the bound is 1e-2 (a wrong scale layout, transpose or missing accumulate is O(1)). */
+
+/* ‖a − b‖ / ‖b‖ over n activations on the device */
+static double dev_rel(const void *a, const void *b, size_t n) {
+    const moe_backend *g = moe_backend_cuda();
+    moe_real *ha = malloc(sizeof(moe_real) * n), *hb = malloc(sizeof(moe_real) * n);
+    g->read_act(ha, a, n);
+    g->read_act(hb, b, n);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double d = (double)ha[i] - hb[i];
+        num += d * d;
+        den += (double)hb[i] * hb[i];
+    }
+    free(ha), free(hb);
+    return isfinite(num) ? sqrt(num / (den + 1e-300)) : INFINITY;
+}
+
+/* one dense linear [O, I] on @p rows tokens: 1 when within the bound */
+static int check_dense(int rows, int I, int O) {
+    const moe_backend *g = moe_backend_cuda();
+    const size_t nx = (size_t)rows * I, ny = (size_t)rows * O, nw = (size_t)O * I;
+    moe_lowp lp;
+    lowp_blockwise(&lp, g, (nx > ny ? nx : ny) > nw ? (nx > ny ? nx : ny) : nw);
+    lp.native_dense = 1; /* the request MOE_FP8_NATIVE_DENSE=1 makes (lowp.c) */
+    ck_assert(moe_lowp_native_dense(g, &lp));
+    moe_real *hx = malloc(sizeof(moe_real) * nx), *hy = malloc(sizeof(moe_real) * ny);
+    moe_real *hw = malloc(sizeof(moe_real) * nw), *hb = malloc(sizeof(moe_real) * nx);
+    void *x = moe_test_upload(g, hx, nx, 301 + (uint64_t)rows, 1.0);
+    void *dy = moe_test_upload(g, hy, ny, 302 + (uint64_t)rows, 1e-2);
+    void *w = moe_test_upload(g, hw, nw, 303 + (uint64_t)O, 0.05);
+    /* dx's prior contents, of the product's size (about sqrt(O)·1e-2·0.05): the accumulate
+     * must keep them */
+    void *base = moe_test_upload(g, hb, nx, 304, 5e-3);
+    moe_fp8_weight fw;
+    ck_assert(moe_fp8_weight_alloc(g, &fw, 1, O, I));
+    moe_lowp_quantize_dense(g, &lp, &fw, w, O, I, 0, 1); /* codes, then w = Q(w) in place */
+    const moe_fp8_weight *fwp = &fw;
+    /* forward */
+    void *yn = dpoison(2 * ny), *ye = dpoison(2 * ny);
+    const unsigned long long c0 = lp.dense_gemms;
+    moe_lowp_dense_forward(g, &lp, &yn, &fwp, 1, x, rows, I);
+    ck_assert_int_eq(lp.dense_gemms, c0 + 1); /* the native GEMM ran */
+    g->matmul_forward(ye, moe_lowp_qdq(g, &lp, x, rows, I, MOE_LOWP_ACTIVATION, 0), w, rows, I,
+                      O);
+    const double ef = dev_rel(yn, ye, ny);
+    /* dgrad, overwriting (into poison) and accumulating (onto base) */
+    void *dn = dpoison(2 * nx), *da = g->alloc(2 * nx), *de = g->alloc(2 * nx);
+    void *qn = g->alloc(2 * ny);
+    g->copy(da, base, 2 * nx);
+    g->copy(de, base, 2 * nx);
+    moe_lowp_dense_dgrad(g, &lp, dn, 0, &fw, dy, rows);
+    const void *gq = moe_lowp_dense_dgrad(g, &lp, da, 1, &fw, dy, rows);
+    ck_assert_int_eq(lp.dense_gemms, c0 + 3);
+    g->copy(qn, gq, 2 * ny); /* Q(dy) of the native pass, before the emulation's QDQ */
+    const void *ge = moe_lowp_qdq(g, &lp, dy, rows, O, MOE_LOWP_GRADIENT, 0);
+    unsigned char *hq = malloc(2 * ny);
+    moe_cuda_to_host(hq, ge, 2 * ny);
+    const int qsame = same("Q(dy): the dgrad's dequantized copy vs the emulation's QDQ", qn, hq,
+                           2 * ny);
+    g->matmul_backward(de, NULL, ge, NULL, w, rows, I, O); /* de = base + Q(dy)·Q(w) */
+    const double ea = dev_rel(da, de, nx);
+    /* the overwriting one against the emulation's product alone: de − base */
+    void *pe = g->alloc(2 * nx);
+    g->zero(pe, 2 * nx);
+    g->matmul_backward(pe, NULL, ge, NULL, w, rows, I, O);
+    const double ed = dev_rel(dn, pe, nx);
+    const int pass = ef <= 1e-2 && ed <= 1e-2 && ea <= 1e-2 && qsame;
+    printf("  FP8 dense linear rows=%d I=%d O=%d, native vs the GPU's emulation: forward %.2e, "
+           "dgrad %.2e, dgrad accumulated %.2e%s\n", rows, I, O, ef, ed, ea,
+           pass ? "" : " TOO LARGE");
+    free(hx), free(hy), free(hw), free(hb), free(hq);
+    g->free(x), g->free(dy), g->free(w), g->free(base), g->free(yn), g->free(ye);
+    g->free(dn), g->free(da), g->free(de), g->free(qn), g->free(pe);
+    moe_fp8_weight_free(g, &fw);
+    moe_lowp_free(g, &lp);
+    return pass;
+}
+
+START_TEST(test_gpu_fp8_dense_linear) {
+    if (!hopper("FP8 dense linear"))
+        return;
+    moe_bench_env env = moe_bench_env_set("MOE_FP8_NATIVE", "1");
+    int ok = 1;
+    ok &= check_dense(256, 128, 128);
+    ok &= check_dense(300, 384, 256);  /* rows not a multiple of 128; I ≠ O */
+    ok &= check_dense(1000, 256, 640);
+    ok &= check_dense(4, 128, 384);    /* the fewest rows cuBLASLt's blockwise GEMM takes */
+    /* rows that are not a multiple of 4 fall back to the emulation (moe_lowp_dense_fits()) */
+    moe_lowp lp;
+    lowp_blockwise(&lp, moe_backend_cuda(), 1);
+    lp.native_dense = 1;
+    moe_fp8_weight fw = {.q = (uint8_t *)&fw, .G = 1, .O = 128, .I = 128};
+    ck_assert(moe_lowp_dense_fits(&lp, &fw, 8));
+    ck_assert(!moe_lowp_dense_fits(&lp, &fw, 6) && !moe_lowp_dense_fits(&lp, &fw, 301));
+    ck_assert(!moe_lowp_dense_fits(&lp, NULL, 8));
+    moe_lowp_free(moe_backend_cuda(), &lp);
+    moe_bench_env_restore(&env);
+    ck_assert_msg(ok, "the native FP8 dense linear differs from the emulation");
+}
+END_TEST
+
+/* The whole model with the native dense path (MOE_FP8_NATIVE_DENSE=1) against the emulated
+ * dense linears (=0), the routed experts native in both: a dense layer and a MoE layer with a
+ * shared expert, so attention, the dense FFN and the shared expert all run it. The native
+ * dense GEMMs must have run (the context's counter) and the losses stay within 1 % of the
+ * emulation's at every step. */
+#define FP8_DENSE_MODEL FP8_MODEL " --moe-shared-expert-intermediate-size 128"
+
+static void fp8_dense_losses(const char *on, double *loss, unsigned long long *gemms) {
+    moe_bench_env env = moe_bench_env_set("MOE_FP8_NATIVE_DENSE", on);
+    setenv("MOE_NO_DOWNLOAD", "1", 1);
+    moe_config c;
+    moe_error err;
+    ck_assert_msg(moe_test_config(&c, FP8_DENSE_MODEL, &err) == MOE_OK, "%s", err.msg);
+    moe_trainer *t = NULL;
+    ck_assert_msg(moe_trainer_create(&t, &c, &err) == MOE_OK, "%s", err.msg);
+    moe_bench_env_restore(&env); /* (latched by the model: lowp.h) */
+    const moe_model *m = t->model;
+    ck_assert(m->lowp && m->lowp->native);
+    ck_assert_int_eq(m->lowp->native_dense, *on == '1');
+    ck_assert(*on == '1' ? m->fp8d && m->fp8d[0].q && m->fp8d[4].q &&
+                               m->fp8d[MOE_FP8_DENSE_SLOTS + 4].q
+                         : !m->fp8d);
+    for (int s = 0; s < FP8_STEPS; s++) {
+        moe_step_stats st;
+        ck_assert_int_eq(moe_trainer_step(t, &st, &err), MOE_OK);
+        loss[s] = st.loss;
+    }
+    *gemms = m->lowp->dense_gemms;
+    moe_trainer_free(t);
+}
+
+START_TEST(test_gpu_fp8_model_dense_native) {
+    if (!hopper("FP8 model, native dense linears"))
+        return;
+    double nat[FP8_STEPS], emu[FP8_STEPS];
+    unsigned long long gn, ge;
+    fp8_dense_losses("1", nat, &gn);
+    fp8_dense_losses("0", emu, &ge);
+    double worst = 0;
+    for (int s = 0; s < FP8_STEPS; s++) {
+        const double e = fabs(nat[s] - emu[s]) / fabs(emu[s]);
+        worst = e > worst || isnan(e) ? e : worst;
+    }
+    printf("  FP8 model, %d steps: native dense linears %.6f -> %.6f (%llu native dense GEMMs), "
+           "emulated %.6f -> %.6f; worst relative loss difference %.2e\n", FP8_STEPS, nat[0],
+           nat[FP8_STEPS - 1], gn, emu[0], emu[FP8_STEPS - 1], worst);
+    ck_assert_msg(gn > 0, "the native dense GEMMs did not run");
+    ck_assert_msg(ge == 0, "native dense GEMMs ran with MOE_FP8_NATIVE_DENSE=0");
+    ck_assert_msg(worst <= 1e-2, "the native dense path's losses differ from the emulation's");
+    ck_assert(nat[FP8_STEPS - 1] < nat[0]);
+}
+END_TEST
+
 Suite *suite_gpu_fp8_layer(void) {
     const TTest *const tests[] = {test_gpu_fp8_layer_quantizers, test_gpu_fp8_layer_vs_cpu,
                                   test_gpu_fp8_model_fused_saved_codes,
-                                  test_gpu_fp8_model_fused_fp8_wgrad};
-    return moe_test_chapter_suite("gpu_fp8_layer", "ch05", tests, 4);
+                                  test_gpu_fp8_model_fused_fp8_wgrad, test_gpu_fp8_dense_linear,
+                                  test_gpu_fp8_model_dense_native};
+    return moe_test_chapter_suite("gpu_fp8_layer", "ch05", tests, 6);
 }

@@ -402,6 +402,82 @@ START_TEST(test_memory_estimate_counts_fp8_expert_weights) {
 }
 END_TEST
 
+/* Chapter 05's native FP8 dense linears (lowp.h, MOE_FP8_NATIVE_DENSE=1) keep every dense
+ * linear weight also as FP8 codes (and its transpose's): the estimate counts them when the
+ * switch is on, and exactly what the model allocates where the backend claims the path (the
+ * dense FP8 GEMM and the quantizers below are never called: no step runs). The plain CPU,
+ * which has no dense FP8 GEMM, allocates nothing more with the switch on. */
+static moe_status never_fp8_gemm(void *d, int accumulate, const struct moe_qmatrix *a,
+                                 const struct moe_qmatrix *b, int M, int N, int K,
+                                 moe_error *err) {
+    ck_abort_msg("the dense FP8 GEMM ran on the CPU");
+    return MOE_OK;
+}
+static moe_status never_quant_t(uint8_t *q, float *s, uint8_t *qt, float *st, const void *x,
+                                int batch, int rows, int cols, moe_fp8_format f, int block_2d,
+                                int pow2, moe_error *err) {
+    ck_abort_msg("the FP8 weight quantizer ran on the CPU");
+    return MOE_OK;
+}
+
+START_TEST(test_memory_estimate_counts_fp8_dense_weights) {
+    /* a dense layer and a MoE layer with a shared expert; the routed experts on the loop
+     * (no FP8 copies of theirs: only the dense ones differ) */
+    moe_config c = small_config("--hidden-size 128 --num-attention-heads 4 --num-query-groups 4 "
+                                "--moe-ffn-hidden-size 128 --ffn-hidden-size 256 "
+                                "--moe-shared-expert-intermediate-size 128 --num-layers 2 "
+                                "--moe-layer-freq 0,1 --fp8-format e4m3 --fp8-recipe blockwise "
+                                "--moe-expert-backend loop");
+    const char *names[] = {"0", "1"};
+    long long est[2];
+    size_t bytes[3];
+    long long want = 0;
+    int copies = 0;
+    for (int i = 0; i < 3; i++) { /* switch off; on (the backend claims the path); on (CPU) */
+        moe_bench_env env = moe_bench_env_set("MOE_FP8_NATIVE_DENSE", names[i > 0]);
+        moe_error err;
+        if (i < 2) {
+            moe_memory_estimate e;
+            ck_assert_int_eq(moe_memory_estimate_model(&c, c.micro_batch_size, 1, 2, &e, &err),
+                             MOE_OK);
+            est[i] = e.weight_bytes;
+        }
+        moe_backend be = *moe_backend_cpu();
+        be.alloc = counting_alloc;
+        if (i == 1) {
+            be.fp8_grouped_native = claims_fp8_native;
+            be.fp8_gemm = never_fp8_gemm;
+            be.fp8_quant_t_act = never_quant_t;
+        }
+        g_bytes = 0;
+        g_calls = 0;
+        g_fail_at = -1;
+        moe_model *m = NULL;
+        ck_assert_msg(moe_model_create(&m, &c, &be, c.micro_batch_size, NULL, &err) == MOE_OK,
+                      "%s", err.msg);
+        moe_bench_env_restore(&env); /* (latched by the model: lowp.h) */
+        ck_assert_int_eq(m->lowp->native_dense, i == 1);
+        ck_assert(i == 1 ? m->fp8d != NULL : m->fp8d == NULL);
+        for (int k = 0; i == 1 && k < MOE_FP8_DENSE_SLOTS * c.num_layers; k++)
+            if (m->fp8d[k].q) { /* what the model made: Σ moe_fp8_weight_bytes() */
+                want += (long long)moe_fp8_weight_bytes(1, m->fp8d[k].O, m->fp8d[k].I);
+                copies++;
+            }
+        moe_model_free(m);
+        bytes[i] = g_bytes;
+    }
+    /* 2 layers × 4 projections, the dense FFN's fc1 and fc2, the shared expert's */
+    ck_assert_int_eq(copies, 2 * 4 + 2 + 2);
+    ck_assert_msg(est[1] - est[0] == want, "the estimate adds %lld bytes for the FP8 dense "
+                  "weights, they take %lld", est[1] - est[0], want);
+    ck_assert_msg((long long)(bytes[1] - bytes[0]) == want, "the model allocates %lld bytes "
+                  "more with the native dense path, the FP8 dense weights take %lld",
+                  (long long)(bytes[1] - bytes[0]), want);
+    ck_assert_msg(bytes[2] == bytes[0], "the CPU allocated %zu bytes with the switch on, %zu "
+                  "without", bytes[2], bytes[0]);
+}
+END_TEST
+
 /* Chapter 05's fused FP8 passes keep the routed experts' SwiGLU output for the backward as
  * FP8 codes + 1x128 scales (lib/mlp.c): the one sizing function, the latch of MOE_FP8_FUSED,
  * the estimate, and what the model really allocates agree. The CPU cannot run the path: a CPU
@@ -706,10 +782,11 @@ Suite *suite_reliability(void) {
     const TTest *lib[] = {test_nan_stops_before_update, test_outfile_rules,
                           test_metrics_whole_lines, test_memory_estimate_bounds_allocations,
                           test_memory_estimate_counts_fp8_expert_weights,
+                          test_memory_estimate_counts_fp8_dense_weights,
                           test_memory_estimate_counts_rope_table,
                           test_out_of_memory_is_an_error, test_huge_configs_are_refused,
                           test_new_flags};
-    moe_test_tcase(s, "library", 300, lib, 9);
+    moe_test_tcase(s, "library", 300, lib, 10);
     const TTest *ch04[] = {test_memory_check_counts_distributed_optimizer};
     tcase_set_tags(moe_test_tcase(s, "memory-zero", 60, ch04, 1), "ch04");
     const TTest *ch05[] = {test_memory_fp8_saved_swiglu_output};

@@ -268,7 +268,7 @@ START_TEST(test_moe_layer_matches_direct_sum) {
     moe_test_randn(s1, (size_t)2 * Fs * H, 34, 0.5);
     moe_test_randn(s2, (size_t)H * Fs, 35, 0.5);
     moe_test_poison(out, (size_t)N * H);
-    moe_layer_weights w = {wr, w1, w2, s1, s2, NULL, NULL};
+    moe_layer_weights w = {wr, w1, w2, s1, s2, NULL, NULL, NULL};
     moe_layer_acts a;
     moe_layer_workspace ws;
     moe_layer_acts_alloc(be, &a, &d);

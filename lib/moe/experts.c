@@ -117,7 +117,7 @@ static moe_groups groups_of(const moe_backend *be, const moe_layer_dims *d,
     moe_groups g = {r->off, a->dev_offset, r->G, d->experts, MOE_DW_ACCUMULATE, NULL, 1,
                     (int)r->rows, d->lowp, NULL, NULL,
                     moe_lowp_site(d->lowp, d->layer, MOE_LOWP_EXPERTS, 0), 0, NULL, NULL,
-                    NULL};
+                    NULL, NULL};
     /* chapter 05's FP8 dispatch: the expert-side rows arrived as their 1×128 QDQ (only the
      * collective alltoall dispatcher sets ep->fp8, and never with ETP: dispatch.c) */
     g.x_quantized = r->x == a->xe && d->ep && d->ep->fp8 && !d->etp;

@@ -299,7 +299,8 @@ void moe_layer_forward(const moe_backend *be, void *out, const void *x, const mo
         moe_mlp_forward_lowp(be, part, a->shared_gu, a->shared_act,
                              moe_tp_enter_forward(be, tp, ws->tp_x, x, Ns, H), NULL,
                              w->shared_fc1, w->shared_fc2, Ns, H, Fs, d->lowp,
-                             moe_lowp_site(d->lowp, d->layer, MOE_LOWP_SHARED, 0));
+                             moe_lowp_site(d->lowp, d->layer, MOE_LOWP_SHARED, 0),
+                             w->shared_fp8);
         moe_tp_exit_forward(be, tp, ws->yp, part, Ns, H);
         be->add(out, ws->yp, (size_t)N * H);
     }
@@ -378,7 +379,8 @@ void moe_layer_backward(const moe_backend *be, void *dx, const moe_layer_grads *
         moe_mlp_backward_lowp(be, dfull, g->shared_fc1, g->shared_fc2, NULL, dy, xin,
                               a->shared_gu, a->shared_act, NULL, w->shared_fc1, w->shared_fc2,
                               ws->dh, ws->dgu, Ns, H, Fs, d->lowp,
-                              moe_lowp_site(d->lowp, d->layer, MOE_LOWP_SHARED, 0));
+                              moe_lowp_site(d->lowp, d->layer, MOE_LOWP_SHARED, 0),
+                              w->shared_fp8);
         if (tp) { /* yp is free in the backward */
             moe_tp_enter_backward(be, tp, ws->yp, dfull, Ns, H);
             be->add(dx, ws->yp, (size_t)N * H);

@@ -119,6 +119,9 @@ typedef struct moe_layer_weights {
      *  low precision) */
     const moe_fp8_weight *fc1_fp8;
     const moe_fp8_weight *fc2_fp8; /**< see @ref fc1_fp8 */
+    /** chapter 05's native FP8 dense linears (lowp.h): [2] the shared expert's fc1 and fc2
+     *  in FP8, made once per step by moe_lowp_quantize_dense(); NULL: emulated */
+    const moe_fp8_weight *shared_fp8;
 } moe_layer_weights;
 
 /** The layer's weight gradients (full precision), views into the gradient buffer. */
