@@ -22,7 +22,11 @@
  * Bit for bit the unfused passes: each element is computed and rounded to bf16 exactly as in
  * kernels/swiglu.cu (the same swiglu.cuh math, the backward starting from a zero dgu as the
  * unfused path's zeroed buffer), read back as fp32 as the quantizer would read it, and
- * quantized by the quantizer's own tile step (quant1x128.cuh). The routing weight's gradient
+ * quantized by the quantizer's own tile step (quant1x128.cuh: since 8868409's successor the
+ * 1×128 quantizer v3's moe_q1x128_tile8_fast with the hardware's casts and the format as a
+ * template parameter, where it was the generic moe_q1x128_tile8 that runs both formats' code
+ * for every element, which held these passes near 1.8 TB/s; the same bytes, by the proof in
+ * quant1x128.cuh and the exhaustive cast check of tests/gpu_fp8_fused.c). The routing weight's gradient
  * keeps the unfused kernel's thread-to-column map and block size, so each thread's partial
  * sum and the block's tree add in the same order.
  *
@@ -54,13 +58,17 @@ static moe_status check_fused(int N, int F, const void *a, const void *b, const 
 /* quantize the tile whose lane-share is @p v and store it at element @p i of [rows, W]
  * (tile index @p t); @p valid: this half-warp has a tile; with @p y also its bf16 values:
  * the dequantized copy, or (@p y_raw) @p v itself (bf16 values already: exact) */
+template <moe_fp8_format FMT>
 static __device__ __forceinline__ void store_tile(uint8_t *q, float *scale_inv, moe_bf16 *y,
                                                   int y_raw, const float v[8], size_t i,
-                                                  size_t t, bool valid, bool lead,
-                                                  moe_fp8_format f, int pow2) {
+                                                  size_t t, bool valid, bool lead, int pow2) {
     uint2 cw;
     moe_bf16x8 d;
-    const float si = moe_q1x128_tile8(v, &cw, y && !y_raw ? &d : NULL, f, pow2);
+    /* the 1×128 quantizer v3's tile (quant1x128.cuh: the hardware's casts, the format a
+     * template parameter): moe_q1x128_tile8's bytes in a fraction of its instructions.
+     * (y, y_raw are the kernel's arguments: every lane of the warp takes the same branch.) */
+    const float si = y && !y_raw ? moe_q1x128_tile8_fast<FMT, true, true>(v, &cw, &d, pow2)
+                                 : moe_q1x128_tile8_fast<FMT, false, true>(v, &cw, NULL, pow2);
     if (y && y_raw) {
 #pragma unroll
         for (int k = 0; k < 8; k++)
@@ -77,10 +85,11 @@ static __device__ __forceinline__ void store_tile(uint8_t *q, float *scale_inv, 
 
 /* a half-warp per 1×128 tile of the output [N, F], lane l its columns 8l .. 8l+7: the
  * forward's values (swiglu_forward_kernel's, rounded to bf16), then the tile's quantization */
+template <moe_fp8_format FMT>
 static __global__ void swiglu_quant_fwd_kernel(uint8_t *q, float *scale_inv, moe_bf16 *y,
                                                int y_raw, const moe_bf16 *gu,
                                                const float *row_scale, int F, long long tiles,
-                                               moe_fp8_format f, int pow2) {
+                                               int pow2) {
     const int lane = threadIdx.x & 31, hl = lane & 15, nbc = F / MOE_QUANT_BLOCK;
     const long long warps = (long long)gridDim.x * (blockDim.x / 32);
     for (long long p = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -100,7 +109,7 @@ static __global__ void swiglu_quant_fwd_kernel(uint8_t *q, float *scale_inv, moe
                 v[k] = moe_ld(moe_st(swiglu_fwd(moe_ld(vg.h[k]), moe_ld(vu.h[k]), s)));
         }
         const size_t i = (size_t)t * MOE_QUANT_BLOCK + MOE_Q1X128_PER_LANE * hl;
-        store_tile(q, scale_inv, y, y_raw, v, i, (size_t)t, valid, hl == 0, f, pow2);
+        store_tile<FMT>(q, scale_inv, y, y_raw, v, i, (size_t)t, valid, hl == 0, pow2);
     }
 }
 
@@ -120,9 +129,10 @@ extern "C" moe_status moe_cuda_swiglu_forward_quant(uint8_t *q, float *scale_inv
     const long long pairs = (tiles + 1) / 2, per_block = THREADS / 32;
     long long blocks = (pairs + per_block - 1) / per_block;
     blocks = blocks > 4096 ? 4096 : blocks;
-    swiglu_quant_fwd_kernel<<<(unsigned)blocks, THREADS, 0, moe_cuda_stream()>>>(
-        q, scale_inv, (moe_bf16 *)y, y_raw, (const moe_bf16 *)gu, row_scale, F, tiles, f,
-        pow2);
+    auto kernel = f == MOE_FP8_E5M2 ? swiglu_quant_fwd_kernel<MOE_FP8_E5M2>
+                                    : swiglu_quant_fwd_kernel<MOE_FP8_E4M3>;
+    kernel<<<(unsigned)blocks, THREADS, 0, moe_cuda_stream()>>>(
+        q, scale_inv, (moe_bf16 *)y, y_raw, (const moe_bf16 *)gu, row_scale, F, tiles, pow2);
     MOE_CUDA_LAUNCH_CHECK();
     return MOE_OK;
 }
@@ -131,10 +141,11 @@ extern "C" moe_status moe_cuda_swiglu_forward_quant(uint8_t *q, float *scale_inv
  * x + blockDim, ...), from a zero dgu, with dg and du quantized 1×128 along the row of dgu
  * [N, 2F] instead of stored. Units are 16 to a tile and the warps start at multiples of 32
  * units, so each half-warp holds one tile of dg and the matching tile of du. */
+template <moe_fp8_format FMT>
 static __global__ void swiglu_quant_bwd_kernel(uint8_t *q, float *scale_inv, moe_bf16 *y,
                                                int y_raw, float *drow_scale, const moe_bf16 *dout,
                                                const moe_bf16 *gu, const float *row_scale,
-                                               int F, moe_fp8_format f, int pow2) {
+                                               int F, int pow2) {
     const size_t n = blockIdx.x;
     const int lane = threadIdx.x & 31, units = F / 8, nbr = 2 * F / MOE_QUANT_BLOCK;
     const float s = row_scale ? row_scale[n] : 1.0f;
@@ -159,9 +170,9 @@ static __global__ void swiglu_quant_bwd_kernel(uint8_t *q, float *scale_inv, moe
         }
         const size_t i = n * 2 * F + (size_t)8 * c, t = n * nbr + (size_t)(c / 16);
         const bool lead = (lane & 15) == 0;
-        store_tile(q, scale_inv, y, y_raw, vg_, i, t, valid, lead, f, pow2);
-        store_tile(q, scale_inv, y, y_raw, vu_, i + F, t + F / MOE_QUANT_BLOCK, valid, lead, f,
-                   pow2);
+        store_tile<FMT>(q, scale_inv, y, y_raw, vg_, i, t, valid, lead, pow2);
+        store_tile<FMT>(q, scale_inv, y, y_raw, vu_, i + F, t + F / MOE_QUANT_BLOCK, valid, lead,
+                        pow2);
     }
     if (drow_scale) { /* as swiglu_backward_kernel: every thread reaches the sum */
         acc = moe_block_sum(acc);
@@ -185,9 +196,11 @@ extern "C" moe_status moe_cuda_swiglu_backward_quant(uint8_t *q, float *scale_in
     /* moe_cuda_swiglu_backward's block size, so the routing weight's gradient adds alike */
     const int units = F / 8;
     const int threads = units >= 256 ? 256 : 32 * (int)moe_cdiv(units, 32);
-    swiglu_quant_bwd_kernel<<<N, threads, 0, moe_cuda_stream()>>>(
-        q, scale_inv, (moe_bf16 *)y, y_raw, drow_scale, (const moe_bf16 *)dout, (const moe_bf16 *)gu,
-        row_scale, F, f, pow2);
+    auto kernel = f == MOE_FP8_E5M2 ? swiglu_quant_bwd_kernel<MOE_FP8_E5M2>
+                                    : swiglu_quant_bwd_kernel<MOE_FP8_E4M3>;
+    kernel<<<N, threads, 0, moe_cuda_stream()>>>(q, scale_inv, (moe_bf16 *)y, y_raw, drow_scale,
+                                                 (const moe_bf16 *)dout, (const moe_bf16 *)gu,
+                                                 row_scale, F, pow2);
     MOE_CUDA_LAUNCH_CHECK();
     return MOE_OK;
 }
