@@ -17,12 +17,15 @@
 #   fused    the fused permutation against the separate passes (layer fwd+bwd): gather
 #            only, scatter only, both
 #   pending  the measurements of the paths that are off by default (not in the default
-#            list): the attention benchmark (the portable backward and the Hopper modes 1,
-#            2 and the opt-in 3, 4 and 5, 4 and 5 non-deterministic, side by side), the
-#            grouped GEMM's swapped-tail schedules around the 128- and 256-row cliffs, the
-#            FP8 wgrad's GEMMs (both loops, both scale paths, both tile widths) and the FP8
-#            layer with and without it in one process (--precision bf16,fp8,fp8-wgrad with
-#            MOE_FP8_WGRAD_BN=256) on Mixtral and Qwen3-235B
+#            list): the attention benchmark (the portable backward and the Hopper modes 1-7
+#            side by side: 6 the default, 4, 5 and 7 non-deterministic), the grouped GEMM's
+#            swapped-tail schedules around the 128- and 256-row cliffs, the wgrad at 512 rows
+#            per expert with its L2 prefetch (MOE_WGRAD_PREFETCH=1, 2) and the ping-pong
+#            kernel (MOE_GROUPED_WGRAD_PINGPONG=1), the FP8 wgrad's GEMMs (both loops, both
+#            scale paths, both tile widths), the FP8 layer with and without it in one process
+#            (--precision bf16,fp8,fp8-wgrad with MOE_FP8_WGRAD_BN=256) on Mixtral and
+#            Qwen3-235B, and the GPU preset in FP8 with and without the native dense linears
+#            (MOE_FP8_NATIVE_DENSE=1)
 #
 # Run from the repository root. It builds first (make -j$(nproc); --check-dir DIR or
 # CHECK_DIR=DIR for Check as static libraries, see tools/README.md). Each section writes
@@ -114,13 +117,22 @@ for s in "${sections[@]}"; do
         run pending 200 bin/ch03_grouped_gemm_bench --shape fine --warmup 3 --repeats 9 \
             --schedules static,dynamic,static-swaptail,dynamic-swaptail \
             --rows 128,129,130,136,256,257,258,260
+        for v in "" MOE_WGRAD_PREFETCH=1 MOE_WGRAD_PREFETCH=2 MOE_GROUPED_WGRAD_PINGPONG=1; do
+            echo "== sweep512 ${v:-(default)}" >>"$out/pending.txt"
+            run pending 100 env $v bin/ch03_grouped_gemm_bench --shape sweep512
+        done
         run pending 200 bin/ch05_fp8_gemm_bench --shape moe
         # the FP8 layer with and without the FP8 wgrad (its 128 x 256 tile) in one process
         for shape in mixtral qwen3-235b; do
             run pending 200 env MOE_FP8_WGRAD_BN=256 bin/ch01_moe_layer_bench --shape "$shape" \
                 --impl grouped --precision bf16,fp8,fp8-wgrad --repeats 7
         done
-        grep -E "^\| [0-9]|wgrad|^\| (mixtral|qwen3-235b)|^fine, |all four" "$out/pending.txt"
+        for v in "" MOE_FP8_NATIVE_DENSE=1; do
+            echo "== FP8 preset ${v:-(dense linears emulated)}" >>"$out/pending.txt"
+            run pending 60 env $v bin/moe-train --device cuda --preset gpu --train-iters 60 \
+                --eval-interval 1000 --sample-length 0 --seed 1 --fp8-format e4m3 --fp8-recipe blockwise
+        done
+        grep -E "^== |^\| [0-9]|wgrad|^\| (mixtral|qwen3-235b)|^fine, |all four|^done" "$out/pending.txt"
         ;;
     fused)
         for shape in qwen3 qwen3-235b; do
