@@ -76,6 +76,17 @@ const char *moe_status_name(moe_status code);
         }                                                                            \
     } while (0)
 
+/** Abort with file and line when @p st, the status of a call whose arguments were checked
+ *  beforehand (at start-up), is not ::MOE_OK, printing "@p who: " and the message in
+ *  @p err first: such a failure is a bug or a broken device, never a user error. */
+#define MOE_REQUIRE_OK(st, err, who)                                                     \
+    do {                                                                                 \
+        const moe_status moe_st_ = (st);                                                 \
+        if (moe_st_ != MOE_OK)                                                           \
+            fprintf(stderr, "%s: %s\n", (who), (err)->msg);                              \
+        MOE_ASSERT(moe_st_ == MOE_OK);                                                   \
+    } while (0)
+
 /**
  * @brief End the process with a named out-of-memory message (never returns).
  *

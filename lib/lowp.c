@@ -523,12 +523,10 @@ static void quantize_fp8_weight(const moe_backend *be, const moe_lowp *lp, moe_f
                                 const void *w, int G, int O, int I, const char *who) {
     MOE_ASSERT(fw->G == G && fw->O == O && fw->I == I);
     const moe_qdq_spec *s = &lp->spec[MOE_LOWP_WEIGHT];
-    moe_error err;
-    const moe_status st = be->fp8_quant_t_act(fw->q, fw->s, fw->qt, fw->st, w, G, O, I,
-                                              s->format, 1, s->pow2, &err);
-    if (st != MOE_OK)
-        fprintf(stderr, "%s: %s\n", who, err.msg);
-    MOE_ASSERT(st == MOE_OK); /* the model checked every shape at start-up */
+    moe_error err; /* (the model checked every shape at start-up) */
+    MOE_REQUIRE_OK(be->fp8_quant_t_act(fw->q, fw->s, fw->qt, fw->st, w, G, O, I, s->format, 1,
+                                       s->pow2, &err),
+                   &err, who);
 }
 
 void moe_lowp_quantize_experts(const moe_backend *be, moe_lowp *lp, moe_fp8_weight *fw, void *w,
@@ -556,13 +554,9 @@ int moe_lowp_dense_fits(const moe_lowp *lp, const moe_fp8_weight *fw, int rows) 
            rows % 4 == 0;
 }
 
-/* a backend op's status, which the shapes checked at start-up and by moe_lowp_dense_fits()
- * cannot fail; a cuBLASLt refusal is named before the abort */
-static void dense_ok(moe_status st, const moe_error *err) {
-    if (st != MOE_OK)
-        fprintf(stderr, "native FP8 dense GEMM: %s\n", err->msg);
-    MOE_ASSERT(st == MOE_OK);
-}
+/* (the backend ops below cannot fail on the shapes checked at start-up and by
+ * moe_lowp_dense_fits(); a cuBLASLt refusal is named before the abort: MOE_REQUIRE_OK) */
+static const char *const DENSE = "native FP8 dense GEMM";
 
 /* x [rows, cols] quantized 1×128 into the context's codes and scales (and, with @p y, its
  * dequantized copy there): the A operand of the next dense GEMMs */
@@ -571,9 +565,9 @@ static moe_qmatrix dense_quant(const moe_backend *be, moe_lowp *lp, void *y, con
     const moe_qdq_spec *sp = &lp->spec[role];
     MOE_ASSERT((size_t)rows * cols <= lp->cap);
     moe_error err;
-    dense_ok(be->fp8_quant_act(lp->ws.q, (float *)lp->ws.scales, y, x, rows, cols, sp->format,
-                               sp->pow2, &err),
-             &err);
+    MOE_REQUIRE_OK(be->fp8_quant_act(lp->ws.q, (float *)lp->ws.scales, y, x, rows, cols,
+                                     sp->format, sp->pow2, &err),
+                   &err, DENSE);
     const moe_qmatrix a = {MOE_QUANT_BLOCK_1X128, sp->format, lp->ws.q, lp->ws.scales, NULL,
                            {0}};
     return a;
@@ -585,7 +579,7 @@ static void dense_gemm(const moe_backend *be, moe_lowp *lp, void *d, int accumul
                        int K) {
     const moe_qmatrix b = {MOE_QUANT_BLOCK_128X128, MOE_FP8_E4M3, q, s, NULL, {0}};
     moe_error err;
-    dense_ok(be->fp8_gemm(d, accumulate, a, &b, M, N, K, &err), &err);
+    MOE_REQUIRE_OK(be->fp8_gemm(d, accumulate, a, &b, M, N, K, &err), &err, DENSE);
     lp->dense_gemms++;
 }
 

@@ -10,11 +10,7 @@
 
 /* chapter 05's native FP8 path (lowp.h): a backend op's status, which a shape checked at
  * start-up cannot fail */
-static void fp8_ok(moe_status st, const moe_error *err) {
-    if (st != MOE_OK)
-        fprintf(stderr, "native FP8 expert GEMM: %s\n", err->msg);
-    MOE_ASSERT(st == MOE_OK);
-}
+#define fp8_ok(st, err) MOE_REQUIRE_OK(st, err, "native FP8 expert GEMM")
 
 /* MOE_FP8_DISPATCH_CODES=0: fc1's native GEMM quantizes the received rows again instead
  * of reading the received codes (the same codes by construction; a switch for the GPU, where
@@ -52,10 +48,6 @@ static void fp8_gemm(const moe_backend *be, void *d, const void *a, void *a_deq,
     fp8_gemm_codes(be, d, ws->q, ws->scales, bq, bs, grp, N, K, role);
 }
 
-/* one grouped Linear, through the grouped GEMM the groups ask for; @p gather: its input
- * rows are gathered by grp->gather (fc1 under the fused permutation); @p scatter: its output
- * rows are scattered by grp->scatter (fc2 under it); @p fw: its FP8 codes (the native path
- * of lowp.h) or NULL; @p lin: 0 fc1, 1 fc2 (its sites: grp->lowp_site + lin) */
 /* chapter 05's native FP8 dense linears (lowp.h): linear @p lin's FP8 weight of a single
  * MLP when this call runs it natively (not on rows that arrived quantized: the routed
  * experts' FP8 dispatch), else NULL */
@@ -67,6 +59,10 @@ static const moe_fp8_weight *dense_native(const moe_groups *grp, int lin) {
     return moe_lowp_dense_fits(grp->lowp, fw, grp->rows) ? fw : NULL;
 }
 
+/* one grouped Linear, through the grouped GEMM the groups ask for; @p gather: its input
+ * rows are gathered by grp->gather (fc1 under the fused permutation); @p scatter: its output
+ * rows are scattered by grp->scatter (fc2 under it); @p fw: its FP8 codes (the native path
+ * of lowp.h) or NULL; @p lin: 0 fc1, 1 fc2 (its sites: grp->lowp_site + lin) */
 static void gmm_forward(const moe_backend *be, void *out, const void *in, const void *w,
                         const moe_fp8_weight *fw, const moe_groups *grp, int I, int O,
                         int gather, int scatter, int lin) {

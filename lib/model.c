@@ -224,15 +224,31 @@ static moe_attention_dims attn_dims(const moe_model *m, int B, int T, int l) {
 /* the intermediate width of this rank's dense FFNs */
 static int dense_ffn(const moe_model *m) { return m->cfg.ffn_hidden_size / m->tp.size; }
 
+/* where a dense linear's weight slot @p s of layer @p l keeps its FP8 copy in m->fp8d (which
+ * must exist): the layer's block of MOE_FP8_DENSE_SLOTS, wq, wk, wv, wo, then fc1, fc2 (the
+ * dense FFN's, or the shared expert's) */
+static moe_fp8_weight *fp8_dense_at(const moe_model *m, int l, int s) {
+    int i;
+    switch (s) {
+    case MOE_W_Q: i = 0; break;
+    case MOE_W_K: i = 1; break;
+    case MOE_W_V: i = 2; break;
+    case MOE_W_O: i = 3; break;
+    case MOE_W_FC1: case MOE_W_SHARED_FC1: i = 4; break;
+    default: i = 5; /* MOE_W_FC2, MOE_W_SHARED_FC2 */
+    }
+    return &m->fp8d[(size_t)MOE_FP8_DENSE_SLOTS * l + (size_t)i];
+}
+
 /* layer @p l's FP8 dense copies (chapter 05's native dense path): wq, wk, wv, wo, then the
  * FFN's fc1, fc2 (MOE_FP8_DENSE_SLOTS); NULL when emulated */
 static const moe_fp8_weight *fp8_dense(const moe_model *m, int l) {
-    return m->fp8d ? &m->fp8d[(size_t)MOE_FP8_DENSE_SLOTS * l] : NULL;
+    return m->fp8d ? fp8_dense_at(m, l, MOE_W_Q) : NULL;
 }
 
 /* ... its FFN's fc1 and fc2 (the dense FFN's, or the shared expert's) */
 static const moe_fp8_weight *fp8_ffn(const moe_model *m, int l) {
-    return m->fp8d ? fp8_dense(m, l) + 4 : NULL;
+    return m->fp8d ? fp8_dense_at(m, l, MOE_W_FC1) : NULL;
 }
 
 static moe_attention_weights attn_weights(const moe_model *m, int l) {
@@ -639,19 +655,6 @@ static int alloc_fp8_weights(moe_model *m, int moe_rows) {
  * moe_lowp_native_dense() holds): the FP8 codes of every layer's attention projections and
  * of its dense FFN or shared expert (MOE_FP8_DENSE_SLOTS; this rank's shards, as the tensors
  * hold them). 0 when out of memory. */
-/* where a dense linear's weight slot keeps its FP8 copy in a layer's block of m->fp8d:
- * wq, wk, wv, wo, then fc1, fc2 (the dense FFN's, or the shared expert's) */
-static int fp8_dense_slot(int s) {
-    switch (s) {
-    case MOE_W_Q: return 0;
-    case MOE_W_K: return 1;
-    case MOE_W_V: return 2;
-    case MOE_W_O: return 3;
-    case MOE_W_FC1: case MOE_W_SHARED_FC1: return 4;
-    default: return 5; /* MOE_W_FC2, MOE_W_SHARED_FC2 */
-    }
-}
-
 static int alloc_fp8_dense(moe_model *m) {
     const moe_config *c = &m->cfg;
     if (!m->lowp->native_dense) /* (decided at the model's creation) */
@@ -671,10 +674,8 @@ static int alloc_fp8_dense(moe_model *m) {
             const moe_tensor *t = tensor_at(m, m->off[l][s]);
             MOE_ASSERT(t && t->ndim >= 2);
             const int I = t->shape[t->ndim - 1];
-            if (!moe_fp8_weight_alloc(m->be,
-                                      &m->fp8d[(size_t)MOE_FP8_DENSE_SLOTS * l +
-                                               (size_t)fp8_dense_slot(s)],
-                                      1, (int)(t->numel / (size_t)I), I))
+            if (!moe_fp8_weight_alloc(m->be, fp8_dense_at(m, l, s), 1,
+                                      (int)(t->numel / (size_t)I), I))
                 return 0;
         }
     moe_log_info("precision: the attention projections, dense FFNs and shared experts run their "
@@ -713,9 +714,7 @@ static void lowp_quantize_weights(moe_model *m, int record) {
             const int rows = (int)(t->numel / (size_t)groups / (size_t)cols);
             void *w = MOE_ACT(m->be, m->wact, t->offset);
             if (!routed) { /* a dense linear, and its FP8 copy on the native dense path */
-                moe_fp8_weight *fd = m->fp8d ? &m->fp8d[(size_t)MOE_FP8_DENSE_SLOTS * l +
-                                                        (size_t)fp8_dense_slot(s)]
-                                             : NULL;
+                moe_fp8_weight *fd = m->fp8d ? fp8_dense_at(m, l, s) : NULL;
                 moe_lowp_quantize_dense(m->be, m->lowp, fd, w, rows, cols, site[i], record);
                 continue;
             }

@@ -284,6 +284,19 @@ static void *counting_alloc(size_t bytes) {
 }
 static size_t no_memory(void) { return 1; }
 
+/* a model of @p c on @p be (its alloc counting_alloc), its allocations counted from zero in
+ * g_bytes and g_calls, none failing; the creation must succeed */
+static moe_model *counted_model(const moe_config *c, const moe_backend *be) {
+    g_bytes = 0;
+    g_calls = 0;
+    g_fail_at = -1;
+    moe_model *m = NULL;
+    moe_error err;
+    ck_assert_msg(moe_model_create(&m, c, be, c->micro_batch_size, NULL, &err) == MOE_OK, "%s",
+                  err.msg);
+    return m;
+}
+
 static moe_config small_config(const char *extra) {
     char flags[1024];
     snprintf(flags, sizeof flags, TINY "%s", extra);
@@ -314,12 +327,7 @@ START_TEST(test_memory_estimate_bounds_allocations) {
         moe_error err;
         ck_assert_int_eq(moe_memory_estimate_model(&c, c.micro_batch_size, 1, be.act_size, &est,
                                                    &err), MOE_OK);
-        g_bytes = 0;
-        g_calls = 0;
-        g_fail_at = -1;
-        moe_model *m = NULL;
-        ck_assert_int_eq(moe_model_create(&m, &c, &be, c.micro_batch_size, NULL, &err), MOE_OK);
-        moe_model_free(m);
+        moe_model_free(counted_model(&c, &be));
         ck_assert_msg((double)est.total_bytes >= 0.9 * (double)g_bytes &&
                           (double)est.total_bytes <= 2.5 * (double)g_bytes,
                       "'%s': estimate %lld bytes, allocated %zu", configs[i], est.total_bytes,
@@ -381,12 +389,7 @@ START_TEST(test_memory_estimate_counts_fp8_expert_weights) {
         be.alloc = counting_alloc;
         if (i)
             be.fp8_grouped_native = claims_fp8_native;
-        g_bytes = 0;
-        g_calls = 0;
-        g_fail_at = -1;
-        moe_model *m = NULL;
-        ck_assert_msg(moe_model_create(&m, &cg, &be, cg.micro_batch_size, NULL, &err) == MOE_OK,
-                      "%s", err.msg);
+        moe_model *m = counted_model(&cg, &be);
         moe_model_free(m);
         bytes[i] = g_bytes;
     }
@@ -449,12 +452,7 @@ START_TEST(test_memory_estimate_counts_fp8_dense_weights) {
             be.fp8_gemm = never_fp8_gemm;
             be.fp8_quant_t_act = never_quant_t;
         }
-        g_bytes = 0;
-        g_calls = 0;
-        g_fail_at = -1;
-        moe_model *m = NULL;
-        ck_assert_msg(moe_model_create(&m, &c, &be, c.micro_batch_size, NULL, &err) == MOE_OK,
-                      "%s", err.msg);
+        moe_model *m = counted_model(&c, &be);
         moe_bench_env_restore(&env); /* (latched by the model: lowp.h) */
         ck_assert_int_eq(m->lowp->native_dense, i == 1);
         ck_assert(i == 1 ? m->fp8d != NULL : m->fp8d == NULL);
@@ -507,13 +505,7 @@ static size_t fp8_model_bytes(const moe_config *c, int native) {
         be.fp8_swiglu_forward_quant = never_swiglu_fwd_q;
         be.fp8_swiglu_backward_quant = never_swiglu_bwd_q;
     }
-    g_bytes = 0;
-    g_calls = 0;
-    g_fail_at = -1;
-    moe_model *m = NULL;
-    moe_error err;
-    ck_assert_msg(moe_model_create(&m, c, &be, c->micro_batch_size, NULL, &err) == MOE_OK, "%s",
-                  err.msg);
+    moe_model *m = counted_model(c, &be);
     ck_assert_int_eq(m->lowp->native, native);
     ck_assert_int_eq(moe_mlp_fp8_saves_codes(&be, m->lowp), native && m->lowp->fp8_fused);
     moe_model_free(m);

@@ -196,11 +196,7 @@ static void exchange_to_experts(moe_ep *ep, const moe_dispatch_plan *plan, void 
 }
 
 /* a backend quantizer's status: the shapes were checked at start-up (lowp.c) */
-static void fp8_ok(moe_status st, const moe_error *err) {
-    if (st != MOE_OK)
-        fprintf(stderr, "FP8 dispatch: %s\n", err->msg);
-    MOE_ASSERT(st == MOE_OK);
-}
+#define fp8_ok(st, err) MOE_REQUIRE_OK(st, err, "FP8 dispatch")
 
 void moe_dispatch_rows_fp8(moe_ep *ep, const moe_dispatch_plan *plan, void *dst, const void *src,
                            int H) {
