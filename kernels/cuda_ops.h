@@ -431,6 +431,20 @@ moe_status moe_cuda_swiglu_backward_quant(uint8_t *q, float *scale_inv, void *y,
                                           const moe_real *row_scale, int N, int F,
                                           moe_fp8_format f, int pow2, moe_error *err);
 
+/* ... and the backward under the FP8 wgrad, tiled (kernels/swiglu_quant.cu, "tiled"): dgu's
+ * row-wise codes and scales as moe_cuda_swiglu_backward_quant's, and its token-wise copy qt
+ * [2F][kpad], st [kpad/128][2F] as moe_cuda_quant_group_t_act of dgu would write them, dgu
+ * itself never written; drow_scale added to through part [F/128][N] (fp32 rounding of the
+ * row-wise kernel's sum, another order). F % 128 == 0, 16-byte aligned buffers and
+ * moe_quant_group_t_check's arguments, else MOE_ERR_CONFIG (nothing launched). */
+moe_status moe_cuda_swiglu_backward_quant_t(uint8_t *q, float *scale_inv, uint8_t *qt, float *st,
+                                            float *part, moe_real *drow_scale, const void *dout,
+                                            const void *gu, const moe_real *row_scale,
+                                            const int *dev_off, int G, int N, int F, size_t kpad,
+                                            moe_fp8_format f, int pow2, moe_error *err);
+/* launches of the tiled backward since the start (a test's proof that it ran) */
+long long moe_cuda_swiglu_backward_quant_t_calls(void);
+
 /* the CUDA twin of moe_cpu_qdq (bf16 activations through ws->x in fp32) */
 void moe_cuda_qdq(void *dst, const void *src, int rows, int cols, const moe_qdq_spec *spec,
                   const moe_qdq_ws *ws);

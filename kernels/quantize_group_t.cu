@@ -59,6 +59,7 @@
 #include "cuda_ops.h"
 #include "fp8_wgrad.cuh"
 #include "fp8_wgrad.h"
+#include "quant_group_t.cuh"
 
 namespace {
 
@@ -124,73 +125,17 @@ __global__ void __launch_bounds__(THREADS)
 
 /* ------------------------------------------------------------------ v2 (see the header) */
 
-constexpr int CHUNKS = B / 8;      /* 16-byte chunks of a token row (8 channels each) */
+/* the tile step (quant_group_t.cuh): its 16 chunks a row, its 16-token lane segments */
+constexpr int CHUNKS = MOE_GT_CHUNKS, SEG = MOE_GT_SEG;
 constexpr int ROWS_PER_PASS = THREADS / CHUNKS; /* 16 token rows per load step */
 constexpr int LOADS = B / ROWS_PER_PASS;        /* 8 loads of 16 bytes per thread */
-constexpr int SEG = 16;            /* consecutive tokens per lane: one 16-byte code store */
 constexpr int TILES_PER_CTA = 4;   /* padded token blocks per block, on average */
 /* 4 blocks an SM: 64 registers a thread (80 unbounded, which allows 3), 4 × 34 KB of shared
  * memory, 4 × 32 KB of loads in flight; the QDQ's kernel (the emulation's, which also holds
  * the dequantized values) 2, where it does not spill */
 constexpr int MIN_CTAS = 4;
-static_assert(LOADS == 8 && B / SEG == 8, "the swizzle below assumes 8 segments of 16 rows");
-
-/* the swizzled chunk position of chunk q of token row t (see the header) */
-static __device__ __forceinline__ int swz(int t, int q) { return q ^ ((t >> 4) & 7); }
-
-/* the key of a bf16 (its fp32 bits' |.|: moe_q_abs_key of the value) from its 16 bits in the
- * low or high half of w, and the value itself */
-static __device__ __forceinline__ uint32_t key_lo(uint32_t w) { return (w << 16) & 0x7FFFFFFFu; }
-static __device__ __forceinline__ uint32_t key_hi(uint32_t w) { return w & 0x7FFF0000u; }
-static __device__ __forceinline__ float val_lo(uint32_t w) { return moe_q_u2f(w << 16); }
-static __device__ __forceinline__ float val_hi(uint32_t w) { return moe_q_u2f(w & 0xFFFF0000u); }
-
-/* max of a key over the 8 lanes of a channel (lanes that differ in bits 0..2) */
-static __device__ __forceinline__ uint32_t seg_max_key(uint32_t m) {
-#pragma unroll
-    for (int o = 1; o < 8; o <<= 1) {
-        const uint32_t other = __shfl_xor_sync(0xffffffffu, m, o);
-        m = other > m ? other : m;
-    }
-    return m;
-}
-
-/* One channel's 16 codes (as moe_q_cast_scaled: all 0 for a NaN scale), packed
- * little-endian, and with DEQ its dequantized values rounded to bf16 into the half (HI or
- * not) of w. The values are finite (a block holding a NaN or an infinity has a NaN scale),
- * so the magnitude half of the fast encoder serves, and the signs (those of the values: the
- * scale is positive) are gathered 4 at a time from the words' bytes: 1 or 3, bit 7. */
-template <moe_fp8_format F, bool HI, bool DEQ>
-static __device__ __forceinline__ uint4 cast16(uint32_t *w, float scale, float si) {
-    uint32_t c[4];
-    const bool poisoned = moe_q_nonfinite(scale);
-    constexpr unsigned sign_sel = HI ? 0x0073 : 0x0051; /* byte 3 or 1 of two words */
-#pragma unroll
-    for (int g = 0; g < 4; g++) {
-        uint32_t m[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const float v = HI ? val_hi(w[4 * g + j]) : val_lo(w[4 * g + j]);
-            m[j] = moe_fp8_encode_fast_mag(moe_q_f2u(moe_q_mul(v, scale)) & 0x7FFFFFFFu, F);
-        }
-        const uint32_t mags = __byte_perm(__byte_perm(m[0], m[1], 0x0040),
-                                          __byte_perm(m[2], m[3], 0x0040), 0x5410);
-        const uint32_t signs = __byte_perm(__byte_perm(w[4 * g], w[4 * g + 1], sign_sel),
-                                           __byte_perm(w[4 * g + 2], w[4 * g + 3], sign_sel),
-                                           0x5410);
-        c[g] = poisoned ? 0u : mags | (signs & 0x80808080u);
-        if (DEQ)
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const uint8_t code = (uint8_t)(c[g] >> (8 * j));
-                const uint32_t h = __bfloat16_as_ushort(
-                    moe_st(moe_q_dequant(moe_fp8_decode(code, F), si)));
-                uint32_t &x = w[4 * g + j];
-                x = HI ? (x & 0xFFFFu) | (h << 16) : (x & 0xFFFF0000u) | h;
-            }
-    }
-    return make_uint4(c[0], c[1], c[2], c[3]);
-}
+static_assert(LOADS == 8 && B / SEG == 8 && THREADS == MOE_GT_THREADS,
+              "the swizzle assumes 8 segments of 16 rows, the tile step 256 threads");
 
 template <moe_fp8_format F, bool QDQ>
 __global__ void __launch_bounds__(THREADS, QDQ ? MIN_CTAS / 2 : MIN_CTAS)
@@ -206,18 +151,8 @@ __global__ void __launch_bounds__(THREADS, QDQ ? MIN_CTAS / 2 : MIN_CTAS)
     const int total = s_pb[G]; /* the padded blocks of all groups: the rest is not written */
     /* the load step's thread layout: chunk lq of token rows lr + 16·i */
     const int lq = tid % CHUNKS, lr = tid / CHUNKS;
-    /* the cast step's: warp w, pass h: chunk q = 2w + h; lane (s, p): tokens 16s .. 16s + 15,
-     * channels 8q + 2p (low half of each word) and 8q + 2p + 1 (high half) */
-    const int lane = tid & 31, warp = tid >> 5, s = lane & 7, p = lane >> 3;
-    const float fmax = moe_fp8_max(F);
     for (int pb = blockIdx.y; pb < total; pb += gridDim.y) {
-        /* its group: the last g < G with s_pb[g] ≤ pb (then pb < s_pb[g + 1]; an empty group
-         * has s_pb[g] = s_pb[g + 1] and is passed over) */
-        int g = 0;
-#pragma unroll
-        for (int step = MOE_GROUPED_DEV_MAX_GROUPS / 2; step; step >>= 1)
-            if (g + step < G && s_pb[g + step] <= pb)
-                g += step;
+        const int g = moe_gt_group_of(s_pb, G, pb); /* its group */
         const int t0 = s_off[g] + (pb - s_pb[g]) * B;
         const int nt = min(B, s_off[g + 1] - t0);
         uint4 r[LOADS];
@@ -231,42 +166,10 @@ __global__ void __launch_bounds__(THREADS, QDQ ? MIN_CTAS / 2 : MIN_CTAS)
 #pragma unroll
         for (int i = 0; i < LOADS; i++) {
             const int t = lr + ROWS_PER_PASS * i;
-            tile[t * CHUNKS + swz(t, lq)] = r[i];
+            tile[t * CHUNKS + moe_gt_swz(t, lq)] = r[i];
         }
         __syncthreads();
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int q = 2 * warp + h;
-            uint32_t w[SEG], mlo = 0, mhi = 0;
-#pragma unroll
-            for (int k = 0; k < SEG; k++) {
-                const int t = SEG * s + k;
-                w[k] = ((const uint32_t *)&tile[t * CHUNKS + swz(t, q)])[p];
-                mlo = max(mlo, key_lo(w[k]));
-                mhi = max(mhi, key_hi(w[k]));
-            }
-            mlo = seg_max_key(mlo);
-            mhi = seg_max_key(mhi);
-            const float sclo = moe_q_scale_from_amax(moe_q_key_amax(mlo), fmax, pow2);
-            const float schi = moe_q_scale_from_amax(moe_q_key_amax(mhi), fmax, pow2);
-            const float silo = moe_q_scale_inv(sclo), sihi = moe_q_scale_inv(schi);
-            const uint4 clo = cast16<F, false, QDQ>(w, sclo, silo);
-            const uint4 chi = cast16<F, true, QDQ>(w, schi, sihi);
-            const int c = c0 + 8 * q + 2 * p; /* the low channel */
-            if (!QDQ) {
-                uint8_t *dst = qt + (size_t)c * kpad + (size_t)pb * B + SEG * s;
-                *(uint4 *)dst = clo;
-                *(uint4 *)(dst + kpad) = chi;
-                if (s < 2) /* 8 consecutive scales: channels 8q .. 8q + 7 */
-                    st[(size_t)pb * C + c + s] = s ? sihi : silo;
-            }
-            if (QDQ) /* the dequantized pair back over the words just read */
-#pragma unroll
-                for (int k = 0; k < SEG; k++) {
-                    const int t = SEG * s + k;
-                    ((uint32_t *)&tile[t * CHUNKS + swz(t, q)])[p] = w[k];
-                }
-        }
+        moe_gt_tile_step<F, QDQ>(tile, qt, st, c0, pb, C, kpad, pow2);
         if (QDQ) {
             __syncthreads();
 #pragma unroll
@@ -274,7 +177,7 @@ __global__ void __launch_bounds__(THREADS, QDQ ? MIN_CTAS / 2 : MIN_CTAS)
                 const int t = lr + ROWS_PER_PASS * i;
                 if (t < nt)
                     *(uint4 *)(y + (size_t)(t0 + t) * C + c0 + 8 * lq) =
-                        tile[t * CHUNKS + swz(t, lq)];
+                        tile[t * CHUNKS + moe_gt_swz(t, lq)];
             }
         }
     }

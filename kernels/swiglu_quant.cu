@@ -15,6 +15,12 @@
  *             copy — one pass still, where the separate path wrote a (dgu), read it back to
  *             quantize it, and (backward) zeroed dgu first. STATUS of y_raw: passed
  *             tests/gpu_fp8_fused.c and gpu_fp8_layer.c on an H100 at 3d50c58;
+ *   tiled     under the FP8 wgrad the backward can write dgu's token-wise copy itself
+ *             (moe_cuda_swiglu_backward_quant_t, below; lib/mlp.c takes it unless
+ *             MOE_FP8_FUSED_T=0): a block computes 128 tokens × 128 channels of dg and of
+ *             du, quantizes each token's row of them 1×128 (fc1's dgrad) and each channel's
+ *             column 1×128 along the tokens (fc1's FP8 wgrad, quant_group_t.cuh's step), so
+ *             dgu is neither written nor read back;
  *   saved     the backward's bf16 wgrad needs Q(a) as bf16: dequantized once from the codes
  *             the forward kept (1 byte read per element, 2 written), where the unfused path
  *             quantized the saved bf16 a again (2 read, 3 written).
@@ -35,9 +41,13 @@
  * Both need F % 128 == 0 (the native path's start-up check) and 16-byte aligned rows; the
  * launchers return MOE_ERR_CONFIG otherwise, before launching anything.
  */
+#include <limits.h>
+
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
+#include "fp8_wgrad.h"
 #include "quant1x128.cuh"
+#include "quant_group_t.cuh"
 #include "swiglu.cuh"
 
 #define THREADS 256
@@ -204,5 +214,193 @@ extern "C" moe_status moe_cuda_swiglu_backward_quant(uint8_t *q, float *scale_in
                                                  (const moe_bf16 *)dout, (const moe_bf16 *)gu,
                                                  row_scale, F, pow2);
     MOE_CUDA_LAUNCH_CHECK();
+    return MOE_OK;
+}
+
+/* ------------------------------------------------------------------------------------------
+ * The backward under the FP8 wgrad, tiled: moe_cuda_swiglu_backward_quant_t.
+ *
+ * Why: with y_raw the row-wise kernel above writes dgu in bf16 (4·N·F bytes) only for the
+ * token-wise quantizer to read it back; on Mixtral's layer that round trip is 1.9 GB. The
+ * token-wise scale of a channel needs the amax of its 128 tokens, which a row-wise pass
+ * cannot see, so this kernel works on 128 × 128 tiles laid out as the token-wise copy's
+ * blocks: blockIdx.x the 128-channel block cb (dg's channels c0 .. c0 + 127 and du's
+ * F + c0 ..), and a stride of padded token blocks pb of the groups (lib/fp8_wgrad.h), then of
+ * the rows past the last group (off[G] .. N: their row-wise codes only, as the separate
+ * passes give; the token-wise copy does not cover them). Per tile:
+ *   1. a half-warp per token row, lane l its 8 channels c0 + 8l ..: the loads of g, u and
+ *      dout, swiglu_bwd from zero (the separate path's zeroed dgu) rounded to bf16, the
+ *      row's 1×128 tiles of dg and du quantized and stored (store_tile, as the row-wise
+ *      kernel), and the bf16 values put in two swizzled shared-memory tiles;
+ *   2. each tile quantized along its tokens (moe_gt_tile_step, the token-wise quantizer's
+ *      own step), its codes and scales stored.
+ * The bytes are the separate passes' (the same values, the same tile functions). The routing
+ * weight's gradient is not: Σ_f over F channels is now a sum of F/128 block partials, each
+ * a half-warp's butterfly, written to @p part [F/128][N] and added in block order by
+ * swiglu_drow_kernel: deterministic, but another order than the row-wise kernel's, so it
+ * agrees with it to fp32 rounding (tests/gpu_fp8_fused.c), not bit for bit.
+ * A block a channel block (grid x) and about T_PER_CTA token blocks (grid y), two blocks an
+ * SM (64 KB of tiles each), 12 loads of 16 bytes in flight a thread. Measured on an H100
+ * (the Mixtral FP8-wgrad layer, docs/results/05-fp8-nvfp4.md): 22.11 ms against the row-wise
+ * fused backward's 22.39 in the same process: the token-wise pass it removes took 0.8 ms,
+ * and it costs 0.5 ms more than the row-wise kernel (about 2 TB/s). Tried and slower: a
+ * persistent form (two blocks an SM striding over all tiles, the next tile's first loads
+ * issued before the token-wise step of the current one), 22.88 against 22.45.
+ */
+constexpr int T_ROWS = MOE_GT_THREADS / MOE_GT_CHUNKS; /* 16 token rows per pass */
+constexpr int T_PASSES = MOE_QUANT_BLOCK / T_ROWS;     /* 8 passes cover 128 tokens */
+constexpr int T_SMEM = 2 * MOE_QUANT_BLOCK * MOE_GT_CHUNKS * 16; /* dg's and du's tiles */
+constexpr int T_PER_CTA = 2; /* token blocks per block, on average */
+
+template <moe_fp8_format FMT>
+static __global__ void __launch_bounds__(MOE_GT_THREADS, 2)
+    swiglu_quant_bwd_t_kernel(uint8_t *q, float *scale_inv, uint8_t *qt, float *st, float *part,
+                              const moe_bf16 *dout, const moe_bf16 *gu, const float *row_scale,
+                              const int *off, int G, int N, int F, size_t kpad, int pow2) {
+    extern __shared__ __align__(1024) uint4 t_smem[];
+    __shared__ int s_pb[MOE_GROUPED_DEV_MAX_GROUPS + 1];
+    __shared__ int s_off[MOE_GROUPED_DEV_MAX_GROUPS + 1];
+    uint4 *tg = t_smem, *tu = t_smem + MOE_QUANT_BLOCK * MOE_GT_CHUNKS;
+    const int tid = threadIdx.x, cb = blockIdx.x, c0 = cb * MOE_QUANT_BLOCK;
+    const int nbc = F / MOE_QUANT_BLOCK, nbr = 2 * nbc;
+    for (int i = tid; i <= G; i += MOE_GT_THREADS)
+        s_off[i] = off[i];
+    moe_wgrad_block_prefix(s_pb, off, G); /* (synchronizes, after s_off's stores too) */
+    const int total = s_pb[G];
+    const int tail = (N - s_off[G] + MOE_QUANT_BLOCK - 1) / MOE_QUANT_BLOCK;
+    /* chunk lq of token rows lr + 16·i: a half-warp holds one row's 128 channels */
+    const int lq = tid % MOE_GT_CHUNKS, lr = tid / MOE_GT_CHUNKS;
+    for (int pb = blockIdx.y; pb < total + tail; pb += gridDim.y) {
+        const bool grouped = pb < total; /* (block-uniform) */
+        int t0, nt;
+        if (grouped) {
+            const int g = moe_gt_group_of(s_pb, G, pb);
+            t0 = s_off[g] + (pb - s_pb[g]) * MOE_QUANT_BLOCK;
+            nt = min(MOE_QUANT_BLOCK, s_off[g + 1] - t0);
+        } else { /* rows past the groups: row-wise codes (and d scale) only */
+            t0 = s_off[G] + (pb - total) * MOE_QUANT_BLOCK;
+            nt = min(MOE_QUANT_BLOCK, N - t0);
+        }
+        __syncthreads(); /* the previous tile's readers are done */
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            constexpr int P = T_PASSES / 2;
+            moe_bf16x8 vg[P], vu[P], vy[P];
+#pragma unroll
+            for (int i = 0; i < P; i++) { /* all loads first: 12 × 16 bytes in flight */
+                const int t = lr + T_ROWS * (P * half + i);
+                vg[i].u = vu[i].u = vy[i].u = make_uint4(0, 0, 0, 0);
+                if (t < nt) {
+                    const size_t n = (size_t)(t0 + t);
+                    const moe_bf16 *g = gu + n * 2 * F + c0 + 8 * lq;
+                    vg[i].u = *(const uint4 *)g;
+                    vu[i].u = *(const uint4 *)(g + F);
+                    vy[i].u = *(const uint4 *)(dout + n * F + c0 + 8 * lq);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < P; i++) {
+                const int t = lr + T_ROWS * (P * half + i);
+                const bool valid = t < nt;
+                const size_t n = (size_t)(t0 + (valid ? t : 0));
+                const float s = row_scale && valid ? row_scale[n] : 1.0f;
+                float a[8], b[8], acc = 0.0f;
+                moe_bf16x8 ha, hb;
+#pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    float da = 0.0f, db = 0.0f; /* the zeroed dgu of the separate path */
+                    acc += swiglu_bwd(moe_ld(vg[i].h[k]), moe_ld(vu[i].h[k]), moe_ld(vy[i].h[k]),
+                                      s, &da, &db);
+                    ha.h[k] = moe_st(da);
+                    hb.h[k] = moe_st(db);
+                    a[k] = moe_ld(ha.h[k]); /* zero for a padded token: key 0, code 0 */
+                    b[k] = moe_ld(hb.h[k]);
+                }
+                /* the row's 1×128 tiles of dg and du (every lane: store_tile shuffles) */
+                const size_t iq = n * 2 * F + c0 + (size_t)MOE_Q1X128_PER_LANE * lq;
+                const size_t it = n * nbr + cb;
+                store_tile<FMT>(q, scale_inv, NULL, 0, a, iq, it, valid, lq == 0, pow2);
+                store_tile<FMT>(q, scale_inv, NULL, 0, b, iq + F, it + nbc, valid, lq == 0, pow2);
+                if (part) { /* the row's partial Σ dout·a over these 128 channels */
+#pragma unroll
+                    for (int o = 8; o; o >>= 1)
+                        acc += __shfl_xor_sync(0xffffffffu, acc, o);
+                    if (valid && lq == 0)
+                        part[(size_t)cb * N + n] = acc;
+                }
+                if (grouped) {
+                    tg[t * MOE_GT_CHUNKS + moe_gt_swz(t, lq)] = ha.u;
+                    tu[t * MOE_GT_CHUNKS + moe_gt_swz(t, lq)] = hb.u;
+                }
+            }
+        }
+        if (grouped) {
+            __syncthreads();
+            moe_gt_tile_step<FMT, false>(tg, qt, st, c0, pb, 2 * F, kpad, pow2);
+            moe_gt_tile_step<FMT, false>(tu, qt, st, F + c0, pb, 2 * F, kpad, pow2);
+        }
+    }
+}
+
+/* drow_scale[n] += Σ_cb part[cb][n], in block order (deterministic) */
+static __global__ void swiglu_drow_kernel(float *drow_scale, const float *part, int N, int nbc) {
+    const int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= N)
+        return;
+    float acc = 0.0f;
+    for (int cb = 0; cb < nbc; cb++)
+        acc += part[(size_t)cb * N + n];
+    drow_scale[n] += acc;
+}
+
+long long g_bwd_t_calls = 0; /* launches of the tiled backward (a test's proof that it ran) */
+
+extern "C" long long moe_cuda_swiglu_backward_quant_t_calls(void) { return g_bwd_t_calls; }
+
+extern "C" moe_status moe_cuda_swiglu_backward_quant_t(
+    uint8_t *q, float *scale_inv, uint8_t *qt, float *st, float *part, moe_real *drow_scale,
+    const void *dout, const void *gu, const moe_real *row_scale, const int *dev_off, int G,
+    int N, int F, size_t kpad, moe_fp8_format f, int pow2, moe_error *err) {
+    static const char *const what = "moe_cuda_swiglu_backward_quant_t";
+    MOE_TRY(moe_quant_check_format(f, err));
+    MOE_TRY(check_fused(N, F, gu, dout, NULL, what, err));
+    if (F > INT_MAX / 2)
+        return moe_error_set(err, MOE_ERR_CONFIG, "%s: 2F overflows (F = %d)", what, F);
+    MOE_TRY(moe_quant_group_t_check(qt, st, gu, dev_off, G, N, 2 * F, kpad, f, err));
+    if ((uintptr_t)q % 8 != 0 || (uintptr_t)qt % 16 != 0)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "%s: the row-wise codes are not 8-byte or the token-wise codes "
+                             "not 16-byte aligned", what);
+    if (drow_scale && !part)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "%s: the routing weight's gradient needs the partial sums' buffer "
+                             "(N x F/128 floats)", what);
+    if (N == 0)
+        return MOE_OK;
+    const int nbc = F / MOE_QUANT_BLOCK;
+    /* a bound of the token blocks: the groups' padded ones (≤ kpad/128) and those of the
+     * rows past the groups (≤ ⌈N/128⌉); blocks past the real count return at once */
+    const size_t bound = kpad / MOE_QUANT_BLOCK + moe_cdiv(N, MOE_QUANT_BLOCK);
+    if (bound > (size_t)INT_MAX / 2)
+        return moe_error_set(err, MOE_ERR_CONFIG, "%s: %zu token blocks overflow an int (N = %d)",
+                             what, bound, N);
+    size_t gy = moe_cdiv(bound, T_PER_CTA);
+    gy = gy > 65535 ? 65535 : gy;
+    auto kernel = f == MOE_FP8_E5M2 ? swiglu_quant_bwd_t_kernel<MOE_FP8_E5M2>
+                                    : swiglu_quant_bwd_t_kernel<MOE_FP8_E4M3>;
+    if (f == MOE_FP8_E5M2)
+        moe_cuda_smem_opt_in<swiglu_quant_bwd_t_kernel<MOE_FP8_E5M2>>(T_SMEM);
+    else
+        moe_cuda_smem_opt_in<swiglu_quant_bwd_t_kernel<MOE_FP8_E4M3>>(T_SMEM);
+    kernel<<<dim3((unsigned)nbc, (unsigned)gy), MOE_GT_THREADS, T_SMEM, moe_cuda_stream()>>>(
+        q, scale_inv, qt, st, drow_scale ? part : NULL, (const moe_bf16 *)dout,
+        (const moe_bf16 *)gu, row_scale, dev_off, G, N, F, kpad, pow2);
+    MOE_CUDA_LAUNCH_CHECK();
+    if (drow_scale) {
+        swiglu_drow_kernel<<<(unsigned)moe_cdiv(N, 256), 256, 0, moe_cuda_stream()>>>(
+            drow_scale, part, N, nbc);
+        MOE_CUDA_LAUNCH_CHECK();
+    }
+    g_bwd_t_calls++;
     return MOE_OK;
 }

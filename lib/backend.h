@@ -278,6 +278,18 @@ typedef struct moe_backend {
                                             moe_real *drow_scale, const void *dout,
                                             const void *gu, const moe_real *row_scale, int N,
                                             int F, moe_fp8_format f, int pow2, moe_error *err);
+    /** ... and the SwiGLU backward under the FP8 wgrad, tiled: dgu's row-wise codes @p q and
+     *  scales @p s as @ref fp8_swiglu_backward_quant's, and its token-wise copy @p qt
+     *  [2F][kpad], @p st [kpad/128][2F] as @ref fp8_quant_group_t_act of dgu would give
+     *  (the groups @p dev_off, @p G of lib/fp8_wgrad.h), dgu itself never written;
+     *  @p drow_scale, when not NULL, added to through @p part [F/128][N] floats (another
+     *  summation order than @ref fp8_swiglu_backward_quant's); NULL where no such kernel */
+    moe_status (*fp8_swiglu_backward_quant_t)(uint8_t *q, float *s, uint8_t *qt, float *st,
+                                              float *part, moe_real *drow_scale,
+                                              const void *dout, const void *gu,
+                                              const moe_real *row_scale, const int *dev_off,
+                                              int G, int N, int F, size_t kpad,
+                                              moe_fp8_format f, int pow2, moe_error *err);
     /** dst [m, cols] = the QDQ along the tokens of src [n, cols] (a wgrad operand, NVFP4's
      *  random Hadamard transform: lib/lowp.h), tokens zero-padded to m: as moe_cpu_qdq_t(),
      *  through @p ws in backend memory; dst is not src */

@@ -33,6 +33,14 @@ static int fp8_fused_env(void) {
     return !(e && *e == '0');
 }
 
+/* MOE_FP8_FUSED_T=0|1 (default MOE_FP8_FUSED_T_DEFAULT): under the FP8 wgrad, the fused
+ * SwiGLU backward writes dgu's token-wise copy itself (lowp.h, "Fused passes") */
+#define MOE_FP8_FUSED_T_DEFAULT 1
+static int fp8_fused_t_env(void) {
+    const char *e = getenv("MOE_FP8_FUSED_T");
+    return e && *e ? atoi(e) != 0 : MOE_FP8_FUSED_T_DEFAULT;
+}
+
 /* MOE_FP8_NATIVE_DENSE=1: the dense linears' native FP8 GEMMs (lowp.h, "Native FP8 dense
  * linears"); off unless set to a nonzero value. Read here, once per context: the model's FP8
  * weight copies (and the memory estimate) depend on it */
@@ -89,6 +97,7 @@ moe_status moe_lowp_from_config(moe_lowp *lp, const moe_config *c, moe_error *er
     snprintf(lp->name, sizeof lp->name, "fp8 %.12s %.8s (emulated)", r, c->fp8_format);
     lp->fp8_wgrad = moe_lowp_native_recipe(lp) && fp8_wgrad_env();
     lp->fp8_fused = moe_lowp_native_recipe(lp) && fp8_fused_env();
+    lp->fp8_fused_t = lp->fp8_fused && fp8_fused_t_env(); /* (acts under fp8_wgrad only) */
     lp->native_dense = moe_lowp_native_recipe(lp) && native_dense_env();
     return MOE_OK;
 }

@@ -110,7 +110,8 @@ static void gmm_forward(const moe_backend *be, void *out, const void *in, const 
 
 /* chapter 05's FP8 wgrad, native (lib/fp8_wgrad.h): dw_g = Q_t(dout_g)ᵀ·Q_t(in_g) in our FP8
  * wgrad kernel, both operands quantized 1×128 along the tokens of each group into the
- * context's buffers (moe_lowp_alloc_fp8_wgrad()), dw written in the groups' mode */
+ * context's buffers (moe_lowp_alloc_fp8_wgrad()), dw written in the groups' mode; @p dout
+ * NULL: dout's copy is there already (written by the tiled SwiGLU backward) */
 static void fp8_wgrad(const moe_backend *be, moe_real *dw, const void *dout, const void *in,
                       const moe_groups *grp, int I, int O) {
     moe_lowp *lp = grp->lowp;
@@ -121,8 +122,9 @@ static void fp8_wgrad(const moe_backend *be, moe_real *dw, const void *dout, con
     float *sa = lp->wg_s, *sb = sa + (size_t)O * (kpad / MOE_QUANT_BLOCK);
     const moe_qdq_spec *sg = &lp->spec[MOE_LOWP_GRADIENT], *sx = &lp->spec[MOE_LOWP_ACTIVATION];
     moe_error err;
-    fp8_ok(be->fp8_quant_group_t_act(qa, sa, dout, grp->dev_off, G, N, O, kpad, sg->format,
-                                     sg->pow2, &err), &err);
+    if (dout)
+        fp8_ok(be->fp8_quant_group_t_act(qa, sa, dout, grp->dev_off, G, N, O, kpad, sg->format,
+                                         sg->pow2, &err), &err);
     fp8_ok(be->fp8_quant_group_t_act(qb, sb, in, grp->dev_off, G, N, I, kpad, sx->format,
                                      sx->pow2, &err), &err);
     fp8_ok(be->fp8_grouped_wgrad(dw, grp->dw_mode, qa, sa, qb, sb, grp->dev_off, G, kpad, O, I,
@@ -360,8 +362,10 @@ static void forward_fp8_fused(const moe_backend *be, void *out, void *gu, void *
 
 /* the fused backward under the FP8 wgrad: fc2 as the separate path runs it (dgrad on dout's
  * row-wise codes, FP8 wgrad on the token-wise copies of dout and the kept bf16 output); the
- * SwiGLU backward writing dgu's row-wise codes (fc1's dgrad) and dgu itself (the source of
- * its token-wise copy), not zeroed first nor read back; then fc1's dgrad and FP8 wgrad */
+ * SwiGLU backward writing dgu's row-wise codes (fc1's dgrad) and either dgu itself (the
+ * source of its token-wise copy), not zeroed first nor read back, or (lp->fp8_fused_t, the
+ * tiled kernel) that token-wise copy, straight into the FP8 wgrad's A operand; then fc1's
+ * dgrad and FP8 wgrad */
 static void backward_fp8_fused_wgrad(const moe_backend *be, void *dx, moe_real *dw1,
                                      moe_real *dw2, moe_real *drow_scale, const void *dout,
                                      const void *x, const void *gu, const void *act,
@@ -371,21 +375,35 @@ static void backward_fp8_fused_wgrad(const moe_backend *be, void *dx, moe_real *
     moe_lowp *lp = grp->lowp;
     const moe_qdq_ws *ws = &lp->ws;
     const moe_qdq_spec *sg = &lp->spec[MOE_LOWP_GRADIENT];
+    const int tiled = lp->fp8_fused_t && be->fp8_swiglu_backward_quant_t;
     MOE_ASSERT((size_t)N * 2 * F <= lp->cap);
     moe_error err;
     gmm_backward(be, ws_dh, dw2, dout, act, w2, grp->fp8_w2, grp, F, H, 0, 0, 1);
     moe_prof_mark(MOE_PROF_GEMM);
-    /* (fc2's dgrad GEMM, which read dout's codes from the scratch, is queued before) */
-    fp8_ok(be->fp8_swiglu_backward_quant(ws->q, (float *)ws->scales, ws_dgu, 1,
-                                         row_scale ? drow_scale : NULL, ws_dh, gu, row_scale, N,
-                                         F, sg->format, sg->pow2, &err),
-           &err);
+    /* (fc2's dgrad GEMM, which read dout's codes from the scratch, and its FP8 wgrad, which
+     * read the token-wise copies' buffers, are queued before on the same stream) */
+    if (tiled) {
+        /* dgu's copy is the FP8 wgrad's A (fp8_wgrad()'s layout); the routing weight's
+         * partial sums, N·F/128 floats, go where dgu would have been (4·N·F bytes) */
+        const size_t kpad = moe_fp8_wgrad_kpad(N, grp->G);
+        MOE_ASSERT(lp->wg_q && lp->wg_s && kpad * (size_t)(2 * F) <= lp->wg_elems);
+        fp8_ok(be->fp8_swiglu_backward_quant_t(
+                   ws->q, (float *)ws->scales, lp->wg_q, lp->wg_s, (float *)ws_dgu,
+                   row_scale ? drow_scale : NULL, ws_dh, gu, row_scale, grp->dev_off, grp->G, N,
+                   F, kpad, sg->format, sg->pow2, &err),
+               &err);
+    } else {
+        fp8_ok(be->fp8_swiglu_backward_quant(ws->q, (float *)ws->scales, ws_dgu, 1,
+                                             row_scale ? drow_scale : NULL, ws_dh, gu,
+                                             row_scale, N, F, sg->format, sg->pow2, &err),
+               &err);
+    }
     moe_prof_mark(MOE_PROF_EXPERT_OPS);
     if (dx)
         fp8_gemm_codes(be, dx, ws->q, ws->scales, grp->fp8_w1->qt, grp->fp8_w1->st, grp, H,
                        2 * F, MOE_LOWP_GRADIENT);
     if (dw1)
-        fp8_wgrad(be, dw1, ws_dgu, x, grp, H, 2 * F);
+        fp8_wgrad(be, dw1, tiled ? NULL : ws_dgu, x, grp, H, 2 * F);
     moe_prof_mark(MOE_PROF_GEMM);
 }
 

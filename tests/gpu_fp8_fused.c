@@ -19,8 +19,11 @@
  *  - both with y_raw (the FP8 wgrad's arrangement, lib/mlp.c): the bf16 output they write next
  *    to the codes is the separate SwiGLU's output (forward) or dgu (backward) byte for byte.
  *    y_raw passed on an H100 at 3d50c58;
- *  - the saved codes' dequantization == the quantizer's dequantized copy.
- * No tolerance anywhere: memcmp. Every output is 0xAB-poisoned first, so an element a kernel
+ *  - the saved codes' dequantization == the quantizer's dequantized copy;
+ *  - the tiled backward of the FP8 wgrad (MOE_FP8_FUSED_T) == the row-wise one keeping dgu,
+ *    then the token-wise quantizer: both codes and scales byte for byte; its routing-weight
+ *    gradient, summed in another order, within 1e-5 of the largest (the one tolerance here).
+ * Otherwise no tolerance: memcmp. Every output is 0xAB-poisoned first, so an element a kernel
  * forgets differs. A mismatch prints its first byte offset, both bytes and the count.
  * Without a GPU the runner (tests/gpu_main.c) prints "skipped: no GPU".
  */
@@ -32,6 +35,7 @@
 
 #include "cpu/ops.h"
 #include "cuda_ops.h"
+#include "fp8_wgrad.h"
 #include "helpers.h"
 #include "quantize.h"
 #include "rng.h"
@@ -417,9 +421,139 @@ START_TEST(test_gpu_swiglu_quant_backward) {
 }
 END_TEST
 
+/* The tiled backward under the FP8 wgrad (moe_cuda_swiglu_backward_quant_t) against the
+ * separate passes: the row-wise fused backward with y_raw (dgu), then the token-wise
+ * quantizer of that dgu. Codes and scales, row-wise and token-wise, byte for byte (both
+ * sides poisoned alike, so the columns neither writes agree too); the routing weight's
+ * gradient within fp32 rounding (another summation order). Ragged groups: empty ones, one
+ * row, sizes around 128, 40 groups; rows past the last group (their row-wise codes only, 3
+ * and 130 of them); both formats, both scale kinds, with and without the routing weight. */
+START_TEST(test_gpu_swiglu_quant_backward_t) {
+    static const int z0[] = {0, 1, 127, 128, 129, 0, 255, 64};
+    static const int z1[] = {1, 0, 0};
+    static int z2[40];
+    for (int e = 0; e < 40; e++)
+        z2[e] = e % 7 == 3 ? 0 : (e * 53) % 190;
+    const struct {
+        const int *sizes;
+        int G, F, past;
+    } cs[] = {{z0, 8, 384, 3}, {z1, 3, 128, 0}, {z2, 40, 128, 130}, {z0, 8, 128, 0}};
+    moe_error err;
+    int ok = 1, cases = 0;
+    double worst_d = 0;
+    const long long calls0 = moe_cuda_swiglu_backward_quant_t_calls();
+    for (int ci = 0; ci < 4; ci++)
+        for (int v = 0; v < 4; v++) { /* v: format (E5M2 when odd), scaled / pow2 (v >> 1) */
+            const moe_fp8_format f = v & 1 ? MOE_FP8_E5M2 : MOE_FP8_E4M3;
+            const int scaled = (v >> 1) & 1, pow2 = !((v >> 1) & 1), G = cs[ci].G, F = cs[ci].F;
+            int off[41];
+            off[0] = 0;
+            for (int g = 0; g < G; g++)
+                off[g + 1] = off[g] + cs[ci].sizes[g];
+            const int N = off[G] + cs[ci].past;
+            const size_t n = (size_t)N * F, n2 = 2 * n, ns2 = n2 / 128;
+            const size_t kpad = moe_fp8_wgrad_kpad(N, G), nt = kpad * 2 * F;
+            const size_t nst = kpad / 128 * 2 * F;
+            float *gu = gen(n2, 500 + ci * 4 + v, 3.0, 6.0);
+            float *dy = gen(n, 600 + ci * 4 + v, 1e-3, 10.0);
+            float *rs = malloc(sizeof(float) * (N + 1)), *drs0 = malloc(sizeof(float) * (N + 1));
+            for (int r = 0; r < N; r++) {
+                rs[r] = (float)moe_rng_uniform(36, ci * 4 + v, r);
+                drs0[r] = (float)moe_rng_normal(37, ci * 4 + v, r);
+            }
+            void *dgu = upload_bf16(gu, n2), *ddy = upload_bf16(dy, n);
+            int *doff = moe_cuda_alloc(sizeof(int) * (G + 1));
+            moe_cuda_from_host(doff, off, sizeof(int) * (G + 1));
+            float *drs = dpoison(sizeof(float) * N);
+            moe_cuda_from_host(drs, rs, sizeof(float) * N);
+            float *dr1 = dpoison(sizeof(float) * N), *dr2 = dpoison(sizeof(float) * N);
+            moe_cuda_from_host(dr1, drs0, sizeof(float) * N);
+            moe_cuda_from_host(dr2, drs0, sizeof(float) * N);
+            const float *row_scale = scaled ? drs : NULL;
+            /* separate: the row-wise fused backward keeping dgu, then the token-wise copy */
+            void *dgrad = dpoison(2 * n2);
+            uint8_t *q1 = dpoison(n2), *qt1 = dpoison(nt);
+            float *s1 = dpoison(4 * ns2), *st1 = dpoison(4 * nst);
+            ck_assert_int_eq(moe_cuda_swiglu_backward_quant(q1, s1, dgrad, 1, scaled ? dr1 : NULL,
+                                                            ddy, dgu, row_scale, N, F, f, pow2,
+                                                            &err),
+                             MOE_OK);
+            ck_assert_int_eq(moe_cuda_quant_group_t_act(qt1, st1, dgrad, doff, G, N, 2 * F, kpad,
+                                                        f, pow2, &err),
+                             MOE_OK);
+            /* tiled */
+            uint8_t *q2 = dpoison(n2), *qt2 = dpoison(nt);
+            float *s2 = dpoison(4 * ns2), *st2 = dpoison(4 * nst);
+            float *part = dpoison(sizeof(float) * (n / 128 + 1));
+            ck_assert_int_eq(moe_cuda_swiglu_backward_quant_t(q2, s2, qt2, st2, part,
+                                                              scaled ? dr2 : NULL, ddy, dgu,
+                                                              row_scale, doff, G, N, F, kpad, f,
+                                                              pow2, &err),
+                             MOE_OK);
+            int k = same2("tiled backward row-wise codes", q2, 1, q1, 1, n2);
+            k &= same2("tiled backward row-wise scales", s2, 1, s1, 1, 4 * ns2);
+            k &= same2("tiled backward token-wise codes", qt2, 1, qt1, 1, nt);
+            k &= same2("tiled backward token-wise scales", st2, 1, st1, 1, 4 * nst);
+            float *h1 = malloc(sizeof(float) * (N + 1)), *h2 = malloc(sizeof(float) * (N + 1));
+            moe_cuda_to_host(h1, dr1, sizeof(float) * N);
+            moe_cuda_to_host(h2, dr2, sizeof(float) * N);
+            double big = 0, worst = 0;
+            for (int r = 0; r < N; r++) {
+                big = fmax(big, fabs(h1[r] - drs0[r]));
+                const double d = fabs((double)h2[r] - (double)h1[r]);
+                worst = d > worst || d != d ? d : worst;
+            }
+            if (!scaled) /* no routing weight: d scale untouched, bit for bit */
+                k &= same2("tiled backward d scale (untouched)", dr2, 1, dr1, 1, 4 * (size_t)N);
+            else if (!(worst <= 1e-5 * big + 1e-30)) {
+                printf("  tiled backward d scale: max |diff| %.3g, largest sum %.3g\n", worst,
+                       big);
+                k = 0;
+            }
+            worst_d = fmax(worst_d, big > 0 ? worst / big : 0);
+            if (!k)
+                printf("  ^ in case G %d N %d F %d (rows past the groups %d) format %d scaled %d "
+                       "pow2 %d\n", G, N, F, cs[ci].past, (int)f, scaled, pow2);
+            ok &= k;
+            cases++;
+            free(gu), free(dy), free(rs), free(drs0), free(h1), free(h2);
+            void *const bufs[] = {dgu, ddy, doff, drs, dr1, dr2, dgrad, q1, qt1, s1, st1,
+                                  q2, qt2, s2, st2, part};
+            for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+                moe_cuda_free(bufs[i]);
+        }
+    ck_assert_int_eq(moe_cuda_swiglu_backward_quant_t_calls() - calls0, cases);
+    printf("  tiled SwiGLU backward + both quantizations: %d cases (%lld launches), %s; d scale "
+           "within %.2g of the largest sum\n", cases,
+           moe_cuda_swiglu_backward_quant_t_calls() - calls0,
+           ok ? "== separate passes byte for byte (row-wise and token-wise codes and scales)"
+              : "DIFFER", worst_d);
+    ck_assert(ok);
+    /* named errors, nothing launched */
+    const int off1[2] = {0, 4};
+    int *d1 = moe_cuda_alloc(sizeof off1);
+    moe_cuda_from_host(d1, off1, sizeof off1);
+    void *b = dpoison(1 << 16);
+    ck_assert_int_eq(moe_cuda_swiglu_backward_quant_t(b, b, b, b, b, NULL, b, b, NULL, d1, 1, 4,
+                                                      100, 512, MOE_FP8_E4M3, 1, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err.msg, "multiple of 128"));
+    ck_assert_int_eq(moe_cuda_swiglu_backward_quant_t(b, b, b, b, NULL, b, b, b, NULL, d1, 1, 4,
+                                                      128, 512, MOE_FP8_E4M3, 1, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err.msg, "partial sums"));
+    ck_assert_int_eq(moe_cuda_swiglu_backward_quant_t(b, b, b, b, b, NULL, b, b, NULL, d1, 1, 4,
+                                                      128, 0, MOE_FP8_E4M3, 1, &err),
+                     MOE_ERR_CONFIG); /* kpad too small for the groups */
+    ck_assert_int_eq(moe_cuda_swiglu_backward_quant_t_calls() - calls0, cases);
+    moe_cuda_free(d1), moe_cuda_free(b);
+}
+END_TEST
+
 Suite *suite_gpu_fp8_fused(void) {
     const TTest *const tests[] = {test_gpu_quant_1x128_vec, test_gpu_fp8_cast_check,
                                   test_gpu_quant_1x128_v3, test_gpu_swiglu_quant_forward,
-                                  test_gpu_swiglu_quant_backward};
-    return moe_test_chapter_suite("gpu_fp8_fused", "ch05", tests, 5);
+                                  test_gpu_swiglu_quant_backward,
+                                  test_gpu_swiglu_quant_backward_t};
+    return moe_test_chapter_suite("gpu_fp8_fused", "ch05", tests, 6);
 }

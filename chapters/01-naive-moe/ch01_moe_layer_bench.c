@@ -349,11 +349,19 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
                                   .lowp = &L.lp};
         const size_t rows = (size_t)moe_layer_permuted_rows(&L.d);
         const double nf = (double)rows * s->F;
-        if (moe_mlp_fp8_fused(be, &probe) && L.lp.fp8_wgrad)
+        const int tiled = L.lp.fp8_fused_t && be->fp8_swiglu_backward_quant_t;
+        if (moe_mlp_fp8_fused(be, &probe) && L.lp.fp8_wgrad && tiled)
+            printf("  %s %s: fused quantize passes (MOE_FP8_FUSED) with the FP8 wgrad: the "
+                   "SwiGLU forward writes the bf16 output (kept, %.1f MB) next to the row-wise "
+                   "codes, the tiled backward (MOE_FP8_FUSED_T) dgu's row-wise codes and "
+                   "token-wise copy, never dgu: %.1f MB of bf16 traffic fewer than the "
+                   "separate passes (22 bytes per row and F column)\n",
+                   s->name, name, nf * 2 / 1e6, nf * 22 / 1e6);
+        else if (moe_mlp_fp8_fused(be, &probe) && L.lp.fp8_wgrad)
             printf("  %s %s: fused quantize passes (MOE_FP8_FUSED) with the FP8 wgrad: the "
                    "SwiGLU passes write the bf16 output (kept, %.1f MB) and dgu next to the "
                    "row-wise codes, %.1f MB of bf16 traffic fewer than the separate passes "
-                   "(14 bytes per row and F column)\n",
+                   "(14 bytes per row and F column; MOE_FP8_FUSED_T=0)\n",
                    s->name, name, nf * 2 / 1e6, nf * 14 / 1e6);
         else if (moe_mlp_fp8_fused(be, &probe))
             printf("  %s %s: fused quantize passes (MOE_FP8_FUSED); the SwiGLU output is kept "
