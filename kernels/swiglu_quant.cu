@@ -16,8 +16,8 @@
  *             quantize it, and (backward) zeroed dgu first. STATUS of y_raw: passed
  *             tests/gpu_fp8_fused.c and gpu_fp8_layer.c on an H100 at 3d50c58;
  *   tiled     under the FP8 wgrad the backward can write dgu's token-wise copy itself
- *             (moe_cuda_swiglu_backward_quant_t, below; lib/mlp.c takes it unless
- *             MOE_FP8_FUSED_T=0): a block computes 128 tokens × 128 channels of dg and of
+ *             (moe_cuda_swiglu_backward_quant_t, below; lib/mlp.c takes it with
+ *             MOE_FP8_FUSED_T=1, off by default: measured no faster, see below): a block computes 128 tokens × 128 channels of dg and of
  *             du, quantizes each token's row of them 1×128 (fc1's dgrad) and each channel's
  *             column 1×128 along the tokens (fc1's FP8 wgrad, quant_group_t.cuh's step), so
  *             dgu is neither written nor read back;
@@ -240,12 +240,15 @@ extern "C" moe_status moe_cuda_swiglu_backward_quant(uint8_t *q, float *scale_in
  * swiglu_drow_kernel: deterministic, but another order than the row-wise kernel's, so it
  * agrees with it to fp32 rounding (tests/gpu_fp8_fused.c), not bit for bit.
  * A block a channel block (grid x) and about T_PER_CTA token blocks (grid y), two blocks an
- * SM (64 KB of tiles each), 12 loads of 16 bytes in flight a thread. Measured on an H100
- * (the Mixtral FP8-wgrad layer, docs/results/05-fp8-nvfp4.md): 22.11 ms against the row-wise
- * fused backward's 22.39 in the same process: the token-wise pass it removes took 0.8 ms,
- * and it costs 0.5 ms more than the row-wise kernel (about 2 TB/s). Tried and slower: a
- * persistent form (two blocks an SM striding over all tiles, the next tile's first loads
- * issued before the token-wise step of the current one), 22.88 against 22.45.
+ * SM (64 KB of tiles each), 12 loads of 16 bytes in flight a thread.
+ * STATUS: passed tests/gpu_fp8_fused.c and gpu_fp8_layer.c on an H100 (cdaebf3). Measured
+ * there on the Mixtral FP8-wgrad layer (docs/results/05-fp8-nvfp4.md) against the row-wise
+ * fused backward: 22.11 vs 22.39 ms in one call, 22.56 vs 22.33 in another. The stage
+ * breakdown says why it does not pay: the token-wise pass it removes took 0.8 ms, and it
+ * costs 0.5 ms more than the row-wise kernel (it moves about 2 TB/s; the casts of both
+ * quantizations and the shuffles of the row-wise one sit between its loads). Off by default.
+ * Tried and slower: a persistent form (two blocks an SM striding over all tiles, the next
+ * tile's first loads issued before the token-wise step of the current one), 22.88 vs 22.45.
  */
 constexpr int T_ROWS = MOE_GT_THREADS / MOE_GT_CHUNKS; /* 16 token rows per pass */
 constexpr int T_PASSES = MOE_QUANT_BLOCK / T_ROWS;     /* 8 passes cover 128 tokens */

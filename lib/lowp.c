@@ -34,8 +34,10 @@ static int fp8_fused_env(void) {
 }
 
 /* MOE_FP8_FUSED_T=0|1 (default MOE_FP8_FUSED_T_DEFAULT): under the FP8 wgrad, the fused
- * SwiGLU backward writes dgu's token-wise copy itself (lowp.h, "Fused passes") */
-#define MOE_FP8_FUSED_T_DEFAULT 1
+ * SwiGLU backward writes dgu's token-wise copy itself (lowp.h, "Fused passes"). Off: on an
+ * H100 the Mixtral layer measured 22.11 vs 22.39 ms in one call and 22.56 vs 22.33 in
+ * another (cdaebf3, docs/results/05-fp8-nvfp4.md), within the calls' noise */
+#define MOE_FP8_FUSED_T_DEFAULT 0
 static int fp8_fused_t_env(void) {
     const char *e = getenv("MOE_FP8_FUSED_T");
     return e && *e ? atoi(e) != 0 : MOE_FP8_FUSED_T_DEFAULT;

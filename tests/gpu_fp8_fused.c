@@ -98,6 +98,25 @@ static void *upload_bf16(float *x, size_t n) {
     return d;
 }
 
+/* The backward's routing weights and the d scale it adds to, for @p N rows: host values
+ * (*rs uniform, *drs0 normal: seeds @p su, @p sn of stream @p stream), the weights on the
+ * device (*drs) and two device copies of *drs0 (*dr1, *dr2), one for each path to add into */
+static void bwd_scales(int N, uint64_t su, uint64_t sn, uint64_t stream, float **rs,
+                       float **drs0, float **drs, float **dr1, float **dr2) {
+    *rs = malloc(sizeof(float) * (N + 1));
+    *drs0 = malloc(sizeof(float) * (N + 1));
+    for (int r = 0; r < N; r++) {
+        (*rs)[r] = (float)moe_rng_uniform(su, stream, r);
+        (*drs0)[r] = (float)moe_rng_normal(sn, stream, r);
+    }
+    *drs = dpoison(sizeof(float) * N);
+    moe_cuda_from_host(*drs, *rs, sizeof(float) * N);
+    *dr1 = dpoison(sizeof(float) * N);
+    *dr2 = dpoison(sizeof(float) * N);
+    moe_cuda_from_host(*dr1, *drs0, sizeof(float) * N);
+    moe_cuda_from_host(*dr2, *drs0, sizeof(float) * N);
+}
+
 START_TEST(test_gpu_quant_1x128_vec) {
     /* rows × 128-wide tiles: 1 tile, odd tile counts, not multiples of a block's 16 tiles */
     const int shapes[][2] = {{1, 128}, {3, 128}, {17, 384}, {301, 1152}, {1001, 640}, {64, 2048}};
@@ -366,17 +385,9 @@ START_TEST(test_gpu_swiglu_quant_backward) {
                 const size_t n = (size_t)N * F, n2 = 2 * n, ns2 = n2 / 128;
                 float *gu = gen(n2, 300 + fi * 3 + ni, 3.0, 6.0);
                 float *dy = gen(n, 400 + fi * 3 + ni, 1e-3, 10.0);
-                float *rs = malloc(sizeof(float) * N), *drs0 = malloc(sizeof(float) * N);
-                for (int r = 0; r < N; r++) {
-                    rs[r] = (float)moe_rng_uniform(34, fi * 3 + ni, r);
-                    drs0[r] = (float)moe_rng_normal(35, fi * 3 + ni, r);
-                }
+                float *rs, *drs0, *drs, *dr1, *dr2;
+                bwd_scales(N, 34, 35, fi * 3 + ni, &rs, &drs0, &drs, &dr1, &dr2);
                 void *dgu = upload_bf16(gu, n2), *ddy = upload_bf16(dy, n);
-                float *drs = dpoison(sizeof(float) * N);
-                moe_cuda_from_host(drs, rs, sizeof(float) * N);
-                float *dr1 = dpoison(sizeof(float) * N), *dr2 = dpoison(sizeof(float) * N);
-                moe_cuda_from_host(dr1, drs0, sizeof(float) * N);
-                moe_cuda_from_host(dr2, drs0, sizeof(float) * N);
                 const float *row_scale = scaled ? drs : NULL;
                 /* separate passes: a zeroed dgu, the backward, the quantizer with its copy */
                 void *dgrad = dpoison(2 * n2), *y1 = dpoison(2 * n2);
@@ -456,19 +467,11 @@ START_TEST(test_gpu_swiglu_quant_backward_t) {
             const size_t nst = kpad / 128 * 2 * F;
             float *gu = gen(n2, 500 + ci * 4 + v, 3.0, 6.0);
             float *dy = gen(n, 600 + ci * 4 + v, 1e-3, 10.0);
-            float *rs = malloc(sizeof(float) * (N + 1)), *drs0 = malloc(sizeof(float) * (N + 1));
-            for (int r = 0; r < N; r++) {
-                rs[r] = (float)moe_rng_uniform(36, ci * 4 + v, r);
-                drs0[r] = (float)moe_rng_normal(37, ci * 4 + v, r);
-            }
+            float *rs, *drs0, *drs, *dr1, *dr2;
+            bwd_scales(N, 36, 37, ci * 4 + v, &rs, &drs0, &drs, &dr1, &dr2);
             void *dgu = upload_bf16(gu, n2), *ddy = upload_bf16(dy, n);
             int *doff = moe_cuda_alloc(sizeof(int) * (G + 1));
             moe_cuda_from_host(doff, off, sizeof(int) * (G + 1));
-            float *drs = dpoison(sizeof(float) * N);
-            moe_cuda_from_host(drs, rs, sizeof(float) * N);
-            float *dr1 = dpoison(sizeof(float) * N), *dr2 = dpoison(sizeof(float) * N);
-            moe_cuda_from_host(dr1, drs0, sizeof(float) * N);
-            moe_cuda_from_host(dr2, drs0, sizeof(float) * N);
             const float *row_scale = scaled ? drs : NULL;
             /* separate: the row-wise fused backward keeping dgu, then the token-wise copy */
             void *dgrad = dpoison(2 * n2);

@@ -362,9 +362,10 @@ static int check_layer(const int *sizes, int G, int H, int F, int wgrad) {
     /* (the switches are the context's, latched from MOE_FP8_FUSED and MOE_FP8_FUSED_T when it
      * is made: set here on lg as a model made with them would have them). Under the FP8
      * wgrad the fused passes run too, in two forms: the tiled backward that writes dgu's
-     * token-wise copy itself (fp8_fused_t, the default: nat and again), and the row-wise
-     * one that keeps dgu (y_raw) for the token-wise quantizer (rw); both keep the bf16
-     * SwiGLU output. The fused ops must have run, in those forms, as many times as asked */
+     * token-wise copy itself (fp8_fused_t, MOE_FP8_FUSED_T=1: nat and again), and the
+     * row-wise one that keeps dgu (y_raw) for the token-wise quantizer (rw, the default);
+     * both keep the bf16 SwiGLU output. The fused ops must have run, in those forms, as
+     * many times as asked */
     const moe_backend *cg = counting_cuda();
     lg.fp8_fused = 1;
     lg.fp8_fused_t = 1;
@@ -375,7 +376,7 @@ static int check_layer(const int *sizes, int G, int H, int F, int wgrad) {
     memcpy(q0, g_swiglu_q, sizeof q0);
     run_mlp(cg, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, nat);
     run_mlp(cg, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, again);
-    if (wgrad) { /* the row-wise fused backward, kept as MOE_FP8_FUSED_T=0 */
+    if (wgrad) { /* the row-wise fused backward (MOE_FP8_FUSED_T unset or 0) */
         lg.fp8_fused_t = 0;
         run_mlp(cg, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, rw);
     }

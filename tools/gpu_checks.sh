@@ -24,8 +24,9 @@
 #            kernel (MOE_GROUPED_WGRAD_PINGPONG=1), the FP8 wgrad's GEMMs (both loops, both
 #            scale paths, both tile widths), the FP8 layer with and without it in one process
 #            (--precision bf16,fp8,fp8-wgrad with MOE_FP8_WGRAD_BN=256) on Mixtral and
-#            Qwen3-235B, and the GPU preset in FP8 with and without the native dense linears
-#            (MOE_FP8_NATIVE_DENSE=1)
+#            Qwen3-235B, the FP8-wgrad layer with the tiled SwiGLU backward
+#            (MOE_FP8_FUSED_T=1) and without, alternating, and the GPU preset in FP8 with
+#            and without the native dense linears (MOE_FP8_NATIVE_DENSE=1)
 #
 # Run from the repository root. It builds first (make -j$(nproc); --check-dir DIR or
 # CHECK_DIR=DIR for Check as static libraries, see tools/README.md). Each section writes
@@ -126,6 +127,13 @@ for s in "${sections[@]}"; do
         for shape in mixtral qwen3-235b; do
             run pending 200 env MOE_FP8_WGRAD_BN=256 bin/ch01_moe_layer_bench --shape "$shape" \
                 --impl grouped --precision bf16,fp8,fp8-wgrad --repeats 7
+        done
+        # the tiled SwiGLU backward of the FP8 wgrad (MOE_FP8_FUSED_T=1) against the row-wise
+        # one, alternating processes twice (the switch is read when a context is made)
+        for v in MOE_FP8_FUSED_T=0 MOE_FP8_FUSED_T=1 MOE_FP8_FUSED_T=0 MOE_FP8_FUSED_T=1; do
+            echo "== Mixtral FP8 wgrad $v" >>"$out/pending.txt"
+            run pending 100 env $v MOE_FP8_WGRAD_BN=256 bin/ch01_moe_layer_bench --shape mixtral \
+                --impl grouped --precision fp8-wgrad --repeats 7
         done
         for v in "" MOE_FP8_NATIVE_DENSE=1; do
             echo "== FP8 preset ${v:-(dense linears emulated)}" >>"$out/pending.txt"
