@@ -125,6 +125,56 @@ static void check_close(double got, double want, const char *what) {
                   "without resharding %.9g", what, got, want);
 }
 
+/* A trainer in one of a test's two layouts: @p dist the W-rank one over the world, else one
+ * process (every rank runs the same single-process trainer). */
+typedef moe_trainer *(*layout_fn)(int dist);
+
+/* A trainer in layout @p dist takes two steps and is saved to @p dir (a single-process one
+ * by rank 0 alone); returns its next step's loss, which a trainer that loads @p dir must
+ * reproduce. */
+static double save_after_two(layout_fn mk, int dist, const char *dir) {
+    moe_comm *w = moe_test_world();
+    moe_trainer *t = mk(dist);
+    moe_test_step(t);
+    moe_test_step(t);
+    if (dist || moe_comm_rank(w) == 0)
+        save(t, dir);
+    if (!dist)
+        moe_comm_barrier(w);
+    const double next = moe_test_step(t);
+    moe_trainer_free(t);
+    return next;
+}
+
+/* A trainer in layout @p dist loads @p dir; its next step's loss must be @p next. */
+static void load_and_check(layout_fn mk, int dist, const char *dir, double next,
+                           const char *what) {
+    moe_trainer *t = mk(dist);
+    load(t, dir);
+    check_close(moe_test_step(t), next, what);
+    moe_trainer_free(t);
+}
+
+/* Saved in the W-rank layout @p name and loaded by one process, then saved by one process
+ * and loaded in that layout: each gives the next-step loss of the run continued without
+ * resharding. */
+static void reshard_both_ways(layout_fn mk, const char *name, const char *dir,
+                              const char *dir1) {
+    char what[200];
+    const double next = save_after_two(mk, 1, dir);
+    snprintf(what, sizeof what, "%s -> one process", name);
+    load_and_check(mk, 0, dir, next, what);
+    const double next1 = save_after_two(mk, 0, dir1);
+    snprintf(what, sizeof what, "one process -> %s", name);
+    load_and_check(mk, 1, dir1, next1, what);
+}
+
+/* EP W over the world, or EP 1 in one process */
+static moe_trainer *ep_layout(int dist) {
+    return dist ? make(moe_comm_size(moe_test_world()), moe_test_world()) : make(1, NULL);
+}
+
+
 START_TEST(test_ckpt_reshard) {
     moe_comm *w = moe_test_world();
     const int W = moe_comm_size(w);
@@ -132,36 +182,15 @@ START_TEST(test_ckpt_reshard) {
     shared_dir(dir, sizeof dir, "reshard");
     shared_dir(dir1, sizeof dir1, "reshard1");
 
-    /* EP W -> one process (EP1), and -> W ranks at EP1 */
-    moe_trainer *src = make(W, w);
-    moe_test_step(src);
-    moe_test_step(src);
-    save(src, dir);
-    const double next = moe_test_step(src);
-    moe_trainer_free(src);
-    moe_trainer *one = make(1, NULL);
-    load(one, dir);
-    check_close(moe_test_step(one), next, "EP W -> one process");
-    moe_trainer_free(one);
+    /* EP W -> one process (EP1), and -> W ranks at EP1; one process -> EP W */
+    const double next = save_after_two(ep_layout, 1, dir);
+    load_and_check(ep_layout, 0, dir, next, "EP W -> one process");
     moe_trainer *dp = make(1, w);
     load(dp, dir);
     check_close(moe_test_step(dp), next, "EP W -> W ranks at EP 1");
     moe_trainer_free(dp);
-
-    /* one process (EP1) -> EP W: every rank runs the same single-process trainer, rank 0
-     * saves it */
-    moe_trainer *single = make(1, NULL);
-    moe_test_step(single);
-    moe_test_step(single);
-    if (moe_comm_rank(w) == 0)
-        save(single, dir1);
-    moe_comm_barrier(w);
-    const double next1 = moe_test_step(single);
-    moe_trainer_free(single);
-    moe_trainer *ep = make(W, w);
-    load(ep, dir1);
-    check_close(moe_test_step(ep), next1, "one process -> EP W");
-    moe_trainer_free(ep);
+    const double next1 = save_after_two(ep_layout, 0, dir1);
+    load_and_check(ep_layout, 1, dir1, next1, "one process -> EP W");
 
     /* a missing rank file: every rank reports it */
     if (W > 1) {
@@ -200,38 +229,19 @@ static moe_trainer *make_tp(int tp, moe_comm *world) {
     return moe_test_trainer(flags, world, on_gpu());
 }
 
+/* TP W with SP over the world, or TP 1 in one process */
+static moe_trainer *tp_layout(int dist) {
+    return dist ? make_tp(moe_comm_size(moe_test_world()), moe_test_world()) : make_tp(1, NULL);
+}
+
 START_TEST(test_ckpt_tensor_parallel) {
     moe_comm *w = moe_test_world();
-    const int W = moe_comm_size(w);
-    if (W == 1)
+    if (moe_comm_size(w) == 1)
         return; /* TP needs two ranks at least */
     char dir[600], dir1[600];
     shared_dir(dir, sizeof dir, "tp");
     shared_dir(dir1, sizeof dir1, "tp1");
-
-    moe_trainer *src = make_tp(W, w);
-    moe_test_step(src);
-    moe_test_step(src);
-    save(src, dir);
-    const double next = moe_test_step(src);
-    moe_trainer_free(src);
-    moe_trainer *one = make_tp(1, NULL);
-    load(one, dir);
-    check_close(moe_test_step(one), next, "TP W + SP -> one process");
-    moe_trainer_free(one);
-
-    moe_trainer *single = make_tp(1, NULL);
-    moe_test_step(single);
-    moe_test_step(single);
-    if (moe_comm_rank(w) == 0)
-        save(single, dir1);
-    moe_comm_barrier(w);
-    const double next1 = moe_test_step(single);
-    moe_trainer_free(single);
-    moe_trainer *tp = make_tp(W, w);
-    load(tp, dir1);
-    check_close(moe_test_step(tp), next1, "one process -> TP W + SP");
-    moe_trainer_free(tp);
+    reshard_both_ways(tp_layout, "TP W + SP", dir, dir1);
     remove_shared(dir);
     remove_shared(dir1);
 }
@@ -404,6 +414,11 @@ END_TEST
  * tensor split twice; the file holds each EP shard, assembled over its ETP ranks) loads into
  * one process (ETP 1 x EP 1), and one saved by one process loads into ETP 2 x EP W/2, each
  * giving the next-step loss of the run continued without resharding. */
+static moe_trainer *etp_layout(int dist) {
+    const int W = moe_comm_size(moe_test_world());
+    return dist ? make_experts(2, W / 2, moe_test_world()) : make_experts(1, 1, NULL);
+}
+
 START_TEST(test_ckpt_expert_tensor_parallel) {
     moe_comm *w = moe_test_world();
     const int W = moe_comm_size(w);
@@ -412,30 +427,7 @@ START_TEST(test_ckpt_expert_tensor_parallel) {
     char dir[600], dir1[600];
     shared_dir(dir, sizeof dir, "etp");
     shared_dir(dir1, sizeof dir1, "etp1");
-
-    moe_trainer *src = make_experts(2, W / 2, w);
-    moe_test_step(src);
-    moe_test_step(src);
-    save(src, dir);
-    const double next = moe_test_step(src);
-    moe_trainer_free(src);
-    moe_trainer *one = make_experts(1, 1, NULL);
-    load(one, dir);
-    check_close(moe_test_step(one), next, "ETP 2 x EP W/2 -> one process");
-    moe_trainer_free(one);
-
-    moe_trainer *single = make_experts(1, 1, NULL);
-    moe_test_step(single);
-    moe_test_step(single);
-    if (moe_comm_rank(w) == 0)
-        save(single, dir1);
-    moe_comm_barrier(w);
-    const double next1 = moe_test_step(single);
-    moe_trainer_free(single);
-    moe_trainer *etp = make_experts(2, W / 2, w);
-    load(etp, dir1);
-    check_close(moe_test_step(etp), next1, "one process -> ETP 2 x EP W/2");
-    moe_trainer_free(etp);
+    reshard_both_ways(etp_layout, "ETP 2 x EP W/2", dir, dir1);
     remove_shared(dir);
     remove_shared(dir1);
 }
