@@ -27,6 +27,12 @@
 #            Qwen3-235B, the FP8-wgrad layer with the tiled SwiGLU backward
 #            (MOE_FP8_FUSED_T=1) and without, alternating, and the GPU preset in FP8 with
 #            and without the native dense linears (MOE_FP8_NATIVE_DENSE=1)
+#   profile  Nsight Compute (ncu, metrics only) on the kernels that hold back the unmet
+#            targets: the bf16 grouped GEMMs at 512 rows per expert (sweep512: the wgrad
+#            adding into and storing fp32 dW), the FP8 wgrad on the Mixtral layer, and the
+#            SwiGLU backward in both forms with the token-wise quantizer: per launch, time,
+#            DRAM bytes read and written and DRAM / L2 throughput (% of peak), L2
+#            reduction sectors and tensor-pipe activity (not in the default list)
 #
 # Run from the repository root. It builds first (make -j$(nproc); --check-dir DIR or
 # CHECK_DIR=DIR for Check as static libraries, see tools/README.md). Each section writes
@@ -42,8 +48,8 @@ while [ $# -gt 0 ]; do
     case "$1" in
     --check-dir) check_dir="$2"; shift 2 ;;
     -h | --help) usage 0 ;;
-    tests | ladder | bench03 | fine | fused | pending) sections+=("$1"); shift ;;
-    *) echo "tools/gpu_checks.sh: unknown argument '$1' (sections: tests ladder bench03 fine fused pending; --help)" >&2
+    tests | ladder | bench03 | fine | fused | pending | profile) sections+=("$1"); shift ;;
+    *) echo "tools/gpu_checks.sh: unknown argument '$1' (sections: tests ladder bench03 fine fused pending profile; --help)" >&2
        exit 2 ;;
     esac
 done
@@ -141,6 +147,36 @@ for s in "${sections[@]}"; do
                 --eval-interval 1000 --sample-length 0 --seed 1 --fp8-format e4m3 --fp8-recipe blockwise
         done
         grep -E "^== |^\| [0-9]|wgrad|^\| (mixtral|qwen3-235b)|^fine, |all four|^done" "$out/pending.txt"
+        ;;
+    profile)
+        ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null ||
+            ls -d /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+        if [ -z "$ncu_bin" ]; then
+            fail "profile: no ncu (Nsight Compute) on this machine"
+            continue
+        fi
+        metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum
+        metrics+=,dram__throughput.avg.pct_of_peak_sustained_elapsed
+        metrics+=,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_op_red.sum
+        metrics+=,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed
+        prof() { # prof SECONDS KERNEL-REGEX LAUNCHES COMMAND...
+            local limit=$1 k=$2 n=$3
+            shift 3
+            echo "== ncu -k regex:$k --launch-count $n: $*" >>"$out/profile.txt"
+            run profile "$limit" "$ncu_bin" --clock-control none --metrics "$metrics" \
+                --kernel-name "regex:$k" --launch-count "$n" "$@"
+        }
+        prof 200 grouped_gemm_kernel 40 bin/ch03_grouped_gemm_bench --shape sweep512 \
+            --warmup 0 --repeats 1
+        prof 200 fp8_wgrad_kernel 4 env MOE_FP8_WGRAD_BN=256 bin/ch01_moe_layer_bench \
+            --shape mixtral --impl grouped --precision fp8-wgrad --repeats 1 --warmup 0
+        for v in MOE_FP8_FUSED_T=0 MOE_FP8_FUSED_T=1; do
+            prof 200 "swiglu_quant_bwd|group_t_kernel" 12 env $v MOE_FP8_WGRAD_BN=256 \
+                bin/ch01_moe_layer_bench --shape mixtral --impl grouped --precision fp8-wgrad \
+                --repeats 1 --warmup 0
+        done
+        grep -E "^== ncu|^  [a-zA-Z_<>:, ()0-9*-]+\(|gpu__time|dram__|lts__|sm__pipe" \
+            "$out/profile.txt" | cut -c1-160
         ;;
     fused)
         for shape in qwen3 qwen3-235b; do
