@@ -133,6 +133,19 @@ static moe_groups groups_of(const moe_backend *be, const moe_layer_dims *d,
     return g;
 }
 
+/* chapter 01's loop: expert @p e's rows as a group of its own (@p off, which the group
+ * points to, receives its bounds), at its own low-precision site, x quantized as @p all's */
+static moe_groups expert_group(const moe_layer_dims *d, const expert_rows *r,
+                               const moe_groups *all, int e, int off[2]) {
+    off[0] = 0;
+    off[1] = r->off[e + 1] - r->off[e];
+    moe_groups one =
+        moe_groups_single(off, d->lowp, moe_lowp_site(d->lowp, d->layer, MOE_LOWP_EXPERTS, e));
+    one.x_quantized = all->x_quantized;
+    return one;
+}
+
+
 void moe_experts_forward(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
                          moe_layer_workspace *ws, const moe_layer_weights *w, const void *x,
                          int expert_side) {
@@ -162,11 +175,9 @@ void moe_experts_forward(const moe_backend *be, const moe_layer_dims *d, moe_lay
         moe_mlp_forward_grouped(be, r.y, r.gu, r.act, r.x, r.w, w->fc1, w->fc2, &grp, H, F);
     } else { /* chapter 01: one SwiGLU MLP per expert on its rows */
         for (int e = 0; e < r.G; e++) {
-            const int off[2] = {0, r.off[e + 1] - r.off[e]};
+            int off[2];
             const size_t o = (size_t)r.off[e];
-            moe_groups one = moe_groups_single(
-                off, d->lowp, moe_lowp_site(d->lowp, d->layer, MOE_LOWP_EXPERTS, e));
-            one.x_quantized = grp.x_quantized;
+            moe_groups one = expert_group(d, &r, &grp, e, off);
             moe_mlp_forward_grouped(be, A(r.y, o * H), A(r.gu, o * 2 * F), A(r.act, o * F),
                                     A(r.x, o * H), r.w + o, A(w->fc1, (size_t)e * 2 * F * H),
                                     A(w->fc2, (size_t)e * H * F), &one, H, F);
@@ -209,11 +220,9 @@ void moe_experts_backward(const moe_backend *be, const moe_layer_dims *d, const 
             be->zero(g->fc2, R * r.G * H * F);
         }
         for (int e = 0; e < r.G; e++) {
-            const int off[2] = {0, r.off[e + 1] - r.off[e]};
+            int off[2];
             const size_t o = (size_t)r.off[e];
-            moe_groups one = moe_groups_single(
-                off, d->lowp, moe_lowp_site(d->lowp, d->layer, MOE_LOWP_EXPERTS, e));
-            one.x_quantized = grp.x_quantized;
+            moe_groups one = expert_group(d, &r, &grp, e, off);
             moe_mlp_backward_grouped(be, A(r.dx, o * H), g->fc1 + (size_t)e * 2 * F * H,
                                      g->fc2 + (size_t)e * H * F, r.dw + o, A(r.dy, o * H),
                                      A(r.x, o * H), A(r.gu, o * 2 * F), A(r.act, o * F),
