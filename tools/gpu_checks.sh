@@ -17,11 +17,13 @@
 #   fused    the fused permutation against the separate passes (layer fwd+bwd): gather
 #            only, scatter only, both
 #   pending  the measurements of the paths that are off by default (not in the default
-#            list): the attention benchmark (the portable backward and the Hopper modes 1-7
-#            side by side: 6 the default, 4, 5 and 7 non-deterministic), the grouped GEMM's
-#            swapped-tail schedules around the 128- and 256-row cliffs, the wgrad at 512 rows
-#            per expert with its L2 prefetch (MOE_WGRAD_PREFETCH=1, 2) and the ping-pong
-#            kernel (MOE_GROUPED_WGRAD_PINGPONG=1), the FP8 wgrad's GEMMs (both loops, both
+#            list), in three parts that each fit one 600 s device call (pending07,
+#            pending03, pending05; `pending` runs all three): the attention benchmark (the
+#            portable backward and the Hopper modes 1-7 side by side: 6 the default, 4, 5
+#            and 7 non-deterministic); the grouped GEMM's swapped-tail schedules around the
+#            128- and 256-row cliffs, the wgrad at 512 rows per expert with its L2 prefetch
+#            (MOE_WGRAD_PREFETCH=1, 2) and the ping-pong kernel
+#            (MOE_GROUPED_WGRAD_PINGPONG=1); the FP8 wgrad's GEMMs (both loops, both
 #            scale paths, both tile widths), the FP8 layer with and without it in one process
 #            (--precision bf16,fp8,fp8-wgrad with MOE_FP8_WGRAD_BN=256) on Mixtral and
 #            Qwen3-235B, the FP8-wgrad layer with the tiled SwiGLU backward
@@ -48,8 +50,10 @@ while [ $# -gt 0 ]; do
     case "$1" in
     --check-dir) check_dir="$2"; shift 2 ;;
     -h | --help) usage 0 ;;
-    tests | ladder | bench03 | fine | fused | pending | profile) sections+=("$1"); shift ;;
-    *) echo "tools/gpu_checks.sh: unknown argument '$1' (sections: tests ladder bench03 fine fused pending profile; --help)" >&2
+    tests | ladder | bench03 | fine | fused | pending07 | pending03 | pending05 | profile)
+        sections+=("$1"); shift ;;
+    pending) sections+=(pending07 pending03 pending05); shift ;;
+    *) echo "tools/gpu_checks.sh: unknown argument '$1' (sections: tests ladder bench03 fine fused pending[07|03|05] profile; --help)" >&2
        exit 2 ;;
     esac
 done
@@ -118,35 +122,41 @@ for s in "${sections[@]}"; do
         run fine 200 bin/ch03_grouped_gemm_bench --shape fine --warmup 3 --repeats 9
         grep -E "^fine, |all four" "$out/fine.txt"
         ;;
-    pending)
-        run pending 300 bin/ch07_attention_bench \
+    pending07)
+        run pending07 300 bin/ch07_attention_bench \
             --seqs 4096,16384,65536 --dims 128,64
-        run pending 200 bin/ch03_grouped_gemm_bench --shape fine --warmup 3 --repeats 9 \
+        grep -E "^== |^\| [0-9]" "$out/pending07.txt"
+        ;;
+    pending03)
+        run pending03 200 bin/ch03_grouped_gemm_bench --shape fine --warmup 3 --repeats 9 \
             --schedules static,dynamic,static-swaptail,dynamic-swaptail \
             --rows 128,129,130,136,256,257,258,260
         for v in "" MOE_WGRAD_PREFETCH=1 MOE_WGRAD_PREFETCH=2 MOE_GROUPED_WGRAD_PINGPONG=1; do
-            echo "== sweep512 ${v:-(default)}" >>"$out/pending.txt"
-            run pending 100 env $v bin/ch03_grouped_gemm_bench --shape sweep512
+            echo "== sweep512 ${v:-(default)}" >>"$out/pending03.txt"
+            run pending03 100 env $v bin/ch03_grouped_gemm_bench --shape sweep512
         done
-        run pending 200 bin/ch05_fp8_gemm_bench --shape moe
+        grep -E "^== |wgrad|^fine, |all four" "$out/pending03.txt"
+        ;;
+    pending05)
+        run pending05 200 bin/ch05_fp8_gemm_bench --shape moe
         # the FP8 layer with and without the FP8 wgrad (its 128 x 256 tile) in one process
         for shape in mixtral qwen3-235b; do
-            run pending 200 env MOE_FP8_WGRAD_BN=256 bin/ch01_moe_layer_bench --shape "$shape" \
+            run pending05 200 env MOE_FP8_WGRAD_BN=256 bin/ch01_moe_layer_bench --shape "$shape" \
                 --impl grouped --precision bf16,fp8,fp8-wgrad --repeats 7
         done
         # the tiled SwiGLU backward of the FP8 wgrad (MOE_FP8_FUSED_T=1) against the row-wise
         # one, alternating processes twice (the switch is read when a context is made)
         for v in MOE_FP8_FUSED_T=0 MOE_FP8_FUSED_T=1 MOE_FP8_FUSED_T=0 MOE_FP8_FUSED_T=1; do
-            echo "== Mixtral FP8 wgrad $v" >>"$out/pending.txt"
-            run pending 100 env $v MOE_FP8_WGRAD_BN=256 bin/ch01_moe_layer_bench --shape mixtral \
+            echo "== Mixtral FP8 wgrad $v" >>"$out/pending05.txt"
+            run pending05 100 env $v MOE_FP8_WGRAD_BN=256 bin/ch01_moe_layer_bench --shape mixtral \
                 --impl grouped --precision fp8-wgrad --repeats 7
         done
         for v in "" MOE_FP8_NATIVE_DENSE=1; do
-            echo "== FP8 preset ${v:-(dense linears emulated)}" >>"$out/pending.txt"
-            run pending 60 env $v bin/moe-train --device cuda --preset gpu --train-iters 60 \
+            echo "== FP8 preset ${v:-(dense linears emulated)}" >>"$out/pending05.txt"
+            run pending05 60 env $v bin/moe-train --device cuda --preset gpu --train-iters 60 \
                 --eval-interval 1000 --sample-length 0 --seed 1 --fp8-format e4m3 --fp8-recipe blockwise
         done
-        grep -E "^== |^\| [0-9]|wgrad|^\| (mixtral|qwen3-235b)|^fine, |all four|^done" "$out/pending.txt"
+        grep -E "^== |wgrad|^\| (mixtral|qwen3-235b)|^done" "$out/pending05.txt"
         ;;
     profile)
         ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null ||
