@@ -356,6 +356,17 @@ static __global__ void swiglu_drow_kernel(float *drow_scale, const float *part, 
     drow_scale[n] += acc;
 }
 
+/* the tiled kernel of one format: its 64 KB of shared memory asked for once, then launched */
+template <moe_fp8_format FMT>
+static void launch_bwd_t(dim3 grid, uint8_t *q, float *scale_inv, uint8_t *qt, float *st,
+                         float *part, const void *dout, const void *gu, const float *row_scale,
+                         const int *dev_off, int G, int N, int F, size_t kpad, int pow2) {
+    moe_cuda_smem_opt_in<swiglu_quant_bwd_t_kernel<FMT>>(T_SMEM);
+    swiglu_quant_bwd_t_kernel<FMT><<<grid, MOE_GT_THREADS, T_SMEM, moe_cuda_stream()>>>(
+        q, scale_inv, qt, st, part, (const moe_bf16 *)dout, (const moe_bf16 *)gu, row_scale,
+        dev_off, G, N, F, kpad, pow2);
+}
+
 long long g_bwd_t_calls = 0; /* launches of the tiled backward (a test's proof that it ran) */
 
 extern "C" long long moe_cuda_swiglu_backward_quant_t_calls(void) { return g_bwd_t_calls; }
@@ -389,15 +400,14 @@ extern "C" moe_status moe_cuda_swiglu_backward_quant_t(
                              what, bound, N);
     size_t gy = moe_cdiv(bound, T_PER_CTA);
     gy = gy > 65535 ? 65535 : gy;
-    auto kernel = f == MOE_FP8_E5M2 ? swiglu_quant_bwd_t_kernel<MOE_FP8_E5M2>
-                                    : swiglu_quant_bwd_t_kernel<MOE_FP8_E4M3>;
+    const dim3 grid((unsigned)nbc, (unsigned)gy);
+    float *pt = drow_scale ? part : NULL;
     if (f == MOE_FP8_E5M2)
-        moe_cuda_smem_opt_in<swiglu_quant_bwd_t_kernel<MOE_FP8_E5M2>>(T_SMEM);
+        launch_bwd_t<MOE_FP8_E5M2>(grid, q, scale_inv, qt, st, pt, dout, gu, row_scale, dev_off,
+                                   G, N, F, kpad, pow2);
     else
-        moe_cuda_smem_opt_in<swiglu_quant_bwd_t_kernel<MOE_FP8_E4M3>>(T_SMEM);
-    kernel<<<dim3((unsigned)nbc, (unsigned)gy), MOE_GT_THREADS, T_SMEM, moe_cuda_stream()>>>(
-        q, scale_inv, qt, st, drow_scale ? part : NULL, (const moe_bf16 *)dout,
-        (const moe_bf16 *)gu, row_scale, dev_off, G, N, F, kpad, pow2);
+        launch_bwd_t<MOE_FP8_E4M3>(grid, q, scale_inv, qt, st, pt, dout, gu, row_scale, dev_off,
+                                   G, N, F, kpad, pow2);
     MOE_CUDA_LAUNCH_CHECK();
     if (drow_scale) {
         swiglu_drow_kernel<<<(unsigned)moe_cdiv(N, 256), 256, 0, moe_cuda_stream()>>>(

@@ -17,39 +17,32 @@
 
 static int is_on(const char *flag) { return flag[0] && strcmp(flag, "none") != 0; }
 
-/* MOE_FP8_WGRAD=0|1 (default MOE_FP8_WGRAD_DEFAULT): the routed experts' weight gradients
- * on token-wise FP8 operands (lib/fp8_wgrad.h: the native FP8 wgrad kernel, the emulation's
- * token-wise QDQ), or, 0, on the row-wise quantized operands of the dgrad (a bf16 GEMM) */
+/* An on/off switch from the environment, read once per context: @p name unset or empty
+ * gives @p dflt, else its integer value's truth (so "0" is off). */
+static int env_switch(const char *name, int dflt) {
+    const char *e = getenv(name);
+    return e && *e ? atoi(e) != 0 : dflt;
+}
+
+/* the switches lowp.h describes, and their defaults:
+ *  MOE_FP8_WGRAD        the routed experts' weight gradients on token-wise FP8 operands
+ *                       (lib/fp8_wgrad.h: the native FP8 wgrad kernel, the emulation's
+ *                       token-wise QDQ), or, 0, on the row-wise quantized operands of the
+ *                       dgrad (a bf16 GEMM);
+ *  MOE_FP8_FUSED        the native path's fused passes (lib/mlp.c), on unless 0: read once
+ *                       per context, since the saved SwiGLU outputs' buffers are sized from it;
+ *  MOE_FP8_FUSED_T      under the FP8 wgrad, the fused SwiGLU backward writes dgu's
+ *                       token-wise copy itself ("Fused passes"). Off: on an H100 the Mixtral
+ *                       layer measured 22.11 vs 22.39 ms in one call and 22.56 vs 22.33 in
+ *                       another (cdaebf3, docs/results/05-fp8-nvfp4.md), within the calls'
+ *                       noise;
+ *  MOE_FP8_NATIVE_DENSE the dense linears' native FP8 GEMMs ("Native FP8 dense linears"),
+ *                       off: the model's FP8 weight copies (and the memory estimate) depend
+ *                       on it. */
 #define MOE_FP8_WGRAD_DEFAULT 0
-static int fp8_wgrad_env(void) {
-    const char *e = getenv("MOE_FP8_WGRAD");
-    return e && *e ? atoi(e) != 0 : MOE_FP8_WGRAD_DEFAULT;
-}
-
-/* the native path's fused passes (lib/mlp.c): on unless MOE_FP8_FUSED is 0; read here, once
- * per context, since the saved SwiGLU outputs' buffers are sized from it */
-static int fp8_fused_env(void) {
-    const char *e = getenv("MOE_FP8_FUSED");
-    return !(e && *e == '0');
-}
-
-/* MOE_FP8_FUSED_T=0|1 (default MOE_FP8_FUSED_T_DEFAULT): under the FP8 wgrad, the fused
- * SwiGLU backward writes dgu's token-wise copy itself (lowp.h, "Fused passes"). Off: on an
- * H100 the Mixtral layer measured 22.11 vs 22.39 ms in one call and 22.56 vs 22.33 in
- * another (cdaebf3, docs/results/05-fp8-nvfp4.md), within the calls' noise */
+#define MOE_FP8_FUSED_DEFAULT 1
 #define MOE_FP8_FUSED_T_DEFAULT 0
-static int fp8_fused_t_env(void) {
-    const char *e = getenv("MOE_FP8_FUSED_T");
-    return e && *e ? atoi(e) != 0 : MOE_FP8_FUSED_T_DEFAULT;
-}
-
-/* MOE_FP8_NATIVE_DENSE=1: the dense linears' native FP8 GEMMs (lowp.h, "Native FP8 dense
- * linears"); off unless set to a nonzero value. Read here, once per context: the model's FP8
- * weight copies (and the memory estimate) depend on it */
-static int native_dense_env(void) {
-    const char *e = getenv("MOE_FP8_NATIVE_DENSE");
-    return e && *e && atoi(e) != 0;
-}
+#define MOE_FP8_NATIVE_DENSE_DEFAULT 0
 
 moe_status moe_lowp_from_config(moe_lowp *lp, const moe_config *c, moe_error *err) {
     memset(lp, 0, sizeof *lp);
@@ -97,10 +90,12 @@ moe_status moe_lowp_from_config(moe_lowp *lp, const moe_config *c, moe_error *er
     if (hybrid) /* E4M3 forward, E5M2 gradients */
         lp->spec[MOE_LOWP_GRADIENT].format = MOE_FP8_E5M2;
     snprintf(lp->name, sizeof lp->name, "fp8 %.12s %.8s (emulated)", r, c->fp8_format);
-    lp->fp8_wgrad = moe_lowp_native_recipe(lp) && fp8_wgrad_env();
-    lp->fp8_fused = moe_lowp_native_recipe(lp) && fp8_fused_env();
-    lp->fp8_fused_t = lp->fp8_fused && fp8_fused_t_env(); /* (acts under fp8_wgrad only) */
-    lp->native_dense = moe_lowp_native_recipe(lp) && native_dense_env();
+    const int native = moe_lowp_native_recipe(lp);
+    lp->fp8_wgrad = native && env_switch("MOE_FP8_WGRAD", MOE_FP8_WGRAD_DEFAULT);
+    lp->fp8_fused = native && env_switch("MOE_FP8_FUSED", MOE_FP8_FUSED_DEFAULT);
+    lp->fp8_fused_t = lp->fp8_fused && /* (acts under fp8_wgrad only) */
+                      env_switch("MOE_FP8_FUSED_T", MOE_FP8_FUSED_T_DEFAULT);
+    lp->native_dense = native && env_switch("MOE_FP8_NATIVE_DENSE", MOE_FP8_NATIVE_DENSE_DEFAULT);
     return MOE_OK;
 }
 

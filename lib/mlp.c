@@ -108,18 +108,31 @@ static void gmm_forward(const moe_backend *be, void *out, const void *in, const 
         be->grouped_matmul_forward(out, in, w, grp->off, grp->G, I, O);
 }
 
+/* chapter 05's FP8 wgrad operands in the context's buffers (moe_lowp_alloc_fp8_wgrad()): A =
+ * dout's token-wise copy [O][kpad] first, then B = in's [I][kpad], their scales likewise;
+ * returns kpad. The one place that lays them out: fp8_wgrad() and the tiled SwiGLU backward,
+ * which writes A itself, both ask here. */
+static size_t wgrad_operands(const moe_groups *grp, int I, int O, uint8_t **qa, float **sa,
+                             uint8_t **qb, float **sb) {
+    const moe_lowp *lp = grp->lowp;
+    const size_t kpad = moe_fp8_wgrad_kpad(grp->rows, grp->G);
+    MOE_ASSERT(lp->wg_q && lp->wg_s && kpad * (size_t)(O + I) <= lp->wg_elems);
+    *qa = lp->wg_q, *qb = *qa + (size_t)O * kpad;
+    *sa = lp->wg_s, *sb = *sa + (size_t)O * (kpad / MOE_QUANT_BLOCK);
+    return kpad;
+}
+
 /* chapter 05's FP8 wgrad, native (lib/fp8_wgrad.h): dw_g = Q_t(dout_g)ᵀ·Q_t(in_g) in our FP8
- * wgrad kernel, both operands quantized 1×128 along the tokens of each group into the
- * context's buffers (moe_lowp_alloc_fp8_wgrad()), dw written in the groups' mode; @p dout
- * NULL: dout's copy is there already (written by the tiled SwiGLU backward) */
+ * wgrad kernel, both operands quantized 1×128 along the tokens of each group
+ * (wgrad_operands()), dw written in the groups' mode; @p dout NULL: dout's copy is there
+ * already (written by the tiled SwiGLU backward) */
 static void fp8_wgrad(const moe_backend *be, moe_real *dw, const void *dout, const void *in,
                       const moe_groups *grp, int I, int O) {
-    moe_lowp *lp = grp->lowp;
+    const moe_lowp *lp = grp->lowp;
     const int N = grp->rows, G = grp->G;
-    const size_t kpad = moe_fp8_wgrad_kpad(N, G);
-    MOE_ASSERT(lp->wg_q && lp->wg_s && kpad * (size_t)(O + I) <= lp->wg_elems);
-    uint8_t *qa = lp->wg_q, *qb = qa + (size_t)O * kpad;
-    float *sa = lp->wg_s, *sb = sa + (size_t)O * (kpad / MOE_QUANT_BLOCK);
+    uint8_t *qa, *qb;
+    float *sa, *sb;
+    const size_t kpad = wgrad_operands(grp, I, O, &qa, &sa, &qb, &sb);
     const moe_qdq_spec *sg = &lp->spec[MOE_LOWP_GRADIENT], *sx = &lp->spec[MOE_LOWP_ACTIVATION];
     moe_error err;
     if (dout)
@@ -383,12 +396,13 @@ static void backward_fp8_fused_wgrad(const moe_backend *be, void *dx, moe_real *
     /* (fc2's dgrad GEMM, which read dout's codes from the scratch, and its FP8 wgrad, which
      * read the token-wise copies' buffers, are queued before on the same stream) */
     if (tiled) {
-        /* dgu's copy is the FP8 wgrad's A (fp8_wgrad()'s layout); the routing weight's
-         * partial sums, N·F/128 floats, go where dgu would have been (4·N·F bytes) */
-        const size_t kpad = moe_fp8_wgrad_kpad(N, grp->G);
-        MOE_ASSERT(lp->wg_q && lp->wg_s && kpad * (size_t)(2 * F) <= lp->wg_elems);
+        /* dgu's copy is fc1's FP8 wgrad's A (I = H, O = 2F); the routing weight's partial
+         * sums, N·F/128 floats, go where dgu would have been (4·N·F bytes) */
+        uint8_t *qa, *qb;
+        float *sa, *sb;
+        const size_t kpad = wgrad_operands(grp, H, 2 * F, &qa, &sa, &qb, &sb);
         fp8_ok(be->fp8_swiglu_backward_quant_t(
-                   ws->q, (float *)ws->scales, lp->wg_q, lp->wg_s, (float *)ws_dgu,
+                   ws->q, (float *)ws->scales, qa, sa, (float *)ws_dgu,
                    row_scale ? drow_scale : NULL, ws_dh, gu, row_scale, grp->dev_off, grp->G, N,
                    F, kpad, sg->format, sg->pow2, &err),
                &err);

@@ -500,12 +500,7 @@ static int fp8_model_losses(const char *fused, const char *wgrad, double *loss,
                             long long *fp8_act) {
     moe_bench_env env = moe_bench_env_set("MOE_FP8_FUSED", fused);
     moe_bench_env wg = moe_bench_env_set("MOE_FP8_WGRAD", wgrad);
-    setenv("MOE_NO_DOWNLOAD", "1", 1);
-    moe_config c;
-    moe_error err;
-    ck_assert_msg(moe_test_config(&c, FP8_MODEL, &err) == MOE_OK, "%s", err.msg);
-    moe_trainer *t = NULL;
-    ck_assert_msg(moe_trainer_create(&t, &c, &err) == MOE_OK, "%s", err.msg);
+    moe_trainer *t = moe_test_trainer(FP8_MODEL, NULL, 1);
     moe_bench_env_restore(&env); /* (latched by the model: lowp.h) */
     moe_bench_env_restore(&wg);
     const moe_model *m = t->model;
@@ -520,11 +515,8 @@ static int fp8_model_losses(const char *fused, const char *wgrad, double *loss,
                      *fused == '1');
     const int codes = moe_mlp_fp8_saves_codes(m->be, m->lowp);
     *fp8_act = m->mem.fp8_act_bytes;
-    for (int s = 0; s < FP8_STEPS; s++) {
-        moe_step_stats st;
-        ck_assert_int_eq(moe_trainer_step(t, &st, &err), MOE_OK);
-        loss[s] = st.loss;
-    }
+    for (int s = 0; s < FP8_STEPS; s++)
+        loss[s] = moe_test_step(t);
     moe_trainer_free(t);
     return codes;
 }
@@ -698,12 +690,7 @@ END_TEST
 
 static void fp8_dense_losses(const char *on, double *loss, unsigned long long *gemms) {
     moe_bench_env env = moe_bench_env_set("MOE_FP8_NATIVE_DENSE", on);
-    setenv("MOE_NO_DOWNLOAD", "1", 1);
-    moe_config c;
-    moe_error err;
-    ck_assert_msg(moe_test_config(&c, FP8_DENSE_MODEL, &err) == MOE_OK, "%s", err.msg);
-    moe_trainer *t = NULL;
-    ck_assert_msg(moe_trainer_create(&t, &c, &err) == MOE_OK, "%s", err.msg);
+    moe_trainer *t = moe_test_trainer(FP8_DENSE_MODEL, NULL, 1);
     moe_bench_env_restore(&env); /* (latched by the model: lowp.h) */
     const moe_model *m = t->model;
     ck_assert(m->lowp && m->lowp->native);
@@ -711,11 +698,8 @@ static void fp8_dense_losses(const char *on, double *loss, unsigned long long *g
     ck_assert(*on == '1' ? m->fp8d && m->fp8d[0].q && m->fp8d[4].q &&
                                m->fp8d[MOE_FP8_DENSE_SLOTS + 4].q
                          : !m->fp8d);
-    for (int s = 0; s < FP8_STEPS; s++) {
-        moe_step_stats st;
-        ck_assert_int_eq(moe_trainer_step(t, &st, &err), MOE_OK);
-        loss[s] = st.loss;
-    }
+    for (int s = 0; s < FP8_STEPS; s++)
+        loss[s] = moe_test_step(t);
     *gemms = m->lowp->dense_gemms;
     moe_trainer_free(t);
 }

@@ -410,7 +410,9 @@ moe_trainer *moe_test_trainer(const char *flags, moe_comm *world, int gpu) {
     moe_config c;
     moe_error err;
     char buf[1200];
-    snprintf(buf, sizeof buf, "%s --device %s", flags, gpu ? "cuda" : "cpu");
+    const int len = snprintf(buf, sizeof buf, "%s --device %s", flags, gpu ? "cuda" : "cpu");
+    ck_assert_msg(len >= 0 && (size_t)len < sizeof buf, "moe_test_trainer: %d characters of "
+                  "flags, more than its %zu", len, sizeof buf - 1);
     setenv("MOE_NO_DOWNLOAD", "1", 1);
     ck_assert_msg(moe_test_config(&c, buf, &err) == MOE_OK, "%s", err.msg);
     moe_trainer *t = NULL;

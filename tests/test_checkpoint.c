@@ -30,15 +30,8 @@
                  "--moe-router-enable-expert-bias --lr 3e-3 --lr-warmup-iters 2 "              \
                  "--lr-decay-iters 16 --eval-iters 1 --sample-length 0 "
 
-static moe_trainer *make(const char *flags) {
-    setenv("MOE_NO_DOWNLOAD", "1", 1);
-    moe_config c;
-    moe_error err;
-    ck_assert_msg(moe_test_config(&c, flags, &err) == MOE_OK, "%s", err.msg);
-    moe_trainer *t = NULL;
-    ck_assert_msg(moe_trainer_create(&t, &c, &err) == MOE_OK, "%s", err.msg);
-    return t;
-}
+/* a trainer on the CPU (the helper adds --device cpu) */
+static moe_trainer *make(const char *flags) { return moe_test_trainer(flags, NULL, 0); }
 
 static void sh(const char *fmt, const char *a, const char *b) {
     char cmd[2048];
