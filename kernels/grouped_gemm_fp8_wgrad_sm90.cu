@@ -106,6 +106,14 @@
  * reduce-add (MOE_WGRAD_PREFETCH=1, as the bf16 wgrad's: kernels/grouped_gemm_sm90.cu; the
  * shared-memory-scales kernels only) passed tests/gpu_fp8_wgrad.c on an H100 (its output
  * bit for bit the other variants'); off, as the bf16 wgrad's prefetch measured slower.
+ * The direct epilogue (MOE_FP8_WGRAD_EPI=direct, epilogue_direct above) passed
+ * tests/gpu_fp8_wgrad.c on an H100 (bit for bit) and is slower everywhere it was timed: on
+ * Mixtral's fc1 storing 5.59 against 5.23 ms, adding 5.95 against 5.83; on Qwen3-235B's fc1
+ * (4 k-blocks a tile) adding 8.41 against 7.01; the Mixtral layer 22.86-23.02 against
+ * 22.60-22.80 ms (docs/results/05-fp8-nvfp4.md, first section). So the staging was not what
+ * the tile waited for: Nsight Compute puts the staged and the direct store at the same
+ * 4.64 ms alone, DRAM 30 % busy, and the top stall the consumers' named barriers (the
+ * ORDERED turns). Off.
  */
 #include <limits.h>
 #include <stdint.h>
@@ -181,7 +189,46 @@ struct Params {
     int accumulate;       /* 1: reduce-add (fp32); 0: store */
     int prefetch;         /* reduce-add: the producer prefetches each tile's dW into L2
                              (prefetch_dw_tile, MOE_WGRAD_PREFETCH) */
+    float *dw;            /* dW [G][M][N] fp32: the direct epilogue's (DIRECT) destination */
 };
+
+/* The DIRECT epilogue (fp32 dW, the 128 × 256 tile; MOE_FP8_WGRAD_EPI=direct): consumer
+ * warpgroup c's 64 rows × ncols sums d leave straight from registers, 16 bytes a thread and
+ * instruction, added in L2 (red.global.add.v4.f32) or stored: no staging buffer, no proxy
+ * fence, no barrier, nothing waited for, so the warpgroup goes on to the next tile's MMAs while
+ * the sums drain. Why: the staged epilogue (sm90_epilogue.cuh) writes the 64 KB of a
+ * warpgroup's sums through an 8 KB buffer (all the wide tile's ring leaves), 8 pieces, each
+ * waiting until TMA has read the last; the tensor cores idle through it. On Mixtral's fc1
+ * (16 k-blocks a tile) the wide tile ran 751 TFLOP/s adding, where its MMAs alone would run
+ * ~1100: about a third of each tile's time is that epilogue.
+ * The layout: for 8-column block j the thread holds row r_lo's columns 8j + 2q + {0, 1} (q =
+ * lane % 4) and row r_lo + 8's. Lanes q and q ^ 1 swap halves (two shuffles), so an even q
+ * holds row r_lo's 4 columns 8j + 4(q/2) .. + 3 and an odd q row r_lo + 8's: 16 aligned bytes
+ * each, and a warp's instruction writes 16 rows × 32 contiguous bytes, whole sectors. Each
+ * element still gets one fp32 addition (old + sum), so the output is bit for bit the TMA
+ * reduce-add's. dwb: &dW[g][first row of the warpgroup][n0]. */
+template <int TN>
+__device__ __forceinline__ void epilogue_direct(const float *d, float *dwb, int N, int ncols,
+                                                int tid, int accumulate) {
+    const int lane = tid % 32, q = lane % 4, odd = q & 1;
+    const int row = (tid / 32) * 16 + lane / 4 + 8 * odd;
+    float *dst = dwb + (size_t)row * N + 4 * (q >> 1);
+#pragma unroll
+    for (int j = 0; j < TN / 8; j++) {
+        if (8 * j >= ncols) /* (ncols: 128 or 256, so a whole half) */
+            break;
+        /* an even lane gives away its row r_lo + 8 pair, an odd one its row r_lo pair */
+        const float s0 = odd ? d[4 * j] : d[4 * j + 2], s1 = odd ? d[4 * j + 1] : d[4 * j + 3];
+        const float g0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+        const float g1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+        const float4 v = odd ? make_float4(g0, g1, d[4 * j + 2], d[4 * j + 3])
+                             : make_float4(d[4 * j], d[4 * j + 1], g0, g1);
+        if (accumulate)
+            red_add_v4(dst + 8 * j, v);
+        else
+            *(float4 *)(dst + 8 * j) = v;
+    }
+}
 
 /* one k-block's MMAs of consumer warpgroup c (issue number it: its stage and phase) into
  * acc, issued and committed, not waited for. ORDERED: the warpgroups take turns at the
@@ -306,7 +353,7 @@ __device__ __forceinline__ void pipe_step(float *d, float *cur, float *nxt, cons
  * first loop, each k-block's MMAs waited for before its promotion (MOE_FP8_WGRAD_PIPE=0).
  * SS: 1 = each k-block's scales brought into shared memory with its stage by the producer
  * (the default); 0 = the consumers load them from global memory (MOE_FP8_WGRAD_SCALES=global) */
-template <int C32, int ORDERED, int PIPE, int SS, int WIDE = 0>
+template <int C32, int ORDERED, int PIPE, int SS, int WIDE = 0, int DIRECT = 0>
 __global__ void __launch_bounds__(THREADS, 1)
     fp8_wgrad_kernel(const __grid_constant__ CUtensorMap map_a,
                      const __grid_constant__ CUtensorMap map_b,
@@ -314,6 +361,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     typedef Ring<SS, WIDE> R;
     constexpr int STAGES = R::STAGES, TN = R::TN;
+    static_assert(!DIRECT || (C32 && WIDE), "the direct epilogue: fp32 dW, the wide tile");
     extern __shared__ __align__(1024) uint8_t smem[];
     if (threadIdx.x == 0 && (smem_u32(smem) & 1023))
         __trap();
@@ -489,8 +537,13 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
 
         /* ------------------------------------------------ epilogue: whole 64-row blocks */
-        uint8_t *cs = smem + R::C_OFF + c * R::CB;
         const int ncols = WIDE ? (1 + two) * BN : BN; /* a half past N is not staged */
+        if constexpr (DIRECT) {
+            epilogue_direct<TN>(d, p.dw + ((size_t)g * p.M + m_wg) * p.N + n0, p.N, ncols, tid,
+                                p.accumulate);
+            continue;
+        }
+        uint8_t *cs = smem + R::C_OFF + c * R::CB;
         epilogue_staged<C32, TN, R::CB>(d, cs, c, tid, ncols, [&](const uint8_t *src, int col) {
             if (C32 && p.accumulate)
                 tma_reduce_add_3d(&map_c, src, n0 + col, m_wg, g);
@@ -509,19 +562,21 @@ __global__ void __launch_bounds__(THREADS, 1)
 }
 
 long long g_bn256_calls; /* launches of the 128 × 256 kernel (the tests' proof it ran) */
+long long g_direct_calls; /* launches with the direct epilogue (likewise) */
 
-template <int C32, int ORDERED, int PIPE, int SS, int WIDE = 0>
+template <int C32, int ORDERED, int PIPE, int SS, int WIDE = 0, int DIRECT = 0>
 void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc, const Params &p,
             int tiles) {
     constexpr int SMEM_BYTES = Ring<SS, WIDE>::SMEM;
-    moe_cuda_smem_opt_in<fp8_wgrad_kernel<C32, ORDERED, PIPE, SS, WIDE>>(SMEM_BYTES);
+    moe_cuda_smem_opt_in<fp8_wgrad_kernel<C32, ORDERED, PIPE, SS, WIDE, DIRECT>>(SMEM_BYTES);
     const int grid = moe_cuda_persistent_grid(tiles);
     if (grid <= 0)
         return;
-    fp8_wgrad_kernel<C32, ORDERED, PIPE, SS, WIDE>
+    fp8_wgrad_kernel<C32, ORDERED, PIPE, SS, WIDE, DIRECT>
         <<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mc, p);
     MOE_CUDA_LAUNCH_CHECK();
     g_bn256_calls += WIDE;
+    g_direct_calls += DIRECT;
 }
 
 int aligned16(const void *q) { return ((uintptr_t)q & 15) == 0; }
@@ -534,21 +589,37 @@ void launch_v(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &m
 }
 
 /* the 128 × 256 tile's variants: C32, ORDERED (its own loop: PIPE 0; scales in shared
- * memory: SS 1) */
+ * memory: SS 1), and with fp32 output (C32) the direct epilogue as a third: index DIRECT ·
+ * 4 + C32 · 2 + ORDERED */
 template <int V>
 void launch_wide(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
                  const Params &p, int tiles) {
-    launch<(V >> 1) & 1, V & 1, 0, 1, 1>(ma, mb, mc, p, tiles);
+    launch<(V >> 1) & 1, V & 1, 0, 1, 1, (V >> 2) & 1>(ma, mb, mc, p, tiles);
+}
+
+/* a 0/1 switch: *cached, else the environment's @p name ("0" off, any other number on),
+ * else @p dflt; read once */
+int env_switch(int *cached, const char *name, int dflt) {
+    if (*cached < 0) {
+        const char *e = getenv(name);
+        *cached = e && *e ? atoi(e) != 0 : dflt;
+    }
+    return *cached;
 }
 
 int g_pipe = -1; /* the loop; -1 until first used */
 
-int pipe(void) {
-    if (g_pipe < 0) {
-        const char *e = getenv("MOE_FP8_WGRAD_PIPE");
-        g_pipe = e && *e ? atoi(e) != 0 : MOE_FP8_WGRAD_PIPE_DEFAULT;
+int pipe(void) { return env_switch(&g_pipe, "MOE_FP8_WGRAD_PIPE", MOE_FP8_WGRAD_PIPE_DEFAULT); }
+
+int g_direct = -1; /* the wide tile's fp32 epilogue: 1 direct, 0 staged; -1 until first used */
+
+int direct(void) {
+    if (g_direct < 0) { /* MOE_FP8_WGRAD_EPI=direct|tma, or 1|0 */
+        const char *e = getenv("MOE_FP8_WGRAD_EPI");
+        if (e && *e && (!strcmp(e, "direct") || !strcmp(e, "tma")))
+            g_direct = !strcmp(e, "direct");
     }
-    return g_pipe;
+    return env_switch(&g_direct, "MOE_FP8_WGRAD_EPI", MOE_FP8_WGRAD_DIRECT_DEFAULT);
 }
 
 int g_smem_scales = -1; /* where the consumers read the scales; -1 until first used */
@@ -616,7 +687,8 @@ extern "C" moe_status moe_cuda_fp8_grouped_wgrad(void *dw, moe_dw_mode mode, con
     const int ss = smem_scales() && aligned16(sa) && aligned16(sb);
     /* (the global-scales kernels do not prefetch: with it their consumers spilled) */
     const int prefetch = mode == MOE_DW_ACCUMULATE && ss && moe_cuda_wgrad_prefetch() == 1;
-    const Params p = {dev_off, G, M, N, sa, sb, mode == MOE_DW_ACCUMULATE, prefetch};
+    const Params p = {dev_off, G, M, N, sa, sb, mode == MOE_DW_ACCUMULATE, prefetch,
+                      (float *)dw};
     if (prefetch)
         moe_cuda_wgrad_prefetch_note();
     const CUtensorMap ma = moe_tma_map(qa, 2, da, ba, MOE_TMA_U8);
@@ -633,10 +705,12 @@ extern "C" moe_status moe_cuda_fp8_grouped_wgrad(void *dw, moe_dw_mode mode, con
      * the global-scales path or the first loop (the 128-column comparisons), the 128 × 128
      * tile runs */
     if (ss && pipe() && tile_width() == 2 * BN) {
-        static const launcher wide[4] = {launch_wide<0>, launch_wide<1>, launch_wide<2>,
-                                         launch_wide<3>};
+        static const launcher wide[8] = {launch_wide<0>, launch_wide<1>, launch_wide<2>,
+                                         launch_wide<3>, NULL,           NULL,
+                                         launch_wide<6>, launch_wide<7>};
         const int tiles = G * (M / BM) * ((N + 2 * BN - 1) / (2 * BN));
-        wide[C32 << 1 | moe_cuda_fp8_grouped_ordered()](ma, mb, mc, p, tiles);
+        const int dir = C32 && direct(); /* (bf16 output: always staged) */
+        wide[dir << 2 | C32 << 1 | moe_cuda_fp8_grouped_ordered()](ma, mb, mc, p, tiles);
         return MOE_OK;
     }
     variants[C32 << 3 | moe_cuda_fp8_grouped_ordered() << 2 | pipe() << 1 | ss](
@@ -659,3 +733,9 @@ extern "C" void moe_cuda_fp8_wgrad_set_bn(int bn) { g_bn = bn == 256 ? 256 : 128
 extern "C" int moe_cuda_fp8_wgrad_bn(void) { return tile_width(); }
 
 extern "C" long long moe_cuda_fp8_wgrad_bn256_calls(void) { return g_bn256_calls; }
+
+extern "C" void moe_cuda_fp8_wgrad_set_direct(int on) { g_direct = on != 0; }
+
+extern "C" int moe_cuda_fp8_wgrad_direct(void) { return direct(); }
+
+extern "C" long long moe_cuda_fp8_wgrad_direct_calls(void) { return g_direct_calls; }

@@ -204,6 +204,15 @@ static __device__ __forceinline__ void tma_prefetch_3d(const CUtensorMap *map, i
                  "r"(c0), "r"(c1), "r"(c2)
                  : "memory");
 }
+/** Add four fp32 values into 16-byte aligned global memory at @p p, without waiting (a
+ *  reduction performed in L2, as a TMA reduce-add's; Hopper's vector form, one transaction
+ *  for 16 bytes). Each element gets one rounded fp32 addition, old + v: the same bits as a
+ *  TMA reduce-add of v. */
+static __device__ __forceinline__ void red_add_v4(float *p, float4 v) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y),
+                 "f"(v.z), "f"(v.w)
+                 : "memory");
+}
 /** Close the group of copy-outs issued since the last commit. */
 static __device__ __forceinline__ void bulk_commit() {
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");

@@ -13,9 +13,11 @@
  *    ran), then the 128 × 256 tile (moe_cuda_fp8_wgrad_set_bn(256), its split promotion; its
  *    own count of launches proves it ran), then the 128 × 256 tile and the pipelined loop
  *    with dW prefetched into L2 before the reduce-add (moe_cuda_wgrad_set_prefetch; a count
- *    proves it ran when adding, and only then), and both issue orders of the warpgroups. The
- *    seven promote the same k-blocks' m64n128k32 partials with the same scales in the same
- *    order, so their outputs must also be equal bit for bit. The wide tile on N = 128·odd (its last
+ *    proves it ran when adding, and only then), then the 128 × 256 tile writing fp32 dW
+ *    straight from registers (moe_cuda_fp8_wgrad_set_direct; a count proves it ran with fp32
+ *    output, and only then), and both issue orders of the warpgroups. The eight promote the
+ *    same k-blocks' m64n128k32 partials with the same scales in the same order and add each
+ *    sum once, so their outputs must also be equal bit for bit. The wide tile on N = 128·odd (its last
  *    tile's second half past N: not computed, not stored) and N = 256·k.
  * Ragged groups: 0, 1, 127, 128, 129, 255 rows; 40 groups of 0 to 189 rows; for the GEMM
  * also 700, 0, 385, 257, 1 rows (6, 0, 4, 3, 1 k-blocks); for the quantizer also the most
@@ -209,21 +211,24 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
     int ok = 1;
     static const char *const names[] = {"fp32 added", "fp32 stored", "bf16 stored"};
     float *piped = malloc(sizeof(float) * (nw + 1)); /* the first variant's output */
-    enum { NV = 7 }; /* variants per mode */
+    enum { NV = 8 }; /* variants per mode */
     for (int run = 0; run < 3 * NV; run++) {
         /* each mode with the pipelined loop, then the first loop, each with the scales read
          * from shared memory, then from global memory, then the 128 × 256 tile, then the
          * 128 × 256 tile and the pipelined loop with dW prefetched into L2 (a hint: it acts
-         * only when adding); the last six must equal the first bit for bit (the same scale
-         * values, the same promotions in the same order) */
-        const int mode = run / NV, v = run % NV, wide = v == 4 || v == 5, pf = v >= 5;
+         * only when adding), then the 128 × 256 tile with the direct epilogue (fp32 only:
+         * bf16 stays staged); the last seven must equal the first bit for bit (the same scale
+         * values, the same promotions in the same order, one fp32 addition an element) */
+        const int mode = run / NV, v = run % NV, wide = v == 4 || v == 5 || v == 7;
+        const int pf = v == 5 || v == 6, dir = v == 7;
         const int pipe = wide || v == 6 || !(v & 2), ss = wide || v == 6 || !(v & 1);
         moe_cuda_wgrad_set_prefetch(pf);
         moe_cuda_fp8_wgrad_set_pipe(pipe);
         moe_cuda_fp8_wgrad_set_smem_scales(ss);
         moe_cuda_fp8_wgrad_set_bn(wide ? 256 : 128);
+        moe_cuda_fp8_wgrad_set_direct(dir);
         const char *scl = ss ? "shared" : "global";
-        const char *loop = wide ? "128x256" : pipe ? "pipelined" : "first";
+        const char *loop = dir ? "128x256 direct" : wide ? "128x256" : pipe ? "pipelined" : "first";
         const moe_dw_mode md = mode == 0 ? MOE_DW_ACCUMULATE : mode == 1 ? MOE_DW_STORE : MOE_DW_ACT;
         /* the starting contents: random values to add to, or NaN poison */
         for (size_t i = 0; i < nw; i++)
@@ -241,6 +246,7 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
         const long long calls = moe_cuda_fp8_wgrad_smem_calls();
         const long long wcalls = moe_cuda_fp8_wgrad_bn256_calls();
         const long long pcalls = moe_cuda_wgrad_prefetch_launches();
+        const long long dcalls = moe_cuda_fp8_wgrad_direct_calls();
         ck_assert_int_eq(moe_cuda_fp8_grouped_wgrad(dw, md, dqa, dsa, dqb, dsb, doff, G, kpad, O,
                                                     I, &err),
                          MOE_OK);
@@ -251,6 +257,11 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
         if (moe_cuda_fp8_wgrad_bn256_calls() - wcalls != wide) { /* the tile asked for ran */
             printf("  FP8 wgrad %s: the %s tile did not run\n", names[mode],
                    wide ? "128x256" : "128x128");
+            ok = 0;
+        }
+        if (moe_cuda_fp8_wgrad_direct_calls() - dcalls != (dir && mode < 2)) {
+            printf("  FP8 wgrad %s: the direct epilogue %s\n", names[mode],
+                   dir && mode < 2 ? "did not run" : "ran unasked");
             ok = 0;
         }
         if (moe_cuda_wgrad_prefetch_launches() - pcalls != (pf && mode == 0)) {
@@ -361,7 +372,7 @@ START_TEST(test_gpu_fp8_wgrad_gemm) {
         s2[e] = e % 7 == 3 ? 0 : (e * 53) % 190;
     const int ordered = moe_cuda_fp8_grouped_ordered(), pipe = moe_cuda_fp8_wgrad_pipe();
     const int smem_scales = moe_cuda_fp8_wgrad_smem_scales(), bn = moe_cuda_fp8_wgrad_bn();
-    const int prefetch = moe_cuda_wgrad_prefetch();
+    const int prefetch = moe_cuda_wgrad_prefetch(), direct = moe_cuda_fp8_wgrad_direct();
     int ok = 1;
     for (int o = 0; o < 2; o++) { /* both issue orders of the consumer warpgroups */
         moe_cuda_fp8_grouped_set_ordered(o);
@@ -377,6 +388,7 @@ START_TEST(test_gpu_fp8_wgrad_gemm) {
     moe_cuda_fp8_wgrad_set_smem_scales(smem_scales);
     moe_cuda_fp8_wgrad_set_bn(bn);
     moe_cuda_wgrad_set_prefetch(prefetch);
+    moe_cuda_fp8_wgrad_set_direct(direct);
     ck_assert_msg(ok, "the FP8 wgrad differs from the CPU twin beyond the FP8 bound");
 }
 END_TEST

@@ -17,11 +17,13 @@
  *   MXFP8 / NVFP4          emulated on Hopper (dequantize → bf16 GEMM): what it costs to run
  *                          the recipes' numerics on a GPU without block-scaled tensor cores
  *
- * The MoE expert GEMMs (--shape moe, or one of qwen3-fc1, qwen3-fc2, mixtral-fc1, mixtral-fc2):
+ * The MoE expert GEMMs (--shape moe, or one of qwen3-fc1, qwen3-fc2, mixtral-fc1, mixtral-fc2,
+ * qwen3-235b-fc1, qwen3-235b-fc2):
  * the forward of every expert at once, Y_g = X_g·W_gᵀ over ragged groups whose offsets stay in
  * device memory, for Qwen3-30B-A3B (128 experts, H = 2048, F = 768, top-8, T = 4096 tokens:
  * 32768 rows; fc1 is gate and up fused, N = 2F) and Mixtral-8x7B (8 experts, H = 4096,
- * F = 14336, top-2, T = 8192: 16384 rows). Group sizes are imbalanced (0.5x to 1.5x the mean,
+ * F = 14336, top-2, T = 8192: 16384 rows), and Qwen3-235B-A22B (128 experts, H = 4096,
+ * F = 1536, top-8, T = 8192: 65536 rows, 512 an expert). Group sizes are imbalanced (0.5x to 1.5x the mean,
  * multiples of 16, the rule of group_sizes(), which torch_fp8_gemm.py repeats). Rows:
  *
  *   bf16 grouped (ours)        chapter 03's sm_90a kernel (kernels/grouped_gemm_sm90.cu)
@@ -57,6 +59,12 @@
  *                              k-block in two 128-column halves; MOE_FP8_WGRAD_BN=256),
  *                              shared-memory scales: all four timed in every run, the
  *                              first three at 128 columns, whatever the variables say
+ *   128x256, direct epilogue   the same tile writing fp32 dW straight from registers
+ *                              (red.global.add.v4.f32 or 16-byte stores) instead of staging
+ *                              it through shared memory for TMA (MOE_FP8_WGRAD_EPI=direct)
+ *   bf16 wgrad ... +=,         the same three with fp32 dW ADDED to (MOE_DW_ACCUMULATE, a
+ *   FP8 wgrad 128x256 +=,      step's later micro-batches): the bf16 wgrad, the wide tile
+ *     staged / direct          staged through TMA (reduce-add), and direct (vector reds)
  *   + token-wise quantize      the default loop plus the two quantize+transpose passes
  *   token-wise quantize dY/X   one quantize+transpose pass alone (kernels/quantize_group_t.cu),
  *     (C=...), v1              then its first kernel (MOE_QUANT_GROUP_T_V1): ms, and GB/s of
@@ -82,7 +90,8 @@
  *
  *   bin/ch05_fp8_gemm_bench [--repeats 15] [--warmup 5] [--tsv file]
  *                           [--shape all|dense|fc1|fc2|qwen|moe|qwen3-fc1|qwen3-fc2|
- *                                    mixtral-fc1|mixtral-fc2|q1x128]
+ *                                    mixtral-fc1|mixtral-fc2|qwen3-235b-fc1|qwen3-235b-fc2|
+ *                                    q1x128]
  *   (all: the dense shapes, then the MoE ones; --tsv: one line per measurement, for the
  *   PyTorch script)
  */
@@ -458,6 +467,9 @@ static const gshape g_gshapes[] = {
     {"qwen3-fc2", 128, 32768, 2048, 768},   /* down, F -> H */
     {"mixtral-fc1", 8, 16384, 28672, 4096}, /* Mixtral-8x7B: w1+w3, H -> 2F */
     {"mixtral-fc2", 8, 16384, 4096, 14336}, /* w2, F -> H */
+    /* Qwen3-235B-A22B: 512 rows an expert, so a wgrad tile has 4 k-blocks to its epilogue */
+    {"qwen3-235b-fc1", 128, 65536, 3072, 4096},
+    {"qwen3-235b-fc2", 128, 65536, 4096, 1536},
 };
 
 /* Imbalanced group sizes that sum to rows: weight w_g = 500 + (7919·g mod 1000) (0.5x to 1.5x
@@ -522,6 +534,7 @@ typedef struct wgrad_ctx {
     const void *dy, *x;
     const int *doff;
     int G, rows, N, K, quant;
+    moe_dw_mode mode; /* fp32 dW stored (the rows' default) or added */
     size_t kpad;
     uint8_t *qa, *qb;
     float *sa, *sb;
@@ -530,7 +543,7 @@ typedef struct wgrad_ctx {
 static void run_wgrad_bf16(void *p) {
     wgrad_ctx *c = p;
     moe_cuda_grouped_sm90_backward(NULL, c->dw, c->dy, c->x, NULL, c->doff, c->G, c->rows, c->K,
-                                   c->N, 0, MOE_DW_STORE);
+                                   c->N, 0, c->mode);
 }
 
 static void run_wgrad_fp8(void *p) {
@@ -542,7 +555,7 @@ static void run_wgrad_fp8(void *p) {
          moe_cuda_quant_group_t_act(c->qb, c->sb, c->x, c->doff, c->G, c->rows, c->K, c->kpad,
                                     MOE_FP8_E4M3, 1, &err) != MOE_OK))
         die("token-wise FP8 quantize", &err);
-    if (moe_cuda_fp8_grouped_wgrad(c->dw, MOE_DW_STORE, c->qa, c->sa, c->qb, c->sb, c->doff, c->G,
+    if (moe_cuda_fp8_grouped_wgrad(c->dw, c->mode, c->qa, c->sa, c->qb, c->sb, c->doff, c->G,
                                    c->kpad, c->N, c->K, &err) != MOE_OK)
         die("FP8 grouped wgrad", &err);
 }
@@ -702,7 +715,7 @@ static void bench_wgrad(const shape *s, const int *off, int G, int rows, int N, 
                         const void *dy, const void *x, const int *doff) {
     const size_t kpad = moe_fp8_wgrad_kpad(rows, G);
     wgrad_ctx c = {.dw = dalloc((size_t)G * N * K * 4), .dy = dy, .x = x, .doff = doff, .G = G,
-                   .rows = rows, .N = N, .K = K, .kpad = kpad,
+                   .rows = rows, .N = N, .K = K, .mode = MOE_DW_STORE, .kpad = kpad,
                    .qa = dalloc((size_t)N * kpad + 16), .qb = dalloc((size_t)K * kpad + 16),
                    .sa = dalloc(kpad / 128 * (size_t)N * 4 + 16),
                    .sb = dalloc(kpad / 128 * (size_t)K * 4 + 16)};
@@ -732,6 +745,20 @@ static void bench_wgrad(const shape *s, const int *off, int G, int rows, int N, 
     moe_cuda_fp8_wgrad_set_pipe(1);
     moe_cuda_fp8_wgrad_set_bn(256);
     report(s, "FP8 wgrad grouped, 128x256 tile", time_ms(run_wgrad_fp8, &c), -1);
+    /* the wide tile's two fp32 epilogues (the test checks they agree bit for bit): staged
+     * through shared memory and TMA, or straight from registers; storing, then adding (a
+     * step's later micro-batches), beside the bf16 wgrad adding */
+    const int dir = moe_cuda_fp8_wgrad_direct();
+    moe_cuda_fp8_wgrad_set_direct(1);
+    report(s, "FP8 wgrad 128x256, direct epilogue", time_ms(run_wgrad_fp8, &c), -1);
+    c.mode = MOE_DW_ACCUMULATE;
+    report(s, "bf16 wgrad grouped (ours, fp32 dW +=)", time_ms(run_wgrad_bf16, &c), -1);
+    moe_cuda_fp8_wgrad_set_direct(0);
+    report(s, "FP8 wgrad 128x256 +=, staged (TMA)", time_ms(run_wgrad_fp8, &c), -1);
+    moe_cuda_fp8_wgrad_set_direct(1);
+    report(s, "FP8 wgrad 128x256 +=, direct epilogue", time_ms(run_wgrad_fp8, &c), -1);
+    c.mode = MOE_DW_STORE;
+    moe_cuda_fp8_wgrad_set_direct(dir);
     moe_cuda_fp8_wgrad_set_pipe(pipe);
     moe_cuda_fp8_wgrad_set_smem_scales(ss);
     moe_cuda_fp8_wgrad_set_bn(bn);
@@ -883,7 +910,8 @@ int main(int argc, char **argv) {
         else {
             fprintf(stderr,
                     "usage: %s [--repeats 15] [--warmup 5] [--shape all|dense|fc1|fc2|qwen|moe|"
-                    "qwen3-fc1|qwen3-fc2|mixtral-fc1|mixtral-fc2|q1x128] [--tsv file]\n",
+                    "qwen3-fc1|qwen3-fc2|mixtral-fc1|mixtral-fc2|qwen3-235b-fc1|qwen3-235b-fc2|q1x128] "
+                    "[--tsv file]\n",
                     argv[0]);
             return 2;
         }
