@@ -545,9 +545,10 @@ int moe_cuda_fp8_wgrad_pipe(void);
 void moe_cuda_fp8_wgrad_set_smem_scales(int on);
 int moe_cuda_fp8_wgrad_smem_scales(void);
 long long moe_cuda_fp8_wgrad_smem_calls(void);
-/** The default tile width of the FP8 grouped wgrad: 128 columns (the 128 × 256 tile gives
- *  the same bits and was 1.03x on the one shape measured, Mixtral's fc1). */
-#define MOE_FP8_WGRAD_BN_DEFAULT 128
+/** The default tile width of the FP8 grouped wgrad: 256 columns, the 128 × 256 tile (the
+ *  same bits as the 128 × 128 one; on an H100 1.02x it on Mixtral's fc1, 0.90x on
+ *  Qwen3-235B's storing but 1.00x adding: docs/results/05-fp8-nvfp4.md). */
+#define MOE_FP8_WGRAD_BN_DEFAULT 256
 /**
  * @brief Choose the FP8 grouped wgrad's tile width (process-wide, not thread-safe; all three
  *        output modes): 128 × 128 tiles, or 128 × 256 tiles whose consumer warpgroups promote

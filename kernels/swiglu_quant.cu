@@ -8,7 +8,7 @@
  *             runs the two passes);
  *   backward  dgu = [dg | du] goes to fc1's FP8 dgrad (codes) and the bf16 wgrad (the
  *             dequantized copy): the SwiGLU backward writes both, and not dgu;
- *   y_raw     under the FP8 wgrad (MOE_FP8_WGRAD=1) the wgrad quantizes a and dgu again,
+ *   y_raw     under the FP8 wgrad (the default) the wgrad quantizes a and dgu again,
  *             along the tokens of each expert (kernels/quantize_group_t.cu), from their bf16
  *             values: then the bf16 output `y` is a itself, or dgu itself (the bytes the
  *             separate kernels write), next to the row-wise codes, instead of the dequantized

@@ -39,8 +39,8 @@
  * not a power of two can change in the last bits. One QDQ per tensor serves both backward
  * GEMMs: the blockwise recipes' wgrad operands are tiled along the rows as for the dgrad
  * GEMM, where a native kernel tiles them along the tokens (the transposed copy) — except the
- * routed experts' under `MOE_FP8_WGRAD=1` (lib/fp8_wgrad.h), tiled along each expert's
- * tokens. (With power-of-two scales the two tilings give different values only where an
+ * routed experts' under the FP8 wgrad (lib/fp8_wgrad.h; blockwise's default, `MOE_FP8_WGRAD=0`
+ * turns it off), tiled along each expert's tokens. (With power-of-two scales the two tilings give different values only where an
  * element falls into the subnormals of its block: E4M3's relative precision does not depend
  * on the scale.) NVFP4's wgrad is the other exception: it quantizes dy and x along the
  * tokens with the random Hadamard transform (moe_lowp_wgrad(), TransformerEngine's
@@ -76,15 +76,17 @@
  *    K-major transposed copy of each expert's W, made in the same pass as the forward
  *    codes by the fused quantize+transpose kernel (a 128×128 block transposes exactly: the
  *    same codes, its scale moves to the transposed position);
- *  - wgrad dW = Q(dy)ᵀ·Q(x): by default a bf16 grouped GEMM on the dequantized operands, as
- *    emulated (the pass that quantizes dy writes its dequantized copy too). With
- *    `MOE_FP8_WGRAD=1` (::moe_lowp::fp8_wgrad) it runs in FP8 too (lib/fp8_wgrad.h): dy and x
+ *  - wgrad dW = Q_t(dy)ᵀ·Q_t(x), by default in FP8 too, as the recipe has it (DeepSeek-V3,
+ *    TransformerEngine's Float8BlockScaling; ::moe_lowp::fp8_wgrad, lib/fp8_wgrad.h): dy and x
  *    quantized 1×128 along the TOKENS of each expert into K-major copies (each expert's
  *    tokens from a 128-aligned column), then our FP8 wgrad kernel; the emulation then QDQs
  *    the routed experts' wgrad operands the same way (the grouped path: CPU
  *    `--moe-expert-backend grouped`), so the CPU twin of the expert backward is what the GPU
  *    computes up to the summation order. The fused passes (below) run with it too, keeping
- *    the bf16 SwiGLU output and dgu that the token-wise copies are made from.
+ *    the bf16 SwiGLU output and dgu that the token-wise copies are made from. With
+ *    `MOE_FP8_WGRAD=0` (the course's first arrangement) the wgrad is a bf16 grouped GEMM on
+ *    the row-wise dequantized operands, as emulated (the pass that quantizes dy writes its
+ *    dequantized copy too): on an H100 the Mixtral layer 1.05x slower (results 05).
  *
  * **Fused passes** (the native path, `MOE_FP8_FUSED` unset or 1; lib/mlp.c,
  * moe_mlp_fp8_fused()). No pass reads bf16 only to write FP8 around the SwiGLU: its forward
@@ -101,9 +103,9 @@
  * model is made) runs the separate passes, the SwiGLU output then kept in bf16. Not
  * fused yet: x is still quantized by its own pass in the forward and again in the backward
  * (its codes are not kept), and dy by its own pass.
- * With the FP8 wgrad (`MOE_FP8_WGRAD=1`) the fused passes run in a second arrangement (lib/
- * mlp.c; passed its GPU tests on an H100 at 3d50c58; on only under that switch, itself off
- * by default): its token-wise copies are made from the bf16 SwiGLU output and dgu, so the fused
+ * With the FP8 wgrad (the default; not under `MOE_FP8_WGRAD=0`) the fused passes run in a
+ * second arrangement (lib/mlp.c; passed its GPU tests on an H100 at 3d50c58): its token-wise
+ * copies are made from the bf16 SwiGLU output and dgu, so the fused
  * SwiGLU forward and backward write those (y_raw) next to the row-wise codes, instead of the
  * dequantized copy, and the saved output stays bf16 (moe_mlp_fp8_saves_codes() is 0: one
  * sizing rule); fc2's forward and fc1's dgrad read the codes from the context's scratch.
@@ -212,7 +214,7 @@ typedef struct moe_lowp {
                                              its FP8 weights, before its buffers) */
     /* chapter 05's FP8 wgrad (lib/fp8_wgrad.h, MOE_FP8_WGRAD): the routed experts' weight
      * gradients on operands quantized 1×128 along the tokens of each expert */
-    int fp8_wgrad;                      /**< 1: blockwise E4M3 with MOE_FP8_WGRAD on (not 0):
+    int fp8_wgrad;                      /**< 1: blockwise E4M3 unless MOE_FP8_WGRAD=0:
                                              the native path runs the FP8 wgrad kernel, the
                                              emulation its token-wise QDQ */
     int fp8_fused;                      /**< 1: blockwise E4M3 with MOE_FP8_FUSED not 0 when

@@ -640,7 +640,8 @@ static int alloc_fp8_weights(moe_model *m, int moe_rows) {
     moe_log_info("precision: the routed experts' forward and dgrad GEMMs run natively in FP8 "
                  "(our FP8 grouped kernel); their wgrad %s, the other linear layers emulated; "
                  "their SwiGLU output kept for the backward %s",
-                 m->lowp->fp8_wgrad ? "too (MOE_FP8_WGRAD=1)" : "in bf16 on QDQ'd operands",
+                 m->lowp->fp8_wgrad ? "too (token-wise operands)"
+                                     : "in bf16 on QDQ'd operands (MOE_FP8_WGRAD=0)",
                  moe_mlp_fp8_saves_codes(m->be, m->lowp)
                      ? "as FP8 codes + 1x128 scales (fused passes)"
                      : m->lowp->fp8_wgrad && m->lowp->fp8_fused

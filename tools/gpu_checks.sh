@@ -24,10 +24,11 @@
 #            128- and 256-row cliffs, the wgrad at 512 rows per expert with its L2 prefetch
 #            (MOE_WGRAD_PREFETCH=1, 2) and the ping-pong kernel
 #            (MOE_GROUPED_WGRAD_PINGPONG=1); the FP8 wgrad's GEMMs (both loops, both
-#            scale paths, both tile widths), the FP8 layer with and without it in one process
-#            (--precision bf16,fp8,fp8-wgrad with MOE_FP8_WGRAD_BN=256) on Mixtral and
-#            Qwen3-235B, the FP8-wgrad layer with the tiled SwiGLU backward
-#            (MOE_FP8_FUSED_T=1) and without, alternating, and the GPU preset in FP8 with
+#            scale paths, both tile widths, both fp32 epilogues), the FP8 layer with it
+#            (the default) and with the bf16 wgrad in one process (--precision
+#            bf16,fp8-bf16wgrad,fp8) on Mixtral and Qwen3-235B, the layer with the wgrad's
+#            direct epilogue (MOE_FP8_WGRAD_EPI=direct) and without, with the tiled SwiGLU
+#            backward (MOE_FP8_FUSED_T=1) and without, alternating, and the GPU preset in FP8 with
 #            and without the native dense linears (MOE_FP8_NATIVE_DENSE=1)
 #   profile  Nsight Compute (ncu, metrics only) on the kernels that hold back the unmet
 #            targets: the bf16 grouped GEMMs at 512 rows per expert (sweep512: the wgrad
@@ -139,17 +140,23 @@ for s in "${sections[@]}"; do
         ;;
     pending05)
         run pending05 200 bin/ch05_fp8_gemm_bench --shape moe
-        # the FP8 layer with and without the FP8 wgrad (its 128 x 256 tile) in one process
+        # the FP8 layer with the FP8 wgrad (the default, its 128 x 256 tile) and with the bf16
+        # wgrad (MOE_FP8_WGRAD=0) in one process; then the wgrad's direct epilogue
         for shape in mixtral qwen3-235b; do
-            run pending05 200 env MOE_FP8_WGRAD_BN=256 bin/ch01_moe_layer_bench --shape "$shape" \
-                --impl grouped --precision bf16,fp8,fp8-wgrad --repeats 7
+            run pending05 200 bin/ch01_moe_layer_bench --shape "$shape" \
+                --impl grouped --precision bf16,fp8-bf16wgrad,fp8 --repeats 7
+        done
+        for v in MOE_FP8_WGRAD_EPI=tma MOE_FP8_WGRAD_EPI=direct; do
+            echo "== Mixtral FP8 $v" >>"$out/pending05.txt"
+            run pending05 100 env $v bin/ch01_moe_layer_bench --shape mixtral \
+                --impl grouped --precision fp8 --repeats 7
         done
         # the tiled SwiGLU backward of the FP8 wgrad (MOE_FP8_FUSED_T=1) against the row-wise
         # one, alternating processes twice (the switch is read when a context is made)
         for v in MOE_FP8_FUSED_T=0 MOE_FP8_FUSED_T=1 MOE_FP8_FUSED_T=0 MOE_FP8_FUSED_T=1; do
             echo "== Mixtral FP8 wgrad $v" >>"$out/pending05.txt"
-            run pending05 100 env $v MOE_FP8_WGRAD_BN=256 bin/ch01_moe_layer_bench --shape mixtral \
-                --impl grouped --precision fp8-wgrad --repeats 7
+            run pending05 100 env $v bin/ch01_moe_layer_bench --shape mixtral \
+                --impl grouped --precision fp8 --repeats 7
         done
         for v in "" MOE_FP8_NATIVE_DENSE=1; do
             echo "== FP8 preset ${v:-(dense linears emulated)}" >>"$out/pending05.txt"
@@ -178,11 +185,11 @@ for s in "${sections[@]}"; do
         }
         prof 200 grouped_gemm_kernel 40 bin/ch03_grouped_gemm_bench --shape sweep512 \
             --warmup 0 --repeats 1
-        prof 200 fp8_wgrad_kernel 4 env MOE_FP8_WGRAD_BN=256 bin/ch01_moe_layer_bench \
-            --shape mixtral --impl grouped --precision fp8-wgrad --repeats 1 --warmup 0
+        prof 200 fp8_wgrad_kernel 4 bin/ch01_moe_layer_bench \
+            --shape mixtral --impl grouped --precision fp8 --repeats 1 --warmup 0
         for v in MOE_FP8_FUSED_T=0 MOE_FP8_FUSED_T=1; do
-            prof 200 "swiglu_quant_bwd|group_t_kernel" 12 env $v MOE_FP8_WGRAD_BN=256 \
-                bin/ch01_moe_layer_bench --shape mixtral --impl grouped --precision fp8-wgrad \
+            prof 200 "swiglu_quant_bwd|group_t_kernel" 12 env $v \
+                bin/ch01_moe_layer_bench --shape mixtral --impl grouped --precision fp8 \
                 --repeats 1 --warmup 0
         done
         grep -E "^== ncu|^  [a-zA-Z_<>:, ()0-9*-]+\(|gpu__time|dram__|lts__|sm__pipe" \

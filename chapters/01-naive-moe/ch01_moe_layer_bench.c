@@ -72,11 +72,13 @@ static const moe_flag g_flags[] = {
        "our kernel only", NULL),
     OF("precision", MOE_FLAG_STRING, precision, "bf16",
        "comma-separated: bf16 (the backend's activations) and fp8 (chapter 05's blockwise "
-       "E4M3 recipe: native FP8 expert GEMMs on Hopper with our kernel, else emulated); "
-       "fp8-unfused: fp8 with MOE_FP8_FUSED=0 (the separate quantize passes, lib/mlp.c), "
-       "timed before fp8 for a before/after in one run; fp8-wgrad: fp8 with MOE_FP8_WGRAD=1 "
-       "(the routed experts' wgrad in FP8 too; its tile width from MOE_FP8_WGRAD_BN), timed "
-       "after fp8", NULL),
+       "E4M3 recipe: native FP8 expert GEMMs on Hopper with our kernel, the wgrad too unless "
+       "MOE_FP8_WGRAD=0, else emulated); fp8-unfused: fp8 with MOE_FP8_FUSED=0 (the separate "
+       "quantize passes, lib/mlp.c), timed before fp8 for a before/after in one run; "
+       "fp8-bf16wgrad: fp8 with MOE_FP8_WGRAD=0 (the routed experts' wgrad a bf16 GEMM on "
+       "the dequantized operands, the course's first arrangement), timed before fp8; "
+       "fp8-wgrad: fp8 with MOE_FP8_WGRAD=1 whatever the environment says (its tile width "
+       "from MOE_FP8_WGRAD_BN), timed after fp8", NULL),
 };
 
 typedef moe_bench_shape shape;
@@ -256,8 +258,9 @@ static const char *const g_dw_names[] = {"add", "store", "bf16"};
 /* the median ms of the last bf16 run, for the fp8 run of the same configuration after it */
 static double g_bf16_ms = -1;
 /* the fp8 run's tag: "+fp8", "+fp8-unfused" for --precision fp8-unfused (MOE_FP8_FUSED=0
- * for that run: chapter 05's separate quantize passes, the before of lib/mlp.c's fusion) or
- * "+fp8-wgrad" for --precision fp8-wgrad (MOE_FP8_WGRAD=1 for that run) */
+ * for that run: chapter 05's separate quantize passes, the before of lib/mlp.c's fusion),
+ * "+fp8-bf16wgrad" for --precision fp8-bf16wgrad (MOE_FP8_WGRAD=0) or "+fp8-wgrad" for
+ * --precision fp8-wgrad (MOE_FP8_WGRAD=1 for that run) */
 static const char *g_fp8_tag = "+fp8";
 
 static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_expert_impl impl,
@@ -268,7 +271,7 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
         return 0;
     }
     /* the expert backend; "-fused" under the whole fused permutation, "-gather" or
-     * "-scatter" under one half; "+fp8" (or "+fp8-unfused", "+fp8-wgrad") */
+     * "-scatter" under one half; "+fp8" (or "+fp8-unfused", "+fp8-bf16wgrad", "+fp8-wgrad") */
     static const char *const fuse_names[4] = {"", "-gather", "-scatter", "-fused"};
     char name[40];
     snprintf(name, sizeof name, "%s%s%s", g_impl_names[impl], fuse_names[fused & 3],
@@ -336,9 +339,9 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
                s->name, name,
                !L.lp.native ? "FP8 emulated (quantize -> dequantize -> the usual GEMMs)"
                : L.lp.fp8_wgrad
-                   ? "native FP8 forward + dgrad + wgrad (our FP8 grouped kernels, "
-                     "MOE_FP8_WGRAD=1)"
-                   : "native FP8 forward + dgrad (our FP8 grouped kernel), bf16 wgrad",
+                   ? "native FP8 forward + dgrad + wgrad (our FP8 grouped kernels)"
+                   : "native FP8 forward + dgrad (our FP8 grouped kernel), bf16 wgrad "
+                     "(MOE_FP8_WGRAD=0)",
                wq_ms);
         if (g_bf16_ms > 0)
             printf("; fp8 vs bf16 layer: %.2f ms vs %.2f ms = %.2fx", med, g_bf16_ms,
@@ -440,12 +443,13 @@ int main(int argc, char **argv) {
                          impl_wanted(o.permute_fusion, "gather"),
                          impl_wanted(o.permute_fusion, "scatter"),
                          impl_wanted(o.permute_fusion, "on")};
-    const int prec[4] = {impl_wanted(o.precision, "bf16"), impl_wanted(o.precision, "fp8"),
+    const int prec[5] = {impl_wanted(o.precision, "bf16"), impl_wanted(o.precision, "fp8"),
                          impl_wanted(o.precision, "fp8-unfused"),
-                         impl_wanted(o.precision, "fp8-wgrad")};
-    if (!prec[0] && !prec[1] && !prec[2] && !prec[3]) {
+                         impl_wanted(o.precision, "fp8-wgrad"),
+                         impl_wanted(o.precision, "fp8-bf16wgrad")};
+    if (!prec[0] && !prec[1] && !prec[2] && !prec[3] && !prec[4]) {
         moe_log_error("--precision '%s': give a comma-separated list of bf16, fp8, fp8-unfused, "
-                      "fp8-wgrad",
+                      "fp8-bf16wgrad, fp8-wgrad",
                       o.precision);
         return 2;
     }
@@ -489,24 +493,24 @@ int main(int argc, char **argv) {
                     (dw != MOE_DW_ACT || impl == MOE_EXPERTS_KERNEL))
                     for (int f = 0; f < 4; f++) { /* the fused permutation: our kernel only */
                         g_bf16_ms = -1;
-                        /* bf16, fp8-unfused, fp8, then fp8-wgrad (lowp.h refuses the fused
-                         * permutation) */
-                        const int order[4] = {0, 2, 1, 3};
-                        for (int j = 0; j < 4; j++) {
+                        /* bf16, fp8-unfused, fp8-bf16wgrad, fp8, then fp8-wgrad (lowp.h
+                         * refuses the fused permutation) */
+                        const int order[5] = {0, 2, 4, 1, 3};
+                        for (int j = 0; j < 5; j++) {
                             const int p = order[j];
                             if (!(fuse[f] && (!f || impl == MOE_EXPERTS_KERNEL) &&
                                   prec[p] && !(p && f)))
                                 continue;
                             /* fp8-unfused: MOE_FP8_FUSED=0 for this run, fp8-wgrad:
-                             * MOE_FP8_WGRAD=1 (each read once, when its layer's recipe is
-                             * made: lowp.c), restored after */
-                            static const char *const tags[4] = {"+fp8", "+fp8", "+fp8-unfused",
-                                                                "+fp8-wgrad"};
+                             * MOE_FP8_WGRAD=1, fp8-bf16wgrad: MOE_FP8_WGRAD=0 (each read
+                             * once, when its layer's recipe is made: lowp.c), restored after */
+                            static const char *const tags[5] = {
+                                "+fp8", "+fp8", "+fp8-unfused", "+fp8-wgrad", "+fp8-bf16wgrad"};
                             moe_bench_env env;
                             if (p == 2)
                                 env = moe_bench_env_set("MOE_FP8_FUSED", "0");
-                            if (p == 3)
-                                env = moe_bench_env_set("MOE_FP8_WGRAD", "1");
+                            if (p >= 3)
+                                env = moe_bench_env_set("MOE_FP8_WGRAD", p == 3 ? "1" : "0");
                             g_fp8_tag = tags[p];
                             fails += run_shape(be, s, &o, (moe_expert_impl)impl,
                                                (moe_dw_mode)dw, f, p != 0);
