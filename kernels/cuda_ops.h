@@ -570,6 +570,29 @@ int moe_cuda_fp8_wgrad_bn(void);
 /** @brief Launches of the 128 × 256 FP8 grouped wgrad kernel since the process started: a
  *  test's proof that it ran. @return the count */
 long long moe_cuda_fp8_wgrad_bn256_calls(void);
+/** The default promotion of the 128 × 256 FP8 wgrad tile: 0 = by 128-column halves, each
+ *  waited for (the measured one). */
+#define MOE_FP8_WGRAD_QUARTERS_DEFAULT 0
+/**
+ * @brief Choose how the 128 × 256 FP8 grouped wgrad tile promotes a k-block (process-wide,
+ *        not thread-safe): 1 = in four 64-column quarters with two accumulator sets, the next
+ *        quarter's MMAs queued before the current one is waited for, so a warpgroup never
+ *        idles at the tensor cores while it promotes (no issue turns); 0 = in two 128-column
+ *        halves, each waited for, the warpgroups taking turns (the default). Meant to give the
+ *        same bits. Only for the wide tile with the staged epilogue (the direct epilogue runs
+ *        the halves). STATUS: compiled, not yet run on a GPU.
+ *
+ * Without a call, the environment's MOE_FP8_WGRAD_QUARTERS=0|1 decides, else
+ * ::MOE_FP8_WGRAD_QUARTERS_DEFAULT. Set by the tests and the chapter 05 benchmark.
+ * @param on 1 for the quarters, 0 for the halves
+ */
+void moe_cuda_fp8_wgrad_set_quarters(int on);
+/** @brief The wide FP8 wgrad tile's promotion asked for (moe_cuda_fp8_wgrad_set_quarters()).
+ *  @return 1 quarters, 0 halves */
+int moe_cuda_fp8_wgrad_quarters(void);
+/** @brief Launches of the wide FP8 wgrad tile by quarters since the process started: a test's
+ *  proof that it ran. @return the count */
+long long moe_cuda_fp8_wgrad_quarters_calls(void);
 /** The default epilogue of the 128 × 256 FP8 wgrad tile with fp32 dW: 0 = staged through
  *  shared memory and TMA. */
 #define MOE_FP8_WGRAD_DIRECT_DEFAULT 0

@@ -348,6 +348,98 @@ __device__ __forceinline__ void pipe_step(float *d, float *cur, float *nxt, cons
     }
 }
 
+/* ---------------------------------------------------------------- the wide tile by quarters
+ * (WIDE = 2; MOE_FP8_WGRAD_QUARTERS=1, moe_cuda_fp8_wgrad_set_quarters; with the 128 × 256
+ * tile only). The split promotion above waits for each 128-column half's MMAs before it
+ * promotes them (wgmma_wait<0>), so this warpgroup has nothing queued at the tensor cores while
+ * it promotes, and the ORDERED turns are what keeps them busy (Nsight Compute on Mixtral's fc1:
+ * the named barriers are the warps' top stall, the tile at 830 TFLOP/s alone where the forward
+ * of the same shape runs 1072). Here a k-block is promoted in four 64-column quarters with two
+ * accumulator sets of 32 registers, as the 128-column kernel's PIPE loop does with k-blocks:
+ * quarter q + 1's MMAs (4 × m64n64k32) are issued into the other set before quarter q is
+ * waited for and promoted (quarters_tile). A warpgroup then has MMAs queued through three of
+ * its four promotions, not through none of its two, so there are no turns (ORDERED is not
+ * used). Registers:
+ * 128 sums + 2 × 32 accumulators = 192, as the halves' 128 + 64. The same m64·k32 FP8 products
+ * summed over the same 128-deep k-block, the same scale product and the same fmaf in the same
+ * k-block order for every element: the output is meant to be the halves' bit for bit
+ * (tests/gpu_fp8_wgrad.c checks it). STATUS: written and compiled (no spills, no wgmma
+ * serialization warning), NOT YET RUN ON A GPU: its test and the benchmark row exist. */
+
+/* issue quarter q (columns 64q .. 64q + 63 of the tile; rows 64q.. of the stage's B boxes) of
+ * k-block issue number it into acc (32 registers), committed, not waited for; WAIT: first
+ * wait until the stage is full (a k-block's quarter 0) */
+template <int STAGES, int SB, int WAIT>
+__device__ __forceinline__ void issue_quarter(float *acc, const uint8_t *smem, uint64_t *full,
+                                              int it, int c, int q) {
+    const int s = it % STAGES;
+    if (WAIT)
+        mbar_wait(&full[s], (it / STAGES) & 1);
+    const uint8_t *a = smem + s * SB + c * (A_BYTES / 2);
+    const uint8_t *b = smem + s * SB + A_BYTES + q * (B_BYTES / 2); /* 64 rows: 8 KB */
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 32; kk++)
+        moe_wgmma_fp8<64>::mma(acc, desc(a + kk * 32, 16, 1024), desc(b + kk * 32, 16, 1024),
+                               kk > 0);
+    wgmma_commit();
+}
+
+/* the promotion of a finished quarter q: d[32q ..] += acc · sa[row] · sb[col], the column
+ * scales of the quarter read from the stage's slot 4 pairs at a time (registers are short),
+ * in G = 2 groups (a template, as promote: sm_100a compiles none of it) */
+template <int G = 2>
+__device__ __forceinline__ void promote_quarter(float *d, float *acc, const float *sc, int q,
+                                                int lane, float a0, float a1) {
+    const float *sbq = sc + BM + 64 * q + 2 * (lane % 4);
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        float2 sbv[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            sbv[j] = *(const float2 *)(sbq + 32 * g + 8 * j);
+        promote<4>(d + 32 * q + 16 * g, acc + 16 * g, a0, a1, sbv);
+    }
+}
+
+/* One tile's k-loop by quarters, NQ = 4 (both 128-column halves inside N) or 2 (the second
+ * half past N). Quarter q's accumulators are cur = q even ? acc : acc2: NQ is even, so every
+ * k-block starts in acc, and every parity is known at compile time (registers cannot be
+ * indexed). The loop keeps one invariant: at the top of k-block kt its quarter 0 is in flight
+ * in acc. The last k-block leaves nothing in flight (wgmma_wait<0>). */
+/* One tile's k-loop by quarters, NQ = 4 (both 128-column halves inside N) or 2 (the second
+ * half past N). Quarter q's accumulators are q even ? acc : acc2: NQ is even, so every
+ * k-block starts in acc, and every parity is known at compile time (registers cannot be
+ * indexed). Within a k-block quarter q + 1 is queued before quarter q is waited for; the
+ * last quarter is waited for alone (wgmma_wait<0>), so no group is in flight from one k-block
+ * to the next. Queuing the next k-block's quarter 0 there too (the PIPE loop's way) made ptxas
+ * serialize every wgmma of the kernel (C7514), in every loop shape tried; the other
+ * warpgroup's MMAs cover that one quarter's promotion. */
+template <int NQ, int STAGES, int SB>
+__device__ __forceinline__ void quarters_tile(float *d, float *acc, float *acc2,
+                                              const uint8_t *smem, uint64_t *full,
+                                              uint64_t *empty, int &it, int nk, int c, int lane,
+                                              int r_lo, int scl_off, int scl_bytes) {
+    for (int kt = 0; kt < nk; kt++, it++) {
+        const int s = it % STAGES;
+        issue_quarter<STAGES, SB, 1>(acc, smem, full, it, c, 0);
+        const float *sc = (const float *)(smem + scl_off + s * scl_bytes);
+        const float a0 = sc[64 * c + r_lo], a1 = sc[64 * c + r_lo + 8];
+#pragma unroll
+        for (int q = 0; q + 1 < NQ; q++) { /* the next quarter is queued first */
+            issue_quarter<STAGES, SB, 0>(q % 2 ? acc : acc2, smem, full, it, c, q + 1);
+            wgmma_wait<1>();
+            promote_quarter(d, q % 2 ? acc2 : acc, sc, q, lane, a0, a1);
+        }
+        wgmma_wait<0>();
+        /* the stage is given back once the last promotion has read its column scales from
+         * the stage's slot */
+        promote_quarter(d, acc2, sc, NQ - 1, lane, a0, a1);
+        if (lane == 0)
+            mbar_arrive(&empty[s]); /* (an asm with a memory clobber: the reads stay before it) */
+    }
+}
+
 /* C32: fp32 output, else bf16 (stored). ORDERED: as the forward kernel. PIPE: 1 = two
  * accumulator sets, k-block j + 1's MMAs run while j is promoted (the default); 0 = the
  * first loop, each k-block's MMAs waited for before its promotion (MOE_FP8_WGRAD_PIPE=0).
@@ -427,7 +519,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int r_lo = warp * 16 + lane / 4;
     int it = 0;
     /* main accumulators (64 rows × TN), the k-block's wgmma ones (64 × 128) */
-    float d[TN / 2], acc[BN / 2], acc2[PIPE ? BN / 2 : 1];
+    float d[TN / 2], acc[BN / 2], acc2[PIPE ? BN / 2 : WIDE == 2 ? 32 : 1];
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         const int g = t / per_g, r = t % per_g, m0 = (r / ntn) * BM, n0 = (r % ntn) * TN;
         const int kb0 = s_pb[g], nk = s_pb[g + 1] - kb0;
@@ -438,7 +530,17 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int i = 0; i < TN / 2; i++)
             d[i] = 0.0f;
         const int two = WIDE && n0 + BN < p.N; /* as the producer's nb = 2 */
-        if constexpr (WIDE) { /* ----------------- 128 × 256: the split promotion, by halves */
+        if constexpr (WIDE == 2) { /* ------------- 128 × 256 by quarters, two accumulator sets */
+            /* (acc is 64 registers, acc2 32 here: a quarter's accumulators are 32) */
+            if (nk > 0) {
+                if (two)
+                    quarters_tile<4, STAGES, R::SB>(d, acc, acc2, smem, full, empty, it, nk, c,
+                                                    lane, r_lo, R::SCL_OFF, R::SCL);
+                else
+                    quarters_tile<2, STAGES, R::SB>(d, acc, acc2, smem, full, empty, it, nk, c,
+                                                    lane, r_lo, R::SCL_OFF, R::SCL);
+            }
+        } else if constexpr (WIDE) { /* ----------- 128 × 256: the split promotion, by halves */
             for (int kt = 0; kt < nk; kt++, it++) {
                 const int s = it % STAGES;
                 const float *sc = (const float *)(smem + R::SCL_OFF + s * R::SCL);
@@ -563,6 +665,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
 long long g_bn256_calls; /* launches of the 128 × 256 kernel (the tests' proof it ran) */
 long long g_direct_calls; /* launches with the direct epilogue (likewise) */
+long long g_quarters_calls; /* launches of the wide tile by quarters (likewise) */
 
 template <int C32, int ORDERED, int PIPE, int SS, int WIDE = 0, int DIRECT = 0>
 void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc, const Params &p,
@@ -575,7 +678,8 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
     fp8_wgrad_kernel<C32, ORDERED, PIPE, SS, WIDE, DIRECT>
         <<<grid, THREADS, SMEM_BYTES, moe_cuda_stream()>>>(ma, mb, mc, p);
     MOE_CUDA_LAUNCH_CHECK();
-    g_bn256_calls += WIDE;
+    g_bn256_calls += WIDE != 0;
+    g_quarters_calls += WIDE == 2;
     g_direct_calls += DIRECT;
 }
 
@@ -610,6 +714,12 @@ int env_switch(int *cached, const char *name, int dflt) {
 int g_pipe = -1; /* the loop; -1 until first used */
 
 int pipe(void) { return env_switch(&g_pipe, "MOE_FP8_WGRAD_PIPE", MOE_FP8_WGRAD_PIPE_DEFAULT); }
+
+int g_quarters = -1; /* the wide tile by quarters (WIDE = 2); -1 until first used */
+
+int quarters(void) {
+    return env_switch(&g_quarters, "MOE_FP8_WGRAD_QUARTERS", MOE_FP8_WGRAD_QUARTERS_DEFAULT);
+}
 
 int g_direct = -1; /* the wide tile's fp32 epilogue: 1 direct, 0 staged; -1 until first used */
 
@@ -708,9 +818,14 @@ extern "C" moe_status moe_cuda_fp8_grouped_wgrad(void *dw, moe_dw_mode mode, con
         static const launcher wide[8] = {launch_wide<0>, launch_wide<1>, launch_wide<2>,
                                          launch_wide<3>, NULL,           NULL,
                                          launch_wide<6>, launch_wide<7>};
+        /* by quarters (no issue order: WIDE = 2, ORDERED = 0, the staged epilogue) */
+        static const launcher by_quarters[2] = {launch<0, 0, 0, 1, 2>, launch<1, 0, 0, 1, 2>};
         const int tiles = G * (M / BM) * ((N + 2 * BN - 1) / (2 * BN));
         const int dir = C32 && direct(); /* (bf16 output: always staged) */
-        wide[dir << 2 | C32 << 1 | moe_cuda_fp8_grouped_ordered()](ma, mb, mc, p, tiles);
+        if (quarters() && !dir)
+            by_quarters[C32](ma, mb, mc, p, tiles);
+        else
+            wide[dir << 2 | C32 << 1 | moe_cuda_fp8_grouped_ordered()](ma, mb, mc, p, tiles);
         return MOE_OK;
     }
     variants[C32 << 3 | moe_cuda_fp8_grouped_ordered() << 2 | pipe() << 1 | ss](
@@ -733,6 +848,12 @@ extern "C" void moe_cuda_fp8_wgrad_set_bn(int bn) { g_bn = bn == 256 ? 256 : 128
 extern "C" int moe_cuda_fp8_wgrad_bn(void) { return tile_width(); }
 
 extern "C" long long moe_cuda_fp8_wgrad_bn256_calls(void) { return g_bn256_calls; }
+
+extern "C" void moe_cuda_fp8_wgrad_set_quarters(int on) { g_quarters = on != 0; }
+
+extern "C" int moe_cuda_fp8_wgrad_quarters(void) { return quarters(); }
+
+extern "C" long long moe_cuda_fp8_wgrad_quarters_calls(void) { return g_quarters_calls; }
 
 extern "C" void moe_cuda_fp8_wgrad_set_direct(int on) { g_direct = on != 0; }
 

@@ -15,10 +15,14 @@
  *    with dW prefetched into L2 before the reduce-add (moe_cuda_wgrad_set_prefetch; a count
  *    proves it ran when adding, and only then), then the 128 × 256 tile writing fp32 dW
  *    straight from registers (moe_cuda_fp8_wgrad_set_direct; a count proves it ran with fp32
- *    output, and only then), and both issue orders of the warpgroups. The eight promote the
- *    same k-blocks' m64n128k32 partials with the same scales in the same order and add each
- *    sum once, so their outputs must also be equal bit for bit. The wide tile on N = 128·odd (its last
- *    tile's second half past N: not computed, not stored) and N = 256·k.
+ *    output, and only then), then the 128 × 256 tile promoted by 64-column quarters with two
+ *    accumulator sets (moe_cuda_fp8_wgrad_set_quarters; its own count), and both issue orders
+ *    of the warpgroups (the quarters take no turns: the same run twice). The nine promote the
+ *    same k-blocks' partials (m64n128k32, or m64n64k32 by quarters: the same products summed
+ *    over the same 128-deep block for each element) with the same scales in the same order
+ *    and add each sum once, so their outputs must also be equal bit for bit. The wide tile on
+ *    N = 128·odd (its last tile's second half past N: not computed, not stored) and
+ *    N = 256·k.
  * Ragged groups: 0, 1, 127, 128, 129, 255 rows; 40 groups of 0 to 189 rows; for the GEMM
  * also 700, 0, 385, 257, 1 rows (6, 0, 4, 3, 1 k-blocks); for the quantizer also the most
  * groups (256, 0 to 300 rows, C = 384). The quantizer in both formats, pow2 scales on and
@@ -211,24 +215,30 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
     int ok = 1;
     static const char *const names[] = {"fp32 added", "fp32 stored", "bf16 stored"};
     float *piped = malloc(sizeof(float) * (nw + 1)); /* the first variant's output */
-    enum { NV = 8 }; /* variants per mode */
+    enum { NV = 9 }; /* variants per mode */
     for (int run = 0; run < 3 * NV; run++) {
         /* each mode with the pipelined loop, then the first loop, each with the scales read
          * from shared memory, then from global memory, then the 128 × 256 tile, then the
          * 128 × 256 tile and the pipelined loop with dW prefetched into L2 (a hint: it acts
          * only when adding), then the 128 × 256 tile with the direct epilogue (fp32 only:
-         * bf16 stays staged); the last seven must equal the first bit for bit (the same scale
-         * values, the same promotions in the same order, one fp32 addition an element) */
-        const int mode = run / NV, v = run % NV, wide = v == 4 || v == 5 || v == 7;
-        const int pf = v == 5 || v == 6, dir = v == 7;
+         * bf16 stays staged), then the 128 × 256 tile promoted by 64-column quarters; the
+         * last eight must equal the first bit for bit (the same scale values, the same
+         * promotions in the same order, one fp32 addition an element) */
+        const int mode = run / NV, v = run % NV, wide = v == 4 || v == 5 || v >= 7;
+        const int pf = v == 5 || v == 6, dir = v == 7, qtr = v == 8;
         const int pipe = wide || v == 6 || !(v & 2), ss = wide || v == 6 || !(v & 1);
         moe_cuda_wgrad_set_prefetch(pf);
         moe_cuda_fp8_wgrad_set_pipe(pipe);
         moe_cuda_fp8_wgrad_set_smem_scales(ss);
         moe_cuda_fp8_wgrad_set_bn(wide ? 256 : 128);
         moe_cuda_fp8_wgrad_set_direct(dir);
+        moe_cuda_fp8_wgrad_set_quarters(qtr);
         const char *scl = ss ? "shared" : "global";
-        const char *loop = dir ? "128x256 direct" : wide ? "128x256" : pipe ? "pipelined" : "first";
+        const char *loop = dir    ? "128x256 direct"
+                           : qtr  ? "128x256 by quarters"
+                           : wide ? "128x256"
+                           : pipe ? "pipelined"
+                                  : "first";
         const moe_dw_mode md = mode == 0 ? MOE_DW_ACCUMULATE : mode == 1 ? MOE_DW_STORE : MOE_DW_ACT;
         /* the starting contents: random values to add to, or NaN poison */
         for (size_t i = 0; i < nw; i++)
@@ -247,6 +257,7 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
         const long long wcalls = moe_cuda_fp8_wgrad_bn256_calls();
         const long long pcalls = moe_cuda_wgrad_prefetch_launches();
         const long long dcalls = moe_cuda_fp8_wgrad_direct_calls();
+        const long long qcalls = moe_cuda_fp8_wgrad_quarters_calls();
         ck_assert_int_eq(moe_cuda_fp8_grouped_wgrad(dw, md, dqa, dsa, dqb, dsb, doff, G, kpad, O,
                                                     I, &err),
                          MOE_OK);
@@ -262,6 +273,11 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
         if (moe_cuda_fp8_wgrad_direct_calls() - dcalls != (dir && mode < 2)) {
             printf("  FP8 wgrad %s: the direct epilogue %s\n", names[mode],
                    dir && mode < 2 ? "did not run" : "ran unasked");
+            ok = 0;
+        }
+        if (moe_cuda_fp8_wgrad_quarters_calls() - qcalls != qtr) {
+            printf("  FP8 wgrad %s: the 128x256 tile by quarters %s\n", names[mode],
+                   qtr ? "did not run" : "ran unasked");
             ok = 0;
         }
         if (moe_cuda_wgrad_prefetch_launches() - pcalls != (pf && mode == 0)) {
@@ -373,6 +389,7 @@ START_TEST(test_gpu_fp8_wgrad_gemm) {
     const int ordered = moe_cuda_fp8_grouped_ordered(), pipe = moe_cuda_fp8_wgrad_pipe();
     const int smem_scales = moe_cuda_fp8_wgrad_smem_scales(), bn = moe_cuda_fp8_wgrad_bn();
     const int prefetch = moe_cuda_wgrad_prefetch(), direct = moe_cuda_fp8_wgrad_direct();
+    const int quarters = moe_cuda_fp8_wgrad_quarters();
     int ok = 1;
     for (int o = 0; o < 2; o++) { /* both issue orders of the consumer warpgroups */
         moe_cuda_fp8_grouped_set_ordered(o);
@@ -389,6 +406,7 @@ START_TEST(test_gpu_fp8_wgrad_gemm) {
     moe_cuda_fp8_wgrad_set_bn(bn);
     moe_cuda_wgrad_set_prefetch(prefetch);
     moe_cuda_fp8_wgrad_set_direct(direct);
+    moe_cuda_fp8_wgrad_set_quarters(quarters);
     ck_assert_msg(ok, "the FP8 wgrad differs from the CPU twin beyond the FP8 bound");
 }
 END_TEST

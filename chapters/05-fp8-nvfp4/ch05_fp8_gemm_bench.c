@@ -62,9 +62,12 @@
  *   128x256, direct epilogue   the same tile writing fp32 dW straight from registers
  *                              (red.global.add.v4.f32 or 16-byte stores) instead of staging
  *                              it through shared memory for TMA (MOE_FP8_WGRAD_EPI=direct)
- *   bf16 wgrad ... +=,         the same three with fp32 dW ADDED to (MOE_DW_ACCUMULATE, a
- *   FP8 wgrad 128x256 +=,      step's later micro-batches): the bf16 wgrad, the wide tile
- *     staged / direct          staged through TMA (reduce-add), and direct (vector reds)
+ *   128x256 by quarters        the same tile promoting each k-block in four 64-column
+ *                              quarters with two accumulator sets (MOE_FP8_WGRAD_QUARTERS=1)
+ *   bf16 wgrad ... +=,         the same with fp32 dW ADDED to (MOE_DW_ACCUMULATE, a step's
+ *   FP8 wgrad 128x256 +=,      later micro-batches): the bf16 wgrad, the wide tile staged
+ *     staged / direct /        through TMA (reduce-add), direct (vector reds), and by
+ *     by quarters              quarters
  *   + token-wise quantize      the default loop plus the two quantize+transpose passes
  *   token-wise quantize dY/X   one quantize+transpose pass alone (kernels/quantize_group_t.cu),
  *     (C=...), v1              then its first kernel (MOE_QUANT_GROUP_T_V1): ms, and GB/s of
@@ -748,17 +751,25 @@ static void bench_wgrad(const shape *s, const int *off, int G, int rows, int N, 
     /* the wide tile's two fp32 epilogues (the test checks they agree bit for bit): staged
      * through shared memory and TMA, or straight from registers; storing, then adding (a
      * step's later micro-batches), beside the bf16 wgrad adding */
-    const int dir = moe_cuda_fp8_wgrad_direct();
+    const int dir = moe_cuda_fp8_wgrad_direct(), qtr = moe_cuda_fp8_wgrad_quarters();
+    moe_cuda_fp8_wgrad_set_quarters(0);
     moe_cuda_fp8_wgrad_set_direct(1);
     report(s, "FP8 wgrad 128x256, direct epilogue", time_ms(run_wgrad_fp8, &c), -1);
+    moe_cuda_fp8_wgrad_set_direct(0);
+    moe_cuda_fp8_wgrad_set_quarters(1);
+    report(s, "FP8 wgrad 128x256 by quarters", time_ms(run_wgrad_fp8, &c), -1);
+    moe_cuda_fp8_wgrad_set_quarters(0);
     c.mode = MOE_DW_ACCUMULATE;
     report(s, "bf16 wgrad grouped (ours, fp32 dW +=)", time_ms(run_wgrad_bf16, &c), -1);
-    moe_cuda_fp8_wgrad_set_direct(0);
     report(s, "FP8 wgrad 128x256 +=, staged (TMA)", time_ms(run_wgrad_fp8, &c), -1);
     moe_cuda_fp8_wgrad_set_direct(1);
     report(s, "FP8 wgrad 128x256 +=, direct epilogue", time_ms(run_wgrad_fp8, &c), -1);
+    moe_cuda_fp8_wgrad_set_direct(0);
+    moe_cuda_fp8_wgrad_set_quarters(1);
+    report(s, "FP8 wgrad 128x256 +=, by quarters", time_ms(run_wgrad_fp8, &c), -1);
     c.mode = MOE_DW_STORE;
     moe_cuda_fp8_wgrad_set_direct(dir);
+    moe_cuda_fp8_wgrad_set_quarters(qtr);
     moe_cuda_fp8_wgrad_set_pipe(pipe);
     moe_cuda_fp8_wgrad_set_smem_scales(ss);
     moe_cuda_fp8_wgrad_set_bn(bn);
