@@ -117,6 +117,7 @@
  */
 #include <limits.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -359,8 +360,7 @@ __device__ __forceinline__ void pipe_step(float *d, float *cur, float *nxt, cons
  * quarter q + 1's MMAs (4 × m64n64k32) are issued into the other set before quarter q is
  * waited for and promoted (quarters_tile). A warpgroup then has MMAs queued through three of
  * its four promotions, not through none of its two, so there are no turns (ORDERED is not
- * used). Registers:
- * 128 sums + 2 × 32 accumulators = 192, as the halves' 128 + 64. The same m64·k32 FP8 products
+ * used). Registers: 128 sums + 2 × 32 accumulators = 192, as the halves' 128 + 64. The same m64·k32 FP8 products
  * summed over the same 128-deep k-block, the same scale product and the same fmaf in the same
  * k-block order for every element: the output is meant to be the halves' bit for bit
  * (tests/gpu_fp8_wgrad.c checks it). STATUS: written and compiled (no spills, no wgmma
@@ -402,11 +402,6 @@ __device__ __forceinline__ void promote_quarter(float *d, float *acc, const floa
     }
 }
 
-/* One tile's k-loop by quarters, NQ = 4 (both 128-column halves inside N) or 2 (the second
- * half past N). Quarter q's accumulators are cur = q even ? acc : acc2: NQ is even, so every
- * k-block starts in acc, and every parity is known at compile time (registers cannot be
- * indexed). The loop keeps one invariant: at the top of k-block kt its quarter 0 is in flight
- * in acc. The last k-block leaves nothing in flight (wgmma_wait<0>). */
 /* One tile's k-loop by quarters, NQ = 4 (both 128-column halves inside N) or 2 (the second
  * half past N). Quarter q's accumulators are q even ? acc : acc2: NQ is even, so every
  * k-block starts in acc, and every parity is known at compile time (registers cannot be
@@ -724,12 +719,22 @@ int quarters(void) {
 int g_direct = -1; /* the wide tile's fp32 epilogue: 1 direct, 0 staged; -1 until first used */
 
 int direct(void) {
-    if (g_direct < 0) { /* MOE_FP8_WGRAD_EPI=direct|tma, or 1|0 */
+    if (g_direct < 0) { /* MOE_FP8_WGRAD_EPI=direct|tma (or 1|0), else the default */
         const char *e = getenv("MOE_FP8_WGRAD_EPI");
-        if (e && *e && (!strcmp(e, "direct") || !strcmp(e, "tma")))
-            g_direct = !strcmp(e, "direct");
+        g_direct = MOE_FP8_WGRAD_DIRECT_DEFAULT;
+        if (e && *e) {
+            const int on = !strcmp(e, "direct") || !strcmp(e, "1");
+            if (!on && strcmp(e, "tma") && strcmp(e, "0")) {
+                fprintf(stderr, "moe.c: MOE_FP8_WGRAD_EPI=%s: use direct (the wide FP8 wgrad "
+                                "tile's fp32 sums straight from registers) or tma (staged "
+                                "through shared memory), or unset it for the default\n",
+                        e);
+                exit(1);
+            }
+            g_direct = on;
+        }
     }
-    return env_switch(&g_direct, "MOE_FP8_WGRAD_EPI", MOE_FP8_WGRAD_DIRECT_DEFAULT);
+    return g_direct;
 }
 
 int g_smem_scales = -1; /* where the consumers read the scales; -1 until first used */

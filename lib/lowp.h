@@ -39,10 +39,10 @@
  * not a power of two can change in the last bits. One QDQ per tensor serves both backward
  * GEMMs: the blockwise recipes' wgrad operands are tiled along the rows as for the dgrad
  * GEMM, where a native kernel tiles them along the tokens (the transposed copy) — except the
- * routed experts' under the FP8 wgrad (lib/fp8_wgrad.h; blockwise's default, `MOE_FP8_WGRAD=0`
- * turns it off), tiled along each expert's tokens. (With power-of-two scales the two tilings give different values only where an
- * element falls into the subnormals of its block: E4M3's relative precision does not depend
- * on the scale.) NVFP4's wgrad is the other exception: it quantizes dy and x along the
+ * routed experts' under the FP8 wgrad (lib/fp8_wgrad.h; blockwise's default,
+ * `MOE_FP8_WGRAD=0` turns it off), tiled along each expert's tokens. (With power-of-two
+ * scales the two tilings give different values only where an element falls into the
+ * subnormals of its block: E4M3's relative precision does not depend on the scale.) NVFP4's wgrad is the other exception: it quantizes dy and x along the
  * tokens with the random Hadamard transform (moe_lowp_wgrad(), TransformerEngine's
  * NVFP4BlockScaling; off with `--fp4-disable-rht`), so dW = Q_t(dy)ᵀ·Q_t(x) there, a second
  * quantization of dy.
@@ -105,9 +105,9 @@
  * (its codes are not kept), and dy by its own pass.
  * With the FP8 wgrad (the default; not under `MOE_FP8_WGRAD=0`) the fused passes run in a
  * second arrangement (lib/mlp.c; passed its GPU tests on an H100 at 3d50c58): its token-wise
- * copies are made from the bf16 SwiGLU output and dgu, so the fused
- * SwiGLU forward and backward write those (y_raw) next to the row-wise codes, instead of the
- * dequantized copy, and the saved output stays bf16 (moe_mlp_fp8_saves_codes() is 0: one
+ * copies are made from the bf16 SwiGLU output and dgu, so the fused SwiGLU forward and
+ * backward write those (y_raw) next to the row-wise codes, instead of the dequantized copy,
+ * and the saved output stays bf16 (moe_mlp_fp8_saves_codes() is 0: one
  * sizing rule); fc2's forward and fc1's dgrad read the codes from the context's scratch.
  * Against the separate passes: 14·N·F bytes fewer per MoE layer of N rows (the forward's
  * re-read of the output, 2·N·F; the backward's zeroing of dgu, the SwiGLU's read of it and

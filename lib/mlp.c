@@ -305,10 +305,9 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
  *
  * Under the FP8 wgrad (lp->fp8_wgrad: the default, MOE_FP8_WGRAD=0 turns it off) the wgrad
  * quantizes the SwiGLU output and dgu along the tokens of each expert, from their bf16
- * values, so those are kept: the
- * fused SwiGLU passes write them (y_raw) next to the row-wise codes (into the context's
- * scratch, fc2's forward and fc1's dgrad read them at once), and `act` stays bf16 (the
- * sizing below). Per MoE layer of N rows this skips, against the separate passes, the
+ * values, so those are kept: the fused SwiGLU passes write them (y_raw) next to the row-wise
+ * codes (into the context's scratch, fc2's forward and fc1's dgrad read them at once), and
+ * `act` stays bf16 (the sizing below). Per MoE layer of N rows this skips, against the separate passes, the
  * forward's re-read of the SwiGLU output (2·N·F bytes) and, in the backward, the zeroing of
  * dgu, the SwiGLU's read of it and the quantizer's (3 × 4·N·F bytes): 14·N·F bytes and two
  * launches. STATUS: passed tests/gpu_fp8_fused.c and gpu_fp8_layer.c on an H100 at 3d50c58;

@@ -432,8 +432,8 @@ END_TEST
  * the loss is still the same bit for bit (the forward), and a few of the routed experts'
  * weight gradients differ in the last bits: with power-of-two scales the two tilings give
  * other values only where an element falls into its block's subnormals (lowp.h). Both runs
- * still equal one process within check_ep's bounds. One micro-batch per rank, so the layer's last plan
- * is the step's and the bytes the EP group counted are exact: the activation-type run moves
+ * still equal one process within check_ep's bounds. One micro-batch per rank, so the layer's
+ * last plan is the step's and the bytes the EP group counted are exact: the activation-type run moves
  * 2(S+R)·H·s + (S+R)·r per MoE layer (S, R: rows sent to / received from the other ranks;
  * the chapter 04 bytes model), the FP8 run S·(H·s − H − 4·H/128) fewer (only the forward's
  * tokens are quantized: the combine and the whole backward stay in the activation type). */
@@ -482,8 +482,8 @@ START_TEST(test_ep_fp8_dispatch) {
                   "EP %d: FP8 dispatch loss %.9f, activation-type %.9f on rank %d", ep, sf.loss,
                   sa.loss, rank);
             const long long diff = grads_differ(fp8, act);
-            AGREE(!fw && diff, "EP %d %s: %lld gradients differ between the FP8 dispatch and the "
-                  "activation-type one (rank %d)", ep, backends[b], diff, rank);
+            AGREE(!fw && diff, "EP %d %s: %lld gradients differ between the FP8 dispatch and "
+                  "the activation-type one (rank %d)", ep, backends[b], diff, rank);
             /* the FP8 wgrad with the grouped backend: x quantized twice (above) */
             const int twice = fw && b == 1;
             const double tl = on_gpu() ? 1e-3 : 1e-5, tg = on_gpu() ? 2e-2 : 1e-5;

@@ -28,9 +28,9 @@
 #            (the default) and with the bf16 wgrad in one process (--precision
 #            bf16,fp8-bf16wgrad,fp8) on Mixtral and Qwen3-235B, the layer with the wgrad's
 #            direct epilogue (MOE_FP8_WGRAD_EPI=direct), by quarters
-#            (MOE_FP8_WGRAD_QUARTERS=1) and with neither, with the tiled SwiGLU
-#            backward (MOE_FP8_FUSED_T=1) and without, alternating, and the GPU preset in FP8 with
-#            and without the native dense linears (MOE_FP8_NATIVE_DENSE=1)
+#            (MOE_FP8_WGRAD_QUARTERS=1) and with neither, with the tiled SwiGLU backward
+#            (MOE_FP8_FUSED_T=1) and without, alternating, and the GPU preset in FP8 with and
+#            without the native dense linears (MOE_FP8_NATIVE_DENSE=1)
 #   profile  Nsight Compute (ncu, metrics only) on the kernels that hold back the unmet
 #            targets: the bf16 grouped GEMMs at 512 rows per expert (sweep512: the wgrad
 #            adding into and storing fp32 dW), the FP8 wgrad on the Mixtral layer, and the

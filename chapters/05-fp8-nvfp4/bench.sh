@@ -9,9 +9,9 @@
 #    same shapes and GPU, then ours vs PyTorch side by side. The MoE shapes (Qwen3-30B-A3B,
 #    Mixtral-8x7B expert forwards): our FP8 and bf16 grouped kernels vs the dense FP8
 #    ceiling, then torch._grouped_mm (bf16) and torch._scaled_grouped_mm (rowwise FP8).
-# 3. the MoE layer, forward + backward, in FP8 blockwise (native on Hopper: forward and dgrad in
-#    our FP8 grouped kernels, the wgrad too; MOE_FP8_WGRAD=0 for a bf16 wgrad) vs our bf16 layer, on the Qwen3-30B-A3B, Mixtral-8x7B
-#    and Qwen3-235B-A22B shapes, with the ratio (bin/ch01_moe_layer_bench --precision
+# 3. the MoE layer, forward + backward, in FP8 blockwise (native on Hopper: forward, dgrad and
+#    wgrad in our FP8 grouped kernels; MOE_FP8_WGRAD=0 for a bf16 wgrad) vs our bf16 layer, on
+#    the Qwen3-30B-A3B, Mixtral-8x7B and Qwen3-235B-A22B shapes, with the ratio (bin/ch01_moe_layer_bench --precision
 #    bf16,fp8, our grouped kernel; each checked against the CPU first): writes
 #    ${OUT:-/tmp}/ch05_fp8_layer.txt; then the same layer in PyTorch (torch_fp8_layer.py:
 #    forward and dgrad on torch._scaled_grouped_mm with rowwise FP8, wgrad bf16, eager and

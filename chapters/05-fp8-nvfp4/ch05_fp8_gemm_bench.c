@@ -23,8 +23,9 @@
  * device memory, for Qwen3-30B-A3B (128 experts, H = 2048, F = 768, top-8, T = 4096 tokens:
  * 32768 rows; fc1 is gate and up fused, N = 2F) and Mixtral-8x7B (8 experts, H = 4096,
  * F = 14336, top-2, T = 8192: 16384 rows), and Qwen3-235B-A22B (128 experts, H = 4096,
- * F = 1536, top-8, T = 8192: 65536 rows, 512 an expert). Group sizes are imbalanced (0.5x to 1.5x the mean,
- * multiples of 16, the rule of group_sizes(), which torch_fp8_gemm.py repeats). Rows:
+ * F = 1536, top-8, T = 8192: 65536 rows, 512 an expert). Group sizes are imbalanced (0.5x to
+ * 1.5x the mean, multiples of 16, the rule of group_sizes(), which torch_fp8_gemm.py
+ * repeats). Rows:
  *
  *   bf16 grouped (ours)        chapter 03's sm_90a kernel (kernels/grouped_gemm_sm90.cu)
  *   FP8 grouped (ours)         our sm_90a FP8 kernel (kernels/grouped_gemm_fp8_sm90.cu):
@@ -745,28 +746,35 @@ static void bench_wgrad(const shape *s, const int *off, int G, int rows, int N, 
     moe_cuda_fp8_wgrad_set_smem_scales(1);
     moe_cuda_fp8_wgrad_set_pipe(0);
     report(s, "FP8 wgrad grouped, first loop (variant)", time_ms(run_wgrad_fp8, &c), -1);
+    const int dir = moe_cuda_fp8_wgrad_direct(), qtr = moe_cuda_fp8_wgrad_quarters();
     moe_cuda_fp8_wgrad_set_pipe(1);
     moe_cuda_fp8_wgrad_set_bn(256);
+    moe_cuda_fp8_wgrad_set_direct(0); /* (its default forms, whatever the variables say) */
+    moe_cuda_fp8_wgrad_set_quarters(0);
     report(s, "FP8 wgrad grouped, 128x256 tile", time_ms(run_wgrad_fp8, &c), -1);
-    /* the wide tile's two fp32 epilogues (the test checks they agree bit for bit): staged
-     * through shared memory and TMA, or straight from registers; storing, then adding (a
-     * step's later micro-batches), beside the bf16 wgrad adding */
-    const int dir = moe_cuda_fp8_wgrad_direct(), qtr = moe_cuda_fp8_wgrad_quarters();
-    moe_cuda_fp8_wgrad_set_quarters(0);
-    moe_cuda_fp8_wgrad_set_direct(1);
-    report(s, "FP8 wgrad 128x256, direct epilogue", time_ms(run_wgrad_fp8, &c), -1);
-    moe_cuda_fp8_wgrad_set_direct(0);
-    moe_cuda_fp8_wgrad_set_quarters(1);
-    report(s, "FP8 wgrad 128x256 by quarters", time_ms(run_wgrad_fp8, &c), -1);
-    moe_cuda_fp8_wgrad_set_quarters(0);
-    c.mode = MOE_DW_ACCUMULATE;
-    report(s, "bf16 wgrad grouped (ours, fp32 dW +=)", time_ms(run_wgrad_bf16, &c), -1);
-    report(s, "FP8 wgrad 128x256 +=, staged (TMA)", time_ms(run_wgrad_fp8, &c), -1);
-    moe_cuda_fp8_wgrad_set_direct(1);
-    report(s, "FP8 wgrad 128x256 +=, direct epilogue", time_ms(run_wgrad_fp8, &c), -1);
-    moe_cuda_fp8_wgrad_set_direct(0);
-    moe_cuda_fp8_wgrad_set_quarters(1);
-    report(s, "FP8 wgrad 128x256 +=, by quarters", time_ms(run_wgrad_fp8, &c), -1);
+    /* the wide tile's other forms (the test checks they agree bit for bit): its fp32 sums
+     * straight from registers (direct epilogue) and its promotion by quarters, storing, then
+     * adding (a step's later micro-batches) beside the bf16 wgrad adding and the default */
+    static const struct {
+        moe_dw_mode mode;
+        int direct, quarters;
+        const char *name;
+    } wide_rows[] = {
+        {MOE_DW_STORE, 1, 0, "FP8 wgrad 128x256, direct epilogue"},
+        {MOE_DW_STORE, 0, 1, "FP8 wgrad 128x256 by quarters"},
+        {MOE_DW_ACCUMULATE, 0, 0, "FP8 wgrad 128x256 +=, staged (TMA)"},
+        {MOE_DW_ACCUMULATE, 1, 0, "FP8 wgrad 128x256 +=, direct epilogue"},
+        {MOE_DW_ACCUMULATE, 0, 1, "FP8 wgrad 128x256 +=, by quarters"},
+    };
+    for (size_t i = 0; i < sizeof wide_rows / sizeof *wide_rows; i++) {
+        if (wide_rows[i].mode != c.mode) { /* the first adding row: bf16's beside it */
+            c.mode = wide_rows[i].mode;
+            report(s, "bf16 wgrad grouped (ours, fp32 dW +=)", time_ms(run_wgrad_bf16, &c), -1);
+        }
+        moe_cuda_fp8_wgrad_set_direct(wide_rows[i].direct);
+        moe_cuda_fp8_wgrad_set_quarters(wide_rows[i].quarters);
+        report(s, wide_rows[i].name, time_ms(run_wgrad_fp8, &c), -1);
+    }
     c.mode = MOE_DW_STORE;
     moe_cuda_fp8_wgrad_set_direct(dir);
     moe_cuda_fp8_wgrad_set_quarters(qtr);
@@ -921,8 +929,8 @@ int main(int argc, char **argv) {
         else {
             fprintf(stderr,
                     "usage: %s [--repeats 15] [--warmup 5] [--shape all|dense|fc1|fc2|qwen|moe|"
-                    "qwen3-fc1|qwen3-fc2|mixtral-fc1|mixtral-fc2|qwen3-235b-fc1|qwen3-235b-fc2|q1x128] "
-                    "[--tsv file]\n",
+                    "qwen3-fc1|qwen3-fc2|mixtral-fc1|mixtral-fc2|qwen3-235b-fc1|"
+                    "qwen3-235b-fc2|q1x128] [--tsv file]\n",
                     argv[0]);
             return 2;
         }
