@@ -580,7 +580,8 @@ long long moe_cuda_fp8_wgrad_bn256_calls(void);
  *        idles at the tensor cores while it promotes (no issue turns); 0 = in two 128-column
  *        halves, each waited for, the warpgroups taking turns (the default). Meant to give the
  *        same bits. Only for the wide tile with the staged epilogue (the direct epilogue runs
- *        the halves). STATUS: compiled, not yet run on a GPU.
+ *        the halves). STATUS: passed tests/gpu_fp8_wgrad.c on an H100 at 4b8d4da, and
+ *        measured slower there than the halves (docs/results/05-fp8-nvfp4.md): off.
  *
  * Without a call, the environment's MOE_FP8_WGRAD_QUARTERS=0|1 decides, else
  * ::MOE_FP8_WGRAD_QUARTERS_DEFAULT. Set by the tests and the chapter 05 benchmark.

@@ -363,8 +363,9 @@ __device__ __forceinline__ void pipe_step(float *d, float *cur, float *nxt, cons
  * used). Registers: 128 sums + 2 × 32 accumulators = 192, as the halves' 128 + 64. The same m64·k32 FP8 products
  * summed over the same 128-deep k-block, the same scale product and the same fmaf in the same
  * k-block order for every element: the output is meant to be the halves' bit for bit
- * (tests/gpu_fp8_wgrad.c checks it). STATUS: written and compiled (no spills, no wgmma
- * serialization warning), NOT YET RUN ON A GPU: its test and the benchmark row exist. */
+ * (tests/gpu_fp8_wgrad.c checks it). STATUS: passed gpu_fp8_wgrad on an H100 at 4b8d4da and
+ * measured there SLOWER (docs/results/05-fp8-nvfp4.md): Mixtral fc1 5.58 against 5.16 ms
+ * storing, Qwen3-235B fc1 3.92 against 3.23; the layer no faster. Off (the default). */
 
 /* issue quarter q (columns 64q .. 64q + 63 of the tile; rows 64q.. of the stage's B boxes) of
  * k-block issue number it into acc (32 registers), committed, not waited for; WAIT: first
