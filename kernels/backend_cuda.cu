@@ -89,6 +89,7 @@ static moe_backend make_cuda_backend(void) {
     b.fp8_swiglu_forward_quant = moe_cuda_swiglu_forward_quant;
     b.fp8_swiglu_backward_quant = moe_cuda_swiglu_backward_quant;
     b.fp8_swiglu_backward_quant_t = moe_cuda_swiglu_backward_quant_t;
+    b.fp8_swiglu_forward_quant_t = moe_cuda_swiglu_forward_quant_t;
     b.qdq_t = moe_cuda_qdq_t;
     b.fp8_grouped_native = moe_cuda_grouped_sm90_available;
     b.fp8_quant_act = moe_cuda_quant_blockwise_act;

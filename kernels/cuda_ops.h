@@ -444,6 +444,17 @@ moe_status moe_cuda_swiglu_backward_quant_t(uint8_t *q, float *scale_inv, uint8_
                                             moe_fp8_format f, int pow2, moe_error *err);
 /* launches of the tiled backward since the start (a test's proof that it ran) */
 long long moe_cuda_swiglu_backward_quant_t_calls(void);
+/* ... and the forward under the FP8 wgrad, tiled (kernels/swiglu_quant.cu, the end): the
+ * SwiGLU output's row-wise codes q and scales as moe_cuda_swiglu_forward_quant's, and its
+ * token-wise copy qt [F][kpad], st [kpad/128][F] as moe_cuda_quant_group_t_act of that output
+ * would write them, the output itself never written. F % 128 == 0, 16-byte aligned buffers
+ * and moe_quant_group_t_check's arguments, else MOE_ERR_CONFIG (nothing launched). */
+moe_status moe_cuda_swiglu_forward_quant_t(uint8_t *q, float *scale_inv, uint8_t *qt, float *st,
+                                           const void *gu, const moe_real *row_scale,
+                                           const int *dev_off, int G, int N, int F, size_t kpad,
+                                           moe_fp8_format f, int pow2, moe_error *err);
+/* launches of the tiled forward since the start */
+long long moe_cuda_swiglu_forward_quant_t_calls(void);
 
 /* the CUDA twin of moe_cpu_qdq (bf16 activations through ws->x in fp32) */
 void moe_cuda_qdq(void *dst, const void *src, int rows, int cols, const moe_qdq_spec *spec,

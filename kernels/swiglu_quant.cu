@@ -21,6 +21,10 @@
  *             du, quantizes each token's row of them 1×128 (fc1's dgrad) and each channel's
  *             column 1×128 along the tokens (fc1's FP8 wgrad, quant_group_t.cuh's step), so
  *             dgu is neither written nor read back;
+ *   tiled fwd under the FP8 wgrad the forward writes a's token-wise copy itself
+ *             (moe_cuda_swiglu_forward_quant_t, at the end; MOE_FP8_SAVE_T, on): the same
+ *             128 × 128 tiles, fc2's row-wise codes and the copy fc2's wgrad reads, which the
+ *             layer keeps for the backward instead of a in bf16 (about half the bytes);
  *   saved     the backward's bf16 wgrad needs Q(a) as bf16: dequantized once from the codes
  *             the forward kept (1 byte read per element, 2 written), where the unfused path
  *             quantized the saved bf16 a again (2 read, 3 written).
@@ -252,8 +256,39 @@ extern "C" moe_status moe_cuda_swiglu_backward_quant(uint8_t *q, float *scale_in
  */
 constexpr int T_ROWS = MOE_GT_THREADS / MOE_GT_CHUNKS; /* 16 token rows per pass */
 constexpr int T_PASSES = MOE_QUANT_BLOCK / T_ROWS;     /* 8 passes cover 128 tokens */
-constexpr int T_SMEM = 2 * MOE_QUANT_BLOCK * MOE_GT_CHUNKS * 16; /* dg's and du's tiles */
+constexpr int T_TILE = MOE_QUANT_BLOCK * MOE_GT_CHUNKS * 16; /* one 128 × 128 bf16 tile */
+constexpr int T_SMEM = 2 * T_TILE;                            /* dg's and du's tiles */
 constexpr int T_PER_CTA = 2; /* token blocks per block, on average */
+
+/* The tiled kernels' token blocks (both directions): the groups' padded blocks pb < total in
+ * the token-wise copy's order, then `tail` blocks of the rows past the last group. */
+struct t_blocks {
+    int total, tail;
+};
+
+/* copy the offsets to shared memory and make the padded block starts (synchronizes) */
+static __device__ __forceinline__ t_blocks t_blocks_of(int *s_pb, int *s_off, const int *off,
+                                                       int G, int N) {
+    for (int i = threadIdx.x; i <= G; i += MOE_GT_THREADS)
+        s_off[i] = off[i];
+    moe_wgrad_block_prefix(s_pb, off, G); /* (synchronizes, after s_off's stores too) */
+    return {s_pb[G], (N - s_off[G] + MOE_QUANT_BLOCK - 1) / MOE_QUANT_BLOCK};
+}
+
+/* token block pb's first row *t0 and row count *nt; 1 if it is a group's (its token-wise copy
+ * is written), 0 for the rows past the groups (row-wise codes only, as the separate passes) */
+static __device__ __forceinline__ bool t_block_rows(const int *s_pb, const int *s_off, int G,
+                                                    int N, int total, int pb, int *t0, int *nt) {
+    if (pb < total) {
+        const int g = moe_gt_group_of(s_pb, G, pb);
+        *t0 = s_off[g] + (pb - s_pb[g]) * MOE_QUANT_BLOCK;
+        *nt = min(MOE_QUANT_BLOCK, s_off[g + 1] - *t0);
+        return true;
+    }
+    *t0 = s_off[G] + (pb - total) * MOE_QUANT_BLOCK;
+    *nt = min(MOE_QUANT_BLOCK, N - *t0);
+    return false;
+}
 
 template <moe_fp8_format FMT>
 static __global__ void __launch_bounds__(MOE_GT_THREADS, 2)
@@ -266,24 +301,12 @@ static __global__ void __launch_bounds__(MOE_GT_THREADS, 2)
     uint4 *tg = t_smem, *tu = t_smem + MOE_QUANT_BLOCK * MOE_GT_CHUNKS;
     const int tid = threadIdx.x, cb = blockIdx.x, c0 = cb * MOE_QUANT_BLOCK;
     const int nbc = F / MOE_QUANT_BLOCK, nbr = 2 * nbc;
-    for (int i = tid; i <= G; i += MOE_GT_THREADS)
-        s_off[i] = off[i];
-    moe_wgrad_block_prefix(s_pb, off, G); /* (synchronizes, after s_off's stores too) */
-    const int total = s_pb[G];
-    const int tail = (N - s_off[G] + MOE_QUANT_BLOCK - 1) / MOE_QUANT_BLOCK;
+    const t_blocks tb = t_blocks_of(s_pb, s_off, off, G, N);
     /* chunk lq of token rows lr + 16·i: a half-warp holds one row's 128 channels */
     const int lq = tid % MOE_GT_CHUNKS, lr = tid / MOE_GT_CHUNKS;
-    for (int pb = blockIdx.y; pb < total + tail; pb += gridDim.y) {
-        const bool grouped = pb < total; /* (block-uniform) */
-        int t0, nt;
-        if (grouped) {
-            const int g = moe_gt_group_of(s_pb, G, pb);
-            t0 = s_off[g] + (pb - s_pb[g]) * MOE_QUANT_BLOCK;
-            nt = min(MOE_QUANT_BLOCK, s_off[g + 1] - t0);
-        } else { /* rows past the groups: row-wise codes (and d scale) only */
-            t0 = s_off[G] + (pb - total) * MOE_QUANT_BLOCK;
-            nt = min(MOE_QUANT_BLOCK, N - t0);
-        }
+    for (int pb = blockIdx.y; pb < tb.total + tb.tail; pb += gridDim.y) {
+        int t0, nt; /* (grouped is block-uniform; past the groups: row-wise codes, d scale) */
+        const bool grouped = t_block_rows(s_pb, s_off, G, N, tb.total, pb, &t0, &nt);
         __syncthreads(); /* the previous tile's readers are done */
 #pragma unroll
         for (int half = 0; half < 2; half++) {
@@ -356,6 +379,21 @@ static __global__ void swiglu_drow_kernel(float *drow_scale, const float *part, 
     drow_scale[n] += acc;
 }
 
+/* the tiled kernels' grid: a block a channel block (x) and about T_PER_CTA token blocks (y) */
+static moe_status t_grid(dim3 *grid, int N, int F, size_t kpad, const char *what,
+                         moe_error *err) {
+    /* a bound of the token blocks: the groups' padded ones (≤ kpad/128) and those of the
+     * rows past the groups (≤ ⌈N/128⌉); blocks past the real count return at once */
+    const size_t bound = kpad / MOE_QUANT_BLOCK + moe_cdiv(N, MOE_QUANT_BLOCK);
+    if (bound > (size_t)INT_MAX / 2)
+        return moe_error_set(err, MOE_ERR_CONFIG, "%s: %zu token blocks overflow an int (N = %d)",
+                             what, bound, N);
+    size_t gy = moe_cdiv(bound, T_PER_CTA);
+    gy = gy > 65535 ? 65535 : gy;
+    *grid = dim3((unsigned)(F / MOE_QUANT_BLOCK), (unsigned)gy);
+    return MOE_OK;
+}
+
 /* the tiled kernel of one format: its 64 KB of shared memory asked for once, then launched */
 template <moe_fp8_format FMT>
 static void launch_bwd_t(dim3 grid, uint8_t *q, float *scale_inv, uint8_t *qt, float *st,
@@ -392,15 +430,8 @@ extern "C" moe_status moe_cuda_swiglu_backward_quant_t(
     if (N == 0)
         return MOE_OK;
     const int nbc = F / MOE_QUANT_BLOCK;
-    /* a bound of the token blocks: the groups' padded ones (≤ kpad/128) and those of the
-     * rows past the groups (≤ ⌈N/128⌉); blocks past the real count return at once */
-    const size_t bound = kpad / MOE_QUANT_BLOCK + moe_cdiv(N, MOE_QUANT_BLOCK);
-    if (bound > (size_t)INT_MAX / 2)
-        return moe_error_set(err, MOE_ERR_CONFIG, "%s: %zu token blocks overflow an int (N = %d)",
-                             what, bound, N);
-    size_t gy = moe_cdiv(bound, T_PER_CTA);
-    gy = gy > 65535 ? 65535 : gy;
-    const dim3 grid((unsigned)nbc, (unsigned)gy);
+    dim3 grid;
+    MOE_TRY(t_grid(&grid, N, F, kpad, what, err));
     float *pt = drow_scale ? part : NULL;
     if (f == MOE_FP8_E5M2)
         launch_bwd_t<MOE_FP8_E5M2>(grid, q, scale_inv, qt, st, pt, dout, gu, row_scale, dev_off,
@@ -415,5 +446,125 @@ extern "C" moe_status moe_cuda_swiglu_backward_quant_t(
         MOE_CUDA_LAUNCH_CHECK();
     }
     g_bwd_t_calls++;
+    return MOE_OK;
+}
+
+/*
+ * The tiled forward under the FP8 wgrad (MOE_FP8_SAVE_T, on by default; lib/mlp.c, "Fused
+ * passes"): the SwiGLU output a goes to fc2's forward as row-wise codes (1×128 along F, as
+ * moe_cuda_swiglu_forward_quant writes them) and to fc2's FP8 wgrad as its token-wise copy
+ * (1×128 along each expert's tokens, as moe_cuda_quant_group_t_act of a would write it). The
+ * row-wise kernel above wrote a itself in bf16 for the backward's token-wise quantizer, so a
+ * was kept for the backward at 2 bytes an element; here the token-wise copy is what is kept
+ * (1 byte an element, 4 bytes of scale per 128, the groups padded to 128 tokens), and neither
+ * the bf16 write nor the backward's read of it and its launch remain. The tile walk is the
+ * tiled backward's (one 128 × 128 tile of a a step, blockIdx.x its channel block, the padded
+ * token blocks of the groups, then the rows past them, row-wise only):
+ *   1. a half-warp per token row, lane l its 8 channels c0 + 8l ..: g and u loaded (four
+ *      passes' loads at a time, 8 × 16 bytes in flight a thread), a = swiglu_fwd rounded to
+ *      bf16 exactly as the row-wise kernel, the row's 1×128 tile quantized and stored
+ *      (store_tile), the bf16 values put in a swizzled shared-memory tile;
+ *   2. the tile quantized along its tokens (moe_gt_tile_step), codes and scales stored.
+ * The same values through the same tile functions: the same bytes as the two separate passes
+ * (tests/gpu_fp8_fused.c checks every byte).
+ */
+template <moe_fp8_format FMT>
+static __global__ void __launch_bounds__(MOE_GT_THREADS, 2)
+    swiglu_quant_fwd_t_kernel(uint8_t *q, float *scale_inv, uint8_t *qt, float *st,
+                              const moe_bf16 *gu, const float *row_scale, const int *off, int G,
+                              int N, int F, size_t kpad, int pow2) {
+    extern __shared__ __align__(1024) uint4 t_smem[];
+    __shared__ int s_pb[MOE_GROUPED_DEV_MAX_GROUPS + 1];
+    __shared__ int s_off[MOE_GROUPED_DEV_MAX_GROUPS + 1];
+    const int tid = threadIdx.x, cb = blockIdx.x, c0 = cb * MOE_QUANT_BLOCK;
+    const int nbc = F / MOE_QUANT_BLOCK;
+    const t_blocks tb = t_blocks_of(s_pb, s_off, off, G, N);
+    const int lq = tid % MOE_GT_CHUNKS, lr = tid / MOE_GT_CHUNKS;
+    for (int pb = blockIdx.y; pb < tb.total + tb.tail; pb += gridDim.y) {
+        int t0, nt;
+        const bool grouped = t_block_rows(s_pb, s_off, G, N, tb.total, pb, &t0, &nt);
+        __syncthreads(); /* the previous tile's readers are done */
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            constexpr int P = T_PASSES / 2;
+            moe_bf16x8 vg[P], vu[P];
+#pragma unroll
+            for (int i = 0; i < P; i++) { /* all loads first: 8 × 16 bytes in flight */
+                const int t = lr + T_ROWS * (P * half + i);
+                vg[i].u = vu[i].u = make_uint4(0, 0, 0, 0);
+                if (t < nt) {
+                    const moe_bf16 *g = gu + (size_t)(t0 + t) * 2 * F + c0 + 8 * lq;
+                    vg[i].u = *(const uint4 *)g;
+                    vu[i].u = *(const uint4 *)(g + F);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < P; i++) {
+                const int t = lr + T_ROWS * (P * half + i);
+                const bool valid = t < nt;
+                const size_t n = (size_t)(t0 + (valid ? t : 0));
+                const float s = row_scale && valid ? row_scale[n] : 1.0f;
+                float a[8];
+                moe_bf16x8 ha;
+#pragma unroll
+                for (int k = 0; k < 8; k++) { /* padded: g = u = 0, so a = +0 (code 0) */
+                    ha.h[k] = moe_st(swiglu_fwd(moe_ld(vg[i].h[k]), moe_ld(vu[i].h[k]), s));
+                    a[k] = moe_ld(ha.h[k]);
+                }
+                store_tile<FMT>(q, scale_inv, NULL, 0, a,
+                                n * F + c0 + (size_t)MOE_Q1X128_PER_LANE * lq, n * nbc + cb,
+                                valid, lq == 0, pow2);
+                if (grouped)
+                    t_smem[t * MOE_GT_CHUNKS + moe_gt_swz(t, lq)] = ha.u;
+            }
+        }
+        if (grouped) {
+            __syncthreads();
+            moe_gt_tile_step<FMT, false>(t_smem, qt, st, c0, pb, F, kpad, pow2);
+        }
+    }
+}
+
+long long g_fwd_t_calls = 0; /* launches of the tiled forward (a test's proof that it ran) */
+
+extern "C" long long moe_cuda_swiglu_forward_quant_t_calls(void) { return g_fwd_t_calls; }
+
+template <moe_fp8_format FMT>
+static void launch_fwd_t(dim3 grid, uint8_t *q, float *scale_inv, uint8_t *qt, float *st,
+                         const void *gu, const float *row_scale, const int *dev_off, int G, int N,
+                         int F, size_t kpad, int pow2) {
+    moe_cuda_smem_opt_in<swiglu_quant_fwd_t_kernel<FMT>>(T_TILE);
+    swiglu_quant_fwd_t_kernel<FMT><<<grid, MOE_GT_THREADS, T_TILE, moe_cuda_stream()>>>(
+        q, scale_inv, qt, st, (const moe_bf16 *)gu, row_scale, dev_off, G, N, F, kpad, pow2);
+}
+
+extern "C" moe_status moe_cuda_swiglu_forward_quant_t(uint8_t *q, float *scale_inv, uint8_t *qt,
+                                                      float *st, const void *gu,
+                                                      const moe_real *row_scale,
+                                                      const int *dev_off, int G, int N, int F,
+                                                      size_t kpad, moe_fp8_format f, int pow2,
+                                                      moe_error *err) {
+    static const char *const what = "moe_cuda_swiglu_forward_quant_t";
+    MOE_TRY(moe_quant_check_format(f, err));
+    MOE_TRY(check_fused(N, F, gu, NULL, NULL, what, err));
+    if (F > INT_MAX / 2)
+        return moe_error_set(err, MOE_ERR_CONFIG, "%s: 2F overflows (F = %d)", what, F);
+    MOE_TRY(moe_quant_group_t_check(qt, st, gu, dev_off, G, N, F, kpad, f, err));
+    if (!q || !scale_inv || (uintptr_t)q % 8 != 0 || (uintptr_t)qt % 16 != 0)
+        return moe_error_set(err, MOE_ERR_CONFIG,
+                             "%s: the row-wise codes are missing or not 8-byte aligned, or the "
+                             "token-wise codes not 16-byte aligned", what);
+    if (N == 0)
+        return MOE_OK;
+    dim3 grid;
+    MOE_TRY(t_grid(&grid, N, F, kpad, what, err));
+    if (f == MOE_FP8_E5M2)
+        launch_fwd_t<MOE_FP8_E5M2>(grid, q, scale_inv, qt, st, gu, row_scale, dev_off, G, N, F,
+                                   kpad, pow2);
+    else
+        launch_fwd_t<MOE_FP8_E4M3>(grid, q, scale_inv, qt, st, gu, row_scale, dev_off, G, N, F,
+                                   kpad, pow2);
+    MOE_CUDA_LAUNCH_CHECK();
+    g_fwd_t_calls++;
     return MOE_OK;
 }

@@ -290,6 +290,17 @@ typedef struct moe_backend {
                                               const moe_real *row_scale, const int *dev_off,
                                               int G, int N, int F, size_t kpad,
                                               moe_fp8_format f, int pow2, moe_error *err);
+    /** ... and the SwiGLU forward under the FP8 wgrad, tiled: the output's row-wise codes
+     *  @p q and scales @p s as @ref fp8_swiglu_forward_quant's, and its token-wise copy
+     *  @p qt [F][kpad], @p st [kpad/128][F] as @ref fp8_quant_group_t_act of the output would
+     *  give (the groups @p dev_off, @p G of lib/fp8_wgrad.h), the output itself never
+     *  written: fc2's FP8 wgrad reads that copy, kept for the backward; NULL where no such
+     *  kernel */
+    moe_status (*fp8_swiglu_forward_quant_t)(uint8_t *q, float *s, uint8_t *qt, float *st,
+                                             const void *gu, const moe_real *row_scale,
+                                             const int *dev_off, int G, int N, int F,
+                                             size_t kpad, moe_fp8_format f, int pow2,
+                                             moe_error *err);
     /** dst [m, cols] = the QDQ along the tokens of src [n, cols] (a wgrad operand, NVFP4's
      *  random Hadamard transform: lib/lowp.h), tokens zero-padded to m: as moe_cpu_qdq_t(),
      *  through @p ws in backend memory; dst is not src */

@@ -40,12 +40,18 @@ static int env_switch(const char *name, int dflt) {
  *                       layer measured 22.11 vs 22.39 ms in one call and 22.56 vs 22.33 in
  *                       another (cdaebf3, docs/results/05-fp8-nvfp4.md), within the calls'
  *                       noise;
+ *  MOE_FP8_SAVE_T       under the FP8 wgrad, the fused SwiGLU forward writes the output's
+ *                       token-wise copy (fc2's wgrad operand) and that copy, not the bf16
+ *                       output, is kept for the backward (lib/mlp.c, moe_mlp_saved_form()):
+ *                       on. Read once per context, as MOE_FP8_FUSED, since the saved
+ *                       outputs' buffers are sized from it;
  *  MOE_FP8_NATIVE_DENSE the dense linears' native FP8 GEMMs ("Native FP8 dense linears"),
  *                       off: the model's FP8 weight copies (and the memory estimate) depend
  *                       on it. */
 #define MOE_FP8_WGRAD_DEFAULT 1
 #define MOE_FP8_FUSED_DEFAULT 1
 #define MOE_FP8_FUSED_T_DEFAULT 0
+#define MOE_FP8_SAVE_T_DEFAULT 1
 #define MOE_FP8_NATIVE_DENSE_DEFAULT 0
 
 moe_status moe_lowp_from_config(moe_lowp *lp, const moe_config *c, moe_error *err) {
@@ -99,6 +105,8 @@ moe_status moe_lowp_from_config(moe_lowp *lp, const moe_config *c, moe_error *er
     lp->fp8_fused = native && env_switch("MOE_FP8_FUSED", MOE_FP8_FUSED_DEFAULT);
     lp->fp8_fused_t = lp->fp8_fused && /* (acts under fp8_wgrad only) */
                       env_switch("MOE_FP8_FUSED_T", MOE_FP8_FUSED_T_DEFAULT);
+    lp->fp8_save_t = lp->fp8_fused && /* (acts under fp8_wgrad only) */
+                     env_switch("MOE_FP8_SAVE_T", MOE_FP8_SAVE_T_DEFAULT);
     lp->native_dense = native && env_switch("MOE_FP8_NATIVE_DENSE", MOE_FP8_NATIVE_DENSE_DEFAULT);
     return MOE_OK;
 }

@@ -106,9 +106,13 @@
  * With the FP8 wgrad (the default; not under `MOE_FP8_WGRAD=0`) the fused passes run in a
  * second arrangement (lib/mlp.c; passed its GPU tests on an H100 at 3d50c58): its token-wise
  * copies are made from the bf16 SwiGLU output and dgu, so the fused SwiGLU forward and
- * backward write those (y_raw) next to the row-wise codes, instead of the dequantized copy,
- * and the saved output stays bf16 (moe_mlp_fp8_saves_codes() is 0: one
- * sizing rule); fc2's forward and fc1's dgrad read the codes from the context's scratch.
+ * backward write those (y_raw) next to the row-wise codes, instead of the dequantized copy;
+ * fc2's forward and fc1's dgrad read the codes from the context's scratch. The SwiGLU
+ * output's token-wise copy is instead written by a tiled forward (`MOE_FP8_SAVE_T`, on;
+ * moe_lowp::fp8_save_t), which keeps it for the backward in place of the bf16 output: F·Kpad
+ * bytes and F·Kpad/32 of scales (Kpad ≤ N + 127·G, each expert's tokens padded to 128)
+ * instead of 2·N·F, and neither the bf16 write, nor the backward's token-wise pass over it
+ * (moe_mlp_saved_form(): one sizing rule; `MOE_FP8_SAVE_T=0` keeps the bf16 output).
  * Against the separate passes: 14·N·F bytes fewer per MoE layer of N rows (the forward's
  * re-read of the output, 2·N·F; the backward's zeroing of dgu, the SwiGLU's read of it and
  * the quantizer's, 4·N·F each) and two launches; the same bits (tests/gpu_fp8_fused.c,
@@ -228,6 +232,12 @@ typedef struct moe_lowp {
                                              the FP8 wgrad (fp8_wgrad) the SwiGLU backward
                                              writes dgu's token-wise copy itself ("Fused
                                              passes"); no effect without it */
+    int fp8_save_t;                     /**< 1: fp8_fused, and MOE_FP8_SAVE_T not 0: under
+                                             the FP8 wgrad the SwiGLU forward writes its
+                                             output's token-wise copy, which is kept for the
+                                             backward instead of the bf16 output ("Fused
+                                             passes"; moe_mlp_saved_form()). Latched as
+                                             fp8_fused: the buffers are sized from it */
     int native_dense;                   /**< 1: the dense linears run native FP8 GEMMs ("Native
                                              FP8 dense linears"). moe_lowp_from_config() sets
                                              it to the request (the native recipe with

@@ -64,21 +64,29 @@ static const char EXPERT[] = "--micro-batch-size, --seq-length, --moe-router-top
 static const char MODEL[] = "--hidden-size, --num-experts, --moe-ffn-hidden-size, "
                             "--ffn-hidden-size or --num-layers";
 
-/* The routed experts' SwiGLU outputs kept for the backward, @p rows rows of width @p F:
- * activation elements of @p size bytes, or with @p fp8 chapter 05's FP8 codes (1 byte each)
- * and their 1×128 fp32 scales, as moe_mlp_act_bytes() allocates them; the FP8 ones are added
- * to the estimate's report with what they would take in bf16. */
-static void saved_act(tally *t, const char *name, long long rows, long long F, long long size,
-                      int fp8, const char *flags) {
+/* The routed experts' SwiGLU outputs kept for the backward, @p rows rows of width @p F in
+ * @p G groups, in the form @p form (moe_mlp_saved_form()): activation elements of @p size
+ * bytes, or chapter 05's FP8 codes (1 byte each) and their 1×128 fp32 scales, row-wise or
+ * the token-wise copy (each group's tokens padded to 128: moe_fp8_wgrad_kpad()), as
+ * moe_mlp_act_bytes() allocates them; the FP8 ones are added to the estimate's report with
+ * what they would take in bf16. */
+static void saved_act(tally *t, const char *name, long long rows, long long F, long long G,
+                      long long size, moe_mlp_saved form, const char *flags) {
     const long long elems = mul(rows, F);
-    if (!fp8) {
+    if (form == MOE_MLP_SAVED_ACT) {
         buffer(t, name, elems, size, flags);
         return;
     }
-    const long long scales = mul(rows, (F + MOE_QUANT_BLOCK - 1) / MOE_QUANT_BLOCK);
-    buffer(t, name, elems, 1, flags);
+    /* the token-wise copy's padded columns: rows + 127·G rounded down to 128 (the sizing
+     * rule's, in the estimate's overflow-checked arithmetic) */
+    const long long cols = form == MOE_MLP_SAVED_FP8_TOKEN
+                               ? add(rows, mul(127, G)) / MOE_QUANT_BLOCK * MOE_QUANT_BLOCK
+                               : rows;
+    const long long codes = mul(cols, F);
+    const long long scales = mul(cols, (F + MOE_QUANT_BLOCK - 1) / MOE_QUANT_BLOCK);
+    buffer(t, name, codes, 1, flags);
     buffer(t, name, scales, (long long)sizeof(float), flags);
-    t->e->fp8_act_bytes = add(t->e->fp8_act_bytes, add(elems, mul(scales, sizeof(float))));
+    t->e->fp8_act_bytes = add(t->e->fp8_act_bytes, add(codes, mul(scales, sizeof(float))));
     t->e->fp8_act_bf16_bytes = add(t->e->fp8_act_bf16_bytes, mul(elems, 2));
 }
 
@@ -179,12 +187,15 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
             out->weight_bytes = add(out->weight_bytes, fp8_copy_bytes(n[i]));
     }
     /* ... and the fused passes keep the routed experts' SwiGLU outputs as FP8 codes and
-     * scales, in buffers of that size (lib/mlp.c, moe_mlp_act_bytes()): the same rule, the
-     * fused switch (MOE_FP8_FUSED, read now as the model will) and the FP8 wgrad off, on a
-     * bf16 backend (the CUDA one; the CPU has no fused passes). On a GPU that is not sm_90
-     * they stay bf16, where the FP8 weights above are not made: the two errors go opposite
-     * ways. */
-    const int fp8_act = fp8_native && lowp.fp8_fused && !lowp.fp8_wgrad && S == 2;
+     * scales, in buffers of that size (lib/mlp.c, moe_mlp_saved_form(), moe_mlp_act_bytes()):
+     * the same rule on a bf16 backend (the CUDA one; the CPU has no fused passes), from the
+     * switches as the model will read them: row-wise codes with the FP8 wgrad off, its
+     * token-wise copy under it (MOE_FP8_SAVE_T). On a GPU that is not sm_90 they stay bf16,
+     * where the FP8 weights above are not made: the two errors go opposite ways. */
+    const moe_mlp_saved fp8_act = !(fp8_native && lowp.fp8_fused && S == 2) ? MOE_MLP_SAVED_ACT
+                                  : !lowp.fp8_wgrad                       ? MOE_MLP_SAVED_FP8_ROW
+                                  : lowp.fp8_save_t                       ? MOE_MLP_SAVED_FP8_TOKEN
+                                                                          : MOE_MLP_SAVED_ACT;
     out->grad_bytes = mul(P, Rb);
     out->optim_bytes = mul(P, 8);
     out->param_bytes = add(add(out->weight_bytes, out->grad_bytes), out->optim_bytes);
@@ -230,7 +241,7 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
                     "--micro-batch-size, --seq-length or --moe-router-topk");
             buffer(&t, "moe.xp", mul(NKl, H), S, EXPERT);
             buffer(&t, "moe.gu", mul(NKl, mul(2, Fl)), S, EXPERT);
-            saved_act(&t, "moe.act", NKl, Fl, S, fp8_act, EXPERT);
+            saved_act(&t, "moe.act", NKl, Fl, E, S, fp8_act, EXPERT);
             buffer(&t, "moe.shared", mul(N, mul(3, Fsl)), S,
                    "--micro-batch-size, --seq-length or --moe-shared-expert-intermediate-size");
             if (EP > 1 || ETP > 1 || c->moe_expert_capacity_factor > 0) {
@@ -239,7 +250,7 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
                 const char *fix = "--micro-batch-size, --seq-length, --moe-router-topk or "
                                   "--expert-model-parallel-size";
                 buffer(&t, "expert-side rows", mul(rows, add(H, mul(2, Fl))), S, fix);
-                saved_act(&t, "expert-side SwiGLU outputs", rows, Fl, S, fp8_act, fix);
+                saved_act(&t, "expert-side SwiGLU outputs", rows, Fl, E / EP, S, fp8_act, fix);
             }
             if (ETP > 1) {
                 /* the ETP group's rows, gathered (saved: inputs, fc1 and SwiGLU outputs) */
@@ -247,7 +258,8 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
                 const char *fix = "--micro-batch-size, --seq-length, --moe-router-topk or "
                                   "--expert-tensor-parallel-size";
                 buffer(&t, "expert-tensor-parallel rows", mul(rows, add(H, mul(2, Fl))), S, fix);
-                saved_act(&t, "expert-tensor-parallel SwiGLU outputs", rows, Fl, S, fp8_act, fix);
+                saved_act(&t, "expert-tensor-parallel SwiGLU outputs", rows, Fl, E / EP, S,
+                          fp8_act, fix);
             }
             if (c->moe_pad_expert_input_to_capacity && Nl <= INT_MAX) {
                 const long long cap = moe_expert_capacity((int)Nl, (int)k, (int)E,

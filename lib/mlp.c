@@ -1,6 +1,7 @@
 /* The SwiGLU MLP, one or a group of them: see mlp.h. */
 #include "mlp.h"
 
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -122,12 +123,23 @@ static size_t wgrad_operands(const moe_groups *grp, int I, int O, uint8_t **qa, 
     return kpad;
 }
 
+/* the token-wise copy kept in `act` (MOE_MLP_SAVED_FP8_TOKEN): codes [F][kpad], then the
+ * scales [kpad/128][F] (F·kpad is a multiple of 128², so they start aligned); returns kpad,
+ * the groups' bound, the same in the forward and the backward */
+static size_t saved_t(const void *act, const moe_groups *grp, int F, uint8_t **qt, float **st) {
+    const size_t kpad = moe_fp8_wgrad_kpad(grp->rows, grp->G);
+    *qt = (uint8_t *)act;
+    *st = (float *)(*qt + (size_t)F * kpad);
+    return kpad;
+}
+
 /* chapter 05's FP8 wgrad, native (lib/fp8_wgrad.h): dw_g = Q_t(dout_g)ᵀ·Q_t(in_g) in our FP8
  * wgrad kernel, both operands quantized 1×128 along the tokens of each group
  * (wgrad_operands()), dw written in the groups' mode; @p dout NULL: dout's copy is there
- * already (written by the tiled SwiGLU backward) */
+ * already (written by the tiled SwiGLU backward); @p in_t: @p in is not values but in's
+ * token-wise copy, codes [I][kpad] then scales (kept by the tiled SwiGLU forward, saved_t) */
 static void fp8_wgrad(const moe_backend *be, moe_real *dw, const void *dout, const void *in,
-                      const moe_groups *grp, int I, int O) {
+                      int in_t, const moe_groups *grp, int I, int O) {
     const moe_lowp *lp = grp->lowp;
     const int N = grp->rows, G = grp->G;
     uint8_t *qa, *qb;
@@ -138,8 +150,11 @@ static void fp8_wgrad(const moe_backend *be, moe_real *dw, const void *dout, con
     if (dout)
         fp8_ok(be->fp8_quant_group_t_act(qa, sa, dout, grp->dev_off, G, N, O, kpad, sg->format,
                                          sg->pow2, &err), &err);
-    fp8_ok(be->fp8_quant_group_t_act(qb, sb, in, grp->dev_off, G, N, I, kpad, sx->format,
-                                     sx->pow2, &err), &err);
+    if (in_t)
+        saved_t(in, grp, I, &qb, &sb);
+    else
+        fp8_ok(be->fp8_quant_group_t_act(qb, sb, in, grp->dev_off, G, N, I, kpad, sx->format,
+                                         sx->pow2, &err), &err);
     fp8_ok(be->fp8_grouped_wgrad(dw, grp->dw_mode, qa, sa, qb, sb, grp->dev_off, G, kpad, O, I,
                                  &err), &err);
 }
@@ -227,7 +242,7 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
         if (din)
             fp8_gemm(be, din, dout, NULL, fw->qt, fw->st, grp, I, O, MOE_LOWP_GRADIENT);
         if (dw)
-            fp8_wgrad(be, dw, dout, in, grp, I, O);
+            fp8_wgrad(be, dw, dout, in, 0, grp, I, O);
         return;
     }
     if (fw) { /* chapter 05, native: dgrad din = Q(dout)·Q(w_g) on the transposed FP8 codes,
@@ -304,10 +319,15 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
  * and lp->native, set by whoever made the FP8 weights (the model, before its buffers).
  *
  * Under the FP8 wgrad (lp->fp8_wgrad: the default, MOE_FP8_WGRAD=0 turns it off) the wgrad
- * quantizes the SwiGLU output and dgu along the tokens of each expert, from their bf16
- * values, so those are kept: the fused SwiGLU passes write them (y_raw) next to the row-wise
- * codes (into the context's scratch, fc2's forward and fc1's dgrad read them at once), and
- * `act` stays bf16 (the sizing below). Per MoE layer of N rows this skips, against the separate passes, the
+ * quantizes the SwiGLU output and dgu along the tokens of each expert. The SwiGLU output:
+ * the tiled forward (MOE_FP8_SAVE_T, on; kernels/swiglu_quant.cu, the end) writes fc2's
+ * row-wise codes (into the context's scratch, fc2's forward reads them at once) and the
+ * token-wise copy fc2's wgrad reads, which is what `act` keeps (MOE_MLP_SAVED_FP8_TOKEN: F·Kpad
+ * codes and F·Kpad/128 scales, Kpad the groups' 128-padded bound: about half the bf16
+ * output's bytes), so the output is never written in bf16 nor quantized in the backward.
+ * With MOE_FP8_SAVE_T=0 the row-wise fused forward writes the bf16 output (y_raw) next to the
+ * codes into `act`, and the backward's token-wise quantizer reads it. dgu: the fused backward
+ * writes it (y_raw) next to its row-wise codes, or (MOE_FP8_FUSED_T=1) its token-wise copy. Per MoE layer of N rows this skips, against the separate passes, the
  * forward's re-read of the SwiGLU output (2·N·F bytes) and, in the backward, the zeroing of
  * dgu, the SwiGLU's read of it and the quantizer's (3 × 4·N·F bytes): 14·N·F bytes and two
  * launches. STATUS: passed tests/gpu_fp8_fused.c and gpu_fp8_layer.c on an H100 at 3d50c58;
@@ -321,10 +341,19 @@ static int fp8_fused_passes(const moe_backend *be, const moe_lowp *lp) {
            be->fp8_swiglu_backward_quant && be->fp8_dequant_act;
 }
 
+moe_mlp_saved moe_mlp_saved_form(const moe_backend *be, const moe_lowp *lp) {
+    if (!fp8_fused_passes(be, lp))
+        return MOE_MLP_SAVED_ACT;
+    if (!lp->fp8_wgrad) /* fc2's bf16 wgrad dequantizes the forward's row-wise codes */
+        return MOE_MLP_SAVED_FP8_ROW;
+    /* the FP8 wgrad reads the token-wise copy: written by the tiled forward, or else made in
+     * the backward from the bf16 output, which is then what is kept */
+    return lp->fp8_save_t && be->fp8_swiglu_forward_quant_t ? MOE_MLP_SAVED_FP8_TOKEN
+                                                            : MOE_MLP_SAVED_ACT;
+}
+
 int moe_mlp_fp8_saves_codes(const moe_backend *be, const moe_lowp *lp) {
-    /* the FP8 wgrad (MOE_FP8_WGRAD) quantizes the SwiGLU output along the tokens from its
-     * bf16 values: with it the fused passes keep those, not the codes */
-    return fp8_fused_passes(be, lp) && !lp->fp8_wgrad;
+    return moe_mlp_saved_form(be, lp) != MOE_MLP_SAVED_ACT;
 }
 
 size_t moe_mlp_fp8_act_bytes(size_t rows, int F) {
@@ -332,9 +361,17 @@ size_t moe_mlp_fp8_act_bytes(size_t rows, int F) {
     return rows * (size_t)F + rows * blocks * sizeof(float);
 }
 
-size_t moe_mlp_act_bytes(const moe_backend *be, const moe_lowp *lp, size_t rows, int F) {
-    return moe_mlp_fp8_saves_codes(be, lp) ? moe_mlp_fp8_act_bytes(rows, F)
-                                           : be->act_size * rows * (size_t)F;
+size_t moe_mlp_fp8_act_t_bytes(size_t rows, int G, int F) {
+    const size_t kpad = moe_fp8_wgrad_kpad(rows > INT_MAX ? INT_MAX : (int)rows, G);
+    return (size_t)F * kpad + (size_t)F * (kpad / MOE_QUANT_BLOCK) * sizeof(float);
+}
+
+size_t moe_mlp_act_bytes(const moe_backend *be, const moe_lowp *lp, size_t rows, int G, int F) {
+    switch (moe_mlp_saved_form(be, lp)) {
+    case MOE_MLP_SAVED_FP8_ROW: return moe_mlp_fp8_act_bytes(rows, F);
+    case MOE_MLP_SAVED_FP8_TOKEN: return moe_mlp_fp8_act_t_bytes(rows, G, F);
+    default: return be->act_size * rows * (size_t)F;
+    }
 }
 
 int moe_mlp_fp8_fused(const moe_backend *be, const moe_groups *grp) {
@@ -353,8 +390,8 @@ static void forward_fp8_fused(const moe_backend *be, void *out, void *gu, void *
     const int N = grp->rows;
     const moe_lowp *lp = grp->lowp;
     const moe_qdq_spec *sp = &lp->spec[MOE_LOWP_ACTIVATION];
-    /* fc2's codes: kept in `act` itself, or under the FP8 wgrad (`act` then keeps the bf16
-     * output) in the scratch, for fc2's GEMM only */
+    /* fc2's codes: kept in `act` itself, or under the FP8 wgrad (`act` then keeps the
+     * token-wise copy or the bf16 output) in the scratch, for fc2's GEMM only */
     const int wgrad = lp->fp8_wgrad;
     uint8_t *q = wgrad ? lp->ws.q : (uint8_t *)act;
     float *s = wgrad ? (float *)lp->ws.scales : saved_scales(act, N, F);
@@ -364,8 +401,19 @@ static void forward_fp8_fused(const moe_backend *be, void *out, void *gu, void *
              MOE_LOWP_ACTIVATION);
     moe_prof_mark(MOE_PROF_GEMM);
     /* (fc1's GEMM, which read x's codes from the scratch, is queued before on the stream) */
-    fp8_ok(be->fp8_swiglu_forward_quant(q, s, wgrad ? act : NULL, wgrad, gu, row_scale, N, F,
-                                        sp->format, sp->pow2, &err), &err);
+    if (moe_mlp_saved_form(be, lp) == MOE_MLP_SAVED_FP8_TOKEN) {
+        /* the tiled forward: fc2's codes, and the token-wise copy its wgrad reads, kept */
+        uint8_t *qt;
+        float *st;
+        const size_t kpad = saved_t(act, grp, F, &qt, &st);
+        fp8_ok(be->fp8_swiglu_forward_quant_t(q, s, qt, st, gu, row_scale, grp->dev_off, grp->G,
+                                              N, F, kpad, sp->format, sp->pow2, &err),
+               &err);
+    } else {
+        fp8_ok(be->fp8_swiglu_forward_quant(q, s, wgrad ? act : NULL, wgrad, gu, row_scale, N,
+                                            F, sp->format, sp->pow2, &err),
+               &err);
+    }
     moe_prof_mark(MOE_PROF_EXPERT_OPS);
     fp8_gemm_codes(be, out, q, s, grp->fp8_w2->q, grp->fp8_w2->s, grp, H, F,
                    MOE_LOWP_ACTIVATION);
@@ -390,7 +438,15 @@ static void backward_fp8_fused_wgrad(const moe_backend *be, void *dx, moe_real *
     const int tiled = lp->fp8_fused_t && be->fp8_swiglu_backward_quant_t;
     MOE_ASSERT((size_t)N * 2 * F <= lp->cap);
     moe_error err;
-    gmm_backward(be, ws_dh, dw2, dout, act, w2, grp->fp8_w2, grp, F, H, 0, 0, 1);
+    if (moe_mlp_saved_form(be, lp) == MOE_MLP_SAVED_FP8_TOKEN) {
+        /* `act` is fc2's wgrad operand already (the tiled forward kept it) */
+        fp8_gemm(be, ws_dh, dout, NULL, grp->fp8_w2->qt, grp->fp8_w2->st, grp, F, H,
+                 MOE_LOWP_GRADIENT);
+        if (dw2)
+            fp8_wgrad(be, dw2, dout, act, 1, grp, F, H);
+    } else {
+        gmm_backward(be, ws_dh, dw2, dout, act, w2, grp->fp8_w2, grp, F, H, 0, 0, 1);
+    }
     moe_prof_mark(MOE_PROF_GEMM);
     /* (fc2's dgrad GEMM, which read dout's codes from the scratch, and its FP8 wgrad, which
      * read the token-wise copies' buffers, are queued before on the same stream) */
@@ -416,7 +472,7 @@ static void backward_fp8_fused_wgrad(const moe_backend *be, void *dx, moe_real *
         fp8_gemm_codes(be, dx, ws->q, ws->scales, grp->fp8_w1->qt, grp->fp8_w1->st, grp, H,
                        2 * F, MOE_LOWP_GRADIENT);
     if (dw1)
-        fp8_wgrad(be, dw1, tiled ? NULL : ws_dgu, x, grp, H, 2 * F);
+        fp8_wgrad(be, dw1, tiled ? NULL : ws_dgu, x, 0, grp, H, 2 * F);
     moe_prof_mark(MOE_PROF_GEMM);
 }
 

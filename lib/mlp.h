@@ -147,48 +147,76 @@ void moe_mlp_backward_lowp(const moe_backend *be, void *dx, moe_real *dw1, moe_r
  * @brief Whether chapter 05's native FP8 experts run with their quantization fused into the
  *        SwiGLU passes (lib/mlp.c, "native FP8 layer with its passes fused"): the groups
  *        carry FP8 weights (grp->fp8_w1, fp8_w2) and grp->lowp is native with the fused
- *        switch latched on and the backend has the fused ops (moe_mlp_fp8_saves_codes()'s
- *        condition, the FP8 wgrad aside). Then moe_mlp_forward_grouped() keeps in @p act the
- *        SwiGLU output's 1×128 FP8 codes and scales (moe_mlp_fp8_act_bytes()), not its bf16
- *        values, and moe_mlp_backward_grouped() reads them so; under the FP8 wgrad
- *        (lp->fp8_wgrad) @p act keeps the bf16 output, which the fused forward writes next
- *        to the codes (the backward's token-wise copy is made from it).
+ *        switch latched on and the backend has the fused ops (moe_mlp_saved_form()'s
+ *        condition for FP8). Then moe_mlp_forward_grouped() keeps in @p act the
+ *        SwiGLU output as moe_mlp_saved_form() says (FP8 codes, or under the FP8 wgrad
+ *        without the tiled forward its bf16 values, written next to fc2's codes), and
+ *        moe_mlp_backward_grouped() reads them so.
  * @param be backend  @param grp the groups
  * @return 1 when fused
  */
 int moe_mlp_fp8_fused(const moe_backend *be, const moe_groups *grp);
 
+/** How the routed experts keep their SwiGLU output for the backward (the `act` buffer). */
+typedef enum moe_mlp_saved {
+    MOE_MLP_SAVED_ACT = 0,  /**< the output itself: rows·F activation elements */
+    MOE_MLP_SAVED_FP8_ROW,  /**< its 1×128 FP8 codes and scales along F (the fused passes with
+                                 the bf16 wgrad, `MOE_FP8_WGRAD=0`): moe_mlp_fp8_act_bytes() */
+    MOE_MLP_SAVED_FP8_TOKEN /**< its token-wise FP8 copy, the operand of fc2's FP8 wgrad
+                                 (lib/fp8_wgrad.h; the fused passes under the FP8 wgrad with
+                                 `MOE_FP8_SAVE_T` not 0): moe_mlp_fp8_act_t_bytes() */
+} moe_mlp_saved;
+
 /**
- * @brief Whether the routed experts of a context keep their SwiGLU output for the backward
- *        as FP8 codes (the fused passes): the native path is on (@p lp->native: the FP8
- *        weights were made), `MOE_FP8_FUSED` was not 0 when the context was made
- *        (@p lp->fp8_fused, latched: the buffers are sized from it), the FP8 wgrad is off
- *        (@p lp->fp8_wgrad, `MOE_FP8_WGRAD`: it quantizes the bf16 SwiGLU output along the
- *        tokens, so the fused passes keep that instead), and the backend has the fused ops.
- *        The one condition behind the buffers' size (moe_mlp_act_bytes()); the path
- *        (moe_mlp_fp8_fused()) is the same condition without the FP8 wgrad's term.
+ * @brief How the routed experts of a context keep their SwiGLU output for the backward. FP8
+ *        (either form) needs the fused passes: the native path on (@p lp->native: the FP8
+ *        weights were made), `MOE_FP8_FUSED` not 0 when the context was made
+ *        (@p lp->fp8_fused, latched: the buffers are sized from it) and the backend's fused
+ *        ops. Without the FP8 wgrad the row-wise codes that fc2's forward reads are kept;
+ *        under it (@p lp->fp8_wgrad) the token-wise copy that fc2's wgrad reads, written by
+ *        the tiled SwiGLU forward (@p lp->fp8_save_t and the backend's op), else the bf16
+ *        output (the backward's token-wise quantizer reads it). The one rule behind the
+ *        buffers' size (moe_mlp_act_bytes()) and the passes that write and read them.
+ * @param be backend  @param lp the context (NULL: ::MOE_MLP_SAVED_ACT)
+ * @return the form
+ */
+moe_mlp_saved moe_mlp_saved_form(const moe_backend *be, const moe_lowp *lp);
+
+/**
+ * @brief Whether the saved SwiGLU outputs are FP8 (either form of moe_mlp_saved_form()).
  * @param be backend  @param lp the context (NULL: 0)
  * @return 1 when the saved SwiGLU outputs are FP8 codes
  */
 int moe_mlp_fp8_saves_codes(const moe_backend *be, const moe_lowp *lp);
 
 /**
- * @brief Bytes of @p rows rows of the SwiGLU output kept as FP8 codes: the codes [rows, F],
- *        then the fp32 scales [rows][F/128] (F + F/32 bytes a row, against 2F in bf16).
+ * @brief Bytes of @p rows rows of the SwiGLU output kept as row-wise FP8 codes: the codes
+ *        [rows, F], then the fp32 scales [rows][F/128] (F + F/32 bytes a row, against 2F in
+ *        bf16).
  * @param rows rows  @param F width (a multiple of 128 on the native path)
  * @return bytes
  */
 size_t moe_mlp_fp8_act_bytes(size_t rows, int F);
 
 /**
- * @brief Bytes of a routed experts' `act` buffer (the SwiGLU output kept for the backward)
- *        of @p rows rows: moe_mlp_fp8_act_bytes() where moe_mlp_fp8_saves_codes(), else
- *        rows·F activation elements. Every allocation of such a buffer (moe/layer.c,
- *        moe/experts.c, moe/expert_tp.c, the layer bench) takes its size from here.
- * @param be backend  @param lp the context (NULL: none)  @param rows rows
- * @param F width  @return bytes
+ * @brief Bytes of the SwiGLU output of @p rows rows in @p G groups kept as its token-wise
+ *        FP8 copy: the codes [F][Kpad], then the fp32 scales [Kpad/128][F], with Kpad =
+ *        moe_fp8_wgrad_kpad(rows, G) (each group's tokens padded to 128): F·Kpad·(1 + 1/32)
+ *        bytes, against 2·rows·F in bf16.
+ * @param rows rows  @param G groups  @param F width (a multiple of 128)
+ * @return bytes
  */
-size_t moe_mlp_act_bytes(const moe_backend *be, const moe_lowp *lp, size_t rows, int F);
+size_t moe_mlp_fp8_act_t_bytes(size_t rows, int G, int F);
+
+/**
+ * @brief Bytes of a routed experts' `act` buffer (the SwiGLU output kept for the backward)
+ *        of @p rows rows in at most @p G groups, in moe_mlp_saved_form()'s form. Every
+ *        allocation of such a buffer (moe/layer.c, moe/experts.c, moe/expert_tp.c, the layer
+ *        bench) takes its size from here.
+ * @param be backend  @param lp the context (NULL: none)  @param rows rows
+ * @param G groups (local experts)  @param F width  @return bytes
+ */
+size_t moe_mlp_act_bytes(const moe_backend *be, const moe_lowp *lp, size_t rows, int G, int F);
 
 /**
  * @brief Forward of G MLPs at once (chapter 03): MLP g (weights g of the stacked w1
@@ -196,7 +224,7 @@ size_t moe_mlp_act_bytes(const moe_backend *be, const moe_lowp *lp, size_t rows,
  *        the backend's grouped matmul — one GEMM call for all experts instead of one each.
  * @param be backend  @param out [N,H]  @param gu [N,2F]  @param act [N,F] (scaled, as in
  *        moe_mlp_forward), or under moe_mlp_fp8_saves_codes() its FP8 codes and scales
- *        (moe_mlp_act_bytes() of N rows)
+ *        (moe_mlp_act_bytes() of N rows and grp->G groups)
  * @param x [N,H], or the token rows grp->gather picks from  @param row_scale [N] or NULL
  * @param w1 stacked fc1  @param w2 stacked fc2
  * @param grp the groups (N = off[G]) and which grouped GEMM runs them

@@ -642,11 +642,14 @@ static int alloc_fp8_weights(moe_model *m, int moe_rows) {
                  "their SwiGLU output kept for the backward %s",
                  m->lowp->fp8_wgrad ? "too (token-wise operands)"
                                      : "in bf16 on QDQ'd operands (MOE_FP8_WGRAD=0)",
-                 moe_mlp_fp8_saves_codes(m->be, m->lowp)
+                 moe_mlp_saved_form(m->be, m->lowp) == MOE_MLP_SAVED_FP8_TOKEN
+                     ? "as the FP8 wgrad's token-wise copy (codes + scales, written by the "
+                       "tiled fused forward)"
+                 : moe_mlp_saved_form(m->be, m->lowp) == MOE_MLP_SAVED_FP8_ROW
                      ? "as FP8 codes + 1x128 scales (fused passes)"
-                     : m->lowp->fp8_wgrad && m->lowp->fp8_fused
+                 : m->lowp->fp8_wgrad && m->lowp->fp8_fused
                          ? "in bf16, written by the fused passes with fc2's codes (the FP8 "
-                           "wgrad reads it)"
+                           "wgrad reads it; MOE_FP8_SAVE_T=0)"
                      : m->lowp->fp8_wgrad ? "in bf16 (the FP8 wgrad reads it; MOE_FP8_FUSED=0)"
                                           : "in bf16 (MOE_FP8_FUSED=0)");
     return 1;

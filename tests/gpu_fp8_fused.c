@@ -432,14 +432,16 @@ START_TEST(test_gpu_swiglu_quant_backward) {
 }
 END_TEST
 
-/* The tiled backward under the FP8 wgrad (moe_cuda_swiglu_backward_quant_t) against the
- * separate passes: the row-wise fused backward with y_raw (dgu), then the token-wise
- * quantizer of that dgu. Codes and scales, row-wise and token-wise, byte for byte (both
- * sides poisoned alike, so the columns neither writes agree too); the routing weight's
- * gradient within fp32 rounding (another summation order). Ragged groups: empty ones, one
- * row, sizes around 128, 40 groups; rows past the last group (their row-wise codes only, 3
- * and 130 of them); both formats, both scale kinds, with and without the routing weight. */
-START_TEST(test_gpu_swiglu_quant_backward_t) {
+/* The tiled kernels' cases (ragged groups: empty ones, one row, sizes around 128, 40
+ * groups; rows past the last group) and their variants v (format: E5M2 when odd; with the
+ * routing weight and plain scales when v >> 1, else without and power-of-two scales). Case
+ * ci's offsets into off [41], its G, F and N; F is @p wide_f in the last case. */
+typedef struct t_case {
+    moe_fp8_format f;
+    int scaled, pow2, G, F, N, past;
+} t_case;
+
+static t_case tiled_case(int ci, int v, int wide_f, int *off) {
     static const int z0[] = {0, 1, 127, 128, 129, 0, 255, 64};
     static const int z1[] = {1, 0, 0};
     static int z2[40];
@@ -448,20 +450,34 @@ START_TEST(test_gpu_swiglu_quant_backward_t) {
     const struct {
         const int *sizes;
         int G, F, past;
-    } cs[] = {{z0, 8, 384, 3}, {z1, 3, 128, 0}, {z2, 40, 128, 130}, {z0, 8, 128, 0}};
+    } cs[] = {{z0, 8, 384, 3}, {z1, 3, 128, 0}, {z2, 40, 128, 130}, {z0, 8, wide_f, 0}};
+    t_case c = {v & 1 ? MOE_FP8_E5M2 : MOE_FP8_E4M3, (v >> 1) & 1, !((v >> 1) & 1),
+                cs[ci].G, cs[ci].F, 0, cs[ci].past};
+    off[0] = 0;
+    for (int g = 0; g < c.G; g++)
+        off[g + 1] = off[g] + cs[ci].sizes[g];
+    c.N = off[c.G] + c.past;
+    return c;
+}
+
+/* The tiled backward under the FP8 wgrad (moe_cuda_swiglu_backward_quant_t) against the
+ * separate passes: the row-wise fused backward with y_raw (dgu), then the token-wise
+ * quantizer of that dgu. Codes and scales, row-wise and token-wise, byte for byte (both
+ * sides poisoned alike, so the columns neither writes agree too); the routing weight's
+ * gradient within fp32 rounding (another summation order). Ragged groups: empty ones, one
+ * row, sizes around 128, 40 groups; rows past the last group (their row-wise codes only, 3
+ * and 130 of them); both formats, both scale kinds, with and without the routing weight. */
+START_TEST(test_gpu_swiglu_quant_backward_t) {
     moe_error err;
     int ok = 1, cases = 0;
     double worst_d = 0;
     const long long calls0 = moe_cuda_swiglu_backward_quant_t_calls();
     for (int ci = 0; ci < 4; ci++)
-        for (int v = 0; v < 4; v++) { /* v: format (E5M2 when odd), scaled / pow2 (v >> 1) */
-            const moe_fp8_format f = v & 1 ? MOE_FP8_E5M2 : MOE_FP8_E4M3;
-            const int scaled = (v >> 1) & 1, pow2 = !((v >> 1) & 1), G = cs[ci].G, F = cs[ci].F;
+        for (int v = 0; v < 4; v++) {
             int off[41];
-            off[0] = 0;
-            for (int g = 0; g < G; g++)
-                off[g + 1] = off[g] + cs[ci].sizes[g];
-            const int N = off[G] + cs[ci].past;
+            const t_case tc = tiled_case(ci, v, 128, off);
+            const moe_fp8_format f = tc.f;
+            const int scaled = tc.scaled, pow2 = tc.pow2, G = tc.G, F = tc.F, N = tc.N;
             const size_t n = (size_t)N * F, n2 = 2 * n, ns2 = n2 / 128;
             const size_t kpad = moe_fp8_wgrad_kpad(N, G), nt = kpad * 2 * F;
             const size_t nst = kpad / 128 * 2 * F;
@@ -516,7 +532,7 @@ START_TEST(test_gpu_swiglu_quant_backward_t) {
             worst_d = fmax(worst_d, big > 0 ? worst / big : 0);
             if (!k)
                 printf("  ^ in case G %d N %d F %d (rows past the groups %d) format %d scaled %d "
-                       "pow2 %d\n", G, N, F, cs[ci].past, (int)f, scaled, pow2);
+                       "pow2 %d\n", G, N, F, tc.past, (int)f, scaled, pow2);
             ok &= k;
             cases++;
             free(gu), free(dy), free(rs), free(drs0), free(h1), free(h2);
@@ -553,10 +569,95 @@ START_TEST(test_gpu_swiglu_quant_backward_t) {
 }
 END_TEST
 
+/* The tiled forward under the FP8 wgrad (moe_cuda_swiglu_forward_quant_t, MOE_FP8_SAVE_T)
+ * against the separate passes: the SwiGLU forward, the 1×128 quantizer of its output (fc2's
+ * row-wise codes) and the token-wise quantizer of that output (the copy fc2's wgrad reads,
+ * which the tiled forward keeps instead of the output). Codes and scales byte for byte, both
+ * sides poisoned alike. The backward's ragged groups (empty ones, one row, sizes around 128,
+ * 40 groups, rows past the last group) and a wider F (17 channel blocks); both formats, both
+ * scale kinds, with and without the routing weight. */
+START_TEST(test_gpu_swiglu_quant_forward_t) {
+    moe_error err;
+    int ok = 1, cases = 0;
+    const long long calls0 = moe_cuda_swiglu_forward_quant_t_calls();
+    for (int ci = 0; ci < 4; ci++)
+        for (int v = 0; v < 4; v++) {
+            int off[41];
+            const t_case tc = tiled_case(ci, v, 2176, off);
+            const moe_fp8_format f = tc.f;
+            const int scaled = tc.scaled, pow2 = tc.pow2, G = tc.G, F = tc.F, N = tc.N;
+            const size_t n = (size_t)N * F, ns = n / 128;
+            const size_t kpad = moe_fp8_wgrad_kpad(N, G), nt = kpad * F, nst = kpad / 128 * F;
+            float *gu = gen(2 * n, 700 + ci * 4 + v, 3.0, 6.0);
+            float *rs = malloc(sizeof(float) * (N + 1));
+            for (int r = 0; r < N; r++)
+                rs[r] = (float)moe_rng_uniform(38, ci * 4 + v, r);
+            void *dgu = upload_bf16(gu, 2 * n);
+            float *drs = dpoison(sizeof(float) * (N + 1));
+            moe_cuda_from_host(drs, rs, sizeof(float) * N);
+            int *doff = moe_cuda_alloc(sizeof(int) * (G + 1));
+            moe_cuda_from_host(doff, off, sizeof(int) * (G + 1));
+            const float *row_scale = scaled ? drs : NULL;
+            /* separate: the output, its row-wise codes, its token-wise copy */
+            void *act = dpoison(2 * n);
+            uint8_t *q1 = dpoison(n), *qt1 = dpoison(nt);
+            float *s1 = dpoison(4 * ns), *st1 = dpoison(4 * nst);
+            moe_cuda_swiglu_forward(act, dgu, row_scale, N, F);
+            ck_assert_int_eq(moe_cuda_quant_blockwise_act(q1, s1, NULL, act, N, F, f, pow2, &err),
+                             MOE_OK);
+            ck_assert_int_eq(moe_cuda_quant_group_t_act(qt1, st1, act, doff, G, N, F, kpad, f,
+                                                        pow2, &err),
+                             MOE_OK);
+            /* tiled */
+            uint8_t *q2 = dpoison(n), *qt2 = dpoison(nt);
+            float *s2 = dpoison(4 * ns), *st2 = dpoison(4 * nst);
+            ck_assert_int_eq(moe_cuda_swiglu_forward_quant_t(q2, s2, qt2, st2, dgu, row_scale,
+                                                             doff, G, N, F, kpad, f, pow2, &err),
+                             MOE_OK);
+            int k = same2("tiled forward row-wise codes", q2, 1, q1, 1, n);
+            k &= same2("tiled forward row-wise scales", s2, 1, s1, 1, 4 * ns);
+            k &= same2("tiled forward token-wise codes", qt2, 1, qt1, 1, nt);
+            k &= same2("tiled forward token-wise scales", st2, 1, st1, 1, 4 * nst);
+            if (!k)
+                printf("  ^ in case G %d N %d F %d (rows past the groups %d) format %d scaled %d "
+                       "pow2 %d\n", G, N, F, tc.past, (int)f, scaled, pow2);
+            ok &= k;
+            cases++;
+            free(gu), free(rs);
+            void *const bufs[] = {dgu, drs, doff, act, q1, qt1, s1, st1, q2, qt2, s2, st2};
+            for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+                moe_cuda_free(bufs[i]);
+        }
+    ck_assert_int_eq(moe_cuda_swiglu_forward_quant_t_calls() - calls0, cases);
+    printf("  tiled SwiGLU forward + both quantizations: %d cases, %s\n", cases,
+           ok ? "== separate passes byte for byte (row-wise and token-wise codes and scales)"
+              : "DIFFER");
+    ck_assert(ok);
+    /* named errors, nothing launched */
+    const int off1[2] = {0, 4};
+    int *d1 = moe_cuda_alloc(sizeof off1);
+    moe_cuda_from_host(d1, off1, sizeof off1);
+    void *b = dpoison(1 << 16);
+    ck_assert_int_eq(moe_cuda_swiglu_forward_quant_t(b, b, b, b, b, NULL, d1, 1, 4, 100, 512,
+                                                     MOE_FP8_E4M3, 1, &err),
+                     MOE_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err.msg, "multiple of 128"));
+    ck_assert_int_eq(moe_cuda_swiglu_forward_quant_t(b, b, b, b, b, NULL, d1, 1, 4, 128, 0,
+                                                     MOE_FP8_E4M3, 1, &err),
+                     MOE_ERR_CONFIG); /* kpad too small for the groups */
+    ck_assert_int_eq(moe_cuda_swiglu_forward_quant_t(NULL, b, b, b, b, NULL, d1, 1, 4, 128, 512,
+                                                     MOE_FP8_E4M3, 1, &err),
+                     MOE_ERR_CONFIG); /* no row-wise codes */
+    ck_assert_int_eq(moe_cuda_swiglu_forward_quant_t_calls() - calls0, cases);
+    moe_cuda_free(d1), moe_cuda_free(b);
+}
+END_TEST
+
 Suite *suite_gpu_fp8_fused(void) {
     const TTest *const tests[] = {test_gpu_quant_1x128_vec, test_gpu_fp8_cast_check,
                                   test_gpu_quant_1x128_v3, test_gpu_swiglu_quant_forward,
                                   test_gpu_swiglu_quant_backward,
-                                  test_gpu_swiglu_quant_backward_t};
-    return moe_test_chapter_suite("gpu_fp8_fused", "ch05", tests, 6);
+                                  test_gpu_swiglu_quant_backward_t,
+                                  test_gpu_swiglu_quant_forward_t};
+    return moe_test_chapter_suite("gpu_fp8_fused", "ch05", tests, 7);
 }

@@ -196,6 +196,16 @@ static int g_fused_runs;
  * one moe_mlp_fp8_fused() promised */
 static int g_swiglu_q[2][2];
 static int g_swiglu_bwd_t; /* ... and the tiled backward (the FP8 wgrad's, MOE_FP8_FUSED_T) */
+static int g_swiglu_fwd_t; /* ... and the tiled forward (the FP8 wgrad's, MOE_FP8_SAVE_T) */
+
+static moe_status counted_swiglu_fwd_t(uint8_t *q, float *s, uint8_t *qt, float *st,
+                                       const void *gu, const moe_real *row_scale,
+                                       const int *dev_off, int G, int N, int F, size_t kpad,
+                                       moe_fp8_format f, int pow2, moe_error *err) {
+    g_swiglu_fwd_t++;
+    return moe_backend_cuda()->fp8_swiglu_forward_quant_t(q, s, qt, st, gu, row_scale, dev_off,
+                                                          G, N, F, kpad, f, pow2, err);
+}
 
 static moe_status counted_swiglu_fwd_q(uint8_t *q, float *s, void *y, int y_raw, const void *gu,
                                        const moe_real *row_scale, int N, int F, moe_fp8_format f,
@@ -225,13 +235,15 @@ static moe_status counted_swiglu_bwd_t(uint8_t *q, float *s, uint8_t *qt, float 
                                                            f, pow2, err);
 }
 
-/* the CUDA backend with its fused SwiGLU ops counted in g_swiglu_q and g_swiglu_bwd_t */
+/* the CUDA backend with its fused SwiGLU ops counted in g_swiglu_q, g_swiglu_bwd_t and
+ * g_swiglu_fwd_t */
 static const moe_backend *counting_cuda(void) {
     static moe_backend b;
     b = *moe_backend_cuda();
     b.fp8_swiglu_forward_quant = counted_swiglu_fwd_q;
     b.fp8_swiglu_backward_quant = counted_swiglu_bwd_q;
     b.fp8_swiglu_backward_quant_t = counted_swiglu_bwd_t;
+    b.fp8_swiglu_forward_quant_t = counted_swiglu_fwd_t;
     return &b;
 }
 static const char *const g_names[NOUT] = {"output", "dgrad dx", "routing-weight grad",
@@ -263,7 +275,7 @@ static void run_mlp(const moe_backend *be, moe_lowp *lp, const moe_fp8_weight *f
     /* outputs and scratch poisoned (fp32 NaN bit patterns, or bf16 0xFFFF); the saved SwiGLU
      * output at the size the model gives it (FP8 codes and scales under the fused passes:
      * moe_mlp_act_bytes()), so a pass writing bf16 there would run past its end */
-    const size_t act_bytes = moe_mlp_act_bytes(be, lp, (size_t)N, F);
+    const size_t act_bytes = moe_mlp_act_bytes(be, lp, (size_t)N, G, F);
     void *out = be->alloc(S * N * H), *gu = be->alloc(S * N * 2 * F), *act = be->alloc(act_bytes);
     void *dx = be->alloc(S * N * H), *dh = be->alloc(S * N * F), *dgu = be->alloc(S * N * 2 * F);
     moe_real *dw1 = be->alloc(sizeof(moe_real) * n1), *dw2 = be->alloc(sizeof(moe_real) * n2);
@@ -278,12 +290,18 @@ static void run_mlp(const moe_backend *be, moe_lowp *lp, const moe_fp8_weight *f
     }
     moe_groups grp = {off, doff, G, MOE_EXPERTS_KERNEL, MOE_DW_STORE, NULL, 1, N, lp,
                       fw, fw ? fw + 1 : NULL, 0, 0, NULL, NULL, NULL, NULL};
-    /* the buffer's size and the path agree: codes exactly where the fused passes run without
-     * the FP8 wgrad; under it they run on a bf16 `act` (its token-wise copy's source) */
-    ck_assert_int_eq(moe_mlp_fp8_saves_codes(be, lp),
-                     moe_mlp_fp8_fused(be, &grp) && !(lp && lp->fp8_wgrad));
-    if (moe_mlp_fp8_fused(be, &grp)) {
-        if (lp->fp8_wgrad) {
+    /* the buffer's size and the path agree: FP8 exactly where the fused passes run, the
+     * row-wise codes without the FP8 wgrad, under it the token-wise copy (the tiled forward,
+     * MOE_FP8_SAVE_T) or else the bf16 output (its token-wise copy's source) */
+    const moe_mlp_saved form = moe_mlp_saved_form(be, lp);
+    const int fused = moe_mlp_fp8_fused(be, &grp);
+    ck_assert_int_eq(moe_mlp_fp8_saves_codes(be, lp), fused && form != MOE_MLP_SAVED_ACT);
+    if (fused) {
+        if (form == MOE_MLP_SAVED_FP8_TOKEN) {
+            ck_assert(lp->fp8_wgrad && lp->fp8_save_t);
+            ck_assert_uint_eq(act_bytes, moe_mlp_fp8_act_t_bytes((size_t)N, G, F));
+        } else if (lp->fp8_wgrad) {
+            ck_assert(!lp->fp8_save_t);
             ck_assert_uint_eq(act_bytes, S * N * F);
         } else {
             ck_assert_uint_eq(act_bytes, (size_t)N * F + (size_t)N * (F / 128) * sizeof(float));
@@ -359,41 +377,45 @@ static int check_layer(const int *sizes, int G, int H, int F, int wgrad) {
     run_mlp(g, &le, NULL, off, G, H, F, x, w1, w2, rs, dy, emu);
     /* the fused passes (lib/mlp.c, MOE_FP8_FUSED) against the separate ones: the same bits,
      * provided the GEMMs repeat themselves bit for bit (checked by running fused twice) */
-    /* (the switches are the context's, latched from MOE_FP8_FUSED and MOE_FP8_FUSED_T when it
-     * is made: set here on lg as a model made with them would have them). Under the FP8
-     * wgrad the fused passes run too, in two forms: the tiled backward that writes dgu's
-     * token-wise copy itself (fp8_fused_t, MOE_FP8_FUSED_T=1: nat and again), and the
-     * row-wise one that keeps dgu (y_raw) for the token-wise quantizer (rw, the default);
-     * both keep the bf16 SwiGLU output. The fused ops must have run, in those forms, as
-     * many times as asked */
+    /* (the switches are the context's, latched from MOE_FP8_FUSED, MOE_FP8_FUSED_T and
+     * MOE_FP8_SAVE_T when it is made: set here on lg as a model made with them would have
+     * them). Under the FP8 wgrad the fused passes run too, in two forms: tiled, the forward
+     * keeping the SwiGLU output's token-wise copy (fp8_save_t) and the backward writing
+     * dgu's (fp8_fused_t): nat and again; and row-wise, both passes writing the bf16 output
+     * and dgu (y_raw) for the token-wise quantizer, the output kept in bf16 (rw). The fused
+     * ops must have run, in those forms, as many times as asked */
     const moe_backend *cg = counting_cuda();
     lg.fp8_fused = 1;
     lg.fp8_fused_t = 1;
+    lg.fp8_save_t = 1;
     ck_assert(moe_mlp_fp8_fused(cg, &(moe_groups){.fp8_w1 = &fw[0], .fp8_w2 = &fw[1],
                                                    .lowp = &lg}));
-    const int fused_before = g_fused_runs, t0 = g_swiglu_bwd_t;
+    const int fused_before = g_fused_runs, t0 = g_swiglu_bwd_t, f0 = g_swiglu_fwd_t;
     int q0[2][2];
     memcpy(q0, g_swiglu_q, sizeof q0);
     run_mlp(cg, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, nat);
     run_mlp(cg, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, again);
-    if (wgrad) { /* the row-wise fused backward (MOE_FP8_FUSED_T unset or 0) */
+    if (wgrad) { /* the row-wise fused passes (MOE_FP8_FUSED_T=0, MOE_FP8_SAVE_T=0) */
         lg.fp8_fused_t = 0;
+        lg.fp8_save_t = 0;
         run_mlp(cg, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, rw);
     }
-    const int runs = wgrad ? 3 : 2;
+    const int runs = wgrad ? 3 : 2, rowwise = wgrad ? 1 : 2; /* (the row-wise ops' runs) */
     ck_assert_int_eq(g_fused_runs - fused_before, runs); /* they ran on `act` of the right size */
-    ck_assert_int_eq(g_swiglu_q[0][wgrad] - q0[0][wgrad], runs);
+    ck_assert_int_eq(g_swiglu_q[0][wgrad] - q0[0][wgrad], rowwise);
     ck_assert_int_eq(g_swiglu_q[0][!wgrad] - q0[0][!wgrad], 0);
-    ck_assert_int_eq(g_swiglu_q[1][wgrad] - q0[1][wgrad], wgrad ? 1 : 2);
+    ck_assert_int_eq(g_swiglu_q[1][wgrad] - q0[1][wgrad], rowwise);
     ck_assert_int_eq(g_swiglu_q[1][!wgrad] - q0[1][!wgrad], 0);
     ck_assert_int_eq(g_swiglu_bwd_t - t0, wgrad ? 2 : 0);
+    ck_assert_int_eq(g_swiglu_fwd_t - f0, wgrad ? 2 : 0);
     lg.fp8_fused = 0;
     run_mlp(cg, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, unf);
     ck_assert_int_eq(g_fused_runs - fused_before, runs);
     for (int dir = 0; dir < 2; dir++) /* the separate passes: no fused op since those */
         ck_assert_int_eq(g_swiglu_q[dir][0] + g_swiglu_q[dir][1] - q0[dir][0] - q0[dir][1],
-                         dir == 0 ? runs : runs - (wgrad ? 2 : 0));
+                         rowwise);
     ck_assert_int_eq(g_swiglu_bwd_t - t0, wgrad ? 2 : 0);
+    ck_assert_int_eq(g_swiglu_fwd_t - f0, wgrad ? 2 : 0);
     int ok = 1;
     /* every output bit for bit, but the tiled backward's routing-weight gradient: its sum
      * over F runs in 128-channel blocks, so it agrees to fp32 rounding */
@@ -434,8 +456,9 @@ static int check_layer(const int *sizes, int G, int H, int F, int wgrad) {
     }
     printf("  FP8 layer G=%d rows=%d: fused quantize passes == separate passes: %s%s", G, N,
            ok ? "bit for bit" : "DIFFER",
-           wgrad ? " (FP8 wgrad: fused, tiled backward writing dgu's token-wise copy, and "
-                   "row-wise keeping dgu; the bf16 SwiGLU output kept)\n"
+           wgrad ? " (FP8 wgrad: tiled, the forward keeping the SwiGLU output's token-wise copy "
+                   "and the backward writing dgu's; and row-wise, keeping the bf16 output and "
+                   "dgu)\n"
                  : "");
     if (!wgrad) /* the fused runs kept the SwiGLU output in a buffer of the codes' size */
         printf(", the SwiGLU output kept in %zu bytes (bf16: %zu)\n",
@@ -494,15 +517,18 @@ END_TEST
     "--moe-expert-backend grouped --device cuda"
 enum { FP8_STEPS = 6 };
 
-/* FP8_STEPS training losses of the FP8_MODEL under MOE_FP8_FUSED=@p fused and
- * MOE_FP8_WGRAD=@p wgrad; 1 when its MoE layers kept the SwiGLU output as FP8 codes */
-static int fp8_model_losses(const char *fused, const char *wgrad, double *loss,
-                            long long *fp8_act) {
+/* FP8_STEPS training losses of the FP8_MODEL under MOE_FP8_FUSED=@p fused,
+ * MOE_FP8_WGRAD=@p wgrad and MOE_FP8_SAVE_T=@p save_t; 1 when its MoE layers kept the SwiGLU
+ * output as FP8 codes (either form) */
+static int fp8_model_losses(const char *fused, const char *wgrad, const char *save_t,
+                            double *loss, long long *fp8_act) {
     moe_bench_env env = moe_bench_env_set("MOE_FP8_FUSED", fused);
     moe_bench_env wg = moe_bench_env_set("MOE_FP8_WGRAD", wgrad);
+    moe_bench_env st = moe_bench_env_set("MOE_FP8_SAVE_T", save_t);
     moe_trainer *t = moe_test_trainer(FP8_MODEL, NULL, 1);
     moe_bench_env_restore(&env); /* (latched by the model: lowp.h) */
     moe_bench_env_restore(&wg);
+    moe_bench_env_restore(&st);
     const moe_model *m = t->model;
     ck_assert(m->lowp && m->lowp->native);
     ck_assert_int_eq(m->lowp->fp8_wgrad, *wgrad == '1');
@@ -526,9 +552,9 @@ START_TEST(test_gpu_fp8_model_fused_saved_codes) {
         return;
     double fused[FP8_STEPS], again[FP8_STEPS], sep[FP8_STEPS];
     long long act_fused, act_sep, act_again;
-    ck_assert(fp8_model_losses("1", "0", fused, &act_fused));
-    ck_assert(!fp8_model_losses("0", "0", sep, &act_sep));
-    ck_assert(fp8_model_losses("1", "0", again, &act_again));
+    ck_assert(fp8_model_losses("1", "0", "1", fused, &act_fused));
+    ck_assert(!fp8_model_losses("0", "0", "1", sep, &act_sep));
+    ck_assert(fp8_model_losses("1", "0", "1", again, &act_again));
     /* the one MoE layer's N·k = 8·64·2 rows of F = 128: codes + scales in the estimate */
     const long long rows = 8 * 64 * 2;
     ck_assert_int_eq(act_fused, rows * 128 + rows * 4);
@@ -546,29 +572,38 @@ START_TEST(test_gpu_fp8_model_fused_saved_codes) {
 }
 END_TEST
 
-/* ... and with the FP8 wgrad (MOE_FP8_WGRAD=1): the fused passes keep the SwiGLU output in
- * bf16 (no FP8 codes saved, nothing in the estimate's FP8 line) and give MOE_FP8_FUSED=0's
- * losses bit for bit (the same proviso). Passed on an H100 (a6f2b19: the same bits). */
+/* ... and with the FP8 wgrad (MOE_FP8_WGRAD=1, the default): the tiled fused forward keeps
+ * the SwiGLU output as its token-wise FP8 copy (MOE_FP8_SAVE_T=1, the default: in the
+ * estimate's FP8 line at moe_mlp_fp8_act_t_bytes()), the row-wise fused passes keep it in bf16
+ * (MOE_FP8_SAVE_T=0: nothing in the FP8 line), and both give MOE_FP8_FUSED=0's losses bit for
+ * bit (the same proviso). Passed on an H100 (a6f2b19: the same bits, the bf16 form). */
 START_TEST(test_gpu_fp8_model_fused_fp8_wgrad) {
     if (!hopper("FP8 model with the FP8 wgrad, fused passes"))
         return;
-    double fused[FP8_STEPS], again[FP8_STEPS], sep[FP8_STEPS];
-    long long act_fused, act_sep, act_again;
-    ck_assert(!fp8_model_losses("1", "1", fused, &act_fused));
-    ck_assert(!fp8_model_losses("0", "1", sep, &act_sep));
-    ck_assert(!fp8_model_losses("1", "1", again, &act_again));
-    ck_assert_int_eq(act_fused, 0);
+    double tiled[FP8_STEPS], rowwise[FP8_STEPS], again[FP8_STEPS], sep[FP8_STEPS];
+    long long act_tiled, act_row, act_sep, act_again;
+    ck_assert(fp8_model_losses("1", "1", "1", tiled, &act_tiled));
+    ck_assert(!fp8_model_losses("1", "1", "0", rowwise, &act_row));
+    ck_assert(!fp8_model_losses("0", "1", "1", sep, &act_sep));
+    ck_assert(fp8_model_losses("1", "1", "1", again, &act_again));
+    /* the one MoE layer's N·k = 8·64·2 rows of F = 128 in its 8 experts' padded blocks */
+    const long long t_bytes = (long long)moe_mlp_fp8_act_t_bytes(8 * 64 * 2, 8, 128);
+    ck_assert_int_eq(act_tiled, t_bytes);
+    ck_assert_int_eq(act_row, 0);
     ck_assert_int_eq(act_sep, 0);
-    const int repeat = memcmp(fused, again, sizeof fused) == 0;
-    const int same = memcmp(fused, sep, sizeof fused) == 0;
-    printf("  FP8 model with the FP8 wgrad, %d steps: fused passes %.6f -> %.6f, separate "
-           "passes %.6f -> %.6f: %s\n", FP8_STEPS, fused[0], fused[FP8_STEPS - 1], sep[0],
+    const int repeat = memcmp(tiled, again, sizeof tiled) == 0;
+    const int same = memcmp(tiled, sep, sizeof tiled) == 0 &&
+                     memcmp(rowwise, sep, sizeof tiled) == 0;
+    printf("  FP8 model with the FP8 wgrad, %d steps: tiled fused passes (SwiGLU output kept as "
+           "its token-wise copy, %lld bytes; bf16 %d) %.6f -> %.6f, row-wise fused %.6f -> "
+           "%.6f, separate passes %.6f -> %.6f: %s\n", FP8_STEPS, act_tiled, 8 * 64 * 2 * 128 * 2,
+           tiled[0], tiled[FP8_STEPS - 1], rowwise[0], rowwise[FP8_STEPS - 1], sep[0],
            sep[FP8_STEPS - 1],
            same ? "the same bits"
                 : repeat ? "DIFFER" : "differ, but the fused run does not repeat itself either");
     ck_assert_msg(same || !repeat, "the fused FP8 model's losses (FP8 wgrad) differ from the "
                   "separate passes'");
-    ck_assert(fused[FP8_STEPS - 1] < fused[0]);
+    ck_assert(tiled[FP8_STEPS - 1] < tiled[0]);
 }
 END_TEST
 

@@ -494,6 +494,13 @@ static moe_status never_swiglu_bwd_q(uint8_t *q, float *s, void *y, int y_raw,
     ck_abort_msg("the fused SwiGLU backward ran on the CPU");
     return MOE_OK;
 }
+static moe_status never_swiglu_fwd_t(uint8_t *q, float *s, uint8_t *qt, float *st,
+                                     const void *gu, const moe_real *row_scale,
+                                     const int *dev_off, int G, int N, int F, size_t kpad,
+                                     moe_fp8_format f, int pow2, moe_error *err) {
+    ck_abort_msg("the tiled SwiGLU forward ran on the CPU");
+    return MOE_OK;
+}
 
 /* the model's allocations for @p c on the CPU backend, claiming the native path when
  * @p native (and then the fused ops) */
@@ -504,10 +511,13 @@ static size_t fp8_model_bytes(const moe_config *c, int native) {
         be.fp8_grouped_native = claims_fp8_native;
         be.fp8_swiglu_forward_quant = never_swiglu_fwd_q;
         be.fp8_swiglu_backward_quant = never_swiglu_bwd_q;
+        be.fp8_swiglu_forward_quant_t = never_swiglu_fwd_t;
     }
     moe_model *m = counted_model(c, &be);
-    ck_assert_int_eq(m->lowp->native, native);
-    ck_assert_int_eq(moe_mlp_fp8_saves_codes(&be, m->lowp), native && m->lowp->fp8_fused);
+    const moe_lowp *lp = m->lowp;
+    ck_assert_int_eq(lp->native, native);
+    ck_assert_int_eq(moe_mlp_fp8_saves_codes(&be, lp),
+                     native && lp->fp8_fused && (!lp->fp8_wgrad || lp->fp8_save_t));
     moe_model_free(m);
     return g_bytes;
 }
@@ -518,7 +528,7 @@ START_TEST(test_memory_fp8_saved_swiglu_output) {
     moe_config c = small_config("--hidden-size 128 --num-attention-heads 4 --num-query-groups 4 "
                                 "--moe-ffn-hidden-size 256 --ffn-hidden-size 128 --fp8-format "
                                 "e4m3 --fp8-recipe blockwise --moe-expert-backend grouped");
-    const int F = c.moe_ffn_hidden_size;
+    const int F = c.moe_ffn_hidden_size, E = c.num_experts;
     const size_t NK = (size_t)c.micro_batch_size * c.seq_length * c.moe_router_topk;
     const size_t codes = NK * F + NK * (F / 128) * sizeof(float); /* F + F/32 bytes a row */
 
@@ -531,21 +541,36 @@ START_TEST(test_memory_fp8_saved_swiglu_output) {
     fused.fp8_swiglu_forward_quant = never_swiglu_fwd_q;
     fused.fp8_swiglu_backward_quant = never_swiglu_bwd_q;
     ck_assert_uint_eq(moe_mlp_fp8_act_bytes(NK, F), codes);
-    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, F), fused.act_size * NK * F); /* not
+    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, E, F), fused.act_size * NK * F); /* not
                                                                              * native */
     lp.native = 1;
-    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, F), codes);
-    ck_assert_uint_eq(moe_mlp_act_bytes(&cpu, &lp, NK, F), cpu.act_size * NK * F); /* no ops */
-    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, NULL, NK, F), fused.act_size * NK * F);
+    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, E, F), codes);
+    ck_assert_uint_eq(moe_mlp_act_bytes(&cpu, &lp, NK, E, F), cpu.act_size * NK * F); /* no ops */
+    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, NULL, NK, E, F), fused.act_size * NK * F);
     /* the path agrees with the size: fused exactly where codes are kept, with FP8 weights */
     moe_fp8_weight w = {0};
     ck_assert(moe_mlp_fp8_fused(&fused, &(moe_groups){.fp8_w1 = &w, .fp8_w2 = &w, .lowp = &lp}));
     ck_assert(!moe_mlp_fp8_fused(&fused, &(moe_groups){.lowp = &lp}));
-    /* the FP8 wgrad reads the bf16 output: kept in bf16, the fused passes writing it too */
+    /* the FP8 wgrad reads the token-wise copy: kept as that copy where the backend has the
+     * tiled forward and MOE_FP8_SAVE_T is on (latched), else the bf16 output it is made from */
     lp.fp8_wgrad = 1;
-    ck_assert(!moe_mlp_fp8_saves_codes(&fused, &lp));
-    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, F), fused.act_size * NK * F);
+    ck_assert(lp.fp8_save_t); /* (the default) */
+    ck_assert(!moe_mlp_fp8_saves_codes(&fused, &lp)); /* no tiled forward on this backend */
+    ck_assert_int_eq(moe_mlp_saved_form(&fused, &lp), MOE_MLP_SAVED_ACT);
+    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, E, F), fused.act_size * NK * F);
     ck_assert(moe_mlp_fp8_fused(&fused, &(moe_groups){.fp8_w1 = &w, .fp8_w2 = &w, .lowp = &lp}));
+    moe_backend tiled = fused;
+    tiled.fp8_swiglu_forward_quant_t = never_swiglu_fwd_t;
+    ck_assert_int_eq(moe_mlp_saved_form(&tiled, &lp), MOE_MLP_SAVED_FP8_TOKEN);
+    /* codes [F][Kpad] and scales [Kpad/128][F], Kpad = NK + 127·E rounded down to 128 */
+    const size_t kpad = (NK + 127 * (size_t)E) / 128 * 128;
+    const size_t tbytes = F * kpad + (kpad / 128) * F * sizeof(float);
+    ck_assert_uint_eq(moe_mlp_fp8_act_t_bytes(NK, E, F), tbytes);
+    ck_assert_uint_eq(moe_mlp_act_bytes(&tiled, &lp, NK, E, F), tbytes);
+    lp.fp8_save_t = 0; /* MOE_FP8_SAVE_T=0: the bf16 output again */
+    ck_assert_int_eq(moe_mlp_saved_form(&tiled, &lp), MOE_MLP_SAVED_ACT);
+    ck_assert_uint_eq(moe_mlp_act_bytes(&tiled, &lp, NK, E, F), tiled.act_size * NK * F);
+    lp.fp8_save_t = 1;
     lp.fp8_fused = 0; /* MOE_FP8_FUSED=0: the separate passes, with the FP8 wgrad too */
     ck_assert(!moe_mlp_fp8_fused(&fused, &(moe_groups){.fp8_w1 = &w, .fp8_w2 = &w, .lowp = &lp}));
     lp.fp8_fused = 1;
@@ -557,7 +582,7 @@ START_TEST(test_memory_fp8_saved_swiglu_output) {
     ck_assert_int_eq(moe_lowp_from_config(&off, &c, &err), MOE_OK);
     ck_assert(!off.fp8_fused);
     off.native = 1;
-    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &off, NK, F), fused.act_size * NK * F);
+    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &off, NK, E, F), fused.act_size * NK * F);
 
     /* the estimate (a bf16 backend: act_size 2): the one MoE layer's permuted buffer in FP8,
      * and the report's two numbers */
@@ -591,6 +616,47 @@ START_TEST(test_memory_fp8_saved_swiglu_output) {
     const size_t plain = fp8_model_bytes(&c, 0);
     setenv("MOE_FP8_FUSED", "0", 1);
     ck_assert_uint_eq(fp8_model_bytes(&c, 0), plain);
+    moe_bench_env_restore(&fu);
+    moe_bench_env_restore(&wg);
+}
+END_TEST
+
+/* ... and under the FP8 wgrad (MOE_FP8_WGRAD=1, the default) with the tiled forward
+ * (MOE_FP8_SAVE_T, the default): the routed experts keep the SwiGLU output as its token-wise
+ * FP8 copy (codes [F][Kpad] + scales, each expert's tokens padded to 128). The estimate's
+ * bytes, the switch's latch and what the model allocates agree. */
+START_TEST(test_memory_fp8_saved_token_wise) {
+    moe_bench_env wg = moe_bench_env_set("MOE_FP8_WGRAD", "1");
+    moe_bench_env fu = moe_bench_env_set("MOE_FP8_FUSED", "1");
+    moe_bench_env st = moe_bench_env_set("MOE_FP8_SAVE_T", "1");
+    moe_config c = small_config("--hidden-size 128 --num-attention-heads 4 --num-query-groups 4 "
+                                "--moe-ffn-hidden-size 256 --ffn-hidden-size 128 --fp8-format "
+                                "e4m3 --fp8-recipe blockwise --moe-expert-backend grouped "
+                                "--seq-length 256 --micro-batch-size 4 --global-batch-size 4");
+    const int F = c.moe_ffn_hidden_size, E = c.num_experts;
+    const size_t NK = (size_t)c.micro_batch_size * c.seq_length * c.moe_router_topk;
+    const size_t tbytes = moe_mlp_fp8_act_t_bytes(NK, E, F);
+    ck_assert(tbytes < 2 * NK * F); /* (this shape: the padding is less than the saving) */
+    moe_error err;
+    moe_memory_estimate e[2];
+    for (int on = 0; on < 2; on++) { /* MOE_FP8_SAVE_T=0, then 1 */
+        setenv("MOE_FP8_SAVE_T", on ? "1" : "0", 1);
+        ck_assert_int_eq(moe_memory_estimate_model(&c, c.micro_batch_size, 1, 2, &e[on], &err),
+                         MOE_OK);
+    }
+    ck_assert_int_eq(e[0].fp8_act_bytes, 0);
+    ck_assert_int_eq(e[1].fp8_act_bytes, (long long)tbytes);
+    ck_assert_int_eq(e[1].fp8_act_bf16_bytes, (long long)(2 * NK * F));
+    ck_assert_int_eq(e[0].act_bytes - e[1].act_bytes, (long long)(2 * NK * F - tbytes));
+    /* the model: the token-wise copy where the bf16 output was (its permuted rows, E groups) */
+    setenv("MOE_FP8_SAVE_T", "0", 1);
+    const size_t bf16_out = fp8_model_bytes(&c, 1);
+    setenv("MOE_FP8_SAVE_T", "1", 1);
+    const size_t with_t = fp8_model_bytes(&c, 1);
+    ck_assert_msg(bf16_out - with_t == moe_backend_cpu()->act_size * NK * F - tbytes,
+                  "the model allocates %zu bytes less with the token-wise copy, which saves %zu",
+                  bf16_out - with_t, moe_backend_cpu()->act_size * NK * F - tbytes);
+    moe_bench_env_restore(&st);
     moe_bench_env_restore(&fu);
     moe_bench_env_restore(&wg);
 }
@@ -781,7 +847,7 @@ Suite *suite_reliability(void) {
     moe_test_tcase(s, "library", 300, lib, 10);
     const TTest *ch04[] = {test_memory_check_counts_distributed_optimizer};
     tcase_set_tags(moe_test_tcase(s, "memory-zero", 60, ch04, 1), "ch04");
-    const TTest *ch05[] = {test_memory_fp8_saved_swiglu_output};
-    tcase_set_tags(moe_test_tcase(s, "memory-fp8-act", 60, ch05, 1), "ch05");
+    const TTest *ch05[] = {test_memory_fp8_saved_swiglu_output, test_memory_fp8_saved_token_wise};
+    tcase_set_tags(moe_test_tcase(s, "memory-fp8-act", 60, ch05, 2), "ch05");
     return s;
 }

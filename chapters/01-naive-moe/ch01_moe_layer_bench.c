@@ -353,25 +353,29 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
         const size_t rows = (size_t)moe_layer_permuted_rows(&L.d);
         const double nf = (double)rows * s->F;
         const int tiled = L.lp.fp8_fused_t && be->fp8_swiglu_backward_quant_t;
-        if (moe_mlp_fp8_fused(be, &probe) && L.lp.fp8_wgrad && tiled)
-            printf("  %s %s: fused quantize passes (MOE_FP8_FUSED) with the FP8 wgrad: the "
-                   "SwiGLU forward writes the bf16 output (kept, %.1f MB) next to the row-wise "
-                   "codes, the tiled backward (MOE_FP8_FUSED_T) dgu's row-wise codes and "
-                   "token-wise copy, never dgu: %.1f MB of bf16 traffic fewer than the "
-                   "separate passes (22 bytes per row and F column)\n",
-                   s->name, name, nf * 2 / 1e6, nf * 22 / 1e6);
-        else if (moe_mlp_fp8_fused(be, &probe) && L.lp.fp8_wgrad)
-            printf("  %s %s: fused quantize passes (MOE_FP8_FUSED) with the FP8 wgrad: the "
-                   "SwiGLU passes write the bf16 output (kept, %.1f MB) and dgu next to the "
-                   "row-wise codes, %.1f MB of bf16 traffic fewer than the separate passes "
-                   "(14 bytes per row and F column; MOE_FP8_FUSED_T=0)\n",
-                   s->name, name, nf * 2 / 1e6, nf * 14 / 1e6);
-        else if (moe_mlp_fp8_fused(be, &probe))
-            printf("  %s %s: fused quantize passes (MOE_FP8_FUSED); the SwiGLU output is kept "
-                   "as FP8 codes + 1x128 scales in a buffer of that size, %.1f MB instead of "
-                   "%.1f MB in bf16 (%.1f MB saved)\n",
-                   s->name, name, moe_mlp_act_bytes(be, &L.lp, rows, s->F) / 1e6, nf * 2 / 1e6,
-                   (nf * 2 - (double)moe_mlp_act_bytes(be, &L.lp, rows, s->F)) / 1e6);
+        const moe_mlp_saved form = moe_mlp_saved_form(be, &L.lp);
+        const double kept = form == MOE_MLP_SAVED_ACT
+                                ? nf * 2
+                                : (double)moe_mlp_act_bytes(be, &L.lp, rows, s->E, s->F);
+        if (moe_mlp_fp8_fused(be, &probe)) {
+            printf("  %s %s: fused quantize passes (MOE_FP8_FUSED)%s; the SwiGLU output is "
+                   "kept for the backward %s: %.1f MB, against %.1f MB in bf16 (%.1f MB "
+                   "saved)\n",
+                   s->name, name, L.lp.fp8_wgrad ? " with the FP8 wgrad" : "",
+                   form == MOE_MLP_SAVED_FP8_TOKEN
+                       ? "as the FP8 wgrad's token-wise copy, written by the tiled forward "
+                         "(MOE_FP8_SAVE_T)"
+                   : form == MOE_MLP_SAVED_FP8_ROW ? "as FP8 codes + 1x128 scales"
+                                                   : "in bf16, written next to fc2's codes "
+                                                     "(MOE_FP8_SAVE_T=0)",
+                   kept / 1e6, nf * 2 / 1e6, (nf * 2 - kept) / 1e6);
+            if (L.lp.fp8_wgrad)
+                printf("  %s %s: dgu: %s\n", s->name, name,
+                       tiled ? "the tiled backward (MOE_FP8_FUSED_T) writes its row-wise codes "
+                               "and token-wise copy, never dgu"
+                             : "the fused backward writes dgu next to its row-wise codes, its "
+                               "token-wise copy is a pass of its own (MOE_FP8_FUSED_T=0)");
+        }
         else if (L.lp.native)
             printf("  %s %s: separate quantize passes (MOE_FP8_FUSED=0); the SwiGLU output is "
                    "kept in bf16, %.1f MB, and quantized again in the backward\n",

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "comm.h"
+#include "mlp.h"
 
 #define R sizeof(moe_real)
 
@@ -17,7 +18,7 @@ static void *regrow(const moe_backend *be, void *p, size_t bytes) {
 }
 
 void moe_etp_plan(const moe_backend *be, const moe_tp *etp, moe_etp_rows *r, moe_etp_work *w,
-                  const int *off, int G, int H, int F, size_t act_row) {
+                  const int *off, int G, int H, int F, const moe_lowp *lp) {
     const int P = etp->size, S = (int)be->act_size;
     if (r->G != G || !r->counts) {
         free(r->counts);
@@ -55,7 +56,7 @@ void moe_etp_plan(const moe_backend *be, const moe_tp *etp, moe_etp_rows *r, moe
         r->x = regrow(be, r->x, (size_t)S * rows * H);
         r->w = regrow(be, r->w, R * rows);
         r->gu = regrow(be, r->gu, (size_t)S * rows * 2 * F);
-        r->act = regrow(be, r->act, act_row * rows);
+        r->act = regrow(be, r->act, moe_mlp_act_bytes(be, lp, rows, G, F));
         r->cap = rows;
         r->Fcap = F;
     }

@@ -41,6 +41,7 @@
 #include <stddef.h>
 
 #include "backend.h"
+#include "lowp.h"
 #include "real.h"
 #include "tensor_parallel.h"
 
@@ -81,11 +82,11 @@ typedef struct moe_etp_work {
  * @param be backend @param etp the ETP group (size > 1) @param r the layer's saved rows
  * @param w the scratch @param off host [G+1]: this rank's expert offsets (the dispatcher's)
  * @param G local experts @param H hidden size @param F this rank's slice of the expert width
- * @param act_row bytes of one row of r->act (moe_mlp_act_bytes() of one row: F activation
- *        elements, or chapter 05's FP8 codes and scales of F)
+ * @param lp the low-precision context or NULL: r->act's size is moe_mlp_act_bytes() of the
+ *        rows and G (F activation elements a row, or chapter 05's FP8 codes and scales)
  */
 void moe_etp_plan(const moe_backend *be, const moe_tp *etp, moe_etp_rows *r, moe_etp_work *w,
-                  const int *off, int G, int H, int F, size_t act_row);
+                  const int *off, int G, int H, int F, const moe_lowp *lp);
 
 /**
  * @brief All-gather rows over the ETP group, expert-major (collective): @p dst [r->rows, C]

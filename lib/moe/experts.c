@@ -49,7 +49,9 @@ void moe_expert_rows_reserve(const moe_backend *be, const moe_layer_dims *d, moe
             a->we = regrow(be, a->we, R * rows);
         }
         a->gue = regrow(be, a->gue, S * rows * 2 * F);
-        a->acte = regrow(be, a->acte, moe_mlp_act_bytes(be, d->lowp, rows, (int)F));
+        /* (the token-wise form pads each local expert's tokens: bounded by d->E) */
+        a->acte = regrow(be, a->acte, moe_mlp_act_bytes(be, d->lowp, rows,
+                                                        pl ? pl->E_local : d->E, (int)F));
         a->e_rows = rows;
     }
     if (rows > ws->e_rows) {
@@ -154,8 +156,7 @@ void moe_experts_forward(const moe_backend *be, const moe_layer_dims *d, moe_lay
     expert_rows r = here;
     if (d->etp) { /* every rank of the ETP group on the rows of all of them (expert_tp.h) */
         MOE_ASSERT(expert_side);
-        moe_etp_plan(be, d->etp, &a->etp, &ws->etp, here.off, here.G, H, F,
-                     moe_mlp_act_bytes(be, d->lowp, 1, F));
+        moe_etp_plan(be, d->etp, &a->etp, &ws->etp, here.off, here.G, H, F, d->lowp);
         r = etp_rows_of(a, ws);
         moe_etp_gather(be, d->etp, &a->etp, &ws->etp, (void *)r.x, here.x, H, 0);
         moe_etp_gather(be, d->etp, &a->etp, &ws->etp, (void *)r.w, here.w, 1, 1);

@@ -41,7 +41,7 @@ static int alloc_permuted(const moe_backend *be, moe_layer_acts *a, const moe_la
     a->xp = be->alloc(S * P * d->H);
     a->gu = be->alloc(S * P * 2 * d->F);
     /* chapter 05's native FP8: the SwiGLU output's codes and scales, not bf16 (lib/mlp.c) */
-    a->act = be->alloc(moe_mlp_act_bytes(be, d->lowp, P, d->F));
+    a->act = be->alloc(moe_mlp_act_bytes(be, d->lowp, P, d->E, d->F));
     return a->perm_src && a->wp && a->xp && a->gu && a->act;
 }
 
