@@ -455,6 +455,12 @@ moe_status moe_cuda_swiglu_forward_quant_t(uint8_t *q, float *scale_inv, uint8_t
                                            moe_fp8_format f, int pow2, moe_error *err);
 /* launches of the tiled forward since the start */
 long long moe_cuda_swiglu_forward_quant_t_calls(void);
+#define MOE_FP8_SAVE_T_BLOCKS_DEFAULT 4
+/* the tiled forward's blocks per SM (its launch bounds: 2, 3 or 4; others are clamped),
+ * process-wide, for the benchmark and the tests; without a call MOE_FP8_SAVE_T_BLOCKS, else
+ * MOE_FP8_SAVE_T_BLOCKS_DEFAULT. The bytes are the same in every form. */
+void moe_cuda_swiglu_forward_t_set_blocks(int blocks);
+int moe_cuda_swiglu_forward_t_blocks(void);
 
 /* the CUDA twin of moe_cpu_qdq (bf16 activations through ws->x in fp32) */
 void moe_cuda_qdq(void *dst, const void *src, int rows, int cols, const moe_qdq_spec *spec,

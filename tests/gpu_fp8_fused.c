@@ -580,10 +580,12 @@ START_TEST(test_gpu_swiglu_quant_forward_t) {
     moe_error err;
     int ok = 1, cases = 0;
     const long long calls0 = moe_cuda_swiglu_forward_quant_t_calls();
+    const int blocks0 = moe_cuda_swiglu_forward_t_blocks();
     for (int ci = 0; ci < 4; ci++)
-        for (int v = 0; v < 4; v++) {
+        for (int v = 0; v < 12; v++) { /* v % 4 the variant, 2 + v / 4 the blocks per SM */
             int off[41];
-            const t_case tc = tiled_case(ci, v, 2176, off);
+            const t_case tc = tiled_case(ci, v % 4, 2176, off);
+            moe_cuda_swiglu_forward_t_set_blocks(2 + v / 4);
             const moe_fp8_format f = tc.f;
             const int scaled = tc.scaled, pow2 = tc.pow2, G = tc.G, F = tc.F, N = tc.N;
             const size_t n = (size_t)N * F, ns = n / 128;
@@ -620,7 +622,8 @@ START_TEST(test_gpu_swiglu_quant_forward_t) {
             k &= same2("tiled forward token-wise scales", st2, 1, st1, 1, 4 * nst);
             if (!k)
                 printf("  ^ in case G %d N %d F %d (rows past the groups %d) format %d scaled %d "
-                       "pow2 %d\n", G, N, F, tc.past, (int)f, scaled, pow2);
+                       "pow2 %d, %d blocks per SM\n", G, N, F, tc.past, (int)f, scaled, pow2,
+                       2 + v / 4);
             ok &= k;
             cases++;
             free(gu), free(rs);
@@ -628,8 +631,10 @@ START_TEST(test_gpu_swiglu_quant_forward_t) {
             for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
                 moe_cuda_free(bufs[i]);
         }
+    moe_cuda_swiglu_forward_t_set_blocks(blocks0);
     ck_assert_int_eq(moe_cuda_swiglu_forward_quant_t_calls() - calls0, cases);
-    printf("  tiled SwiGLU forward + both quantizations: %d cases, %s\n", cases,
+    printf("  tiled SwiGLU forward + both quantizations: %d cases (2, 3 and 4 blocks per SM), "
+           "%s\n", cases,
            ok ? "== separate passes byte for byte (row-wise and token-wise codes and scales)"
               : "DIFFER");
     ck_assert(ok);

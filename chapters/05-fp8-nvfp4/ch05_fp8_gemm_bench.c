@@ -82,6 +82,14 @@
  *                              1): ms and GB/s of bytes read (bf16) + written (codes, scales,
  *                              copy) next to a D2D copy of as many bytes (no check here:
  *                              tests/gpu_fp8_fused.c holds them to the CPU byte for byte)
+ *   SwiGLU forward, row-wise   the FP8 layer's SwiGLU forward under the FP8 wgrad, with the
+ *     + y / token-wise copy,   N columns of the GEMM output as [g | u] (F = N/2): the fused
+ *     tiled (MOE_FP8_SAVE_T)   row-wise pass writing fc2's codes and the bf16 output, then
+ *     2, 3, 4 blocks per SM    the token-wise copy made from that output (what runs with
+ *                              MOE_FP8_SAVE_T=0), against the tiled forward writing both
+ *                              sets of codes (kernels/swiglu_quant.cu) at 2, 3 and 4 blocks
+ *                              per SM: GB/s of its own bytes next to a D2D copy of as many
+ *                              (tests/gpu_fp8_fused.c holds the bytes to the separate passes)
  * --shape q1x128 (also in all): those rows alone for Qwen3-235B's permuted x, 65536 x 4096,
  * with and without the copy (ch01_moe_layer_bench --shape qwen3-235b --precision fp8's
  * largest quantize).
@@ -633,6 +641,83 @@ static void bench_tq(const shape *s, const int *off, int G, int rows, const char
     moe_cuda_free(c.scratch);
 }
 
+/* the SwiGLU forward under the FP8 wgrad on gu [rows, 2F] (F = N/2): the row-wise fused pass
+ * with the bf16 output (y_raw) and the token-wise copy made from that output, or the tiled
+ * forward writing both sets of codes */
+typedef struct sw_ctx {
+    const void *gu;
+    void *y, *scratch;
+    uint8_t *q, *qt;
+    float *s, *st;
+    const int *doff;
+    int G, rows, F, tiled;
+    size_t kpad, copy_bytes;
+} sw_ctx;
+
+static void run_swiglu(void *p) {
+    sw_ctx *c = p;
+    moe_error err;
+    moe_status st;
+    if (c->tiled)
+        st = moe_cuda_swiglu_forward_quant_t(c->q, c->s, c->qt, c->st, c->gu, NULL, c->doff, c->G,
+                                             c->rows, c->F, c->kpad, MOE_FP8_E4M3, 1, &err);
+    else
+        st = moe_cuda_swiglu_forward_quant(c->q, c->s, c->y, 1, c->gu, NULL, c->rows, c->F,
+                                           MOE_FP8_E4M3, 1, &err);
+    if (st != MOE_OK)
+        die("fused SwiGLU forward", &err);
+}
+
+static void run_sw_copy(void *p) {
+    sw_ctx *c = p;
+    moe_cuda_copy(c->scratch, (uint8_t *)c->scratch + c->copy_bytes, c->copy_bytes);
+}
+
+/* the SwiGLU forward rows (the header's "SwiGLU forward"): each pass's ms and GB/s of its own
+ * bytes (read 4 a row and F column; write 1 a code, 4 a 128-element scale, 2 an element of
+ * the bf16 output; the token-wise copy's codes and scales over the groups' padded blocks)
+ * next to a D2D copy of as many bytes */
+static void bench_swiglu(const shape *s, const int *off, int G, int rows, int N, const void *gu,
+                         const int *doff) {
+    const int F = N / 2;
+    if (F <= 0 || F % MOE_QUANT_BLOCK != 0)
+        return;
+    const size_t n = (size_t)rows * F, kpad = moe_fp8_wgrad_kpad(rows, G);
+    size_t nb = 0; /* the groups' padded 128-token blocks */
+    for (int g = 0; g < G; g++)
+        nb += (size_t)(off[g + 1] - off[g] + MOE_QUANT_BLOCK - 1) / MOE_QUANT_BLOCK;
+    const double row_b = 4.0 * n + n + 4.0 * (n / MOE_QUANT_BLOCK); /* read gu, fc2's codes */
+    const double tok_b = (double)nb * MOE_QUANT_BLOCK * F + 4.0 * nb * F; /* the copy */
+    sw_ctx c = {.gu = gu, .y = dalloc(2 * n), .q = dalloc(n), .s = dalloc(4 * (n / 128)),
+                .qt = dalloc(kpad * F), .st = dalloc(4 * (kpad / 128) * F), .doff = doff,
+                .G = G, .rows = rows, .F = F, .kpad = kpad,
+                .copy_bytes = (size_t)((row_b + tok_b) / 2) / 16 * 16};
+    c.scratch = dalloc(2 * c.copy_bytes + 16);
+    const double copy_ms = time_ms(run_sw_copy, &c);
+    const double copy_gbs = 2.0 * c.copy_bytes / (copy_ms * 1e-3) / 1e9;
+    char impl[64];
+    const double ms_row = time_ms(run_swiglu, &c);
+    snprintf(impl, sizeof impl, "SwiGLU forward, row-wise + y (F=%d)", F);
+    bw_row(s, impl, ms_row, row_b + 2.0 * n, copy_ms, copy_gbs);
+    tq_ctx t = {.q = c.qt, .s = c.st, .x = c.y, .doff = doff, .G = G, .rows = rows, .C = F,
+                .kpad = kpad};
+    const double ms_tok = time_ms(run_tq, &t);
+    bw_row(s, "  + the token-wise copy of y", ms_tok, 2.0 * n + tok_b, copy_ms, copy_gbs);
+    printf("%-6s %20s  the two: %.3f ms\n", s->name, "", ms_row + ms_tok);
+    c.tiled = 1;
+    const int blocks0 = moe_cuda_swiglu_forward_t_blocks();
+    for (int b = 2; b <= 4; b++) {
+        moe_cuda_swiglu_forward_t_set_blocks(b);
+        snprintf(impl, sizeof impl, "SwiGLU forward, tiled, %d blocks/SM", b);
+        bw_row(s, impl, time_ms(run_swiglu, &c), row_b + tok_b, copy_ms, copy_gbs);
+    }
+    moe_cuda_swiglu_forward_t_set_blocks(blocks0);
+    fflush(stdout);
+    void *const bufs[] = {c.y, c.q, c.s, c.qt, c.st, c.scratch};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+        moe_cuda_free(bufs[i]);
+}
+
 /* one 1x128 quantize of a bf16 operand [rows, cols] (moe_cuda_quant_blockwise_act, the
  * native FP8 layer's pass: lib/mlp.c), with or without its dequantized bf16 copy y, and the
  * D2D copy of as many bytes */
@@ -905,6 +990,8 @@ static void bench_grouped(const gshape *gs) {
          * fc2's dgrad quantizes its output gradient), each with its dequantized copy */
         bench_q1(&s, "X", rows, K, xb, 1);
         bench_q1(&s, "dY", rows, N, d, 1);
+        /* the SwiGLU forward under the FP8 wgrad, on that output as [g | u] */
+        bench_swiglu(&s, off, G, rows, N, d, doff);
         hop_free(&ha), hop_free(&hb);
     } else {
         printf("%s: skipped: our grouped kernels are sm_90a (Hopper) only\n", gs->name);
