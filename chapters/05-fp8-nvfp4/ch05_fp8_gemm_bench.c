@@ -90,6 +90,10 @@
  *                              sets of codes (kernels/swiglu_quant.cu) at 2, 3 and 4 blocks
  *                              per SM: GB/s of its own bytes next to a D2D copy of as many
  *                              (tests/gpu_fp8_fused.c holds the bytes to the separate passes)
+ *   SwiGLU backward, row-wise  ... and the backward with dout = that output: the row-wise
+ *     + dgu / token-wise copy, pass writing dgu's codes and dgu, then dgu's token-wise copy
+ *     tiled (MOE_FP8_FUSED_T)  (MOE_FP8_FUSED_T=0), against the tiled backward writing both
+ *                              (MOE_FP8_FUSED_T=1)
  * --shape q1x128 (also in all): those rows alone for Qwen3-235B's permuted x, 65536 x 4096,
  * with and without the copy (ch01_moe_layer_bench --shape qwen3-235b --precision fp8's
  * largest quantize).
@@ -645,7 +649,7 @@ static void bench_tq(const shape *s, const int *off, int G, int rows, const char
  * with the bf16 output (y_raw) and the token-wise copy made from that output, or the tiled
  * forward writing both sets of codes */
 typedef struct sw_ctx {
-    const void *gu;
+    const void *gu, *dout; /* dout: the backward's (NULL: the forward) */
     void *y, *scratch;
     uint8_t *q, *qt;
     float *s, *st;
@@ -658,7 +662,14 @@ static void run_swiglu(void *p) {
     sw_ctx *c = p;
     moe_error err;
     moe_status st;
-    if (c->tiled)
+    if (c->dout && c->tiled)
+        st = moe_cuda_swiglu_backward_quant_t(c->q, c->s, c->qt, c->st, NULL, NULL, c->dout,
+                                              c->gu, NULL, c->doff, c->G, c->rows, c->F, c->kpad,
+                                              MOE_FP8_E4M3, 1, &err);
+    else if (c->dout)
+        st = moe_cuda_swiglu_backward_quant(c->q, c->s, c->y, 1, NULL, c->dout, c->gu, NULL,
+                                            c->rows, c->F, MOE_FP8_E4M3, 1, &err);
+    else if (c->tiled)
         st = moe_cuda_swiglu_forward_quant_t(c->q, c->s, c->qt, c->st, c->gu, NULL, c->doff, c->G,
                                              c->rows, c->F, c->kpad, MOE_FP8_E4M3, 1, &err);
     else
@@ -712,8 +723,33 @@ static void bench_swiglu(const shape *s, const int *off, int G, int rows, int N,
         bw_row(s, impl, time_ms(run_swiglu, &c), row_b + tok_b, copy_ms, copy_gbs);
     }
     moe_cuda_swiglu_forward_t_set_blocks(blocks0);
+    /* the backward: dout = that output y; the row-wise pass writing dgu's codes and dgu
+     * [rows, 2F], then dgu's token-wise copy (MOE_FP8_FUSED_T=0), against the tiled one
+     * (MOE_FP8_FUSED_T=1; a form at 3 blocks an SM, 80 registers with its loads in groups of
+     * 2, measured slower: 1.349 against 1.296 ms on Mixtral's fc1, results 05) */
+    sw_ctx b = c;
+    b.dout = c.y;
+    b.tiled = 0;
+    b.y = dalloc(4 * n);
+    b.q = dalloc(2 * n);
+    b.s = dalloc(8 * (n / 128));
+    b.qt = dalloc(kpad * 2 * F);
+    b.st = dalloc(8 * (kpad / 128) * F);
+    const double brow_b = 6.0 * n + 2.0 * n + 8.0 * (n / MOE_QUANT_BLOCK); /* gu, dout; codes */
+    const double btok_b = 2.0 * tok_b;
+    const double ms_brow = time_ms(run_swiglu, &b);
+    snprintf(impl, sizeof impl, "SwiGLU backward, row-wise + dgu (F=%d)", F);
+    bw_row(s, impl, ms_brow, brow_b + 4.0 * n, copy_ms, copy_gbs);
+    tq_ctx bt = {.q = b.qt, .s = b.st, .x = b.y, .doff = doff, .G = G, .rows = rows, .C = 2 * F,
+                 .kpad = kpad};
+    const double ms_btok = time_ms(run_tq, &bt);
+    bw_row(s, "  + the token-wise copy of dgu", ms_btok, 4.0 * n + btok_b, copy_ms, copy_gbs);
+    printf("%-6s %20s  the two: %.3f ms\n", s->name, "", ms_brow + ms_btok);
+    b.tiled = 1;
+    bw_row(s, "SwiGLU backward, tiled (MOE_FP8_FUSED_T)", time_ms(run_swiglu, &b),
+           brow_b + btok_b, copy_ms, copy_gbs);
     fflush(stdout);
-    void *const bufs[] = {c.y, c.q, c.s, c.qt, c.st, c.scratch};
+    void *const bufs[] = {c.y, c.q, c.s, c.qt, c.st, c.scratch, b.y, b.q, b.s, b.qt, b.st};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         moe_cuda_free(bufs[i]);
 }
