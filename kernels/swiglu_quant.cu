@@ -254,9 +254,11 @@ extern "C" moe_status moe_cuda_swiglu_backward_quant(uint8_t *q, float *scale_in
  * Tried and slower: a persistent form (two blocks an SM striding over all tiles, the next
  * tile's first loads issued before the token-wise step of the current one), 22.88 vs 22.45;
  * 3 blocks an SM (80 registers, the loads in groups of 2): 1.349 against 1.296 ms alone.
- * Alone (ch05_fp8_gemm_bench's SwiGLU backward rows, b5168d2) it beats the row-wise pass and
- * the token-wise copy it replaces, 1.296 against 1.515 ms on Mixtral's fc1; the layer has not
- * shown that gain in three calls (results 05), so it stays off until a profile says why.
+ * Alone (ch05_fp8_gemm_bench's SwiGLU backward rows, with the routing weight) it beats the
+ * row-wise pass and the token-wise copy it replaces, 1.365 against 1.527 ms on Mixtral's fc1;
+ * the layer has not shown that gain in three calls, and its stage breakdown puts the tiled
+ * backward 0.64 ms above the row-wise one where alone it is 0.37 (results 05), so it stays
+ * off until a profile says where the rest goes.
  */
 constexpr int T_ROWS = MOE_GT_THREADS / MOE_GT_CHUNKS; /* 16 token rows per pass */
 constexpr int T_PASSES = MOE_QUANT_BLOCK / T_ROWS;     /* 8 passes cover 128 tokens */

@@ -93,7 +93,8 @@
  *   SwiGLU backward, row-wise  ... and the backward with dout = that output: the row-wise
  *     + dgu / token-wise copy, pass writing dgu's codes and dgu, then dgu's token-wise copy
  *     tiled (MOE_FP8_FUSED_T)  (MOE_FP8_FUSED_T=0), against the tiled backward writing both
- *                              (MOE_FP8_FUSED_T=1)
+ *                              (MOE_FP8_FUSED_T=1); both directions with the routing weight
+ *                              and (backward) its gradient, as the layer runs them
  * --shape q1x128 (also in all): those rows alone for Qwen3-235B's permuted x, 65536 x 4096,
  * with and without the copy (ch01_moe_layer_bench --shape qwen3-235b --precision fp8's
  * largest quantize).
@@ -653,6 +654,8 @@ typedef struct sw_ctx {
     void *y, *scratch;
     uint8_t *q, *qt;
     float *s, *st;
+    const float *rs; /* the routing weight of each row, as the layer passes it */
+    float *drs, *part; /* its gradient (added to) and the tiled backward's partial sums */
     const int *doff;
     int G, rows, F, tiled;
     size_t kpad, copy_bytes;
@@ -663,17 +666,17 @@ static void run_swiglu(void *p) {
     moe_error err;
     moe_status st;
     if (c->dout && c->tiled)
-        st = moe_cuda_swiglu_backward_quant_t(c->q, c->s, c->qt, c->st, NULL, NULL, c->dout,
-                                              c->gu, NULL, c->doff, c->G, c->rows, c->F, c->kpad,
-                                              MOE_FP8_E4M3, 1, &err);
+        st = moe_cuda_swiglu_backward_quant_t(c->q, c->s, c->qt, c->st, c->part, c->drs, c->dout,
+                                              c->gu, c->rs, c->doff, c->G, c->rows, c->F,
+                                              c->kpad, MOE_FP8_E4M3, 1, &err);
     else if (c->dout)
-        st = moe_cuda_swiglu_backward_quant(c->q, c->s, c->y, 1, NULL, c->dout, c->gu, NULL,
+        st = moe_cuda_swiglu_backward_quant(c->q, c->s, c->y, 1, c->drs, c->dout, c->gu, c->rs,
                                             c->rows, c->F, MOE_FP8_E4M3, 1, &err);
     else if (c->tiled)
-        st = moe_cuda_swiglu_forward_quant_t(c->q, c->s, c->qt, c->st, c->gu, NULL, c->doff, c->G,
-                                             c->rows, c->F, c->kpad, MOE_FP8_E4M3, 1, &err);
+        st = moe_cuda_swiglu_forward_quant_t(c->q, c->s, c->qt, c->st, c->gu, c->rs, c->doff,
+                                             c->G, c->rows, c->F, c->kpad, MOE_FP8_E4M3, 1, &err);
     else
-        st = moe_cuda_swiglu_forward_quant(c->q, c->s, c->y, 1, c->gu, NULL, c->rows, c->F,
+        st = moe_cuda_swiglu_forward_quant(c->q, c->s, c->y, 1, c->gu, c->rs, c->rows, c->F,
                                            MOE_FP8_E4M3, 1, &err);
     if (st != MOE_OK)
         die("fused SwiGLU forward", &err);
@@ -684,7 +687,9 @@ static void run_sw_copy(void *p) {
     moe_cuda_copy(c->scratch, (uint8_t *)c->scratch + c->copy_bytes, c->copy_bytes);
 }
 
-/* the SwiGLU forward rows (the header's "SwiGLU forward"): each pass's ms and GB/s of its own
+/* the SwiGLU forward and backward rows (the header's "SwiGLU forward"), with the routing
+ * weight as the layer passes it (the backward adds to its gradient): each pass's ms and GB/s
+ * of its own
  * bytes (read 4 a row and F column; write 1 a code, 4 a 128-element scale, 2 an element of
  * the bf16 output; the token-wise copy's codes and scales over the groups' padded blocks)
  * next to a D2D copy of as many bytes */
@@ -699,7 +704,13 @@ static void bench_swiglu(const shape *s, const int *off, int G, int rows, int N,
         nb += (size_t)(off[g + 1] - off[g] + MOE_QUANT_BLOCK - 1) / MOE_QUANT_BLOCK;
     const double row_b = 4.0 * n + n + 4.0 * (n / MOE_QUANT_BLOCK); /* read gu, fc2's codes */
     const double tok_b = (double)nb * MOE_QUANT_BLOCK * F + 4.0 * nb * F; /* the copy */
-    sw_ctx c = {.gu = gu, .y = dalloc(2 * n), .q = dalloc(n), .s = dalloc(4 * (n / 128)),
+    /* the routing weight (0.5 each: the values do not change the work) and its gradient */
+    float *rs = dalloc(sizeof(float) * rows), *drs = dalloc(sizeof(float) * rows);
+    float *part = dalloc(sizeof(float) * (n / MOE_QUANT_BLOCK + 1));
+    moe_cuda_fill_real(rs, 0.5, (size_t)rows);
+    moe_cuda_fill_real(drs, 0.0, (size_t)rows);
+    sw_ctx c = {.gu = gu, .rs = rs, .drs = drs, .part = part, .y = dalloc(2 * n), .q = dalloc(n),
+                .s = dalloc(4 * (n / 128)),
                 .qt = dalloc(kpad * F), .st = dalloc(4 * (kpad / 128) * F), .doff = doff,
                 .G = G, .rows = rows, .F = F, .kpad = kpad,
                 .copy_bytes = (size_t)((row_b + tok_b) / 2) / 16 * 16};
@@ -749,7 +760,8 @@ static void bench_swiglu(const shape *s, const int *off, int G, int rows, int N,
     bw_row(s, "SwiGLU backward, tiled (MOE_FP8_FUSED_T)", time_ms(run_swiglu, &b),
            brow_b + btok_b, copy_ms, copy_gbs);
     fflush(stdout);
-    void *const bufs[] = {c.y, c.q, c.s, c.qt, c.st, c.scratch, b.y, b.q, b.s, b.qt, b.st};
+    void *const bufs[] = {c.y, c.q, c.s, c.qt, c.st, c.scratch, b.y, b.q, b.s, b.qt, b.st,
+                          rs, drs, part};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         moe_cuda_free(bufs[i]);
 }
