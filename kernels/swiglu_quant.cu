@@ -17,10 +17,11 @@
  *             tests/gpu_fp8_fused.c and gpu_fp8_layer.c on an H100 at 3d50c58;
  *   tiled     under the FP8 wgrad the backward can write dgu's token-wise copy itself
  *             (moe_cuda_swiglu_backward_quant_t, below; lib/mlp.c takes it with
- *             MOE_FP8_FUSED_T=1, off by default: measured no faster, see below): a block computes 128 tokens × 128 channels of dg and of
- *             du, quantizes each token's row of them 1×128 (fc1's dgrad) and each channel's
- *             column 1×128 along the tokens (fc1's FP8 wgrad, quant_group_t.cuh's step), so
- *             dgu is neither written nor read back;
+ *             MOE_FP8_FUSED_T=1, off by default, to become the default: see below): a
+ *             block computes 128 tokens × 128 channels of dg and of du, quantizes each
+ *             token's row of them 1×128 (fc1's dgrad) and each channel's column 1×128 along
+ *             the tokens (fc1's FP8 wgrad, quant_group_t.cuh's step), so dgu is neither
+ *             written nor read back;
  *   tiled fwd under the FP8 wgrad the forward writes a's token-wise copy itself
  *             (moe_cuda_swiglu_forward_quant_t, at the end; MOE_FP8_SAVE_T, on): the same
  *             128 × 128 tiles, fc2's row-wise codes and the copy fc2's wgrad reads, which the
@@ -255,10 +256,11 @@ extern "C" moe_status moe_cuda_swiglu_backward_quant(uint8_t *q, float *scale_in
  * tile's first loads issued before the token-wise step of the current one), 22.88 vs 22.45;
  * 3 blocks an SM (80 registers, the loads in groups of 2): 1.349 against 1.296 ms alone.
  * Alone (ch05_fp8_gemm_bench's SwiGLU backward rows, with the routing weight) it beats the
- * row-wise pass and the token-wise copy it replaces, 1.365 against 1.527 ms on Mixtral's fc1;
- * the layer has not shown that gain in three calls, and its stage breakdown puts the tiled
- * backward 0.64 ms above the row-wise one where alone it is 0.37 (results 05), so it stays
- * off until a profile says where the rest goes.
+ * row-wise pass and the token-wise copy it replaces, 1.365 against 1.527 ms on Mixtral's fc1
+ * (Nsight Compute inside the layer, 3f48dca: 1.35 against 0.985 + 0.534). The layer's
+ * 7-repeat medians were too noisy to show it; with 31 repeats in three alternating pairs it
+ * wins all three, 22.35 / 22.25 / 22.27 against 22.46 / 22.46 / 22.35 ms (results 05). To
+ * become the default once the whole GPU suite has run with it on.
  */
 constexpr int T_ROWS = MOE_GT_THREADS / MOE_GT_CHUNKS; /* 16 token rows per pass */
 constexpr int T_PASSES = MOE_QUANT_BLOCK / T_ROWS;     /* 8 passes cover 128 tokens */
