@@ -522,6 +522,35 @@ static size_t fp8_model_bytes(const moe_config *c, int native) {
     return g_bytes;
 }
 
+/* The switch @p var (latched when a context is made) off, then on: the estimate for @p c (a
+ * bf16 backend) counts the one MoE layer's permuted SwiGLU output as @p kept bytes of FP8 with
+ * it on and nothing with it off, and the model on the CPU backend claiming the native path
+ * allocates exactly the saving less. Leaves @p var at "1"; the estimates in @p e. */
+static void fp8_saving_agrees(const moe_config *c, const char *var, size_t kept,
+                              moe_memory_estimate e[2]) {
+    const int F = c->moe_ffn_hidden_size;
+    const size_t NK = (size_t)c->micro_batch_size * c->seq_length * c->moe_router_topk;
+    moe_error err;
+    for (int on = 0; on < 2; on++) {
+        setenv(var, on ? "1" : "0", 1);
+        ck_assert_int_eq(moe_memory_estimate_model(c, c->micro_batch_size, 1, 2, &e[on], &err),
+                         MOE_OK);
+    }
+    ck_assert_int_eq(e[0].fp8_act_bytes, 0);
+    ck_assert_int_eq(e[0].fp8_act_bf16_bytes, 0);
+    ck_assert_int_eq(e[1].fp8_act_bytes, (long long)kept);
+    ck_assert_int_eq(e[1].fp8_act_bf16_bytes, (long long)(2 * NK * F));
+    ck_assert_int_eq(e[0].act_bytes - e[1].act_bytes, (long long)(2 * NK * F - kept));
+    /* the model's allocations (its permuted rows: all N·k on one rank) */
+    setenv(var, "0", 1);
+    const size_t off = fp8_model_bytes(c, 1);
+    setenv(var, "1", 1);
+    const size_t on = fp8_model_bytes(c, 1);
+    const size_t saving = moe_backend_cpu()->act_size * NK * F - kept;
+    ck_assert_msg(off - on == saving, "with %s=1 the model allocates %zu bytes less, the FP8 "
+                  "copy saves %zu", var, off - on, saving);
+}
+
 START_TEST(test_memory_fp8_saved_swiglu_output) {
     moe_bench_env wg = moe_bench_env_set("MOE_FP8_WGRAD", "0");
     moe_bench_env fu = moe_bench_env_set("MOE_FP8_FUSED", "1");
@@ -584,34 +613,15 @@ START_TEST(test_memory_fp8_saved_swiglu_output) {
     off.native = 1;
     ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &off, NK, E, F), fused.act_size * NK * F);
 
-    /* the estimate (a bf16 backend: act_size 2): the one MoE layer's permuted buffer in FP8,
-     * and the report's two numbers */
+    /* the estimate (a bf16 backend: act_size 2) and the model: the one MoE layer's permuted
+     * buffer in FP8 with the fused passes, the report's two numbers, the model's saving */
     moe_memory_estimate e[2];
-    for (int on = 0; on < 2; on++) {
-        setenv("MOE_FP8_FUSED", on ? "1" : "0", 1);
-        ck_assert_int_eq(moe_memory_estimate_model(&c, c.micro_batch_size, 1, 2, &e[on], &err),
-                         MOE_OK);
-    }
-    ck_assert_int_eq(e[0].fp8_act_bytes, 0);
-    ck_assert_int_eq(e[0].fp8_act_bf16_bytes, 0);
-    ck_assert_int_eq(e[1].fp8_act_bytes, (long long)codes);
-    ck_assert_int_eq(e[1].fp8_act_bf16_bytes, (long long)(2 * NK * F));
-    ck_assert_int_eq(e[0].act_bytes - e[1].act_bytes, (long long)(2 * NK * F - codes));
+    fp8_saving_agrees(&c, "MOE_FP8_FUSED", codes, e);
     ck_assert_int_eq(e[0].weight_bytes, e[1].weight_bytes);
     /* the CPU's fp32 activations: never FP8 codes in the estimate either */
     ck_assert_int_eq(moe_memory_estimate_model(&c, c.micro_batch_size, 1, 4, &e[0], &err),
                      MOE_OK);
     ck_assert_int_eq(e[0].fp8_act_bytes, 0);
-
-    /* the model's allocations: the native path with the fused passes takes exactly the
-     * FP8 saving less than with MOE_FP8_FUSED=0 (its permuted rows: all N·k on one rank) */
-    setenv("MOE_FP8_FUSED", "0", 1);
-    const size_t unfused = fp8_model_bytes(&c, 1);
-    setenv("MOE_FP8_FUSED", "1", 1);
-    const size_t with_codes = fp8_model_bytes(&c, 1);
-    ck_assert_msg(unfused - with_codes == moe_backend_cpu()->act_size * NK * F - codes,
-                  "the fused model allocates %zu bytes less, the FP8 codes save %zu",
-                  unfused - with_codes, moe_backend_cpu()->act_size * NK * F - codes);
     /* and without the native path the switch changes nothing */
     const size_t plain = fp8_model_bytes(&c, 0);
     setenv("MOE_FP8_FUSED", "0", 1);
@@ -637,25 +647,9 @@ START_TEST(test_memory_fp8_saved_token_wise) {
     const size_t NK = (size_t)c.micro_batch_size * c.seq_length * c.moe_router_topk;
     const size_t tbytes = moe_mlp_fp8_act_t_bytes(NK, E, F);
     ck_assert(tbytes < 2 * NK * F); /* (this shape: the padding is less than the saving) */
-    moe_error err;
+    /* the estimate and the model: the token-wise copy where the bf16 output was (E groups) */
     moe_memory_estimate e[2];
-    for (int on = 0; on < 2; on++) { /* MOE_FP8_SAVE_T=0, then 1 */
-        setenv("MOE_FP8_SAVE_T", on ? "1" : "0", 1);
-        ck_assert_int_eq(moe_memory_estimate_model(&c, c.micro_batch_size, 1, 2, &e[on], &err),
-                         MOE_OK);
-    }
-    ck_assert_int_eq(e[0].fp8_act_bytes, 0);
-    ck_assert_int_eq(e[1].fp8_act_bytes, (long long)tbytes);
-    ck_assert_int_eq(e[1].fp8_act_bf16_bytes, (long long)(2 * NK * F));
-    ck_assert_int_eq(e[0].act_bytes - e[1].act_bytes, (long long)(2 * NK * F - tbytes));
-    /* the model: the token-wise copy where the bf16 output was (its permuted rows, E groups) */
-    setenv("MOE_FP8_SAVE_T", "0", 1);
-    const size_t bf16_out = fp8_model_bytes(&c, 1);
-    setenv("MOE_FP8_SAVE_T", "1", 1);
-    const size_t with_t = fp8_model_bytes(&c, 1);
-    ck_assert_msg(bf16_out - with_t == moe_backend_cpu()->act_size * NK * F - tbytes,
-                  "the model allocates %zu bytes less with the token-wise copy, which saves %zu",
-                  bf16_out - with_t, moe_backend_cpu()->act_size * NK * F - tbytes);
+    fp8_saving_agrees(&c, "MOE_FP8_SAVE_T", tbytes, e);
     moe_bench_env_restore(&st);
     moe_bench_env_restore(&fu);
     moe_bench_env_restore(&wg);
