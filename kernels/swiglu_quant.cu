@@ -17,7 +17,7 @@
  *             tests/gpu_fp8_fused.c and gpu_fp8_layer.c on an H100 at 3d50c58;
  *   tiled     under the FP8 wgrad the backward can write dgu's token-wise copy itself
  *             (moe_cuda_swiglu_backward_quant_t, below; lib/mlp.c takes it with
- *             MOE_FP8_FUSED_T=1, off by default, to become the default: see below): a
+ *             MOE_FP8_FUSED_T, on by default since eb6afaa's suite passed: see below): a
  *             block computes 128 tokens × 128 channels of dg and of du, quantizes each
  *             token's row of them 1×128 (fc1's dgrad) and each channel's column 1×128 along
  *             the tokens (fc1's FP8 wgrad, quant_group_t.cuh's step), so dgu is neither
@@ -246,12 +246,12 @@ extern "C" moe_status moe_cuda_swiglu_backward_quant(uint8_t *q, float *scale_in
  * agrees with it to fp32 rounding (tests/gpu_fp8_fused.c), not bit for bit.
  * A block a channel block (grid x) and about T_PER_CTA token blocks (grid y), two blocks an
  * SM (64 KB of tiles each), 12 loads of 16 bytes in flight a thread.
- * STATUS: passed tests/gpu_fp8_fused.c and gpu_fp8_layer.c on an H100 (cdaebf3). Measured
- * there on the Mixtral FP8-wgrad layer (docs/results/05-fp8-nvfp4.md) against the row-wise
- * fused backward: 22.11 vs 22.39 ms in one call, 22.56 vs 22.33 in another. The stage
- * breakdown says why it does not pay: the token-wise pass it removes took 0.8 ms, and it
- * costs 0.5 ms more than the row-wise kernel (it moves about 2 TB/s; the casts of both
- * quantizations and the shuffles of the row-wise one sit between its loads). Off by default.
+ * STATUS: passed tests/gpu_fp8_fused.c and gpu_fp8_layer.c on an H100 (cdaebf3), and the
+ * whole GPU suite with it on (171/171; the model's losses equal to the separate passes') at
+ * eb6afaa: the default since. First measured on the Mixtral FP8-wgrad layer
+ * (docs/results/05-fp8-nvfp4.md) against the row-wise fused backward: 22.11 vs 22.39 ms in
+ * one call, 22.56 vs 22.33 in another, within noise (it moves about 2 TB/s; the casts of
+ * both quantizations and the shuffles of the row-wise one sit between its loads).
  * Tried and slower: a persistent form (two blocks an SM striding over all tiles, the next
  * tile's first loads issued before the token-wise step of the current one), 22.88 vs 22.45;
  * 3 blocks an SM (80 registers, the loads in groups of 2): 1.349 against 1.296 ms alone.
@@ -259,8 +259,7 @@ extern "C" moe_status moe_cuda_swiglu_backward_quant(uint8_t *q, float *scale_in
  * row-wise pass and the token-wise copy it replaces, 1.365 against 1.527 ms on Mixtral's fc1
  * (Nsight Compute inside the layer, 3f48dca: 1.35 against 0.985 + 0.534). The layer's
  * 7-repeat medians were too noisy to show it; with 31 repeats in three alternating pairs it
- * wins all three, 22.35 / 22.25 / 22.27 against 22.46 / 22.46 / 22.35 ms (results 05). To
- * become the default once the whole GPU suite has run with it on.
+ * wins all three, 22.35 / 22.25 / 22.27 against 22.46 / 22.46 / 22.35 ms (results 05).
  */
 constexpr int T_ROWS = MOE_GT_THREADS / MOE_GT_CHUNKS; /* 16 token rows per pass */
 constexpr int T_PASSES = MOE_QUANT_BLOCK / T_ROWS;     /* 8 passes cover 128 tokens */

@@ -36,10 +36,10 @@ static int env_switch(const char *name, int dflt) {
  *  MOE_FP8_FUSED        the native path's fused passes (lib/mlp.c), on unless 0: read once
  *                       per context, since the saved SwiGLU outputs' buffers are sized from it;
  *  MOE_FP8_FUSED_T      under the FP8 wgrad, the fused SwiGLU backward writes dgu's
- *                       token-wise copy itself ("Fused passes"). Off: on an H100 the Mixtral
- *                       layer measured 22.11 vs 22.39 ms in one call and 22.56 vs 22.33 in
- *                       another (cdaebf3, docs/results/05-fp8-nvfp4.md), within the calls'
- *                       noise;
+ *                       token-wise copy itself ("Fused passes"): on. On an H100 the Mixtral
+ *                       layer with 31 repeats won three alternating pairs, 22.35 / 22.25 /
+ *                       22.27 against 22.46 / 22.46 / 22.35 ms (docs/results/05-fp8-nvfp4.md);
+ *                       0 keeps the row-wise backward and dgu's separate token-wise pass;
  *  MOE_FP8_SAVE_T       under the FP8 wgrad, the fused SwiGLU forward writes the output's
  *                       token-wise copy (fc2's wgrad operand) and that copy, not the bf16
  *                       output, is kept for the backward (lib/mlp.c, moe_mlp_saved_form()):
@@ -50,7 +50,7 @@ static int env_switch(const char *name, int dflt) {
  *                       on it. */
 #define MOE_FP8_WGRAD_DEFAULT 1
 #define MOE_FP8_FUSED_DEFAULT 1
-#define MOE_FP8_FUSED_T_DEFAULT 0
+#define MOE_FP8_FUSED_T_DEFAULT 1
 #define MOE_FP8_SAVE_T_DEFAULT 1
 #define MOE_FP8_NATIVE_DENSE_DEFAULT 0
 

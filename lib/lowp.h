@@ -116,19 +116,19 @@
  * Against the separate passes: 14·N·F bytes fewer per MoE layer of N rows (the forward's
  * re-read of the output, 2·N·F; the backward's zeroing of dgu, the SwiGLU's read of it and
  * the quantizer's, 4·N·F each) and two launches; the same bits (tests/gpu_fp8_fused.c,
- * gpu_fp8_layer.c). The token-wise copies are passes of their own; `MOE_FP8_FUSED_T=1`
- * (off by default; moe_lowp::fp8_fused_t) makes dgu's part of the backward: the token-wise
- * scale of a channel needs the amax over each expert's 128-token blocks, which a row-wise
- * pass does not see, so a tiled SwiGLU backward (kernels/swiglu_quant.cu, "tiled") computes
+ * gpu_fp8_layer.c). dgu's token-wise copy is part of the backward (`MOE_FP8_FUSED_T`, on;
+ * moe_lowp::fp8_fused_t; 0 makes it a pass of its own): the token-wise scale of a channel
+ * needs the amax over each expert's 128-token blocks, which a row-wise pass does not see,
+ * so a tiled SwiGLU backward (kernels/swiglu_quant.cu, "tiled") computes
  * 128 tokens × 128 channels of dgu at a time, in the token-wise copy's blocks, and writes
  * their row-wise codes (fc1's dgrad) and their token-wise copy (fc1's FP8 wgrad), never dgu:
  * 8·N·F bytes fewer (dgu written and read back). The same codes and scales as the separate
  * passes; the routing weight's gradient sums its F channels in 128-channel blocks, another
- * order, so it agrees to fp32 rounding (tests/gpu_fp8_fused.c). STATUS: passed
- * gpu_fp8_fused and gpu_fp8_layer (and the whole GPU suite, 170/170) on an H100 at cdaebf3;
- * measured there against the row-wise fused backward on the Mixtral layer: 22.11 vs 22.39 ms
- * in one call, 22.56 vs 22.33 in another, so no robust gain and off. Its kernel moves about
- * 2 TB/s: it saves the 0.8 ms token-wise pass and costs 0.5 ms more than the row-wise one.
+ * order, so it agrees to fp32 rounding (tests/gpu_fp8_fused.c). STATUS: the default since the
+ * whole GPU suite (171/171, the model's losses equal to the separate passes') passed with it
+ * on an H100 at eb6afaa. Measured (results 05): with the routing weight, 1.365 ms against
+ * 1.527 for the row-wise pass and the token-wise copy on Mixtral's fc1; the Mixtral layer with
+ * 31 repeats won three alternating pairs, 22.35 / 22.25 / 22.27 against 22.46 / 22.46 / 22.35.
  * The shared expert, dense FFNs and attention stay emulated unless `MOE_FP8_NATIVE_DENSE=1`
  * (below). Elsewhere (the CPU, a GPU that is not sm_90, `hybrid`'s E5M2 gradients, the other
  * recipes and expert backends) the emulation runs; `MOE_FP8_NATIVE=0` asks for it on Hopper
@@ -228,7 +228,7 @@ typedef struct moe_lowp {
                                              SwiGLU outputs are allocated at the size it
                                              gives (moe_mlp_act_bytes()), so the switch
                                              cannot change under a buffer */
-    int fp8_fused_t;                    /**< 1: fp8_fused, and MOE_FP8_FUSED_T=1: under
+    int fp8_fused_t;                    /**< 1: fp8_fused, and MOE_FP8_FUSED_T not 0: under
                                              the FP8 wgrad (fp8_wgrad) the SwiGLU backward
                                              writes dgu's token-wise copy itself ("Fused
                                              passes"); no effect without it */

@@ -327,7 +327,8 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
  * output's bytes), so the output is never written in bf16 nor quantized in the backward.
  * With MOE_FP8_SAVE_T=0 the row-wise fused forward writes the bf16 output (y_raw) next to the
  * codes into `act`, and the backward's token-wise quantizer reads it. dgu: the fused backward
- * writes it (y_raw) next to its row-wise codes, or (MOE_FP8_FUSED_T=1) its token-wise copy.
+ * writes its token-wise copy (the tiled backward, the default) or, with MOE_FP8_FUSED_T=0, dgu
+ * itself (y_raw) next to its row-wise codes.
  * Per MoE layer of N rows the row-wise passes skip, against the separate passes, the
  * forward's re-read of the SwiGLU output (2·N·F bytes) and, in the backward, the zeroing of
  * dgu, the SwiGLU's read of it and the quantizer's (3 × 4·N·F bytes): 14·N·F bytes and two

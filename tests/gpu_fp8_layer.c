@@ -579,22 +579,29 @@ END_TEST
  * estimate's FP8 line at moe_mlp_fp8_act_t_bytes()), the row-wise fused passes keep it in bf16
  * (MOE_FP8_SAVE_T=0: nothing in the FP8 line), and both give MOE_FP8_FUSED=0's losses bit for
  * bit (the same proviso) with the row-wise backward (MOE_FP8_FUSED_T=0). The tiled backward
- * (MOE_FP8_FUSED_T=1, opt-in; measured faster, to become the default: results 05) sums the
- * routing weight's gradient in another order, so its losses agree to a relative 1e-4 (a wrong
- * dgu or copy moves them by far more). Passed on an H100 (a6f2b19: the same bits, the bf16
- * form; 04162aa: the token-wise form). STATUS of the MOE_FP8_FUSED_T=1 run and its 1e-4
- * bound: written, NOT YET RUN on a GPU (the session's device time ran out). */
+ * (MOE_FP8_FUSED_T=1, the default; measured faster: results 05) sums the routing weight's
+ * gradient in 128-channel blocks, another order where F > 128, so its losses are held to a
+ * relative 1e-4 (a wrong dgu or copy moves them by far more; at this model's F = 128 there is
+ * one block and they came out equal; gpu_fp8_fused covers F > 128 at the kernel), and its
+ * launches are counted. Passed on an H100 (a6f2b19: the same bits, the bf16 form; 04162aa:
+ * the token-wise form; eb6afaa: the MOE_FP8_FUSED_T=1 run, worst relative difference 0 over
+ * its steps). */
 START_TEST(test_gpu_fp8_model_fused_fp8_wgrad) {
     if (!hopper("FP8 model with the FP8 wgrad, fused passes"))
         return;
     double tiled[FP8_STEPS], rowwise[FP8_STEPS], again[FP8_STEPS], sep[FP8_STEPS];
     double both[FP8_STEPS];
     long long act_tiled, act_row, act_sep, act_again, act_both;
+    const long long bwd_t0 = moe_cuda_swiglu_backward_quant_t_calls();
     ck_assert(fp8_model_losses("1", "1", "1", "0", tiled, &act_tiled));
     ck_assert(!fp8_model_losses("1", "1", "0", "0", rowwise, &act_row));
     ck_assert(!fp8_model_losses("0", "1", "1", "0", sep, &act_sep));
     ck_assert(fp8_model_losses("1", "1", "1", "0", again, &act_again));
+    const long long bwd_t1 = moe_cuda_swiglu_backward_quant_t_calls();
     ck_assert(fp8_model_losses("1", "1", "1", "1", both, &act_both)); /* the tiled backward */
+    /* the pinned runs never launched it, the last one did, at least once a step */
+    ck_assert_int_eq(bwd_t1 - bwd_t0, 0);
+    ck_assert_int_ge(moe_cuda_swiglu_backward_quant_t_calls() - bwd_t1, FP8_STEPS);
     ck_assert_int_eq(act_both, act_tiled);
     double worst = 0;
     for (int s = 0; s < FP8_STEPS; s++) {
