@@ -471,6 +471,13 @@ check-ch06: check-deps
 	@echo "== chapter 06 self-check ($(call CHECK_MODE,06))"
 	$(call RUN_TAGGED,06,unit)
 	@if [ "$(WITH_CUDA)" = 1 ]; then CK_INCLUDE_TAGS=ch06 $(BUILD)/tests/gpu; fi
+	@if [ "$(WITH_CUDA)" = 1 ]; then $(MAKE) --no-print-directory bin/ch06_graphs_bench && \
+	  echo "== chapter 06: the benchmark names a bad --scopes or --only (before it looks for a GPU)" && \
+	  { o=$$(bin/ch06_graphs_bench --scopes none,nonsense 2>&1); test $$? = 2; } && \
+	  echo "$$o" | grep -q "each must be one of none attn" && \
+	  { o=$$(bin/ch06_graphs_bench --only nonsense 2>&1); test $$? = 2; } && \
+	  echo "$$o" | grep -q "preset or large" || \
+	  { echo "check-ch06: ch06_graphs_bench accepted a bad flag"; exit 1; }; fi
 
 # chapter 07 (flash attention, context parallelism): the CPU flash attention against the
 # naive reference (shapes around the tiles, chunks at offsets, the model) and its

@@ -22,7 +22,9 @@
  *               3, the hardware's casts, is the default); 128×128: one 256-thread block
  *               per block (64 elements per thread), the amax through shared memory;
  *               with a transposed copy (blockwise_t_kernel): a 128×128 tile of x in shared
- *               memory, quantized along its rows and its columns in the same block;
+ *               memory, quantized along its rows and its columns in the same block (the
+ *               128×128 recipe, the experts' weights: block2d_t_kernel, the tile in
+ *               registers, each element cast once, the codes transposed in shared memory);
  *               both also read bf16 (the native FP8 layer, lib/lowp.h: activations 1×128
  *               with their dequantized bf16 copy in the same pass, which is also the QDQ
  *               op's 1×128 path; a batch of expert weights with their transposes);
@@ -40,6 +42,7 @@
 #include "quantize.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #define THREADS 256
 #define MAX_BLOCKS 1024
@@ -730,6 +733,114 @@ static __global__ void blockwise_t_kernel(uint8_t *q, float *scale_inv, uint8_t 
     }
 }
 
+/* The 128×128 recipe with its transposed copy, faster (the experts' weights, quantized once
+ * per optimizer step: lib/lowp.c). blockwise_t_kernel above moves 2- or 4-byte elements and
+ * 1-byte codes one at a time, holds the tile as 66 KB of fp32 (three blocks an SM) and casts
+ * every element twice, once for x and once for xᵀ; on an H100 it ran the larger model's
+ * expert weights at about 0.26 TB/s, 3.1 ms a step. Here, one 256-thread block per tile:
+ *   1. each thread loads 8 chunks of 8 consecutive elements (16-byte loads; a warp reads two
+ *      rows of the tile), keeps them in registers, and the tile's amax is the maximum of the
+ *      integer keys (the warp's butterfly, then the 8 warps' through shared memory);
+ *   2. each chunk is cast once, by the hardware's fp32x2 → FP8x2 conversion (the bytes of
+ *      moe_fp8_encode on every value it casts: a tile with a NaN or an infinity has a NaN
+ *      scale and is written as zeros, moe_q_cast_scaled's rule; quant1x128.cuh), stored to
+ *      q as one 8-byte word, and put in a 16.5 KB code tile in shared memory;
+ *   3. xᵀ's rows are the tile's columns: each thread gathers 8 chunks of 8 codes down a
+ *      column and stores each as one 8-byte word. The code tile's rows are 129 bytes, so the
+ *      16 chunks a half-warp gathers start in 16 different banks.
+ * The codes of xᵀ are x's codes transposed (one scale for the whole tile), so both are the
+ * CPU's bytes (tests/gpu_quant.c, gpu_fp8_layer.c); MOE_QUANT_WEIGHT_T=0 runs the kernel
+ * above instead. */
+#define T2_LD (MOE_QUANT_BLOCK + 1)
+template <typename T, moe_fp8_format F>
+static __global__ void __launch_bounds__(THREADS)
+    block2d_t_kernel(uint8_t *q, float *scale_inv, uint8_t *qt, float *scale_inv_t, const T *x,
+                     int rows, int cols, int pow2) {
+    constexpr int B = MOE_QUANT_BLOCK, CH = B / 8, PER = B * CH / THREADS; /* 16, 8 */
+    __shared__ uint8_t codes[B * T2_LD];
+    __shared__ uint32_t warp_max[THREADS / 32];
+    const int bc = blockIdx.x, br = blockIdx.y, nbc = gridDim.x, nbr = gridDim.y;
+    const int r0 = br * B, c0 = bc * B, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    { /* blockIdx.z: a batch of matrices, each quantized on its own (the experts' weights) */
+        const size_t z = blockIdx.z, n = (size_t)rows * cols, ns = (size_t)nbr * nbc;
+        x += z * n;
+        q += z * n;
+        qt += z * n;
+        scale_inv += z * ns;
+        scale_inv_t += z * ns;
+    }
+    raw8<T> r[PER];
+#pragma unroll
+    for (int j = 0; j < PER; j++) { /* chunk i: row i / CH, columns 8 (i % CH) .. + 7 */
+        const int i = threadIdx.x + THREADS * j;
+        ld_raw8<T>(r[j], x + (size_t)(r0 + i / CH) * cols + c0 + 8 * (i % CH));
+    }
+    uint32_t m = 0;
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        float v[8];
+        unpack8(v, r[j]);
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const uint32_t key = moe_q_abs_key(v[k]);
+            m = key > m ? key : m;
+        }
+    }
+    m = warp_max_key(m);
+    if (lane == 0)
+        warp_max[warp] = m;
+    __syncthreads();
+    m = 0;
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; w++)
+        m = warp_max[w] > m ? warp_max[w] : m;
+    const float scale = moe_q_scale_from_amax(moe_q_key_amax(m), moe_fp8_max(F), pow2);
+    const bool poisoned = moe_q_nonfinite(scale);
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int i = threadIdx.x + THREADS * j, row = i / CH, c = 8 * (i % CH);
+        float v[8];
+        unpack8(v, r[j]);
+        uint32_t w[2] = {0, 0};
+#pragma unroll
+        for (int k = 0; k < 8; k += 2)
+            w[k / 4] |= moe_fp8x2_encode_hw<F>(moe_q_mul(v[k], scale), moe_q_mul(v[k + 1], scale))
+                        << (8 * (k % 4));
+        if (poisoned)
+            w[0] = w[1] = 0;
+        __stcs((uint2 *)(q + (size_t)(r0 + row) * cols + c0 + c), make_uint2(w[0], w[1]));
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            codes[row * T2_LD + c + k] = (uint8_t)(w[k / 4] >> (8 * (k % 4)));
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < PER; j++) { /* chunk i of xᵀ: its row i / CH (x's column), 8 (i % CH) .. */
+        const int i = threadIdx.x + THREADS * j, ct = i / CH, rt = 8 * (i % CH);
+        uint32_t w[2] = {0, 0};
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            w[k / 4] |= (uint32_t)codes[(rt + k) * T2_LD + ct] << (8 * (k % 4));
+        __stcs((uint2 *)(qt + (size_t)(c0 + ct) * rows + r0 + rt), make_uint2(w[0], w[1]));
+    }
+    if (threadIdx.x == 0) {
+        scale_inv[(size_t)br * nbc + bc] = moe_q_scale_inv(scale);
+        scale_inv_t[(size_t)bc * nbr + br] = moe_q_scale_inv(scale);
+    }
+}
+
+/* MOE_QUANT_WEIGHT_T=0: the 128×128 recipe's transposing pass by blockwise_t_kernel (the
+ * first one) instead of block2d_t_kernel; read at every launch, so a test or a benchmark can
+ * switch it with setenv */
+static int weight_t_v2(void) {
+    const char *e = getenv("MOE_QUANT_WEIGHT_T");
+    return !(e && !strcmp(e, "0"));
+}
+
+long long g_block2d_t_calls = 0; /* launches of block2d_t_kernel (a test's proof it ran) */
+
+extern "C" long long moe_cuda_quant_block2d_t_calls(void) { return g_block2d_t_calls; }
+
 template <typename T>
 static moe_status launch_blockwise_t(uint8_t *q, float *scale_inv, uint8_t *qt,
                                      float *scale_inv_t, const T *x, int batch, int rows,
@@ -740,9 +851,20 @@ static moe_status launch_blockwise_t(uint8_t *q, float *scale_inv, uint8_t *qt,
     MOE_TRY(moe_quant_check_format(f, err));
     if (rows == 0 || cols == 0 || batch == 0)
         return MOE_OK;
+    const dim3 grid(cols / MOE_QUANT_BLOCK, rows / MOE_QUANT_BLOCK, batch);
+    if (block_2d && weight_t_v2()) {
+        if (f == MOE_FP8_E4M3)
+            block2d_t_kernel<T, MOE_FP8_E4M3><<<grid, THREADS, 0, moe_cuda_stream()>>>(
+                q, scale_inv, qt, scale_inv_t, x, rows, cols, pow2);
+        else
+            block2d_t_kernel<T, MOE_FP8_E5M2><<<grid, THREADS, 0, moe_cuda_stream()>>>(
+                q, scale_inv, qt, scale_inv_t, x, rows, cols, pow2);
+        MOE_CUDA_LAUNCH_CHECK();
+        g_block2d_t_calls++;
+        return MOE_OK;
+    }
     const size_t smem = (size_t)MOE_QUANT_BLOCK * TILE_LD * sizeof(float); /* 66 KB */
     moe_cuda_smem_opt_in<blockwise_t_kernel<T>>((int)smem);
-    const dim3 grid(cols / MOE_QUANT_BLOCK, rows / MOE_QUANT_BLOCK, batch);
     blockwise_t_kernel<T><<<grid, THREADS, smem, moe_cuda_stream()>>>(
         q, scale_inv, qt, scale_inv_t, x, rows, cols, f, block_2d, pow2);
     MOE_CUDA_LAUNCH_CHECK();

@@ -38,6 +38,12 @@ static void short_name(const char *mangled, char *out, size_t cap) {
     const char *s = st == 0 && d ? d : mangled;
     if (!strncmp(s, "void ", 5))
         s += 5;
+    /* a kernel in an anonymous namespace demangles as "(anonymous namespace)::name<...>(...)":
+     * without this the '(' would end the name before it starts, and every such kernel (the
+     * grouped GEMMs) would share one empty name */
+    static const char anon[] = "(anonymous namespace)::";
+    if (!strncmp(s, anon, sizeof anon - 1))
+        s += sizeof anon - 1;
     size_t n = 0;
     int depth = 0;
     for (; s[n] && n + 1 < cap; n++) {

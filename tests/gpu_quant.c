@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench.h"
 #include "cpu/ops.h"
 #include "cuda_ops.h"
 #include "fp8_gemm.h"
@@ -215,22 +216,31 @@ START_TEST(test_gpu_quant_blockwise_t) {
                 uint8_t *q = hpoison(n), *qt = hpoison(n);
                 ck_assert_int_eq(moe_cpu_quant_blockwise_t(q, si, qt, sit, x, R, C, f, b2, p2, &err),
                                  MOE_OK);
-                float *dx = dcopy(x, n * 4), *dsi = dpoison(ns * 4), *dsit = dpoison(nt * 4);
-                uint8_t *dq = dpoison(n), *dqt = dpoison(n);
-                ck_assert_int_eq(moe_cuda_quant_blockwise_t(dq, dsi, dqt, dsit, dx, R, C, f, b2, p2,
-                                                            &err),
-                                 MOE_OK);
-                ok &= same_bytes("blockwise_t codes", dq, q, n);
-                ok &= same_bytes("blockwise_t scales", dsi, si, ns * 4);
-                ok &= same_bytes("blockwise_t transposed codes", dqt, qt, n);
-                ok &= same_bytes("blockwise_t transposed scales", dsit, sit, nt * 4);
-                cases++;
+                float *dx = dcopy(x, n * 4);
+                /* the 128×128 recipe by both kernels (MOE_QUANT_WEIGHT_T=0: the first one),
+                 * each into fresh poisoned outputs; block2d_t_kernel counted */
+                for (int first = 0; first < 1 + b2; first++) {
+                    float *dsi = dpoison(ns * 4), *dsit = dpoison(nt * 4);
+                    uint8_t *dq = dpoison(n), *dqt = dpoison(n);
+                    moe_bench_env env = moe_bench_env_set("MOE_QUANT_WEIGHT_T", first ? "0" : "1");
+                    const long long calls = moe_cuda_quant_block2d_t_calls();
+                    ck_assert_int_eq(moe_cuda_quant_blockwise_t(dq, dsi, dqt, dsit, dx, R, C, f,
+                                                                b2, p2, &err),
+                                     MOE_OK);
+                    ck_assert_int_eq(moe_cuda_quant_block2d_t_calls() - calls, b2 && !first);
+                    moe_bench_env_restore(&env);
+                    ok &= same_bytes("blockwise_t codes", dq, q, n);
+                    ok &= same_bytes("blockwise_t scales", dsi, si, ns * 4);
+                    ok &= same_bytes("blockwise_t transposed codes", dqt, qt, n);
+                    ok &= same_bytes("blockwise_t transposed scales", dsit, sit, nt * 4);
+                    cases++;
+                    moe_cuda_free(dsi), moe_cuda_free(dsit), moe_cuda_free(dq), moe_cuda_free(dqt);
+                }
                 free(x), free(si), free(sit), free(q), free(qt);
-                moe_cuda_free(dx), moe_cuda_free(dsi), moe_cuda_free(dsit), moe_cuda_free(dq),
-                    moe_cuda_free(dqt);
+                moe_cuda_free(dx);
             }
-    printf("  blockwise with transposed copy: %d cases (1x128 / 128x128, E4M3/E5M2, pow2, NaN), "
-           "%s\n",
+    printf("  blockwise with transposed copy: %d cases (1x128 / 128x128 by both kernels, "
+           "E4M3/E5M2, pow2, NaN), %s\n",
            cases, ok ? "CUDA == CPU byte for byte" : "DIFFER");
     ck_assert(ok);
     ck_assert_int_eq(moe_cuda_quant_blockwise_t(NULL, NULL, NULL, NULL, NULL, 100, 128,

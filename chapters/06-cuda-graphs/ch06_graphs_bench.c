@@ -18,6 +18,12 @@
  *   bin/ch06_graphs_bench [--steps 20] [--warmup 3] [--trace-steps 5] [--only preset|large]
  *                          [--top N]   (N>0: after each eager row, the N kernels with the most
  *                                       GPU time per step, from the same CUPTI records)
+ *                          [--scopes all|LIST]  (a comma-separated list of scopes to run,
+ *                                       for example none: the eager step alone)
+ *                          [--flags "FLAGS"]  (more moe-train flags for every model, after
+ *                                       the model's own, so a repeated flag takes this value:
+ *                                       for example an FP8 recipe, to see which kernels it
+ *                                       adds to the step and what they cost)
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,10 +49,18 @@ typedef struct result {
     long long captures;
 } result;
 
+/* --flags: more moe-train flags for every model */
+static const char *g_flags = "";
+
 static moe_trainer *make(const char *model, moe_graph_scope scope) {
-    char flags[2048];
-    snprintf(flags, sizeof flags, "%s %s --device cuda --cuda-graph-scope %s",
-             moe_config_preset_flags("gpu"), model, moe_graph_scope_name(scope));
+    char flags[4096];
+    if (snprintf(flags, sizeof flags, "%s %s --device cuda --cuda-graph-scope %s %s",
+                 moe_config_preset_flags("gpu"), model, moe_graph_scope_name(scope),
+                 g_flags) >= (int)sizeof flags) {
+        fprintf(stderr, "ch06_graphs_bench: --flags is too long (at most about %zu characters)\n",
+                sizeof flags / 2);
+        exit(2);
+    }
     moe_config c;
     moe_error err;
     moe_config_defaults(&c);
@@ -119,9 +133,24 @@ static result measure(const char *model, moe_graph_scope scope, int warmup, int 
     return r;
 }
 
+/* whether scope @p s is in the comma-separated @p list ("all": every scope) */
+static int scope_listed(const char *list, moe_graph_scope s) {
+    if (!strcmp(list, "all"))
+        return 1;
+    const char *name = moe_graph_scope_name(s);
+    const size_t n = strlen(name);
+    for (const char *p = list; *p;) {
+        const size_t len = strcspn(p, ",");
+        if (len == n && !strncmp(p, name, n))
+            return 1;
+        p += len + (p[len] == ',');
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     int steps = 20, warmup = 3, trace_steps = 5;
-    const char *only = "";
+    const char *only = "", *scopes = "all";
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--steps") && i + 1 < argc)
             steps = atoi(argv[++i]);
@@ -133,11 +162,34 @@ int main(int argc, char **argv) {
             only = argv[++i];
         else if (!strcmp(argv[i], "--top") && i + 1 < argc)
             g_top = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--scopes") && i + 1 < argc)
+            scopes = argv[++i];
+        else if (!strcmp(argv[i], "--flags") && i + 1 < argc)
+            g_flags = argv[++i];
         else {
             fprintf(stderr, "usage: %s [--steps N] [--warmup N] [--trace-steps N] "
-                    "[--only preset|large] [--top N]\n", argv[0]);
+                    "[--only preset|large] [--top N] [--scopes all|LIST] [--flags \"FLAGS\"]\n",
+                    argv[0]);
             return 2;
         }
+    }
+    /* every listed scope must be one of g_scopes (a typo would silently run nothing) */
+    int listed = 0;
+    for (size_t s = 0; s < sizeof g_scopes / sizeof g_scopes[0]; s++)
+        listed += scope_listed(scopes, g_scopes[s]);
+    int names = 1;
+    for (const char *p = scopes; *p; p++)
+        names += *p == ',';
+    if (strcmp(scopes, "all") && listed != names) {
+        fprintf(stderr, "ch06_graphs_bench: --scopes '%s': each must be one of", scopes);
+        for (size_t s = 0; s < sizeof g_scopes / sizeof g_scopes[0]; s++)
+            fprintf(stderr, " %s", moe_graph_scope_name(g_scopes[s]));
+        fprintf(stderr, " (comma-separated), or all\n");
+        return 2;
+    }
+    if (*only && strcmp(only, "preset") && strcmp(only, "large")) {
+        fprintf(stderr, "ch06_graphs_bench: --only '%s': preset or large\n", only);
+        return 2;
     }
     if (steps < 1 || warmup < 2 || trace_steps < 1) {
         fprintf(stderr, "ch06_graphs_bench: --steps and --trace-steps must be >= 1, --warmup >= 2 "
@@ -153,17 +205,26 @@ int main(int argc, char **argv) {
     moe_bench_header("chapter 06: CUDA graphs, one training step per --cuda-graph-scope", dev);
     printf("median of %d steps after %d warm-up steps; counts from CUPTI over %d more steps\n\n",
            steps, warmup, trace_steps);
-    printf("| model | scope | ms/step | tokens/s | vs none | host submissions/step | GPU kernels/step "
+    /* the ratio column is to the first scope run (none, unless --scopes leaves it out) */
+    const char *first = "none";
+    for (size_t s = 0; s < sizeof g_scopes / sizeof g_scopes[0]; s++)
+        if (scope_listed(scopes, g_scopes[s])) {
+            first = moe_graph_scope_name(g_scopes[s]);
+            break;
+        }
+    printf("| model | scope | ms/step | tokens/s | vs %s | host submissions/step | GPU kernels/step "
            "(in graphs) | GPU busy ms/step | GPU idle ms/step | graphs |\n"
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n", first);
     const struct { const char *name, *flags; } models[] = {{"preset", ""}, {"large", g_large}};
     for (int m = 0; m < 2; m++) {
         if (*only && strcmp(only, models[m].name))
             continue;
         double base = 0;
         for (size_t s = 0; s < sizeof g_scopes / sizeof g_scopes[0]; s++) {
+            if (!scope_listed(scopes, g_scopes[s]))
+                continue;
             result r = measure(models[m].flags, g_scopes[s], warmup, steps, trace_steps);
-            if (s == 0)
+            if (base == 0)
                 base = r.tok_s;
             const double idle = r.ms - r.busy_ms;
             printf("| %s | %s | %.2f | %.0f | %.2fx | %.0f | %.0f (%.0f) | %.2f | %.2f (%.0f%%) | %lld |\n",
@@ -173,6 +234,7 @@ int main(int argc, char **argv) {
             fflush(stdout);
         }
     }
-    printf("\nmodels: preset = --preset gpu; large = --preset gpu %s\n", g_large);
+    printf("\nmodels: preset = --preset gpu; large = --preset gpu %s%s%s\n", g_large,
+           *g_flags ? "; both with " : "", g_flags);
     return 0;
 }
