@@ -402,9 +402,10 @@ long long moe_cuda_quant_1x128_v3_calls(void);
  * from moe_fp8_decode's bits. Synchronizes (reads the counts back). */
 moe_status moe_cuda_fp8_cast_check(long long *cast_bad, long long *decode_bad, moe_fp8_format f,
                                    moe_error *err);
-/* launches of the 128×128 transposing quantizer's second kernel (block2d_t_kernel; off with
- * MOE_QUANT_WEIGHT_T=0): a test's proof that it ran */
-long long moe_cuda_quant_block2d_t_calls(void);
+/* launches of the 128×128 recipe's second kernels (block2d_t_kernel, the weights with their
+ * transposes; block2d_qdq_kernel, moe_cuda_qdq's one pass; both off with MOE_QUANT_WEIGHT=0):
+ * a test's proof that they ran */
+long long moe_cuda_quant_block2d_calls(void);
 moe_status moe_cuda_quant_blockwise_t_act(uint8_t *q, float *scale_inv, uint8_t *qt,
                                           float *scale_inv_t, const void *x, int batch, int rows,
                                           int cols, moe_fp8_format f, int block_2d, int pow2,

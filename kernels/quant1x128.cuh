@@ -119,24 +119,25 @@ static __device__ __forceinline__ uint32_t moe_fp8x2_encode_hw(float lo, float h
 }
 
 /**
- * moe_q1x128_tile8 of format @p F, with the dequantized copy when @p DEQ (then @p deq is
- * written), in fewer instructions (see the header): the same bytes. @p HW: the casts by the
- * hardware (moe_fp8x2_encode_hw), else by moe_fp8_encode_fast. Returns the tile's 1/scale.
- * Every lane of the warp must call it (the amax shuffles with the full mask).
+ * This lane's 8 elements @p v of a block whose scale is @p scale (its inverse @p si) cast to
+ * FP8 format @p F: the packed codes into @p codes (element k in byte k, little-endian: the
+ * memory order) and, when @p DEQ, their dequantized values rounded to bf16 into @p deq.
+ * @p HW: the casts by the hardware (moe_fp8x2_encode_hw), else by moe_fp8_encode_fast. A
+ * non-finite scale (a poisoned block) gives zero codes and NaN copies, moe_q_cast_scaled's
+ * and moe_q_dequant's rule. The 1×128 tile below and the 128×128 blocks of
+ * kernels/quantize.cu (the weights) share it.
  *
- * Why the copy skips moe_q_dequant's NaN canonicalization per element: in a tile whose
+ * Why the copy skips moe_q_dequant's NaN canonicalization per element: in a block whose
  * scale is finite every value is finite, so every code is a finite value's (the casts
  * saturate; only a NaN input gives a NaN code), its decode is finite, 1/scale is finite and
  * positive, and decode·(1/scale) is never NaN: the canonicalization is the identity. In a
- * poisoned tile (NaN scale, so NaN 1/scale) every product is NaN and the copy is
+ * poisoned block (NaN scale, so NaN 1/scale) every product is NaN and the copy is
  * moe_st(moe_q_nanf()) throughout, which is what it writes then.
  */
 template <moe_fp8_format F, bool DEQ, bool HW>
-static __device__ __forceinline__ float moe_q1x128_tile8_fast(const float v[8], uint2 *codes,
-                                                              moe_bf16x8 *deq, int pow2) {
-    float si;
-    const float scale = moe_q1x128_scale8(v, moe_fp8_max(F), pow2, &si);
-    /* moe_q_cast_scaled: 0 for a NaN scale (a poisoned tile), else the cast of x·scale */
+static __device__ __forceinline__ void moe_q_cast8_fast(const float v[8], float scale, float si,
+                                                        uint2 *codes, moe_bf16x8 *deq) {
+    /* moe_q_cast_scaled: 0 for a NaN scale (a poisoned block), else the cast of x·scale */
     const bool poisoned = moe_q_nonfinite(scale);
     uint32_t w[2] = {0, 0};
     if (HW)
@@ -170,6 +171,21 @@ static __device__ __forceinline__ float moe_q1x128_tile8_fast(const float v[8], 
         }
     }
     *codes = make_uint2(w[0], w[1]);
+}
+
+/**
+ * moe_q1x128_tile8 of format @p F, with the dequantized copy when @p DEQ (then @p deq is
+ * written), in fewer instructions (see the header): the same bytes. @p HW: the casts by the
+ * hardware (moe_fp8x2_encode_hw), else by moe_fp8_encode_fast (moe_q_cast8_fast). Returns
+ * the tile's 1/scale. Every lane of the warp must call it (the amax shuffles with the full
+ * mask).
+ */
+template <moe_fp8_format F, bool DEQ, bool HW>
+static __device__ __forceinline__ float moe_q1x128_tile8_fast(const float v[8], uint2 *codes,
+                                                              moe_bf16x8 *deq, int pow2) {
+    float si;
+    const float scale = moe_q1x128_scale8(v, moe_fp8_max(F), pow2, &si);
+    moe_q_cast8_fast<F, DEQ, HW>(v, scale, si, codes, deq);
     return si;
 }
 

@@ -57,6 +57,21 @@ static __device__ __forceinline__ uint32_t warp_max_key(uint32_t v, int width = 
     return v;
 }
 
+/* maximum of a key over a THREADS-thread block: each warp's butterfly, then the warps' maxima
+ * through @p warp_max (shared, THREADS / 32 words); every thread gets it. A __syncthreads
+ * inside: every thread of the block must call it */
+static __device__ __forceinline__ uint32_t block_max_key(uint32_t m, uint32_t *warp_max) {
+    m = warp_max_key(m);
+    if ((threadIdx.x & 31) == 0)
+        warp_max[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = 0;
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; w++)
+        m = warp_max[w] > m ? warp_max[w] : m;
+    return m;
+}
+
 static unsigned grid_for(size_t work, size_t per_block) {
     const size_t b = (work + per_block - 1) / per_block;
     return (unsigned)(b < 1 ? 1 : b > MAX_BLOCKS ? MAX_BLOCKS : b);
@@ -534,13 +549,7 @@ static __global__ void block128x128_kernel(uint8_t *q, float *scale_inv, const f
         const uint32_t key = moe_q_abs_key(x[(size_t)r * cols + c]);
         m = key > m ? key : m;
     }
-    m = warp_max_key(m);
-    if ((threadIdx.x & 31) == 0)
-        warp_max[threadIdx.x >> 5] = m;
-    __syncthreads();
-    m = 0;
-    for (int w = 0; w < THREADS / 32; w++)
-        m = warp_max[w] > m ? warp_max[w] : m;
+    m = block_max_key(m, warp_max);
     const float scale = moe_q_scale_from_amax(moe_q_key_amax(m), moe_fp8_max(f), pow2);
     for (int r = r0; r < r1; r += 2) {
         const size_t i = (size_t)r * cols + c;
@@ -687,13 +696,7 @@ static __global__ void blockwise_t_kernel(uint8_t *q, float *scale_inv, uint8_t 
             const uint32_t k = moe_q_abs_key(tile[(i / B) * TILE_LD + i % B]);
             m = k > m ? k : m;
         }
-        m = warp_max_key(m);
-        if (lane == 0)
-            warp_max[warp] = m;
-        __syncthreads();
-        m = 0;
-        for (int w = 0; w < THREADS / 32; w++)
-            m = warp_max[w] > m ? warp_max[w] : m;
+        m = block_max_key(m, warp_max);
         const float scale = moe_q_scale_from_amax(moe_q_key_amax(m), fmax, pow2);
         for (int i = threadIdx.x; i < B * B; i += THREADS) {
             const int r = i / B, c = i % B; /* x's row-major order */
@@ -733,6 +736,42 @@ static __global__ void blockwise_t_kernel(uint8_t *q, float *scale_inv, uint8_t 
     }
 }
 
+/* A 128×128 block of a row-major matrix held in registers by a THREADS-thread block: chunk
+ * i = threadIdx.x + THREADS·j (j < T2_PER) is the block's row i / T2_CH, columns 8 (i % T2_CH)
+ * .. + 7, one 16-byte load of bf16 (two of fp32), so a warp reads two rows. */
+#define T2_CH (MOE_QUANT_BLOCK / 8)                       /* 16 chunks a row */
+#define T2_PER (MOE_QUANT_BLOCK * T2_CH / THREADS)        /* 8 chunks a thread */
+
+/* load the block at @p x (row stride @p cols, @p nrows ≤ 128 of its rows exist: the others
+ * read as zeros, whose key 0 leaves the amax alone) into @p r, and return its scale for a
+ * format of largest value @p fmax: moe_q_scale_from_amax of the amax over every element, as
+ * the CPU's 128×128 recipe. Every thread of the block must call it (block_max_key) */
+template <typename T>
+static __device__ __forceinline__ float tile2d_load_scale(raw8<T> (&r)[T2_PER], const T *x,
+                                                          int cols, int nrows, float fmax,
+                                                          int pow2, uint32_t *warp_max) {
+#pragma unroll
+    for (int j = 0; j < T2_PER; j++) {
+        const int i = threadIdx.x + THREADS * j;
+        if (i / T2_CH < nrows)
+            ld_raw8<T>(r[j], x + (size_t)(i / T2_CH) * cols + 8 * (i % T2_CH));
+        else
+            r[j] = raw8<T>{};
+    }
+    uint32_t m = 0;
+#pragma unroll
+    for (int j = 0; j < T2_PER; j++) {
+        float v[8];
+        unpack8(v, r[j]);
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const uint32_t key = moe_q_abs_key(v[k]);
+            m = key > m ? key : m;
+        }
+    }
+    return moe_q_scale_from_amax(moe_q_key_amax(block_max_key(m, warp_max)), fmax, pow2);
+}
+
 /* The 128×128 recipe with its transposed copy, faster (the experts' weights, quantized once
  * per optimizer step: lib/lowp.c). blockwise_t_kernel above moves 2- or 4-byte elements and
  * 1-byte codes one at a time, holds the tile as 66 KB of fp32 (three blocks an SM) and casts
@@ -749,18 +788,18 @@ static __global__ void blockwise_t_kernel(uint8_t *q, float *scale_inv, uint8_t 
  *      column and stores each as one 8-byte word. The code tile's rows are 129 bytes, so the
  *      16 chunks a half-warp gathers start in 16 different banks.
  * The codes of xᵀ are x's codes transposed (one scale for the whole tile), so both are the
- * CPU's bytes (tests/gpu_quant.c, gpu_fp8_layer.c); MOE_QUANT_WEIGHT_T=0 runs the kernel
+ * CPU's bytes (tests/gpu_quant.c, gpu_fp8_layer.c); MOE_QUANT_WEIGHT=0 runs the kernel
  * above instead. */
 #define T2_LD (MOE_QUANT_BLOCK + 1)
 template <typename T, moe_fp8_format F>
 static __global__ void __launch_bounds__(THREADS)
     block2d_t_kernel(uint8_t *q, float *scale_inv, uint8_t *qt, float *scale_inv_t, const T *x,
                      int rows, int cols, int pow2) {
-    constexpr int B = MOE_QUANT_BLOCK, CH = B / 8, PER = B * CH / THREADS; /* 16, 8 */
+    constexpr int B = MOE_QUANT_BLOCK;
     __shared__ uint8_t codes[B * T2_LD];
     __shared__ uint32_t warp_max[THREADS / 32];
     const int bc = blockIdx.x, br = blockIdx.y, nbc = gridDim.x, nbr = gridDim.y;
-    const int r0 = br * B, c0 = bc * B, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int r0 = br * B, c0 = bc * B;
     { /* blockIdx.z: a batch of matrices, each quantized on its own (the experts' weights) */
         const size_t z = blockIdx.z, n = (size_t)rows * cols, ns = (size_t)nbr * nbc;
         x += z * n;
@@ -769,54 +808,26 @@ static __global__ void __launch_bounds__(THREADS)
         scale_inv += z * ns;
         scale_inv_t += z * ns;
     }
-    raw8<T> r[PER];
+    raw8<T> r[T2_PER];
+    const float scale = tile2d_load_scale<T>(r, x + (size_t)r0 * cols + c0, cols, B,
+                                             moe_fp8_max(F), pow2, warp_max);
+    const float si = moe_q_scale_inv(scale);
 #pragma unroll
-    for (int j = 0; j < PER; j++) { /* chunk i: row i / CH, columns 8 (i % CH) .. + 7 */
-        const int i = threadIdx.x + THREADS * j;
-        ld_raw8<T>(r[j], x + (size_t)(r0 + i / CH) * cols + c0 + 8 * (i % CH));
-    }
-    uint32_t m = 0;
-#pragma unroll
-    for (int j = 0; j < PER; j++) {
+    for (int j = 0; j < T2_PER; j++) {
+        const int i = threadIdx.x + THREADS * j, row = i / T2_CH, c = 8 * (i % T2_CH);
         float v[8];
         unpack8(v, r[j]);
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const uint32_t key = moe_q_abs_key(v[k]);
-            m = key > m ? key : m;
-        }
-    }
-    m = warp_max_key(m);
-    if (lane == 0)
-        warp_max[warp] = m;
-    __syncthreads();
-    m = 0;
-#pragma unroll
-    for (int w = 0; w < THREADS / 32; w++)
-        m = warp_max[w] > m ? warp_max[w] : m;
-    const float scale = moe_q_scale_from_amax(moe_q_key_amax(m), moe_fp8_max(F), pow2);
-    const bool poisoned = moe_q_nonfinite(scale);
-#pragma unroll
-    for (int j = 0; j < PER; j++) {
-        const int i = threadIdx.x + THREADS * j, row = i / CH, c = 8 * (i % CH);
-        float v[8];
-        unpack8(v, r[j]);
-        uint32_t w[2] = {0, 0};
-#pragma unroll
-        for (int k = 0; k < 8; k += 2)
-            w[k / 4] |= moe_fp8x2_encode_hw<F>(moe_q_mul(v[k], scale), moe_q_mul(v[k + 1], scale))
-                        << (8 * (k % 4));
-        if (poisoned)
-            w[0] = w[1] = 0;
-        __stcs((uint2 *)(q + (size_t)(r0 + row) * cols + c0 + c), make_uint2(w[0], w[1]));
+        uint2 w;
+        moe_q_cast8_fast<F, false, true>(v, scale, si, &w, NULL);
+        __stcs((uint2 *)(q + (size_t)(r0 + row) * cols + c0 + c), w);
 #pragma unroll
         for (int k = 0; k < 8; k++)
-            codes[row * T2_LD + c + k] = (uint8_t)(w[k / 4] >> (8 * (k % 4)));
+            codes[row * T2_LD + c + k] = (uint8_t)((k < 4 ? w.x : w.y) >> (8 * (k % 4)));
     }
     __syncthreads();
 #pragma unroll
-    for (int j = 0; j < PER; j++) { /* chunk i of xᵀ: its row i / CH (x's column), 8 (i % CH) .. */
-        const int i = threadIdx.x + THREADS * j, ct = i / CH, rt = 8 * (i % CH);
+    for (int j = 0; j < T2_PER; j++) { /* chunk i of xᵀ: row i / 16 (x's column), 8 (i % 16) .. */
+        const int i = threadIdx.x + THREADS * j, ct = i / T2_CH, rt = 8 * (i % T2_CH);
         uint32_t w[2] = {0, 0};
 #pragma unroll
         for (int k = 0; k < 8; k++)
@@ -824,22 +835,56 @@ static __global__ void __launch_bounds__(THREADS)
         __stcs((uint2 *)(qt + (size_t)(c0 + ct) * rows + r0 + rt), make_uint2(w[0], w[1]));
     }
     if (threadIdx.x == 0) {
-        scale_inv[(size_t)br * nbc + bc] = moe_q_scale_inv(scale);
-        scale_inv_t[(size_t)bc * nbr + br] = moe_q_scale_inv(scale);
+        scale_inv[(size_t)br * nbc + bc] = si;
+        scale_inv_t[(size_t)bc * nbr + br] = si;
     }
 }
 
-/* MOE_QUANT_WEIGHT_T=0: the 128×128 recipe's transposing pass by blockwise_t_kernel (the
- * first one) instead of block2d_t_kernel; read at every launch, so a test or a benchmark can
- * switch it with setenv */
-static int weight_t_v2(void) {
-    const char *e = getenv("MOE_QUANT_WEIGHT_T");
+/* The 128×128 recipe's QDQ in one pass: the weights of the emulated linears (lib/lowp.c,
+ * moe_lowp_qdq_weight, once per step, through moe_cuda_qdq), bf16 in and out. The generic
+ * path converts to fp32, quantizes, dequantizes and converts back: four passes and about 22
+ * bytes an element, where this moves 4. The block in registers (tile2d_load_scale), each
+ * chunk cast and dequantized by moe_q_cast8_fast and stored as 16 bytes of bf16; the rows past
+ * @p rows (a partial last block row, which the recipe allows) are neither read nor written.
+ * The same bytes as the generic path (tests/gpu_quant.c, test_gpu_qdq). In place (y == x) is
+ * safe: a block writes only the chunks its own threads read, after reading them. */
+template <moe_fp8_format F>
+static __global__ void __launch_bounds__(THREADS)
+    block2d_qdq_kernel(moe_bf16 *y, const moe_bf16 *x, int rows, int cols, int pow2) {
+    __shared__ uint32_t warp_max[THREADS / 32];
+    const int r0 = blockIdx.y * MOE_QUANT_BLOCK, nrows = min(MOE_QUANT_BLOCK, rows - r0);
+    const size_t base = (size_t)r0 * cols + (size_t)blockIdx.x * MOE_QUANT_BLOCK;
+    raw8<moe_bf16> r[T2_PER];
+    const float scale = tile2d_load_scale<moe_bf16>(r, x + base, cols, nrows, moe_fp8_max(F),
+                                                    pow2, warp_max);
+    const float si = moe_q_scale_inv(scale);
+#pragma unroll
+    for (int j = 0; j < T2_PER; j++) {
+        const int i = threadIdx.x + THREADS * j;
+        if (i / T2_CH >= nrows)
+            continue;
+        float v[8];
+        unpack8(v, r[j]);
+        uint2 c;
+        moe_bf16x8 d;
+        moe_q_cast8_fast<F, true, true>(v, scale, si, &c, &d);
+        __stcs((uint4 *)(y + base + (size_t)(i / T2_CH) * cols + 8 * (i % T2_CH)), d.u);
+    }
+}
+
+/* MOE_QUANT_WEIGHT=0: the 128×128 recipe's weights by the first kernels (the transposing
+ * pass by blockwise_t_kernel, the emulated QDQ by the generic four passes) instead of
+ * block2d_t_kernel and block2d_qdq_kernel; read at every launch, so a test or a benchmark
+ * can switch it with setenv */
+static int weight_v2(void) {
+    const char *e = getenv("MOE_QUANT_WEIGHT");
     return !(e && !strcmp(e, "0"));
 }
 
-long long g_block2d_t_calls = 0; /* launches of block2d_t_kernel (a test's proof it ran) */
+long long g_block2d_calls = 0; /* launches of block2d_t_kernel and block2d_qdq_kernel (a
+                                  test's proof they ran) */
 
-extern "C" long long moe_cuda_quant_block2d_t_calls(void) { return g_block2d_t_calls; }
+extern "C" long long moe_cuda_quant_block2d_calls(void) { return g_block2d_calls; }
 
 template <typename T>
 static moe_status launch_blockwise_t(uint8_t *q, float *scale_inv, uint8_t *qt,
@@ -852,7 +897,7 @@ static moe_status launch_blockwise_t(uint8_t *q, float *scale_inv, uint8_t *qt,
     if (rows == 0 || cols == 0 || batch == 0)
         return MOE_OK;
     const dim3 grid(cols / MOE_QUANT_BLOCK, rows / MOE_QUANT_BLOCK, batch);
-    if (block_2d && weight_t_v2()) {
+    if (block_2d && weight_v2()) {
         if (f == MOE_FP8_E4M3)
             block2d_t_kernel<T, MOE_FP8_E4M3><<<grid, THREADS, 0, moe_cuda_stream()>>>(
                 q, scale_inv, qt, scale_inv_t, x, rows, cols, pow2);
@@ -860,7 +905,7 @@ static moe_status launch_blockwise_t(uint8_t *q, float *scale_inv, uint8_t *qt,
             block2d_t_kernel<T, MOE_FP8_E5M2><<<grid, THREADS, 0, moe_cuda_stream()>>>(
                 q, scale_inv, qt, scale_inv_t, x, rows, cols, pow2);
         MOE_CUDA_LAUNCH_CHECK();
-        g_block2d_t_calls++;
+        g_block2d_calls++;
         return MOE_OK;
     }
     const size_t smem = (size_t)MOE_QUANT_BLOCK * TILE_LD * sizeof(float); /* 66 KB */
@@ -1130,6 +1175,22 @@ extern "C" void moe_cuda_qdq(void *dst, const void *src, int rows, int cols,
     if (n == 0)
         return;
     moe_error err;
+    if (spec->recipe == MOE_QUANT_BLOCK_128X128 && weight_v2()) { /* one pass, too */
+        const moe_status s = moe_quant_check(spec->recipe, rows, cols, &err);
+        if (s != MOE_OK)
+            fprintf(stderr, "moe_cuda_qdq: %s\n", err.msg);
+        MOE_ASSERT(s == MOE_OK); /* the model checked every shape at start-up */
+        const dim3 grid(cols / MOE_QUANT_BLOCK, (rows + MOE_QUANT_BLOCK - 1) / MOE_QUANT_BLOCK);
+        if (spec->format == MOE_FP8_E4M3)
+            block2d_qdq_kernel<MOE_FP8_E4M3><<<grid, THREADS, 0, moe_cuda_stream()>>>(
+                (moe_bf16 *)dst, (const moe_bf16 *)src, rows, cols, spec->pow2);
+        else
+            block2d_qdq_kernel<MOE_FP8_E5M2><<<grid, THREADS, 0, moe_cuda_stream()>>>(
+                (moe_bf16 *)dst, (const moe_bf16 *)src, rows, cols, spec->pow2);
+        MOE_CUDA_LAUNCH_CHECK();
+        g_block2d_calls++;
+        return;
+    }
     if (spec->recipe == MOE_QUANT_BLOCK_1X128) { /* one pass: the same bytes as the four below */
         const moe_status s = moe_cuda_quant_blockwise_act(ws->q, (float *)ws->scales, dst, src,
                                                           rows, cols, spec->format, spec->pow2,

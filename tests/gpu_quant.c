@@ -217,17 +217,17 @@ START_TEST(test_gpu_quant_blockwise_t) {
                 ck_assert_int_eq(moe_cpu_quant_blockwise_t(q, si, qt, sit, x, R, C, f, b2, p2, &err),
                                  MOE_OK);
                 float *dx = dcopy(x, n * 4);
-                /* the 128×128 recipe by both kernels (MOE_QUANT_WEIGHT_T=0: the first one),
+                /* the 128×128 recipe by both kernels (MOE_QUANT_WEIGHT=0: the first one),
                  * each into fresh poisoned outputs; block2d_t_kernel counted */
                 for (int first = 0; first < 1 + b2; first++) {
                     float *dsi = dpoison(ns * 4), *dsit = dpoison(nt * 4);
                     uint8_t *dq = dpoison(n), *dqt = dpoison(n);
-                    moe_bench_env env = moe_bench_env_set("MOE_QUANT_WEIGHT_T", first ? "0" : "1");
-                    const long long calls = moe_cuda_quant_block2d_t_calls();
+                    moe_bench_env env = moe_bench_env_set("MOE_QUANT_WEIGHT", first ? "0" : "1");
+                    const long long calls = moe_cuda_quant_block2d_calls();
                     ck_assert_int_eq(moe_cuda_quant_blockwise_t(dq, dsi, dqt, dsit, dx, R, C, f,
                                                                 b2, p2, &err),
                                      MOE_OK);
-                    ck_assert_int_eq(moe_cuda_quant_block2d_t_calls() - calls, b2 && !first);
+                    ck_assert_int_eq(moe_cuda_quant_block2d_calls() - calls, b2 && !first);
                     moe_bench_env_restore(&env);
                     ok &= same_bytes("blockwise_t codes", dq, q, n);
                     ok &= same_bytes("blockwise_t scales", dsi, si, ns * 4);
@@ -946,7 +946,7 @@ START_TEST(test_gpu_qdq) {
     const int R = 130, C = 256;
     const size_t n = (size_t)R * C;
     float *x = gen(n, 951, 0);
-    void *src = dpoison(2 * n), *dst = dpoison(2 * n), *want = dpoison(2 * n);
+    void *src = dpoison(2 * n), *want = dpoison(2 * n);
     moe_cuda_write_act(src, x, n);
     moe_cuda_read_act(x, src, n); /* the bf16 values, exactly, in fp32 */
     moe_qdq_ws dws = qdq_ws(n, 1), hws = qdq_ws(n, 0);
@@ -967,14 +967,38 @@ START_TEST(test_gpu_qdq) {
             moe_cpu_qdq(y, x, R, C, &sp, &hws);
             moe_cuda_write_act(want, y, n);
             moe_cuda_to_host(hwant, want, 2 * n);
-            moe_cuda_qdq(dst, src, R, C, &sp, &dws);
-            char what[64];
-            snprintf(what, sizeof what, "QDQ recipe %d format %d", (int)recipes[r], f);
-            ck_assert_msg(same_bytes(what, dst, hwant, 2 * n), "%s: CUDA differs from the CPU",
-                          what);
+            /* 128×128: the one-pass kernel (R = 130: a partial last block row) and, with
+             * MOE_QUANT_WEIGHT=0, the generic passes, each into a fresh poisoned output */
+            const int b2 = recipes[r] == MOE_QUANT_BLOCK_128X128;
+            for (int generic = 0; generic < 1 + b2; generic++) {
+                void *out = dpoison(2 * n);
+                moe_bench_env env = moe_bench_env_set("MOE_QUANT_WEIGHT", generic ? "0" : "1");
+                const long long calls = moe_cuda_quant_block2d_calls();
+                moe_cuda_qdq(out, src, R, C, &sp, &dws);
+                ck_assert_int_eq(moe_cuda_quant_block2d_calls() - calls, b2 && !generic);
+                moe_bench_env_restore(&env);
+                char what[80];
+                snprintf(what, sizeof what, "QDQ recipe %d format %d%s", (int)recipes[r], f,
+                         generic ? " (generic passes)" : "");
+                ck_assert_msg(same_bytes(what, out, hwant, 2 * n),
+                              "%s: CUDA differs from the CPU", what);
+                moe_cuda_free(out);
+            }
         }
+    /* in place, as the emulated linears' weights are (lib/lowp.c, moe_lowp_qdq_weight) */
+    {
+        moe_qdq_spec sp;
+        memset(&sp, 0, sizeof sp);
+        sp.recipe = MOE_QUANT_BLOCK_128X128;
+        moe_cpu_qdq(y, x, R, C, &sp, &hws);
+        moe_cuda_write_act(want, y, n);
+        moe_cuda_to_host(hwant, want, 2 * n);
+        moe_cuda_qdq(src, src, R, C, &sp, &dws);
+        ck_assert_msg(same_bytes("QDQ 128x128 in place", src, hwant, 2 * n),
+                      "QDQ 128x128 in place: CUDA differs from the CPU");
+    }
     free(x); free(y); free(hwant); qdq_ws_free(&hws, 0);
-    moe_cuda_free(src); moe_cuda_free(dst); moe_cuda_free(want);
+    moe_cuda_free(src); moe_cuda_free(want);
     qdq_ws_free(&dws, 1);
 }
 END_TEST
