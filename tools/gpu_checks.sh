@@ -31,6 +31,11 @@
 #            without, with the tiled SwiGLU backward (MOE_FP8_FUSED_T=1) and without,
 #            alternating, and the GPU preset in FP8 with and without the native dense
 #            linears (MOE_FP8_NATIVE_DENSE=1)
+#   step05   chapter 05's whole training step on the larger model (8 layers of hidden 1024,
+#            16 experts of 1024, top-4): bf16 against FP8 blockwise kernel by kernel
+#            (chapter 06's CUPTI trace, ch06_graphs_bench --flags), FP8 also with the former
+#            weight kernels (MOE_QUANT_WEIGHT=0), then 100 steps of each, alternating twice
+#            (tokens/s over the run; not in the default list)
 #   profile  Nsight Compute (ncu, metrics only) on the kernels that hold back the unmet
 #            targets: the bf16 grouped GEMMs at 512 rows per expert (sweep512: the wgrad
 #            adding into and storing fp32 dW), the FP8 wgrad on the Mixtral layer, and the
@@ -52,10 +57,10 @@ while [ $# -gt 0 ]; do
     case "$1" in
     --check-dir) check_dir="$2"; shift 2 ;;
     -h | --help) usage 0 ;;
-    tests | ladder | bench03 | fine | fused | pending07 | pending03 | pending05 | profile)
+    tests | ladder | bench03 | fine | fused | pending07 | pending03 | pending05 | step05 | profile)
         sections+=("$1"); shift ;;
     pending) sections+=(pending07 pending03 pending05); shift ;;
-    *) echo "tools/gpu_checks.sh: unknown argument '$1' (sections: tests ladder bench03 fine fused pending[07|03|05] profile; --help)" >&2
+    *) echo "tools/gpu_checks.sh: unknown argument '$1' (sections: tests ladder bench03 fine fused pending[07|03|05] step05 profile; --help)" >&2
        exit 2 ;;
     esac
 done
@@ -168,6 +173,29 @@ for s in "${sections[@]}"; do
                 --eval-interval 1000 --sample-length 0 --seed 1 --fp8-format e4m3 --fp8-recipe blockwise
         done
         grep -E "^== |wgrad|^\| (mixtral|qwen3-235b)|^done" "$out/pending05.txt"
+        ;;
+    step05)
+        large="--num-layers 8 --hidden-size 1024 --num-attention-heads 8 --num-query-groups 4"
+        large+=" --ffn-hidden-size 4096 --num-experts 16 --moe-ffn-hidden-size 1024"
+        large+=" --moe-router-topk 4 --seq-length 512 --micro-batch-size 16 --global-batch-size 16"
+        f8="--fp8-format e4m3 --fp8-recipe blockwise"
+        # (ch06_graphs_bench's "large" sets a hidden size, heads and experts of its own;
+        # --flags comes after them, so the same model as moe-train's below)
+        for v in "bf16|" "fp8|$f8" "fp8, former weight kernels|$f8"; do
+            echo "== kernels per step: ${v%%|*}" >>"$out/step05.txt"
+            run step05 100 env $([ "${v%%|*}" = "fp8, former weight kernels" ] &&
+                echo MOE_QUANT_WEIGHT=0) bin/ch06_graphs_bench --only large --scopes none \
+                --top 40 --flags "$large ${v#*|}"
+        done
+        for round in 1 2; do
+            for v in "bf16|" "fp8|$f8"; do
+                echo "== round $round: ${v%%|*}, 100 steps" >>"$out/step05.txt"
+                run step05 60 bin/moe-train --device cuda --preset gpu $large \
+                    --eval-interval 1000 --train-iters 100 --sample-length 0 \
+                    --log-interval 50 ${v#*|}
+            done
+        done
+        grep -E "^== |all .* kernel names|^\| large|^done" "$out/step05.txt"
         ;;
     profile)
         ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null ||
