@@ -662,6 +662,20 @@ extern "C" moe_status moe_cuda_dequant_blockwise_act(void *y, const uint8_t *q,
     return MOE_OK;
 }
 
+/* blockIdx.z of a transposing quantizer: a batch of matrices, each quantized on its own (the
+ * experts' weights): move the pointers to member blockIdx.z (@p n elements, @p ns scales) */
+template <typename T>
+static __device__ __forceinline__ void batch_member(const T *&x, uint8_t *&q, float *&scale_inv,
+                                                    uint8_t *&qt, float *&scale_inv_t, size_t n,
+                                                    size_t ns) {
+    const size_t z = blockIdx.z;
+    x += z * n;
+    q += z * n;
+    qt += z * n;
+    scale_inv += z * ns;
+    scale_inv_t += z * ns;
+}
+
 /* x and xᵀ blockwise from one read: one 256-thread block per 128×128 tile of x (grid
  * nbc × nbr), the tile in shared memory (129 floats a row: a column read by a warp hits 32
  * banks). 1×128: each warp quantizes 16 rows of the tile (x's tiles) and 16 of its columns
@@ -678,14 +692,7 @@ static __global__ void blockwise_t_kernel(uint8_t *q, float *scale_inv, uint8_t 
     const int B = MOE_QUANT_BLOCK, bc = blockIdx.x, br = blockIdx.y;
     const int nbc = gridDim.x, nbr = gridDim.y, r0 = br * B, c0 = bc * B;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    { /* blockIdx.z: a batch of matrices, each quantized on its own (the experts' weights) */
-        const size_t z = blockIdx.z, n = (size_t)rows * cols, ns = (size_t)nbr * nbc;
-        x += z * n;
-        q += z * n;
-        qt += z * n;
-        scale_inv += z * ns;
-        scale_inv_t += z * ns;
-    }
+    batch_member(x, q, scale_inv, qt, scale_inv_t, (size_t)rows * cols, (size_t)nbr * nbc);
     for (int i = threadIdx.x; i < B * B; i += THREADS)
         tile[(i / B) * TILE_LD + i % B] = ld_f32(x[(size_t)(r0 + i / B) * cols + c0 + i % B]);
     __syncthreads();
@@ -800,14 +807,7 @@ static __global__ void __launch_bounds__(THREADS)
     __shared__ uint32_t warp_max[THREADS / 32];
     const int bc = blockIdx.x, br = blockIdx.y, nbc = gridDim.x, nbr = gridDim.y;
     const int r0 = br * B, c0 = bc * B;
-    { /* blockIdx.z: a batch of matrices, each quantized on its own (the experts' weights) */
-        const size_t z = blockIdx.z, n = (size_t)rows * cols, ns = (size_t)nbr * nbc;
-        x += z * n;
-        q += z * n;
-        qt += z * n;
-        scale_inv += z * ns;
-        scale_inv_t += z * ns;
-    }
+    batch_member(x, q, scale_inv, qt, scale_inv_t, (size_t)rows * cols, (size_t)nbr * nbc);
     raw8<T> r[T2_PER];
     const float scale = tile2d_load_scale<T>(r, x + (size_t)r0 * cols + c0, cols, B,
                                              moe_fp8_max(F), pow2, warp_max);
