@@ -64,7 +64,8 @@ static const char EXPERT[] = "--micro-batch-size, --seq-length, --moe-router-top
 static const char MODEL[] = "--hidden-size, --num-experts, --moe-ffn-hidden-size, "
                             "--ffn-hidden-size or --num-layers";
 
-/* The routed experts' SwiGLU outputs kept for the backward, @p rows rows of width @p F in
+/* The routed experts' SwiGLU outputs (or, the token-wise form's, their inputs: @p F = H)
+ * kept for the backward, @p rows rows of width @p F in
  * @p G groups, in the form @p form (moe_mlp_saved_form()): activation elements of @p size
  * bytes, or chapter 05's FP8 codes (1 byte each) and their 1×128 fp32 scales, row-wise or
  * the token-wise copy (each group's tokens padded to 128: moe_fp8_wgrad_kpad()), as
@@ -239,7 +240,14 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
                     "--micro-batch-size, --seq-length or --moe-router-topk");
             buffers(&t, "routing weights", 4, NKl, Rb,
                     "--micro-batch-size, --seq-length or --moe-router-topk");
-            buffer(&t, "moe.xp", mul(NKl, H), S, EXPERT);
+            /* the permuted inputs, kept where the backward reads them: the local dispatcher's
+             * (else they are the workspace's scratch: moe/layer.c, moe_layer_xp()), in
+             * chapter 05's token-wise form as their token-wise FP8 copy (moe_layer_keeps_x_t()) */
+            const int local = EP == 1 && ETP == 1 && !(c->moe_expert_capacity_factor > 0);
+            if (local && fp8_act == MOE_MLP_SAVED_FP8_TOKEN)
+                saved_act(&t, "moe.xp", NKl, H, E, S, fp8_act, EXPERT);
+            else if (local)
+                buffer(&t, "moe.xp", mul(NKl, H), S, EXPERT);
             buffer(&t, "moe.gu", mul(NKl, mul(2, Fl)), S, EXPERT);
             saved_act(&t, "moe.act", NKl, Fl, E, S, fp8_act, EXPERT);
             buffer(&t, "moe.shared", mul(N, mul(3, Fsl)), S,

@@ -133,6 +133,13 @@ static size_t saved_t(const void *act, const moe_groups *grp, int F, uint8_t **q
     return kpad;
 }
 
+/* ... and fc1's input x's token-wise copy, kept after it (moe_groups::keep_x_t): codes
+ * [H][kpad], then its scales, at moe_mlp_fp8_act_t_bytes() of the output's width; fp8_wgrad()
+ * reads it through saved_t() as it reads the output's */
+static const void *saved_x_t(const void *act, const moe_groups *grp, int F) {
+    return (const uint8_t *)act + moe_mlp_fp8_act_t_bytes((size_t)grp->rows, grp->G, F);
+}
+
 /* chapter 05's FP8 wgrad, native (lib/fp8_wgrad.h): dw_g = Q_t(dout_g)ᵀ·Q_t(in_g) in our FP8
  * wgrad kernel, both operands quantized 1×128 along the tokens of each group
  * (wgrad_operands()), dw written in the groups' mode; @p dout NULL: dout's copy is there
@@ -325,6 +332,10 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
  * token-wise copy fc2's wgrad reads, which is what `act` keeps (MOE_MLP_SAVED_FP8_TOKEN: F·Kpad
  * codes and F·Kpad/128 scales, Kpad the groups' 128-padded bound: about half the bf16
  * output's bytes), so the output is never written in bf16 nor quantized in the backward.
+ * In that form the layer on the local dispatcher keeps x likewise (moe_groups::keep_x_t,
+ * moe_layer_keeps_x_t()): the forward quantizes x along each expert's tokens into `act`,
+ * after the output's copy, which is what fc1's wgrad reads, so the permuted rows x need not
+ * be kept (the same pass the backward ran before, moved; the same bits).
  * With MOE_FP8_SAVE_T=0 the row-wise fused forward writes the bf16 output (y_raw) next to the
  * codes into `act`, and the backward's token-wise quantizer reads it. dgu: the fused backward
  * writes its token-wise copy (the tiled backward, the default) or, with MOE_FP8_FUSED_T=0, dgu
@@ -368,16 +379,25 @@ size_t moe_mlp_fp8_act_t_bytes(size_t rows, int G, int F) {
     return (size_t)F * kpad + (size_t)F * (kpad / MOE_QUANT_BLOCK) * sizeof(float);
 }
 
-size_t moe_mlp_act_bytes(const moe_backend *be, const moe_lowp *lp, size_t rows, int G, int F) {
+size_t moe_mlp_act_bytes(const moe_backend *be, const moe_lowp *lp, size_t rows, int G, int F,
+                         int x_width) {
     switch (moe_mlp_saved_form(be, lp)) {
     case MOE_MLP_SAVED_FP8_ROW: return moe_mlp_fp8_act_bytes(rows, F);
-    case MOE_MLP_SAVED_FP8_TOKEN: return moe_mlp_fp8_act_t_bytes(rows, G, F);
+    case MOE_MLP_SAVED_FP8_TOKEN: /* (x's copy after the output's: saved_x_t) */
+        return moe_mlp_fp8_act_t_bytes(rows, G, F) +
+               (x_width > 0 ? moe_mlp_fp8_act_t_bytes(rows, G, x_width) : 0);
     default: return be->act_size * rows * (size_t)F;
     }
 }
 
 int moe_mlp_fp8_fused(const moe_backend *be, const moe_groups *grp) {
     return grp->fp8_w1 && grp->fp8_w2 && fp8_fused_passes(be, grp->lowp);
+}
+
+/* x's token-wise copy is the token-wise form's, on the fused passes that write and read it */
+static int keeps_x_t_ok(const moe_backend *be, const moe_groups *grp) {
+    return moe_mlp_fp8_fused(be, grp) &&
+           moe_mlp_saved_form(be, grp->lowp) == MOE_MLP_SAVED_FP8_TOKEN;
 }
 
 /* the scales of the codes kept in `act` (after the [N, F] codes: N·F is a multiple of 128,
@@ -411,7 +431,16 @@ static void forward_fp8_fused(const moe_backend *be, void *out, void *gu, void *
         fp8_ok(be->fp8_swiglu_forward_quant_t(q, s, qt, st, gu, row_scale, grp->dev_off, grp->G,
                                               N, F, kpad, sp->format, sp->pow2, &err),
                &err);
+        if (grp->keep_x_t) { /* x's copy for fc1's wgrad, made here instead of in the
+                              * backward (the same pass, the same codes), so x itself need
+                              * not be kept: half its bytes */
+            saved_t(saved_x_t(act, grp, F), grp, H, &qt, &st);
+            fp8_ok(be->fp8_quant_group_t_act(qt, st, x, grp->dev_off, grp->G, N, H, kpad,
+                                             sp->format, sp->pow2, &err),
+                   &err);
+        }
     } else {
+        MOE_ASSERT(!grp->keep_x_t); /* (the token-wise form's only) */
         fp8_ok(be->fp8_swiglu_forward_quant(q, s, wgrad ? act : NULL, wgrad, gu, row_scale, N,
                                             F, sp->format, sp->pow2, &err),
                &err);
@@ -473,8 +502,9 @@ static void backward_fp8_fused_wgrad(const moe_backend *be, void *dx, moe_real *
     if (dx)
         fp8_gemm_codes(be, dx, ws->q, ws->scales, grp->fp8_w1->qt, grp->fp8_w1->st, grp, H,
                        2 * F, MOE_LOWP_GRADIENT);
-    if (dw1)
-        fp8_wgrad(be, dw1, tiled ? NULL : ws_dgu, x, 0, grp, H, 2 * F);
+    if (dw1) /* x's token-wise copy where the forward kept it, else made from x here */
+        fp8_wgrad(be, dw1, tiled ? NULL : ws_dgu, grp->keep_x_t ? saved_x_t(act, grp, F) : x,
+                  grp->keep_x_t, grp, H, 2 * F);
     moe_prof_mark(MOE_PROF_GEMM);
 }
 
@@ -526,6 +556,7 @@ void moe_mlp_forward_grouped(const moe_backend *be, void *out, void *gu, void *a
         return;
     /* only our kernel gathers and scatters */
     MOE_ASSERT((!grp->gather && !grp->scatter) || grp->impl == MOE_EXPERTS_KERNEL);
+    MOE_ASSERT(!grp->keep_x_t || keeps_x_t_ok(be, grp));
     if (moe_mlp_fp8_fused(be, grp)) {
         MOE_ASSERT(!grp->gather && !grp->scatter && grp->impl == MOE_EXPERTS_KERNEL);
         forward_fp8_fused(be, out, gu, act, x, row_scale, grp, H, F);
@@ -550,6 +581,7 @@ void moe_mlp_backward_grouped(const moe_backend *be, void *dx, moe_real *dw1, mo
     const int N = grp->rows;
     if (N == 0)
         return;
+    MOE_ASSERT(!grp->keep_x_t || keeps_x_t_ok(be, grp)); /* (else x would be read) */
     if (moe_mlp_fp8_fused(be, grp)) {
         MOE_ASSERT(!grp->gather && !dx_accumulate && grp->impl == MOE_EXPERTS_KERNEL);
         if (grp->lowp->fp8_wgrad)
@@ -575,7 +607,7 @@ void moe_mlp_backward_grouped(const moe_backend *be, void *dx, moe_real *dw1, mo
 /* a single MLP is one group, run by the backend's plain matmul (G = 1) */
 moe_groups moe_groups_single(const int *off, moe_lowp *lp, int site) {
     moe_groups g = {off, NULL, 1, MOE_EXPERTS_CUBLAS, MOE_DW_ACCUMULATE, NULL, 1, off[1], lp,
-                    NULL, NULL, site, 0, NULL, NULL, NULL, NULL};
+                    NULL, NULL, site, 0, NULL, NULL, NULL, NULL, 0};
     return g;
 }
 

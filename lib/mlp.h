@@ -79,6 +79,13 @@ typedef struct moe_groups {
      *  FP8 codes, made once per step; NULL: emulated. Apart from @ref fp8_w1, which only the
      *  routed experts' grouped kernel runs */
     const moe_fp8_weight *dense_fp8;
+    /** chapter 05, the token-wise saved form (moe_mlp_saved_form() is
+     *  ::MOE_MLP_SAVED_FP8_TOKEN, so the fused passes run): 1 when the forward also keeps fc1's
+     *  input x for the backward as its token-wise FP8 copy, the operand fc1's FP8 wgrad
+     *  reads, after the SwiGLU output's in `act` (which is then moe_mlp_act_bytes() with
+     *  x_width = H). The backward reads that copy and never x, so the caller need not keep x:
+     *  the local dispatcher's permuted rows become scratch (moe_layer_keeps_x_t()) */
+    int keep_x_t;
 } moe_groups;
 
 /**
@@ -210,13 +217,19 @@ size_t moe_mlp_fp8_act_t_bytes(size_t rows, int G, int F);
 
 /**
  * @brief Bytes of a routed experts' `act` buffer (the SwiGLU output kept for the backward)
- *        of @p rows rows in at most @p G groups, in moe_mlp_saved_form()'s form. Every
- *        allocation of such a buffer (moe/layer.c, moe/experts.c, moe/expert_tp.c, the layer
- *        bench) takes its size from here.
+ *        of @p rows rows in at most @p G groups, in moe_mlp_saved_form()'s form; in the
+ *        token-wise form, with @p x_width > 0, followed by the token-wise copy of fc1's input
+ *        of that width (moe_groups::keep_x_t: moe_mlp_fp8_act_t_bytes() of each). Every
+ *        allocation of such a buffer (moe/layer.c, moe/experts.c, moe/expert_tp.c, the tests)
+ *        takes its size from here.
  * @param be backend  @param lp the context (NULL: none)  @param rows rows
- * @param G groups (local experts)  @param F width  @return bytes
+ * @param G groups (local experts)  @param F width
+ * @param x_width the hidden size H where the groups keep x's copy (moe_groups::keep_x_t),
+ *        else 0 (ignored outside the token-wise form)
+ * @return bytes
  */
-size_t moe_mlp_act_bytes(const moe_backend *be, const moe_lowp *lp, size_t rows, int G, int F);
+size_t moe_mlp_act_bytes(const moe_backend *be, const moe_lowp *lp, size_t rows, int G, int F,
+                         int x_width);
 
 /**
  * @brief Forward of G MLPs at once (chapter 03): MLP g (weights g of the stacked w1
@@ -224,7 +237,8 @@ size_t moe_mlp_act_bytes(const moe_backend *be, const moe_lowp *lp, size_t rows,
  *        the backend's grouped matmul — one GEMM call for all experts instead of one each.
  * @param be backend  @param out [N,H]  @param gu [N,2F]  @param act [N,F] (scaled, as in
  *        moe_mlp_forward), or under moe_mlp_fp8_saves_codes() its FP8 codes and scales
- *        (moe_mlp_act_bytes() of N rows and grp->G groups)
+ *        (moe_mlp_act_bytes() of N rows and grp->G groups; with grp->keep_x_t, x's token-wise
+ *        copy too)
  * @param x [N,H], or the token rows grp->gather picks from  @param row_scale [N] or NULL
  * @param w1 stacked fc1  @param w2 stacked fc2
  * @param grp the groups (N = off[G]) and which grouped GEMM runs them
@@ -238,8 +252,9 @@ void moe_mlp_forward_grouped(const moe_backend *be, void *out, void *gu, void *a
  * @brief Backward of moe_mlp_forward_grouped (weight and row-scale gradients accumulate;
  *        dw1/dw2 stacked).
  * @param be backend  @param dx [N,H]  @param dw1 [G,2F,H]  @param dw2 [G,H,F]
- * @param drow_scale [N] or NULL  @param dout [N,H]  @param x input  @param gu saved
- * @param act saved  @param row_scale as in forward  @param w1 fc1  @param w2 fc2
+ * @param drow_scale [N] or NULL  @param dout [N,H]
+ * @param x input (not read, and may be NULL, with grp->keep_x_t: `act` holds its copy)
+ * @param gu saved  @param act saved  @param row_scale as in forward  @param w1 fc1  @param w2 fc2
  * @param ws_dh [N,F] scratch  @param ws_dgu [N,2F] scratch  @param grp as in forward
  * @param H hidden  @param F intermediate
  * @param dx_accumulate 1: dx += the input gradient; 0: dx = it (a fresh buffer: saves

@@ -1160,6 +1160,17 @@ void moe_model_reset_load_counts(moe_model *m) {
                     sizeof(long long) * (size_t)m->cfg.num_layers * m->cfg.num_experts);
 }
 
+int moe_model_keeps_x_t(const moe_model *m) {
+    const moe_config *c = &m->cfg;
+    const int Nl = moe_tp_local_rows(&m->tp, m->max_B * m->max_T);
+    for (int l = 0; l < c->num_layers; l++)
+        if (c->is_moe_layer[l]) { /* (every MoE layer has the same dims but the index) */
+            const moe_layer_dims d = moe_dims(m, Nl, m->max_T);
+            return moe_layer_keeps_x_t(m->be, &d);
+        }
+    return 0;
+}
+
 int moe_model_may_overflow(const moe_model *m) {
     if (m->moe_budget_rows >= m->moe_budget_max)
         return 0;

@@ -329,6 +329,13 @@ void moe_model_zero_grad(moe_model *m);
 moe_status moe_model_grow_moe_budget(moe_model *m, moe_error *err);
 
 /**
+ * @brief Whether the model's MoE layers keep their experts' inputs as chapter 05's
+ *        token-wise FP8 copy instead of the permuted rows (moe_layer_keeps_x_t()).
+ * @param m the model  @return 1 or 0 (0 without MoE layers)
+ */
+int moe_model_keeps_x_t(const moe_model *m);
+
+/**
  * @brief Whether a step of this model can raise ::MOE_STEP_OVERFLOW: some MoE layer runs
  *        sync-free (moe_layer_sync_free()) and its budget of permuted rows is below the most
  *        that can arrive. Every rank of a run gets the same answer (it follows from the

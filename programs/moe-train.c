@@ -113,13 +113,15 @@ static void print_config(const moe_trainer *t) {
                      c->expert_tensor_parallel_size, t->dp_size,
                      c->global_batch_size / c->micro_batch_size / t->dp_size,
                      c->moe_expert_capacity_factor > 0 ? ", capacity on" : "");
-    /* chapter 05's native FP8: what keeping the routed experts' SwiGLU outputs as FP8 codes
-     * saves (the estimate's buffers, which are the model's: lib/mlp.c, moe_mlp_act_bytes()) */
+    /* chapter 05's native FP8: what keeping the routed experts' SwiGLU outputs (and, in the
+     * token-wise form on one EP rank, their inputs) as FP8 codes saves (the estimate's
+     * buffers, which are the model's: lib/mlp.c, moe_mlp_act_bytes(), moe/layer.c) */
     const moe_memory_estimate *e = &m->mem;
+    const int x_t = moe_model_keeps_x_t(m);
     if (moe_mlp_fp8_saves_codes(m->be, m->lowp) && e->fp8_act_bytes > 0)
-        moe_log_info("memory| routed experts' SwiGLU output kept for the backward in FP8: %.2f MB "
-                     "(bf16: %.2f MB), %.2f MB less per micro-batch%s",
-                     e->fp8_act_bytes / 1e6, e->fp8_act_bf16_bytes / 1e6,
+        moe_log_info("memory| routed experts' SwiGLU output%s kept for the backward in FP8: "
+                     "%.2f MB (bf16: %.2f MB), %.2f MB less per micro-batch%s",
+                     x_t ? " and input" : "", e->fp8_act_bytes / 1e6, e->fp8_act_bf16_bytes / 1e6,
                      (e->fp8_act_bf16_bytes - e->fp8_act_bytes) / 1e6,
                      t->world_size > 1 ? " on each rank (estimate)" : "");
     if (t->world_size > 1)

@@ -190,6 +190,8 @@ enum { OUT, DX, DROW, DW1, DW2, NOUT };
 /* run_mlp() calls that ran the fused passes (`act` sized for the FP8 codes alone, or in bf16
  * under the FP8 wgrad) */
 static int g_fused_runs;
+/* ... of which those that kept x's token-wise copy and poisoned x before the backward */
+static int g_x_t_runs;
 
 /* the fused SwiGLU ops that really ran, [0 forward, 1 backward][y_raw]: the CUDA backend's
  * ops, counted (counting_cuda()), so a test sees which arrangement ran and not only which
@@ -275,7 +277,14 @@ static void run_mlp(const moe_backend *be, moe_lowp *lp, const moe_fp8_weight *f
     /* outputs and scratch poisoned (fp32 NaN bit patterns, or bf16 0xFFFF); the saved SwiGLU
      * output at the size the model gives it (FP8 codes and scales under the fused passes:
      * moe_mlp_act_bytes()), so a pass writing bf16 there would run past its end */
-    const size_t act_bytes = moe_mlp_act_bytes(be, lp, (size_t)N, G, F);
+    moe_groups grp = {off, doff, G, MOE_EXPERTS_KERNEL, MOE_DW_STORE, NULL, 1, N, lp,
+                      fw, fw ? fw + 1 : NULL, 0, 0, NULL, NULL, NULL, NULL, 0};
+    /* in the token-wise form the layer keeps x's token-wise copy too, as the local
+     * dispatcher's layer does (moe_layer_keeps_x_t()), after the SwiGLU output's */
+    const moe_mlp_saved form = moe_mlp_saved_form(be, lp);
+    const int fused = moe_mlp_fp8_fused(be, &grp);
+    grp.keep_x_t = fused && form == MOE_MLP_SAVED_FP8_TOKEN;
+    const size_t act_bytes = moe_mlp_act_bytes(be, lp, (size_t)N, G, F, grp.keep_x_t ? H : 0);
     void *out = be->alloc(S * N * H), *gu = be->alloc(S * N * 2 * F), *act = be->alloc(act_bytes);
     void *dx = be->alloc(S * N * H), *dh = be->alloc(S * N * F), *dgu = be->alloc(S * N * 2 * F);
     moe_real *dw1 = be->alloc(sizeof(moe_real) * n1), *dw2 = be->alloc(sizeof(moe_real) * n2);
@@ -288,18 +297,16 @@ static void run_mlp(const moe_backend *be, moe_lowp *lp, const moe_fp8_weight *f
         be->from_host(poison[i], h, pbytes[i]);
         free(h);
     }
-    moe_groups grp = {off, doff, G, MOE_EXPERTS_KERNEL, MOE_DW_STORE, NULL, 1, N, lp,
-                      fw, fw ? fw + 1 : NULL, 0, 0, NULL, NULL, NULL, NULL};
     /* the buffer's size and the path agree: FP8 exactly where the fused passes run, the
-     * row-wise codes without the FP8 wgrad, under it the token-wise copy (the tiled forward,
-     * MOE_FP8_SAVE_T) or else the bf16 output (its token-wise copy's source) */
-    const moe_mlp_saved form = moe_mlp_saved_form(be, lp);
-    const int fused = moe_mlp_fp8_fused(be, &grp);
+     * row-wise codes without the FP8 wgrad, under it the token-wise copies (the tiled
+     * forward, MOE_FP8_SAVE_T: the SwiGLU output's and x's) or else the bf16 output (its
+     * token-wise copy's source) */
     ck_assert_int_eq(moe_mlp_fp8_saves_codes(be, lp), fused && form != MOE_MLP_SAVED_ACT);
     if (fused) {
         if (form == MOE_MLP_SAVED_FP8_TOKEN) {
             ck_assert(lp->fp8_wgrad && lp->fp8_save_t);
-            ck_assert_uint_eq(act_bytes, moe_mlp_fp8_act_t_bytes((size_t)N, G, F));
+            ck_assert_uint_eq(act_bytes, moe_mlp_fp8_act_t_bytes((size_t)N, G, F) +
+                                             moe_mlp_fp8_act_t_bytes((size_t)N, G, H));
         } else if (lp->fp8_wgrad) {
             ck_assert(!lp->fp8_save_t);
             ck_assert_uint_eq(act_bytes, S * N * F);
@@ -310,6 +317,14 @@ static void run_mlp(const moe_backend *be, moe_lowp *lp, const moe_fp8_weight *f
         g_fused_runs++;
     }
     moe_mlp_forward_grouped(be, out, gu, act, x, rs, w1, w2, &grp, H, F);
+    if (grp.keep_x_t) { /* x is not kept: poisoned before the backward, which must read its
+                         * copy (a read of x would put NaN in dw1) */
+        unsigned char *h = malloc(S * N * H + 1);
+        memset(h, 0xFF, S * N * H);
+        be->from_host(x, h, S * N * H);
+        free(h);
+        g_x_t_runs++;
+    }
     moe_mlp_backward_grouped(be, dx, dw1, dw2, drs, dy, x, gu, act, rs, w1, w2, dh, dgu, &grp, H,
                              F, 0);
     be->read_act(res[OUT], out, (size_t)N * H);
@@ -390,7 +405,8 @@ static int check_layer(const int *sizes, int G, int H, int F, int wgrad) {
     lg.fp8_save_t = 1;
     ck_assert(moe_mlp_fp8_fused(cg, &(moe_groups){.fp8_w1 = &fw[0], .fp8_w2 = &fw[1],
                                                    .lowp = &lg}));
-    const int fused_before = g_fused_runs, t0 = g_swiglu_bwd_t, f0 = g_swiglu_fwd_t;
+    const int fused_before = g_fused_runs, t0 = g_swiglu_bwd_t, f0 = g_swiglu_fwd_t,
+              x0 = g_x_t_runs;
     int q0[2][2];
     memcpy(q0, g_swiglu_q, sizeof q0);
     run_mlp(cg, &lg, fw, off, G, H, F, x, w1, w2, rs, dy, nat);
@@ -416,6 +432,9 @@ static int check_layer(const int *sizes, int G, int H, int F, int wgrad) {
                          rowwise);
     ck_assert_int_eq(g_swiglu_bwd_t - t0, wgrad ? 2 : 0);
     ck_assert_int_eq(g_swiglu_fwd_t - f0, wgrad ? 2 : 0);
+    /* the tiled forms kept x's copy (nat, again), and their backward never read x: the
+     * row-wise and separate passes (rw, unf), which read x, give the same bits below */
+    ck_assert_int_eq(g_x_t_runs - x0, wgrad ? 2 : 0);
     int ok = 1;
     /* every output bit for bit, but the tiled backward's routing-weight gradient: its sum
      * over F runs in 128-channel blocks, so it agrees to fp32 rounding */
@@ -542,6 +561,10 @@ static int fp8_model_losses(const char *fused, const char *wgrad, const char *sa
                                                              .lowp = m->lowp}),
                      *fused == '1');
     const int codes = moe_mlp_fp8_saves_codes(m->be, m->lowp);
+    /* the token-wise form keeps the experts' input as its token-wise copy too, and the
+     * permuted rows are scratch (moe_layer_keeps_x_t()): the runs below compare its losses
+     * with those of the forms that keep the rows */
+    ck_assert_int_eq(moe_model_keeps_x_t(m), *fused == '1' && *wgrad == '1' && *save_t == '1');
     *fp8_act = m->mem.fp8_act_bytes;
     for (int s = 0; s < FP8_STEPS; s++)
         loss[s] = moe_test_step(t);
@@ -575,7 +598,8 @@ START_TEST(test_gpu_fp8_model_fused_saved_codes) {
 END_TEST
 
 /* ... and with the FP8 wgrad (MOE_FP8_WGRAD=1, the default): the tiled fused forward keeps
- * the SwiGLU output as its token-wise FP8 copy (MOE_FP8_SAVE_T=1, the default: in the
+ * the SwiGLU output as its token-wise FP8 copy, and the experts' input likewise in place of
+ * the permuted rows (MOE_FP8_SAVE_T=1, the default: in the
  * estimate's FP8 line at moe_mlp_fp8_act_t_bytes()), the row-wise fused passes keep it in bf16
  * (MOE_FP8_SAVE_T=0: nothing in the FP8 line), and both give MOE_FP8_FUSED=0's losses bit for
  * bit (the same proviso) with the row-wise backward (MOE_FP8_FUSED_T=0). The tiled backward
@@ -613,17 +637,19 @@ START_TEST(test_gpu_fp8_model_fused_fp8_wgrad) {
            both[0], both[FP8_STEPS - 1], worst);
     ck_assert_msg(worst <= 1e-4, "the tiled backward's losses are %.3g from the separate passes'",
                   worst);
-    /* the one MoE layer's N·k = 8·64·2 rows of F = 128 in its 8 experts' padded blocks */
-    const long long t_bytes = (long long)moe_mlp_fp8_act_t_bytes(8 * 64 * 2, 8, 128);
+    /* the one MoE layer's N·k = 8·64·2 rows of F = 128, and of its input (H = 128), in its 8
+     * experts' padded blocks */
+    const long long t_bytes = 2 * (long long)moe_mlp_fp8_act_t_bytes(8 * 64 * 2, 8, 128);
     ck_assert_int_eq(act_tiled, t_bytes);
     ck_assert_int_eq(act_row, 0);
     ck_assert_int_eq(act_sep, 0);
     const int repeat = memcmp(tiled, again, sizeof tiled) == 0;
     const int same = memcmp(tiled, sep, sizeof tiled) == 0 &&
                      memcmp(rowwise, sep, sizeof tiled) == 0;
-    printf("  FP8 model with the FP8 wgrad, %d steps: tiled fused passes (SwiGLU output kept as "
-           "its token-wise copy, %lld bytes; bf16 %d) %.6f -> %.6f, row-wise fused %.6f -> "
-           "%.6f, separate passes %.6f -> %.6f: %s\n", FP8_STEPS, act_tiled, 8 * 64 * 2 * 128 * 2,
+    printf("  FP8 model with the FP8 wgrad, %d steps: tiled fused passes (SwiGLU output and "
+           "input kept as their token-wise copies, %lld bytes; bf16 %d) %.6f -> %.6f, row-wise "
+           "fused %.6f -> %.6f, separate passes %.6f -> %.6f: %s\n", FP8_STEPS, act_tiled,
+           2 * 8 * 64 * 2 * 128 * 2,
            tiled[0], tiled[FP8_STEPS - 1], rowwise[0], rowwise[FP8_STEPS - 1], sep[0],
            sep[FP8_STEPS - 1],
            same ? "the same bits"

@@ -523,12 +523,13 @@ static size_t fp8_model_bytes(const moe_config *c, int native) {
 }
 
 /* The switch @p var (latched when a context is made) off, then on: the estimate for @p c (a
- * bf16 backend) counts the one MoE layer's permuted SwiGLU output as @p kept bytes of FP8 with
- * it on and nothing with it off, and the model on the CPU backend claiming the native path
- * allocates exactly the saving less. Leaves @p var at "1"; the estimates in @p e. */
-static void fp8_saving_agrees(const moe_config *c, const char *var, size_t kept,
+ * bf16 backend) counts the one MoE layer's permuted SwiGLU output (@p width = F; and its
+ * input too: F + H) as @p kept bytes of FP8 with it on and nothing with it off, and the
+ * model on the CPU backend claiming the native path allocates exactly the saving less.
+ * Leaves @p var at "1"; the estimates in @p e. */
+static void fp8_saving_agrees(const moe_config *c, const char *var, size_t kept, int width,
                               moe_memory_estimate e[2]) {
-    const int F = c->moe_ffn_hidden_size;
+    const int F = width;
     const size_t NK = (size_t)c->micro_batch_size * c->seq_length * c->moe_router_topk;
     moe_error err;
     for (int on = 0; on < 2; on++) {
@@ -570,12 +571,12 @@ START_TEST(test_memory_fp8_saved_swiglu_output) {
     fused.fp8_swiglu_forward_quant = never_swiglu_fwd_q;
     fused.fp8_swiglu_backward_quant = never_swiglu_bwd_q;
     ck_assert_uint_eq(moe_mlp_fp8_act_bytes(NK, F), codes);
-    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, E, F), fused.act_size * NK * F); /* not
+    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, E, F, 0), fused.act_size * NK * F); /* not
                                                                              * native */
     lp.native = 1;
-    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, E, F), codes);
-    ck_assert_uint_eq(moe_mlp_act_bytes(&cpu, &lp, NK, E, F), cpu.act_size * NK * F); /* no ops */
-    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, NULL, NK, E, F), fused.act_size * NK * F);
+    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, E, F, 0), codes);
+    ck_assert_uint_eq(moe_mlp_act_bytes(&cpu, &lp, NK, E, F, 0), cpu.act_size * NK * F); /* no ops */
+    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, NULL, NK, E, F, 0), fused.act_size * NK * F);
     /* the path agrees with the size: fused exactly where codes are kept, with FP8 weights */
     moe_fp8_weight w = {0};
     ck_assert(moe_mlp_fp8_fused(&fused, &(moe_groups){.fp8_w1 = &w, .fp8_w2 = &w, .lowp = &lp}));
@@ -586,7 +587,7 @@ START_TEST(test_memory_fp8_saved_swiglu_output) {
     ck_assert(lp.fp8_save_t); /* (the default) */
     ck_assert(!moe_mlp_fp8_saves_codes(&fused, &lp)); /* no tiled forward on this backend */
     ck_assert_int_eq(moe_mlp_saved_form(&fused, &lp), MOE_MLP_SAVED_ACT);
-    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, E, F), fused.act_size * NK * F);
+    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, E, F, 0), fused.act_size * NK * F);
     ck_assert(moe_mlp_fp8_fused(&fused, &(moe_groups){.fp8_w1 = &w, .fp8_w2 = &w, .lowp = &lp}));
     moe_backend tiled = fused;
     tiled.fp8_swiglu_forward_quant_t = never_swiglu_fwd_t;
@@ -595,10 +596,10 @@ START_TEST(test_memory_fp8_saved_swiglu_output) {
     const size_t kpad = (NK + 127 * (size_t)E) / 128 * 128;
     const size_t tbytes = F * kpad + (kpad / 128) * F * sizeof(float);
     ck_assert_uint_eq(moe_mlp_fp8_act_t_bytes(NK, E, F), tbytes);
-    ck_assert_uint_eq(moe_mlp_act_bytes(&tiled, &lp, NK, E, F), tbytes);
+    ck_assert_uint_eq(moe_mlp_act_bytes(&tiled, &lp, NK, E, F, 0), tbytes);
     lp.fp8_save_t = 0; /* MOE_FP8_SAVE_T=0: the bf16 output again */
     ck_assert_int_eq(moe_mlp_saved_form(&tiled, &lp), MOE_MLP_SAVED_ACT);
-    ck_assert_uint_eq(moe_mlp_act_bytes(&tiled, &lp, NK, E, F), tiled.act_size * NK * F);
+    ck_assert_uint_eq(moe_mlp_act_bytes(&tiled, &lp, NK, E, F, 0), tiled.act_size * NK * F);
     lp.fp8_save_t = 1;
     lp.fp8_fused = 0; /* MOE_FP8_FUSED=0: the separate passes, with the FP8 wgrad too */
     ck_assert(!moe_mlp_fp8_fused(&fused, &(moe_groups){.fp8_w1 = &w, .fp8_w2 = &w, .lowp = &lp}));
@@ -611,12 +612,12 @@ START_TEST(test_memory_fp8_saved_swiglu_output) {
     ck_assert_int_eq(moe_lowp_from_config(&off, &c, &err), MOE_OK);
     ck_assert(!off.fp8_fused);
     off.native = 1;
-    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &off, NK, E, F), fused.act_size * NK * F);
+    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &off, NK, E, F, 0), fused.act_size * NK * F);
 
     /* the estimate (a bf16 backend: act_size 2) and the model: the one MoE layer's permuted
      * buffer in FP8 with the fused passes, the report's two numbers, the model's saving */
     moe_memory_estimate e[2];
-    fp8_saving_agrees(&c, "MOE_FP8_FUSED", codes, e);
+    fp8_saving_agrees(&c, "MOE_FP8_FUSED", codes, F, e);
     ck_assert_int_eq(e[0].weight_bytes, e[1].weight_bytes);
     /* the CPU's fp32 activations: never FP8 codes in the estimate either */
     ck_assert_int_eq(moe_memory_estimate_model(&c, c.micro_batch_size, 1, 4, &e[0], &err),
@@ -633,8 +634,9 @@ END_TEST
 
 /* ... and under the FP8 wgrad (MOE_FP8_WGRAD=1, the default) with the tiled forward
  * (MOE_FP8_SAVE_T, the default): the routed experts keep the SwiGLU output as its token-wise
- * FP8 copy (codes [F][Kpad] + scales, each expert's tokens padded to 128). The estimate's
- * bytes, the switch's latch and what the model allocates agree. */
+ * FP8 copy (codes [F][Kpad] + scales, each expert's tokens padded to 128), and on the local
+ * dispatcher their input x likewise ([H][Kpad]) instead of the permuted rows, which are then
+ * scratch. The estimate's bytes, the switch's latch and what the model allocates agree. */
 START_TEST(test_memory_fp8_saved_token_wise) {
     moe_bench_env wg = moe_bench_env_set("MOE_FP8_WGRAD", "1");
     moe_bench_env fu = moe_bench_env_set("MOE_FP8_FUSED", "1");
@@ -645,11 +647,50 @@ START_TEST(test_memory_fp8_saved_token_wise) {
                                 "--seq-length 256 --micro-batch-size 4 --global-batch-size 4");
     const int F = c.moe_ffn_hidden_size, E = c.num_experts;
     const size_t NK = (size_t)c.micro_batch_size * c.seq_length * c.moe_router_topk;
-    const size_t tbytes = moe_mlp_fp8_act_t_bytes(NK, E, F);
-    ck_assert(tbytes < 2 * NK * F); /* (this shape: the padding is less than the saving) */
-    /* the estimate and the model: the token-wise copy where the bf16 output was (E groups) */
+    const int H = c.hidden_size;
+    const size_t tbytes = moe_mlp_fp8_act_t_bytes(NK, E, F) + moe_mlp_fp8_act_t_bytes(NK, E, H);
+    ck_assert(tbytes < 2 * NK * (F + H)); /* (this shape: the padding is less than the saving) */
+    /* the estimate and the model: the token-wise copies where the bf16 output and the
+     * permuted rows were (E groups) */
     moe_memory_estimate e[2];
-    fp8_saving_agrees(&c, "MOE_FP8_SAVE_T", tbytes, e);
+    fp8_saving_agrees(&c, "MOE_FP8_SAVE_T", tbytes, F + H, e);
+    /* the layer's rule: on the local dispatcher only, in the token-wise form */
+    moe_backend be = *moe_backend_cpu();
+    be.fp8_swiglu_forward_quant = never_swiglu_fwd_q;
+    be.fp8_swiglu_backward_quant = never_swiglu_bwd_q;
+    be.fp8_swiglu_forward_quant_t = never_swiglu_fwd_t;
+    moe_lowp lp;
+    moe_error err;
+    ck_assert_int_eq(moe_lowp_from_config(&lp, &c, &err), MOE_OK);
+    lp.native = 1;
+    moe_layer_dims d = {.N = 64, .T = 64, .H = H, .E = E, .k = 2, .F = F,
+                        .experts = MOE_EXPERTS_KERNEL, .lowp = &lp};
+    ck_assert(moe_layer_keeps_x_t(&be, &d));
+    d.permute_fusion = 1; /* fc1 gathers the tokens: nothing to keep */
+    ck_assert(!moe_layer_keeps_x_t(&be, &d));
+    d.permute_fusion = 0;
+    d.capacity_factor = 1.0; /* the alltoall dispatcher: the expert-side rows */
+    ck_assert(!moe_layer_keeps_x_t(&be, &d));
+    d.capacity_factor = 0;
+    d.experts = MOE_EXPERTS_CUBLAS;
+    ck_assert(!moe_layer_keeps_x_t(&be, &d));
+    d.experts = MOE_EXPERTS_KERNEL;
+    /* ... and what a layer allocates: the permuted rows only where its backward reads them */
+    moe_layer_acts a;
+    ck_assert(moe_layer_acts_alloc(&be, &a, &d));
+    ck_assert(a.xp == NULL); /* x's copy in act instead */
+    moe_layer_acts_free(&be, &a);
+    d.capacity_factor = 1.0; /* the alltoall dispatcher only sends them, in any form */
+    lp.fp8_save_t = 0;
+    ck_assert(moe_layer_acts_alloc(&be, &a, &d));
+    ck_assert(a.xp == NULL);
+    moe_layer_acts_free(&be, &a);
+    d.capacity_factor = 0;
+    /* the row-wise passes keep the bf16 output: x as before */
+    ck_assert(!moe_layer_keeps_x_t(&be, &d));
+    ck_assert(moe_layer_acts_alloc(&be, &a, &d));
+    ck_assert(a.xp != NULL);
+    moe_layer_acts_free(&be, &a);
     moe_bench_env_restore(&st);
     moe_bench_env_restore(&fu);
     moe_bench_env_restore(&wg);

@@ -347,24 +347,28 @@ static int run_shape(const moe_backend *be, const shape *s, const opts *o, moe_e
             printf("; fp8 vs bf16 layer: %.2f ms vs %.2f ms = %.2fx", med, g_bf16_ms,
                    g_bf16_ms / med);
         printf("\n");
-        /* what the layer keeps of the SwiGLU output [rows, F] for the backward (lib/mlp.c) */
+        /* what the layer keeps of the SwiGLU output [rows, F] (and, in the token-wise form,
+         * of its input x [rows, H]) for the backward (lib/mlp.c, moe/layer.c) */
         const moe_groups probe = {.fp8_w1 = L.w.fc1_fp8, .fp8_w2 = L.w.fc2_fp8,
                                   .lowp = &L.lp};
         const size_t rows = (size_t)moe_layer_permuted_rows(&L.d);
-        const double nf = (double)rows * s->F;
+        const int x_t = moe_layer_keeps_x_t(be, &L.d);
+        const double nf = (double)rows * s->F + (x_t ? (double)rows * s->H : 0);
         const int tiled = L.lp.fp8_fused_t && be->fp8_swiglu_backward_quant_t;
         const moe_mlp_saved form = moe_mlp_saved_form(be, &L.lp);
-        const double kept = form == MOE_MLP_SAVED_ACT
-                                ? nf * 2
-                                : (double)moe_mlp_act_bytes(be, &L.lp, rows, s->E, s->F);
+        const double kept =
+            form == MOE_MLP_SAVED_ACT
+                ? nf * 2
+                : (double)moe_mlp_act_bytes(be, &L.lp, rows, s->E, s->F, x_t ? s->H : 0);
         if (moe_mlp_fp8_fused(be, &probe)) {
-            printf("  %s %s: fused quantize passes (MOE_FP8_FUSED)%s; the SwiGLU output is "
+            printf("  %s %s: fused quantize passes (MOE_FP8_FUSED)%s; the SwiGLU output%s "
                    "kept for the backward %s: %.1f MB, against %.1f MB in bf16 (%.1f MB "
                    "saved)\n",
                    s->name, name, L.lp.fp8_wgrad ? " with the FP8 wgrad" : "",
+                   x_t ? " and the experts' input x are" : " is",
                    form == MOE_MLP_SAVED_FP8_TOKEN
-                       ? "as the FP8 wgrad's token-wise copy, written by the tiled forward "
-                         "(MOE_FP8_SAVE_T)"
+                       ? "as the FP8 wgrad's token-wise copies, written by the tiled forward "
+                         "and x's quantizer (MOE_FP8_SAVE_T)"
                    : form == MOE_MLP_SAVED_FP8_ROW ? "as FP8 codes + 1x128 scales"
                                                    : "in bf16, written next to fc2's codes "
                                                      "(MOE_FP8_SAVE_T=0)",

@@ -128,11 +128,13 @@ void moe_ep_free(moe_ep *ep) {
     ep->q_send_cap = ep->q_recv_cap = ep->s_send_cap = ep->s_recv_cap = 0;
 }
 
-void moe_dispatch_permute(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
-                          const void *x) {
+void *moe_dispatch_permute(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
+                           moe_layer_workspace *ws, const void *x) {
     const int rows = moe_layer_permuted_rows(d); /* N·k, or a smaller budget (layer.h) */
-    be->permute_tokens(a->xp, x, a->perm_src, rows, d->k, d->H);
+    void *xp = moe_layer_xp(a, ws);
+    be->permute_tokens(xp, x, a->perm_src, rows, d->k, d->H);
     be->permute_weights(a->wp, a->topk_w, a->perm_src, rows);
+    return xp;
 }
 
 void moe_dispatch_unpermute(const moe_backend *be, const moe_layer_dims *d,

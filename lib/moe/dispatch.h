@@ -351,12 +351,15 @@ void moe_combine_fused(moe_ep *ep, const moe_dispatch_plan *plan, void *out, int
 
 /**
  * @brief The forward's token side of the permutation, shared by the local and alltoall
- *        dispatchers: each token copied to its k permuted rows (a->xp [N·k,H]) and each
- *        row's routing weight (a->wp [N·k]), in the order a->perm_src gives.
- * @param be backend @param d dims @param a saved state @param x [N,H] tokens
+ *        dispatchers: each token copied to its k permuted rows ([N·k,H], in a->xp where the
+ *        layer keeps them, else in scratch: moe_layer_xp()) and each row's routing weight
+ *        (a->wp [N·k]), in the order a->perm_src gives.
+ * @param be backend @param d dims @param a saved state @param ws workspace
+ * @param x [N,H] tokens
+ * @return the permuted rows written (moe_layer_xp())
  */
-void moe_dispatch_permute(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
-                          const void *x);
+void *moe_dispatch_permute(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
+                           moe_layer_workspace *ws, const void *x);
 
 /**
  * @brief The forward's way back to token order, shared by the local and alltoall

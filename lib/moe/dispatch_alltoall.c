@@ -280,11 +280,12 @@ void moe_dispatch_alltoall_plan(const moe_backend *be, const moe_layer_dims *d, 
 static void a2a_dispatch(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
                          moe_layer_workspace *ws, const void *x) {
     moe_ep *ep = ep_of(d, ws);
-    moe_dispatch_permute(be, d, a, x);
+    /* (the permuted rows are only sent: scratch, moe_layer_xp()) */
+    const void *xp = moe_dispatch_permute(be, d, a, ws, x);
     if (ep->fp8) /* chapter 05: FP8 codes and scales on the wire (--moe-fp8-dispatch) */
-        moe_dispatch_rows_fp8(ep, &a->plan, a->xe, a->xp, d->H);
+        moe_dispatch_rows_fp8(ep, &a->plan, a->xe, xp, d->H);
     else
-        moe_dispatch_rows(ep, &a->plan, a->xe, a->xp, d->H);
+        moe_dispatch_rows(ep, &a->plan, a->xe, xp, d->H);
     moe_dispatch_reals(ep, &a->plan, a->we, a->wp);
     moe_prof_mark(MOE_PROF_OTHER);
 }

@@ -34,7 +34,7 @@ static void local_dispatch(const moe_backend *be, const moe_layer_dims *d, moe_l
     if (d->permute_fusion) /* fc1 gathers the tokens itself (experts.c): only weights move */
         be->permute_weights(a->wp, a->topk_w, a->perm_src, moe_layer_permuted_rows(d));
     else
-        moe_dispatch_permute(be, d, a, x);
+        moe_dispatch_permute(be, d, a, ws, x);
     moe_prof_mark(MOE_PROF_PERMUTE);
 }
 

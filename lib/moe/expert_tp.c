@@ -56,7 +56,7 @@ void moe_etp_plan(const moe_backend *be, const moe_tp *etp, moe_etp_rows *r, moe
         r->x = regrow(be, r->x, (size_t)S * rows * H);
         r->w = regrow(be, r->w, R * rows);
         r->gu = regrow(be, r->gu, (size_t)S * rows * 2 * F);
-        r->act = regrow(be, r->act, moe_mlp_act_bytes(be, lp, rows, G, F));
+        r->act = regrow(be, r->act, moe_mlp_act_bytes(be, lp, rows, G, F, 0));
         r->cap = rows;
         r->Fcap = F;
     }

@@ -51,7 +51,7 @@ void moe_expert_rows_reserve(const moe_backend *be, const moe_layer_dims *d, moe
         a->gue = regrow(be, a->gue, S * rows * 2 * F);
         /* (the token-wise form pads each local expert's tokens: bounded by d->E) */
         a->acte = regrow(be, a->acte, moe_mlp_act_bytes(be, d->lowp, rows,
-                                                        pl ? pl->E_local : d->E, (int)F));
+                                                        pl ? pl->E_local : d->E, (int)F, 0));
         a->e_rows = rows;
     }
     if (rows > ws->e_rows) {
@@ -83,9 +83,14 @@ typedef struct expert_rows {
 } expert_rows;
 
 static expert_rows rows_of(const moe_layer_dims *d, const moe_layer_acts *a,
-                           moe_layer_workspace *ws, const void *x, int expert_side) {
-    if (!expert_side) /* the fused permutation: fc1 reads the tokens x itself (see groups_of) */
-        return (expert_rows){d->permute_fusion ? x : a->xp, a->wp, a->gu, a->act, ws->yp,
+                           moe_layer_workspace *ws, const void *x, int expert_side,
+                           int forward) {
+    /* the fused permutation: fc1 reads the tokens x itself (see groups_of); the permuted
+     * rows are scratch in the backward where the layer keeps x's FP8 copy (a->xp NULL:
+     * moe_layer_xp()), which its fc1 reads instead */
+    if (!expert_side)
+        return (expert_rows){d->permute_fusion ? x : forward ? moe_layer_xp(a, ws) : a->xp,
+                             a->wp, a->gu, a->act, ws->yp,
                              ws->dyp, ws->dxp, ws->dwp, ws->dh, ws->dgu,
                              /* sync-free: the offsets exist in device memory only */
                              moe_layer_sync_free(d) ? NULL : a->expert_offset, d->E,
@@ -113,16 +118,19 @@ static expert_rows etp_rows_of(const moe_layer_acts *a, moe_layer_workspace *ws)
  * there already. Under the fused permutation fc1
  * gathers its row r from token perm_src[r] / k (forward and weight gradient). */
 static moe_groups groups_of(const moe_backend *be, const moe_layer_dims *d,
-                            const moe_layer_acts *a, const expert_rows *r, int upload) {
+                            const moe_layer_acts *a, const expert_rows *r, int upload,
+                            int expert_side) {
     if (d->experts == MOE_EXPERTS_KERNEL && upload && r->off)
         be->from_host(a->dev_offset, r->off, sizeof(int) * (r->G + 1));
     moe_groups g = {r->off, a->dev_offset, r->G, d->experts, MOE_DW_ACCUMULATE, NULL, 1,
                     (int)r->rows, d->lowp, NULL, NULL,
                     moe_lowp_site(d->lowp, d->layer, MOE_LOWP_EXPERTS, 0), 0, NULL, NULL,
-                    NULL, NULL};
+                    NULL, NULL, 0};
     /* chapter 05's FP8 dispatch: the expert-side rows arrived as their 1×128 QDQ (only the
      * collective alltoall dispatcher sets ep->fp8, and never with ETP: dispatch.c) */
     g.x_quantized = r->x == a->xe && d->ep && d->ep->fp8 && !d->etp;
+    /* chapter 05: the permuted rows' token-wise FP8 copy kept in a->act, not the rows */
+    g.keep_x_t = !expert_side && moe_layer_keeps_x_t(be, d);
     if (d->permute_fusion || d->permute_scatter)
         MOE_ASSERT(d->experts == MOE_EXPERTS_KERNEL && !d->ep && d->capacity_factor == 0 &&
                    !d->etp); /* the local dispatcher's rows, in place */
@@ -152,7 +160,7 @@ void moe_experts_forward(const moe_backend *be, const moe_layer_dims *d, moe_lay
                          moe_layer_workspace *ws, const moe_layer_weights *w, const void *x,
                          int expert_side) {
     const int H = d->H, F = d->F;
-    const expert_rows here = rows_of(d, a, ws, x, expert_side);
+    const expert_rows here = rows_of(d, a, ws, x, expert_side, 1);
     expert_rows r = here;
     if (d->etp) { /* every rank of the ETP group on the rows of all of them (expert_tp.h) */
         MOE_ASSERT(expert_side);
@@ -161,7 +169,7 @@ void moe_experts_forward(const moe_backend *be, const moe_layer_dims *d, moe_lay
         moe_etp_gather(be, d->etp, &a->etp, &ws->etp, (void *)r.x, here.x, H, 0);
         moe_etp_gather(be, d->etp, &a->etp, &ws->etp, (void *)r.w, here.w, 1, 1);
     }
-    moe_groups grp = groups_of(be, d, a, &r, expert_side);
+    moe_groups grp = groups_of(be, d, a, &r, expert_side, expert_side);
     grp.fp8_w1 = w->fc1_fp8; /* chapter 05's native FP8 GEMMs, when the model made them */
     grp.fp8_w2 = w->fc2_fp8;
     if (grp.x_quantized) { /* the FP8 dispatch's codes, for fc1's native GEMM */
@@ -193,7 +201,7 @@ void moe_experts_backward(const moe_backend *be, const moe_layer_dims *d, const 
                           moe_layer_workspace *ws, const moe_layer_weights *w,
                           const moe_layer_grads *g, const void *x, int expert_side) {
     const int H = d->H, F = d->F;
-    const expert_rows here = rows_of(d, a, ws, x, expert_side);
+    const expert_rows here = rows_of(d, a, ws, x, expert_side, 0);
     expert_rows r = here;
     if (d->etp) { /* the output gradients of the whole ETP group's rows (the forward's plan) */
         r = etp_rows_of(a, ws);
@@ -206,7 +214,7 @@ void moe_experts_backward(const moe_backend *be, const moe_layer_dims *d, const 
         be->zero(r.dx, be->act_size * r.rows * H);
     be->zero(r.dw, R * r.rows);
     moe_prof_mark(MOE_PROF_EXPERT_OPS);
-    moe_groups grp = groups_of(be, d, a, &r, 0);
+    moe_groups grp = groups_of(be, d, a, &r, 0, expert_side);
     grp.dw_mode = g->expert_dw;
     grp.fp8_w1 = w->fc1_fp8;
     grp.fp8_w2 = w->fc2_fp8;

@@ -146,9 +146,14 @@ typedef struct moe_layer_acts {
     int *perm_src;        /**< [N·k] assignment at each permuted row */
     int *row_of;          /**< [N·k] permuted row of each assignment */
     moe_real *wp;         /**< [N·k] routing weight of each permuted row */
-    void *xp;             /**< [N·k,H] permuted inputs */
+    void *xp;             /**< [N·k,H] permuted inputs, where the backward reads them (the
+                               local dispatcher without moe_layer_keeps_x_t()); else NULL, and
+                               the forward writes them to scratch: moe_layer_xp() */
     void *gu;             /**< [N·k,2F] expert fc1 outputs */
-    void *act;            /**< [N·k,F] expert SwiGLU outputs × routing weight (fc2's input) */
+    void *act;            /**< [N·k,F] expert SwiGLU outputs × routing weight (fc2's input);
+                               chapter 05: in moe_mlp_saved_form()'s form, and then with
+                               moe_layer_keeps_x_t() the inputs' token-wise FP8 copy after
+                               them (moe_mlp_act_bytes()) */
     void *shared_gu;      /**< [N,2Fs] */
     void *shared_act;     /**< [N,Fs] */
     int *expert_offset;   /**< host [E+1]: expert e owns permuted rows [off[e], off[e+1]) */
@@ -177,7 +182,8 @@ typedef struct moe_layer_acts {
 typedef struct moe_layer_workspace {
     void *yp;           /**< [max(N·k,N),H] expert outputs, permuted */
     void *dyp;          /**< [N·k,H] */
-    void *dxp;          /**< [N·k,H] */
+    void *dxp;          /**< [N·k,H] permuted input gradients; in the forward, the permuted
+                             inputs where the layer does not keep them (moe_layer_xp()) */
     moe_real *dwp;      /**< [N·k] */
     moe_real *dtopk_w;  /**< [N·k] */
     void *dlogits;      /**< [N,E] */
@@ -230,6 +236,29 @@ int moe_layer_sync_free(const moe_layer_dims *d);
  * @param d dims @return rows
  */
 int moe_layer_permuted_rows(const moe_layer_dims *d);
+
+/**
+ * @brief Whether the layer keeps its experts' input as chapter 05's token-wise FP8 copy
+ *        (moe_groups::keep_x_t) instead of the permuted rows a->xp: the local dispatcher
+ *        without the fused permutation, our grouped kernel, and the saved form
+ *        ::MOE_MLP_SAVED_FP8_TOKEN (the native FP8 experts' fused passes under the FP8
+ *        wgrad with the tiled SwiGLU forward). Then fc1's wgrad reads the copy, made in the
+ *        forward (F·Kpad·33/32 bytes, Kpad the rows padded per expert to 128, against 2·N·k·H
+ *        in bf16), and the permuted rows are scratch. Under EP the expert-side rows a->xe
+ *        stay in the activation type.
+ * @param be backend @param d dims (d->lowp's native flag set: the model sets it before the
+ *        layers' buffers) @return 1 or 0
+ */
+int moe_layer_keeps_x_t(const moe_backend *be, const moe_layer_dims *d);
+
+/**
+ * @brief Where the forward writes the permuted inputs: a->xp where the layer keeps them for
+ *        its backward, else the workspace's dxp (free until the backward's input gradients;
+ *        the alltoall dispatcher only sends them, and with moe_layer_keeps_x_t() the experts
+ *        keep their FP8 copy).
+ * @param a acts @param ws workspace @return [moe_layer_permuted_rows(),H] activation rows
+ */
+void *moe_layer_xp(const moe_layer_acts *a, const moe_layer_workspace *ws);
 
 /**
  * @brief Re-allocate the buffers whose size is the budget of permuted rows, for the budget in
