@@ -47,6 +47,8 @@ typedef struct mpi_state {
     moe_comm_watch *watch; /* the world's (NULL on one rank: nobody to wait for) */
     int owns_watch;        /* 1 on the world, which closes it */
     int ends_mpi;          /* 1 on a world that started MPI: freeing it ends MPI */
+    int one_node;          /* windows: 1 when every rank of the group shares this node, 0
+                              when not, -1 not asked yet (mpi_sym_alloc) */
 } mpi_state;
 
 static int g_world_rank = 0; /* for messages */
@@ -141,6 +143,7 @@ static mpi_state *new_state(MPI_Comm comm) {
     s->sdispl = s->scount + s->size;
     s->rcount = s->sdispl + s->size;
     s->rdispl = s->rcount + s->size;
+    s->one_node = -1;
     return s;
 }
 
@@ -397,12 +400,43 @@ static int mpi_node_rank(void *state) {
 static int mpi_device_api(char *why, size_t why_len) { return 1; }
 static int mpi_peer_access(void *state, int ctas, char *why, size_t why_len) { return 1; }
 
+/* Whether every rank of the group runs on this node (collective, asked once per group).
+ * Every rank gets the same answer: the group is on one node or it is not. */
+static int one_node(mpi_state *s) {
+    if (s->one_node < 0) {
+        MPI_Comm node;
+        int n = 0;
+        MOE_MPI_WAIT(s, "node split",
+                     MPI_Comm_split_type(s->comm, MPI_COMM_TYPE_SHARED, s->rank, MPI_INFO_NULL,
+                                         &node));
+        MOE_MPI_CHECK(MPI_Comm_size(node, &n));
+        MOE_MPI_CHECK(MPI_Comm_free(&node));
+        s->one_node = n == s->size;
+    }
+    return s->one_node;
+}
+
+/* A group on one node allocates its windows with MPI_Win_allocate_shared, not
+ * MPI_Win_allocate. Open MPI 4.1 serves MPI_Win_allocate with osc/rdma, whose backing file
+ * is /dev/shm/osc_rdma.<node>.<job>.<communicator id> (fixed upstream in 5.0, open-mpi/ompi
+ * #9492/#9495): the communicators of one MPI_Comm_split share their id, so two EP groups of
+ * one node (EP 2 of 4 ranks) map, truncate and unlink the same file — each group's puts land
+ * in the other's windows, or the allocation fails with MPI_ERR_WIN. Shared windows are
+ * osc/sm's, whose file names the creating process. Put, get and fence are the same on both
+ * (offsets relative to the target's own base). A group spanning nodes keeps MPI_Win_allocate;
+ * on Open MPI 4.1, where two such groups share a node, run with `--mca osc ^rdma`. Found by
+ * tests/mpi_ep.c (EP 2 of 4 CPU ranks, the fused path), which failed there on every run. */
 static void mpi_sym_alloc(void *state, size_t bytes, void **ptr, void **window) {
     mpi_state *s = state;
     MPI_Win *win = malloc(sizeof *win);
     MOE_ASSERT(win);
-    MOE_MPI_WAIT(s, "window allocation",
-                 MPI_Win_allocate((MPI_Aint)bytes, 1, MPI_INFO_NULL, s->comm, ptr, win));
+    if (one_node(s))
+        MOE_MPI_WAIT(s, "window allocation",
+                     MPI_Win_allocate_shared((MPI_Aint)bytes, 1, MPI_INFO_NULL, s->comm, ptr,
+                                             win));
+    else
+        MOE_MPI_WAIT(s, "window allocation",
+                     MPI_Win_allocate((MPI_Aint)bytes, 1, MPI_INFO_NULL, s->comm, ptr, win));
     memset(*ptr, 0, bytes);
     *window = win;
 }
