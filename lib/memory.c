@@ -240,24 +240,40 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
                     "--micro-batch-size, --seq-length or --moe-router-topk");
             buffers(&t, "routing weights", 4, NKl, Rb,
                     "--micro-batch-size, --seq-length or --moe-router-topk");
-            /* the permuted inputs, kept where the backward reads them: the local dispatcher's
-             * (else they are the workspace's scratch: moe/layer.c, moe_layer_xp()), in
-             * chapter 05's token-wise form as their token-wise FP8 copy (moe_layer_keeps_x_t()) */
+            /* the permuted rows the experts run on in place (the local dispatcher's; the
+             * others' experts run on expert-side rows, below): the inputs, kept where the
+             * backward reads them, in chapter 05's token-wise form as their token-wise FP8
+             * copy (moe/layer.c, moe_layer_keeps_x_t()), the fc1 and SwiGLU outputs */
             const int local = EP == 1 && ETP == 1 && !(c->moe_expert_capacity_factor > 0);
             if (local && fp8_act == MOE_MLP_SAVED_FP8_TOKEN)
                 saved_act(&t, "moe.xp", NKl, H, E, S, fp8_act, EXPERT);
             else if (local)
                 buffer(&t, "moe.xp", mul(NKl, H), S, EXPERT);
-            buffer(&t, "moe.gu", mul(NKl, mul(2, Fl)), S, EXPERT);
-            saved_act(&t, "moe.act", NKl, Fl, E, S, fp8_act, EXPERT);
+            if (local) {
+                buffer(&t, "moe.gu", mul(NKl, mul(2, Fl)), S, EXPERT);
+                saved_act(&t, "moe.act", NKl, Fl, E, S, fp8_act, EXPERT);
+            }
             buffer(&t, "moe.shared", mul(N, mul(3, Fsl)), S,
                    "--micro-batch-size, --seq-length or --moe-shared-expert-intermediate-size");
-            if (EP > 1 || ETP > 1 || c->moe_expert_capacity_factor > 0) {
-                /* the expert side: at most every assignment of the EP group */
+            if (!local) {
+                /* the expert side: at most every assignment of the EP group. Its inputs are
+                 * kept as their token-wise copy in that form, but for ETP (gathered again) and
+                 * the fused NVLink dispatcher's (shared memory), which a GPU run may take
+                 * where the flags allow it: the estimate counts those in the activation type */
                 const long long rows = mul(NKl, EP);
                 const char *fix = "--micro-batch-size, --seq-length, --moe-router-topk or "
                                   "--expert-model-parallel-size";
-                buffer(&t, "expert-side rows", mul(rows, add(H, mul(2, Fl))), S, fix);
+                const int fused_may = EP > 1 && c->dispatcher_type != MOE_DISPATCHER_ALLGATHER &&
+                                      c->alltoall_path != MOE_A2A_COLLECTIVE &&
+                                      !c->moe_pad_expert_input_to_capacity &&
+                                      (c->alltoall_path == MOE_A2A_FUSED ||
+                                       strcmp(c->device, "cpu") != 0) &&
+                                      moe_config_fused_fits(c, NULL, 0);
+                if (fp8_act == MOE_MLP_SAVED_FP8_TOKEN && ETP == 1 && !fused_may)
+                    saved_act(&t, "expert-side inputs", rows, H, E / EP, S, fp8_act, fix);
+                else
+                    buffer(&t, "expert-side inputs", mul(rows, H), S, fix);
+                buffer(&t, "expert-side fc1 outputs", mul(rows, mul(2, Fl)), S, fix);
                 saved_act(&t, "expert-side SwiGLU outputs", rows, Fl, E / EP, S, fp8_act, fix);
             }
             if (ETP > 1) {

@@ -54,8 +54,8 @@ typedef struct moe_memory_estimate {
     long long fp8_act_bytes;   /**< chapter 05's native FP8: of act_bytes, the routed
                                     experts' SwiGLU outputs kept for the backward as FP8 codes
                                     and 1×128 scales (moe_mlp_act_bytes()), and in the
-                                    token-wise form on the local dispatcher their inputs'
-                                    copy too (moe_layer_keeps_x_t()); 0 where they are kept
+                                    token-wise form their inputs' copy too
+                                    (moe_layer_keeps_x_t()); 0 where they are kept
                                     in the activation type */
     long long fp8_act_bf16_bytes; /**< what those would take in bf16 (0 likewise) */
     long long largest;         /**< elements of the largest single buffer */

@@ -84,7 +84,7 @@ typedef struct moe_groups {
      *  input x for the backward as its token-wise FP8 copy, the operand fc1's FP8 wgrad
      *  reads, after the SwiGLU output's in `act` (which is then moe_mlp_act_bytes() with
      *  x_width = H). The backward reads that copy and never x, so the caller need not keep x:
-     *  the local dispatcher's permuted rows become scratch (moe_layer_keeps_x_t()) */
+     *  the rows become scratch (moe_layer_keeps_x_t()) */
     int keep_x_t;
 } moe_groups;
 

@@ -114,7 +114,7 @@ static void print_config(const moe_trainer *t) {
                      c->global_batch_size / c->micro_batch_size / t->dp_size,
                      c->moe_expert_capacity_factor > 0 ? ", capacity on" : "");
     /* chapter 05's native FP8: what keeping the routed experts' SwiGLU outputs (and, in the
-     * token-wise form on one EP rank, their inputs) as FP8 codes saves (the estimate's
+     * token-wise form, their inputs: moe_layer_keeps_x_t()) as FP8 codes saves (the estimate's
      * buffers, which are the model's: lib/mlp.c, moe_mlp_act_bytes(), moe/layer.c) */
     const moe_memory_estimate *e = &m->mem;
     const int x_t = moe_model_keeps_x_t(m);

@@ -539,13 +539,24 @@ enum { FP8_STEPS = 6 };
 /* FP8_STEPS training losses of the FP8_MODEL under MOE_FP8_FUSED=@p fused,
  * MOE_FP8_WGRAD=@p wgrad, MOE_FP8_SAVE_T=@p save_t and MOE_FP8_FUSED_T=@p fused_t; 1 when its
  * MoE layers kept the SwiGLU output as FP8 codes (either form) */
+static int fp8_model_losses_of(const char *flags, const char *fused, const char *wgrad,
+                               const char *save_t, const char *fused_t, double *loss,
+                               long long *fp8_act);
+
 static int fp8_model_losses(const char *fused, const char *wgrad, const char *save_t,
                             const char *fused_t, double *loss, long long *fp8_act) {
+    return fp8_model_losses_of(FP8_MODEL, fused, wgrad, save_t, fused_t, loss, fp8_act);
+}
+
+/* ... of the model @p flags */
+static int fp8_model_losses_of(const char *flags, const char *fused, const char *wgrad,
+                               const char *save_t, const char *fused_t, double *loss,
+                               long long *fp8_act) {
     moe_bench_env env = moe_bench_env_set("MOE_FP8_FUSED", fused);
     moe_bench_env wg = moe_bench_env_set("MOE_FP8_WGRAD", wgrad);
     moe_bench_env st = moe_bench_env_set("MOE_FP8_SAVE_T", save_t);
     moe_bench_env ft = moe_bench_env_set("MOE_FP8_FUSED_T", fused_t);
-    moe_trainer *t = moe_test_trainer(FP8_MODEL, NULL, 1);
+    moe_trainer *t = moe_test_trainer(flags, NULL, 1);
     moe_bench_env_restore(&env); /* (latched by the model: lowp.h) */
     moe_bench_env_restore(&wg);
     moe_bench_env_restore(&st);
@@ -656,6 +667,39 @@ START_TEST(test_gpu_fp8_model_fused_fp8_wgrad) {
                 : repeat ? "DIFFER" : "differ, but the fused run does not repeat itself either");
     ck_assert_msg(same || !repeat, "the fused FP8 model's losses (FP8 wgrad) differ from the "
                   "separate passes'");
+    ck_assert(tiled[FP8_STEPS - 1] < tiled[0]);
+}
+END_TEST
+
+/* ... and on the expert side: with a capacity the one rank's tokens go through the alltoall
+ * dispatcher into expert-side rows (a->xe), which the token-wise form also replaces by their
+ * token-wise copy (moe_layer_keeps_x_t(); the rows are the workspace's scratch,
+ * moe_layer_xe()). The row-wise fused and the separate passes keep the rows: the same losses
+ * bit for bit (the same proviso) with the row-wise backward. */
+START_TEST(test_gpu_fp8_model_expert_side_x_t) {
+    if (!hopper("FP8 model, expert-side rows kept as their token-wise copy"))
+        return;
+    const char *flags = FP8_MODEL " --moe-expert-capacity-factor 1.5";
+    double tiled[FP8_STEPS], rowwise[FP8_STEPS], again[FP8_STEPS], sep[FP8_STEPS];
+    long long act_tiled, act_row, act_sep, act_again;
+    ck_assert(fp8_model_losses_of(flags, "1", "1", "1", "0", tiled, &act_tiled));
+    ck_assert(!fp8_model_losses_of(flags, "1", "1", "0", "0", rowwise, &act_row));
+    ck_assert(!fp8_model_losses_of(flags, "0", "1", "1", "0", sep, &act_sep));
+    ck_assert(fp8_model_losses_of(flags, "1", "1", "1", "0", again, &act_again));
+    /* the estimate: the expert side's inputs and SwiGLU outputs as their copies (8 experts) */
+    const long long t_bytes = 2 * (long long)moe_mlp_fp8_act_t_bytes(8 * 64 * 2, 8, 128);
+    ck_assert_int_eq(act_tiled, t_bytes);
+    ck_assert_int_eq(act_row, 0);
+    const int repeat = memcmp(tiled, again, sizeof tiled) == 0;
+    const int same = memcmp(tiled, sep, sizeof tiled) == 0 &&
+                     memcmp(rowwise, sep, sizeof tiled) == 0;
+    printf("  FP8 model with a capacity (the expert side), %d steps: tiled fused passes (inputs "
+           "kept as their token-wise copy) %.6f -> %.6f, row-wise fused %.6f -> %.6f, separate "
+           "passes %.6f -> %.6f: %s\n", FP8_STEPS, tiled[0], tiled[FP8_STEPS - 1], rowwise[0],
+           rowwise[FP8_STEPS - 1], sep[0], sep[FP8_STEPS - 1],
+           same ? "the same bits"
+                : repeat ? "DIFFER" : "differ, but the fused run does not repeat itself either");
+    ck_assert_msg(same || !repeat, "the expert side's FP8 copy of x changed the losses");
     ck_assert(tiled[FP8_STEPS - 1] < tiled[0]);
 }
 END_TEST
@@ -817,7 +861,8 @@ END_TEST
 Suite *suite_gpu_fp8_layer(void) {
     const TTest *const tests[] = {test_gpu_fp8_layer_quantizers, test_gpu_fp8_layer_vs_cpu,
                                   test_gpu_fp8_model_fused_saved_codes,
-                                  test_gpu_fp8_model_fused_fp8_wgrad, test_gpu_fp8_dense_linear,
+                                  test_gpu_fp8_model_fused_fp8_wgrad,
+                                  test_gpu_fp8_model_expert_side_x_t, test_gpu_fp8_dense_linear,
                                   test_gpu_fp8_model_dense_native};
-    return moe_test_chapter_suite("gpu_fp8_layer", "ch05", tests, 6);
+    return moe_test_chapter_suite("gpu_fp8_layer", "ch05", tests, 7);
 }

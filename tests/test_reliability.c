@@ -669,8 +669,12 @@ START_TEST(test_memory_fp8_saved_token_wise) {
     d.permute_fusion = 1; /* fc1 gathers the tokens: nothing to keep */
     ck_assert(!moe_layer_keeps_x_t(&be, &d));
     d.permute_fusion = 0;
-    d.capacity_factor = 1.0; /* the alltoall dispatcher: the expert-side rows */
+    d.capacity_factor = 1.0; /* the alltoall dispatcher: the expert-side rows, likewise */
+    ck_assert(moe_layer_keeps_x_t(&be, &d));
+    moe_tp etp_group = {0};
+    d.etp = &etp_group; /* ... but not ETP's, gathered again */
     ck_assert(!moe_layer_keeps_x_t(&be, &d));
+    d.etp = NULL;
     d.capacity_factor = 0;
     d.experts = MOE_EXPERTS_CUBLAS;
     ck_assert(!moe_layer_keeps_x_t(&be, &d));
@@ -680,10 +684,12 @@ START_TEST(test_memory_fp8_saved_token_wise) {
     ck_assert(moe_layer_acts_alloc(&be, &a, &d));
     ck_assert(a.xp == NULL); /* x's copy in act instead */
     moe_layer_acts_free(&be, &a);
-    d.capacity_factor = 1.0; /* the alltoall dispatcher only sends them, in any form */
+    d.capacity_factor = 1.0; /* the alltoall dispatcher only sends them, in any form, and
+                              * its experts run on expert-side rows: no permuted fc1 or
+                              * SwiGLU outputs either */
     lp.fp8_save_t = 0;
     ck_assert(moe_layer_acts_alloc(&be, &a, &d));
-    ck_assert(a.xp == NULL);
+    ck_assert(a.xp == NULL && a.gu == NULL && a.act == NULL);
     moe_layer_acts_free(&be, &a);
     d.capacity_factor = 0;
     /* the row-wise passes keep the bf16 output: x as before */

@@ -100,7 +100,9 @@ static void reduce_to_tokens(const moe_backend *be, const moe_layer_dims *d,
 
 static void ag_dispatch(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
                         moe_layer_workspace *ws, const void *x) {
-    gather_to_experts(be, d, a, a->xe, x); /* the weights came with the plan */
+    /* (the weights came with the plan; the rows are scratch where the experts keep x's
+     * FP8 copy: moe_layer_xe()) */
+    gather_to_experts(be, d, a, moe_layer_xe(a, ws), x);
 }
 
 static void ag_combine(const moe_backend *be, const moe_layer_dims *d, const moe_layer_acts *a,

@@ -282,10 +282,11 @@ static void a2a_dispatch(const moe_backend *be, const moe_layer_dims *d, moe_lay
     moe_ep *ep = ep_of(d, ws);
     /* (the permuted rows are only sent: scratch, moe_layer_xp()) */
     const void *xp = moe_dispatch_permute(be, d, a, ws, x);
+    void *xe = moe_layer_xe(a, ws); /* (scratch where the experts keep x's FP8 copy) */
     if (ep->fp8) /* chapter 05: FP8 codes and scales on the wire (--moe-fp8-dispatch) */
-        moe_dispatch_rows_fp8(ep, &a->plan, a->xe, xp, d->H);
+        moe_dispatch_rows_fp8(ep, &a->plan, xe, xp, d->H);
     else
-        moe_dispatch_rows(ep, &a->plan, a->xe, xp, d->H);
+        moe_dispatch_rows(ep, &a->plan, xe, xp, d->H);
     moe_dispatch_reals(ep, &a->plan, a->we, a->wp);
     moe_prof_mark(MOE_PROF_OTHER);
 }

@@ -44,14 +44,20 @@ void moe_expert_rows_reserve(const moe_backend *be, const moe_layer_dims *d, moe
         ws->dwe = moe_dispatch_sym_rows(d->ep, pl, &ws->dwe_sym, R);
     }
     if (rows > a->e_rows) {
+        /* the tokens at the experts are kept where the backward reads them, else they are
+         * the workspace's scratch (ws->dye, grown below; layer.h, moe_layer_xe()) */
+        const int x_t = moe_layer_keeps_x_t(be, d);
         if (!fused) {
-            a->xe = regrow(be, a->xe, S * rows * H);
+            be->free(a->xe);
+            a->xe = x_t ? NULL : regrow(be, NULL, S * rows * H);
             a->we = regrow(be, a->we, R * rows);
         }
         a->gue = regrow(be, a->gue, S * rows * 2 * F);
-        /* (the token-wise form pads each local expert's tokens: bounded by d->E) */
+        /* (the token-wise form pads each local expert's tokens: bounded by d->E; x's copy
+         * after the output's with moe_layer_keeps_x_t()) */
         a->acte = regrow(be, a->acte, moe_mlp_act_bytes(be, d->lowp, rows,
-                                                        pl ? pl->E_local : d->E, (int)F, 0));
+                                                        pl ? pl->E_local : d->E, (int)F,
+                                                        x_t ? (int)H : 0));
         a->e_rows = rows;
     }
     if (rows > ws->e_rows) {
@@ -97,8 +103,10 @@ static expert_rows rows_of(const moe_layer_dims *d, const moe_layer_acts *a,
                              (size_t)moe_layer_permuted_rows(d)};
     const moe_dispatch_plan *pl = &a->plan;
     /* the outputs' buffer takes the input gradients in the backward; a plan made on the
-     * device (dispatch_fused.c) left the offsets there and the rows at the static budget */
-    return (expert_rows){a->xe, a->we, a->gue, a->acte, ws->ye, ws->dye, ws->ye, ws->dwe,
+     * device (dispatch_fused.c) left the offsets there and the rows at the static budget;
+     * the tokens are scratch in the backward where the layer keeps their FP8 copy (a->xe
+     * NULL: moe_layer_xe()) */
+    return (expert_rows){forward ? moe_layer_xe(a, ws) : a->xe, a->we, a->gue, a->acte, ws->ye, ws->dye, ws->ye, ws->dwe,
                          ws->edh, ws->edgu, pl->sync_free ? NULL : pl->expert_offset,
                          pl->E_local, (size_t)pl->R_recv};
 }
@@ -128,9 +136,9 @@ static moe_groups groups_of(const moe_backend *be, const moe_layer_dims *d,
                     NULL, NULL, 0};
     /* chapter 05's FP8 dispatch: the expert-side rows arrived as their 1×128 QDQ (only the
      * collective alltoall dispatcher sets ep->fp8, and never with ETP: dispatch.c) */
-    g.x_quantized = r->x == a->xe && d->ep && d->ep->fp8 && !d->etp;
-    /* chapter 05: the permuted rows' token-wise FP8 copy kept in a->act, not the rows */
-    g.keep_x_t = !expert_side && moe_layer_keeps_x_t(be, d);
+    g.x_quantized = expert_side && d->ep && d->ep->fp8 && !d->etp;
+    /* chapter 05: the rows' token-wise FP8 copy kept in a->act or a->acte, not the rows */
+    g.keep_x_t = moe_layer_keeps_x_t(be, d);
     if (d->permute_fusion || d->permute_scatter)
         MOE_ASSERT(d->experts == MOE_EXPERTS_KERNEL && !d->ep && d->capacity_factor == 0 &&
                    !d->etp); /* the local dispatcher's rows, in place */

@@ -34,37 +34,55 @@ static size_t max_rows_f(const moe_layer_dims *d) {
 static const moe_dispatcher *dispatcher_of(const moe_layer_dims *d);
 
 int moe_layer_keeps_x_t(const moe_backend *be, const moe_layer_dims *d) {
-    return dispatcher_of(d) == &moe_dispatcher_local && !d->permute_fusion &&
-           d->experts == MOE_EXPERTS_KERNEL &&
+    const moe_dispatcher *dp = dispatcher_of(d);
+    /* the rows the experts run on: the local dispatcher's permuted rows (not under the fused
+     * permutation, which reads the tokens themselves), or the expert-side rows a dispatcher
+     * filled, but for the fused NVLink one's (shared memory its peers write) and ETP's
+     * (gathered again, expert_tp.h) */
+    const int rows_ok = dp == &moe_dispatcher_local ? !d->permute_fusion
+                                                     : dp != &moe_dispatcher_fused && !d->etp;
+    return rows_ok && d->experts == MOE_EXPERTS_KERNEL &&
            moe_mlp_saved_form(be, d->lowp) == MOE_MLP_SAVED_FP8_TOKEN;
+}
+
+/* The permuted rows the experts run on in place: the local dispatcher's. The others fill
+ * expert-side rows (a->xe, gue, acte: moe/experts.c), so the permuted buffers below but
+ * perm_src and wp are not allocated for them */
+static int local_rows(const moe_layer_dims *d) {
+    return dispatcher_of(d) == &moe_dispatcher_local;
 }
 
 /* The layer keeps its permuted inputs only where its backward reads them: the local
  * dispatcher's experts, unless they keep x's token-wise FP8 copy instead. The alltoall
- * dispatcher only sends them (the experts keep the rows they received, a->xe) */
+ * dispatcher only sends them (the experts keep the rows they received) */
 static int keeps_xp(const moe_backend *be, const moe_layer_dims *d) {
-    return dispatcher_of(d) == &moe_dispatcher_local && !moe_layer_keeps_x_t(be, d);
+    return local_rows(d) && !moe_layer_keeps_x_t(be, d);
 }
 
 void *moe_layer_xp(const moe_layer_acts *a, const moe_layer_workspace *ws) {
     return a->xp ? a->xp : ws->dxp;
 }
 
+void *moe_layer_xe(const moe_layer_acts *a, const moe_layer_workspace *ws) {
+    return a->xe ? a->xe : ws->dye;
+}
+
 /* The buffers with one row per permuted row: the budget's (one definition for the
  * allocation and the regrowth). */
 static int alloc_permuted(const moe_backend *be, moe_layer_acts *a, const moe_layer_dims *d) {
     const size_t P = moe_layer_permuted_rows(d), S = be->act_size;
-    const int keep = keeps_xp(be, d);
+    const int keep = keeps_xp(be, d), local = local_rows(d);
     be->free(a->perm_src); be->free(a->wp); be->free(a->xp); be->free(a->gu); be->free(a->act);
     a->perm_src = be->alloc(sizeof(int) * P);
     a->wp = be->alloc(R * P);
     a->xp = keep ? be->alloc(S * P * d->H) : NULL;
-    a->gu = be->alloc(S * P * 2 * d->F);
+    a->gu = local ? be->alloc(S * P * 2 * d->F) : NULL;
     /* chapter 05's native FP8: the SwiGLU output's codes and scales, not bf16, and in the
      * token-wise form x's copy too (lib/mlp.c) */
-    a->act = be->alloc(moe_mlp_act_bytes(be, d->lowp, P, d->E, d->F,
-                                         moe_layer_keeps_x_t(be, d) ? d->H : 0));
-    return a->perm_src && a->wp && (a->xp || !keep) && a->gu && a->act;
+    a->act = local ? be->alloc(moe_mlp_act_bytes(be, d->lowp, P, d->E, d->F,
+                                                 moe_layer_keeps_x_t(be, d) ? d->H : 0))
+                   : NULL;
+    return a->perm_src && a->wp && (a->xp || !keep) && ((a->gu && a->act) || !local);
 }
 
 int moe_layer_acts_regrow(const moe_backend *be, moe_layer_acts *a, const moe_layer_dims *d) {

@@ -149,7 +149,9 @@ typedef struct moe_layer_acts {
     void *xp;             /**< [N·k,H] permuted inputs, where the backward reads them (the
                                local dispatcher without moe_layer_keeps_x_t()); else NULL, and
                                the forward writes them to scratch: moe_layer_xp() */
-    void *gu;             /**< [N·k,2F] expert fc1 outputs */
+    void *gu;             /**< [N·k,2F] expert fc1 outputs (the local dispatcher's; the
+                               others save the expert-side gue and acte, and this and act are
+                               NULL) */
     void *act;            /**< [N·k,F] expert SwiGLU outputs × routing weight (fc2's input);
                                chapter 05: in moe_mlp_saved_form()'s form, and then with
                                moe_layer_keeps_x_t() the inputs' token-wise FP8 copy after
@@ -169,7 +171,9 @@ typedef struct moe_layer_acts {
     moe_real *host_w;     /**< host [N·k] copy of the routing weights */
     moe_dispatch_plan plan; /**< how the tokens travelled */
     size_t e_rows;        /**< rows allocated on the expert side */
-    void *xe;             /**< [e_rows,H] tokens at the local experts */
+    void *xe;             /**< [e_rows,H] tokens at the local experts, where the backward
+                               reads them (not with moe_layer_keeps_x_t(): NULL, and the
+                               dispatcher writes them to scratch, moe_layer_xe()) */
     moe_real *we;         /**< [e_rows] their routing weights */
     void *gue;            /**< [e_rows,2F] expert fc1 outputs */
     void *acte;           /**< [e_rows,F] expert SwiGLU outputs × routing weight */
@@ -191,7 +195,9 @@ typedef struct moe_layer_workspace {
     void *dgu;          /**< [2·max(N·k·F, N·Fs)] */
     size_t e_rows;      /**< rows allocated for the expert-side scratch below */
     void *ye;           /**< [e_rows,H] expert outputs / input gradients at the experts */
-    void *dye;          /**< [e_rows,H] output gradients at the experts */
+    void *dye;          /**< [e_rows,H] output gradients at the experts; in the forward, the
+                             tokens at the experts where the layer does not keep them
+                             (moe_layer_xe()) */
     moe_real *dwe;      /**< [e_rows] routing-weight gradients at the experts */
     void *edh;          /**< [e_rows,F] */
     void *edgu;         /**< [e_rows,2F] */
@@ -239,13 +245,14 @@ int moe_layer_permuted_rows(const moe_layer_dims *d);
 
 /**
  * @brief Whether the layer keeps its experts' input as chapter 05's token-wise FP8 copy
- *        (moe_groups::keep_x_t) instead of the permuted rows a->xp: the local dispatcher
- *        without the fused permutation, our grouped kernel, and the saved form
- *        ::MOE_MLP_SAVED_FP8_TOKEN (the native FP8 experts' fused passes under the FP8
- *        wgrad with the tiled SwiGLU forward). Then fc1's wgrad reads the copy, made in the
- *        forward (F·Kpad·33/32 bytes, Kpad the rows padded per expert to 128, against 2·N·k·H
- *        in bf16), and the permuted rows are scratch. Under EP the expert-side rows a->xe
- *        stay in the activation type.
+ *        (moe_groups::keep_x_t) instead of the rows themselves: the permuted rows a->xp of
+ *        the local dispatcher (without the fused permutation) or the expert-side rows a->xe
+ *        of the alltoall (collective) and allgather dispatchers (not the fused NVLink one,
+ *        whose peers write a->xe, nor ETP's, gathered again); our grouped kernel, and the
+ *        saved form ::MOE_MLP_SAVED_FP8_TOKEN (the native FP8 experts' fused passes under
+ *        the FP8 wgrad with the tiled SwiGLU forward). Then fc1's wgrad reads the copy, made
+ *        in the forward (H·Kpad·33/32 bytes, Kpad the rows padded per expert to 128, against
+ *        2·rows·H in bf16), and the rows are scratch (moe_layer_xp(), moe_layer_xe()).
  * @param be backend @param d dims (d->lowp's native flag set: the model sets it before the
  *        layers' buffers) @return 1 or 0
  */
@@ -259,6 +266,15 @@ int moe_layer_keeps_x_t(const moe_backend *be, const moe_layer_dims *d);
  * @param a acts @param ws workspace @return [moe_layer_permuted_rows(),H] activation rows
  */
 void *moe_layer_xp(const moe_layer_acts *a, const moe_layer_workspace *ws);
+
+/**
+ * @brief Where the dispatcher writes the tokens at the experts: a->xe where the layer keeps
+ *        them for its backward, else the workspace's dye (free until the backward's output
+ *        gradients at the experts; with moe_layer_keeps_x_t() the experts keep their FP8
+ *        copy).
+ * @param a acts @param ws workspace @return [rows at the experts,H] activation rows
+ */
+void *moe_layer_xe(const moe_layer_acts *a, const moe_layer_workspace *ws);
 
 /**
  * @brief Re-allocate the buffers whose size is the budget of permuted rows, for the budget in
