@@ -378,15 +378,21 @@ static void mpi_broadcast(void *state, void *buf, size_t bytes, int root) {
                  MPI_Bcast(buf, mpi_count(bytes, "broadcast"), MPI_BYTE, root, s->comm));
 }
 
-static int mpi_node_rank(void *state) {
-    mpi_state *s = state;
+/* This rank's place among the group's ranks on its node, and how many they are
+ * (collective over the group) */
+static void node_split(mpi_state *s, int *rank, int *size) {
     MPI_Comm node;
-    int local_rank = 0;
     MOE_MPI_WAIT(s, "node split",
                  MPI_Comm_split_type(s->comm, MPI_COMM_TYPE_SHARED, s->rank, MPI_INFO_NULL,
                                      &node));
-    MOE_MPI_CHECK(MPI_Comm_rank(node, &local_rank));
+    MOE_MPI_CHECK(MPI_Comm_rank(node, rank));
+    MOE_MPI_CHECK(MPI_Comm_size(node, size));
     MOE_MPI_CHECK(MPI_Comm_free(&node));
+}
+
+static int mpi_node_rank(void *state) {
+    int local_rank = 0, n = 0;
+    node_split(state, &local_rank, &n);
     return local_rank;
 }
 
@@ -404,13 +410,8 @@ static int mpi_peer_access(void *state, int ctas, char *why, size_t why_len) { r
  * Every rank gets the same answer: the group is on one node or it is not. */
 static int one_node(mpi_state *s) {
     if (s->one_node < 0) {
-        MPI_Comm node;
-        int n = 0;
-        MOE_MPI_WAIT(s, "node split",
-                     MPI_Comm_split_type(s->comm, MPI_COMM_TYPE_SHARED, s->rank, MPI_INFO_NULL,
-                                         &node));
-        MOE_MPI_CHECK(MPI_Comm_size(node, &n));
-        MOE_MPI_CHECK(MPI_Comm_free(&node));
+        int r = 0, n = 0;
+        node_split(s, &r, &n);
         s->one_node = n == s->size;
     }
     return s->one_node;

@@ -621,6 +621,24 @@ END_TEST
  * launches are counted. Passed on an H100 (a6f2b19: the same bits, the bf16 form; 04162aa:
  * the token-wise form; eb6afaa: the MOE_FP8_FUSED_T=1 run, worst relative difference 0 over
  * its steps). */
+/* The FP8 model's losses in the tiled form (@p tiled, and @p again: a second run) against the
+ * row-wise fused (@p rowwise) and the separate passes (@p sep): the same bits, provided the
+ * tiled run repeats itself; @p what names the tiled run in the printed line. And it trains. */
+static void tiled_forms_agree(const char *what, const double *tiled, const double *rowwise,
+                              const double *again, const double *sep) {
+    const size_t bytes = sizeof(double) * FP8_STEPS;
+    const int repeat = memcmp(tiled, again, bytes) == 0;
+    const int same = memcmp(tiled, sep, bytes) == 0 && memcmp(rowwise, sep, bytes) == 0;
+    printf("  FP8 model %s %.6f -> %.6f, row-wise fused %.6f -> %.6f, separate passes %.6f -> "
+           "%.6f: %s\n", what, tiled[0], tiled[FP8_STEPS - 1], rowwise[0],
+           rowwise[FP8_STEPS - 1], sep[0], sep[FP8_STEPS - 1],
+           same ? "the same bits"
+                : repeat ? "DIFFER" : "differ, but the fused run does not repeat itself either");
+    ck_assert_msg(same || !repeat, "the FP8 model %s: its losses differ from the separate "
+                  "passes'", what);
+    ck_assert(tiled[FP8_STEPS - 1] < tiled[0]);
+}
+
 START_TEST(test_gpu_fp8_model_fused_fp8_wgrad) {
     if (!hopper("FP8 model with the FP8 wgrad, fused passes"))
         return;
@@ -654,20 +672,11 @@ START_TEST(test_gpu_fp8_model_fused_fp8_wgrad) {
     ck_assert_int_eq(act_tiled, t_bytes);
     ck_assert_int_eq(act_row, 0);
     ck_assert_int_eq(act_sep, 0);
-    const int repeat = memcmp(tiled, again, sizeof tiled) == 0;
-    const int same = memcmp(tiled, sep, sizeof tiled) == 0 &&
-                     memcmp(rowwise, sep, sizeof tiled) == 0;
-    printf("  FP8 model with the FP8 wgrad, %d steps: tiled fused passes (SwiGLU output and "
-           "input kept as their token-wise copies, %lld bytes; bf16 %d) %.6f -> %.6f, row-wise "
-           "fused %.6f -> %.6f, separate passes %.6f -> %.6f: %s\n", FP8_STEPS, act_tiled,
-           2 * 8 * 64 * 2 * 128 * 2,
-           tiled[0], tiled[FP8_STEPS - 1], rowwise[0], rowwise[FP8_STEPS - 1], sep[0],
-           sep[FP8_STEPS - 1],
-           same ? "the same bits"
-                : repeat ? "DIFFER" : "differ, but the fused run does not repeat itself either");
-    ck_assert_msg(same || !repeat, "the fused FP8 model's losses (FP8 wgrad) differ from the "
-                  "separate passes'");
-    ck_assert(tiled[FP8_STEPS - 1] < tiled[0]);
+    char what[160];
+    snprintf(what, sizeof what, "with the FP8 wgrad, %d steps: tiled fused passes (SwiGLU output "
+             "and input kept as their token-wise copies, %lld bytes; bf16 %d)", FP8_STEPS,
+             act_tiled, 2 * 8 * 64 * 2 * 128 * 2);
+    tiled_forms_agree(what, tiled, rowwise, again, sep);
 }
 END_TEST
 
@@ -690,17 +699,8 @@ START_TEST(test_gpu_fp8_model_expert_side_x_t) {
     const long long t_bytes = 2 * (long long)moe_mlp_fp8_act_t_bytes(8 * 64 * 2, 8, 128);
     ck_assert_int_eq(act_tiled, t_bytes);
     ck_assert_int_eq(act_row, 0);
-    const int repeat = memcmp(tiled, again, sizeof tiled) == 0;
-    const int same = memcmp(tiled, sep, sizeof tiled) == 0 &&
-                     memcmp(rowwise, sep, sizeof tiled) == 0;
-    printf("  FP8 model with a capacity (the expert side), %d steps: tiled fused passes (inputs "
-           "kept as their token-wise copy) %.6f -> %.6f, row-wise fused %.6f -> %.6f, separate "
-           "passes %.6f -> %.6f: %s\n", FP8_STEPS, tiled[0], tiled[FP8_STEPS - 1], rowwise[0],
-           rowwise[FP8_STEPS - 1], sep[0], sep[FP8_STEPS - 1],
-           same ? "the same bits"
-                : repeat ? "DIFFER" : "differ, but the fused run does not repeat itself either");
-    ck_assert_msg(same || !repeat, "the expert side's FP8 copy of x changed the losses");
-    ck_assert(tiled[FP8_STEPS - 1] < tiled[0]);
+    tiled_forms_agree("with a capacity (the expert side): tiled fused passes (inputs "
+                      "kept as their token-wise copy)", tiled, rowwise, again, sep);
 }
 END_TEST
 
