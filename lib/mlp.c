@@ -334,7 +334,8 @@ static void gmm_backward(const moe_backend *be, void *din, moe_real *dw, const v
  * output's bytes), so the output is never written in bf16 nor quantized in the backward.
  * In that form the layer keeps x likewise (moe_groups::keep_x_t, moe_layer_keeps_x_t()):
  * the forward quantizes x along each expert's tokens into `act`, after the output's copy,
- * which is what fc1's wgrad reads, so the rows x need not be kept (the same pass the backward ran before, moved; the same bits).
+ * which is what fc1's wgrad reads, so the rows x need not be kept (the same pass the backward
+ * ran before, moved; the same bits).
  * With MOE_FP8_SAVE_T=0 the row-wise fused forward writes the bf16 output (y_raw) next to the
  * codes into `act`, and the backward's token-wise quantizer reads it. dgu: the fused backward
  * writes its token-wise copy (the tiled backward, the default) or, with MOE_FP8_FUSED_T=0, dgu

@@ -571,11 +571,12 @@ START_TEST(test_memory_fp8_saved_swiglu_output) {
     fused.fp8_swiglu_forward_quant = never_swiglu_fwd_q;
     fused.fp8_swiglu_backward_quant = never_swiglu_bwd_q;
     ck_assert_uint_eq(moe_mlp_fp8_act_bytes(NK, F), codes);
-    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, E, F, 0), fused.act_size * NK * F); /* not
-                                                                             * native */
+    /* (not native) */
+    ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, E, F, 0), fused.act_size * NK * F);
     lp.native = 1;
     ck_assert_uint_eq(moe_mlp_act_bytes(&fused, &lp, NK, E, F, 0), codes);
-    ck_assert_uint_eq(moe_mlp_act_bytes(&cpu, &lp, NK, E, F, 0), cpu.act_size * NK * F); /* no ops */
+    /* (no fused ops on the CPU) */
+    ck_assert_uint_eq(moe_mlp_act_bytes(&cpu, &lp, NK, E, F, 0), cpu.act_size * NK * F);
     ck_assert_uint_eq(moe_mlp_act_bytes(&fused, NULL, NK, E, F, 0), fused.act_size * NK * F);
     /* the path agrees with the size: fused exactly where codes are kept, with FP8 weights */
     moe_fp8_weight w = {0};

@@ -106,9 +106,10 @@ static expert_rows rows_of(const moe_layer_dims *d, const moe_layer_acts *a,
      * device (dispatch_fused.c) left the offsets there and the rows at the static budget;
      * the tokens are scratch in the backward where the layer keeps their FP8 copy (a->xe
      * NULL: moe_layer_xe()) */
-    return (expert_rows){forward ? moe_layer_xe(a, ws) : a->xe, a->we, a->gue, a->acte, ws->ye, ws->dye, ws->ye, ws->dwe,
-                         ws->edh, ws->edgu, pl->sync_free ? NULL : pl->expert_offset,
-                         pl->E_local, (size_t)pl->R_recv};
+    return (expert_rows){forward ? moe_layer_xe(a, ws) : a->xe, a->we, a->gue, a->acte, ws->ye,
+                         ws->dye, ws->ye, ws->dwe, ws->edh, ws->edgu,
+                         pl->sync_free ? NULL : pl->expert_offset, pl->E_local,
+                         (size_t)pl->R_recv};
 }
 
 /* With ETP (expert_tp.h): the same rows of the whole ETP group, gathered expert-major, and
