@@ -1177,9 +1177,7 @@ extern "C" void moe_cuda_qdq(void *dst, const void *src, int rows, int cols,
     moe_error err;
     if (spec->recipe == MOE_QUANT_BLOCK_128X128 && weight_v2()) { /* one pass, too */
         const moe_status s = moe_quant_check(spec->recipe, rows, cols, &err);
-        if (s != MOE_OK)
-            fprintf(stderr, "moe_cuda_qdq: %s\n", err.msg);
-        MOE_ASSERT(s == MOE_OK); /* the model checked every shape at start-up */
+        MOE_REQUIRE_OK(s, &err, "moe_cuda_qdq"); /* the model checked every shape at start-up */
         const dim3 grid(cols / MOE_QUANT_BLOCK, (rows + MOE_QUANT_BLOCK - 1) / MOE_QUANT_BLOCK);
         if (spec->format == MOE_FP8_E4M3)
             block2d_qdq_kernel<MOE_FP8_E4M3><<<grid, THREADS, 0, moe_cuda_stream()>>>(
@@ -1195,18 +1193,14 @@ extern "C" void moe_cuda_qdq(void *dst, const void *src, int rows, int cols,
         const moe_status s = moe_cuda_quant_blockwise_act(ws->q, (float *)ws->scales, dst, src,
                                                           rows, cols, spec->format, spec->pow2,
                                                           &err);
-        if (s != MOE_OK)
-            fprintf(stderr, "moe_cuda_qdq: %s\n", err.msg);
-        MOE_ASSERT(s == MOE_OK); /* the model checked every shape at start-up */
+        MOE_REQUIRE_OK(s, &err, "moe_cuda_qdq"); /* the model checked every shape at start-up */
         return;
     }
     cudaStream_t st = moe_cuda_stream();
     bf16_to_f32_kernel<<<grid_for(n, THREADS * 4), THREADS, 0, st>>>(ws->x, (const moe_bf16 *)src,
                                                                      n);
     const moe_status s = moe_qdq_f32(&g_cuda_quant_fns, spec, ws, rows, cols, &err);
-    if (s != MOE_OK)
-        fprintf(stderr, "moe_cuda_qdq: %s\n", err.msg);
-    MOE_ASSERT(s == MOE_OK); /* the model checked every shape at start-up */
+    MOE_REQUIRE_OK(s, &err, "moe_cuda_qdq"); /* the model checked every shape at start-up */
     f32_to_bf16_kernel<<<grid_for(n, THREADS * 4), THREADS, 0, st>>>((moe_bf16 *)dst, ws->x, n);
 }
 
@@ -1258,9 +1252,7 @@ extern "C" void moe_cuda_qdq_t(void *dst, const void *src, int n, int m, int col
     MOE_CUDA_LAUNCH_CHECK();
     moe_error err;
     const moe_status s = moe_qdq_f32(&g_cuda_quant_fns, spec, ws, cols, m, &err);
-    if (s != MOE_OK)
-        fprintf(stderr, "moe_cuda_qdq_t: %s\n", err.msg);
-    MOE_ASSERT(s == MOE_OK); /* the model checked every shape at start-up */
+    MOE_REQUIRE_OK(s, &err, "moe_cuda_qdq_t"); /* the model checked every shape at start-up */
     tokens_t_out_kernel<<<dim3((m + 31) / 32, (cols + 31) / 32), block, 0, st>>>(
         (moe_bf16 *)dst, ws->x, m, cols);
     MOE_CUDA_LAUNCH_CHECK();
