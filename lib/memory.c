@@ -257,19 +257,13 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
                    "--micro-batch-size, --seq-length or --moe-shared-expert-intermediate-size");
             if (!local) {
                 /* the expert side: at most every assignment of the EP group. Its inputs are
-                 * kept as their token-wise copy in that form, but for ETP (gathered again) and
-                 * the fused NVLink dispatcher's (shared memory), which a GPU run may take
-                 * where the flags allow it: the estimate counts those in the activation type */
+                 * kept as their token-wise copy in that form, by every dispatcher (the fused
+                 * NVLink one's peers then write the rows into the shared workspace), but for
+                 * ETP's rows, gathered again: those in the activation type */
                 const long long rows = mul(NKl, EP);
                 const char *fix = "--micro-batch-size, --seq-length, --moe-router-topk or "
                                   "--expert-model-parallel-size";
-                const int fused_may = EP > 1 && c->dispatcher_type != MOE_DISPATCHER_ALLGATHER &&
-                                      c->alltoall_path != MOE_A2A_COLLECTIVE &&
-                                      !c->moe_pad_expert_input_to_capacity &&
-                                      (c->alltoall_path == MOE_A2A_FUSED ||
-                                       strcmp(c->device, "cpu") != 0) &&
-                                      moe_config_fused_fits(c, NULL, 0);
-                if (fp8_act == MOE_MLP_SAVED_FP8_TOKEN && ETP == 1 && !fused_may)
+                if (fp8_act == MOE_MLP_SAVED_FP8_TOKEN && ETP == 1)
                     saved_act(&t, "expert-side inputs", rows, H, E / EP, S, fp8_act, fix);
                 else
                     buffer(&t, "expert-side inputs", mul(rows, H), S, fix);

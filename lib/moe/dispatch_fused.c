@@ -233,10 +233,14 @@ static const int *expert_of(const moe_layer_acts *a) {
 
 /* ------------------------------------------------------- the dispatcher strategy */
 
-/* every token row read once and stored into its experts' rows, with its weight */
+/* every token row read once and stored into its experts' rows, with its weight: the
+ * layer's own xe, or, where the experts keep x's FP8 copy instead, the workspace's dye
+ * (moe_layer_xe()), which the gradients reuse later and every MoE layer shares */
 static void fused_dispatch(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
                            moe_layer_workspace *ws, const void *x) {
-    moe_dispatch_fused(d->ep, &a->plan, &a->xe_sym, &a->we_sym, x, a->topk_w, expert_of(a),
+    moe_sym_buf *rows = a->xe_sym.ptr ? &a->xe_sym : &ws->dye_sym;
+    MOE_ASSERT(rows->ptr == moe_layer_xe(a, ws));
+    moe_dispatch_fused(d->ep, &a->plan, rows, &a->we_sym, x, a->topk_w, expert_of(a),
                        a->row_of, d->N, d->k, d->H);
     moe_prof_mark(MOE_PROF_OTHER);
 }

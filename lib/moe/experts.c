@@ -35,9 +35,9 @@ static void *regrow(const moe_backend *be, void *p, size_t bytes) {
 void moe_expert_rows_reserve(const moe_backend *be, const moe_layer_dims *d, moe_layer_acts *a,
                              moe_layer_workspace *ws, const moe_dispatch_plan *pl, size_t rows) {
     const size_t S = be->act_size, H = d->H, F = d->F;
-    const int fused = pl && pl->fused;
-    if (fused) {
-        a->xe = moe_dispatch_sym_rows(d->ep, pl, &a->xe_sym, S * H);
+    const int fused = pl && pl->fused, x_t = moe_layer_keeps_x_t(be, d);
+    if (fused) { /* (x's rows in ws->dye where the layer keeps their FP8 copy) */
+        a->xe = x_t ? NULL : moe_dispatch_sym_rows(d->ep, pl, &a->xe_sym, S * H);
         a->we = moe_dispatch_sym_rows(d->ep, pl, &a->we_sym, R);
         ws->ye = moe_dispatch_sym_rows(d->ep, pl, &ws->ye_sym, S * H);
         ws->dye = moe_dispatch_sym_rows(d->ep, pl, &ws->dye_sym, S * H);
@@ -46,7 +46,6 @@ void moe_expert_rows_reserve(const moe_backend *be, const moe_layer_dims *d, moe
     if (rows > a->e_rows) {
         /* the tokens at the experts are kept where the backward reads them, else they are
          * the workspace's scratch (ws->dye, grown below; layer.h, moe_layer_xe()) */
-        const int x_t = moe_layer_keeps_x_t(be, d);
         if (!fused) {
             be->free(a->xe);
             a->xe = x_t ? NULL : regrow(be, NULL, S * rows * H);

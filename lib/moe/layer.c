@@ -37,10 +37,10 @@ int moe_layer_keeps_x_t(const moe_backend *be, const moe_layer_dims *d) {
     const moe_dispatcher *dp = dispatcher_of(d);
     /* the rows the experts run on: the local dispatcher's permuted rows (not under the fused
      * permutation, which reads the tokens themselves), or the expert-side rows a dispatcher
-     * filled, but for the fused NVLink one's (shared memory its peers write) and ETP's
-     * (gathered again, expert_tp.h) */
-    const int rows_ok = dp == &moe_dispatcher_local ? !d->permute_fusion
-                                                     : dp != &moe_dispatcher_fused && !d->etp;
+     * filled, but for ETP's (gathered again, expert_tp.h). The fused NVLink dispatcher's
+     * peers then write into the workspace's shared dye: its kernels open with a barrier
+     * that waits for every peer's queued reads of the buffer (dispatch_nvlink.cu) */
+    const int rows_ok = dp == &moe_dispatcher_local ? !d->permute_fusion : !d->etp;
     return rows_ok && d->experts == MOE_EXPERTS_KERNEL &&
            moe_mlp_saved_form(be, d->lowp) == MOE_MLP_SAVED_FP8_TOKEN;
 }
@@ -135,7 +135,8 @@ void moe_layer_acts_free(const moe_backend *be, moe_layer_acts *a) {
     free(a->host_idx);
     free(a->host_w);
     moe_dispatch_plan_free(be, &a->plan);
-    if (a->xe_sym.ptr) { /* the fused dispatcher's buffers are not the backend's */
+    if (a->we_sym.ptr) { /* the fused dispatcher's buffers are not the backend's (xe_sym
+                          * unused where the layer keeps x's FP8 copy) */
         moe_comm_sym_free(&a->xe_sym);
         moe_comm_sym_free(&a->we_sym);
         a->xe = NULL;

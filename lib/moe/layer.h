@@ -177,7 +177,8 @@ typedef struct moe_layer_acts {
     moe_real *we;         /**< [e_rows] their routing weights */
     void *gue;            /**< [e_rows,2F] expert fc1 outputs */
     void *acte;           /**< [e_rows,F] expert SwiGLU outputs × routing weight */
-    moe_sym_buf xe_sym;   /**< the fused dispatcher: xe in memory the EP group shares */
+    moe_sym_buf xe_sym;   /**< the fused dispatcher: xe in memory the EP group shares
+                               (unused with moe_layer_keeps_x_t(): the rows go to dye_sym) */
     moe_sym_buf we_sym;   /**< the fused dispatcher: we, likewise */
     moe_etp_rows etp;     /**< with ETP: the rows of the whole ETP group (moe/expert_tp.h) */
 } moe_layer_acts;
@@ -247,8 +248,8 @@ int moe_layer_permuted_rows(const moe_layer_dims *d);
  * @brief Whether the layer keeps its experts' input as chapter 05's token-wise FP8 copy
  *        (moe_groups::keep_x_t) instead of the rows themselves: the permuted rows a->xp of
  *        the local dispatcher (without the fused permutation) or the expert-side rows a->xe
- *        of the alltoall (collective) and allgather dispatchers (not the fused NVLink one,
- *        whose peers write a->xe, nor ETP's, gathered again); our grouped kernel, and the
+ *        of every other dispatcher (the fused NVLink one's peers then write them into the
+ *        workspace's shared dye_sym), but ETP's, gathered again; our grouped kernel, and the
  *        saved form ::MOE_MLP_SAVED_FP8_TOKEN (the native FP8 experts' fused passes under
  *        the FP8 wgrad with the tiled SwiGLU forward). Then fc1's wgrad reads the copy, made
  *        in the forward (H·Kpad·33/32 bytes, Kpad the rows padded per expert to 128, against
