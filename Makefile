@@ -215,9 +215,12 @@ bin/$(basename $(notdir $(1))): $(BUILD)/$(1:.c=.o) $(LIB)
 	$$(CC) $$(ALL_CFLAGS) $$^ -o $$@ $$(LDLIBS)
 endef
 $(foreach f,$(CHAPTER_SRC),$(eval $(call CHAPTER_RULE,$(f))))
-# chapter 06's benchmark counts kernels with CUPTI (CUDA toolkit): only it links -lcupti
+# chapter 06's benchmark counts kernels with CUPTI (CUDA toolkit): only it links -lcupti.
+# `private`: a target's variables are inherited by its prerequisites, and the configuration
+# stamp (which records LDLIBS) is one, so without it `make bin/ch06_graphs_bench` rewrote the
+# stamp and rebuilt everything, and the next plain build rebuilt it all again.
 CUPTI_LIBDIR := $(firstword $(wildcard $(CUDA_HOME)/extras/CUPTI/lib64 $(CUDA_HOME)/lib64))
-bin/ch06_graphs_bench: LDLIBS += -L$(CUPTI_LIBDIR) -Wl,-rpath,$(CUPTI_LIBDIR) -lcupti
+bin/ch06_graphs_bench: private LDLIBS += -L$(CUPTI_LIBDIR) -Wl,-rpath,$(CUPTI_LIBDIR) -lcupti
 
 # ---- chapter 03's kernel ladder: v1 SIMT .. v4 the library's kernel, each checked against
 # the cuBLAS loop and timed by one program (chapters/03-grouped-gemm/versions/ch03_versions.cu)
@@ -533,10 +536,16 @@ test-student-stubs: check-deps
 TEST_BINS := $(BUILD)/tests/unit $(BUILD)/tests/fd $(if $(filter 1,$(WITH_MPI)),$(BUILD)/tests/mpi \
 	$(BUILD)/tests/mpi_abort) $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/tests/gpu) \
 	$(foreach n,$(STUDENT_CHAPTERS),$(BUILD)/student/ch$(n)/unit)
+# Each step says how long it took (CI's budget is 20 minutes on 2 cores: the times show where
+# it goes).
+TEST_STEPS := test-unit test-fd test-mpi test-gpu test-chapters test-student-stubs \
+	test-notebooks test-plots docs test-asan
 test: config check-deps
-	@$(MAKE) --no-print-directory $(LIB) $(PROGRAMS) $(CHAPTER_BIN) $(TEST_BINS)
-	@$(MAKE) --no-print-directory SERIAL=1 test-unit test-fd test-mpi test-gpu test-chapters \
-	  test-student-stubs test-notebooks test-plots docs test-asan
+	@t0=$$(date +%s); $(MAKE) --no-print-directory $(LIB) $(PROGRAMS) $(CHAPTER_BIN) $(TEST_BINS) \
+	  && echo "== build: $$(( $$(date +%s) - t0 )) s"
+	@for step in $(TEST_STEPS); do t=$$(date +%s); \
+	  $(MAKE) --no-print-directory SERIAL=1 $$step || exit 1; \
+	  echo "== $$step: $$(( $$(date +%s) - t )) s"; done
 	@echo "== all tests passed"
 
 # ---- notebooks (notebooks-c/): every notebook executed headlessly with Debian's nbclient.
