@@ -308,15 +308,19 @@ typedef struct a2a_bufs {
     moe_real *lse;
 } a2a_bufs;
 
+/* Both head-splitting exchanges' workspaces (a2a, a2a+p2p) start with the query side: q, y,
+ * dy and dq of nq bytes each from ws on. Returns where the rest begins. */
+static char *query_side(void *ws, size_t nq, char **q, char **y, char **dy, char **dq) {
+    char *p = ws;
+    *q = p, *y = p + nq, *dy = p + 2 * nq, *dq = p + 3 * nq;
+    return p + 4 * nq;
+}
+
 static a2a_bufs a2a_layout(const moe_backend *be, const moe_cp_attention *a, void *ws) {
     const sizes z = sizes_of(a);
     const size_t S = be->act_size, nq = 2 * z.QC * S, nk = z.KL * S;
     a2a_bufs u;
-    char *p = ws;
-    u.q = p, p += nq;
-    u.y = p, p += nq;
-    u.dy = p, p += nq;
-    u.dq = p, p += nq;
+    char *p = query_side(ws, nq, &u.q, &u.y, &u.dy, &u.dq);
     u.k = p, p += nk;
     u.v = p, p += nk;
     u.dk = p, p += nk;
@@ -415,11 +419,7 @@ static hyb_bufs hyb_layout(const moe_backend *be, const moe_cp_attention *a, voi
     const sizes z = sizes_of(a);
     const size_t S = be->act_size, nq = 2 * z.QC * S, nk = z.KL * S;
     hyb_bufs u;
-    char *p = ws;
-    u.q = p, p += nq;
-    u.y = p, p += nq;
-    u.dy = p, p += nq;
-    u.dq = p, p += nq;
+    char *p = query_side(ws, nq, &u.q, &u.y, &u.dy, &u.dq);
     u.stage = p, p += nq;
     u.ring = ring_layout(p, nk), p += RING_KLS * nk;
     u.lse = (moe_real *)p, p += 2 * z.LC * sizeof(moe_real);

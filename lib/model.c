@@ -808,27 +808,28 @@ static void attn_backward_region(void *p) {
                            &r->m->acts[r->l].attn, &r->m->attn_scratch);
 }
 
+/* The block as its own region, or inline inside the layer's region (scope layer and up) */
+static void attention_region_run(moe_model *m, attn_region *r, moe_graph_site site,
+                                 void (*fn)(void *)) {
+    if (moe_graphs_scope(m->graphs) >= MOE_GRAPH_LAYER) {
+        fn(r);
+        return;
+    }
+    moe_graph_key k = {site, r->l, r->d->B, r->d->T, 0, 0.0};
+    moe_graph_run(m->graphs, k, fn, r);
+}
+
 static void attention_forward(moe_model *m, int l, void *out, const void *x,
                               const moe_attention_weights *w, const moe_attention_dims *d) {
     attn_region r = {m, l, out, x, NULL, w, NULL, d};
-    if (moe_graphs_scope(m->graphs) >= MOE_GRAPH_LAYER) { /* inside the layer's region */
-        attn_forward_region(&r);
-        return;
-    }
-    moe_graph_key k = {MOE_GRAPH_SITE_ATTN_FWD, l, d->B, d->T, 0, 0.0};
-    moe_graph_run(m->graphs, k, attn_forward_region, &r);
+    attention_region_run(m, &r, MOE_GRAPH_SITE_ATTN_FWD, attn_forward_region);
 }
 
 static void attention_backward(moe_model *m, int l, void *dx, const moe_attention_grads *g,
                                const void *dout, const void *x, const moe_attention_weights *w,
                                const moe_attention_dims *d) {
     attn_region r = {m, l, dx, x, dout, w, g, d};
-    if (moe_graphs_scope(m->graphs) >= MOE_GRAPH_LAYER) { /* inside the layer's region */
-        attn_backward_region(&r);
-        return;
-    }
-    moe_graph_key k = {MOE_GRAPH_SITE_ATTN_BWD, l, d->B, d->T, 0, 0.0};
-    moe_graph_run(m->graphs, k, attn_backward_region, &r);
+    attention_region_run(m, &r, MOE_GRAPH_SITE_ATTN_BWD, attn_backward_region);
 }
 
 /* ----------------------------------------------------------------- forward */

@@ -738,6 +738,12 @@ static void grouped_case_make(grouped_case *c, const int *sizes, int G, int N, i
     c->doff = dcopy(c->off, sizeof(int) * (G + 1));
 }
 
+/* our kernel on the case's operands, into d (bf16, or fp32 with @p fp32) */
+static moe_status grouped_case_gemm(const grouped_case *c, void *d, int fp32, moe_error *err) {
+    return moe_cuda_fp8_grouped_gemm(d, fp32, &c->o.da, &c->o.db, c->doff, c->G, c->rows, c->N,
+                                     c->K, err);
+}
+
 static void grouped_case_free(grouped_case *c) {
     moe_cuda_free(c->doff);
     free(c->off), free(c->x), free(c->w), free(c->ref), free(c->got), free(c->mag);
@@ -778,21 +784,16 @@ START_TEST(test_gpu_fp8_grouped_gemm) {
         grouped_case c;
         grouped_case_make(&c, cases[ci].sizes, cases[ci].G, cases[ci].N, cases[ci].K,
                           1300 + (unsigned)ci);
-        const int G = c.G, rows = c.rows, N = c.N, K = c.K;
-        const size_t n = c.n;
-        const grouped_operands o = c.o;
-        const int *doff = c.doff;
         for (int v = 0; v < 4; v++) {
             const int fp32 = v & 1, ord = v >> 1; /* output type; the kernel's variant */
             moe_cuda_fp8_grouped_set_ordered(ord);
-            void *dd = dpoison(n * (fp32 ? 4 : 2));
-            const moe_status st =
-                moe_cuda_fp8_grouped_gemm(dd, fp32, &o.da, &o.db, doff, G, rows, N, K, &err);
-            ck_assert_msg(st == MOE_OK, "case %zu: %s", ci, err.msg);
+            void *dd = dpoison(c.n * (fp32 ? 4 : 2));
+            ck_assert_msg(grouped_case_gemm(&c, dd, fp32, &err) == MOE_OK, "case %zu: %s", ci,
+                          err.msg);
             char what[96];
-            snprintf(what, sizeof what, "G=%-2d rows=%-4d N=%d K=%-4d %-8s", G, rows, N, K,
-                     ord ? "ordered" : "lockstep");
-            ok &= grouped_vs_ref(what, dd, fp32, c.ref, c.mag, n, c.got);
+            snprintf(what, sizeof what, "G=%-2d rows=%-4d N=%d K=%-4d %-8s", c.G, c.rows, c.N,
+                     c.K, ord ? "ordered" : "lockstep");
+            ok &= grouped_vs_ref(what, dd, fp32, c.ref, c.mag, c.n, c.got);
             moe_cuda_free(dd);
         }
         grouped_case_free(&c);
@@ -842,25 +843,19 @@ START_TEST(test_gpu_fp8_grouped_gemm_bn256) {
         grouped_case c;
         grouped_case_make(&c, cases[ci].sizes, cases[ci].G, cases[ci].N, cases[ci].K,
                           1500 + (unsigned)ci);
-        const int G = c.G, rows = c.rows, N = c.N, K = c.K;
-        const size_t n = c.n;
-        const grouped_operands o = c.o;
-        const int *doff = c.doff;
-        unsigned char *h128 = hpoison(n * 4 + 4), *h256 = hpoison(n * 4 + 4);
+        unsigned char *h128 = hpoison(c.n * 4 + 4), *h256 = hpoison(c.n * 4 + 4);
         for (int v = 0; v < 4; v++) {
             const int fp32 = v & 1, ord = v >> 1;
-            const size_t bytes = n * (fp32 ? 4 : 2);
+            const size_t bytes = c.n * (fp32 ? 4 : 2);
             moe_cuda_fp8_grouped_set_ordered(ord);
             void *d128 = dpoison(bytes), *d256 = dpoison(bytes);
             moe_cuda_fp8_grouped_set_bn(128);
-            ck_assert_msg(moe_cuda_fp8_grouped_gemm(d128, fp32, &o.da, &o.db, doff, G, rows, N,
-                                                    K, &err) == MOE_OK,
-                          "case %zu: %s", ci, err.msg);
+            ck_assert_msg(grouped_case_gemm(&c, d128, fp32, &err) == MOE_OK, "case %zu: %s", ci,
+                          err.msg);
             moe_cuda_fp8_grouped_set_bn(256);
-            ck_assert_msg(moe_cuda_fp8_grouped_gemm(d256, fp32, &o.da, &o.db, doff, G, rows, N,
-                                                    K, &err) == MOE_OK,
-                          "case %zu: %s", ci, err.msg);
-            wide += rows > 0;
+            ck_assert_msg(grouped_case_gemm(&c, d256, fp32, &err) == MOE_OK, "case %zu: %s", ci,
+                          err.msg);
+            wide += c.rows > 0;
             moe_cuda_to_host(h128, d128, bytes);
             moe_cuda_to_host(h256, d256, bytes);
             size_t first = bytes;
@@ -868,16 +863,16 @@ START_TEST(test_gpu_fp8_grouped_gemm_bn256) {
                 if (h128[i] != h256[i])
                     first = i;
             char what[96];
-            snprintf(what, sizeof what, "G=%-2d rows=%-4d N=%d K=%-4d %-8s 128x256", G, rows, N,
-                     K, ord ? "ordered" : "lockstep");
+            snprintf(what, sizeof what, "G=%-2d rows=%-4d N=%d K=%-4d %-8s 128x256", c.G, c.rows,
+                     c.N, c.K, ord ? "ordered" : "lockstep");
             if (first < bytes) {
                 const size_t e = first / (fp32 ? 4 : 2);
                 printf("  FP8 grouped %s %s D: differs from the 128-column tile at row %zu, "
                        "column %zu\n",
-                       what, fp32 ? "fp32" : "bf16", e / N, e % N);
+                       what, fp32 ? "fp32" : "bf16", e / c.N, e % c.N);
                 same = 0;
             }
-            ok &= grouped_vs_ref(what, d256, fp32, c.ref, c.mag, n, c.got);
+            ok &= grouped_vs_ref(what, d256, fp32, c.ref, c.mag, c.n, c.got);
             moe_cuda_free(d128), moe_cuda_free(d256);
         }
         free(h128), free(h256);

@@ -55,6 +55,18 @@
 #define MAX_LIST 16
 #define CHECK_TOL 3e-2
 
+/* The Hopper backward's modes, MOE_FLASH_SM90_BWD=1 … 7 (kernels/attention_sm90_bwd.cu),
+ * each with the launch counter that grows when it runs: 1 any Hopper backward (mode 1 is its
+ * two kernels), 2 the fused kernel, 3 with the overlap, 4 with unordered dq additions, 5 that
+ * with the batched dk/dv epilogue, 6 and 7 FlashAttention-3's order. */
+#define BWD_MODES 7
+typedef long long (*launch_counter)(void);
+static const launch_counter BWD_MODE_CALLS[BWD_MODES] = {
+    moe_cuda_attention_sm90_backward_calls,         moe_cuda_attention_sm90_backward_fused_calls,
+    moe_cuda_attention_sm90_backward_overlap_calls, moe_cuda_attention_sm90_backward_nondet_calls,
+    moe_cuda_attention_sm90_backward_batched_calls, moe_cuda_attention_sm90_backward_fa3order_calls,
+    moe_cuda_attention_sm90_backward_fa3order_calls};
+
 typedef struct sdpa_row {
     int ok;                 /* 1: timed */
     double fwd, bwd, fb;    /* ms */
@@ -68,7 +80,7 @@ typedef struct shape_result {
     int sm90;                   /* the main forward ran the Hopper kernel */
     double bwd_portable;        /* ms: the portable backward (MOE_FLASH_SM90_BWD=0), or 0 */
     int sm90_bwd;               /* the main backward ran the Hopper kernels */
-    double bwd_mode[7];         /* ms: the Hopper backward's modes 1-7, or 0: not run */
+    double bwd_mode[BWD_MODES]; /* ms: the Hopper backward's modes 1-7, or 0: not run */
     sdpa_row flash, cudnn;
 } shape_result;
 
@@ -233,11 +245,10 @@ static double time_op(int which, int reps, int warmup, void *y, moe_real *lse, v
 }
 
 /* One backward from zero gradients as the environment selects, checked against the double
- * reference (the program stops above CHECK_TOL, naming @p what); *err gets the check error.
- * Returns 1 when it ran a Hopper backward (for "mode 2": the fused one; "mode 3": the fused
- * one with the overlap; "mode 4": the fused one with unordered dq additions; "mode 5": that
- * with the batched dk/dv epilogue; "mode 6" and "mode 7": FlashAttention-3's order). */
-static int checked_backward(const shape_result *r, const char *what, const moe_real *hq,
+ * reference (the program stops above CHECK_TOL, naming the mode); *err gets the check error.
+ * Returns 1 when it ran a Hopper backward: for @p mode 1 … BWD_MODES that mode's kernel
+ * (BWD_MODE_CALLS), for 0 (the main columns) any of them. */
+static int checked_backward(const shape_result *r, int mode, const moe_real *hq,
                             const moe_real *hk, const moe_real *hv, const moe_real *hdy,
                             void *y, moe_real *lse, void *ws, void *dq, void *dk, void *dv,
                             const void *dy, const void *q, const void *k, const void *v,
@@ -247,24 +258,10 @@ static int checked_backward(const shape_result *r, const char *what, const moe_r
     moe_cuda_zero(dq, n * 2);
     moe_cuda_zero(dk, n * 2);
     moe_cuda_zero(dv, n * 2);
-    const long long bcalls = moe_cuda_attention_sm90_backward_calls();
-    const long long fcalls = moe_cuda_attention_sm90_backward_fused_calls();
-    const long long ocalls = moe_cuda_attention_sm90_backward_overlap_calls();
-    const long long ncalls = moe_cuda_attention_sm90_backward_nondet_calls();
-    const long long bcalls5 = moe_cuda_attention_sm90_backward_batched_calls();
-    const long long fa3calls = moe_cuda_attention_sm90_backward_fa3order_calls();
+    const launch_counter calls = BWD_MODE_CALLS[mode > 0 ? mode - 1 : 0];
+    const long long before = calls();
     moe_cuda_attention_backward(dq, dk, dv, dy, y, lse, ws, q, k, v, s);
-    const int ran = strcmp(what, "mode 6") == 0 || strcmp(what, "mode 7") == 0
-                        ? moe_cuda_attention_sm90_backward_fa3order_calls() > fa3calls
-                    : strcmp(what, "mode 5") == 0
-                        ? moe_cuda_attention_sm90_backward_batched_calls() > bcalls5
-                    : strcmp(what, "mode 4") == 0
-                        ? moe_cuda_attention_sm90_backward_nondet_calls() > ncalls
-                    : strcmp(what, "mode 3") == 0
-                        ? moe_cuda_attention_sm90_backward_overlap_calls() > ocalls
-                    : strcmp(what, "mode 2") == 0
-                        ? moe_cuda_attention_sm90_backward_fused_calls() > fcalls
-                        : moe_cuda_attention_sm90_backward_calls() > bcalls;
+    const int ran = calls() > before;
     moe_cuda_synchronize();
     moe_real *hy = fetch(y, n, 0), *hl = fetch(lse, nl, 1), *hdq = fetch(dq, n, 0);
     moe_real *hdk = fetch(dk, n, 0), *hdv = fetch(dv, n, 0);
@@ -273,6 +270,9 @@ static int checked_backward(const shape_result *r, const char *what, const moe_r
     for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++)
         free(hbufs[i]);
     if (!(*err <= CHECK_TOL)) {
+        char what[16] = "main";
+        if (mode > 0)
+            snprintf(what, sizeof what, "mode %d", mode);
         fprintf(stderr, "ch07_attention_bench: B=%d H=%d T=%d D=%d (%s backward): sampled check "
                 "error %.3e > %.0e: the kernel is wrong for this shape\n", B, H, T, D, what,
                 *err, CHECK_TOL);
@@ -293,7 +293,7 @@ static void measure(shape_result *r, int reps, int warmup) {
     moe_real *lse = moe_cuda_alloc(nl * sizeof(moe_real));
     void *ws = moe_cuda_alloc(moe_cuda_attention_workspace_bytes(s));
     moe_cuda_attention_forward(y, lse, ws, q, k, v, s);
-    r->sm90_bwd = checked_backward(r, "main", hq, hk, hv, hdy, y, lse, ws, dq, dk, dv, dy, q, k,
+    r->sm90_bwd = checked_backward(r, 0, hq, hk, hv, hdy, y, lse, ws, dq, dk, dv, dy, q, k,
                                    v, s, &r->check);
     const long long calls = moe_cuda_attention_sm90_calls();
     r->fwd = time_op(0, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
@@ -308,17 +308,15 @@ static void measure(shape_result *r, int reps, int warmup) {
         r->bwd_portable = time_op(1, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
         moe_bench_env_restore(&env);
     }
-    /* the Hopper backward's seven modes side by side, each checked first (a mode that does
-     * not run here, e.g. off sm_90, stays at 0) */
-    static const char *const mode_env[7] = {"1", "2", "3", "4", "5", "6", "7"};
-    static const char *const mode_name[7] = {"mode 1", "mode 2", "mode 3", "mode 4",
-                                             "mode 5", "mode 6", "mode 7"};
-    for (int m = 0; m < 7; m++) {
-        env = moe_bench_env_set("MOE_FLASH_SM90_BWD", mode_env[m]);
+    /* the Hopper backward's modes side by side, each checked first (a mode that does not run
+     * here, e.g. off sm_90, stays at 0) */
+    for (int m = 1; m <= BWD_MODES; m++) {
+        char mode[8];
+        snprintf(mode, sizeof mode, "%d", m);
+        env = moe_bench_env_set("MOE_FLASH_SM90_BWD", mode);
         double err = 0.0;
-        if (checked_backward(r, mode_name[m], hq, hk, hv, hdy, y, lse, ws, dq, dk, dv, dy, q, k,
-                             v, s, &err))
-            r->bwd_mode[m] = time_op(1, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
+        if (checked_backward(r, m, hq, hk, hv, hdy, y, lse, ws, dq, dk, dv, dy, q, k, v, s, &err))
+            r->bwd_mode[m - 1] = time_op(1, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
         moe_bench_env_restore(&env);
     }
     r->fb = time_op(2, reps, warmup, y, lse, ws, dq, dk, dv, dy, q, k, v, s);
@@ -491,41 +489,43 @@ int main(int argc, char **argv) {
             r->H = hidden / dims[j];
             r->B = tokens / seqs[i] > 1 ? tokens / seqs[i] : 1;
             measure(r, reps, warmup);
+            char modes[BWD_MODES * 32] = "";
+            for (int m = 0; m < BWD_MODES; m++)
+                snprintf(modes + strlen(modes), sizeof modes - strlen(modes),
+                         "; mode %d %.3f ms", m + 1, r->bwd_mode[m]);
             fprintf(stderr, "  measured T=%d D=%d: fwd %.3f ms (%s; portable %.3f ms) bwd %.3f "
-                    "ms (%s; portable %.3f ms; mode 1 %.3f ms, mode 2 %.3f ms, mode 3 %.3f ms, "
-                    "mode 4 %.3f ms, mode 5 %.3f ms, mode 6 %.3f ms, mode 7 %.3f ms) "
-                    "(check %.1e)\n",
+                    "ms (%s; portable %.3f ms%s) (check %.1e)\n",
                     r->T, r->D, r->fwd, r->sm90 ? "sm90" : "portable", r->fwd_portable,
                     r->bwd, r->sm90_bwd ? "sm90" : "portable",
-                    r->sm90_bwd ? r->bwd_portable : r->bwd, r->bwd_mode[0], r->bwd_mode[1],
-                    r->bwd_mode[2], r->bwd_mode[3], r->bwd_mode[4], r->bwd_mode[5],
-                    r->bwd_mode[6], r->check);
+                    r->sm90_bwd ? r->bwd_portable : r->bwd, modes, r->check);
         }
     char info[512] = "skipped (--no-sdpa)";
     if (sdpa)
         run_sdpa(res, n, python, reps, warmup, info, sizeof info);
     printf("SDPA: %s\n\n", info);
     printf("| T | D | B×H | check | sm90 | fwd ms | fwd TFLOP/s | portable fwd ms | portable "
-           "fwd TFLOP/s | sm90 bwd | bwd ms | bwd TFLOP/s | portable bwd ms | bwd mode 1 ms / "
-           "TFLOP/s | bwd mode 2 ms / TFLOP/s | bwd mode 3 ms / TFLOP/s | bwd mode 4 ms / "
-           "TFLOP/s | bwd mode 5 ms / TFLOP/s | bwd mode 6 ms / TFLOP/s | bwd mode 7 ms / "
-           "TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | FLASH fwd / f+b "
-           "TFLOP/s | cuDNN fwd / f+b TFLOP/s | fwd vs FLASH / cuDNN | f+b vs FLASH / cuDNN |\n"
-           "|---:|---:|---:|---:|:---:|---:|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+           "fwd TFLOP/s | sm90 bwd | bwd ms | bwd TFLOP/s | portable bwd ms |");
+    for (int m = 1; m <= BWD_MODES; m++)
+        printf(" bwd mode %d ms / TFLOP/s |", m);
+    printf(" fwd+bwd ms | fwd+bwd TFLOP/s | FLASH fwd / f+b TFLOP/s | cuDNN fwd / f+b TFLOP/s | "
+           "fwd vs FLASH / cuDNN | f+b vs FLASH / cuDNN |\n|---:|---:|---:|---:|:---:|---:|---:|"
+           "---:|---:|:---:|---:|---:|---:|");
+    for (int m = 0; m < BWD_MODES; m++)
+        printf("---:|");
+    printf("---:|---:|---:|---:|---:|---:|\n");
     for (int i = 0; i < n; i++) {
         const shape_result *r = &res[i];
         const double f = 2.0 * r->B * r->H * (double)r->T * r->T * r->D; /* causal fwd */
-        char a[16], b[16], c[16], d[16], e[16], g[16], x[16], z[16], m1[32], m2[32], m3[32],
-            m4[32], m5[32], m6[32], m7[32];
+        char a[16], b[16], c[16], d[16], e[16], g[16], x[16], z[16], m[32];
         printf("| %d | %d | %d×%d | %.1e | %s | %.3f | %.0f | %.3f | %.0f | %s | %.3f | %.0f "
-               "| %.3f | %s | %s | %s | %s | %s | %s | %s | %.3f | %.0f | %s / %s | %s / %s | %s / %s | %s / %s |\n",
+               "| %.3f |",
                r->T, r->D, r->B, r->H, r->check, r->sm90 ? "yes" : "no", r->fwd,
                tflops(f, r->fwd), r->fwd_portable, tflops(f, r->fwd_portable),
                r->sm90_bwd ? "yes" : "no", r->bwd, tflops(2.5 * f, r->bwd),
-               r->sm90_bwd ? r->bwd_portable : r->bwd, ms_tf(m1, 2.5 * f, r->bwd_mode[0]),
-               ms_tf(m2, 2.5 * f, r->bwd_mode[1]), ms_tf(m3, 2.5 * f, r->bwd_mode[2]),
-               ms_tf(m4, 2.5 * f, r->bwd_mode[3]), ms_tf(m5, 2.5 * f, r->bwd_mode[4]),
-               ms_tf(m6, 2.5 * f, r->bwd_mode[5]), ms_tf(m7, 2.5 * f, r->bwd_mode[6]), r->fb,
+               r->sm90_bwd ? r->bwd_portable : r->bwd);
+        for (int k = 0; k < BWD_MODES; k++)
+            printf(" %s |", ms_tf(m, 2.5 * f, r->bwd_mode[k]));
+        printf(" %.3f | %.0f | %s / %s | %s / %s | %s / %s | %s / %s |\n", r->fb,
                tflops(3.5 * f, r->fb),
                tf_or_dash(a, f, &r->flash, 0), tf_or_dash(b, 3.5 * f, &r->flash, 2),
                tf_or_dash(c, f, &r->cudnn, 0), tf_or_dash(d, 3.5 * f, &r->cudnn, 2),
