@@ -113,8 +113,8 @@
  * bytes and F·Kpad/32 of scales (Kpad ≤ N + 127·G, each expert's tokens padded to 128)
  * instead of 2·N·F, and neither the bf16 write, nor the backward's token-wise pass over it
  * (moe_mlp_saved_form(): one sizing rule; `MOE_FP8_SAVE_T=0` keeps the bf16 output).
- * In that form the experts' input x is kept likewise (moe_layer_keeps_x_t(): but for ETP's
- * rows): its token-wise copy, fc1's wgrad operand, is made in the forward and kept
+ * In that form the experts' input x is kept likewise (moe_layer_keeps_x_t(): on every
+ * dispatcher, and with ETP the rows gathered over the group): its token-wise copy, fc1's wgrad operand, is made in the forward and kept
  * after the output's in the same buffer, and the permuted rows become scratch (H·Kpad·33/32
  * bytes kept instead of 2·N·H; the same bits).
  * Against the separate passes: 14·N·F bytes fewer per MoE layer of N rows (the forward's

@@ -255,15 +255,14 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
             }
             buffer(&t, "moe.shared", mul(N, mul(3, Fsl)), S,
                    "--micro-batch-size, --seq-length or --moe-shared-expert-intermediate-size");
-            if (!local) {
+            if (!local && ETP == 1) {
                 /* the expert side: at most every assignment of the EP group. Its inputs are
                  * kept as their token-wise copy in that form, by every dispatcher (the fused
-                 * NVLink one's peers then write the rows into the shared workspace), but for
-                 * ETP's rows, gathered again: those in the activation type */
+                 * NVLink one's peers then write the rows into the shared workspace) */
                 const long long rows = mul(NKl, EP);
                 const char *fix = "--micro-batch-size, --seq-length, --moe-router-topk or "
                                   "--expert-model-parallel-size";
-                if (fp8_act == MOE_MLP_SAVED_FP8_TOKEN && ETP == 1)
+                if (fp8_act == MOE_MLP_SAVED_FP8_TOKEN)
                     saved_act(&t, "expert-side inputs", rows, H, E / EP, S, fp8_act, fix);
                 else
                     buffer(&t, "expert-side inputs", mul(rows, H), S, fix);
@@ -271,11 +270,18 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
                 saved_act(&t, "expert-side SwiGLU outputs", rows, Fl, E / EP, S, fp8_act, fix);
             }
             if (ETP > 1) {
-                /* the ETP group's rows, gathered (saved: inputs, fc1 and SwiGLU outputs) */
+                /* the ETP group's rows, gathered (saved: inputs, or their token-wise copy in
+                 * that form, fc1 and SwiGLU outputs); the rows the dispatcher delivered are
+                 * scratch (moe/layer.h, moe_layer_keeps_xe()) */
                 const long long rows = mul(mul(NKl, EP), ETP);
                 const char *fix = "--micro-batch-size, --seq-length, --moe-router-topk or "
                                   "--expert-tensor-parallel-size";
-                buffer(&t, "expert-tensor-parallel rows", mul(rows, add(H, mul(2, Fl))), S, fix);
+                if (fp8_act == MOE_MLP_SAVED_FP8_TOKEN)
+                    saved_act(&t, "expert-tensor-parallel inputs", rows, H, E / EP, S, fp8_act,
+                              fix);
+                else
+                    buffer(&t, "expert-tensor-parallel inputs", mul(rows, H), S, fix);
+                buffer(&t, "expert-tensor-parallel fc1 outputs", mul(rows, mul(2, Fl)), S, fix);
                 saved_act(&t, "expert-tensor-parallel SwiGLU outputs", rows, Fl, E / EP, S,
                           fp8_act, fix);
             }

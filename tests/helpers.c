@@ -349,7 +349,7 @@ long long moe_test_compare_shards(moe_trainer *dist, moe_trainer *ref, double to
 /* Assignments routed to another expert: half the L1 distance of the two trainers' global
  * expert loads after one moe_trainer_gradients() each (0: the same routing, barring moves
  * that cancel exactly). */
-static long long routing_moves(const moe_trainer *dist, const moe_trainer *ref) {
+long long moe_test_routing_moves(const moe_trainer *dist, const moe_trainer *ref) {
     const moe_model *a = dist->model, *b = ref->model;
     const size_t n = (size_t)a->cfg.num_layers * a->cfg.num_experts;
     if (!a->load_counts || n == 0)
@@ -390,7 +390,7 @@ int moe_test_folding(moe_comm *world, const char *base, int tp, int sp, int ep,
         moe_step_stats sd, sr;
         moe_trainer_gradients(*dist, &sd);
         moe_trainer_gradients(*ref, &sr);
-        const long long moved = routing_moves(*dist, *ref);
+        const long long moved = moe_test_routing_moves(*dist, *ref);
         if (moved == 0)
             return 1;
         if (moe_comm_rank(world) == 0)

@@ -110,6 +110,13 @@ int moe_test_folding(struct moe_comm *world, const char *base, int tp, int sp, i
 long long moe_test_compare_shards(struct moe_trainer *dist, struct moe_trainer *ref, double tol,
                                   double *worst, const char **worst_name);
 
+/** Assignments routed to another expert than in @p ref, after one moe_trainer_gradients()
+ *  of each: half the L1 distance of their global expert loads (0: the same routing, barring
+ *  moves that cancel exactly). On GPU ranks bf16 partial sums (TP, ETP) can tip a near-tied
+ *  token to another expert, and then the expert gradients are not comparable.
+ *  @return the count */
+long long moe_test_routing_moves(const struct moe_trainer *dist, const struct moe_trainer *ref);
+
 /** Like moe_test_compare_shards(), with a bound for each buffer: the gradients within a
  *  relative L2 error of @p grad_tol (a negative bound skips them: e.g. under the distributed
  *  optimizer, where a rank holds only its shard of the reduced gradient), the master weights

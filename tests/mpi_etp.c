@@ -98,6 +98,15 @@ static void check_etp(int tp, int etp, int ep, const char *extra, int steps, int
     double loss_err, worst;
     const char *worst_name;
     long long bad = first_step(dist, ref, tol, &loss_err, &sd, &sr, &worst, &worst_name);
+    for (int l = 0; etp > 1 && l < md->cfg.num_layers; l++) {
+        /* the experts run on the rows gathered over the group: the layer keeps those (or
+         * their FP8 copy), not the rows the dispatcher delivered nor their outputs */
+        const moe_layer_acts *a = &md->acts[l].moe;
+        if (md->cfg.is_moe_layer[l])
+            ck_assert_msg(!a->xe && !a->gue && !a->acte && (a->etp.x || moe_model_keeps_x_t(md)),
+                          "ETP %d: layer %d keeps the expert-side rows its backward never reads",
+                          etp, l);
+    }
     MOE_TEST_AGREE(!(loss_err <= tol_loss),
                    "TP %d, ETP %d x EP %d (%s): loss %.8f vs reference %.8f (rank %d)", tp, etp,
                    ep, extra, sd.loss, sr.loss, rank);

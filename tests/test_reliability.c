@@ -635,9 +635,8 @@ END_TEST
 
 /* ... and under the FP8 wgrad (MOE_FP8_WGRAD=1, the default) with the tiled forward
  * (MOE_FP8_SAVE_T, the default): the routed experts keep the SwiGLU output as its token-wise
- * FP8 copy (codes [F][Kpad] + scales, each expert's tokens padded to 128), and on the local
- * dispatcher their input x likewise ([H][Kpad]) instead of the permuted rows, which are then
- * scratch. The estimate's bytes, the switch's latch and what the model allocates agree. */
+ * FP8 copy (codes [F][Kpad] + scales, each expert's tokens padded to 128), and their input x
+ * likewise ([H][Kpad]) instead of the rows they ran on, which are then scratch. The estimate's bytes, the switch's latch and what the model allocates agree. */
 START_TEST(test_memory_fp8_saved_token_wise) {
     moe_bench_env wg = moe_bench_env_set("MOE_FP8_WGRAD", "1");
     moe_bench_env fu = moe_bench_env_set("MOE_FP8_FUSED", "1");
@@ -655,7 +654,7 @@ START_TEST(test_memory_fp8_saved_token_wise) {
      * permuted rows were (E groups) */
     moe_memory_estimate e[2];
     fp8_saving_agrees(&c, "MOE_FP8_SAVE_T", tbytes, F + H, e);
-    /* the layer's rule: on the local dispatcher only, in the token-wise form */
+    /* the layer's rule: on every dispatcher, in the token-wise form */
     moe_backend be = *moe_backend_cpu();
     be.fp8_swiglu_forward_quant = never_swiglu_fwd_q;
     be.fp8_swiglu_backward_quant = never_swiglu_bwd_q;
@@ -672,10 +671,16 @@ START_TEST(test_memory_fp8_saved_token_wise) {
     d.permute_fusion = 0;
     d.capacity_factor = 1.0; /* the alltoall dispatcher: the expert-side rows, likewise */
     ck_assert(moe_layer_keeps_x_t(&be, &d));
+    ck_assert(!moe_layer_keeps_xe(&be, &d)); /* (so the rows there are scratch) */
     moe_tp etp_group = {0};
-    d.etp = &etp_group; /* ... but not ETP's, gathered again */
-    ck_assert(!moe_layer_keeps_x_t(&be, &d));
+    d.etp = &etp_group; /* ... and ETP's, gathered over the group */
+    ck_assert(moe_layer_keeps_x_t(&be, &d));
+    lp.fp8_save_t = 0; /* with ETP the backward reads the gathered rows, never the expert
+                        * side's, in any form */
+    ck_assert(!moe_layer_keeps_x_t(&be, &d) && !moe_layer_keeps_xe(&be, &d));
+    lp.fp8_save_t = 1;
     d.etp = NULL;
+    ck_assert(!moe_layer_keeps_xe(&be, &d) && moe_layer_keeps_x_t(&be, &d));
     d.capacity_factor = 0;
     d.experts = MOE_EXPERTS_CUBLAS;
     ck_assert(!moe_layer_keeps_x_t(&be, &d));

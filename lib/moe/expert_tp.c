@@ -17,8 +17,12 @@ static void *regrow(const moe_backend *be, void *p, size_t bytes) {
     return p;
 }
 
+void *moe_etp_x(const moe_etp_rows *r, const moe_etp_work *w) {
+    return r->x ? r->x : w->dy;
+}
+
 void moe_etp_plan(const moe_backend *be, const moe_tp *etp, moe_etp_rows *r, moe_etp_work *w,
-                  const int *off, int G, int H, int F, const moe_lowp *lp) {
+                  const int *off, int G, int H, int F, const moe_lowp *lp, int keep_x_t) {
     const int P = etp->size, S = (int)be->act_size;
     if (r->G != G || !r->counts) {
         free(r->counts);
@@ -53,10 +57,11 @@ void moe_etp_plan(const moe_backend *be, const moe_tp *etp, moe_etp_rows *r, moe
     r->rows = (size_t)r->off[G];
     const size_t rows = r->rows + 1;
     if (rows > r->cap || F > r->Fcap) {
-        r->x = regrow(be, r->x, (size_t)S * rows * H);
+        be->free(r->x);
+        r->x = keep_x_t ? NULL : regrow(be, NULL, (size_t)S * rows * H);
         r->w = regrow(be, r->w, R * rows);
         r->gu = regrow(be, r->gu, (size_t)S * rows * 2 * F);
-        r->act = regrow(be, r->act, moe_mlp_act_bytes(be, lp, rows, G, F, 0));
+        r->act = regrow(be, r->act, moe_mlp_act_bytes(be, lp, rows, G, F, keep_x_t ? H : 0));
         r->cap = rows;
         r->Fcap = F;
     }

@@ -54,7 +54,8 @@ typedef struct moe_etp_rows {
     size_t rows;      /**< gathered rows, off[G] */
     size_t cap;       /**< rows allocated below */
     int Fcap;         /**< the width F they were allocated for */
-    void *x;          /**< [cap,H] the gathered inputs */
+    void *x;          /**< [cap,H] the gathered inputs, or NULL where the experts keep their
+                           token-wise FP8 copy instead (moe_etp_plan()'s keep_x_t) */
     moe_real *w;      /**< [cap] their routing weights */
     void *gu;         /**< [cap,2F] fc1 outputs (F = this rank's slice) */
     void *act;        /**< [cap,F] SwiGLU outputs × routing weight (cap rows of act_row bytes:
@@ -84,9 +85,20 @@ typedef struct moe_etp_work {
  * @param G local experts @param H hidden size @param F this rank's slice of the expert width
  * @param lp the low-precision context or NULL: r->act's size is moe_mlp_act_bytes() of the
  *        rows and G (F activation elements a row, or chapter 05's FP8 codes and scales)
+ * @param keep_x_t 1: the experts keep the gathered inputs as their token-wise FP8 copy, after
+ *        the SwiGLU output's in r->act (moe_groups::keep_x_t, moe_layer_keeps_x_t()); r->x is
+ *        then not allocated, and the forward gathers the inputs into the scratch w->dy, free
+ *        until the backward's output gradients (moe_etp_x())
  */
 void moe_etp_plan(const moe_backend *be, const moe_tp *etp, moe_etp_rows *r, moe_etp_work *w,
-                  const int *off, int G, int H, int F, const moe_lowp *lp);
+                  const int *off, int G, int H, int F, const moe_lowp *lp, int keep_x_t);
+
+/**
+ * @brief Where the forward gathers the inputs: r->x where the layer keeps them for its
+ *        backward, else the scratch w->dy (moe_etp_plan()'s keep_x_t).
+ * @param r the layer's rows @param w the scratch @return [r->rows,H] activation rows
+ */
+void *moe_etp_x(const moe_etp_rows *r, const moe_etp_work *w);
 
 /**
  * @brief All-gather rows over the ETP group, expert-major (collective): @p dst [r->rows, C]

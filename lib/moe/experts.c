@@ -36,8 +36,9 @@ void moe_expert_rows_reserve(const moe_backend *be, const moe_layer_dims *d, moe
                              moe_layer_workspace *ws, const moe_dispatch_plan *pl, size_t rows) {
     const size_t S = be->act_size, H = d->H, F = d->F;
     const int fused = pl && pl->fused, x_t = moe_layer_keeps_x_t(be, d);
-    if (fused) { /* (x's rows in ws->dye where the layer keeps their FP8 copy) */
-        a->xe = x_t ? NULL : moe_dispatch_sym_rows(d->ep, pl, &a->xe_sym, S * H);
+    const int keep_xe = moe_layer_keeps_xe(be, d), etp = d->etp != NULL;
+    if (fused) { /* (the rows in ws->dye where the layer does not keep them) */
+        a->xe = keep_xe ? moe_dispatch_sym_rows(d->ep, pl, &a->xe_sym, S * H) : NULL;
         a->we = moe_dispatch_sym_rows(d->ep, pl, &a->we_sym, R);
         ws->ye = moe_dispatch_sym_rows(d->ep, pl, &ws->ye_sym, S * H);
         ws->dye = moe_dispatch_sym_rows(d->ep, pl, &ws->dye_sym, S * H);
@@ -48,15 +49,19 @@ void moe_expert_rows_reserve(const moe_backend *be, const moe_layer_dims *d, moe
          * the workspace's scratch (ws->dye, grown below; layer.h, moe_layer_xe()) */
         if (!fused) {
             be->free(a->xe);
-            a->xe = x_t ? NULL : regrow(be, NULL, S * rows * H);
+            a->xe = keep_xe ? regrow(be, NULL, S * rows * H) : NULL;
             a->we = regrow(be, a->we, R * rows);
         }
-        a->gue = regrow(be, a->gue, S * rows * 2 * F);
         /* (the token-wise form pads each local expert's tokens: bounded by d->E; x's copy
-         * after the output's with moe_layer_keeps_x_t()) */
-        a->acte = regrow(be, a->acte, moe_mlp_act_bytes(be, d->lowp, rows,
-                                                        pl ? pl->E_local : d->E, (int)F,
-                                                        x_t ? (int)H : 0));
+         * after the output's with moe_layer_keeps_x_t(). With ETP the experts' outputs are
+         * the gathered rows': moe_etp_plan() allocates them) */
+        be->free(a->gue);
+        be->free(a->acte);
+        a->gue = etp ? NULL : regrow(be, NULL, S * rows * 2 * F);
+        a->acte = etp ? NULL
+                      : regrow(be, NULL, moe_mlp_act_bytes(be, d->lowp, rows,
+                                                           pl ? pl->E_local : d->E, (int)F,
+                                                           x_t ? (int)H : 0));
         a->e_rows = rows;
     }
     if (rows > ws->e_rows) {
@@ -112,12 +117,14 @@ static expert_rows rows_of(const moe_layer_dims *d, const moe_layer_acts *a,
 }
 
 /* With ETP (expert_tp.h): the same rows of the whole ETP group, gathered expert-major, and
- * their scratch. The outputs' buffer takes the input gradients in the backward, as above. */
-static expert_rows etp_rows_of(const moe_layer_acts *a, moe_layer_workspace *ws) {
+ * their scratch. The outputs' buffer takes the input gradients in the backward, as above;
+ * the forward gathers the inputs into scratch where the layer keeps their FP8 copy
+ * (moe_etp_x()) */
+static expert_rows etp_rows_of(const moe_layer_acts *a, moe_layer_workspace *ws, int forward) {
     const moe_etp_rows *g = &a->etp;
     const moe_etp_work *w = &ws->etp;
-    return (expert_rows){g->x, g->w, g->gu, g->act, w->y, w->dy, w->y, w->dw,
-                         w->dh, w->dgu, g->off, g->G, g->rows};
+    return (expert_rows){forward ? moe_etp_x(g, w) : g->x, g->w, g->gu, g->act, w->y, w->dy,
+                         w->y, w->dw, w->dh, w->dgu, g->off, g->G, g->rows};
 }
 
 /* The groups of step 4. Our grouped kernel reads the offsets from device memory: the
@@ -172,8 +179,9 @@ void moe_experts_forward(const moe_backend *be, const moe_layer_dims *d, moe_lay
     expert_rows r = here;
     if (d->etp) { /* every rank of the ETP group on the rows of all of them (expert_tp.h) */
         MOE_ASSERT(expert_side);
-        moe_etp_plan(be, d->etp, &a->etp, &ws->etp, here.off, here.G, H, F, d->lowp);
-        r = etp_rows_of(a, ws);
+        moe_etp_plan(be, d->etp, &a->etp, &ws->etp, here.off, here.G, H, F, d->lowp,
+                     moe_layer_keeps_x_t(be, d));
+        r = etp_rows_of(a, ws, 1);
         moe_etp_gather(be, d->etp, &a->etp, &ws->etp, (void *)r.x, here.x, H, 0);
         moe_etp_gather(be, d->etp, &a->etp, &ws->etp, (void *)r.w, here.w, 1, 1);
     }
@@ -212,7 +220,7 @@ void moe_experts_backward(const moe_backend *be, const moe_layer_dims *d, const 
     const expert_rows here = rows_of(d, a, ws, x, expert_side, 0);
     expert_rows r = here;
     if (d->etp) { /* the output gradients of the whole ETP group's rows (the forward's plan) */
-        r = etp_rows_of(a, ws);
+        r = etp_rows_of(a, ws, 0);
         moe_etp_gather(be, d->etp, &a->etp, &ws->etp, (void *)r.dy, here.dy, H, 0);
     }
     /* the loop adds into the input gradients expert by expert; the grouped paths

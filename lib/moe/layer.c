@@ -37,10 +37,10 @@ int moe_layer_keeps_x_t(const moe_backend *be, const moe_layer_dims *d) {
     const moe_dispatcher *dp = dispatcher_of(d);
     /* the rows the experts run on: the local dispatcher's permuted rows (not under the fused
      * permutation, which reads the tokens themselves), or the expert-side rows a dispatcher
-     * filled, but for ETP's (gathered again, expert_tp.h). The fused NVLink dispatcher's
+     * filled (with ETP: gathered over the group, expert_tp.h). The fused NVLink dispatcher's
      * peers then write into the workspace's shared dye: its kernels open with a barrier
      * that waits for every peer's queued reads of the buffer (dispatch_nvlink.cu) */
-    const int rows_ok = dp == &moe_dispatcher_local ? !d->permute_fusion : !d->etp;
+    const int rows_ok = dp == &moe_dispatcher_local ? !d->permute_fusion : 1;
     return rows_ok && d->experts == MOE_EXPERTS_KERNEL &&
            moe_mlp_saved_form(be, d->lowp) == MOE_MLP_SAVED_FP8_TOKEN;
 }
@@ -57,6 +57,10 @@ static int local_rows(const moe_layer_dims *d) {
  * dispatcher only sends them (the experts keep the rows they received) */
 static int keeps_xp(const moe_backend *be, const moe_layer_dims *d) {
     return local_rows(d) && !moe_layer_keeps_x_t(be, d);
+}
+
+int moe_layer_keeps_xe(const moe_backend *be, const moe_layer_dims *d) {
+    return !d->etp && !moe_layer_keeps_x_t(be, d);
 }
 
 void *moe_layer_xp(const moe_layer_acts *a, const moe_layer_workspace *ws) {

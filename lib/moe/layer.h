@@ -172,11 +172,12 @@ typedef struct moe_layer_acts {
     moe_dispatch_plan plan; /**< how the tokens travelled */
     size_t e_rows;        /**< rows allocated on the expert side */
     void *xe;             /**< [e_rows,H] tokens at the local experts, where the backward
-                               reads them (not with moe_layer_keeps_x_t(): NULL, and the
+                               reads them (moe_layer_keeps_xe(); else NULL, and the
                                dispatcher writes them to scratch, moe_layer_xe()) */
     moe_real *we;         /**< [e_rows] their routing weights */
-    void *gue;            /**< [e_rows,2F] expert fc1 outputs */
-    void *acte;           /**< [e_rows,F] expert SwiGLU outputs × routing weight */
+    void *gue;            /**< [e_rows,2F] expert fc1 outputs (NULL with ETP: a->etp.gu) */
+    void *acte;           /**< [e_rows,F] expert SwiGLU outputs × routing weight (NULL with
+                               ETP: a->etp.act) */
     moe_sym_buf xe_sym;   /**< the fused dispatcher: xe in memory the EP group shares
                                (unused with moe_layer_keeps_x_t(): the rows go to dye_sym) */
     moe_sym_buf we_sym;   /**< the fused dispatcher: we, likewise */
@@ -247,9 +248,10 @@ int moe_layer_permuted_rows(const moe_layer_dims *d);
 /**
  * @brief Whether the layer keeps its experts' input as chapter 05's token-wise FP8 copy
  *        (moe_groups::keep_x_t) instead of the rows themselves: the permuted rows a->xp of
- *        the local dispatcher (without the fused permutation) or the expert-side rows a->xe
- *        of every other dispatcher (the fused NVLink one's peers then write them into the
- *        workspace's shared dye_sym), but ETP's, gathered again; our grouped kernel, and the
+ *        the local dispatcher (without the fused permutation) or the expert-side rows of
+ *        every other dispatcher (the fused NVLink one's peers then write them into the
+ *        workspace's shared dye_sym; with ETP the rows gathered over the group, a->etp.x,
+ *        moe_etp_plan()'s keep_x_t); our grouped kernel, and the
  *        saved form ::MOE_MLP_SAVED_FP8_TOKEN (the native FP8 experts' fused passes under
  *        the FP8 wgrad with the tiled SwiGLU forward). Then fc1's wgrad reads the copy, made
  *        in the forward (H·Kpad·33/32 bytes, Kpad the rows padded per expert to 128, against
@@ -258,6 +260,17 @@ int moe_layer_permuted_rows(const moe_layer_dims *d);
  *        layers' buffers) @return 1 or 0
  */
 int moe_layer_keeps_x_t(const moe_backend *be, const moe_layer_dims *d);
+
+/**
+ * @brief Whether the layer keeps the tokens at its experts (a->xe) for its backward: not
+ *        where it keeps their FP8 copy (moe_layer_keeps_x_t()), nor with ETP, whose backward
+ *        reads the rows gathered over the group (a->etp.x) instead. Then the dispatcher
+ *        writes them into the workspace's dye (moe_layer_xe()). With ETP the expert-side fc1
+ *        and SwiGLU outputs (a->gue, a->acte) are not allocated either: the experts' outputs
+ *        are those of the gathered rows (a->etp.gu, a->etp.act).
+ * @param be backend @param d dims @return 1 or 0
+ */
+int moe_layer_keeps_xe(const moe_backend *be, const moe_layer_dims *d);
 
 /**
  * @brief Where the forward writes the permuted inputs: a->xp where the layer keeps them for
