@@ -554,7 +554,8 @@ END_TEST
  *    layer keeps neither them nor the rows the dispatcher delivered.
  * Against MOE_FP8_SAVE_T=0 (the bf16 rows kept, the copies made in the backward: the same
  * bits, lowp.h) the loss and every gradient agree bit for bit, and both equal one process
- * within check_ep's bounds. Needs GPU ranks (the fused cases: that share memory) and our
+ * within check_ep's bounds (under ETP the gradients within 1e-1: test_etp_fp8_blockwise in
+ * tests/mpi_etp.c says why). Needs GPU ranks (the fused cases: that share memory) and our
  * native FP8 experts (Hopper). */
 #define FP8_FUSED "--num-layers 3 --hidden-size 128 --num-attention-heads 4 --num-query-groups 4 " \
                   "--seq-length 16 --micro-batch-size 2 --num-experts 8 --moe-router-topk 2 "     \
@@ -655,21 +656,12 @@ START_TEST(test_ep_fp8_keeps_x_t) {
               rank);
         double worst;
         const char *worst_name;
-        const long long bad = moe_test_compare_shards(kept, ref, 2e-2, &worst, &worst_name);
-        /* KNOWN ISSUE, not this test's subject: blockwise FP8 under ETP gives gradients up to
-         * 5 % away from one process's (the input gradient of the MoE layer: with only the
-         * last layer MoE, the first layer's attention weights are 4 % off), where bf16 under
-         * ETP and FP8 under EP agree within 2e-2 (H100, 2026-11-28). Reported, not asserted,
-         * until it is understood; the bit-for-bit comparison above is asserted. */
-        if (etp) { /* (every rank takes the same branch: AGREE is collective) */
-            if (bad && rank == 0)
-                printf("  KNOWN ISSUE: FP8 under %s: %lld tensors differ from one process "
-                       "beyond 2e-2 (rank 0: worst %s, rel %.2e)\n", cases[ci].name, bad,
-                       worst_name, worst);
-        } else {
-            AGREE(bad, "%s, FP8: %lld tensors differ from one process (rank %d: worst %s, "
-                  "rel %.2e)", cases[ci].name, bad, rank, worst_name, worst);
-        }
+        /* under ETP on GPU ranks the bf16 partial sums, amplified by FP8 rounding, need a
+         * looser bound (tests/mpi_etp.c, test_etp_fp8_blockwise, says why) */
+        const double tol = etp ? 1e-1 : 2e-2;
+        const long long bad = moe_test_compare_shards(kept, ref, tol, &worst, &worst_name);
+        AGREE(bad, "%s, FP8: %lld tensors differ from one process beyond %.0e (rank %d: worst "
+              "%s, rel %.2e)", cases[ci].name, bad, tol, rank, worst_name, worst);
         if (rank == 0)
             printf("  FP8 on %s, EP %d x ETP %d: x kept as its FP8 copy = its rows kept, bit "
                    "for bit (loss %.6f, dropped %lld) = one process (%.6f)\n", cases[ci].name,
