@@ -30,7 +30,8 @@
  *               op's 1×128 path; a batch of expert weights with their transposes);
  *   MXFP8       one warp per 32-element block, one element per lane;
  *   NVFP4       nvfp4_amax_kernel (per 16-element group, after the optional Hadamard
- *               transform), nvfp4_scalars_kernel (which also advances the stochastic rounding's draw counter), then nvfp4_kernel: one thread per group, 256
+ *               transform), nvfp4_scalars_kernel (which also advances the stochastic
+ *               rounding's draw counter), then nvfp4_kernel: one thread per group, 256
  *               threads = 16 rows × 16 groups, laid out so that the 16 rows of a 16×16 block
  *               are one half-warp (the 2D block amax is a 4-step shuffle).
  * Everything is enqueued on moe_cuda_stream(); nothing waits for the device, and the scales
@@ -290,10 +291,10 @@ static __global__ void block1x128_vec_kernel(uint8_t *q, float *scale_inv, moe_b
  * (MOE_QUANT_1X128_DEFAULT = 3, cuda_ops.h; MOE_QUANT_VEC=2 or
  * moe_cuda_quant_1x128_set_kernel(2) runs it with the software encoder, =1 the vectorized
  * kernel below). STATUS: byte for byte the CPU twin and the older kernels on an H100 at
- * 27db17a (tests/gpu_fp8_fused.c, gpu_quant.c, gpu_fp8_layer.c). The vectorized kernel above moves ~1.3 TB/s on an H100 (Qwen3-235B's permuted x,
- * 65536 × 4096 bf16 with its dequantized copy: 1.05 ms) where a copy of its bytes runs
- * ~3 TB/s. Its grid is not the limit (1024 blocks of 8 warps: more than the 6 blocks an SM
- * holds at its 37 registers), nor only its 16 bytes in flight a lane: per element it spends
+ * 27db17a (tests/gpu_fp8_fused.c, gpu_quant.c, gpu_fp8_layer.c). The vectorized kernel above
+ * moves ~1.3 TB/s on an H100 (Qwen3-235B's permuted x, 65536 × 4096 bf16 with its
+ * dequantized copy: 1.05 ms) where a copy of its bytes runs ~3 TB/s. Its grid is not the
+ * limit (1024 blocks of 8 warps: more than the 6 blocks an SM holds at its 37 registers), nor only its 16 bytes in flight a lane: per element it spends
  * some forty integer operations on the general encoder (moe_q_encode, the format a runtime
  * value, so both formats' code is there) and about twenty more on the general decoder for
  * the copy, with Hopper's integer pipe at half the fp32 rate: about the time the pass takes.
@@ -707,7 +708,8 @@ static __global__ void blockwise_t_kernel(uint8_t *q, float *scale_inv, uint8_t 
         const float scale = moe_q_scale_from_amax(moe_q_key_amax(m), fmax, pow2);
         for (int i = threadIdx.x; i < B * B; i += THREADS) {
             const int r = i / B, c = i % B; /* x's row-major order */
-            q[(size_t)(r0 + r) * cols + c0 + c] = moe_q_cast_scaled(tile[r * TILE_LD + c], scale, f);
+            q[(size_t)(r0 + r) * cols + c0 + c] =
+                moe_q_cast_scaled(tile[r * TILE_LD + c], scale, f);
             const int ct = i / B, rt = i % B; /* xᵀ's row-major order */
             qt[(size_t)(c0 + ct) * rows + r0 + rt] =
                 moe_q_cast_scaled(tile[rt * TILE_LD + ct], scale, f);

@@ -101,7 +101,8 @@ static MPI_Datatype mpi_type(moe_dtype t) {
 /* The type for a sum: MPI has no bfloat16 (comm.c already refused sums of bytes). */
 static MPI_Datatype mpi_sum_type(moe_dtype t, const char *what) {
     if (t == MOE_DTYPE_BF16)
-        moe_comm_fatal(NULL, "%s: sums of %s are not supported on the MPI transport (use F32 or F64)",
+        moe_comm_fatal(NULL,
+                       "%s: sums of %s are not supported on the MPI transport (use F32 or F64)",
                        what, moe_comm_dtype_name(t));
     return mpi_type(t);
 }
@@ -473,7 +474,8 @@ static const moe_comm_transport g_mpi = {
     .start = mpi_start, .split = mpi_split, .shape = mpi_shape, .free = mpi_free,
     .abort = mpi_abort,
     /* transport buffers */
-    .all_reduce_sum = mpi_all_reduce_sum, .all_reduce_max = mpi_all_reduce_max, .all_gather = mpi_all_gather,
+    .all_reduce_sum = mpi_all_reduce_sum, .all_reduce_max = mpi_all_reduce_max,
+    .all_gather = mpi_all_gather,
     .all_gather_v = mpi_all_gather_v, .reduce_scatter_sum = mpi_reduce_scatter_sum,
     .all_to_all_v = mpi_all_to_all_v, .exchange = mpi_exchange,
     .exchange_start = mpi_exchange_start, .exchange_finish = mpi_exchange_finish, .send = mpi_send,

@@ -42,8 +42,9 @@
  * routed experts' under the FP8 wgrad (lib/fp8_wgrad.h; blockwise's default,
  * `MOE_FP8_WGRAD=0` turns it off), tiled along each expert's tokens. (With power-of-two
  * scales the two tilings give different values only where an element falls into the
- * subnormals of its block: E4M3's relative precision does not depend on the scale.) NVFP4's wgrad is the other exception: it quantizes dy and x along the
- * tokens with the random Hadamard transform (moe_lowp_wgrad(), TransformerEngine's
+ * subnormals of its block: E4M3's relative precision does not depend on the scale.) NVFP4's
+ * wgrad is the other exception: it quantizes dy and x along the tokens with the random
+ * Hadamard transform (moe_lowp_wgrad(), TransformerEngine's
  * NVFP4BlockScaling; off with `--fp4-disable-rht`), so dW = Q_t(dy)ᵀ·Q_t(x) there, a second
  * quantization of dy.
  *
@@ -114,9 +115,9 @@
  * instead of 2·N·F, and neither the bf16 write, nor the backward's token-wise pass over it
  * (moe_mlp_saved_form(): one sizing rule; `MOE_FP8_SAVE_T=0` keeps the bf16 output).
  * In that form the experts' input x is kept likewise (moe_layer_keeps_x_t(): on every
- * dispatcher, and with ETP the rows gathered over the group): its token-wise copy, fc1's wgrad operand, is made in the forward and kept
- * after the output's in the same buffer, and the permuted rows become scratch (H·Kpad·33/32
- * bytes kept instead of 2·N·H; the same bits).
+ * dispatcher, and with ETP the rows gathered over the group): its token-wise copy, fc1's
+ * wgrad operand, is made in the forward and kept after the output's in the same buffer, and
+ * the rows become scratch (H·Kpad·33/32 bytes kept instead of 2·N·H; the same bits).
  * Against the separate passes: 14·N·F bytes fewer per MoE layer of N rows (the forward's
  * re-read of the output, 2·N·F; the backward's zeroing of dgu, the SwiGLU's read of it and
  * the quantizer's, 4·N·F each) and two launches; the same bits (tests/gpu_fp8_fused.c,

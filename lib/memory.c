@@ -188,15 +188,13 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
             out->weight_bytes = add(out->weight_bytes, fp8_copy_bytes(n[i]));
     }
     /* ... and the fused passes keep the routed experts' SwiGLU outputs as FP8 codes and
-     * scales, in buffers of that size (lib/mlp.c, moe_mlp_saved_form(), moe_mlp_act_bytes()):
-     * the same rule on a bf16 backend (the CUDA one; the CPU has no fused passes), from the
-     * switches as the model will read them: row-wise codes with the FP8 wgrad off, its
-     * token-wise copy under it (MOE_FP8_SAVE_T). On a GPU that is not sm_90 they stay bf16,
-     * where the FP8 weights above are not made: the two errors go opposite ways. */
-    const moe_mlp_saved fp8_act = !(fp8_native && lowp.fp8_fused && S == 2) ? MOE_MLP_SAVED_ACT
-                                  : !lowp.fp8_wgrad                       ? MOE_MLP_SAVED_FP8_ROW
-                                  : lowp.fp8_save_t                       ? MOE_MLP_SAVED_FP8_TOKEN
-                                                                          : MOE_MLP_SAVED_ACT;
+     * scales, in buffers of that size (lib/mlp.c, moe_mlp_act_bytes()): moe_mlp_saved_form()'s rule
+     * (moe_mlp_saved_form_of()) on a bf16 backend (the CUDA one; the CPU has no fused passes), from
+     * the switches as the model will read them: row-wise codes with the FP8 wgrad off, its
+     * token-wise copy under it (MOE_FP8_SAVE_T). On a GPU that is not sm_90 they stay bf16, where
+     * the FP8 weights above are not made: the two errors go opposite ways. */
+    const moe_mlp_saved fp8_act = moe_mlp_saved_form_of(fp8_native && lowp.fp8_fused && S == 2,
+                                                        lowp.fp8_wgrad, lowp.fp8_save_t);
     out->grad_bytes = mul(P, Rb);
     out->optim_bytes = mul(P, 8);
     out->param_bytes = add(add(out->weight_bytes, out->grad_bytes), out->optim_bytes);

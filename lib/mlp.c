@@ -354,15 +354,20 @@ static int fp8_fused_passes(const moe_backend *be, const moe_lowp *lp) {
            be->fp8_swiglu_backward_quant && be->fp8_dequant_act;
 }
 
-moe_mlp_saved moe_mlp_saved_form(const moe_backend *be, const moe_lowp *lp) {
-    if (!fp8_fused_passes(be, lp))
+moe_mlp_saved moe_mlp_saved_form_of(int fused_passes, int fp8_wgrad, int tiled_forward) {
+    if (!fused_passes)
         return MOE_MLP_SAVED_ACT;
-    if (!lp->fp8_wgrad) /* fc2's bf16 wgrad dequantizes the forward's row-wise codes */
+    if (!fp8_wgrad) /* fc2's bf16 wgrad dequantizes the forward's row-wise codes */
         return MOE_MLP_SAVED_FP8_ROW;
     /* the FP8 wgrad reads the token-wise copy: written by the tiled forward, or else made in
      * the backward from the bf16 output, which is then what is kept */
-    return lp->fp8_save_t && be->fp8_swiglu_forward_quant_t ? MOE_MLP_SAVED_FP8_TOKEN
-                                                            : MOE_MLP_SAVED_ACT;
+    return tiled_forward ? MOE_MLP_SAVED_FP8_TOKEN : MOE_MLP_SAVED_ACT;
+}
+
+moe_mlp_saved moe_mlp_saved_form(const moe_backend *be, const moe_lowp *lp) {
+    const int fused = fp8_fused_passes(be, lp);
+    return moe_mlp_saved_form_of(fused, fused && lp->fp8_wgrad,
+                                 fused && lp->fp8_save_t && be->fp8_swiglu_forward_quant_t);
 }
 
 int moe_mlp_fp8_saves_codes(const moe_backend *be, const moe_lowp *lp) {

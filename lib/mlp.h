@@ -190,6 +190,18 @@ typedef enum moe_mlp_saved {
 moe_mlp_saved moe_mlp_saved_form(const moe_backend *be, const moe_lowp *lp);
 
 /**
+ * @brief moe_mlp_saved_form()'s rule on its three conditions, for callers that have no
+ *        backend yet (the memory estimate, lib/memory.c, decides from the flags alone).
+ * @param fused_passes the fused passes run (moe_mlp_saved_form(): the native path, the
+ *        latched switch, the backend's ops)
+ * @param fp8_wgrad the FP8 wgrad is on (@p lp->fp8_wgrad)
+ * @param tiled_forward the tiled SwiGLU forward writes the token-wise copy (@p lp->fp8_save_t
+ *        and the backend's op)
+ * @return the form
+ */
+moe_mlp_saved moe_mlp_saved_form_of(int fused_passes, int fp8_wgrad, int tiled_forward);
+
+/**
  * @brief Whether the saved SwiGLU outputs are FP8 (either form of moe_mlp_saved_form()).
  * @param be backend  @param lp the context (NULL: 0)
  * @return 1 when the saved SwiGLU outputs are FP8 codes

@@ -79,7 +79,8 @@ static int same_bytes(const char *what, const void *dev, const void *host, size_
 static float *gen(size_t n, uint64_t stream, int kind) {
     float *x = hpoison(n * sizeof(float));
     for (size_t i = 0; i < n; i++)
-        x[i] = (float)(moe_rng_normal(91, stream, i) * exp2(30.0 * (moe_rng_uniform(92, stream, i) - 0.5)));
+        x[i] = (float)(moe_rng_normal(91, stream, i) *
+                       exp2(30.0 * (moe_rng_uniform(92, stream, i) - 0.5)));
     for (size_t i = 0; n >= 1024 && i < 128; i++)
         x[i] = 0.0f;
     const float special[] = {464.0f, 2.5f, 0.75f, 61440.0f, 1e-40f, -1e-44f, 0.015625f * 1.5f};
@@ -210,12 +211,13 @@ START_TEST(test_gpu_quant_blockwise_t) {
                 const int R = shapes[sh][0], C = shapes[sh][1], p2 = (sh + f) % 2;
                 const size_t n = (size_t)R * C;
                 const moe_quant_recipe rc = b2 ? MOE_QUANT_BLOCK_128X128 : MOE_QUANT_BLOCK_1X128;
-                const size_t ns = moe_quant_scale_count(rc, R, C), nt = moe_quant_scale_count(rc, C, R);
+                const size_t ns = moe_quant_scale_count(rc, R, C);
+                const size_t nt = moe_quant_scale_count(rc, C, R);
                 float *x = gen(n, 250 + sh, sh == 2 ? 1 : 0);
                 float *si = hpoison(ns * 4), *sit = hpoison(nt * 4);
                 uint8_t *q = hpoison(n), *qt = hpoison(n);
-                ck_assert_int_eq(moe_cpu_quant_blockwise_t(q, si, qt, sit, x, R, C, f, b2, p2, &err),
-                                 MOE_OK);
+                ck_assert_int_eq(
+                    moe_cpu_quant_blockwise_t(q, si, qt, sit, x, R, C, f, b2, p2, &err), MOE_OK);
                 float *dx = dcopy(x, n * 4);
                 /* the 128×128 recipe by both kernels (MOE_QUANT_WEIGHT=0: the first one),
                  * each into fresh poisoned outputs; block2d_t_kernel counted */
@@ -751,17 +753,17 @@ static void grouped_case_free(grouped_case *c) {
 }
 
 /* Our sm_90a FP8 grouped GEMM (kernels/grouped_gemm_fp8_sm90.cu) against its CPU twin
- * (moe_cpu_fp8_grouped_gemm: the same codes and scales dequantized, fp32 GEMM per group), on
- * ragged groups: empty ones, a single row, sizes around the 64-row warpgroup and 128-row tile
- * boundaries, a last group ending inside a warpgroup's rows, N not a multiple of the 128-column
- * tile or weight block, and a case with more tiles than SMs and more k-blocks than pipeline
- * stages (the ring wraps within and across tiles); both variants of the kernel (the consumer
- * warpgroups issuing their MMAs together or in turn), bf16 and fp32 D. D is poisoned first (0xAB bytes) and every
- * element is compared: a row or column the kernel forgets is off by O(1e38).
- * Tolerance per element relative to S = Σ_k |a_k·b_k| (as the dense GEMM's test): 5e-3 with
- * bf16 D (its rounding, 2⁻⁹·|D|), 2e-3 with fp32 D; and the Frobenius relative error
- * ||gpu − cpu|| / ||cpu|| ≤ 1e-2. The scales are applied per 128-deep K block in fp32 (the
- * promotion), so fp32 D is expected far inside its bound. */
+ * (moe_cpu_fp8_grouped_gemm: the same codes and scales dequantized, fp32 GEMM per group), on ragged
+ * groups: empty ones, a single row, sizes around the 64-row warpgroup and 128-row tile boundaries,
+ * a last group ending inside a warpgroup's rows, N not a multiple of the 128-column tile or weight
+ * block, and a case with more tiles than SMs and more k-blocks than pipeline stages (the ring wraps
+ * within and across tiles); both variants of the kernel (the consumer warpgroups issuing their MMAs
+ * together or in turn), bf16 and fp32 D. D is poisoned first (0xAB bytes) and every element is
+ * compared: a row or column the kernel forgets is off by O(1e38). Tolerance per element relative to
+ * S = Σ_k |a_k·b_k| (as the dense GEMM's test): 5e-3 with bf16 D (its rounding, 2⁻⁹·|D|), 2e-3 with
+ * fp32 D; and the Frobenius relative error ||gpu − cpu|| / ||cpu|| ≤ 1e-2. The scales are
+ * applied per 128-deep K block in fp32 (the promotion), so fp32 D is expected far inside its
+ * bound. */
 START_TEST(test_gpu_fp8_grouped_gemm) {
     if (!moe_cuda_grouped_sm90_available()) {
         printf("  FP8 grouped GEMM: skipped: not a Hopper GPU (our kernel is sm_90a only)\n");

@@ -70,7 +70,8 @@ static void check_ep(const char *extra, int ep, int force) {
         return;
     char flags[1024];
     /* two micro-batches per rank */
-    snprintf(flags, sizeof flags, EP_SMALL "--global-batch-size %d --expert-model-parallel-size %d %s",
+    snprintf(flags, sizeof flags,
+             EP_SMALL "--global-batch-size %d --expert-model-parallel-size %d %s",
              2 * 2 * W, ep, extra);
     moe_trainer *dist = make(flags, world);
     snprintf(flags, sizeof flags, EP_SMALL "--global-batch-size %d %s", 2 * 2 * W, extra);
@@ -180,7 +181,8 @@ END_TEST
 static long long grads_differ(const moe_trainer *a, const moe_trainer *b) {
     const size_t n = moe_model_num_params(a->model);
     ck_assert_int_eq((long long)n, (long long)moe_model_num_params(b->model));
-    moe_real *ga = malloc(sizeof(moe_real) * (n ? n : 1)), *gb = malloc(sizeof(moe_real) * (n ? n : 1));
+    moe_real *ga = malloc(sizeof(moe_real) * (n ? n : 1));
+    moe_real *gb = malloc(sizeof(moe_real) * (n ? n : 1));
     ck_assert(ga && gb);
     a->model->be->to_host(ga, a->model->grads, sizeof(moe_real) * n);
     b->model->be->to_host(gb, b->model->grads, sizeof(moe_real) * n);
@@ -378,7 +380,8 @@ START_TEST(test_ep_graph_replay_equals_eager) {
     const char *scopes[] = {"layer", "full_iteration"};
     for (int i = 0; i < 2; i++) {
         char flags[1024], graphed[1100];
-        snprintf(flags, sizeof flags, EP_GPU "--global-batch-size %d --expert-model-parallel-size %d",
+        snprintf(flags, sizeof flags,
+                 EP_GPU "--global-batch-size %d --expert-model-parallel-size %d",
                  8 * W, W);
         snprintf(graphed, sizeof graphed, "%s --cuda-graph-scope %s", flags, scopes[i]);
         moe_trainer *te = make(flags, world), *tg = make(graphed, world);
@@ -422,21 +425,21 @@ START_TEST(test_ep_graph_replay_equals_eager) {
 END_TEST
 
 /* Chapter 05's FP8 dispatch (--moe-fp8-dispatch, dispatch_alltoall.c): under --fp8-recipe
- * blockwise the tokens cross the all-to-all as 1×128 codes and fp32 scales. Quantization per
- * row commutes with moving rows, so against the tokens travelling in the activation type
- * (--moe-fp8-dispatch off) the loss and every gradient are the same bit for bit, and both
- * equal one process (check_ep's bounds) — with the bf16 wgrad (MOE_FP8_WGRAD=0), whose x is
- * the row-wise QDQ'd value either way. Under the FP8 wgrad (blockwise's default) the experts'
- * wgrad quantizes x again along the tokens: from the received codes' values with the FP8
- * dispatch, from x itself without (DeepSeek-V3's FP8 dispatch quantizes twice too). So there
- * the loss is still the same bit for bit (the forward), and a few of the routed experts'
- * weight gradients differ in the last bits: with power-of-two scales the two tilings give
- * other values only where an element falls into its block's subnormals (lowp.h). Both runs
- * still equal one process within check_ep's bounds. One micro-batch per rank, so the layer's
- * last plan is the step's and the bytes the EP group counted are exact: the activation-type run moves
- * 2(S+R)·H·s + (S+R)·r per MoE layer (S, R: rows sent to / received from the other ranks;
- * the chapter 04 bytes model), the FP8 run S·(H·s − H − 4·H/128) fewer (only the forward's
- * tokens are quantized: the combine and the whole backward stay in the activation type). */
+ * blockwise the tokens cross the all-to-all as 1×128 codes and fp32 scales. Quantization per row
+ * commutes with moving rows, so against the tokens travelling in the activation type
+ * (--moe-fp8-dispatch off) the loss and every gradient are the same bit for bit, and both equal one
+ * process (check_ep's bounds) — with the bf16 wgrad (MOE_FP8_WGRAD=0), whose x is the row-wise
+ * QDQ'd value either way. Under the FP8 wgrad (blockwise's default) the experts' wgrad quantizes x
+ * again along the tokens: from the received codes' values with the FP8 dispatch, from x itself
+ * without (DeepSeek-V3's FP8 dispatch quantizes twice too). So there the loss is still the same bit
+ * for bit (the forward), and a few of the routed experts' weight gradients differ in the last bits:
+ * with power-of-two scales the two tilings give other values only where an element falls into its
+ * block's subnormals (lowp.h). Both runs still equal one process within check_ep's bounds. One
+ * micro-batch per rank, so the layer's last plan is the step's and the bytes the EP group counted
+ * are exact: the activation-type run moves 2(S+R)·H·s + (S+R)·r per MoE layer (S, R: rows sent to /
+ * received from the other ranks; the chapter 04 bytes model), the FP8 run S·(H·s − H − 4·H/128)
+ * fewer (only the forward's tokens are quantized: the combine and the whole backward stay in the
+ * activation type). */
 #define FP8_EP "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --num-query-groups 4 " \
                "--seq-length 16 --micro-batch-size 2 --num-experts 8 --moe-router-topk 2 "     \
                "--moe-ffn-hidden-size 128 --ffn-hidden-size 128 --moe-layer-freq 0,1 "         \

@@ -184,18 +184,18 @@ START_TEST(test_fold8) {
 END_TEST
 
 /* Chapter 05's blockwise FP8 under ETP 2 (the experts' widths split into 128-wide blocks on
- * each rank) against one process, with the last of three layers MoE. On CPU ranks (fp32 activations, the
- * emulated recipe) the first step's loss and gradients equal one process's within 1e-5: the
- * split GEMMs, quantized block for block as one process quantizes them, are right. On GPU
+ * each rank) against one process, with the last of three layers MoE. On CPU ranks (fp32
+ * activations, the emulated recipe) the first step's loss and gradients equal one process's within
+ * 1e-5: the split GEMMs, quantized block for block as one process quantizes them, are right. On GPU
  * ranks the bound is 1e-1, not 2e-2: ETP sums fc2's partial outputs and fc1's partial input
- * gradients in bf16, and a value that moves by a bf16 rounding can cross an FP8 rounding
- * boundary downstream, which changes it by a whole FP8 step (up to 2^-3 of it in e4m3). On
- * two H100s that left 14-28 tensors between 2e-2 and 5e-2, the emulated path
- * (MOE_FP8_NATIVE=0) as much as the native one, while bf16 under ETP and FP8 under EP (no
- * partial sums) stay within 2e-2 (docs/results/05-fp8-nvfp4.md). A lost reduction or a
- * wrong slice is O(1) and fails either bound. Only the last layer is MoE because such a
- * crossing before a later layer's router tips near-tied tokens to other experts: with every
- * layer MoE, 8 seeds in a row routed differently from one process on two H100s. */
+ * gradients in bf16, and a value that moves by a bf16 rounding can cross an FP8 rounding boundary
+ * downstream, which changes it by a whole FP8 step (up to 2^-3 of it in e4m3). On two H100s that
+ * left 14-28 tensors between 2e-2 and 5e-2, the emulated path (MOE_FP8_NATIVE=0) as much as the
+ * native one, while bf16 under ETP and FP8 under EP (no partial sums) stay within 2e-2
+ * (docs/results/05-fp8-nvfp4.md). A lost reduction or a wrong slice is O(1) and fails either bound.
+ * Only the last layer is MoE because such a crossing before a later layer's router tips near-tied
+ * tokens to other experts: with every layer MoE, 8 seeds in a row routed differently from one
+ * process on two H100s. */
 START_TEST(test_etp_fp8_blockwise) {
     moe_comm *world = moe_test_world();
     const int W = moe_comm_size(world), rank = moe_comm_rank(world);

@@ -309,10 +309,11 @@ static moe_config small_config(const char *extra) {
 }
 
 START_TEST(test_memory_estimate_bounds_allocations) {
-    const char *configs[] = {"", "--num-experts 0", "--qk-layernorm --moe-shared-expert-intermediate-size 32",
+    const char *configs[] = {"", "--num-experts 0",
+                             "--qk-layernorm --moe-shared-expert-intermediate-size 32",
                              "--moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity",
-                             "--num-layers 3 --moe-layer-freq 0,1,1 --seq-length 64 --micro-batch-size 4 "
-                             "--global-batch-size 4",
+                             "--num-layers 3 --moe-layer-freq 0,1,1 --seq-length 64 "
+                             "--micro-batch-size 4 --global-batch-size 4",
                              "--fp8-format e4m3 --fp8-recipe tensorwise",
                              /* chapter 05: the QDQ scratch and delayed scaling's table of
                               * sites are part of the estimate (last) */
@@ -634,9 +635,10 @@ START_TEST(test_memory_fp8_saved_swiglu_output) {
 END_TEST
 
 /* ... and under the FP8 wgrad (MOE_FP8_WGRAD=1, the default) with the tiled forward
- * (MOE_FP8_SAVE_T, the default): the routed experts keep the SwiGLU output as its token-wise
- * FP8 copy (codes [F][Kpad] + scales, each expert's tokens padded to 128), and their input x
- * likewise ([H][Kpad]) instead of the rows they ran on, which are then scratch. The estimate's bytes, the switch's latch and what the model allocates agree. */
+ * (MOE_FP8_SAVE_T, the default): the routed experts keep the SwiGLU output as its token-wise FP8
+ * copy (codes [F][Kpad] + scales, each expert's tokens padded to 128), and their input x likewise
+ * ([H][Kpad]) instead of the rows they ran on, which are then scratch. The estimate's bytes, the
+ * switch's latch and what the model allocates agree. */
 START_TEST(test_memory_fp8_saved_token_wise) {
     moe_bench_env wg = moe_bench_env_set("MOE_FP8_WGRAD", "1");
     moe_bench_env fu = moe_bench_env_set("MOE_FP8_FUSED", "1");
@@ -716,7 +718,8 @@ START_TEST(test_memory_estimate_counts_rope_table) {
     const struct {
         const char *flags;
         long long npos;
-    } cases[] = {{"", 4096}, {"--seq-length 5000 --micro-batch-size 1 --global-batch-size 1", 8192}};
+    } cases[] = {{"", 4096},
+                 {"--seq-length 5000 --micro-batch-size 1 --global-batch-size 1", 8192}};
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         moe_config c = small_config(cases[i].flags);
         long long total[2];
@@ -740,7 +743,8 @@ END_TEST
 START_TEST(test_out_of_memory_is_an_error) {
     moe_backend be = *moe_backend_cpu();
     be.alloc = counting_alloc;
-    moe_config c = small_config("--moe-expert-capacity-factor 1.0 --moe-shared-expert-intermediate-size 16");
+    moe_config c = small_config("--moe-expert-capacity-factor 1.0 "
+                                "--moe-shared-expert-intermediate-size 16");
     g_calls = 0;
     g_fail_at = -1;
     moe_model *m = NULL;
@@ -801,8 +805,9 @@ START_TEST(test_memory_check_counts_distributed_optimizer) {
     ck_assert_int_eq(m->mem.total_bytes, ez.total_bytes);
     ck_assert_int_eq(m->mem.optim_elems, ez.optim_elems);
     moe_model_free(m);
-    ck_assert_int_eq(moe_model_create_parallel(&m, &pc, &be, pc.micro_batch_size, NULL, NULL, NULL, &g,
-                                               &err), MOE_ERR_NOMEM);
+    ck_assert_int_eq(moe_model_create_parallel(&m, &pc, &be, pc.micro_batch_size, NULL, NULL,
+                                               NULL, &g, &err),
+                     MOE_ERR_NOMEM);
     ck_assert_ptr_null(m);
     ck_assert_msg(strstr(err.msg, "needs about"), "%s", err.msg);
 }
@@ -813,7 +818,8 @@ END_TEST
  * (A million-token sequence alone is no longer too big: attention keeps no T × T buffer
  * since chapter 07's flash kernels; 64 of them overflow the logits.) */
 START_TEST(test_huge_configs_are_refused) {
-    const char *huge[] = {"--hidden-size 65536 --num-attention-heads 64 --moe-ffn-hidden-size 65536",
+    const char *huge[] = {"--hidden-size 65536 --num-attention-heads 64 "
+                          "--moe-ffn-hidden-size 65536",
                           "--seq-length 1000000 --micro-batch-size 64 --global-batch-size 64"};
     for (size_t i = 0; i < 2; i++) {
         char flags[512];
