@@ -91,6 +91,21 @@ static void saved_act(tally *t, const char *name, long long rows, long long F, l
     t->e->fp8_act_bf16_bytes = add(t->e->fp8_act_bf16_bytes, mul(elems, 2));
 }
 
+/* The rows an MoE layer's experts ran on, as the layer keeps them for the backward, @p rows
+ * of them in @p G local experts: the inputs (@p names[0]; in chapter 05's token-wise form
+ * their FP8 copy, moe_layer_keeps_x_t()), the fc1 outputs and the SwiGLU outputs (in
+ * @p form: saved_act()). Names are static: the tally keeps the largest one's. */
+static void experts_kept(tally *t, const char *const names[3], long long rows, long long G,
+                         long long H, long long F, long long size, moe_mlp_saved form,
+                         const char *flags) {
+    if (form == MOE_MLP_SAVED_FP8_TOKEN)
+        saved_act(t, names[0], rows, H, G, size, form, flags);
+    else
+        buffer(t, names[0], mul(rows, H), size, flags);
+    buffer(t, names[1], mul(rows, mul(2, F)), size, flags);
+    saved_act(t, names[2], rows, F, G, size, form, flags);
+}
+
 /* Parameters: one tensor of @p elems elements, counted in *params. */
 static void tensor(tally *t, const char *name, long long elems) {
     buffer(t, name, elems, 1, MODEL); /* counted in elements here, bytes below */
@@ -238,51 +253,31 @@ moe_status moe_memory_estimate_model(const moe_config *c, int micro_batch, int e
                     "--micro-batch-size, --seq-length or --moe-router-topk");
             buffers(&t, "routing weights", 4, NKl, Rb,
                     "--micro-batch-size, --seq-length or --moe-router-topk");
-            /* the permuted rows the experts run on in place (the local dispatcher's; the
-             * others' experts run on expert-side rows, below): the inputs, kept where the
-             * backward reads them, in chapter 05's token-wise form as their token-wise FP8
-             * copy (moe/layer.c, moe_layer_keeps_x_t()), the fc1 and SwiGLU outputs */
+            /* the rows the experts ran on, kept for the backward (experts_kept()): the
+             * local dispatcher's permuted rows, in place; else the expert side's, at most
+             * every assignment of the EP group (the fused NVLink dispatcher's peers write the
+             * rows into the shared workspace, where the form keeps their copy); with ETP the
+             * group's rows, gathered, and the rows the dispatcher delivered are scratch
+             * (moe/layer.h, moe_layer_keeps_xe()) */
             const int local = EP == 1 && ETP == 1 && !(c->moe_expert_capacity_factor > 0);
-            if (local && fp8_act == MOE_MLP_SAVED_FP8_TOKEN)
-                saved_act(&t, "moe.xp", NKl, H, E, S, fp8_act, EXPERT);
-            else if (local)
-                buffer(&t, "moe.xp", mul(NKl, H), S, EXPERT);
-            if (local) {
-                buffer(&t, "moe.gu", mul(NKl, mul(2, Fl)), S, EXPERT);
-                saved_act(&t, "moe.act", NKl, Fl, E, S, fp8_act, EXPERT);
-            }
+            static const char *const local_names[3] = {"moe.xp", "moe.gu", "moe.act"};
+            if (local)
+                experts_kept(&t, local_names, NKl, E, H, Fl, S, fp8_act, EXPERT);
             buffer(&t, "moe.shared", mul(N, mul(3, Fsl)), S,
                    "--micro-batch-size, --seq-length or --moe-shared-expert-intermediate-size");
-            if (!local && ETP == 1) {
-                /* the expert side: at most every assignment of the EP group. Its inputs are
-                 * kept as their token-wise copy in that form, by every dispatcher (the fused
-                 * NVLink one's peers then write the rows into the shared workspace) */
-                const long long rows = mul(NKl, EP);
-                const char *fix = "--micro-batch-size, --seq-length, --moe-router-topk or "
-                                  "--expert-model-parallel-size";
-                if (fp8_act == MOE_MLP_SAVED_FP8_TOKEN)
-                    saved_act(&t, "expert-side inputs", rows, H, E / EP, S, fp8_act, fix);
-                else
-                    buffer(&t, "expert-side inputs", mul(rows, H), S, fix);
-                buffer(&t, "expert-side fc1 outputs", mul(rows, mul(2, Fl)), S, fix);
-                saved_act(&t, "expert-side SwiGLU outputs", rows, Fl, E / EP, S, fp8_act, fix);
-            }
-            if (ETP > 1) {
-                /* the ETP group's rows, gathered (saved: inputs, or their token-wise copy in
-                 * that form, fc1 and SwiGLU outputs); the rows the dispatcher delivered are
-                 * scratch (moe/layer.h, moe_layer_keeps_xe()) */
-                const long long rows = mul(mul(NKl, EP), ETP);
-                const char *fix = "--micro-batch-size, --seq-length, --moe-router-topk or "
-                                  "--expert-tensor-parallel-size";
-                if (fp8_act == MOE_MLP_SAVED_FP8_TOKEN)
-                    saved_act(&t, "expert-tensor-parallel inputs", rows, H, E / EP, S, fp8_act,
-                              fix);
-                else
-                    buffer(&t, "expert-tensor-parallel inputs", mul(rows, H), S, fix);
-                buffer(&t, "expert-tensor-parallel fc1 outputs", mul(rows, mul(2, Fl)), S, fix);
-                saved_act(&t, "expert-tensor-parallel SwiGLU outputs", rows, Fl, E / EP, S,
-                          fp8_act, fix);
-            }
+            static const char *const ep_names[3] = {
+                "expert-side inputs", "expert-side fc1 outputs", "expert-side SwiGLU outputs"};
+            if (!local && ETP == 1)
+                experts_kept(&t, ep_names, mul(NKl, EP), E / EP, H, Fl, S, fp8_act,
+                             "--micro-batch-size, --seq-length, --moe-router-topk or "
+                             "--expert-model-parallel-size");
+            static const char *const etp_names[3] = {"expert-tensor-parallel inputs",
+                                                     "expert-tensor-parallel fc1 outputs",
+                                                     "expert-tensor-parallel SwiGLU outputs"};
+            if (ETP > 1)
+                experts_kept(&t, etp_names, mul(mul(NKl, EP), ETP), E / EP, H, Fl, S, fp8_act,
+                             "--micro-batch-size, --seq-length, --moe-router-topk or "
+                             "--expert-tensor-parallel-size");
             if (c->moe_pad_expert_input_to_capacity && Nl <= INT_MAX) {
                 const long long cap = moe_expert_capacity((int)Nl, (int)k, (int)E,
                                                           c->moe_expert_capacity_factor);

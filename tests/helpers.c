@@ -349,7 +349,7 @@ long long moe_test_compare_shards(moe_trainer *dist, moe_trainer *ref, double to
 /* Assignments routed to another expert: half the L1 distance of the two trainers' global
  * expert loads after one moe_trainer_gradients() each (0: the same routing, barring moves
  * that cancel exactly). */
-long long moe_test_routing_moves(const moe_trainer *dist, const moe_trainer *ref) {
+static long long routing_moves(const moe_trainer *dist, const moe_trainer *ref) {
     const moe_model *a = dist->model, *b = ref->model;
     const size_t n = (size_t)a->cfg.num_layers * a->cfg.num_experts;
     if (!a->load_counts || n == 0)
@@ -390,20 +390,28 @@ int moe_test_folding(moe_comm *world, const char *base, int tp, int sp, int ep,
         moe_step_stats sd, sr;
         moe_trainer_gradients(*dist, &sd);
         moe_trainer_gradients(*ref, &sr);
-        const long long moved = moe_test_routing_moves(*dist, *ref);
-        if (moved == 0)
+        char what[320];
+        snprintf(what, sizeof what, "GPU, TP %d EP %d %s%s", tp, ep, common, dist_flags);
+        if (moe_test_routes_alike(world, *dist, *ref, seed, what))
             return 1;
-        if (moe_comm_rank(world) == 0)
-            printf("  (GPU, TP %d EP %d %s%s: %lld assignment(s) of the first step routed to "
-                   "another expert than in one process (bf16 sums under TP), so its expert "
-                   "gradients are not comparable; the pair is rebuilt with the next seed)\n",
-                   tp, ep, common, dist_flags, moved);
         moe_trainer_free(*dist);
         moe_trainer_free(*ref);
-        ck_assert_msg(seed < 8, "TP %d EP %d: 8 seeds in a row route differently from one "
-                      "process on GPU ranks: not near-ties (a bug in the folded routing?)",
-                      tp, ep);
     }
+}
+
+int moe_test_routes_alike(moe_comm *world, const moe_trainer *dist, const moe_trainer *ref,
+                          int seed, const char *what) {
+    const long long moved = routing_moves(dist, ref);
+    if (moved == 0)
+        return 1;
+    if (moe_comm_rank(world) == 0)
+        printf("  (%s, seed %d: %lld assignment(s) of the first step routed to another expert "
+               "than in one process (bf16 partial sums), so the expert gradients are not "
+               "comparable; the runs are rebuilt with the next seed)\n",
+               what, seed, moved);
+    ck_assert_msg(seed < 8, "%s: 8 seeds in a row route differently from one process on GPU "
+                  "ranks: not near-ties (a bug in the folded routing?)", what);
+    return 0;
 }
 
 moe_trainer *moe_test_trainer(const char *flags, moe_comm *world, int gpu) {

@@ -110,12 +110,15 @@ int moe_test_folding(struct moe_comm *world, const char *base, int tp, int sp, i
 long long moe_test_compare_shards(struct moe_trainer *dist, struct moe_trainer *ref, double tol,
                                   double *worst, const char **worst_name);
 
-/** Assignments routed to another expert than in @p ref, after one moe_trainer_gradients()
- *  of each: half the L1 distance of their global expert loads (0: the same routing, barring
- *  moves that cancel exactly). On GPU ranks bf16 partial sums (TP, ETP) can tip a near-tied
- *  token to another expert, and then the expert gradients are not comparable.
- *  @return the count */
-long long moe_test_routing_moves(const struct moe_trainer *dist, const struct moe_trainer *ref);
+/** After one moe_trainer_gradients() of each: 1 when @p dist routes every token as @p ref
+ *  does (the same global expert loads: half their L1 distance is the assignments that
+ *  moved; on GPU ranks bf16 partial sums under TP or ETP can tip a near-tied token to
+ *  another expert, and then the expert gradients are not comparable); else says so on rank
+ *  0 of @p world, naming @p what and @p seed, fails the test at the 8th seed, and returns
+ *  0: the caller rebuilds its runs with the next `--seed` (every rank sees the same global
+ *  loads, so all decide alike). @return 1 or 0 */
+int moe_test_routes_alike(struct moe_comm *world, const struct moe_trainer *dist,
+                          const struct moe_trainer *ref, int seed, const char *what);
 
 /** Like moe_test_compare_shards(), with a bound for each buffer: the gradients within a
  *  relative L2 error of @p grad_tol (a negative bound skips them: e.g. under the distributed

@@ -617,19 +617,12 @@ START_TEST(test_ep_fp8_keeps_x_t) {
             moe_trainer_gradients(rows, &sr);
             moe_trainer_gradients(ref, &s1);
             /* ETP sums fc2's partial outputs in bf16, which can tip a near-tied token of a
-             * later layer to another expert (moe_test_folding() does the same) */
-            const long long moved = moe_test_routing_moves(kept, ref);
-            if (!etp || moved == 0)
+             * later layer to another expert (as in moe_test_folding()) */
+            if (!etp || moe_test_routes_alike(world, kept, ref, seed, cases[ci].name))
                 break;
-            if (rank == 0)
-                printf("  (%s, seed %d: %lld assignment(s) routed to another expert than in "
-                       "one process (bf16 partial sums); the runs are rebuilt with the next "
-                       "seed)\n", cases[ci].name, seed, moved);
             moe_trainer_free(kept);
             moe_trainer_free(rows);
             moe_trainer_free(ref);
-            ck_assert_msg(seed < 8, "%s: 8 seeds in a row route differently from one process",
-                          cases[ci].name);
         }
         ck_assert_int_eq(moe_model_keeps_x_t(kept->model), 1);
         ck_assert_int_eq(moe_model_keeps_x_t(rows->model), 0);

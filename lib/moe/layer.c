@@ -34,14 +34,12 @@ static size_t max_rows_f(const moe_layer_dims *d) {
 static const moe_dispatcher *dispatcher_of(const moe_layer_dims *d);
 
 int moe_layer_keeps_x_t(const moe_backend *be, const moe_layer_dims *d) {
-    const moe_dispatcher *dp = dispatcher_of(d);
-    /* the rows the experts run on: the local dispatcher's permuted rows (not under the fused
-     * permutation, which reads the tokens themselves), or the expert-side rows a dispatcher
-     * filled (with ETP: gathered over the group, expert_tp.h). The fused NVLink dispatcher's
+    /* the rows the experts run on, whichever dispatcher filled them (with ETP: gathered over
+     * the group, expert_tp.h), but for the fused permutation's, which reads the tokens
+     * themselves (the local dispatcher's only: moe/experts.c). The fused NVLink dispatcher's
      * peers then write into the workspace's shared dye: its kernels open with a barrier
      * that waits for every peer's queued reads of the buffer (dispatch_nvlink.cu) */
-    const int rows_ok = dp == &moe_dispatcher_local ? !d->permute_fusion : 1;
-    return rows_ok && d->experts == MOE_EXPERTS_KERNEL &&
+    return !d->permute_fusion && d->experts == MOE_EXPERTS_KERNEL &&
            moe_mlp_saved_form(be, d->lowp) == MOE_MLP_SAVED_FP8_TOKEN;
 }
 
