@@ -399,6 +399,17 @@ int moe_test_folding(moe_comm *world, const char *base, int tp, int sp, int ep,
     }
 }
 
+long long moe_test_first_step(moe_trainer *dist, moe_trainer *ref, double tol, double *loss_err,
+                              moe_step_stats *sd, moe_step_stats *sr, double *worst,
+                              const char **worst_name) {
+    moe_trainer_gradients(dist, sd);
+    moe_trainer_gradients(ref, sr);
+    *loss_err = fabs(sd->loss - sr->loss) / fabs(sr->loss);
+    long long bad = moe_test_compare_shards(dist, ref, tol, worst, worst_name);
+    moe_comm_host_all_reduce_sum(dist->world, &bad, 1, MOE_DTYPE_I64);
+    return bad;
+}
+
 int moe_test_routes_alike(moe_comm *world, const moe_trainer *dist, const moe_trainer *ref,
                           int seed, const char *what) {
     const long long moved = routing_moves(dist, ref);

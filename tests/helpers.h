@@ -70,6 +70,7 @@ int moe_test_have_program(const char *path);
  *  --lr-decay-iters, so that --train-iters does not move the LR schedule.
  *  @return 1 on success, else 0 with the reason in @p why */
 struct moe_trainer;
+struct moe_step_stats;
 /** One training step that must succeed (ck_assert); returns its loss. */
 double moe_test_step(struct moe_trainer *t);
 
@@ -119,6 +120,14 @@ long long moe_test_compare_shards(struct moe_trainer *dist, struct moe_trainer *
  *  loads, so all decide alike). @return 1 or 0 */
 int moe_test_routes_alike(struct moe_comm *world, const struct moe_trainer *dist,
                           const struct moe_trainer *ref, int seed, const char *what);
+
+/** The first step of a folding against one process: moe_trainer_gradients() of both
+ *  into @p sd and @p sr, the loss error relative to the reference's into @p loss_err, and
+ *  moe_test_compare_shards() at @p tol. @return the number of gradient tensors outside the
+ *  bound, summed over the ranks of @p dist's world (so every rank sees the same count) */
+long long moe_test_first_step(struct moe_trainer *dist, struct moe_trainer *ref, double tol,
+                              double *loss_err, struct moe_step_stats *sd,
+                              struct moe_step_stats *sr, double *worst, const char **worst_name);
 
 /** Like moe_test_compare_shards(), with a bound for each buffer: the gradients within a
  *  relative L2 error of @p grad_tol (a negative bound skips them: e.g. under the distributed

@@ -557,8 +557,8 @@ END_TEST
  *    layer keeps neither them nor the rows the dispatcher delivered.
  * Against MOE_FP8_SAVE_T=0 (the bf16 rows kept, the copies made in the backward: the same
  * bits, lowp.h) the loss and every gradient agree bit for bit, and both equal one process
- * within check_ep's bounds (under ETP the gradients within 1e-1: test_etp_fp8_blockwise in
- * tests/mpi_etp.c says why). Needs GPU ranks (the fused cases: that share memory) and our
+ * within check_ep's bounds (under ETP the gradients within 1e-1: moe_test_fp8_folding() in
+ * tests/mpi_tp.c says why). Needs GPU ranks (the fused cases: that share memory) and our
  * native FP8 experts (Hopper). */
 #define FP8_FUSED "--num-layers 3 --hidden-size 128 --num-attention-heads 4 --num-query-groups 4 " \
                   "--seq-length 16 --micro-batch-size 2 --num-experts 8 --moe-router-topk 2 "     \
@@ -653,7 +653,7 @@ START_TEST(test_ep_fp8_keeps_x_t) {
         double worst;
         const char *worst_name;
         /* under ETP on GPU ranks the bf16 partial sums, amplified by FP8 rounding, need a
-         * looser bound (tests/mpi_etp.c, test_etp_fp8_blockwise, says why) */
+         * looser bound (moe_test_fp8_folding() in tests/mpi_tp.c says why) */
         const double tol = etp ? 1e-1 : 2e-2;
         const long long bad = moe_test_compare_shards(kept, ref, tol, &worst, &worst_name);
         AGREE(bad, "%s, FP8: %lld tensors differ from one process beyond %.0e (rank %d: worst "

@@ -95,6 +95,15 @@ struct moe_comm;
 /** The world the MPI runner (tests/mpi_main.c) started. */
 struct moe_comm *moe_test_world(void);
 
+/** Chapter 05's blockwise FP8 under a folding (attention TP @p tp, + SP if @p sp, experts EP
+ *  @p ep, more in @p dist_flags) against one process (tests/mpi_tp.c): the first step's loss
+ *  within 1e-5 relative on CPU ranks and 1e-3 on GPU ranks, every gradient tensor within
+ *  1e-5 on CPU ranks and @p gpu_tol on GPU ranks (why so loose: at the definition). Prints
+ *  one line on rank 0 naming @p what. Returns without checking where the world's size does
+ *  not fit. */
+void moe_test_fp8_folding(const char *model, int tp, int sp, int ep, const char *dist_flags,
+                          double gpu_tol, const char *what);
+
 /** A verdict every rank agrees on: count this rank's failures, sum over the world, then
  *  assert. A check that failed on one rank only would otherwise let that rank stop while
  *  the others wait in the next collective. */
