@@ -294,7 +294,8 @@ static __global__ void block1x128_vec_kernel(uint8_t *q, float *scale_inv, moe_b
  * 27db17a (tests/gpu_fp8_fused.c, gpu_quant.c, gpu_fp8_layer.c). The vectorized kernel above
  * moves ~1.3 TB/s on an H100 (Qwen3-235B's permuted x, 65536 × 4096 bf16 with its
  * dequantized copy: 1.05 ms) where a copy of its bytes runs ~3 TB/s. Its grid is not the
- * limit (1024 blocks of 8 warps: more than the 6 blocks an SM holds at its 37 registers), nor only its 16 bytes in flight a lane: per element it spends
+ * limit (1024 blocks of 8 warps: more than the 6 blocks an SM holds at its 37 registers),
+ * nor only its 16 bytes in flight a lane: per element it spends
  * some forty integer operations on the general encoder (moe_q_encode, the format a runtime
  * value, so both formats' code is there) and about twenty more on the general decoder for
  * the copy, with Hopper's integer pipe at half the fp32 rate: about the time the pass takes.

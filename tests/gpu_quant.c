@@ -757,11 +757,12 @@ static void grouped_case_free(grouped_case *c) {
  * groups: empty ones, a single row, sizes around the 64-row warpgroup and 128-row tile boundaries,
  * a last group ending inside a warpgroup's rows, N not a multiple of the 128-column tile or weight
  * block, and a case with more tiles than SMs and more k-blocks than pipeline stages (the ring wraps
- * within and across tiles); both variants of the kernel (the consumer warpgroups issuing their MMAs
- * together or in turn), bf16 and fp32 D. D is poisoned first (0xAB bytes) and every element is
- * compared: a row or column the kernel forgets is off by O(1e38). Tolerance per element relative to
- * S = Σ_k |a_k·b_k| (as the dense GEMM's test): 5e-3 with bf16 D (its rounding, 2⁻⁹·|D|), 2e-3 with
- * fp32 D; and the Frobenius relative error ||gpu − cpu|| / ||cpu|| ≤ 1e-2. The scales are
+ * within and across tiles); both variants of the kernel (the consumer warpgroups issuing their
+ * MMAs together or in turn), bf16 and fp32 D. D is poisoned first (0xAB bytes) and every
+ * element is compared: a row or column the kernel forgets is off by O(1e38). Tolerance per
+ * element relative to S = Σ_k |a_k·b_k| (as the dense GEMM's test): 5e-3 with bf16 D (its
+ * rounding, 2⁻⁹·|D|), 2e-3 with fp32 D; and the Frobenius relative error
+ * ||gpu − cpu|| / ||cpu|| ≤ 1e-2. The scales are
  * applied per 128-deep K block in fp32 (the promotion), so fp32 D is expected far inside its
  * bound. */
 START_TEST(test_gpu_fp8_grouped_gemm) {

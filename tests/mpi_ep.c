@@ -436,10 +436,10 @@ END_TEST
  * with power-of-two scales the two tilings give other values only where an element falls into its
  * block's subnormals (lowp.h). Both runs still equal one process within check_ep's bounds. One
  * micro-batch per rank, so the layer's last plan is the step's and the bytes the EP group counted
- * are exact: the activation-type run moves 2(S+R)·H·s + (S+R)·r per MoE layer (S, R: rows sent to /
- * received from the other ranks; the chapter 04 bytes model), the FP8 run S·(H·s − H − 4·H/128)
- * fewer (only the forward's tokens are quantized: the combine and the whole backward stay in the
- * activation type). */
+ * are exact: the activation-type run moves 2(S+R)·H·s + (S+R)·r per MoE layer (S, R: rows
+ * sent to / received from the other ranks; the chapter 04 bytes model), the FP8 run
+ * S·(H·s − H − 4·H/128) fewer (only the forward's tokens are quantized: the combine and the
+ * whole backward stay in the activation type). */
 #define FP8_EP "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --num-query-groups 4 " \
                "--seq-length 16 --micro-batch-size 2 --num-experts 8 --moe-router-topk 2 "     \
                "--moe-ffn-hidden-size 128 --ffn-hidden-size 128 --moe-layer-freq 0,1 "         \
