@@ -17,6 +17,7 @@
 
 #include "cuda_common.cuh"
 #include "fp8_wgrad.cuh"
+#include "quant1x128.cuh"
 #include "quantize.h"
 
 #define MOE_GT_THREADS 256 /* the step's block size */
@@ -64,27 +65,26 @@ static __device__ __forceinline__ int moe_gt_group_of(const int *s_pb, int G, in
 /** One channel's 16 codes (as moe_q_cast_scaled: all 0 for a NaN scale), packed
  *  little-endian, and with DEQ its dequantized values rounded to bf16 into the half (HI or
  *  not) of w. The values are finite (a block holding a NaN or an infinity has a NaN scale),
- *  so the magnitude half of the fast encoder serves, and the signs (those of the values: the
- *  scale is positive) are gathered 4 at a time from the words' bytes: 1 or 3, bit 7. */
+ *  so the hardware's fp32x2 → FP8x2 conversion casts them, two an instruction, by the same
+ *  rule as moe_fp8_encode_fast (moe_fp8x2_encode_hw, quant1x128.cuh: checked on every finite
+ *  input by tests/gpu_fp8_fused.c). Why not the software encoder with the signs gathered
+ *  from the words, as before: about ten operations an element against half of one; this
+ *  step runs in every token-wise pass (the quantizer and both tiled SwiGLU passes), whose
+ *  time was their instructions', not their bytes' (docs/results/05-fp8-nvfp4.md). */
 template <moe_fp8_format F, bool HI, bool DEQ>
 static __device__ __forceinline__ uint4 moe_gt_cast16(uint32_t *w, float scale, float si) {
     uint32_t c[4];
     const bool poisoned = moe_q_nonfinite(scale);
-    constexpr unsigned sign_sel = HI ? 0x0073 : 0x0051; /* byte 3 or 1 of two words */
 #pragma unroll
     for (int g = 0; g < 4; g++) {
-        uint32_t m[4];
+        float v[4];
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const float v = HI ? moe_gt_val_hi(w[4 * g + j]) : moe_gt_val_lo(w[4 * g + j]);
-            m[j] = moe_fp8_encode_fast_mag(moe_q_f2u(moe_q_mul(v, scale)) & 0x7FFFFFFFu, F);
-        }
-        const uint32_t mags = __byte_perm(__byte_perm(m[0], m[1], 0x0040),
-                                          __byte_perm(m[2], m[3], 0x0040), 0x5410);
-        const uint32_t signs = __byte_perm(__byte_perm(w[4 * g], w[4 * g + 1], sign_sel),
-                                           __byte_perm(w[4 * g + 2], w[4 * g + 3], sign_sel),
-                                           0x5410);
-        c[g] = poisoned ? 0u : mags | (signs & 0x80808080u);
+        for (int j = 0; j < 4; j++)
+            v[j] = moe_q_mul(HI ? moe_gt_val_hi(w[4 * g + j]) : moe_gt_val_lo(w[4 * g + j]),
+                             scale);
+        const uint32_t lo = moe_fp8x2_encode_hw<F>(v[0], v[1]);
+        const uint32_t hi = moe_fp8x2_encode_hw<F>(v[2], v[3]);
+        c[g] = poisoned ? 0u : __byte_perm(lo, hi, 0x5410);
         if (DEQ)
 #pragma unroll
             for (int j = 0; j < 4; j++) {

@@ -27,9 +27,9 @@
  *    token), so its codes of one channel are 16 bytes: one 16-byte store, and the 8 lanes of
  *    a channel write its 128-byte run whole; the amax of a channel is a max over the lane's
  *    16 keys then a 3-step xor butterfly over its 8 lanes;
- *  - the cast is moe_fp8_encode_fast_mag (lib/quant_formats.h): with the sign, equal to
- *    moe_fp8_encode on every input (tested over all of them), about ten operations; the
- *    signs and the bytes are packed 4 at a time with byte permutes.
+ *  - the cast is the hardware's fp32x2 → FP8x2 conversion (moe_fp8x2_encode_hw,
+ *    quant1x128.cuh), two values an instruction, equal to moe_fp8_encode on every finite
+ *    input (tested over all of them); the codes are packed 4 at a time with a byte permute.
  *
  * The transpose's bank conflicts. The tile is stored unpadded, 256 bytes (64 words, two
  * rounds of the 32 banks) a token row, in 16 chunks of 16 bytes (8 channels); chunk q of
