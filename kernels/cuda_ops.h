@@ -615,28 +615,41 @@ int moe_cuda_fp8_wgrad_quarters(void);
 /** @brief Launches of the wide FP8 wgrad tile by quarters since the process started: a test's
  *  proof that it ran. @return the count */
 long long moe_cuda_fp8_wgrad_quarters_calls(void);
-/** The default epilogue of the 128 × 256 FP8 wgrad tile with fp32 dW: 0 = staged through
- *  shared memory and TMA. */
-#define MOE_FP8_WGRAD_DIRECT_DEFAULT 0
+/** @brief How the 128 × 256 FP8 grouped wgrad tile writes fp32 dW (bf16 dW and the
+ *  128-column tile are always staged). Each gives the same bits: one fp32 addition (or a
+ *  store) per element. */
+typedef enum {
+    /** staged through an 8 KB shared-memory buffer per warpgroup, then TMA (a reduce-add or a
+     *  store), each piece waiting until TMA has read the last */
+    MOE_FP8_WGRAD_EPI_TMA = 0,
+    /** straight from registers, 16 bytes a thread: added in L2 (`red.global.add.v4.f32`) or
+     *  stored */
+    MOE_FP8_WGRAD_EPI_DIRECT = 1,
+    /** straight from registers; adding, each thread reads its old values and writes
+     *  old + sum (plain loads and stores, no L2 reductions) */
+    MOE_FP8_WGRAD_EPI_RMW = 2,
+    /** adding: RMW for a tile of at most 8 k-blocks (its group's tokens, read on the device),
+     *  TMA for longer ones; storing: TMA */
+    MOE_FP8_WGRAD_EPI_AUTO = 3,
+} moe_fp8_wgrad_epi;
+/** The default epilogue of the 128 × 256 FP8 wgrad tile with fp32 dW. */
+#define MOE_FP8_WGRAD_EPI_DEFAULT MOE_FP8_WGRAD_EPI_AUTO
 /**
  * @brief Choose how the 128 × 256 FP8 grouped wgrad tile writes fp32 dW (process-wide, not
- *        thread-safe): 1 = straight from registers, 16 bytes a thread added in L2
- *        (`red.global.add.v4.f32`) or stored, so the consumers go on to the next tile at
- *        once; 0 = staged through an 8 KB shared-memory buffer per warpgroup and TMA (a
- *        reduce-add or a store), each piece waiting until TMA has read the last. Both give
- *        the same bits (one fp32 addition per element). bf16 dW and the 128-column tile are
- *        always staged.
+ *        thread-safe); see ::moe_fp8_wgrad_epi. A value out of range restores the default.
  *
- * Without a call, the environment's MOE_FP8_WGRAD_EPI=direct|tma (or 1|0) decides, else
- * ::MOE_FP8_WGRAD_DIRECT_DEFAULT. Set by the tests and the chapter 05 benchmark.
- * @param on 1 for the direct epilogue, 0 for the staged one
+ * Without a call, the environment's MOE_FP8_WGRAD_EPI=tma|direct|rmw|auto (or 0|1 for
+ * tma|direct) decides, else ::MOE_FP8_WGRAD_EPI_DEFAULT. Set by the tests and the chapter 05
+ * benchmark.
+ * @param e the epilogue
  */
-void moe_cuda_fp8_wgrad_set_direct(int on);
-/** @brief The FP8 grouped wgrad's fp32 epilogue asked for (moe_cuda_fp8_wgrad_set_direct()).
- *  @return 1 direct, 0 staged */
-int moe_cuda_fp8_wgrad_direct(void);
-/** @brief Launches of the FP8 grouped wgrad with the direct epilogue since the process
- *  started: a test's proof that it ran. @return the count */
+void moe_cuda_fp8_wgrad_set_epilogue(moe_fp8_wgrad_epi e);
+/** @brief The FP8 grouped wgrad's fp32 epilogue asked for (moe_cuda_fp8_wgrad_set_epilogue()).
+ *  @return the epilogue */
+moe_fp8_wgrad_epi moe_cuda_fp8_wgrad_epilogue(void);
+/** @brief Launches of the FP8 grouped wgrad whose fp32 sums may leave from registers (the
+ *  direct, rmw or auto epilogue) since the process started: a test's proof that it ran.
+ *  @return the count */
 long long moe_cuda_fp8_wgrad_direct_calls(void);
 /* 1 when this GPU runs the recipe's GEMM natively in cuBLASLt, 0 when emulated (dequantize →
  * bf16 GEMM): tensorwise always native; blockwise native on compute capability 9.x; MXFP8 and

@@ -108,14 +108,18 @@
  * reduce-add (MOE_WGRAD_PREFETCH=1, as the bf16 wgrad's: kernels/grouped_gemm_sm90.cu; the
  * shared-memory-scales kernels only) passed tests/gpu_fp8_wgrad.c on an H100 (its output
  * bit for bit the other variants'); off, as the bf16 wgrad's prefetch measured slower.
+ * The RMW and auto epilogues (MOE_FP8_WGRAD_EPI=rmw|auto, auto the default) passed
+ * tests/gpu_fp8_wgrad.c on an H100 (bit for bit the other variants, auto's two epilogues in
+ * one launch) and made Qwen3-235B's FP8 layer 1.07x faster (docs/results/05-fp8-nvfp4.md,
+ * "The adding wgrad by plain reads and writes").
  * The direct epilogue (MOE_FP8_WGRAD_EPI=direct, epilogue_direct above) passed
  * tests/gpu_fp8_wgrad.c on an H100 (bit for bit) and is slower everywhere it was timed: on
  * Mixtral's fc1 storing 5.59 against 5.23 ms, adding 5.95 against 5.83; on Qwen3-235B's fc1
  * (4 k-blocks a tile) adding 8.41 against 7.01; the Mixtral layer 22.86-23.02 against
- * 22.60-22.80 ms (docs/results/05-fp8-nvfp4.md, first section). So the staging was not what
- * the tile waited for: Nsight Compute puts the staged and the direct store at the same
- * 4.64 ms alone, DRAM 30 % busy, and the top stall the consumers' named barriers (the
- * ORDERED turns). Off.
+ * 22.60-22.80 ms (docs/results/05-fp8-nvfp4.md, "The FP8 wgrad becomes blockwise's
+ * default"). So the staging was not what the tile waited for: Nsight Compute puts the staged
+ * and the direct store at the same 4.64 ms alone, DRAM 30 % busy, and the top stall the
+ * consumers' named barriers (the ORDERED turns). Off.
  */
 #include <limits.h>
 #include <stdint.h>
@@ -136,6 +140,13 @@ namespace {
 
 constexpr int BM = 128, BN = 128, BK = MOE_QUANT_BLOCK, THREADS = 384;
 constexpr int BAND = 8; /* m-tiles per raster band (moe_tile_band_place; see place below) */
+/* The auto epilogue (DIRECT = 3, the default with fp32 dW): a tile of at most this many
+ * k-blocks adds into dW by RMW (epilogue_direct), a longer one by TMA reduce-adds (staged).
+ * Measured on an H100 (docs/results/05-fp8-nvfp4.md, "The adding wgrad by plain reads and
+ * writes"), RMW against TMA: 4 k-blocks a tile (Qwen3-235B's fc1, fc2) 1.13x and 1.12x, 8 on
+ * average (Qwen3-30B-A3B's fc1) 1.15x, 16 (Mixtral's fc1) 0.83x. The tile's own count (its
+ * group's), so ragged groups choose per tile, on the device. */
+constexpr int RMW_MAX_KBLOCKS = 8;
 [[maybe_unused]] constexpr int MAX_G = MOE_GROUPED_DEV_MAX_GROUPS;
 constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK, STAGE_BYTES = A_BYTES + B_BYTES;
 /* a stage's scales: sa's 128 rows, sb's 128 columns */
@@ -211,23 +222,70 @@ struct Params {
  * holds row r_lo's 4 columns 8j + 4(q/2) .. + 3 and an odd q row r_lo + 8's: 16 aligned bytes
  * each, and a warp's instruction writes 16 rows × 32 contiguous bytes, whole sectors. Each
  * element still gets one fp32 addition (old + sum), so the output is bit for bit the TMA
- * reduce-add's. dwb: &dW[g][first row of the warpgroup][n0]. */
-template <int TN>
+ * reduce-add's. dwb: &dW[g][first row of the warpgroup][n0].
+ * RMW (MOE_FP8_WGRAD_EPI=rmw, and the short tiles of auto, the default): adding, the thread
+ * reads its old values and writes old + sum with plain loads and stores instead of L2
+ * reductions. Why: at 512 rows per expert (4 k-blocks a tile) the adding wgrad is its
+ * epilogue. On Qwen3-235B's fc1 (H100) the MMAs and promotions alone take 2.79 ms, the TMA
+ * reduce-adds alone (no MMAs) 6.58 ms, both 7.15: the reductions move the 12.9 GB of dW at
+ * 2.0 TB/s, where plain reads and writes of the same tiles reach 2.8 (the probe in
+ * docs/results/runs/ch05_wgrad_wall_probe.cu). Read, add and written by the thread, 6.3 ms
+ * (fc2: 3.29 against 3.68). On Mixtral (16 k-blocks a tile) the tile's MMAs dominate, and
+ * the consumers' wait for the reads costs more than the reductions (6.41 against 5.45 ms on
+ * fc1): hence auto, below. The same fp32 addition per element, so the same bits, up to
+ * subnormals: PTX's red and atom .add.f32 flush them to zero, a plain add (and the CPU twin)
+ * keeps them. */
+template <int TN, int RMW>
 __device__ __forceinline__ void epilogue_direct(const float *d, float *dwb, int N, int ncols,
                                                 int tid, int accumulate) {
     const int lane = tid % 32, q = lane % 4, odd = q & 1;
     const int row = (tid / 32) * 16 + lane / 4 + 8 * odd;
     float *dst = dwb + (size_t)row * N + 4 * (q >> 1);
-#pragma unroll
-    for (int j = 0; j < TN / 8; j++) {
-        if (8 * j >= ncols) /* (ncols: 128 or 256, so a whole half) */
-            break;
+    /* column block j's 4 sums of this thread's row, as 16 aligned bytes */
+    const auto sums = [&](int j) {
         /* an even lane gives away its row r_lo + 8 pair, an odd one its row r_lo pair */
         const float s0 = odd ? d[4 * j] : d[4 * j + 2], s1 = odd ? d[4 * j + 1] : d[4 * j + 3];
         const float g0 = __shfl_xor_sync(0xffffffffu, s0, 1);
         const float g1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-        const float4 v = odd ? make_float4(g0, g1, d[4 * j + 2], d[4 * j + 3])
-                             : make_float4(d[4 * j], d[4 * j + 1], g0, g1);
+        return odd ? make_float4(g0, g1, d[4 * j + 2], d[4 * j + 3])
+                   : make_float4(d[4 * j], d[4 * j + 1], g0, g1);
+    };
+    if (RMW && accumulate) {
+        /* read, add, write: batches of B = 8 loads of 16 bytes, the next batch in flight
+         * while this one is added and stored (2 × 32 registers: the wgmma accumulators',
+         * free by now). Streaming hints (.cs): each line is read once and written once. */
+        constexpr int J = TN / 8, B = 8;
+        float4 old[2][B];
+#pragma unroll
+        for (int i = 0; i < B; i++)
+            if (8 * i < ncols)
+                old[0][i] = __ldcs((const float4 *)(dst + 8 * i));
+#pragma unroll
+        for (int b = 0; b < J / B; b++) {
+            if (b + 1 < J / B)
+#pragma unroll
+                for (int i = 0; i < B; i++) {
+                    const int j = (b + 1) * B + i;
+                    if (8 * j < ncols)
+                        old[(b + 1) % 2][i] = __ldcs((const float4 *)(dst + 8 * j));
+                }
+#pragma unroll
+            for (int i = 0; i < B; i++) {
+                const int j = b * B + i;
+                if (8 * j >= ncols) /* (warp-uniform: sums() shuffles) */
+                    break;
+                const float4 v = sums(j), o = old[b % 2][i];
+                __stcs((float4 *)(dst + 8 * j),
+                       make_float4(o.x + v.x, o.y + v.y, o.z + v.z, o.w + v.w));
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < TN / 8; j++) {
+        if (8 * j >= ncols) /* (ncols: 128 or 256, so a whole half) */
+            break;
+        const float4 v = sums(j);
         if (accumulate)
             red_add_v4(dst + 8 * j, v);
         else
@@ -454,6 +512,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     typedef Ring<SS, WIDE> R;
     constexpr int STAGES = R::STAGES, TN = R::TN;
     static_assert(!DIRECT || (C32 && WIDE), "the direct epilogue: fp32 dW, the wide tile");
+    static_assert(DIRECT >= 0 && DIRECT <= 3, "DIRECT: 0 staged, 1 direct, 2 rmw, 3 auto");
     extern __shared__ __align__(1024) uint8_t smem[];
     if (threadIdx.x == 0 && (smem_u32(smem) & 1023))
         __trap();
@@ -656,10 +715,16 @@ __global__ void __launch_bounds__(THREADS, 1)
 
         /* ------------------------------------------------ epilogue: whole 64-row blocks */
         const int ncols = WIDE ? (1 + two) * BN : BN; /* a half past N is not staged */
-        if constexpr (DIRECT) {
-            epilogue_direct<TN>(d, p.dw + ((size_t)g * p.M + m_wg) * p.N + n0, p.N, ncols, tid,
-                                p.accumulate);
+        float *dwb = p.dw + ((size_t)g * p.M + m_wg) * p.N + n0;
+        if constexpr (DIRECT == 1 || DIRECT == 2) {
+            epilogue_direct<TN, DIRECT == 2>(d, dwb, p.N, ncols, tid, p.accumulate);
             continue;
+        }
+        if constexpr (DIRECT == 3) { /* auto: short tiles added by RMW, the rest staged */
+            if (p.accumulate && nk <= RMW_MAX_KBLOCKS) {
+                epilogue_direct<TN, 1>(d, dwb, p.N, ncols, tid, 1);
+                continue;
+            }
         }
         uint8_t *cs = smem + R::C_OFF + c * R::CB;
         epilogue_staged<C32, TN, R::CB>(d, cs, c, tid, ncols, [&](const uint8_t *src, int col) {
@@ -680,7 +745,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 }
 
 long long g_bn256_calls; /* launches of the 128 × 256 kernel (the tests' proof it ran) */
-long long g_direct_calls; /* launches with the direct epilogue (likewise) */
+long long g_direct_calls; /* launches whose fp32 sums may leave from registers: direct, rmw
+                            or auto (likewise) */
 long long g_quarters_calls; /* launches of the wide tile by quarters (likewise) */
 
 template <int C32, int ORDERED, int PIPE, int SS, int WIDE = 0, int DIRECT = 0>
@@ -696,7 +762,7 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
     MOE_CUDA_LAUNCH_CHECK();
     g_bn256_calls += WIDE != 0;
     g_quarters_calls += WIDE == 2;
-    g_direct_calls += DIRECT;
+    g_direct_calls += DIRECT != 0;
 }
 
 int aligned16(const void *q) { return ((uintptr_t)q & 15) == 0; }
@@ -709,12 +775,12 @@ void launch_v(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &m
 }
 
 /* the 128 × 256 tile's variants: C32, ORDERED (its own loop: PIPE 0; scales in shared
- * memory: SS 1), and with fp32 output (C32) the direct epilogue as a third: index DIRECT ·
- * 4 + C32 · 2 + ORDERED */
+ * memory: SS 1), and with fp32 output (C32) the epilogue (DIRECT: 0 staged, 1 direct, 2 rmw,
+ * 3 auto) as a third: index DIRECT · 4 + C32 · 2 + ORDERED */
 template <int V>
 void launch_wide(const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
                  const Params &p, int tiles) {
-    launch<(V >> 1) & 1, V & 1, 0, 1, 1, (V >> 2) & 1>(ma, mb, mc, p, tiles);
+    launch<(V >> 1) & 1, V & 1, 0, 1, 1, (V >> 2)>(ma, mb, mc, p, tiles);
 }
 
 /* a 0/1 switch: *cached, else the environment's @p name ("0" off, any other number on),
@@ -737,25 +803,33 @@ int quarters(void) {
     return env_switch(&g_quarters, "MOE_FP8_WGRAD_QUARTERS", MOE_FP8_WGRAD_QUARTERS_DEFAULT);
 }
 
-int g_direct = -1; /* the wide tile's fp32 epilogue: 1 direct, 0 staged; -1 until first used */
+int g_epi = -1; /* the wide tile's fp32 epilogue (moe_fp8_wgrad_epi); -1 until first used */
 
-int direct(void) {
-    if (g_direct < 0) { /* MOE_FP8_WGRAD_EPI=direct|tma (or 1|0), else the default */
+int epilogue(void) {
+    if (g_epi < 0) { /* MOE_FP8_WGRAD_EPI=tma|direct|rmw|auto (or 0|1, tma|direct), else the
+                        default */
+        static const char *const names[] = {"tma", "direct", "rmw", "auto"};
         const char *e = getenv("MOE_FP8_WGRAD_EPI");
-        g_direct = MOE_FP8_WGRAD_DIRECT_DEFAULT;
+        g_epi = MOE_FP8_WGRAD_EPI_DEFAULT;
         if (e && *e) {
-            const int on = !strcmp(e, "direct") || !strcmp(e, "1");
-            if (!on && strcmp(e, "tma") && strcmp(e, "0")) {
-                fprintf(stderr, "moe.c: MOE_FP8_WGRAD_EPI=%s: use direct (the wide FP8 wgrad "
-                                "tile's fp32 sums straight from registers) or tma (staged "
-                                "through shared memory), or unset it for the default\n",
-                        e);
+            int v = !strcmp(e, "0") ? 0 : !strcmp(e, "1") ? 1 : -1;
+            for (int i = 0; i < 4; i++)
+                if (!strcmp(e, names[i]))
+                    v = i;
+            if (v < 0) {
+                fprintf(stderr, "moe.c: MOE_FP8_WGRAD_EPI=%s: use tma (the wide FP8 wgrad "
+                                "tile's fp32 sums staged through shared memory, TMA "
+                                "reduce-adds), direct (from registers, L2 reductions), rmw "
+                                "(from registers, read, added and written) or auto (rmw for "
+                                "tiles of at most %d k-blocks, else tma), or unset it for "
+                                "the default (%s)\n",
+                        e, RMW_MAX_KBLOCKS, names[MOE_FP8_WGRAD_EPI_DEFAULT]);
                 exit(1);
             }
-            g_direct = on;
+            g_epi = v;
         }
     }
-    return g_direct;
+    return g_epi;
 }
 
 int g_smem_scales = -1; /* where the consumers read the scales; -1 until first used */
@@ -841,13 +915,16 @@ extern "C" moe_status moe_cuda_fp8_grouped_wgrad(void *dw, moe_dw_mode mode, con
      * the global-scales path or the first loop (the 128-column comparisons), the 128 × 128
      * tile runs */
     if (ss && pipe() && tile_width() == 2 * BN) {
-        static const launcher wide[8] = {launch_wide<0>, launch_wide<1>, launch_wide<2>,
-                                         launch_wide<3>, NULL,           NULL,
-                                         launch_wide<6>, launch_wide<7>};
+        /* (bf16 output, C32 = 0, has the staged epilogue only: no DIRECT > 0 with C32 = 0) */
+        static const launcher wide[16] = {
+            launch_wide<0>,  launch_wide<1>,  launch_wide<2>, launch_wide<3>,
+            NULL,            NULL,            launch_wide<6>, launch_wide<7>,
+            NULL,            NULL,            launch_wide<10>, launch_wide<11>,
+            NULL,            NULL,            launch_wide<14>, launch_wide<15>};
         /* by quarters (no issue order: WIDE = 2, ORDERED = 0, the staged epilogue) */
         static const launcher by_quarters[2] = {launch<0, 0, 0, 1, 2>, launch<1, 0, 0, 1, 2>};
         const int tiles = G * (M / BM) * ((N + 2 * BN - 1) / (2 * BN));
-        const int dir = C32 && direct(); /* (bf16 output: always staged) */
+        const int dir = C32 ? epilogue() : 0; /* (bf16 output: always staged) */
         if (quarters() && !dir)
             by_quarters[C32](ma, mb, mc, p, tiles);
         else
@@ -881,8 +958,13 @@ extern "C" int moe_cuda_fp8_wgrad_quarters(void) { return quarters(); }
 
 extern "C" long long moe_cuda_fp8_wgrad_quarters_calls(void) { return g_quarters_calls; }
 
-extern "C" void moe_cuda_fp8_wgrad_set_direct(int on) { g_direct = on != 0; }
+extern "C" void moe_cuda_fp8_wgrad_set_epilogue(moe_fp8_wgrad_epi e) {
+    g_epi = e < MOE_FP8_WGRAD_EPI_TMA || e > MOE_FP8_WGRAD_EPI_AUTO ? MOE_FP8_WGRAD_EPI_DEFAULT
+                                                                   : (int)e;
+}
 
-extern "C" int moe_cuda_fp8_wgrad_direct(void) { return direct(); }
+extern "C" moe_fp8_wgrad_epi moe_cuda_fp8_wgrad_epilogue(void) {
+    return (moe_fp8_wgrad_epi)epilogue();
+}
 
 extern "C" long long moe_cuda_fp8_wgrad_direct_calls(void) { return g_direct_calls; }

@@ -14,17 +14,21 @@
  *    own count of launches proves it ran), then the 128 × 256 tile and the pipelined loop
  *    with dW prefetched into L2 before the reduce-add (moe_cuda_wgrad_set_prefetch; a count
  *    proves it ran when adding, and only then), then the 128 × 256 tile writing fp32 dW
- *    straight from registers (moe_cuda_fp8_wgrad_set_direct; a count proves it ran with fp32
- *    output, and only then), then the 128 × 256 tile promoted by 64-column quarters with two
- *    accumulator sets (moe_cuda_fp8_wgrad_set_quarters; its own count), and both issue orders
- *    of the warpgroups (the quarters take no turns: the same run twice). The nine promote the
+ *    straight from registers (moe_cuda_fp8_wgrad_set_epilogue(DIRECT); a count proves it ran
+ *    with fp32 output, and only then), then the 128 × 256 tile promoted by 64-column quarters
+ *    with two accumulator sets (moe_cuda_fp8_wgrad_set_quarters; its own count), then the
+ *    128 × 256 tile adding by read-modify-write from registers (RMW) and with the auto
+ *    epilogue (RMW for tiles of at most 8 k-blocks, TMA for longer ones: the shape with a
+ *    1200-row group has both), and both issue orders of the warpgroups (the quarters take no
+ *    turns: the same run twice). The eleven promote the
  *    same k-blocks' partials (m64n128k32, or m64n64k32 by quarters: the same products summed
  *    over the same 128-deep block for each element) with the same scales in the same order
  *    and add each sum once, so their outputs must also be equal bit for bit. The wide tile on
  *    N = 128·odd (its last tile's second half past N: not computed, not stored) and
  *    N = 256·k.
  * Ragged groups: 0, 1, 127, 128, 129, 255 rows; 40 groups of 0 to 189 rows; for the GEMM
- * also 700, 0, 385, 257, 1 rows (6, 0, 4, 3, 1 k-blocks); for the quantizer also the most
+ * also 700, 0, 385, 257, 1 rows (6, 0, 4, 3, 1 k-blocks) and 1200, 130, 0, 900 (10, 2, 0,
+ * 8 k-blocks: auto's two epilogues in one launch); for the quantizer also the most
  * groups (256, 0 to 300 rows, C = 384). The quantizer in both formats, pow2 scales on and
  * off, by its vectorized kernel and by the first one (MOE_QUANT_GROUP_T_V1), with a NaN, an
  * infinity, −0 and bf16 subnormals among the values; a count of launches proves which ran.
@@ -215,26 +219,34 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
     int ok = 1;
     static const char *const names[] = {"fp32 added", "fp32 stored", "bf16 stored"};
     float *piped = malloc(sizeof(float) * (nw + 1)); /* the first variant's output */
-    enum { NV = 9 }; /* variants per mode */
+    enum { NV = 11 }; /* variants per mode */
     for (int run = 0; run < 3 * NV; run++) {
         /* each mode with the pipelined loop, then the first loop, each with the scales read
          * from shared memory, then from global memory, then the 128 × 256 tile, then the
          * 128 × 256 tile and the pipelined loop with dW prefetched into L2 (a hint: it acts
          * only when adding), then the 128 × 256 tile with the direct epilogue (fp32 only:
-         * bf16 stays staged), then the 128 × 256 tile promoted by 64-column quarters; the
-         * last eight must equal the first bit for bit (the same scale values, the same
-         * promotions in the same order, one fp32 addition an element) */
+         * bf16 stays staged), then the 128 × 256 tile promoted by 64-column quarters, then
+         * with the RMW and the auto epilogues; the last ten must equal the first bit for bit
+         * (the same scale values, the same promotions in the same order, one fp32 addition
+         * an element) */
         const int mode = run / NV, v = run % NV, wide = v == 4 || v == 5 || v >= 7;
-        const int pf = v == 5 || v == 6, dir = v == 7, qtr = v == 8;
+        const int pf = v == 5 || v == 6, qtr = v == 8;
+        const moe_fp8_wgrad_epi epi = v == 7    ? MOE_FP8_WGRAD_EPI_DIRECT
+                                      : v == 9  ? MOE_FP8_WGRAD_EPI_RMW
+                                      : v == 10 ? MOE_FP8_WGRAD_EPI_AUTO
+                                                : MOE_FP8_WGRAD_EPI_TMA;
+        const int dir = epi != MOE_FP8_WGRAD_EPI_TMA;
         const int pipe = wide || v == 6 || !(v & 2), ss = wide || v == 6 || !(v & 1);
         moe_cuda_wgrad_set_prefetch(pf);
         moe_cuda_fp8_wgrad_set_pipe(pipe);
         moe_cuda_fp8_wgrad_set_smem_scales(ss);
         moe_cuda_fp8_wgrad_set_bn(wide ? 256 : 128);
-        moe_cuda_fp8_wgrad_set_direct(dir);
+        moe_cuda_fp8_wgrad_set_epilogue(epi);
         moe_cuda_fp8_wgrad_set_quarters(qtr);
         const char *scl = ss ? "shared" : "global";
-        const char *loop = dir    ? "128x256 direct"
+        const char *loop = v == 9   ? "128x256 rmw"
+                           : v == 10 ? "128x256 auto epilogue"
+                           : dir    ? "128x256 direct"
                            : qtr  ? "128x256 by quarters"
                            : wide ? "128x256"
                            : pipe ? "pipelined"
@@ -271,7 +283,7 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
             ok = 0;
         }
         if (moe_cuda_fp8_wgrad_direct_calls() - dcalls != (dir && mode < 2)) {
-            printf("  FP8 wgrad %s: the direct epilogue %s\n", names[mode],
+            printf("  FP8 wgrad %s: the epilogue from registers (%s) %s\n", names[mode], loop,
                    dir && mode < 2 ? "did not run" : "ran unasked");
             ok = 0;
         }
@@ -354,6 +366,9 @@ static const int g_s1[] = {0, 0, 1};                         /* one row in all *
 /* long groups: 6, 0, 4, 3 and 1 k-blocks, so the pipelined loop goes round more than once
  * (it takes k-blocks by twos) and ends on both parities */
 static const int g_s3[] = {700, 0, 385, 257, 1};
+/* 10, 2, 0 and 8 k-blocks: the auto epilogue adds the first group's tiles by TMA (more than 8
+ * k-blocks), the others' by RMW, in one launch */
+static const int g_s4[] = {1200, 130, 0, 900};
 
 START_TEST(test_gpu_fp8_wgrad_quant) {
     if (!hopper("token-wise FP8"))
@@ -388,7 +403,8 @@ START_TEST(test_gpu_fp8_wgrad_gemm) {
         s2[e] = e % 7 == 3 ? 0 : (e * 53) % 190;
     const int ordered = moe_cuda_fp8_grouped_ordered(), pipe = moe_cuda_fp8_wgrad_pipe();
     const int smem_scales = moe_cuda_fp8_wgrad_smem_scales(), bn = moe_cuda_fp8_wgrad_bn();
-    const int prefetch = moe_cuda_wgrad_prefetch(), direct = moe_cuda_fp8_wgrad_direct();
+    const int prefetch = moe_cuda_wgrad_prefetch();
+    const moe_fp8_wgrad_epi epi = moe_cuda_fp8_wgrad_epilogue();
     const int quarters = moe_cuda_fp8_wgrad_quarters();
     int ok = 1;
     for (int o = 0; o < 2; o++) { /* both issue orders of the consumer warpgroups */
@@ -399,13 +415,14 @@ START_TEST(test_gpu_fp8_wgrad_gemm) {
         ok &= check_gemm(s2, 40, 256, 128, 103);
         ok &= check_gemm(g_s3, 5, 128, 256, 104);
         ok &= check_gemm(g_s3, 5, 256, 512, 105); /* N = 256·2: whole wide tiles */
+        ok &= check_gemm(g_s4, 4, 128, 256, 106); /* auto: RMW and TMA tiles in one launch */
     }
     moe_cuda_fp8_grouped_set_ordered(ordered);
     moe_cuda_fp8_wgrad_set_pipe(pipe);
     moe_cuda_fp8_wgrad_set_smem_scales(smem_scales);
     moe_cuda_fp8_wgrad_set_bn(bn);
     moe_cuda_wgrad_set_prefetch(prefetch);
-    moe_cuda_fp8_wgrad_set_direct(direct);
+    moe_cuda_fp8_wgrad_set_epilogue(epi);
     moe_cuda_fp8_wgrad_set_quarters(quarters);
     ck_assert_msg(ok, "the FP8 wgrad differs from the CPU twin beyond the FP8 bound");
 }

@@ -62,13 +62,16 @@
  *                              first three at 128 columns, whatever the variables say
  *   128x256, direct epilogue   the same tile writing fp32 dW straight from registers
  *                              (red.global.add.v4.f32 or 16-byte stores) instead of staging
- *                              it through shared memory for TMA (MOE_FP8_WGRAD_EPI=direct)
+ *                              it through shared memory for TMA (MOE_FP8_WGRAD_EPI=direct);
+ *                              the tile's own row above is staged (MOE_FP8_WGRAD_EPI=tma)
  *   128x256 by quarters        the same tile promoting each k-block in four 64-column
  *                              quarters with two accumulator sets (MOE_FP8_WGRAD_QUARTERS=1)
  *   bf16 wgrad ... +=,         the same with fp32 dW ADDED to (MOE_DW_ACCUMULATE, a step's
  *   FP8 wgrad 128x256 +=,      later micro-batches): the bf16 wgrad, the wide tile staged
- *     staged / direct /        through TMA (reduce-add), direct (vector reds), and by
- *     by quarters              quarters
+ *     staged / direct /        through TMA (reduce-add), direct (vector reds), by quarters,
+ *     by quarters / rmw /      read + add + write from registers (MOE_FP8_WGRAD_EPI=rmw) and
+ *     auto epilogue            the default, auto (rmw for tiles of at most 8 k-blocks, else
+ *                              staged)
  *   + token-wise quantize      the default loop plus the two quantize+transpose passes
  *   token-wise quantize dY/X   one quantize+transpose pass alone (kernels/quantize_group_t.cu),
  *     (C=...), v1              then its first kernel (MOE_QUANT_GROUP_T_V1): ms, and GB/s of
@@ -879,37 +882,42 @@ static void bench_wgrad(const shape *s, const int *off, int G, int rows, int N, 
     moe_cuda_fp8_wgrad_set_smem_scales(1);
     moe_cuda_fp8_wgrad_set_pipe(0);
     report(s, "FP8 wgrad grouped, first loop (variant)", time_ms(run_wgrad_fp8, &c), -1);
-    const int dir = moe_cuda_fp8_wgrad_direct(), qtr = moe_cuda_fp8_wgrad_quarters();
+    const moe_fp8_wgrad_epi epi = moe_cuda_fp8_wgrad_epilogue();
+    const int qtr = moe_cuda_fp8_wgrad_quarters();
     moe_cuda_fp8_wgrad_set_pipe(1);
     moe_cuda_fp8_wgrad_set_bn(256);
-    moe_cuda_fp8_wgrad_set_direct(0); /* (its default forms, whatever the variables say) */
+    moe_cuda_fp8_wgrad_set_epilogue(MOE_FP8_WGRAD_EPI_TMA); /* (whatever the variables say) */
     moe_cuda_fp8_wgrad_set_quarters(0);
     report(s, "FP8 wgrad grouped, 128x256 tile", time_ms(run_wgrad_fp8, &c), -1);
     /* the wide tile's other forms (the test checks they agree bit for bit): its fp32 sums
      * straight from registers (direct epilogue) and its promotion by quarters, storing, then
-     * adding (a step's later micro-batches) beside the bf16 wgrad adding and the default */
+     * adding (a step's later micro-batches) beside the bf16 wgrad adding, with the RMW
+     * epilogue and the default (auto) last */
     static const struct {
         moe_dw_mode mode;
-        int direct, quarters;
+        moe_fp8_wgrad_epi epi;
+        int quarters;
         const char *name;
     } wide_rows[] = {
-        {MOE_DW_STORE, 1, 0, "FP8 wgrad 128x256, direct epilogue"},
-        {MOE_DW_STORE, 0, 1, "FP8 wgrad 128x256 by quarters"},
-        {MOE_DW_ACCUMULATE, 0, 0, "FP8 wgrad 128x256 +=, staged (TMA)"},
-        {MOE_DW_ACCUMULATE, 1, 0, "FP8 wgrad 128x256 +=, direct epilogue"},
-        {MOE_DW_ACCUMULATE, 0, 1, "FP8 wgrad 128x256 +=, by quarters"},
+        {MOE_DW_STORE, MOE_FP8_WGRAD_EPI_DIRECT, 0, "FP8 wgrad 128x256, direct epilogue"},
+        {MOE_DW_STORE, MOE_FP8_WGRAD_EPI_TMA, 1, "FP8 wgrad 128x256 by quarters"},
+        {MOE_DW_ACCUMULATE, MOE_FP8_WGRAD_EPI_TMA, 0, "FP8 wgrad 128x256 +=, staged (TMA)"},
+        {MOE_DW_ACCUMULATE, MOE_FP8_WGRAD_EPI_DIRECT, 0, "FP8 wgrad 128x256 +=, direct epilogue"},
+        {MOE_DW_ACCUMULATE, MOE_FP8_WGRAD_EPI_TMA, 1, "FP8 wgrad 128x256 +=, by quarters"},
+        {MOE_DW_ACCUMULATE, MOE_FP8_WGRAD_EPI_RMW, 0, "FP8 wgrad 128x256 +=, rmw"},
+        {MOE_DW_ACCUMULATE, MOE_FP8_WGRAD_EPI_AUTO, 0, "FP8 wgrad 128x256 +=, auto epilogue"},
     };
     for (size_t i = 0; i < sizeof wide_rows / sizeof *wide_rows; i++) {
         if (wide_rows[i].mode != c.mode) { /* the first adding row: bf16's beside it */
             c.mode = wide_rows[i].mode;
             report(s, "bf16 wgrad grouped (ours, fp32 dW +=)", time_ms(run_wgrad_bf16, &c), -1);
         }
-        moe_cuda_fp8_wgrad_set_direct(wide_rows[i].direct);
+        moe_cuda_fp8_wgrad_set_epilogue(wide_rows[i].epi);
         moe_cuda_fp8_wgrad_set_quarters(wide_rows[i].quarters);
         report(s, wide_rows[i].name, time_ms(run_wgrad_fp8, &c), -1);
     }
     c.mode = MOE_DW_STORE;
-    moe_cuda_fp8_wgrad_set_direct(dir);
+    moe_cuda_fp8_wgrad_set_epilogue(epi);
     moe_cuda_fp8_wgrad_set_quarters(qtr);
     moe_cuda_fp8_wgrad_set_pipe(pipe);
     moe_cuda_fp8_wgrad_set_smem_scales(ss);
