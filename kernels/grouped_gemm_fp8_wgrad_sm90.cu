@@ -112,7 +112,7 @@
  * tests/gpu_fp8_wgrad.c on an H100 (bit for bit the other variants, auto's two epilogues in
  * one launch) and made Qwen3-235B's FP8 layer 1.07x faster (docs/results/05-fp8-nvfp4.md,
  * "The adding wgrad by plain reads and writes").
- * The direct epilogue (MOE_FP8_WGRAD_EPI=direct, epilogue_direct above) passed
+ * The direct epilogue (MOE_FP8_WGRAD_EPI=direct, epilogue_regs) passed
  * tests/gpu_fp8_wgrad.c on an H100 (bit for bit) and is slower everywhere it was timed: on
  * Mixtral's fc1 storing 5.59 against 5.23 ms, adding 5.95 against 5.83; on Qwen3-235B's fc1
  * (4 k-blocks a tile) adding 8.41 against 7.01; the Mixtral layer 22.86-23.02 against
@@ -139,9 +139,10 @@
 namespace {
 
 constexpr int BM = 128, BN = 128, BK = MOE_QUANT_BLOCK, THREADS = 384;
-constexpr int BAND = 8; /* m-tiles per raster band (moe_tile_band_place; see place below) */
+/* m-tiles per raster band (moe_tile_band_place; see place below) */
+[[maybe_unused]] constexpr int BAND = 8;
 /* The auto epilogue (DIRECT = 3, the default with fp32 dW): a tile of at most this many
- * k-blocks adds into dW by RMW (epilogue_direct), a longer one by TMA reduce-adds (staged).
+ * k-blocks adds into dW by RMW (epilogue_regs), a longer one by TMA reduce-adds (staged).
  * Measured on an H100 (docs/results/05-fp8-nvfp4.md, "The adding wgrad by plain reads and
  * writes"), RMW against TMA: 4 k-blocks a tile (Qwen3-235B's fc1, fc2) 1.13x and 1.12x, 8 on
  * average (Qwen3-30B-A3B's fc1) 1.15x, 16 (Mixtral's fc1) 0.83x. The tile's own count (its
@@ -208,90 +209,21 @@ struct Params {
     float *dw;            /* dW [G][M][N] fp32: the direct epilogue's (DIRECT) destination */
 };
 
-/* The DIRECT epilogue (fp32 dW, the 128 × 256 tile; MOE_FP8_WGRAD_EPI=direct): consumer
- * warpgroup c's 64 rows × ncols sums d leave straight from registers, 16 bytes a thread and
- * instruction, added in L2 (red.global.add.v4.f32) or stored: no staging buffer, no proxy
- * fence, no barrier, nothing waited for, so the warpgroup goes on to the next tile's MMAs while
- * the sums drain. Why: the staged epilogue (sm90_epilogue.cuh) writes the 64 KB of a
- * warpgroup's sums through an 8 KB buffer (all the wide tile's ring leaves), 8 pieces, each
- * waiting until TMA has read the last; the tensor cores idle through it. On Mixtral's fc1
- * (16 k-blocks a tile) the wide tile ran 751 TFLOP/s adding, where its MMAs alone would run
- * ~1100: about a third of each tile's time is that epilogue.
- * The layout: for 8-column block j the thread holds row r_lo's columns 8j + 2q + {0, 1} (q =
- * lane % 4) and row r_lo + 8's. Lanes q and q ^ 1 swap halves (two shuffles), so an even q
- * holds row r_lo's 4 columns 8j + 4(q/2) .. + 3 and an odd q row r_lo + 8's: 16 aligned bytes
- * each, and a warp's instruction writes 16 rows × 32 contiguous bytes, whole sectors. Each
- * element still gets one fp32 addition (old + sum), so the output is bit for bit the TMA
- * reduce-add's. dwb: &dW[g][first row of the warpgroup][n0].
- * RMW (MOE_FP8_WGRAD_EPI=rmw, and the short tiles of auto, the default): adding, the thread
- * reads its old values and writes old + sum with plain loads and stores instead of L2
- * reductions. Why: at 512 rows per expert (4 k-blocks a tile) the adding wgrad is its
- * epilogue. On Qwen3-235B's fc1 (H100) the MMAs and promotions alone take 2.79 ms, the TMA
- * reduce-adds alone (no MMAs) 6.58 ms, both 7.15: the reductions move the 12.9 GB of dW at
- * 2.0 TB/s, where plain reads and writes of the same tiles reach 2.8 (the probe in
- * docs/results/runs/ch05_wgrad_wall_probe.cu). Read, add and written by the thread, 6.3 ms
- * (fc2: 3.29 against 3.68). On Mixtral (16 k-blocks a tile) the tile's MMAs dominate, and
- * the consumers' wait for the reads costs more than the reductions (6.41 against 5.45 ms on
- * fc1): hence auto, below. The same fp32 addition per element, so the same bits, up to
- * subnormals: PTX's red and atom .add.f32 flush them to zero, a plain add (and the CPU twin)
- * keeps them. */
-template <int TN, int RMW>
-__device__ __forceinline__ void epilogue_direct(const float *d, float *dwb, int N, int ncols,
-                                                int tid, int accumulate) {
-    const int lane = tid % 32, q = lane % 4, odd = q & 1;
-    const int row = (tid / 32) * 16 + lane / 4 + 8 * odd;
-    float *dst = dwb + (size_t)row * N + 4 * (q >> 1);
-    /* column block j's 4 sums of this thread's row, as 16 aligned bytes */
-    const auto sums = [&](int j) {
-        /* an even lane gives away its row r_lo + 8 pair, an odd one its row r_lo pair */
-        const float s0 = odd ? d[4 * j] : d[4 * j + 2], s1 = odd ? d[4 * j + 1] : d[4 * j + 3];
-        const float g0 = __shfl_xor_sync(0xffffffffu, s0, 1);
-        const float g1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-        return odd ? make_float4(g0, g1, d[4 * j + 2], d[4 * j + 3])
-                   : make_float4(d[4 * j], d[4 * j + 1], g0, g1);
-    };
-    if (RMW && accumulate) {
-        /* read, add, write: batches of B = 8 loads of 16 bytes, the next batch in flight
-         * while this one is added and stored (2 × 32 registers: the wgmma accumulators',
-         * free by now). Streaming hints (.cs): each line is read once and written once. */
-        constexpr int J = TN / 8, B = 8;
-        float4 old[2][B];
-#pragma unroll
-        for (int i = 0; i < B; i++)
-            if (8 * i < ncols)
-                old[0][i] = __ldcs((const float4 *)(dst + 8 * i));
-#pragma unroll
-        for (int b = 0; b < J / B; b++) {
-            if (b + 1 < J / B)
-#pragma unroll
-                for (int i = 0; i < B; i++) {
-                    const int j = (b + 1) * B + i;
-                    if (8 * j < ncols)
-                        old[(b + 1) % 2][i] = __ldcs((const float4 *)(dst + 8 * j));
-                }
-#pragma unroll
-            for (int i = 0; i < B; i++) {
-                const int j = b * B + i;
-                if (8 * j >= ncols) /* (warp-uniform: sums() shuffles) */
-                    break;
-                const float4 v = sums(j), o = old[b % 2][i];
-                __stcs((float4 *)(dst + 8 * j),
-                       make_float4(o.x + v.x, o.y + v.y, o.z + v.z, o.w + v.w));
-            }
-        }
-        return;
-    }
-#pragma unroll
-    for (int j = 0; j < TN / 8; j++) {
-        if (8 * j >= ncols) /* (ncols: 128 or 256, so a whole half) */
-            break;
-        const float4 v = sums(j);
-        if (accumulate)
-            red_add_v4(dst + 8 * j, v);
-        else
-            *(float4 *)(dst + 8 * j) = v;
-    }
-}
+/* The DIRECT epilogues (fp32 dW, the 128 × 256 tile; MOE_FP8_WGRAD_EPI=direct|rmw, and the
+ * short tiles of auto, the default): consumer warpgroup c's 64 rows × ncols sums d leave
+ * straight from registers (epilogue_regs, sm90_epilogue.cuh): no staging buffer, no proxy
+ * fence, no barrier. direct adds them by L2 reductions (red.global.add.v4.f32), rmw reads
+ * the old values, adds and writes. Why direct was tried: the staged epilogue writes the 64
+ * KB of a warpgroup's sums through an 8 KB buffer (all the wide tile's ring leaves), 8
+ * pieces, each waiting until TMA has read the last; on Mixtral's fc1 (16 k-blocks a tile)
+ * the wide tile ran 751 TFLOP/s adding, where its MMAs alone would run ~1100. It was slower
+ * (STATUS, above). Why rmw: at 512 rows per expert (4 k-blocks a tile) the adding wgrad is
+ * its epilogue. On Qwen3-235B's fc1 (H100) the MMAs and promotions alone take 2.79 ms, the
+ * TMA reduce-adds alone (no MMAs) 6.58 ms, both 7.15: the reductions move the 12.9 GB of dW
+ * at 2.0 TB/s, where plain reads and writes of the same tiles reach 2.8 (the probe in
+ * docs/results/runs/ch05_wgrad_wall_probe.cu). Read, added and written by the thread, 6.3
+ * ms (fc2: 3.29 against 3.68). On Mixtral the tile's MMAs dominate, and the consumers' wait
+ * for the reads costs more than the reductions (6.41 against 5.45 ms on fc1): hence auto. */
 
 /* one k-block's MMAs of consumer warpgroup c (issue number it: its stage and phase) into
  * acc, issued and committed, not waited for. ORDERED: the warpgroups take turns at the
@@ -717,12 +649,12 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int ncols = WIDE ? (1 + two) * BN : BN; /* a half past N is not staged */
         float *dwb = p.dw + ((size_t)g * p.M + m_wg) * p.N + n0;
         if constexpr (DIRECT == 1 || DIRECT == 2) {
-            epilogue_direct<TN, DIRECT == 2>(d, dwb, p.N, ncols, tid, p.accumulate);
+            epilogue_regs<TN, DIRECT == 2>(d, dwb, p.N, ncols, 64, tid, p.accumulate);
             continue;
         }
         if constexpr (DIRECT == 3) { /* auto: short tiles added by RMW, the rest staged */
             if (p.accumulate && nk <= RMW_MAX_KBLOCKS) {
-                epilogue_direct<TN, 1>(d, dwb, p.N, ncols, tid, 1);
+                epilogue_regs<TN, 1>(d, dwb, p.N, ncols, 64, tid, 1);
                 continue;
             }
         }
@@ -803,7 +735,7 @@ int quarters(void) {
     return env_switch(&g_quarters, "MOE_FP8_WGRAD_QUARTERS", MOE_FP8_WGRAD_QUARTERS_DEFAULT);
 }
 
-int g_epi = -1; /* the wide tile's fp32 epilogue (moe_fp8_wgrad_epi); -1 until first used */
+int g_epi = -1; /* the wide tile's fp32 epilogue (moe_wgrad_epi); -1 until first used */
 
 int epilogue(void) {
     if (g_epi < 0) { /* MOE_FP8_WGRAD_EPI=tma|direct|rmw|auto (or 0|1, tma|direct), else the
@@ -958,13 +890,13 @@ extern "C" int moe_cuda_fp8_wgrad_quarters(void) { return quarters(); }
 
 extern "C" long long moe_cuda_fp8_wgrad_quarters_calls(void) { return g_quarters_calls; }
 
-extern "C" void moe_cuda_fp8_wgrad_set_epilogue(moe_fp8_wgrad_epi e) {
-    g_epi = e < MOE_FP8_WGRAD_EPI_TMA || e > MOE_FP8_WGRAD_EPI_AUTO ? MOE_FP8_WGRAD_EPI_DEFAULT
+extern "C" void moe_cuda_fp8_wgrad_set_epilogue(moe_wgrad_epi e) {
+    g_epi = e < MOE_WGRAD_EPI_TMA || e > MOE_WGRAD_EPI_AUTO ? MOE_FP8_WGRAD_EPI_DEFAULT
                                                                    : (int)e;
 }
 
-extern "C" moe_fp8_wgrad_epi moe_cuda_fp8_wgrad_epilogue(void) {
-    return (moe_fp8_wgrad_epi)epilogue();
+extern "C" moe_wgrad_epi moe_cuda_fp8_wgrad_epilogue(void) {
+    return (moe_wgrad_epi)epilogue();
 }
 
 extern "C" long long moe_cuda_fp8_wgrad_direct_calls(void) { return g_direct_calls; }

@@ -174,6 +174,14 @@
  * wgrad runs in one chunk on a contiguous input, kernels/grouped_wgrad_pingpong_sm90.cu can
  * run it instead — each consumer warpgroup a whole 128 × 128 tile, the two taking turns in
  * the main loop, so that one's epilogue overlaps the other's MMAs (sm90_backward).
+ * The RMW epilogue (MOE_WGRAD_EPI=rmw|auto, moe_cuda_wgrad_set_epilogue; Params.rmw): an
+ * adding tile of at most Params.rmw k-steps reads its old dw, adds its sums and writes them
+ * from registers (epilogue_regs, sm90_epilogue.cuh) instead of TMA's reduce-adds, which move
+ * dw at about 2.0 TB/s where plain reads and writes reach 2.8 on an H100. The FP8 wgrad
+ * gained it first and it made Qwen3-235B's FP8 layer 1.07x faster (docs/results/
+ * 05-fp8-nvfp4.md, "The adding wgrad by plain reads and writes"). STATUS here: passed the
+ * GPU suite on an H100 (test_gpu_grouped_wgrad_epilogue, and auto as the default of every
+ * other grouped test, 173/173); its speed is not measured yet, so TMA stays the default.
  *
  * Ragged edges without padding:
  *   - rows of a forward/dgrad tile past the group's end are loaded (they belong to the
@@ -272,6 +280,9 @@ struct Params {
     const int *smap;
     int prefetch; /* wgrad, reduce-add: the producer prefetches each tile's dw into L2
                      (prefetch_dw_tile, MOE_WGRAD_PREFETCH) */
+    int rmw;      /* wgrad, fp32 added into C = dw: a tile of at most this many k-steps adds
+                     its sums by read + add + write from registers (epilogue_regs), a longer
+                     one by TMA's reduce-add (0: every tile by TMA; MOE_WGRAD_EPI) */
 };
 
 struct Tile {
@@ -866,7 +877,17 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int m_wg = ti.m0 + (half ? 0 : c * 64);        /* our block's first row, */
         const int n_wg = ti.n0 + (half ? c * (BN / 2) : 0);  /* first column */
         const int ncols = half || share ? BN / 2 : WN; /* and width */
-        if constexpr (SCATTER) {
+        bool by_regs = false; /* a short adding wgrad tile: read, added, written (p.rmw) */
+        if constexpr (MODE == WGRAD && C32) {
+            if (p.accumulate && ti.nk <= p.rmw) {
+                const int nc = min(ncols, p.N - n_wg); /* (I % 8 == 0: the host checks) */
+                epilogue_regs<WN, 1>(d, (float *)p.C + ((size_t)ti.gc * p.M + m_wg) * p.N + n_wg,
+                                     p.N, nc, p.M - m_wg, tid, 1);
+                by_regs = true;
+            }
+        }
+        if (by_regs) {
+        } else if constexpr (SCATTER) {
             /* every block, whole or cut by its group's end, row by row to its slot */
             epilogue_scatter<WN, C_BYTES>(d, cs, c, tid, ncols, (moe_bf16 *)p.C, p.N, m_wg,
                                           n_wg, ti.r1, p.smap);
@@ -1105,6 +1126,42 @@ int narrow_enabled(void) {
 int g_wgrad_prefetch = -1;
 long long g_prefetch_launches = 0; /* wgrad launches that prefetched, both kernels */
 
+/* How an unsplit wgrad adds into fp32 dw (moe_wgrad_epi: tma, rmw or auto; a host choice):
+ * -1 until first used, then MOE_WGRAD_EPI, else the default. The auto rule is the FP8
+ * wgrad's (kernels/grouped_gemm_fp8_wgrad_sm90.cu, RMW_MAX_KBLOCKS): RMW for a tile of at
+ * most 1024 of its group's rows, 16 k-steps of BK = 64, where the tile is its epilogue. */
+int g_wgrad_epi = -1;
+
+int wgrad_epi(void) {
+    if (g_wgrad_epi < 0) {
+        static const char *const names[] = {"tma", "", "rmw", "auto"};
+        const char *e = getenv("MOE_WGRAD_EPI");
+        g_wgrad_epi = MOE_WGRAD_EPI_DEFAULT;
+        if (e && *e) {
+            int v = -1;
+            for (int i = 0; i < 4; i++)
+                if (*names[i] && !strcmp(e, names[i]))
+                    v = i;
+            if (v < 0) {
+                fprintf(stderr, "moe.c: MOE_WGRAD_EPI=%s: use tma (the bf16 wgrad adds into "
+                                "fp32 dw by TMA reduce-adds), rmw (by reading, adding and "
+                                "writing from registers) or auto (rmw for tiles of at most "
+                                "1024 rows, else tma), or unset it for the default (%s)\n",
+                        e, names[MOE_WGRAD_EPI_DEFAULT]);
+                exit(1);
+            }
+            g_wgrad_epi = v;
+        }
+    }
+    return g_wgrad_epi;
+}
+
+/* Params.rmw of an adding wgrad: the k-steps up to which a tile adds by RMW */
+int wgrad_rmw_ksteps(void) {
+    const int e = wgrad_epi();
+    return e == MOE_WGRAD_EPI_RMW ? INT_MAX : e == MOE_WGRAD_EPI_AUTO ? 1024 / BK : 0;
+}
+
 /* The tile width for N output columns: BN = 256, or NARROW_BN = 192 where that pads fewer
  * columns. N = 384 (the GPU preset's hidden size) in 256-column tiles is a full tile and a
  * half-empty one: a third of the MMA work computes zeros. In 192-column tiles it is two
@@ -1190,6 +1247,14 @@ extern "C" void moe_cuda_wgrad_set_prefetch(int how) {
     g_wgrad_prefetch = how == 1 || how == 2 ? how : 0;
 }
 
+extern "C" void moe_cuda_wgrad_set_epilogue(moe_wgrad_epi e) {
+    g_wgrad_epi = e == MOE_WGRAD_EPI_TMA || e == MOE_WGRAD_EPI_RMW || e == MOE_WGRAD_EPI_AUTO
+                      ? (int)e
+                      : MOE_WGRAD_EPI_DEFAULT;
+}
+
+extern "C" moe_wgrad_epi moe_cuda_wgrad_epilogue(void) { return (moe_wgrad_epi)wgrad_epi(); }
+
 extern "C" void moe_cuda_wgrad_prefetch_note(void) { g_prefetch_launches++; }
 
 extern "C" long long moe_cuda_wgrad_prefetch_launches(void) { return g_prefetch_launches; }
@@ -1253,7 +1318,7 @@ static void sm90_forward(void *out, const Input &in, const void *w, const int *d
     const uint64_t db[3] = {(uint64_t)I, (uint64_t)O, (uint64_t)G};
     const uint64_t dc[2] = {(uint64_t)O, (uint64_t)rows};
     Params p = {dev_off, G, 0, O, I, out, 0, 1, sched_fine(schedule()), sched_dyn(schedule()),
-                NULL, NULL, 0, 0, scatter, 0};
+                NULL, NULL, 0, 0, scatter, 0, 0};
     MOE_ASSERT(!(scatter && in.map)); /* (no kernel both gathers and scatters) */
     set_gather(p, in, I);
     const int wn = tile_width(O, p.fine, in.map != NULL);
@@ -1335,7 +1400,7 @@ static void sm90_backward(void *din, void *dw, const void *dout, const Input &in
         const uint64_t dc[2] = {(uint64_t)I, (uint64_t)rows};
         const uint32_t ba[2] = {BK, BM / 2}, bb[3] = {64, BK, 1}, bc[2] = {64, 64};
         const Params p = {dev_off, G, 0, I, O, din, din_accumulate, 1, sched_fine(schedule()),
-                          sched_dyn(schedule()), NULL, NULL, 0, 0, NULL, 0};
+                          sched_dyn(schedule()), NULL, NULL, 0, 0, NULL, 0, 0};
         const CUtensorMap mb = moe_tma_map(w, 3, db, bb);
         const int wn = tile_width(I, p.fine, 0);
         launch<DGRAD>(moe_tma_map(dout, 2, da, ba), mb, mb, moe_tma_map(din, 2, dc, bc), p,
@@ -1361,21 +1426,21 @@ static void sm90_backward(void *din, void *dw, const void *dout, const Input &in
         const CUtensorMap mb = in.map ? ma : moe_tma_map(in.x, 2, db, box);
         if (S > 1) { /* every chunk STORES its partial [S][G][O][I]; one ordered sum after */
             float *part = (float *)moe_cuda_scratch(MOE_SCRATCH_WGRAD_SPLIT, S * nw * sizeof(float));
-            Params p = {dev_off, G, O, I, 0, NULL, 0, S, 0, 0, NULL, NULL, 0, 0, NULL, 0};
+            Params p = {dev_off, G, O, I, 0, NULL, 0, S, 0, 0, NULL, NULL, 0, 0, NULL, 0, 0};
             set_gather(p, in, I);
             launch<WGRAD>(ma, mb, mb, moe_tma_map(part, 3, dc, bc32, 1), p, tiles, wn);
             wgrad_reduce(dw, part, nw, S, dw_mode);
         } else if (dw_mode == MOE_DW_ACT) { /* bf16, stored */
-            Params p = {dev_off, G, O, I, 0, NULL, 0, 1, 0, 0, NULL, NULL, 0, 0, NULL, 0};
+            Params p = {dev_off, G, O, I, 0, NULL, 0, 1, 0, 0, NULL, NULL, 0, 0, NULL, 0, 0};
             set_gather(p, in, I);
             launch<WGRAD, 0>(ma, mb, mb, moe_tma_map(dw, 3, dc, bc16), p, tiles, wn);
         } else { /* fp32: reduce-added, or stored into a buffer whose contents do not count */
             const int acc = dw_mode == MOE_DW_ACCUMULATE;
-            /* (C: the wgrad's tiles all leave through TMA; the consumers' prefetch reads dw
-             * from it) */
+            /* (C: dw, for the consumers' prefetch and the RMW epilogue, which read it; the
+             * other tiles leave through TMA) */
             const int pf = acc ? moe_cuda_wgrad_prefetch() : 0;
-            Params p = {dev_off, G, O, I, 0, pf == 2 ? dw : NULL, acc, 1, 0, 0, NULL, NULL, 0, 0,
-                        NULL, pf};
+            Params p = {dev_off, G, O, I, 0, acc ? dw : NULL, acc, 1, 0, 0, NULL, NULL, 0, 0,
+                        NULL, pf, acc && I % 8 == 0 ? wgrad_rmw_ksteps() : 0};
             set_gather(p, in, I);
             if (p.prefetch)
                 moe_cuda_wgrad_prefetch_note();

@@ -164,6 +164,90 @@ static __device__ __forceinline__ void epilogue_staged(const float *d, uint8_t *
 }
 
 /**
+ * Warpgroup @p c's block of 64 rows × @p ncols (≤ NW, a multiple of 8) fp32 accumulators
+ * @p d straight from registers to @p dst (the block's first element, rows @p ld floats
+ * apart), no staging buffer: stored (@p accumulate = 0), else added to what is there, by L2
+ * reductions (`red.global.add.v4.f32`, RMW = 0) or by reading the old values, adding and
+ * writing (RMW = 1). Rows from @p rows on are not touched (a block past the matrix's end).
+ *
+ * The layout: for 8-column block j the thread holds row r_lo's columns 8j + 2q + {0, 1} (q =
+ * lane % 4) and row r_lo + 8's. Lanes q and q ^ 1 swap halves (two shuffles), so an even q
+ * holds row r_lo's 4 columns 8j + 4(q/2) .. + 3 and an odd q row r_lo + 8's: 16 aligned bytes
+ * each, and a warp's instruction writes 16 rows × 32 contiguous bytes, whole sectors. Each
+ * element gets one fp32 addition (old + sum), as TMA's reduce-add gives it, so the bits are
+ * the staged epilogue's, up to subnormals: PTX's red and atom .add.f32 flush them to zero, a
+ * plain add (and the CPU twins) keeps them.
+ *
+ * Why RMW: an adding wgrad whose tiles have few k-steps is its epilogue, and TMA's reduce-adds
+ * (the staged epilogue) move dw at about 2.0 TB/s on an H100 where plain reads and writes of
+ * the same tiles reach 2.8 (docs/results/05-fp8-nvfp4.md, "The adding wgrad by plain reads
+ * and writes"). Its cost: the warpgroup waits for its reads, so on long tiles it loses; the
+ * kernels choose it per tile. The reads go in batches of 8 × 16 bytes, the next batch in
+ * flight while one is added and stored (2 × 32 registers: the main loop's are free by now);
+ * streaming hints (.cs), each line being read once and written once.
+ */
+template <int NW, int RMW>
+static __device__ __forceinline__ void epilogue_regs(const float *d, float *dst, size_t ld,
+                                                     int ncols, int rows, int tid,
+                                                     int accumulate) {
+    static_assert(NW % 64 == 0, "whole batches of 8 column blocks");
+    const int lane = tid % 32, q = lane % 4, odd = q & 1;
+    const int row = (tid / 32) * 16 + lane / 4 + 8 * odd;
+    const bool live = row < rows;
+    float *out = dst + (size_t)row * ld + 4 * (q >> 1);
+    /* column block j's 4 sums of this thread's row (every lane calls it: shuffles) */
+    const auto sums = [&](int j) {
+        /* an even lane gives away its row r_lo + 8 pair, an odd one its row r_lo pair */
+        const float s0 = odd ? d[4 * j] : d[4 * j + 2], s1 = odd ? d[4 * j + 1] : d[4 * j + 3];
+        const float g0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+        const float g1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+        return odd ? make_float4(g0, g1, d[4 * j + 2], d[4 * j + 3])
+                   : make_float4(d[4 * j], d[4 * j + 1], g0, g1);
+    };
+    if (RMW && accumulate) {
+        constexpr int J = NW / 8, B = 8;
+        float4 old[2][B];
+#pragma unroll
+        for (int i = 0; i < B; i++)
+            if (live && 8 * i < ncols)
+                old[0][i] = __ldcs((const float4 *)(out + 8 * i));
+#pragma unroll
+        for (int b = 0; b < J / B; b++) {
+            if (b + 1 < J / B)
+#pragma unroll
+                for (int i = 0; i < B; i++) {
+                    const int j = (b + 1) * B + i;
+                    if (live && 8 * j < ncols)
+                        old[(b + 1) % 2][i] = __ldcs((const float4 *)(out + 8 * j));
+                }
+#pragma unroll
+            for (int i = 0; i < B; i++) {
+                const int j = b * B + i;
+                if (8 * j >= ncols) /* (warp-uniform) */
+                    break;
+                const float4 v = sums(j), o = old[b % 2][i];
+                if (live)
+                    __stcs((float4 *)(out + 8 * j),
+                           make_float4(o.x + v.x, o.y + v.y, o.z + v.z, o.w + v.w));
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < NW / 8; j++) {
+        if (8 * j >= ncols) /* (warp-uniform) */
+            break;
+        const float4 v = sums(j);
+        if (!live)
+            continue;
+        if (accumulate)
+            red_add_v4(out + 8 * j, v);
+        else
+            *(float4 *)(out + 8 * j) = v;
+    }
+}
+
+/**
  * The scatter epilogue (bf16; chapter 03's fused permutation, fc2): the same block, staged
  * as above, leaves ROW BY ROW — block row i (absolute row m_wg + i) goes to row
  * @p dst_row[m_wg + i] of @p C [*, ldc], as 16-byte vector stores read back from the

@@ -231,11 +231,11 @@ static int check_gemm(const int *sizes, int G, int O, int I, uint64_t seed) {
          * an element) */
         const int mode = run / NV, v = run % NV, wide = v == 4 || v == 5 || v >= 7;
         const int pf = v == 5 || v == 6, qtr = v == 8;
-        const moe_fp8_wgrad_epi epi = v == 7    ? MOE_FP8_WGRAD_EPI_DIRECT
-                                      : v == 9  ? MOE_FP8_WGRAD_EPI_RMW
-                                      : v == 10 ? MOE_FP8_WGRAD_EPI_AUTO
-                                                : MOE_FP8_WGRAD_EPI_TMA;
-        const int dir = epi != MOE_FP8_WGRAD_EPI_TMA;
+        const moe_wgrad_epi epi = v == 7    ? MOE_WGRAD_EPI_DIRECT
+                                      : v == 9  ? MOE_WGRAD_EPI_RMW
+                                      : v == 10 ? MOE_WGRAD_EPI_AUTO
+                                                : MOE_WGRAD_EPI_TMA;
+        const int dir = epi != MOE_WGRAD_EPI_TMA;
         const int pipe = wide || v == 6 || !(v & 2), ss = wide || v == 6 || !(v & 1);
         moe_cuda_wgrad_set_prefetch(pf);
         moe_cuda_fp8_wgrad_set_pipe(pipe);
@@ -404,7 +404,7 @@ START_TEST(test_gpu_fp8_wgrad_gemm) {
     const int ordered = moe_cuda_fp8_grouped_ordered(), pipe = moe_cuda_fp8_wgrad_pipe();
     const int smem_scales = moe_cuda_fp8_wgrad_smem_scales(), bn = moe_cuda_fp8_wgrad_bn();
     const int prefetch = moe_cuda_wgrad_prefetch();
-    const moe_fp8_wgrad_epi epi = moe_cuda_fp8_wgrad_epilogue();
+    const moe_wgrad_epi epi = moe_cuda_fp8_wgrad_epilogue();
     const int quarters = moe_cuda_fp8_wgrad_quarters();
     int ok = 1;
     for (int o = 0; o < 2; o++) { /* both issue orders of the consumer warpgroups */

@@ -275,6 +275,33 @@ START_TEST(test_gpu_grouped_wgrad_prefetch) {
 }
 END_TEST
 
+/* The adding wgrad's epilogues (moe_cuda_wgrad_set_epilogue): every tile by read + add +
+ * write from registers (RMW), every tile by TMA's reduce-add, and auto (RMW for tiles of at
+ * most 1024 rows, TMA for longer ones, chosen per tile), each against the loop in
+ * check_grouped's three modes (only the adding one takes RMW; the others must be unchanged),
+ * on the edge sizes with features cut at both edges (I = 136, O = 264: columns past N and a
+ * second 64-row half wholly past O, which RMW must not touch), and on groups of up to 2255
+ * rows (both kinds of tile under auto). */
+START_TEST(test_gpu_grouped_wgrad_epilogue) {
+    const moe_wgrad_epi was = moe_cuda_wgrad_epilogue();
+    int fine[256], big[16];
+    for (int i = 0; i < 256; i++)
+        fine[i] = g_wgrad_edges[(i * 3) % N_WGRAD_EDGES];
+    for (int i = 0; i < 16; i++)
+        big[i] = i % 5 == 0 ? 0 : 200 + 137 * i;
+    static const moe_wgrad_epi epis[3] = {MOE_WGRAD_EPI_RMW, MOE_WGRAD_EPI_TMA,
+                                          MOE_WGRAD_EPI_AUTO};
+    static const char *const names[3] = {"RMW", "TMA", "auto"};
+    for (int run = 0; run < 3; run++) {
+        moe_cuda_wgrad_set_epilogue(epis[run]);
+        printf("  (wgrad adding by %s)\n", names[run]);
+        check_both(fine, 256, 136, 264);
+        check_both(big, 16, 512, 768);
+    }
+    moe_cuda_wgrad_set_epilogue(was);
+}
+END_TEST
+
 /* The ping-pong wgrad (kernels/grouped_wgrad_pingpong_sm90.cu: each consumer warpgroup a
  * whole 128 × 128 tile, the two taking turns in the main loop), switched on for this test:
  * check_grouped's three wgrad modes — reduce-added into a random dw, stored into a
@@ -788,6 +815,7 @@ Suite *suite_gpu_grouped(void) {
     tcase_add_test(tc, test_gpu_grouped_matmul);
     tcase_add_test(tc, test_gpu_grouped_wgrad_modes);
     tcase_add_test(tc, test_gpu_grouped_wgrad_prefetch);
+    tcase_add_test(tc, test_gpu_grouped_wgrad_epilogue);
     tcase_add_test(tc, test_gpu_grouped_wgrad_pingpong);
     tcase_add_test(tc, test_gpu_grouped_fine_tiles);
     tcase_add_test(tc, test_gpu_grouped_swaptail);

@@ -882,11 +882,11 @@ static void bench_wgrad(const shape *s, const int *off, int G, int rows, int N, 
     moe_cuda_fp8_wgrad_set_smem_scales(1);
     moe_cuda_fp8_wgrad_set_pipe(0);
     report(s, "FP8 wgrad grouped, first loop (variant)", time_ms(run_wgrad_fp8, &c), -1);
-    const moe_fp8_wgrad_epi epi = moe_cuda_fp8_wgrad_epilogue();
+    const moe_wgrad_epi epi = moe_cuda_fp8_wgrad_epilogue();
     const int qtr = moe_cuda_fp8_wgrad_quarters();
     moe_cuda_fp8_wgrad_set_pipe(1);
     moe_cuda_fp8_wgrad_set_bn(256);
-    moe_cuda_fp8_wgrad_set_epilogue(MOE_FP8_WGRAD_EPI_TMA); /* (whatever the variables say) */
+    moe_cuda_fp8_wgrad_set_epilogue(MOE_WGRAD_EPI_TMA); /* (whatever the variables say) */
     moe_cuda_fp8_wgrad_set_quarters(0);
     report(s, "FP8 wgrad grouped, 128x256 tile", time_ms(run_wgrad_fp8, &c), -1);
     /* the wide tile's other forms (the test checks they agree bit for bit): its fp32 sums
@@ -895,17 +895,17 @@ static void bench_wgrad(const shape *s, const int *off, int G, int rows, int N, 
      * epilogue and the default (auto) last */
     static const struct {
         moe_dw_mode mode;
-        moe_fp8_wgrad_epi epi;
+        moe_wgrad_epi epi;
         int quarters;
         const char *name;
     } wide_rows[] = {
-        {MOE_DW_STORE, MOE_FP8_WGRAD_EPI_DIRECT, 0, "FP8 wgrad 128x256, direct epilogue"},
-        {MOE_DW_STORE, MOE_FP8_WGRAD_EPI_TMA, 1, "FP8 wgrad 128x256 by quarters"},
-        {MOE_DW_ACCUMULATE, MOE_FP8_WGRAD_EPI_TMA, 0, "FP8 wgrad 128x256 +=, staged (TMA)"},
-        {MOE_DW_ACCUMULATE, MOE_FP8_WGRAD_EPI_DIRECT, 0, "FP8 wgrad 128x256 +=, direct epilogue"},
-        {MOE_DW_ACCUMULATE, MOE_FP8_WGRAD_EPI_TMA, 1, "FP8 wgrad 128x256 +=, by quarters"},
-        {MOE_DW_ACCUMULATE, MOE_FP8_WGRAD_EPI_RMW, 0, "FP8 wgrad 128x256 +=, rmw"},
-        {MOE_DW_ACCUMULATE, MOE_FP8_WGRAD_EPI_AUTO, 0, "FP8 wgrad 128x256 +=, auto epilogue"},
+        {MOE_DW_STORE, MOE_WGRAD_EPI_DIRECT, 0, "FP8 wgrad 128x256, direct epilogue"},
+        {MOE_DW_STORE, MOE_WGRAD_EPI_TMA, 1, "FP8 wgrad 128x256 by quarters"},
+        {MOE_DW_ACCUMULATE, MOE_WGRAD_EPI_TMA, 0, "FP8 wgrad 128x256 +=, staged (TMA)"},
+        {MOE_DW_ACCUMULATE, MOE_WGRAD_EPI_DIRECT, 0, "FP8 wgrad 128x256 +=, direct epilogue"},
+        {MOE_DW_ACCUMULATE, MOE_WGRAD_EPI_TMA, 1, "FP8 wgrad 128x256 +=, by quarters"},
+        {MOE_DW_ACCUMULATE, MOE_WGRAD_EPI_RMW, 0, "FP8 wgrad 128x256 +=, rmw"},
+        {MOE_DW_ACCUMULATE, MOE_WGRAD_EPI_AUTO, 0, "FP8 wgrad 128x256 +=, auto epilogue"},
     };
     for (size_t i = 0; i < sizeof wide_rows / sizeof *wide_rows; i++) {
         if (wide_rows[i].mode != c.mode) { /* the first adding row: bf16's beside it */
