@@ -1,5 +1,7 @@
 /* The CUDA backend's shared state: one stream, one cuBLAS handle, the scratch buffers.
  * See cuda_common.cuh. */
+#include <string.h>
+
 #include "cuda_common.cuh"
 
 static cudaStream_t g_stream = NULL;
@@ -9,6 +11,19 @@ cudaStream_t moe_cuda_stream(void) {
     if (!g_stream)
         MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
     return g_stream;
+}
+
+int moe_cuda_env_choice(const char *var, const char *const *names, int n, int dflt,
+                        const char *help) {
+    const char *e = getenv(var);
+    if (!e || !*e)
+        return dflt;
+    for (int i = 0; i < n; i++)
+        if (*names[i] && !strcmp(e, names[i]))
+            return i;
+    fprintf(stderr, "moe.c: %s=%s: use %s, or unset it for the default (%s)\n", var, e, help,
+            names[dflt]);
+    exit(1);
 }
 
 /* MOE_CUDA_SYNC_CHECK=1 in the environment: read once. */

@@ -56,6 +56,16 @@ typedef __nv_bfloat16 moe_bf16;
 /** What MOE_CUDA_LAUNCH_CHECK() calls. @param file caller's file @param line caller's line */
 void moe_cuda_launch_check(const char *file, int line);
 
+/**
+ * A kernel variant chosen by an environment variable (the switches the benchmarks compare):
+ * the index of @p var's value among the @p n @p names (an empty name never matches), or
+ * @p dflt where @p var is unset or empty. Any other value prints "moe.c: VAR=value: use
+ * <help>, or unset it for the default (<names[dflt]>)" and exits with status 1: a misspelt
+ * switch must not run the default while the user thinks it ran another variant.
+ */
+int moe_cuda_env_choice(const char *var, const char *const *names, int n, int dflt,
+                        const char *help);
+
 /** The stream every moe.c kernel and cuBLAS call runs on. */
 cudaStream_t moe_cuda_stream(void);
 

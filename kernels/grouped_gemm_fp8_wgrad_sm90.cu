@@ -738,28 +738,18 @@ int quarters(void) {
 int g_epi = -1; /* the wide tile's fp32 epilogue (moe_wgrad_epi); -1 until first used */
 
 int epilogue(void) {
-    if (g_epi < 0) { /* MOE_FP8_WGRAD_EPI=tma|direct|rmw|auto (or 0|1, tma|direct), else the
-                        default */
-        static const char *const names[] = {"tma", "direct", "rmw", "auto"};
-        const char *e = getenv("MOE_FP8_WGRAD_EPI");
-        g_epi = MOE_FP8_WGRAD_EPI_DEFAULT;
-        if (e && *e) {
-            int v = !strcmp(e, "0") ? 0 : !strcmp(e, "1") ? 1 : -1;
-            for (int i = 0; i < 4; i++)
-                if (!strcmp(e, names[i]))
-                    v = i;
-            if (v < 0) {
-                fprintf(stderr, "moe.c: MOE_FP8_WGRAD_EPI=%s: use tma (the wide FP8 wgrad "
-                                "tile's fp32 sums staged through shared memory, TMA "
-                                "reduce-adds), direct (from registers, L2 reductions), rmw "
-                                "(from registers, read, added and written) or auto (rmw for "
-                                "tiles of at most %d k-blocks, else tma), or unset it for "
-                                "the default (%s)\n",
-                        e, RMW_MAX_KBLOCKS, names[MOE_FP8_WGRAD_EPI_DEFAULT]);
-                exit(1);
-            }
-            g_epi = v;
-        }
+    if (g_epi < 0) { /* MOE_FP8_WGRAD_EPI, else the default; 0 and 1 (the first two
+                        settings' names) still mean tma and direct */
+        static const char *const names[] = {"tma", "direct", "rmw", "auto", "0", "1"};
+        char help[256];
+        snprintf(help, sizeof help,
+                 "tma (the wide FP8 wgrad tile's fp32 sums staged through shared memory, TMA "
+                 "reduce-adds), direct (from registers, L2 reductions), rmw (from registers, "
+                 "read, added and written) or auto (rmw for tiles of at most %d k-blocks, else "
+                 "tma)",
+                 RMW_MAX_KBLOCKS);
+        g_epi = moe_cuda_env_choice("MOE_FP8_WGRAD_EPI", names, 6, MOE_FP8_WGRAD_EPI_DEFAULT,
+                                    help) % 4;
     }
     return g_epi;
 }

@@ -1085,27 +1085,12 @@ int sched_dyn(int s) {
 }
 
 int schedule(void) {
-    if (g_schedule < 0) {
-        g_schedule = MOE_GROUPED_SCHED_DEFAULT;
-        const char *e = getenv("MOE_GROUPED_SCHEDULE");
-        if (e && *e) {
-            int found = -1;
-            for (int i = 0; i < N_SCHEDULES; i++)
-                if (!strcmp(e, SCHEDULE_NAMES[i]))
-                    found = i;
-            if (found < 0) {
-                fprintf(stderr, "moe.c: MOE_GROUPED_SCHEDULE=%s is not a schedule of the sm_90a "
-                                "grouped GEMM; use static, static-tail64, dynamic, "
-                                "dynamic-tail64, static-share192, dynamic-share192, "
-                                "static-swaptail, dynamic-swaptail or static-mc2 (or unset it "
-                                "for the "
-                                "default, %s)\n",
-                        e, SCHEDULE_NAMES[MOE_GROUPED_SCHED_DEFAULT]);
-                exit(1);
-            }
-            g_schedule = found;
-        }
-    }
+    if (g_schedule < 0)
+        g_schedule = moe_cuda_env_choice(
+            "MOE_GROUPED_SCHEDULE", SCHEDULE_NAMES, N_SCHEDULES, MOE_GROUPED_SCHED_DEFAULT,
+            "a schedule of the sm_90a grouped GEMM: static, static-tail64, dynamic, "
+            "dynamic-tail64, static-share192, dynamic-share192, static-swaptail, "
+            "dynamic-swaptail or static-mc2");
     return g_schedule;
 }
 
@@ -1135,23 +1120,11 @@ int g_wgrad_epi = -1;
 int wgrad_epi(void) {
     if (g_wgrad_epi < 0) {
         static const char *const names[] = {"tma", "", "rmw", "auto"};
-        const char *e = getenv("MOE_WGRAD_EPI");
-        g_wgrad_epi = MOE_WGRAD_EPI_DEFAULT;
-        if (e && *e) {
-            int v = -1;
-            for (int i = 0; i < 4; i++)
-                if (*names[i] && !strcmp(e, names[i]))
-                    v = i;
-            if (v < 0) {
-                fprintf(stderr, "moe.c: MOE_WGRAD_EPI=%s: use tma (the bf16 wgrad adds into "
-                                "fp32 dw by TMA reduce-adds), rmw (by reading, adding and "
-                                "writing from registers) or auto (rmw for tiles of at most "
-                                "1024 rows, else tma), or unset it for the default (%s)\n",
-                        e, names[MOE_WGRAD_EPI_DEFAULT]);
-                exit(1);
-            }
-            g_wgrad_epi = v;
-        }
+        g_wgrad_epi = moe_cuda_env_choice(
+            "MOE_WGRAD_EPI", names, 4, MOE_WGRAD_EPI_DEFAULT,
+            "tma (the bf16 wgrad adds into fp32 dw by TMA reduce-adds), rmw (by reading, "
+            "adding and writing from registers) or auto (rmw for tiles of at most 1024 rows, "
+            "else tma)");
     }
     return g_wgrad_epi;
 }

@@ -22,8 +22,9 @@
 #            portable backward and the Hopper modes 1-7 side by side: 6 the default, 4, 5
 #            and 7 non-deterministic); the grouped GEMM's swapped-tail schedules around the
 #            128- and 256-row cliffs, the wgrad at 512 rows per expert with its L2 prefetch
-#            (MOE_WGRAD_PREFETCH=1, 2) and the ping-pong kernel
-#            (MOE_GROUPED_WGRAD_PINGPONG=1); the FP8 wgrad's GEMMs (both loops, both
+#            (MOE_WGRAD_PREFETCH=1, 2), the ping-pong kernel
+#            (MOE_GROUPED_WGRAD_PINGPONG=1) and the adding tiles read, added and written
+#            from registers (MOE_WGRAD_EPI=rmw, auto); the FP8 wgrad's GEMMs (both loops, both
 #            scale paths, both tile widths, both fp32 epilogues), the FP8 layer with it
 #            (the default) and with the bf16 wgrad in one process (--precision
 #            bf16,fp8-bf16wgrad,fp8) on Mixtral and Qwen3-235B, the layer with the tiled
@@ -138,7 +139,8 @@ for s in "${sections[@]}"; do
         run pending03 200 bin/ch03_grouped_gemm_bench --shape fine --warmup 3 --repeats 9 \
             --schedules static,dynamic,static-swaptail,dynamic-swaptail \
             --rows 128,129,130,136,256,257,258,260
-        for v in "" MOE_WGRAD_PREFETCH=1 MOE_WGRAD_PREFETCH=2 MOE_GROUPED_WGRAD_PINGPONG=1; do
+        for v in "" MOE_WGRAD_PREFETCH=1 MOE_WGRAD_PREFETCH=2 MOE_GROUPED_WGRAD_PINGPONG=1 \
+            MOE_WGRAD_EPI=rmw MOE_WGRAD_EPI=auto; do
             echo "== sweep512 ${v:-(default)}" >>"$out/pending03.txt"
             run pending03 100 env $v bin/ch03_grouped_gemm_bench --shape sweep512
         done
