@@ -887,6 +887,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             }
         }
         if (by_regs) {
+            /* (left from registers above: no staging, no TMA) */
         } else if constexpr (SCATTER) {
             /* every block, whole or cut by its group's end, row by row to its slot */
             epilogue_scatter<WN, C_BYTES>(d, cs, c, tid, ncols, (moe_bf16 *)p.C, p.N, m_wg,

@@ -25,7 +25,8 @@
 #            (MOE_WGRAD_PREFETCH=1, 2), the ping-pong kernel
 #            (MOE_GROUPED_WGRAD_PINGPONG=1) and the adding tiles read, added and written
 #            from registers (MOE_WGRAD_EPI=rmw, auto); the FP8 wgrad's GEMMs (both loops, both
-#            scale paths, both tile widths, both fp32 epilogues), the FP8 layer with it
+#            scale paths, both tile widths, the fp32 epilogues; the RMW one also with dW
+#            prefetched into L2), the FP8 layer with it
 #            (the default) and with the bf16 wgrad in one process (--precision
 #            bf16,fp8-bf16wgrad,fp8) on Mixtral and Qwen3-235B, the layer with the tiled
 #            SwiGLU forward keeping the token-wise copy (MOE_FP8_SAVE_T, the default) and
@@ -148,6 +149,13 @@ for s in "${sections[@]}"; do
         ;;
     pending05)
         run pending05 200 bin/ch05_fp8_gemm_bench --shape moe
+        # the RMW epilogue's reads of dW with dW prefetched into L2 during the tile's main loop
+        # (the producer's TMA prefetch): do its waits shrink? (the rows "+=, rmw" and "+=,
+        # auto epilogue" against the call above)
+        for sh in qwen3-235b-fc1 qwen3-235b-fc2; do
+            echo "== $sh MOE_WGRAD_PREFETCH=1" >>"$out/pending05.txt"
+            run pending05 100 env MOE_WGRAD_PREFETCH=1 bin/ch05_fp8_gemm_bench --shape "$sh"
+        done
         # the FP8 layer with the FP8 wgrad (the default, its 128 x 256 tile) and with the bf16
         # wgrad (MOE_FP8_WGRAD=0) in one process. (The wgrad's direct epilogue and its
         # promotion by quarters, measured slower: their GEMM rows are in the benchmark above.)
