@@ -281,7 +281,46 @@ END_TEST
  * check_grouped's three modes (only the adding one takes RMW; the others must be unchanged),
  * on the edge sizes with features cut at both edges (I = 136, O = 264: columns past N and a
  * second 64-row half wholly past O, which RMW must not touch), and on groups of up to 2255
- * rows (both kinds of tile under auto). */
+ * rows (both kinds of tile under auto); then RMW against TMA bit for bit (rmw_tma_differ). */
+/* RMW and TMA must add the same bits (one fp32 addition per element either way): the adding
+ * wgrad run twice on the same inputs from the same starting dw, by TMA then by RMW, compared
+ * bit for bit. Returns the number of elements that differ (0 where our kernel is absent). */
+static size_t rmw_tma_differ(const int *sizes, int G, int I, int O) {
+    if (!moe_cuda_grouped_sm90_available())
+        return 0;
+    const moe_backend *g = moe_backend_cuda();
+    int *off = malloc(sizeof(int) * (G + 1));
+    off[0] = 0;
+    for (int i = 0; i < G; i++)
+        off[i + 1] = off[i] + sizes[i];
+    const int N = off[G];
+    const size_t nin = (size_t)N * I, nout = (size_t)N * O, nw = (size_t)G * O * I;
+    int *doff = g->alloc(sizeof(int) * (G + 1));
+    g->from_host(doff, off, sizeof(int) * (G + 1));
+    moe_real *hin = malloc(sizeof(moe_real) * nin), *hdo = malloc(sizeof(moe_real) * nout);
+    moe_real *start = malloc(sizeof(moe_real) * nw), *got[2];
+    void *din_ = moe_test_upload(g, hin, nin, 51, 1.0);
+    void *ddo = moe_test_upload(g, hdo, nout, 53, 1.0);
+    moe_test_randn(start, nw, 55, 0.1);
+    moe_real *ddw = g->alloc(sizeof(moe_real) * nw);
+    for (int e = 0; e < 2; e++) {
+        moe_cuda_wgrad_set_epilogue(e ? MOE_WGRAD_EPI_RMW : MOE_WGRAD_EPI_TMA);
+        g->from_host(ddw, start, sizeof(moe_real) * nw);
+        moe_cuda_grouped_sm90_backward(NULL, ddw, ddo, din_, NULL, doff, G, N, I, O, 0,
+                                       MOE_DW_ACCUMULATE);
+        got[e] = malloc(sizeof(moe_real) * nw);
+        g->to_host(got[e], ddw, sizeof(moe_real) * nw);
+    }
+    size_t differ = 0;
+    for (size_t i = 0; i < nw; i++)
+        differ += memcmp(&got[0][i], &got[1][i], sizeof(moe_real)) != 0;
+    printf("  wgrad adding, RMW against TMA, G=%d I=%d O=%d: %zu of %zu elements differ\n", G,
+           I, O, differ, nw);
+    g->free(doff), g->free(din_), g->free(ddo), g->free(ddw);
+    free(off), free(hin), free(hdo), free(start), free(got[0]), free(got[1]);
+    return differ;
+}
+
 START_TEST(test_gpu_grouped_wgrad_epilogue) {
     const moe_wgrad_epi was = moe_cuda_wgrad_epilogue();
     int fine[256], big[16];
@@ -298,7 +337,9 @@ START_TEST(test_gpu_grouped_wgrad_epilogue) {
         check_both(fine, 256, 136, 264);
         check_both(big, 16, 512, 768);
     }
+    const size_t differ = rmw_tma_differ(fine, 256, 136, 264) + rmw_tma_differ(big, 16, 512, 768);
     moe_cuda_wgrad_set_epilogue(was);
+    ck_assert_msg(differ == 0, "the RMW epilogue's dw differs from TMA's in %zu elements", differ);
 }
 END_TEST
 
