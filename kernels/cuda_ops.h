@@ -636,8 +636,9 @@ long long moe_cuda_fp8_wgrad_bn256_calls(void);
  *        quarter's MMAs queued before the current one is waited for, so a warpgroup never
  *        idles at the tensor cores while it promotes (no issue turns); 0 = in two 128-column
  *        halves, each waited for, the warpgroups taking turns (the default). Meant to give the
- *        same bits. Only for the wide tile with the staged epilogue (the direct epilogue runs
- *        the halves). STATUS: passed tests/gpu_fp8_wgrad.c on an H100 at 4b8d4da, and
+ *        same bits. Only for the wide tile, whose sums it stages: with a register epilogue
+ *        asked for (::MOE_WGRAD_EPI_DIRECT, ::MOE_WGRAD_EPI_RMW) the halves run; under
+ *        ::MOE_WGRAD_EPI_AUTO its adding tiles are all staged. STATUS: passed tests/gpu_fp8_wgrad.c on an H100 at 4b8d4da, and
  *        measured slower there than the halves (docs/results/05-fp8-nvfp4.md): off.
  *
  * Without a call, the environment's MOE_FP8_WGRAD_QUARTERS=0|1 decides, else

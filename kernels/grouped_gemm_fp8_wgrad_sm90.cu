@@ -142,12 +142,9 @@ constexpr int BM = 128, BN = 128, BK = MOE_QUANT_BLOCK, THREADS = 384;
 /* m-tiles per raster band (moe_tile_band_place; see place below) */
 [[maybe_unused]] constexpr int BAND = 8;
 /* The auto epilogue (DIRECT = 3, the default with fp32 dW): a tile of at most this many
- * k-blocks adds into dW by RMW (epilogue_regs), a longer one by TMA reduce-adds (staged).
- * Measured on an H100 (docs/results/05-fp8-nvfp4.md, "The adding wgrad by plain reads and
- * writes"), RMW against TMA: 4 k-blocks a tile (Qwen3-235B's fc1, fc2) 1.13x and 1.12x, 8 on
- * average (Qwen3-30B-A3B's fc1) 1.15x, 16 (Mixtral's fc1) 0.83x. The tile's own count (its
- * group's), so ragged groups choose per tile, on the device. */
-constexpr int RMW_MAX_KBLOCKS = 8;
+ * k-blocks adds into dW by RMW, a longer one staged (sm90_epilogue.cuh, WGRAD_RMW_MAX_ROWS).
+ * The tile's own count (its group's), so ragged groups choose per tile, on the device. */
+constexpr int RMW_MAX_KBLOCKS = WGRAD_RMW_MAX_ROWS / BK;
 [[maybe_unused]] constexpr int MAX_G = MOE_GROUPED_DEV_MAX_GROUPS;
 constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK, STAGE_BYTES = A_BYTES + B_BYTES;
 /* a stage's scales: sa's 128 rows, sb's 128 columns */
@@ -208,22 +205,6 @@ struct Params {
                              (prefetch_dw_tile, MOE_WGRAD_PREFETCH) */
     float *dw;            /* dW [G][M][N] fp32: the direct epilogue's (DIRECT) destination */
 };
-
-/* The DIRECT epilogues (fp32 dW, the 128 × 256 tile; MOE_FP8_WGRAD_EPI=direct|rmw, and the
- * short tiles of auto, the default): consumer warpgroup c's 64 rows × ncols sums d leave
- * straight from registers (epilogue_regs, sm90_epilogue.cuh): no staging buffer, no proxy
- * fence, no barrier. direct adds them by L2 reductions (red.global.add.v4.f32), rmw reads
- * the old values, adds and writes. Why direct was tried: the staged epilogue writes the 64
- * KB of a warpgroup's sums through an 8 KB buffer (all the wide tile's ring leaves), 8
- * pieces, each waiting until TMA has read the last; on Mixtral's fc1 (16 k-blocks a tile)
- * the wide tile ran 751 TFLOP/s adding, where its MMAs alone would run ~1100. It was slower
- * (STATUS, above). Why rmw: at 512 rows per expert (4 k-blocks a tile) the adding wgrad is
- * its epilogue. On Qwen3-235B's fc1 (H100) the MMAs and promotions alone take 2.79 ms, the
- * TMA reduce-adds alone (no MMAs) 6.58 ms, both 7.15: the reductions move the 12.9 GB of dW
- * at 2.0 TB/s, where plain reads and writes of the same tiles reach 2.8 (the probe in
- * docs/results/runs/ch05_wgrad_wall_probe.cu). Read, added and written by the thread, 6.3
- * ms (fc2: 3.29 against 3.68). On Mixtral the tile's MMAs dominate, and the consumers' wait
- * for the reads costs more than the reductions (6.41 against 5.45 ms on fc1): hence auto. */
 
 /* one k-block's MMAs of consumer warpgroup c (issue number it: its stage and phase) into
  * acc, issued and committed, not waited for. ORDERED: the warpgroups take turns at the
@@ -647,6 +628,12 @@ __global__ void __launch_bounds__(THREADS, 1)
 
         /* ------------------------------------------------ epilogue: whole 64-row blocks */
         const int ncols = WIDE ? (1 + two) * BN : BN; /* a half past N is not staged */
+        /* DIRECT (fp32 dW): the sums leave from registers (epilogue_regs, sm90_epilogue.cuh:
+         * no staging buffer, no barrier), added by L2 reductions (direct: tried because the
+         * staging waits on TMA 8 times a tile; slower, STATUS above) or read, added and
+         * written (rmw: the adding wgrad of short tiles is its epilogue, and TMA's reduce-adds
+         * move dW at 2.0 TB/s where plain reads and writes reach 2.8; on long tiles the wait
+         * for the reads costs more, hence auto) */
         float *dwb = p.dw + ((size_t)g * p.M + m_wg) * p.N + n0;
         if constexpr (DIRECT == 1 || DIRECT == 2) {
             epilogue_regs<TN, DIRECT == 2>(d, dwb, p.N, ncols, 64, tid, p.accumulate);
@@ -847,7 +834,9 @@ extern "C" moe_status moe_cuda_fp8_grouped_wgrad(void *dw, moe_dw_mode mode, con
         static const launcher by_quarters[2] = {launch<0, 0, 0, 1, 2>, launch<1, 0, 0, 1, 2>};
         const int tiles = G * (M / BM) * ((N + 2 * BN - 1) / (2 * BN));
         const int dir = C32 ? epilogue() : 0; /* (bf16 output: always staged) */
-        if (quarters() && !dir)
+        /* the quarters kernel stages its sums: asked for, it runs unless a register epilogue
+         * (direct, rmw) was asked for too; under auto (the default) its tiles are all staged */
+        if (quarters() && dir != MOE_WGRAD_EPI_DIRECT && dir != MOE_WGRAD_EPI_RMW)
             by_quarters[C32](ma, mb, mc, p, tiles);
         else
             wide[dir << 2 | C32 << 1 | moe_cuda_fp8_grouped_ordered()](ma, mb, mc, p, tiles);

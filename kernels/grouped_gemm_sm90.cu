@@ -877,18 +877,15 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int m_wg = ti.m0 + (half ? 0 : c * 64);        /* our block's first row, */
         const int n_wg = ti.n0 + (half ? c * (BN / 2) : 0);  /* first column */
         const int ncols = half || share ? BN / 2 : WN; /* and width */
-        bool by_regs = false; /* a short adding wgrad tile: read, added, written (p.rmw) */
-        if constexpr (MODE == WGRAD && C32) {
+        if constexpr (MODE == WGRAD && C32) { /* a short adding tile: read, added, written */
             if (p.accumulate && ti.nk <= p.rmw) {
                 const int nc = min(ncols, p.N - n_wg); /* (I % 8 == 0: the host checks) */
                 epilogue_regs<WN, 1>(d, (float *)p.C + ((size_t)ti.gc * p.M + m_wg) * p.N + n_wg,
                                      p.N, nc, p.M - m_wg, tid, 1);
-                by_regs = true;
+                continue; /* (what follows the epilogue is the forward's share tails) */
             }
         }
-        if (by_regs) {
-            /* (left from registers above: no staging, no TMA) */
-        } else if constexpr (SCATTER) {
+        if constexpr (SCATTER) {
             /* every block, whole or cut by its group's end, row by row to its slot */
             epilogue_scatter<WN, C_BYTES>(d, cs, c, tid, ncols, (moe_bf16 *)p.C, p.N, m_wg,
                                           n_wg, ti.r1, p.smap);
@@ -1113,9 +1110,8 @@ int g_wgrad_prefetch = -1;
 long long g_prefetch_launches = 0; /* wgrad launches that prefetched, both kernels */
 
 /* How an unsplit wgrad adds into fp32 dw (moe_wgrad_epi: tma, rmw or auto; a host choice):
- * -1 until first used, then MOE_WGRAD_EPI, else the default. The auto rule is the FP8
- * wgrad's (kernels/grouped_gemm_fp8_wgrad_sm90.cu, RMW_MAX_KBLOCKS): RMW for a tile of at
- * most 1024 of its group's rows, 16 k-steps of BK = 64, where the tile is its epilogue. */
+ * -1 until first used, then MOE_WGRAD_EPI, else the default. auto: RMW for a tile of at most
+ * WGRAD_RMW_MAX_ROWS of its group's rows (sm90_epilogue.cuh), the FP8 wgrad's rule. */
 int g_wgrad_epi = -1;
 
 int wgrad_epi(void) {
@@ -1133,7 +1129,7 @@ int wgrad_epi(void) {
 /* Params.rmw of an adding wgrad: the k-steps up to which a tile adds by RMW */
 int wgrad_rmw_ksteps(void) {
     const int e = wgrad_epi();
-    return e == MOE_WGRAD_EPI_RMW ? INT_MAX : e == MOE_WGRAD_EPI_AUTO ? 1024 / BK : 0;
+    return e == MOE_WGRAD_EPI_RMW ? INT_MAX : e == MOE_WGRAD_EPI_AUTO ? WGRAD_RMW_MAX_ROWS / BK : 0;
 }
 
 /* The tile width for N output columns: BN = 256, or NARROW_BN = 192 where that pads fewer

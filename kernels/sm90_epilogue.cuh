@@ -26,6 +26,14 @@
 #include "cuda_common.cuh"
 #include "sm90_ptx.cuh"
 
+/** The auto epilogue of both adding wgrads (moe_wgrad_epi): a tile whose group has at most
+ *  this many rows (its k-loop's length) adds its sums by RMW from registers (epilogue_regs),
+ *  a longer one by TMA's reduce-adds. Measured on the FP8 wgrad (H100, docs/results/
+ *  05-fp8-nvfp4.md, "The adding wgrad by plain reads and writes"), RMW against TMA: 512 rows
+ *  an expert 1.12-1.13x, 1024 on average 1.15x, 2048 0.83x. Outside the sm_90a guard: the
+ *  host reads it too. */
+constexpr int WGRAD_RMW_MAX_ROWS = 1024;
+
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL) /* nothing for sm_100a */
 
 /** Named barrier @p id (0 is __syncthreads'): wait until @p n threads have arrived, this one

@@ -223,10 +223,16 @@ static const int g_wgrad_edges[] = {0,   1,   2,   3,   4,   5,   6,   7,   8,  
                                     127, 128, 129, 191, 192, 193, 255, 256, 257, 511, 512, 513};
 #define N_WGRAD_EDGES ((int)(sizeof g_wgrad_edges / sizeof g_wgrad_edges[0]))
 
+/* 256 groups of the edge sizes, taken in steps of @p step through the list (coprime with its
+ * 24 entries, so each size appears about equally often, in a different order per test) */
+static void wgrad_edge_groups(int fine[256], int step) {
+    for (int i = 0; i < 256; i++)
+        fine[i] = g_wgrad_edges[(i * step) % N_WGRAD_EDGES];
+}
+
 START_TEST(test_gpu_grouped_wgrad_modes) {
     int fine[256];
-    for (int i = 0; i < 256; i++)
-        fine[i] = g_wgrad_edges[(i * 7) % N_WGRAD_EDGES];
+    wgrad_edge_groups(fine, 7);
     check_both(fine, 256, 136, 264);
     const int few[6] = {0, 700, 1, 2000, 63, 900};
     check_both(few, 6, 256, 128);
@@ -252,8 +258,7 @@ START_TEST(test_gpu_grouped_wgrad_prefetch) {
     const long long before = moe_cuda_wgrad_prefetch_launches();
     const int pp = moe_cuda_grouped_sm90_wgrad_pingpong();
     int fine[256], big[16];
-    for (int i = 0; i < 256; i++)
-        fine[i] = g_wgrad_edges[(i * 5) % N_WGRAD_EDGES];
+    wgrad_edge_groups(fine, 5);
     for (int i = 0; i < 16; i++)
         big[i] = i % 5 == 0 ? 0 : 200 + 37 * i;
     const int few[6] = {0, 700, 1, 2000, 63, 900};
@@ -324,8 +329,7 @@ static size_t rmw_tma_differ(const int *sizes, int G, int I, int O) {
 START_TEST(test_gpu_grouped_wgrad_epilogue) {
     const moe_wgrad_epi was = moe_cuda_wgrad_epilogue();
     int fine[256], big[16];
-    for (int i = 0; i < 256; i++)
-        fine[i] = g_wgrad_edges[(i * 3) % N_WGRAD_EDGES];
+    wgrad_edge_groups(fine, 11);
     for (int i = 0; i < 16; i++)
         big[i] = i % 5 == 0 ? 0 : 200 + 137 * i;
     static const moe_wgrad_epi epis[3] = {MOE_WGRAD_EPI_RMW, MOE_WGRAD_EPI_TMA,
@@ -360,8 +364,7 @@ START_TEST(test_gpu_grouped_wgrad_pingpong) {
     const int def = moe_cuda_grouped_sm90_wgrad_pingpong();
     moe_cuda_grouped_sm90_set_wgrad_pingpong(1);
     int fine[256];
-    for (int i = 0; i < 256; i++)
-        fine[i] = g_wgrad_edges[(i * 7) % N_WGRAD_EDGES];
+    wgrad_edge_groups(fine, 7);
     const int few[6] = {0, 700, 1, 2000, 63, 900}, one[1] = {200}, row[1] = {1};
     struct {
         const int *sizes;
